@@ -13,7 +13,9 @@ For each family (llama | qwen2 | qwen3 | olmo2) `tests/fixtures/hf/<family>/` ho
   config.json, model.safetensors (float32, every weight random: norm scales and biases too),
   expected.npz:
     input_ids          int32 [2, 48]  random tokens
-    logits             f32  [2, 48, V] forward at length 48 (positions 0..47)
+    logits             f32  [2, 48, V] forward at length 48 (positions 0..47), computed by HF in
+                                       float64 from the float32 weights (the float32 truth; HF's own
+                                       float32 forward is within ~2e-5 of it)
     packed_input_ids   int32 [1, 48]  three documents packed + padding
     packed_segment_ids int32 [1, 48]  1, 2, 3, ... ; 0 = padding
     packed_positions   int32 [1, 48]  restart at 0 in each document (0 on padding)
@@ -94,7 +96,7 @@ def forward(model, ids, positions=None):
     kw = {}
     if positions is not None:
       kw["position_ids"] = torch.tensor(positions, dtype=torch.long)
-    return model(input_ids=ids_t, attention_mask=torch.ones_like(ids_t), **kw).logits.float().numpy()
+    return model(input_ids=ids_t, attention_mask=torch.ones_like(ids_t), **kw).logits.double().numpy()
 
 
 def packed_case(model, rng):
@@ -110,7 +112,7 @@ def packed_case(model, rng):
     ids[0, start:start + n] = doc[0]
     seg[0, start:start + n] = d + 1
     pos[0, start:start + n] = np.arange(n)
-    logits[0, start:start + n] = forward(model, doc)[0]
+    logits[0, start:start + n] = forward(model, doc)[0].astype(np.float32)
     start += n
   ids[0, start:] = rng.integers(0, VOCAB, size=SEQ - start)  # padding tokens: arbitrary
   return ids, seg, pos, logits
@@ -175,8 +177,11 @@ def main():
     if config.tie_word_embeddings:
       assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     ids = rng.integers(0, VOCAB, size=(2, SEQ)).astype(np.int32)
-    logits = forward(model, ids)
-    p_ids, p_seg, p_pos, p_logits = packed_case(model, rng)
+    ref = copy.deepcopy(model).double()
+    logits = forward(ref, ids)
+    p_ids, p_seg, p_pos, p_logits = packed_case(ref, rng)
+    f32_err = np.abs(forward(model, ids) - logits).max()
+    assert f32_err < 5e-5, f32_err
     d = os.path.join(OUT, family)
     model.save_pretrained(d, safe_serialization=True)
     for extra in ("generation_config.json",):
@@ -188,9 +193,10 @@ def main():
              packed_input_ids=p_ids, packed_segment_ids=p_seg, packed_positions=p_pos,
              packed_logits=p_logits)
     # The saved checkpoint reloads in transformers to the same logits (legacy config layout too).
-    re = cls.from_pretrained(d, attn_implementation="eager").eval().float()
+    re = cls.from_pretrained(d, attn_implementation="eager").eval().double()
     np.testing.assert_array_equal(forward(re, ids), logits)
-    print(family, "logits std", float(logits.std()), "packed std", float(p_logits.std()))
+    print(family, "logits std", float(logits.std()), "packed std", float(p_logits.std()),
+          "HF float32 vs float64", float(f32_err))
 
     if family == "llama":
       ds = os.path.join(OUT, "llama_sharded")
@@ -199,7 +205,7 @@ def main():
         os.remove(os.path.join(ds, "generation_config.json"))
       to_legacy_rope(os.path.join(ds, "config.json"))
       assert os.path.exists(os.path.join(ds, "model.safetensors.index.json")), os.listdir(ds)
-      re = cls.from_pretrained(ds, attn_implementation="eager").eval().float()
+      re = cls.from_pretrained(ds, attn_implementation="eager").eval().double()
       np.testing.assert_array_equal(forward(re, ids), logits)
     if family == "qwen3":
       db = os.path.join(OUT, "qwen3_bf16")
