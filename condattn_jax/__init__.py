@@ -1,0 +1,1 @@
+"""condattn-jax: conditional attention for long-context LLMs in JAX."""

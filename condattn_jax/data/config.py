@@ -1,0 +1,176 @@
+"""The `data` section of a run config: defaults, validation, and a typed view.
+
+Every data function takes either the whole run config (with a `data` field) or the
+`data` section itself (an `ml_collections.ConfigDict` or a plain dict).  Missing fields
+take the defaults below; unknown fields, unknown sources and unknown task parameters are
+errors that name the field and list the valid ones.
+
+    data.source          'mqar' | 'niah' (synthetic, generated on the fly)
+                         | 'jsonl' | 'parquet' | 'array_record' (tokenized documents)
+    data.paths           str (comma separated) or list of str; globs allowed; file sources only
+    data.eval_paths      like `paths`, for `make_eval_batches` (None: use `paths`)
+    data.text_field      record field holding raw text, tokenized with the tokenizer
+    data.tokens_field    record field holding pre-tokenized ids (used when present)
+    data.record_format   array_record only: 'json' (UTF-8 JSON object per record) or a numpy
+                         integer dtype name ('int32', 'uint16', 'uint32', 'int64') for records
+                         that are raw little-endian token id arrays
+    data.append_separator  append the document separator token to every document
+    data.separator_id    override for the separator id (None: tokenizer.document_separator_id)
+    data.seq_len         T, tokens per row
+    data.batch_size      GLOBAL batch size (rows over all processes)
+    data.shuffle_seed    document shuffle seed (None: no shuffle); also the synthetic seed
+    data.num_epochs      None = repeat forever; an int stops after that many epochs
+    data.packing         'concat_then_split' (no padding; documents cut at row ends) |
+                         'first_fit' (documents kept whole unless longer than T)
+    data.pack_bins       first_fit only: rows packed together per lane
+    data.read_threads    grain read threads per lane (0: read in the iterating thread)
+    data.prefetch        batches prefetched in a background thread (0: off)
+    data.pad_id          token id written into padding slots of `inputs` / `targets`
+    data.tokenizer       passed through untouched for condattn_jax.data.tokenizer
+    data.task            ConfigDict of synthetic task parameters (see synthetic.py);
+                         missing ones take the task's defaults
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Mapping
+
+import ml_collections
+
+SYNTHETIC_SOURCES = ("mqar", "niah")
+FILE_SOURCES = ("jsonl", "parquet", "array_record")
+SOURCES = SYNTHETIC_SOURCES + FILE_SOURCES
+PACKINGS = ("concat_then_split", "first_fit")
+RECORD_FORMATS = ("json", "int32", "uint16", "uint32", "int64")
+
+_DEFAULTS: dict[str, Any] = dict(
+    source="mqar",
+    paths=None,
+    eval_paths=None,
+    text_field="text",
+    tokens_field="tokens",
+    record_format="json",
+    append_separator=True,
+    separator_id=None,
+    seq_len=512,
+    batch_size=8,
+    shuffle_seed=0,
+    num_epochs=None,
+    packing="concat_then_split",
+    pack_bins=4,
+    read_threads=0,
+    prefetch=2,
+    pad_id=0,
+    tokenizer=None,
+    task=None,
+)
+
+
+def default_data_config() -> ml_collections.ConfigDict:
+  """The `data` section with every field at its default (task params empty)."""
+  d = dict(_DEFAULTS)
+  d["task"] = ml_collections.ConfigDict()
+  # Fields that default to None are typed loosely so callers may set str/list/int.
+  cfg = ml_collections.ConfigDict(d)
+  return cfg
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  source: str
+  paths: tuple[str, ...] | None
+  eval_paths: tuple[str, ...] | None
+  text_field: str
+  tokens_field: str
+  record_format: str
+  append_separator: bool
+  separator_id: int | None
+  seq_len: int
+  batch_size: int
+  shuffle_seed: int | None
+  num_epochs: int | None
+  packing: str
+  pack_bins: int
+  read_threads: int
+  prefetch: int
+  pad_id: int
+  tokenizer: Any
+  task: Mapping[str, Any]
+
+  @property
+  def is_synthetic(self) -> bool:
+    return self.source in SYNTHETIC_SOURCES
+
+
+def _to_dict(x) -> dict[str, Any]:
+  if x is None:
+    return {}
+  if isinstance(x, ml_collections.ConfigDict):
+    return x.to_dict()
+  if isinstance(x, Mapping):
+    return dict(x)
+  raise TypeError(f"expected a ConfigDict or mapping, got {type(x).__name__}")
+
+
+def _paths(value, field: str) -> tuple[str, ...] | None:
+  if value is None:
+    return None
+  if isinstance(value, str):
+    parts = [p.strip() for p in value.split(",") if p.strip()]
+  elif isinstance(value, (list, tuple)):
+    parts = [str(p) for p in value]
+  else:
+    raise ValueError(f"data.{field} must be a str or a list of str, got {value!r}")
+  return tuple(parts) if parts else None
+
+
+def parse_data_config(cfg) -> DataConfig:
+  """Validates the data section (or a run config holding one) and returns a typed view."""
+  if isinstance(cfg, DataConfig):
+    return cfg
+  section = cfg
+  if isinstance(cfg, (ml_collections.ConfigDict, Mapping)) and "data" in cfg and (
+      "source" not in cfg):
+    section = cfg["data"]
+  raw = _to_dict(section)
+  unknown = sorted(set(raw) - set(_DEFAULTS))
+  if unknown:
+    raise ValueError(
+        f"unknown data config field(s) {unknown}; valid fields: {sorted(_DEFAULTS)} "
+        "(a new field belongs in condattn_jax/data/config.py)")
+  d = {**_DEFAULTS, **raw}
+
+  if d["source"] not in SOURCES:
+    raise ValueError(f"data.source={d['source']!r} is not a known source; valid sources: "
+                     f"{list(SOURCES)}")
+  if d["packing"] not in PACKINGS:
+    raise ValueError(f"data.packing={d['packing']!r} is unknown; valid: {list(PACKINGS)}")
+  if d["record_format"] not in RECORD_FORMATS:
+    raise ValueError(f"data.record_format={d['record_format']!r} is unknown; valid: "
+                     f"{list(RECORD_FORMATS)}")
+  for name in ("seq_len", "batch_size", "pack_bins"):
+    if not isinstance(d[name], int) or d[name] < 1:
+      raise ValueError(f"data.{name} must be a positive int, got {d[name]!r}")
+  for name in ("read_threads", "prefetch"):
+    if not isinstance(d[name], int) or d[name] < 0:
+      raise ValueError(f"data.{name} must be a non-negative int, got {d[name]!r}")
+  if d["num_epochs"] is not None and (not isinstance(d["num_epochs"], int)
+                                      or d["num_epochs"] < 1):
+    raise ValueError(f"data.num_epochs must be None (repeat) or a positive int, "
+                     f"got {d['num_epochs']!r}")
+  if d["shuffle_seed"] is not None and not isinstance(d["shuffle_seed"], int):
+    raise ValueError(f"data.shuffle_seed must be an int or None, got {d['shuffle_seed']!r}")
+  paths = _paths(d["paths"], "paths")
+  eval_paths = _paths(d["eval_paths"], "eval_paths")
+  if d["source"] in FILE_SOURCES and not paths:
+    raise ValueError(f"data.source={d['source']!r} reads files: set data.paths "
+                     "(a path, a glob, or a list of them)")
+  return DataConfig(
+      source=d["source"], paths=paths, eval_paths=eval_paths,
+      text_field=d["text_field"], tokens_field=d["tokens_field"],
+      record_format=d["record_format"], append_separator=bool(d["append_separator"]),
+      separator_id=d["separator_id"], seq_len=d["seq_len"], batch_size=d["batch_size"],
+      shuffle_seed=d["shuffle_seed"], num_epochs=d["num_epochs"], packing=d["packing"],
+      pack_bins=d["pack_bins"], read_threads=d["read_threads"], prefetch=d["prefetch"],
+      pad_id=d["pad_id"], tokenizer=d["tokenizer"], task=_to_dict(d["task"]))

@@ -1,0 +1,117 @@
+"""Packing documents into rows of T tokens, and the batch format.
+
+A document of n tokens d_0..d_{n-1} becomes n - 1 (input, target) pairs
+(d_j, d_{j+1}), all scored: targets never cross a document boundary and no slot is
+spent on a token without a target. Documents with fewer than 2 tokens are dropped.
+Rows are filled with grain's packers:
+
+  'concat_then_split'  grain.experimental.ConcatThenSplitIterDataset: documents are
+                       concatenated and cut every T pairs; no padding except at the end
+                       of the stream. The piece after a cut is a new segment whose
+                       positions restart at 0 (it cannot attend to the piece before).
+  'first_fit'          grain.experimental.FirstFitPackIterDataset over `pack_bins` rows:
+                       documents stay whole (padding fills the rest of a row); a
+                       document longer than T is first cut into pieces of T pairs.
+
+Row / batch format (numpy, one row shown; a batch stacks rows to [B, T]):
+  inputs      int32    token ids (pad_id in padding)
+  targets     int32    next token of the same document (pad_id in padding)
+  segment_ids int32    0 = padding, documents 1, 2, ... within the row
+  positions   int32    0, 1, ... restarting in every segment (0 in padding)
+  loss_mask   float32  1 where the target is scored, 0 in padding
+The model attends q -> kv iff segment_ids equal (and nonzero) AND positions[kv] <=
+positions[q]; `attention_mask` below is that rule in numpy, for tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grain
+from grain import experimental as gx
+import numpy as np
+
+BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
+BATCH_DTYPES = {"inputs": np.int32, "targets": np.int32, "segment_ids": np.int32,
+                "positions": np.int32, "loss_mask": np.float32}
+_PACKED = ("inputs", "targets", "loss_mask")
+
+
+def document_features(tokens: np.ndarray) -> dict[str, np.ndarray] | None:
+  """Token ids of one document -> per-pair features (None if < 2 tokens)."""
+  tokens = np.asarray(tokens, np.int32)
+  if tokens.shape[0] < 2:
+    return None
+  n = tokens.shape[0] - 1
+  return {"inputs": tokens[:-1], "targets": tokens[1:],
+          "loss_mask": np.ones((n,), np.float32)}
+
+
+class _SplitLong(gx.FlatMapTransform):
+  """Cuts a document's pairs into pieces of at most T (first_fit only)."""
+
+  max_fan_out = 1 << 20
+
+  def __init__(self, seq_len: int):
+    self.seq_len = seq_len
+
+  def flat_map(self, element):
+    n = element["inputs"].shape[0]
+    if n <= self.seq_len:
+      return [element]
+    return [{k: v[i:i + self.seq_len] for k, v in element.items()}
+            for i in range(0, n, self.seq_len)]
+
+
+def pack(ds: grain.IterDataset, *, seq_len: int, packing: str, pack_bins: int = 4,
+         seed: int = 0) -> grain.IterDataset:
+  """Packs a stream of `document_features` dicts into grain packed rows."""
+  lengths = {k: seq_len for k in _PACKED}
+  if packing == "concat_then_split":
+    return gx.ConcatThenSplitIterDataset(ds, length_struct=lengths,
+                                         split_full_length_features=True)
+  if packing == "first_fit":
+    ds = gx.FlatMapIterDataset(ds, _SplitLong(seq_len))
+    return gx.FirstFitPackIterDataset(ds, length_struct=lengths, num_packing_bins=pack_bins,
+                                      seed=seed, shuffle_bins=False)
+  raise ValueError(f"unknown packing {packing!r}; valid: ['concat_then_split', 'first_fit']")
+
+
+def packed_to_row(packed: dict[str, Any], pad_id: int = 0) -> dict[str, np.ndarray]:
+  """A grain packed element -> one row of the batch format."""
+  seg = np.asarray(packed["inputs_segment_ids"], np.int32)
+  pad = seg == 0
+  inputs = np.asarray(packed["inputs"], np.int32)
+  targets = np.asarray(packed["targets"], np.int32)
+  if pad_id != 0 and pad.any():
+    inputs = np.where(pad, pad_id, inputs).astype(np.int32)
+    targets = np.where(pad, pad_id, targets).astype(np.int32)
+  return {
+      "inputs": inputs,
+      "targets": targets,
+      "segment_ids": seg,
+      "positions": np.where(pad, 0, np.asarray(packed["inputs_positions"], np.int32)),
+      "loss_mask": np.where(pad, 0.0, np.asarray(packed["loss_mask"], np.float32)).astype(
+          np.float32),
+  }
+
+
+def empty_row(seq_len: int, pad_id: int = 0) -> dict[str, np.ndarray]:
+  """An all-padding row (nothing attended, nothing scored)."""
+  return {"inputs": np.full((seq_len,), pad_id, np.int32),
+          "targets": np.full((seq_len,), pad_id, np.int32),
+          "segment_ids": np.zeros((seq_len,), np.int32),
+          "positions": np.zeros((seq_len,), np.int32),
+          "loss_mask": np.zeros((seq_len,), np.float32)}
+
+
+def attention_mask(segment_ids: np.ndarray, positions: np.ndarray,
+                   window: int | None = None) -> np.ndarray:
+  """[..., T] -> [..., T(q), T(kv)] bool: same nonzero segment AND kv_pos <= q_pos
+  (AND q_pos - kv_pos < window)."""
+  seg_q, seg_k = segment_ids[..., :, None], segment_ids[..., None, :]
+  pos_q, pos_k = positions[..., :, None], positions[..., None, :]
+  m = (seg_q == seg_k) & (seg_q != 0) & (pos_k <= pos_q)
+  if window is not None:
+    m &= pos_q - pos_k < window
+  return m

@@ -1,0 +1,302 @@
+"""Random-access document sources: jsonl, parquet, ArrayRecord.
+
+Each source is a grain random-access data source (`__len__`, `__getitem__`) whose records
+are dicts (jsonl, parquet, ArrayRecord 'json') or 1-D integer arrays (ArrayRecord raw
+token records). `to_tokens` turns a record into the document's token ids.
+
+Random access is what makes per-process sharding cheap (a process reads only the records
+of its own lanes) and resumption exact. jsonl files are indexed once by line offsets;
+parquet is read one row group at a time through a small cache, so a globally shuffled
+read of a large parquet corpus is slow: convert it with `write_array_record` first.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import json
+import os
+import threading
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+_GLOB_CHARS = set("*?[")
+
+
+def resolve_paths(patterns: Sequence[str], field: str = "data.paths") -> list[str]:
+  """Expands globs (sorted) and checks every file exists; errors name the missing one."""
+  out: list[str] = []
+  for pat in patterns:
+    pat = os.path.expanduser(pat)
+    if _GLOB_CHARS & set(pat):
+      hits = sorted(glob.glob(pat))
+      if not hits:
+        raise FileNotFoundError(f"{field}: the glob {pat!r} matches no file")
+      out.extend(hits)
+    else:
+      if not os.path.isfile(pat):
+        raise FileNotFoundError(f"{field}: file {pat!r} does not exist")
+      out.append(pat)
+  if not out:
+    raise FileNotFoundError(f"{field} names no files")
+  return out
+
+
+class _MultiFile:
+  """Maps a global record index to (file index, local index)."""
+
+  def _init_counts(self, counts: Sequence[int]):
+    self._cum = np.cumsum(np.asarray(counts, np.int64))
+    self._len = int(self._cum[-1]) if len(self._cum) else 0
+
+  def __len__(self) -> int:
+    return self._len
+
+  def _locate(self, index: int) -> tuple[int, int]:
+    index = int(index)
+    if index < 0:
+      index += self._len
+    if not 0 <= index < self._len:
+      raise IndexError(f"record {index} out of range [0, {self._len})")
+    f = int(np.searchsorted(self._cum, index, side="right"))
+    start = 0 if f == 0 else int(self._cum[f - 1])
+    return f, index - start
+
+
+def _line_index(path: str, chunk: int = 1 << 24) -> tuple[np.ndarray, np.ndarray]:
+  """(start, end) byte offsets of every non-blank line of a text file."""
+  newlines = []
+  offset = 0
+  with open(path, "rb") as f:
+    while True:
+      buf = f.read(chunk)
+      if not buf:
+        break
+      arr = np.frombuffer(buf, np.uint8)
+      newlines.append(np.flatnonzero(arr == 10).astype(np.int64) + offset)
+      offset += len(buf)
+  nl = np.concatenate(newlines) if newlines else np.zeros((0,), np.int64)
+  starts = np.concatenate([[0], nl + 1]).astype(np.int64)
+  ends = np.concatenate([nl, [offset]]).astype(np.int64)
+  keep = ends - starts > 0
+  starts, ends = starts[keep], ends[keep]
+  short = np.flatnonzero(ends - starts <= 8)
+  if len(short):
+    # Drop whitespace-only lines (e.g. a lone "\r" or spaces).
+    with open(path, "rb") as f:
+      blank = []
+      for i in short:
+        f.seek(int(starts[i]))
+        blank.append(not f.read(int(ends[i] - starts[i])).strip())
+    mask = np.ones(len(starts), bool)
+    mask[short[np.asarray(blank, bool)]] = False
+    starts, ends = starts[mask], ends[mask]
+  return starts, ends
+
+
+class JsonlSource(_MultiFile):
+  """One JSON object per line; records are dicts."""
+
+  def __init__(self, paths: Sequence[str]):
+    self.paths = list(paths)
+    self._index = [_line_index(p) for p in self.paths]
+    self._init_counts([len(s) for s, _ in self._index])
+    self._fds: dict[int, int] = {}
+    self._lock = threading.Lock()
+
+  def _fd(self, f: int) -> int:
+    with self._lock:
+      if f not in self._fds:
+        self._fds[f] = os.open(self.paths[f], os.O_RDONLY)
+      return self._fds[f]
+
+  def __getitem__(self, index) -> dict[str, Any]:
+    f, i = self._locate(index)
+    starts, ends = self._index[f]
+    raw = os.pread(self._fd(f), int(ends[i] - starts[i]), int(starts[i]))
+    try:
+      rec = json.loads(raw)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{self.paths[f]}: line record {i} is not valid JSON: {e}") from None
+    if not isinstance(rec, dict):
+      raise ValueError(f"{self.paths[f]}: record {i} is not a JSON object")
+    return rec
+
+  def __getstate__(self):
+    d = dict(self.__dict__)
+    d["_fds"], d["_lock"] = {}, None
+    return d
+
+  def __setstate__(self, d):
+    self.__dict__.update(d)
+    self._lock = threading.Lock()
+
+  def __del__(self):
+    for fd in getattr(self, "_fds", {}).values():
+      try:
+        os.close(fd)
+      except OSError:
+        pass
+
+  def __repr__(self) -> str:
+    return f"JsonlSource({len(self.paths)} files, {len(self)} records)"
+
+
+class ParquetSource(_MultiFile):
+  """Rows of parquet files (only `columns` are read); records are dicts."""
+
+  def __init__(self, paths: Sequence[str], columns: Sequence[str], cache_row_groups: int = 8):
+    import pyarrow.parquet as pq
+    self.paths = list(paths)
+    self._rg_rows: list[np.ndarray] = []
+    self.columns: list[list[str]] = []
+    counts = []
+    for p in self.paths:
+      meta = pq.ParquetFile(p).metadata
+      rows = np.array([meta.row_group(g).num_rows for g in range(meta.num_row_groups)],
+                      np.int64)
+      self._rg_rows.append(np.cumsum(rows))
+      names = set(meta.schema.names)
+      cols = [c for c in columns if c in names]
+      if not cols:
+        raise ValueError(f"parquet file {p!r} has none of the columns {list(columns)}; "
+                         f"it has {sorted(names)} (set data.text_field / data.tokens_field)")
+      self.columns.append(cols)
+      counts.append(int(rows.sum()))
+    self._init_counts(counts)
+    self._cache: collections.OrderedDict = collections.OrderedDict()
+    self._cache_size = cache_row_groups
+    self._lock = threading.Lock()
+
+  def _row_group(self, f: int, g: int) -> dict[str, list]:
+    import pyarrow.parquet as pq
+    key = (f, g)
+    with self._lock:
+      if key in self._cache:
+        self._cache.move_to_end(key)
+        return self._cache[key]
+    table = pq.ParquetFile(self.paths[f]).read_row_group(g, columns=self.columns[f])
+    data = {c: table.column(c).to_pylist() for c in self.columns[f]}
+    with self._lock:
+      self._cache[key] = data
+      while len(self._cache) > self._cache_size:
+        self._cache.popitem(last=False)
+    return data
+
+  def __getitem__(self, index) -> dict[str, Any]:
+    f, i = self._locate(index)
+    cum = self._rg_rows[f]
+    g = int(np.searchsorted(cum, i, side="right"))
+    j = i - (0 if g == 0 else int(cum[g - 1]))
+    data = self._row_group(f, g)
+    return {c: v[j] for c, v in data.items()}
+
+  def __getstate__(self):
+    d = dict(self.__dict__)
+    d["_cache"], d["_lock"] = collections.OrderedDict(), None
+    return d
+
+  def __setstate__(self, d):
+    self.__dict__.update(d)
+    self._lock = threading.Lock()
+
+  def __repr__(self) -> str:
+    return f"ParquetSource({len(self.paths)} files, {len(self)} records)"
+
+
+class ArrayRecordSource:
+  """ArrayRecord files; records decoded as JSON objects or raw token arrays."""
+
+  def __init__(self, paths: Sequence[str], record_format: str = "json"):
+    import grain
+    self.paths = list(paths)
+    self.record_format = record_format
+    self._ds = grain.sources.ArrayRecordDataSource(self.paths)
+
+  def __len__(self) -> int:
+    return len(self._ds)
+
+  def __getitem__(self, index):
+    raw = self._ds[int(index)]
+    if self.record_format == "json":
+      rec = json.loads(raw)
+      if not isinstance(rec, dict):
+        raise ValueError(f"ArrayRecord record {index} is not a JSON object "
+                         "(set data.record_format to a dtype for raw token records)")
+      return rec
+    return np.frombuffer(raw, dtype=np.dtype(self.record_format).newbyteorder("<"))
+
+  def __repr__(self) -> str:
+    return f"ArrayRecordSource({len(self.paths)} files, {len(self)} records)"
+
+
+def write_array_record(path: str, records: Iterable[Any], record_format: str = "json"):
+  """Writes records (dicts for 'json', integer sequences for a dtype name) to `path`.
+
+  The conversion path for large corpora: random access into ArrayRecord is cheap, so
+  shuffled multi-process reading stays fast. Pre-tokenized 'int32' records skip the
+  tokenizer at training time.
+  """
+  from array_record.python import array_record_module
+  writer = array_record_module.ArrayRecordWriter(os.fspath(path), "group_size:1")
+  try:
+    for rec in records:
+      if record_format == "json":
+        writer.write(json.dumps(rec).encode("utf-8"))
+      else:
+        dt = np.dtype(record_format).newbyteorder("<")
+        writer.write(np.asarray(rec).astype(dt).tobytes())
+  finally:
+    writer.close()
+
+
+def open_source(source: str, paths: Sequence[str], *, text_field: str, tokens_field: str,
+                record_format: str, field: str = "data.paths"):
+  files = resolve_paths(paths, field)
+  if source == "jsonl":
+    return JsonlSource(files)
+  if source == "parquet":
+    return ParquetSource(files, columns=[tokens_field, text_field])
+  if source == "array_record":
+    return ArrayRecordSource(files, record_format)
+  raise ValueError(f"not a file source: {source!r}; valid: ['jsonl', 'parquet', 'array_record']")
+
+
+class RecordToTokens:
+  """Record -> int32 token ids of one document (+ separator)."""
+
+  def __init__(self, *, text_field: str, tokens_field: str, tokenizer=None,
+               separator_id: int | None = None):
+    self.text_field = text_field
+    self.tokens_field = tokens_field
+    self.tokenizer = tokenizer
+    self.separator_id = separator_id
+
+  def needs_tokenizer(self, record) -> bool:
+    return isinstance(record, dict) and record.get(self.tokens_field) is None
+
+  def __call__(self, record) -> np.ndarray:
+    if isinstance(record, dict):
+      toks = record.get(self.tokens_field)
+      if toks is None:
+        text = record.get(self.text_field)
+        if text is None:
+          raise ValueError(
+              f"record has neither data.tokens_field={self.tokens_field!r} nor "
+              f"data.text_field={self.text_field!r}; its fields: {sorted(record)}")
+        if self.tokenizer is None:
+          raise ValueError("records hold text: pass tokenizer=... (an object with "
+                           "encode(text) -> list[int], e.g. condattn_jax.data.tokenizer)")
+        toks = self.tokenizer.encode(text)
+      ids = np.asarray(toks, dtype=np.int64)
+    else:
+      ids = np.asarray(record, dtype=np.int64)
+    if ids.ndim != 1:
+      raise ValueError(f"token ids must be 1-D, got shape {ids.shape}")
+    if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max):
+      raise ValueError("token ids must be in [0, 2**31)")
+    ids = ids.astype(np.int32)
+    if self.separator_id is not None:
+      ids = np.concatenate([ids, np.array([self.separator_id], np.int32)])
+    return ids

@@ -1,0 +1,1 @@
+"""Decoder models: `condattn_jax.models.config.ModelConfig`, `condattn_jax.models.decoder.Decoder`."""
