@@ -300,7 +300,8 @@ def load_hf_checkpoint(path: str, *, dtype=None, **config_overrides) -> tuple[Mo
 # Export
 # --------------------------------------------------------------------------------------------
 def export_hf_checkpoint(params: dict, config: ModelConfig, path: str, *,
-                         max_shard_bytes: int | None = None, ignore_extra: bool = False) -> list[str]:
+                         max_shard_bytes: int | None = None, ignore_extra: bool = False,
+                         base_hf_config: dict[str, Any] | None = None) -> list[str]:
   """Writes params (+ config.json) as a Hugging Face checkpoint that transformers can load.
 
   Args:
@@ -311,6 +312,9 @@ def export_hf_checkpoint(params: dict, config: ModelConfig, path: str, *,
       when the weights exceed this many bytes; None writes one model.safetensors.
     ignore_extra: leave out params the dense architecture does not have (e.g. a scheme's router)
       instead of raising.
+    base_hf_config: a config.json dict (e.g. `read_hf_config(source_dir)`) whose other keys
+      (bos/eos_token_id, max_position_embeddings, ...) are kept; the architecture keys always
+      come from `config`.
   Returns: the files written.
   """
   params = unbox(params)
@@ -346,10 +350,14 @@ def export_hf_checkpoint(params: dict, config: ModelConfig, path: str, *,
                                             glob.glob(os.path.join(path, "model-*-of-*.safetensors"))]:
     if os.path.exists(os.path.join(path, stale)):
       os.remove(os.path.join(path, stale))
-  hf = config.to_hf_config()
+  hf = normalize_hf_config(base_hf_config or {})
+  hf.pop("rope_scaling", None)
+  hf.update(config.to_hf_config())
   dtypes = {t.dtype.name for t in tensors.values()}
   if len(dtypes) == 1 and (dt := dtypes.pop()) in _DTYPES:
     hf["torch_dtype"] = dt
+    if "dtype" in hf:  # transformers >= 5 spelling
+      hf["dtype"] = dt
   written = [os.path.join(path, CONFIG_FILE)]
   with open(written[0], "w") as f:
     json.dump(hf, f, indent=2, sort_keys=True)
