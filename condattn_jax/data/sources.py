@@ -132,10 +132,10 @@ class JsonlSource(_MultiFile):
     self.__dict__.update(d)
     self._lock = threading.Lock()
 
-  def __del__(self):
+  def __del__(self, _close=os.close):
     for fd in getattr(self, "_fds", {}).values():
       try:
-        os.close(fd)
+        _close(fd)
       except OSError:
         pass
 

@@ -1,7 +1,8 @@
 """Synthetic long-context tasks, generated on the fly.
 
-Example `i` of a task is a pure function of (seed, i): `np.random.default_rng([seed, i])`
-draws it, so any example can be regenerated and a restored iterator resumes exactly.
+Example `i` of a task is a pure function of (seed, stream, i):
+`np.random.default_rng([seed, stream, i])` draws it (stream 0 = training, 1 = evaluation),
+so any example can be regenerated and a restored iterator resumes exactly.
 
 Every example is one row of exactly `seq_len` tokens (no packing):
   a token stream `s` of length T + 1; `inputs = s[:T]`, `targets = s[1:]`,
@@ -112,8 +113,8 @@ class MQAR:
   def __len__(self) -> int:
     return UNBOUNDED if self.num_examples is None else self.num_examples
 
-  def example(self, seed: int, index: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng([seed, index])
+  def example(self, seed: int, index: int, stream: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng([seed, stream, index])
     v, n, q = self.vocab_size, self.num_pairs, self.queries
     keys = rng.choice(np.arange(1, v // 2), size=n, replace=False)
     values = rng.choice(np.arange(v // 2, v), size=n, replace=False)
@@ -183,8 +184,8 @@ class NIAH:
   def __len__(self) -> int:
     return UNBOUNDED if self.num_examples is None else self.num_examples
 
-  def example(self, seed: int, index: int) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng([seed, index])
+  def example(self, seed: int, index: int, stream: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng([seed, stream, index])
     n, kl, vl = self.num_needles, self.key_len, self.value_len
     s = rng.integers(self.FIRST_KV + self.kv_vocab_size, self.vocab_size,
                      size=(self.seq_len + 1,), dtype=np.int64).astype(np.int32)
@@ -226,17 +227,18 @@ def make_task(name: str, params: Mapping[str, Any], seq_len: int):
 
 
 class SyntheticSource:
-  """grain random-access source: `source[i]` is example i of `task` for `seed`."""
+  """grain random-access source: `source[i]` is example i of `task` for (seed, stream)."""
 
-  def __init__(self, task, seed: int):
+  def __init__(self, task, seed: int, stream: int = 0):
     self.task = task
     self.seed = int(seed)
+    self.stream = int(stream)
 
   def __len__(self) -> int:
     return len(self.task)
 
   def __getitem__(self, index) -> dict[str, np.ndarray]:
-    return self.task.example(self.seed, int(index))
+    return self.task.example(self.seed, int(index), self.stream)
 
   def __repr__(self) -> str:
-    return f"SyntheticSource({self.task!r}, seed={self.seed})"
+    return f"SyntheticSource({self.task!r}, seed={self.seed}, stream={self.stream})"

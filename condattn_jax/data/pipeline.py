@@ -1,0 +1,360 @@
+"""Grain input pipeline: source -> shuffle -> pack -> batch, per-process, resumable.
+
+Global order contract (multi-host):
+  The global batch has B = data.batch_size rows. Row r of every global batch comes from
+  LANE r: lane r reads the (shuffled, repeated) document stream at indices r, r + B,
+  r + 2B, ... and packs those documents on its own, so the k-th row of lane r depends on
+  nothing but (config, r, k). Process p of P owns the contiguous lanes
+  [p * B/P, (p + 1) * B/P) and reads only their documents. Hence, for any P dividing B,
+
+      concatenate([batch_k of process 0, ..., batch_k of process P-1], axis=0)
+          == batch_k of a single process (P = 1)
+
+  row for row, for every k; it is exactly the layout `jax.make_array_from_process_local_data`
+  expects when the batch axis is sharded over processes in process order (check it with
+  `data_shard_for_sharding`, which returns the (shard_index, shard_count) to pass as
+  (process_index, process_count) for any sharding).
+
+Resumption: `iterator.get_state()` is a JSON-serialisable dict (grain's
+  `grain.checkpoint.CheckpointHandler` / `CheckpointSave` save it per process);
+  `set_state(state)` on a fresh iterator built from the same config and the same
+  (process_index, process_count) continues with exactly the batch that followed. A state
+  from another process layout or batch size is refused with a clear error.
+
+Finite epochs (`data.num_epochs` an int): lanes run out at different points; training
+  stops at the first batch in which one of this process's lanes is exhausted. Processes
+  may then disagree on the number of batches: for multi-host training leave
+  num_epochs=None and bound the run by steps. `make_eval_batches` instead pads exhausted
+  lanes with empty rows (segment_ids 0, loss_mask 0) so every document is used once.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import Any, Mapping, Sequence
+
+import grain
+import numpy as np
+
+from condattn_jax.data import packing as packing_lib
+from condattn_jax.data import sources
+from condattn_jax.data import synthetic
+from condattn_jax.data.config import DataConfig, parse_data_config
+
+_STATE_VERSION = 1
+
+
+# ----------------------------------------------------------------------------- sources
+
+class _ToFeatures:
+  """Record -> document_features(tokens) (None for documents of < 2 tokens)."""
+
+  def __init__(self, to_tokens: sources.RecordToTokens):
+    self.to_tokens = to_tokens
+
+  def __call__(self, record):
+    return packing_lib.document_features(self.to_tokens(record))
+
+
+def _separator_id(dc: DataConfig, tokenizer) -> int | None:
+  if not dc.append_separator:
+    return None
+  if dc.separator_id is not None:
+    return int(dc.separator_id)
+  sep = getattr(tokenizer, "document_separator_id", None) if tokenizer is not None else None
+  if sep is None:
+    raise ValueError("data.append_separator=True needs a separator id: set data.separator_id, "
+                     "pass a tokenizer with document_separator_id, or set "
+                     "data.append_separator=False")
+  return int(sep)
+
+
+def _document_dataset(dc: DataConfig, paths: Sequence[str], *, tokenizer, seed: int | None,
+                      num_epochs: int | None, field: str) -> grain.MapDataset:
+  src = sources.open_source(dc.source, paths, text_field=dc.text_field,
+                            tokens_field=dc.tokens_field, record_format=dc.record_format,
+                            field=field)
+  if len(src) == 0:
+    raise ValueError(f"{field}: the files {list(paths)} hold no records")
+  to_tokens = sources.RecordToTokens(text_field=dc.text_field, tokens_field=dc.tokens_field,
+                                     tokenizer=tokenizer,
+                                     separator_id=_separator_id(dc, tokenizer))
+  first = src[0]
+  if to_tokens.needs_tokenizer(first):
+    if dc.text_field not in first:
+      raise ValueError(f"{field}: records have neither data.tokens_field="
+                       f"{dc.tokens_field!r} nor data.text_field={dc.text_field!r}; "
+                       f"fields of the first record: {sorted(first)}")
+    if tokenizer is None:
+      raise ValueError(f"{field}: records hold text in {dc.text_field!r}: pass tokenizer=... "
+                       "(condattn_jax.data.tokenizer) or pre-tokenize into "
+                       f"{dc.tokens_field!r}")
+  ds = grain.MapDataset.source(src)
+  if seed is not None:
+    ds = ds.shuffle(seed=seed)
+  ds = ds.repeat(num_epochs)
+  return ds.map(_ToFeatures(to_tokens))
+
+
+def _synthetic_dataset(dc: DataConfig, *, seed: int, stream: int,
+                       num_epochs: int | None) -> grain.MapDataset:
+  task = synthetic.make_task(dc.source, dc.task, dc.seq_len)
+  src = synthetic.SyntheticSource(task, seed, stream=stream)
+  ds = grain.MapDataset.source(src)
+  if task.num_examples is None:
+    if num_epochs is not None:
+      raise ValueError("data.num_epochs needs a finite synthetic dataset: set "
+                       "data.task.num_examples (or leave num_epochs=None)")
+    return ds
+  ds = ds.shuffle(seed=seed)
+  return ds.repeat(num_epochs)
+
+
+# ------------------------------------------------------------------------------- lanes
+
+class _LaneBatchIterDataset(grain.IterDataset):
+  """Stacks one row from each lane into a [num_lanes, T] batch."""
+
+  def __init__(self, lanes: Sequence[grain.IterDataset], *, lane_start: int,
+               global_batch_size: int, seq_len: int, pad_id: int, pad_exhausted: bool):
+    super().__init__(list(lanes))
+    self._meta = dict(lane_start=lane_start, global_batch_size=global_batch_size,
+                      seq_len=seq_len, pad_id=pad_id, pad_exhausted=pad_exhausted)
+
+  def __iter__(self):
+    return _LaneBatchIterator([p.__iter__() for p in self._parents], **self._meta)
+
+  def __str__(self) -> str:
+    return (f"LaneBatchIterDataset(lanes={len(self._parents)}, "
+            f"lane_start={self._meta['lane_start']})")
+
+
+class _LaneBatchIterator(grain.DatasetIterator):
+
+  def __init__(self, parents, *, lane_start, global_batch_size, seq_len, pad_id,
+               pad_exhausted):
+    super().__init__(parents)
+    self._lane_start = lane_start
+    self._global_batch_size = global_batch_size
+    self._seq_len = seq_len
+    self._pad_id = pad_id
+    self._pad_exhausted = pad_exhausted
+    self._exhausted = [False] * len(parents)
+    self._step = 0
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    rows = []
+    for i, it in enumerate(self._parents):
+      if self._exhausted[i]:
+        rows.append(None)
+        continue
+      try:
+        rows.append(next(it))
+      except StopIteration:
+        self._exhausted[i] = True
+        rows.append(None)
+    if all(self._exhausted) or (not self._pad_exhausted and any(self._exhausted)):
+      raise StopIteration
+    empty = packing_lib.empty_row(self._seq_len, self._pad_id)
+    rows = [empty if r is None else r for r in rows]
+    self._step += 1
+    return {k: np.stack([r[k] for r in rows]).astype(packing_lib.BATCH_DTYPES[k])
+            for k in packing_lib.BATCH_KEYS}
+
+  def get_state(self) -> dict[str, Any]:
+    return {
+        "version": _STATE_VERSION,
+        "lane_start": self._lane_start,
+        "num_lanes": len(self._parents),
+        "global_batch_size": self._global_batch_size,
+        "step": self._step,
+        "exhausted": list(self._exhausted),
+        # JSON-native (lists, not tuples): identical before and after a checkpoint.
+        "lanes": json.loads(json.dumps([it.get_state() for it in self._parents])),
+    }
+
+  def set_state(self, state: Mapping[str, Any]) -> None:
+    mine = (self._lane_start, len(self._parents), self._global_batch_size)
+    theirs = (state.get("lane_start"), state.get("num_lanes"),
+              state.get("global_batch_size"))
+    if state.get("version") != _STATE_VERSION or mine != theirs:
+      raise ValueError(
+          "data iterator state does not match this iterator: saved (lane_start, num_lanes, "
+          f"global_batch_size) = {theirs}, this iterator has {mine}. Restore with the same "
+          "data.batch_size and the same process_index/process_count it was saved with.")
+    for it, s in zip(self._parents, state["lanes"]):
+      it.set_state(_restore_tuples(s))
+    self._exhausted = [bool(x) for x in state["exhausted"]]
+    self._step = int(state["step"])
+
+
+def _restore_tuples(state):
+  """grain 0.2.18's ConcatThenSplit compares `remainder_slices` entries with the tuple
+  (-1, -1); after a JSON round trip they are lists and the restore silently diverges.
+  Turn them back into tuples."""
+  if isinstance(state, dict):
+    return {k: ({f: tuple(v) for f, v in s.items()} if k == "remainder_slices"
+                and isinstance(s, dict) else _restore_tuples(s)) for k, s in state.items()}
+  if isinstance(state, list):
+    return [_restore_tuples(s) for s in state]
+  return state
+
+
+def _shard(batch_size: int, process_index: int, process_count: int) -> tuple[int, int]:
+  if process_count < 1 or not 0 <= process_index < process_count:
+    raise ValueError(f"bad process_index={process_index} / process_count={process_count}")
+  if batch_size % process_count:
+    raise ValueError(f"data.batch_size={batch_size} (global) is not divisible by "
+                     f"process_count={process_count}")
+  local = batch_size // process_count
+  return process_index * local, local
+
+
+def make_dataset(cfg, *, process_index: int = 0, process_count: int = 1, tokenizer=None,
+                 seed: int | None = None, num_epochs: int | None | str = "config",
+                 paths: Sequence[str] | None = None, pad_exhausted: bool = False,
+                 stream: int = 0, prefetch: int | None = None) -> grain.IterDataset:
+  """The grain IterDataset of this process's batches ([B / process_count, T] dicts).
+
+  `seed` overrides data.shuffle_seed, `num_epochs` data.num_epochs, `paths` data.paths,
+  `prefetch` data.prefetch; `stream` separates synthetic train (0) and eval (1) draws.
+  """
+  dc = parse_data_config(cfg)
+  seed = dc.shuffle_seed if seed is None else seed
+  epochs = dc.num_epochs if num_epochs == "config" else num_epochs
+  lane_start, local = _shard(dc.batch_size, process_index, process_count)
+  B = dc.batch_size
+  if dc.is_synthetic:
+    docs = _synthetic_dataset(dc, seed=0 if seed is None else seed, stream=stream,
+                              num_epochs=epochs)
+  else:
+    field = "data.paths" if paths is None else "data.eval_paths"
+    docs = _document_dataset(dc, dc.paths if paths is None else paths, tokenizer=tokenizer,
+                             seed=seed, num_epochs=epochs, field=field)
+  read = grain.ReadOptions(num_threads=dc.read_threads,
+                           prefetch_buffer_size=max(1, 4 * dc.read_threads))
+  lanes = []
+  for lane in range(lane_start, lane_start + local):
+    ds = docs[lane::B].to_iter_dataset(read)
+    if not dc.is_synthetic:
+      ds = packing_lib.pack(ds, seq_len=dc.seq_len, packing=dc.packing,
+                            pack_bins=dc.pack_bins, seed=lane)
+      ds = ds.map(_PackedToRow(dc.pad_id))
+    lanes.append(ds)
+  out = _LaneBatchIterDataset(lanes, lane_start=lane_start, global_batch_size=B,
+                              seq_len=dc.seq_len, pad_id=dc.pad_id,
+                              pad_exhausted=pad_exhausted)
+  n_prefetch = dc.prefetch if prefetch is None else prefetch
+  if n_prefetch > 0:
+    out = grain.experimental.ThreadPrefetchIterDataset(out, prefetch_buffer_size=n_prefetch)
+  return out
+
+
+class _PackedToRow:
+
+  def __init__(self, pad_id: int):
+    self.pad_id = pad_id
+
+  def __call__(self, packed):
+    return packing_lib.packed_to_row(packed, self.pad_id)
+
+
+# --------------------------------------------------------------------------- public API
+
+def make_train_iterator(cfg, *, process_index: int = 0, process_count: int = 1,
+                        tokenizer=None) -> grain.DatasetIterator:
+  """Iterator over this process's share of every global training batch.
+
+  Yields dicts of numpy arrays [data.batch_size // process_count, data.seq_len]:
+  inputs, targets, segment_ids, positions (int32) and loss_mask (float32). Has
+  get_state() / set_state(state) (JSON-serialisable; see the module docstring).
+  `tokenizer` (encode(text) -> list[int], document_separator_id) is needed only for
+  file records holding text.
+  """
+  it = iter(make_dataset(cfg, process_index=process_index, process_count=process_count,
+                         tokenizer=tokenizer))
+  return it
+
+
+def make_eval_batches(cfg, num_batches: int | None, seed: int, *, process_index: int = 0,
+                      process_count: int = 1, tokenizer=None) -> list[dict[str, np.ndarray]]:
+  """A fixed list of evaluation batches (this process's rows), identical on every call.
+
+  Synthetic sources draw from an eval stream separate from training (seed, stream 1).
+  File sources read data.eval_paths (else data.paths) once, shuffled with `seed`;
+  exhausted lanes are padded with empty rows; `num_batches=None` takes them all, and
+  fewer than `num_batches` available is logged as a warning.
+  """
+  dc = parse_data_config(cfg)
+  if dc.is_synthetic:
+    finite = synthetic.make_task(dc.source, dc.task, dc.seq_len).num_examples is not None
+    if num_batches is None and not finite:
+      raise ValueError("make_eval_batches(num_batches=None) needs a finite synthetic set: "
+                       "set data.task.num_examples or pass num_batches")
+    ds = make_dataset(dc, process_index=process_index, process_count=process_count,
+                      seed=seed, num_epochs=1 if finite else None, pad_exhausted=True,
+                      stream=1, prefetch=0)
+  else:
+    ds = make_dataset(dc, process_index=process_index, process_count=process_count,
+                      tokenizer=tokenizer, seed=seed, num_epochs=1,
+                      paths=dc.eval_paths, pad_exhausted=True, prefetch=0)
+  out = []
+  it = iter(ds)
+  for batch in it:
+    out.append(batch)
+    if num_batches is not None and len(out) >= num_batches:
+      break
+  if num_batches is not None and len(out) < num_batches:
+    logging.warning("make_eval_batches: only %d of the %d requested batches exist",
+                    len(out), num_batches)
+  return out
+
+
+def batch_spec(cfg, *, global_batch: bool = True, process_count: int = 1) -> dict[str, Any]:
+  """{key: jax.ShapeDtypeStruct} of a global (or per-process) batch."""
+  import jax
+  dc = parse_data_config(cfg)
+  b = dc.batch_size if global_batch else _shard(dc.batch_size, 0, process_count)[1]
+  return {k: jax.ShapeDtypeStruct((b, dc.seq_len), np.dtype(packing_lib.BATCH_DTYPES[k]))
+          for k in packing_lib.BATCH_KEYS}
+
+
+def data_shard_for_sharding(sharding, global_shape: Sequence[int]) -> tuple[int, int]:
+  """(shard_index, shard_count) of the batch rows this process's devices hold.
+
+  Pass them as (process_index, process_count) to make_train_iterator. Raises if the rows
+  a process holds are not one contiguous block of equal-size blocks.
+  """
+  B = int(global_shape[0])
+  rows: set[int] = set()
+  for idx in sharding.addressable_devices_indices_map(tuple(global_shape)).values():
+    sl = idx[0] if idx else slice(None)
+    rows.update(range(*sl.indices(B)))
+  if not rows:
+    raise ValueError("this process holds no rows of the batch")
+  start, stop = min(rows), max(rows) + 1
+  size = stop - start
+  if len(rows) != size or B % size or start % size:
+    raise ValueError(f"this process's batch rows {sorted(rows)[:8]}... are not a contiguous "
+                     f"block of size dividing {B}; use a mesh whose batch axis is ordered "
+                     "by process")
+  return start // size, B // size
+
+
+def make_global_batch(batch: Mapping[str, np.ndarray], sharding,
+                      global_batch_size: int | None = None) -> dict[str, Any]:
+  """Host batch (this process's rows) -> global jax.Arrays via
+  `jax.make_array_from_process_local_data`.
+
+  `sharding` is one jax.sharding.Sharding for every key or a {key: Sharding} mapping.
+  `global_batch_size` defaults to what jax infers from the sharding (rows split over
+  processes); pass data.batch_size to be explicit.
+  """
+  import jax
+  out = {}
+  for k, x in batch.items():
+    s = sharding[k] if isinstance(sharding, Mapping) else sharding
+    gshape = None if global_batch_size is None else (global_batch_size, *x.shape[1:])
+    out[k] = jax.make_array_from_process_local_data(s, np.asarray(x), gshape)
+  return out
