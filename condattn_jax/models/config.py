@@ -117,6 +117,9 @@ class ModelConfig:
         qk_norm={"qwen3": "head", "olmo2": "full"}.get(model_type, "none"),
         post_norm=(model_type == "olmo2"),
     )
+    if hf.get("use_sliding_window"):
+      raise ValueError("config.json has use_sliding_window=true (per-layer Qwen sliding window); "
+                       "this is not supported: set it to false or convert the model without it.")
     if model_type == "llama" and hf.get("mlp_bias"):
       raise ValueError("llama checkpoints with mlp_bias=True are not supported.")
     kw.update(overrides)
