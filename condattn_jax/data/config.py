@@ -26,7 +26,8 @@ errors that name the field and list the valid ones.
     data.read_threads    grain read threads per lane (0: read in the iterating thread)
     data.prefetch        batches prefetched in a background thread (0: off)
     data.pad_id          token id written into padding slots of `inputs` / `targets`
-    data.tokenizer       passed through untouched for condattn_jax.data.tokenizer
+    data.tokenizer       tokenizer directory for condattn_jax.data.tokenizer.load_tokenizer
+                         (used when no tokenizer object is passed in; None: none)
     data.task            ConfigDict of synthetic task parameters (see synthetic.py);
                          missing ones take the task's defaults
 """

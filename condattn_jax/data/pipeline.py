@@ -70,16 +70,27 @@ def _separator_id(dc: DataConfig, tokenizer) -> int | None:
   return int(sep)
 
 
+def _resolve_tokenizer(dc: DataConfig, tokenizer):
+  """An explicit tokenizer wins; else data.tokenizer (a path) is loaded with
+  condattn_jax.data.tokenizer.load_tokenizer."""
+  if tokenizer is not None or dc.tokenizer is None:
+    return tokenizer
+  if not isinstance(dc.tokenizer, str):
+    return dc.tokenizer
+  from condattn_jax.data import tokenizer as tokenizer_lib
+  return tokenizer_lib.load_tokenizer(dc.tokenizer)
+
+
 def _document_dataset(dc: DataConfig, paths: Sequence[str], *, tokenizer, seed: int | None,
                       num_epochs: int | None, field: str) -> grain.MapDataset:
+  tokenizer = _resolve_tokenizer(dc, tokenizer)
   src = sources.open_source(dc.source, paths, text_field=dc.text_field,
                             tokens_field=dc.tokens_field, record_format=dc.record_format,
                             field=field)
   if len(src) == 0:
     raise ValueError(f"{field}: the files {list(paths)} hold no records")
   to_tokens = sources.RecordToTokens(text_field=dc.text_field, tokens_field=dc.tokens_field,
-                                     tokenizer=tokenizer,
-                                     separator_id=_separator_id(dc, tokenizer))
+                                     tokenizer=tokenizer)
   first = src[0]
   if to_tokens.needs_tokenizer(first):
     if dc.text_field not in first:
@@ -87,9 +98,10 @@ def _document_dataset(dc: DataConfig, paths: Sequence[str], *, tokenizer, seed: 
                        f"{dc.tokens_field!r} nor data.text_field={dc.text_field!r}; "
                        f"fields of the first record: {sorted(first)}")
     if tokenizer is None:
-      raise ValueError(f"{field}: records hold text in {dc.text_field!r}: pass tokenizer=... "
-                       "(condattn_jax.data.tokenizer) or pre-tokenize into "
+      raise ValueError(f"{field}: records hold text in {dc.text_field!r}: set data.tokenizer "
+                       "(a tokenizer directory), pass tokenizer=..., or pre-tokenize into "
                        f"{dc.tokens_field!r}")
+  to_tokens.separator_id = _separator_id(dc, tokenizer)
   ds = grain.MapDataset.source(src)
   if seed is not None:
     ds = ds.shuffle(seed=seed)

@@ -153,11 +153,12 @@ class ParquetSource(_MultiFile):
     self.columns: list[list[str]] = []
     counts = []
     for p in self.paths:
-      meta = pq.ParquetFile(p).metadata
+      pf = pq.ParquetFile(p)
+      meta = pf.metadata
       rows = np.array([meta.row_group(g).num_rows for g in range(meta.num_row_groups)],
                       np.int64)
       self._rg_rows.append(np.cumsum(rows))
-      names = set(meta.schema.names)
+      names = set(pf.schema_arrow.names)
       cols = [c for c in columns if c in names]
       if not cols:
         raise ValueError(f"parquet file {p!r} has none of the columns {list(columns)}; "
