@@ -320,3 +320,17 @@ def test_config_errors(tmp_path):
   import ml_collections
   run = ml_collections.ConfigDict({"data": _mqar_cfg(), "model": {"d": 1}})
   assert data.parse_data_config(run).source == "mqar"
+
+
+def test_process_exits_cleanly_with_a_live_prefetching_iterator(jsonl_path):
+  # Regression: a prefetch thread still working at interpreter exit used to abort the
+  # process (exit code 134) under Python 3.13.
+  import subprocess
+  import sys
+  code = ("from condattn_jax import data\n"
+          f"cfg = dict(source='jsonl', paths={jsonl_path!r}, seq_len=32, batch_size=4, "
+          "separator_id=0, prefetch=2)\n"
+          "it = data.make_train_iterator(cfg)\n"
+          "next(it)\n")
+  proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
+  assert proc.returncode == 0, proc.stderr.decode()[-2000:]

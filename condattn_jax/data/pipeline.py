@@ -30,8 +30,10 @@ Finite epochs (`data.num_epochs` an int): lanes run out at different points; tra
 
 from __future__ import annotations
 
+import atexit
 import json
 import logging
+import weakref
 from typing import Any, Mapping, Sequence
 
 import grain
@@ -286,7 +288,24 @@ def make_train_iterator(cfg, *, process_index: int = 0, process_count: int = 1,
   """
   it = iter(make_dataset(cfg, process_index=process_index, process_count=process_count,
                          tokenizer=tokenizer))
+  _LIVE_ITERATORS.add(it)
   return it
+
+
+# The prefetch thread is a daemon thread. If it is still inside numpy/C++ code when the
+# interpreter finalizes, Python 3.13 kills it with a forced unwind and the process aborts
+# ("terminate called without an active exception", exit code 134). Stop every live
+# iterator's threads at exit, before finalization.
+_LIVE_ITERATORS: "weakref.WeakSet[grain.DatasetIterator]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_iterators():
+  for it in list(_LIVE_ITERATORS):
+    try:
+      it.close()
+    except Exception:  # pylint: disable=broad-except
+      pass
 
 
 def make_eval_batches(cfg, num_batches: int | None, seed: int, *, process_index: int = 0,
