@@ -1,0 +1,1 @@
+"""Pallas kernels with pure-jnp references; importable without condattn_jax."""

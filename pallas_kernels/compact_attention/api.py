@@ -1,0 +1,324 @@
+"""compact_attention: attention for a data-dependent subset of queries (L2A global branch, AHA).
+
+    out_BTNH = compact_attention(q_BTNH, k_BSKH, v_BSKH, active_BT)             # L2A
+    out_BTNH = compact_attention(q_BTNH, k_BSKH, v_BSKH, active_BTN)            # AHA (per head)
+    out_BTNH, lse_BTN = compact_attention(..., return_lse=True)
+
+Active queries are compacted (in order, original positions kept) into a static bucket: the
+smallest of a fixed ladder of capacities that holds the largest active count of any row, chosen
+at run time by lax.switch over precompiled branches, so nothing recompiles per step and no active
+query is ever dropped (the ladder always ends with a bucket that holds all T queries). The kernel
+runs flash attention on the compacted queries with the causal / window / segment mask evaluated
+on original positions, skipping kv tiles that no query of a tile can see; the backward pass
+(custom_vjp, saving the log-sum-exp) skips query tiles that cannot see a kv tile. Results are
+scattered back; inactive queries get zeros (and lse = -inf).
+
+impl: 'auto' (Triton on GPU, Mosaic on TPU, the jnp reference elsewhere), 'reference', 'triton',
+'mosaic_tpu'. A kernel that cannot take a shape raises ValueError when asked for by name; under
+'auto' it warns once and uses the reference.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from . import compaction as cp
+from .common import TPU_BLOCK_SIZES, BlockSizes
+from .reference import reference_compact_attention
+
+IMPLS = ("auto", "reference", "triton", "mosaic_tpu")
+_FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+class CompactAttentionFallbackWarning(UserWarning):
+  pass
+
+
+@functools.cache
+def _warn_once(msg: str) -> None:
+  warnings.warn(msg, CompactAttentionFallbackWarning, stacklevel=3)
+
+
+def _default_platform() -> str:
+  return jax.default_backend()
+
+
+def _backend_module(name: str):
+  if name == "triton":
+    from . import triton as mod
+  else:
+    from . import mosaic_tpu as mod
+  return mod
+
+
+def kernel_support(impl: str, q_shape, kv_shape, dtype, bs: BlockSizes) -> tuple[BlockSizes | None, str | None]:
+  """(block sizes fitted to the shape, None) or (None, reason the kernel cannot take it)."""
+  H = q_shape[-1]
+  S = kv_shape[1]
+  if jnp.dtype(dtype) not in _FLOAT_DTYPES:
+    return None, f"dtype {jnp.dtype(dtype).name} (supported: bfloat16, float16, float32)"
+  blocks = (bs.block_q, bs.block_k, bs.block_q_dq, bs.block_k_dq, bs.block_q_dkv, bs.block_k_dkv)
+  if impl == "triton":
+    if H & (H - 1) or not 16 <= H <= 256:
+      return None, f"head_dim {H} (Triton kernel needs a power of two in [16, 256])"
+    if any(b < 16 or b & (b - 1) for b in blocks):
+      return None, f"block sizes {blocks} (Triton kernel needs powers of two >= 16)"
+    fitted = bs.fit_kv(S, 16)
+    if fitted is None:
+      return None, f"kv length {S} (needs a multiple of 16)"
+    return fitted, None
+  if impl == "mosaic_tpu":
+    if H % 128 and H != 64:
+      return None, f"head_dim {H} (Mosaic kernel needs 64 or a multiple of 128)"
+    if any(b % 128 for b in blocks):
+      return None, f"block sizes {blocks} (Mosaic kernel needs multiples of 128)"
+    fitted = bs.fit_kv(S, 128)
+    if fitted is None:
+      return None, f"kv length {S} (needs a multiple of 128)"
+    return fitted, None
+  raise ValueError(impl)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  backend: str
+  scale: float
+  window: int | None
+  caps: tuple[int, ...]
+  bs: BlockSizes
+  interpret: Any
+  poison: bool
+  kv_default: bool  # kv positions are arange(S): the kernel computes them
+
+
+def _compact(cfg, C, active_BIT, qpos_BT, qseg_BT):
+  T = active_BIT.shape[-1]
+  idx = cp.compact_indices(active_BIT, C)
+  valid = idx < T
+  qpos_c = cp.gather_meta(qpos_BT, idx, cp.PAD_POS)
+  qseg_c = None if qseg_BT is None else cp.gather_meta(qseg_BT, idx, 0)
+  return idx, valid, qpos_c, qseg_c
+
+
+def _kernel_seg(qseg_c):
+  # Queries of segment 0 (and padding) must match no key: kv segment ids are >= 0.
+  return None if qseg_c is None else jnp.where(qseg_c == 0, -1, qseg_c).astype(jnp.int32)
+
+
+def _switch(caps, count_max, branch_fn, *ops):
+  if len(caps) == 1:
+    return branch_fn(caps[0])(*ops)
+  return lax.switch(cp.pick_bucket(count_max, caps), [branch_fn(c) for c in caps], *ops)
+
+
+def _forward_impl(cfg: _Config, q, k, v, active, qpos, kvpos, qseg, kvseg):
+  B, T, N, H = q.shape
+  S = k.shape[1]
+  mod = _backend_module(cfg.backend)
+  active_BIT, _ = cp.active_to_RT(active)
+  count_max = jnp.max(jnp.sum(active_BIT.astype(jnp.int32), axis=-1))
+  kvpos_arr = kvpos if kvpos is not None else jnp.broadcast_to(
+      jnp.arange(S, dtype=jnp.int32), (B, S))
+  kvpos_k = None if cfg.kv_default else kvpos
+
+  def branch(C):
+    def f(q, k, v, active_BIT, qpos, kvpos_arr, kvpos_k, qseg, kvseg):
+      idx, valid, qpos_c, qseg_c = _compact(cfg, C, active_BIT, qpos, qseg)
+      bounds = cp.tile_bounds(qpos_c, valid, qseg_c, kvpos_arr, kvseg, window=cfg.window,
+                              block_q=cfg.bs.block_q, block_k=cfg.bs.block_k)
+      q_c = cp.gather_rows(q, idx)
+      out_c, lse_c = mod.fwd(q_c, k, v, qpos_c, _kernel_seg(qseg_c), kvpos_k, kvseg, bounds,
+                             scale=cfg.scale, window=cfg.window, bs=cfg.bs,
+                             interpret=cfg.interpret, poison=cfg.poison)
+      out = cp.scatter_rows(out_c, idx, T)
+      lse = cp.scatter_BNT(lse_c, idx, T, -jnp.inf)
+      return out, jnp.swapaxes(lse, 1, 2)
+    return f
+
+  return _switch(cfg.caps, count_max, branch, q, k, v, active_BIT, qpos, kvpos_arr, kvpos_k,
+                 qseg, kvseg)
+
+
+def _backward_impl(cfg: _Config, res, dout, dlse):
+  q, k, v, active, qpos, kvpos, qseg, kvseg, out, lse = res
+  B, T, N, H = q.shape
+  S = k.shape[1]
+  mod = _backend_module(cfg.backend)
+  active_BIT, _ = cp.active_to_RT(active)
+  count_max = jnp.max(jnp.sum(active_BIT.astype(jnp.int32), axis=-1))
+  kvpos_arr = kvpos if kvpos is not None else jnp.broadcast_to(
+      jnp.arange(S, dtype=jnp.int32), (B, S))
+  kvpos_k = None if cfg.kv_default else kvpos
+  lse_BNT = jnp.swapaxes(lse, 1, 2)
+  dlse_BNT = jnp.swapaxes(dlse, 1, 2).astype(jnp.float32)
+
+  def branch(C):
+    def f(q, k, v, dout, out, lse_BNT, dlse_BNT, active_BIT, qpos, kvpos_arr, kvpos_k, qseg,
+          kvseg):
+      idx, valid, qpos_c, qseg_c = _compact(cfg, C, active_BIT, qpos, qseg)
+      q_c = cp.gather_rows(q, idx)
+      do_c = cp.gather_rows(dout, idx)
+      o_c = cp.gather_rows(out, idx)
+      delta = jnp.sum(o_c.astype(jnp.float32) * do_c.astype(jnp.float32), axis=-1)  # [B, C, N]
+      delta = jnp.swapaxes(delta, 1, 2) - cp.gather_BNT(dlse_BNT, idx)
+      lse_c = cp.gather_BNT(lse_BNT, idx)
+      seg_k = _kernel_seg(qseg_c)
+      bs = cfg.bs
+      b_dq = cp.tile_bounds(qpos_c, valid, qseg_c, kvpos_arr, kvseg, window=cfg.window,
+                            block_q=bs.block_q_dq, block_k=bs.block_k_dq)
+      b_dkv = cp.tile_bounds(qpos_c, valid, qseg_c, kvpos_arr, kvseg, window=cfg.window,
+                             block_q=bs.block_q_dkv, block_k=bs.block_k_dkv, transpose=True)
+      kw = dict(scale=cfg.scale, window=cfg.window, bs=bs, interpret=cfg.interpret,
+                poison=cfg.poison)
+      dq_c = mod.dq(q_c, k, v, do_c, lse_c, delta, qpos_c, seg_k, kvpos_k, kvseg, b_dq, **kw)
+      dk, dv = mod.dkv(q_c, k, v, do_c, lse_c, delta, qpos_c, seg_k, kvpos_k, kvseg, b_dkv, **kw)
+      return cp.scatter_rows(dq_c, idx, T), dk, dv
+    return f
+
+  return _switch(cfg.caps, count_max, branch, q, k, v, dout, out, lse_BNT, dlse_BNT, active_BIT,
+                 qpos, kvpos_arr, kvpos_k, qseg, kvseg)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _kernel_attention(cfg, q, k, v, active, qpos, kvpos, qseg, kvseg):
+  return _forward_impl(cfg, q, k, v, active, qpos, kvpos, qseg, kvseg)
+
+
+def _kernel_attention_fwd(cfg, q, k, v, active, qpos, kvpos, qseg, kvseg):
+  out, lse = _forward_impl(cfg, q, k, v, active, qpos, kvpos, qseg, kvseg)
+  return (out, lse), (q, k, v, active, qpos, kvpos, qseg, kvseg, out, lse)
+
+
+def _kernel_attention_bwd(cfg, res, cts):
+  dout, dlse = cts
+  dq, dk, dv = _backward_impl(cfg, res, dout, dlse)
+  return dq, dk, dv, None, None, None, None, None
+
+
+_kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
+
+
+def _resolve_impl(impl, interpret, q_shape, kv_shape, dtype, bs):
+  if impl not in IMPLS:
+    raise ValueError(f"compact_attention: unknown impl {impl!r}; choose one of {IMPLS}")
+  explicit = impl != "auto"
+  if impl == "auto":
+    platform = _default_platform()
+    impl = {"gpu": "triton", "cuda": "triton", "rocm": "triton", "tpu": "mosaic_tpu"}.get(
+        platform, "reference")
+  if impl == "reference":
+    return impl, None
+  if explicit and not interpret:
+    want = "gpu" if impl == "triton" else "tpu"
+    if _default_platform() not in ((want,) if want == "tpu" else ("gpu", "cuda", "rocm")):
+      raise ValueError(f"compact_attention impl={impl!r} needs a {want.upper()} (running on "
+                       f"{_default_platform()!r}); pass interpret=True to run the kernel in "
+                       "Pallas interpret mode, or impl='reference'.")
+  if bs is None:
+    bs = TPU_BLOCK_SIZES if impl == "mosaic_tpu" else BlockSizes()
+  fitted, reason = kernel_support(impl, q_shape, kv_shape, dtype, bs)
+  if reason is not None:
+    msg = (f"compact_attention: the {impl} kernel cannot take this call: {reason}. "
+           "Use impl='reference' (or other block sizes).")
+    if explicit:
+      raise ValueError(msg)
+    _warn_once(msg + " Falling back to the jnp reference.")
+    return "reference", None
+  return impl, fitted
+
+
+def compact_attention(q_BTNH, k_BSKH, v_BSKH, active, *, q_positions_BT=None,
+                      kv_positions_BS=None, q_offset=0, q_segment_ids_BT=None,
+                      kv_segment_ids_BS=None, window: int | None = None,
+                      bucket_fracs=None, capacity: int | None = None,
+                      block_q: int | None = None, block_k: int | None = None,
+                      block_sizes: BlockSizes | None = None, impl: str = "auto",
+                      interpret: Any = False, scale: float | None = None,
+                      return_lse: bool = False, poison: bool = False):
+  """Attention for the active queries only; zeros elsewhere.
+
+  Args:
+    q_BTNH: queries [B, T, N, H]; k_BSKH, v_BSKH: [B, S, K, H] with N % K == 0 (GQA, K/V not
+      repeated: query head h uses kv head h // (N // K)).
+    active: bool [B, T] (one active set per batch row, L2A) or [B, T, N] (per row and head, AHA).
+      `compaction.mask_from_indices` turns an index list into this mask.
+    q_positions_BT: query positions (default arange(T) + q_offset, so a prefix of S - T keys can
+      precede the queries). kv_positions_BS: key positions (default arange(S)).
+    q_segment_ids_BT, kv_segment_ids_BS: packed documents: a query sees only keys with its own
+      segment id; 0 = padding, never attended. Give both or neither.
+    window: a query at p sees keys at positions in (p - window, p].
+    bucket_fracs: ladder of capacities as fractions of T (default 1/16 .. 1); or `capacity`, a
+      fixed bucket (plus a full-T bucket for overflow, so nothing is ever dropped).
+    block_q, block_k: forward tiles; block_sizes: all tiles and Triton launch parameters.
+    impl: 'auto' | 'reference' | 'triton' | 'mosaic_tpu'; interpret: Pallas interpret mode
+      (True for Triton, pltpu.InterpretParams() for Mosaic) to run the kernels on CPU.
+    scale: logits scale (default H ** -0.5).
+    return_lse: also return the log-sum-exp [B, T, N] float32 (-inf where nothing is attended);
+      it is differentiable too.
+    poison: testing aid: kernel outputs start as NaN, so an element the kernel fails to write
+      shows up as NaN.
+
+  Returns:
+    out [B, T, N, H] in q's dtype (and lse if return_lse).
+  """
+  q, k, v = q_BTNH, k_BSKH, v_BSKH
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    raise ValueError(f"q, k, v must be 4-D [B, T, N, H] / [B, S, K, H]; got {q.shape}, "
+                     f"{k.shape}, {v.shape}")
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  if k.shape != v.shape or k.shape[0] != B or k.shape[3] != H:
+    raise ValueError(f"k and v must both be [B={B}, S, K, H={H}]; got {k.shape}, {v.shape}")
+  if N % K:
+    raise ValueError(f"query heads {N} must be a multiple of kv heads {K}")
+  if q.dtype != k.dtype or q.dtype != v.dtype:
+    raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+  active = jnp.asarray(active)
+  if active.dtype != jnp.bool_ or active.shape not in ((B, T), (B, T, N)):
+    raise ValueError(f"active must be bool [B, T]={B, T} or [B, T, N]={B, T, N}; got "
+                     f"{active.dtype} {active.shape}")
+  if (q_segment_ids_BT is None) != (kv_segment_ids_BS is None):
+    raise ValueError("give both q_segment_ids_BT and kv_segment_ids_BS, or neither")
+  if window is not None and window < 1:
+    raise ValueError(f"window must be >= 1, got {window}")
+  scale = float(H ** -0.5 if scale is None else scale)
+
+  kv_default = kv_positions_BS is None
+  if q_positions_BT is None:
+    qpos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + jnp.asarray(q_offset, jnp.int32),
+                            (B, T))
+  else:
+    qpos = jnp.asarray(q_positions_BT, jnp.int32)
+  kvpos = None if kv_default else jnp.asarray(kv_positions_BS, jnp.int32)
+  qseg = None if q_segment_ids_BT is None else jnp.asarray(q_segment_ids_BT, jnp.int32)
+  kvseg = None if kv_segment_ids_BS is None else jnp.asarray(kv_segment_ids_BS, jnp.int32)
+  for name, x, shp in (("q_positions_BT", qpos, (B, T)), ("kv_positions_BS", kvpos, (B, S)),
+                       ("q_segment_ids_BT", qseg, (B, T)), ("kv_segment_ids_BS", kvseg, (B, S))):
+    if x is not None and x.shape != shp:
+      raise ValueError(f"{name} must have shape {shp}, got {x.shape}")
+
+  bs = block_sizes
+  if block_q is not None or block_k is not None:
+    bs = (bs or BlockSizes()).with_(**{n: b for n, b in (("block_q", block_q), ("block_k", block_k))
+                                       if b is not None})
+  impl, bs = _resolve_impl(impl, interpret, q.shape, k.shape, q.dtype, bs)
+
+  if impl == "reference":
+    kvpos_arr = kvpos if kvpos is not None else jnp.broadcast_to(
+        jnp.arange(S, dtype=jnp.int32), (B, S))
+    out, lse = reference_compact_attention(
+        q, k, v, active, q_positions_BT=qpos, kv_positions_BS=kvpos_arr, q_segment_ids_BT=qseg,
+        kv_segment_ids_BS=kvseg, window=window, scale=scale)
+  else:
+    caps = cp.bucket_capacities(T, bucket_fracs=bucket_fracs, capacity=capacity,
+                                multiple=bs.q_multiple)
+    cfg = _Config(backend=impl, scale=scale, window=window, caps=caps, bs=bs,
+                  interpret=interpret, poison=poison, kv_default=kv_default)
+    out, lse = _kernel_attention(cfg, q, k, v, active, qpos, kvpos, qseg, kvseg)
+  return (out, lse) if return_lse else out

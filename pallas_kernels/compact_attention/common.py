@@ -1,0 +1,57 @@
+"""Tile configuration shared by the kernel backends."""
+from __future__ import annotations
+
+import dataclasses
+import math
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+  """Tiles of the three kernels (queries x keys) and Triton launch parameters.
+
+  The compacted query buffer is padded to a multiple of every block_q*, and the kv length must be
+  a multiple of every block_k* (smaller power-of-two tiles are tried before giving up).
+  num_warps / num_stages apply to the Triton backend only.
+  """
+  block_q: int = 128
+  block_k: int = 64
+  block_q_dq: int = 128
+  block_k_dq: int = 64
+  block_q_dkv: int = 64
+  block_k_dkv: int = 128
+  num_warps: int = 8
+  num_stages: int = 3
+  num_warps_dq: int = 8
+  num_stages_dq: int = 2
+  num_warps_dkv: int = 8
+  num_stages_dkv: int = 2
+
+  @property
+  def q_multiple(self) -> int:
+    return math.lcm(self.block_q, self.block_q_dq, self.block_q_dkv)
+
+  def with_(self, **kw) -> "BlockSizes":
+    return dataclasses.replace(self, **kw)
+
+  def fit_kv(self, S: int, min_block: int) -> "BlockSizes | None":
+    """Shrink the kv tiles (powers of two, down to min_block) until they divide S."""
+    out = {}
+    for name in ("block_k", "block_k_dq", "block_k_dkv"):
+      b = min(getattr(self, name), _pow2_floor(S))
+      while b >= min_block and S % b:
+        b //= 2
+      if b < min_block:
+        return None
+      out[name] = b
+    return dataclasses.replace(self, **out)
+
+
+def _pow2_floor(x: int) -> int:
+  return 1 << (max(x, 1).bit_length() - 1)
+
+
+TPU_BLOCK_SIZES = BlockSizes(block_q=256, block_k=512, block_q_dq=256, block_k_dq=512,
+                             block_q_dkv=256, block_k_dkv=512)

@@ -1,0 +1,116 @@
+"""Shared by the CPU tests, the GPU smoke test and the benchmark: random problems and checks."""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .api import compact_attention
+
+# Relative-error bounds ||x - ref|| / ||ref|| (device tool METHOD.md: float32 far under 1e-3,
+# bf16 operands between 1e-3 and 1e-2). Gradients go through one more bf16 rounding of P / dS.
+TOL = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 1e-2}
+
+
+@dataclasses.dataclass
+class Problem:
+  q: jax.Array
+  k: jax.Array
+  v: jax.Array
+  active: jax.Array
+  ct: jax.Array           # cotangent for the output
+  ct_lse: jax.Array       # cotangent for the lse (finite entries only)
+  kw: dict                # positions / segments / window keyword arguments
+
+
+def make_problem(seed, *, B=1, T=128, S=None, N=4, K=2, H=32, dtype=jnp.float32,
+                 sparsity=0.5, per_head=False, segments=0, window=None, q_offset=0,
+                 packed_positions=False, kv_positions=False):
+  """A random problem. segments > 0 packs that many documents (contiguous, random lengths, some
+  padding with id 0 at the end); packed_positions restarts positions per document."""
+  S = T + q_offset if S is None else S
+  rng = np.random.default_rng(seed)
+  ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+  q = jax.random.normal(ks[0], (B, T, N, H), jnp.float32).astype(dtype)
+  k = jax.random.normal(ks[1], (B, S, K, H), jnp.float32).astype(dtype)
+  v = jax.random.normal(ks[2], (B, S, K, H), jnp.float32).astype(dtype)
+  ct = jax.random.normal(ks[3], (B, T, N, H), jnp.float32).astype(dtype)
+  ct_lse = jax.random.normal(ks[4], (B, T, N), jnp.float32)
+  shape = (B, T, N) if per_head else (B, T)
+  active = jnp.asarray(rng.random(shape) >= sparsity)
+  kw = {}
+  if window is not None:
+    kw["window"] = window
+  if q_offset:
+    kw["q_offset"] = q_offset
+  if segments:
+    assert S == T, "segments with a prefix are not generated here"
+    seg = np.zeros((B, T), np.int32)
+    pos = np.zeros((B, T), np.int32)
+    for b in range(B):
+      cuts = np.sort(rng.choice(np.arange(1, T), size=segments, replace=False))
+      start = 0
+      for d, end in enumerate(list(cuts[:-1]) + [cuts[-1]]):
+        seg[b, start:end] = d + 1
+        pos[b, start:end] = np.arange(end - start)
+        start = end
+      pos[b, start:] = np.arange(T - start)  # trailing padding (segment 0)
+    kw["q_segment_ids_BT"] = jnp.asarray(seg)
+    kw["kv_segment_ids_BS"] = jnp.asarray(seg)
+    if packed_positions:
+      kw["q_positions_BT"] = jnp.asarray(pos)
+      kw["kv_positions_BS"] = jnp.asarray(pos)
+  elif kv_positions:
+    # keys at arbitrary (sorted, distinct) positions; queries at the last T of them
+    kp = np.sort(rng.choice(np.arange(4 * S), size=(B, S), replace=True), axis=1).astype(np.int32)
+    kw["kv_positions_BS"] = jnp.asarray(kp)
+    kw["q_positions_BT"] = jnp.asarray(kp[:, S - T:] + rng.integers(0, 2, (B, T)).astype(np.int32))
+  return Problem(q, k, v, active, ct, ct_lse, kw)
+
+
+def rel_err(x, ref):
+  x = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+  ref = np.asarray(jnp.asarray(ref, jnp.float32), np.float64)
+  if np.isnan(x).any():
+    return float("nan")
+  den = np.linalg.norm(ref)
+  num = np.linalg.norm(x - ref)
+  return float(num / den) if den > 0 else float(num)
+
+
+def run(p: Problem, *, grads=True, **kw):
+  """(out, lse, (dq, dk, dv)) of compact_attention on problem p, jitted."""
+  def f(q, k, v):
+    return compact_attention(q, k, v, p.active, return_lse=True, **p.kw, **kw)
+
+  out, lse = jax.jit(f)(p.q, p.k, p.v)
+  g = None
+  if grads:
+    def loss(q, k, v):
+      o, l = f(q, k, v)
+      lt = jnp.sum(jnp.where(jnp.isfinite(l), l * p.ct_lse, 0.0))
+      return jnp.sum(o.astype(jnp.float32) * p.ct.astype(jnp.float32)) + 0.5 * lt
+    g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(p.q, p.k, p.v)
+  return out, lse, g
+
+
+def compare(p: Problem, impl_kw: dict, *, grads=True, tol=None):
+  """Errors of the kernel vs the reference: dict name -> relative error (NaN fails)."""
+  tol = TOL[jnp.dtype(p.q.dtype).name] if tol is None else tol
+  o, l, g = run(p, grads=grads, poison=True, **impl_kw)
+  o_r, l_r, g_r = run(p, grads=grads, impl="reference")
+  errs = {"out": rel_err(o, o_r)}
+  fin = np.isfinite(np.asarray(l_r))
+  assert np.array_equal(fin, np.isfinite(np.asarray(l))), "lse -inf pattern differs"
+  errs["lse"] = rel_err(np.where(fin, l, 0), np.where(fin, l_r, 0))
+  inactive = ~np.asarray(p.active)
+  if inactive.ndim == 2:
+    inactive = np.broadcast_to(inactive[:, :, None], o.shape[:3])
+  assert np.all(np.asarray(o)[inactive] == 0), "inactive queries must give zeros"
+  if grads:
+    for n, a, b in zip(("dq", "dk", "dv"), g, g_r):
+      errs[n] = rel_err(a, b)
+  bad = {n: e for n, e in errs.items() if not e <= tol}  # NaN never passes
+  return errs, bad

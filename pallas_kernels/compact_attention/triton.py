@@ -1,0 +1,363 @@
+"""GPU kernels (pl.pallas_call lowered to Triton) for compacted-query attention.
+
+Three kernels, all on compacted queries q_c [B, C, N, H] (token-major, like the inputs) and the
+full K/V [B, S, K, H] (GQA: query head h reads kv head h // (N // K); K/V are never repeated):
+  forward  grid (q tile, B, N):  FlashAttention-2 loop over the kv tiles in the tile's bounds,
+           masked tiles (causal on original positions / window / segments) apart from the
+           unmasked ones; writes out_c and the log-sum-exp (natural log, -inf for empty rows).
+  dq       grid (q tile, B, N):  same bounds, dq = scale * dS K.
+  dk/dv    grid (kv tile, B, K): loops over the G query heads of the kv head and the query tiles in
+           the kv tile's bounds (query tiles whose positions all precede the kv tile are skipped).
+Per-tile bounds come from compaction.tile_bounds: (lo, full_lo, full_hi, hi).
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from .common import LN2, LOG2E, BlockSizes
+
+# The design card's GPU backend is the (deprecated) Pallas Triton lowering; silence that warning.
+warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated",
+                        category=DeprecationWarning)
+
+NEG_INF = float("-inf")
+
+
+def _dot(a, b, trans_b=False):
+  return plgpu.dot(a, b, trans_b=trans_b)
+
+
+def _kv_positions(kvpos_ref, start, bk):
+  if kvpos_ref is None:
+    return start + lax.iota(jnp.int32, bk)
+  return kvpos_ref[pl.ds(start, bk)]
+
+
+def _visible(qp, kp, qs, ks, window):
+  """qp/qs: per-query [bq] as column, kp/ks: per-key [bk] as row -> [bq, bk] bool."""
+  vis = kp[None, :] <= qp[:, None]
+  if window is not None:
+    vis &= (qp[:, None] - kp[None, :]) < window
+  if qs is not None:
+    vis &= qs[:, None] == ks[None, :]
+  return vis
+
+
+def _visible_T(qp, kp, qs, ks, window):
+  """Transposed: [bk, bq]."""
+  vis = kp[:, None] <= qp[None, :]
+  if window is not None:
+    vis &= (qp[None, :] - kp[:, None]) < window
+  if qs is not None:
+    vis &= ks[:, None] == qs[None, :]
+  return vis
+
+
+def _three_loops(bounds, body, carry):
+  lo, flo, fhi, hi = bounds
+  carry = lax.fori_loop(lo, flo, functools.partial(body, masked=True), carry)
+  carry = lax.fori_loop(flo, fhi, functools.partial(body, masked=False), carry)
+  return lax.fori_loop(fhi, hi, functools.partial(body, masked=True), carry)
+
+
+# ----------------------------------------------------------------------------------------------
+# forward
+# ----------------------------------------------------------------------------------------------
+
+def _fwd_kernel(*refs, has_seg, has_kvpos, window, scale, bk, nq):
+  it = iter(refs)
+  bounds_ref, qpos_ref = next(it), next(it)
+  qseg_ref = next(it) if has_seg else None
+  kvpos_ref = next(it) if has_kvpos else None
+  kvseg_ref = next(it) if has_seg else None
+  q_ref, k_ref, v_ref = next(it), next(it), next(it)
+  *_, o_ref, lse_ref = refs  # (poison inputs, if any, sit before the outputs)
+
+  i = nq - 1 - pl.program_id(0)
+  bounds = tuple(bounds_ref[i, c] for c in range(4))
+  q = q_ref[...]
+  qp = qpos_ref[...]
+  qs = None if qseg_ref is None else qseg_ref[...]
+  bq, H = q.shape
+  qk_scale = scale * LOG2E
+
+  def body(j, carry, *, masked):
+    acc, m, l = carry
+    start = j * bk
+    k = k_ref[pl.ds(start, bk), :]
+    s = _dot(q, k, trans_b=True) * qk_scale
+    if masked:
+      kp = _kv_positions(kvpos_ref, start, bk)
+      ks = None if kvseg_ref is None else kvseg_ref[pl.ds(start, bk)]
+      s = jnp.where(_visible(qp, kp, qs, ks, window), s, NEG_INF)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_use = jnp.where(m_new == NEG_INF, 0.0, m_new) if masked else m_new
+    alpha = jnp.exp2(m - m_use)
+    p = jnp.exp2(s - m_use[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    v = v_ref[pl.ds(start, bk), :]
+    acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
+    return acc, m_new, l
+
+  acc = jnp.zeros((bq, H), jnp.float32)
+  m = jnp.full((bq,), NEG_INF, jnp.float32)
+  l = jnp.zeros((bq,), jnp.float32)
+  acc, m, l = _three_loops(bounds, body, (acc, m, l))
+  empty = l == 0.0
+  l_safe = jnp.where(empty, 1.0, l)
+  o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(empty, NEG_INF, (m + jnp.log2(l_safe)) * LN2)
+
+
+def _hsel(per_head):
+  return (lambda h: h) if per_head else (lambda h: 0)
+
+
+def _poison_args(shapes, poison):
+  if not poison:
+    return [], []
+  bufs = []
+  for s in shapes:
+    fill = jnp.nan if jnp.issubdtype(s.dtype, jnp.floating) else -7
+    bufs.append(jnp.full(s.shape, fill, s.dtype))
+  return bufs, shapes
+
+
+def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_BIQ4, *,
+        scale, window, bs: BlockSizes, interpret=False, poison=False):
+  """Returns (out_c [B, C, N, H], lse [B, N, C] float32)."""
+  B, C, N, H = q_BCNH.shape
+  S, K = k_BSKH.shape[1], k_BSKH.shape[2]
+  G = N // K
+  I = qpos_BIC.shape[1]
+  bq, bk = bs.block_q, bs.block_k
+  nq = C // bq
+  hs = _hsel(I > 1)
+  has_seg, has_kvpos = qseg_BIC is not None, kvpos_BS is not None
+  qi = lambda p: nq - 1 - p  # heavy (late) tiles first
+
+  args = [bounds_BIQ4, qpos_BIC]
+  specs = [pl.BlockSpec((None, None, nq, 4), lambda p, b, h: (b, hs(h), 0, 0)),
+           pl.BlockSpec((None, None, bq), lambda p, b, h: (b, hs(h), qi(p)))]
+  if has_seg:
+    args.append(qseg_BIC)
+    specs.append(pl.BlockSpec((None, None, bq), lambda p, b, h: (b, hs(h), qi(p))))
+  if has_kvpos:
+    args.append(kvpos_BS)
+    specs.append(pl.BlockSpec((None, S), lambda p, b, h: (b, 0)))
+  if has_seg:
+    args.append(kvseg_BS)
+    specs.append(pl.BlockSpec((None, S), lambda p, b, h: (b, 0)))
+  args += [q_BCNH, k_BSKH, v_BSKH]
+  specs += [pl.BlockSpec((None, bq, None, H), lambda p, b, h: (b, qi(p), h, 0)),
+            pl.BlockSpec((None, S, None, H), lambda p, b, h: (b, 0, h // G, 0)),
+            pl.BlockSpec((None, S, None, H), lambda p, b, h: (b, 0, h // G, 0))]
+  out_shapes = [jax.ShapeDtypeStruct((B, C, N, H), q_BCNH.dtype),
+                jax.ShapeDtypeStruct((B, N, C), jnp.float32)]
+  out_specs = [pl.BlockSpec((None, bq, None, H), lambda p, b, h: (b, qi(p), h, 0)),
+               pl.BlockSpec((None, None, bq), lambda p, b, h: (b, h, qi(p)))]
+  pbufs, _ = _poison_args(out_shapes, poison)
+  aliases = {len(args) + n: n for n in range(len(pbufs))}
+  specs += out_specs[:len(pbufs)]
+  kernel = functools.partial(_fwd_kernel, has_seg=has_seg, has_kvpos=has_kvpos, window=window,
+                             scale=scale, bk=bk, nq=nq)
+  return pl.pallas_call(
+      kernel, grid=(nq, B, N), in_specs=specs, out_specs=out_specs, out_shape=out_shapes,
+      input_output_aliases=aliases, interpret=interpret, name="compact_attention_fwd",
+      compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
+  )(*args, *pbufs)
+
+
+# ----------------------------------------------------------------------------------------------
+# backward: dq
+# ----------------------------------------------------------------------------------------------
+
+def _bwd_lse2(lse):
+  """Natural-log lse -> base-2, with empty rows (-inf) mapped to +inf so that p = 0."""
+  lse2 = lse * LOG2E
+  return jnp.where(lse2 == NEG_INF, jnp.inf, lse2)
+
+
+def _dq_kernel(*refs, has_seg, has_kvpos, window, scale, bk, nq):
+  it = iter(refs)
+  bounds_ref, qpos_ref = next(it), next(it)
+  qseg_ref = next(it) if has_seg else None
+  kvpos_ref = next(it) if has_kvpos else None
+  kvseg_ref = next(it) if has_seg else None
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = (next(it) for _ in range(6))
+  dq_ref = refs[-1]
+
+  i = nq - 1 - pl.program_id(0)
+  bounds = tuple(bounds_ref[i, c] for c in range(4))
+  q = q_ref[...]
+  do = do_ref[...]
+  lse2 = _bwd_lse2(lse_ref[...])
+  delta = delta_ref[...]
+  qp = qpos_ref[...]
+  qs = None if qseg_ref is None else qseg_ref[...]
+  qk_scale = scale * LOG2E
+
+  def body(j, dq, *, masked):
+    start = j * bk
+    k = k_ref[pl.ds(start, bk), :]
+    v = v_ref[pl.ds(start, bk), :]
+    s = _dot(q, k, trans_b=True) * qk_scale
+    if masked:
+      kp = _kv_positions(kvpos_ref, start, bk)
+      ks = None if kvseg_ref is None else kvseg_ref[pl.ds(start, bk)]
+      s = jnp.where(_visible(qp, kp, qs, ks, window), s, NEG_INF)
+    p = jnp.exp2(s - lse2[:, None])
+    dp = _dot(do, v, trans_b=True)
+    ds = p * (dp - delta[:, None])
+    return dq + _dot(ds.astype(k.dtype), k)
+
+  dq = _three_loops(bounds, body, jnp.zeros(q.shape, jnp.float32))
+  dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def dq(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC, kvpos_BS,
+       kvseg_BS, bounds_BIQ4, *, scale, window, bs: BlockSizes, interpret=False, poison=False):
+  B, C, N, H = q_BCNH.shape
+  S, K = k_BSKH.shape[1], k_BSKH.shape[2]
+  G = N // K
+  I = qpos_BIC.shape[1]
+  bq, bk = bs.block_q_dq, bs.block_k_dq
+  nq = C // bq
+  hs = _hsel(I > 1)
+  has_seg, has_kvpos = qseg_BIC is not None, kvpos_BS is not None
+  qi = lambda p: nq - 1 - p
+
+  args = [bounds_BIQ4, qpos_BIC]
+  specs = [pl.BlockSpec((None, None, nq, 4), lambda p, b, h: (b, hs(h), 0, 0)),
+           pl.BlockSpec((None, None, bq), lambda p, b, h: (b, hs(h), qi(p)))]
+  if has_seg:
+    args.append(qseg_BIC)
+    specs.append(pl.BlockSpec((None, None, bq), lambda p, b, h: (b, hs(h), qi(p))))
+  if has_kvpos:
+    args.append(kvpos_BS)
+    specs.append(pl.BlockSpec((None, S), lambda p, b, h: (b, 0)))
+  if has_seg:
+    args.append(kvseg_BS)
+    specs.append(pl.BlockSpec((None, S), lambda p, b, h: (b, 0)))
+  q_spec = pl.BlockSpec((None, bq, None, H), lambda p, b, h: (b, qi(p), h, 0))
+  kv_spec = pl.BlockSpec((None, S, None, H), lambda p, b, h: (b, 0, h // G, 0))
+  row_spec = pl.BlockSpec((None, None, bq), lambda p, b, h: (b, h, qi(p)))
+  args += [q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC]
+  specs += [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
+  out_shapes = [jax.ShapeDtypeStruct((B, C, N, H), q_BCNH.dtype)]
+  pbufs, _ = _poison_args(out_shapes, poison)
+  aliases = {len(args) + n: n for n in range(len(pbufs))}
+  specs += [q_spec for _ in pbufs]
+  kernel = functools.partial(_dq_kernel, has_seg=has_seg, has_kvpos=has_kvpos, window=window,
+                             scale=scale, bk=bk, nq=nq)
+  return pl.pallas_call(
+      kernel, grid=(nq, B, N), in_specs=specs, out_specs=[q_spec], out_shape=out_shapes,
+      input_output_aliases=aliases, interpret=interpret, name="compact_attention_dq",
+      compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps_dq,
+                                           num_stages=bs.num_stages_dq),
+  )(*args, *pbufs)[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# backward: dk, dv
+# ----------------------------------------------------------------------------------------------
+
+def _dkv_kernel(*refs, has_seg, has_kvpos, window, scale, bq, bk, G, per_head):
+  it = iter(refs)
+  bounds_ref, qpos_ref = next(it), next(it)
+  qseg_ref = next(it) if has_seg else None
+  kvpos_ref = next(it) if has_kvpos else None
+  kvseg_ref = next(it) if has_seg else None
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = (next(it) for _ in range(6))
+  dk_ref, dv_ref = refs[-2], refs[-1]
+
+  j = pl.program_id(0)
+  k = k_ref[...]
+  v = v_ref[...]
+  kp = _kv_positions(kvpos_ref, j * bk, bk) if kvpos_ref is None else kvpos_ref[...]
+  ks = None if kvseg_ref is None else kvseg_ref[...]
+  qk_scale = scale * LOG2E
+
+  def head(g, carry):
+    hsel = g if per_head else 0
+    bounds = tuple(bounds_ref[hsel, j, c] for c in range(4))
+
+    def body(i, carry, *, masked):
+      dk, dv = carry
+      sl = pl.ds(i * bq, bq)
+      q = q_ref[sl, g, :]
+      do = do_ref[sl, g, :]
+      lse2 = _bwd_lse2(lse_ref[g, sl])
+      delta = delta_ref[g, sl]
+      sT = _dot(k, q, trans_b=True) * qk_scale                      # [bk, bq]
+      if masked:
+        qp = qpos_ref[hsel, sl]
+        qs = None if qseg_ref is None else qseg_ref[hsel, sl]
+        sT = jnp.where(_visible_T(qp, kp, qs, ks, window), sT, NEG_INF)
+      pT = jnp.exp2(sT - lse2[None, :])
+      dv = dv + _dot(pT.astype(do.dtype), do)
+      dpT = _dot(v, do, trans_b=True)                                 # [bk, bq]
+      dsT = pT * (dpT - delta[None, :])
+      dk = dk + _dot(dsT.astype(q.dtype), q)
+      return dk, dv
+
+    return _three_loops(bounds, body, carry)
+
+  zeros = jnp.zeros(k.shape, jnp.float32)
+  dk, dv = lax.fori_loop(0, G, head, (zeros, zeros))
+  dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def dkv(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC, kvpos_BS,
+        kvseg_BS, boundsT_BIK4, *, scale, window, bs: BlockSizes, interpret=False, poison=False):
+  """boundsT: per kv tile over query tiles, [B, I, S // block_k_dkv, 4]."""
+  B, C, N, H = q_BCNH.shape
+  S, K = k_BSKH.shape[1], k_BSKH.shape[2]
+  G = N // K
+  I = qpos_BIC.shape[1]
+  per_head = I > 1
+  bq, bk = bs.block_q_dkv, bs.block_k_dkv
+  nk = S // bk
+  has_seg, has_kvpos = qseg_BIC is not None, kvpos_BS is not None
+  Gi = G if per_head else 1
+  ksel = (lambda kh: kh) if per_head else (lambda kh: 0)
+
+  args = [boundsT_BIK4, qpos_BIC]
+  specs = [pl.BlockSpec((None, Gi, nk, 4), lambda j, b, kh: (b, ksel(kh), 0, 0)),
+           pl.BlockSpec((None, Gi, C), lambda j, b, kh: (b, ksel(kh), 0))]
+  if has_seg:
+    args.append(qseg_BIC)
+    specs.append(pl.BlockSpec((None, Gi, C), lambda j, b, kh: (b, ksel(kh), 0)))
+  if has_kvpos:
+    args.append(kvpos_BS)
+    specs.append(pl.BlockSpec((None, bk), lambda j, b, kh: (b, j)))
+  if has_seg:
+    args.append(kvseg_BS)
+    specs.append(pl.BlockSpec((None, bk), lambda j, b, kh: (b, j)))
+  qg_spec = pl.BlockSpec((None, C, G, H), lambda j, b, kh: (b, 0, kh, 0))
+  kv_spec = pl.BlockSpec((None, bk, None, H), lambda j, b, kh: (b, j, kh, 0))
+  row_spec = pl.BlockSpec((None, G, C), lambda j, b, kh: (b, kh, 0))
+  args += [q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC]
+  specs += [qg_spec, kv_spec, kv_spec, qg_spec, row_spec, row_spec]
+  out_shapes = [jax.ShapeDtypeStruct(k_BSKH.shape, k_BSKH.dtype),
+                jax.ShapeDtypeStruct(v_BSKH.shape, v_BSKH.dtype)]
+  pbufs, _ = _poison_args(out_shapes, poison)
+  aliases = {len(args) + n: n for n in range(len(pbufs))}
+  specs += [kv_spec for _ in pbufs]
+  kernel = functools.partial(_dkv_kernel, has_seg=has_seg, has_kvpos=has_kvpos, window=window,
+                             scale=scale, bq=bq, bk=bk, G=G, per_head=per_head)
+  return pl.pallas_call(
+      kernel, grid=(nk, B, K), in_specs=specs, out_specs=[kv_spec, kv_spec],
+      out_shape=out_shapes, input_output_aliases=aliases, interpret=interpret,
+      name="compact_attention_dkv",
+      compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps_dkv,
+                                           num_stages=bs.num_stages_dkv),
+  )(*args, *pbufs)
