@@ -150,6 +150,10 @@ def test_make_global_batch_and_shard_for_sharding():
     assert out[k].shape == v.shape and out[k].dtype == v.dtype
     assert out[k].sharding == sharding
     np.testing.assert_array_equal(np.asarray(out[k]), v)
+  inferred = data.make_global_batch(batch, {k: sharding for k in batch})
+  assert all(inferred[k].shape == v.shape for k, v in batch.items())
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  assert data.data_shard_for_sharding(replicated, (8, 64)) == (0, 1)
   spec = data.batch_spec(cfg)
   assert {k: (s.shape, s.dtype) for k, s in spec.items()} == {
       k: (v.shape, v.dtype) for k, v in batch.items()}
