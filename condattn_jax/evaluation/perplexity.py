@@ -1,0 +1,100 @@
+"""Perplexity at several context lengths + synthetic-task accuracy, on a fixed eval set.
+
+For each length L in `config.eval.context_lengths` (default: data.seq_len) the data section is
+re-instantiated with seq_len=L and `config.eval.num_batches` batches are drawn with
+`condattn_jax.data.make_eval_batches` (eval stream, `config.eval.seed`). Scored tokens are the
+`loss_mask` ones, so on MQAR / NIAH only the answer tokens count:
+
+  ce            mean token cross-entropy over scored tokens;  ppl = exp(ce)
+  token_acc     fraction of scored tokens whose argmax is the target
+  exact_match   fraction of rows (with >= 1 scored token) whose scored tokens are ALL right
+  aux/<m>       the scheme's metrics (e.g. per-layer sparsity), averaged over batches
+
+The model runs with train=False; the scheme's test-time knobs come from the config
+(`--config.model.scheme.<knob>=...`), its RNG from `config.eval.seed`.
+"""
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import jax
+import numpy as np
+
+from condattn_jax.data import data_shard_for_sharding, make_eval_batches, make_global_batch
+from condattn_jax.train import sharding as shd
+from condattn_jax.train.step import make_eval_step
+
+
+def context_lengths(config) -> list[int]:
+  lengths = list(config.eval.context_lengths or ()) or [int(config.data.seq_len)]
+  return [int(x) for x in lengths]
+
+
+def eval_data_config(config, seq_len: int):
+  """config.data with seq_len=L (and eval.batch_size), no prefetch thread."""
+  d = copy.deepcopy(config.data)
+  d.seq_len = int(seq_len)
+  if config.eval.get("batch_size"):
+    d.batch_size = int(config.eval.batch_size)
+  d.prefetch = 0
+  return d
+
+
+def evaluate(config, params, model_cfg, mesh, *, step: int = 0, param_shardings=None,
+             lengths: list[int] | None = None) -> dict[str, Any]:
+  """{'step': step, 'results': {L: {ce, ppl, token_acc, exact_match, tokens, seqs, aux/...}}}."""
+  chunk = int(config.train.get("loss_chunk_size", 0) or 0)
+  lengths = context_lengths(config) if lengths is None else lengths
+  bsh = shd.batch_sharding(mesh)
+  if param_shardings is None:
+    param_shardings = jax.tree.map(lambda x: x.sharding, params)
+  out: dict[str, Any] = {"step": int(step), "results": {}}
+  with shd.mesh_context(mesh):
+    fn = jax.jit(make_eval_step(model_cfg, loss_chunk_size=chunk, seed=int(config.eval.seed),
+                                step=step),
+                 in_shardings=(param_shardings, bsh), out_shardings=shd.replicated(mesh))
+    for L in lengths:
+      if chunk and L % chunk:
+        raise ValueError(f"eval.context_lengths has {L}, not divisible by "
+                         f"train.loss_chunk_size={chunk}.")
+      dcfg = eval_data_config(config, L)
+      B = int(dcfg.batch_size)
+      if B % shd.batch_shards(mesh):
+        raise ValueError(f"eval batch size {B} (eval.batch_size or data.batch_size) must be "
+                         f"divisible by mesh data*fsdp={shd.batch_shards(mesh)}.")
+      shard_index, shard_count = data_shard_for_sharding(bsh, (B, L))
+      batches = make_eval_batches(dcfg, int(config.eval.num_batches), int(config.eval.seed),
+                                  process_index=shard_index, process_count=shard_count)
+      sums: dict[str, Any] = {}
+      n = 0
+      for b in batches:
+        r = jax.device_get(fn(params, make_global_batch(b, bsh, B)))
+        n += 1
+        for k, v in r.items():
+          sums[k] = sums.get(k, 0.0) + np.asarray(v, np.float64)
+      if not n:
+        raise ValueError(f"no evaluation batches at context length {L}.")
+      tok = max(float(sums["tokens"]), 1.0)
+      ce = float(sums["ce_sum"]) / tok
+      res = dict(ce=ce, ppl=math.exp(min(ce, 700.0)), token_acc=float(sums["correct"]) / tok,
+                 exact_match=float(sums["seq_correct"]) / max(float(sums["seqs"]), 1.0),
+                 tokens=int(sums["tokens"]), seqs=int(sums["seqs"]), batches=n)
+      for k, v in sums.items():
+        if k.startswith("aux/"):
+          v = v / n
+          res[k] = float(v) if np.ndim(v) == 0 else np.asarray(v).tolist()
+      out["results"][int(L)] = res
+  return out
+
+
+def flat_metrics(results: dict) -> dict[str, Any]:
+  """{'eval/L{L}/ppl': ..., ...} for a metric writer."""
+  flat = {}
+  for L, r in results["results"].items():
+    for k, v in r.items():
+      if k in ("tokens", "seqs", "batches"):
+        continue
+      flat[f"L{L}/{k}"] = v
+  return flat

@@ -1,0 +1,215 @@
+"""Mesh, logical-axis rules and the shardings of params, optimizer state and batches.
+
+One table (`RULES`) maps every logical axis name used by the models to mesh axes:
+
+  params       vocab -> tensor, embed -> fsdp, q_heads/kv_heads -> tensor, mlp -> tensor,
+               head_dim/norm -> replicated
+  activations  activation_batch -> (data, fsdp), activation_heads/activation_mlp -> tensor,
+               activation_length/activation_embed -> replicated
+
+so `data` is pure data parallelism, `fsdp` shards the batch AND the parameters / optimizer state
+(ZeRO-3; params are all-gathered per layer by XLA), `tensor` is Megatron-style head / MLP /
+vocab parallelism. A parameter dimension that a mesh axis does not divide falls back to
+replicated on that axis (logged once), so odd head counts still run.
+
+Flax reads the rules and the mesh from context: run model code inside `mesh_context(mesh)`
+(`jax.set_mesh` + `nn.logical_axis_rules`). The mesh uses `AxisType.Auto` axes (GSPMD-style
+propagation around the logical constraints).
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+RULES: tuple[tuple[str, Any], ...] = (
+    # activations
+    ("activation_batch", BATCH_AXES),
+    ("activation_length", None),
+    ("activation_embed", None),
+    ("activation_heads", "tensor"),
+    ("activation_kv_heads", "tensor"),
+    ("activation_mlp", "tensor"),
+    ("activation_vocab", "tensor"),
+    # parameters
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("norm", None),
+)
+
+
+def _patch_flax_flat_kernel_unbox():
+  """Flax's DenseGeneral initialises its kernel FLAT ([D, N*H]) and unboxes it before reshaping
+  to [D, N, H]; with a mesh in context that unbox constrains a rank-2 value with 3 logical
+  names and fails. Linen re-runs the init abstractly on every `apply` (a shape check), so any
+  sharded forward of the decoder hits it. Skip the constraint only in that rank-mismatch case;
+  the final [D, N, H] box is still constrained as usual."""
+  cls = nn.LogicallyPartitioned
+  if getattr(cls, "_condattn_rank_safe", False):
+    return
+  orig = cls.unbox
+
+  def unbox(self, apply_constraint=True):
+    if apply_constraint and self.names is not None and np.ndim(self.value) != len(self.names):
+      return self.value
+    return orig(self, apply_constraint)
+
+  cls.unbox = unbox
+  cls._condattn_rank_safe = True
+
+
+_patch_flax_flat_kernel_unbox()
+
+
+def mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
+  """(data, fsdp, tensor) from `config.mesh`; at most one axis may be -1 (fill)."""
+  sizes = [int(mesh_cfg[a]) for a in MESH_AXES]
+  fill = [i for i, s in enumerate(sizes) if s == -1]
+  if len(fill) > 1:
+    raise ValueError(f"config.mesh: at most one of {MESH_AXES} may be -1 (fill), got "
+                     f"{dict(zip(MESH_AXES, sizes))}.")
+  for a, s in zip(MESH_AXES, sizes):
+    if s != -1 and s < 1:
+      raise ValueError(f"config.mesh.{a}={s}: use a positive size or -1 (fill).")
+  known = math.prod(s for s in sizes if s != -1)
+  if fill:
+    if num_devices % known:
+      raise ValueError(f"config.mesh {dict(zip(MESH_AXES, sizes))}: {num_devices} devices are not "
+                       f"divisible by the fixed axes' product {known}.")
+    sizes[fill[0]] = num_devices // known
+  if math.prod(sizes) != num_devices:
+    raise ValueError(f"config.mesh {dict(zip(MESH_AXES, sizes))} needs {math.prod(sizes)} devices, "
+                     f"but {num_devices} are available (jax.device_count()); set one axis to -1 "
+                     "to fill.")
+  return tuple(sizes)
+
+
+def make_mesh(mesh_cfg, devices: Sequence[Any] | None = None) -> jax.sharding.Mesh:
+  """The (data, fsdp, tensor) mesh over all devices (or `devices`).
+
+  Devices are laid out in process order with `tensor` innermost, so the batch rows a process
+  holds are one contiguous block (what per-process data loading needs).
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  shape = mesh_shape(mesh_cfg, len(devices))
+  devices = sorted(devices, key=lambda d: (d.process_index, d.id))
+  arr = np.asarray(devices, dtype=object).reshape(shape)
+  return jax.sharding.Mesh(arr, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+
+
+@contextlib.contextmanager
+def mesh_context(mesh, rules=RULES):
+  """Mesh + logical rules in context: everything that traces the model runs in here."""
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    yield
+
+
+def init_context(rules=RULES):
+  """Rules without a mesh, for `Decoder.init`: flax's DenseGeneral initialises a flattened kernel
+  and would hit its own rank-3 constraint under a mesh; the init is sharded by out_shardings."""
+  return nn.logical_axis_rules(rules)
+
+
+_warned: set = set()
+
+
+def logical_to_spec(names, shape, mesh, rules=RULES) -> P:
+  """PartitionSpec for an array with logical axis `names`; drops mesh axes that don't divide."""
+  if names is None:
+    return P()
+  spec = list(nn.logical_to_mesh_axes(names, rules))
+  for i, (axes, dim) in enumerate(zip(spec, shape)):
+    if axes is None:
+      continue
+    tup = axes if isinstance(axes, tuple) else (axes,)
+    size = math.prod(mesh.shape[a] for a in tup)
+    if dim % size:
+      key = (tuple(names), tuple(shape), tup)
+      if key not in _warned:
+        _warned.add(key)
+        logging.warning("sharding: dim %d (%s, size %d) of an array %s is not divisible by mesh "
+                        "axes %s (size %d): replicated on them.", i, names[i], dim, tuple(shape),
+                        tup, size)
+      spec[i] = None
+  while spec and spec[-1] is None:
+    spec.pop()
+  return P(*spec)
+
+
+def _is_box(x):
+  return isinstance(x, nn.meta.AxisMetadata)
+
+
+def param_shardings(boxed_abstract, mesh, rules=RULES):
+  """NamedShardings (unboxed tree) for params carrying `nn.LogicallyPartitioned` boxes."""
+  def one(x):
+    if _is_box(x):
+      names = x.get_partition_spec()
+      return NamedSharding(mesh, logical_to_spec(tuple(names), x.value.shape, mesh, rules))
+    return NamedSharding(mesh, P())
+  return jax.tree.map(one, boxed_abstract, is_leaf=_is_box)
+
+
+def logical_names(boxed_abstract):
+  """The logical axis names of every param (unboxed tree of tuples; None when unnamed)."""
+  return jax.tree.map(lambda x: tuple(x.get_partition_spec()) if _is_box(x) else None,
+                      boxed_abstract, is_leaf=_is_box)
+
+
+def replicated(mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def batch_sharding(mesh) -> NamedSharding:
+  """Sharding of a [B, T] batch array: rows over (data, fsdp), columns replicated."""
+  return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def batch_shards(mesh) -> int:
+  return mesh.shape["data"] * mesh.shape["fsdp"]
+
+
+def _dict_keys(path):
+  return tuple(str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
+def opt_state_shardings(abstract_opt_state, params_shardings, abstract_params, mesh):
+  """Shardings for an optax state: a leaf whose key path ends with a param's path (and has its
+  shape) follows that param (Adam's mu / nu, also under multi_transform / masked); the rest
+  (counts, scalars) is replicated."""
+  by_path = {}
+  for (path, s), (_, a) in zip(jax.tree_util.tree_flatten_with_path(params_shardings)[0],
+                               jax.tree_util.tree_flatten_with_path(abstract_params)[0]):
+    by_path[_dict_keys(path)] = (s, tuple(a.shape))
+  rep = replicated(mesh)
+
+  def one(path, leaf):
+    keys = _dict_keys(path)
+    shape = tuple(getattr(leaf, "shape", ()))
+    for k in range(len(keys), 0, -1):
+      hit = by_path.get(keys[-k:])
+      if hit is not None and hit[1] == shape:
+        return hit[0]
+    return rep
+  return jax.tree_util.tree_map_with_path(one, abstract_opt_state)
+
+
+def shard_host_tree(tree, shardings):
+  """Host (numpy) arrays, identical on every process -> global jax.Arrays with `shardings`."""
+  def put(x, s):
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
+  return jax.tree.map(put, tree, shardings)

@@ -1,0 +1,162 @@
+"""Loss, train step and eval step (pure functions; `loop.py` jits them with shardings).
+
+loss = sum(loss_mask * token CE) / sum(loss_mask)  +  scheme.aux_loss(aux, step, model_cfg)
+
+`train.loss_chunk_size > 0` computes the CE from the final hidden states in chunks of that many
+positions (`Decoder(..., return_hidden=True)` + `Decoder.output_embedding`), rematerialising
+each chunk's logits in the backward pass, so the [B, T, V] float32 logits never exist at once.
+`train.microbatches = k > 1` splits the batch into k microbatches and sums their gradients
+(same result as one big batch: the CE is normalised by the global number of scored tokens).
+
+Metrics of a step (all scalars unless the scheme returns per-layer arrays, shape [L]):
+  loss, ce, aux_loss, accuracy (argmax == target over scored tokens), tokens (scored),
+  grad_norm (trainable params, before clipping), lr, and every metric of the scheme's aux_loss.
+"""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from condattn_jax.attention import get_scheme
+from condattn_jax.models.config import ModelConfig
+from condattn_jax.models.decoder import Decoder
+from condattn_jax.train import optimizer as opt_lib
+from condattn_jax.train.state import TrainState, step_rng
+
+RESERVED_METRICS = ("loss", "ce", "aux_loss", "accuracy", "tokens", "grad_norm", "lr")
+
+
+def token_cross_entropy(logits_BTV, targets_BT):
+  """Per-token CE [B,T] and argmax-correct [B,T] (float32)."""
+  logits = logits_BTV.astype(jnp.float32)
+  logz = jax.nn.logsumexp(logits, axis=-1)
+  tgt = jnp.take_along_axis(logits, targets_BT[..., None], axis=-1)[..., 0]
+  correct = (jnp.argmax(logits, axis=-1) == targets_BT).astype(jnp.float32)
+  return logz - tgt, correct
+
+
+def chunked_token_cross_entropy(hidden_BTD, w_DV, targets_BT, chunk: int, dtype):
+  """Same as token_cross_entropy(hidden @ w) without materialising all logits."""
+  B, T, D = hidden_BTD.shape
+  if T % chunk:
+    raise ValueError(f"train.loss_chunk_size={chunk} must divide the sequence length "
+                     f"data.seq_len={T}.")
+  n = T // chunk
+  h = hidden_BTD.reshape(B, n, chunk, D).swapaxes(0, 1)
+  t = targets_BT.reshape(B, n, chunk).swapaxes(0, 1)
+
+  @jax.checkpoint
+  def one(h_BCD, t_BC):
+    logits = jnp.einsum("bcd,dv->bcv", h_BCD.astype(dtype), w_DV.astype(dtype))
+    return token_cross_entropy(logits.astype(jnp.float32), t_BC)
+
+  ce, correct = jax.lax.map(lambda xs: one(*xs), (h, t))
+  return ce.swapaxes(0, 1).reshape(B, T), correct.swapaxes(0, 1).reshape(B, T)
+
+
+def forward_ce(model: Decoder, params, batch, *, train: bool, rng, loss_chunk_size: int = 0):
+  """(ce_BT, correct_BT, aux) for one batch."""
+  rngs = {"router": rng} if rng is not None else {}
+  chunked = loss_chunk_size and loss_chunk_size > 0
+  out, aux = model.apply({"params": params}, batch["inputs"], batch["positions"],
+                         batch["segment_ids"], train=train, return_hidden=bool(chunked), rngs=rngs)
+  if chunked:
+    ce, correct = chunked_token_cross_entropy(out, model.output_embedding(params), batch["targets"],
+                                              int(loss_chunk_size), model.config.compute_dtype)
+  else:
+    ce, correct = token_cross_entropy(out, batch["targets"])
+  return ce, correct, aux
+
+
+def _check_metric_names(m: dict):
+  clash = sorted(set(m) & set(RESERVED_METRICS))
+  if clash:
+    raise ValueError(f"the scheme's aux_loss returns metric(s) {clash} whose names the train step "
+                     f"uses itself; rename them.")
+
+
+def make_train_step(model_cfg: ModelConfig, tc, tx: optax.GradientTransformation, labels,
+                    schedule: optax.Schedule) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+  """train_step(state, batch) -> (new_state, metrics)."""
+  model = Decoder(model_cfg)
+  scheme = get_scheme(model_cfg.scheme)
+  k = int(tc.get("microbatches", 1) or 1)
+  chunk = int(tc.get("loss_chunk_size", 0) or 0)
+  seed = int(tc.seed)
+
+  def micro_objective(params, mb, rng, step, n_total):
+    ce, correct, aux = forward_ce(model, params, mb, train=True, rng=rng, loss_chunk_size=chunk)
+    mask = mb["loss_mask"].astype(jnp.float32)
+    ce_sum = jnp.sum(ce * mask)
+    aux_loss, aux_metrics = scheme.aux_loss(aux, step, model_cfg)
+    _check_metric_names(aux_metrics)
+    obj = ce_sum / n_total + aux_loss / k
+    return obj, (ce_sum, jnp.sum(correct * mask), aux_loss, aux_metrics)
+
+  grad_fn = jax.value_and_grad(micro_objective, has_aux=True)
+
+  def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+    rng = step_rng(seed, state.step)
+    n_tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
+    n_total = jnp.maximum(n_tokens, 1.0)
+    if k == 1:
+      (_, (ce_sum, correct, aux_loss, aux_m)), grads = grad_fn(state.params, batch, rng,
+                                                                 state.step, n_total)
+    else:
+      B = batch["inputs"].shape[0]
+      if B % k:
+        raise ValueError(f"train.microbatches={k} must divide the global batch "
+                         f"data.batch_size={B}.")
+      # Row r goes to microbatch r % k: each device keeps its own rows (no resharding).
+      mbs = jax.tree.map(lambda x: x.reshape(B // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
+
+      def body(g_acc, mb):
+        (_, outs), g = grad_fn(state.params, mb, rng, state.step, n_total)
+        return jax.tree.map(jnp.add, g_acc, g), outs
+
+      grads, (ce_sum, correct, aux_loss, aux_m) = jax.lax.scan(
+          body, jax.tree.map(jnp.zeros_like, state.params), mbs)
+      ce_sum, correct, aux_loss = ce_sum.sum(), correct.sum(), aux_loss.mean()
+      aux_m = jax.tree.map(lambda v: v.mean(axis=0), aux_m)
+    trainable = [g for g, l in zip(jax.tree.leaves(grads), jax.tree.leaves(labels))
+                 if l != opt_lib.FROZEN]
+    grad_norm = optax.global_norm(trainable)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(loss=ce_sum / n_total + aux_loss, ce=ce_sum / n_total, aux_loss=aux_loss,
+                   accuracy=correct / n_total, tokens=n_tokens, grad_norm=grad_norm,
+                   lr=schedule(state.step))
+    metrics.update(aux_m)
+    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+    return new_state, metrics
+
+  return train_step
+
+
+def make_eval_step(model_cfg: ModelConfig, *, loss_chunk_size: int = 0, seed: int = 0,
+                   step: int = 0):
+  """eval_step(params, batch) -> sums over the batch:
+  ce_sum, correct (tokens), tokens, seq_correct, seqs (rows with >= 1 scored token), and the
+  scheme's aux metrics (means over this batch). train=False; the router RNG is key(seed)."""
+  model = Decoder(model_cfg)
+  scheme = get_scheme(model_cfg.scheme)
+
+  def eval_step(params, batch):
+    rng = jax.random.key(seed)
+    ce, correct, aux = forward_ce(model, params, batch, train=False, rng=rng,
+                                  loss_chunk_size=loss_chunk_size)
+    mask = batch["loss_mask"].astype(jnp.float32)
+    scored = mask > 0
+    row_has = jnp.any(scored, axis=-1)
+    row_ok = jnp.all(jnp.where(scored, correct > 0, True), axis=-1) & row_has
+    _, aux_m = scheme.aux_loss(aux, jnp.asarray(step, jnp.int32), model_cfg)
+    out = dict(ce_sum=jnp.sum(ce * mask), correct=jnp.sum(correct * mask), tokens=jnp.sum(mask),
+               seq_correct=jnp.sum(row_ok.astype(jnp.float32)),
+               seqs=jnp.sum(row_has.astype(jnp.float32)))
+    out.update({f"aux/{k}": v for k, v in aux_m.items()})
+    return out
+
+  return eval_step

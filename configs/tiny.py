@@ -1,0 +1,61 @@
+"""Tiny dense qwen2-style decoder on MQAR (multi-query associative recall): seconds on a CPU.
+
+The recipe of the tests and of `make demo`. Variants through the config arg:
+  python train.py --config=configs/tiny.py --workdir=/tmp/tiny
+  python train.py --config=configs/tiny.py:steps=400,seq=128 --workdir=/tmp/tiny
+  python train.py --config=configs/tiny.py --config.train.dry_run=True --workdir=/tmp/tiny
+  python eval.py  --config=configs/tiny.py --workdir=/tmp/tiny
+Args: steps (train.num_steps), seq (data.seq_len), batch (data.batch_size, global),
+      pairs (MQAR key-value pairs), layers, width (hidden size), lr.
+"""
+from condattn_jax.train.config import default_config, parse_arg
+
+
+def get_config(arg=None):
+  a = parse_arg(arg, steps=200, seq=64, batch=16, pairs=8, layers=2, width=64, lr=3e-3)
+  c = default_config()
+  vocab = 64
+
+  m = c.model
+  m.family = "qwen2"
+  m.vocab_size = vocab
+  m.hidden_size = a.width
+  m.intermediate_size = 2 * a.width
+  m.num_layers = a.layers
+  m.num_heads = 4
+  m.num_kv_heads = 2
+  m.head_dim = a.width // 4
+  m.attention_bias = True
+  m.rope_theta = 10000.0
+  m.dtype = "float32"
+  m.param_dtype = "float32"
+  m.scheme.name = "dense"
+
+  d = c.data
+  d.source = "mqar"
+  d.seq_len = a.seq
+  d.batch_size = a.batch
+  d.shuffle_seed = 0
+  d.prefetch = 0
+  d.task.vocab_size = vocab
+  d.task.num_pairs = a.pairs
+
+  t = c.train
+  t.num_steps = a.steps
+  t.lr = a.lr
+  t.warmup_frac = 0.05
+  t.lr_schedule = "cosine"
+  t.end_lr_frac = 0.1
+  t.weight_decay = 0.0
+  t.grad_clip = 1.0
+  t.log_every = 10
+  t.checkpoint_every = 100
+  t.keep_checkpoints = 2
+
+  c.mesh.data = 1
+  c.mesh.fsdp = -1
+  c.mesh.tensor = 1
+
+  c.eval.context_lengths = (a.seq, 2 * a.seq)
+  c.eval.num_batches = 4
+  return c
