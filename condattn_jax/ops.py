@@ -132,3 +132,47 @@ def attention(q_BTNH, k_BSKH, v_BSKH, *, q_positions_BT, kv_positions_BS,
   mask = attention_mask(q_positions_BT, kv_positions_BS, q_segment_ids_BT, kv_segment_ids_BS,
                         window=window)
   return reference_attention(q_BTNH, k_BSKH, v_BSKH, mask, scale=scale)
+
+
+def _compact_kernel():
+  """pallas_kernels.compact_attention.compact_attention, or None before that package exists."""
+  try:
+    from pallas_kernels.compact_attention import compact_attention as kernel
+  except ImportError:
+    return None
+  return kernel
+
+
+def compact_attention(q_BTNH, k_BSKH, v_BSKH, active_BT, *, q_positions_BT, kv_positions_BS,
+                      q_segment_ids_BT=None, kv_segment_ids_BS=None, window: int | None = None,
+                      scale: float | None = None, impl: str = "auto"):
+  """Causal attention for the active queries only (L2A's global branch); zeros elsewhere.
+
+  Same masks as `attention` (positions, window, segment ids with 0 = never attended), plus
+  `active_BT` (bool [B, T]): inactive query rows are not computed and come back as zeros.
+
+  impl: 'auto'      -> pallas_kernels.compact_attention (Triton on GPU, Mosaic on TPU, its jnp
+                       reference elsewhere; compaction into static buckets, no recompiles),
+        'reference' -> that package's reference; 'triton' | 'mosaic_tpu' -> that kernel;
+        'xla'       -> the masked dense reference of this module (no package needed).
+  kv segment ids alone (decode: the cache's validity) are allowed: the query chunk is then
+  taken as segment 1, i.e. one document, and sees every valid slot.
+  """
+  q_BTNH, k_BSKH, v_BSKH = map(jnp.asarray, (q_BTNH, k_BSKH, v_BSKH))
+  active_BT = jnp.asarray(active_BT, jnp.bool_)
+  kernel = None if impl == "xla" else _compact_kernel()
+  if kernel is None:
+    if impl not in ("auto", "xla", "reference"):
+      raise ValueError(f"ops.compact_attention impl={impl!r} needs the pallas_kernels package "
+                       "(not importable); use impl='xla'.")
+    mask = attention_mask(q_positions_BT, kv_positions_BS, q_segment_ids_BT, kv_segment_ids_BS,
+                          window=window)
+    return reference_attention(q_BTNH, k_BSKH, v_BSKH, mask & active_BT[:, :, None], scale=scale)
+  if q_segment_ids_BT is not None and kv_segment_ids_BS is None:
+    raise ValueError("ops.compact_attention: q_segment_ids_BT without kv_segment_ids_BS.")
+  if q_segment_ids_BT is None and kv_segment_ids_BS is not None:
+    kv_segment_ids_BS = (jnp.asarray(kv_segment_ids_BS) != 0).astype(jnp.int32)
+    q_segment_ids_BT = jnp.ones(q_BTNH.shape[:2], jnp.int32)
+  return kernel(q_BTNH, k_BSKH, v_BSKH, active_BT, q_positions_BT=q_positions_BT,
+                kv_positions_BS=kv_positions_BS, q_segment_ids_BT=q_segment_ids_BT,
+                kv_segment_ids_BS=kv_segment_ids_BS, window=window, scale=scale, impl=impl)

@@ -1,0 +1,348 @@
+"""L2A: exactness against the base model, forced-global, STE gradient, decode, pruning, schedule."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from condattn_jax import ops
+from condattn_jax.attention import get_scheme, l2a
+from condattn_jax.models.config import ModelConfig
+from condattn_jax.models.decoder import Decoder
+
+FAMILIES = {
+    "llama": dict(rope_scaling=dict(factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                                    original_max_position_embeddings=8)),
+    "qwen2": dict(attention_bias=True, tie_word_embeddings=True),
+    "qwen3": dict(qk_norm="head"),
+}
+B, T = 2, 16
+
+
+def _dense(family, seed=1):
+  cfg = ModelConfig(family=family).replace(**FAMILIES[family])
+  tok = jax.random.randint(jax.random.PRNGKey(0), (B, T), 0, cfg.vocab_size)
+  params = nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(seed), tok)["params"])
+  if cfg.attention_bias:  # non-zero biases, so copying them is tested too
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, x: x + 0.1 if "bias" in jax.tree_util.keystr(p) else x, params)
+  return cfg, params, tok
+
+
+def _random_router(params, scale=0.05, seed=0):
+  params = jax.tree.map(lambda x: x, params)
+  for i in range(sum(k.startswith("layers_") for k in params)):
+    if "router" in params[f"layers_{i}"]:
+      k = params[f"layers_{i}"]["router"]["kernel"]
+      params[f"layers_{i}"]["router"]["kernel"] = scale * jax.random.normal(
+          jax.random.PRNGKey(seed + i), k.shape, k.dtype)
+  return params
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_global_disabled_full_window_equals_base(family):
+  cfg, dp, tok = _dense(family)
+  base, _ = Decoder(cfg).apply({"params": dp}, tok)
+  lcfg, lp = l2a.dense_to_l2a(dp, cfg, window=T, routing="none")
+  out, aux = Decoder(lcfg).apply({"params": lp}, tok)
+  np.testing.assert_allclose(out, base, atol=1e-5, rtol=0)
+  np.testing.assert_array_equal(aux["sparsity"], 1.0)
+  # the same through pruning every layer, and through the reverse conversion
+  pcfg = l2a.l2a_config(lcfg, routing="learned", pruned_layers=range(cfg.num_layers))
+  pp = l2a.prune_params(lp, range(cfg.num_layers))
+  out, _ = Decoder(pcfg).apply({"params": pp}, tok)
+  np.testing.assert_allclose(out, base, atol=1e-5, rtol=0)
+  dcfg, back = l2a.to_dense(lp, lcfg)
+  assert dcfg.scheme == "dense" and dcfg.sliding_window == T
+  assert jax.tree.structure(back) == jax.tree.structure(dp)
+  out, _ = Decoder(dcfg).apply({"params": back}, tok)
+  np.testing.assert_allclose(out, base, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_router_on_window0_equals_base_through_global_branch(family):
+  cfg, dp, tok = _dense(family)
+  base, _ = Decoder(cfg).apply({"params": dp}, tok)
+  for routing in ("all", "learned"):  # zero-init router: p = 0.5 >= theta, every token global
+    lcfg, lp = l2a.dense_to_l2a(dp, cfg, window=0, routing=routing)
+    # scramble the local branch: with window 0 it must not matter
+    lp = jax.tree.map(lambda x: x, lp)
+    for i in range(cfg.num_layers):
+      lp[f"layers_{i}"]["self_attn"] = jax.tree.map(lambda x: 3.0 * x + 1.0,
+                                                    lp[f"layers_{i}"]["self_attn"])
+    out, aux = Decoder(lcfg).apply({"params": lp}, tok)
+    np.testing.assert_allclose(out, base, atol=1e-5, rtol=0)
+    np.testing.assert_array_equal(aux["sparsity"], 0.0)
+
+
+def test_converted_params_layout_and_registry():
+  cfg, dp, tok = _dense("qwen3")
+  lcfg, lp = l2a.dense_to_l2a(dp, cfg, window=4, pruned_layers=(1,))
+  assert get_scheme("l2a").from_dense is l2a.from_dense
+  l0, l1 = lp["layers_0"], lp["layers_1"]
+  assert set(l0) == {"input_layernorm", "self_attn", "global_layernorm", "router", "global_attn",
+                     "post_attention_layernorm", "mlp"}
+  assert "global_attn" not in l1 and "router" not in l1
+  np.testing.assert_array_equal(l0["router"]["kernel"], 0.0)
+  for a, b in zip(jax.tree.leaves(l0["global_attn"]), jax.tree.leaves(dp["layers_0"]["self_attn"])):
+    np.testing.assert_array_equal(a, b)
+  # the converted tree is exactly the tree a fresh init of the L2A config builds
+  init = jax.eval_shape(lambda: Decoder(lcfg).init(jax.random.PRNGKey(0), tok))["params"]
+  init = nn.unbox(init)
+  assert jax.tree.structure(init) == jax.tree.structure(lp)
+  specs = nn.get_partition_spec(jax.eval_shape(
+      lambda: Decoder(lcfg).init(jax.random.PRNGKey(0), tok)))["params"]
+  assert tuple(specs["layers_0"]["router"]["kernel"]) == ("embed",)
+  # boxed trees convert too, keeping logical axes
+  boxed = Decoder(cfg).init(jax.random.PRNGKey(1), tok)["params"]
+  lb = l2a.from_dense(boxed, lcfg)
+  assert isinstance(lb["layers_0"]["router"]["kernel"], nn.Partitioned)
+  assert lb["layers_0"]["router"]["kernel"].names == ("embed",)
+  with pytest.raises(ValueError, match="already has a global_attn"):
+    l2a.from_dense(lp, lcfg)
+  with pytest.raises(ValueError, match="unknown L2A option"):
+    l2a.l2a_config(cfg, windw=4)
+  with pytest.raises(ValueError, match="post-norm"):
+    l2a.l2a_config(ModelConfig(family="olmo2", qk_norm="full", post_norm=True))
+
+
+def test_forced_and_normal_paths_same_forward():
+  cfg, dp, tok = _dense("qwen3")
+  lcfg, lp = l2a.dense_to_l2a(dp, cfg, window=4)
+  lp = _random_router(lp)
+  rng = {"router": jax.random.PRNGKey(7)}
+  ev, aux_ev = Decoder(lcfg).apply({"params": lp}, tok)
+  assert 0.2 < float(aux_ev["sparsity"].mean()) < 0.8  # a real mix of decisions
+  outs = {}
+  for p_force in (0.0, 1e-9, 1.0):
+    m = Decoder(l2a.l2a_config(lcfg, p_force=p_force))
+    outs[p_force], aux = m.apply({"params": lp}, tok, train=True, rngs=rng)
+    np.testing.assert_array_equal(aux["forced"], 1.0 if p_force == 1.0 else 0.0)
+    np.testing.assert_allclose(aux["sparsity"], aux_ev["sparsity"])
+  for o in outs.values():
+    np.testing.assert_allclose(o, ev, atol=1e-5, rtol=0)
+  with pytest.raises(ValueError, match="rngs=\\{'router'"):
+    Decoder(lcfg).apply({"params": lp}, tok, train=True)
+
+
+def test_forced_step_draw_is_per_layer_and_from_step_key():
+  cfg, dp, tok = _dense("llama")
+  cfg = cfg.replace(num_layers=8)
+  dp = nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(1), tok)["params"])
+  lcfg, lp = l2a.dense_to_l2a(dp, cfg, window=4, p_force=0.5)
+  m = Decoder(lcfg)
+  f = jax.jit(lambda key: m.apply({"params": lp}, tok, train=True, rngs={"router": key})[1]["forced"])
+  draws = np.stack([np.asarray(f(jax.random.PRNGKey(s))) for s in range(12)])
+  np.testing.assert_array_equal(draws[3], np.asarray(f(jax.random.PRNGKey(3))))  # same key, same draw
+  assert 0.25 < draws.mean() < 0.75
+  assert len({tuple(r) for r in draws}) > 1 and len({tuple(c) for c in draws.T}) > 1
+
+
+def _layer_setup():
+  """One qwen3 L2A layer with the MLP zeroed: its output is exactly x' = s + d * a."""
+  cfg, dp, tok = _dense("qwen3")
+  lcfg, lp = l2a.dense_to_l2a(dp, cfg, window=3)
+  lp = _random_router(lp, scale=0.03)
+  layer = jax.tree.map(lambda x: x, lp["layers_0"])
+  layer["mlp"]["down_proj"]["kernel"] = jnp.zeros_like(layer["mlp"]["down_proj"]["kernel"])
+  x = jax.random.normal(jax.random.PRNGKey(5), (B, T, cfg.hidden_size))
+  pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+  c = jax.random.normal(jax.random.PRNGKey(6), (B, T, cfg.hidden_size))
+  return lcfg, layer, x, pos, c
+
+
+def _objective(cfg, layer, x, pos, c, train, c_mask=None):
+  mod = l2a.L2ALayer(cfg, layer_idx=0)
+  cc = c if c_mask is None else c * c_mask[..., None]
+
+  def out(w):
+    p = dict(layer, router={"kernel": w})
+    return mod.apply({"params": p}, x, pos, None, train, False, None,
+                     rngs={"router": jax.random.PRNGKey(0)})[0]
+
+  out0 = out(layer["router"]["kernel"])
+
+  def f(w):  # minus a constant: keeps float32 rounding of the sum small for finite differences
+    return jnp.sum(cc * (out(w) - out0))
+  return f
+
+
+def test_ste_router_gradient_matches_soft_path_finite_difference():
+  cfg, layer, x, pos, c = _layer_setup()
+  w = layer["router"]["kernel"]
+  soft = _objective(l2a.l2a_config(cfg, routing="soft"), layer, x, pos, c, False)
+  g_forced = jax.grad(_objective(l2a.l2a_config(cfg, p_force=1.0), layer, x, pos, c, True))(w)
+  g_normal = jax.grad(_objective(l2a.l2a_config(cfg, p_force=0.0), layer, x, pos, c, True))(w)
+  # decisions of this input
+  _, st = l2a.L2ALayer(cfg, 0).apply({"params": layer}, x, pos, mutable=["intermediates"])
+  d = st["intermediates"]["decision"][0]
+  assert 0 < int(d.sum()) < d.size
+  soft_acc = _objective(l2a.l2a_config(cfg, routing="soft"), layer, x, pos, c, False,
+                        c_mask=d.astype(jnp.float32))
+
+  def fd(f, direction, eps=2e-2):
+    """Central differences with one Richardson step (float32: small steps drown in rounding)."""
+    d = lambda e: (f(w + e * direction) - f(w - e * direction)) / (2 * e)
+    return (4 * d(eps / 2) - d(eps)) / 3
+
+  for k in range(4):
+    u = jax.random.normal(jax.random.PRNGKey(100 + k), w.shape)
+    u = u / jnp.linalg.norm(u)
+    # forced step: the router gradient of every token = that of the soft path d = p
+    np.testing.assert_allclose(jnp.dot(g_forced, u), fd(soft, u), rtol=5e-3, atol=1e-3)
+    # normal step: only accepted tokens (a = 0 for the others) give gradient
+    np.testing.assert_allclose(jnp.dot(g_normal, u), fd(soft_acc, u), rtol=5e-3, atol=1e-3)
+  assert float(jnp.linalg.norm(g_forced - g_normal)) > 1e-2 * float(jnp.linalg.norm(g_forced))
+
+
+def _decode_all(m, params, tok, prefill=7):
+  @jax.jit
+  def step(variables, tokens, positions):
+    return m.apply(variables, tokens, positions, decode=True, cache_len=T, mutable=["cache"])
+
+  pos = jnp.broadcast_to(jnp.arange(T), tok.shape)
+  (logits, _), v = step({"params": params}, tok[:, :prefill], pos[:, :prefill])
+  steps = [logits]
+  for t in range(prefill, T):
+    (lg, _), v = step({"params": params, "cache": v["cache"]}, tok[:, t:t + 1], pos[:, t:t + 1])
+    steps.append(lg)
+  return jnp.concatenate(steps, axis=1)
+
+
+@pytest.mark.parametrize("family,skip,pruned", [
+    ("qwen3", True, ()), ("qwen3", False, ()), ("qwen2", True, (1,)), ("llama", True, ()),
+    ("llama", False, (0,))])
+def test_decode_equals_full_forward(family, skip, pruned):
+  cfg, dp, tok = _dense(family)
+  lcfg, lp = l2a.dense_to_l2a(dp, cfg, window=4, theta=0.8, decode_skip=skip,
+                              pruned_layers=pruned)
+  lp = _random_router(lp)
+  m = Decoder(lcfg)
+  full, aux = m.apply({"params": lp}, tok)
+  (_, _), st = m.apply({"params": lp}, tok, mutable=["intermediates"])
+  live = [i for i in range(cfg.num_layers) if i not in pruned]
+  d = np.stack([np.asarray(st["intermediates"][f"layers_{i}"]["decision"][0]) for i in live])
+  # some decode steps have no global query in some layer (the skip branch runs) and some do
+  assert (~d[:, :, 7:].any(axis=1)).any() and d[:, :, 7:].any()
+  np.testing.assert_allclose(_decode_all(m, lp, tok), full, atol=1e-4, rtol=0)
+
+
+def test_decode_context_free_routing_is_stable():
+  cfg, dp, tok = _dense("qwen3")
+  lcfg, lp = l2a.dense_to_l2a(dp, cfg, window=4, routing="bernoulli", bernoulli_q=0.3)
+  m = Decoder(lcfg)
+  full, aux = m.apply({"params": lp}, tok)
+  assert 0.4 < float(aux["sparsity"].mean()) < 0.95
+  np.testing.assert_allclose(_decode_all(m, lp, tok), full, atol=1e-4, rtol=0)
+  # context-free: the draws do not depend on the tokens
+  _, aux2 = m.apply({"params": lp}, (tok + 1) % cfg.vocab_size)
+  np.testing.assert_array_equal(aux["global_tokens_B"], aux2["global_tokens_B"])
+  # in training they come from the step key
+  _, a1 = m.apply({"params": lp}, tok, train=True, rngs={"router": jax.random.PRNGKey(1)})
+  _, a2 = m.apply({"params": lp}, tok, train=True, rngs={"router": jax.random.PRNGKey(2)})
+  assert not np.array_equal(a1["global_tokens_B"], a2["global_tokens_B"])
+  np.testing.assert_array_equal(a1["p2_mean"], 0.0)  # no router in the loop, no regulariser
+
+
+def test_theta_is_a_test_time_knob():
+  cfg, dp, tok = _dense("qwen3")
+  lcfg, lp = l2a.dense_to_l2a(dp, cfg, window=4)
+  lp = _random_router(lp)
+  sp = [float(Decoder(l2a.l2a_config(lcfg, theta=th)).apply({"params": lp}, tok)[1]["sparsity"].mean())
+        for th in (0.1, 0.5, 0.9)]
+  assert sp[0] < sp[1] < sp[2]
+
+
+def test_packed_documents_and_padding():
+  cfg, dp, tok = _dense("qwen3")
+  lcfg, lp = l2a.dense_to_l2a(dp, cfg, window=3)
+  lp = _random_router(lp)
+  m = Decoder(lcfg)
+  a, b = tok[0, :9], tok[1, :5]
+  packed = jnp.concatenate([a, b, jnp.zeros((2,), tok.dtype)])[None]
+  seg = jnp.array([[1] * 9 + [2] * 5 + [0] * 2])
+  pos = jnp.array([list(range(9)) + list(range(5)) + [0, 0]])
+  out, aux = m.apply({"params": lp}, packed, pos, seg)
+  alone_a, aux_a = m.apply({"params": lp}, a[None])
+  alone_b, aux_b = m.apply({"params": lp}, b[None])
+  np.testing.assert_allclose(out[0, :9], alone_a[0], atol=1e-5)
+  np.testing.assert_allclose(out[0, 9:14], alone_b[0], atol=1e-5)
+  np.testing.assert_array_equal(aux["tokens_B"][:, 0], 14.0)  # padding is not counted
+  np.testing.assert_allclose(aux["global_tokens_B"][:, 0],
+                             aux_a["global_tokens_B"][:, 0] + aux_b["global_tokens_B"][:, 0])
+
+
+def test_aux_loss_schedule_and_metrics():
+  cfg = l2a.l2a_config(ModelConfig(), lambda_max=2e-3, lambda_warmup_steps=10,
+                       lambda_ramp_steps=20, pruned_layers=(1,))
+  o = l2a.l2a_options(cfg)
+  lam = [float(l2a.lambda_at(s, o)) for s in (0, 9, 10, 20, 30, 100)]
+  np.testing.assert_allclose(lam, [0, 0, 0, 1e-3, 2e-3, 2e-3], atol=1e-9)
+  oc = l2a.l2a_options(l2a.l2a_config(cfg, lambda_schedule="constant"))
+  assert float(l2a.lambda_at(0, oc)) == pytest.approx(2e-3)
+  aux = dict(p2_mean=jnp.array([0.25, 0.0]), p_mean=jnp.array([0.5, 0.0]),
+             sparsity=jnp.array([0.3, 1.0]), forced=jnp.array([1.0, 0.0]))
+  loss, metrics = l2a.aux_loss(aux, 30, cfg)
+  assert float(loss) == pytest.approx(2e-3 * 0.125)
+  assert float(metrics["l2a/sparsity"]) == pytest.approx(0.3)  # pruned layer left out
+  assert float(metrics["l2a/forced_frac"]) == pytest.approx(1.0)
+  assert float(metrics["l2a/sparsity_layer_1"]) == 1.0
+  assert float(metrics["l2a/router_p_layer_0"]) == 0.5
+  # the regulariser gradient reaches the router through p^2
+  cfg2, dp, tok = _dense("qwen3")
+  lcfg, lp = l2a.dense_to_l2a(dp, cfg2, window=4, lambda_schedule="constant", lambda_max=1.0)
+
+  def reg(params):
+    _, aux = Decoder(lcfg).apply({"params": params}, tok)
+    return l2a.aux_loss(aux, 0, lcfg)[0]
+  g = jax.grad(reg)(lp)
+  assert float(jnp.abs(g["layers_0"]["router"]["kernel"]).max()) > 0
+
+
+def test_measure_prune_and_kv_bytes():
+  cfg, dp, tok = _dense("qwen3")
+  lcfg, lp = l2a.dense_to_l2a(dp, cfg, window=4)
+  lp = _random_router(lp)
+  batches = [{"inputs": tok}, {"inputs": (tok * 7 + 3) % cfg.vocab_size}]
+  meas = l2a.measure_sparsity(Decoder(lcfg), lp, batches)
+  aux = [Decoder(lcfg).apply({"params": lp}, b["inputs"])[1]["sparsity"] for b in batches]
+  np.testing.assert_allclose(meas["layer_sparsity"], np.mean(aux, axis=0), atol=1e-6)
+  sp = meas["layer_sparsity"]
+  hi = int(np.argmax(sp))
+  res = l2a.prune_report(Decoder(lcfg), lp, batches, context_len=1024, threshold=float(np.mean(sp)))
+  rep = res["report"]
+  assert rep["layer_sparsity"] == sp and rep["pruned_layers"] == [hi]
+  assert "global_attn" not in res["params"][f"layers_{hi}"]
+  assert "global_attn" in res["params"][f"layers_{1 - hi}"]
+  # the 0.95 default
+  _, _, new = l2a.prune(lp, lcfg, [0.96, 0.94])
+  assert new == (0,)
+  per_tok = 2 * cfg.num_kv_heads * cfg.head_dim * 4
+  assert rep["kv_bytes_dense_base"] == 2 * 1024 * per_tok
+  assert rep["kv_bytes_before"] == 2 * (1024 + 4) * per_tok
+  assert rep["kv_bytes_after"] == (1024 + 2 * 4) * per_tok
+  # the pruned model decodes like its own full forward
+  m = Decoder(res["config"])
+  full, _ = m.apply({"params": res["params"]}, tok)
+  np.testing.assert_allclose(_decode_all(m, res["params"], tok), full, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("impl", ["xla", "auto"])
+def test_ops_compact_attention_matches_masked_attention(impl):
+  rng = np.random.default_rng(0)
+  Bq, Tq, N, K, H = 2, 12, 4, 2, 8
+  q, k, v = (jnp.asarray(rng.standard_normal((Bq, Tq, n, H)), jnp.float32) for n in (N, K, K))
+  pos = jnp.broadcast_to(jnp.arange(Tq), (Bq, Tq))
+  seg = jnp.asarray(np.array([[1] * 7 + [2] * 5, [1] * 10 + [0] * 2]), jnp.int32)
+  active = jnp.asarray(rng.random((Bq, Tq)) < 0.5)
+  full = ops.attention(q, k, v, q_positions_BT=pos, kv_positions_BS=pos, q_segment_ids_BT=seg,
+                       kv_segment_ids_BS=seg, impl="xla")
+  out = ops.compact_attention(q, k, v, active, q_positions_BT=pos, kv_positions_BS=pos,
+                              q_segment_ids_BT=seg, kv_segment_ids_BS=seg, impl=impl)
+  np.testing.assert_allclose(out, jnp.where(active[..., None, None], full, 0.0), atol=1e-5)
+  # decode layout: kv validity only
+  valid = jnp.asarray(np.array([[1] * 12, [1] * 9 + [0] * 3]), jnp.int32)
+  full = ops.attention(q, k, v, q_positions_BT=pos, kv_positions_BS=pos, kv_segment_ids_BS=valid)
+  out = ops.compact_attention(q, k, v, active, q_positions_BT=pos, kv_positions_BS=pos,
+                              kv_segment_ids_BS=valid, impl=impl)
+  np.testing.assert_allclose(out, jnp.where(active[..., None, None], full, 0.0), atol=1e-5)
