@@ -27,6 +27,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pallas_kernels.compact_attention import BlockSizes, compact_attention  # noqa: E402
+from pallas_kernels.compact_attention.common import GPU_BLOCK_SIZES  # noqa: E402
 from pallas_kernels.compact_attention import compaction as cp  # noqa: E402
 from pallas_kernels.compact_attention import triton as ktriton  # noqa: E402
 
@@ -110,30 +111,13 @@ def grad_fn(f, ct):
       argnums=(0, 1, 2)))
 
 
-def check_ours(T, s, bs, seed=1):
-  """Forward and dq/dk/dv vs cuDNN dense with inactive rows masked out; poisoned outputs."""
-  q, k, v, active, _, ct = make_inputs(T, s, seed)
-  fracs = (1.0,) if s == 0 else (1.0 - s,)
-  f = lambda q, k, v, a: compact_attention(q, k, v, a, impl="triton", bucket_fracs=fracs,
-                                           block_sizes=bs, poison=True)
-  o = jax.jit(f)(q, k, v, active)
-  o_ref = jax.jit(cudnn_masked)(q, k, v, active)
-  g = grad_fn(f, ct)(q, k, v, active)
-  g_ref = grad_fn(cudnn_masked, ct)(q, k, v, active)
-  errs = dict(out=rel(o, o_ref), dq=rel(g[0], g_ref[0]), dk=rel(g[1], g_ref[1]),
-              dv=rel(g[2], g_ref[2]))
-  nan = bool(jnp.isnan(o).any()) or any(bool(jnp.isnan(x).any()) for x in g)
-  zeros_ok = bool(jnp.all(jnp.where(active[:, :, None, None], 0, o) == 0))
-  return errs, nan, zeros_ok
-
-
 def sweep(T, sparsities, n):
   """Times each kernel alone on prepared compacted inputs for a few tile configurations."""
   rows = []
-  fwd_cfgs = [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 4),
-              (128, 128, 8, 3)]
-  dq_cfgs = [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 4, 3), (64, 128, 8, 2), (128, 128, 8, 2)]
-  dkv_cfgs = [(64, 128, 8, 2), (32, 128, 4, 2), (64, 64, 4, 2), (128, 128, 8, 2), (32, 64, 4, 3)]
+  fwd_cfgs = [(128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3), (64, 64, 4, 4),
+              (128, 128, 8, 4)]
+  dq_cfgs = [(128, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 2)]
+  dkv_cfgs = [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 2), (64, 32, 4, 2), (64, 64, 8, 2)]
   for s in sparsities:
     q, k, v, active, _, ct = make_inputs(T, s, 3)
     C = cp.round_up(max(1, int(round((1 - s) * T))), 128)
@@ -208,7 +192,12 @@ def main():
   args = ap.parse_args()
   Ts = [int(x) for x in args.T.split(",")]
   ss = [float(x) for x in args.sparsity.split(",")]
-  bs = BlockSizes(**json.loads(args.block_sizes)) if args.block_sizes else BlockSizes()
+  bs = GPU_BLOCK_SIZES
+  if args.block_sizes:
+    kw = json.loads(args.block_sizes)
+    if "small" in kw:
+      kw["small"] = None if kw["small"] is None else BlockSizes(**kw["small"])
+    bs = bs.with_(**kw)
   dev = jax.devices()[0]
   print("jax", jax.__version__, dev.device_kind, "block sizes", bs, flush=True)
 
@@ -226,21 +215,28 @@ def main():
     cud_f = bench(jax.jit(cudnn_dense), q, k, v, n=args.n)
     cud_fb = bench(grad_fn(lambda q, k, v: cudnn_dense(q, k, v), q), q, k, v, n=args.n)
     print(json.dumps(dict(T=T, cudnn_fwd_ms=cud_f, cudnn_fwdbwd_ms=cud_fb)), flush=True)
+    ref_f = jax.jit(cudnn_masked)
+    ref_g = grad_fn(cudnn_masked, make_inputs(T, 0.5, 2)[5])
     for s in ss:
       row = dict(T=T, sparsity=s, cudnn_fwd_ms=cud_f, cudnn_fwdbwd_ms=cud_fb,
                  target_speedup=0.8 / (1 - s) if s > 0 else 1 / 1.3)
-      try:
-        errs, nan, zeros_ok = check_ours(T, s, bs)
-        row.update(check=errs, check_nan=nan, check_inactive_zero=zeros_ok)
-        print("check", T, s, errs, "nan" if nan else "", "" if zeros_ok else "NONZERO", flush=True)
-      except Exception as e:  # noqa: BLE001
-        row["check_err"] = f"{type(e).__name__}: {str(e)[:300]}"
-        traceback.print_exc()
       q, k, v, active, idx, ct = make_inputs(T, s, 2)
-      f = ours_fn(s, bs)
+      f = jax.jit(ours_fn(s, bs))
+      g = grad_fn(ours_fn(s, bs), ct)
       try:
-        row["fwd_ms"] = bench(jax.jit(f), q, k, v, active, n=args.n)
-        row["fwdbwd_ms"] = bench(grad_fn(f, ct), q, k, v, active, n=args.n)
+        # check first (same compiled functions as timed): vs cuDNN dense with inactive rows
+        # masked out, forward and dq/dk/dv; NaN fails; inactive rows must be exactly zero.
+        o, gr = f(q, k, v, active), g(q, k, v, active)
+        o_ref, gr_ref = ref_f(q, k, v, active), ref_g(q, k, v, active)
+        errs = dict(out=rel(o, o_ref), dq=rel(gr[0], gr_ref[0]), dk=rel(gr[1], gr_ref[1]),
+                    dv=rel(gr[2], gr_ref[2]))
+        nan = bool(jnp.isnan(o).any()) or any(bool(jnp.isnan(x).any()) for x in gr)
+        zeros_ok = bool(jnp.all(jnp.where(active[:, :, None, None], 0, o) == 0))
+        row.update(check=errs, check_nan=nan, check_inactive_zero=zeros_ok)
+        print("check", T, s, errs, "NaN" if nan else "", "" if zeros_ok else "NONZERO", flush=True)
+        del o, gr, o_ref, gr_ref
+        row["fwd_ms"] = bench(f, q, k, v, active, n=args.n)
+        row["fwdbwd_ms"] = bench(g, q, k, v, active, n=args.n)
       except Exception as e:  # noqa: BLE001
         row["err"] = f"{type(e).__name__}: {str(e)[:300]}"
         traceback.print_exc()
@@ -268,7 +264,7 @@ def main():
   result = dict(device=dev.device_kind, jax_version=jax.__version__,
                 date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
                 shapes=dict(B=B, q_heads=N, kv_heads=K, head_dim=H, dtype="bfloat16"),
-                block_sizes=bs.__dict__, timing="median of %d after 2 warm-ups" % args.n,
+                block_sizes=repr(bs), timing="median of %d after 2 warm-ups" % args.n,
                 rows=rows, sweep=sweep_rows)
   os.makedirs(args.out_dir, exist_ok=True)
   path = os.path.join(args.out_dir, f"compact_attention_{name}.json")

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import compaction as cp
-from .common import TPU_BLOCK_SIZES, BlockSizes
+from .common import GPU_BLOCK_SIZES, TPU_BLOCK_SIZES, BlockSizes
 from .reference import reference_compact_attention
 
 IMPLS = ("auto", "reference", "triton", "mosaic_tpu")
@@ -63,7 +63,11 @@ def kernel_support(impl: str, q_shape, kv_shape, dtype, bs: BlockSizes) -> tuple
   S = kv_shape[1]
   if jnp.dtype(dtype) not in _FLOAT_DTYPES:
     return None, f"dtype {jnp.dtype(dtype).name} (supported: bfloat16, float16, float32)"
-  blocks = (bs.block_q, bs.block_k, bs.block_q_dq, bs.block_k_dq, bs.block_q_dkv, bs.block_k_dkv)
+  blocks = ()
+  b = bs
+  while b is not None:
+    blocks += (b.block_q, b.block_k, b.block_q_dq, b.block_k_dq, b.block_q_dkv, b.block_k_dkv)
+    b = b.small
   if impl == "triton":
     if H & (H - 1) or not 16 <= H <= 256:
       return None, f"head_dim {H} (Triton kernel needs a power of two in [16, 256])"
@@ -98,12 +102,35 @@ class _Config:
 
 
 def _compact(cfg, C, active_BIT, qpos_BT, qseg_BT):
+  """(idx or None, valid, qpos_c, qseg_c) for bucket C; idx None = identity (C == T): every query
+  stays in place and inactive ones get the padding position, so nothing is gathered."""
   T = active_BIT.shape[-1]
+  if C == T:
+    valid = active_BIT
+    qpos_c = jnp.where(valid, qpos_BT[:, None, :], cp.PAD_POS)
+    qseg_c = None if qseg_BT is None else jnp.where(valid, qseg_BT[:, None, :], 0)
+    return None, valid, qpos_c, qseg_c
   idx = cp.compact_indices(active_BIT, C)
   valid = idx < T
   qpos_c = cp.gather_meta(qpos_BT, idx, cp.PAD_POS)
   qseg_c = None if qseg_BT is None else cp.gather_meta(qseg_BT, idx, 0)
   return idx, valid, qpos_c, qseg_c
+
+
+def _gather(x, idx):
+  return x if idx is None else cp.gather_rows(x, idx)
+
+
+def _scatter(x_c, idx, T):
+  return x_c if idx is None else cp.scatter_rows(x_c, idx, T)
+
+
+def _gather_BNT(x, idx):
+  return x if idx is None else cp.gather_BNT(x, idx)
+
+
+def _scatter_BNT(x, idx, T):
+  return x if idx is None else cp.scatter_BNT(x, idx, T, -jnp.inf)
 
 
 def _kernel_seg(qseg_c):
@@ -130,15 +157,13 @@ def _forward_impl(cfg: _Config, q, k, v, active, qpos, kvpos, qseg, kvseg):
   def branch(C):
     def f(q, k, v, active_BIT, qpos, kvpos_arr, kvpos_k, qseg, kvseg):
       idx, valid, qpos_c, qseg_c = _compact(cfg, C, active_BIT, qpos, qseg)
+      bs = cfg.bs.for_capacity(C, T)
       bounds = cp.tile_bounds(qpos_c, valid, qseg_c, kvpos_arr, kvseg, window=cfg.window,
-                              block_q=cfg.bs.block_q, block_k=cfg.bs.block_k)
-      q_c = cp.gather_rows(q, idx)
-      out_c, lse_c = mod.fwd(q_c, k, v, qpos_c, _kernel_seg(qseg_c), kvpos_k, kvseg, bounds,
-                             scale=cfg.scale, window=cfg.window, bs=cfg.bs,
+                              block_q=bs.block_q, block_k=bs.block_k)
+      out_c, lse_c = mod.fwd(_gather(q, idx), k, v, qpos_c, _kernel_seg(qseg_c), kvpos_k, kvseg,
+                             bounds, scale=cfg.scale, window=cfg.window, bs=bs,
                              interpret=cfg.interpret, poison=cfg.poison)
-      out = cp.scatter_rows(out_c, idx, T)
-      lse = cp.scatter_BNT(lse_c, idx, T, -jnp.inf)
-      return out, jnp.swapaxes(lse, 1, 2)
+      return _scatter(out_c, idx, T), jnp.swapaxes(_scatter_BNT(lse_c, idx, T), 1, 2)
     return f
 
   return _switch(cfg.caps, count_max, branch, q, k, v, active_BIT, qpos, kvpos_arr, kvpos_k,
@@ -162,14 +187,14 @@ def _backward_impl(cfg: _Config, res, dout, dlse):
     def f(q, k, v, dout, out, lse_BNT, dlse_BNT, active_BIT, qpos, kvpos_arr, kvpos_k, qseg,
           kvseg):
       idx, valid, qpos_c, qseg_c = _compact(cfg, C, active_BIT, qpos, qseg)
-      q_c = cp.gather_rows(q, idx)
-      do_c = cp.gather_rows(dout, idx)
-      o_c = cp.gather_rows(out, idx)
+      q_c = _gather(q, idx)
+      do_c = _gather(dout, idx)
+      o_c = _gather(out, idx)
       delta = jnp.sum(o_c.astype(jnp.float32) * do_c.astype(jnp.float32), axis=-1)  # [B, C, N]
-      delta = jnp.swapaxes(delta, 1, 2) - cp.gather_BNT(dlse_BNT, idx)
-      lse_c = cp.gather_BNT(lse_BNT, idx)
+      delta = jnp.swapaxes(delta, 1, 2) - _gather_BNT(dlse_BNT, idx)
+      lse_c = _gather_BNT(lse_BNT, idx)
       seg_k = _kernel_seg(qseg_c)
-      bs = cfg.bs
+      bs = cfg.bs.for_capacity(C, T)
       b_dq = cp.tile_bounds(qpos_c, valid, qseg_c, kvpos_arr, kvseg, window=cfg.window,
                             block_q=bs.block_q_dq, block_k=bs.block_k_dq)
       b_dkv = cp.tile_bounds(qpos_c, valid, qseg_c, kvpos_arr, kvseg, window=cfg.window,
@@ -178,7 +203,7 @@ def _backward_impl(cfg: _Config, res, dout, dlse):
                 poison=cfg.poison)
       dq_c = mod.dq(q_c, k, v, do_c, lse_c, delta, qpos_c, seg_k, kvpos_k, kvseg, b_dq, **kw)
       dk, dv = mod.dkv(q_c, k, v, do_c, lse_c, delta, qpos_c, seg_k, kvpos_k, kvseg, b_dkv, **kw)
-      return cp.scatter_rows(dq_c, idx, T), dk, dv
+      return _scatter(dq_c, idx, T), dk, dv
     return f
 
   return _switch(cfg.caps, count_max, branch, q, k, v, dout, out, lse_BNT, dlse_BNT, active_BIT,
@@ -221,7 +246,7 @@ def _resolve_impl(impl, interpret, q_shape, kv_shape, dtype, bs):
                        f"{_default_platform()!r}); pass interpret=True to run the kernel in "
                        "Pallas interpret mode, or impl='reference'.")
   if bs is None:
-    bs = TPU_BLOCK_SIZES if impl == "mosaic_tpu" else BlockSizes()
+    bs = TPU_BLOCK_SIZES if impl == "mosaic_tpu" else GPU_BLOCK_SIZES
   fitted, reason = kernel_support(impl, q_shape, kv_shape, dtype, bs)
   if reason is not None:
     msg = (f"compact_attention: the {impl} kernel cannot take this call: {reason}. "

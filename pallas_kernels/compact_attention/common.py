@@ -17,21 +17,31 @@ class BlockSizes:
   num_warps / num_stages apply to the Triton backend only.
   """
   block_q: int = 128
-  block_k: int = 64
+  block_k: int = 128
   block_q_dq: int = 128
-  block_k_dq: int = 64
+  block_k_dq: int = 128
   block_q_dkv: int = 64
-  block_k_dkv: int = 128
+  block_k_dkv: int = 64
   num_warps: int = 8
   num_stages: int = 3
   num_warps_dq: int = 8
   num_stages_dq: int = 2
-  num_warps_dkv: int = 8
+  num_warps_dkv: int = 4
   num_stages_dkv: int = 2
+  # Tiles for small compacted buffers (capacity <= small_below * T): fewer, longer programs
+  # balance worse, so smaller tiles win there (measured on H200, bench/compact_attention.py).
+  small: "BlockSizes | None" = None
+  small_below: float = 0.25
 
   @property
   def q_multiple(self) -> int:
-    return math.lcm(self.block_q, self.block_q_dq, self.block_q_dkv)
+    m = math.lcm(self.block_q, self.block_q_dq, self.block_q_dkv)
+    return m if self.small is None else math.lcm(m, self.small.q_multiple)
+
+  def for_capacity(self, C: int, T: int) -> "BlockSizes":
+    if self.small is not None and C <= self.small_below * T:
+      return self.small
+    return self
 
   def with_(self, **kw) -> "BlockSizes":
     return dataclasses.replace(self, **kw)
@@ -39,6 +49,10 @@ class BlockSizes:
   def fit_kv(self, S: int, min_block: int) -> "BlockSizes | None":
     """Shrink the kv tiles (powers of two, down to min_block) until they divide S."""
     out = {}
+    if self.small is not None:
+      out["small"] = self.small.fit_kv(S, min_block)
+      if out["small"] is None:
+        return None
     for name in ("block_k", "block_k_dq", "block_k_dkv"):
       b = min(getattr(self, name), _pow2_floor(S))
       while b >= min_block and S % b:
@@ -52,6 +66,11 @@ class BlockSizes:
 def _pow2_floor(x: int) -> int:
   return 1 << (max(x, 1).bit_length() - 1)
 
+
+GPU_BLOCK_SIZES = BlockSizes(
+    small=BlockSizes(block_q=64, block_k=64, num_warps=4, num_stages=3, block_q_dq=64,
+                     block_k_dq=64, num_warps_dq=4, num_stages_dq=2, block_q_dkv=64,
+                     block_k_dkv=64, num_warps_dkv=4, num_stages_dkv=2))
 
 TPU_BLOCK_SIZES = BlockSizes(block_q=256, block_k=512, block_q_dq=256, block_k_dq=512,
                              block_q_dkv=256, block_k_dkv=512)

@@ -27,7 +27,7 @@ class Problem:
 
 def make_problem(seed, *, B=1, T=128, S=None, N=4, K=2, H=32, dtype=jnp.float32,
                  sparsity=0.5, per_head=False, segments=0, window=None, q_offset=0,
-                 packed_positions=False, kv_positions=False):
+                 packed_positions=False, kv_positions=False, empty_rows=()):
   """A random problem. segments > 0 packs that many documents (contiguous, random lengths, some
   padding with id 0 at the end); packed_positions restarts positions per document."""
   S = T + q_offset if S is None else S
@@ -39,7 +39,10 @@ def make_problem(seed, *, B=1, T=128, S=None, N=4, K=2, H=32, dtype=jnp.float32,
   ct = jax.random.normal(ks[3], (B, T, N, H), jnp.float32).astype(dtype)
   ct_lse = jax.random.normal(ks[4], (B, T, N), jnp.float32)
   shape = (B, T, N) if per_head else (B, T)
-  active = jnp.asarray(rng.random(shape) >= sparsity)
+  active = rng.random(shape) >= sparsity
+  for r in empty_rows:
+    active[r] = False
+  active = jnp.asarray(active)
   kw = {}
   if window is not None:
     kw["window"] = window
@@ -81,19 +84,19 @@ def rel_err(x, ref):
 
 
 def run(p: Problem, *, grads=True, **kw):
-  """(out, lse, (dq, dk, dv)) of compact_attention on problem p, jitted."""
+  """(out, lse, (dq, dk, dv) or None) of compact_attention on problem p, in one jit."""
   def f(q, k, v):
     return compact_attention(q, k, v, p.active, return_lse=True, **p.kw, **kw)
 
-  out, lse = jax.jit(f)(p.q, p.k, p.v)
-  g = None
-  if grads:
-    def loss(q, k, v):
-      o, l = f(q, k, v)
-      lt = jnp.sum(jnp.where(jnp.isfinite(l), l * p.ct_lse, 0.0))
-      return jnp.sum(o.astype(jnp.float32) * p.ct.astype(jnp.float32)) + 0.5 * lt
-    g = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(p.q, p.k, p.v)
-  return out, lse, g
+  def fg(q, k, v):
+    (o, l), vjp = jax.vjp(f, q, k, v)
+    ct_l = jnp.where(jnp.isfinite(l), 0.5 * p.ct_lse, 0.0)
+    return o, l, vjp((p.ct.astype(o.dtype), ct_l))
+
+  if not grads:
+    o, l = jax.jit(f)(p.q, p.k, p.v)
+    return o, l, None
+  return jax.jit(fg)(p.q, p.k, p.v)
 
 
 def compare(p: Problem, impl_kw: dict, *, grads=True, tol=None):

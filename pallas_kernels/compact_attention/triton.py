@@ -80,7 +80,7 @@ def _fwd_kernel(*refs, has_seg, has_kvpos, window, scale, bk, nq):
   q_ref, k_ref, v_ref = next(it), next(it), next(it)
   *_, o_ref, lse_ref = refs  # (poison inputs, if any, sit before the outputs)
 
-  i = nq - 1 - pl.program_id(0)
+  i = nq - 1 - pl.program_id(2)
   bounds = tuple(bounds_ref[i, c] for c in range(4))
   q = q_ref[...]
   qp = qpos_ref[...]
@@ -144,32 +144,32 @@ def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_B
   qi = lambda p: nq - 1 - p  # heavy (late) tiles first
 
   args = [bounds_BIQ4, qpos_BIC]
-  specs = [pl.BlockSpec((None, None, nq, 4), lambda p, b, h: (b, hs(h), 0, 0)),
-           pl.BlockSpec((None, None, bq), lambda p, b, h: (b, hs(h), qi(p)))]
+  specs = [pl.BlockSpec((None, None, nq, 4), lambda h, b, p: (b, hs(h), 0, 0)),
+           pl.BlockSpec((None, None, bq), lambda h, b, p: (b, hs(h), qi(p)))]
   if has_seg:
     args.append(qseg_BIC)
-    specs.append(pl.BlockSpec((None, None, bq), lambda p, b, h: (b, hs(h), qi(p))))
+    specs.append(pl.BlockSpec((None, None, bq), lambda h, b, p: (b, hs(h), qi(p))))
   if has_kvpos:
     args.append(kvpos_BS)
-    specs.append(pl.BlockSpec((None, S), lambda p, b, h: (b, 0)))
+    specs.append(pl.BlockSpec((None, S), lambda h, b, p: (b, 0)))
   if has_seg:
     args.append(kvseg_BS)
-    specs.append(pl.BlockSpec((None, S), lambda p, b, h: (b, 0)))
+    specs.append(pl.BlockSpec((None, S), lambda h, b, p: (b, 0)))
   args += [q_BCNH, k_BSKH, v_BSKH]
-  specs += [pl.BlockSpec((None, bq, None, H), lambda p, b, h: (b, qi(p), h, 0)),
-            pl.BlockSpec((None, S, None, H), lambda p, b, h: (b, 0, h // G, 0)),
-            pl.BlockSpec((None, S, None, H), lambda p, b, h: (b, 0, h // G, 0))]
+  specs += [pl.BlockSpec((None, bq, None, H), lambda h, b, p: (b, qi(p), h, 0)),
+            pl.BlockSpec((None, S, None, H), lambda h, b, p: (b, 0, h // G, 0)),
+            pl.BlockSpec((None, S, None, H), lambda h, b, p: (b, 0, h // G, 0))]
   out_shapes = [jax.ShapeDtypeStruct((B, C, N, H), q_BCNH.dtype),
                 jax.ShapeDtypeStruct((B, N, C), jnp.float32)]
-  out_specs = [pl.BlockSpec((None, bq, None, H), lambda p, b, h: (b, qi(p), h, 0)),
-               pl.BlockSpec((None, None, bq), lambda p, b, h: (b, h, qi(p)))]
+  out_specs = [pl.BlockSpec((None, bq, None, H), lambda h, b, p: (b, qi(p), h, 0)),
+               pl.BlockSpec((None, None, bq), lambda h, b, p: (b, h, qi(p)))]
   pbufs, _ = _poison_args(out_shapes, poison)
   aliases = {len(args) + n: n for n in range(len(pbufs))}
   specs += out_specs[:len(pbufs)]
   kernel = functools.partial(_fwd_kernel, has_seg=has_seg, has_kvpos=has_kvpos, window=window,
                              scale=scale, bk=bk, nq=nq)
   return pl.pallas_call(
-      kernel, grid=(nq, B, N), in_specs=specs, out_specs=out_specs, out_shape=out_shapes,
+      kernel, grid=(N, B, nq), in_specs=specs, out_specs=out_specs, out_shape=out_shapes,
       input_output_aliases=aliases, interpret=interpret, name="compact_attention_fwd",
       compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps, num_stages=bs.num_stages),
   )(*args, *pbufs)
@@ -194,7 +194,7 @@ def _dq_kernel(*refs, has_seg, has_kvpos, window, scale, bk, nq):
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = (next(it) for _ in range(6))
   dq_ref = refs[-1]
 
-  i = nq - 1 - pl.program_id(0)
+  i = nq - 1 - pl.program_id(2)
   bounds = tuple(bounds_ref[i, c] for c in range(4))
   q = q_ref[...]
   do = do_ref[...]
@@ -235,20 +235,20 @@ def dq(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC, 
   qi = lambda p: nq - 1 - p
 
   args = [bounds_BIQ4, qpos_BIC]
-  specs = [pl.BlockSpec((None, None, nq, 4), lambda p, b, h: (b, hs(h), 0, 0)),
-           pl.BlockSpec((None, None, bq), lambda p, b, h: (b, hs(h), qi(p)))]
+  specs = [pl.BlockSpec((None, None, nq, 4), lambda h, b, p: (b, hs(h), 0, 0)),
+           pl.BlockSpec((None, None, bq), lambda h, b, p: (b, hs(h), qi(p)))]
   if has_seg:
     args.append(qseg_BIC)
-    specs.append(pl.BlockSpec((None, None, bq), lambda p, b, h: (b, hs(h), qi(p))))
+    specs.append(pl.BlockSpec((None, None, bq), lambda h, b, p: (b, hs(h), qi(p))))
   if has_kvpos:
     args.append(kvpos_BS)
-    specs.append(pl.BlockSpec((None, S), lambda p, b, h: (b, 0)))
+    specs.append(pl.BlockSpec((None, S), lambda h, b, p: (b, 0)))
   if has_seg:
     args.append(kvseg_BS)
-    specs.append(pl.BlockSpec((None, S), lambda p, b, h: (b, 0)))
-  q_spec = pl.BlockSpec((None, bq, None, H), lambda p, b, h: (b, qi(p), h, 0))
-  kv_spec = pl.BlockSpec((None, S, None, H), lambda p, b, h: (b, 0, h // G, 0))
-  row_spec = pl.BlockSpec((None, None, bq), lambda p, b, h: (b, h, qi(p)))
+    specs.append(pl.BlockSpec((None, S), lambda h, b, p: (b, 0)))
+  q_spec = pl.BlockSpec((None, bq, None, H), lambda h, b, p: (b, qi(p), h, 0))
+  kv_spec = pl.BlockSpec((None, S, None, H), lambda h, b, p: (b, 0, h // G, 0))
+  row_spec = pl.BlockSpec((None, None, bq), lambda h, b, p: (b, h, qi(p)))
   args += [q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC]
   specs += [q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
   out_shapes = [jax.ShapeDtypeStruct((B, C, N, H), q_BCNH.dtype)]
@@ -258,7 +258,7 @@ def dq(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC, 
   kernel = functools.partial(_dq_kernel, has_seg=has_seg, has_kvpos=has_kvpos, window=window,
                              scale=scale, bk=bk, nq=nq)
   return pl.pallas_call(
-      kernel, grid=(nq, B, N), in_specs=specs, out_specs=[q_spec], out_shape=out_shapes,
+      kernel, grid=(N, B, nq), in_specs=specs, out_specs=[q_spec], out_shape=out_shapes,
       input_output_aliases=aliases, interpret=interpret, name="compact_attention_dq",
       compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps_dq,
                                            num_stages=bs.num_stages_dq),
@@ -278,7 +278,7 @@ def _dkv_kernel(*refs, has_seg, has_kvpos, window, scale, bq, bk, G, per_head):
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = (next(it) for _ in range(6))
   dk_ref, dv_ref = refs[-2], refs[-1]
 
-  j = pl.program_id(0)
+  j = pl.program_id(2)
   k = k_ref[...]
   v = v_ref[...]
   kp = _kv_positions(kvpos_ref, j * bk, bk) if kvpos_ref is None else kvpos_ref[...]
@@ -331,20 +331,20 @@ def dkv(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC,
   ksel = (lambda kh: kh) if per_head else (lambda kh: 0)
 
   args = [boundsT_BIK4, qpos_BIC]
-  specs = [pl.BlockSpec((None, Gi, nk, 4), lambda j, b, kh: (b, ksel(kh), 0, 0)),
-           pl.BlockSpec((None, Gi, C), lambda j, b, kh: (b, ksel(kh), 0))]
+  specs = [pl.BlockSpec((None, Gi, nk, 4), lambda kh, b, j: (b, ksel(kh), 0, 0)),
+           pl.BlockSpec((None, Gi, C), lambda kh, b, j: (b, ksel(kh), 0))]
   if has_seg:
     args.append(qseg_BIC)
-    specs.append(pl.BlockSpec((None, Gi, C), lambda j, b, kh: (b, ksel(kh), 0)))
+    specs.append(pl.BlockSpec((None, Gi, C), lambda kh, b, j: (b, ksel(kh), 0)))
   if has_kvpos:
     args.append(kvpos_BS)
-    specs.append(pl.BlockSpec((None, bk), lambda j, b, kh: (b, j)))
+    specs.append(pl.BlockSpec((None, bk), lambda kh, b, j: (b, j)))
   if has_seg:
     args.append(kvseg_BS)
-    specs.append(pl.BlockSpec((None, bk), lambda j, b, kh: (b, j)))
-  qg_spec = pl.BlockSpec((None, C, G, H), lambda j, b, kh: (b, 0, kh, 0))
-  kv_spec = pl.BlockSpec((None, bk, None, H), lambda j, b, kh: (b, j, kh, 0))
-  row_spec = pl.BlockSpec((None, G, C), lambda j, b, kh: (b, kh, 0))
+    specs.append(pl.BlockSpec((None, bk), lambda kh, b, j: (b, j)))
+  qg_spec = pl.BlockSpec((None, C, G, H), lambda kh, b, j: (b, 0, kh, 0))
+  kv_spec = pl.BlockSpec((None, bk, None, H), lambda kh, b, j: (b, j, kh, 0))
+  row_spec = pl.BlockSpec((None, G, C), lambda kh, b, j: (b, kh, 0))
   args += [q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC]
   specs += [qg_spec, kv_spec, kv_spec, qg_spec, row_spec, row_spec]
   out_shapes = [jax.ShapeDtypeStruct(k_BSKH.shape, k_BSKH.dtype),
@@ -355,7 +355,7 @@ def dkv(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC,
   kernel = functools.partial(_dkv_kernel, has_seg=has_seg, has_kvpos=has_kvpos, window=window,
                              scale=scale, bq=bq, bk=bk, G=G, per_head=per_head)
   return pl.pallas_call(
-      kernel, grid=(nk, B, K), in_specs=specs, out_specs=[kv_spec, kv_spec],
+      kernel, grid=(K, B, nk), in_specs=specs, out_specs=[kv_spec, kv_spec],
       out_shape=out_shapes, input_output_aliases=aliases, interpret=interpret,
       name="compact_attention_dkv",
       compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps_dkv,
