@@ -439,11 +439,11 @@ def _run_eval(config, setup: Setup, state, step, workdir, writer, is_host0):
 
 
 # ------------------------------------------------------------------------------------- eval
-def load_params(config, path: str, *, step: int | None = None):
+def load_params(config, path: str, *, step: int | None = None, devices=None):
   """(setup, params, step) from a workdir / checkpoints dir / step dir, into this config's mesh."""
   directory, step_from_path = ckpt_lib.resolve_checkpoint_path(path)
   step = step if step is not None else step_from_path
-  setup = build(config)
+  setup = build(config, devices=devices)
   ck = ckpt_lib.Checkpointer(directory, read_only=True)
   try:
     step = ck._require(step)
@@ -489,17 +489,17 @@ def _merge(base, new):
 
 
 def evaluate_checkpoint(config, path: str | None = None, *, step: int | None = None,
-                        out_dir: str | None = None) -> dict[str, Any]:
+                        out_dir: str | None = None, devices=None) -> dict[str, Any]:
   """Evaluates a checkpoint (`path`: workdir / checkpoints dir / step dir) or, with path=None,
   the initial params (random, or model.init_from converted by the scheme). Writes
   <out_dir>/eval_step<N>.{json,md} when out_dir is given."""
   from condattn_jax import evaluation
   if path is None:
-    setup = build(config)
+    setup = build(config, devices=devices)
     params = init_params(setup)
     step = 0
   else:
-    setup, params, step = load_params(config, path, step=step)
+    setup, params, step = load_params(config, path, step=step, devices=devices)
   res = evaluation.evaluate(config, params, setup.model_cfg, setup.mesh, step=int(step),
                             param_shardings=setup.param_shardings)
   if out_dir is not None and jax.process_index() == 0:

@@ -132,10 +132,12 @@ def make_optimizer(tc, params) -> tuple[optax.GradientTransformation, Any, optax
     transforms[name] = _adamw(sched, pick("b1"), pick("b2"), tc.eps, pick("weight_decay"),
                               bool(g.get("maximize", False)))
   frozen_mask = jax.tree.map(lambda l: l == FROZEN, labels)
-  chain = [optax.masked(optax.set_to_zero(), frozen_mask)]
-  if tc.grad_clip and tc.grad_clip > 0:
-    chain.append(optax.clip_by_global_norm(float(tc.grad_clip)))
-  chain.append(optax.multi_transform(transforms, labels))
+  # The chain keeps one structure whatever the values (clip off = identity), so a run can resume
+  # with a changed grad_clip / lr.
+  clip = (optax.clip_by_global_norm(float(tc.grad_clip)) if tc.grad_clip and tc.grad_clip > 0
+          else optax.identity())
+  chain = [optax.masked(optax.set_to_zero(), frozen_mask), clip,
+           optax.multi_transform(transforms, labels)]
   return optax.chain(*chain), labels, schedule
 
 

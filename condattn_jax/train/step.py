@@ -78,9 +78,11 @@ def _check_metric_names(m: dict):
                      f"uses itself; rename them.")
 
 
-def make_train_step(model_cfg: ModelConfig, tc, tx: optax.GradientTransformation, labels,
-                    schedule: optax.Schedule) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
-  """train_step(state, batch) -> (new_state, metrics)."""
+def make_loss_and_grads(model_cfg: ModelConfig, tc):
+  """loss_and_grads(params, batch, step) -> (grads, metrics without grad_norm / lr).
+
+  The gradient of  sum(mask * CE) / sum(mask) + aux_loss  (microbatched when
+  train.microbatches > 1); the router RNG is fold_in(key(train.seed), step)."""
   model = Decoder(model_cfg)
   scheme = get_scheme(model_cfg.scheme)
   k = int(tc.get("microbatches", 1) or 1)
@@ -98,13 +100,13 @@ def make_train_step(model_cfg: ModelConfig, tc, tx: optax.GradientTransformation
 
   grad_fn = jax.value_and_grad(micro_objective, has_aux=True)
 
-  def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
-    rng = step_rng(seed, state.step)
+  def loss_and_grads(params, batch, step):
+    step = jnp.asarray(step, jnp.int32)
+    rng = step_rng(seed, step)
     n_tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
     n_total = jnp.maximum(n_tokens, 1.0)
     if k == 1:
-      (_, (ce_sum, correct, aux_loss, aux_m)), grads = grad_fn(state.params, batch, rng,
-                                                                 state.step, n_total)
+      (_, (ce_sum, correct, aux_loss, aux_m)), grads = grad_fn(params, batch, rng, step, n_total)
     else:
       B = batch["inputs"].shape[0]
       if B % k:
@@ -114,22 +116,34 @@ def make_train_step(model_cfg: ModelConfig, tc, tx: optax.GradientTransformation
       mbs = jax.tree.map(lambda x: x.reshape(B // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
 
       def body(g_acc, mb):
-        (_, outs), g = grad_fn(state.params, mb, rng, state.step, n_total)
+        (_, outs), g = grad_fn(params, mb, rng, step, n_total)
         return jax.tree.map(jnp.add, g_acc, g), outs
 
       grads, (ce_sum, correct, aux_loss, aux_m) = jax.lax.scan(
-          body, jax.tree.map(jnp.zeros_like, state.params), mbs)
+          body, jax.tree.map(jnp.zeros_like, params), mbs)
       ce_sum, correct, aux_loss = ce_sum.sum(), correct.sum(), aux_loss.mean()
       aux_m = jax.tree.map(lambda v: v.mean(axis=0), aux_m)
+    metrics = dict(loss=ce_sum / n_total + aux_loss, ce=ce_sum / n_total, aux_loss=aux_loss,
+                   accuracy=correct / n_total, tokens=n_tokens)
+    metrics.update(aux_m)
+    return grads, metrics
+
+  return loss_and_grads
+
+
+def make_train_step(model_cfg: ModelConfig, tc, tx: optax.GradientTransformation, labels,
+                    schedule: optax.Schedule) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
+  """train_step(state, batch) -> (new_state, metrics)."""
+  loss_and_grads = make_loss_and_grads(model_cfg, tc)
+
+  def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
+    grads, metrics = loss_and_grads(state.params, batch, state.step)
     trainable = [g for g, l in zip(jax.tree.leaves(grads), jax.tree.leaves(labels))
                  if l != opt_lib.FROZEN]
-    grad_norm = optax.global_norm(trainable)
+    metrics["grad_norm"] = optax.tree.norm(trainable)
+    metrics["lr"] = schedule(state.step)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    metrics = dict(loss=ce_sum / n_total + aux_loss, ce=ce_sum / n_total, aux_loss=aux_loss,
-                   accuracy=correct / n_total, tokens=n_tokens, grad_norm=grad_norm,
-                   lr=schedule(state.step))
-    metrics.update(aux_m)
     new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state)
     return new_state, metrics
 

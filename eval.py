@@ -1,0 +1,57 @@
+r"""Evaluate a model: perplexity at several context lengths + synthetic-task accuracy.
+
+  python eval.py --config=configs/<recipe>.py[:arg] --workdir=DIR          # latest checkpoint
+  python eval.py --config=... --checkpoint=DIR/checkpoints/400             # one checkpoint
+  python eval.py --checkpoint=DIR                                          # config saved with it
+  python eval.py --config=... --init                                       # step-0 params
+                                                                           # (random / init_from)
+  --config.eval.context_lengths='(512,1024)' --config.model.scheme.theta=0.7   test-time knobs
+
+Writes <out_dir>/eval_step<N>.json and .md (out_dir: --out_dir, else DIR/eval) and prints the
+markdown table.
+"""
+import os
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Recipe: configs/<name>.py[:arg].",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory of train.py.")
+_CHECKPOINT = flags.DEFINE_string("checkpoint", None,
+                                  "A workdir, its checkpoints/ dir or one step dir.")
+_STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
+_INIT = flags.DEFINE_bool("init", False, "Evaluate the initial params instead of a checkpoint.")
+_OUT_DIR = flags.DEFINE_string("out_dir", None, "Where to write the JSON / markdown results.")
+_DISTRIBUTED = flags.DEFINE_enum("distributed", "auto", ["auto", "always", "never"],
+                                 "jax.distributed.initialize() policy.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  from condattn_jax.train import distributed
+  distributed.maybe_initialize(_DISTRIBUTED.value)
+  import jax
+  from condattn_jax import evaluation
+  from condattn_jax.train import loop
+  path = _CHECKPOINT.value or _WORKDIR.value
+  if not _INIT.value and not path:
+    raise app.UsageError("give --workdir or --checkpoint (or --init to evaluate step-0 params).")
+  config = _CONFIG.value
+  if config is None:
+    if _INIT.value or not path:
+      raise app.UsageError("--config is required with --init.")
+    config = loop.config_from_checkpoint(path, _STEP.value)
+  out_dir = _OUT_DIR.value or (os.path.join(_WORKDIR.value, "eval") if _WORKDIR.value else
+                               os.path.join(os.path.abspath(path or "."), "eval"))
+  res = loop.evaluate_checkpoint(config, None if _INIT.value else path, step=_STEP.value,
+                                 out_dir=out_dir)
+  if jax.process_index() == 0:
+    print(evaluation.markdown_table(res, f"Evaluation at step {res['step']}"))
+    print(f"written to {out_dir}/eval_step{res['step']}.json and .md")
+
+
+if __name__ == "__main__":
+  from condattn_jax.train.cli import parse_flags
+  app.run(main, flags_parser=parse_flags)

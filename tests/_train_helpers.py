@@ -1,0 +1,56 @@
+"""Shared helpers for the training / checkpoint / eval tests (not a test module)."""
+import os
+import sys
+
+import jax
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HF = os.path.join(ROOT, "tests", "fixtures", "hf")
+
+
+def tiny(arg="steps=8", **train):
+  """configs/tiny.py with fast test settings (no periodic eval / checkpoints unless asked)."""
+  from condattn_jax.train.cli import load_recipe
+  c = load_recipe(os.path.join(ROOT, "configs", "tiny.py") + (":" + arg if arg else ""))
+  c.train.log_every = 1
+  c.train.checkpoint_every = 0
+  c.train.progress_bar = False
+  c.eval.at_end = False
+  c.eval.context_lengths = ()
+  c.eval.num_batches = 1
+  for k, v in train.items():
+    c.train[k] = v
+  return c
+
+
+def host(tree):
+  return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
+
+
+def assert_trees_close(a, b, atol, rtol=0.0):
+  fa, ta = jax.tree_util.tree_flatten_with_path(host(a))
+  fb, tb = jax.tree_util.tree_flatten_with_path(host(b))
+  assert ta == tb, f"tree structures differ:\n{ta}\n{tb}"
+  for (p, x), (_, y) in zip(fa, fb):
+    np.testing.assert_allclose(x, y, atol=atol, rtol=rtol, err_msg=jax.tree_util.keystr(p))
+
+
+def synthetic_batch(config, seed=0):
+  """One global host batch of the config's data (first batch of the train iterator)."""
+  from condattn_jax.data import make_train_iterator
+  return next(make_train_iterator(config))
+
+
+def subprocess_env(devices: int, **extra):
+  env = dict(os.environ)
+  flags = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                   if not f.startswith("--xla_force_host_platform_device_count"))
+  env["XLA_FLAGS"] = (flags + f" --xla_force_host_platform_device_count={devices}").strip()
+  env["JAX_PLATFORMS"] = "cpu"
+  env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+  env.update({k: str(v) for k, v in extra.items()})
+  return env
+
+
+PY = sys.executable

@@ -1,0 +1,237 @@
+"""Training: config errors, optimizer masks / groups / schedule, chunked CE, microbatches, NaN
+stop, dry run, TPU export of the sharded step, init from a Hugging Face checkpoint."""
+import json
+import os
+import subprocess
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from _train_helpers import HF, PY, ROOT, assert_trees_close, host, subprocess_env, synthetic_batch, tiny
+from condattn_jax import checkpoint as ckpt_lib
+from condattn_jax.train import config as config_lib
+from condattn_jax.train import loop
+from condattn_jax.train import optimizer as opt_lib
+from condattn_jax.train import sharding as shd
+from condattn_jax.train.step import make_loss_and_grads
+
+ONE = lambda: [jax.devices()[0]]
+
+
+# ------------------------------------------------------------------------------ bad input
+def test_unknown_config_field_in_recipe():
+  c = tiny()
+  with c.train.unlocked():
+    c.train.lr_warmup = 3
+  with pytest.raises(ValueError, match=r"unknown config field 'config.train.lr_warmup'.*warmup_frac"):
+    config_lib.validate_config(c)
+  c = tiny()
+  with c.unlocked():
+    c.optimizer = {}
+  with pytest.raises(ValueError, match=r"unknown config field 'config.optimizer'"):
+    config_lib.validate_config(c)
+
+
+def test_unknown_config_override_on_command_line():
+  r = subprocess.run([PY, "train.py", "--config=configs/tiny.py", "--config.train.bogus=1",
+                      "--workdir=/tmp/unused"], cwd=ROOT, env=subprocess_env(1),
+                     capture_output=True, text=True, timeout=120)
+  assert r.returncode == 2, r.stderr[-2000:]
+  assert "unknown config field 'config.train.bogus'" in r.stderr
+  assert "num_steps" in r.stderr  # lists the valid fields
+  assert "Traceback" not in r.stderr
+
+
+def test_wrong_family():
+  c = tiny()
+  c.model.family = "gpt2"
+  with pytest.raises(ValueError, match=r"model.family='gpt2' is not supported"):
+    loop.build(c, devices=ONE())
+  c = tiny()
+  c.model.init_from = os.path.join(HF, "qwen2")
+  c.model.family = "llama"
+  with pytest.raises(ValueError, match=r"model.family='llama'.*is a 'qwen2' model"):
+    loop.build(c, devices=ONE())
+
+
+def test_missing_checkpoint_files(tmp_path):
+  c = tiny()
+  with pytest.raises(ckpt_lib.CheckpointNotFoundError, match="does not exist"):
+    loop.evaluate_checkpoint(c, str(tmp_path / "nope"))
+  (tmp_path / "run" / "checkpoints").mkdir(parents=True)
+  with pytest.raises(ckpt_lib.CheckpointNotFoundError, match="no checkpoint in"):
+    loop.load_params(c, str(tmp_path / "run"), devices=ONE())
+  c.model.init_from = str(tmp_path / "no_such_hf_dir")
+  with pytest.raises(FileNotFoundError, match="no_such_hf_dir"):
+    loop.build(c, devices=ONE())
+
+
+def test_lengths_and_batches_that_do_not_divide():
+  c = tiny()
+  c.train.loss_chunk_size = 48  # seq_len 64
+  with pytest.raises(ValueError, match=r"loss_chunk_size=48 must divide config.data.seq_len=64"):
+    loop.build(c, devices=ONE())
+  c = tiny()
+  c.data.batch_size = 6
+  with pytest.raises(ValueError, match=r"batch_size=6 .* divisible by mesh data\*fsdp=8"):
+    loop.build(c)  # 8 devices, fsdp fills
+  c = tiny()
+  c.train.microbatches = 3
+  with pytest.raises(ValueError, match=r"microbatches=3 must divide"):
+    loop.build(c, devices=ONE())
+  c = tiny()
+  c.mesh.fsdp, c.mesh.tensor = 2, 2
+  with pytest.raises(ValueError, match=r"needs 4 devices, but 8 are available"):
+    loop.build(c)
+  c = tiny()
+  c.model.num_heads = 5
+  with pytest.raises(ValueError, match=r"num_heads=5 must be a multiple of"):
+    loop.build(c, devices=ONE())
+
+
+# ------------------------------------------------------------------------------ optimizer
+def test_schedule_warmup_cosine():
+  c = tiny("steps=100")
+  c.train.warmup_frac, c.train.lr, c.train.end_lr_frac = 0.1, 1.0, 0.0
+  s = opt_lib.make_schedule(c.train)
+  np.testing.assert_allclose([s(0), s(5), s(10), s(55), s(100)], [0.0, 0.5, 1.0, 0.5, 0.0],
+                             atol=1e-6)
+  c.train.lr_schedule = "nope"
+  with pytest.raises(ValueError, match="lr_schedule='nope'"):
+    opt_lib.make_schedule(c.train)
+
+
+def test_frozen_params_have_no_optimizer_state_and_do_not_move():
+  c = tiny()
+  c.train.trainable_regex = r".*self_attn/.*"
+  c.train.param_groups.norms = dict(regex=r".*norm/scale", lr=1e-2, weight_decay=0.0)
+  setup = loop.build(c, devices=ONE())
+  labels = jax.tree.leaves(setup.labels)
+  assert set(labels) == {"frozen", "default", "norms"}
+  n_trainable = sum(l != "frozen" for l in labels)
+  opt_arrays = [x for x in jax.tree.leaves(setup.abstract_state.opt_state) if x.ndim > 0]
+  assert len(opt_arrays) == 2 * n_trainable  # Adam mu + nu for trainable leaves only
+  state = loop.init_state(setup)
+  before = host(state.params)
+  step = loop.jit_train_step(setup)
+  batch = synthetic_batch(c)
+  with shd.mesh_context(setup.mesh):
+    for _ in range(2):
+      state, m = step(state, batch)
+  after = host(state.params)
+  for (path, a), b, l in zip(jax.tree_util.tree_flatten_with_path(before)[0],
+                             jax.tree.leaves(after), jax.tree.leaves(setup.labels)):
+    moved = not np.array_equal(a, b)
+    assert moved == (l != "frozen"), (jax.tree_util.keystr(path), l)
+  with pytest.raises(ValueError, match="matches no parameter"):
+    c.train.trainable_regex = "nothing_like_this"
+    c.train.param_groups = {}
+    loop.build(c, devices=ONE())
+
+
+def test_maximize_group_ascends():
+  c = tiny()
+  c.train.param_groups.up = dict(regex=r"norm/scale", maximize=True, lr=0.1, weight_decay=0.0)
+  c.train.grad_clip = 0.0
+  setup = loop.build(c, devices=ONE())
+  state = loop.init_state(setup)
+  batch = synthetic_batch(c)
+  grads, _ = jax.jit(make_loss_and_grads(setup.model_cfg, c.train))(state.params, batch, 0)
+  g = np.asarray(grads["norm"]["scale"])
+  with shd.mesh_context(setup.mesh):
+    state2, _ = loop.jit_train_step(setup)(state, batch)
+  delta = np.asarray(state2.params["norm"]["scale"]) - 1.0
+  big = np.abs(g) > 1e-6
+  assert np.all(np.sign(delta[big]) == np.sign(g[big]))  # ascent: moves along the gradient
+
+
+# -------------------------------------------------------------------------------- loss
+@pytest.mark.parametrize("tied", [False, True])
+def test_chunked_cross_entropy_equals_plain(tied):
+  c = tiny()
+  c.model.tie_word_embeddings = tied
+  setup = loop.build(c, devices=ONE())
+  params = loop.init_params(setup)
+  batch = synthetic_batch(c)
+  batch["loss_mask"] = np.ones_like(batch["loss_mask"])  # score every token
+  plain = jax.jit(make_loss_and_grads(setup.model_cfg, c.train))(params, batch, 0)
+  c.train.loss_chunk_size = 16
+  chunked = jax.jit(make_loss_and_grads(setup.model_cfg, c.train))(params, batch, 0)
+  np.testing.assert_allclose(chunked[1]["loss"], plain[1]["loss"], rtol=1e-6)
+  np.testing.assert_allclose(chunked[1]["accuracy"], plain[1]["accuracy"])
+  assert_trees_close(chunked[0], plain[0], atol=1e-6, rtol=1e-5)
+
+
+def test_microbatches_equal_full_batch():
+  c = tiny()
+  setup = loop.build(c, devices=ONE())
+  params = loop.init_params(setup)
+  batch = synthetic_batch(c)
+  full = jax.jit(make_loss_and_grads(setup.model_cfg, c.train))(params, batch, 3)
+  c.train.microbatches = 4
+  micro = jax.jit(make_loss_and_grads(setup.model_cfg, c.train))(params, batch, 3)
+  np.testing.assert_allclose(micro[1]["loss"], full[1]["loss"], rtol=1e-6)
+  assert_trees_close(micro[0], full[0], atol=1e-7, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------ NaN stop
+def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
+  wd = str(tmp_path / "run")
+  c = tiny("steps=4", checkpoint_every=4)
+  loop.run(c, wd)
+  good = host(loop.load_params(c, wd)[1])
+  c = tiny("steps=8", checkpoint_every=1, lr=1e30, warmup_frac=0.0, grad_clip=0.0)
+  with pytest.raises(loop.NonFiniteLossError, match=r"non-finite .* at step [5-8].*last good "
+                     r"checkpoint is step [4-7]"):
+    loop.run(c, wd)
+  ck = ckpt_lib.Checkpointer(os.path.join(wd, "checkpoints"), read_only=True)
+  last = ck.latest_step()
+  ck.close()
+  _, params, step = loop.load_params(c, wd)
+  assert step == last and all(np.all(np.isfinite(x)) for x in jax.tree.leaves(host(params)))
+  if last == 4:
+    assert_trees_close(params, good, atol=0)
+
+
+# ------------------------------------------------------------------------ dry run / export
+def test_dry_run_on_fake_devices(capsys):
+  c = tiny()
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 2, 2, 2
+  c.train.dry_run = True
+  r = loop.run(c, "")
+  assert r["dry_run"]["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
+  assert r["dry_run"]["params"]["total"] == r["dry_run"]["params"]["trainable"] > 0
+  assert r["dry_run"]["memory_per_device"]["peak_estimate_bytes"] > 0
+  out = capsys.readouterr().out
+  assert "compiler memory estimate per device" in out and "params: total" in out
+
+
+def test_sharded_train_step_exports_for_tpu():
+  c = tiny()
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 2, 2, 2
+  setup = loop.build(c)
+  step = loop.jit_train_step(setup)
+  with shd.mesh_context(setup.mesh):
+    exp = jax.export.export(step, platforms=["tpu"])(setup.abstract_state, setup.batch_abstract)
+  assert exp.platforms == ("tpu",)
+  assert exp.nr_devices == 8
+  assert len(exp.mlir_module_serialized) > 0
+
+
+# ---------------------------------------------------------------------- Hugging Face init
+def test_init_from_hf_checkpoint_then_train(tmp_path):
+  from condattn_jax.convert import load_hf_checkpoint
+  c = tiny("steps=2")
+  for f in config_lib.MODEL_FIELDS:
+    c.model[f] = None  # architecture from config.json
+  c.model.init_from = os.path.join(HF, "qwen2")  # vocab 96 >= MQAR vocab 64
+  setup = loop.build(c, devices=ONE())
+  assert setup.model_cfg.hidden_size == 32 and setup.model_cfg.tie_word_embeddings
+  _, ref = load_hf_checkpoint(c.model.init_from)
+  assert_trees_close(loop.init_params(setup), ref, atol=0)
+  r = loop.run(c, str(tmp_path / "run"))
+  assert r["step"] == 2 and np.isfinite(r["train"]["loss"])
+  saved = json.load(open(tmp_path / "run" / "config.json"))
+  assert saved["model"]["init_from"].endswith("qwen2")

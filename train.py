@@ -1,0 +1,54 @@
+r"""Train a model:  python train.py --config=configs/<recipe>.py[:arg] --workdir=DIR
+
+  --config.train.num_steps=2000     override any existing config field (the config is locked:
+                                    unknown fields are errors)
+  --config.train.dry_run=True       build mesh + shapes, AOT-compile the sharded step, print
+  (or --dry_run)                    parameter counts and per-device memory, exit
+  --distributed=auto|always|never   jax.distributed.initialize() for multi-host runs (auto:
+                                    when the environment says so: TPU pod, SLURM, Open MPI,
+                                    JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID)
+
+Re-running the same command resumes from the latest checkpoint in DIR/checkpoints. SIGTERM saves
+a checkpoint and exits (code 0); a NaN / inf loss exits with code 3 and leaves the last good
+checkpoint in place.
+"""
+import logging
+import sys
+
+from absl import app, flags
+from ml_collections import config_flags
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Recipe: configs/<name>.py[:arg].",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, eval).")
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Same as --config.train.dry_run=True.")
+_DISTRIBUTED = flags.DEFINE_enum("distributed", "auto", ["auto", "always", "never"],
+                                 "jax.distributed.initialize() policy.")
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  from condattn_jax.train import distributed
+  distributed.maybe_initialize(_DISTRIBUTED.value)
+  from condattn_jax.train import loop
+  config = _CONFIG.value
+  if _DRY_RUN.value:
+    config.train.dry_run = True
+  if not config.train.dry_run and not _WORKDIR.value:
+    raise app.UsageError("--workdir is required (except with --dry_run).")
+  try:
+    result = loop.run(config, _WORKDIR.value or "")
+  except loop.NonFiniteLossError as e:
+    logging.error("%s", e)
+    print(f"ERROR: {e}", file=sys.stderr)
+    sys.exit(3)
+  if result.get("stopped_early") and not config.train.dry_run:
+    logging.warning("stopped at step %d before num_steps; re-run the same command to resume.",
+                    result["step"])
+
+
+if __name__ == "__main__":
+  flags.mark_flags_as_required(["config"])
+  from condattn_jax.train.cli import parse_flags
+  app.run(main, flags_parser=parse_flags)
