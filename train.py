@@ -4,6 +4,7 @@ r"""Train a model:  python train.py --config=configs/<recipe>.py[:arg] --workdir
                                     unknown fields are errors)
   --config.train.dry_run=True       build mesh + shapes, AOT-compile the sharded step, print
   (or --dry_run)                    parameter counts and per-device memory, exit
+  --stop_after=N                    save and stop after N steps of this invocation
   --distributed=auto|always|never   jax.distributed.initialize() for multi-host runs (auto:
                                     when the environment says so: TPU pod, SLURM, Open MPI,
                                     JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID)
@@ -22,6 +23,8 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Recipe: configs/<name
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, eval).")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Same as --config.train.dry_run=True.")
+_STOP_AFTER = flags.DEFINE_integer("stop_after", None, "Stop (with a checkpoint) after this many "
+                                   "steps in this invocation; re-run to continue.")
 _DISTRIBUTED = flags.DEFINE_enum("distributed", "auto", ["auto", "always", "never"],
                                  "jax.distributed.initialize() policy.")
 
@@ -38,7 +41,7 @@ def main(argv):
   if not config.train.dry_run and not _WORKDIR.value:
     raise app.UsageError("--workdir is required (except with --dry_run).")
   try:
-    result = loop.run(config, _WORKDIR.value or "")
+    result = loop.run(config, _WORKDIR.value or "", stop_after=_STOP_AFTER.value)
   except loop.NonFiniteLossError as e:
     logging.error("%s", e)
     print(f"ERROR: {e}", file=sys.stderr)

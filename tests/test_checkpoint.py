@@ -1,0 +1,106 @@
+"""Checkpoints: exact resume (N straight == N/2, SIGTERM, resume, N/2), keep-last-N, restore into
+another mesh, data iterator state re-split across process counts."""
+import os
+import signal
+
+import jax
+import numpy as np
+import pytest
+
+from _train_helpers import assert_trees_close, host, tiny
+from condattn_jax import checkpoint as ckpt_lib
+from condattn_jax.data import make_train_iterator
+from condattn_jax.train import loop
+
+N = 8
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+  wd = str(tmp_path_factory.mktemp("straight"))
+  c = tiny(f"steps={N}", checkpoint_every=2, keep_checkpoints=2)
+  losses = {}
+  r = loop.run(c, wd, on_step=lambda s, m: losses.__setitem__(s, float(m["loss"])))
+  assert r["step"] == N and not r["stopped_early"]
+  return wd, c, losses
+
+
+def test_resume_after_sigterm_is_exact(straight, tmp_path):
+  wd_a, c, losses_a = straight
+  wd_b = str(tmp_path / "b")
+  c = tiny(f"steps={N}", checkpoint_every=100)  # saves only at the end / on SIGTERM
+
+  def kill_at_half(step, metrics):
+    if step == N // 2:
+      os.kill(os.getpid(), signal.SIGTERM)  # the loop's handler: save, then stop
+
+  losses_b = {}
+  r1 = loop.run(c, wd_b, on_step=lambda s, m: (losses_b.__setitem__(s, float(m["loss"])),
+                                               kill_at_half(s, m)))
+  assert r1["stopped_early"] and r1["step"] in (N // 2, N // 2 + 1)
+  ck = ckpt_lib.Checkpointer(os.path.join(wd_b, "checkpoints"), read_only=True)
+  assert ck.all_steps() == [r1["step"]]
+  ck.close()
+  r2 = loop.run(c, wd_b, on_step=lambda s, m: losses_b.__setitem__(s, float(m["loss"])))
+  assert r2["step"] == N and not r2["stopped_early"]
+  _, pa, _ = loop.load_params(c, wd_a)
+  _, pb, _ = loop.load_params(c, wd_b)
+  assert_trees_close(pb, pa, atol=1e-6)
+  assert sorted(losses_b) == list(range(1, N + 1))
+  np.testing.assert_allclose([losses_b[s] for s in range(1, N + 1)],
+                             [losses_a[s] for s in range(1, N + 1)], rtol=1e-6)
+
+
+def test_stop_after_and_keep_last_n(straight, tmp_path):
+  wd_a, _, _ = straight
+  ck = ckpt_lib.Checkpointer(os.path.join(wd_a, "checkpoints"), read_only=True)
+  assert ck.all_steps() == [N - 2, N]  # keep_checkpoints=2
+  meta = ck.restore_meta()
+  ck.close()
+  assert meta["step"] == N and meta["model_config"]["family"] == "qwen2"
+  assert meta["config"]["train"]["num_steps"] == N
+
+
+def test_restore_into_another_mesh(straight):
+  wd, c, _ = straight  # saved from an 8-device fsdp mesh
+  _, ref, _ = loop.load_params(c, wd)
+  c2 = tiny(f"steps={N}")
+  c2.mesh.data, c2.mesh.fsdp, c2.mesh.tensor = 2, 1, 4
+  setup, p2, step = loop.load_params(c2, wd)
+  assert step == N
+  assert p2["layers_0"]["mlp"]["up_proj"]["kernel"].sharding.spec[1] == "tensor"
+  assert_trees_close(p2, ref, atol=0)
+  _, p1, _ = loop.load_params(tiny(f"steps={N}"), wd, devices=[jax.devices()[0]])
+  assert_trees_close(p1, ref, atol=0)
+
+
+def test_config_from_checkpoint_roundtrip(straight):
+  wd, c, _ = straight
+  c2 = loop.config_from_checkpoint(wd)
+  assert c2.train.num_steps == N and c2.data.task.num_pairs == c.data.task.num_pairs
+  assert tuple(c2.eval.context_lengths) == tuple(c.eval.context_lengths)
+  assert c2.model.scheme.name == "dense"
+
+
+def test_data_state_resplits_across_process_counts():
+  c = tiny()
+  B = int(c.data.batch_size)
+  its = [make_train_iterator(c, process_index=i, process_count=2) for i in range(2)]
+  for _ in range(3):
+    for it in its:
+      next(it)
+  merged = ckpt_lib.merge_data_states([it.get_state() for it in its][::-1])
+  assert merged["num_lanes"] == B and merged["lane_start"] == 0
+  want = np.concatenate([next(it)["inputs"] for it in its])
+  one = make_train_iterator(c)
+  one.set_state(ckpt_lib.split_data_state(merged, 0, 1))
+  np.testing.assert_array_equal(next(one)["inputs"], want)
+  # ... and into 4 processes
+  quarters = []
+  for i in range(4):
+    it = make_train_iterator(c, process_index=i, process_count=4)
+    it.set_state(ckpt_lib.split_data_state(merged, i, 4))
+    quarters.append(next(it)["inputs"])
+  np.testing.assert_array_equal(np.concatenate(quarters), want)
+  with pytest.raises(ValueError, match="do not tile the batch"):
+    ckpt_lib.merge_data_states([its[0].get_state()] * 2)
