@@ -210,6 +210,19 @@ def main():
       return
 
   rows = []
+  name = dev.device_kind.replace(" ", "_")
+  os.makedirs(args.out_dir, exist_ok=True)
+  path = os.path.join(args.out_dir, f"compact_attention_{name}.json")
+
+  def write():
+    result = dict(device=dev.device_kind, jax_version=jax.__version__,
+                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  shapes=dict(B=B, q_heads=N, kv_heads=K, head_dim=H, dtype="bfloat16"),
+                  block_sizes=repr(bs), timing="median of %d after 2 warm-ups" % args.n,
+                  rows=rows, sweep=sweep_rows)
+    with open(path, "w") as fh:
+      json.dump(result, fh, indent=1)
+
   for T in Ts:
     q, k, v, _, _, _ = make_inputs(T, 0.0, 0)
     cud_f = bench(jax.jit(cudnn_dense), q, k, v, n=args.n)
@@ -259,17 +272,7 @@ def main():
           row["vs_tokamax_fwdbwd"] = row["tokamax_fwdbwd_ms"] / row["fwdbwd_ms"]
       rows.append(row)
       print(json.dumps(row), flush=True)
-
-  name = dev.device_kind.replace(" ", "_")
-  result = dict(device=dev.device_kind, jax_version=jax.__version__,
-                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                shapes=dict(B=B, q_heads=N, kv_heads=K, head_dim=H, dtype="bfloat16"),
-                block_sizes=repr(bs), timing="median of %d after 2 warm-ups" % args.n,
-                rows=rows, sweep=sweep_rows)
-  os.makedirs(args.out_dir, exist_ok=True)
-  path = os.path.join(args.out_dir, f"compact_attention_{name}.json")
-  with open(path, "w") as fh:
-    json.dump(result, fh, indent=1)
+      write()
   print("wrote", path)
   if sweep_rows:
     print("\nkernel T s cfg(bq,bk,warps,stages) ms")

@@ -29,7 +29,8 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import compaction as cp
-from .common import GPU_BLOCK_SIZES, TPU_BLOCK_SIZES, BlockSizes
+from .common import (GPU_BLOCK_SIZES, GPU_BLOCK_SIZES_F32, TPU_BLOCK_SIZES, BlockSizes,
+                     TRITON_SMEM_BYTES, fit_triton_smem, triton_smem_estimate)
 from .reference import reference_compact_attention
 
 IMPLS = ("auto", "reference", "triton", "mosaic_tpu")
@@ -57,8 +58,18 @@ def _backend_module(name: str):
   return mod
 
 
-def kernel_support(impl: str, q_shape, kv_shape, dtype, bs: BlockSizes) -> tuple[BlockSizes | None, str | None]:
-  """(block sizes fitted to the shape, None) or (None, reason the kernel cannot take it)."""
+def kernel_support(impl: str, q_shape, kv_shape, dtype, bs: BlockSizes | None = None,
+                   ) -> tuple[BlockSizes | None, str | None]:
+  """(block sizes fitted to the shape, None) or (None, reason the kernel cannot take it).
+
+  bs None = the backend's defaults, shrunk to fit; explicit block sizes are taken as given."""
+  if bs is None:
+    if impl == "mosaic_tpu":
+      bs = TPU_BLOCK_SIZES
+    else:
+      itemsize = jnp.dtype(dtype).itemsize
+      bs = GPU_BLOCK_SIZES if itemsize <= 2 else GPU_BLOCK_SIZES_F32
+      bs = fit_triton_smem(bs, q_shape[-1], itemsize) or bs
   H = q_shape[-1]
   S = kv_shape[1]
   if jnp.dtype(dtype) not in _FLOAT_DTYPES:
@@ -76,6 +87,11 @@ def kernel_support(impl: str, q_shape, kv_shape, dtype, bs: BlockSizes) -> tuple
     fitted = bs.fit_kv(S, 16)
     if fitted is None:
       return None, f"kv length {S} (needs a multiple of 16)"
+    smem = triton_smem_estimate(fitted, H, jnp.dtype(dtype).itemsize)
+    if smem > TRITON_SMEM_BYTES:
+      return None, (f"block sizes {blocks} with num_stages need ~{smem // 1024} KiB of shared "
+                    f"memory at head_dim {H}, {jnp.dtype(dtype).name} (limit "
+                    f"{TRITON_SMEM_BYTES // 1024} KiB)")
     return fitted, None
   if impl == "mosaic_tpu":
     if H % 128 and H != 64:
@@ -245,8 +261,6 @@ def _resolve_impl(impl, interpret, q_shape, kv_shape, dtype, bs):
       raise ValueError(f"compact_attention impl={impl!r} needs a {want.upper()} (running on "
                        f"{_default_platform()!r}); pass interpret=True to run the kernel in "
                        "Pallas interpret mode, or impl='reference'.")
-  if bs is None:
-    bs = TPU_BLOCK_SIZES if impl == "mosaic_tpu" else GPU_BLOCK_SIZES
   fitted, reason = kernel_support(impl, q_shape, kv_shape, dtype, bs)
   if reason is not None:
     msg = (f"compact_attention: the {impl} kernel cannot take this call: {reason}. "

@@ -19,13 +19,13 @@ class BlockSizes:
   block_q: int = 128
   block_k: int = 128
   block_q_dq: int = 128
-  block_k_dq: int = 128
+  block_k_dq: int = 64
   block_q_dkv: int = 64
   block_k_dkv: int = 64
   num_warps: int = 8
   num_stages: int = 3
   num_warps_dq: int = 8
-  num_stages_dq: int = 2
+  num_stages_dq: int = 3
   num_warps_dkv: int = 4
   num_stages_dkv: int = 2
   # Tiles for small compacted buffers (capacity <= small_below * T): fewer, longer programs
@@ -67,10 +67,44 @@ def _pow2_floor(x: int) -> int:
   return 1 << (max(x, 1).bit_length() - 1)
 
 
-GPU_BLOCK_SIZES = BlockSizes(
-    small=BlockSizes(block_q=64, block_k=64, num_warps=4, num_stages=3, block_q_dq=64,
-                     block_k_dq=64, num_warps_dq=4, num_stages_dq=2, block_q_dkv=64,
-                     block_k_dkv=64, num_warps_dkv=4, num_stages_dkv=2))
+# Chosen on an H200 (bench/compact_attention.py --sweep, T = 32K, s = 0.5 and 0.9, bf16, D = 128).
+GPU_BLOCK_SIZES = BlockSizes()
+# float32 tiles take twice the shared memory.
+GPU_BLOCK_SIZES_F32 = BlockSizes(block_q=64, block_k=64, num_warps=4, num_stages=2,
+                                 block_q_dq=64, block_k_dq=64, num_warps_dq=4, num_stages_dq=2,
+                                 block_q_dkv=64, block_k_dkv=64, num_warps_dkv=4, num_stages_dkv=2)
+TRITON_SMEM_BYTES = 227 * 1024  # Hopper's per-block limit (232448)
+
+
+def triton_smem_estimate(bs: BlockSizes, H: int, itemsize: int) -> int:
+  """Largest shared-memory need of the three kernels: the pipelined K/V (or Q/dO) tiles times
+  num_stages, plus the tiles held for the whole loop."""
+  fwd = (bs.num_stages * 2 * bs.block_k + bs.block_q) * H * itemsize
+  dq = (bs.num_stages_dq * 2 * bs.block_k_dq + 2 * bs.block_q_dq) * H * itemsize
+  dkv = (bs.num_stages_dkv * 2 * bs.block_q_dkv + 2 * bs.block_k_dkv) * H * itemsize
+  worst = max(fwd, dq, dkv)
+  return worst if bs.small is None else max(worst, triton_smem_estimate(bs.small, H, itemsize))
+
+
+def fit_triton_smem(bs: BlockSizes, H: int, itemsize: int) -> BlockSizes | None:
+  """Fewer pipeline stages, then smaller tiles, until the estimate fits (None if nothing does)."""
+  for _ in range(12):
+    if triton_smem_estimate(bs, H, itemsize) <= TRITON_SMEM_BYTES:
+      return bs
+    if max(bs.num_stages, bs.num_stages_dq, bs.num_stages_dkv) > 2:
+      bs = bs.with_(num_stages=min(bs.num_stages, 2), num_stages_dq=min(bs.num_stages_dq, 2),
+                    num_stages_dkv=min(bs.num_stages_dkv, 2))
+      continue
+    halve = lambda b: max(16, b // 2)
+    if min(bs.block_q, bs.block_k, bs.block_q_dq, bs.block_k_dq, bs.block_q_dkv,
+           bs.block_k_dkv) <= 16:
+      return None
+    bs = bs.with_(block_q=halve(bs.block_q), block_k=halve(bs.block_k),
+                  block_q_dq=halve(bs.block_q_dq), block_k_dq=halve(bs.block_k_dq),
+                  block_q_dkv=halve(bs.block_q_dkv), block_k_dkv=halve(bs.block_k_dkv),
+                  num_warps=4, num_warps_dq=4, num_warps_dkv=4)
+  return None
+
 
 TPU_BLOCK_SIZES = BlockSizes(block_q=256, block_k=512, block_q_dq=256, block_k_dq=512,
                              block_q_dkv=256, block_k_dkv=512)

@@ -69,8 +69,9 @@ def active_to_RT(active) -> tuple[jax.Array, int]:
 def mask_from_indices(idx_BC, T: int):
   """Active mask [B, T] from an index list [B, C] (entries outside [0, T) are ignored)."""
   B = idx_BC.shape[0]
+  idx = jnp.where((idx_BC >= 0) & (idx_BC < T), idx_BC, T)
   m = jnp.zeros((B, T), bool)
-  return m.at[jnp.arange(B)[:, None], idx_BC].set(True, mode="drop")
+  return m.at[jnp.arange(B)[:, None], idx].set(True, mode="drop")
 
 
 def compact_indices(active_BIT, C: int):

@@ -1,0 +1,297 @@
+"""pallas_kernels.compact_attention on CPU: compaction, bounds, reference, Triton kernels in
+interpret mode (forward, dq/dk/dv, lse), fallbacks, and Triton lowering for an abstract H100."""
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pallas_kernels.compact_attention import (BlockSizes, CompactAttentionFallbackWarning,
+                                              bucket_capacities, compact_attention,
+                                              mask_from_indices, reference_compact_attention)
+from pallas_kernels.compact_attention import api
+from pallas_kernels.compact_attention import compaction as cp
+from pallas_kernels.compact_attention.testing import compare, make_problem, rel_err
+
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
+
+# Small tiles keep interpret mode quick; block_q_dkv != block_q exercises separate bounds.
+SMALL = BlockSizes(block_q=32, block_k=16, block_q_dq=16, block_k_dq=32, block_q_dkv=16,
+                   block_k_dkv=32, num_warps=4, num_stages=2)
+TRITON = dict(impl="triton", interpret=True, block_sizes=SMALL)
+
+
+# ------------------------------------------------------------------------------------------------
+# compaction and bounds (pure jnp)
+# ------------------------------------------------------------------------------------------------
+
+def test_bucket_ladder_always_holds_every_count():
+  for T in (1, 100, 128, 1000, 4096):
+    caps = bucket_capacities(T, multiple=32)
+    assert list(caps) == sorted(set(caps)) and caps[-1] >= T
+    assert all(c % 32 == 0 for c in caps)
+    for count in (0, 1, T // 3, T):
+      assert caps[int(cp.pick_bucket(jnp.int32(count), caps))] >= count
+  assert bucket_capacities(1000, capacity=100, multiple=64) == (128, 1024)
+  with pytest.raises(ValueError):
+    bucket_capacities(100, bucket_fracs=(0.0,))
+
+
+def test_compaction_roundtrip_matches_numpy():
+  rng = np.random.default_rng(0)
+  B, T, N, H, C = 2, 50, 3, 4, 64
+  active = rng.random((B, T, N)) < 0.4
+  x = jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.float32)
+  for act, I in ((active[..., 0], 1), (active, N)):
+    a_BIT, I2 = cp.active_to_RT(jnp.asarray(act))
+    assert I2 == I
+    idx = np.asarray(cp.compact_indices(a_BIT, C))
+    for b in range(B):
+      for i in range(I):
+        want = np.nonzero(np.asarray(a_BIT)[b, i])[0]
+        assert np.array_equal(idx[b, i, :len(want)], want)
+        assert np.all(idx[b, i, len(want):] == T)
+    back = cp.scatter_rows(cp.gather_rows(x, jnp.asarray(idx)), jnp.asarray(idx), T)
+    mask = act[..., None] if act.ndim == 3 else act[:, :, None, None]
+    np.testing.assert_array_equal(np.asarray(back), np.where(mask, np.asarray(x), 0))
+  m = mask_from_indices(jnp.array([[3, 0, 9, -1]]), 8)
+  np.testing.assert_array_equal(np.asarray(m)[0], [1, 0, 0, 1, 0, 0, 0, 0])
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.integers(0, 10 ** 6), st.sampled_from([None, 5, 40]), st.booleans(), st.booleans(),
+       st.floats(0.0, 1.0))
+def test_tile_bounds_cover_every_visible_pair(seed, window, segments, packed, sparsity):
+  """Skipped tiles hold no visible pair; tiles run unmasked have every pair visible."""
+  rng = np.random.default_rng(seed)
+  B, T, bq, bk = 2, 96, 16, 32
+  p = make_problem(seed, B=B, T=T, sparsity=sparsity, segments=3 if segments else 0,
+                   packed_positions=packed)
+  qpos = np.asarray(p.kw.get("q_positions_BT", np.broadcast_to(np.arange(T), (B, T))))
+  kvpos = np.asarray(p.kw.get("kv_positions_BS", np.broadcast_to(np.arange(T), (B, T))))
+  qseg = p.kw.get("q_segment_ids_BT")
+  kvseg = p.kw.get("kv_segment_ids_BS")
+  a_BIT, _ = cp.active_to_RT(p.active)
+  C = 64 + 32 * rng.integers(0, 2)
+  C = max(C, cp.round_up(int(np.asarray(a_BIT).sum(-1).max()), bq))
+  idx = cp.compact_indices(a_BIT, C)
+  valid = idx < T
+  qp_c = cp.gather_meta(jnp.asarray(qpos), idx, cp.PAD_POS)
+  qs_c = None if qseg is None else cp.gather_meta(qseg, idx, 0)
+  kw = dict(window=window, block_q=bq, block_k=bk)
+  bounds = np.asarray(cp.tile_bounds(qp_c, valid, qs_c, jnp.asarray(kvpos), kvseg, **kw))
+  boundsT = np.asarray(cp.tile_bounds(qp_c, valid, qs_c, jnp.asarray(kvpos), kvseg,
+                                      transpose=True, **kw))
+  cp.bounds_numpy_check(bounds)
+  cp.bounds_numpy_check(boundsT)
+  qp_c, valid = np.asarray(qp_c), np.asarray(valid)
+  vis = (kvpos[:, None, None, :] <= qp_c[..., None]) & valid[..., None]
+  if window is not None:
+    vis &= (qp_c[..., None] - kvpos[:, None, None, :]) < window
+  if qseg is not None:
+    qs, ks = np.asarray(qs_c), np.asarray(kvseg)
+    vis &= (qs[..., None] == ks[:, None, None, :]) & (ks[:, None, None, :] != 0)
+  nq, nk = C // bq, T // bk
+  tiles = vis.reshape(B, 1, nq, bq, nk, bk)
+  any_vis = tiles.any(axis=(3, 5))
+  all_vis = tiles.all(axis=(3, 5))
+  for b in range(B):
+    for i in range(nq):
+      lo, flo, fhi, hi = bounds[b, 0, i]
+      for j in range(nk):
+        if any_vis[b, 0, i, j]:
+          assert lo <= j < hi
+        if flo <= j < fhi:
+          assert all_vis[b, 0, i, j]
+        loT, floT, fhiT, hiT = boundsT[b, 0, j]
+        if any_vis[b, 0, i, j]:
+          assert loT <= i < hiT
+        if floT <= i < fhiT:
+          assert all_vis[b, 0, i, j]
+
+
+# ------------------------------------------------------------------------------------------------
+# reference
+# ------------------------------------------------------------------------------------------------
+
+def _naive(p):
+  """Loops in float64 numpy: the definition."""
+  q, k, v = (np.asarray(x, np.float64) for x in (p.q, p.k, p.v))
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  kw = p.kw
+  qpos = np.asarray(kw.get("q_positions_BT", np.arange(T)[None] + kw.get("q_offset", 0)))
+  qpos = np.broadcast_to(qpos, (B, T))
+  kvpos = np.broadcast_to(np.asarray(kw.get("kv_positions_BS", np.arange(S)[None])), (B, S))
+  qseg, kvseg = kw.get("q_segment_ids_BT"), kw.get("kv_segment_ids_BS")
+  act = np.asarray(p.active)
+  out = np.zeros_like(q)
+  lse = np.full((B, T, N), -np.inf)
+  for b in range(B):
+    for t in range(T):
+      for h in range(N):
+        if not (act[b, t, h] if act.ndim == 3 else act[b, t]):
+          continue
+        ok = kvpos[b] <= qpos[b, t]
+        if "window" in kw:
+          ok &= qpos[b, t] - kvpos[b] < kw["window"]
+        if qseg is not None:
+          ok &= (np.asarray(kvseg)[b] == np.asarray(qseg)[b, t]) & (np.asarray(kvseg)[b] != 0)
+        if not ok.any():
+          continue
+        s = k[b, ok, h // (N // K)] @ q[b, t, h] / np.sqrt(H)
+        w = np.exp(s - s.max())
+        out[b, t, h] = w @ v[b, ok, h // (N // K)] / w.sum()
+        lse[b, t, h] = s.max() + np.log(w.sum())
+  return out, lse
+
+
+@pytest.mark.parametrize("kw", [
+    dict(sparsity=0.5),
+    dict(sparsity=0.3, per_head=True, N=6, K=2),
+    dict(sparsity=0.4, segments=3, window=20, packed_positions=True),
+    dict(sparsity=0.5, q_offset=24),
+    dict(sparsity=0.2, kv_positions=True, S=80),
+])
+def test_reference_matches_naive_loops(kw):
+  p = make_problem(11, B=2, T=48, H=8, **kw)
+  qpos = p.kw.get("q_positions_BT")
+  if qpos is None:
+    qpos = jnp.broadcast_to(jnp.arange(48, dtype=jnp.int32) + p.kw.get("q_offset", 0), (2, 48))
+  S = p.k.shape[1]
+  kvpos = p.kw.get("kv_positions_BS", jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (2, S)))
+  out, lse = reference_compact_attention(
+      p.q, p.k, p.v, p.active, q_positions_BT=qpos, kv_positions_BS=kvpos,
+      q_segment_ids_BT=p.kw.get("q_segment_ids_BT"),
+      kv_segment_ids_BS=p.kw.get("kv_segment_ids_BS"), window=p.kw.get("window"))
+  want_out, want_lse = _naive(p)
+  np.testing.assert_allclose(np.asarray(out), want_out, atol=2e-5, rtol=2e-5)
+  np.testing.assert_allclose(np.asarray(lse), want_lse, atol=2e-5, rtol=2e-5)
+  # the public API on CPU (impl auto) is the reference
+  got = compact_attention(p.q, p.k, p.v, p.active, **p.kw)
+  np.testing.assert_allclose(np.asarray(got), want_out, atol=2e-5, rtol=2e-5)
+
+
+def test_reference_gradients_are_finite_with_empty_rows():
+  p = make_problem(3, T=32, sparsity=0.5, segments=2, window=4, packed_positions=True)
+  g = jax.jit(jax.grad(
+      lambda q, k, v: jnp.sum(compact_attention(q, k, v, p.active, **p.kw) ** 2),
+      argnums=(0, 1, 2)))(p.q, p.k, p.v)
+  assert all(np.isfinite(np.asarray(x)).all() for x in g)
+
+
+# ------------------------------------------------------------------------------------------------
+# Triton kernels, interpret mode
+# ------------------------------------------------------------------------------------------------
+
+GQA = [(2, 1), (4, 2), (4, 4), (6, 2)]
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 10 ** 6), sparsity=st.floats(0.0, 1.0), T=st.sampled_from([40, 96, 128]),
+       gqa=st.sampled_from(GQA), dtype=st.sampled_from(["float32", "bfloat16"]),
+       per_head=st.booleans(), fracs=st.sampled_from([None, (0.25,), (0.5, 0.75)]),
+       extra=st.sampled_from(["none", "window", "segments", "offset"]))
+def test_triton_matches_reference_hypothesis(seed, sparsity, T, gqa, dtype, per_head, fracs,
+                                             extra):
+  N, K = gqa
+  kw = dict(window=dict(window=24), segments=dict(segments=3, packed_positions=True),
+            offset=dict(q_offset=32), none={})[extra]
+  p = make_problem(seed, B=2, T=T, N=N, K=K, H=32, dtype=jnp.dtype(dtype), sparsity=sparsity,
+                   per_head=per_head, **kw)
+  if p.k.shape[1] % 16:
+    return  # kv length must be a multiple of 16 (tested separately)
+  errs, bad = compare(p, dict(TRITON, bucket_fracs=fracs))
+  assert not bad, errs
+
+
+@pytest.mark.parametrize("name,kw", [
+    ("all_empty", dict(sparsity=1.0)),
+    # row 1 fully active -> the full bucket (no gather / scatter); row 0 attends nothing
+    ("empty_and_full_rows", dict(B=2, sparsity=0.0, empty_rows=(0,))),
+    ("aha_segments_window", dict(sparsity=0.6, per_head=True, segments=2, window=10)),
+    ("kv_positions", dict(sparsity=0.3, kv_positions=True, S=96)),
+])
+def test_triton_edge_cases(name, kw):
+  p = make_problem(5, **{**dict(T=64, N=4, K=2, H=32), **kw})
+  errs, bad = compare(p, dict(TRITON, bucket_fracs=(0.25,)))
+  assert not bad, (name, errs)
+
+
+def test_triton_default_tiles_and_ladder():
+  """GPU default tiles (128) and the default bucket ladder, bf16."""
+  p = make_problem(9, T=256, N=2, K=1, H=64, sparsity=0.7, dtype=jnp.bfloat16)
+  errs, bad = compare(p, dict(impl="triton", interpret=True))
+  assert not bad, errs
+
+
+def test_nan_and_unwritten_outputs_fail():
+  assert np.isnan(rel_err(np.array([np.nan, 1.0]), np.array([1.0, 1.0])))
+  from pallas_kernels.compact_attention import triton as kt
+  bufs, _ = kt._poison_args([jax.ShapeDtypeStruct((2, 3), jnp.float32)], True)
+  assert np.isnan(np.asarray(bufs[0])).all()  # what an unwritten element would hold
+
+
+def test_no_recompilation_across_active_sets():
+  p = make_problem(1, T=64, sparsity=0.5)
+  f = jax.jit(lambda q, k, v, a: compact_attention(q, k, v, a, **TRITON))
+  for s in (0.0, 0.5, 0.97, 1.0):
+    a = jnp.asarray(np.random.default_rng(0).random((1, 64)) >= s)
+    jax.block_until_ready(f(p.q, p.k, p.v, a))
+  assert f._cache_size() == 1
+
+
+# ------------------------------------------------------------------------------------------------
+# shapes the kernels cannot take
+# ------------------------------------------------------------------------------------------------
+
+def test_unsupported_shape_raises_or_falls_back(monkeypatch):
+  p = make_problem(2, T=32, N=2, K=1, H=24, sparsity=0.5)
+  with pytest.raises(ValueError, match="head_dim 24"):
+    compact_attention(p.q, p.k, p.v, p.active, impl="triton", interpret=True)
+  with pytest.raises(ValueError, match="needs a GPU"):
+    compact_attention(p.q, p.k, p.v, p.active, impl="triton")
+  with pytest.raises(ValueError, match="multiple of kv heads"):
+    compact_attention(p.q, p.k[:, :, :1].repeat(3, 2)[:, :, :3], p.v[:, :, :1].repeat(3, 2)[:, :, :3],
+                      p.active)
+  monkeypatch.setattr(api, "_default_platform", lambda: "gpu")
+  api._warn_once.cache_clear()
+  with pytest.warns(CompactAttentionFallbackWarning, match="head_dim 24"):
+    out = compact_attention(p.q, p.k, p.v, p.active)  # auto -> triton cannot -> reference
+  ref = compact_attention(p.q, p.k, p.v, p.active, impl="reference")
+  np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+  with warnings.catch_warnings():  # warned once only
+    warnings.simplefilter("error")
+    compact_attention(p.q, p.k, p.v, p.active)
+  p2 = make_problem(2, T=40, S=40, N=2, K=1, H=32, sparsity=0.5)  # kv length 40: not % 16
+  with pytest.raises(ValueError, match="kv length 40"):
+    compact_attention(p2.q, p2.k, p2.v, p2.active, impl="triton", interpret=True)
+
+
+def test_triton_lowers_for_h100_at_realistic_shapes(monkeypatch):
+  """Lowers the three kernels to Triton IR (what the GPU compiles) for an abstract H100."""
+  from jax.sharding import AbstractDevice, AbstractMesh
+  monkeypatch.setattr(api, "_default_platform", lambda: "gpu")
+  B, T, N, K, H = 1, 4096, 28, 4, 128
+  sds = [jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16),
+         jax.ShapeDtypeStruct((B, T, K, H), jnp.bfloat16),
+         jax.ShapeDtypeStruct((B, T, K, H), jnp.bfloat16),
+         jax.ShapeDtypeStruct((B, T), jnp.bool_)]
+
+  def fwd_bwd(q, k, v, a):
+    f = lambda q, k, v: compact_attention(q, k, v, a, impl="triton", window=4096)
+    out, vjp = jax.vjp(f, q, k, v)
+    return out, vjp(out)
+
+  mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+      device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"))
+  with jax.sharding.use_abstract_mesh(mesh):
+    exp = jax.export.export(jax.jit(fwd_bwd), platforms=["cuda"], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*sds)
+  text = exp.mlir_module()
+  # 5 buckets x (forward, dq, dk/dv)
+  assert text.count("__gpu$xla.gpu.triton") == 15
