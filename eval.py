@@ -7,10 +7,11 @@ r"""Evaluate a model: perplexity at several context lengths + synthetic-task acc
                                                                            # (random / init_from)
   --config.eval.context_lengths='(512,1024)' --config.model.scheme.theta=0.7   test-time knobs
 
-Writes <out_dir>/eval_step<N>.json and .md (out_dir: --out_dir, else DIR/eval) and prints the
-markdown table.
+Writes <out_dir>/eval_step<N>.json and .md (out_dir: --out_dir, else <run workdir>/eval) and
+prints the markdown table. A missing checkpoint exits with code 2 and a one-line error.
 """
 import os
+import sys
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -38,18 +39,32 @@ def main(argv):
   path = _CHECKPOINT.value or _WORKDIR.value
   if not _INIT.value and not path:
     raise app.UsageError("give --workdir or --checkpoint (or --init to evaluate step-0 params).")
+  from condattn_jax import checkpoint as ckpt_lib
   config = _CONFIG.value
-  if config is None:
-    if _INIT.value or not path:
-      raise app.UsageError("--config is required with --init.")
-    config = loop.config_from_checkpoint(path, _STEP.value)
-  out_dir = _OUT_DIR.value or (os.path.join(_WORKDIR.value, "eval") if _WORKDIR.value else
-                               os.path.join(os.path.abspath(path or "."), "eval"))
-  res = loop.evaluate_checkpoint(config, None if _INIT.value else path, step=_STEP.value,
-                                 out_dir=out_dir)
+  try:
+    if config is None:
+      if _INIT.value or not path:
+        raise app.UsageError("--config is required with --init.")
+      config = loop.config_from_checkpoint(path, _STEP.value)
+    out_dir = _OUT_DIR.value or _default_out_dir(path)
+    res = loop.evaluate_checkpoint(config, None if _INIT.value else path, step=_STEP.value,
+                                   out_dir=out_dir)
+  except ckpt_lib.CheckpointNotFoundError as e:
+    print(f"ERROR: {e}", file=sys.stderr)
+    sys.exit(2)
   if jax.process_index() == 0:
     print(evaluation.markdown_table(res, f"Evaluation at step {res['step']}"))
     print(f"written to {out_dir}/eval_step{res['step']}.json and .md")
+
+
+def _default_out_dir(path):
+  """<workdir>/eval for a workdir, checkpoints dir or step dir; ./eval for --init."""
+  if not path:
+    return os.path.abspath("eval")
+  from condattn_jax import checkpoint as ckpt_lib
+  directory, _ = ckpt_lib.resolve_checkpoint_path(path)
+  workdir = os.path.dirname(directory) if os.path.basename(directory) == "checkpoints" else directory
+  return os.path.join(workdir, "eval")
 
 
 if __name__ == "__main__":

@@ -6,13 +6,20 @@ The recipe of the tests and of `make demo`. Variants through the config arg:
   python train.py --config=configs/tiny.py --config.train.dry_run=True --workdir=/tmp/tiny
   python eval.py  --config=configs/tiny.py --workdir=/tmp/tiny
 Args: steps (train.num_steps), seq (data.seq_len), batch (data.batch_size, global),
-      pairs (MQAR key-value pairs), layers, width (hidden size), lr.
+      pairs (MQAR key-value pairs), layers, width (hidden size), lr;
+      `demo` = the `make demo` variant (steps=600, batch=32, pairs=4: ~1-2 min on 2 CPU cores).
 """
 from condattn_jax.train.config import default_config, parse_arg
 
 
 def get_config(arg=None):
-  a = parse_arg(arg, steps=200, seq=64, batch=16, pairs=8, layers=2, width=64, lr=3e-3)
+  a = parse_arg(arg, demo=False, steps=200, seq=64, batch=16, pairs=8, layers=2, width=64,
+                lr=3e-3)
+  if a.demo:  # the `make demo` variant; explicit args still win
+    given = {p.split("=")[0].strip() for p in (arg or "").split(",")}
+    for k, v in dict(steps=600, batch=32, pairs=4).items():
+      if k not in given:
+        a[k] = v
   c = default_config()
   vocab = 64
 

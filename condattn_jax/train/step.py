@@ -150,6 +150,14 @@ def make_train_step(model_cfg: ModelConfig, tc, tx: optax.GradientTransformation
   return train_step
 
 
+def exact_match_counts(correct_BT, mask_BT):
+  """(rows whose scored tokens are all correct, rows with >= 1 scored token)."""
+  scored = mask_BT > 0
+  row_has = jnp.any(scored, axis=-1)
+  row_ok = jnp.all(jnp.where(scored, correct_BT > 0, True), axis=-1) & row_has
+  return jnp.sum(row_ok.astype(jnp.float32)), jnp.sum(row_has.astype(jnp.float32))
+
+
 def make_eval_step(model_cfg: ModelConfig, *, loss_chunk_size: int = 0, seed: int = 0,
                    step: int = 0):
   """eval_step(params, batch) -> sums over the batch:
@@ -163,13 +171,10 @@ def make_eval_step(model_cfg: ModelConfig, *, loss_chunk_size: int = 0, seed: in
     ce, correct, aux = forward_ce(model, params, batch, train=False, rng=rng,
                                   loss_chunk_size=loss_chunk_size)
     mask = batch["loss_mask"].astype(jnp.float32)
-    scored = mask > 0
-    row_has = jnp.any(scored, axis=-1)
-    row_ok = jnp.all(jnp.where(scored, correct > 0, True), axis=-1) & row_has
+    seq_correct, seqs = exact_match_counts(correct, mask)
     _, aux_m = scheme.aux_loss(aux, jnp.asarray(step, jnp.int32), model_cfg)
     out = dict(ce_sum=jnp.sum(ce * mask), correct=jnp.sum(correct * mask), tokens=jnp.sum(mask),
-               seq_correct=jnp.sum(row_ok.astype(jnp.float32)),
-               seqs=jnp.sum(row_has.astype(jnp.float32)))
+               seq_correct=seq_correct, seqs=seqs)
     out.update({f"aux/{k}": v for k, v in aux_m.items()})
     return out
 
