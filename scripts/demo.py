@@ -54,12 +54,12 @@ def main(argv):
         "then queries of the keys; the model must answer each with its value. Devices: "
         f"{jax.device_count()} x {jax.devices()[0].platform}.\n")
 
-  print("1/3 evaluating the untrained model ...")
-  before = loop.evaluate_checkpoint(config, None)
-  print(f"2/3 training for {config.train.num_steps} steps (batch {config.data.batch_size}) ...")
+  config.eval.at_start = True  # evaluate the untrained model first
+  print(f"Evaluating the untrained model, training for {config.train.num_steps} steps (batch "
+        f"{config.data.batch_size}), evaluating again ...")
   result = loop.run(config, workdir)
-  after = result["eval"]
-  print("3/3 done.\n")
+  before, after = result["eval_start"], result["eval"]
+  print("done.\n")
 
   lines = ["| context length | token accuracy before | after | exact match before | after "
            "| answer ppl before | after |", "|---|---|---|---|---|---|---|"]

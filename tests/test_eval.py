@@ -22,6 +22,7 @@ def trained(tmp_path_factory):
   c.eval.at_end = True
   c.eval.context_lengths = (64, 128)
   c.eval.num_batches = 2
+  c.train.eval_every = 10
   r = loop.run(c, wd)
   return wd, c, r
 
@@ -40,7 +41,7 @@ def test_run_writes_eval_at_end(trained):
   md = open(os.path.join(wd, "eval", f"eval_step{STEPS}.md")).read()
   assert "| context length | ppl |" in md and "\n| 128 |" in md
   logged = [json.loads(l) for l in open(os.path.join(wd, "metrics.jsonl"))]
-  assert any("eval/L128/ppl" in rec for rec in logged)
+  assert [rec["step"] for rec in logged if "eval/L128/ppl" in rec] == [10, STEPS]  # eval_every
   assert os.path.isdir(os.path.join(wd, "tb"))
 
 

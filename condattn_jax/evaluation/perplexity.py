@@ -20,6 +20,7 @@ import math
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from condattn_jax.data import data_shard_for_sharding, make_eval_batches, make_global_batch
@@ -42,6 +43,23 @@ def eval_data_config(config, seq_len: int):
   return d
 
 
+_CACHE: dict = {}
+
+
+def _jitted_eval_step(model_cfg, chunk, seed, mesh, param_shardings):
+  """One jitted eval step per (model, chunk, seed, mesh, shardings): periodic evals during a run
+  reuse its compilations (one per context length)."""
+  key = (model_cfg, chunk, seed, mesh, jax.tree_util.tree_structure(param_shardings),
+         tuple(jax.tree.leaves(param_shardings)))
+  if key not in _CACHE:
+    if len(_CACHE) > 8:
+      _CACHE.clear()
+    _CACHE[key] = jax.jit(make_eval_step(model_cfg, loss_chunk_size=chunk, seed=seed),
+                          in_shardings=(param_shardings, shd.batch_sharding(mesh), None),
+                          out_shardings=shd.replicated(mesh))
+  return _CACHE[key]
+
+
 def evaluate(config, params, model_cfg, mesh, *, step: int = 0, param_shardings=None,
              lengths: list[int] | None = None) -> dict[str, Any]:
   """{'step': step, 'results': {L: {ce, ppl, token_acc, exact_match, tokens, seqs, aux/...}}}."""
@@ -51,10 +69,9 @@ def evaluate(config, params, model_cfg, mesh, *, step: int = 0, param_shardings=
   if param_shardings is None:
     param_shardings = jax.tree.map(lambda x: x.sharding, params)
   out: dict[str, Any] = {"step": int(step), "results": {}}
+  fn = _jitted_eval_step(model_cfg, chunk, int(config.eval.seed), mesh, param_shardings)
+  step_arr = jnp.asarray(step, jnp.int32)
   with shd.mesh_context(mesh):
-    fn = jax.jit(make_eval_step(model_cfg, loss_chunk_size=chunk, seed=int(config.eval.seed),
-                                step=step),
-                 in_shardings=(param_shardings, bsh), out_shardings=shd.replicated(mesh))
     for L in lengths:
       if chunk and L % chunk:
         raise ValueError(f"eval.context_lengths has {L}, not divisible by "
@@ -70,7 +87,7 @@ def evaluate(config, params, model_cfg, mesh, *, step: int = 0, param_shardings=
       sums: dict[str, Any] = {}
       n = 0
       for b in batches:
-        r = jax.device_get(fn(params, make_global_batch(b, bsh, B)))
+        r = jax.device_get(fn(params, make_global_batch(b, bsh, B), step_arr))
         n += 1
         for k, v in r.items():
           sums[k] = sums.get(k, 0.0) + np.asarray(v, np.float64)

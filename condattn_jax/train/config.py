@@ -14,7 +14,7 @@ unknown fields that a recipe added by mistake. Sections:
          checkpoint_every, keep_checkpoints, eval_every, dry_run, loss_chunk_size, microbatches,
          progress_bar
   mesh   data, fsdp, tensor (-1 = fill with the remaining devices)
-  eval   context_lengths, num_batches, batch_size, seed, at_end
+  eval   context_lengths, num_batches, batch_size, seed, at_start, at_end
 """
 from __future__ import annotations
 
@@ -83,6 +83,7 @@ def default_config() -> ml_collections.ConfigDict:
       num_batches=4,
       batch_size=config_dict.placeholder(int),  # None = data.batch_size
       seed=1234,  # eval data draw and the router RNG at eval
+      at_start=False,  # train.run evaluates the step-0 params (e.g. a converted checkpoint)
       at_end=True,  # train.run evaluates the final params
   ))
   return c

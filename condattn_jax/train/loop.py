@@ -315,7 +315,8 @@ def run(config, workdir: str, *, stop_after: int | None = None,
   stop_after: stop (with a checkpoint) after this many steps in THIS call, as a preemption
     would; the next call resumes. on_step(step, host_metrics) is called after each step's
     metrics reach the host (one step late). Returns {'step', 'train': last logged means,
-    'eval': eval results or None, 'stopped_early': bool, 'dry_run': report or None}.
+    'eval': eval results at the end or None, 'eval_start': at step 0 (eval.at_start) or None,
+    'stopped_early': bool, 'dry_run': report or None}.
   """
   if config.train.dry_run:
     return dict(step=0, train={}, eval=None, stopped_early=True, dry_run=dry_run(config))
@@ -351,7 +352,8 @@ def run(config, workdir: str, *, stop_after: int | None = None,
   bar = metrics_lib.ProgressBar(total, start, enabled=is_host0 and bool(tc.progress_bar))
   multiproc = jax.process_count() > 1
   preempt = _Preemption(install=not multiproc)
-  result: dict[str, Any] = dict(step=start, train={}, eval=None, stopped_early=False, dry_run=None)
+  result: dict[str, Any] = dict(step=start, train={}, eval=None, eval_start=None,
+                                stopped_early=False, dry_run=None)
   acc = _Accumulator()
   t_log, steps_since_log = time.time(), 0
   last_saved = latest
@@ -387,7 +389,7 @@ def run(config, workdir: str, *, stop_after: int | None = None,
   with shd.mesh_context(setup.mesh):
     try:
       if config.eval.get("at_start") and start == 0:
-        _run_eval(config, setup, state, 0, workdir, writer, is_host0)
+        result["eval_start"] = _run_eval(config, setup, state, 0, workdir, writer, is_host0)
       step = start
       while step < total:
         batch = make_global_batch(next(data_it), setup.batch_sharding, B)

@@ -158,21 +158,20 @@ def exact_match_counts(correct_BT, mask_BT):
   return jnp.sum(row_ok.astype(jnp.float32)), jnp.sum(row_has.astype(jnp.float32))
 
 
-def make_eval_step(model_cfg: ModelConfig, *, loss_chunk_size: int = 0, seed: int = 0,
-                   step: int = 0):
-  """eval_step(params, batch) -> sums over the batch:
+def make_eval_step(model_cfg: ModelConfig, *, loss_chunk_size: int = 0, seed: int = 0):
+  """eval_step(params, batch, step) -> sums over the batch:
   ce_sum, correct (tokens), tokens, seq_correct, seqs (rows with >= 1 scored token), and the
   scheme's aux metrics (means over this batch). train=False; the router RNG is key(seed)."""
   model = Decoder(model_cfg)
   scheme = get_scheme(model_cfg.scheme)
 
-  def eval_step(params, batch):
+  def eval_step(params, batch, step):
     rng = jax.random.key(seed)
     ce, correct, aux = forward_ce(model, params, batch, train=False, rng=rng,
                                   loss_chunk_size=loss_chunk_size)
     mask = batch["loss_mask"].astype(jnp.float32)
     seq_correct, seqs = exact_match_counts(correct, mask)
-    _, aux_m = scheme.aux_loss(aux, jnp.asarray(step, jnp.int32), model_cfg)
+    _, aux_m = scheme.aux_loss(aux, step, model_cfg)
     out = dict(ce_sum=jnp.sum(ce * mask), correct=jnp.sum(correct * mask), tokens=jnp.sum(mask),
                seq_correct=seq_correct, seqs=seqs)
     out.update({f"aux/{k}": v for k, v in aux_m.items()})
