@@ -1,0 +1,80 @@
+"""pallas_kernels.compact_attention Mosaic TPU kernels on CPU: interpret mode vs the reference
+(forward, lse, dq/dk/dv), and lowering to Mosaic for TPU at realistic block shapes."""
+import jax
+import jax.numpy as jnp
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from pallas_kernels.compact_attention import BlockSizes, TPU_BLOCK_SIZES, api, compact_attention
+from pallas_kernels.compact_attention.testing import compare, make_problem
+
+T128 = BlockSizes(block_q=128, block_k=128, block_q_dq=128, block_k_dq=128, block_q_dkv=128,
+                  block_k_dkv=128)
+MOSAIC = dict(impl="mosaic_tpu", interpret=pltpu.InterpretParams(), block_sizes=T128)
+
+
+@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 10 ** 6), sparsity=st.floats(0.0, 1.0),
+       gqa=st.sampled_from([(2, 1), (4, 2), (2, 2)]), dtype=st.sampled_from(["float32", "bfloat16"]),
+       per_head=st.booleans(), extra=st.sampled_from(["none", "window", "segments", "offset"]))
+def test_mosaic_matches_reference_hypothesis(seed, sparsity, gqa, dtype, per_head, extra):
+  N, K = gqa
+  kw = dict(window=dict(window=40), segments=dict(segments=3, packed_positions=True),
+            offset=dict(q_offset=128), none={})[extra]
+  p = make_problem(seed, T=256, N=N, K=K, H=128, dtype=jnp.dtype(dtype), sparsity=sparsity,
+                   per_head=per_head, **kw)
+  errs, bad = compare(p, dict(MOSAIC, bucket_fracs=(0.5,)))
+  assert not bad, errs
+
+
+@pytest.mark.parametrize("name,kw", [
+    ("empty_and_full_rows", dict(B=2, T=256, sparsity=0.0, empty_rows=(1,))),
+    ("aha_head_dim_64", dict(T=256, N=2, K=1, H=64, sparsity=0.5, per_head=True, segments=2,
+                             window=60, packed_positions=True)),
+])
+def test_mosaic_edge_cases(name, kw):
+  p = make_problem(4, **{**dict(N=2, K=1, H=128), **kw})
+  errs, bad = compare(p, dict(MOSAIC, bucket_fracs=(0.5,)))
+  assert not bad, (name, errs)
+
+
+def test_mosaic_rejects_bad_blocks():
+  p = make_problem(1, T=256, N=2, K=1, H=128)
+  with pytest.raises(ValueError, match="multiples of 128"):
+    compact_attention(p.q, p.k, p.v, p.active, impl="mosaic_tpu",
+                      interpret=pltpu.InterpretParams(), block_sizes=T128.with_(block_q=64))
+  p = make_problem(1, T=256, N=2, K=1, H=96)
+  with pytest.raises(ValueError, match="head_dim 96"):
+    compact_attention(p.q, p.k, p.v, p.active, impl="mosaic_tpu",
+                      interpret=pltpu.InterpretParams())
+
+
+@pytest.mark.parametrize("chip", ["TPU v5 lite", "TPU v6 lite"])
+@pytest.mark.parametrize("per_head", [False, True])
+def test_mosaic_lowers_for_tpu_at_realistic_shapes(monkeypatch, chip, per_head):
+  """jax.export lowers the forward and backward kernels to Mosaic (rejects bad block shapes)."""
+  monkeypatch.setattr(api, "_default_platform", lambda: "tpu")
+  B, T, N, K, H = 1, 8192, 28, 4, 128
+  act = (B, T, N) if per_head else (B, T)
+  sds = [jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16),
+         jax.ShapeDtypeStruct((B, T, K, H), jnp.bfloat16),
+         jax.ShapeDtypeStruct((B, T, K, H), jnp.bfloat16),
+         jax.ShapeDtypeStruct(act, jnp.bool_),
+         jax.ShapeDtypeStruct((B, T), jnp.int32)]
+
+  def fwd_bwd(q, k, v, a, seg):
+    f = lambda q, k, v: compact_attention(q, k, v, a, impl="auto", window=4096,
+                                          q_segment_ids_BT=seg, kv_segment_ids_BS=seg,
+                                          bucket_fracs=(0.25,))
+    out, vjp = jax.vjp(f, q, k, v)
+    return out, vjp(out)
+
+  mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+      device_kind=chip, num_cores=1, platform="tpu"))
+  with jax.sharding.use_abstract_mesh(mesh):
+    exp = jax.export.export(jax.jit(fwd_bwd), platforms=["tpu"])(*sds)
+  assert exp.mlir_module().count("tpu_custom_call") == 6  # 2 buckets x (fwd, dq, dkv)
+  assert TPU_BLOCK_SIZES.block_q == 256
