@@ -1,0 +1,97 @@
+"""L2A's section of the evaluation: per-layer sparsity on held-out data, post-training pruning and
+the KV-cache bytes report (SCHEMES.md 1; run by scripts/l2a_prune.py).
+
+  rep = prune_and_evaluate(config, params, model_cfg, mesh, threshold=0.95, context_len=131072)
+  rep['report']   JSON-ready: layer_sparsity, pruned_layers, kv bytes (dense base / L2A before /
+                  after pruning), eval metrics before and after pruning
+  rep['config'], rep['params']   the pruned model
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from condattn_jax.attention import l2a
+
+
+def layer_sparsity(eval_row: dict, num_layers: int) -> list[float]:
+  """Per-layer sparsity from one context length's eval results (aux/l2a/sparsity_layer_i)."""
+  keys = [f"aux/l2a/sparsity_layer_{i}" for i in range(num_layers)]
+  missing = [k for k in keys if k not in eval_row]
+  if missing:
+    raise ValueError(f"eval results lack {missing[:3]}: is model.scheme.name 'l2a'?")
+  return [float(eval_row[k]) for k in keys]
+
+
+def _summary(row: dict) -> dict:
+  keep = ("ce", "ppl", "token_acc", "exact_match", "tokens", "aux/l2a/sparsity")
+  return {k: row[k] for k in keep if k in row}
+
+
+def prune_and_evaluate(config, params, model_cfg, mesh, *, threshold: float = 0.95,
+                       context_len: int | None = None, eval_len: int | None = None
+                       ) -> dict[str, Any]:
+  """Measure per-layer sparsity with the eval harness (held-out stream, config.eval.num_batches
+  rows of length eval_len), prune layers >= threshold, re-evaluate, report KV-cache bytes."""
+  from condattn_jax import evaluation
+  if model_cfg.scheme != "l2a":
+    raise ValueError(f"L2A pruning needs model.scheme.name='l2a', got {model_cfg.scheme!r}.")
+  L = int(eval_len or config.data.seq_len)
+  ctx = int(context_len or config.data.seq_len)
+  before = evaluation.evaluate(config, params, model_cfg, mesh, lengths=[L])["results"][L]
+  sp = layer_sparsity(before, model_cfg.num_layers)
+  pcfg, pparams, new = l2a.prune(params, model_cfg, sp, threshold)
+  after = evaluation.evaluate(config, pparams, pcfg, mesh, lengths=[L])["results"][L]
+  base = model_cfg.replace(scheme="dense", scheme_kwargs=(), sliding_window=None)
+  kv_dense = l2a.kv_cache_bytes(base, ctx)
+  kv_before = l2a.kv_cache_bytes(model_cfg, ctx)
+  kv_after = l2a.kv_cache_bytes(pcfg, ctx)
+  opts = l2a.l2a_options(pcfg)
+  report = {
+      "eval_len": L,
+      "context_len": ctx,
+      "threshold": float(threshold),
+      "theta": float(opts.theta),
+      "window": int(opts.window),
+      "layer_sparsity": sp,
+      "pruned_layers": list(opts.pruned_layers),
+      "newly_pruned": list(new),
+      "kv_bytes_dense_base": kv_dense["total"],
+      "kv_bytes_before": kv_before["total"],
+      "kv_bytes_after": kv_after["total"],
+      "kv_reduction_vs_before": 1.0 - kv_after["total"] / max(kv_before["total"], 1),
+      "kv_reduction_vs_dense": 1.0 - kv_after["total"] / max(kv_dense["total"], 1),
+      "eval_before": _summary(before),
+      "eval_after": _summary(after),
+  }
+  return {"report": report, "config": pcfg, "params": pparams}
+
+
+def markdown(report: dict) -> str:
+  mib = lambda b: f"{b / 2**20:,.1f} MiB"
+  lines = [f"### L2A pruning (threshold {report['threshold']}, theta {report['theta']})", "",
+           "| layer | sparsity | pruned |", "|---|---|---|"]
+  for i, s in enumerate(report["layer_sparsity"]):
+    lines.append(f"| {i} | {s:.4f} | {'yes' if i in report['pruned_layers'] else ''} |")
+  lines += ["", f"KV cache at {report['context_len']} tokens (batch 1): dense base "
+            f"{mib(report['kv_bytes_dense_base'])}, L2A before {mib(report['kv_bytes_before'])}, "
+            f"after {mib(report['kv_bytes_after'])} "
+            f"({100 * report['kv_reduction_vs_dense']:.1f}% less than the dense base)", "",
+            "| | token acc | exact match | ppl | sparsity |", "|---|---|---|---|---|"]
+  for name in ("eval_before", "eval_after"):
+    r = report[name]
+    lines.append(f"| {name[5:]} | {r.get('token_acc', float('nan')):.4f} | "
+                 f"{r.get('exact_match', float('nan')):.4f} | {r.get('ppl', float('nan')):.3f} | "
+                 f"{r.get('aux/l2a/sparsity', float('nan')):.4f} |")
+  return "\n".join(lines) + "\n"
+
+
+def write(report: dict, out_dir: str, name: str = "l2a_prune") -> tuple[str, str]:
+  os.makedirs(out_dir, exist_ok=True)
+  jp, mp = os.path.join(out_dir, name + ".json"), os.path.join(out_dir, name + ".md")
+  with open(jp, "w") as f:
+    json.dump(report, f, indent=2)
+  with open(mp, "w") as f:
+    f.write(markdown(report))
+  return jp, mp
