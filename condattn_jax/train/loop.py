@@ -399,8 +399,10 @@ def run(config, workdir: str, *, stop_after: int | None = None,
         if pending is not None:
           process(pending)
         pending = (step, m)
-        stop = preempt.flag or (multiproc and ckpt.mgr.reached_preemption(step)) or (
-            stop_after is not None and step - start >= stop_after)
+        reason = ("SIGTERM" if preempt.flag else
+                  "preemption" if multiproc and ckpt.mgr.reached_preemption(step) else
+                  "stop_after" if stop_after is not None and step - start >= stop_after else None)
+        stop = reason is not None
         periodic = int(tc.checkpoint_every) and step % int(tc.checkpoint_every) == 0
         evaluate_now = int(tc.eval_every) and step % int(tc.eval_every) == 0 and step < total
         if periodic or stop or step == total or evaluate_now:
@@ -412,8 +414,7 @@ def run(config, workdir: str, *, stop_after: int | None = None,
           _run_eval(config, setup, state, step, workdir, writer, is_host0)
         if stop:
           result["stopped_early"] = step < total
-          logging.warning("stopping at step %d (%s); checkpoint saved.", step,
-                          "SIGTERM" if preempt.flag else "stop_after")
+          logging.warning("stopping at step %d (%s); checkpoint saved.", step, reason)
           break
       if pending is not None:
         process(pending)
