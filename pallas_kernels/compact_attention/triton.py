@@ -2,13 +2,15 @@
 
 Three kernels, all on compacted queries q_c [B, C, N, H] (token-major, like the inputs) and the
 full K/V [B, S, K, H] (GQA: query head h reads kv head h // (N // K); K/V are never repeated):
-  forward  grid (q tile, B, N):  FlashAttention-2 loop over the kv tiles in the tile's bounds,
+  forward  grid (N, B, q tile):  FlashAttention-2 loop over the kv tiles in the tile's bounds,
            masked tiles (causal on original positions / window / segments) apart from the
            unmasked ones; writes out_c and the log-sum-exp (natural log, -inf for empty rows).
-  dq       grid (q tile, B, N):  same bounds, dq = scale * dS K.
-  dk/dv    grid (kv tile, B, K): loops over the G query heads of the kv head and the query tiles in
+  dq       grid (N, B, q tile):  same bounds, dq = scale * dS K.
+  dk/dv    grid (K, B, kv tile): loops over the G query heads of the kv head and the query tiles in
            the kv tile's bounds (query tiles whose positions all precede the kv tile are skipped).
-Per-tile bounds come from compaction.tile_bounds: (lo, full_lo, full_hi, hi).
+Per-tile bounds come from compaction.tile_bounds: (lo, full_lo, full_hi, hi). The tile axis is
+the slowest grid axis and runs heaviest tiles first (latest query tiles; first kv tiles), so the
+long programs of every head start early and the tail of the launch is short.
 """
 from __future__ import annotations
 
