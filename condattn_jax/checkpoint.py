@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import glob
 import json
-import logging
 import os
 import re
 from typing import Any
@@ -21,7 +20,6 @@ from typing import Any
 import grain
 import jax
 import orbax.checkpoint as ocp
-from etils import epath
 
 ITEMS = ("params", "opt_state", "data", "meta")
 _DATA_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json$")

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from _train_helpers import assert_trees_close, host, tiny
+from _train_helpers import assert_trees_close, tiny
 from condattn_jax import checkpoint as ckpt_lib
 from condattn_jax.data import make_train_iterator
 from condattn_jax.train import loop

@@ -9,7 +9,6 @@ from _train_helpers import assert_trees_close, host, synthetic_batch, tiny
 from condattn_jax.data import make_global_batch
 from condattn_jax.train import loop
 from condattn_jax.train import sharding as shd
-from condattn_jax.train.state import TrainState
 from condattn_jax.train.step import make_loss_and_grads
 
 

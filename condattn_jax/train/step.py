@@ -14,7 +14,7 @@ Metrics of a step (all scalars unless the scheme returns per-layer arrays, shape
 """
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
