@@ -71,6 +71,33 @@ def apply_rope(x_BTNH, positions_BT, inv_freq):
   return (x * cos + rotated * sin).astype(x_BTNH.dtype)
 
 
+class Projection(nn.Module):
+  """y = x @ kernel (+ bias) contracting x's trailing dims with kernel's leading dims.
+
+  q/k/v: kernel [D, N, H] (x [..., D] -> [..., N, H]); o: kernel [N, H, D] ([..., N, H] -> [..., D]).
+  The kernel is created in its final shape, so its logical names always match its rank.
+  """
+  shape: tuple[int, ...]
+  names: tuple[str, ...]
+  use_bias: bool = False
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    n_in = 1 if self.names[0] == "embed" else 2  # contracted (input) dims of the kernel
+    kernel = self.param("kernel", _init(self.names), self.shape, self.param_dtype)
+    x = x.astype(self.dtype)
+    y = lax.dot_general(x, kernel.astype(self.dtype),
+                        ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ())))
+    if self.use_bias:
+      out_names = self.names[n_in:]
+      bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, out_names),
+                        self.shape[n_in:], self.param_dtype)
+      y = y + bias.astype(self.dtype)
+    return y
+
+
 class KVCache(nn.Module):
   """Decode-time K/V cache in the 'cache' collection.
 
@@ -128,16 +155,12 @@ class Attention(nn.Module):
   def setup(self):
     cfg = self.config
     N, K, H, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.hidden_size
-    dense = lambda feats, names, bias, name: nn.DenseGeneral(
-        feats, use_bias=bias, dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
-        kernel_init=_init(("embed",) + names),
-        bias_init=nn.with_logical_partitioning(nn.initializers.zeros, names), name=name)
-    self.q_proj = dense((N, H), ("q_heads", "head_dim"), cfg.attention_bias, "q_proj")
-    self.k_proj = dense((K, H), ("kv_heads", "head_dim"), cfg.attention_bias, "k_proj")
-    self.v_proj = dense((K, H), ("kv_heads", "head_dim"), cfg.attention_bias, "v_proj")
-    self.o_proj = nn.DenseGeneral(
-        D, axis=(-2, -1), use_bias=False, dtype=cfg.compute_dtype, param_dtype=cfg.weight_dtype,
-        kernel_init=_init(("q_heads", "head_dim", "embed")), name="o_proj")
+    proj = lambda shape, names, bias, name: Projection(shape, names, bias, cfg.compute_dtype,
+                                                      cfg.weight_dtype, name=name)
+    self.q_proj = proj((D, N, H), ("embed", "q_heads", "head_dim"), cfg.attention_bias, "q_proj")
+    self.k_proj = proj((D, K, H), ("embed", "kv_heads", "head_dim"), cfg.attention_bias, "k_proj")
+    self.v_proj = proj((D, K, H), ("embed", "kv_heads", "head_dim"), cfg.attention_bias, "v_proj")
+    self.o_proj = proj((N, H, D), ("q_heads", "head_dim", "embed"), False, "o_proj")
     if cfg.qk_norm != "none":
       self.q_norm = make_norm(cfg, "q_norm")
       self.k_norm = make_norm(cfg, "k_norm")

@@ -51,29 +51,6 @@ RULES: tuple[tuple[str, Any], ...] = (
 )
 
 
-def _patch_flax_flat_kernel_unbox():
-  """Flax's DenseGeneral initialises its kernel FLAT ([D, N*H]) and unboxes it before reshaping
-  to [D, N, H]; with a mesh in context that unbox constrains a rank-2 value with 3 logical
-  names and fails. Linen re-runs the init abstractly on every `apply` (a shape check), so any
-  sharded forward of the decoder hits it. Skip the constraint only in that rank-mismatch case;
-  the final [D, N, H] box is still constrained as usual."""
-  cls = nn.LogicallyPartitioned
-  if getattr(cls, "_condattn_rank_safe", False):
-    return
-  orig = cls.unbox
-
-  def unbox(self, apply_constraint=True):
-    if apply_constraint and self.names is not None and np.ndim(self.value) != len(self.names):
-      return self.value
-    return orig(self, apply_constraint)
-
-  cls.unbox = unbox
-  cls._condattn_rank_safe = True
-
-
-_patch_flax_flat_kernel_unbox()
-
-
 def mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
   """(data, fsdp, tensor) from `config.mesh`; at most one axis may be -1 (fill)."""
   sizes = [int(mesh_cfg[a]) for a in MESH_AXES]
@@ -118,8 +95,7 @@ def mesh_context(mesh, rules=RULES):
 
 
 def init_context(rules=RULES):
-  """Rules without a mesh, for `Decoder.init`: flax's DenseGeneral initialises a flattened kernel
-  and would hit its own rank-3 constraint under a mesh; the init is sharded by out_shardings."""
+  """Rules without a mesh, for `Decoder.init`: the init is sharded by its out_shardings."""
   return nn.logical_axis_rules(rules)
 
 
