@@ -1,0 +1,374 @@
+r"""L2A learning experiment on MQAR (multi-query associative recall), end to end.
+
+  python bench/l2a_learning.py                       # full run -> bench/results/l2a_learning.json
+  python bench/l2a_learning.py --preset=cpu --out=/tmp/l2a_cpu.json   # the test-sized run
+
+1. dense: a tiny qwen2-style decoder learns MQAR with full attention (all params trained);
+2. convert: `l2a.dense_to_l2a` (local window w << T, both branches copied, zero router) and train
+   with the L2A recipe: trainable = attention + norms + router (FFN / embeddings frozen),
+   CE + lambda * mean p^2 (warmup then linear ramp), forced-global steps p_force, STE router;
+3. evaluate on held-out examples (the eval stream): answer-token accuracy and per-layer sparsity
+   at theta (and a theta sweep);
+4. baselines from the same dense checkpoint, same recipe and steps: the context-free router of
+   the paper (each token global with Bernoulli q = the L2A model's global fraction, i.e. the same
+   sparsity), local attention only (global branch off), and dense continued training;
+5. post-training pruning (layers with sparsity >= 0.95) with KV-cache bytes before / after.
+
+The MQAR settings put every query key more than L*(w-1) tokens after every key-value pair
+(min_gap >= L * w), so local attention alone cannot answer: the global branch is needed exactly at
+the query keys. Uses the project's train step (`condattn_jax.train.step.make_train_step`), optimizer
+(trainable regex) and the scheme registry; batches come straight from the MQAR generator.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import importlib.util
+import json
+import os
+import sys
+import time
+from typing import Any
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from condattn_jax.attention import l2a  # noqa: E402
+from condattn_jax.models.config import ModelConfig  # noqa: E402
+from condattn_jax.models.decoder import Decoder  # noqa: E402
+from condattn_jax.train import optimizer as opt_lib  # noqa: E402
+from condattn_jax.train.state import TrainState  # noqa: E402
+from condattn_jax.train.step import make_train_step  # noqa: E402
+
+L2A_TRAINABLE = (r"layers_\d+/(self_attn|global_attn|router|input_layernorm|global_layernorm|"
+                 r"post_attention_layernorm)/.*|norm/scale")
+
+
+def _synthetic():
+  """condattn_jax.data.synthetic (numpy only) without the grain pipeline when grain is absent."""
+  try:
+    from condattn_jax.data import synthetic
+    return synthetic
+  except ImportError:
+    spec = importlib.util.spec_from_file_location(
+        "_mqar_synthetic", os.path.join(ROOT, "condattn_jax", "data", "synthetic.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@dataclasses.dataclass
+class Settings:
+  # task: 4 pairs, queries >= min_gap + 1 = 9 tokens after every pair
+  seq_len: int = 32
+  vocab_size: int = 32
+  num_pairs: int = 4
+  min_gap: int = 8
+  # model: 2 layers, window 4 (num_layers * window <= min_gap: local attention cannot answer)
+  num_layers: int = 2
+  hidden_size: int = 64
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  window: int = 4
+  # training
+  batch_size: int = 64
+  dense_steps: int = 16000
+  dense_lr: float = 3e-3
+  l2a_steps: int = 8000
+  l2a_lr: float = 2e-3
+  router_lr: float | None = 1e-4  # None: same as l2a_lr (a param group of the optimizer)
+  warmup_frac: float = 0.05
+  lambda_max: float = 0.1
+  lambda_schedule: str = "ramp"
+  lambda_ramp_frac: float = 0.5
+  p_force: float = 0.1
+  tau: float = 0.1
+  theta: float = 0.5
+  thetas: tuple = (0.3, 0.5, 0.7, 0.9)
+  eval_examples: int = 1024
+  seed: int = 0
+  attention_impl: str = "xla"
+  compact_impl: str = "auto"
+  baselines: tuple = ("context_free", "local_only", "dense_continued")
+  log_every: int = 250
+
+
+PRESETS = {
+    "full": Settings(),
+    # The CPU test: a smaller task that a dense model learns in a few hundred steps.
+    # The CPU test: the full preset's task and model (its dense model comes from a fixture made
+    # by the full run), shorter L2A / context-free phases.
+    "cpu": Settings(l2a_steps=1200, l2a_lr=1e-3, lambda_max=0.05, eval_examples=512,
+                    thetas=(0.5,), baselines=("context_free",), log_every=300),
+}
+
+
+class _TC(dict):
+  """The `train` section the project's optimizer / step read (attribute + .get access)."""
+  __getattr__ = dict.__getitem__
+
+
+def _train_config(s: Settings, steps: int, lr: float, trainable: str | None, groups=None) -> _TC:
+  return _TC(num_steps=steps, lr=lr, warmup_frac=s.warmup_frac, warmup_steps=None,
+             lr_schedule="cosine", end_lr_frac=0.1, grad_clip=1.0, weight_decay=0.0, b1=0.9,
+             b2=0.95, eps=1e-8, trainable_regex=trainable, param_groups=groups or {},
+             seed=s.seed, microbatches=1, loss_chunk_size=0)
+
+
+class Data:
+  def __init__(self, s: Settings):
+    syn = _synthetic()
+    self.task = syn.MQAR(seq_len=s.seq_len, vocab_size=s.vocab_size, num_pairs=s.num_pairs,
+                         min_gap=s.min_gap)
+    self.s = s
+    self.eval = self._batch(0, s.eval_examples, stream=1)
+
+  def _batch(self, start, n, stream=0):
+    ex = [self.task.example(self.s.seed, start + i, stream) for i in range(n)]
+    return {k: np.stack([e[k] for e in ex]) for k in ex[0]}
+
+  def train_batch(self, step, phase):
+    # phase offsets keep the phases' example streams apart (no example is reused across phases)
+    B = self.s.batch_size
+    return self._batch((phase * 10_000_000) + step * B, B)
+
+
+def base_config(s: Settings) -> ModelConfig:
+  return ModelConfig(family="qwen2", vocab_size=s.vocab_size, hidden_size=s.hidden_size,
+                     intermediate_size=2 * s.hidden_size, num_layers=s.num_layers,
+                     num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
+                     head_dim=s.hidden_size // s.num_heads, attention_bias=True,
+                     rope_theta=10000.0, attention_impl=s.attention_impl)
+
+
+def l2a_options(s: Settings, **kw) -> dict:
+  steps = s.l2a_steps
+  warm = int(round(s.warmup_frac * steps))
+  opts = dict(window=s.window, tau=s.tau, theta=s.theta, p_force=s.p_force,
+              lambda_max=s.lambda_max, lambda_schedule=s.lambda_schedule,
+              lambda_warmup_steps=warm, lambda_ramp_steps=int((steps - warm) * s.lambda_ramp_frac),
+              compact_impl=s.compact_impl)
+  opts.update(kw)
+  return opts
+
+
+def train(cfg: ModelConfig, params, s: Settings, data: Data, *, steps: int, lr: float,
+          trainable: str | None, phase: int, name: str, groups=None, log=print):
+  tc = _train_config(s, steps, lr, trainable, groups)
+  tx, labels, schedule = opt_lib.make_optimizer(tc, params)
+  step_fn = jax.jit(make_train_step(cfg, tc, tx, labels, schedule), donate_argnums=(0,))
+  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+  t0 = time.time()
+  history = []
+  acc = []
+  for i in range(steps):
+    state, m = step_fn(state, jax.tree.map(jnp.asarray, data.train_batch(i, phase)))
+    acc.append(m["accuracy"])
+    if (i + 1) % s.log_every == 0 or i + 1 == steps:
+      m = jax.device_get(m)
+      row = dict(step=i + 1, train_accuracy=float(np.mean(jax.device_get(acc))),
+                 loss=float(m["loss"]), ce=float(m["ce"]))
+      for k in ("l2a/sparsity", "l2a/router_p", "l2a/lambda", "l2a/forced_frac"):
+        if k in m:
+          row[k.split("/")[1]] = float(m[k])
+      acc = []
+      history.append(row)
+      log(f"[{name}] " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                  for k, v in row.items()) + f" ({time.time() - t0:.0f}s)")
+  return jax.device_get(state.params), history, time.time() - t0
+
+
+def evaluate(cfg: ModelConfig, params, data: Data, batch: int = 256) -> dict[str, Any]:
+  """Answer-token accuracy and per-layer sparsity on the held-out examples (train=False)."""
+  model = Decoder(cfg)
+
+  @jax.jit
+  def f(params, b):
+    logits, aux = model.apply({"params": params}, b["inputs"], b["positions"], b["segment_ids"])
+    ok = (jnp.argmax(logits, -1) == b["targets"]).astype(jnp.float32) * b["loss_mask"]
+    out = dict(correct=ok.sum(), scored=b["loss_mask"].sum())
+    if aux:
+      out["glob"] = aux["global_tokens_B"].sum(axis=1)
+      out["tok"] = aux["tokens_B"].sum(axis=1)
+    return out
+
+  sums: dict[str, Any] = {}
+  n = data.eval["inputs"].shape[0]
+  for i in range(0, n, batch):
+    b = jax.tree.map(lambda x: jnp.asarray(x[i:i + batch]), data.eval)
+    for k, v in jax.device_get(f(params, b)).items():
+      sums[k] = sums.get(k, 0) + np.asarray(v, np.float64)
+  res = {"accuracy": float(sums["correct"] / sums["scored"])}
+  if "glob" in sums:
+    layer = 1.0 - sums["glob"] / np.maximum(sums["tok"], 1)
+    opts = l2a.l2a_options(cfg)
+    live = [i for i in range(cfg.num_layers) if i not in opts.pruned_layers]
+    res["layer_sparsity"] = [float(x) for x in layer]
+    res["sparsity"] = float(np.mean(layer[live])) if live else 1.0
+    # the fraction of (token, layer) decisions that run global attention, all layers counted
+    res["global_fraction"] = float(np.mean(1.0 - layer))
+  return res
+
+
+def save_params(params, path: str) -> None:
+  """Flat npz: '/'-joined param paths -> arrays."""
+  flat = {opt_lib.path_str(p): np.asarray(x)
+          for p, x in jax.tree_util.tree_flatten_with_path(jax.device_get(params))[0]}
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  np.savez_compressed(path, **flat)
+
+
+def load_params(path: str) -> dict:
+  out: dict = {}
+  with np.load(path) as f:
+    for k in f.files:
+      node = out
+      parts = k.split("/")
+      for part in parts[:-1]:
+        node = node.setdefault(part, {})
+      node[parts[-1]] = f[k]
+  return out
+
+
+def run_experiment(s: Settings, log=print, *, dense_params: str | None = None,
+                   save_dense: str | None = None) -> dict[str, Any]:
+  """The whole experiment; `dense_params` (npz from `save_dense`) skips the dense training."""
+  t_start = time.time()
+  data = Data(s)
+  cfg = base_config(s)
+  timings = {}
+  if dense_params:
+    dense, dense_hist, timings["dense"] = load_params(dense_params), [], 0.0
+  else:
+    init = nn.unbox(Decoder(cfg).init(jax.random.key(s.seed),
+                                      jnp.zeros((1, s.seq_len), jnp.int32))["params"])
+    dense, dense_hist, timings["dense"] = train(cfg, init, s, data, steps=s.dense_steps,
+                                                lr=s.dense_lr, trainable=None, phase=0,
+                                                name="dense", log=log)
+  if save_dense:
+    save_params(dense, save_dense)
+  dense_eval = evaluate(cfg, dense, data)
+  log(f"dense accuracy {dense_eval['accuracy']:.4f}")
+
+  groups = None
+  if s.router_lr is not None:
+    groups = {"router": {"regex": r"layers_\d+/router/kernel", "lr": s.router_lr}}
+
+  def l2a_run(name, **kw):
+    lcfg, lp = l2a.dense_to_l2a(dense, cfg, **l2a_options(s, **kw))
+    params, hist, secs = train(lcfg, lp, s, data, steps=s.l2a_steps, lr=s.l2a_lr,
+                               trainable=L2A_TRAINABLE, phase=1, name=name,
+                               groups=groups if kw.get("routing", "learned") == "learned" else None,
+                               log=log)
+    timings[name] = secs
+    return lcfg, params, hist
+
+  lcfg, lparams, l2a_hist = l2a_run("l2a")
+  l2a_eval = evaluate(lcfg, lparams, data)
+  log(f"l2a accuracy {l2a_eval['accuracy']:.4f} sparsity {l2a_eval['sparsity']:.4f} "
+      f"layers {l2a_eval['layer_sparsity']}")
+  theta_sweep = {}
+  for th in s.thetas:
+    r = evaluate(l2a.l2a_config(lcfg, theta=th), lparams, data)
+    theta_sweep[str(th)] = dict(accuracy=r["accuracy"], sparsity=r["sparsity"],
+                                layer_sparsity=r["layer_sparsity"])
+  # pruning: layers that (almost) never run global attention lose the branch and its cache
+  sp = l2a_eval["layer_sparsity"]
+  pcfg, pparams, pruned = l2a.prune(lparams, lcfg, sp, 0.95)
+  pruned_eval = evaluate(pcfg, pparams, data)
+  base_dense = cfg
+  pruning = dict(
+      threshold=0.95, pruned_layers=list(pruned), accuracy_after=pruned_eval["accuracy"],
+      kv_bytes={str(ctx): dict(dense=l2a.kv_cache_bytes(base_dense, ctx)["total"],
+                               l2a=l2a.kv_cache_bytes(lcfg, ctx)["total"],
+                               l2a_pruned=l2a.kv_cache_bytes(pcfg, ctx)["total"])
+                for ctx in (s.seq_len, 131072)})
+
+  result: dict[str, Any] = {
+      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "task": dict(name="mqar", seq_len=s.seq_len, vocab_size=s.vocab_size,
+                   num_pairs=s.num_pairs, num_queries=s.num_pairs, min_gap=s.min_gap,
+                   eval_examples=s.eval_examples, eval_stream=1,
+                   note="every query key is > num_layers*(window-1) tokens after every pair: "
+                        "local attention alone cannot answer"),
+      "settings": dataclasses.asdict(s),
+      "backend": jax.default_backend(),
+      "dense_accuracy": dense_eval["accuracy"],
+      "l2a_accuracy": l2a_eval["accuracy"],
+      "l2a_sparsity": l2a_eval["sparsity"],
+      "l2a_layer_sparsity": l2a_eval["layer_sparsity"],
+      "l2a_global_fraction": l2a_eval["global_fraction"],
+      "theta_sweep": theta_sweep,
+      "pruning": pruning,
+      "history": {"dense": dense_hist, "l2a": l2a_hist},
+  }
+  q = float(np.clip(l2a_eval["global_fraction"], 0.0, 1.0))
+  if "context_free" in s.baselines:
+    ccfg, cparams, chist = l2a_run("context_free", routing="bernoulli", bernoulli_q=q)
+    ce = evaluate(ccfg, cparams, data)
+    result.update(context_free_accuracy=ce["accuracy"], context_free_sparsity=ce["sparsity"],
+                  context_free_q=q, context_free_layer_sparsity=ce["layer_sparsity"])
+    result["history"]["context_free"] = chist
+    log(f"context-free accuracy {ce['accuracy']:.4f} sparsity {ce['sparsity']:.4f} (q={q:.4f})")
+  if "local_only" in s.baselines:
+    ocfg, oparams, ohist = l2a_run("local_only", routing="none")
+    oe = evaluate(ocfg, oparams, data)
+    result.update(local_only_accuracy=oe["accuracy"])
+    result["history"]["local_only"] = ohist
+    log(f"local-only accuracy {oe['accuracy']:.4f}")
+  if "dense_continued" in s.baselines:
+    dparams, dhist, timings["dense_continued"] = train(
+        cfg, dense, s, data, steps=s.l2a_steps, lr=s.l2a_lr, trainable=L2A_TRAINABLE, phase=1,
+        name="dense_continued", log=log)
+    result.update(dense_continued_accuracy=evaluate(cfg, dparams, data)["accuracy"])
+    result["history"]["dense_continued"] = dhist
+  result["seconds"] = dict(timings, total=time.time() - t_start)
+  return result
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--preset", default="full", choices=sorted(PRESETS))
+  p.add_argument("--out", default=None, help="JSON path (default: bench/results/l2a_learning.json "
+                 "for the full preset)")
+  p.add_argument("--set", action="append", default=[],
+                 help="override a setting: --set l2a_steps=2000 (repeatable)")
+  p.add_argument("--dense_params", default=None, help="npz of a trained dense model (skips "
+                 "the dense phase; its settings must match)")
+  p.add_argument("--save_dense", default=None, help="write the dense model's params (npz)")
+  a = p.parse_args(argv)
+  s = dataclasses.replace(PRESETS[a.preset])
+  for kv in a.set:
+    k, v = kv.split("=", 1)
+    cur = getattr(s, k)
+    if isinstance(cur, tuple):
+      val = tuple(type(cur[0])(x) if cur else x for x in v.split(":")) if v else ()
+    elif cur is None:
+      val = float(v)
+    else:
+      val = type(cur)(v) if not isinstance(cur, bool) else v.lower() in ("1", "true")
+    setattr(s, k, val)
+  res = run_experiment(s, log=lambda m: print(m, flush=True), dense_params=a.dense_params,
+                       save_dense=a.save_dense)
+  out = a.out or (os.path.join(ROOT, "bench", "results", "l2a_learning.json")
+                  if a.preset == "full" else None)
+  keys = ("dense_accuracy", "l2a_accuracy", "l2a_sparsity", "context_free_accuracy",
+          "local_only_accuracy", "dense_continued_accuracy")
+  print(json.dumps({k: res[k] for k in keys if k in res}, indent=2))
+  if out:
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+      json.dump(res, f, indent=2)
+    print("written", out)
+
+
+if __name__ == "__main__":
+  main()
