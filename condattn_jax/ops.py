@@ -143,9 +143,32 @@ def _compact_kernel():
   return kernel
 
 
+_BATCH_AXES = ("data", "fsdp")
+_HEAD_AXIS = "tensor"
+
+
+def _mesh_shards(B: int, N: int, K: int):
+  """(mesh, batch axes, head axis) to shard a kernel call over, or None (no / trivial mesh,
+  or shapes the mesh does not divide)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty or mesh.size <= 1:
+    return None
+  names = set(mesh.axis_names)
+  batch = tuple(a for a in _BATCH_AXES if a in names and mesh.shape[a] > 1)
+  head = _HEAD_AXIS if _HEAD_AXIS in names and mesh.shape[_HEAD_AXIS] > 1 else None
+  nb = 1
+  for a in batch:
+    nb *= mesh.shape[a]
+  if B % nb or (head is not None and (N % mesh.shape[head] or K % mesh.shape[head])):
+    return None
+  if not batch and head is None:
+    return None
+  return mesh, (batch or None), head
+
+
 def compact_attention(q_BTNH, k_BSKH, v_BSKH, active_BT, *, q_positions_BT, kv_positions_BS,
                       q_segment_ids_BT=None, kv_segment_ids_BS=None, window: int | None = None,
-                      scale: float | None = None, impl: str = "auto"):
+                      scale: float | None = None, impl: str = "auto", shard: bool | None = None):
   """Causal attention for the active queries only (L2A's global branch); zeros elsewhere.
 
   Same masks as `attention` (positions, window, segment ids with 0 = never attended), plus
@@ -173,6 +196,23 @@ def compact_attention(q_BTNH, k_BSKH, v_BSKH, active_BT, *, q_positions_BT, kv_p
   if q_segment_ids_BT is None and kv_segment_ids_BS is not None:
     kv_segment_ids_BS = (jnp.asarray(kv_segment_ids_BS) != 0).astype(jnp.int32)
     q_segment_ids_BT = jnp.ones(q_BTNH.shape[:2], jnp.int32)
-  return kernel(q_BTNH, k_BSKH, v_BSKH, active_BT, q_positions_BT=q_positions_BT,
-                kv_positions_BS=kv_positions_BS, q_segment_ids_BT=q_segment_ids_BT,
-                kv_segment_ids_BS=kv_segment_ids_BS, window=window, scale=scale, impl=impl)
+  call = lambda q, k, v, a, qp, kp, qs, ks: kernel(
+      q, k, v, a, q_positions_BT=qp, kv_positions_BS=kp, q_segment_ids_BT=qs,
+      kv_segment_ids_BS=ks, window=window, scale=scale, impl=impl)
+  args = (q_BTNH, k_BSKH, v_BSKH, active_BT, jnp.asarray(q_positions_BT, jnp.int32),
+          jnp.asarray(kv_positions_BS, jnp.int32), q_segment_ids_BT, kv_segment_ids_BS)
+  # A Pallas kernel is one opaque call: under a mesh run it per shard (batch over data/fsdp,
+  # heads over tensor) instead of letting the partitioner gather its inputs.
+  if shard is None:
+    shard = impl not in ("reference", "xla") and jax.default_backend() in ("gpu", "tpu")
+  B, N, K = q_BTNH.shape[0], q_BTNH.shape[2], k_BSKH.shape[2]
+  where = _mesh_shards(B, N, K) if shard else None
+  if where is None:
+    return call(*args)
+  mesh, batch, head = where
+  P = jax.sharding.PartitionSpec
+  heads, rows = P(batch, None, head, None), P(batch, None)
+  specs = (heads, heads, heads, rows, rows, rows,
+           None if q_segment_ids_BT is None else rows,
+           None if kv_segment_ids_BS is None else rows)
+  return jax.shard_map(call, mesh=mesh, in_specs=specs, out_specs=heads, check_vma=False)(*args)
