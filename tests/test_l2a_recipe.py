@@ -145,3 +145,4 @@ def test_tiny_recipe_trains_evaluates_and_prunes(tmp_path):
   assert "global_attn" not in rep["params"]["layers_0"]
   jp, mp = l2a_report.write(r, str(tmp_path / "eval"))
   assert "L2A pruning" in open(mp).read()
+  assert os.path.getsize(tmp_path / "eval" / "l2a_prune_layers.png") > 0

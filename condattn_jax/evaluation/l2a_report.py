@@ -87,6 +87,30 @@ def markdown(report: dict) -> str:
   return "\n".join(lines) + "\n"
 
 
+def plot_layer_sparsity(report: dict, path: str) -> str:
+  """Per-layer sparsity bars (paper Fig. 3) with the pruning threshold; pruned layers hatched."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  sp = report["layer_sparsity"]
+  fig, ax = plt.subplots(figsize=(max(4.0, 0.35 * len(sp) + 1.5), 3.0))
+  bars = ax.bar(range(len(sp)), sp, color="tab:blue")
+  for i, b in enumerate(bars):
+    if i in report["pruned_layers"]:
+      b.set_hatch("//")
+      b.set_color("tab:gray")
+  ax.axhline(report["threshold"], color="tab:red", ls="--", lw=1, label=f"prune >= {report['threshold']}")
+  ax.set_xlabel("layer")
+  ax.set_ylabel("sparsity (tokens skipping global)")
+  ax.set_ylim(0, 1.02)
+  ax.set_title(f"L2A per-layer sparsity (theta {report['theta']})")
+  ax.legend(loc="lower right", fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+  plt.close(fig)
+  return path
+
+
 def write(report: dict, out_dir: str, name: str = "l2a_prune") -> tuple[str, str]:
   os.makedirs(out_dir, exist_ok=True)
   jp, mp = os.path.join(out_dir, name + ".json"), os.path.join(out_dir, name + ".md")
@@ -94,4 +118,5 @@ def write(report: dict, out_dir: str, name: str = "l2a_prune") -> tuple[str, str
     json.dump(report, f, indent=2)
   with open(mp, "w") as f:
     f.write(markdown(report))
+  plot_layer_sparsity(report, os.path.join(out_dir, name + "_layers.png"))
   return jp, mp
