@@ -358,6 +358,8 @@ def main(argv=None):
     setattr(s, k, val)
   res = run_experiment(s, log=lambda m: print(m, flush=True), dense_params=a.dense_params,
                        save_dense=a.save_dense)
+  res["command"] = " ".join(["python", "bench/l2a_learning.py"] + list(
+      sys.argv[1:] if argv is None else argv))
   out = a.out or (os.path.join(ROOT, "bench", "results", "l2a_learning.json")
                   if a.preset == "full" else None)
   keys = ("dense_accuracy", "l2a_accuracy", "l2a_sparsity", "context_free_accuracy",
