@@ -82,11 +82,11 @@ class Settings:
   batch_size: int = 64
   dense_steps: int = 16000
   dense_lr: float = 3e-3
-  l2a_steps: int = 8000
+  l2a_steps: int = 16000
   l2a_lr: float = 2e-3
   router_lr: float | None = 1e-4  # None: same as l2a_lr (a param group of the optimizer)
   warmup_frac: float = 0.05
-  lambda_max: float = 0.1
+  lambda_max: float = 0.05
   lambda_schedule: str = "ramp"
   lambda_ramp_frac: float = 0.5
   p_force: float = 0.1
@@ -106,8 +106,8 @@ PRESETS = {
     # The CPU test: a smaller task that a dense model learns in a few hundred steps.
     # The CPU test: the full preset's task and model (its dense model comes from a fixture made
     # by the full run), shorter L2A / context-free phases.
-    "cpu": Settings(l2a_steps=1200, l2a_lr=1e-3, lambda_max=0.05, eval_examples=512,
-                    thetas=(0.5,), baselines=("context_free",), log_every=300),
+    "cpu": Settings(l2a_steps=1200, l2a_lr=3e-3, eval_examples=512, thetas=(0.5,),
+                    baselines=("context_free",), log_every=300),
 }
 
 

@@ -170,7 +170,8 @@ class Router(nn.Module):
 class L2ALayer(nn.Module):
   """One L2A decoder layer. Returns (x, aux) with per-layer aux scalars:
 
-  p_mean   mean router score p over non-padding tokens (learned / soft routing; else 0)
+  p_mean   mean router score p over non-padding tokens (learned / soft routing; for the other
+           routings the fraction of tokens routed global)
   p2_mean  mean p^2 over non-padding tokens (the regulariser's term)
   sparsity fraction of non-padding tokens with d = 0 (1 for a pruned layer)
   forced   1.0 when this step ran the forced-global (dense) path

@@ -1,0 +1,60 @@
+"""L2A learning on MQAR, CPU-sized (bench/l2a_learning.py --preset=cpu), and the recorded full run.
+
+The dense model (tests/fixtures/l2a/mqar_dense.npz) is the tiny decoder that
+`python bench/l2a_learning.py --preset=full --save_dense=...` trains with full attention on MQAR
+(T=32, 4 pairs, every query > 8 tokens after every pair). The CPU test converts it to L2A with
+window 4 (local attention alone cannot answer), trains the L2A recipe for 1200 steps (attention +
+norms + router; FFN and embeddings frozen) and the paper's context-free baseline (Bernoulli routing
+at the L2A model's global fraction) for as many, and checks the direction of the paper's claims:
+high sparsity, and far better accuracy than context-free routing at that sparsity.
+Conversion at w >= 1 damages this tiny model (local + global add up: ~8% accuracy at step 0), so
+L2A first re-learns the recall circuit, which takes ~4000 steps; within 1200 CPU-sized steps it is
+still below the dense accuracy. The full run (16000 L2A steps) is where it meets the dense
+accuracy, and `test_recorded_full_run` checks the result committed from it.
+"""
+import json
+import os
+
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FIXTURE = os.path.join(ROOT, "tests", "fixtures", "l2a", "mqar_dense.npz")
+RESULT = os.path.join(ROOT, "bench", "results", "l2a_learning.json")
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+
+@pytest.mark.slow
+def test_l2a_learns_recall_cpu_sized():
+  from bench import l2a_learning as bench
+  s = bench.PRESETS["cpu"]
+  res = bench.run_experiment(s, log=lambda m: None, dense_params=FIXTURE)
+  summary = {k: res[k] for k in ("dense_accuracy", "l2a_accuracy", "l2a_sparsity",
+                                  "l2a_layer_sparsity", "context_free_accuracy")}
+  assert res["dense_accuracy"] > 0.95, summary
+  # the router learned to skip global attention for most tokens ...
+  assert res["l2a_sparsity"] >= 0.65, summary
+  # ... where it is not needed: well above the context-free router at the same sparsity
+  # (1200 steps on H200, 3 seeds: L2A 0.453 / 0.456 / 0.455, context-free 0.328 / 0.332 / 0.311)
+  assert abs(res["context_free_sparsity"] - res["l2a_sparsity"]) < 0.05, summary
+  assert res["l2a_accuracy"] >= res["context_free_accuracy"] + 0.07, summary
+  assert res["l2a_accuracy"] >= 0.35, summary
+  # pruning is reported with KV bytes
+  kv = res["pruning"]["kv_bytes"]["131072"]
+  assert kv["l2a_pruned"] <= kv["l2a"]
+
+
+def test_recorded_full_run():
+  """bench/results/l2a_learning.json (the full run) holds the issue's evidence."""
+  with open(RESULT) as f:
+    r = json.load(f)
+  for k in ("dense_accuracy", "l2a_accuracy", "l2a_sparsity", "context_free_accuracy",
+            "l2a_layer_sparsity", "task", "date", "settings"):
+    assert k in r, k
+  assert r["task"]["seq_len"] >= 4 * r["settings"]["window"]  # window much shorter than T
+  assert r["l2a_accuracy"] >= r["dense_accuracy"] - 0.02
+  assert r["l2a_sparsity"] >= 0.70
+  assert r["l2a_accuracy"] >= r["context_free_accuracy"] + 0.1
+  assert abs(r["context_free_sparsity"] - r["l2a_sparsity"]) < 0.05
