@@ -37,9 +37,10 @@ def test_l2a_learns_recall_cpu_sized():
   # the router learned to skip global attention for most tokens ...
   assert res["l2a_sparsity"] >= 0.65, summary
   # ... where it is not needed: well above the context-free router at the same sparsity
-  # (1200 steps on H200, 3 seeds: L2A 0.453 / 0.456 / 0.455, context-free 0.328 / 0.332 / 0.311)
+  # (measured: CPU L2A 0.413 vs context-free 0.322 at sparsity 0.73, 2048 scored answers;
+  #  H200, 3 seeds: L2A 0.453 / 0.456 / 0.455 vs 0.328 / 0.332 / 0.311)
   assert abs(res["context_free_sparsity"] - res["l2a_sparsity"]) < 0.05, summary
-  assert res["l2a_accuracy"] >= res["context_free_accuracy"] + 0.07, summary
+  assert res["l2a_accuracy"] >= res["context_free_accuracy"] + 0.05, summary
   assert res["l2a_accuracy"] >= 0.35, summary
   # pruning is reported with KV bytes
   kv = res["pruning"]["kv_bytes"]["131072"]
