@@ -511,6 +511,23 @@ def kv_cache_bytes(config: ModelConfig, context_len: int, *, batch: int = 1,
   return {"total": int(full + window), "full": int(full), "window": int(window)}
 
 
+def kv_bytes_report(config: ModelConfig, pruned: ModelConfig, context_len: int,
+                    dtype: str | None = None) -> dict[str, Any]:
+  """KV-cache bytes of the dense base model, the L2A model before pruning and after, and the
+  reductions relative to both (one context of `context_len` tokens)."""
+  base = config.replace(scheme="dense", scheme_kwargs=(), sliding_window=None)
+  dense = kv_cache_bytes(base, context_len, dtype=dtype)["total"]
+  before = kv_cache_bytes(config, context_len, dtype=dtype)["total"]
+  after = kv_cache_bytes(pruned, context_len, dtype=dtype)["total"]
+  return {
+      "kv_bytes_dense_base": dense,
+      "kv_bytes_before": before,
+      "kv_bytes_after": after,
+      "kv_reduction_vs_before": 1.0 - after / max(before, 1),
+      "kv_reduction_vs_dense": 1.0 - after / max(dense, 1),
+  }
+
+
 def prune_report(model, params, batches, *, context_len: int, threshold: float = 0.95,
                  theta: float | None = None, dtype: str | None = None) -> dict[str, Any]:
   """Measure per-layer sparsity, prune layers >= threshold, report KV-cache bytes.
@@ -525,10 +542,6 @@ def prune_report(model, params, batches, *, context_len: int, threshold: float =
   from condattn_jax.models.decoder import Decoder
   meas = measure_sparsity(Decoder(cfg), params, batches)
   pcfg, pparams, new = prune(params, cfg, meas["layer_sparsity"], threshold)
-  base = cfg.replace(scheme="dense", scheme_kwargs=(), sliding_window=None)
-  before = kv_cache_bytes(cfg, context_len, dtype=dtype)
-  after = kv_cache_bytes(pcfg, context_len, dtype=dtype)
-  dense = kv_cache_bytes(base, context_len, dtype=dtype)
   report = {
       "context_len": int(context_len),
       "threshold": float(threshold),
@@ -537,11 +550,7 @@ def prune_report(model, params, batches, *, context_len: int, threshold: float =
       "sparsity": meas["sparsity"],
       "pruned_layers": list(l2a_options(pcfg).pruned_layers),
       "newly_pruned": list(new),
-      "kv_bytes_dense_base": dense["total"],
-      "kv_bytes_before": before["total"],
-      "kv_bytes_after": after["total"],
-      "kv_reduction_vs_before": 1.0 - after["total"] / max(before["total"], 1),
-      "kv_reduction_vs_dense": 1.0 - after["total"] / max(dense["total"], 1),
+      **kv_bytes_report(cfg, pcfg, context_len, dtype),
   }
   return {"config": pcfg, "params": pparams, "report": report}
 

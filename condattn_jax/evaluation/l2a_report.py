@@ -43,10 +43,6 @@ def prune_and_evaluate(config, params, model_cfg, mesh, *, threshold: float = 0.
   sp = layer_sparsity(before, model_cfg.num_layers)
   pcfg, pparams, new = l2a.prune(params, model_cfg, sp, threshold)
   after = evaluation.evaluate(config, pparams, pcfg, mesh, lengths=[L])["results"][L]
-  base = model_cfg.replace(scheme="dense", scheme_kwargs=(), sliding_window=None)
-  kv_dense = l2a.kv_cache_bytes(base, ctx)
-  kv_before = l2a.kv_cache_bytes(model_cfg, ctx)
-  kv_after = l2a.kv_cache_bytes(pcfg, ctx)
   opts = l2a.l2a_options(pcfg)
   report = {
       "eval_len": L,
@@ -57,11 +53,7 @@ def prune_and_evaluate(config, params, model_cfg, mesh, *, threshold: float = 0.
       "layer_sparsity": sp,
       "pruned_layers": list(opts.pruned_layers),
       "newly_pruned": list(new),
-      "kv_bytes_dense_base": kv_dense["total"],
-      "kv_bytes_before": kv_before["total"],
-      "kv_bytes_after": kv_after["total"],
-      "kv_reduction_vs_before": 1.0 - kv_after["total"] / max(kv_before["total"], 1),
-      "kv_reduction_vs_dense": 1.0 - kv_after["total"] / max(kv_dense["total"], 1),
+      **l2a.kv_bytes_report(model_cfg, pcfg, ctx),
       "eval_before": _summary(before),
       "eval_after": _summary(after),
   }
