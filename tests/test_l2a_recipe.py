@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from condattn_jax.attention import l2a
+from condattn_jax.models import stacking
 from condattn_jax.models.decoder import Decoder
 from condattn_jax.train import config as config_lib
 from condattn_jax.train import loop
@@ -75,8 +76,10 @@ def test_trainable_set_is_attention_norms_router():
   for path, label in flat.items():
     frozen = path.startswith(("embed_tokens", "lm_head")) or "/mlp/" in path
     assert (label == opt_lib.FROZEN) == frozen, path
-  assert flat["layers_0/router/kernel"] != opt_lib.FROZEN
-  assert flat["layers_1/global_layernorm/scale"] != opt_lib.FROZEN
+  # (per-layer 'layers_0/...' or stacked 'layers/...' names: the router and global norm exist)
+  for leaf in ("/router/kernel", "/global_layernorm/scale", "/global_attn/q_proj/kernel"):
+    hits = [p for p in flat if p.startswith("layers") and p.endswith(leaf)]
+    assert hits and all(flat[p] != opt_lib.FROZEN for p in hits), (leaf, hits)
   assert flat["norm/scale"] != opt_lib.FROZEN
 
 
@@ -95,7 +98,7 @@ def test_init_from_hf_checkpoint_converts_to_l2a(family):
   c.data.task.num_pairs = 2
   setup = loop.build(c)
   params = jax.device_get(loop.init_params(setup))
-  layer = params["layers_0"]
+  layer = stacking.unstack_layers(params)["layers_0"]
   np.testing.assert_array_equal(layer["router"]["kernel"], 0.0)
   for a, b in zip(jax.tree.leaves(layer["global_attn"]), jax.tree.leaves(layer["self_attn"])):
     np.testing.assert_array_equal(a, b)
@@ -123,26 +126,39 @@ def test_tiny_recipe_trains_evaluates_and_prunes(tmp_path):
     assert k in train_rows[-1]
   ev = res["eval"]["results"][32]
   assert "aux/l2a/sparsity_layer_0" in ev
-  # theta as a test-time knob: a higher threshold gives more sparsity
-  sp = {}
+  # theta as a test-time knob: the checkpoint evaluated at other thresholds. An override that is
+  # ignored gives the trained theta's (0.5) sparsity at every threshold.
+  # (measured: sparsity 0.0 / 0.908 / 1.0 at theta 0.05 / 0.5 / 0.95)
+  sp = {0.5: ev["aux/l2a/sparsity"]}
   for th in (0.05, 0.95):
     c2 = recipe("tiny,steps=6,batch=8,seq=32,pairs=4,gap=8,window=4")
     c2.model.scheme.theta = th
     c2.eval.num_batches = 1
     sp[th] = loop.evaluate_checkpoint(c2, str(tmp_path))["results"][32]["aux/l2a/sparsity"]
-  assert sp[0.05] <= sp[0.95]
-  # the pruning report (script's library function)
+  assert sp[0.05] < sp[0.5] < sp[0.95], sp
+  # the pruning report (script's library function), with a threshold between the two layers'
+  # measured sparsities: exactly the sparser layer goes (measured: 0.863 / 0.953 -> layer 1)
   from condattn_jax.evaluation import l2a_report
+  layer_sp = l2a_report.layer_sparsity(ev, 2)
+  lo, hi = sorted(layer_sp)
+  assert hi - lo > 0.02, layer_sp  # else no threshold separates them: the check would be void
+  sparser = int(np.argmax(layer_sp))
   setup, params, step = loop.load_params(c, str(tmp_path))
-  rep = l2a_report.prune_and_evaluate(c, params, setup.model_cfg, setup.mesh, threshold=0.0,
-                                      context_len=4096)
+  assert l2a.prune(params, setup.model_cfg, layer_sp, hi + 1e-3)[2] == ()  # above both: none
+  rep = l2a_report.prune_and_evaluate(c, params, setup.model_cfg, setup.mesh,
+                                      threshold=(lo + hi) / 2, context_len=4096)
   r = rep["report"]
-  assert r["pruned_layers"] == [0, 1]  # threshold 0: every layer goes
+  np.testing.assert_allclose(r["layer_sparsity"], layer_sp, atol=1e-6)  # same held-out data
+  assert r["pruned_layers"] == [sparser] and r["newly_pruned"] == [sparser], r["pruned_layers"]
+  assert l2a.l2a_options(rep["config"]).pruned_layers == (sparser,)
+  per_layer = stacking.unstack_layers(jax.device_get(rep["params"]), 2)
+  assert "global_attn" not in per_layer[f"layers_{sparser}"]
+  assert "router" not in per_layer[f"layers_{sparser}"]
+  assert "global_attn" in per_layer[f"layers_{1 - sparser}"]
   per_tok = 2 * 2 * 16 * 4  # K, V x kv heads x head_dim x float32
   assert r["kv_bytes_dense_base"] == 2 * 4096 * per_tok
-  assert r["kv_bytes_before"] == 2 * (4096 + 4) * per_tok
-  assert r["kv_bytes_after"] == 2 * 4 * per_tok
-  assert "global_attn" not in rep["params"]["layers_0"]
+  assert r["kv_bytes_before"] == 2 * (4096 + 4) * per_tok  # window ring + full cache per layer
+  assert r["kv_bytes_after"] == ((4096 + 4) + 4) * per_tok  # the pruned layer keeps the ring only
   jp, mp = l2a_report.write(r, str(tmp_path / "eval"))
   assert "L2A pruning" in open(mp).read()
   assert os.path.getsize(tmp_path / "eval" / "l2a_prune_layers.png") > 0
