@@ -47,7 +47,7 @@ from condattn_jax.train import optimizer as opt_lib  # noqa: E402
 from condattn_jax.train.state import TrainState  # noqa: E402
 from condattn_jax.train.step import make_train_step  # noqa: E402
 
-L2A_TRAINABLE = (r"layers_\d+/(self_attn|global_attn|router|input_layernorm|global_layernorm|"
+L2A_TRAINABLE = (r"layers(_\d+_\d+)?/(self_attn|global_attn|router|input_layernorm|global_layernorm|"
                  r"post_attention_layernorm)/.*|norm/scale")
 
 
@@ -260,7 +260,7 @@ def run_experiment(s: Settings, log=print, *, dense_params: str | None = None,
 
   groups = None
   if s.router_lr is not None:
-    groups = {"router": {"regex": r"layers_\d+/router/kernel", "lr": s.router_lr}}
+    groups = {"router": {"regex": r"layers(_\d+_\d+)?/router/kernel", "lr": s.router_lr}}
 
   def l2a_run(name, **kw):
     lcfg, lp = l2a.dense_to_l2a(dense, cfg, **l2a_options(s, **kw))

@@ -37,6 +37,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from condattn_jax.models import stacking
 from condattn_jax.models.config import FAMILIES, ModelConfig
 
 SINGLE_FILE = "model.safetensors"
@@ -238,7 +239,8 @@ def load_hf_checkpoint(path: str, *, dtype=None, **config_overrides) -> tuple[Mo
 
   Returns:
     (config, params): `config.param_dtype` is the dtype of the returned weights; params is a
-    nested dict of numpy arrays in the layout of `Decoder` (see module docstring).
+    nested dict of numpy arrays in the layout of `Decoder`: the per-layer names of the module
+    docstring, stacked over layers under `layers` (`models.stacking`).
   Raises:
     FileNotFoundError naming the path and the expected files; CheckpointError naming missing,
     unexpected or mis-shaped tensors and the file they were read from.
@@ -293,7 +295,7 @@ def load_hf_checkpoint(path: str, *, dtype=None, **config_overrides) -> tuple[Mo
   if ("param_dtype" not in config_overrides and weight_dtype is not None
       and weight_dtype.name in _DTYPES):
     probe = probe.replace(param_dtype=weight_dtype.name)
-  return probe, params
+  return probe, stacking.to_model_layout(params, probe)
 
 
 # --------------------------------------------------------------------------------------------
@@ -305,7 +307,8 @@ def export_hf_checkpoint(params: dict, config: ModelConfig, path: str, *,
   """Writes params (+ config.json) as a Hugging Face checkpoint that transformers can load.
 
   Args:
-    params: the Decoder param tree (plain or `nn.Partitioned`-boxed arrays, numpy or jax).
+    params: the Decoder param tree (plain or `nn.Partitioned`-boxed arrays, numpy or jax),
+      stacked or per-layer.
     config: its ModelConfig (a dense architecture of one of the four families).
     path: output directory (created).
     max_shard_bytes: split into model-XXXXX-of-YYYYY.safetensors + model.safetensors.index.json
@@ -320,6 +323,7 @@ def export_hf_checkpoint(params: dict, config: ModelConfig, path: str, *,
   params = unbox(params)
   if "params" in params and "embed_tokens" not in params:
     params = params["params"]
+  params = stacking.unstack_layers(params, config.num_layers)
   specs = tensor_specs(config)
   missing, bad_shape = [], []
   tensors: dict[str, np.ndarray] = {}

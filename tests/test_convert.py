@@ -18,6 +18,7 @@ from safetensors.numpy import load_file, save_file
 
 from condattn_jax import convert
 from condattn_jax.convert import CheckpointError, export_hf_checkpoint, load_hf_checkpoint
+from condattn_jax.models import stacking
 from condattn_jax.models.config import ModelConfig
 from condattn_jax.models.decoder import Decoder
 
@@ -108,14 +109,15 @@ def test_config_layouts(loaded):
   assert llama.rope_theta == 10000.0 and not llama.tie_word_embeddings
   qwen2, p2 = loaded["qwen2"]
   assert qwen2.tie_word_embeddings and qwen2.attention_bias and "lm_head" not in p2
-  assert p2["layers_0"]["self_attn"]["q_proj"]["bias"].shape == (4, 16)
+  assert p2["layers"]["self_attn"]["q_proj"]["bias"].shape == (2, 4, 16)  # stacked: [L, N, H]
   olmo2, p = loaded["olmo2"]  # transformers 5 layout: rope_parameters
   assert olmo2.rope_theta == 500000.0 and olmo2.rope_scaling is None and olmo2.post_norm
+  p = stacking.unstack_layers(p)
   assert p["layers_0"]["self_attn"]["q_norm"]["scale"].shape == (64,)
   assert p["layers_0"]["self_attn"]["k_norm"]["scale"].shape == (32,)
   qwen3, p = loaded["qwen3"]
   assert qwen3.rope_theta == 1e6 and qwen3.qk_norm == "head"
-  assert p["layers_0"]["self_attn"]["q_norm"]["scale"].shape == (16,)
+  assert stacking.unstack_layers(p)["layers_0"]["self_attn"]["q_norm"]["scale"].shape == (16,)
   assert convert.normalize_hf_config({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5.0,
                                                           "factor": 2.0}}) == {
       "rope_theta": 5.0, "rope_scaling": {"rope_type": "llama3", "factor": 2.0}}
@@ -124,6 +126,7 @@ def test_config_layouts(loaded):
 def test_layout_transforms(loaded):
   """kernel [D,N,H] = HF weight [N*H, D] transposed; o_proj [N,H,D] = HF [D, N*H] transposed."""
   _, params = loaded["llama"]
+  params = stacking.unstack_layers(params)  # the one per-layer <-> stacked conversion
   hf = load_file(os.path.join(fixture("llama"), "model.safetensors"))
   q = hf["model.layers.1.self_attn.q_proj.weight"]  # [N*H, D]
   np.testing.assert_array_equal(params["layers_1"]["self_attn"]["q_proj"]["kernel"][:, 2, 5], q[2 * 16 + 5])
@@ -338,6 +341,7 @@ def test_wrong_family(tmp_path):
 
 def test_export_errors(loaded, tmp_path):
   cfg, params = loaded["qwen3"]
+  params = stacking.unstack_layers(params)  # export takes per-layer trees as well as stacked
   broken = jax.tree.map(lambda x: x, params)
   del broken["layers_1"]["self_attn"]["k_norm"]
   with pytest.raises(CheckpointError, match=r"params lack layers_1/self_attn/k_norm/scale"):
@@ -351,7 +355,7 @@ def test_export_errors(loaded, tmp_path):
   with pytest.raises(CheckpointError, match=r"layers_0/router/kernel.*ignore_extra=True"):
     export_hf_checkpoint(extra, cfg, str(tmp_path / "c"))
   export_hf_checkpoint(extra, cfg, str(tmp_path / "c"), ignore_extra=True)
-  assert_trees_equal(load_hf_checkpoint(str(tmp_path / "c"))[1], params)
+  assert_trees_equal(stacking.unstack_layers(load_hf_checkpoint(str(tmp_path / "c"))[1]), params)
   assert not os.path.exists(tmp_path / "a") and not os.path.exists(tmp_path / "b")
 
 

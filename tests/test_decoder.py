@@ -1,10 +1,13 @@
-"""Decoder: the four families build, decode equals the full forward, documents never mix."""
+"""Decoder: the four families build, decode equals the full forward, documents never mix, layers
+are scanned (one traced body whatever the layer count), per-layer <-> stacked params round-trip."""
 import numpy as np
 import flax.linen as nn
 import jax
+import jax.extend
 import jax.numpy as jnp
 import pytest
 
+from condattn_jax.models import stacking
 from condattn_jax.models.config import ModelConfig
 from condattn_jax.models.decoder import Decoder
 
@@ -57,14 +60,15 @@ def test_params_carry_logical_axes():
   cfg = ModelConfig(family="qwen2", attention_bias=True)
   boxed = jax.eval_shape(lambda: Decoder(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32)))
   specs = nn.get_partition_spec(boxed)["params"]
-  assert tuple(specs["layers_0"]["self_attn"]["q_proj"]["kernel"]) == ("embed", "q_heads", "head_dim")
-  assert tuple(specs["layers_0"]["mlp"]["down_proj"]["kernel"]) == ("mlp", "embed")
+  q = ("layers", "embed", "q_heads", "head_dim")
+  assert tuple(specs["layers"]["self_attn"]["q_proj"]["kernel"]) == q
+  assert tuple(specs["layers"]["mlp"]["down_proj"]["kernel"]) == ("layers", "mlp", "embed")
   assert tuple(specs["embed_tokens"]["embedding"]) == ("vocab", "embed")
 
 
 def test_bf16_compute_with_fp32_master_params():
   m, params, tok = _model("llama", dtype="bfloat16")
-  assert params["layers_0"]["mlp"]["up_proj"]["kernel"].dtype == jnp.float32
+  assert params["layers"]["mlp"]["up_proj"]["kernel"].dtype == jnp.float32
   logits, _ = m.apply({"params": params}, tok)
   ref, _ = Decoder(m.config.replace(dtype="float32")).apply({"params": params}, tok)
   assert logits.dtype == jnp.float32
@@ -76,3 +80,44 @@ def test_bad_config_names_the_field():
     ModelConfig(family="gpt2")
   with pytest.raises(ValueError, match="num_kv_heads"):
     ModelConfig(num_heads=4, num_kv_heads=3)
+
+
+def _count_eqns(jaxpr) -> int:
+  n = 0
+  for e in jaxpr.eqns:
+    n += 1
+    for sub in jax.extend.core.jaxprs_in_params(e.params):
+      n += _count_eqns(sub)
+  return n
+
+
+@pytest.mark.parametrize("remat", ["none", "full"])
+def test_layers_are_scanned_not_unrolled(remat):
+  """The traced program (what XLA compiles) has the same size for 2 and 12 layers."""
+  sizes = []
+  for L in (2, 12):
+    cfg = ModelConfig(num_layers=L, remat_policy=remat)
+    tok = jnp.zeros((1, 8), jnp.int32)
+    params = jax.eval_shape(lambda: nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(0), tok)))
+    jaxpr = jax.make_jaxpr(lambda p: jax.grad(
+        lambda p: Decoder(cfg).apply(p, tok)[0].sum())(p))(params)
+    sizes.append(_count_eqns(jaxpr.jaxpr))
+    assert params["params"]["layers"]["mlp"]["up_proj"]["kernel"].shape[0] == L
+  assert sizes[0] == sizes[1], sizes
+
+
+def test_stacked_and_per_layer_params_round_trip():
+  m, params, tok = _model("qwen3")
+  per = stacking.unstack_layers(params, m.config.num_layers)
+  assert sorted(k for k in per if k.startswith("layers")) == ["layers_0", "layers_1"]
+  np.testing.assert_array_equal(per["layers_1"]["mlp"]["up_proj"]["kernel"],
+                                params["layers"]["mlp"]["up_proj"]["kernel"][1])
+  back = stacking.to_model_layout(per, m.config)
+  assert jax.tree.structure(back) == jax.tree.structure(params)
+  jax.tree.map(np.testing.assert_array_equal, back, params)
+  # a per-layer tree runs the same model once restacked; groups split where variants change
+  assert stacking.layer_groups(["a", "a", "b", "a"]) == [(0, 2, "a"), (2, 3, "b"), (3, 4, "a")]
+  regrouped = stacking.stack_layers(per, ["x", "y"])
+  assert sorted(k for k in regrouped if k.startswith("layers")) == ["layers_0_1", "layers_1_2"]
+  with pytest.raises(ValueError, match="3 layers"):
+    stacking.stack_layers(per, ["x"] * 3)

@@ -5,9 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from condattn_jax import ops
 from condattn_jax.attention import get_scheme, l2a
+from condattn_jax.models import stacking
 from condattn_jax.models.config import ModelConfig
+from condattn_jax.models.context import LayerContext
 from condattn_jax.models.decoder import Decoder
 
 FAMILIES = {
@@ -29,14 +30,29 @@ def _dense(family, seed=1):
   return cfg, params, tok
 
 
+def _per_layer(params):
+  return jax.tree.map(lambda x: x, stacking.unstack_layers(params))
+
+
 def _random_router(params, scale=0.05, seed=0):
-  params = jax.tree.map(lambda x: x, params)
-  for i in range(sum(k.startswith("layers_") for k in params)):
-    if "router" in params[f"layers_{i}"]:
-      k = params[f"layers_{i}"]["router"]["kernel"]
-      params[f"layers_{i}"]["router"]["kernel"] = scale * jax.random.normal(
+  """A random router kernel per layer (stacked params in, stacked params out)."""
+  per = _per_layer(params)
+  variants = []
+  for i in range(stacking.num_layers_of(per)):
+    variants.append("global" if "router" in per[f"layers_{i}"] else "pruned")
+    if "router" in per[f"layers_{i}"]:
+      k = per[f"layers_{i}"]["router"]["kernel"]
+      per[f"layers_{i}"]["router"]["kernel"] = scale * jax.random.normal(
           jax.random.PRNGKey(seed + i), k.shape, k.dtype)
-  return params
+  return stacking.stack_layers(per, variants)
+
+
+def _decisions(state):
+  """[L_live, B, T] hard decisions sown by the L2A layers, in layer order."""
+  inter = state["intermediates"]
+  groups = sorted((k for k in inter if "decision" in inter[k]),
+                  key=lambda k: 0 if k == "layers" else int(k.split("_")[1]))
+  return np.concatenate([np.asarray(inter[k]["decision"][0]) for k in groups])
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -67,9 +83,7 @@ def test_router_on_window0_equals_base_through_global_branch(family):
     lcfg, lp = l2a.dense_to_l2a(dp, cfg, window=0, routing=routing)
     # scramble the local branch: with window 0 it must not matter
     lp = jax.tree.map(lambda x: x, lp)
-    for i in range(cfg.num_layers):
-      lp[f"layers_{i}"]["self_attn"] = jax.tree.map(lambda x: 3.0 * x + 1.0,
-                                                    lp[f"layers_{i}"]["self_attn"])
+    lp["layers"]["self_attn"] = jax.tree.map(lambda x: 3.0 * x + 1.0, lp["layers"]["self_attn"])
     out, aux = Decoder(lcfg).apply({"params": lp}, tok)
     np.testing.assert_allclose(out, base, atol=1e-5, rtol=0)
     np.testing.assert_array_equal(aux["sparsity"], 0.0)
@@ -79,12 +93,15 @@ def test_converted_params_layout_and_registry():
   cfg, dp, tok = _dense("qwen3")
   lcfg, lp = l2a.dense_to_l2a(dp, cfg, window=4, pruned_layers=(1,))
   assert get_scheme("l2a").from_dense is l2a.from_dense
-  l0, l1 = lp["layers_0"], lp["layers_1"]
+  assert sorted(k for k in lp if k.startswith("layers")) == ["layers_0_1", "layers_1_2"]
+  per = stacking.unstack_layers(lp)
+  l0, l1 = per["layers_0"], per["layers_1"]
   assert set(l0) == {"input_layernorm", "self_attn", "global_layernorm", "router", "global_attn",
                      "post_attention_layernorm", "mlp"}
   assert "global_attn" not in l1 and "router" not in l1
   np.testing.assert_array_equal(l0["router"]["kernel"], 0.0)
-  for a, b in zip(jax.tree.leaves(l0["global_attn"]), jax.tree.leaves(dp["layers_0"]["self_attn"])):
+  for a, b in zip(jax.tree.leaves(l0["global_attn"]),
+                  jax.tree.leaves(stacking.unstack_layers(dp)["layers_0"]["self_attn"])):
     np.testing.assert_array_equal(a, b)
   # the converted tree is exactly the tree a fresh init of the L2A config builds
   init = jax.eval_shape(lambda: Decoder(lcfg).init(jax.random.PRNGKey(0), tok))["params"]
@@ -92,12 +109,7 @@ def test_converted_params_layout_and_registry():
   assert jax.tree.structure(init) == jax.tree.structure(lp)
   specs = nn.get_partition_spec(jax.eval_shape(
       lambda: Decoder(lcfg).init(jax.random.PRNGKey(0), tok)))["params"]
-  assert tuple(specs["layers_0"]["router"]["kernel"]) == ("embed",)
-  # boxed trees convert too, keeping logical axes
-  boxed = Decoder(cfg).init(jax.random.PRNGKey(1), tok)["params"]
-  lb = l2a.from_dense(boxed, lcfg)
-  assert isinstance(lb["layers_0"]["router"]["kernel"], nn.Partitioned)
-  assert lb["layers_0"]["router"]["kernel"].names == ("embed",)
+  assert tuple(specs["layers_0_1"]["router"]["kernel"]) == ("layers", "embed")
   with pytest.raises(ValueError, match="already has a global_attn"):
     l2a.from_dense(lp, lcfg)
   with pytest.raises(ValueError, match="unknown L2A option"):
@@ -143,7 +155,7 @@ def _layer_setup():
   cfg, dp, tok = _dense("qwen3")
   lcfg, lp = l2a.dense_to_l2a(dp, cfg, window=3)
   lp = _random_router(lp, scale=0.03)
-  layer = jax.tree.map(lambda x: x, lp["layers_0"])
+  layer = _per_layer(lp)["layers_0"]
   layer["mlp"]["down_proj"]["kernel"] = jnp.zeros_like(layer["mlp"]["down_proj"]["kernel"])
   x = jax.random.normal(jax.random.PRNGKey(5), (B, T, cfg.hidden_size))
   pos = jnp.broadcast_to(jnp.arange(T), (B, T))
@@ -152,13 +164,13 @@ def _layer_setup():
 
 
 def _objective(cfg, layer, x, pos, c, train, c_mask=None):
-  mod = l2a.L2ALayer(cfg, layer_idx=0)
+  mod = l2a.L2ALayer(cfg)
   cc = c if c_mask is None else c * c_mask[..., None]
+  ctx = LayerContext(tokens_BT=pos, positions_BT=pos, train=train)
 
   def out(w):
     p = dict(layer, router={"kernel": w})
-    return mod.apply({"params": p}, x, pos, None, train, False, None,
-                     rngs={"router": jax.random.PRNGKey(0)})[0]
+    return mod.apply({"params": p}, x, ctx, rngs={"router": jax.random.PRNGKey(0)})[0]
 
   out0 = out(layer["router"]["kernel"])
 
@@ -174,7 +186,8 @@ def test_ste_router_gradient_matches_soft_path_finite_difference():
   g_forced = jax.grad(_objective(l2a.l2a_config(cfg, p_force=1.0), layer, x, pos, c, True))(w)
   g_normal = jax.grad(_objective(l2a.l2a_config(cfg, p_force=0.0), layer, x, pos, c, True))(w)
   # decisions of this input
-  _, st = l2a.L2ALayer(cfg, 0).apply({"params": layer}, x, pos, mutable=["intermediates"])
+  _, st = l2a.L2ALayer(cfg).apply({"params": layer}, x, LayerContext(tokens_BT=pos, positions_BT=pos),
+                                  mutable=["intermediates"])
   d = st["intermediates"]["decision"][0]
   assert 0 < int(d.sum()) < d.size
   soft_acc = _objective(l2a.l2a_config(cfg, routing="soft"), layer, x, pos, c, False,
@@ -220,8 +233,8 @@ def test_decode_equals_full_forward(family, skip, pruned):
   m = Decoder(lcfg)
   full, aux = m.apply({"params": lp}, tok)
   (_, _), st = m.apply({"params": lp}, tok, mutable=["intermediates"])
-  live = [i for i in range(cfg.num_layers) if i not in pruned]
-  d = np.stack([np.asarray(st["intermediates"][f"layers_{i}"]["decision"][0]) for i in live])
+  d = _decisions(st)
+  assert d.shape[0] == cfg.num_layers - len(pruned)
   # some decode steps have no global query in some layer (the skip branch runs) and some do
   assert (~d[:, :, 7:].any(axis=1)).any() and d[:, :, 7:].any()
   np.testing.assert_allclose(_decode_all(m, lp, tok), full, atol=1e-4, rtol=0)
@@ -282,7 +295,7 @@ def test_aux_loss_schedule_and_metrics():
   assert float(l2a.lambda_at(0, oc)) == pytest.approx(2e-3)
   aux = dict(p2_mean=jnp.array([0.25, 0.0]), p_mean=jnp.array([0.5, 0.0]),
              sparsity=jnp.array([0.3, 1.0]), forced=jnp.array([1.0, 0.0]))
-  loss, metrics = l2a.aux_loss(aux, 30, cfg)
+  loss, metrics = l2a.aux_loss(aux, None, 30, cfg)
   assert float(loss) == pytest.approx(2e-3 * 0.125)
   assert float(metrics["l2a/sparsity"]) == pytest.approx(0.3)  # pruned layer left out
   assert float(metrics["l2a/forced_frac"]) == pytest.approx(1.0)
@@ -294,9 +307,9 @@ def test_aux_loss_schedule_and_metrics():
 
   def reg(params):
     _, aux = Decoder(lcfg).apply({"params": params}, tok)
-    return l2a.aux_loss(aux, 0, lcfg)[0]
+    return l2a.aux_loss(aux, None, 0, lcfg)[0]
   g = jax.grad(reg)(lp)
-  assert float(jnp.abs(g["layers_0"]["router"]["kernel"]).max()) > 0
+  assert float(jnp.abs(g["layers"]["router"]["kernel"]).min()) > 0  # every layer's router
 
 
 def test_measure_prune_and_kv_bytes():
@@ -312,8 +325,9 @@ def test_measure_prune_and_kv_bytes():
   res = l2a.prune_report(Decoder(lcfg), lp, batches, context_len=1024, threshold=float(np.mean(sp)))
   rep = res["report"]
   assert rep["layer_sparsity"] == sp and rep["pruned_layers"] == [hi]
-  assert "global_attn" not in res["params"][f"layers_{hi}"]
-  assert "global_attn" in res["params"][f"layers_{1 - hi}"]
+  per = stacking.unstack_layers(res["params"])
+  assert "global_attn" not in per[f"layers_{hi}"]
+  assert "global_attn" in per[f"layers_{1 - hi}"]
   # the 0.95 default
   _, _, new = l2a.prune(lp, lcfg, [0.96, 0.94])
   assert new == (0,)
@@ -325,49 +339,3 @@ def test_measure_prune_and_kv_bytes():
   m = Decoder(res["config"])
   full, _ = m.apply({"params": res["params"]}, tok)
   np.testing.assert_allclose(_decode_all(m, res["params"], tok), full, atol=1e-4, rtol=0)
-
-
-@pytest.mark.parametrize("impl", ["xla", "auto"])
-def test_ops_compact_attention_matches_masked_attention(impl):
-  rng = np.random.default_rng(0)
-  Bq, Tq, N, K, H = 2, 12, 4, 2, 8
-  q, k, v = (jnp.asarray(rng.standard_normal((Bq, Tq, n, H)), jnp.float32) for n in (N, K, K))
-  pos = jnp.broadcast_to(jnp.arange(Tq), (Bq, Tq))
-  seg = jnp.asarray(np.array([[1] * 7 + [2] * 5, [1] * 10 + [0] * 2]), jnp.int32)
-  active = jnp.asarray(rng.random((Bq, Tq)) < 0.5)
-  full = ops.attention(q, k, v, q_positions_BT=pos, kv_positions_BS=pos, q_segment_ids_BT=seg,
-                       kv_segment_ids_BS=seg, impl="xla")
-  out = ops.compact_attention(q, k, v, active, q_positions_BT=pos, kv_positions_BS=pos,
-                              q_segment_ids_BT=seg, kv_segment_ids_BS=seg, impl=impl)
-  np.testing.assert_allclose(out, jnp.where(active[..., None, None], full, 0.0), atol=1e-5)
-  # decode layout: kv validity only
-  valid = jnp.asarray(np.array([[1] * 12, [1] * 9 + [0] * 3]), jnp.int32)
-  full = ops.attention(q, k, v, q_positions_BT=pos, kv_positions_BS=pos, kv_segment_ids_BS=valid)
-  out = ops.compact_attention(q, k, v, active, q_positions_BT=pos, kv_positions_BS=pos,
-                              kv_segment_ids_BS=valid, impl=impl)
-  np.testing.assert_allclose(out, jnp.where(active[..., None, None], full, 0.0), atol=1e-5)
-
-
-def test_ops_compact_attention_per_shard_under_a_mesh():
-  """The kernel call runs per shard (batch over data/fsdp, heads over tensor) and agrees."""
-  from condattn_jax.train import sharding as shd
-  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:8]).reshape(2, 2, 2), ("data", "fsdp", "tensor"),
-                           axis_types=(jax.sharding.AxisType.Auto,) * 3)
-  rng = np.random.default_rng(1)
-  Bq, Tq, N, K, H = 4, 16, 4, 2, 8
-  q, k, v = (jnp.asarray(rng.standard_normal((Bq, Tq, n, H)), jnp.float32) for n in (N, K, K))
-  pos = jnp.broadcast_to(jnp.arange(Tq), (Bq, Tq))
-  seg = jnp.ones((Bq, Tq), jnp.int32).at[:, 12:].set(2)
-  active = jnp.asarray(rng.random((Bq, Tq)) < 0.5)
-  f = lambda shard: jax.jit(lambda *a: ops.compact_attention(
-      *a, q_positions_BT=pos, kv_positions_BS=pos, q_segment_ids_BT=seg, kv_segment_ids_BS=seg,
-      impl="reference", shard=shard))
-  want = f(False)(q, k, v, active)
-  with shd.mesh_context(mesh):
-    assert ops._mesh_shards(Bq, N, K) is not None
-    got = f(True)(q, k, v, active)
-    text = jax.jit(lambda *a: ops.compact_attention(
-        *a, q_positions_BT=pos, kv_positions_BS=pos, impl="reference", shard=True)).lower(
-            q, k, v, active).as_text()
-  np.testing.assert_allclose(got, want, atol=1e-6)
-  assert "shard_map" in text or "manual" in text.lower()

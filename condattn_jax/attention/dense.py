@@ -5,6 +5,7 @@ import flax.linen as nn
 
 from condattn_jax.attention import Scheme, register
 from condattn_jax.models.config import ModelConfig
+from condattn_jax.models.context import LayerContext
 from condattn_jax.models.layers import Attention, make_norm, mlp_residual
 
 
@@ -12,20 +13,31 @@ class DenseLayer(nn.Module):
   """pre-norm : x + Attn(input_layernorm(x)), then the MLP half.
   post-norm (olmo2): x + post_attention_layernorm(Attn(x)), then the MLP half."""
   config: ModelConfig
-  layer_idx: int = 0
+  variant: object = None
 
   @nn.compact
-  def __call__(self, x_BTD, positions_BT, segment_ids_BT=None, train=False, decode=False,
-               cache_len=None):
+  def __call__(self, x_BTD, ctx: LayerContext):
     cfg = self.config
     attn = Attention(cfg, window=cfg.sliding_window, name="self_attn")
-    kw = dict(decode=decode, cache_len=cache_len)
     if cfg.post_norm:
-      x_BTD = x_BTD + make_norm(cfg, "post_attention_layernorm")(
-          attn(x_BTD, positions_BT, segment_ids_BT, **kw))
+      x_BTD = x_BTD + make_norm(cfg, "post_attention_layernorm")(attn(x_BTD, ctx))
     else:
-      x_BTD = x_BTD + attn(make_norm(cfg, "input_layernorm")(x_BTD), positions_BT, segment_ids_BT, **kw)
+      x_BTD = x_BTD + attn(make_norm(cfg, "input_layernorm")(x_BTD), ctx)
     return mlp_residual(cfg, x_BTD), {}
 
 
-DENSE = register(Scheme(name="dense", layer_cls=DenseLayer))
+def kv_cache_bytes(config: ModelConfig, context_len: int, batch: int = 1,
+                   dtype: str | None = None) -> dict[str, int]:
+  """K and V bytes of the decode cache at `context_len` tokens: a full cache per layer, or a
+  ring of min(w, context_len) slots per layer for a sliding-window model."""
+  import jax.numpy as jnp
+  per_token = 2 * config.num_kv_heads * config.head_dim * jnp.dtype(
+      dtype or config.dtype).itemsize * batch
+  if config.sliding_window is not None:
+    window = config.num_layers * min(config.sliding_window, context_len) * per_token
+    return {"total": int(window), "full": 0, "window": int(window)}
+  full = config.num_layers * context_len * per_token
+  return {"total": int(full), "full": int(full), "window": 0}
+
+
+DENSE = register(Scheme(name="dense", layer_cls=DenseLayer, kv_cache_bytes=kv_cache_bytes))

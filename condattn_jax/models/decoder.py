@@ -1,38 +1,72 @@
 """One Flax Linen decoder for the llama | qwen2 | qwen3 | olmo2 families.
 
-embed -> num_layers x scheme layer (attention scheme + MLP) -> final RMSNorm -> logits.
+embed -> scanned scheme layers (attention scheme + MLP) -> final RMSNorm -> logits.
+
+The layers run under `nn.scan` (MaxText style): one layer body is traced and compiled however
+many layers the model has, with remat inside the body. Runs of consecutive layers with the same
+scheme variant (`Scheme.layer_variants`) form one scanned group each (parameters under `layers`,
+or `layers_{start}_{stop}` when there are several groups; see `models.stacking`). Per-layer
+values (`Scheme.layer_flags`) and the layer index are scanned inputs that reach the layer in its
+`LayerContext`.
 """
 from __future__ import annotations
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from condattn_jax.attention import get_scheme
 from condattn_jax.models.config import ModelConfig
+from condattn_jax.models.context import LayerContext
 from condattn_jax.models.layers import INIT_STD, make_norm
+from condattn_jax.models.stacking import group_name, layer_groups
 
 REMAT_POLICIES = {
     "full": None,  # save nothing: recompute the whole layer
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_with_no_batch_dims": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
 }
+ACTIVATION = ("activation_batch", "activation_length", "activation_embed")
+
+
+def _body(layer: nn.Module, x_BTD, per_layer, ctx: LayerContext):
+  """The scanned step for one layer: its index and flags go into the context."""
+  layer_idx, flags = per_layer
+  x_BTD, aux = layer(x_BTD, ctx.replace(layer_idx=layer_idx, layer_flags=flags))
+  return nn.with_logical_constraint(x_BTD, ACTIVATION), aux
+
+
+def scanned_layers(cfg: ModelConfig, layer: nn.Module, length: int):
+  """`(x, per_layer, ctx) -> (x, aux)` running `layer` `length` times under nn.scan(remat(.)):
+  params/cache/intermediates stacked on axis 0 (logical axis 'layers'), a fresh RNG per layer
+  for every stream, the context broadcast."""
+  body = _body
+  if cfg.remat_policy != "none":
+    body = nn.remat(body, policy=REMAT_POLICIES[cfg.remat_policy], prevent_cse=False)
+  scan = nn.scan(body, variable_axes={"params": 0, "cache": 0, "intermediates": 0},
+                 split_rngs={"params": True, "router": True, "dropout": True},
+                 in_axes=(0, nn.broadcast), length=length,
+                 metadata_params={nn.PARTITION_NAME: "layers"})
+  return lambda x, per_layer, ctx: scan(layer, x, per_layer, ctx)
 
 
 class Decoder(nn.Module):
   """Causal LM.
 
-  __call__(tokens_BT, positions_BT=None, segment_ids_BT=None, *, train, decode, cache_len,
-           return_hidden) -> (logits_BTV float32 | hidden_BTD, aux)
-  `aux` holds the scheme's per-layer outputs stacked on a leading layer axis.
-  Decoding: pass decode=True, cache_len and mutable=["cache"]; the first call (prefill) creates
-  the caches, later calls continue from them.
+  __call__(tokens_BT, positions_BT=None, segment_ids_BT=None, *, task_ids_B=None, fields=None,
+           train, decode, cache_len, return_hidden) -> (logits_BTV float32 | hidden_BTD, aux)
+  `aux` holds the scheme's per-layer outputs stacked on a leading layer axis (L).
+  Decoding (decode=True, cache_len, mutable=['cache']): every layer reads and writes its cache;
+  `segment_ids_BT` then marks the chunk's valid tokens (1) and right padding (0) of ragged rows.
+  `return_hidden` returns the final-norm hidden states instead of logits.
   """
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, *, train: bool = False,
-               decode: bool = False, cache_len: int | None = None, return_hidden: bool = False):
+  def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, *, task_ids_B=None,
+               fields=None, train: bool = False, decode: bool = False,
+               cache_len: int | None = None, return_hidden: bool = False):
     cfg = self.config
     B, T = tokens_BT.shape
     if positions_BT is None:
@@ -42,21 +76,29 @@ class Decoder(nn.Module):
         embedding_init=nn.with_logical_partitioning(nn.initializers.normal(INIT_STD),
                                                     ("vocab", "embed")),
         name="embed_tokens")
-    x_BTD = embed(tokens_BT)
-    x_BTD = nn.with_logical_constraint(x_BTD, ("activation_batch", "activation_length", "activation_embed"))
+    x_BTD = nn.with_logical_constraint(embed(tokens_BT), ACTIVATION)
+    ctx = LayerContext(tokens_BT=tokens_BT, positions_BT=positions_BT,
+                       segment_ids_BT=segment_ids_BT, task_ids_B=task_ids_B,
+                       fields=dict(fields or {}), train=train, decode=decode,
+                       cache_len=cache_len)
 
-    layer_cls = get_scheme(cfg.scheme).layer_cls
-    if cfg.remat_policy != "none":
-      layer_cls = nn.remat(layer_cls, policy=REMAT_POLICIES[cfg.remat_policy],
-                           static_argnums=(4, 5, 6), prevent_cse=True)
-    per_layer = []
-    for i in range(cfg.num_layers):
-      x_BTD, aux = layer_cls(cfg, layer_idx=i, name=f"layers_{i}")(
-          x_BTD, positions_BT, segment_ids_BT, train, decode, cache_len)
-      x_BTD = nn.with_logical_constraint(x_BTD, ("activation_batch", "activation_length", "activation_embed"))
-      per_layer.append(aux)
+    scheme = get_scheme(cfg.scheme)
+    variants = tuple(scheme.layer_variants(cfg))
+    if len(variants) != cfg.num_layers:
+      raise ValueError(f"scheme {cfg.scheme!r}.layer_variants gave {len(variants)} variants for "
+                       f"model.num_layers={cfg.num_layers}.")
+    flags = {k: np.asarray(v) for k, v in scheme.layer_flags(cfg).items()}
+    groups = layer_groups(variants)
+    auxes = []
+    for start, stop, variant in groups:
+      per_layer = (jnp.arange(start, stop, dtype=jnp.int32),
+                   {k: jnp.asarray(v[start:stop]) for k, v in flags.items()})
+      layer = scheme.layer_cls(cfg, variant=variant, name=group_name(start, stop, len(groups)))
+      x_BTD, aux = scanned_layers(cfg, layer, stop - start)(x_BTD, per_layer, ctx)
+      auxes.append(aux)
+    aux = (auxes[0] if len(auxes) == 1
+           else jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *auxes))
     x_BTD = make_norm(cfg, "norm")(x_BTD)
-    aux = {k: jnp.stack([a[k] for a in per_layer]) for k in per_layer[0]} if per_layer[0] else {}
     if return_hidden:
       return x_BTD, aux
     if cfg.tie_word_embeddings:

@@ -99,55 +99,85 @@ class Projection(nn.Module):
 
 
 class KVCache(nn.Module):
-  """Decode-time K/V cache in the 'cache' collection.
+  """Decode-time K/V cache in the 'cache' collection, with a length per batch row.
 
-  kind 'full'  : `size` slots written in order (size = the longest sequence to be decoded).
-  kind 'window': a ring of `size` slots holding the most recent keys (sliding-window layers).
-  Each call returns the keys visible to the incoming chunk (cache contents before the write,
-  then the chunk) with positions and a validity mask, and then writes the chunk.
+  kind 'full'  : `size` slots; row b's tokens go to slots length_b, length_b + 1, ... (size = the
+                 longest sequence to be decoded).
+  kind 'window': a ring of `size` slots holding each row's `size` most recent keys.
+  Variables: key/value [B, size, K, H], positions [B, size] int32, valid [B, size] int32 (1 =
+  holds a key), length [B] int32 (tokens written so far). All start at zero, so a cache can be
+  made with `jnp.zeros` from its abstract shape (the inference engine does).
+
+  `__call__(k, v, positions_BT, valid_BT, kind=, size=)` writes the chunk's valid tokens (a row's valid tokens
+  come first, padding after: ragged prompts are right-padded) and returns the keys the chunk's
+  queries must see, as (k_BSKH, v_BSKH, kv_positions_BS, kv_valid_BS):
+    full  : the cache after the write (every earlier key and the chunk itself, in slot order);
+    window: the ring before the write followed by the chunk (a chunk longer than the ring still
+            sees its own earlier keys).
   """
-  kind: str
-
   @nn.compact
-  def __call__(self, k_BTKH, v_BTKH, positions_BT, size: int):
+  def __call__(self, k_BTKH, v_BTKH, positions_BT, valid_BT, *, kind: str, size: int):
     B, T, K, H = k_BTKH.shape
     ck = self.variable("cache", "key", jnp.zeros, (B, size, K, H), k_BTKH.dtype)
     cv = self.variable("cache", "value", jnp.zeros, (B, size, K, H), v_BTKH.dtype)
     cpos = self.variable("cache", "positions", jnp.zeros, (B, size), jnp.int32)
     cvalid = self.variable("cache", "valid", jnp.zeros, (B, size), jnp.int32)
-    cidx = self.variable("cache", "index", jnp.zeros, (), jnp.int32)
-    k_all = jnp.concatenate([ck.value, k_BTKH], axis=1)
-    v_all = jnp.concatenate([cv.value, v_BTKH], axis=1)
-    pos_all = jnp.concatenate([cpos.value, positions_BT.astype(jnp.int32)], axis=1)
-    valid_all = jnp.concatenate([cvalid.value, jnp.ones((B, T), jnp.int32)], axis=1)
-    idx = cidx.value
-    ones = jnp.ones((B, T), jnp.int32)
-    if self.kind == "full":
-      if T > size:
-        raise ValueError(f"KV cache of {size} slots cannot take a chunk of {T} tokens; "
-                         "raise cache_len.")
-      ck.value = lax.dynamic_update_slice(ck.value, k_BTKH, (0, idx, 0, 0))
-      cv.value = lax.dynamic_update_slice(cv.value, v_BTKH, (0, idx, 0, 0))
-      cpos.value = lax.dynamic_update_slice(cpos.value, positions_BT.astype(jnp.int32), (0, idx))
-      cvalid.value = lax.dynamic_update_slice(cvalid.value, ones, (0, idx))
-    elif self.kind == "window":
-      n = min(T, size)
-      slots = (idx + T - n + jnp.arange(n)) % size
-      ck.value = ck.value.at[:, slots].set(k_BTKH[:, T - n:])
-      cv.value = cv.value.at[:, slots].set(v_BTKH[:, T - n:])
-      cpos.value = cpos.value.at[:, slots].set(positions_BT[:, T - n:].astype(jnp.int32))
-      cvalid.value = cvalid.value.at[:, slots].set(1)
+    clen = self.variable("cache", "length", jnp.zeros, (B,), jnp.int32)
+    valid_BT = jnp.asarray(valid_BT, bool)
+    positions_BT = positions_BT.astype(jnp.int32)
+    n_B = jnp.sum(valid_BT, axis=1, dtype=jnp.int32)
+    j_BT = jnp.arange(T, dtype=jnp.int32)[None, :]
+    length_B = clen.value
+    if kind == "full":
+      slot_BT = length_B[:, None] + j_BT
+      keep_BT = valid_BT
+    elif kind == "window":
+      slot_BT = (length_B[:, None] + j_BT) % size
+      keep_BT = valid_BT & (j_BT >= n_B[:, None] - size)  # only the last `size` tokens: no clashes
     else:
-      raise ValueError(f"KVCache.kind={self.kind!r}: choose 'full' or 'window'.")
-    cidx.value = idx + T
-    return k_all, v_all, pos_all, valid_all
+      raise ValueError(f"KVCache kind={kind!r}: choose 'full' or 'window'.")
+    slot_BT = jnp.where(keep_BT, slot_BT, size)  # out of range: dropped by the scatter
+    rows_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    put = lambda buf, val: buf.at[rows_BT, slot_BT].set(val.astype(buf.dtype), mode="drop")
+    before = (ck.value, cv.value, cpos.value, cvalid.value)
+    ck.value = put(ck.value, k_BTKH)
+    cv.value = put(cv.value, v_BTKH)
+    cpos.value = put(cpos.value, positions_BT)
+    cvalid.value = put(cvalid.value, jnp.ones((B, T), jnp.int32))
+    clen.value = length_B + n_B
+    if kind == "full":
+      return ck.value, cv.value, cpos.value, cvalid.value
+    k0, v0, p0, ok0 = before
+    return (jnp.concatenate([k0, k_BTKH.astype(k0.dtype)], axis=1),
+            jnp.concatenate([v0, v_BTKH.astype(v0.dtype)], axis=1),
+            jnp.concatenate([p0, positions_BT], axis=1),
+            jnp.concatenate([ok0, valid_BT.astype(jnp.int32)], axis=1))
+
+
+def attend(q_BTNH, k_BSKH, v_BSKH, *, q_positions_BT, kv_positions_BS, q_segment_ids_BT=None,
+           kv_segment_ids_BS=None, window=None, active=None, impl="auto", contiguous=False):
+  """The model's one call into `ops.attention` (builds the mask spec)."""
+  if not hasattr(ops, "MaskSpec"):  # TRANSITION: until ops.MaskSpec lands
+    kw = dict(q_positions_BT=q_positions_BT, kv_positions_BS=kv_positions_BS,
+              q_segment_ids_BT=q_segment_ids_BT, kv_segment_ids_BS=kv_segment_ids_BS,
+              window=window)
+    if active is None:
+      return ops.attention(q_BTNH, k_BSKH, v_BSKH, impl="xla" if impl == "reference" else impl,
+                           self_attention=contiguous, **kw)
+    return ops.compact_attention(q_BTNH, k_BSKH, v_BSKH, active, impl=impl, **kw)
+  mask = ops.MaskSpec(q_positions_BT=q_positions_BT, kv_positions_BS=kv_positions_BS,
+                      q_segment_ids_BT=q_segment_ids_BT, kv_segment_ids_BS=kv_segment_ids_BS,
+                      window=window, active=active, contiguous=contiguous)
+  return ops.attention(q_BTNH, k_BSKH, v_BSKH, mask, impl=impl)
 
 
 class Attention(nn.Module):
   """Multi-head attention with GQA (K/V never repeated), optional q/k norm, RoPE.
 
-  `qkv` and `project_out` are exposed so schemes can run their own attention core (e.g. on a
-  compacted subset of queries) with the same weights.
+  The steps are exposed so schemes can run their own attention core with the same weights:
+  `project` (q/k/v after q/k norm, BEFORE RoPE: Elastic's router and retrieval pools read these),
+  `rope`, `qkv` (= rope(project)), `project_out`, `write_cache` (this attention's KVCache: a
+  ring of `window` slots for sliding-window attention, else cache_len slots) and `attend`.
   """
   config: ModelConfig
   window: int | None = None  # sliding window (keys t-w+1..t); None = global
@@ -164,10 +194,10 @@ class Attention(nn.Module):
     if cfg.qk_norm != "none":
       self.q_norm = make_norm(cfg, "q_norm")
       self.k_norm = make_norm(cfg, "k_norm")
-    self.cache = KVCache("full" if self.window is None else "window")
+    self.kv_cache = KVCache(name="cache")
 
-  def qkv(self, x_BTD, positions_BT):
-    """q [B,T,N,H], k/v [B,T,K,H] after q/k norm and RoPE."""
+  def project(self, x_BTD):
+    """q [B,T,N,H], k/v [B,T,K,H] after q/k norm, before RoPE."""
     cfg = self.config
     q, k, v = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
     if cfg.qk_norm == "head":
@@ -176,30 +206,45 @@ class Attention(nn.Module):
       B, T = x_BTD.shape[:2]
       q = self.q_norm(q.reshape(B, T, -1)).reshape(q.shape)
       k = self.k_norm(k.reshape(B, T, -1)).reshape(k.shape)
-    inv_freq = rope_inv_freq(cfg)
-    q = apply_rope(q, positions_BT, inv_freq)
-    k = apply_rope(k, positions_BT, inv_freq)
+    return q, k, v
+
+  def rope(self, x_BTNH, positions_BT):
+    return apply_rope(x_BTNH, positions_BT, rope_inv_freq(self.config))
+
+  def qkv(self, x_BTD, positions_BT):
+    """q [B,T,N,H], k/v [B,T,K,H] after q/k norm and RoPE."""
+    q, k, v = self.project(x_BTD)
+    q, k = self.rope(q, positions_BT), self.rope(k, positions_BT)
     q = nn.with_logical_constraint(q, ("activation_batch", "activation_length", "activation_heads", None))
     return q, k, v
 
   def project_out(self, o_BTNH):
     return self.o_proj(o_BTNH)
 
-  def __call__(self, x_BTD, positions_BT, segment_ids_BT=None, *, decode=False, cache_len=None):
-    q, k, v = self.qkv(x_BTD, positions_BT)
-    cfg = self.config
-    if decode:
-      if self.window is None and cache_len is None:
-        raise ValueError("decode=True needs cache_len (the longest sequence to decode).")
-      size = self.window if self.window is not None else cache_len
-      k_all, v_all, kv_pos, kv_valid = self.cache(k, v, positions_BT, size)
-      out = ops.attention(q, k_all, v_all, q_positions_BT=positions_BT, kv_positions_BS=kv_pos,
-                          kv_segment_ids_BS=kv_valid, window=self.window)
-    else:
-      out = ops.attention(q, k, v, q_positions_BT=positions_BT, kv_positions_BS=positions_BT,
-                          q_segment_ids_BT=segment_ids_BT, kv_segment_ids_BS=segment_ids_BT,
-                          window=self.window, impl=cfg.attention_impl, self_attention=True)
-    return self.project_out(out)
+  def write_cache(self, k_BTKH, v_BTKH, ctx):
+    """Writes the chunk into this attention's KVCache; returns the keys its queries see."""
+    if ctx.cache_len is None:
+      raise ValueError("decode=True needs cache_len (the longest sequence to decode).")
+    size = ctx.cache_len if self.window is None else min(self.window, ctx.cache_len)
+    kind = "full" if self.window is None or self.window >= ctx.cache_len else "window"
+    return self.kv_cache(k_BTKH, v_BTKH, ctx.positions_BT, ctx.valid_BT, kind=kind, size=size)
+
+  def attend(self, q_BTNH, k_BTKH, v_BTKH, ctx, *, active=None, impl=None):
+    """Attention of the chunk's queries (only the `active` ones, when given): over the cache
+    when ctx.decode, else self-attention. impl: ops.attention's (default model.attention_impl)."""
+    impl = self.config.attention_impl if impl is None else impl
+    if ctx.decode:
+      k_all, v_all, kv_pos, kv_valid = self.write_cache(k_BTKH, v_BTKH, ctx)
+      return attend(q_BTNH, k_all, v_all, q_positions_BT=ctx.positions_BT, kv_positions_BS=kv_pos,
+                    kv_segment_ids_BS=kv_valid, window=self.window, active=active, impl=impl)
+    return attend(q_BTNH, k_BTKH, v_BTKH, q_positions_BT=ctx.positions_BT,
+                  kv_positions_BS=ctx.positions_BT, q_segment_ids_BT=ctx.segment_ids_BT,
+                  kv_segment_ids_BS=ctx.segment_ids_BT, window=self.window, active=active,
+                  impl=impl, contiguous=True)
+
+  def __call__(self, x_BTD, ctx):
+    q, k, v = self.qkv(x_BTD, ctx.positions_BT)
+    return self.project_out(self.attend(q, k, v, ctx))
 
 
 class MLP(nn.Module):

@@ -24,7 +24,7 @@ def to_python(metrics: Mapping[str, Any]) -> dict[str, Any]:
     if a.ndim == 0:
       out[k] = a.item() if a.dtype.kind in "iub" else float(a)
     else:
-      out[k] = a.astype(np.float64).reshape(-1).tolist()
+      out[k] = a.astype(np.float64).tolist()  # nested lists keep [L] / [L, N] shapes
       out[f"{k}/mean"] = float(a.mean())
   return out
 
@@ -54,8 +54,9 @@ class MetricWriter:
     if self._tb is not None:
       for k, v in m.items():
         if isinstance(v, list):
-          for i, x in enumerate(v):
-            self._tb.add_scalar(f"{prefix}{k}/layer_{i}", x, step)
+          for idx, x in np.ndenumerate(np.asarray(v)):  # per layer (and per head: [L, N])
+            name = "/".join(f"{n}_{i}" for n, i in zip(("layer", "head"), idx))
+            self._tb.add_scalar(f"{prefix}{k}/{name}", float(x), step)
         elif isinstance(v, (int, float)) and math.isfinite(v):
           self._tb.add_scalar(prefix + k, v, step)
 

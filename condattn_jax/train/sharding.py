@@ -48,6 +48,7 @@ RULES: tuple[tuple[str, Any], ...] = (
     ("head_dim", None),
     ("mlp", "tensor"),
     ("norm", None),
+    ("layers", None),  # the scanned layer axis of stacked params
 )
 
 

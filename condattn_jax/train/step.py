@@ -1,6 +1,6 @@
 """Loss, train step and eval step (pure functions; `loop.py` jits them with shardings).
 
-loss = sum(loss_mask * token CE) / sum(loss_mask)  +  scheme.aux_loss(aux, step, model_cfg)
+loss = sum(loss_mask * token CE) / sum(loss_mask)  +  scheme.aux_loss(aux, batch, step, model_cfg)
 
 `train.loss_chunk_size > 0` computes the CE from the final hidden states in chunks of that many
 positions (`Decoder(..., return_hidden=True)` + `Decoder.output_embedding`), rematerialising
@@ -57,12 +57,23 @@ def chunked_token_cross_entropy(hidden_BTD, w_DV, targets_BT, chunk: int, dtype)
   return ce.swapaxes(0, 1).reshape(B, T), correct.swapaxes(0, 1).reshape(B, T)
 
 
+# Batch entries the decoder reads itself; every other entry reaches the layers in ctx.fields.
+_MODEL_INPUTS = ("inputs", "positions", "segment_ids", "task_ids", "targets", "loss_mask")
+
+
+def context_fields(batch: dict) -> dict:
+  """The per-batch fields the data pipeline added beyond the standard ones (LayerContext.fields)."""
+  return {k: v for k, v in batch.items() if k not in _MODEL_INPUTS}
+
+
 def forward_ce(model: Decoder, params, batch, *, train: bool, rng, loss_chunk_size: int = 0):
   """(ce_BT, correct_BT, aux) for one batch."""
   rngs = {"router": rng} if rng is not None else {}
   chunked = loss_chunk_size and loss_chunk_size > 0
   out, aux = model.apply({"params": params}, batch["inputs"], batch["positions"],
-                         batch["segment_ids"], train=train, return_hidden=bool(chunked), rngs=rngs)
+                         batch["segment_ids"], task_ids_B=batch.get("task_ids"),
+                         fields=context_fields(batch), train=train, return_hidden=bool(chunked),
+                         rngs=rngs)
   if chunked:
     ce, correct = chunked_token_cross_entropy(out, model.output_embedding(params), batch["targets"],
                                               int(loss_chunk_size), model.config.compute_dtype)
@@ -93,7 +104,7 @@ def make_loss_and_grads(model_cfg: ModelConfig, tc):
     ce, correct, aux = forward_ce(model, params, mb, train=True, rng=rng, loss_chunk_size=chunk)
     mask = mb["loss_mask"].astype(jnp.float32)
     ce_sum = jnp.sum(ce * mask)
-    aux_loss, aux_metrics = scheme.aux_loss(aux, step, model_cfg)
+    aux_loss, aux_metrics = scheme.aux_loss(aux, mb, step, model_cfg)
     _check_metric_names(aux_metrics)
     obj = ce_sum / n_total + aux_loss / k
     return obj, (ce_sum, jnp.sum(correct * mask), aux_loss, aux_metrics)
@@ -171,7 +182,7 @@ def make_eval_step(model_cfg: ModelConfig, *, loss_chunk_size: int = 0, seed: in
                                   loss_chunk_size=loss_chunk_size)
     mask = batch["loss_mask"].astype(jnp.float32)
     seq_correct, seqs = exact_match_counts(correct, mask)
-    _, aux_m = scheme.aux_loss(aux, step, model_cfg)
+    _, aux_m = scheme.aux_loss(aux, batch, step, model_cfg)
     out = dict(ce_sum=jnp.sum(ce * mask), correct=jnp.sum(correct * mask), tokens=jnp.sum(mask),
                seq_correct=seq_correct, seqs=seqs)
     out.update({f"aux/{k}": v for k, v in aux_m.items()})
