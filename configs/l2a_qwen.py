@@ -40,7 +40,7 @@ import ml_collections
 from condattn_jax.train.config import default_config, parse_arg
 
 # A regex on '/'-joined param paths (re.fullmatch): what L2A trains.
-TRAINABLE_REGEX = (r"layers_\d+/(self_attn|global_attn|router|input_layernorm|global_layernorm|"
+TRAINABLE_REGEX = (r"layers(_\d+_\d+)?/(self_attn|global_attn|router|input_layernorm|global_layernorm|"
                    r"post_attention_layernorm)/.*|norm/scale")
 
 # Required fields of the real recipes: a value that cannot be a path, so loading stops at once
