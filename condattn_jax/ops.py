@@ -1,65 +1,414 @@
-"""The one place that picks an attention kernel.
+"""The one attention dispatch point: `attention(q, k, v, mask, impl=...)`.
 
-`attention`: causal (optionally sliding-window) attention with packed-document masks.
-  impl "xla"     : the reference (also the CPU path): masked softmax in float32, any layout.
-  impl "cudnn"   : jax.nn.dot_product_attention(implementation="cudnn"); self-attention without
-                   packing only.
-  impl "tokamax" : tokamax.dot_product_attention with a per-query k_start mask (packed documents
-                   stored contiguously); self-attention only.
-  impl "auto"    : GPU -> tokamax (cudnn when unpacked), anything else -> xla. Layouts the fast
-                   paths cannot take (caches, offsets) always use xla.
-`compact_attention`: attention for a subset of queries (L2A global branch); see
-  pallas_kernels.compact_attention.
+    mask = ops.MaskSpec(q_positions_BT=pos, kv_positions_BS=pos, q_segment_ids_BT=seg,
+                        kv_segment_ids_BS=seg, contiguous=True)
+    out_BTNH = ops.attention(q_BTNH, k_BSKH, v_BSKH, mask)                 # impl="auto"
+
+`MaskSpec` says which (query, key) pairs are visible; `MaskSpec.dense_mask()` is the one mask
+builder (pallas_kernels/compact_attention/reference.py, shared with the kernels' tests), and
+impl="reference" is the one reference attention (same file).
+
+Implementations (one vocabulary):
+  reference  masked dense attention, float32 softmax, any mask. O(T*S) memory: CPU and tests.
+  cudnn      jax.nn.dot_product_attention(implementation="cudnn"): contiguous self-attention
+             without segment ids, active set, sinks or block lists; bfloat16/float16.
+  tokamax    tokamax flash attention (Mosaic GPU, else Triton) with a per-query k_start
+             (document start, window): contiguous (packed) self-attention without active set,
+             sinks or block lists. Off GPU: tokamax's XLA implementation (tests).
+  pallas     pallas_kernels.compact_attention: any positions / segments / window / active set
+             ([B, T] or per head [B, T, N]), e.g. caches, decode, chunked prefill, L2A, AHA.
+             Triton on GPU, Mosaic on TPU; on CPU the kernel in Pallas interpret mode, Triton-
+             style by default, `pallas_backend="mosaic_tpu"` for Mosaic TPU interpret (tests).
+  auto       picked for the platform the call is LOWERED for (jax.lax.platform_dependent), not
+             the backend at trace time, so jax.export for GPU/TPU from a CPU host gets the GPU/TPU
+             kernel:  cpu -> reference;
+                      cuda -> contiguous self-attention without active/sinks: cudnn (no segment
+                              ids) else tokamax; anything else (active set, cache layout, decode,
+                              chunked prefill): pallas (with an all-true active set if none);
+                      rocm -> pallas;  tpu -> pallas (Mosaic).
+             A kernel that cannot take the call's shape falls to the next one; only masks no
+             kernel takes yet (sinks, block lists: issue 13's block-sparse kernel) use the
+             reference on GPU/TPU, with a warning.
+An explicit impl that cannot take the call raises ValueError naming the impl and why.
+
+Only the branch for the lowering platform is lowered, and under jax.grad the other branches'
+(zero-filled) residuals are dead code after lowering (tests/test_ops.py checks both on compiled
+CPU HLO). All branches are traced, but only for platforms this process can lower for: its own
+backend, plus the platform of an abstract device set with
+jax.sharding.use_abstract_mesh(AbstractMesh(..., abstract_device=AbstractDevice(...)))
+(cross-lowering, e.g. exporting for cuda or tpu from a CPU host). A branch for any other platform
+is a placeholder whose lowering raises that advice (never a silently wrong kernel).
+
+Under a mesh (jax.sharding.get_abstract_mesh()), every Pallas and tokamax call runs per shard in
+jax.shard_map: batch over data/fsdp, heads over tensor (when the shapes divide).
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import functools
+import importlib
 import logging
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax import lax
+from jax.extend import core as jex_core
+from jax.interpreters import mlir
 
-NEG_INF = -1e30  # finite: a fully masked row gives zeros, never NaN
+IMPLS = ("auto", "reference", "cudnn", "tokamax", "pallas")
+PALLAS_BACKENDS = ("triton", "mosaic_tpu")
+_KERNELS = "pallas_kernels.compact_attention"
 
 
-def attention_mask(q_positions_BT, kv_positions_BS, q_segment_ids_BT=None, kv_segment_ids_BS=None,
-                   *, window: int | None = None):
-  """Boolean mask [B, T, S]: same document, causal on positions, inside the window.
+# ------------------------------------------------------------------------------------------------
+# Mask description
+# ------------------------------------------------------------------------------------------------
 
-  Segment id 0 marks padding / empty cache slots: such keys are never attended.
+def _static(default=None):
+  return dataclasses.field(default=default, metadata=dict(static=True))
+
+
+@functools.partial(jax.tree_util.register_dataclass)
+@dataclasses.dataclass(frozen=True, eq=False)  # array fields: no elementwise ==
+class BlockLists:
+  """Per-(batch, head, query-block) kv block lists and per-head modes (issue 13's block-sparse
+  kernel plugs in here; today only impl='reference' takes them).
+
+  kv_blocks_BNQL: int32 [B, N, ceil(T / block_q), L]: the kv blocks (key slots
+    [j * block_k, (j + 1) * block_k)) that query block i (query rows [i * block_q, ...)) of query
+    head n may see; entries outside [0, ceil(S / block_k)) are padding (use -1).
+  head_mode_BN: None (every head uses its list) or int32 [B, N]: HEAD_FULL (0) = the head ignores
+    its list (full attention under the rest of the mask), HEAD_BLOCKS (1) = the head sees only its
+    listed blocks. Lists never widen the rest of the mask (causal, documents, window, active).
   """
-  qp = q_positions_BT[:, :, None]
-  kp = kv_positions_BS[:, None, :]
-  mask = kp <= qp
-  if window is not None:
-    mask &= (qp - kp) < window
-  if kv_segment_ids_BS is not None:
-    ks = kv_segment_ids_BS[:, None, :]
-    mask &= ks != 0
-    if q_segment_ids_BT is not None:
-      mask &= q_segment_ids_BT[:, :, None] == ks
-  return mask
+  kv_blocks_BNQL: Any
+  head_mode_BN: Any = None
+  block_q: int = _static(128)
+  block_k: int = _static(128)
 
 
-def reference_attention(q_BTNH, k_BSKH, v_BSKH, mask_BTS, *, scale=None):
-  """Grouped-query attention without repeating K/V; float32 softmax; empty rows give zeros."""
-  B, T, N, H = q_BTNH.shape
-  K = k_BSKH.shape[2]
-  G = N // K
-  scale = H ** -0.5 if scale is None else scale
-  q_BTKGH = q_BTNH.reshape(B, T, K, G, H)
-  logits = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH,
-                      preferred_element_type=jnp.float32) * scale
-  mask = mask_BTS[:, None, None, :, :]
-  logits = jnp.where(mask, logits, NEG_INF)
-  m = jnp.max(logits, axis=-1, keepdims=True)
-  p = jnp.exp(logits - m) * mask
-  denom = jnp.sum(p, axis=-1, keepdims=True)
-  p = p / jnp.where(denom == 0, 1.0, denom)
-  out = jnp.einsum("bkgts,bskh->btkgh", p.astype(v_BSKH.dtype), v_BSKH,
-                   preferred_element_type=jnp.float32)
-  return out.reshape(B, T, N, H).astype(q_BTNH.dtype)
+HEAD_FULL, HEAD_BLOCKS = 0, 1
+
+
+@functools.partial(jax.tree_util.register_dataclass)
+@dataclasses.dataclass(frozen=True, eq=False)  # array fields: no elementwise ==
+class MaskSpec:
+  """Which (query, key) pairs are visible; a pytree (arrays are leaves, the rest is static).
+
+  q_positions_BT, kv_positions_BS: int32 token positions; key visible when kv_pos <= q_pos.
+  q_segment_ids_BT, kv_segment_ids_BS: None or int32 document ids; 0 = padding / empty cache
+    slot, never attended (a query of segment 0 sees nothing). Both: same nonzero id. kv ids
+    alone (a cache's validity): the query chunk is one document and sees every valid slot.
+  window (static): keys q_pos - window + 1 .. q_pos only.
+  sinks (static): keys with kv_pos < sinks of the same document stay visible outside the window
+    (StreamingLLM sink tokens).
+  active: None, bool [B, T] (per token: L2A) or bool [B, T, N] (per query head: AHA): the
+    queries to compute; the others come back as zeros.
+  block_lists: None or BlockLists (per-head kv block lists; see there).
+  contiguous (static): the caller promises q and kv are the same tokens laid out contiguously,
+    positions restarting at 0 in each document (so T == S, and segment ids both or neither);
+    only then may cudnn / tokamax run. False for caches, decode, chunked prefill.
+  """
+  q_positions_BT: Any
+  kv_positions_BS: Any
+  q_segment_ids_BT: Any = None
+  kv_segment_ids_BS: Any = None
+  active: Any = None
+  block_lists: BlockLists | None = None
+  window: int | None = _static(None)
+  sinks: int = _static(0)
+  contiguous: bool = _static(False)
+
+  def dense_mask(self):
+    """bool [B, T, S], or [B, N, T, S] with a per-head active set or block lists."""
+    ref = _kernel_module("reference")
+    m = jax.tree.map(jnp.asarray, self)
+    bl = m.block_lists
+    return ref.dense_mask(
+        m.q_positions_BT, m.kv_positions_BS, m.q_segment_ids_BT, m.kv_segment_ids_BS,
+        window=m.window, sinks=m.sinks, active=m.active,
+        kv_blocks_BNQL=None if bl is None else bl.kv_blocks_BNQL,
+        head_mode_BN=None if bl is None else bl.head_mode_BN,
+        block_q=None if bl is None else bl.block_q, block_k=None if bl is None else bl.block_k)
+
+
+def _check(q, k, v, mask: MaskSpec):
+  """One-line ValueErrors for malformed calls (shapes are static)."""
+  if not isinstance(mask, MaskSpec):
+    raise ValueError(f"ops.attention: mask must be an ops.MaskSpec, got {type(mask).__name__}")
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    raise ValueError(f"ops.attention: q, k, v must be [B, T, N, H], [B, S, K, H]; got {q.shape}, "
+                     f"{k.shape}, {v.shape}")
+  B, T, N, H = q.shape
+  S, K = k.shape[1], k.shape[2]
+  if v.shape != k.shape or k.shape[0] != B or k.shape[3] != H:
+    raise ValueError(f"ops.attention: k and v must both be [B={B}, S, K, H={H}]; got {k.shape}, "
+                     f"{v.shape}")
+  if N % K:
+    raise ValueError(f"ops.attention: query heads {N} must be a multiple of kv heads {K}")
+  for name, shape in (("q_positions_BT", (B, T)), ("kv_positions_BS", (B, S)),
+                      ("q_segment_ids_BT", (B, T)), ("kv_segment_ids_BS", (B, S))):
+    x = getattr(mask, name)
+    if x is None and "positions" in name:
+      raise ValueError(f"ops.attention: MaskSpec.{name} is required")
+    if x is not None and (x.shape != shape or not jnp.issubdtype(x.dtype, jnp.integer)):
+      raise ValueError(f"MaskSpec.{name} must be an int array of shape {shape}; got {x.dtype} "
+                       f"{x.shape}")
+  if mask.q_segment_ids_BT is not None and mask.kv_segment_ids_BS is None:
+    raise ValueError("MaskSpec: q_segment_ids_BT without kv_segment_ids_BS; give kv ids too "
+                     "(kv ids alone mean a cache's validity)")
+  a = mask.active
+  if a is not None and (a.dtype != jnp.bool_ or a.shape not in ((B, T), (B, T, N))):
+    raise ValueError(f"MaskSpec.active must be bool [B, T]={(B, T)} or [B, T, N]={(B, T, N)}; "
+                     f"got {a.dtype} {a.shape}")
+  if mask.window is not None and (int(mask.window) != mask.window or mask.window < 1):
+    raise ValueError(f"MaskSpec.window must be an int >= 1 or None, got {mask.window!r}")
+  if int(mask.sinks) != mask.sinks or mask.sinks < 0:
+    raise ValueError(f"MaskSpec.sinks must be an int >= 0, got {mask.sinks!r}")
+  if mask.contiguous:
+    if T != S:
+      raise ValueError(f"MaskSpec.contiguous=True promises q and kv are the same tokens, but "
+                       f"T={T} != S={S}; set contiguous=False")
+    if (mask.q_segment_ids_BT is None) != (mask.kv_segment_ids_BS is None):
+      raise ValueError("MaskSpec.contiguous=True needs q_segment_ids_BT and kv_segment_ids_BS "
+                       "both (the same ids) or neither")
+  bl = mask.block_lists
+  if bl is not None:
+    nq = -(-T // bl.block_q)
+    kb = bl.kv_blocks_BNQL
+    if kb.ndim != 4 or kb.shape[:3] != (B, N, nq) or not jnp.issubdtype(kb.dtype, jnp.integer):
+      raise ValueError(f"BlockLists.kv_blocks_BNQL must be int [B, N, ceil(T/block_q), L] = "
+                       f"[{B}, {N}, {nq}, L]; got {kb.dtype} {kb.shape}")
+    if bl.head_mode_BN is not None and bl.head_mode_BN.shape != (B, N):
+      raise ValueError(f"BlockLists.head_mode_BN must be [B, N] = {(B, N)}; got "
+                       f"{bl.head_mode_BN.shape}")
+
+
+# ------------------------------------------------------------------------------------------------
+# The kernel package (loud import) and what each implementation can take
+# ------------------------------------------------------------------------------------------------
+
+def _kernel_module(sub: str | None = None):
+  """pallas_kernels.compact_attention (or its submodule `sub`); an import failure is an error."""
+  name = _KERNELS if sub is None else f"{_KERNELS}.{sub}"
+  try:
+    return importlib.import_module(name)
+  except ImportError as e:
+    raise ImportError(f"condattn_jax.ops needs {name} (the attention kernels and the reference "
+                      f"live there) but importing it failed: {e!r}; fix that import (install the "
+                      "repo with `pip install -e .`)") from e
+
+
+def _fused_reasons(q, mask: MaskSpec) -> list[str]:
+  """Why cudnn / tokamax cannot take the call (empty: they can)."""
+  why = []
+  if not mask.contiguous:
+    why.append("the mask is not contiguous self-attention (MaskSpec.contiguous=False: cache, "
+               "decode or chunked-prefill layout)")
+  if mask.active is not None:
+    why.append("an active set (MaskSpec.active) needs impl='pallas'")
+  if mask.sinks:
+    why.append("sink tokens (MaskSpec.sinks) are not supported")
+  if mask.block_lists is not None:
+    why.append("block lists (MaskSpec.block_lists) are not supported")
+  return why
+
+
+def _cudnn_reasons(q, mask: MaskSpec) -> list[str]:
+  why = _fused_reasons(q, mask)
+  if mask.kv_segment_ids_BS is not None:
+    why.append("packed segment ids (use impl='tokamax')")
+  if q.dtype not in (jnp.bfloat16, jnp.float16):
+    why.append(f"dtype {q.dtype} (cuDNN needs bfloat16 or float16)")
+  H = q.shape[-1]
+  if H % 8 or H > 256:
+    why.append(f"head_dim {H} (cuDNN needs a multiple of 8, <= 256)")
+  return why
+
+
+def _pallas_reasons(mask: MaskSpec) -> list[str]:
+  why = []
+  if mask.sinks:
+    why.append("sink tokens (MaskSpec.sinks): the compacted kernel has no sink mask")
+  if mask.block_lists is not None:
+    why.append("block lists (MaskSpec.block_lists): needs the block-sparse kernel (issue 13)")
+  return why
+
+
+def _cudnn_available() -> str | None:
+  """None if cuDNN attention can be traced in this process, else why not."""
+  try:
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+    fa.check_cudnn_version()
+  except (ImportError, RuntimeError) as e:
+    return f"cuDNN is not available in this process ({e})"
+  return None
+
+
+# ------------------------------------------------------------------------------------------------
+# Platforms
+# ------------------------------------------------------------------------------------------------
+
+_GPU = ("cuda", "rocm")
+
+
+def _host_platforms() -> set[str]:
+  """Lowering platforms whose kernels this process can trace: its default backend's, plus the
+  platform of the abstract device of the current abstract mesh (cross-lowering)."""
+  plats = {"gpu": set(_GPU), "tpu": {"tpu"}}.get(jax.default_backend(), set())
+  dev = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  if dev is not None:
+    plats |= set(_GPU) if dev.platform in ("gpu", *_GPU) else {dev.platform}
+  return plats
+
+
+@contextlib.contextmanager
+def _tracing_for(platform: str):
+  """Trace kernel code for `platform` on a host of another backend (cross-lowering).
+
+  TEMPORARY: pallas_kernels.compact_attention checks jax.default_backend() at trace time
+  (`api._default_platform`); until it takes the lowering platform, swap that check for the
+  branch being traced. tokamax gets its documented cross_compile switch."""
+  kind = "gpu" if platform in _GPU else platform
+  if jax.default_backend() == kind:
+    yield
+    return
+  api = _kernel_module("api")
+  saved = api._default_platform
+  api._default_platform = lambda: kind
+  try:
+    if kind == "gpu":
+      import tokamax.config
+      with tokamax.config.cross_compile(True):
+        yield
+    else:
+      yield
+  finally:
+    api._default_platform = saved
+
+
+_unavailable_p = jex_core.Primitive("condattn_attention_unavailable")
+_unavailable_p.def_abstract_eval(lambda x, *, msg, aval: aval)
+
+
+def _lower_unavailable(ctx, x, *, msg, aval):
+  raise ValueError(msg)
+
+
+mlir.register_lowering(_unavailable_p, _lower_unavailable)
+
+
+def _unavailable(msg: str):
+  """A branch that traces anywhere and whose lowering raises `msg` (never a wrong kernel)."""
+  def branch(q, k, v, mask):
+    avals = [jax.core.ShapedArray(x.shape, x.dtype) for x in (q, k, v)]
+
+    @jax.custom_vjp
+    def f(q, k, v):
+      return _unavailable_p.bind(q, msg=msg, aval=avals[0])
+
+    def fwd(q, k, v):
+      return f(q, k, v), None
+
+    def bwd(_, ct):
+      return tuple(_unavailable_p.bind(ct, msg=msg, aval=a) for a in avals)
+
+    f.defvjp(fwd, bwd)
+    return f(q, k, v)
+  return branch
+
+
+def _cross_lowering_msg(platform: str, what: str) -> str:
+  return (f"ops.attention: cannot lower {what} for {platform!r}: it was traced in a process whose "
+          f"backend is {jax.default_backend()!r}. Trace on a {platform} host, or cross-lower under "
+          "jax.sharding.use_abstract_mesh(AbstractMesh(..., abstract_device=AbstractDevice("
+          f"device_kind=..., num_cores=..., platform={'gpu' if platform in _GPU else platform!r})))")
+
+
+def _for_platform(platform: str, branch, what: str):
+  """`branch` traced as for `platform` if this process can lower for it, else a placeholder."""
+  if platform not in _host_platforms():
+    return _unavailable(_cross_lowering_msg(platform, what))
+
+  def traced(*args):
+    with _tracing_for(platform):
+      return branch(*args)
+  return traced
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-shard execution under a mesh
+# ------------------------------------------------------------------------------------------------
+
+_BATCH_AXES = ("data", "fsdp")
+_HEAD_AXIS = "tensor"
+
+
+def _mesh_shards(B: int, N: int, K: int):
+  """(mesh, batch axes, head axis) to run a kernel per shard on, or None (no / trivial mesh,
+  axes already manual, or shapes the mesh does not divide)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh is None or mesh.empty or mesh.size <= 1:
+    return None
+  usable = {a: n for a, n, t in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
+            if t != jax.sharding.AxisType.Manual and n > 1}
+  batch = tuple(a for a in _BATCH_AXES if a in usable)
+  head = _HEAD_AXIS if _HEAD_AXIS in usable else None
+  nb = 1
+  for a in batch:
+    nb *= usable[a]
+  if B % nb or (head is not None and (N % usable[head] or K % usable[head])):
+    return None
+  if not batch and head is None:
+    return None
+  return mesh, (batch or None), head
+
+
+def _per_shard(fn):
+  """fn(q, k, v, mask) run per shard under the current mesh (batch over data/fsdp, heads over
+  tensor), or as is when there is no usable mesh."""
+  def run(q, k, v, mask):
+    where = _mesh_shards(q.shape[0], q.shape[2], k.shape[2])
+    if where is None:
+      return fn(q, k, v, mask)
+    mesh, batch, head = where
+    P = jax.sharding.PartitionSpec
+    heads, rows = P(batch, None, head, None), P(batch, None)
+    act = mask.active
+    bl = mask.block_lists
+    mspec = dataclasses.replace(
+        mask, q_positions_BT=rows, kv_positions_BS=rows,
+        q_segment_ids_BT=None if mask.q_segment_ids_BT is None else rows,
+        kv_segment_ids_BS=None if mask.kv_segment_ids_BS is None else rows,
+        active=None if act is None else (rows if act.ndim == 2 else P(batch, None, head)),
+        block_lists=None if bl is None else dataclasses.replace(
+            bl, kv_blocks_BNQL=P(batch, head, None, None),
+            head_mode_BN=None if bl.head_mode_BN is None else P(batch, head)))
+    return jax.shard_map(fn, mesh=mesh, in_specs=(heads, heads, heads, mspec), out_specs=heads,
+                         check_vma=False)(q, k, v, mask)
+  return run
+
+
+# ------------------------------------------------------------------------------------------------
+# Implementations: fn(q, k, v, mask) -> out, for one lowering platform each
+# ------------------------------------------------------------------------------------------------
+
+def _reference(scale):
+  ref = _kernel_module("reference")
+
+  def fn(q, k, v, mask):
+    return ref.reference_attention(q, k, v, mask.dense_mask(), scale=scale)[0]
+  return fn
+
+
+def _cudnn(scale):
+  def fn(q, k, v, mask):
+    local = None if mask.window is None else (mask.window - 1, 0)
+    return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
+                                        local_window_size=local, implementation="cudnn")
+  return fn
 
 
 def _segment_starts(segment_ids_BT):
@@ -67,27 +416,63 @@ def _segment_starts(segment_ids_BT):
   T = segment_ids_BT.shape[1]
   idx = jnp.arange(T, dtype=jnp.int32)[None, :]
   prev = jnp.concatenate([jnp.full_like(segment_ids_BT[:, :1], -1), segment_ids_BT[:, :-1]], axis=1)
-  boundary = jnp.where(segment_ids_BT != prev, idx, 0)
-  return lax.cummax(boundary, axis=1)
+  return lax.cummax(jnp.where(segment_ids_BT != prev, idx, 0), axis=1)
 
 
-def _tokamax_attention(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, window, scale, implementations):
-  """tokamax attention with a per-query k_start (document start, window) plus causal mask."""
-  from tokamax._src.ops.attention import api, base  # lazy: heavy, only the fused path needs it
-  T = q_BTNH.shape[1]
-  idx = jnp.arange(T, dtype=jnp.int32)[None, :]
-  start = jnp.zeros_like(idx) if segment_ids_BT is None else _segment_starts(segment_ids_BT)
-  if window is not None:
-    start = jnp.maximum(start, idx - window + 1)
-  mask = base.Mask(k_start=start[:, None, :], is_causal=True)
-  kw = {} if scale is None else dict(logits_scale=scale)
-  errors = []
-  for name in implementations:
-    try:
-      return api.IMPLEMENTATIONS[name](q_BTNH, k_BSKH, v_BSKH, mask=mask, **kw)
-    except NotImplementedError as e:  # this kernel cannot take the shape: try the next one
-      errors.append(f"{name}: {e}")
-  raise NotImplementedError("no tokamax attention kernel took this call: " + "; ".join(errors))
+def _cross_compiled(op):
+  """A tokamax op (and its VJP op, which runs at transpose time, outside _tracing_for) without
+  the check that this process has the op's device: for cross-lowering from another host."""
+  vjp = getattr(op, "vjp", None)
+  if vjp is not None and hasattr(vjp, "bypass_device_check"):
+    op = dataclasses.replace(op, vjp=dataclasses.replace(vjp, bypass_device_check=True))
+  return dataclasses.replace(op, bypass_device_check=True)
+
+
+def _tokamax(scale, kernels: tuple[str, ...]):
+  """tokamax attention with a per-query k_start (document start, window) and a causal mask; the
+  first of `kernels` that takes the shape runs. Padding queries (segment 0) give zeros."""
+  def fn(q, k, v, mask):
+    from tokamax._src.ops.attention import api, base  # lazy: heavy, only the fused path needs it
+    B, T = q.shape[:2]
+    idx = jnp.arange(T, dtype=jnp.int32)[None, :]
+    seg = mask.q_segment_ids_BT
+    start = jnp.zeros((B, T), jnp.int32) if seg is None else _segment_starts(seg)
+    if mask.window is not None:
+      start = jnp.maximum(start, idx - mask.window + 1)
+    tmask = base.Mask(k_start=start[:, None, :], is_causal=True)
+    kw = {} if scale is None else dict(logits_scale=scale)
+    errors = []
+    for name in kernels:
+      op = api.IMPLEMENTATIONS[name]
+      if jax.default_backend() != "gpu" and name != "xla":
+        op = _cross_compiled(op)
+      try:
+        out = op(q, k, v, mask=tmask, **kw)
+      except NotImplementedError as e:  # this kernel cannot take the shape: try the next one
+        errors.append(f"{name}: {e}")
+        continue
+      return out if seg is None else jnp.where((seg != 0)[:, :, None, None], out, 0).astype(q.dtype)
+    raise NotImplementedError("no tokamax kernel took this call: " + "; ".join(errors))
+  return fn
+
+
+def _pallas(scale, kernel_impl: str, interpret: Any = False):
+  """pallas_kernels.compact_attention with an all-true active set when none is given."""
+  def fn(q, k, v, mask):
+    kernel = _kernel_module().compact_attention
+    B, T = q.shape[:2]
+    active = jnp.ones((B, T), jnp.bool_) if mask.active is None else mask.active
+    qseg, kvseg = mask.q_segment_ids_BT, mask.kv_segment_ids_BS
+    if qseg is None and kvseg is not None:  # a cache's validity: the chunk is one document
+      kvseg = (kvseg != 0).astype(jnp.int32)
+      qseg = jnp.ones((B, T), jnp.int32)
+    qpos, kvpos = mask.q_positions_BT, mask.kv_positions_BS
+    if mask.contiguous and kvseg is None:  # one document per row: positions are arange(T)
+      qpos = kvpos = None
+    return kernel(q, k, v, active, q_positions_BT=qpos, kv_positions_BS=kvpos,
+                  q_segment_ids_BT=qseg, kv_segment_ids_BS=kvseg, window=mask.window, scale=scale,
+                  impl=kernel_impl, interpret=interpret)
+  return fn
 
 
 @functools.cache
@@ -95,124 +480,167 @@ def _warn_once(msg):
   logging.warning(msg)
 
 
-def attention(q_BTNH, k_BSKH, v_BSKH, *, q_positions_BT, kv_positions_BS,
-              q_segment_ids_BT=None, kv_segment_ids_BS=None, window: int | None = None,
-              scale: float | None = None, impl: str = "auto", self_attention: bool = False):
-  """Causal attention out[B, T, N, H] on original positions.
+def _no_kernel(scale, platform):
+  """The reference where no kernel takes the mask yet (warned once)."""
+  ref = _reference(scale)
 
-  Args:
-    q_BTNH: queries; k_BSKH, v_BSKH: keys/values with K kv heads (N % K == 0).
-    q_positions_BT, kv_positions_BS: token positions; a key is visible when kv_pos <= q_pos
-      (and q_pos - kv_pos < window).
-    q_segment_ids_BT, kv_segment_ids_BS: packed-document ids (0 = padding, never attended).
-    self_attention: the caller promises q and kv are the same tokens laid out contiguously
-      (training / full forward): positions restart at 0 per document and documents are
-      contiguous. Only then may the fused GPU kernels run.
-  """
-  q_BTNH, k_BSKH, v_BSKH = map(jnp.asarray, (q_BTNH, k_BSKH, v_BSKH))
+  def fn(q, k, v, mask):
+    _warn_once(f"ops.attention(impl='auto') on {platform}: no kernel takes "
+               f"{'; '.join(_pallas_reasons(mask))}; using the O(T*S) reference.")
+    return ref(q, k, v, mask)
+  return fn
+
+
+def _auto_gpu(scale, platform):
+  """cuda/rocm: cudnn (unpacked) or tokamax (packed) for contiguous self-attention, else the
+  compacted Pallas kernel (its own 'auto' picks the GPU kernel; a shape it cannot take falls to
+  its reference with a warning)."""
+  pallas = _per_shard(_pallas(scale, "auto"))
+  cudnn, tok = _cudnn(scale), _per_shard(_tokamax(scale, ("mosaic_gpu", "triton")))
+
+  def fn(q, k, v, mask):
+    if platform == "cuda" and not _fused_reasons(q, mask):
+      if not _cudnn_reasons(q, mask) and _cudnn_available() is None:
+        try:
+          return cudnn(q, k, v, mask)
+        except NotImplementedError:  # this GPU / cuDNN cannot take the shape
+          pass
+      try:
+        return tok(q, k, v, mask)
+      except NotImplementedError:
+        pass
+    if _pallas_reasons(mask):
+      return _no_kernel(scale, platform)(q, k, v, mask)
+    return pallas(q, k, v, mask)
+  return fn
+
+
+def _auto_tpu(scale):
+  pallas = _per_shard(_pallas(scale, "auto"))
+
+  def fn(q, k, v, mask):
+    if _pallas_reasons(mask):
+      return _no_kernel(scale, "tpu")(q, k, v, mask)
+    return pallas(q, k, v, mask)
+  return fn
+
+
+def _explicit_error(impl, why):
+  return ValueError(f"ops.attention impl={impl!r} cannot take this call: {'; '.join(why)}. "
+                    "Use impl='auto' (or 'reference').")
+
+
+def _branches(impl: str, q, mask: MaskSpec, scale, pallas_backend):
+  """{lowering platform or 'default': fn(q, k, v, mask)} for `impl`; raises for calls it cannot
+  take."""
   if impl == "auto":
-    impl = "xla"
-    if self_attention and jax.default_backend() == "gpu":
-      impl = "tokamax" if q_segment_ids_BT is not None else "cudnn"
-  if impl != "xla" and not self_attention:
-    _warn_once(f"ops.attention: impl={impl!r} needs self_attention layout; using the XLA reference.")
-    impl = "xla"
+    return dict(default=_reference(scale),
+                cuda=_for_platform("cuda", _auto_gpu(scale, "cuda"), "ops.attention"),
+                rocm=_for_platform("rocm", _auto_gpu(scale, "rocm"), "ops.attention"),
+                tpu=_for_platform("tpu", _auto_tpu(scale), "ops.attention"))
+  if impl == "reference":
+    return dict(default=_reference(scale))
   if impl == "cudnn":
-    if q_segment_ids_BT is not None:
-      raise ValueError("ops.attention impl='cudnn' cannot take packed segment ids; use "
-                       "attention_impl='tokamax' or 'auto'.")
-    local = None if window is None else (window - 1, 0)
-    return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, scale=scale, is_causal=True,
-                                        local_window_size=local, implementation="cudnn")
+    why = _cudnn_reasons(q, mask)
+    if not why and (unavailable := _cudnn_available()) is not None:
+      why = [unavailable + "; trace on a CUDA GPU host"]
+    if why:
+      raise _explicit_error(impl, why)
+    return dict(default=_cudnn(scale))
   if impl == "tokamax":
-    impls = ("mosaic_gpu", "triton") if jax.default_backend() == "gpu" else ("xla",)
-    return _tokamax_attention(q_BTNH, k_BSKH, v_BSKH, q_segment_ids_BT, window, scale, impls)
-  if impl != "xla":
-    raise ValueError(f"ops.attention: unknown impl {impl!r}; choose auto, xla, cudnn or tokamax.")
-  mask = attention_mask(q_positions_BT, kv_positions_BS, q_segment_ids_BT, kv_segment_ids_BS,
-                        window=window)
-  return reference_attention(q_BTNH, k_BSKH, v_BSKH, mask, scale=scale)
+    if why := _fused_reasons(q, mask):
+      raise _explicit_error(impl, why)
+    gpu = _per_shard(_tokamax(scale, ("mosaic_gpu", "triton")))
+
+    def on_gpu(*args):
+      try:
+        return gpu(*args)
+      except NotImplementedError as e:
+        raise _explicit_error(impl, [str(e)]) from e
+    return dict(default=_per_shard(_tokamax(scale, ("xla",))),
+                cuda=_for_platform("cuda", on_gpu, "impl='tokamax'"))
+  if impl == "pallas":
+    if why := _pallas_reasons(mask):
+      raise _explicit_error(impl, why)
+    if pallas_backend not in (None, *PALLAS_BACKENDS):
+      raise ValueError(f"ops.attention: pallas_backend={pallas_backend!r}; choose one of "
+                       f"{PALLAS_BACKENDS} (or None)")
+    if pallas_backend == "mosaic_tpu":
+      from jax.experimental.pallas import tpu as pltpu
+      interpret = pltpu.InterpretParams()
+    else:
+      interpret = True
+    return dict(default=_per_shard(_pallas(scale, pallas_backend or "triton", interpret)),
+                cuda=_for_platform("cuda", _per_shard(_pallas(scale, "triton")), "impl='pallas'"),
+                rocm=_for_platform("rocm", _per_shard(_pallas(scale, "triton")), "impl='pallas'"),
+                tpu=_for_platform("tpu", _per_shard(_pallas(scale, "mosaic_tpu")),
+                                  "impl='pallas'"))
+  raise ValueError(f"ops.attention: unknown impl {impl!r}; choose one of {IMPLS}")
 
 
-def _compact_kernel():
-  """pallas_kernels.compact_attention.compact_attention, or None before that package exists."""
-  try:
-    from pallas_kernels.compact_attention import compact_attention as kernel
-  except ImportError:
-    return None
-  return kernel
+# ------------------------------------------------------------------------------------------------
+# The entry point
+# ------------------------------------------------------------------------------------------------
+
+def attention(q_BTNH, k_BSKH, v_BSKH, mask: MaskSpec | None = None, *, impl: str = "auto",
+              scale: float | None = None, pallas_backend: str | None = None, **legacy):
+  """Attention out[B, T, N, H] (q's dtype) under `mask` (an ops.MaskSpec).
+
+  q_BTNH: queries; k_BSKH, v_BSKH: keys / values with K kv heads (N % K == 0; grouped-query
+  attention without repeating K/V). Queries that see no key (padding, inactive, empty window)
+  give zeros. impl: see the module docstring. scale: logits scale (default H ** -0.5).
+  pallas_backend: for impl='pallas' off GPU/TPU, the kernel run in Pallas interpret mode:
+  'triton' (default) or 'mosaic_tpu'.
+  """
+  if mask is None:  # TRANSITION: the old keyword form (see the shim at the bottom)
+    return _legacy_attention(q_BTNH, k_BSKH, v_BSKH, impl=impl, scale=scale, **legacy)
+  if legacy:
+    raise TypeError(f"ops.attention: unexpected keyword(s) {sorted(legacy)} with a MaskSpec")
+  impl = _LEGACY_IMPLS.get(impl, impl)  # TRANSITION
+  q, k, v = map(jnp.asarray, (q_BTNH, k_BSKH, v_BSKH))
+  mask = jax.tree.map(jnp.asarray, mask)
+  _check(q, k, v, mask)
+  branches = _branches(impl, q, mask, scale, pallas_backend)
+  default = branches.pop("default")
+  if not branches:
+    return default(q, k, v, mask)
+  return lax.platform_dependent(q, k, v, mask, default=default, **branches)
 
 
-_BATCH_AXES = ("data", "fsdp")
-_HEAD_AXIS = "tensor"
+# ------------------------------------------------------------------------------------------------
+# TRANSITION SHIM: the old call forms, kept until the callers (models/layers.py, attention/*)
+# move to attention(q, k, v, MaskSpec(...)). Delete this section after that migration.
+# ------------------------------------------------------------------------------------------------
+
+_LEGACY_IMPLS = {"xla": "reference", "triton": "pallas", "mosaic_tpu": "pallas"}
 
 
-def _mesh_shards(B: int, N: int, K: int):
-  """(mesh, batch axes, head axis) to shard a kernel call over, or None (no / trivial mesh,
-  or shapes the mesh does not divide)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh is None or mesh.empty or mesh.size <= 1:
-    return None
-  names = set(mesh.axis_names)
-  batch = tuple(a for a in _BATCH_AXES if a in names and mesh.shape[a] > 1)
-  head = _HEAD_AXIS if _HEAD_AXIS in names and mesh.shape[_HEAD_AXIS] > 1 else None
-  nb = 1
-  for a in batch:
-    nb *= mesh.shape[a]
-  if B % nb or (head is not None and (N % mesh.shape[head] or K % mesh.shape[head])):
-    return None
-  if not batch and head is None:
-    return None
-  return mesh, (batch or None), head
+def _legacy_attention(q_BTNH, k_BSKH, v_BSKH, *, q_positions_BT, kv_positions_BS,
+                      q_segment_ids_BT=None, kv_segment_ids_BS=None, window=None, scale=None,
+                      impl="auto", self_attention=False, active=None):
+  """Old form: attention(q, k, v, q_positions_BT=..., kv_positions_BS=..., ...,
+  self_attention=...). self_attention is MaskSpec.contiguous; old impl names are mapped."""
+  mask = MaskSpec(q_positions_BT=q_positions_BT, kv_positions_BS=kv_positions_BS,
+                  q_segment_ids_BT=q_segment_ids_BT, kv_segment_ids_BS=kv_segment_ids_BS,
+                  active=active, window=window, contiguous=self_attention)
+  return attention(q_BTNH, k_BSKH, v_BSKH, mask, impl=_LEGACY_IMPLS.get(impl, impl), scale=scale)
 
 
 def compact_attention(q_BTNH, k_BSKH, v_BSKH, active_BT, *, q_positions_BT, kv_positions_BS,
-                      q_segment_ids_BT=None, kv_segment_ids_BS=None, window: int | None = None,
-                      scale: float | None = None, impl: str = "auto", shard: bool | None = None):
-  """Causal attention for the active queries only (L2A's global branch); zeros elsewhere.
+                      q_segment_ids_BT=None, kv_segment_ids_BS=None, window=None, scale=None,
+                      impl="auto", shard=None):
+  """Old form of attention(..., MaskSpec(active=active_BT)). shard=True runs the whole call per
+  shard under the mesh (any impl); otherwise kernels are sharded as attention() does."""
+  call = functools.partial(
+      _legacy_attention, window=window, scale=scale, impl=impl)
 
-  Same masks as `attention` (positions, window, segment ids with 0 = never attended), plus
-  `active_BT` (bool [B, T]): inactive query rows are not computed and come back as zeros.
-
-  impl: 'auto'      -> pallas_kernels.compact_attention (Triton on GPU, Mosaic on TPU, its jnp
-                       reference elsewhere; compaction into static buckets, no recompiles),
-        'reference' -> that package's reference; 'triton' | 'mosaic_tpu' -> that kernel;
-        'xla'       -> the masked dense reference of this module (no package needed).
-  kv segment ids alone (decode: the cache's validity) are allowed: the query chunk is then
-  taken as segment 1, i.e. one document, and sees every valid slot.
-  """
-  q_BTNH, k_BSKH, v_BSKH = map(jnp.asarray, (q_BTNH, k_BSKH, v_BSKH))
-  active_BT = jnp.asarray(active_BT, jnp.bool_)
-  kernel = None if impl == "xla" else _compact_kernel()
-  if kernel is None:
-    if impl not in ("auto", "xla", "reference"):
-      raise ValueError(f"ops.compact_attention impl={impl!r} needs the pallas_kernels package "
-                       "(not importable); use impl='xla'.")
-    mask = attention_mask(q_positions_BT, kv_positions_BS, q_segment_ids_BT, kv_segment_ids_BS,
-                          window=window)
-    return reference_attention(q_BTNH, k_BSKH, v_BSKH, mask & active_BT[:, :, None], scale=scale)
-  if q_segment_ids_BT is not None and kv_segment_ids_BS is None:
-    raise ValueError("ops.compact_attention: q_segment_ids_BT without kv_segment_ids_BS.")
-  if q_segment_ids_BT is None and kv_segment_ids_BS is not None:
-    kv_segment_ids_BS = (jnp.asarray(kv_segment_ids_BS) != 0).astype(jnp.int32)
-    q_segment_ids_BT = jnp.ones(q_BTNH.shape[:2], jnp.int32)
-  call = lambda q, k, v, a, qp, kp, qs, ks: kernel(
-      q, k, v, a, q_positions_BT=qp, kv_positions_BS=kp, q_segment_ids_BT=qs,
-      kv_segment_ids_BS=ks, window=window, scale=scale, impl=impl)
-  args = (q_BTNH, k_BSKH, v_BSKH, active_BT, jnp.asarray(q_positions_BT, jnp.int32),
-          jnp.asarray(kv_positions_BS, jnp.int32), q_segment_ids_BT, kv_segment_ids_BS)
-  # A Pallas kernel is one opaque call: under a mesh run it per shard (batch over data/fsdp,
-  # heads over tensor) instead of letting the partitioner gather its inputs.
-  if shard is None:
-    shard = impl not in ("reference", "xla") and jax.default_backend() in ("gpu", "tpu")
-  B, N, K = q_BTNH.shape[0], q_BTNH.shape[2], k_BSKH.shape[2]
-  where = _mesh_shards(B, N, K) if shard else None
-  if where is None:
-    return call(*args)
-  mesh, batch, head = where
-  P = jax.sharding.PartitionSpec
-  heads, rows = P(batch, None, head, None), P(batch, None)
-  specs = (heads, heads, heads, rows, rows, rows,
-           None if q_segment_ids_BT is None else rows,
-           None if kv_segment_ids_BS is None else rows)
-  return jax.shard_map(call, mesh=mesh, in_specs=specs, out_specs=heads, check_vma=False)(*args)
+  def fn(q, k, v, m):
+    return call(q, k, v, q_positions_BT=m.q_positions_BT, kv_positions_BS=m.kv_positions_BS,
+                q_segment_ids_BT=m.q_segment_ids_BT, kv_segment_ids_BS=m.kv_segment_ids_BS,
+                active=m.active)
+  mask = jax.tree.map(jnp.asarray, MaskSpec(
+      q_positions_BT=q_positions_BT, kv_positions_BS=kv_positions_BS,
+      q_segment_ids_BT=q_segment_ids_BT, kv_segment_ids_BS=kv_segment_ids_BS,
+      active=jnp.asarray(active_BT, jnp.bool_)))
+  q, k, v = map(jnp.asarray, (q_BTNH, k_BSKH, v_BSKH))
+  return (_per_shard(fn) if shard else fn)(q, k, v, mask)

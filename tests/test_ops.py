@@ -1,70 +1,520 @@
-"""ops.attention: the reference against a per-query loop, and the fused-kernel mask paths."""
-import numpy as np
+"""ops: MaskSpec semantics against a brute-force loop, the one reference against per-query numpy,
+every implementation against the reference, impl selection per LOWERING platform (exported from
+this CPU host for cpu / cuda / tpu), per-shard kernels under the 8-device mesh, loud kernel-import
+failures, and one-line errors."""
+import contextlib
+import re
+import sys
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from jax.sharding import AbstractDevice, AbstractMesh
 
 from condattn_jax import ops
 
+# ------------------------------------------------------------------------------------------------
+# Obviously-right references: one (query, key) pair at a time
+# ------------------------------------------------------------------------------------------------
 
-def _loop_attention(q, k, v, qpos, kpos, qseg, kseg, window):
-  """Obviously right: one query at a time, numpy float64."""
-  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+
+def _loop_visible(b, n, t, s, *, qpos, kpos, qseg, kseg, window, sinks, active, blocks, modes,
+                  block_q, block_k):
+  """The MaskSpec rules, written out for one (row, head, query, key)."""
+  if kpos[b, s] > qpos[b, t]:
+    return False
+  if kseg is not None:
+    if kseg[b, s] == 0:
+      return False
+    if qseg is not None and qseg[b, t] != kseg[b, s]:
+      return False
+  if window is not None and qpos[b, t] - kpos[b, s] >= window and not kpos[b, s] < sinks:
+    return False
+  if active is not None and not (active[b, t] if active.ndim == 2 else active[b, t, n]):
+    return False
+  if blocks is not None and (modes is None or modes[b, n] == ops.HEAD_BLOCKS):
+    if s // block_k not in list(blocks[b, n, t // block_q]):
+      return False
+  return True
+
+
+def _loop_mask(spec, N):
+  """bool [B, N, T, S] from the loop above."""
+  a = {f: None if getattr(spec, f) is None else np.asarray(getattr(spec, f))
+       for f in ("q_positions_BT", "kv_positions_BS", "q_segment_ids_BT", "kv_segment_ids_BS",
+                 "active")}
+  bl = spec.block_lists
+  kw = dict(qpos=a["q_positions_BT"], kpos=a["kv_positions_BS"], qseg=a["q_segment_ids_BT"],
+            kseg=a["kv_segment_ids_BS"], window=spec.window, sinks=spec.sinks, active=a["active"],
+            blocks=None if bl is None else np.asarray(bl.kv_blocks_BNQL),
+            modes=None if bl is None or bl.head_mode_BN is None else np.asarray(bl.head_mode_BN),
+            block_q=None if bl is None else bl.block_q, block_k=None if bl is None else bl.block_k)
+  B, T = kw["qpos"].shape
+  S = kw["kpos"].shape[1]
+  return np.array([[[[_loop_visible(b, n, t, s, **kw) for s in range(S)] for t in range(T)]
+                    for n in range(N)] for b in range(B)])
+
+
+def _loop_attention(q, k, v, mask_BNTS):
+  """Per query, numpy float64; a query that sees nothing gives zeros."""
+  q, k, v = (np.asarray(x, np.float64) for x in (q, k, v))
   B, T, N, H = q.shape
-  K = k.shape[2]
+  G = N // k.shape[2]
   out = np.zeros_like(q)
   for b in range(B):
     for t in range(T):
       for n in range(N):
-        keys = [s for s in range(k.shape[1]) if kpos[b, s] <= qpos[b, t]
-                and (window is None or qpos[b, t] - kpos[b, s] < window)
-                and kseg[b, s] != 0 and kseg[b, s] == qseg[b, t]]
-        if not keys:
-          continue
-        kk, vv = k[b, keys, n // (N // K)], v[b, keys, n // (N // K)]
-        logits = kk @ q[b, t, n] / np.sqrt(H)
-        p = np.exp(logits - logits.max())
-        out[b, t, n] = (p / p.sum()) @ vv
+        keys = np.flatnonzero(mask_BNTS[b, n, t])
+        if keys.size:
+          logits = k[b, keys, n // G] @ q[b, t, n] / np.sqrt(H)
+          p = np.exp(logits - logits.max())
+          out[b, t, n] = (p / p.sum()) @ v[b, keys, n // G]
   return out
 
 
-def _packed(B, T, rng):
+def _packed(B, T, rng, tail=3):
+  """Contiguous documents restarting positions at 0; the last `tail`-ish tokens are padding."""
   seg = np.zeros((B, T), np.int32)
   pos = np.zeros((B, T), np.int32)
   for b in range(B):
     t, s = 0, 1
-    while t < T - 3:
+    while t < T - tail:
       n = int(rng.integers(1, T - t))
       seg[b, t:t + n] = s
       pos[b, t:t + n] = np.arange(n)
       t, s = t + n, s + 1
-  return seg, pos  # trailing tokens stay padding (segment 0)
+  return seg, pos
 
 
-@pytest.mark.parametrize("window", [None, 3])
-@pytest.mark.parametrize("impl", ["xla", "tokamax"])
-def test_attention_matches_loop(window, impl):
-  rng = np.random.default_rng(0)
-  B, T, N, K, H = 2, 12, 4, 2, 8
-  q, k, v = (rng.standard_normal((B, T, n, H)).astype(np.float32) for n in (N, K, K))
+def _qkv(rng, B, T, S, N, K, H, dtype=jnp.float32):
+  return tuple(jnp.asarray(rng.standard_normal(shape), dtype)
+               for shape in ((B, T, N, H), (B, S, K, H), (B, S, K, H)))
+
+
+def _cache_layout(rng, B, T, S):
+  """Chunked prefill / decode into a cache: T queries at the end of S slots, some slots empty."""
+  kv_pos = np.broadcast_to(np.arange(S, dtype=np.int32), (B, S)).copy()
+  valid = (rng.random((B, S)) < 0.85).astype(np.int32)
+  return kv_pos[:, S - T:].copy(), kv_pos, valid
+
+
+# ------------------------------------------------------------------------------------------------
+# MaskSpec semantics
+# ------------------------------------------------------------------------------------------------
+
+def _spec_cases(rng):
+  B, T, S, N = 2, 12, 12, 4
   seg, pos = _packed(B, T, rng)
-  out = ops.attention(q, k, v, q_positions_BT=pos, kv_positions_BS=pos, q_segment_ids_BT=seg,
-                      kv_segment_ids_BS=seg, window=window, impl=impl, self_attention=True)
-  want = _loop_attention(q, k, v, pos, pos, seg, seg, window)
-  valid = seg != 0  # the fused path leaves padding rows unspecified
-  np.testing.assert_allclose(np.asarray(out)[valid], want[valid], atol=2e-5)
-  assert not np.isnan(np.asarray(out)).any()
+  qp, kp, valid = _cache_layout(rng, B, 5, S)
+  blocks = rng.integers(-1, 3, size=(B, N, 3, 2)).astype(np.int32)  # block_q 4 -> 3 query blocks
+  modes = np.array([[0, 1, 1, 0], [1, 1, 0, 1]], np.int32)
+  yield "causal", ops.MaskSpec(pos, pos)
+  yield "window", ops.MaskSpec(pos, pos, window=3)
+  yield "segments", ops.MaskSpec(pos, pos, seg, seg)
+  yield "segments+window", ops.MaskSpec(pos, pos, seg, seg, window=2)
+  yield "sinks", ops.MaskSpec(pos, pos, seg, seg, window=2, sinks=2)
+  yield "cache validity", ops.MaskSpec(qp, kp, None, valid, window=4)
+  yield "cache+sinks", ops.MaskSpec(qp, kp, None, valid, window=3, sinks=1)
+  yield "active per token", ops.MaskSpec(pos, pos, seg, seg, active=rng.random((B, T)) < 0.5)
+  yield "active per head", ops.MaskSpec(pos, pos, seg, seg, window=5,
+                                        active=rng.random((B, T, N)) < 0.5)
+  yield "block lists", ops.MaskSpec(pos, pos, seg, seg, block_lists=ops.BlockLists(
+      blocks, None, block_q=4, block_k=5))
+  yield "block lists+modes", ops.MaskSpec(pos, pos, seg, seg, window=6, block_lists=ops.BlockLists(
+      blocks, modes, block_q=4, block_k=5), active=rng.random((B, T)) < 0.7)
 
 
-def test_fully_masked_rows_are_zero_not_nan():
+@pytest.mark.parametrize("case", [c for c, _ in _spec_cases(np.random.default_rng(0))])
+def test_dense_mask_matches_brute_force_loop(case):
+  spec = dict(_spec_cases(np.random.default_rng(0)))[case]
+  N = 4
+  want = _loop_mask(spec, N)
+  got = np.asarray(spec.dense_mask())
+  if got.ndim == 3:  # shared by heads
+    got = np.broadcast_to(got[:, None], want.shape)
+  np.testing.assert_array_equal(got, want)
+  assert want.any() and not want.all()  # the case is not trivial
+
+
+def test_reference_matches_loop_attention_gqa():
+  rng = np.random.default_rng(1)
+  B, T, N, K, H = 2, 12, 4, 2, 8
+  for case, spec in _spec_cases(np.random.default_rng(0)):
+    S = np.asarray(spec.kv_positions_BS).shape[1]
+    Tq = np.asarray(spec.q_positions_BT).shape[1]
+    q, k, v = _qkv(rng, B, Tq, S, N, K, H)
+    out = ops.attention(q, k, v, spec, impl="reference")
+    np.testing.assert_allclose(out, _loop_attention(q, k, v, _loop_mask(spec, N)), atol=2e-5,
+                               err_msg=case)
+
+
+def test_masked_rows_are_zero_not_nan_and_grads_finite():
   q = jnp.ones((1, 2, 2, 4)); k = v = jnp.ones((1, 2, 1, 4))
   pos = jnp.array([[0, 1]])
-  out = ops.attention(q, k, v, q_positions_BT=pos, kv_positions_BS=pos,
-                      q_segment_ids_BT=jnp.array([[0, 0]]), kv_segment_ids_BS=jnp.array([[0, 0]]))
-  assert np.all(np.asarray(out) == 0)
+  spec = ops.MaskSpec(pos, pos, jnp.array([[0, 0]]), jnp.array([[0, 0]]))
+  assert np.all(np.asarray(ops.attention(q, k, v, spec)) == 0)
+  g = jax.grad(lambda q, k, v: ops.attention(q, k, v, spec).sum(), argnums=(0, 1, 2))(q, k, v)
+  assert all(np.isfinite(np.asarray(x)).all() for x in g)
 
 
-def test_unknown_impl_is_a_clear_error():
-  x = jnp.ones((1, 2, 1, 4)); pos = jnp.array([[0, 1]])
-  with pytest.raises(ValueError, match="unknown impl"):
-    ops.attention(x, x, x, q_positions_BT=pos, kv_positions_BS=pos, impl="nope", self_attention=True)
+def test_maskspec_is_a_pytree_with_static_fields():
+  pos = jnp.zeros((1, 4), jnp.int32)
+  spec = ops.MaskSpec(pos, pos, window=3, sinks=1, contiguous=True)
+  leaves, tree = jax.tree.flatten(spec)
+  assert len(leaves) == 2  # the two position arrays; None fields and statics are not leaves
+  back = jax.tree.unflatten(tree, leaves)
+  assert (back.window, back.sinks, back.contiguous) == (3, 1, True)
+  assert tree != jax.tree.structure(ops.MaskSpec(pos, pos, window=4))  # statics are in the treedef
+  f = jax.jit(lambda s: s.dense_mask())  # statics stay Python values under jit
+  assert f(spec).shape == (1, 4, 4)
+
+
+# ------------------------------------------------------------------------------------------------
+# Every implementation against the reference (on CPU)
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_tokamax_packed_matches_reference(window):
+  """The k_start mask (document start, window) of the tokamax path, via tokamax's XLA kernel."""
+  rng = np.random.default_rng(0)
+  B, T, N, K, H = 2, 12, 4, 2, 8
+  q, k, v = _qkv(rng, B, T, T, N, K, H)
+  seg, pos = _packed(B, T, rng)
+  spec = ops.MaskSpec(pos, pos, seg, seg, window=window, contiguous=True)
+  want = ops.attention(q, k, v, spec, impl="reference")
+  out = jax.jit(lambda q, k, v: ops.attention(q, k, v, spec, impl="tokamax"))(q, k, v)
+  np.testing.assert_allclose(out, want, atol=2e-5)  # padding rows included: zeros on both
+
+
+@pytest.mark.parametrize("backend", ["triton", "mosaic_tpu"])
+@pytest.mark.parametrize("layout", ["packed+active", "cache+per-head active", "contiguous"])
+def test_pallas_interpret_matches_reference(backend, layout):
+  rng = np.random.default_rng(2)
+  B, N, K, H = 2, 4, 2, 64
+  if layout == "cache+per-head active":
+    T, S = 128, 256
+    qp, kp, valid = _cache_layout(rng, B, T, S)
+    spec = ops.MaskSpec(qp, kp, None, valid, window=100, active=rng.random((B, T, N)) < 0.4)
+  elif layout == "packed+active":
+    T = S = 128
+    seg, pos = _packed(B, T, rng)
+    spec = ops.MaskSpec(pos, pos, seg, seg, active=rng.random((B, T)) < 0.5)
+  else:
+    T = S = 128
+    pos = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
+    spec = ops.MaskSpec(pos, pos, window=17, contiguous=True)
+  q, k, v = _qkv(rng, B, T, S, N, K, H)
+  f = lambda q, k, v: ops.attention(q, k, v, spec, impl="pallas", pallas_backend=backend)
+  out = jax.jit(f)(q, k, v)
+  np.testing.assert_allclose(out, ops.attention(q, k, v, spec, impl="reference"), atol=1e-5)
+  if layout == "packed+active" and backend == "triton":  # gradients through the kernel's VJP
+    loss = lambda impl: lambda q, k, v: jnp.sum(jnp.sin(ops.attention(
+        q, k, v, spec, impl=impl, pallas_backend=backend)))
+    got = jax.jit(jax.grad(loss("pallas"), argnums=(0, 1, 2)))(q, k, v)
+    want = jax.grad(loss("reference"), argnums=(0, 1, 2))(q, k, v)
+    for g, w in zip(got, want):
+      np.testing.assert_allclose(g, w, atol=1e-4)
+
+
+def test_auto_on_cpu_is_the_reference_eager_and_jitted():
+  rng = np.random.default_rng(3)
+  B, T, N, K, H = 2, 16, 4, 1, 8
+  q, k, v = _qkv(rng, B, T, T, N, K, H)
+  seg, pos = _packed(B, T, rng)
+  spec = ops.MaskSpec(pos, pos, seg, seg, active=rng.random((B, T, N)) < 0.5)
+  want = ops.attention(q, k, v, spec, impl="reference")
+  np.testing.assert_array_equal(ops.attention(q, k, v, spec), want)  # eager
+  np.testing.assert_array_equal(jax.jit(lambda *a: ops.attention(*a, spec))(q, k, v), want)
+
+
+# ------------------------------------------------------------------------------------------------
+# Impl selection per LOWERING platform, exported from this CPU host
+# ------------------------------------------------------------------------------------------------
+
+B_, T_, N_, K_, H_ = 2, 256, 4, 2, 64
+_H100 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+    device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"))
+_TPU = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+    device_kind="TPU v5 lite", num_cores=1, platform="tpu"))
+_DISABLED = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton"),
+             jax.export.DisabledSafetyCheck.custom_call("__cudnn$fmhaSoftmax"),
+             jax.export.DisabledSafetyCheck.custom_call("__cudnn$fmhaSoftmaxBackward")]
+
+
+def _specs():
+  rng = np.random.default_rng(4)
+  pos = jnp.broadcast_to(jnp.arange(T_, dtype=jnp.int32), (B_, T_))
+  seg = jnp.asarray(np.repeat([[1] * 100 + [2] * 150 + [0] * 6], B_, 0), jnp.int32)
+  dpos = jnp.asarray(np.repeat([list(range(100)) + list(range(150)) + [0] * 6], B_, 0), jnp.int32)
+  qp, kp, valid = _cache_layout(rng, B_, 16, T_)
+  return {
+      "unpacked": ops.MaskSpec(pos, pos, window=64, contiguous=True),
+      "packed": ops.MaskSpec(dpos, dpos, seg, seg, contiguous=True),
+      "active": ops.MaskSpec(pos, pos, active=jnp.asarray(rng.random((B_, T_)) < 0.3)),
+      "per-head": ops.MaskSpec(pos, pos, active=jnp.asarray(rng.random((B_, T_, N_)) < 0.3)),
+      "cache": ops.MaskSpec(jnp.asarray(qp), jnp.asarray(kp), None, jnp.asarray(valid)),
+      "sinks": ops.MaskSpec(pos, pos, window=32, sinks=4, contiguous=True),
+  }
+
+
+def _export(spec, platform, *, grad=False, impl="auto", mesh=None, Tq=None):
+  Tq = Tq or spec.q_positions_BT.shape[1]
+  sds = [jax.ShapeDtypeStruct(s, jnp.bfloat16)
+         for s in ((B_, Tq, N_, H_), (B_, T_, K_, H_), (B_, T_, K_, H_))]
+  f = lambda q, k, v: ops.attention(q, k, v, spec, impl=impl)
+  if grad:
+    f0 = f
+    f = lambda q, k, v: jax.grad(lambda *a: f0(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))(
+        q, k, v)
+  with jax.sharding.use_abstract_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+    return jax.export.export(jax.jit(f), platforms=[platform], disabled_checks=_DISABLED)(
+        *sds).mlir_module()
+
+
+def _kernels(text):
+  """What runs: custom-call targets, with Triton kernels named (tokamax vs ours)."""
+  found = set()
+  for line in text.splitlines():
+    if "stablehlo.custom_call" not in line:
+      continue
+    target = re.search(r"custom_call @([\w$.:-]+)", line).group(1)
+    if target == "__gpu$xla.gpu.triton":
+      name = re.search(r'name = "([^"]+)"', line).group(1)
+      found.add("tokamax-triton" if name.startswith("pallas_flash_attention") else
+                "compact-triton" if name.startswith("compact_attention") else "triton:" + name)
+    elif target.startswith("__cudnn$fmha"):
+      found.add("cudnn")
+    elif target == "tpu_custom_call":
+      found.add("mosaic-tpu")
+    elif target in ("mosaic_gpu", "mosaic_gpu_v2"):
+      found.add("mosaic-gpu")
+    else:
+      found.add(target)
+  return found
+
+
+def _reference_sized(text, B, T, S):
+  """An f32 [B, K, G, T, S] logits tensor: the O(T*S) reference was lowered."""
+  return f"tensor<{B}x{K_}x{N_ // K_}x{T}x{S}xf32>" in text
+
+
+@pytest.mark.parametrize("grad", [False, True])
+def test_auto_picks_per_lowering_platform(grad):
+  specs = _specs()
+  want_cuda = {"unpacked": {"tokamax-triton"},  # no cuDNN in this process (next test fakes one)
+               "packed": {"tokamax-triton"}, "active": {"compact-triton"},
+               "per-head": {"compact-triton"}, "cache": {"compact-triton"}}
+  for name, want in want_cuda.items():
+    text = _export(specs[name], "cuda", grad=grad, mesh=_H100)
+    assert _kernels(text) == want, (name, _kernels(text))
+    T = specs[name].q_positions_BT.shape[1]
+    # forward: the reference branch is not lowered at all (under grad its zero-filled residual
+    # slots are still in the StableHLO; test_other_branches_residuals_are_dead checks XLA drops
+    # them)
+    assert grad or not _reference_sized(text, B_, T, T_), name
+    text = _export(specs[name], "tpu", grad=grad, mesh=_TPU)
+    assert _kernels(text) == {"mosaic-tpu"}, (name, _kernels(text))
+    assert grad or not _reference_sized(text, B_, T, T_), name
+    text = _export(specs[name], "cpu", grad=grad, mesh=_H100)  # GPU branch traced, not lowered
+    assert _kernels(text) == set(), (name, _kernels(text))
+    assert _reference_sized(text, B_, T, T_), name
+
+
+def test_auto_picks_cudnn_for_unpacked_when_cudnn_is_present(monkeypatch):
+  """With cuDNN (faked: this CPU host has none) contiguous unpacked bf16 goes to cuDNN."""
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+
+  class FakeVersions:
+    @staticmethod
+    def cudnn_get_version():
+      return 91000
+  monkeypatch.setattr(fa, "cuda_versions", FakeVersions)
+  # cuDNN's partitioning needs concrete devices (no abstract mesh): let ops trace the cuda branch
+  monkeypatch.setattr(ops, "_host_platforms", lambda: {"cuda"})
+  specs = _specs()
+  assert _kernels(_export(specs["unpacked"], "cuda")) == {"cudnn"}
+  assert _kernels(_export(specs["unpacked"], "cuda", grad=True)) == {"cudnn"}
+  assert _kernels(_export(specs["unpacked"], "cuda", impl="cudnn")) == {"cudnn"}
+  f32 = ops.MaskSpec(specs["unpacked"].q_positions_BT, specs["unpacked"].kv_positions_BS,
+                     contiguous=True)
+  with pytest.raises(ValueError, match="dtype float32"):  # cuDNN takes 16-bit floats only
+    ops.attention(*(jnp.zeros((B_, T_, 2, H_)),) * 3, f32, impl="cudnn")
+
+
+def test_other_branches_residuals_are_dead_after_compilation(monkeypatch):
+  """Under grad, a platform_dependent cond carries every branch's residuals, zero-filled in the
+  branches that do not make them. Emulate the GPU case on CPU in a scanned layer stack: the kept
+  branch saves only its inputs (as a flash kernel does; here the reference under jax.checkpoint),
+  another platform's branch is the plain reference with [B, K, G, T, S] float32 residuals. The
+  compiled gradient must need no more temporary memory than the kept branch alone."""
+  B, T, N, K, H, L = 2, 128, 4, 2, 16, 4
+  rng = np.random.default_rng(8)
+  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  spec = ops.MaskSpec(pos, pos, active=jnp.asarray(rng.random((B, T)) < 0.5))
+  w = [jnp.asarray(rng.standard_normal((L, N * H, n * H)) * 0.05, jnp.float32) for n in (N, K, K)]
+  x = jnp.asarray(rng.standard_normal((B, T, N * H)), jnp.float32)
+
+  def loss(w, x):
+    def layer(x, w):
+      q, k, v = ((x @ wi).reshape(B, T, -1, H) for wi in w)
+      return x + ops.attention(q, k, v, spec).reshape(B, T, N * H), None
+    return jnp.sum(jax.lax.scan(layer, x, w)[0] ** 2)
+
+  def compiled(branches):
+    monkeypatch.setattr(ops, "_branches", lambda impl, q, mask, scale, pb: branches(scale))
+    step = jax.jit(jax.grad(loss))
+    return step.lower(w, x).compile().memory_analysis().temp_size_in_bytes, step(w, x)
+
+  flash_like = lambda s: jax.checkpoint(ops._reference(s))
+  temp_k, g_k = compiled(lambda s: dict(default=flash_like(s)))
+  temp_d, g_d = compiled(lambda s: dict(default=ops._reference(s), cpu=flash_like(s),
+                                        tpu=ops._reference(s)))
+  temp_r, _ = compiled(lambda s: dict(default=flash_like(s), cpu=ops._reference(s)))
+  probs = L * B * N * T * T * 4  # the reference's saved probabilities over the stack
+  assert temp_r >= temp_k + probs  # the measure sees live reference residuals
+  assert temp_d <= temp_k * 1.01 + 4096, (temp_d, temp_k)
+  for a, b in zip(g_d, g_k):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_masks_no_kernel_takes_use_the_reference_with_a_warning(caplog):
+  ops._warn_once.cache_clear()
+  text = _export(_specs()["sinks"], "cuda", mesh=_H100)
+  assert _kernels(text) == set() and _reference_sized(text, B_, T_, T_)
+  assert "no kernel takes sink tokens" in caplog.text
+
+
+def test_explicit_pallas_exports_the_kernel_for_each_platform():
+  spec = _specs()["cache"]
+  assert _kernels(_export(spec, "cuda", impl="pallas", mesh=_H100)) == {"compact-triton"}
+  assert _kernels(_export(spec, "tpu", impl="pallas", mesh=_TPU)) == {"mosaic-tpu"}
+  # on CPU, impl='pallas' is the kernel in interpret mode: no custom call, no [T, S] logits
+  text = _export(spec, "cpu", impl="pallas")
+  assert _kernels(text) == set() and not _reference_sized(text, B_, 16, T_)
+
+
+def test_lowering_for_a_platform_this_host_cannot_trace_is_a_clear_error():
+  with pytest.raises(ValueError, match="use_abstract_mesh"):
+    _export(_specs()["active"], "tpu")  # no TPU abstract device: the branch is a placeholder
+  with pytest.raises(ValueError, match="use_abstract_mesh"):
+    _export(_specs()["active"], "cuda", grad=True)
+
+
+# ------------------------------------------------------------------------------------------------
+# Errors
+# ------------------------------------------------------------------------------------------------
+
+def test_explicit_impls_that_cannot_take_the_call_raise():
+  specs = _specs()
+  q = jnp.zeros((B_, T_, N_, H_), jnp.bfloat16)
+  k = jnp.zeros((B_, T_, K_, H_), jnp.bfloat16)
+  cases = [("cudnn", "unpacked", "cuDNN is not available"),
+           ("cudnn", "packed", "packed segment ids"),
+           ("cudnn", "active", "not contiguous"),
+           ("tokamax", "cache", "not contiguous"),
+           ("tokamax", "per-head", "active set"),
+           ("tokamax", "sinks", "sink tokens"),
+           ("pallas", "sinks", "sink tokens")]
+  for impl, name, why in cases:
+    q = jnp.zeros((B_, specs[name].q_positions_BT.shape[1], N_, H_), jnp.bfloat16)
+    with pytest.raises(ValueError, match=f"impl='{impl}' cannot take this call: .*{why}"):
+      ops.attention(q, k, k, specs[name], impl=impl)
+  with pytest.raises(ValueError, match="unknown impl 'nope'"):
+    ops.attention(q, k, k, specs["unpacked"], impl="nope")
+  with pytest.raises(ValueError, match="pallas_backend='gpu'"):
+    ops.attention(q, k, k, specs["unpacked"], impl="pallas", pallas_backend="gpu")
+
+
+def test_malformed_masks_are_one_line_errors():
+  pos = jnp.zeros((1, 4), jnp.int32)
+  x = jnp.zeros((1, 4, 2, 8))
+  bad = [(ops.MaskSpec(pos, jnp.zeros((1, 5), jnp.int32)), "kv_positions_BS must be an int array of shape"),
+         (ops.MaskSpec(pos, pos, pos, None), "q_segment_ids_BT without kv_segment_ids_BS"),
+         (ops.MaskSpec(pos, pos, active=jnp.ones((1, 4))), "active must be bool"),
+         (ops.MaskSpec(pos, pos, window=0), "window must be an int >= 1"),
+         (ops.MaskSpec(pos, pos, sinks=-1), "sinks must be an int >= 0"),
+         (ops.MaskSpec(pos, pos, None, pos, contiguous=True), "both .*or neither"),
+         (ops.MaskSpec(pos, pos, block_lists=ops.BlockLists(jnp.zeros((1, 2, 3, 1), jnp.int32),
+                                                            block_q=2)), "kv_blocks_BNQL must be")]
+  for spec, msg in bad:
+    with pytest.raises(ValueError, match=msg):
+      ops.attention(x, x, x, spec)
+  with pytest.raises(ValueError, match="T=4 != S=2"):
+    ops.attention(x, x[:, :2], x[:, :2], ops.MaskSpec(pos, pos[:, :2], contiguous=True))
+  with pytest.raises(ValueError, match="multiple of kv heads"):
+    ops.attention(x, x[:, :, :1].repeat(3, 2), x[:, :, :1].repeat(3, 2), ops.MaskSpec(pos, pos))
+
+
+# ------------------------------------------------------------------------------------------------
+# The kernel package: loud import failures
+# ------------------------------------------------------------------------------------------------
+
+def test_kernel_import_failure_raises_with_the_original_error(monkeypatch):
+  rng = np.random.default_rng(5)
+  q, k, v = _qkv(rng, 1, 16, 16, 2, 1, 16)
+  pos = jnp.broadcast_to(jnp.arange(16), (1, 16))
+  spec = ops.MaskSpec(pos, pos, active=jnp.ones((1, 16), bool))
+
+  class Broken:  # a finder that fails every pallas_kernels import, as a broken install would
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+      if name.split(".")[0] == "pallas_kernels":
+        raise ImportError("triton wheel is broken (simulated)")
+      return None
+  for mod in [m for m in sys.modules if m.split(".")[0] == "pallas_kernels"]:
+    monkeypatch.delitem(sys.modules, mod)
+  monkeypatch.setattr(sys, "meta_path", [Broken, *sys.meta_path])
+  for impl in ("pallas", "reference", "auto"):
+    with pytest.raises(ImportError, match="pallas_kernels.compact_attention.*simulated") as e:
+      jax.jit(lambda *a: ops.attention(*a, spec, impl=impl))(q, k, v)
+    assert "simulated" in str(e.value.__cause__)
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-shard kernels under the 8-device CPU mesh
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("impl", ["pallas", "tokamax"])
+def test_kernels_run_per_shard_under_a_mesh(impl):
+  from condattn_jax.train import sharding as shd
+  mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:8]).reshape(2, 2, 2),
+                           ("data", "fsdp", "tensor"),
+                           axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  rng = np.random.default_rng(6)
+  B, T, N, K, H = 4, 32, 4, 2, 16
+  q, k, v = _qkv(rng, B, T, T, N, K, H)
+  seg, pos = _packed(B, T, rng)
+  active = None if impl == "tokamax" else jnp.asarray(rng.random((B, T, N)) < 0.5)
+  spec = ops.MaskSpec(pos, pos, seg, seg, active=active, window=9, contiguous=True)
+  f = jax.jit(lambda *a: ops.attention(*a, spec, impl=impl))
+  want = ops.attention(q, k, v, spec, impl="reference")
+  with shd.mesh_context(mesh):
+    assert ops._mesh_shards(B, N, K) is not None
+    got = f(q, k, v)
+    text = f.lower(q, k, v).as_text()
+  np.testing.assert_allclose(got, want, atol=2e-5)
+  assert "shard_map" in text or "manual" in text.lower()
+
+
+# ------------------------------------------------------------------------------------------------
+# TRANSITION: the old call forms (delete with the shim)
+# ------------------------------------------------------------------------------------------------
+
+def test_legacy_call_forms_match_the_new_api():
+  rng = np.random.default_rng(7)
+  B, T, N, K, H = 2, 16, 4, 2, 16
+  q, k, v = _qkv(rng, B, T, T, N, K, H)
+  seg, pos = _packed(B, T, rng)
+  active = jnp.asarray(rng.random((B, T)) < 0.5)
+  spec = ops.MaskSpec(pos, pos, seg, seg, window=4, contiguous=True)
+  want = ops.attention(q, k, v, spec, impl="reference")
+  for impl in ("xla", "auto", "tokamax"):
+    out = ops.attention(q, k, v, q_positions_BT=pos, kv_positions_BS=pos, q_segment_ids_BT=seg,
+                        kv_segment_ids_BS=seg, window=4, impl=impl, self_attention=True)
+    np.testing.assert_allclose(out, want, atol=2e-5)
+  act = ops.attention(q, k, v, ops.MaskSpec(pos, pos, seg, seg, active=active), impl="reference")
+  for impl in ("xla", "reference", "auto", "triton"):
+    out = ops.compact_attention(q, k, v, active, q_positions_BT=pos, kv_positions_BS=pos,
+                                q_segment_ids_BT=seg, kv_segment_ids_BS=seg, impl=impl)
+    np.testing.assert_allclose(out, act, atol=2e-5)
