@@ -108,10 +108,9 @@ def empty_row(seq_len: int, pad_id: int = 0) -> dict[str, np.ndarray]:
 def attention_mask(segment_ids: np.ndarray, positions: np.ndarray,
                    window: int | None = None) -> np.ndarray:
   """[..., T] -> [..., T(q), T(kv)] bool: same nonzero segment AND kv_pos <= q_pos
-  (AND q_pos - kv_pos < window)."""
-  seg_q, seg_k = segment_ids[..., :, None], segment_ids[..., None, :]
-  pos_q, pos_k = positions[..., :, None], positions[..., None, :]
-  m = (seg_q == seg_k) & (seg_q != 0) & (pos_k <= pos_q)
-  if window is not None:
-    m &= pos_q - pos_k < window
-  return m
+  (AND q_pos - kv_pos < window). The model's own rule: the one mask builder (ops.MaskSpec)."""
+  from pallas_kernels.compact_attention.reference import dense_mask  # lazy: jax, tests only
+  seg, pos = np.asarray(segment_ids), np.asarray(positions)
+  lead, T = seg.shape[:-1], seg.shape[-1]
+  seg, pos = seg.reshape(-1, T), pos.reshape(-1, T)
+  return np.asarray(dense_mask(pos, pos, seg, seg, window=window)).reshape(*lead, T, T)
