@@ -95,7 +95,7 @@ class Settings:
   thetas: tuple = (0.3, 0.5, 0.7, 0.9)
   eval_examples: int = 1024
   seed: int = 0
-  attention_impl: str = "xla"
+  attention_impl: str = "reference"
   compact_impl: str = "auto"
   baselines: tuple = ("context_free", "local_only", "dense_continued")
   log_every: int = 250

@@ -6,9 +6,11 @@ from typing import Any
 
 import jax.numpy as jnp
 
+from condattn_jax import ops
+
 FAMILIES = ("llama", "qwen2", "qwen3", "olmo2")
 REMAT_POLICIES = ("none", "full", "dots", "dots_with_no_batch_dims")
-ATTENTION_IMPLS = ("auto", "xla", "cudnn", "tokamax")
+ATTENTION_IMPLS = ops.IMPLS  # the one vocabulary of ops.attention
 
 
 @dataclasses.dataclass(frozen=True)

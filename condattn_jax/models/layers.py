@@ -157,14 +157,6 @@ class KVCache(nn.Module):
 def attend(q_BTNH, k_BSKH, v_BSKH, *, q_positions_BT, kv_positions_BS, q_segment_ids_BT=None,
            kv_segment_ids_BS=None, window=None, active=None, impl="auto", contiguous=False):
   """The model's one call into `ops.attention` (builds the mask spec)."""
-  if not hasattr(ops, "MaskSpec"):  # TRANSITION: until ops.MaskSpec lands
-    kw = dict(q_positions_BT=q_positions_BT, kv_positions_BS=kv_positions_BS,
-              q_segment_ids_BT=q_segment_ids_BT, kv_segment_ids_BS=kv_segment_ids_BS,
-              window=window)
-    if active is None:
-      return ops.attention(q_BTNH, k_BSKH, v_BSKH, impl="xla" if impl == "reference" else impl,
-                           self_attention=contiguous, **kw)
-    return ops.compact_attention(q_BTNH, k_BSKH, v_BSKH, active, impl=impl, **kw)
   mask = ops.MaskSpec(q_positions_BT=q_positions_BT, kv_positions_BS=kv_positions_BS,
                       q_segment_ids_BT=q_segment_ids_BT, kv_segment_ids_BS=kv_segment_ids_BS,
                       window=window, active=active, contiguous=contiguous)

@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from condattn_jax import ops
 from condattn_jax.models.config import ModelConfig
 from condattn_jax.models.context import LayerContext
 from condattn_jax.models.layers import Attention, attend, make_norm, mlp_residual
@@ -99,6 +100,9 @@ class L2AOptions:
                        f"of {LAMBDA_SCHEDULES}.")
     if self.lambda_warmup_steps < 0 or self.lambda_ramp_steps < 0:
       raise ValueError("model.scheme_kwargs.lambda_warmup_steps / lambda_ramp_steps must be >= 0.")
+    if self.compact_impl not in ops.IMPLS:
+      raise ValueError(f"model.scheme_kwargs.compact_impl={self.compact_impl!r}: choose one of "
+                       f"{ops.IMPLS}.")
     if not isinstance(self.pruned_layers, tuple):
       raise ValueError("model.scheme_kwargs.pruned_layers must be a tuple of ints (hashable), got "
                        f"{self.pruned_layers!r}.")
