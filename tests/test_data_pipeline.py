@@ -338,3 +338,86 @@ def test_process_exits_cleanly_with_a_live_prefetching_iterator(jsonl_path):
           "next(it)\n")
   proc = subprocess.run([sys.executable, "-c", code], capture_output=True, timeout=60)
   assert proc.returncode == 0, proc.stderr.decode()[-2000:]
+
+
+# --------------------------------------------------------------------------- bad records
+def _write_lines(path, lines):
+  with open(path, "w") as f:
+    f.write("\n".join(lines) + "\n")
+  return str(path)
+
+
+def _rows_tokens(it, n):
+  """Every token id of the inputs of n batches (0 = separator / padding removed)."""
+  return {int(t) for b in _take(it, n) for t in b["inputs"].reshape(-1) if t != 0}
+
+
+@pytest.mark.parametrize("read_threads", [0, 2])
+def test_bad_jsonl_record_names_file_and_one_based_line(tmp_path, read_threads):
+  # line 1 ok, line 2 blank (skipped by the index, still counted), line 4 broken JSON
+  good = json.dumps({"tokens": list(range(1, 40))})
+  path = _write_lines(tmp_path / "d.jsonl", [good, "", good, '{"tokens": [1, 2', good])
+  cfg = _file_cfg(path, batch_size=4, read_threads=read_threads)
+  with pytest.raises(ValueError, match=r"d\.jsonl:4: not valid JSON.*on_bad_record"):
+    _take(data.make_train_iterator(cfg), 2)
+  # a record without the text / tokens field: named too (line 3)
+  path = _write_lines(tmp_path / "e.jsonl", [good, good, json.dumps({"body": "x"}), good])
+  with pytest.raises(ValueError, match=r"e\.jsonl:3: record has neither data.tokens_field"):
+    _take(data.make_train_iterator(_file_cfg(path, batch_size=4)), 2)
+
+
+def test_bad_first_record_fails_at_construction(tmp_path):
+  path = _write_lines(tmp_path / "d.jsonl", ["not json", json.dumps({"tokens": [1, 2, 3]})])
+  with pytest.raises(ValueError, match=r"d\.jsonl:1: not valid JSON"):
+    data.make_train_iterator(_file_cfg(path, batch_size=2))
+
+
+def test_skip_bad_records_counts_and_keeps_good_ones(tmp_path, caplog):
+  docs = [list(range(100 * i + 1, 100 * i + 40)) for i in range(1, 9)]
+  lines = [json.dumps({"tokens": d}) for d in docs]
+  lines[2] = '{"tokens": [1, 2'           # line 3: broken JSON
+  lines[5] = json.dumps({"other": 1})      # line 6: no tokens / text field
+  lines[6] = json.dumps({"tokens": [5, 99999]})  # line 7: id beyond the vocab
+  path = _write_lines(tmp_path / "d.jsonl", lines)
+  cfg = _file_cfg(path, batch_size=1, on_bad_record="skip", num_epochs=1, shuffle_seed=None)
+  before = data.SKIPPED.count
+  with caplog.at_level("WARNING"):
+    it = pipeline.make_dataset(cfg, vocab_size=1000).__iter__()
+    seen = set()
+    for b in it:
+      seen |= {int(t) for t in b["inputs"].reshape(-1) if t != 0}
+  assert data.SKIPPED.count - before == 3
+  kept = [d for i, d in enumerate(docs) if i not in (2, 5, 6)]
+  assert seen == {t for d in kept for t in d}  # every good document, none of the bad ones
+  for line in (3, 6, 7):
+    assert f"d.jsonl:{line}" in caplog.text
+  cfg.on_bad_record = "keep_going"
+  with pytest.raises(ValueError, match=r"on_bad_record='keep_going' is unknown"):
+    data.parse_data_config(cfg)
+
+
+def test_token_ids_are_checked_against_the_model_vocab(tmp_path):
+  path = _write_lines(tmp_path / "d.jsonl", [json.dumps({"tokens": [1, 2, 3]}),
+                                              json.dumps({"tokens": [4, 70, 5]})])
+  cfg = _file_cfg(path, batch_size=2)
+  with pytest.raises(ValueError, match=r"d\.jsonl:2: token id 70 is outside \[0, 63\].*vocab_size "
+                     r"is 64"):
+    _take(data.make_train_iterator(cfg, vocab_size=64), 1)
+  with pytest.raises(ValueError, match=r"data.task.vocab_size=128 exceeds the model's vocab_size=64"):
+    data.make_train_iterator(_mqar_cfg(), vocab_size=64)
+  with pytest.raises(ValueError, match=r"tokenizer .* has \d+ tokens but the model's vocab_size is "
+                     r"64"):
+    data.make_train_iterator(_file_cfg(path, batch_size=2, tokenizer=QWEN_DIR), vocab_size=64)
+  with pytest.raises(ValueError, match=r"separator id 70 .* outside the model's vocabulary"):
+    data.make_train_iterator(_file_cfg(path, batch_size=2, separator_id=70), vocab_size=64)
+
+
+def test_required_markers_are_named_only_when_data_is_read():
+  cfg = _mqar_cfg()
+  cfg.source = "jsonl"
+  cfg.paths = data.required("data.paths", "files")
+  assert data.missing_required(cfg) == ["data.paths"]
+  with pytest.raises(ValueError, match=r"required field\(s\) not set: --config.data.paths=<files>"):
+    data.parse_data_config(cfg)
+  data.parse_data_config(cfg, needs_files=False)  # shapes only (dry run)
+  assert data.batch_spec(cfg)["inputs"].shape == (4, 64)

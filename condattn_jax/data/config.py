@@ -30,6 +30,11 @@ errors that name the field and list the valid ones.
                          (used when no tokenizer object is passed in; None: none)
     data.task            ConfigDict of synthetic task parameters (see synthetic.py);
                          missing ones take the task's defaults
+    data.on_bad_record   'error' (stop, naming the file and 1-based line / record) | 'skip'
+                         (drop the record, log it with its file and line, count them)
+
+A recipe marks a field the user must set with `required(field, what)` (a string starting with
+REQUIRED_PREFIX); `parse_data_config(..., needs_files=True)` refuses such a value naming it.
 """
 
 from __future__ import annotations
@@ -44,6 +49,18 @@ FILE_SOURCES = ("jsonl", "parquet", "array_record")
 SOURCES = SYNTHETIC_SOURCES + FILE_SOURCES
 PACKINGS = ("concat_then_split", "first_fit")
 RECORD_FORMATS = ("json", "int32", "uint16", "uint32", "int64")
+BAD_RECORD_POLICIES = ("error", "skip")
+REQUIRED_PREFIX = "REQUIRED: "
+
+
+def required(field: str, what: str) -> str:
+  """The value a recipe gives a field the user must set (a str, so the command line can set it;
+  never a valid path, so nothing can silently use it)."""
+  return f"{REQUIRED_PREFIX}--config.{field}=<{what}>"
+
+
+def is_required_marker(value) -> bool:
+  return isinstance(value, str) and value.startswith(REQUIRED_PREFIX)
 
 _DEFAULTS: dict[str, Any] = dict(
     source="mqar",
@@ -65,6 +82,7 @@ _DEFAULTS: dict[str, Any] = dict(
     pad_id=0,
     tokenizer=None,
     task=None,
+    on_bad_record="error",
 )
 
 
@@ -98,6 +116,7 @@ class DataConfig:
   pad_id: int
   tokenizer: Any
   task: Mapping[str, Any]
+  on_bad_record: str = "error"
 
   @property
   def is_synthetic(self) -> bool:
@@ -126,8 +145,19 @@ def _paths(value, field: str) -> tuple[str, ...] | None:
   return tuple(parts) if parts else None
 
 
-def parse_data_config(cfg) -> DataConfig:
-  """Validates the data section (or a run config holding one) and returns a typed view."""
+def missing_required(cfg) -> list[str]:
+  """'data.<field>' of every field still holding a recipe's REQUIRED marker, in field order."""
+  section = cfg["data"] if isinstance(cfg, (ml_collections.ConfigDict, Mapping)) and "data" in cfg \
+      and "source" not in cfg else cfg
+  raw = _to_dict(section)
+  return [f"data.{k}" for k in _DEFAULTS if is_required_marker(raw.get(k))]
+
+
+def parse_data_config(cfg, *, needs_files: bool = True) -> DataConfig:
+  """Validates the data section (or a run config holding one) and returns a typed view.
+
+  needs_files=False (shapes only, e.g. a dry run) skips the checks that only matter when data
+  is read: data.paths set, no REQUIRED markers left."""
   if isinstance(cfg, DataConfig):
     return cfg
   section = cfg
@@ -147,6 +177,9 @@ def parse_data_config(cfg) -> DataConfig:
                      f"{list(SOURCES)}")
   if d["packing"] not in PACKINGS:
     raise ValueError(f"data.packing={d['packing']!r} is unknown; valid: {list(PACKINGS)}")
+  if d["on_bad_record"] not in BAD_RECORD_POLICIES:
+    raise ValueError(f"data.on_bad_record={d['on_bad_record']!r} is unknown; valid: "
+                     f"{list(BAD_RECORD_POLICIES)}")
   if d["record_format"] not in RECORD_FORMATS:
     raise ValueError(f"data.record_format={d['record_format']!r} is unknown; valid: "
                      f"{list(RECORD_FORMATS)}")
@@ -162,9 +195,14 @@ def parse_data_config(cfg) -> DataConfig:
                      f"got {d['num_epochs']!r}")
   if d["shuffle_seed"] is not None and not isinstance(d["shuffle_seed"], int):
     raise ValueError(f"data.shuffle_seed must be an int or None, got {d['shuffle_seed']!r}")
+  if needs_files:
+    marked = [k for k in _DEFAULTS if is_required_marker(d[k])]
+    if marked:
+      raise ValueError("required field(s) not set: " + ", ".join(d[k][len(REQUIRED_PREFIX):]
+                                                                 for k in marked))
   paths = _paths(d["paths"], "paths")
   eval_paths = _paths(d["eval_paths"], "eval_paths")
-  if d["source"] in FILE_SOURCES and not paths:
+  if needs_files and d["source"] in FILE_SOURCES and not paths:
     raise ValueError(f"data.source={d['source']!r} reads files: set data.paths "
                      "(a path, a glob, or a list of them)")
   return DataConfig(
@@ -174,4 +212,5 @@ def parse_data_config(cfg) -> DataConfig:
       separator_id=d["separator_id"], seq_len=d["seq_len"], batch_size=d["batch_size"],
       shuffle_seed=d["shuffle_seed"], num_epochs=d["num_epochs"], packing=d["packing"],
       pack_bins=d["pack_bins"], read_threads=d["read_threads"], prefetch=d["prefetch"],
-      pad_id=d["pad_id"], tokenizer=d["tokenizer"], task=_to_dict(d["task"]))
+      pad_id=d["pad_id"], tokenizer=d["tokenizer"], task=_to_dict(d["task"]),
+      on_bad_record=d["on_bad_record"])

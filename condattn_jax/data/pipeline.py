@@ -33,6 +33,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import threading
 import weakref
 from typing import Any, Mapping, Sequence
 
@@ -49,14 +50,84 @@ _STATE_VERSION = 1
 
 # ----------------------------------------------------------------------------- sources
 
+class _BadRecord:
+  """Stands in for a record the source could not decode (the reason is kept)."""
+
+  def __init__(self, reason: str):
+    self.reason = reason
+
+
+class _Located:
+  """A source whose items are (index, record | _BadRecord): the map step can then name the
+  record's file and line (`src.where(index)`) whatever shuffling / slicing happened."""
+
+  def __init__(self, src):
+    self.src = src
+
+  def __len__(self) -> int:
+    return len(self.src)
+
+  def __getitem__(self, index):
+    try:
+      return int(index), self.src[index]
+    except ValueError as e:
+      return int(index), _BadRecord(str(e))
+
+  def where(self, index) -> str:
+    where = getattr(self.src, "where", None)
+    return where(index) if where is not None else f"record {int(index) + 1}"
+
+
+class BadRecordCounter:
+  """Counts (and logs) records skipped with data.on_bad_record='skip'."""
+
+  LOG_FIRST = 20
+
+  def __init__(self):
+    self.count = 0
+    self._lock = threading.Lock()
+
+  def add(self, where: str, reason: str) -> None:
+    with self._lock:
+      self.count += 1
+      n = self.count
+    if n <= self.LOG_FIRST or n % 1000 == 0:
+      logging.warning("data: skipped bad record %s: %s (%d skipped so far; "
+                      "data.on_bad_record='skip')", where, reason, n)
+
+  def __getstate__(self):
+    return {"count": self.count}
+
+  def __setstate__(self, d):
+    self.count = d["count"]
+    self._lock = threading.Lock()
+
+
+SKIPPED = BadRecordCounter()  # process-wide count of skipped records
+
+
 class _ToFeatures:
-  """Record -> document_features(tokens) (None for documents of < 2 tokens)."""
+  """(index, record) -> document_features(tokens) (None for documents of < 2 tokens and for
+  skipped bad records). Errors name the record's file and 1-based line."""
 
-  def __init__(self, to_tokens: sources.RecordToTokens):
+  def __init__(self, to_tokens: sources.RecordToTokens, located: _Located, on_bad_record: str):
     self.to_tokens = to_tokens
+    self.located = located
+    self.on_bad_record = on_bad_record
 
-  def __call__(self, record):
-    return packing_lib.document_features(self.to_tokens(record))
+  def __call__(self, item):
+    index, record = item
+    try:
+      if isinstance(record, _BadRecord):
+        raise ValueError(record.reason)
+      return packing_lib.document_features(self.to_tokens(record))
+    except ValueError as e:
+      where = self.located.where(index)
+      if self.on_bad_record == "skip":
+        SKIPPED.add(where, str(e))
+        return None
+      raise ValueError(f"{where}: {e} (fix the record, or set data.on_bad_record=skip to skip "
+                       "bad records)") from None
 
 
 def _separator_id(dc: DataConfig, tokenizer) -> int | None:
@@ -80,35 +151,82 @@ def _resolve_tokenizer(dc: DataConfig, tokenizer):
   if not isinstance(dc.tokenizer, str):
     return dc.tokenizer
   from condattn_jax.data import tokenizer as tokenizer_lib
-  return tokenizer_lib.load_tokenizer(dc.tokenizer)
+  try:
+    return tokenizer_lib.load_tokenizer(dc.tokenizer)
+  except FileNotFoundError as e:
+    raise FileNotFoundError(f"data.tokenizer={dc.tokenizer}: {e}") from None
+  except Exception as e:  # pylint: disable=broad-except  (tokenizers' parse errors)
+    raise ValueError(f"data.tokenizer={dc.tokenizer}: cannot load the tokenizer "
+                     f"({type(e).__name__}: {e}).") from None
+
+
+def check_vocab(dc: DataConfig, vocab_size: int | None, tokenizer=None) -> None:
+  """Token ids the data can produce vs the model's vocab_size (ids >= vocab_size have no
+  embedding: the loss is NaN at step 1). Raises ValueError naming the fields."""
+  if not vocab_size:
+    return
+  if dc.pad_id is not None and not 0 <= int(dc.pad_id) < vocab_size:
+    raise ValueError(f"data.pad_id={dc.pad_id} is outside the model's vocabulary "
+                     f"[0, {vocab_size}).")
+  if dc.is_synthetic:
+    task = synthetic.make_task(dc.source, dc.task, dc.seq_len)
+    if task.vocab_size > vocab_size:
+      raise ValueError(f"data.task.vocab_size={task.vocab_size} exceeds the model's vocab_size="
+                       f"{vocab_size}: token ids >= {vocab_size} have no embedding. Set "
+                       f"data.task.vocab_size <= {vocab_size} or a larger model.vocab_size.")
+    return
+  tv = getattr(tokenizer, "vocab_size", None)
+  if tv is not None and int(tv) > vocab_size:
+    raise ValueError(f"the tokenizer (data.tokenizer={dc.tokenizer}) has {tv} tokens but the model's "
+                     f"vocab_size is {vocab_size} (model.vocab_size / init_from's config.json): use "
+                     "the model's own tokenizer.")
 
 
 def _document_dataset(dc: DataConfig, paths: Sequence[str], *, tokenizer, seed: int | None,
-                      num_epochs: int | None, field: str) -> grain.MapDataset:
+                      num_epochs: int | None, field: str,
+                      vocab_size: int | None = None) -> grain.MapDataset:
   tokenizer = _resolve_tokenizer(dc, tokenizer)
+  check_vocab(dc, vocab_size, tokenizer)
   src = sources.open_source(dc.source, paths, text_field=dc.text_field,
                             tokens_field=dc.tokens_field, record_format=dc.record_format,
                             field=field)
   if len(src) == 0:
     raise ValueError(f"{field}: the files {list(paths)} hold no records")
   to_tokens = sources.RecordToTokens(text_field=dc.text_field, tokens_field=dc.tokens_field,
-                                     tokenizer=tokenizer)
-  first = src[0]
-  if to_tokens.needs_tokenizer(first):
+                                     tokenizer=tokenizer, vocab_size=vocab_size)
+  located = _Located(src)
+  first = _first_record(located, dc)
+  if first is not None and to_tokens.needs_tokenizer(first):
     if dc.text_field not in first:
-      raise ValueError(f"{field}: records have neither data.tokens_field="
+      raise ValueError(f"{located.where(0)}: records have neither data.tokens_field="
                        f"{dc.tokens_field!r} nor data.text_field={dc.text_field!r}; "
-                       f"fields of the first record: {sorted(first)}")
+                       f"fields of this record: {sorted(first)[:10]}")
     if tokenizer is None:
       raise ValueError(f"{field}: records hold text in {dc.text_field!r}: set data.tokenizer "
                        "(a tokenizer directory), pass tokenizer=..., or pre-tokenize into "
                        f"{dc.tokens_field!r}")
   to_tokens.separator_id = _separator_id(dc, tokenizer)
-  ds = grain.MapDataset.source(src)
+  if vocab_size and to_tokens.separator_id is not None and to_tokens.separator_id >= vocab_size:
+    raise ValueError(f"the document separator id {to_tokens.separator_id} (data.separator_id or "
+                     f"the tokenizer's) is outside the model's vocabulary [0, {vocab_size}).")
+  ds = grain.MapDataset.source(located)
   if seed is not None:
     ds = ds.shuffle(seed=seed)
   ds = ds.repeat(num_epochs)
-  return ds.map(_ToFeatures(to_tokens))
+  return ds.map(_ToFeatures(to_tokens, located, dc.on_bad_record))
+
+
+def _first_record(located: _Located, dc: DataConfig, probe: int = 100):
+  """The first decodable record (its fields decide tokenizer needs); with on_bad_record='error'
+  a bad first record is an error naming its line."""
+  for i in range(min(len(located), probe)):
+    _, rec = located[i]
+    if not isinstance(rec, _BadRecord):
+      return rec
+    if dc.on_bad_record == "error":
+      raise ValueError(f"{located.where(i)}: {rec.reason} (fix the record, or set "
+                       "data.on_bad_record=skip to skip bad records)")
+  return None
 
 
 def _synthetic_dataset(dc: DataConfig, *, seed: int, stream: int,
@@ -228,11 +346,14 @@ def _shard(batch_size: int, process_index: int, process_count: int) -> tuple[int
 def make_dataset(cfg, *, process_index: int = 0, process_count: int = 1, tokenizer=None,
                  seed: int | None = None, num_epochs: int | None | str = "config",
                  paths: Sequence[str] | None = None, pad_exhausted: bool = False,
-                 stream: int = 0, prefetch: int | None = None) -> grain.IterDataset:
+                 stream: int = 0, prefetch: int | None = None,
+                 vocab_size: int | None = None) -> grain.IterDataset:
   """The grain IterDataset of this process's batches ([B / process_count, T] dicts).
 
   `seed` overrides data.shuffle_seed, `num_epochs` data.num_epochs, `paths` data.paths,
   `prefetch` data.prefetch; `stream` separates synthetic train (0) and eval (1) draws.
+  `vocab_size` (the model's): token ids are checked against it (`check_vocab` at once, every
+  document's ids when read), so a mismatch is an error naming the field / file and line.
   """
   dc = parse_data_config(cfg)
   seed = dc.shuffle_seed if seed is None else seed
@@ -240,12 +361,13 @@ def make_dataset(cfg, *, process_index: int = 0, process_count: int = 1, tokeniz
   lane_start, local = _shard(dc.batch_size, process_index, process_count)
   B = dc.batch_size
   if dc.is_synthetic:
+    check_vocab(dc, vocab_size)
     docs = _synthetic_dataset(dc, seed=0 if seed is None else seed, stream=stream,
                               num_epochs=epochs)
   else:
     field = "data.paths" if paths is None else "data.eval_paths"
     docs = _document_dataset(dc, dc.paths if paths is None else paths, tokenizer=tokenizer,
-                             seed=seed, num_epochs=epochs, field=field)
+                             seed=seed, num_epochs=epochs, field=field, vocab_size=vocab_size)
   read = grain.ReadOptions(num_threads=dc.read_threads,
                            prefetch_buffer_size=max(1, 4 * dc.read_threads))
   lanes = []
@@ -277,17 +399,17 @@ class _PackedToRow:
 # --------------------------------------------------------------------------- public API
 
 def make_train_iterator(cfg, *, process_index: int = 0, process_count: int = 1,
-                        tokenizer=None) -> grain.DatasetIterator:
+                        tokenizer=None, vocab_size: int | None = None) -> grain.DatasetIterator:
   """Iterator over this process's share of every global training batch.
 
   Yields dicts of numpy arrays [data.batch_size // process_count, data.seq_len]:
   inputs, targets, segment_ids, positions (int32) and loss_mask (float32). Has
   get_state() / set_state(state) (JSON-serialisable; see the module docstring).
   `tokenizer` (encode(text) -> list[int], document_separator_id) is needed only for
-  file records holding text.
+  file records holding text; `vocab_size` see make_dataset.
   """
   it = iter(make_dataset(cfg, process_index=process_index, process_count=process_count,
-                         tokenizer=tokenizer))
+                         tokenizer=tokenizer, vocab_size=vocab_size))
   _LIVE_ITERATORS.add(it)
   return it
 
@@ -309,7 +431,8 @@ def _close_live_iterators():
 
 
 def make_eval_batches(cfg, num_batches: int | None, seed: int, *, process_index: int = 0,
-                      process_count: int = 1, tokenizer=None) -> list[dict[str, np.ndarray]]:
+                      process_count: int = 1, tokenizer=None,
+                      vocab_size: int | None = None) -> list[dict[str, np.ndarray]]:
   """A fixed list of evaluation batches (this process's rows), identical on every call.
 
   Synthetic sources draw from an eval stream separate from training (seed, stream 1).
@@ -325,11 +448,12 @@ def make_eval_batches(cfg, num_batches: int | None, seed: int, *, process_index:
                        "set data.task.num_examples or pass num_batches")
     ds = make_dataset(dc, process_index=process_index, process_count=process_count,
                       seed=seed, num_epochs=1 if finite else None, pad_exhausted=True,
-                      stream=1, prefetch=0)
+                      stream=1, prefetch=0, vocab_size=vocab_size)
   else:
     ds = make_dataset(dc, process_index=process_index, process_count=process_count,
                       tokenizer=tokenizer, seed=seed, num_epochs=1,
-                      paths=dc.eval_paths, pad_exhausted=True, prefetch=0)
+                      paths=dc.eval_paths, pad_exhausted=True, prefetch=0,
+                      vocab_size=vocab_size)
   out = []
   it = iter(ds)
   for batch in it:
@@ -345,7 +469,7 @@ def make_eval_batches(cfg, num_batches: int | None, seed: int, *, process_index:
 def batch_spec(cfg, *, global_batch: bool = True, process_count: int = 1) -> dict[str, Any]:
   """{key: jax.ShapeDtypeStruct} of a global (or per-process) batch."""
   import jax
-  dc = parse_data_config(cfg)
+  dc = parse_data_config(cfg, needs_files=False)
   b = dc.batch_size if global_batch else _shard(dc.batch_size, 0, process_count)[1]
   return {k: jax.ShapeDtypeStruct((b, dc.seq_len), np.dtype(packing_lib.BATCH_DTYPES[k]))
           for k in packing_lib.BATCH_KEYS}

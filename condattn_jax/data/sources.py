@@ -4,6 +4,10 @@ Each source is a grain random-access data source (`__len__`, `__getitem__`) whos
 are dicts (jsonl, parquet, ArrayRecord 'json') or 1-D integer arrays (ArrayRecord raw
 token records). `to_tokens` turns a record into the document's token ids.
 
+Every source has `where(index) -> str`, the record's location for error messages: 'file:line'
+(jsonl, 1-based physical line), 'file row r' (parquet, 1-based), 'file record r' (ArrayRecord).
+`__getitem__` raises ValueError for a record it cannot decode; the pipeline adds `where`.
+
 Random access is what makes per-process sharding cheap (a process reads only the records
 of its own lanes) and resumption exact. jsonl files are indexed once by line offsets;
 parquet is read one row group at a time through a small cache, so a globally shuffled
@@ -64,8 +68,8 @@ class _MultiFile:
     return f, index - start
 
 
-def _line_index(path: str, chunk: int = 1 << 24) -> tuple[np.ndarray, np.ndarray]:
-  """(start, end) byte offsets of every non-blank line of a text file."""
+def _line_index(path: str, chunk: int = 1 << 24) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """(start, end) byte offsets and 1-based line numbers of every non-blank line of a text file."""
   newlines = []
   offset = 0
   with open(path, "rb") as f:
@@ -79,8 +83,9 @@ def _line_index(path: str, chunk: int = 1 << 24) -> tuple[np.ndarray, np.ndarray
   nl = np.concatenate(newlines) if newlines else np.zeros((0,), np.int64)
   starts = np.concatenate([[0], nl + 1]).astype(np.int64)
   ends = np.concatenate([nl, [offset]]).astype(np.int64)
+  lines = np.arange(1, len(starts) + 1, dtype=np.int64)
   keep = ends - starts > 0
-  starts, ends = starts[keep], ends[keep]
+  starts, ends, lines = starts[keep], ends[keep], lines[keep]
   short = np.flatnonzero(ends - starts <= 8)
   if len(short):
     # Drop whitespace-only lines (e.g. a lone "\r" or spaces).
@@ -91,8 +96,8 @@ def _line_index(path: str, chunk: int = 1 << 24) -> tuple[np.ndarray, np.ndarray
         blank.append(not f.read(int(ends[i] - starts[i])).strip())
     mask = np.ones(len(starts), bool)
     mask[short[np.asarray(blank, bool)]] = False
-    starts, ends = starts[mask], ends[mask]
-  return starts, ends
+    starts, ends, lines = starts[mask], ends[mask], lines[mask]
+  return starts, ends, lines
 
 
 class JsonlSource(_MultiFile):
@@ -101,7 +106,7 @@ class JsonlSource(_MultiFile):
   def __init__(self, paths: Sequence[str]):
     self.paths = list(paths)
     self._index = [_line_index(p) for p in self.paths]
-    self._init_counts([len(s) for s, _ in self._index])
+    self._init_counts([len(s) for s, _, _ in self._index])
     self._fds: dict[int, int] = {}
     self._lock = threading.Lock()
 
@@ -111,16 +116,20 @@ class JsonlSource(_MultiFile):
         self._fds[f] = os.open(self.paths[f], os.O_RDONLY)
       return self._fds[f]
 
+  def where(self, index) -> str:
+    f, i = self._locate(index)
+    return f"{self.paths[f]}:{int(self._index[f][2][i])}"
+
   def __getitem__(self, index) -> dict[str, Any]:
     f, i = self._locate(index)
-    starts, ends = self._index[f]
+    starts, ends, _ = self._index[f]
     raw = os.pread(self._fd(f), int(ends[i] - starts[i]), int(starts[i]))
     try:
       rec = json.loads(raw)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"{self.paths[f]}: line record {i} is not valid JSON: {e}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+      raise ValueError(f"not valid JSON ({e})") from None
     if not isinstance(rec, dict):
-      raise ValueError(f"{self.paths[f]}: record {i} is not a JSON object")
+      raise ValueError(f"not a JSON object (a {type(rec).__name__})")
     return rec
 
   def __getstate__(self):
@@ -185,6 +194,10 @@ class ParquetSource(_MultiFile):
         self._cache.popitem(last=False)
     return data
 
+  def where(self, index) -> str:
+    f, i = self._locate(index)
+    return f"{self.paths[f]} row {i + 1}"
+
   def __getitem__(self, index) -> dict[str, Any]:
     f, i = self._locate(index)
     cum = self._rg_rows[f]
@@ -218,13 +231,21 @@ class ArrayRecordSource:
   def __len__(self) -> int:
     return len(self._ds)
 
+  def where(self, index) -> str:
+    name = self.paths[0] if len(self.paths) == 1 else f"{len(self.paths)} files {self.paths[:2]}..."
+    return f"{name} record {int(index) + 1}"
+
   def __getitem__(self, index):
     raw = self._ds[int(index)]
     if self.record_format == "json":
-      rec = json.loads(raw)
+      try:
+        rec = json.loads(raw)
+      except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"not valid JSON ({e}; set data.record_format to a dtype for raw token "
+                         "records)") from None
       if not isinstance(rec, dict):
-        raise ValueError(f"ArrayRecord record {index} is not a JSON object "
-                         "(set data.record_format to a dtype for raw token records)")
+        raise ValueError("not a JSON object (set data.record_format to a dtype for raw token "
+                         "records)")
       return rec
     return np.frombuffer(raw, dtype=np.dtype(self.record_format).newbyteorder("<"))
 
@@ -268,11 +289,12 @@ class RecordToTokens:
   """Record -> int32 token ids of one document (+ separator)."""
 
   def __init__(self, *, text_field: str, tokens_field: str, tokenizer=None,
-               separator_id: int | None = None):
+               separator_id: int | None = None, vocab_size: int | None = None):
     self.text_field = text_field
     self.tokens_field = tokens_field
     self.tokenizer = tokenizer
     self.separator_id = separator_id
+    self.vocab_size = vocab_size  # ids must be < vocab_size (the model's) when set
 
   def needs_tokenizer(self, record) -> bool:
     return isinstance(record, dict) and record.get(self.tokens_field) is None
@@ -285,18 +307,29 @@ class RecordToTokens:
         if text is None:
           raise ValueError(
               f"record has neither data.tokens_field={self.tokens_field!r} nor "
-              f"data.text_field={self.text_field!r}; its fields: {sorted(record)}")
+              f"data.text_field={self.text_field!r}; its fields: {sorted(record)[:10]}")
+        if not isinstance(text, str):
+          raise ValueError(f"data.text_field={self.text_field!r} holds a "
+                           f"{type(text).__name__}, not a string")
         if self.tokenizer is None:
           raise ValueError("records hold text: pass tokenizer=... (an object with "
                            "encode(text) -> list[int], e.g. condattn_jax.data.tokenizer)")
         toks = self.tokenizer.encode(text)
-      ids = np.asarray(toks, dtype=np.int64)
+      try:
+        ids = np.asarray(toks, dtype=np.int64)
+      except (TypeError, ValueError, OverflowError):
+        raise ValueError(f"data.tokens_field={self.tokens_field!r} is not a list of token "
+                         "ids") from None
     else:
       ids = np.asarray(record, dtype=np.int64)
     if ids.ndim != 1:
       raise ValueError(f"token ids must be 1-D, got shape {ids.shape}")
-    if ids.size and (ids.min() < 0 or ids.max() > np.iinfo(np.int32).max):
-      raise ValueError("token ids must be in [0, 2**31)")
+    hi = np.iinfo(np.int32).max if self.vocab_size is None else self.vocab_size - 1
+    if ids.size and (ids.min() < 0 or ids.max() > hi):
+      bad = int(ids.min()) if ids.min() < 0 else int(ids.max())
+      raise ValueError(f"token id {bad} is outside [0, {hi}]" + (
+          f" (the model's vocab_size is {self.vocab_size}: ids beyond it have no embedding)"
+          if self.vocab_size is not None else ""))
     ids = ids.astype(np.int32)
     if self.separator_id is not None:
       ids = np.concatenate([ids, np.array([self.separator_id], np.int32)])
