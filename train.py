@@ -9,15 +9,22 @@ r"""Train a model:  python train.py --config=configs/<recipe>.py[:arg] --workdir
                                     when the environment says so: TPU pod, SLURM, Open MPI,
                                     JAX_COORDINATOR_ADDRESS/JAX_NUM_PROCESSES/JAX_PROCESS_ID)
 
-Re-running the same command resumes from the latest checkpoint in DIR/checkpoints. SIGTERM saves
-a checkpoint and exits (code 0); a NaN / inf loss exits with code 3 and leaves the last good
-checkpoint in place.
+  --debug                           tracebacks for user errors, library logs below WARNING
+
+Re-running the same command resumes from the latest checkpoint in DIR/checkpoints (a corrupt or
+partial one is skipped with a warning). SIGTERM or Ctrl-C saves a checkpoint and exits (code 0);
+a second Ctrl-C exits at once (code 130). A NaN / inf loss or gradient norm skips that update,
+stops the run (code 3) and leaves the last good checkpoint in place. One run per workdir (a lock
+file DIR/run.lock). Any bad input (config, files, checkpoint, data) is one line starting with
+ERROR: and exit code 2.
 """
 import logging
 import sys
 
 from absl import app, flags
 from ml_collections import config_flags
+
+from condattn_jax.train import cli
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Recipe: configs/<name>.py[:arg].",
                                           lock_config=True)
@@ -43,8 +50,7 @@ def main(argv):
   try:
     result = loop.run(config, _WORKDIR.value or "", stop_after=_STOP_AFTER.value)
   except loop.NonFiniteLossError as e:
-    logging.error("%s", e)
-    print(f"ERROR: {e}", file=sys.stderr)
+    print(f"ERROR: {cli.one_line(e)}", file=sys.stderr)
     sys.exit(3)
   if result.get("stopped_early") and not config.train.dry_run:
     logging.warning("stopped at step %d before num_steps; re-run the same command to resume.",
@@ -53,5 +59,4 @@ def main(argv):
 
 if __name__ == "__main__":
   flags.mark_flags_as_required(["config"])
-  from condattn_jax.train.cli import parse_flags
-  app.run(main, flags_parser=parse_flags)
+  cli.run(main)

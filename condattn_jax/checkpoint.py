@@ -8,6 +8,14 @@ Layout (orbax CheckpointManager, one directory per step, keep-last-N, atomic fin
 Restores go into any mesh / process count: arrays are resharded to the target shardings by
 orbax; the data state is re-split by lanes (condattn_jax.data: row r of every global batch is
 lane r), so a run saved by 2 processes continues in 1 (or 4) with the same global batches.
+
+Errors (all name the step directory):
+  CheckpointNotFoundError   no such path / step
+  CheckpointMismatchError   the saved tree (paths, shapes, optimizer leaves) is not this config's
+                            model / optimizer: a config change, not damage; never skipped
+  CorruptCheckpointError    the step cannot be read (truncated / missing files, bad JSON): the
+                            caller may skip it (`quarantine` moves it to <step>.corrupt, which
+                            orbax ignores) and fall back to an older step
 """
 from __future__ import annotations
 
@@ -27,6 +35,32 @@ _DATA_FILE = re.compile(r"process_(\d+)-of-(\d+)\.json$")
 
 class CheckpointNotFoundError(FileNotFoundError):
   pass
+
+
+class CheckpointMismatchError(ValueError):
+  pass
+
+
+class CorruptCheckpointError(ValueError):
+  def __init__(self, msg: str, step: int | None = None):
+    super().__init__(msg)
+    self.step = step
+
+
+def _first_line(e: BaseException, limit: int = 300) -> str:
+  text = " ".join(str(e).split("See full TensorStore details")[0].split())
+  return f"{type(e).__name__}: {text[:limit]}"
+
+
+def _leaves(tree) -> list[tuple[str, tuple]]:
+  """('a/b/c', shape) of every array leaf (orbax metadata or arrays / ShapeDtypeStructs)."""
+  out = []
+  for path, x in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    if not hasattr(x, "shape"):
+      continue
+    keys = [str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k)))) for k in path]
+    out.append(("/".join(keys), tuple(int(d) for d in x.shape)))
+  return out
 
 
 class _StateSnapshot:
@@ -51,12 +85,20 @@ class Checkpointer:
   def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True,
                read_only: bool = False):
     self.directory = os.path.abspath(directory)
+    if os.path.exists(self.directory) and not os.path.isdir(self.directory):
+      raise NotADirectoryError(f"checkpoint directory {self.directory} is a file.")
+    if read_only and not os.path.isdir(self.directory):
+      raise CheckpointNotFoundError(f"checkpoint directory {self.directory} does not exist.")
+    extra = dict(save_interval_steps=0) if read_only else {}
     opts = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=not read_only, read_only=read_only,
-        enable_async_checkpointing=async_save)
+        enable_async_checkpointing=async_save, **extra)
     self.mgr = ocp.CheckpointManager(
         self.directory, options=opts, item_names=ITEMS,
-        item_handlers={"data": grain.checkpoint.CheckpointHandler()})
+        item_handlers={"data": grain.checkpoint.CheckpointHandler(),
+                       "meta": ocp.JsonCheckpointHandler(),
+                       "params": ocp.StandardCheckpointHandler(),
+                       "opt_state": ocp.StandardCheckpointHandler()})
 
   # -------------------------------------------------------------------------------- queries
   def latest_step(self) -> int | None:
@@ -96,34 +138,91 @@ class Checkpointer:
     self.mgr.wait_until_finished()
     self.mgr.close()
 
+  # ------------------------------------------------------------------------ damaged steps
+  def quarantine(self, step: int, suffix: str = "corrupt") -> str:
+    """Moves <step>/ to <step>.<suffix>/ (orbax ignores it; the data stays for inspection) and
+    returns the new path. Call on the primary process only."""
+    src = self.step_dir(step)
+    dst, i = f"{src}.{suffix}", 1
+    while os.path.exists(dst):
+      i += 1
+      dst = f"{src}.{suffix}{i}"
+    os.rename(src, dst)
+    self.mgr.reload()
+    return dst
+
+  def _saved_leaves(self, step: int, item: str):
+    try:
+      meta = self.mgr.item_metadata(step)[item]
+    except Exception as e:  # pylint: disable=broad-except  (unreadable / missing metadata)
+      raise CorruptCheckpointError(f"checkpoint {self.step_dir(step)}/{item} cannot be read "
+                                   f"({_first_line(e)}).", step) from e
+    if meta is None:
+      raise CorruptCheckpointError(f"checkpoint {self.step_dir(step)} has no readable {item}/ "
+                                   "(missing or incomplete).", step)
+    return _leaves(getattr(meta, "tree", meta))
+
+  def check_compatible(self, step: int, params=None, opt_state=None) -> None:
+    """CheckpointMismatchError when the saved trees are not `params` / `opt_state`'s (paths and
+    shapes; optimizer leaves by count and shapes); CorruptCheckpointError when unreadable."""
+    if params is not None:
+      saved = dict(self._saved_leaves(step, "params"))
+      want = dict(_leaves(params))
+      missing = sorted(set(want) - set(saved))
+      extra = sorted(set(saved) - set(want))
+      shapes = [f"{k} {saved[k]} vs {want[k]}" for k in sorted(set(want) & set(saved))
+                if saved[k] != want[k]]
+      if missing or extra or shapes:
+        raise CheckpointMismatchError(
+            f"checkpoint {self.step_dir(step)}/params does not match the model of this config "
+            f"(changed architecture or scheme?): missing {missing[:4]}, unexpected {extra[:4]}, "
+            f"shapes (saved vs this config) {shapes[:4]}.")
+    if opt_state is not None:
+      saved = sorted(s for _, s in self._saved_leaves(step, "opt_state"))
+      want = sorted(s for _, s in _leaves(opt_state))
+      if saved != want:
+        raise CheckpointMismatchError(
+            f"checkpoint {self.step_dir(step)}/opt_state holds {len(saved)} optimizer arrays, this "
+            f"config's optimizer has {len(want)} (changed train.trainable_regex, param_groups or "
+            "the optimizer?); use a new --workdir or the config the run was started with.")
+
   # -------------------------------------------------------------------------------- restore
   def restore_meta(self, step: int | None = None) -> dict:
     step = self._require(step)
-    out = self.mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
-    return dict(out["meta"])
+    try:
+      out = self.mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+      meta = out["meta"]
+    except Exception as e:  # pylint: disable=broad-except
+      raise CorruptCheckpointError(f"checkpoint {self.step_dir(step)}/meta cannot be read "
+                                   f"({_first_line(e)}).", step) from e
+    if not isinstance(meta, dict) or "config" not in meta:
+      raise CorruptCheckpointError(f"checkpoint {self.step_dir(step)}/meta holds no run config.",
+                                   step)
+    return dict(meta)
 
   def restore_params(self, target, step: int | None = None):
     """Params into `target`'s shapes/dtypes/shardings (arrays or ShapeDtypeStructs)."""
     step = self._require(step)
+    self.check_compatible(step, params=target)
     try:
       out = self.mgr.restore(step, args=ocp.args.Composite(
           params=ocp.args.StandardRestore(_abstract(target))))
-    except (ValueError, KeyError) as e:
-      raise ValueError(f"checkpoint {self.step_dir(step)}/params does not match the model of this "
-                       f"config (different architecture or scheme?): {e}") from e
+    except Exception as e:  # pylint: disable=broad-except
+      raise CorruptCheckpointError(f"checkpoint {self.step_dir(step)}/params cannot be read "
+                                   f"(truncated or damaged files?): {_first_line(e)}", step) from e
     return out["params"]
 
   def restore_state(self, target_state, step: int | None = None):
     """TrainState (params + optimizer state + step) into `target_state`'s shardings."""
     step = self._require(step)
+    self.check_compatible(step, params=target_state.params, opt_state=target_state.opt_state)
     try:
       out = self.mgr.restore(step, args=ocp.args.Composite(
           params=ocp.args.StandardRestore(_abstract(target_state.params)),
           opt_state=ocp.args.StandardRestore(_abstract(target_state.opt_state))))
-    except (ValueError, KeyError) as e:
-      raise ValueError(f"checkpoint {self.step_dir(step)} does not match this run's model / "
-                       f"optimizer (changed architecture, scheme, trainable_regex or "
-                       f"param_groups?): {e}") from e
+    except Exception as e:  # pylint: disable=broad-except
+      raise CorruptCheckpointError(f"checkpoint {self.step_dir(step)} cannot be read (truncated "
+                                   f"or damaged files?): {_first_line(e)}", step) from e
     import jax.numpy as jnp
     step_arr = jax.device_put(jnp.asarray(step, jnp.int32), target_state.step.sharding)
     return target_state.replace(step=step_arr, params=out["params"], opt_state=out["opt_state"])
@@ -137,13 +236,22 @@ class Checkpointer:
       m = _DATA_FILE.search(f)
       files[int(m.group(1))] = (int(m.group(2)), f)
     if not files:
-      raise CheckpointNotFoundError(f"checkpoint {self.step_dir(step)} has no data iterator state "
-                                    f"({d}/process_*-of-*.json).")
+      raise CorruptCheckpointError(f"checkpoint {self.step_dir(step)} has no data iterator state "
+                                   f"({d}/process_*-of-*.json).", step)
     states = []
     for i in sorted(files):
-      with open(files[i][1]) as fh:
-        states.append(json.load(fh))
-    return split_data_state(merge_data_states(states, where=d), shard_index, shard_count)
+      try:
+        with open(files[i][1]) as fh:
+          states.append(json.load(fh))
+      except (OSError, ValueError) as e:
+        raise CorruptCheckpointError(f"data iterator state {files[i][1]} cannot be read "
+                                     f"({_first_line(e)}).", step) from e
+    try:
+      merged = merge_data_states(states, where=d)
+    except (KeyError, TypeError, ValueError) as e:
+      raise CorruptCheckpointError(f"data iterator state in {d} is damaged ({_first_line(e)}).",
+                                   step) from e
+    return split_data_state(merged, shard_index, shard_count)
 
 
 def merge_data_states(states: list[dict], where: str = "") -> dict:
@@ -181,6 +289,9 @@ def resolve_checkpoint_path(path: str) -> tuple[str, int | None]:
   path = os.path.abspath(path)
   if not os.path.exists(path):
     raise CheckpointNotFoundError(f"checkpoint path {path} does not exist.")
+  if not os.path.isdir(path):
+    raise CheckpointNotFoundError(f"checkpoint path {path} is a file; give a run's workdir, its "
+                                  "checkpoints/ directory or one <step>/ directory in it.")
   if os.path.isdir(os.path.join(path, "checkpoints")):
     return os.path.join(path, "checkpoints"), None
   base = os.path.basename(path.rstrip("/"))

@@ -15,7 +15,8 @@ r"""L2A recipes (SCHEMES.md section 1): a dense Qwen checkpoint -> L2A, continue
       --config.model.scheme.theta=0.7          # theta is a test-time knob
   python scripts/l2a_prune.py --config=configs/l2a_qwen.py:tiny --workdir=/tmp/l2a_tiny
 
-The real recipes need three fields; without them the run stops at once naming the field:
+The real recipes need three fields; without them the run stops at once naming every one still
+missing, in the order the run needs them (a --dry_run needs only model.init_from):
   model.init_from  the dense Hugging Face checkpoint directory (converted by scheme 'l2a':
                    local and global attention both copied, zero router),
   data.tokenizer   the tokenizer directory (usually the checkpoint directory),
@@ -37,16 +38,15 @@ Args (comma separated after the variant name): steps, seq, batch, window, lam (l
 """
 import ml_collections
 
+from condattn_jax.data import required
 from condattn_jax.train.config import default_config, parse_arg
 
 # A regex on '/'-joined param paths (re.fullmatch): what L2A trains.
 TRAINABLE_REGEX = (r"layers(_\d+_\d+)?/(self_attn|global_attn|router|input_layernorm|global_layernorm|"
                    r"post_attention_layernorm)/.*|norm/scale")
 
-# Required fields of the real recipes: a value that cannot be a path, so loading stops at once
-# with an error that names the field to set.
-def _required(field, what):
-  return f"REQUIRED: set --config.{field}=<{what}>"
+# Required fields of the real recipes are marked with `required(field, what)` (a string, so the
+# command line can set them); validate_config names every one still unset before anything runs.
 
 
 VARIANTS = {
@@ -151,15 +151,15 @@ def get_config(arg=None):
     return c
 
   m.family = v["family"]  # checked against the checkpoint's config.json model_type
-  m.init_from = _required("model.init_from", f"{v['name']} checkpoint directory")
+  m.init_from = required("model.init_from", f"{v['name']} checkpoint directory")
   m.rope_theta = 5e6
   m.dtype = "bfloat16"
   m.param_dtype = "float32"
   m.remat_policy = "full"
   m.attention_impl = "auto"
   d.source = "jsonl"
-  d.paths = None  # required: data validation names it
-  d.tokenizer = _required("data.tokenizer", f"{v['name']} tokenizer directory")
+  d.paths = required("data.paths", "long-document jsonl files or glob")
+  d.tokenizer = required("data.tokenizer", f"{v['name']} tokenizer directory")
   d.text_field = "text"
   d.seq_len = a.seq
   d.batch_size = a.batch

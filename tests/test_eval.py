@@ -85,3 +85,22 @@ def test_markdown_table_with_per_layer_metrics():
   md = evaluation.markdown_table(res, "t")
   assert "| context length | ppl | CE | token acc | exact match | scored tokens | sparsity |" in md
   assert "| 128 | 2.718 | 1.0000 | 0.500 | 0.250 | 10 | 0.3000 |" in md
+
+
+def test_eval_files_record_knobs_and_never_overwrite_other_knobs(tmp_path):
+  res = {"step": 5, "results": {64: dict(ce=1.0, ppl=np.e, token_acc=0.5, exact_match=0.25,
+                                         tokens=10)}}
+  run = {"model.scheme": {"name": "l2a", "theta": 0.5}, "eval": {"num_batches": 4}}
+  knobs = lambda **kw: {"model.scheme": {**run["model.scheme"], **kw}, "eval": run["eval"]}
+  jp, _ = evaluation.write_results({**res, "knobs": knobs()}, str(tmp_path), reference_knobs=run)
+  assert os.path.basename(jp) == "eval_step5.json"
+  jp2, _ = evaluation.write_results({**res, "knobs": knobs(theta=0.7)}, str(tmp_path),
+                                    reference_knobs=run)
+  assert os.path.basename(jp2) == "eval_step5_theta=0.7.json"
+  assert json.load(open(jp2))["knobs"]["model.scheme"]["theta"] == 0.7
+  assert json.load(open(jp))["knobs"]["model.scheme"]["theta"] == 0.5  # untouched
+  # no reference (e.g. --init): an existing file with other knobs is kept, a hash tells them apart
+  jp3, _ = evaluation.write_results({**res, "knobs": knobs(theta=0.9)}, str(tmp_path))
+  assert os.path.basename(jp3).startswith("eval_step5_") and jp3 not in (jp, jp2)
+  # the same knobs again: the same file
+  assert evaluation.write_results({**res, "knobs": knobs()}, str(tmp_path))[0] == jp

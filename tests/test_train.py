@@ -176,22 +176,74 @@ def test_microbatches_equal_full_batch():
 
 
 # ------------------------------------------------------------------------------ NaN stop
+def test_skip_nonfinite_leaves_the_state_untouched():
+  from condattn_jax.train import guards
+
+  def step(state, batch):
+    new = jax.tree.map(lambda x: x + 1.0, state)
+    return new, {"loss": batch["loss"], "grad_norm": batch["gn"]}
+
+  fn = jax.jit(guards.skip_nonfinite(step))
+  state = {"w": np.arange(3.0), "step": np.float32(7)}
+  for loss, gn, moved in ((1.0, 2.0, True), (np.nan, 2.0, False), (1.0, np.inf, False)):
+    new, _ = fn(state, {"loss": np.float32(loss), "gn": np.float32(gn)})
+    assert np.array_equal(host(new)["w"], state["w"] + 1.0 if moved else state["w"])
+    assert float(new["step"]) == (8.0 if moved else 7.0)
+
+
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
   wd = str(tmp_path / "run")
   c = tiny("steps=4", checkpoint_every=4)
   loop.run(c, wd)
   good = host(loop.load_params(c, wd)[1])
   c = tiny("steps=8", checkpoint_every=1, lr=1e30, warmup_frac=0.0, grad_clip=0.0)
-  with pytest.raises(loop.NonFiniteLossError, match=r"non-finite .* at step [5-8].*last good "
-                     r"checkpoint is step [4-7]"):
+  with pytest.raises(loop.NonFiniteLossError, match=r"non-finite .* at step [5-8]: the update was "
+                     r"skipped.*last good checkpoint is step [4-7]") as e:
     loop.run(c, wd)
+  bad = int(str(e.value).split(" at step ")[1].split(":")[0])
   ck = ckpt_lib.Checkpointer(os.path.join(wd, "checkpoints"), read_only=True)
   last = ck.latest_step()
   ck.close()
+  # the checkpoint of step bad-1 holds the params that produced the non-finite values: set aside
+  assert last == max(4, bad - 2)
+  assert os.path.isdir(os.path.join(wd, "checkpoints", f"{bad - 1}.nonfinite")) == (bad - 1 > 4)
   _, params, step = loop.load_params(c, wd)
   assert step == last and all(np.all(np.isfinite(x)) for x in jax.tree.leaves(host(params)))
   if last == 4:
     assert_trees_close(params, good, atol=0)
+
+
+# ------------------------------------------------------------------------- workdir lock
+def test_workdir_lock_refuses_live_owner_and_takes_over_stale_one(tmp_path, caplog):
+  from condattn_jax.train import workdir
+  wd = workdir.prepare(str(tmp_path / "w"))
+  lock = workdir.WorkdirLock.acquire(wd)
+  info = json.load(open(os.path.join(wd, workdir.LOCK_NAME)))
+  assert info["pid"] == os.getpid() and info["host"]
+  with pytest.raises(workdir.WorkdirBusyError, match="already runs in workdir"):
+    workdir.WorkdirLock.acquire(wd)
+  lock.release()
+  assert not os.path.exists(os.path.join(wd, workdir.LOCK_NAME))
+  # a live process on this host (the parent of this test) holds it
+  with open(os.path.join(wd, workdir.LOCK_NAME), "w") as f:
+    json.dump(dict(info, pid=os.getppid(), proc_start=workdir._proc_start(os.getppid())), f)
+  with pytest.raises(workdir.WorkdirBusyError, match=rf"in use by another run \(pid {os.getppid()}"):
+    workdir.WorkdirLock.acquire(wd)
+  # another host: cannot be checked from here
+  with open(os.path.join(wd, workdir.LOCK_NAME), "w") as f:
+    json.dump(dict(info, host="some-other-host"), f)
+  with pytest.raises(workdir.WorkdirBusyError, match="on host some-other-host.*delete the lock"):
+    workdir.WorkdirLock.acquire(wd)
+  # a dead pid on this host (a run that was SIGKILLed): stale, taken over with a warning
+  dead = subprocess.Popen(["true"])
+  dead.wait()
+  with open(os.path.join(wd, workdir.LOCK_NAME), "w") as f:
+    json.dump(dict(info, pid=dead.pid), f)
+  with caplog.at_level("WARNING"):
+    lock = workdir.WorkdirLock.acquire(wd)
+  assert "stale lock" in caplog.text
+  assert json.load(open(os.path.join(wd, workdir.LOCK_NAME)))["pid"] == os.getpid()
+  lock.release()
 
 
 # ------------------------------------------------------------------------ dry run / export

@@ -4,5 +4,5 @@
   write_results(results, out_dir)                                # report.py: JSON + markdown
   evaluate_checkpoint(config, path_or_workdir)                   # condattn_jax.train.loop
 """
-from condattn_jax.evaluation.perplexity import context_lengths, evaluate, flat_metrics
-from condattn_jax.evaluation.report import markdown_table, write_results
+from condattn_jax.evaluation.perplexity import context_lengths, eval_knobs, evaluate, flat_metrics
+from condattn_jax.evaluation.report import markdown_table, result_name, write_results

@@ -11,11 +11,13 @@ re-instantiated with seq_len=L and `config.eval.num_batches` batches are drawn w
   aux/<m>       the scheme's metrics (e.g. per-layer sparsity), averaged over batches
 
 The model runs with train=False; the scheme's test-time knobs come from the config
-(`--config.model.scheme.<knob>=...`), its RNG from `config.eval.seed`.
+(`--config.model.scheme.<knob>=...`), its RNG from `config.eval.seed`. The results record those
+knobs (`eval_knobs`: model.scheme.* and eval.*) under 'knobs'.
 """
 from __future__ import annotations
 
 import copy
+import json
 import math
 from typing import Any
 
@@ -26,6 +28,17 @@ import numpy as np
 from condattn_jax.data import data_shard_for_sharding, make_eval_batches, make_global_batch
 from condattn_jax.train import sharding as shd
 from condattn_jax.train.step import make_eval_step
+
+
+def eval_knobs(config) -> dict[str, Any]:
+  """What an evaluation's numbers depend on besides the weights: the scheme's (test-time)
+  hyper-parameters and the eval section. Recorded in the results as 'knobs'."""
+  scheme = config.model.scheme
+  scheme = scheme.to_dict() if hasattr(scheme, "to_dict") else dict(scheme)
+  ev = {k: config.eval.get(k) for k in ("context_lengths", "num_batches", "batch_size", "seed")}
+  ev["context_lengths"] = context_lengths(config)
+  # JSON-normal form (tuples -> lists) so knobs compare equal to the ones read back from a file.
+  return json.loads(json.dumps({"model.scheme": scheme, "eval": ev}, sort_keys=True))
 
 
 def context_lengths(config) -> list[int]:
@@ -68,7 +81,7 @@ def evaluate(config, params, model_cfg, mesh, *, step: int = 0, param_shardings=
   bsh = shd.batch_sharding(mesh)
   if param_shardings is None:
     param_shardings = jax.tree.map(lambda x: x.sharding, params)
-  out: dict[str, Any] = {"step": int(step), "results": {}}
+  out: dict[str, Any] = {"step": int(step), "knobs": eval_knobs(config), "results": {}}
   fn = _jitted_eval_step(model_cfg, chunk, int(config.eval.seed), mesh, param_shardings)
   step_arr = jnp.asarray(step, jnp.int32)
   with shd.mesh_context(mesh):
@@ -83,7 +96,8 @@ def evaluate(config, params, model_cfg, mesh, *, step: int = 0, param_shardings=
                          f"divisible by mesh data*fsdp={shd.batch_shards(mesh)}.")
       shard_index, shard_count = data_shard_for_sharding(bsh, (B, L))
       batches = make_eval_batches(dcfg, int(config.eval.num_batches), int(config.eval.seed),
-                                  process_index=shard_index, process_count=shard_count)
+                                  process_index=shard_index, process_count=shard_count,
+                                  vocab_size=model_cfg.vocab_size)
       sums: dict[str, Any] = {}
       n = 0
       for b in batches:

@@ -1,8 +1,17 @@
-"""Evaluation results -> JSON + a markdown table."""
+"""Evaluation results -> JSON + a markdown table, named so that evals with other knobs coexist.
+
+`write_results` names the files eval_step<N>[_<tag>].{json,md}: no tag when the results' knobs
+(scheme hyper-parameters + eval section, see perplexity.eval_knobs) equal `reference_knobs` (the
+run's own, e.g. the config saved with the checkpoint); else the tag lists what differs
+(`eval_step400_theta=0.7`). An existing file is only overwritten by results with the same knobs;
+otherwise a short hash of the knobs is appended.
+"""
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 from typing import Any
 
 COLUMNS = (("ppl", "ppl", "{:.3f}"), ("ce", "CE", "{:.4f}"), ("token_acc", "token acc", "{:.3f}"),
@@ -31,11 +40,61 @@ def markdown_table(results: dict[str, Any], title: str | None = None) -> str:
   return "\n".join(lines) + "\n"
 
 
+def _flatten(d, prefix=""):
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flatten(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def _normal(x):
+  return json.loads(json.dumps(x, sort_keys=True))
+
+
+def knobs_hash(knobs) -> str:
+  return hashlib.sha1(json.dumps(_normal(knobs), sort_keys=True).encode()).hexdigest()[:8]
+
+
+def knobs_tag(knobs: dict, reference: dict) -> str:
+  """'theta=0.7,num_batches=2' for the knobs that differ from `reference` (a hash if long)."""
+  a, b = _flatten(_normal(knobs)), _flatten(_normal(reference))
+  diff = [(k, a.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+  parts = []
+  for k, v in diff:
+    v = ",".join(map(str, v)) if isinstance(v, list) else v
+    parts.append(f"{k.split('.')[-1]}={v}")
+  tag = re.sub(r"[^A-Za-z0-9=.,+-]", "", "_".join(parts))
+  return tag if 0 < len(tag) <= 60 else knobs_hash(knobs)
+
+
+def result_name(results: dict[str, Any], out_dir: str, reference_knobs: dict | None = None) -> str:
+  """eval_step<N>, + _<tag> when the knobs differ from the reference or from an existing file's."""
+  name = f"eval_step{results.get('step', 0)}"
+  knobs = results.get("knobs")
+  if knobs is None:
+    return name
+  if reference_knobs is not None and _normal(knobs) != _normal(reference_knobs):
+    name += "_" + knobs_tag(knobs, reference_knobs)
+  path = os.path.join(out_dir, name + ".json")
+  if os.path.exists(path):
+    try:
+      with open(path) as f:
+        old = json.load(f).get("knobs")
+    except (OSError, ValueError):
+      old = None
+    if old is None or _normal(old) != _normal(knobs):
+      name += "_" + knobs_hash(knobs)
+  return name
+
+
 def write_results(results: dict[str, Any], out_dir: str, name: str | None = None,
-                  title: str | None = None) -> tuple[str, str]:
-  """Writes <out_dir>/<name>.json and .md (name defaults to eval_step<step>)."""
+                  title: str | None = None, reference_knobs: dict | None = None) -> tuple[str, str]:
+  """Writes <out_dir>/<name>.json and .md; name defaults to `result_name` (eval_step<N>[_tag])."""
   os.makedirs(out_dir, exist_ok=True)
-  name = name or f"eval_step{results.get('step', 0)}"
+  name = name or result_name(results, out_dir, reference_knobs)
   jp, mp = os.path.join(out_dir, name + ".json"), os.path.join(out_dir, name + ".md")
   with open(jp, "w") as f:
     json.dump({**results, "results": {str(k): v for k, v in results["results"].items()}}, f,

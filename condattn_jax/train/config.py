@@ -109,12 +109,30 @@ def _check_fields(cfg, ref, path: tuple[str, ...] = ()):
       _check_fields(cfg[k], ref[k], p)
 
 
-def validate_config(config: ml_collections.ConfigDict) -> None:
-  """Raises ValueError naming the field for unknown fields or values out of range."""
+def missing_required(config, *, needs_data: bool = True) -> list[str]:
+  """The '--config.<field>=<what>' of every field a recipe marked REQUIRED (`required`) and the
+  user has not set, in the order a run needs them: model (built first), then data."""
+  from condattn_jax.data import REQUIRED_PREFIX, is_required_marker, missing_required as data_missing
+  out = [config.model[f][len(REQUIRED_PREFIX):] for f in config.model.keys()
+         if is_required_marker(config.model[f])]
+  if needs_data:
+    out += [config.data[f.split(".", 1)[1]][len(REQUIRED_PREFIX):]
+            for f in data_missing(config.data)]
+  return out
+
+
+def validate_config(config: ml_collections.ConfigDict, *, needs_data: bool = True) -> None:
+  """Raises ValueError naming the field for unknown fields, required fields not set, values out
+  of range and inconsistent sections (eval lengths vs loss chunks / synthetic tasks, batch vs
+  microbatches). needs_data=False (dry run): data files / tokenizer are not needed."""
   ref = default_config()
   _check_fields(config, ref)
+  missing = missing_required(config, needs_data=needs_data)
+  if missing:
+    raise ValueError("required config field(s) not set: " + ", ".join(missing)
+                     + " (the recipe's docstring says what they are).")
   from condattn_jax.data import parse_data_config
-  parse_data_config(config.data)
+  dc = parse_data_config(config.data, needs_files=needs_data)
   t = config.train
   for f in ("num_steps", "log_every", "keep_checkpoints", "microbatches"):
     if int(t[f]) < 1:
@@ -133,6 +151,36 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
   if int(config.data.batch_size) % int(t.microbatches):
     raise ValueError(f"config.train.microbatches={t.microbatches} must divide "
                      f"config.data.batch_size={config.data.batch_size}.")
+  _validate_eval(config, dc)
+
+
+def _validate_eval(config, dc) -> None:
+  """The eval section against the model / data / loss settings, so a run does not fail only
+  after training (eval at the end)."""
+  e = config.eval
+  if int(e.num_batches) < 1:
+    raise ValueError(f"config.eval.num_batches={e.num_batches} must be >= 1.")
+  if e.get("batch_size") is not None and int(e.batch_size) < 1:
+    raise ValueError(f"config.eval.batch_size={e.batch_size} must be >= 1 (or None: "
+                     "data.batch_size).")
+  lengths = [int(L) for L in (e.context_lengths or ())] or [int(config.data.seq_len)]
+  chunk = int(config.train.loss_chunk_size)
+  for L in lengths:
+    if L < 2:
+      raise ValueError(f"config.eval.context_lengths has {L}: every length must be >= 2.")
+    if chunk and L % chunk:
+      raise ValueError(f"config.eval.context_lengths has {L}, not divisible by "
+                       f"config.train.loss_chunk_size={chunk}: use multiples of {chunk} (or "
+                       "change loss_chunk_size).")
+  if dc.is_synthetic:
+    from condattn_jax.data import make_task
+    make_task(dc.source, dc.task, int(config.data.seq_len))  # errors name data.task.<field>
+    for L in lengths:
+      try:
+        make_task(dc.source, dc.task, L)
+      except ValueError as err:
+        raise ValueError(f"config.eval.context_lengths has {L}, too short for the "
+                         f"{dc.source} task: {err}") from None
 
 
 def _hashable(v):

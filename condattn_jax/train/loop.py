@@ -6,16 +6,20 @@
   results = loop.evaluate_checkpoint(config, workdir_or_checkpoint)
 
 What `run` does, in order:
-  1. validate the config; mesh (data, fsdp, tensor) over all devices;
+  1. validate the config (every check that can fail before the first step); lock the workdir
+     (<workdir>/run.lock: one run per workdir); mesh (data, fsdp, tensor) over all devices;
   2. abstract params (`jax.eval_shape` of Decoder.init, logical-axis boxes) -> shardings by the
      rules table; optimizer (trainable mask, groups) -> its state's shardings;
   3. `jax.jit(train_step, in_shardings, out_shardings, donate_argnums=0)`;
-  4. latest checkpoint in <workdir>/checkpoints ? restore params, optimizer and data iterator
-     state : init (random from train.seed, or model.init_from -> scheme.from_dense);
-  5. loop: per-process batches -> global arrays -> step. Every step's loss is checked one step
-     later (no pipeline stall); a NaN / inf stops the run with NonFiniteLossError before that
-     state can be saved, so the last checkpoint stays good. Checkpoints every
-     train.checkpoint_every steps, at the end, and on SIGTERM (preemption) before returning;
+  4. latest readable checkpoint in <workdir>/checkpoints ? restore params, optimizer and data
+     iterator state (corrupt steps skipped with a warning) : init (random from train.seed, or
+     model.init_from -> scheme.from_dense); then <workdir>/config.json is written;
+  5. loop: per-process batches -> global arrays -> step. A NaN / inf loss or grad norm drops
+     that step's update inside the jitted step (guards.skip_nonfinite); the host checks every
+     step one step later (no pipeline stall) and stops the run with NonFiniteLossError before
+     that state can be saved; a checkpoint written just before, whose params produced the NaN,
+     is set aside (<step>.nonfinite). Checkpoints every train.checkpoint_every steps, at the end,
+     and on SIGTERM / Ctrl-C (a second Ctrl-C exits at once) before returning;
   6. metrics: <workdir>/metrics.jsonl + TensorBoard <workdir>/tb + console progress bar;
   7. eval (config.eval) at the end: <workdir>/eval/eval_step<N>.{json,md}.
 """
@@ -25,8 +29,6 @@ import dataclasses
 import json
 import logging
 import os
-import signal
-import threading
 import time
 from typing import Any, Callable
 
@@ -41,15 +43,16 @@ from condattn_jax.data import batch_spec, data_shard_for_sharding, make_global_b
 from condattn_jax.models.config import ModelConfig
 from condattn_jax.models.decoder import Decoder
 from condattn_jax.train import config as config_lib
+from condattn_jax.train import guards
 from condattn_jax.train import metrics as metrics_lib
 from condattn_jax.train import optimizer as opt_lib
 from condattn_jax.train import sharding as shd
+from condattn_jax.train import workdir as workdir_lib
 from condattn_jax.train.state import TrainState
 from condattn_jax.train.step import make_train_step
 
 
-class NonFiniteLossError(RuntimeError):
-  """The loss (or gradient norm) became NaN / inf; the run stopped without saving that state."""
+NonFiniteLossError = guards.NonFiniteLossError  # raised by run(); train.py exits with code 3
 
 
 @dataclasses.dataclass
@@ -82,11 +85,15 @@ def _init_shape(config) -> tuple[int, int]:
   return (1, min(int(config.data.seq_len), 256))
 
 
-def build(config, *, devices=None) -> Setup:
-  """Mesh, model config, shardings, optimizer: no weights touched (init_from reads config.json)."""
-  config_lib.validate_config(config)
+def build(config, *, devices=None, needs_data: bool = False) -> Setup:
+  """Mesh, model config, shardings, optimizer: no weights touched (init_from reads config.json).
+  Checks the config against the mesh and the model (divisibility, the synthetic task's token
+  ids vs vocab_size); needs_data=True also requires the data fields (validate_config)."""
+  config_lib.validate_config(config, needs_data=needs_data)
   mesh = shd.make_mesh(config.mesh, devices)
   model_cfg, _ = config_lib.model_config(config, load_weights=False)
+  from condattn_jax.data import check_vocab, parse_data_config
+  check_vocab(parse_data_config(config.data, needs_files=False), model_cfg.vocab_size)
   B, T = int(config.data.batch_size), int(config.data.seq_len)
   if B % shd.batch_shards(mesh):
     raise ValueError(f"config.data.batch_size={B} (global) must be divisible by mesh "
@@ -95,6 +102,10 @@ def build(config, *, devices=None) -> Setup:
     raise ValueError(f"a microbatch of data.batch_size/train.microbatches="
                      f"{B // int(config.train.microbatches)} rows must be divisible by mesh "
                      f"data*fsdp={shd.batch_shards(mesh)}.")
+  B_eval = int(config.eval.get("batch_size") or B)
+  if B_eval % shd.batch_shards(mesh):
+    raise ValueError(f"the eval batch (config.eval.batch_size or data.batch_size) = {B_eval} rows "
+                     f"must be divisible by mesh data*fsdp={shd.batch_shards(mesh)}.")
   model = Decoder(model_cfg)
   tok = jax.ShapeDtypeStruct(_init_shape(config), jnp.int32)
   with shd.init_context():
@@ -121,7 +132,10 @@ def build(config, *, devices=None) -> Setup:
 
 
 def jit_train_step(setup: Setup):
-  fn = make_train_step(setup.model_cfg, setup.config.train, setup.tx, setup.labels, setup.schedule)
+  """The sharded, donating train step; a non-finite loss / grad norm leaves the state unchanged
+  (guards.skip_nonfinite)."""
+  fn = guards.skip_nonfinite(
+      make_train_step(setup.model_cfg, setup.config.train, setup.tx, setup.labels, setup.schedule))
   bsh = {k: setup.batch_sharding for k in setup.batch_abstract}
   return jax.jit(fn, in_shardings=(setup.state_shardings, bsh),
                  out_shardings=(setup.state_shardings, shd.replicated(setup.mesh)),
@@ -134,11 +148,41 @@ def _paths_shapes(tree) -> dict[str, tuple]:
           jax.tree_util.tree_flatten_with_path(tree)[0]}
 
 
+def check_safetensors_files(path: str) -> None:
+  """Every *.safetensors file in `path` holds the bytes its header promises (a truncated or
+  partial download is an error naming the file, before any weight is read)."""
+  import glob
+  for fp in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+    size = os.path.getsize(fp)
+    try:
+      with open(fp, "rb") as f:
+        head = f.read(8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if n < 2 or 8 + n > size:
+          raise ValueError("header incomplete")
+        header = json.loads(f.read(n))
+      end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"),
+                default=0)
+    except (ValueError, KeyError, TypeError, IndexError) as e:
+      raise ValueError(f"model.init_from: {fp} is not a readable safetensors file ({e}; "
+                       f"{size} bytes): truncated or partial download? Download it again.") from None
+    if 8 + n + end > size:
+      raise ValueError(f"model.init_from: {fp} is truncated: {size} bytes, its header needs "
+                       f"{8 + n + end}. Download it again.")
+
+
 def load_initial_params(setup: Setup):
   """Dense HF weights (model.init_from) -> scheme.from_dense -> sharded params."""
   from condattn_jax import convert
   path = setup.config.model.init_from
-  _, dense = convert.load_hf_checkpoint(path, dtype=setup.model_cfg.param_dtype)
+  check_safetensors_files(path)
+  try:
+    _, dense = convert.load_hf_checkpoint(path, dtype=setup.model_cfg.param_dtype)
+  except (ValueError, OSError):
+    raise
+  except Exception as e:  # pylint: disable=broad-except  (safetensors' own errors name no file)
+    raise ValueError(f"model.init_from={path}: cannot read the checkpoint "
+                     f"({type(e).__name__}: {e}).") from e
   params = get_scheme(setup.model_cfg.scheme).from_dense(dense, setup.model_cfg)
   params = convert.unbox(params)
   want, got = _paths_shapes(setup.abstract_params), _paths_shapes(params)
@@ -189,7 +233,7 @@ def dry_run(config, *, devices=None, print_fn=print) -> dict[str, Any]:
   """Builds the mesh, shapes and the sharded train step, AOT lowers + compiles it and reports
   parameter counts and the compiler's per-device memory estimate. Allocates nothing big."""
   t0 = time.time()
-  setup = build(config, devices=devices)
+  setup = build(config, devices=devices, needs_data=False)
   step_fn = jit_train_step(setup)
   with shd.mesh_context(setup.mesh):
     lowered = step_fn.lower(setup.abstract_state, setup.batch_abstract)
@@ -240,28 +284,6 @@ def format_dry_run(r: dict) -> str:
   return "\n".join(lines)
 
 
-# ------------------------------------------------------------------------------ preemption
-class _Preemption:
-  """SIGTERM -> a flag checked at step boundaries (single process). With jax.distributed, the
-  coordination service's preemption sync point is used instead (all hosts stop at one step)."""
-
-  def __init__(self, install: bool):
-    self.flag = False
-    self._old = None
-    if install and threading.current_thread() is threading.main_thread():
-      self._old = signal.signal(signal.SIGTERM, self._handle)
-
-  def _handle(self, signum, frame):
-    del signum, frame
-    self.flag = True
-    logging.warning("SIGTERM: will save a checkpoint after this step and stop.")
-
-  def restore(self):
-    if self._old is not None:
-      signal.signal(signal.SIGTERM, self._old)
-      self._old = None
-
-
 # ---------------------------------------------------------------------------------- helpers
 def _meta(setup: Setup, shard_count: int) -> dict:
   return dict(config=json.loads(setup.config.to_json_best_effort()),
@@ -271,22 +293,6 @@ def _meta(setup: Setup, shard_count: int) -> dict:
 
 def _host_metrics(m) -> dict[str, np.ndarray]:
   return {k: np.asarray(v) for k, v in jax.device_get(m).items()}
-
-
-def _check_finite(step: int, m: dict, ckpt: ckpt_lib.Checkpointer | None):
-  bad = {k: float(np.asarray(m[k]).reshape(-1)[0]) for k in ("loss", "grad_norm")
-         if k in m and not np.all(np.isfinite(m[k]))}
-  if bad:
-    last = None
-    if ckpt is not None:
-      ckpt.wait()
-      last = ckpt.latest_step()
-    where = (f"the last good checkpoint is step {last} in {ckpt.directory} (untouched)"
-             if last is not None else "no checkpoint was written")
-    raise NonFiniteLossError(
-        f"non-finite {', '.join(f'{k}={v}' for k, v in bad.items())} at step {step}: stopping "
-        f"the run; {where}. Lower train.lr, raise train.warmup_frac, check the data, or use a "
-        "float32 model.dtype to find the cause.")
 
 
 class _Accumulator:
@@ -316,53 +322,141 @@ def run(config, workdir: str, *, stop_after: int | None = None,
     metrics reach the host (one step late). Returns {'step', 'train': last logged means,
     'eval': eval results at the end or None, 'eval_start': at step 0 (eval.at_start) or None,
     'stopped_early': bool, 'dry_run': report or None}.
+
+  Before the first step: every config check (validate_config, build, the data against the
+  model's vocabulary), the workdir lock (workdir.WorkdirBusyError if another run holds it), the
+  restore (a corrupt step is skipped with a warning and moved to <step>.corrupt; a config that
+  does not fit the checkpoints is an error). Only then is <workdir>/config.json written.
   """
   if config.train.dry_run:
     return dict(step=0, train={}, eval=None, stopped_early=True, dry_run=dry_run(config))
-  setup = build(config)
+  config_lib.validate_config(config)
+  is_host0 = jax.process_index() == 0
+  workdir = workdir_lib.prepare(workdir) if is_host0 else os.path.abspath(workdir)
+  lock = _lock_workdir(workdir, is_host0)
+  try:
+    return _run_locked(config, workdir, lock, stop_after=stop_after, on_step=on_step)
+  finally:
+    if lock is not None:
+      lock.release()
+
+
+def _all_processes_ok(ok: bool) -> bool:
+  if jax.process_count() == 1:
+    return ok
+  from jax.experimental import multihost_utils
+  return bool(np.all(multihost_utils.process_allgather(np.int32(ok))))
+
+
+def _lock_workdir(workdir: str, is_host0: bool):
+  lock, err = None, None
+  if is_host0:
+    try:
+      lock = workdir_lib.WorkdirLock.acquire(workdir)
+    except OSError as e:
+      err = e
+  if not _all_processes_ok(err is None):
+    if lock is not None:
+      lock.release()
+    raise err if err is not None else workdir_lib.WorkdirBusyError(
+        f"process 0 could not take the lock of workdir {workdir} (see its log).")
+  return lock
+
+
+def _restore_or_init(setup: Setup, ckpt: ckpt_lib.Checkpointer, data_it, shard_index: int,
+                     shard_count: int, is_host0: bool):
+  """(state, restored step or None): the newest readable checkpoint, else a fresh init."""
+  skipped = []
+  for s in sorted(ckpt.all_steps(), reverse=True):
+    try:
+      state = ckpt.restore_state(setup.abstract_state, s)
+      data_state = ckpt.restore_data_state(s, shard_index, shard_count)
+    except ckpt_lib.CorruptCheckpointError as e:
+      logging.warning("skipping checkpoint step %d: %s", s, e)
+      skipped.append((s, e))
+      continue
+    data_it.set_state(data_state)
+    if skipped:
+      if is_host0:
+        for bad, _ in skipped:
+          logging.warning("moved the unreadable checkpoint %s to %s", ckpt.step_dir(bad),
+                          ckpt.quarantine(bad))
+      if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("condattn_quarantine")
+        ckpt.mgr.reload()
+      logging.warning("resumed from step %d, the newest readable checkpoint in %s.", s,
+                      ckpt.directory)
+    else:
+      logging.info("resuming from %s/%d", ckpt.directory, s)
+    return state, s
+  if skipped:
+    raise ckpt_lib.CorruptCheckpointError(
+        f"no readable checkpoint in {ckpt.directory}: " + "; ".join(str(e) for _, e in skipped)
+        + " Repair or remove them (or use a new --workdir) to start over.")
+  return init_state(setup), None
+
+
+def _headline(setup: Setup) -> str | None:
+  """The scheme's progress-bar metric (Scheme.headline_metric), if it declares one."""
+  try:
+    return getattr(get_scheme(setup.model_cfg.scheme), "headline_metric", None)
+  except Exception:  # pylint: disable=broad-except
+    return None
+
+
+def _bar_extra(means: dict, headline: str | None) -> dict[str, float]:
+  extra = {"acc": float(means["accuracy"])}
+  if headline and headline in means:
+    extra[headline.rsplit("/", 1)[-1]] = float(np.mean(means[headline]))
+  return extra
+
+
+def _run_locked(config, workdir: str, lock, *, stop_after, on_step) -> dict[str, Any]:
+  setup = build(config, needs_data=True)
   tc = config.train
   is_host0 = jax.process_index() == 0
-  os.makedirs(workdir, exist_ok=True)
-  if is_host0:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
   B, T = setup.global_batch, setup.seq_len
   shard_index, shard_count = data_shard_for_sharding(setup.batch_sharding, (B, T))
-  data_it = make_train_iterator(config, process_index=shard_index, process_count=shard_count)
+  data_it = make_train_iterator(config, process_index=shard_index, process_count=shard_count,
+                                vocab_size=setup.model_cfg.vocab_size)
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=int(tc.keep_checkpoints))
+  try:
+    state, latest = _restore_or_init(setup, ckpt, data_it, shard_index, shard_count, is_host0)
+  except BaseException:
+    ckpt.close()
+    raise
+  if is_host0:  # the run is accepted: record its config
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
   train_step = jit_train_step(setup)
-
-  latest = ckpt.latest_step()
-  if latest is not None:
-    logging.info("resuming from %s/%d", ckpt.directory, latest)
-    state = ckpt.restore_state(setup.abstract_state, latest)
-    data_it.set_state(ckpt.restore_data_state(latest, shard_index, shard_count))
-  else:
-    state = init_state(setup)
   start = int(jax.device_get(state.step))
   total = int(tc.num_steps)
   meta = _meta(setup, shard_count)
 
-  counts = opt_lib.count_params(setup.abstract_params, setup.labels)
-  if is_host0:
-    logging.info("mesh %s, params %s, global batch %d x %d, steps %d -> %d", dict(setup.mesh.shape),
-                 counts, B, T, start, total)
   writer = metrics_lib.MetricWriter(workdir, enabled=is_host0)
   bar = metrics_lib.ProgressBar(total, start, enabled=is_host0 and bool(tc.progress_bar))
+  headline = _headline(setup)
   multiproc = jax.process_count() > 1
-  preempt = _Preemption(install=not multiproc)
+  stop_signals = guards.StopSignals(install=not multiproc,
+                                    on_hard_exit=lock.release if lock is not None else None)
+  counts = opt_lib.count_params(setup.abstract_params, setup.labels)
+  if is_host0:  # logged once SIGTERM / Ctrl-C save (tests wait for this line)
+    logging.info("mesh %s, params %s, global batch %d x %d, steps %d -> %d", dict(setup.mesh.shape),
+                 counts, B, T, start, total)
   result: dict[str, Any] = dict(step=start, train={}, eval=None, eval_start=None,
                                 stopped_early=False, dry_run=None)
   acc = _Accumulator()
   t_log, steps_since_log = time.time(), 0
   last_saved = latest
+  saved_this_run: set[int] = set()
   pending = None
 
   def process(p):
     nonlocal t_log, steps_since_log
     s, m = p
     m = _host_metrics(m)
-    _check_finite(s, m, ckpt)
+    guards.check_finite(s, m, ckpt, saved_this_run=saved_this_run, primary=is_host0)
     acc.add(m)
     if on_step is not None:
       on_step(s, m)
@@ -372,8 +466,7 @@ def run(config, workdir: str, *, stop_after: int | None = None,
       means["tokens_per_s"] = steps_since_log * B * T / dt
       means["steps_per_s"] = steps_since_log / dt
       writer.write(s, means, prefix="train/")
-      bar.update(s, float(means["loss"]), means["tokens_per_s"],
-                 {"acc": float(means["accuracy"])})
+      bar.update(s, float(means["loss"]), means["tokens_per_s"], _bar_extra(means, headline))
       result["train"] = metrics_lib.to_python(means)
       acc.__init__()
       t_log, steps_since_log = time.time(), 0
@@ -384,6 +477,7 @@ def run(config, workdir: str, *, stop_after: int | None = None,
       return
     ckpt.save(s, state, data_it.get_state(), meta)
     last_saved = s
+    saved_this_run.add(s)
 
   with shd.mesh_context(setup.mesh):
     try:
@@ -398,14 +492,14 @@ def run(config, workdir: str, *, stop_after: int | None = None,
         if pending is not None:
           process(pending)
         pending = (step, m)
-        reason = ("SIGTERM" if preempt.flag else
+        reason = (stop_signals.reason if stop_signals.flag else
                   "preemption" if multiproc and ckpt.mgr.reached_preemption(step) else
                   "stop_after" if stop_after is not None and step - start >= stop_after else None)
         stop = reason is not None
         periodic = int(tc.checkpoint_every) and step % int(tc.checkpoint_every) == 0
         evaluate_now = int(tc.eval_every) and step % int(tc.eval_every) == 0 and step < total
         if periodic or stop or step == total or evaluate_now:
-          process(pending)
+          process(pending)  # a non-finite step raises here, before its state can be saved
           pending = None
         if periodic or stop or step == total:
           save(step)
@@ -422,7 +516,7 @@ def run(config, workdir: str, *, stop_after: int | None = None,
       if step == total and not result["stopped_early"] and config.eval.get("at_end", True):
         result["eval"] = _run_eval(config, setup, state, step, workdir, writer, is_host0)
     finally:
-      preempt.restore()
+      stop_signals.restore()
       bar.close()
       writer.close()
       ckpt.close()
@@ -441,18 +535,41 @@ def _run_eval(config, setup: Setup, state, step, workdir, writer, is_host0):
 
 
 # ------------------------------------------------------------------------------------- eval
+def _readable(ck: ckpt_lib.Checkpointer, step: int | None, read: Callable[[int], Any]):
+  """(read(step), step): an explicit step must be readable; without one the newest readable
+  checkpoint is used (corrupt newer ones are skipped with a warning naming them)."""
+  if step is not None:
+    return read(ck._require(step)), step
+  steps = sorted(ck.all_steps(), reverse=True)
+  if not steps:
+    ck._require(None)  # raises CheckpointNotFoundError
+  errors = []
+  for s in steps:
+    try:
+      out = read(s)
+    except ckpt_lib.CorruptCheckpointError as e:
+      logging.warning("skipping checkpoint step %d: %s", s, e)
+      errors.append(str(e))
+      continue
+    if errors:
+      logging.warning("using step %d, the newest readable checkpoint in %s.", s, ck.directory)
+    return out, s
+  raise ckpt_lib.CorruptCheckpointError(f"no readable checkpoint in {ck.directory}: "
+                                        + "; ".join(errors))
+
+
 def load_params(config, path: str, *, step: int | None = None, devices=None):
-  """(setup, params, step) from a workdir / checkpoints dir / step dir, into this config's mesh."""
+  """(setup, params, step) from a workdir / checkpoints dir / step dir, into this config's mesh.
+  Without a step (in `step` or the path) the newest readable checkpoint is used."""
   directory, step_from_path = ckpt_lib.resolve_checkpoint_path(path)
   step = step if step is not None else step_from_path
   setup = build(config, devices=devices)
+  target = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        setup.abstract_params, setup.param_shardings)
   ck = ckpt_lib.Checkpointer(directory, read_only=True)
   try:
-    step = ck._require(step)
     with shd.mesh_context(setup.mesh):
-      params = ck.restore_params(jax.tree.map(
-          lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-          setup.abstract_params, setup.param_shardings), step)
+      params, step = _readable(ck, step, lambda s: ck.restore_params(target, s))
   finally:
     ck.close()
   return setup, params, step
@@ -464,7 +581,7 @@ def config_from_checkpoint(path: str, step: int | None = None):
   directory, step_from_path = ckpt_lib.resolve_checkpoint_path(path)
   ck = ckpt_lib.Checkpointer(directory, read_only=True)
   try:
-    meta = ck.restore_meta(step if step is not None else step_from_path)
+    meta, _ = _readable(ck, step if step is not None else step_from_path, ck.restore_meta)
   finally:
     ck.close()
   base = config_lib.default_config()
@@ -493,17 +610,28 @@ def _merge(base, new):
 def evaluate_checkpoint(config, path: str | None = None, *, step: int | None = None,
                         out_dir: str | None = None, devices=None) -> dict[str, Any]:
   """Evaluates a checkpoint (`path`: workdir / checkpoints dir / step dir) or, with path=None,
-  the initial params (random, or model.init_from converted by the scheme). Writes
-  <out_dir>/eval_step<N>.{json,md} when out_dir is given."""
+  the initial params (random, or model.init_from converted by the scheme).
+
+  The results record their knobs (evaluation.eval_knobs). With out_dir, writes
+  <out_dir>/eval_step<N>[_<tag>].{json,md}: the tag names the knobs that differ from the config
+  saved with the checkpoint (e.g. a test-time theta), so an earlier eval with other knobs is
+  never overwritten; res['files'] lists the paths written."""
   from condattn_jax import evaluation
+  config_lib.validate_config(config, needs_data=True)
+  reference = None
   if path is None:
     setup = build(config, devices=devices)
     params = init_params(setup)
     step = 0
   else:
     setup, params, step = load_params(config, path, step=step, devices=devices)
+    try:
+      reference = evaluation.eval_knobs(config_from_checkpoint(path, step))
+    except (ValueError, OSError, KeyError) as e:
+      logging.warning("cannot read the config saved with checkpoint %d (%s): eval files are "
+                      "named by their knobs' hash.", step, e)
   res = evaluation.evaluate(config, params, setup.model_cfg, setup.mesh, step=int(step),
                             param_shardings=setup.param_shardings)
   if out_dir is not None and jax.process_index() == 0:
-    evaluation.write_results(res, out_dir)
+    res["files"] = list(evaluation.write_results(res, out_dir, reference_knobs=reference))
   return res
