@@ -95,8 +95,8 @@ def _qkv(rng, B, T, S, N, K, H, dtype=jnp.float32):
 def _cache_layout(rng, B, T, S):
   """Chunked prefill / decode into a cache: T queries at the end of S slots, some slots empty."""
   kv_pos = np.broadcast_to(np.arange(S, dtype=np.int32), (B, S)).copy()
-  valid = (rng.random((B, S)) < 0.85).astype(np.int32)
-  return kv_pos[:, S - T:].copy(), kv_pos, valid
+  valid = (rng.random((B, S)) < 0.85) * rng.integers(1, 4, (B, S))  # any nonzero id = valid
+  return kv_pos[:, S - T:].copy(), kv_pos, valid.astype(np.int32)
 
 
 # ------------------------------------------------------------------------------------------------
