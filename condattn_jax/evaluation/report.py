@@ -66,7 +66,7 @@ def knobs_tag(knobs: dict, reference: dict) -> str:
   for k, v in diff:
     v = ",".join(map(str, v)) if isinstance(v, list) else v
     parts.append(f"{k.split('.')[-1]}={v}")
-  tag = re.sub(r"[^A-Za-z0-9=.,+-]", "", "_".join(parts))
+  tag = re.sub(r"[^A-Za-z0-9_=.,+-]", "", "_".join(parts))
   return tag if 0 < len(tag) <= 60 else knobs_hash(knobs)
 
 
