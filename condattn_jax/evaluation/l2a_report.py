@@ -13,10 +13,14 @@ import os
 from typing import Any
 
 from condattn_jax.attention import l2a
+from condattn_jax.data import make_eval_batches
+from condattn_jax.evaluation.perplexity import eval_data_config
+from condattn_jax.models.decoder import Decoder
 
 
 def layer_sparsity(eval_row: dict, num_layers: int) -> list[float]:
-  """Per-layer sparsity from one context length's eval results (aux/l2a/sparsity_layer_i)."""
+  """Per-layer sparsity as the eval harness reported it (aux/l2a/sparsity_layer_i: the L2A
+  layer's own count, 1 - global tokens / valid tokens, averaged over the eval batches)."""
   keys = [f"aux/l2a/sparsity_layer_{i}" for i in range(num_layers)]
   missing = [k for k in keys if k not in eval_row]
   if missing:
@@ -32,15 +36,19 @@ def _summary(row: dict) -> dict:
 def prune_and_evaluate(config, params, model_cfg, mesh, *, threshold: float = 0.95,
                        context_len: int | None = None, eval_len: int | None = None
                        ) -> dict[str, Any]:
-  """Measure per-layer sparsity with the eval harness (held-out stream, config.eval.num_batches
-  rows of length eval_len), prune layers >= threshold, re-evaluate, report KV-cache bytes."""
+  """Measure per-layer sparsity (`l2a.measure_sparsity`) on the eval harness's held-out batches
+  (config.eval.num_batches batches of length eval_len), prune layers >= threshold, re-evaluate,
+  report KV-cache bytes."""
   from condattn_jax import evaluation
   if model_cfg.scheme != "l2a":
     raise ValueError(f"L2A pruning needs model.scheme.name='l2a', got {model_cfg.scheme!r}.")
   L = int(eval_len or config.data.seq_len)
   ctx = int(context_len or config.data.seq_len)
   before = evaluation.evaluate(config, params, model_cfg, mesh, lengths=[L])["results"][L]
-  sp = layer_sparsity(before, model_cfg.num_layers)
+  # the one sparsity measure (token-weighted over the same held-out batches as the eval)
+  batches = make_eval_batches(eval_data_config(config, L), int(config.eval.num_batches),
+                              int(config.eval.seed))
+  sp = l2a.measure_sparsity(Decoder(model_cfg), params, batches)["layer_sparsity"]
   pcfg, pparams, new = l2a.prune(params, model_cfg, sp, threshold)
   after = evaluation.evaluate(config, pparams, pcfg, mesh, lengths=[L])["results"][L]
   opts = l2a.l2a_options(pcfg)
