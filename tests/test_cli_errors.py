@@ -81,6 +81,13 @@ def test_eval_lengths_checked_before_training(tmp_path):
   assert not os.path.exists(tmp_path / "w" / "config.json")
 
 
+def test_debug_shows_the_traceback(tmp_path):
+  p = cli("train.py", f"--config={TINY}", f"--workdir={tmp_path}/w", "--debug",
+          "--config.train.loss_chunk_size=32", "--config.eval.context_lengths=(80,)")
+  assert p.returncode == 2 and "Traceback" in p.stderr and "validate_config" in p.stderr
+  assert last_line(p).startswith("ERROR: ") and "context_lengths has 80" in last_line(p)
+
+
 def test_workdir_that_is_a_file(tmp_path):
   f = tmp_path / "afile"
   f.write_text("x")

@@ -213,6 +213,17 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     assert_trees_close(params, good, atol=0)
 
 
+def test_progress_bar_shows_the_scheme_headline_metric():
+  import io
+  from condattn_jax.train import metrics as metrics_lib
+  assert loop.headline_metric("l2a") == "l2a/sparsity" and loop.headline_metric("dense") is None
+  buf = io.StringIO()
+  bar = metrics_lib.ProgressBar(10, 0, stream=buf)
+  means = {"loss": 1.0, "accuracy": 0.5, "l2a/sparsity": np.array([0.2, 0.4])}
+  bar.update(5, 1.0, 100.0, loop._bar_extra(means, loop.headline_metric("l2a")))
+  assert "loss 1.0000 acc 0.500 sparsity 0.300" in buf.getvalue()
+
+
 # ------------------------------------------------------------------------- workdir lock
 def test_workdir_lock_refuses_live_owner_and_takes_over_stale_one(tmp_path, caplog):
   from condattn_jax.train import workdir

@@ -397,15 +397,13 @@ def _restore_or_init(setup: Setup, ckpt: ckpt_lib.Checkpointer, data_it, shard_i
   return init_state(setup), None
 
 
-def _headline(setup: Setup) -> str | None:
-  """The scheme's progress-bar metric (Scheme.headline_metric), if it declares one."""
-  try:
-    return getattr(get_scheme(setup.model_cfg.scheme), "headline_metric", None)
-  except Exception:  # pylint: disable=broad-except
-    return None
+def headline_metric(scheme_name: str) -> str | None:
+  """The scheme's progress-bar metric (Scheme.headline_metric, e.g. 'l2a/sparsity'), if any."""
+  return getattr(get_scheme(scheme_name), "headline_metric", None)
 
 
 def _bar_extra(means: dict, headline: str | None) -> dict[str, float]:
+  """Accuracy, and the headline metric (its mean over layers) under its last name part."""
   extra = {"acc": float(means["accuracy"])}
   if headline and headline in means:
     extra[headline.rsplit("/", 1)[-1]] = float(np.mean(means[headline]))
@@ -436,7 +434,7 @@ def _run_locked(config, workdir: str, lock, *, stop_after, on_step) -> dict[str,
 
   writer = metrics_lib.MetricWriter(workdir, enabled=is_host0)
   bar = metrics_lib.ProgressBar(total, start, enabled=is_host0 and bool(tc.progress_bar))
-  headline = _headline(setup)
+  headline = headline_metric(setup.model_cfg.scheme)
   multiproc = jax.process_count() > 1
   stop_signals = guards.StopSignals(install=not multiproc,
                                     on_hard_exit=lock.release if lock is not None else None)
