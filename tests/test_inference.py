@@ -35,12 +35,19 @@ def _l2a(routing="learned", **kw):
 
 
 def _check_against_full_forward(cfg, params, gen):
-  """Each row alone: logits of a full forward over prompt + generated tokens."""
-  m = Decoder(cfg)
+  """One full forward over the batch of prompt + generated tokens (right-padded, padding marked
+  by segment id 0; row order kept, so context-free draws keyed on (row, position) match)."""
+  seqs = [prompt + gen.tokens[b][:-1] for b, prompt in enumerate(PROMPTS)]
+  L = max(map(len, seqs))
+  tok = np.zeros((len(seqs), L), np.int32)
+  seg = np.zeros((len(seqs), L), np.int32)
+  for b, s in enumerate(seqs):
+    tok[b, :len(s)], seg[b, :len(s)] = s, 1
+  pos = np.broadcast_to(np.arange(L, dtype=np.int32), tok.shape)
+  full, _ = Decoder(cfg).apply({"params": params}, jnp.asarray(tok), jnp.asarray(pos),
+                               jnp.asarray(seg))
   for b, prompt in enumerate(PROMPTS):
-    seq = np.asarray(prompt + gen.tokens[b][:-1], np.int32)[None]
-    full, _ = m.apply({"params": params}, jnp.asarray(seq))
-    want = np.asarray(full[0, len(prompt) - 1:])
+    want = np.asarray(full[b, len(prompt) - 1:len(seqs[b])])
     np.testing.assert_allclose(gen.logits[b], want, atol=1e-4, rtol=0)
     assert gen.tokens[b] == list(want.argmax(-1))
 
