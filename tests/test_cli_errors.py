@@ -102,6 +102,12 @@ def test_synthetic_vocab_larger_than_model():
   assert_user_error(p, "data.task.vocab_size=128 exceeds the model's vocab_size=64")
 
 
+def test_mesh_larger_than_the_machine():
+  p = cli("train.py", f"--config={TINY}", "--dry_run", "--config.mesh.fsdp=1",
+          "--config.mesh.tensor=2")
+  assert_user_error(p, "needs 2 devices, but 1 are available")
+
+
 def test_tokenizer_larger_than_model(tmp_path):
   docs = tmp_path / "d.jsonl"
   docs.write_text(json.dumps({"text": "hello world"}) + "\n")
@@ -199,6 +205,8 @@ def test_ctrl_c_saves_and_stops(run1):
   assert run1["rc"] == 0, run1["stderr"][-3000:]
   assert "Traceback" not in run1["stderr"]
   assert "Ctrl-C: saving a checkpoint after this step" in run1["stderr"]
+  # orbax's INFO chatter (one block per save, every step here) is hidden by default
+  assert "checkpoint_manager.py" not in run1["stderr"] and "async_checkpointer" not in run1["stderr"]
   line = last_line(dict_proc(run1))
   assert "stopped at step" in line and "re-run the same command to resume" in line
   stopped = int(line.split("stopped at step ")[1].split()[0])
