@@ -138,16 +138,9 @@ def _check(q, k, v, mask: MaskSpec):
   """One-line ValueErrors for malformed calls (shapes are static)."""
   if not isinstance(mask, MaskSpec):
     raise ValueError(f"ops.attention: mask must be an ops.MaskSpec, got {type(mask).__name__}")
-  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-    raise ValueError(f"ops.attention: q, k, v must be [B, T, N, H], [B, S, K, H]; got {q.shape}, "
-                     f"{k.shape}, {v.shape}")
-  B, T, N, H = q.shape
-  S, K = k.shape[1], k.shape[2]
-  if v.shape != k.shape or k.shape[0] != B or k.shape[3] != H:
-    raise ValueError(f"ops.attention: k and v must both be [B={B}, S, K, H={H}]; got {k.shape}, "
-                     f"{v.shape}")
-  if N % K:
-    raise ValueError(f"ops.attention: query heads {N} must be a multiple of kv heads {K}")
+  _kernel_module("reference").check_qkv(q, k, v)
+  B, T, N, _ = q.shape
+  S = k.shape[1]
   for name, shape in (("q_positions_BT", (B, T)), ("kv_positions_BS", (B, S)),
                       ("q_segment_ids_BT", (B, T)), ("kv_segment_ids_BS", (B, S))):
     x = getattr(mask, name)
@@ -583,11 +576,20 @@ def _branches(impl: str, q, mask: MaskSpec, scale, pallas_backend):
       interpret = pltpu.InterpretParams()
     else:
       interpret = True
-    return dict(default=_per_shard(_pallas(scale, pallas_backend or "triton", interpret)),
-                cuda=_for_platform("cuda", _per_shard(_pallas(scale, "triton")), "impl='pallas'"),
-                rocm=_for_platform("rocm", _per_shard(_pallas(scale, "triton")), "impl='pallas'"),
-                tpu=_for_platform("tpu", _per_shard(_pallas(scale, "mosaic_tpu")),
-                                  "impl='pallas'"))
+
+    def kernel(kernel_impl, interpret=False):
+      fn = _per_shard(_pallas(scale, kernel_impl, interpret))
+
+      def named(*args):  # the kernel's own ValueError (e.g. a head_dim it cannot take)
+        try:
+          return fn(*args)
+        except ValueError as e:
+          raise _explicit_error(impl, [str(e)]) from e
+      return named
+    return dict(default=kernel(pallas_backend or "triton", interpret),
+                cuda=_for_platform("cuda", kernel("triton"), "impl='pallas'"),
+                rocm=_for_platform("rocm", kernel("triton"), "impl='pallas'"),
+                tpu=_for_platform("tpu", kernel("mosaic_tpu"), "impl='pallas'"))
   raise ValueError(f"ops.attention: unknown impl {impl!r}; choose one of {IMPLS}")
 
 

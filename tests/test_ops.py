@@ -428,6 +428,10 @@ def test_explicit_impls_that_cannot_take_the_call_raise():
     q = jnp.zeros((B_, specs[name].q_positions_BT.shape[1], N_, H_), jnp.bfloat16)
     with pytest.raises(ValueError, match=f"impl='{impl}' cannot take this call: .*{why}"):
       ops.attention(q, k, k, specs[name], impl=impl)
+  x = jnp.zeros((1, 32, 2, 24))  # the Triton kernel needs a power-of-two head_dim
+  pos = jnp.broadcast_to(jnp.arange(32), (1, 32))
+  with pytest.raises(ValueError, match="impl='pallas' cannot take this call: .*head_dim 24"):
+    ops.attention(x, x, x, ops.MaskSpec(pos, pos), impl="pallas")
   with pytest.raises(ValueError, match="unknown impl 'nope'"):
     ops.attention(q, k, k, specs["unpacked"], impl="nope")
   with pytest.raises(ValueError, match="pallas_backend='gpu'"):

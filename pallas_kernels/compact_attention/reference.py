@@ -84,6 +84,19 @@ def _block_list_mask(kv_blocks_BNQL, head_mode_BN, T, S, block_q, block_k):
   return allowed[:, :, :, :S]
 
 
+def check_qkv(q_BTNH, k_BSKH, v_BSKH):
+  """One-line ValueError unless q is [B, T, N, H] and k, v are [B, S, K, H] with N % K == 0."""
+  q, k, v = q_BTNH, k_BSKH, v_BSKH
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    raise ValueError(f"q, k, v must be 4-D [B, T, N, H] / [B, S, K, H]; got {q.shape}, "
+                     f"{k.shape}, {v.shape}")
+  B, _, N, H = q.shape
+  if k.shape != v.shape or k.shape[0] != B or k.shape[3] != H:
+    raise ValueError(f"k and v must both be [B={B}, S, K, H={H}]; got {k.shape}, {v.shape}")
+  if N % k.shape[2]:
+    raise ValueError(f"query heads {N} must be a multiple of kv heads {k.shape[2]}")
+
+
 def reference_attention(q_BTNH, k_BSKH, v_BSKH, mask, *, scale=None):
   """Masked dense attention: (out [B, T, N, H] in q's dtype, lse [B, T, N] float32).
 
