@@ -1,0 +1,117 @@
+"""bench/e2e.py kept working on CPU (its core at tiny shapes: 2 layers, T=64) and its recorded
+GPU results checked for fields and self-consistency (speedups = ratios of the file's own ms)."""
+from __future__ import annotations
+
+import copy
+import glob
+import json
+import math
+import os
+
+import jax
+import pytest
+
+from bench import e2e
+
+RESULTS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "bench", "results",
+                                        "e2e_*.json")))
+
+
+@pytest.fixture(scope="module")
+def tiny_rows():
+  """dense and L2A q=0.2 rows of the real per-row code path, tiny model, one CPU device."""
+  rows = [e2e.run_row(64, s, shapes=e2e.TINY, reps=1, decode_steps=1, window=16,
+                      devices=jax.devices()[:1]) for s in ("dense", "l2a_q0.2")]
+  e2e.add_speedups(rows)
+  return rows
+
+
+def _doc(rows):
+  return dict(device="cpu", jax_version=jax.__version__, date="2026-01-01T00:00:00+00:00",
+              layers=e2e.TINY["num_layers"], rows=copy.deepcopy(rows))
+
+
+def test_rows_measure_every_phase(tiny_rows):
+  dense, l2a = tiny_rows
+  for r in tiny_rows:
+    assert r["status"] == "ok", r.get("traceback")
+    assert r["layers"] == 2 and r["T"] == 64
+    for k in ("compile_s", "train_ms", "prefill_ms", "decode_ms", "forward_ms", "init_s"):
+      assert r[k] > 0 and math.isfinite(r[k]), k
+    assert r["loss_finite"] and r["prefill_logits_finite"] and r["decode_logits_finite"]
+    assert len(r["train_ms_all"]) == 1 and len(r["decode_ms_all"]) == 1
+  # the L2A row really routes ~20% of its tokens global (128 draws: 0.8 +- 0.035)
+  assert 0.65 < l2a["sparsity"] < 0.95
+  assert "sparsity" not in dense
+  # L2A keeps a window ring beside the full global cache: more bytes than dense, unpruned
+  assert l2a["kv_cache_bytes"] > dense["kv_cache_bytes"]
+  assert l2a["routing"] == "bernoulli" and l2a["bernoulli_q"] == 0.2 and l2a["p_force"] == 0.1
+  assert dense["speedup_train"] == 1.0
+  assert l2a["speedup_train"] == pytest.approx(dense["train_ms"] / l2a["train_ms"])
+  assert l2a["speedup_prefill"] == pytest.approx(dense["prefill_ms"] / l2a["prefill_ms"])
+
+
+def test_check_results_accepts_consistent_and_names_each_break(tiny_rows):
+  e2e.check_results(_doc(tiny_rows))
+  bad = _doc(tiny_rows)
+  bad["rows"][1]["speedup_train"] *= 1.1
+  with pytest.raises(ValueError, match="speedup_train"):
+    e2e.check_results(bad)
+  bad = _doc(tiny_rows)
+  del bad["rows"][0]["prefill_ms"]
+  with pytest.raises(ValueError, match="prefill_ms"):
+    e2e.check_results(bad)
+  bad = _doc(tiny_rows)
+  bad["rows"] = [r for r in bad["rows"] if r["scheme"] != "dense"]  # a speedup without its baseline
+  with pytest.raises(ValueError, match="without both ms"):
+    e2e.check_results(bad)
+  bad = _doc(tiny_rows)
+  del bad["jax_version"]
+  with pytest.raises(ValueError, match="jax_version"):
+    e2e.check_results(bad)
+
+
+def test_pforce_expectation_is_checked(tiny_rows):
+  full = dict(tiny_rows[1], scheme="l2a_all", train_ms=2 * tiny_rows[1]["train_ms"])
+  doc = _doc(list(tiny_rows) + [full])
+  e2e.add_speedups(doc["rows"])
+  q = doc["rows"][1]
+  assert q["train_ms_pforce"] == pytest.approx(0.9 * q["train_ms"] + 0.1 * full["train_ms"])
+  e2e.check_results(doc)
+  q["speedup_train_pforce"] *= 0.9
+  with pytest.raises(ValueError, match="speedup_train_pforce"):
+    e2e.check_results(doc)
+
+
+def test_sanity_check_passes_at_tiny_shapes():
+  """The GPU run's first step, on CPU in fp32: L2A (routing all, window 0) == dense, the engine's
+  prefill / decode logits == the cache-free forward's."""
+  out = e2e.sanity(shapes=e2e.TINY, T=64, window=16, dtype="float32", tol=1e-4)
+  assert out["ok"], out
+  assert out["engine_decode_vs_forward_l2a_q0.2"] <= 1e-4
+
+
+@pytest.mark.skipif(not RESULTS, reason="no recorded bench/results/e2e_*.json yet")
+@pytest.mark.parametrize("path", RESULTS)
+def test_recorded_results_are_consistent(path):
+  with open(path) as f:
+    doc = json.load(f)
+  e2e.check_results(doc)
+  assert doc["layers"] == e2e.QWEN25_1P5B["num_layers"]  # the full model, no layer shortcut
+  assert doc["model"]["hidden_size"] == 1536 and doc["model"]["vocab_size"] == 151936
+  assert doc["sanity"] is None or doc["sanity"]["ok"], doc["sanity"]
+  ok = [r for r in doc["rows"] if r["status"] == "ok"]
+  assert ok, "no row finished"
+  for r in ok:
+    assert r["layers"] == 28
+    for k in ("compile_s", "train_ms", "prefill_ms", "decode_ms", "peak_bytes"):
+      assert r[k] is not None and r[k] > 0, (r["T"], r["scheme"], k)
+    if r["scheme"] == "l2a_q0.2":
+      assert abs(r["sparsity"] - 0.8) < 0.01, r["sparsity"]  # >= 2 x 28 x 32K draws
+    if r["scheme"] == "dense":
+      assert r["speedup_train"] == 1.0
+  # every requested row either ran or is listed as not run, with its reason
+  for r in doc["rows"]:
+    assert r["status"] and r["status"] != "running", r  # a failed row says why
+  for nr in doc.get("not_run", []):
+    assert nr["reason"]
