@@ -1,0 +1,86 @@
+"""AHA conversions: dense <-> AHA (SCHEMES.md section 2).
+
+A converted layer keeps every dense parameter (one attention serves both paths) and gains
+`router` = {kernel [D, N] zeros, bias [N] = router_bias_init}. Functions take and return the
+model's (stacked) layout or per-layer trees (`layers_{i}`); a top-level 'params' key is kept.
+Plain arrays only (numpy or jax): unbox flax metadata first (`convert.unbox`).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from condattn_jax.attention.aha.layer import aha_config, aha_options
+from condattn_jax.models import stacking
+from condattn_jax.models.config import ModelConfig
+
+
+def _strip(params):
+  """(inner params, rewrap) for trees given with or without a top-level 'params' key."""
+  if "params" in params and "embed_tokens" not in params:
+    return params["params"], lambda p: {**params, "params": p}
+  return params, lambda p: p
+
+
+def _per_layer(params):
+  inner, rewrap = _strip(params)
+  return stacking.unstack_layers(inner), rewrap
+
+
+def _restack(per_layer: dict) -> dict:
+  """AHA and dense models have one layer variant: one scanned group ('layers')."""
+  return stacking.stack_layers(per_layer, (None,) * stacking.num_layers_of(per_layer))
+
+
+def from_dense(params, config):
+  """Dense params -> AHA params: per layer `router` = {kernel: zeros [D, N], bias: [N] filled
+  with router_bias_init}; every other parameter is kept as is (both paths use them). With the
+  default bias (+2: sigmoid 0.88 > tau 0.5) the converted model computes the base model.
+  `config` is the target AHA ModelConfig (it gives N and the options)."""
+  opts = aha_options(config)
+  inner, rewrap = _per_layer(params)
+  out = dict(inner)
+  for i in range(stacking.num_layers_of(inner)):
+    name = f"layers_{i}"
+    layer = dict(inner[name])
+    if "router" in layer:
+      raise ValueError(f"from_dense: {name} already has a router (params are not dense).")
+    attn = layer.get("self_attn", {})
+    if "q_proj" not in attn:
+      raise ValueError(f"from_dense: {name} has no self_attn/q_proj: not a dense decoder layer.")
+    q = attn["q_proj"]["kernel"]  # [D, N, H]
+    D, N = q.shape[0], q.shape[1]
+    if N != config.num_heads:
+      raise ValueError(f"from_dense: {name}/self_attn/q_proj has {N} heads, model.num_heads="
+                       f"{config.num_heads}.")
+    xp = np if isinstance(q, np.ndarray) else jnp
+    layer["router"] = {"kernel": xp.zeros((D, N), q.dtype),
+                       "bias": xp.full((N,), opts.router_bias_init, q.dtype)}
+    out[name] = layer
+  return rewrap(_restack(out))
+
+
+def to_dense(params, config: ModelConfig, *, keep: str = "full"):
+  """AHA -> (dense ModelConfig, dense params): the router is dropped.
+
+  keep='full'  : full attention for every head (the base model; exact inverse of `from_dense`;
+                 = the AHA model with routing 'all').
+  keep='local' : sliding-window attention (window w) for every head (= routing 'none')."""
+  if keep not in ("full", "local"):
+    raise ValueError(f"to_dense(keep={keep!r}): choose 'full' or 'local'.")
+  opts = aha_options(config)
+  inner, rewrap = _per_layer(params)
+  out = dict(inner)
+  for i in range(stacking.num_layers_of(inner)):
+    out[f"layers_{i}"] = {k: v for k, v in inner[f"layers_{i}"].items() if k != "router"}
+  window = None if keep == "full" else opts.window
+  return (config.replace(scheme="dense", scheme_kwargs=(), sliding_window=window),
+          rewrap(_restack(out)))
+
+
+def dense_to_aha(params, config: ModelConfig, **options) -> tuple[ModelConfig, Any]:
+  """(dense config, params) -> (AHA config with `options`, AHA params)."""
+  cfg = aha_config(config, **options)
+  return cfg, from_dense(params, cfg)
