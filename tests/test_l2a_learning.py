@@ -26,14 +26,34 @@ if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
 
+def _stacked_fixture(bench, s, tmp_path):
+  """The dense fixture (per-layer npz) in the Decoder's layout, as an npz run_experiment loads."""
+  from condattn_jax.models import stacking
+  dense = stacking.to_model_layout(bench.load_params(FIXTURE), bench.base_config(s))
+  path = str(tmp_path / "mqar_dense_stacked.npz")
+  bench.save_params(dense, path)
+  return dense, path
+
+
 @pytest.mark.slow
-def test_l2a_learns_recall_cpu_sized():
+def test_l2a_learns_recall_cpu_sized(tmp_path):
+  """The CPU preset of bench/l2a_learning.py, run here: every number below is measured in this
+  test (the dense model is the fixture; conversion, both training phases and evals run here)."""
   from bench import l2a_learning as bench
+  from condattn_jax.attention import l2a
   s = bench.PRESETS["cpu"]
-  res = bench.run_experiment(s, log=lambda m: None, dense_params=FIXTURE)
+  dense, path = _stacked_fixture(bench, s, tmp_path)
+  # right after the conversion (window 4, both branches copied, zero router: every token global)
+  # the local + global sum has broken the recall circuit: what L2A reaches below is learned here
+  lcfg, lp = l2a.dense_to_l2a(dense, bench.base_config(s), **bench.l2a_options(s))
+  at_conversion = bench.evaluate(lcfg, lp, bench.Data(s))
+  res = bench.run_experiment(s, log=lambda m: None, dense_params=path)
   summary = {k: res[k] for k in ("dense_accuracy", "l2a_accuracy", "l2a_sparsity",
-                                  "l2a_layer_sparsity", "context_free_accuracy")}
+                                  "l2a_layer_sparsity", "context_free_accuracy",
+                                  "context_free_sparsity")}
+  summary["accuracy_at_conversion"] = at_conversion["accuracy"]
   assert res["dense_accuracy"] > 0.95, summary
+  assert at_conversion["accuracy"] < 0.2 and at_conversion["sparsity"] == 0.0, summary
   # the router learned to skip global attention for most tokens ...
   assert res["l2a_sparsity"] >= 0.65, summary
   # ... where it is not needed: well above the context-free router at the same sparsity

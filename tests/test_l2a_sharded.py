@@ -94,4 +94,7 @@ def test_same_train_steps_as_the_unsharded_reference(runs):
   for m in ("m1", "m2"):
     for k in ("loss", "grad_norm", "accuracy", "lr", "l2a/sparsity", "l2a/forced_frac"):
       np.testing.assert_allclose(b[m][k], a[m][k], rtol=1e-5, atol=1e-6, err_msg=f"{m} {k}")
-  assert_trees_close(b["params"], a["params"], atol=1e-5)
+  # after two AdamW steps (update ~ lr * m / sqrt(v), lr 3e-3): near-zero gradients turn float
+  # rounding into update differences of ~1e-5 even between two correct runs (measured 1.2e-5
+  # with the sharded reference); a wrong gradient moves a param by up to 2 * lr per step
+  assert_trees_close(b["params"], a["params"], atol=5e-5)
