@@ -14,7 +14,7 @@ on original positions, skipping kv tiles that no query of a tile can see; the ba
 scattered back; inactive queries get zeros (and lse = -inf).
 
 impl: 'auto' (Triton on GPU, Mosaic on TPU, the jnp reference elsewhere), 'reference', 'triton',
-'mosaic_tpu'. A kernel that cannot take a shape raises ValueError when asked for by name; under
+'mosaic_gpu' (Hopper: wgmma, TMA, warp specialisation), 'mosaic_tpu'. A kernel that cannot take a shape raises ValueError when asked for by name; under
 'auto' it warns once and uses the reference.
 """
 from __future__ import annotations
@@ -29,11 +29,12 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import compaction as cp
-from .common import (GPU_BLOCK_SIZES, GPU_BLOCK_SIZES_F32, TPU_BLOCK_SIZES, BlockSizes,
+from .common import (GPU_BLOCK_SIZES, GPU_BLOCK_SIZES_F32, MGPU_BLOCK_SIZES, TPU_BLOCK_SIZES,
+                     BlockSizes,
                      TRITON_SMEM_BYTES, fit_triton_smem, triton_smem_estimate)
 from .reference import reference_compact_attention
 
-IMPLS = ("auto", "reference", "triton", "mosaic_tpu")
+IMPLS = ("auto", "reference", "triton", "mosaic_gpu", "mosaic_tpu")
 _FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
 
@@ -53,6 +54,8 @@ def _default_platform() -> str:
 def _backend_module(name: str):
   if name == "triton":
     from . import triton as mod
+  elif name == "mosaic_gpu":
+    from . import mosaic_gpu as mod
   else:
     from . import mosaic_tpu as mod
   return mod
@@ -66,6 +69,8 @@ def kernel_support(impl: str, q_shape, kv_shape, dtype, bs: BlockSizes | None = 
   if bs is None:
     if impl == "mosaic_tpu":
       bs = TPU_BLOCK_SIZES
+    elif impl == "mosaic_gpu":
+      bs = MGPU_BLOCK_SIZES
     else:
       itemsize = jnp.dtype(dtype).itemsize
       bs = GPU_BLOCK_SIZES if itemsize <= 2 else GPU_BLOCK_SIZES_F32
@@ -93,6 +98,18 @@ def kernel_support(impl: str, q_shape, kv_shape, dtype, bs: BlockSizes | None = 
                     f"memory at head_dim {H}, {jnp.dtype(dtype).name} (limit "
                     f"{TRITON_SMEM_BYTES // 1024} KiB)")
     return fitted, None
+  if impl == "mosaic_gpu":
+    if jnp.dtype(dtype) not in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+      return None, f"dtype {jnp.dtype(dtype).name} (Mosaic GPU kernel: bfloat16 or float16)"
+    if H not in (64, 128):
+      return None, f"head_dim {H} (Mosaic GPU kernel needs 64 or 128)"
+    if bs.block_q % 128 or any(b % 64 for b in blocks):
+      return None, (f"block sizes {blocks} (Mosaic GPU kernel needs multiples of 64, block_q a "
+                    "multiple of 128: two compute warpgroups)")
+    fitted = bs.fit_kv(S, 64)
+    if fitted is None:
+      return None, f"kv length {S} (needs a multiple of 64)"
+    return fitted, None
   if impl == "mosaic_tpu":
     if H % 128 and H != 64:
       return None, f"head_dim {H} (Mosaic kernel needs 64 or a multiple of 128)"
@@ -118,14 +135,10 @@ class _Config:
 
 
 def _compact(cfg, C, active_BIT, qpos_BT, qseg_BT):
-  """(idx or None, valid, qpos_c, qseg_c) for bucket C; idx None = identity (C == T): every query
-  stays in place and inactive ones get the padding position, so nothing is gathered."""
+  """(idx, valid, qpos_c, qseg_c) for bucket C: the active queries in order in slots [0, count),
+  padding slots (idx == T) get the padding position, which sees no key. Always gathered, also when
+  C == T, so that the tiles past the count are empty and the kernels skip them."""
   T = active_BIT.shape[-1]
-  if C == T:
-    valid = active_BIT
-    qpos_c = jnp.where(valid, qpos_BT[:, None, :], cp.PAD_POS)
-    qseg_c = None if qseg_BT is None else jnp.where(valid, qseg_BT[:, None, :], 0)
-    return None, valid, qpos_c, qseg_c
   idx = cp.compact_indices(active_BIT, C)
   valid = idx < T
   qpos_c = cp.gather_meta(qpos_BT, idx, cp.PAD_POS)
@@ -134,19 +147,19 @@ def _compact(cfg, C, active_BIT, qpos_BT, qseg_BT):
 
 
 def _gather(x, idx):
-  return x if idx is None else cp.gather_rows(x, idx)
+  return cp.gather_rows(x, idx)
 
 
 def _scatter(x_c, idx, T):
-  return x_c if idx is None else cp.scatter_rows(x_c, idx, T)
+  return cp.scatter_rows(x_c, idx, T)
 
 
 def _gather_BNT(x, idx):
-  return x if idx is None else cp.gather_BNT(x, idx)
+  return cp.gather_BNT(x, idx)
 
 
 def _scatter_BNT(x, idx, T):
-  return x if idx is None else cp.scatter_BNT(x, idx, T, -jnp.inf)
+  return cp.scatter_BNT(x, idx, T, -jnp.inf)
 
 
 def _kernel_seg(qseg_c):
@@ -174,11 +187,13 @@ def _forward_impl(cfg: _Config, q, k, v, active, qpos, kvpos, qseg, kvseg):
     def f(q, k, v, active_BIT, qpos, kvpos_arr, kvpos_k, qseg, kvseg):
       idx, valid, qpos_c, qseg_c = _compact(cfg, C, active_BIT, qpos, qseg)
       bs = cfg.bs.for_capacity(C, T)
+      # Mosaic GPU: bounds per compute warpgroup (two per query tile)
+      bq = bs.block_q // 2 if cfg.backend == "mosaic_gpu" else bs.block_q
       bounds = cp.tile_bounds(qpos_c, valid, qseg_c, kvpos_arr, kvseg, window=cfg.window,
-                              block_q=bs.block_q, block_k=bs.block_k)
+                              block_q=bq, block_k=bs.block_k)
       out_c, lse_c = mod.fwd(_gather(q, idx), k, v, qpos_c, _kernel_seg(qseg_c), kvpos_k, kvseg,
-                             bounds, scale=cfg.scale, window=cfg.window, bs=bs,
-                             interpret=cfg.interpret, poison=cfg.poison)
+                             bounds, cp.active_counts(active_BIT), scale=cfg.scale,
+                             window=cfg.window, bs=bs, interpret=cfg.interpret, poison=cfg.poison)
       return _scatter(out_c, idx, T), jnp.swapaxes(_scatter_BNT(lse_c, idx, T), 1, 2)
     return f
 
@@ -217,7 +232,8 @@ def _backward_impl(cfg: _Config, res, dout, dlse):
                              block_q=bs.block_q_dkv, block_k=bs.block_k_dkv, transpose=True)
       kw = dict(scale=cfg.scale, window=cfg.window, bs=bs, interpret=cfg.interpret,
                 poison=cfg.poison)
-      dq_c = mod.dq(q_c, k, v, do_c, lse_c, delta, qpos_c, seg_k, kvpos_k, kvseg, b_dq, **kw)
+      dq_c = mod.dq(q_c, k, v, do_c, lse_c, delta, qpos_c, seg_k, kvpos_k, kvseg, b_dq,
+                    cp.active_counts(active_BIT), **kw)
       dk, dv = mod.dkv(q_c, k, v, do_c, lse_c, delta, qpos_c, seg_k, kvpos_k, kvseg, b_dkv, **kw)
       return _scatter(dq_c, idx, T), dk, dv
     return f
@@ -243,6 +259,24 @@ def _kernel_attention_bwd(cfg, res, cts):
 
 
 _kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
+# One jitted entry keyed on the static config: calls with new active sets (new values, same
+# shapes) reuse the compiled kernels also outside an enclosing jit (eager calls, tests).
+_kernel_attention_jit = jax.jit(_kernel_attention, static_argnums=(0,))
+
+
+# 'auto' picks the Mosaic GPU kernel on Hopper once it is measured correct and faster than the
+# Triton kernel there (bench/results/compact_attention_*.json); until then Triton.
+AUTO_MOSAIC_GPU = False
+
+
+def _is_hopper() -> bool:
+  if not AUTO_MOSAIC_GPU:
+    return False
+  try:
+    return jax.devices()[0].device_kind.startswith(("NVIDIA H100", "NVIDIA H200", "NVIDIA H800",
+                                                    "NVIDIA GH200"))
+  except RuntimeError:
+    return False
 
 
 def _resolve_impl(impl, interpret, q_shape, kv_shape, dtype, bs):
@@ -253,10 +287,13 @@ def _resolve_impl(impl, interpret, q_shape, kv_shape, dtype, bs):
     platform = _default_platform()
     impl = {"gpu": "triton", "cuda": "triton", "rocm": "triton", "tpu": "mosaic_tpu"}.get(
         platform, "reference")
+    if impl == "triton" and _is_hopper() and kernel_support(
+        "mosaic_gpu", q_shape, kv_shape, dtype, bs)[1] is None:
+      impl = "mosaic_gpu"
   if impl == "reference":
     return impl, None
   if explicit and not interpret:
-    want = "gpu" if impl == "triton" else "tpu"
+    want = "tpu" if impl == "mosaic_tpu" else "gpu"
     if _default_platform() not in ((want,) if want == "tpu" else ("gpu", "cuda", "rocm")):
       raise ValueError(f"compact_attention impl={impl!r} needs a {want.upper()} (running on "
                        f"{_default_platform()!r}); pass interpret=True to run the kernel in "
@@ -295,8 +332,9 @@ def compact_attention(q_BTNH, k_BSKH, v_BSKH, active, *, q_positions_BT=None,
     bucket_fracs: ladder of capacities as fractions of T (default 1/16 .. 1); or `capacity`, a
       fixed bucket (plus a full-T bucket for overflow, so nothing is ever dropped).
     block_q, block_k: forward tiles; block_sizes: all tiles and Triton launch parameters.
-    impl: 'auto' | 'reference' | 'triton' | 'mosaic_tpu'; interpret: Pallas interpret mode
-      (True for Triton, pltpu.InterpretParams() for Mosaic) to run the kernels on CPU.
+    impl: 'auto' | 'reference' | 'triton' | 'mosaic_gpu' | 'mosaic_tpu'; interpret: Pallas
+      interpret mode (True for Triton and Mosaic GPU, pltpu.InterpretParams() for Mosaic TPU) to
+      run the kernels on CPU.
     scale: logits scale (default H ** -0.5).
     return_lse: also return the log-sum-exp [B, T, N] float32 (-inf where nothing is attended);
       it is differentiable too.
@@ -359,5 +397,5 @@ def compact_attention(q_BTNH, k_BSKH, v_BSKH, active, *, q_positions_BT=None,
                                 multiple=bs.q_multiple)
     cfg = _Config(backend=impl, scale=scale, window=window, caps=caps, bs=bs,
                   interpret=interpret, poison=poison, kv_default=kv_default)
-    out, lse = _kernel_attention(cfg, q, k, v, active, qpos, kvpos, qseg, kvseg)
+    out, lse = _kernel_attention_jit(cfg, q, k, v, active, qpos, kvpos, qseg, kvseg)
   return (out, lse) if return_lse else out

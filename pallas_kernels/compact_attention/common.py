@@ -106,5 +106,11 @@ def fit_triton_smem(bs: BlockSizes, H: int, itemsize: int) -> BlockSizes | None:
   return None
 
 
+# Mosaic GPU (Hopper): block_q = the rows of one program = 2 compute warpgroups x 64; num_stages*
+# = TMA pipeline depth.
+MGPU_BLOCK_SIZES = BlockSizes(block_q=128, block_k=128, block_q_dq=64, block_k_dq=64,
+                              block_q_dkv=64, block_k_dkv=64, num_stages=2, num_stages_dq=2,
+                              num_stages_dkv=2)
+
 TPU_BLOCK_SIZES = BlockSizes(block_q=256, block_k=512, block_q_dq=256, block_k_dq=512,
                              block_q_dkv=256, block_k_dkv=512)

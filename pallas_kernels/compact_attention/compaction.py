@@ -24,7 +24,10 @@ import numpy as np
 
 # Padding slots get this position: no key (kv positions are >= PAD_POS + 1) is at or before it.
 PAD_POS = -(2 ** 30)
-DEFAULT_BUCKET_FRACS = (1 / 16, 1 / 8, 1 / 4, 1 / 2, 1.0)
+# The kernels size their work by the actual active count (empty query tiles are skipped, the TPU
+# grid is bounded at run time), so a bucket only bounds the memory traffic of the gather / scatter
+# and of the empty tiles' launch: two buckets, not a fine ladder (each bucket compiles every kernel).
+DEFAULT_BUCKET_FRACS = (1 / 4, 1.0)
 
 
 def round_up(x: int, m: int) -> int:
@@ -72,6 +75,11 @@ def mask_from_indices(idx_BC, T: int):
   idx = jnp.where((idx_BC >= 0) & (idx_BC < T), idx_BC, T)
   m = jnp.zeros((B, T), bool)
   return m.at[jnp.arange(B)[:, None], idx].set(True, mode="drop")
+
+
+def active_counts(active_BIT):
+  """Active queries per (row, head set): int32 [B, I]. The compacted slots [0, count) are valid."""
+  return jnp.sum(active_BIT.astype(jnp.int32), axis=-1)
 
 
 def compact_indices(active_BIT, C: int):

@@ -5,9 +5,13 @@ bounds from compaction.tile_bounds), laid out the TPU way: head-major tiles, per
 replicated over the 128 lanes, per-key values over 8 sublanes (the layout of
 jax.experimental.pallas.ops.tpu.flash_attention).
 
-The per-tile bounds are scalar-prefetched into SMEM. The innermost grid axis walks the tiles of a
+The per-tile bounds are scalar-prefetched into SMEM. (The run-time-sized query-tile axis is
+'arbitrary', not 'parallel': only static extents can be split across cores.) The innermost grid axis walks the tiles of a
 tile's bounds: its index map returns lo + t (clamped to the last visible tile, so skipped steps
-fetch nothing new) and the body runs only while lo + t < hi. Every computed tile is masked (the
+fetch nothing new) and the body runs only while lo + t < hi. The grid is bounded at run time: the
+query-tile axis by the largest active count (tiles past it hold only padding and are never
+visited), the innermost axis by the longest bounds range, so the work follows the active set and
+not the bucket. Every computed tile is masked (the
 full / masked split of the Triton kernels does not pay on the VPU-light TPU path).
 """
 from __future__ import annotations
@@ -66,6 +70,19 @@ def _prep(qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, S, B):
       jnp.arange(S, dtype=jnp.int32), (B, S))
   return (_lanes(qpos_BIC), None if qseg_BIC is None else _lanes(qseg_BIC), _rows(kvpos),
           None if kvseg_BS is None else _rows(kvseg_BS))
+
+
+def _dyn(n):
+  """A run-time grid extent (int32 scalar, at least 1 so that every visited tile is written)."""
+  return jnp.maximum(jnp.asarray(n, jnp.int32), 1)
+
+
+def _grid_q(counts_BI, bq, nq):
+  return jnp.minimum(_dyn(-(-jnp.max(counts_BI) // bq)), nq)
+
+
+def _grid_steps(bounds):
+  return _dyn(jnp.max(bounds[..., 3] - bounds[..., 0]))
 
 
 def _poison(shapes, poison):
@@ -129,7 +146,7 @@ def _fwd_kernel(bref, *refs, has_seg, window, scale, bk, nq, I, n_poison):
     lse_ref[...] = jnp.where(empty, NEG_INF, m_sc[...] + jnp.log(l_safe))
 
 
-def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_BIQ4, *,
+def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_BIQ4, counts_BI, *,
         scale, window, bs: BlockSizes, interpret=False, poison=False):
   """Returns (out_c [B, C, N, H], lse [B, N, C] float32)."""
   B, C, N, H = q_BCNH.shape
@@ -172,7 +189,9 @@ def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_B
   out, lse = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=1, grid=(B, N, nq, nk), in_specs=specs + pspecs,
+          num_scalar_prefetch=1,
+          grid=(B, N, _grid_q(counts_BI, bq, nq), _grid_steps(bounds_BIQ4)),
+          in_specs=specs + pspecs,
           out_specs=[pl.BlockSpec((None, None, bq, H), lambda b, h, i, t, bref: (b, h, i, 0)),
                      pl.BlockSpec((None, None, bq, LANES),
                                   lambda b, h, i, t, bref: (b, h, i, 0))],
@@ -181,7 +200,7 @@ def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_B
                           pltpu.VMEM((bq, H), jnp.float32)]),
       out_shape=out_shapes, input_output_aliases=aliases, interpret=interpret,
       compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+          dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary")),
       name="compact_attention_fwd_tpu",
   )(bounds_BIQ4.reshape(-1), *args, *pbufs)
   return out.transpose(0, 2, 1, 3), lse[..., 0]
@@ -231,7 +250,8 @@ def _dq_kernel(bref, *refs, has_seg, window, scale, bk, nq, I, n_poison):
 
 
 def dq(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC, kvpos_BS,
-       kvseg_BS, bounds_BIQ4, *, scale, window, bs: BlockSizes, interpret=False, poison=False):
+       kvseg_BS, bounds_BIQ4, counts_BI, *, scale, window, bs: BlockSizes, interpret=False,
+       poison=False):
   B, C, N, H = q_BCNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   G, I = N // K, qpos_BIC.shape[1]
@@ -272,11 +292,13 @@ def dq(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC, 
   out = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=1, grid=(B, N, nq, nk), in_specs=specs + pspecs,
+          num_scalar_prefetch=1,
+          grid=(B, N, _grid_q(counts_BI, bq, nq), _grid_steps(bounds_BIQ4)),
+          in_specs=specs + pspecs,
           out_specs=[q_spec], scratch_shapes=[pltpu.VMEM((bq, H), jnp.float32)]),
       out_shape=out_shapes, input_output_aliases=aliases, interpret=interpret,
       compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+          dimension_semantics=("parallel", "parallel", "arbitrary", "arbitrary")),
       name="compact_attention_dq_tpu",
   )(bounds_BIQ4.reshape(-1), *args, *pbufs)[0]
   return tr(out)
@@ -369,7 +391,8 @@ def dkv(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC,
   dk, dv = pl.pallas_call(
       kernel,
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=1, grid=(B, K, nk, G, nq), in_specs=specs + pspecs,
+          num_scalar_prefetch=1, grid=(B, K, nk, G, _grid_steps(boundsT_BIK4)),
+          in_specs=specs + pspecs,
           out_specs=[kv_spec, kv_spec],
           scratch_shapes=[pltpu.VMEM((bk, H), jnp.float32), pltpu.VMEM((bk, H), jnp.float32)]),
       out_shape=out_shapes, input_output_aliases=aliases, interpret=interpret,

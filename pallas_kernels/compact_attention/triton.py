@@ -73,16 +73,24 @@ def _three_loops(bounds, body, carry):
 # forward
 # ----------------------------------------------------------------------------------------------
 
-def _fwd_kernel(*refs, has_seg, has_kvpos, window, scale, bk, nq):
+def _fwd_kernel(*refs, has_seg, has_kvpos, window, scale, bq, bk, nq):
   it = iter(refs)
-  bounds_ref, qpos_ref = next(it), next(it)
+  count_ref, bounds_ref, qpos_ref = next(it), next(it), next(it)
   qseg_ref = next(it) if has_seg else None
   kvpos_ref = next(it) if has_kvpos else None
   kvseg_ref = next(it) if has_seg else None
   q_ref, k_ref, v_ref = next(it), next(it), next(it)
   *_, o_ref, lse_ref = refs  # (poison inputs, if any, sit before the outputs)
-
   i = nq - 1 - pl.program_id(2)
+  # Slots past the active count are padding: their tiles are skipped (outputs left unwritten, the
+  # scatter drops them), so the work follows the active count, not the bucket.
+  pl.when(i * bq < count_ref[...])(functools.partial(
+      _fwd_tile, i, bounds_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, q_ref, k_ref, v_ref,
+      o_ref, lse_ref, window=window, scale=scale, bk=bk))
+
+
+def _fwd_tile(i, bounds_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, q_ref, k_ref, v_ref, o_ref,
+              lse_ref, *, window, scale, bk):
   bounds = tuple(bounds_ref[i, c] for c in range(4))
   q = q_ref[...]
   qp = qpos_ref[...]
@@ -132,9 +140,9 @@ def _poison_args(shapes, poison):
   return bufs, shapes
 
 
-def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_BIQ4, *,
+def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_BIQ4, counts_BI, *,
         scale, window, bs: BlockSizes, interpret=False, poison=False):
-  """Returns (out_c [B, C, N, H], lse [B, N, C] float32)."""
+  """Returns (out_c [B, C, N, H], lse [B, N, C] float32); slots >= counts_BI are not written."""
   B, C, N, H = q_BCNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   G = N // K
@@ -145,8 +153,9 @@ def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_B
   has_seg, has_kvpos = qseg_BIC is not None, kvpos_BS is not None
   qi = lambda p: nq - 1 - p  # heavy (late) tiles first
 
-  args = [bounds_BIQ4, qpos_BIC]
-  specs = [pl.BlockSpec((None, None, nq, 4), lambda h, b, p: (b, hs(h), 0, 0)),
+  args = [counts_BI, bounds_BIQ4, qpos_BIC]
+  specs = [pl.BlockSpec((None, None), lambda h, b, p: (b, hs(h))),
+           pl.BlockSpec((None, None, nq, 4), lambda h, b, p: (b, hs(h), 0, 0)),
            pl.BlockSpec((None, None, bq), lambda h, b, p: (b, hs(h), qi(p)))]
   if has_seg:
     args.append(qseg_BIC)
@@ -169,7 +178,7 @@ def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_B
   aliases = {len(args) + n: n for n in range(len(pbufs))}
   specs += out_specs[:len(pbufs)]
   kernel = functools.partial(_fwd_kernel, has_seg=has_seg, has_kvpos=has_kvpos, window=window,
-                             scale=scale, bk=bk, nq=nq)
+                             scale=scale, bq=bq, bk=bk, nq=nq)
   return pl.pallas_call(
       kernel, grid=(N, B, nq), in_specs=specs, out_specs=out_specs, out_shape=out_shapes,
       input_output_aliases=aliases, interpret=interpret, name="compact_attention_fwd",
@@ -187,16 +196,22 @@ def _bwd_lse2(lse):
   return jnp.where(lse2 == NEG_INF, jnp.inf, lse2)
 
 
-def _dq_kernel(*refs, has_seg, has_kvpos, window, scale, bk, nq):
+def _dq_kernel(*refs, has_seg, has_kvpos, window, scale, bq, bk, nq):
   it = iter(refs)
-  bounds_ref, qpos_ref = next(it), next(it)
+  count_ref, bounds_ref, qpos_ref = next(it), next(it), next(it)
   qseg_ref = next(it) if has_seg else None
   kvpos_ref = next(it) if has_kvpos else None
   kvseg_ref = next(it) if has_seg else None
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = (next(it) for _ in range(6))
   dq_ref = refs[-1]
-
   i = nq - 1 - pl.program_id(2)
+  pl.when(i * bq < count_ref[...])(functools.partial(
+      _dq_tile, i, bounds_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, q_ref, k_ref, v_ref,
+      do_ref, lse_ref, delta_ref, dq_ref, window=window, scale=scale, bk=bk))
+
+
+def _dq_tile(i, bounds_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, q_ref, k_ref, v_ref, do_ref,
+             lse_ref, delta_ref, dq_ref, *, window, scale, bk):
   bounds = tuple(bounds_ref[i, c] for c in range(4))
   q = q_ref[...]
   do = do_ref[...]
@@ -225,7 +240,9 @@ def _dq_kernel(*refs, has_seg, has_kvpos, window, scale, bk, nq):
 
 
 def dq(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC, kvpos_BS,
-       kvseg_BS, bounds_BIQ4, *, scale, window, bs: BlockSizes, interpret=False, poison=False):
+       kvseg_BS, bounds_BIQ4, counts_BI, *, scale, window, bs: BlockSizes, interpret=False,
+       poison=False):
+  """dq_c [B, C, N, H]; slots >= counts_BI are not written."""
   B, C, N, H = q_BCNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   G = N // K
@@ -236,8 +253,9 @@ def dq(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC, 
   has_seg, has_kvpos = qseg_BIC is not None, kvpos_BS is not None
   qi = lambda p: nq - 1 - p
 
-  args = [bounds_BIQ4, qpos_BIC]
-  specs = [pl.BlockSpec((None, None, nq, 4), lambda h, b, p: (b, hs(h), 0, 0)),
+  args = [counts_BI, bounds_BIQ4, qpos_BIC]
+  specs = [pl.BlockSpec((None, None), lambda h, b, p: (b, hs(h))),
+           pl.BlockSpec((None, None, nq, 4), lambda h, b, p: (b, hs(h), 0, 0)),
            pl.BlockSpec((None, None, bq), lambda h, b, p: (b, hs(h), qi(p)))]
   if has_seg:
     args.append(qseg_BIC)
@@ -258,7 +276,7 @@ def dq(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC, 
   aliases = {len(args) + n: n for n in range(len(pbufs))}
   specs += [q_spec for _ in pbufs]
   kernel = functools.partial(_dq_kernel, has_seg=has_seg, has_kvpos=has_kvpos, window=window,
-                             scale=scale, bk=bk, nq=nq)
+                             scale=scale, bq=bq, bk=bk, nq=nq)
   return pl.pallas_call(
       kernel, grid=(N, B, nq), in_specs=specs, out_specs=[q_spec], out_shape=out_shapes,
       input_output_aliases=aliases, interpret=interpret, name="compact_attention_dq",
