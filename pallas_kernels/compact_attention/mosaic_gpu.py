@@ -1,0 +1,551 @@
+"""Hopper kernels (Pallas Mosaic GPU: wgmma, TMA, warp specialisation) for compacted-query attention.
+
+Same contract as triton.py: compacted queries q_c [B, C, N, H] (token-major), the full K/V
+[B, S, K, H] (GQA: query head h reads kv head h // (N // K), K/V never repeated), per-tile loop
+bounds from compaction.tile_bounds, per-query positions / segment ids for the masked tiles.
+
+forward  grid (N, C / block_q, B), 3 warpgroups (FlashAttention-3 layout, after
+         jax.experimental.pallas.ops.gpu.attention_mgpu): two compute warpgroups each own
+         block_q / 2 query rows, a memory warpgroup streams the K/V tiles of the program's range
+         [lo, hi) through `num_stages` TMA slots; a schedule barrier ping-pongs the two compute
+         warpgroups so that one's softmax overlaps the other's matrix products. Each compute
+         warpgroup runs its own bounds inside the program's range: masked, unmasked or (outside
+         its own range) only the barrier handshake. Base-2 online softmax, fp32 accumulators.
+dq       grid (N, C / block_q_dq, B): one compute warpgroup, a warp-specialised pipeline over the
+         kv tiles of the tile's bounds (a run-time length).
+dk/dv    grid (K, S / block_k_dkv, B): one compute warpgroup per kv tile accumulates dk, dv over
+         the G query heads of its kv head and the query tiles of the union of their bounds.
+Query tiles past a row's active count hold only padding and return at once (the dynamic bound).
+
+Interpret mode (CPU): the kernels run under Pallas' GPU interpreter, which lacks two features the
+fast path uses: wgmma with the A operand in registers and `pl.run_state` over an accumulator.
+`mgpu_interpret.py` adds the first; for the second the forward adds its P @ V product to the
+running accumulator in registers (same value; `_acc_update`).
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from .common import LN2, LOG2E, BlockSizes
+
+NEG_INF = float("-inf")
+_WGMMA = plgpu.Layout.WGMMA
+_ROW = plgpu.Layout.WGMMA.reduce(1)
+_COL = plgpu.Layout.WGMMA.reduce(0)
+_COMPUTE_WGS = 2
+
+
+def _swizzled(shape, dtype):
+  """SMEM tiles in the layout wgmma / TMA want (8 x 64 bf16 tiles, 128-byte swizzle)."""
+  bits = jnp.dtype(dtype).itemsize * 8
+  swizzle = plgpu.find_swizzle(shape[-1] * bits)
+  return plgpu.SMEM(shape, dtype, transforms=(
+      plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)))
+
+
+def _spec(shape, dtype, index_map):
+  bits = jnp.dtype(dtype).itemsize * 8
+  swizzle = plgpu.find_swizzle(shape[-1] * bits)
+  return plgpu.BlockSpec(shape, index_map, transforms=(
+      plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)))
+
+
+def _acc_update(acc, a, b_ref, interpret):
+  """acc + a @ b_ref (fp32 [M, N] in WGMMA layout; a in registers, b in SMEM)."""
+  if interpret:
+    def f(ref):
+      plgpu.wgmma(ref, a, b_ref)
+      return ref[...]
+    return acc + pl.run_scoped(f, plgpu.ACC(acc.shape, jnp.float32))
+
+  def g(ref):
+    plgpu.wgmma(ref, a, b_ref)
+  return pl.run_state(g)(plgpu.ACC.init(acc))
+
+
+def _mask(s, qp, qs, kp_fn, ks_fn, window, shape):
+  """s [bq, bk] with invisible pairs at -inf. qp/qs: per-row vectors (ROW layout); kp_fn/ks_fn:
+  per-column values as [bq, bk] arrays."""
+  row = lambda x: lax.broadcast_in_dim(x, shape, [0])
+  qpb = row(qp)
+  kp = kp_fn()
+  vis = kp <= qpb
+  if window is not None:
+    vis = vis & (qpb - kp < window)
+  if qs is not None:
+    vis = vis & (row(qs) == ks_fn())
+  return jnp.where(vis, s, NEG_INF)
+
+
+def _kv_cols(kvpos_ref, kvseg_ref, b, start, bk, shape, transposed=False):
+  """Closures producing the kv positions / segment ids of kv tile [start, start + bk) broadcast
+  over a [bq, bk] (or, transposed, [bk, bq]) tile."""
+  dim = 0 if transposed else 1
+  layout = _ROW if transposed else _COL
+
+  def kp():
+    if kvpos_ref is None:
+      return start + plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=_WGMMA)
+    x = plgpu.load(kvpos_ref.at[b, pl.ds(start, bk)], layout=layout, optimized=False)
+    return lax.broadcast_in_dim(x, shape, [dim])
+
+  def ks():
+    x = plgpu.load(kvseg_ref.at[b, pl.ds(start, bk)], layout=layout, optimized=False)
+    return lax.broadcast_in_dim(x, shape, [dim])
+  return kp, ks
+
+
+# ----------------------------------------------------------------------------------------------
+# forward
+# ----------------------------------------------------------------------------------------------
+
+def prog_bounds(bounds_wg, nq_prog):
+  """Per-warpgroup bounds [B, I, 2 * nq_prog, 4] -> (program range [B, I, nq_prog, 2], per-
+  warpgroup bounds with empty ranges moved to the program's lo so every loop is ordered)."""
+  B, I = bounds_wg.shape[:2]
+  b = bounds_wg.reshape(B, I, nq_prog, 2, 4)
+  lo, hi = b[..., 0], b[..., 3]
+  empty = lo >= hi
+  big = jnp.iinfo(jnp.int32).max
+  plo = jnp.min(jnp.where(empty, big, lo), axis=-1)
+  phi = jnp.max(jnp.where(empty, 0, hi), axis=-1)
+  plo = jnp.where(plo == big, 0, plo)
+  phi = jnp.maximum(phi, plo)
+  b = jnp.where(empty[..., None], plo[..., None, None], b)
+  return jnp.stack([plo, phi], -1), b.reshape(B, I, 2 * nq_prog, 4)
+
+
+def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_BIQ4, counts_BI, *,
+        scale, window, bs: BlockSizes, interpret=False, poison=False):
+  """Returns (out_c [B, C, N, H], lse [B, N, C] float32); query tiles past counts_BI are not
+  written. bounds_BIQ4 are per compute warpgroup (block_q // 2 rows)."""
+  B, C, N, H = q_BCNH.shape
+  S, K = k_BSKH.shape[1], k_BSKH.shape[2]
+  G, I = N // K, qpos_BIC.shape[1]
+  dtype = q_BCNH.dtype
+  bq, bk = bs.block_q // _COMPUTE_WGS, bs.block_k
+  nprog = C // (2 * bq)
+  stages = max(2, min(bs.num_stages, S // bk))
+  has_seg, has_kvpos = qseg_BIC is not None, kvpos_BS is not None
+  progb, wgb = prog_bounds(bounds_BIQ4, nprog)
+  qk_scale = scale * LOG2E
+
+  def kernel(q_ref, k_ref, v_ref, wgb_ref, progb_ref, count_ref, qpos_ref, qseg_ref, kvpos_ref,
+             kvseg_ref, out_ref, lse_ref, scoped):
+    (qo_smem2, k_smem, v_smem, lse_smem2), (k_bar, v_bar, q_bar), (k_used, v_used), sched = scoped
+    h = lax.axis_index("heads")
+    b = lax.axis_index("batch")
+    p = nprog - 1 - lax.axis_index("q")  # heavy (late) tiles first
+    wg = lax.axis_index("wg")
+    hsel = h if I > 1 else 0
+    plo = progb_ref[b, hsel, p, 0]
+    nsteps = progb_ref[b, hsel, p, 1] - plo
+
+    def sched_barrier():
+      plgpu.barrier_arrive(sched)
+      plgpu.barrier_wait(sched)
+
+    @pl.when(p * 2 * bq < count_ref[b, hsel])
+    def _program():
+      @pl.when(wg < _COMPUTE_WGS)
+      def _compute():
+        plgpu.set_max_registers(232, action="increase")
+        qo_smem = qo_smem2.at[wg]
+        row0 = p * 2 * bq + wg * bq
+        t = p * 2 + wg
+        lo, flo, fhi, hi = (wgb_ref[b, hsel, t, c] for c in range(4))
+        plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(row0, bq), h], qo_smem, q_bar.at[wg])
+        qp = plgpu.load(qpos_ref.at[b, hsel, pl.ds(row0, bq)], layout=_ROW, optimized=False)
+        qs = None if not has_seg else plgpu.load(
+            qseg_ref.at[b, hsel, pl.ds(row0, bq)], layout=_ROW, optimized=False)
+        plgpu.barrier_wait(q_bar.at[wg])
+        m_i = plgpu.layout_cast(jnp.full((bq,), NEG_INF, jnp.float32), _ROW)
+        l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), _ROW)
+        acc = plgpu.layout_cast(jnp.zeros((bq, H), jnp.float32), _WGMMA)
+        pl.when(wg == 1)(sched_barrier)
+
+        def step(j, carry, *, kind):
+          slot = lax.rem(j - plo, stages)
+          plgpu.barrier_wait(k_bar.at[slot])
+          if kind == "skip":
+            sched_barrier()
+            plgpu.barrier_arrive(k_used.at[slot])
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(v_bar.at[slot])
+            plgpu.barrier_wait(sched)
+            plgpu.barrier_arrive(v_used.at[slot])
+            return carry
+          acc, m_i, l_i = carry
+
+          def qk(ref):
+            plgpu.wgmma(ref, qo_smem, k_smem.at[slot].T)
+            sched_barrier()
+            return ref[...]
+          s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
+          plgpu.barrier_arrive(k_used.at[slot])
+          s = s * qk_scale
+          if kind == "masked":
+            kp, ks = _kv_cols(kvpos_ref, kvseg_ref, b, j * bk, bk, s.shape)
+            s = _mask(s, qp, qs, kp, ks, window, s.shape)
+          m_new = jnp.maximum(m_i, s.max(axis=1))
+          m_use = jnp.where(m_new == NEG_INF, 0.0, m_new) if kind == "masked" else m_new
+          alpha = jnp.exp2(m_i - m_use)
+          pr = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+          acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+          l_i = l_i * alpha + pr.sum(axis=1)
+          p16 = pr.astype(dtype)
+          acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
+          plgpu.barrier_arrive(sched)  # softmax done
+          plgpu.barrier_wait(v_bar.at[slot])
+          plgpu.barrier_wait(sched)  # tensor cores free
+          acc = _acc_update(acc, p16, v_smem.at[slot], interpret)
+          plgpu.barrier_arrive(v_used.at[slot])
+          return acc, m_new, l_i
+
+        carry = (acc, m_i, l_i)
+        carry = lax.fori_loop(plo, lo, functools.partial(step, kind="skip"), carry)
+        carry = lax.fori_loop(lo, flo, functools.partial(step, kind="masked"), carry)
+        carry = lax.fori_loop(flo, fhi, functools.partial(step, kind="full"), carry)
+        carry = lax.fori_loop(fhi, hi, functools.partial(step, kind="masked"), carry)
+        acc, m_i, l_i = lax.fori_loop(hi, plo + nsteps, functools.partial(step, kind="skip"),
+                                      carry)
+        pl.when(wg == 0)(sched_barrier)
+
+        empty = l_i == 0.0
+        l_safe = jnp.where(empty, 1.0, l_i)
+        acc = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
+        qo_smem[...] = acc.astype(dtype)
+        lse_smem = lse_smem2.at[wg]
+        lse_smem[...] = jnp.where(empty, NEG_INF, (m_i + jnp.log2(l_safe)) * LN2)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(qo_smem, out_ref.at[b, pl.ds(row0, bq), h])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(row0, bq)])
+        plgpu.wait_smem_to_gmem(0)
+
+      @pl.when(wg == _COMPUTE_WGS)
+      def _memory():
+        plgpu.set_max_registers(40, action="decrease")
+        kh = lax.div(h, G)
+
+        def load(step, slot):
+          rows = pl.ds((plo + step) * bk, bk)
+          plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kh], k_smem.at[slot], k_bar.at[slot])
+          plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kh], v_smem.at[slot], v_bar.at[slot])
+
+        for i in range(stages):
+          pl.when(i < nsteps)(functools.partial(load, i, i))
+
+        @pl.loop(0, nsteps - stages)
+        def _loop(t):
+          slot = lax.rem(t, stages)
+          plgpu.barrier_wait(k_used.at[slot])
+          rows = pl.ds((plo + t + stages) * bk, bk)
+          plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kh], k_smem.at[slot], k_bar.at[slot])
+          plgpu.barrier_wait(v_used.at[slot])
+          plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kh], v_smem.at[slot], v_bar.at[slot])
+
+        # Observe the last steps' releases too (no-op cost: the compute warpgroups are done
+        # with them at the end); every barrier phase is then seen by each thread that waits on it.
+        @pl.loop(jnp.maximum(nsteps - stages, 0), nsteps)
+        def _drain(t):
+          slot = lax.rem(t, stages)
+          plgpu.barrier_wait(k_used.at[slot])
+          plgpu.barrier_wait(v_used.at[slot])
+
+  def entry(*refs):
+    kernel_refs = refs
+    scratch = (
+        (_swizzled((_COMPUTE_WGS, bq, H), dtype), _swizzled((stages, bk, H), dtype),
+         _swizzled((stages, bk, H), dtype), plgpu.SMEM((_COMPUTE_WGS, bq), jnp.float32)),
+        (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+         plgpu.Barrier(num_barriers=_COMPUTE_WGS)),
+        (plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),) * 2,
+        plgpu.Barrier(num_arrivals=_COMPUTE_WGS),
+    )
+    pl.run_scoped(lambda *s: kernel(*kernel_refs, s), *scratch, collective_axes="wg")
+
+  out_shape = [jax.ShapeDtypeStruct((B, C, N, H), dtype),
+               jax.ShapeDtypeStruct((B, N, C), jnp.float32)]
+  args = [q_BCNH, k_BSKH, v_BSKH, wgb, progb, counts_BI, qpos_BIC,
+          qseg_BIC if has_seg else jnp.zeros((1, 1, 1), jnp.int32),
+          kvpos_BS if has_kvpos else jnp.zeros((1, 1), jnp.int32),
+          kvseg_BS if has_seg else jnp.zeros((1, 1), jnp.int32)]
+
+  def entry_sel(q_ref, k_ref, v_ref, wgb_ref, progb_ref, count_ref, qpos_ref, qseg_ref,
+                kvpos_ref, kvseg_ref, out_ref, lse_ref):
+    entry(q_ref, k_ref, v_ref, wgb_ref, progb_ref, count_ref, qpos_ref,
+          qseg_ref if has_seg else None, kvpos_ref if has_kvpos else None,
+          kvseg_ref if has_seg else None, out_ref, lse_ref)
+
+  call = plgpu.kernel(
+      entry_sel, out_type=out_shape, grid=(N, nprog, B), grid_names=("heads", "q", "batch"),
+      num_threads=_COMPUTE_WGS + 1, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True), interpret=_interp(interpret),
+      kernel_name="compact_attention_fwd_mgpu")
+  out, lse = call(*args)
+  if poison:
+    out, lse = _poison_unwritten(out, lse, counts_BI, 2 * bq, I)
+  return out, lse
+
+
+def _interp(interpret):
+  if not interpret:
+    return None
+  from . import mgpu_interpret
+  return mgpu_interpret.params(interpret)
+
+
+def _poison_unwritten(out, lse, counts_BI, tile, I):
+  """Testing: NaN in the rows of tiles the kernel skips (past the count), as an aliased poisoned
+  buffer would hold; a kernel bug that skips an active tile leaves garbage that the reference
+  comparison catches (Mosaic GPU kernels take no input/output aliases)."""
+  B, C, N, H = out.shape
+  slot = jnp.arange(C)
+  cnt = counts_BI if I > 1 else jnp.broadcast_to(counts_BI, (B, N))
+  written = (slot // tile)[None, None, :] * tile < cnt[..., None]     # [B, N, C]
+  out = jnp.where(jnp.swapaxes(written, 1, 2)[..., None], out, jnp.nan).astype(out.dtype)
+  lse = jnp.where(written, lse, jnp.nan)
+  return out, lse
+
+
+# ----------------------------------------------------------------------------------------------
+# backward
+# ----------------------------------------------------------------------------------------------
+
+def _lse2(lse_BNC):
+  """Natural-log lse -> base 2, empty rows (-inf) -> +inf so that their P is 0."""
+  lse2 = lse_BNC * LOG2E
+  return jnp.where(lse2 == NEG_INF, jnp.inf, lse2)
+
+
+def _opt(x, shape):
+  return x if x is not None else jnp.zeros(shape, jnp.int32)
+
+
+def dq(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC, kvpos_BS,
+       kvseg_BS, bounds_BIQ4, counts_BI, *, scale, window, bs: BlockSizes, interpret=False,
+       poison=False):
+  """dq_c [B, C, N, H]; query tiles past counts_BI are not written."""
+  B, C, N, H = q_BCNH.shape
+  S, K = k_BSKH.shape[1], k_BSKH.shape[2]
+  G, I = N // K, qpos_BIC.shape[1]
+  dtype = q_BCNH.dtype
+  bq, bk = bs.block_q_dq, bs.block_k_dq
+  nq = C // bq
+  stages = max(1, min(bs.num_stages_dq, S // bk))
+  has_seg, has_kvpos = qseg_BIC is not None, kvpos_BS is not None
+  qk_scale = scale * LOG2E
+
+  def kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, bounds_ref, count_ref, qpos_ref,
+             qseg_ref, kvpos_ref, kvseg_ref, dq_ref, q_smem, do_smem, bar):
+    qseg_ref = qseg_ref if has_seg else None
+    kvseg_ref = kvseg_ref if has_seg else None
+    kvpos_ref = kvpos_ref if has_kvpos else None
+    h = lax.axis_index("heads")
+    b = lax.axis_index("batch")
+    i = nq - 1 - lax.axis_index("q")
+    hsel = h if I > 1 else 0
+    kh = lax.div(h, G)
+    rows = pl.ds(i * bq, bq)
+    lo, flo, fhi, hi = (bounds_ref[b, hsel, i, c] for c in range(4))
+
+    def compute(pipeline_callback):
+      plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem, bar)
+      plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem, bar)
+      lse2 = plgpu.load(lse2_ref.at[b, h, rows], layout=_ROW, optimized=False)
+      delta = plgpu.load(delta_ref.at[b, h, rows], layout=_ROW, optimized=False)
+      qp = plgpu.load(qpos_ref.at[b, hsel, rows], layout=_ROW, optimized=False)
+      qs = None if qseg_ref is None else plgpu.load(qseg_ref.at[b, hsel, rows], layout=_ROW,
+                                                   optimized=False)
+      plgpu.barrier_wait(bar)
+
+      def run(acc):
+        pipeline_callback((acc, lse2, delta, qp, qs))
+        return acc[...]
+      dq_ = pl.run_scoped(run, plgpu.ACC((bq, H), jnp.float32))
+      q_smem[...] = (dq_ * scale).astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, h])
+      plgpu.wait_smem_to_gmem(0)
+
+    def body(idx, k_smem, v_smem, k_used, v_used, carry):
+      (t,) = idx
+      j = lo + t
+      acc, lse2, delta, qp, qs = carry
+
+      def dp_s(dp_acc, s_acc):
+        plgpu.wgmma(dp_acc, do_smem, v_smem.T)
+        plgpu.wgmma(s_acc, q_smem, k_smem.T)
+        plgpu.wgmma_wait(0)
+        plgpu.barrier_arrive(v_used)
+        return dp_acc[...], s_acc[...]
+      tile = plgpu.ACC((bq, bk), jnp.float32)
+      dp, s = pl.run_scoped(dp_s, tile, tile)
+      s = s * qk_scale
+      kp, ks = _kv_cols(kvpos_ref, kvseg_ref, b, j * bk, bk, s.shape)
+      s = lax.cond((j < flo) | (j >= fhi),
+                   lambda: _mask(s, qp, qs, kp, ks, window, s.shape), lambda: s)
+      row = lambda x: lax.broadcast_in_dim(x, s.shape, [0])
+      p_ = jnp.exp2(s - row(lse2))
+      ds = p_ * (dp - row(delta))
+      plgpu.wgmma(acc, ds.astype(dtype), k_smem)
+      plgpu.wgmma_wait(0)
+      plgpu.barrier_arrive(k_used)
+      return carry
+
+    @pl.when(i * bq < count_ref[b, hsel])
+    def _tile():
+      plgpu.emit_pipeline_warp_specialized(
+          body, grid=(hi - lo,), max_concurrent_steps=stages, num_compute_wgs=1,
+          memory_registers=40, wg_axis="wg", manual_consumed_barriers=True,
+          compute_context=compute,
+          in_specs=[_spec((bk, H), dtype, lambda t: (lo + t, 0)),
+                    _spec((bk, H), dtype, lambda t: (lo + t, 0))],
+      )(k_ref.at[b, :, kh, :], v_ref.at[b, :, kh, :])
+
+  args = [q_BCNH, k_BSKH, v_BSKH, do_BCNH, _lse2(lse_BNC), delta_BNC, bounds_BIQ4, counts_BI,
+          qpos_BIC, _opt(qseg_BIC, (1, 1, 1)), _opt(kvpos_BS, (1, 1)), _opt(kvseg_BS, (1, 1))]
+  out = plgpu.kernel(
+      kernel, out_type=jax.ShapeDtypeStruct((B, C, N, H), dtype), grid=(N, nq, B),
+      grid_names=("heads", "q", "batch"), num_threads=2, thread_name="wg",
+      scratch_types=[_swizzled((bq, H), dtype), _swizzled((bq, H), dtype),
+                     plgpu.Barrier(num_arrivals=2)],
+      compiler_params=plgpu.CompilerParams(approx_math=True), interpret=_interp(interpret),
+      kernel_name="compact_attention_dq_mgpu")(*args)
+  if poison:
+    out, _ = _poison_unwritten(out, jnp.zeros((B, N, C)), counts_BI, bq, I)
+  return out
+
+
+def dkv(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC, kvpos_BS,
+        kvseg_BS, boundsT_BIK4, *, scale, window, bs: BlockSizes, interpret=False, poison=False):
+  """(dk, dv) [B, S, K, H]: per kv tile, over the G query heads of its kv head and the query
+  tiles in the union of their bounds (boundsT per kv tile over query tiles)."""
+  B, C, N, H = q_BCNH.shape
+  S, K = k_BSKH.shape[1], k_BSKH.shape[2]
+  G, I = N // K, qpos_BIC.shape[1]
+  dtype = q_BCNH.dtype
+  bq, bk = bs.block_q_dkv, bs.block_k_dkv
+  nk = S // bk
+  stages = max(1, min(bs.num_stages_dkv, C // bq))
+  has_seg, has_kvpos = qseg_BIC is not None, kvpos_BS is not None
+  qk_scale = scale * LOG2E
+  if I > 1:  # per head: the union of the G heads' ranges (each head masks its own)
+    bt = boundsT_BIK4.reshape(B, K, G, nk, 4)
+    empty = bt[..., 0] >= bt[..., 3]
+    ulo = jnp.min(jnp.where(empty, C, bt[..., 0]), axis=2)
+    uhi = jnp.max(jnp.where(empty, 0, bt[..., 3]), axis=2)
+    ulo = jnp.where(ulo >= uhi, 0, ulo)
+    union = jnp.stack([ulo, jnp.maximum(uhi, ulo)], -1)                 # [B, K, nk, 2]
+  else:
+    union = boundsT_BIK4[..., jnp.array([0, 3])]                         # [B, 1, nk, 2]
+
+  def kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, bounds_ref, union_ref, qpos_ref,
+             qseg_ref, kvpos_ref, kvseg_ref, dk_ref, dv_ref, k_smem, v_smem, bar):
+    qseg_ref = qseg_ref if has_seg else None
+    kvseg_ref = kvseg_ref if has_seg else None
+    kvpos_ref = kvpos_ref if has_kvpos else None
+    kh = lax.axis_index("heads")
+    b = lax.axis_index("batch")
+    j = lax.axis_index("kv")
+    rows = pl.ds(j * bk, bk)
+    usel = kh if I > 1 else 0
+    ulo = union_ref[b, usel, j, 0]
+    uhi = union_ref[b, usel, j, 1]
+
+    def compute(pipeline_callback):
+      plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kh], k_smem, bar)
+      plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kh], v_smem, bar)
+      plgpu.barrier_wait(bar)
+
+      def run(dk_acc, dv_acc):
+        pipeline_callback((dk_acc, dv_acc))
+        return dk_acc[...], dv_acc[...]
+      acc = plgpu.ACC((bk, H), jnp.float32)
+      dk_, dv_ = pl.run_scoped(run, acc, acc)
+      k_smem[...] = (dk_ * scale).astype(dtype)
+      v_smem[...] = dv_.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, rows, kh], commit_group=False)
+      plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, rows, kh], commit_group=False)
+      plgpu.commit_smem_to_gmem_group()
+      plgpu.wait_smem_to_gmem(0)
+
+    def body(idx, q_smem, do_smem, lse_smem, delta_smem, q_used, do_used, lse_used, delta_used,
+             carry):
+      t, g = idx
+      i = ulo + t
+      h = kh * G + g
+      hsel = h if I > 1 else 0
+      lo, flo, fhi, hi = (bounds_ref[b, hsel, j, c] for c in range(4))
+      dk_acc, dv_acc = carry
+
+      def s_fn(acc):
+        plgpu.wgmma(acc, k_smem, q_smem.T)
+        plgpu.wgmma_wait(0)
+        lse2 = plgpu.load(lse_smem, layout=_COL)
+        delta = plgpu.load(delta_smem, layout=_COL)
+        plgpu.barrier_arrive(lse_used)
+        plgpu.barrier_arrive(delta_used)
+        return acc[...], lse2, delta
+      sT, lse2, delta = pl.run_scoped(s_fn, plgpu.ACC((bk, bq), jnp.float32))
+      sT = sT * qk_scale
+      qrows = pl.ds(i * bq, bq)
+
+      def masked():
+        qp = plgpu.load(qpos_ref.at[b, hsel, qrows], layout=_COL, optimized=False)
+        qs = None if qseg_ref is None else plgpu.load(qseg_ref.at[b, hsel, qrows], layout=_COL,
+                                                      optimized=False)
+        col = lambda x: lax.broadcast_in_dim(x, sT.shape, [1])
+        kp, ks = _kv_cols(kvpos_ref, kvseg_ref, b, j * bk, bk, sT.shape, transposed=True)
+        vis = kp() <= col(qp)
+        if window is not None:
+          vis = vis & (col(qp) - kp() < window)
+        if qs is not None:
+          vis = vis & (col(qs) == ks())
+        vis = vis & (i >= lo) & (i < hi)   # other heads' tiles (per-head active sets)
+        return jnp.where(vis, sT, NEG_INF)
+      sT = lax.cond((i < flo) | (i >= fhi), masked, lambda: sT)
+      col = lambda x: lax.broadcast_in_dim(x, sT.shape, [1])
+      pT = jnp.exp2(sT - col(lse2))
+
+      def dp_fn(acc):
+        plgpu.wgmma(acc, v_smem, do_smem.T)
+        plgpu.wgmma(dv_acc, pT.astype(dtype), do_smem)
+        return plgpu.wgmma_accumulator_load(acc, wait_n=1)
+      dpT = pl.run_scoped(dp_fn, plgpu.ACC((bk, bq), jnp.float32))
+      dsT = pT * (dpT - col(delta))
+      plgpu.wgmma(dk_acc, dsT.astype(dtype), q_smem)
+      plgpu.wgmma_wait(1)
+      plgpu.barrier_arrive(do_used)
+      plgpu.wgmma_wait(0)
+      plgpu.barrier_arrive(q_used)
+      return carry
+
+    hmap = lambda g: kh * G + g
+    plgpu.emit_pipeline_warp_specialized(
+        body, grid=(uhi - ulo, G), max_concurrent_steps=stages, num_compute_wgs=1,
+        memory_registers=40, wg_axis="wg", manual_consumed_barriers=True, compute_context=compute,
+        in_specs=[_spec((bq, None, H), dtype, lambda t, g: (ulo + t, hmap(g), 0)),
+                  _spec((bq, None, H), dtype, lambda t, g: (ulo + t, hmap(g), 0)),
+                  plgpu.BlockSpec((None, bq), lambda t, g: (hmap(g), ulo + t)),
+                  plgpu.BlockSpec((None, bq), lambda t, g: (hmap(g), ulo + t))],
+    )(q_ref.at[b], do_ref.at[b], lse2_ref.at[b], delta_ref.at[b])
+
+  args = [q_BCNH, k_BSKH, v_BSKH, do_BCNH, _lse2(lse_BNC), delta_BNC, boundsT_BIK4, union,
+          qpos_BIC, _opt(qseg_BIC, (1, 1, 1)), _opt(kvpos_BS, (1, 1)), _opt(kvseg_BS, (1, 1))]
+  kv_t = jax.ShapeDtypeStruct((B, S, K, H), dtype)
+  return plgpu.kernel(
+      kernel, out_type=(kv_t, kv_t), grid=(K, nk, B), grid_names=("heads", "kv", "batch"),
+      num_threads=2, thread_name="wg",
+      scratch_types=[_swizzled((bk, H), dtype), _swizzled((bk, H), dtype),
+                     plgpu.Barrier(num_arrivals=2)],
+      compiler_params=plgpu.CompilerParams(approx_math=True), interpret=_interp(interpret),
+      kernel_name="compact_attention_dkv_mgpu")(*args)

@@ -1,0 +1,43 @@
+"""pallas_kernels.compact_attention Mosaic GPU (Hopper) kernels on CPU: Pallas' GPU interpret mode
+(warpgroups, barriers, TMA copies and wgmma simulated; outputs start as NaN) against the
+reference, forward, lse and dq/dk/dv. Each case takes 1-3 minutes on CPU."""
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.compact_attention import BlockSizes, compact_attention
+from pallas_kernels.compact_attention.testing import compare, make_problem
+
+# Small tiles: a program holds 2 compute warpgroups x 64 query rows; kv tiles of 64.
+MGPU = dict(impl="mosaic_gpu", interpret=True, block_sizes=BlockSizes(
+    block_q=128, block_k=64, block_q_dq=64, block_k_dq=64, block_q_dkv=64, block_k_dkv=64))
+
+CASES = [
+    # L2A: one active set per row, GQA 2:1, 3 query tiles of which the last is padding-only
+    ("l2a_gqa", dict(T=256, N=4, K=2, H=64, sparsity=0.5)),
+    # AHA: per-head sets, packed documents with restarting positions (kv positions given), window
+    ("aha_packed_window", dict(T=256, N=4, K=2, H=64, sparsity=0.6, per_head=True, segments=3,
+                               window=40, packed_positions=True)),
+    # a prefix of keys before the queries, an empty row, float16
+    ("prefix_empty_row_f16", dict(B=2, T=256, N=2, K=1, H=64, sparsity=0.9, q_offset=128,
+                                  empty_rows=(1,), dtype=jnp.float16)),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,kw", CASES, ids=[c[0] for c in CASES])
+def test_mosaic_gpu_matches_reference_interpret(name, kw):
+  p = make_problem(7, **{**dict(dtype=jnp.bfloat16), **kw})
+  errs, bad = compare(p, dict(MGPU, bucket_fracs=(0.5,)))
+  assert not bad, (name, errs)
+
+
+def test_mosaic_gpu_rejects_what_it_cannot_take():
+  p = make_problem(1, T=128, N=2, K=1, H=64, dtype=jnp.float32)
+  with pytest.raises(ValueError, match="dtype float32"):
+    compact_attention(p.q, p.k, p.v, p.active, impl="mosaic_gpu", interpret=True)
+  p = make_problem(1, T=128, N=2, K=1, H=32, dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="head_dim 32"):
+    compact_attention(p.q, p.k, p.v, p.active, impl="mosaic_gpu", interpret=True)
+  p = make_problem(1, T=128, N=2, K=1, H=64, dtype=jnp.bfloat16)
+  with pytest.raises(ValueError, match="needs a GPU"):
+    compact_attention(p.q, p.k, p.v, p.active, impl="mosaic_gpu")
