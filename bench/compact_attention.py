@@ -1,14 +1,20 @@
-"""Compacted-query attention on one GPU: our Triton kernel vs cuDNN dense causal vs the tokamax
-compacted route (gather active queries, tokamax attention with per-query k_end, scatter).
+"""Compacted-query attention on one GPU: our Mosaic GPU (Hopper) and Triton kernels vs cuDNN dense
+causal vs the tokamax compacted route (gather active queries, tokamax attention with per-query
+k_end, scatter).
 
     python -m bench.compact_attention                      # T = 32K, 64K; s = 0 .. 0.95
-    python -m bench.compact_attention --T 32768 --sweep    # also time tile configurations
+    python -m bench.compact_attention --T 32768 --sweep    # also time Triton tile configurations
+    python -m bench.compact_attention --check-only         # small correctness checks only
 
-Qwen2.5-7B attention shapes (28 q heads, 4 kv heads, head_dim 128), B = 1, bf16, random inputs,
-a random active set of exactly round((1 - s) T) queries. Each variant is checked first (output and
-dq/dk/dv against cuDNN dense attention with inactive rows masked out, a bf16 reference computed
-with fp32 accumulation), then timed: 2 warm-ups, median of --n runs, jax.block_until_ready.
-Writes $OUT (or --out-dir) /compact_attention_<device>.json and prints the table last.
+Qwen2.5-7B attention shapes (28 q heads, 4 kv heads, head_dim 128), B = 1, bf16, random inputs.
+The realistic case: each query is active with probability 1 - s (so the active count is random,
+not a bucket size), and the kernels run with the library's default bucket ladder, i.e. the bucket
+the ladder actually picks for that count. Each variant is checked first (output and dq/dk/dv
+against cuDNN dense attention with inactive rows masked out, a bf16 reference computed with fp32
+accumulation, on inputs of its own so that stale buffers cannot pass), then timed: 2 warm-ups,
+median of --n runs, jax.block_until_ready. Achieved TFLOP/s count only visible (query, key) pairs
+(4 H flops per pair forward, 10 H forward+backward with the recomputation of P). Writes
+$OUT (or --out-dir) /compact_attention_<device>.json and prints the table last.
 """
 from __future__ import annotations
 
@@ -52,21 +58,26 @@ def rel(a, b):
   return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
 
 
-def make_inputs(T, s, seed):
+def make_inputs(T, s, seed, exact=False):
+  """Random q, k, v, cotangent and an active set: Bernoulli(1 - s) per query (exact=True: exactly
+  round((1 - s) T) queries, as the first recorded runs did)."""
   k1, k2, k3, k4, k5 = jax.random.split(jax.random.PRNGKey(seed), 5)
   q = jax.random.normal(k1, (B, T, N, H), DT)
   k = jax.random.normal(k2, (B, T, K, H), DT)
   v = jax.random.normal(k3, (B, T, K, H), DT)
-  n_act = int(round((1 - s) * T))
-  idx = jnp.sort(jax.random.choice(k4, T, (n_act,), replace=False)).astype(jnp.int32)
-  active = jnp.zeros((B, T), bool).at[:, idx].set(True)
+  if exact:
+    n_act = int(round((1 - s) * T))
+    idx = jnp.sort(jax.random.choice(k4, T, (n_act,), replace=False)).astype(jnp.int32)
+    active = jnp.zeros((B, T), bool).at[:, idx].set(True)
+  else:
+    active = jax.random.uniform(k4, (B, T)) >= s
+    idx = jnp.nonzero(active[0], size=int(active.sum()))[0].astype(jnp.int32)
   ct = jax.random.normal(k5, (B, T, N, H), DT)
   return q, k, v, active, idx, ct
 
 
-def ours_fn(s, bs):
-  fracs = (1.0,) if s == 0 else (1.0 - s,)
-  return lambda q, k, v, a: compact_attention(q, k, v, a, impl="triton", bucket_fracs=fracs,
+def ours_fn(impl, bs=None, fracs=None):
+  return lambda q, k, v, a: compact_attention(q, k, v, a, impl=impl, bucket_fracs=fracs,
                                               block_sizes=bs)
 
 
@@ -111,6 +122,38 @@ def grad_fn(f, ct):
       argnums=(0, 1, 2)))
 
 
+def check_small(impls, n_cases=None):
+  """Small correctness checks of each kernel on the GPU (pallas_kernels testing.compare: fp32
+  reference, packed documents, windows, per-head sets, prefixes, empty rows)."""
+  from pallas_kernels.compact_attention.testing import compare, make_problem
+  cases = [
+      ("l2a_s05", dict(T=1024, N=8, K=2, H=128, sparsity=0.5), {}),
+      ("aha_packed_window", dict(T=1024, N=8, K=2, H=128, sparsity=0.6, per_head=True,
+                                 segments=3, window=200, packed_positions=True), {}),
+      ("s095_prefix_empty_row", dict(B=2, T=1024, N=4, K=1, H=128, sparsity=0.95,
+                                     empty_rows=(1,), q_offset=512), {}),
+      ("h64_f16_s0", dict(T=512, N=4, K=4, H=64, sparsity=0.0, dtype=jnp.float16), {}),
+  ]
+  out = []
+  for impl in impls:
+    for name, pkw, kw in cases[:n_cases]:
+      p = make_problem(len(name), **{**dict(dtype=jnp.bfloat16), **pkw})
+      try:
+        errs, bad = compare(p, dict(impl=impl, **kw))
+        row = dict(impl=impl, case=name, errs=errs, ok=not bad)
+      except Exception as e:  # noqa: BLE001
+        row = dict(impl=impl, case=name, ok=False, err=f"{type(e).__name__}: {str(e)[:400]}")
+        traceback.print_exc()
+      out.append(row)
+      print("check_small", json.dumps(row), flush=True)
+  return out
+
+
+def visible_pairs(idx):
+  """Causal (query, key) pairs of the active queries (default positions)."""
+  return float(np.sum(np.asarray(idx, np.float64) + 1))
+
+
 def sweep(T, sparsities, n):
   """Times each kernel alone on prepared compacted inputs for a few tile configurations."""
   rows = []
@@ -119,8 +162,9 @@ def sweep(T, sparsities, n):
   dq_cfgs = [(128, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 2)]
   dkv_cfgs = [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 2), (64, 32, 4, 2), (64, 64, 8, 2)]
   for s in sparsities:
-    q, k, v, active, _, ct = make_inputs(T, s, 3)
+    q, k, v, active, _, ct = make_inputs(T, s, 3, exact=True)
     C = cp.round_up(max(1, int(round((1 - s) * T))), 128)
+    counts = jnp.full((B, 1), C, jnp.int32)
     a_BIT = active[:, None, :]
     idx = cp.compact_indices(a_BIT, C)
     valid = idx < T
@@ -135,7 +179,7 @@ def sweep(T, sparsities, n):
         bounds = cp.tile_bounds(qpos_c, valid, None, kvpos, None, window=None, block_q=bq,
                                 block_k=bk)
         f = jax.jit(lambda q_c, k, v, qp, b, bs=bs: ktriton.fwd(
-            q_c, k, v, qp, None, None, None, b, scale=H ** -0.5, window=None, bs=bs))
+            q_c, k, v, qp, None, None, None, b, counts, scale=H ** -0.5, window=None, bs=bs))
         ms = bench(f, q_c, k, v, qpos_c, bounds, n=n)
         o_c, lse_c = f(q_c, k, v, qpos_c, bounds)
       except Exception as e:  # noqa: BLE001
@@ -146,7 +190,8 @@ def sweep(T, sparsities, n):
     bs0 = BlockSizes()
     b0 = cp.tile_bounds(qpos_c, valid, None, kvpos, None, window=None, block_q=bs0.block_q,
                         block_k=bs0.block_k)
-    o_c, lse_c = jax.jit(lambda *a: ktriton.fwd(*a[:4], None, None, None, a[4], scale=H ** -0.5,
+    o_c, lse_c = jax.jit(lambda *a: ktriton.fwd(*a[:4], None, None, None, a[4], counts,
+                                                scale=H ** -0.5,
                                                 window=None, bs=bs0))(q_c, k, v, qpos_c, b0)
     delta = jnp.swapaxes(jnp.sum(o_c.astype(jnp.float32) * do_c.astype(jnp.float32), -1), 1, 2)
     for bq, bk, w, st in dq_cfgs:
@@ -154,7 +199,7 @@ def sweep(T, sparsities, n):
       try:
         bounds = cp.tile_bounds(qpos_c, valid, None, kvpos, None, window=None, block_q=bq,
                                 block_k=bk)
-        f = jax.jit(lambda *a, bs=bs: ktriton.dq(*a[:6], a[6], None, None, None, a[7],
+        f = jax.jit(lambda *a, bs=bs: ktriton.dq(*a[:6], a[6], None, None, None, a[7], counts,
                                                  scale=H ** -0.5, window=None, bs=bs))
         ms = bench(f, q_c, k, v, do_c, lse_c, delta, qpos_c, bounds, n=n)
       except Exception as e:  # noqa: BLE001
@@ -182,46 +227,61 @@ def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--T", default="32768,65536")
   ap.add_argument("--sparsity", default="0,0.5,0.8,0.9,0.95")
+  ap.add_argument("--impls", default="mosaic_gpu,triton", help="our kernels to time")
   ap.add_argument("--n", type=int, default=10)
-  ap.add_argument("--sweep", action="store_true", help="time tile configurations first")
+  ap.add_argument("--exact", action="store_true", help="exactly (1-s)T active queries")
+  ap.add_argument("--fracs", default="", help="bucket ladder, e.g. 1.0 (default: the library's)")
+  ap.add_argument("--sweep", action="store_true", help="time Triton tile configurations first")
   ap.add_argument("--sweep-only", action="store_true")
+  ap.add_argument("--check-only", action="store_true")
+  ap.add_argument("--no-check-small", action="store_true")
+  ap.add_argument("--check-impls", default="",
+                  help="kernels for the small checks (default: --impls)")
+  ap.add_argument("--check-cases", type=int, default=None, help="only the first n small checks")
   ap.add_argument("--no-tokamax", action="store_true")
   ap.add_argument("--tokamax-impl", default="mosaic_gpu")
-  ap.add_argument("--block-sizes", default="", help="JSON dict of BlockSizes fields")
+  ap.add_argument("--block-sizes", default="", help="JSON dict of Triton BlockSizes fields")
   ap.add_argument("--out-dir", default=os.environ.get("OUT", "bench/results"))
   args = ap.parse_args()
   Ts = [int(x) for x in args.T.split(",")]
   ss = [float(x) for x in args.sparsity.split(",")]
-  bs = GPU_BLOCK_SIZES
+  impls = [x for x in args.impls.split(",") if x]
+  fracs = tuple(float(x) for x in args.fracs.split(",")) if args.fracs else None
+  bs = None
   if args.block_sizes:
     kw = json.loads(args.block_sizes)
     if "small" in kw:
       kw["small"] = None if kw["small"] is None else BlockSizes(**kw["small"])
-    bs = bs.with_(**kw)
+    bs = GPU_BLOCK_SIZES.with_(**kw)
   dev = jax.devices()[0]
-  print("jax", jax.__version__, dev.device_kind, "block sizes", bs, flush=True)
-
-  sweep_rows = []
-  if args.sweep or args.sweep_only:
-    sweep_rows = sweep(Ts[0], [0.5, 0.9], args.n)
-    if args.sweep_only:
-      for r in sweep_rows:
-        print(r["kernel"], r["T"], r["sparsity"], r["cfg"], round(r["ms"], 3))
-      return
-
-  rows = []
+  print("jax", jax.__version__, dev.device_kind, flush=True)
   name = dev.device_kind.replace(" ", "_")
   os.makedirs(args.out_dir, exist_ok=True)
   path = os.path.join(args.out_dir, f"compact_attention_{name}.json")
+  rows, sweep_rows, small = [], [], []
 
   def write():
     result = dict(device=dev.device_kind, jax_version=jax.__version__,
                   date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                  command=" ".join(sys.argv),
                   shapes=dict(B=B, q_heads=N, kv_heads=K, head_dim=H, dtype="bfloat16"),
-                  block_sizes=repr(bs), timing="median of %d after 2 warm-ups" % args.n,
-                  rows=rows, sweep=sweep_rows)
+                  active_set="exactly (1-s)T" if args.exact else "Bernoulli(1-s) per query",
+                  bucket_fracs=fracs or "library default", triton_block_sizes=repr(bs),
+                  timing="median of %d after 2 warm-ups" % args.n,
+                  check_small=small, rows=rows, sweep=sweep_rows)
     with open(path, "w") as fh:
       json.dump(result, fh, indent=1)
+
+  if not args.no_check_small:
+    small = check_small([x for x in args.check_impls.split(",") if x] or impls, args.check_cases)
+    write()
+  if args.check_only:
+    return
+  if args.sweep or args.sweep_only:
+    sweep_rows = sweep(Ts[0], [0.5, 0.9], args.n)
+    if args.sweep_only:
+      write()
+      return
 
   for T in Ts:
     q, k, v, _, _, _ = make_inputs(T, 0.0, 0)
@@ -229,65 +289,77 @@ def main():
     cud_fb = bench(grad_fn(lambda q, k, v: cudnn_dense(q, k, v), q), q, k, v, n=args.n)
     print(json.dumps(dict(T=T, cudnn_fwd_ms=cud_f, cudnn_fwdbwd_ms=cud_fb)), flush=True)
     ref_f = jax.jit(cudnn_masked)
-    ref_g = grad_fn(cudnn_masked, make_inputs(T, 0.5, 2)[5])
     for s in ss:
-      row = dict(T=T, sparsity=s, cudnn_fwd_ms=cud_f, cudnn_fwdbwd_ms=cud_fb,
+      q, k, v, active, idx, ct = make_inputs(T, s, 2, exact=args.exact)
+      ref_g = grad_fn(cudnn_masked, ct)
+      pairs = visible_pairs(idx)
+      row = dict(T=T, sparsity=s, active=int(idx.size), cudnn_fwd_ms=cud_f,
+                 cudnn_fwdbwd_ms=cud_fb, visible_pairs=pairs,
                  target_speedup=0.8 / (1 - s) if s > 0 else 1 / 1.3)
-      q, k, v, active, idx, ct = make_inputs(T, s, 2)
-      f = jax.jit(ours_fn(s, bs))
-      g = grad_fn(ours_fn(s, bs), ct)
-      try:
-        # check first (same compiled functions as timed): vs cuDNN dense with inactive rows
-        # masked out, forward and dq/dk/dv; NaN fails; inactive rows must be exactly zero.
-        o, gr = f(q, k, v, active), g(q, k, v, active)
-        o_ref, gr_ref = ref_f(q, k, v, active), ref_g(q, k, v, active)
-        errs = dict(out=rel(o, o_ref), dq=rel(gr[0], gr_ref[0]), dk=rel(gr[1], gr_ref[1]),
-                    dv=rel(gr[2], gr_ref[2]))
-        nan = bool(jnp.isnan(o).any()) or any(bool(jnp.isnan(x).any()) for x in gr)
-        zeros_ok = bool(jnp.all(jnp.where(active[:, :, None, None], 0, o) == 0))
-        row.update(check=errs, check_nan=nan, check_inactive_zero=zeros_ok)
-        print("check", T, s, errs, "NaN" if nan else "", "" if zeros_ok else "NONZERO", flush=True)
-        del o, gr, o_ref, gr_ref
-        row["fwd_ms"] = bench(f, q, k, v, active, n=args.n)
-        row["fwdbwd_ms"] = bench(g, q, k, v, active, n=args.n)
-      except Exception as e:  # noqa: BLE001
-        row["err"] = f"{type(e).__name__}: {str(e)[:300]}"
-        traceback.print_exc()
+      for ii, impl in enumerate(impls):
+        f = jax.jit(ours_fn(impl, bs if impl == "triton" else None, fracs))
+        g = grad_fn(ours_fn(impl, bs if impl == "triton" else None, fracs), ct)
+        r = {}
+        try:
+          # check on inputs of its own (q scaled per kernel): a buffer left unwritten cannot hold
+          # the right answer from an earlier run
+          qc = (q.astype(jnp.float32) * (1.0 + 0.1 * (ii + 1))).astype(DT)
+          o, gr = f(qc, k, v, active), g(qc, k, v, active)
+          o_ref, gr_ref = ref_f(qc, k, v, active), ref_g(qc, k, v, active)
+          errs = dict(out=rel(o, o_ref), dq=rel(gr[0], gr_ref[0]), dk=rel(gr[1], gr_ref[1]),
+                      dv=rel(gr[2], gr_ref[2]))
+          nan = bool(jnp.isnan(o).any()) or any(bool(jnp.isnan(x).any()) for x in gr)
+          zeros_ok = bool(jnp.all(jnp.where(active[:, :, None, None], 0, o) == 0))
+          r.update(check=errs, check_nan=nan, check_inactive_zero=zeros_ok)
+          print("check", impl, T, s, errs, "NaN" if nan else "", "" if zeros_ok else "NONZERO",
+                flush=True)
+          del o, gr, o_ref, gr_ref
+          r["fwd_ms"] = bench(f, q, k, v, active, n=args.n)
+          r["fwdbwd_ms"] = bench(g, q, k, v, active, n=args.n)
+          r["speedup_fwd"] = cud_f / r["fwd_ms"]
+          r["speedup_fwdbwd"] = cud_fb / r["fwdbwd_ms"]
+          r["tflops_fwd"] = 4 * H * N * pairs / r["fwd_ms"] / 1e9
+          r["tflops_fwdbwd"] = 10 * H * N * pairs / r["fwdbwd_ms"] / 1e9
+        except Exception as e:  # noqa: BLE001
+          r["err"] = f"{type(e).__name__}: {str(e)[:400]}"
+          traceback.print_exc()
+        row[impl] = r
       if not args.no_tokamax:
-        for impl in (args.tokamax_impl, "triton"):
+        for timpl in (args.tokamax_impl, "triton"):
           try:
-            tf = tokamax_fn(impl, s)
+            tf = tokamax_fn(timpl, s)
             row["tokamax_fwd_ms"] = bench(jax.jit(tf), q, k, v, idx, n=args.n)
             row["tokamax_fwdbwd_ms"] = bench(grad_fn(tf, ct), q, k, v, idx, n=args.n)
-            row["tokamax_impl"] = impl
+            row["tokamax_impl"] = timpl
             break
           except Exception as e:  # noqa: BLE001
-            row[f"tokamax_{impl}_err"] = f"{type(e).__name__}: {str(e)[:300]}"
-            print("tokamax", impl, "failed:", row[f"tokamax_{impl}_err"], flush=True)
-      if "fwd_ms" in row:
-        row["speedup_fwd"] = cud_f / row["fwd_ms"]
-        row["speedup_fwdbwd"] = cud_fb / row["fwdbwd_ms"]
-        if "tokamax_fwd_ms" in row:
-          row["vs_tokamax_fwd"] = row["tokamax_fwd_ms"] / row["fwd_ms"]
-          row["vs_tokamax_fwdbwd"] = row["tokamax_fwdbwd_ms"] / row["fwdbwd_ms"]
+            row[f"tokamax_{timpl}_err"] = f"{type(e).__name__}: {str(e)[:300]}"
+            print("tokamax", timpl, "failed:", row[f"tokamax_{timpl}_err"], flush=True)
+        for impl in impls:
+          if "tokamax_fwd_ms" in row and "fwd_ms" in row[impl]:
+            row[impl]["vs_tokamax_fwd"] = row["tokamax_fwd_ms"] / row[impl]["fwd_ms"]
+            row[impl]["vs_tokamax_fwdbwd"] = row["tokamax_fwdbwd_ms"] / row[impl]["fwdbwd_ms"]
       rows.append(row)
       print(json.dumps(row), flush=True)
       write()
   print("wrote", path)
-  if sweep_rows:
-    print("\nkernel T s cfg(bq,bk,warps,stages) ms")
-    for r in sweep_rows:
-      print(r["kernel"], r["T"], r["sparsity"], r["cfg"], round(r["ms"], 3))
-  print("\n   T    s | ours fwd  fwdbwd | cuDNN fwd fwdbwd | tokamax fwd fwdbwd | speedup fwd"
-        " fwdbwd (target) | vs tokamax fwd fwdbwd | max rel err")
+  for c in small:
+    print("check_small", c["impl"], c["case"], "ok" if c["ok"] else "FAIL",
+          c.get("err", {k: round(v, 5) for k, v in c.get("errs", {}).items()}))
+  print("\n   T    s  active | impl       fwd  fwdbwd | cuDNN fwd fwdbwd | tokamax fwd fwdbwd |"
+        " speedup fwd fwdbwd (target) | vs tokamax | TFLOP/s fwd fwdbwd | max rel err")
   for r in rows:
-    g = lambda key: r.get(key, float("nan"))
-    err = max(r.get("check", {"x": float("nan")}).values())
-    print(f"{r['T']:6d} {r['sparsity']:.2f} | {g('fwd_ms'):8.2f} {g('fwdbwd_ms'):7.2f} | "
-          f"{g('cudnn_fwd_ms'):8.2f} {g('cudnn_fwdbwd_ms'):7.2f} | {g('tokamax_fwd_ms'):9.2f} "
-          f"{g('tokamax_fwdbwd_ms'):7.2f} | {g('speedup_fwd'):6.2f} {g('speedup_fwdbwd'):6.2f} "
-          f"({r['target_speedup']:.2f}) | {g('vs_tokamax_fwd'):6.2f} {g('vs_tokamax_fwdbwd'):6.2f}"
-          f" | {err:.1e}")
+    for impl in impls:
+      x = r.get(impl, {})
+      g = lambda key, d=x: d.get(key, float("nan"))
+      err = max(x.get("check", {"x": float("nan")}).values())
+      print(f"{r['T']:6d} {r['sparsity']:.2f} {r['active']:7d} | {impl:10s} {g('fwd_ms'):6.2f} "
+            f"{g('fwdbwd_ms'):7.2f} | {r['cudnn_fwd_ms']:8.2f} {r['cudnn_fwdbwd_ms']:7.2f} | "
+            f"{r.get('tokamax_fwd_ms', float('nan')):9.2f} "
+            f"{r.get('tokamax_fwdbwd_ms', float('nan')):7.2f} | {g('speedup_fwd'):6.2f} "
+            f"{g('speedup_fwdbwd'):6.2f} ({r['target_speedup']:.2f}) | {g('vs_tokamax_fwd'):5.2f}"
+            f" {g('vs_tokamax_fwdbwd'):5.2f} | {g('tflops_fwd'):5.0f} {g('tflops_fwdbwd'):5.0f} | "
+            f"{err:.1e}")
 
 
 if __name__ == "__main__":

@@ -135,8 +135,9 @@ def test_tile_bounds_are_tight(seed, mask, sparsity, per_head):
   for bq, bk, transpose in ((SMALL.block_q, SMALL.block_k, False),
                             (SMALL.block_q_dq, SMALL.block_k_dq, False),
                             (SMALL.block_q_dkv, SMALL.block_k_dkv, True)):
-    bounds = np.asarray(cp.tile_bounds(qp_c, valid, qs_c, jnp.asarray(kvpos), kvseg, window=p.kw.get(
-        "window"), block_q=bq, block_k=bk, transpose=transpose))
+    bounds = np.asarray(cp.tile_bounds(qp_c, valid, qs_c, jnp.asarray(kvpos), kvseg,
+                                       window=p.kw.get("window"), block_q=bq, block_k=bk,
+                                       transpose=transpose))
     tiles = vis.reshape(vis.shape[:2] + (C // bq, bq, S // bk, bk))
     any_vis, all_vis = tiles.any(axis=(3, 5)), tiles.all(axis=(3, 5))
     if transpose:

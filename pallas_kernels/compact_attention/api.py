@@ -5,17 +5,19 @@
     out_BTNH, lse_BTN = compact_attention(..., return_lse=True)
 
 Active queries are compacted (in order, original positions kept) into a static bucket: the
-smallest of a fixed ladder of capacities that holds the largest active count of any row, chosen
-at run time by lax.switch over precompiled branches, so nothing recompiles per step and no active
-query is ever dropped (the ladder always ends with a bucket that holds all T queries). The kernel
+smallest of a short ladder of capacities (default T/4 and T) that holds the largest active count
+of any row, chosen at run time by lax.switch over precompiled branches, so nothing recompiles per
+step and no active query is ever dropped (the ladder always ends with a bucket that holds all T
+queries). The kernels size their work by the actual count (tiles past it are skipped), so a
+bucket larger than the count costs only gather / scatter traffic, not compute. The kernel
 runs flash attention on the compacted queries with the causal / window / segment mask evaluated
 on original positions, skipping kv tiles that no query of a tile can see; the backward pass
 (custom_vjp, saving the log-sum-exp) skips query tiles that cannot see a kv tile. Results are
 scattered back; inactive queries get zeros (and lse = -inf).
 
 impl: 'auto' (Triton on GPU, Mosaic on TPU, the jnp reference elsewhere), 'reference', 'triton',
-'mosaic_gpu' (Hopper: wgmma, TMA, warp specialisation), 'mosaic_tpu'. A kernel that cannot take a shape raises ValueError when asked for by name; under
-'auto' it warns once and uses the reference.
+'mosaic_gpu' (Hopper: wgmma, TMA, warp specialisation), 'mosaic_tpu'. A kernel that cannot take a
+shape raises ValueError when asked for by name; under 'auto' it warns once and uses the reference.
 """
 from __future__ import annotations
 
@@ -329,7 +331,7 @@ def compact_attention(q_BTNH, k_BSKH, v_BSKH, active, *, q_positions_BT=None,
     q_segment_ids_BT, kv_segment_ids_BS: packed documents: a query sees only keys with its own
       segment id; 0 = padding, never attended. Give both or neither.
     window: a query at p sees keys at positions in (p - window, p].
-    bucket_fracs: ladder of capacities as fractions of T (default 1/16 .. 1); or `capacity`, a
+    bucket_fracs: ladder of capacities as fractions of T (default (1/4, 1)); or `capacity`, a
       fixed bucket (plus a full-T bucket for overflow, so nothing is ever dropped).
     block_q, block_k: forward tiles; block_sizes: all tiles and Triton launch parameters.
     impl: 'auto' | 'reference' | 'triton' | 'mosaic_gpu' | 'mosaic_tpu'; interpret: Pallas

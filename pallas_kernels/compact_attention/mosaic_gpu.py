@@ -1,4 +1,4 @@
-"""Hopper kernels (Pallas Mosaic GPU: wgmma, TMA, warp specialisation) for compacted-query attention.
+"""Hopper kernels (Pallas Mosaic GPU: wgmma, TMA, warp specialisation), compacted-query attention.
 
 Same contract as triton.py: compacted queries q_c [B, C, N, H] (token-major), the full K/V
 [B, S, K, H] (GQA: query head h reads kv head h // (N // K), K/V never repeated), per-tile loop

@@ -5,13 +5,13 @@ bounds from compaction.tile_bounds), laid out the TPU way: head-major tiles, per
 replicated over the 128 lanes, per-key values over 8 sublanes (the layout of
 jax.experimental.pallas.ops.tpu.flash_attention).
 
-The per-tile bounds are scalar-prefetched into SMEM. (The run-time-sized query-tile axis is
-'arbitrary', not 'parallel': only static extents can be split across cores.) The innermost grid axis walks the tiles of a
-tile's bounds: its index map returns lo + t (clamped to the last visible tile, so skipped steps
+The per-tile bounds are scalar-prefetched into SMEM. The innermost grid axis walks the tiles of
+a tile's bounds: its index map returns lo + t (clamped to the last visible tile, so skipped steps
 fetch nothing new) and the body runs only while lo + t < hi. The grid is bounded at run time: the
 query-tile axis by the largest active count (tiles past it hold only padding and are never
 visited), the innermost axis by the longest bounds range, so the work follows the active set and
-not the bucket. Every computed tile is masked (the
+not the bucket (the run-time-sized query-tile axis is 'arbitrary', not 'parallel': only static
+extents can be split across cores). Every computed tile is masked (the
 full / masked split of the Triton kernels does not pay on the VPU-light TPU path).
 """
 from __future__ import annotations
