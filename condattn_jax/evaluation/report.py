@@ -14,6 +14,8 @@ import os
 import re
 from typing import Any
 
+import numpy as np
+
 COLUMNS = (("ppl", "ppl", "{:.3f}"), ("ce", "CE", "{:.4f}"), ("token_acc", "token acc", "{:.3f}"),
            ("exact_match", "exact match", "{:.3f}"), ("tokens", "scored tokens", "{}"))
 
@@ -33,8 +35,8 @@ def markdown_table(results: dict[str, Any], title: str | None = None) -> str:
     cells = [str(L)] + [fmt.format(r[k]) for k, _, fmt in COLUMNS]
     for k in aux:
       v = r.get(k)
-      if isinstance(v, list):
-        v = sum(v) / max(len(v), 1)
+      if isinstance(v, list):  # per layer [L] or per layer x head [L, N] (nested lists)
+        v = float(np.mean(v)) if len(v) else 0.0
       cells.append("" if v is None else f"{v:.4f}")
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines) + "\n"
