@@ -10,8 +10,10 @@ from condattn_jax.attention.aha.convert import dense_to_aha, from_dense, to_dens
 from condattn_jax.attention.aha.layer import (MODES, OPTION_NAMES, ROUTINGS, AHALayer, AHAOptions,
                                               Router, aha_config, aha_options, aux_loss,
                                               task_counts)
-from condattn_jax.attention.aha.report import kv_cache_bytes
+from condattn_jax.attention.aha.report import (gap_counts, kv_cache_bytes, measure_usage,
+                                               plot_usage_heatmap, usage_report)
 
 AHA = register(Scheme(
     name="aha", layer_cls=AHALayer, aux_loss=aux_loss, from_dense=from_dense, to_dense=to_dense,
-    headline_metric="aha/mu_f", kv_cache_bytes=kv_cache_bytes))
+    headline_metric="aha/mu_f", kv_cache_bytes=kv_cache_bytes,
+    reports={"usage": usage_report, "measure": measure_usage}))
