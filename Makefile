@@ -1,7 +1,9 @@
-# Two commands on a fresh machine:  `make demo` (tiny L2A-style run on CPU) and `make test`.
+# Two commands on a fresh machine:  `make demo` (dense -> L2A on a recall task, CPU, minutes) and
+# `make test`. `make demo SCHEME=<name>` runs another scheme's demo section (scripts/demo.py).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_DIR ?= /tmp/condattn_demo
+SCHEME ?= l2a
 
 .PHONY: setup test test-fast demo gpu-smoke clean
 
@@ -14,7 +16,7 @@ test: $(VENV)/.installed
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
 
 demo: $(VENV)/.installed
-	$(PY) scripts/demo.py --workdir=$(DEMO_DIR)
+	$(PY) scripts/demo.py --workdir=$(DEMO_DIR) --scheme=$(SCHEME)
 
 gpu-smoke: $(VENV)/.installed
 	$(PY) -m pytest -q tests/gpu

@@ -2,6 +2,8 @@ r"""L2A learning experiment on MQAR (multi-query associative recall), end to end
 
   python bench/l2a_learning.py                       # full run -> bench/results/l2a_learning.json
   python bench/l2a_learning.py --preset=cpu --out=/tmp/l2a_cpu.json   # the test-sized run
+  python bench/l2a_learning.py --preset=demo --dense_params=tests/fixtures/l2a/mqar_dense.npz
+                                                     # what `make demo` runs (scripts/demo.py)
 
 1. dense: a tiny qwen2-style decoder learns MQAR with full attention (all params trained);
 2. convert: `l2a.dense_to_l2a` (local window w << T, both branches copied, zero router) and train
@@ -17,7 +19,12 @@ r"""L2A learning experiment on MQAR (multi-query associative recall), end to end
 The MQAR settings put every query key more than L*(w-1) tokens after every key-value pair
 (min_gap >= L * w), so local attention alone cannot answer: the global branch is needed exactly at
 the query keys. Uses the project's train step (`condattn_jax.train.step.make_train_step`), optimizer
-(trainable regex) and the scheme registry; batches come straight from the MQAR generator.
+(the L2A recipe's trainable regex, configs/l2a_qwen.py) and the scheme registry; batches come
+straight from the MQAR generator.
+
+The phases are functions that `scripts/demo.py` reuses: `Data`, `base_config`, `dense_model`,
+`convert`, `train_l2a` (conversion + recipe training, any routing), `evaluate`, `theta_sweep`,
+`pruning`; `run_experiment` chains them.
 """
 from __future__ import annotations
 
@@ -42,13 +49,26 @@ import numpy as np  # noqa: E402
 
 from condattn_jax.attention import l2a  # noqa: E402
 from condattn_jax.models.config import ModelConfig  # noqa: E402
+from condattn_jax.models import stacking  # noqa: E402
 from condattn_jax.models.decoder import Decoder  # noqa: E402
 from condattn_jax.train import optimizer as opt_lib  # noqa: E402
 from condattn_jax.train.state import TrainState  # noqa: E402
 from condattn_jax.train.step import make_train_step  # noqa: E402
 
-L2A_TRAINABLE = (r"layers(_\d+_\d+)?/(self_attn|global_attn|router|input_layernorm|global_layernorm|"
-                 r"post_attention_layernorm)/.*|norm/scale")
+
+
+def _recipe_trainable_regex() -> str:
+  """What the L2A recipe trains (configs/l2a_qwen.py TRAINABLE_REGEX: attention, norms, router;
+  FFN and embeddings frozen), read from the recipe so that the two never diverge."""
+  spec = importlib.util.spec_from_file_location("_l2a_recipe",
+                                                os.path.join(ROOT, "configs", "l2a_qwen.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod.TRAINABLE_REGEX
+
+
+L2A_TRAINABLE = _recipe_trainable_regex()
+ROUTER_REGEX = r"(.*/)?router/kernel"  # the router's own learning rate (a param group)
 
 
 def _synthetic():
@@ -89,6 +109,7 @@ class Settings:
   lambda_max: float = 0.05
   lambda_schedule: str = "ramp"
   lambda_ramp_frac: float = 0.5
+  lambda_warmup_frac: float | None = None  # lambda = 0 for this fraction (None: warmup_frac)
   p_force: float = 0.1
   tau: float = 0.1
   theta: float = 0.5
@@ -103,11 +124,17 @@ class Settings:
 
 PRESETS = {
     "full": Settings(),
-    # The CPU test: a smaller task that a dense model learns in a few hundred steps.
     # The CPU test: the full preset's task and model (its dense model comes from a fixture made
     # by the full run), shorter L2A / context-free phases.
     "cpu": Settings(l2a_steps=1200, l2a_lr=3e-3, eval_examples=512, thetas=(0.5,),
                     baselines=("context_free",), log_every=300),
+    # `make demo` (scripts/demo.py): the same task and dense model, local window 1 (each token
+    # sees only itself locally: the conversion damage is undone in a few hundred steps, where
+    # window 4 needs thousands), batch 32, more forced-global steps (0.3), lambda held at 0 for
+    # the first 20% of the steps. About 2 minutes on 2 idle CPU cores.
+    "demo": Settings(window=1, batch_size=32, l2a_steps=600, l2a_lr=3e-3, p_force=0.3,
+                     lambda_warmup_frac=0.2, eval_examples=512, thetas=(0.5, 0.7),
+                     baselines=("context_free", "local_only"), log_every=100),
 }
 
 
@@ -151,7 +178,8 @@ def base_config(s: Settings) -> ModelConfig:
 
 def l2a_options(s: Settings, **kw) -> dict:
   steps = s.l2a_steps
-  warm = int(round(s.warmup_frac * steps))
+  frac = s.warmup_frac if s.lambda_warmup_frac is None else s.lambda_warmup_frac
+  warm = int(round(frac * steps))
   opts = dict(window=s.window, tau=s.tau, theta=s.theta, p_force=s.p_force,
               lambda_max=s.lambda_max, lambda_schedule=s.lambda_schedule,
               lambda_warmup_steps=warm, lambda_ramp_steps=int((steps - warm) * s.lambda_ramp_frac),
@@ -160,8 +188,17 @@ def l2a_options(s: Settings, **kw) -> dict:
   return opts
 
 
+def model_params(params, cfg: ModelConfig):
+  """`params` (per-layer `layers_{i}` as in tests/fixtures/l2a/mqar_dense.npz, or stacked) in
+  the layout the Decoder of `cfg` expects."""
+  return stacking.to_model_layout(params, cfg)
+
+
 def train(cfg: ModelConfig, params, s: Settings, data: Data, *, steps: int, lr: float,
           trainable: str | None, phase: int, name: str, groups=None, log=print):
+  """`steps` steps of the project's train step on MQAR batches of `phase`'s stream.
+  Returns (params on the host, history rows every s.log_every steps, seconds)."""
+  params = model_params(params, cfg)
   tc = _train_config(s, steps, lr, trainable, groups)
   tx, labels, schedule = opt_lib.make_optimizer(tc, params)
   step_fn = jax.jit(make_train_step(cfg, tc, tx, labels, schedule), donate_argnums=(0,))
@@ -189,6 +226,7 @@ def train(cfg: ModelConfig, params, s: Settings, data: Data, *, steps: int, lr: 
 def evaluate(cfg: ModelConfig, params, data: Data, batch: int = 256) -> dict[str, Any]:
   """Answer-token accuracy and per-layer sparsity on the held-out examples (train=False)."""
   model = Decoder(cfg)
+  params = model_params(params, cfg)
 
   @jax.jit
   def f(params, b):
@@ -218,6 +256,56 @@ def evaluate(cfg: ModelConfig, params, data: Data, batch: int = 256) -> dict[str
   return res
 
 
+ROLES = ("pair key", "pair value", "query key", "query value", "filler")
+
+
+def token_roles(task, inputs_BT) -> np.ndarray:
+  """Role index (into ROLES) of every MQAR input token: keys come from [1, V/2), values from
+  [V/2, V), filler is 0; pairs sit before `task.query_start`, queries from there on."""
+  inputs_BT = np.asarray(inputs_BT)
+  query = np.arange(inputs_BT.shape[1])[None, :] >= task.query_start
+  key = (inputs_BT >= 1) & (inputs_BT < task.vocab_size // 2)
+  value = inputs_BT >= task.vocab_size // 2
+  roles = np.full(inputs_BT.shape, ROLES.index("filler"), np.int32)
+  roles[key & ~query] = ROLES.index("pair key")
+  roles[value & ~query] = ROLES.index("pair value")
+  roles[key & query] = ROLES.index("query key")
+  roles[value & query] = ROLES.index("query value")
+  return roles
+
+
+def global_rate_by_role(cfg: ModelConfig, params, data: Data, batch: int = 256
+                        ) -> list[dict[str, float]]:
+  """What the router learned: per layer, the fraction of held-out tokens of each role (ROLES)
+  that run global attention (the layers' sown `decision`s, stacked on the layer axis)."""
+  model = Decoder(cfg)
+  params = model_params(params, cfg)
+
+  @jax.jit
+  def decisions(params, b):
+    _, state = model.apply({"params": params}, b["inputs"], b["positions"], b["segment_ids"],
+                           mutable=["intermediates"])
+    found = [x for p, x in jax.tree_util.tree_flatten_with_path(state["intermediates"])[0]
+             if "decision" in jax.tree_util.keystr(p)]
+    if not found:
+      raise ValueError("the L2A layers sowed no 'decision' intermediates.")
+    return jnp.concatenate([d.reshape((-1,) + d.shape[-2:]) for d in found])  # [L, B, T]
+
+  L = cfg.num_layers
+  hits, counts = np.zeros((L, len(ROLES))), np.zeros((L, len(ROLES)))
+  n = data.eval["inputs"].shape[0]
+  for i in range(0, n, batch):
+    b = jax.tree.map(lambda x: jnp.asarray(x[i:i + batch]), data.eval)
+    d_LBT = np.asarray(jax.device_get(decisions(params, b)), bool)
+    roles = token_roles(data.task, data.eval["inputs"][i:i + batch])
+    for r in range(len(ROLES)):
+      sel = roles == r
+      counts[:, r] += sel.sum()
+      hits[:, r] += (d_LBT & sel[None]).sum(axis=(1, 2))
+  return [{role: float(hits[l, r] / counts[l, r]) for r, role in enumerate(ROLES)
+           if counts[l, r]} for l in range(L)]
+
+
 def save_params(params, path: str) -> None:
   """Flat npz: '/'-joined param paths -> arrays."""
   flat = {opt_lib.path_str(p): np.asarray(x)
@@ -238,6 +326,71 @@ def load_params(path: str) -> dict:
   return out
 
 
+def dense_model(s: Settings, data: Data, cfg: ModelConfig, dense_params: str | None = None,
+                log=print):
+  """(dense params, history, seconds): loaded from `dense_params` (an npz of `save_params`) or
+  trained with full attention (all params) for s.dense_steps."""
+  if dense_params:
+    if not os.path.exists(dense_params):
+      raise FileNotFoundError(f"dense_params={dense_params}: no such file (the dense MQAR model "
+                              "is tests/fixtures/l2a/mqar_dense.npz).")
+    return model_params(load_params(dense_params), cfg), [], 0.0
+  init = nn.unbox(Decoder(cfg).init(jax.random.key(s.seed),
+                                    jnp.zeros((1, s.seq_len), jnp.int32))["params"])
+  return train(cfg, init, s, data, steps=s.dense_steps, lr=s.dense_lr, trainable=None, phase=0,
+               name="dense", log=log)
+
+
+def router_groups(s: Settings, routing: str = "learned"):
+  """The optimizer's param groups: the router's own lr (learned routing only)."""
+  if s.router_lr is None or routing != "learned":
+    return None
+  return {"router": {"regex": ROUTER_REGEX, "lr": s.router_lr}}
+
+
+def convert(s: Settings, cfg: ModelConfig, dense, **options):
+  """(L2A config, L2A params): `l2a.dense_to_l2a` with the settings' options (+ overrides)."""
+  return l2a.dense_to_l2a(dense, cfg, **l2a_options(s, **options))
+
+
+def train_l2a(s: Settings, data: Data, cfg: ModelConfig, dense, *, name: str = "l2a", log=print,
+              **options):
+  """Convert the dense model and train it with the L2A recipe for s.l2a_steps (attention, norms
+  and router trainable; FFN and embeddings frozen; forced-global steps; lambda warmup + ramp).
+  `options` override L2A options, e.g. routing='bernoulli', bernoulli_q=q (context-free) or
+  routing='none' (local only). Returns (L2A config, params, history, seconds)."""
+  lcfg, lp = convert(s, cfg, dense, **options)
+  params, hist, secs = train(lcfg, lp, s, data, steps=s.l2a_steps, lr=s.l2a_lr,
+                             trainable=L2A_TRAINABLE, phase=1, name=name,
+                             groups=router_groups(s, options.get("routing", "learned")), log=log)
+  return lcfg, params, hist, secs
+
+
+def theta_sweep(lcfg: ModelConfig, params, data: Data, thetas) -> dict[str, dict]:
+  """{str(theta): accuracy, sparsity, layer_sparsity} of the trained model at each threshold."""
+  out = {}
+  for th in thetas:
+    r = evaluate(l2a.l2a_config(lcfg, theta=th), params, data)
+    out[str(th)] = dict(accuracy=r["accuracy"], sparsity=r["sparsity"],
+                        layer_sparsity=r["layer_sparsity"])
+  return out
+
+
+def pruning(lcfg: ModelConfig, params, data: Data, layer_sparsity, threshold: float = 0.95,
+            contexts=(131072,)) -> dict[str, Any]:
+  """Post-training pruning: layers with sparsity >= threshold lose the global branch and its
+  KV cache (`l2a.prune`); accuracy after, and KV-cache bytes (batch 1) of the dense base model,
+  the L2A model and the pruned one at each context length (`l2a.kv_bytes_report`)."""
+  pcfg, pparams, pruned = l2a.prune(model_params(params, lcfg), lcfg, layer_sparsity, threshold)
+  kv = {}
+  for ctx in contexts:
+    r = l2a.kv_bytes_report(lcfg, pcfg, ctx)
+    kv[str(ctx)] = dict(dense=r["kv_bytes_dense_base"], l2a=r["kv_bytes_before"],
+                        l2a_pruned=r["kv_bytes_after"])
+  return dict(threshold=threshold, pruned_layers=list(pruned),
+              accuracy_after=evaluate(pcfg, pparams, data)["accuracy"], kv_bytes=kv)
+
+
 def run_experiment(s: Settings, log=print, *, dense_params: str | None = None,
                    save_dense: str | None = None) -> dict[str, Any]:
   """The whole experiment; `dense_params` (npz from `save_dense`) skips the dense training."""
@@ -245,52 +398,18 @@ def run_experiment(s: Settings, log=print, *, dense_params: str | None = None,
   data = Data(s)
   cfg = base_config(s)
   timings = {}
-  if dense_params:
-    dense, dense_hist, timings["dense"] = load_params(dense_params), [], 0.0
-  else:
-    init = nn.unbox(Decoder(cfg).init(jax.random.key(s.seed),
-                                      jnp.zeros((1, s.seq_len), jnp.int32))["params"])
-    dense, dense_hist, timings["dense"] = train(cfg, init, s, data, steps=s.dense_steps,
-                                                lr=s.dense_lr, trainable=None, phase=0,
-                                                name="dense", log=log)
+  dense, dense_hist, timings["dense"] = dense_model(s, data, cfg, dense_params, log)
   if save_dense:
     save_params(dense, save_dense)
   dense_eval = evaluate(cfg, dense, data)
   log(f"dense accuracy {dense_eval['accuracy']:.4f}")
+  converted_eval = evaluate(*convert(s, cfg, dense), data)
+  log(f"converted (step 0, every token global) accuracy {converted_eval['accuracy']:.4f}")
 
-  groups = None
-  if s.router_lr is not None:
-    groups = {"router": {"regex": r"layers(_\d+_\d+)?/router/kernel", "lr": s.router_lr}}
-
-  def l2a_run(name, **kw):
-    lcfg, lp = l2a.dense_to_l2a(dense, cfg, **l2a_options(s, **kw))
-    params, hist, secs = train(lcfg, lp, s, data, steps=s.l2a_steps, lr=s.l2a_lr,
-                               trainable=L2A_TRAINABLE, phase=1, name=name,
-                               groups=groups if kw.get("routing", "learned") == "learned" else None,
-                               log=log)
-    timings[name] = secs
-    return lcfg, params, hist
-
-  lcfg, lparams, l2a_hist = l2a_run("l2a")
+  lcfg, lparams, l2a_hist, timings["l2a"] = train_l2a(s, data, cfg, dense, name="l2a", log=log)
   l2a_eval = evaluate(lcfg, lparams, data)
   log(f"l2a accuracy {l2a_eval['accuracy']:.4f} sparsity {l2a_eval['sparsity']:.4f} "
       f"layers {l2a_eval['layer_sparsity']}")
-  theta_sweep = {}
-  for th in s.thetas:
-    r = evaluate(l2a.l2a_config(lcfg, theta=th), lparams, data)
-    theta_sweep[str(th)] = dict(accuracy=r["accuracy"], sparsity=r["sparsity"],
-                                layer_sparsity=r["layer_sparsity"])
-  # pruning: layers that (almost) never run global attention lose the branch and its cache
-  sp = l2a_eval["layer_sparsity"]
-  pcfg, pparams, pruned = l2a.prune(lparams, lcfg, sp, 0.95)
-  pruned_eval = evaluate(pcfg, pparams, data)
-  base_dense = cfg
-  pruning = dict(
-      threshold=0.95, pruned_layers=list(pruned), accuracy_after=pruned_eval["accuracy"],
-      kv_bytes={str(ctx): dict(dense=l2a.kv_cache_bytes(base_dense, ctx)["total"],
-                               l2a=l2a.kv_cache_bytes(lcfg, ctx)["total"],
-                               l2a_pruned=l2a.kv_cache_bytes(pcfg, ctx)["total"])
-                for ctx in (s.seq_len, 131072)})
 
   result: dict[str, Any] = {
       "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -301,27 +420,33 @@ def run_experiment(s: Settings, log=print, *, dense_params: str | None = None,
                         "local attention alone cannot answer"),
       "settings": dataclasses.asdict(s),
       "backend": jax.default_backend(),
+      "jax_version": jax.__version__,
       "dense_accuracy": dense_eval["accuracy"],
+      "converted_accuracy": converted_eval["accuracy"],
       "l2a_accuracy": l2a_eval["accuracy"],
       "l2a_sparsity": l2a_eval["sparsity"],
       "l2a_layer_sparsity": l2a_eval["layer_sparsity"],
       "l2a_global_fraction": l2a_eval["global_fraction"],
-      "theta_sweep": theta_sweep,
-      "pruning": pruning,
+      "l2a_global_rate_by_role": global_rate_by_role(lcfg, lparams, data),
+      "theta_sweep": theta_sweep(lcfg, lparams, data, s.thetas),
+      "pruning": pruning(lcfg, lparams, data, l2a_eval["layer_sparsity"], 0.95,
+                         (s.seq_len, 131072)),
       "history": {"dense": dense_hist, "l2a": l2a_hist},
   }
   q = float(np.clip(l2a_eval["global_fraction"], 0.0, 1.0))
   if "context_free" in s.baselines:
-    ccfg, cparams, chist = l2a_run("context_free", routing="bernoulli", bernoulli_q=q)
+    ccfg, cparams, chist, timings["context_free"] = train_l2a(
+        s, data, cfg, dense, name="context_free", log=log, routing="bernoulli", bernoulli_q=q)
     ce = evaluate(ccfg, cparams, data)
     result.update(context_free_accuracy=ce["accuracy"], context_free_sparsity=ce["sparsity"],
                   context_free_q=q, context_free_layer_sparsity=ce["layer_sparsity"])
     result["history"]["context_free"] = chist
     log(f"context-free accuracy {ce['accuracy']:.4f} sparsity {ce['sparsity']:.4f} (q={q:.4f})")
   if "local_only" in s.baselines:
-    ocfg, oparams, ohist = l2a_run("local_only", routing="none")
+    ocfg, oparams, ohist, timings["local_only"] = train_l2a(
+        s, data, cfg, dense, name="local_only", log=log, routing="none")
     oe = evaluate(ocfg, oparams, data)
-    result.update(local_only_accuracy=oe["accuracy"])
+    result.update(local_only_accuracy=oe["accuracy"], local_only_sparsity=oe["sparsity"])
     result["history"]["local_only"] = ohist
     log(f"local-only accuracy {oe['accuracy']:.4f}")
   if "dense_continued" in s.baselines:

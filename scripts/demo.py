@@ -1,27 +1,83 @@
-r"""`make demo`: train a tiny decoder on a synthetic long-context recall task on this CPU, evaluate
-it before and after, and print what it learned. A few minutes on 2 cores.
+r"""`make demo`: conditional attention at work, on this CPU, in a few minutes.
 
-  python scripts/demo.py --workdir=/tmp/condattn_demo [--config_arg=steps=1200,...]
+  python scripts/demo.py [--scheme=l2a] [--workdir=/tmp/condattn_demo] [--steps=N]
+  make demo [SCHEME=l2a] [DEMO_DIR=/tmp/condattn_demo]
 
-The same run through the two entry points:
-  python train.py --config=configs/tiny.py:<config_arg> --workdir=DIR
-  python eval.py  --config=configs/tiny.py:<config_arg> --workdir=DIR
+One section per scheme (SECTIONS): it starts from a small dense model that solves a long-range
+recall task, converts it to the scheme, trains the scheme's recipe and prints, from this run,
+what the conversion bought and what it cost (accuracy, the fraction of tokens that skip the
+expensive attention, per layer, against baselines at the same sparsity), writes the run's
+metrics (JSON) and a per-layer plot (PNG) into --workdir, prints the commands that do the same on
+a real checkpoint, and exits 1 when one of the section's claims does not hold. A new scheme adds
+a function `<scheme>_section(args) -> Section` and an entry in SECTIONS.
+
+L2A (the default): bench/l2a_learning.py's `demo` preset; the dense model is
+tests/fixtures/l2a/mqar_dense.npz (trained by that bench's full run).
 """
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
 import os
+import resource
 import shutil
 import sys
+import textwrap
 import time
+from typing import Any, Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
 
 from absl import app, flags  # noqa: E402
 
-_WORKDIR = flags.DEFINE_string("workdir", "/tmp/condattn_demo", "Where the demo run lives "
-                               "(re-created on every run).")
-_ARG = flags.DEFINE_string("config_arg", "demo", "Arg of configs/tiny.py (the 'demo' variant by "
-                           "default).")
 MARKER = ".condattn_demo"
+METRICS = "demo_metrics.json"
+DENSE_FIXTURE = os.path.join(ROOT, "tests", "fixtures", "l2a", "mqar_dense.npz")
+
+_WORKDIR = flags.DEFINE_string("workdir", "/tmp/condattn_demo", "Where the demo writes its "
+                               "metrics and plot (re-created on every run).")
+_SCHEME = flags.DEFINE_string("scheme", "l2a", "Which scheme's demo section to run.")
+_STEPS = flags.DEFINE_integer("steps", None, "Training steps of the scheme's phase (default: "
+                              "the section's own, which its claims are made for).")
+_SEED = flags.DEFINE_integer("seed", 0, "Seed of the data streams and training.")
+
+
+@dataclasses.dataclass
+class Claim:
+  """One thing the demo asserts about its own run (printed; a failed one makes exit code 1)."""
+  text: str
+  ok: bool
+
+
+@dataclasses.dataclass
+class Section:
+  """What a scheme's section hands back: its metrics (JSON-ready), claims and written files."""
+  metrics: dict[str, Any]
+  claims: list[Claim]
+  files: dict[str, str]
+
+
+def bar(frac: float, width: int = 30) -> str:
+  """A text bar: '#' for the fraction, '.' for the rest."""
+  n = int(round(max(0.0, min(1.0, frac)) * width))
+  return "#" * n + "." * (width - n)
+
+
+def say(*paragraphs: str) -> None:
+  """Print paragraphs wrapped at 100 columns (continuation lines indented)."""
+  for p in paragraphs:
+    print(textwrap.fill(p, 100, subsequent_indent="  ") if p else "", flush=True)
+
+
+def pct(x: float) -> str:
+  return f"{100 * x:.1f}%"
+
+
+def mib(b: int) -> str:
+  return f"{b / 2**20:,.2f} MiB" if b >= 2**20 else f"{b / 2**10:,.1f} KiB"
 
 
 def _fresh_workdir(path: str) -> str:
@@ -35,72 +91,158 @@ def _fresh_workdir(path: str) -> str:
   return path
 
 
-def main(argv):
-  del argv
-  t0 = time.time()
-  from absl import logging
-  logging.set_verbosity(logging.WARNING)  # orbax is chatty at INFO
+# ----------------------------------------------------------------------------------------------
+# L2A
+# ----------------------------------------------------------------------------------------------
+def l2a_section(workdir: str, steps: int | None, seed: int) -> Section:
+  from bench import l2a_learning as bench
   import jax
-  from condattn_jax.train import loop
-  from condattn_jax.train.cli import load_recipe
+  s = dataclasses.replace(bench.PRESETS["demo"], seed=seed)
+  if steps is not None:
+    s = dataclasses.replace(s, l2a_steps=steps)
+  theta_lo, theta_hi = s.thetas
+  sees = "each token sees only itself" if s.window == 1 else f"the last {s.window} tokens"
+  say("condattn-jax demo: L2A, learned token-level conditional global attention.", "",
+      f"Task: MQAR (multi-query associative recall) in {s.seq_len}-token rows: {s.num_pairs} "
+      f"key-value pairs, then queries of the keys at least {s.min_gap} tokens later; the model "
+      "must answer each query key with its value.",
+      f"Dense model: a {s.num_layers}-layer qwen2-style decoder (width {s.hidden_size}) with full "
+      f"attention that solves it ({os.path.relpath(DENSE_FIXTURE, ROOT)}).",
+      f"L2A: every layer keeps local attention (window {s.window}: {sees}) and runs global "
+      "attention only for the tokens whose router score p >= theta. Converted from the dense "
+      "model (both branches copied, zero router: every token global), then trained for "
+      f"{s.l2a_steps} steps with the L2A recipe: attention, norms and router trainable (FFN and "
+      f"embeddings frozen), forced-global steps (p_force {s.p_force}), regulariser "
+      f"lambda * mean p^2 at 0 for the first {s.lambda_warmup_frac:.0%} of the steps, then "
+      f"ramped to {s.lambda_max}.",
+      "Baselines, trained the same way for as many steps: context-free routing (each token "
+      "global with the probability L2A ended at, i.e. the same sparsity) and local attention "
+      "only.",
+      f"Devices: {jax.device_count()} x {jax.devices()[0].platform}, jax {jax.__version__}. Log "
+      f"every {s.log_every} steps:", "")
+  res = bench.run_experiment(s, log=lambda m: print("  " + m, flush=True),
+                             dense_params=DENSE_FIXTURE)
+  dense, acc = res["dense_accuracy"], res["l2a_accuracy"]
+  sp, layers = res["l2a_sparsity"], res["l2a_layer_sparsity"]
+  cf, cf_sp, local = res["context_free_accuracy"], res["context_free_sparsity"], \
+      res["local_only_accuracy"]
+  n = s.eval_examples * s.num_pairs
+  rows = [("dense (full attention)", dense, 0.0),
+          ("converted, step 0 (every token global)", res["converted_accuracy"], 0.0),
+          (f"L2A, theta {theta_lo}", acc, sp),
+          (f"L2A, theta {theta_hi} (test-time knob)", res["theta_sweep"][str(theta_hi)]["accuracy"],
+           res["theta_sweep"][str(theta_hi)]["sparsity"]),
+          ("context-free routing, same sparsity", cf, cf_sp),
+          (f"local only (window {s.window})", local, res["local_only_sparsity"])]
+  print(f"\nHeld-out answer accuracy ({n} answers) and sparsity (tokens skipping global "
+        "attention):\n")
+  print("| model | answer accuracy | sparsity |\n|---|---|---|")
+  for name, a, x in rows:
+    print(f"| {name} | {pct(a)} | {pct(x)} |")
 
-  workdir = _fresh_workdir(_WORKDIR.value)
-  config = load_recipe(os.path.join(ROOT, "configs", "tiny.py") + ":" + _ARG.value)
-  task = config.data.task
-  chance = 1.0 / (int(task.vocab_size) - int(task.vocab_size) // 2)
-  print(f"condattn-jax demo: a {config.model.num_layers}-layer {config.model.family} decoder "
-        f"(width {config.model.hidden_size}) learns MQAR, multi-query associative recall: "
-        f"{task.num_pairs} key-value pairs at the start of a {config.data.seq_len}-token sequence, "
-        "then queries of the keys; the model must answer each with its value. It is evaluated "
-        "on sequences up to 8x longer than it was trained on (more filler between the pairs and "
-        f"the queries). Devices: {jax.device_count()} x {jax.devices()[0].platform}.\n")
+  print(f"\nPer-layer sparsity of L2A at theta {theta_lo} (# = skips global attention):")
+  roles = res.get("l2a_global_rate_by_role") or [{} for _ in layers]
+  for i, (x, r) in enumerate(zip(layers, roles)):
+    goes = ", ".join(f"{k} {pct(v)}" for k, v in r.items())
+    print(f"  layer {i} |{bar(x)}| {pct(x)}   global for: {goes}")
+  th = res["theta_sweep"][str(theta_hi)]
+  print(f"  at theta {theta_hi}: " + ", ".join(f"layer {i} {pct(x)}" for i, x in
+                                              enumerate(th["layer_sparsity"])))
 
-  config.eval.at_start = True  # evaluate the untrained model first
-  print(f"Evaluating the untrained model, training for {config.train.num_steps} steps (batch "
-        f"{config.data.batch_size}), evaluating again ...")
-  result = loop.run(config, workdir)
-  before, after = result["eval_start"], result["eval"]
-  print("done.\n")
-
-  lines = ["| context length | token accuracy before | after | exact match before | after "
-           "| answer ppl before | after |", "|---|---|---|---|---|---|---|"]
-  for L in sorted(after["results"]):
-    b, a = before["results"][L], after["results"][L]
-    x = L // int(config.data.seq_len)
-    lines.append(f"| {L}{' (trained)' if x == 1 else f' ({x}x longer)'} | "
-                 f"{b['token_acc']:.3f} | **{a['token_acc']:.3f}** | {b['exact_match']:.3f} | "
-                 f"**{a['exact_match']:.3f}** | {b['ppl']:.2f} | {a['ppl']:.2f} |")
-  table = "\n".join(lines)
-  print(table)
-  L0 = int(config.data.seq_len)
-  acc0, acc1 = before["results"][L0]["token_acc"], after["results"][L0]["token_acc"]
-  n = int(task.num_pairs)
-  q = int(task.get("num_queries") or n)
-  # Knowing only which values are in the context and which were already asked: query i of q
-  # picks among the n - i values not asked yet.
-  context_only = sum(1.0 / (n - i) for i in range(q)) / q
-  print(f"\nAnswer accuracy at the trained length: {acc0:.1%} before -> {acc1:.1%} after.\n"
-        f"  chance (one of {int(round(1 / chance))} values): {chance:.1%}\n"
-        f"  using the context without pairing keys to values (pick a value of this sequence not "
-        f"asked yet): {context_only:.1%}\n"
-        f"  exact key -> value recall: 100%")
-  if acc1 > context_only + 0.05:
-    longest = max(after["results"])
-    print("What it learned: to recall the value stored with each queried key from earlier in the "
-          f"sequence (associative recall); at {longest} tokens ({longest // L0}x the training "
-          f"length) it still answers {after['results'][longest]['token_acc']:.1%} of the queries.")
+  pr = res["pruning"]
+  print(f"\nKV cache (K and V, batch 1; a layer keeps a {s.window}-slot window ring, plus a full "
+        "cache unless pruned):")
+  for ctx, kv in pr["kv_bytes"].items():
+    print(f"  {int(ctx):>7} tokens: dense {mib(kv['dense'])}, L2A {mib(kv['l2a'])}, after pruning "
+          f"{mib(kv['l2a_pruned'])}")
+  if pr["pruned_layers"]:
+    print(f"  pruned layers (sparsity >= {pr['threshold']}): {pr['pruned_layers']}, accuracy "
+          f"after pruning {pct(pr['accuracy_after'])}")
   else:
-    print("What it learned: which values occur in this sequence and which were already asked, "
-          "i.e. to read its context; pairing each key with its value (an induction circuit) "
-          "did not happen in this run (try --config_arg=demo,seed=1 or more steps).")
-  with open(os.path.join(workdir, "demo.md"), "w") as f:
-    f.write(table + "\n")
-  print(f"Metrics: {workdir}/metrics.jsonl, TensorBoard: {workdir}/tb, eval: {workdir}/eval, "
-        f"table: {workdir}/demo.md. Total {time.time() - t0:.0f}s.")
-  if acc1 <= acc0 + 0.05:
-    print("WARNING: accuracy did not rise; something is wrong.", file=sys.stderr)
+    say(f"  no layer reaches sparsity {pr['threshold']}: pruning removes nothing here (every "
+        "layer routes some tokens global); the saving of this run is compute: "
+        f"{pct(sp)} of the tokens skip global attention.")
+
+  loss = 100 * (dense - acc)
+  verb = f"loses {loss:.1f} points" if loss > 0 else f"gains {-loss:.1f} points"
+  verdict = (f"L2A skips global attention for {pct(sp)} of tokens and {verb} of answer accuracy "
+             f"({pct(dense)} -> {pct(acc)}); context-free routing at the same sparsity gets "
+             f"{pct(cf)}, local attention alone {pct(local)}.")
+  claims = [
+      Claim(f"sparsity {pct(sp)} >= 60%", sp >= 0.6),
+      Claim(f"L2A accuracy {pct(acc)} within 3 points of dense {pct(dense)}", acc >= dense - 0.03),
+      Claim(f"context-free routing at the same sparsity ({pct(cf_sp)}) clearly worse: "
+            f"{pct(cf)} <= L2A - 20 points", abs(cf_sp - sp) < 0.05 and cf <= acc - 0.2),
+      Claim(f"local attention alone cannot answer: {pct(local)} <= 20%", local <= 0.2),
+  ]
+  from condattn_jax.evaluation import l2a_report
+  png = l2a_report.plot_layer_sparsity(
+      dict(layer_sparsity=layers, pruned_layers=pr["pruned_layers"], threshold=pr["threshold"],
+           theta=theta_lo), os.path.join(workdir, "l2a_layer_sparsity.png"))
+  real = "configs/l2a_qwen.py:qwen2.5-1.5b"
+  fields = ("--config.model.init_from=/ckpt/Qwen2.5-1.5B "
+            "--config.data.tokenizer=/ckpt/Qwen2.5-1.5B --config.data.paths='/data/long/*.jsonl'")
+  commands = [
+      f"python train.py --config={real} --workdir=DIR {fields}",
+      f"python eval.py --checkpoint=DIR --config.model.scheme.theta={theta_hi}",
+      f"python train.py --config={real},routing=bernoulli,q={res['context_free_q']:.2f} "
+      f"--workdir=DIR_CF {fields}",
+      f"python scripts/l2a_prune.py --config={real} --checkpoint=DIR --context_len=131072 "
+      f"--threshold=0.95 {fields}",
+  ]
+  metrics = dict(res, verdict=verdict, commands=commands)
+  return Section(metrics=metrics, claims=claims, files={"per-layer sparsity plot": png})
+
+
+SECTIONS: dict[str, Callable[[str, int | None, int], Section]] = {"l2a": l2a_section}
+
+
+def _cpu_seconds() -> float:
+  r = resource.getrusage(resource.RUSAGE_SELF)
+  return r.ru_utime + r.ru_stime
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  if _SCHEME.value not in SECTIONS:
+    raise ValueError(f"--scheme={_SCHEME.value}: no demo section for it; choose one of "
+                     f"{sorted(SECTIONS)} (scripts/demo.py SECTIONS).")
+  t0, load0 = time.time(), os.getloadavg()[0]
+  workdir = _fresh_workdir(os.path.abspath(_WORKDIR.value))
+  sec = SECTIONS[_SCHEME.value](workdir, _STEPS.value, _SEED.value)
+  wall, cpu, load1 = time.time() - t0, _cpu_seconds(), os.getloadavg()[0]
+
+  print(f"\nVerdict: {sec.metrics.get('verdict', '')}")
+  print("Claims of this run:")
+  for c in sec.claims:
+    print(f"  [{'ok' if c.ok else 'FAILED'}] {c.text}")
+  import jax
+  sec.metrics.update(
+      scheme=_SCHEME.value,
+      claims=[dataclasses.asdict(c) for c in sec.claims],
+      run=dict(wall_seconds=wall, cpu_seconds=cpu, loadavg_start=load0, loadavg_end=load1,
+               cpu_count=os.cpu_count(), backend=jax.default_backend(), jax_version=jax.__version__,
+               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+               command=" ".join(["python", "scripts/demo.py"] + sys.argv[1:])))
+  path = os.path.join(workdir, METRICS)
+  with open(path, "w") as f:
+    json.dump(sec.metrics, f, indent=2)
+  print("\nFiles:")
+  print(f"  metrics of this run: {path}")
+  for what, p in sec.files.items():
+    print(f"  {what}: {p}")
+  if sec.metrics.get("commands"):
+    print("\nThe same on a real checkpoint:")
+    for c in sec.metrics["commands"]:
+      print(f"  {c}")
+  print(f"\nTotal {wall:.0f} s wall, {cpu:.0f} s CPU, on {os.cpu_count()} cores with load average "
+        f"{load0:.1f} at the start, {load1:.1f} at the end.")
+  if not all(c.ok for c in sec.claims):
+    print("ERROR: a claim of the demo failed (see above).", file=sys.stderr)
     sys.exit(1)
 
 
 if __name__ == "__main__":
-  app.run(main)
+  from condattn_jax.train import cli
+  cli.run(main)  # one-line errors (exit 2), --debug for tracebacks
