@@ -41,3 +41,30 @@ def test_mosaic_gpu_rejects_what_it_cannot_take():
   p = make_problem(1, T=128, N=2, K=1, H=64, dtype=jnp.bfloat16)
   with pytest.raises(ValueError, match="needs a GPU"):
     compact_attention(p.q, p.k, p.v, p.active, impl="mosaic_gpu")
+
+
+def test_auto_picks_the_fastest_kernel_per_pass(monkeypatch):
+  """GPU 'auto': Hopper -> Mosaic GPU forward + Triton backward; other GPUs -> Triton both ways;
+  shapes the Mosaic kernel cannot take (float32) -> Triton both ways."""
+  from pallas_kernels.compact_attention import api
+  monkeypatch.setattr(api, "_default_platform", lambda: "gpu")
+  shp = ((1, 256, 4, 64), (1, 256, 2, 64))
+  monkeypatch.setattr(api, "_is_hopper", lambda: True)
+  got = api._resolve_impl("auto", False, *shp, jnp.bfloat16, None)
+  assert (got[0], got[2]) == ("mosaic_gpu", "triton")
+  got = api._resolve_impl("auto", False, *shp, jnp.float32, None)
+  assert (got[0], got[2]) == ("triton", "triton")
+  monkeypatch.setattr(api, "_is_hopper", lambda: False)
+  got = api._resolve_impl("auto", False, *shp, jnp.bfloat16, None)
+  assert (got[0], got[2]) == ("triton", "triton")
+
+
+@pytest.mark.slow
+def test_auto_on_hopper_mixed_passes_match_reference_interpret(monkeypatch):
+  """The Mosaic GPU forward's out / lse feed the Triton backward (interpret mode, default tiles)."""
+  from pallas_kernels.compact_attention import api
+  monkeypatch.setattr(api, "_default_platform", lambda: "gpu")
+  monkeypatch.setattr(api, "_is_hopper", lambda: True)
+  p = make_problem(5, T=256, N=4, K=2, H=64, sparsity=0.7, dtype=jnp.bfloat16, window=100)
+  errs, bad = compare(p, dict(impl="auto", interpret=True))
+  assert not bad, errs

@@ -15,14 +15,16 @@ on original positions, skipping kv tiles that no query of a tile can see; the ba
 (custom_vjp, saving the log-sum-exp) skips query tiles that cannot see a kv tile. Results are
 scattered back; inactive queries get zeros (and lse = -inf).
 
-impl: 'auto' (Triton on GPU, Mosaic on TPU, the jnp reference elsewhere), 'reference', 'triton',
-'mosaic_gpu' (Hopper: wgmma, TMA, warp specialisation), 'mosaic_tpu'. A kernel that cannot take a
+impl: 'auto' (Hopper: Mosaic GPU forward + Triton backward; other GPUs: Triton; TPU: Mosaic; the
+jnp reference elsewhere), 'reference', 'triton', 'mosaic_gpu' (Hopper: wgmma, TMA, warp
+specialisation), 'mosaic_tpu'. A kernel that cannot take a
 shape raises ValueError when asked for by name; under 'auto' it warns once and uses the reference.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 import warnings
 from typing import Any
 
@@ -134,6 +136,8 @@ class _Config:
   interpret: Any
   poison: bool
   kv_default: bool  # kv positions are arange(S): the kernel computes them
+  bwd_backend: str  # the backward pass may run on another kernel than the forward
+  bs_bwd: BlockSizes
 
 
 def _compact(cfg, C, active_BIT, qpos_BT, qseg_BT):
@@ -207,12 +211,12 @@ def _backward_impl(cfg: _Config, res, dout, dlse):
   q, k, v, active, qpos, kvpos, qseg, kvseg, out, lse = res
   B, T, N, H = q.shape
   S = k.shape[1]
-  mod = _backend_module(cfg.backend)
   active_BIT, _ = cp.active_to_RT(active)
   count_max = jnp.max(jnp.sum(active_BIT.astype(jnp.int32), axis=-1))
   kvpos_arr = kvpos if kvpos is not None else jnp.broadcast_to(
       jnp.arange(S, dtype=jnp.int32), (B, S))
   kvpos_k = None if cfg.kv_default else kvpos
+  mod = _backend_module(cfg.bwd_backend)
   lse_BNT = jnp.swapaxes(lse, 1, 2)
   dlse_BNT = jnp.swapaxes(dlse, 1, 2).astype(jnp.float32)
 
@@ -227,7 +231,7 @@ def _backward_impl(cfg: _Config, res, dout, dlse):
       delta = jnp.swapaxes(delta, 1, 2) - _gather_BNT(dlse_BNT, idx)
       lse_c = _gather_BNT(lse_BNT, idx)
       seg_k = _kernel_seg(qseg_c)
-      bs = cfg.bs.for_capacity(C, T)
+      bs = cfg.bs_bwd.for_capacity(C, T)
       b_dq = cp.tile_bounds(qpos_c, valid, qseg_c, kvpos_arr, kvseg, window=cfg.window,
                             block_q=bs.block_q_dq, block_k=bs.block_k_dq)
       b_dkv = cp.tile_bounds(qpos_c, valid, qseg_c, kvpos_arr, kvseg, window=cfg.window,
@@ -266,9 +270,10 @@ _kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
 _kernel_attention_jit = jax.jit(_kernel_attention, static_argnums=(0,))
 
 
-# 'auto' picks the Mosaic GPU kernel on Hopper once it is measured correct and faster than the
-# Triton kernel there (bench/results/compact_attention_*.json); until then Triton.
-AUTO_MOSAIC_GPU = False
+# 'auto' on Hopper: the Mosaic GPU forward (1.24-1.30x the Triton forward, H200, T = 32K, every
+# s) with the Triton backward (its dq and dk/dv ran 5-15% faster than the Mosaic GPU ones);
+# bench/results/compact_attention_NVIDIA_H200.json. Elsewhere on GPUs: Triton both ways.
+AUTO_MOSAIC_GPU = True
 
 
 def _is_hopper() -> bool:
@@ -282,6 +287,7 @@ def _is_hopper() -> bool:
 
 
 def _resolve_impl(impl, interpret, q_shape, kv_shape, dtype, bs):
+  """(forward kernel, its block sizes, backward kernel, its block sizes)."""
   if impl not in IMPLS:
     raise ValueError(f"compact_attention: unknown impl {impl!r}; choose one of {IMPLS}")
   explicit = impl != "auto"
@@ -289,11 +295,13 @@ def _resolve_impl(impl, interpret, q_shape, kv_shape, dtype, bs):
     platform = _default_platform()
     impl = {"gpu": "triton", "cuda": "triton", "rocm": "triton", "tpu": "mosaic_tpu"}.get(
         platform, "reference")
-    if impl == "triton" and _is_hopper() and kernel_support(
-        "mosaic_gpu", q_shape, kv_shape, dtype, bs)[1] is None:
-      impl = "mosaic_gpu"
+    if impl == "triton" and bs is None and _is_hopper():
+      mg, why = kernel_support("mosaic_gpu", q_shape, kv_shape, dtype, None)
+      if why is None:
+        tr, why_t = kernel_support("triton", q_shape, kv_shape, dtype, None)
+        return ("mosaic_gpu", mg) + (("triton", tr) if why_t is None else ("mosaic_gpu", mg))
   if impl == "reference":
-    return impl, None
+    return impl, None, impl, None
   if explicit and not interpret:
     want = "tpu" if impl == "mosaic_tpu" else "gpu"
     if _default_platform() not in ((want,) if want == "tpu" else ("gpu", "cuda", "rocm")):
@@ -307,8 +315,8 @@ def _resolve_impl(impl, interpret, q_shape, kv_shape, dtype, bs):
     if explicit:
       raise ValueError(msg)
     _warn_once(msg + " Falling back to the jnp reference.")
-    return "reference", None
-  return impl, fitted
+    return "reference", None, "reference", None
+  return impl, fitted, impl, fitted
 
 
 def compact_attention(q_BTNH, k_BSKH, v_BSKH, active, *, q_positions_BT=None,
@@ -386,7 +394,7 @@ def compact_attention(q_BTNH, k_BSKH, v_BSKH, active, *, q_positions_BT=None,
   if block_q is not None or block_k is not None:
     bs = (bs or BlockSizes()).with_(**{n: b for n, b in (("block_q", block_q), ("block_k", block_k))
                                        if b is not None})
-  impl, bs = _resolve_impl(impl, interpret, q.shape, k.shape, q.dtype, bs)
+  impl, bs, bwd_impl, bs_bwd = _resolve_impl(impl, interpret, q.shape, k.shape, q.dtype, bs)
 
   if impl == "reference":
     kvpos_arr = kvpos if kvpos is not None else jnp.broadcast_to(
@@ -396,8 +404,9 @@ def compact_attention(q_BTNH, k_BSKH, v_BSKH, active, *, q_positions_BT=None,
         kv_segment_ids_BS=kvseg, window=window, scale=scale)
   else:
     caps = cp.bucket_capacities(T, bucket_fracs=bucket_fracs, capacity=capacity,
-                                multiple=bs.q_multiple)
+                                multiple=math.lcm(bs.q_multiple, bs_bwd.q_multiple))
     cfg = _Config(backend=impl, scale=scale, window=window, caps=caps, bs=bs,
-                  interpret=interpret, poison=poison, kv_default=kv_default)
+                  interpret=interpret, poison=poison, kv_default=kv_default,
+                  bwd_backend=bwd_impl, bs_bwd=bs_bwd)
     out, lse = _kernel_attention_jit(cfg, q, k, v, active, qpos, kvpos, qseg, kvseg)
   return (out, lse) if return_lse else out

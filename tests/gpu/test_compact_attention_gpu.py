@@ -1,4 +1,5 @@
-"""GPU smoke test: the Triton compacted-query attention kernels vs the jnp reference on the GPU.
+"""GPU smoke test: the Triton and (on Hopper) Mosaic GPU compacted-query attention kernels vs the
+jnp reference on the GPU.
 
     make gpu-smoke        (= pytest -q tests/gpu; skipped without a GPU)
 """
@@ -27,12 +28,23 @@ CASES = [
 ]
 
 
+def _hopper():
+  return jax.devices()[0].device_kind.startswith(("NVIDIA H100", "NVIDIA H200", "NVIDIA H800"))
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["triton", "mosaic_gpu", "auto"])
 @pytest.mark.parametrize("name,dtype,pkw,kw", CASES, ids=[c[0] for c in CASES])
-def test_triton_vs_reference_gpu(name, dtype, pkw, kw):
-  """Forward, lse and dq/dk/dv vs the float32 jnp reference; kernel outputs poisoned with NaN
-  first, inactive rows must be exactly zero."""
+def test_kernels_vs_reference_gpu(impl, name, dtype, pkw, kw):
+  """Forward, lse and dq/dk/dv vs the float32 jnp reference; Triton outputs poisoned with NaN
+  first, inactive rows must be exactly zero. (Mosaic GPU: bf16 / f16, its own default tiles.)"""
+  if impl != "triton" and not _hopper():
+    pytest.skip("Mosaic GPU kernels need Hopper")
+  if impl == "mosaic_gpu" and dtype == "float32":
+    pytest.skip("Mosaic GPU kernels take bf16 / f16")
+  if impl != "triton":
+    kw = {k: x for k, x in kw.items() if k != "block_sizes"}
   p = make_problem(len(name), dtype=jnp.dtype(dtype), **pkw)
-  errs, bad = compare(p, dict(impl="triton", **kw))
-  print(name, dtype, errs)
-  assert not bad, (name, dtype, errs)
+  errs, bad = compare(p, dict(impl=impl, **kw))
+  print(impl, name, dtype, errs)
+  assert not bad, (impl, name, dtype, errs)
