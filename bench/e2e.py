@@ -3,6 +3,9 @@ bench/e2e.py, issue 8's end-to-end targets, PERF.md "End to end").
 
     python -m bench.e2e                                   # sanity check, then T = 32K, 64K, 128K
     python -m bench.e2e --T 65536 --schemes dense l2a_q0.2 --no-sanity --deadline-s 560
+    python -m bench.e2e --merge run32k.json run64k.json run128k.json   # one file per device
+    python -m bench.e2e --diag 65536 131072     # one layer's attention on the fused paths
+    python -m bench.e2e --tiny --T 64 --reps 1  # CPU check of the plumbing (2 layers)
 
 Model: qwen2 family, hidden 1536, 12 q heads, 2 kv heads, head_dim 128, intermediate 8960,
 vocab 151936, q/k/v bias, tied embeddings, all 28 layers (scanned), random init, bf16 compute,
@@ -395,10 +398,11 @@ def sanity(*, shapes: dict = QWEN25_1P5B, T: int = 1024, window: int = 256, tol:
   q = l2a_config(base, routing="bernoulli", bernoulli_q=0.2, window=window)
   pq = from_dense(params, q)
   fused = logits(q, pq)
-  ref_cfg = l2a_config(q.replace(attention_impl="reference"), compact_impl="reference")
-  out["l2a_q0.2_fused_vs_reference"] = _rel(fused, logits(ref_cfg, pq))
-  out["dense_fused_vs_reference"] = _rel(dense, logits(base.replace(attention_impl="reference"),
-                                                       params))
+  if jax.default_backend() != "cpu":  # on CPU 'auto' is the reference: nothing to compare
+    ref_cfg = l2a_config(q.replace(attention_impl="reference"), compact_impl="reference")
+    out["l2a_q0.2_fused_vs_reference"] = _rel(fused, logits(ref_cfg, pq))
+    out["dense_fused_vs_reference"] = _rel(
+        dense, logits(base.replace(attention_impl="reference"), params))
   # engine: prefill T-1 tokens, decode token T-1; logits of positions T-2 and T-1
   for name, cfg, p, full in (("dense", base, params, dense), ("l2a_q0.2", q, pq, fused)):
     eng = Engine(cfg, p, cache_len=T + CACHE_EXTRA)
@@ -417,18 +421,25 @@ def sanity(*, shapes: dict = QWEN25_1P5B, T: int = 1024, window: int = 256, tol:
 # The parent: one process per row, speedups, the JSON and the table
 # ------------------------------------------------------------------------------------------------
 
+def peer(rows: list[dict], r: dict, scheme: str) -> dict | None:
+  """The row of `scheme` with r's T from the same run (same `run_date` when rows were merged
+  from several runs): speedups compare rows timed side by side only."""
+  return next((d for d in rows if d["T"] == r["T"] and d["scheme"] == scheme
+               and d.get("run_date") == r.get("run_date")), None)
+
+
 def add_speedups(rows: list[dict]) -> None:
   """speedup_* = dense ms / row ms for rows of the same T (dense rows get 1.0), and the expected
   train step with the forced-global step at p_force (0.9 * q0.2 + 0.1 * all, per layer)."""
   pairs = (("train", "train_ms"), ("prefill", "prefill_ms"), ("decode", "decode_ms"),
            ("forward", "forward_ms"))
   for r in rows:
-    dense = next((d for d in rows if d["T"] == r["T"] and d["scheme"] == "dense"), None)
+    dense = peer(rows, r, "dense")
     for name, key in pairs:
       ok = dense is not None and dense.get(key) and r.get(key)
       r[f"speedup_{name}"] = dense[key] / r[key] if ok else None
     if r["scheme"] == "l2a_q0.2":
-      full = next((d for d in rows if d["T"] == r["T"] and d["scheme"] == "l2a_all"), None)
+      full = peer(rows, r, "l2a_all")
       if full is not None and full.get("train_ms") and r.get("train_ms"):
         r["train_ms_pforce"] = (1 - P_FORCE) * r["train_ms"] + P_FORCE * full["train_ms"]
         r["speedup_train_pforce"] = (dense["train_ms"] / r["train_ms_pforce"]
@@ -450,7 +461,7 @@ def check_results(doc: dict, rel_tol: float = 1e-6) -> None:
       raise ValueError(f"e2e results: {where} has unknown scheme {r['scheme']!r}")
     if r["status"] == "ok" and r["layers"] != doc.get("layers", r["layers"]):
       raise ValueError(f"e2e results: {where} has layers={r['layers']}, the run {doc['layers']}")
-    dense = next((d for d in doc["rows"] if d["T"] == r["T"] and d["scheme"] == "dense"), None)
+    dense = peer(doc["rows"], r, "dense")
     for name in ("train", "prefill", "decode", "forward"):
       key, sp = f"{name}_ms", r.get(f"speedup_{name}")
       if sp is None:
@@ -462,7 +473,9 @@ def check_results(doc: dict, rel_tol: float = 1e-6) -> None:
         raise ValueError(f"e2e results: {where} speedup_{name}={sp} but dense {key} / {key} = "
                          f"{want}")
     if r.get("speedup_train_pforce") is not None:
-      full = next(d for d in doc["rows"] if d["T"] == r["T"] and d["scheme"] == "l2a_all")
+      full = peer(doc["rows"], r, "l2a_all")
+      if full is None:
+        raise ValueError(f"e2e results: {where} claims speedup_train_pforce without an l2a_all row")
       want_ms = (1 - P_FORCE) * r["train_ms"] + P_FORCE * full["train_ms"]
       if abs(r["train_ms_pforce"] - want_ms) > rel_tol * want_ms:
         raise ValueError(f"e2e results: {where} train_ms_pforce={r['train_ms_pforce']} but "
@@ -471,6 +484,64 @@ def check_results(doc: dict, rel_tol: float = 1e-6) -> None:
       if abs(r["speedup_train_pforce"] - want) > rel_tol * want:
         raise ValueError(f"e2e results: {where} speedup_train_pforce={r['speedup_train_pforce']} "
                          f"but {want}")
+
+
+def merge_results(docs: list[dict]) -> dict:
+  """One document from several runs of the same device and jax version (e.g. one command per T
+  within a lease's limits): rows keep their run's date (`run_date`), speedups stay within a
+  run; `runs` lists each run's date, command and tree."""
+  if not docs:
+    raise ValueError("merge_results: no documents")
+  for d in docs:
+    check_results(d)
+    if (d["device"], d["jax_version"]) != (docs[0]["device"], docs[0]["jax_version"]):
+      raise ValueError(f"merge_results: {d['device']} / jax {d['jax_version']} differs from "
+                       f"{docs[0]['device']} / jax {docs[0]['jax_version']}: keep them apart")
+  out = {k: v for k, v in docs[0].items() if k not in ("rows", "not_run", "command", "tree")}
+  out["date"] = max(d["date"] for d in docs)
+  out["runs"] = [dict(date=d["date"], command=d.get("command"), tree=d.get("tree"),
+                      rows=[(r["T"], r["scheme"]) for r in d["rows"]]) for d in docs]
+  out["sanity"] = next((d["sanity"] for d in docs if d.get("sanity")), None)
+  out["rows"], out["not_run"] = [], []
+  for d in docs:
+    out["rows"] += [dict(r, run_date=d["date"]) for r in d["rows"]]
+    out["not_run"] += d.get("not_run", [])
+  out["rows"].sort(key=lambda r: (r["T"], list(SCHEMES).index(r["scheme"])))
+  add_speedups(out["rows"])
+  check_results(out)
+  return out
+
+
+def attention_diag(T: int, reps: int = 5) -> dict:
+  """What one layer's attention costs on the train step's fused paths (Qwen2.5-1.5B attention
+  shapes, B = 1, bf16): causal vs window 4096, each with segment ids (the train batch: tokamax)
+  and without (cuDNN); fwd and fwd+bwd ms, median of `reps` after a warm-up."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from condattn_jax import ops
+  _ensure_tokamax_importable()
+  N, K, H = QWEN25_1P5B["num_heads"], QWEN25_1P5B["num_kv_heads"], QWEN25_1P5B["head_dim"]
+  ks = jax.random.split(jax.random.key(0), 4)
+  q = jax.random.normal(ks[0], (1, T, N, H), jnp.bfloat16)
+  k = jax.random.normal(ks[1], (1, T, K, H), jnp.bfloat16)
+  v = jax.random.normal(ks[2], (1, T, K, H), jnp.bfloat16)
+  ct = jax.random.normal(ks[3], (1, T, N, H), jnp.bfloat16)
+  pos = jnp.arange(T, dtype=jnp.int32)[None]
+  seg = jnp.ones((1, T), jnp.int32)
+  out: dict[str, Any] = dict(T=T)
+  for name, window, segs in (("causal_seg(tokamax)", None, True),
+                             ("window4096_seg(tokamax)", WINDOW, True),
+                             ("causal(cudnn)", None, False), ("window4096(cudnn)", WINDOW, False)):
+    m = ops.MaskSpec(q_positions_BT=pos, kv_positions_BS=pos,
+                     q_segment_ids_BT=seg if segs else None,
+                     kv_segment_ids_BS=seg if segs else None, window=window, contiguous=True)
+    f = lambda q, k, v, m=m: ops.attention(q, k, v, m)
+    fb = jax.grad(lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(jnp.float32) * ct),
+                  argnums=(0, 1, 2))
+    out[name] = {key: timed(lambda g=jax.jit(g): g(q, k, v), reps)[0]
+                 for key, g in (("fwd_ms", f), ("fwdbwd_ms", fb))}
+  return out
 
 
 def _fmt(v, spec=".1f"):
@@ -559,11 +630,31 @@ def main(argv=None) -> int:
                   help="what tree ran (commit and dirty files), recorded in the JSON")
   ap.add_argument("--tiny", action="store_true",
                   help="tiny shapes (2 layers, window 16): a CPU check of the plumbing")
+  ap.add_argument("--merge", nargs="+", metavar="JSON",
+                  help="merge these result files (one device) into --out-dir/e2e_<device>.json")
+  ap.add_argument("--diag", type=int, nargs="+", metavar="T",
+                  help="only time one layer's attention on the fused paths (attention_diag)")
   ap.add_argument("--child", help=argparse.SUPPRESS)
   ap.add_argument("--result", help=argparse.SUPPRESS)
   args = ap.parse_args(argv)
   if args.child:
     return _child(args)
+  if args.merge:
+    docs = []
+    for p in args.merge:
+      with open(p) as f:
+        docs.append(json.load(f))
+    doc = merge_results(docs)
+    dest = os.path.join(args.out_dir, f"e2e_{doc['device'].replace(' ', '_')}.json")
+    with open(dest, "w") as f:
+      json.dump(doc, f, indent=1)
+    print(f"wrote {dest}")
+    print(table(doc["rows"]))
+    return 0
+  if args.diag:
+    for T in args.diag:
+      print("DIAG", json.dumps(attention_diag(T)), flush=True)
+    return 0
 
   t_start = time.time()
   work = tempfile.mkdtemp(prefix="e2e_rows_")  # the children's partial results
