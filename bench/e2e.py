@@ -506,7 +506,7 @@ def merge_results(docs: list[dict]) -> dict:
   for d in docs:
     out["rows"] += [dict(r, run_date=d["date"]) for r in d["rows"]]
     out["not_run"] += d.get("not_run", [])
-  out["rows"].sort(key=lambda r: (r["T"], list(SCHEMES).index(r["scheme"])))
+  out["rows"].sort(key=lambda r: (r["T"], r["run_date"], list(SCHEMES).index(r["scheme"])))
   add_speedups(out["rows"])
   check_results(out)
   return out
@@ -562,7 +562,7 @@ def table(rows: list[dict]) -> str:
         f"{_fmt(None if pk is None else pk / 2**30):>8} {_fmt(r.get('speedup_train'), '.2f'):>8} "
         f"{_fmt(r.get('speedup_prefill'), '.2f'):>6} {_fmt(r.get('speedup_forward'), '.2f'):>6} "
         f"{_fmt(r.get('speedup_decode'), '.2f'):>6} {_fmt(r.get('sparsity'), '.3f'):>8}  "
-        f"{r.get('status', '')[:60]}")
+        f"{r.get('status', '')[:60]}" + (f"  run {r['run_date'][:16]}" if r.get("run_date") else ""))
     if r.get("speedup_train_pforce") is not None:
       lines.append(f"{'':>7} {'':9}    train with p_force {P_FORCE} (expected): "
                    f"{r['train_ms_pforce']:.1f} ms, speedup {r['speedup_train_pforce']:.2f}")
