@@ -1,0 +1,264 @@
+"""AHA fidelity sweep: full-attention usage vs the local window on a synthetic long-context task
+(the paper's long-tail finding, Table 2), with accuracy against the dense model (Table 1).
+
+    python -m bench.aha_window_sweep                      # CPU preset -> bench/results/aha_window_sweep.json
+    python -m bench.aha_window_sweep --preset=gpu --out=/tmp/sweep.json
+
+Task ("fused recall", generated here, numpy only): a row of T tokens holds Q key-value facts,
+each ONE token (id 1 + k * V + v: key k, value v), and Q queries (a key-only token 1 + K*V + k)
+each followed by its answer token (1 + K*V + K + v), which is the only scored target; every
+other token is filler. The distance d from a fact to its query is log-uniform in [1, T - 2], so
+the fraction of queries whose fact lies beyond a window w falls like 1 - log(w) / log(T): a long
+tail of dependencies, the paper's picture of language. A 1-layer dense model can answer every
+query; a window-w model only those with d < w.
+
+Experiment: (1) a small dense OLMo-2-shaped decoder (post-norm) learns the task with full
+attention; (2) for each window w it is converted to AHA (`aha.dense_to_aha`: every head full at
+step 0) and trained with the AHA recipe (CE + lam * mean score, STE, mode 'exact'), all params;
+(3) on held-out rows: answer accuracy, mu_f (mean full-attention usage over layers, tokens,
+heads), usage per layer, at the query tokens and elsewhere, and the accuracy of the same
+converted model with every head local (routing 'none': what the window alone gives).
+Written: settings, task, date, device, jax version, dense accuracy and per window the numbers.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from condattn_jax.attention import aha  # noqa: E402
+from condattn_jax.models.config import ModelConfig  # noqa: E402
+from condattn_jax.models.decoder import Decoder  # noqa: E402
+from condattn_jax.train import optimizer as opt_lib  # noqa: E402
+from condattn_jax.train.state import TrainState  # noqa: E402
+from condattn_jax.train.step import make_train_step  # noqa: E402
+
+
+@dataclasses.dataclass
+class Settings:
+  # task
+  seq_len: int = 256
+  num_keys: int = 8
+  num_values: int = 8
+  num_filler: int = 16
+  num_queries: int = 8
+  # model
+  num_layers: int = 2
+  hidden_size: int = 64
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  # training
+  batch_size: int = 16
+  dense_steps: int = 600
+  dense_lr: float = 3e-3
+  aha_steps: int = 300
+  aha_lr: float = 1e-3
+  lam: float = 3e-3
+  tau: float = 0.5
+  router_bias_init: float = 2.0
+  windows: tuple = (16, 32, 64, 128)
+  eval_rows: int = 256
+  seed: int = 0
+  log_every: int = 50
+
+
+PRESETS = {
+    "cpu": Settings(),
+    "gpu": Settings(seq_len=512, num_keys=16, num_values=16, num_queries=16, batch_size=64,
+                    dense_steps=4000, aha_steps=3000, eval_rows=2048, hidden_size=128,
+                    windows=(16, 32, 64, 128, 256)),
+    "test": Settings(seq_len=48, num_queries=4, batch_size=8, dense_steps=4, aha_steps=3,
+                     windows=(4, 16), eval_rows=16, log_every=2),
+}
+
+
+class FusedRecall:
+  """The task (see the module docstring). `batch(start, n, stream)` is a pure function of
+  (seed, stream, start, n)."""
+
+  def __init__(self, s: Settings):
+    self.s = s
+    K, V = s.num_keys, s.num_values
+    if s.num_queries > K:
+      raise ValueError(f"num_queries={s.num_queries} must be <= num_keys={K} (distinct keys).")
+    self.query0 = 1 + K * V
+    self.answer0 = self.query0 + K
+    self.filler0 = self.answer0 + V
+    self.vocab_size = -(-(self.filler0 + s.num_filler) // 16) * 16
+
+  def example(self, rng: np.random.Generator):
+    s = self.s
+    T = s.seq_len
+    toks = self.filler0 + rng.integers(0, s.num_filler, T + 1)
+    used = np.zeros(T + 1, bool)
+    dist = np.zeros(T, np.int32)  # at each scored query position: distance back to its fact
+    keys = rng.choice(s.num_keys, s.num_queries, replace=False)
+    for k in keys:
+      v = int(rng.integers(s.num_values))
+      for _ in range(1000):
+        d = int(np.exp(rng.uniform(0.0, np.log(T - 2))))
+        tq = int(rng.integers(d, T))  # query at tq (an input), answer at tq + 1 <= T
+        tp = tq - d
+        if d >= 1 and not (used[tp] or used[tq] or used[tq + 1]):
+          break
+      else:
+        raise RuntimeError("could not place a fact; lower num_queries or raise seq_len.")
+      used[[tp, tq, tq + 1]] = True
+      toks[tp] = 1 + k * s.num_values + v
+      toks[tq] = self.query0 + k
+      toks[tq + 1] = self.answer0 + v
+      dist[tq] = d
+    mask = (dist > 0).astype(np.float32)
+    return dict(inputs=toks[:T].astype(np.int32), targets=toks[1:].astype(np.int32),
+                loss_mask=mask, positions=np.arange(T, dtype=np.int32),
+                segment_ids=np.ones(T, np.int32), distance=dist)
+
+  def batch(self, start: int, n: int, stream: int = 0) -> dict[str, np.ndarray]:
+    ex = [self.example(np.random.default_rng([self.s.seed, stream, start + i])) for i in range(n)]
+    return {k: np.stack([e[k] for e in ex]) for k in ex[0]}
+
+
+def base_config(s: Settings, task: FusedRecall) -> ModelConfig:
+  return ModelConfig(family="olmo2", qk_norm="full", post_norm=True, vocab_size=task.vocab_size,
+                     hidden_size=s.hidden_size, intermediate_size=2 * s.hidden_size,
+                     num_layers=s.num_layers, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
+                     head_dim=s.hidden_size // s.num_heads, rope_theta=10000.0,
+                     attention_impl="reference" if jax.default_backend() == "cpu" else "auto")
+
+
+class _TC(dict):
+  __getattr__ = dict.__getitem__
+
+
+def train(cfg: ModelConfig, params, task: FusedRecall, *, steps: int, lr: float, phase: int,
+          name: str, log=print):
+  """The project's train step (all params, AdamW, cosine) on fresh task rows; returns
+  (params, history)."""
+  s = task.s
+  tc = _TC(num_steps=steps, lr=lr, warmup_frac=0.05, warmup_steps=None, lr_schedule="cosine",
+           end_lr_frac=0.1, grad_clip=1.0, weight_decay=0.0, b1=0.9, b2=0.95, eps=1e-8,
+           trainable_regex=None, param_groups={}, seed=s.seed, microbatches=1, loss_chunk_size=0)
+  tx, labels, sched = opt_lib.make_optimizer(tc, params)
+  step = jax.jit(make_train_step(cfg, tc, tx, labels, sched), donate_argnums=(0,))
+  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+  hist, t0 = [], time.time()
+  for i in range(steps):
+    b = task.batch((phase * 10_000_000) + i * s.batch_size, s.batch_size)
+    b.pop("distance")
+    state, m = step(state, jax.tree.map(jnp.asarray, b))
+    if (i + 1) % s.log_every == 0 or i + 1 == steps:
+      m = jax.device_get(m)
+      row = dict(step=i + 1, ce=float(m["ce"]), accuracy=float(m["accuracy"]))
+      if "aha/mu_f" in m:
+        row["mu_f"] = float(m["aha/mu_f"])
+      hist.append(row)
+      log(f"[{name}] {row} ({time.time() - t0:.0f}s)")
+  return jax.device_get(state.params), hist
+
+
+def evaluate(cfg: ModelConfig, params, task: FusedRecall, windows=()) -> dict[str, Any]:
+  """Held-out answer accuracy (overall, and for queries whose fact is within / beyond each
+  window of `windows`), and for AHA models the usage: mu_f, per layer, at query tokens, elsewhere."""
+  s = task.s
+  ev = task.batch(0, s.eval_rows, stream=1)
+  model = Decoder(cfg)
+  is_aha = cfg.scheme == "aha"
+
+  @jax.jit
+  def f(params, b):
+    (logits, _), st = model.apply({"params": params}, b["inputs"], b["positions"],
+                                  b["segment_ids"], mutable=["intermediates"])
+    ok = jnp.argmax(logits, -1) == b["targets"]
+    gate = st["intermediates"]["layers"]["gate"][0] if is_aha else jnp.zeros((1,))
+    return ok, gate
+
+  oks, gates = [], []
+  for i in range(0, s.eval_rows, 64):
+    b = {k: jnp.asarray(v[i:i + 64]) for k, v in ev.items() if k != "distance"}
+    ok, g = jax.device_get(f(params, b))
+    oks.append(np.asarray(ok))
+    gates.append(np.asarray(g))
+  ok = np.concatenate(oks)
+  q = ev["loss_mask"] > 0
+  d = ev["distance"]
+  res: dict[str, Any] = {"accuracy": float(ok[q].mean()), "queries": int(q.sum())}
+  for w in windows:
+    near, far = q & (d < w), q & (d >= w)
+    res[f"accuracy_within_{w}"] = float(ok[near].mean()) if near.any() else None
+    res[f"accuracy_beyond_{w}"] = float(ok[far].mean()) if far.any() else None
+  if is_aha:
+    g = np.concatenate(gates, axis=1)                                    # [L, rows, T, N]
+    res["mu_f"] = float(g.mean())
+    res["usage_layer"] = [float(x) for x in g.mean(axis=(1, 2, 3))]
+    res["usage_at_queries"] = float(g[:, q].mean())
+    res["usage_elsewhere"] = float(g[:, ~q].mean())
+  return res
+
+
+def run(s: Settings, log=print) -> dict[str, Any]:
+  t_start = time.time()
+  task = FusedRecall(s)
+  cfg = base_config(s, task)
+  init = nn.unbox(Decoder(cfg).init(jax.random.key(s.seed),
+                                    jnp.zeros((1, s.seq_len), jnp.int32))["params"])
+  dense, dense_hist = train(cfg, init, task, steps=s.dense_steps, lr=s.dense_lr, phase=0,
+                            name="dense", log=log)
+  dense_eval = evaluate(cfg, dense, task, s.windows)
+  log(f"[dense] {dense_eval}")
+  per_window = {}
+  for w in s.windows:
+    acfg, ap = aha.dense_to_aha(dense, cfg, window=w, tau=s.tau, lam=s.lam,
+                                router_bias_init=s.router_bias_init)
+    local_only = evaluate(aha.aha_config(acfg, routing="none"), ap, task)["accuracy"]
+    params, hist = train(acfg, ap, task, steps=s.aha_steps, lr=s.aha_lr, phase=1 + w,
+                         name=f"aha w={w}", log=log)
+    r = evaluate(acfg, params, task, (w,))
+    r["local_only_accuracy_at_conversion"] = local_only
+    r["history"] = hist
+    per_window[str(w)] = r
+    log(f"[aha w={w}] " + json.dumps({k: v for k, v in r.items() if k != "history"}))
+  dev = jax.devices()[0]
+  return dict(
+      date=datetime.date.today().isoformat(), device=getattr(dev, "device_kind", str(dev)),
+      jax_version=jax.__version__, seconds=time.time() - t_start,
+      settings=dataclasses.asdict(s),
+      task=dict(name="fused_recall", seq_len=s.seq_len, num_keys=s.num_keys,
+                num_values=s.num_values, num_queries=s.num_queries, vocab_size=task.vocab_size,
+                distance="log-uniform in [1, seq_len - 2]"),
+      model=dict(family=cfg.family, num_layers=cfg.num_layers, hidden_size=cfg.hidden_size,
+                 num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads),
+      dense_accuracy=dense_eval["accuracy"], dense=dense_eval, dense_history=dense_hist,
+      windows={w: dict(mu_f=r["mu_f"], accuracy=r["accuracy"]) for w, r in per_window.items()},
+      per_window=per_window)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
+  ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                "results", "aha_window_sweep.json"))
+  a = ap.parse_args(argv)
+  res = run(PRESETS[a.preset])
+  res["preset"] = a.preset
+  os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+  with open(a.out, "w") as f:
+    json.dump(res, f, indent=1)
+  print(a.out)
+  print(json.dumps(res["windows"], indent=1), f"dense {res['dense_accuracy']:.3f}")
+  return res
+
+
+if __name__ == "__main__":
+  main()
