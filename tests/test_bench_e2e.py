@@ -117,3 +117,24 @@ def test_recorded_results_are_consistent(path):
     assert r["status"] and r["status"] != "running", r  # a failed row says why
   for nr in doc.get("not_run", []):
     assert nr["reason"]
+
+
+def test_merge_keeps_speedups_within_each_run(tiny_rows):
+  """Runs of one device merged (one command per T): a row's speedup uses its own run's dense."""
+  a = _doc(tiny_rows)
+  b = _doc(tiny_rows)
+  b["date"] = "2026-01-02T00:00:00+00:00"
+  b["rows"][0]["train_ms"] *= 3  # run b's dense is slower: its L2A speedup must use it
+  e2e.add_speedups(b["rows"])
+  merged = e2e.merge_results([a, b])
+  assert len(merged["rows"]) == 4 and len(merged["runs"]) == 2
+  by_run = {(r["run_date"], r["scheme"]): r for r in merged["rows"]}
+  for d in (a, b):
+    dense, l2a = by_run[(d["date"], "dense")], by_run[(d["date"], "l2a_q0.2")]
+    assert l2a["speedup_train"] == pytest.approx(dense["train_ms"] / l2a["train_ms"])
+  assert by_run[(b["date"], "l2a_q0.2")]["speedup_train"] == pytest.approx(
+      3 * by_run[(a["date"], "l2a_q0.2")]["speedup_train"])
+  other = _doc(tiny_rows)
+  other["device"] = "another device"
+  with pytest.raises(ValueError, match="keep them apart"):
+    e2e.merge_results([a, other])
