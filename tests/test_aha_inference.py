@@ -76,6 +76,8 @@ def test_one_full_cache_per_layer_and_its_bytes():
   np.testing.assert_array_equal(c["length"], np.broadcast_to(lengths, c["length"].shape))
   kv = aha.kv_cache_bytes(cfg, 32, batch=len(PROMPTS))["total"]
   assert kv <= cache_bytes(cache) <= 1.5 * kv
+  with pytest.raises(ValueError, match="routing='soft'"):
+    Engine(aha.aha_config(cfg, routing="soft"), params, cache_len=32).prefill(PROMPTS)
 
 
 def test_local_heads_read_only_the_window():

@@ -201,6 +201,9 @@ class AHALayer(nn.Module):
     # ---- both paths with the same q/k/v (K/V shared by the query heads of a group)
     q, k, v = attn.qkv(x_in, ctx.positions_BT)
     if ctx.decode:
+      if o.routing == "soft":
+        raise ValueError("model.scheme_kwargs.routing='soft' is an analysis mode of the full "
+                         "forward; decode with routing 'learned', 'all' or 'none'.")
       local, full = self._decode_paths(attn, q, k, v, ctx, hard_BTN, valid_BTN, o)
       avail_BTN = hard_BTN
     else:
