@@ -2,22 +2,20 @@
 platforms=["tpu"])) with the L2A global branch on the Mosaic TPU compacted-query kernel, not the
 O(T*S) reference: `ops` picks the kernel for the platform being lowered to.
 
-Cross-lowering: the step's shardings live on an AbstractMesh with a TPU abstract device (same
-(data, fsdp, tensor) = (2, 2, 2) axes as the loop's mesh), so ops traces the TPU branch here.
+Cross-lowering (loop.export_train_step): the step's shardings live on an AbstractMesh with a TPU
+abstract device (same (data, fsdp, tensor) = (2, 2, 2) axes as the loop's mesh), so ops traces the
+TPU branch here.
 Shapes the Mosaic kernel takes: head_dim 64 (width 256, 4 heads), sequence a multiple of 128."""
 import collections
 import re
 
-import flax.linen as nn
 import jax
 import pytest
-from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding
+from jax.sharding import AbstractDevice
 
 from _train_helpers import ROOT
 from condattn_jax.train import loop
-from condattn_jax.train import sharding as shd
 from condattn_jax.train.cli import load_recipe
-from condattn_jax.train.step import make_train_step
 
 ARG = "tiny,steps=4,batch=8,seq=128,width=256,window=64"
 TPU = AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu")
@@ -31,19 +29,7 @@ def _export(compact_impl, attention_impl):
   c.model.attention_impl = attention_impl
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 2, 2, 2
   setup = loop.build(c)
-  mesh = AbstractMesh(tuple(setup.mesh.axis_sizes), tuple(setup.mesh.axis_names),
-                      axis_types=tuple(setup.mesh.axis_types), abstract_device=TPU)
-  on_tpu = lambda s: NamedSharding(mesh, s.spec)
-  state_sh = jax.tree.map(on_tpu, setup.state_shardings)
-  batch_sh = {k: on_tpu(setup.batch_sharding) for k in setup.batch_abstract}
-  step = jax.jit(make_train_step(setup.model_cfg, c.train, setup.tx, setup.labels, setup.schedule),
-                 in_shardings=(state_sh, batch_sh),
-                 out_shardings=(state_sh, on_tpu(shd.replicated(setup.mesh))))
-  sds = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
-  state = jax.tree.map(sds, setup.abstract_state, state_sh)
-  batch = {k: sds(a, batch_sh[k]) for k, a in setup.batch_abstract.items()}
-  with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(shd.RULES):
-    exp = jax.export.export(step, platforms=["tpu"])(state, batch)
+  exp = loop.export_train_step(setup, "tpu", device_kind=TPU.device_kind)
   assert setup.model_cfg.scheme == "l2a" and exp.platforms == ("tpu",) and exp.nr_devices == 8
   return exp.mlir_module()
 

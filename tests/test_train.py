@@ -274,9 +274,7 @@ def test_sharded_train_step_exports_for_tpu():
   c = tiny()
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 2, 2, 2
   setup = loop.build(c)
-  step = loop.jit_train_step(setup)
-  with shd.mesh_context(setup.mesh):
-    exp = jax.export.export(step, platforms=["tpu"])(setup.abstract_state, setup.batch_abstract)
+  exp = loop.export_train_step(setup, "tpu")
   assert exp.platforms == ("tpu",)
   assert exp.nr_devices == 8
   assert len(exp.mlir_module_serialized) > 0

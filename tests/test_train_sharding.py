@@ -45,16 +45,17 @@ def test_params_and_batches_are_sharded(runs):
   s = runs["eight"]["setup"]
   sh = s.param_shardings
   assert sh["embed_tokens"]["embedding"].spec == P("tensor", "fsdp")  # vocab, embed
-  assert sh["layers_0"]["self_attn"]["q_proj"]["kernel"].spec == P("fsdp", "tensor")
-  assert sh["layers_0"]["mlp"]["down_proj"]["kernel"].spec == P("tensor", "fsdp")
+  # scanned layers: a leading (unsharded) layer axis, then the per-layer rule
+  assert sh["layers"]["self_attn"]["q_proj"]["kernel"].spec == P(None, "fsdp", "tensor")
+  assert sh["layers"]["mlp"]["down_proj"]["kernel"].spec == P(None, "tensor", "fsdp")
   assert sh["norm"]["scale"].spec == P()
   assert s.batch_sharding.spec == P(("data", "fsdp"))
   # Adam moments follow their params.
-  g = runs["eight"]["new"].params["layers_0"]["mlp"]["up_proj"]["kernel"]
-  assert g.sharding.spec == P("fsdp", "tensor")
+  g = runs["eight"]["new"].params["layers"]["mlp"]["up_proj"]["kernel"]
+  assert g.sharding.spec == P(None, "fsdp", "tensor")
   mus = [x for x in jax.tree.leaves(runs["eight"]["new"].opt_state)
          if getattr(x, "shape", None) == g.shape]
-  assert mus and all(m.sharding.spec == P("fsdp", "tensor") for m in mus)
+  assert mus and all(m.sharding.spec == P(None, "fsdp", "tensor") for m in mus)
 
 
 def test_same_loss_and_gradients_as_one_device(runs):
@@ -67,7 +68,17 @@ def test_same_train_step_as_one_device(runs):
   a, b = runs["one"], runs["eight"]
   for k in ("loss", "grad_norm", "accuracy", "lr"):
     np.testing.assert_allclose(b["step_metrics"][k], a["step_metrics"][k], rtol=1e-5, atol=1e-6)
-  assert_trees_close(b["new"].params, a["new"].params, atol=1e-5)
+  # AdamW's first update is lr * g / (|g| + eps): where |g| is at float-rounding level its sign
+  # (and so the update) is noise, so params are compared where the gradient is clearly non-zero
+  # (the gradients themselves are compared everywhere above).
+  ga, pa, pb = host(a["grads"]), host(a["new"].params), host(b["new"].params)
+  checked = 0
+  for (path, g), x, y in zip(jax.tree_util.tree_flatten_with_path(ga)[0], jax.tree.leaves(pa),
+                             jax.tree.leaves(pb)):
+    sure = np.abs(g) > 1e-4
+    checked += int(sure.sum())
+    np.testing.assert_allclose(y[sure], x[sure], atol=1e-5, err_msg=jax.tree_util.keystr(path))
+  assert checked > 0.5 * sum(x.size for x in jax.tree.leaves(pa))
 
 
 def test_mesh_fill_and_indivisible_dims_fall_back_to_replicated():
@@ -78,7 +89,7 @@ def test_mesh_fill_and_indivisible_dims_fall_back_to_replicated():
   assert dict(s.mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 8}
   # 2 kv heads / 4 q heads cannot split 8 ways: replicated on 'tensor' instead of failing.
   for proj in ("q_proj", "k_proj"):
-    spec = s.param_shardings["layers_0"]["self_attn"][proj]["kernel"].spec
+    spec = s.param_shardings["layers"]["self_attn"][proj]["kernel"].spec
     assert "tensor" not in jax.tree.leaves(tuple(spec)), spec
   # mlp (128) and vocab (64) do split 8 ways.
-  assert "tensor" in s.param_shardings["layers_0"]["mlp"]["up_proj"]["kernel"].spec
+  assert "tensor" in s.param_shardings["layers"]["mlp"]["up_proj"]["kernel"].spec

@@ -142,6 +142,40 @@ def jit_train_step(setup: Setup):
                  donate_argnums=(0,))
 
 
+_EXPORT_DEVICES = {
+    "tpu": ("TPU v5 lite", "tpu"),
+    "cuda": ("NVIDIA H100 80GB HBM3", "cuda"),
+}
+
+
+def export_train_step(setup: Setup, platform: str = "tpu", device_kind: str | None = None):
+  """The sharded train step (`jit_train_step`) exported for `platform` from any host:
+  `jax.export.Exported` whose module holds the kernels `ops` picks for that platform (Mosaic TPU
+  on 'tpu'), not the ones of this host. The step's shardings are moved onto an AbstractMesh with
+  an abstract device of `platform` (same axes and sizes as `setup.mesh`), which is how `ops`
+  learns which platform's kernels it may trace here (cross-lowering)."""
+  from jax.sharding import AbstractDevice, AbstractMesh, NamedSharding
+  if platform not in _EXPORT_DEVICES:
+    raise ValueError(f"export_train_step: platform {platform!r} is not one of "
+                     f"{sorted(_EXPORT_DEVICES)}")
+  kind, plat = _EXPORT_DEVICES[platform]
+  dev = AbstractDevice(device_kind=device_kind or kind, num_cores=None, platform=plat)
+  mesh = AbstractMesh(tuple(setup.mesh.axis_sizes), tuple(setup.mesh.axis_names),
+                      axis_types=tuple(setup.mesh.axis_types), abstract_device=dev)
+  move = lambda s: NamedSharding(mesh, s.spec)
+  state_sh = jax.tree.map(move, setup.state_shardings)
+  batch_sh = {k: move(setup.batch_sharding) for k in setup.batch_abstract}
+  fn = guards.skip_nonfinite(
+      make_train_step(setup.model_cfg, setup.config.train, setup.tx, setup.labels, setup.schedule))
+  step = jax.jit(fn, in_shardings=(state_sh, batch_sh),
+                 out_shardings=(state_sh, move(shd.replicated(setup.mesh))))
+  sds = lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s)
+  state = jax.tree.map(sds, setup.abstract_state, state_sh)
+  batch = {k: sds(a, batch_sh[k]) for k, a in setup.batch_abstract.items()}
+  with jax.sharding.use_abstract_mesh(mesh), nn.logical_axis_rules(shd.RULES):
+    return jax.export.export(step, platforms=[platform])(state, batch)
+
+
 # ------------------------------------------------------------------------------------ init
 def _paths_shapes(tree) -> dict[str, tuple]:
   return {opt_lib.path_str(p): tuple(np.shape(x)) for p, x in
