@@ -597,8 +597,8 @@ def _branches(impl: str, q, mask: MaskSpec, scale, pallas_backend):
 # The entry point
 # ------------------------------------------------------------------------------------------------
 
-def attention(q_BTNH, k_BSKH, v_BSKH, mask: MaskSpec | None = None, *, impl: str = "auto",
-              scale: float | None = None, pallas_backend: str | None = None, **legacy):
+def attention(q_BTNH, k_BSKH, v_BSKH, mask: MaskSpec, *, impl: str = "auto",
+              scale: float | None = None, pallas_backend: str | None = None):
   """Attention out[B, T, N, H] (q's dtype) under `mask` (an ops.MaskSpec).
 
   q_BTNH: queries; k_BSKH, v_BSKH: keys / values with K kv heads (N % K == 0; grouped-query
@@ -607,11 +607,8 @@ def attention(q_BTNH, k_BSKH, v_BSKH, mask: MaskSpec | None = None, *, impl: str
   pallas_backend: for impl='pallas' off GPU/TPU, the kernel run in Pallas interpret mode:
   'triton' (default) or 'mosaic_tpu'.
   """
-  if mask is None:  # TRANSITION: the old keyword form (see the shim at the bottom)
-    return _legacy_attention(q_BTNH, k_BSKH, v_BSKH, impl=impl, scale=scale, **legacy)
-  if legacy:
-    raise TypeError(f"ops.attention: unexpected keyword(s) {sorted(legacy)} with a MaskSpec")
-  impl = _LEGACY_IMPLS.get(impl, impl)  # TRANSITION
+  if not isinstance(mask, MaskSpec):
+    raise TypeError(f"ops.attention: mask must be an ops.MaskSpec, got {type(mask).__name__}")
   q, k, v = map(jnp.asarray, (q_BTNH, k_BSKH, v_BSKH))
   mask = jax.tree.map(jnp.asarray, mask)
   _check(q, k, v, mask)
@@ -620,42 +617,3 @@ def attention(q_BTNH, k_BSKH, v_BSKH, mask: MaskSpec | None = None, *, impl: str
   if not branches:
     return default(q, k, v, mask)
   return lax.platform_dependent(q, k, v, mask, default=default, **branches)
-
-
-# ------------------------------------------------------------------------------------------------
-# TRANSITION SHIM: the old call forms, kept until the callers (models/layers.py, attention/*)
-# move to attention(q, k, v, MaskSpec(...)). Delete this section after that migration.
-# ------------------------------------------------------------------------------------------------
-
-_LEGACY_IMPLS = {"xla": "reference", "triton": "pallas", "mosaic_tpu": "pallas"}
-
-
-def _legacy_attention(q_BTNH, k_BSKH, v_BSKH, *, q_positions_BT, kv_positions_BS,
-                      q_segment_ids_BT=None, kv_segment_ids_BS=None, window=None, scale=None,
-                      impl="auto", self_attention=False, active=None):
-  """Old form: attention(q, k, v, q_positions_BT=..., kv_positions_BS=..., ...,
-  self_attention=...). self_attention is MaskSpec.contiguous; old impl names are mapped."""
-  mask = MaskSpec(q_positions_BT=q_positions_BT, kv_positions_BS=kv_positions_BS,
-                  q_segment_ids_BT=q_segment_ids_BT, kv_segment_ids_BS=kv_segment_ids_BS,
-                  active=active, window=window, contiguous=self_attention)
-  return attention(q_BTNH, k_BSKH, v_BSKH, mask, impl=_LEGACY_IMPLS.get(impl, impl), scale=scale)
-
-
-def compact_attention(q_BTNH, k_BSKH, v_BSKH, active_BT, *, q_positions_BT, kv_positions_BS,
-                      q_segment_ids_BT=None, kv_segment_ids_BS=None, window=None, scale=None,
-                      impl="auto", shard=None):
-  """Old form of attention(..., MaskSpec(active=active_BT)). shard=True runs the whole call per
-  shard under the mesh (any impl); otherwise kernels are sharded as attention() does."""
-  call = functools.partial(
-      _legacy_attention, window=window, scale=scale, impl=impl)
-
-  def fn(q, k, v, m):
-    return call(q, k, v, q_positions_BT=m.q_positions_BT, kv_positions_BS=m.kv_positions_BS,
-                q_segment_ids_BT=m.q_segment_ids_BT, kv_segment_ids_BS=m.kv_segment_ids_BS,
-                active=m.active)
-  mask = jax.tree.map(jnp.asarray, MaskSpec(
-      q_positions_BT=q_positions_BT, kv_positions_BS=kv_positions_BS,
-      q_segment_ids_BT=q_segment_ids_BT, kv_segment_ids_BS=kv_segment_ids_BS,
-      active=jnp.asarray(active_BT, jnp.bool_)))
-  q, k, v = map(jnp.asarray, (q_BTNH, k_BSKH, v_BSKH))
-  return (_per_shard(fn) if shard else fn)(q, k, v, mask)

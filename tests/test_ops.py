@@ -509,24 +509,8 @@ def test_kernels_run_per_shard_under_a_mesh(impl):
   assert "shard_map" in text or "manual" in text.lower()
 
 
-# ------------------------------------------------------------------------------------------------
-# TRANSITION: the old call forms (delete with the shim)
-# ------------------------------------------------------------------------------------------------
 
-def test_legacy_call_forms_match_the_new_api():
-  rng = np.random.default_rng(7)
-  B, T, N, K, H = 2, 16, 4, 2, 16
-  q, k, v = _qkv(rng, B, T, T, N, K, H)
-  seg, pos = _packed(B, T, rng)
-  active = jnp.asarray(rng.random((B, T)) < 0.5)
-  spec = ops.MaskSpec(pos, pos, seg, seg, window=4, contiguous=True)
-  want = ops.attention(q, k, v, spec, impl="reference")
-  for impl in ("xla", "auto", "tokamax"):
-    out = ops.attention(q, k, v, q_positions_BT=pos, kv_positions_BS=pos, q_segment_ids_BT=seg,
-                        kv_segment_ids_BS=seg, window=4, impl=impl, self_attention=True)
-    np.testing.assert_allclose(out, want, atol=2e-5)
-  act = ops.attention(q, k, v, ops.MaskSpec(pos, pos, seg, seg, active=active), impl="reference")
-  for impl in ("xla", "reference", "auto", "triton"):
-    out = ops.compact_attention(q, k, v, active, q_positions_BT=pos, kv_positions_BS=pos,
-                                q_segment_ids_BT=seg, kv_segment_ids_BS=seg, impl=impl)
-    np.testing.assert_allclose(out, act, atol=2e-5)
+def test_mask_must_be_a_maskspec():
+  q = jnp.zeros((1, 4, 2, 8))
+  with pytest.raises(TypeError, match="mask must be an ops.MaskSpec, got dict"):
+    ops.attention(q, q, q, {"q_positions_BT": jnp.zeros((1, 4), jnp.int32)})
