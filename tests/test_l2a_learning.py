@@ -62,9 +62,15 @@ def test_l2a_learns_recall_cpu_sized(tmp_path):
   assert abs(res["context_free_sparsity"] - res["l2a_sparsity"]) < 0.05, summary
   assert res["l2a_accuracy"] >= res["context_free_accuracy"] + 0.05, summary
   assert res["l2a_accuracy"] >= 0.35, summary
-  # pruning is reported with KV bytes
-  kv = res["pruning"]["kv_bytes"]["131072"]
-  assert kv["l2a_pruned"] <= kv["l2a"]
+  # the pruning section: layers at sparsity >= 0.95 lose their full cache (K, V x 2 kv heads x
+  # head_dim 16 x float32 per token and layer; every layer keeps its window ring of 4 slots)
+  pr = res["pruning"]
+  assert pr["pruned_layers"] == [i for i, x in enumerate(res["l2a_layer_sparsity"]) if x >= 0.95]
+  per_tok, ctx, L = 2 * 2 * 16 * 4, 131072, s.num_layers
+  kv = pr["kv_bytes"][str(ctx)]
+  assert kv["dense"] == L * ctx * per_tok
+  assert kv["l2a"] == L * (ctx + s.window) * per_tok
+  assert kv["l2a_pruned"] == (L * s.window + (L - len(pr["pruned_layers"])) * ctx) * per_tok
 
 
 def test_recorded_full_run():
