@@ -514,8 +514,9 @@ def merge_results(docs: list[dict]) -> dict:
 
 def attention_diag(T: int, reps: int = 5) -> dict:
   """What one layer's attention costs on the train step's fused paths (Qwen2.5-1.5B attention
-  shapes, B = 1, bf16): causal vs window 4096, each with segment ids (the train batch: tokamax)
-  and without (cuDNN); fwd and fwd+bwd ms, median of `reps` after a warm-up."""
+  shapes, B = 1, bf16): causal vs window 4096, each with segment ids (the train batch) and
+  without (cuDNN); with segment ids and a window also tokamax and the Pallas compacted kernel
+  (all queries active) explicitly; fwd and fwd+bwd ms, median of `reps` after a warm-up."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -530,13 +531,16 @@ def attention_diag(T: int, reps: int = 5) -> dict:
   pos = jnp.arange(T, dtype=jnp.int32)[None]
   seg = jnp.ones((1, T), jnp.int32)
   out: dict[str, Any] = dict(T=T)
-  for name, window, segs in (("causal_seg(tokamax)", None, True),
-                             ("window4096_seg(tokamax)", WINDOW, True),
-                             ("causal(cudnn)", None, False), ("window4096(cudnn)", WINDOW, False)):
+  for name, window, segs, impl in (("causal_seg(auto)", None, True, "auto"),
+                                   ("window4096_seg(auto)", WINDOW, True, "auto"),
+                                   ("window4096_seg(tokamax)", WINDOW, True, "tokamax"),
+                                   ("window4096_seg(pallas)", WINDOW, True, "pallas"),
+                                   ("causal(cudnn)", None, False, "auto"),
+                                   ("window4096(cudnn)", WINDOW, False, "auto")):
     m = ops.MaskSpec(q_positions_BT=pos, kv_positions_BS=pos,
                      q_segment_ids_BT=seg if segs else None,
                      kv_segment_ids_BS=seg if segs else None, window=window, contiguous=True)
-    f = lambda q, k, v, m=m: ops.attention(q, k, v, m)
+    f = lambda q, k, v, m=m, impl=impl: ops.attention(q, k, v, m, impl=impl)
     fb = jax.grad(lambda q, k, v, f=f: jnp.sum(f(q, k, v).astype(jnp.float32) * ct),
                   argnums=(0, 1, 2))
     out[name] = {key: timed(lambda g=jax.jit(g): g(q, k, v), reps)[0]

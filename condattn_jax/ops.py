@@ -23,8 +23,10 @@ Implementations (one vocabulary):
              the backend at trace time, so jax.export for GPU/TPU from a CPU host gets the GPU/TPU
              kernel:  cpu -> reference;
                       cuda -> contiguous self-attention without active/sinks: cudnn (no segment
-                              ids) else tokamax; anything else (active set, cache layout, decode,
-                              chunked prefill): pallas (with an all-true active set if none);
+                              ids) else tokamax (causal) or pallas (with a window: tokamax's
+                              backward does not skip out-of-window tiles); anything else (active
+                              set, cache layout, decode, chunked prefill): pallas (with an
+                              all-true active set if none);
                       rocm -> pallas;  tpu -> pallas (Mosaic).
              A kernel that cannot take the call's shape falls to the next one; only masks no
              kernel takes yet (sinks, block lists: issue 13's block-sparse kernel) use the
@@ -511,10 +513,15 @@ def _auto_gpu(scale, platform):
           return cudnn(q, k, v, mask)
         except NotImplementedError:  # this GPU / cuDNN cannot take the shape
           pass
-      try:
-        return tok(q, k, v, mask)
-      except NotImplementedError:
-        pass
+      # Packed documents with a window: tokamax turns the window into a per-query k_start that
+      # its backward masks but does not skip (every causal tile is visited: 317 vs 23 ms per
+      # layer at 128K, bench/results/e2e_NVIDIA_H200.json), while the compacted kernel's tile
+      # bounds stop at the window. tokamax stays for causal packed documents.
+      if mask.window is None or _pallas_reasons(mask):
+        try:
+          return tok(q, k, v, mask)
+        except NotImplementedError:
+          pass
     if _pallas_reasons(mask):
       return _no_kernel(scale, platform)(q, k, v, mask)
     return pallas(q, k, v, mask)
