@@ -138,3 +138,21 @@ def test_merge_keeps_speedups_within_each_run(tiny_rows):
   other["device"] = "another device"
   with pytest.raises(ValueError, match="keep them apart"):
     e2e.merge_results([a, other])
+
+
+def test_recorded_attention_diag_routing():
+  """bench/results/attention_diag_<GPU>.json: for windowed attention over packed documents, ops'
+  auto pick (the compacted kernel since 8411e8a) is the fast one for training (fwd+bwd) and
+  tokamax's unskipped windowed backward is several times slower."""
+  import json
+  paths = glob.glob(os.path.join(os.path.dirname(__file__), "..", "bench", "results",
+                                 "attention_diag_*.json"))
+  assert paths
+  for path in paths:
+    doc = json.load(open(path))
+    d = doc["diag"]
+    assert doc["device"] and doc["jax_version"] and doc["date"] and d["T"] >= 65536
+    auto, tok, pal = (d[f"window4096_seg({x})"]["fwdbwd_ms"] for x in ("auto", "tokamax", "pallas"))
+    assert auto < 1.2 * pal and tok > 3 * auto, (auto, tok, pal)
+    # a window cannot cost more than the causal call it restricts
+    assert auto < d["causal_seg(auto)"]["fwdbwd_ms"]
