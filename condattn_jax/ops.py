@@ -16,7 +16,9 @@ Implementations (one vocabulary):
              (document start, window): contiguous (packed) self-attention without active set,
              sinks or block lists. Off GPU: tokamax's XLA implementation (tests).
   pallas     pallas_kernels.compact_attention: any positions / segments / window / active set
-             ([B, T] or per head [B, T, N]), e.g. caches, decode, chunked prefill, L2A, AHA.
+             ([B, T] or per head [B, T, N]), e.g. caches, decode, chunked prefill, L2A, AHA;
+             a mask with block lists: pallas_kernels.block_sparse (every MaskSpec field, sinks
+             too; one launch for a layer's mixed full / block-sparse heads).
              Triton on GPU, Mosaic on TPU; on CPU the kernel in Pallas interpret mode, Triton-
              style by default, `pallas_backend="mosaic_tpu"` for Mosaic TPU interpret (tests).
   auto       picked for the platform the call is LOWERED for (jax.lax.platform_dependent), not
@@ -28,9 +30,9 @@ Implementations (one vocabulary):
                               set, cache layout, decode, chunked prefill): pallas (with an
                               all-true active set if none);
                       rocm -> pallas;  tpu -> pallas (Mosaic).
-             A kernel that cannot take the call's shape falls to the next one; only masks no
-             kernel takes yet (sinks, block lists: issue 13's block-sparse kernel) use the
-             reference on GPU/TPU, with a warning.
+             Block lists go to the block-sparse kernel (cuda, rocm, tpu). A kernel that cannot
+             take the call's shape falls to the next one; only masks no kernel takes yet (sinks
+             without block lists) use the reference on GPU/TPU, with a warning.
 An explicit impl that cannot take the call raises ValueError naming the impl and why.
 
 Only the branch for the lowering platform is lowered, and under jax.grad the other branches'
@@ -62,6 +64,7 @@ from jax.interpreters import mlir
 IMPLS = ("auto", "reference", "cudnn", "tokamax", "pallas")
 PALLAS_BACKENDS = ("triton", "mosaic_tpu")
 _KERNELS = "pallas_kernels.compact_attention"
+_BLOCK_SPARSE = "pallas_kernels.block_sparse"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -75,8 +78,8 @@ def _static(default=None):
 @functools.partial(jax.tree_util.register_dataclass)
 @dataclasses.dataclass(frozen=True, eq=False)  # array fields: no elementwise ==
 class BlockLists:
-  """Per-(batch, head, query-block) kv block lists and per-head modes (issue 13's block-sparse
-  kernel plugs in here; today only impl='reference' takes them).
+  """Per-(batch, head, query-block) kv block lists and per-head modes (impl='pallas' and 'auto'
+  on GPU/TPU run pallas_kernels.block_sparse, whose tiles are these blocks).
 
   kv_blocks_BNQL: int32 [B, N, ceil(T / block_q), L]: the kv blocks (key slots
     [j * block_k, (j + 1) * block_k)) that query block i (query rows [i * block_q, ...)) of query
@@ -185,9 +188,10 @@ def _check(q, k, v, mask: MaskSpec):
 # The kernel package (loud import) and what each implementation can take
 # ------------------------------------------------------------------------------------------------
 
-def _kernel_module(sub: str | None = None):
-  """pallas_kernels.compact_attention (or its submodule `sub`); an import failure is an error."""
-  name = _KERNELS if sub is None else f"{_KERNELS}.{sub}"
+def _kernel_module(sub: str | None = None, package: str = _KERNELS):
+  """pallas_kernels.compact_attention (or `package`), or its submodule `sub`; an import failure
+  is an error."""
+  name = package if sub is None else f"{package}.{sub}"
   try:
     return importlib.import_module(name)
   except ImportError as e:
@@ -224,11 +228,11 @@ def _cudnn_reasons(q, mask: MaskSpec) -> list[str]:
 
 
 def _pallas_reasons(mask: MaskSpec) -> list[str]:
+  if mask.block_lists is not None:  # the block-sparse kernel takes every MaskSpec field
+    return []
   why = []
   if mask.sinks:
     why.append("sink tokens (MaskSpec.sinks): the compacted kernel has no sink mask")
-  if mask.block_lists is not None:
-    why.append("block lists (MaskSpec.block_lists): needs the block-sparse kernel (issue 13)")
   return why
 
 
@@ -483,6 +487,19 @@ def _pallas(scale, kernel_impl: str, interpret: Any = False):
   return fn
 
 
+def _block_sparse(scale, kernel_impl: str, interpret: Any = False):
+  """pallas_kernels.block_sparse for a mask with block lists (its tiles are the lists' blocks)."""
+  def fn(q, k, v, mask):
+    bl = mask.block_lists
+    return _kernel_module(package=_BLOCK_SPARSE).block_sparse_attention(
+        q, k, v, bl.kv_blocks_BNQL, bl.head_mode_BN, block_q=bl.block_q, block_k=bl.block_k,
+        q_positions_BT=mask.q_positions_BT, kv_positions_BS=mask.kv_positions_BS,
+        q_segment_ids_BT=mask.q_segment_ids_BT, kv_segment_ids_BS=mask.kv_segment_ids_BS,
+        window=mask.window, sinks=mask.sinks, active=mask.active, scale=scale,
+        impl=kernel_impl, interpret=interpret)
+  return fn
+
+
 @functools.cache
 def _warn_once(msg):
   logging.warning(msg)
@@ -504,6 +521,7 @@ def _auto_gpu(scale, platform):
   compacted Pallas kernel (its own 'auto' picks the GPU kernel; a shape it cannot take falls to
   its reference with a warning)."""
   pallas = _per_shard(_pallas(scale, "auto"))
+  block_sparse = _per_shard(_block_sparse(scale, "auto"))
   cudnn, tok = _cudnn(scale), _per_shard(_tokamax(scale, ("mosaic_gpu", "triton")))
 
   def fn(q, k, v, mask):
@@ -522,6 +540,8 @@ def _auto_gpu(scale, platform):
           return tok(q, k, v, mask)
         except NotImplementedError:
           pass
+    if mask.block_lists is not None:
+      return block_sparse(q, k, v, mask)
     if _pallas_reasons(mask):
       return _no_kernel(scale, platform)(q, k, v, mask)
     return pallas(q, k, v, mask)
@@ -530,8 +550,11 @@ def _auto_gpu(scale, platform):
 
 def _auto_tpu(scale):
   pallas = _per_shard(_pallas(scale, "auto"))
+  block_sparse = _per_shard(_block_sparse(scale, "auto"))
 
   def fn(q, k, v, mask):
+    if mask.block_lists is not None:
+      return block_sparse(q, k, v, mask)
     if _pallas_reasons(mask):
       return _no_kernel(scale, "tpu")(q, k, v, mask)
     return pallas(q, k, v, mask)
@@ -584,8 +607,10 @@ def _branches(impl: str, q, mask: MaskSpec, scale, pallas_backend):
     else:
       interpret = True
 
+    make = _pallas if mask.block_lists is None else _block_sparse
+
     def kernel(kernel_impl, interpret=False):
-      fn = _per_shard(_pallas(scale, kernel_impl, interpret))
+      fn = _per_shard(make(scale, kernel_impl, interpret))
 
       def named(*args):  # the kernel's own ValueError (e.g. a head_dim it cannot take)
         try:

@@ -1,0 +1,9 @@
+"""Block-sparse attention with per-head modes (issue 13): one launch for a layer's mixed heads.
+
+Importable without condattn_jax. See README.md beside this file.
+"""
+from .api import (HEAD_BLOCKS, HEAD_FULL, IMPLS, BlockSparseFallbackWarning,
+                  block_sparse_attention, kernel_support)
+
+__all__ = ["HEAD_BLOCKS", "HEAD_FULL", "IMPLS", "BlockSparseFallbackWarning",
+           "block_sparse_attention", "kernel_support"]

@@ -1,0 +1,335 @@
+"""block_sparse_attention: flash attention over per-(batch, head, query-block) kv block lists, with
+a per-head mode, so a layer's mixed heads (full / streaming sink+local / block-sparse) run in ONE
+launch.
+
+    out_BTNH = block_sparse_attention(q_BTNH, k_BSKH, v_BSKH, kv_blocks_BNQL, head_mode_BN,
+                                      block_q=128, block_k=128, window=..., sinks=...)
+    out_BTNH, lse_BTN = block_sparse_attention(..., return_lse=True)
+
+The mask is pallas_kernels.compact_attention.reference.dense_mask's (the one mask builder; the
+reference path is its reference_attention): query t of row b, head n sees key slot s iff
+kv_pos <= q_pos, same document, inside the window or a sink key, t active, and (head n in mode
+HEAD_BLOCKS) s's block is listed for t's block. A HEAD_FULL head ignores its list and visits every
+kv tile it can see (the causal / document / window range of its query tile).
+
+The kernels' tiles are the lists' blocks (block_q x block_k); they visit only the listed tiles
+(duplicates, padding -1 and tiles no pair can see are dropped by tables.py, so the list length L
+bounds the work) and apply the element mask inside a tile. Backward: custom_vjp saving the lse;
+dq over the same tables, dk/dv per kv tile over the transposed tables (every query head of the kv
+head: native GQA).
+
+impl: 'auto' (GPU: Triton; TPU: Mosaic; elsewhere the jnp reference), 'reference', 'triton',
+'mosaic_tpu'. A kernel that cannot take a call raises ValueError when asked for by name; under
+'auto' it warns once (BlockSparseFallbackWarning) and uses the reference.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.compact_attention import api as _compact_api
+from pallas_kernels.compact_attention.common import TRITON_SMEM_BYTES
+from pallas_kernels.compact_attention.reference import (HEAD_BLOCKS, HEAD_FULL, check_qkv,
+                                                        dense_mask, reference_attention)
+
+from . import tables
+
+IMPLS = ("auto", "reference", "triton", "mosaic_tpu")
+_FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+__all__ = ["HEAD_BLOCKS", "HEAD_FULL", "IMPLS", "BlockSparseFallbackWarning",
+           "block_sparse_attention", "kernel_support"]
+
+
+class BlockSparseFallbackWarning(UserWarning):
+  pass
+
+
+@functools.cache
+def _warn_once(msg: str) -> None:
+  warnings.warn(msg, BlockSparseFallbackWarning, stacklevel=3)
+
+
+def _platform() -> str:
+  # The compacted kernels' hook: condattn_jax.ops swaps it while tracing a branch for another
+  # platform (cross-lowering), which then applies here too.
+  return _compact_api._default_platform()
+
+
+def _backend_module(name: str):
+  if name == "triton":
+    from . import triton as mod
+  else:
+    from . import mosaic_tpu as mod
+  return mod
+
+
+def triton_launch(block_q: int, block_k: int, H: int, itemsize: int) -> dict:
+  """num_warps / num_stages per kernel: two pipeline stages where the shared memory allows."""
+  def stages(per_stage, fixed):
+    return 2 if (2 * per_stage + fixed) * H * itemsize <= TRITON_SMEM_BYTES else 1
+  warps = 8 if block_q * block_k >= 128 * 128 else 4
+  return dict(fwd=dict(num_warps=warps, num_stages=stages(2 * block_k, block_q)),
+              dq=dict(num_warps=warps, num_stages=stages(2 * block_k, 2 * block_q)),
+              dkv=dict(num_warps=warps, num_stages=stages(2 * block_q, 2 * block_k)))
+
+
+def kernel_support(impl: str, q_shape, kv_shape, dtype, block_q: int, block_k: int) -> str | None:
+  """None if kernel `impl` takes the shape, else the reason it cannot."""
+  T, H, S = q_shape[1], q_shape[-1], kv_shape[1]
+  if jnp.dtype(dtype) not in _FLOAT_DTYPES:
+    return f"dtype {jnp.dtype(dtype).name} (supported: bfloat16, float16, float32)"
+  if T % block_q or S % block_k:
+    return (f"query length {T} / kv length {S} must be multiples of the lists' block_q {block_q} "
+            f"/ block_k {block_k}")
+  if impl == "triton":
+    if H & (H - 1) or not 16 <= H <= 256:
+      return f"head_dim {H} (Triton kernel needs a power of two in [16, 256])"
+    if any(b < 16 or b & (b - 1) for b in (block_q, block_k)):
+      return f"block_q {block_q} / block_k {block_k} (Triton kernel needs powers of two >= 16)"
+    if (2 * block_k + block_q) * H * jnp.dtype(dtype).itemsize > TRITON_SMEM_BYTES:
+      return f"block_q {block_q} / block_k {block_k} at head_dim {H} exceed shared memory"
+    return None
+  if impl == "mosaic_tpu":
+    if H % 128 and H != 64:
+      return f"head_dim {H} (Mosaic kernel needs 64 or a multiple of 128)"
+    if block_q % 128 or block_k % 128:
+      return f"block_q {block_q} / block_k {block_k} (Mosaic kernel needs multiples of 128)"
+    return None
+  raise ValueError(impl)
+
+
+def _resolve_impl(impl, interpret, q_shape, kv_shape, dtype, block_q, block_k):
+  if impl not in IMPLS:
+    raise ValueError(f"block_sparse_attention: unknown impl {impl!r}; choose one of {IMPLS}")
+  explicit = impl != "auto"
+  if impl == "auto":
+    impl = {"gpu": "triton", "cuda": "triton", "rocm": "triton", "tpu": "mosaic_tpu"}.get(
+        _platform(), "reference")
+  if impl == "reference":
+    return impl
+  if explicit and not interpret:
+    want = "tpu" if impl == "mosaic_tpu" else "gpu"
+    if _platform() not in ((want,) if want == "tpu" else ("gpu", "cuda", "rocm")):
+      raise ValueError(f"block_sparse_attention impl={impl!r} needs a {want.upper()} (running on "
+                       f"{_platform()!r}); pass interpret=True to run the kernel in Pallas "
+                       "interpret mode, or impl='reference'.")
+  reason = kernel_support(impl, q_shape, kv_shape, dtype, block_q, block_k)
+  if reason is not None:
+    msg = (f"block_sparse_attention: the {impl} kernel cannot take this call: {reason}. "
+           "Use impl='reference' (or other block sizes).")
+    if explicit:
+      raise ValueError(msg)
+    _warn_once(msg + " Falling back to the jnp reference.")
+    return "reference"
+  return impl
+
+
+@dataclasses.dataclass(frozen=True)
+class _Config:
+  backend: str
+  scale: float
+  window: int | None
+  sinks: int
+  block_q: int
+  block_k: int
+  interpret: Any
+  poison: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _Meta:
+  """Kernel-ready mask metadata (a pytree of arrays; None where absent)."""
+  kv_blocks_BNQL: Any
+  full_BN: Any
+  qpos_BT: Any
+  kvpos_BS: Any
+  bseg_q_BT: Any    # ids for the tile bounds (None: no documents)
+  bseg_kv_BS: Any
+  kseg_q_BIT: Any   # ids for the element mask: -1 never matches (inactive / padding queries)
+  kseg_kv_BS: Any
+  valid_BIT: Any
+
+
+jax.tree_util.register_dataclass(
+    _Meta, data_fields=[f.name for f in dataclasses.fields(_Meta)], meta_fields=[])
+
+
+def _normalise(B, T, S, N, kv_blocks, head_mode, qpos, kvpos, qseg, kvseg, active) -> _Meta:
+  full_BN = (jnp.zeros((B, N), jnp.int32) if head_mode is None
+             else (jnp.asarray(head_mode) == HEAD_FULL).astype(jnp.int32))
+  if kvseg is None:
+    bq_, bkv = None, None
+  elif qseg is None:  # a cache's validity: the query chunk is one document
+    bkv = (kvseg != 0).astype(jnp.int32)
+    bq_ = jnp.ones((B, T), jnp.int32)
+  else:
+    bq_, bkv = qseg, kvseg
+  if active is None:
+    valid = jnp.ones((B, 1, T), bool)
+  else:
+    valid = active[:, None, :] if active.ndim == 2 else jnp.swapaxes(active, 1, 2)
+  if bq_ is None and active is None:
+    kq, kkv = None, None
+  else:
+    base = jnp.zeros((B, T), jnp.int32) if bq_ is None else jnp.where(bq_ == 0, -1, bq_)
+    kkv = jnp.zeros((B, S), jnp.int32) if bkv is None else bkv
+    kq = base[:, None, :] if active is None else jnp.where(valid, base[:, None, :], -1)
+  return _Meta(jnp.asarray(kv_blocks, jnp.int32), full_BN, qpos, kvpos, bq_, bkv, kq, kkv, valid)
+
+
+def _visibility(cfg: _Config, m: _Meta):
+  return tables.tile_visibility(m.qpos_BT, m.kvpos_BS, m.bseg_q_BT, m.bseg_kv_BS, m.valid_BIT,
+                                window=cfg.window, sinks=cfg.sinks, block_q=cfg.block_q,
+                                block_k=cfg.block_k)
+
+
+def _launch(cfg: _Config, H: int, itemsize: int, kernel: str) -> dict:
+  kw = dict(scale=cfg.scale, window=cfg.window, sinks=cfg.sinks, block_q=cfg.block_q,
+            block_k=cfg.block_k, interpret=cfg.interpret, poison=cfg.poison)
+  if cfg.backend == "triton":
+    kw.update(triton_launch(cfg.block_q, cfg.block_k, H, itemsize)[kernel])
+  return kw
+
+
+def _forward_impl(cfg: _Config, q, k, v, m: _Meta):
+  mod = _backend_module(cfg.backend)
+  vis, full = _visibility(cfg, m)
+  bounds, lst = tables.forward_tables(m.kv_blocks_BNQL, m.full_BN, vis, full)
+  return mod.fwd(q, k, v, m.full_BN, bounds, lst, m.qpos_BT, m.kseg_q_BIT, m.kvpos_BS,
+                 m.kseg_kv_BS, **_launch(cfg, q.shape[-1], q.dtype.itemsize, "fwd"))
+
+
+def _backward_impl(cfg: _Config, res, dout, dlse_BNT):
+  q, k, v, m, out, lse_BNT = res
+  mod = _backend_module(cfg.backend)
+  vis, full = _visibility(cfg, m)
+  full_BN = m.full_BN
+  bounds, lst = tables.forward_tables(m.kv_blocks_BNQL, full_BN, vis, full)
+  boundsT, lstT = tables.transposed_tables(full_BN, bounds, lst, vis, full)
+  delta = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1)     # [B, T, N]
+  delta = jnp.swapaxes(delta, 1, 2) - jnp.where(jnp.isfinite(lse_BNT), dlse_BNT, 0.0)
+  H, isz = q.shape[-1], q.dtype.itemsize
+  meta = (m.qpos_BT, m.kseg_q_BIT, m.kvpos_BS, m.kseg_kv_BS)
+  dq = mod.dq(q, k, v, dout, lse_BNT, delta, full_BN, bounds, lst, *meta,
+              **_launch(cfg, H, isz, "dq"))
+  dk, dv = mod.dkv(q, k, v, dout, lse_BNT, delta, full_BN, boundsT, lstT, *meta,
+                   **_launch(cfg, H, isz, "dkv"))
+  return dq, dk, dv
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _kernel_attention(cfg, q, k, v, m):
+  return _forward_impl(cfg, q, k, v, m)
+
+
+def _kernel_attention_fwd(cfg, q, k, v, m):
+  out, lse = _forward_impl(cfg, q, k, v, m)
+  return (out, lse), (q, k, v, m, out, lse)
+
+
+def _kernel_attention_bwd(cfg, res, cts):
+  dout, dlse = cts
+  dq, dk, dv = _backward_impl(cfg, res, dout, dlse)
+  m = res[3]
+  return dq, dk, dv, jax.tree.map(lambda _: None, m)
+
+
+_kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
+_kernel_attention_jit = jax.jit(_kernel_attention, static_argnums=(0,))
+
+
+def block_sparse_attention(q_BTNH, k_BSKH, v_BSKH, kv_blocks_BNQL, head_mode_BN=None, *,
+                           block_q: int = 128, block_k: int = 128, q_positions_BT=None,
+                           kv_positions_BS=None, q_segment_ids_BT=None, kv_segment_ids_BS=None,
+                           window: int | None = None, sinks: int = 0, active=None,
+                           scale: float | None = None, impl: str = "auto", interpret: Any = False,
+                           return_lse: bool = False, poison: bool = False):
+  """Block-sparse attention; the mask contract is reference.dense_mask's (module docstring).
+
+  Args:
+    q_BTNH: [B, T, N, H]; k_BSKH, v_BSKH: [B, S, K, H], N % K == 0 (GQA, K/V not repeated).
+    kv_blocks_BNQL: int [B, N, T // block_q, L]: kv blocks (key slots [j * block_k, ...)) query
+      block i of head n may see; entries outside [0, S // block_k) are padding (use -1);
+      duplicates are harmless.
+    head_mode_BN: None (every head uses its list) or int [B, N]: HEAD_FULL (0) ignores its list,
+      HEAD_BLOCKS (1) sees only its listed blocks.
+    block_q, block_k: the lists' block sizes (= the kernels' tiles; T and S must be multiples).
+    q_positions_BT: default arange(T) + S - T (the queries are the last T keys);
+      kv_positions_BS: default arange(S).
+    q_segment_ids_BT, kv_segment_ids_BS: documents (0 = padding, never attended); kv ids alone
+      mark a cache's valid slots (the query chunk is one document).
+    window, sinks: keys q_pos - window < kv_pos <= q_pos, plus keys with kv_pos < sinks.
+    active: None, bool [B, T] or [B, T, N]: inactive queries give zeros.
+    scale: logits scale (default H ** -0.5).
+    impl: 'auto' | 'reference' | 'triton' | 'mosaic_tpu'; interpret: Pallas interpret mode (True
+      for Triton, pltpu.InterpretParams() for Mosaic TPU) to run a kernel on CPU.
+    return_lse: also return the log-sum-exp [B, T, N] float32 (-inf where nothing is visible);
+      differentiable too.
+    poison: testing aid: kernel outputs start as NaN, so an element never written shows up.
+
+  Returns:
+    out [B, T, N, H] in q's dtype (queries that see nothing: zeros), and lse if return_lse.
+  """
+  q, k, v = (jnp.asarray(x) for x in (q_BTNH, k_BSKH, v_BSKH))
+  check_qkv(q, k, v)
+  B, T, N, H = q.shape
+  S = k.shape[1]
+  if q.dtype != k.dtype or q.dtype != v.dtype:
+    raise ValueError(f"q, k, v must share a dtype; got {q.dtype}, {k.dtype}, {v.dtype}")
+  for name, b in (("block_q", block_q), ("block_k", block_k)):
+    if int(b) != b or b < 1:
+      raise ValueError(f"{name} must be an int >= 1, got {b!r}")
+  nq = -(-T // block_q)
+  kv_blocks = jnp.asarray(kv_blocks_BNQL)
+  if (kv_blocks.ndim != 4 or kv_blocks.shape[:3] != (B, N, nq)
+      or not jnp.issubdtype(kv_blocks.dtype, jnp.integer)):
+    raise ValueError(f"kv_blocks_BNQL must be int [B, N, ceil(T / block_q), L] = [{B}, {N}, {nq}, "
+                     f"L]; got {kv_blocks.dtype} {kv_blocks.shape}")
+  if kv_blocks.shape[3] == 0:
+    kv_blocks = jnp.full((B, N, nq, 1), -1, jnp.int32)
+  mode = None if head_mode_BN is None else jnp.asarray(head_mode_BN, jnp.int32)
+  if mode is not None and mode.shape != (B, N):
+    raise ValueError(f"head_mode_BN must be [B, N] = {(B, N)}; got {mode.shape}")
+  if window is not None and (int(window) != window or window < 1):
+    raise ValueError(f"window must be an int >= 1 or None, got {window!r}")
+  if int(sinks) != sinks or sinks < 0:
+    raise ValueError(f"sinks must be an int >= 0, got {sinks!r}")
+  if q_segment_ids_BT is not None and kv_segment_ids_BS is None:
+    raise ValueError("q_segment_ids_BT without kv_segment_ids_BS: give kv ids too (kv ids alone "
+                     "mark a cache's valid slots)")
+  qpos = (jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32) + (S - T), (B, T))
+          if q_positions_BT is None else jnp.asarray(q_positions_BT, jnp.int32))
+  kvpos = (jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+           if kv_positions_BS is None else jnp.asarray(kv_positions_BS, jnp.int32))
+  qseg = None if q_segment_ids_BT is None else jnp.asarray(q_segment_ids_BT, jnp.int32)
+  kvseg = None if kv_segment_ids_BS is None else jnp.asarray(kv_segment_ids_BS, jnp.int32)
+  act = None if active is None else jnp.asarray(active)
+  for name, x, shp in (("q_positions_BT", qpos, (B, T)), ("kv_positions_BS", kvpos, (B, S)),
+                       ("q_segment_ids_BT", qseg, (B, T)), ("kv_segment_ids_BS", kvseg, (B, S))):
+    if x is not None and x.shape != shp:
+      raise ValueError(f"{name} must have shape {shp}, got {x.shape}")
+  if act is not None and (act.dtype != jnp.bool_ or act.shape not in ((B, T), (B, T, N))):
+    raise ValueError(f"active must be bool [B, T]={(B, T)} or [B, T, N]={(B, T, N)}; got "
+                     f"{act.dtype} {act.shape}")
+  scale = float(H ** -0.5 if scale is None else scale)
+
+  impl = _resolve_impl(impl, interpret, q.shape, k.shape, q.dtype, block_q, block_k)
+  if impl == "reference":
+    mask = dense_mask(qpos, kvpos, qseg, kvseg, window=window, sinks=sinks, active=act,
+                      kv_blocks_BNQL=kv_blocks, head_mode_BN=mode, block_q=block_q,
+                      block_k=block_k)
+    out, lse = reference_attention(q, k, v, mask, scale=scale)
+  else:
+    cfg = _Config(backend=impl, scale=scale, window=None if window is None else int(window),
+                  sinks=int(sinks), block_q=int(block_q), block_k=int(block_k),
+                  interpret=interpret, poison=poison)
+    meta = _normalise(B, T, S, N, kv_blocks, mode, qpos, kvpos, qseg, kvseg, act)
+    out, lse_BNT = _kernel_attention_jit(cfg, q, k, v, meta)
+    lse = jnp.swapaxes(lse_BNT, 1, 2)
+  return (out, lse) if return_lse else out

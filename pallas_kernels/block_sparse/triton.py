@@ -1,0 +1,353 @@
+"""GPU kernels (pl.pallas_call lowered to Triton) for block-sparse attention with per-head modes.
+
+Inputs are token-major like the op ([B, T, N, H] queries, [B, S, K, H] keys / values, GQA: query
+head h reads kv head h // (N // K), K/V never repeated); tiles are the block lists' blocks.
+  forward  grid (N, B, q tile): FlashAttention-2 over the tile's visit table (tables.py): a
+           HEAD_FULL head walks kv tiles [lo, hi) (masked / unmasked / masked), a HEAD_BLOCKS head
+           walks its `count` listed tiles (masked). One launch for every head of a layer.
+  dq       grid (N, B, q tile): same tables, dq = scale * dS K.
+  dk/dv    grid (K, B, kv tile): loops over the G query heads of the kv head, each over its
+           transposed table (HEAD_FULL: the query tiles that can see the kv tile; HEAD_BLOCKS: the
+           query tiles whose lists hold it).
+The element mask inside a tile: kv_pos <= q_pos, window (or a sink key), q_seg == kv_seg (the
+api folds documents, a cache's validity and the active set into these ids).
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.compact_attention.common import LN2, LOG2E
+
+warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated",
+                        category=DeprecationWarning)
+
+NEG_INF = float("-inf")
+
+
+def _dot(a, b, trans_b=False):
+  return plgpu.dot(a, b, trans_b=trans_b)
+
+
+def visible(qp, kp, qs, ks, *, window, sinks):
+  """qp/qs per query [bq], kp/ks per key [bk] -> [bq, bk] bool."""
+  vis = kp[None, :] <= qp[:, None]
+  if window is not None:
+    inside = (qp[:, None] - kp[None, :]) < window
+    if sinks:
+      inside |= kp[None, :] < sinks
+    vis &= inside
+  if qs is not None:
+    vis &= qs[:, None] == ks[None, :]
+  return vis
+
+
+def _loops(bounds, body, carry):
+  lo, flo, fhi, hi = bounds
+  carry = lax.fori_loop(lo, flo, functools.partial(body, masked=True), carry)
+  carry = lax.fori_loop(flo, fhi, functools.partial(body, masked=False), carry)
+  return lax.fori_loop(fhi, hi, functools.partial(body, masked=True), carry)
+
+
+def _poison_args(shapes, poison):
+  if not poison:
+    return []
+  return [jnp.full(s.shape, jnp.nan if jnp.issubdtype(s.dtype, jnp.floating) else -7, s.dtype)
+          for s in shapes]
+
+
+def _meta_specs(has_seg, I, S, T, qtile):
+  """Specs of (qpos [B, T], qseg [B, I, T]?, kvpos [B, S], kvseg [B, S]?) for grid (h, b, p)."""
+  hs = (lambda h: h) if I > 1 else (lambda h: 0)
+  specs = [pl.BlockSpec((None, T), lambda h, b, p: (b, 0))]
+  if has_seg:
+    specs.append(pl.BlockSpec((None, None, T), lambda h, b, p: (b, hs(h), 0)))
+  specs.append(pl.BlockSpec((None, S), lambda h, b, p: (b, 0)))
+  if has_seg:
+    specs.append(pl.BlockSpec((None, S), lambda h, b, p: (b, 0)))
+  return specs
+
+
+def _read_meta(it, has_seg):
+  qpos_ref = next(it)
+  qseg_ref = next(it) if has_seg else None
+  kvpos_ref = next(it)
+  kvseg_ref = next(it) if has_seg else None
+  return qpos_ref, qseg_ref, kvpos_ref, kvseg_ref
+
+
+def _kv_tile(full, list_ref, i, idx, L, nk):
+  j = jnp.where(full, idx, list_ref[i, jnp.minimum(idx, L - 1)])
+  return jnp.clip(j, 0, nk - 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# forward
+# ----------------------------------------------------------------------------------------------
+
+def _fwd_kernel(*refs, has_seg, window, sinks, scale, bq, bk, nq, nk, L):
+  it = iter(refs)
+  full_ref, bounds_ref, list_ref = next(it), next(it), next(it)
+  qpos_ref, qseg_ref, kvpos_ref, kvseg_ref = _read_meta(it, has_seg)
+  q_ref, k_ref, v_ref = next(it), next(it), next(it)
+  *_, o_ref, lse_ref = refs
+  i = nq - 1 - pl.program_id(2)
+  full = full_ref[...] != 0
+  bounds = tuple(bounds_ref[i, c] for c in range(4))
+  q = q_ref[...]
+  qp = qpos_ref[pl.ds(i * bq, bq)]
+  qs = None if qseg_ref is None else qseg_ref[pl.ds(i * bq, bq)]
+  H = q.shape[-1]
+  qk_scale = scale * LOG2E
+
+  def body(idx, carry, *, masked):
+    acc, m, l = carry
+    start = pl.multiple_of(_kv_tile(full, list_ref, i, idx, L, nk) * bk, bk)
+    k = k_ref[pl.ds(start, bk), :]
+    s = _dot(q, k, trans_b=True) * qk_scale
+    if masked:
+      kp = kvpos_ref[pl.ds(start, bk)]
+      ks = None if kvseg_ref is None else kvseg_ref[pl.ds(start, bk)]
+      s = jnp.where(visible(qp, kp, qs, ks, window=window, sinks=sinks), s, NEG_INF)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_use = jnp.where(m_new == NEG_INF, 0.0, m_new) if masked else m_new
+    alpha = jnp.exp2(m - m_use)
+    p = jnp.exp2(s - m_use[:, None])
+    l = l * alpha + jnp.sum(p, axis=1)
+    v = v_ref[pl.ds(start, bk), :]
+    acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
+    return acc, m_new, l
+
+  acc = jnp.zeros((bq, H), jnp.float32)
+  m = jnp.full((bq,), NEG_INF, jnp.float32)
+  l = jnp.zeros((bq,), jnp.float32)
+  acc, m, l = _loops(bounds, body, (acc, m, l))
+  empty = l == 0.0
+  l_safe = jnp.where(empty, 1.0, l)
+  o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(empty, NEG_INF, (m + jnp.log2(l_safe)) * LN2)
+
+
+def fwd(q_BTNH, k_BSKH, v_BSKH, full_BN, bounds_BNQ4, list_BNQL, qpos_BT, qseg_BIT, kvpos_BS,
+        kvseg_BS, *, scale, window, sinks, block_q, block_k, num_warps, num_stages,
+        interpret=False, poison=False, name="block_sparse_fwd"):
+  """(out [B, T, N, H], lse [B, N, T] float32 natural log, -inf where nothing is visible)."""
+  B, T, N, H = q_BTNH.shape
+  S, K = k_BSKH.shape[1], k_BSKH.shape[2]
+  G, L = N // K, list_BNQL.shape[-1]
+  bq, bk = block_q, block_k
+  nq, nk = T // bq, S // bk
+  has_seg = qseg_BIT is not None
+  I = qseg_BIT.shape[1] if has_seg else 1
+  qi = lambda p: nq - 1 - p  # heavy (late) tiles first
+
+  args = [full_BN, bounds_BNQ4, list_BNQL, qpos_BT] + ([qseg_BIT] if has_seg else [])
+  args += [kvpos_BS] + ([kvseg_BS] if has_seg else []) + [q_BTNH, k_BSKH, v_BSKH]
+  specs = [pl.BlockSpec((None, None), lambda h, b, p: (b, h)),
+           pl.BlockSpec((None, None, nq, 4), lambda h, b, p: (b, h, 0, 0)),
+           pl.BlockSpec((None, None, nq, L), lambda h, b, p: (b, h, 0, 0)),
+           *_meta_specs(has_seg, I, S, T, bq),
+           pl.BlockSpec((None, bq, None, H), lambda h, b, p: (b, qi(p), h, 0)),
+           pl.BlockSpec((None, S, None, H), lambda h, b, p: (b, 0, h // G, 0)),
+           pl.BlockSpec((None, S, None, H), lambda h, b, p: (b, 0, h // G, 0))]
+  out_shapes = [jax.ShapeDtypeStruct((B, T, N, H), q_BTNH.dtype),
+                jax.ShapeDtypeStruct((B, N, T), jnp.float32)]
+  out_specs = [pl.BlockSpec((None, bq, None, H), lambda h, b, p: (b, qi(p), h, 0)),
+               pl.BlockSpec((None, None, bq), lambda h, b, p: (b, h, qi(p)))]
+  pbufs = _poison_args(out_shapes, poison)
+  aliases = {len(args) + n: n for n in range(len(pbufs))}
+  specs += out_specs[:len(pbufs)]
+  kernel = functools.partial(_fwd_kernel, has_seg=has_seg, window=window, sinks=sinks,
+                             scale=scale, bq=bq, bk=bk, nq=nq, nk=nk, L=L)
+  return pl.pallas_call(
+      kernel, grid=(N, B, nq), in_specs=specs, out_specs=out_specs, out_shape=out_shapes,
+      input_output_aliases=aliases, interpret=interpret, name=name,
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+  )(*args, *pbufs)
+
+
+# ----------------------------------------------------------------------------------------------
+# backward: dq
+# ----------------------------------------------------------------------------------------------
+
+def _bwd_lse2(lse):
+  """Natural-log lse -> base-2, with empty rows (-inf) mapped to +inf so that p = 0."""
+  lse2 = lse * LOG2E
+  return jnp.where(lse2 == NEG_INF, jnp.inf, lse2)
+
+
+def _dq_kernel(*refs, has_seg, window, sinks, scale, bq, bk, nq, nk, L):
+  it = iter(refs)
+  full_ref, bounds_ref, list_ref = next(it), next(it), next(it)
+  qpos_ref, qseg_ref, kvpos_ref, kvseg_ref = _read_meta(it, has_seg)
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = (next(it) for _ in range(6))
+  dq_ref = refs[-1]
+  i = nq - 1 - pl.program_id(2)
+  full = full_ref[...] != 0
+  bounds = tuple(bounds_ref[i, c] for c in range(4))
+  q, do = q_ref[...], do_ref[...]
+  lse2 = _bwd_lse2(lse_ref[...])
+  delta = delta_ref[...]
+  qp = qpos_ref[pl.ds(i * bq, bq)]
+  qs = None if qseg_ref is None else qseg_ref[pl.ds(i * bq, bq)]
+  qk_scale = scale * LOG2E
+
+  def body(idx, dq, *, masked):
+    start = pl.multiple_of(_kv_tile(full, list_ref, i, idx, L, nk) * bk, bk)
+    k = k_ref[pl.ds(start, bk), :]
+    v = v_ref[pl.ds(start, bk), :]
+    s = _dot(q, k, trans_b=True) * qk_scale
+    if masked:
+      kp = kvpos_ref[pl.ds(start, bk)]
+      ks = None if kvseg_ref is None else kvseg_ref[pl.ds(start, bk)]
+      s = jnp.where(visible(qp, kp, qs, ks, window=window, sinks=sinks), s, NEG_INF)
+    p = jnp.exp2(s - lse2[:, None])
+    dp = _dot(do, v, trans_b=True)
+    ds = p * (dp - delta[:, None])
+    return dq + _dot(ds.astype(k.dtype), k)
+
+  dq = _loops(bounds, body, jnp.zeros(q.shape, jnp.float32))
+  dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def dq(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, full_BN, bounds_BNQ4, list_BNQL,
+       qpos_BT, qseg_BIT, kvpos_BS, kvseg_BS, *, scale, window, sinks, block_q, block_k,
+       num_warps, num_stages, interpret=False, poison=False):
+  """dq [B, T, N, H]."""
+  B, T, N, H = q_BTNH.shape
+  S, K = k_BSKH.shape[1], k_BSKH.shape[2]
+  G, L = N // K, list_BNQL.shape[-1]
+  bq, bk = block_q, block_k
+  nq, nk = T // bq, S // bk
+  has_seg = qseg_BIT is not None
+  I = qseg_BIT.shape[1] if has_seg else 1
+  qi = lambda p: nq - 1 - p
+
+  q_spec = pl.BlockSpec((None, bq, None, H), lambda h, b, p: (b, qi(p), h, 0))
+  kv_spec = pl.BlockSpec((None, S, None, H), lambda h, b, p: (b, 0, h // G, 0))
+  row_spec = pl.BlockSpec((None, None, bq), lambda h, b, p: (b, h, qi(p)))
+  args = [full_BN, bounds_BNQ4, list_BNQL, qpos_BT] + ([qseg_BIT] if has_seg else [])
+  args += [kvpos_BS] + ([kvseg_BS] if has_seg else [])
+  args += [q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT]
+  specs = [pl.BlockSpec((None, None), lambda h, b, p: (b, h)),
+           pl.BlockSpec((None, None, nq, 4), lambda h, b, p: (b, h, 0, 0)),
+           pl.BlockSpec((None, None, nq, L), lambda h, b, p: (b, h, 0, 0)),
+           *_meta_specs(has_seg, I, S, T, bq),
+           q_spec, kv_spec, kv_spec, q_spec, row_spec, row_spec]
+  out_shapes = [jax.ShapeDtypeStruct((B, T, N, H), q_BTNH.dtype)]
+  pbufs = _poison_args(out_shapes, poison)
+  aliases = {len(args) + n: n for n in range(len(pbufs))}
+  specs += [q_spec for _ in pbufs]
+  kernel = functools.partial(_dq_kernel, has_seg=has_seg, window=window, sinks=sinks,
+                             scale=scale, bq=bq, bk=bk, nq=nq, nk=nk, L=L)
+  return pl.pallas_call(
+      kernel, grid=(N, B, nq), in_specs=specs, out_specs=[q_spec], out_shape=out_shapes,
+      input_output_aliases=aliases, interpret=interpret, name="block_sparse_dq",
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+  )(*args, *pbufs)[0]
+
+
+# ----------------------------------------------------------------------------------------------
+# backward: dk, dv
+# ----------------------------------------------------------------------------------------------
+
+def _dkv_kernel(*refs, has_seg, window, sinks, scale, bq, bk, nq, G, per_head):
+  it = iter(refs)
+  full_ref, bounds_ref, list_ref = next(it), next(it), next(it)
+  qpos_ref = next(it)
+  qseg_ref = next(it) if has_seg else None
+  kvpos_ref = next(it)
+  kvseg_ref = next(it) if has_seg else None
+  q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = (next(it) for _ in range(6))
+  dk_ref, dv_ref = refs[-2], refs[-1]
+
+  j = pl.program_id(2)
+  k, v = k_ref[...], v_ref[...]
+  kp = kvpos_ref[...]
+  ks = None if kvseg_ref is None else kvseg_ref[...]
+  qk_scale = scale * LOG2E
+
+  def head(g, carry):
+    full = full_ref[g] != 0
+    bounds = tuple(bounds_ref[g, j, c] for c in range(4))
+    M = nq
+
+    def body(idx, carry, *, masked):
+      dk, dv = carry
+      i = jnp.clip(jnp.where(full, idx, list_ref[g, j, jnp.minimum(idx, M - 1)]), 0, nq - 1)
+      sl = pl.ds(pl.multiple_of(i * bq, bq), bq)
+      q = q_ref[sl, g, :]
+      do = do_ref[sl, g, :]
+      lse2 = _bwd_lse2(lse_ref[g, sl])
+      delta = delta_ref[g, sl]
+      sT = _dot(k, q, trans_b=True) * qk_scale                      # [bk, bq]
+      if masked:
+        qp = qpos_ref[sl]
+        qs = None if qseg_ref is None else qseg_ref[g if per_head else 0, sl]
+        vis = visible(qp, kp, qs, ks, window=window, sinks=sinks)
+        sT = jnp.where(vis.T, sT, NEG_INF)
+      pT = jnp.exp2(sT - lse2[None, :])
+      dv = dv + _dot(pT.astype(do.dtype), do)
+      dpT = _dot(v, do, trans_b=True)                                 # [bk, bq]
+      dsT = pT * (dpT - delta[None, :])
+      dk = dk + _dot(dsT.astype(q.dtype), q)
+      return dk, dv
+
+    return _loops(bounds, body, carry)
+
+  zeros = jnp.zeros(k.shape, jnp.float32)
+  dk, dv = lax.fori_loop(0, G, head, (zeros, zeros))
+  dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, full_BN, boundsT_BNK4, listT_BNKM,
+        qpos_BT, qseg_BIT, kvpos_BS, kvseg_BS, *, scale, window, sinks, block_q, block_k,
+        num_warps, num_stages, interpret=False, poison=False):
+  """(dk, dv) [B, S, K, H]."""
+  B, T, N, H = q_BTNH.shape
+  S, K = k_BSKH.shape[1], k_BSKH.shape[2]
+  G, M = N // K, listT_BNKM.shape[-1]
+  bq, bk = block_q, block_k
+  nq, nk = T // bq, S // bk
+  has_seg = qseg_BIT is not None
+  per_head = has_seg and qseg_BIT.shape[1] > 1
+  Gi = G if per_head else 1
+  ksel = (lambda kh: kh) if per_head else (lambda kh: 0)
+
+  args = [full_BN, boundsT_BNK4, listT_BNKM, qpos_BT] + ([qseg_BIT] if has_seg else [])
+  specs = [pl.BlockSpec((None, G), lambda kh, b, j: (b, kh)),
+           pl.BlockSpec((None, G, nk, 4), lambda kh, b, j: (b, kh, 0, 0)),
+           pl.BlockSpec((None, G, nk, M), lambda kh, b, j: (b, kh, 0, 0)),
+           pl.BlockSpec((None, T), lambda kh, b, j: (b, 0))]
+  if has_seg:
+    specs.append(pl.BlockSpec((None, Gi, T), lambda kh, b, j: (b, ksel(kh), 0)))
+  args.append(kvpos_BS)
+  specs.append(pl.BlockSpec((None, bk), lambda kh, b, j: (b, j)))
+  if has_seg:
+    args.append(kvseg_BS)
+    specs.append(pl.BlockSpec((None, bk), lambda kh, b, j: (b, j)))
+  qg_spec = pl.BlockSpec((None, T, G, H), lambda kh, b, j: (b, 0, kh, 0))
+  kv_spec = pl.BlockSpec((None, bk, None, H), lambda kh, b, j: (b, j, kh, 0))
+  row_spec = pl.BlockSpec((None, G, T), lambda kh, b, j: (b, kh, 0))
+  args += [q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT]
+  specs += [qg_spec, kv_spec, kv_spec, qg_spec, row_spec, row_spec]
+  out_shapes = [jax.ShapeDtypeStruct(k_BSKH.shape, k_BSKH.dtype),
+                jax.ShapeDtypeStruct(v_BSKH.shape, v_BSKH.dtype)]
+  pbufs = _poison_args(out_shapes, poison)
+  aliases = {len(args) + n: n for n in range(len(pbufs))}
+  specs += [kv_spec for _ in pbufs]
+  kernel = functools.partial(_dkv_kernel, has_seg=has_seg, window=window, sinks=sinks,
+                             scale=scale, bq=bq, bk=bk, nq=nq, G=G, per_head=per_head)
+  return pl.pallas_call(
+      kernel, grid=(K, B, nk), in_specs=specs, out_specs=[kv_spec, kv_spec],
+      out_shape=out_shapes, input_output_aliases=aliases, interpret=interpret,
+      name="block_sparse_dkv",
+      compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+  )(*args, *pbufs)
