@@ -1,0 +1,85 @@
+"""The training forward of scheme 'segmented': a lax.scan over segments of the decoder in cached
+mode (the inference code path, verbatim), carrying every layer's state (tail, pool, ...).
+
+    out, aux = forward(model, params, tokens_BT, positions_BT, segment_ids_BT, train=True)
+
+TBPTT with depth K (SCHEMES.md section 4; paper Definition 3.2): the loss of segment i
+back-propagates through the carried tail for exactly K segment transitions. Each scan step runs
+K + 1 streams of the same segment (rows stacked as [B, K + 1] on the batch axis, so every row's
+streams live on the row's shard): stream 0 starts from stop_gradient(state), stream s >= 1 from
+the state stream s - 1 produced one segment earlier, and stream K gives the outputs (logits /
+hidden). All streams compute the same values; they differ only in how far back their incoming
+state carries gradients, so stream K's loss reaches segments i-1 .. i-K and no further. The
+pool and the retrieved prefix are stop_gradient inside the operator. Cost: (K + 1) x a plain
+forward (the authors' code recomputes the K previous segments per segment: the same).
+
+The CE is normalised by the number of target tokens by the train step (sum(mask * CE) /
+sum(mask)); the authors' code averages per segment instead (not the same when segments carry
+different numbers of targets).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from condattn_jax.attention.segmented.options import segmented_options
+
+
+def _init_cache(model, params, batch: int, cache_len: int):
+  tok = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
+  shapes = jax.eval_shape(
+      lambda p, t: model.apply({"params": p}, t, decode=True, cache_len=cache_len,
+                               mutable=["cache"])[1]["cache"], params, tok)
+  return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+
+
+def forward(model, params, tokens_BT, positions_BT=None, segment_ids_BT=None, *,
+            train: bool = False, rngs=None, return_hidden: bool = False, task_ids_B=None,
+            fields=None):
+  """Segment-major forward over whole rows (positions 0..T-1, right padding = segment id 0).
+  Returns (logits_BTV float32 | hidden_BTD, aux = {}); `positions_BT` is not read (a row is one
+  document at 0..T-1)."""
+  del positions_BT
+  cfg = model.config
+  o = segmented_options(cfg)
+  B, T = tokens_BT.shape
+  S, K = o.segment_len, o.tbptt
+  NS = K + 1
+  n = -(-T // S)
+  pad = n * S - T
+  valid_BT = (jnp.ones((B, T), jnp.int32) if segment_ids_BT is None
+              else (segment_ids_BT != 0).astype(jnp.int32))
+  tok = jnp.pad(tokens_BT, ((0, 0), (0, pad)))
+  val = jnp.pad(valid_BT, ((0, 0), (0, pad)))
+  pos = jnp.broadcast_to(jnp.arange(n * S, dtype=jnp.int32), (B, n * S))
+  to_seg = lambda x: x.reshape(B, n, S).swapaxes(0, 1)
+  rep = lambda x: jnp.repeat(x, NS, axis=0)  # [B, ...] -> [B * NS, ...], row-major streams
+  fields = {k: rep(v) for k, v in (fields or {}).items()}
+  task = None if task_ids_B is None else rep(task_ids_B)
+  cache0 = _init_cache(model, params, B * NS, n * S)
+  for leaf in jax.tree.leaves(cache0):
+    if leaf.shape[1] != B * NS:
+      raise ValueError(f"segmented.forward: a cache leaf {leaf.shape} does not have the batch on "
+                       "axis 1 (after the layer axis); every layer state must be batch-first.")
+
+  def restream(x):
+    """Incoming states: stream 0 <- stop_gradient(stream K), stream s <- stream s - 1."""
+    y = x.reshape(x.shape[0], B, NS, *x.shape[2:])
+    y = jnp.concatenate([lax.stop_gradient(y[:, :, K:]), y[:, :, :K]], axis=2)
+    return y.reshape(x.shape)
+
+  def step(cache, xs):
+    t, p, v = xs
+    (out, _), variables = model.apply(
+        {"params": params, "cache": jax.tree.map(restream, cache)}, rep(t), rep(p), rep(v),
+        task_ids_B=task, fields=fields, train=train, decode=True, cache_len=n * S,
+        return_hidden=return_hidden, mutable=["cache"], rngs=rngs or {})
+    out = out.reshape(B, NS, *out.shape[1:])[:, K]
+    return variables["cache"], out
+
+  if o.remat_segments:
+    step = jax.checkpoint(step)
+  _, out = lax.scan(step, cache0, (to_seg(tok), to_seg(pos), to_seg(val)))
+  out = out.swapaxes(0, 1).reshape(B, n * S, *out.shape[3:])[:, :T]
+  return out, {}

@@ -1,0 +1,163 @@
+"""Options of scheme 'segmented' (SCHEMES.md section 4) and the static head / layer partition."""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from condattn_jax.models.config import ModelConfig
+
+# SCHEMES.md section 4: 32-head LLaMA-2 defaults (paper; the authors' code agrees on the heads).
+LLAMA2_LONG_HEADS = (0, 1, 2, 4, 9, 12, 14, 15, 16, 18, 19, 22, 23, 26, 29, 30)
+LLAMA2_LONG_LAYERS = (6, 8, 11, 18)  # the authors' code uses 16 instead of 18 (a config list)
+
+
+@dataclasses.dataclass(frozen=True)
+class SegmentedOptions:
+  """The `scheme_kwargs` of scheme 'segmented' (defaults: SCHEMES.md section 4 / the paper).
+
+  segment_len     S: tokens per segment (segments never overlap; attention is causal inside).
+  tail_len        M: carried KV tail, the last M pre-RoPE K/V of the previous segment (local
+                  heads); the only differentiable cross-segment state.
+  retrieve_len    R: retrieved prefix per long head of a long layer (forward-only).
+  tbptt           K: gradients flow through the carried tail for exactly K segment transitions
+                  (K = 0: every carried state is stop_gradient, Transformer-XL style).
+  long_heads      KV-head indices of the long-range heads (for MHA models = query heads); a
+                  query head is long iff its KV head is (GQA groups are never split).
+  long_layers     layers whose long heads attend to [retrieved prefix ; segment]; long heads of
+                  other layers attend to their segment only.
+  query_len       Lq: last pre-RoPE long-head queries of a segment summarised for retrieval.
+  summary_window, summary_stride, summary_tail: summaries = means of sliding windows (8, stride
+                  4: 15 vectors over 64 queries) plus the mean of the last `summary_tail` (4).
+  topk            top-k pool keys per summary (dedupe keeps the max score per key).
+  anchors         anchors kept after dedupe (highest scores).
+  expand          (lo, hi): each anchor expands to offsets lo..hi (inclusive), -3..+4.
+  refresh         retrieval refresh period in segments: the retrieved prefix is recomputed at
+                  segments 1, 1 + refresh, ... and reused in between (training and inference
+                  alike; 1 = every segment, the paper).
+  remat_segments  training forward: rematerialise each segment step in the backward pass
+                  (activation memory O(S), not O(T)).
+  """
+  segment_len: int = 4096
+  tail_len: int = 512
+  retrieve_len: int = 512
+  tbptt: int = 1
+  long_heads: tuple = LLAMA2_LONG_HEADS
+  long_layers: tuple = LLAMA2_LONG_LAYERS
+  query_len: int = 64
+  summary_window: int = 8
+  summary_stride: int = 4
+  summary_tail: int = 4
+  topk: int = 16
+  anchors: int = 64
+  expand: tuple = (-3, 4)
+  refresh: int = 1
+  remat_segments: bool = True
+
+  def __post_init__(self):
+    object.__setattr__(self, "long_heads", tuple(int(h) for h in self.long_heads))
+    object.__setattr__(self, "long_layers", tuple(int(l) for l in self.long_layers))
+    object.__setattr__(self, "expand", tuple(int(e) for e in self.expand))
+    for f in ("segment_len", "retrieve_len", "query_len", "summary_window", "summary_stride",
+              "summary_tail", "topk", "anchors", "refresh"):
+      v = getattr(self, f)
+      if int(v) != v or v < 1:
+        raise ValueError(f"model.scheme_kwargs.{f}={v!r} must be an int >= 1.")
+    for f in ("tail_len", "tbptt"):
+      v = getattr(self, f)
+      if int(v) != v or v < 0:
+        raise ValueError(f"model.scheme_kwargs.{f}={v!r} must be an int >= 0.")
+    if self.tail_len > self.segment_len:
+      raise ValueError(f"model.scheme_kwargs.tail_len={self.tail_len} must be <= segment_len="
+                       f"{self.segment_len} (the tail is cut from one segment).")
+    if self.query_len > self.segment_len:
+      raise ValueError(f"model.scheme_kwargs.query_len={self.query_len} must be <= segment_len="
+                       f"{self.segment_len}.")
+    if self.summary_window > self.query_len or self.summary_tail > self.query_len:
+      raise ValueError(f"model.scheme_kwargs.summary_window={self.summary_window} and "
+                       f"summary_tail={self.summary_tail} must be <= query_len={self.query_len}.")
+    if len(self.expand) != 2 or self.expand[0] > self.expand[1]:
+      raise ValueError(f"model.scheme_kwargs.expand={self.expand!r} must be (lo, hi) with lo <= hi.")
+    if self.anchors * self.expansion > self.retrieve_len:
+      raise ValueError(f"model.scheme_kwargs.anchors={self.anchors} x expansion {self.expansion} "
+                       f"exceeds retrieve_len={self.retrieve_len}; lower anchors or raise "
+                       "retrieve_len.")
+    if len(set(self.long_heads)) != len(self.long_heads):
+      raise ValueError(f"model.scheme_kwargs.long_heads={self.long_heads} has duplicates.")
+
+  @property
+  def expansion(self) -> int:
+    return self.expand[1] - self.expand[0] + 1
+
+  @property
+  def num_summaries(self) -> int:
+    return (self.query_len - self.summary_window) // self.summary_stride + 2
+
+
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(SegmentedOptions))
+
+
+def segmented_options(config) -> SegmentedOptions:
+  """SegmentedOptions from a ModelConfig (its scheme_kwargs, checked against the model's heads
+  and layers), a run config, a dict, or SegmentedOptions."""
+  if isinstance(config, SegmentedOptions):
+    return config
+  if isinstance(config, ModelConfig):
+    kw = config.scheme_options
+  elif isinstance(config, dict):
+    kw = dict(config)
+  elif hasattr(config, "model"):
+    return segmented_options(config.model)
+  else:
+    kw = dict(getattr(config, "scheme_kwargs", ()))
+  unknown = sorted(set(kw) - set(OPTION_NAMES))
+  if unknown:
+    raise ValueError(f"model.scheme_kwargs has unknown segmented option(s) {unknown}; valid: "
+                     f"{sorted(OPTION_NAMES)}.")
+  o = SegmentedOptions(**kw)
+  if isinstance(config, ModelConfig):
+    bad = [h for h in o.long_heads if not 0 <= h < config.num_kv_heads]
+    if bad:
+      raise ValueError(f"model.scheme_kwargs.long_heads has {bad} outside 0..{config.num_kv_heads - 1}"
+                       " (KV-head indices); set long_heads for this model.")
+    bad = [l for l in o.long_layers if not 0 <= l < config.num_layers]
+    if bad:
+      raise ValueError(f"model.scheme_kwargs.long_layers has {bad} outside 0.."
+                       f"{config.num_layers - 1}; set long_layers for this model.")
+  return o
+
+
+def segmented_config(base: ModelConfig, **options) -> ModelConfig:
+  """`base` (any scheme) turned into scheme 'segmented' with these options (validated)."""
+  if base.sliding_window is not None:
+    raise ValueError(f"model.sliding_window={base.sliding_window}: 'segmented' converts a "
+                     "full-attention model; set sliding_window=None.")
+  kw = dict(base.scheme_kwargs) if base.scheme == "segmented" else {}
+  kw.update(options)
+  cfg = base.replace(scheme="segmented", scheme_kwargs=tuple(sorted(kw.items())))
+  segmented_options(cfg)  # validate against the model
+  return cfg
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadGroups:
+  """Static head partition: KV-head and query-head indices of the long and local groups (query
+  heads listed KV head by KV head, so group-local GQA keeps query n -> kv n // G)."""
+  long_kv: np.ndarray
+  local_kv: np.ndarray
+  long_q: np.ndarray
+  local_q: np.ndarray
+
+
+def head_groups(config: ModelConfig, o: SegmentedOptions) -> HeadGroups:
+  K, G = config.num_kv_heads, config.num_heads // config.num_kv_heads
+  long_kv = np.asarray(sorted(o.long_heads), np.int32)
+  local_kv = np.asarray([h for h in range(K) if h not in set(o.long_heads)], np.int32)
+  q_of = lambda kv: (kv[:, None] * G + np.arange(G)[None]).reshape(-1).astype(np.int32)
+  return HeadGroups(long_kv, local_kv, q_of(long_kv), q_of(local_kv))
+
+
+def layer_variants(config: ModelConfig) -> tuple:
+  """'long' for the layers of long_layers (they hold a retrieval pool), else 'local'."""
+  o = segmented_options(config)
+  return tuple("long" if i in o.long_layers else "local" for i in range(config.num_layers))

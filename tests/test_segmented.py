@@ -1,0 +1,202 @@
+"""Scheme 'segmented' (SCHEMES.md section 4): the segment operator against a per-head numpy
+reference of the spec (tail / retrieved prefix / segment-only contexts, RoPE re-indexing,
+retrieval: summaries, top-k, dedupe by max, anchors, expansion, earliest-position padding, sort,
+refresh period), S >= T == the base model (fp32), the training forward (segment-major scan) ==
+the full-sequence forward, TBPTT depth K (gradients two segments back: zero for K=1, non-zero
+for K=2), conversions, option errors."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from condattn_jax.attention import segmented as sgm
+from condattn_jax.models.config import ModelConfig
+from condattn_jax.models.decoder import Decoder
+from condattn_jax.models.layers import apply_rope, rope_inv_freq
+
+OPTS = dict(segment_len=8, tail_len=4, retrieve_len=8, long_heads=(0,), long_layers=(1,),
+            query_len=8, summary_window=4, summary_stride=2, summary_tail=2, topk=3, anchors=2,
+            expand=(-1, 2))
+FAMILIES = {"llama": dict(num_heads=4, num_kv_heads=2),
+            "qwen3": dict(num_heads=4, num_kv_heads=2, qk_norm="head")}
+
+
+def _dense(family="llama", layers=3):
+  cfg = ModelConfig(family=family, vocab_size=64, hidden_size=32, intermediate_size=64,
+                    num_layers=layers, head_dim=8, rope_theta=100.0).replace(**FAMILIES[family])
+  dp = nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  return cfg, dp
+
+
+# ------------------------------------------------------------------------- numpy reference
+def _ref_retrieve(pool_k, pool_len, q_last, o):
+  """pool_k [P, Kl, H], q_last [Lq, Nl, H] (time order) -> (idx [Kl, R], valid [R])."""
+  P, Kl, _ = pool_k.shape
+  G = q_last.shape[1] // Kl
+  starts = range(0, o.query_len - o.summary_window + 1, o.summary_stride)
+  out = []
+  for h in range(Kl):
+    best = {}
+    for n in range(h * G, (h + 1) * G):
+      summ = [q_last[s:s + o.summary_window, n].mean(0) for s in starts]
+      summ.append(q_last[o.query_len - o.summary_tail:, n].mean(0))
+      for s in summ:
+        sc = pool_k[:pool_len, h] @ s
+        for p in np.argsort(-sc)[:o.topk]:
+          best[int(p)] = max(best.get(int(p), -np.inf), sc[p])
+    anchors = sorted(best, key=lambda p: -best[p])[:o.anchors]
+    sel = {a + d for a in anchors for d in range(o.expand[0], o.expand[1] + 1)
+           if 0 <= a + d < pool_len}
+    rest = [p for p in range(P) if p not in sel]
+    out.append(sorted(sorted(sel) + rest[:o.retrieve_len - len(sel)]))
+  return np.asarray(out), np.arange(o.retrieve_len) < min(pool_len, o.retrieve_len)
+
+
+def _softmax_attend(q, ks, vs, q_pos, k_pos, inv_freq):
+  """One query head: q [H] at q_pos; keys [n, H] at k_pos (RoPE applied here)."""
+  rq = np.asarray(apply_rope(jnp.asarray(q)[None, None, None], jnp.asarray([[q_pos]]), inv_freq))[0, 0, 0]
+  rk = np.asarray(apply_rope(jnp.asarray(ks)[None, :, None], jnp.asarray(k_pos)[None], inv_freq))[0, :, 0]
+  s = rk @ rq / np.sqrt(q.shape[-1])
+  w = np.exp(s - s.max())
+  return (w / w.sum()) @ vs
+
+
+def _ref_layer(q, k, v, cfg, o, long_layer):
+  """Per-head, per-token reference of one layer's segmented attention over one row."""
+  T, N, H = q.shape
+  S, M, R = o.segment_len, o.tail_len, o.retrieve_len
+  G = N // cfg.num_kv_heads
+  inv = rope_inv_freq(cfg)
+  long_kv = sorted(o.long_heads)
+  out = np.zeros_like(q)
+  ret = None
+  for i in range(-(-T // S)):
+    lo = i * S
+    if long_layer and i > 0 and (i - 1) % o.refresh == 0:
+      q_last = q[lo - o.query_len:lo][:, [n for h in long_kv for n in range(h * G, (h + 1) * G)]]
+      ret = _ref_retrieve(k[:lo, long_kv], lo, q_last, o)
+    for t in range(lo, min(lo + S, T)):
+      j = t - lo
+      for n in range(N):
+        h = n // G
+        if h not in long_kv:
+          P = M
+          pk = k[lo - M:lo, h] if i > 0 else np.zeros((0, H))
+          pv = v[lo - M:lo, h] if i > 0 else np.zeros((0, H))
+          ppos = np.arange(M)[:len(pk)]
+        elif long_layer and i > 0:
+          P = R
+          idx, ok = ret
+          r = idx[long_kv.index(h)][ok]
+          pk, pv, ppos = k[r, h], v[r, h], np.arange(R)[ok]
+        else:
+          P, pk, pv, ppos = 0, np.zeros((0, H)), np.zeros((0, H)), np.zeros(0, int)
+        ks = np.concatenate([pk, k[lo:t + 1, h]])
+        vs = np.concatenate([pv, v[lo:t + 1, h]])
+        kp = np.concatenate([ppos, P + np.arange(j + 1)])
+        out[t, n] = _softmax_attend(q[t, n], ks, vs, P + j, kp, inv)
+  return out
+
+
+@pytest.mark.parametrize("long_layer,refresh,kv_heads", [(True, 1, 2), (True, 2, 1), (False, 1, 2)])
+def test_operator_matches_per_head_reference(long_layer, refresh, kv_heads):
+  cfg = ModelConfig(family="llama", num_heads=4, num_kv_heads=kv_heads, head_dim=8,
+                    rope_theta=100.0)
+  o = sgm.SegmentedOptions(**{**OPTS, "refresh": refresh})
+  g = sgm.head_groups(cfg, o)
+  T = 37  # 5 segments, the last one short; the pool outgrows R at segment 2
+  ks = jax.random.split(jax.random.PRNGKey(1), 3)
+  q = jax.random.normal(ks[0], (1, T, 4, 8))
+  k = jax.random.normal(ks[1], (1, T, kv_heads, 8))
+  v = jax.random.normal(ks[2], (1, T, kv_heads, 8))
+  got = sgm.full_sequence(q, k, v, jnp.ones((1, T), bool), config=cfg, o=o, groups=g,
+                          long_layer=long_layer, impl="reference")
+  want = _ref_layer(np.asarray(q[0]), np.asarray(k[0]), np.asarray(v[0]), cfg, o, long_layer)
+  np.testing.assert_allclose(np.asarray(got[0]), want, atol=2e-5, rtol=0)
+
+
+def test_retrieve_matches_reference_vectorised_over_batch_and_heads():
+  o = sgm.SegmentedOptions(**{**OPTS, "anchors": 2, "topk": 3})
+  P, Kl, G, H = 24, 2, 2, 8
+  ks = jax.random.split(jax.random.PRNGKey(2), 2)
+  pool = jax.random.normal(ks[0], (3, P, Kl, H))
+  ql = jax.random.normal(ks[1], (3, o.query_len, Kl * G, H))
+  lens = jnp.asarray([5, 16, 24])  # a short pool (< R: invalid tail slots), partial, full
+  idx, valid = sgm.retrieve(pool, lens, ql, o)
+  assert idx.shape == (3, Kl, o.retrieve_len) and valid.shape == (3, o.retrieve_len)
+  for b in range(3):
+    want_idx, want_ok = _ref_retrieve(np.asarray(pool[b]), int(lens[b]), np.asarray(ql[b]), o)
+    np.testing.assert_array_equal(np.asarray(valid[b]).astype(bool), want_ok)
+    np.testing.assert_array_equal(np.asarray(idx[b])[:, want_ok], want_idx[:, want_ok])
+
+
+def test_segment_len_at_least_T_is_the_base_model():
+  for family in FAMILIES:
+    cfg, dp = _dense(family)
+    toks = jax.random.randint(jax.random.PRNGKey(3), (2, 20), 0, 64)
+    base, _ = Decoder(cfg).apply({"params": dp}, toks)
+    scfg, sp = sgm.dense_to_segmented(dp, cfg, **{**OPTS, "segment_len": 24})
+    full, _ = Decoder(scfg).apply({"params": sp}, toks)
+    seg, _ = sgm.forward(Decoder(scfg), sp, toks)
+    np.testing.assert_allclose(full, base, atol=1e-5, rtol=0)
+    np.testing.assert_allclose(seg, base, atol=1e-5, rtol=0)
+    small, _ = Decoder(sgm.segmented_config(cfg, **OPTS)).apply(
+        {"params": sgm.from_dense(dp, sgm.segmented_config(cfg, **OPTS))}, toks)
+    assert np.abs(np.asarray(small - base)).max() > 1e-2  # S < T really differs
+
+
+def test_training_forward_equals_full_sequence_forward_ragged():
+  cfg, dp = _dense("qwen3")
+  scfg, sp = sgm.dense_to_segmented(dp, cfg, **OPTS)
+  toks = jax.random.randint(jax.random.PRNGKey(4), (2, 29), 0, 64)
+  seg_ids = (jnp.arange(29)[None] < jnp.asarray([[29], [19]])).astype(jnp.int32)
+  full, _ = Decoder(scfg).apply({"params": sp}, toks, None, seg_ids)
+  seg, _ = sgm.forward(Decoder(scfg), sp, toks, None, seg_ids, train=True)
+  ok = np.asarray(seg_ids, bool)
+  np.testing.assert_allclose(np.asarray(seg)[ok], np.asarray(full)[ok], atol=1e-5, rtol=0)
+  hid, _ = sgm.forward(Decoder(scfg), sp, toks, None, seg_ids, return_hidden=True)
+  assert hid.shape == (2, 29, cfg.hidden_size)
+
+
+def _grad_two_back(K):
+  """|d loss(last segment) / d embeddings| of tokens that occur only in segment 0 / 1."""
+  cfg, dp = _dense("llama")
+  scfg, sp = sgm.dense_to_segmented(dp, cfg, **{**OPTS, "tbptt": K})
+  S = OPTS["segment_len"]
+  rng = np.random.default_rng(0)
+  toks = np.concatenate([rng.integers(1, 10, S), rng.integers(10, 20, S),
+                         rng.integers(20, 30, S)])[None]
+
+  def loss(p):
+    logits, _ = sgm.forward(Decoder(scfg), p, jnp.asarray(toks), train=True)
+    return jnp.mean(jax.nn.logsumexp(logits[:, 2 * S:], -1) - logits[0, 2 * S:, 0])
+
+  g = jax.grad(loss)(sp)["embed_tokens"]["embedding"]
+  return float(jnp.abs(g[1:10]).max()), float(jnp.abs(g[10:20]).max())
+
+
+def test_tbptt_depth_gradients_two_segments_back():
+  two_back, one_back = _grad_two_back(1)
+  assert two_back == 0.0 and one_back > 1e-6
+  two_back, one_back = _grad_two_back(2)
+  assert two_back > 1e-6 and one_back > 1e-6
+
+
+def test_conversion_is_identity_on_weights_and_options_errors():
+  cfg, dp = _dense("llama", layers=3)
+  scfg, sp = sgm.dense_to_segmented(dp, cfg, **OPTS)
+  assert set(k for k in sp if k.startswith("layers")) == {"layers_0_1", "layers_1_2", "layers_2_3"}
+  dcfg, back = sgm.to_dense(sp, scfg)
+  assert dcfg.scheme == "dense"
+  jax.tree.map(np.testing.assert_array_equal, back, dp)
+  with pytest.raises(ValueError, match="long_heads"):
+    sgm.segmented_config(cfg, **{**OPTS, "long_heads": (5,)})
+  with pytest.raises(ValueError, match="long_layers"):
+    sgm.segmented_config(cfg, **{**OPTS, "long_layers": (3,)})
+  with pytest.raises(ValueError, match="tail_len"):
+    sgm.SegmentedOptions(**{**OPTS, "tail_len": 9})
+  with pytest.raises(ValueError, match="anchors"):
+    sgm.SegmentedOptions(**{**OPTS, "anchors": 3})
+  with pytest.raises(ValueError, match="unknown segmented option"):
+    sgm.segmented_options({"segment_length": 8})
