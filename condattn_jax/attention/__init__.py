@@ -60,6 +60,16 @@ class Scheme:
   kv_cache_bytes `(config, context_len, batch) -> {'total', ...}` analytic cache bytes at a
                 context length (reports); the inference engine also measures its real cache.
   reports       name -> callable producing the scheme's reports (pruning, plots, ...).
+  input_module  None or a Flax module class `input_module(config)(tokens_BT, ctx) -> (extra
+                tokens [B, A] or None, fields)`, run by the decoder once before the layers (its
+                variables: 'cache' collection, under `scheme_inputs`): `fields` join ctx.fields;
+                the extra tokens' embeddings ride after the T rows through every layer (the
+                layers' x is [B, T + A, D]) and are dropped before the final norm (MATCH's
+                retrieval and auxiliary input).
+  model_params  `config -> {name: (shape, initializer)}`: parameters of the whole model, not of
+                a layer (Elastic's per-task Lagrange multipliers). The decoder creates them
+                (float32) as params['scheme'][name] and hands their values to aux_loss as
+                aux['model_params'][name] (no layer axis). None / {}: none.
   """
   name: str
   layer_cls: type
@@ -71,6 +81,8 @@ class Scheme:
   headline_metric: str | None = None
   kv_cache_bytes: Callable[..., dict] | None = None
   reports: dict = dataclasses.field(default_factory=dict)
+  input_module: type | None = None
+  model_params: Callable[[Any], dict] | None = None
 
 
 SCHEMES: dict[str, Scheme] = {}

@@ -66,13 +66,18 @@ def context_fields(batch: dict) -> dict:
   return {k: v for k, v in batch.items() if k not in _MODEL_INPUTS}
 
 
-def forward_ce(model: Decoder, params, batch, *, train: bool, rng, loss_chunk_size: int = 0):
-  """(ce_BT, correct_BT, aux) for one batch."""
+def forward_ce(model: Decoder, params, batch, *, train: bool, rng, loss_chunk_size: int = 0,
+               step=None):
+  """(ce_BT, correct_BT, aux) for one batch. `step` (the train step, int32 scalar) reaches the
+  layers as ctx.fields['step'] (schedules inside a layer, e.g. Elastic's Gumbel temperature)."""
   rngs = {"router": rng} if rng is not None else {}
   chunked = loss_chunk_size and loss_chunk_size > 0
+  fields = context_fields(batch)
+  if step is not None:
+    fields["step"] = jnp.asarray(step, jnp.int32)
   out, aux = model.apply({"params": params}, batch["inputs"], batch["positions"],
                          batch["segment_ids"], task_ids_B=batch.get("task_ids"),
-                         fields=context_fields(batch), train=train, return_hidden=bool(chunked),
+                         fields=fields, train=train, return_hidden=bool(chunked),
                          rngs=rngs)
   if chunked:
     ce, correct = chunked_token_cross_entropy(out, model.output_embedding(params), batch["targets"],
@@ -101,7 +106,8 @@ def make_loss_and_grads(model_cfg: ModelConfig, tc):
   seed = int(tc.seed)
 
   def micro_objective(params, mb, rng, step, n_total):
-    ce, correct, aux = forward_ce(model, params, mb, train=True, rng=rng, loss_chunk_size=chunk)
+    ce, correct, aux = forward_ce(model, params, mb, train=True, rng=rng, loss_chunk_size=chunk,
+                                  step=step)
     mask = mb["loss_mask"].astype(jnp.float32)
     ce_sum = jnp.sum(ce * mask)
     aux_loss, aux_metrics = scheme.aux_loss(aux, mb, step, model_cfg)
@@ -179,7 +185,7 @@ def make_eval_step(model_cfg: ModelConfig, *, loss_chunk_size: int = 0, seed: in
   def eval_step(params, batch, step):
     rng = jax.random.key(seed)
     ce, correct, aux = forward_ce(model, params, batch, train=False, rng=rng,
-                                  loss_chunk_size=loss_chunk_size)
+                                  loss_chunk_size=loss_chunk_size, step=step)
     mask = batch["loss_mask"].astype(jnp.float32)
     seq_correct, seqs = exact_match_counts(correct, mask)
     _, aux_m = scheme.aux_loss(aux, batch, step, model_cfg)
