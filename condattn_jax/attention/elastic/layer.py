@@ -1,0 +1,428 @@
+"""Elastic Attention's decoder layer, options, router and Lagrangian loss (SCHEMES.md section 3;
+paper ../shared/papers/003_37e8e472031e3f13.txt).
+
+Per decoder layer, with k the key states after k_norm and BEFORE RoPE ([B, T, K, H]):
+
+    x_K   = pool(k)                      # boundary: mean of the first and last `boundary` valid
+                                         # tokens of the row's prompt; prompt_mean: all of them
+    z     = RouterMLP(TaskMLP(x_K))      # [B, K, 2] logits, one pair of MLPs per layer, shared by
+                                         # the layer's KV heads; class 1 = FA, class 0 = SA
+    train : y = softmax((z + Gumbel) / tau); fa = onehot(argmax y)[1] + y[1] - sg(y[1])  (STE)
+    eval  : fa = argmax(z) == 1   (no noise)
+    head_n = fa[kv(n)] * FA_n + (1 - fa[kv(n)]) * SA_n           (same q/k/v/o weights)
+
+`modes` picks (class 1, class 0): 'fa_ssa' (FA, SSA: default), 'fa_xa' (FA, XA), 'xa_ssa'
+(XA, SSA). SA modes are `ops.BlockLists` (see masks.py). Training computes both modes for every
+head (the STE needs FA - SA); eval and decode run ONE `ops.attention` call per layer whose
+`BlockLists.head_mode_BN` gives each head its mode (HEAD_FULL for FA heads, HEAD_BLOCKS with the
+head's SSA / XA list otherwise), so the block-sparse kernel runs a layer's mixed heads in one
+launch.
+
+The prompt: the valid tokens of the row, cut at ctx.fields[prompt_field][b] when the batch has
+that field ([B] int). Decode: the decision is made by the first cached call of a row (the prompt
+of a one-shot prefill; with chunked prefill, the first chunk), cached in the layer's 'cache'
+collection (`elastic_fa` [B, K], `elastic_decided` [B]) and reused by every later call; a full
+forward over prompt + continuation with prompt_field = the prompt length computes the same
+function. XA is a prefill method: over the cache (decode / prefill through the engine) XA heads
+run full attention. SSA lists over the cache are per query (block_q = 1), exact for any chunk
+alignment.
+
+Tau (Gumbel temperature) at train step s = ctx.fields['step'] (the train step passes it):
+cosine tau_start -> tau_end over anneal_steps (authors' code), or 'exp':
+max(tau_end, tau_start * exp(-tau_exp_rate * s / anneal_steps)) (paper eq. 14, with the step
+read as training progress). Without a step: tau_end.
+
+Loss (aux_loss): Omega_b = fraction of the sample's query heads (all layers) in class 0 (with the
+STE: the router gets the gradient), per-sample term
+lambda1[task] |Omega_b - t_task| + lambda2[task] (Omega_b - t_task)^2, averaged within each
+task, then over the tasks present in the batch. lambda = params['scheme']['lagrange'] [2, tasks]
+(row 0: lambda1, row 1: lambda2; init U(0, lambda_init_max)), trained by gradient ASCENT (an
+optimizer group with maximize=True; one 2-D leaf, so AdamW's weight decay applies to it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from condattn_jax import ops
+from condattn_jax.attention.elastic import masks
+from condattn_jax.models.config import ModelConfig
+from condattn_jax.models.context import LayerContext
+from condattn_jax.models.layers import Attention, make_norm, mlp_residual
+
+MODES = ("fa_ssa", "fa_xa", "xa_ssa")
+POOLINGS = ("boundary", "prompt_mean")
+TAU_SCHEDULES = ("cosine", "exp")
+ROUTINGS = ("learned", "fa", "sa")
+FA, SA = 1, 0  # router classes
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticOptions:
+  """The `scheme_kwargs` of scheme 'elastic' (defaults: SCHEMES.md section 3).
+
+  modes          'fa_ssa' | 'fa_xa' | 'xa_ssa': (class-1 mode, class-0 mode).
+  pooling        'boundary' (first and last `boundary` prompt tokens) | 'prompt_mean'.
+  boundary       tokens pooled at each end of the prompt (paper: 100).
+  sinks, local   SSA sink tokens and local tokens (128, 2048), at `block` granularity.
+  block          block size of the SA modes' lists (128); XA's stride divides it.
+  xa_stride, xa_threshold   XA anti-diagonal stride (16) and cumulative-mass threshold (0.9).
+  tau_start, tau_end, anneal_steps, tau_schedule, tau_exp_rate   Gumbel temperature schedule.
+  task_names     the data's task names; task id = index (batches carry 'task_ids').
+  targets        target Omega_MSR per task (sensitive 0.7, robust 1.0), same order.
+  lambda_init_max  lambda1, lambda2 init U(0, lambda_init_max) (0.5).
+  seed           seed of from_dense's fresh router and lambdas.
+  routing        'learned' | 'fa' (every head FA: the base model under fa_* modes) | 'sa'.
+  prompt_field   batch field [B] with each row's prompt length (absent: the whole row).
+  """
+  modes: str = "fa_ssa"
+  pooling: str = "boundary"
+  boundary: int = 100
+  sinks: int = 128
+  local: int = 2048
+  block: int = 128
+  xa_stride: int = 16
+  xa_threshold: float = 0.9
+  tau_start: float = 1.5
+  tau_end: float = 1.0
+  anneal_steps: int = 180
+  tau_schedule: str = "cosine"
+  tau_exp_rate: float = 0.6
+  task_names: tuple = ("sensitive", "robust")
+  targets: tuple = (0.7, 1.0)
+  lambda_init_max: float = 0.5
+  seed: int = 0
+  routing: str = "learned"
+  prompt_field: str = "prompt_lengths"
+
+  def __post_init__(self):
+    f = "model.scheme_kwargs"
+    if self.modes not in MODES:
+      raise ValueError(f"{f}.modes={self.modes!r}: choose one of {MODES}.")
+    if self.pooling not in POOLINGS:
+      raise ValueError(f"{f}.pooling={self.pooling!r}: choose one of {POOLINGS}.")
+    if self.tau_schedule not in TAU_SCHEDULES:
+      raise ValueError(f"{f}.tau_schedule={self.tau_schedule!r}: choose one of {TAU_SCHEDULES}.")
+    if self.routing not in ROUTINGS:
+      raise ValueError(f"{f}.routing={self.routing!r}: choose one of {ROUTINGS}.")
+    for name in ("boundary", "block", "xa_stride", "local"):
+      if int(getattr(self, name)) != getattr(self, name) or getattr(self, name) < 1:
+        raise ValueError(f"{f}.{name}={getattr(self, name)!r} must be an int >= 1.")
+    if self.sinks < 0 or self.anneal_steps < 0:
+      raise ValueError(f"{f}.sinks and anneal_steps must be >= 0.")
+    if self.block % self.xa_stride:
+      raise ValueError(f"{f}.block={self.block} must be a multiple of xa_stride={self.xa_stride}.")
+    if not 0.0 < self.xa_threshold <= 1.0:
+      raise ValueError(f"{f}.xa_threshold={self.xa_threshold} must be in (0, 1].")
+    if self.tau_start <= 0 or self.tau_end <= 0:
+      raise ValueError(f"{f}.tau_start / tau_end must be > 0.")
+    if not self.task_names or len(self.task_names) != len(self.targets):
+      raise ValueError(f"{f}.task_names {tuple(self.task_names)} and targets "
+                       f"{tuple(self.targets)} must be non-empty and of equal length.")
+    if len(set(self.task_names)) != len(self.task_names):
+      raise ValueError(f"{f}.task_names {tuple(self.task_names)} has duplicates.")
+    if any(not 0.0 <= t <= 1.0 for t in self.targets):
+      raise ValueError(f"{f}.targets {tuple(self.targets)} must be sparsities in [0, 1].")
+
+  @property
+  def num_tasks(self) -> int:
+    return len(self.task_names)
+
+
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(ElasticOptions))
+
+
+def elastic_options(config) -> ElasticOptions:
+  """ElasticOptions from a ModelConfig (scheme_kwargs), a run config, a dict, or the options."""
+  if isinstance(config, ElasticOptions):
+    return config
+  if isinstance(config, ModelConfig):
+    kw = config.scheme_options
+  elif isinstance(config, dict):
+    kw = dict(config)
+  elif hasattr(config, "model"):
+    return elastic_options(config.model)
+  else:
+    kw = dict(getattr(config, "scheme_kwargs", ()))
+  unknown = sorted(set(kw) - set(OPTION_NAMES))
+  if unknown:
+    raise ValueError(f"model.scheme_kwargs has unknown Elastic option(s) {unknown}; valid: "
+                     f"{sorted(OPTION_NAMES)}.")
+  kw = {k: tuple(v) if isinstance(v, list) else v for k, v in kw.items()}
+  return ElasticOptions(**kw)
+
+
+def elastic_config(base: ModelConfig, **options) -> ModelConfig:
+  """`base` (any scheme) turned into scheme 'elastic' with these options (validated)."""
+  if base.sliding_window is not None:
+    raise ValueError(f"model.sliding_window={base.sliding_window}: Elastic converts a "
+                     "full-attention model; set sliding_window=None.")
+  kw = dict(base.scheme_kwargs) if base.scheme == "elastic" else {}
+  kw.update({k: tuple(v) if isinstance(v, list) else v for k, v in options.items()})
+  elastic_options(kw)
+  return base.replace(scheme="elastic", scheme_kwargs=tuple(sorted(kw.items())))
+
+
+def task_ids(names: Sequence[str], task_names: Sequence[str]) -> np.ndarray:
+  """int32 [len(names)]: each record's task name -> its index in `task_names` (the config's
+  model.scheme.task_names); an unknown name is a ValueError naming it and the known ones."""
+  index = {n: i for i, n in enumerate(task_names)}
+  out = np.empty((len(names),), np.int32)
+  for i, n in enumerate(names):
+    if n not in index:
+      raise ValueError(f"task {n!r} is not one of model.scheme.task_names {list(task_names)}; "
+                       "add it there (with its target) or fix the record's task field.")
+    out[i] = index[n]
+  return out
+
+
+def tau_at(step, o: ElasticOptions):
+  """Gumbel-softmax temperature at train step `step` (None: tau_end)."""
+  if step is None or o.anneal_steps == 0:
+    return jnp.asarray(o.tau_end, jnp.float32)
+  p = jnp.clip(jnp.asarray(step, jnp.float32) / o.anneal_steps, 0.0, 1.0)
+  if o.tau_schedule == "cosine":
+    return o.tau_end + (o.tau_start - o.tau_end) * 0.5 * (1.0 + jnp.cos(jnp.pi * p))
+  return jnp.maximum(o.tau_end, o.tau_start * jnp.exp(-o.tau_exp_rate * p))
+
+
+def gumbel_ste(logits_BK2, u_BK2, tau):
+  """(fa_BK with the straight-through estimator, fa_hard_BK): y = softmax((z + g) / tau),
+  g = -log(-log u); forward = onehot(argmax y)[FA] exactly, gradient = d y[FA]."""
+  eps = 1e-10
+  g = -jnp.log(-jnp.log(u_BK2 + eps) + eps)
+  y = jax.nn.softmax((logits_BK2 + g) / tau, axis=-1)
+  hard = (jnp.argmax(y, axis=-1) == FA).astype(jnp.float32)
+  soft = y[..., FA]
+  return hard + (soft - lax.stop_gradient(soft)), hard
+
+
+def pool_keys(k_BTKH, valid_BT, prompt_len_B, o: ElasticOptions):
+  """float32 [B, K, H]: the router's input (module docstring: boundary / prompt_mean)."""
+  valid_BT = jnp.asarray(valid_BT, bool)
+  j = jnp.cumsum(valid_BT, axis=1) - 1                                    # index among valid
+  n = jnp.sum(valid_BT, axis=1)
+  if prompt_len_B is not None:
+    n = jnp.minimum(n, jnp.asarray(prompt_len_B, jnp.int32))
+  w = valid_BT & (j < n[:, None])
+  if o.pooling == "boundary":
+    w &= (j < o.boundary) | (j >= n[:, None] - o.boundary)
+  wf = w.astype(jnp.float32)
+  s = jnp.einsum("bt,btkh->bkh", wf, k_BTKH.astype(jnp.float32), precision=lax.Precision.HIGHEST)
+  return s / jnp.maximum(jnp.sum(wf, axis=1), 1.0)[:, None, None]
+
+
+class Router(nn.Module):
+  """Task MLP Linear(H,4H)-SiLU-Linear(4H,H), router MLP Linear(H,4H)-SiLU-Linear(4H,H)-SiLU-
+  Linear(H,2); float32; init N(0, 0.02), zero bias. [B, K, H] -> logits [B, K, 2]."""
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, x_BKH):
+    H = self.config.head_dim
+    dense = lambda f, name: nn.Dense(f, dtype=jnp.float32, param_dtype=self.config.weight_dtype,
+                                     kernel_init=nn.initializers.normal(0.02),
+                                     bias_init=nn.initializers.zeros,
+                                     precision=lax.Precision.HIGHEST, name=name)
+    h = dense(H, "task_fc2")(nn.silu(dense(4 * H, "task_fc1")(x_BKH)))
+    r = nn.silu(dense(H, "router_fc2")(nn.silu(dense(4 * H, "router_fc1")(h))))
+    return dense(2, "router_fc3")(r)
+
+
+def router_shapes(config: ModelConfig) -> dict:
+  """{name: (kernel shape, bias shape)} of one layer's Router."""
+  H = config.head_dim
+  dims = dict(task_fc1=(H, 4 * H), task_fc2=(4 * H, H), router_fc1=(H, 4 * H),
+              router_fc2=(4 * H, H), router_fc3=(H, 2))
+  return {k: (v, (v[1],)) for k, v in dims.items()}
+
+
+class ElasticLayer(nn.Module):
+  """One Elastic decoder layer. Returns (x, aux) with per-layer values (stacked to [L, ...]):
+
+  fa_BK      the decision per (row, KV head), 1.0 = class 1 (FA; XA under xa_ssa), with the STE
+             gradient in training (the Lagrangian's Omega is built from it)
+  p_fa_BK    router probability of class 1 without noise (softmax at temperature 1)
+  rho_BN     per query head: fraction of its causal (query, key) pairs skipped (Omega_ESR's rho)
+  tau        the Gumbel temperature used (tau_end outside training)
+  """
+  config: ModelConfig
+  variant: object = None
+
+  @nn.compact
+  def __call__(self, x_BTD, ctx: LayerContext):
+    cfg = self.config
+    o = elastic_options(cfg)
+    B, T, _ = x_BTD.shape
+    N, K = cfg.num_heads, cfg.num_kv_heads
+    G = N // K
+    attn = Attention(cfg, window=None, name="self_attn")
+    x_in = x_BTD if cfg.post_norm else make_norm(cfg, "input_layernorm")(x_BTD)
+    q0, k0, v = attn.project(x_in)                                        # pre-RoPE
+    valid_BT = ctx.valid_BT
+
+    prompt_len = ctx.fields.get(o.prompt_field)
+    logits_BK2 = Router(cfg, name="router")(pool_keys(k0, valid_BT, prompt_len, o))
+    p_fa_BK = jax.nn.softmax(logits_BK2, axis=-1)[..., FA]
+    tau = jnp.asarray(o.tau_end, jnp.float32)
+    if o.routing == "fa":
+      fa_BK = jnp.ones((B, K), jnp.float32)
+    elif o.routing == "sa":
+      fa_BK = jnp.zeros((B, K), jnp.float32)
+    elif ctx.train:
+      if not self.has_rng("router"):
+        raise ValueError("Elastic training draws Gumbel noise: call the model with "
+                         "rngs={'router': key}.")
+      tau = tau_at(ctx.fields.get("step"), o)
+      u = jax.random.uniform(self.make_rng("router"), (B, K, 2), jnp.float32)
+      fa_BK, _ = gumbel_ste(logits_BK2, u, tau)
+    else:
+      fa_BK = (jnp.argmax(logits_BK2, axis=-1) == FA).astype(jnp.float32)
+
+    if ctx.decode:
+      fa_BK = self._cached_decision(fa_BK, valid_BT)
+
+    q, k = attn.rope(q0, ctx.positions_BT), attn.rope(k0, ctx.positions_BT)
+    fa_BN = jnp.repeat(fa_BK, G, axis=1)
+    impl = cfg.attention_impl
+    if ctx.decode:
+      heads, rho_BN = self._decode(attn, q, k, v, ctx, fa_BN, o, impl), jnp.zeros((B, N))
+    else:
+      heads, rho_BN = self._self_attention(q, k, v, ctx, fa_BN, o, impl)
+    out_BTD = attn.project_out(heads)
+    if cfg.post_norm:
+      x_BTD = x_BTD + make_norm(cfg, "post_attention_layernorm")(out_BTD)
+    else:
+      x_BTD = x_BTD + out_BTD
+    aux = dict(fa_BK=fa_BK, p_fa_BK=p_fa_BK, rho_BN=rho_BN, tau=tau)
+    return mlp_residual(cfg, x_BTD), aux
+
+  # ------------------------------------------------------------------------------------------
+  def _cached_decision(self, fa_BK, valid_BT):
+    """Decode: the first call of a row with valid tokens decides; later calls reuse it."""
+    B, K = fa_BK.shape
+    c_fa = self.variable("cache", "elastic_fa", jnp.zeros, (B, K), jnp.float32)
+    c_done = self.variable("cache", "elastic_decided", jnp.zeros, (B,), jnp.int32)
+    done = c_done.value > 0
+    fa_BK = jnp.where(done[:, None], c_fa.value, fa_BK)
+    c_fa.value = fa_BK
+    c_done.value = (done | jnp.any(valid_BT, axis=1)).astype(jnp.int32)
+    return fa_BK
+
+  def _self_attention(self, q, k, v, ctx, fa_BN, o, impl):
+    """(heads [B, T, N, H], rho_BN) of the full forward: training computes both modes for every
+    head and mixes them (STE); otherwise ONE call with a per-head mode."""
+    B, T, N, _ = q.shape
+    nq = -(-T // o.block)
+    rows = jnp.broadcast_to(jnp.arange(nq, dtype=jnp.int32) * o.block, (B, nq))
+    ssa = masks.ssa_lists(rows, sinks=o.sinks, local=o.local, block=o.block)
+    ssa = jnp.broadcast_to(ssa[:, None], (B, N, nq, ssa.shape[-1]))
+    xa = None
+    if "xa" in o.modes:
+      xa = masks.xa_lists(q, k, ctx.valid_BT, block=o.block, stride=o.xa_stride,
+                          threshold=o.xa_threshold)
+    L = ssa.shape[-1] if xa is None else max(ssa.shape[-1], xa.shape[-1])
+    ssa = masks.pad_lists(ssa, L)
+    xa = None if xa is None else masks.pad_lists(xa, L)
+    cls1 = None if o.modes.startswith("fa") else xa                       # None = FA
+    cls0 = xa if o.modes == "fa_xa" else ssa
+    base = dict(q_positions_BT=ctx.positions_BT, kv_positions_BS=ctx.positions_BT,
+                q_segment_ids_BT=ctx.segment_ids_BT, kv_segment_ids_BS=ctx.segment_ids_BT,
+                contiguous=True)
+    blocks = lambda lists, mode: ops.BlockLists(lists, mode, block_q=o.block, block_k=o.block)
+    run = lambda bl: ops.attention(q, k, v, ops.MaskSpec(**base, block_lists=bl), impl=impl)
+    fa_on = fa_BN > 0.5
+    head_mode = jnp.where(fa_on & (cls1 is None), ops.HEAD_FULL, ops.HEAD_BLOCKS).astype(jnp.int32)
+    lists = cls0 if cls1 is None else jnp.where(fa_on[..., None, None], cls1, cls0)
+    n_valid = jnp.sum(ctx.valid_BT, axis=1)
+    rho_BN = masks.skipped_fraction(lists, head_mode, n_valid, T, o.block)
+    learned = ctx.train and o.routing == "learned"
+    if not learned:
+      return run(blocks(lists, head_mode)), rho_BN
+    all_blocks = jnp.full((B, N), ops.HEAD_BLOCKS, jnp.int32)
+    out1 = (run(None) if cls1 is None else run(blocks(cls1, all_blocks)))
+    out0 = run(blocks(cls0, all_blocks))
+    z = fa_BN[:, None, :, None].astype(q.dtype)
+    return z * out1 + (1 - z) * out0, rho_BN
+
+  def _decode(self, attn, q, k, v, ctx, fa_BN, o, impl):
+    """ONE call over the layer's full KV cache: FA (and XA: a prefill method) heads full, SSA
+    heads their per-query lists (block_q = 1; slots = positions in the full cache)."""
+    B, T, N, _ = q.shape
+    k_all, v_all, kv_pos, kv_valid = attn.write_cache(k, v, ctx)
+    ssa = masks.ssa_lists(ctx.positions_BT, sinks=o.sinks, local=o.local, block=o.block)
+    lists = jnp.broadcast_to(ssa[:, None], (B, N, T, ssa.shape[-1]))
+    ssa_on = (fa_BN < 0.5) if o.modes.endswith("ssa") else jnp.zeros((B, N), bool)
+    mode = jnp.where(ssa_on, ops.HEAD_BLOCKS, ops.HEAD_FULL).astype(jnp.int32)
+    mask = ops.MaskSpec(q_positions_BT=ctx.positions_BT, kv_positions_BS=kv_pos,
+                        kv_segment_ids_BS=kv_valid,
+                        block_lists=ops.BlockLists(lists, mode, block_q=1, block_k=o.block))
+    return ops.attention(q, k_all, v_all, mask, impl=impl)
+
+
+# ----------------------------------------------------------------------------------------------
+# Lagrangian loss and metrics
+# ----------------------------------------------------------------------------------------------
+def model_params(config) -> dict:
+  """The model-level params: 'lagrange' [2, num_tasks] (lambda1; lambda2), U(0, init_max)."""
+  o = elastic_options(config)
+  init = lambda key, shape, dtype=jnp.float32: jax.random.uniform(
+      key, shape, dtype, 0.0, o.lambda_init_max)
+  return {"lagrange": ((2, o.num_tasks), init)}
+
+
+def _task_ids(batch, B):
+  t = None if batch is None else batch.get("task_ids")
+  return jnp.zeros((B,), jnp.int32) if t is None else jnp.asarray(t, jnp.int32)
+
+
+def aux_loss(aux, batch, step, config):
+  """The Lagrangian sparsity term (module docstring) and the Elastic metrics.
+
+  Metrics: elastic/omega_msr (mean per-sample Omega_MSR: the headline), elastic/omega_esr,
+  elastic/msr_sum_task, esr_sum_task, samples_task [tasks] (sums: Omega of task k =
+  msr_sum_task[k] / samples_task[k], averageable over batches), elastic/msr/<task> (this batch,
+  0 when absent), elastic/lambda1, lambda2 [tasks], elastic/tau, elastic/fa_freq [L, N] (mean
+  class-1 decision per layer x query head), elastic/p_fa [L, K].
+  """
+  del step
+  o = elastic_options(config)
+  fa_LBK = aux["fa_BK"]
+  L, B, K = fa_LBK.shape
+  N = aux["rho_BN"].shape[-1]
+  omega_B = 1.0 - jnp.mean(fa_LBK, axis=(0, 2))                          # class-0 fraction
+  esr_B = jnp.mean(aux["rho_BN"], axis=(0, 2))
+  tid = _task_ids(batch, B)
+  onehot = jax.nn.one_hot(tid, o.num_tasks, dtype=jnp.float32)            # [B, tasks]
+  target_B = jnp.asarray(o.targets, jnp.float32)[tid]
+  lam = aux["model_params"]["lagrange"]
+  dev = omega_B - target_B
+  term_B = lam[0][tid] * jnp.abs(dev) + lam[1][tid] * dev * dev
+  count = jnp.sum(onehot, axis=0)
+  per_task = (term_B @ onehot) / jnp.maximum(count, 1.0)
+  present = (count > 0).astype(jnp.float32)
+  loss = jnp.sum(per_task * present) / jnp.maximum(jnp.sum(present), 1.0)
+  msr_sum = lax.stop_gradient(omega_B) @ onehot
+  metrics = {
+      "elastic/omega_msr": jnp.mean(lax.stop_gradient(omega_B)),
+      "elastic/omega_esr": jnp.mean(esr_B),
+      "elastic/msr_sum_task": msr_sum,
+      "elastic/esr_sum_task": esr_B @ onehot,
+      "elastic/samples_task": count,
+      "elastic/lambda1": lam[0],
+      "elastic/lambda2": lam[1],
+      "elastic/lagrangian": lax.stop_gradient(loss),
+      "elastic/tau": jnp.mean(aux["tau"]),
+      "elastic/fa_freq": jnp.repeat(jnp.mean(lax.stop_gradient(fa_LBK), axis=1), N // K, axis=1),
+      "elastic/p_fa": jnp.mean(aux["p_fa_BK"], axis=1),
+  }
+  for i, name in enumerate(o.task_names):
+    metrics[f"elastic/msr/{name}"] = msr_sum[i] / jnp.maximum(count[i], 1.0)
+  return loss, metrics

@@ -1,0 +1,130 @@
+"""Elastic's sparse-attention (SA) modes as `ops.BlockLists` (SCHEMES.md section 3).
+
+Blocks index key SLOTS and query ROWS (ops.BlockLists' convention): in self-attention slot =
+row = token index of the row; over a full KV cache slot = position (the cache writes position p
+to slot p). Lists are sorted ascending, padded with -1, without duplicates (a kernel may sum over
+them).
+
+  SSA (streaming): the query's key block kb(q) = q_slot // block sees the sink blocks
+      [0, ceil(sinks / block)) and the local blocks kb(q) - local / block + 1 .. kb(q)
+      (causality inside the diagonal block comes from the rest of the mask).
+  XA (XAttention): per (row, query head, query block) the key blocks whose strided
+      anti-diagonal score mass, taken in decreasing order, first reaches `threshold`; the
+      diagonal block and the first block are always kept.
+
+Rows are expected to hold one document (Elastic decides per sample): sinks are the row's first
+tokens, and the ESR pair counts assume the row's valid tokens come first.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+def _sorted_lists(keep_XK):
+  """bool [..., nk] -> int32 [..., nk]: the kept block ids ascending, then -1."""
+  nk = keep_XK.shape[-1]
+  ids = jnp.where(keep_XK, jnp.arange(nk, dtype=jnp.int32), nk)
+  ids = jnp.sort(ids, axis=-1)
+  return jnp.where(ids == nk, -1, ids).astype(jnp.int32)
+
+
+def ssa_lists(q_slot_BQ, *, sinks: int, local: int, block: int):
+  """SSA kv block lists [B, Q, L] (L = sink blocks + local blocks) for query groups whose key
+  block is q_slot_BQ // block (one slot per query block, or per query with block_q = 1)."""
+  n_sink = -(-sinks // block)
+  n_local = max(local // block, 1)
+  kb = (q_slot_BQ // block).astype(jnp.int32)[..., None]                  # [B, Q, 1]
+  B, Q = q_slot_BQ.shape
+  sink = jnp.broadcast_to(jnp.arange(n_sink, dtype=jnp.int32), (B, Q, n_sink))
+  loc = kb - n_local + 1 + jnp.arange(n_local, dtype=jnp.int32)           # [B, Q, n_local]
+  loc = jnp.where(loc >= n_sink, loc, -1)                                 # covered by sinks / < 0
+  sink = jnp.where(sink <= kb, sink, -1)                                  # never past the query
+  return jnp.concatenate([sink, loc], axis=-1)
+
+
+def xa_keep(q_BTNH, k_BTKH, valid_BT, *, block: int, stride: int, threshold: float):
+  """bool [B, N, nq, nk]: XAttention's kept (query block, key block) pairs, self-attention of
+  a row (T tokens, padded here to a multiple of `block`).
+
+  Score: with Q'[t'] = concat_s q[t' S + s] and K'[j'] = concat_s k[j' S + S - 1 - s]
+  (S = stride), Q'[t'].K'[j'] is the sum over the anti-diagonal of the S x S tile (t', j');
+  softmax over causal j' <= t' of Q'.K' / (sqrt(H) S); block mass = mean over the block's
+  strided rows of the summed probabilities in the key block. Per query block the blocks are
+  taken in decreasing mass until the mass taken reaches `threshold` (a block is kept when the
+  mass before it is < threshold). No gradient flows through the selection."""
+  B, T, N, H = q_BTNH.shape
+  K = k_BTKH.shape[2]
+  G = N // K
+  if block % stride:
+    raise ValueError(f"model.scheme_kwargs.block={block} must be a multiple of xa_stride={stride}")
+  nq = -(-T // block)
+  Tp = nq * block
+  pad = lambda x: jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
+  q = lax.stop_gradient(pad(q_BTNH).astype(jnp.float32))
+  k = lax.stop_gradient(pad(k_BTKH).astype(jnp.float32))
+  valid = pad(valid_BT)
+  Ts = Tp // stride
+  qs = q.reshape(B, Ts, stride, N, H).transpose(0, 3, 1, 2, 4).reshape(B, N, Ts, stride * H)
+  ks = k.reshape(B, Ts, stride, K, H)[:, :, ::-1].transpose(0, 3, 1, 2, 4).reshape(
+      B, K, Ts, stride * H)
+  ks = jnp.repeat(ks, G, axis=1)                                          # [B, N, Ts, S*H]
+  logits = jnp.einsum("bntd,bnsd->bnts", qs, ks, precision=lax.Precision.HIGHEST)
+  logits = logits / (jnp.sqrt(jnp.float32(H)) * stride)
+  kvalid = valid.reshape(B, Ts, stride)[:, :, 0]                         # first token of the group
+  ok = (jnp.arange(Ts)[None, :] <= jnp.arange(Ts)[:, None])[None, None] & kvalid[:, None, None, :]
+  logits = jnp.where(ok, logits, -jnp.inf)
+  p = jax.nn.softmax(logits, axis=-1)
+  p = jnp.where(ok, p, 0.0)
+  r = block // stride
+  mass = p.reshape(B, N, nq, r, nq, r).sum(axis=(3, 5)) / r               # [B, N, nq, nk]
+  order = jnp.argsort(-mass, axis=-1)
+  m_sorted = jnp.take_along_axis(mass, order, axis=-1)
+  before = jnp.cumsum(m_sorted, axis=-1) - m_sorted
+  keep_sorted = before < threshold
+  keep = jnp.zeros_like(keep_sorted).at[
+      jnp.arange(B)[:, None, None, None], jnp.arange(N)[None, :, None, None],
+      jnp.arange(nq)[None, None, :, None], order].set(keep_sorted)
+  i = jnp.arange(nq)
+  causal = i[None, :] <= i[:, None]                                       # [nq, nk]
+  forced = (i[None, :] == i[:, None]) | (i[None, :] == 0)
+  return (keep | forced[None, None]) & causal[None, None]
+
+
+def xa_lists(q_BTNH, k_BTKH, valid_BT, *, block: int, stride: int, threshold: float):
+  """XA kv block lists [B, N, nq, nk] (see `xa_keep`)."""
+  return _sorted_lists(xa_keep(q_BTNH, k_BTKH, valid_BT, block=block, stride=stride,
+                               threshold=threshold))
+
+
+def pad_lists(x, L: int):
+  """int32 [..., l] -> [..., L] padded with -1 (l <= L)."""
+  return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, L - x.shape[-1])], constant_values=-1)
+
+
+def block_pairs(n_valid_B, T: int, block: int):
+  """float32 [B, nq, nk]: causal (query, key) pairs between query block i and key block j of a
+  row whose first n_valid tokens are valid (rows = slots)."""
+  nk = -(-T // block)
+  q = jnp.arange(nk * block)
+  n = n_valid_B.astype(jnp.int32)[:, None, None]
+  hi = jnp.minimum(q[None, :, None] + 1, n)                               # keys 0..hi-1 visible
+  lo = jnp.arange(nk)[None, None, :] * block
+  per_q = jnp.clip(hi - lo, 0, block) * (q[None, :, None] < n)           # [B, Tp, nk]
+  return per_q.reshape(-1, nk, block, nk).sum(axis=2).astype(jnp.float32)
+
+
+def skipped_fraction(kv_blocks_BNQL, head_mode_BN, n_valid_B, T: int, block: int):
+  """float32 [B, N]: fraction of a head's causal (query, key) pairs its block list skips (0 for
+  HEAD_FULL heads): the per-head pruning ratio rho of Omega_ESR (paper Def. 2.2)."""
+  from condattn_jax import ops
+  pairs = block_pairs(n_valid_B, T, block)                                # [B, nq, nk]
+  nk = pairs.shape[-1]
+  listed = jnp.any(kv_blocks_BNQL[..., None] == jnp.arange(nk), axis=3)  # [B, N, nq, nk]
+  seen = jnp.sum(jnp.where(listed, pairs[:, None], 0.0), axis=(2, 3))
+  total = jnp.maximum(jnp.sum(pairs, axis=(1, 2)), 1.0)[:, None]
+  rho = jnp.clip(1.0 - seen / total, 0.0, 1.0)
+  if head_mode_BN is not None:
+    rho = jnp.where(head_mode_BN == ops.HEAD_FULL, 0.0, rho)
+  return rho

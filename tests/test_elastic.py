@@ -1,0 +1,324 @@
+"""Elastic Attention: conversion == base model (every head FA), the mixed per-head layer against
+an obviously-right per-head dense-mask reference (FA-SSA, FA-XA, XA-SSA; eval and training
+forward), XA block scores against a brute-force anti-diagonal loop, Omega_ESR pair counts, the
+STE gradient, the Gumbel / tau schedule, the Lagrangian's ascent direction, task-name errors."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from ml_collections import ConfigDict
+
+from condattn_jax import ops
+from condattn_jax.attention import elastic, get_scheme
+from condattn_jax.attention.elastic import masks
+from condattn_jax.models import stacking
+from condattn_jax.models.config import ModelConfig
+from condattn_jax.models.context import LayerContext
+from condattn_jax.models.decoder import Decoder
+from condattn_jax.models.layers import Attention, RMSNorm
+from condattn_jax.train import optimizer as opt_lib
+from pallas_kernels.compact_attention.reference import dense_mask, reference_attention
+
+FAMILIES = {
+    "qwen3": dict(qk_norm="head"),
+    "olmo2": dict(qk_norm="full", post_norm=True),
+}
+B, T = 4, 32
+SMALL = dict(block=8, sinks=8, local=16, xa_stride=4, boundary=5, xa_threshold=0.5)
+
+
+def _dense(family, seed=1):
+  cfg = ModelConfig(family=family, num_heads=4, num_kv_heads=2).replace(**FAMILIES[family])
+  tok = jax.random.randint(jax.random.PRNGKey(0), (B, T), 0, cfg.vocab_size)
+  return cfg, nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(seed), tok)["params"]), tok
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_conversion_every_head_fa_is_the_base_model_and_reverses(family):
+  cfg, dp, tok = _dense(family)
+  fwd = lambda c, p: jax.jit(Decoder(c).apply)({"params": p}, tok)
+  base, _ = fwd(cfg, dp)
+  modes = "fa_xa" if family == "qwen3" else "fa_ssa"
+  ecfg, ep = elastic.dense_to_elastic(jax.tree.map(np.asarray, dp), cfg, modes=modes,
+                                      routing="fa", **SMALL)
+  out, aux = fwd(ecfg, ep)
+  np.testing.assert_allclose(out, base, atol=1e-6, rtol=0)
+  np.testing.assert_array_equal(aux["fa_BK"], 1.0)
+  np.testing.assert_array_equal(aux["rho_BN"], 0.0)
+  # every head SA really changes the output: the check above can fail
+  out, aux = fwd(elastic.elastic_config(ecfg, modes="fa_ssa", routing="sa"), ep)
+  assert float(jnp.abs(out - base).max()) > 1e-3 and float(aux["rho_BN"].min()) > 0.1
+  # the converted tree is the model's own (init) structure; to_dense is the exact inverse
+  init = nn.unbox(jax.eval_shape(Decoder(ecfg).init, jax.random.PRNGKey(0), tok)["params"])
+  assert jax.tree.structure(init) == jax.tree.structure(ep)
+  assert all(a.shape == b.shape for a, b in zip(jax.tree.leaves(init), jax.tree.leaves(ep)))
+  assert ep["scheme"]["lagrange"].shape == (2, 2)
+  assert 0 <= ep["scheme"]["lagrange"].min() and ep["scheme"]["lagrange"].max() <= 0.5
+  dcfg, back = elastic.to_dense(ep, ecfg)
+  assert dcfg.scheme == "dense" and jax.tree.structure(back) == jax.tree.structure(dp)
+  for a, b in zip(jax.tree.leaves(back), jax.tree.leaves(dp)):
+    np.testing.assert_array_equal(a, b)
+  assert get_scheme("elastic").from_dense is elastic.from_dense
+  with pytest.raises(ValueError, match="router"):
+    elastic.from_dense({k: v for k, v in ep.items() if k != "scheme"}, ecfg)
+
+
+# ----------------------------------------------------------------------------------------------
+# One layer against per-head dense masks
+# ----------------------------------------------------------------------------------------------
+def _layer_setup(modes, seed=3, family="qwen3"):
+  cfg, dp, _ = _dense(family)
+  ecfg, ep = elastic.dense_to_elastic(jax.tree.map(np.asarray, dp), cfg, modes=modes, seed=seed,
+                                      **SMALL)
+  layer = jax.tree.map(jnp.asarray, stacking.unstack_layers(ep)["layers_0"])
+  layer["mlp"]["down_proj"]["kernel"] = jnp.zeros_like(layer["mlp"]["down_proj"]["kernel"])
+  # a sharper router (the init is N(0, 0.02)): decisions differ across rows and kv heads
+  layer["router"]["router_fc3"]["kernel"] = layer["router"]["router_fc3"]["kernel"] * 300.0
+  x = jax.random.normal(jax.random.PRNGKey(5), (B, T, cfg.hidden_size))
+  pos = jnp.broadcast_to(jnp.arange(T), (B, T))
+  return ecfg, layer, x, pos
+
+
+def _apply(cfg, layer, x, pos, train=False, seed=0, fields=None):
+  ctx = LayerContext(tokens_BT=pos, positions_BT=pos, train=train, fields=fields or {})
+  return _jit_apply(cfg, layer, x, ctx, jax.random.PRNGKey(seed))
+
+
+def _jit_apply(cfg, layer, x, ctx, key):
+  f = _JIT.get(cfg)
+  if f is None:
+    f = _JIT[cfg] = jax.jit(lambda l, x, c, k: elastic.ElasticLayer(cfg).apply(
+        {"params": l}, x, c, rngs={"router": k}))
+  return f(layer, x, ctx, key)
+
+
+_JIT = {}
+
+
+def _ssa_token_mask(o):
+  """[T, S] SSA by its definition on tokens: causal, and the key's block is a sink block or one
+  of the query's local / block most recent blocks."""
+  t = np.arange(T)[:, None]
+  s = np.arange(T)[None, :]
+  n_sink, n_local = -(-o.sinks // o.block), o.local // o.block
+  return (s <= t) & ((s // o.block < n_sink) | (t // o.block - s // o.block < n_local))
+
+
+def _reference(cfg, layer, x, pos, fa_BK=None):
+  """(out, fa_BK, fa_mask, sa_mask): router from its equations, then ONE reference attention
+  with a per-head [B, N, T, S] dense mask (the head's class-1 or class-0 mask)."""
+  o = elastic.elastic_options(cfg)
+  x_in = RMSNorm(eps=cfg.rms_norm_eps).apply({"params": layer["input_layernorm"]}, x)
+  _, k0, _ = Attention(cfg).apply({"params": layer["self_attn"]}, x_in, method="project")
+  lo, hi = np.arange(T) < o.boundary, np.arange(T) >= T - o.boundary
+  pooled = jnp.asarray(np.asarray(k0)[:, lo | hi].mean(axis=1))           # [B, K, H]
+  r = layer["router"]
+  lin = lambda n, h: h @ r[n]["kernel"] + r[n]["bias"]
+  h = lin("task_fc2", jax.nn.silu(lin("task_fc1", pooled)))
+  z = lin("router_fc3", jax.nn.silu(lin("router_fc2", jax.nn.silu(lin("router_fc1", h)))))
+  if fa_BK is None:
+    fa_BK = np.asarray(z[..., 1] > z[..., 0], np.float32)
+  q, k, v = Attention(cfg).apply({"params": layer["self_attn"]}, x_in, pos, method="qkv")
+  causal = np.asarray(dense_mask(pos, pos))[:, None]                      # [B, 1, T, S]
+  ssa = np.broadcast_to(_ssa_token_mask(o)[None, None], causal.shape)
+  keep = np.asarray(masks.xa_keep(q, k, jnp.ones((B, T), bool), block=o.block,
+                                  stride=o.xa_stride, threshold=o.xa_threshold))
+  xa = np.repeat(np.repeat(keep, o.block, 2), o.block, 3)[:, :, :T, :T] & causal
+  cls1 = {"fa_ssa": causal, "fa_xa": causal, "xa_ssa": xa}[o.modes]
+  cls0 = {"fa_ssa": ssa, "fa_xa": xa, "xa_ssa": ssa}[o.modes]
+  G = cfg.num_heads // cfg.num_kv_heads
+  on = np.repeat(fa_BK, G, axis=1)[:, :, None, None] > 0.5
+  per_head = np.where(on, cls1, cls0)
+  heads = reference_attention(q, k, v, jnp.asarray(per_head))[0]
+  out = x + jnp.einsum("btnh,nhd->btd", heads, layer["self_attn"]["o_proj"]["kernel"])
+  full = lambda m: reference_attention(q, k, v, jnp.asarray(np.broadcast_to(m, per_head.shape)))[0]
+  return dict(out=out, fa_BK=fa_BK, heads1=full(cls1), heads0=full(cls0), per_head=per_head)
+
+
+@pytest.mark.parametrize("modes", elastic.MODES)
+def test_mixed_layer_matches_per_head_reference(modes):
+  cfg, layer, x, pos = _layer_setup(modes)
+  ref = _reference(cfg, layer, x, pos)
+  fa = ref["fa_BK"]
+  assert 0 < fa.mean() < 1 and (fa.min(axis=1) != fa.max(axis=1)).any()  # mixed within rows
+  out, aux = _apply(cfg, layer, x, pos)
+  np.testing.assert_array_equal(aux["fa_BK"], fa)
+  np.testing.assert_allclose(out, ref["out"], atol=1e-5, rtol=0)
+  # the SA masks really skip pairs (else the test could not tell modes apart)
+  assert (ref["per_head"].sum(axis=(2, 3)) < np.asarray(dense_mask(pos, pos)).sum(axis=(1, 2))[:, None]).any()
+  # rho = skipped fraction of the head's causal pairs, counted on the dense masks
+  causal = np.asarray(dense_mask(pos, pos)).sum(axis=(1, 2))[:, None]
+  want_rho = 1 - ref["per_head"].sum(axis=(2, 3)) / causal
+  if modes.startswith("fa"):
+    want_rho = np.where(np.repeat(fa, 2, axis=1) > 0.5, 0.0, want_rho)
+  np.testing.assert_allclose(aux["rho_BN"], want_rho, atol=1e-6)
+  # training forward (Gumbel noise): the value is the hard mix of the noisy decision
+  t_out, t_aux = _apply(cfg, layer, x, pos, train=True, seed=1, fields={"step": jnp.int32(0)})
+  t_ref = _reference(cfg, layer, x, pos, fa_BK=np.asarray(t_aux["fa_BK"]))
+  np.testing.assert_allclose(t_out, t_ref["out"], atol=1e-5, rtol=0)
+  assert float(t_aux["tau"]) == pytest.approx(1.5)
+
+
+def test_xa_block_scores_match_brute_force():
+  S, blk, H, n = 4, 8, 8, 3
+  Tl = n * blk
+  q = jax.random.normal(jax.random.PRNGKey(0), (1, Tl, 2, H))
+  k = jax.random.normal(jax.random.PRNGKey(1), (1, Tl, 1, H))
+  keep = np.asarray(masks.xa_keep(q, k, jnp.ones((1, Tl), bool), block=blk, stride=S,
+                                  threshold=0.6))
+  qn, kn = np.asarray(q, np.float64)[0], np.asarray(k, np.float64)[0]
+  Ts, r = Tl // S, blk // S
+  for head in range(2):
+    sc = np.full((Ts, Ts), -np.inf)
+    for a in range(Ts):
+      for b in range(a + 1):
+        sc[a, b] = sum(qn[a * S + s, head] @ kn[b * S + S - 1 - s, 0] for s in range(S))
+    p = np.exp((sc - sc.max(1, keepdims=True)) / 1.0 / (np.sqrt(H) * S))
+    p = np.exp(sc / (np.sqrt(H) * S) - (sc / (np.sqrt(H) * S)).max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    mass = p.reshape(n, r, n, r).sum(axis=(1, 3)) / r
+    for i in range(n):
+      want = np.zeros(n, bool)
+      taken = 0.0
+      for j in np.argsort(-mass[i], kind="stable"):
+        if taken < 0.6:
+          want[j] = True
+        taken += mass[i, j]
+      want[0] = want[i] = True
+      want[i + 1:] = False
+      np.testing.assert_array_equal(keep[0, head, i], want)
+  assert not keep.all()  # the threshold dropped something
+  lists = np.asarray(masks.xa_lists(q, k, jnp.ones((1, Tl), bool), block=blk, stride=S,
+                                    threshold=0.6))
+  for i in range(n):
+    got = lists[0, 0, i]
+    np.testing.assert_array_equal(got[got >= 0], np.flatnonzero(keep[0, 0, i]))
+
+
+def test_ssa_lists_sorted_unique_and_exact():
+  lists = np.asarray(masks.ssa_lists(jnp.arange(0, 80, 8)[None], sinks=16, local=24, block=8))
+  for i, row in enumerate(lists[0]):
+    got = sorted(row[row >= 0].tolist())
+    assert got == sorted(set(got))
+    assert set(got) == {j for j in range(i + 1) if j < 2 or i - j < 3}
+
+
+# ----------------------------------------------------------------------------------------------
+# STE, Gumbel / tau, Lagrangian
+# ----------------------------------------------------------------------------------------------
+def test_ste_gradient_is_fa_minus_sa():
+  """dL/db (router_fc3 bias) = sum_k dL/dfa_k * dfa_k/db with dL/dfa_k = <dL/dheads, FA - SA>
+  over the group's heads (hard forward, soft gradient)."""
+  cfg, layer, x, pos = _layer_setup("fa_ssa")
+  fields = {"step": jnp.int32(0)}
+  c = jax.random.normal(jax.random.PRNGKey(9), (cfg.hidden_size,))
+  b0 = 1
+
+  def loss(bias, which="out"):
+    p = dict(layer, router=dict(layer["router"], router_fc3=dict(layer["router"]["router_fc3"],
+                                                                 bias=bias)))
+    out, aux = _apply(cfg, p, x, pos, train=True, seed=2, fields=fields)
+    return jnp.sum(out[b0] @ c) if which == "out" else aux["fa_BK"][b0]
+  bias = layer["router"]["router_fc3"]["bias"]
+  got = np.asarray(jax.grad(loss)(bias))
+  dfa_db = np.asarray(jax.jacobian(lambda b: loss(b, "fa"))(bias))        # [K, 2]
+  _, aux = _apply(cfg, layer, x, pos, train=True, seed=2, fields=fields)
+  ref = _reference(cfg, layer, x, pos, fa_BK=np.asarray(aux["fa_BK"]))
+  dhead = np.einsum("nhd,d->nh", layer["self_attn"]["o_proj"]["kernel"], c)
+  diff = np.asarray(ref["heads1"] - ref["heads0"])[b0]                    # [T, N, H]
+  dL_dfa = np.einsum("nh,tnh->n", dhead, diff).reshape(cfg.num_kv_heads, -1).sum(1)
+  want = dL_dfa @ dfa_db
+  assert np.abs(want).max() > 1e-3
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
+
+
+def test_gumbel_is_categorical_sampling_with_ste_and_tau_schedule():
+  logits = jnp.array([0.4, -0.3])
+  u = jax.random.uniform(jax.random.PRNGKey(0), (40000, 2))
+  ste, hard = elastic.gumbel_ste(jnp.broadcast_to(logits, (40000, 2)), u, 1.3)
+  np.testing.assert_array_equal(ste, hard)  # forward = the hard decision
+  assert abs(float(hard.mean()) - float(jax.nn.softmax(logits)[1])) < 0.01  # Gumbel-max
+  g = jax.grad(lambda l: elastic.gumbel_ste(l, u[:1], 1.3)[0][0])(logits)
+  eps = 1e-10
+  soft = lambda l: jax.nn.softmax((l - jnp.log(-jnp.log(u[0] + eps) + eps)) / 1.3)[1]
+  np.testing.assert_allclose(g, jax.grad(soft)(logits), rtol=1e-5)
+  o = elastic.ElasticOptions(anneal_steps=100)
+  taus = [float(elastic.tau_at(s, o)) for s in (0, 50, 100, 250)]
+  np.testing.assert_allclose(taus, [1.5, 1.25, 1.0, 1.0], atol=1e-6)
+  oe = elastic.ElasticOptions(anneal_steps=100, tau_schedule="exp")
+  np.testing.assert_allclose(float(elastic.tau_at(30, oe)), 1.5 * np.exp(-0.6 * 0.3), rtol=1e-6)
+  assert float(elastic.tau_at(100, oe)) == 1.0
+  assert float(elastic.tau_at(None, o)) == 1.0
+
+
+def _aux(fa_LBK, lam):
+  L, Bb, K = fa_LBK.shape
+  return dict(fa_BK=fa_LBK, p_fa_BK=fa_LBK, rho_BN=jnp.zeros((L, Bb, 2 * K)), tau=jnp.ones(L),
+              model_params={"lagrange": lam})
+
+
+def test_lagrangian_value_and_ascent_direction():
+  cfg = elastic.elastic_config(ModelConfig(), task_names=("qa", "summ", "code"),
+                               targets=(0.7, 1.0, 0.9))
+  lam = jnp.array([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]])
+  fa = jnp.array([[[1.0, 1.0], [1.0, 0.0], [1.0, 0.0]]])                # Omega 0, .5, .5
+  batch = {"task_ids": jnp.array([0, 0, 1])}                               # code absent
+  loss, m = elastic.aux_loss(_aux(fa, lam), batch, 0, cfg)
+  qa = (0.1 * 0.7 + 0.4 * 0.49 + 0.1 * 0.2 + 0.4 * 0.04) / 2
+  summ = 0.2 * 0.5 + 0.5 * 0.25
+  np.testing.assert_allclose(float(loss), (qa + summ) / 2, rtol=1e-6)
+  np.testing.assert_allclose(m["elastic/msr_sum_task"], [0.5, 0.5, 0.0])
+  np.testing.assert_allclose(float(m["elastic/msr/qa"]), 0.25)
+  # gradient ascent on lambda (the optimizer's maximize group): lambdas of a task missing its
+  # target grow, the absent task's stay; the router's gradient pushes Omega toward the target
+  params = {"scheme": {"lagrange": lam}, "w": jnp.zeros((2, 2))}
+  tc = ConfigDict(dict(lr=1e-3, num_steps=10, warmup_frac=0.0, warmup_steps=None,
+                       lr_schedule="constant", end_lr_frac=0.0, grad_clip=5.0, weight_decay=0.0,
+                       b1=0.9, b2=0.95, eps=1e-8, trainable_regex="w",
+                       param_groups={"lagrange": dict(regex="scheme/lagrange", maximize=True,
+                                                      lr=1e-2, weight_decay=0.1)}))
+  tx, labels, _ = opt_lib.make_optimizer(tc, params)
+  assert labels["scheme"]["lagrange"] == "lagrange"
+  grads = jax.grad(lambda p: elastic.aux_loss(_aux(fa, p["scheme"]["lagrange"]), batch, 0,
+                                              cfg)[0])(params)
+  g = np.asarray(grads["scheme"]["lagrange"])
+  assert (g[:, :2] > 0).all() and (g[:, 2] == 0).all()
+  upd, _ = tx.update(grads, tx.init(params), params)
+  new = np.asarray(optax.apply_updates(params, upd)["scheme"]["lagrange"])
+  assert (new[:, :2] > np.asarray(lam)[:, :2]).all()
+  assert (new[:, 2] < np.asarray(lam)[:, 2]).all()  # only weight decay: the [2, tasks] leaf decays
+  d_fa = jax.grad(lambda f: elastic.aux_loss(_aux(f, lam), batch, 0, cfg)[0])(fa)
+  assert (np.asarray(d_fa)[0, :2] > 0).all()  # qa rows (Omega < 0.7): raising FA raises loss
+  assert (np.asarray(d_fa)[0, 2] > 0).all()   # summ row (Omega .5 < 1): more SA lowers it
+
+
+def test_unknown_task_name_is_a_one_line_error():
+  np.testing.assert_array_equal(elastic.task_ids(["summ", "qa", "qa"], ("qa", "summ")), [1, 0, 0])
+  with pytest.raises(ValueError, match=r"task 'poem' is not one of .*\['qa', 'summ'\]") as e:
+    elastic.task_ids(["qa", "poem"], ("qa", "summ"))
+  assert "\n" not in str(e.value)
+  with pytest.raises(ValueError, match="targets"):
+    elastic.ElasticOptions(task_names=("a", "b"), targets=(0.7,))
+  with pytest.raises(ValueError, match="modes"):
+    elastic.elastic_config(ModelConfig(), modes="fa_moba")
+
+
+def test_report_msr_esr_per_task_and_heatmap(tmp_path):
+  cfg, layer, x, pos = _layer_setup("fa_ssa")
+  dcfg, dp, tok = _dense("qwen3")
+  ecfg, ep = elastic.dense_to_elastic(jax.tree.map(np.asarray, dp), dcfg, modes="fa_ssa",
+                                      seed=3, **SMALL)
+  ep["layers"]["router"]["router_fc3"]["kernel"] = ep["layers"]["router"]["router_fc3"]["kernel"] * 300
+  batches = [dict(inputs=np.asarray(tok), task_ids=np.array([0, 1, 0, 1]))]
+  rep = elastic.sparsity_report(ecfg, ep, batches, str(tmp_path))
+  _, aux = Decoder(ecfg).apply({"params": ep}, tok)
+  fa = np.asarray(aux["fa_BK"])
+  np.testing.assert_allclose(rep["omega_msr"], 1 - fa.mean(), atol=1e-6)
+  np.testing.assert_allclose(rep["tasks"]["robust"]["omega_msr"], 1 - fa[:, 1::2].mean(), atol=1e-6)
+  np.testing.assert_allclose(rep["omega_esr"], float(np.asarray(aux["rho_BN"]).mean()), atol=1e-6)
+  assert np.asarray(rep["fa_freq"]).shape == (ecfg.num_layers, ecfg.num_heads)
+  assert (tmp_path / "elastic_sparsity.png").stat().st_size > 1000
+  kv = elastic.kv_cache_bytes(ecfg, 1024)
+  assert kv["full"] == 2 * ecfg.num_layers * 1024 * ecfg.num_kv_heads * ecfg.head_dim * 4
