@@ -13,7 +13,7 @@ import pytest
 from condattn_jax.attention import segmented as sgm
 from condattn_jax.models.config import ModelConfig
 from condattn_jax.models.decoder import Decoder
-from condattn_jax.models.layers import apply_rope, rope_inv_freq
+from condattn_jax.models.layers import rope_inv_freq
 
 OPTS = dict(segment_len=8, tail_len=4, retrieve_len=8, long_heads=(0,), long_layers=(1,),
             query_len=8, summary_window=4, summary_stride=2, summary_tail=2, topk=3, anchors=2,
@@ -53,11 +53,18 @@ def _ref_retrieve(pool_k, pool_len, q_last, o):
   return np.asarray(out), np.arange(o.retrieve_len) < min(pool_len, o.retrieve_len)
 
 
+def _rope(x, pos, inv_freq):
+  """numpy RoPE (rotate-half), x [n, H], pos [n]."""
+  f = np.asarray(pos, np.float64)[:, None] * np.asarray(inv_freq, np.float64)[None]
+  c, s = np.cos(np.concatenate([f, f], -1)), np.sin(np.concatenate([f, f], -1))
+  x1, x2 = np.split(x, 2, axis=-1)
+  return x * c + np.concatenate([-x2, x1], -1) * s
+
+
 def _softmax_attend(q, ks, vs, q_pos, k_pos, inv_freq):
   """One query head: q [H] at q_pos; keys [n, H] at k_pos (RoPE applied here)."""
-  rq = np.asarray(apply_rope(jnp.asarray(q)[None, None, None], jnp.asarray([[q_pos]]), inv_freq))[0, 0, 0]
-  rk = np.asarray(apply_rope(jnp.asarray(ks)[None, :, None], jnp.asarray(k_pos)[None], inv_freq))[0, :, 0]
-  s = rk @ rq / np.sqrt(q.shape[-1])
+  rq = _rope(q[None], [q_pos], inv_freq)[0]
+  s = _rope(ks, k_pos, inv_freq) @ rq / np.sqrt(q.shape[-1])
   w = np.exp(s - s.max())
   return (w / w.sum()) @ vs
 
