@@ -1,0 +1,321 @@
+"""Block-sparse attention (issue 13) on one GPU: the fused launch (every head of a layer in one
+kernel, per-head modes) vs one launch per head group vs dense cuDNN causal, FA-SSA heads.
+
+    python -m bench.block_sparse                     # T = 32K, 64K; 30% / 70% of heads SSA
+    python -m bench.block_sparse --T 32768 --n 10
+    python -m bench.block_sparse --preset=test       # tiny CPU run (interpret mode): tests
+
+Qwen-like shapes: B = 1, 32 query heads, 8 kv heads, head_dim 128, bf16, random inputs. FA-SSA:
+a head is either full causal attention (HEAD_FULL) or SSA (HEAD_BLOCKS over its streaming list:
+the first sink block, 128 sink tokens, plus the 16 blocks, 2048 tokens, ending at the query
+block's diagonal; block 128). Heads are decided per kv head (Elastic's rule: a kv head's decision
+covers its query heads); round(omega * K) kv heads are SSA, chosen at random.
+
+Variants, each forward and forward+backward (grad of sum(out * ct) w.r.t. q, k, v):
+  fused        block_sparse_attention over all heads: one launch per kernel (fwd, dq, dk/dv).
+  per_group    two calls of the same kernel, one over the full heads, one over the SSA heads
+               (heads sliced out and the outputs put back, as a per-group dispatch would).
+  cudnn_group  cuDNN causal for the full heads + our kernel for the SSA heads.
+  ours_dense   our kernel with every head HEAD_FULL (the kernel's own dense cost).
+  cudnn        dense causal cuDNN over all heads (the baseline: speedups are cudnn / variant).
+Every variant is checked first against the reference at a small shape (and NaN-checked at the
+timed shape), then timed in the same process: 2 warm-ups, median of --n, block_until_ready.
+Writes $OUT (or --out-dir) /block_sparse_<device>.json and prints the table last.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pallas_kernels.block_sparse import HEAD_BLOCKS, HEAD_FULL, block_sparse_attention  # noqa
+from pallas_kernels.block_sparse.testing import ssa_lists  # noqa: E402
+from pallas_kernels.compact_attention.reference import (dense_mask,  # noqa: E402
+                                                        reference_attention)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  preset: str = "gpu"
+  Ts: tuple = (32768, 65536)
+  omegas: tuple = (0.3, 0.7)       # fraction of heads that are SSA (sparse)
+  B: int = 1
+  N: int = 32
+  K: int = 8
+  H: int = 128
+  dtype: str = "bfloat16"
+  block: int = 128
+  sink_blocks: int = 1             # 128 sink tokens
+  local_blocks: int = 16           # 2048 local tokens
+  n: int = 10
+  check_T: int = 2048
+  impl: str = "triton"
+  interpret: bool = False
+  variants: tuple = ("fused", "per_group", "cudnn_group", "ours_dense")
+
+
+PRESETS = {
+    "gpu": Settings(),
+    "test": Settings(preset="test", Ts=(64,), omegas=(0.5,), N=4, K=2, H=16, dtype="float32",
+                     block=16, sink_blocks=1, local_blocks=2, n=1, check_T=64, interpret=True,
+                     variants=("fused", "per_group")),
+}
+
+
+def bench(f, *args, n=10):
+  jax.block_until_ready(f(*args))
+  jax.block_until_ready(f(*args))
+  ts = []
+  for _ in range(n):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    ts.append(time.perf_counter() - t0)
+  return float(np.median(ts)) * 1e3
+
+
+def rel(a, b):
+  a = jnp.asarray(a, jnp.float32)
+  b = jnp.asarray(b, jnp.float32)
+  return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
+
+
+def on_gpu() -> bool:
+  return jax.default_backend() == "gpu"
+
+
+def inputs(s: Settings, T: int, seed: int):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+  dt = jnp.dtype(s.dtype)
+  q = jax.random.normal(ks[0], (s.B, T, s.N, s.H), jnp.float32).astype(dt)
+  k = jax.random.normal(ks[1], (s.B, T, s.K, s.H), jnp.float32).astype(dt)
+  v = jax.random.normal(ks[2], (s.B, T, s.K, s.H), jnp.float32).astype(dt)
+  ct = jax.random.normal(ks[3], (s.B, T, s.N, s.H), jnp.float32).astype(dt)
+  return q, k, v, ct
+
+
+def head_modes(s: Settings, omega: float, seed: int = 0):
+  """(mode [B, N] int32, sparse kv heads): round(omega * K) random kv heads are SSA."""
+  G = s.N // s.K
+  n_sparse = int(round(omega * s.K))
+  sparse_kv = np.sort(np.random.default_rng(seed).permutation(s.K)[:n_sparse])
+  mode_kv = np.full(s.K, HEAD_FULL, np.int32)
+  mode_kv[sparse_kv] = HEAD_BLOCKS
+  mode = np.repeat(mode_kv, G)[None].repeat(s.B, 0)
+  return jnp.asarray(mode), sparse_kv
+
+
+def lists_for(s: Settings, T: int):
+  return jnp.asarray(ssa_lists(s.B, s.N, T, T, block_q=s.block, block_k=s.block,
+                               sink_blocks=s.sink_blocks, local_blocks=s.local_blocks))
+
+
+def kernel(s: Settings, lists, mode):
+  def f(q, k, v):
+    return block_sparse_attention(q, k, v, lists, mode, block_q=s.block, block_k=s.block,
+                                  impl=s.impl, interpret=s.interpret)
+  return f
+
+
+def dense(s: Settings):
+  """Dense causal: cuDNN on a GPU, the jnp reference elsewhere (tests)."""
+  def f(q, k, v):
+    if on_gpu():
+      return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation="cudnn")
+    T = q.shape[1]
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (q.shape[0], T))
+    return reference_attention(q, k, v, dense_mask(pos, pos))[0]
+  return f
+
+
+def grouped(s: Settings, lists, mode, sparse_kv, *, full_with_cudnn: bool):
+  """One call per head group: the full heads, then the SSA heads (heads sliced, outputs put
+  back in head order)."""
+  G = s.N // s.K
+  full_kv = np.setdiff1d(np.arange(s.K), sparse_kv)
+  qh = lambda kv: np.concatenate([np.arange(h * G, (h + 1) * G) for h in kv]).astype(np.int32)
+  fq, sq = qh(full_kv), qh(sparse_kv)
+  order = np.argsort(np.concatenate([fq, sq]))
+
+  def f(q, k, v):
+    outs = []
+    if len(full_kv):
+      qf, kf, vf = q[:, :, fq], k[:, :, full_kv], v[:, :, full_kv]
+      if full_with_cudnn:
+        outs.append(dense(s)(qf, kf, vf))
+      else:
+        outs.append(kernel(s, lists[:, fq], jnp.zeros((s.B, len(fq)), jnp.int32) + HEAD_FULL)(
+            qf, kf, vf))
+    if len(sparse_kv):
+      outs.append(kernel(s, lists[:, sq], jnp.full((s.B, len(sq)), HEAD_BLOCKS, jnp.int32))(
+          q[:, :, sq], k[:, :, sparse_kv], v[:, :, sparse_kv]))
+    return jnp.concatenate(outs, axis=2)[:, :, order]
+  return f
+
+
+def fwd_bwd(f, ct):
+  def g(q, k, v):
+    out, vjp = jax.vjp(f, q, k, v)
+    return out, vjp(ct)
+  return jax.jit(g)
+
+
+def variants(s: Settings, lists, mode, sparse_kv):
+  vs = {"fused": kernel(s, lists, mode),
+        "per_group": grouped(s, lists, mode, sparse_kv, full_with_cudnn=False),
+        "cudnn_group": grouped(s, lists, mode, sparse_kv, full_with_cudnn=True),
+        "ours_dense": kernel(s, lists, jnp.full_like(mode, HEAD_FULL))}
+  return {name: vs[name] for name in s.variants}
+
+
+def visible_fraction(s: Settings, T: int, lists, mode) -> float:
+  """Visible (query, key) pairs / dense causal pairs (the ideal speedup's inverse)."""
+  nq = T // s.block
+  listed = np.asarray(lists)[0, 0]                                   # SSA list, same per head
+  pairs_ssa = 0
+  for i in range(nq):
+    blocks = {int(j) for j in listed[i] if j >= 0}
+    pairs_ssa += sum(s.block * s.block if j < i else s.block * (s.block + 1) // 2 for j in blocks)
+  pairs_full = T * (T + 1) // 2
+  frac_sparse = float(np.mean(np.asarray(mode) == HEAD_BLOCKS))
+  return frac_sparse * pairs_ssa / pairs_full + (1 - frac_sparse)
+
+
+def check_small(s: Settings, log):
+  """Every variant vs the reference (out, dq, dk, dv) at T = check_T; fresh inputs."""
+  T = s.check_T
+  q, k, v, ct = inputs(s, T, 1)
+  lists = lists_for(s, T)
+  res = []
+  for omega in s.omegas:
+    mode, sparse_kv = head_modes(s, omega, seed=1)
+    pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (s.B, T))
+    m = dense_mask(pos, pos, kv_blocks_BNQL=lists, head_mode_BN=mode, block_q=s.block,
+                   block_k=s.block)
+    ref = lambda q, k, v: reference_attention(q, k, v, m)[0]
+    o_r, g_r = fwd_bwd(ref, ct)(q, k, v)
+    for name, f in variants(s, lists, mode, sparse_kv).items():
+      if name == "ours_dense":
+        continue  # a different mask (every head full): checked through ops tests, not here
+      o, g = fwd_bwd(f, ct)(q, k, v)
+      errs = dict(out=rel(o, o_r), dq=rel(g[0], g_r[0]), dk=rel(g[1], g_r[1]),
+                  dv=rel(g[2], g_r[2]))
+      tol = 2e-2 if s.dtype == "bfloat16" else 1e-4
+      ok = all(e <= tol for e in errs.values())   # NaN fails
+      res.append(dict(T=T, omega=omega, variant=name, errors=errs, ok=ok))
+      log("check", name, omega, errs, "OK" if ok else "FAILED")
+  return res
+
+
+def run(s: Settings, log=print, out_dir=None):
+  dev = jax.devices()[0]
+  result = dict(device=dev.device_kind, jax_version=jax.__version__,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                command=" ".join(sys.argv), settings=dataclasses.asdict(s),
+                baseline="cudnn dense causal" if on_gpu() else "jnp reference dense causal",
+                timing=f"median of {s.n} after 2 warm-ups", check_small=[], rows=[])
+  path = None
+  if out_dir is not None:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"block_sparse_{dev.device_kind.replace(' ', '_')}.json")
+
+  def write():
+    if path is not None:
+      with open(path, "w") as fh:
+        json.dump(result, fh, indent=1)
+
+  result["check_small"] = check_small(s, log)
+  write()
+  if not all(c["ok"] for c in result["check_small"]):
+    log("small checks FAILED: not timing")
+    return result
+  for T in s.Ts:
+    q, k, v, ct = inputs(s, T, 0)
+    lists = lists_for(s, T)
+    base = dense(s)
+    base_f = bench(jax.jit(base), q, k, v, n=s.n)
+    base_fb = bench(fwd_bwd(base, ct), q, k, v, n=s.n)
+    log(json.dumps(dict(T=T, dense_fwd_ms=base_f, dense_fwdbwd_ms=base_fb)))
+    for omega in s.omegas:
+      mode, sparse_kv = head_modes(s, omega)
+      vis = visible_fraction(s, T, lists, mode)
+      row = dict(T=T, omega=omega, sparse_heads=int(np.sum(np.asarray(mode)[0] == HEAD_BLOCKS)),
+                 dense_fwd_ms=base_f, dense_fwdbwd_ms=base_fb, visible_fraction=vis,
+                 ideal_speedup=1 / vis, variants={})
+      for name, f in variants(s, lists, mode, sparse_kv).items():
+        r = {}
+        try:
+          fb = fwd_bwd(f, ct)
+          o, g = fb(q, k, v)
+          r["nan"] = bool(jnp.isnan(o).any()) or any(bool(jnp.isnan(x).any()) for x in g)
+          del o, g
+          r["fwd_ms"] = bench(jax.jit(f), q, k, v, n=s.n)
+          r["fwdbwd_ms"] = bench(fb, q, k, v, n=s.n)
+          r["speedup_fwd"] = base_f / r["fwd_ms"]
+          r["speedup_fwdbwd"] = base_fb / r["fwdbwd_ms"]
+        except Exception as e:  # noqa: BLE001
+          r["err"] = f"{type(e).__name__}: {str(e)[:400]}"
+          traceback.print_exc()
+        row["variants"][name] = r
+        log(json.dumps(dict(T=T, omega=omega, variant=name, **r)))
+      result["rows"].append(row)
+      write()
+  log(table(result))
+  return result
+
+
+def table(result) -> str:
+  lines = [f"{result['device']}  jax {result['jax_version']}  {result['date']}  "
+           f"baseline: {result['baseline']}",
+           "T      omega  variant      fwd ms   x dense  fwd+bwd ms  x dense  (ideal x)"]
+  for row in result["rows"]:
+    lines.append(f"{row['T']:<6} {row['omega']:<6.2f} {'dense':<12} {row['dense_fwd_ms']:8.2f} "
+                 f"{1.0:8.2f} {row['dense_fwdbwd_ms']:11.2f} {1.0:8.2f}")
+    for name, r in row["variants"].items():
+      if "err" in r:
+        lines.append(f"{row['T']:<6} {row['omega']:<6.2f} {name:<12} ERROR {r['err'][:60]}")
+        continue
+      lines.append(f"{row['T']:<6} {row['omega']:<6.2f} {name:<12} {r['fwd_ms']:8.2f} "
+                   f"{r['speedup_fwd']:8.2f} {r['fwdbwd_ms']:11.2f} {r['speedup_fwdbwd']:8.2f}"
+                   f"  ({row['ideal_speedup']:.2f})")
+  return "\n".join(lines)
+
+
+def main():
+  ap = argparse.ArgumentParser()
+  ap.add_argument("--preset", default="gpu", choices=sorted(PRESETS))
+  ap.add_argument("--T", default="", help="comma-separated lengths (default: the preset's)")
+  ap.add_argument("--omega", default="", help="comma-separated SSA head fractions")
+  ap.add_argument("--n", type=int, default=None)
+  ap.add_argument("--variants", default="", help="subset of " + ",".join(Settings.variants))
+  ap.add_argument("--out-dir", default=os.environ.get("OUT", "bench/results"))
+  args = ap.parse_args()
+  s = PRESETS[args.preset]
+  kw = {}
+  if args.T:
+    kw["Ts"] = tuple(int(x) for x in args.T.split(","))
+  if args.omega:
+    kw["omegas"] = tuple(float(x) for x in args.omega.split(","))
+  if args.n is not None:
+    kw["n"] = args.n
+  if args.variants:
+    kw["variants"] = tuple(x for x in args.variants.split(",") if x)
+  s = dataclasses.replace(s, **kw)
+  if s.preset != "test" and not on_gpu():
+    raise SystemExit(f"bench.block_sparse --preset={s.preset} needs a GPU (backend "
+                     f"{jax.default_backend()!r}); use --preset=test on CPU")
+  print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
+  run(s, log=lambda *a: print(*a, flush=True), out_dir=args.out_dir)
+
+
+if __name__ == "__main__":
+  main()

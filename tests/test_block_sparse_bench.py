@@ -1,0 +1,51 @@
+"""bench/block_sparse.py at its tiny CPU preset (Triton-style kernel in interpret mode, the jnp
+reference as the dense baseline): every variant passes the small check, every row is timed, the
+speedups come from the same run, and the JSON holds device, jax version and date."""
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+from bench import block_sparse as bench  # noqa: E402
+
+
+def test_test_preset_writes_checked_rows(tmp_path):
+  res = bench.run(bench.PRESETS["test"], log=lambda *_: None, out_dir=str(tmp_path))
+  files = list(tmp_path.iterdir())
+  assert len(files) == 1 and files[0].name.startswith("block_sparse_")
+  on_disk = json.loads(files[0].read_text())
+  assert on_disk["rows"] == json.loads(json.dumps(res["rows"]))
+  assert on_disk["device"] and on_disk["jax_version"] and on_disk["date"]
+  checks = on_disk["check_small"]
+  assert {c["variant"] for c in checks} == {"fused", "per_group"} and all(c["ok"] for c in checks)
+  (row,) = on_disk["rows"]
+  assert row["T"] == 64 and row["omega"] == 0.5 and row["sparse_heads"] == 2
+  assert 0 < row["visible_fraction"] < 1
+  assert set(row["variants"]) == {"fused", "per_group"}
+  for r in row["variants"].values():
+    assert not r["nan"] and r["fwd_ms"] > 0 and r["fwdbwd_ms"] > 0
+    assert r["speedup_fwd"] == pytest.approx(row["dense_fwd_ms"] / r["fwd_ms"])
+    assert r["speedup_fwdbwd"] == pytest.approx(row["dense_fwdbwd_ms"] / r["fwdbwd_ms"])
+  assert "fused" in bench.table(on_disk)
+
+
+def test_visible_fraction_of_ssa_heads():
+  s = bench.PRESETS["test"]
+  lists = bench.lists_for(s, 64)
+  mode, _ = bench.head_modes(s, 1.0)
+  # T = 64, block 16: sink block 0 + the 2 blocks ending at the diagonal: query block i sees
+  # blocks {0, i-1, i}; pairs counted by brute force
+  want = 0
+  for t in range(64):
+    i = t // 16
+    want += sum(1 for u in range(t + 1) if u // 16 in {0, i - 1, i})
+  assert bench.visible_fraction(s, 64, lists, mode) == pytest.approx(want / (64 * 65 / 2))
+  mode_full, _ = bench.head_modes(s, 0.0)
+  assert bench.visible_fraction(s, 64, lists, mode_full) == 1.0
+  assert np.all(np.asarray(mode_full) == bench.HEAD_FULL)
