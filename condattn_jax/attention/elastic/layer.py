@@ -117,7 +117,7 @@ class ElasticOptions:
         raise ValueError(f"{f}.{name}={getattr(self, name)!r} must be an int >= 1.")
     if self.sinks < 0 or self.anneal_steps < 0:
       raise ValueError(f"{f}.sinks and anneal_steps must be >= 0.")
-    if self.block % self.xa_stride:
+    if "xa" in self.modes and self.block % self.xa_stride:
       raise ValueError(f"{f}.block={self.block} must be a multiple of xa_stride={self.xa_stride}.")
     if not 0.0 < self.xa_threshold <= 1.0:
       raise ValueError(f"{f}.xa_threshold={self.xa_threshold} must be in (0, 1].")
