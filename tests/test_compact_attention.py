@@ -368,9 +368,35 @@ def test_unsupported_shape_raises_or_falls_back(monkeypatch):
   with warnings.catch_warnings():  # warned once only
     warnings.simplefilter("error")
     compact_attention(p.q, p.k, p.v, p.active)
-  p2 = make_problem(2, T=40, S=40, N=2, K=1, H=32, sparsity=0.5)  # kv length 40: not % 16
-  with pytest.raises(ValueError, match="kv length 40"):
-    compact_attention(p2.q, p2.k, p2.v, p2.active, impl="triton", interpret=True)
+
+
+@pytest.mark.parametrize("layout", ["default", "positions", "segments"])
+def test_kv_length_the_tiles_cannot_divide_is_padded_not_a_fallback(layout):
+  """kv length 40 (not % 16: e.g. a window ring of window + 1 slots) runs the Triton kernel on
+  K/V padded with slots no query sees: same values and gradients as the reference."""
+  p = make_problem(2, B=2, T=40, S=40, N=2, K=1, H=32, sparsity=0.5)
+  kw = {}
+  if layout == "positions":  # a cache-like layout: kv slots out of position order
+    perm = np.random.default_rng(0).permutation(40)
+    kw = dict(q_positions_BT=jnp.broadcast_to(jnp.arange(40, dtype=jnp.int32), (2, 40)),
+              kv_positions_BS=jnp.broadcast_to(jnp.asarray(perm, jnp.int32), (2, 40)))
+  elif layout == "segments":
+    seg = jnp.asarray(np.repeat([[1] * 25 + [2] * 15], 2, 0), jnp.int32)
+    kw = dict(q_segment_ids_BT=seg, kv_segment_ids_BS=seg)
+
+  def loss(impl, q, k, v):
+    out = compact_attention(q, k, v, p.active, impl=impl, interpret=impl == "triton", **kw)
+    return jnp.sum(out.astype(jnp.float32) ** 2), out
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # no fallback warning
+    (_, got), g_got = jax.value_and_grad(lambda *a: loss("triton", *a), argnums=(0, 1, 2),
+                                         has_aux=True)(p.q, p.k, p.v)
+  (_, want), g_want = jax.value_and_grad(lambda *a: loss("reference", *a), argnums=(0, 1, 2),
+                                         has_aux=True)(p.q, p.k, p.v)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5)
+  for a, b in zip(g_got, g_want):
+    assert a.shape == b.shape
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
 
 
 def test_triton_lowers_for_h100_at_realistic_shapes(monkeypatch):

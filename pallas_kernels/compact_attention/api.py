@@ -286,6 +286,14 @@ def _is_hopper() -> bool:
     return False
 
 
+def _kv_granule(impl: str) -> int:
+  """The kv-length multiple the kernel that `impl` runs on this platform needs (1: reference)."""
+  if impl == "auto":
+    impl = {"gpu": "triton", "cuda": "triton", "rocm": "triton", "tpu": "mosaic_tpu"}.get(
+        _default_platform(), "reference")
+  return {"reference": 1, "triton": 16, "mosaic_gpu": 64, "mosaic_tpu": 128}[impl]
+
+
 def _resolve_impl(impl, interpret, q_shape, kv_shape, dtype, bs):
   """(forward kernel, its block sizes, backward kernel, its block sizes)."""
   if impl not in IMPLS:
@@ -394,6 +402,19 @@ def compact_attention(q_BTNH, k_BSKH, v_BSKH, active, *, q_positions_BT=None,
   if block_q is not None or block_k is not None:
     bs = (bs or BlockSizes()).with_(**{n: b for n, b in (("block_q", block_q), ("block_k", block_k))
                                        if b is not None})
+  if impl in IMPLS and S % _kv_granule(impl):
+    # A kv length the kernel's tiles cannot divide (a window ring of window + 1 slots, a decode
+    # cache of odd length): pad with slots no query sees (segment id 0) instead of falling back
+    # to the O(T*S) reference. Gradients of the padded slots are sliced off by jnp.pad's VJP.
+    pad = -S % _kv_granule(impl)
+    if qseg is None:
+      qseg, kvseg = jnp.ones((B, T), jnp.int32), jnp.ones((B, S), jnp.int32)
+    kvseg = jnp.pad(kvseg, ((0, 0), (0, pad)))
+    if kvpos is not None:
+      kvpos = jnp.concatenate(
+          [kvpos, kvpos.max(axis=1, keepdims=True) + 1 + jnp.arange(pad, dtype=jnp.int32)], axis=1)
+    k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (k, v))
+    S += pad
   impl, bs, bwd_impl, bs_bwd = _resolve_impl(impl, interpret, q.shape, k.shape, q.dtype, bs)
 
   if impl == "reference":
