@@ -70,6 +70,10 @@ class Scheme:
                 a layer (Elastic's per-task Lagrange multipliers). The decoder creates them
                 (float32) as params['scheme'][name] and hands their values to aux_loss as
                 aux['model_params'][name] (no layer axis). None / {}: none.
+  forward       None, or `(model, params, tokens_BT, positions_BT, segment_ids_BT, *, train,
+                rngs, return_hidden, task_ids_B, fields) -> (out, aux)` used by the train and
+                eval steps instead of `model.apply` (a training forward that is not one decoder
+                pass, e.g. segmented: a scan over segments of the cached decoder).
   """
   name: str
   layer_cls: type
@@ -83,6 +87,7 @@ class Scheme:
   reports: dict = dataclasses.field(default_factory=dict)
   input_module: type | None = None
   model_params: Callable[[Any], dict] | None = None
+  forward: Callable[..., tuple[Any, Any]] | None = None
 
 
 SCHEMES: dict[str, Scheme] = {}

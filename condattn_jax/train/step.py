@@ -75,10 +75,11 @@ def forward_ce(model: Decoder, params, batch, *, train: bool, rng, loss_chunk_si
   fields = context_fields(batch)
   if step is not None:
     fields["step"] = jnp.asarray(step, jnp.int32)
-  out, aux = model.apply({"params": params}, batch["inputs"], batch["positions"],
-                         batch["segment_ids"], task_ids_B=batch.get("task_ids"),
-                         fields=fields, train=train, return_hidden=bool(chunked),
-                         rngs=rngs)
+  forward = get_scheme(model.config.scheme).forward  # None: one decoder pass
+  forward = forward or (lambda m, p, *a, **kw: m.apply({"params": p}, *a, **kw))
+  out, aux = forward(model, params, batch["inputs"], batch["positions"], batch["segment_ids"],
+                     task_ids_B=batch.get("task_ids"), fields=fields, train=train,
+                     return_hidden=bool(chunked), rngs=rngs)
   if chunked:
     ce, correct = chunked_token_cross_entropy(out, model.output_embedding(params), batch["targets"],
                                               int(loss_chunk_size), model.config.compute_dtype)

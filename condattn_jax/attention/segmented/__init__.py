@@ -23,4 +23,4 @@ from condattn_jax.attention.segmented.report import kv_cache_bytes, visible_kv_l
 
 SEGMENTED = register(Scheme(
     name="segmented", layer_cls=SegmentedLayer, from_dense=from_dense, to_dense=to_dense,
-    layer_variants=layer_variants, kv_cache_bytes=kv_cache_bytes))
+    layer_variants=layer_variants, kv_cache_bytes=kv_cache_bytes, forward=forward))

@@ -55,7 +55,8 @@ def forward(model, params, tokens_BT, positions_BT=None, segment_ids_BT=None, *,
   pos = jnp.broadcast_to(jnp.arange(n * S, dtype=jnp.int32), (B, n * S))
   to_seg = lambda x: x.reshape(B, n, S).swapaxes(0, 1)
   rep = lambda x: jnp.repeat(x, NS, axis=0)  # [B, ...] -> [B * NS, ...], row-major streams
-  fields = {k: rep(v) for k, v in (fields or {}).items()}
+  per_row = lambda v: jnp.ndim(v) >= 1 and jnp.shape(v)[0] == B
+  fields = {k: rep(v) if per_row(v) else v for k, v in (fields or {}).items()}
   task = None if task_ids_B is None else rep(task_ids_B)
   cache0 = _init_cache(model, params, B * NS, n * S)
   for leaf in jax.tree.leaves(cache0):
