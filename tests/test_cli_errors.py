@@ -97,6 +97,24 @@ def test_workdir_that_is_a_file(tmp_path):
   assert_user_error(p, "is a file")
 
 
+def test_read_only_workdir_is_named(tmp_path, monkeypatch):
+  """A workdir this user cannot write (root ignores mode bits, so the denial is simulated at
+  os.access / os.makedirs, the calls prepare() makes) is a PermissionError naming the path, which
+  the CLI prints as one line (exit 2: PermissionError is an OSError user error)."""
+  from condattn_jax.train import workdir as workdir_lib
+  ro = tmp_path / "ro"
+  ro.mkdir()
+  monkeypatch.setattr(os, "access", lambda path, mode: os.path.abspath(path) != str(ro))
+  with pytest.raises(PermissionError, match=f"{ro} is not writable"):
+    workdir_lib.prepare(str(ro))
+
+  def denied(path, *a, **k):
+    raise PermissionError(13, "Permission denied", str(path))
+  monkeypatch.setattr(os, "makedirs", denied)
+  with pytest.raises(PermissionError, match=f"cannot create {ro}/sub: permission denied"):
+    workdir_lib.prepare(str(ro / "sub"))
+
+
 def test_synthetic_vocab_larger_than_model():
   p = cli("train.py", f"--config={TINY}", "--dry_run", "--config.data.task.vocab_size=128")
   assert_user_error(p, "data.task.vocab_size=128 exceeds the model's vocab_size=64")
