@@ -110,3 +110,16 @@ def test_outside_scheme_trains_through_the_loop(toy_module, tmp_path):
   assert np.shape(last["toy/gate"]) == (c.model.num_layers, c.model.num_heads)
   assert float(np.ptp(np.asarray(last["toy/gate"]))) > 0  # the gate learned something per head
   assert last["toy/scored"] > 0
+
+
+def test_a_broken_builtin_scheme_module_is_loud(tmp_path, monkeypatch):
+  """A built-in scheme module that fails to import raises its error when the registry loads; it
+  never leaves its scheme silently unknown (or the other schemes silently fine)."""
+  import condattn_jax.attention as attention
+  (tmp_path / "zz_broken_scheme.py").write_text(
+      "import no_such_dependency_of_the_scheme  # a missing extra, a typo, ...\n")
+  monkeypatch.setattr(attention, "__path__", list(attention.__path__) + [str(tmp_path)])
+  monkeypatch.setattr(attention, "_LOADED", False)
+  with pytest.raises(ModuleNotFoundError, match="no_such_dependency_of_the_scheme"):
+    attention.get_scheme("l2a")
+  sys.modules.pop("condattn_jax.attention.zz_broken_scheme", None)
