@@ -27,7 +27,8 @@ class LayerContext:
   positions_BT    int32 positions (restart at 0 in each packed document).
   segment_ids_BT  int32 document ids, 0 = padding; None = one document per row, no padding.
   task_ids_B      int32 per-sample task ids (Elastic's per-task targets) or None.
-  fields          any other per-batch arrays the data pipeline adds (name -> array).
+  fields          any other per-batch arrays the data pipeline adds (name -> array); the train
+                  and eval steps add 'step' (int32 scalar, the train step).
   layer_idx       int32 scalar: this layer's index (set by the decoder's scan; 0 outside it).
   layer_flags     the scheme's per-layer values for this layer (name -> scalar), see
                   `Scheme.layer_flags`.
