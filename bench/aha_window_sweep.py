@@ -61,13 +61,14 @@ class Settings:
   num_kv_heads: int = 2
   # training
   batch_size: int = 16
-  dense_steps: int = 600
+  dense_steps: int = 300
   dense_lr: float = 3e-3
-  aha_steps: int = 300
+  aha_steps: int = 400
   aha_lr: float = 1e-3
-  lam: float = 3e-3
+  router_lr: float | None = 1e-2  # the router's own lr (a param group); None: aha_lr
+  lam: float = 1e-2
   tau: float = 0.5
-  router_bias_init: float = 2.0
+  router_bias_init: float = 0.5  # sigmoid(0.5) = 0.62 > tau: every head full at conversion
   windows: tuple = (16, 32, 64, 128)
   eval_rows: int = 256
   seed: int = 0
@@ -77,8 +78,10 @@ class Settings:
 PRESETS = {
     "cpu": Settings(),
     "gpu": Settings(seq_len=512, num_keys=16, num_values=16, num_queries=16, batch_size=64,
-                    dense_steps=4000, aha_steps=3000, eval_rows=2048, hidden_size=128,
+                    dense_steps=2000, aha_steps=3000, eval_rows=2048, hidden_size=128,
                     windows=(16, 32, 64, 128, 256)),
+    "demo": Settings(seq_len=128, num_queries=8, batch_size=16, dense_steps=300, aha_steps=300,
+                     windows=(16,), eval_rows=256, log_every=100),
     "test": Settings(seq_len=48, num_queries=4, batch_size=8, dense_steps=4, aha_steps=3,
                      windows=(4, 16), eval_rows=16, log_every=2),
 }
@@ -142,14 +145,19 @@ class _TC(dict):
   __getattr__ = dict.__getitem__
 
 
+ROUTER_REGEX = r"(.*/)?router/.*"
+
+
 def train(cfg: ModelConfig, params, task: FusedRecall, *, steps: int, lr: float, phase: int,
-          name: str, log=print):
-  """The project's train step (all params, AdamW, cosine) on fresh task rows; returns
-  (params, history)."""
+          name: str, router_lr: float | None = None, log=print):
+  """The project's train step (all params, AdamW, cosine; the router at `router_lr` when given)
+  on fresh task rows; returns (params, history)."""
   s = task.s
+  groups = {} if router_lr is None else {"router": {"regex": ROUTER_REGEX, "lr": router_lr}}
   tc = _TC(num_steps=steps, lr=lr, warmup_frac=0.05, warmup_steps=None, lr_schedule="cosine",
            end_lr_frac=0.1, grad_clip=1.0, weight_decay=0.0, b1=0.9, b2=0.95, eps=1e-8,
-           trainable_regex=None, param_groups={}, seed=s.seed, microbatches=1, loss_chunk_size=0)
+           trainable_regex=None, param_groups=groups, seed=s.seed, microbatches=1,
+           loss_chunk_size=0)
   tx, labels, sched = opt_lib.make_optimizer(tc, params)
   step = jax.jit(make_train_step(cfg, tc, tx, labels, sched), donate_argnums=(0,))
   state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
@@ -223,7 +231,7 @@ def run(s: Settings, log=print) -> dict[str, Any]:
                                 router_bias_init=s.router_bias_init)
     local_only = evaluate(aha.aha_config(acfg, routing="none"), ap, task)["accuracy"]
     params, hist = train(acfg, ap, task, steps=s.aha_steps, lr=s.aha_lr, phase=1 + w,
-                         name=f"aha w={w}", log=log)
+                         name=f"aha w={w}", router_lr=s.router_lr, log=log)
     r = evaluate(acfg, params, task, (w,))
     r["local_only_accuracy_at_conversion"] = local_only
     r["history"] = hist

@@ -13,6 +13,8 @@ a function `<scheme>_section(args) -> Section` and an entry in SECTIONS.
 
 L2A (the default): bench/l2a_learning.py's `demo` preset; the dense model is
 tests/fixtures/l2a/mqar_dense.npz (trained by that bench's full run).
+AHA (--scheme=aha): bench/aha_window_sweep.py's `demo` preset at window 16; the dense model is
+trained in the run (300 steps, seconds).
 """
 from __future__ import annotations
 
@@ -32,6 +34,7 @@ if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
 from absl import app, flags  # noqa: E402
+import numpy as np  # noqa: E402
 
 MARKER = ".condattn_demo"
 METRICS = "demo_metrics.json"
@@ -194,7 +197,103 @@ def l2a_section(workdir: str, steps: int | None, seed: int) -> Section:
   return Section(metrics=metrics, claims=claims, files={"per-layer sparsity plot": png})
 
 
-SECTIONS: dict[str, Callable[[str, int | None, int], Section]] = {"l2a": l2a_section}
+# ----------------------------------------------------------------------------------------------
+# AHA
+# ----------------------------------------------------------------------------------------------
+def aha_section(workdir: str, steps: int | None, seed: int) -> Section:
+  """bench/aha_window_sweep.py's `demo` preset at one window: a dense OLMo-2-shaped (post-norm)
+  decoder learns fused recall (facts at log-uniform distances: a long tail), is converted to AHA
+  (every head full at step 0) and trained with the AHA loss; each (token, head) then runs full
+  attention or the local window."""
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+  from bench import aha_window_sweep as sweep
+  from condattn_jax.attention import aha
+  from condattn_jax.attention.aha import report as aha_report
+  from condattn_jax.models.decoder import Decoder
+  s = dataclasses.replace(sweep.PRESETS["demo"], seed=seed)
+  if steps is not None:
+    s = dataclasses.replace(s, aha_steps=steps)
+  w = s.windows[0]
+  task = sweep.FusedRecall(s)
+  cfg = sweep.base_config(s, task)
+  say(f"AHA demo: a {s.num_layers}-layer, {s.num_heads}-head OLMo-2-shaped decoder on fused "
+      f"recall ({s.seq_len} tokens, {s.num_queries} queries a row, each fact log-uniformly "
+      f"1..{s.seq_len - 2} tokens before its query: {pct(1 - np.log(w) / np.log(s.seq_len - 2))} "
+      f"of them beyond a {w}-token window). Dense training, then conversion to AHA (window {w}, "
+      f"tau {s.tau}, lambda {s.lam}) and {s.aha_steps} AHA steps.", "")
+  log = lambda m: print("  " + m, flush=True)
+  init = nn.unbox(Decoder(cfg).init(jax.random.key(s.seed),
+                                    jnp.zeros((1, s.seq_len), jnp.int32))["params"])
+  dense_p, _ = sweep.train(cfg, init, task, steps=s.dense_steps, lr=s.dense_lr, phase=0,
+                           name="dense", log=log)
+  d = sweep.evaluate(cfg, dense_p, task, (w,))
+  acfg, ap = aha.dense_to_aha(dense_p, cfg, window=w, tau=s.tau, lam=s.lam,
+                              router_bias_init=s.router_bias_init)
+  local = sweep.evaluate(aha.aha_config(acfg, routing="none"), ap, task, (w,))
+  params, hist = sweep.train(acfg, ap, task, steps=s.aha_steps, lr=s.aha_lr, phase=1,
+                             name=f"aha w={w}", router_lr=s.router_lr, log=log)
+  r = sweep.evaluate(acfg, params, task, (w,))
+  knob = {t: sweep.evaluate(aha.aha_config(acfg, tau=t), params, task, (w,)) for t in (0.3, 0.7)}
+  ev = task.batch(0, s.eval_rows, stream=1)
+  ev.pop("distance")
+  batches = [{k: v[i:i + 64] for k, v in ev.items()} for i in range(0, s.eval_rows, 64)]
+  rep = aha_report.usage_report(Decoder(acfg), params, batches, workdir, name="aha_usage")
+
+  acc, dense, mu = r["accuracy"], d["accuracy"], r["mu_f"]
+  print(f"\nAnswer accuracy on {r['queries']} held-out queries:")
+  print(f"  dense                      {pct(dense)}")
+  print(f"  AHA                        {pct(acc)}  (facts beyond the window: "
+        f"{pct(r[f'accuracy_beyond_{w}'])})")
+  print(f"  same model, every head local (window {w}) at conversion: {pct(local['accuracy'])}  "
+        f"(beyond the window: {pct(local[f'accuracy_beyond_{w}'])})")
+  print(f"\nFull-attention usage mu_f (fraction of (token, head) pairs that pay for full "
+        f"attention): {pct(mu)}; at the query tokens {pct(r['usage_at_queries'])}, elsewhere "
+        f"{pct(r['usage_elsewhere'])}")
+  for li, row in enumerate(rep["usage"]):
+    print(f"  layer {li}: " + "  ".join(f"h{h} {bar(u, 10)} {pct(u):>6}" for h, u in enumerate(row)))
+  print("\nThe threshold tau is a test-time knob (same weights):")
+  for t, k in [(0.3, knob[0.3]), (s.tau, r), (0.7, knob[0.7])]:
+    print(f"  tau {t}: mu_f {pct(k['mu_f'])}, accuracy {pct(k['accuracy'])}")
+  ctx = 131072
+  kv = aha_report.kv_cache_bytes(acfg, ctx)["total"]
+  keys = mu * ctx + (1 - mu) * w
+  say("", f"At {ctx} tokens of context a decode step's attention reads mu_f * {ctx} + "
+      f"(1 - mu_f) * {w} keys per head on average: {pct(keys / ctx)} of what dense attention "
+      f"reads. AHA keeps one shared KV cache ({mib(kv)} here, the same as dense): its saving is "
+      "attention compute and memory traffic, not cache size.")
+  loss = 100 * (dense - acc)
+  verb = (f"loses {loss:.1f} points" if loss >= 0.05 else f"gains {-loss:.1f} points"
+          if loss <= -0.05 else "keeps all")
+  verdict = (f"AHA runs full attention for {pct(mu)} of (token, head) pairs (a {w}-token window "
+             f"for the rest) and {verb} of answer accuracy ({pct(dense)} -> {pct(acc)}); the same "
+             f"heads all local get {pct(local['accuracy'])}.")
+  claims = [
+      Claim(f"the dense model solves the task: {pct(dense)} >= 95%", dense >= 0.95),
+      Claim(f"AHA accuracy {pct(acc)} within 3 points of dense {pct(dense)}", acc >= dense - 0.03),
+      Claim(f"full attention for at most 25% of (token, head) pairs: {pct(mu)}", mu <= 0.25),
+      Claim(f"local attention alone cannot answer: {pct(local['accuracy'])} <= AHA - 20 points",
+            local["accuracy"] <= acc - 0.2),
+      Claim(f"the router pays for full attention where recall happens: usage at queries "
+            f"{pct(r['usage_at_queries'])} >= 5 x elsewhere {pct(r['usage_elsewhere'])}",
+            r["usage_at_queries"] >= 5 * r["usage_elsewhere"]),
+  ]
+  real = "configs/aha_olmo.py"
+  fields = ("--config.model.init_from=/ckpt/OLMo-2-0425-1B-SFT "
+            "--config.data.tokenizer=/ckpt/OLMo-2-0425-1B-SFT "
+            "--config.data.paths='/data/tulu-3-sft/*.jsonl'")
+  commands = [f"python train.py --config={real} --workdir=DIR {fields}",
+              "python eval.py --checkpoint=DIR --config.model.scheme.tau=0.7"]
+  metrics = dict(settings=dataclasses.asdict(s), dense=d, aha={k: v for k, v in r.items()},
+                 local_only_at_conversion=local, tau_knob={str(t): k for t, k in knob.items()},
+                 usage=rep["usage"], aha_history=hist, verdict=verdict, commands=commands)
+  return Section(metrics=metrics, claims=claims,
+                 files={"layer x head usage heatmap": rep["png"], "usage report": rep["json"]})
+
+
+SECTIONS: dict[str, Callable[[str, int | None, int], Section]] = {"l2a": l2a_section,
+                                                                   "aha": aha_section}
 
 
 def _cpu_seconds() -> float:
