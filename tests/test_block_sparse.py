@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from condattn_jax import ops
-from pallas_kernels.block_sparse import (HEAD_BLOCKS, HEAD_FULL, block_sparse_attention,
+from pallas_kernels.block_sparse import (HEAD_BLOCKS, HEAD_FULL, api, block_sparse_attention,
                                          kernel_support, tables)
 from pallas_kernels.block_sparse.testing import compare, make_problem, run, ssa_lists
 from pallas_kernels.compact_attention.reference import dense_mask, reference_attention
@@ -25,8 +25,12 @@ TRITON = dict(impl="triton", interpret=True)
        dtype=st.sampled_from(["float32", "bfloat16"]), L=st.integers(1, 4),
        full_frac=st.sampled_from([0.0, 0.5, 1.0]), B=st.integers(1, 2),
        extra=st.sampled_from(["none", "segments", "window_sinks", "active_token", "active_head",
-                              "cache"]))
-def test_triton_matches_reference_hypothesis(seed, gqa, dtype, L, full_frac, B, extra):
+                              "cache"]), sub_tile=st.sampled_from([8, 64]))
+def test_triton_matches_reference_hypothesis(monkeypatch, seed, gqa, dtype, L, full_frac, B,
+                                             extra, sub_tile):
+  """sub_tile 8: the backward walks the 16-blocks in 8-row / 8-key sub-tiles (as 128-blocks in
+  64-sub-tiles on a GPU); 64: whole blocks."""
+  monkeypatch.setattr(api, "TRITON_SUB_TILE", sub_tile)
   N, K = gqa
   kw = dict(none={}, segments=dict(segments=2), window_sinks=dict(window=20, sinks=3),
             active_token=dict(active="token", window=24),
@@ -37,9 +41,11 @@ def test_triton_matches_reference_hypothesis(seed, gqa, dtype, L, full_frac, B, 
   assert not bad, errs
 
 
-def test_ssa_mixed_heads_and_rows_that_see_nothing():
+def test_ssa_mixed_heads_and_rows_that_see_nothing(monkeypatch):
   """Streaming (sink + local) heads next to full heads in one call; an all-padding list (and
-  an empty L = 0 list) make rows that see nothing: zeros, lse -inf, zero gradients."""
+  an empty L = 0 list) make rows that see nothing: zeros, lse -inf, zero gradients. Backward in
+  sub-tiles (8 of a 16-block)."""
+  monkeypatch.setattr(api, "TRITON_SUB_TILE", 8)
   B, T, N, K, H, bq = 1, 128, 4, 2, 16, 16
   p = make_problem(7, B=B, T=T, N=N, K=K, H=H, block_q=bq, block_k=bq, window=40, sinks=4)
   lists = ssa_lists(B, N, T, T, block_q=bq, block_k=bq, sink_blocks=1, local_blocks=3).copy()

@@ -69,14 +69,29 @@ def _backend_module(name: str):
   return mod
 
 
-def triton_launch(block_q: int, block_k: int, H: int, itemsize: int) -> dict:
-  """num_warps / num_stages per kernel: two pipeline stages where the shared memory allows."""
+# Backward sub-tiles (Triton): dq walks kv blocks in sub-tiles of this many keys, a dk/dv
+# program owns this many keys and walks query blocks in sub-tiles of this many rows (the
+# compacted kernel's H200-tuned backward tiles: dq 128 x 64, dk/dv 64 x 64; a 128 x 128 dk/dv
+# tile keeps two 128 x H float32 accumulators live and spills).
+TRITON_SUB_TILE = 64
+
+
+def triton_launch(block_q: int, block_k: int, H: int, itemsize: int, sub: int) -> dict:
+  """num_warps / num_stages / sub-tiles per kernel; three pipeline stages where the shared
+  memory allows (else two, else one)."""
   def stages(per_stage, fixed):
-    return 2 if (2 * per_stage + fixed) * H * itemsize <= TRITON_SMEM_BYTES else 1
-  warps = 8 if block_q * block_k >= 128 * 128 else 4
-  return dict(fwd=dict(num_warps=warps, num_stages=stages(2 * block_k, block_q)),
-              dq=dict(num_warps=warps, num_stages=stages(2 * block_k, 2 * block_q)),
-              dkv=dict(num_warps=warps, num_stages=stages(2 * block_q, 2 * block_k)))
+    for n in (3, 2):
+      if (n * per_stage + fixed) * H * itemsize <= TRITON_SMEM_BYTES:
+        return n
+    return 1
+  sq, sk = min(block_q, sub), min(block_k, sub)
+  warps = lambda a, b: 8 if a * b >= 128 * 64 else 4
+  return dict(fwd=dict(num_warps=warps(block_q, block_k),
+                       num_stages=stages(2 * block_k, block_q)),
+              dq=dict(num_warps=warps(block_q, sk), num_stages=stages(2 * sk, 2 * block_q),
+                      sub_k=sk),
+              dkv=dict(num_warps=warps(sq, sk), num_stages=min(2, stages(2 * sq, 2 * sk)),
+                       sub_q=sq, sub_k=sk))
 
 
 def kernel_support(impl: str, q_shape, kv_shape, dtype, block_q: int, block_k: int) -> str | None:
@@ -140,6 +155,7 @@ class _Config:
   block_k: int
   interpret: Any
   poison: bool
+  sub_tile: int = TRITON_SUB_TILE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -193,7 +209,7 @@ def _launch(cfg: _Config, H: int, itemsize: int, kernel: str) -> dict:
   kw = dict(scale=cfg.scale, window=cfg.window, sinks=cfg.sinks, block_q=cfg.block_q,
             block_k=cfg.block_k, interpret=cfg.interpret, poison=cfg.poison)
   if cfg.backend == "triton":
-    kw.update(triton_launch(cfg.block_q, cfg.block_k, H, itemsize)[kernel])
+    kw.update(triton_launch(cfg.block_q, cfg.block_k, H, itemsize, cfg.sub_tile)[kernel])
   return kw
 
 
@@ -328,7 +344,7 @@ def block_sparse_attention(q_BTNH, k_BSKH, v_BSKH, kv_blocks_BNQL, head_mode_BN=
   else:
     cfg = _Config(backend=impl, scale=scale, window=None if window is None else int(window),
                   sinks=int(sinks), block_q=int(block_q), block_k=int(block_k),
-                  interpret=interpret, poison=poison)
+                  interpret=interpret, poison=poison, sub_tile=TRITON_SUB_TILE)
     meta = _normalise(B, T, S, N, kv_blocks, mode, qpos, kvpos, qseg, kvseg, act)
     out, lse_BNT = _kernel_attention_jit(cfg, q, k, v, meta)
     lse = jnp.swapaxes(lse_BNT, 1, 2)

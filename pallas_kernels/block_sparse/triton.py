@@ -5,10 +5,13 @@ head h reads kv head h // (N // K), K/V never repeated); tiles are the block lis
   forward  grid (N, B, q tile): FlashAttention-2 over the tile's visit table (tables.py): a
            HEAD_FULL head walks kv tiles [lo, hi) (masked / unmasked / masked), a HEAD_BLOCKS head
            walks its `count` listed tiles (masked). One launch for every head of a layer.
-  dq       grid (N, B, q tile): same tables, dq = scale * dS K.
-  dk/dv    grid (K, B, kv tile): loops over the G query heads of the kv head, each over its
-           transposed table (HEAD_FULL: the query tiles that can see the kv tile; HEAD_BLOCKS: the
-           query tiles whose lists hold it).
+  dq       grid (N, B, q tile): same tables, dq = scale * dS K, kv tiles walked in sub-tiles of
+           block_k_dq keys (fewer live registers than a block_k x H product).
+  dk/dv    grid (K, B, kv sub-tile of block_kv_dkv keys): loops over the G query heads of the kv
+           head, each over its transposed table (HEAD_FULL: the query tiles that can see the kv
+           tile; HEAD_BLOCKS: the query tiles whose lists hold it), in query sub-tiles of
+           block_q_dkv rows. Sub-tiles divide the lists' blocks; a table step covers a block's
+           sub-tiles in turn (index idx -> block idx // r, sub-tile idx % r).
 The element mask inside a tile: kv_pos <= q_pos, window (or a sink key), q_seg == kv_seg (the
 api folds documents, a cache's validity and the active set into these ids).
 """
@@ -85,6 +88,11 @@ def _read_meta(it, has_seg):
 def _kv_tile(full, list_ref, i, idx, L, nk):
   j = jnp.where(full, idx, list_ref[i, jnp.minimum(idx, L - 1)])
   return jnp.clip(j, 0, nk - 1)
+
+
+def _scaled(bounds, r):
+  """Table bounds in blocks -> in sub-tiles (r sub-tiles per block)."""
+  return tuple(b * r for b in bounds)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -182,7 +190,7 @@ def _bwd_lse2(lse):
   return jnp.where(lse2 == NEG_INF, jnp.inf, lse2)
 
 
-def _dq_kernel(*refs, has_seg, window, sinks, scale, bq, bk, nq, nk, L):
+def _dq_kernel(*refs, has_seg, window, sinks, scale, bq, bk, bks, nq, nk, L):
   it = iter(refs)
   full_ref, bounds_ref, list_ref = next(it), next(it), next(it)
   qpos_ref, qseg_ref, kvpos_ref, kvseg_ref = _read_meta(it, has_seg)
@@ -198,28 +206,31 @@ def _dq_kernel(*refs, has_seg, window, sinks, scale, bq, bk, nq, nk, L):
   qs = None if qseg_ref is None else qseg_ref[pl.ds(i * bq, bq)]
   qk_scale = scale * LOG2E
 
+  r = bk // bks
+
   def body(idx, dq, *, masked):
-    start = pl.multiple_of(_kv_tile(full, list_ref, i, idx, L, nk) * bk, bk)
-    k = k_ref[pl.ds(start, bk), :]
-    v = v_ref[pl.ds(start, bk), :]
+    tile = _kv_tile(full, list_ref, i, idx // r, L, nk)
+    start = pl.multiple_of(tile * bk + (idx % r) * bks, bks)
+    k = k_ref[pl.ds(start, bks), :]
+    v = v_ref[pl.ds(start, bks), :]
     s = _dot(q, k, trans_b=True) * qk_scale
     if masked:
-      kp = kvpos_ref[pl.ds(start, bk)]
-      ks = None if kvseg_ref is None else kvseg_ref[pl.ds(start, bk)]
+      kp = kvpos_ref[pl.ds(start, bks)]
+      ks = None if kvseg_ref is None else kvseg_ref[pl.ds(start, bks)]
       s = jnp.where(visible(qp, kp, qs, ks, window=window, sinks=sinks), s, NEG_INF)
     p = jnp.exp2(s - lse2[:, None])
     dp = _dot(do, v, trans_b=True)
     ds = p * (dp - delta[:, None])
     return dq + _dot(ds.astype(k.dtype), k)
 
-  dq = _loops(bounds, body, jnp.zeros(q.shape, jnp.float32))
+  dq = _loops(_scaled(bounds, r), body, jnp.zeros(q.shape, jnp.float32))
   dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
 
 
 def dq(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, full_BN, bounds_BNQ4, list_BNQL,
        qpos_BT, qseg_BIT, kvpos_BS, kvseg_BS, *, scale, window, sinks, block_q, block_k,
-       num_warps, num_stages, interpret=False, poison=False):
-  """dq [B, T, N, H]."""
+       num_warps, num_stages, sub_k=None, interpret=False, poison=False):
+  """dq [B, T, N, H]; sub_k: keys per inner step (divides block_k; default block_k)."""
   B, T, N, H = q_BTNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   G, L = N // K, list_BNQL.shape[-1]
@@ -245,7 +256,7 @@ def dq(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, full_BN, bounds_BNQ4
   aliases = {len(args) + n: n for n in range(len(pbufs))}
   specs += [q_spec for _ in pbufs]
   kernel = functools.partial(_dq_kernel, has_seg=has_seg, window=window, sinks=sinks,
-                             scale=scale, bq=bq, bk=bk, nq=nq, nk=nk, L=L)
+                             scale=scale, bq=bq, bk=bk, bks=sub_k or bk, nq=nq, nk=nk, L=L)
   return pl.pallas_call(
       kernel, grid=(N, B, nq), in_specs=specs, out_specs=[q_spec], out_shape=out_shapes,
       input_output_aliases=aliases, interpret=interpret, name="block_sparse_dq",
@@ -257,7 +268,7 @@ def dq(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, full_BN, bounds_BNQ4
 # backward: dk, dv
 # ----------------------------------------------------------------------------------------------
 
-def _dkv_kernel(*refs, has_seg, window, sinks, scale, bq, bk, nq, G, per_head):
+def _dkv_kernel(*refs, has_seg, window, sinks, scale, bq, bqs, rk, nq, G, per_head):
   it = iter(refs)
   full_ref, bounds_ref, list_ref = next(it), next(it), next(it)
   qpos_ref = next(it)
@@ -267,7 +278,7 @@ def _dkv_kernel(*refs, has_seg, window, sinks, scale, bq, bk, nq, G, per_head):
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = (next(it) for _ in range(6))
   dk_ref, dv_ref = refs[-2], refs[-1]
 
-  j = pl.program_id(2)
+  j = pl.program_id(2) // rk             # the lists' kv block of this program's sub-tile
   k, v = k_ref[...], v_ref[...]
   kp = kvpos_ref[...]
   ks = None if kvseg_ref is None else kvseg_ref[...]
@@ -277,11 +288,13 @@ def _dkv_kernel(*refs, has_seg, window, sinks, scale, bq, bk, nq, G, per_head):
     full = full_ref[g] != 0
     bounds = tuple(bounds_ref[g, j, c] for c in range(4))
     M = nq
+    r = bq // bqs
 
     def body(idx, carry, *, masked):
       dk, dv = carry
-      i = jnp.clip(jnp.where(full, idx, list_ref[g, j, jnp.minimum(idx, M - 1)]), 0, nq - 1)
-      sl = pl.ds(pl.multiple_of(i * bq, bq), bq)
+      blk = idx // r
+      i = jnp.clip(jnp.where(full, blk, list_ref[g, j, jnp.minimum(blk, M - 1)]), 0, nq - 1)
+      sl = pl.ds(pl.multiple_of(i * bq + (idx % r) * bqs, bqs), bqs)
       q = q_ref[sl, g, :]
       do = do_ref[sl, g, :]
       lse2 = _bwd_lse2(lse_ref[g, sl])
@@ -299,7 +312,7 @@ def _dkv_kernel(*refs, has_seg, window, sinks, scale, bq, bk, nq, G, per_head):
       dk = dk + _dot(dsT.astype(q.dtype), q)
       return dk, dv
 
-    return _loops(bounds, body, carry)
+    return _loops(_scaled(bounds, r), body, carry)
 
   zeros = jnp.zeros(k.shape, jnp.float32)
   dk, dv = lax.fori_loop(0, G, head, (zeros, zeros))
@@ -309,13 +322,16 @@ def _dkv_kernel(*refs, has_seg, window, sinks, scale, bq, bk, nq, G, per_head):
 
 def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, full_BN, boundsT_BNK4, listT_BNKM,
         qpos_BT, qseg_BIT, kvpos_BS, kvseg_BS, *, scale, window, sinks, block_q, block_k,
-        num_warps, num_stages, interpret=False, poison=False):
-  """(dk, dv) [B, S, K, H]."""
+        num_warps, num_stages, sub_q=None, sub_k=None, interpret=False, poison=False):
+  """(dk, dv) [B, S, K, H]; a program owns sub_k keys (divides block_k) and walks queries in
+  sub_q rows (divides block_q); defaults: the blocks."""
   B, T, N, H = q_BTNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   G, M = N // K, listT_BNKM.shape[-1]
   bq, bk = block_q, block_k
   nq, nk = T // bq, S // bk
+  bkp = sub_k or bk
+  nkp = S // bkp
   has_seg = qseg_BIT is not None
   per_head = has_seg and qseg_BIT.shape[1] > 1
   Gi = G if per_head else 1
@@ -329,12 +345,12 @@ def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, full_BN, boundsT_BN
   if has_seg:
     specs.append(pl.BlockSpec((None, Gi, T), lambda kh, b, j: (b, ksel(kh), 0)))
   args.append(kvpos_BS)
-  specs.append(pl.BlockSpec((None, bk), lambda kh, b, j: (b, j)))
+  specs.append(pl.BlockSpec((None, bkp), lambda kh, b, j: (b, j)))
   if has_seg:
     args.append(kvseg_BS)
-    specs.append(pl.BlockSpec((None, bk), lambda kh, b, j: (b, j)))
+    specs.append(pl.BlockSpec((None, bkp), lambda kh, b, j: (b, j)))
   qg_spec = pl.BlockSpec((None, T, G, H), lambda kh, b, j: (b, 0, kh, 0))
-  kv_spec = pl.BlockSpec((None, bk, None, H), lambda kh, b, j: (b, j, kh, 0))
+  kv_spec = pl.BlockSpec((None, bkp, None, H), lambda kh, b, j: (b, j, kh, 0))
   row_spec = pl.BlockSpec((None, G, T), lambda kh, b, j: (b, kh, 0))
   args += [q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT]
   specs += [qg_spec, kv_spec, kv_spec, qg_spec, row_spec, row_spec]
@@ -344,9 +360,10 @@ def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, full_BN, boundsT_BN
   aliases = {len(args) + n: n for n in range(len(pbufs))}
   specs += [kv_spec for _ in pbufs]
   kernel = functools.partial(_dkv_kernel, has_seg=has_seg, window=window, sinks=sinks,
-                             scale=scale, bq=bq, bk=bk, nq=nq, G=G, per_head=per_head)
+                             scale=scale, bq=bq, bqs=sub_q or bq, rk=bk // bkp, nq=nq, G=G,
+                             per_head=per_head)
   return pl.pallas_call(
-      kernel, grid=(K, B, nk), in_specs=specs, out_specs=[kv_spec, kv_spec],
+      kernel, grid=(K, B, nkp), in_specs=specs, out_specs=[kv_spec, kv_spec],
       out_shape=out_shapes, input_output_aliases=aliases, interpret=interpret,
       name="block_sparse_dkv",
       compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
