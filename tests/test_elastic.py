@@ -324,3 +324,22 @@ def test_report_msr_esr_per_task_and_heatmap(tmp_path):
   assert (tmp_path / "elastic_sparsity.png").stat().st_size > 1000
   kv = elastic.kv_cache_bytes(ecfg, 1024)
   assert kv["full"] == 2 * ecfg.num_layers * 1024 * ecfg.num_kv_heads * ecfg.head_dim * 4
+
+
+def test_pooling_boundary_and_prompt_mean_over_the_prompt():
+  """boundary: mean over the first / last `boundary` valid tokens of the prompt (the union when
+  they overlap); prompt_mean: all of them; padding and tokens past prompt_lengths never count."""
+  k = jax.random.normal(jax.random.PRNGKey(0), (3, 12, 2, 4))
+  valid = np.arange(12)[None] < np.array([[12], [9], [4]])
+  plen = np.array([10, 12, 4])
+  ob = elastic.ElasticOptions(boundary=3)
+  om = elastic.ElasticOptions(pooling="prompt_mean")
+  got_b = np.asarray(elastic.pool_keys(k, valid, plen, ob))
+  got_m = np.asarray(elastic.pool_keys(k, valid, plen, om))
+  got_all = np.asarray(elastic.pool_keys(k, valid, None, om))
+  kn = np.asarray(k)
+  for b, n in enumerate([10, 9, 4]):
+    idx = sorted(set(range(3)) | set(range(n - 3, n)))
+    np.testing.assert_allclose(got_b[b], kn[b, idx].mean(0), atol=1e-6)
+    np.testing.assert_allclose(got_m[b], kn[b, :n].mean(0), atol=1e-6)
+  np.testing.assert_allclose(got_all[0], kn[0].mean(0), atol=1e-6)
