@@ -1,0 +1,170 @@
+"""MATCH's per-forward retrieval state: which chunks each block retrieves, and the auxiliary input.
+
+`block_inputs` (full forward, slots = row indices) and `MatchInputs` (decode, slots = positions;
+it owns the raw-token cache: the "compact cache of original inputs") produce the same fields:
+
+  match_chunks_BGk     int32 [B, G, k]: retrieved chunk ids of block g (-1 = empty); chunk j is
+                       slots [j*c, (j+1)*c).
+  match_block_BG       int32 [B, G]: slot of block g's first query (a multiple of c).
+  match_block_pos_BG   int32 [B, G]: its position (what the retrieved keys' mask slot uses).
+  match_base_B         int32 [B]: slot of row 0 of this call (0 in a full forward; the chunk's
+                       first position in decode), so query t of row b is slot base + t.
+  match_doc_BG         int32 [B, G]: the block's document id (0 = none).
+and, when the retrieved K/V are recomputed (options.retrieved_kv='recompute', and always in
+decode), the auxiliary input: the retrieved chunks' raw tokens, block-major (aux row
+g*k*c + s*c + i = token i of block g's s-th chunk), returned as tokens [B, A = G*k*c] next to
+  match_aux_pos_BA     int32 [B, A]: their positions;   match_aux_ok_BA  int32 [B, A]: 1 = real.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from condattn_jax.attention.match import retrieval
+from condattn_jax.attention.match.options import MatchOptions, match_options
+
+
+def _take(x_BS, idx_BN):
+  """x[b, idx[b, ...]] with idx clipped into range (callers mask what is out of range)."""
+  S = x_BS.shape[1]
+  flat = jnp.clip(idx_BN, 0, S - 1).reshape(idx_BN.shape[0], -1)
+  out = jnp.take_along_axis(x_BS, flat.reshape(flat.shape + (1,) * (x_BS.ndim - 2)), axis=1)
+  return out.reshape(idx_BN.shape + x_BS.shape[2:])
+
+
+def num_blocks(T: int, c: int, decode: bool) -> int:
+  """Blocks a call of T queries can touch: ceil(T / c) from an aligned start (full forward),
+  ceil((T + c - 1) / c) from any start (decode / chunked prefill)."""
+  return -(-(T + (c - 1 if decode else 0)) // c)
+
+
+def aux_input(o: MatchOptions, ids_BGk, tokens_BS, positions_BS, ok_BS):
+  """The retrieved chunks' raw tokens, positions and validity, block-major [B, G*k*c]."""
+  B, G, k = ids_BGk.shape
+  c = o.chunk
+  rows = ids_BGk[..., None] * c + jnp.arange(c, dtype=jnp.int32)        # [B, G, k, c]
+  ok = (ids_BGk >= 0)[..., None] & (_take(ok_BS, rows) != 0)
+  rows = rows.reshape(B, -1)
+  tok = jnp.where(ok.reshape(B, -1), _take(tokens_BS, rows), 0)
+  pos = _take(positions_BS, rows)
+  return tok, pos, ok.reshape(B, -1).astype(jnp.int32)
+
+
+def block_inputs(o: MatchOptions, tokens_BT, positions_BT, segment_ids_BT=None, *,
+                 recompute: bool | None = None):
+  """Full forward: (aux tokens [B, A] or None, fields). Slots are row indices; a chunk or query
+  is used only inside one document (segment ids)."""
+  B, T = tokens_BT.shape
+  c = o.chunk
+  seg = (jnp.ones((B, T), jnp.int32) if segment_ids_BT is None
+         else segment_ids_BT.astype(jnp.int32))
+  G = num_blocks(T, c, decode=False)
+  start_BG = jnp.broadcast_to(jnp.arange(G, dtype=jnp.int32) * c, (B, G))
+  doc_BG = _take(seg, start_BG)
+  q_slots = retrieval.query_slots(start_BG, c)
+  q_ok = (q_slots >= 0) & (_take(seg, q_slots) == doc_BG[..., None]) & (doc_BG[..., None] != 0)
+  q_tok = _take(tokens_BT, q_slots)
+  J = T // c
+  chunk_tok = tokens_BT[:, :J * c].reshape(B, J, c)
+  chunk_seg = seg[:, :J * c].reshape(B, J, c)
+  chunk_ok = jnp.all(chunk_seg == chunk_seg[..., :1], axis=-1) & (chunk_seg[..., 0] != 0)
+  same_doc = chunk_seg[:, None, :, 0] == doc_BG[..., None]
+  if o.top_k and J:
+    ids = retrieval.retrieve(o, q_tok, q_ok, start_BG, chunk_tok, chunk_ok, cand_BGJ=same_doc)
+  else:
+    ids = jnp.full((B, G, o.top_k), -1, jnp.int32)
+  fields = dict(match_chunks_BGk=ids, match_block_BG=start_BG,
+                match_block_pos_BG=_take(positions_BT.astype(jnp.int32), start_BG),
+                match_base_B=jnp.zeros((B,), jnp.int32), match_doc_BG=doc_BG)
+  if recompute is None:
+    recompute = o.retrieved_kv == "recompute"
+  if not (recompute and o.top_k):
+    return None, fields
+  tok, pos, ok = aux_input(o, ids, tokens_BT, positions_BT.astype(jnp.int32), seg)
+  fields.update(match_aux_pos_BA=pos, match_aux_ok_BA=ok)
+  return tok, fields
+
+
+class MatchInputs(nn.Module):
+  """The decoder-level MATCH input step (`Scheme.input_module`): `(tokens_BT, ctx) -> (aux
+  tokens [B, A] or None, fields)`; the decoder appends the aux tokens' embeddings after the
+  chunk's rows and hands `fields` to every layer in ctx.fields.
+
+  Full forward: `block_inputs`. Decode (ctx.decode): cache variables
+    tokens  [B, cache_len] int32  every token seen so far, at its position (4 bytes per token:
+                                  the raw input the retrieved chunks' K/V are recomputed from)
+    length  [B] int32             tokens written
+    block   [B] int32             1 + the block of each row's last refresh (decode refreshes the
+                                  retrieved K/V when a row enters a new block: match_fresh_B,
+                                  match_g_last_B = the block, within this call, of its last token)
+    chunk_emb [B, cache_len // c, E] float32 (embedding retrievers only): each whole chunk's
+                                  embedding, computed once when the chunk completes
+  and each call retrieves for the blocks its queries touch (the rerank plug-in runs here).
+  """
+  config: object
+
+  @nn.compact
+  def __call__(self, tokens_BT, ctx):
+    o = match_options(self.config)
+    if not ctx.decode:
+      return block_inputs(o, tokens_BT, ctx.positions_BT, ctx.segment_ids_BT)
+    if ctx.cache_len is None:
+      raise ValueError("decode=True needs cache_len (the longest sequence to decode).")
+    B, T = tokens_BT.shape
+    c, S = o.chunk, ctx.cache_len
+    raw = self.variable("cache", "tokens", jnp.zeros, (B, S), jnp.int32)
+    length = self.variable("cache", "length", jnp.zeros, (B,), jnp.int32)
+    r = retrieval.make_retriever(o) if o.top_k else None
+    J = S // c
+    emb = None
+    if r is not None and r.kind == "embedding":
+      emb = self.variable("cache", "chunk_emb", jnp.zeros, (B, J, r.dim), jnp.float32)
+    valid = ctx.valid_BT
+    pos = ctx.positions_BT.astype(jnp.int32)
+    rows_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    raw.value = raw.value.at[rows_BT, jnp.where(valid, pos, S)].set(tokens_BT.astype(jnp.int32),
+                                                                     mode="drop")
+    old_len = length.value
+    new_len = old_len + jnp.sum(valid, axis=1, dtype=jnp.int32)
+    length.value = new_len
+    G = num_blocks(T, c, decode=True)
+    base = pos[:, 0]
+    start_BG = (base // c)[:, None] * c + jnp.arange(G, dtype=jnp.int32) * c
+    known_S = jnp.arange(S, dtype=jnp.int32)[None, :] < new_len[:, None]
+    q_slots = retrieval.query_slots(start_BG, c)
+    q_ok = (q_slots >= 0) & (q_slots < new_len[:, None, None])
+    q_tok = _take(raw.value, q_slots)
+    chunk_tok = raw.value[:, :J * c].reshape(B, J, c)
+    chunk_ok = (jnp.arange(J, dtype=jnp.int32)[None, :] + 1) * c <= new_len[:, None]
+    if r is None or J == 0:
+      ids = jnp.full((B, G, o.top_k), -1, jnp.int32)
+    else:
+      chunk_emb = None
+      if emb is not None:  # embed the chunks completed by this call, once
+        j_BG = start_BG // c
+        done = ((j_BG + 1) * c <= new_len[:, None]) & ((j_BG + 1) * c > old_len[:, None])
+        new_tok = _take(raw.value, j_BG[..., None] * c + jnp.arange(c, dtype=jnp.int32))
+        new_emb = r.embed(new_tok, jnp.broadcast_to(done[..., None], new_tok.shape))
+        rowsG = jnp.broadcast_to(jnp.arange(B)[:, None], j_BG.shape)
+        emb.value = emb.value.at[rowsG, jnp.where(done, j_BG, J)].set(new_emb, mode="drop")
+        chunk_emb = emb.value
+      ids = retrieval.retrieve(o, q_tok, q_ok, start_BG, chunk_tok, chunk_ok, chunk_emb)
+      ids = retrieval.rerank(o, ids, q_tok, q_ok, chunk_tok, chunk_ok)
+    # refresh: a row whose last token here is in another block than at its last refresh
+    # recomputes the retrieved K/V (every layer reads the same decision)
+    blk = self.variable("cache", "block", jnp.zeros, (B,), jnp.int32)  # block id + 1; 0 = none
+    n = jnp.sum(valid, axis=1, dtype=jnp.int32)
+    last = base + jnp.maximum(n - 1, 0)
+    fresh = (n > 0) & ((last // c + 1 != blk.value) | (T > 1))
+    blk.value = jnp.where(fresh, last // c + 1, blk.value)
+    one = jnp.ones((B, G), jnp.int32)
+    fields = dict(match_chunks_BGk=ids, match_block_BG=start_BG, match_block_pos_BG=start_BG,
+                  match_base_B=base, match_doc_BG=one, match_fresh_B=fresh,
+                  match_g_last_B=last // c - base // c)
+    if not o.top_k:
+      return None, fields
+    tok, apos, aok = aux_input(o, ids, raw.value, jnp.broadcast_to(
+        jnp.arange(S, dtype=jnp.int32), (B, S)), known_S.astype(jnp.int32))
+    fields.update(match_aux_pos_BA=apos, match_aux_ok_BA=aok)
+    return tok, fields

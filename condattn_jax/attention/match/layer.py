@@ -1,0 +1,250 @@
+"""MATCH's decoder layer (SCHEMES.md section 5; paper ../shared/papers/004_3b3ddadb1b62c6a7.txt).
+
+Variants (`Scheme.layer_variants`, see options.layer_kinds): 'swa' layers (sliding window w +
+retrieval) and 'full' layers (plain causal attention: the full-attention layers a post-sparsified
+model keeps). Parameter names are the dense layer's, so a dense checkpoint loads as is.
+
+An SWA layer, for query t in block g (slots g*c .. g*c+c-1, see retrieval.py):
+    visible(t, s) = causal AND (t - s < w  OR  s in one of block g's retrieved chunks)
+Kernel (never a dense T x T mask): per block, gather the block's queries [c], its local keys
+(slots g*c-w+1 .. g*c+c-1: the window of every query of the block) and its k*c retrieved keys,
+and run ops.attention on [B*G, c] x [B*G, w+c-1+k*c] with explicit positions (impl 'auto': the
+compacted-query Pallas kernel on GPU/TPU, the reference on CPU). The window applies to the local
+keys through their real positions; the retrieved keys get the block's first position as their
+mask slot (inside every block query's window, never after it; RoPE was applied with their real
+positions before), so one MaskSpec expresses "window OR retrieved".
+
+Retrieved K/V (options.retrieved_kv):
+  sequence   the chunks' K/V in this forward (training; the paper's mask).
+  recompute  the auxiliary input: the decoder appends the retrieved chunks' raw tokens (fields
+             from inputs.MatchInputs) as extra rows; every layer runs them (attention among the
+             block's retrieved chunks, causal on positions; then the MLP) and the block's queries
+             attend to their K/V. Decode always works this way.
+Decode (ctx.decode): a window-only ring cache (Attention's KVCache with `window` slots) for the
+SWA layers, a full cache for 'full' layers; the retrieved chunks' K/V are recomputed once per
+decoding block (when a row enters a new block) and kept in a fixed-size cache (RetrievedCache:
+k*c slots) that the block's later tokens reuse; between refreshes the aux rows are skipped
+(nn.cond). So SWA-layer memory is flat in the context length.
+"""
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from condattn_jax import ops
+from condattn_jax.attention.match.inputs import _take, block_inputs
+from condattn_jax.attention.match.options import match_options
+from condattn_jax.models.context import LayerContext
+from condattn_jax.models.layers import MLP, Attention, RMSNorm
+
+
+class RetrievedCache(nn.Module):
+  """Decode: the fixed-size temporary cache of the current block's recomputed retrieved K/V.
+
+  Variables: key/value [B, R, K, H] (R = k*c), ok [B, R] int32.
+  `__call__(k, v, ok [B, G, R, ...] fresh ones, fresh_B, g_last_B, all_fresh)` returns the K/V
+  each block uses (the fresh ones where `all_fresh` or the row refreshed, else the stored ones)
+  and stores the fresh K/V of the block of each refreshed row's last token."""
+
+  @nn.compact
+  def __call__(self, k_BGRKH, v_BGRKH, ok_BGR, fresh_B, g_last_B, all_fresh: bool):
+    B, G, R, K, H = k_BGRKH.shape
+    ck = self.variable("cache", "key", jnp.zeros, (B, R, K, H), k_BGRKH.dtype)
+    cv = self.variable("cache", "value", jnp.zeros, (B, R, K, H), v_BGRKH.dtype)
+    cok = self.variable("cache", "ok", jnp.zeros, (B, R), jnp.int32)
+    if all_fresh:
+      use = (k_BGRKH, v_BGRKH, ok_BGR)
+    else:
+      f = fresh_B[:, None, None]
+      use = (jnp.where(f[..., None, None], k_BGRKH, ck.value[:, None]),
+             jnp.where(f[..., None, None], v_BGRKH, cv.value[:, None]),
+             jnp.where(f, ok_BGR, cok.value[:, None]))
+    pick = lambda x: jnp.take_along_axis(
+        x, g_last_B.reshape((B, 1) + (1,) * (x.ndim - 2)), axis=1)[:, 0]
+    fr = fresh_B.reshape((B,) + (1,) * 3)
+    ck.value = jnp.where(fr, pick(k_BGRKH), ck.value)
+    cv.value = jnp.where(fr, pick(v_BGRKH), cv.value)
+    cok.value = jnp.where(fresh_B[:, None], pick(ok_BGR), cok.value)
+    return use
+
+
+class MatchLayer(nn.Module):
+  """One MATCH decoder layer: `(x_BTD, ctx) -> (x_BTD, aux)`; x may carry the auxiliary rows
+  after the T query rows (see the module docstring). aux: `retrieved` = mean fraction of the k
+  retrieval slots filled per block with queries (0 in 'full' layers and without retrieval)."""
+  config: object
+  variant: object = "swa"
+
+  def setup(self):
+    cfg = self.config
+    o = match_options(cfg)
+    if self.variant not in ("swa", "full"):
+      raise ValueError(f"MATCH layer variant {self.variant!r}: 'swa' or 'full'.")
+    self.self_attn = Attention(cfg, window=o.window if self.variant == "swa" else None)
+    norm = lambda: RMSNorm(eps=cfg.rms_norm_eps, dtype=cfg.compute_dtype,
+                           param_dtype=cfg.weight_dtype)
+    if cfg.post_norm:
+      self.post_attention_layernorm = norm()
+      self.post_feedforward_layernorm = norm()
+    else:
+      self.input_layernorm = norm()
+      self.post_attention_layernorm = norm()
+    self.mlp = MLP(cfg)
+    self.retrieved_cache = RetrievedCache()
+
+  # ------------------------------------------------------------------------- block halves
+  def _attn_in(self, x):
+    return x if self.config.post_norm else self.input_layernorm(x)
+
+  def _attn_residual(self, x, out):
+    return x + (self.post_attention_layernorm(out) if self.config.post_norm else out)
+
+  def _mlp_residual(self, x):
+    if self.config.post_norm:
+      return x + self.post_feedforward_layernorm(self.mlp(x))
+    return x + self.mlp(self.post_attention_layernorm(x))
+
+  # ------------------------------------------------------------------------- auxiliary rows
+  def _aux_update(self, x_BAD, pos_BA, ok_BA, G: int):
+    """The retrieved chunks' rows through this layer: attention among the block's retrieved
+    chunks (causal on positions), then the MLP. Returns (x, k [B, G, R, K, H], v)."""
+    o = match_options(self.config)
+    B, A, _ = x_BAD.shape
+    R = A // G
+    q, k, v = self.self_attn.project(self._attn_in(x_BAD))
+    q, k = self.self_attn.rope(q, pos_BA), self.self_attn.rope(k, pos_BA)
+    blk = lambda t: t.reshape((B * G, R) + t.shape[2:])
+    mask = ops.MaskSpec(q_positions_BT=blk(pos_BA), kv_positions_BS=blk(pos_BA),
+                        q_segment_ids_BT=blk(ok_BA), kv_segment_ids_BS=blk(ok_BA))
+    out = ops.attention(blk(q), blk(k), blk(v), mask, impl=o.impl).reshape(q.shape)
+    x = self._mlp_residual(self._attn_residual(x_BAD, self.self_attn.project_out(out)))
+    split = lambda t: t.reshape((B, G, R) + t.shape[2:])
+    return x, split(k), split(v)
+
+  def _aux_skip(self, x_BAD, pos_BA, ok_BA, G: int):
+    cfg = self.config
+    B, A, _ = x_BAD.shape
+    z = jnp.zeros((B, G, A // G, cfg.num_kv_heads, cfg.head_dim), cfg.compute_dtype)
+    return x_BAD, z, z
+
+  # ------------------------------------------------------------------------- attention
+  def _block_attend(self, q, k, v, ctx: LayerContext, f: dict, retrieved):
+    """Window OR retrieved chunks, per block (see the module docstring). retrieved: None (the
+    chunks' K/V are gathered from this forward's k/v) or (k, v, ok) [B, G, R, ...]."""
+    o = match_options(self.config)
+    c, w = o.chunk, o.window
+    B, T, N, H = q.shape
+    start, base = f["match_block_BG"], f["match_base_B"]
+    G = start.shape[1]
+    pos = ctx.positions_BT.astype(jnp.int32)
+    seg = (ctx.valid_BT.astype(jnp.int32) if ctx.decode or ctx.segment_ids_BT is None
+           else ctx.segment_ids_BT.astype(jnp.int32))
+    # queries of each block (chunk row index = slot - base)
+    qt = start[..., None] - base[:, None, None] + jnp.arange(c, dtype=jnp.int32)    # [B, G, c]
+    q_in = (qt >= 0) & (qt < T)
+    q_seg = jnp.where(q_in, _take(seg, qt), 0)
+    q_pos = _take(pos, qt)
+    # local keys: the window of every query of the block
+    ls = start[..., None] - (w - 1) + jnp.arange(w + c - 1, dtype=jnp.int32)       # slots
+    if ctx.decode:
+      k_all, v_all, kv_pos, kv_valid = self.self_attn.write_cache(k, v, ctx)
+      ring = k_all.shape[1] - T
+      if ring < ctx.cache_len:  # window ring (before the write) + this chunk
+        idx = jnp.where(ls >= base[:, None, None], ring + ls - base[:, None, None], ls % ring)
+      else:  # full cache (window >= cache_len): slot = position
+        idx = ls
+      l_ok = (ls >= 0) & (_take(kv_valid, idx) != 0) & (_take(kv_pos, idx) == ls)
+      kl, vl, l_pos, l_seg = _take(k_all, idx), _take(v_all, idx), ls, l_ok.astype(jnp.int32)
+    else:
+      lt = ls - base[:, None, None]
+      l_ok = (lt >= 0) & (lt < T)
+      kl, vl, l_pos = _take(k, lt), _take(v, lt), _take(pos, lt)
+      l_seg = jnp.where(l_ok, _take(seg, lt), 0)
+    # retrieved keys, all at the block's first position (their mask slot)
+    ids = f["match_chunks_BGk"]
+    if retrieved is None:
+      rows = (ids[..., None] * c + jnp.arange(c, dtype=jnp.int32)).reshape(B, G, -1)
+      r_ok = jnp.repeat(ids >= 0, c, axis=-1)
+      kr, vr = _take(k, rows), _take(v, rows)
+      r_seg = jnp.where(r_ok, _take(seg, rows), 0)
+    else:
+      kr, vr, r_ok = retrieved
+      r_seg = jnp.where(r_ok != 0, (f["match_doc_BG"][..., None] if not ctx.decode else 1), 0)
+    R = kr.shape[2]
+    r_pos = jnp.broadcast_to(f["match_block_pos_BG"][..., None], (B, G, R))
+    kk = jnp.concatenate([kl, kr.astype(kl.dtype)], axis=2)
+    vv = jnp.concatenate([vl, vr.astype(vl.dtype)], axis=2)
+    flat = lambda t: t.reshape((B * G,) + t.shape[2:])
+    mask = ops.MaskSpec(q_positions_BT=flat(q_pos),
+                        kv_positions_BS=flat(jnp.concatenate([l_pos, r_pos], axis=-1)),
+                        q_segment_ids_BT=flat(q_seg),
+                        kv_segment_ids_BS=flat(jnp.concatenate([l_seg, r_seg], axis=-1)),
+                        window=w)
+    out = ops.attention(flat(_take(q, qt)), flat(kk), flat(vv), mask, impl=o.impl)
+    rows_BG = jnp.broadcast_to(jnp.arange(B)[:, None, None], qt.shape)
+    return jnp.zeros_like(q).at[rows_BG, jnp.where(q_in, qt, T)].set(
+        out.reshape(B, G, c, N, H), mode="drop")
+
+  def _plain_attend(self, q, k, v, ctx: LayerContext):
+    """Full layers, or SWA without retrieval (with StreamingLLM sinks when options.sinks)."""
+    o = match_options(self.config)
+    if self.variant == "swa" and o.sinks:
+      if ctx.decode:
+        raise ValueError(f"model.scheme_kwargs.sinks={o.sinks}: the sink+window baseline runs "
+                         "the full forward only (no decode cache for sinks).")
+      mask = ops.MaskSpec(q_positions_BT=ctx.positions_BT, kv_positions_BS=ctx.positions_BT,
+                          q_segment_ids_BT=ctx.segment_ids_BT,
+                          kv_segment_ids_BS=ctx.segment_ids_BT, window=o.window, sinks=o.sinks,
+                          contiguous=True)
+      return ops.attention(q, k, v, mask, impl=self.config.attention_impl)
+    return self.self_attn.attend(q, k, v, ctx)
+
+  # ------------------------------------------------------------------------- the layer
+  def __call__(self, x_BTD, ctx: LayerContext):
+    cfg = self.config
+    o = match_options(cfg)
+    B, T = ctx.positions_BT.shape
+    A = x_BTD.shape[1] - T
+    f = dict(ctx.fields)
+    retrieves = self.variant == "swa" and o.top_k > 0
+    if "match_chunks_BGk" not in f and retrieves:
+      if ctx.decode or o.retrieved_kv == "recompute":
+        raise ValueError("MATCH decode / retrieved_kv='recompute' needs the auxiliary input of "
+                         "the decoder's MATCH input step (Scheme.input_module); call the layer "
+                         "through models.decoder.Decoder.")
+      f.update(block_inputs(o, ctx.tokens_BT, ctx.positions_BT, ctx.segment_ids_BT,
+                            recompute=False)[1])
+    x_main, x_aux = x_BTD[:, :T], x_BTD[:, T:]
+
+    retrieved = None
+    if A:
+      G = f["match_block_BG"].shape[1]
+      apos, aok = f["match_aux_pos_BA"], f["match_aux_ok_BA"]
+      if ctx.decode and T == 1:  # recompute only when a row enters a new block
+        x_aux, k_aux, v_aux = nn.cond(
+            jnp.any(f["match_fresh_B"]), lambda m, *a: m._aux_update(*a, G),
+            lambda m, *a: m._aux_skip(*a, G), self, x_aux, apos, aok)
+      else:
+        x_aux, k_aux, v_aux = self._aux_update(x_aux, apos, aok, G)
+      ok_BGR = aok.reshape(B, G, A // G)
+      if ctx.decode and retrieves:
+        k_aux, v_aux, ok_BGR = self.retrieved_cache(k_aux, v_aux, ok_BGR, f["match_fresh_B"],
+                                                    f["match_g_last_B"], all_fresh=T > 1)
+      retrieved = (k_aux, v_aux, ok_BGR)
+
+    q, k, v = self.self_attn.qkv(self._attn_in(x_main), ctx.positions_BT)
+    if retrieves:
+      heads = self._block_attend(q, k, v, ctx, f, retrieved)
+    else:
+      heads = self._plain_attend(q, k, v, ctx)
+    x_main = self._mlp_residual(self._attn_residual(x_main, self.self_attn.project_out(heads)))
+    x_out = jnp.concatenate([x_main, x_aux], axis=1) if A else x_main
+
+    if retrieves:
+      ids = f["match_chunks_BGk"]
+      filled = jnp.mean((ids >= 0).astype(jnp.float32), axis=-1)                   # [B, G]
+      frac = jnp.mean(filled)
+    else:
+      frac = jnp.zeros((), jnp.float32)
+    return x_out, {"retrieved": frac}

@@ -1,0 +1,127 @@
+"""MATCH options (`model.scheme_kwargs` of scheme 'match') and the SWA / full layer pattern."""
+from __future__ import annotations
+
+import dataclasses
+
+from condattn_jax import ops
+from condattn_jax.models.config import ModelConfig
+
+RETRIEVED_KV = ("sequence", "recompute")
+
+
+@dataclasses.dataclass(frozen=True)
+class MatchOptions:
+  """The `scheme_kwargs` of scheme 'match' (defaults: SCHEMES.md section 5).
+
+  window        local window w of the SWA layers (keys t-w+1..t).
+  chunk         c: retrieval chunks are the aligned blocks [j*c, (j+1)*c) of a row; queries are
+                grouped in the same blocks (the retrieval interval): block g's query is the c
+                tokens ending at its first token (rows g*c-c+1 .. g*c), and its result is shared by
+                the block's c queries. Needs chunk <= window.
+  top_k         k chunks retrieved per block (0 = no retrieval: a plain SWA / sink+window model).
+  swa_ratio     fraction of layers that are SWA (+ retrieval); the others are full attention
+                (post-sparsified models: 0.5 / 0.8; pre-sparsified: 1.0). See `layer_kinds`.
+  retriever     'exact' (exact match of query key tokens: synthetic tasks), 'minilm' (the
+                all-MiniLM-L6-v2 bi-encoder over the chunks' text), or 'pkg.module:factory'.
+  retriever_kwargs (name, value) pairs for the retriever factory (exact: ignore_tokens;
+                minilm: tokenizer = the LLM's tokenizer.json, to turn chunks back into text).
+  reranker      '' (none) or 'pkg.module:factory' -> a Reranker (decode only, see retrieval.py).
+  rerank_k      with a reranker: the bi-encoder retrieves top_k, the reranker keeps rerank_k.
+  retrieved_kv  what the retrieved chunks' K/V are:
+                'sequence'  their K/V in this forward (the paper's training / prefill mask:
+                            causal AND (window OR retrieved chunks));
+                'recompute' the "auxiliary input": the chunks' raw tokens run through every layer
+                            again, attending causally among the block's retrieved chunks only
+                            (what decode with a window-only cache computes; a full forward in
+                            this mode equals generation).
+                Decode always recomputes (the window cache has no old K/V).
+  sinks         StreamingLLM sink tokens kept visible in the SWA layers (full forward only).
+  impl          ops.attention impl of the gathered per-block attention ('auto': the compacted-
+                query Pallas kernel on GPU/TPU, the reference on CPU).
+  """
+  window: int = 1024
+  chunk: int = 128
+  top_k: int = 4
+  swa_ratio: float = 1.0
+  retriever: str = "exact"
+  retriever_kwargs: tuple = ()
+  reranker: str = ""
+  rerank_k: int = 0
+  retrieved_kv: str = "sequence"
+  sinks: int = 0
+  impl: str = "auto"
+
+  def __post_init__(self):
+    for f in ("window", "chunk"):
+      v = getattr(self, f)
+      if int(v) != v or v < 1:
+        raise ValueError(f"model.scheme_kwargs.{f}={v!r} must be an int >= 1.")
+    if self.chunk > self.window:
+      raise ValueError(f"model.scheme_kwargs.chunk={self.chunk} must be <= window={self.window} "
+                       "(a block's queries share the window's retrieved-key slot).")
+    if int(self.top_k) != self.top_k or self.top_k < 0:
+      raise ValueError(f"model.scheme_kwargs.top_k={self.top_k!r} must be an int >= 0.")
+    if not 0.0 <= self.swa_ratio <= 1.0:
+      raise ValueError(f"model.scheme_kwargs.swa_ratio={self.swa_ratio} must be in [0, 1].")
+    if self.retrieved_kv not in RETRIEVED_KV:
+      raise ValueError(f"model.scheme_kwargs.retrieved_kv={self.retrieved_kv!r}: choose one of "
+                       f"{RETRIEVED_KV}.")
+    if self.reranker and not 0 < self.rerank_k <= self.top_k:
+      raise ValueError(f"model.scheme_kwargs.rerank_k={self.rerank_k} must be in [1, top_k="
+                       f"{self.top_k}] with a reranker.")
+    if self.sinks < 0:
+      raise ValueError(f"model.scheme_kwargs.sinks={self.sinks} must be >= 0.")
+    if self.sinks and self.top_k:
+      raise ValueError(f"model.scheme_kwargs.sinks={self.sinks} is the StreamingLLM baseline "
+                       f"(sink + window, no retrieval): set top_k=0 (got {self.top_k}).")
+    if self.impl not in ops.IMPLS:
+      raise ValueError(f"model.scheme_kwargs.impl={self.impl!r}: choose one of {ops.IMPLS}.")
+
+  @property
+  def kept_k(self) -> int:
+    """Chunks attended per block at decode (after the optional rerank)."""
+    return self.rerank_k if self.reranker else self.top_k
+
+
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(MatchOptions))
+
+
+def match_options(config) -> MatchOptions:
+  """MatchOptions from a ModelConfig (its scheme_kwargs), a run config, a dict or MatchOptions."""
+  if isinstance(config, MatchOptions):
+    return config
+  if isinstance(config, ModelConfig):
+    kw = config.scheme_options
+  elif isinstance(config, dict):
+    kw = dict(config)
+  elif hasattr(config, "model"):
+    return match_options(config.model)
+  else:
+    kw = dict(getattr(config, "scheme_kwargs", ()))
+  unknown = sorted(set(kw) - set(OPTION_NAMES))
+  if unknown:
+    raise ValueError(f"model.scheme_kwargs has unknown MATCH option(s) {unknown}; valid: "
+                     f"{sorted(OPTION_NAMES)}.")
+  kw = {k: (tuple(sorted(v.items())) if isinstance(v, dict) else v) for k, v in kw.items()}
+  return MatchOptions(**kw)
+
+
+def match_config(base: ModelConfig, **options) -> ModelConfig:
+  """`base` (dense, full attention) turned into scheme 'match' with these options (validated)."""
+  if base.sliding_window is not None:
+    raise ValueError(f"model.sliding_window={base.sliding_window}: MATCH's window is "
+                     "scheme_kwargs.window; set sliding_window=None.")
+  kw = dict(base.scheme_kwargs) if base.scheme == "match" else {}
+  kw.update({k: (tuple(sorted(v.items())) if isinstance(v, dict) else v)
+             for k, v in options.items()})
+  match_options(kw)
+  return base.replace(scheme="match", scheme_kwargs=tuple(sorted(kw.items())))
+
+
+def layer_kinds(config) -> tuple[str, ...]:
+  """'swa' | 'full' per layer: round(L * (1 - swa_ratio)) full layers spread evenly, each at the
+  end of its span (L=28, ratio 0.5: layers 1, 3, ..., 27 are full)."""
+  L = config.num_layers
+  n_full = int(round(L * (1.0 - match_options(config).swa_ratio)))
+  full = {int((i + 1) * L / n_full) - 1 for i in range(n_full)} if n_full else set()
+  return tuple("full" if i in full else "swa" for i in range(L))

@@ -1,0 +1,273 @@
+"""MATCH full forward (SCHEMES.md section 5): retrieval geometry and exact match against a numpy
+brute force, the per-block fused attention against a dense masked reference (window OR
+retrieved chunks), causality, the SWA / sink baselines, layer variants, recompute mode, MiniLM
+bi-encoder and reranker plug-ins, options errors."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from condattn_jax.attention import match
+from condattn_jax.attention.match import layer as match_layer
+from condattn_jax.attention.match import retrieval
+from condattn_jax.models.config import ModelConfig
+from condattn_jax.models.decoder import Decoder
+
+BASE = ModelConfig(family="qwen3", qk_norm="head", num_layers=2, vocab_size=32)
+
+
+def _model(cfg, T=40, seed=0):
+  tok = jnp.zeros((1, T), jnp.int32)
+  return nn.unbox(jax.jit(Decoder(cfg).init)(jax.random.PRNGKey(seed), tok)["params"])
+
+
+def _apply(cfg):
+  return jax.jit(Decoder(cfg).apply)
+
+
+def _tokens(B, T, hi=8, seed=1):
+  return jax.random.randint(jax.random.PRNGKey(seed), (B, T), 1, hi)
+
+
+# ------------------------------------------------------------------------------ retrieval
+def _brute_force_ids(tok, seg, c, w, k, ignore=(0,)):
+  """numpy: per row and block, the top-k chunks by distinct-query-token overlap (ties: later)."""
+  B, T = tok.shape
+  G, J = -(-T // c), T // c
+  out = np.full((B, G, k), -1)
+  for b in range(B):
+    for g in range(G):
+      s = g * c
+      qs = [t for t in range(s - c + 1, s + 1) if t >= 0 and seg[b, t] == seg[b, s]]
+      query = {int(tok[b, t]) for t in qs} - set(ignore)
+      scored = []
+      for j in range(J):
+        rows = range(j * c, (j + 1) * c)
+        if (j + 1) * c > s - w + 1 or any(seg[b, r] != seg[b, s] for r in rows) or seg[b, s] == 0:
+          continue
+        score = len(query & {int(tok[b, r]) for r in rows})
+        if score > 0:
+          scored.append((score, j))
+      scored.sort(reverse=True)
+      for i, (_, j) in enumerate(scored[:k]):
+        out[b, g, i] = j
+  return out
+
+
+@pytest.mark.parametrize("c,w,k,packed", [(2, 8, 4, False), (4, 8, 2, True), (3, 5, 1, False)])
+def test_exact_match_retrieval_equals_brute_force(c, w, k, packed):
+  T = 45
+  tok = np.asarray(_tokens(2, T, hi=12, seed=c))
+  seg = np.ones((2, T), np.int32)
+  if packed:
+    seg[0, 20:] = 2
+    seg[1, 40:] = 0
+  o = match.MatchOptions(window=w, chunk=c, top_k=k)
+  _, f = match.block_inputs(o, jnp.asarray(tok), jnp.asarray(np.arange(T)[None].repeat(2, 0)),
+                            jnp.asarray(seg))
+  got = np.asarray(f["match_chunks_BGk"])
+  want = _brute_force_ids(tok, seg, c, w, k)
+  assert got.shape == want.shape
+  for b in range(2):
+    for g in range(got.shape[1]):
+      assert sorted(got[b, g]) == sorted(want[b, g]), (b, g, got[b, g], want[b, g])
+  assert (got >= 0).any()
+  # geometry: nothing retrieved before the context exceeds the window; never in the window
+  for g in range(got.shape[1]):
+    for j in got[:, g].ravel():
+      assert j < 0 or (j + 1) * c <= g * c - w + 1
+
+
+def test_mqar_query_key_retrieves_its_pair():
+  from condattn_jax.data.synthetic import MQAR
+  task = MQAR(seq_len=128, vocab_size=64, num_pairs=8, min_gap=40)
+  ex = task.example(0, 3)
+  tok = jnp.asarray(ex["inputs"])[None]
+  o = match.MatchOptions(window=32, chunk=2, top_k=4)
+  _, f = match.block_inputs(o, tok, jnp.arange(128)[None])
+  ids = np.asarray(f["match_chunks_BGk"])[0]
+  qpos = np.flatnonzero(ex["loss_mask"])
+  assert len(qpos) == 8
+  for t in qpos:  # the query key is at t (the block's first slot): its pair is chunk j = key's
+    key = int(ex["inputs"][t])
+    j = int(np.flatnonzero(ex["inputs"][:16:2] == key)[0])
+    assert j in ids[t // 2], (t, key, ids[t // 2])
+
+
+# ------------------------------------------------------------------------------ attention
+def _dense_block_attend(self, q, k, v, ctx, f, retrieved):
+  """The dense masked reference: causal AND same document AND (window OR retrieved chunk)."""
+  assert retrieved is None
+  o = match.match_options(self.config)
+  B, T, N, H = q.shape
+  pos = ctx.positions_BT
+  seg = jnp.ones((B, T), jnp.int32) if ctx.segment_ids_BT is None else ctx.segment_ids_BT
+  ids = f["match_chunks_BGk"]
+  g_T = jnp.arange(T) // o.chunk
+  ret = jnp.any(ids[:, g_T, :, None] == (jnp.arange(T) // o.chunk)[None, None, None, :], axis=2)
+  d = pos[:, :, None] - pos[:, None, :]
+  m = (d >= 0) & (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] != 0)
+  m &= (d < o.window) | ret
+  kr, vr = (jnp.repeat(x, N // x.shape[2], axis=2) for x in (k, v))
+  s = jnp.einsum("btnh,bsnh->bnts", q, kr, precision="highest") / np.sqrt(H)
+  s = jnp.where(m[:, None], s, -jnp.inf)
+  p = jnp.where(m[:, None], jax.nn.softmax(s, axis=-1), 0.0)
+  return jnp.einsum("bnts,bsnh->btnh", jnp.nan_to_num(p), vr, precision="highest")
+
+
+def test_fused_blocks_equal_dense_masked_reference(monkeypatch):
+  """OLMo-2 (post-norm, GQA), two packed documents + padding, SWA / SWA / full layers."""
+  base = ModelConfig(family="olmo2", num_layers=3, vocab_size=32).replace(qk_norm="full",
+                                                                         post_norm=True)
+  cfg = match.match_config(base, window=8, chunk=4, top_k=2, swa_ratio=0.7)
+  assert match.layer_kinds(cfg) == ("swa", "swa", "full")
+  params = _model(cfg)
+  tok = _tokens(2, 43)
+  seg = np.ones((2, 43), np.int32)
+  seg[1, 25:] = 2
+  seg[1, 41:] = 0
+  pos = np.concatenate([np.arange(25), np.arange(18)])
+  pos = np.stack([np.arange(43), np.where(seg[1] == 0, 0, pos)]).astype(np.int32)
+  args = (tok, jnp.asarray(pos), jnp.asarray(seg))
+  got, aux = _apply(cfg)({"params": params}, *args)
+  assert float(aux["retrieved"][0]) > 0.2 and float(aux["retrieved"][2]) == 0.0
+  monkeypatch.setattr(match_layer.MatchLayer, "_block_attend", _dense_block_attend)
+  want, _ = _apply(cfg)({"params": params}, *args)
+  live = seg != 0
+  np.testing.assert_allclose(np.asarray(got)[live], np.asarray(want)[live], atol=2e-5)
+  # and retrieval matters: the same model without retrieval differs
+  swa = cfg.replace(scheme_kwargs=dict(cfg.scheme_options, top_k=0))
+  other, _ = _apply(swa)({"params": params}, *args)
+  assert np.abs(np.asarray(other) - np.asarray(got))[live].max() > 1e-3
+
+
+def test_causal_including_retrieval():
+  cfg = match.match_config(BASE, window=8, chunk=4, top_k=2)
+  params = _model(cfg)
+  tok = _tokens(1, 40)
+  a, _ = _apply(cfg)({"params": params}, tok)
+  b, _ = _apply(cfg)({"params": params}, tok.at[0, 30].set(7 if tok[0, 30] != 7 else 6))
+  np.testing.assert_array_equal(np.asarray(a)[0, :30], np.asarray(b)[0, :30])
+  assert np.abs(np.asarray(a)[0, 30:] - np.asarray(b)[0, 30:]).max() > 1e-4
+
+
+def test_no_retrieval_is_the_sliding_window_model():
+  cfg = match.match_config(BASE, window=8, chunk=4, top_k=0)
+  params = _model(cfg)
+  tok = _tokens(2, 40)
+  got, _ = _apply(cfg)({"params": params}, tok)
+  dense = BASE.replace(sliding_window=8)
+  want, _ = _apply(dense)({"params": params}, tok)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
+
+
+def test_sinks_baseline_sees_the_first_tokens():
+  cfg = match.match_config(BASE, window=8, chunk=4, top_k=0, sinks=2)
+  params = _model(cfg)
+  tok = _tokens(1, 40)
+  a, _ = _apply(cfg)({"params": params}, tok)
+  b, _ = _apply(cfg)({"params": params}, tok.at[0, 1].set(7 if tok[0, 1] != 7 else 6))
+  assert np.abs(np.asarray(a)[0, 39] - np.asarray(b)[0, 39]).max() > 1e-4  # a sink: visible
+  c, _ = _apply(cfg)({"params": params}, tok.at[0, 5].set(7 if tok[0, 5] != 7 else 6))
+  np.testing.assert_array_equal(np.asarray(a)[0, 39], np.asarray(c)[0, 39])  # out of reach
+
+
+def test_one_layer_recompute_equals_sequence():
+  """Layer-0 K/V depend on the token and position only: recomputing them is exact."""
+  cfg = match.match_config(BASE.replace(num_layers=1), window=8, chunk=4, top_k=2)
+  params = _model(cfg)
+  tok = _tokens(2, 40)
+  a, _ = _apply(cfg)({"params": params}, tok)
+  rc = cfg.replace(scheme_kwargs=dict(cfg.scheme_options, retrieved_kv="recompute"))
+  b, _ = _apply(rc)({"params": params}, tok)
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=2e-5)
+  two = match.match_config(BASE, window=8, chunk=4, top_k=2)
+  p2 = _model(two)
+  a2, _ = _apply(two)({"params": p2}, tok)
+  b2, _ = _apply(two.replace(scheme_kwargs=dict(two.scheme_options, retrieved_kv="recompute"))
+                 )({"params": p2}, tok)
+  assert np.abs(np.asarray(a2) - np.asarray(b2)).max() > 1e-4  # deeper layers: approximate
+
+
+def test_dense_params_load_and_convert_back():
+  cfg = match.match_config(BASE.replace(num_layers=4), window=8, chunk=4, swa_ratio=0.5)
+  assert match.layer_kinds(cfg) == ("swa", "full", "swa", "full")
+  dense_p = _model(BASE.replace(num_layers=4))
+  mp = match.from_dense(dense_p, cfg)
+  assert set(mp) >= {"layers_0_1", "layers_1_2", "layers_2_3", "layers_3_4"}
+  dcfg, back = match.to_dense(mp, cfg)
+  assert dcfg.scheme == "dense"
+  jax.tree.map(np.testing.assert_array_equal, back, dense_p)
+  # a pre-sparsified all-SWA model with w >= T and no retrieval is the dense model
+  full_w = match.match_config(BASE.replace(num_layers=4), window=64, chunk=4, top_k=0)
+  tok = _tokens(1, 40)
+  a, _ = _apply(full_w)({"params": match.from_dense(dense_p, full_w)}, tok)
+  b, _ = _apply(BASE.replace(num_layers=4))({"params": dense_p}, tok)
+  np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def test_layer_kinds_ratios():
+  L28 = BASE.replace(num_layers=28)
+  k5 = match.layer_kinds(match.match_config(L28, swa_ratio=0.5))
+  assert k5.count("swa") == 14 and k5[1] == "full" and k5[0] == "swa"
+  k8 = match.layer_kinds(match.match_config(L28, swa_ratio=0.8))
+  assert k8.count("full") == 6 and k8[-1] == "full"
+  assert set(match.layer_kinds(match.match_config(L28))) == {"swa"}
+
+
+def test_option_errors_name_the_field():
+  with pytest.raises(ValueError, match="chunk=16 must be <= window=8"):
+    match.MatchOptions(window=8, chunk=16)
+  with pytest.raises(ValueError, match="retrieved_kv"):
+    match.MatchOptions(retrieved_kv="cached")
+  with pytest.raises(ValueError, match="sinks=4 .* top_k=0"):
+    match.MatchOptions(sinks=4)
+  with pytest.raises(ValueError, match="unknown MATCH option"):
+    match.match_options({"windw": 3})
+  with pytest.raises(ValueError, match="needs retriever_kwargs tokenizer"):
+    retrieval.make_retriever(match.MatchOptions(retriever="minilm"))
+
+
+# ------------------------------------------------------------------------------ plug-ins
+WORDS = ["<pad>", "the", "cat", "sat", "on", "mat", "stock", "market", "rallied", "today",
+         "kitten", "rug", "shares", "rose", "sharply", "ocean", "waves", "crashed", "shore"]
+
+
+def test_minilm_bi_encoder_retrieves_the_related_chunk():
+  r = retrieval.MiniLMRetriever(tokenizer=lambda ids: " ".join(WORDS[i] for i in ids))
+  ix = {w: i for i, w in enumerate(WORDS)}
+  ids = lambda s: [ix[w] for w in s.split()]
+  chunks = [ids("the cat sat on"), ids("stock market rallied today"), ids("ocean waves crashed shore")]
+  filler = ids("the the the the")
+  seq = sum(chunks, []) + filler + ids("shares rose sharply today") + filler
+  tok = jnp.asarray(seq, jnp.int32)[None]
+  # window 8, chunk 4: block 5 (slots 20..23) may retrieve chunks 0..2 (end <= 20 - 8 + 1); its
+  # query is slots 17..20: "rose sharply today the"
+  o = match.MatchOptions(window=8, chunk=4, top_k=1, retriever="minilm",
+                         retriever_kwargs=(("tokenizer", None),))
+  retrieval._CACHE[("retriever", "minilm", o.retriever_kwargs)] = r
+  _, f = match.block_inputs(o, tok, jnp.arange(len(seq))[None])
+  got = np.asarray(f["match_chunks_BGk"])[0]
+  assert got[5, 0] == 1, got
+  e = r.embed_host(np.asarray(chunks)[None], np.ones((1, 3, 4), bool))
+  assert e.shape == (1, 3, 384) and np.allclose(np.linalg.norm(e, axis=-1), 1.0, atol=1e-5)
+
+
+class LastChunkReranker:
+  """Test double of a cross-encoder: prefers the latest chunk (scores = first token's value)."""
+
+  def scores(self, q_tok_Bc, q_ok_Bc, cand_tok_Bkc, cand_ok_Bkc):
+    return jnp.where(cand_ok_Bkc[..., 0], cand_tok_Bkc[..., 0].astype(jnp.float32), -1.0)
+
+
+def test_reranker_keeps_its_best(monkeypatch):
+  import sys
+  monkeypatch.setitem(sys.modules, "match_rerank_double", sys.modules[__name__])
+  o = match.MatchOptions(window=4, chunk=2, top_k=3, reranker="match_rerank_double:LastChunkReranker",
+                         rerank_k=1)
+  ids = jnp.asarray([[[0, 2, 1]]], jnp.int32)
+  chunk_tok = jnp.asarray([[[5, 5], [9, 9], [7, 7]]], jnp.int32)
+  q = jnp.zeros((1, 1, 2), jnp.int32)
+  kept = retrieval.rerank(o, ids, q, q, chunk_tok, jnp.ones((1, 3), bool))
+  assert kept.tolist() == [[[1]]]
