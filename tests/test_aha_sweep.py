@@ -43,3 +43,26 @@ def test_fused_recall_rows_and_long_tailed_distances():
   # a pure function of (seed, stream, index)
   np.testing.assert_array_equal(task.batch(3, 2, 1)["inputs"], b["inputs"][3:5])
 
+
+
+def test_recorded_sweep():
+  """bench/results/aha_window_sweep.json (CPU preset, fused recall at T=256): at every window the
+  AHA model stays within 2 points of the dense model's accuracy while running full attention for
+  a small fraction of (token, head) pairs, and at the query tokens (where the long-range need is)
+  the full-attention usage falls as the window grows. Overall mu_f is NOT monotone here (it is
+  dominated by a small off-query baseline): recorded as is, see the issue's closing note."""
+  doc = json.load(open(RESULT))
+  assert doc["date"] and doc["jax_version"] and doc["task"]["distance"].startswith("log-uniform")
+  ws = sorted(int(w) for w in doc["per_window"])
+  assert ws == [16, 32, 64, 128], ws
+  dense = doc["dense_accuracy"]
+  assert dense >= 0.98
+  at_q = []
+  for w in ws:
+    r = doc["per_window"][str(w)]
+    assert r["accuracy"] >= dense - 0.02, (w, r["accuracy"], dense)
+    assert r["mu_f"] < 0.05, (w, r["mu_f"])
+    # the window alone loses the facts beyond it: routing buys the accuracy
+    assert r["local_only_accuracy_at_conversion"] <= r["accuracy"] - 0.1, w
+    at_q.append(r["usage_at_queries"])
+  assert all(a > b for a, b in zip(at_q, at_q[1:])), at_q
