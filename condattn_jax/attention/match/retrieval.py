@@ -121,9 +121,11 @@ def make_retriever(o: MatchOptions):
     if o.retriever == "exact":
       _CACHE[key] = ExactMatch(**kw)
     elif o.retriever == "minilm":
-      if "tokenizer" not in kw:
+      tk = kw.get("tokenizer")
+      if tk is None or (isinstance(tk, str) and (not tk or tk.startswith("REQUIRED"))):
         raise ValueError("model.scheme_kwargs.retriever='minilm' needs retriever_kwargs "
-                         "tokenizer=<the LLM's tokenizer.json> (to turn chunks into text).")
+                         "tokenizer=<the LLM's tokenizer.json> (to turn chunks into text); "
+                         "set --config.model.scheme.retriever_kwargs.tokenizer.")
       _CACHE[key] = MiniLMRetriever(**kw)
     else:
       _CACHE[key] = _import(o.retriever, "retriever")(**kw)

@@ -1,0 +1,46 @@
+"""configs/match_qwen.py: pinned numbers, the three Qwen3 variants' SWA / full layer patterns
+(through the run config -> ModelConfig path), required fields, and the tiny variant's forward."""
+import os
+
+import jax
+import jax.numpy as jnp
+
+from condattn_jax.attention import match
+from condattn_jax.data.config import is_required_marker
+from condattn_jax.train import config as config_lib
+from condattn_jax.train.cli import load_recipe
+
+RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                      "match_qwen.py")
+
+
+def recipe(arg=""):
+  return load_recipe(RECIPE + (":" + arg if arg else ""))
+
+
+def test_variants_and_pinned_numbers():
+  for variant, n_full in (("", 18), ("qwen3-8b-swa0.8", 7), ("qwen3-8b-allswa", 0)):
+    c = recipe(variant)
+    s = c.model.scheme
+    assert (s.name, s.chunk, s.top_k, s.retriever, s.window) == ("match", 128, 4, "minilm", 2048)
+    assert is_required_marker(s.retriever_kwargs.tokenizer)
+    assert is_required_marker(c.model.init_from) and is_required_marker(c.data.paths)
+    c.model.init_from = None  # the architecture from the fields (Qwen3-8B: 36 layers)
+    c.model.num_layers = 36
+    mc, _ = config_lib.model_config(c)
+    kinds = match.layer_kinds(mc)
+    assert kinds.count("full") == n_full, (variant, kinds)
+  v = recipe("qwen3-8b-swa0.8,window=4096,top_k=8")
+  assert (v.model.scheme.window, v.model.scheme.top_k) == (4096, 8)
+
+
+def test_tiny_variant_runs():
+  c = recipe("tiny")
+  mc, _ = config_lib.model_config(c)
+  o = match.match_options(mc)
+  assert (o.window, o.chunk, o.top_k, o.retriever, mc.num_layers) == (32, 2, 4, "exact", 2)
+  from condattn_jax.models.decoder import Decoder
+  tok = jnp.ones((1, 96), jnp.int32)
+  params = jax.jit(Decoder(mc).init)(jax.random.PRNGKey(0), tok)
+  logits, aux = jax.jit(Decoder(mc).apply)(params, tok)
+  assert logits.shape == (1, 96, 128) and aux["retrieved"].shape == (2,)
