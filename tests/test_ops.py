@@ -517,3 +517,14 @@ def test_mask_must_be_a_maskspec():
   q = jnp.zeros((1, 4, 2, 8))
   with pytest.raises(TypeError, match="mask must be an ops.MaskSpec, got dict"):
     ops.attention(q, q, q, {"q_positions_BT": jnp.zeros((1, 4), jnp.int32)})
+
+
+def test_without_tokamax_auto_uses_the_compacted_kernel(monkeypatch):
+  """A GPU host without tokamax (not in every image): auto falls to the compacted kernel for packed
+  documents instead of crashing; explicit impl='tokamax' is a one-line error naming the package."""
+  for name in ["tokamax"] + [m for m in sys.modules if m.startswith("tokamax.")]:
+    monkeypatch.setitem(sys.modules, name, None)  # `import tokamax...` raises ImportError
+  specs = _specs()
+  assert _kernels(_export(specs["packed"], "cuda", mesh=_H100)) == {"compact-triton"}
+  with pytest.raises(ValueError, match=r"impl='tokamax'.*tokamax cannot be imported.*pip install"):
+    _export(specs["packed"], "cuda", impl="tokamax", mesh=_H100)
