@@ -7,7 +7,8 @@ Rows (each in its own process, so peak_bytes_in_use is the row's own), at every 
   dense          Engine(prefill_chunk=None): one-shot prefill, full KV cache (the usual baseline)
   dense_chunked  Engine(prefill_chunk=S): chunked prefill over a full KV cache
   segmented      Engine(prefill_chunk=S): segment-by-segment prefill (tail, pool, retrieval)
-A row: random weights of the model shape (LLaMA-2-7B by default), one prompt of T random
+A row: random weights of the model shape (LLaMA-2-7B by default; initialised on the host and
+copied over, so the device's peak is the prefill's), one prompt of T random
 tokens, a first prefill (compile + run), then `repeats` timed prefills (median, seconds,
 device work included). Memory: the device's peak_bytes_in_use after the row (GPU/TPU; None on
 CPU), the weights' bytes, peak minus weights, the cache bytes the engine holds, and the
@@ -63,10 +64,12 @@ def run_row(preset: str, row: str, T: int) -> dict:
   p = PRESETS[preset]
   cfg = _config(p, row)
   S = p["seg"]["segment_len"]
-  params = jax.jit(lambda k: Decoder(cfg).init(k, jnp.zeros((1, 8), jnp.int32))["params"])(
-      jax.random.PRNGKey(0))
+  with jax.default_device(jax.devices("cpu")[0]):  # init on the host: the device peak is ours
+    params = jax.jit(lambda k: Decoder(cfg).init(k, jnp.zeros((1, 8), jnp.int32))["params"])(
+        jax.random.PRNGKey(0))
   params = jax.tree.map(lambda x: x.value if hasattr(x, "value") else x, params,
                         is_leaf=lambda x: hasattr(x, "value"))
+  params = jax.device_put(params, jax.devices()[0])
   weights = int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)))
   eng = Engine(cfg, params, cache_len=T, prefill_chunk=None if row == "dense" else S)
   prompt = [list(np.random.default_rng(0).integers(1, p["vocab"], T))]

@@ -1,0 +1,55 @@
+"""bench/segmented_memory.py (test preset rows, in process: every row runs, the segmented cache
+is the analytic one and smaller than dense, its compiled prefill step needs less scratch than
+the one-shot dense step) and bench/segmented_fidelity.py (the recorded CPU run: its claims hold
+and follow from its numbers; the test preset runs end to end)."""
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from bench import segmented_fidelity as fid
+from bench import segmented_memory as mem
+from condattn_jax.attention import segmented as sgm
+
+RESULT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench",
+                      "results", "segmented_fidelity.json")
+
+
+def test_memory_bench_rows_at_test_preset():
+  p = mem.PRESETS["test"]
+  T = p["lengths"][0]
+  rows = {r: mem.run_row("test", r, T) for r in mem.ROWS}
+  assert all(r["logits_finite"] and r["prefill_s"] > 0 for r in rows.values())
+  seg, dense = rows["segmented"], rows["dense"]
+  assert seg["cache_bytes"] == sgm.kv_cache_bytes(mem._config(p, "segmented"), T)["total"]
+  assert seg["cache_bytes"] < dense["cache_bytes"] == rows["dense_chunked"]["cache_bytes"]
+  assert seg["step_temp_bytes"] < dense["step_temp_bytes"]
+  assert (seg["chunk"], dense["chunk"]) == (p["seg"]["segment_len"], T)
+
+
+def test_recorded_fidelity_claims_follow_from_the_numbers():
+  r = json.load(open(RESULT))
+  assert r["preset"] == "cpu" and r["date"][:4] >= "2026" and r["platform"] == "cpu"
+  assert r["settings"]["segmented"] == {k: list(v) if isinstance(v, tuple) else v
+                                        for k, v in fid.SEG.items()}
+  assert r["settings"]["eval_lens"] == list(fid.PRESETS["cpu"]["eval_lens"])
+  ppl = {k: {int(L): v for L, v in d.items()} for k, d in r["perplexity"].items()}
+  a, m = ppl["aligned_segmented"], ppl["misaligned_segmented"]
+  assert all(math.isfinite(x) and x > 1 for d in ppl.values() for x in d.values())
+  claims, findings = fid.claims_of(ppl, fid.PRESETS["cpu"])
+  assert claims == r["claims"] and findings == r["findings"]
+  assert all(claims.values()), claims
+  # the recorded numbers themselves: aligned flat, misaligned above it beyond one segment
+  assert max(a.values()) / min(a.values()) < 1.5
+  assert all(m[L] > a[L] for L in a if L > fid.SEG["segment_len"])
+
+
+def test_fidelity_test_preset_runs():
+  r = fid.run("test")
+  lens = list(fid.PRESETS["test"]["eval_lens"])
+  for k in ("aligned_segmented", "misaligned_segmented", "misaligned_dense"):
+    assert sorted(r["perplexity"][k]) == lens
+    assert all(np.isfinite(v) for v in r["perplexity"][k].values())
+  assert set(r["findings"]) == {"misaligned_over_aligned_at_max_len", "explodes_like_paper_2x"}
