@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from condattn_jax.attention import segmented as sgm
+from condattn_jax.models.config import ModelConfig
 from condattn_jax.models.decoder import Decoder
 from condattn_jax.train import config as config_lib
 from condattn_jax.train import loop, optimizer
@@ -42,6 +43,10 @@ def test_paper_recipe_and_variants():
   assert recipe("llama2-7b-32k,tbptt=2").data.seq_len == 12288
   for variant, family in (("qwen2.5-7b", "qwen2"), ("qwen3-8b", "qwen3")):
     assert recipe(variant).model.family == family
+  llama2 = ModelConfig(family="llama", num_layers=32, num_heads=32, num_kv_heads=32,
+                       head_dim=128, hidden_size=4096, vocab_size=32000)
+  full_cfg = sgm.segmented_config(llama2, **{k: v for k, v in s.to_dict().items() if k != "name"})
+  assert sgm.visible_kv_length(full_cfg) == 4096 + 0.5 * 512 + (4 / 32) * 0.5 * 512  # S+aM+b(1-a)R
   mc, _ = config_lib.model_config(recipe("tiny"))
   assert mc.scheme == "segmented" and sgm.segmented_options(mc).segment_len == 16
   with pytest.raises(ValueError, match=r"model.init_from=.*data.paths=.*data.tokenizer="):
@@ -79,3 +84,28 @@ def test_tiny_recipe_trains_through_the_segmented_forward(tmp_path):
   train = [r for r in rows if "train/ce" in r]
   assert train[-1]["train/ce"] < train[0]["train/ce"] - 0.3, (train[0]["train/ce"],
                                                               train[-1]["train/ce"])
+
+
+def test_train_and_eval_steps_call_the_scheme_forward(monkeypatch):
+  """forward_ce goes through Scheme.forward (the TBPTT scan), not one decoder pass."""
+  import dataclasses
+
+  import jax.numpy as jnp
+
+  from condattn_jax import attention
+  from condattn_jax.train import step as step_lib
+  calls = []
+
+  def counting(*a, **kw):
+    calls.append(kw["train"])
+    return sgm.forward(*a, **kw)
+
+  monkeypatch.setitem(attention.SCHEMES, "segmented",
+                      dataclasses.replace(attention.get_scheme("segmented"), forward=counting))
+  mc, _ = config_lib.model_config(recipe("tiny,layers=2,width=32"))
+  params = Decoder(mc).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]
+  t = jnp.ones((1, 24), jnp.int32)
+  batch = dict(inputs=t, targets=t, positions=None, segment_ids=t, loss_mask=t)
+  ce, _, _ = jax.eval_shape(lambda p: step_lib.forward_ce(Decoder(mc), p, batch, train=True,
+                                                          rng=None), params)
+  assert calls == [True] and ce.shape == (1, 24)
