@@ -12,7 +12,8 @@ kv_pos <= q_pos, same document, inside the window or a sink key, t active, and (
 HEAD_BLOCKS) s's block is listed for t's block. A HEAD_FULL head ignores its list and visits every
 kv tile it can see (the causal / document / window range of its query tile).
 
-The kernels' tiles are the lists' blocks (block_q x block_k); they visit only the listed tiles
+The kernels' tiles are the lists' blocks (block_q x block_k; any T, S: inputs are padded to whole
+blocks, padding invisible); they visit only the listed tiles
 (duplicates, padding -1 and tiles no pair can see are dropped by tables.py, so the list length L
 bounds the work) and apply the element mask inside a tile. Backward: custom_vjp saving the lse;
 dq over the same tables, dk/dv per kv tile over the transposed tables (every query head of the kv
@@ -99,9 +100,7 @@ def kernel_support(impl: str, q_shape, kv_shape, dtype, block_q: int, block_k: i
   T, H, S = q_shape[1], q_shape[-1], kv_shape[1]
   if jnp.dtype(dtype) not in _FLOAT_DTYPES:
     return f"dtype {jnp.dtype(dtype).name} (supported: bfloat16, float16, float32)"
-  if T % block_q or S % block_k:
-    return (f"query length {T} / kv length {S} must be multiples of the lists' block_q {block_q} "
-            f"/ block_k {block_k}")
+  del T, S  # any lengths: the wrapper pads to whole blocks (padding is invisible)
   if impl == "triton":
     if H & (H - 1) or not 16 <= H <= 256:
       return f"head_dim {H} (Triton kernel needs a power of two in [16, 256])"
@@ -260,6 +259,24 @@ _kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
 _kernel_attention_jit = jax.jit(_kernel_attention, static_argnums=(0,))
 
 
+_PAD_KV_POS = 2 ** 30  # after every query position: a padding key is never visible
+
+
+def _pad_to_blocks(T, S, Tp, Sp, q, k, v, qpos, kvpos, qseg, kvseg, act):
+  """Pads queries to Tp rows (inactive) and keys to Sp slots (at a position no query reaches,
+  document 0)."""
+  B = q.shape[0]
+  rows = lambda x, n, fill: jnp.pad(x, [(0, 0), (0, n)] + [(0, 0)] * (x.ndim - 2),
+                                    constant_values=fill)
+  q = rows(q, Tp - T, 0)
+  k, v = rows(k, Sp - S, 0), rows(v, Sp - S, 0)
+  qpos, kvpos = rows(qpos, Tp - T, 0), rows(kvpos, Sp - S, _PAD_KV_POS)
+  qseg = None if qseg is None else rows(qseg, Tp - T, 0)
+  kvseg = None if kvseg is None else rows(kvseg, Sp - S, 0)
+  act = jnp.ones((B, T), bool) if act is None else act
+  return q, k, v, qpos, kvpos, qseg, kvseg, rows(act, Tp - T, False)
+
+
 def block_sparse_attention(q_BTNH, k_BSKH, v_BSKH, kv_blocks_BNQL, head_mode_BN=None, *,
                            block_q: int = 128, block_k: int = 128, q_positions_BT=None,
                            kv_positions_BS=None, q_segment_ids_BT=None, kv_segment_ids_BS=None,
@@ -275,7 +292,8 @@ def block_sparse_attention(q_BTNH, k_BSKH, v_BSKH, kv_blocks_BNQL, head_mode_BN=
       duplicates are harmless.
     head_mode_BN: None (every head uses its list) or int [B, N]: HEAD_FULL (0) ignores its list,
       HEAD_BLOCKS (1) sees only its listed blocks.
-    block_q, block_k: the lists' block sizes (= the kernels' tiles; T and S must be multiples).
+    block_q, block_k: the lists' block sizes (= the kernels' tiles; T and S need not be
+      multiples: the kernels run on inputs padded to whole blocks, padding invisible).
     q_positions_BT: default arange(T) + S - T (the queries are the last T keys);
       kv_positions_BS: default arange(S).
     q_segment_ids_BT, kv_segment_ids_BS: documents (0 = padding, never attended); kv ids alone
@@ -345,7 +363,11 @@ def block_sparse_attention(q_BTNH, k_BSKH, v_BSKH, kv_blocks_BNQL, head_mode_BN=
     cfg = _Config(backend=impl, scale=scale, window=None if window is None else int(window),
                   sinks=int(sinks), block_q=int(block_q), block_k=int(block_k),
                   interpret=interpret, poison=poison, sub_tile=TRITON_SUB_TILE)
-    meta = _normalise(B, T, S, N, kv_blocks, mode, qpos, kvpos, qseg, kvseg, act)
+    Tp, Sp = nq * block_q, -(-S // block_k) * block_k
+    if (Tp, Sp) != (T, S):  # whole blocks: padding queries inactive, padding keys invisible
+      q, k, v, qpos, kvpos, qseg, kvseg, act = _pad_to_blocks(
+          T, S, Tp, Sp, q, k, v, qpos, kvpos, qseg, kvseg, act)
+    meta = _normalise(B, Tp, Sp, N, kv_blocks, mode, qpos, kvpos, qseg, kvseg, act)
     out, lse_BNT = _kernel_attention_jit(cfg, q, k, v, meta)
-    lse = jnp.swapaxes(lse_BNT, 1, 2)
+    out, lse = out[:, :T], jnp.swapaxes(lse_BNT, 1, 2)[:, :T]
   return (out, lse) if return_lse else out

@@ -51,7 +51,7 @@ def make_problem(seed, *, B=1, T=64, S=None, N=4, K=2, H=16, dtype=jnp.float32, 
   v = jax.random.normal(ks[2], (B, S, K, H), jnp.float32).astype(dtype)
   ct = jax.random.normal(ks[3], (B, T, N, H), jnp.float32).astype(dtype)
   ct_lse = jax.random.normal(ks[4], (B, T, N), jnp.float32)
-  nq, nk = T // block_q, S // block_k
+  nq, nk = -(-T // block_q), -(-S // block_k)
   lists = rng.integers(-1, nk, size=(B, N, nq, L)).astype(np.int32)
   if dup_pad and L > 1:
     lists[..., -1] = lists[..., 0]          # duplicates
