@@ -13,7 +13,9 @@ from condattn_jax.inference import Engine
 from condattn_jax.models.config import ModelConfig
 from condattn_jax.models.decoder import Decoder
 
-PROMPTS = [[5, 17, 3, 99, 42, 7, 7, 12, 200, 31, 8, 14, 15, 16, 1, 2, 3, 4, 9, 9, 30, 31],
+# the longest prompt is 24 = 6 blocks of 4: prefill runs per-block lists (block_q = block), decode
+# steps per-query lists (block_q = 1); both paths are checked
+PROMPTS = [[5, 17, 3, 99, 42, 7, 7, 12, 200, 31, 8, 14, 15, 16, 1, 2, 3, 4, 9, 9, 30, 31, 44, 45],
            [9, 1, 4, 8, 8, 100, 101, 7, 6, 5, 4, 3, 2],
            [250, 251, 3, 3, 60, 61, 62, 70, 71, 72, 73, 74, 75, 76, 77, 78, 79, 80]]
 NEW = 5

@@ -24,8 +24,8 @@ of a one-shot prefill; with chunked prefill, the first chunk), cached in the lay
 collection (`elastic_fa` [B, K], `elastic_decided` [B]) and reused by every later call; a full
 forward over prompt + continuation with prompt_field = the prompt length computes the same
 function. XA is a prefill method: over the cache (decode / prefill through the engine) XA heads
-run full attention. SSA lists over the cache are per query (block_q = 1), exact for any chunk
-alignment.
+run full attention. SSA lists over the cache: per query block for chunks of a multiple of
+`block` tokens (block-aligned prefill), per query (block_q = 1) otherwise.
 
 Tau (Gumbel temperature) at train step s = ctx.fields['step'] (the train step passes it):
 cosine tau_start -> tau_end over anneal_steps (authors' code), or 'exp':
@@ -354,16 +354,23 @@ class ElasticLayer(nn.Module):
 
   def _decode(self, attn, q, k, v, ctx, fa_BN, o, impl):
     """ONE call over the layer's full KV cache: FA (and XA: a prefill method) heads full, SSA
-    heads their per-query lists (block_q = 1; slots = positions in the full cache)."""
+    heads their lists (slots = positions in the full cache). A chunk of a multiple of `block`
+    tokens (prefill) uses block_q = block (the kernels' tile), lists from each query block's first
+    and last positions (exact when chunks start at block-aligned positions, as the engine's
+    prefill does with a chunk size that `block` divides); other chunks (decode: T = 1) use
+    per-query lists (block_q = 1, exact)."""
     B, T, N, _ = q.shape
     k_all, v_all, kv_pos, kv_valid = attn.write_cache(k, v, ctx)
-    ssa = masks.ssa_lists(ctx.positions_BT, sinks=o.sinks, local=o.local, block=o.block)
-    lists = jnp.broadcast_to(ssa[:, None], (B, N, T, ssa.shape[-1]))
+    bq = o.block if T % o.block == 0 else 1
+    pos = ctx.positions_BT.reshape(B, T // bq, bq)
+    ssa = masks.ssa_lists(pos[..., 0], sinks=o.sinks, local=o.local, block=o.block,
+                          q_last_BQ=pos[..., -1])
+    lists = jnp.broadcast_to(ssa[:, None], (B, N, T // bq, ssa.shape[-1]))
     ssa_on = (fa_BN < 0.5) if o.modes.endswith("ssa") else jnp.zeros((B, N), bool)
     mode = jnp.where(ssa_on, ops.HEAD_BLOCKS, ops.HEAD_FULL).astype(jnp.int32)
     mask = ops.MaskSpec(q_positions_BT=ctx.positions_BT, kv_positions_BS=kv_pos,
                         kv_segment_ids_BS=kv_valid,
-                        block_lists=ops.BlockLists(lists, mode, block_q=1, block_k=o.block))
+                        block_lists=ops.BlockLists(lists, mode, block_q=bq, block_k=o.block))
     return ops.attention(q, k_all, v_all, mask, impl=impl)
 
 

@@ -30,17 +30,22 @@ def _sorted_lists(keep_XK):
   return jnp.where(ids == nk, -1, ids).astype(jnp.int32)
 
 
-def ssa_lists(q_slot_BQ, *, sinks: int, local: int, block: int):
-  """SSA kv block lists [B, Q, L] (L = sink blocks + local blocks) for query groups whose key
-  block is q_slot_BQ // block (one slot per query block, or per query with block_q = 1)."""
+def ssa_lists(q_slot_BQ, *, sinks: int, local: int, block: int, q_last_BQ=None):
+  """SSA kv block lists [B, Q, L] for query groups (a query block, or one query with
+  block_q = 1) whose first query has key block q_slot_BQ // block: the sink blocks and the
+  local / block most recent blocks (L = sink blocks + local blocks). With q_last_BQ (the group's
+  last query slot) the local range runs to q_last // block (L + 1 entries): exact for groups
+  inside one key block, a superset by one block for a group straddling two."""
   n_sink = -(-sinks // block)
   n_local = max(local // block, 1)
   kb = (q_slot_BQ // block).astype(jnp.int32)[..., None]                  # [B, Q, 1]
+  last = kb if q_last_BQ is None else (q_last_BQ // block).astype(jnp.int32)[..., None]
   B, Q = q_slot_BQ.shape
   sink = jnp.broadcast_to(jnp.arange(n_sink, dtype=jnp.int32), (B, Q, n_sink))
-  loc = kb - n_local + 1 + jnp.arange(n_local, dtype=jnp.int32)           # [B, Q, n_local]
-  loc = jnp.where(loc >= n_sink, loc, -1)                                 # covered by sinks / < 0
-  sink = jnp.where(sink <= kb, sink, -1)                                  # never past the query
+  extra = 0 if q_last_BQ is None else 1
+  loc = kb - n_local + 1 + jnp.arange(n_local + extra, dtype=jnp.int32)   # [B, Q, n_local(+1)]
+  loc = jnp.where((loc >= n_sink) & (loc <= last), loc, -1)               # covered by sinks / < 0
+  sink = jnp.where(sink <= last, sink, -1)                                # never past the query
   return jnp.concatenate([sink, loc], axis=-1)
 
 
