@@ -1,0 +1,41 @@
+"""GPU smoke test: the block-sparse Triton kernels (forward, dq, dk/dv) compiled for the GPU vs the
+jnp reference, outputs poisoned with NaN first.
+
+    make gpu-smoke        (= pytest -q tests/gpu; skipped without a GPU)
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+if jax.default_backend() != "gpu":
+  pytest.skip("needs a GPU", allow_module_level=True)
+
+from pallas_kernels.block_sparse import HEAD_BLOCKS, HEAD_FULL  # noqa: E402
+from pallas_kernels.block_sparse.testing import compare, make_problem, ssa_lists  # noqa: E402
+
+CASES = [
+    # (name, dtype, make_problem kwargs, SSA lists (sink, local blocks) or None = random lists)
+    ("fa_ssa_gqa_bf16", "bfloat16", dict(T=1024, N=8, K=2, H=128, block_q=128, block_k=128),
+     (1, 3)),
+    ("random_lists_packed_window_sinks_f32", "float32",
+     dict(T=1024, N=4, K=2, H=128, block_q=128, block_k=128, L=4, segments=3, window=300,
+          sinks=8, active="head"), None),
+    ("ragged_cache_bf16", "bfloat16",
+     dict(T=1000, S=1500, N=4, K=1, H=64, block_q=128, block_k=128, L=5, kv_positions=True),
+     None),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name,dtype,pkw,ssa", CASES, ids=[c[0] for c in CASES])
+def test_block_sparse_triton_vs_reference_gpu(name, dtype, pkw, ssa):
+  p = make_problem(len(name), dtype=jnp.dtype(dtype), **pkw)
+  if ssa is not None:
+    B, T, N = p.q.shape[0], p.q.shape[1], p.q.shape[2]
+    p.kw["kv_blocks_BNQL"] = jnp.asarray(ssa_lists(
+        B, N, T, T, block_q=128, block_k=128, sink_blocks=ssa[0], local_blocks=ssa[1]))
+    p.kw["head_mode_BN"] = jnp.asarray(np.tile([HEAD_FULL, HEAD_BLOCKS], (B, N // 2)), jnp.int32)
+  errs, bad = compare(p, dict(impl="triton"))
+  print(name, dtype, errs)
+  assert not bad, (name, dtype, errs)
