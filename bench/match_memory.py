@@ -2,9 +2,12 @@ r"""MATCH decode memory vs context length (GPU): flat in the context for the SWA
 
   python bench/match_memory.py                        # GPU: 8K / 32K / 128K -> bench/results/
   python bench/match_memory.py --preset=test --out=/tmp/mm.json   # CPU, seconds (tests)
+  # one process per row, so peak_bytes (a process-wide high-water mark) is the row's own:
+  for m in match dense; do for n in 8192 32768 131072; do python bench/match_memory.py \
+      --models=$m --contexts=$n --out=bench/results/match_memory_${m}_${n}.json; done; done
 
 For each context length N and each model (dense full attention vs MATCH all-SWA, window w,
-chunks c, top_k k, recomputed retrieved K/V at decode), one process-free row: build the
+chunks c, top_k k, recomputed retrieved K/V at decode), one row: build the
 inference.Engine with cache_len = N + new tokens, prefill N prompt tokens in chunks, decode
 `new` tokens, and record
   cache_bytes         what the engine's cache pytree allocates (inference.cache_bytes)
@@ -150,9 +153,12 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--preset", default="gpu", choices=sorted(PRESETS))
   ap.add_argument("--models", default="match,dense")
+  ap.add_argument("--contexts", default=None, help="comma-separated context lengths")
   ap.add_argument("--out", default=None)
   a = ap.parse_args(argv)
   s = PRESETS[a.preset]
+  if a.contexts:
+    s = dataclasses.replace(s, contexts=tuple(int(x) for x in a.contexts.split(",")))
   result = run(s, tuple(a.models.split(",")))
   result["preset"] = a.preset
   result["failed_claims"] = check_flat(result)

@@ -79,6 +79,18 @@ def test_exact_match_retrieval_equals_brute_force(c, w, k, packed):
       assert j < 0 or (j + 1) * c <= g * c - w + 1
 
 
+def test_precomputed_retrieval_is_used_as_given():
+  o = match.MatchOptions(window=8, chunk=4, top_k=2)
+  tok, pos = _tokens(1, 24), jnp.arange(24)[None]
+  ids = jnp.asarray([[[-1, -1]] * 4 + [[0, -1], [1, 0]]], jnp.int32)
+  aux, f = match.block_inputs(o, tok, pos, chunks_BGk=ids,
+                              recompute=True)
+  np.testing.assert_array_equal(f["match_chunks_BGk"], ids)
+  np.testing.assert_array_equal(aux[0, -8:-4], tok[0, 4:8])  # block 5's first chunk: chunk 1
+  with pytest.raises(ValueError, match="match_chunks_BGk.*top_k"):
+    match.block_inputs(o, tok, pos, chunks_BGk=ids[..., :1])
+
+
 def test_mqar_query_key_retrieves_its_pair():
   from condattn_jax.data.synthetic import MQAR
   task = MQAR(seq_len=128, vocab_size=64, num_pairs=8, min_gap=40)

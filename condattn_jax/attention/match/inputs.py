@@ -52,9 +52,10 @@ def aux_input(o: MatchOptions, ids_BGk, tokens_BS, positions_BS, ok_BS):
 
 
 def block_inputs(o: MatchOptions, tokens_BT, positions_BT, segment_ids_BT=None, *,
-                 recompute: bool | None = None):
+                 recompute: bool | None = None, chunks_BGk=None):
   """Full forward: (aux tokens [B, A] or None, fields). Slots are row indices; a chunk or query
-  is used only inside one document (segment ids)."""
+  is used only inside one document (segment ids). chunks_BGk: retrieval results computed
+  elsewhere (e.g. MiniLM in the data pipeline: batch field 'match_chunks_BGk'), used as given."""
   B, T = tokens_BT.shape
   c = o.chunk
   seg = (jnp.ones((B, T), jnp.int32) if segment_ids_BT is None
@@ -70,7 +71,12 @@ def block_inputs(o: MatchOptions, tokens_BT, positions_BT, segment_ids_BT=None, 
   chunk_seg = seg[:, :J * c].reshape(B, J, c)
   chunk_ok = jnp.all(chunk_seg == chunk_seg[..., :1], axis=-1) & (chunk_seg[..., 0] != 0)
   same_doc = chunk_seg[:, None, :, 0] == doc_BG[..., None]
-  if o.top_k and J:
+  if chunks_BGk is not None:
+    if chunks_BGk.shape != (B, G, o.top_k):
+      raise ValueError(f"fields['match_chunks_BGk'] has shape {chunks_BGk.shape}; MATCH needs "
+                       f"[B, ceil(T / chunk), top_k] = {(B, G, o.top_k)}.")
+    ids = chunks_BGk.astype(jnp.int32)
+  elif o.top_k and J:
     ids = retrieval.retrieve(o, q_tok, q_ok, start_BG, chunk_tok, chunk_ok, cand_BGJ=same_doc)
   else:
     ids = jnp.full((B, G, o.top_k), -1, jnp.int32)
@@ -108,7 +114,8 @@ class MatchInputs(nn.Module):
   def __call__(self, tokens_BT, ctx):
     o = match_options(self.config)
     if not ctx.decode:
-      return block_inputs(o, tokens_BT, ctx.positions_BT, ctx.segment_ids_BT)
+      return block_inputs(o, tokens_BT, ctx.positions_BT, ctx.segment_ids_BT,
+                          chunks_BGk=ctx.fields.get("match_chunks_BGk"))
     if ctx.cache_len is None:
       raise ValueError("decode=True needs cache_len (the longest sequence to decode).")
     B, T = tokens_BT.shape
