@@ -5,6 +5,7 @@ r"""MATCH fidelity on MQAR (paper App. B.3.1 / Table C.3): 2-layer models, windo
 
 Three methods share one 2-layer qwen3-style decoder and training recipe, differing only in the
 attention of scheme 'match' (condattn_jax.attention.match):
+  full      full attention (reference: window = the longest length, no retrieval)
   swa       sliding window w=32 (top_k=0)
   sink      StreamingLLM-style sink + window (top_k=0, sinks=4)
   match     window + retrieval: chunks c=2 (one MQAR key-value pair each), exact match of the
@@ -44,6 +45,7 @@ from condattn_jax.models.decoder import Decoder  # noqa: E402
 
 OUT = os.path.join(ROOT, "bench", "results", "match_mqar.json")
 METHODS = {
+    "full": dict(top_k=0, window=None),  # reference: full attention (window = the longest length)
     "swa": dict(top_k=0),
     "sink": dict(top_k=0, sinks=4),
     "match": dict(top_k=4),
@@ -61,7 +63,7 @@ class Settings:
   width: int = 64
   heads: int = 4
   train_length: int = 128
-  steps: int = 500
+  steps: int = 1500
   batch: int = 32
   lr: float = 1e-2
   warmup: int = 100  # a slow warmup (20%): MQAR's recall plateau
@@ -82,6 +84,8 @@ def model_config(s: Settings, method: str) -> ModelConfig:
                      num_kv_heads=s.heads, head_dim=s.width // s.heads, rope_theta=10000.0)
   kw = dict(window=s.window, chunk=s.chunk, top_k=s.top_k)
   kw.update(METHODS[method])
+  if kw["window"] is None:
+    kw["window"] = max(s.lengths)
   return match.match_config(base, **kw)
 
 

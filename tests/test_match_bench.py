@@ -37,6 +37,7 @@ def test_mqar_bench_trains_and_evaluates():
   assert 0.0 <= acc <= 1.0
   assert match_mqar.model_config(s, "sink").scheme_options["sinks"] == 4
   assert match_mqar.model_config(s, "swa").scheme_options["top_k"] == 0
+  assert match_mqar.model_config(s, "full").scheme_options["window"] == max(s.lengths)
 
 
 def test_memory_bench_match_flat():
