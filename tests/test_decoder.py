@@ -28,8 +28,10 @@ def _model(family, **kw):
   return m, params, tok
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
-@pytest.mark.parametrize("window", [None, 5])
+# every family once, each window mode on two families (the window ring does not depend on the
+# family; the full grid cost ~4 minutes of CI for no extra coverage)
+@pytest.mark.parametrize("family,window", [("llama", None), ("qwen2", 5), ("qwen3", None),
+                                           ("olmo2", 5)])
 def test_decode_equals_full_forward(family, window):
   m, params, tok = _model(family, sliding_window=window)
   full, _ = m.apply({"params": params}, tok)
