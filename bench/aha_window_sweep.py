@@ -2,6 +2,7 @@
 (the paper's long-tail finding, Table 2), with accuracy against the dense model (Table 1).
 
     python -m bench.aha_window_sweep                      # CPU preset -> bench/results/aha_window_sweep.json
+    python -m bench.aha_window_sweep --preset=cpu_hint --out=bench/results/aha_window_sweep_hint.json
     python -m bench.aha_window_sweep --preset=gpu --out=/tmp/sweep.json
 
 Task ("fused recall", generated here, numpy only): a row of T tokens holds Q key-value facts,
@@ -19,6 +20,13 @@ step 0) and trained with the AHA recipe (CE + lam * mean score, STE, mode 'exact
 heads), usage per layer, at the query tokens and elsewhere, and the accuracy of the same
 converted model with every head local (routing 'none': what the window alone gives).
 Written: settings, task, date, device, jax version, dense accuracy and per window the numbers.
+
+Two recorded runs. 'cpu': the query token does not say how far back its fact is; a 2-layer model
+retrieves in layer 0, whose router sees only the query token, so it cannot tell a near fact from
+a far one: usage at the queries falls only slightly with the window and overall mu_f is flat.
+'cpu_hint' (distance_hint): the query token also carries floor(log2(distance)), so the need for
+long-range attention is observable at the router's input (as context makes it in language):
+full-attention usage then falls as the window grows, the paper's long-tail finding.
 """
 from __future__ import annotations
 
@@ -53,6 +61,9 @@ class Settings:
   num_keys: int = 8
   num_values: int = 8
   num_filler: int = 16
+  # the query token also says how far back its fact is (floor(log2(distance)) bucket): the need
+  # for long-range attention is observable at the router's input, as context makes it in text
+  distance_hint: bool = False
   num_queries: int = 8
   # model
   num_layers: int = 2
@@ -80,6 +91,7 @@ PRESETS = {
     "gpu": Settings(seq_len=512, num_keys=16, num_values=16, num_queries=16, batch_size=64,
                     dense_steps=2000, aha_steps=3000, eval_rows=2048, hidden_size=128,
                     windows=(16, 32, 64, 128, 256)),
+    "cpu_hint": Settings(distance_hint=True, num_keys=16, num_queries=16),
     "demo": Settings(seq_len=128, num_queries=8, batch_size=16, dense_steps=300, aha_steps=300,
                      windows=(16,), eval_rows=256, log_every=100),
     "test": Settings(seq_len=48, num_queries=4, batch_size=8, dense_steps=4, aha_steps=3,
@@ -97,7 +109,8 @@ class FusedRecall:
     if s.num_queries > K:
       raise ValueError(f"num_queries={s.num_queries} must be <= num_keys={K} (distinct keys).")
     self.query0 = 1 + K * V
-    self.answer0 = self.query0 + K
+    self.buckets = int(np.ceil(np.log2(s.seq_len))) if s.distance_hint else 1
+    self.answer0 = self.query0 + K * self.buckets
     self.filler0 = self.answer0 + V
     self.vocab_size = -(-(self.filler0 + s.num_filler) // 16) * 16
 
@@ -120,7 +133,7 @@ class FusedRecall:
         raise RuntimeError("could not place a fact; lower num_queries or raise seq_len.")
       used[[tp, tq, tq + 1]] = True
       toks[tp] = 1 + k * s.num_values + v
-      toks[tq] = self.query0 + k
+      toks[tq] = self.query0 + k * self.buckets + (int(np.log2(d)) if s.distance_hint else 0)
       toks[tq + 1] = self.answer0 + v
       dist[tq] = d
     mask = (dist > 0).astype(np.float32)

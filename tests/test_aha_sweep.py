@@ -66,3 +66,35 @@ def test_recorded_sweep():
     assert r["local_only_accuracy_at_conversion"] <= r["accuracy"] - 0.1, w
     at_q.append(r["usage_at_queries"])
   assert all(a > b for a, b in zip(at_q, at_q[1:])), at_q
+
+
+def test_recorded_sweep_with_observable_distance():
+  """bench/results/aha_window_sweep_hint.json ('cpu_hint': the query token carries its distance
+  bucket, so the router can see the need): full-attention usage falls as the window grows, at
+  every window within 2 points of the dense model's accuracy (the paper's long-tail finding)."""
+  doc = json.load(open(os.path.join(ROOT, "bench", "results", "aha_window_sweep_hint.json")))
+  assert doc["settings"]["distance_hint"] is True and doc["preset"] == "cpu_hint"
+  ws = sorted(int(w) for w in doc["per_window"])
+  assert ws == [16, 32, 64, 128], ws
+  dense = doc["dense_accuracy"]
+  assert dense >= 0.98
+  mu = [doc["per_window"][str(w)]["mu_f"] for w in ws]
+  for w in ws:
+    r = doc["per_window"][str(w)]
+    assert r["accuracy"] >= dense - 0.02, (w, r["accuracy"], dense)
+    assert r["local_only_accuracy_at_conversion"] <= r["accuracy"] - 0.1, w
+  assert all(a > b for a, b in zip(mu, mu[1:])), mu
+  assert mu[-1] < 0.5 * mu[0], mu  # a long tail: 8x the window, under half the usage
+
+
+def test_distance_hint_tokens_carry_the_bucket():
+  s = sweep.Settings(seq_len=256, num_keys=16, num_queries=16, distance_hint=True)
+  task = sweep.FusedRecall(s)
+  b = task.batch(0, 50, stream=1)
+  rows, ts = np.nonzero(b["loss_mask"])
+  code = b["inputs"][rows, ts] - task.query0
+  d = b["distance"][rows, ts]
+  np.testing.assert_array_equal(code % task.buckets, np.floor(np.log2(d)).astype(int))
+  fact = b["inputs"][rows, ts - d]
+  np.testing.assert_array_equal((fact - 1) // s.num_values, code // task.buckets)  # same key
+  assert b["inputs"].max() < task.vocab_size and b["targets"].max() < task.vocab_size
