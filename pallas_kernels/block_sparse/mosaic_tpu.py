@@ -21,27 +21,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-LANES = 128
-SUBLANES = 8
-NEG_INF = float("-inf")
-_NT = (((1,), (1,)), ((), ()))  # a @ b.T
-
-
-def _lanes(x_BIT):
-  return jnp.broadcast_to(x_BIT[..., None], x_BIT.shape + (LANES,))
-
-
-def _rows(x_BS):
-  return jnp.broadcast_to(x_BS[:, None, :], (x_BS.shape[0], SUBLANES, x_BS.shape[1]))
-
-
-def _bcast_lanes(x, n):
-  """(rows, 128) lane-replicated -> (rows, n)."""
-  if n == LANES:
-    return x
-  if n < LANES:
-    return x[:, :n]
-  return jnp.tile(x, (1, n // LANES))
+# Lane / sublane layout helpers shared with the compacted-query Mosaic kernel.
+from pallas_kernels.compact_attention.mosaic_tpu import (
+    LANES, NEG_INF, SUBLANES, _NT, _bcast_lanes, _lanes, _lse_safe, _poison, _rows)
 
 
 def _visible(qp_lanes, kp_row, qs_lanes, ks_row, *, window, sinks, bk):
@@ -69,13 +51,6 @@ def _step(full_ref, bounds_ref, list_ref, head, row, t, *, L, n_tiles):
 
 def _dyn_steps(bounds):
   return jnp.maximum(jnp.max(bounds[..., 3] - bounds[..., 0]), 1).astype(jnp.int32)
-
-
-def _poison(shapes, poison):
-  if not poison:
-    return [], []
-  return ([jnp.full(s.shape, jnp.nan, s.dtype) for s in shapes],
-          [pl.BlockSpec(memory_space=pl.ANY) for _ in shapes])
 
 
 def _meta_args(qpos_BT, qseg_BIT, kvpos_BS, kvseg_BS, q_spec_of, kv_spec):
@@ -214,10 +189,6 @@ def fwd(q_BTNH, k_BSKH, v_BSKH, full_BN, bounds_BNQ4, list_BNQL, qpos_BT, qseg_B
 # ----------------------------------------------------------------------------------------------
 # backward: dq
 # ----------------------------------------------------------------------------------------------
-
-def _lse_safe(lse):
-  return jnp.where(lse == NEG_INF, jnp.inf, lse)
-
 
 def _dq_kernel(full_ref, bounds_ref, list_ref, *refs, has_seg, window, sinks, scale, bk, N, nq,
                nk, L, n_poison):

@@ -27,15 +27,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.compact_attention.common import LN2, LOG2E
+# Shared with the compacted-query Triton kernel.
+from pallas_kernels.compact_attention.triton import NEG_INF, _bwd_lse2, _dot
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated",
                         category=DeprecationWarning)
-
-NEG_INF = float("-inf")
-
-
-def _dot(a, b, trans_b=False):
-  return plgpu.dot(a, b, trans_b=trans_b)
 
 
 def visible(qp, kp, qs, ks, *, window, sinks):
@@ -183,12 +179,6 @@ def fwd(q_BTNH, k_BSKH, v_BSKH, full_BN, bounds_BNQ4, list_BNQL, qpos_BT, qseg_B
 # ----------------------------------------------------------------------------------------------
 # backward: dq
 # ----------------------------------------------------------------------------------------------
-
-def _bwd_lse2(lse):
-  """Natural-log lse -> base-2, with empty rows (-inf) mapped to +inf so that p = 0."""
-  lse2 = lse * LOG2E
-  return jnp.where(lse2 == NEG_INF, jnp.inf, lse2)
-
 
 def _dq_kernel(*refs, has_seg, window, sinks, scale, bq, bk, bks, nq, nk, L):
   it = iter(refs)

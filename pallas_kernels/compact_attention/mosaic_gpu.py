@@ -25,7 +25,6 @@ running accumulator in registers (same value; `_acc_update`).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp

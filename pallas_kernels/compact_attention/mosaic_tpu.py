@@ -153,7 +153,7 @@ def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_B
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   G, I = N // K, qpos_BIC.shape[1]
   bq, bk = bs.block_q, bs.block_k
-  nq, nk = C // bq, S // bk
+  nq = C // bq
   hs = (lambda h: h) if I > 1 else (lambda h: 0)
   has_seg = qseg_BIC is not None
   qp, qs, kp, ks = _prep(qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, S, B)
@@ -256,7 +256,7 @@ def dq(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC, 
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   G, I = N // K, qpos_BIC.shape[1]
   bq, bk = bs.block_q_dq, bs.block_k_dq
-  nq, nk = C // bq, S // bk
+  nq = C // bq
   hs = (lambda h: h) if I > 1 else (lambda h: 0)
   has_seg = qseg_BIC is not None
   qp, qs, kp, ks = _prep(qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, S, B)
@@ -353,7 +353,7 @@ def dkv(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC,
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   G, I = N // K, qpos_BIC.shape[1]
   bq, bk = bs.block_q_dkv, bs.block_k_dkv
-  nq, nk = C // bq, S // bk
+  nk = S // bk
   has_seg = qseg_BIC is not None
   qp, qs, kp, ks = _prep(qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, S, B)
   hs = (lambda kh, g: kh * G + g) if I > 1 else (lambda kh, g: 0)
