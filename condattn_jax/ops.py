@@ -291,11 +291,13 @@ def _tracing_for(platform: str):
   saved = api._default_platform
   api._default_platform = lambda: kind
   try:
-    try:
-      import tokamax.config
-      cross = tokamax.config.cross_compile(True) if kind == "gpu" else contextlib.nullcontext()
-    except ImportError:  # no tokamax here: its branch raises NotImplementedError, auto moves on
-      cross = contextlib.nullcontext()
+    cross = contextlib.nullcontext()
+    if kind == "gpu":  # tokamax (GPU only) gets its documented cross-compile switch
+      try:
+        import tokamax.config
+        cross = tokamax.config.cross_compile(True)
+      except ImportError:  # no tokamax: its branch raises NotImplementedError, auto moves on
+        pass
     with cross:
       yield
   finally:
