@@ -36,7 +36,7 @@ Args (comma separated after the variant name): steps, seq, batch, window, tau, l
 tiny only: pairs, gap (MQAR min_gap), layers, width.
 """
 from condattn_jax.data import required
-from condattn_jax.train.config import default_config, parse_arg
+from condattn_jax.train.config import default_config, parse_arg, split_variant
 
 VARIANTS = {
     # name: family, checkpoint (the paper's base model first)
@@ -47,19 +47,6 @@ VARIANTS = {
     "tiny": dict(family="olmo2", name=None),
 }
 TULU3_SFT_CONVERSATIONS = 939_344
-
-
-def _split_arg(arg):
-  variant, rest = "olmo2-1b", []
-  for part in (arg or "").split(","):
-    part = part.strip()
-    if not part:
-      continue
-    if "=" not in part and part.lower() in VARIANTS:
-      variant = part.lower()
-    else:
-      rest.append(part)
-  return variant, ",".join(rest)
 
 
 def _scheme(c, a):
@@ -79,7 +66,7 @@ def _scheme(c, a):
 
 
 def get_config(arg=None):
-  variant, rest = _split_arg(arg)
+  variant, rest = split_variant(arg, VARIANTS, "olmo2-1b")
   v = VARIANTS[variant]
   common = dict(window=128, tau=0.5, lam=3e-4, mode="exact", p_force=0.05, routing="learned",
                 bias=2.0)

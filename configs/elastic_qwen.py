@@ -36,7 +36,7 @@ xa_ssa), pooling (boundary | prompt_mean), lr, lam_lr, t_sensitive, t_robust;
 tiny only: layers, width, pairs, gap, target.
 """
 from condattn_jax.data import required
-from condattn_jax.train.config import default_config, parse_arg
+from condattn_jax.train.config import default_config, parse_arg, split_variant
 
 # re.fullmatch on '/'-joined param paths: the routers (the backbone is frozen).
 TRAINABLE_REGEX = r"layers(_\d+_\d+)?/router/.*"
@@ -49,19 +49,6 @@ VARIANTS = {
     "tiny": dict(family="qwen3", name=None),
 }
 TASKS = ("qa", "summarization", "code", "in_context_learning")  # paper's categories
-
-
-def _split_arg(arg):
-  variant, rest = "qwen3-4b", []
-  for part in (arg or "").split(","):
-    part = part.strip()
-    if not part:
-      continue
-    if "=" not in part and part.lower() in VARIANTS:
-      variant = part.lower()
-    else:
-      rest.append(part)
-  return variant, ",".join(rest)
 
 
 def _scheme(c, a, *, task_names, targets, small: bool):
@@ -90,7 +77,7 @@ def _scheme(c, a, *, task_names, targets, small: bool):
 
 
 def get_config(arg=None):
-  variant, rest = _split_arg(arg)
+  variant, rest = split_variant(arg, VARIANTS, "qwen3-4b")
   v = VARIANTS[variant]
   common = dict(modes="fa_ssa", pooling="boundary", lam_lr=1e-3, t_sensitive=0.7, t_robust=1.0)
   tiny = variant == "tiny"

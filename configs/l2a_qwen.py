@@ -39,7 +39,7 @@ Args (comma separated after the variant name): steps, seq, batch, window, lam (l
 import ml_collections
 
 from condattn_jax.data import required
-from condattn_jax.train.config import default_config, parse_arg
+from condattn_jax.train.config import default_config, parse_arg, split_variant
 
 # A regex on '/'-joined param paths (re.fullmatch): what L2A trains.
 TRAINABLE_REGEX = (r"layers(_\d+_\d+)?/(self_attn|global_attn|router|input_layernorm|global_layernorm|"
@@ -56,19 +56,6 @@ VARIANTS = {
     "qwen3-8b": dict(family="qwen3", batch=48, tokens=25e9, name="Qwen3-8B"),
     "tiny": dict(family="qwen2", batch=32, tokens=None, name=None),
 }
-
-
-def _split_arg(arg):
-  variant, rest = "qwen2.5-7b", []
-  for part in (arg or "").split(","):
-    part = part.strip()
-    if not part:
-      continue
-    if "=" not in part and part.lower() in VARIANTS:
-      variant = part.lower()
-    else:
-      rest.append(part)
-  return variant, ",".join(rest)
 
 
 def _scheme(c, a):
@@ -96,7 +83,7 @@ def _scheme(c, a):
 
 
 def get_config(arg=None):
-  variant, rest = _split_arg(arg)
+  variant, rest = split_variant(arg, VARIANTS, "qwen2.5-7b")
   v = VARIANTS[variant]
   if variant == "tiny":
     a = parse_arg(rest, steps=300, seq=64, batch=32, window=8, lam=1e-2, lam_schedule="ramp",

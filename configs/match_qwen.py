@@ -29,7 +29,7 @@ Args (comma separated after the variant): steps, seq, batch, window, chunk, top_
 tiny only: pairs, layers, width.
 """
 from condattn_jax.data import required
-from condattn_jax.train.config import default_config, parse_arg
+from condattn_jax.train.config import default_config, parse_arg, split_variant
 
 VARIANTS = {
     "qwen3-8b-swa0.5": dict(swa_ratio=0.5),
@@ -40,21 +40,8 @@ VARIANTS = {
 CHECKPOINT = "Qwen3-8B-Base"
 
 
-def _split_arg(arg):
-  variant, rest = "qwen3-8b-swa0.5", []
-  for part in (arg or "").split(","):
-    part = part.strip()
-    if not part:
-      continue
-    if "=" not in part and part.lower() in VARIANTS:
-      variant = part.lower()
-    else:
-      rest.append(part)
-  return variant, ",".join(rest)
-
-
 def get_config(arg=None):
-  variant, rest = _split_arg(arg)
+  variant, rest = split_variant(arg, VARIANTS, "qwen3-8b-swa0.5")
   tiny = variant == "tiny"
   if tiny:
     a = parse_arg(rest, steps=300, seq=128, batch=32, window=32, chunk=2, top_k=4, lr=1e-2,

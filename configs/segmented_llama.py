@@ -33,7 +33,7 @@ segment, tail, retrieve, refresh; tiny only: pairs, gap, layers, width.
 """
 from condattn_jax.attention.segmented.options import LLAMA2_LONG_HEADS, LLAMA2_LONG_LAYERS
 from condattn_jax.data import required
-from condattn_jax.train.config import default_config, parse_arg
+from condattn_jax.train.config import default_config, parse_arg, split_variant
 
 VARIANTS = {
     # name: family, checkpoint, context of the base model, long KV heads, long layers
@@ -48,19 +48,6 @@ VARIANTS = {
     "tiny": dict(family="llama", name=None, context=None, long_heads=(0,), long_layers=(1,)),
 }
 PAPER_STEPS = 1000
-
-
-def _split_arg(arg):
-  variant, rest = "llama2-7b-32k", []
-  for part in (arg or "").split(","):
-    part = part.strip()
-    if not part:
-      continue
-    if "=" not in part and part.lower() in VARIANTS:
-      variant = part.lower()
-    else:
-      rest.append(part)
-  return variant, ",".join(rest)
 
 
 def _scheme(c, a, v):
@@ -78,7 +65,7 @@ def _scheme(c, a, v):
 
 
 def get_config(arg=None):
-  variant, rest = _split_arg(arg)
+  variant, rest = split_variant(arg, VARIANTS, "llama2-7b-32k")
   v = VARIANTS[variant]
   if variant == "tiny":
     a = parse_arg(rest, steps=150, seq=0, batch=8, accum=1, lr=3e-3, warmup=20, tbptt=1,

@@ -238,6 +238,21 @@ def model_config(config, *, load_weights: bool = False):
   return ModelConfig.from_hf_config(hf, **over), None
 
 
+def split_variant(arg: str | None, variants, default: str) -> tuple[str, str]:
+  """A recipe arg 'qwen3-8b,steps=100' -> ('qwen3-8b', 'steps=100'): a bare word naming one of
+  `variants` (case-insensitive) picks the variant (else `default`); the rest goes to parse_arg."""
+  variant, rest = default, []
+  for part in (arg or "").split(","):
+    part = part.strip()
+    if not part:
+      continue
+    if "=" not in part and part.lower() in variants:
+      variant = part.lower()
+    else:
+      rest.append(part)
+  return variant, ",".join(rest)
+
+
 def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
   """big_vision-style `get_config(arg)` parsing: 'steps=200,seq=128,runlocal' -> fields typed like
   their defaults (a bare word sets a bool default to True). Unknown keys are errors."""
