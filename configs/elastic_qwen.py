@@ -25,11 +25,13 @@ steps; boundary pooling (100 + 100 tokens); SSA 128 sinks + 2048 local, XA strid
 0.9, block 128; targets: sparsity-sensitive tasks (QA) 0.7, sparsity-robust (summarisation,
 code, in-context learning) 1.0.
 
-Task ids: a batch's `task_ids` [B] index model.scheme.task_names (map record task names with
-`condattn_jax.attention.elastic.task_ids`, which names an unknown task and the known ones).
-Batches without task ids count as task 0. The file data pipeline does not carry task names yet
-(see the report of issue 13): until it does, a run on files trains every row toward the first
-task's target.
+Task ids: a batch's `task_ids` [B] index model.scheme.task_names. The file pipeline reads each
+record's task name from data.task_field ('task': {"text": ..., "task": "qa"}) and maps it into
+data.task_names, which is a reference to model.scheme.task_names (one list:
+--config.model.scheme.task_names=... moves both); an unknown task name is an error naming the
+record, the task and the known ones. Rows hold one task each (first_fit packing starts new rows
+when the task changes). Batches without task ids (the tiny variant's synthetic MQAR) count as
+task 0.
 
 Args (comma separated after the variant name): steps, seq, batch, modes (fa_ssa | fa_xa |
 xa_ssa), pooling (boundary | prompt_mean), lr, lam_lr, t_sensitive, t_robust;
@@ -145,6 +147,8 @@ def get_config(arg=None):
   d.paths = required("data.paths", "long-context task-mix jsonl files or glob")
   d.tokenizer = required("data.tokenizer", f"{v['name']} tokenizer directory")
   d.text_field = "text"
+  d.task_field = "task"
+  d.task_names = c.model.scheme.get_ref("task_names")  # one source of truth
   d.seq_len = a.seq
   d.batch_size = a.batch
   d.packing = "first_fit"

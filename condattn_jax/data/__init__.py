@@ -12,7 +12,8 @@ Public API (see pipeline.py for the multi-host order contract):
 Bad records: errors name the file and 1-based line; data.on_bad_record='skip' drops them
 (counted in SKIPPED.count, logged with their location).
 Batches: dict of numpy [B_local, T]: inputs, targets, segment_ids, positions (int32),
-loss_mask (float32). The tokenizer lives in condattn_jax.data.tokenizer (not imported here).
+loss_mask (float32); with data.task_field also task_ids int32 [B_local] (one task per row,
+index into data.task_names). The tokenizer lives in condattn_jax.data.tokenizer (not imported here).
 """
 
 from condattn_jax.data.config import (

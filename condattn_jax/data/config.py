@@ -32,6 +32,18 @@ errors that name the field and list the valid ones.
                          missing ones take the task's defaults
     data.on_bad_record   'error' (stop, naming the file and 1-based line / record) | 'skip'
                          (drop the record, log it with its file and line, count them)
+    data.task_field      record field holding the record's task NAME (None / '': off). When
+                         set, batches also carry `task_ids` int32 [B]: each row's index into
+                         data.task_names (one task per row; packing never mixes tasks in a row,
+                         see packing.py). File sources with JSON-like records and
+                         data.packing='first_fit' only. A record without the field is a bad
+                         record (data.on_bad_record); a task name not in data.task_names is
+                         always an error naming it, the record and the known names.
+    data.task_names      the task list the names map into (id = index). Recipes point it at
+                         model.scheme.task_names (a FieldReference: one source of truth, so
+                         --config.model.scheme.task_names=... moves both); given a whole run
+                         config, parse_data_config refuses a data.task_names that differs
+                         from model.scheme.task_names.
 
 A recipe marks a field the user must set with `required(field, what)` (a string starting with
 REQUIRED_PREFIX); `parse_data_config(..., needs_files=True)` refuses such a value naming it.
@@ -83,6 +95,8 @@ _DEFAULTS: dict[str, Any] = dict(
     tokenizer=None,
     task=None,
     on_bad_record="error",
+    task_field=None,
+    task_names=None,
 )
 
 
@@ -117,10 +131,17 @@ class DataConfig:
   tokenizer: Any
   task: Mapping[str, Any]
   on_bad_record: str = "error"
+  task_field: str | None = None
+  task_names: tuple[str, ...] | None = None
 
   @property
   def is_synthetic(self) -> bool:
     return self.source in SYNTHETIC_SOURCES
+
+  @property
+  def with_tasks(self) -> bool:
+    """Batches carry `task_ids` [B] (data.task_field is set)."""
+    return bool(self.task_field)
 
 
 def _to_dict(x) -> dict[str, Any]:
@@ -200,6 +221,7 @@ def parse_data_config(cfg, *, needs_files: bool = True) -> DataConfig:
     if marked:
       raise ValueError("required field(s) not set: " + ", ".join(d[k][len(REQUIRED_PREFIX):]
                                                                  for k in marked))
+  task_field, task_names = _task_fields(d, cfg if section is not cfg else None)
   paths = _paths(d["paths"], "paths")
   eval_paths = _paths(d["eval_paths"], "eval_paths")
   if needs_files and d["source"] in FILE_SOURCES and not paths:
@@ -213,4 +235,42 @@ def parse_data_config(cfg, *, needs_files: bool = True) -> DataConfig:
       shuffle_seed=d["shuffle_seed"], num_epochs=d["num_epochs"], packing=d["packing"],
       pack_bins=d["pack_bins"], read_threads=d["read_threads"], prefetch=d["prefetch"],
       pad_id=d["pad_id"], tokenizer=d["tokenizer"], task=_to_dict(d["task"]),
-      on_bad_record=d["on_bad_record"])
+      on_bad_record=d["on_bad_record"], task_field=task_field, task_names=task_names)
+
+
+def _task_fields(d: Mapping[str, Any], run_cfg) -> tuple[str | None, tuple[str, ...] | None]:
+  """(task_field or None, task_names) validated; `run_cfg` (the whole run config, when given)
+  must agree with data.task_names in model.scheme.task_names."""
+  field = d["task_field"] or None
+  names = d["task_names"]
+  if isinstance(names, str):
+    names = [n.strip() for n in names.split(",") if n.strip()]
+  names = tuple(str(n) for n in names) if names else None
+  if field is None:
+    return None, names
+  if not isinstance(field, str):
+    raise ValueError(f"data.task_field must be a record field name (str), got {field!r}")
+  if d["source"] not in FILE_SOURCES:
+    raise ValueError(f"data.task_field={field!r} reads a record field: file sources only "
+                     f"({list(FILE_SOURCES)}), not data.source={d['source']!r}")
+  if d["source"] == "array_record" and d["record_format"] != "json":
+    raise ValueError(f"data.task_field={field!r} needs records with fields: "
+                     f"data.record_format='json', not {d['record_format']!r}")
+  if d["packing"] != "first_fit":
+    raise ValueError(f"data.task_field={field!r} needs data.packing='first_fit' (one task per "
+                     f"row); {d['packing']!r} would join documents of different tasks in a row")
+  if not names:
+    raise ValueError(f"data.task_field={field!r} needs data.task_names (the task list the "
+                     "records' names map into; recipes set it to model.scheme.task_names)")
+  if len(set(names)) != len(names):
+    raise ValueError(f"data.task_names {list(names)} has duplicates")
+  scheme = None
+  if run_cfg is not None and "model" in run_cfg:
+    model = run_cfg["model"]
+    scheme = model.get("scheme") if hasattr(model, "get") else None
+  scheme_names = scheme.get("task_names") if hasattr(scheme, "get") else None
+  if scheme_names and tuple(str(n) for n in scheme_names) != names:
+    raise ValueError(f"data.task_names {list(names)} differs from model.scheme.task_names "
+                     f"{list(scheme_names)}: task ids would index the wrong tasks (point "
+                     "data.task_names at model.scheme.task_names)")
+  return field, names

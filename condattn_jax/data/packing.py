@@ -19,8 +19,18 @@ Row / batch format (numpy, one row shown; a batch stacks rows to [B, T]):
   segment_ids int32    0 = padding, documents 1, 2, ... within the row
   positions   int32    0, 1, ... restarting in every segment (0 in padding)
   loss_mask   float32  1 where the target is scored, 0 in padding
+  task_ids    int32    [B] only with data.task_field: the row's task id (0 in empty rows)
 The model attends q -> kv iff segment_ids equal (and nonzero) AND positions[kv] <=
 positions[q]; `attention_mask` below is that rule in numpy, for tests.
+
+Tasks (data.task_field set; first_fit only): a document's features carry its task id
+(TASK_KEY, a scalar). A row's task is the task of every document in it: `pack(tasks=True)`
+packs with a first-fit that treats a task change as "does not fit", so the open bins are
+emitted (partly filled) and a new set of bins starts with the new task's document. Rows
+therefore never mix tasks (packed_to_row checks it), a lane's rows keep the order of its
+documents' tasks, and the iterator state is grain's own (unchanged: parent state + row).
+The cost is padding: a corpus whose consecutive lane documents switch task often fills
+its rows less (one task per row is what the per-sample Lagrangian of Elastic needs).
 """
 
 from __future__ import annotations
@@ -29,12 +39,21 @@ from typing import Any
 
 import grain
 from grain import experimental as gx
+# grain's first-fit packer class (not re-exported; grain 0.2.18): subclassed for tasks.
+from grain._src.python.dataset.transformations.packing_packed_batch import FirstFitPackedBatch
 import numpy as np
 
 BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 BATCH_DTYPES = {"inputs": np.int32, "targets": np.int32, "segment_ids": np.int32,
                 "positions": np.int32, "loss_mask": np.float32}
+TASK_KEY = "task_ids"  # [B] int32, only with data.task_field
+KEY_DTYPES = {**BATCH_DTYPES, TASK_KEY: np.int32}  # every key a batch may have
 _PACKED = ("inputs", "targets", "loss_mask")
+
+
+def batch_keys(with_tasks: bool = False) -> tuple[str, ...]:
+  """The keys of a batch: BATCH_KEYS (+ TASK_KEY with data.task_field)."""
+  return BATCH_KEYS + ((TASK_KEY,) if with_tasks else ())
 
 
 def document_features(tokens: np.ndarray) -> dict[str, np.ndarray] | None:
@@ -59,14 +78,45 @@ class _SplitLong(gx.FlatMapTransform):
     n = element["inputs"].shape[0]
     if n <= self.seq_len:
       return [element]
-    return [{k: v[i:i + self.seq_len] for k, v in element.items()}
-            for i in range(0, n, self.seq_len)]
+    return [{k: v[i:i + self.seq_len] if k in _PACKED else v for k, v in element.items()}
+            for i in range(0, n, self.seq_len)]  # pieces keep the document's task
+
+
+class _OneTaskFirstFit(FirstFitPackedBatch):
+  """First fit whose bins all hold documents of one task: a document of another task "does
+  not fit" (the open bins are emitted and it starts new ones)."""
+
+  def try_add_to_batch(self, element):
+    task = int(element[TASK_KEY])
+    mine = getattr(self, "_task", None)
+    if mine is not None and task != mine:
+      return [TASK_KEY]
+    failing = super().try_add_to_batch(element)
+    if failing is None:
+      self._task = task
+    return failing
+
+
+class _OneTaskFirstFitPackIterDataset(gx.FirstFitPackIterDataset):
+  """grain's FirstFitPackIterDataset (iteration, state) with the `_OneTaskFirstFit` packer."""
+
+  def __init__(self, parent, **kw):
+    super().__init__(parent, meta_features=(TASK_KEY,), **kw)
+    self._packer_cls = _OneTaskFirstFit
 
 
 def pack(ds: grain.IterDataset, *, seq_len: int, packing: str, pack_bins: int = 4,
-         seed: int = 0) -> grain.IterDataset:
-  """Packs a stream of `document_features` dicts into grain packed rows."""
+         seed: int = 0, tasks: bool = False) -> grain.IterDataset:
+  """Packs a stream of `document_features` dicts into grain packed rows. tasks=True: the dicts
+  also hold TASK_KEY (a scalar task id) and no row mixes tasks (first_fit only; module
+  docstring)."""
   lengths = {k: seq_len for k in _PACKED}
+  if tasks:
+    if packing != "first_fit":
+      raise ValueError(f"packing {packing!r} cannot keep one task per row: use 'first_fit'")
+    ds = gx.FlatMapIterDataset(ds, _SplitLong(seq_len))
+    return _OneTaskFirstFitPackIterDataset(ds, length_struct=lengths, num_packing_bins=pack_bins,
+                                           seed=seed, shuffle_bins=False)
   if packing == "concat_then_split":
     return gx.ConcatThenSplitIterDataset(ds, length_struct=lengths,
                                          split_full_length_features=True)
@@ -86,7 +136,7 @@ def packed_to_row(packed: dict[str, Any], pad_id: int = 0) -> dict[str, np.ndarr
   if pad_id != 0 and pad.any():
     inputs = np.where(pad, pad_id, inputs).astype(np.int32)
     targets = np.where(pad, pad_id, targets).astype(np.int32)
-  return {
+  row = {
       "inputs": inputs,
       "targets": targets,
       "segment_ids": seg,
@@ -94,15 +144,24 @@ def packed_to_row(packed: dict[str, Any], pad_id: int = 0) -> dict[str, np.ndarr
       "loss_mask": np.where(pad, 0.0, np.asarray(packed["loss_mask"], np.float32)).astype(
           np.float32),
   }
+  if TASK_KEY in packed:  # the row's documents' task ids (a list): one task per row
+    tasks = {int(t) for t in packed[TASK_KEY]}
+    if len(tasks) != 1:
+      raise AssertionError(f"a packed row holds documents of tasks {sorted(tasks)}")
+    row[TASK_KEY] = np.int32(tasks.pop())
+  return row
 
 
-def empty_row(seq_len: int, pad_id: int = 0) -> dict[str, np.ndarray]:
-  """An all-padding row (nothing attended, nothing scored)."""
-  return {"inputs": np.full((seq_len,), pad_id, np.int32),
-          "targets": np.full((seq_len,), pad_id, np.int32),
-          "segment_ids": np.zeros((seq_len,), np.int32),
-          "positions": np.zeros((seq_len,), np.int32),
-          "loss_mask": np.zeros((seq_len,), np.float32)}
+def empty_row(seq_len: int, pad_id: int = 0, with_tasks: bool = False) -> dict[str, np.ndarray]:
+  """An all-padding row (nothing attended, nothing scored; task 0 with_tasks)."""
+  row = {"inputs": np.full((seq_len,), pad_id, np.int32),
+         "targets": np.full((seq_len,), pad_id, np.int32),
+         "segment_ids": np.zeros((seq_len,), np.int32),
+         "positions": np.zeros((seq_len,), np.int32),
+         "loss_mask": np.zeros((seq_len,), np.float32)}
+  if with_tasks:
+    row[TASK_KEY] = np.int32(0)
+  return row
 
 
 def attention_mask(segment_ids: np.ndarray, positions: np.ndarray,

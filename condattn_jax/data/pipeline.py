@@ -26,6 +26,11 @@ Finite epochs (`data.num_epochs` an int): lanes run out at different points; tra
   may then disagree on the number of batches: for multi-host training leave
   num_epochs=None and bound the run by steps. `make_eval_batches` instead pads exhausted
   lanes with empty rows (segment_ids 0, loss_mask 0) so every document is used once.
+
+Tasks (`data.task_field`): every record names its task; batches carry `task_ids` int32
+  [B_local], row r's index into data.task_names (= model.scheme.task_names). Each lane packs
+  one task per row (packing.py), so the lane contract and the resumable state above hold
+  unchanged; empty (eval padding) rows have task 0 and loss_mask 0.
 """
 
 from __future__ import annotations
@@ -108,19 +113,29 @@ SKIPPED = BadRecordCounter()  # process-wide count of skipped records
 
 class _ToFeatures:
   """(index, record) -> document_features(tokens) (None for documents of < 2 tokens and for
-  skipped bad records). Errors name the record's file and 1-based line."""
+  skipped bad records), + the task id (packing.TASK_KEY) when `to_task` is given. Errors name
+  the record's file and 1-based line; an unknown task name is an error even with
+  on_bad_record='skip' (the task list is wrong, not the record)."""
 
-  def __init__(self, to_tokens: sources.RecordToTokens, located: _Located, on_bad_record: str):
+  def __init__(self, to_tokens: sources.RecordToTokens, located: _Located, on_bad_record: str,
+               to_task: sources.RecordToTask | None = None):
     self.to_tokens = to_tokens
     self.located = located
     self.on_bad_record = on_bad_record
+    self.to_task = to_task
 
   def __call__(self, item):
     index, record = item
     try:
       if isinstance(record, _BadRecord):
         raise ValueError(record.reason)
-      return packing_lib.document_features(self.to_tokens(record))
+      task = None if self.to_task is None else self.to_task(record)
+      feats = packing_lib.document_features(self.to_tokens(record))
+      if feats is not None and task is not None:
+        feats[packing_lib.TASK_KEY] = np.int32(task)
+      return feats
+    except sources.UnknownTask as e:
+      raise ValueError(f"{self.located.where(index)}: {e}") from None
     except ValueError as e:
       where = self.located.where(index)
       if self.on_bad_record == "skip":
@@ -189,7 +204,7 @@ def _document_dataset(dc: DataConfig, paths: Sequence[str], *, tokenizer, seed: 
   check_vocab(dc, vocab_size, tokenizer)
   src = sources.open_source(dc.source, paths, text_field=dc.text_field,
                             tokens_field=dc.tokens_field, record_format=dc.record_format,
-                            field=field)
+                            field=field, task_field=dc.task_field)
   if len(src) == 0:
     raise ValueError(f"{field}: the files {list(paths)} hold no records")
   to_tokens = sources.RecordToTokens(text_field=dc.text_field, tokens_field=dc.tokens_field,
@@ -213,7 +228,8 @@ def _document_dataset(dc: DataConfig, paths: Sequence[str], *, tokenizer, seed: 
   if seed is not None:
     ds = ds.shuffle(seed=seed)
   ds = ds.repeat(num_epochs)
-  return ds.map(_ToFeatures(to_tokens, located, dc.on_bad_record))
+  to_task = sources.RecordToTask(dc.task_field, dc.task_names) if dc.with_tasks else None
+  return ds.map(_ToFeatures(to_tokens, located, dc.on_bad_record, to_task))
 
 
 def _first_record(located: _Located, dc: DataConfig, probe: int = 100):
@@ -246,13 +262,16 @@ def _synthetic_dataset(dc: DataConfig, *, seed: int, stream: int,
 # ------------------------------------------------------------------------------- lanes
 
 class _LaneBatchIterDataset(grain.IterDataset):
-  """Stacks one row from each lane into a [num_lanes, T] batch."""
+  """Stacks one row from each lane into a [num_lanes, T] batch (+ task_ids [num_lanes] with
+  with_tasks)."""
 
   def __init__(self, lanes: Sequence[grain.IterDataset], *, lane_start: int,
-               global_batch_size: int, seq_len: int, pad_id: int, pad_exhausted: bool):
+               global_batch_size: int, seq_len: int, pad_id: int, pad_exhausted: bool,
+               with_tasks: bool = False):
     super().__init__(list(lanes))
     self._meta = dict(lane_start=lane_start, global_batch_size=global_batch_size,
-                      seq_len=seq_len, pad_id=pad_id, pad_exhausted=pad_exhausted)
+                      seq_len=seq_len, pad_id=pad_id, pad_exhausted=pad_exhausted,
+                      with_tasks=with_tasks)
 
   def __iter__(self):
     return _LaneBatchIterator([p.__iter__() for p in self._parents], **self._meta)
@@ -265,8 +284,9 @@ class _LaneBatchIterDataset(grain.IterDataset):
 class _LaneBatchIterator(grain.DatasetIterator):
 
   def __init__(self, parents, *, lane_start, global_batch_size, seq_len, pad_id,
-               pad_exhausted):
+               pad_exhausted, with_tasks=False):
     super().__init__(parents)
+    self._with_tasks = with_tasks
     self._lane_start = lane_start
     self._global_batch_size = global_batch_size
     self._seq_len = seq_len
@@ -288,11 +308,11 @@ class _LaneBatchIterator(grain.DatasetIterator):
         rows.append(None)
     if all(self._exhausted) or (not self._pad_exhausted and any(self._exhausted)):
       raise StopIteration
-    empty = packing_lib.empty_row(self._seq_len, self._pad_id)
+    empty = packing_lib.empty_row(self._seq_len, self._pad_id, self._with_tasks)
     rows = [empty if r is None else r for r in rows]
     self._step += 1
-    return {k: np.stack([r[k] for r in rows]).astype(packing_lib.BATCH_DTYPES[k])
-            for k in packing_lib.BATCH_KEYS}
+    return {k: np.stack([r[k] for r in rows]).astype(packing_lib.KEY_DTYPES[k])
+            for k in packing_lib.batch_keys(self._with_tasks)}
 
   def get_state(self) -> dict[str, Any]:
     return {
@@ -375,12 +395,12 @@ def make_dataset(cfg, *, process_index: int = 0, process_count: int = 1, tokeniz
     ds = docs[lane::B].to_iter_dataset(read)
     if not dc.is_synthetic:
       ds = packing_lib.pack(ds, seq_len=dc.seq_len, packing=dc.packing,
-                            pack_bins=dc.pack_bins, seed=lane)
+                            pack_bins=dc.pack_bins, seed=lane, tasks=dc.with_tasks)
       ds = ds.map(_PackedToRow(dc.pad_id))
     lanes.append(ds)
   out = _LaneBatchIterDataset(lanes, lane_start=lane_start, global_batch_size=B,
                               seq_len=dc.seq_len, pad_id=dc.pad_id,
-                              pad_exhausted=pad_exhausted)
+                              pad_exhausted=pad_exhausted, with_tasks=dc.with_tasks)
   n_prefetch = dc.prefetch if prefetch is None else prefetch
   if n_prefetch > 0:
     out = grain.experimental.ThreadPrefetchIterDataset(out, prefetch_buffer_size=n_prefetch)
@@ -403,7 +423,9 @@ def make_train_iterator(cfg, *, process_index: int = 0, process_count: int = 1,
   """Iterator over this process's share of every global training batch.
 
   Yields dicts of numpy arrays [data.batch_size // process_count, data.seq_len]:
-  inputs, targets, segment_ids, positions (int32) and loss_mask (float32). Has
+  inputs, targets, segment_ids, positions (int32) and loss_mask (float32); with
+  data.task_field also task_ids int32 [data.batch_size // process_count] (each row's index
+  into data.task_names; rows never mix tasks, see packing.py). Has
   get_state() / set_state(state) (JSON-serialisable; see the module docstring).
   `tokenizer` (encode(text) -> list[int], document_separator_id) is needed only for
   file records holding text; `vocab_size` see make_dataset.
@@ -437,7 +459,8 @@ def make_eval_batches(cfg, num_batches: int | None, seed: int, *, process_index:
 
   Synthetic sources draw from an eval stream separate from training (seed, stream 1).
   File sources read data.eval_paths (else data.paths) once, shuffled with `seed`;
-  exhausted lanes are padded with empty rows; `num_batches=None` takes them all, and
+  exhausted lanes are padded with empty rows (task id 0 with data.task_field, loss_mask 0);
+  `num_batches=None` takes them all, and
   fewer than `num_batches` available is logged as a warning.
   """
   dc = parse_data_config(cfg)
@@ -467,12 +490,14 @@ def make_eval_batches(cfg, num_batches: int | None, seed: int, *, process_index:
 
 
 def batch_spec(cfg, *, global_batch: bool = True, process_count: int = 1) -> dict[str, Any]:
-  """{key: jax.ShapeDtypeStruct} of a global (or per-process) batch."""
+  """{key: jax.ShapeDtypeStruct} of a global (or per-process) batch: [b, T] per key, and
+  task_ids [b] with data.task_field."""
   import jax
   dc = parse_data_config(cfg, needs_files=False)
   b = dc.batch_size if global_batch else _shard(dc.batch_size, 0, process_count)[1]
-  return {k: jax.ShapeDtypeStruct((b, dc.seq_len), np.dtype(packing_lib.BATCH_DTYPES[k]))
-          for k in packing_lib.BATCH_KEYS}
+  return {k: jax.ShapeDtypeStruct((b,) if k == packing_lib.TASK_KEY else (b, dc.seq_len),
+                                  np.dtype(packing_lib.KEY_DTYPES[k]))
+          for k in packing_lib.batch_keys(dc.with_tasks)}
 
 
 def data_shard_for_sharding(sharding, global_shape: Sequence[int]) -> tuple[int, int]:

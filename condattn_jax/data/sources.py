@@ -274,12 +274,14 @@ def write_array_record(path: str, records: Iterable[Any], record_format: str = "
 
 
 def open_source(source: str, paths: Sequence[str], *, text_field: str, tokens_field: str,
-                record_format: str, field: str = "data.paths"):
+                record_format: str, field: str = "data.paths", task_field: str | None = None):
+  """The record source; parquet reads only the token, text (and task) columns."""
   files = resolve_paths(paths, field)
   if source == "jsonl":
     return JsonlSource(files)
   if source == "parquet":
-    return ParquetSource(files, columns=[tokens_field, text_field])
+    return ParquetSource(files, columns=[tokens_field, text_field] + (
+        [task_field] if task_field else []))
   if source == "array_record":
     return ArrayRecordSource(files, record_format)
   raise ValueError(f"not a file source: {source!r}; valid: ['jsonl', 'parquet', 'array_record']")
@@ -334,3 +336,33 @@ class RecordToTokens:
     if self.separator_id is not None:
       ids = np.concatenate([ids, np.array([self.separator_id], np.int32)])
     return ids
+
+
+class UnknownTask(ValueError):
+  """A record's task name is not in the task list: a config / data mismatch, never skipped."""
+
+
+def task_id(name, task_names: Sequence[str]) -> int:
+  """A task name -> its index in `task_names` (model.scheme.task_names = data.task_names);
+  an unknown name is an UnknownTask (ValueError) naming it and the known ones, on one line."""
+  try:
+    return list(task_names).index(name)
+  except ValueError:
+    raise UnknownTask(f"task {name!r} is not one of model.scheme.task_names "
+                      f"{list(task_names)}; add it there (with its target) or fix the "
+                      "record's task field.") from None
+
+
+class RecordToTask:
+  """Record -> its task id: record[field] (a task name) mapped by `task_id`."""
+
+  def __init__(self, field: str, task_names: Sequence[str]):
+    self.field = field
+    self.task_names = tuple(task_names)
+
+  def __call__(self, record) -> int:
+    if not isinstance(record, dict) or self.field not in record:
+      fields = sorted(record)[:10] if isinstance(record, dict) else type(record).__name__
+      raise ValueError(f"record has no task field data.task_field={self.field!r}; its fields: "
+                       f"{fields}")
+    return task_id(record[self.field], self.task_names)

@@ -172,15 +172,10 @@ def elastic_config(base: ModelConfig, **options) -> ModelConfig:
 
 def task_ids(names: Sequence[str], task_names: Sequence[str]) -> np.ndarray:
   """int32 [len(names)]: each record's task name -> its index in `task_names` (the config's
-  model.scheme.task_names); an unknown name is a ValueError naming it and the known ones."""
-  index = {n: i for i, n in enumerate(task_names)}
-  out = np.empty((len(names),), np.int32)
-  for i, n in enumerate(names):
-    if n not in index:
-      raise ValueError(f"task {n!r} is not one of model.scheme.task_names {list(task_names)}; "
-                       "add it there (with its target) or fix the record's task field.")
-    out[i] = index[n]
-  return out
+  model.scheme.task_names); an unknown name is a ValueError naming it and the known ones.
+  The file pipeline maps records the same way with data.task_field (condattn_jax.data)."""
+  from condattn_jax.data.sources import task_id  # the one name -> id map (the file pipeline's)
+  return np.asarray([task_id(n, task_names) for n in names], np.int32).reshape(len(names))
 
 
 def tau_at(step, o: ElasticOptions):
