@@ -65,6 +65,7 @@ def _scheme(c, a, *, task_names, targets, small: bool):
   s.block = 4 if small else 128
   s.xa_stride = 2 if small else 16
   s.xa_threshold = 0.9
+  s.xa_chunk = 16  # XA scoring memory: query blocks scored at a time (not a paper number)
   s.tau_start = 1.5
   s.tau_end = 1.0
   s.anneal_steps = int(round(0.6 * a.steps))

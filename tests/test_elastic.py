@@ -28,7 +28,8 @@ FAMILIES = {
     "olmo2": dict(qk_norm="full", post_norm=True),  # post-norm: the router reads the raw x
 }
 B, T = 4, 32
-SMALL = dict(block=8, sinks=8, local=16, xa_stride=4, boundary=5, xa_threshold=0.5)
+# xa_chunk=3: the layers score XA in two chunks of query blocks (nq = 4), the reference in one
+SMALL = dict(block=8, sinks=8, local=16, xa_stride=4, boundary=5, xa_threshold=0.5, xa_chunk=3)
 
 
 @functools.cache
@@ -164,13 +165,14 @@ def test_mixed_layer_matches_per_head_reference(modes):
   assert float(t_aux["tau"]) == pytest.approx(1.5)
 
 
-def test_xa_block_scores_match_brute_force():
+@pytest.mark.parametrize("q_chunk", [masks.XA_Q_CHUNK, 4])  # one chunk; 4 not dividing 6
+def test_xa_block_scores_match_brute_force(q_chunk):
   S, blk, H, n = 4, 8, 8, 6
   Tl = n * blk
   q = jax.random.normal(jax.random.PRNGKey(0), (1, Tl, 2, H))
   k = jax.random.normal(jax.random.PRNGKey(1), (1, Tl, 1, H))
   keep = np.asarray(masks.xa_keep(q, k, jnp.ones((1, Tl), bool), block=blk, stride=S,
-                                  threshold=0.3))
+                                  threshold=0.3, q_chunk=q_chunk))
   qn, kn = np.asarray(q, np.float64)[0], np.asarray(k, np.float64)[0]
   Ts, r = Tl // S, blk // S
   for head in range(2):
@@ -198,6 +200,26 @@ def test_xa_block_scores_match_brute_force():
   for i in range(n):
     got = lists[0, 0, i]
     np.testing.assert_array_equal(got[got >= 0], np.flatnonzero(keep[0, 0, i]))
+
+
+def test_xa_chunked_scoring_is_bit_identical_to_one_chunk():
+  """xa_keep / xa_lists for chunk sizes dividing nq or not (and >= nq: the single-chunk path,
+  the former unchunked computation), GQA, T not a multiple of the block, a padded row."""
+  B, T, N, K, H, blk, S = 2, 75, 4, 2, 8, 8, 4                           # nq = 10
+  q = 2 * jax.random.normal(jax.random.PRNGKey(2), (B, T, N, H))
+  k = 2 * jax.random.normal(jax.random.PRNGKey(3), (B, T, K, H))
+  valid = jnp.arange(T)[None, :] < jnp.array([T, 61])[:, None]
+  kw = dict(block=blk, stride=S, threshold=0.9)
+  whole = np.asarray(masks.xa_keep(q, k, valid, q_chunk=10, **kw))
+  lists = np.asarray(masks.xa_lists(q, k, valid, q_chunk=10, **kw))
+  assert whole.shape == (B, N, 10, 10) and 0.2 < whole.mean() < 0.9     # a real selection
+  for c in (1, 3, 4, 7, 64):
+    np.testing.assert_array_equal(np.asarray(masks.xa_keep(q, k, valid, q_chunk=c, **kw)), whole)
+    np.testing.assert_array_equal(
+        np.asarray(jax.jit(lambda a, b, v: masks.xa_lists(a, b, v, q_chunk=c, **kw))(q, k, valid)),
+        lists)
+  with pytest.raises(ValueError, match="q_chunk"):
+    masks.xa_keep(q, k, valid, q_chunk=0, **kw)
 
 
 def test_ssa_lists_sorted_unique_and_exact():

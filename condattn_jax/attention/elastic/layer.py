@@ -74,6 +74,8 @@ class ElasticOptions:
   sinks, local   SSA sink tokens and local tokens (128, 2048), at `block` granularity.
   block          block size of the SA modes' lists (128); XA's stride divides it.
   xa_stride, xa_threshold   XA anti-diagonal stride (16) and cumulative-mass threshold (0.9).
+  xa_chunk       XA scoring: query blocks scored at a time (memory only; the kept blocks do not
+                 depend on it, masks.xa_keep).
   tau_start, tau_end, anneal_steps, tau_schedule, tau_exp_rate   Gumbel temperature schedule.
   task_names     the data's task names; task id = index (batches carry 'task_ids').
   targets        target Omega_MSR per task (sensitive 0.7, robust 1.0), same order.
@@ -90,6 +92,7 @@ class ElasticOptions:
   block: int = 128
   xa_stride: int = 16
   xa_threshold: float = 0.9
+  xa_chunk: int = 16
   tau_start: float = 1.5
   tau_end: float = 1.0
   anneal_steps: int = 180
@@ -112,7 +115,7 @@ class ElasticOptions:
       raise ValueError(f"{f}.tau_schedule={self.tau_schedule!r}: choose one of {TAU_SCHEDULES}.")
     if self.routing not in ROUTINGS:
       raise ValueError(f"{f}.routing={self.routing!r}: choose one of {ROUTINGS}.")
-    for name in ("boundary", "block", "xa_stride", "local"):
+    for name in ("boundary", "block", "xa_stride", "local", "xa_chunk"):
       if int(getattr(self, name)) != getattr(self, name) or getattr(self, name) < 1:
         raise ValueError(f"{f}.{name}={getattr(self, name)!r} must be an int >= 1.")
     if self.sinks < 0 or self.anneal_steps < 0:
@@ -322,7 +325,7 @@ class ElasticLayer(nn.Module):
     xa = None
     if "xa" in o.modes:
       xa = masks.xa_lists(q, k, ctx.valid_BT, block=o.block, stride=o.xa_stride,
-                          threshold=o.xa_threshold)
+                          threshold=o.xa_threshold, q_chunk=o.xa_chunk)
     L = ssa.shape[-1] if xa is None else max(ssa.shape[-1], xa.shape[-1])
     ssa = masks.pad_lists(ssa, L)
     xa = None if xa is None else masks.pad_lists(xa, L)

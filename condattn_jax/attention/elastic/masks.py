@@ -49,7 +49,11 @@ def ssa_lists(q_slot_BQ, *, sinks: int, local: int, block: int, q_last_BQ=None):
   return jnp.concatenate([sink, loc], axis=-1)
 
 
-def xa_keep(q_BTNH, k_BTKH, valid_BT, *, block: int, stride: int, threshold: float):
+XA_Q_CHUNK = 16  # query blocks scored together (ElasticOptions.xa_chunk's default)
+
+
+def xa_keep(q_BTNH, k_BTKH, valid_BT, *, block: int, stride: int, threshold: float,
+            q_chunk: int = XA_Q_CHUNK):
   """bool [B, N, nq, nk]: XAttention's kept (query block, key block) pairs, self-attention of
   a row (T tokens, padded here to a multiple of `block`).
 
@@ -58,49 +62,75 @@ def xa_keep(q_BTNH, k_BTKH, valid_BT, *, block: int, stride: int, threshold: flo
   softmax over causal j' <= t' of Q'.K' / (sqrt(H) S); block mass = mean over the block's
   strided rows of the summed probabilities in the key block. Per query block the blocks are
   taken in decreasing mass until the mass taken reaches `threshold` (a block is kept when the
-  mass before it is < threshold). No gradient flows through the selection."""
+  mass before it is < threshold). No gradient flows through the selection.
+
+  Memory: the strided scores are computed `q_chunk` query blocks at a time (lax.map over
+  groups of query blocks, each slicing its queries out of q_BTNH), so beyond the strided keys
+  (float32 [B, K, T/S, S H], the size of k) the peak is O(B N q_chunk (block / S) (T / S))
+  instead of O(B N (T / S)^2). Every query block's scores, softmax and selection depend on that
+  block alone, so the kept set does not depend on q_chunk (the tests compare chunk sizes and the
+  former unchunked code bit for bit on CPU; a backend whose matmul picks its summation order by
+  shape could move a score by an ulp, i.e. decide an exact tie differently)."""
   B, T, N, H = q_BTNH.shape
   K = k_BTKH.shape[2]
   G = N // K
   if block % stride:
     raise ValueError(f"model.scheme_kwargs.block={block} must be a multiple of xa_stride={stride}")
+  if q_chunk < 1:
+    raise ValueError(f"xa_keep: q_chunk={q_chunk} must be >= 1 (query blocks per chunk)")
   nq = -(-T // block)
+  c = min(int(q_chunk), nq)
+  n_chunks = -(-nq // c)
   Tp = nq * block
-  pad = lambda x: jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
-  q = lax.stop_gradient(pad(q_BTNH).astype(jnp.float32))
-  k = lax.stop_gradient(pad(k_BTKH).astype(jnp.float32))
-  valid = pad(valid_BT)
-  Ts = Tp // stride
-  qs = q.reshape(B, Ts, stride, N, H).transpose(0, 3, 1, 2, 4).reshape(B, N, Ts, stride * H)
-  ks = k.reshape(B, Ts, stride, K, H)[:, :, ::-1].transpose(0, 3, 1, 2, 4).reshape(
-      B, K, Ts, stride * H)
-  ks = jnp.repeat(ks, G, axis=1)                                          # [B, N, Ts, S*H]
-  logits = jnp.einsum("bntd,bnsd->bnts", qs, ks, precision=lax.Precision.HIGHEST)
-  logits = logits / (jnp.sqrt(jnp.float32(H)) * stride)
-  kvalid = valid.reshape(B, Ts, stride)[:, :, 0]                         # first token of the group
-  ok = (jnp.arange(Ts)[None, :] <= jnp.arange(Ts)[:, None])[None, None] & kvalid[:, None, None, :]
-  logits = jnp.where(ok, logits, -jnp.inf)
-  p = jax.nn.softmax(logits, axis=-1)
-  p = jnp.where(ok, p, 0.0)
   r = block // stride
-  mass = p.reshape(B, N, nq, r, nq, r).sum(axis=(3, 5)) / r               # [B, N, nq, nk]
-  order = jnp.argsort(-mass, axis=-1)
-  m_sorted = jnp.take_along_axis(mass, order, axis=-1)
-  before = jnp.cumsum(m_sorted, axis=-1) - m_sorted
-  keep_sorted = before < threshold
-  keep = jnp.zeros_like(keep_sorted).at[
-      jnp.arange(B)[:, None, None, None], jnp.arange(N)[None, :, None, None],
-      jnp.arange(nq)[None, None, :, None], order].set(keep_sorted)
-  i = jnp.arange(nq)
-  causal = i[None, :] <= i[:, None]                                       # [nq, nk]
-  forced = (i[None, :] == i[:, None]) | (i[None, :] == 0)
-  return (keep | forced[None, None]) & causal[None, None]
+  Ts = Tp // stride
+  # keys padded to the block grid; queries further, to whole chunks (extra blocks are dropped)
+  pad = lambda x, n: jnp.pad(x, [(0, 0), (0, n - T)] + [(0, 0)] * (x.ndim - 2))
+  q = lax.stop_gradient(pad(q_BTNH, n_chunks * c * block))
+  k = lax.stop_gradient(pad(k_BTKH, Tp).astype(jnp.float32))
+  ks_BKSD = k.reshape(B, Ts, stride, K, H)[:, :, ::-1].transpose(0, 3, 1, 2, 4).reshape(
+      B, K, Ts, stride * H)
+  kvalid_BS = pad(valid_BT, Tp).reshape(B, Ts, stride)[:, :, 0]          # first token of the group
+  scale = jnp.sqrt(jnp.float32(H)) * stride
+  j_blocks = jnp.arange(nq)
+
+  def chunk_keep(i0):
+    """Query blocks i0 .. i0 + c - 1 -> keep [B, N, c, nk]."""
+    q_BCNH = lax.dynamic_slice_in_dim(q, i0 * block, c * block, axis=1).astype(jnp.float32)
+    qs_BKGCD = q_BCNH.reshape(B, c * r, stride, K, G, H).transpose(0, 3, 4, 1, 2, 5).reshape(
+        B, K, G, c * r, stride * H)
+    rows = i0 * r + jnp.arange(c * r)                                    # strided query rows
+    logits = jnp.einsum("bkgtd,bksd->bkgts", qs_BKGCD, ks_BKSD,
+                        precision=lax.Precision.HIGHEST).reshape(B, N, c * r, Ts)
+    logits = logits / scale
+    ok = (jnp.arange(Ts)[None, :] <= rows[:, None])[None, None] & kvalid_BS[:, None, None, :]
+    logits = jnp.where(ok, logits, -jnp.inf)
+    p = jax.nn.softmax(logits, axis=-1)
+    p = jnp.where(ok, p, 0.0)
+    mass = p.reshape(B, N, c, r, nq, r).sum(axis=(3, 5)) / r              # [B, N, c, nk]
+    order = jnp.argsort(-mass, axis=-1)
+    m_sorted = jnp.take_along_axis(mass, order, axis=-1)
+    before = jnp.cumsum(m_sorted, axis=-1) - m_sorted
+    keep_sorted = before < threshold
+    keep = jnp.zeros_like(keep_sorted).at[
+        jnp.arange(B)[:, None, None, None], jnp.arange(N)[None, :, None, None],
+        jnp.arange(c)[None, None, :, None], order].set(keep_sorted)
+    i = i0 + jnp.arange(c)
+    causal = j_blocks[None, :] <= i[:, None]                             # [c, nk]
+    forced = (j_blocks[None, :] == i[:, None]) | (j_blocks[None, :] == 0)
+    return (keep | forced[None, None]) & causal[None, None]
+
+  if n_chunks == 1:
+    return chunk_keep(0)[:, :, :nq]
+  keep_XBNCK = lax.map(chunk_keep, jnp.arange(n_chunks, dtype=jnp.int32) * c)
+  return keep_XBNCK.transpose(1, 2, 0, 3, 4).reshape(B, N, n_chunks * c, nq)[:, :, :nq]
 
 
-def xa_lists(q_BTNH, k_BTKH, valid_BT, *, block: int, stride: int, threshold: float):
-  """XA kv block lists [B, N, nq, nk] (see `xa_keep`)."""
+def xa_lists(q_BTNH, k_BTKH, valid_BT, *, block: int, stride: int, threshold: float,
+             q_chunk: int = XA_Q_CHUNK):
+  """XA kv block lists [B, N, nq, nk] (see `xa_keep`; q_chunk bounds its memory)."""
   return _sorted_lists(xa_keep(q_BTNH, k_BTKH, valid_BT, block=block, stride=stride,
-                               threshold=threshold))
+                               threshold=threshold, q_chunk=q_chunk))
 
 
 def pad_lists(x, L: int):
@@ -122,12 +152,16 @@ def block_pairs(n_valid_B, T: int, block: int):
 
 def skipped_fraction(kv_blocks_BNQL, head_mode_BN, n_valid_B, T: int, block: int):
   """float32 [B, N]: fraction of a head's causal (query, key) pairs its block list skips (0 for
-  HEAD_FULL heads): the per-head pruning ratio rho of Omega_ESR (paper Def. 2.2)."""
+  HEAD_FULL heads): the per-head pruning ratio rho of Omega_ESR (paper Def. 2.2). Memory
+  O(B N nq max(L, nk)) (lists sorted, unique, -1 padded)."""
   from condattn_jax import ops
   pairs = block_pairs(n_valid_B, T, block)                                # [B, nq, nk]
-  nk = pairs.shape[-1]
-  listed = jnp.any(kv_blocks_BNQL[..., None] == jnp.arange(nk), axis=3)  # [B, N, nq, nk]
-  seen = jnp.sum(jnp.where(listed, pairs[:, None], 0.0), axis=(2, 3))
+  B, N, nq, L = kv_blocks_BNQL.shape
+  # the lists hold no duplicates (module docstring): the pairs seen are the listed blocks' pairs,
+  # gathered per list entry ([B, N, nq, L], not a [B, N, nq, L, nk] membership test)
+  at_BNQL = jnp.take_along_axis(jnp.broadcast_to(pairs[:, None], (B, N) + pairs.shape[1:]),
+                                jnp.maximum(kv_blocks_BNQL, 0), axis=-1)
+  seen = jnp.sum(jnp.where(kv_blocks_BNQL >= 0, at_BNQL, 0.0), axis=(2, 3))
   total = jnp.maximum(jnp.sum(pairs, axis=(1, 2)), 1.0)[:, None]
   rho = jnp.clip(1.0 - seen / total, 0.0, 1.0)
   if head_mode_BN is not None:
