@@ -183,11 +183,12 @@ def test_xa_block_scores_match_brute_force(q_chunk):
     p = np.exp(sc / (np.sqrt(H) * S) - (sc / (np.sqrt(H) * S)).max(1, keepdims=True))
     p /= p.sum(1, keepdims=True)
     mass = p.reshape(n, r, n, r).sum(axis=(1, 3)) / r
-    for i in range(n):
+    for i in range(n):  # XAttention: first + diagonal blocks, their mass counted first
       want = np.zeros(n, bool)
-      taken = 0.0
-      for j in np.argsort(-mass[i], kind="stable"):
-        if taken < 0.3:
+      forced = {0, i}
+      taken = sum(mass[i, j] for j in forced)
+      for j in sorted(set(range(n)) - forced, key=lambda j: -mass[i, j]):
+        if taken < 0.3 * mass[i].sum():
           want[j] = True
         taken += mass[i, j]
       want[0] = want[i] = True
@@ -200,6 +201,16 @@ def test_xa_block_scores_match_brute_force(q_chunk):
   for i in range(n):
     got = lists[0, 0, i]
     np.testing.assert_array_equal(got[got >= 0], np.flatnonzero(keep[0, 0, i]))
+
+
+def test_xa_selection_counts_the_forced_blocks_first():
+  """XAttention's find_blocks_chunked: first + diagonal (mass .04) count first, so .5 and .38 are
+  taken (.54 < .9) and .08 is not (.92); ranking the forced blocks by their own mass instead
+  would also keep .08 (.88 < .9). Threshold relative to the row's total mass."""
+  mass = jnp.array([[.02, .5, .38, .08, .02], [.01, .25, .19, .04, .01]])
+  forced = jnp.array([True, False, False, False, True])
+  keep = np.asarray(masks.threshold_select(mass, jnp.broadcast_to(forced, mass.shape), 0.9))
+  np.testing.assert_array_equal(keep, [[1, 1, 1, 0, 1]] * 2)
 
 
 def test_xa_chunked_scoring_is_bit_identical_to_one_chunk():

@@ -8,9 +8,9 @@ them).
   SSA (streaming): the query's key block kb(q) = q_slot // block sees the sink blocks
       [0, ceil(sinks / block)) and the local blocks kb(q) - local / block + 1 .. kb(q)
       (causality inside the diagonal block comes from the rest of the mask).
-  XA (XAttention): per (row, query head, query block) the key blocks whose strided
-      anti-diagonal score mass, taken in decreasing order, first reaches `threshold`; the
-      diagonal block and the first block are always kept.
+  XA (XAttention): per (row, query head, query block) the first and the diagonal key blocks,
+      then the other key blocks in decreasing strided anti-diagonal score mass until the mass
+      taken (the first and diagonal blocks' counted first) reaches `threshold` of the total.
 
 Rows are expected to hold one document (Elastic decides per sample): sinks are the row's first
 tokens, and the ESR pair counts assume the row's valid tokens come first.
@@ -49,6 +49,22 @@ def ssa_lists(q_slot_BQ, *, sinks: int, local: int, block: int, q_last_BQ=None):
   return jnp.concatenate([sink, loc], axis=-1)
 
 
+def threshold_select(mass_XK, forced_XK, threshold: float):
+  """bool [..., nk]: XAttention's block selection (find_blocks_chunked, causal prefill): the
+  forced blocks (first and diagonal), then the other blocks in decreasing mass, each kept while
+  the mass taken before it - the forced blocks' mass first, then the larger others' - is
+  < threshold * the row's total mass."""
+  total = jnp.sum(mass_XK, axis=-1, keepdims=True)
+  forced_mass = jnp.sum(jnp.where(forced_XK, mass_XK, 0.0), axis=-1, keepdims=True)
+  other = jnp.where(forced_XK, 0.0, mass_XK)
+  order = jnp.argsort(jnp.where(forced_XK, 1.0, -other), axis=-1)       # others by mass, forced last
+  o_sorted = jnp.take_along_axis(other, order, axis=-1)
+  before = jnp.cumsum(jnp.concatenate([forced_mass, o_sorted[..., :-1]], axis=-1), axis=-1)
+  keep_sorted = before < threshold * total
+  keep = jnp.take_along_axis(keep_sorted, jnp.argsort(order, axis=-1), axis=-1)
+  return keep | forced_XK
+
+
 XA_Q_CHUNK = 16  # query blocks scored together (ElasticOptions.xa_chunk's default)
 
 
@@ -60,9 +76,8 @@ def xa_keep(q_BTNH, k_BTKH, valid_BT, *, block: int, stride: int, threshold: flo
   Score: with Q'[t'] = concat_s q[t' S + s] and K'[j'] = concat_s k[j' S + S - 1 - s]
   (S = stride), Q'[t'].K'[j'] is the sum over the anti-diagonal of the S x S tile (t', j');
   softmax over causal j' <= t' of Q'.K' / (sqrt(H) S); block mass = mean over the block's
-  strided rows of the summed probabilities in the key block. Per query block the blocks are
-  taken in decreasing mass until the mass taken reaches `threshold` (a block is kept when the
-  mass before it is < threshold). No gradient flows through the selection.
+  strided rows of the summed probabilities in the key block. Selection: `threshold_select`
+  (XAttention's find_blocks_chunked). No gradient flows through the selection.
 
   Memory: the strided scores are computed `q_chunk` query blocks at a time (lax.map over
   groups of query blocks, each slicing its queries out of q_BTNH), so beyond the strided keys
@@ -108,17 +123,11 @@ def xa_keep(q_BTNH, k_BTKH, valid_BT, *, block: int, stride: int, threshold: flo
     p = jax.nn.softmax(logits, axis=-1)
     p = jnp.where(ok, p, 0.0)
     mass = p.reshape(B, N, c, r, nq, r).sum(axis=(3, 5)) / r              # [B, N, c, nk]
-    order = jnp.argsort(-mass, axis=-1)
-    m_sorted = jnp.take_along_axis(mass, order, axis=-1)
-    before = jnp.cumsum(m_sorted, axis=-1) - m_sorted
-    keep_sorted = before < threshold
-    keep = jnp.zeros_like(keep_sorted).at[
-        jnp.arange(B)[:, None, None, None], jnp.arange(N)[None, :, None, None],
-        jnp.arange(c)[None, None, :, None], order].set(keep_sorted)
     i = i0 + jnp.arange(c)
     causal = j_blocks[None, :] <= i[:, None]                             # [c, nk]
     forced = (j_blocks[None, :] == i[:, None]) | (j_blocks[None, :] == 0)
-    return (keep | forced[None, None]) & causal[None, None]
+    keep = threshold_select(mass, jnp.broadcast_to(forced, mass.shape), threshold)
+    return keep & causal[None, None]
 
   if n_chunks == 1:
     return chunk_keep(0)[:, :, :nq]
