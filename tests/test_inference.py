@@ -103,3 +103,15 @@ def test_bad_requests_are_clear():
     eng.generate(PROMPTS, NEW)
   with pytest.raises(ValueError, match="empty prompt"):
     eng.prefill([[1, 2], []])
+
+
+def test_chunked_prefill_compiles_its_step_once():
+  """The chunk step runs on a fresh zero cache first and on its own (committed) outputs after:
+  both must hit one executable (a second compile costs minutes at 7B scale on a GPU)."""
+  cfg, params = _dense()
+  eng = Engine(cfg, params, cache_len=64, prefill_chunk=4)
+  before = Engine._step._cache_size()  # one jit cache for every engine (self is static)
+  for _ in range(2):
+    _, logits, _ = eng.prefill([PROMPTS[0], PROMPTS[1]])    # 3 chunks per prefill
+    logits.block_until_ready()
+  assert Engine._step._cache_size() == before + 1

@@ -67,6 +67,7 @@ class Engine:
     self.params = params
     self.cache_len = int(cache_len)
     self.prefill_chunk = prefill_chunk
+    self._cache_shapes: dict[int, object] = {}
 
   # ------------------------------------------------------------------------------ the step
   @functools.partial(jax.jit, static_argnums=0, donate_argnums=(2,))
@@ -85,13 +86,30 @@ class Engine:
     logits_BV = jnp.where((n_B > 0)[:, None], logits_BV, prev_logits_BV)
     return variables["cache"], logits_BV
 
+  def cache_shapes(self, batch_size: int):
+    """The abstract cache (ShapeDtypeStructs) for `batch_size` rows, read off the model once per
+    batch size (tracing a 32-layer model costs ~1 s: not paid again on every prefill)."""
+    if batch_size not in self._cache_shapes:
+      tok = jax.ShapeDtypeStruct((batch_size, 1), jnp.int32)
+      self._cache_shapes[batch_size] = jax.eval_shape(
+          lambda p, t: self.model.apply({"params": p}, t, decode=True, cache_len=self.cache_len,
+                                        mutable=["cache"])[1]["cache"], self.params, tok)
+    return self._cache_shapes[batch_size]
+
+  def _commit(self, tree):
+    """`tree` placed on the params' device (when they all live on one). The step's outputs are
+    committed arrays: inputs made by jnp.zeros are not, and jit compiles the step once for each
+    kind, so a chunked prefill would compile its step twice (minutes for a 7B model on a GPU)."""
+    devs = {d for x in jax.tree.leaves(self.params) if isinstance(x, jax.Array)
+            for d in x.devices()}
+    dev = devs.pop() if len(devs) == 1 else (jax.devices()[0] if not devs else None)
+    return tree if dev is None else jax.device_put(tree, dev)
+
   def init_cache(self, batch_size: int):
-    """Zeros in the structure of every layer's cache (read off the model, not hard-coded)."""
-    tok = jax.ShapeDtypeStruct((batch_size, 1), jnp.int32)
-    shapes = jax.eval_shape(
-        lambda p, t: self.model.apply({"params": p}, t, decode=True, cache_len=self.cache_len,
-                                      mutable=["cache"])[1]["cache"], self.params, tok)
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    """Zeros in the structure of every layer's cache (read off the model, not hard-coded),
+    on the params' device."""
+    return self._commit(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                     self.cache_shapes(batch_size)))
 
   # ------------------------------------------------------------------------------ prefill
   def prefill(self, prompts: Sequence[Sequence[int]]):
@@ -111,7 +129,7 @@ class Engine:
     positions = np.broadcast_to(np.arange(P, dtype=np.int32), (B, P))
     valid = positions < lengths[:, None]
     cache = self.init_cache(B)
-    logits = jnp.zeros((B, self.config.vocab_size), jnp.float32)
+    logits = self._commit(jnp.zeros((B, self.config.vocab_size), jnp.float32))
     for c in range(0, P, C):
       sl = slice(c, c + C)
       cache, logits = self._step(self.params, cache, jnp.asarray(tokens[:, sl]),
