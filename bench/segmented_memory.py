@@ -57,19 +57,39 @@ def _config(p, row):
   return sgm.segmented_config(cfg, **p["seg"]) if row == "segmented" else cfg
 
 
+def host_params(cfg, seed: int = 0):
+  """Random weights of cfg's shapes made on the host (numpy: a 4M-value random pattern, shifted
+  per leaf and tiled; norm scales 1) and copied leaf by leaf, so the device's peak is the
+  prefill's, not an initialiser's (a jitted init of a 7B model makes [L, 11008, 4096] random
+  bits at once: GBs of temporaries). Memory and latency do not depend on the values."""
+  import flax.linen as nn
+  import ml_dtypes  # noqa: F401  (numpy bfloat16)
+  from condattn_jax.models.decoder import Decoder
+  shapes = nn.unbox(jax.eval_shape(
+      lambda k: Decoder(cfg).init(k, jnp.zeros((1, 8), jnp.int32))["params"],
+      jax.random.PRNGKey(seed)))
+  base = (np.random.default_rng(seed).standard_normal(1 << 22, dtype=np.float32) * 0.02)
+  dev = jax.devices()[0]
+  out, i = [], 0
+  leaves, tree = jax.tree_util.tree_flatten_with_path(shapes)
+  for path, x in leaves:
+    dt = np.dtype(x.dtype)
+    if "scale" in jax.tree_util.keystr(path):
+      h = np.ones(x.shape, dt)
+    else:
+      h = np.resize(np.roll(base, 7919 * i).astype(dt), x.shape)
+    out.append(jax.device_put(h, dev))
+    i += 1
+  return jax.tree_util.tree_unflatten(tree, out)
+
+
 def run_row(preset: str, row: str, T: int) -> dict:
   """One row in this process."""
   from condattn_jax.inference import Engine, cache_bytes
-  from condattn_jax.models.decoder import Decoder
   p = PRESETS[preset]
   cfg = _config(p, row)
   S = p["seg"]["segment_len"]
-  with jax.default_device(jax.devices("cpu")[0]):  # init on the host: the device peak is ours
-    params = jax.jit(lambda k: Decoder(cfg).init(k, jnp.zeros((1, 8), jnp.int32))["params"])(
-        jax.random.PRNGKey(0))
-  params = jax.tree.map(lambda x: x.value if hasattr(x, "value") else x, params,
-                        is_leaf=lambda x: hasattr(x, "value"))
-  params = jax.device_put(params, jax.devices()[0])
+  params = host_params(cfg)
   weights = int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(params)))
   eng = Engine(cfg, params, cache_len=T, prefill_chunk=None if row == "dense" else S)
   prompt = [list(np.random.default_rng(0).integers(1, p["vocab"], T))]
@@ -100,22 +120,11 @@ def run_row(preset: str, row: str, T: int) -> dict:
               logits_finite=bool(np.isfinite(np.asarray(logits, np.float32)).all()))
 
 
-def run(preset: str) -> dict:
-  p = PRESETS[preset]
-  rows = []
-  for T in p["lengths"]:
-    for row in ROWS:
-      cmd = [sys.executable, "-m", "bench.segmented_memory", "--preset", preset, "--row",
-             f"{row},{T}"]
-      out = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(
-          os.path.dirname(os.path.abspath(__file__))))
-      if out.returncode:
-        rows.append(dict(row=row, T=T, error=out.stderr.strip().splitlines()[-1:]))
-        continue
-      rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
-      print(json.dumps(rows[-1]), flush=True)
+def summarise(p: dict, rows: list[dict]) -> tuple[dict, dict]:
+  """Per length: segmented / dense ratios (memory minus weights, cache, latency); targets at the
+  longest length with both rows."""
   summary = {}
-  for T in p["lengths"]:
+  for T in sorted({x["T"] for x in rows}):
     r = {x["row"]: x for x in rows if x["T"] == T and "error" not in x}
     if "dense" in r and "segmented" in r:
       d, s = r["dense"], r["segmented"]
@@ -124,14 +133,60 @@ def run(preset: str) -> dict:
       summary[str(T)] = dict(memory_ratio_vs_dense=mem,
                              cache_ratio_vs_dense=s["cache_bytes"] / d["cache_bytes"],
                              latency_ratio_vs_dense=s["prefill_s"] / d["prefill_s"])
-  last = summary.get(str(max(p["lengths"])), {})
-  targets = dict(memory_quarter_at_max_len=(last.get("memory_ratio_vs_dense") is not None
+  last = summary[max(summary, key=int)] if summary else {}
+  targets = dict(at_length=max(map(int, summary)) if summary else None,
+                 memory_quarter_at_max_len=(last.get("memory_ratio_vs_dense") is not None
                                             and last["memory_ratio_vs_dense"] <= 0.25),
                  latency_no_worse_at_max_len=last.get("latency_ratio_vs_dense", 9) <= 1.0)
-  return dict(bench="segmented_memory", preset=preset,
-              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-              device=jax.devices()[0].device_kind, platform=jax.default_backend(),
-              settings={k: v for k, v in p.items()}, rows=rows, summary=summary, targets=targets)
+  return summary, targets
+
+
+def run(preset: str, lengths=None, rows_wanted=ROWS, out: str | None = None) -> dict:
+  """Each (row, T) in a process of its own; with `out`, rows already there for other
+  (row, T) are kept (runs split over several commands merge) and the file is rewritten after
+  every row (an interrupted run keeps what it measured)."""
+  p = PRESETS[preset]
+  lengths = tuple(lengths or p["lengths"])
+  rows = []
+  if out and os.path.exists(out):
+    with open(out) as f:
+      prev = json.load(f)
+    if prev.get("preset") == preset:
+      rows = [r for r in prev["rows"] if not (r["T"] in lengths and r["row"] in rows_wanted)]
+
+  def doc():
+    summary, targets = summarise(p, rows)
+    return dict(bench="segmented_memory", preset=preset,
+                date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                device=jax.devices()[0].device_kind, platform=jax.default_backend(),
+                jax_version=jax.__version__, settings={k: v for k, v in p.items()},
+                rows=sorted(rows, key=lambda r: (r["T"], ROWS.index(r["row"]))),
+                summary=summary, targets=targets)
+
+  for T in lengths:
+    for row in rows_wanted:
+      t0 = time.perf_counter()
+      cmd = [sys.executable, "-m", "bench.segmented_memory", "--preset", preset, "--row",
+             f"{row},{T}"]
+      res = subprocess.run(cmd, capture_output=True, text=True, cwd=os.path.dirname(
+          os.path.dirname(os.path.abspath(__file__))))
+      if res.returncode:
+        rows.append(dict(row=row, T=T, error=res.stderr.strip().splitlines()[-1:]))
+      else:
+        rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
+      rows[-1]["wall_s"] = round(time.perf_counter() - t0, 1)
+      print(json.dumps(rows[-1]), flush=True)
+      if out:
+        _write(out, doc())
+  return doc()
+
+
+def _write(path: str, obj: dict) -> None:
+  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=1)
+  os.replace(tmp, path)
 
 
 def main(argv=None):
@@ -139,6 +194,9 @@ def main(argv=None):
   ap.add_argument("--preset", default="gpu", choices=sorted(PRESETS))
   ap.add_argument("--row", default=None, help="internal: 'name,T' runs one row, prints JSON")
   ap.add_argument("--out", default=None)
+  ap.add_argument("--lengths", default="", help="comma-separated context lengths (default: the "
+                  "preset's); rows of other lengths already in --out are kept")
+  ap.add_argument("--rows", default=",".join(ROWS), help=f"subset of {','.join(ROWS)}")
   args = ap.parse_args(argv)
   if args.row:
     name, T = args.row.split(",")
@@ -147,12 +205,13 @@ def main(argv=None):
   if args.preset == "gpu" and jax.default_backend() not in ("gpu", "cuda", "rocm"):
     print("preset 'gpu' needs a GPU (use --preset test on CPU)")
     return 2
-  r = run(args.preset)
+  rows = tuple(x for x in args.rows.split(",") if x)
+  bad = sorted(set(rows) - set(ROWS))
+  if bad:
+    ap.error(f"--rows {bad}: choose from {ROWS}")
+  lengths = tuple(int(x) for x in args.lengths.split(",") if x) or None
   out = args.out or (OUT if args.preset == "gpu" else None)
-  if out:
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-      json.dump(r, f, indent=1)
+  r = run(args.preset, lengths, rows, out)
   print(json.dumps(dict(summary=r["summary"], targets=r["targets"]), indent=1))
   return 0
 

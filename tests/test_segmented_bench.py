@@ -53,3 +53,22 @@ def test_fidelity_test_preset_runs():
     assert sorted(r["perplexity"][k]) == lens
     assert all(np.isfinite(v) for v in r["perplexity"][k].values())
   assert set(r["findings"]) == {"misaligned_over_aligned_at_max_len", "explodes_like_paper_2x"}
+
+
+def test_memory_bench_merges_split_runs(tmp_path):
+  """A GPU run split over several commands (--lengths / --rows) merges into one file: rows of
+  other (row, T) kept, ratios and targets from the merged rows."""
+  out = str(tmp_path / "m.json")
+  r = lambda row, T, peak, s: dict(row=row, T=T, peak_minus_weights=peak, cache_bytes=peak,
+                                   prefill_s=s)
+  json.dump(dict(preset="test", rows=[r("dense", 64, 100, 2.0), r("segmented", 128, 10, 1.0)]),
+            open(out, "w"))
+  mem._write(out, mem.run("test", lengths=(128,), rows_wanted=(), out=out))
+  doc = json.load(open(out))
+  assert [(x["row"], x["T"]) for x in doc["rows"]] == [("dense", 64), ("segmented", 128)]
+  json.dump(dict(doc, rows=doc["rows"] + [r("dense", 128, 80, 2.0)]), open(out, "w"))
+  doc = mem.run("test", lengths=(256,), rows_wanted=(), out=out)
+  assert doc["summary"] == {"128": dict(memory_ratio_vs_dense=0.125, cache_ratio_vs_dense=0.125,
+                                        latency_ratio_vs_dense=0.5)}
+  assert doc["targets"] == dict(at_length=128, memory_quarter_at_max_len=True,
+                                latency_no_worse_at_max_len=True)
