@@ -183,7 +183,8 @@ def test_elastic_train_step_counts_the_batches_tasks(tmp_path):
   c.train.log_every = 1
   c.train.checkpoint_every = 0
   c.train.progress_bar = False
-  c.eval.at_end = False
+  c.eval.at_end = True  # the eval batches (make_eval_batches) carry task_ids too
+  c.eval.num_batches = 1
   want = [np.bincount(b["task_ids"], minlength=2).tolist()
           for it in [data.make_train_iterator(c)] for b in [next(it) for _ in range(3)]]
   assert np.min(np.sum(want, axis=0)) > 0 and len({tuple(w) for w in want}) > 1, want
@@ -191,3 +192,8 @@ def test_elastic_train_step_counts_the_batches_tasks(tmp_path):
   rows = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")]
   got = [r["train/elastic/samples_task"] for r in rows if "train/elastic/samples_task" in r]
   assert got == want, (got, want)
+  from condattn_jax.evaluation.perplexity import eval_data_config
+  (eb,) = data.make_eval_batches(eval_data_config(c, 64), 1, int(c.eval.seed))
+  ev = [r for r in rows if "eval/L64/aux/elastic/samples_task" in r]
+  assert ev[-1]["eval/L64/aux/elastic/samples_task"] == np.bincount(eb["task_ids"],
+                                                                    minlength=2).tolist()
