@@ -29,9 +29,9 @@ Task ids: a batch's `task_ids` [B] index model.scheme.task_names. The file pipel
 record's task name from data.task_field ('task': {"text": ..., "task": "qa"}) and maps it into
 data.task_names, which is a reference to model.scheme.task_names (one list:
 --config.model.scheme.task_names=... moves both); an unknown task name is an error naming the
-record, the task and the known ones. Rows hold one task each (first_fit packing starts new rows
-when the task changes). Batches without task ids (the tiny variant's synthetic MQAR) count as
-task 0.
+record, the task and the known ones. Rows hold one task each (first_fit packing: each bin
+takes one task; condattn_jax/data/packing.py). Batches without task ids (the tiny variant's
+synthetic MQAR) count as task 0.
 
 Args (comma separated after the variant name): steps, seq, batch, modes (fa_ssa | fa_xa |
 xa_ssa), pooling (boundary | prompt_mean), lr, lam_lr, t_sensitive, t_robust;

@@ -49,21 +49,24 @@ def _row_records(batch, r):
   return [int(inp[seg == s][0]) - 1 for s in np.unique(seg[seg > 0])]
 
 
-def test_task_ids_follow_the_records_and_a_task_change_starts_new_rows(tmp_path):
-  # T = 8 pairs per row, 2 bins, one lane. A, B (qa, 2 pairs each) share a bin; C (summ) does
-  # not fit the qa bins by task: [A, B] is emitted, C (2) and D (6 pairs) fill a summ bin
-  # exactly; E (qa) starts new bins again. Without tasks first fit would put C next to A, B.
-  recs = [{"tokens": [1, 1, 1], "task": "qa"}, {"tokens": [2, 2, 2], "task": "qa"},
-          {"tokens": [3, 3, 3], "task": "summ"}, {"tokens": [4] * 7, "task": "summ"},
-          {"tokens": [5, 5], "task": "qa"}]
-  cfg = _cfg(_write(tmp_path / "d.jsonl", recs), shuffle_seed=None, num_epochs=1)
+def test_task_ids_follow_the_records_and_bins_keep_one_task(tmp_path):
+  # T = 8 pairs per row, 2 bins, one lane, pairs per document in brackets. A qa [2] opens bin 0,
+  # B summ [2] bin 1; C code [2] finds no empty bin and no code bin: both bins are emitted
+  # (rows [A] qa, [B] summ) and C opens new ones; D qa [3] bin 1; E code [6] joins C (2 + 6 =
+  # 8); F qa [5] joins D (3 + 5 = 8); the end emits [C, E] and [D, F].
+  tasks = ("qa", "summ", "code")
+  recs = [{"tokens": [1] * 3, "task": "qa"}, {"tokens": [2] * 3, "task": "summ"},
+          {"tokens": [3] * 3, "task": "code"}, {"tokens": [4] * 4, "task": "qa"},
+          {"tokens": [5] * 7, "task": "code"}, {"tokens": [6] * 6, "task": "qa"}]
+  cfg = _cfg(_write(tmp_path / "d.jsonl", recs), shuffle_seed=None, num_epochs=1,
+             task_names=tasks)
   batches = list(data.make_train_iterator(cfg))
-  assert [b["task_ids"].tolist() for b in batches] == [[0], [1], [0]]
-  assert [_row_records(b, 0) for b in batches] == [[0, 1], [2, 3], [4]]
+  assert [b["task_ids"].tolist() for b in batches] == [[0], [1], [2], [0]]
+  assert [_row_records(b, 0) for b in batches] == [[0], [1], [2, 4], [3, 5]]
   assert all(b["task_ids"].dtype == np.int32 and b["task_ids"].shape == (1,) for b in batches)
-  cfg.task_field = None
+  cfg.task_field = None  # without tasks: plain first fit mixes them
   plain = list(data.make_train_iterator(cfg))
-  assert "task_ids" not in plain[0] and _row_records(plain[0], 0) == [0, 1, 2, 4]
+  assert "task_ids" not in plain[0] and _row_records(plain[0], 0) == [0, 1, 2]
 
 
 def test_rows_never_mix_tasks_and_every_record_is_read_once(tmp_path):

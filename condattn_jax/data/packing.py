@@ -25,12 +25,14 @@ positions[q]; `attention_mask` below is that rule in numpy, for tests.
 
 Tasks (data.task_field set; first_fit only): a document's features carry its task id
 (TASK_KEY, a scalar). A row's task is the task of every document in it: `pack(tasks=True)`
-packs with a first-fit that treats a task change as "does not fit", so the open bins are
-emitted (partly filled) and a new set of bins starts with the new task's document. Rows
-therefore never mix tasks (packed_to_row checks it), a lane's rows keep the order of its
-documents' tasks, and the iterator state is grain's own (unchanged: parent state + row).
-The cost is padding: a corpus whose consecutive lane documents switch task often fills
-its rows less (one task per row is what the per-sample Lagrangian of Elastic needs).
+packs with a first fit in which each of the `pack_bins` bins takes the task of its first
+document and then accepts only that task: a document goes to the first bin that is empty or
+of its task and has room; when none has, all bins are emitted (grain's first-fit rule) and
+the document starts new ones. Rows therefore never mix tasks (packed_to_row checks it) and
+the iterator state is grain's own (unchanged: parent state + row). The cost is some padding
+when a lane's documents come from more tasks than pack_bins (one task per row is what the
+per-sample Lagrangian of Elastic needs). concat_then_split cuts documents across rows and
+is refused with tasks.
 """
 
 from __future__ import annotations
@@ -83,17 +85,28 @@ class _SplitLong(gx.FlatMapTransform):
 
 
 class _OneTaskFirstFit(FirstFitPackedBatch):
-  """First fit whose bins all hold documents of one task: a document of another task "does
-  not fit" (the open bins are emitted and it starts new ones)."""
+  """grain's first fit where a bin takes the task of its first document: a document goes to the
+  first bin that is empty or holds its task and has room; when none has, all bins are emitted
+  (grain's rule for a document that fits nowhere) and it starts new ones. The other tasks' bins
+  are shown to grain's first fit as full for the duration of the call."""
 
   def try_add_to_batch(self, element):
     task = int(element[TASK_KEY])
-    mine = getattr(self, "_task", None)
-    if mine is not None and task != mine:
-      return [TASK_KEY]
-    failing = super().try_add_to_batch(element)
+    if getattr(self, "_row_task", None) is None:
+      self._row_task = np.full((self._num_packing_bins,), -1, np.int64)
+    other = (self._row_task >= 0) & (self._row_task != task)
+    free = self._flat_first_free_cell_per_row       # per feature: next free cell of each bin
+    saved = [f[other].copy() for f in free]
+    for f, cap in zip(free, self._capacities):
+      f[other] = cap                                # full: no document (>= 1 pair) fits
+    before = self._num_examples_per_row.copy()
+    try:
+      failing = super().try_add_to_batch(element)
+    finally:
+      for f, v in zip(free, saved):
+        f[other] = v
     if failing is None:
-      self._task = task
+      self._row_task[np.flatnonzero(self._num_examples_per_row != before)[0]] = task
     return failing
 
 
