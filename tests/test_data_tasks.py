@@ -200,3 +200,15 @@ def test_elastic_train_step_counts_the_batches_tasks(tmp_path):
   ev = [r for r in rows if "eval/L64/aux/elastic/samples_task" in r]
   assert ev[-1]["eval/L64/aux/elastic/samples_task"] == np.bincount(eb["task_ids"],
                                                                     minlength=2).tolist()
+
+
+def test_parquet_reads_the_task_column(tmp_path):
+  import pyarrow as pa
+  import pyarrow.parquet as pq
+  recs = _id_docs(12, max_len=8)
+  path = str(tmp_path / "d.parquet")
+  pq.write_table(pa.table({"tokens": [r["tokens"] for r in recs],
+                           "task": [r["task"] for r in recs], "other": list(range(12))}), path)
+  cfg = _cfg(path, source="parquet", shuffle_seed=None, num_epochs=1)
+  for b in data.make_train_iterator(cfg):
+    assert {TASKS.index(recs[i]["task"]) for i in _row_records(b, 0)} == {int(b["task_ids"][0])}
