@@ -14,7 +14,8 @@ inference.Engine with cache_len = N + new tokens, prefill N prompt tokens in chu
   kv_bytes            its K/V arrays only (window rings + retrieved-K/V caches; full caches)
   analytic            the scheme's kv_cache_bytes at N
   peak_bytes          device peak_bytes_in_use (GPU; None on CPU) after the row
-  prefill_s, decode_s wall seconds
+  prefill_s, decode_s wall seconds of the row's first prefill / `new` decode steps, each
+                      INCLUDING its step's compile (one pass per row: memory, not speed)
 MATCH's kv_bytes must not grow with N (only its raw-token buffer does: 4 bytes per token).
 The model is Qwen3-8B-shaped per layer (hidden 4096, 32 q / 8 kv heads of 128, MLP 12288) with
 few layers and random weights (memory, not quality), bfloat16; retrieval = exact match on random
@@ -121,6 +122,7 @@ def row(s: Settings, name: str, cfg: ModelConfig, params, n: int) -> dict:
 
 def run(s: Settings, models=("match", "dense"), log=print) -> dict:
   out = {"settings": dataclasses.asdict(s), "device": jax.devices()[0].device_kind,
+         "jax_version": jax.__version__,
          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
          "rows": []}
   for name in models:
@@ -141,12 +143,28 @@ def check_flat(result: dict) -> list[str]:
   """MATCH's K/V bytes are the same at every context length; dense grows (when it ran)."""
   bad = []
   m = [r for r in result["rows"] if r["model"] == "match" and "kv_bytes" in r]
-  if len({r["kv_bytes"] for r in m}) != 1:
+  if len({r["kv_bytes"] for r in m}) > 1:
     bad.append(f"match kv_bytes vary with context: {[r['kv_bytes'] for r in m]}")
   d = [r for r in result["rows"] if r["model"] == "dense" and "kv_bytes" in r]
   if len(d) > 1 and not d[-1]["kv_bytes"] > d[0]["kv_bytes"]:
     bad.append("dense kv_bytes do not grow with context")
   return bad
+
+
+def merge(docs: list[dict]) -> dict:
+  """One result from per-row runs (one process per row, see the module docstring): same
+  settings and device required; rows sorted by (model, context); claims re-checked."""
+  same = lambda d: json.dumps({k: v for k, v in d["settings"].items() if k != "contexts"},
+                              sort_keys=True)
+  keys = {(same(d), d["device"], d.get("preset")) for d in docs}
+  if len(keys) != 1:
+    raise ValueError(f"match_memory merge: the runs differ in settings / device / preset: {keys}")
+  out = dict(docs[0], date=max(d["date"] for d in docs),
+             rows=sorted((r for d in docs for r in d["rows"]),
+                         key=lambda r: (r["model"], r["context"])))
+  out["settings"] = dict(out["settings"], contexts=sorted({r["context"] for r in out["rows"]}))
+  out["failed_claims"] = check_flat(out)
+  return out
 
 
 def main(argv=None):
@@ -155,7 +173,15 @@ def main(argv=None):
   ap.add_argument("--models", default="match,dense")
   ap.add_argument("--contexts", default=None, help="comma-separated context lengths")
   ap.add_argument("--out", default=None)
+  ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                  help="merge per-row result files into --out (no run)")
   a = ap.parse_args(argv)
+  if a.merge:
+    result = merge([json.load(open(f)) for f in a.merge])
+    with open(a.out or OUT, "w") as f:
+      json.dump(result, f, indent=1)
+    print("failed claims:", result["failed_claims"], f"\nwrote {a.out or OUT}")
+    return
   s = PRESETS[a.preset]
   if a.contexts:
     s = dataclasses.replace(s, contexts=tuple(int(x) for x in a.contexts.split(",")))

@@ -52,3 +52,25 @@ def test_memory_bench_match_flat():
   assert m96["cache_bytes"] - m32["cache_bytes"] == 4 * 64  # only the raw tokens grow
   grown = dict(r, rows=r["rows"] + [dict(m32, model="dense"), dict(m32, model="dense")])
   assert match_memory.check_flat(grown) == ["dense kv_bytes do not grow with context"]
+
+
+def test_recorded_gpu_memory_is_flat_for_match_and_grows_for_dense():
+  """bench/results/match_memory.json (H200, one process per row, merged): MATCH's K/V and
+  device peak stay flat from 8K to 128K while dense's grow with the context."""
+  with open(os.path.join(ROOT, "bench", "results", "match_memory.json")) as f:
+    r = json.load(f)
+  assert r["device"].startswith("NVIDIA") and r["jax_version"] and r["date"][:4] >= "2026"
+  rows = {(x["model"], x["context"]): x for x in r["rows"]}
+  assert sorted(rows) == [(m, n) for m in ("dense", "match") for n in (8192, 32768, 131072)]
+  assert match_memory.check_flat(r) == [] == r["failed_claims"]
+  m = [rows["match", n] for n in (8192, 32768, 131072)]
+  d = [rows["dense", n] for n in (8192, 32768, 131072)]
+  assert len({x["kv_bytes"] for x in m}) == 1
+  assert d[2]["kv_bytes"] >= 15 * d[0]["kv_bytes"] and d[2]["kv_bytes"] > 50 * m[2]["kv_bytes"]
+  assert max(x["peak_bytes"] for x in m) <= 1.05 * min(x["peak_bytes"] for x in m)
+  assert d[2]["peak_bytes"] > d[0]["peak_bytes"] + 2 * 2**30
+  # merging refuses runs of other settings
+  import pytest
+  other = dict(r, settings=dict(r["settings"], window=64))
+  with pytest.raises(ValueError, match="differ"):
+    match_memory.merge([r, other])
