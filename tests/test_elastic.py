@@ -376,3 +376,18 @@ def test_pooling_boundary_and_prompt_mean_over_the_prompt():
     np.testing.assert_allclose(got_b[b], kn[b, idx].mean(0), atol=1e-6)
     np.testing.assert_allclose(got_m[b], kn[b, :n].mean(0), atol=1e-6)
   np.testing.assert_allclose(got_all[0], kn[0].mean(0), atol=1e-6)
+
+
+def test_fixed_routing_is_a_static_head_split():
+  """routing='fixed': the listed KV heads are class 1 in every row (the per-head reference with
+  that decision), the others class 0; bad head indices and a list without 'fixed' are errors."""
+  cfg, layer, x, pos = _layer_setup("fa_ssa")
+  fcfg = elastic.elastic_config(cfg, routing="fixed", fixed_fa_kv_heads=(1,))
+  out, aux = _apply(fcfg, layer, x, pos)
+  np.testing.assert_array_equal(aux["fa_BK"], np.tile([0.0, 1.0], (B, 1)))
+  ref = _reference(cfg, layer, x, pos, fa_BK=np.tile(np.float32([0, 1]), (B, 1)))
+  np.testing.assert_allclose(out, ref["out"], atol=1e-5, rtol=0)
+  with pytest.raises(ValueError, match=r"fixed_fa_kv_heads has \[2\]: KV heads are 0..1"):
+    _apply(elastic.elastic_config(cfg, routing="fixed", fixed_fa_kv_heads=(0, 2)), layer, x, pos)
+  with pytest.raises(ValueError, match="needs routing='fixed'"):
+    elastic.elastic_config(cfg, fixed_fa_kv_heads=(0,))

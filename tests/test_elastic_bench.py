@@ -65,3 +65,39 @@ def test_recorded_cpu_result_holds_the_claims():
   assert r["retrieval_gap_points"] <= 2.0, r["retrieval_gap_points"]
   assert r["dense_accuracy"]["retrieval"] > 0.9  # the dense model solved the task
   assert r["all_ssa_accuracy"]["retrieval"] < 0.5  # and SSA alone cannot
+
+
+def test_prefill_bench_test_preset_runs():
+  from bench import elastic_prefill as ep
+  r = ep.run(ep.PRESETS["test"], log=lambda *a: None)
+  dense, el = r["rows"]
+  assert dense["row"] == "dense" and el["omega"] == 0.5 and el["fa_kv_heads"] == [0]
+  assert all(x["finite"] and x["ms"] > 0 for x in r["rows"])
+  assert el["speedup_vs_dense"] == pytest.approx(dense["ms"] / el["ms"])
+
+
+def test_recorded_prefill_result():
+  """bench/results/elastic_prefill_<H100>.json: whole Qwen3-8B-shaped layers, FA-SSA with a
+  static head split vs dense cuDNN. Recorded as measured: at 64K, 75% SSA KV heads gives 1.39x
+  and 62.5% 1.19x, under the 1.5x target at Omega 0.7; sparser is faster, 64K gains more than
+  32K, and the speedups follow from the milliseconds."""
+  import json
+  import os
+  from bench import elastic_prefill as ep
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench",
+                      "results", "elastic_prefill_NVIDIA_H100_80GB_HBM3.json")
+  doc = json.load(open(path))
+  assert doc["jax_version"] == "0.11.2" and doc["date"][:4] >= "2026"
+  got = {}
+  for run in doc["runs"]:
+    s = run["settings"]
+    assert (s["hidden"], s["heads"], s["kv_heads"], s["mlp"]) == (4096, 32, 8, 12288)
+    dense = run["rows"][0]
+    assert dense["row"] == "dense"
+    for r in run["rows"][1:]:
+      assert r["finite"] and r["speedup_vs_dense"] == pytest.approx(dense["ms"] / r["ms"])
+      got[s["T"], r["omega"]] = r["speedup_vs_dense"]
+  assert got[65536, 0.75] > got[65536, 0.625] > 1.0
+  assert got[65536, 0.75] > got[32768, 0.75]
+  assert 1.3 < got[65536, 0.75] < 1.5   # the target (1.5x at 0.7) is not reached: see the note
+  assert set(ep.configs(ep.PRESETS["gpu"])) == {"dense", "elastic_0.625", "elastic_0.75"}

@@ -60,7 +60,7 @@ from condattn_jax.models.layers import Attention, make_norm, mlp_residual
 MODES = ("fa_ssa", "fa_xa", "xa_ssa")
 POOLINGS = ("boundary", "prompt_mean")
 TAU_SCHEDULES = ("cosine", "exp")
-ROUTINGS = ("learned", "fa", "sa")
+ROUTINGS = ("learned", "fa", "sa", "fixed")
 FA, SA = 1, 0  # router classes
 
 
@@ -81,7 +81,11 @@ class ElasticOptions:
   targets        target Omega_MSR per task (sensitive 0.7, robust 1.0), same order.
   lambda_init_max  lambda1, lambda2 init U(0, lambda_init_max) (0.5).
   seed           seed of from_dense's fresh router and lambdas.
-  routing        'learned' | 'fa' (every head FA: the base model under fa_* modes) | 'sa'.
+  routing        'learned' | 'fa' (every head FA: the base model under fa_* modes) | 'sa' |
+                 'fixed' (the KV heads in `fixed_fa_kv_heads` are class 1 in every row and layer,
+                 the others class 0: a static head split, for ablations and speed measurements
+                 at an exact Omega).
+  fixed_fa_kv_heads  KV head indices of class 1 under routing 'fixed'.
   prompt_field   batch field [B] with each row's prompt length (absent: the whole row).
   """
   modes: str = "fa_ssa"
@@ -103,6 +107,7 @@ class ElasticOptions:
   lambda_init_max: float = 0.5
   seed: int = 0
   routing: str = "learned"
+  fixed_fa_kv_heads: tuple = ()
   prompt_field: str = "prompt_lengths"
 
   def __post_init__(self):
@@ -115,6 +120,9 @@ class ElasticOptions:
       raise ValueError(f"{f}.tau_schedule={self.tau_schedule!r}: choose one of {TAU_SCHEDULES}.")
     if self.routing not in ROUTINGS:
       raise ValueError(f"{f}.routing={self.routing!r}: choose one of {ROUTINGS}.")
+    if self.fixed_fa_kv_heads and self.routing != "fixed":
+      raise ValueError(f"{f}.fixed_fa_kv_heads={tuple(self.fixed_fa_kv_heads)} needs "
+                       f"routing='fixed' (got {self.routing!r}).")
     for name in ("boundary", "block", "xa_stride", "local", "xa_chunk"):
       if int(getattr(self, name)) != getattr(self, name) or getattr(self, name) < 1:
         raise ValueError(f"{f}.{name}={getattr(self, name)!r} must be an int >= 1.")
@@ -274,6 +282,13 @@ class ElasticLayer(nn.Module):
       fa_BK = jnp.ones((B, K), jnp.float32)
     elif o.routing == "sa":
       fa_BK = jnp.zeros((B, K), jnp.float32)
+    elif o.routing == "fixed":
+      bad = [h for h in o.fixed_fa_kv_heads if not 0 <= h < K]
+      if bad:
+        raise ValueError(f"model.scheme_kwargs.fixed_fa_kv_heads has {bad}: KV heads are "
+                         f"0..{K - 1}.")
+      fa_K = np.isin(np.arange(K), np.asarray(o.fixed_fa_kv_heads, int)).astype(np.float32)
+      fa_BK = jnp.broadcast_to(jnp.asarray(fa_K), (B, K))
     elif ctx.train:
       if not self.has_rng("router"):
         raise ValueError("Elastic training draws Gumbel noise: call the model with "

@@ -1,0 +1,153 @@
+"""Elastic FA-SSA prefill vs dense, whole layers (issue 13's target: >= 1.5x dense at 64K with
+Omega = 0.7), on one GPU.
+
+    python -m bench.elastic_prefill                     # T = 65536, 4 Qwen3-8B-shaped layers
+    python -m bench.elastic_prefill --preset test       # tiny CPU shapes (tests)
+
+Rows, timed in the same process (2 warm-ups, median of n, block_until_ready):
+  dense        the dense decoder's forward over one row of T tokens (attention: ops 'auto',
+               cuDNN causal on a GPU)
+  elastic_<O>  the same weights converted to Elastic FA-SSA with routing 'fixed': a static
+               split with round((1 - O) * K) FA KV heads (every query head of an SSA KV head
+               sees 128 sinks + 2048 local tokens). The layer's attention is ONE block-sparse
+               launch over all heads (the kernel a learned router drives); the router still runs.
+What is timed is the prefill's compute: the forward of every layer over the T tokens and the
+final norm, returning the last position's hidden state (no KV-cache writes: both rows skip
+them alike). Omega = fraction of KV heads in SSA; with 8 KV heads, 0.625 and 0.75 bracket 0.7.
+Per-layer shapes are Qwen3-8B's (hidden 4096, 32 q / 8 kv heads of 128, MLP 12288) and bf16;
+the number of layers does not change the ratio (every layer is the same work), the embedding
+and the head are left out (vocab 1024).
+Writes bench/results/elastic_prefill_<device>.json (device, jax version, date, settings).
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import statistics
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from condattn_jax.attention import elastic  # noqa: E402
+from condattn_jax.models.config import ModelConfig  # noqa: E402
+from condattn_jax.models.decoder import Decoder  # noqa: E402
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  T: int = 65536
+  layers: int = 4
+  hidden: int = 4096
+  heads: int = 32
+  kv_heads: int = 8
+  head_dim: int = 128
+  mlp: int = 12288
+  vocab: int = 1024
+  dtype: str = "bfloat16"
+  omegas: tuple = (0.625, 0.75)
+  sinks: int = 128
+  local: int = 2048
+  block: int = 128
+  n: int = 5
+
+
+PRESETS = {
+    "gpu": Settings(),
+    "test": Settings(T=64, layers=2, hidden=32, heads=4, kv_heads=2, head_dim=16, mlp=64,
+                     vocab=64, dtype="float32", omegas=(0.5,), sinks=8, local=16, block=16, n=1),
+}
+
+
+def configs(s: Settings) -> dict:
+  base = ModelConfig(family="qwen3", qk_norm="head", vocab_size=s.vocab, hidden_size=s.hidden,
+                     intermediate_size=s.mlp, num_layers=s.layers, num_heads=s.heads,
+                     num_kv_heads=s.kv_heads, head_dim=s.head_dim, dtype=s.dtype,
+                     param_dtype=s.dtype)
+  out = {"dense": base}
+  for om in s.omegas:
+    n_fa = int(round((1 - om) * s.kv_heads))
+    out[f"elastic_{om}"] = elastic.elastic_config(
+        base, modes="fa_ssa", routing="fixed", fixed_fa_kv_heads=tuple(range(n_fa)),
+        sinks=s.sinks, local=s.local, block=s.block)
+  return out
+
+
+def _median_ms(f, *args, n: int) -> float:
+  for _ in range(2):
+    jax.block_until_ready(f(*args))
+  ts = []
+  for _ in range(n):
+    t0 = time.perf_counter()
+    jax.block_until_ready(f(*args))
+    ts.append(1e3 * (time.perf_counter() - t0))
+  return statistics.median(ts)
+
+
+def run(s: Settings, log=print) -> dict:
+  cfgs = configs(s)
+  tok = jax.random.randint(jax.random.PRNGKey(1), (1, s.T), 1, s.vocab, jnp.int32)
+  dense_p = nn.unbox(jax.jit(Decoder(cfgs["dense"]).init)(jax.random.PRNGKey(0), tok[:, :8])
+                     ["params"])
+  rows = []
+  for name, cfg in cfgs.items():
+    params = dense_p if name == "dense" else elastic.dense_to_elastic(dense_p, cfgs["dense"],
+                                                                      **dict(cfg.scheme_kwargs))[1]
+    model = Decoder(cfg)
+    f = jax.jit(lambda p, t, m=model: m.apply({"params": p}, t, return_hidden=True)[0][:, -1])
+    t0 = time.perf_counter()
+    last = jax.block_until_ready(f(params, tok))
+    row = dict(row=name, compile_and_first_s=round(time.perf_counter() - t0, 2),
+               finite=bool(np.isfinite(np.asarray(last, np.float32)).all()))
+    if name != "dense":
+      o = elastic.elastic_options(cfg)
+      row.update(omega=1 - len(o.fixed_fa_kv_heads) / s.kv_heads,
+                 fa_kv_heads=list(o.fixed_fa_kv_heads))
+    row["ms"] = _median_ms(f, params, tok, n=s.n)
+    rows.append(row)
+    log(json.dumps(row))
+    del params
+  dense_ms = rows[0]["ms"]
+  for r in rows[1:]:
+    r["speedup_vs_dense"] = dense_ms / r["ms"]
+  return dict(bench="elastic_prefill", settings=dataclasses.asdict(s),
+              device=jax.devices()[0].device_kind, platform=jax.default_backend(),
+              jax_version=jax.__version__,
+              date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              timing=f"median of {s.n} after 2 warm-ups, same process", rows=rows)
+
+
+def main(argv=None) -> int:
+  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  ap.add_argument("--preset", default="gpu", choices=sorted(PRESETS))
+  ap.add_argument("--T", type=int, default=None)
+  ap.add_argument("--layers", type=int, default=None)
+  ap.add_argument("--out-dir", default=os.environ.get("OUT", os.path.join(ROOT, "bench",
+                                                                          "results")))
+  a = ap.parse_args(argv)
+  s = PRESETS[a.preset]
+  s = dataclasses.replace(s, **{k: v for k, v in (("T", a.T), ("layers", a.layers)) if v})
+  if a.preset == "gpu" and jax.default_backend() not in ("gpu", "cuda", "rocm"):
+    print("preset 'gpu' needs a GPU (use --preset test on CPU)")
+    return 2
+  res = run(s)
+  os.makedirs(a.out_dir, exist_ok=True)
+  path = os.path.join(a.out_dir, f"elastic_prefill_{res['device'].replace(' ', '_')}.json")
+  with open(path, "w") as f:
+    json.dump(res, f, indent=1)
+  print(f"wrote {path}")
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())
