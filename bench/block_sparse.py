@@ -58,6 +58,7 @@ class Settings:
   sink_blocks: int = 1             # 128 sink tokens
   local_blocks: int = 16           # 2048 local tokens
   n: int = 10
+  fwd_sub_tile: int = 0            # Triton forward kv sub-tile (0: the api's default)
   check_T: int = 2048
   impl: str = "triton"
   interpret: bool = False
@@ -220,6 +221,15 @@ def check_small(s: Settings, log):
   return res
 
 
+def set_fwd_sub_tile(sub: int) -> None:
+  """Sets the Triton forward kv sub-tile for this process (0 keeps the api's default)."""
+  from pallas_kernels.block_sparse import api
+  if sub:
+    if sub < 16 or sub & (sub - 1):
+      raise SystemExit(f"--fwd-sub-tile {sub}: a power of two >= 16 that divides the block")
+    api.TRITON_FWD_SUB_TILE = sub
+
+
 def run(s: Settings, log=print, out_dir=None):
   dev = jax.devices()[0]
   result = dict(device=dev.device_kind, jax_version=jax.__version__,
@@ -227,6 +237,8 @@ def run(s: Settings, log=print, out_dir=None):
                 command=" ".join(sys.argv), settings=dataclasses.asdict(s),
                 baseline="cudnn dense causal" if on_gpu() else "jnp reference dense causal",
                 timing=f"median of {s.n} after 2 warm-ups", check_small=[], rows=[])
+  from pallas_kernels.block_sparse import api
+  result["triton_fwd_sub_tile"] = api.TRITON_FWD_SUB_TILE
   path = None
   if out_dir is not None:
     os.makedirs(out_dir, exist_ok=True)
@@ -303,6 +315,8 @@ def main():
   ap.add_argument("--omega", default="", help="comma-separated SSA head fractions")
   ap.add_argument("--n", type=int, default=None)
   ap.add_argument("--variants", default="", help="subset of " + ",".join(Settings.variants))
+  ap.add_argument("--fwd-sub-tile", type=int, default=0,
+                  help="Triton forward kv sub-tile (divides the block; 0: the api's default)")
   ap.add_argument("--out-dir", default=os.environ.get("OUT", "bench/results"))
   args = ap.parse_args()
   s = PRESETS[args.preset]
@@ -315,7 +329,10 @@ def main():
     kw["n"] = args.n
   if args.variants:
     kw["variants"] = tuple(x for x in args.variants.split(",") if x)
+  if args.fwd_sub_tile:
+    kw["fwd_sub_tile"] = args.fwd_sub_tile
   s = dataclasses.replace(s, **kw)
+  set_fwd_sub_tile(s.fwd_sub_tile)
   if s.preset != "test" and not on_gpu():
     raise SystemExit(f"bench.block_sparse --preset={s.preset} needs a GPU (backend "
                      f"{jax.default_backend()!r}); use --preset=test on CPU")

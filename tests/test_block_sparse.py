@@ -28,9 +28,10 @@ TRITON = dict(impl="triton", interpret=True)
                               "cache"]), sub_tile=st.sampled_from([8, 64]))
 def test_triton_matches_reference_hypothesis(monkeypatch, seed, gqa, dtype, L, full_frac, B,
                                              extra, sub_tile):
-  """sub_tile 8: the backward walks the 16-blocks in 8-row / 8-key sub-tiles (as 128-blocks in
-  64-sub-tiles on a GPU); 64: whole blocks."""
+  """sub_tile 8: the forward and backward walk the 16-blocks in 8-row / 8-key sub-tiles (as
+  128-blocks in 64-sub-tiles on a GPU); 64: whole blocks."""
   monkeypatch.setattr(api, "TRITON_SUB_TILE", sub_tile)
+  monkeypatch.setattr(api, "TRITON_FWD_SUB_TILE", sub_tile)
   N, K = gqa
   kw = dict(none={}, segments=dict(segments=2), window_sinks=dict(window=20, sinks=3),
             active_token=dict(active="token", window=24),
@@ -44,8 +45,9 @@ def test_triton_matches_reference_hypothesis(monkeypatch, seed, gqa, dtype, L, f
 def test_ssa_mixed_heads_and_rows_that_see_nothing(monkeypatch):
   """Streaming (sink + local) heads next to full heads in one call; an all-padding list (and
   an empty L = 0 list) make rows that see nothing: zeros, lse -inf, zero gradients. Backward in
-  sub-tiles (8 of a 16-block)."""
+  sub-tiles (8 of a 16-block), forward too."""
   monkeypatch.setattr(api, "TRITON_SUB_TILE", 8)
+  monkeypatch.setattr(api, "TRITON_FWD_SUB_TILE", 8)
   B, T, N, K, H, bq = 1, 128, 4, 2, 16, 16
   p = make_problem(7, B=B, T=T, N=N, K=K, H=H, block_q=bq, block_k=bq, window=40, sinks=4)
   lists = ssa_lists(B, N, T, T, block_q=bq, block_k=bq, sink_blocks=1, local_blocks=3).copy()

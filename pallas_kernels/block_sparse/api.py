@@ -75,9 +75,13 @@ def _backend_module(name: str):
 # compacted kernel's H200-tuned backward tiles: dq 128 x 64, dk/dv 64 x 64; a 128 x 128 dk/dv
 # tile keeps two 128 x H float32 accumulators live and spills).
 TRITON_SUB_TILE = 64
+# Forward (Triton): kv tiles are walked in sub-tiles of this many keys (bench/block_sparse.py
+# --fwd-sub-tile times the choices against cuDNN in one process).
+TRITON_FWD_SUB_TILE = 128
 
 
-def triton_launch(block_q: int, block_k: int, H: int, itemsize: int, sub: int) -> dict:
+def triton_launch(block_q: int, block_k: int, H: int, itemsize: int, sub: int,
+                  fwd_sub: int = TRITON_FWD_SUB_TILE) -> dict:
   """num_warps / num_stages / sub-tiles per kernel; three pipeline stages where the shared
   memory allows (else two, else one)."""
   def stages(per_stage, fixed):
@@ -85,10 +89,10 @@ def triton_launch(block_q: int, block_k: int, H: int, itemsize: int, sub: int) -
       if (n * per_stage + fixed) * H * itemsize <= TRITON_SMEM_BYTES:
         return n
     return 1
-  sq, sk = min(block_q, sub), min(block_k, sub)
+  sq, sk, sf = min(block_q, sub), min(block_k, sub), min(block_k, fwd_sub)
   warps = lambda a, b: 8 if a * b >= 128 * 64 else 4
-  return dict(fwd=dict(num_warps=warps(block_q, block_k),
-                       num_stages=stages(2 * block_k, block_q)),
+  return dict(fwd=dict(num_warps=warps(block_q, sf), num_stages=stages(2 * sf, block_q),
+                       sub_k=sf),
               dq=dict(num_warps=warps(block_q, sk), num_stages=stages(2 * sk, 2 * block_q),
                       sub_k=sk),
               dkv=dict(num_warps=warps(sq, sk), num_stages=min(2, stages(2 * sq, 2 * sk)),
@@ -155,6 +159,7 @@ class _Config:
   interpret: Any
   poison: bool
   sub_tile: int = TRITON_SUB_TILE
+  fwd_sub_tile: int = TRITON_FWD_SUB_TILE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -208,7 +213,8 @@ def _launch(cfg: _Config, H: int, itemsize: int, kernel: str) -> dict:
   kw = dict(scale=cfg.scale, window=cfg.window, sinks=cfg.sinks, block_q=cfg.block_q,
             block_k=cfg.block_k, interpret=cfg.interpret, poison=cfg.poison)
   if cfg.backend == "triton":
-    kw.update(triton_launch(cfg.block_q, cfg.block_k, H, itemsize, cfg.sub_tile)[kernel])
+    kw.update(triton_launch(cfg.block_q, cfg.block_k, H, itemsize, cfg.sub_tile,
+                            cfg.fwd_sub_tile)[kernel])
   return kw
 
 
@@ -362,7 +368,8 @@ def block_sparse_attention(q_BTNH, k_BSKH, v_BSKH, kv_blocks_BNQL, head_mode_BN=
   else:
     cfg = _Config(backend=impl, scale=scale, window=None if window is None else int(window),
                   sinks=int(sinks), block_q=int(block_q), block_k=int(block_k),
-                  interpret=interpret, poison=poison, sub_tile=TRITON_SUB_TILE)
+                  interpret=interpret, poison=poison, sub_tile=TRITON_SUB_TILE,
+                  fwd_sub_tile=TRITON_FWD_SUB_TILE)
     Tp, Sp = nq * block_q, -(-S // block_k) * block_k
     if (Tp, Sp) != (T, S):  # whole blocks: padding queries inactive, padding keys invisible
       q, k, v, qpos, kvpos, qseg, kvseg, act = _pad_to_blocks(

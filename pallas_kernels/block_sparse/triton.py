@@ -4,7 +4,8 @@ Inputs are token-major like the op ([B, T, N, H] queries, [B, S, K, H] keys / va
 head h reads kv head h // (N // K), K/V never repeated); tiles are the block lists' blocks.
   forward  grid (N, B, q tile): FlashAttention-2 over the tile's visit table (tables.py): a
            HEAD_FULL head walks kv tiles [lo, hi) (masked / unmasked / masked), a HEAD_BLOCKS head
-           walks its `count` listed tiles (masked). One launch for every head of a layer.
+           walks its `count` listed tiles (masked). One launch for every head of a layer. Kv
+           tiles are walked in sub-tiles of sub_k keys (like dq).
   dq       grid (N, B, q tile): same tables, dq = scale * dS K, kv tiles walked in sub-tiles of
            block_k_dq keys (fewer live registers than a block_k x H product).
   dk/dv    grid (K, B, kv sub-tile of block_kv_dkv keys): loops over the G query heads of the kv
@@ -81,7 +82,12 @@ def _read_meta(it, has_seg):
   return qpos_ref, qseg_ref, kvpos_ref, kvseg_ref
 
 
-def _kv_tile(full, list_ref, i, idx, L, nk):
+def _kv_tile(full, list_ref, i, idx, L, nk, masked=True):
+  """The kv tile of table index idx. The unmasked range exists only for HEAD_FULL heads (a
+  HEAD_BLOCKS head's bounds are (0, 0, 0, count)), so there idx is the tile: an affine address
+  that Triton's pipeliner can prefetch without waiting on a list load."""
+  if not masked:
+    return idx
   j = jnp.where(full, idx, list_ref[i, jnp.minimum(idx, L - 1)])
   return jnp.clip(j, 0, nk - 1)
 
@@ -95,7 +101,7 @@ def _scaled(bounds, r):
 # forward
 # ----------------------------------------------------------------------------------------------
 
-def _fwd_kernel(*refs, has_seg, window, sinks, scale, bq, bk, nq, nk, L):
+def _fwd_kernel(*refs, has_seg, window, sinks, scale, bq, bk, bks, nq, nk, L):
   it = iter(refs)
   full_ref, bounds_ref, list_ref = next(it), next(it), next(it)
   qpos_ref, qseg_ref, kvpos_ref, kvseg_ref = _read_meta(it, has_seg)
@@ -110,28 +116,31 @@ def _fwd_kernel(*refs, has_seg, window, sinks, scale, bq, bk, nq, nk, L):
   H = q.shape[-1]
   qk_scale = scale * LOG2E
 
+  r = bk // bks
+
   def body(idx, carry, *, masked):
     acc, m, l = carry
-    start = pl.multiple_of(_kv_tile(full, list_ref, i, idx, L, nk) * bk, bk)
-    k = k_ref[pl.ds(start, bk), :]
+    tile = _kv_tile(full, list_ref, i, idx // r, L, nk, masked)
+    start = pl.multiple_of(tile * bk + (idx % r) * bks, bks)
+    k = k_ref[pl.ds(start, bks), :]
     s = _dot(q, k, trans_b=True) * qk_scale
     if masked:
-      kp = kvpos_ref[pl.ds(start, bk)]
-      ks = None if kvseg_ref is None else kvseg_ref[pl.ds(start, bk)]
+      kp = kvpos_ref[pl.ds(start, bks)]
+      ks = None if kvseg_ref is None else kvseg_ref[pl.ds(start, bks)]
       s = jnp.where(visible(qp, kp, qs, ks, window=window, sinks=sinks), s, NEG_INF)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     m_use = jnp.where(m_new == NEG_INF, 0.0, m_new) if masked else m_new
     alpha = jnp.exp2(m - m_use)
     p = jnp.exp2(s - m_use[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
-    v = v_ref[pl.ds(start, bk), :]
+    v = v_ref[pl.ds(start, bks), :]
     acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
     return acc, m_new, l
 
   acc = jnp.zeros((bq, H), jnp.float32)
   m = jnp.full((bq,), NEG_INF, jnp.float32)
   l = jnp.zeros((bq,), jnp.float32)
-  acc, m, l = _loops(bounds, body, (acc, m, l))
+  acc, m, l = _loops(_scaled(bounds, r), body, (acc, m, l))
   empty = l == 0.0
   l_safe = jnp.where(empty, 1.0, l)
   o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
@@ -140,8 +149,9 @@ def _fwd_kernel(*refs, has_seg, window, sinks, scale, bq, bk, nq, nk, L):
 
 def fwd(q_BTNH, k_BSKH, v_BSKH, full_BN, bounds_BNQ4, list_BNQL, qpos_BT, qseg_BIT, kvpos_BS,
         kvseg_BS, *, scale, window, sinks, block_q, block_k, num_warps, num_stages,
-        interpret=False, poison=False, name="block_sparse_fwd"):
-  """(out [B, T, N, H], lse [B, N, T] float32 natural log, -inf where nothing is visible)."""
+        sub_k=None, interpret=False, poison=False, name="block_sparse_fwd"):
+  """(out [B, T, N, H], lse [B, N, T] float32 natural log, -inf where nothing is visible);
+  sub_k: keys per inner step (divides block_k; default block_k)."""
   B, T, N, H = q_BTNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   G, L = N // K, list_BNQL.shape[-1]
@@ -168,7 +178,7 @@ def fwd(q_BTNH, k_BSKH, v_BSKH, full_BN, bounds_BNQ4, list_BNQL, qpos_BT, qseg_B
   aliases = {len(args) + n: n for n in range(len(pbufs))}
   specs += out_specs[:len(pbufs)]
   kernel = functools.partial(_fwd_kernel, has_seg=has_seg, window=window, sinks=sinks,
-                             scale=scale, bq=bq, bk=bk, nq=nq, nk=nk, L=L)
+                             scale=scale, bq=bq, bk=bk, bks=sub_k or bk, nq=nq, nk=nk, L=L)
   return pl.pallas_call(
       kernel, grid=(N, B, nq), in_specs=specs, out_specs=out_specs, out_shape=out_shapes,
       input_output_aliases=aliases, interpret=interpret, name=name,
@@ -199,7 +209,7 @@ def _dq_kernel(*refs, has_seg, window, sinks, scale, bq, bk, bks, nq, nk, L):
   r = bk // bks
 
   def body(idx, dq, *, masked):
-    tile = _kv_tile(full, list_ref, i, idx // r, L, nk)
+    tile = _kv_tile(full, list_ref, i, idx // r, L, nk, masked)
     start = pl.multiple_of(tile * bk + (idx % r) * bks, bks)
     k = k_ref[pl.ds(start, bks), :]
     v = v_ref[pl.ds(start, bks), :]
@@ -283,7 +293,10 @@ def _dkv_kernel(*refs, has_seg, window, sinks, scale, bq, bqs, rk, nq, G, per_he
     def body(idx, carry, *, masked):
       dk, dv = carry
       blk = idx // r
-      i = jnp.clip(jnp.where(full, blk, list_ref[g, j, jnp.minimum(blk, M - 1)]), 0, nq - 1)
+      if masked:
+        i = jnp.clip(jnp.where(full, blk, list_ref[g, j, jnp.minimum(blk, M - 1)]), 0, nq - 1)
+      else:  # the unmasked range is HEAD_FULL's (see _kv_tile)
+        i = blk
       sl = pl.ds(pl.multiple_of(i * bq + (idx % r) * bqs, bqs), bqs)
       q = q_ref[sl, g, :]
       do = do_ref[sl, g, :]
