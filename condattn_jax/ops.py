@@ -87,11 +87,18 @@ class BlockLists:
   head_mode_BN: None (every head uses its list) or int32 [B, N]: HEAD_FULL (0) = the head ignores
     its list (full attention under the rest of the mask), HEAD_BLOCKS (1) = the head sees only its
     listed blocks. Lists never widen the rest of the mask (causal, documents, window, active).
+  dense_full_heads (static): on cuda with impl='auto', a contiguous self-attention mask cuDNN can
+    take otherwise (no documents, active set, window or sinks): the KV heads whose query heads are
+    all HEAD_FULL run in ONE cuDNN causal call (gathered; its head count is the batch's largest
+    count of such KV heads, picked at run time among K + 1 compiled variants), the other heads
+    in the block-sparse launch (split_full_heads). Same result; faster where cuDNN outruns the
+    block-sparse kernel's full heads (bench/results/elastic_prefill_*.json). Else ignored.
   """
   kv_blocks_BNQL: Any
   head_mode_BN: Any = None
   block_q: int = _static(128)
   block_k: int = _static(128)
+  dense_full_heads: bool = _static(False)
 
 
 HEAD_FULL, HEAD_BLOCKS = 0, 1
@@ -507,6 +514,59 @@ def _block_sparse(scale, kernel_impl: str, interpret: Any = False):
   return fn
 
 
+def split_full_heads(q, k, v, mask: MaskSpec, dense_fn, sparse_fn):
+  """Attention under `mask` (block lists with head modes) as two kernels: the KV heads whose G
+  query heads are all HEAD_FULL through dense_fn(q_BTMH, k_BSCH, v_BSCH, mask without block
+  lists) over C gathered KV heads (M = C * G query heads), the rest through sparse_fn(q, k, v,
+  mask) with those heads' lists emptied (no work). C = the batch's largest count of such KV
+  heads, a run-time value: lax.switch over the K + 1 static head counts (rows with fewer take
+  other KV heads into the spare slots, computed and discarded)."""
+  bl = mask.block_lists
+  B, T, N, H = q.shape
+  K = k.shape[2]
+  G = N // K
+  full_BK = jnp.all(bl.head_mode_BN.reshape(B, K, G) == HEAD_FULL, axis=-1)
+  full_BN = jnp.repeat(full_BK, G, axis=1)
+  order_BK = jnp.argsort(1 - full_BK.astype(jnp.int32), axis=1, stable=True).astype(jnp.int32)
+  slot_BK = jnp.argsort(order_BK, axis=1).astype(jnp.int32)     # kv head -> its dense slot
+  g_N = jnp.tile(jnp.arange(G, dtype=jnp.int32), K)
+  out_idx_BN = jnp.repeat(slot_BK, G, axis=1) * G + g_N[None, :]
+  lists_off = dataclasses.replace(mask, block_lists=None)
+
+  def dense_with(C):
+    def branch(q, k, v):
+      if C == 0:
+        return jnp.zeros(q.shape, q.dtype)
+      pick_BC = order_BK[:, :C]
+      q_idx = (pick_BC[:, :, None] * G + jnp.arange(G, dtype=jnp.int32)).reshape(B, C * G)
+      qd = jnp.take_along_axis(q, q_idx[:, None, :, None], axis=2)
+      kd = jnp.take_along_axis(k, pick_BC[:, None, :, None], axis=2)
+      vd = jnp.take_along_axis(v, pick_BC[:, None, :, None], axis=2)
+      od = dense_fn(qd, kd, vd, lists_off)                       # [B, T, C * G, H]
+      idx = jnp.minimum(out_idx_BN, C * G - 1)
+      return jnp.take_along_axis(od, idx[:, None, :, None], axis=2)
+    return branch
+
+  C_run = jnp.max(jnp.sum(full_BK, axis=1)).astype(jnp.int32)
+  out_dense = lax.switch(C_run, [dense_with(C) for C in range(K + 1)], q, k, v)
+  sparse_lists = jnp.where(full_BN[:, :, None, None], -1, bl.kv_blocks_BNQL)
+  sparse_mode = jnp.where(full_BN, HEAD_BLOCKS, bl.head_mode_BN).astype(jnp.int32)
+  sparse_mask = dataclasses.replace(mask, block_lists=dataclasses.replace(
+      bl, kv_blocks_BNQL=sparse_lists, head_mode_BN=sparse_mode))
+  out_sparse = sparse_fn(q, k, v, sparse_mask)
+  return jnp.where(full_BN[:, None, :, None], out_dense, out_sparse)
+
+
+def _splits_full_heads(q, mask: MaskSpec) -> bool:
+  """Whether auto on cuda runs `mask` through split_full_heads with cuDNN (see BlockLists)."""
+  bl = mask.block_lists
+  if bl is None or not bl.dense_full_heads or bl.head_mode_BN is None:
+    return False
+  dense = dataclasses.replace(mask, block_lists=None)
+  return (not _cudnn_reasons(q, dense) and dense.window is None
+          and _cudnn_available() is None)
+
+
 @functools.cache
 def _warn_once(msg):
   logging.warning(msg)
@@ -530,8 +590,12 @@ def _auto_gpu(scale, platform):
   pallas = _per_shard(_pallas(scale, "auto"))
   block_sparse = _per_shard(_block_sparse(scale, "auto"))
   cudnn, tok = _cudnn(scale), _per_shard(_tokamax(scale, ("mosaic_gpu", "triton")))
+  split = _per_shard(functools.partial(split_full_heads, dense_fn=cudnn,
+                                       sparse_fn=_block_sparse(scale, "auto")))
 
   def fn(q, k, v, mask):
+    if platform == "cuda" and _splits_full_heads(q, mask):
+      return split(q, k, v, mask)
     if platform == "cuda" and not _fused_reasons(q, mask):
       if not _cudnn_reasons(q, mask) and _cudnn_available() is None:
         try:

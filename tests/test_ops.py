@@ -528,3 +528,93 @@ def test_without_tokamax_auto_uses_the_compacted_kernel(monkeypatch):
   assert _kernels(_export(specs["packed"], "cuda", mesh=_H100)) == {"compact-triton"}
   with pytest.raises(ValueError, match=r"impl='tokamax'.*tokamax cannot be imported.*pip install"):
     _export(specs["packed"], "cuda", impl="tokamax", mesh=_H100)
+
+
+# ------------------------------------------------------------------------------------------------
+# Full heads on cuDNN, the rest in the block-sparse launch (BlockLists.dense_full_heads)
+# ------------------------------------------------------------------------------------------------
+
+def _split_case(rng, B=2, T=64, N=8, K=4, H=16, bq=16):
+  q, k, v = _qkv(rng, B, T, T, N, K, H)
+  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  nq = T // bq
+  lists = np.full((B, N, nq, 2), -1, np.int32)
+  for i in range(nq):  # SSA-like: the first block and the diagonal block
+    lists[:, :, i, 0], lists[:, :, i, 1] = 0, i
+  # row 0: KV heads 1 and 3 full; row 1: KV head 2 full, and KV head 0 has one full query head
+  # only (G = 2: it stays in the block-sparse launch)
+  mode = np.ones((B, N), np.int32)
+  mode[0, 2:4] = mode[0, 6:8] = ops.HEAD_FULL
+  mode[1, 4:6] = ops.HEAD_FULL
+  mode[1, 0] = ops.HEAD_FULL
+  bl = ops.BlockLists(jnp.asarray(lists), jnp.asarray(mode), block_q=bq, block_k=bq,
+                      dense_full_heads=True)
+  return (q, k, v), ops.MaskSpec(pos, pos, block_lists=bl, contiguous=True)
+
+
+def test_split_full_heads_matches_the_reference_with_gradients():
+  """Two kernels (full KV heads gathered into a dense causal call, the rest block-sparse) give
+  the one-mask reference's output and gradients; rows with different full-head counts (2 and
+  1, so the run-time head count is 2 and row 1 computes a spare head that is discarded)."""
+  from pallas_kernels.block_sparse import block_sparse_attention
+  (q, k, v), mask = _split_case(np.random.default_rng(3))
+  calls = []
+
+  def dense_fn(q, k, v, m):
+    assert m.block_lists is None
+    calls.append(q.shape[2])
+    return ops.attention(q, k, v, m, impl="reference")
+
+  def sparse_fn(q, k, v, m):
+    bl = m.block_lists
+    return block_sparse_attention(q, k, v, bl.kv_blocks_BNQL, bl.head_mode_BN,
+                                  block_q=bl.block_q, block_k=bl.block_k,
+                                  q_positions_BT=m.q_positions_BT,
+                                  kv_positions_BS=m.kv_positions_BS, impl="triton",
+                                  interpret=True)
+
+  split = lambda q, k, v: ops.split_full_heads(q, k, v, mask, dense_fn, sparse_fn)
+  ref = lambda q, k, v: ops.attention(q, k, v, mask, impl="reference")
+  np.testing.assert_allclose(split(q, k, v), ref(q, k, v), atol=2e-5)
+  assert 4 in calls  # lax.switch traced every head count; C = 2 KV heads = 4 query heads ran
+  ct = jnp.asarray(np.random.default_rng(4).standard_normal(q.shape), jnp.float32)
+  g_split = jax.grad(lambda *a: jnp.sum(split(*a) * ct), argnums=(0, 1, 2))(q, k, v)
+  g_ref = jax.grad(lambda *a: jnp.sum(ref(*a) * ct), argnums=(0, 1, 2))(q, k, v)
+  for a, b in zip(g_split, g_ref):
+    np.testing.assert_allclose(a, b, atol=5e-5)
+
+
+def test_auto_on_cuda_runs_full_heads_on_cudnn_when_asked(monkeypatch):
+  """dense_full_heads: the cuda branch lowers cuDNN next to the block-sparse kernel (forward and
+  backward); without it, or with a window, no cuDNN. (cuDNN's lowering needs no abstract mesh,
+  Triton's needs one: the block-sparse kernel is lowered in interpret mode here.)"""
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+
+  class FakeVersions:
+    @staticmethod
+    def cudnn_get_version():
+      return 91000
+  monkeypatch.setattr(fa, "cuda_versions", FakeVersions)
+  monkeypatch.setattr(ops, "_host_platforms", lambda: {"cuda"})
+  sparse_calls = []
+  interpreted = ops._block_sparse
+
+  def block_sparse(scale, kernel_impl, interpret=False):
+    sparse_calls.append(kernel_impl)
+    return interpreted(scale, "triton", True)
+  monkeypatch.setattr(ops, "_block_sparse", block_sparse)
+  B, T, N, K = B_, T_, N_, K_
+  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  nq = -(-T // 64)
+  lists = jnp.zeros((B, N, nq, 1), jnp.int32)
+  mode = jnp.asarray(np.tile([ops.HEAD_FULL] * (N // K) + [ops.HEAD_BLOCKS] * (N - N // K),
+                             (B, 1)), jnp.int32)
+  spec = lambda split, window=None: ops.MaskSpec(pos, pos, window=window, contiguous=True,
+                                                 block_lists=ops.BlockLists(
+                                                     lists, mode, block_q=64, block_k=64,
+                                                     dense_full_heads=split))
+  for grad in (False, True):
+    assert "cudnn" in _kernels(_export(spec(True), "cuda", grad=grad))
+  assert sparse_calls and set(sparse_calls) == {"auto"}
+  assert "cudnn" not in _kernels(_export(spec(False), "cuda"))
+  assert "cudnn" not in _kernels(_export(spec(True, window=100), "cuda"))

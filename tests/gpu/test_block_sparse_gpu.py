@@ -39,3 +39,33 @@ def test_block_sparse_triton_vs_reference_gpu(name, dtype, pkw, ssa):
   errs, bad = compare(p, dict(impl="triton"))
   print(name, dtype, errs)
   assert not bad, (name, dtype, errs)
+
+
+@pytest.mark.gpu
+def test_full_heads_on_cudnn_split_matches_reference_gpu():
+  """ops.attention(auto) with BlockLists.dense_full_heads: FA KV heads through one cuDNN call,
+  SSA heads through the block-sparse kernel (rows with 1 and 3 FA KV heads), vs the reference,
+  forward and gradients (bf16)."""
+  from condattn_jax import ops
+  B, T, N, K, H = 2, 2048, 8, 4, 128
+  rng = np.random.default_rng(0)
+  q, k, v, ct = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
+                 for s in ((B, T, N, H), (B, T, K, H), (B, T, K, H), (B, T, N, H)))
+  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  lists = jnp.asarray(ssa_lists(B, N, T, T, block_q=128, block_k=128, sink_blocks=1,
+                                local_blocks=3))
+  mode = np.full((B, N), HEAD_BLOCKS, np.int32)
+  mode[0, 2:4] = HEAD_FULL
+  mode[1, 0:2] = mode[1, 4:8] = HEAD_FULL
+  bl = ops.BlockLists(lists, jnp.asarray(mode), block_q=128, block_k=128, dense_full_heads=True)
+  mask = ops.MaskSpec(pos, pos, block_lists=bl, contiguous=True)
+  f = lambda impl: jax.jit(jax.value_and_grad(
+      lambda q, k, v: jnp.sum(ops.attention(q, k, v, mask, impl=impl).astype(jnp.float32)
+                              * ct), argnums=(0, 1, 2)))
+  hlo = jax.jit(lambda q, k, v: ops.attention(q, k, v, mask)).lower(q, k, v).as_text()
+  assert "cudnn" in hlo.lower()
+  (val, g), (val_ref, g_ref) = f("auto")(q, k, v), f("reference")(q, k, v)
+  assert abs(float(val) - float(val_ref)) < 1e-2 * abs(float(val_ref)) + 1.0
+  for a, b in zip(g, g_ref):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.max(np.abs(a - b)) < 2e-2 * np.max(np.abs(b)), np.max(np.abs(a - b))
