@@ -1,7 +1,7 @@
 """Elastic FA-SSA prefill vs dense, whole layers (issue 13's target: >= 1.5x dense at 64K with
 Omega = 0.7), on one GPU.
 
-    python -m bench.elastic_prefill                     # T = 65536, 4 Qwen3-8B-shaped layers
+    python -m bench.elastic_prefill                     # T = 65536, 5 Qwen3-8B-shaped layers
     python -m bench.elastic_prefill --preset test       # tiny CPU shapes (tests)
 
 Rows, timed in the same process (2 warm-ups, median of n, block_until_ready):
@@ -10,10 +10,15 @@ Rows, timed in the same process (2 warm-ups, median of n, block_until_ready):
   elastic_<O>  the same weights converted to Elastic FA-SSA with routing 'fixed': a static
                split with round((1 - O) * K) FA KV heads (every query head of an SSA KV head
                sees 128 sinks + 2048 local tokens). The layer's attention is ONE block-sparse
-               launch over all heads (the kernel a learned router drives); the router still runs.
+               launch over all heads (dense_full_heads=False); the router still runs.
+  elastic_<O>_split  the same with dense_full_heads=True: the FA KV heads gathered into one
+               cuDNN call whose head count is picked at run time from the decisions (lax.switch
+               over K + 1 variants: what a learned router drives too), the SSA heads in the
+               block-sparse launch.
 What is timed is the prefill's compute: the forward of every layer over the T tokens and the
 final norm, returning the last position's hidden state (no KV-cache writes: both rows skip
-them alike). Omega = fraction of KV heads in SSA; with 8 KV heads, 0.625 and 0.75 bracket 0.7.
+them alike). Omega = fraction of KV heads in SSA; with 8 KV heads a layer has 0.625 or 0.75, and
+Omega 0.7 over the model is 3 layers at 0.75 and 2 at 0.625 (5 layers; fa_heads()).
 Per-layer shapes are Qwen3-8B's (hidden 4096, 32 q / 8 kv heads of 128, MLP 12288) and bf16;
 the number of layers does not change the ratio (every layer is the same work), the embedding
 and the head are left out (vocab 1024).
@@ -47,7 +52,7 @@ from condattn_jax.models.decoder import Decoder  # noqa: E402
 @dataclasses.dataclass(frozen=True)
 class Settings:
   T: int = 65536
-  layers: int = 4
+  layers: int = 5
   hidden: int = 4096
   heads: int = 32
   kv_heads: int = 8
@@ -55,7 +60,8 @@ class Settings:
   mlp: int = 12288
   vocab: int = 1024
   dtype: str = "bfloat16"
-  omegas: tuple = (0.625, 0.75)
+  omegas: tuple = (0.625, 0.7, 0.75)
+  splits: tuple = (False, True)    # dense_full_heads
   sinks: int = 128
   local: int = 2048
   block: int = 128
@@ -76,11 +82,28 @@ def configs(s: Settings) -> dict:
                      param_dtype=s.dtype)
   out = {"dense": base}
   for om in s.omegas:
-    n_fa = int(round((1 - om) * s.kv_heads))
-    out[f"elastic_{om}"] = elastic.elastic_config(
-        base, modes="fa_ssa", routing="fixed", fixed_fa_kv_heads=tuple(range(n_fa)),
-        sinks=s.sinks, local=s.local, block=s.block)
+    for split in s.splits:
+      out[f"elastic_{om}" + ("_split" if split else "")] = elastic.elastic_config(
+          base, modes="fa_ssa", routing="fixed", fixed_fa_kv_heads=fa_heads(s, om),
+          sinks=s.sinks, local=s.local, block=s.block, dense_full_heads=split)
   return out
+
+
+def fa_heads(s: Settings, omega: float):
+  """fixed_fa_kv_heads for an Omega (fraction of SSA KV heads) over the model: one tuple when
+  omega * K is whole, else per layer, mixing floor / ceil SSA counts so that the mean is omega
+  (exact when omega * K * layers is whole, e.g. 0.7 with K = 8 and 5 layers)."""
+  x = omega * s.kv_heads
+  lo = int(np.floor(x + 1e-9))
+  if abs(x - lo) < 1e-9:
+    return tuple(range(s.kv_heads - lo))
+  n_hi = int(round((x - lo) * s.layers))       # layers with lo + 1 SSA heads
+  return tuple(tuple(range(s.kv_heads - lo - (layer < n_hi))) for layer in range(s.layers))
+
+
+def omega_of(s: Settings, heads) -> float:
+  sets = heads if heads and isinstance(heads[0], (tuple, list)) else [heads] * s.layers
+  return 1 - sum(len(h) for h in sets) / (s.kv_heads * len(sets))
 
 
 def _median_ms(f, *args, n: int) -> float:
@@ -94,12 +117,17 @@ def _median_ms(f, *args, n: int) -> float:
   return statistics.median(ts)
 
 
+def _fwd_sub_tile() -> int:
+  from pallas_kernels.block_sparse import api
+  return api.TRITON_FWD_SUB_TILE
+
+
 def run(s: Settings, log=print) -> dict:
   cfgs = configs(s)
   tok = jax.random.randint(jax.random.PRNGKey(1), (1, s.T), 1, s.vocab, jnp.int32)
   dense_p = nn.unbox(jax.jit(Decoder(cfgs["dense"]).init)(jax.random.PRNGKey(0), tok[:, :8])
                      ["params"])
-  rows = []
+  rows, lasts = [], {}
   for name, cfg in cfgs.items():
     params = dense_p if name == "dense" else elastic.dense_to_elastic(dense_p, cfgs["dense"],
                                                                       **dict(cfg.scheme_kwargs))[1]
@@ -111,8 +139,15 @@ def run(s: Settings, log=print) -> dict:
                finite=bool(np.isfinite(np.asarray(last, np.float32)).all()))
     if name != "dense":
       o = elastic.elastic_options(cfg)
-      row.update(omega=1 - len(o.fixed_fa_kv_heads) / s.kv_heads,
-                 fa_kv_heads=list(o.fixed_fa_kv_heads))
+      heads = o.fixed_fa_kv_heads
+      row.update(omega=round(omega_of(s, heads), 6), dense_full_heads=o.dense_full_heads,
+                 fa_kv_heads=[list(h) for h in heads] if heads and isinstance(
+                     heads[0], (tuple, list)) else list(heads))
+    last = np.asarray(last, np.float32)
+    lasts[name] = last
+    if name.endswith("_split"):  # same math as the fused row: record how close
+      ref = lasts[name[:-len("_split")]]
+      row["rel_diff_vs_fused"] = float(np.max(np.abs(last - ref)) / np.max(np.abs(ref)))
     row["ms"] = _median_ms(f, params, tok, n=s.n)
     rows.append(row)
     log(json.dumps(row))
@@ -122,7 +157,7 @@ def run(s: Settings, log=print) -> dict:
     r["speedup_vs_dense"] = dense_ms / r["ms"]
   return dict(bench="elastic_prefill", settings=dataclasses.asdict(s),
               device=jax.devices()[0].device_kind, platform=jax.default_backend(),
-              jax_version=jax.__version__,
+              jax_version=jax.__version__, triton_fwd_sub_tile=_fwd_sub_tile(),
               date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               timing=f"median of {s.n} after 2 warm-ups, same process", rows=rows)
 
@@ -132,9 +167,14 @@ def main(argv=None) -> int:
   ap.add_argument("--preset", default="gpu", choices=sorted(PRESETS))
   ap.add_argument("--T", type=int, default=None)
   ap.add_argument("--layers", type=int, default=None)
+  ap.add_argument("--fwd-sub-tile", type=int, default=0,
+                  help="block-sparse Triton forward kv sub-tile (0: the api's default)")
   ap.add_argument("--out-dir", default=os.environ.get("OUT", os.path.join(ROOT, "bench",
                                                                           "results")))
   a = ap.parse_args(argv)
+  if a.fwd_sub_tile:
+    from bench.block_sparse import set_fwd_sub_tile
+    set_fwd_sub_tile(a.fwd_sub_tile)
   s = PRESETS[a.preset]
   s = dataclasses.replace(s, **{k: v for k, v in (("T", a.T), ("layers", a.layers)) if v})
   if a.preset == "gpu" and jax.default_backend() not in ("gpu", "cuda", "rocm"):

@@ -391,3 +391,20 @@ def test_fixed_routing_is_a_static_head_split():
     _apply(elastic.elastic_config(cfg, routing="fixed", fixed_fa_kv_heads=(0, 2)), layer, x, pos)
   with pytest.raises(ValueError, match="needs routing='fixed'"):
     elastic.elastic_config(cfg, fixed_fa_kv_heads=(0,))
+
+
+def test_fixed_routing_per_layer_head_sets():
+  """fixed_fa_kv_heads as one tuple per layer: each scanned layer takes its own split (an Omega
+  between the 1/K steps); the wrong number of tuples is a one-line error naming num_layers."""
+  dcfg, dp, tok = _dense("qwen3")
+  L = dcfg.num_layers
+  assert L >= 2
+  per_layer = tuple((layer % 2,) for layer in range(L))
+  ecfg, ep = elastic.dense_to_elastic(jax.tree.map(np.asarray, dp), dcfg, modes="fa_ssa",
+                                      routing="fixed", fixed_fa_kv_heads=per_layer, **SMALL)
+  _, aux = jax.jit(Decoder(ecfg).apply)({"params": ep}, tok)
+  want = np.stack([np.tile(np.float32([1 - layer % 2, layer % 2]), (B, 1)) for layer in range(L)])
+  np.testing.assert_array_equal(np.asarray(aux["fa_BK"]), want)
+  bad = elastic.elastic_config(ecfg, fixed_fa_kv_heads=per_layer + ((0,),))
+  with pytest.raises(ValueError, match=f"{L + 1} per-layer tuples; the model has num_layers={L}"):
+    jax.jit(Decoder(bad).apply)({"params": ep}, tok)

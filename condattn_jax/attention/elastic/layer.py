@@ -85,8 +85,13 @@ class ElasticOptions:
                  'fixed' (the KV heads in `fixed_fa_kv_heads` are class 1 in every row and layer,
                  the others class 0: a static head split, for ablations and speed measurements
                  at an exact Omega).
-  fixed_fa_kv_heads  KV head indices of class 1 under routing 'fixed'.
+  fixed_fa_kv_heads  KV head indices of class 1 under routing 'fixed': one tuple for every
+                 layer, or a tuple of num_layers tuples (per layer: an Omega between the
+                 1/K steps, e.g. 0.7 with K = 8).
   prompt_field   batch field [B] with each row's prompt length (absent: the whole row).
+  dense_full_heads  eval / prefill on a CUDA GPU: FA KV heads run in one cuDNN call, the SA heads
+                 in the block-sparse launch (ops.BlockLists.dense_full_heads; same result,
+                 bench/results/elastic_prefill_*.json times both). False: one fused launch.
   """
   modes: str = "fa_ssa"
   pooling: str = "boundary"
@@ -109,6 +114,7 @@ class ElasticOptions:
   routing: str = "learned"
   fixed_fa_kv_heads: tuple = ()
   prompt_field: str = "prompt_lengths"
+  dense_full_heads: bool = True
 
   def __post_init__(self):
     f = "model.scheme_kwargs"
@@ -123,6 +129,8 @@ class ElasticOptions:
     if self.fixed_fa_kv_heads and self.routing != "fixed":
       raise ValueError(f"{f}.fixed_fa_kv_heads={tuple(self.fixed_fa_kv_heads)} needs "
                        f"routing='fixed' (got {self.routing!r}).")
+    if not isinstance(self.dense_full_heads, bool):
+      raise ValueError(f"{f}.dense_full_heads={self.dense_full_heads!r} must be True or False.")
     for name in ("boundary", "block", "xa_stride", "local", "xa_chunk"):
       if int(getattr(self, name)) != getattr(self, name) or getattr(self, name) < 1:
         raise ValueError(f"{f}.{name}={getattr(self, name)!r} must be an int >= 1.")
@@ -283,12 +291,20 @@ class ElasticLayer(nn.Module):
     elif o.routing == "sa":
       fa_BK = jnp.zeros((B, K), jnp.float32)
     elif o.routing == "fixed":
-      bad = [h for h in o.fixed_fa_kv_heads if not 0 <= h < K]
+      spec = tuple(o.fixed_fa_kv_heads)
+      per_layer = bool(spec) and isinstance(spec[0], (tuple, list))
+      sets = spec if per_layer else (spec,)
+      bad = [h for hs in sets for h in hs if not 0 <= h < K]
       if bad:
         raise ValueError(f"model.scheme_kwargs.fixed_fa_kv_heads has {bad}: KV heads are "
                          f"0..{K - 1}.")
-      fa_K = np.isin(np.arange(K), np.asarray(o.fixed_fa_kv_heads, int)).astype(np.float32)
-      fa_BK = jnp.broadcast_to(jnp.asarray(fa_K), (B, K))
+      if per_layer and len(spec) != cfg.num_layers:
+        raise ValueError(f"model.scheme_kwargs.fixed_fa_kv_heads has {len(spec)} per-layer "
+                         f"tuples; the model has num_layers={cfg.num_layers} (give one tuple "
+                         "per layer, or one tuple of heads for every layer).")
+      fa_LK = np.stack([np.isin(np.arange(K), np.asarray(hs, int)) for hs in sets])
+      fa_K = jnp.asarray(fa_LK, jnp.float32)[ctx.layer_idx if per_layer else 0]
+      fa_BK = jnp.broadcast_to(fa_K, (B, K))
     elif ctx.train:
       if not self.has_rng("router"):
         raise ValueError("Elastic training draws Gumbel noise: call the model with "
@@ -349,7 +365,8 @@ class ElasticLayer(nn.Module):
     base = dict(q_positions_BT=ctx.positions_BT, kv_positions_BS=ctx.positions_BT,
                 q_segment_ids_BT=ctx.segment_ids_BT, kv_segment_ids_BS=ctx.segment_ids_BT,
                 contiguous=True)
-    blocks = lambda lists, mode: ops.BlockLists(lists, mode, block_q=o.block, block_k=o.block)
+    blocks = lambda lists, mode: ops.BlockLists(lists, mode, block_q=o.block, block_k=o.block,
+                                                dense_full_heads=o.dense_full_heads)
     run = lambda bl: ops.attention(q, k, v, ops.MaskSpec(**base, block_lists=bl), impl=impl)
     fa_on = fa_BN > 0.5
     head_mode = jnp.where(fa_on & (cls1 is None), ops.HEAD_FULL, ops.HEAD_BLOCKS).astype(jnp.int32)
