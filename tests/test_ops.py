@@ -332,8 +332,10 @@ def test_auto_picks_per_lowering_platform(grad):
     assert _reference_sized(text, B_, T, T_), name
 
 
-def test_auto_picks_cudnn_for_unpacked_when_cudnn_is_present(monkeypatch):
-  """With cuDNN (faked: this CPU host has none) contiguous unpacked bf16 goes to cuDNN."""
+@pytest.fixture
+def fake_cudnn(monkeypatch):
+  """cuDNN present (faked: this CPU host has none) and the cuda branch traced. cuDNN's
+  partitioning needs concrete devices (no abstract mesh), so ops is told it can trace cuda."""
   from jax._src.cudnn import fused_attention_stablehlo as fa
 
   class FakeVersions:
@@ -341,8 +343,11 @@ def test_auto_picks_cudnn_for_unpacked_when_cudnn_is_present(monkeypatch):
     def cudnn_get_version():
       return 91000
   monkeypatch.setattr(fa, "cuda_versions", FakeVersions)
-  # cuDNN's partitioning needs concrete devices (no abstract mesh): let ops trace the cuda branch
   monkeypatch.setattr(ops, "_host_platforms", lambda: {"cuda"})
+
+
+def test_auto_picks_cudnn_for_unpacked_when_cudnn_is_present(fake_cudnn):
+  """With cuDNN (faked: this CPU host has none) contiguous unpacked bf16 goes to cuDNN."""
   specs = _specs()
   assert _kernels(_export(specs["unpacked"], "cuda")) == {"cudnn"}
   assert _kernels(_export(specs["unpacked"], "cuda", grad=True)) == {"cudnn"}
@@ -556,7 +561,6 @@ def test_split_full_heads_matches_the_reference_with_gradients():
   """Two kernels (full KV heads gathered into a dense causal call, the rest block-sparse) give
   the one-mask reference's output and gradients; rows with different full-head counts (2 and
   1, so the run-time head count is 2 and row 1 computes a spare head that is discarded)."""
-  from pallas_kernels.block_sparse import block_sparse_attention
   (q, k, v), mask = _split_case(np.random.default_rng(3))
   calls = []
 
@@ -565,14 +569,7 @@ def test_split_full_heads_matches_the_reference_with_gradients():
     calls.append(q.shape[2])
     return ops.attention(q, k, v, m, impl="reference")
 
-  def sparse_fn(q, k, v, m):
-    bl = m.block_lists
-    return block_sparse_attention(q, k, v, bl.kv_blocks_BNQL, bl.head_mode_BN,
-                                  block_q=bl.block_q, block_k=bl.block_k,
-                                  q_positions_BT=m.q_positions_BT,
-                                  kv_positions_BS=m.kv_positions_BS, impl="triton",
-                                  interpret=True)
-
+  sparse_fn = ops._block_sparse(None, "triton", interpret=True)  # the kernel, interpret mode
   split = lambda q, k, v: ops.split_full_heads(q, k, v, mask, dense_fn, sparse_fn)
   ref = lambda q, k, v: ops.attention(q, k, v, mask, impl="reference")
   np.testing.assert_allclose(split(q, k, v), ref(q, k, v), atol=2e-5)
@@ -584,18 +581,10 @@ def test_split_full_heads_matches_the_reference_with_gradients():
     np.testing.assert_allclose(a, b, atol=5e-5)
 
 
-def test_auto_on_cuda_runs_full_heads_on_cudnn_when_asked(monkeypatch):
+def test_auto_on_cuda_runs_full_heads_on_cudnn_when_asked(fake_cudnn, monkeypatch):
   """dense_full_heads: the cuda branch lowers cuDNN next to the block-sparse kernel (forward and
   backward); without it, or with a window, no cuDNN. (cuDNN's lowering needs no abstract mesh,
   Triton's needs one: the block-sparse kernel is lowered in interpret mode here.)"""
-  from jax._src.cudnn import fused_attention_stablehlo as fa
-
-  class FakeVersions:
-    @staticmethod
-    def cudnn_get_version():
-      return 91000
-  monkeypatch.setattr(fa, "cuda_versions", FakeVersions)
-  monkeypatch.setattr(ops, "_host_platforms", lambda: {"cuda"})
   sparse_calls = []
   interpreted = ops._block_sparse
 
