@@ -102,7 +102,7 @@ def fa_heads(s: Settings, omega: float):
 
 
 def omega_of(s: Settings, heads) -> float:
-  sets = heads if heads and isinstance(heads[0], (tuple, list)) else [heads] * s.layers
+  sets = elastic.fixed_fa_head_sets(heads, s.layers)
   return 1 - sum(len(h) for h in sets) / (s.kv_heads * len(sets))
 
 
@@ -141,8 +141,7 @@ def run(s: Settings, log=print) -> dict:
       o = elastic.elastic_options(cfg)
       heads = o.fixed_fa_kv_heads
       row.update(omega=round(omega_of(s, heads), 6), dense_full_heads=o.dense_full_heads,
-                 fa_kv_heads=[list(h) for h in heads] if heads and isinstance(
-                     heads[0], (tuple, list)) else list(heads))
+                 fa_kv_heads=json.loads(json.dumps(heads)))  # tuples -> lists
     last = np.asarray(last, np.float32)
     lasts[name] = last
     if name.endswith("_split"):  # same math as the fused row: record how close

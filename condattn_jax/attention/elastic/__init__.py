@@ -13,8 +13,9 @@ from condattn_jax.attention.elastic import masks
 from condattn_jax.attention.elastic.convert import dense_to_elastic, from_dense, to_dense
 from condattn_jax.attention.elastic.layer import (MODES, OPTION_NAMES, POOLINGS, ROUTINGS,
                                                   ElasticLayer, ElasticOptions, Router, aux_loss,
-                                                  elastic_config, elastic_options, gumbel_ste,
-                                                  model_params, pool_keys, task_ids, tau_at)
+                                                  elastic_config, elastic_options,
+                                                  fixed_fa_head_sets, gumbel_ste, model_params,
+                                                  pool_keys, task_ids, tau_at)
 from condattn_jax.attention.elastic.report import (kv_cache_bytes, measure, plot_fa_heatmap,
                                                    sparsity_report)
 

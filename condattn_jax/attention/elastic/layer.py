@@ -189,6 +189,19 @@ def elastic_config(base: ModelConfig, **options) -> ModelConfig:
   return base.replace(scheme="elastic", scheme_kwargs=tuple(sorted(kw.items())))
 
 
+def fixed_fa_head_sets(spec, num_layers: int) -> tuple:
+  """routing 'fixed': the class-1 KV heads of each layer (num_layers tuples) from
+  `fixed_fa_kv_heads` (one tuple for every layer, or one per layer)."""
+  spec = tuple(spec)
+  if not (spec and isinstance(spec[0], (tuple, list))):
+    return (spec,) * num_layers
+  if len(spec) != num_layers:
+    raise ValueError(f"model.scheme_kwargs.fixed_fa_kv_heads has {len(spec)} per-layer "
+                     f"tuples; the model has num_layers={num_layers} (give one tuple "
+                     "per layer, or one tuple of heads for every layer).")
+  return tuple(tuple(hs) for hs in spec)
+
+
 def task_ids(names: Sequence[str], task_names: Sequence[str]) -> np.ndarray:
   """int32 [len(names)]: each record's task name -> its index in `task_names` (the config's
   model.scheme.task_names); an unknown name is a ValueError naming it and the known ones.
@@ -291,20 +304,13 @@ class ElasticLayer(nn.Module):
     elif o.routing == "sa":
       fa_BK = jnp.zeros((B, K), jnp.float32)
     elif o.routing == "fixed":
-      spec = tuple(o.fixed_fa_kv_heads)
-      per_layer = bool(spec) and isinstance(spec[0], (tuple, list))
-      sets = spec if per_layer else (spec,)
-      bad = [h for hs in sets for h in hs if not 0 <= h < K]
+      sets = fixed_fa_head_sets(o.fixed_fa_kv_heads, cfg.num_layers)
+      bad = sorted({h for hs in sets for h in hs if not 0 <= h < K})
       if bad:
         raise ValueError(f"model.scheme_kwargs.fixed_fa_kv_heads has {bad}: KV heads are "
                          f"0..{K - 1}.")
-      if per_layer and len(spec) != cfg.num_layers:
-        raise ValueError(f"model.scheme_kwargs.fixed_fa_kv_heads has {len(spec)} per-layer "
-                         f"tuples; the model has num_layers={cfg.num_layers} (give one tuple "
-                         "per layer, or one tuple of heads for every layer).")
       fa_LK = np.stack([np.isin(np.arange(K), np.asarray(hs, int)) for hs in sets])
-      fa_K = jnp.asarray(fa_LK, jnp.float32)[ctx.layer_idx if per_layer else 0]
-      fa_BK = jnp.broadcast_to(fa_K, (B, K))
+      fa_BK = jnp.broadcast_to(jnp.asarray(fa_LK, jnp.float32)[ctx.layer_idx], (B, K))
     elif ctx.train:
       if not self.has_rng("router"):
         raise ValueError("Elastic training draws Gumbel noise: call the model with "
