@@ -221,12 +221,13 @@ def check_small(s: Settings, log):
   return res
 
 
-def set_fwd_sub_tile(sub: int) -> None:
+def set_fwd_sub_tile(sub: int, block: int) -> None:
   """Sets the Triton forward kv sub-tile for this process (0 keeps the api's default)."""
   from pallas_kernels.block_sparse import api
   if sub:
-    if sub < 16 or sub & (sub - 1):
-      raise SystemExit(f"--fwd-sub-tile {sub}: a power of two >= 16 that divides the block")
+    if sub < 16 or sub & (sub - 1) or block % sub:
+      raise SystemExit(f"--fwd-sub-tile {sub}: a power of two >= 16 that divides the block "
+                       f"({block})")
     api.TRITON_FWD_SUB_TILE = sub
 
 
@@ -332,7 +333,7 @@ def main():
   if args.fwd_sub_tile:
     kw["fwd_sub_tile"] = args.fwd_sub_tile
   s = dataclasses.replace(s, **kw)
-  set_fwd_sub_tile(s.fwd_sub_tile)
+  set_fwd_sub_tile(s.fwd_sub_tile, s.block)
   if s.preset != "test" and not on_gpu():
     raise SystemExit(f"bench.block_sparse --preset={s.preset} needs a GPU (backend "
                      f"{jax.default_backend()!r}); use --preset=test on CPU")

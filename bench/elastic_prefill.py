@@ -171,11 +171,11 @@ def main(argv=None) -> int:
   ap.add_argument("--out-dir", default=os.environ.get("OUT", os.path.join(ROOT, "bench",
                                                                           "results")))
   a = ap.parse_args(argv)
-  if a.fwd_sub_tile:
-    from bench.block_sparse import set_fwd_sub_tile
-    set_fwd_sub_tile(a.fwd_sub_tile)
   s = PRESETS[a.preset]
   s = dataclasses.replace(s, **{k: v for k, v in (("T", a.T), ("layers", a.layers)) if v})
+  if a.fwd_sub_tile:
+    from bench.block_sparse import set_fwd_sub_tile
+    set_fwd_sub_tile(a.fwd_sub_tile, s.block)
   if a.preset == "gpu" and jax.default_backend() not in ("gpu", "cuda", "rocm"):
     print("preset 'gpu' needs a GPU (use --preset test on CPU)")
     return 2
