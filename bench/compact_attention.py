@@ -5,7 +5,11 @@ k_end, scatter).
     python -m bench.compact_attention                      # T = 32K, 64K; s = 0 .. 0.95
     python -m bench.compact_attention --T 32768 --sweep    # also time Triton tile configurations
     python -m bench.compact_attention --check-only         # small correctness checks only
+    python -m bench.compact_attention --sweep-only --sweep-kernels dkv,dkv_dq   # backward tiles
 
+Variants: 'auto' (on Hopper: the Mosaic GPU forward and the Triton backward: dq; dk/dv),
+'mosaic_gpu' (both passes Mosaic GPU), 'triton', and '<impl>_fused' (the same with the Triton
+backward in one kernel: dq by atomic adds inside dk/dv; measured slower, off by default).
 Qwen2.5-7B attention shapes (28 q heads, 4 kv heads, head_dim 128), B = 1, bf16, random inputs.
 The realistic case: each query is active with probability 1 - s (so the active count is random,
 not a bucket size), and the kernels run with the library's default bucket ladder, i.e. the bucket
@@ -36,6 +40,7 @@ from pallas_kernels.compact_attention import BlockSizes, compact_attention  # no
 from pallas_kernels.compact_attention.common import GPU_BLOCK_SIZES  # noqa: E402
 from pallas_kernels.compact_attention import compaction as cp  # noqa: E402
 from pallas_kernels.compact_attention import triton as ktriton  # noqa: E402
+from pallas_kernels.compact_attention import api  # noqa: E402
 
 B, N, K, H = 1, 28, 4, 128
 DT = jnp.bfloat16
@@ -76,9 +81,24 @@ def make_inputs(T, s, seed, exact=False):
   return q, k, v, active, idx, ct
 
 
+def kernel_impl(impl):
+  """'auto_fused' / 'triton_fused' = that impl with the Triton backward in one kernel (dq by
+  atomic adds inside dk/dv) instead of the two-kernel default (dq; dk/dv)."""
+  return impl[:-len("_fused")] if impl.endswith("_fused") else impl
+
+
 def ours_fn(impl, bs=None, fracs=None):
-  return lambda q, k, v, a: compact_attention(q, k, v, a, impl=impl, bucket_fracs=fracs,
-                                              block_sizes=bs)
+  fused = impl.endswith("_fused")
+
+  def f(q, k, v, a):
+    old = api.FUSED_TRITON_BWD
+    api.FUSED_TRITON_BWD = fused  # read while the call is traced
+    try:
+      return compact_attention(q, k, v, a, impl=kernel_impl(impl), bucket_fracs=fracs,
+                               block_sizes=bs)
+    finally:
+      api.FUSED_TRITON_BWD = old
+  return f
 
 
 def cudnn_dense(q, k, v):
@@ -138,12 +158,16 @@ def check_small(impls, n_cases=None):
   for impl in impls:
     for name, pkw, kw in cases[:n_cases]:
       p = make_problem(len(name), **{**dict(dtype=jnp.bfloat16), **pkw})
+      old = api.FUSED_TRITON_BWD
+      api.FUSED_TRITON_BWD = impl.endswith("_fused")
       try:
-        errs, bad = compare(p, dict(impl=impl, **kw))
+        errs, bad = compare(p, dict(impl=kernel_impl(impl), **kw))
         row = dict(impl=impl, case=name, errs=errs, ok=not bad)
       except Exception as e:  # noqa: BLE001
         row = dict(impl=impl, case=name, ok=False, err=f"{type(e).__name__}: {str(e)[:400]}")
         traceback.print_exc()
+      finally:
+        api.FUSED_TRITON_BWD = old
       out.append(row)
       print("check_small", json.dumps(row), flush=True)
   return out
@@ -154,13 +178,18 @@ def visible_pairs(idx):
   return float(np.sum(np.asarray(idx, np.float64) + 1))
 
 
-def sweep(T, sparsities, n):
-  """Times each kernel alone on prepared compacted inputs for a few tile configurations."""
+def sweep(T, sparsities, n, kernels=("fwd", "dq", "dkv", "dkv_dq")):
+  """Times each kernel alone on prepared compacted inputs for a few tile configurations
+  (dkv_dq: the fused backward, dk/dv with dq by atomic adds; compare with dq + dkv)."""
   rows = []
   fwd_cfgs = [(128, 128, 8, 3), (64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 3), (64, 64, 4, 4),
-              (128, 128, 8, 4)]
-  dq_cfgs = [(128, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3), (64, 128, 4, 2)]
-  dkv_cfgs = [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 2), (64, 32, 4, 2), (64, 64, 8, 2)]
+              (128, 128, 8, 4)] if "fwd" in kernels else []
+  dq_cfgs = [(128, 128, 8, 2), (64, 64, 4, 2), (64, 64, 4, 3), (128, 64, 8, 3),
+             (64, 128, 4, 2)] if "dq" in kernels else []
+  dkv_cfgs = [(64, 64, 4, 2), (64, 64, 4, 3), (32, 64, 4, 2), (64, 32, 4, 2),
+              (64, 64, 8, 2)] if "dkv" in kernels else []
+  dkv_dq_cfgs = [(64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 128, 8, 2),
+                 (32, 128, 8, 2), (64, 128, 8, 3), (128, 128, 8, 2)] if "dkv_dq" in kernels else []
   for s in sparsities:
     q, k, v, active, _, ct = make_inputs(T, s, 3, exact=True)
     C = cp.round_up(max(1, int(round((1 - s) * T))), 128)
@@ -220,6 +249,20 @@ def sweep(T, sparsities, n):
         print("dkv cfg failed", (bq, bk, w, st), type(e).__name__, str(e)[:300], flush=True)
       rows.append(dict(kernel="dkv", T=T, sparsity=s, cfg=[bq, bk, w, st], ms=ms))
       print(json.dumps(rows[-1]), flush=True)
+    for bq, bk, w, st in dkv_dq_cfgs:
+      bs = BlockSizes(block_q_dkv=bq, block_k_dkv=bk, num_warps_dkv=w, num_stages_dkv=st)
+      try:
+        bounds = cp.tile_bounds(qpos_c, valid, None, kvpos, None, window=None, block_q=bq,
+                                block_k=bk, transpose=True)
+        f = jax.jit(lambda *a, bs=bs: ktriton.dkv(
+            *a[:6], a[6], None, None, None, a[7], scale=H ** -0.5, window=None, bs=bs,
+            dq_acc_BCNH=jnp.zeros(a[0].shape, jnp.float32)))
+        ms = bench(f, q_c, k, v, do_c, lse_c, delta, qpos_c, bounds, n=n)
+      except Exception as e:  # noqa: BLE001
+        ms = float("nan")
+        print("dkv_dq cfg failed", (bq, bk, w, st), type(e).__name__, str(e)[:300], flush=True)
+      rows.append(dict(kernel="dkv_dq", T=T, sparsity=s, cfg=[bq, bk, w, st], ms=ms))
+      print(json.dumps(rows[-1]), flush=True)
   return rows
 
 
@@ -228,12 +271,15 @@ def main():
   ap.add_argument("--T", default="32768,65536")
   ap.add_argument("--sparsity", default="0,0.5,0.8,0.9,0.95")
   ap.add_argument("--impls", default="auto,mosaic_gpu,triton",
-                  help="our kernels to time ('auto' on Hopper: Mosaic GPU forward, Triton backward)")
+                  help="our kernels to time ('auto' on Hopper: Mosaic GPU forward, Triton "
+                       "backward; '<impl>_fused': with dq fused into the dk/dv kernel)")
   ap.add_argument("--n", type=int, default=10)
   ap.add_argument("--exact", action="store_true", help="exactly (1-s)T active queries")
   ap.add_argument("--fracs", default="", help="bucket ladder, e.g. 1.0 (default: the library's)")
   ap.add_argument("--sweep", action="store_true", help="time Triton tile configurations first")
   ap.add_argument("--sweep-only", action="store_true")
+  ap.add_argument("--sweep-kernels", default="fwd,dq,dkv,dkv_dq",
+                  help="kernels the sweep times (dkv_dq: the fused backward)")
   ap.add_argument("--check-only", action="store_true")
   ap.add_argument("--no-check-small", action="store_true")
   ap.add_argument("--check-impls", default="",
@@ -279,7 +325,7 @@ def main():
   if args.check_only:
     return
   if args.sweep or args.sweep_only:
-    sweep_rows = sweep(Ts[0], [0.5, 0.9], args.n)
+    sweep_rows = sweep(Ts[0], [0.5, 0.9], args.n, tuple(args.sweep_kernels.split(",")))
     if args.sweep_only:
       write()
       return
@@ -298,8 +344,9 @@ def main():
                  cudnn_fwdbwd_ms=cud_fb, visible_pairs=pairs,
                  target_speedup=0.8 / (1 - s) if s > 0 else 1 / 1.3)
       for ii, impl in enumerate(impls):
-        f = jax.jit(ours_fn(impl, bs if impl == "triton" else None, fracs))
-        g = grad_fn(ours_fn(impl, bs if impl == "triton" else None, fracs), ct)
+        ibs = bs if kernel_impl(impl) == "triton" else None
+        f = jax.jit(ours_fn(impl, ibs, fracs))
+        g = grad_fn(ours_fn(impl, ibs, fracs), ct)
         r = {}
         try:
           # check on inputs of its own (q scaled per kernel): a buffer left unwritten cannot hold

@@ -1,5 +1,6 @@
 """pallas_kernels.compact_attention on CPU: compaction, bounds, reference, Triton kernels in
 interpret mode (forward, dq/dk/dv, lse), fallbacks, and Triton lowering for an abstract H100."""
+import re
 import warnings
 
 import jax
@@ -249,7 +250,11 @@ def test_triton_matches_reference_hypothesis(seed, sparsity, T, gqa, dtype, per_
     ("aha_segments_window", dict(sparsity=0.6, per_head=True, segments=2, window=10)),
     ("kv_positions", dict(sparsity=0.3, kv_positions=True, S=96)),
 ])
-def test_triton_edge_cases(name, kw):
+@pytest.mark.parametrize("fused_bwd", [True, False], ids=["fused_bwd", "split_bwd"])
+def test_triton_edge_cases(name, kw, fused_bwd, monkeypatch):
+  """Both backward variants: dq fused into the dk/dv kernel (atomic adds, the default) and the
+  two-kernel backward (dq; dk/dv)."""
+  monkeypatch.setattr(api, "FUSED_TRITON_BWD", fused_bwd)
   p = make_problem(5, **{**dict(T=64, N=4, K=2, H=32), **kw})
   errs, bad = compare(p, dict(TRITON, bucket_fracs=(0.25,)))
   assert not bad, (name, errs)
@@ -288,9 +293,11 @@ def test_kernels_skip_tiles_outside_their_bounds():
   qpos = jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32) + S, (B, 1, C))  # sees every key
   counts = jnp.full((B, 1), C, jnp.int32)
   kw = dict(scale=H ** -0.5, window=None, bs=SMALL, interpret=True)
+  dkv_dq = lambda *a, **k: kt.dkv(*a, dq_acc_BCNH=jnp.zeros(q.shape, jnp.float32), **k)
   for fn, bq, bk, tr in ((kt.fwd, SMALL.block_q, SMALL.block_k, False),
                          (kt.dq, SMALL.block_q_dq, SMALL.block_k_dq, False),
-                         (kt.dkv, SMALL.block_q_dkv, SMALL.block_k_dkv, True)):
+                         (kt.dkv, SMALL.block_q_dkv, SMALL.block_k_dkv, True),
+                         (dkv_dq, SMALL.block_q_dkv, SMALL.block_k_dkv, True)):
     n_a, n_b = (S // bk, C // bq) if tr else (C // bq, S // bk)
     full = jnp.broadcast_to(jnp.array([0, 0, n_b, n_b], jnp.int32), (B, 1, n_a, 4))
     empty = jnp.zeros((B, 1, n_a, 4), jnp.int32)
@@ -307,7 +314,7 @@ def test_kernels_skip_tiles_outside_their_bounds():
     assert all(float(jnp.abs(x).max()) > 0 for x in jax.tree.leaves(outs["full"]))
     for x in jax.tree.leaves(outs["empty"]):
       x = np.asarray(x)
-      assert np.all((x == 0) | (x == -np.inf)), (fn.__name__, "computed a tile outside its bounds")
+      assert np.all((x == 0) | (x == -np.inf)), (fn, "computed a tile outside its bounds")
 
 
 def _count_compiles():
@@ -399,10 +406,13 @@ def test_kv_length_the_tiles_cannot_divide_is_padded_not_a_fallback(layout):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
 
 
-def test_triton_lowers_for_h100_at_realistic_shapes(monkeypatch):
-  """Lowers the three kernels to Triton IR (what the GPU compiles) for an abstract H100."""
+@pytest.mark.parametrize("fused_bwd", [True, False], ids=["fused_bwd", "split_bwd"])
+def test_triton_lowers_for_h100_at_realistic_shapes(monkeypatch, fused_bwd):
+  """Lowers the kernels to Triton IR (what the GPU compiles) for an abstract H100: per bucket the
+  forward and the fused dk/dv/dq kernel (its atomic adds lower), or forward, dq and dk/dv."""
   from jax.sharding import AbstractDevice, AbstractMesh
   monkeypatch.setattr(api, "_default_platform", lambda: "gpu")
+  monkeypatch.setattr(api, "FUSED_TRITON_BWD", fused_bwd)
   B, T, N, K, H = 1, 4096, 28, 4, 128
   sds = [jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16),
          jax.ShapeDtypeStruct((B, T, K, H), jnp.bfloat16),
@@ -420,5 +430,11 @@ def test_triton_lowers_for_h100_at_realistic_shapes(monkeypatch):
     exp = jax.export.export(jax.jit(fwd_bwd), platforms=["cuda"], disabled_checks=[
         jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*sds)
   text = exp.mlir_module()
-  # the default ladder's 2 buckets x (forward, dq, dk/dv)
-  assert text.count("__gpu$xla.gpu.triton") == 6
+  names = sorted(re.findall(r'name = "(compact_attention_[a-z_]+)"', text))
+  if fused_bwd:  # the default ladder's 2 buckets x (forward, dk/dv + dq)
+    assert text.count("__gpu$xla.gpu.triton") == 4
+    assert names == ["compact_attention_dkv_dq"] * 2 + ["compact_attention_fwd"] * 2, names
+  else:  # 2 buckets x (forward, dq, dk/dv)
+    assert text.count("__gpu$xla.gpu.triton") == 6
+    assert names == sorted(["compact_attention_dkv", "compact_attention_dq",
+                            "compact_attention_fwd"] * 2), names

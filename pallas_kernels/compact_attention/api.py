@@ -138,6 +138,7 @@ class _Config:
   kv_default: bool  # kv positions are arange(S): the kernel computes them
   bwd_backend: str  # the backward pass may run on another kernel than the forward
   bs_bwd: BlockSizes
+  fused_bwd: bool = False  # Triton backward: dq fused into the dk/dv kernel (atomic adds)
 
 
 def _compact(cfg, C, active_BIT, qpos_BT, qseg_BT):
@@ -232,15 +233,22 @@ def _backward_impl(cfg: _Config, res, dout, dlse):
       lse_c = _gather_BNT(lse_BNT, idx)
       seg_k = _kernel_seg(qseg_c)
       bs = cfg.bs_bwd.for_capacity(C, T)
-      b_dq = cp.tile_bounds(qpos_c, valid, qseg_c, kvpos_arr, kvseg, window=cfg.window,
-                            block_q=bs.block_q_dq, block_k=bs.block_k_dq)
+      b_dq = None if cfg.fused_bwd else cp.tile_bounds(
+          qpos_c, valid, qseg_c, kvpos_arr, kvseg, window=cfg.window, block_q=bs.block_q_dq,
+          block_k=bs.block_k_dq)
       b_dkv = cp.tile_bounds(qpos_c, valid, qseg_c, kvpos_arr, kvseg, window=cfg.window,
                              block_q=bs.block_q_dkv, block_k=bs.block_k_dkv, transpose=True)
       kw = dict(scale=cfg.scale, window=cfg.window, bs=bs, interpret=cfg.interpret,
                 poison=cfg.poison)
-      dq_c = mod.dq(q_c, k, v, do_c, lse_c, delta, qpos_c, seg_k, kvpos_k, kvseg, b_dq,
-                    cp.active_counts(active_BIT), **kw)
-      dk, dv = mod.dkv(q_c, k, v, do_c, lse_c, delta, qpos_c, seg_k, kvpos_k, kvseg, b_dkv, **kw)
+      if cfg.fused_bwd:
+        dk, dv, dq_acc = mod.dkv(q_c, k, v, do_c, lse_c, delta, qpos_c, seg_k, kvpos_k, kvseg,
+                                 b_dkv, dq_acc_BCNH=jnp.zeros(q_c.shape, jnp.float32), **kw)
+        dq_c = (dq_acc * cfg.scale).astype(q_c.dtype)
+      else:
+        dq_c = mod.dq(q_c, k, v, do_c, lse_c, delta, qpos_c, seg_k, kvpos_k, kvseg, b_dq,
+                      cp.active_counts(active_BIT), **kw)
+        dk, dv = mod.dkv(q_c, k, v, do_c, lse_c, delta, qpos_c, seg_k, kvpos_k, kvseg, b_dkv,
+                         **kw)
       return _scatter(dq_c, idx, T), dk, dv
     return f
 
@@ -269,6 +277,14 @@ _kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
 # shapes) reuse the compiled kernels also outside an enclosing jit (eager calls, tests).
 _kernel_attention_jit = jax.jit(_kernel_attention, static_argnums=(0,))
 
+
+# The Triton backward in one launch: dq accumulated with float32 atomic adds inside the dk/dv
+# kernel (5 matrix products per tile pair instead of 7; its dq is not bit-reproducible, the order
+# of the additions varies). Off: measured 2.6x SLOWER than the two kernels (dq; dk/dv) on an
+# H200 (T = 32K, s = 0.5: 65.6 ms at its best tiles vs 10.2 + 15.3 ms; s = 0.9: 14.3 vs
+# 2.4 + 3.3 ms; bench/results/compact_attention_bwd_sweep_NVIDIA_H200.json): Pallas' Triton
+# atomic add is one acq_rel atomic per element. Read when a call is traced.
+FUSED_TRITON_BWD = False
 
 # 'auto' on Hopper: the Mosaic GPU forward (1.24-1.30x the Triton forward, H200, T = 32K, every
 # s) with the Triton backward (its dq and dk/dv ran 5-15% faster than the Mosaic GPU ones);
@@ -428,6 +444,7 @@ def compact_attention(q_BTNH, k_BSKH, v_BSKH, active, *, q_positions_BT=None,
                                 multiple=math.lcm(bs.q_multiple, bs_bwd.q_multiple))
     cfg = _Config(backend=impl, scale=scale, window=window, caps=caps, bs=bs,
                   interpret=interpret, poison=poison, kv_default=kv_default,
-                  bwd_backend=bwd_impl, bs_bwd=bs_bwd)
+                  bwd_backend=bwd_impl, bs_bwd=bs_bwd,
+                  fused_bwd=bwd_impl == "triton" and FUSED_TRITON_BWD)
     out, lse = _kernel_attention_jit(cfg, q, k, v, active, qpos, kvpos, qseg, kvseg)
   return (out, lse) if return_lse else out

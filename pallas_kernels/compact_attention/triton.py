@@ -8,6 +8,10 @@ full K/V [B, S, K, H] (GQA: query head h reads kv head h // (N // K); K/V are ne
   dq       grid (N, B, q tile):  same bounds, dq = scale * dS K.
   dk/dv    grid (K, B, kv tile): loops over the G query heads of the kv head and the query tiles in
            the kv tile's bounds (query tiles whose positions all precede the kv tile are skipped).
+           Fused variant (dkv(..., dq_acc=zeros)): the same loop also adds dS K of each tile pair
+           into a float32 dq accumulator with atomic adds, so the backward is one launch and five
+           matrix products per tile pair instead of seven (dq's own kernel recomputes S and dP);
+           the order of the float additions into dq then varies from run to run.
 Per-tile bounds come from compaction.tile_bounds: (lo, full_lo, full_hi, hi). The tile axis is
 the slowest grid axis and runs heaviest tiles first (latest query tiles; first kv tiles), so the
 long programs of every head start early and the tail of the launch is short.
@@ -32,8 +36,8 @@ warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecat
 NEG_INF = float("-inf")
 
 
-def _dot(a, b, trans_b=False):
-  return plgpu.dot(a, b, trans_b=trans_b)
+def _dot(a, b, trans_a=False, trans_b=False):
+  return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b)
 
 
 def _kv_positions(kvpos_ref, start, bk):
@@ -289,14 +293,17 @@ def dq(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC, 
 # backward: dk, dv
 # ----------------------------------------------------------------------------------------------
 
-def _dkv_kernel(*refs, has_seg, has_kvpos, window, scale, bq, bk, G, per_head):
+def _dkv_kernel(*refs, has_seg, has_kvpos, window, scale, bq, bk, G, per_head, fuse_dq):
   it = iter(refs)
   bounds_ref, qpos_ref = next(it), next(it)
   qseg_ref = next(it) if has_seg else None
   kvpos_ref = next(it) if has_kvpos else None
   kvseg_ref = next(it) if has_seg else None
   q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref = (next(it) for _ in range(6))
-  dk_ref, dv_ref = refs[-2], refs[-1]
+  if fuse_dq:
+    dk_ref, dv_ref, dq_ref = refs[-3:]
+  else:
+    (dk_ref, dv_ref), dq_ref = refs[-2:], None
 
   j = pl.program_id(2)
   k = k_ref[...]
@@ -324,8 +331,10 @@ def _dkv_kernel(*refs, has_seg, has_kvpos, window, scale, bq, bk, G, per_head):
       pT = jnp.exp2(sT - lse2[None, :])
       dv = dv + _dot(pT.astype(do.dtype), do)
       dpT = _dot(v, do, trans_b=True)                                 # [bk, bq]
-      dsT = pT * (dpT - delta[None, :])
-      dk = dk + _dot(dsT.astype(q.dtype), q)
+      dsT = (pT * (dpT - delta[None, :])).astype(q.dtype)
+      dk = dk + _dot(dsT, q)
+      if dq_ref is not None:  # this pair's share of dq (unscaled; the caller applies the scale)
+        plgpu.atomic_add(dq_ref, (sl, g, slice(None)), _dot(dsT, k, trans_a=True))
       return dk, dv
 
     return _three_loops(bounds, body, carry)
@@ -337,8 +346,13 @@ def _dkv_kernel(*refs, has_seg, has_kvpos, window, scale, bq, bk, G, per_head):
 
 
 def dkv(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC, kvpos_BS,
-        kvseg_BS, boundsT_BIK4, *, scale, window, bs: BlockSizes, interpret=False, poison=False):
-  """boundsT: per kv tile over query tiles, [B, I, S // block_k_dkv, 4]."""
+        kvseg_BS, boundsT_BIK4, *, scale, window, bs: BlockSizes, interpret=False, poison=False,
+        dq_acc_BCNH=None):
+  """(dk, dv); boundsT: per kv tile over query tiles, [B, I, S // block_k_dkv, 4].
+
+  dq_acc_BCNH (float32 zeros [B, C, N, H]) fuses dq in: returns (dk, dv, dq_acc) with dq_acc the
+  UNSCALED dq (sum of dS K; multiply by `scale`), accumulated with atomic adds (the buffer is
+  donated to the kernel through input_output_aliases)."""
   B, C, N, H = q_BCNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   G = N // K
@@ -369,15 +383,28 @@ def dkv(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC,
   specs += [qg_spec, kv_spec, kv_spec, qg_spec, row_spec, row_spec]
   out_shapes = [jax.ShapeDtypeStruct(k_BSKH.shape, k_BSKH.dtype),
                 jax.ShapeDtypeStruct(v_BSKH.shape, v_BSKH.dtype)]
+  out_specs = [kv_spec, kv_spec]
   pbufs, _ = _poison_args(out_shapes, poison)
+  alias_specs = [kv_spec for _ in pbufs]
   aliases = {len(args) + n: n for n in range(len(pbufs))}
-  specs += [kv_spec for _ in pbufs]
+  fuse_dq = dq_acc_BCNH is not None
+  if fuse_dq:
+    if dq_acc_BCNH.shape != q_BCNH.shape or dq_acc_BCNH.dtype != jnp.float32:
+      raise ValueError(f"dq_acc_BCNH must be float32 {q_BCNH.shape}, got "
+                       f"{dq_acc_BCNH.dtype} {dq_acc_BCNH.shape}")
+    # Every program adds into the [C, G, H] slab of its kv head's query heads.
+    out_shapes.append(jax.ShapeDtypeStruct(dq_acc_BCNH.shape, jnp.float32))
+    out_specs.append(qg_spec)
+    aliases[len(args) + len(pbufs)] = 2
+    pbufs.append(dq_acc_BCNH)
+    alias_specs.append(qg_spec)
+  specs += alias_specs
   kernel = functools.partial(_dkv_kernel, has_seg=has_seg, has_kvpos=has_kvpos, window=window,
-                             scale=scale, bq=bq, bk=bk, G=G, per_head=per_head)
+                             scale=scale, bq=bq, bk=bk, G=G, per_head=per_head, fuse_dq=fuse_dq)
   return pl.pallas_call(
-      kernel, grid=(K, B, nk), in_specs=specs, out_specs=[kv_spec, kv_spec],
+      kernel, grid=(K, B, nk), in_specs=specs, out_specs=out_specs,
       out_shape=out_shapes, input_output_aliases=aliases, interpret=interpret,
-      name="compact_attention_dkv",
+      name="compact_attention_dkv_dq" if fuse_dq else "compact_attention_dkv",
       compiler_params=plgpu.CompilerParams(num_warps=bs.num_warps_dkv,
                                            num_stages=bs.num_stages_dkv),
   )(*args, *pbufs)
