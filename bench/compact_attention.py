@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import sys
 import time
@@ -81,23 +82,41 @@ def make_inputs(T, s, seed, exact=False):
   return q, k, v, active, idx, ct
 
 
+# Variant suffixes -> the api switches they set (read while a call is traced).
+VARIANTS = {"_fused": ("FUSED_TRITON_BWD", True),       # Triton backward in one kernel (atomics)
+            "_scatter": ("UNCOMPACT_BY_GATHER", False)}  # results back by an XLA scatter
+
+
 def kernel_impl(impl):
-  """'auto_fused' / 'triton_fused' = that impl with the Triton backward in one kernel (dq by
-  atomic adds inside dk/dv) instead of the two-kernel default (dq; dk/dv)."""
-  return impl[:-len("_fused")] if impl.endswith("_fused") else impl
+  """'auto_fused' / 'triton_fused': that impl with the Triton backward in one kernel (dq by atomic
+  adds inside dk/dv) instead of the two-kernel default (dq; dk/dv); '<impl>_scatter': results put
+  back in their rows by an XLA scatter into zeros instead of the default gather."""
+  for suffix in VARIANTS:
+    impl = impl.replace(suffix, "")
+  return impl
+
+
+class variant_flags:
+  """Context manager: the api switches of impl's suffixes, restored on exit."""
+
+  def __init__(self, impl):
+    self.flags = {name: val for suf, (name, val) in VARIANTS.items() if suf in impl}
+
+  def __enter__(self):
+    self.old = {n: getattr(api, n) for n in self.flags}
+    for n, v in self.flags.items():
+      setattr(api, n, v)
+
+  def __exit__(self, *exc):
+    for n, v in self.old.items():
+      setattr(api, n, v)
 
 
 def ours_fn(impl, bs=None, fracs=None):
-  fused = impl.endswith("_fused")
-
   def f(q, k, v, a):
-    old = api.FUSED_TRITON_BWD
-    api.FUSED_TRITON_BWD = fused  # read while the call is traced
-    try:
+    with variant_flags(impl):
       return compact_attention(q, k, v, a, impl=kernel_impl(impl), bucket_fracs=fracs,
                                block_sizes=bs)
-    finally:
-      api.FUSED_TRITON_BWD = old
   return f
 
 
@@ -158,16 +177,13 @@ def check_small(impls, n_cases=None):
   for impl in impls:
     for name, pkw, kw in cases[:n_cases]:
       p = make_problem(len(name), **{**dict(dtype=jnp.bfloat16), **pkw})
-      old = api.FUSED_TRITON_BWD
-      api.FUSED_TRITON_BWD = impl.endswith("_fused")
       try:
-        errs, bad = compare(p, dict(impl=kernel_impl(impl), **kw))
+        with variant_flags(impl):
+          errs, bad = compare(p, dict(impl=kernel_impl(impl), **kw))
         row = dict(impl=impl, case=name, errs=errs, ok=not bad)
       except Exception as e:  # noqa: BLE001
         row = dict(impl=impl, case=name, ok=False, err=f"{type(e).__name__}: {str(e)[:400]}")
         traceback.print_exc()
-      finally:
-        api.FUSED_TRITON_BWD = old
       out.append(row)
       print("check_small", json.dumps(row), flush=True)
   return out
@@ -266,6 +282,61 @@ def sweep(T, sparsities, n, kernels=("fwd", "dq", "dkv", "dkv_dq")):
   return rows
 
 
+def breakdown(T, s, n):
+  """Where the time of 'auto' goes (Hopper: Mosaic GPU forward, Triton backward), realistic
+  active set and bucket: the whole call (forward; forward+backward) with the results put back by a
+  gather (default) and by an XLA scatter, against the kernels alone on prepared compacted inputs
+  (the Mosaic forward; Triton dq + dk/dv). The rest (compaction, bounds, gathers, putting results
+  back, delta) is the glue: whole - kernels."""
+  from pallas_kernels.compact_attention import mosaic_gpu as kmgpu
+  q, k, v, active, idx_np, ct = make_inputs(T, s, 2)
+  count = int(idx_np.size)
+  shp_q, shp_kv = q.shape, k.shape
+  bs_f, _ = api.kernel_support("mosaic_gpu", shp_q, shp_kv, DT)
+  bs_b, _ = api.kernel_support("triton", shp_q, shp_kv, DT)
+  caps = cp.bucket_capacities(T, multiple=math.lcm(bs_f.q_multiple, bs_b.q_multiple))
+  C = min(c for c in caps if c >= count)
+  bs_f, bs_b = bs_f.for_capacity(C, T), bs_b.for_capacity(C, T)
+  a_BIT = active[:, None, :]
+  idx = cp.compact_indices(a_BIT, C)
+  valid = idx < T
+  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  qpos_c = cp.gather_meta(pos, idx, cp.PAD_POS)
+  counts = cp.active_counts(a_BIT)
+  b_f = cp.tile_bounds(qpos_c, valid, None, pos, None, window=None, block_q=bs_f.block_q // 2,
+                       block_k=bs_f.block_k)
+  b_dq = cp.tile_bounds(qpos_c, valid, None, pos, None, window=None, block_q=bs_b.block_q_dq,
+                        block_k=bs_b.block_k_dq)
+  b_dkv = cp.tile_bounds(qpos_c, valid, None, pos, None, window=None, block_q=bs_b.block_q_dkv,
+                         block_k=bs_b.block_k_dkv, transpose=True)
+  q_c, do_c = cp.gather_rows(q, idx), cp.gather_rows(ct, idx)
+  sc = H ** -0.5
+  kfwd = jax.jit(lambda q_c, k, v: kmgpu.fwd(q_c, k, v, qpos_c, None, None, None, b_f, counts,
+                                             scale=sc, window=None, bs=bs_f))
+  o_c, lse_c = kfwd(q_c, k, v)
+  delta = jnp.swapaxes(jnp.sum(o_c.astype(jnp.float32) * do_c.astype(jnp.float32), -1), 1, 2)
+
+  def kbwd(q_c, k, v, do_c, lse_c, delta):
+    dq = ktriton.dq(q_c, k, v, do_c, lse_c, delta, qpos_c, None, None, None, b_dq, counts,
+                    scale=sc, window=None, bs=bs_b)
+    return dq, ktriton.dkv(q_c, k, v, do_c, lse_c, delta, qpos_c, None, None, None, b_dkv,
+                           scale=sc, window=None, bs=bs_b)
+  row = dict(T=T, sparsity=s, active=count, bucket=C,
+             kernel_fwd_ms=bench(kfwd, q_c, k, v, n=n),
+             kernel_bwd_ms=bench(jax.jit(kbwd), q_c, k, v, do_c, lse_c, delta, n=n))
+  pairs = visible_pairs(idx_np)
+  row["kernel_fwd_tflops"] = 4 * H * N * pairs / row["kernel_fwd_ms"] / 1e9
+  row["kernel_bwd_tflops"] = 10 * H * N * pairs / row["kernel_bwd_ms"] / 1e9
+  for impl in ("auto", "auto_scatter"):
+    f = jax.jit(ours_fn(impl))
+    g = grad_fn(ours_fn(impl), ct)
+    fw, fb = bench(f, q, k, v, active, n=n), bench(g, q, k, v, active, n=n)
+    row[impl] = dict(fwd_ms=fw, fwdbwd_ms=fb, glue_fwd_ms=fw - row["kernel_fwd_ms"],
+                     glue_bwd_ms=fb - fw - row["kernel_bwd_ms"])
+  print("breakdown", json.dumps(row), flush=True)
+  return row
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--T", default="32768,65536")
@@ -281,6 +352,8 @@ def main():
   ap.add_argument("--sweep-kernels", default="fwd,dq,dkv,dkv_dq",
                   help="kernels the sweep times (dkv_dq: the fused backward)")
   ap.add_argument("--check-only", action="store_true")
+  ap.add_argument("--breakdown", action="store_true",
+                  help="only split auto's time into kernels and glue (gather vs scatter back)")
   ap.add_argument("--no-check-small", action="store_true")
   ap.add_argument("--check-impls", default="",
                   help="kernels for the small checks (default: --impls)")
@@ -305,7 +378,7 @@ def main():
   name = dev.device_kind.replace(" ", "_")
   os.makedirs(args.out_dir, exist_ok=True)
   path = os.path.join(args.out_dir, f"compact_attention_{name}.json")
-  rows, sweep_rows, small = [], [], []
+  rows, sweep_rows, small, breakdown_rows = [], [], [], []
 
   def write():
     result = dict(device=dev.device_kind, jax_version=jax.__version__,
@@ -315,7 +388,7 @@ def main():
                   active_set="exactly (1-s)T" if args.exact else "Bernoulli(1-s) per query",
                   bucket_fracs=fracs or "library default", triton_block_sizes=repr(bs),
                   timing="median of %d after 2 warm-ups" % args.n,
-                  check_small=small, rows=rows, sweep=sweep_rows)
+                  check_small=small, rows=rows, sweep=sweep_rows, breakdown=breakdown_rows)
     with open(path, "w") as fh:
       json.dump(result, fh, indent=1)
 
@@ -323,6 +396,12 @@ def main():
     small = check_small([x for x in args.check_impls.split(",") if x] or impls, args.check_cases)
     write()
   if args.check_only:
+    return
+  if args.breakdown:
+    for T in Ts:
+      for s in ss:
+        breakdown_rows.append(breakdown(T, s, args.n))
+        write()
     return
   if args.sweep or args.sweep_only:
     sweep_rows = sweep(Ts[0], [0.5, 0.9], args.n, tuple(args.sweep_kernels.split(",")))

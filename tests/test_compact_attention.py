@@ -56,9 +56,17 @@ def test_compaction_roundtrip_matches_numpy():
         want = np.nonzero(np.asarray(a_BIT)[b, i])[0]
         assert np.array_equal(idx[b, i, :len(want)], want)
         assert np.all(idx[b, i, len(want):] == T)
-    back = cp.scatter_rows(cp.gather_rows(x, jnp.asarray(idx)), jnp.asarray(idx), T)
+    x_c = cp.gather_rows(x, jnp.asarray(idx))
+    back = cp.scatter_rows(x_c, jnp.asarray(idx), T)
     mask = act[..., None] if act.ndim == 3 else act[:, :, None, None]
     np.testing.assert_array_equal(np.asarray(back), np.where(mask, np.asarray(x), 0))
+    # the gather form of the scatter (what the kernels' results go back through) agrees
+    slot = cp.compact_slots(a_BIT)
+    np.testing.assert_array_equal(np.asarray(cp.uncompact_rows(x_c, slot)), np.asarray(back))
+    lse_c = jnp.asarray(rng.normal(size=(B, N, C)), jnp.float32)
+    want = jnp.swapaxes(cp.scatter_BNT(lse_c, jnp.asarray(idx), T, -jnp.inf), 1, 2)
+    np.testing.assert_array_equal(np.asarray(cp.uncompact_BNC(lse_c, slot, -jnp.inf)),
+                                  np.asarray(want))
   m = mask_from_indices(jnp.array([[3, 0, 9, -1]]), 8)
   np.testing.assert_array_equal(np.asarray(m)[0], [1, 0, 0, 1, 0, 0, 0, 0])
 

@@ -141,12 +141,12 @@ class _Config:
   fused_bwd: bool = False  # Triton backward: dq fused into the dk/dv kernel (atomic adds)
 
 
-def _compact(cfg, C, active_BIT, qpos_BT, qseg_BT):
+def _compact(cfg, C, active_BIT, qpos_BT, qseg_BT, slot_BIT=None):
   """(idx, valid, qpos_c, qseg_c) for bucket C: the active queries in order in slots [0, count),
   padding slots (idx == T) get the padding position, which sees no key. Always gathered, also when
   C == T, so that the tiles past the count are empty and the kernels skip them."""
   T = active_BIT.shape[-1]
-  idx = cp.compact_indices(active_BIT, C)
+  idx = cp.compact_indices(active_BIT, C, slot_BIT)
   valid = idx < T
   qpos_c = cp.gather_meta(qpos_BT, idx, cp.PAD_POS)
   qseg_c = None if qseg_BT is None else cp.gather_meta(qseg_BT, idx, 0)
@@ -157,7 +157,14 @@ def _gather(x, idx):
   return cp.gather_rows(x, idx)
 
 
-def _scatter(x_c, idx, T):
+# Results go back to their rows as a gather (each output row reads its slot, zeros for inactive
+# rows) instead of an XLA scatter into zeros. Read when a call is traced.
+UNCOMPACT_BY_GATHER = False
+
+
+def _scatter(x_c, idx, T, slot_BIT):
+  if UNCOMPACT_BY_GATHER:
+    return cp.uncompact_rows(x_c, slot_BIT)
   return cp.scatter_rows(x_c, idx, T)
 
 
@@ -165,8 +172,11 @@ def _gather_BNT(x, idx):
   return cp.gather_BNT(x, idx)
 
 
-def _scatter_BNT(x, idx, T):
-  return cp.scatter_BNT(x, idx, T, -jnp.inf)
+def _scatter_lse(x_BNC, idx, T, slot_BIT):
+  """[B, N, C] -> [B, T, N], -inf where no slot maps."""
+  if UNCOMPACT_BY_GATHER:
+    return cp.uncompact_BNC(x_BNC, slot_BIT, -jnp.inf)
+  return jnp.swapaxes(cp.scatter_BNT(x_BNC, idx, T, -jnp.inf), 1, 2)
 
 
 def _kernel_seg(qseg_c):
@@ -192,7 +202,8 @@ def _forward_impl(cfg: _Config, q, k, v, active, qpos, kvpos, qseg, kvseg):
 
   def branch(C):
     def f(q, k, v, active_BIT, qpos, kvpos_arr, kvpos_k, qseg, kvseg):
-      idx, valid, qpos_c, qseg_c = _compact(cfg, C, active_BIT, qpos, qseg)
+      slot = cp.compact_slots(active_BIT)
+      idx, valid, qpos_c, qseg_c = _compact(cfg, C, active_BIT, qpos, qseg, slot)
       bs = cfg.bs.for_capacity(C, T)
       # Mosaic GPU: bounds per compute warpgroup (two per query tile)
       bq = bs.block_q // 2 if cfg.backend == "mosaic_gpu" else bs.block_q
@@ -201,7 +212,7 @@ def _forward_impl(cfg: _Config, q, k, v, active, qpos, kvpos, qseg, kvseg):
       out_c, lse_c = mod.fwd(_gather(q, idx), k, v, qpos_c, _kernel_seg(qseg_c), kvpos_k, kvseg,
                              bounds, cp.active_counts(active_BIT), scale=cfg.scale,
                              window=cfg.window, bs=bs, interpret=cfg.interpret, poison=cfg.poison)
-      return _scatter(out_c, idx, T), jnp.swapaxes(_scatter_BNT(lse_c, idx, T), 1, 2)
+      return _scatter(out_c, idx, T, slot), _scatter_lse(lse_c, idx, T, slot)
     return f
 
   return _switch(cfg.caps, count_max, branch, q, k, v, active_BIT, qpos, kvpos_arr, kvpos_k,
@@ -224,7 +235,8 @@ def _backward_impl(cfg: _Config, res, dout, dlse):
   def branch(C):
     def f(q, k, v, dout, out, lse_BNT, dlse_BNT, active_BIT, qpos, kvpos_arr, kvpos_k, qseg,
           kvseg):
-      idx, valid, qpos_c, qseg_c = _compact(cfg, C, active_BIT, qpos, qseg)
+      slot = cp.compact_slots(active_BIT)
+      idx, valid, qpos_c, qseg_c = _compact(cfg, C, active_BIT, qpos, qseg, slot)
       q_c = _gather(q, idx)
       do_c = _gather(dout, idx)
       o_c = _gather(out, idx)
@@ -249,7 +261,7 @@ def _backward_impl(cfg: _Config, res, dout, dlse):
                       cp.active_counts(active_BIT), **kw)
         dk, dv = mod.dkv(q_c, k, v, do_c, lse_c, delta, qpos_c, seg_k, kvpos_k, kvseg, b_dkv,
                          **kw)
-      return _scatter(dq_c, idx, T), dk, dv
+      return _scatter(dq_c, idx, T, slot), dk, dv
     return f
 
   return _switch(cfg.caps, count_max, branch, q, k, v, dout, out, lse_BNT, dlse_BNT, active_BIT,

@@ -83,12 +83,18 @@ def active_counts(active_BIT):
   return jnp.sum(active_BIT.astype(jnp.int32), axis=-1)
 
 
-def compact_indices(active_BIT, C: int):
+def compact_slots(active_BIT):
+  """Slot of each query in the compacted buffer, int32 [B, I, T]: its rank among the active
+  queries of its row (and head set); -1 for inactive queries."""
+  slot = jnp.cumsum(active_BIT.astype(jnp.int32), axis=-1) - 1
+  return jnp.where(active_BIT, slot, -1)
+
+
+def compact_indices(active_BIT, C: int, slot_BIT=None):
   """Original indices of the active queries, in order, padded with T: [B, I, C] int32."""
   T = active_BIT.shape[-1]
-  a = active_BIT.astype(jnp.int32)
-  slot = jnp.cumsum(a, axis=-1) - 1
-  slot = jnp.where(active_BIT, slot, C)  # inactive (and overflow, never reached) -> dropped
+  slot = compact_slots(active_BIT) if slot_BIT is None else slot_BIT
+  slot = jnp.where(slot < 0, C, slot)  # inactive (and overflow, never reached) -> dropped
   src = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), active_BIT.shape)
   idx = jnp.full(active_BIT.shape[:-1] + (C,), T, jnp.int32)
   bi = jnp.arange(active_BIT.shape[0])[:, None, None]
@@ -121,6 +127,28 @@ def scatter_rows(x_c_BCN_, idx_BIC, T: int):
   idx_BCN = jnp.swapaxes(idx_BIC, 1, 2)
   ni = jnp.arange(N)[None, None, :]
   return out.at[bi[:, :, None], idx_BCN, ni].set(x_c_BCN_, mode="drop")
+
+
+def uncompact_rows(x_c_BCN_, slot_BIT):
+  """scatter_rows written as a gather (one read per output row, no scatter): out[b, t, n] =
+  x_c[b, slot[b, n or 0, t], n], zeros where slot < 0. slot from compact_slots."""
+  B, C, N = x_c_BCN_.shape[:3]
+  I = slot_BIT.shape[1]
+  tail = (1,) * (x_c_BCN_.ndim - 3)
+  if I == 1:
+    slot = slot_BIT[:, 0, :].reshape((B, -1, 1) + tail)
+  else:
+    slot = jnp.swapaxes(slot_BIT, 1, 2).reshape((B, -1, N) + tail)
+  g = jnp.take_along_axis(x_c_BCN_, jnp.clip(slot, 0, C - 1), axis=1, mode="promise_in_bounds")
+  return jnp.where(slot >= 0, g, jnp.zeros((), x_c_BCN_.dtype))
+
+
+def uncompact_BNC(x_BNC, slot_BIT, fill):
+  """scatter_BNT written as a gather, transposed: [B, N, C] -> [B, T, N], `fill` where slot < 0."""
+  B, N, C = x_BNC.shape
+  slot = jnp.broadcast_to(slot_BIT, (B, N, slot_BIT.shape[-1]))
+  g = jnp.take_along_axis(x_BNC, jnp.clip(slot, 0, C - 1), axis=2, mode="promise_in_bounds")
+  return jnp.swapaxes(jnp.where(slot >= 0, g, jnp.asarray(fill, x_BNC.dtype)), 1, 2)
 
 
 def gather_meta(x_BT, idx_BIC, fill):
