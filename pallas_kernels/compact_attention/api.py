@@ -158,7 +158,10 @@ def _gather(x, idx):
 
 
 # Results go back to their rows as a gather (each output row reads its slot, zeros for inactive
-# rows) instead of an XLA scatter into zeros. Read when a call is traced.
+# rows) instead of an XLA scatter into zeros. Off: on one H200 neither form is faster throughout
+# (whole forward, gather / scatter, ms: 7.85 / 7.88 at T = 32K s = 0.5, 2.60 / 2.25 at s = 0.9,
+# 4.23 / 4.50 at 64K s = 0.95; bench/results/compact_attention_NVIDIA_H200.json 'breakdown').
+# Read when a call is traced.
 UNCOMPACT_BY_GATHER = False
 
 
