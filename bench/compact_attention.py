@@ -9,7 +9,9 @@ k_end, scatter).
 
 Variants: 'auto' (on Hopper: the Mosaic GPU forward and the Triton backward: dq; dk/dv),
 'mosaic_gpu' (both passes Mosaic GPU), 'triton', and '<impl>_fused' (the same with the Triton
-backward in one kernel: dq by atomic adds inside dk/dv; measured slower, off by default).
+backward in one kernel: dq by atomic adds inside dk/dv; measured slower, off by default),
+'<impl>_scatter' (results back by an XLA scatter) and 'mosaic_gpu_1wg' (the Mosaic GPU backward
+with one compute warpgroup per program instead of two).
 Qwen2.5-7B attention shapes (28 q heads, 4 kv heads, head_dim 128), B = 1, bf16, random inputs.
 The realistic case: each query is active with probability 1 - s (so the active count is random,
 not a bucket size), and the kernels run with the library's default bucket ladder, i.e. the bucket
@@ -42,6 +44,7 @@ from pallas_kernels.compact_attention.common import GPU_BLOCK_SIZES  # noqa: E40
 from pallas_kernels.compact_attention import compaction as cp  # noqa: E402
 from pallas_kernels.compact_attention import triton as ktriton  # noqa: E402
 from pallas_kernels.compact_attention import api  # noqa: E402
+from pallas_kernels.compact_attention import mosaic_gpu as kmgpu  # noqa: E402
 
 B, N, K, H = 1, 28, 4, 128
 DT = jnp.bfloat16
@@ -82,9 +85,12 @@ def make_inputs(T, s, seed, exact=False):
   return q, k, v, active, idx, ct
 
 
-# Variant suffixes -> the api switches they set (read while a call is traced).
-VARIANTS = {"_fused": ("FUSED_TRITON_BWD", True),       # Triton backward in one kernel (atomics)
-            "_scatter": ("UNCOMPACT_BY_GATHER", False)}  # results back by an XLA scatter
+# Variant suffixes -> the switches they set (module, name, value; read while a call is traced).
+VARIANTS = {"_fused": (api, "FUSED_TRITON_BWD", True),        # Triton backward in one kernel
+            "_scatter": (api, "UNCOMPACT_BY_GATHER", False),  # results back by an XLA scatter
+            "_gather": (api, "UNCOMPACT_BY_GATHER", True),    # results back by a gather
+            "_1wg": (kmgpu, "BWD_COMPUTE_WGS", 1),            # Mosaic GPU backward, 1 warpgroup
+            "_tbwd": (api, "AUTO_HOPPER_BWD", "triton")}       # auto: Triton backward on Hopper
 
 
 def kernel_impl(impl):
@@ -100,16 +106,16 @@ class variant_flags:
   """Context manager: the api switches of impl's suffixes, restored on exit."""
 
   def __init__(self, impl):
-    self.flags = {name: val for suf, (name, val) in VARIANTS.items() if suf in impl}
+    self.flags = {(mod, name): val for suf, (mod, name, val) in VARIANTS.items() if suf in impl}
 
   def __enter__(self):
-    self.old = {n: getattr(api, n) for n in self.flags}
-    for n, v in self.flags.items():
-      setattr(api, n, v)
+    self.old = {(m, n): getattr(m, n) for m, n in self.flags}
+    for (m, n), v in self.flags.items():
+      setattr(m, n, v)
 
   def __exit__(self, *exc):
-    for n, v in self.old.items():
-      setattr(api, n, v)
+    for (m, n), v in self.old.items():
+      setattr(m, n, v)
 
 
 def ours_fn(impl, bs=None, fracs=None):
@@ -282,52 +288,114 @@ def sweep(T, sparsities, n, kernels=("fwd", "dq", "dkv", "dkv_dq")):
   return rows
 
 
+def _compacted(T, s, seed, C=None):
+  """Prepared compacted inputs for timing kernels alone: exactly round((1-s)T) active queries
+  (C = that count rounded up to 128 unless given)."""
+  q, k, v, active, idx_np, ct = make_inputs(T, s, seed, exact=C is None)
+  C = C or cp.round_up(max(1, int(round((1 - s) * T))), 128)
+  a_BIT = active[:, None, :]
+  idx = cp.compact_indices(a_BIT, C)
+  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  return types.SimpleNamespace(
+      q=q, k=k, v=v, ct=ct, active=active, idx_np=idx_np, C=C, idx=idx, valid=idx < T, pos=pos,
+      qpos_c=cp.gather_meta(pos, idx, cp.PAD_POS), counts=cp.active_counts(a_BIT),
+      q_c=cp.gather_rows(q, idx), do_c=cp.gather_rows(ct, idx))
+
+
+def sweep_mgpu(T, sparsities, n):
+  """Times the Mosaic GPU kernels alone on prepared compacted inputs for a few tile
+  configurations: forward (block_k, stages), dq (block_k_dq, stages, compute warpgroups), dk/dv
+  (block_q_dkv, stages, compute warpgroups). cfg = [block_q, block_k, stages, warpgroups];
+  TFLOP/s count each kernel's own matrix products over the visible pairs (2 H flops per pair and
+  product: forward 2 products, dq 3, dk/dv 4)."""
+  rows = []
+  sc = H ** -0.5
+  for s in sparsities:
+    x = _compacted(T, s, 3)
+    pairs = visible_pairs(x.idx_np)
+
+    def record(kernel, cfg, f, *args, flops):
+      try:
+        ms = bench(f, *args, n=n)
+      except Exception as e:  # noqa: BLE001
+        ms = float("nan")
+        print(kernel, "cfg failed", cfg, type(e).__name__, str(e)[:300], flush=True)
+      rows.append(dict(kernel="mgpu_" + kernel, T=T, sparsity=s, cfg=cfg, ms=ms,
+                       tflops=flops * H * N * pairs / ms / 1e9))
+      print(json.dumps(rows[-1]), flush=True)
+
+    for bk, st in ((128, 2), (64, 2), (128, 3), (64, 3)):
+      bs = BlockSizes(block_q=128, block_k=bk, num_stages=st)
+      b_f = cp.tile_bounds(x.qpos_c, x.valid, None, x.pos, None, window=None, block_q=64,
+                           block_k=bk)
+      f = jax.jit(lambda q_c, k, v, b_f=b_f, bs=bs: kmgpu.fwd(
+          q_c, k, v, x.qpos_c, None, None, None, b_f, x.counts, scale=sc, window=None, bs=bs))
+      record("fwd", [128, bk, st, 2], f, x.q_c, x.k, x.v, flops=4)
+    bs0 = BlockSizes(block_q=128, block_k=128, num_stages=2)
+    b0 = cp.tile_bounds(x.qpos_c, x.valid, None, x.pos, None, window=None, block_q=64,
+                        block_k=128)
+    o_c, lse_c = jax.jit(lambda q_c, k, v: kmgpu.fwd(q_c, k, v, x.qpos_c, None, None, None, b0,
+                                                     x.counts, scale=sc, window=None,
+                                                     bs=bs0))(x.q_c, x.k, x.v)
+    delta = jnp.swapaxes(jnp.sum(o_c.astype(jnp.float32) * x.do_c.astype(jnp.float32), -1), 1, 2)
+    for bk, st, w in ((64, 2, 2), (128, 2, 2), (64, 3, 2), (128, 3, 2), (64, 2, 1), (128, 2, 1)):
+      bs = BlockSizes(block_q_dq=64, block_k_dq=bk, num_stages_dq=st)
+      b_dq = cp.tile_bounds(x.qpos_c, x.valid, None, x.pos, None, window=None, block_q=64,
+                            block_k=bk)
+      f = jax.jit(lambda *a, b_dq=b_dq, bs=bs, w=w: kmgpu.dq(
+          *a, x.qpos_c, None, None, None, b_dq, x.counts, scale=sc, window=None, bs=bs,
+          compute_wgs=w))
+      record("dq", [64, bk, st, w], f, x.q_c, x.k, x.v, x.do_c, lse_c, delta, flops=6)
+    for bq, st, w in ((64, 2, 2), (128, 2, 2), (64, 3, 2), (64, 4, 2), (64, 2, 1), (128, 2, 1)):
+      bs = BlockSizes(block_q_dkv=bq, block_k_dkv=64, num_stages_dkv=st)
+      b_dkv = cp.tile_bounds(x.qpos_c, x.valid, None, x.pos, None, window=None, block_q=bq,
+                             block_k=64, transpose=True)
+      f = jax.jit(lambda *a, b_dkv=b_dkv, bs=bs, w=w: kmgpu.dkv(
+          *a, x.qpos_c, None, None, None, b_dkv, scale=sc, window=None, bs=bs, compute_wgs=w))
+      record("dkv", [bq, 64, st, w], f, x.q_c, x.k, x.v, x.do_c, lse_c, delta, flops=8)
+  return rows
+
+
 def breakdown(T, s, n):
-  """Where the time of 'auto' goes (Hopper: Mosaic GPU forward, Triton backward), realistic
-  active set and bucket: the whole call (forward; forward+backward) with the results put back by a
-  gather (default) and by an XLA scatter, against the kernels alone on prepared compacted inputs
-  (the Mosaic forward; Triton dq + dk/dv). The rest (compaction, bounds, gathers, putting results
-  back, delta) is the glue: whole - kernels."""
-  from pallas_kernels.compact_attention import mosaic_gpu as kmgpu
+  """Where the time of 'auto' goes, realistic active set and bucket: the whole call (forward;
+  forward+backward) with the results put back by an XLA scatter (default) and by a gather,
+  against the kernels 'auto' runs on this device, alone on prepared compacted inputs (Hopper:
+  Mosaic GPU forward, dq, dk/dv; elsewhere Triton). The rest (compaction, bounds, gathers,
+  putting results back, delta) is the glue: whole - kernels."""
   q, k, v, active, idx_np, ct = make_inputs(T, s, 2)
   count = int(idx_np.size)
-  shp_q, shp_kv = q.shape, k.shape
-  bs_f, _ = api.kernel_support("mosaic_gpu", shp_q, shp_kv, DT)
-  bs_b, _ = api.kernel_support("triton", shp_q, shp_kv, DT)
+  fwd_impl, bs_f, bwd_impl, bs_b = api._resolve_impl("auto", False, q.shape, k.shape, DT, None)
+  mod_f = kmgpu if fwd_impl == "mosaic_gpu" else ktriton
+  mod_b = kmgpu if bwd_impl == "mosaic_gpu" else ktriton
   caps = cp.bucket_capacities(T, multiple=math.lcm(bs_f.q_multiple, bs_b.q_multiple))
   C = min(c for c in caps if c >= count)
   bs_f, bs_b = bs_f.for_capacity(C, T), bs_b.for_capacity(C, T)
-  a_BIT = active[:, None, :]
-  idx = cp.compact_indices(a_BIT, C)
-  valid = idx < T
-  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-  qpos_c = cp.gather_meta(pos, idx, cp.PAD_POS)
-  counts = cp.active_counts(a_BIT)
-  b_f = cp.tile_bounds(qpos_c, valid, None, pos, None, window=None, block_q=bs_f.block_q // 2,
+  x = _compacted(T, s, 2, C=C)
+  bq_f = bs_f.block_q // 2 if fwd_impl == "mosaic_gpu" else bs_f.block_q
+  b_f = cp.tile_bounds(x.qpos_c, x.valid, None, x.pos, None, window=None, block_q=bq_f,
                        block_k=bs_f.block_k)
-  b_dq = cp.tile_bounds(qpos_c, valid, None, pos, None, window=None, block_q=bs_b.block_q_dq,
-                        block_k=bs_b.block_k_dq)
-  b_dkv = cp.tile_bounds(qpos_c, valid, None, pos, None, window=None, block_q=bs_b.block_q_dkv,
-                         block_k=bs_b.block_k_dkv, transpose=True)
-  q_c, do_c = cp.gather_rows(q, idx), cp.gather_rows(ct, idx)
+  b_dq = cp.tile_bounds(x.qpos_c, x.valid, None, x.pos, None, window=None,
+                        block_q=bs_b.block_q_dq, block_k=bs_b.block_k_dq)
+  b_dkv = cp.tile_bounds(x.qpos_c, x.valid, None, x.pos, None, window=None,
+                         block_q=bs_b.block_q_dkv, block_k=bs_b.block_k_dkv, transpose=True)
   sc = H ** -0.5
-  kfwd = jax.jit(lambda q_c, k, v: kmgpu.fwd(q_c, k, v, qpos_c, None, None, None, b_f, counts,
-                                             scale=sc, window=None, bs=bs_f))
-  o_c, lse_c = kfwd(q_c, k, v)
-  delta = jnp.swapaxes(jnp.sum(o_c.astype(jnp.float32) * do_c.astype(jnp.float32), -1), 1, 2)
+  kfwd = jax.jit(lambda q_c, k, v: mod_f.fwd(q_c, k, v, x.qpos_c, None, None, None, b_f,
+                                             x.counts, scale=sc, window=None, bs=bs_f))
+  o_c, lse_c = kfwd(x.q_c, x.k, x.v)
+  delta = jnp.swapaxes(jnp.sum(o_c.astype(jnp.float32) * x.do_c.astype(jnp.float32), -1), 1, 2)
 
   def kbwd(q_c, k, v, do_c, lse_c, delta):
-    dq = ktriton.dq(q_c, k, v, do_c, lse_c, delta, qpos_c, None, None, None, b_dq, counts,
-                    scale=sc, window=None, bs=bs_b)
-    return dq, ktriton.dkv(q_c, k, v, do_c, lse_c, delta, qpos_c, None, None, None, b_dkv,
-                           scale=sc, window=None, bs=bs_b)
-  row = dict(T=T, sparsity=s, active=count, bucket=C,
-             kernel_fwd_ms=bench(kfwd, q_c, k, v, n=n),
-             kernel_bwd_ms=bench(jax.jit(kbwd), q_c, k, v, do_c, lse_c, delta, n=n))
+    dq = mod_b.dq(q_c, k, v, do_c, lse_c, delta, x.qpos_c, None, None, None, b_dq, x.counts,
+                  scale=sc, window=None, bs=bs_b)
+    return dq, mod_b.dkv(q_c, k, v, do_c, lse_c, delta, x.qpos_c, None, None, None, b_dkv,
+                         scale=sc, window=None, bs=bs_b)
+  row = dict(T=T, sparsity=s, active=count, bucket=C, kernels=[fwd_impl, bwd_impl],
+             kernel_fwd_ms=bench(kfwd, x.q_c, x.k, x.v, n=n),
+             kernel_bwd_ms=bench(jax.jit(kbwd), x.q_c, x.k, x.v, x.do_c, lse_c, delta, n=n))
   pairs = visible_pairs(idx_np)
   row["kernel_fwd_tflops"] = 4 * H * N * pairs / row["kernel_fwd_ms"] / 1e9
   row["kernel_bwd_tflops"] = 10 * H * N * pairs / row["kernel_bwd_ms"] / 1e9
-  for impl in ("auto", "auto_scatter"):
+  for impl in ("auto", "auto_gather"):
     f = jax.jit(ours_fn(impl))
     g = grad_fn(ours_fn(impl), ct)
     fw, fb = bench(f, q, k, v, active, n=n), bench(g, q, k, v, active, n=n)
@@ -350,7 +418,8 @@ def main():
   ap.add_argument("--sweep", action="store_true", help="time Triton tile configurations first")
   ap.add_argument("--sweep-only", action="store_true")
   ap.add_argument("--sweep-kernels", default="fwd,dq,dkv,dkv_dq",
-                  help="kernels the sweep times (dkv_dq: the fused backward)")
+                  help="kernels the sweep times (dkv_dq: the fused backward; mgpu: the Mosaic "
+                       "GPU forward, dq and dk/dv tiles and compute warpgroups)")
   ap.add_argument("--check-only", action="store_true")
   ap.add_argument("--breakdown", action="store_true",
                   help="only split auto's time into kernels and glue (gather vs scatter back)")
@@ -404,7 +473,10 @@ def main():
         write()
     return
   if args.sweep or args.sweep_only:
-    sweep_rows = sweep(Ts[0], [0.5, 0.9], args.n, tuple(args.sweep_kernels.split(",")))
+    kernels = tuple(args.sweep_kernels.split(","))
+    sweep_rows = sweep(Ts[0], [0.5, 0.9], args.n, tuple(k for k in kernels if k != "mgpu"))
+    if "mgpu" in kernels:
+      sweep_rows += sweep_mgpu(Ts[0], [0.5, 0.9], args.n)
     if args.sweep_only:
       write()
       return

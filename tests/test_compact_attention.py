@@ -446,3 +446,20 @@ def test_triton_lowers_for_h100_at_realistic_shapes(monkeypatch, fused_bwd):
     assert text.count("__gpu$xla.gpu.triton") == 6
     assert names == sorted(["compact_attention_dkv", "compact_attention_dq",
                             "compact_attention_fwd"] * 2), names
+
+
+@pytest.mark.parametrize("switch,values", [("UNCOMPACT_BY_GATHER", (False, True)),
+                                           ("FUSED_TRITON_BWD", (False, True))])
+def test_module_switches_are_not_lost_in_a_cached_trace(monkeypatch, switch, values):
+  """A switch set between two traces of the same shapes changes the second trace: the switches
+  are read when compact_attention is called and kept in the static config of the inner jit, not
+  read inside it (where a cached trace of the first call would be reused)."""
+  p = make_problem(4, T=64, N=2, K=1, H=32, sparsity=0.5)
+
+  def loss(q, k, v):
+    return compact_attention(q, k, v, p.active, **TRITON).astype(jnp.float32).sum()
+  texts = []
+  for val in values:
+    monkeypatch.setattr(api, switch, val)
+    texts.append(str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(p.q, p.k, p.v)))
+  assert texts[0] != texts[1]

@@ -1,6 +1,7 @@
 """pallas_kernels.compact_attention Mosaic GPU (Hopper) kernels on CPU: Pallas' GPU interpret mode
 (warpgroups, barriers, TMA copies and wgmma simulated; outputs start as NaN) against the
-reference, forward, lse and dq/dk/dv. Each case takes 1-3 minutes on CPU."""
+reference, forward, lse and dq/dk/dv (the backward with two compute warpgroups per program, and
+with one). Each case takes 10-60 s on CPU."""
 import jax.numpy as jnp
 import pytest
 
@@ -20,6 +21,9 @@ CASES = [
     # a prefix of keys before the queries, an empty row, float16
     ("prefix_empty_row_f16", dict(B=2, T=256, N=2, K=1, H=64, sparsity=0.9, q_offset=128,
                                   empty_rows=(1,), dtype=jnp.float16)),
+    # 5 kv tiles: dk/dv falls back to one compute warpgroup per program, dq keeps two; a window
+    # that cuts through the programs' pairs of query tiles (each warpgroup masks its own range)
+    ("odd_kv_tiles_window", dict(T=320, N=4, K=1, H=64, sparsity=0.3, window=70)),
 ]
 
 
@@ -29,6 +33,17 @@ def test_mosaic_gpu_matches_reference_interpret(name, kw):
   p = make_problem(7, **{**dict(dtype=jnp.bfloat16), **kw})
   errs, bad = compare(p, dict(MGPU, bucket_fracs=(0.5,)))
   assert not bad, (name, errs)
+
+
+@pytest.mark.slow
+def test_mosaic_gpu_one_compute_warpgroup_backward_matches_reference_interpret(monkeypatch):
+  """mosaic_gpu.BWD_COMPUTE_WGS = 1: dq and dk/dv with one compute warpgroup per program."""
+  from pallas_kernels.compact_attention import mosaic_gpu
+  monkeypatch.setattr(mosaic_gpu, "BWD_COMPUTE_WGS", 1)
+  p = make_problem(3, T=256, N=4, K=2, H=64, sparsity=0.5, per_head=True, segments=2,
+                   dtype=jnp.bfloat16)
+  errs, bad = compare(p, dict(MGPU, bucket_fracs=(0.5,)))
+  assert not bad, errs
 
 
 def test_mosaic_gpu_rejects_what_it_cannot_take():
@@ -44,12 +59,16 @@ def test_mosaic_gpu_rejects_what_it_cannot_take():
 
 
 def test_auto_picks_the_fastest_kernel_per_pass(monkeypatch):
-  """GPU 'auto': Hopper -> Mosaic GPU forward + Triton backward; other GPUs -> Triton both ways;
-  shapes the Mosaic kernel cannot take (float32) -> Triton both ways."""
+  """GPU 'auto': Hopper -> Mosaic GPU both ways (AUTO_HOPPER_BWD = 'triton': Mosaic GPU forward +
+  Triton backward); other GPUs -> Triton both ways; shapes the Mosaic kernel cannot take
+  (float32) -> Triton both ways."""
   from pallas_kernels.compact_attention import api
   monkeypatch.setattr(api, "_default_platform", lambda: "gpu")
   shp = ((1, 256, 4, 64), (1, 256, 2, 64))
   monkeypatch.setattr(api, "_is_hopper", lambda: True)
+  got = api._resolve_impl("auto", False, *shp, jnp.bfloat16, None)
+  assert (got[0], got[2]) == ("mosaic_gpu", "mosaic_gpu")
+  monkeypatch.setattr(api, "AUTO_HOPPER_BWD", "triton")
   got = api._resolve_impl("auto", False, *shp, jnp.bfloat16, None)
   assert (got[0], got[2]) == ("mosaic_gpu", "triton")
   got = api._resolve_impl("auto", False, *shp, jnp.float32, None)
@@ -61,10 +80,21 @@ def test_auto_picks_the_fastest_kernel_per_pass(monkeypatch):
 
 @pytest.mark.slow
 def test_auto_on_hopper_mixed_passes_match_reference_interpret(monkeypatch):
-  """The Mosaic GPU forward's out / lse feed the Triton backward (interpret mode, default tiles)."""
+  """AUTO_HOPPER_BWD = 'triton': the Mosaic GPU forward's out / lse feed the Triton backward
+  (interpret mode, default tiles)."""
   from pallas_kernels.compact_attention import api
   monkeypatch.setattr(api, "_default_platform", lambda: "gpu")
   monkeypatch.setattr(api, "_is_hopper", lambda: True)
+  monkeypatch.setattr(api, "AUTO_HOPPER_BWD", "triton")
   p = make_problem(5, T=256, N=4, K=2, H=64, sparsity=0.7, dtype=jnp.bfloat16, window=100)
   errs, bad = compare(p, dict(impl="auto", interpret=True))
+  assert not bad, errs
+
+
+@pytest.mark.slow
+def test_mosaic_gpu_default_tiles_match_reference_interpret():
+  """The default Mosaic GPU tiles (MGPU_BLOCK_SIZES: dq kv tiles of 128) and the default ladder,
+  two compute warpgroups in every backward kernel."""
+  p = make_problem(11, T=512, N=4, K=2, H=64, sparsity=0.6, dtype=jnp.bfloat16, window=300)
+  errs, bad = compare(p, dict(impl="mosaic_gpu", interpret=True))
   assert not bad, errs

@@ -139,6 +139,10 @@ class _Config:
   bwd_backend: str  # the backward pass may run on another kernel than the forward
   bs_bwd: BlockSizes
   fused_bwd: bool = False  # Triton backward: dq fused into the dk/dv kernel (atomic adds)
+  # The module switches below, read when compact_attention is called (outside jit) and kept in
+  # the static config, so that calls with different switches never share a cached trace.
+  uncompact_by_gather: bool = False
+  mgpu_bwd_wgs: int = 2
 
 
 def _compact(cfg, C, active_BIT, qpos_BT, qseg_BT, slot_BIT=None):
@@ -158,15 +162,14 @@ def _gather(x, idx):
 
 
 # Results go back to their rows as a gather (each output row reads its slot, zeros for inactive
-# rows) instead of an XLA scatter into zeros. Off: on one H200 neither form is faster throughout
-# (whole forward, gather / scatter, ms: 7.85 / 7.88 at T = 32K s = 0.5, 2.60 / 2.25 at s = 0.9,
-# 4.23 / 4.50 at 64K s = 0.95; bench/results/compact_attention_NVIDIA_H200.json 'breakdown').
-# Read when a call is traced.
+# rows) instead of an XLA scatter into zeros. Off until measured faster (the first recorded
+# comparison timed one trace twice; see the compact_attention README). Read when
+# compact_attention is called.
 UNCOMPACT_BY_GATHER = False
 
 
-def _scatter(x_c, idx, T, slot_BIT):
-  if UNCOMPACT_BY_GATHER:
+def _scatter(cfg, x_c, idx, T, slot_BIT):
+  if cfg.uncompact_by_gather:
     return cp.uncompact_rows(x_c, slot_BIT)
   return cp.scatter_rows(x_c, idx, T)
 
@@ -175,9 +178,9 @@ def _gather_BNT(x, idx):
   return cp.gather_BNT(x, idx)
 
 
-def _scatter_lse(x_BNC, idx, T, slot_BIT):
+def _scatter_lse(cfg, x_BNC, idx, T, slot_BIT):
   """[B, N, C] -> [B, T, N], -inf where no slot maps."""
-  if UNCOMPACT_BY_GATHER:
+  if cfg.uncompact_by_gather:
     return cp.uncompact_BNC(x_BNC, slot_BIT, -jnp.inf)
   return jnp.swapaxes(cp.scatter_BNT(x_BNC, idx, T, -jnp.inf), 1, 2)
 
@@ -215,7 +218,7 @@ def _forward_impl(cfg: _Config, q, k, v, active, qpos, kvpos, qseg, kvseg):
       out_c, lse_c = mod.fwd(_gather(q, idx), k, v, qpos_c, _kernel_seg(qseg_c), kvpos_k, kvseg,
                              bounds, cp.active_counts(active_BIT), scale=cfg.scale,
                              window=cfg.window, bs=bs, interpret=cfg.interpret, poison=cfg.poison)
-      return _scatter(out_c, idx, T, slot), _scatter_lse(lse_c, idx, T, slot)
+      return _scatter(cfg, out_c, idx, T, slot), _scatter_lse(cfg, lse_c, idx, T, slot)
     return f
 
   return _switch(cfg.caps, count_max, branch, q, k, v, active_BIT, qpos, kvpos_arr, kvpos_k,
@@ -255,6 +258,8 @@ def _backward_impl(cfg: _Config, res, dout, dlse):
                              block_q=bs.block_q_dkv, block_k=bs.block_k_dkv, transpose=True)
       kw = dict(scale=cfg.scale, window=cfg.window, bs=bs, interpret=cfg.interpret,
                 poison=cfg.poison)
+      if cfg.bwd_backend == "mosaic_gpu":
+        kw["compute_wgs"] = cfg.mgpu_bwd_wgs
       if cfg.fused_bwd:
         dk, dv, dq_acc = mod.dkv(q_c, k, v, do_c, lse_c, delta, qpos_c, seg_k, kvpos_k, kvseg,
                                  b_dkv, dq_acc_BCNH=jnp.zeros(q_c.shape, jnp.float32), **kw)
@@ -264,7 +269,7 @@ def _backward_impl(cfg: _Config, res, dout, dlse):
                       cp.active_counts(active_BIT), **kw)
         dk, dv = mod.dkv(q_c, k, v, do_c, lse_c, delta, qpos_c, seg_k, kvpos_k, kvseg, b_dkv,
                          **kw)
-      return _scatter(dq_c, idx, T, slot), dk, dv
+      return _scatter(cfg, dq_c, idx, T, slot), dk, dv
     return f
 
   return _switch(cfg.caps, count_max, branch, q, k, v, dout, out, lse_BNT, dlse_BNT, active_BIT,
@@ -301,10 +306,15 @@ _kernel_attention_jit = jax.jit(_kernel_attention, static_argnums=(0,))
 # atomic add is one acq_rel atomic per element. Read when a call is traced.
 FUSED_TRITON_BWD = False
 
-# 'auto' on Hopper: the Mosaic GPU forward (1.24-1.30x the Triton forward, H200, T = 32K, every
-# s) with the Triton backward (its dq and dk/dv ran 5-15% faster than the Mosaic GPU ones);
-# bench/results/compact_attention_NVIDIA_H200.json. Elsewhere on GPUs: Triton both ways.
+# 'auto' on Hopper: the Mosaic GPU kernels both ways. Forward: 1.09-1.35x the Triton forward.
+# Backward (forward+backward minus forward): with two compute warpgroups per program
+# (mosaic_gpu.BWD_COMPUTE_WGS) 1.09-1.24x the Triton dq + dk/dv (e.g. T = 32K: 22.6 vs 25.8 ms
+# at s = 0.5, 4.6 vs 5.4 at s = 0.9; one H100, bench/results/
+# compact_attention_NVIDIA_H100_80GB_HBM3.json; the one-warpgroup version was 5-15% slower than
+# Triton on an H200). AUTO_HOPPER_BWD = 'triton' keeps the Triton backward. Elsewhere on GPUs:
+# Triton both ways. Read when compact_attention is called.
 AUTO_MOSAIC_GPU = True
+AUTO_HOPPER_BWD = "mosaic_gpu"
 
 
 def _is_hopper() -> bool:
@@ -315,6 +325,11 @@ def _is_hopper() -> bool:
                                                     "NVIDIA GH200"))
   except RuntimeError:
     return False
+
+
+def _mosaic_gpu_bwd_wgs() -> int:
+  from . import mosaic_gpu
+  return mosaic_gpu.BWD_COMPUTE_WGS
 
 
 def _kv_granule(impl: str) -> int:
@@ -337,8 +352,11 @@ def _resolve_impl(impl, interpret, q_shape, kv_shape, dtype, bs):
     if impl == "triton" and bs is None and _is_hopper():
       mg, why = kernel_support("mosaic_gpu", q_shape, kv_shape, dtype, None)
       if why is None:
-        tr, why_t = kernel_support("triton", q_shape, kv_shape, dtype, None)
-        return ("mosaic_gpu", mg) + (("triton", tr) if why_t is None else ("mosaic_gpu", mg))
+        if AUTO_HOPPER_BWD == "triton":
+          tr, why_t = kernel_support("triton", q_shape, kv_shape, dtype, None)
+          if why_t is None:
+            return "mosaic_gpu", mg, "triton", tr
+        return "mosaic_gpu", mg, "mosaic_gpu", mg
   if impl == "reference":
     return impl, None, impl, None
   if explicit and not interpret:
@@ -460,6 +478,8 @@ def compact_attention(q_BTNH, k_BSKH, v_BSKH, active, *, q_positions_BT=None,
     cfg = _Config(backend=impl, scale=scale, window=window, caps=caps, bs=bs,
                   interpret=interpret, poison=poison, kv_default=kv_default,
                   bwd_backend=bwd_impl, bs_bwd=bs_bwd,
-                  fused_bwd=bwd_impl == "triton" and FUSED_TRITON_BWD)
+                  fused_bwd=bwd_impl == "triton" and FUSED_TRITON_BWD,
+                  uncompact_by_gather=UNCOMPACT_BY_GATHER,
+                  mgpu_bwd_wgs=_mosaic_gpu_bwd_wgs() if bwd_impl == "mosaic_gpu" else 2)
     out, lse = _kernel_attention_jit(cfg, q, k, v, active, qpos, kvpos, qseg, kvseg)
   return (out, lse) if return_lse else out

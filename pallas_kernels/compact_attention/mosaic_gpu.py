@@ -11,11 +11,14 @@ forward  grid (N, C / block_q, B), 3 warpgroups (FlashAttention-3 layout, after
          warpgroups so that one's softmax overlaps the other's matrix products. Each compute
          warpgroup runs its own bounds inside the program's range: masked, unmasked or (outside
          its own range) only the barrier handshake. Base-2 online softmax, fp32 accumulators.
-dq       grid (N, C / block_q_dq, B): one compute warpgroup, a warp-specialised pipeline over the
-         kv tiles of the tile's bounds (a run-time length).
-dk/dv    grid (K, S / block_k_dkv, B): one compute warpgroup per kv tile accumulates dk, dv over
-         the G query heads of its kv head and the query tiles of the union of their bounds.
-Query tiles past a row's active count hold only padding and return at once (the dynamic bound).
+dq       grid (N, C / (W block_q_dq), B), W = BWD_COMPUTE_WGS (2) compute warpgroups of
+         block_q_dq rows each + a TMA warpgroup streaming the K/V tiles of the union of their
+         bounds (a run-time length); each warpgroup masks the tiles outside its own bounds.
+dk/dv    grid (K, S / (W block_k_dkv), B): W compute warpgroups of block_k_dkv kv rows each
+         accumulate dk, dv over the G query heads of their kv head and the query tiles of the
+         union of the heads' and warpgroups' bounds (tokamax's sm90 VJP layout).
+Programs whose query tiles lie past a row's active count hold only padding and return at once
+(the dynamic bound).
 
 Interpret mode (CPU): the kernels run under Pallas' GPU interpreter, which lacks two features the
 fast path uses: wgmma with the A operand in registers and `pl.run_state` over an accumulator.
@@ -105,11 +108,11 @@ def _kv_cols(kvpos_ref, kvseg_ref, b, start, bk, shape, transposed=False):
 # forward
 # ----------------------------------------------------------------------------------------------
 
-def prog_bounds(bounds_wg, nq_prog):
-  """Per-warpgroup bounds [B, I, 2 * nq_prog, 4] -> (program range [B, I, nq_prog, 2], per-
+def prog_bounds(bounds_wg, nq_prog, wgs=_COMPUTE_WGS):
+  """Per-warpgroup bounds [B, I, wgs * nq_prog, 4] -> (program range [B, I, nq_prog, 2], per-
   warpgroup bounds with empty ranges moved to the program's lo so every loop is ordered)."""
   B, I = bounds_wg.shape[:2]
-  b = bounds_wg.reshape(B, I, nq_prog, 2, 4)
+  b = bounds_wg.reshape(B, I, nq_prog, wgs, 4)
   lo, hi = b[..., 0], b[..., 3]
   empty = lo >= hi
   big = jnp.iinfo(jnp.int32).max
@@ -118,7 +121,7 @@ def prog_bounds(bounds_wg, nq_prog):
   plo = jnp.where(plo == big, 0, plo)
   phi = jnp.maximum(phi, plo)
   b = jnp.where(empty[..., None], plo[..., None, None], b)
-  return jnp.stack([plo, phi], -1), b.reshape(B, I, 2 * nq_prog, 4)
+  return jnp.stack([plo, phi], -1), b.reshape(B, I, wgs * nq_prog, 4)
 
 
 def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_BIQ4, counts_BI, *,
@@ -328,34 +331,56 @@ def _opt(x, shape):
   return x if x is not None else jnp.zeros(shape, jnp.int32)
 
 
+# Compute warpgroups per backward program, as in tokamax's sm90 flash-attention VJP: dq runs W
+# query tiles of block_q_dq rows against each K/V tile the TMA warpgroup streams, dk/dv runs W kv
+# tiles of block_k_dkv rows against each Q/dO tile (each K/V or Q/dO load feeds W warpgroups'
+# matrix products). 1 where the buffer is not a multiple of W tiles. Read when compact_attention
+# is called (api._Config.mgpu_bwd_wgs).
+BWD_COMPUTE_WGS = 2
+
+
+def _bwd_wgs(n_tiles, compute_wgs):
+  if compute_wgs not in (1, 2):
+    raise ValueError(f"compute_wgs must be 1 or 2, got {compute_wgs}")
+  return compute_wgs if n_tiles % compute_wgs == 0 else 1
+
+
 def dq(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC, kvpos_BS,
        kvseg_BS, bounds_BIQ4, counts_BI, *, scale, window, bs: BlockSizes, interpret=False,
-       poison=False):
-  """dq_c [B, C, N, H]; query tiles past counts_BI are not written."""
+       poison=False, compute_wgs=BWD_COMPUTE_WGS):
+  """dq_c [B, C, N, H]; programs (W query tiles of block_q_dq rows) past counts_BI are not
+  written. bounds_BIQ4: per query tile of block_q_dq rows."""
   B, C, N, H = q_BCNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   G, I = N // K, qpos_BIC.shape[1]
   dtype = q_BCNH.dtype
   bq, bk = bs.block_q_dq, bs.block_k_dq
-  nq = C // bq
+  W = _bwd_wgs(C // bq, compute_wgs)
+  nprog = C // (W * bq)
   stages = max(1, min(bs.num_stages_dq, S // bk))
   has_seg, has_kvpos = qseg_BIC is not None, kvpos_BS is not None
   qk_scale = scale * LOG2E
+  progb, wgb = prog_bounds(bounds_BIQ4, nprog, W)
 
-  def kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, bounds_ref, count_ref, qpos_ref,
-             qseg_ref, kvpos_ref, kvseg_ref, dq_ref, q_smem, do_smem, bar):
+  def kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, wgb_ref, progb_ref, count_ref,
+             qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, dq_ref, q_smem2, do_smem2, bar2):
     qseg_ref = qseg_ref if has_seg else None
     kvseg_ref = kvseg_ref if has_seg else None
     kvpos_ref = kvpos_ref if has_kvpos else None
     h = lax.axis_index("heads")
     b = lax.axis_index("batch")
-    i = nq - 1 - lax.axis_index("q")
+    p = nprog - 1 - lax.axis_index("q")  # heavy (late) tiles first
+    wg = lax.axis_index("wg")
     hsel = h if I > 1 else 0
     kh = lax.div(h, G)
-    rows = pl.ds(i * bq, bq)
-    lo, flo, fhi, hi = (bounds_ref[b, hsel, i, c] for c in range(4))
+    plo = progb_ref[b, hsel, p, 0]
+    phi = progb_ref[b, hsel, p, 1]
+    t = p * W + wg  # this warpgroup's query tile (meaningful in the compute warpgroups only)
+    rows = pl.ds(t * bq, bq)
+    q_smem, do_smem, bar = q_smem2.at[wg], do_smem2.at[wg], bar2.at[wg]
 
     def compute(pipeline_callback):
+      flo, fhi = wgb_ref[b, hsel, t, 1], wgb_ref[b, hsel, t, 2]
       plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem, bar)
       plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem, bar)
       lse2 = plgpu.load(lse2_ref.at[b, h, rows], layout=_ROW, optimized=False)
@@ -366,7 +391,7 @@ def dq(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC, 
       plgpu.barrier_wait(bar)
 
       def run(acc):
-        pipeline_callback((acc, lse2, delta, qp, qs))
+        pipeline_callback((acc, lse2, delta, qp, qs, flo, fhi))
         return acc[...]
       dq_ = pl.run_scoped(run, plgpu.ACC((bq, H), jnp.float32))
       q_smem[...] = (dq_ * scale).astype(dtype)
@@ -375,9 +400,9 @@ def dq(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC, 
       plgpu.wait_smem_to_gmem(0)
 
     def body(idx, k_smem, v_smem, k_used, v_used, carry):
-      (t,) = idx
-      j = lo + t
-      acc, lse2, delta, qp, qs = carry
+      (step,) = idx
+      j = plo + step
+      acc, lse2, delta, qp, qs, flo, fhi = carry
 
       def dp_s(dp_acc, s_acc):
         plgpu.wgmma(dp_acc, do_smem, v_smem.T)
@@ -389,6 +414,8 @@ def dq(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC, 
       dp, s = pl.run_scoped(dp_s, tile, tile)
       s = s * qk_scale
       kp, ks = _kv_cols(kvpos_ref, kvseg_ref, b, j * bk, bk, s.shape)
+      # Tiles outside this warpgroup's own bounds (the other warpgroup's range) run masked: the
+      # bounds come from the same positions / segment ids, so the mask hides every pair there.
       s = lax.cond((j < flo) | (j >= fhi),
                    lambda: _mask(s, qp, qs, kp, ks, window, s.shape), lambda: s)
       row = lambda x: lax.broadcast_in_dim(x, s.shape, [0])
@@ -399,65 +426,72 @@ def dq(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC, 
       plgpu.barrier_arrive(k_used)
       return carry
 
-    @pl.when(i * bq < count_ref[b, hsel])
-    def _tile():
+    @pl.when(p * W * bq < count_ref[b, hsel])
+    def _program():
       plgpu.emit_pipeline_warp_specialized(
-          body, grid=(hi - lo,), max_concurrent_steps=stages, num_compute_wgs=1,
+          body, grid=(phi - plo,), max_concurrent_steps=stages, num_compute_wgs=W,
           memory_registers=40, wg_axis="wg", manual_consumed_barriers=True,
           compute_context=compute,
-          in_specs=[_spec((bk, H), dtype, lambda t: (lo + t, 0)),
-                    _spec((bk, H), dtype, lambda t: (lo + t, 0))],
+          in_specs=[_spec((bk, H), dtype, lambda i: (plo + i, 0)),
+                    _spec((bk, H), dtype, lambda i: (plo + i, 0))],
       )(k_ref.at[b, :, kh, :], v_ref.at[b, :, kh, :])
 
-  args = [q_BCNH, k_BSKH, v_BSKH, do_BCNH, _lse2(lse_BNC), delta_BNC, bounds_BIQ4, counts_BI,
+  args = [q_BCNH, k_BSKH, v_BSKH, do_BCNH, _lse2(lse_BNC), delta_BNC, wgb, progb, counts_BI,
           qpos_BIC, _opt(qseg_BIC, (1, 1, 1)), _opt(kvpos_BS, (1, 1)), _opt(kvseg_BS, (1, 1))]
   out = plgpu.kernel(
-      kernel, out_type=jax.ShapeDtypeStruct((B, C, N, H), dtype), grid=(N, nq, B),
-      grid_names=("heads", "q", "batch"), num_threads=2, thread_name="wg",
-      scratch_types=[_swizzled((bq, H), dtype), _swizzled((bq, H), dtype),
-                     plgpu.Barrier(num_arrivals=2)],
+      kernel, out_type=jax.ShapeDtypeStruct((B, C, N, H), dtype), grid=(N, nprog, B),
+      grid_names=("heads", "q", "batch"), num_threads=W + 1, thread_name="wg",
+      scratch_types=[_swizzled((W, bq, H), dtype), _swizzled((W, bq, H), dtype),
+                     plgpu.Barrier(num_arrivals=2, num_barriers=W)],
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=_interp(interpret),
       kernel_name="compact_attention_dq_mgpu")(*args)
   if poison:
-    out, _ = _poison_unwritten(out, jnp.zeros((B, N, C)), counts_BI, bq, I)
+    out, _ = _poison_unwritten(out, jnp.zeros((B, N, C)), counts_BI, W * bq, I)
   return out
 
 
 def dkv(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC, kvpos_BS,
-        kvseg_BS, boundsT_BIK4, *, scale, window, bs: BlockSizes, interpret=False, poison=False):
-  """(dk, dv) [B, S, K, H]: per kv tile, over the G query heads of its kv head and the query
-  tiles in the union of their bounds (boundsT per kv tile over query tiles)."""
+        kvseg_BS, boundsT_BIK4, *, scale, window, bs: BlockSizes, interpret=False, poison=False,
+        compute_wgs=BWD_COMPUTE_WGS):
+  """(dk, dv) [B, S, K, H]: per program W kv tiles of block_k_dkv rows (one per compute
+  warpgroup), over the G query heads of its kv head and the query tiles in the union of their
+  bounds (boundsT per kv tile over query tiles)."""
   B, C, N, H = q_BCNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   G, I = N // K, qpos_BIC.shape[1]
   dtype = q_BCNH.dtype
   bq, bk = bs.block_q_dkv, bs.block_k_dkv
   nk = S // bk
+  W = _bwd_wgs(nk, compute_wgs)
+  nprog = nk // W
   stages = max(1, min(bs.num_stages_dkv, C // bq))
   has_seg, has_kvpos = qseg_BIC is not None, kvpos_BS is not None
   qk_scale = scale * LOG2E
-  if I > 1:  # per head: the union of the G heads' ranges (each head masks its own)
-    bt = boundsT_BIK4.reshape(B, K, G, nk, 4)
-    empty = bt[..., 0] >= bt[..., 3]
-    ulo = jnp.min(jnp.where(empty, C, bt[..., 0]), axis=2)
-    uhi = jnp.max(jnp.where(empty, 0, bt[..., 3]), axis=2)
-    ulo = jnp.where(ulo >= uhi, 0, ulo)
-    union = jnp.stack([ulo, jnp.maximum(uhi, ulo)], -1)                 # [B, K, nk, 2]
-  else:
-    union = boundsT_BIK4[..., jnp.array([0, 3])]                         # [B, 1, nk, 2]
+  # The union of the program's W kv tiles' ranges and, per head, of the G heads' ranges (each
+  # warpgroup and head masks its own).
+  bt = boundsT_BIK4.reshape(B, K, G, nprog, W, 4) if I > 1 else boundsT_BIK4.reshape(
+      B, 1, 1, nprog, W, 4)
+  empty = bt[..., 0] >= bt[..., 3]
+  ulo = jnp.min(jnp.where(empty, C, bt[..., 0]), axis=(2, 4))
+  uhi = jnp.max(jnp.where(empty, 0, bt[..., 3]), axis=(2, 4))
+  ulo = jnp.where(ulo >= uhi, 0, ulo)
+  union = jnp.stack([ulo, jnp.maximum(uhi, ulo)], -1)                  # [B, K or 1, nprog, 2]
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, bounds_ref, union_ref, qpos_ref,
-             qseg_ref, kvpos_ref, kvseg_ref, dk_ref, dv_ref, k_smem, v_smem, bar):
+             qseg_ref, kvpos_ref, kvseg_ref, dk_ref, dv_ref, k_smem2, v_smem2, bar2):
     qseg_ref = qseg_ref if has_seg else None
     kvseg_ref = kvseg_ref if has_seg else None
     kvpos_ref = kvpos_ref if has_kvpos else None
     kh = lax.axis_index("heads")
     b = lax.axis_index("batch")
-    j = lax.axis_index("kv")
+    jp = lax.axis_index("kv")
+    wg = lax.axis_index("wg")
+    j = jp * W + wg  # this warpgroup's kv tile (meaningful in the compute warpgroups only)
     rows = pl.ds(j * bk, bk)
     usel = kh if I > 1 else 0
-    ulo = union_ref[b, usel, j, 0]
-    uhi = union_ref[b, usel, j, 1]
+    ulo = union_ref[b, usel, jp, 0]
+    uhi = union_ref[b, usel, jp, 1]
+    k_smem, v_smem, bar = k_smem2.at[wg], v_smem2.at[wg], bar2.at[wg]
 
     def compute(pipeline_callback):
       plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kh], k_smem, bar)
@@ -509,7 +543,7 @@ def dkv(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC,
           vis = vis & (col(qp) - kp() < window)
         if qs is not None:
           vis = vis & (col(qs) == ks())
-        vis = vis & (i >= lo) & (i < hi)   # other heads' tiles (per-head active sets)
+        vis = vis & (i >= lo) & (i < hi)   # other heads' / the other warpgroup's tiles
         return jnp.where(vis, sT, NEG_INF)
       sT = lax.cond((i < flo) | (i >= fhi), masked, lambda: sT)
       col = lambda x: lax.broadcast_in_dim(x, sT.shape, [1])
@@ -530,7 +564,7 @@ def dkv(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC,
 
     hmap = lambda g: kh * G + g
     plgpu.emit_pipeline_warp_specialized(
-        body, grid=(uhi - ulo, G), max_concurrent_steps=stages, num_compute_wgs=1,
+        body, grid=(uhi - ulo, G), max_concurrent_steps=stages, num_compute_wgs=W,
         memory_registers=40, wg_axis="wg", manual_consumed_barriers=True, compute_context=compute,
         in_specs=[_spec((bq, None, H), dtype, lambda t, g: (ulo + t, hmap(g), 0)),
                   _spec((bq, None, H), dtype, lambda t, g: (ulo + t, hmap(g), 0)),
@@ -542,9 +576,9 @@ def dkv(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC,
           qpos_BIC, _opt(qseg_BIC, (1, 1, 1)), _opt(kvpos_BS, (1, 1)), _opt(kvseg_BS, (1, 1))]
   kv_t = jax.ShapeDtypeStruct((B, S, K, H), dtype)
   return plgpu.kernel(
-      kernel, out_type=(kv_t, kv_t), grid=(K, nk, B), grid_names=("heads", "kv", "batch"),
-      num_threads=2, thread_name="wg",
-      scratch_types=[_swizzled((bk, H), dtype), _swizzled((bk, H), dtype),
-                     plgpu.Barrier(num_arrivals=2)],
+      kernel, out_type=(kv_t, kv_t), grid=(K, nprog, B), grid_names=("heads", "kv", "batch"),
+      num_threads=W + 1, thread_name="wg",
+      scratch_types=[_swizzled((W, bk, H), dtype), _swizzled((W, bk, H), dtype),
+                     plgpu.Barrier(num_arrivals=2, num_barriers=W)],
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=_interp(interpret),
       kernel_name="compact_attention_dkv_mgpu")(*args)
