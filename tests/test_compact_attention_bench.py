@@ -150,3 +150,13 @@ def test_recorded_h100_breakdown_scatter_back_is_kept():
     assert 0 < r["auto"]["glue_fwd_ms"] < 1.5
   for s in (0.9, 0.95):
     assert rows[s]["auto_gather"]["fwd_ms"] > 1.1 * rows[s]["auto"]["fwd_ms"]
+
+
+def test_recorded_h100_final_checks_ran_the_default_kernels():
+  """The small GPU checks and the GPU smoke test after the two-warpgroup backward landed: auto
+  and mosaic_gpu, every case passed."""
+  d, _ = _h100_rows()
+  impls = {c["impl"] for c in d["check_small"]}
+  assert impls == {"auto", "mosaic_gpu"} and all(c["ok"] for c in d["check_small"])
+  assert len(d["check_small"]) == 8
+  assert d["gpu_smoke"]["result"].startswith("8 passed")
