@@ -36,6 +36,7 @@ import types
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -356,6 +357,73 @@ def sweep_mgpu(T, sparsities, n):
   return rows
 
 
+def glue_parts(T, s, n):
+  """The pieces of auto's forward glue timed alone (each jitted on its own, realistic active set,
+  the bucket the ladder picks): the compaction (slots, indices, positions, bounds), the gather of
+  q into the bucket, the scatter of out and lse back to their rows, and the bucket switch alone
+  (lax.switch on the active count, two trivial branches)."""
+  q, k, v, active, idx_np, ct = make_inputs(T, s, 2)
+  fwd_impl, bs_f, bwd_impl, bs_b = api._resolve_impl("auto", False, q.shape, k.shape, DT, None)
+  caps = cp.bucket_capacities(T, multiple=math.lcm(bs_f.q_multiple, bs_b.q_multiple))
+  C = min(c for c in caps if c >= int(idx_np.size))
+  bs_f = bs_f.for_capacity(C, T)
+  bq_f = bs_f.block_q // 2 if fwd_impl == "mosaic_gpu" else bs_f.block_q
+  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+
+  def prep(active):
+    a_BIT = active[:, None, :]
+    slot = cp.compact_slots(a_BIT)
+    idx = cp.compact_indices(a_BIT, C, slot)
+    valid = idx < T
+    qpos_c = cp.gather_meta(pos, idx, cp.PAD_POS)
+    bounds = cp.tile_bounds(qpos_c, valid, None, pos, None, window=None, block_q=bq_f,
+                            block_k=bs_f.block_k)
+    return idx, qpos_c, bounds, cp.active_counts(a_BIT)
+  idx, _, _, _ = jax.jit(prep)(active)
+  out_c = cp.gather_rows(q, idx)
+  lse_c = jnp.zeros((B, N, C), jnp.float32)
+
+  def scatter_back(out_c, lse_c, idx):
+    return (cp.scatter_rows(out_c, idx, T),
+            jnp.swapaxes(cp.scatter_BNT(lse_c, idx, T, -jnp.inf), 1, 2))
+
+  def switch(active):
+    cnt = jnp.max(jnp.sum(active.astype(jnp.int32), axis=-1))
+    return lax.switch(cp.pick_bucket(cnt, caps), [lambda c: c + 1, lambda c: c + 2], cnt)
+  slot = cp.compact_slots(active[:, None, :])
+
+  def uniq(idx):  # padding slots -> distinct out-of-range indices (still dropped)
+    return jnp.where(idx < T, idx, T + jnp.arange(C, dtype=jnp.int32))
+
+  def scatter_out_hint(out_c, idx):
+    bi = jnp.arange(B)[:, None]
+    return jnp.zeros((B, T, N, H), out_c.dtype).at[bi, uniq(idx)[:, 0, :]].set(
+        out_c, mode="drop", unique_indices=True, indices_are_sorted=True)
+
+  def scatter_lse_hint(lse_c, idx):
+    out = jnp.full((B, N, T), -jnp.inf, jnp.float32)
+    i = jnp.broadcast_to(uniq(idx), (B, N, C))
+    return jnp.swapaxes(out.at[jnp.arange(B)[:, None, None], jnp.arange(N)[None, :, None], i].set(
+        lse_c, mode="drop", unique_indices=True, indices_are_sorted=True), 1, 2)
+  row = dict(T=T, sparsity=s, active=int(idx_np.size), bucket=C,
+             prep_ms=bench(jax.jit(prep), active, n=n),
+             gather_q_ms=bench(jax.jit(cp.gather_rows), q, idx, n=n),
+             scatter_back_ms=bench(jax.jit(scatter_back), out_c, lse_c, idx, n=n),
+             scatter_out_ms=bench(jax.jit(lambda o, i: cp.scatter_rows(o, i, T)), out_c, idx,
+                                  n=n),
+             scatter_out_hint_ms=bench(jax.jit(scatter_out_hint), out_c, idx, n=n),
+             gather_out_ms=bench(jax.jit(cp.uncompact_rows), out_c, slot, n=n),
+             scatter_lse_ms=bench(jax.jit(lambda l, i: cp.scatter_BNT(l, i, T, -jnp.inf)), lse_c,
+                                  idx, n=n),
+             scatter_lse_hint_ms=bench(jax.jit(scatter_lse_hint), lse_c, idx, n=n),
+             gather_lse_ms=bench(jax.jit(lambda l, sl: cp.uncompact_BNC(l, sl, -jnp.inf)), lse_c,
+                                 slot, n=n),
+             switch_ms=bench(jax.jit(switch), active, n=n),
+             empty_jit_ms=bench(jax.jit(lambda a: a), active, n=n))
+  print("glue", json.dumps(row), flush=True)
+  return row
+
+
 def breakdown(T, s, n):
   """Where the time of 'auto' goes, realistic active set and bucket: the whole call (forward;
   forward+backward) with the results put back by an XLA scatter (default) and by a gather,
@@ -423,6 +491,8 @@ def main():
   ap.add_argument("--check-only", action="store_true")
   ap.add_argument("--breakdown", action="store_true",
                   help="only split auto's time into kernels and glue (gather vs scatter back)")
+  ap.add_argument("--glue", action="store_true",
+                  help="only time the pieces of auto's forward glue alone")
   ap.add_argument("--no-check-small", action="store_true")
   ap.add_argument("--check-impls", default="",
                   help="kernels for the small checks (default: --impls)")
@@ -465,6 +535,12 @@ def main():
     small = check_small([x for x in args.check_impls.split(",") if x] or impls, args.check_cases)
     write()
   if args.check_only:
+    return
+  if args.glue:
+    for T in Ts:
+      for s in ss:
+        breakdown_rows.append(glue_parts(T, s, args.n))
+        write()
     return
   if args.breakdown:
     for T in Ts:
