@@ -7,11 +7,11 @@ k_end, scatter).
     python -m bench.compact_attention --check-only         # small correctness checks only
     python -m bench.compact_attention --sweep-only --sweep-kernels dkv,dkv_dq   # backward tiles
 
-Variants: 'auto' (on Hopper: the Mosaic GPU forward and the Triton backward: dq; dk/dv),
-'mosaic_gpu' (both passes Mosaic GPU), 'triton', and '<impl>_fused' (the same with the Triton
-backward in one kernel: dq by atomic adds inside dk/dv; measured slower, off by default),
-'<impl>_scatter' (results back by an XLA scatter) and 'mosaic_gpu_1wg' (the Mosaic GPU backward
-with one compute warpgroup per program instead of two).
+Variants: 'auto' (on Hopper: the Mosaic GPU kernels both ways; 'auto_tbwd': with the Triton
+backward, dq; dk/dv), 'mosaic_gpu', 'triton', '<impl>_fused' (the Triton backward in one kernel:
+dq by atomic adds inside dk/dv; measured slower, off by default), '<impl>_gather' /
+'<impl>_scatter' (results back by a gather / by the scatter, the default) and 'mosaic_gpu_1wg'
+(the Mosaic GPU backward with one compute warpgroup per program instead of two).
 Qwen2.5-7B attention shapes (28 q heads, 4 kv heads, head_dim 128), B = 1, bf16, random inputs.
 The realistic case: each query is active with probability 1 - s (so the active count is random,
 not a bucket size), and the kernels run with the library's default bucket ladder, i.e. the bucket
@@ -478,8 +478,8 @@ def main():
   ap.add_argument("--T", default="32768,65536")
   ap.add_argument("--sparsity", default="0,0.5,0.8,0.9,0.95")
   ap.add_argument("--impls", default="auto,mosaic_gpu,triton",
-                  help="our kernels to time ('auto' on Hopper: Mosaic GPU forward, Triton "
-                       "backward; '<impl>_fused': with dq fused into the dk/dv kernel)")
+                  help="our kernels to time ('auto' on Hopper: Mosaic GPU both ways; see the "
+                       "module docstring for the variant suffixes)")
   ap.add_argument("--n", type=int, default=10)
   ap.add_argument("--exact", action="store_true", help="exactly (1-s)T active queries")
   ap.add_argument("--fracs", default="", help="bucket ladder, e.g. 1.0 (default: the library's)")

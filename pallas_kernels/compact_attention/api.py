@@ -15,7 +15,7 @@ on original positions, skipping kv tiles that no query of a tile can see; the ba
 (custom_vjp, saving the log-sum-exp) skips query tiles that cannot see a kv tile. Results are
 scattered back; inactive queries get zeros (and lse = -inf).
 
-impl: 'auto' (Hopper: Mosaic GPU forward + Triton backward; other GPUs: Triton; TPU: Mosaic; the
+impl: 'auto' (Hopper: Mosaic GPU both ways; other GPUs: Triton; TPU: Mosaic; the
 jnp reference elsewhere), 'reference', 'triton', 'mosaic_gpu' (Hopper: wgmma, TMA, warp
 specialisation), 'mosaic_tpu'. A kernel that cannot take a
 shape raises ValueError when asked for by name; under 'auto' it warns once and uses the reference.
