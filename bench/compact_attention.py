@@ -201,6 +201,20 @@ def visible_pairs(idx):
   return float(np.sum(np.asarray(idx, np.float64) + 1))
 
 
+def _compacted(T, s, seed, C=None):
+  """Prepared compacted inputs for timing kernels alone: exactly round((1-s)T) active queries
+  (C = that count rounded up to 128 unless given)."""
+  q, k, v, active, idx_np, ct = make_inputs(T, s, seed, exact=C is None)
+  C = C or cp.round_up(max(1, int(round((1 - s) * T))), 128)
+  a_BIT = active[:, None, :]
+  idx = cp.compact_indices(a_BIT, C)
+  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  return types.SimpleNamespace(
+      q=q, k=k, v=v, ct=ct, active=active, idx_np=idx_np, C=C, idx=idx, valid=idx < T, pos=pos,
+      qpos_c=cp.gather_meta(pos, idx, cp.PAD_POS), counts=cp.active_counts(a_BIT),
+      q_c=cp.gather_rows(q, idx), do_c=cp.gather_rows(ct, idx))
+
+
 def sweep(T, sparsities, n, kernels=("fwd", "dq", "dkv", "dkv_dq")):
   """Times each kernel alone on prepared compacted inputs for a few tile configurations
   (dkv_dq: the fused backward, dk/dv with dq by atomic adds; compare with dq + dkv)."""
@@ -214,17 +228,10 @@ def sweep(T, sparsities, n, kernels=("fwd", "dq", "dkv", "dkv_dq")):
   dkv_dq_cfgs = [(64, 64, 4, 2), (64, 64, 8, 2), (32, 64, 4, 2), (64, 128, 8, 2),
                  (32, 128, 8, 2), (64, 128, 8, 3), (128, 128, 8, 2)] if "dkv_dq" in kernels else []
   for s in sparsities:
-    q, k, v, active, _, ct = make_inputs(T, s, 3, exact=True)
-    C = cp.round_up(max(1, int(round((1 - s) * T))), 128)
-    counts = jnp.full((B, 1), C, jnp.int32)
-    a_BIT = active[:, None, :]
-    idx = cp.compact_indices(a_BIT, C)
-    valid = idx < T
-    qpos_c = cp.gather_meta(jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)), idx,
-                            cp.PAD_POS)
-    kvpos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-    q_c = cp.gather_rows(q, idx)
-    do_c = cp.gather_rows(ct, idx)
+    x = _compacted(T, s, 3)
+    k, v, C, valid, qpos_c, kvpos, q_c, do_c = (x.k, x.v, x.C, x.valid, x.qpos_c, x.pos, x.q_c,
+                                                x.do_c)
+    counts = jnp.full((B, 1), C, jnp.int32)  # the whole buffer runs (as first recorded)
     for bq, bk, w, st in fwd_cfgs:
       bs = BlockSizes(block_q=bq, block_k=bk, num_warps=w, num_stages=st)
       try:
@@ -289,20 +296,6 @@ def sweep(T, sparsities, n, kernels=("fwd", "dq", "dkv", "dkv_dq")):
   return rows
 
 
-def _compacted(T, s, seed, C=None):
-  """Prepared compacted inputs for timing kernels alone: exactly round((1-s)T) active queries
-  (C = that count rounded up to 128 unless given)."""
-  q, k, v, active, idx_np, ct = make_inputs(T, s, seed, exact=C is None)
-  C = C or cp.round_up(max(1, int(round((1 - s) * T))), 128)
-  a_BIT = active[:, None, :]
-  idx = cp.compact_indices(a_BIT, C)
-  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-  return types.SimpleNamespace(
-      q=q, k=k, v=v, ct=ct, active=active, idx_np=idx_np, C=C, idx=idx, valid=idx < T, pos=pos,
-      qpos_c=cp.gather_meta(pos, idx, cp.PAD_POS), counts=cp.active_counts(a_BIT),
-      q_c=cp.gather_rows(q, idx), do_c=cp.gather_rows(ct, idx))
-
-
 def sweep_mgpu(T, sparsities, n):
   """Times the Mosaic GPU kernels alone on prepared compacted inputs for a few tile
   configurations: forward (block_k, stages), dq (block_k_dq, stages, compute warpgroups), dk/dv
@@ -360,8 +353,10 @@ def sweep_mgpu(T, sparsities, n):
 def glue_parts(T, s, n):
   """The pieces of auto's forward glue timed alone (each jitted on its own, realistic active set,
   the bucket the ladder picks): the compaction (slots, indices, positions, bounds), the gather of
-  q into the bucket, the scatter of out and lse back to their rows, and the bucket switch alone
-  (lax.switch on the active count, two trivial branches)."""
+  q into the bucket, the scatter of out and lse back to their rows (the library's, whose out
+  scatter carries XLA's unique / sorted hints; the out scatter without them; the lse scatter with
+  them; both as gathers), and the bucket switch alone (lax.switch on the active count, two
+  trivial branches)."""
   q, k, v, active, idx_np, ct = make_inputs(T, s, 2)
   fwd_impl, bs_f, bwd_impl, bs_b = api._resolve_impl("auto", False, q.shape, k.shape, DT, None)
   caps = cp.bucket_capacities(T, multiple=math.lcm(bs_f.q_multiple, bs_b.q_multiple))
@@ -383,7 +378,7 @@ def glue_parts(T, s, n):
   out_c = cp.gather_rows(q, idx)
   lse_c = jnp.zeros((B, N, C), jnp.float32)
 
-  def scatter_back(out_c, lse_c, idx):
+  def scatter_back(out_c, lse_c, idx):  # the library's way back (out and lse)
     return (cp.scatter_rows(out_c, idx, T),
             jnp.swapaxes(cp.scatter_BNT(lse_c, idx, T, -jnp.inf), 1, 2))
 
@@ -392,26 +387,22 @@ def glue_parts(T, s, n):
     return lax.switch(cp.pick_bucket(cnt, caps), [lambda c: c + 1, lambda c: c + 2], cnt)
   slot = cp.compact_slots(active[:, None, :])
 
-  def uniq(idx):  # padding slots -> distinct out-of-range indices (still dropped)
-    return jnp.where(idx < T, idx, T + jnp.arange(C, dtype=jnp.int32))
-
-  def scatter_out_hint(out_c, idx):
+  def scatter_out_plain(out_c, idx):  # XLA's scatter without the unique / sorted hints
     bi = jnp.arange(B)[:, None]
-    return jnp.zeros((B, T, N, H), out_c.dtype).at[bi, uniq(idx)[:, 0, :]].set(
-        out_c, mode="drop", unique_indices=True, indices_are_sorted=True)
+    return jnp.zeros((B, T, N, H), out_c.dtype).at[bi, idx[:, 0, :]].set(out_c, mode="drop")
 
   def scatter_lse_hint(lse_c, idx):
     out = jnp.full((B, N, T), -jnp.inf, jnp.float32)
-    i = jnp.broadcast_to(uniq(idx), (B, N, C))
+    i = jnp.broadcast_to(cp.distinct_padding(idx, T), (B, N, C))
     return jnp.swapaxes(out.at[jnp.arange(B)[:, None, None], jnp.arange(N)[None, :, None], i].set(
         lse_c, mode="drop", unique_indices=True, indices_are_sorted=True), 1, 2)
   row = dict(T=T, sparsity=s, active=int(idx_np.size), bucket=C,
              prep_ms=bench(jax.jit(prep), active, n=n),
              gather_q_ms=bench(jax.jit(cp.gather_rows), q, idx, n=n),
              scatter_back_ms=bench(jax.jit(scatter_back), out_c, lse_c, idx, n=n),
-             scatter_out_ms=bench(jax.jit(lambda o, i: cp.scatter_rows(o, i, T)), out_c, idx,
-                                  n=n),
-             scatter_out_hint_ms=bench(jax.jit(scatter_out_hint), out_c, idx, n=n),
+             scatter_out_ms=bench(jax.jit(scatter_out_plain), out_c, idx, n=n),
+             scatter_out_hint_ms=bench(jax.jit(lambda o, i: cp.scatter_rows(o, i, T)), out_c,
+                                       idx, n=n),
              gather_out_ms=bench(jax.jit(cp.uncompact_rows), out_c, slot, n=n),
              scatter_lse_ms=bench(jax.jit(lambda l, i: cp.scatter_BNT(l, i, T, -jnp.inf)), lse_c,
                                   idx, n=n),
@@ -536,16 +527,11 @@ def main():
     write()
   if args.check_only:
     return
-  if args.glue:
+  if args.glue or args.breakdown:  # one record per (T, s) point, under 'breakdown'
+    per_point = glue_parts if args.glue else breakdown
     for T in Ts:
       for s in ss:
-        breakdown_rows.append(glue_parts(T, s, args.n))
-        write()
-    return
-  if args.breakdown:
-    for T in Ts:
-      for s in ss:
-        breakdown_rows.append(breakdown(T, s, args.n))
+        breakdown_rows.append(per_point(T, s, args.n))
         write()
     return
   if args.sweep or args.sweep_only:

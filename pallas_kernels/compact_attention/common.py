@@ -109,9 +109,9 @@ def fit_triton_smem(bs: BlockSizes, H: int, itemsize: int) -> BlockSizes | None:
 # Mosaic GPU (Hopper): block_q = the rows of one program = 2 compute warpgroups x 64; block_q_dq /
 # block_k_dkv = the rows of one backward compute warpgroup (two per program); num_stages* = TMA
 # pipeline depth. Chosen on an H100 (bench/compact_attention.py --sweep-only --sweep-kernels mgpu,
-# T = 32K, s = 0.5 / 0.9): forward kv tiles 128 (64: 1.2x slower), dq kv tiles 128 (64: 4-5%
-# slower), dk/dv query tiles 64 (128: 2.6x slower), two stages (three do not fit in shared memory
-# with 128-row kv tiles; for dk/dv within 3%).
+# T = 32K, s = 0.5 / 0.9): forward kv tiles 128 (64: 1.22-1.25x slower), dq kv tiles 128 (64:
+# 4-5% slower), dk/dv query tiles 64 (128: 2.6-2.8x slower), two stages (three do not fit in
+# shared memory with 128-row kv tiles; for dk/dv three or four are within 4%).
 MGPU_BLOCK_SIZES = BlockSizes(block_q=128, block_k=128, block_q_dq=64, block_k_dq=128,
                               block_q_dkv=64, block_k_dkv=64, num_stages=2, num_stages_dq=2,
                               num_stages_dkv=2)

@@ -116,6 +116,13 @@ def gather_rows(x_BTN_, idx_BIC):
   return jnp.take_along_axis(x_BTN_, idx_BCN, axis=1)
 
 
+def distinct_padding(idx_BIC, T: int):
+  """Padding slots (idx == T) -> distinct out-of-range indices T + slot: a scatter with
+  mode='drop' still drops them, and the indices are unique (and stay sorted where they were)."""
+  C = idx_BIC.shape[-1]
+  return jnp.where(idx_BIC < T, idx_BIC, T + jnp.arange(C, dtype=idx_BIC.dtype))
+
+
 def scatter_rows(x_c_BCN_, idx_BIC, T: int):
   """Inverse of gather_rows: rows to their original places, zeros elsewhere; padding dropped.
 
@@ -126,7 +133,7 @@ def scatter_rows(x_c_BCN_, idx_BIC, T: int):
   B, C, N = x_c_BCN_.shape[:3]
   I = idx_BIC.shape[1]
   out = jnp.zeros((B, T) + x_c_BCN_.shape[2:], x_c_BCN_.dtype)
-  idx_BIC = jnp.where(idx_BIC < T, idx_BIC, T + jnp.arange(C, dtype=idx_BIC.dtype))
+  idx_BIC = distinct_padding(idx_BIC, T)
   bi = jnp.arange(B)[:, None]
   if I == 1:
     return out.at[bi, idx_BIC[:, 0, :]].set(x_c_BCN_, mode="drop", unique_indices=True,

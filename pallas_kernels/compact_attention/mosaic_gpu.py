@@ -108,18 +108,25 @@ def _kv_cols(kvpos_ref, kvseg_ref, b, start, bk, shape, transposed=False):
 # forward
 # ----------------------------------------------------------------------------------------------
 
+def range_union(bounds, axis):
+  """The union [lo, hi) of the non-empty tile ranges of `bounds` [..., 4] (lo, full_lo, full_hi,
+  hi) over `axis`; (0, 0) where all are empty."""
+  lo, hi = bounds[..., 0], bounds[..., 3]
+  empty = lo >= hi
+  big = jnp.iinfo(jnp.int32).max
+  ulo = jnp.min(jnp.where(empty, big, lo), axis=axis)
+  uhi = jnp.max(jnp.where(empty, 0, hi), axis=axis)
+  ulo = jnp.where(ulo == big, 0, ulo)
+  return ulo, jnp.maximum(uhi, ulo)
+
+
 def prog_bounds(bounds_wg, nq_prog, wgs=_COMPUTE_WGS):
   """Per-warpgroup bounds [B, I, wgs * nq_prog, 4] -> (program range [B, I, nq_prog, 2], per-
   warpgroup bounds with empty ranges moved to the program's lo so every loop is ordered)."""
   B, I = bounds_wg.shape[:2]
   b = bounds_wg.reshape(B, I, nq_prog, wgs, 4)
-  lo, hi = b[..., 0], b[..., 3]
-  empty = lo >= hi
-  big = jnp.iinfo(jnp.int32).max
-  plo = jnp.min(jnp.where(empty, big, lo), axis=-1)
-  phi = jnp.max(jnp.where(empty, 0, hi), axis=-1)
-  plo = jnp.where(plo == big, 0, plo)
-  phi = jnp.maximum(phi, plo)
+  plo, phi = range_union(b, axis=-1)
+  empty = b[..., 0] >= b[..., 3]
   b = jnp.where(empty[..., None], plo[..., None, None], b)
   return jnp.stack([plo, phi], -1), b.reshape(B, I, wgs * nq_prog, 4)
 
@@ -471,11 +478,7 @@ def dkv(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC,
   # warpgroup and head masks its own).
   bt = boundsT_BIK4.reshape(B, K, G, nprog, W, 4) if I > 1 else boundsT_BIK4.reshape(
       B, 1, 1, nprog, W, 4)
-  empty = bt[..., 0] >= bt[..., 3]
-  ulo = jnp.min(jnp.where(empty, C, bt[..., 0]), axis=(2, 4))
-  uhi = jnp.max(jnp.where(empty, 0, bt[..., 3]), axis=(2, 4))
-  ulo = jnp.where(ulo >= uhi, 0, ulo)
-  union = jnp.stack([ulo, jnp.maximum(uhi, ulo)], -1)                  # [B, K or 1, nprog, 2]
+  union = jnp.stack(range_union(bt, axis=(2, 4)), -1)                  # [B, K or 1, nprog, 2]
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, bounds_ref, union_ref, qpos_ref,
              qseg_ref, kvpos_ref, kvseg_ref, dk_ref, dv_ref, k_smem2, v_smem2, bar2):
