@@ -151,7 +151,11 @@ def test_tile_bounds_are_tight(seed, mask, sparsity, per_head):
     any_vis, all_vis = tiles.any(axis=(3, 5)), tiles.all(axis=(3, 5))
     if transpose:
       any_vis, all_vis = np.swapaxes(any_vis, -1, -2), np.swapaxes(all_vis, -1, -2)
-    _check_bounds(bounds, any_vis, all_vis, exact=exact, ends=mask not in ("segments", "packed"))
+    # Ends are tight only without windows and segment ids: a query tile whose queries lie further
+    # apart than the window (sparse per-head sets) has kv tiles between them that its position
+    # box admits and no pair sees (seed 150, window 21: queries at 16 and 90, keys 32..63).
+    _check_bounds(bounds, any_vis, all_vis, exact=exact,
+                  ends=mask not in ("segments", "packed", "window"))
 
 
 # ------------------------------------------------------------------------------------------------
