@@ -464,6 +464,48 @@ def breakdown(T, s, n):
   return row
 
 
+def launch_order(T, s, n):
+  """The Mosaic GPU forward and dq kernels alone (auto's bucket and tiles, realistic active set),
+  launched head by head (the old grid) and heads fastest (`mosaic_gpu.launch_grid`), same
+  process; TFLOP/s over the visible pairs (forward 2 products, dq 3)."""
+  q, k, v, active, idx_np, ct = make_inputs(T, s, 2)
+  count = int(idx_np.size)
+  _, bs_f, _, bs_b = api._resolve_impl("mosaic_gpu", False, q.shape, k.shape, DT, None)
+  caps = cp.bucket_capacities(T, multiple=math.lcm(bs_f.q_multiple, bs_b.q_multiple))
+  C = min(c for c in caps if c >= count)
+  bs_f, bs_b = bs_f.for_capacity(C, T), bs_b.for_capacity(C, T)
+  x = _compacted(T, s, 2, C=C)
+  b_f = cp.tile_bounds(x.qpos_c, x.valid, None, x.pos, None, window=None,
+                       block_q=bs_f.block_q // 2, block_k=bs_f.block_k)
+  b_dq = cp.tile_bounds(x.qpos_c, x.valid, None, x.pos, None, window=None,
+                        block_q=bs_b.block_q_dq, block_k=bs_b.block_k_dq)
+  sc, pairs = H ** -0.5, visible_pairs(idx_np)
+  row = dict(T=T, sparsity=s, active=count, bucket=C)
+  outs = {}
+  for hf in (False, True):
+    kfwd = jax.jit(lambda q_c, k, v, hf=hf: kmgpu.fwd(
+        q_c, k, v, x.qpos_c, None, None, None, b_f, x.counts, scale=sc, window=None, bs=bs_f,
+        heads_fastest=hf))
+    o_c, lse_c = kfwd(x.q_c, x.k, x.v)
+    delta = jnp.swapaxes(jnp.sum(o_c.astype(jnp.float32) * x.do_c.astype(jnp.float32), -1), 1, 2)
+    kdq = jax.jit(lambda *a, hf=hf: kmgpu.dq(*a, x.qpos_c, None, None, None, b_dq, x.counts,
+                                             scale=sc, window=None, bs=bs_b, heads_fastest=hf))
+    tag = "heads_fastest" if hf else "head_by_head"
+    fwd_ms = bench(kfwd, x.q_c, x.k, x.v, n=n)
+    dq_ms = bench(kdq, x.q_c, x.k, x.v, x.do_c, lse_c, delta, n=n)
+    outs[tag] = (o_c, kdq(x.q_c, x.k, x.v, x.do_c, lse_c, delta))
+    row[tag] = dict(fwd_ms=fwd_ms, dq_ms=dq_ms, fwd_tflops=4 * H * N * pairs / fwd_ms / 1e9,
+                    dq_tflops=6 * H * N * pairs / dq_ms / 1e9)
+  va = jnp.arange(C) < count
+  same = lambda a, b: bool(jnp.all(jnp.where(va[None, :, None, None], a == b, True)))
+  row["same_results"] = same(outs["heads_fastest"][0], outs["head_by_head"][0]) and same(
+      outs["heads_fastest"][1], outs["head_by_head"][1])
+  row["fwd_speedup"] = row["head_by_head"]["fwd_ms"] / row["heads_fastest"]["fwd_ms"]
+  row["dq_speedup"] = row["head_by_head"]["dq_ms"] / row["heads_fastest"]["dq_ms"]
+  print("launch_order", json.dumps(row), flush=True)
+  return row
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--T", default="32768,65536")
@@ -482,6 +524,8 @@ def main():
   ap.add_argument("--check-only", action="store_true")
   ap.add_argument("--breakdown", action="store_true",
                   help="only split auto's time into kernels and glue (gather vs scatter back)")
+  ap.add_argument("--order", action="store_true",
+                  help="Mosaic GPU forward / dq kernels alone: old vs heads-fastest launch order")
   ap.add_argument("--glue", action="store_true",
                   help="only time the pieces of auto's forward glue alone")
   ap.add_argument("--no-check-small", action="store_true")
@@ -527,8 +571,8 @@ def main():
     write()
   if args.check_only:
     return
-  if args.glue or args.breakdown:  # one record per (T, s) point, under 'breakdown'
-    per_point = glue_parts if args.glue else breakdown
+  if args.glue or args.breakdown or args.order:  # one record per (T, s), under 'breakdown'
+    per_point = glue_parts if args.glue else launch_order if args.order else breakdown
     for T in Ts:
       for s in ss:
         breakdown_rows.append(per_point(T, s, args.n))

@@ -4,19 +4,22 @@ Same contract as triton.py: compacted queries q_c [B, C, N, H] (token-major), th
 [B, S, K, H] (GQA: query head h reads kv head h // (N // K), K/V never repeated), per-tile loop
 bounds from compaction.tile_bounds, per-query positions / segment ids for the masked tiles.
 
-forward  grid (N, C / block_q, B), 3 warpgroups (FlashAttention-3 layout, after
-         jax.experimental.pallas.ops.gpu.attention_mgpu): two compute warpgroups each own
-         block_q / 2 query rows, a memory warpgroup streams the K/V tiles of the program's range
-         [lo, hi) through `num_stages` TMA slots; a schedule barrier ping-pongs the two compute
-         warpgroups so that one's softmax overlaps the other's matrix products. Each compute
-         warpgroup runs its own bounds inside the program's range: masked, unmasked or (outside
-         its own range) only the barrier handshake. Base-2 online softmax, fp32 accumulators.
-dq       grid (N, C / (W block_q_dq), B), W = BWD_COMPUTE_WGS (2) compute warpgroups of
+forward  grid (B, C / block_q, N), heads launched fastest (`launch_grid`); 3 warpgroups
+         (FlashAttention-3 layout, after jax.experimental.pallas.ops.gpu.attention_mgpu): two
+         compute warpgroups each own block_q / 2 query rows, a memory warpgroup streams the K/V
+         tiles of the program's range [lo, hi) through `num_stages` TMA slots; a schedule
+         barrier ping-pongs the two compute warpgroups so that one's softmax overlaps the
+         other's matrix products. Each compute warpgroup runs its own bounds inside the
+         program's range: masked, unmasked or (outside its own range) only the barrier
+         handshake. Base-2 online softmax, fp32 accumulators.
+dq       grid (B, C / (W block_q_dq), N), W = BWD_COMPUTE_WGS (2) compute warpgroups of
          block_q_dq rows each + a TMA warpgroup streaming the K/V tiles of the union of their
          bounds (a run-time length); each warpgroup masks the tiles outside its own bounds.
-dk/dv    grid (K, S / (W block_k_dkv), B): W compute warpgroups of block_k_dkv kv rows each
-         accumulate dk, dv over the G query heads of their kv head and the query tiles of the
-         union of the heads' and warpgroups' bounds (tokamax's sm90 VJP layout).
+dk/dv    grid (K, S / (W block_k_dkv), B), kv head by kv head (its programs then read the same
+         Q / dO tiles; 8 waves or more even at s = 0.95, so no tail): W compute warpgroups of
+         block_k_dkv kv rows each accumulate dk, dv over the G query heads of their kv head and
+         the query tiles of the union of the heads' and warpgroups' bounds (tokamax's sm90 VJP
+         layout).
 Programs whose query tiles lie past a row's active count hold only padding and return at once
 (the dynamic bound).
 
@@ -120,6 +123,20 @@ def range_union(bounds, axis):
   return ulo, jnp.maximum(uhi, ulo)
 
 
+def launch_grid(B, nprog, N, heads_fastest=True):
+  """grid / grid_names of the forward and dq kernels, launched longest-first over the SMs.
+
+  Pallas Mosaic GPU launches the LAST grid axis fastest (the lowering reverses the grid onto
+  CUDA's x, y, z). With (batch, q, heads) the N heads of one query tile start together and the
+  tiles go heaviest first (each program reverses its "q" index), which is longest-first list
+  scheduling. The old (heads, q, batch) ran head by head: every head's light tiles came before
+  the next head's heavy ones, leaving a tail of long programs (a simulation of 132 SMs: 83% / 72%
+  of ideal at T = 32K, s = 0.9 / 0.95, against 99% / 92%)."""
+  if heads_fastest:
+    return dict(grid=(B, nprog, N), grid_names=("batch", "q", "heads"))
+  return dict(grid=(N, nprog, B), grid_names=("heads", "q", "batch"))
+
+
 def prog_bounds(bounds_wg, nq_prog, wgs=_COMPUTE_WGS):
   """Per-warpgroup bounds [B, I, wgs * nq_prog, 4] -> (program range [B, I, nq_prog, 2], per-
   warpgroup bounds with empty ranges moved to the program's lo so every loop is ordered)."""
@@ -132,9 +149,10 @@ def prog_bounds(bounds_wg, nq_prog, wgs=_COMPUTE_WGS):
 
 
 def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_BIQ4, counts_BI, *,
-        scale, window, bs: BlockSizes, interpret=False, poison=False):
+        scale, window, bs: BlockSizes, interpret=False, poison=False, heads_fastest=True):
   """Returns (out_c [B, C, N, H], lse [B, N, C] float32); query tiles past counts_BI are not
-  written. bounds_BIQ4 are per compute warpgroup (block_q // 2 rows)."""
+  written. bounds_BIQ4 are per compute warpgroup (block_q // 2 rows). heads_fastest=False
+  launches head by head (the old order; `launch_grid`), for the benchmark only."""
   B, C, N, H = q_BCNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   G, I = N // K, qpos_BIC.shape[1]
@@ -294,7 +312,7 @@ def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_B
           kvseg_ref if has_seg else None, out_ref, lse_ref)
 
   call = plgpu.kernel(
-      entry_sel, out_type=out_shape, grid=(N, nprog, B), grid_names=("heads", "q", "batch"),
+      entry_sel, out_type=out_shape, **launch_grid(B, nprog, N, heads_fastest),
       num_threads=_COMPUTE_WGS + 1, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=_interp(interpret),
       kernel_name="compact_attention_fwd_mgpu")
@@ -354,7 +372,7 @@ def _bwd_wgs(n_tiles, compute_wgs):
 
 def dq(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC, kvpos_BS,
        kvseg_BS, bounds_BIQ4, counts_BI, *, scale, window, bs: BlockSizes, interpret=False,
-       poison=False, compute_wgs=BWD_COMPUTE_WGS):
+       poison=False, compute_wgs=BWD_COMPUTE_WGS, heads_fastest=True):
   """dq_c [B, C, N, H]; programs (W query tiles of block_q_dq rows) past counts_BI are not
   written. bounds_BIQ4: per query tile of block_q_dq rows."""
   B, C, N, H = q_BCNH.shape
@@ -446,8 +464,8 @@ def dq(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC, 
   args = [q_BCNH, k_BSKH, v_BSKH, do_BCNH, _lse2(lse_BNC), delta_BNC, wgb, progb, counts_BI,
           qpos_BIC, _opt(qseg_BIC, (1, 1, 1)), _opt(kvpos_BS, (1, 1)), _opt(kvseg_BS, (1, 1))]
   out = plgpu.kernel(
-      kernel, out_type=jax.ShapeDtypeStruct((B, C, N, H), dtype), grid=(N, nprog, B),
-      grid_names=("heads", "q", "batch"), num_threads=W + 1, thread_name="wg",
+      kernel, out_type=jax.ShapeDtypeStruct((B, C, N, H), dtype),
+      **launch_grid(B, nprog, N, heads_fastest), num_threads=W + 1, thread_name="wg",
       scratch_types=[_swizzled((W, bq, H), dtype), _swizzled((W, bq, H), dtype),
                      plgpu.Barrier(num_arrivals=2, num_barriers=W)],
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=_interp(interpret),
