@@ -650,6 +650,7 @@ def main(argv=None) -> int:
         docs.append(json.load(f))
     doc = merge_results(docs)
     dest = os.path.join(args.out_dir, f"e2e_{doc['device'].replace(' ', '_')}.json")
+    os.makedirs(args.out_dir, exist_ok=True)
     with open(dest, "w") as f:
       json.dump(doc, f, indent=1)
     print(f"wrote {dest}")
