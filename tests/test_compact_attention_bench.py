@@ -244,9 +244,13 @@ def test_recorded_h100_breakdown_after_launch_order_explains_the_misses():
   assert bd[32768, 0.95]["kernel_fwd_ms"] > cud["cudnn_fwd_ms"] / 16
   assert (bd[32768, 0.95]["kernel_fwd_ms"] + bd[32768, 0.95]["kernel_bwd_ms"]
           > cud["cudnn_fwdbwd_ms"] / 16)
-  for key, gf, gb in (((65536, 0.9), 0.50, 0.41), ((65536, 0.95), 0.88, 1.14)):
-    assert bd[key]["auto"]["glue_fwd_ms"] == pytest.approx(gf, abs=0.005)
-    assert bd[key]["auto"]["glue_bwd_ms"] == pytest.approx(gb, abs=0.005)
+  # the glue by subtraction at 64K, and its repeat: about +-0.5 ms of noise
+  rep = {(r["T"], r["sparsity"]): r for r in d["breakdown_repeat_64k"]}
+  for key, gf, gb, rf, rb in (((65536, 0.95), 0.88, 1.14, 0.65, -0.24),
+                              ((65536, 0.9), 0.50, 0.41, 0.74, -0.02)):
+    for x, f, b in ((bd[key], gf, gb), (rep[key], rf, rb)):
+      assert x["auto"]["glue_fwd_ms"] == pytest.approx(f, abs=0.005)
+      assert x["auto"]["glue_bwd_ms"] == pytest.approx(b, abs=0.005)
 
 
 def test_recorded_h100_final_checks_ran_the_default_kernels():
