@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import os
@@ -350,6 +351,31 @@ def sweep_mgpu(T, sparsities, n):
   return rows
 
 
+def auto_point(T, s, impl="auto"):
+  """One realistic (T, s) point as `impl` runs it on this device: the inputs (seed 2, Bernoulli
+  active set), the kernels and tiles it resolves to, the bucket the ladder picks for the active
+  count, and (`prepared`) the compacted inputs in that bucket with the forward / dq / dk/dv loop
+  bounds of those tiles."""
+  q, k, v, active, idx_np, ct = make_inputs(T, s, 2)
+  count = int(idx_np.size)
+  fwd_impl, bs_f, bwd_impl, bs_b = api._resolve_impl(impl, False, q.shape, k.shape, DT, None)
+  caps = cp.bucket_capacities(T, multiple=math.lcm(bs_f.q_multiple, bs_b.q_multiple))
+  C = min(c for c in caps if c >= count)
+  bs_f, bs_b = bs_f.for_capacity(C, T), bs_b.for_capacity(C, T)
+  bq_f = bs_f.block_q // 2 if fwd_impl == "mosaic_gpu" else bs_f.block_q
+
+  def prepared():
+    x = _compacted(T, s, 2, C=C)
+    bounds = functools.partial(cp.tile_bounds, x.qpos_c, x.valid, None, x.pos, None, window=None)
+    x.b_f = bounds(block_q=bq_f, block_k=bs_f.block_k)
+    x.b_dq = bounds(block_q=bs_b.block_q_dq, block_k=bs_b.block_k_dq)
+    x.b_dkv = bounds(block_q=bs_b.block_q_dkv, block_k=bs_b.block_k_dkv, transpose=True)
+    return x
+  return types.SimpleNamespace(
+      q=q, k=k, v=v, active=active, idx_np=idx_np, ct=ct, count=count, caps=caps, C=C,
+      fwd_impl=fwd_impl, bwd_impl=bwd_impl, bs_f=bs_f, bs_b=bs_b, bq_f=bq_f, prepared=prepared)
+
+
 def glue_parts(T, s, n):
   """The pieces of auto's forward glue timed alone (each jitted on its own, realistic active set,
   the bucket the ladder picks): the compaction (slots, indices, positions, bounds), the gather of
@@ -357,12 +383,9 @@ def glue_parts(T, s, n):
   scatter carries XLA's unique / sorted hints; the out scatter without them; the lse scatter with
   them; both as gathers), and the bucket switch alone (lax.switch on the active count, two
   trivial branches)."""
-  q, k, v, active, idx_np, ct = make_inputs(T, s, 2)
-  fwd_impl, bs_f, bwd_impl, bs_b = api._resolve_impl("auto", False, q.shape, k.shape, DT, None)
-  caps = cp.bucket_capacities(T, multiple=math.lcm(bs_f.q_multiple, bs_b.q_multiple))
-  C = min(c for c in caps if c >= int(idx_np.size))
-  bs_f = bs_f.for_capacity(C, T)
-  bq_f = bs_f.block_q // 2 if fwd_impl == "mosaic_gpu" else bs_f.block_q
+  pt = auto_point(T, s)
+  q, active, idx_np, caps, C, bs_f, bq_f = (pt.q, pt.active, pt.idx_np, pt.caps, pt.C, pt.bs_f,
+                                            pt.bq_f)
   pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
 
   def prep(active):
@@ -421,22 +444,14 @@ def breakdown(T, s, n):
   against the kernels 'auto' runs on this device, alone on prepared compacted inputs (Hopper:
   Mosaic GPU forward, dq, dk/dv; elsewhere Triton). The rest (compaction, bounds, gathers,
   putting results back, delta) is the glue: whole - kernels."""
-  q, k, v, active, idx_np, ct = make_inputs(T, s, 2)
-  count = int(idx_np.size)
-  fwd_impl, bs_f, bwd_impl, bs_b = api._resolve_impl("auto", False, q.shape, k.shape, DT, None)
+  pt = auto_point(T, s)
+  q, k, v, active, idx_np, ct, count, C = (pt.q, pt.k, pt.v, pt.active, pt.idx_np, pt.ct,
+                                           pt.count, pt.C)
+  fwd_impl, bwd_impl, bs_f, bs_b = pt.fwd_impl, pt.bwd_impl, pt.bs_f, pt.bs_b
   mod_f = kmgpu if fwd_impl == "mosaic_gpu" else ktriton
   mod_b = kmgpu if bwd_impl == "mosaic_gpu" else ktriton
-  caps = cp.bucket_capacities(T, multiple=math.lcm(bs_f.q_multiple, bs_b.q_multiple))
-  C = min(c for c in caps if c >= count)
-  bs_f, bs_b = bs_f.for_capacity(C, T), bs_b.for_capacity(C, T)
-  x = _compacted(T, s, 2, C=C)
-  bq_f = bs_f.block_q // 2 if fwd_impl == "mosaic_gpu" else bs_f.block_q
-  b_f = cp.tile_bounds(x.qpos_c, x.valid, None, x.pos, None, window=None, block_q=bq_f,
-                       block_k=bs_f.block_k)
-  b_dq = cp.tile_bounds(x.qpos_c, x.valid, None, x.pos, None, window=None,
-                        block_q=bs_b.block_q_dq, block_k=bs_b.block_k_dq)
-  b_dkv = cp.tile_bounds(x.qpos_c, x.valid, None, x.pos, None, window=None,
-                         block_q=bs_b.block_q_dkv, block_k=bs_b.block_k_dkv, transpose=True)
+  x = pt.prepared()
+  b_f, b_dq, b_dkv = x.b_f, x.b_dq, x.b_dkv
   sc = H ** -0.5
   kfwd = jax.jit(lambda q_c, k, v: mod_f.fwd(q_c, k, v, x.qpos_c, None, None, None, b_f,
                                              x.counts, scale=sc, window=None, bs=bs_f))
@@ -468,17 +483,10 @@ def launch_order(T, s, n):
   """The Mosaic GPU forward and dq kernels alone (auto's bucket and tiles, realistic active set),
   launched head by head (the old grid) and heads fastest (`mosaic_gpu.launch_grid`), same
   process; TFLOP/s over the visible pairs (forward 2 products, dq 3)."""
-  q, k, v, active, idx_np, ct = make_inputs(T, s, 2)
-  count = int(idx_np.size)
-  _, bs_f, _, bs_b = api._resolve_impl("mosaic_gpu", False, q.shape, k.shape, DT, None)
-  caps = cp.bucket_capacities(T, multiple=math.lcm(bs_f.q_multiple, bs_b.q_multiple))
-  C = min(c for c in caps if c >= count)
-  bs_f, bs_b = bs_f.for_capacity(C, T), bs_b.for_capacity(C, T)
-  x = _compacted(T, s, 2, C=C)
-  b_f = cp.tile_bounds(x.qpos_c, x.valid, None, x.pos, None, window=None,
-                       block_q=bs_f.block_q // 2, block_k=bs_f.block_k)
-  b_dq = cp.tile_bounds(x.qpos_c, x.valid, None, x.pos, None, window=None,
-                        block_q=bs_b.block_q_dq, block_k=bs_b.block_k_dq)
+  pt = auto_point(T, s, "mosaic_gpu")
+  idx_np, count, C, bs_f, bs_b = pt.idx_np, pt.count, pt.C, pt.bs_f, pt.bs_b
+  x = pt.prepared()
+  b_f, b_dq = x.b_f, x.b_dq
   sc, pairs = H ** -0.5, visible_pairs(idx_np)
   row = dict(T=T, sparsity=s, active=count, bucket=C)
   outs = {}

@@ -278,6 +278,15 @@ def test_glue_parts_runs_and_its_scatters_agree(monkeypatch):
   monkeypatch.setattr(bench, "K", 1)
   row = bench.glue_parts(512, 0.9, 1)
   assert row["bucket"] == 128 and row["active"] <= 128
+  # the point breakdown / --order time their kernels on: the bucket, the compacted inputs in it
+  # and the loop bounds of the tiles auto resolved to (forward: per compute warpgroup)
+  pt = bench.auto_point(512, 0.9)
+  x = pt.prepared()
+  bs = common.MGPU_BLOCK_SIZES.for_capacity(128, 512)
+  assert pt.C == 128 and x.q_c.shape == (1, 128, 2, bench.H)
+  assert x.b_f.shape == (1, 1, 128 // (bs.block_q // 2), 4)
+  assert x.b_dq.shape == (1, 1, 128 // bs.block_q_dq, 4)
+  assert x.b_dkv.shape == (1, 1, 512 // bs.block_k_dkv, 4)
   assert all(row[k] > 0 for k in row if k.endswith("_ms"))
   idx = jnp.array([[[3, 7, 8, 512, 512]]], jnp.int32)
   x = jnp.arange(5 * 2 * 3, dtype=jnp.float32).reshape(1, 5, 2, 3)
