@@ -86,6 +86,20 @@ def _checked(x):
   return max(x["check"].values()) <= 5e-3 and not x["check_nan"] and x["check_inactive_zero"]
 
 
+def _quoted_and_met(rows, quoted):
+  """Checks auto's rows are exactly the quoted (T, s) points, passed their checks, and have the
+  quoted speedups (fwd, fwd+bwd); returns the ((T, s), pass) pairs that meet the PERF.md target."""
+  assert set(rows) == set(quoted)
+  met = set()
+  for key, (f, fb) in quoted.items():
+    a = rows[key]["auto"]
+    assert _checked(a)
+    assert a["speedup_fwd"] == pytest.approx(f, abs=0.005)
+    assert a["speedup_fwdbwd"] == pytest.approx(fb, abs=0.005)
+    met |= {(key, p) for p, x in (("fwd", f), ("fwdbwd", fb)) if x >= rows[key]["target_speedup"]}
+  return met
+
+
 def test_recorded_h100_side_by_side_run():
   """'rows_side_by_side' (auto and our Triton kernels, before the scatter hint): every row passed
   its check against cuDNN (rel. error <= 5e-3, no NaN, inactive rows zero), T = 32K and 64K,
@@ -118,15 +132,7 @@ def test_recorded_h100_rows_before_launch_order():
   quoted = {(32768, 0.0): (0.86, 0.83), (32768, 0.5): (1.61, 1.65), (32768, 0.8): (3.29, 3.97),
             (32768, 0.9): (5.27, 7.20), (32768, 0.95): (7.40, 11.41),
             (65536, 0.9): (7.68, 7.79), (65536, 0.95): (12.32, 14.55)}
-  assert set(rows) == set(quoted)
-  met = set()
-  for key, (f, fb) in quoted.items():
-    a = rows[key]["auto"]
-    assert _checked(a)
-    assert a["speedup_fwd"] == pytest.approx(f, abs=0.005)
-    assert a["speedup_fwdbwd"] == pytest.approx(fb, abs=0.005)
-    target = rows[key]["target_speedup"]
-    met |= {(key, p) for p, x in (("fwd", f), ("fwdbwd", fb)) if x >= target}
+  met = _quoted_and_met(rows, quoted)
   for key in ((65536, 0.0), (65536, 0.5), (65536, 0.8)):
     a, target = side[key]["auto"], side[key]["target_speedup"]
     met |= {(key, p) for p in ("fwd", "fwdbwd") if a["speedup_" + p] >= target}
@@ -187,15 +193,7 @@ def test_recorded_h100_latest_rows_and_targets_quoted_in_readme():
             (32768, 0.9): (6.26, 7.85), (32768, 0.95): (8.22, 12.89),
             (65536, 0.0): (0.93, 0.85), (65536, 0.5): (1.76, 1.77), (65536, 0.8): (4.29, 4.26),
             (65536, 0.9): (8.36, 8.16), (65536, 0.95): (13.72, 15.42)}
-  assert set(rows) == set(quoted)
-  met = set()
-  for key, (f, fb) in quoted.items():
-    a = rows[key]["auto"]
-    assert _checked(a)
-    assert a["speedup_fwd"] == pytest.approx(f, abs=0.005)
-    assert a["speedup_fwdbwd"] == pytest.approx(fb, abs=0.005)
-    target = rows[key]["target_speedup"]
-    met |= {(key, p) for p, x in (("fwd", f), ("fwdbwd", fb)) if x >= target}
+  met = _quoted_and_met(rows, quoted)
   assert met == ({((T, s), p) for T in (32768, 65536) for s in (0.0, 0.5) for p in (
       "fwd", "fwdbwd")} | {((65536, s), p) for s in (0.8, 0.9) for p in ("fwd", "fwdbwd")}
       | {((32768, 0.8), "fwdbwd")})
