@@ -46,6 +46,36 @@ def test_mosaic_gpu_one_compute_warpgroup_backward_matches_reference_interpret(m
   assert not bad, errs
 
 
+def test_launch_grid_runs_heaviest_query_tiles_first_across_heads():
+  """The forward / dq launch order. Pallas Mosaic GPU puts the LAST grid axis on CUDA's x, which
+  the hardware launches fastest (jax 0.11.2 `pallas/mosaic_gpu/lowering.py` reverses the grid).
+  With `launch_grid` every row's and head's tile p starts before any tile p - 1 (programs read
+  their tile as nprog - 1 - q: later tiles see more keys), so the launch is longest first; the
+  old (heads, q, batch) order ran every tile of head 0 before head 1's heaviest."""
+  from pallas_kernels.compact_attention.mosaic_gpu import launch_grid
+  B, nprog, N = 2, 5, 3
+
+  def tiles_in_launch_order(heads_fastest):
+    lg = launch_grid(B, nprog, N, heads_fastest)
+    names, grid = lg["grid_names"], lg["grid"]
+    assert sorted(names) == ["batch", "heads", "q"] and len(grid) == 3
+    order = []
+    for z in range(grid[0]):          # CUDA z = first Pallas axis (slowest)
+      for y in range(grid[1]):
+        for x in range(grid[2]):      # CUDA x = last Pallas axis (fastest)
+          ids = dict(zip(names, (z, y, x)))
+          order.append((ids["batch"], nprog - 1 - ids["q"], ids["heads"]))
+    assert len(set(order)) == B * nprog * N
+    return order
+
+  launch = tiles_in_launch_order(True)
+  tiles = [p for _, p, _ in launch]
+  assert tiles == sorted(tiles, reverse=True)            # heaviest first, all rows and heads
+  assert launch[:N] == [(0, nprog - 1, h) for h in range(N)]   # heads fastest
+  old = [p for b, p, _ in tiles_in_launch_order(False) if b == 0]
+  assert old != sorted(old, reverse=True)
+
+
 def test_mosaic_gpu_rejects_what_it_cannot_take():
   p = make_problem(1, T=128, N=2, K=1, H=64, dtype=jnp.float32)
   with pytest.raises(ValueError, match="dtype float32"):

@@ -4,7 +4,7 @@ Same contract as triton.py: compacted queries q_c [B, C, N, H] (token-major), th
 [B, S, K, H] (GQA: query head h reads kv head h // (N // K), K/V never repeated), per-tile loop
 bounds from compaction.tile_bounds, per-query positions / segment ids for the masked tiles.
 
-forward  grid (B, C / block_q, N), heads launched fastest (`launch_grid`); 3 warpgroups
+forward  grid (C / block_q, B, N), heads launched fastest (`launch_grid`); 3 warpgroups
          (FlashAttention-3 layout, after jax.experimental.pallas.ops.gpu.attention_mgpu): two
          compute warpgroups each own block_q / 2 query rows, a memory warpgroup streams the K/V
          tiles of the program's range [lo, hi) through `num_stages` TMA slots; a schedule
@@ -12,7 +12,7 @@ forward  grid (B, C / block_q, N), heads launched fastest (`launch_grid`); 3 war
          other's matrix products. Each compute warpgroup runs its own bounds inside the
          program's range: masked, unmasked or (outside its own range) only the barrier
          handshake. Base-2 online softmax, fp32 accumulators.
-dq       grid (B, C / (W block_q_dq), N), W = BWD_COMPUTE_WGS (2) compute warpgroups of
+dq       grid (C / (W block_q_dq), B, N), W = BWD_COMPUTE_WGS (2) compute warpgroups of
          block_q_dq rows each + a TMA warpgroup streaming the K/V tiles of the union of their
          bounds (a run-time length); each warpgroup masks the tiles outside its own bounds.
 dk/dv    grid (K, S / (W block_k_dkv), B), kv head by kv head (its programs then read the same
@@ -127,13 +127,14 @@ def launch_grid(B, nprog, N, heads_fastest=True):
   """grid / grid_names of the forward and dq kernels, launched longest-first over the SMs.
 
   Pallas Mosaic GPU launches the LAST grid axis fastest (the lowering reverses the grid onto
-  CUDA's x, y, z). With (batch, q, heads) the N heads of one query tile start together and the
-  tiles go heaviest first (each program reverses its "q" index), which is longest-first list
-  scheduling. The old (heads, q, batch) ran head by head: every head's light tiles came before
-  the next head's heavy ones, leaving a tail of long programs (a simulation of 132 SMs: 83% / 72%
-  of ideal at T = 32K, s = 0.9 / 0.95, against 99% / 92%)."""
+  CUDA's x, y, z). With (q, batch, heads) the N heads of every row of one query tile start
+  together and the tiles go heaviest first (each program reverses its "q" index), which is
+  longest-first list scheduling. The old (heads, q, batch) ran head by head: every head's light
+  tiles came before the next head's heavy ones, leaving a tail of long programs (a simulation of
+  132 SMs: 83% / 72% of ideal at T = 32K, s = 0.9 / 0.95, against 99% / 92%). For B = 1 the
+  launch is the same as (batch, q, heads), the grid the H100 results were measured with."""
   if heads_fastest:
-    return dict(grid=(B, nprog, N), grid_names=("batch", "q", "heads"))
+    return dict(grid=(nprog, B, N), grid_names=("q", "batch", "heads"))
   return dict(grid=(N, nprog, B), grid_names=("heads", "q", "batch"))
 
 
