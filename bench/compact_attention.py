@@ -6,6 +6,9 @@ k_end, scatter).
     python -m bench.compact_attention --T 32768 --sweep    # also time Triton tile configurations
     python -m bench.compact_attention --check-only         # small correctness checks only
     python -m bench.compact_attention --sweep-only --sweep-kernels dkv,dkv_dq   # backward tiles
+    python -m bench.compact_attention --breakdown --T 32768 --sparsity 0.9   # kernels vs glue
+    python -m bench.compact_attention --glue      # the forward glue's pieces alone
+    python -m bench.compact_attention --order     # Mosaic GPU launch orders, kernels alone
 
 Variants: 'auto' (on Hopper: the Mosaic GPU kernels both ways; 'auto_tbwd': with the Triton
 backward, dq; dk/dv), 'mosaic_gpu', 'triton', '<impl>_fused' (the Triton backward in one kernel:
