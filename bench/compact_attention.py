@@ -211,12 +211,12 @@ def _compacted(T, s, seed, C=None):
   q, k, v, active, idx_np, ct = make_inputs(T, s, seed, exact=C is None)
   C = C or cp.round_up(max(1, int(round((1 - s) * T))), 128)
   a_BIT = active[:, None, :]
-  idx = cp.compact_indices(a_BIT, C)
   pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  idx, valid, qpos_c, _ = api._compact(C, a_BIT, pos, None)   # the library's compaction
   return types.SimpleNamespace(
-      q=q, k=k, v=v, ct=ct, active=active, idx_np=idx_np, C=C, idx=idx, valid=idx < T, pos=pos,
-      qpos_c=cp.gather_meta(pos, idx, cp.PAD_POS), counts=cp.active_counts(a_BIT),
-      q_c=cp.gather_rows(q, idx), do_c=cp.gather_rows(ct, idx))
+      q=q, k=k, v=v, ct=ct, active=active, idx_np=idx_np, C=C, idx=idx, valid=valid, pos=pos,
+      qpos_c=qpos_c, counts=cp.active_counts(a_BIT), q_c=cp.gather_rows(q, idx),
+      do_c=cp.gather_rows(ct, idx))
 
 
 def sweep(T, sparsities, n, kernels=("fwd", "dq", "dkv", "dkv_dq")):
@@ -394,9 +394,7 @@ def glue_parts(T, s, n):
   def prep(active):
     a_BIT = active[:, None, :]
     slot = cp.compact_slots(a_BIT)
-    idx = cp.compact_indices(a_BIT, C, slot)
-    valid = idx < T
-    qpos_c = cp.gather_meta(pos, idx, cp.PAD_POS)
+    idx, valid, qpos_c, _ = api._compact(C, a_BIT, pos, None, slot)
     bounds = cp.tile_bounds(qpos_c, valid, None, pos, None, window=None, block_q=bq_f,
                             block_k=bs_f.block_k)
     return idx, qpos_c, bounds, cp.active_counts(a_BIT)

@@ -145,7 +145,7 @@ class _Config:
   mgpu_bwd_wgs: int = 2
 
 
-def _compact(cfg, C, active_BIT, qpos_BT, qseg_BT, slot_BIT=None):
+def _compact(C, active_BIT, qpos_BT, qseg_BT, slot_BIT=None):
   """(idx, valid, qpos_c, qseg_c) for bucket C: the active queries in order in slots [0, count),
   padding slots (idx == T) get the padding position, which sees no key. Always gathered, also when
   C == T, so that the tiles past the count are empty and the kernels skip them."""
@@ -209,7 +209,7 @@ def _forward_impl(cfg: _Config, q, k, v, active, qpos, kvpos, qseg, kvseg):
   def branch(C):
     def f(q, k, v, active_BIT, qpos, kvpos_arr, kvpos_k, qseg, kvseg):
       slot = cp.compact_slots(active_BIT)
-      idx, valid, qpos_c, qseg_c = _compact(cfg, C, active_BIT, qpos, qseg, slot)
+      idx, valid, qpos_c, qseg_c = _compact(C, active_BIT, qpos, qseg, slot)
       bs = cfg.bs.for_capacity(C, T)
       # Mosaic GPU: bounds per compute warpgroup (two per query tile)
       bq = bs.block_q // 2 if cfg.backend == "mosaic_gpu" else bs.block_q
@@ -242,7 +242,7 @@ def _backward_impl(cfg: _Config, res, dout, dlse):
     def f(q, k, v, dout, out, lse_BNT, dlse_BNT, active_BIT, qpos, kvpos_arr, kvpos_k, qseg,
           kvseg):
       slot = cp.compact_slots(active_BIT)
-      idx, valid, qpos_c, qseg_c = _compact(cfg, C, active_BIT, qpos, qseg, slot)
+      idx, valid, qpos_c, qseg_c = _compact(C, active_BIT, qpos, qseg, slot)
       q_c = _gather(q, idx)
       do_c = _gather(dout, idx)
       o_c = _gather(out, idx)
