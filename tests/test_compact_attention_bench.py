@@ -223,6 +223,16 @@ def test_recorded_h100_launch_order():
         r["head_by_head"]["fwd_ms"] / r["heads_fastest"]["fwd_ms"])
   assert all(lo[k]["fwd_speedup"] > 1.135 for k in ((32768, 0.9), (32768, 0.95), (65536, 0.95)))
   assert all(lo[k]["dq_speedup"] > 1.035 for k in lo if k[1] >= 0.9)
+  # the README's alternating repeat at 32K: at s = 0.5 (and 0) the two orders' ranges overlap,
+  # at s = 0.8 heads fastest is faster every time
+  alt = d["launch_order_alternating"]["ms"]
+  a = alt["0.5"]
+  assert (min(a["head_by_head"]), max(a["head_by_head"])) == (6.599, 8.179)
+  assert (min(a["heads_fastest"]), max(a["heads_fastest"])) == (6.782, 8.471)
+  for s in ("0.5", "0.0"):
+    assert min(alt[s]["heads_fastest"]) < max(alt[s]["head_by_head"])
+    assert min(alt[s]["head_by_head"]) < max(alt[s]["heads_fastest"])
+  assert max(alt["0.8"]["heads_fastest"]) < min(alt["0.8"]["head_by_head"])
 
 
 def test_recorded_h100_breakdown_after_launch_order_explains_the_misses():
