@@ -79,6 +79,7 @@ def _h100_rows(key="rows"):
   d = _load(H100)
   assert d["device"] == "NVIDIA H100 80GB HBM3" and d["jax_version"] == "0.11.2"
   assert all(r["date"] for r in d["runs"])
+  assert d["date"] == max(r["date"] for r in d["runs"])
   return d, {(r["T"], r["sparsity"]): r for r in d[key]}
 
 
