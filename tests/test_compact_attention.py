@@ -342,7 +342,7 @@ def _count_compiles():
 
 
 def test_no_recompilation_across_active_sets():
-  """Active sets of every size (both buckets of the default ladder, empty, full) run with no new
+  """Active sets of every size (empty, full, in between) run with no new
   XLA compilation after the first call, eagerly (where a host-side bucket choice would compile
   new kernels) and under jit with gradients."""
   p = make_problem(1, T=64, N=2, K=1, H=32, sparsity=0.5)
@@ -420,8 +420,11 @@ def test_kv_length_the_tiles_cannot_divide_is_padded_not_a_fallback(layout):
 
 @pytest.mark.parametrize("fused_bwd", [True, False], ids=["fused_bwd", "split_bwd"])
 def test_triton_lowers_for_h100_at_realistic_shapes(monkeypatch, fused_bwd):
-  """Lowers the kernels to Triton IR (what the GPU compiles) for an abstract H100: per bucket the
-  forward and the fused dk/dv/dq kernel (its atomic adds lower), or forward, dq and dk/dv."""
+  """Lowers the kernels to Triton IR (what the GPU compiles) for an abstract H100: ONE bucket (the
+  GPU glue kernels bound the work by the active count, so there is no ladder and no lax.switch):
+  the forward and the fused dk/dv/dq kernel (its atomic adds lower), or forward, dq and dk/dv,
+  plus the glue: four row copies (q gathered for each pass, out and dq put back) and the dO
+  gather with delta."""
   from jax.sharding import AbstractDevice, AbstractMesh
   monkeypatch.setattr(api, "_default_platform", lambda: "gpu")
   monkeypatch.setattr(api, "FUSED_TRITON_BWD", fused_bwd)
@@ -443,22 +446,24 @@ def test_triton_lowers_for_h100_at_realistic_shapes(monkeypatch, fused_bwd):
         jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*sds)
   text = exp.mlir_module()
   names = sorted(re.findall(r'name = "(compact_attention_[a-z_]+)"', text))
-  if fused_bwd:  # the default ladder's 2 buckets x (forward, dk/dv + dq)
-    assert text.count("__gpu$xla.gpu.triton") == 4
-    assert names == ["compact_attention_dkv_dq"] * 2 + ["compact_attention_fwd"] * 2, names
-  else:  # 2 buckets x (forward, dq, dk/dv)
-    assert text.count("__gpu$xla.gpu.triton") == 6
-    assert names == sorted(["compact_attention_dkv", "compact_attention_dq",
-                            "compact_attention_fwd"] * 2), names
+  glue = ["compact_attention_copy_rows"] * 4 + ["compact_attention_copy_rows_delta"]
+  attn = (["compact_attention_dkv_dq", "compact_attention_fwd"] if fused_bwd else
+          ["compact_attention_dkv", "compact_attention_dq", "compact_attention_fwd"])
+  assert "stablehlo.case" not in text  # no bucket switch
+  assert text.count("__gpu$xla.gpu.triton") == len(attn) + len(glue)
+  assert names == sorted(attn + glue), names
 
 
 @pytest.mark.parametrize("switch,values", [("UNCOMPACT_BY_GATHER", (False, True)),
-                                           ("FUSED_TRITON_BWD", (False, True))])
+                                           ("FUSED_TRITON_BWD", (False, True)),
+                                           ("GPU_GLUE_KERNELS", (False, True))])
 def test_module_switches_are_not_lost_in_a_cached_trace(monkeypatch, switch, values):
   """A switch set between two traces of the same shapes changes the second trace: the switches
   are read when compact_attention is called and kept in the static config of the inner jit, not
   read inside it (where a cached trace of the first call would be reused)."""
   p = make_problem(4, T=64, N=2, K=1, H=32, sparsity=0.5)
+  if switch == "UNCOMPACT_BY_GATHER":  # the XLA way back; the GPU glue kernels have their own
+    monkeypatch.setattr(api, "GPU_GLUE_KERNELS", False)
 
   def loss(q, k, v):
     return compact_attention(q, k, v, p.active, **TRITON).astype(jnp.float32).sum()

@@ -33,6 +33,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from . import compaction as cp
+from . import glue
 from .common import (GPU_BLOCK_SIZES, GPU_BLOCK_SIZES_F32, MGPU_BLOCK_SIZES, TPU_BLOCK_SIZES,
                      BlockSizes,
                      TRITON_SMEM_BYTES, fit_triton_smem, triton_smem_estimate)
@@ -143,6 +144,15 @@ class _Config:
   # the static config, so that calls with different switches never share a cached trace.
   uncompact_by_gather: bool = False
   mgpu_bwd_wgs: int = 2
+  # GPU: gathers bounded by the active count and results put back in one pass (glue.py)
+  glue_kernels: bool = False
+
+
+def _row_multiple(cfg: _Config) -> int:
+  """The compacted rows every kernel reads come in whole tiles of this many rows (the forward and
+  dq programs' query rows, the dk/dv query tiles)."""
+  wgs = cfg.mgpu_bwd_wgs if cfg.bwd_backend == "mosaic_gpu" else 1
+  return math.lcm(cfg.bs.q_multiple, cfg.bs_bwd.q_multiple, wgs * cfg.bs_bwd.block_q_dq)
 
 
 def _compact(C, active_BIT, qpos_BT, qseg_BT, slot_BIT=None):
@@ -215,9 +225,17 @@ def _forward_impl(cfg: _Config, q, k, v, active, qpos, kvpos, qseg, kvseg):
       bq = bs.block_q // 2 if cfg.backend == "mosaic_gpu" else bs.block_q
       bounds = cp.tile_bounds(qpos_c, valid, qseg_c, kvpos_arr, kvseg, window=cfg.window,
                               block_q=bq, block_k=bs.block_k)
-      out_c, lse_c = mod.fwd(_gather(q, idx), k, v, qpos_c, _kernel_seg(qseg_c), kvpos_k, kvseg,
-                             bounds, cp.active_counts(active_BIT), scale=cfg.scale,
+      counts = cp.active_counts(active_BIT)
+      if cfg.glue_kernels:
+        q_c = glue.gather_rows(q, idx, counts, _row_multiple(cfg), interpret=bool(cfg.interpret))
+      else:
+        q_c = _gather(q, idx)
+      out_c, lse_c = mod.fwd(q_c, k, v, qpos_c, _kernel_seg(qseg_c), kvpos_k, kvseg,
+                             bounds, counts, scale=cfg.scale,
                              window=cfg.window, bs=bs, interpret=cfg.interpret, poison=cfg.poison)
+      if cfg.glue_kernels:
+        return (glue.uncompact_rows(out_c, slot, interpret=bool(cfg.interpret)),
+                cp.uncompact_BNC(lse_c, slot, -jnp.inf))
       return _scatter(cfg, out_c, idx, T, slot), _scatter_lse(cfg, lse_c, idx, T, slot)
     return f
 
@@ -243,11 +261,18 @@ def _backward_impl(cfg: _Config, res, dout, dlse):
           kvseg):
       slot = cp.compact_slots(active_BIT)
       idx, valid, qpos_c, qseg_c = _compact(C, active_BIT, qpos, qseg, slot)
-      q_c = _gather(q, idx)
-      do_c = _gather(dout, idx)
-      o_c = _gather(out, idx)
-      delta = jnp.sum(o_c.astype(jnp.float32) * do_c.astype(jnp.float32), axis=-1)  # [B, C, N]
-      delta = jnp.swapaxes(delta, 1, 2) - _gather_BNT(dlse_BNT, idx)
+      if cfg.glue_kernels:
+        counts, mult, interp = cp.active_counts(active_BIT), _row_multiple(cfg), bool(
+            cfg.interpret)
+        q_c = glue.gather_rows(q, idx, counts, mult, interpret=interp)
+        do_c, delta = glue.gather_rows_delta(dout, out, idx, counts, mult, interpret=interp)
+      else:
+        q_c = _gather(q, idx)
+        do_c = _gather(dout, idx)
+        o_c = _gather(out, idx)
+        delta = jnp.sum(o_c.astype(jnp.float32) * do_c.astype(jnp.float32), axis=-1)  # [B, C, N]
+        delta = jnp.swapaxes(delta, 1, 2)
+      delta = delta - _gather_BNT(dlse_BNT, idx)
       lse_c = _gather_BNT(lse_BNT, idx)
       seg_k = _kernel_seg(qseg_c)
       bs = cfg.bs_bwd.for_capacity(C, T)
@@ -269,6 +294,8 @@ def _backward_impl(cfg: _Config, res, dout, dlse):
                       cp.active_counts(active_BIT), **kw)
         dk, dv = mod.dkv(q_c, k, v, do_c, lse_c, delta, qpos_c, seg_k, kvpos_k, kvseg, b_dkv,
                          **kw)
+      if cfg.glue_kernels:
+        return glue.uncompact_rows(dq_c, slot, interpret=bool(cfg.interpret)), dk, dv
       return _scatter(cfg, dq_c, idx, T, slot), dk, dv
     return f
 
@@ -315,6 +342,14 @@ FUSED_TRITON_BWD = False
 # Triton both ways. Read when compact_attention is called.
 AUTO_MOSAIC_GPU = True
 AUTO_HOPPER_BWD = "mosaic_gpu"
+
+# GPU kernels (Triton, Mosaic GPU): the glue as Pallas kernels bounded by the active count
+# (glue.py) and, unless the caller gives bucket_fracs / capacity, ONE full-T bucket instead of the
+# ladder: no lax.switch, whose predicate XLA reads on the host before the branch's kernels launch
+# (one H100, T = 32K, s = 0.95, forward: the ladder's GPU timeline spans 1.18 ms for 0.97 ms of
+# work, and putting results back zero-fills the output first, 0.14 ms; bench/compact_attention.py
+# --profile). Read when compact_attention is called.
+GPU_GLUE_KERNELS = True
 
 
 def _is_hopper() -> bool:
@@ -473,6 +508,10 @@ def compact_attention(q_BTNH, k_BSKH, v_BSKH, active, *, q_positions_BT=None,
         q, k, v, active, q_positions_BT=qpos, kv_positions_BS=kvpos_arr, q_segment_ids_BT=qseg,
         kv_segment_ids_BS=kvseg, window=window, scale=scale)
   else:
+    use_glue = (GPU_GLUE_KERNELS and impl in ("triton", "mosaic_gpu")
+                and bwd_impl in ("triton", "mosaic_gpu") and glue.supported(H))
+    if use_glue and bucket_fracs is None and capacity is None:
+      bucket_fracs = (1.0,)  # one bucket: no lax.switch (see GPU_GLUE_KERNELS)
     caps = cp.bucket_capacities(T, bucket_fracs=bucket_fracs, capacity=capacity,
                                 multiple=math.lcm(bs.q_multiple, bs_bwd.q_multiple))
     cfg = _Config(backend=impl, scale=scale, window=window, caps=caps, bs=bs,
@@ -480,6 +519,7 @@ def compact_attention(q_BTNH, k_BSKH, v_BSKH, active, *, q_positions_BT=None,
                   bwd_backend=bwd_impl, bs_bwd=bs_bwd,
                   fused_bwd=bwd_impl == "triton" and FUSED_TRITON_BWD,
                   uncompact_by_gather=UNCOMPACT_BY_GATHER,
-                  mgpu_bwd_wgs=_mosaic_gpu_bwd_wgs() if bwd_impl == "mosaic_gpu" else 2)
+                  mgpu_bwd_wgs=_mosaic_gpu_bwd_wgs() if bwd_impl == "mosaic_gpu" else 2,
+                  glue_kernels=use_glue)
     out, lse = _kernel_attention_jit(cfg, q, k, v, active, qpos, kvpos, qseg, kvseg)
   return (out, lse) if return_lse else out

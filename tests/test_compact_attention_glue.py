@@ -1,0 +1,120 @@
+"""pallas_kernels/compact_attention/glue.py: the GPU glue kernels (Pallas Triton, run here in
+interpret mode) against the XLA compaction they replace, the count bound they run under, and the
+GPU path's single bucket (no lax.switch)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.compact_attention import api, compact_attention, glue
+from pallas_kernels.compact_attention import compaction as cp
+from pallas_kernels.compact_attention.testing import make_problem
+
+B, T, N, H = 2, 200, 3, 16
+
+
+def _setup(per_head, seed=0):
+  """Row 0 ~30% active, row 1 empty (count 0), the compaction's arrays in a bucket of T."""
+  keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+  x = jax.random.normal(keys[0], (B, T, N, H), jnp.float32)
+  y = jax.random.normal(keys[1], (B, T, N, H), jnp.float32)
+  shape = (B, T, N) if per_head else (B, T)
+  active = (jax.random.uniform(keys[2], shape) < 0.3).at[1].set(False)
+  a_BIT, _ = cp.active_to_RT(active)
+  C = cp.round_up(T, 16)
+  slot = cp.compact_slots(a_BIT)
+  return x, y, slot, cp.compact_indices(a_BIT, C, slot), cp.active_counts(a_BIT), C
+
+
+def _bound(counts, b, multiple):
+  return int(-(-int(counts[b].max()) // multiple) * multiple)
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["l2a", "aha"])
+def test_gather_rows_is_the_xla_gather_on_the_rows_kernels_read(per_head):
+  """Slots below the row's largest count rounded up to the tile equal compaction.gather_rows
+  (padding slots read row T - 1); the rest are never written (NaN in interpret mode), so the
+  work follows the active count, not the bucket; an empty row writes nothing."""
+  x, _, _, idx, counts, C = _setup(per_head)
+  got = np.asarray(glue.gather_rows(x, idx, counts, 32, interpret=True))
+  want = np.asarray(cp.gather_rows(x, idx))
+  assert got.shape == want.shape == (B, C, N, H)
+  n0 = _bound(counts, 0, 32)
+  assert 0 < n0 < C
+  np.testing.assert_array_equal(got[0, :n0], want[0, :n0])
+  assert np.isnan(got[0, n0:]).all() and np.isnan(got[1]).all()
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["l2a", "aha"])
+def test_uncompact_rows_equals_the_scatter_into_zeros(per_head):
+  """One pass (no zero fill first): exactly compaction.scatter_rows, zeros for inactive rows,
+  unwritten compacted slots (NaN) never read."""
+  x, _, slot, idx, counts, C = _setup(per_head)
+  x_c = cp.gather_rows(x, idx)
+  valid = jnp.arange(C)[None, None, :, None] < counts[:, :, None, None]  # [B, I, C, 1]
+  valid = jnp.swapaxes(valid[..., 0], 1, 2)[..., None]                    # [B, C, I, 1]
+  x_c = jnp.where(valid, x_c, jnp.nan)
+  got = np.asarray(glue.uncompact_rows(x_c, slot, interpret=True))
+  np.testing.assert_array_equal(got, np.asarray(cp.scatter_rows(x_c, idx, T)))
+  assert not np.isnan(got).any() and (got[1] == 0).all()
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["l2a", "aha"])
+def test_gather_rows_delta_is_do_gathered_and_the_rowwise_dot(per_head):
+  """do_c as gather_rows, delta [B, N, C] = sum over H of o_c * do_c in float32, on the rows the
+  kernels read."""
+  do, o, _, idx, counts, _ = _setup(per_head, seed=1)
+  do_c, delta = glue.gather_rows_delta(do.astype(jnp.bfloat16), o.astype(jnp.bfloat16), idx,
+                                       counts, 32, interpret=True)
+  want_do = cp.gather_rows(do.astype(jnp.bfloat16), idx)
+  want = jnp.swapaxes(jnp.sum(cp.gather_rows(do.astype(jnp.bfloat16), idx).astype(jnp.float32)
+                              * cp.gather_rows(o.astype(jnp.bfloat16), idx).astype(jnp.float32),
+                              -1), 1, 2)
+  n0 = _bound(counts, 0, 32)
+  assert do_c.dtype == jnp.bfloat16 and delta.dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(do_c[0, :n0]), np.asarray(want_do[0, :n0]))
+  np.testing.assert_allclose(np.asarray(delta[0, :, :n0]), np.asarray(want[0, :, :n0]),
+                             rtol=1e-6, atol=1e-5)
+
+
+def test_copy_rows_bound_is_whole_programs():
+  """copy_rows writes the programs (16 rows) that start below nrows and nothing after them."""
+  x = jnp.arange(2 * 8 * 32, dtype=jnp.float32).reshape(2, 8, 32)
+  src = jnp.tile(jnp.arange(48)[None] % 8, (2, 1)).at[:, 3].set(-1)
+  out = np.asarray(glue.copy_rows(x, src, jnp.array([5, 20]), interpret=True))
+  written = ~np.isnan(out).any(-1)
+  assert written[0].tolist() == [True] * 16 + [False] * 32
+  assert written[1].tolist() == [True] * 32 + [False] * 16
+  np.testing.assert_array_equal(out[1, :32], np.where(
+      (np.asarray(src[1, :32]) >= 0)[:, None], np.asarray(x[1])[np.asarray(src[1, :32]) % 8], 0))
+
+
+def test_gpu_path_runs_one_bucket_without_a_switch(monkeypatch):
+  """The GPU kernels (here Triton in interpret mode) run with one full-T bucket and no lax.switch
+  (whose predicate XLA reads on the host); a ladder the caller asks for still switches, and the
+  XLA glue (GPU_GLUE_KERNELS off) keeps the default ladder. Forward and gradients agree."""
+  p = make_problem(3, T=128, N=2, K=1, H=32, sparsity=0.7)
+
+  def jaxpr_and_grads(**kw):
+    def loss(q, k, v):
+      return jnp.sum(compact_attention(q, k, v, p.active, impl="triton", interpret=True,
+                                       **kw) ** 2)
+    text = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(p.q, p.k, p.v))
+    return text, jax.grad(loss, argnums=(0, 1, 2))(p.q, p.k, p.v)
+  # the forward and dq kernels are traced once per bucket (each bucket is a branch of the switch)
+  n_fwd = lambda text: text.count("compact_attention_fwd")
+  text, g = jaxpr_and_grads()
+  assert n_fwd(text) == 1 and "compact_attention_copy_rows" in text
+  text_ladder, g_ladder = jaxpr_and_grads(bucket_fracs=(0.25, 1.0))
+  assert n_fwd(text_ladder) == 2 and "compact_attention_copy_rows" in text_ladder
+  monkeypatch.setattr(api, "GPU_GLUE_KERNELS", False)
+  text_xla, g_xla = jaxpr_and_grads()
+  assert n_fwd(text_xla) == 2 and "compact_attention_copy_rows" not in text_xla
+  for a, b, c in zip(g, g_ladder, g_xla):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-6)
+
+
+def test_supported_head_dims():
+  assert glue.supported(64) and glue.supported(128) and glue.supported(16)
+  assert not glue.supported(48) and not glue.supported(8) and not glue.supported(2048)
