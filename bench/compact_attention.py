@@ -9,12 +9,15 @@ k_end, scatter).
     python -m bench.compact_attention --breakdown --T 32768 --sparsity 0.9   # kernels vs glue
     python -m bench.compact_attention --glue      # the forward glue's pieces alone
     python -m bench.compact_attention --order     # Mosaic GPU launch orders, kernels alone
+    python -m bench.compact_attention --profile   # per-kernel device time (CUPTI via torch)
 
 Variants: 'auto' (on Hopper: the Mosaic GPU kernels both ways; 'auto_tbwd': with the Triton
 backward, dq; dk/dv), 'mosaic_gpu', 'triton', '<impl>_fused' (the Triton backward in one kernel:
 dq by atomic adds inside dk/dv; measured slower, off by default), '<impl>_gather' /
 '<impl>_scatter' (results back by a gather / by the scatter, the default) and 'mosaic_gpu_1wg'
-(the Mosaic GPU backward with one compute warpgroup per program instead of two).
+(the Mosaic GPU backward with one compute warpgroup per program instead of two), '<impl>_xla'
+(the glue in XLA with the bucket ladder and its lax.switch, as before the GPU glue kernels;
+'_gather' / '_scatter' choose its way back).
 Qwen2.5-7B attention shapes (28 q heads, 4 kv heads, head_dim 128), B = 1, bf16, random inputs.
 The realistic case: each query is active with probability 1 - s (so the active count is random,
 not a bucket size), and the kernels run with the library's default bucket ladder, i.e. the bucket
@@ -95,7 +98,8 @@ VARIANTS = {"_fused": (api, "FUSED_TRITON_BWD", True),        # Triton backward 
             "_scatter": (api, "UNCOMPACT_BY_GATHER", False),  # results back by an XLA scatter
             "_gather": (api, "UNCOMPACT_BY_GATHER", True),    # results back by a gather
             "_1wg": (kmgpu, "BWD_COMPUTE_WGS", 1),            # Mosaic GPU backward, 1 warpgroup
-            "_tbwd": (api, "AUTO_HOPPER_BWD", "triton")}       # auto: Triton backward on Hopper
+            "_tbwd": (api, "AUTO_HOPPER_BWD", "triton"),      # auto: Triton backward on Hopper
+            "_xla": (api, "GPU_GLUE_KERNELS", False)}         # XLA glue, bucket ladder + switch
 
 
 def kernel_impl(impl):
@@ -354,15 +358,18 @@ def sweep_mgpu(T, sparsities, n):
   return rows
 
 
-def auto_point(T, s, impl="auto"):
+def auto_point(T, s, impl="auto", xla_glue=False):
   """One realistic (T, s) point as `impl` runs it on this device: the inputs (seed 2, Bernoulli
-  active set), the kernels and tiles it resolves to, the bucket the ladder picks for the active
-  count, and (`prepared`) the compacted inputs in that bucket with the forward / dq / dk/dv loop
-  bounds of those tiles."""
+  active set), the kernels and tiles it resolves to, the bucket it runs for the active count
+  (GPU kernels: the one full-T bucket of the glue kernels; xla_glue=True or elsewhere: the one
+  the default ladder picks), and (`prepared`) the compacted inputs in that bucket with the
+  forward / dq / dk/dv loop bounds of those tiles."""
   q, k, v, active, idx_np, ct = make_inputs(T, s, 2)
   count = int(idx_np.size)
   fwd_impl, bs_f, bwd_impl, bs_b = api._resolve_impl(impl, False, q.shape, k.shape, DT, None)
-  caps = cp.bucket_capacities(T, multiple=math.lcm(bs_f.q_multiple, bs_b.q_multiple))
+  one_bucket = (not xla_glue and api.GPU_GLUE_KERNELS and fwd_impl in ("triton", "mosaic_gpu"))
+  caps = cp.bucket_capacities(T, bucket_fracs=(1.0,) if one_bucket else None,
+                              multiple=math.lcm(bs_f.q_multiple, bs_b.q_multiple))
   C = min(c for c in caps if c >= count)
   bs_f, bs_b = bs_f.for_capacity(C, T), bs_b.for_capacity(C, T)
   bq_f = bs_f.block_q // 2 if fwd_impl == "mosaic_gpu" else bs_f.block_q
@@ -380,13 +387,13 @@ def auto_point(T, s, impl="auto"):
 
 
 def glue_parts(T, s, n):
-  """The pieces of auto's forward glue timed alone (each jitted on its own, realistic active set,
-  the bucket the ladder picks): the compaction (slots, indices, positions, bounds), the gather of
+  """The pieces of the XLA forward glue (auto before the GPU glue kernels; '<impl>_xla' now)
+  timed alone (each jitted on its own, realistic active set, the bucket the ladder picks): the compaction (slots, indices, positions, bounds), the gather of
   q into the bucket, the scatter of out and lse back to their rows (the library's, whose out
   scatter carries XLA's unique / sorted hints; the out scatter without them; the lse scatter with
   them; both as gathers), and the bucket switch alone (lax.switch on the active count, two
   trivial branches)."""
-  pt = auto_point(T, s)
+  pt = auto_point(T, s, xla_glue=True)
   q, active, idx_np, caps, C, bs_f, bq_f = (pt.q, pt.active, pt.idx_np, pt.caps, pt.C, pt.bs_f,
                                             pt.bq_f)
   pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -470,7 +477,7 @@ def breakdown(T, s, n):
   pairs = visible_pairs(idx_np)
   row["kernel_fwd_tflops"] = 4 * H * N * pairs / row["kernel_fwd_ms"] / 1e9
   row["kernel_bwd_tflops"] = 10 * H * N * pairs / row["kernel_bwd_ms"] / 1e9
-  for impl in ("auto", "auto_gather"):
+  for impl in ("auto", "auto_xla"):
     f = jax.jit(ours_fn(impl))
     g = grad_fn(ours_fn(impl), ct)
     fw, fb = bench(f, q, k, v, active, n=n), bench(g, q, k, v, active, n=n)
@@ -515,6 +522,86 @@ def launch_order(T, s, n):
   return row
 
 
+def _trace_kernels(fn, n):
+  """Device activity of `fn()` (run n times, each traced alone) through torch's profiler, which
+  reads CUPTI for the whole process, so it records JAX's kernels too (ncu crashed under JAX on the
+  device). Returns (per-kernel name -> median ms per call, median busy ms, median span ms): busy
+  is the union of the activity intervals, span first start to last end."""
+  import torch
+  from torch.profiler import ProfilerActivity, profile
+  torch.cuda.init()
+  per_name, busy, span, timeline = [], [], [], []
+  for i in range(n + 1):
+    jax.block_until_ready(fn())  # the first traced run is a warm-up for the profiler too
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+      jax.block_until_ready(fn())
+    path = f"/tmp/_trace_{os.getpid()}.json"
+    prof.export_chrome_trace(path)
+    with open(path) as fh:
+      evs = json.load(fh)["traceEvents"]
+    os.remove(path)
+    acts = [e for e in evs if e.get("ph") == "X" and e.get("cat") in (
+        "kernel", "gpu_memcpy", "gpu_memset")]
+    if i == 0 or not acts:
+      continue
+    d = {}
+    for e in acts:
+      key = ("memcpy: " if e["cat"] == "gpu_memcpy" else "memset: " if e["cat"] == "gpu_memset"
+             else "") + e["name"][:90]
+      d[key] = d.get(key, 0.0) + e["dur"] / 1e3
+    per_name.append(d)
+    iv = sorted((e["ts"], e["ts"] + e["dur"]) for e in acts)
+    tot, cur0, cur1 = 0.0, iv[0][0], iv[0][1]
+    for a, b in iv[1:]:
+      if a > cur1:
+        tot, cur0, cur1 = tot + cur1 - cur0, a, b
+      else:
+        cur1 = max(cur1, b)
+    busy.append((tot + cur1 - cur0) / 1e3)
+    span.append((iv[-1][1] - iv[0][0]) / 1e3)
+    t0 = iv[0][0]
+    timeline = [[e["name"][:60], round(e["ts"] - t0, 1), round(e["dur"], 1)]
+                for e in sorted(acts, key=lambda e: e["ts"])]
+  names = {k for d in per_name for k in d}
+  med = {k: float(np.median([d.get(k, 0.0) for d in per_name])) for k in names}
+  return med, float(np.median(busy)), float(np.median(span)), timeline
+
+
+def profile_point(T, s, n):
+  """Per-kernel device time of auto's forward and forward+backward (realistic active set, the
+  bucket the ladder picks), from a CUPTI trace: our attention kernels (names compact_attention_*)
+  against every other kernel, memcpy and memset (the glue), plus the wall time of the same jitted
+  calls; wall - busy is the time the GPU waits on the host (launches, the bucket switch's
+  predicate read)."""
+  pt = auto_point(T, s)
+  q, k, v, active, ct = pt.q, pt.k, pt.v, pt.active, pt.ct
+  row = dict(T=T, sparsity=s, active=pt.count, bucket=pt.C, kernels=[pt.fwd_impl, pt.bwd_impl])
+  variants = (("fwd", jax.jit(ours_fn("auto")), (q, k, v, active)),
+              ("fwdbwd", grad_fn(ours_fn("auto"), ct), (q, k, v, active)),
+              ("fwd_xla", jax.jit(ours_fn("auto_xla")), (q, k, v, active)),
+              ("cudnn_fwd", jax.jit(cudnn_dense), (q, k, v)),
+              ("empty_jit", jax.jit(lambda a: a), (active,)))
+  for tag, fn, args in variants:
+    call = lambda fn=fn, args=args: fn(*args)
+    med, busy, span, timeline = _trace_kernels(call, n)
+    attn = {k_: v_ for k_, v_ in med.items() if "compact_attention" in k_}
+    glue = sorted(((v_, k_) for k_, v_ in med.items() if k_ not in attn), reverse=True)
+    row[tag] = dict(wall_ms=bench(call, n=n), busy_ms=busy, span_ms=span,
+                    attention_ms=sum(attn.values()), glue_ms=sum(v_ for v_, _ in glue),
+                    attention=attn, glue=[[k_, v_] for v_, k_ in glue], timeline=timeline)
+    print("profile", tag, T, s, json.dumps({k_: v_ for k_, v_ in row[tag].items()
+                                             if k_ not in ("glue", "attention", "timeline")}),
+          flush=True)
+    for v_, k_ in glue[:6]:
+      print(f"   {v_:7.3f} ms  {k_}", flush=True)
+    prev_end = 0.0
+    for name, st, du in timeline:  # where the GPU waits
+      if st - prev_end > 15:
+        print(f"   gap {st - prev_end:6.1f} us before {name} (at {st:.0f} us)", flush=True)
+      prev_end = max(prev_end, st + du)
+  return row
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--T", default="32768,65536")
@@ -535,6 +622,8 @@ def main():
                   help="only split auto's time into kernels and glue (gather vs scatter back)")
   ap.add_argument("--order", action="store_true",
                   help="Mosaic GPU forward / dq kernels alone: old vs heads-fastest launch order")
+  ap.add_argument("--profile", action="store_true",
+                  help="per-kernel device time of auto (CUPTI trace via torch's profiler)")
   ap.add_argument("--glue", action="store_true",
                   help="only time the pieces of auto's forward glue alone")
   ap.add_argument("--no-check-small", action="store_true")
@@ -580,8 +669,9 @@ def main():
     write()
   if args.check_only:
     return
-  if args.glue or args.breakdown or args.order:  # one record per (T, s), under 'breakdown'
-    per_point = glue_parts if args.glue else launch_order if args.order else breakdown
+  if args.glue or args.breakdown or args.order or args.profile:  # one record per (T, s)
+    per_point = (glue_parts if args.glue else launch_order if args.order else
+                 profile_point if args.profile else breakdown)
     for T in Ts:
       for s in ss:
         breakdown_rows.append(per_point(T, s, args.n))
