@@ -198,3 +198,23 @@ def test_recorded_h100_end_to_end_targets():
   # 64K's forced expectation comes from two runs and is kept out of the row
   assert l2a[65536].get("speedup_train_pforce") is None
   assert f"{doc['pforce_64k_across_runs']['speedup_train_pforce']:.2f}x across runs" in text
+
+
+def test_recorded_h100_end_to_end_after_glue_kernels():
+  """'after_glue_kernels_128k': the 128K rerun with the GPU glue kernels (dense and L2A q=0.2 in
+  one run): targets still met (train >= 2.0x, prefill >= 2.2x), finite losses and logits, and the
+  findings quote the speedups."""
+  path = os.path.join(os.path.dirname(__file__), "..", "bench", "results",
+                      "e2e_NVIDIA_H100_80GB_HBM3.json")
+  doc = json.load(open(path))
+  run = doc["after_glue_kernels_128k"]
+  assert "glue" in run["tree"] and run["date"]
+  rows = {r["scheme"]: r for r in run["rows"]}
+  assert set(rows) == {"dense", "l2a_q0.2"} and all(r["status"] == "ok" for r in rows.values())
+  assert all(r["T"] == 131072 and r["loss_finite"] and r["prefill_logits_finite"]
+             for r in rows.values())
+  l2a = rows["l2a_q0.2"]
+  assert l2a["speedup_train"] == pytest.approx(rows["dense"]["train_ms"] / l2a["train_ms"])
+  assert l2a["speedup_train"] >= 2.0 and l2a["speedup_prefill"] >= 2.2
+  assert (f"train step {l2a['speedup_train']:.2f}x, engine prefill {l2a['speedup_prefill']:.2f}x"
+          in doc["findings"][-1])
