@@ -20,8 +20,8 @@ dq by atomic adds inside dk/dv; measured slower, off by default), '<impl>_gather
 '_gather' / '_scatter' choose its way back).
 Qwen2.5-7B attention shapes (28 q heads, 4 kv heads, head_dim 128), B = 1, bf16, random inputs.
 The realistic case: each query is active with probability 1 - s (so the active count is random,
-not a bucket size), and the kernels run with the library's default bucket ladder, i.e. the bucket
-the ladder actually picks for that count. Each variant is checked first (output and dq/dk/dv
+not a bucket size), and the kernels run in the bucket the library picks for that count (GPU
+kernels: the one full-T bucket of the glue kernels; '_xla': the default ladder's pick). Each variant is checked first (output and dq/dk/dv
 against cuDNN dense attention with inactive rows masked out, a bf16 reference computed with fp32
 accumulation, on inputs of its own so that stale buffers cannot pass), then timed: 2 warm-ups,
 median of --n runs, jax.block_until_ready. Achieved TFLOP/s count only visible (query, key) pairs
@@ -388,8 +388,8 @@ def auto_point(T, s, impl="auto", xla_glue=False):
 
 def glue_parts(T, s, n):
   """The pieces of the XLA forward glue (auto before the GPU glue kernels; '<impl>_xla' now)
-  timed alone (each jitted on its own, realistic active set, the bucket the ladder picks): the compaction (slots, indices, positions, bounds), the gather of
-  q into the bucket, the scatter of out and lse back to their rows (the library's, whose out
+  timed alone (each jitted on its own, realistic active set, the bucket the ladder picks): the
+  compaction (slots, indices, positions, bounds), the gather of q into the bucket, the scatter of out and lse back to their rows (the library's, whose out
   scatter carries XLA's unique / sorted hints; the out scatter without them; the lse scatter with
   them; both as gathers), and the bucket switch alone (lax.switch on the active count, two
   trivial branches)."""
@@ -569,10 +569,12 @@ def _trace_kernels(fn, n):
 
 def profile_point(T, s, n):
   """Per-kernel device time of auto's forward and forward+backward (realistic active set, the
-  bucket the ladder picks), from a CUPTI trace: our attention kernels (names compact_attention_*)
-  against every other kernel, memcpy and memset (the glue), plus the wall time of the same jitted
-  calls; wall - busy is the time the GPU waits on the host (launches, the bucket switch's
-  predicate read)."""
+  bucket auto runs), of auto's forward with the XLA glue and ladder ('auto_xla'), of cuDNN's
+  forward and of an empty jitted call, from CUPTI traces: our kernels (names compact_attention_*:
+  attention and row copies) against every other kernel, memcpy and memset (XLA's glue), the
+  device timeline of one call, and the wall time of the same jitted call; span - busy is time
+  the GPU idles inside the call (launch gaps, the ladder switch's predicate read), wall - span
+  host time around it."""
   pt = auto_point(T, s)
   q, k, v, active, ct = pt.q, pt.k, pt.v, pt.active, pt.ct
   row = dict(T=T, sparsity=s, active=pt.count, bucket=pt.C, kernels=[pt.fwd_impl, pt.bwd_impl])

@@ -9,7 +9,9 @@ smallest of a short ladder of capacities (default T/4 and T) that holds the larg
 of any row, chosen at run time by lax.switch over precompiled branches, so nothing recompiles per
 step and no active query is ever dropped (the ladder always ends with a bucket that holds all T
 queries). The kernels size their work by the actual count (tiles past it are skipped), so a
-bucket larger than the count costs only gather / scatter traffic, not compute. The kernel
+bucket larger than the count costs only gather / scatter traffic, not compute; on GPUs the
+gathers and putting results back are Pallas kernels bounded by the count too (glue.py), so the
+GPU path runs one full-T bucket and no lax.switch (GPU_GLUE_KERNELS). The kernel
 runs flash attention on the compacted queries with the causal / window / segment mask evaluated
 on original positions, skipping kv tiles that no query of a tile can see; the backward pass
 (custom_vjp, saving the log-sum-exp) skips query tiles that cannot see a kv tile. Results are
@@ -431,8 +433,9 @@ def compact_attention(q_BTNH, k_BSKH, v_BSKH, active, *, q_positions_BT=None,
     q_segment_ids_BT, kv_segment_ids_BS: packed documents: a query sees only keys with its own
       segment id; 0 = padding, never attended. Give both or neither.
     window: a query at p sees keys at positions in (p - window, p].
-    bucket_fracs: ladder of capacities as fractions of T (default (1/4, 1)); or `capacity`, a
-      fixed bucket (plus a full-T bucket for overflow, so nothing is ever dropped).
+    bucket_fracs: ladder of capacities as fractions of T (default (1/4, 1); with the GPU glue
+      kernels (1,), one bucket); or `capacity`, a fixed bucket (plus a full-T bucket for
+      overflow, so nothing is ever dropped).
     block_q, block_k: forward tiles; block_sizes: all tiles and Triton launch parameters.
     impl: 'auto' | 'reference' | 'triton' | 'mosaic_gpu' | 'mosaic_tpu'; interpret: Pallas
       interpret mode (True for Triton and Mosaic GPU, pltpu.InterpretParams() for Mosaic TPU) to

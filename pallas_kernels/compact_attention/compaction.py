@@ -27,7 +27,7 @@ PAD_POS = -(2 ** 30)
 # The kernels size their work by the actual active count (empty query tiles are skipped, the TPU
 # grid is bounded at run time), so a bucket only bounds the memory traffic of the gather / scatter
 # and of the empty tiles' launch: two buckets, not a fine ladder (each bucket compiles every
-# kernel).
+# kernel). The GPU kernels use one bucket: their gathers are bounded by the count too (glue.py).
 DEFAULT_BUCKET_FRACS = (1 / 4, 1.0)
 
 
