@@ -365,6 +365,11 @@ def test_recorded_h100_profile_shows_the_switch_gaps_and_their_removal():
   assert f95["attention"]["compact_attention_copy_rows"] == pytest.approx(0.10, abs=0.005)
   assert f95["attention"]["compact_attention_fwd_mgpu_mosaic_gpu_kernel"] == pytest.approx(
       0.73, abs=0.005)
+  # the forward's two row copies: q into the slots (1599 rows), the output back (all 32K rows,
+  # 235 MB written once: ~0.09 ms, ~2.6 TB/s)
+  copies = [du for name, _, du in f95["timeline"] if name == "compact_attention_copy_rows"]
+  assert len(copies) == 2 and copies[1] == pytest.approx(89.3, abs=0.05)
+  assert 32768 * 28 * 128 * 2 / (copies[1] * 1e-6) / 1e12 == pytest.approx(2.6, abs=0.05)
   fb95 = _prof(new, 0.95, "fwdbwd")
   assert fb95["busy_ms"] == pytest.approx(3.07, abs=0.005)
   cud = _prof(new, 0.95, "cudnn_fwd")

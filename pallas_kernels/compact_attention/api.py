@@ -348,9 +348,9 @@ AUTO_HOPPER_BWD = "mosaic_gpu"
 # GPU kernels (Triton, Mosaic GPU): the glue as Pallas kernels bounded by the active count
 # (glue.py) and, unless the caller gives bucket_fracs / capacity, ONE full-T bucket instead of the
 # ladder: no lax.switch, whose predicate XLA reads on the host before the branch's kernels launch
-# (one H100, T = 32K, s = 0.95, forward: the ladder's GPU timeline spans 1.18 ms for 0.97 ms of
-# work, and putting results back zero-fills the output first, 0.14 ms; bench/compact_attention.py
-# --profile). Read when compact_attention is called.
+# (one H100, T = 32K, s = 0.95, forward: the ladder's GPU timeline spans 1.18-1.41 ms for 0.97 ms
+# of work, and putting results back zero-fills the output first, 0.14 ms; with the glue kernels
+# 0.86 ms, no gaps; bench/compact_attention.py --profile). Read when compact_attention is called.
 GPU_GLUE_KERNELS = True
 
 
