@@ -21,8 +21,8 @@ dq by atomic adds inside dk/dv; measured slower, off by default), '<impl>_gather
 Qwen2.5-7B attention shapes (28 q heads, 4 kv heads, head_dim 128), B = 1, bf16, random inputs.
 The realistic case: each query is active with probability 1 - s (so the active count is random,
 not a bucket size), and the kernels run in the bucket the library picks for that count (GPU
-kernels: the one full-T bucket of the glue kernels; '_xla': the default ladder's pick). Each variant is checked first (output and dq/dk/dv
-against cuDNN dense attention with inactive rows masked out, a bf16 reference computed with fp32
+kernels: the one full-T bucket of the glue kernels; '_xla': the default ladder's pick). Each
+variant is checked first (output and dq/dk/dv against cuDNN dense attention with inactive rows masked out, a bf16 reference computed with fp32
 accumulation, on inputs of its own so that stale buffers cannot pass), then timed: 2 warm-ups,
 median of --n runs, jax.block_until_ready. Achieved TFLOP/s count only visible (query, key) pairs
 (FlashAttention convention: 4 H flops per pair forward, 14 H forward+backward). Writes
@@ -389,8 +389,8 @@ def auto_point(T, s, impl="auto", xla_glue=False):
 def glue_parts(T, s, n):
   """The pieces of the XLA forward glue (auto before the GPU glue kernels; '<impl>_xla' now)
   timed alone (each jitted on its own, realistic active set, the bucket the ladder picks): the
-  compaction (slots, indices, positions, bounds), the gather of q into the bucket, the scatter of out and lse back to their rows (the library's, whose out
-  scatter carries XLA's unique / sorted hints; the out scatter without them; the lse scatter with
+  compaction (slots, indices, positions, bounds), the gather of q into the bucket, the scatter
+  of out and lse back to their rows (the library's, whose out scatter carries XLA's unique / sorted hints; the out scatter without them; the lse scatter with
   them; both as gathers), and the bucket switch alone (lax.switch on the active count, two
   trivial branches)."""
   pt = auto_point(T, s, xla_glue=True)
@@ -525,14 +525,16 @@ def launch_order(T, s, n):
 def _trace_kernels(fn, n):
   """Device activity of `fn()` (run n times, each traced alone) through torch's profiler, which
   reads CUPTI for the whole process, so it records JAX's kernels too (ncu crashed under JAX on the
-  device). Returns (per-kernel name -> median ms per call, median busy ms, median span ms): busy
-  is the union of the activity intervals, span first start to last end."""
+  device). Each traced call follows an untraced one, so it starts on an idle GPU with warm
+  caches; the first trace is dropped. Returns (per-kernel name -> median ms per call, median busy
+  ms, median span ms, the last traced call's timeline [name, start us, duration us]): busy is the
+  union of the activity intervals, span first start to last end."""
   import torch
   from torch.profiler import ProfilerActivity, profile
   torch.cuda.init()
   per_name, busy, span, timeline = [], [], [], []
   for i in range(n + 1):
-    jax.block_until_ready(fn())  # the first traced run is a warm-up for the profiler too
+    jax.block_until_ready(fn())  # untraced: the traced call starts on an idle GPU
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
       jax.block_until_ready(fn())
     path = f"/tmp/_trace_{os.getpid()}.json"
@@ -627,7 +629,7 @@ def main():
   ap.add_argument("--profile", action="store_true",
                   help="per-kernel device time of auto (CUPTI trace via torch's profiler)")
   ap.add_argument("--glue", action="store_true",
-                  help="only time the pieces of auto's forward glue alone")
+                  help="only time the pieces of the XLA forward glue ('_xla') alone")
   ap.add_argument("--no-check-small", action="store_true")
   ap.add_argument("--check-impls", default="",
                   help="kernels for the small checks (default: --impls)")

@@ -263,9 +263,9 @@ def _backward_impl(cfg: _Config, res, dout, dlse):
           kvseg):
       slot = cp.compact_slots(active_BIT)
       idx, valid, qpos_c, qseg_c = _compact(C, active_BIT, qpos, qseg, slot)
+      counts = cp.active_counts(active_BIT)
       if cfg.glue_kernels:
-        counts, mult, interp = cp.active_counts(active_BIT), _row_multiple(cfg), bool(
-            cfg.interpret)
+        mult, interp = _row_multiple(cfg), bool(cfg.interpret)
         q_c = glue.gather_rows(q, idx, counts, mult, interpret=interp)
         do_c, delta = glue.gather_rows_delta(dout, out, idx, counts, mult, interpret=interp)
       else:
@@ -293,7 +293,7 @@ def _backward_impl(cfg: _Config, res, dout, dlse):
         dq_c = (dq_acc * cfg.scale).astype(q_c.dtype)
       else:
         dq_c = mod.dq(q_c, k, v, do_c, lse_c, delta, qpos_c, seg_k, kvpos_k, kvseg, b_dq,
-                      cp.active_counts(active_BIT), **kw)
+                      counts, **kw)
         dk, dv = mod.dkv(q_c, k, v, do_c, lse_c, delta, qpos_c, seg_k, kvpos_k, kvseg, b_dkv,
                          **kw)
       if cfg.glue_kernels:

@@ -72,7 +72,8 @@ def _copy_delta_kernel(nrows_ref, src_ref, x_ref, y_ref, out_ref, delta_ref, *, 
       delta_ref[h, :] = jnp.sum(x.astype(jnp.float32) * y.astype(jnp.float32), axis=1)
 
 
-def _launch(rows_out, F, chunk):
+def _launch(rows_out, chunk):
+  """(rows per program, warps): up to 16 rows, about 1024 values per warp and load."""
   R = _pow2_divisor(rows_out, _MAX_ROWS)
   warps = max(1, min(8, R * chunk // 1024))
   return R, warps
@@ -84,7 +85,7 @@ def copy_rows(x_BRF, src_BR, nrows_B, *, interpret=False):
   B, rows_in, F = x_BRF.shape
   rows_out = src_BR.shape[1]
   chunk = _pow2_divisor(F, _MAX_CHUNK)
-  R, warps = _launch(rows_out, F, chunk)
+  R, warps = _launch(rows_out, chunk)
   kernel = functools.partial(_copy_kernel, R=R, F=F, chunk=chunk)
   return pl.pallas_call(
       kernel, grid=(B, rows_out // R),
@@ -104,7 +105,7 @@ def copy_rows_delta(x_BRF, y_BRF, src_BR, nrows_B, H: int, *, interpret=False):
   B, rows_in, F = x_BRF.shape
   rows_out = src_BR.shape[1]
   heads = F // H
-  R, warps = _launch(rows_out, F, H)
+  R, warps = _launch(rows_out, H)
   kernel = functools.partial(_copy_delta_kernel, R=R, heads=heads, H=H)
   full = pl.BlockSpec((None, rows_in, F), lambda b, i: (b, 0, 0))
   return pl.pallas_call(
