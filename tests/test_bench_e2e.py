@@ -174,16 +174,23 @@ def test_recorded_h200_end_to_end_targets():
   assert "1.985x" in " ".join(doc["findings"])
 
 
-def test_recorded_h100_end_to_end_targets():
-  """bench/results/e2e_NVIDIA_H100_80GB_HBM3.json (after the Mosaic GPU backward and the
-  heads-fastest launch order): at 128K the L2A q=0.2 train step is >= 2.0x dense also with the
-  forced-global expectation (p_force 0.1), the engine prefill >= 2.2x, the speedup grows with T,
-  and the findings quote the rows."""
+def _h100_e2e():
+  """The H100 end-to-end results: valid, device and jax version named, dated by its newest run."""
   path = os.path.join(os.path.dirname(__file__), "..", "bench", "results",
                       "e2e_NVIDIA_H100_80GB_HBM3.json")
   doc = json.load(open(path))
   e2e.check_results(doc)
   assert doc["device"] == "NVIDIA H100 80GB HBM3" and doc["jax_version"] == "0.11.2"
+  assert doc["date"] == max(r["date"] for r in doc["runs"])
+  return doc
+
+
+def test_recorded_h100_end_to_end_targets():
+  """bench/results/e2e_NVIDIA_H100_80GB_HBM3.json (after the Mosaic GPU backward and the
+  heads-fastest launch order): at 128K the L2A q=0.2 train step is >= 2.0x dense also with the
+  forced-global expectation (p_force 0.1), the engine prefill >= 2.2x, the speedup grows with T,
+  and the findings quote the rows."""
+  doc = _h100_e2e()
   l2a = {r["T"]: r for r in doc["rows"] if r["scheme"] == "l2a_q0.2" and r["status"] == "ok"}
   assert set(l2a) == {32768, 65536, 131072}
   top = l2a[131072]
@@ -204,9 +211,7 @@ def test_recorded_h100_end_to_end_after_glue_kernels():
   """'after_glue_kernels_128k': the 128K rerun with the GPU glue kernels (dense and L2A q=0.2 in
   one run): targets still met (train >= 2.0x, prefill >= 2.2x), finite losses and logits, and the
   findings quote the speedups."""
-  path = os.path.join(os.path.dirname(__file__), "..", "bench", "results",
-                      "e2e_NVIDIA_H100_80GB_HBM3.json")
-  doc = json.load(open(path))
+  doc = _h100_e2e()
   run = doc["after_glue_kernels_128k"]
   assert "glue" in run["tree"] and run["date"]
   rows = {r["scheme"]: r for r in run["rows"]}
