@@ -522,6 +522,99 @@ def launch_order(T, s, n):
   return row
 
 
+def bench_stream(f, *args, n=10):
+  """Device-bound time per call: n calls enqueued back to back, one block at the end (the host
+  dispatches the next call while the GPU runs this one, so host time per call is hidden when it
+  is shorter than the kernel); median of 3 such runs after 2 warm-ups, ms."""
+  jax.block_until_ready(f(*args))
+  jax.block_until_ready(f(*args))
+  ts = []
+  for _ in range(3):
+    t0 = time.perf_counter()
+    outs = [f(*args) for _ in range(n)]
+    jax.block_until_ready(outs)
+    ts.append((time.perf_counter() - t0) / n)
+    del outs
+  return float(np.median(ts)) * 1e3
+
+
+def kernel_variants(T, s, n, named=None):
+  """The Mosaic GPU kernels alone (auto's tiles, realistic active set) in variants, same process,
+  each timed per call (`bench`, wall with block_until_ready) and device-bound (`bench_stream`).
+  Forward: `new` (the defaults: programs past the count launched last, softmax scale folded
+  into exp2, tokamax's compiler params); `old` (programs past the count first, scale applied to
+  every score, default compiler params: the kernel before these changes); `old_order` (new
+  arithmetic, old launch order); `old_math` (old arithmetic, new order); `exact` (a bucket of the
+  active count rounded up to the tile: no programs past the count); `empty` (every count 0: only
+  the programs that find nothing to do); with named=True (default: env COMPACT_BENCH_NAMED=1)
+  also `named` (the hand-offs on hardware named barriers). dq new / old (order and scale), dk/dv
+  once. Each variant's results against the old kernel's on the active slots."""
+  named = os.environ.get("COMPACT_BENCH_NAMED") == "1" if named is None else named
+  pt = auto_point(T, s, "mosaic_gpu")
+  bs_f, bs_b, count = pt.bs_f, pt.bs_b, pt.count
+  sc, pairs = H ** -0.5, visible_pairs(pt.idx_np)
+  row = dict(T=T, sparsity=s, active=count, bucket=pt.C)
+  x = pt.prepared()
+  C_exact = cp.round_up(count, math.lcm(bs_f.q_multiple, bs_b.q_multiple))
+  xe = _compacted(T, s, 2, C=C_exact)
+  xe.b_f = cp.tile_bounds(xe.qpos_c, xe.valid, None, xe.pos, None, window=None,
+                          block_q=pt.bq_f, block_k=bs_f.block_k)
+  va = jnp.arange(pt.C) < count
+
+  def fwd_fn(xx, counts, **kw):
+    return jax.jit(lambda q_c, k, v: kmgpu.fwd(q_c, k, v, xx.qpos_c, None, None, None, xx.b_f,
+                                               counts, scale=sc, window=None, bs=bs_f, **kw))
+
+  def diff(a, b, valid):
+    m = valid[None, :, None, None]
+    return float(jnp.max(jnp.where(m, jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)),
+                                   0)))
+  old_math = dict(fold_scale=False, no_auto_barriers=False)
+  o_old, lse_old = fwd_fn(x, x.counts, empties_last=False, **old_math)(x.q_c, x.k, x.v)
+  variants = [("old", x, x.counts, dict(empties_last=False, **old_math)),
+              ("new", x, x.counts, {}),
+              ("old_order", x, x.counts, dict(empties_last=False)),
+              ("old_math", x, x.counts, old_math),
+              ("exact", xe, xe.counts, {}),
+              ("empty", x, jnp.zeros_like(x.counts), {})]
+  if named:
+    variants += [("named", x, x.counts, dict(named_barriers=True)),
+                 ("exact_named", xe, xe.counts, dict(named_barriers=True))]
+  for tag, xx, counts, kws in variants:
+    f = fwd_fn(xx, counts, **kws)
+    r = dict(wall_ms=bench(f, xx.q_c, xx.k, xx.v, n=n),
+             stream_ms=bench_stream(f, xx.q_c, xx.k, xx.v, n=n))
+    if tag != "empty":
+      r["tflops"] = 4 * H * N * pairs / r["stream_ms"] / 1e9
+      o, _ = f(xx.q_c, xx.k, xx.v)
+      if tag.startswith("exact"):
+        r["max_abs_diff"] = diff(o, o_old[:, :C_exact], va[:C_exact])
+      else:
+        r["max_abs_diff"] = diff(o, o_old, va)
+    row["fwd_" + tag] = r
+    print("variant fwd", tag, T, s, json.dumps(r), flush=True)
+  delta = jnp.swapaxes(jnp.sum(o_old.astype(jnp.float32) * x.do_c.astype(jnp.float32), -1), 1, 2)
+  args = (x.q_c, x.k, x.v, x.do_c, lse_old, delta)
+  dq_old = None
+  for tag, kws in (("old", dict(empties_last=False, fold_scale=False)), ("new", {})):
+    kdq = jax.jit(lambda *a, kws=kws: kmgpu.dq(*a, x.qpos_c, None, None, None, x.b_dq, x.counts,
+                                               scale=sc, window=None, bs=bs_b, **kws))
+    dq_ = kdq(*args)
+    dq_old = dq_ if dq_old is None else dq_old
+    r = dict(wall_ms=bench(kdq, *args, n=n), stream_ms=bench_stream(kdq, *args, n=n),
+             max_abs_diff=diff(dq_, dq_old, va))
+    r["tflops"] = 6 * H * N * pairs / r["stream_ms"] / 1e9
+    row["dq_" + tag] = r
+    print("variant dq", tag, T, s, json.dumps(r), flush=True)
+  kdkv = jax.jit(lambda *a: kmgpu.dkv(*a, x.qpos_c, None, None, None, x.b_dkv, scale=sc,
+                                      window=None, bs=bs_b))
+  r = dict(wall_ms=bench(kdkv, *args, n=n), stream_ms=bench_stream(kdkv, *args, n=n))
+  r["tflops"] = 8 * H * N * pairs / r["stream_ms"] / 1e9
+  row["dkv"] = r
+  print("variant dkv", T, s, json.dumps(r), flush=True)
+  return row
+
+
 def _trace_kernels(fn, n):
   """Device activity of `fn()` (run n times, each traced alone) through torch's profiler, which
   reads CUPTI for the whole process, so it records JAX's kernels too (ncu crashed under JAX on the
@@ -628,6 +721,9 @@ def main():
                   help="Mosaic GPU forward / dq kernels alone: old vs heads-fastest launch order")
   ap.add_argument("--profile", action="store_true",
                   help="per-kernel device time of auto (CUPTI trace via torch's profiler)")
+  ap.add_argument("--variants", action="store_true",
+                  help="Mosaic GPU kernels alone in variants (softmax scale folding, compiler "
+                       "params, exact bucket, empty programs), wall and device-bound")
   ap.add_argument("--glue", action="store_true",
                   help="only time the pieces of the XLA forward glue ('_xla') alone")
   ap.add_argument("--no-check-small", action="store_true")
@@ -673,8 +769,9 @@ def main():
     write()
   if args.check_only:
     return
-  if args.glue or args.breakdown or args.order or args.profile:  # one record per (T, s)
+  if args.glue or args.breakdown or args.order or args.profile or args.variants:
     per_point = (glue_parts if args.glue else launch_order if args.order else
+                 kernel_variants if args.variants else
                  profile_point if args.profile else breakdown)
     for T in Ts:
       for s in ss:

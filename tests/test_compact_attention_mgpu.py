@@ -49,13 +49,19 @@ def test_mosaic_gpu_one_compute_warpgroup_backward_matches_reference_interpret(m
 def test_launch_grid_runs_heaviest_query_tiles_first_across_heads():
   """The forward / dq launch order. Pallas Mosaic GPU puts the LAST grid axis on CUDA's x, which
   the hardware launches fastest (jax 0.11.2 `pallas/mosaic_gpu/lowering.py` reverses the grid).
-  With `launch_grid` every row's and head's tile p starts before any tile p - 1 (programs read
-  their tile as nprog - 1 - q: later tiles see more keys), so the launch is longest first; the
-  old (heads, q, batch) order ran every tile of head 0 before head 1's heaviest."""
-  from pallas_kernels.compact_attention.mosaic_gpu import launch_grid
+  With `launch_grid` and `tile_order` every row's and head's tile p starts before any tile p - 1
+  among the tiles that hold active queries (later tiles see more keys), so the launch is longest
+  first, and the programs past every count (which return at once) come after all of them; the
+  old (heads, q, batch) order ran every tile of head 0 before head 1's heaviest, and the old tile
+  order (nprog - 1 - q) launched the empty programs first."""
+  import jax.numpy as jnp
+  from pallas_kernels.compact_attention.mosaic_gpu import launch_grid, live_tiles, tile_order
   B, nprog, N = 2, 5, 3
+  counts_BI = jnp.array([[130], [300]], jnp.int32)           # rows: 2 and 3 programs of 128
+  ntiles = int(live_tiles(counts_BI, 128)[0])
+  assert ntiles == 3
 
-  def tiles_in_launch_order(heads_fastest):
+  def tiles_in_launch_order(heads_fastest, empties_last=True):
     lg = launch_grid(B, nprog, N, heads_fastest)
     names, grid = lg["grid_names"], lg["grid"]
     assert sorted(names) == ["batch", "heads", "q"] and len(grid) == 3
@@ -64,16 +70,21 @@ def test_launch_grid_runs_heaviest_query_tiles_first_across_heads():
       for y in range(grid[1]):
         for x in range(grid[2]):      # CUDA x = last Pallas axis (fastest)
           ids = dict(zip(names, (z, y, x)))
-          order.append((ids["batch"], nprog - 1 - ids["q"], ids["heads"]))
-    assert len(set(order)) == B * nprog * N
+          p = int(tile_order(jnp.int32(ids["q"]), ntiles, nprog, empties_last))
+          order.append((ids["batch"], p, ids["heads"]))
+    assert len(set(order)) == B * nprog * N              # every program exactly once
     return order
 
   launch = tiles_in_launch_order(True)
   tiles = [p for _, p, _ in launch]
-  assert tiles == sorted(tiles, reverse=True)            # heaviest first, all rows and heads
-  assert launch[:N] == [(0, nprog - 1, h) for h in range(N)]   # heads fastest
+  live = [p for p in tiles if p < ntiles]
+  assert live == sorted(live, reverse=True)              # heaviest first, all rows and heads
+  assert tiles[:len(live)] == live                       # ... and before every empty program
+  assert launch[:N] == [(0, ntiles - 1, h) for h in range(N)]   # heads fastest
+  old_tiles = [p for _, p, _ in tiles_in_launch_order(True, empties_last=False)]
+  assert old_tiles[:B * N] == [nprog - 1] * (B * N)      # the old order: empty programs first
   old = [p for b, p, _ in tiles_in_launch_order(False) if b == 0]
-  assert old != sorted(old, reverse=True)
+  assert old[:nprog] != sorted(old, reverse=True)[:nprog]
 
 
 def test_mosaic_gpu_rejects_what_it_cannot_take():

@@ -138,6 +138,24 @@ def launch_grid(B, nprog, N, heads_fastest=True):
   return dict(grid=(N, nprog, B), grid_names=("heads", "q", "batch"))
 
 
+def tile_order(qi, ntiles, nprog, empties_last=True):
+  """The query tile (program index) p that launch index qi runs. ntiles: the programs that hold
+  active queries (the largest active count of any row / head, in programs; `live_tiles`). Those
+  go first, heaviest (latest positions: most keys) first; the programs past every count, which
+  return at once, go last and fill the tail of the launch. (They used to launch first: in the
+  one full-T bucket at T = 32K they are up to 7168 - 364 programs, 0.08 ms on an H100 alone.)
+  empties_last=False: the old order, the last program first (nprog - 1 - qi)."""
+  if not empties_last:
+    return nprog - 1 - qi
+  return jnp.where(qi < ntiles, ntiles - 1 - qi, qi)
+
+
+def live_tiles(counts_BI, rows_per_program):
+  """[1] int32: programs of `rows_per_program` query slots holding the largest active count."""
+  return ((jnp.max(counts_BI) + rows_per_program - 1) // rows_per_program).reshape(1).astype(
+      jnp.int32)
+
+
 def prog_bounds(bounds_wg, nq_prog, wgs=_COMPUTE_WGS):
   """Per-warpgroup bounds [B, I, wgs * nq_prog, 4] -> (program range [B, I, nq_prog, 2], per-
   warpgroup bounds with empty ranges moved to the program's lo so every loop is ordered)."""
@@ -150,10 +168,21 @@ def prog_bounds(bounds_wg, nq_prog, wgs=_COMPUTE_WGS):
 
 
 def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_BIQ4, counts_BI, *,
-        scale, window, bs: BlockSizes, interpret=False, poison=False, heads_fastest=True):
+        scale, window, bs: BlockSizes, interpret=False, poison=False, heads_fastest=True,
+        empties_last=True, fold_scale=True, no_auto_barriers=True, named_barriers=False):
   """Returns (out_c [B, C, N, H], lse [B, N, C] float32); query tiles past counts_BI are not
   written. bounds_BIQ4 are per compute warpgroup (block_q // 2 rows). heads_fastest=False
-  launches head by head (the old order; `launch_grid`), for the benchmark only."""
+  launches head by head (the old order; `launch_grid`), empties_last=False launches the
+  programs past every count first (the old order; `tile_order`); both for the benchmark only.
+
+  fold_scale: the softmax scale applied inside exp2's argument (s * scale - m: one fused
+  multiply-add per score; the row max taken on the raw scores), as tokamax's sm90 kernel, instead
+  of scaling every score first. no_auto_barriers: CompilerParams(unsafe_no_auto_barriers=True,
+  reduction_scratch_bytes=0), as tokamax's sm90 forward; safe here, no thread reads and writes one
+  SMEM region (Q / K / V are read by the tensor cores only, the epilogue only writes). Together
+  1.02-1.05x on one H100 (bench --variants, 32K, s = 0.5 / 0.9 / 0.95). named_barriers: the
+  compute warpgroups' hand-offs on hardware named barriers (`NAMED_BARRIERS`)."""
+  named = named_barriers and not interpret
   B, C, N, H = q_BCNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   G, I = N // K, qpos_BIC.shape[1]
@@ -165,23 +194,46 @@ def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_B
   progb, wgb = prog_bounds(bounds_BIQ4, nprog)
   qk_scale = scale * LOG2E
 
-  def kernel(q_ref, k_ref, v_ref, wgb_ref, progb_ref, count_ref, qpos_ref, qseg_ref, kvpos_ref,
-             kvseg_ref, out_ref, lse_ref, scoped):
+  def kernel(q_ref, k_ref, v_ref, wgb_ref, progb_ref, count_ref, ntiles_ref, qpos_ref, qseg_ref,
+             kvpos_ref, kvseg_ref, out_ref, lse_ref, scoped):
     (qo_smem2, k_smem, v_smem, lse_smem2), (k_bar, v_bar, q_bar), (k_used, v_used), sched = scoped
     h = lax.axis_index("heads")
     b = lax.axis_index("batch")
-    p = nprog - 1 - lax.axis_index("q")  # heavy (late) tiles first
+    p = tile_order(lax.axis_index("q"), ntiles_ref[0], nprog, empties_last)  # heavy first
     wg = lax.axis_index("wg")
     hsel = h if I > 1 else 0
-    plo = progb_ref[b, hsel, p, 0]
-    nsteps = progb_ref[b, hsel, p, 1] - plo
 
     def sched_barrier():
       plgpu.barrier_arrive(sched)
       plgpu.barrier_wait(sched)
 
+    # The compute warpgroups' hand-offs. mbarriers (interpret mode): `sched` is a rendezvous of
+    # the two warpgroups, K/V slots are released by arriving on k_used / v_used. Named barriers
+    # (hardware bar.arrive / bar.sync, FlashAttention-3's ping-pong): a warpgroup signals the
+    # other's turn after issuing Q K^T and waits for its own turn before P V; slots are released
+    # by bar.arrive and the memory warpgroup bar.syncs before reusing one.
+    if named:
+      def signal_other():
+        _named_barrier("arrive", _SCHED_BAR + 1 - wg, 2 * _WG_THREADS)
+
+      def wait_turn():
+        _named_barrier("sync", _SCHED_BAR + wg, 2 * _WG_THREADS)
+
+      def release(kind, slot):
+        _named_barrier("arrive", _FREE_BAR + (0 if kind == "k" else stages) + slot,
+                       3 * _WG_THREADS)
+    else:
+      signal_other = sched_barrier
+      wait_turn = lambda: (plgpu.barrier_arrive(sched), plgpu.barrier_wait(sched))
+
+      def release(kind, slot):
+        plgpu.barrier_arrive((k_used if kind == "k" else v_used).at[slot])
+
     @pl.when(p * 2 * bq < count_ref[b, hsel])
     def _program():
+      plo = progb_ref[b, hsel, p, 0]
+      nsteps = progb_ref[b, hsel, p, 1] - plo
+
       @pl.when(wg < _COMPUTE_WGS)
       def _compute():
         plgpu.set_max_registers(232, action="increase")
@@ -193,48 +245,67 @@ def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_B
         qp = plgpu.load(qpos_ref.at[b, hsel, pl.ds(row0, bq)], layout=_ROW, optimized=False)
         qs = None if not has_seg else plgpu.load(
             qseg_ref.at[b, hsel, pl.ds(row0, bq)], layout=_ROW, optimized=False)
+        if named:  # every slot starts free
+          for si in range(stages):
+            release("k", si)
+            release("v", si)
         plgpu.barrier_wait(q_bar.at[wg])
         m_i = plgpu.layout_cast(jnp.full((bq,), NEG_INF, jnp.float32), _ROW)
         l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), _ROW)
         acc = plgpu.layout_cast(jnp.zeros((bq, H), jnp.float32), _WGMMA)
-        pl.when(wg == 1)(sched_barrier)
+        pl.when(wg == 1)(wait_turn if named else sched_barrier)
 
         def step(j, carry, *, kind):
           slot = lax.rem(j - plo, stages)
           plgpu.barrier_wait(k_bar.at[slot])
           if kind == "skip":
-            sched_barrier()
-            plgpu.barrier_arrive(k_used.at[slot])
-            plgpu.barrier_arrive(sched)
+            signal_other()
+            release("k", slot)
+            if not named:
+              plgpu.barrier_arrive(sched)
             plgpu.barrier_wait(v_bar.at[slot])
-            plgpu.barrier_wait(sched)
-            plgpu.barrier_arrive(v_used.at[slot])
+            if named:
+              wait_turn()
+            else:
+              plgpu.barrier_wait(sched)
+            release("v", slot)
             return carry
           acc, m_i, l_i = carry
 
           def qk(ref):
             plgpu.wgmma(ref, qo_smem, k_smem.at[slot].T)
-            sched_barrier()
+            signal_other()
             return ref[...]
           s = pl.run_scoped(qk, plgpu.ACC((bq, bk), jnp.float32))
-          plgpu.barrier_arrive(k_used.at[slot])
-          s = s * qk_scale
+          release("k", slot)
+          if not fold_scale:
+            s = s * qk_scale
           if kind == "masked":
             kp, ks = _kv_cols(kvpos_ref, kvseg_ref, b, j * bk, bk, s.shape)
             s = _mask(s, qp, qs, kp, ks, window, s.shape)
-          m_new = jnp.maximum(m_i, s.max(axis=1))
+          if fold_scale:  # the max on raw scores, the scale in exp2's argument (one FMA)
+            m_new = jnp.maximum(m_i, s.max(axis=1) * qk_scale)
+          else:
+            m_new = jnp.maximum(m_i, s.max(axis=1))
           m_use = jnp.where(m_new == NEG_INF, 0.0, m_new) if kind == "masked" else m_new
           alpha = jnp.exp2(m_i - m_use)
-          pr = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
+          if fold_scale:
+            pr = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_use, s.shape, [0]))
+          else:
+            pr = jnp.exp2(s - lax.broadcast_in_dim(m_use, s.shape, [0]))
           acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
           l_i = l_i * alpha + pr.sum(axis=1)
           p16 = pr.astype(dtype)
           acc, l_i, m_new, p16 = lax.optimization_barrier((acc, l_i, m_new, p16))
-          plgpu.barrier_arrive(sched)  # softmax done
+          if not named:
+            plgpu.barrier_arrive(sched)  # softmax done
           plgpu.barrier_wait(v_bar.at[slot])
-          plgpu.barrier_wait(sched)  # tensor cores free
+          if named:
+            wait_turn()  # tensor cores free
+          else:
+            plgpu.barrier_wait(sched)
           acc = _acc_update(acc, p16, v_smem.at[slot], interpret)
-          plgpu.barrier_arrive(v_used.at[slot])
+          release("v", slot)
           return acc, m_new, l_i
 
         carry = (acc, m_i, l_i)
@@ -244,7 +315,7 @@ def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_B
         carry = lax.fori_loop(fhi, hi, functools.partial(step, kind="masked"), carry)
         acc, m_i, l_i = lax.fori_loop(hi, plo + nsteps, functools.partial(step, kind="skip"),
                                       carry)
-        pl.when(wg == 0)(sched_barrier)
+        pl.when(wg == 0)(signal_other if named else sched_barrier)
 
         empty = l_i == 0.0
         l_safe = jnp.where(empty, 1.0, l_i)
@@ -266,6 +337,17 @@ def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_B
           rows = pl.ds((plo + step) * bk, bk)
           plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kh], k_smem.at[slot], k_bar.at[slot])
           plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kh], v_smem.at[slot], v_bar.at[slot])
+
+        if named:
+          @pl.loop(0, nsteps)
+          def _named_loop(t):
+            slot = lax.rem(t, stages)
+            rows = pl.ds((plo + t) * bk, bk)
+            _named_barrier("sync", _FREE_BAR + slot, 3 * _WG_THREADS)
+            plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kh], k_smem.at[slot], k_bar.at[slot])
+            _named_barrier("sync", _FREE_BAR + stages + slot, 3 * _WG_THREADS)
+            plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kh], v_smem.at[slot], v_bar.at[slot])
+          return  # the compute warpgroups' last releases are left unmatched (CTA exit)
 
         for i in range(stages):
           pl.when(i < nsteps)(functools.partial(load, i, i))
@@ -301,26 +383,59 @@ def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_B
 
   out_shape = [jax.ShapeDtypeStruct((B, C, N, H), dtype),
                jax.ShapeDtypeStruct((B, N, C), jnp.float32)]
-  args = [q_BCNH, k_BSKH, v_BSKH, wgb, progb, counts_BI, qpos_BIC,
+  args = [q_BCNH, k_BSKH, v_BSKH, wgb, progb, counts_BI, live_tiles(counts_BI, 2 * bq), qpos_BIC,
           qseg_BIC if has_seg else jnp.zeros((1, 1, 1), jnp.int32),
           kvpos_BS if has_kvpos else jnp.zeros((1, 1), jnp.int32),
           kvseg_BS if has_seg else jnp.zeros((1, 1), jnp.int32)]
 
-  def entry_sel(q_ref, k_ref, v_ref, wgb_ref, progb_ref, count_ref, qpos_ref, qseg_ref,
-                kvpos_ref, kvseg_ref, out_ref, lse_ref):
-    entry(q_ref, k_ref, v_ref, wgb_ref, progb_ref, count_ref, qpos_ref,
+  def entry_sel(q_ref, k_ref, v_ref, wgb_ref, progb_ref, count_ref, ntiles_ref, qpos_ref,
+                qseg_ref, kvpos_ref, kvseg_ref, out_ref, lse_ref):
+    entry(q_ref, k_ref, v_ref, wgb_ref, progb_ref, count_ref, ntiles_ref, qpos_ref,
           qseg_ref if has_seg else None, kvpos_ref if has_kvpos else None,
           kvseg_ref if has_seg else None, out_ref, lse_ref)
 
   call = plgpu.kernel(
       entry_sel, out_type=out_shape, **launch_grid(B, nprog, N, heads_fastest),
       num_threads=_COMPUTE_WGS + 1, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True), interpret=_interp(interpret),
-      kernel_name="compact_attention_fwd_mgpu")
+      compiler_params=_params(no_auto_barriers), interpret=_interp(interpret),
+      kernel_name="compact_attention_fwd_mgpu" + ("_nb" if named else ""))
   out, lse = call(*args)
   if poison:
     out, lse = _poison_unwritten(out, lse, counts_BI, 2 * bq, I)
   return out, lse
+
+
+# fwd(named_barriers=True): the forward's hand-offs on hardware named barriers (bar.arrive /
+# bar.sync, as tokamax's sm90 kernel and FlashAttention-3) instead of mbarriers (an mbarrier
+# arrive from a warpgroup is 128 per-thread arrivals, each wait a try_wait loop). GPU only: the
+# interpreter runs no inline PTX, so interpret mode keeps the mbarriers.
+_WG_THREADS = 128
+_SCHED_BAR = 4   # named barriers 4, 5: the compute warpgroups' turns (Mosaic GPU uses 0..3)
+_FREE_BAR = 6    # 6 .. 6 + 2 * stages: K slots free, then V slots free
+
+
+def _named_barrier(op, barrier_id, num_threads):
+  """`bar.{op} barrier_id, num_threads` (op 'arrive' or 'sync') by every thread of the calling
+  warpgroup; barrier_id an int or an int32 scalar."""
+  from jax.experimental.mosaic.gpu import utils as mgpu_utils
+  if isinstance(barrier_id, int):
+    @plgpu.inline_mgpu()
+    def emit(_):
+      mgpu_utils.inline_ptx(f"bar.{op} {barrier_id}, {num_threads};", convergent=True)
+    emit()
+    return
+
+  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,))
+  def emit_dyn(_, bid):
+    mgpu_utils.inline_ptx(f"bar.{op} $0, {num_threads};", bid.registers[()], convergent=True)
+  emit_dyn(jnp.asarray(barrier_id, jnp.int32))
+
+
+def _params(no_auto_barriers):
+  if no_auto_barriers:
+    return plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True,
+                                reduction_scratch_bytes=0)
+  return plgpu.CompilerParams(approx_math=True)
 
 
 def _interp(interpret):
@@ -373,9 +488,12 @@ def _bwd_wgs(n_tiles, compute_wgs):
 
 def dq(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC, kvpos_BS,
        kvseg_BS, bounds_BIQ4, counts_BI, *, scale, window, bs: BlockSizes, interpret=False,
-       poison=False, compute_wgs=BWD_COMPUTE_WGS, heads_fastest=True):
+       poison=False, compute_wgs=BWD_COMPUTE_WGS, heads_fastest=True, empties_last=True,
+       fold_scale=True):
   """dq_c [B, C, N, H]; programs (W query tiles of block_q_dq rows) past counts_BI are not
-  written. bounds_BIQ4: per query tile of block_q_dq rows."""
+  written. bounds_BIQ4: per query tile of block_q_dq rows. fold_scale: as in `fwd` (1.00-1.04x
+  on one H100; dk/dv keeps the separate scale, folded it was 1.02-1.11x slower);
+  heads_fastest / empties_last: as in `fwd`."""
   B, C, N, H = q_BCNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   G, I = N // K, qpos_BIC.shape[1]
@@ -389,18 +507,16 @@ def dq(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC, 
   progb, wgb = prog_bounds(bounds_BIQ4, nprog, W)
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, wgb_ref, progb_ref, count_ref,
-             qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, dq_ref, q_smem2, do_smem2, bar2):
+             ntiles_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, dq_ref, q_smem2, do_smem2, bar2):
     qseg_ref = qseg_ref if has_seg else None
     kvseg_ref = kvseg_ref if has_seg else None
     kvpos_ref = kvpos_ref if has_kvpos else None
     h = lax.axis_index("heads")
     b = lax.axis_index("batch")
-    p = nprog - 1 - lax.axis_index("q")  # heavy (late) tiles first
+    p = tile_order(lax.axis_index("q"), ntiles_ref[0], nprog, empties_last)  # heavy first
     wg = lax.axis_index("wg")
     hsel = h if I > 1 else 0
     kh = lax.div(h, G)
-    plo = progb_ref[b, hsel, p, 0]
-    phi = progb_ref[b, hsel, p, 1]
     t = p * W + wg  # this warpgroup's query tile (meaningful in the compute warpgroups only)
     rows = pl.ds(t * bq, bq)
     q_smem, do_smem, bar = q_smem2.at[wg], do_smem2.at[wg], bar2.at[wg]
@@ -425,35 +541,39 @@ def dq(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC, 
       plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, rows, h])
       plgpu.wait_smem_to_gmem(0)
 
-    def body(idx, k_smem, v_smem, k_used, v_used, carry):
-      (step,) = idx
-      j = plo + step
-      acc, lse2, delta, qp, qs, flo, fhi = carry
-
-      def dp_s(dp_acc, s_acc):
-        plgpu.wgmma(dp_acc, do_smem, v_smem.T)
-        plgpu.wgmma(s_acc, q_smem, k_smem.T)
-        plgpu.wgmma_wait(0)
-        plgpu.barrier_arrive(v_used)
-        return dp_acc[...], s_acc[...]
-      tile = plgpu.ACC((bq, bk), jnp.float32)
-      dp, s = pl.run_scoped(dp_s, tile, tile)
-      s = s * qk_scale
-      kp, ks = _kv_cols(kvpos_ref, kvseg_ref, b, j * bk, bk, s.shape)
-      # Tiles outside this warpgroup's own bounds (the other warpgroup's range) run masked: the
-      # bounds come from the same positions / segment ids, so the mask hides every pair there.
-      s = lax.cond((j < flo) | (j >= fhi),
-                   lambda: _mask(s, qp, qs, kp, ks, window, s.shape), lambda: s)
-      row = lambda x: lax.broadcast_in_dim(x, s.shape, [0])
-      p_ = jnp.exp2(s - row(lse2))
-      ds = p_ * (dp - row(delta))
-      plgpu.wgmma(acc, ds.astype(dtype), k_smem)
-      plgpu.wgmma_wait(0)
-      plgpu.barrier_arrive(k_used)
-      return carry
-
     @pl.when(p * W * bq < count_ref[b, hsel])
     def _program():
+      plo = progb_ref[b, hsel, p, 0]
+      phi = progb_ref[b, hsel, p, 1]
+
+      def body(idx, k_smem, v_smem, k_used, v_used, carry):
+        (step,) = idx
+        j = plo + step
+        acc, lse2, delta, qp, qs, flo, fhi = carry
+
+        def dp_s(dp_acc, s_acc):
+          plgpu.wgmma(dp_acc, do_smem, v_smem.T)
+          plgpu.wgmma(s_acc, q_smem, k_smem.T)
+          plgpu.wgmma_wait(0)
+          plgpu.barrier_arrive(v_used)
+          return dp_acc[...], s_acc[...]
+        tile = plgpu.ACC((bq, bk), jnp.float32)
+        dp, s = pl.run_scoped(dp_s, tile, tile)
+        if not fold_scale:
+          s = s * qk_scale
+        kp, ks = _kv_cols(kvpos_ref, kvseg_ref, b, j * bk, bk, s.shape)
+        # Tiles outside this warpgroup's own bounds (the other warpgroup's range) run masked: the
+        # bounds come from the same positions / segment ids, so the mask hides every pair there.
+        s = lax.cond((j < flo) | (j >= fhi),
+                     lambda: _mask(s, qp, qs, kp, ks, window, s.shape), lambda: s)
+        row = lambda x: lax.broadcast_in_dim(x, s.shape, [0])
+        p_ = jnp.exp2((s * qk_scale if fold_scale else s) - row(lse2))
+        ds = p_ * (dp - row(delta))
+        plgpu.wgmma(acc, ds.astype(dtype), k_smem)
+        plgpu.wgmma_wait(0)
+        plgpu.barrier_arrive(k_used)
+        return carry
+
       plgpu.emit_pipeline_warp_specialized(
           body, grid=(phi - plo,), max_concurrent_steps=stages, num_compute_wgs=W,
           memory_registers=40, wg_axis="wg", manual_consumed_barriers=True,
@@ -463,7 +583,8 @@ def dq(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC, 
       )(k_ref.at[b, :, kh, :], v_ref.at[b, :, kh, :])
 
   args = [q_BCNH, k_BSKH, v_BSKH, do_BCNH, _lse2(lse_BNC), delta_BNC, wgb, progb, counts_BI,
-          qpos_BIC, _opt(qseg_BIC, (1, 1, 1)), _opt(kvpos_BS, (1, 1)), _opt(kvseg_BS, (1, 1))]
+          live_tiles(counts_BI, W * bq), qpos_BIC, _opt(qseg_BIC, (1, 1, 1)),
+          _opt(kvpos_BS, (1, 1)), _opt(kvseg_BS, (1, 1))]
   out = plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((B, C, N, H), dtype),
       **launch_grid(B, nprog, N, heads_fastest), num_threads=W + 1, thread_name="wg",
