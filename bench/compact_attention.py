@@ -24,7 +24,10 @@ not a bucket size), and the kernels run in the bucket the library picks for that
 kernels: the one full-T bucket of the glue kernels; '_xla': the default ladder's pick). Each
 variant is checked first (output and dq/dk/dv against cuDNN dense attention with inactive rows masked out, a bf16 reference computed with fp32
 accumulation, on inputs of its own so that stale buffers cannot pass), then timed: 2 warm-ups,
-median of --n runs, jax.block_until_ready. Achieved TFLOP/s count only visible (query, key) pairs
+median of --n runs, jax.block_until_ready; each call alone (`*_ms`: wall time, host time
+included) and device-bound (`*_stream_ms`: --n calls enqueued back to back, one block at the end,
+median of 3: the host's dispatch of the next call hides under the device's work, as in a model's
+step), for cuDNN, the tokamax route and ours alike. Achieved TFLOP/s count only visible (query, key) pairs
 (FlashAttention convention: 4 H flops per pair forward, 14 H forward+backward). Writes
 $OUT (or --out-dir) /compact_attention_<device>.json and prints the table last.
 """
@@ -538,18 +541,17 @@ def bench_stream(f, *args, n=10):
   return float(np.median(ts)) * 1e3
 
 
-def kernel_variants(T, s, n, named=None):
+def kernel_variants(T, s, n):
   """The Mosaic GPU kernels alone (auto's tiles, realistic active set) in variants, same process,
   each timed per call (`bench`, wall with block_until_ready) and device-bound (`bench_stream`).
   Forward: `new` (the defaults: programs past the count launched last, softmax scale folded
-  into exp2, tokamax's compiler params); `old` (programs past the count first, scale applied to
-  every score, default compiler params: the kernel before these changes); `old_order` (new
-  arithmetic, old launch order); `old_math` (old arithmetic, new order); `exact` (a bucket of the
-  active count rounded up to the tile: no programs past the count); `empty` (every count 0: only
-  the programs that find nothing to do); with named=True (default: env COMPACT_BENCH_NAMED=1)
-  also `named` (the hand-offs on hardware named barriers). dq new / old (order and scale), dk/dv
-  once. Each variant's results against the old kernel's on the active slots."""
-  named = os.environ.get("COMPACT_BENCH_NAMED") == "1" if named is None else named
+  into exp2, tokamax's compiler params, hand-offs on named barriers); `new_mbarriers` (the
+  hand-offs on mbarriers); `old` (programs past the count first, scale applied to every score,
+  default compiler params, mbarriers: the kernel before these changes); `old_order` /
+  `old_math` (new_mbarriers with the old launch order / the old arithmetic); `exact`
+  (new_mbarriers in a bucket of the active count rounded up to the tile: no programs past the
+  count); `empty` (every count 0: only the programs that find nothing to do). dq new / old (order
+  and scale), dk/dv once. Each variant's results against the old kernel's on the active slots."""
   pt = auto_point(T, s, "mosaic_gpu")
   bs_f, bs_b, count = pt.bs_f, pt.bs_b, pt.count
   sc, pairs = H ** -0.5, visible_pairs(pt.idx_np)
@@ -569,30 +571,32 @@ def kernel_variants(T, s, n, named=None):
     m = valid[None, :, None, None]
     return float(jnp.max(jnp.where(m, jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)),
                                    0)))
-  old_math = dict(fold_scale=False, no_auto_barriers=False)
+  old_math = dict(fold_scale=False, no_auto_barriers=False, named_barriers=False)
   o_old, lse_old = fwd_fn(x, x.counts, empties_last=False, **old_math)(x.q_c, x.k, x.v)
+  mb = dict(named_barriers=False)
   variants = [("old", x, x.counts, dict(empties_last=False, **old_math)),
               ("new", x, x.counts, {}),
-              ("old_order", x, x.counts, dict(empties_last=False)),
+              ("new_mbarriers", x, x.counts, mb),
+              ("old_order", x, x.counts, dict(empties_last=False, **mb)),
               ("old_math", x, x.counts, old_math),
-              ("exact", xe, xe.counts, {}),
+              ("exact", xe, xe.counts, mb),
               ("empty", x, jnp.zeros_like(x.counts), {})]
-  if named:
-    variants += [("named", x, x.counts, dict(named_barriers=True)),
-                 ("exact_named", xe, xe.counts, dict(named_barriers=True))]
+  outs = {}
   for tag, xx, counts, kws in variants:
     f = fwd_fn(xx, counts, **kws)
     r = dict(wall_ms=bench(f, xx.q_c, xx.k, xx.v, n=n),
              stream_ms=bench_stream(f, xx.q_c, xx.k, xx.v, n=n))
     if tag != "empty":
       r["tflops"] = 4 * H * N * pairs / r["stream_ms"] / 1e9
-      o, _ = f(xx.q_c, xx.k, xx.v)
+      o, _ = outs[tag] = f(xx.q_c, xx.k, xx.v)
       if tag.startswith("exact"):
         r["max_abs_diff"] = diff(o, o_old[:, :C_exact], va[:C_exact])
       else:
         r["max_abs_diff"] = diff(o, o_old, va)
     row["fwd_" + tag] = r
     print("variant fwd", tag, T, s, json.dumps(r), flush=True)
+  row["named_same_bits"] = all(bool(jnp.array_equal(a, b)) for a, b in zip(
+      outs["new"], outs["new_mbarriers"]))
   delta = jnp.swapaxes(jnp.sum(o_old.astype(jnp.float32) * x.do_c.astype(jnp.float32), -1), 1, 2)
   args = (x.q_c, x.k, x.v, x.do_c, lse_old, delta)
   dq_old = None
@@ -722,8 +726,9 @@ def main():
   ap.add_argument("--profile", action="store_true",
                   help="per-kernel device time of auto (CUPTI trace via torch's profiler)")
   ap.add_argument("--variants", action="store_true",
-                  help="Mosaic GPU kernels alone in variants (softmax scale folding, compiler "
-                       "params, exact bucket, empty programs), wall and device-bound")
+                  help="Mosaic GPU kernels alone in variants (launch order, softmax scale "
+                       "folding, compiler params, named barriers, exact bucket, empty programs), "
+                       "wall and device-bound")
   ap.add_argument("--glue", action="store_true",
                   help="only time the pieces of the XLA forward glue ('_xla') alone")
   ap.add_argument("--no-check-small", action="store_true")
@@ -791,14 +796,18 @@ def main():
     q, k, v, _, _, _ = make_inputs(T, 0.0, 0)
     cud_f = bench(jax.jit(cudnn_dense), q, k, v, n=args.n)
     cud_fb = bench(grad_fn(lambda q, k, v: cudnn_dense(q, k, v), q), q, k, v, n=args.n)
-    print(json.dumps(dict(T=T, cudnn_fwd_ms=cud_f, cudnn_fwdbwd_ms=cud_fb)), flush=True)
+    cud_fs = bench_stream(jax.jit(cudnn_dense), q, k, v, n=args.n)
+    cud_fbs = bench_stream(grad_fn(lambda q, k, v: cudnn_dense(q, k, v), q), q, k, v, n=args.n)
+    print(json.dumps(dict(T=T, cudnn_fwd_ms=cud_f, cudnn_fwdbwd_ms=cud_fb,
+                          cudnn_fwd_stream_ms=cud_fs, cudnn_fwdbwd_stream_ms=cud_fbs)), flush=True)
     ref_f = jax.jit(cudnn_masked)
     for s in ss:
       q, k, v, active, idx, ct = make_inputs(T, s, 2, exact=args.exact)
       ref_g = grad_fn(cudnn_masked, ct)
       pairs = visible_pairs(idx)
       row = dict(T=T, sparsity=s, active=int(idx.size), cudnn_fwd_ms=cud_f,
-                 cudnn_fwdbwd_ms=cud_fb, visible_pairs=pairs,
+                 cudnn_fwdbwd_ms=cud_fb, cudnn_fwd_stream_ms=cud_fs,
+                 cudnn_fwdbwd_stream_ms=cud_fbs, visible_pairs=pairs,
                  target_speedup=0.8 / (1 - s) if s > 0 else 1 / 1.3)
       for ii, impl in enumerate(impls):
         ibs = bs if kernel_impl(impl) == "triton" else None
@@ -821,8 +830,12 @@ def main():
           del o, gr, o_ref, gr_ref
           r["fwd_ms"] = bench(f, q, k, v, active, n=args.n)
           r["fwdbwd_ms"] = bench(g, q, k, v, active, n=args.n)
+          r["fwd_stream_ms"] = bench_stream(f, q, k, v, active, n=args.n)
+          r["fwdbwd_stream_ms"] = bench_stream(g, q, k, v, active, n=args.n)
           r["speedup_fwd"] = cud_f / r["fwd_ms"]
           r["speedup_fwdbwd"] = cud_fb / r["fwdbwd_ms"]
+          r["speedup_fwd_stream"] = cud_fs / r["fwd_stream_ms"]
+          r["speedup_fwdbwd_stream"] = cud_fbs / r["fwdbwd_stream_ms"]
           r["tflops_fwd"] = 4 * H * N * pairs / r["fwd_ms"] / 1e9
           r["tflops_fwdbwd"] = 14 * H * N * pairs / r["fwdbwd_ms"] / 1e9
         except Exception as e:  # noqa: BLE001
@@ -835,6 +848,9 @@ def main():
             tf = tokamax_fn(timpl, s)
             row["tokamax_fwd_ms"] = bench(jax.jit(tf), q, k, v, idx, n=args.n)
             row["tokamax_fwdbwd_ms"] = bench(grad_fn(tf, ct), q, k, v, idx, n=args.n)
+            row["tokamax_fwd_stream_ms"] = bench_stream(jax.jit(tf), q, k, v, idx, n=args.n)
+            row["tokamax_fwdbwd_stream_ms"] = bench_stream(grad_fn(tf, ct), q, k, v, idx,
+                                                           n=args.n)
             row["tokamax_impl"] = timpl
             break
           except Exception as e:  # noqa: BLE001
@@ -844,6 +860,11 @@ def main():
           if "tokamax_fwd_ms" in row and "fwd_ms" in row[impl]:
             row[impl]["vs_tokamax_fwd"] = row["tokamax_fwd_ms"] / row[impl]["fwd_ms"]
             row[impl]["vs_tokamax_fwdbwd"] = row["tokamax_fwdbwd_ms"] / row[impl]["fwdbwd_ms"]
+            if "tokamax_fwd_stream_ms" in row and "fwd_stream_ms" in row[impl]:
+              row[impl]["vs_tokamax_fwd_stream"] = (row["tokamax_fwd_stream_ms"] /
+                                                    row[impl]["fwd_stream_ms"])
+              row[impl]["vs_tokamax_fwdbwd_stream"] = (row["tokamax_fwdbwd_stream_ms"] /
+                                                       row[impl]["fwdbwd_stream_ms"])
       rows.append(row)
       print(json.dumps(row), flush=True)
       write()
@@ -865,6 +886,21 @@ def main():
             f"{g('speedup_fwdbwd'):6.2f} ({r['target_speedup']:.2f}) | {g('vs_tokamax_fwd'):5.2f}"
             f" {g('vs_tokamax_fwdbwd'):5.2f} | {g('tflops_fwd'):5.0f} {g('tflops_fwdbwd'):5.0f} | "
             f"{err:.1e}")
+  print("\ndevice-bound (10 calls back to back per timing, host time hidden):\n"
+        "   T    s | impl       fwd  fwdbwd | cuDNN fwd fwdbwd | tokamax fwd fwdbwd |"
+        " speedup fwd fwdbwd (target) | vs tokamax")
+  for r in rows:
+    for impl in impls:
+      x = r.get(impl, {})
+      g = lambda key, d=x: d.get(key, float("nan"))
+      print(f"{r['T']:6d} {r['sparsity']:.2f} | {impl:10s} {g('fwd_stream_ms'):6.2f} "
+            f"{g('fwdbwd_stream_ms'):7.2f} | {r['cudnn_fwd_stream_ms']:8.2f} "
+            f"{r['cudnn_fwdbwd_stream_ms']:7.2f} | "
+            f"{r.get('tokamax_fwd_stream_ms', float('nan')):9.2f} "
+            f"{r.get('tokamax_fwdbwd_stream_ms', float('nan')):7.2f} | "
+            f"{g('speedup_fwd_stream'):6.2f} {g('speedup_fwdbwd_stream'):6.2f} "
+            f"({r['target_speedup']:.2f}) | {g('vs_tokamax_fwd_stream'):5.2f} "
+            f"{g('vs_tokamax_fwdbwd_stream'):5.2f}")
 
 
 if __name__ == "__main__":

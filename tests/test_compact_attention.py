@@ -454,6 +454,27 @@ def test_triton_lowers_for_h100_at_realistic_shapes(monkeypatch, fused_bwd):
   assert names == sorted(attn + glue), names
 
 
+def test_mosaic_gpu_named_barriers_switch_reaches_the_forward_kernel(monkeypatch):
+  """mosaic_gpu.NAMED_BARRIERS is read when compact_attention is called and handed to the
+  forward kernel through the static config, on every call."""
+  from pallas_kernels.compact_attention import mosaic_gpu
+
+  class Seen(Exception):
+    pass
+  seen = []
+
+  def spy(*args, named_barriers, **kw):
+    seen.append(named_barriers)
+    raise Seen
+  monkeypatch.setattr(mosaic_gpu, "fwd", spy)
+  p = make_problem(4, T=128, N=2, K=1, H=64, sparsity=0.5, dtype=jnp.bfloat16)
+  for val in (True, False, True):
+    monkeypatch.setattr(mosaic_gpu, "NAMED_BARRIERS", val)
+    with pytest.raises(Seen):
+      compact_attention(p.q, p.k, p.v, p.active, impl="mosaic_gpu", interpret=True)
+  assert seen == [True, False, True]
+
+
 @pytest.mark.parametrize("switch,values", [("UNCOMPACT_BY_GATHER", (False, True)),
                                            ("FUSED_TRITON_BWD", (False, True)),
                                            ("GPU_GLUE_KERNELS", (False, True))])

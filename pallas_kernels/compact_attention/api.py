@@ -146,6 +146,7 @@ class _Config:
   # the static config, so that calls with different switches never share a cached trace.
   uncompact_by_gather: bool = False
   mgpu_bwd_wgs: int = 2
+  mgpu_named_barriers: bool = True  # mosaic_gpu.NAMED_BARRIERS
   # GPU: gathers bounded by the active count and results put back in one pass (glue.py)
   glue_kernels: bool = False
 
@@ -232,9 +233,11 @@ def _forward_impl(cfg: _Config, q, k, v, active, qpos, kvpos, qseg, kvseg):
         q_c = glue.gather_rows(q, idx, counts, _row_multiple(cfg), interpret=bool(cfg.interpret))
       else:
         q_c = _gather(q, idx)
+      extra = (dict(named_barriers=cfg.mgpu_named_barriers) if cfg.backend == "mosaic_gpu"
+               else {})
       out_c, lse_c = mod.fwd(q_c, k, v, qpos_c, _kernel_seg(qseg_c), kvpos_k, kvseg,
-                             bounds, counts, scale=cfg.scale,
-                             window=cfg.window, bs=bs, interpret=cfg.interpret, poison=cfg.poison)
+                             bounds, counts, scale=cfg.scale, window=cfg.window, bs=bs,
+                             interpret=cfg.interpret, poison=cfg.poison, **extra)
       if cfg.glue_kernels:
         return (glue.uncompact_rows(out_c, slot, interpret=bool(cfg.interpret)),
                 cp.uncompact_BNC(lse_c, slot, -jnp.inf))
@@ -367,6 +370,11 @@ def _is_hopper() -> bool:
 def _mosaic_gpu_bwd_wgs() -> int:
   from . import mosaic_gpu
   return mosaic_gpu.BWD_COMPUTE_WGS
+
+
+def _mosaic_gpu_named_barriers() -> bool:
+  from . import mosaic_gpu
+  return mosaic_gpu.NAMED_BARRIERS
 
 
 def _kv_granule(impl: str) -> int:
@@ -523,6 +531,7 @@ def compact_attention(q_BTNH, k_BSKH, v_BSKH, active, *, q_positions_BT=None,
                   fused_bwd=bwd_impl == "triton" and FUSED_TRITON_BWD,
                   uncompact_by_gather=UNCOMPACT_BY_GATHER,
                   mgpu_bwd_wgs=_mosaic_gpu_bwd_wgs() if bwd_impl == "mosaic_gpu" else 2,
+                  mgpu_named_barriers=impl != "mosaic_gpu" or _mosaic_gpu_named_barriers(),
                   glue_kernels=use_glue)
     out, lse = _kernel_attention_jit(cfg, q, k, v, active, qpos, kvpos, qseg, kvseg)
   return (out, lse) if return_lse else out

@@ -169,7 +169,7 @@ def prog_bounds(bounds_wg, nq_prog, wgs=_COMPUTE_WGS):
 
 def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_BIQ4, counts_BI, *,
         scale, window, bs: BlockSizes, interpret=False, poison=False, heads_fastest=True,
-        empties_last=True, fold_scale=True, no_auto_barriers=True, named_barriers=False):
+        empties_last=True, fold_scale=True, no_auto_barriers=True, named_barriers=True):
   """Returns (out_c [B, C, N, H], lse [B, N, C] float32); query tiles past counts_BI are not
   written. bounds_BIQ4 are per compute warpgroup (block_q // 2 rows). heads_fastest=False
   launches head by head (the old order; `launch_grid`), empties_last=False launches the
@@ -181,7 +181,8 @@ def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_B
   reduction_scratch_bytes=0), as tokamax's sm90 forward; safe here, no thread reads and writes one
   SMEM region (Q / K / V are read by the tensor cores only, the epilogue only writes). Together
   1.02-1.05x on one H100 (bench --variants, 32K, s = 0.5 / 0.9 / 0.95). named_barriers: the
-  compute warpgroups' hand-offs on hardware named barriers (`NAMED_BARRIERS`)."""
+  compute warpgroups' hand-offs on hardware named barriers (`NAMED_BARRIERS`; off in interpret
+  mode)."""
   named = named_barriers and not interpret
   B, C, N, H = q_BCNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
@@ -405,10 +406,13 @@ def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_B
   return out, lse
 
 
-# fwd(named_barriers=True): the forward's hand-offs on hardware named barriers (bar.arrive /
-# bar.sync, as tokamax's sm90 kernel and FlashAttention-3) instead of mbarriers (an mbarrier
-# arrive from a warpgroup is 128 per-thread arrivals, each wait a try_wait loop). GPU only: the
-# interpreter runs no inline PTX, so interpret mode keeps the mbarriers.
+# The forward's hand-offs on hardware named barriers (bar.arrive / bar.sync, as tokamax's sm90
+# kernel and FlashAttention-3) instead of mbarriers (an mbarrier arrive from a warpgroup is 128
+# per-thread arrivals, each wait a try_wait loop): 1.04x on the forward kernel alone on one H200
+# (bench --variants, 32K, s = 0.9 / 0.95). GPU only: the interpreter runs no inline PTX, so
+# interpret mode keeps the mbarriers; tests/gpu checks both give the same bits. Read when
+# compact_attention is called (api._Config.mgpu_named_barriers); False restores the mbarriers.
+NAMED_BARRIERS = True
 _WG_THREADS = 128
 _SCHED_BAR = 4   # named barriers 4, 5: the compute warpgroups' turns (Mosaic GPU uses 0..3)
 _FREE_BAR = 6    # 6 .. 6 + 2 * stages: K slots free, then V slots free
