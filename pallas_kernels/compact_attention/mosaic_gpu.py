@@ -20,8 +20,8 @@ dk/dv    grid (K, S / (W block_k_dkv), B), kv head by kv head (its programs then
          block_k_dkv kv rows each accumulate dk, dv over the G query heads of their kv head and
          the query tiles of the union of the heads' and warpgroups' bounds (tokamax's sm90 VJP
          layout).
-Programs whose query tiles lie past a row's active count hold only padding and return at once
-(the dynamic bound).
+Programs whose query tiles lie past a row's active count hold only padding, launch after every
+live one (`tile_order`) and return at once (the dynamic bound).
 
 Interpret mode (CPU): the kernels run under Pallas' GPU interpreter, which lacks two features the
 fast path uses: wgmma with the A operand in registers and `pl.run_state` over an accumulator.
@@ -128,7 +128,8 @@ def launch_grid(B, nprog, N, heads_fastest=True):
 
   Pallas Mosaic GPU launches the LAST grid axis fastest (the lowering reverses the grid onto
   CUDA's x, y, z). With (q, batch, heads) the N heads of every row of one query tile start
-  together and the tiles go heaviest first (each program reverses its "q" index), which is
+  together and the tiles go heaviest first (`tile_order` maps the "q" index to the live tiles
+  in reverse, then the empty programs), which is
   longest-first list scheduling. The old (heads, q, batch) ran head by head: every head's light
   tiles came before the next head's heavy ones, leaving a tail of long programs (a simulation of
   132 SMs: 83% / 72% of ideal at T = 32K, s = 0.9 / 0.95, against 99% / 92%). For B = 1 the
