@@ -226,7 +226,6 @@ def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_B
                        3 * _WG_THREADS)
     else:
       signal_other = sched_barrier
-      wait_turn = lambda: (plgpu.barrier_arrive(sched), plgpu.barrier_wait(sched))
 
       def release(kind, slot):
         plgpu.barrier_arrive((k_used if kind == "k" else v_used).at[slot])
