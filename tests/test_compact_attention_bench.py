@@ -369,6 +369,9 @@ def test_recorded_h100_rows_after_kernel_tuning_and_targets_quoted_in_readme():
   assert d["check_small_kernel_tuning"] and all(c["ok"] for c in d["check_small_kernel_tuning"])
   assert len(d["check_small_kernel_tuning"]) == 4
   assert d["gpu_smoke_kernel_tuning"]["result"].startswith("2 passed")
+  smoke = d["gpu_smoke_after_kernel_tuning"]  # the whole file, named barriers on
+  assert smoke["result"].startswith("10 passed, 1 skipped") and smoke["tree"].startswith("b5eec1c")
+  assert "tests/gpu/test_compact_attention_gpu.py" in smoke["command"]
   before = {(r["T"], r["sparsity"]): r["auto"] for r in d["rows_before_kernel_tuning"]}
   for key, r in rows.items():  # no slower point beyond noise
     assert r["auto"]["fwd_ms"] < 1.03 * before[key]["fwd_ms"]
