@@ -1,7 +1,8 @@
 r"""L2A learning experiment on MQAR (multi-query associative recall), end to end.
 
   python bench/l2a_learning.py                       # full run -> bench/results/l2a_learning.json
-  python bench/l2a_learning.py --preset=cpu --out=/tmp/l2a_cpu.json   # the test-sized run
+  python bench/l2a_learning.py --preset=cpu --dense_params=tests/fixtures/l2a/mqar_dense.npz \
+      --out=bench/results/l2a_learning_cpu.json    # the CPU-sized run (~4 min, 2 cores)
   python bench/l2a_learning.py --preset=demo --dense_params=tests/fixtures/l2a/mqar_dense.npz
                                                      # what `make demo` runs (scripts/demo.py)
 
@@ -124,8 +125,9 @@ class Settings:
 
 PRESETS = {
     "full": Settings(),
-    # The CPU test: the full preset's task and model (its dense model comes from a fixture made
-    # by the full run), shorter L2A / context-free phases.
+    # The CPU-sized run (bench/results/l2a_learning_cpu.json): the full preset's task and model
+    # (its dense model comes from a fixture made by the full run), shorter L2A / context-free
+    # phases.
     "cpu": Settings(l2a_steps=1200, l2a_lr=3e-3, eval_examples=512, thetas=(0.5,),
                     baselines=("context_free",), log_every=300),
     # `make demo` (scripts/demo.py): the same task and dense model, local window 1 (each token
