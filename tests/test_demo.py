@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from _train_helpers import PY, ROOT, subprocess_env
+from _train_helpers import PY, ROOT, assert_l2a_pruning_kv_bytes, subprocess_env
 
 
 def _demo(args, timeout=1500):
@@ -49,16 +49,7 @@ def test_demo_l2a_claims(demo_run):
   # theta is a knob: higher theta, sparser
   lo, hi = (m["theta_sweep"][str(t)] for t in m["settings"]["thetas"])
   assert hi["sparsity"] > lo["sparsity"], m["theta_sweep"]
-  # the pruning section: layers at sparsity >= 0.95 lose their full cache (K, V x kv heads x
-  # head_dim x float32 per token and layer; every layer keeps its window ring)
-  st, pr = m["settings"], m["pruning"]
-  assert pr["pruned_layers"] == [i for i, x in enumerate(m["l2a_layer_sparsity"]) if x >= 0.95]
-  per_tok = 2 * st["num_kv_heads"] * (st["hidden_size"] // st["num_heads"]) * 4
-  ctx, L, w = 131072, st["num_layers"], st["window"]
-  kv = pr["kv_bytes"][str(ctx)]
-  assert kv["dense"] == L * ctx * per_tok
-  assert kv["l2a"] == L * (ctx + w) * per_tok
-  assert kv["l2a_pruned"] == (L * w + (L - len(pr["pruned_layers"])) * ctx) * per_tok
+  assert_l2a_pruning_kv_bytes(m["settings"], m["l2a_layer_sparsity"], m["pruning"])
   # the demo checks the same claims itself (exit code 1 when one fails)
   assert all(c["ok"] for c in m["claims"]), m["claims"]
   assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])

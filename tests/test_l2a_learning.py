@@ -11,7 +11,7 @@ add up: ~8% accuracy at step 0), so L2A first re-learns the recall circuit, whic
 steps; within 1200 steps it is still below the dense accuracy. The full run (16000 L2A steps) is
 where it meets the dense accuracy.
 
-Both runs are long (the CPU one about 5 minutes on 2 cores), so they live in bench/ with their
+Both runs are long (the CPU one about 4 minutes on 2 cores), so they live in bench/ with their
 results recorded (bench/results/l2a_learning_cpu.json, l2a_learning.json). L2A learning to route
 is also run inside the suite: tests/test_demo.py runs `make demo` (the same dense model, window 1,
 600 steps, conversion to learned routing in the test) and asserts the same claims with wider
@@ -29,6 +29,8 @@ RESULT_CPU = os.path.join(ROOT, "bench", "results", "l2a_learning_cpu.json")
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
+from _train_helpers import assert_l2a_pruning_kv_bytes  # noqa: E402
+
 
 def test_recorded_cpu_run():
   """bench/results/l2a_learning_cpu.json: `python bench/l2a_learning.py --preset=cpu
@@ -40,7 +42,8 @@ def test_recorded_cpu_run():
   want = json.loads(json.dumps(dataclasses.asdict(s)))
   assert res["settings"] == want, "the CPU preset changed: re-run it (command in the file)"
   assert "--dense_params=tests/fixtures/l2a/mqar_dense.npz" in res["command"]
-  assert res["date"] and res["backend"] == "cpu" and res["jax_version"] == "0.11.2"
+  assert res["date"] and res["backend"] == "cpu" and res["device"]
+  assert res["jax_version"] == "0.11.2"
   summary = {k: res[k] for k in ("dense_accuracy", "converted_accuracy", "l2a_accuracy",
                                   "l2a_sparsity", "l2a_layer_sparsity", "context_free_accuracy",
                                   "context_free_sparsity")}
@@ -55,15 +58,8 @@ def test_recorded_cpu_run():
   assert abs(res["context_free_sparsity"] - res["l2a_sparsity"]) < 0.05, summary
   assert res["l2a_accuracy"] >= res["context_free_accuracy"] + 0.05, summary
   assert res["l2a_accuracy"] >= 0.35, summary
-  # the pruning section: layers at sparsity >= 0.95 lose their full cache (K, V x 2 kv heads x
-  # head_dim 16 x float32 per token and layer; every layer keeps its window ring of 4 slots)
-  pr = res["pruning"]
-  assert pr["pruned_layers"] == [i for i, x in enumerate(res["l2a_layer_sparsity"]) if x >= 0.95]
-  per_tok, ctx, L = 2 * 2 * 16 * 4, 131072, s.num_layers
-  kv = pr["kv_bytes"][str(ctx)]
-  assert kv["dense"] == L * ctx * per_tok
-  assert kv["l2a"] == L * (ctx + s.window) * per_tok
-  assert kv["l2a_pruned"] == (L * s.window + (L - len(pr["pruned_layers"])) * ctx) * per_tok
+  # the pruning section (2 kv heads x head_dim 16, window ring of 4 slots)
+  assert_l2a_pruning_kv_bytes(res["settings"], res["l2a_layer_sparsity"], res["pruning"])
 
 
 def test_recorded_full_run():
