@@ -10,6 +10,7 @@ k_end, scatter).
     python -m bench.compact_attention --glue      # the forward glue's pieces alone
     python -m bench.compact_attention --order     # Mosaic GPU launch orders, kernels alone
     python -m bench.compact_attention --profile   # per-kernel device time (CUPTI via torch)
+    python -m bench.compact_attention --hostcost --T 32768 --sparsity 0.9,0.95  # host time/call
 
 Variants: 'auto' (on Hopper: the Mosaic GPU kernels both ways; 'auto_tbwd': with the Triton
 backward, dq; dk/dv), 'mosaic_gpu', 'triton', '<impl>_fused' (the Triton backward in one kernel:
@@ -706,6 +707,59 @@ def profile_point(T, s, n):
   return row
 
 
+def _hlo_stats(fn, *args):
+  """Counts in the optimized HLO of jitted `fn`: kernels XLA launches (fusions, custom calls:
+  Pallas kernels, cuDNN) and copies. (XLA 0.11.2 forms its command buffers, CUDA graphs, from the
+  thunk sequence after this HLO, so they do not show here.)"""
+  import re
+  txt = fn.lower(*args).compile().as_text()
+  return dict(fusions=len(re.findall(r"= [^ ]+ fusion\(", txt)),
+              custom_calls=len(re.findall(r"custom-call\(", txt)),
+              copies=len(re.findall(r"= [^ ]+ copy\(", txt)))
+
+
+def host_cost(T, s, n):
+  """Host time per call: our forward and forward+backward (auto, realistic point), cuDNN's and an
+  empty jitted call, each timed per call (wall, `bench`) and device-bound (`bench_stream`); wall -
+  device-bound is the host time a lone call pays. With the kernel and command-buffer counts of
+  the compiled programs, and this process' XLA_FLAGS (the comparison runs one process per flag
+  setting: XLA reads its flags once)."""
+  pt = auto_point(T, s)
+  q, k, v, active, ct = pt.q, pt.k, pt.v, pt.active, pt.ct
+  row = dict(T=T, sparsity=s, active=pt.count, xla_flags=os.environ.get("XLA_FLAGS", ""))
+  fns = (("fwd", jax.jit(ours_fn("auto")), (q, k, v, active)),
+         ("fwdbwd", grad_fn(ours_fn("auto"), ct), (q, k, v, active)),
+         ("cudnn_fwd", jax.jit(cudnn_dense), (q, k, v)),
+         ("cudnn_fwdbwd", grad_fn(lambda q, k, v: cudnn_dense(q, k, v), ct), (q, k, v)),
+         ("empty_jit", jax.jit(lambda a: a), (active,)))
+  for tag, fn, args in fns:
+    r = dict(wall_ms=bench(fn, *args, n=n), stream_ms=bench_stream(fn, *args, n=n))
+    r["host_ms"] = r["wall_ms"] - r["stream_ms"]
+    r.update(_hlo_stats(fn, *args))
+    row[tag] = r
+  row["speedup_fwd"] = row["cudnn_fwd"]["wall_ms"] / row["fwd"]["wall_ms"]
+  row["speedup_fwdbwd"] = row["cudnn_fwdbwd"]["wall_ms"] / row["fwdbwd"]["wall_ms"]
+  row["speedup_fwd_stream"] = row["cudnn_fwd"]["stream_ms"] / row["fwd"]["stream_ms"]
+  row["speedup_fwdbwd_stream"] = row["cudnn_fwdbwd"]["stream_ms"] / row["fwdbwd"]["stream_ms"]
+  print("host_cost", json.dumps(row), flush=True)
+  return row
+
+
+def device_ceilings(n):
+  """What this device reaches on plain work, for the TFLOP/s and bandwidth figures: a bf16 matrix
+  product (8192^3, fp32 accumulation) and a copy of 2 GiB (read + write), median of n."""
+  a = jax.random.normal(jax.random.PRNGKey(0), (8192, 8192), DT)
+  b = jax.random.normal(jax.random.PRNGKey(1), (8192, 8192), DT)
+  mm = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32).astype(DT))
+  mm_ms = bench_stream(mm, a, b, n=n)
+  x = jax.random.normal(jax.random.PRNGKey(2), (1 << 30,), DT)  # 2 GiB
+  cp_ms = bench_stream(jax.jit(lambda x: x * 2), x, n=n)
+  row = dict(matmul_8192_ms=mm_ms, matmul_tflops=2 * 8192 ** 3 / mm_ms / 1e9,
+             copy_2gib_ms=cp_ms, copy_tb_per_s=2 * x.nbytes / cp_ms / 1e9)
+  print("device_ceilings", json.dumps(row), flush=True)
+  return row
+
+
 def main():
   ap = argparse.ArgumentParser()
   ap.add_argument("--T", default="32768,65536")
@@ -732,6 +786,11 @@ def main():
                   help="Mosaic GPU kernels alone in variants (launch order, softmax scale "
                        "folding, compiler params, named barriers, exact bucket, empty programs), "
                        "wall and device-bound")
+  ap.add_argument("--ceilings", action="store_true",
+                  help="first time a bf16 8192^3 matmul and a 2 GiB copy (device ceilings)")
+  ap.add_argument("--hostcost", action="store_true",
+                  help="host time per call (wall - device-bound) and kernel / command-buffer "
+                       "counts of ours, cuDNN and an empty call; run once per XLA_FLAGS setting")
   ap.add_argument("--glue", action="store_true",
                   help="only time the pieces of the XLA forward glue ('_xla') alone")
   ap.add_argument("--no-check-small", action="store_true")
@@ -759,6 +818,7 @@ def main():
   os.makedirs(args.out_dir, exist_ok=True)
   path = os.path.join(args.out_dir, f"compact_attention_{name}.json")
   rows, sweep_rows, small, breakdown_rows = [], [], [], []
+  ceilings = None
 
   def write():
     result = dict(device=dev.device_kind, jax_version=jax.__version__,
@@ -768,7 +828,8 @@ def main():
                   active_set="exactly (1-s)T" if args.exact else "Bernoulli(1-s) per query",
                   bucket_fracs=fracs or "library default", triton_block_sizes=repr(bs),
                   timing="median of %d after 2 warm-ups" % args.n,
-                  check_small=small, rows=rows, sweep=sweep_rows, breakdown=breakdown_rows)
+                  check_small=small, device_ceilings=ceilings, rows=rows, sweep=sweep_rows,
+                  breakdown=breakdown_rows)
     with open(path, "w") as fh:
       json.dump(result, fh, indent=1)
 
@@ -777,8 +838,12 @@ def main():
     write()
   if args.check_only:
     return
-  if args.glue or args.breakdown or args.order or args.profile or args.variants:
+  if args.ceilings:
+    ceilings = device_ceilings(args.n)
+    write()
+  if args.glue or args.breakdown or args.order or args.profile or args.variants or args.hostcost:
     per_point = (glue_parts if args.glue else launch_order if args.order else
+                 host_cost if args.hostcost else
                  kernel_variants if args.variants else
                  profile_point if args.profile else breakdown)
     for T in Ts:
