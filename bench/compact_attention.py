@@ -724,9 +724,8 @@ def host_cost(T, s, n):
   device-bound is the host time a lone call pays. With the kernel and command-buffer counts of
   the compiled programs, and this process' XLA_FLAGS (the comparison runs one process per flag
   setting: XLA reads its flags once)."""
-  pt = auto_point(T, s)
-  q, k, v, active, ct = pt.q, pt.k, pt.v, pt.active, pt.ct
-  row = dict(T=T, sparsity=s, active=pt.count, xla_flags=os.environ.get("XLA_FLAGS", ""))
+  q, k, v, active, idx, ct = make_inputs(T, s, 2)  # the realistic point of the rows
+  row = dict(T=T, sparsity=s, active=int(idx.size), xla_flags=os.environ.get("XLA_FLAGS", ""))
   fns = (("fwd", jax.jit(ours_fn("auto")), (q, k, v, active)),
          ("fwdbwd", grad_fn(ours_fn("auto"), ct), (q, k, v, active)),
          ("cudnn_fwd", jax.jit(cudnn_dense), (q, k, v)),

@@ -505,3 +505,22 @@ def test_recorded_h100_device_time_profile_ceilings_and_host_cost():
   for text in ("658 TFLOP/s", "| 0.95 | fwd     | fwd 0.649 (567)", "(14.7x)", "(8.42x, met)",
                "dk/dv 1.117 (659)", "8.11 / 7.39 / 7.63x", "0.15-0.25 ms"):
     assert text in readme, text
+
+
+def test_host_cost_runs_on_small_cpu_shapes(monkeypatch):
+  """bench --hostcost on CPU (the reference for ours, XLA's attention for cuDNN): every variant is
+  timed per call and device-bound, host time is their difference, and the kernel counts come from
+  the compiled programs (the forward+backward launches more than the forward)."""
+  import jax
+  monkeypatch.setattr(bench, "N", 2)
+  monkeypatch.setattr(bench, "K", 1)
+  monkeypatch.setattr(bench, "cudnn_dense", lambda q, k, v: jax.nn.dot_product_attention(
+      q, k, v, is_causal=True))
+  row = bench.host_cost(256, 0.9, 2)
+  assert row["T"] == 256 and 0 < row["active"] < 256
+  for tag in ("fwd", "fwdbwd", "cudnn_fwd", "cudnn_fwdbwd", "empty_jit"):
+    r = row[tag]
+    assert r["wall_ms"] > 0 and r["stream_ms"] > 0
+    assert r["host_ms"] == pytest.approx(r["wall_ms"] - r["stream_ms"])
+  assert row["fwdbwd"]["fusions"] > row["fwd"]["fusions"] > 0
+  assert row["speedup_fwd"] == pytest.approx(row["cudnn_fwd"]["wall_ms"] / row["fwd"]["wall_ms"])
