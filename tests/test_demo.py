@@ -12,10 +12,13 @@ import subprocess
 import pytest
 
 from _train_helpers import PY, ROOT, assert_l2a_pruning_kv_bytes, subprocess_env
+from _test_env import user_env
 
 
 def _demo(args, timeout=1500):
-  return subprocess.run([PY, "scripts/demo.py"] + args, cwd=ROOT, env=subprocess_env(1),
+  """scripts/demo.py as `make demo` runs it: XLA's default compile flags (tests/conftest.py sets
+  test-only ones, at which the demo's trainings would run slower)."""
+  return subprocess.run([PY, "scripts/demo.py"] + args, cwd=ROOT, env=user_env(subprocess_env(1)),
                         capture_output=True, text=True, timeout=timeout)
 
 
