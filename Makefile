@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml scripts/bootstrap.sh
 setup: $(VENV)/.installed
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 --dist loadfile tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder tests
 
 demo: $(VENV)/.installed
 	$(PY) scripts/demo.py --workdir=$(DEMO_DIR) --scheme=$(SCHEME)
