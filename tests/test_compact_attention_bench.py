@@ -372,6 +372,9 @@ def test_recorded_h100_rows_after_kernel_tuning_and_targets_quoted_in_readme():
   smoke = d["gpu_smoke_after_kernel_tuning"]  # the whole file, named barriers on
   assert smoke["result"].startswith("10 passed, 1 skipped") and smoke["tree"].startswith("b5eec1c")
   assert "tests/gpu/test_compact_attention_gpu.py" in smoke["command"]
+  final = d["gpu_smoke_final"]  # the whole tests/gpu after the CPU suite's compile flags
+  assert final["result"].startswith("14 passed, 1 skipped") and final["tree"].startswith("874021f")
+  assert final["command"].endswith("tests/gpu -x -s")
   before = {(r["T"], r["sparsity"]): r["auto"] for r in d["rows_before_kernel_tuning"]}
   for key, r in rows.items():  # no slower point beyond noise
     assert r["auto"]["fwd_ms"] < 1.03 * before[key]["fwd_ms"]
