@@ -721,8 +721,8 @@ def _hlo_stats(fn, *args):
 def host_cost(T, s, n):
   """Host time per call: our forward and forward+backward (auto, realistic point), cuDNN's and an
   empty jitted call, each timed per call (wall, `bench`) and device-bound (`bench_stream`); wall -
-  device-bound is the host time a lone call pays. With the kernel and command-buffer counts of
-  the compiled programs, and this process' XLA_FLAGS (the comparison runs one process per flag
+  device-bound is the host time a lone call pays. With the kernel counts of the compiled
+  programs (`_hlo_stats`), and this process' XLA_FLAGS (the comparison runs one process per flag
   setting: XLA reads its flags once)."""
   q, k, v, active, idx, ct = make_inputs(T, s, 2)  # the realistic point of the rows
   row = dict(T=T, sparsity=s, active=int(idx.size), xla_flags=os.environ.get("XLA_FLAGS", ""))
@@ -788,8 +788,8 @@ def main():
   ap.add_argument("--ceilings", action="store_true",
                   help="first time a bf16 8192^3 matmul and a 2 GiB copy (device ceilings)")
   ap.add_argument("--hostcost", action="store_true",
-                  help="host time per call (wall - device-bound) and kernel / command-buffer "
-                       "counts of ours, cuDNN and an empty call; run once per XLA_FLAGS setting")
+                  help="host time per call (wall - device-bound) and kernel counts of ours, "
+                       "cuDNN and an empty call; run once per XLA_FLAGS setting")
   ap.add_argument("--glue", action="store_true",
                   help="only time the pieces of the XLA forward glue ('_xla') alone")
   ap.add_argument("--no-check-small", action="store_true")

@@ -463,22 +463,22 @@ def test_recorded_h100_device_time_profile_ceilings_and_host_cost():
   ceil = d["device_ceilings"]
   assert ceil["matmul_tflops"] == pytest.approx(658, abs=0.5)
   assert ceil["copy_tb_per_s"] == pytest.approx(2.8, abs=0.05)
-  tf = lambda flops_per_pair, s, ms: flops_per_pair * 128 * 28 * rows[(32768, s)][
+  tf = lambda flops_per_pair, s, ms: flops_per_pair * bench.H * bench.N * rows[(32768, s)][
       "visible_pairs"] / ms / 1e9
   prof = {r["sparsity"]: r for r in d["profile_after_kernel_tuning"]}
   assert set(prof) == {0.9, 0.95}
   quoted = {0.9: dict(fwd=1.219, fwd_tf=612, busy=1.365, dq=1.572, dkv=2.192, speedup=8.42),
             0.95: dict(fwd=0.649, fwd_tf=567, busy=0.782, dq=0.865, dkv=1.117, speedup=14.7)}
+  kern = lambda x, name: next(v for k, v in x["attention"].items() if name in k)
   for s, q in quoted.items():
     f, fb, cud = prof[s]["fwd"], prof[s]["fwdbwd"], prof[s]["cudnn_fwd"]
-    kern = lambda x, name: next(v for k, v in x["attention"].items() if name in k)
     assert kern(f, "fwd_mgpu_nb") == pytest.approx(q["fwd"], abs=0.0005)  # named barriers ran
     assert tf(4, s, kern(f, "fwd_mgpu_nb")) == pytest.approx(q["fwd_tf"], abs=0.5)
     assert f["busy_ms"] == pytest.approx(q["busy"], abs=0.0005)
     assert f["span_ms"] - f["busy_ms"] < 0.005
     cudnn_kernel_ms = cud["glue"][0][1]
     assert "sdpa" in cud["glue"][0][0]
-    cudnn_tf = 4 * 128 * 28 * (32768 * 32769 / 2) / cudnn_kernel_ms / 1e9
+    cudnn_tf = 4 * bench.H * bench.N * (32768 * 32769 / 2) / cudnn_kernel_ms / 1e9
     assert cudnn_tf == pytest.approx(673, abs=1.5)
     digits = 0.05 if s == 0.95 else 0.005  # the README: 14.7x, 8.42x
     assert cud["busy_ms"] / f["busy_ms"] == pytest.approx(q["speedup"], abs=digits)
@@ -488,7 +488,9 @@ def test_recorded_h100_device_time_profile_ceilings_and_host_cost():
     assert tf(6, s, kern(fb, "dq_mgpu")) > 0.96 * ceil["matmul_tflops"]
     assert tf(8, s, kern(fb, "dkv_mgpu")) > 0.99 * ceil["matmul_tflops"]
     assert tf(4, s, kern(f, "fwd_mgpu_nb")) < 0.92 * cudnn_tf
-  assert quoted[0.9]["speedup"] >= 8  # s = 0.9 forward meets its target by device time
+  # s = 0.9 forward meets its target by device time, s = 0.95 does not
+  device_speedup = {s: prof[s]["cudnn_fwd"]["busy_ms"] / prof[s]["fwd"]["busy_ms"] for s in prof}
+  assert device_speedup[0.9] >= 8 and device_speedup[0.95] < 16
   assert prof[0.95]["cudnn_fwd"]["busy_ms"] / 16 == pytest.approx(0.719, abs=0.0005)
   hc = {(r["xla_flags"], r["sparsity"]): r for r in d["host_cost"]}
   off, ext = "--xla_gpu_enable_command_buffer=", "--xla_gpu_enable_command_buffer=FUSION"
@@ -515,8 +517,8 @@ def test_recorded_h100_device_time_profile_ceilings_and_host_cost():
   assert left == pytest.approx(0.51, abs=0.005)
   assert tf(4, 0.95, left) == pytest.approx(716, abs=5) and tf(4, 0.95, left) > cudnn_tf
   readme = open(os.path.join(ROOT, "pallas_kernels", "compact_attention", "README.md")).read()
-  for text in ("716 TFLOP/s", "658 TFLOP/s", "| 0.95 | fwd     | fwd 0.649 (567)", "(14.7x)", "(8.42x, met)",
-               "dk/dv 1.117 (659)", "8.11 / 7.39 / 7.63x", "0.15-0.25 ms"):
+  for text in ("716 TFLOP/s", "658 TFLOP/s", "| 0.95 | fwd     | fwd 0.649 (567)", "(14.7x)",
+               "(8.42x, met)", "dk/dv 1.117 (659)", "8.11 / 7.39 / 7.63x", "0.15-0.25 ms"):
     assert text in readme, text
 
 
