@@ -1,7 +1,7 @@
 r"""MATCH fidelity on MQAR (paper App. B.3.1 / Table C.3): 2-layer models, window 32.
 
   python bench/match_mqar.py                            # -> bench/results/match_mqar.json (CPU)
-  python bench/match_mqar.py --preset=test --out=/tmp/m.json   # seconds (tests/test_match_bench.py)
+  python bench/match_mqar.py --preset=test --out=/tmp/m.json   # seconds (tests/bench/test_match_bench.py)
 
 Three methods share one 2-layer qwen3-style decoder and training recipe, differing only in the
 attention of scheme 'match' (condattn_jax.attention.match):

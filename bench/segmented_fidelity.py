@@ -4,7 +4,7 @@ trained with full attention, then run segmented), both evaluated under the same 
 execution (S, M, R, lists below), plus the misaligned model under full attention as reference.
 
     python -m bench.segmented_fidelity                 # preset 'cpu': ~10 min on 2 CPU cores
-    python -m bench.segmented_fidelity --preset test   # seconds (tests/test_segmented_bench.py)
+    python -m bench.segmented_fidelity --preset test   # seconds (tests/bench/test_segmented_bench.py)
 
 Task (synthetic, numpy): each row is a random period-P motif drawn from a sparse first-order
 Markov chain (every token has 4 likely successors), repeated to fill the row, with a fraction of

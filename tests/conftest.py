@@ -5,8 +5,8 @@ and the train.py / eval.py subprocesses they start, which inherit this environme
 LLVM's optimisation level 0 and its expensive passes off (tests/_test_env.py:
 TEST_COMPILE_FLAGS): the programs compute the same values up to float rounding and run slower,
 which only long trainings notice (`make demo`'s test runs the demo with XLA's default flags, as a
-user runs it: tests/test_demo.py). jax's persistent compilation cache is NOT used: with jax 0.11.2
-on CPU a process that runs a train step loaded from it aborts (tests/test_checkpoint.py, run twice
+user runs it: tests/cli/test_demo.py). jax's persistent compilation cache is NOT used: with jax 0.11.2
+on CPU a process that runs a train step loaded from it aborts (tests/train/test_checkpoint.py, run twice
 on one cache directory).
 """
 import os

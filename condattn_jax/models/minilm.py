@@ -14,7 +14,7 @@ Model (BERT, post-LayerNorm, GELU-erf): word + position + token-type(0) embeddin
 states over the attention mask, then L2 normalisation. Tokenisation: the package's tokenizer.json
 (lower-casing BERT WordPiece with [CLS] ... [SEP]) through the `tokenizers` library, truncated
 to 256 tokens (the model's max_seq_length). Matches sentence-transformers to cosine >= 0.9999
-(tests/test_minilm.py).
+(tests/models/test_minilm.py).
 """
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ from condattn_jax import data
 from condattn_jax.data import pipeline
 
 T = 32
-QWEN_DIR = os.path.join(os.path.dirname(__file__), "fixtures", "tokenizer", "qwen")
+QWEN_DIR = os.path.join(os.path.dirname(__file__), "..", "fixtures", "tokenizer", "qwen")
 
 
 def _docs(n=80, seed=0):

@@ -22,7 +22,7 @@ from condattn_jax.models import stacking
 from condattn_jax.models.config import ModelConfig
 from condattn_jax.models.decoder import Decoder
 
-HF = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
+HF = os.path.join(os.path.dirname(__file__), "..", "fixtures", "hf")
 FAMILIES = ["llama", "qwen2", "qwen3", "olmo2"]
 TOL = 1e-4
 

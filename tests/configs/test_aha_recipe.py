@@ -14,7 +14,7 @@ from condattn_jax.train import config as config_lib
 from condattn_jax.train import loop
 from condattn_jax.train.cli import load_recipe
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPE = os.path.join(ROOT, "configs", "aha_olmo.py")
 HF = os.path.join(ROOT, "tests", "fixtures", "hf")
 

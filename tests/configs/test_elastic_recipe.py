@@ -13,7 +13,7 @@ from condattn_jax.train import loop
 from condattn_jax.train import optimizer as opt_lib
 from condattn_jax.train.cli import load_recipe
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPE = os.path.join(ROOT, "configs", "elastic_qwen.py")
 
 

@@ -13,7 +13,7 @@ where it meets the dense accuracy.
 
 Both runs are long (the CPU one about 4 minutes on 2 cores), so they live in bench/ with their
 results recorded (bench/results/l2a_learning_cpu.json, l2a_learning.json). L2A learning to route
-is also run inside the suite: tests/test_demo.py runs `make demo` (the same dense model, window 1,
+is also run inside the suite: tests/cli/test_demo.py runs `make demo` (the same dense model, window 1,
 600 steps, conversion to learned routing in the test) and asserts the same claims with wider
 margins.
 """
@@ -23,7 +23,7 @@ import os
 
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULT = os.path.join(ROOT, "bench", "results", "l2a_learning.json")
 RESULT_CPU = os.path.join(ROOT, "bench", "results", "l2a_learning_cpu.json")
 if ROOT not in sys.path:

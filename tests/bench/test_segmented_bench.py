@@ -13,7 +13,7 @@ from bench import segmented_fidelity as fid
 from bench import segmented_memory as mem
 from condattn_jax.attention import segmented as sgm
 
-RESULT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench",
+RESULT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench",
                       "results", "segmented_fidelity.json")
 
 

@@ -16,7 +16,7 @@ from condattn_jax.train import config as config_lib
 from condattn_jax.train import loop, optimizer
 from condattn_jax.train.cli import load_recipe
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPE = os.path.join(ROOT, "configs", "segmented_llama.py")
 HF = os.path.join(ROOT, "tests", "fixtures", "hf")
 

@@ -9,7 +9,7 @@ from tokenizers import models, pre_tokenizers, processors
 
 from condattn_jax.data.tokenizer import Tokenizer, load_tokenizer
 
-QWEN_DIR = os.path.join(os.path.dirname(__file__), "fixtures", "tokenizer", "qwen")
+QWEN_DIR = os.path.join(os.path.dirname(__file__), "..", "fixtures", "tokenizer", "qwen")
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 
 from bench import elastic_tasks as bench
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_task_mix_rows():
@@ -87,7 +87,7 @@ def test_recorded_prefill_result():
   import json
   import os
   from bench import elastic_prefill as ep
-  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench",
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench",
                       "results", "elastic_prefill_NVIDIA_H100_80GB_HBM3.json")
   doc = json.load(open(path))
   got = {}

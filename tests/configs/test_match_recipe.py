@@ -10,7 +10,7 @@ from condattn_jax.data.config import is_required_marker
 from condattn_jax.train import config as config_lib
 from condattn_jax.train.cli import load_recipe
 
-RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs",
                       "match_qwen.py")
 
 

@@ -13,7 +13,7 @@ import pytest
 
 from bench import e2e
 
-RESULTS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "bench", "results",
+RESULTS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "..", "bench", "results",
                                         "e2e_*.json")))
 
 
@@ -145,7 +145,7 @@ def test_recorded_attention_diag_routing():
   auto pick (the compacted kernel since 8411e8a) is the fast one for training (fwd+bwd) and
   tokamax's unskipped windowed backward is several times slower."""
   import json
-  paths = glob.glob(os.path.join(os.path.dirname(__file__), "..", "bench", "results",
+  paths = glob.glob(os.path.join(os.path.dirname(__file__), "..", "..", "bench", "results",
                                  "attention_diag_*.json"))
   assert paths
   for path in paths:
@@ -162,7 +162,7 @@ def test_recorded_h200_end_to_end_targets():
   """bench/results/e2e_NVIDIA_H200.json (issue 8's end-to-end targets, full 28-layer model): at
   128K the L2A q=0.2 train step is >= 2.0x dense and its engine prefill >= 2.2x, the speedup grows
   with T, and the forced-global expectation (p_force 0.1) is the 1.98x its findings state."""
-  path = os.path.join(os.path.dirname(__file__), "..", "bench", "results", "e2e_NVIDIA_H200.json")
+  path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "results", "e2e_NVIDIA_H200.json")
   doc = json.load(open(path))
   e2e.check_results(doc)
   l2a = {r["T"]: r for r in doc["rows"] if r["scheme"] == "l2a_q0.2" and r["status"] == "ok"}
@@ -176,7 +176,7 @@ def test_recorded_h200_end_to_end_targets():
 
 def _h100_e2e():
   """The H100 end-to-end results: valid, device and jax version named, dated by its newest run."""
-  path = os.path.join(os.path.dirname(__file__), "..", "bench", "results",
+  path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "results",
                       "e2e_NVIDIA_H100_80GB_HBM3.json")
   doc = json.load(open(path))
   e2e.check_results(doc)

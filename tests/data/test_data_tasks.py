@@ -159,7 +159,7 @@ def test_config_checks_and_batch_spec(tmp_path):
 
 def test_elastic_recipe_reads_task_names_from_the_scheme():
   from condattn_jax.train.cli import load_recipe
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   c = load_recipe(os.path.join(root, "configs", "elastic_qwen.py"))
   assert c.data.task_field == "task" and c.data.task_names == c.model.scheme.task_names
   c.model.scheme.task_names = ("a", "b", "c", "d")  # the command line moves both
@@ -171,7 +171,7 @@ def test_elastic_train_step_counts_the_batches_tasks(tmp_path):
   per-task sample counts (elastic/samples_task) are the tasks of the pipeline's batches."""
   from condattn_jax.train import loop
   from condattn_jax.train.cli import load_recipe
-  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   c = load_recipe(os.path.join(root, "configs", "elastic_qwen.py") + ":tiny,steps=3")
   s = c.model.scheme
   s.task_names, s.targets = TASKS, (0.7, 1.0)

@@ -11,7 +11,7 @@ import pytest
 
 from condattn_jax.models import minilm
 
-FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "minilm_st.npz")
+FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "minilm_st.npz")
 
 
 @pytest.fixture(scope="module")
