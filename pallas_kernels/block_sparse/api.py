@@ -34,9 +34,10 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.compact_attention import api as _compact_api
-from pallas_kernels.compact_attention.common import TRITON_SMEM_BYTES
 from pallas_kernels.compact_attention.reference import (HEAD_BLOCKS, HEAD_FULL, check_qkv,
                                                         dense_mask, reference_attention)
+
+from pallas_kernels.flash_tiles import TRITON_SMEM_BYTES
 
 from . import tables
 

@@ -22,12 +22,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 # Lane / sublane layout helpers shared with the compacted-query Mosaic kernel.
-from pallas_kernels.compact_attention.mosaic_tpu import (
-    LANES, NEG_INF, SUBLANES, _NT, _bcast_lanes, _lanes, _lse_safe, _poison, _rows)
+from pallas_kernels.flash_tiles import (LANES, NEG_INF, SUBLANES, NT_DIMS, bcast_lanes, lanes,
+                                        lse_safe, poison_buffers, rows)
 
 
 def _visible(qp_lanes, kp_row, qs_lanes, ks_row, *, window, sinks, bk):
-  qp = _bcast_lanes(qp_lanes, bk)
+  qp = bcast_lanes(qp_lanes, bk)
   vis = kp_row <= qp
   if window is not None:
     inside = (qp - kp_row) < window
@@ -35,7 +35,7 @@ def _visible(qp_lanes, kp_row, qs_lanes, ks_row, *, window, sinks, bk):
       inside = jnp.logical_or(inside, kp_row < sinks)
     vis = jnp.logical_and(vis, inside)
   if qs_lanes is not None:
-    vis = jnp.logical_and(vis, _bcast_lanes(qs_lanes, bk) == ks_row)
+    vis = jnp.logical_and(vis, bcast_lanes(qs_lanes, bk) == ks_row)
   return vis
 
 
@@ -56,14 +56,14 @@ def _dyn_steps(bounds):
 def _meta_args(qpos_BT, qseg_BIT, kvpos_BS, kvseg_BS, q_spec_of, kv_spec):
   """(args, specs) of the lane / sublane replicated metadata."""
   has_seg = qseg_BIT is not None
-  args, specs = [_lanes(qpos_BT[:, None, :])], [q_spec_of(False)]
+  args, specs = [lanes(qpos_BT[:, None, :])], [q_spec_of(False)]
   if has_seg:
-    args.append(_lanes(qseg_BIT))
+    args.append(lanes(qseg_BIT))
     specs.append(q_spec_of(qseg_BIT.shape[1] > 1))
-  args.append(_rows(kvpos_BS))
+  args.append(rows(kvpos_BS))
   specs.append(kv_spec)
   if has_seg:
-    args.append(_rows(kvseg_BS))
+    args.append(rows(kvseg_BS))
     specs.append(kv_spec)
   return args, specs
 
@@ -112,17 +112,17 @@ def _fwd_kernel(full_ref, bounds_ref, list_ref, *refs, has_seg, window, sinks, s
   @pl.when(run)
   def _compute():
     q, k = q_ref[...], k_ref[...]
-    s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * scale
+    s = lax.dot_general(q, k, NT_DIMS, preferred_element_type=jnp.float32) * scale
     s = _mask(s, qp_ref, qs_ref, kp_ref, ks_ref, window=window, sinks=sinks, bk=bk)
     m_prev = m_sc[...]
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1)[:, None])
     m_use = jnp.where(m_next == NEG_INF, 0.0, m_next)
-    p = jnp.exp(s - _bcast_lanes(m_use, bk))
+    p = jnp.exp(s - bcast_lanes(m_use, bk))
     alpha = jnp.exp(m_prev - m_use)
     l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1)[:, None]
     m_sc[...] = m_next
     v = v_ref[...]
-    acc_sc[...] = acc_sc[...] * _bcast_lanes(alpha, acc_sc.shape[-1]) + lax.dot(
+    acc_sc[...] = acc_sc[...] * bcast_lanes(alpha, acc_sc.shape[-1]) + lax.dot(
         p.astype(v.dtype), v, preferred_element_type=jnp.float32)
 
   @pl.when(t == pl.num_programs(3) - 1)
@@ -130,7 +130,7 @@ def _fwd_kernel(full_ref, bounds_ref, list_ref, *refs, has_seg, window, sinks, s
     l = l_sc[...]
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
-    o_ref[...] = (acc_sc[...] / _bcast_lanes(l_safe, acc_sc.shape[-1])).astype(o_ref.dtype)
+    o_ref[...] = (acc_sc[...] / bcast_lanes(l_safe, acc_sc.shape[-1])).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(empty, NEG_INF, m_sc[...] + jnp.log(l_safe))
 
 
@@ -165,7 +165,7 @@ def fwd(q_BTNH, k_BSKH, v_BSKH, full_BN, bounds_BNQ4, list_BNQL, qpos_BT, qseg_B
   specs += [q_spec, kv_spec, kv_spec]
   out_shapes = [jax.ShapeDtypeStruct((B, N, T, H), q_BTNH.dtype),
                 jax.ShapeDtypeStruct((B, N, T, LANES), jnp.float32)]
-  pbufs, pspecs = _poison(out_shapes, poison)
+  pbufs, pspecs = poison_buffers(out_shapes, poison)
   aliases = {3 + len(args) + n: n for n in range(len(pbufs))}
   kernel = functools.partial(_fwd_kernel, has_seg=has_seg, window=window, sinks=sinks,
                              scale=scale, bk=bk, N=N, nq=nq, nk=nk, L=L, n_poison=len(pbufs))
@@ -210,11 +210,11 @@ def _dq_kernel(full_ref, bounds_ref, list_ref, *refs, has_seg, window, sinks, sc
   @pl.when(run)
   def _compute():
     q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-    s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * scale
+    s = lax.dot_general(q, k, NT_DIMS, preferred_element_type=jnp.float32) * scale
     s = _mask(s, qp_ref, qs_ref, kp_ref, ks_ref, window=window, sinks=sinks, bk=bk)
-    p = jnp.exp(s - _bcast_lanes(_lse_safe(lse_ref[...]), bk))
-    dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
-    ds = p * (dp - _bcast_lanes(delta_ref[...], bk))
+    p = jnp.exp(s - bcast_lanes(lse_safe(lse_ref[...]), bk))
+    dp = lax.dot_general(do, v, NT_DIMS, preferred_element_type=jnp.float32)
+    ds = p * (dp - bcast_lanes(delta_ref[...], bk))
     dq_sc[...] += lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
   @pl.when(t == pl.num_programs(3) - 1)
@@ -237,11 +237,11 @@ def dq(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, full_BN, bounds_BNQ4
   q_spec = pl.BlockSpec((None, None, bq, H), lambda b, h, i, t, *_: (b, h, i, 0))
   kv_spec = pl.BlockSpec((None, None, bk, H), lambda b, h, i, t, *tab: (
       b, h // G, kv_tile(b, h, i, t, *tab), 0))
-  args += [_tr(q_BTNH), _tr(k_BSKH), _tr(v_BSKH), _tr(do_BTNH), _lanes(lse_BNT),
-           _lanes(delta_BNT)]
+  args += [_tr(q_BTNH), _tr(k_BSKH), _tr(v_BSKH), _tr(do_BTNH), lanes(lse_BNT),
+           lanes(delta_BNT)]
   specs += [q_spec, kv_spec, kv_spec, q_spec, q_lanes(True), q_lanes(True)]
   out_shapes = [jax.ShapeDtypeStruct((B, N, T, H), q_BTNH.dtype)]
-  pbufs, pspecs = _poison(out_shapes, poison)
+  pbufs, pspecs = poison_buffers(out_shapes, poison)
   aliases = {3 + len(args) + n: n for n in range(len(pbufs))}
   kernel = functools.partial(_dq_kernel, has_seg=has_seg, window=window, sinks=sinks,
                              scale=scale, bk=bk, N=N, nq=nq, nk=nk, L=L, n_poison=len(pbufs))
@@ -285,12 +285,12 @@ def _dkv_kernel(full_ref, bounds_ref, list_ref, *refs, has_seg, window, sinks, s
   @pl.when(run)
   def _compute():
     q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-    s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * scale   # [bq, bk]
+    s = lax.dot_general(q, k, NT_DIMS, preferred_element_type=jnp.float32) * scale   # [bq, bk]
     s = _mask(s, qp_ref, qs_ref, kp_ref, ks_ref, window=window, sinks=sinks, bk=bk)
-    p = jnp.exp(s - _bcast_lanes(_lse_safe(lse_ref[...]), bk))
+    p = jnp.exp(s - bcast_lanes(lse_safe(lse_ref[...]), bk))
     dv_sc[...] += lax.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
-    dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
-    ds = p * (dp - _bcast_lanes(delta_ref[...], bk))
+    dp = lax.dot_general(do, v, NT_DIMS, preferred_element_type=jnp.float32)
+    ds = p * (dp - bcast_lanes(delta_ref[...], bk))
     dk_sc[...] += lax.dot(ds.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
 
   @pl.when(jnp.logical_and(g == pl.num_programs(3) - 1, t == pl.num_programs(4) - 1))
@@ -326,12 +326,12 @@ def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, full_BN, boundsT_BN
   q_spec = pl.BlockSpec((None, None, bq, H), lambda b, kh, j, g, t, *tab: (
       b, kh * G + g, q_tile(b, kh, j, g, t, *tab), 0))
   kv_spec = pl.BlockSpec((None, None, bk, H), lambda b, kh, j, g, t, *_: (b, kh, j, 0))
-  args += [_tr(q_BTNH), _tr(k_BSKH), _tr(v_BSKH), _tr(do_BTNH), _lanes(lse_BNT),
-           _lanes(delta_BNT)]
+  args += [_tr(q_BTNH), _tr(k_BSKH), _tr(v_BSKH), _tr(do_BTNH), lanes(lse_BNT),
+           lanes(delta_BNT)]
   specs += [q_spec, kv_spec, kv_spec, q_spec, q_lanes(True), q_lanes(True)]
   out_shapes = [jax.ShapeDtypeStruct((B, K, S, H), k_BSKH.dtype),
                 jax.ShapeDtypeStruct((B, K, S, H), v_BSKH.dtype)]
-  pbufs, pspecs = _poison(out_shapes, poison)
+  pbufs, pspecs = poison_buffers(out_shapes, poison)
   aliases = {3 + len(args) + n: n for n in range(len(pbufs))}
   kernel = functools.partial(_dkv_kernel, has_seg=has_seg, window=window, sinks=sinks,
                              scale=scale, bk=bk, N=N, G=G, nq=nq, nk=nk, M=M,

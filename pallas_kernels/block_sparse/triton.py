@@ -27,9 +27,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.compact_attention.common import LN2, LOG2E
-# Shared with the compacted-query Triton kernel.
-from pallas_kernels.compact_attention.triton import NEG_INF, _bwd_lse2, _dot
+# Tile math shared with the compacted-query Triton kernel.
+from pallas_kernels.flash_tiles import LN2, LOG2E, NEG_INF, bwd_lse2, dot
 
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated",
                         category=DeprecationWarning)
@@ -123,7 +122,7 @@ def _fwd_kernel(*refs, has_seg, window, sinks, scale, bq, bk, bks, nq, nk, L):
     tile = _kv_tile(full, list_ref, i, idx // r, L, nk, masked)
     start = pl.multiple_of(tile * bk + (idx % r) * bks, bks)
     k = k_ref[pl.ds(start, bks), :]
-    s = _dot(q, k, trans_b=True) * qk_scale
+    s = dot(q, k, trans_b=True) * qk_scale
     if masked:
       kp = kvpos_ref[pl.ds(start, bks)]
       ks = None if kvseg_ref is None else kvseg_ref[pl.ds(start, bks)]
@@ -134,7 +133,7 @@ def _fwd_kernel(*refs, has_seg, window, sinks, scale, bq, bk, bks, nq, nk, L):
     p = jnp.exp2(s - m_use[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
     v = v_ref[pl.ds(start, bks), :]
-    acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
+    acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
     return acc, m_new, l
 
   acc = jnp.zeros((bq, H), jnp.float32)
@@ -200,7 +199,7 @@ def _dq_kernel(*refs, has_seg, window, sinks, scale, bq, bk, bks, nq, nk, L):
   full = full_ref[...] != 0
   bounds = tuple(bounds_ref[i, c] for c in range(4))
   q, do = q_ref[...], do_ref[...]
-  lse2 = _bwd_lse2(lse_ref[...])
+  lse2 = bwd_lse2(lse_ref[...])
   delta = delta_ref[...]
   qp = qpos_ref[pl.ds(i * bq, bq)]
   qs = None if qseg_ref is None else qseg_ref[pl.ds(i * bq, bq)]
@@ -213,15 +212,15 @@ def _dq_kernel(*refs, has_seg, window, sinks, scale, bq, bk, bks, nq, nk, L):
     start = pl.multiple_of(tile * bk + (idx % r) * bks, bks)
     k = k_ref[pl.ds(start, bks), :]
     v = v_ref[pl.ds(start, bks), :]
-    s = _dot(q, k, trans_b=True) * qk_scale
+    s = dot(q, k, trans_b=True) * qk_scale
     if masked:
       kp = kvpos_ref[pl.ds(start, bks)]
       ks = None if kvseg_ref is None else kvseg_ref[pl.ds(start, bks)]
       s = jnp.where(visible(qp, kp, qs, ks, window=window, sinks=sinks), s, NEG_INF)
     p = jnp.exp2(s - lse2[:, None])
-    dp = _dot(do, v, trans_b=True)
+    dp = dot(do, v, trans_b=True)
     ds = p * (dp - delta[:, None])
-    return dq + _dot(ds.astype(k.dtype), k)
+    return dq + dot(ds.astype(k.dtype), k)
 
   dq = _loops(_scaled(bounds, r), body, jnp.zeros(q.shape, jnp.float32))
   dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
@@ -300,19 +299,19 @@ def _dkv_kernel(*refs, has_seg, window, sinks, scale, bq, bqs, rk, nq, G, per_he
       sl = pl.ds(pl.multiple_of(i * bq + (idx % r) * bqs, bqs), bqs)
       q = q_ref[sl, g, :]
       do = do_ref[sl, g, :]
-      lse2 = _bwd_lse2(lse_ref[g, sl])
+      lse2 = bwd_lse2(lse_ref[g, sl])
       delta = delta_ref[g, sl]
-      sT = _dot(k, q, trans_b=True) * qk_scale                      # [bk, bq]
+      sT = dot(k, q, trans_b=True) * qk_scale                      # [bk, bq]
       if masked:
         qp = qpos_ref[sl]
         qs = None if qseg_ref is None else qseg_ref[g if per_head else 0, sl]
         vis = visible(qp, kp, qs, ks, window=window, sinks=sinks)
         sT = jnp.where(vis.T, sT, NEG_INF)
       pT = jnp.exp2(sT - lse2[None, :])
-      dv = dv + _dot(pT.astype(do.dtype), do)
-      dpT = _dot(v, do, trans_b=True)                                 # [bk, bq]
+      dv = dv + dot(pT.astype(do.dtype), do)
+      dpT = dot(v, do, trans_b=True)                                 # [bk, bq]
       dsT = pT * (dpT - delta[None, :])
-      dk = dk + _dot(dsT.astype(q.dtype), q)
+      dk = dk + dot(dsT.astype(q.dtype), q)
       return dk, dv
 
     return _loops(_scaled(bounds, r), body, carry)

@@ -4,8 +4,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
+from pallas_kernels.flash_tiles import TRITON_SMEM_BYTES
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +72,6 @@ GPU_BLOCK_SIZES = BlockSizes()
 GPU_BLOCK_SIZES_F32 = BlockSizes(block_q=64, block_k=64, num_warps=4, num_stages=2,
                                  block_q_dq=64, block_k_dq=64, num_warps_dq=4, num_stages_dq=2,
                                  block_q_dkv=64, block_k_dkv=64, num_warps_dkv=4, num_stages_dkv=2)
-TRITON_SMEM_BYTES = 227 * 1024  # Hopper's per-block limit (232448)
 
 
 def triton_smem_estimate(bs: BlockSizes, H: int, itemsize: int) -> int:

@@ -38,7 +38,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from .common import LN2, LOG2E, BlockSizes
+from pallas_kernels.flash_tiles import LN2, LOG2E
+
+from .common import BlockSizes
 
 NEG_INF = float("-inf")
 _WGMMA = plgpu.Layout.WGMMA

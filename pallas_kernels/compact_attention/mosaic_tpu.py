@@ -24,38 +24,19 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
+from pallas_kernels.flash_tiles import (LANES, NEG_INF, NT_DIMS, SUBLANES, bcast_lanes, lanes,
+                                           lse_safe, poison_buffers, rows)
+
 from .common import BlockSizes
-
-LANES = 128
-SUBLANES = 8
-NEG_INF = float("-inf")
-_NT = (((1,), (1,)), ((), ()))  # a @ b.T
-
-
-def _lanes(x_BIC):
-  return jnp.broadcast_to(x_BIC[..., None], x_BIC.shape + (LANES,))
-
-
-def _rows(x_BS):
-  return jnp.broadcast_to(x_BS[:, None, :], (x_BS.shape[0], SUBLANES, x_BS.shape[1]))
-
-
-def _bcast_lanes(x, n):
-  """(rows, 128) lane-replicated -> (rows, n)."""
-  if n == LANES:
-    return x
-  if n < LANES:
-    return x[:, :n]
-  return jnp.tile(x, (1, n // LANES))
 
 
 def _visible(qp_lanes, kp_row, qs_lanes, ks_row, window, bk):
-  qp = _bcast_lanes(qp_lanes, bk)
+  qp = bcast_lanes(qp_lanes, bk)
   vis = kp_row <= qp
   if window is not None:
     vis = jnp.logical_and(vis, (qp - kp_row) < window)
   if qs_lanes is not None:
-    vis = jnp.logical_and(vis, _bcast_lanes(qs_lanes, bk) == ks_row)
+    vis = jnp.logical_and(vis, bcast_lanes(qs_lanes, bk) == ks_row)
   return vis
 
 
@@ -68,8 +49,8 @@ def _step(bref, base, t):
 def _prep(qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, S, B):
   kvpos = kvpos_BS if kvpos_BS is not None else jnp.broadcast_to(
       jnp.arange(S, dtype=jnp.int32), (B, S))
-  return (_lanes(qpos_BIC), None if qseg_BIC is None else _lanes(qseg_BIC), _rows(kvpos),
-          None if kvseg_BS is None else _rows(kvseg_BS))
+  return (lanes(qpos_BIC), None if qseg_BIC is None else lanes(qseg_BIC), rows(kvpos),
+          None if kvseg_BS is None else rows(kvseg_BS))
 
 
 def _dyn(n):
@@ -83,13 +64,6 @@ def _grid_q(counts_BI, bq, nq):
 
 def _grid_steps(bounds):
   return _dyn(jnp.max(bounds[..., 3] - bounds[..., 0]))
-
-
-def _poison(shapes, poison):
-  if not poison:
-    return [], []
-  return ([jnp.full(s.shape, jnp.nan, s.dtype) for s in shapes],
-          [pl.BlockSpec(memory_space=pl.ANY) for _ in shapes])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -121,20 +95,20 @@ def _fwd_kernel(bref, *refs, has_seg, window, scale, bk, nq, I, n_poison):
   def _compute():
     q = q_ref[...]
     k = k_ref[...]
-    s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * scale
+    s = lax.dot_general(q, k, NT_DIMS, preferred_element_type=jnp.float32) * scale
     vis = _visible(qp_ref[...], kp_ref[:1, :], None if qs_ref is None else qs_ref[...],
                    None if ks_ref is None else ks_ref[:1, :], window, bk)
     s = jnp.where(vis, s, NEG_INF)
     m_prev = m_sc[...]
     m_next = jnp.maximum(m_prev, jnp.max(s, axis=1)[:, None])
     m_use = jnp.where(m_next == NEG_INF, 0.0, m_next)
-    p = jnp.exp(s - _bcast_lanes(m_use, bk))
+    p = jnp.exp(s - bcast_lanes(m_use, bk))
     alpha = jnp.exp(m_prev - m_use)
     l_sc[...] = alpha * l_sc[...] + jnp.sum(p, axis=1)[:, None]
     m_sc[...] = m_next
     H = acc_sc.shape[-1]
     v = v_ref[...]
-    acc_sc[...] = acc_sc[...] * _bcast_lanes(alpha, H) + lax.dot(
+    acc_sc[...] = acc_sc[...] * bcast_lanes(alpha, H) + lax.dot(
         p.astype(v.dtype), v, preferred_element_type=jnp.float32)
 
   @pl.when(t == pl.num_programs(3) - 1)
@@ -142,7 +116,7 @@ def _fwd_kernel(bref, *refs, has_seg, window, scale, bk, nq, I, n_poison):
     l = l_sc[...]
     empty = l == 0.0
     l_safe = jnp.where(empty, 1.0, l)
-    o_ref[...] = (acc_sc[...] / _bcast_lanes(l_safe, acc_sc.shape[-1])).astype(o_ref.dtype)
+    o_ref[...] = (acc_sc[...] / bcast_lanes(l_safe, acc_sc.shape[-1])).astype(o_ref.dtype)
     lse_ref[...] = jnp.where(empty, NEG_INF, m_sc[...] + jnp.log(l_safe))
 
 
@@ -182,7 +156,7 @@ def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_B
             kv_spec]
   out_shapes = [jax.ShapeDtypeStruct((B, N, C, H), q_BCNH.dtype),
                 jax.ShapeDtypeStruct((B, N, C, LANES), jnp.float32)]
-  pbufs, pspecs = _poison(out_shapes, poison)
+  pbufs, pspecs = poison_buffers(out_shapes, poison)
   aliases = {1 + len(args) + n: n for n in range(len(pbufs))}
   kernel = functools.partial(_fwd_kernel, has_seg=has_seg, window=window, scale=scale, bk=bk,
                              nq=nq, I=I, n_poison=len(pbufs))
@@ -210,10 +184,6 @@ def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_B
 # backward: dq
 # ----------------------------------------------------------------------------------------------
 
-def _lse_safe(lse):
-  return jnp.where(lse == NEG_INF, jnp.inf, lse)
-
-
 def _dq_kernel(bref, *refs, has_seg, window, scale, bk, nq, I, n_poison):
   it = iter(refs)
   qp_ref = next(it)
@@ -235,13 +205,13 @@ def _dq_kernel(bref, *refs, has_seg, window, scale, bk, nq, I, n_poison):
   @pl.when(run)
   def _compute():
     q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-    s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * scale
+    s = lax.dot_general(q, k, NT_DIMS, preferred_element_type=jnp.float32) * scale
     vis = _visible(qp_ref[...], kp_ref[:1, :], None if qs_ref is None else qs_ref[...],
                    None if ks_ref is None else ks_ref[:1, :], window, bk)
     s = jnp.where(vis, s, NEG_INF)
-    p = jnp.exp(s - _bcast_lanes(_lse_safe(lse_ref[...]), bk))
-    dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
-    ds = p * (dp - _bcast_lanes(delta_ref[...], bk))
+    p = jnp.exp(s - bcast_lanes(lse_safe(lse_ref[...]), bk))
+    dp = lax.dot_general(do, v, NT_DIMS, preferred_element_type=jnp.float32)
+    ds = p * (dp - bcast_lanes(delta_ref[...], bk))
     dq_sc[...] += lax.dot(ds.astype(k.dtype), k, preferred_element_type=jnp.float32)
 
   @pl.when(t == pl.num_programs(3) - 1)
@@ -282,10 +252,10 @@ def dq(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC, 
     args.append(ks)
     specs.append(rows_spec)
   tr = lambda x: x.transpose(0, 2, 1, 3)
-  args += [tr(q_BCNH), tr(k_BSKH), tr(v_BSKH), tr(do_BCNH), _lanes(lse_BNC), _lanes(delta_BNC)]
+  args += [tr(q_BCNH), tr(k_BSKH), tr(v_BSKH), tr(do_BCNH), lanes(lse_BNC), lanes(delta_BNC)]
   specs += [q_spec, kv_spec, kv_spec, q_spec, lanes_h, lanes_h]
   out_shapes = [jax.ShapeDtypeStruct((B, N, C, H), q_BCNH.dtype)]
-  pbufs, pspecs = _poison(out_shapes, poison)
+  pbufs, pspecs = poison_buffers(out_shapes, poison)
   aliases = {1 + len(args) + n: n for n in range(len(pbufs))}
   kernel = functools.partial(_dq_kernel, has_seg=has_seg, window=window, scale=scale, bk=bk,
                              nq=nq, I=I, n_poison=len(pbufs))
@@ -331,14 +301,14 @@ def _dkv_kernel(bref, *refs, has_seg, window, scale, bk, nk, I, G, n_poison):
   @pl.when(run)
   def _compute():
     q, k, v, do = q_ref[...], k_ref[...], v_ref[...], do_ref[...]
-    s = lax.dot_general(q, k, _NT, preferred_element_type=jnp.float32) * scale   # [bq, bk]
+    s = lax.dot_general(q, k, NT_DIMS, preferred_element_type=jnp.float32) * scale   # [bq, bk]
     vis = _visible(qp_ref[...], kp_ref[:1, :], None if qs_ref is None else qs_ref[...],
                    None if ks_ref is None else ks_ref[:1, :], window, bk)
     s = jnp.where(vis, s, NEG_INF)
-    p = jnp.exp(s - _bcast_lanes(_lse_safe(lse_ref[...]), bk))
+    p = jnp.exp(s - bcast_lanes(lse_safe(lse_ref[...]), bk))
     dv_sc[...] += lax.dot(p.T.astype(do.dtype), do, preferred_element_type=jnp.float32)
-    dp = lax.dot_general(do, v, _NT, preferred_element_type=jnp.float32)
-    ds = p * (dp - _bcast_lanes(delta_ref[...], bk))
+    dp = lax.dot_general(do, v, NT_DIMS, preferred_element_type=jnp.float32)
+    ds = p * (dp - bcast_lanes(delta_ref[...], bk))
     dk_sc[...] += lax.dot(ds.T.astype(q.dtype), q, preferred_element_type=jnp.float32)
 
   @pl.when(jnp.logical_and(g == pl.num_programs(3) - 1, t == pl.num_programs(4) - 1))
@@ -380,11 +350,11 @@ def dkv(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC,
     args.append(ks)
     specs.append(rows_spec)
   tr = lambda x: x.transpose(0, 2, 1, 3)
-  args += [tr(q_BCNH), tr(k_BSKH), tr(v_BSKH), tr(do_BCNH), _lanes(lse_BNC), _lanes(delta_BNC)]
+  args += [tr(q_BCNH), tr(k_BSKH), tr(v_BSKH), tr(do_BCNH), lanes(lse_BNC), lanes(delta_BNC)]
   specs += [q_spec, kv_spec, kv_spec, q_spec, lanes_h, lanes_h]
   out_shapes = [jax.ShapeDtypeStruct((B, K, S, H), k_BSKH.dtype),
                 jax.ShapeDtypeStruct((B, K, S, H), v_BSKH.dtype)]
-  pbufs, pspecs = _poison(out_shapes, poison)
+  pbufs, pspecs = poison_buffers(out_shapes, poison)
   aliases = {1 + len(args) + n: n for n in range(len(pbufs))}
   kernel = functools.partial(_dkv_kernel, has_seg=has_seg, window=window, scale=scale, bk=bk,
                              nk=nk, I=I, G=G, n_poison=len(pbufs))

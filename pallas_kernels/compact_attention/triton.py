@@ -27,18 +27,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from .common import LN2, LOG2E, BlockSizes
+from pallas_kernels.flash_tiles import LN2, LOG2E, NEG_INF, bwd_lse2, dot
+
+from .common import BlockSizes
 
 # The design card's GPU backend is the (deprecated) Pallas Triton lowering; silence that warning.
 warnings.filterwarnings("ignore", message="The Pallas Triton backend is deprecated",
                         category=DeprecationWarning)
-
-NEG_INF = float("-inf")
-
-
-def _dot(a, b, trans_a=False, trans_b=False):
-  return plgpu.dot(a, b, trans_a=trans_a, trans_b=trans_b)
-
 
 def _kv_positions(kvpos_ref, start, bk):
   if kvpos_ref is None:
@@ -106,7 +101,7 @@ def _fwd_tile(i, bounds_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, q_ref, k_
     acc, m, l = carry
     start = j * bk
     k = k_ref[pl.ds(start, bk), :]
-    s = _dot(q, k, trans_b=True) * qk_scale
+    s = dot(q, k, trans_b=True) * qk_scale
     if masked:
       kp = _kv_positions(kvpos_ref, start, bk)
       ks = None if kvseg_ref is None else kvseg_ref[pl.ds(start, bk)]
@@ -117,7 +112,7 @@ def _fwd_tile(i, bounds_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, q_ref, k_
     p = jnp.exp2(s - m_use[:, None])
     l = l * alpha + jnp.sum(p, axis=1)
     v = v_ref[pl.ds(start, bk), :]
-    acc = acc * alpha[:, None] + _dot(p.astype(v.dtype), v)
+    acc = acc * alpha[:, None] + dot(p.astype(v.dtype), v)
     return acc, m_new, l
 
   acc = jnp.zeros((bq, H), jnp.float32)
@@ -194,12 +189,6 @@ def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_B
 # backward: dq
 # ----------------------------------------------------------------------------------------------
 
-def _bwd_lse2(lse):
-  """Natural-log lse -> base-2, with empty rows (-inf) mapped to +inf so that p = 0."""
-  lse2 = lse * LOG2E
-  return jnp.where(lse2 == NEG_INF, jnp.inf, lse2)
-
-
 def _dq_kernel(*refs, has_seg, has_kvpos, window, scale, bq, bk, nq):
   it = iter(refs)
   count_ref, bounds_ref, qpos_ref = next(it), next(it), next(it)
@@ -219,7 +208,7 @@ def _dq_tile(i, bounds_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, q_ref, k_r
   bounds = tuple(bounds_ref[i, c] for c in range(4))
   q = q_ref[...]
   do = do_ref[...]
-  lse2 = _bwd_lse2(lse_ref[...])
+  lse2 = bwd_lse2(lse_ref[...])
   delta = delta_ref[...]
   qp = qpos_ref[...]
   qs = None if qseg_ref is None else qseg_ref[...]
@@ -229,15 +218,15 @@ def _dq_tile(i, bounds_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref, q_ref, k_r
     start = j * bk
     k = k_ref[pl.ds(start, bk), :]
     v = v_ref[pl.ds(start, bk), :]
-    s = _dot(q, k, trans_b=True) * qk_scale
+    s = dot(q, k, trans_b=True) * qk_scale
     if masked:
       kp = _kv_positions(kvpos_ref, start, bk)
       ks = None if kvseg_ref is None else kvseg_ref[pl.ds(start, bk)]
       s = jnp.where(_visible(qp, kp, qs, ks, window), s, NEG_INF)
     p = jnp.exp2(s - lse2[:, None])
-    dp = _dot(do, v, trans_b=True)
+    dp = dot(do, v, trans_b=True)
     ds = p * (dp - delta[:, None])
-    return dq + _dot(ds.astype(k.dtype), k)
+    return dq + dot(ds.astype(k.dtype), k)
 
   dq = _three_loops(bounds, body, jnp.zeros(q.shape, jnp.float32))
   dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
@@ -321,20 +310,20 @@ def _dkv_kernel(*refs, has_seg, has_kvpos, window, scale, bq, bk, G, per_head, f
       sl = pl.ds(i * bq, bq)
       q = q_ref[sl, g, :]
       do = do_ref[sl, g, :]
-      lse2 = _bwd_lse2(lse_ref[g, sl])
+      lse2 = bwd_lse2(lse_ref[g, sl])
       delta = delta_ref[g, sl]
-      sT = _dot(k, q, trans_b=True) * qk_scale                      # [bk, bq]
+      sT = dot(k, q, trans_b=True) * qk_scale                      # [bk, bq]
       if masked:
         qp = qpos_ref[hsel, sl]
         qs = None if qseg_ref is None else qseg_ref[hsel, sl]
         sT = jnp.where(_visible_T(qp, kp, qs, ks, window), sT, NEG_INF)
       pT = jnp.exp2(sT - lse2[None, :])
-      dv = dv + _dot(pT.astype(do.dtype), do)
-      dpT = _dot(v, do, trans_b=True)                                 # [bk, bq]
+      dv = dv + dot(pT.astype(do.dtype), do)
+      dpT = dot(v, do, trans_b=True)                                 # [bk, bq]
       dsT = (pT * (dpT - delta[None, :])).astype(q.dtype)
-      dk = dk + _dot(dsT, q)
+      dk = dk + dot(dsT, q)
       if dq_ref is not None:  # this pair's share of dq (unscaled; the caller applies the scale)
-        plgpu.atomic_add(dq_ref, (sl, g, slice(None)), _dot(dsT, k, trans_a=True))
+        plgpu.atomic_add(dq_ref, (sl, g, slice(None)), dot(dsT, k, trans_a=True))
       return dk, dv
 
     return _three_loops(bounds, body, carry)
