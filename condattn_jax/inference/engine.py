@@ -1,9 +1,12 @@
-"""The inference engine: batched ragged prefill, chunked prefill, decode and greedy generation
-over any scheme's cache.
+"""The inference engine: batched ragged prefill, chunked prefill, decode and generation (greedy
+or sampled, stop tokens / strings, per-row routing statistics) over any scheme's cache.
 
-    engine = Engine(model_cfg, params, cache_len=4096, prefill_chunk=1024)
+    engine = Engine.from_checkpoint("runs/l2a", cache_len=4096, theta=0.7)   # a train.py run
+    engine = Engine(model_cfg, params, cache_len=4096, prefill_chunk=1024)   # or in memory
     out = engine.generate([[1, 5, 9], [4, 4]], max_new_tokens=32, stop_tokens=(2,))
     out.tokens        # per row: the generated ids (up to and including a stop token)
+    out.text          # per row: the decoded text (with a tokenizer), cut before a stop string
+    out.stats         # per row: the scheme's routing statistics, prompt and generated apart
     out.logits        # per row: [n, V] logits that chose them (with return_logits=True)
 
 How it drives a scheme: every step is one `Decoder.apply(..., decode=True, cache_len,
@@ -12,40 +15,144 @@ right-padded; padding tokens are never written to a cache and never attended). E
 its cache (`models.layers.KVCache`: per-row lengths, full or window ring; L2A: a window ring for
 the local branch and a full cache for the global branch, written for every token, read only by
 tokens routed global). The engine never names a scheme: it only threads the 'cache' collection,
-whose structure it reads off the model (`init_cache`: zeros of the abstract cache).
+whose structure it reads off the model (`init_cache`: zeros of the abstract cache), and reads
+two optional declarations of the scheme's layer class:
+  `decode_chunk(config) -> int`  a decode call's chunk must divide this many tokens (segmented:
+                                 segment_len); the engine then picks a valid prefill chunk itself.
+and the per-row entries of the layers' aux (see `Generation.stats`).
 Attention inside the chunk goes through `ops.attention` with the cache's kv positions, i.e. the
 fused kernels on GPU/TPU (the reference on CPU).
+
+Bad input is a ValueError with a one-line message (token ids outside [0, vocab) or not integers,
+an empty request list or prompt, max_new_tokens < 1, a prompt + new tokens longer than the cache,
+sampling knobs out of range): never NaN logits or a silent wrong answer.
 """
 from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import time
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from condattn_jax.inference import sampling
+from condattn_jax.inference.text import TextStream
 from condattn_jax.models.config import ModelConfig
 from condattn_jax.models.decoder import Decoder
+
+# Aux entries of a layer that hold one value per row: name ends in _B (+ more axes), [L, B, ...].
+_ROW_AUX = re.compile(r"_B[A-Z]*$")
 
 
 @dataclasses.dataclass
 class Generation:
-  """tokens: per row the generated ids (a stop token included); logits: per row [n, V] float32
-  (return_logits) or None; prefill_s / decode_s: wall seconds (device work included);
-  steps: decode steps run."""
+  """What `Engine.generate` returns (one entry per request row, in request order).
+
+  tokens         generated ids (a stop token included; with a stop string, up to and including
+                 the token that completed it)
+  finish_reason  'stop_token' | 'stop_string' | 'length' (max_new_tokens reached)
+  text           decoded generated text, cut before a stop string (None without a tokenizer)
+  stats          the scheme's routing statistics: {'prompt': {...}, 'generated': {...}} per row,
+                 each {'tokens': [L] tokens run through the layers, <aux name>: [L, ...]} for
+                 every per-row aux entry of the scheme's layers (name ending in _B, _BN, ...):
+                 when the aux counts tokens (it has `tokens_B`), each entry is its count per
+                 token (L2A `global_tokens_B`: fraction of tokens routed global per layer; AHA
+                 `full_BN`: full-attention usage per layer x head), else the mean over the
+                 steps that ran the row (Elastic `fa_BK`: per-KV-head mode, 1 = full). The
+                 generated part covers the generated tokens fed back (all but the last, which
+                 is never run). {} for a scheme without per-row aux (dense).
+  logits         per row [n, V] float32 logits that chose the tokens (return_logits) or None
+  prefill_s      wall seconds of the prefill (the time to the first token's logits)
+  decode_s       wall seconds of the decode loop; steps: decode steps run
+  cache_bytes    bytes of the cache the generation used (`cache_bytes`)
+  """
   tokens: list[list[int]]
+  finish_reason: list[str]
+  text: list[str] | None
+  stats: list[dict]
   logits: list[np.ndarray] | None
   prefill_s: float
   decode_s: float
   steps: int
+  cache_bytes: int
 
 
 def cache_bytes(cache) -> int:
   """Bytes held by a cache pytree (what the device really allocates for it)."""
   return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(cache)))
+
+
+def check_prompts(prompts, vocab_size: int) -> list[np.ndarray]:
+  """The prompts as int32 arrays; a ValueError naming the row for an empty list, an empty or
+  non-1-D prompt, a non-integer id or an id outside [0, vocab_size)."""
+  if isinstance(prompts, (str, bytes)) or not hasattr(prompts, "__len__"):
+    raise ValueError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}.")
+  if len(prompts) == 0:
+    raise ValueError("the request list is empty: give at least one prompt.")
+  out = []
+  for b, p in enumerate(prompts):
+    if isinstance(p, (str, bytes)):
+      raise ValueError(f"prompt {b} is text; tokenize it first (engine.tokenizer.encode).")
+    a = np.asarray(p)
+    if a.ndim != 1:
+      raise ValueError(f"prompt {b} must be a flat list of token ids, got shape {a.shape}.")
+    if a.size == 0:
+      raise ValueError(f"prompt {b} is an empty prompt; every prompt needs >= 1 token.")
+    if a.dtype.kind not in "iu":
+      bad = next((x for x in a.tolist() if not (isinstance(x, int) and not isinstance(x, bool))),
+                 a.dtype)
+      raise ValueError(f"prompt {b} holds a non-integer token id ({bad!r}); ids are ints in "
+                       f"[0, {vocab_size}).")
+    lo, hi = int(a.min()), int(a.max())
+    if lo < 0 or hi >= vocab_size:
+      raise ValueError(f"prompt {b} holds token id {lo if lo < 0 else hi}, outside the model's "
+                       f"vocabulary [0, {vocab_size}).")
+    out.append(a.astype(np.int32))
+  return out
+
+
+def _check_ids(name: str, ids, vocab_size: int) -> tuple[int, ...]:
+  ids = tuple(ids)
+  for t in ids:
+    if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab_size:
+      raise ValueError(f"{name} holds {t!r}: ids are ints in [0, {vocab_size}).")
+  return tuple(int(t) for t in ids)
+
+
+class _RowStats:
+  """Per-row sums of the layers' per-row aux over the steps of one part (prompt / generated)."""
+
+  def __init__(self):
+    self.sums: dict[str, np.ndarray] = {}
+    self.steps_B = None
+
+  def add(self, row_aux: dict, n_B: np.ndarray) -> None:
+    ran_B = (n_B > 0).astype(np.float64)
+    counts = "tokens_B" in row_aux
+    if self.steps_B is None:
+      self.steps_B = np.zeros_like(ran_B)
+    self.steps_B += ran_B
+    for k, v in row_aux.items():
+      v = np.asarray(v, np.float64)
+      if not counts:  # values: only the rows this step ran
+        v = v * ran_B.reshape((1, -1) + (1,) * (v.ndim - 2))
+      self.sums[k] = self.sums.get(k, 0.0) + v
+
+  def row(self, b: int) -> dict[str, np.ndarray]:
+    if not self.sums:
+      return {}
+    if "tokens_B" in self.sums:
+      tok_L = self.sums["tokens_B"][:, b]
+      den = np.maximum(tok_L, 1.0)
+      out = {k: v[:, b] / den.reshape((-1,) + (1,) * (v.ndim - 2))
+             for k, v in self.sums.items() if k != "tokens_B"}
+      return {"tokens": tok_L, **out}
+    den = max(self.steps_B[b], 1.0)
+    return {k: v[:, b] / den for k, v in self.sums.items()}
 
 
 class Engine:
@@ -68,23 +175,90 @@ class Engine:
     self.cache_len = int(cache_len)
     self.prefill_chunk = prefill_chunk
     self._cache_shapes: dict[int, object] = {}
+    self.tokenizer = None   # set by from_checkpoint (None: token ids in and out)
+    self.run_config = None  # the train.py run config (from_checkpoint)
+    self.step = None        # the checkpoint step loaded (from_checkpoint)
+
+  # The jitted step depends on self only through (config, cache_len): engines that share them
+  # share its compiled programs (a second Engine over other params compiles nothing).
+  def _key(self):
+    return (self.config, self.cache_len)
+
+  def __hash__(self):
+    return hash(self._key())
+
+  def __eq__(self, other):
+    return type(other) is type(self) and other._key() == self._key()
+
+  # ----------------------------------------------------------------------- from a checkpoint
+  @classmethod
+  def from_checkpoint(cls, path: str, *, step: int | None = None, cache_len: int | None = None,
+                      prefill_chunk: int | None = None, tokenizer=None, devices=None,
+                      **scheme_options) -> "Engine":
+    """An Engine over a train.py checkpoint: the weights and the model config saved with it.
+
+    path: a run's workdir (its newest readable checkpoint), its checkpoints/ directory, or one
+      step directory (`<workdir>/checkpoints/<step>`); `step` picks a step explicitly.
+    scheme_options: test-time overrides of the run's scheme options (`config.model.scheme.<name>`,
+      e.g. `theta=0.7` for L2A, `tau=0.5` for AHA); the scheme checks their names and values.
+    cache_len: cache slots per row (default: the run's data.seq_len, the context it trained at).
+    prefill_chunk: as in `Engine(...)`.
+    tokenizer: a `condattn_jax.data.tokenizer.Tokenizer`, a tokenizer directory, or None: the
+      run's `data.tokenizer`, else `model.init_from` when it holds a tokenizer.json, else none
+      (`engine.tokenizer` is None: token ids in and out, e.g. the synthetic-task runs).
+    devices: the devices to load onto (default: the first local device; the engine runs its
+      steps on one device).
+    The run config (with the overrides) is `engine.run_config`, the step loaded `engine.step`.
+    A missing path, a directory that is not a run, or an unreadable checkpoint is a
+    FileNotFoundError / ValueError whose one-line message names the path.
+    """
+    from condattn_jax import checkpoint as ckpt_lib
+    from condattn_jax.train import loop
+    ckpt_lib.resolve_checkpoint_path(path)  # a missing path / a non-run directory: one line
+    config = loop.config_from_checkpoint(path, step)
+    with config.unlocked():
+      for k, v in scheme_options.items():
+        if k == "name":
+          raise ValueError("Engine.from_checkpoint: the scheme of a checkpoint cannot be changed "
+                           "(name=...); convert the weights with the scheme's from_dense.")
+        config.model.scheme[k] = v
+      # One device: the engine's steps are single-device (the run's mesh may be larger).
+      config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, -1, 1
+    tok = _run_tokenizer(config, tokenizer)  # before the weights: a bad path fails fast
+    devices = list(devices) if devices is not None else jax.local_devices()[:1]
+    setup, params, loaded = loop.load_params(config, path, step=step, devices=devices)
+    eng = cls(setup.model_cfg, params,
+              cache_len=int(cache_len if cache_len is not None else config.data.seq_len),
+              prefill_chunk=prefill_chunk)
+    eng.run_config, eng.step = config, int(loaded)
+    tv = getattr(tok, "vocab_size", None)
+    if tv is not None and tv > setup.model_cfg.vocab_size:
+      raise ValueError(f"the tokenizer ({getattr(tok, 'source', tok)}) has {tv} tokens but the "
+                       f"model's vocabulary has {setup.model_cfg.vocab_size}; use the run's own "
+                       "tokenizer.")
+    eng.tokenizer = tok
+    return eng
 
   # ------------------------------------------------------------------------------ the step
   @functools.partial(jax.jit, static_argnums=0, donate_argnums=(2,))
   def _step(self, params, cache, tokens_BT, positions_BT, valid_BT, prev_logits_BV):
     """One chunk: writes its valid tokens into the caches; returns (cache, logits of each row's
-    last valid token [B, V] (prev_logits where a row has none in this chunk))."""
-    (hidden_BTD, _), variables = self.model.apply(
+    last valid token [B, V] (prev_logits where a row has none in this chunk), the layers'
+    per-row aux entries {name: [L, B, ...]})."""
+    (hidden_BTD, aux), variables = self.model.apply(
         {"params": params, "cache": cache}, tokens_BT, positions_BT,
         valid_BT.astype(jnp.int32), decode=True, cache_len=self.cache_len, return_hidden=True,
         mutable=["cache"])
+    B = tokens_BT.shape[0]
+    row_aux = {k: v.astype(jnp.float32) for k, v in aux.items()
+               if _ROW_AUX.search(k) and getattr(v, "ndim", 0) >= 2 and v.shape[1] == B}
     n_B = jnp.sum(valid_BT, axis=1)
     last_BD = jnp.take_along_axis(hidden_BTD, jnp.maximum(n_B - 1, 0)[:, None, None], axis=1)[:, 0]
     logits_BV = jnp.einsum("bd,dv->bv", last_BD.astype(self.config.compute_dtype),
                            self.model.output_embedding(params).astype(self.config.compute_dtype),
                            preferred_element_type=jnp.float32)
     logits_BV = jnp.where((n_B > 0)[:, None], logits_BV, prev_logits_BV)
-    return variables["cache"], logits_BV
+    return variables["cache"], logits_BV, row_aux
 
   def cache_shapes(self, batch_size: int):
     """The abstract cache (ShapeDtypeStructs) for `batch_size` rows, read off the model once per
@@ -111,54 +285,107 @@ class Engine:
     return self._commit(jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
                                      self.cache_shapes(batch_size)))
 
+  def chunk_for(self, longest_prompt: int) -> int:
+    """The prefill chunk for a batch whose longest prompt has this many tokens: `prefill_chunk`,
+    else the whole prompt, except that a scheme whose layer declares `decode_chunk(config)` gets
+    a chunk dividing it (the smallest divisor >= the prompt, else decode_chunk itself). An
+    explicit prefill_chunk that does not divide it is refused."""
+    limit_fn = _layer_decode_chunk(self.config)
+    limit = None if limit_fn is None else int(limit_fn(self.config))
+    if self.prefill_chunk is not None:
+      if limit is not None and limit % self.prefill_chunk:
+        raise ValueError(f"Engine(prefill_chunk={self.prefill_chunk}) must divide {limit} (this "
+                         f"scheme's decode chunk limit); use a divisor or prefill_chunk=None.")
+      return int(self.prefill_chunk)
+    if limit is None:
+      return int(longest_prompt)
+    return next((d for d in range(longest_prompt, limit) if limit % d == 0), limit)
+
   # ------------------------------------------------------------------------------ prefill
   def prefill(self, prompts: Sequence[Sequence[int]]):
     """Ragged batched prefill. Returns (cache, logits_BV of each prompt's last token, lengths_B)."""
+    cache, logits, lengths, _ = self._prefill(check_prompts(prompts, self.config.vocab_size))
+    return cache, logits, lengths
+
+  def _prefill(self, prompts: list[np.ndarray]):
     lengths = np.asarray([len(p) for p in prompts], np.int32)
-    if not len(prompts) or lengths.min() < 1:
-      raise ValueError("prefill needs at least one prompt and no empty prompt.")
     if lengths.max() > self.cache_len:
-      raise ValueError(f"a prompt of {lengths.max()} tokens does not fit cache_len="
-                       f"{self.cache_len}; raise cache_len.")
+      raise ValueError(f"prompt {int(lengths.argmax())} has {lengths.max()} tokens, more than "
+                       f"cache_len={self.cache_len}; raise cache_len.")
     B = len(prompts)
-    C = int(self.prefill_chunk or lengths.max())
+    C = self.chunk_for(int(lengths.max()))
     P = -(-int(lengths.max()) // C) * C
     tokens = np.zeros((B, P), np.int32)
     for b, p in enumerate(prompts):
-      tokens[b, :len(p)] = np.asarray(p, np.int32)
+      tokens[b, :len(p)] = p
     positions = np.broadcast_to(np.arange(P, dtype=np.int32), (B, P))
     valid = positions < lengths[:, None]
     cache = self.init_cache(B)
     logits = self._commit(jnp.zeros((B, self.config.vocab_size), jnp.float32))
+    stats = _RowStats()
     for c in range(0, P, C):
       sl = slice(c, c + C)
-      cache, logits = self._step(self.params, cache, jnp.asarray(tokens[:, sl]),
-                                 jnp.asarray(positions[:, sl]), jnp.asarray(valid[:, sl]), logits)
-    return cache, logits, lengths
+      cache, logits, row_aux = self._step(self.params, cache, jnp.asarray(tokens[:, sl]),
+                                          jnp.asarray(positions[:, sl]),
+                                          jnp.asarray(valid[:, sl]), logits)
+      stats.add(jax.device_get(row_aux), valid[:, sl].sum(1))
+    return cache, logits, lengths, stats
 
   # ------------------------------------------------------------------------------- decode
   def decode_step(self, cache, tokens_B, positions_B, active_B, prev_logits_BV):
     """One token per active row at its position. Returns (cache, logits_BV)."""
-    return self._step(self.params, cache, jnp.asarray(tokens_B, jnp.int32)[:, None],
-                      jnp.asarray(positions_B, jnp.int32)[:, None],
-                      jnp.asarray(active_B, bool)[:, None], prev_logits_BV)
+    cache, logits, _ = self._step(self.params, cache, jnp.asarray(tokens_B, jnp.int32)[:, None],
+                                  jnp.asarray(positions_B, jnp.int32)[:, None],
+                                  jnp.asarray(active_B, bool)[:, None], prev_logits_BV)
+    return cache, logits
 
   def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-               stop_tokens: Sequence[int] = (), return_logits: bool = False) -> Generation:
-    """Greedy generation: each row stops at a stop token or after max_new_tokens."""
-    lengths = np.asarray([len(p) for p in prompts], np.int32)
-    if lengths.max() + max_new_tokens > self.cache_len:
-      raise ValueError(f"prompt ({lengths.max()}) + max_new_tokens ({max_new_tokens}) exceeds "
+               stop_tokens: Sequence[int] = (), stop_strings: Sequence[str] = (),
+               temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+               return_logits: bool = False,
+               on_text: Callable[[int, str], None] | None = None) -> Generation:
+    """Generation for ragged prompts (lists of token ids); see `Generation` for the result.
+
+    Each row stops at a stop token, a stop string or after max_new_tokens. temperature 0 (the
+    default) is greedy (argmax, exact); > 0 samples from softmax(logits / temperature) cut to
+    the top_p nucleus, from the row's own generator (seed, row): a row's sample does not
+    depend on the other rows. stop_strings need a tokenizer (`engine.tokenizer`): the text is
+    decoded as the tokens come, and a row stops as soon as its text contains one (the text is
+    cut before it). on_text(row, text): called with each row's newly final text as it comes
+    (a tokenizer is needed; text held back for a possible stop string comes later).
+    """
+    V = self.config.vocab_size
+    rows = check_prompts(prompts, V)
+    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) \
+        or max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1.")
+    stop = set(_check_ids("stop_tokens", stop_tokens, V))
+    if isinstance(stop_strings, str):
+      stop_strings = (stop_strings,)
+    stop_strings = tuple(stop_strings)
+    if any(not isinstance(x, str) or not x for x in stop_strings):
+      raise ValueError(f"stop_strings={stop_strings!r} must be non-empty strings.")
+    sampling.check_sampling(temperature, top_p)
+    tok = self.tokenizer
+    if tok is None and (stop_strings or on_text is not None):
+      raise ValueError("stop_strings / on_text need a tokenizer: load the engine with "
+                       "Engine.from_checkpoint(..., tokenizer=<dir>) or set engine.tokenizer.")
+    longest = max(len(p) for p in rows)
+    if longest + max_new_tokens > self.cache_len:
+      raise ValueError(f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) exceeds "
                        f"cache_len={self.cache_len}; raise cache_len.")
     t0 = time.perf_counter()
-    cache, logits, lengths = self.prefill(prompts)
+    cache, logits, lengths, prompt_stats = self._prefill(rows)
     logits.block_until_ready()
     t1 = time.perf_counter()
-    B = len(prompts)
+    B = len(rows)
+    rngs = [sampling.row_rng(seed, b) for b in range(B)]
+    streams = [TextStream(tok, stop_strings) for _ in range(B)] if tok is not None else None
     out: list[list[int]] = [[] for _ in range(B)]
+    reason = ["length"] * B
     kept: list[list[np.ndarray]] = [[] for _ in range(B)]
     done = np.zeros(B, bool)
-    stop = set(int(t) for t in stop_tokens)
+    gen_stats = _RowStats()
     pos = lengths.copy()
     steps = 0
     while True:
@@ -166,18 +393,63 @@ class Engine:
       for b in range(B):
         if done[b]:
           continue
-        tok = int(host_logits[b].argmax())
-        out[b].append(tok)
+        t = sampling.choose(host_logits[b], temperature=temperature, top_p=top_p, rng=rngs[b])
+        out[b].append(t)
         if return_logits:
           kept[b].append(host_logits[b].copy())
-        if tok in stop or len(out[b]) >= max_new_tokens:
+        if streams is not None:
+          delta = streams[b].push(t)
+          if on_text is not None and delta:
+            on_text(b, delta)
+        if t in stop:
+          done[b], reason[b] = True, "stop_token"
+        elif streams is not None and streams[b].stopped:
+          done[b], reason[b] = True, "stop_string"
+        elif len(out[b]) >= max_new_tokens:
           done[b] = True
+        if done[b] and streams is not None and on_text is not None:
+          rest = streams[b].flush()
+          if rest:
+            on_text(b, rest)
       if done.all():
         break
       last = np.asarray([o[-1] if o else 0 for o in out], np.int32)
-      cache, logits = self.decode_step(cache, last, pos, ~done, logits)
+      cache, logits, row_aux = self._step(self.params, cache, jnp.asarray(last)[:, None],
+                                          jnp.asarray(pos)[:, None],
+                                          jnp.asarray(~done)[:, None], logits)
+      gen_stats.add(jax.device_get(row_aux), (~done).astype(np.int32))
       pos = pos + (~done)
       steps += 1
     t2 = time.perf_counter()
-    return Generation(tokens=out, logits=[np.stack(k) for k in kept] if return_logits else None,
-                      prefill_s=t1 - t0, decode_s=t2 - t1, steps=steps)
+    return Generation(
+        tokens=out, finish_reason=reason,
+        text=[s.text for s in streams] if streams is not None else None,
+        stats=[{"prompt": prompt_stats.row(b), "generated": gen_stats.row(b)} for b in range(B)],
+        logits=[np.stack(k) for k in kept] if return_logits else None,
+        prefill_s=t1 - t0, decode_s=t2 - t1, steps=steps, cache_bytes=cache_bytes(cache))
+
+
+def _layer_decode_chunk(config: ModelConfig):
+  """The scheme layer class's `decode_chunk(config)` declaration, or None."""
+  from condattn_jax.attention import get_scheme
+  return getattr(get_scheme(config.scheme).layer_cls, "decode_chunk", None)
+
+
+def _run_tokenizer(config, tokenizer):
+  """The tokenizer for a run (see Engine.from_checkpoint)."""
+  import os
+  if tokenizer is None:
+    src = config.data.get("tokenizer")
+    init = config.model.get("init_from")
+    if src is None and init and os.path.isfile(os.path.join(init, "tokenizer.json")):
+      src = init
+    tokenizer = src
+  if tokenizer is None:
+    return None
+  if isinstance(tokenizer, str):
+    from condattn_jax.data import tokenizer as tokenizer_lib
+    if not os.path.exists(tokenizer):
+      raise FileNotFoundError(f"tokenizer {tokenizer} does not exist; pass tokenizer=<dir with "
+                              "tokenizer.json> to Engine.from_checkpoint.")
+    tokenizer = tokenizer_lib.load_tokenizer(tokenizer)
+  return tokenizer
