@@ -40,7 +40,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from condattn_jax.attention import aha  # noqa: E402
+from condattn_jax.attention import configure, convert  # noqa: E402
 from condattn_jax.models.config import ModelConfig  # noqa: E402
 from condattn_jax.models.decoder import Decoder  # noqa: E402
 from condattn_jax.train import optimizer as opt_lib  # noqa: E402
@@ -193,11 +193,11 @@ def run(s: Settings, log=print) -> dict:
     return r
 
   base = row("dense", cfg, dense)
-  ecfg, ep = aha.dense_to_aha(dense, cfg, window=s.window, mode="exact")
+  ecfg, ep = convert(dense, cfg, "aha", window=s.window, mode="exact")
   kernel = ep["layers"]["router"]["kernel"]
   ep["layers"]["router"]["kernel"] = (jax.random.normal(jax.random.key(s.seed + 1), kernel.shape)
                                       / np.sqrt(cfg.hidden_size)).astype(kernel.dtype)
-  scfg = aha.aha_config(ecfg, mode="sparse", p_force=0.0)  # a non-forced sparse step
+  scfg = configure(ecfg, "aha", mode="sparse", p_force=0.0)  # a non-forced sparse step
   for p in s.usages:
     target = head_usages(p, cfg.num_layers, cfg.num_heads, s.seed)
     params = calibrate(ecfg, ep, b, target)

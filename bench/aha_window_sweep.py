@@ -14,7 +14,7 @@ tail of dependencies, the paper's picture of language. A 1-layer dense model can
 query; a window-w model only those with d < w.
 
 Experiment: (1) a small dense OLMo-2-shaped decoder (post-norm) learns the task with full
-attention; (2) for each window w it is converted to AHA (`aha.dense_to_aha`: every head full at
+attention; (2) for each window w it is converted to AHA (`attention.convert(..., "aha")`: every head full
 step 0) and trained with the AHA recipe (CE + lam * mean score, STE, mode 'exact'), all params;
 (3) on held-out rows: answer accuracy, mu_f (mean full-attention usage over layers, tokens,
 heads), usage per layer, at the query tokens and elsewhere, and the accuracy of the same
@@ -46,7 +46,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from condattn_jax.attention import aha  # noqa: E402
+from condattn_jax.attention import configure, convert  # noqa: E402
 from condattn_jax.models.config import ModelConfig  # noqa: E402
 from condattn_jax.models.decoder import Decoder  # noqa: E402
 from condattn_jax.train import optimizer as opt_lib  # noqa: E402
@@ -243,9 +243,9 @@ def run(s: Settings, log=print) -> dict[str, Any]:
   log(f"[dense] {dense_eval}")
   per_window = {}
   for w in s.windows:
-    acfg, ap = aha.dense_to_aha(dense, cfg, window=w, tau=s.tau, lam=s.lam,
+    acfg, ap = convert(dense, cfg, "aha", window=w, tau=s.tau, lam=s.lam,
                                 router_bias_init=s.router_bias_init)
-    local_only = evaluate(aha.aha_config(acfg, routing="none"), ap, task)["accuracy"]
+    local_only = evaluate(configure(acfg, "aha", routing="none"), ap, task)["accuracy"]
     params, hist = train(acfg, ap, task, steps=s.aha_steps, lr=s.aha_lr, phase=1 + w,
                          name=f"aha w={w}", router_lr=s.router_lr, log=log)
     r = evaluate(acfg, params, task, (w,))

@@ -373,7 +373,8 @@ def sanity(*, shapes: dict = QWEN25_1P5B, T: int = 1024, window: int = 256, tol:
   import jax.numpy as jnp
   import numpy as np
   from condattn_jax import convert
-  from condattn_jax.attention.l2a import from_dense, l2a_config
+  from condattn_jax.attention import configure
+  from condattn_jax.attention.l2a import from_dense
   from condattn_jax.inference import Engine
   from condattn_jax.models.config import ModelConfig
   from condattn_jax.models.decoder import Decoder
@@ -391,15 +392,15 @@ def sanity(*, shapes: dict = QWEN25_1P5B, T: int = 1024, window: int = 256, tol:
   out: dict[str, Any] = dict(T=T, layers=base.num_layers, window=window, tol=tol)
   dense = logits(base, params)
   # routing='all', window 0: s = x, g = norm(x) with the copied norm, global attn = dense attn
-  all0 = l2a_config(base, routing="all", window=0)
+  all0 = configure(base, "l2a", routing="all", window=0)
   p_all0 = from_dense(params, all0)
   out["l2a_all_window0_vs_dense"] = _rel(logits(all0, p_all0), dense)
   # q = 0.2 routing: the fused kernels (auto) vs the reference attention
-  q = l2a_config(base, routing="bernoulli", bernoulli_q=0.2, window=window)
+  q = configure(base, "l2a", routing="bernoulli", bernoulli_q=0.2, window=window)
   pq = from_dense(params, q)
   fused = logits(q, pq)
   if jax.default_backend() != "cpu":  # on CPU 'auto' is the reference: nothing to compare
-    ref_cfg = l2a_config(q.replace(attention_impl="reference"), compact_impl="reference")
+    ref_cfg = configure(q.replace(attention_impl="reference"), "l2a", compact_impl="reference")
     out["l2a_q0.2_fused_vs_reference"] = _rel(fused, logits(ref_cfg, pq))
     out["dense_fused_vs_reference"] = _rel(
         dense, logits(base.replace(attention_impl="reference"), params))

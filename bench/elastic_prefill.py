@@ -44,7 +44,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from condattn_jax.attention import elastic  # noqa: E402
+from condattn_jax.attention import configure, convert, elastic, options  # noqa: E402
 from condattn_jax.models.config import ModelConfig  # noqa: E402
 from condattn_jax.models.decoder import Decoder  # noqa: E402
 
@@ -83,8 +83,8 @@ def configs(s: Settings) -> dict:
   out = {"dense": base}
   for om in s.omegas:
     for split in s.splits:
-      out[f"elastic_{om}" + ("_split" if split else "")] = elastic.elastic_config(
-          base, modes="fa_ssa", routing="fixed", fixed_fa_kv_heads=fa_heads(s, om),
+      out[f"elastic_{om}" + ("_split" if split else "")] = configure(
+          base, "elastic", modes="fa_ssa", routing="fixed", fixed_fa_kv_heads=fa_heads(s, om),
           sinks=s.sinks, local=s.local, block=s.block, dense_full_heads=split)
   return out
 
@@ -129,8 +129,8 @@ def run(s: Settings, log=print) -> dict:
                      ["params"])
   rows, lasts = [], {}
   for name, cfg in cfgs.items():
-    params = dense_p if name == "dense" else elastic.dense_to_elastic(dense_p, cfgs["dense"],
-                                                                      **dict(cfg.scheme_kwargs))[1]
+    params = dense_p if name == "dense" else convert(dense_p, cfgs["dense"], "elastic",
+                                                         **dict(cfg.scheme_kwargs))[1]
     model = Decoder(cfg)
     f = jax.jit(lambda p, t, m=model: m.apply({"params": p}, t, return_hidden=True)[0][:, -1])
     t0 = time.perf_counter()
@@ -138,7 +138,7 @@ def run(s: Settings, log=print) -> dict:
     row = dict(row=name, compile_and_first_s=round(time.perf_counter() - t0, 2),
                finite=bool(np.isfinite(np.asarray(last, np.float32)).all()))
     if name != "dense":
-      o = elastic.elastic_options(cfg)
+      o = options(cfg)
       heads = o.fixed_fa_kv_heads
       row.update(omega=round(omega_of(s, heads), 6), dense_full_heads=o.dense_full_heads,
                  fa_kv_heads=json.loads(json.dumps(heads)))  # tuples -> lists

@@ -18,7 +18,7 @@ task id with `elastic.task_ids`, which rejects unknown names):
     scored: only the recent past predicts them (older segments mislead), SSA's local window
     suffices.
 Experiment: (1) a small dense Qwen3-shaped decoder learns the mix; (2) it is converted
-(`elastic.dense_to_elastic`, FA-SSA, fresh router) and only the router (task MLP + router MLP)
+(`attention.convert(..., "elastic")`, FA-SSA, fresh router) and only the router (task MLP + router MLP)
 and the per-task Lagrange multipliers train (multipliers by gradient ascent), the recipe's loss
 (CE + Lagrangian) through the project's train step; (3) held-out rows: answer accuracy per task
 for dense, Elastic (eval: argmax, no noise) and every head SSA (what sparsity alone costs);
@@ -43,7 +43,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from condattn_jax.attention import elastic  # noqa: E402
+from condattn_jax.attention import configure, convert, elastic  # noqa: E402
 from condattn_jax.models.config import ModelConfig  # noqa: E402
 from condattn_jax.models.decoder import Decoder  # noqa: E402
 from condattn_jax.train import optimizer as opt_lib  # noqa: E402
@@ -255,11 +255,11 @@ def run(s: Settings, log=print) -> dict[str, Any]:
                             name="dense", log=log)
   dense_acc = accuracy(cfg, dense, ev)
   log(f"dense accuracy {dense_acc}")
-  ecfg, ep = elastic.dense_to_elastic(
-      jax.tree.map(np.asarray, dense), cfg, modes="fa_ssa", task_names=TASKS,
+  ecfg, ep = convert(
+      jax.tree.map(np.asarray, dense), cfg, "elastic", modes="fa_ssa", task_names=TASKS,
       targets=tuple(s.targets), block=s.block, sinks=s.sinks, local=s.local,
       boundary=s.boundary, anneal_steps=int(round(0.6 * s.router_steps)), seed=s.seed)
-  sa_acc = accuracy(elastic.elastic_config(ecfg, routing="sa"), ep, ev)
+  sa_acc = accuracy(configure(ecfg, "elastic", routing="sa"), ep, ev)
   log(f"every head SSA: accuracy {sa_acc}")
   rec = _recipe()
   groups = {"lagrange": dict(regex=rec.LAGRANGE_REGEX, maximize=True, lr=s.lambda_lr,

@@ -7,7 +7,7 @@ r"""L2A learning experiment on MQAR (multi-query associative recall), end to end
                                                      # what `make demo` runs (scripts/demo.py)
 
 1. dense: a tiny qwen2-style decoder learns MQAR with full attention (all params trained);
-2. convert: `l2a.dense_to_l2a` (local window w << T, both branches copied, zero router) and train
+2. convert: `attention.convert(..., "l2a")` (local window w << T, both branches copied, zero router) and train
    with the L2A recipe: trainable = attention + norms + router (FFN / embeddings frozen),
    CE + lambda * mean p^2 (warmup then linear ramp), forced-global steps p_force, STE router;
 3. evaluate on held-out examples (the eval stream): answer-token accuracy and per-layer sparsity
@@ -49,6 +49,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from condattn_jax.attention import l2a  # noqa: E402
+from condattn_jax.attention import configure, convert, options  # noqa: E402
 from condattn_jax.models.config import ModelConfig  # noqa: E402
 from condattn_jax.models import stacking  # noqa: E402
 from condattn_jax.models.decoder import Decoder  # noqa: E402
@@ -249,7 +250,7 @@ def evaluate(cfg: ModelConfig, params, data: Data, batch: int = 256) -> dict[str
   res = {"accuracy": float(sums["correct"] / sums["scored"])}
   if "glob" in sums:
     layer = 1.0 - sums["glob"] / np.maximum(sums["tok"], 1)
-    opts = l2a.l2a_options(cfg)
+    opts = options(cfg)
     live = [i for i in range(cfg.num_layers) if i not in opts.pruned_layers]
     res["layer_sparsity"] = [float(x) for x in layer]
     res["sparsity"] = float(np.mean(layer[live])) if live else 1.0
@@ -351,8 +352,8 @@ def router_groups(s: Settings, routing: str = "learned"):
 
 
 def convert(s: Settings, cfg: ModelConfig, dense, **options):
-  """(L2A config, L2A params): `l2a.dense_to_l2a` with the settings' options (+ overrides)."""
-  return l2a.dense_to_l2a(dense, cfg, **l2a_options(s, **options))
+  """(L2A config, L2A params): `attention.convert(..., "l2a")` with the settings' options (+ overrides)."""
+  return convert(dense, cfg, "l2a", **l2a_options(s, **options))
 
 
 def train_l2a(s: Settings, data: Data, cfg: ModelConfig, dense, *, name: str = "l2a", log=print,
@@ -372,7 +373,7 @@ def theta_sweep(lcfg: ModelConfig, params, data: Data, thetas) -> dict[str, dict
   """{str(theta): accuracy, sparsity, layer_sparsity} of the trained model at each threshold."""
   out = {}
   for th in thetas:
-    r = evaluate(l2a.l2a_config(lcfg, theta=th), params, data)
+    r = evaluate(configure(lcfg, "l2a", theta=th), params, data)
     out[str(th)] = dict(accuracy=r["accuracy"], sparsity=r["sparsity"],
                         layer_sparsity=r["layer_sparsity"])
   return out

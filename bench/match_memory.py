@@ -40,7 +40,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from condattn_jax.attention import match  # noqa: E402
+from condattn_jax.attention import configure  # noqa: E402
 from condattn_jax.inference import Engine, cache_bytes  # noqa: E402
 from condattn_jax.models.config import ModelConfig  # noqa: E402
 from condattn_jax.models.decoder import Decoder  # noqa: E402
@@ -81,7 +81,7 @@ def configs(s: Settings):
                      num_kv_heads=s.kv_heads, head_dim=s.head_dim, dtype=s.dtype,
                      param_dtype=s.dtype)
   return {"dense": base,
-          "match": match.match_config(base, window=s.window, chunk=s.chunk, top_k=s.top_k,
+          "match": configure(base, "match", window=s.window, chunk=s.chunk, top_k=s.top_k,
                                       retrieved_kv="recompute")}
 
 

@@ -38,7 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
-from condattn_jax.attention import match  # noqa: E402
+from condattn_jax.attention import configure  # noqa: E402
 from condattn_jax.data.synthetic import MQAR  # noqa: E402
 from condattn_jax.models.config import ModelConfig  # noqa: E402
 from condattn_jax.models.decoder import Decoder  # noqa: E402
@@ -86,7 +86,7 @@ def model_config(s: Settings, method: str) -> ModelConfig:
   kw.update(METHODS[method])
   if kw["window"] is None:
     kw["window"] = max(s.lengths)
-  return match.match_config(base, **kw)
+  return configure(base, "match", **kw)
 
 
 def task(s: Settings, length: int) -> MQAR:

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from condattn_jax.attention import configure
 from condattn_jax.attention import segmented as sgm
 from condattn_jax.models.config import ModelConfig
 from condattn_jax.models.decoder import Decoder
@@ -78,7 +79,7 @@ def model_configs(p):
   dense = ModelConfig(family="llama", vocab_size=p["vocab"], hidden_size=p["width"],
                       intermediate_size=2 * p["width"], num_layers=p["layers"], num_heads=4,
                       num_kv_heads=2, head_dim=p["width"] // 4, rope_theta=10000.0)
-  return dense, sgm.segmented_config(dense, **SEG)
+  return dense, configure(dense, "segmented", **SEG)
 
 
 def ce_of(logits, toks):

@@ -48,13 +48,13 @@ OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "segme
 
 
 def _config(p, row):
-  from condattn_jax.attention import segmented as sgm
+  from condattn_jax.attention import configure
   from condattn_jax.models.config import ModelConfig
   cfg = ModelConfig(family="llama", vocab_size=p["vocab"], hidden_size=p["hidden"],
                     intermediate_size=p["inter"], num_layers=p["layers"], num_heads=p["heads"],
                     num_kv_heads=p["kv_heads"], head_dim=p["head_dim"], rope_theta=10000.0,
                     dtype=p["dtype"], param_dtype=p["dtype"])
-  return sgm.segmented_config(cfg, **p["seg"]) if row == "segmented" else cfg
+  return configure(cfg, "segmented", **p["seg"]) if row == "segmented" else cfg
 
 
 def host_params(cfg, seed: int = 0):

@@ -22,7 +22,7 @@ straight into `Decoder.apply` (Linen unboxes `nn.Partitioned` metadata only when
 `box_like` re-attaches the logical-axis metadata of an abstract init when a caller wants it
 (e.g. to derive shardings), `unbox` strips it.
 
-The dense -> scheme conversions (weight copies, router init) live further down this module.
+Dense -> scheme conversion is `condattn_jax.attention.convert` (the schemes own their weights).
 """
 from __future__ import annotations
 
@@ -418,34 +418,3 @@ def box_like(params, boxed_template):
   is_box = lambda x: isinstance(x, nn.meta.AxisMetadata)
   return jax.tree.map(lambda box, p: box.replace_boxed(p) if is_box(box) else p,
                       boxed_template, params, is_leaf=is_box)
-
-
-# --------------------------------------------------------------------------------------------
-# Dense -> scheme conversions (weight copies, router init): added with the schemes.
-# --------------------------------------------------------------------------------------------
-def convert_from_dense(params: dict, config: ModelConfig) -> dict:
-  """Dense params -> params of `config.scheme` (the scheme registry's `from_dense`)."""
-  from condattn_jax.attention import get_scheme
-  return get_scheme(config.scheme).from_dense(params, config)
-
-
-def dense_to_l2a(params: dict, config: ModelConfig, **options) -> tuple[ModelConfig, dict]:
-  """(dense config, params) -> (L2A config with these scheme options, L2A params): local and
-  global attention both copies of the dense attention, global norm = input norm, zero router.
-  See `condattn_jax.attention.l2a` (options: window, tau, theta, p_force, pruned_layers, ...)."""
-  from condattn_jax.attention import l2a
-  return l2a.dense_to_l2a(params, config, **options)
-
-
-def l2a_to_dense(params: dict, config: ModelConfig) -> tuple[ModelConfig, dict]:
-  """L2A -> dense sliding-window model: keeps the local attention, drops every global branch
-  (the function of the L2A model with every layer pruned)."""
-  from condattn_jax.attention import l2a
-  return l2a.to_dense(params, config)
-
-
-def prune_l2a(params: dict, config: ModelConfig, layer_sparsity, threshold: float = 0.95):
-  """Post-training pruning: (pruned config, pruned params, newly pruned layers) for layers whose
-  measured sparsity is >= threshold (see `l2a.measure_sparsity` / `l2a.prune_report`)."""
-  from condattn_jax.attention import l2a
-  return l2a.prune(params, config, layer_sparsity, threshold)

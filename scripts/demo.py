@@ -209,7 +209,7 @@ def aha_section(workdir: str, steps: int | None, seed: int) -> Section:
   import jax
   import jax.numpy as jnp
   from bench import aha_window_sweep as sweep
-  from condattn_jax.attention import aha
+  from condattn_jax import attention
   from condattn_jax.attention.aha import report as aha_report
   from condattn_jax.models.decoder import Decoder
   s = dataclasses.replace(sweep.PRESETS["demo"], seed=seed)
@@ -229,13 +229,13 @@ def aha_section(workdir: str, steps: int | None, seed: int) -> Section:
   dense_p, _ = sweep.train(cfg, init, task, steps=s.dense_steps, lr=s.dense_lr, phase=0,
                            name="dense", log=log)
   d = sweep.evaluate(cfg, dense_p, task, (w,))
-  acfg, ap = aha.dense_to_aha(dense_p, cfg, window=w, tau=s.tau, lam=s.lam,
-                              router_bias_init=s.router_bias_init)
-  local = sweep.evaluate(aha.aha_config(acfg, routing="none"), ap, task, (w,))
+  acfg, ap = attention.convert(dense_p, cfg, "aha", window=w, tau=s.tau, lam=s.lam,
+                                    router_bias_init=s.router_bias_init)
+  local = sweep.evaluate(attention.configure(acfg, "aha", routing="none"), ap, task, (w,))
   params, hist = sweep.train(acfg, ap, task, steps=s.aha_steps, lr=s.aha_lr, phase=1,
                              name=f"aha w={w}", router_lr=s.router_lr, log=log)
   r = sweep.evaluate(acfg, params, task, (w,))
-  knob = {t: sweep.evaluate(aha.aha_config(acfg, tau=t), params, task, (w,)) for t in (0.3, 0.7)}
+  knob = {t: sweep.evaluate(attention.configure(acfg, "aha", tau=t), params, task, (w,)) for t in (0.3, 0.7)}
   ev = task.batch(0, s.eval_rows, stream=1)
   ev.pop("distance")
   batches = [{k: v[i:i + 64] for k, v in ev.items()} for i in range(0, s.eval_rows, 64)]

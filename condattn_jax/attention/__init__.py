@@ -6,12 +6,25 @@ schemes are the modules and packages of this package (found by walking it, no li
 any other module can register one too, and `model.scheme = "some.module:name"` imports
 `some.module` (which registers `name`) before looking `name` up, so a scheme living outside the library (a test file, a
 research repo) trains through train.py unchanged.
+
+Options: a scheme declares a frozen dataclass (`Scheme.options`); `ModelConfig.scheme_kwargs`
+holds (name, value) pairs of it, set by a run as `--config.model.scheme.<name>=...`. The one
+parser is the registry's:
+  options(config)                     the scheme's options of a ModelConfig (or a run config),
+                                      parsed, type-coerced and checked once (cached)
+  configure(base, scheme, **options)  `base` turned into `scheme` with these options (validated)
+  convert(params, dense_config, scheme, **options)
+                                      dense params -> (scheme config, scheme params): the one
+                                      dense -> scheme entry point
+Errors name the field as the command line spells it (`model.scheme.<name>`).
 """
 from __future__ import annotations
 
 import dataclasses
 import importlib
 import pkgutil
+import functools
+import numbers
 from typing import Any, Callable
 
 import jax.numpy as jnp
@@ -37,6 +50,11 @@ def _no_flags(config):
 
 
 @dataclasses.dataclass(frozen=True)
+class NoOptions:
+  """The options of a scheme that has none (dense)."""
+
+
+@dataclasses.dataclass(frozen=True)
 class Scheme:
   """What makes a routing scheme.
 
@@ -46,9 +64,18 @@ class Scheme:
                 values come out [L, N]. Every layer of a scheme returns the same aux structure.
                 The layer owns its decode cache: it creates its variables in the 'cache'
                 collection (e.g. `models.layers.KVCache`) and reads/writes them when ctx.decode.
+  options       a frozen dataclass of the scheme's options (`model.scheme.<field>`): defaults
+                are the paper's, `__post_init__` checks the values alone. The registry parses
+                `scheme_kwargs` into it (unknown names refused against the valid ones; values
+                coerced to the default's type: list -> tuple, dict -> sorted (name, value)
+                pairs, integral float -> int, int -> float).
+  check         None or `(config, options) -> None`: checks that need the whole ModelConfig
+                (L2A refuses post-norm families, the full-attention conversions refuse a
+                `sliding_window`); raises ValueError naming the field.
   aux_loss      `(aux, batch, step, config) -> (scalar loss, metrics)` added to the CE; `batch`
                 is the training batch dict (task ids, masks, ...), `config` the ModelConfig.
-  from_dense    dense params -> scheme params, both in the model (stacked) layout.
+  from_dense    dense params -> scheme params, both in the model (stacked) layout, for a
+                configured scheme ModelConfig (`convert` is the entry point that also configures).
   to_dense      scheme params -> (dense ModelConfig, dense params), or None.
   layer_variants `config -> tuple` of one hashable per layer: consecutive layers with equal
                 variants are scanned together, a layer module gets its variant as an attribute
@@ -77,6 +104,8 @@ class Scheme:
   """
   name: str
   layer_cls: type
+  options: type = NoOptions
+  check: Callable[[Any, Any], None] | None = None
   aux_loss: Callable[..., tuple[Any, dict]] = _no_aux_loss
   from_dense: Callable[[dict, Any], dict] = _identity
   to_dense: Callable[[dict, Any], tuple[Any, dict]] | None = None
@@ -88,6 +117,86 @@ class Scheme:
   input_module: type | None = None
   model_params: Callable[[Any], dict] | None = None
   forward: Callable[..., tuple[Any, Any]] | None = None
+
+  def __post_init__(self):
+    if not (dataclasses.is_dataclass(self.options) and isinstance(self.options, type)):
+      raise TypeError(f"Scheme {self.name!r}: options must be a dataclass type, got "
+                      f"{self.options!r}.")
+
+  @property
+  def option_names(self) -> tuple[str, ...]:
+    return tuple(f.name for f in dataclasses.fields(self.options))
+
+  def parse_options(self, kwargs) -> Any:
+    """`kwargs` (a dict or (name, value) pairs) -> this scheme's options dataclass: unknown
+    names refused against the valid ones, values coerced to their field's type, then the
+    dataclass's own checks. (The whole-config `check` runs in `options(config)`.)"""
+    kw = dict(kwargs)
+    fields = {f.name: f for f in dataclasses.fields(self.options)}
+    unknown = sorted(set(kw) - set(fields))
+    if unknown:
+      valid = sorted(fields) or "none"
+      raise ValueError(f"model.scheme has unknown option(s) {unknown} for scheme {self.name!r}; "
+                       f"valid: {valid}.")
+    return self.options(**{k: _coerce(k, _default(fields[k]), v) for k, v in kw.items()})
+
+
+def _default(field):
+  if field.default is not dataclasses.MISSING:
+    return field.default
+  if field.default_factory is not dataclasses.MISSING:
+    return field.default_factory()
+  return None
+
+
+def _as_tuple(v):
+  if isinstance(v, dict):
+    return tuple(sorted((k, _as_tuple(x)) for k, x in v.items()))
+  if isinstance(v, (list, tuple, range)):
+    return tuple(_as_tuple(x) for x in v)
+  if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+    return int(v)
+  return v
+
+
+def _coerce(name: str, default, v):
+  """`v` in the type of the field's default (the command line hands tuples as lists, ints as
+  floats...); a value that cannot be is one error naming the field."""
+  flag = f"model.scheme.{name}={v!r}"
+  if isinstance(default, bool):
+    if isinstance(v, bool):
+      return v
+    raise ValueError(f"{flag} must be True or False.")
+  if isinstance(default, numbers.Integral):
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool):
+      return int(v)
+    if isinstance(v, numbers.Real) and not isinstance(v, bool) and float(v).is_integer():
+      return int(v)
+    raise ValueError(f"{flag} must be an int.")
+  if isinstance(default, numbers.Real):
+    if isinstance(v, numbers.Real) and not isinstance(v, bool):
+      return float(v)
+    raise ValueError(f"{flag} must be a number.")
+  if isinstance(default, str):
+    if isinstance(v, str):
+      return v
+    raise ValueError(f"{flag} must be a string.")
+  if isinstance(default, tuple):
+    if isinstance(v, dict):
+      return _as_tuple(v)
+    if not isinstance(v, str) and hasattr(v, "__iter__"):
+      return _as_tuple(list(v))
+    raise ValueError(f"{flag} must be a tuple.")
+  return v
+
+
+def refuse_sliding_window(config, options) -> None:
+  """`Scheme.check` of the schemes that convert a full-attention model (their window, if any,
+  is their own option)."""
+  del options
+  if config.sliding_window is not None:
+    raise ValueError(f"model.sliding_window={config.sliding_window}: scheme {config.scheme!r} "
+                     "converts a full-attention model; set model.sliding_window=None.")
 
 
 SCHEMES: dict[str, Scheme] = {}
@@ -134,3 +243,59 @@ def get_scheme(name: str) -> Scheme:
     raise ValueError(f"model.scheme={name!r} is unknown; registered schemes: {sorted(SCHEMES)} "
                      f"(or 'some.module:name' for a scheme registered by another module).")
   return SCHEMES[name]
+
+
+@functools.lru_cache(maxsize=512)
+def _options_cached(config):
+  return _options_uncached(config)
+
+
+def _options_uncached(config):
+  scheme = get_scheme(config.scheme)
+  o = scheme.parse_options(config.scheme_kwargs)
+  if scheme.check is not None:
+    scheme.check(config, o)
+  return o
+
+
+def options(config) -> Any:
+  """The options dataclass of `config`'s scheme: `config` is a ModelConfig (its scheme and
+  scheme_kwargs, checked against the whole config), a run config (its `model.scheme` section),
+  or already an options dataclass (returned as is)."""
+  if hasattr(config, "scheme_kwargs"):
+    try:
+      return _options_cached(config)
+    except TypeError:  # unhashable values: parse without the cache
+      return _options_uncached(config)
+  if hasattr(config, "model") and hasattr(config.model, "scheme"):
+    from condattn_jax.train.config import scheme_fields
+    name, kw = scheme_fields(config)
+    return get_scheme(name).parse_options(kw)
+  if dataclasses.is_dataclass(config) and not isinstance(config, type):
+    return config
+  raise TypeError(f"options() takes a ModelConfig, a run config or an options dataclass, got "
+                  f"{type(config).__name__}.")
+
+
+def configure(base, scheme: str, **opts):
+  """`base` (a ModelConfig of any scheme) turned into `scheme` with these options: the base's
+  own options are kept when it already is that scheme. Values are stored normalised (tuples,
+  ints) and checked with the whole config."""
+  s = get_scheme(scheme)
+  kw = dict(base.scheme_kwargs) if get_scheme(base.scheme) is s else {}
+  kw.update(opts)
+  parsed = s.parse_options(kw)
+  cfg = base.replace(scheme=scheme, scheme_kwargs=tuple(sorted((k, getattr(parsed, k))
+                                                               for k in kw)))
+  options(cfg)
+  return cfg
+
+
+def convert(params, dense_config, scheme: str, **opts):
+  """Dense params of `dense_config` -> (the `scheme` ModelConfig with these options, its
+  params): the one dense -> scheme entry point (`configure`, then the scheme's `from_dense`)."""
+  if dense_config.scheme != "dense":
+    raise ValueError(f"convert() takes a dense model, got model.scheme={dense_config.scheme!r} "
+                     "(convert it to dense first: get_scheme(...).to_dense).")
+  cfg = configure(dense_config, scheme, **opts)
+  return cfg, get_scheme(scheme).from_dense(params, cfg)

@@ -12,7 +12,7 @@ import json
 import os
 from typing import Any
 
-from condattn_jax.attention import l2a
+from condattn_jax.attention import l2a, options
 from condattn_jax.data import make_eval_batches
 from condattn_jax.evaluation.perplexity import eval_data_config
 from condattn_jax.models.decoder import Decoder
@@ -51,7 +51,7 @@ def prune_and_evaluate(config, params, model_cfg, mesh, *, threshold: float = 0.
   sp = l2a.measure_sparsity(Decoder(model_cfg), params, batches)["layer_sparsity"]
   pcfg, pparams, new = l2a.prune(params, model_cfg, sp, threshold)
   after = evaluation.evaluate(config, pparams, pcfg, mesh, lengths=[L])["results"][L]
-  opts = l2a.l2a_options(pcfg)
+  opts = options(pcfg)
   report = {
       "eval_len": L,
       "context_len": ctx,
@@ -68,8 +68,20 @@ def prune_and_evaluate(config, params, model_cfg, mesh, *, threshold: float = 0.
   return {"report": report, "config": pcfg, "params": pparams}
 
 
+def _bytes(b: float) -> str:
+  for unit, d in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+    if b >= d:
+      return f"{b / d:,.1f} {unit}"
+  return f"{int(b)} B"
+
+
+def _vs_dense(reduction: float) -> str:
+  """'12.5% less than' / '12.5% more than' the dense base (a reduction < 0 is more)."""
+  return f"{100 * abs(reduction):.1f}% {'less' if reduction >= 0 else 'more'} than the dense base"
+
+
 def markdown(report: dict) -> str:
-  mib = lambda b: f"{b / 2**20:,.1f} MiB"
+  mib = _bytes
   lines = [f"### L2A pruning (threshold {report['threshold']}, theta {report['theta']})", "",
            "| layer | sparsity | pruned |", "|---|---|---|"]
   for i, s in enumerate(report["layer_sparsity"]):
@@ -77,7 +89,7 @@ def markdown(report: dict) -> str:
   lines += ["", f"KV cache at {report['context_len']} tokens (batch 1): dense base "
             f"{mib(report['kv_bytes_dense_base'])}, L2A before {mib(report['kv_bytes_before'])}, "
             f"after {mib(report['kv_bytes_after'])} "
-            f"({100 * report['kv_reduction_vs_dense']:.1f}% less than the dense base)", "",
+            f"({_vs_dense(report['kv_reduction_vs_dense'])})", "",
             "| | token acc | exact match | ppl | sparsity |", "|---|---|---|---|---|"]
   for name in ("eval_before", "eval_after"):
     r = report[name]

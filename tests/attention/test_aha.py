@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from condattn_jax import attention
 from condattn_jax.attention import aha, get_scheme
 from condattn_jax.models import stacking
 from condattn_jax.models.config import ModelConfig
@@ -50,7 +51,7 @@ def test_conversion_is_the_base_model_and_reverses(family):
   cfg, dp, tok = _dense(family)
   base, _ = Decoder(cfg).apply({"params": dp}, tok)
   for mode in ("exact", "sparse"):
-    acfg, ap = aha.dense_to_aha(dp, cfg, window=4, mode=mode)
+    acfg, ap = attention.convert(dp, cfg, "aha", window=4, mode=mode)
     out, aux = Decoder(acfg).apply({"params": ap}, tok)
     np.testing.assert_allclose(out, base, atol=1e-6, rtol=0)
     assert aux["usage_N"].shape == (cfg.num_layers, cfg.num_heads)
@@ -65,7 +66,7 @@ def test_conversion_is_the_base_model_and_reverses(family):
   lcfg, lparams = aha.to_dense(ap, acfg, keep="local")
   assert lcfg.sliding_window == 4
   want, _ = Decoder(lcfg).apply({"params": lparams}, tok)
-  out, aux = Decoder(aha.aha_config(acfg, routing="none")).apply(
+  out, aux = Decoder(attention.configure(acfg, "aha", routing="none")).apply(
       {"params": _random_router(ap)}, tok)
   np.testing.assert_allclose(out, want, atol=1e-5, rtol=0)
   np.testing.assert_array_equal(aux["usage_N"], 0.0)
@@ -74,7 +75,7 @@ def test_conversion_is_the_base_model_and_reverses(family):
 
 def test_params_layout_registry_and_errors():
   cfg, dp, tok = _dense("olmo2")
-  acfg, ap = aha.dense_to_aha(dp, cfg, window=4)
+  acfg, ap = attention.convert(dp, cfg, "aha", window=4)
   assert get_scheme("aha").from_dense is aha.from_dense
   per = stacking.unstack_layers(ap)
   dper = stacking.unstack_layers(dp)
@@ -93,12 +94,12 @@ def test_params_layout_registry_and_errors():
   assert tuple(specs["bias"]) == ("layers", "q_heads")
   with pytest.raises(ValueError, match="already has a router"):
     aha.from_dense(ap, acfg)
-  with pytest.raises(ValueError, match="unknown AHA option"):
-    aha.aha_config(cfg, windw=4)
+  with pytest.raises(ValueError, match=r"unknown option\(s\) \['windw'\] for scheme 'aha'"):
+    attention.configure(cfg, "aha", windw=4)
   with pytest.raises(ValueError, match="mode="):
-    aha.aha_config(cfg, mode="fast")
+    attention.configure(cfg, "aha", mode="fast")
   with pytest.raises(ValueError, match="sliding_window"):
-    aha.aha_config(cfg.replace(sliding_window=8))
+    attention.configure(cfg.replace(sliding_window=8), "aha")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -107,7 +108,7 @@ def test_params_layout_registry_and_errors():
 def _layer_setup(family, window=3):
   """One AHA layer (random router, MLP output zeroed so the layer output is the attention half)."""
   cfg, dp, _ = _dense(family)
-  acfg, ap = aha.dense_to_aha(dp, cfg, window=window)
+  acfg, ap = attention.convert(dp, cfg, "aha", window=window)
   layer = jax.tree.map(lambda x: x, stacking.unstack_layers(_random_router(ap))["layers_0"])
   layer["mlp"]["down_proj"]["kernel"] = jnp.zeros_like(layer["mlp"]["down_proj"]["kernel"])
   x = jax.random.normal(jax.random.PRNGKey(5), (B, T, cfg.hidden_size))
@@ -119,7 +120,7 @@ def _reference_parts(cfg, layer, x, pos, tau=0.5):
   """(x_in, s, g, full, local, out) computed directly from the equations: ONE attention call
   per path (full: causal mask; local: causal + window) and the layer output from ONE attention
   with the per-head mask 'full if g else window' (paper eq. 4)."""
-  o = aha.aha_options(cfg)
+  o = attention.options(cfg)
   x_in = x if cfg.post_norm else RMSNorm(eps=cfg.rms_norm_eps).apply(
       {"params": layer["input_layernorm"]}, x)
   r = jnp.einsum("btd,dn->btn", x_in, layer["router"]["kernel"],
@@ -167,7 +168,7 @@ def test_mixed_routing_matches_reference_and_modes_agree(family):
   np.testing.assert_array_equal(aux["full_BN"], g.sum(axis=1))
   # sparse mode (full only for routed pairs), in eval, in training and on a forced step
   for p_force, train in ((0.05, False), (0.0, True), (1.0, True)):
-    scfg = aha.aha_config(cfg, mode="sparse", p_force=p_force)
+    scfg = attention.configure(cfg, "aha", mode="sparse", p_force=p_force)
     s_out, s_aux = _apply_layer(scfg, layer, x, pos, train=train)
     np.testing.assert_allclose(s_out, out, atol=1e-5, rtol=0)
     assert float(s_aux["forced"]) == (1.0 if p_force == 1.0 else 0.0)
@@ -198,9 +199,9 @@ def test_ste_router_gradient_is_full_minus_local():
     sig = s[b0, t0] * (1 - s[b0, t0])
     got = bias_grad(cfg, b0, t0, train=True) / sig
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
-    forced = bias_grad(aha.aha_config(cfg, mode="sparse", p_force=1.0), b0, t0, train=True) / sig
+    forced = bias_grad(attention.configure(cfg, "aha", mode="sparse", p_force=1.0), b0, t0, train=True) / sig
     np.testing.assert_allclose(forced, want, rtol=1e-4, atol=1e-5)
-    sparse = bias_grad(aha.aha_config(cfg, mode="sparse", p_force=0.0), b0, t0, train=True) / sig
+    sparse = bias_grad(attention.configure(cfg, "aha", mode="sparse", p_force=0.0), b0, t0, train=True) / sig
     np.testing.assert_allclose(sparse, want * g[b0, t0], rtol=1e-4, atol=1e-5)
     assert np.abs(want[~g[b0, t0]]).min() > 1e-4  # so the masking above is visible
 
@@ -216,7 +217,7 @@ def _scores_and_gates(m, params, tok, **kw):
 
 def test_regulariser_metrics_and_task_usage():
   cfg, dp, tok = _dense("olmo2")
-  acfg, ap = aha.dense_to_aha(dp, cfg, window=4, lam=0.5, num_tasks=3)
+  acfg, ap = attention.convert(dp, cfg, "aha", window=4, lam=0.5, num_tasks=3)
   ap = _random_router(ap)
   m = Decoder(acfg)
   task_ids = jnp.array([2, 0])
@@ -242,22 +243,22 @@ def test_regulariser_metrics_and_task_usage():
   gr = jax.grad(reg)(ap)["layers"]["router"]
   assert float(jnp.abs(gr["bias"]).min()) > 0 and float(jnp.abs(gr["kernel"]).max()) > 0
   # no router in the loop: no regulariser
-  _, aux_all = Decoder(aha.aha_config(acfg, routing="all")).apply({"params": ap}, tok)
+  _, aux_all = Decoder(attention.configure(acfg, "aha", routing="all")).apply({"params": ap}, tok)
   assert float(aha.aux_loss(aux_all, None, 0, acfg)[0]) == 0.0
 
 
 def test_tau_is_a_test_time_knob():
   cfg, dp, tok = _dense("qwen3")
-  acfg, ap = aha.dense_to_aha(dp, cfg, window=4)
+  acfg, ap = attention.convert(dp, cfg, "aha", window=4)
   ap = _random_router(ap)
-  mu = [float(Decoder(aha.aha_config(acfg, tau=tau)).apply({"params": ap}, tok)[1]["usage_N"].mean())
+  mu = [float(Decoder(attention.configure(acfg, "aha", tau=tau)).apply({"params": ap}, tok)[1]["usage_N"].mean())
         for tau in (0.3, 0.5, 0.7)]
   assert 1.0 > mu[0] > mu[1] > mu[2] > 0.0
 
 
 def test_packed_documents_and_padding():
   cfg, dp, tok = _dense("olmo2")
-  acfg, ap = aha.dense_to_aha(dp, cfg, window=3)
+  acfg, ap = attention.convert(dp, cfg, "aha", window=3)
   ap = _random_router(ap)
   m = Decoder(acfg)
   a, b = tok[0, :9], tok[1, :5]
@@ -275,7 +276,7 @@ def test_packed_documents_and_padding():
 
 def test_kv_cache_bytes_is_one_full_cache():
   cfg, _, _ = _dense("olmo2")
-  acfg = aha.aha_config(cfg, window=4)
+  acfg = attention.configure(cfg, "aha", window=4)
   per_tok = 2 * cfg.num_kv_heads * cfg.head_dim * 4
   kv = aha.kv_cache_bytes(acfg, 1024, batch=2)
   assert kv == {"total": cfg.num_layers * 1024 * per_tok * 2,

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from condattn_jax import attention
 from condattn_jax.attention import aha
 from condattn_jax.inference import Engine, cache_bytes
 from condattn_jax.models.config import ModelConfig
@@ -22,7 +23,7 @@ def _aha(family="olmo2", **kw):
   cfg = ModelConfig(family=family, num_layers=3).replace(**FAMILIES[family])
   tok = jnp.zeros((1, 8), jnp.int32)
   dp = nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(3), tok)["params"])
-  acfg, ap = aha.dense_to_aha(dp, cfg, **{"window": 4, **kw})
+  acfg, ap = attention.convert(dp, cfg, "aha", **{"window": 4, **kw})
   r = ap["layers"]["router"]  # a random router: a real mix of full / local heads
   r["kernel"] = 0.3 * jax.random.normal(jax.random.PRNGKey(0), r["kernel"].shape)
   r["bias"] = jnp.zeros_like(r["bias"])
@@ -77,7 +78,7 @@ def test_one_full_cache_per_layer_and_its_bytes():
   kv = aha.kv_cache_bytes(cfg, 32, batch=len(PROMPTS))["total"]
   assert kv <= cache_bytes(cache) <= 1.5 * kv
   with pytest.raises(ValueError, match="routing='soft'"):
-    Engine(aha.aha_config(cfg, routing="soft"), params, cache_len=32).prefill(PROMPTS)
+    Engine(attention.configure(cfg, "aha", routing="soft"), params, cache_len=32).prefill(PROMPTS)
 
 
 def test_local_heads_read_only_the_window():
@@ -96,7 +97,7 @@ def test_local_heads_read_only_the_window():
   bad_out = eng.decode_step(bad, tok, lengths, np.ones(3, bool), logits)[1]
   np.testing.assert_allclose(bad_out, ok_out, atol=1e-5, rtol=0)
   # ... and the same corruption does change a model whose heads go full
-  full_eng = Engine(aha.aha_config(cfg, routing="all"), params, cache_len=32)
+  full_eng = Engine(attention.configure(cfg, "aha", routing="all"), params, cache_len=32)
   cache, logits, _ = full_eng.prefill(PROMPTS)
   bad = jax.tree.map(lambda x: x, cache)
   for name in ("key", "value"):
@@ -112,7 +113,7 @@ def test_tau_is_a_serving_knob():
   cfg, params = _aha()
   usage = []
   for tau in (0.4, 0.6):
-    c = aha.aha_config(cfg, tau=tau)
+    c = attention.configure(cfg, "aha", tau=tau)
     gen = Engine(c, params, cache_len=32, prefill_chunk=4).generate(PROMPTS, NEW,
                                                                     return_logits=True)
     gate, seg = _check(c, params, gen)

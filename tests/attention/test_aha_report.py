@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from condattn_jax import attention
 from condattn_jax.attention import aha, get_scheme
 from condattn_jax.models.config import ModelConfig
 from condattn_jax.models.decoder import Decoder
@@ -50,7 +51,7 @@ def test_usage_report_per_layer_head_and_task(tmp_path):
   cfg = ModelConfig(family="olmo2", qk_norm="full", post_norm=True, num_layers=3)
   tok = jax.random.randint(jax.random.PRNGKey(0), (2, 24), 1, cfg.vocab_size)
   dp = nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(1), tok)["params"])
-  acfg, ap = aha.dense_to_aha(dp, cfg, window=4)
+  acfg, ap = attention.convert(dp, cfg, "aha", window=4)
   r = ap["layers"]["router"]
   r["kernel"] = 0.3 * jax.random.normal(jax.random.PRNGKey(2), r["kernel"].shape)
   r["bias"] = jnp.broadcast_to(jnp.asarray([-1.0, 0.0, 0.5, 2.0]), (3, 4))  # heads differ

@@ -12,6 +12,7 @@ import optax
 import pytest
 from ml_collections import ConfigDict
 
+from condattn_jax import attention
 from condattn_jax import ops
 from condattn_jax.attention import elastic, get_scheme
 from condattn_jax.attention.elastic import masks
@@ -45,14 +46,14 @@ def test_conversion_every_head_fa_is_the_base_model_and_reverses(family="olmo2")
   cfg, dp, tok = _dense(family)
   fwd = lambda c, p: jax.jit(Decoder(c).apply)({"params": p}, tok)
   base, _ = fwd(cfg, dp)
-  ecfg, ep = elastic.dense_to_elastic(jax.tree.map(np.asarray, dp), cfg, modes="fa_xa",
+  ecfg, ep = attention.convert(jax.tree.map(np.asarray, dp), cfg, "elastic", modes="fa_xa",
                                       routing="fa", **SMALL)
   out, aux = fwd(ecfg, ep)
   np.testing.assert_allclose(out, base, atol=1e-6, rtol=0)
   np.testing.assert_array_equal(aux["fa_BK"], 1.0)
   np.testing.assert_array_equal(aux["rho_BN"], 0.0)
   # every head SA really changes the output: the check above can fail
-  out, aux = fwd(elastic.elastic_config(ecfg, modes="fa_ssa", routing="sa"), ep)
+  out, aux = fwd(attention.configure(ecfg, "elastic", modes="fa_ssa", routing="sa"), ep)
   assert float(jnp.abs(out - base).max()) > 1e-3 and float(aux["rho_BN"].min()) > 0.1
   # the converted tree is the model's own (init) structure; to_dense is the exact inverse
   init = nn.unbox(jax.eval_shape(Decoder(ecfg).init, jax.random.PRNGKey(0), tok)["params"])
@@ -74,7 +75,7 @@ def test_conversion_every_head_fa_is_the_base_model_and_reverses(family="olmo2")
 # ----------------------------------------------------------------------------------------------
 def _layer_setup(modes, seed=3, family="qwen3"):
   cfg, dp, _ = _dense(family)
-  ecfg, ep = elastic.dense_to_elastic(jax.tree.map(np.asarray, dp), cfg, modes=modes, seed=seed,
+  ecfg, ep = attention.convert(jax.tree.map(np.asarray, dp), cfg, "elastic", modes=modes, seed=seed,
                                       **SMALL)
   layer = jax.tree.map(jnp.asarray, stacking.unstack_layers(ep)["layers_0"])
   layer["mlp"]["down_proj"]["kernel"] = jnp.zeros_like(layer["mlp"]["down_proj"]["kernel"])
@@ -113,7 +114,7 @@ def _ssa_token_mask(o):
 def _reference(cfg, layer, x, pos, fa_BK=None):
   """(out, fa_BK, fa_mask, sa_mask): router from its equations, then ONE reference attention
   with a per-head [B, N, T, S] dense mask (the head's class-1 or class-0 mask)."""
-  o = elastic.elastic_options(cfg)
+  o = attention.options(cfg)
   x_in = RMSNorm(eps=cfg.rms_norm_eps).apply({"params": layer["input_layernorm"]}, x)
   _, k0, _ = Attention(cfg).apply({"params": layer["self_attn"]}, x_in, method="project")
   lo, hi = np.arange(T) < o.boundary, np.arange(T) >= T - o.boundary
@@ -296,7 +297,7 @@ def _aux(fa_LBK, lam):
 
 
 def test_lagrangian_value_and_ascent_direction():
-  cfg = elastic.elastic_config(ModelConfig(), task_names=("qa", "summ", "code"),
+  cfg = attention.configure(ModelConfig(), "elastic", task_names=("qa", "summ", "code"),
                                targets=(0.7, 1.0, 0.9))
   lam = jnp.array([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]])
   fa = jnp.array([[[1.0, 1.0], [1.0, 0.0], [1.0, 0.0]]])                # Omega 0, .5, .5
@@ -338,12 +339,12 @@ def test_unknown_task_name_is_a_one_line_error():
   with pytest.raises(ValueError, match="targets"):
     elastic.ElasticOptions(task_names=("a", "b"), targets=(0.7,))
   with pytest.raises(ValueError, match="modes"):
-    elastic.elastic_config(ModelConfig(), modes="fa_moba")
+    attention.configure(ModelConfig(), "elastic", modes="fa_moba")
 
 
 def test_report_msr_esr_per_task_and_heatmap(tmp_path):
   dcfg, dp, tok = _dense("qwen3")
-  ecfg, ep = elastic.dense_to_elastic(jax.tree.map(np.asarray, dp), dcfg, modes="fa_ssa",
+  ecfg, ep = attention.convert(jax.tree.map(np.asarray, dp), dcfg, "elastic", modes="fa_ssa",
                                       seed=3, **SMALL)
   ep["layers"]["router"]["router_fc3"]["kernel"] = ep["layers"]["router"]["router_fc3"]["kernel"] * 300
   batches = [dict(inputs=np.asarray(tok), task_ids=np.array([0, 1, 0, 1]))]
@@ -382,15 +383,15 @@ def test_fixed_routing_is_a_static_head_split():
   """routing='fixed': the listed KV heads are class 1 in every row (the per-head reference with
   that decision), the others class 0; bad head indices and a list without 'fixed' are errors."""
   cfg, layer, x, pos = _layer_setup("fa_ssa")
-  fcfg = elastic.elastic_config(cfg, routing="fixed", fixed_fa_kv_heads=(1,))
+  fcfg = attention.configure(cfg, "elastic", routing="fixed", fixed_fa_kv_heads=(1,))
   out, aux = _apply(fcfg, layer, x, pos)
   np.testing.assert_array_equal(aux["fa_BK"], np.tile([0.0, 1.0], (B, 1)))
   ref = _reference(cfg, layer, x, pos, fa_BK=np.tile(np.float32([0, 1]), (B, 1)))
   np.testing.assert_allclose(out, ref["out"], atol=1e-5, rtol=0)
   with pytest.raises(ValueError, match=r"fixed_fa_kv_heads has \[2\]: KV heads are 0..1"):
-    _apply(elastic.elastic_config(cfg, routing="fixed", fixed_fa_kv_heads=(0, 2)), layer, x, pos)
+    _apply(attention.configure(cfg, "elastic", routing="fixed", fixed_fa_kv_heads=(0, 2)), layer, x, pos)
   with pytest.raises(ValueError, match="needs routing='fixed'"):
-    elastic.elastic_config(cfg, fixed_fa_kv_heads=(0,))
+    attention.configure(cfg, "elastic", fixed_fa_kv_heads=(0,))
 
 
 def test_fixed_routing_per_layer_head_sets():
@@ -400,11 +401,11 @@ def test_fixed_routing_per_layer_head_sets():
   L = dcfg.num_layers
   assert L >= 2
   per_layer = tuple((layer % 2,) for layer in range(L))
-  ecfg, ep = elastic.dense_to_elastic(jax.tree.map(np.asarray, dp), dcfg, modes="fa_ssa",
+  ecfg, ep = attention.convert(jax.tree.map(np.asarray, dp), dcfg, "elastic", modes="fa_ssa",
                                       routing="fixed", fixed_fa_kv_heads=per_layer, **SMALL)
   _, aux = jax.jit(Decoder(ecfg).apply)({"params": ep}, tok)
   want = np.stack([np.tile(np.float32([1 - layer % 2, layer % 2]), (B, 1)) for layer in range(L)])
   np.testing.assert_array_equal(np.asarray(aux["fa_BK"]), want)
-  bad = elastic.elastic_config(ecfg, fixed_fa_kv_heads=per_layer + ((0,),))
+  bad = attention.configure(ecfg, "elastic", fixed_fa_kv_heads=per_layer + ((0,),))
   with pytest.raises(ValueError, match=f"{L + 1} per-layer tuples; the model has num_layers={L}"):
     jax.jit(Decoder(bad).apply)({"params": ep}, tok)

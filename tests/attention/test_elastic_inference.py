@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from condattn_jax import attention
 from condattn_jax.attention import elastic
 from condattn_jax.inference import Engine
 from condattn_jax.models.config import ModelConfig
@@ -25,7 +26,7 @@ SMALL = dict(block=4, sinks=4, local=8, boundary=3)
 def _elastic(seed):
   cfg = ModelConfig(family="qwen3", qk_norm="head", num_layers=2, num_heads=4, num_kv_heads=2)
   dp = nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(3), jnp.zeros((1, 8), jnp.int32))["params"])
-  ecfg, ep = elastic.dense_to_elastic(jax.tree.map(np.asarray, dp), cfg, seed=seed, **SMALL)
+  ecfg, ep = attention.convert(jax.tree.map(np.asarray, dp), cfg, "elastic", seed=seed, **SMALL)
   r = ep["layers"]["router"]["router_fc3"]  # a sharper router: a real FA / SSA mix
   r["kernel"] = r["kernel"] * 300.0
   return ecfg, ep
@@ -60,6 +61,6 @@ def test_generation_equals_full_forward_with_cached_decision(chunk):
     want = np.asarray(full[b, len(prompt) - 1:len(seqs[b])])
     np.testing.assert_allclose(gen.logits[b], want, atol=1e-4, rtol=0)
   # control: SSA heads matter here (every head FA gives other logits), so the check can fail
-  fa_cfg = elastic.elastic_config(cfg, routing="fa")
+  fa_cfg = attention.configure(cfg, "elastic", routing="fa")
   _, full_fa, _ = _full_forward(fa_cfg, params, gen, pooled)
   assert float(jnp.abs(full_fa - full).max()) > 1e-3

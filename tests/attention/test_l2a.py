@@ -5,6 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from condattn_jax import attention
 from condattn_jax.attention import get_scheme, l2a
 from condattn_jax.models import stacking
 from condattn_jax.models.config import ModelConfig
@@ -59,12 +60,12 @@ def _decisions(state):
 def test_global_disabled_full_window_equals_base(family):
   cfg, dp, tok = _dense(family)
   base, _ = Decoder(cfg).apply({"params": dp}, tok)
-  lcfg, lp = l2a.dense_to_l2a(dp, cfg, window=T, routing="none")
+  lcfg, lp = attention.convert(dp, cfg, "l2a", window=T, routing="none")
   out, aux = Decoder(lcfg).apply({"params": lp}, tok)
   np.testing.assert_allclose(out, base, atol=1e-5, rtol=0)
   np.testing.assert_array_equal(aux["sparsity"], 1.0)
   # the same through pruning every layer, and through the reverse conversion
-  pcfg = l2a.l2a_config(lcfg, routing="learned", pruned_layers=range(cfg.num_layers))
+  pcfg = attention.configure(lcfg, "l2a", routing="learned", pruned_layers=range(cfg.num_layers))
   pp = l2a.prune_params(lp, range(cfg.num_layers))
   out, _ = Decoder(pcfg).apply({"params": pp}, tok)
   np.testing.assert_allclose(out, base, atol=1e-5, rtol=0)
@@ -80,7 +81,7 @@ def test_router_on_window0_equals_base_through_global_branch(family):
   cfg, dp, tok = _dense(family)
   base, _ = Decoder(cfg).apply({"params": dp}, tok)
   for routing in ("all", "learned"):  # zero-init router: p = 0.5 >= theta, every token global
-    lcfg, lp = l2a.dense_to_l2a(dp, cfg, window=0, routing=routing)
+    lcfg, lp = attention.convert(dp, cfg, "l2a", window=0, routing=routing)
     # scramble the local branch: with window 0 it must not matter
     lp = jax.tree.map(lambda x: x, lp)
     lp["layers"]["self_attn"] = jax.tree.map(lambda x: 3.0 * x + 1.0, lp["layers"]["self_attn"])
@@ -91,7 +92,7 @@ def test_router_on_window0_equals_base_through_global_branch(family):
 
 def test_converted_params_layout_and_registry():
   cfg, dp, tok = _dense("qwen3")
-  lcfg, lp = l2a.dense_to_l2a(dp, cfg, window=4, pruned_layers=(1,))
+  lcfg, lp = attention.convert(dp, cfg, "l2a", window=4, pruned_layers=(1,))
   assert get_scheme("l2a").from_dense is l2a.from_dense
   assert sorted(k for k in lp if k.startswith("layers")) == ["layers_0_1", "layers_1_2"]
   per = stacking.unstack_layers(lp)
@@ -112,22 +113,22 @@ def test_converted_params_layout_and_registry():
   assert tuple(specs["layers_0_1"]["router"]["kernel"]) == ("layers", "embed")
   with pytest.raises(ValueError, match="already has a global_attn"):
     l2a.from_dense(lp, lcfg)
-  with pytest.raises(ValueError, match="unknown L2A option"):
-    l2a.l2a_config(cfg, windw=4)
+  with pytest.raises(ValueError, match=r"unknown option\(s\) \['windw'\] for scheme 'l2a'"):
+    attention.configure(cfg, "l2a", windw=4)
   with pytest.raises(ValueError, match="post-norm"):
-    l2a.l2a_config(ModelConfig(family="olmo2", qk_norm="full", post_norm=True))
+    attention.configure(ModelConfig(family="olmo2", qk_norm="full", post_norm=True), "l2a")
 
 
 def test_forced_and_normal_paths_same_forward():
   cfg, dp, tok = _dense("qwen3")
-  lcfg, lp = l2a.dense_to_l2a(dp, cfg, window=4)
+  lcfg, lp = attention.convert(dp, cfg, "l2a", window=4)
   lp = _random_router(lp)
   rng = {"router": jax.random.PRNGKey(7)}
   ev, aux_ev = Decoder(lcfg).apply({"params": lp}, tok)
   assert 0.2 < float(aux_ev["sparsity"].mean()) < 0.8  # a real mix of decisions
   outs = {}
   for p_force in (0.0, 1e-9, 1.0):
-    m = Decoder(l2a.l2a_config(lcfg, p_force=p_force))
+    m = Decoder(attention.configure(lcfg, "l2a", p_force=p_force))
     outs[p_force], aux = m.apply({"params": lp}, tok, train=True, rngs=rng)
     np.testing.assert_array_equal(aux["forced"], 1.0 if p_force == 1.0 else 0.0)
     np.testing.assert_allclose(aux["sparsity"], aux_ev["sparsity"])
@@ -141,7 +142,7 @@ def test_forced_step_draw_is_per_layer_and_from_step_key():
   cfg, dp, tok = _dense("llama")
   cfg = cfg.replace(num_layers=8)
   dp = nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(1), tok)["params"])
-  lcfg, lp = l2a.dense_to_l2a(dp, cfg, window=4, p_force=0.5)
+  lcfg, lp = attention.convert(dp, cfg, "l2a", window=4, p_force=0.5)
   m = Decoder(lcfg)
   f = jax.jit(lambda key: m.apply({"params": lp}, tok, train=True, rngs={"router": key})[1]["forced"])
   draws = np.stack([np.asarray(f(jax.random.PRNGKey(s))) for s in range(12)])
@@ -153,7 +154,7 @@ def test_forced_step_draw_is_per_layer_and_from_step_key():
 def _layer_setup():
   """One qwen3 L2A layer with the MLP zeroed: its output is exactly x' = s + d * a."""
   cfg, dp, tok = _dense("qwen3")
-  lcfg, lp = l2a.dense_to_l2a(dp, cfg, window=3)
+  lcfg, lp = attention.convert(dp, cfg, "l2a", window=3)
   lp = _random_router(lp, scale=0.03)
   layer = _per_layer(lp)["layers_0"]
   layer["mlp"]["down_proj"]["kernel"] = jnp.zeros_like(layer["mlp"]["down_proj"]["kernel"])
@@ -182,15 +183,15 @@ def _objective(cfg, layer, x, pos, c, train, c_mask=None):
 def test_ste_router_gradient_matches_soft_path_finite_difference():
   cfg, layer, x, pos, c = _layer_setup()
   w = layer["router"]["kernel"]
-  soft = _objective(l2a.l2a_config(cfg, routing="soft"), layer, x, pos, c, False)
-  g_forced = jax.grad(_objective(l2a.l2a_config(cfg, p_force=1.0), layer, x, pos, c, True))(w)
-  g_normal = jax.grad(_objective(l2a.l2a_config(cfg, p_force=0.0), layer, x, pos, c, True))(w)
+  soft = _objective(attention.configure(cfg, "l2a", routing="soft"), layer, x, pos, c, False)
+  g_forced = jax.grad(_objective(attention.configure(cfg, "l2a", p_force=1.0), layer, x, pos, c, True))(w)
+  g_normal = jax.grad(_objective(attention.configure(cfg, "l2a", p_force=0.0), layer, x, pos, c, True))(w)
   # decisions of this input
   _, st = l2a.L2ALayer(cfg).apply({"params": layer}, x, LayerContext(tokens_BT=pos, positions_BT=pos),
                                   mutable=["intermediates"])
   d = st["intermediates"]["decision"][0]
   assert 0 < int(d.sum()) < d.size
-  soft_acc = _objective(l2a.l2a_config(cfg, routing="soft"), layer, x, pos, c, False,
+  soft_acc = _objective(attention.configure(cfg, "l2a", routing="soft"), layer, x, pos, c, False,
                         c_mask=d.astype(jnp.float32))
 
   def fd(f, direction, eps=2e-2):
@@ -227,7 +228,7 @@ def _decode_all(m, params, tok, prefill=7):
     ("llama", False, (0,))])
 def test_decode_equals_full_forward(family, skip, pruned):
   cfg, dp, tok = _dense(family)
-  lcfg, lp = l2a.dense_to_l2a(dp, cfg, window=4, theta=0.8, decode_skip=skip,
+  lcfg, lp = attention.convert(dp, cfg, "l2a", window=4, theta=0.8, decode_skip=skip,
                               pruned_layers=pruned)
   lp = _random_router(lp)
   m = Decoder(lcfg)
@@ -242,7 +243,7 @@ def test_decode_equals_full_forward(family, skip, pruned):
 
 def test_decode_context_free_routing_is_stable():
   cfg, dp, tok = _dense("qwen3")
-  lcfg, lp = l2a.dense_to_l2a(dp, cfg, window=4, routing="bernoulli", bernoulli_q=0.3)
+  lcfg, lp = attention.convert(dp, cfg, "l2a", window=4, routing="bernoulli", bernoulli_q=0.3)
   m = Decoder(lcfg)
   full, aux = m.apply({"params": lp}, tok)
   assert 0.4 < float(aux["sparsity"].mean()) < 0.95
@@ -259,16 +260,16 @@ def test_decode_context_free_routing_is_stable():
 
 def test_theta_is_a_test_time_knob():
   cfg, dp, tok = _dense("qwen3")
-  lcfg, lp = l2a.dense_to_l2a(dp, cfg, window=4)
+  lcfg, lp = attention.convert(dp, cfg, "l2a", window=4)
   lp = _random_router(lp)
-  sp = [float(Decoder(l2a.l2a_config(lcfg, theta=th)).apply({"params": lp}, tok)[1]["sparsity"].mean())
+  sp = [float(Decoder(attention.configure(lcfg, "l2a", theta=th)).apply({"params": lp}, tok)[1]["sparsity"].mean())
         for th in (0.1, 0.5, 0.9)]
   assert sp[0] < sp[1] < sp[2]
 
 
 def test_packed_documents_and_padding():
   cfg, dp, tok = _dense("qwen3")
-  lcfg, lp = l2a.dense_to_l2a(dp, cfg, window=3)
+  lcfg, lp = attention.convert(dp, cfg, "l2a", window=3)
   lp = _random_router(lp)
   m = Decoder(lcfg)
   a, b = tok[0, :9], tok[1, :5]
@@ -286,12 +287,12 @@ def test_packed_documents_and_padding():
 
 
 def test_aux_loss_schedule_and_metrics():
-  cfg = l2a.l2a_config(ModelConfig(), lambda_max=2e-3, lambda_warmup_steps=10,
+  cfg = attention.configure(ModelConfig(), "l2a", lambda_max=2e-3, lambda_warmup_steps=10,
                        lambda_ramp_steps=20, pruned_layers=(1,))
-  o = l2a.l2a_options(cfg)
+  o = attention.options(cfg)
   lam = [float(l2a.lambda_at(s, o)) for s in (0, 9, 10, 20, 30, 100)]
   np.testing.assert_allclose(lam, [0, 0, 0, 1e-3, 2e-3, 2e-3], atol=1e-9)
-  oc = l2a.l2a_options(l2a.l2a_config(cfg, lambda_schedule="constant"))
+  oc = attention.options(attention.configure(cfg, "l2a", lambda_schedule="constant"))
   assert float(l2a.lambda_at(0, oc)) == pytest.approx(2e-3)
   aux = dict(p2_mean=jnp.array([0.25, 0.0]), p_mean=jnp.array([0.5, 0.0]),
              sparsity=jnp.array([0.3, 1.0]), forced=jnp.array([1.0, 0.0]))
@@ -303,7 +304,7 @@ def test_aux_loss_schedule_and_metrics():
   assert float(metrics["l2a/router_p_layer_0"]) == 0.5
   # the regulariser gradient reaches the router through p^2
   cfg2, dp, tok = _dense("qwen3")
-  lcfg, lp = l2a.dense_to_l2a(dp, cfg2, window=4, lambda_schedule="constant", lambda_max=1.0)
+  lcfg, lp = attention.convert(dp, cfg2, "l2a", window=4, lambda_schedule="constant", lambda_max=1.0)
 
   def reg(params):
     _, aux = Decoder(lcfg).apply({"params": params}, tok)
@@ -314,7 +315,7 @@ def test_aux_loss_schedule_and_metrics():
 
 def test_measure_prune_and_kv_bytes():
   cfg, dp, tok = _dense("qwen3")
-  lcfg, lp = l2a.dense_to_l2a(dp, cfg, window=4)
+  lcfg, lp = attention.convert(dp, cfg, "l2a", window=4)
   lp = _random_router(lp)
   batches = [{"inputs": tok}, {"inputs": (tok * 7 + 3) % cfg.vocab_size}]
   meas = l2a.measure_sparsity(Decoder(lcfg), lp, batches)

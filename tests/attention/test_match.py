@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from condattn_jax import attention
 from condattn_jax.attention import match
 from condattn_jax.attention.match import layer as match_layer
 from condattn_jax.attention.match import retrieval
@@ -111,7 +112,7 @@ def test_mqar_query_key_retrieves_its_pair():
 def _dense_block_attend(self, q, k, v, ctx, f, retrieved):
   """The dense masked reference: causal AND same document AND (window OR retrieved chunk)."""
   assert retrieved is None
-  o = match.match_options(self.config)
+  o = attention.options(self.config)
   B, T, N, H = q.shape
   pos = ctx.positions_BT
   seg = jnp.ones((B, T), jnp.int32) if ctx.segment_ids_BT is None else ctx.segment_ids_BT
@@ -134,7 +135,7 @@ def olmo():
   one jitted forward shared by the tests below (same shapes: one compile)."""
   base = ModelConfig(family="olmo2", num_layers=3, vocab_size=32).replace(qk_norm="full",
                                                                          post_norm=True)
-  cfg = match.match_config(base, window=8, chunk=4, top_k=2, swa_ratio=0.7)
+  cfg = attention.configure(base, "match", window=8, chunk=4, top_k=2, swa_ratio=0.7)
   assert match.layer_kinds(cfg) == ("swa", "swa", "full")
   params = _model(cfg)
   tok = _tokens(2, 43)
@@ -173,7 +174,7 @@ def test_causal_including_retrieval(olmo):
 
 
 def test_no_retrieval_is_the_sliding_window_model():
-  cfg = match.match_config(BASE, window=8, chunk=4, top_k=0)
+  cfg = attention.configure(BASE, "match", window=8, chunk=4, top_k=0)
   params = _model(cfg)
   tok = _tokens(2, 40)
   got, _ = _apply(cfg)({"params": params}, tok)
@@ -183,7 +184,7 @@ def test_no_retrieval_is_the_sliding_window_model():
 
 
 def test_sinks_baseline_sees_the_first_tokens():
-  cfg = match.match_config(BASE, window=8, chunk=4, top_k=0, sinks=2)
+  cfg = attention.configure(BASE, "match", window=8, chunk=4, top_k=0, sinks=2)
   params = _model(cfg)
   tok = _tokens(1, 40)
   a, _ = _apply(cfg)({"params": params}, tok)
@@ -195,7 +196,7 @@ def test_sinks_baseline_sees_the_first_tokens():
 
 def test_one_layer_recompute_equals_sequence():
   """Layer-0 K/V depend on the token and position only: recomputing them is exact."""
-  cfg = match.match_config(BASE.replace(num_layers=1), window=8, chunk=4, top_k=2)
+  cfg = attention.configure(BASE.replace(num_layers=1), "match", window=8, chunk=4, top_k=2)
   params = _model(cfg)
   tok = _tokens(2, 40)
   a, _ = _apply(cfg)({"params": params}, tok)
@@ -206,7 +207,7 @@ def test_one_layer_recompute_equals_sequence():
 
 
 def test_dense_params_load_and_convert_back():
-  cfg = match.match_config(BASE.replace(num_layers=4), window=8, chunk=4, swa_ratio=0.5)
+  cfg = attention.configure(BASE.replace(num_layers=4), "match", window=8, chunk=4, swa_ratio=0.5)
   assert match.layer_kinds(cfg) == ("swa", "full", "swa", "full")
   dense_p = _model(BASE.replace(num_layers=4))
   mp = match.from_dense(dense_p, cfg)
@@ -215,7 +216,7 @@ def test_dense_params_load_and_convert_back():
   assert dcfg.scheme == "dense"
   jax.tree.map(np.testing.assert_array_equal, back, dense_p)
   # a pre-sparsified all-SWA model with w >= T and no retrieval is the dense model
-  full_w = match.match_config(BASE.replace(num_layers=4), window=64, chunk=4, top_k=0)
+  full_w = attention.configure(BASE.replace(num_layers=4), "match", window=64, chunk=4, top_k=0)
   tok = _tokens(1, 40)
   a, _ = _apply(full_w)({"params": match.from_dense(dense_p, full_w)}, tok)
   b, _ = _apply(BASE.replace(num_layers=4))({"params": dense_p}, tok)
@@ -224,11 +225,11 @@ def test_dense_params_load_and_convert_back():
 
 def test_layer_kinds_ratios():
   L28 = BASE.replace(num_layers=28)
-  k5 = match.layer_kinds(match.match_config(L28, swa_ratio=0.5))
+  k5 = match.layer_kinds(attention.configure(L28, "match", swa_ratio=0.5))
   assert k5.count("swa") == 14 and k5[1] == "full" and k5[0] == "swa"
-  k8 = match.layer_kinds(match.match_config(L28, swa_ratio=0.8))
+  k8 = match.layer_kinds(attention.configure(L28, "match", swa_ratio=0.8))
   assert k8.count("full") == 6 and k8[-1] == "full"
-  assert set(match.layer_kinds(match.match_config(L28))) == {"swa"}
+  assert set(match.layer_kinds(attention.configure(L28, "match"))) == {"swa"}
 
 
 def test_option_errors_name_the_field():
@@ -238,8 +239,8 @@ def test_option_errors_name_the_field():
     match.MatchOptions(retrieved_kv="cached")
   with pytest.raises(ValueError, match="sinks=4 .* top_k=0"):
     match.MatchOptions(sinks=4)
-  with pytest.raises(ValueError, match="unknown MATCH option"):
-    match.match_options({"windw": 3})
+  with pytest.raises(ValueError, match=r"unknown option\(s\) \['windw'\] for scheme 'match'"):
+    attention.get_scheme("match").parse_options({"windw": 3})
   with pytest.raises(ValueError, match="needs retriever_kwargs tokenizer"):
     retrieval.make_retriever(match.MatchOptions(retriever="minilm"))
 

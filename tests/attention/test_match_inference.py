@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from condattn_jax import attention
 from condattn_jax.attention import match
 from condattn_jax.inference import Engine, cache_bytes
 from condattn_jax.models.config import ModelConfig
@@ -22,7 +23,7 @@ W, C, K = 6, 3, 2
 
 def _cfg(**kw):
   base = ModelConfig(family="qwen3", qk_norm="head", num_layers=3, vocab_size=16)
-  return match.match_config(base, **{**dict(window=W, chunk=C, top_k=K, swa_ratio=0.7,
+  return attention.configure(base, "match", **{**dict(window=W, chunk=C, top_k=K, swa_ratio=0.7,
                                             retrieved_kv="recompute"), **kw})
 
 

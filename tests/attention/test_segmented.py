@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from condattn_jax import attention
 from condattn_jax.attention import segmented as sgm
 from condattn_jax.models.config import ModelConfig
 from condattn_jax.models.decoder import Decoder
@@ -152,18 +153,18 @@ def test_segment_len_at_least_T_is_the_base_model():
   for family in ("llama",):  # qwen3 (q/k norm) == base: the HF / recipe and inference tests
     cfg, dp = _dense(family)
     base = apply(cfg, dp, toks)
-    scfg, sp = sgm.dense_to_segmented(dp, cfg, **{**OPTS, "segment_len": 24})
+    scfg, sp = attention.convert(dp, cfg, "segmented", **{**OPTS, "segment_len": 24})
     np.testing.assert_allclose(apply(scfg, sp, toks), base, atol=1e-5, rtol=0)
     if family == "llama":
       seg = jax.jit(lambda p, t: sgm.forward(Decoder(scfg), p, t)[0])(sp, toks)
       np.testing.assert_allclose(seg, base, atol=1e-5, rtol=0)
-      small = sgm.segmented_config(cfg, **OPTS)
+      small = attention.configure(cfg, "segmented", **OPTS)
       assert np.abs(np.asarray(apply(small, sgm.from_dense(dp, small), toks) - base)).max() > 1e-2
 
 
 def test_training_forward_equals_full_sequence_forward_ragged():
   cfg, dp = _dense("qwen3")
-  scfg, sp = sgm.dense_to_segmented(dp, cfg, **OPTS)
+  scfg, sp = attention.convert(dp, cfg, "segmented", **OPTS)
   toks = jax.random.randint(jax.random.PRNGKey(4), (2, 29), 0, 64)
   seg_ids = (jnp.arange(29)[None] < jnp.asarray([[29], [19]])).astype(jnp.int32)
   full = jax.jit(lambda p: Decoder(scfg).apply({"params": p}, toks, None, seg_ids)[0])(sp)
@@ -178,7 +179,7 @@ def test_training_forward_equals_full_sequence_forward_ragged():
 def _grad_two_back(K):
   """|d loss(last segment) / d embeddings| of tokens that occur only in segment 0 / 1."""
   cfg, dp = _dense("llama", layers=2)
-  scfg, sp = sgm.dense_to_segmented(dp, cfg, **{**OPTS, "tbptt": K, "remat_segments": False})
+  scfg, sp = attention.convert(dp, cfg, "segmented", **{**OPTS, "tbptt": K, "remat_segments": False})
   S = OPTS["segment_len"]
   rng = np.random.default_rng(0)
   toks = np.concatenate([rng.integers(1, 10, S), rng.integers(10, 20, S),
@@ -201,18 +202,18 @@ def test_tbptt_depth_gradients_two_segments_back():
 
 def test_conversion_is_identity_on_weights_and_options_errors():
   cfg, dp = _dense("llama", layers=3)
-  scfg, sp = sgm.dense_to_segmented(dp, cfg, **OPTS)
+  scfg, sp = attention.convert(dp, cfg, "segmented", **OPTS)
   assert set(k for k in sp if k.startswith("layers")) == {"layers_0_1", "layers_1_2", "layers_2_3"}
   dcfg, back = sgm.to_dense(sp, scfg)
   assert dcfg.scheme == "dense"
   jax.tree.map(np.testing.assert_array_equal, back, dp)
   with pytest.raises(ValueError, match="long_heads"):
-    sgm.segmented_config(cfg, **{**OPTS, "long_heads": (5,)})
+    attention.configure(cfg, "segmented", **{**OPTS, "long_heads": (5,)})
   with pytest.raises(ValueError, match="long_layers"):
-    sgm.segmented_config(cfg, **{**OPTS, "long_layers": (3,)})
+    attention.configure(cfg, "segmented", **{**OPTS, "long_layers": (3,)})
   with pytest.raises(ValueError, match="tail_len"):
     sgm.SegmentedOptions(**{**OPTS, "tail_len": 9})
   with pytest.raises(ValueError, match="anchors"):
     sgm.SegmentedOptions(**{**OPTS, "anchors": 3})
-  with pytest.raises(ValueError, match="unknown segmented option"):
-    sgm.segmented_options({"segment_length": 8})
+  with pytest.raises(ValueError, match="unknown option.*segment_length.*for scheme 'segmented'"):
+    attention.get_scheme("segmented").parse_options({"segment_length": 8})

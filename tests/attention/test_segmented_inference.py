@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from condattn_jax import attention
 from condattn_jax.attention import segmented as sgm
 from condattn_jax.inference import Engine, cache_bytes
 from condattn_jax.models.config import ModelConfig
@@ -27,7 +28,7 @@ def model():
                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm="head",
                     rope_theta=100.0)
   dp = nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
-  return sgm.dense_to_segmented(dp, cfg, **OPTS)
+  return attention.convert(dp, cfg, "segmented", **OPTS)
 
 
 @pytest.mark.parametrize("chunk", [4])  # chunk = S: the cache test and the training forward

@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from condattn_jax import attention
 from condattn_jax.attention import l2a
 from condattn_jax.models import stacking
 from condattn_jax.models.decoder import Decoder
@@ -151,7 +152,7 @@ def test_tiny_recipe_trains_evaluates_and_prunes(tmp_path):
   r = rep["report"]
   np.testing.assert_allclose(r["layer_sparsity"], layer_sp, atol=1e-6)  # same held-out data
   assert r["pruned_layers"] == [sparser] and r["newly_pruned"] == [sparser], r["pruned_layers"]
-  assert l2a.l2a_options(rep["config"]).pruned_layers == (sparser,)
+  assert attention.options(rep["config"]).pruned_layers == (sparser,)
   per_layer = stacking.unstack_layers(jax.device_get(rep["params"]), 2)
   assert "global_attn" not in per_layer[f"layers_{sparser}"]
   assert "router" not in per_layer[f"layers_{sparser}"]

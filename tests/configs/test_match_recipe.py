@@ -5,6 +5,7 @@ import os
 import jax
 import jax.numpy as jnp
 
+from condattn_jax import attention
 from condattn_jax.attention import match
 from condattn_jax.data.config import is_required_marker
 from condattn_jax.train import config as config_lib
@@ -37,7 +38,7 @@ def test_variants_and_pinned_numbers():
 def test_tiny_variant_runs():
   c = recipe("tiny")
   mc, _ = config_lib.model_config(c)
-  o = match.match_options(mc)
+  o = attention.options(mc)
   assert (o.window, o.chunk, o.top_k, o.retriever, mc.num_layers) == (32, 2, 4, "exact", 2)
   from condattn_jax.models.decoder import Decoder
   tok = jnp.ones((1, 96), jnp.int32)

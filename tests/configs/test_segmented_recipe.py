@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+from condattn_jax import attention
 from condattn_jax.attention import segmented as sgm
 from condattn_jax.models.config import ModelConfig
 from condattn_jax.models.decoder import Decoder
@@ -45,10 +46,10 @@ def test_paper_recipe_and_variants():
     assert recipe(variant).model.family == family
   llama2 = ModelConfig(family="llama", num_layers=32, num_heads=32, num_kv_heads=32,
                        head_dim=128, hidden_size=4096, vocab_size=32000)
-  full_cfg = sgm.segmented_config(llama2, **{k: v for k, v in s.to_dict().items() if k != "name"})
+  full_cfg = attention.configure(llama2, "segmented", **{k: v for k, v in s.to_dict().items() if k != "name"})
   assert sgm.visible_kv_length(full_cfg) == 4096 + 0.5 * 512 + (4 / 32) * 0.5 * 512  # S+aM+b(1-a)R
   mc, _ = config_lib.model_config(recipe("tiny"))
-  assert mc.scheme == "segmented" and sgm.segmented_options(mc).segment_len == 16
+  assert mc.scheme == "segmented" and attention.options(mc).segment_len == 16
   with pytest.raises(ValueError, match=r"model.init_from=.*data.paths=.*data.tokenizer="):
     config_lib.validate_config(recipe("llama2-7b-32k,steps=2,segment=8,tail=4,retrieve=512"))
 

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from condattn_jax import attention
 from condattn_jax.attention import l2a
 from condattn_jax.inference import Engine, cache_bytes
 from condattn_jax.models import stacking
@@ -25,7 +26,7 @@ def _dense(**kw):
 
 def _l2a(routing="learned", **kw):
   cfg, dp = _dense()
-  lcfg, lp = l2a.dense_to_l2a(dp, cfg, window=4, routing=routing, theta=0.6, **kw)
+  lcfg, lp = attention.convert(dp, cfg, "l2a", window=4, routing=routing, theta=0.6, **kw)
   per = stacking.unstack_layers(lp)
   for i in range(cfg.num_layers):  # a random router: a real mix of global / local tokens
     if "router" in per[f"layers_{i}"]:

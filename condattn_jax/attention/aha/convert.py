@@ -7,12 +7,10 @@ Plain arrays only (numpy or jax): unbox flax metadata first (`convert.unbox`).
 """
 from __future__ import annotations
 
-from typing import Any
-
 import jax.numpy as jnp
 import numpy as np
 
-from condattn_jax.attention.aha.layer import aha_config, aha_options
+from condattn_jax.attention import options
 from condattn_jax.models import stacking
 from condattn_jax.models.config import ModelConfig
 
@@ -39,7 +37,7 @@ def from_dense(params, config):
   with router_bias_init}; every other parameter is kept as is (both paths use them). With the
   default bias (+2: sigmoid 0.88 > tau 0.5) the converted model computes the base model.
   `config` is the target AHA ModelConfig (it gives N and the options)."""
-  opts = aha_options(config)
+  opts = options(config)
   inner, rewrap = _per_layer(params)
   out = dict(inner)
   for i in range(stacking.num_layers_of(inner)):
@@ -70,7 +68,7 @@ def to_dense(params, config: ModelConfig, *, keep: str = "full"):
   keep='local' : sliding-window attention (window w) for every head (= routing 'none')."""
   if keep not in ("full", "local"):
     raise ValueError(f"to_dense(keep={keep!r}): choose 'full' or 'local'.")
-  opts = aha_options(config)
+  opts = options(config)
   inner, rewrap = _per_layer(params)
   out = dict(inner)
   for i in range(stacking.num_layers_of(inner)):
@@ -78,9 +76,3 @@ def to_dense(params, config: ModelConfig, *, keep: str = "full"):
   window = None if keep == "full" else opts.window
   return (config.replace(scheme="dense", scheme_kwargs=(), sliding_window=window),
           rewrap(_restack(out)))
-
-
-def dense_to_aha(params, config: ModelConfig, **options) -> tuple[ModelConfig, Any]:
-  """(dense config, params) -> (AHA config with `options`, AHA params)."""
-  cfg = aha_config(config, **options)
-  return cfg, from_dense(params, cfg)

@@ -33,103 +33,15 @@ the chunk routes global. tau is a test-time knob.
 """
 from __future__ import annotations
 
-import dataclasses
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from condattn_jax import ops
+from condattn_jax.attention import options
 from condattn_jax.models.config import ModelConfig
 from condattn_jax.models.context import LayerContext
 from condattn_jax.models.layers import Attention, attend, make_norm, mlp_residual
-
-MODES = ("exact", "sparse")
-ROUTINGS = ("learned", "all", "none", "soft")
-
-
-@dataclasses.dataclass(frozen=True)
-class AHAOptions:
-  """The `scheme_kwargs` of scheme 'aha' (defaults: SCHEMES.md section 2 / the paper).
-
-  window           local window w (keys t-w+1..t), >= 1; paper: 16..256, released checkpoint 128.
-  tau              threshold: g = (s > tau); a test-time knob (higher = fewer full heads).
-  lam              weight of the L1 regulariser lam * mean_{layers, tokens, heads} s (paper 3e-4).
-  mode             'exact' | 'sparse' (see the module docstring).
-  p_force          sparse mode: per layer per step probability of the forced-global (dense) step.
-  routing          'learned' (router + STE); 'all' (every head full: the base model); 'none'
-                   (every head local: a sliding-window model); 'soft' (analysis only: head =
-                   s * Full + (1 - s) * Local, dense).
-  router_bias_init b_r at conversion / init (W_r = 0): sigmoid(2) = 0.88 > 0.5 = every head full.
-  decode_skip      decode: skip the full-attention call when no (token, head) routes global.
-  compact_impl     ops.attention impl of the per-head active-set calls (sparse mode, decode).
-  num_tasks        > 0: aux_loss reports usage per task id 0..num_tasks-1 (batch['task_ids']).
-  """
-  window: int = 128
-  tau: float = 0.5
-  lam: float = 3e-4
-  mode: str = "exact"
-  p_force: float = 0.05
-  routing: str = "learned"
-  router_bias_init: float = 2.0
-  decode_skip: bool = True
-  compact_impl: str = "auto"
-  num_tasks: int = 0
-
-  def __post_init__(self):
-    if int(self.window) != self.window or self.window < 1:
-      raise ValueError(f"model.scheme_kwargs.window={self.window!r} must be an int >= 1.")
-    if not 0.0 < self.tau < 1.0:
-      raise ValueError(f"model.scheme_kwargs.tau={self.tau} must be in (0, 1) (a sigmoid "
-                       "score threshold).")
-    if self.lam < 0:
-      raise ValueError(f"model.scheme_kwargs.lam={self.lam} must be >= 0.")
-    if self.mode not in MODES:
-      raise ValueError(f"model.scheme_kwargs.mode={self.mode!r}: choose one of {MODES}.")
-    if not 0.0 <= self.p_force <= 1.0:
-      raise ValueError(f"model.scheme_kwargs.p_force={self.p_force} must be in [0, 1].")
-    if self.routing not in ROUTINGS:
-      raise ValueError(f"model.scheme_kwargs.routing={self.routing!r}: choose one of {ROUTINGS}.")
-    if self.compact_impl not in ops.IMPLS:
-      raise ValueError(f"model.scheme_kwargs.compact_impl={self.compact_impl!r}: choose one of "
-                       f"{ops.IMPLS}.")
-    if int(self.num_tasks) != self.num_tasks or self.num_tasks < 0:
-      raise ValueError(f"model.scheme_kwargs.num_tasks={self.num_tasks!r} must be an int >= 0.")
-
-
-OPTION_NAMES = tuple(f.name for f in dataclasses.fields(AHAOptions))
-
-
-def aha_options(config) -> AHAOptions:
-  """AHAOptions from a ModelConfig (its scheme_kwargs), a run config, a dict, or AHAOptions."""
-  if isinstance(config, AHAOptions):
-    return config
-  if isinstance(config, ModelConfig):
-    kw = config.scheme_options
-  elif isinstance(config, dict):
-    kw = dict(config)
-  elif hasattr(config, "model"):  # a run config holding a model section
-    return aha_options(config.model)
-  else:
-    kw = dict(getattr(config, "scheme_kwargs", ()))
-  unknown = sorted(set(kw) - set(OPTION_NAMES))
-  if unknown:
-    raise ValueError(f"model.scheme_kwargs has unknown AHA option(s) {unknown}; valid: "
-                     f"{sorted(OPTION_NAMES)}.")
-  return AHAOptions(**kw)
-
-
-def aha_config(base: ModelConfig, **options) -> ModelConfig:
-  """`base` (any scheme) turned into scheme 'aha' with these options (validated)."""
-  if base.sliding_window is not None:
-    raise ValueError(f"model.sliding_window={base.sliding_window}: AHA converts a full-attention "
-                     "model (its window is scheme_kwargs.window); set sliding_window=None.")
-  kw = dict(base.scheme_kwargs) if base.scheme == "aha" else {}
-  kw.update(options)
-  aha_options(kw)  # validate
-  return base.replace(scheme="aha", scheme_kwargs=tuple(sorted(kw.items())))
-
 
 class Router(nn.Module):
   """r = x_in @ kernel + bias: one logit per token and query head, in float32.
@@ -167,7 +79,7 @@ class AHALayer(nn.Module):
   @nn.compact
   def __call__(self, x_BTD, ctx: LayerContext):
     cfg = self.config
-    o = aha_options(cfg)
+    o = options(cfg)
     B, T, _ = x_BTD.shape
     N = cfg.num_heads
     valid_BT = ctx.valid_BT
@@ -202,7 +114,7 @@ class AHALayer(nn.Module):
     q, k, v = attn.qkv(x_in, ctx.positions_BT)
     if ctx.decode:
       if o.routing == "soft":
-        raise ValueError("model.scheme_kwargs.routing='soft' is an analysis mode of the full "
+        raise ValueError("model.scheme.routing='soft' is an analysis mode of the full "
                          "forward; decode with routing 'learned', 'all' or 'none'.")
       local, full = self._decode_paths(attn, q, k, v, ctx, hard_BTN, valid_BTN, o)
       avail_BTN = hard_BTN
@@ -299,7 +211,7 @@ def aux_loss(aux, batch, step, config):
   (see `task_counts`: usage of task k = full_task[k] / slots_task[k]).
   """
   del step
-  o = aha_options(config)
+  o = options(config)
   score_LN = aux["score_N"]
   usage_LN = aux["usage_N"]
   reg = jnp.mean(score_LN)

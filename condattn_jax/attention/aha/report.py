@@ -72,12 +72,12 @@ def measure_usage(model, params, batches, *, tau: float | None = None) -> dict[s
   never fired twice in one document), heads_by_usage (paper Fig. 4), and under 'tasks' the same
   per task id.
   """
-  from condattn_jax.attention.aha.layer import aha_config, aha_options
+  from condattn_jax.attention import configure, options
   from condattn_jax.models.decoder import Decoder  # avoid an import cycle at module load
 
   cfg = model.config
   if tau is not None:
-    cfg = aha_config(cfg, tau=float(tau))
+    cfg = configure(cfg, "aha", tau=float(tau))
   m = Decoder(cfg)
 
   @jax.jit
@@ -112,7 +112,7 @@ def measure_usage(model, params, batches, *, tau: float | None = None) -> dict[s
         add(key, full_LBN[:, b], valid_B[b], gs[:, b], gc[:, b])
   if not seen:
     raise ValueError("measure_usage: no batches.")
-  o = aha_options(cfg)
+  o = options(cfg)
   out = {"tau": float(o.tau), "window": int(o.window), **_summary(*acc.pop("all"))}
   out["tasks"] = {str(k): _summary(*v) for k, v in sorted(acc.items())}
   return out

@@ -8,11 +8,10 @@ FA) the converted model computes the base model exactly. Functions take and retu
 """
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
-from condattn_jax.attention.elastic.layer import elastic_config, elastic_options, router_shapes
+from condattn_jax.attention import options
+from condattn_jax.attention.elastic.layer import router_shapes
 from condattn_jax.models import stacking
 from condattn_jax.models.config import ModelConfig
 
@@ -30,7 +29,7 @@ def _restack(per_layer: dict) -> dict:
 def from_dense(params, config):
   """Dense params -> Elastic params (router per layer, lagrange at the top); `config` is the
   target Elastic ModelConfig."""
-  o = elastic_options(config)
+  o = options(config)
   inner, rewrap = _strip(params)
   inner = stacking.unstack_layers(inner)
   if "scheme" in inner:
@@ -67,9 +66,3 @@ def to_dense(params, config: ModelConfig):
   for i in range(stacking.num_layers_of(inner)):
     out[f"layers_{i}"] = {k: v for k, v in inner[f"layers_{i}"].items() if k != "router"}
   return config.replace(scheme="dense", scheme_kwargs=()), rewrap(_restack(out))
-
-
-def dense_to_elastic(params, config: ModelConfig, **options) -> tuple[ModelConfig, Any]:
-  """(dense config, params) -> (Elastic config with `options`, Elastic params)."""
-  cfg = elastic_config(config, **options)
-  return cfg, from_dense(params, cfg)

@@ -41,8 +41,6 @@ optimizer group with maximize=True; one 2-D leaf, so AdamW's weight decay applie
 """
 from __future__ import annotations
 
-import dataclasses
-import math
 from typing import Sequence
 
 import flax.linen as nn
@@ -53,141 +51,11 @@ from jax import lax
 
 from condattn_jax import ops
 from condattn_jax.attention.elastic import masks
+from condattn_jax.attention import options
+from condattn_jax.attention.elastic.options import FA, ElasticOptions
 from condattn_jax.models.config import ModelConfig
 from condattn_jax.models.context import LayerContext
 from condattn_jax.models.layers import Attention, make_norm, mlp_residual
-
-MODES = ("fa_ssa", "fa_xa", "xa_ssa")
-POOLINGS = ("boundary", "prompt_mean")
-TAU_SCHEDULES = ("cosine", "exp")
-ROUTINGS = ("learned", "fa", "sa", "fixed")
-FA, SA = 1, 0  # router classes
-
-
-@dataclasses.dataclass(frozen=True)
-class ElasticOptions:
-  """The `scheme_kwargs` of scheme 'elastic' (defaults: SCHEMES.md section 3).
-
-  modes          'fa_ssa' | 'fa_xa' | 'xa_ssa': (class-1 mode, class-0 mode).
-  pooling        'boundary' (first and last `boundary` prompt tokens) | 'prompt_mean'.
-  boundary       tokens pooled at each end of the prompt (paper: 100).
-  sinks, local   SSA sink tokens and local tokens (128, 2048), at `block` granularity.
-  block          block size of the SA modes' lists (128); XA's stride divides it.
-  xa_stride, xa_threshold   XA anti-diagonal stride (16) and cumulative-mass threshold (0.9).
-  xa_chunk       XA scoring: query blocks scored at a time (memory only; the kept blocks do not
-                 depend on it, masks.xa_keep).
-  tau_start, tau_end, anneal_steps, tau_schedule, tau_exp_rate   Gumbel temperature schedule.
-  task_names     the data's task names; task id = index (batches carry 'task_ids').
-  targets        target Omega_MSR per task (sensitive 0.7, robust 1.0), same order.
-  lambda_init_max  lambda1, lambda2 init U(0, lambda_init_max) (0.5).
-  seed           seed of from_dense's fresh router and lambdas.
-  routing        'learned' | 'fa' (every head FA: the base model under fa_* modes) | 'sa' |
-                 'fixed' (the KV heads in `fixed_fa_kv_heads` are class 1 in every row and layer,
-                 the others class 0: a static head split, for ablations and speed measurements
-                 at an exact Omega).
-  fixed_fa_kv_heads  KV head indices of class 1 under routing 'fixed': one tuple for every
-                 layer, or a tuple of num_layers tuples (per layer: an Omega between the
-                 1/K steps, e.g. 0.7 with K = 8).
-  prompt_field   batch field [B] with each row's prompt length (absent: the whole row).
-  dense_full_heads  eval / prefill on a CUDA GPU: FA KV heads run in one cuDNN call, the SA heads
-                 in the block-sparse launch (ops.BlockLists.dense_full_heads; same result,
-                 bench/results/elastic_prefill_*.json times both). False: one fused launch.
-  """
-  modes: str = "fa_ssa"
-  pooling: str = "boundary"
-  boundary: int = 100
-  sinks: int = 128
-  local: int = 2048
-  block: int = 128
-  xa_stride: int = 16
-  xa_threshold: float = 0.9
-  xa_chunk: int = 16
-  tau_start: float = 1.5
-  tau_end: float = 1.0
-  anneal_steps: int = 180
-  tau_schedule: str = "cosine"
-  tau_exp_rate: float = 0.6
-  task_names: tuple = ("sensitive", "robust")
-  targets: tuple = (0.7, 1.0)
-  lambda_init_max: float = 0.5
-  seed: int = 0
-  routing: str = "learned"
-  fixed_fa_kv_heads: tuple = ()
-  prompt_field: str = "prompt_lengths"
-  dense_full_heads: bool = True
-
-  def __post_init__(self):
-    f = "model.scheme_kwargs"
-    if self.modes not in MODES:
-      raise ValueError(f"{f}.modes={self.modes!r}: choose one of {MODES}.")
-    if self.pooling not in POOLINGS:
-      raise ValueError(f"{f}.pooling={self.pooling!r}: choose one of {POOLINGS}.")
-    if self.tau_schedule not in TAU_SCHEDULES:
-      raise ValueError(f"{f}.tau_schedule={self.tau_schedule!r}: choose one of {TAU_SCHEDULES}.")
-    if self.routing not in ROUTINGS:
-      raise ValueError(f"{f}.routing={self.routing!r}: choose one of {ROUTINGS}.")
-    if self.fixed_fa_kv_heads and self.routing != "fixed":
-      raise ValueError(f"{f}.fixed_fa_kv_heads={tuple(self.fixed_fa_kv_heads)} needs "
-                       f"routing='fixed' (got {self.routing!r}).")
-    if not isinstance(self.dense_full_heads, bool):
-      raise ValueError(f"{f}.dense_full_heads={self.dense_full_heads!r} must be True or False.")
-    for name in ("boundary", "block", "xa_stride", "local", "xa_chunk"):
-      if int(getattr(self, name)) != getattr(self, name) or getattr(self, name) < 1:
-        raise ValueError(f"{f}.{name}={getattr(self, name)!r} must be an int >= 1.")
-    if self.sinks < 0 or self.anneal_steps < 0:
-      raise ValueError(f"{f}.sinks and anneal_steps must be >= 0.")
-    if "xa" in self.modes and self.block % self.xa_stride:
-      raise ValueError(f"{f}.block={self.block} must be a multiple of xa_stride={self.xa_stride}.")
-    if not 0.0 < self.xa_threshold <= 1.0:
-      raise ValueError(f"{f}.xa_threshold={self.xa_threshold} must be in (0, 1].")
-    if self.tau_start <= 0 or self.tau_end <= 0:
-      raise ValueError(f"{f}.tau_start / tau_end must be > 0.")
-    if not self.task_names or len(self.task_names) != len(self.targets):
-      raise ValueError(f"{f}.task_names {tuple(self.task_names)} and targets "
-                       f"{tuple(self.targets)} must be non-empty and of equal length.")
-    if len(set(self.task_names)) != len(self.task_names):
-      raise ValueError(f"{f}.task_names {tuple(self.task_names)} has duplicates.")
-    if any(not 0.0 <= t <= 1.0 for t in self.targets):
-      raise ValueError(f"{f}.targets {tuple(self.targets)} must be sparsities in [0, 1].")
-
-  @property
-  def num_tasks(self) -> int:
-    return len(self.task_names)
-
-
-OPTION_NAMES = tuple(f.name for f in dataclasses.fields(ElasticOptions))
-
-
-def elastic_options(config) -> ElasticOptions:
-  """ElasticOptions from a ModelConfig (scheme_kwargs), a run config, a dict, or the options."""
-  if isinstance(config, ElasticOptions):
-    return config
-  if isinstance(config, ModelConfig):
-    kw = config.scheme_options
-  elif isinstance(config, dict):
-    kw = dict(config)
-  elif hasattr(config, "model"):
-    return elastic_options(config.model)
-  else:
-    kw = dict(getattr(config, "scheme_kwargs", ()))
-  unknown = sorted(set(kw) - set(OPTION_NAMES))
-  if unknown:
-    raise ValueError(f"model.scheme_kwargs has unknown Elastic option(s) {unknown}; valid: "
-                     f"{sorted(OPTION_NAMES)}.")
-  kw = {k: tuple(v) if isinstance(v, list) else v for k, v in kw.items()}
-  return ElasticOptions(**kw)
-
-
-def elastic_config(base: ModelConfig, **options) -> ModelConfig:
-  """`base` (any scheme) turned into scheme 'elastic' with these options (validated)."""
-  if base.sliding_window is not None:
-    raise ValueError(f"model.sliding_window={base.sliding_window}: Elastic converts a "
-                     "full-attention model; set sliding_window=None.")
-  kw = dict(base.scheme_kwargs) if base.scheme == "elastic" else {}
-  kw.update({k: tuple(v) if isinstance(v, list) else v for k, v in options.items()})
-  elastic_options(kw)
-  return base.replace(scheme="elastic", scheme_kwargs=tuple(sorted(kw.items())))
-
 
 def fixed_fa_head_sets(spec, num_layers: int) -> tuple:
   """routing 'fixed': the class-1 KV heads of each layer (num_layers tuples) from
@@ -196,7 +64,7 @@ def fixed_fa_head_sets(spec, num_layers: int) -> tuple:
   if not (spec and isinstance(spec[0], (tuple, list))):
     return (spec,) * num_layers
   if len(spec) != num_layers:
-    raise ValueError(f"model.scheme_kwargs.fixed_fa_kv_heads has {len(spec)} per-layer "
+    raise ValueError(f"model.scheme.fixed_fa_kv_heads has {len(spec)} per-layer "
                      f"tuples; the model has num_layers={num_layers} (give one tuple "
                      "per layer, or one tuple of heads for every layer).")
   return tuple(tuple(hs) for hs in spec)
@@ -286,7 +154,7 @@ class ElasticLayer(nn.Module):
   @nn.compact
   def __call__(self, x_BTD, ctx: LayerContext):
     cfg = self.config
-    o = elastic_options(cfg)
+    o = options(cfg)
     B, T, _ = x_BTD.shape
     N, K = cfg.num_heads, cfg.num_kv_heads
     G = N // K
@@ -307,7 +175,7 @@ class ElasticLayer(nn.Module):
       sets = fixed_fa_head_sets(o.fixed_fa_kv_heads, cfg.num_layers)
       bad = sorted({h for hs in sets for h in hs if not 0 <= h < K})
       if bad:
-        raise ValueError(f"model.scheme_kwargs.fixed_fa_kv_heads has {bad}: KV heads are "
+        raise ValueError(f"model.scheme.fixed_fa_kv_heads has {bad}: KV heads are "
                          f"0..{K - 1}.")
       fa_LK = np.stack([np.isin(np.arange(K), np.asarray(hs, int)) for hs in sets])
       fa_BK = jnp.broadcast_to(jnp.asarray(fa_LK, jnp.float32)[ctx.layer_idx], (B, K))
@@ -415,7 +283,7 @@ class ElasticLayer(nn.Module):
 # ----------------------------------------------------------------------------------------------
 def model_params(config) -> dict:
   """The model-level params: 'lagrange' [2, num_tasks] (lambda1; lambda2), U(0, init_max)."""
-  o = elastic_options(config)
+  o = options(config)
   init = lambda key, shape, dtype=jnp.float32: jax.random.uniform(
       key, shape, dtype, 0.0, o.lambda_init_max)
   return {"lagrange": ((2, o.num_tasks), init)}
@@ -436,7 +304,7 @@ def aux_loss(aux, batch, step, config):
   class-1 decision per layer x query head), elastic/p_fa [L, K].
   """
   del step
-  o = elastic_options(config)
+  o = options(config)
   fa_LBK = aux["fa_BK"]
   L, B, K = fa_LBK.shape
   N = aux["rho_BN"].shape[-1]

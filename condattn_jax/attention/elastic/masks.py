@@ -90,7 +90,7 @@ def xa_keep(q_BTNH, k_BTKH, valid_BT, *, block: int, stride: int, threshold: flo
   K = k_BTKH.shape[2]
   G = N // K
   if block % stride:
-    raise ValueError(f"model.scheme_kwargs.block={block} must be a multiple of xa_stride={stride}")
+    raise ValueError(f"model.scheme.block={block} must be a multiple of xa_stride={stride}")
   if q_chunk < 1:
     raise ValueError(f"xa_keep: q_chunk={q_chunk} must be >= 1 (query blocks per chunk)")
   nq = -(-T // block)

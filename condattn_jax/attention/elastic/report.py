@@ -31,9 +31,9 @@ def measure(model_cfg: ModelConfig, params, batches) -> dict[str, Any]:
   segment_ids, task_ids [B], the prompt field]): per task id and overall, samples, Omega_MSR
   (mean per-sample fraction of query heads in class 0), Omega_ESR (mean fraction of causal
   pairs skipped), fa_freq [L][N] (class-1 frequency per layer x query head)."""
-  from condattn_jax.attention.elastic.layer import elastic_options
+  from condattn_jax.attention import options
   from condattn_jax.models.decoder import Decoder
-  o = elastic_options(model_cfg)
+  o = options(model_cfg)
   m = Decoder(model_cfg)
 
   @jax.jit

@@ -1,19 +1,21 @@
 """L2A (Learning To Attend): token-level conditional global attention (SCHEMES.md section 1).
 
-  layer.py    the decoder layer, options (`L2AOptions`), router, regulariser (`aux_loss`)
+  options.py  `L2AOptions` (model.scheme.<name>), the pre-norm check
+  layer.py    the decoder layer, router, regulariser (`aux_loss`)
   convert.py  dense <-> L2A conversion, pruning of params
   report.py   per-layer sparsity on held-out data, KV-cache bytes, the pruning report
 """
 from condattn_jax.attention import Scheme, register
-from condattn_jax.attention.l2a.convert import (GLOBAL_BRANCH, dense_to_l2a, from_dense, prune,
-                                                prune_params, to_dense)
-from condattn_jax.attention.l2a.layer import (LAMBDA_SCHEDULES, OPTION_NAMES, ROUTINGS, L2ALayer,
-                                              L2AOptions, Router, aux_loss, l2a_config,
-                                              l2a_options, lambda_at, layer_variants)
+from condattn_jax.attention.l2a.convert import (GLOBAL_BRANCH, from_dense, prune, prune_params,
+                                                to_dense)
+from condattn_jax.attention.l2a.layer import (L2ALayer, Router, aux_loss, lambda_at,
+                                              layer_variants)
+from condattn_jax.attention.l2a.options import LAMBDA_SCHEDULES, ROUTINGS, L2AOptions, check
 from condattn_jax.attention.l2a.report import (kv_bytes_report, kv_cache_bytes, measure_sparsity,
                                                prune_report)
 
 L2A = register(Scheme(
-    name="l2a", layer_cls=L2ALayer, aux_loss=aux_loss, from_dense=from_dense, to_dense=to_dense,
-    layer_variants=layer_variants, headline_metric="l2a/sparsity", kv_cache_bytes=kv_cache_bytes,
+    name="l2a", layer_cls=L2ALayer, options=L2AOptions, check=check, aux_loss=aux_loss,
+    from_dense=from_dense, to_dense=to_dense, layer_variants=layer_variants,
+    headline_metric="l2a/sparsity", kv_cache_bytes=kv_cache_bytes,
     reports={"prune": prune_report, "sparsity": measure_sparsity}))

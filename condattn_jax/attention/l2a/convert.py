@@ -7,13 +7,13 @@ Plain arrays only (numpy or jax): unbox flax metadata first (`convert.unbox`).
 """
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Iterable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from condattn_jax.attention.l2a.layer import l2a_config, l2a_options
+from condattn_jax.attention import configure, options
 from condattn_jax.models import stacking
 from condattn_jax.models.config import ModelConfig
 
@@ -54,7 +54,7 @@ def from_dense(params, config):
   `global_layernorm` = copy of `input_layernorm`, `router` = zeros [D] (every token global at
   init). Layers in `pruned_layers` get no global branch. `config` is the target
   L2A ModelConfig (or the options)."""
-  opts = l2a_options(config)
+  opts = options(config)
   inner, rewrap = _per_layer(params)
   out = dict(inner)
   for i in range(_num_layers(inner)):
@@ -96,7 +96,7 @@ def to_dense(params, config: ModelConfig):
   Returns (dense config with sliding_window = w, params): exactly the function of the L2A model
   with every layer pruned (or routing='none'), i.e. the reverse of `from_dense` up to the
   global weights. For window 0 there is no dense equivalent (a layer that attends to nothing)."""
-  opts = l2a_options(config)
+  opts = options(config)
   if opts.window == 0:
     raise ValueError("to_dense: window=0 has no dense (sliding-window) equivalent.")
   inner, rewrap = _strip(params)
@@ -105,20 +105,12 @@ def to_dense(params, config: ModelConfig):
       rewrap(dense_params)
 
 
-def dense_to_l2a(params, config: ModelConfig, **options) -> tuple[ModelConfig, Any]:
-  """(dense config, params) -> (L2A config with `options`, L2A params)."""
-  cfg = l2a_config(config, **options)
-  return cfg, from_dense(params, cfg)
-
-
 def prune(params, config: ModelConfig, layer_sparsity, threshold: float = 0.95):
   """Post-training pruning: layers with sparsity >= threshold lose their global branch.
 
   Returns (pruned config, pruned params, the newly pruned layer indices)."""
-  opts = l2a_options(config)
+  opts = options(config)
   sp = np.asarray(layer_sparsity, np.float64)
   new = tuple(int(i) for i in np.nonzero(sp >= threshold)[0] if int(i) not in opts.pruned_layers)
-  cfg = l2a_config(config, pruned_layers=tuple(sorted(set(opts.pruned_layers) | set(new))))
+  cfg = configure(config, "l2a", pruned_layers=tuple(sorted(set(opts.pruned_layers) | set(new))))
   return cfg, prune_params(params, new), new
-
-

@@ -10,7 +10,7 @@ Per decoder layer (pre-norm families: llama, qwen2, qwen3):
     x' = s + d * a
     out = x' + MLP(RMSNorm_post(x'))
 
-Options live in `ModelConfig.scheme_kwargs` (hashable (name, value) pairs); see `L2AOptions`.
+Options: `L2AOptions` (options.py), set as `model.scheme.<name>`.
 Every choice where the paper and the authors' code differ is a field there.
 
 Training: with probability `p_force` per layer and step (drawn from the `router` RNG stream, the
@@ -29,121 +29,16 @@ norm, only the window cache. They are scanned as groups of their own (`layer_var
 """
 from __future__ import annotations
 
-import dataclasses
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from condattn_jax import ops
+from condattn_jax.attention import options
+from condattn_jax.attention.l2a.options import L2AOptions
 from condattn_jax.models.config import ModelConfig
 from condattn_jax.models.context import LayerContext
 from condattn_jax.models.layers import Attention, attend, make_norm, mlp_residual
-
-ROUTINGS = ("learned", "bernoulli", "all", "none", "soft")
-LAMBDA_SCHEDULES = ("ramp", "constant")
-
-
-@dataclasses.dataclass(frozen=True)
-class L2AOptions:
-  """The `scheme_kwargs` of scheme 'l2a' (defaults: SCHEMES.md section 1 / authors' code).
-
-  window              local attention window w (keys t-w+1..t); 0 = no local attention.
-  tau                 router temperature: p = sigmoid(z / tau).
-  theta               threshold d = (p >= theta); a test-time knob (higher = sparser).
-  p_force             per layer per training step probability of the forced-global step.
-  lambda_max          regulariser weight on mean_{l,b,t} p^2 (mean form of the authors' 1e-8 * sum
-                      over 131072 tokens = 1.3e-3).
-  lambda_schedule     'ramp': 0 for lambda_warmup_steps, then linear to lambda_max over
-                      lambda_ramp_steps (authors' code); 'constant': lambda_max from step 0 (paper).
-  routing             'learned' (router + STE), 'bernoulli' (context-free baseline: each token global
-                      with probability bernoulli_q, paper Sec. 4.4), 'all' (every token global),
-                      'none' (global branch never runs), 'soft' (analysis only: d = p, dense path).
-  bernoulli_q         the context-free routing probability.
-  bernoulli_seed      key for the context-free draws when no `router` RNG is given (eval/decode);
-                      the draw of token (row b, position t) is the same in a full forward and in
-                      token-by-token decoding.
-  pruned_layers       layer indices without a global branch (post-training pruning).
-  decode_skip         decode: skip the global attention compute when no query routes global.
-  compact_impl        ops.attention impl of the global branch's active-query calls
-                      ('auto' | 'reference' | 'pallas' | ...).
-  """
-  window: int = 4096
-  tau: float = 0.1
-  theta: float = 0.5
-  p_force: float = 0.1
-  lambda_max: float = 1.3e-3
-  lambda_schedule: str = "ramp"
-  lambda_warmup_steps: int = 0
-  lambda_ramp_steps: int = 0
-  routing: str = "learned"
-  bernoulli_q: float = 0.2
-  bernoulli_seed: int = 0
-  pruned_layers: tuple[int, ...] = ()
-  decode_skip: bool = True
-  compact_impl: str = "auto"
-
-  def __post_init__(self):
-    if self.window < 0:
-      raise ValueError(f"model.scheme_kwargs.window={self.window} must be >= 0.")
-    if self.tau <= 0:
-      raise ValueError(f"model.scheme_kwargs.tau={self.tau} must be > 0.")
-    if not 0.0 <= self.p_force <= 1.0:
-      raise ValueError(f"model.scheme_kwargs.p_force={self.p_force} must be in [0, 1].")
-    if not 0.0 <= self.bernoulli_q <= 1.0:
-      raise ValueError(f"model.scheme_kwargs.bernoulli_q={self.bernoulli_q} must be in [0, 1].")
-    if self.routing not in ROUTINGS:
-      raise ValueError(f"model.scheme_kwargs.routing={self.routing!r}: choose one of {ROUTINGS}.")
-    if self.lambda_schedule not in LAMBDA_SCHEDULES:
-      raise ValueError(f"model.scheme_kwargs.lambda_schedule={self.lambda_schedule!r}: choose one "
-                       f"of {LAMBDA_SCHEDULES}.")
-    if self.lambda_warmup_steps < 0 or self.lambda_ramp_steps < 0:
-      raise ValueError("model.scheme_kwargs.lambda_warmup_steps / lambda_ramp_steps must be >= 0.")
-    if self.compact_impl not in ops.IMPLS:
-      raise ValueError(f"model.scheme_kwargs.compact_impl={self.compact_impl!r}: choose one of "
-                       f"{ops.IMPLS}.")
-    if not isinstance(self.pruned_layers, tuple):
-      raise ValueError("model.scheme_kwargs.pruned_layers must be a tuple of ints (hashable), got "
-                       f"{self.pruned_layers!r}.")
-
-
-OPTION_NAMES = tuple(f.name for f in dataclasses.fields(L2AOptions))
-
-
-def l2a_options(config) -> L2AOptions:
-  """L2AOptions from a ModelConfig (its scheme_kwargs), a dict, or L2AOptions."""
-  if isinstance(config, L2AOptions):
-    return config
-  if isinstance(config, ModelConfig):
-    kw = config.scheme_options
-  elif isinstance(config, dict):
-    kw = dict(config)
-  elif hasattr(config, "model"):  # a run config holding a model section
-    return l2a_options(config.model)
-  else:
-    kw = dict(getattr(config, "scheme_kwargs", ()))
-  unknown = sorted(set(kw) - set(OPTION_NAMES))
-  if unknown:
-    raise ValueError(f"model.scheme_kwargs has unknown L2A option(s) {unknown}; valid: "
-                     f"{sorted(OPTION_NAMES)}.")
-  if "pruned_layers" in kw:
-    kw["pruned_layers"] = tuple(int(i) for i in kw["pruned_layers"])
-  return L2AOptions(**kw)
-
-
-def l2a_config(base: ModelConfig, **options) -> ModelConfig:
-  """`base` (any scheme) turned into scheme 'l2a' with these options (validated)."""
-  if base.post_norm:
-    raise ValueError(f"L2A is defined for pre-norm families (llama, qwen2, qwen3); "
-                     f"model.family={base.family!r} is post-norm.")
-  kw = dict(base.scheme_kwargs) if base.scheme == "l2a" else {}
-  kw.update(options)
-  if "pruned_layers" in kw:
-    kw["pruned_layers"] = tuple(sorted(int(i) for i in kw["pruned_layers"]))
-  l2a_options(kw)  # validate
-  return base.replace(scheme="l2a", scheme_kwargs=tuple(sorted(kw.items())))
-
 
 def _bernoulli_uniform(key, positions_BT, layer_idx):
   """Uniform draws that depend only on (key, layer, row, position): stable under decoding."""
@@ -175,7 +70,7 @@ class Router(nn.Module):
 
 def layer_variants(config) -> tuple[str, ...]:
   """'pruned' for the layers in pruned_layers, 'global' for the others."""
-  pruned = set(l2a_options(config).pruned_layers)
+  pruned = set(options(config).pruned_layers)
   return tuple("pruned" if i in pruned else "global" for i in range(config.num_layers))
 
 
@@ -195,9 +90,7 @@ class L2ALayer(nn.Module):
   @nn.compact
   def __call__(self, x_BTD, ctx: LayerContext):
     cfg = self.config
-    o = l2a_options(cfg)
-    if cfg.post_norm:
-      raise ValueError(f"L2A is defined for pre-norm families; model.family={cfg.family!r}.")
+    o = options(cfg)
     B, T, _ = x_BTD.shape
     valid_BT = ctx.valid_BT
     n_valid_B = jnp.sum(valid_BT, axis=1).astype(jnp.float32)
@@ -321,7 +214,7 @@ def aux_loss(aux, batch, step, config):
   l2a/router_p_layer_{i}.
   """
   del batch
-  opts = l2a_options(config)
+  opts = options(config)
   lam = lambda_at(step, opts)
   p2 = aux["p2_mean"]
   L = p2.shape[0]

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from condattn_jax.attention.l2a.convert import prune
-from condattn_jax.attention.l2a.layer import l2a_config, l2a_options
+from condattn_jax.attention import configure, options
 from condattn_jax.models.config import ModelConfig
 
 # ----------------------------------------------------------------------------------------------
@@ -26,7 +26,7 @@ def measure_sparsity(model, params, batches, *, theta: float | None = None) -> d
 
   cfg = model.config
   if theta is not None:
-    cfg = l2a_config(cfg, theta=float(theta))
+    cfg = configure(cfg, "l2a", theta=float(theta))
   m = Decoder(cfg)
 
   @jax.jit
@@ -47,7 +47,7 @@ def measure_sparsity(model, params, batches, *, theta: float | None = None) -> d
   if glob is None:
     raise ValueError("measure_sparsity: no batches.")
   layer_sparsity = 1.0 - glob / np.maximum(tokens, 1.0)
-  opts = l2a_options(cfg)
+  opts = options(cfg)
   live = [i for i in range(cfg.num_layers) if i not in opts.pruned_layers]
   return {"layer_sparsity": [float(x) for x in layer_sparsity],
           "sparsity": float(np.mean(layer_sparsity[live])) if live else 1.0,
@@ -60,7 +60,7 @@ def kv_cache_bytes(config: ModelConfig, context_len: int, batch: int = 1,
   window ring of min(w, context_len) slots for `self_attn`, plus a full cache of context_len
   slots for `global_attn` unless the layer is pruned. Returns {'total', 'full', 'window'}."""
   from condattn_jax.attention import dense
-  o = l2a_options(config)
+  o = options(config)
   one = dense.kv_cache_bytes(config.replace(num_layers=1, sliding_window=None), context_len,
                              batch, dtype)["total"] // max(context_len, 1)  # bytes per token
   live = config.num_layers - len(set(o.pruned_layers))
@@ -97,17 +97,17 @@ def prune_report(model, params, batches, *, context_len: int, threshold: float =
   """
   cfg = model.config
   if theta is not None:
-    cfg = l2a_config(cfg, theta=float(theta))
+    cfg = configure(cfg, "l2a", theta=float(theta))
   from condattn_jax.models.decoder import Decoder
   meas = measure_sparsity(Decoder(cfg), params, batches)
   pcfg, pparams, new = prune(params, cfg, meas["layer_sparsity"], threshold)
   report = {
       "context_len": int(context_len),
       "threshold": float(threshold),
-      "theta": float(l2a_options(cfg).theta),
+      "theta": float(options(cfg).theta),
       "layer_sparsity": meas["layer_sparsity"],
       "sparsity": meas["sparsity"],
-      "pruned_layers": list(l2a_options(pcfg).pruned_layers),
+      "pruned_layers": list(options(pcfg).pruned_layers),
       "newly_pruned": list(new),
       **kv_bytes_report(cfg, pcfg, context_len, dtype),
   }

@@ -22,7 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from condattn_jax.attention.match import retrieval
-from condattn_jax.attention.match.options import MatchOptions, match_options
+from condattn_jax.attention import options
+from condattn_jax.attention.match.options import MatchOptions
 
 
 def _take(x_BS, idx_BN):
@@ -112,7 +113,7 @@ class MatchInputs(nn.Module):
 
   @nn.compact
   def __call__(self, tokens_BT, ctx):
-    o = match_options(self.config)
+    o = options(self.config)
     if not ctx.decode:
       return block_inputs(o, tokens_BT, ctx.positions_BT, ctx.segment_ids_BT,
                           chunks_BGk=ctx.fields.get("match_chunks_BGk"))

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from condattn_jax import ops
 from condattn_jax.attention.match.inputs import _take, block_inputs
-from condattn_jax.attention.match.options import match_options
+from condattn_jax.attention import options
 from condattn_jax.models.context import LayerContext
 from condattn_jax.models.layers import MLP, Attention, RMSNorm
 
@@ -78,7 +78,7 @@ class MatchLayer(nn.Module):
 
   def setup(self):
     cfg = self.config
-    o = match_options(cfg)
+    o = options(cfg)
     if self.variant not in ("swa", "full"):
       raise ValueError(f"MATCH layer variant {self.variant!r}: 'swa' or 'full'.")
     self.self_attn = Attention(cfg, window=o.window if self.variant == "swa" else None)
@@ -109,7 +109,7 @@ class MatchLayer(nn.Module):
   def _aux_update(self, x_BAD, pos_BA, ok_BA, G: int):
     """The retrieved chunks' rows through this layer: attention among the block's retrieved
     chunks (causal on positions), then the MLP. Returns (x, k [B, G, R, K, H], v)."""
-    o = match_options(self.config)
+    o = options(self.config)
     B, A, _ = x_BAD.shape
     R = A // G
     q, k, v = self.self_attn.project(self._attn_in(x_BAD))
@@ -132,7 +132,7 @@ class MatchLayer(nn.Module):
   def _block_attend(self, q, k, v, ctx: LayerContext, f: dict, retrieved):
     """Window OR retrieved chunks, per block (see the module docstring). retrieved: None (the
     chunks' K/V are gathered from this forward's k/v) or (k, v, ok) [B, G, R, ...]."""
-    o = match_options(self.config)
+    o = options(self.config)
     c, w = o.chunk, o.window
     B, T, N, H = q.shape
     start, base = f["match_block_BG"], f["match_base_B"]
@@ -188,10 +188,10 @@ class MatchLayer(nn.Module):
 
   def _plain_attend(self, q, k, v, ctx: LayerContext):
     """Full layers, or SWA without retrieval (with StreamingLLM sinks when options.sinks)."""
-    o = match_options(self.config)
+    o = options(self.config)
     if self.variant == "swa" and o.sinks:
       if ctx.decode:
-        raise ValueError(f"model.scheme_kwargs.sinks={o.sinks}: the sink+window baseline runs "
+        raise ValueError(f"model.scheme.sinks={o.sinks}: the sink+window baseline runs "
                          "the full forward only (no decode cache for sinks).")
       mask = ops.MaskSpec(q_positions_BT=ctx.positions_BT, kv_positions_BS=ctx.positions_BT,
                           q_segment_ids_BT=ctx.segment_ids_BT,
@@ -203,7 +203,7 @@ class MatchLayer(nn.Module):
   # ------------------------------------------------------------------------- the layer
   def __call__(self, x_BTD, ctx: LayerContext):
     cfg = self.config
-    o = match_options(cfg)
+    o = options(cfg)
     B, T = ctx.positions_BT.shape
     A = x_BTD.shape[1] - T
     f = dict(ctx.fields)

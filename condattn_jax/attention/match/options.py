@@ -1,17 +1,17 @@
-"""MATCH options (`model.scheme_kwargs` of scheme 'match') and the SWA / full layer pattern."""
+"""MATCH options (`model.scheme` of scheme 'match') and the SWA / full layer pattern."""
 from __future__ import annotations
 
 import dataclasses
 
 from condattn_jax import ops
-from condattn_jax.models.config import ModelConfig
+from condattn_jax.attention import options
 
 RETRIEVED_KV = ("sequence", "recompute")
 
 
 @dataclasses.dataclass(frozen=True)
 class MatchOptions:
-  """The `scheme_kwargs` of scheme 'match' (defaults: SCHEMES.md section 5).
+  """The options (`model.scheme.<name>`) of scheme 'match' (defaults: SCHEMES.md section 5).
 
   window        local window w of the SWA layers (keys t-w+1..t).
   chunk         c: retrieval chunks are the aligned blocks [j*c, (j+1)*c) of a row; queries are
@@ -55,27 +55,27 @@ class MatchOptions:
     for f in ("window", "chunk"):
       v = getattr(self, f)
       if int(v) != v or v < 1:
-        raise ValueError(f"model.scheme_kwargs.{f}={v!r} must be an int >= 1.")
+        raise ValueError(f"model.scheme.{f}={v!r} must be an int >= 1.")
     if self.chunk > self.window:
-      raise ValueError(f"model.scheme_kwargs.chunk={self.chunk} must be <= window={self.window} "
+      raise ValueError(f"model.scheme.chunk={self.chunk} must be <= window={self.window} "
                        "(a block's queries share the window's retrieved-key slot).")
     if int(self.top_k) != self.top_k or self.top_k < 0:
-      raise ValueError(f"model.scheme_kwargs.top_k={self.top_k!r} must be an int >= 0.")
+      raise ValueError(f"model.scheme.top_k={self.top_k!r} must be an int >= 0.")
     if not 0.0 <= self.swa_ratio <= 1.0:
-      raise ValueError(f"model.scheme_kwargs.swa_ratio={self.swa_ratio} must be in [0, 1].")
+      raise ValueError(f"model.scheme.swa_ratio={self.swa_ratio} must be in [0, 1].")
     if self.retrieved_kv not in RETRIEVED_KV:
-      raise ValueError(f"model.scheme_kwargs.retrieved_kv={self.retrieved_kv!r}: choose one of "
+      raise ValueError(f"model.scheme.retrieved_kv={self.retrieved_kv!r}: choose one of "
                        f"{RETRIEVED_KV}.")
     if self.reranker and not 0 < self.rerank_k <= self.top_k:
-      raise ValueError(f"model.scheme_kwargs.rerank_k={self.rerank_k} must be in [1, top_k="
+      raise ValueError(f"model.scheme.rerank_k={self.rerank_k} must be in [1, top_k="
                        f"{self.top_k}] with a reranker.")
     if self.sinks < 0:
-      raise ValueError(f"model.scheme_kwargs.sinks={self.sinks} must be >= 0.")
+      raise ValueError(f"model.scheme.sinks={self.sinks} must be >= 0.")
     if self.sinks and self.top_k:
-      raise ValueError(f"model.scheme_kwargs.sinks={self.sinks} is the StreamingLLM baseline "
+      raise ValueError(f"model.scheme.sinks={self.sinks} is the StreamingLLM baseline "
                        f"(sink + window, no retrieval): set top_k=0 (got {self.top_k}).")
     if self.impl not in ops.IMPLS:
-      raise ValueError(f"model.scheme_kwargs.impl={self.impl!r}: choose one of {ops.IMPLS}.")
+      raise ValueError(f"model.scheme.impl={self.impl!r}: choose one of {ops.IMPLS}.")
 
   @property
   def kept_k(self) -> int:
@@ -83,45 +83,10 @@ class MatchOptions:
     return self.rerank_k if self.reranker else self.top_k
 
 
-OPTION_NAMES = tuple(f.name for f in dataclasses.fields(MatchOptions))
-
-
-def match_options(config) -> MatchOptions:
-  """MatchOptions from a ModelConfig (its scheme_kwargs), a run config, a dict or MatchOptions."""
-  if isinstance(config, MatchOptions):
-    return config
-  if isinstance(config, ModelConfig):
-    kw = config.scheme_options
-  elif isinstance(config, dict):
-    kw = dict(config)
-  elif hasattr(config, "model"):
-    return match_options(config.model)
-  else:
-    kw = dict(getattr(config, "scheme_kwargs", ()))
-  unknown = sorted(set(kw) - set(OPTION_NAMES))
-  if unknown:
-    raise ValueError(f"model.scheme_kwargs has unknown MATCH option(s) {unknown}; valid: "
-                     f"{sorted(OPTION_NAMES)}.")
-  kw = {k: (tuple(sorted(v.items())) if isinstance(v, dict) else v) for k, v in kw.items()}
-  return MatchOptions(**kw)
-
-
-def match_config(base: ModelConfig, **options) -> ModelConfig:
-  """`base` (dense, full attention) turned into scheme 'match' with these options (validated)."""
-  if base.sliding_window is not None:
-    raise ValueError(f"model.sliding_window={base.sliding_window}: MATCH's window is "
-                     "scheme_kwargs.window; set sliding_window=None.")
-  kw = dict(base.scheme_kwargs) if base.scheme == "match" else {}
-  kw.update({k: (tuple(sorted(v.items())) if isinstance(v, dict) else v)
-             for k, v in options.items()})
-  match_options(kw)
-  return base.replace(scheme="match", scheme_kwargs=tuple(sorted(kw.items())))
-
-
 def layer_kinds(config) -> tuple[str, ...]:
   """'swa' | 'full' per layer: round(L * (1 - swa_ratio)) full layers spread evenly, each at the
   end of its span (L=28, ratio 0.5: layers 1, 3, ..., 27 are full)."""
   L = config.num_layers
-  n_full = int(round(L * (1.0 - match_options(config).swa_ratio)))
+  n_full = int(round(L * (1.0 - options(config).swa_ratio)))
   full = {int((i + 1) * L / n_full) - 1 for i in range(n_full)} if n_full else set()
   return tuple("full" if i in full else "swa" for i in range(L))

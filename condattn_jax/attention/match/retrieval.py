@@ -78,7 +78,7 @@ class MiniLMRetriever:
     elif callable(tokenizer):
       self.detokenize = tokenizer
     else:
-      raise ValueError("model.scheme_kwargs.retriever_kwargs.tokenizer must be the LLM's "
+      raise ValueError("model.scheme.retriever_kwargs.tokenizer must be the LLM's "
                        f"tokenizer.json path (or a callable ids -> text), got {tokenizer!r}.")
     self.encoder = encoder if encoder is not None else MiniLMEncoder.load()
 
@@ -105,7 +105,7 @@ class MiniLMRetriever:
 
 def _import(spec: str, what: str):
   if ":" not in spec:
-    raise ValueError(f"model.scheme_kwargs.{what}={spec!r}: give 'pkg.module:factory'.")
+    raise ValueError(f"model.scheme.{what}={spec!r}: give 'pkg.module:factory'.")
   mod, name = spec.split(":", 1)
   return getattr(importlib.import_module(mod), name)
 
@@ -123,7 +123,7 @@ def make_retriever(o: MatchOptions):
     elif o.retriever == "minilm":
       tk = kw.get("tokenizer")
       if tk is None or (isinstance(tk, str) and (not tk or tk.startswith("REQUIRED"))):
-        raise ValueError("model.scheme_kwargs.retriever='minilm' needs retriever_kwargs "
+        raise ValueError("model.scheme.retriever='minilm' needs retriever_kwargs "
                          "tokenizer=<the LLM's tokenizer.json> (to turn chunks into text); "
                          "set --config.model.scheme.retriever_kwargs.tokenizer.")
       _CACHE[key] = MiniLMRetriever(**kw)

@@ -1,7 +1,8 @@
 """Training-inference consistent segmented execution (SCHEMES.md section 4; paper
 ../shared/papers/002_f3b78f1ae6d3bc79.txt).
 
-  options.py  SegmentedOptions (S, M, R, K, head / layer lists, retrieval knobs), partition
+  options.py  `SegmentedOptions` (model.scheme.<name>: S, M, R, K, head / layer lists, retrieval
+              knobs), the whole-config check, the static partition
   core.py     the ONE segment operator (state transition, retrieval, attention over
               [prefix ; segment]) and the per-layer full-sequence scan
   layer.py    the decoder layer (cached mode = inference and training; full-sequence mode)
@@ -10,17 +11,17 @@
   report.py   cache bytes, attention-visible KV length
 """
 from condattn_jax.attention import Scheme, register
-from condattn_jax.attention.segmented.convert import dense_to_segmented, from_dense, to_dense
+from condattn_jax.attention.segmented.convert import from_dense, to_dense
 from condattn_jax.attention.segmented.core import (full_sequence, init_state, query_summaries,
                                                    retrieve, segment_step, state_shapes)
 from condattn_jax.attention.segmented.forward import forward
 from condattn_jax.attention.segmented.layer import SegmentedLayer
 from condattn_jax.attention.segmented.options import (LLAMA2_LONG_HEADS, LLAMA2_LONG_LAYERS,
-                                                      OPTION_NAMES, SegmentedOptions, head_groups,
-                                                      layer_variants, segmented_config,
-                                                      segmented_options)
+                                                      SegmentedOptions, check, head_groups,
+                                                      layer_variants)
 from condattn_jax.attention.segmented.report import kv_cache_bytes, visible_kv_length
 
 SEGMENTED = register(Scheme(
-    name="segmented", layer_cls=SegmentedLayer, from_dense=from_dense, to_dense=to_dense,
-    layer_variants=layer_variants, kv_cache_bytes=kv_cache_bytes, forward=forward))
+    name="segmented", layer_cls=SegmentedLayer, options=SegmentedOptions, check=check,
+    from_dense=from_dense, to_dense=to_dense, layer_variants=layer_variants,
+    kv_cache_bytes=kv_cache_bytes, forward=forward))

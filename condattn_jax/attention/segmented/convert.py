@@ -3,9 +3,6 @@ only the scanned grouping changes (long / local layer variants). Trees with or w
 top-level 'params' key, per-layer or stacked."""
 from __future__ import annotations
 
-from typing import Any
-
-from condattn_jax.attention.segmented.options import segmented_config
 from condattn_jax.models import stacking
 from condattn_jax.models.config import ModelConfig
 
@@ -19,9 +16,3 @@ def to_dense(params, config: ModelConfig):
   """Segmented -> (dense ModelConfig, dense params): the exact inverse of `from_dense`."""
   dense = config.replace(scheme="dense", scheme_kwargs=())
   return dense, stacking.to_model_layout(params, dense)
-
-
-def dense_to_segmented(params, config: ModelConfig, **options) -> tuple[ModelConfig, Any]:
-  """(dense config, params) -> (segmented config with `options`, params)."""
-  cfg = segmented_config(config, **options)
-  return cfg, from_dense(params, cfg)

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from condattn_jax.attention.segmented.options import segmented_options
+from condattn_jax.attention import options
 
 
 def _init_cache(model, params, batch: int, cache_len: int):
@@ -42,7 +42,7 @@ def forward(model, params, tokens_BT, positions_BT=None, segment_ids_BT=None, *,
   document at 0..T-1)."""
   del positions_BT
   cfg = model.config
-  o = segmented_options(cfg)
+  o = options(cfg)
   B, T = tokens_BT.shape
   S, K = o.segment_len, o.tbptt
   NS = K + 1

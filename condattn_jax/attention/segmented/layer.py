@@ -18,7 +18,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from condattn_jax.attention.segmented import core
-from condattn_jax.attention.segmented.options import head_groups, segmented_options
+from condattn_jax.attention import options
+from condattn_jax.attention.segmented.options import head_groups
 from condattn_jax.models.config import ModelConfig
 from condattn_jax.models.context import LayerContext
 from condattn_jax.models.layers import Attention, make_norm, mlp_residual
@@ -30,10 +31,16 @@ class SegmentedLayer(nn.Module):
   config: ModelConfig
   variant: object = "local"
 
+  @staticmethod
+  def decode_chunk(config: ModelConfig) -> int:
+    """inference.Engine's declaration: a decode call's chunk must divide segment_len (the engine
+    picks its default prefill chunk from it)."""
+    return options(config).segment_len
+
   @nn.compact
   def __call__(self, x_BTD, ctx: LayerContext):
     cfg = self.config
-    o = segmented_options(cfg)
+    o = options(cfg)
     groups = head_groups(cfg, o)
     long_layer = self.variant == "long"
     attn = Attention(cfg, window=None, name="self_attn")

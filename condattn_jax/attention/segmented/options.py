@@ -5,6 +5,8 @@ import dataclasses
 
 import numpy as np
 
+from condattn_jax.attention import options
+
 from condattn_jax.models.config import ModelConfig
 
 # SCHEMES.md section 4: 32-head LLaMA-2 defaults (paper; the authors' code agrees on the heads).
@@ -14,7 +16,7 @@ LLAMA2_LONG_LAYERS = (6, 8, 11, 18)  # the authors' code uses 16 instead of 18 (
 
 @dataclasses.dataclass(frozen=True)
 class SegmentedOptions:
-  """The `scheme_kwargs` of scheme 'segmented' (defaults: SCHEMES.md section 4 / the paper).
+  """The options (`model.scheme.<name>`) of scheme 'segmented' (defaults: SCHEMES.md section 4 / the paper).
 
   segment_len     S: tokens per segment (segments never overlap; attention is causal inside).
   tail_len        M: carried KV tail, the last M pre-RoPE K/V of the previous segment (local
@@ -62,28 +64,28 @@ class SegmentedOptions:
               "summary_tail", "topk", "anchors", "refresh"):
       v = getattr(self, f)
       if int(v) != v or v < 1:
-        raise ValueError(f"model.scheme_kwargs.{f}={v!r} must be an int >= 1.")
+        raise ValueError(f"model.scheme.{f}={v!r} must be an int >= 1.")
     for f in ("tail_len", "tbptt"):
       v = getattr(self, f)
       if int(v) != v or v < 0:
-        raise ValueError(f"model.scheme_kwargs.{f}={v!r} must be an int >= 0.")
+        raise ValueError(f"model.scheme.{f}={v!r} must be an int >= 0.")
     if self.tail_len > self.segment_len:
-      raise ValueError(f"model.scheme_kwargs.tail_len={self.tail_len} must be <= segment_len="
+      raise ValueError(f"model.scheme.tail_len={self.tail_len} must be <= segment_len="
                        f"{self.segment_len} (the tail is cut from one segment).")
     if self.query_len > self.segment_len:
-      raise ValueError(f"model.scheme_kwargs.query_len={self.query_len} must be <= segment_len="
+      raise ValueError(f"model.scheme.query_len={self.query_len} must be <= segment_len="
                        f"{self.segment_len}.")
     if self.summary_window > self.query_len or self.summary_tail > self.query_len:
-      raise ValueError(f"model.scheme_kwargs.summary_window={self.summary_window} and "
+      raise ValueError(f"model.scheme.summary_window={self.summary_window} and "
                        f"summary_tail={self.summary_tail} must be <= query_len={self.query_len}.")
     if len(self.expand) != 2 or self.expand[0] > self.expand[1]:
-      raise ValueError(f"model.scheme_kwargs.expand={self.expand!r} must be (lo, hi) with lo <= hi.")
+      raise ValueError(f"model.scheme.expand={self.expand!r} must be (lo, hi) with lo <= hi.")
     if self.anchors * self.expansion > self.retrieve_len:
-      raise ValueError(f"model.scheme_kwargs.anchors={self.anchors} x expansion {self.expansion} "
+      raise ValueError(f"model.scheme.anchors={self.anchors} x expansion {self.expansion} "
                        f"exceeds retrieve_len={self.retrieve_len}; lower anchors or raise "
                        "retrieve_len.")
     if len(set(self.long_heads)) != len(self.long_heads):
-      raise ValueError(f"model.scheme_kwargs.long_heads={self.long_heads} has duplicates.")
+      raise ValueError(f"model.scheme.long_heads={self.long_heads} has duplicates.")
 
   @property
   def expansion(self) -> int:
@@ -94,49 +96,20 @@ class SegmentedOptions:
     return (self.query_len - self.summary_window) // self.summary_stride + 2
 
 
-OPTION_NAMES = tuple(f.name for f in dataclasses.fields(SegmentedOptions))
-
-
-def segmented_options(config) -> SegmentedOptions:
-  """SegmentedOptions from a ModelConfig (its scheme_kwargs, checked against the model's heads
-  and layers), a run config, a dict, or SegmentedOptions."""
-  if isinstance(config, SegmentedOptions):
-    return config
-  if isinstance(config, ModelConfig):
-    kw = config.scheme_options
-  elif isinstance(config, dict):
-    kw = dict(config)
-  elif hasattr(config, "model"):
-    return segmented_options(config.model)
-  else:
-    kw = dict(getattr(config, "scheme_kwargs", ()))
-  unknown = sorted(set(kw) - set(OPTION_NAMES))
-  if unknown:
-    raise ValueError(f"model.scheme_kwargs has unknown segmented option(s) {unknown}; valid: "
-                     f"{sorted(OPTION_NAMES)}.")
-  o = SegmentedOptions(**kw)
-  if isinstance(config, ModelConfig):
-    bad = [h for h in o.long_heads if not 0 <= h < config.num_kv_heads]
-    if bad:
-      raise ValueError(f"model.scheme_kwargs.long_heads has {bad} outside 0..{config.num_kv_heads - 1}"
-                       " (KV-head indices); set long_heads for this model.")
-    bad = [l for l in o.long_layers if not 0 <= l < config.num_layers]
-    if bad:
-      raise ValueError(f"model.scheme_kwargs.long_layers has {bad} outside 0.."
-                       f"{config.num_layers - 1}; set long_layers for this model.")
-  return o
-
-
-def segmented_config(base: ModelConfig, **options) -> ModelConfig:
-  """`base` (any scheme) turned into scheme 'segmented' with these options (validated)."""
-  if base.sliding_window is not None:
-    raise ValueError(f"model.sliding_window={base.sliding_window}: 'segmented' converts a "
-                     "full-attention model; set sliding_window=None.")
-  kw = dict(base.scheme_kwargs) if base.scheme == "segmented" else {}
-  kw.update(options)
-  cfg = base.replace(scheme="segmented", scheme_kwargs=tuple(sorted(kw.items())))
-  segmented_options(cfg)  # validate against the model
-  return cfg
+def check(config: ModelConfig, o: SegmentedOptions) -> None:
+  """The whole-config check: a full-attention base, and long_heads / long_layers inside the
+  model's KV heads and layers."""
+  if config.sliding_window is not None:
+    raise ValueError(f"model.sliding_window={config.sliding_window}: 'segmented' converts a "
+                     "full-attention model; set model.sliding_window=None.")
+  bad = [h for h in o.long_heads if not 0 <= h < config.num_kv_heads]
+  if bad:
+    raise ValueError(f"model.scheme.long_heads has {bad} outside 0..{config.num_kv_heads - 1}"
+                     " (KV-head indices); set long_heads for this model.")
+  bad = [l for l in o.long_layers if not 0 <= l < config.num_layers]
+  if bad:
+    raise ValueError(f"model.scheme.long_layers has {bad} outside 0.."
+                     f"{config.num_layers - 1}; set long_layers for this model.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -159,5 +132,5 @@ def head_groups(config: ModelConfig, o: SegmentedOptions) -> HeadGroups:
 
 def layer_variants(config: ModelConfig) -> tuple:
   """'long' for the layers of long_layers (they hold a retrieval pool), else 'local'."""
-  o = segmented_options(config)
+  o = options(config)
   return tuple("long" if i in o.long_layers else "local" for i in range(config.num_layers))

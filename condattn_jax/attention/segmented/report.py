@@ -4,7 +4,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from condattn_jax.attention.segmented import core
-from condattn_jax.attention.segmented.options import head_groups, segmented_options
+from condattn_jax.attention import options
+from condattn_jax.attention.segmented.options import head_groups
 from condattn_jax.models.config import ModelConfig
 
 
@@ -14,7 +15,7 @@ def kv_cache_bytes(config: ModelConfig, context_len: int, batch: int = 1,
   with cache_len=context_len): 'segment' (S K/V, all heads), 'tail' (M, local heads), 'pool'
   (every finished segment, long heads of long layers), 'retrieved' (R) and 'queries' (Lq), plus
   'total'. Only the pool grows with the context."""
-  o = segmented_options(config)
+  o = options(config)
   g = head_groups(config, o)
   dt = jnp.dtype(dtype or config.dtype)
   out = dict(segment=0, tail=0, pool=0, retrieved=0, queries=0, other=0)
@@ -34,7 +35,7 @@ def kv_cache_bytes(config: ModelConfig, context_len: int, batch: int = 1,
 def visible_kv_length(config: ModelConfig) -> float:
   """Peak attention-visible KV length per head, S + alpha*M + beta*(1 - alpha)*R (alpha: local
   head fraction, beta: long-layer fraction; SCHEMES.md section 4)."""
-  o = segmented_options(config)
+  o = options(config)
   alpha = 1.0 - len(o.long_heads) / config.num_kv_heads
   beta = len(o.long_layers) / config.num_layers
   return o.segment_len + alpha * o.tail_len + beta * (1 - alpha) * o.retrieve_len
