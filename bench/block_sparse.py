@@ -318,6 +318,8 @@ def main():
   ap.add_argument("--variants", default="", help="subset of " + ",".join(Settings.variants))
   ap.add_argument("--fwd-sub-tile", type=int, default=0,
                   help="Triton forward kv sub-tile (divides the block; 0: the api's default)")
+  ap.add_argument("--impl", default="", choices=["", "triton", "mosaic_gpu"],
+                  help="the block-sparse kernel timed (default: the preset's, triton)")
   ap.add_argument("--out-dir", default=os.environ.get("OUT", "bench/results"))
   args = ap.parse_args()
   s = PRESETS[args.preset]
@@ -332,6 +334,8 @@ def main():
     kw["variants"] = tuple(x for x in args.variants.split(",") if x)
   if args.fwd_sub_tile:
     kw["fwd_sub_tile"] = args.fwd_sub_tile
+  if args.impl:
+    kw["impl"] = args.impl
   s = dataclasses.replace(s, **kw)
   set_fwd_sub_tile(s.fwd_sub_tile, s.block)
   if s.preset != "test" and not on_gpu():

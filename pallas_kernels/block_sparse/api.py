@@ -19,9 +19,16 @@ bounds the work) and apply the element mask inside a tile. Backward: custom_vjp 
 dq over the same tables, dk/dv per kv tile over the transposed tables (every query head of the kv
 head: native GQA).
 
-impl: 'auto' (GPU: Triton; TPU: Mosaic; elsewhere the jnp reference), 'reference', 'triton',
-'mosaic_tpu'. A kernel that cannot take a call raises ValueError when asked for by name; under
-'auto' it warns once (BlockSparseFallbackWarning) and uses the reference.
+impl: 'auto' (Hopper GPUs: Mosaic GPU; other GPUs: Triton; TPU: Mosaic; elsewhere the jnp
+reference), 'reference', 'triton', 'mosaic_gpu', 'mosaic_tpu'. A kernel that cannot take a call
+raises ValueError when asked for by name; under 'auto' it warns once (BlockSparseFallbackWarning)
+and uses the reference (on Hopper 'auto' never falls back to the Triton kernel).
+
+Head modes: HEAD_FULL (0), HEAD_BLOCKS (1), and HEAD_WINDOW_BLOCKS (2, tables.py): the head sees
+the window (and sinks) OR its listed blocks whole (MATCH's "window OR retrieved chunks", segmented
+prefixes), under causality, documents and the active set. Mode 2 runs on 'reference' and
+'mosaic_gpu'; the Triton / Mosaic TPU kernels reject it (ValueError for concrete modes, NaN
+outputs for the heads of a traced mode 2).
 """
 from __future__ import annotations
 
@@ -32,19 +39,20 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from pallas_kernels.compact_attention import api as _compact_api
 from pallas_kernels.compact_attention.reference import (HEAD_BLOCKS, HEAD_FULL, check_qkv,
                                                         dense_mask, reference_attention)
 
 from pallas_kernels.flash_tiles import TRITON_SMEM_BYTES
 
 from . import tables
+from .tables import HEAD_WINDOW_BLOCKS
 
-IMPLS = ("auto", "reference", "triton", "mosaic_tpu")
+IMPLS = ("auto", "reference", "triton", "mosaic_gpu", "mosaic_tpu")
 _FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
-__all__ = ["HEAD_BLOCKS", "HEAD_FULL", "IMPLS", "BlockSparseFallbackWarning",
+__all__ = ["HEAD_BLOCKS", "HEAD_FULL", "HEAD_WINDOW_BLOCKS", "IMPLS", "BlockSparseFallbackWarning",
            "block_sparse_attention", "kernel_support"]
 
 
@@ -58,14 +66,29 @@ def _warn_once(msg: str) -> None:
 
 
 def _platform() -> str:
-  # The compacted kernels' hook: condattn_jax.ops swaps it while tracing a branch for another
-  # platform (cross-lowering), which then applies here too.
-  return _compact_api._default_platform()
+  """The host platform 'auto' resolves for (condattn_jax.ops resolves per lowering platform and
+  names the kernel explicitly; tests swap this to resolve for another platform)."""
+  return jax.default_backend()
+
+
+def _is_hopper() -> bool:
+  """Whether the default device is a Hopper GPU (tests swap it to resolve for an abstract H100)."""
+  try:
+    from pallas_kernels.backends import HOPPER_DEVICE_KINDS
+  except ImportError:   # the backends interface not there yet
+    HOPPER_DEVICE_KINDS = ("NVIDIA H100", "NVIDIA H200", "NVIDIA H800", "NVIDIA GH200")
+  try:
+    return (jax.default_backend() == "gpu"
+            and jax.devices()[0].device_kind.startswith(HOPPER_DEVICE_KINDS))
+  except RuntimeError:
+    return False
 
 
 def _backend_module(name: str):
   if name == "triton":
     from . import triton as mod
+  elif name == "mosaic_gpu":
+    from . import mosaic_gpu as mod
   else:
     from . import mosaic_tpu as mod
   return mod
@@ -114,6 +137,9 @@ def kernel_support(impl: str, q_shape, kv_shape, dtype, block_q: int, block_k: i
     if (2 * block_k + block_q) * H * jnp.dtype(dtype).itemsize > TRITON_SMEM_BYTES:
       return f"block_q {block_q} / block_k {block_k} at head_dim {H} exceed shared memory"
     return None
+  if impl == "mosaic_gpu":
+    from . import mosaic_gpu
+    return mosaic_gpu.support(block_q, block_k, H, dtype)
   if impl == "mosaic_tpu":
     if H % 128 and H != 64:
       return f"head_dim {H} (Mosaic kernel needs 64 or a multiple of 128)"
@@ -130,14 +156,10 @@ def _resolve_impl(impl, interpret, q_shape, kv_shape, dtype, block_q, block_k):
   if impl == "auto":
     impl = {"gpu": "triton", "cuda": "triton", "rocm": "triton", "tpu": "mosaic_tpu"}.get(
         _platform(), "reference")
+    if impl == "triton" and _platform() != "rocm" and _is_hopper():
+      impl = "mosaic_gpu"   # Hopper: never the (deprecated) Pallas-Triton backend
   if impl == "reference":
     return impl
-  if explicit and not interpret:
-    want = "tpu" if impl == "mosaic_tpu" else "gpu"
-    if _platform() not in ((want,) if want == "tpu" else ("gpu", "cuda", "rocm")):
-      raise ValueError(f"block_sparse_attention impl={impl!r} needs a {want.upper()} (running on "
-                       f"{_platform()!r}); pass interpret=True to run the kernel in Pallas "
-                       "interpret mode, or impl='reference'.")
   reason = kernel_support(impl, q_shape, kv_shape, dtype, block_q, block_k)
   if reason is not None:
     msg = (f"block_sparse_attention: the {impl} kernel cannot take this call: {reason}. "
@@ -167,6 +189,7 @@ class _Config:
 class _Meta:
   """Kernel-ready mask metadata (a pytree of arrays; None where absent)."""
   kv_blocks_BNQL: Any
+  mode_BN: Any      # int32 head modes (HEAD_FULL / HEAD_BLOCKS / HEAD_WINDOW_BLOCKS)
   full_BN: Any
   qpos_BT: Any
   kvpos_BS: Any
@@ -182,8 +205,9 @@ jax.tree_util.register_dataclass(
 
 
 def _normalise(B, T, S, N, kv_blocks, head_mode, qpos, kvpos, qseg, kvseg, active) -> _Meta:
-  full_BN = (jnp.zeros((B, N), jnp.int32) if head_mode is None
-             else (jnp.asarray(head_mode) == HEAD_FULL).astype(jnp.int32))
+  mode_BN = (jnp.full((B, N), HEAD_BLOCKS, jnp.int32) if head_mode is None
+             else jnp.asarray(head_mode, jnp.int32))
+  full_BN = (mode_BN == HEAD_FULL).astype(jnp.int32)
   if kvseg is None:
     bq_, bkv = None, None
   elif qseg is None:  # a cache's validity: the query chunk is one document
@@ -201,7 +225,7 @@ def _normalise(B, T, S, N, kv_blocks, head_mode, qpos, kvpos, qseg, kvseg, activ
     base = jnp.zeros((B, T), jnp.int32) if bq_ is None else jnp.where(bq_ == 0, -1, bq_)
     kkv = jnp.zeros((B, S), jnp.int32) if bkv is None else bkv
     kq = base[:, None, :] if active is None else jnp.where(valid, base[:, None, :], -1)
-  return _Meta(jnp.asarray(kv_blocks, jnp.int32), full_BN, qpos, kvpos, bq_, bkv, kq, kkv, valid)
+  return _Meta(jnp.asarray(kv_blocks, jnp.int32), mode_BN, full_BN, qpos, kvpos, bq_, bkv, kq, kkv, valid)
 
 
 def _visibility(cfg: _Config, m: _Meta):
@@ -219,8 +243,27 @@ def _launch(cfg: _Config, H: int, itemsize: int, kernel: str) -> dict:
   return kw
 
 
+def _mgpu_tables(cfg: _Config, m: _Meta):
+  """(steps_BNQX, count_BNQ) of the Mosaic GPU kernels (tables.step_tables)."""
+  vis_w, full_w = _visibility(cfg, m)
+  if cfg.window is None:
+    vis_c, full_c = vis_w, full_w
+  else:
+    vis_c, full_c = _visibility(dataclasses.replace(cfg, window=None, sinks=0), m)
+  return tables.step_tables(m.kv_blocks_BNQL, m.mode_BN, vis_w, full_w, vis_c, full_c)
+
+
+def _mgpu_kw(cfg: _Config) -> dict:
+  return dict(scale=cfg.scale, window=cfg.window, sinks=cfg.sinks, block_q=cfg.block_q,
+              block_k=cfg.block_k, interpret=cfg.interpret)
+
+
 def _forward_impl(cfg: _Config, q, k, v, m: _Meta):
   mod = _backend_module(cfg.backend)
+  if cfg.backend == "mosaic_gpu":
+    steps, count = _mgpu_tables(cfg, m)
+    return mod.fwd(q, k, v, steps, count, m.qpos_BT, m.kseg_q_BIT, m.kvpos_BS, m.kseg_kv_BS,
+                   **_mgpu_kw(cfg))
   vis, full = _visibility(cfg, m)
   bounds, lst = tables.forward_tables(m.kv_blocks_BNQL, m.full_BN, vis, full)
   return mod.fwd(q, k, v, m.full_BN, bounds, lst, m.qpos_BT, m.kseg_q_BIT, m.kvpos_BS,
@@ -230,12 +273,19 @@ def _forward_impl(cfg: _Config, q, k, v, m: _Meta):
 def _backward_impl(cfg: _Config, res, dout, dlse_BNT):
   q, k, v, m, out, lse_BNT = res
   mod = _backend_module(cfg.backend)
+  delta = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1)     # [B, T, N]
+  delta = jnp.swapaxes(delta, 1, 2) - jnp.where(jnp.isfinite(lse_BNT), dlse_BNT, 0.0)
+  if cfg.backend == "mosaic_gpu":
+    steps, count = _mgpu_tables(cfg, m)
+    tsteps, tcount = tables.transposed_step_tables(steps, count, k.shape[2])
+    meta = (m.qpos_BT, m.kseg_q_BIT, m.kvpos_BS, m.kseg_kv_BS)
+    dq = mod.dq(q, k, v, dout, lse_BNT, delta, steps, count, *meta, **_mgpu_kw(cfg))
+    dk, dv = mod.dkv(q, k, v, dout, lse_BNT, delta, tsteps, tcount, *meta, **_mgpu_kw(cfg))
+    return dq, dk, dv
   vis, full = _visibility(cfg, m)
   full_BN = m.full_BN
   bounds, lst = tables.forward_tables(m.kv_blocks_BNQL, full_BN, vis, full)
   boundsT, lstT = tables.transposed_tables(full_BN, bounds, lst, vis, full)
-  delta = jnp.sum(out.astype(jnp.float32) * dout.astype(jnp.float32), axis=-1)     # [B, T, N]
-  delta = jnp.swapaxes(delta, 1, 2) - jnp.where(jnp.isfinite(lse_BNT), dlse_BNT, 0.0)
   H, isz = q.shape[-1], q.dtype.itemsize
   meta = (m.qpos_BT, m.kseg_q_BIT, m.kvpos_BS, m.kseg_kv_BS)
   dq = mod.dq(q, k, v, dout, lse_BNT, delta, full_BN, bounds, lst, *meta,
@@ -361,10 +411,17 @@ def block_sparse_attention(q_BTNH, k_BSKH, v_BSKH, kv_blocks_BNQL, head_mode_BN=
   scale = float(H ** -0.5 if scale is None else scale)
 
   impl = _resolve_impl(impl, interpret, q.shape, k.shape, q.dtype, block_q, block_k)
+  mode2 = None
+  if mode is not None and impl in ("triton", "mosaic_tpu"):
+    if not isinstance(mode, jax.core.Tracer) and np.any(np.asarray(mode) == HEAD_WINDOW_BLOCKS):
+      raise ValueError(f"block_sparse_attention: head_mode_BN holds HEAD_WINDOW_BLOCKS (2), which "
+                       f"the {impl} kernel does not run; use impl='mosaic_gpu' (Hopper) or "
+                       "impl='reference'")
+    mode2 = mode == HEAD_WINDOW_BLOCKS    # traced: those heads' outputs become NaN (below)
   if impl == "reference":
-    mask = dense_mask(qpos, kvpos, qseg, kvseg, window=window, sinks=sinks, active=act,
-                      kv_blocks_BNQL=kv_blocks, head_mode_BN=mode, block_q=block_q,
-                      block_k=block_k)
+    mask = reference_mask(qpos, kvpos, qseg, kvseg, window=window, sinks=sinks, active=act,
+                          kv_blocks_BNQL=kv_blocks, head_mode_BN=mode, block_q=block_q,
+                          block_k=block_k)
     out, lse = reference_attention(q, k, v, mask, scale=scale)
   else:
     cfg = _Config(backend=impl, scale=scale, window=None if window is None else int(window),
@@ -378,4 +435,26 @@ def block_sparse_attention(q_BTNH, k_BSKH, v_BSKH, kv_blocks_BNQL, head_mode_BN=
     meta = _normalise(B, Tp, Sp, N, kv_blocks, mode, qpos, kvpos, qseg, kvseg, act)
     out, lse_BNT = _kernel_attention_jit(cfg, q, k, v, meta)
     out, lse = out[:, :T], jnp.swapaxes(lse_BNT, 1, 2)[:, :T]
+    if mode2 is not None:
+      out = jnp.where(mode2[:, None, :, None], jnp.nan, out).astype(out.dtype)
+      lse = jnp.where(mode2[:, None, :], jnp.nan, lse)
   return (out, lse) if return_lse else out
+
+
+def reference_mask(q_positions_BT, kv_positions_BS, q_segment_ids_BT=None, kv_segment_ids_BS=None,
+                   *, window=None, sinks=0, active=None, kv_blocks_BNQL=None, head_mode_BN=None,
+                   block_q=None, block_k=None):
+  """reference.dense_mask with the head mode HEAD_WINDOW_BLOCKS too: such a head sees the pairs
+  dense_mask gives a HEAD_FULL head (window and sinks included) OR those it gives a HEAD_BLOCKS
+  head without the window. Other modes: dense_mask itself. bool [B, N, T, S] with lists."""
+  kw = dict(active=active, kv_blocks_BNQL=kv_blocks_BNQL, block_q=block_q, block_k=block_k)
+  if head_mode_BN is None or kv_blocks_BNQL is None:
+    return dense_mask(q_positions_BT, kv_positions_BS, q_segment_ids_BT, kv_segment_ids_BS,
+                      window=window, sinks=sinks, head_mode_BN=head_mode_BN, **kw)
+  mode = jnp.asarray(head_mode_BN)
+  wb = mode == HEAD_WINDOW_BLOCKS
+  base = dense_mask(q_positions_BT, kv_positions_BS, q_segment_ids_BT, kv_segment_ids_BS,
+                    window=window, sinks=sinks, head_mode_BN=jnp.where(wb, HEAD_FULL, mode), **kw)
+  listed = dense_mask(q_positions_BT, kv_positions_BS, q_segment_ids_BT, kv_segment_ids_BS,
+                      head_mode_BN=jnp.full_like(mode, HEAD_BLOCKS), **kw)
+  return base | (wb[:, :, None, None] & listed)

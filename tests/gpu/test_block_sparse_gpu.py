@@ -1,5 +1,6 @@
-"""GPU smoke test: the block-sparse Triton kernels (forward, dq, dk/dv) compiled for the GPU vs the
-jnp reference, outputs poisoned with NaN first.
+"""GPU smoke test: the block-sparse kernels (forward, dq, dk/dv; Triton, and Mosaic GPU on Hopper)
+compiled for the GPU vs the jnp reference, outputs poisoned with NaN first (Triton); the Hopper
+program of 'auto' holds Mosaic GPU calls and no Triton call.
 
     make gpu-smoke        (= pytest -q tests/gpu; skipped without a GPU)
 """
@@ -11,7 +12,8 @@ import pytest
 if jax.default_backend() != "gpu":
   pytest.skip("needs a GPU", allow_module_level=True)
 
-from pallas_kernels.block_sparse import HEAD_BLOCKS, HEAD_FULL  # noqa: E402
+from pallas_kernels.block_sparse import HEAD_BLOCKS, HEAD_FULL, api  # noqa: E402
+from pallas_kernels.block_sparse.tables import HEAD_WINDOW_BLOCKS  # noqa: E402
 from pallas_kernels.block_sparse.testing import compare, make_problem, ssa_lists  # noqa: E402
 
 CASES = [
@@ -43,10 +45,11 @@ def test_block_sparse_triton_vs_reference_gpu(name, dtype, pkw, ssa):
 
 @pytest.mark.gpu
 def test_full_heads_on_cudnn_split_matches_reference_gpu():
-  """ops.attention(auto) with BlockLists.dense_full_heads: FA KV heads through one cuDNN call,
+  """Elastic's composite (dense_full_heads): FA KV heads through one cuDNN call,
   SSA heads through the block-sparse kernel (rows with 1 and 3 FA KV heads), vs the reference,
   forward and gradients (bf16)."""
   from condattn_jax import ops
+  from condattn_jax.attention.elastic import composite
   B, T, N, K, H = 2, 2048, 8, 4, 128
   rng = np.random.default_rng(0)
   q, k, v, ct = (jnp.asarray(rng.standard_normal(s), jnp.bfloat16)
@@ -57,15 +60,62 @@ def test_full_heads_on_cudnn_split_matches_reference_gpu():
   mode = np.full((B, N), HEAD_BLOCKS, np.int32)
   mode[0, 2:4] = HEAD_FULL
   mode[1, 0:2] = mode[1, 4:8] = HEAD_FULL
-  bl = ops.BlockLists(lists, jnp.asarray(mode), block_q=128, block_k=128, dense_full_heads=True)
+  bl = ops.BlockLists(lists, jnp.asarray(mode), block_q=128, block_k=128)
   mask = ops.MaskSpec(pos, pos, block_lists=bl, contiguous=True)
+  run = lambda q, k, v, impl="auto": composite.attention(q, k, v, mask, impl=impl,
+                                                        dense_full_heads=True)
   f = lambda impl: jax.jit(jax.value_and_grad(
-      lambda q, k, v: jnp.sum(ops.attention(q, k, v, mask, impl=impl).astype(jnp.float32)
-                              * ct), argnums=(0, 1, 2)))
-  hlo = jax.jit(lambda q, k, v: ops.attention(q, k, v, mask)).lower(q, k, v).as_text()
+      lambda q, k, v: jnp.sum(run(q, k, v, impl).astype(jnp.float32) * ct), argnums=(0, 1, 2)))
+  hlo = jax.jit(run).lower(q, k, v).as_text()
   assert "cudnn" in hlo.lower()
   (val, g), (val_ref, g_ref) = f("auto")(q, k, v), f("reference")(q, k, v)
   assert abs(float(val) - float(val_ref)) < 1e-2 * abs(float(val_ref)) + 1.0
   for a, b in zip(g, g_ref):
     a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
     assert np.max(np.abs(a - b)) < 2e-2 * np.max(np.abs(b)), np.max(np.abs(a - b))
+
+
+hopper = pytest.mark.skipif(not api._is_hopper(), reason="Mosaic GPU kernels need a Hopper GPU")
+
+MGPU_CASES = [
+    # (name, dtype, make_problem kwargs, modes per head or None = random FULL / BLOCKS)
+    ("fa_ssa_gqa_bf16", "bfloat16", dict(T=2048, N=8, K=2, H=128, L=4), None),
+    ("all_modes_window_sinks_packed_bf16", "bfloat16",
+     dict(T=2048, N=4, K=1, H=128, L=3, segments=3, window=300, sinks=8, active="head"),
+     [HEAD_FULL, HEAD_BLOCKS, HEAD_WINDOW_BLOCKS, HEAD_WINDOW_BLOCKS]),
+    ("ragged_cache_f16_k64", "float16",
+     dict(T=1000, S=1500, N=4, K=2, H=64, L=5, kv_positions=True, block_k=64), None),
+]
+
+
+@pytest.mark.gpu
+@hopper
+@pytest.mark.parametrize("name,dtype,pkw,modes", MGPU_CASES, ids=[c[0] for c in MGPU_CASES])
+def test_block_sparse_mosaic_gpu_vs_reference_gpu(name, dtype, pkw, modes):
+  pkw = {**dict(block_q=128, block_k=128), **pkw}
+  p = make_problem(len(name), dtype=jnp.dtype(dtype), **pkw)
+  if modes is not None:
+    p.kw["head_mode_BN"] = jnp.asarray([modes] * p.q.shape[0], jnp.int32)
+  errs, bad = compare(p, dict(impl="mosaic_gpu"))
+  print(name, dtype, errs)
+  assert not bad, (name, dtype, errs)
+
+
+@pytest.mark.gpu
+@hopper
+def test_block_sparse_auto_on_hopper_holds_no_triton_call_gpu():
+  """'auto' forward + backward lowered on this Hopper GPU: three Mosaic GPU custom calls (forward,
+  dq, dk/dv), none of the Pallas-Triton backend."""
+  import re
+  B, T, N, K, H = 1, 1024, 8, 2, 128
+  q = jnp.ones((B, T, N, H), jnp.bfloat16)
+  kv = jnp.ones((B, T, K, H), jnp.bfloat16)
+  lists = jnp.asarray(ssa_lists(B, N, T, T, block_q=128, block_k=128, sink_blocks=1,
+                                local_blocks=2))
+  mode = jnp.asarray([[HEAD_FULL, HEAD_BLOCKS] * (N // 2)], jnp.int32)
+  from pallas_kernels.block_sparse import block_sparse_attention
+  loss = lambda q, k, v: jnp.sum(block_sparse_attention(q, k, v, lists, mode).astype(jnp.float32))
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv).as_text()
+  targets = re.findall(r"custom_call @([\w.]+)", text)
+  assert len([t for t in targets if t.startswith("mosaic_gpu")]) == 3, targets
+  assert not [t for t in targets if "triton" in t.lower()], targets

@@ -3,6 +3,8 @@ reference (forward, lse, dq/dk/dv) over shapes, lists (empty, -1 padding, duplic
 blocks), mixed per-head modes, GQA, documents, window + sinks, active sets, cache layouts;
 poisoned outputs and NaN-poisoned unlisted K/V; the visit tables; errors; ops dispatch (CPU and
 exported for cuda / tpu)."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -139,8 +141,6 @@ def test_errors_are_one_line_and_name_the_argument():
     block_sparse_attention(p.q, p.k, p.v, **{**kw, "kv_blocks_BNQL": kw["kv_blocks_BNQL"][:, :1]})
   with pytest.raises(ValueError, match="head_mode_BN must be"):
     block_sparse_attention(p.q, p.k, p.v, **{**kw, "head_mode_BN": jnp.zeros((1, 3), jnp.int32)})
-  with pytest.raises(ValueError, match="needs a GPU"):
-    block_sparse_attention(p.q, p.k, p.v, **kw, impl="triton")
   with pytest.raises(ValueError, match="head_dim 24"):
     x = jnp.zeros((1, 64, 4, 24))
     block_sparse_attention(x, x[:, :, :2], x[:, :, :2], **kw, **TRITON)
@@ -188,6 +188,8 @@ def test_ops_dispatch_pallas_equals_reference_with_gradients():
 
 _H100 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
     device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"))
+_A100 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+    device_kind="NVIDIA A100-SXM4-80GB", num_cores=108, platform="gpu"))
 _TPU = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
     device_kind="TPU v5 lite", num_cores=1, platform="tpu"))
 
@@ -195,7 +197,8 @@ _TPU = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
 @pytest.mark.parametrize("impl", ["auto", "pallas"])
 def test_ops_exports_the_block_sparse_kernel_for_cuda_and_tpu(impl):
   """auto and pallas with block lists lower the block-sparse kernels (forward and backward), not
-  the O(T*S) reference, for cuda (Triton) and tpu (Mosaic)."""
+  the O(T*S) reference, for cuda (Hopper: Mosaic GPU, no Triton call; an A100: Triton) and tpu
+  (Mosaic)."""
   B, T, N, K, H = 1, 256, 4, 2, 64
   lists = jnp.asarray(ssa_lists(B, N, T, T, block_q=128, block_k=128, sink_blocks=1,
                                 local_blocks=1))
@@ -208,13 +211,18 @@ def test_ops_exports_the_block_sparse_kernel_for_cuda_and_tpu(impl):
     return jax.grad(lambda *a: ops.attention(*a, mask, impl=impl).astype(jnp.float32).sum(),
                     argnums=(0, 1, 2))(q, k, v)
 
-  for mesh, platform in ((_H100, "cuda"), (_TPU, "tpu")):
+  for mesh, platform in ((_H100, "cuda"), (_A100, "cuda"), (_TPU, "tpu")):
     with jax.sharding.use_abstract_mesh(mesh):
       text = jax.export.export(jax.jit(f), platforms=[platform], disabled_checks=[
           jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(*sds).mlir_module()
-    if platform == "cuda":
+    if mesh is _H100:
+      for name in ("block_sparse_fwd_mgpu", "block_sparse_dq_mgpu", "block_sparse_dkv_mgpu"):
+        assert f"{name}_" in text and f"{name}_mosaic_gpu" in text.replace("_nb_", "_"), name
+      assert "triton" not in " ".join(re.findall(r"custom_call @([\w.$]+)", text))
+    elif platform == "cuda":
       for name in ("block_sparse_fwd", "block_sparse_dq", "block_sparse_dkv"):
         assert f'name = "{name}' in text, name
+      assert "mgpu" not in text
     else:
       assert text.count("tpu_custom_call") == 3
     # no dense logits (under auto, the CPU reference branch's residual slots stay in the text)

@@ -45,7 +45,7 @@ def test_mosaic_ssa_heads_next_to_full_heads_and_empty_rows():
 def test_mosaic_lowers_for_tpu_and_rejects_bad_blocks(monkeypatch):
   """jax.export lowers forward, dq and dk/dv to Mosaic at a realistic shape (Qwen-like GQA, SSA
   lists, half the heads full); block sizes Mosaic cannot take are a ValueError."""
-  monkeypatch.setattr(api._compact_api, "_default_platform", lambda: "tpu")
+  monkeypatch.setattr(api, "_platform", lambda: "tpu")
   B, T, N, K, H, blk = 1, 8192, 8, 2, 128, 128
   lists = jnp.asarray(ssa_lists(B, N, T, T, block_q=blk, block_k=blk, sink_blocks=1,
                                 local_blocks=16))
