@@ -8,7 +8,21 @@ r"""Evaluate a model: perplexity at several context lengths + synthetic-task acc
                                                                            # (random / init_from)
   --config.eval.context_lengths='(512,1024)' --config.model.scheme.theta=0.7   test-time knobs
 
-Writes <out_dir>/eval_step<N>.json and .md (out_dir: --out_dir, else <run workdir>/eval) and
+Generation-scored long-context suite, several checkpoints head to head (one report):
+
+  python eval.py --suite=tiny --checkpoint=runs/dense --checkpoint=runs/l2a
+  python eval.py --suite=ruler --lengths=4096,8192 --num_samples=20 --checkpoint=runs/l2a@theta=0.7
+  python eval.py --suite=ruler --checkpoint=runs/l2a --sweep=theta=0.3,0.5,0.7 --dense_base
+  python eval.py --suite=tiny --config=configs/tiny.py --init    # step-0 params of a recipe
+
+  A checkpoint is DIR[@knob=value,...]: test-time scheme options for that model
+  (`--config.model.scheme.<knob>=v` sets one for every model); --sweep evaluates each
+  checkpoint once per value (an accuracy-vs-TTFT curve); --dense_base adds each scheme
+  checkpoint's dense base (`Scheme.to_dense`). Writes <out_dir>/h2h_<suite>_<hash>.{json,md}
+  and PNGs (accuracy vs length, accuracy vs TTFT, routing heatmaps), the hash covering every
+  knob (never overwriting a result with other knobs); see condattn_jax/evaluation/headtohead.py.
+
+Perplexity / teacher-forced mode (no --suite) writes <out_dir>/eval_step<N>.json and .md (out_dir: --out_dir, else <run workdir>/eval) and
 prints the markdown table. The JSON records the knobs (scheme hyper-parameters, eval section);
 knobs that differ from the run's own add a tag to the name (eval_step<N>_theta=0.7.json), so an
 earlier eval with other knobs is never overwritten. A bad input (missing / corrupt checkpoint, a
@@ -26,8 +40,24 @@ from condattn_jax.train import cli
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Recipe: configs/<name>.py[:arg].",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory of train.py.")
-_CHECKPOINT = flags.DEFINE_string("checkpoint", None,
-                                  "A workdir, its checkpoints/ dir or one step dir.")
+_CHECKPOINT = flags.DEFINE_multi_string(
+    "checkpoint", None, "A workdir, its checkpoints/ dir or one step dir; with --suite, "
+    "repeatable, each DIR[@knob=value,...].")
+_SUITE = flags.DEFINE_string("suite", None, "Generation-scored task suite (tiny, ruler, long, "
+                             "synthetic): head-to-head mode.")
+_LENGTHS = flags.DEFINE_list("lengths", None, "--suite: context lengths (default: the suite's).")
+_NUM_SAMPLES = flags.DEFINE_integer("num_samples", None, "--suite: samples per task and length.")
+_TASKS = flags.DEFINE_list("tasks", None, "--suite: only these tasks.")
+_SEED = flags.DEFINE_integer("seed", 0, "--suite: seed of the generated samples.")
+_BATCH = flags.DEFINE_integer("batch_size", 4, "--suite: prompts per generate call.")
+_PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", None, "--suite: prefill chunk (tokens).")
+_SWEEP = flags.DEFINE_string("sweep", None, "--suite: knob=v1,v2,... evaluated per checkpoint.")
+_DENSE_BASE = flags.DEFINE_bool("dense_base", False, "--suite: add each scheme model's dense "
+                                "base (Scheme.to_dense).")
+_TOKENIZER = flags.DEFINE_string("tokenizer", None, "--suite: tokenizer dir (default: the run's).")
+_HAYSTACK = flags.DEFINE_string("haystack_file", None, "--suite: text file for the essay "
+                                "haystack tasks.")
+_QA_FILE = flags.DEFINE_string("qa_file", None, "--suite: JSON / JSONL QA rows for the qa task.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
 _INIT = flags.DEFINE_bool("init", False, "Evaluate the initial params instead of a checkpoint.")
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Where to write the JSON / markdown results.")
@@ -38,7 +68,12 @@ _DISTRIBUTED = flags.DEFINE_enum("distributed", "auto", ["auto", "always", "neve
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  path = _CHECKPOINT.value or _WORKDIR.value
+  if _SUITE.value:
+    return suite_main()
+  paths = _CHECKPOINT.value or []
+  if len(paths) > 1:
+    raise app.UsageError("several --checkpoint need --suite (head-to-head mode).")
+  path = (paths[0] if paths else None) or _WORKDIR.value
   if not _INIT.value and not path:
     raise app.UsageError("give --workdir or --checkpoint (or --init to evaluate step-0 params).")
   config = _CONFIG.value
@@ -61,6 +96,104 @@ def main(argv):
   if jax.process_index() == 0:
     print(evaluation.markdown_table(res, f"Evaluation at step {res['step']}"))
     print("written to " + " and ".join(res.get("files", [])))
+
+
+def _parse_value(raw: str):
+  import ast
+  try:
+    return ast.literal_eval(raw)
+  except (ValueError, SyntaxError):
+    return raw
+
+
+def _parse_checkpoint(spec: str) -> tuple[str, dict]:
+  """'DIR@theta=0.7,window=64' -> ('DIR', {'theta': 0.7, 'window': 64})."""
+  path, _, opts = spec.partition("@")
+  knobs = {}
+  for item in filter(None, opts.split(",")):
+    k, eq, v = item.partition("=")
+    if not eq or not k:
+      raise ValueError(f"--checkpoint={spec}: options are knob=value pairs after '@' "
+                       f"(e.g. {path}@theta=0.7).")
+    knobs[k.strip()] = _parse_value(v.strip())
+  return path, knobs
+
+
+def _global_scheme_options() -> dict:
+  """--config.model.scheme.<knob>=v given without --config: an option for every model."""
+  out = {}
+  for dotted, raw in cli.PENDING_OVERRIDES:
+    if not dotted.startswith("model.scheme."):
+      raise ValueError(f"--config.{dotted}: with --suite only test-time scheme options "
+                       f"(--config.model.scheme.<knob>=...) apply; give the others to train.py.")
+    out[dotted[len("model.scheme."):]] = _parse_value(raw)
+  return out
+
+
+def suite_main():
+  from condattn_jax import checkpoint as ckpt_lib
+  from condattn_jax.evaluation import harness, headtohead
+  paths = _CHECKPOINT.value or []
+  if not paths and not _INIT.value:
+    raise app.UsageError("--suite needs --checkpoint=DIR (repeatable) or --config=... --init.")
+  specs = [_parse_checkpoint(p) for p in paths]
+  for path, _ in specs:
+    ckpt_lib.resolve_checkpoint_path(path)  # a missing path: one line, before jax starts
+  common = _global_scheme_options()
+  sweep = None
+  if _SWEEP.value:
+    knob, eq, values = _SWEEP.value.partition("=")
+    if not eq or not values:
+      raise ValueError(f"--sweep={_SWEEP.value}: write knob=v1,v2,... (e.g. theta=0.3,0.5,0.7).")
+    sweep = (knob, [_parse_value(v) for v in values.split(",")])
+  tokenizer = None
+  if _TOKENIZER.value:
+    from condattn_jax.data.tokenizer import load_tokenizer
+    tokenizer = load_tokenizer(_TOKENIZER.value)
+  models = []
+  for path, knobs in specs:
+    for value in (sweep[1] if sweep else [None]):
+      opts = {**common, **knobs}
+      if sweep:
+        opts[sweep[0]] = value
+      m = harness.load_model(path, tokenizer=tokenizer, **opts)
+      if sweep:
+        m.knobs["sweep"] = {sweep[0]: value}
+      models.append(m)
+      if _DENSE_BASE.value and value == (sweep[1][0] if sweep else None):
+        base = harness.dense_base(m)
+        if base is not None:
+          models.append(base)
+  if _INIT.value:
+    models += _init_models(common, tokenizer)
+  lengths = [int(x) for x in _LENGTHS.value] if _LENGTHS.value else None
+  report = headtohead.run_suite(
+      models, _SUITE.value, lengths=lengths, num_samples=_NUM_SAMPLES.value, seed=_SEED.value,
+      batch_size=_BATCH.value, prefill_chunk=_PREFILL_CHUNK.value, tasks=_TASKS.value,
+      haystack_file=_HAYSTACK.value, qa_file=_QA_FILE.value)
+  out_dir = _OUT_DIR.value or _default_out_dir(specs[0][0] if specs else None)
+  files = headtohead.write_report(report, out_dir)
+  print(headtohead.markdown(report))
+  print("written to " + ", ".join(files))
+
+
+def _init_models(common: dict, tokenizer):
+  """--init with --suite: the recipe's step-0 params (random, or model.init_from converted)."""
+  from condattn_jax.evaluation import harness
+  from condattn_jax.train import loop
+  config = _CONFIG.value
+  if config is None:
+    raise app.UsageError("--init needs --config=configs/<recipe>.py.")
+  with config.unlocked():
+    for k, v in common.items():
+      config.model.scheme[k] = v
+    config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, -1, 1
+  import jax
+  setup = loop.build(config, devices=jax.local_devices()[:1])
+  params = loop.init_params(setup)
+  name = f"{setup.model_cfg.scheme}-init"
+  return [harness.model_from_params(name, setup.model_cfg, params, tokenizer=tokenizer,
+                                    knobs={"init": True, "step": 0})]
 
 
 def _default_out_dir(path):

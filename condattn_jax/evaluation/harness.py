@@ -1,0 +1,293 @@
+"""Generation-scored evaluation through the inference engine: batched, any scheme and dense,
+answers parsed and scored per task, per-sample records, efficiency and routing maps in the same
+run.
+
+    model = load_model("runs/l2a", theta=0.7)          # Engine.from_checkpoint + test-time knobs
+    res = evaluate_model(model, samples, batch_size=8)
+    res["accuracy"]["niah_single_1"]["4096"]           # mean score in [0, 1]
+    res["efficiency"]["4096"]                          # ttft_s, decode_tok_s, kv_cache_bytes ...
+    res["routing"]["niah_single_1"]["4096"]            # the scheme's per-layer / head statistics
+    res["records"]                                     # one per sample: id, answers, output, score
+
+How a sample runs: one engine per context length (cache_len = the length: prompt +
+max_new_tokens <= length by the suite's contract), prompts of one task and length batched
+`batch_size` at a time (the last batch padded with copies of its last prompt, their outputs
+dropped), greedy decoding of at most the sample's max_new_tokens, stopping at the tokenizer's EOS
+(text tasks). Text outputs are decoded and post-processed as RULER does (newlines -> spaces,
+stripped); token-level outputs are the generated ids. `scoring.score` gives each sample's score.
+
+Efficiency per length (every batch timed; compilation is excluded by one warm-up generation per
+length on the first batch, not timed; every prefill of a length runs in chunks of one size, the
+`prefill_chunk` given or the one the engine picks for the whole length, so one compiled shape):
+  ttft_s           median over batches of the prefill wall time (time to the first token of
+                   every row of a batch of `batch_size`)
+  decode_tok_s     generated tokens / decode wall seconds, summed over batches
+  kv_cache_bytes   the engine's cache for one row at this length (`engine.cache_shapes(1)`:
+                   what the device allocates), and the scheme's analytic count when it has one
+  peak_bytes       the device's peak bytes in use after the length ran (`memory_stats()`;
+                   None where the backend does not report it, e.g. CPU); a process-wide
+                   high-water mark, so it only grows across lengths and models
+Routing (schemes whose layers report per-row statistics, `Generation.stats`): per task and
+length, the mean over samples of each statistic over the prompt tokens ([L] per layer or
+[L, N] per layer x head; L2A: fraction routed global, AHA: full-attention usage, Elastic: FA
+mode per KV head).
+"""
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from condattn_jax.evaluation import scoring
+from condattn_jax.evaluation.tasks import Sample
+
+
+@dataclasses.dataclass
+class EvalModel:
+  """One model of an evaluation: its name in reports, the weights, and how to make an engine.
+
+  make_engine(cache_len, prefill_chunk) -> an object with `generate(prompts, max_new_tokens,
+  stop_tokens=...)` returning a `Generation` and `cache_shapes(batch)` (an `inference.Engine`).
+  knobs: everything that shaped the model's results (checkpoint, step, scheme and options).
+  """
+  name: str
+  model_cfg: Any
+  tokenizer: Any
+  knobs: dict
+  make_engine: Callable[[int, int | None], Any]
+
+  @property
+  def vocab_size(self) -> int:
+    return int(self.model_cfg.vocab_size)
+
+
+def _scheme_knobs(model_cfg) -> dict:
+  return {"name": model_cfg.scheme, **{k: v for k, v in model_cfg.scheme_kwargs}}
+
+
+def model_from_params(name: str, model_cfg, params, *, tokenizer=None, knobs=None) -> EvalModel:
+  """An EvalModel over weights in memory (tests, converted models)."""
+  from condattn_jax.inference import Engine
+
+  def make(cache_len, prefill_chunk):
+    eng = Engine(model_cfg, params, cache_len=cache_len, prefill_chunk=prefill_chunk)
+    eng.tokenizer = tokenizer
+    return eng
+  k = {"scheme": _scheme_knobs(model_cfg), **(knobs or {})}
+  return EvalModel(name, model_cfg, tokenizer, k, make)
+
+
+def load_model(path: str, *, name: str | None = None, step: int | None = None, tokenizer=None,
+               **scheme_options) -> EvalModel:
+  """An EvalModel over a train.py checkpoint (`Engine.from_checkpoint`: the weights, the config
+  saved with them, the run's tokenizer), with test-time scheme options (e.g. theta=0.7)."""
+  import os
+
+  from condattn_jax.inference import Engine
+  base = Engine.from_checkpoint(path, step=step, tokenizer=tokenizer, cache_len=1,
+                                **scheme_options)
+
+  def make(cache_len, prefill_chunk):
+    eng = Engine(base.config, base.params, cache_len=cache_len, prefill_chunk=prefill_chunk)
+    eng.tokenizer = base.tokenizer
+    return eng
+  knobs = {"checkpoint": os.path.abspath(path), "step": base.step,
+           "scheme": _scheme_knobs(base.config), "overrides": dict(sorted(scheme_options.items()))}
+  label = name or (os.path.basename(os.path.normpath(path)) + (
+      "@" + ",".join(f"{k}={v}" for k, v in sorted(scheme_options.items())) if scheme_options
+      else ""))
+  return EvalModel(label, base.config, base.tokenizer, knobs, make)
+
+
+def dense_base(model: EvalModel, params=None) -> EvalModel | None:
+  """The dense model a scheme model was converted from (`Scheme.to_dense`), or None for a dense
+  model / a scheme without to_dense. Needs the weights: `params` or the model's engine's."""
+  from condattn_jax.attention import get_scheme
+  scheme = get_scheme(model.model_cfg.scheme)
+  if scheme.name == "dense" or scheme.to_dense is None:
+    return None
+  if params is None:
+    params = model.make_engine(1, None).params
+  cfg, dparams = scheme.to_dense(params, model.model_cfg)
+  knobs = {**model.knobs, "scheme": _scheme_knobs(cfg), "dense_base_of": model.name}
+  return model_from_params(f"{model.name}:dense-base", cfg, dparams, tokenizer=model.tokenizer,
+                           knobs=knobs)
+
+
+def postprocess(text: str) -> str:
+  """RULER's postprocess_pred: newlines and tabs to spaces, stripped."""
+  return " ".join(text.replace("\n", " ").replace("\t", " ").split())
+
+
+def _encode(model: EvalModel, s: Sample) -> list[int]:
+  if s.token_level:
+    return list(s.prompt)
+  if model.tokenizer is None:
+    raise ValueError(f"{s.id} is a text sample but model {model.name} has no tokenizer; use a "
+                     f"token-level suite (tiny, synthetic) or give the run's tokenizer.")
+  return list(model.tokenizer.encode(s.prompt))
+
+
+def _output(model: EvalModel, s: Sample, ids: list[int], stop: set[int]):
+  if s.token_level:
+    return [int(t) for t in ids]
+  ids = [t for t in ids if t not in stop]
+  return postprocess(model.tokenizer.decode(ids, skip_special_tokens=True))
+
+
+def _peak_bytes() -> int | None:
+  import jax
+  try:
+    stats = jax.local_devices()[0].memory_stats()
+  except Exception:  # backends without memory stats
+    return None
+  return None if not stats else int(stats.get("peak_bytes_in_use", 0)) or None
+
+
+def _tree_bytes(shapes) -> int:
+  import jax
+  return int(sum(np.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(shapes)))
+
+
+def _analytic_kv(model_cfg, length: int):
+  from condattn_jax.attention import get_scheme
+  fn = get_scheme(model_cfg.scheme).kv_cache_bytes
+  if fn is None:
+    return None
+  try:
+    return int(fn(model_cfg, length, 1)["total"])
+  except Exception:  # an analytic count that does not apply to this config: not reported
+    return None
+
+
+def _mean_stats(stats_list: list[dict]) -> dict:
+  """Mean over samples of each prompt-part statistic ({name: [L] or [L, N] list})."""
+  acc: dict[str, list] = {}
+  for st in stats_list:
+    for k, v in (st or {}).get("prompt", {}).items():
+      if k != "tokens":
+        acc.setdefault(k, []).append(np.asarray(v, np.float64))
+  return {k: np.mean(np.stack(v), axis=0).tolist() for k, v in acc.items()}
+
+
+def evaluate_model(model: EvalModel, samples: Sequence[Sample], *, batch_size: int = 8,
+                   prefill_chunk: int | None = None, warmup: bool = True,
+                   on_group: Callable[[str, int], None] | None = None) -> dict[str, Any]:
+  """Runs every sample through the model's engine; see the module docstring for the result.
+  on_group(task, length) is called after each (task, length) group (progress bars)."""
+  if batch_size < 1:
+    raise ValueError(f"batch_size={batch_size} must be >= 1.")
+  stop = set()
+  if model.tokenizer is not None and getattr(model.tokenizer, "eos_id", None) is not None:
+    stop.add(int(model.tokenizer.eos_id))
+  by_len: dict[int, dict[str, list[Sample]]] = {}
+  for s in samples:
+    by_len.setdefault(int(s.length), {}).setdefault(s.task, []).append(s)
+  records, acc, eff, routing = [], {}, {}, {}
+  for L in sorted(by_len):
+    engine = model.make_engine(L, None if prefill_chunk is None else min(int(prefill_chunk), L))
+    if prefill_chunk is None:  # one prefill shape per length: the chunk the engine picks for L
+      chunk = int(engine.chunk_for(L)) if hasattr(engine, "chunk_for") else L
+      engine = model.make_engine(L, chunk)
+    else:
+      chunk = min(int(prefill_chunk), L)
+    prefill_s, decode_s, new_tok, warmed = [], 0.0, 0, False
+    for task, group in by_len[L].items():
+      stop_t = set() if group[0].token_level else stop
+      stats_list, scores = [], []
+      for b0 in range(0, len(group), batch_size):
+        batch = group[b0:b0 + batch_size]
+        prompts = [_encode(model, s) for s in batch]
+        for s, p in zip(batch, prompts):
+          if len(p) + s.max_new_tokens > L:
+            raise ValueError(f"{s.id}: {len(p)} prompt tokens + {s.max_new_tokens} new > "
+                             f"length {L} (the suite was built with another tokenizer?).")
+        n = len(prompts)
+        prompts += [prompts[-1]] * (batch_size - n)  # one compiled batch shape
+        max_new = max(s.max_new_tokens for s in batch)
+        if warmup and not warmed:
+          engine.generate(prompts, max_new_tokens=min(2, max_new), stop_tokens=tuple(stop_t))
+          warmed = True
+        gen = engine.generate(prompts, max_new_tokens=max_new, stop_tokens=tuple(stop_t))
+        prefill_s.append(float(gen.prefill_s))
+        decode_s += float(gen.decode_s)
+        new_tok += sum(len(t) for t in gen.tokens[:n])
+        row_stats = list(getattr(gen, "stats", None) or [{}] * len(gen.tokens))
+        for j, s in enumerate(batch):
+          ids = list(gen.tokens[j])[:s.max_new_tokens]
+          out = _output(model, s, ids, stop_t)
+          sc = scoring.score(out, s.answers, s.metric)
+          scores.append(sc)
+          stats_list.append(row_stats[j])
+          records.append(dict(id=s.id, task=s.task, length=L, index=s.index,
+                              prompt_tokens=len(prompts[j]),
+                              answers=[list(a) if s.token_level else a for a in s.answers],
+                              output=out, score=sc, metric=s.metric))
+      acc.setdefault(task, {})[str(L)] = float(np.mean(scores))
+      st = _mean_stats(stats_list)
+      if st:
+        routing.setdefault(task, {})[str(L)] = st
+      if on_group is not None:
+        on_group(task, L)
+    eff[str(L)] = dict(
+        ttft_s=float(statistics.median(prefill_s)), batch_size=batch_size, prefill_chunk=chunk,
+        decode_tok_s=float(new_tok / decode_s) if decode_s > 0 else None,
+        generated_tokens=int(new_tok), batches=len(prefill_s),
+        kv_cache_bytes=_tree_bytes(engine.cache_shapes(1)),
+        kv_cache_bytes_analytic=_analytic_kv(model.model_cfg, L), peak_bytes=_peak_bytes())
+  mean_by_len = {str(L): float(np.mean([acc[t][str(L)] for t in acc if str(L) in acc[t]]))
+                 for L in sorted(by_len)}
+  return dict(name=model.name, knobs=model.knobs, accuracy=acc, mean_accuracy=mean_by_len,
+              efficiency=eff, routing=routing, records=records)
+
+
+def _bins(length: int, num_bins: int) -> list[tuple[int, int]]:
+  edges = np.linspace(0, length, num_bins + 1).astype(int)
+  return [(int(a), int(b)) for a, b in zip(edges[:-1], edges[1:]) if b > a]
+
+
+def perplexity_by_position(model_cfg, params, documents: Sequence[Sequence[int]], length: int, *,
+                           num_bins: int = 8, batch_size: int = 4) -> dict[str, Any]:
+  """Perplexity by position on user-given documents (token ids): each document longer than
+  `length` contributes its first `length` + 1 tokens (shorter ones are skipped); the NLL of
+  every next-token prediction is averaged per position bin (num_bins equal bins of [0, length)).
+  One teacher-forced forward per batch (`train.step.forward_ce`, any scheme, train=False).
+  Returns {'length', 'documents', 'bins': [{'start', 'end', 'nll', 'ppl', 'tokens'}], 'nll',
+  'ppl'}."""
+  import jax
+  import jax.numpy as jnp
+
+  from condattn_jax.models.decoder import Decoder
+  from condattn_jax.train.step import forward_ce
+  rows = [list(d[:length + 1]) for d in documents if len(d) > length]
+  if not rows:
+    raise ValueError(f"no document has more than {length} tokens; give longer documents or a "
+                     f"shorter length.")
+  model = Decoder(model_cfg)
+  fn = jax.jit(lambda p, b: forward_ce(model, p, b, train=False, rng=jax.random.key(0))[0])
+  nll_sum = np.zeros(length)
+  count = 0
+  for b0 in range(0, len(rows), batch_size):
+    chunk = rows[b0:b0 + batch_size]
+    n = len(chunk)
+    chunk = chunk + [chunk[-1]] * (batch_size - n)
+    a = np.asarray(chunk, np.int32)
+    B = a.shape[0]
+    batch = dict(inputs=jnp.asarray(a[:, :-1]), targets=jnp.asarray(a[:, 1:]),
+                 positions=jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (B, length)),
+                 segment_ids=jnp.ones((B, length), jnp.int32),
+                 loss_mask=jnp.ones((B, length), jnp.float32))
+    ce = np.asarray(fn(params, batch), np.float64)[:n]
+    nll_sum += ce.sum(0)
+    count += n
+  out_bins = []
+  for s, e in _bins(length, num_bins):
+    nll = float(nll_sum[s:e].sum() / (count * (e - s)))
+    out_bins.append(dict(start=s, end=e, nll=nll, ppl=float(np.exp(min(nll, 700.0))),
+                         tokens=count * (e - s)))
+  nll = float(nll_sum.sum() / (count * length))
+  return dict(length=int(length), documents=count, bins=out_bins, nll=nll,
+              ppl=float(np.exp(min(nll, 700.0))))

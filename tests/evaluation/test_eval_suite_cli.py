@@ -1,0 +1,82 @@
+"""`python eval.py --suite=tiny --checkpoint=...` for every scheme, in one head-to-head run.
+
+The checkpoints are trained here (configs/tiny.py with each scheme, 1 step each: the test checks
+that every scheme's checkpoint goes through the engine and the report, not accuracy; the
+oracle tests in test_suite.py check the scoring)."""
+import json
+import os
+import subprocess
+
+import pytest
+
+from _train_helpers import PY, ROOT, subprocess_env, tiny
+from condattn_jax.train import loop
+
+# Each scheme on configs/tiny.py (2 layers, 4 heads, 2 KV heads, 64-token rows).
+SCHEMES = {"dense": {}, "l2a": {}, "aha": {}, "elastic": {}, "match": {},
+           "segmented": dict(segment_len=32, tail_len=8, retrieve_len=8, query_len=8,
+                             anchors=1, long_heads=(0,), long_layers=(0,))}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  root = tmp_path_factory.mktemp("suite_runs")
+  out = {}
+  for name, opts in SCHEMES.items():
+    c = tiny("steps=1")
+    c.train.checkpoint_every = 1
+    with c.unlocked():
+      c.model.scheme.name = name
+      for k, v in opts.items():
+        c.model.scheme[k] = v
+    loop.run(c, str(root / name))
+    out[name] = str(root / name)
+  return out
+
+
+@pytest.mark.slow
+def test_tiny_suite_head_to_head_every_scheme(runs, tmp_path):
+  args = [f"--checkpoint={runs[s]}" for s in SCHEMES]
+  args += [f"--checkpoint={runs['l2a']}@theta=0.3"]  # a test-time knob on one model
+  p = subprocess.run([PY, "eval.py", "--suite=tiny", "--lengths=128", "--num_samples=1",
+                      "--batch_size=2", f"--out_dir={tmp_path}", *args],
+                     cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=600)
+  assert p.returncode == 0, p.stderr[-3000:]
+  js = [f for f in os.listdir(tmp_path) if f.startswith("h2h_tiny_") and f.endswith(".json")
+        and not f.endswith("_routing.json")]
+  assert len(js) == 1
+  rep = json.load(open(tmp_path / js[0]))
+  names = [m["name"] for m in rep["models"]]
+  assert names == list(SCHEMES) + ["l2a@theta=0.3"]
+  for m in rep["models"]:
+    assert m["knobs"]["step"] == 1 and m["knobs"]["checkpoint"].startswith(str(runs["dense"])[:-5])
+    assert len(m["records"]) == 10  # 10 token-level tasks x 1 sample at length 128
+    assert all(0.0 <= r["score"] <= 1.0 and len(r["output"]) <= r["prompt_tokens"]
+               for r in m["records"])
+    e = m["efficiency"]["128"]
+    assert e["ttft_s"] > 0 and e["decode_tok_s"] > 0 and e["kv_cache_bytes"] > 0
+  by = {m["name"]: m for m in rep["models"]}
+  assert by["l2a@theta=0.3"]["knobs"]["scheme"]["theta"] == 0.3
+  assert by["l2a"]["knobs"]["scheme"].get("theta") != 0.3
+  # routing maps: L2A per layer, AHA per layer x head; dense has none
+  assert len(by["l2a"]["routing"]["mqar"]["128"]["global_tokens_B"]) == 2
+  assert len(by["aha"]["routing"]["mqar"]["128"]["full_BN"][0]) == 4
+  assert not by["dense"]["routing"]
+  md = open(tmp_path / js[0].replace(".json", ".md")).read()
+  assert "| task | length | dense | l2a | aha | elastic | match | segmented | l2a@theta=0.3 |" in md
+  assert os.path.exists(tmp_path / js[0].replace(".json", "_accuracy_vs_ttft.png"))
+  assert "step 70/70" in p.stderr  # progress bar over tasks x lengths x models
+
+
+def test_suite_cli_errors(runs, tmp_path):
+  def run(*a):
+    return subprocess.run([PY, "eval.py", *a], cwd=ROOT, env=subprocess_env(1),
+                          capture_output=True, text=True, timeout=300)
+  p = run("--suite=nope", f"--checkpoint={runs['dense']}", f"--out_dir={tmp_path}")
+  assert p.returncode == 2 and "unknown suite 'nope'" in p.stderr
+  p = run("--suite=tiny", f"--checkpoint={runs['dense']}@theta", f"--out_dir={tmp_path}")
+  assert p.returncode == 2 and "knob=value pairs" in p.stderr
+  p = run("--suite=tiny", f"--checkpoint={tmp_path}/missing")
+  assert p.returncode == 2 and "does not exist" in p.stderr
+  p = run(f"--checkpoint={runs['dense']}", f"--checkpoint={runs['l2a']}")
+  assert p.returncode != 0 and "need --suite" in p.stderr

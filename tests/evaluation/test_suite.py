@@ -1,0 +1,284 @@
+"""The long-context task suite: deterministic generation keyed by length, prompts that fit the
+budget, answers a rule-based reader recovers from the prompt alone, RULER's scoring rules, and
+the generation-scored harness end to end (a model that answers perfectly scores 1.0 on every
+task, one that answers wrongly 0)."""
+import collections
+import dataclasses
+import os
+import re
+
+import numpy as np
+import pytest
+
+from condattn_jax.evaluation import harness, headtohead, scoring
+from condattn_jax.evaluation import tasks as T
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TOKENIZER = os.path.join(ROOT, "tests", "fixtures", "tokenizer", "qwen")
+V = 64
+
+
+# ------------------------------------------------------------------ a reader of token prompts
+def _find(seq, sub, start=0):
+  n = len(sub)
+  return [i for i in range(start, len(seq) - n + 1) if tuple(seq[i:i + n]) == tuple(sub)]
+
+
+def solve_tokens(task, p):
+  """The answers of a token-level prompt, read off the prompt by the task's rules (written
+  from the layout in tasks.py's docstring, not from its generators)."""
+  p = list(p)
+  if task == "mqar":  # keys and values interleaved first: k v k v ...; the prompt ends at a key
+    return [(p[p.index(p[-1]) + 1],)]
+  kv_hi = T.FIRST_KV + min(256, (V - T.FIRST_KV) // 2)
+  q = len(p) - 1 - p[::-1].index(T.TQUERY)
+  if task.startswith("niah"):
+    query = p[q + 1:]
+    keys = [tuple(query[i:i + 2]) for i in range(0, len(query), 2)]
+    out = []
+    for k in keys:
+      for i in _find(p[:q], (T.TNEEDLE, *k)):
+        out.append(tuple(p[i + 3:i + 5]))
+    return out
+  if task == "vt":
+    names, val = [], p[q + 1]
+    while True:
+      hit = [i for i in range(q - 3) if p[i] == T.TNEEDLE and p[i + 2] == T.TSEP
+             and p[i + 3] == val]
+      if not hit:
+        return [(x,) for x in names]
+      val = p[hit[0] + 1]
+      names.append(val)
+  if task in ("cwe", "fwe"):
+    c = collections.Counter(t for t in p[:q] if T.FIRST_KV <= t < kv_hi)
+    ranked = [t for t, _ in c.most_common()]
+    return [(t,) for t in (ranked[:4] if task == "cwe" else ranked[1:4])]
+  if task == "json_kv":
+    key = p[q + 1:]
+    i = _find(p[:q], (*key, T.TSEP))[0]
+    return [tuple(p[i + len(key) + 1:i + len(key) + 3])]
+  if task == "passkey":
+    i = p.index(T.TNEEDLE)
+    return [tuple(p[i + 1:i + 6])]
+  raise AssertionError(task)
+
+
+@pytest.fixture(scope="module")
+def tiny_samples():
+  return T.build_samples("tiny", (128, 256), num_samples=3, vocab_size=V)
+
+
+def test_token_samples_fit_and_reader_recovers_every_answer(tiny_samples):
+  assert {s.task for s in tiny_samples} == set(T.TOKEN_TASKS)
+  assert len(tiny_samples) == len(T.TOKEN_TASKS) * 2 * 3
+  for s in tiny_samples:
+    assert len(s.prompt) + s.max_new_tokens <= s.length, s.id
+    if s.task != "mqar":  # MQAR's prompt ends at its last query key
+      assert len(s.prompt) == s.length - s.max_new_tokens, s.id  # fills the length
+    assert s.max_new_tokens == sum(len(a) for a in s.answers)
+    assert all(0 <= t < V for t in s.prompt)
+    got = solve_tokens(s.task, s.prompt)
+    assert sorted(got) == sorted(s.answers), (s.id, got, s.answers)
+
+
+def test_samples_are_deterministic_and_keyed_by_seed_and_length(tiny_samples):
+  again = T.build_samples("tiny", (128, 256), num_samples=3, vocab_size=V)
+  assert again == tiny_samples
+  other = T.build_samples("tiny", (128,), num_samples=3, vocab_size=V, seed=1)
+  same_len = [s for s in tiny_samples if s.length == 128]
+  assert sum(a.prompt != b.prompt for a, b in zip(other, same_len)) >= len(other) - 1
+
+
+def _count_words(text):
+  return collections.Counter(re.findall(r"\b[a-z]+\b", text))
+
+
+@pytest.fixture(scope="module")
+def tok():
+  from condattn_jax.data.tokenizer import load_tokenizer
+  return load_tokenizer(TOKENIZER)
+
+
+@pytest.fixture(scope="module")
+def text_samples(tok):
+  return T.build_samples("long", (2048,), num_samples=2, tokenizer=tok)
+
+
+def test_text_samples_fill_the_length_by_the_tokenizer(tok, text_samples):
+  assert {s.task for s in text_samples} == set(T.SUITES["long"].tasks)
+  for s in text_samples:
+    n = len(tok.encode(s.prompt))
+    assert n + s.max_new_tokens <= 2048, s.id
+    assert n + s.max_new_tokens >= 0.85 * 2048, (s.id, n)  # the longest prompt that fits
+  assert T.build_samples("long", (2048,), num_samples=2, tokenizer=tok) == text_samples
+
+
+def test_text_answers_follow_the_task_rules(text_samples):
+  for s in text_samples:
+    p = s.prompt
+    if s.task.startswith("niah"):
+      for a in s.answers:  # each answer is a needle's value, and its key is the one asked
+        m = re.search(r"One of the special magic \w+ for (\S+) is: " + re.escape(a) + r"\.", p)
+        assert m and m.group(1) in p[p.rindex("What "):], (s.id, a)
+    elif s.task == "vt":
+      val = re.search(r"assigned the value (\d+) in the text", p).group(1)
+      chain, x = [], re.search(r"VAR (\w+) = " + val, p).group(1)
+      while x:
+        chain.append(x)
+        m = re.search(r"VAR (\w+) = VAR " + x + r"\b", p)
+        x = m.group(1) if m else None
+      assert chain == list(s.answers)
+    elif s.task == "cwe":
+      listed = p[p.rindex("Below is a numbered list"):]
+      c = _count_words(re.sub(r"\d+\. ", " ", listed.split("\nQuestion")[0]))
+      top = [w for w, _ in c.most_common(10)]
+      assert sorted(top) == sorted(s.answers), s.id
+    elif s.task == "fwe":
+      c = collections.Counter(p.split("frequently appeared coded words. ")[1]
+                              .split("\nQuestion")[0].split())
+      assert [w for w, _ in c.most_common(4)][1:] == list(s.answers)
+    elif s.task == "json_kv":
+      import json
+      obj = json.loads(p.split("JSON data:\n")[1].split("\n\nKey:")[0])
+      key = re.search(r'Key: "([^"]+)"', p).group(1)
+      assert [obj[key]] == list(s.answers)
+    elif s.task == "passkey":
+      assert re.search(r"The pass key is (\d+)\. Remember it", p).group(1) == s.answers[0]
+    elif s.task == "mqar":
+      asked = re.search(r"values of (.+)\? The values", p).group(1).replace(" and ", ", ")
+      vals = [re.search(f"The value of {k} is (\\d+)\\.", p).group(1) for k in asked.split(", ")]
+      assert vals == list(s.answers)
+
+
+def test_scoring_rules_are_rulers():
+  assert scoring.score("The numbers are 123 and 456.", ["123", "456", "789"], "all") == \
+      pytest.approx(2 / 3)
+  assert scoring.score("ABC", ["abc"], "all") == 1.0  # case-insensitive
+  assert scoring.score("x 456", ["123", "456"], "part") == 1.0
+  assert scoring.score("nothing", ["123", "456"], "part") == 0.0
+  assert scoring.score([5, 7, 9, 4], [(7, 9), (9, 5)], "all") == 0.5  # contiguous runs only
+  assert scoring.score([5, 7, 9], [(7, 5)], "part") == 0.0
+  with pytest.raises(ValueError, match="unknown metric"):
+    scoring.score("a", ["a"], "exact")
+
+
+def test_user_files_essay_haystack_and_qa(tmp_path, tok):
+  essay = tmp_path / "essay.txt"
+  essay.write_text(" ".join(f"Sentence number {i} talks about nothing." for i in range(400)))
+  qa = tmp_path / "qa.jsonl"
+  qa.write_text("\n".join(
+      '{"question": "Who wrote doc %d?", "answers": ["Writer%d"], "documents": '
+      '["Doc %d was written by Writer%d."]}' % (i, i, i, i) for i in range(30)))
+  ss = T.build_samples("ruler", (2048,), num_samples=2, tokenizer=tok, haystack_file=str(essay),
+                       qa_file=str(qa), tasks=["niah_single_2", "qa"])
+  assert [s.task for s in ss] == ["niah_single_2"] * 2 + ["qa"] * 2
+  assert "Sentence number" in ss[0].prompt and ss[0].answers[0] in ss[0].prompt
+  assert "Who wrote doc 1?" in ss[3].prompt and "written by Writer1." in ss[3].prompt
+  assert ss[3].metric == "part"
+  with pytest.raises(ValueError, match="needs haystack_file"):
+    T.build_samples("ruler", (2048,), tokenizer=tok, tasks=["niah_single_2"])
+  bad = tmp_path / "bad.jsonl"
+  bad.write_text('{"question": "q"}\n')
+  with pytest.raises(ValueError, match="row 1 needs"):
+    T.load_qa_file(str(bad))
+
+
+# ------------------------------------------------------------------ harness with oracles
+@dataclasses.dataclass
+class _Gen:
+  tokens: list
+  prefill_s: float = 0.01
+  decode_s: float = 0.02
+  stats: list = None
+
+
+class OracleEngine:
+  """Answers each prompt with `answer(prompt)` (ids), plus the per-row stats a scheme reports."""
+
+  def __init__(self, answer):
+    self.answer = answer
+    self.calls = []
+
+  def generate(self, prompts, max_new_tokens, stop_tokens=()):
+    self.calls.append((len(prompts), max_new_tokens))
+    toks = [list(self.answer(tuple(p)))[:max_new_tokens] for p in prompts]
+    stats = [{"prompt": {"tokens": [len(p)] * 2, "global_tokens_B": [0.25, 0.75]}}
+             for p in prompts]
+    return _Gen(toks, stats=stats)
+
+  def cache_shapes(self, batch):
+    import jax
+    return {"k": jax.ShapeDtypeStruct((batch, 2, 8), np.float32)}
+
+
+class _Cfg:
+  vocab_size, scheme, scheme_kwargs = V, "dense", ()
+
+
+def _oracle_model(name, answer, tokenizer=None, vocab=V):
+  cfg = _Cfg()
+  cfg.vocab_size = vocab
+  return harness.EvalModel(name, cfg, tokenizer, {"scheme": {"name": "dense"}, "oracle": name},
+                           lambda L, chunk: OracleEngine(answer))
+
+
+def test_perfect_model_scores_one_and_wrong_model_zero_on_every_token_task(tiny_samples):
+  by_prompt = {s.prompt: s for s in tiny_samples}
+  perfect = _oracle_model("perfect", lambda p: [t for a in solve_tokens(
+      by_prompt[p].task, p) for t in a])
+  wrong = _oracle_model("wrong", lambda p: [T.TQUERY] * 8)
+  for m, want in ((perfect, 1.0), (wrong, 0.0)):
+    r = harness.evaluate_model(m, tiny_samples, batch_size=4)
+    assert set(r["accuracy"]) == set(T.TOKEN_TASKS)
+    for task, by_len in r["accuracy"].items():
+      assert by_len == {"128": want, "256": want}, (m.name, task)
+    assert len(r["records"]) == len(tiny_samples)
+    assert all(rec["score"] == want for rec in r["records"])
+    assert r["routing"]["vt"]["128"] == {"global_tokens_B": [0.25, 0.75]}
+    e = r["efficiency"]["128"]
+    assert e["kv_cache_bytes"] == 2 * 8 * 4 and e["ttft_s"] == 0.01
+    assert e["decode_tok_s"] == pytest.approx(e["generated_tokens"] / (e["batches"] * 0.02))
+
+
+def test_text_outputs_are_decoded_and_scored(tok, text_samples):
+  ss = [s for s in text_samples if s.task in ("niah_multivalue", "json_kv", "passkey", "mqar")]
+  by_ids = {tuple(tok.encode(s.prompt)): s for s in ss}
+  perfect = _oracle_model("perfect", lambda p: tok.encode(
+      "\n " + ", ".join(by_ids[p].answers) + ".") + [tok.eos_id, 7, 7], tok, tok.vocab_size)
+  r = harness.evaluate_model(perfect, ss, batch_size=2)
+  assert all(rec["score"] == 1.0 for rec in r["records"]), r["records"]
+  assert r["records"][0]["output"].startswith(ss[0].answers[0])  # RULER's postprocess
+  half = _oracle_model("half", lambda p: tok.encode(by_ids[p].answers[0]), tok, tok.vocab_size)
+  r = harness.evaluate_model(half, ss, batch_size=2)
+  assert r["accuracy"]["niah_multivalue"]["2048"] == 0.25  # 1 of 4 values: 'all' averages
+  assert r["accuracy"]["passkey"]["2048"] == 1.0
+
+
+def test_report_records_knobs_and_never_overwrites(tmp_path, tiny_samples):
+  by_prompt = {s.prompt: s for s in tiny_samples}
+  good = _oracle_model("perfect", lambda p: [t for a in solve_tokens(
+      by_prompt[p].task, p) for t in a])
+  bad = _oracle_model("wrong", lambda p: [T.TQUERY] * 8)
+  kw = dict(lengths=(128, 256), num_samples=3, batch_size=4, progress=False)
+  rep = headtohead.run_suite([good, bad], "tiny", **kw)
+  k = rep["knobs"]
+  assert k["suite"] == "tiny" and k["lengths"] == [128, 256] and k["seed"] == 0
+  assert k["device"]["platform"] == "cpu" and "jax" in k["device"]
+  assert [m["knobs"]["oracle"] for m in rep["models"]] == ["perfect", "wrong"]
+  files = headtohead.write_report(rep, str(tmp_path))
+  md = open(files[1]).read()
+  assert "| **mean** | 256 | **1.000** | **0.000** |" in md
+  assert "| passkey | 128 | 1.000 | 0.000 |" in md
+  assert all(os.path.getsize(f) > 0 for f in files)
+  assert any(f.endswith("_routing.json") for f in files)
+  rep2 = headtohead.run_suite([good, bad], "tiny", **{**kw, "num_samples": 2})
+  files2 = headtohead.write_report(rep2, str(tmp_path))
+  assert files2[0] != files[0] and os.path.exists(files[0])  # other knobs: another file
+  assert headtohead.write_report(rep, str(tmp_path))[0] == files[0]  # same knobs: same file
+
+
+def test_sweep_models_form_one_curve():
+  models = [dict(name=f"l2a@theta={t}", knobs={"checkpoint": "/r/l2a", "sweep": {"theta": t}})
+            for t in (0.7, 0.3, 0.5)] + [dict(name="dense", knobs={"checkpoint": "/r/d"})]
+  from condattn_jax.evaluation import plots
+  assert plots.sweep_groups({"models": models}) == {"/r/l2a: theta": [1, 2, 0]}
