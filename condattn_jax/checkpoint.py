@@ -41,6 +41,17 @@ class CheckpointMismatchError(ValueError):
   pass
 
 
+class CheckpointWriteError(OSError):
+  """The checkpoint directory cannot be written (permissions, immutable / read-only directory,
+  disk full): raised before the first step and before each save, never after a half-written
+  save (orbax would wait ~300 s for a step directory that can never appear). `cause` is the
+  short reason (without the advice), for callers that compose their own message."""
+
+  def __init__(self, msg: str, cause: str | None = None):
+    super().__init__(msg)
+    self.cause = cause or msg
+
+
 class CorruptCheckpointError(ValueError):
   def __init__(self, msg: str, step: int | None = None):
     super().__init__(msg)
@@ -79,6 +90,35 @@ def _abstract(tree):
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
 
 
+def check_writable(directory: str) -> None:
+  """CheckpointWriteError unless a step directory can be created and removed in `directory`
+  (created if missing), which is what a save does first. Catches what os.access cannot:
+  `chattr +i`, read-only mounts, a full disk, directories root may not write either. Call it
+  before a writing Checkpointer is made: orbax's own background writes into an unwritable
+  directory fail noisily at exit."""
+  directory = os.path.abspath(directory)
+  probe = os.path.join(directory, f".write_probe.{os.getpid()}")
+  try:
+    os.makedirs(directory, exist_ok=True)
+    os.mkdir(probe)
+    with open(os.path.join(probe, "x"), "w") as f:
+      f.write("x")
+    os.remove(os.path.join(probe, "x"))
+    os.rmdir(probe)
+  except OSError as e:
+    try:
+      if os.path.isdir(probe):
+        for n in os.listdir(probe):
+          os.remove(os.path.join(probe, n))
+        os.rmdir(probe)
+    except OSError:
+      pass
+    cause = f"checkpoint directory {directory} cannot be written ({e.strerror or e})"
+    raise CheckpointWriteError(
+        f"{cause}: make it writable (chmod u+w / chattr -i / free disk space) or use another "
+        "--workdir.", cause) from None
+
+
 class Checkpointer:
   """Saves / restores one run's checkpoints under `directory`."""
 
@@ -89,7 +129,13 @@ class Checkpointer:
       raise NotADirectoryError(f"checkpoint directory {self.directory} is a file.")
     if read_only and not os.path.isdir(self.directory):
       raise CheckpointNotFoundError(f"checkpoint directory {self.directory} does not exist.")
-    extra = dict(save_interval_steps=0) if read_only else {}
+    # a writer removes the <step>.orbax-checkpoint-tmp directories of saves that never finished
+    # Step directories are made in save() itself (not in orbax's background thread, whose
+    # failure leaves the commit waiting ~300 s for a 'step_directory_creation' signal).
+    extra = dict(save_interval_steps=0) if read_only else dict(
+        cleanup_tmp_directories=True,
+        async_options=ocp.AsyncOptions(create_directories_asynchronously=False))
+    self._in_flight: int | None = None  # step of the async save not yet known to be complete
     opts = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=not read_only, read_only=read_only,
         enable_async_checkpointing=async_save, **extra)
@@ -123,20 +169,67 @@ class Checkpointer:
     return step
 
   # ----------------------------------------------------------------------------------- save
+  def check_writable(self) -> None:
+    """`check_writable(self.directory)`."""
+    check_writable(self.directory)
+
   def save(self, step: int, state, data_state: dict | None, meta: dict[str, Any]) -> None:
     args = dict(params=ocp.args.StandardSave(state.params),
                 opt_state=ocp.args.StandardSave(state.opt_state),
                 meta=ocp.args.JsonSave(dict(meta, step=int(step))))
     if data_state is not None:
       args["data"] = grain.checkpoint.CheckpointSave(_StateSnapshot(data_state))
-    self.mgr.save(int(step), args=ocp.args.Composite(**args), force=True)
+    self.wait()  # a failed earlier save is reported as such (orbax would raise it from save)
+    try:
+      self.mgr.save(int(step), args=ocp.args.Composite(**args), force=True)
+    except OSError as e:
+      cause = f"the checkpoint of step {step} could not be written to {self.directory} ({e})"
+      raise CheckpointWriteError(cause + ".", cause) from e
+    self._in_flight = int(step)
+
+  def save_params(self, step: int, params, meta: dict[str, Any]) -> None:
+    """A params-only checkpoint (<step>/params + meta, no optimizer or data state): a model to
+    evaluate or serve (restore_params / config_from_checkpoint), not a run to resume. Waits
+    until it is on disk."""
+    self.wait()
+    try:
+      self.mgr.save(int(step), args=ocp.args.Composite(
+          params=ocp.args.StandardSave(params), meta=ocp.args.JsonSave(dict(meta, step=int(step)))),
+          force=True)
+    except OSError as e:
+      cause = f"the checkpoint of step {step} could not be written to {self.directory} ({e})"
+      raise CheckpointWriteError(cause + ".", cause) from e
+    self._in_flight = int(step)
+    self.wait()
 
   def wait(self) -> None:
-    self.mgr.wait_until_finished()
+    """Waits for the async save in flight; CheckpointWriteError (one line, naming the step and
+    the newest complete checkpoint) when it failed in the background."""
+    try:
+      self.mgr.wait_until_finished()
+    except Exception as e:  # pylint: disable=broad-except  (orbax re-raises the thread's error)
+      step, self._in_flight = self._in_flight, None
+      try:
+        self.mgr.reload()
+        good = max(self.all_steps(), default=None)
+      except Exception:  # pylint: disable=broad-except
+        good = None
+      cause = (f"the checkpoint of step {step} could not be written to {self.directory} "
+               f"({_first_line(e)})")
+      raise CheckpointWriteError(
+          f"{cause}; the newest complete checkpoint is "
+          f"{'step ' + str(good) if good is not None else 'none'}. Make the directory writable "
+          "(or free disk space) and re-run the same command to resume.", cause) from e
+    self._in_flight = None
 
   def close(self) -> None:
-    self.mgr.wait_until_finished()
-    self.mgr.close()
+    try:
+      self.wait()
+    finally:
+      try:
+        self.mgr.close()
+      except Exception:  # pylint: disable=broad-except  (the failed save was reported by wait)
+        pass
 
   # ------------------------------------------------------------------------ damaged steps
   def quarantine(self, step: int, suffix: str = "corrupt") -> str:

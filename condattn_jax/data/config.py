@@ -8,7 +8,9 @@ errors that name the field and list the valid ones.
     data.source          'mqar' | 'niah' (synthetic, generated on the fly)
                          | 'jsonl' | 'parquet' | 'array_record' (tokenized documents)
     data.paths           str (comma separated) or list of str; globs allowed; file sources only
-    data.eval_paths      like `paths`, for `make_eval_batches` (None: use `paths`)
+    data.eval_paths      like `paths`, for `make_eval_batches` (None: use `paths`, i.e. the
+                         evaluation reads the TRAINING files; train.py / eval.py say so in a
+                         warning, `eval_reads_training_files`)
     data.text_field      record field holding raw text, tokenized with the tokenizer
     data.tokens_field    record field holding pre-tokenized ids (used when present)
     data.record_format   array_record only: 'json' (UTF-8 JSON object per record) or a numpy
@@ -236,6 +238,19 @@ def parse_data_config(cfg, *, needs_files: bool = True) -> DataConfig:
       pack_bins=d["pack_bins"], read_threads=d["read_threads"], prefetch=d["prefetch"],
       pad_id=d["pad_id"], tokenizer=d["tokenizer"], task=_to_dict(d["task"]),
       on_bad_record=d["on_bad_record"], task_field=task_field, task_names=task_names)
+
+
+def eval_reads_training_files(cfg) -> str | None:
+  """A one-line warning when the evaluation of this config would read the training files (a
+  file source without data.eval_paths), else None. Synthetic sources draw a separate eval
+  stream and never warn."""
+  d = cfg["data"] if "data" in cfg else cfg
+  source = d.get("source") if hasattr(d, "get") else None
+  if source not in FILE_SOURCES or d.get("eval_paths"):
+    return None
+  return ("data.eval_paths is not set: the evaluation reads the training files (data.paths), so "
+          "its numbers are on training data; set --config.data.eval_paths=<held-out files> for a "
+          "held-out evaluation.")
 
 
 def _task_fields(d: Mapping[str, Any], run_cfg) -> tuple[str | None, tuple[str, ...] | None]:

@@ -22,7 +22,8 @@ COLUMNS = (("ppl", "ppl", "{:.3f}"), ("ce", "CE", "{:.4f}"), ("token_acc", "toke
 
 def markdown_table(results: dict[str, Any], title: str | None = None) -> str:
   """One row per context length; scalar scheme metrics (aux/...) as extra columns; per-layer
-  metrics are shown as their mean."""
+  metrics are shown as their mean in the table and in full below it (`_array_tables`: one
+  row per layer, one column per head for [L, N] metrics)."""
   rows = results["results"]
   aux = sorted({k for r in rows.values() for k in r if k.startswith("aux/")})
   head = ["context length"] + [c[1] for c in COLUMNS] + [k[4:] for k in aux]
@@ -39,7 +40,33 @@ def markdown_table(results: dict[str, Any], title: str | None = None) -> str:
         v = float(np.mean(v)) if len(v) else 0.0
       cells.append("" if v is None else f"{v:.4f}")
     lines.append("| " + " | ".join(cells) + " |")
+  lines += _array_tables(rows, aux)
   return "\n".join(lines) + "\n"
+
+
+def _array_tables(rows: dict, aux: list[str]) -> list[str]:
+  """The list-valued aux metrics in full (the main table shows their mean): per context length,
+  one row per layer ([L]) or per layer with one column per head ([L, N])."""
+  out = []
+  for k in aux:
+    for L in sorted(rows, key=int):
+      v = rows[L].get(k)
+      if not isinstance(v, list) or not v:
+        continue
+      a = np.asarray(v, np.float64)
+      if a.ndim == 1:
+        a = a[:, None]
+        head = ["layer", "value"]
+      elif a.ndim == 2:
+        head = ["layer"] + [f"head {j}" for j in range(a.shape[1])]
+      else:
+        continue
+      out += ["", f"{k[4:]} at context length {L} per layer{' x head' if len(head) > 2 else ''} "
+              "(the table above shows the mean):",
+              "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+      out += ["| " + " | ".join([str(i)] + [f"{x:.4f}" for x in row]) + " |"
+              for i, row in enumerate(a)]
+  return out
 
 
 def _flatten(d, prefix=""):

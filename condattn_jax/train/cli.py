@@ -212,6 +212,10 @@ def parse_flags(argv: list[str]) -> list[str]:
     sys.argv[:] = argv  # config_flags reads its overrides from sys.argv
   try:
     rest = flags.FLAGS(argv)
+  except SystemExit as e:  # absl's --help / --helpfull print the usage and exit 1
+    if e.code not in (0, None) and any(a.split("=")[0] in _HELP_FLAGS for a in argv[1:]):
+      sys.exit(0)
+    raise
   except (AttributeError, KeyError, TypeError, flags.Error) as e:
     msg = explain_override_error(argv) or one_line(e)
     print(f"ERROR: flags: {msg}", file=sys.stderr)
@@ -245,6 +249,9 @@ def parse_flags(argv: list[str]) -> list[str]:
   return rest
 
 
+_HELP_FLAGS = ("--help", "-help", "-?", "--helpshort", "--helpfull", "--helpxml")
+
+
 def _recipe_error(argv, e) -> str:
   spec = _config_spec(argv)
   if spec is not None:
@@ -264,11 +271,17 @@ def _recipe_error(argv, e) -> str:
 class _DropNoise(logging.Filter):
   """Orbax warnings that say nothing to a user of this library."""
   NOISE = ("Given directory is read only", "was found in the checkpoint, but could not be restored",
-           "setting save_interval_steps=0", "setting create=False")
+           "setting save_interval_steps=0", "setting create=False",
+           "setting max_to_keep=None")
 
   def filter(self, record):
     msg = record.getMessage()
-    return not any(n in msg for n in self.NOISE)
+    if any(n in msg for n in self.NOISE):
+      return False
+    # a failed background save: orbax logs its traceback; condattn_jax.checkpoint re-raises it
+    # as one CheckpointWriteError line
+    return not ("orbax" in record.pathname and record.levelno >= logging.ERROR
+                and ("save" in msg.lower() or "commit" in msg.lower()))
 
 
 def _quiet_unraisable(unraisable):
@@ -288,6 +301,9 @@ def setup_logging() -> None:
   failures through asyncio) unless --debug or an explicit --verbosity."""
   if debug_requested() or flags.FLAGS["verbosity"].present:
     return
+  # jax logs "Unable to initialize backend 'tpu' ... libtpu.so" (INFO) on every CPU / GPU host
+  logging.getLogger("jax").setLevel(logging.WARNING)
+  logging.getLogger("matplotlib").setLevel(logging.WARNING)  # font cache INFO on a first plot
   absl_logger = logging.getLogger("absl")
   absl_logger.setLevel(logging.WARNING)
   absl_logger.addFilter(_DropNoise())

@@ -224,18 +224,45 @@ def model_config(config, *, load_weights: bool = False):
   path = config.model.get("init_from")
   if not path:
     return ModelConfig(**over), None
-  from condattn_jax import convert
-  hf = convert.read_hf_config(path)
+  hf = read_hf_config(path)
   fam = over.get("family")
   if fam is not None and hf.get("model_type") != fam:
     raise ValueError(f"config.model.family={fam!r}, but the checkpoint in model.init_from={path!r} "
                      f"is a {hf.get('model_type')!r} model (config.json model_type); drop "
                      "model.family or fix it.")
+  from condattn_jax import convert
   if load_weights:
     return convert.load_hf_checkpoint(path, dtype=over.get("param_dtype"), **over)
   if "param_dtype" not in over and hf.get("torch_dtype") in ("float32", "bfloat16", "float16"):
     over["param_dtype"] = hf["torch_dtype"]
   return ModelConfig.from_hf_config(hf, **over), None
+
+
+# The config.json keys ModelConfig.from_hf_config reads without a default.
+HF_REQUIRED_KEYS = ("model_type", "vocab_size", "hidden_size", "intermediate_size",
+                    "num_hidden_layers", "num_attention_heads")
+
+
+def read_hf_config(path: str) -> dict[str, Any]:
+  """`model.init_from`'s config.json (convert.read_hf_config) with one-line errors that name the
+  file: a syntax error by line / column, missing keys by name."""
+  import json
+  import os
+  from condattn_jax import convert
+  cfg_path = os.path.join(path, convert.CONFIG_FILE)
+  try:
+    hf = convert.read_hf_config(path)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"model.init_from: {cfg_path} is not valid JSON: {e.msg} at line {e.lineno} "
+                     f"column {e.colno}; fix the file or download it again.") from None
+  if not isinstance(hf, dict):
+    raise ValueError(f"model.init_from: {cfg_path} must hold a JSON object.")
+  missing = [k for k in HF_REQUIRED_KEYS if k not in hf]
+  if missing:
+    raise ValueError(f"model.init_from: {cfg_path} lacks the key(s) {', '.join(missing)} (a Hugging "
+                     "Face config.json of the model family needs them); download it again or "
+                     "copy the full config.json.")
+  return hf
 
 
 def split_variant(arg: str | None, variants, default: str) -> tuple[str, str]:
@@ -250,7 +277,13 @@ def split_variant(arg: str | None, variants, default: str) -> tuple[str, str]:
       variant = part.lower()
     else:
       rest.append(part)
+  _RECIPE_VARIANTS[:] = sorted(variants)
   return variant, ",".join(rest)
+
+
+# The variants of the recipe whose get_config is running (set by split_variant, named by
+# parse_arg's error for a bare word that is neither a variant nor an arg: 'tinny').
+_RECIPE_VARIANTS: list[str] = []
 
 
 def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
@@ -258,6 +291,7 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
   their defaults (a bare word sets a bool default to True). Unknown keys are errors."""
   out = ml_collections.ConfigDict(defaults)
   if not arg:
+    _RECIPE_VARIANTS[:] = []
     return out
   for part in arg.split(","):
     part = part.strip()
@@ -266,6 +300,13 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
     key, eq, val = part.partition("=")
     key = key.strip()
     if key not in defaults:
+      variants, _RECIPE_VARIANTS[:] = list(_RECIPE_VARIANTS), []
+      if variants and not eq:
+        import difflib
+        close = difflib.get_close_matches(key.lower(), variants, n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise ValueError(f"config arg {key!r} is not a variant of this recipe: {hint}variants: "
+                         f"{variants} (args take a value: {sorted(defaults)}).")
       raise ValueError(f"config arg {key!r} is unknown; valid: {sorted(defaults)}.")
     d = defaults[key]
     if not eq:
@@ -281,4 +322,5 @@ def parse_arg(arg: str | None, **defaults) -> ml_collections.ConfigDict:
     else:
       with out.ignore_type():
         out[key] = val.strip()
+  _RECIPE_VARIANTS[:] = []
   return out

@@ -366,6 +366,8 @@ def run(config, workdir: str, *, stop_after: int | None = None,
     return dict(step=0, train={}, eval=None, stopped_early=True, dry_run=dry_run(config))
   config_lib.validate_config(config)
   is_host0 = jax.process_index() == 0
+  _warn_eval_on_training_files(config, evaluates=bool(
+      config.eval.get("at_end", True) or config.eval.get("at_start") or int(config.train.eval_every)))
   workdir = workdir_lib.prepare(workdir) if is_host0 else os.path.abspath(workdir)
   lock = _lock_workdir(workdir, is_host0)
   try:
@@ -373,6 +375,13 @@ def run(config, workdir: str, *, stop_after: int | None = None,
   finally:
     if lock is not None:
       lock.release()
+
+
+def _warn_eval_on_training_files(config, evaluates: bool = True) -> None:
+  from condattn_jax.data.config import eval_reads_training_files
+  msg = eval_reads_training_files(config) if evaluates else None
+  if msg and jax.process_index() == 0:
+    logging.warning("%s", msg)
 
 
 def _all_processes_ok(ok: bool) -> bool:
@@ -452,21 +461,23 @@ def _run_locked(config, workdir: str, lock, *, stop_after, on_step) -> dict[str,
   shard_index, shard_count = data_shard_for_sharding(setup.batch_sharding, (B, T))
   data_it = make_train_iterator(config, process_index=shard_index, process_count=shard_count,
                                 vocab_size=setup.model_cfg.vocab_size)
+  _check_checkpoints_writable(os.path.join(workdir, "checkpoints"), is_host0)
   ckpt = ckpt_lib.Checkpointer(os.path.join(workdir, "checkpoints"), keep=int(tc.keep_checkpoints))
   try:
     state, latest = _restore_or_init(setup, ckpt, data_it, shard_index, shard_count, is_host0)
   except BaseException:
     ckpt.close()
     raise
-  if is_host0:  # the run is accepted: record its config
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
+  if is_host0:  # the run is accepted: record its config, drop the records a resume redoes
+    record_config(workdir, config, latest)
+    metrics_lib.drop_records_after(workdir, latest)
   train_step = jit_train_step(setup)
   start = int(jax.device_get(state.step))
   total = int(tc.num_steps)
   meta = _meta(setup, shard_count)
 
-  writer = metrics_lib.MetricWriter(workdir, enabled=is_host0)
+  writer = metrics_lib.MetricWriter(workdir, enabled=is_host0,
+                                   purge_step=None if latest is None else latest + 1)
   bar = metrics_lib.ProgressBar(total, start, enabled=is_host0 and bool(tc.progress_bar))
   headline = headline_metric(setup.model_cfg.scheme)
   multiproc = jax.process_count() > 1
@@ -507,10 +518,32 @@ def _run_locked(config, workdir: str, lock, *, stop_after, on_step) -> dict[str,
     nonlocal last_saved
     if last_saved == s:
       return
-    ckpt.save(s, state, data_it.get_state(), meta)
+    err = None
+    if is_host0:
+      try:
+        ckpt.check_writable()  # before orbax, which would wait ~300 s for the step directory
+      except ckpt_lib.CheckpointWriteError as e:
+        err = e
+    try:
+      if not _all_processes_ok(err is None):
+        raise err or ckpt_lib.CheckpointWriteError("process 0 cannot write the checkpoints")
+      ckpt.save(s, state, data_it.get_state(), meta)
+    except ckpt_lib.CheckpointWriteError as e:
+      try:
+        ckpt.wait()  # the save in flight, if any, may have failed the same way
+      except ckpt_lib.CheckpointWriteError:
+        pass
+      good = max(ckpt.all_steps(), default=None)
+      kept = (f"the last good checkpoint is step {good}" if good is not None else
+              "no checkpoint was written")
+      raise ckpt_lib.CheckpointWriteError(
+          f"cannot save the checkpoint of step {s}, the run stopped: {e.cause}. Kept: {kept} "
+          f"and metrics.jsonl up to step {s}; make {ckpt.directory} writable (chmod u+w / "
+          "chattr -i / free disk space) and re-run the same command to resume.") from e
     last_saved = s
     saved_this_run.add(s)
 
+  failed = False
   with shd.mesh_context(setup.mesh):
     try:
       if config.eval.get("at_start") and start == 0:
@@ -547,12 +580,86 @@ def _run_locked(config, workdir: str, lock, *, stop_after, on_step) -> dict[str,
       ckpt.wait()
       if step == total and not result["stopped_early"] and config.eval.get("at_end", True):
         result["eval"] = _run_eval(config, setup, state, step, workdir, writer, is_host0)
+    except BaseException:
+      failed = True
+      raise
     finally:
       stop_signals.restore()
       bar.close()
       writer.close()
-      ckpt.close()
+      try:
+        ckpt.close()
+      except ckpt_lib.CheckpointWriteError:
+        if not failed:  # else the error being raised already says what was kept
+          raise
+      if is_host0:
+        _write_plot(workdir, headline)
   return result
+
+
+def _write_plot(workdir: str, headline: str | None) -> None:
+  """<workdir>/metrics.png from metrics.jsonl (end of a run, stop, error): never fails the run."""
+  try:
+    metrics_lib.plot_metrics(workdir, headline=headline)
+  except Exception as e:  # pylint: disable=broad-except
+    logging.warning("could not write %s/metrics.png: %s", workdir, e)
+
+
+def _check_checkpoints_writable(directory: str, is_host0: bool) -> None:
+  """CheckpointWriteError before the first step (and before orbax touches it) when
+  <workdir>/checkpoints cannot be written."""
+  err = None
+  if is_host0:
+    try:
+      ckpt_lib.check_writable(directory)
+    except ckpt_lib.CheckpointWriteError as e:
+      err = e
+  if not _all_processes_ok(err is None):
+    raise err if err is not None else ckpt_lib.CheckpointWriteError(
+        f"process 0 cannot write the checkpoint directory {directory} (see its log).")
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flat(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def config_changes(old: dict, new: dict) -> list[str]:
+  """'train.lr: 0.003 -> 0.1' for every field whose value differs between two config.json dicts
+  (lists and tuples compare equal)."""
+  norm = lambda v: list(v) if isinstance(v, tuple) else v
+  a, b = _flat(old), _flat(new)
+  return [f"{k}: {a.get(k, '<unset>')!r} -> {b.get(k, '<unset>')!r}" for k in sorted(set(a) | set(b))
+          if norm(a.get(k)) != norm(b.get(k))]
+
+
+def record_config(workdir: str, config, resumed_step: int | None) -> None:
+  """Writes <workdir>/config.json. A resume whose config differs from the recorded one is
+  accepted (a longer run, another lr...) and said in a warning listing the changed fields; the
+  previous config.json is kept as config.step<N>.json (N: the step resumed from) and the lr
+  schedule follows the new values from step N on."""
+  path = os.path.join(workdir, "config.json")
+  text = config.to_json_best_effort(indent=2)
+  if resumed_step is not None and os.path.isfile(path):
+    try:
+      with open(path) as f:
+        old = json.load(f)
+    except (OSError, ValueError):
+      old = None
+    changes = config_changes(old, json.loads(text)) if isinstance(old, dict) else []
+    if changes:
+      kept = os.path.join(workdir, f"config.step{resumed_step}.json")
+      os.replace(path, kept)
+      logging.warning("resuming from step %d with a changed config (%s); the lr schedule and "
+                      "every changed setting apply from step %d on; the previous config is kept "
+                      "in %s.", resumed_step, "; ".join(changes), resumed_step, kept)
+  with open(path, "w") as f:
+    f.write(text)
 
 
 def _run_eval(config, setup: Setup, state, step, workdir, writer, is_host0):
@@ -650,6 +757,7 @@ def evaluate_checkpoint(config, path: str | None = None, *, step: int | None = N
   never overwritten; res['files'] lists the paths written."""
   from condattn_jax import evaluation
   config_lib.validate_config(config, needs_data=True)
+  _warn_eval_on_training_files(config)
   reference = None
   if path is None:
     setup = build(config, devices=devices)

@@ -1,8 +1,18 @@
-"""Metric sinks: JSON lines + TensorBoard (host 0 only) and a console progress bar.
+"""Metric sinks: JSON lines + TensorBoard event files (host 0 only), a console progress bar and
+a PNG plot.
 
-A metric is a scalar or a 1-D array (per layer, as schemes return them). In
-`<workdir>/metrics.jsonl` an array stays a list and `<name>/mean` is added; in TensorBoard
-(`<workdir>/tb`) it becomes `<name>/layer_<i>` scalars plus `<name>/mean`.
+A metric is a scalar or an array (per layer [L], per layer and head [L, N], as schemes return
+them). In `<workdir>/metrics.jsonl` an array stays a (nested) list and `<name>/mean` is added; in
+the TensorBoard event files (`<workdir>/tb`, written with tensorboardX) it becomes
+`<name>/layer_<i>[/head_<j>]` scalars plus `<name>/mean`. Viewing them needs the `tensorboard`
+package (`pip install tensorboard; tensorboard --logdir <workdir>/tb`); without it,
+`<workdir>/metrics.png` (`plot_metrics`, written at the end of every run and on a stop) shows
+the training loss, the lr and the scheme's headline metric.
+
+Resume: `drop_records_after(workdir, step)` removes the records of steps after the checkpoint a
+run resumes from (written before a kill -9 / second Ctrl-C, redone by the resumed run), and
+`MetricWriter(purge_step=step + 1)` makes TensorBoard drop them from the event files too; so
+every step has one record.
 """
 from __future__ import annotations
 
@@ -32,7 +42,8 @@ def to_python(metrics: Mapping[str, Any]) -> dict[str, Any]:
 class MetricWriter:
   """Appends to metrics.jsonl and writes TensorBoard scalars; a no-op on non-zero processes."""
 
-  def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True):
+  def __init__(self, workdir: str, *, enabled: bool = True, tensorboard: bool = True,
+               purge_step: int | None = None):
     self.enabled = enabled
     self._tb = None
     self._f = None
@@ -42,7 +53,7 @@ class MetricWriter:
     self._f = open(os.path.join(workdir, "metrics.jsonl"), "a")
     if tensorboard:
       from tensorboardX import SummaryWriter
-      self._tb = SummaryWriter(os.path.join(workdir, "tb"), flush_secs=30)
+      self._tb = SummaryWriter(os.path.join(workdir, "tb"), flush_secs=30, purge_step=purge_step)
 
   def write(self, step: int, metrics: Mapping[str, Any], prefix: str = "") -> None:
     if not self.enabled:
@@ -67,6 +78,96 @@ class MetricWriter:
     if self._tb is not None:
       self._tb.close()
       self._tb = None
+
+
+def read_records(workdir: str) -> list[dict]:
+  """The records of <workdir>/metrics.jsonl in file order (a torn last line is skipped)."""
+  out = []
+  try:
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+      for line in f:
+        try:
+          rec = json.loads(line)
+        except ValueError:
+          continue
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int):
+          out.append(rec)
+  except FileNotFoundError:
+    pass
+  return out
+
+
+def drop_records_after(workdir: str, step: int | None) -> int:
+  """Rewrites <workdir>/metrics.jsonl without the records of steps > `step` (None: all records,
+  a run restarting from scratch) and torn lines; returns how many lines were dropped. The
+  resumed run writes those steps again, so each step keeps one record."""
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.isfile(path):
+    return 0
+  with open(path) as f:
+    lines = f.readlines()
+  keep = []
+  for line in lines:
+    try:
+      rec = json.loads(line)
+    except ValueError:
+      continue
+    if step is not None and isinstance(rec, dict) and isinstance(rec.get("step"), int) \
+        and rec["step"] <= step:
+      keep.append(line if line.endswith("\n") else line + "\n")
+  if len(keep) == len(lines):
+    return 0
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    f.writelines(keep)
+  os.replace(tmp, path)
+  return len(lines) - len(keep)
+
+
+def plot_metrics(workdir: str, headline: str | None = None, out: str | None = None) -> str | None:
+  """Writes <workdir>/metrics.png (or `out`) from metrics.jsonl with matplotlib's Agg backend:
+  training loss (and eval loss when recorded), lr, and the scheme's headline metric (its mean
+  over layers, e.g. 'l2a/sparsity'; accuracy when the scheme has none). Returns the path, or None
+  when there are no training records yet."""
+  recs = [r for r in read_records(workdir) if "train/loss" in r]
+  if not recs:
+    return None
+  import matplotlib
+  matplotlib.use("Agg", force=True)
+  import matplotlib.pyplot as plt
+
+  def series(name, records):
+    pts = [(r["step"], r.get(f"{name}/mean", r.get(name))) for r in records]
+    pts = [(s, v) for s, v in pts if isinstance(v, (int, float)) and math.isfinite(v)]
+    return [s for s, _ in pts], [v for _, v in pts]
+
+  evals = [r for r in read_records(workdir) if any(k.startswith("eval/") for k in r)]
+  third = f"train/{headline}" if headline else "train/accuracy"
+  panels = [("loss", ["train/loss"]), ("lr", ["train/lr"]),
+            (headline or "accuracy", [third])]
+  fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+  for ax, (title, names) in zip(axes, panels):
+    for name in names:
+      xs, ys = series(name, recs)
+      if xs:
+        ax.plot(xs, ys, label=name)
+    if title == "loss":
+      ekeys = sorted({k for r in evals for k in r if k.startswith("eval/") and k.endswith("/loss")})
+      for k in ekeys:
+        xs, ys = series(k, evals)
+        if xs:
+          ax.plot(xs, ys, "o--", label=k)
+    ax.set_title(title + (" (mean over layers)" if headline and title == headline else ""))
+    ax.set_xlabel("step")
+    ax.grid(alpha=0.3)
+    if ax.lines:
+      ax.legend(fontsize=7)
+  fig.suptitle(os.path.basename(os.path.abspath(workdir)))
+  fig.tight_layout()
+  out = out or os.path.join(workdir, "metrics.png")
+  fig.savefig(out, dpi=90)
+  plt.close(fig)
+  return out
 
 
 def _fmt_time(s: float) -> str:
