@@ -89,3 +89,30 @@ def test_backticked_paths_and_tests_exist(md):
       if name and not re.search(rf"^\s*def {re.escape(name)}\(", f.read_text(), re.M):
         bad.append(f"{rel(md)}:{i}: `{code}`: {path} defines no {name}")
   assert not bad, "\n".join(bad)
+
+
+SCHEME_PAGES = ("l2a", "aha", "elastic", "segmented", "match")
+
+
+def documented_options(md: pathlib.Path) -> list[str]:
+  """The backticked names in the first column of the page's '## Options' table."""
+  names, in_section = [], False
+  for _, line in prose(md):
+    if line.startswith("## "):
+      in_section = line.strip() == "## Options"
+    elif in_section and line.startswith("|") and not line.startswith("|---"):
+      names += CODE.findall(line.split("|")[1])
+  return [n for n in names if n != "field"]
+
+
+@pytest.mark.parametrize("scheme", SCHEME_PAGES)
+def test_options_table_lists_every_option(scheme):
+  import dataclasses
+  from condattn_jax import attention
+  fields = [f.name for f in dataclasses.fields(attention.get_scheme(scheme).options)]
+  documented = documented_options(ROOT / "docs" / "schemes" / f"{scheme}.md")
+  missing = [f for f in fields if f not in documented]
+  unknown = [d for d in documented if d not in fields]
+  assert not missing and not unknown, (
+      f"docs/schemes/{scheme}.md '## Options' table: add {missing}, remove {unknown} "
+      f"(the fields of condattn_jax/attention/{scheme}/options.py).")
