@@ -224,6 +224,18 @@ def model_config(config, *, load_weights: bool = False):
   path = config.model.get("init_from")
   if not path:
     return ModelConfig(**over), None
+  from condattn_jax import export as export_lib
+  if export_lib.is_export(path) and not load_weights:
+    # a directory written by export.py: the architecture (either layout) from its sidecar; the
+    # weights are read by train.loop.load_initial_params
+    saved = export_lib.config_from_json(export_lib.read_sidecar(path)["model_config"])
+    fam = over.get("family")
+    if fam is not None and fam != saved.family:
+      raise ValueError(f"config.model.family={fam!r}, but the export in model.init_from={path!r} "
+                       f"is a {saved.family!r} model; drop model.family or fix it.")
+    base = {f.name: getattr(saved, f.name) for f in dataclasses.fields(ModelConfig)
+            if f.name not in ("scheme", "scheme_kwargs")}
+    return ModelConfig(**{**base, **over}), None
   hf = read_hf_config(path)
   fam = over.get("family")
   if fam is not None and hf.get("model_type") != fam:

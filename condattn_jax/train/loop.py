@@ -208,16 +208,26 @@ def check_safetensors_files(path: str) -> None:
 def load_initial_params(setup: Setup):
   """Dense HF weights (model.init_from) -> scheme.from_dense -> sharded params."""
   from condattn_jax import convert
+  from condattn_jax import export as export_lib
   path = setup.config.model.init_from
   check_safetensors_files(path)
-  try:
-    _, dense = convert.load_hf_checkpoint(path, dtype=setup.model_cfg.param_dtype)
-  except (ValueError, OSError):
-    raise
-  except Exception as e:  # pylint: disable=broad-except  (safetensors' own errors name no file)
-    raise ValueError(f"model.init_from={path}: cannot read the checkpoint "
-                     f"({type(e).__name__}: {e}).") from e
-  params = get_scheme(setup.model_cfg.scheme).from_dense(dense, setup.model_cfg)
+  exported = export_lib.read_sidecar(path) if export_lib.is_export(path) else None
+  if exported is not None and exported["scheme"] == setup.model_cfg.scheme:
+    # export.py's directory of this scheme: its own parameters are kept, bit for bit
+    _, params = export_lib.load_model(path)
+  else:
+    if exported is not None and exported["layout"] != "condattn":
+      raise ValueError(f"model.init_from={path} is an export of scheme {exported['scheme']!r} in "
+                       f"the authors' layout; a {setup.model_cfg.scheme!r} run can start from "
+                       "a --layout=condattn export (its base weights) only.")
+    try:
+      _, dense = convert.load_hf_checkpoint(path, dtype=setup.model_cfg.param_dtype)
+    except (ValueError, OSError):
+      raise
+    except Exception as e:  # pylint: disable=broad-except  (safetensors' own errors name no file)
+      raise ValueError(f"model.init_from={path}: cannot read the checkpoint "
+                       f"({type(e).__name__}: {e}).") from e
+    params = get_scheme(setup.model_cfg.scheme).from_dense(dense, setup.model_cfg)
   params = convert.unbox(params)
   want, got = _paths_shapes(setup.abstract_params), _paths_shapes(params)
   missing = sorted(set(want) - set(got))
