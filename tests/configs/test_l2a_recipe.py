@@ -140,7 +140,7 @@ def test_tiny_recipe_trains_evaluates_and_prunes(tmp_path):
   assert sp[0.05] < sp[0.5] < sp[0.95], sp
   # the pruning report (script's library function), with a threshold between the two layers'
   # measured sparsities: exactly the sparser layer goes (measured: 0.863 / 0.953 -> layer 1)
-  from condattn_jax.evaluation import l2a_report
+  from condattn_jax.attention.l2a import report as l2a_report
   layer_sp = l2a_report.layer_sparsity(ev, 2)
   lo, hi = sorted(layer_sp)
   assert hi - lo > 0.02, layer_sp  # else no threshold separates them: the check would be void

@@ -15,30 +15,13 @@ from condattn_jax.models import stacking
 from condattn_jax.models.config import ModelConfig
 
 
-def _strip(params):
-  """(inner params, rewrap) for trees given with or without a top-level 'params' key."""
-  if "params" in params and "embed_tokens" not in params:
-    return params["params"], lambda p: {**params, "params": p}
-  return params, lambda p: p
-
-
-def _per_layer(params):
-  inner, rewrap = _strip(params)
-  return stacking.unstack_layers(inner), rewrap
-
-
-def _restack(per_layer: dict) -> dict:
-  """AHA and dense models have one layer variant: one scanned group ('layers')."""
-  return stacking.stack_layers(per_layer, (None,) * stacking.num_layers_of(per_layer))
-
-
 def from_dense(params, config):
   """Dense params -> AHA params: per layer `router` = {kernel: zeros [D, N], bias: [N] filled
   with router_bias_init}; every other parameter is kept as is (both paths use them). With the
   default bias (+2: sigmoid 0.88 > tau 0.5) the converted model computes the base model.
   `config` is the target AHA ModelConfig (it gives N and the options)."""
   opts = options(config)
-  inner, rewrap = _per_layer(params)
+  inner, rewrap = stacking.per_layer(params)
   out = dict(inner)
   for i in range(stacking.num_layers_of(inner)):
     name = f"layers_{i}"
@@ -57,7 +40,7 @@ def from_dense(params, config):
     layer["router"] = {"kernel": xp.zeros((D, N), q.dtype),
                        "bias": xp.full((N,), opts.router_bias_init, q.dtype)}
     out[name] = layer
-  return rewrap(_restack(out))
+  return rewrap(stacking.restack(out))
 
 
 def to_dense(params, config: ModelConfig, *, keep: str = "full"):
@@ -69,10 +52,10 @@ def to_dense(params, config: ModelConfig, *, keep: str = "full"):
   if keep not in ("full", "local"):
     raise ValueError(f"to_dense(keep={keep!r}): choose 'full' or 'local'.")
   opts = options(config)
-  inner, rewrap = _per_layer(params)
+  inner, rewrap = stacking.per_layer(params)
   out = dict(inner)
   for i in range(stacking.num_layers_of(inner)):
     out[f"layers_{i}"] = {k: v for k, v in inner[f"layers_{i}"].items() if k != "router"}
   window = None if keep == "full" else opts.window
   return (config.replace(scheme="dense", scheme_kwargs=(), sliding_window=window),
-          rewrap(_restack(out)))
+          rewrap(stacking.restack(out)))

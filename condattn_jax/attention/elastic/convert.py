@@ -16,22 +16,11 @@ from condattn_jax.models import stacking
 from condattn_jax.models.config import ModelConfig
 
 
-def _strip(params):
-  if "params" in params and "embed_tokens" not in params:
-    return params["params"], lambda p: {**params, "params": p}
-  return params, lambda p: p
-
-
-def _restack(per_layer: dict) -> dict:
-  return stacking.stack_layers(per_layer, (None,) * stacking.num_layers_of(per_layer))
-
-
 def from_dense(params, config):
   """Dense params -> Elastic params (router per layer, lagrange at the top); `config` is the
   target Elastic ModelConfig."""
   o = options(config)
-  inner, rewrap = _strip(params)
-  inner = stacking.unstack_layers(inner)
+  inner, rewrap = stacking.per_layer(params)
   if "scheme" in inner:
     raise ValueError("from_dense: params already have a 'scheme' entry (not dense params).")
   rng = np.random.default_rng(o.seed)
@@ -54,15 +43,14 @@ def from_dense(params, config):
     out[name] = layer
   out["scheme"] = {"lagrange": rng.uniform(0.0, o.lambda_init_max, (2, o.num_tasks))
                    .astype(np.float32)}
-  return rewrap(_restack(out))
+  return rewrap(stacking.restack(out))
 
 
 def to_dense(params, config: ModelConfig):
   """Elastic -> (dense ModelConfig, dense params): routers and lagrange dropped (every head FA:
   the exact inverse of `from_dense`)."""
-  inner, rewrap = _strip(params)
-  inner = stacking.unstack_layers(inner)
+  inner, rewrap = stacking.per_layer(params)
   out = {k: v for k, v in inner.items() if k != "scheme"}
   for i in range(stacking.num_layers_of(inner)):
     out[f"layers_{i}"] = {k: v for k, v in inner[f"layers_{i}"].items() if k != "router"}
-  return config.replace(scheme="dense", scheme_kwargs=()), rewrap(_restack(out))
+  return config.replace(scheme="dense", scheme_kwargs=()), rewrap(stacking.restack(out))

@@ -24,29 +24,11 @@ def _copy_tree(tree):
   return jax.tree.map(lambda a: np.array(a, copy=True) if isinstance(a, np.ndarray) else a, tree)
 
 
-def _strip(params):
-  """(inner params, rewrap) for trees given with or without a top-level 'params' key."""
-  if "params" in params and "embed_tokens" not in params:
-    return params["params"], lambda p: {**params, "params": p}
-  return params, lambda p: p
-
-
-def _per_layer(params):
-  """(inner per-layer params, rewrap) for trees with or without a top-level 'params' key."""
-  inner, rewrap = _strip(params)
-  return stacking.unstack_layers(inner), rewrap
-
-
-def _num_layers(params) -> int:
-  return stacking.num_layers_of(params)
-
-
 def _restack(per_layer: dict) -> dict:
   """Stacks a per-layer L2A/dense tree; layers without a global branch form their own groups."""
-  L = _num_layers(per_layer)
-  variants = ["global" if "global_attn" in per_layer[f"layers_{i}"] else "pruned"
-              for i in range(L)]
-  return stacking.stack_layers(per_layer, variants)
+  L = stacking.num_layers_of(per_layer)
+  return stacking.restack(per_layer, ["global" if "global_attn" in per_layer[f"layers_{i}"]
+                                      else "pruned" for i in range(L)])
 
 
 def from_dense(params, config):
@@ -55,9 +37,9 @@ def from_dense(params, config):
   init). Layers in `pruned_layers` get no global branch. `config` is the target
   L2A ModelConfig (or the options)."""
   opts = options(config)
-  inner, rewrap = _per_layer(params)
+  inner, rewrap = stacking.per_layer(params)
   out = dict(inner)
-  for i in range(_num_layers(inner)):
+  for i in range(stacking.num_layers_of(inner)):
     name = f"layers_{i}"
     layer = dict(inner[name])
     if "global_attn" in layer:
@@ -82,7 +64,7 @@ GLOBAL_BRANCH = ("global_attn", "global_layernorm", "router")
 
 def prune_params(params, layers: Iterable[int]):
   """Drops the global branch (global_attn, global_layernorm, router) of these layers."""
-  inner, rewrap = _per_layer(params)
+  inner, rewrap = stacking.per_layer(params)
   out = dict(inner)
   for i in layers:
     layer = {k: v for k, v in inner[f"layers_{i}"].items() if k not in GLOBAL_BRANCH}
@@ -99,8 +81,8 @@ def to_dense(params, config: ModelConfig):
   opts = options(config)
   if opts.window == 0:
     raise ValueError("to_dense: window=0 has no dense (sliding-window) equivalent.")
-  inner, rewrap = _strip(params)
-  dense_params = prune_params(inner, range(_num_layers(inner)))  # one group: the dense layout
+  inner, rewrap = stacking.strip_params(params)
+  dense_params = prune_params(inner, range(stacking.num_layers_of(inner)))  # one group: the dense layout
   return config.replace(scheme="dense", scheme_kwargs=(), sliding_window=opts.window), \
       rewrap(dense_params)
 

@@ -3,6 +3,7 @@
 
   options.py    `MatchOptions` (model.scheme.<name>), the SWA / full layer pattern
   retrieval.py  chunk geometry, retrievers (exact match; all-MiniLM-L6-v2 bi-encoder), reranker
+  minilm.py     all-MiniLM-L6-v2 in Flax (the bi-encoder retriever's encoder)
   inputs.py     per-forward retrieval + the auxiliary input (decoder input step, raw-token cache)
   layer.py      the decoder layer (window OR retrieved chunks, per-block fused attention; decode
                 with a window ring + a fixed-size recomputed retrieved-K/V cache)

@@ -16,7 +16,7 @@ Retrievers (`make_retriever(options)`), two kinds:
                     MQAR's query key finds the chunk holding its pair).
   kind 'embedding'  `embed(tok_BNc, ok_BNc) -> f32 [B, N, E]` unit vectors (jit-able: a host
                     callback is fine), score = cosine. MiniLMRetriever: the LLM's tokens -> text
-                    (its tokenizer.json) -> all-MiniLM-L6-v2 (condattn_jax.models.minilm).
+                    (its tokenizer.json) -> all-MiniLM-L6-v2 (condattn_jax.attention.match.minilm).
 Reranker plug-in (decode only, `options.reranker = 'pkg.module:factory'`, factory(**kwargs) ->
   object with `scores(q_tok_Bc, q_ok_Bc, cand_tok_Bkc, cand_ok_Bkc) -> f32 [B, k]`, jit-able,
   e.g. a cross-encoder behind a host callback): the bi-encoder's top_k candidates are rescored and
@@ -70,7 +70,7 @@ class MiniLMRetriever:
   dim = 384
 
   def __init__(self, tokenizer, encoder=None):
-    from condattn_jax.models.minilm import MiniLMEncoder
+    from condattn_jax.attention.match.minilm import MiniLMEncoder
     if isinstance(tokenizer, str):
       from tokenizers import Tokenizer
       tok = Tokenizer.from_file(tokenizer)

@@ -9,7 +9,7 @@ import os
 import numpy as np
 import pytest
 
-from condattn_jax.models import minilm
+from condattn_jax.attention.match import minilm
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "..", "fixtures", "minilm_st.npz")
 

