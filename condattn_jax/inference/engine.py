@@ -29,6 +29,7 @@ sampling knobs out of range): never NaN logits or a silent wrong answer.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import re
@@ -64,7 +65,9 @@ class Generation:
                  `full_BN`: full-attention usage per layer x head), else the mean over the
                  steps that ran the row (Elastic `fa_BK`: per-KV-head mode, 1 = full). The
                  generated part covers the generated tokens fed back (all but the last, which
-                 is never run). {} for a scheme without per-row aux (dense).
+                 is never run). {} for a scheme without per-row aux (dense). Entries are what
+                 the layers' decode path returns: Elastic's `rho_BN` (skipped pair fraction) is
+                 not computed when decoding and reads 0 there.
   logits         per row [n, V] float32 logits that chose the tokens (return_logits) or None
   prefill_s      wall seconds of the prefill (the time to the first token's logits)
   decode_s       wall seconds of the decode loop; steps: decode steps run
@@ -102,9 +105,12 @@ def check_prompts(prompts, vocab_size: int) -> list[np.ndarray]:
       raise ValueError(f"prompt {b} must be a flat list of token ids, got shape {a.shape}.")
     if a.size == 0:
       raise ValueError(f"prompt {b} is an empty prompt; every prompt needs >= 1 token.")
-    if a.dtype.kind not in "iu":
-      bad = next((x for x in a.tolist() if not (isinstance(x, int) and not isinstance(x, bool))),
-                 a.dtype)
+    items = [] if isinstance(p, np.ndarray) else list(p)  # bools pass np.asarray as ints
+    bad = next((x for x in items if isinstance(x, (bool, np.bool_))
+                or not isinstance(x, (int, np.integer))), None)
+    if bad is None and a.dtype.kind not in "iu":  # an array of floats / objects
+      bad = a[0].item() if hasattr(a[0], "item") else a[0]
+    if bad is not None:
       raise ValueError(f"prompt {b} holds a non-integer token id ({bad!r}); ids are ints in "
                        f"[0, {vocab_size}).")
     lo, hi = int(a.min()), int(a.max())
@@ -194,7 +200,7 @@ class Engine:
   @classmethod
   def from_checkpoint(cls, path: str, *, step: int | None = None, cache_len: int | None = None,
                       prefill_chunk: int | None = None, tokenizer=None, devices=None,
-                      **scheme_options) -> "Engine":
+                      config=None, **scheme_options) -> "Engine":
     """An Engine over a train.py checkpoint: the weights and the model config saved with it.
 
     path: a run's workdir (its newest readable checkpoint), its checkpoints/ directory, or one
@@ -208,6 +214,8 @@ class Engine:
       (`engine.tokenizer` is None: token ids in and out, e.g. the synthetic-task runs).
     devices: the devices to load onto (default: the first local device; the engine runs its
       steps on one device).
+    config: the run config to use instead of the one saved with the checkpoint (e.g. with
+      command-line overrides applied, as generate.py does); scheme_options still apply.
     The run config (with the overrides) is `engine.run_config`, the step loaded `engine.step`.
     A missing path, a directory that is not a run, or an unreadable checkpoint is a
     FileNotFoundError / ValueError whose one-line message names the path.
@@ -215,7 +223,8 @@ class Engine:
     from condattn_jax import checkpoint as ckpt_lib
     from condattn_jax.train import loop
     ckpt_lib.resolve_checkpoint_path(path)  # a missing path / a non-run directory: one line
-    config = loop.config_from_checkpoint(path, step)
+    config = (loop.config_from_checkpoint(path, step) if config is None
+              else copy.deepcopy(config))  # the caller's config is never changed
     with config.unlocked():
       for k, v in scheme_options.items():
         if k == "name":
@@ -224,7 +233,10 @@ class Engine:
         config.model.scheme[k] = v
       # One device: the engine's steps are single-device (the run's mesh may be larger).
       config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, -1, 1
-    tok = _run_tokenizer(config, tokenizer)  # before the weights: a bad path fails fast
+    from condattn_jax import attention
+    from condattn_jax.train import config as config_lib
+    attention.options(config_lib.model_config(config)[0])  # the scheme checks the overrides
+    tok = run_tokenizer(config, tokenizer)  # before the weights: a bad path fails fast
     devices = list(devices) if devices is not None else jax.local_devices()[:1]
     setup, params, loaded = loop.load_params(config, path, step=step, devices=devices)
     eng = cls(setup.model_cfg, params,
@@ -435,8 +447,9 @@ def _layer_decode_chunk(config: ModelConfig):
   return getattr(get_scheme(config.scheme).layer_cls, "decode_chunk", None)
 
 
-def _run_tokenizer(config, tokenizer):
-  """The tokenizer for a run (see Engine.from_checkpoint)."""
+def run_tokenizer(config, tokenizer=None):
+  """The tokenizer of a run config: `tokenizer` (a Tokenizer or a directory) if given, else the
+  run's data.tokenizer, else model.init_from when it holds a tokenizer.json, else None."""
   import os
   if tokenizer is None:
     src = config.data.get("tokenizer")

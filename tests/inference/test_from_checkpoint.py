@@ -1,12 +1,11 @@
 """Engine.from_checkpoint over a real train.py run (configs/tiny.py with scheme L2A, a few
-steps, trained once for the module): the loaded engine generates what an Engine over the
+steps, trained once: conftest's tiny_l2a_run): the loaded engine generates what an Engine over the
 checkpoint's params generates (== the full forward), from a workdir, its checkpoints/ dir or a
 step dir; test-time scheme options reach the model; bad paths are one-line errors."""
 import os
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import pytest
 
@@ -14,40 +13,47 @@ from condattn_jax import checkpoint as ckpt_lib
 from condattn_jax.inference import Engine
 from condattn_jax.models.decoder import Decoder
 from condattn_jax.train import loop
-from tests._train_helpers import tiny
 
-STEPS = 3
 PROMPTS = [[3, 9, 17, 4, 22, 8, 1], [5, 6], [40, 41, 42, 43]]
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-  """A tiny L2A run (window 4, so prompts longer than the window use both branches)."""
-  wd = str(tmp_path_factory.mktemp("run"))
-  c = tiny(f"steps={STEPS},seq=32", checkpoint_every=STEPS)
-  c.model.scheme = ml_collections.ConfigDict(dict(name="l2a", window=4, theta=0.5))
-  loop.run(c, wd)
-  return wd
+def run(tiny_l2a_run):
+  return tiny_l2a_run
+
+
+STEPS = 3  # the run's train.num_steps (conftest.RUN_STEPS), checked below
 
 
 def test_loads_the_checkpoint_and_generates_like_the_full_forward(run):
   eng = Engine.from_checkpoint(run, cache_len=24)
-  assert eng.step == STEPS and eng.tokenizer is None and eng.cache_len == 24
+  assert eng.run_config.train.num_steps == STEPS and eng.step == STEPS
+  assert eng.tokenizer is None and eng.cache_len == 24
   assert eng.config.scheme == "l2a" and eng.config.scheme_options["window"] == 4
   _, params, step = loop.load_params(loop.config_from_checkpoint(run), run,
                                      devices=[jax.devices()[0]])
   assert step == STEPS
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(eng.params), jax.device_get(params))
   gen = eng.generate(PROMPTS, 4, return_logits=True)
+  seqs = [p + g[:-1] for p, g in zip(PROMPTS, gen.tokens)]  # one forward, right-padded
+  lens = np.asarray([len(s) for s in seqs])
+  tok = np.zeros((len(seqs), lens.max()), np.int32)
+  for b, s in enumerate(seqs):
+    tok[b, :len(s)] = s
+  seg = (np.arange(lens.max()) < lens[:, None]).astype(np.int32)  # padding: segment 0
+  pos = np.broadcast_to(np.arange(lens.max(), dtype=np.int32), tok.shape)
+  full, _ = Decoder(eng.config).apply({"params": params}, jnp.asarray(tok), jnp.asarray(pos),
+                                      jnp.asarray(seg))
   for b, p in enumerate(PROMPTS):
-    seq = p + gen.tokens[b][:-1]
-    full, _ = Decoder(eng.config).apply({"params": params}, jnp.asarray([seq]))
-    np.testing.assert_allclose(gen.logits[b], np.asarray(full[0, len(p) - 1:]), atol=1e-4)
-  # the checkpoints/ dir and the step dir load the same step; default cache_len = data.seq_len
+    np.testing.assert_allclose(gen.logits[b], np.asarray(full[b, len(p) - 1:len(seqs[b])]),
+                               atol=1e-4)
+  # the checkpoints/ dir and the step dir load the same step and weights; default cache_len is
+  # the run's data.seq_len
   for path in (os.path.join(run, "checkpoints"), os.path.join(run, "checkpoints", str(STEPS))):
     other = Engine.from_checkpoint(path)
     assert other.step == STEPS and other.cache_len == 32
-    assert other.generate(PROMPTS, 4).tokens == gen.tokens
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(other.params),
+                 jax.device_get(params))
 
 
 def test_scheme_options_override_the_runs(run):

@@ -1,0 +1,191 @@
+"""Engine.generate's API: bad input is a one-line ValueError (never NaN logits or token 0);
+sampling (temperature, top-p, seed) draws only from the nucleus, reproducibly, with greedy the
+default; stop strings cut the text and end the row (checked against the free-running text);
+streamed text equals the final text; per-row routing statistics equal the counts of one full
+forward over the same tokens, prompt and generated apart; segmented's engine picks a valid
+prefill chunk itself."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from condattn_jax import attention
+from condattn_jax.data.tokenizer import load_tokenizer
+from condattn_jax.inference import Engine, sampling
+from condattn_jax.inference.text import TextStream
+from condattn_jax.models.decoder import Decoder
+from tests._train_helpers import ROOT
+from tests.inference.test_inference import PROMPTS, _dense, _l2a
+
+TOKENIZER = os.path.join(ROOT, "tests", "fixtures", "tokenizer", "qwen")  # 393 ids, byte-level
+
+
+@pytest.fixture(scope="module")
+def dense():
+  cfg, params = _dense()
+  return Engine(cfg, params, cache_len=32)
+
+
+@pytest.mark.parametrize("prompts, match", [
+    ([[1, 2], [256]], r"prompt 1 holds token id 256, outside the model's vocabulary \[0, 256\)"),
+    ([[1, -1]], r"prompt 0 holds token id -1"),
+    ([[1, 2.5]], r"prompt 0 holds a non-integer token id \(2.5\)"),
+    ([[1.0, 2.0]], r"non-integer token id \(1.0\)"),
+    ([[True, 3]], r"non-integer token id \(True\)"),
+    ([], r"request list is empty"),
+    ([[1], []], r"prompt 1 is an empty prompt"),
+    (["hello"], r"prompt 0 is text; tokenize it first"),
+    ([[[1, 2]]], r"prompt 0 must be a flat list"),
+    ([list(range(33))], r"prompt \(33\) \+ max_new_tokens \(2\) exceeds cache_len=32"),
+])
+def test_bad_prompts_are_one_line_errors(dense, prompts, match):
+  with pytest.raises(ValueError, match=match) as e:
+    dense.generate(prompts, 2)
+  assert "\n" not in str(e.value)
+
+
+def test_bad_knobs_are_one_line_errors(dense):
+  for kw, match in [(dict(max_new_tokens=0), "max_new_tokens=0 must be an int >= 1"),
+                    (dict(max_new_tokens=2.0), "max_new_tokens=2.0 must be an int"),
+                    (dict(stop_tokens=(256,)), r"stop_tokens holds 256"),
+                    (dict(temperature=-1.0), "temperature=-1.0 must be >= 0"),
+                    (dict(temperature=1.0, top_p=0.0), r"top_p=0.0 must be in \(0, 1\]"),
+                    (dict(stop_strings=("x",)), "stop_strings / on_text need a tokenizer")]:
+    kw = {"max_new_tokens": 2, **kw}
+    with pytest.raises(ValueError, match=match):
+      dense.generate(PROMPTS, **kw)
+  with pytest.raises(ValueError, match=r"prompt 0 has 40 tokens, more than cache_len=32"):
+    dense.prefill([list(range(40))])
+  with pytest.raises(ValueError, match="256"):
+    dense.prefill([[256]])
+
+
+def test_nucleus_probs_against_a_hand_computed_case():
+  logits = np.log([0.5, 0.3, 0.15, 0.05])
+  np.testing.assert_allclose(sampling.nucleus_probs(logits, 1.0, 1.0), [0.5, 0.3, 0.15, 0.05])
+  np.testing.assert_allclose(sampling.nucleus_probs(logits, 1.0, 0.7), [0.625, 0.375, 0, 0])
+  np.testing.assert_allclose(sampling.nucleus_probs(logits, 1.0, 0.79), [0.625, 0.375, 0, 0])
+  np.testing.assert_allclose(sampling.nucleus_probs(logits, 1.0, 0.81),
+                             np.array([0.5, 0.3, 0.15, 0]) / 0.95)
+  p2 = np.array([0.5, 0.3, 0.15, 0.05]) ** 2  # temperature 0.5 squares the probabilities
+  np.testing.assert_allclose(sampling.nucleus_probs(logits, 0.5, 1.0), p2 / p2.sum())
+  assert sampling.choose(logits) == 0
+  rng = np.random.default_rng(0)
+  draws = [sampling.choose(logits, temperature=1.0, top_p=0.7, rng=rng) for _ in range(400)]
+  assert set(draws) == {0, 1} and 0.5 < np.mean(np.asarray(draws) == 0) < 0.75
+
+
+def test_sampling_draws_from_the_nucleus_reproducibly(dense):
+  rows = [PROMPTS[0]] * 16 + [PROMPTS[2]] * 16
+  greedy = dense.generate(rows, 3, return_logits=True)
+  assert greedy.tokens == dense.generate(rows, 3, temperature=0.0).tokens
+  assert all(t == list(lg.argmax(-1)) for t, lg in zip(greedy.tokens, greedy.logits))
+  kw = dict(temperature=1.5, top_p=0.5, return_logits=True)
+  a = dense.generate(rows, 3, seed=1, **kw)
+  assert a.tokens == dense.generate(rows, 3, seed=1, **kw).tokens
+  assert a.tokens != dense.generate(rows, 3, seed=2, **kw).tokens
+  for toks, lg in zip(a.tokens, a.logits):  # every draw lies in its step's nucleus
+    for t, l in zip(toks, lg):
+      assert sampling.nucleus_probs(l, 1.5, 0.5)[t] > 0
+  firsts = {t[0] for t in a.tokens[:16]}
+  assert len(firsts) > 1  # identical rows draw independently
+  # a row's draws depend on its own logits, the seed and its index only
+  alone = dense.generate(rows[:1], 3, seed=1, **kw)
+  assert alone.tokens[0] == a.tokens[0]
+
+
+@pytest.fixture(scope="module")
+def text_engine():
+  cfg, params = _dense(vocab_size=400)
+  eng = Engine(cfg, params, cache_len=40)
+  eng.tokenizer = load_tokenizer(TOKENIZER)
+  return eng
+
+
+def test_text_stream_holds_back_partial_characters_and_stop_prefixes():
+  tok = load_tokenizer(TOKENIZER)
+  ids = tok.encode("héllo 日本 the cat")
+  s = TextStream(tok)
+  deltas = [s.push(i) for i in ids] + [s.flush()]
+  assert "".join(deltas) == "héllo 日本 the cat" and all("\ufffd" not in d for d in deltas)
+  s = TextStream(tok, stop_strings=("日本 t", "zz"))
+  out = ""
+  for i in ids:
+    out += s.push(i)
+    if s.stopped:
+      break
+  assert s.stopped and s.text == "héllo " and out + s.flush() == "héllo "
+
+
+def test_stop_strings_cut_the_text_and_end_the_row(text_engine):
+  prompts = [[288, 384, 11], [271, 220, 66, 64]]
+  free = text_engine.generate(prompts, 12)
+  assert free.finish_reason == ["length"] * 2
+  tok = text_engine.tokenizer
+  assert free.text == [tok.decode(t) for t in free.tokens]
+  text0 = free.text[0]
+  # a stop string that first appears in the middle of row 0's text, not at its start
+  start = next(i for i in range(2, len(text0) - 2) if "\ufffd" not in text0[i:i + 2])
+  stop = text0[start:start + 2]
+  cut = text0.index(stop)
+  streamed = ["", ""]
+  gen = text_engine.generate(prompts, 12, stop_strings=(stop,),
+                             on_text=lambda b, s: streamed.__setitem__(b, streamed[b] + s))
+  assert gen.text[0] == text0[:cut] and gen.finish_reason[0] == "stop_string"
+  n = next(k for k in range(1, 13) if stop in tok.decode(free.tokens[0][:k]))
+  assert gen.tokens[0] == free.tokens[0][:n]  # up to the token that completed it
+  if stop not in free.text[1]:
+    assert gen.tokens[1] == free.tokens[1] and gen.text[1] == free.text[1]
+  assert streamed == gen.text
+
+
+def _full_aux(cfg, params, seqs):
+  tok = np.zeros((len(seqs), max(map(len, seqs))), np.int32)
+  seg = np.zeros_like(tok)
+  for b, s in enumerate(seqs):
+    tok[b, :len(s)], seg[b, :len(s)] = s, 1
+  pos = np.broadcast_to(np.arange(tok.shape[1], dtype=np.int32), tok.shape)
+  _, aux = Decoder(cfg).apply({"params": params}, jnp.asarray(tok), jnp.asarray(pos),
+                              jnp.asarray(seg))
+  return jax.device_get(aux)
+
+
+def test_l2a_routing_stats_equal_the_full_forwards_counts():
+  """Prefill in chunks of 4 (stats summed over chunks and rows ending mid-chunk)."""
+  cfg, params = _l2a()
+  gen = Engine(cfg, params, cache_len=32, prefill_chunk=4).generate(PROMPTS, 6)
+  prompt = _full_aux(cfg, params, PROMPTS)
+  both = _full_aux(cfg, params, [p + g[:-1] for p, g in zip(PROMPTS, gen.tokens)])
+  for b, p in enumerate(PROMPTS):
+    st = gen.stats[b]
+    np.testing.assert_allclose(st["prompt"]["tokens"], len(p))
+    want = prompt["global_tokens_B"][:, b] / len(p)
+    np.testing.assert_allclose(st["prompt"]["global_tokens_B"], want, atol=1e-6)
+    g = both["global_tokens_B"][:, b] - prompt["global_tokens_B"][:, b]
+    np.testing.assert_allclose(st["generated"]["tokens"], 5)
+    np.testing.assert_allclose(st["generated"]["global_tokens_B"], g / 5, atol=1e-6)
+  frac = np.stack([s["prompt"]["global_tokens_B"] for s in gen.stats])
+  assert 0 < frac.mean() < 1  # a real mix: the test could tell global from local
+
+
+def test_dense_has_no_routing_stats(dense):
+  assert dense.generate(PROMPTS, 2).stats == [{"prompt": {}, "generated": {}}] * 3
+
+
+def test_segmented_engine_picks_a_valid_prefill_chunk():
+  from tests.attention.test_segmented_inference import OPTS
+  cfg, dp = _dense(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                   num_heads=4, num_kv_heads=2, head_dim=8)
+  cfg, params = attention.convert(dp, cfg, "segmented", **OPTS)
+  eng = Engine(cfg, params, cache_len=32)
+  assert [eng.chunk_for(n) for n in (19, 3, 5)] == [8, 4, 8]
+  rows = [list(range(3, 22)), [9, 1, 4]]  # 19 tokens: 3 chunks of 8
+  gen = eng.generate(rows, 3, return_logits=True)
+  ref = Engine(cfg, params, cache_len=32, prefill_chunk=4).generate(rows, 3, return_logits=True)
+  assert gen.tokens == ref.tokens
+  for a, b in zip(gen.logits, ref.logits):
+    np.testing.assert_allclose(a, b, atol=1e-4)
+  with pytest.raises(ValueError, match="prefill_chunk=6"):
+    Engine(cfg, params, cache_len=32, prefill_chunk=6).prefill(rows)
