@@ -15,24 +15,30 @@ Implementations (one vocabulary):
   tokamax    tokamax flash attention (Mosaic GPU, else Triton) with a per-query k_start
              (document start, window): contiguous (packed) self-attention without active set,
              sinks or block lists. Off GPU: tokamax's XLA implementation (tests).
-  pallas     pallas_kernels.compact_attention: any positions / segments / window / active set
-             ([B, T] or per head [B, T, N]), e.g. caches, decode, chunked prefill, L2A, AHA;
-             a mask with block lists: pallas_kernels.block_sparse (every MaskSpec field, sinks
-             too; one launch for a layer's mixed full / block-sparse heads).
-             Triton on GPU, Mosaic on TPU; on CPU the kernel in Pallas interpret mode, Triton-
-             style by default, `pallas_backend="mosaic_tpu"` for Mosaic TPU interpret (tests).
+  pallas     a Pallas kernel: pallas_kernels.compact_attention for any positions / segments /
+             window / active set ([B, T] or per head [B, T, N]), e.g. caches, decode, chunked
+             prefill, L2A, AHA; for a mask with block lists pallas_kernels.block_sparse (every
+             MaskSpec field, sinks too; one launch for a layer's mixed full / block-sparse
+             heads). The kernel is the resolver's pick for the lowering platform (below); on
+             CPU the Triton kernel in Pallas interpret mode (tests).
+  triton, mosaic_gpu, mosaic_tpu
+             that Pallas kernel by name (Mosaic GPU: Hopper); lowered for a platform it does
+             not compile for, a placeholder whose lowering raises; on CPU the kernel in Pallas
+             interpret mode (tests).
   auto       picked for the platform the call is LOWERED for (jax.lax.platform_dependent), not
              the backend at trace time, so jax.export for GPU/TPU from a CPU host gets the GPU/TPU
              kernel:  cpu -> reference;
                       cuda -> contiguous self-attention without active/sinks: cudnn (no segment
-                              ids) else tokamax (causal) or pallas (with a window: tokamax's
-                              backward does not skip out-of-window tiles); anything else (active
-                              set, cache layout, decode, chunked prefill): pallas (with an
-                              all-true active set if none);
-                      rocm -> pallas;  tpu -> pallas (Mosaic).
-             Block lists go to the block-sparse kernel (cuda, rocm, tpu). A kernel that cannot
-             take the call's shape falls to the next one; only masks no kernel takes yet (sinks
-             without block lists) use the reference on GPU/TPU, with a warning.
+                              ids) else tokamax (causal) or the Pallas kernel (with a window:
+                              tokamax's backward does not skip out-of-window tiles); anything
+                              else (active set, cache layout, decode, chunked prefill): the
+                              Pallas kernel (with an all-true active set if none);
+                      rocm, tpu -> the Pallas kernel.
+The one resolver (`resolve`) picks the Pallas kernel: the first backend of the kernel package
+(its BACKENDS, the pallas_kernels.backends interface) whose supports(shape, dtype, platform)
+holds for the lowering platform and its device kind: Mosaic GPU on Hopper, Triton on other
+CUDA / ROCm GPUs, Mosaic on TPU. Where no kernel takes the call (sinks without block lists, a
+shape no kernel fits), auto uses the reference with a warning.
 An explicit impl that cannot take the call raises ValueError naming the impl and why.
 
 Only the branch for the lowering platform is lowered, and under jax.grad the other branches'
@@ -44,7 +50,9 @@ jax.sharding.use_abstract_mesh(AbstractMesh(..., abstract_device=AbstractDevice(
 is a placeholder whose lowering raises that advice (never a silently wrong kernel).
 
 Under a mesh (jax.sharding.get_abstract_mesh()), every Pallas and tokamax call runs per shard in
-jax.shard_map: batch over data/fsdp, heads over tensor (when the shapes divide).
+jax.shard_map over the mesh axes the rules table (condattn_jax/train/sharding.py) gives
+attention's activations: activation_batch (data, fsdp), activation_heads (tensor), when the shapes
+divide.
 """
 from __future__ import annotations
 
@@ -61,8 +69,8 @@ from jax import lax
 from jax.extend import core as jex_core
 from jax.interpreters import mlir
 
-IMPLS = ("auto", "reference", "cudnn", "tokamax", "pallas")
-PALLAS_BACKENDS = ("triton", "mosaic_tpu")
+KERNEL_IMPLS = ("triton", "mosaic_gpu", "mosaic_tpu")  # one Pallas kernel, by name
+IMPLS = ("auto", "reference", "cudnn", "tokamax", "pallas", *KERNEL_IMPLS)
 _KERNELS = "pallas_kernels.compact_attention"
 _BLOCK_SPARSE = "pallas_kernels.block_sparse"
 
@@ -78,8 +86,8 @@ def _static(default=None):
 @functools.partial(jax.tree_util.register_dataclass)
 @dataclasses.dataclass(frozen=True, eq=False)  # array fields: no elementwise ==
 class BlockLists:
-  """Per-(batch, head, query-block) kv block lists and per-head modes (impl='pallas' and 'auto'
-  on GPU/TPU run pallas_kernels.block_sparse, whose tiles are these blocks).
+  """Per-(batch, head, query-block) kv block lists and per-head modes (the Pallas impls run
+  pallas_kernels.block_sparse, whose tiles are these blocks).
 
   kv_blocks_BNQL: int32 [B, N, ceil(T / block_q), L]: the kv blocks (key slots
     [j * block_k, (j + 1) * block_k)) that query block i (query rows [i * block_q, ...)) of query
@@ -87,18 +95,13 @@ class BlockLists:
   head_mode_BN: None (every head uses its list) or int32 [B, N]: HEAD_FULL (0) = the head ignores
     its list (full attention under the rest of the mask), HEAD_BLOCKS (1) = the head sees only its
     listed blocks. Lists never widen the rest of the mask (causal, documents, window, active).
-  dense_full_heads (static): on cuda with impl='auto', a contiguous self-attention mask cuDNN can
-    take otherwise (no documents, active set, window or sinks): the KV heads whose query heads are
-    all HEAD_FULL run in ONE cuDNN causal call (gathered; its head count is the batch's largest
-    count of such KV heads, picked at run time among K + 1 compiled variants), the other heads
-    in the block-sparse launch (split_full_heads). Same result; faster where cuDNN outruns the
-    block-sparse kernel's full heads (bench/results/elastic_prefill_*.json). Else ignored.
+  Heads whose queries are all HEAD_FULL can run apart in a dense kernel:
+  condattn_jax/attention/elastic/composite.py (Elastic's composite).
   """
   kv_blocks_BNQL: Any
   head_mode_BN: Any = None
   block_q: int = _static(128)
   block_k: int = _static(128)
-  dense_full_heads: bool = _static(False)
 
 
 HEAD_FULL, HEAD_BLOCKS = 0, 1
@@ -222,7 +225,7 @@ def _fused_reasons(q, mask: MaskSpec) -> list[str]:
   return why
 
 
-def _cudnn_reasons(q, mask: MaskSpec) -> list[str]:
+def cudnn_reasons(q, mask: MaskSpec) -> list[str]:
   why = _fused_reasons(q, mask)
   if mask.kv_segment_ids_BS is not None:
     why.append("packed segment ids (use impl='tokamax')")
@@ -243,7 +246,7 @@ def _pallas_reasons(mask: MaskSpec) -> list[str]:
   return why
 
 
-def _cudnn_available() -> str | None:
+def cudnn_available() -> str | None:
   """None if cuDNN attention can be traced in this process, else why not."""
   try:
     from jax._src.cudnn import fused_attention_stablehlo as fa
@@ -254,61 +257,35 @@ def _cudnn_available() -> str | None:
 
 
 # ------------------------------------------------------------------------------------------------
-# Platforms
+# Platforms: what each branch is lowered for
 # ------------------------------------------------------------------------------------------------
 
 _GPU = ("cuda", "rocm")
 
 
-def _host_platforms() -> set[str]:
-  """Lowering platforms whose kernels this process can trace: its default backend's, plus the
-  platform of the abstract device of the current abstract mesh (cross-lowering)."""
-  plats = set()
+def _targets() -> dict:
+  """{lowering platform: pallas_kernels.backends.Platform} for the platforms whose kernels this
+  process can trace: its default backend's, plus the platform of the abstract device of the
+  current abstract mesh (cross-lowering), with their device kinds."""
+  Platform = _kernel_module(package="pallas_kernels.backends").Platform
+  out = {}
   backend = jax.default_backend()
-  if backend == "gpu":
+  if backend in ("gpu", "tpu"):
     from jax.extend import backend as jex_backend
-    plats.add("rocm" if "rocm" in jex_backend.get_backend().platform_version.lower() else "cuda")
-  elif backend == "tpu":
-    plats.add("tpu")
+    name = backend
+    if backend == "gpu":
+      rocm = "rocm" in jex_backend.get_backend().platform_version.lower()
+      name = "rocm" if rocm else "cuda"
+    out[name] = Platform(name, jax.devices()[0].device_kind)
   dev = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
   if dev is not None:
-    if dev.platform in ("gpu", *_GPU):
-      amd = dev.platform == "rocm" or "amd" in str(dev.device_kind).lower()
-      plats.add("rocm" if amd else "cuda")
-    else:
-      plats.add(dev.platform)
-  return plats
-
-
-@contextlib.contextmanager
-def _tracing_for(platform: str):
-  """Trace kernel code for `platform` on a host of another backend (cross-lowering).
-
-  TEMPORARY: pallas_kernels.compact_attention checks jax.default_backend() at trace time
-  (`api._default_platform`); until it takes the lowering platform, swap that check for the
-  branch being traced. tokamax gets its documented cross_compile switch."""
-  kind = "gpu" if platform in _GPU else platform
-  if jax.default_backend() == kind:
-    yield
-    return
-  api = _kernel_module("api")
-  if not hasattr(api, "_default_platform"):  # the kernel package no longer checks the host
-    yield
-    return
-  saved = api._default_platform
-  api._default_platform = lambda: kind
-  try:
-    cross = contextlib.nullcontext()
-    if kind == "gpu":  # tokamax (GPU only) gets its documented cross-compile switch
-      try:
-        import tokamax.config
-        cross = tokamax.config.cross_compile(True)
-      except ImportError:  # no tokamax: its branch raises NotImplementedError, auto moves on
-        pass
-    with cross:
-      yield
-  finally:
-    api._default_platform = saved
+    name = dev.platform
+    if name in ("gpu", *_GPU):
+      amd = name == "rocm" or "amd" in str(dev.device_kind).lower()
+      name = "rocm" if amd else "cuda"
+    if name in ("cuda", "rocm", "tpu"):
+      out[name] = Platform(name, str(dev.device_kind or ""))
+  return out
 
 
 _unavailable_p = jex_core.Primitive("condattn_attention_unavailable")
@@ -349,23 +326,39 @@ def _cross_lowering_msg(platform: str, what: str) -> str:
           f"device_kind=..., num_cores=..., platform={'gpu' if platform in _GPU else platform!r})))")
 
 
-def _for_platform(platform: str, branch, what: str):
-  """`branch` traced as for `platform` if this process can lower for it, else a placeholder."""
-  if platform not in _host_platforms():
+def _for_platform(platform: str, make_branch, what: str, targets: dict):
+  """make_branch(Platform) -> fn(q, k, v, mask) if this process can lower for `platform`, else a
+  placeholder whose lowering raises how to cross-lower."""
+  if platform not in targets:
     return _unavailable(_cross_lowering_msg(platform, what))
+  return make_branch(targets[platform])
 
-  def traced(*args):
-    with _tracing_for(platform):
-      return branch(*args)
-  return traced
+
+def by_lowering_platform(q, k, v, mask: MaskSpec, *, default, **per_platform):
+  """fn(q, k, v, mask) picked for the platform the call is LOWERED for: per_platform maps
+  'cuda' / 'rocm' / 'tpu' to make(Platform) -> fn; `default` (a fn) runs everywhere else. A
+  platform this process cannot trace for gets a placeholder whose lowering raises how to
+  cross-lower. (The dispatch of `attention`, for composites built on it.)"""
+  targets = _targets()
+  branches = {p: _for_platform(p, make, "this attention branch", targets)
+              for p, make in per_platform.items()}
+  if not branches:
+    return default(q, k, v, mask)
+  return lax.platform_dependent(q, k, v, mask, default=default, **branches)
 
 
 # ------------------------------------------------------------------------------------------------
 # Per-shard execution under a mesh
 # ------------------------------------------------------------------------------------------------
 
-_BATCH_AXES = ("data", "fsdp")
-_HEAD_AXIS = "tensor"
+def _activation_axes() -> tuple[tuple[str, ...], str | None]:
+  """(batch mesh axes, head mesh axis) of attention's activations, from the logical-axis rules
+  table (condattn_jax/train/sharding.py: activation_batch, activation_heads)."""
+  from condattn_jax.train import sharding
+  rules = dict(sharding.RULES)
+  batch = rules["activation_batch"]
+  batch = () if batch is None else ((batch,) if isinstance(batch, str) else tuple(batch))
+  return batch, rules["activation_heads"]
 
 
 def _mesh_shards(B: int, N: int, K: int):
@@ -376,8 +369,9 @@ def _mesh_shards(B: int, N: int, K: int):
     return None
   usable = {a: n for a, n, t in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
             if t != jax.sharding.AxisType.Manual and n > 1}
-  batch = tuple(a for a in _BATCH_AXES if a in usable)
-  head = _HEAD_AXIS if _HEAD_AXIS in usable else None
+  batch_axes, head_axis = _activation_axes()
+  batch = tuple(a for a in batch_axes if a in usable)
+  head = head_axis if head_axis in usable else None
   nb = 1
   for a in batch:
     nb *= usable[a]
@@ -388,9 +382,9 @@ def _mesh_shards(B: int, N: int, K: int):
   return mesh, (batch or None), head
 
 
-def _per_shard(fn):
-  """fn(q, k, v, mask) run per shard under the current mesh (batch over data/fsdp, heads over
-  tensor), or as is when there is no usable mesh."""
+def per_shard(fn):
+  """fn(q, k, v, mask) run per shard under the current mesh (batch and heads over the mesh axes
+  the rules table gives attention activations), or as is when there is no usable mesh."""
   def run(q, k, v, mask):
     where = _mesh_shards(q.shape[0], q.shape[2], k.shape[2])
     if where is None:
@@ -411,6 +405,71 @@ def _per_shard(fn):
     return jax.shard_map(fn, mesh=mesh, in_specs=(heads, heads, heads, mspec), out_specs=heads,
                          check_vma=False)(q, k, v, mask)
   return run
+
+
+# ------------------------------------------------------------------------------------------------
+# The one resolver: which kernel backend runs a call, per lowering platform
+# ------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass(frozen=True)
+class _BlockSparseBackend:
+  """pallas_kernels.block_sparse behind the pallas_kernels.backends interface (until that package
+  exposes its own BACKENDS)."""
+  name: str
+  lowers_for: tuple[str, ...] = ()
+  needs_hopper: bool = False
+  config: Any = None
+
+  def supports(self, q_shape, kv_shape, dtype, platform, *, block_q, block_k) -> str | None:
+    if self.name == "reference":
+      return None
+    why = _kernel_module(package="pallas_kernels.backends").platform_reason(
+        self.name, self.lowers_for, platform, self.needs_hopper)
+    return why or _kernel_module(package=_BLOCK_SPARSE).kernel_support(
+        self.name, q_shape, kv_shape, dtype, block_q, block_k)
+
+
+def backends(kind: str) -> tuple:
+  """The backends of kernel package `kind` ('compact' | 'block_sparse'), in preference order,
+  the reference last."""
+  if kind == "compact":
+    return _kernel_module().BACKENDS
+  pkg = _kernel_module(package=_BLOCK_SPARSE)
+  if hasattr(pkg, "BACKENDS"):
+    return pkg.BACKENDS
+  impls = getattr(pkg, "IMPLS", ())
+  return tuple([_BlockSparseBackend("mosaic_gpu", ("cuda",), True)] * ("mosaic_gpu" in impls)
+               + [_BlockSparseBackend("triton", _GPU), _BlockSparseBackend("mosaic_tpu", ("tpu",)),
+                  _BlockSparseBackend("reference")])
+
+
+def resolve(kind: str, impl: str, q_shape, kv_shape, dtype, platform, **static):
+  """(backend, reasons): the backend of kernel package `kind` that runs `impl` lowered for
+  `platform` (a pallas_kernels.backends.Platform). impl 'auto' / 'pallas': the first backend
+  that supports the call (backend None where only the reference does; reasons then says why
+  each kernel declined); a kernel name ('triton', 'mosaic_gpu', 'mosaic_tpu'): that backend, or
+  None with its reason. static: the package's static call arguments (block_q, block_k)."""
+  reasons = []
+  for be in backends(kind):
+    if be.name == "reference" or (impl in KERNEL_IMPLS and be.name != impl):
+      continue
+    if impl not in KERNEL_IMPLS and platform.name not in be.lowers_for:
+      continue  # another platform's kernel: not a candidate, not worth a reason
+    why = be.supports(q_shape, kv_shape, dtype, platform, **static)
+    if why is None:
+      return be, []
+    reasons.append(f"{be.name}: {why}")
+  if impl in KERNEL_IMPLS and not reasons:
+    reasons.append(f"{impl}: not a backend of the {kind} kernels")
+  return None, reasons
+
+
+def _interpret_params(name: str):
+  """Pallas interpret mode for kernel `name` (CPU)."""
+  if name == "mosaic_tpu":
+    from jax.experimental.pallas import tpu as pltpu
+    return pltpu.InterpretParams()
+  return True
 
 
 # ------------------------------------------------------------------------------------------------
@@ -442,8 +501,8 @@ def _segment_starts(segment_ids_BT):
 
 
 def _cross_compiled(op):
-  """A tokamax op (and its VJP op, which runs at transpose time, outside _tracing_for) without
-  the check that this process has the op's device: for cross-lowering from another host."""
+  """A tokamax op (and its VJP op, which runs at transpose time) without the check that this
+  process has the op's device: for cross-lowering from another host."""
   vjp = getattr(op, "vjp", None)
   if vjp is not None and hasattr(vjp, "bypass_device_check"):
     op = dataclasses.replace(op, vjp=dataclasses.replace(vjp, bypass_device_check=True))
@@ -467,25 +526,31 @@ def _tokamax(scale, kernels: tuple[str, ...]):
       start = jnp.maximum(start, idx - mask.window + 1)
     tmask = base.Mask(k_start=start[:, None, :], is_causal=True)
     kw = {} if scale is None else dict(logits_scale=scale)
+    cross = contextlib.nullcontext()
+    if jax.default_backend() != "gpu" and kernels != ("xla",):
+      import tokamax.config  # tokamax's documented switch for cross-compiling
+      cross = tokamax.config.cross_compile(True)
     errors = []
-    for name in kernels:
-      op = api.IMPLEMENTATIONS[name]
-      if jax.default_backend() != "gpu" and name != "xla":
-        op = _cross_compiled(op)
-      try:
-        out = op(q, k, v, mask=tmask, **kw)
-      except NotImplementedError as e:  # this kernel cannot take the shape: try the next one
-        errors.append(f"{name}: {e}")
-        continue
-      return out if seg is None else jnp.where((seg != 0)[:, :, None, None], out, 0).astype(q.dtype)
+    with cross:
+      for name in kernels:
+        op = api.IMPLEMENTATIONS[name]
+        if jax.default_backend() != "gpu" and name != "xla":
+          op = _cross_compiled(op)
+        try:
+          out = op(q, k, v, mask=tmask, **kw)
+        except NotImplementedError as e:  # this kernel cannot take the shape: try the next one
+          errors.append(f"{name}: {e}")
+          continue
+        return out if seg is None else jnp.where((seg != 0)[:, :, None, None], out,
+                                                 0).astype(q.dtype)
     raise NotImplementedError("no tokamax kernel took this call: " + "; ".join(errors))
   return fn
 
 
-def _pallas(scale, kernel_impl: str, interpret: Any = False):
-  """pallas_kernels.compact_attention with an all-true active set when none is given."""
+def _pallas(scale, backend, interpret: Any = False):
+  """A compacted-query backend (pallas_kernels.compact_attention.BACKENDS) with an all-true
+  active set when none is given."""
   def fn(q, k, v, mask):
-    kernel = _kernel_module().compact_attention
     B, T = q.shape[:2]
     active = jnp.ones((B, T), jnp.bool_) if mask.active is None else mask.active
     qseg, kvseg = mask.q_segment_ids_BT, mask.kv_segment_ids_BS
@@ -495,9 +560,9 @@ def _pallas(scale, kernel_impl: str, interpret: Any = False):
     qpos, kvpos = mask.q_positions_BT, mask.kv_positions_BS
     if mask.contiguous and kvseg is None:  # one document per row: positions are arange(T)
       qpos = kvpos = None
-    return kernel(q, k, v, active, q_positions_BT=qpos, kv_positions_BS=kvpos,
-                  q_segment_ids_BT=qseg, kv_segment_ids_BS=kvseg, window=mask.window, scale=scale,
-                  impl=kernel_impl, interpret=interpret)
+    return backend(q, k, v, active, q_positions_BT=qpos, kv_positions_BS=kvpos,
+                   q_segment_ids_BT=qseg, kv_segment_ids_BS=kvseg, window=mask.window,
+                   scale=scale, interpret=interpret)
   return fn
 
 
@@ -514,57 +579,20 @@ def _block_sparse(scale, kernel_impl: str, interpret: Any = False):
   return fn
 
 
-def split_full_heads(q, k, v, mask: MaskSpec, dense_fn, sparse_fn):
-  """Attention under `mask` (block lists with head modes) as two kernels: the KV heads whose G
-  query heads are all HEAD_FULL through dense_fn(q_BTMH, k_BSCH, v_BSCH, mask without block
-  lists) over C gathered KV heads (M = C * G query heads), the rest through sparse_fn(q, k, v,
-  mask) with those heads' lists emptied (no work). C = the batch's largest count of such KV
-  heads, a run-time value: lax.switch over the K + 1 static head counts (rows with fewer take
-  other KV heads into the spare slots, computed and discarded)."""
+def _kind(mask: MaskSpec) -> str:
+  return "compact" if mask.block_lists is None else "block_sparse"
+
+
+def _static_args(mask: MaskSpec) -> dict:
   bl = mask.block_lists
-  B, T, N, H = q.shape
-  K = k.shape[2]
-  G = N // K
-  full_BK = jnp.all(bl.head_mode_BN.reshape(B, K, G) == HEAD_FULL, axis=-1)
-  full_BN = jnp.repeat(full_BK, G, axis=1)
-  order_BK = jnp.argsort(1 - full_BK.astype(jnp.int32), axis=1, stable=True).astype(jnp.int32)
-  slot_BK = jnp.argsort(order_BK, axis=1).astype(jnp.int32)     # kv head -> its dense slot
-  g_N = jnp.tile(jnp.arange(G, dtype=jnp.int32), K)
-  out_idx_BN = jnp.repeat(slot_BK, G, axis=1) * G + g_N[None, :]
-  lists_off = dataclasses.replace(mask, block_lists=None)
-
-  def dense_with(C):
-    def branch(q, k, v):
-      if C == 0:
-        return jnp.zeros(q.shape, q.dtype)
-      pick_BC = order_BK[:, :C]
-      q_idx = (pick_BC[:, :, None] * G + jnp.arange(G, dtype=jnp.int32)).reshape(B, C * G)
-      qd = jnp.take_along_axis(q, q_idx[:, None, :, None], axis=2)
-      kd = jnp.take_along_axis(k, pick_BC[:, None, :, None], axis=2)
-      vd = jnp.take_along_axis(v, pick_BC[:, None, :, None], axis=2)
-      od = dense_fn(qd, kd, vd, lists_off)                       # [B, T, C * G, H]
-      idx = jnp.minimum(out_idx_BN, C * G - 1)
-      return jnp.take_along_axis(od, idx[:, None, :, None], axis=2)
-    return branch
-
-  C_run = jnp.max(jnp.sum(full_BK, axis=1)).astype(jnp.int32)
-  out_dense = lax.switch(C_run, [dense_with(C) for C in range(K + 1)], q, k, v)
-  sparse_lists = jnp.where(full_BN[:, :, None, None], -1, bl.kv_blocks_BNQL)
-  sparse_mode = jnp.where(full_BN, HEAD_BLOCKS, bl.head_mode_BN).astype(jnp.int32)
-  sparse_mask = dataclasses.replace(mask, block_lists=dataclasses.replace(
-      bl, kv_blocks_BNQL=sparse_lists, head_mode_BN=sparse_mode))
-  out_sparse = sparse_fn(q, k, v, sparse_mask)
-  return jnp.where(full_BN[:, None, :, None], out_dense, out_sparse)
+  return {} if bl is None else dict(block_q=bl.block_q, block_k=bl.block_k)
 
 
-def _splits_full_heads(q, mask: MaskSpec) -> bool:
-  """Whether auto on cuda runs `mask` through split_full_heads with cuDNN (see BlockLists)."""
-  bl = mask.block_lists
-  if bl is None or not bl.dense_full_heads or bl.head_mode_BN is None:
-    return False
-  dense = dataclasses.replace(mask, block_lists=None)
-  return (not _cudnn_reasons(q, dense) and dense.window is None
-          and _cudnn_available() is None)
+def _kernel(backend, mask: MaskSpec, scale, interpret: Any = False):
+  """fn(q, k, v, mask) running `backend` (per shard under a mesh)."""
+  if mask.block_lists is None:
+    return per_shard(_pallas(scale, backend, interpret))
+  return per_shard(_block_sparse(scale, backend.name, interpret))
 
 
 @functools.cache
@@ -572,63 +600,39 @@ def _warn_once(msg):
   logging.warning(msg)
 
 
-def _no_kernel(scale, platform):
-  """The reference where no kernel takes the mask yet (warned once)."""
+def _auto(scale, platform):
+  """impl='auto' lowered for `platform` (a Platform): on cuda, cudnn (unpacked) or tokamax
+  (packed, causal) for contiguous self-attention; else the resolver's kernel backend; a mask
+  no kernel takes (sinks without block lists, a shape no kernel fits) uses the reference,
+  warned once."""
+  cudnn, tok = _cudnn(scale), per_shard(_tokamax(scale, ("mosaic_gpu", "triton")))
   ref = _reference(scale)
 
   def fn(q, k, v, mask):
-    _warn_once(f"ops.attention(impl='auto') on {platform}: no kernel takes "
-               f"{'; '.join(_pallas_reasons(mask))}; using the O(T*S) reference.")
-    return ref(q, k, v, mask)
-  return fn
-
-
-def _auto_gpu(scale, platform):
-  """cuda/rocm: cudnn (unpacked) or tokamax (packed) for contiguous self-attention, else the
-  compacted Pallas kernel (its own 'auto' picks the GPU kernel; a shape it cannot take falls to
-  its reference with a warning)."""
-  pallas = _per_shard(_pallas(scale, "auto"))
-  block_sparse = _per_shard(_block_sparse(scale, "auto"))
-  cudnn, tok = _cudnn(scale), _per_shard(_tokamax(scale, ("mosaic_gpu", "triton")))
-  split = _per_shard(functools.partial(split_full_heads, dense_fn=cudnn,
-                                       sparse_fn=_block_sparse(scale, "auto")))
-
-  def fn(q, k, v, mask):
-    if platform == "cuda" and _splits_full_heads(q, mask):
-      return split(q, k, v, mask)
-    if platform == "cuda" and not _fused_reasons(q, mask):
-      if not _cudnn_reasons(q, mask) and _cudnn_available() is None:
+    if platform.name == "cuda" and not _fused_reasons(q, mask):
+      if not cudnn_reasons(q, mask) and cudnn_available() is None:
         try:
           return cudnn(q, k, v, mask)
         except NotImplementedError:  # this GPU / cuDNN cannot take the shape
           pass
       # Packed documents with a window: tokamax turns the window into a per-query k_start that
-      # its backward masks but does not skip (every causal tile is visited: 317 vs 23 ms per
-      # layer at 128K, bench/results/e2e_NVIDIA_H200.json), while the compacted kernel's tile
-      # bounds stop at the window. tokamax stays for causal packed documents.
+      # its backward masks but does not skip (docs/performance.md), while the compacted kernel's
+      # tile bounds stop at the window. tokamax stays for causal packed documents.
       if mask.window is None or _pallas_reasons(mask):
         try:
           return tok(q, k, v, mask)
         except NotImplementedError:
           pass
-    if mask.block_lists is not None:
-      return block_sparse(q, k, v, mask)
-    if _pallas_reasons(mask):
-      return _no_kernel(scale, platform)(q, k, v, mask)
-    return pallas(q, k, v, mask)
-  return fn
-
-
-def _auto_tpu(scale):
-  pallas = _per_shard(_pallas(scale, "auto"))
-  block_sparse = _per_shard(_block_sparse(scale, "auto"))
-
-  def fn(q, k, v, mask):
-    if mask.block_lists is not None:
-      return block_sparse(q, k, v, mask)
-    if _pallas_reasons(mask):
-      return _no_kernel(scale, "tpu")(q, k, v, mask)
-    return pallas(q, k, v, mask)
+    why = _pallas_reasons(mask)
+    backend = None
+    if not why:
+      backend, why = resolve(_kind(mask), "auto", q.shape, k.shape, q.dtype, platform,
+                             **_static_args(mask))
+    if backend is None:
+      _warn_once(f"ops.attention(impl='auto') on {platform.name}: no kernel takes this call "
+                 f"({'; '.join(why)}); using the O(T*S) reference.")
+      return ref(q, k, v, mask)
+    return _kernel(backend, mask, scale)(q, k, v, mask)
   return fn
 
 
@@ -637,19 +641,46 @@ def _explicit_error(impl, why):
                     "Use impl='auto' (or 'reference').")
 
 
-def _branches(impl: str, q, mask: MaskSpec, scale, pallas_backend):
+def _explicit_kernel(impl: str, scale, platform):
+  """impl 'pallas' or a kernel name, lowered for `platform` (None: this host's CPU, the kernel in
+  Pallas interpret mode: 'pallas' there is the Triton kernel)."""
+  def fn(q, k, v, mask):
+    if why := _pallas_reasons(mask):
+      raise _explicit_error(impl, why)
+    static = _static_args(mask)
+    if platform is not None and not any(
+        platform.name in b.lowers_for for b in backends(_kind(mask))
+        if b.name != "reference" and impl in ("pallas", b.name)):
+      return _unavailable(f"ops.attention impl={impl!r}: no {_kind(mask)} kernel of that name "
+                          f"lowers for {platform.name}; use impl='auto' or 'pallas'")(q, k, v, mask)
+    if platform is None:
+      name = "triton" if impl == "pallas" else impl
+      backend = next((b for b in backends(_kind(mask)) if b.name == name), None)
+      if backend is None:
+        raise _explicit_error(impl, [f"{name}: not a backend of the {_kind(mask)} kernels"])
+      run = _kernel(backend, mask, scale, _interpret_params(name))
+    else:
+      backend, why = resolve(_kind(mask), impl, q.shape, k.shape, q.dtype, platform, **static)
+      if backend is None:
+        raise _explicit_error(impl, why)
+      run = _kernel(backend, mask, scale)
+    try:
+      return run(q, k, v, mask)
+    except ValueError as e:  # the kernel's own ValueError (e.g. a head_dim it cannot take)
+      raise _explicit_error(impl, [str(e)]) from e
+  return fn
+
+
+def _branches(impl: str, q, mask: MaskSpec, scale):
   """{lowering platform or 'default': fn(q, k, v, mask)} for `impl`; raises for calls it cannot
   take."""
-  if impl == "auto":
-    return dict(default=_reference(scale),
-                cuda=_for_platform("cuda", _auto_gpu(scale, "cuda"), "ops.attention"),
-                rocm=_for_platform("rocm", _auto_gpu(scale, "rocm"), "ops.attention"),
-                tpu=_for_platform("tpu", _auto_tpu(scale), "ops.attention"))
+  if impl not in IMPLS:
+    raise ValueError(f"ops.attention: unknown impl {impl!r}; choose one of {IMPLS}")
   if impl == "reference":
     return dict(default=_reference(scale))
   if impl == "cudnn":
-    why = _cudnn_reasons(q, mask)
-    if not why and (unavailable := _cudnn_available()) is not None:
+    why = cudnn_reasons(q, mask)
+    if not why and (unavailable := cudnn_available()) is not None:
       why = [unavailable + "; trace on a CUDA GPU host"]
     if why:
       raise _explicit_error(impl, why)
@@ -657,43 +688,28 @@ def _branches(impl: str, q, mask: MaskSpec, scale, pallas_backend):
   if impl == "tokamax":
     if why := _fused_reasons(q, mask):
       raise _explicit_error(impl, why)
-    gpu = _per_shard(_tokamax(scale, ("mosaic_gpu", "triton")))
+    gpu = per_shard(_tokamax(scale, ("mosaic_gpu", "triton")))
 
     def on_gpu(*args):
       try:
         return gpu(*args)
       except NotImplementedError as e:
         raise _explicit_error(impl, [str(e)]) from e
-    return dict(default=_per_shard(_tokamax(scale, ("xla",))),
-                cuda=_for_platform("cuda", on_gpu, "impl='tokamax'"))
-  if impl == "pallas":
-    if why := _pallas_reasons(mask):
-      raise _explicit_error(impl, why)
-    if pallas_backend not in (None, *PALLAS_BACKENDS):
-      raise ValueError(f"ops.attention: pallas_backend={pallas_backend!r}; choose one of "
-                       f"{PALLAS_BACKENDS} (or None)")
-    if pallas_backend == "mosaic_tpu":
-      from jax.experimental.pallas import tpu as pltpu
-      interpret = pltpu.InterpretParams()
-    else:
-      interpret = True
-
-    make = _pallas if mask.block_lists is None else _block_sparse
-
-    def kernel(kernel_impl, interpret=False):
-      fn = _per_shard(make(scale, kernel_impl, interpret))
-
-      def named(*args):  # the kernel's own ValueError (e.g. a head_dim it cannot take)
-        try:
-          return fn(*args)
-        except ValueError as e:
-          raise _explicit_error(impl, [str(e)]) from e
-      return named
-    return dict(default=kernel(pallas_backend or "triton", interpret),
-                cuda=_for_platform("cuda", kernel("triton"), "impl='pallas'"),
-                rocm=_for_platform("rocm", kernel("triton"), "impl='pallas'"),
-                tpu=_for_platform("tpu", kernel("mosaic_tpu"), "impl='pallas'"))
-  raise ValueError(f"ops.attention: unknown impl {impl!r}; choose one of {IMPLS}")
+    return dict(default=per_shard(_tokamax(scale, ("xla",))),
+                cuda=_for_platform("cuda", lambda _: on_gpu, "impl='tokamax'", _targets()))
+  default = _reference(scale) if impl == "auto" else _explicit_kernel(impl, scale, None)
+  targets = _targets()
+  if impl in ("mosaic_gpu", "mosaic_tpu") and targets:
+    # Pallas' Mosaic interpreters use ordered callbacks, which a cond lowered for one platform
+    # cannot carry in another branch: the CPU branch is a placeholder when a GPU / TPU is traced.
+    default = _unavailable(f"ops.attention impl={impl!r}: the CPU branch (Pallas' Mosaic "
+                           "interpreter) is not lowered beside a GPU / TPU branch; run it on CPU "
+                           "without an abstract device mesh")
+  make = ((lambda p: _auto(scale, p)) if impl == "auto"
+          else (lambda p: _explicit_kernel(impl, scale, p)))
+  what = "ops.attention" if impl == "auto" else f"impl={impl!r}"
+  return dict(default=default, **{p: _for_platform(p, make, what, targets)
+                                  for p in ("cuda", "rocm", "tpu")})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -701,21 +717,19 @@ def _branches(impl: str, q, mask: MaskSpec, scale, pallas_backend):
 # ------------------------------------------------------------------------------------------------
 
 def attention(q_BTNH, k_BSKH, v_BSKH, mask: MaskSpec, *, impl: str = "auto",
-              scale: float | None = None, pallas_backend: str | None = None):
+              scale: float | None = None):
   """Attention out[B, T, N, H] (q's dtype) under `mask` (an ops.MaskSpec).
 
   q_BTNH: queries; k_BSKH, v_BSKH: keys / values with K kv heads (N % K == 0; grouped-query
   attention without repeating K/V). Queries that see no key (padding, inactive, empty window)
   give zeros. impl: see the module docstring. scale: logits scale (default H ** -0.5).
-  pallas_backend: for impl='pallas' off GPU/TPU, the kernel run in Pallas interpret mode:
-  'triton' (default) or 'mosaic_tpu'.
   """
   if not isinstance(mask, MaskSpec):
     raise TypeError(f"ops.attention: mask must be an ops.MaskSpec, got {type(mask).__name__}")
   q, k, v = map(jnp.asarray, (q_BTNH, k_BSKH, v_BSKH))
   mask = jax.tree.map(jnp.asarray, mask)
   _check(q, k, v, mask)
-  branches = _branches(impl, q, mask, scale, pallas_backend)
+  branches = _branches(impl, q, mask, scale)
   default = branches.pop("default")
   if not branches:
     return default(q, k, v, mask)

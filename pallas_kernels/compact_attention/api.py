@@ -11,16 +11,17 @@ step and no active query is ever dropped (the ladder always ends with a bucket t
 queries). The kernels size their work by the actual count (tiles past it are skipped), so a
 bucket larger than the count costs only gather / scatter traffic, not compute; on GPUs the
 gathers and putting results back are Pallas kernels bounded by the count too (glue.py), so the
-GPU path runs one full-T bucket and no lax.switch (GPU_GLUE_KERNELS). The kernel
+GPU path runs one full-T bucket and no lax.switch (CompactConfig.glue_kernels). The kernel
 runs flash attention on the compacted queries with the causal / window / segment mask evaluated
 on original positions, skipping kv tiles that no query of a tile can see; the backward pass
 (custom_vjp, saving the log-sum-exp) skips query tiles that cannot see a kv tile. Results are
 scattered back; inactive queries get zeros (and lse = -inf).
 
-impl: 'auto' (Hopper: Mosaic GPU both ways; other GPUs: Triton; TPU: Mosaic; the
-jnp reference elsewhere), 'reference', 'triton', 'mosaic_gpu' (Hopper: wgmma, TMA, warp
-specialisation), 'mosaic_tpu'. A kernel that cannot take a
-shape raises ValueError when asked for by name; under 'auto' it warns once and uses the reference.
+impl: 'reference' (the default), 'triton', 'mosaic_gpu' (Hopper: wgmma, TMA, warp
+specialisation), 'mosaic_tpu': the kernel to run, by name; a kernel that cannot take a shape
+raises ValueError naming why. Choosing a kernel per platform is condattn_jax.ops' job (its one
+resolver reads `BACKENDS`, the pallas_kernels.backends interface); this package never looks at
+the host platform. Tuning knobs (kernel variants) are fields of `CompactConfig`, passed per call.
 """
 from __future__ import annotations
 
@@ -36,26 +37,14 @@ from jax import lax
 
 from . import compaction as cp
 from . import glue
+from pallas_kernels.backends import Platform, platform_reason
+
 from .common import (GPU_BLOCK_SIZES, GPU_BLOCK_SIZES_F32, MGPU_BLOCK_SIZES, TPU_BLOCK_SIZES,
-                     BlockSizes,
-                     TRITON_SMEM_BYTES, fit_triton_smem, triton_smem_estimate)
+                     TRITON_SMEM_BYTES, BlockSizes, fit_triton_smem, triton_smem_estimate)
 from .reference import reference_compact_attention
 
-IMPLS = ("auto", "reference", "triton", "mosaic_gpu", "mosaic_tpu")
+IMPLS = ("reference", "triton", "mosaic_gpu", "mosaic_tpu")
 _FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
-
-
-class CompactAttentionFallbackWarning(UserWarning):
-  pass
-
-
-@functools.cache
-def _warn_once(msg: str) -> None:
-  warnings.warn(msg, CompactAttentionFallbackWarning, stacklevel=3)
-
-
-def _default_platform() -> str:
-  return jax.default_backend()
 
 
 def _backend_module(name: str):
@@ -130,6 +119,41 @@ def kernel_support(impl: str, q_shape, kv_shape, dtype, bs: BlockSizes | None = 
 
 
 @dataclasses.dataclass(frozen=True)
+class CompactConfig:
+  """Tuning knobs of the compacted-query kernels, passed per call (static: a call with another
+  config is another compiled program). The defaults are the measured choices
+  (docs/performance.md says which measurements chose them).
+
+  bwd_impl: the backward's kernel; None = the forward's. 'triton' under a 'mosaic_gpu' forward:
+    the Mosaic GPU forward's out / lse feed the Triton backward.
+  fused_triton_bwd: Triton backward in one launch: dq accumulated with float32 atomic adds inside
+    the dk/dv kernel (its dq is not bit-reproducible: the order of the additions varies).
+  uncompact_by_gather: results go back to their rows as a gather (each output row reads its slot,
+    zeros for inactive rows) instead of an XLA scatter into zeros (XLA glue only).
+  glue_kernels: GPU kernels (Triton, Mosaic GPU): the gathers and putting results back as Pallas
+    kernels bounded by the active count (glue.py) and, unless the call gives bucket_fracs /
+    capacity, ONE full-T bucket instead of the ladder (no lax.switch, whose predicate XLA reads on
+    the host before the branch's kernels launch). Ignored where glue.supported(H) is False.
+  mgpu_bwd_wgs: compute warpgroups per Mosaic GPU backward program (1 or 2).
+  mgpu_named_barriers: the Mosaic GPU forward's hand-offs on hardware named barriers instead of
+    mbarriers (interpret mode always uses mbarriers).
+  """
+  bwd_impl: str | None = None
+  fused_triton_bwd: bool = False
+  uncompact_by_gather: bool = False
+  glue_kernels: bool = True
+  mgpu_bwd_wgs: int = 2
+  mgpu_named_barriers: bool = True
+
+  def __post_init__(self):
+    if self.bwd_impl not in (None, *IMPLS[1:]):
+      raise ValueError(f"CompactConfig.bwd_impl={self.bwd_impl!r}: choose None or one of "
+                       f"{IMPLS[1:]}")
+    if self.mgpu_bwd_wgs not in (1, 2):
+      raise ValueError(f"CompactConfig.mgpu_bwd_wgs={self.mgpu_bwd_wgs!r}: choose 1 or 2")
+
+
+@dataclasses.dataclass(frozen=True)
 class _Config:
   backend: str
   scale: float
@@ -142,13 +166,11 @@ class _Config:
   bwd_backend: str  # the backward pass may run on another kernel than the forward
   bs_bwd: BlockSizes
   fused_bwd: bool = False  # Triton backward: dq fused into the dk/dv kernel (atomic adds)
-  # The module switches below, read when compact_attention is called (outside jit) and kept in
-  # the static config, so that calls with different switches never share a cached trace.
+  # From CompactConfig (static: calls with other knobs never share a cached trace).
   uncompact_by_gather: bool = False
   mgpu_bwd_wgs: int = 2
-  mgpu_named_barriers: bool = True  # mosaic_gpu.NAMED_BARRIERS
-  # GPU: gathers bounded by the active count and results put back in one pass (glue.py)
-  glue_kernels: bool = False
+  mgpu_named_barriers: bool = True
+  glue_kernels: bool = False  # resolved: the config's switch and glue.supported(H)
 
 
 def _row_multiple(cfg: _Config) -> int:
@@ -172,13 +194,6 @@ def _compact(C, active_BIT, qpos_BT, qseg_BT, slot_BIT=None):
 
 def _gather(x, idx):
   return cp.gather_rows(x, idx)
-
-
-# Results go back to their rows as a gather (each output row reads its slot, zeros for inactive
-# rows) instead of an XLA scatter into zeros. Off until measured faster (the first recorded
-# comparison timed one trace twice; see the compact_attention README). Read when
-# compact_attention is called.
-UNCOMPACT_BY_GATHER = False
 
 
 def _scatter(cfg, x_c, idx, T, slot_BIT):
@@ -330,95 +345,30 @@ _kernel_attention.defvjp(_kernel_attention_fwd, _kernel_attention_bwd)
 _kernel_attention_jit = jax.jit(_kernel_attention, static_argnums=(0,))
 
 
-# The Triton backward in one launch: dq accumulated with float32 atomic adds inside the dk/dv
-# kernel (5 matrix products per tile pair instead of 7; its dq is not bit-reproducible, the order
-# of the additions varies). Off: measured 2.6x SLOWER than the two kernels (dq; dk/dv) on an
-# H200 (T = 32K, s = 0.5: 65.6 ms at its best tiles vs 10.2 + 15.3 ms; s = 0.9: 14.3 vs
-# 2.4 + 3.3 ms; bench/results/compact_attention_bwd_sweep_NVIDIA_H200.json): Pallas' Triton
-# atomic add is one acq_rel atomic per element. Read when a call is traced.
-FUSED_TRITON_BWD = False
-
-# 'auto' on Hopper: the Mosaic GPU kernels both ways. Forward: 1.09-1.35x the Triton forward.
-# Backward (forward+backward minus forward): with two compute warpgroups per program
-# (mosaic_gpu.BWD_COMPUTE_WGS) 1.09-1.24x the Triton dq + dk/dv (e.g. T = 32K: 22.6 vs 25.8 ms
-# at s = 0.5, 4.6 vs 5.4 at s = 0.9; one H100, bench/results/
-# compact_attention_NVIDIA_H100_80GB_HBM3.json; the one-warpgroup version was 5-15% slower than
-# Triton on an H200). AUTO_HOPPER_BWD = 'triton' keeps the Triton backward. Elsewhere on GPUs:
-# Triton both ways. Read when compact_attention is called.
-AUTO_MOSAIC_GPU = True
-AUTO_HOPPER_BWD = "mosaic_gpu"
-
-# GPU kernels (Triton, Mosaic GPU): the glue as Pallas kernels bounded by the active count
-# (glue.py) and, unless the caller gives bucket_fracs / capacity, ONE full-T bucket instead of the
-# ladder: no lax.switch, whose predicate XLA reads on the host before the branch's kernels launch
-# (one H100, T = 32K, s = 0.95, forward: the ladder's GPU timeline spans 1.18-1.41 ms for 0.97 ms
-# of work, and putting results back zero-fills the output first, 0.14 ms; with the glue kernels
-# 0.86 ms, no gaps; bench/compact_attention.py --profile). Read when compact_attention is called.
-GPU_GLUE_KERNELS = True
+# The kv-length multiple each kernel's tiles need (the wrapper pads other lengths).
+_KV_GRANULE = {"reference": 1, "triton": 16, "mosaic_gpu": 64, "mosaic_tpu": 128}
 
 
-def _is_hopper() -> bool:
-  if not AUTO_MOSAIC_GPU:
-    return False
-  try:
-    return jax.devices()[0].device_kind.startswith(("NVIDIA H100", "NVIDIA H200", "NVIDIA H800",
-                                                    "NVIDIA GH200"))
-  except RuntimeError:
-    return False
-
-
-def _mosaic_gpu_bwd_wgs() -> int:
-  from . import mosaic_gpu
-  return mosaic_gpu.BWD_COMPUTE_WGS
-
-
-def _mosaic_gpu_named_barriers() -> bool:
-  from . import mosaic_gpu
-  return mosaic_gpu.NAMED_BARRIERS
-
-
-def _kv_granule(impl: str) -> int:
-  """The kv-length multiple the kernel that `impl` runs on this platform needs (1: reference)."""
-  if impl == "auto":
-    impl = {"gpu": "triton", "cuda": "triton", "rocm": "triton", "tpu": "mosaic_tpu"}.get(
-        _default_platform(), "reference")
-  return {"reference": 1, "triton": 16, "mosaic_gpu": 64, "mosaic_tpu": 128}[impl]
-
-
-def _resolve_impl(impl, interpret, q_shape, kv_shape, dtype, bs):
-  """(forward kernel, its block sizes, backward kernel, its block sizes)."""
+def _resolve_impl(impl, q_shape, kv_shape, dtype, bs, config: CompactConfig):
+  """(forward kernel, its block sizes, backward kernel, its block sizes); ValueError naming why a
+  kernel cannot take the call."""
   if impl not in IMPLS:
     raise ValueError(f"compact_attention: unknown impl {impl!r}; choose one of {IMPLS}")
-  explicit = impl != "auto"
-  if impl == "auto":
-    platform = _default_platform()
-    impl = {"gpu": "triton", "cuda": "triton", "rocm": "triton", "tpu": "mosaic_tpu"}.get(
-        platform, "reference")
-    if impl == "triton" and bs is None and _is_hopper():
-      mg, why = kernel_support("mosaic_gpu", q_shape, kv_shape, dtype, None)
-      if why is None:
-        if AUTO_HOPPER_BWD == "triton":
-          tr, why_t = kernel_support("triton", q_shape, kv_shape, dtype, None)
-          if why_t is None:
-            return "mosaic_gpu", mg, "triton", tr
-        return "mosaic_gpu", mg, "mosaic_gpu", mg
   if impl == "reference":
     return impl, None, impl, None
-  if explicit and not interpret:
-    want = "tpu" if impl == "mosaic_tpu" else "gpu"
-    if _default_platform() not in ((want,) if want == "tpu" else ("gpu", "cuda", "rocm")):
-      raise ValueError(f"compact_attention impl={impl!r} needs a {want.upper()} (running on "
-                       f"{_default_platform()!r}); pass interpret=True to run the kernel in "
-                       "Pallas interpret mode, or impl='reference'.")
-  fitted, reason = kernel_support(impl, q_shape, kv_shape, dtype, bs)
-  if reason is not None:
-    msg = (f"compact_attention: the {impl} kernel cannot take this call: {reason}. "
-           "Use impl='reference' (or other block sizes).")
-    if explicit:
-      raise ValueError(msg)
-    _warn_once(msg + " Falling back to the jnp reference.")
-    return "reference", None, "reference", None
-  return impl, fitted, impl, fitted
+  bwd = config.bwd_impl or impl
+  fitted = {}
+  for name in dict.fromkeys((impl, bwd)):
+    if name == "reference":
+      raise ValueError(f"compact_attention: CompactConfig.bwd_impl='reference' under impl={impl!r}:"
+                       " the reference has no kernel backward; choose a kernel or None")
+    # explicit block sizes are the forward's; a backward on another kernel takes its defaults
+    fitted[name], reason = kernel_support(name, q_shape, kv_shape, dtype,
+                                          bs if name == impl else None)
+    if reason is not None:
+      raise ValueError(f"compact_attention: the {name} kernel cannot take this call: {reason}. "
+                       "Use impl='reference' (or other block sizes).")
+  return impl, fitted[impl], bwd, fitted[bwd]
 
 
 def compact_attention(q_BTNH, k_BSKH, v_BSKH, active, *, q_positions_BT=None,
@@ -426,8 +376,8 @@ def compact_attention(q_BTNH, k_BSKH, v_BSKH, active, *, q_positions_BT=None,
                       kv_segment_ids_BS=None, window: int | None = None,
                       bucket_fracs=None, capacity: int | None = None,
                       block_q: int | None = None, block_k: int | None = None,
-                      block_sizes: BlockSizes | None = None, impl: str = "auto",
-                      interpret: Any = False, scale: float | None = None,
+                      block_sizes: BlockSizes | None = None, impl: str = "reference",
+                      config: CompactConfig | None = None, interpret: Any = False, scale: float | None = None,
                       return_lse: bool = False, poison: bool = False):
   """Attention for the active queries only; zeros elsewhere.
 
@@ -445,9 +395,11 @@ def compact_attention(q_BTNH, k_BSKH, v_BSKH, active, *, q_positions_BT=None,
       kernels (1,), one bucket); or `capacity`, a fixed bucket (plus a full-T bucket for
       overflow, so nothing is ever dropped).
     block_q, block_k: forward tiles; block_sizes: all tiles and Triton launch parameters.
-    impl: 'auto' | 'reference' | 'triton' | 'mosaic_gpu' | 'mosaic_tpu'; interpret: Pallas
-      interpret mode (True for Triton and Mosaic GPU, pltpu.InterpretParams() for Mosaic TPU) to
-      run the kernels on CPU.
+    impl: 'reference' | 'triton' | 'mosaic_gpu' | 'mosaic_tpu' (module docstring); interpret:
+      Pallas interpret mode (True for Triton and Mosaic GPU, pltpu.InterpretParams() for Mosaic
+      TPU) to run the kernels on CPU. A kernel lowered for a platform it does not compile for
+      fails at lowering (condattn_jax.ops checks the lowering platform first).
+    config: CompactConfig (kernel variants; default CompactConfig()).
     scale: logits scale (default H ** -0.5).
     return_lse: also return the log-sum-exp [B, T, N] float32 (-inf where nothing is attended);
       it is differentiable too.
@@ -497,11 +449,16 @@ def compact_attention(q_BTNH, k_BSKH, v_BSKH, active, *, q_positions_BT=None,
   if block_q is not None or block_k is not None:
     bs = (bs or BlockSizes()).with_(**{n: b for n, b in (("block_q", block_q), ("block_k", block_k))
                                        if b is not None})
-  if impl in IMPLS and S % _kv_granule(impl):
+  config = CompactConfig() if config is None else config
+  if not isinstance(config, CompactConfig):
+    raise ValueError(f"compact_attention: config must be a CompactConfig, got "
+                     f"{type(config).__name__}")
+  granule = math.lcm(*(_KV_GRANULE.get(i, 1) for i in (impl, config.bwd_impl or impl)))
+  if impl in IMPLS and S % granule:
     # A kv length the kernel's tiles cannot divide (a window ring of window + 1 slots, a decode
     # cache of odd length): pad with slots no query sees (segment id 0) instead of falling back
     # to the O(T*S) reference. Gradients of the padded slots are sliced off by jnp.pad's VJP.
-    pad = -S % _kv_granule(impl)
+    pad = -S % granule
     if qseg is None:
       qseg, kvseg = jnp.ones((B, T), jnp.int32), jnp.ones((B, S), jnp.int32)
     kvseg = jnp.pad(kvseg, ((0, 0), (0, pad)))
@@ -510,7 +467,7 @@ def compact_attention(q_BTNH, k_BSKH, v_BSKH, active, *, q_positions_BT=None,
           [kvpos, kvpos.max(axis=1, keepdims=True) + 1 + jnp.arange(pad, dtype=jnp.int32)], axis=1)
     k, v = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (k, v))
     S += pad
-  impl, bs, bwd_impl, bs_bwd = _resolve_impl(impl, interpret, q.shape, k.shape, q.dtype, bs)
+  impl, bs, bwd_impl, bs_bwd = _resolve_impl(impl, q.shape, k.shape, q.dtype, bs, config)
 
   if impl == "reference":
     kvpos_arr = kvpos if kvpos is not None else jnp.broadcast_to(
@@ -519,19 +476,54 @@ def compact_attention(q_BTNH, k_BSKH, v_BSKH, active, *, q_positions_BT=None,
         q, k, v, active, q_positions_BT=qpos, kv_positions_BS=kvpos_arr, q_segment_ids_BT=qseg,
         kv_segment_ids_BS=kvseg, window=window, scale=scale)
   else:
-    use_glue = (GPU_GLUE_KERNELS and impl in ("triton", "mosaic_gpu")
+    use_glue = (config.glue_kernels and impl in ("triton", "mosaic_gpu")
                 and bwd_impl in ("triton", "mosaic_gpu") and glue.supported(H))
     if use_glue and bucket_fracs is None and capacity is None:
-      bucket_fracs = (1.0,)  # one bucket: no lax.switch (see GPU_GLUE_KERNELS)
+      bucket_fracs = (1.0,)  # one bucket: no lax.switch (CompactConfig.glue_kernels)
     caps = cp.bucket_capacities(T, bucket_fracs=bucket_fracs, capacity=capacity,
                                 multiple=math.lcm(bs.q_multiple, bs_bwd.q_multiple))
     cfg = _Config(backend=impl, scale=scale, window=window, caps=caps, bs=bs,
                   interpret=interpret, poison=poison, kv_default=kv_default,
                   bwd_backend=bwd_impl, bs_bwd=bs_bwd,
-                  fused_bwd=bwd_impl == "triton" and FUSED_TRITON_BWD,
-                  uncompact_by_gather=UNCOMPACT_BY_GATHER,
-                  mgpu_bwd_wgs=_mosaic_gpu_bwd_wgs() if bwd_impl == "mosaic_gpu" else 2,
-                  mgpu_named_barriers=impl != "mosaic_gpu" or _mosaic_gpu_named_barriers(),
+                  fused_bwd=bwd_impl == "triton" and config.fused_triton_bwd,
+                  uncompact_by_gather=config.uncompact_by_gather,
+                  mgpu_bwd_wgs=config.mgpu_bwd_wgs if bwd_impl == "mosaic_gpu" else 2,
+                  mgpu_named_barriers=impl != "mosaic_gpu" or config.mgpu_named_barriers,
                   glue_kernels=use_glue)
     out, lse = _kernel_attention_jit(cfg, q, k, v, active, qpos, kvpos, qseg, kvseg)
   return (out, lse) if return_lse else out
+
+
+@dataclasses.dataclass(frozen=True)
+class CompactBackend:
+  """One compacted-query kernel as a backend (the pallas_kernels.backends interface)."""
+  name: str
+  lowers_for: tuple[str, ...] = ()
+  needs_hopper: bool = False
+  config: CompactConfig = CompactConfig()
+
+  def supports(self, q_shape, kv_shape, dtype, platform: Platform) -> str | None:
+    """None if this kernel takes [B, T, N, H] queries / [B, S, K, H] keys of `dtype` lowered for
+    `platform`, else why not. The reference takes everything."""
+    if self.name == "reference":
+      return None
+    why = platform_reason(self.name, self.lowers_for, platform, self.needs_hopper)
+    if why is not None:
+      return why
+    for name in dict.fromkeys((self.name, self.config.bwd_impl or self.name)):
+      why = kernel_support(name, q_shape, kv_shape, dtype)[1]
+      if why is not None:
+        return why
+    return None
+
+  def __call__(self, q_BTNH, k_BSKH, v_BSKH, active, **kw):
+    return compact_attention(q_BTNH, k_BSKH, v_BSKH, active, impl=self.name, config=self.config,
+                             **kw)
+
+
+# Preference order: the first backend that supports a call runs it (Hopper: Mosaic GPU both ways;
+# other CUDA / ROCm GPUs: Triton; TPU: Mosaic TPU; anything else: the reference).
+BACKENDS = (CompactBackend("mosaic_gpu", ("cuda",), needs_hopper=True),
+            CompactBackend("triton", ("cuda", "rocm")),
+            CompactBackend("mosaic_tpu", ("tpu",)),
+            CompactBackend("reference"))

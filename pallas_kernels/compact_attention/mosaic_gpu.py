@@ -12,7 +12,7 @@ forward  grid (C / block_q, B, N), heads launched fastest (`launch_grid`); 3 war
          other's matrix products. Each compute warpgroup runs its own bounds inside the
          program's range: masked, unmasked or (outside its own range) only the barrier
          handshake. Base-2 online softmax, fp32 accumulators.
-dq       grid (C / (W block_q_dq), B, N), W = BWD_COMPUTE_WGS (2) compute warpgroups of
+dq       grid (C / (W block_q_dq), B, N), W = compute_wgs (2) compute warpgroups of
          block_q_dq rows each + a TMA warpgroup streaming the K/V tiles of the union of their
          bounds (a run-time length); each warpgroup masks the tiles outside its own bounds.
 dk/dv    grid (K, S / (W block_k_dkv), B), kv head by kv head (its programs then read the same
@@ -184,8 +184,10 @@ def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_B
   reduction_scratch_bytes=0), as tokamax's sm90 forward; safe here, no thread reads and writes one
   SMEM region (Q / K / V are read by the tensor cores only, the epilogue only writes). Together
   1.02-1.05x on one H100 (bench --variants, 32K, s = 0.5 / 0.9 / 0.95). named_barriers: the
-  compute warpgroups' hand-offs on hardware named barriers (`NAMED_BARRIERS`; off in interpret
-  mode)."""
+  compute warpgroups' hand-offs on hardware named barriers (bar.arrive / bar.sync, as tokamax's
+  sm90 kernel and FlashAttention-3) instead of mbarriers (api.CompactConfig.mgpu_named_barriers;
+  the interpreter runs no inline PTX, so interpret mode keeps the mbarriers; tests/gpu checks both
+  give the same bits)."""
   named = named_barriers and not interpret
   B, C, N, H = q_BCNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
@@ -408,13 +410,6 @@ def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_B
   return out, lse
 
 
-# The forward's hand-offs on hardware named barriers (bar.arrive / bar.sync, as tokamax's sm90
-# kernel and FlashAttention-3) instead of mbarriers (an mbarrier arrive from a warpgroup is 128
-# per-thread arrivals, each wait a try_wait loop): 1.04x on the forward kernel alone on one H200
-# (bench --variants, 32K, s = 0.9 / 0.95). GPU only: the interpreter runs no inline PTX, so
-# interpret mode keeps the mbarriers; tests/gpu checks both give the same bits. Read when
-# compact_attention is called (api._Config.mgpu_named_barriers); False restores the mbarriers.
-NAMED_BARRIERS = True
 _WG_THREADS = 128
 _SCHED_BAR = 4   # named barriers 4, 5: the compute warpgroups' turns (Mosaic GPU uses 0..3)
 _FREE_BAR = 6    # 6 .. 6 + 2 * stages: K slots free, then V slots free
@@ -478,12 +473,11 @@ def _opt(x, shape):
   return x if x is not None else jnp.zeros(shape, jnp.int32)
 
 
-# Compute warpgroups per backward program, as in tokamax's sm90 flash-attention VJP: dq runs W
-# query tiles of block_q_dq rows against each K/V tile the TMA warpgroup streams, dk/dv runs W kv
-# tiles of block_k_dkv rows against each Q/dO tile (each K/V or Q/dO load feeds W warpgroups'
-# matrix products). 1 where the buffer is not a multiple of W tiles. Read when compact_attention
-# is called (api._Config.mgpu_bwd_wgs).
-BWD_COMPUTE_WGS = 2
+# Compute warpgroups per backward program (compute_wgs; api.CompactConfig.mgpu_bwd_wgs), as in
+# tokamax's sm90 flash-attention VJP: dq runs W query tiles of block_q_dq rows against each K/V
+# tile the TMA warpgroup streams, dk/dv runs W kv tiles of block_k_dkv rows against each Q/dO tile
+# (each K/V or Q/dO load feeds W warpgroups' matrix products). 1 where the buffer is not a
+# multiple of W tiles.
 
 
 def _bwd_wgs(n_tiles, compute_wgs):
@@ -494,7 +488,7 @@ def _bwd_wgs(n_tiles, compute_wgs):
 
 def dq(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC, kvpos_BS,
        kvseg_BS, bounds_BIQ4, counts_BI, *, scale, window, bs: BlockSizes, interpret=False,
-       poison=False, compute_wgs=BWD_COMPUTE_WGS, heads_fastest=True, empties_last=True,
+       poison=False, compute_wgs=2, heads_fastest=True, empties_last=True,
        fold_scale=True):
   """dq_c [B, C, N, H]; programs (W query tiles of block_q_dq rows) past counts_BI are not
   written. bounds_BIQ4: per query tile of block_q_dq rows. fold_scale: as in `fwd` (1.00-1.04x
@@ -605,7 +599,7 @@ def dq(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC, 
 
 def dkv(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC, kvpos_BS,
         kvseg_BS, boundsT_BIK4, *, scale, window, bs: BlockSizes, interpret=False, poison=False,
-        compute_wgs=BWD_COMPUTE_WGS):
+        compute_wgs=2):
   """(dk, dv) [B, S, K, H]: per program W kv tiles of block_k_dkv rows (one per compute
   warpgroup), over the G query heads of its kv head and the query tiles in the union of their
   bounds (boundsT per kv tile over query tiles)."""

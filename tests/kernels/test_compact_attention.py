@@ -1,5 +1,6 @@
 """pallas_kernels.compact_attention on CPU: compaction, bounds, reference, Triton kernels in
 interpret mode (forward, dq/dk/dv, lse), fallbacks, and Triton lowering for an abstract H100."""
+import functools
 import re
 import warnings
 
@@ -10,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pallas_kernels.compact_attention import (BlockSizes, CompactAttentionFallbackWarning,
-                                              bucket_capacities, compact_attention,
+from pallas_kernels.compact_attention import (BlockSizes, CompactConfig, bucket_capacities,
+                                              compact_attention,
                                               mask_from_indices, reference_compact_attention)
 from pallas_kernels.compact_attention import api
 from pallas_kernels.compact_attention import compaction as cp
@@ -215,7 +216,7 @@ def test_reference_matches_naive_loops(kw):
   want_out, want_lse = _naive(p)
   np.testing.assert_allclose(np.asarray(out), want_out, atol=2e-5, rtol=2e-5)
   np.testing.assert_allclose(np.asarray(lse), want_lse, atol=2e-5, rtol=2e-5)
-  # the public API on CPU (impl auto) is the reference
+  # the public API's default impl is the reference
   got = compact_attention(p.q, p.k, p.v, p.active, **p.kw)
   np.testing.assert_allclose(np.asarray(got), want_out, atol=2e-5, rtol=2e-5)
 
@@ -263,12 +264,12 @@ def test_triton_matches_reference_hypothesis(seed, sparsity, T, gqa, dtype, per_
     ("kv_positions", dict(sparsity=0.3, kv_positions=True, S=96)),
 ])
 @pytest.mark.parametrize("fused_bwd", [True, False], ids=["fused_bwd", "split_bwd"])
-def test_triton_edge_cases(name, kw, fused_bwd, monkeypatch):
-  """Both backward variants: dq fused into the dk/dv kernel (atomic adds, the default) and the
-  two-kernel backward (dq; dk/dv)."""
-  monkeypatch.setattr(api, "FUSED_TRITON_BWD", fused_bwd)
+def test_triton_edge_cases(name, kw, fused_bwd):
+  """Both backward variants (CompactConfig.fused_triton_bwd): dq fused into the dk/dv kernel
+  (atomic adds) and the two-kernel backward (dq; dk/dv, the default)."""
   p = make_problem(5, **{**dict(T=64, N=4, K=2, H=32), **kw})
-  errs, bad = compare(p, dict(TRITON, bucket_fracs=(0.25,)))
+  errs, bad = compare(p, dict(TRITON, bucket_fracs=(0.25,),
+                              config=CompactConfig(fused_triton_bwd=fused_bwd)))
   assert not bad, (name, errs)
 
 
@@ -369,24 +370,25 @@ def test_no_recompilation_across_active_sets():
 # shapes the kernels cannot take
 # ------------------------------------------------------------------------------------------------
 
-def test_unsupported_shape_raises_or_falls_back(monkeypatch):
+def test_unsupported_shape_raises():
+  """A kernel asked for by name that cannot take the shape is a ValueError naming why (choosing
+  another kernel, or the reference with a warning, is condattn_jax.ops' resolver's job:
+  tests/kernels/test_ops.py); so is an unknown impl or a config field out of range."""
   p = make_problem(2, T=32, N=2, K=1, H=24, sparsity=0.5)
   with pytest.raises(ValueError, match="head_dim 24"):
     compact_attention(p.q, p.k, p.v, p.active, impl="triton", interpret=True)
-  with pytest.raises(ValueError, match="needs a GPU"):
-    compact_attention(p.q, p.k, p.v, p.active, impl="triton")
   with pytest.raises(ValueError, match="multiple of kv heads"):
     compact_attention(p.q, p.k[:, :, :1].repeat(3, 2)[:, :, :3], p.v[:, :, :1].repeat(3, 2)[:, :, :3],
                       p.active)
-  monkeypatch.setattr(api, "_default_platform", lambda: "gpu")
-  api._warn_once.cache_clear()
-  with pytest.warns(CompactAttentionFallbackWarning, match="head_dim 24"):
-    out = compact_attention(p.q, p.k, p.v, p.active)  # auto -> triton cannot -> reference
-  ref = compact_attention(p.q, p.k, p.v, p.active, impl="reference")
-  np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
-  with warnings.catch_warnings():  # warned once only
-    warnings.simplefilter("error")
-    compact_attention(p.q, p.k, p.v, p.active)
+  ok = make_problem(2, T=32, N=2, K=1, H=32, sparsity=0.5)
+  with pytest.raises(ValueError, match="Only interpret mode is supported on CPU"):  # at lowering
+    compact_attention(ok.q, ok.k, ok.v, ok.active, impl="triton")
+  with pytest.raises(ValueError, match="unknown impl 'auto'"):
+    compact_attention(p.q, p.k, p.v, p.active, impl="auto")
+  with pytest.raises(ValueError, match="mgpu_bwd_wgs=3"):
+    CompactConfig(mgpu_bwd_wgs=3)
+  with pytest.raises(ValueError, match="config must be a CompactConfig"):
+    compact_attention(p.q, p.k, p.v, p.active, impl="triton", interpret=True, config={})
 
 
 @pytest.mark.parametrize("layout", ["default", "positions", "segments"])
@@ -419,15 +421,13 @@ def test_kv_length_the_tiles_cannot_divide_is_padded_not_a_fallback(layout):
 
 
 @pytest.mark.parametrize("fused_bwd", [True, False], ids=["fused_bwd", "split_bwd"])
-def test_triton_lowers_for_h100_at_realistic_shapes(monkeypatch, fused_bwd):
+def test_triton_lowers_for_h100_at_realistic_shapes(fused_bwd):
   """Lowers the kernels to Triton IR (what the GPU compiles) for an abstract H100: ONE bucket (the
   GPU glue kernels bound the work by the active count, so there is no ladder and no lax.switch):
   the forward and the fused dk/dv/dq kernel (its atomic adds lower), or forward, dq and dk/dv,
   plus the glue: four row copies (q gathered for each pass, out and dq put back) and the dO
   gather with delta."""
   from jax.sharding import AbstractDevice, AbstractMesh
-  monkeypatch.setattr(api, "_default_platform", lambda: "gpu")
-  monkeypatch.setattr(api, "FUSED_TRITON_BWD", fused_bwd)
   B, T, N, K, H = 1, 4096, 28, 4, 128
   sds = [jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16),
          jax.ShapeDtypeStruct((B, T, K, H), jnp.bfloat16),
@@ -435,7 +435,8 @@ def test_triton_lowers_for_h100_at_realistic_shapes(monkeypatch, fused_bwd):
          jax.ShapeDtypeStruct((B, T), jnp.bool_)]
 
   def fwd_bwd(q, k, v, a):
-    f = lambda q, k, v: compact_attention(q, k, v, a, impl="triton", window=4096)
+    f = lambda q, k, v: compact_attention(q, k, v, a, impl="triton", window=4096,
+                                          config=CompactConfig(fused_triton_bwd=fused_bwd))
     out, vjp = jax.vjp(f, q, k, v)
     return out, vjp(out)
 
@@ -454,9 +455,9 @@ def test_triton_lowers_for_h100_at_realistic_shapes(monkeypatch, fused_bwd):
   assert names == sorted(attn + glue), names
 
 
-def test_mosaic_gpu_named_barriers_switch_reaches_the_forward_kernel(monkeypatch):
-  """mosaic_gpu.NAMED_BARRIERS is read when compact_attention is called and handed to the
-  forward kernel through the static config, on every call."""
+def test_mosaic_gpu_named_barriers_config_reaches_the_forward_kernel(monkeypatch):
+  """CompactConfig.mgpu_named_barriers is handed to the forward kernel through the static config,
+  on every call."""
   from pallas_kernels.compact_attention import mosaic_gpu
 
   class Seen(Exception):
@@ -469,27 +470,27 @@ def test_mosaic_gpu_named_barriers_switch_reaches_the_forward_kernel(monkeypatch
   monkeypatch.setattr(mosaic_gpu, "fwd", spy)
   p = make_problem(4, T=128, N=2, K=1, H=64, sparsity=0.5, dtype=jnp.bfloat16)
   for val in (True, False, True):
-    monkeypatch.setattr(mosaic_gpu, "NAMED_BARRIERS", val)
     with pytest.raises(Seen):
-      compact_attention(p.q, p.k, p.v, p.active, impl="mosaic_gpu", interpret=True)
+      compact_attention(p.q, p.k, p.v, p.active, impl="mosaic_gpu", interpret=True,
+                        config=CompactConfig(mgpu_named_barriers=val))
   assert seen == [True, False, True]
 
 
-@pytest.mark.parametrize("switch,values", [("UNCOMPACT_BY_GATHER", (False, True)),
-                                           ("FUSED_TRITON_BWD", (False, True)),
-                                           ("GPU_GLUE_KERNELS", (False, True))])
-def test_module_switches_are_not_lost_in_a_cached_trace(monkeypatch, switch, values):
-  """A switch set between two traces of the same shapes changes the second trace: the switches
-  are read when compact_attention is called and kept in the static config of the inner jit, not
-  read inside it (where a cached trace of the first call would be reused)."""
+@pytest.mark.parametrize("field,values", [("uncompact_by_gather", (False, True)),
+                                          ("fused_triton_bwd", (False, True)),
+                                          ("glue_kernels", (False, True))])
+def test_config_fields_change_the_program(field, values):
+  """Each CompactConfig field changes the traced program (it is part of the static config of the
+  inner jit, so calls with other knobs never share a cached trace)."""
   p = make_problem(4, T=64, N=2, K=1, H=32, sparsity=0.5)
-  if switch == "UNCOMPACT_BY_GATHER":  # the XLA way back; the GPU glue kernels have their own
-    monkeypatch.setattr(api, "GPU_GLUE_KERNELS", False)
+  base = {"glue_kernels": False} if field == "uncompact_by_gather" else {}  # XLA glue's way back
 
-  def loss(q, k, v):
-    return compact_attention(q, k, v, p.active, **TRITON).astype(jnp.float32).sum()
+  def loss(config, q, k, v):
+    return compact_attention(q, k, v, p.active, **TRITON, config=config).astype(
+        jnp.float32).sum()
   texts = []
   for val in values:
-    monkeypatch.setattr(api, switch, val)
-    texts.append(str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2)))(p.q, p.k, p.v)))
+    config = CompactConfig(**{**base, field: val})
+    texts.append(str(jax.make_jaxpr(jax.grad(functools.partial(loss, config),
+                                             argnums=(0, 1, 2)))(p.q, p.k, p.v)))
   assert texts[0] != texts[1]

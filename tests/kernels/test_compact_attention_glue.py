@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.compact_attention import api, compact_attention, glue
+from pallas_kernels.compact_attention import CompactConfig, compact_attention, glue
 from pallas_kernels.compact_attention import compaction as cp
 from pallas_kernels.compact_attention.testing import make_problem
 
@@ -89,10 +89,10 @@ def test_copy_rows_bound_is_whole_programs():
       (np.asarray(src[1, :32]) >= 0)[:, None], np.asarray(x[1])[np.asarray(src[1, :32]) % 8], 0))
 
 
-def test_gpu_path_runs_one_bucket_without_a_switch(monkeypatch):
+def test_gpu_path_runs_one_bucket_without_a_switch():
   """The GPU kernels (here Triton in interpret mode) run with one full-T bucket and no lax.switch
   (whose predicate XLA reads on the host); a ladder the caller asks for still switches, and the
-  XLA glue (GPU_GLUE_KERNELS off) keeps the default ladder. Forward and gradients agree."""
+  XLA glue (CompactConfig(glue_kernels=False)) keeps the default ladder. Forward and gradients agree."""
   p = make_problem(3, T=128, N=2, K=1, H=32, sparsity=0.7)
 
   def jaxpr_and_grads(**kw):
@@ -107,8 +107,7 @@ def test_gpu_path_runs_one_bucket_without_a_switch(monkeypatch):
   assert n_fwd(text) == 1 and "compact_attention_copy_rows" in text
   text_ladder, g_ladder = jaxpr_and_grads(bucket_fracs=(0.25, 1.0))
   assert n_fwd(text_ladder) == 2 and "compact_attention_copy_rows" in text_ladder
-  monkeypatch.setattr(api, "GPU_GLUE_KERNELS", False)
-  text_xla, g_xla = jaxpr_and_grads()
+  text_xla, g_xla = jaxpr_and_grads(config=CompactConfig(glue_kernels=False))
   assert n_fwd(text_xla) == 2 and "compact_attention_copy_rows" not in text_xla
   for a, b, c in zip(g, g_ladder, g_xla):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)

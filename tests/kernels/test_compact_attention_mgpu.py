@@ -5,7 +5,7 @@ with one). Each case takes 10-60 s on CPU."""
 import jax.numpy as jnp
 import pytest
 
-from pallas_kernels.compact_attention import BlockSizes, compact_attention
+from pallas_kernels.compact_attention import BlockSizes, CompactConfig, compact_attention
 from pallas_kernels.compact_attention.testing import compare, make_problem
 
 # Small tiles: a program holds 2 compute warpgroups x 64 query rows; kv tiles of 64.
@@ -36,13 +36,11 @@ def test_mosaic_gpu_matches_reference_interpret(name, kw):
 
 
 @pytest.mark.slow
-def test_mosaic_gpu_one_compute_warpgroup_backward_matches_reference_interpret(monkeypatch):
-  """mosaic_gpu.BWD_COMPUTE_WGS = 1: dq and dk/dv with one compute warpgroup per program."""
-  from pallas_kernels.compact_attention import mosaic_gpu
-  monkeypatch.setattr(mosaic_gpu, "BWD_COMPUTE_WGS", 1)
+def test_mosaic_gpu_one_compute_warpgroup_backward_matches_reference_interpret():
+  """CompactConfig(mgpu_bwd_wgs=1): dq and dk/dv with one compute warpgroup per program."""
   p = make_problem(3, T=256, N=4, K=2, H=64, sparsity=0.5, per_head=True, segments=2,
                    dtype=jnp.bfloat16)
-  errs, bad = compare(p, dict(MGPU, bucket_fracs=(0.5,)))
+  errs, bad = compare(p, dict(MGPU, bucket_fracs=(0.5,), config=CompactConfig(mgpu_bwd_wgs=1)))
   assert not bad, errs
 
 
@@ -95,40 +93,34 @@ def test_mosaic_gpu_rejects_what_it_cannot_take():
   with pytest.raises(ValueError, match="head_dim 32"):
     compact_attention(p.q, p.k, p.v, p.active, impl="mosaic_gpu", interpret=True)
   p = make_problem(1, T=128, N=2, K=1, H=64, dtype=jnp.bfloat16)
-  with pytest.raises(ValueError, match="needs a GPU"):
-    compact_attention(p.q, p.k, p.v, p.active, impl="mosaic_gpu")
+  with pytest.raises(ValueError, match="CompactConfig.bwd_impl='reference'"):
+    compact_attention(p.q, p.k, p.v, p.active, impl="mosaic_gpu", interpret=True,
+                      config=CompactConfig(bwd_impl="reference"))
 
 
-def test_auto_picks_the_fastest_kernel_per_pass(monkeypatch):
-  """GPU 'auto': Hopper -> Mosaic GPU both ways (AUTO_HOPPER_BWD = 'triton': Mosaic GPU forward +
-  Triton backward); other GPUs -> Triton both ways; shapes the Mosaic kernel cannot take
-  (float32) -> Triton both ways."""
+def test_backward_kernel_follows_the_config():
+  """CompactConfig.bwd_impl: None runs the forward's kernel both ways; 'triton' under a Mosaic GPU
+  forward runs the Triton backward; a shape the backward kernel cannot take is the error. (Which
+  kernel a platform gets: ops.resolve, tests/kernels/test_ops.py.)"""
   from pallas_kernels.compact_attention import api
-  monkeypatch.setattr(api, "_default_platform", lambda: "gpu")
   shp = ((1, 256, 4, 64), (1, 256, 2, 64))
-  monkeypatch.setattr(api, "_is_hopper", lambda: True)
-  got = api._resolve_impl("auto", False, *shp, jnp.bfloat16, None)
+  got = api._resolve_impl("mosaic_gpu", *shp, jnp.bfloat16, None, CompactConfig())
   assert (got[0], got[2]) == ("mosaic_gpu", "mosaic_gpu")
-  monkeypatch.setattr(api, "AUTO_HOPPER_BWD", "triton")
-  got = api._resolve_impl("auto", False, *shp, jnp.bfloat16, None)
+  got = api._resolve_impl("mosaic_gpu", *shp, jnp.bfloat16, None, CompactConfig(bwd_impl="triton"))
   assert (got[0], got[2]) == ("mosaic_gpu", "triton")
-  got = api._resolve_impl("auto", False, *shp, jnp.float32, None)
+  got = api._resolve_impl("triton", *shp, jnp.float32, None, CompactConfig())
   assert (got[0], got[2]) == ("triton", "triton")
-  monkeypatch.setattr(api, "_is_hopper", lambda: False)
-  got = api._resolve_impl("auto", False, *shp, jnp.bfloat16, None)
-  assert (got[0], got[2]) == ("triton", "triton")
+  with pytest.raises(ValueError, match="mosaic_gpu kernel cannot take this call: dtype float32"):
+    api._resolve_impl("triton", *shp, jnp.float32, None, CompactConfig(bwd_impl="mosaic_gpu"))
 
 
 @pytest.mark.slow
-def test_auto_on_hopper_mixed_passes_match_reference_interpret(monkeypatch):
-  """AUTO_HOPPER_BWD = 'triton': the Mosaic GPU forward's out / lse feed the Triton backward
+def test_mosaic_gpu_forward_triton_backward_match_reference_interpret():
+  """CompactConfig(bwd_impl='triton'): the Mosaic GPU forward's out / lse feed the Triton backward
   (interpret mode, default tiles)."""
-  from pallas_kernels.compact_attention import api
-  monkeypatch.setattr(api, "_default_platform", lambda: "gpu")
-  monkeypatch.setattr(api, "_is_hopper", lambda: True)
-  monkeypatch.setattr(api, "AUTO_HOPPER_BWD", "triton")
   p = make_problem(5, T=256, N=4, K=2, H=64, sparsity=0.7, dtype=jnp.bfloat16, window=100)
-  errs, bad = compare(p, dict(impl="auto", interpret=True))
+  errs, bad = compare(p, dict(impl="mosaic_gpu", interpret=True,
+                              config=CompactConfig(bwd_impl="triton")))
   assert not bad, errs
 
 

@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import AbstractDevice, AbstractMesh
 
-from pallas_kernels.compact_attention import BlockSizes, TPU_BLOCK_SIZES, api, compact_attention
+from pallas_kernels.compact_attention import BlockSizes, TPU_BLOCK_SIZES, compact_attention
 from pallas_kernels.compact_attention.testing import compare, make_problem
 
 T128 = BlockSizes(block_q=128, block_k=128, block_q_dq=128, block_k_dq=128, block_q_dkv=128,
@@ -54,9 +54,8 @@ def test_mosaic_rejects_bad_blocks():
 
 @pytest.mark.parametrize("chip", ["TPU v5 lite", "TPU v6 lite"])
 @pytest.mark.parametrize("per_head", [False, True])
-def test_mosaic_lowers_for_tpu_at_realistic_shapes(monkeypatch, chip, per_head):
+def test_mosaic_lowers_for_tpu_at_realistic_shapes(chip, per_head):
   """jax.export lowers the forward and backward kernels to Mosaic (rejects bad block shapes)."""
-  monkeypatch.setattr(api, "_default_platform", lambda: "tpu")
   B, T, N, K, H = 1, 8192, 28, 4, 128
   act = (B, T, N) if per_head else (B, T)
   sds = [jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16),
@@ -66,7 +65,7 @@ def test_mosaic_lowers_for_tpu_at_realistic_shapes(monkeypatch, chip, per_head):
          jax.ShapeDtypeStruct((B, T), jnp.int32)]
 
   def fwd_bwd(q, k, v, a, seg):
-    f = lambda q, k, v: compact_attention(q, k, v, a, impl="auto", window=4096,
+    f = lambda q, k, v: compact_attention(q, k, v, a, impl="mosaic_tpu", window=4096,
                                           q_segment_ids_BT=seg, kv_segment_ids_BS=seg,
                                           bucket_fracs=(0.25,))
     out, vjp = jax.vjp(f, q, k, v)

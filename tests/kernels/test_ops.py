@@ -3,6 +3,8 @@ every implementation against the reference, impl selection per LOWERING platform
 this CPU host for cpu / cuda / tpu), per-shard kernels under the 8-device mesh, loud kernel-import
 failures, and one-line errors."""
 import contextlib
+import dataclasses
+import functools
 import re
 import sys
 
@@ -13,6 +15,8 @@ import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from condattn_jax import ops
+from condattn_jax.attention.elastic import composite
+from pallas_kernels.backends import Platform
 
 # ------------------------------------------------------------------------------------------------
 # Obviously-right references: one (query, key) pair at a time
@@ -207,7 +211,7 @@ def test_pallas_interpret_matches_reference(backend, layout):
     pos = np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))
     spec = ops.MaskSpec(pos, pos, window=T // 3, contiguous=True)
   q, k, v = _qkv(rng, B, T, S, N, K, H)
-  f = lambda q, k, v: ops.attention(q, k, v, spec, impl="pallas", pallas_backend=backend)
+  f = lambda q, k, v: ops.attention(q, k, v, spec, impl=backend)  # the kernel, interpret mode
   out = jax.jit(f)(q, k, v)
   np.testing.assert_allclose(out, ops.attention(q, k, v, spec, impl="reference"), atol=1e-5)
 
@@ -243,6 +247,8 @@ def test_auto_on_cpu_is_the_reference_eager_and_jitted():
 B_, T_, N_, K_, H_ = 2, 256, 4, 2, 64
 _H100 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
     device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"))
+_A100 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+    device_kind="NVIDIA A100-SXM4-80GB", num_cores=108, platform="gpu"))
 _TPU = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
     device_kind="TPU v5 lite", num_cores=1, platform="tpu"))
 _DISABLED = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton"),
@@ -267,11 +273,11 @@ def _specs():
   }
 
 
-def _export(spec, platform, *, grad=False, impl="auto", mesh=None, Tq=None):
+def _export(spec, platform, *, grad=False, impl="auto", mesh=None, Tq=None, attend=ops.attention):
   Tq = Tq or spec.q_positions_BT.shape[1]
   sds = [jax.ShapeDtypeStruct(s, jnp.bfloat16)
          for s in ((B_, Tq, N_, H_), (B_, T_, K_, H_), (B_, T_, K_, H_))]
-  f = lambda q, k, v: ops.attention(q, k, v, spec, impl=impl)
+  f = lambda q, k, v: attend(q, k, v, spec, impl=impl)
   if grad:
     f0 = f
     f = lambda q, k, v: jax.grad(lambda *a: f0(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))(
@@ -291,6 +297,7 @@ def _kernels(text):
     if target == "__gpu$xla.gpu.triton":
       name = re.search(r'name = "([^"]+)"', line).group(1)
       found.add("tokamax-triton" if name.startswith("pallas_flash_attention") else
+                "glue-triton" if name.startswith("compact_attention_copy_rows") else
                 "compact-triton" if name.startswith("compact_attention") else "triton:" + name)
     elif target.startswith("__cudnn$fmha"):
       found.add("cudnn")
@@ -312,10 +319,11 @@ def _reference_sized(text, B, T, S):
 def test_auto_picks_per_lowering_platform(grad):
   specs = _specs()
   # no cuDNN in this process (the next test fakes one); tokamax only for causal documents: with a
-  # window its backward visits every causal tile, the compacted kernel's bounds stop at the window
-  want_cuda = {"unpacked": {"compact-triton"}, "packed-window": {"compact-triton"},
-               "packed": {"tokamax-triton"}, "active": {"compact-triton"},
-               "per-head": {"compact-triton"}, "cache": {"compact-triton"}}
+  # window it visits every causal tile, the compacted kernel's bounds stop at the window. On an
+  # H100 the compacted kernel is Mosaic GPU (its gathers / putting back: the Triton glue kernels)
+  mgpu = {"mosaic-gpu", "glue-triton"}
+  want_cuda = {"unpacked": mgpu, "packed-window": mgpu, "packed": {"tokamax-triton"},
+               "active": mgpu, "per-head": mgpu, "cache": mgpu}
   for name, want in want_cuda.items():
     text = _export(specs[name], "cuda", grad=grad, mesh=_H100)
     assert _kernels(text) == want, (name, _kernels(text))
@@ -343,7 +351,7 @@ def fake_cudnn(monkeypatch):
     def cudnn_get_version():
       return 91000
   monkeypatch.setattr(fa, "cuda_versions", FakeVersions)
-  monkeypatch.setattr(ops, "_host_platforms", lambda: {"cuda"})
+  monkeypatch.setattr(ops, "_targets", lambda: {"cuda": Platform("cuda", "NVIDIA H100 80GB HBM3")})
 
 
 def test_auto_picks_cudnn_for_unpacked_when_cudnn_is_present(fake_cudnn):
@@ -378,7 +386,7 @@ def test_other_branches_residuals_are_dead_after_compilation(monkeypatch):
     return jnp.sum(jax.lax.scan(layer, x, w)[0] ** 2)
 
   def compiled(branches):
-    monkeypatch.setattr(ops, "_branches", lambda impl, q, mask, scale, pb: branches(scale))
+    monkeypatch.setattr(ops, "_branches", lambda impl, q, mask, scale: branches(scale))
     step = jax.jit(jax.grad(loss))
     return step.lower(w, x).compile().memory_analysis().temp_size_in_bytes, step(w, x)
 
@@ -398,16 +406,81 @@ def test_masks_no_kernel_takes_use_the_reference_with_a_warning(caplog):
   ops._warn_once.cache_clear()
   text = _export(_specs()["sinks"], "cuda", mesh=_H100)
   assert _kernels(text) == set() and _reference_sized(text, B_, T_, T_)
-  assert "no kernel takes sink tokens" in caplog.text
+  assert "no kernel takes this call (sink tokens" in caplog.text
 
 
-def test_explicit_pallas_exports_the_kernel_for_each_platform():
+def test_explicit_impls_export_their_kernel_for_each_platform():
+  """Every kernel name reaches its kernel: 'pallas' is the resolver's Pallas kernel (Mosaic GPU
+  on an H100, Triton on an A100), 'triton' / 'mosaic_gpu' / 'mosaic_tpu' that kernel; a kernel
+  name lowered for a platform it does not compile for is a lowering error naming it."""
   spec = _specs()["cache"]
-  assert _kernels(_export(spec, "cuda", impl="pallas", mesh=_H100)) == {"compact-triton"}
+  assert _kernels(_export(spec, "cuda", impl="pallas", mesh=_H100)) == {"mosaic-gpu", "glue-triton"}
+  assert _kernels(_export(spec, "cuda", impl="pallas", mesh=_A100)) == {"compact-triton",
+                                                                       "glue-triton"}
+  assert _kernels(_export(spec, "cuda", impl="mosaic_gpu", mesh=_H100)) == {"mosaic-gpu",
+                                                                           "glue-triton"}
+  assert _kernels(_export(spec, "cuda", impl="triton", mesh=_H100)) == {"compact-triton",
+                                                                       "glue-triton"}
   assert _kernels(_export(spec, "tpu", impl="pallas", mesh=_TPU)) == {"mosaic-tpu"}
+  assert _kernels(_export(spec, "tpu", impl="mosaic_tpu", mesh=_TPU)) == {"mosaic-tpu"}
+  with pytest.raises(ValueError, match="impl='mosaic_gpu' cannot take this call: .*Hopper"):
+    _export(spec, "cuda", impl="mosaic_gpu", mesh=_A100)
+  with pytest.raises(ValueError, match="impl='mosaic_tpu': no compact kernel of that name lowers "
+                                       "for cuda"):
+    _export(spec, "cuda", impl="mosaic_tpu", mesh=_H100)
   # on CPU, impl='pallas' is the kernel in interpret mode: no custom call, no [T, S] logits
   text = _export(spec, "cpu", impl="pallas")
   assert _kernels(text) == set() and not _reference_sized(text, B_, 16, T_)
+
+
+_PLATFORMS = dict(h100=Platform("cuda", "NVIDIA H100 80GB HBM3"),
+                  a100=Platform("cuda", "NVIDIA A100-SXM4-80GB"),
+                  mi300=Platform("rocm", "AMD Instinct MI300X"), tpu=Platform("tpu", "TPU v5 lite"),
+                  cpu=Platform("cpu"))
+
+
+def test_the_resolver_picks_per_lowering_platform_and_device_kind():
+  """ops.resolve, the one resolver: compacted attention on an H100 -> Mosaic GPU, on other CUDA /
+  ROCm GPUs -> Triton, on TPU -> Mosaic TPU, on CPU -> no kernel (the reference); a shape the
+  first choice cannot take moves to the next; an explicit kernel name is that kernel or None with
+  its reason. The block-sparse package resolves the same way."""
+  q, kv, bf16 = (1, 256, 4, 64), (1, 256, 2, 64), jnp.bfloat16
+  pick = lambda impl, plat, dtype=bf16, q=q, kv=kv, kind="compact", **kw: ops.resolve(
+      kind, impl, q, kv, dtype, _PLATFORMS[plat], **kw)
+  name = lambda r: None if r[0] is None else r[0].name
+  want = dict(h100="mosaic_gpu", a100="triton", mi300="triton", tpu="mosaic_tpu", cpu=None)
+  for plat, kernel in want.items():
+    assert name(pick("auto", plat)) == name(pick("pallas", plat)) == kernel, plat
+  assert name(pick("auto", "h100", jnp.float32)) == "triton"  # Mosaic GPU: 16-bit floats only
+  assert name(pick("triton", "h100")) == "triton"
+  backend, why = pick("mosaic_gpu", "a100")
+  assert backend is None and "needs a Hopper GPU" in why[0]
+  backend, why = pick("auto", "h100", q=(1, 256, 4, 24), kv=(1, 256, 2, 24))
+  assert backend is None and [w.split(":")[0] for w in why] == ["mosaic_gpu", "triton"]  # cuda's
+  assert all("head_dim 24" in w for w in why)
+  # the block-sparse kernels (their tiles are the lists' blocks)
+  blocks = dict(block_q=128, block_k=128, kind="block_sparse")
+  assert name(pick("auto", "a100", **blocks)) == "triton"
+  assert name(pick("auto", "tpu", **blocks)) == "mosaic_tpu"
+  assert name(pick("auto", "cpu", **blocks)) is None
+  assert name(pick("auto", "h100", **blocks)) in ("mosaic_gpu", "triton")  # Mosaic GPU: issue 31
+
+
+def test_the_compact_backends_carry_their_config():
+  """A backend variant is dataclasses.replace(backend, config=...): its supports() checks the
+  backward kernel of the config too, and calling it runs compact_attention with that config."""
+  from pallas_kernels.compact_attention import BACKENDS, CompactConfig
+  mgpu = next(b for b in BACKENDS if b.name == "mosaic_gpu")
+  q, kv = (1, 256, 4, 64), (1, 256, 2, 64)
+  assert mgpu.supports(q, kv, jnp.bfloat16, _PLATFORMS["h100"]) is None
+  tbwd = dataclasses.replace(mgpu, config=CompactConfig(bwd_impl="triton"))
+  assert tbwd.supports(q, kv, jnp.bfloat16, _PLATFORMS["h100"]) is None
+  q24, kv24 = (1, 256, 4, 48), (1, 256, 2, 48)  # Triton backward: power-of-two head_dim only
+  assert "head_dim 48" in dataclasses.replace(
+      next(b for b in BACKENDS if b.name == "triton")).supports(q24, kv24, jnp.bfloat16,
+                                                              _PLATFORMS["a100"])
+  with pytest.raises(ValueError, match="CompactConfig.bwd_impl='cuda'"):
+    CompactConfig(bwd_impl="cuda")
 
 
 def test_lowering_for_a_platform_this_host_cannot_trace_is_a_clear_error():
@@ -442,8 +515,8 @@ def test_explicit_impls_that_cannot_take_the_call_raise():
     ops.attention(x, x, x, ops.MaskSpec(pos, pos), impl="pallas")
   with pytest.raises(ValueError, match="unknown impl 'nope'"):
     ops.attention(q, k, k, specs["unpacked"], impl="nope")
-  with pytest.raises(ValueError, match="pallas_backend='gpu'"):
-    ops.attention(q, k, k, specs["unpacked"], impl="pallas", pallas_backend="gpu")
+  with pytest.raises(ValueError, match="impl='mosaic_gpu' cannot take this call: .*float32"):
+    ops.attention(x, x, x, ops.MaskSpec(pos, pos), impl="mosaic_gpu")
 
 
 def test_malformed_masks_are_one_line_errors():
@@ -530,13 +603,13 @@ def test_without_tokamax_auto_uses_the_compacted_kernel(monkeypatch):
   for name in ["tokamax"] + [m for m in sys.modules if m.startswith("tokamax.")]:
     monkeypatch.setitem(sys.modules, name, None)  # `import tokamax...` raises ImportError
   specs = _specs()
-  assert _kernels(_export(specs["packed"], "cuda", mesh=_H100)) == {"compact-triton"}
+  assert _kernels(_export(specs["packed"], "cuda", mesh=_H100)) == {"mosaic-gpu", "glue-triton"}
   with pytest.raises(ValueError, match=r"impl='tokamax'.*tokamax cannot be imported.*pip install"):
     _export(specs["packed"], "cuda", impl="tokamax", mesh=_H100)
 
 
 # ------------------------------------------------------------------------------------------------
-# Full heads on cuDNN, the rest in the block-sparse launch (BlockLists.dense_full_heads)
+# Full heads on cuDNN, the rest in the block-sparse launch (Elastic's composite)
 # ------------------------------------------------------------------------------------------------
 
 def _split_case(rng, B=2, T=64, N=8, K=4, H=16, bq=16):
@@ -552,8 +625,7 @@ def _split_case(rng, B=2, T=64, N=8, K=4, H=16, bq=16):
   mode[0, 2:4] = mode[0, 6:8] = ops.HEAD_FULL
   mode[1, 4:6] = ops.HEAD_FULL
   mode[1, 0] = ops.HEAD_FULL
-  bl = ops.BlockLists(jnp.asarray(lists), jnp.asarray(mode), block_q=bq, block_k=bq,
-                      dense_full_heads=True)
+  bl = ops.BlockLists(jnp.asarray(lists), jnp.asarray(mode), block_q=bq, block_k=bq)
   return (q, k, v), ops.MaskSpec(pos, pos, block_lists=bl, contiguous=True)
 
 
@@ -570,7 +642,7 @@ def test_split_full_heads_matches_the_reference_with_gradients():
     return ops.attention(q, k, v, m, impl="reference")
 
   sparse_fn = ops._block_sparse(None, "triton", interpret=True)  # the kernel, interpret mode
-  split = lambda q, k, v: ops.split_full_heads(q, k, v, mask, dense_fn, sparse_fn)
+  split = lambda q, k, v: composite.split_full_heads(q, k, v, mask, dense_fn, sparse_fn)
   ref = lambda q, k, v: ops.attention(q, k, v, mask, impl="reference")
   np.testing.assert_allclose(split(q, k, v), ref(q, k, v), atol=2e-5)
   assert 4 in calls  # lax.switch traced every head count; C = 2 KV heads = 4 query heads ran
@@ -582,8 +654,9 @@ def test_split_full_heads_matches_the_reference_with_gradients():
 
 
 def test_auto_on_cuda_runs_full_heads_on_cudnn_when_asked(fake_cudnn, monkeypatch):
-  """dense_full_heads: the cuda branch lowers cuDNN next to the block-sparse kernel (forward and
-  backward); without it, or with a window, no cuDNN. (cuDNN's lowering needs no abstract mesh,
+  """composite.attention(dense_full_heads=True): the cuda branch lowers cuDNN next to the
+  block-sparse kernel the resolver picks (forward and backward); without it, or with a window,
+  no cuDNN. (cuDNN's lowering needs no abstract mesh,
   Triton's needs one: the block-sparse kernel is lowered in interpret mode here.)"""
   sparse_calls = []
   interpreted = ops._block_sparse
@@ -598,12 +671,14 @@ def test_auto_on_cuda_runs_full_heads_on_cudnn_when_asked(fake_cudnn, monkeypatc
   lists = jnp.zeros((B, N, nq, 1), jnp.int32)
   mode = jnp.asarray(np.tile([ops.HEAD_FULL] * (N // K) + [ops.HEAD_BLOCKS] * (N - N // K),
                              (B, 1)), jnp.int32)
-  spec = lambda split, window=None: ops.MaskSpec(pos, pos, window=window, contiguous=True,
-                                                 block_lists=ops.BlockLists(
-                                                     lists, mode, block_q=64, block_k=64,
-                                                     dense_full_heads=split))
+  spec = lambda window=None: ops.MaskSpec(pos, pos, window=window, contiguous=True,
+                                          block_lists=ops.BlockLists(lists, mode, block_q=64,
+                                                                     block_k=64))
+  split = lambda split: functools.partial(composite.attention, dense_full_heads=split)
   for grad in (False, True):
-    assert "cudnn" in _kernels(_export(spec(True), "cuda", grad=grad))
-  assert sparse_calls and set(sparse_calls) == {"auto"}
-  assert "cudnn" not in _kernels(_export(spec(False), "cuda"))
-  assert "cudnn" not in _kernels(_export(spec(True, window=100), "cuda"))
+    assert "cudnn" in _kernels(_export(spec(), "cuda", grad=grad, attend=split(True)))
+  picked, _ = ops.resolve("block_sparse", "auto", (B, T, N, H_), (B, T, K, H_), jnp.bfloat16,
+                          Platform("cuda", "NVIDIA H100 80GB HBM3"), block_q=64, block_k=64)
+  assert sparse_calls and set(sparse_calls) == {picked.name}
+  assert "cudnn" not in _kernels(_export(spec(), "cuda", attend=split(False)))
+  assert "cudnn" not in _kernels(_export(spec(window=100), "cuda", attend=split(True)))
