@@ -45,6 +45,13 @@ def test_kernels_vs_reference_gpu(impl, name, dtype, pkw, kw):
   if impl != "triton":
     kw = {k: x for k, x in kw.items() if k != "block_sizes"}
   p = make_problem(len(name), dtype=jnp.dtype(dtype), **pkw)
+  if impl == "auto":  # the kernel condattn_jax.ops' resolver picks for this GPU
+    from condattn_jax import ops
+    from pallas_kernels.backends import Platform
+    backend, why = ops.resolve("compact", "auto", p.q.shape, p.k.shape, p.q.dtype,
+                               Platform("cuda", jax.devices()[0].device_kind))
+    assert backend is not None, why
+    impl = backend.name
   errs, bad = compare(p, dict(impl=impl, **kw))
   print(impl, name, dtype, errs)
   assert not bad, (impl, name, dtype, errs)
@@ -52,22 +59,21 @@ def test_kernels_vs_reference_gpu(impl, name, dtype, pkw, kw):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["aha_packed_window", "s095_empty_row_prefix"])
-def test_mosaic_gpu_named_barriers_give_the_same_bits(monkeypatch, name):
+def test_mosaic_gpu_named_barriers_give_the_same_bits(name):
   """The Mosaic GPU forward with its hand-offs on hardware named barriers (the default on the
   GPU; interpret mode cannot run them) and on mbarriers: the same arithmetic in the same order,
   so bit-identical outputs and lse, also with skipped steps (per-head sets, packed documents, a
   window, an empty row, a prefix) and no hang."""
   if not _hopper():
     pytest.skip("Mosaic GPU kernels need Hopper")
-  from pallas_kernels.compact_attention import compact_attention, mosaic_gpu
+  from pallas_kernels.compact_attention import CompactConfig, compact_attention
   pkw = dict(CASES[1][2], dtype=jnp.bfloat16) if name == "aha_packed_window" else dict(
       CASES[2][2], dtype=jnp.bfloat16)
   p = make_problem(5, **pkw)
   outs = []
   for named in (True, False):
-    monkeypatch.setattr(mosaic_gpu, "NAMED_BARRIERS", named)
     outs.append(compact_attention(p.q, p.k, p.v, p.active, impl="mosaic_gpu", return_lse=True,
-                                  **p.kw))
+                                  config=CompactConfig(mgpu_named_barriers=named), **p.kw))
   (o1, l1), (o0, l0) = outs
   assert bool(jnp.array_equal(o1, o0)) and bool(jnp.array_equal(l1, l0))
   assert not bool(jnp.isnan(o1).any())
