@@ -9,9 +9,11 @@ takes the first that supports a call), each a frozen dataclass with
                              globals: a variant is `dataclasses.replace(backend, config=...)`.
   lowers_for: tuple[str]     lowering platforms its kernel compiles for ('cpu' is never listed:
                              on CPU a kernel runs in Pallas interpret mode, by explicit name only)
-  supports(q_shape, kv_shape, dtype, platform: Platform) -> str | None
+  supports(q_shape, kv_shape, dtype, platform: Platform, **static) -> str | None
                              None if the backend takes the call when lowered for `platform`,
-                             else the one-line reason (the platform's, then the shape's)
+                             else the one-line reason (the platform's, then the shape's);
+                             static: the package's static call arguments (block_sparse:
+                             block_q, block_k; compact_attention: none)
   __call__(q, k, v, ..., interpret=False)   runs the kernel (the package's entry point with
                              impl=name and config=config)
 The resolver asks each backend for the platform it is LOWERING for (lax.platform_dependent's
