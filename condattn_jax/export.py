@@ -39,9 +39,21 @@ names, model_type 'l2a_qwen2' and attention_bias = true (the q/k/v biases under 
 What that layout cannot hold is refused with one line: pruned layers (no such notion there), a
 router bias. The options the authors' config has no field for (L2A's training knobs: lambda,
 p_force, ...) are kept in OUT/condattn_scheme.json, so an authors'-layout export loads back
-bit-exactly too. AHA's released OLMo-2 checkpoint layout could not be obtained here (the
-vLLM-AHA modelling code folds a bias-free gate into q_proj's rows, while this library's AHA
-router has a bias): AHA exports in the "condattn" layout only (README, export section).
+bit-exactly too.
+
+Layout "authors" for AHA: the router layout of the vLLM-AHA modelling code (vLLM's
+olmo2_aha.py, "Adapted from OLMo2 for All-or-Here Attention", which loads the released
+AHA-OLMo2 checkpoint): OLMo-2 names, with the router folded into q_proj as N extra output rows,
+  model.layers.i.self_attn.q_proj.weight [N*H + N, D] = [q rows ; router rows]
+  gate = sigmoid(router rows @ x) > 0.5 -> full attention, else a window of 128 tokens
+(LOCAL_WINDOW_SIZE, fixed in that code), config.json = the OLMo-2 config with architectures
+['Olmo2AHAForCausalLM']. That gate has no bias and a fixed threshold: our router
+(sigmoid(x W + b) > tau) is written exactly when b = logit(tau) on every head (then
+sigmoid(x W) > 0.5 is the same decision) and the window is 128; otherwise the export is refused
+with one line saying by how much the bias is off (train with router_bias_init = logit(tau) and a
+frozen bias, or export --layout=condattn). The bias itself travels in the sidecar, so the
+round trip is bit-exact. The released checkpoint's own config file (a custom "FAOlmo" config)
+was not obtainable here; `load_authors_aha` reads the OLMo-2 fields vLLM reads from it.
 """
 from __future__ import annotations
 
@@ -298,11 +310,17 @@ def check_tree(params, cfg: ModelConfig, where: str = "") -> None:
 _L2A_ATTN = ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
+AHA_WINDOW = 128  # vLLM-AHA's LOCAL_WINDOW_SIZE
+
+
 def _authors_specs(cfg: ModelConfig) -> list[tuple[str, tuple[str, ...], convert.TensorSpec]]:
   """(authors' name, our per-layer path, the TensorSpec that converts it) for every tensor."""
+  if cfg.scheme == "aha":
+    return _aha_specs(cfg)
   if cfg.scheme != "l2a":
-    raise ExportError(f"--layout=authors: only L2A has an authors' layout here (the awslabs L2A "
-                      f"modelling code); scheme {cfg.scheme!r} exports with --layout=condattn.")
+    raise ExportError(f"--layout=authors: only L2A and AHA have an authors' layout (the awslabs "
+                      f"L2A and the vLLM-AHA modelling code); scheme {cfg.scheme!r} exports with "
+                      "--layout=condattn.")
   if cfg.family not in ("qwen3", "qwen2"):
     raise ExportError(f"--layout=authors: the L2A authors' code is Qwen3 (and Qwen2.5) only; this "
                       f"model is {cfg.family!r}. Use --layout=condattn.")
@@ -335,16 +353,68 @@ def _authors_specs(cfg: ModelConfig) -> list[tuple[str, tuple[str, ...], convert
   return out
 
 
-def _to_authors(spec: convert.TensorSpec, p: np.ndarray) -> np.ndarray:
+def _aha_specs(cfg: ModelConfig):
+  """AHA in vLLM-AHA's layout: the OLMo-2 tensors, q_proj with the router's N rows appended."""
+  if cfg.family != "olmo2":
+    raise ExportError(f"--layout=authors: the AHA authors' layout is OLMo-2's; this model is "
+                      f"{cfg.family!r}. Use --layout=condattn.")
+  opts = dict(cfg.scheme_kwargs)
+  if int(opts.get("window", AHA_WINDOW)) != AHA_WINDOW:
+    raise ExportError(f"--layout=authors: vLLM-AHA's local window is fixed at {AHA_WINDOW} "
+                      f"tokens; this model's window is {opts.get('window')}. Use --layout=condattn.")
+  out = []
+  D, N, H = cfg.hidden_size, cfg.num_heads, cfg.head_dim
+  for s in convert.tensor_specs(base_config(cfg)):
+    if s.path[1:] == ("self_attn", "q_proj", "kernel"):
+      # one authors' tensor from two of ours: (q kernel [D, N, H], router kernel [D, N])
+      out.append((s.hf_name, s.path, convert.TensorSpec(s.hf_name, s.path, (N * H + N, D),
+                                                        (D, N, H), "aha_q")))
+    else:
+      out.append((s.hf_name, s.path, s))
+  return out
+
+
+def _router_path(path):
+  return (path[0], "router", "kernel")
+
+
+def _to_authors(spec: convert.TensorSpec, p: np.ndarray, flat=None) -> np.ndarray:
   if spec.kind == "router":
     return np.ascontiguousarray(np.asarray(p).reshape(1, -1))
+  if spec.kind == "aha_q":
+    q = np.asarray(p).reshape(spec.shape[0], -1).T  # [N*H, D]
+    r = np.asarray(flat[_router_path(spec.path)]).T  # [N, D]
+    if r.dtype != q.dtype:
+      raise ExportError(f"--layout=authors: {'/'.join(_router_path(spec.path))} is {r.dtype}, "
+                        f"q_proj is {q.dtype}; one q_proj tensor holds both.")
+    return np.ascontiguousarray(np.concatenate([q, r], axis=0))
   return spec.to_hf(np.asarray(p))
 
 
-def _from_authors(spec: convert.TensorSpec, w: np.ndarray) -> np.ndarray:
+def _from_authors(spec: convert.TensorSpec, w: np.ndarray, out=None) -> np.ndarray:
   if spec.kind == "router":
     return np.ascontiguousarray(w.reshape(spec.shape))
+  if spec.kind == "aha_q":
+    D, N, H = spec.shape
+    out[_router_path(spec.path)] = np.ascontiguousarray(w[N * H:].T)
+    return np.ascontiguousarray(w[:N * H].T).reshape(D, N, H)
   return spec.to_tree(w)
+
+
+def _check_aha_gate(flat, cfg: ModelConfig) -> None:
+  """vLLM-AHA's gate is sigmoid(x W) > 0.5: ours, sigmoid(x W + b) > tau, is the same decision
+  only when b = logit(tau) on every head."""
+  tau = float(dict(cfg.scheme_kwargs).get("tau", 0.5))
+  want = np.float32(np.log(tau / (1.0 - tau)))
+  worst = 0.0
+  for p, v in flat.items():
+    if p[1:] == ("router", "bias"):
+      worst = max(worst, float(np.max(np.abs(np.asarray(v, np.float32) - want))))
+  if worst > 0.0:
+    raise ExportError(f"--layout=authors: vLLM-AHA's gate has no bias and a 0.5 threshold; this "
+                      f"router's bias differs from logit(tau={tau}) = {float(want):.6g} by up to "
+                      f"{worst:.3g}, so the authors' gate would route differently. Use "
+                      "--layout=condattn (or train with router_bias_init = logit(tau), bias frozen).")
 
 
 def authors_hf_config(cfg: ModelConfig, base_hf_config: dict | None = None) -> dict:
@@ -372,7 +442,9 @@ def authors_hf_config(cfg: ModelConfig, base_hf_config: dict | None = None) -> d
 def _export_authors(flat, cfg: ModelConfig, out_dir, tokenizer_dir, base_hf_config) -> list[str]:
   from safetensors.numpy import save_file
   specs = _authors_specs(cfg)
-  if any(p[1] == "router" and p[2] == "bias" for p in flat):
+  if cfg.scheme == "aha":
+    _check_aha_gate(flat, cfg)
+  elif any(p[1] == "router" and p[2] == "bias" for p in flat):
     raise ExportError("--layout=authors: this L2A router has a bias; the authors' sigmoid_linear "
                       "has none. Use --layout=condattn.")
   tensors, used = {}, set()
@@ -383,14 +455,17 @@ def _export_authors(flat, cfg: ModelConfig, out_dir, tokenizer_dir, base_hf_conf
     if tuple(p.shape) != spec.shape:
       raise ExportError(f"--layout=authors: {'/'.join(path)} has shape {tuple(p.shape)}, the "
                         f"authors' {name} needs {spec.shape}.")
-    tensors[name] = _to_authors(spec, p)
+    tensors[name] = _to_authors(spec, p, flat)
     used.add(path)
+    if spec.kind == "aha_q":
+      used.add(_router_path(path))
   own = {p: v for p, v in flat.items() if p not in used}  # nothing for today's L2A
   os.makedirs(out_dir, exist_ok=True)
   for stale in (convert.SINGLE_FILE, convert.INDEX_FILE, SIDECAR_WEIGHTS):
     if os.path.exists(os.path.join(out_dir, stale)):
       os.remove(os.path.join(out_dir, stale))
-  hf = authors_hf_config(cfg, base_hf_config)
+  hf = authors_hf_config(cfg, base_hf_config) if cfg.scheme == "l2a" else \
+      aha_hf_config(cfg, base_hf_config)
   dtypes = {t.dtype.name for t in tensors.values()}
   if len(dtypes) == 1:
     hf["torch_dtype"] = dtypes.pop()
@@ -409,18 +484,18 @@ def _read_authors(path: str, cfg: ModelConfig) -> dict[tuple[str, ...], np.ndarr
   from safetensors import safe_open
   wp = os.path.join(path, convert.SINGLE_FILE)
   if not os.path.isfile(wp):
-    raise FileNotFoundError(f"{wp} is missing: an authors'-layout L2A export holds its weights in "
+    raise FileNotFoundError(f"{wp} is missing: an authors'-layout export holds its weights in "
                             f"{convert.SINGLE_FILE}.")
   out = {}
   with safe_open(wp, framework="np") as f:
     have = set(f.keys())
     for name, p, spec in _authors_specs(cfg):
       if name not in have:
-        raise ExportError(f"{wp} lacks {name} (the authors' L2A layout of this config).")
+        raise ExportError(f"{wp} lacks {name} (the authors' {cfg.scheme} layout of this config).")
       w = f.get_tensor(name)
       if tuple(w.shape) != spec.hf_shape:
         raise ExportError(f"{wp}: {name} has shape {tuple(w.shape)}, expected {spec.hf_shape}.")
-      out[p] = _from_authors(spec, w)
+      out[p] = _from_authors(spec, w, out)
   return out
 
 
@@ -449,4 +524,40 @@ def load_authors_l2a(path: str, **overrides) -> tuple[ModelConfig, dict]:
     hf = json.load(f)
   cfg = config_from_authors(hf, **overrides)
   params = stacking.to_model_layout(_unflat(_read_authors(path, cfg)), cfg)
+  return cfg, params
+
+
+# ------------------------------------------------------------------- the AHA authors' layout
+def aha_hf_config(cfg: ModelConfig, base_hf_config: dict | None = None) -> dict:
+  """The OLMo-2 config.json vLLM-AHA reads, with its architecture name."""
+  hf = convert.normalize_hf_config(dict(base_hf_config or {}))
+  hf.pop("rope_scaling", None)
+  hf.update(base_config(cfg).to_hf_config())
+  hf["architectures"] = ["Olmo2AHAForCausalLM"]
+  return hf
+
+
+def config_from_aha(hf: dict, **overrides) -> ModelConfig:
+  """An AHA ModelConfig from vLLM-AHA's OLMo-2 config: window 128, tau 0.5 (its gate threshold),
+  learned routing; the other options keep the scheme's defaults."""
+  base = dict(hf)
+  base["model_type"] = "olmo2"
+  cfg = ModelConfig.from_hf_config(convert.normalize_hf_config(base), **overrides)
+  kw = dict(cfg.scheme_kwargs)
+  kw.update(window=AHA_WINDOW, tau=0.5, router_bias_init=0.0, routing="learned")
+  return cfg.replace(scheme="aha", scheme_kwargs=tuple(sorted(kw.items())))
+
+
+def load_authors_aha(path: str, **overrides) -> tuple[ModelConfig, dict]:
+  """A checkpoint in vLLM-AHA's layout (OLMo-2 names, router rows in q_proj) without our
+  sidecar -> (ModelConfig, params); the router bias is 0 (the authors' gate has none)."""
+  with open(os.path.join(path, convert.CONFIG_FILE)) as f:
+    hf = json.load(f)
+  cfg = config_from_aha(hf, **overrides)
+  flat = _read_authors(path, cfg)
+  dtype = [x.dtype for p, x in _flat(abstract_params(cfg)).items() if p[-2:] == ("router", "bias")][0]
+  for i in range(cfg.num_layers):
+    flat[(f"layers_{i}", "router", "bias")] = np.zeros((cfg.num_heads,), dtype)
+  params = stacking.to_model_layout(_unflat(flat), cfg)
+  check_tree(params, cfg, where=path)
   return cfg, params

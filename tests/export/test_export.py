@@ -1,6 +1,6 @@
 """export.py's library (condattn_jax/export.py): every registered scheme round-trips bit-exactly
 through the Hugging Face directory + sidecar layout; L2A also through the authors' (awslabs)
-layout; the base weights load as the dense family with the converter everyone uses; the errors
+layout (AHA's authors' layout: tests/export/test_aha_authors_parity.py); the base weights load as the dense family with the converter everyone uses; the errors
 name the parameter / file. Params are random values in each scheme's tree (jax.eval_shape of the
 init, no compilation), so every leaf carries information a wrong mapping would lose."""
 import json
@@ -147,9 +147,13 @@ def test_l2a_authors_layout_round_trip_and_names(family, tmp_path):
 
 
 def test_authors_layout_refused_for_other_schemes_and_bad_sidecars(tmp_path):
+  dense = model_cfg("dense")
+  with pytest.raises(export.ExportError, match="only L2A and AHA have an authors' layout"):
+    export.export_model(random_params(dense), dense, str(tmp_path / "d"), layout="authors")
   cfg = model_cfg("aha")
   params = random_params(cfg)
-  with pytest.raises(export.ExportError, match="only L2A has an authors' layout"):
+  with pytest.raises(export.ExportError, match="local window is fixed at 128 tokens; this model's "
+                     "window is 8"):
     export.export_model(params, cfg, str(tmp_path / "a"), layout="authors")
   out = str(tmp_path / "o")
   export.export_model(params, cfg, out)
