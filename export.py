@@ -2,14 +2,15 @@ r"""Export a trained model as a Hugging Face directory (any scheme), or check an
 
   python export.py --checkpoint=DIR --out=OUT                      # latest checkpoint of a run
   python export.py --checkpoint=DIR/checkpoints/400 --out=OUT      # one step
-  python export.py --checkpoint=DIR --out=OUT --layout=authors     # L2A: the awslabs L2A layout
+  python export.py --checkpoint=DIR --out=OUT --layout=authors     # L2A / AHA: the authors' layout
   python export.py --check=OUT                                     # load OUT back and say what it is
 
 --layout=condattn (default, every scheme): OUT/config.json + model.safetensors hold the base
 family (llama / qwen2 / qwen3 / olmo2: loads in transformers and vLLM as the dense model) and
 OUT/condattn_scheme.{json,safetensors} the scheme's own parameters and options; the tokenizer
-files of the run's data.tokenizer are copied. --layout=authors (L2A only) writes the parameter
-names and config of the L2A authors' modelling code (awslabs hybrid-model-factory, L2A-Qwen3).
+files of the run's data.tokenizer are copied. --layout=authors writes the parameter names and
+config of the authors' modelling code: L2A as awslabs hybrid-model-factory's L2A-Qwen3, AHA as
+vLLM-AHA's OLMo-2 router layout (router rows in q_proj; window 128 and a bias-free gate only).
 Both load back bit-exactly: `condattn_jax.export.load_model(OUT)`, or train / evaluate from
 them with --config.model.init_from=OUT (the scheme's parameters are kept when the run's scheme
 is the exported one). The layouts are described in condattn_jax/export.py.
@@ -29,7 +30,7 @@ _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest rea
 _OUT = flags.DEFINE_string("out", None, "Output directory (created).")
 _LAYOUT = flags.DEFINE_enum("layout", "condattn", ["condattn", "authors"],
                             "condattn: base family + scheme sidecar (every scheme); authors: the "
-                            "L2A authors' layout (L2A only).")
+                            "authors' layout (L2A, AHA).")
 _CHECK = flags.DEFINE_string("check", None, "Load this export directory back and print its "
                              "scheme and parameter count.")
 

@@ -1,8 +1,9 @@
 """Checkpoints out and in: a trained model of any scheme <-> a Hugging Face directory.
 
   files = export_model(params, model_cfg, "out/", tokenizer_dir=None)        # our layout
-  files = export_model(params, model_cfg, "out/", layout="authors")           # L2A only (below)
+  files = export_model(params, model_cfg, "out/", layout="authors")           # L2A, AHA (below)
   model_cfg, params = load_model("out/")                                      # either layout
+  model_cfg, params = load_authors_l2a(dir) / load_authors_aha(dir)           # released, no sidecar
   (python export.py --checkpoint=DIR --out=OUT [--layout=condattn|authors] is the command line)
 
 Layout "condattn" (every scheme: dense, l2a, aha, elastic, segmented, match):
