@@ -12,7 +12,15 @@ r"""Train a model:  python train.py --config=configs/<recipe>.py[:arg] --workdir
   --debug                           tracebacks for user errors, library logs below WARNING
 
 Re-running the same command resumes from the latest checkpoint in DIR/checkpoints (a corrupt or
-partial one is skipped with a warning). SIGTERM or Ctrl-C saves a checkpoint and exits (code 0);
+partial one is skipped with a warning). Re-running with changed settings (--config.train.lr,
+num_steps, ...) resumes too and says so: a warning lists the changed fields, they apply from the
+resumed step on (the lr schedule is recomputed), and the previous DIR/config.json is kept as
+DIR/config.step<N>.json. Metrics: DIR/metrics.jsonl (one record per logged step, also after a
+kill -9: the records after the resumed checkpoint are replaced), DIR/metrics.png (loss, lr, the
+scheme's headline metric; at the end and on a stop), TensorBoard event files in DIR/tb (view with
+`pip install tensorboard; tensorboard --logdir DIR/tb`). A DIR/checkpoints that cannot be written
+is refused before the first step, and stops the run at the next save (one line naming the last
+good checkpoint). SIGTERM or Ctrl-C saves a checkpoint and exits (code 0);
 a second Ctrl-C exits at once (code 130). A NaN / inf loss or gradient norm skips that update,
 stops the run (code 3) and leaves the last good checkpoint in place. One run per workdir (a lock
 file DIR/run.lock). Any bad input (config, files, checkpoint, data) is one line starting with
