@@ -189,3 +189,22 @@ def test_segmented_engine_picks_a_valid_prefill_chunk():
     np.testing.assert_allclose(a, b, atol=1e-4)
   with pytest.raises(ValueError, match="prefill_chunk=6"):
     Engine(cfg, params, cache_len=32, prefill_chunk=6).prefill(rows)
+
+
+def test_row_stats_of_per_row_values_average_the_steps_that_ran_the_row():
+  """Aux without a token count (Elastic's fa_BK: a per-row decision) is averaged over the steps
+  in which the row had tokens; a count aux (with tokens_B) is divided by the tokens."""
+  from condattn_jax.inference.engine import _RowStats
+  st = _RowStats()
+  st.add({"fa_BK": np.array([[[1.0, 0.0], [0.0, 1.0]]])}, np.array([3, 0]))  # row 1 idle
+  st.add({"fa_BK": np.array([[[0.0, 0.0], [1.0, 1.0]]])}, np.array([1, 2]))
+  np.testing.assert_allclose(st.row(0)["fa_BK"], [[0.5, 0.0]])
+  np.testing.assert_allclose(st.row(1)["fa_BK"], [[1.0, 1.0]])
+  st = _RowStats()
+  st.add({"global_tokens_B": np.array([[2.0, 0.0]]), "tokens_B": np.array([[4.0, 0.0]])},
+         np.array([4, 0]))
+  st.add({"global_tokens_B": np.array([[1.0, 1.0]]), "tokens_B": np.array([[1.0, 2.0]])},
+         np.array([1, 2]))
+  np.testing.assert_allclose(st.row(0)["global_tokens_B"], [3 / 5])
+  np.testing.assert_allclose(st.row(1)["tokens"], [2.0])
+  np.testing.assert_allclose(st.row(1)["global_tokens_B"], [0.5])
