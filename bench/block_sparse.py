@@ -20,7 +20,10 @@ Variants, each forward and forward+backward (grad of sum(out * ct) w.r.t. q, k, 
   cudnn        dense causal cuDNN over all heads (the baseline: speedups are cudnn / variant).
 Every variant is checked first against the reference at a small shape (and NaN-checked at the
 timed shape), then timed in the same process: 2 warm-ups, median of --n, block_until_ready.
-Writes $OUT (or --out-dir) /block_sparse_<device>.json and prints the table last.
+Appends a run (bench/common.py's schema 1: the result verbatim under `recorded`, issue 31's
+targets as claims) to $OUT (or --out-dir) /block_sparse_<device>.json and prints the table last.
+--impl mosaic_gpu times the Hopper kernel; --kernels-alone adds its three kernels timed alone
+(all heads full) beside cuDNN's forward and backward.
 """
 from __future__ import annotations
 
@@ -63,6 +66,7 @@ class Settings:
   impl: str = "triton"
   interpret: bool = False
   variants: tuple = ("fused", "per_group", "cudnn_group", "ours_dense")
+  kernels_alone: bool = False      # mosaic_gpu: time fwd / dq / dk/dv alone, all heads full
 
 
 PRESETS = {
@@ -240,15 +244,17 @@ def run(s: Settings, log=print, out_dir=None):
                 timing=f"median of {s.n} after 2 warm-ups", check_small=[], rows=[])
   from pallas_kernels.block_sparse import api
   result["triton_fwd_sub_tile"] = api.TRITON_FWD_SUB_TILE
+  result["impl"] = s.impl
   path = None
   if out_dir is not None:
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, f"block_sparse_{dev.device_kind.replace(' ', '_')}.json")
+  appended = []
 
   def write():
     if path is not None:
-      with open(path, "w") as fh:
-        json.dump(result, fh, indent=1)
+      append_run(path, to_run(result, s.impl), replace_last=bool(appended))
+      appended.append(True)
 
   result["check_small"] = check_small(s, log)
   write()
@@ -288,8 +294,119 @@ def run(s: Settings, log=print, out_dir=None):
         log(json.dumps(dict(T=T, omega=omega, variant=name, **r)))
       result["rows"].append(row)
       write()
+  if s.kernels_alone and s.impl == "mosaic_gpu" and on_gpu():
+    result["kernels_alone"] = []
+    for T in s.Ts:
+      mode = jnp.full((s.B, s.N), HEAD_FULL, jnp.int32)
+      result["kernels_alone"].append(dict(T=T, heads="all full", **kernels_alone(s, T, mode, log)))
+      write()
   log(table(result))
   return result
+
+
+def kernels_alone(s: Settings, T: int, mode, log=print) -> dict:
+  """The three kernels of `s.impl` timed alone (tables built outside the timed calls) at T with
+  head modes `mode`, beside cuDNN's forward and forward+backward in the same process: ms and
+  TFLOP/s of the useful matrix products (forward 2, backward 5 per visible pair: 4 H flops each
+  for 2 products); dq and dk/dv each recompute Q K^T (and dO V^T), 7 products in all."""
+  from pallas_kernels.block_sparse import api, tables as tb
+  q, k, v, ct = inputs(s, T, 0)
+  lists = lists_for(s, T)
+  B, _, N, H = q.shape
+  cfg = api._Config(backend=s.impl, scale=H ** -0.5, window=None, sinks=0, block_q=s.block,
+                    block_k=s.block, interpret=s.interpret, poison=False)
+  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  meta = api._normalise(B, T, T, N, lists, mode, pos, pos, None, None, None)
+  mod = api._backend_module(s.impl)
+  kw = api._mgpu_kw(cfg)
+  steps, count = jax.jit(lambda m: api._mgpu_tables(cfg, m))(meta)
+  tsteps, tcount = jax.jit(lambda a, c: tb.transposed_step_tables(a, c, s.K))(steps, count)
+  rest = (meta.qpos_BT, meta.kseg_q_BIT, meta.kvpos_BS, meta.kseg_kv_BS)
+  fwd = jax.jit(lambda q, k, v: mod.fwd(q, k, v, steps, count, *rest, **kw))
+  out, lse = fwd(q, k, v)
+  delta = jnp.swapaxes(jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32), -1), 1, 2)
+  dq = jax.jit(lambda q, k, v: mod.dq(q, k, v, ct, lse, delta, steps, count, *rest, **kw))
+  dkv = jax.jit(lambda q, k, v: mod.dkv(q, k, v, ct, lse, delta, tsteps, tcount, *rest, **kw))
+  pairs = visible_fraction(s, T, lists, mode) * T * (T + 1) / 2 * N
+  res = {}
+  for name, f, prods in (("fwd", fwd, 2), ("dq", dq, 3), ("dkv", dkv, 4)):
+    ms = bench(f, q, k, v, n=s.n)
+    res[name] = dict(ms=ms, tflops_issued=pairs * 2 * H * prods / ms / 1e9)
+  res["bwd_ms"] = res["dq"]["ms"] + res["dkv"]["ms"]
+  res["bwd_tflops_useful"] = pairs * 2 * H * 5 / res["bwd_ms"] / 1e9
+  base = dense(s)
+  cf = bench(jax.jit(base), q, k, v, n=s.n)
+  cfb = bench(fwd_bwd(base, ct), q, k, v, n=s.n)
+  full_pairs = T * (T + 1) / 2 * N
+  res["cudnn"] = dict(fwd_ms=cf, bwd_ms=cfb - cf, fwd_tflops=full_pairs * 4 * H / cf / 1e9,
+                      bwd_tflops_useful=full_pairs * 10 * H / (cfb - cf) / 1e9)
+  log(json.dumps(dict(T=T, kernels_alone=res)))
+  return res
+
+
+# Issue 31's targets for the Mosaic GPU kernel (one H100, same process): (T, omega, variant, key,
+# floor); recorded as the run's claims where the run holds the row.
+TARGETS = ((65536, 0.7, "fused", "speedup_fwd", 2.9), (65536, 0.7, "fused", "speedup_fwdbwd", 2.7),
+           (65536, 0.7, "ours_dense", "speedup_fwd", 0.95))
+# Targets the run reports as missed instead (not claims): (T, omega, variant, key, target).
+REPORTED = ((65536, 0.7, "ours_dense", "speedup_fwdbwd", 0.95),)
+
+
+def claims_of(result) -> list:
+  """The run's claims ({name, passed, detail}): the small check against the reference, and for a
+  mosaic_gpu run the TARGETS whose rows it holds."""
+  out = [dict(name="every variant matches the reference at check_T", passed=bool(
+      result["check_small"]) and all(c["ok"] for c in result["check_small"]), detail={})]
+  if result["settings"]["impl"] != "mosaic_gpu":
+    return out
+  rows = {(r["T"], r["omega"]): r for r in result["rows"]}
+  for T, om, var, key, floor in TARGETS:
+    v = rows.get((T, om), {}).get("variants", {}).get(var)
+    if v and key in v:
+      out.append(dict(name=f"T={T} omega={om} {var} {key} >= {floor}", passed=v[key] >= floor,
+                      detail=dict(value=v[key])))
+  return out
+
+
+def to_run(result, name: str) -> dict:
+  """A run of bench/common.py's result schema (schema 1) holding `result` verbatim."""
+  commit = None
+  try:
+    import subprocess
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, cwd=os.path.dirname(os.path.abspath(__file__))
+                            ).stdout.strip() or None
+  except OSError:
+    pass
+  missed = []
+  rows = {(r["T"], r["omega"]): r for r in result["rows"]}
+  for T, om, var, key, target in REPORTED:
+    v = rows.get((T, om), {}).get("variants", {}).get(var)
+    if v and key in v and v[key] < target:
+      missed.append(dict(T=T, omega=om, variant=var, key=key, target=target, value=v[key]))
+  return dict(bench="block_sparse", device=result["device"], jax_version=result["jax_version"],
+              date=result["date"], git_commit=commit,
+              settings={**result["settings"], "name": name}, rows=result["rows"],
+              claims=claims_of(result), recorded={**result, "targets_missed": missed})
+
+
+def append_run(path: str, run: dict, replace_last: bool = False) -> dict:
+  """Append `run` to the schema-1 result file at `path` (created if absent), or replace its last
+  run (a bench saving progress on the run it appended)."""
+  if os.path.exists(path):
+    with open(path) as fh:
+      data = json.load(fh)
+    if data.get("schema") != 1 or data.get("bench") != "block_sparse":
+      raise ValueError(f"{path}: not a schema-1 block_sparse result file")
+  else:
+    data = dict(schema=1, bench="block_sparse", device=run["device"], runs=[])
+  if replace_last and data["runs"]:
+    data["runs"][-1] = run
+  else:
+    data["runs"].append(run)
+  with open(path, "w") as fh:
+    json.dump(data, fh, indent=1)
+  return data
 
 
 def table(result) -> str:
@@ -320,6 +437,9 @@ def main():
                   help="Triton forward kv sub-tile (divides the block; 0: the api's default)")
   ap.add_argument("--impl", default="", choices=["", "triton", "mosaic_gpu"],
                   help="the block-sparse kernel timed (default: the preset's, triton)")
+  ap.add_argument("--kernels-alone", action="store_true",
+                  help="mosaic_gpu: also time the forward, dq and dk/dv kernels alone (all heads "
+                       "full) beside cuDNN")
   ap.add_argument("--out-dir", default=os.environ.get("OUT", "bench/results"))
   args = ap.parse_args()
   s = PRESETS[args.preset]
@@ -336,6 +456,8 @@ def main():
     kw["fwd_sub_tile"] = args.fwd_sub_tile
   if args.impl:
     kw["impl"] = args.impl
+  if args.kernels_alone:
+    kw["kernels_alone"] = True
   s = dataclasses.replace(s, **kw)
   set_fwd_sub_tile(s.fwd_sub_tile, s.block)
   if s.preset != "test" and not on_gpu():

@@ -2,8 +2,8 @@
 
 Importable without condattn_jax. See README.md beside this file.
 """
-from .api import (HEAD_BLOCKS, HEAD_FULL, IMPLS, BlockSparseFallbackWarning,
+from .api import (HEAD_BLOCKS, HEAD_FULL, HEAD_WINDOW_BLOCKS, IMPLS, BlockSparseFallbackWarning,
                   block_sparse_attention, kernel_support)
 
-__all__ = ["HEAD_BLOCKS", "HEAD_FULL", "IMPLS", "BlockSparseFallbackWarning",
+__all__ = ["HEAD_BLOCKS", "HEAD_FULL", "HEAD_WINDOW_BLOCKS", "IMPLS", "BlockSparseFallbackWarning",
            "block_sparse_attention", "kernel_support"]

@@ -19,8 +19,14 @@ def test_test_preset_writes_checked_rows(tmp_path):
   res = bench.run(bench.PRESETS["test"], log=lambda *_: None, out_dir=str(tmp_path))
   files = list(tmp_path.iterdir())
   assert len(files) == 1 and files[0].name.startswith("block_sparse_")
-  on_disk = json.loads(files[0].read_text())
-  assert on_disk["rows"] == json.loads(json.dumps(res["rows"]))
+  data = json.loads(files[0].read_text())
+  assert data["schema"] == 1 and data["bench"] == "block_sparse" and len(data["runs"]) == 1
+  run = data["runs"][0]
+  assert run["settings"]["name"] == "triton" and run["claims"][0]["passed"]
+  on_disk = run["recorded"]
+  assert on_disk["rows"] == run["rows"] == json.loads(json.dumps(res["rows"]))
+  bench.run(bench.PRESETS["test"], log=lambda *_: None, out_dir=str(tmp_path))
+  assert len(json.loads(files[0].read_text())["runs"]) == 2     # appended, not overwritten
   assert on_disk["device"] and on_disk["jax_version"] and on_disk["date"]
   checks = on_disk["check_small"]
   assert {c["variant"] for c in checks} == {"fused", "per_group"} and all(c["ok"] for c in checks)
@@ -58,8 +64,7 @@ def test_recorded_gpu_result():
   launch is >= 1.85x cuDNN dense forward and forward+backward at 32K, and >= 2.1x at 64K; our
   kernel with every head full runs at >= 0.72x cuDNN forward (the unmasked range's affine kv
   addresses; 0.60-0.64x before)."""
-  path = os.path.join(ROOT, "bench", "results", "block_sparse_NVIDIA_H100_80GB_HBM3.json")
-  r = json.load(open(path))
+  r = _run(H100, "triton")["recorded"]
   assert r["jax_version"] == "0.11.2" and r["date"][:4] >= "2026"
   assert r["check_small"] and all(c["ok"] for c in r["check_small"])
   rows = {(x["T"], x["omega"]): x for x in r["rows"]}
@@ -75,3 +80,73 @@ def test_recorded_gpu_result():
     assert min(f["speedup_fwd"], f["speedup_fwdbwd"]) >= floor
     assert rows[T, 0.7]["variants"]["ours_dense"]["speedup_fwd"] >= 0.72
   assert r["triton_fwd_sub_tile"] == 128
+
+
+H100 = os.path.join(ROOT, "bench", "results", "block_sparse_NVIDIA_H100_80GB_HBM3.json")
+README = os.path.join(ROOT, "pallas_kernels", "block_sparse", "README.md")
+
+
+def _run(path, name):
+  data = json.load(open(path))
+  assert data["schema"] == 1 and data["bench"] == "block_sparse"
+  (run,) = [r for r in data["runs"] if r["settings"]["name"] == name]
+  assert all(c["passed"] for c in run["claims"]), run["claims"]
+  return run
+
+
+def test_recorded_mosaic_gpu_run_meets_issue_31_targets_and_the_readme_quotes_it():
+  """The Mosaic GPU run on one H100: the small check passed; every (T, SSA share) row ran without
+  NaN, speedups follow from the ms; issue 31's targets at 64K, 70% SSA heads (>= 2.9x cuDNN
+  forward, >= 2.7x forward+backward in one launch; all heads full >= 0.95x forward) are claims
+  that passed; the all-full forward+backward miss is recorded with its kernels-alone profile;
+  and the README's results table quotes these numbers (2 decimals)."""
+  run = _run(H100, "mosaic_gpu")
+  r = run["recorded"]
+  assert r["device"] == "NVIDIA H100 80GB HBM3" and r["jax_version"] == "0.11.2"
+  assert r["settings"]["impl"] == "mosaic_gpu" and all(c["ok"] for c in r["check_small"])
+  names = {c["name"] for c in run["claims"]}
+  assert {f"T=65536 omega=0.7 {v} {k} >= {f}" for _, _, v, k, f in bench.TARGETS} <= names
+  rows = {(x["T"], x["omega"]): x for x in r["rows"]}
+  assert set(rows) == {(T, o) for T in (32768, 65536) for o in (0.3, 0.7)}
+  for row in rows.values():
+    for v in row["variants"].values():
+      assert not v["nan"]
+      assert v["speedup_fwd"] == pytest.approx(row["dense_fwd_ms"] / v["fwd_ms"])
+      assert v["speedup_fwdbwd"] == pytest.approx(row["dense_fwdbwd_ms"] / v["fwdbwd_ms"])
+  (miss,) = r["targets_missed"]
+  assert miss["variant"] == "ours_dense" and miss["key"] == "speedup_fwdbwd" and miss["value"] < 0.95
+  ka = {x["T"]: x for x in r["kernels_alone"]}[65536]
+  # the backward's 7 products per pair run at the matrix ceiling: >= 600 TFLOP/s issued each
+  assert min(ka["dq"]["tflops_issued"], ka["dkv"]["tflops_issued"]) >= 600
+  assert ka["bwd_ms"] > ka["cudnn"]["bwd_ms"] and ka["fwd"]["ms"] < ka["cudnn"]["fwd_ms"]
+
+  text = open(README).read()
+  f2 = lambda x: f"{x:.2f}"
+  for (T, om), row in rows.items():
+    v = row["variants"]
+    cells = [f"{v['fused']['speedup_fwd']:.2f} / {v['fused']['speedup_fwdbwd']:.2f}",
+             f"{v['cudnn_group']['speedup_fwd']:.2f} / {v['cudnn_group']['speedup_fwdbwd']:.2f}",
+             (f"{v['ours_dense']['speedup_fwd']:.2f} / {v['ours_dense']['speedup_fwdbwd']:.2f}"
+              if "ours_dense" in v else ""), f2(row["ideal_speedup"])]
+    line = f"| {T // 1024}K | {round(om * 100)}% | " + " | ".join(cells) + " |"
+    assert line.replace("|  |", "| |") in text, line
+  for key in ("fwd", "dq", "dkv"):
+    assert f"{ka[key]['ms']:.1f} ms" in text, key
+  assert f"{ka['bwd_ms']:.1f} ms against cuDNN's {ka['cudnn']['bwd_ms']:.1f}" in text
+
+
+def test_recorded_elastic_prefill_one_launch_meets_1_55x():
+  """Elastic FA-SSA prefill at 64K, Omega 0.7, one block-sparse (Mosaic GPU) launch per layer:
+  >= 1.55x the dense model on the same H100, as the README quotes."""
+  run = _run(H100, "elastic_prefill_mosaic_gpu")
+  rows = {x["row"]: x for x in run["rows"]}
+  dense = rows["dense"]["ms"]
+  for name, x in rows.items():
+    if name != "dense":
+      assert x["finite"] and x["speedup_vs_dense"] == pytest.approx(dense / x["ms"])
+  assert run["settings"]["T"] == 65536 and run["recorded"]["block_sparse_kernel"].startswith(
+      "mosaic_gpu")
+  one = rows["elastic_0.7"]["speedup_vs_dense"]
+  assert one >= 1.55 and not rows["elastic_0.7"]["dense_full_heads"]
+  text = open(README).read()
+  assert f"{one:.2f}x" in text and f"dense {dense:.1f} ms" in text
