@@ -14,12 +14,12 @@ mutable=['cache'])` on a chunk [B, C] with per-row positions and a validity mask
 right-padded; padding tokens are never written to a cache and never attended). Each layer owns
 its cache (`models.layers.KVCache`: per-row lengths, full or window ring; L2A: a window ring for
 the local branch and a full cache for the global branch, written for every token, read only by
-tokens routed global). The engine never names a scheme: it only threads the 'cache' collection,
-whose structure it reads off the model (`init_cache`: zeros of the abstract cache), and reads
-two optional declarations of the scheme's layer class:
+tokens routed global). The engine never names a scheme: it threads the 'cache' collection, whose
+structure it reads off the model (`init_cache`: zeros of the abstract cache), collects the
+per-row entries of the layers' aux (`Generation.stats`), and reads one optional declaration of
+the scheme's layer class:
   `decode_chunk(config) -> int`  a decode call's chunk must divide this many tokens (segmented:
                                  segment_len); the engine then picks a valid prefill chunk itself.
-and the per-row entries of the layers' aux (see `Generation.stats`).
 Attention inside the chunk goes through `ops.attention` with the cache's kv positions, i.e. the
 fused kernels on GPU/TPU (the reference on CPU).
 
@@ -229,7 +229,7 @@ class Engine:
       for k, v in scheme_options.items():
         if k == "name":
           raise ValueError("Engine.from_checkpoint: the scheme of a checkpoint cannot be changed "
-                           "(name=...); convert the weights with the scheme's from_dense.")
+                           "(name=...); convert dense weights with attention.convert.")
         config.model.scheme[k] = v
       # One device: the engine's steps are single-device (the run's mesh may be larger).
       config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, -1, 1
