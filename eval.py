@@ -12,13 +12,14 @@ Generation-scored long-context suite, several checkpoints head to head (one repo
 
   python eval.py --suite=tiny --checkpoint=runs/dense --checkpoint=runs/l2a
   python eval.py --suite=ruler --lengths=4096,8192 --num_samples=20 --checkpoint=runs/l2a@theta=0.7
-  python eval.py --suite=ruler --checkpoint=runs/l2a --sweep=theta=0.3,0.5,0.7 --dense_base
+  python eval.py --suite=ruler --checkpoint=runs/dense --checkpoint=runs/l2a --sweep=theta=0.3,0.5
   python eval.py --suite=tiny --config=configs/tiny.py --init    # step-0 params of a recipe
 
   A checkpoint is DIR[@knob=value,...]: test-time scheme options for that model
   (`--config.model.scheme.<knob>=v` sets one for every model); --sweep evaluates each
-  checkpoint once per value (an accuracy-vs-TTFT curve); --dense_base adds each scheme
-  checkpoint's dense base (`Scheme.to_dense`). Writes <out_dir>/h2h_<suite>_<hash>.{json,md}
+  checkpoint whose scheme has that knob once per value (an accuracy-vs-TTFT curve; the others,
+  e.g. the dense base, once). Efficiency is compared with the first dense checkpoint given (the
+  dense base). Writes <out_dir>/h2h_<suite>_<hash>.{json,md}
   and PNGs (accuracy vs length, accuracy vs TTFT, routing heatmaps), the hash covering every
   knob (never overwriting a result with other knobs); see condattn_jax/evaluation/headtohead.py.
 
@@ -31,6 +32,7 @@ file given as --checkpoint, an unknown override) is one line starting with ERROR
 warning.
 """
 import os
+import sys
 
 from absl import app, flags
 from ml_collections import config_flags
@@ -52,12 +54,12 @@ _SEED = flags.DEFINE_integer("seed", 0, "--suite: seed of the generated samples.
 _BATCH = flags.DEFINE_integer("batch_size", 4, "--suite: prompts per generate call.")
 _PREFILL_CHUNK = flags.DEFINE_integer("prefill_chunk", None, "--suite: prefill chunk (tokens).")
 _SWEEP = flags.DEFINE_string("sweep", None, "--suite: knob=v1,v2,... evaluated per checkpoint.")
-_DENSE_BASE = flags.DEFINE_bool("dense_base", False, "--suite: add each scheme model's dense "
-                                "base (Scheme.to_dense).")
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "--suite: tokenizer dir (default: the run's).")
 _HAYSTACK = flags.DEFINE_string("haystack_file", None, "--suite: text file for the essay "
                                 "haystack tasks.")
 _QA_FILE = flags.DEFINE_string("qa_file", None, "--suite: JSON / JSONL QA rows for the qa task.")
+_PPL_DOCS = flags.DEFINE_string("ppl_docs", None, "--suite: documents (.jsonl rows {text} or "
+                                "{tokens}, or a text file) for perplexity by position.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: latest).")
 _INIT = flags.DEFINE_bool("init", False, "Evaluate the initial params instead of a checkpoint.")
 _OUT_DIR = flags.DEFINE_string("out_dir", None, "Where to write the JSON / markdown results.")
@@ -150,27 +152,35 @@ def suite_main():
   if _TOKENIZER.value:
     from condattn_jax.data.tokenizer import load_tokenizer
     tokenizer = load_tokenizer(_TOKENIZER.value)
-  models = []
+  models, swept = [], 0
   for path, knobs in specs:
-    for value in (sweep[1] if sweep else [None]):
-      opts = {**common, **knobs}
-      if sweep:
-        opts[sweep[0]] = value
-      m = harness.load_model(path, tokenizer=tokenizer, **opts)
-      if sweep:
+    opts = {**common, **knobs}
+    if sweep:
+      try:
+        first = harness.load_model(path, tokenizer=tokenizer, **{**opts, sweep[0]: sweep[1][0]})
+      except ValueError as e:
+        if sweep[0] not in str(e):
+          raise
+        print(f"--sweep: {path} has no option {sweep[0]!r}: evaluated once.", file=sys.stderr)
+        models.append(harness.load_model(path, tokenizer=tokenizer, **opts))
+        continue
+      swept += 1
+      for value in sweep[1]:
+        m = first if value == sweep[1][0] else harness.load_model(
+            path, tokenizer=tokenizer, **{**opts, sweep[0]: value})
         m.knobs["sweep"] = {sweep[0]: value}
-      models.append(m)
-      if _DENSE_BASE.value and value == (sweep[1][0] if sweep else None):
-        base = harness.dense_base(m)
-        if base is not None:
-          models.append(base)
+        models.append(m)
+    else:
+      models.append(harness.load_model(path, tokenizer=tokenizer, **opts))
+  if sweep and not swept:
+    raise ValueError(f"--sweep={_SWEEP.value}: no checkpoint has the option {sweep[0]!r}.")
   if _INIT.value:
     models += _init_models(common, tokenizer)
   lengths = [int(x) for x in _LENGTHS.value] if _LENGTHS.value else None
   report = headtohead.run_suite(
       models, _SUITE.value, lengths=lengths, num_samples=_NUM_SAMPLES.value, seed=_SEED.value,
       batch_size=_BATCH.value, prefill_chunk=_PREFILL_CHUNK.value, tasks=_TASKS.value,
-      haystack_file=_HAYSTACK.value, qa_file=_QA_FILE.value)
+      haystack_file=_HAYSTACK.value, qa_file=_QA_FILE.value, ppl_docs=_PPL_DOCS.value)
   out_dir = _OUT_DIR.value or _default_out_dir(specs[0][0] if specs else None)
   files = headtohead.write_report(report, out_dir)
   print(headtohead.markdown(report))

@@ -58,6 +58,7 @@ class EvalModel:
   tokenizer: Any
   knobs: dict
   make_engine: Callable[[int, int | None], Any]
+  release: Callable[[], None] | None = None  # frees the device copy of the weights
 
   @property
   def vocab_size(self) -> int:
@@ -83,38 +84,35 @@ def model_from_params(name: str, model_cfg, params, *, tokenizer=None, knobs=Non
 def load_model(path: str, *, name: str | None = None, step: int | None = None, tokenizer=None,
                **scheme_options) -> EvalModel:
   """An EvalModel over a train.py checkpoint (`Engine.from_checkpoint`: the weights, the config
-  saved with them, the run's tokenizer), with test-time scheme options (e.g. theta=0.7)."""
+  saved with them, the run's tokenizer), with test-time scheme options (e.g. theta=0.7).
+
+  The weights wait in host memory: they go to the device at the model's first engine and leave
+  it at `release()` (run_suite releases each model after its turn), so a head-to-head of several
+  checkpoints holds one model's weights on the device at a time."""
   import os
+
+  import jax
 
   from condattn_jax.inference import Engine
   base = Engine.from_checkpoint(path, step=step, tokenizer=tokenizer, cache_len=1,
                                 **scheme_options)
+  host_params = jax.device_get(base.params)
+  cfg, tok, loaded = base.config, base.tokenizer, base.step
+  del base
+  held = {}
 
   def make(cache_len, prefill_chunk):
-    eng = Engine(base.config, base.params, cache_len=cache_len, prefill_chunk=prefill_chunk)
-    eng.tokenizer = base.tokenizer
+    if "params" not in held:
+      held["params"] = jax.device_put(host_params, jax.local_devices()[0])
+    eng = Engine(cfg, held["params"], cache_len=cache_len, prefill_chunk=prefill_chunk)
+    eng.tokenizer = tok
     return eng
-  knobs = {"checkpoint": os.path.abspath(path), "step": base.step,
-           "scheme": _scheme_knobs(base.config), "overrides": dict(sorted(scheme_options.items()))}
+  knobs = {"checkpoint": os.path.abspath(path), "step": loaded,
+           "scheme": _scheme_knobs(cfg), "overrides": dict(sorted(scheme_options.items()))}
   label = name or (os.path.basename(os.path.normpath(path)) + (
       "@" + ",".join(f"{k}={v}" for k, v in sorted(scheme_options.items())) if scheme_options
       else ""))
-  return EvalModel(label, base.config, base.tokenizer, knobs, make)
-
-
-def dense_base(model: EvalModel, params=None) -> EvalModel | None:
-  """The dense model a scheme model was converted from (`Scheme.to_dense`), or None for a dense
-  model / a scheme without to_dense. Needs the weights: `params` or the model's engine's."""
-  from condattn_jax.attention import get_scheme
-  scheme = get_scheme(model.model_cfg.scheme)
-  if scheme.name == "dense" or scheme.to_dense is None:
-    return None
-  if params is None:
-    params = model.make_engine(1, None).params
-  cfg, dparams = scheme.to_dense(params, model.model_cfg)
-  knobs = {**model.knobs, "scheme": _scheme_knobs(cfg), "dense_base_of": model.name}
-  return model_from_params(f"{model.name}:dense-base", cfg, dparams, tokenizer=model.tokenizer,
-                           knobs=knobs)
+  return EvalModel(label, cfg, tok, knobs, make, release=held.clear)
 
 
 def postprocess(text: str) -> str:
@@ -242,6 +240,40 @@ def evaluate_model(model: EvalModel, samples: Sequence[Sample], *, batch_size: i
                  for L in sorted(by_len)}
   return dict(name=model.name, knobs=model.knobs, accuracy=acc, mean_accuracy=mean_by_len,
               efficiency=eff, routing=routing, records=records)
+
+
+def load_documents(path: str, tokenizer=None) -> list[list[int]]:
+  """Documents for perplexity by position, as token ids: a .jsonl file of rows {"text": str}
+  (encoded with `tokenizer`, BOS by its rule) or {"tokens": [ids]}, else a plain text file
+  holding one document."""
+  import json
+  import os
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"ppl_docs={path} does not exist.")
+  with open(path) as f:
+    raw = f.read()
+  if not path.endswith(".jsonl"):
+    rows = [{"text": raw}]
+  else:
+    rows = []
+    for i, line in enumerate(raw.splitlines()):
+      if line.strip():
+        try:
+          rows.append(json.loads(line))
+        except json.JSONDecodeError as e:
+          raise ValueError(f"{path}:{i + 1}: not JSON ({e.msg}).") from None
+  out = []
+  for i, r in enumerate(rows):
+    if "tokens" in r:
+      out.append([int(t) for t in r["tokens"]])
+    elif "text" in r:
+      if tokenizer is None:
+        raise ValueError(f"{path}: row {i + 1} is text but the model has no tokenizer; give "
+                         f"token rows {{\"tokens\": [...]}} or --tokenizer.")
+      out.append(list(tokenizer.encode(r["text"])))
+    else:
+      raise ValueError(f"{path}: row {i + 1} needs 'text' or 'tokens'.")
+  return out
 
 
 def _bins(length: int, num_bins: int) -> list[tuple[int, int]]:

@@ -41,9 +41,12 @@ def run_suite(models: Sequence[harness.EvalModel], suite: str, *,
               lengths: Sequence[int] | None = None, num_samples: int | None = None,
               seed: int = 0, batch_size: int = 4, prefill_chunk: int | None = None,
               tasks: Sequence[str] | None = None, haystack_file: str | None = None,
-              qa_file: str | None = None, progress: bool = True) -> dict[str, Any]:
+              qa_file: str | None = None, ppl_docs: str | None = None,
+              progress: bool = True) -> dict[str, Any]:
   """Evaluates every model on the suite; see the module docstring. A progress bar over
-  tasks x lengths x models (with an ETA) goes to stderr."""
+  tasks x lengths x models (with an ETA) goes to stderr. ppl_docs: a documents file
+  (`harness.load_documents`): each model's perplexity by position at every length
+  (`harness.perplexity_by_position`, 8 bins) under 'perplexity'."""
   from condattn_jax.train.metrics import ProgressBar
   if not models:
     raise ValueError("run_suite needs at least one model.")
@@ -75,12 +78,22 @@ def run_suite(models: Sequence[harness.EvalModel], suite: str, *,
 
   results = []
   for m in models:
-    results.append(harness.evaluate_model(m, samples_for[_tok_key(m)], batch_size=batch_size,
-                                          prefill_chunk=prefill_chunk, on_group=tick))
+    r = harness.evaluate_model(m, samples_for[_tok_key(m)], batch_size=batch_size,
+                               prefill_chunk=prefill_chunk, on_group=tick)
+    if ppl_docs:
+      docs = harness.load_documents(ppl_docs, m.tokenizer)
+      params = m.make_engine(1, None).params
+      r["perplexity"] = {str(L): harness.perplexity_by_position(m.model_cfg, params, docs, L,
+                                                                batch_size=batch_size)
+                         for L in lengths}
+    if m.release is not None:
+      m.release()  # one model's weights on the device at a time
+    results.append(r)
   bar.close()
   knobs = dict(suite=suite, tasks=task_names, lengths=lengths, num_samples=num_samples,
                seed=int(seed), batch_size=int(batch_size), prefill_chunk=prefill_chunk,
-               haystack_file=haystack_file, qa_file=qa_file, device=device_knobs())
+               haystack_file=haystack_file, qa_file=qa_file, ppl_docs=ppl_docs,
+               device=device_knobs())
   return dict(knobs=knobs, date=datetime.datetime.now(datetime.timezone.utc).isoformat(
       timespec="seconds"), models=results)
 
@@ -132,6 +145,16 @@ def markdown(report: dict) -> str:
       tok_s = "" if e["decode_tok_s"] is None else f"{e['decode_tok_s']:.1f}"
       lines.append(f"| {m['name']} | {L} | {1e3 * e['ttft_s']:.2f} | {tok_s} | "
                    f"{_mib(e['kv_cache_bytes'])} | {_mib(e['peak_bytes'])} | {sp} | {kv} |")
+  for L in map(str, k["lengths"]):  # perplexity by position (ppl_docs), a table per length
+    rows = [(m["name"], m["perplexity"][L]) for m in models if L in (m.get("perplexity") or {})]
+    if rows:
+      bins = rows[0][1]["bins"]
+      lines += ["", f"| ppl by position, length {L} | " + " | ".join(
+          f"{b['start']}-{b['end']}" for b in bins) + " | all |",
+                "|---|" + "---|" * (len(bins) + 1)]
+      for name, p in rows:
+        lines.append(f"| {name} ({p['documents']} docs) | " + " | ".join(
+            f"{b['ppl']:.3f}" for b in p["bins"]) + f" | {p['ppl']:.3f} |")
   return "\n".join(lines) + "\n"
 
 

@@ -80,3 +80,28 @@ def test_suite_cli_errors(runs, tmp_path):
   assert p.returncode == 2 and "does not exist" in p.stderr
   p = run(f"--checkpoint={runs['dense']}", f"--checkpoint={runs['l2a']}")
   assert p.returncode != 0 and "need --suite" in p.stderr
+
+
+def test_sweep_and_perplexity_by_position(runs, tmp_path):
+  docs = tmp_path / "docs.jsonl"
+  docs.write_text("\n".join(json.dumps({"tokens": [(7 * i + j) % 64 for j in range(140)]})
+                            for i in range(3)))
+  p = subprocess.run([PY, "eval.py", "--suite=tiny", "--lengths=128", "--num_samples=1",
+                      "--tasks=mqar,passkey", "--batch_size=1", f"--checkpoint={runs['dense']}",
+                      f"--checkpoint={runs['l2a']}", "--sweep=theta=0.3,0.6",
+                      f"--ppl_docs={docs}", f"--out_dir={tmp_path}"],
+                     cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=600)
+  assert p.returncode == 0, p.stderr[-3000:]
+  assert "has no option 'theta': evaluated once" in p.stderr
+  js = [f for f in os.listdir(tmp_path)
+        if f.startswith("h2h_") and f.endswith(".json") and "routing" not in f]
+  rep = json.load(open(tmp_path / js[0]))
+  assert [m["name"] for m in rep["models"]] == ["dense", "l2a@theta=0.3", "l2a@theta=0.6"]
+  assert [m["knobs"].get("sweep") for m in rep["models"]] == [None, {"theta": 0.3},
+                                                               {"theta": 0.6}]
+  assert rep["knobs"]["tasks"] == ["mqar", "passkey"]
+  for m in rep["models"]:
+    ppl = m["perplexity"]["128"]
+    assert ppl["documents"] == 3 and len(ppl["bins"]) == 8 and ppl["ppl"] > 1.0
+  md = open(tmp_path / js[0].replace(".json", ".md")).read()
+  assert "| ppl by position, length 128 | 0-16 |" in md

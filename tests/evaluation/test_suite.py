@@ -282,3 +282,31 @@ def test_sweep_models_form_one_curve():
             for t in (0.7, 0.3, 0.5)] + [dict(name="dense", knobs={"checkpoint": "/r/d"})]
   from condattn_jax.evaluation import plots
   assert plots.sweep_groups({"models": models}) == {"/r/l2a: theta": [1, 2, 0]}
+
+
+def test_perplexity_by_position_equals_the_models_log_softmax():
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+
+  from condattn_jax.models.config import ModelConfig
+  from condattn_jax.models.decoder import Decoder
+  cfg = ModelConfig(vocab_size=V, num_layers=1)
+  params = nn.unbox(Decoder(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  rng = np.random.default_rng(0)
+  docs = [rng.integers(0, V, size=n).tolist() for n in (40, 33, 20, 50)]  # 20: too short
+  r = harness.perplexity_by_position(cfg, params, docs, 32, num_bins=4, batch_size=2)
+  assert r["documents"] == 3 and [(b["start"], b["end"]) for b in r["bins"]] == \
+      [(0, 8), (8, 16), (16, 24), (24, 32)]
+  nll = []
+  for d in (docs[0], docs[1], docs[3]):
+    logits = Decoder(cfg).apply({"params": params}, jnp.asarray([d[:32]]))[0][0]
+    lp = np.asarray(jax.nn.log_softmax(logits, axis=-1))
+    nll.append(-lp[np.arange(32), d[1:33]])
+  nll = np.mean(nll, axis=0)
+  for b in r["bins"]:
+    assert b["nll"] == pytest.approx(nll[b["start"]:b["end"]].mean(), rel=1e-4)
+    assert b["ppl"] == pytest.approx(np.exp(b["nll"]), rel=1e-6)
+  assert r["nll"] == pytest.approx(nll.mean(), rel=1e-4)
+  with pytest.raises(ValueError, match="no document has more than 64"):
+    harness.perplexity_by_position(cfg, params, docs, 64)
