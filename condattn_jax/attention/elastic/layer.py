@@ -50,7 +50,7 @@ import numpy as np
 from jax import lax
 
 from condattn_jax import ops
-from condattn_jax.attention.elastic import masks
+from condattn_jax.attention.elastic import composite, masks
 from condattn_jax.attention import options
 from condattn_jax.attention.elastic.options import FA, ElasticOptions
 from condattn_jax.models.config import ModelConfig
@@ -239,9 +239,9 @@ class ElasticLayer(nn.Module):
     base = dict(q_positions_BT=ctx.positions_BT, kv_positions_BS=ctx.positions_BT,
                 q_segment_ids_BT=ctx.segment_ids_BT, kv_segment_ids_BS=ctx.segment_ids_BT,
                 contiguous=True)
-    blocks = lambda lists, mode: ops.BlockLists(lists, mode, block_q=o.block, block_k=o.block,
-                                                dense_full_heads=o.dense_full_heads)
-    run = lambda bl: ops.attention(q, k, v, ops.MaskSpec(**base, block_lists=bl), impl=impl)
+    blocks = lambda lists, mode: ops.BlockLists(lists, mode, block_q=o.block, block_k=o.block)
+    run = lambda bl: composite.attention(q, k, v, ops.MaskSpec(**base, block_lists=bl), impl=impl,
+                                         dense_full_heads=o.dense_full_heads)
     fa_on = fa_BN > 0.5
     head_mode = jnp.where(fa_on & (cls1 is None), ops.HEAD_FULL, ops.HEAD_BLOCKS).astype(jnp.int32)
     lists = cls0 if cls1 is None else jnp.where(fa_on[..., None, None], cls1, cls0)
