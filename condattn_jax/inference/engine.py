@@ -398,14 +398,21 @@ class Engine:
     kept: list[list[np.ndarray]] = [[] for _ in range(B)]
     done = np.zeros(B, bool)
     gen_stats = _RowStats()
+    on_device_argmax = temperature == 0 and not return_logits
     pos = lengths.copy()
     steps = 0
     while True:
-      host_logits = np.asarray(logits)
+      if on_device_argmax:  # greedy without logits: B ids cross to the host, not B x V floats
+        host_ids = np.asarray(_argmax(logits))
+      else:
+        host_logits = np.asarray(logits)
       for b in range(B):
         if done[b]:
           continue
-        t = sampling.choose(host_logits[b], temperature=temperature, top_p=top_p, rng=rngs[b])
+        if on_device_argmax:
+          t = int(host_ids[b])
+        else:
+          t = sampling.choose(host_logits[b], temperature=temperature, top_p=top_p, rng=rngs[b])
         out[b].append(t)
         if return_logits:
           kept[b].append(host_logits[b].copy())
@@ -439,6 +446,12 @@ class Engine:
         stats=[{"prompt": prompt_stats.row(b), "generated": gen_stats.row(b)} for b in range(B)],
         logits=[np.stack(k) for k in kept] if return_logits else None,
         prefill_s=t1 - t0, decode_s=t2 - t1, steps=steps, cache_bytes=cache_bytes(cache))
+
+
+@jax.jit
+def _argmax(logits_BV):
+  """Greedy ids [B] (the first index among equal maxima, as np.argmax)."""
+  return jnp.argmax(logits_BV, axis=-1)
 
 
 def _layer_decode_chunk(config: ModelConfig):

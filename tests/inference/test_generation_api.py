@@ -208,3 +208,21 @@ def test_row_stats_of_per_row_values_average_the_steps_that_ran_the_row():
   np.testing.assert_allclose(st.row(0)["global_tokens_B"], [3 / 5])
   np.testing.assert_allclose(st.row(1)["tokens"], [2.0])
   np.testing.assert_allclose(st.row(1)["global_tokens_B"], [0.5])
+
+
+def test_run_tokenizer_follows_the_run_config(tmp_path):
+  """data.tokenizer, else a model.init_from directory holding tokenizer.json, else none; an
+  explicit tokenizer wins."""
+  import shutil
+  from condattn_jax.inference.engine import run_tokenizer
+  from condattn_jax.train.config import default_config
+  c = default_config()
+  assert run_tokenizer(c) is None
+  c.data.tokenizer = TOKENIZER
+  assert run_tokenizer(c).vocab_size == 393
+  c.data.tokenizer = None
+  hf = tmp_path / "hf"
+  shutil.copytree(TOKENIZER, hf)
+  c.model.init_from = str(hf)
+  assert run_tokenizer(c).source.startswith(str(hf))
+  assert run_tokenizer(c, tokenizer=TOKENIZER).source.startswith(TOKENIZER)
