@@ -2,8 +2,9 @@
 
 Importable without condattn_jax. See README.md beside this file.
 """
-from .api import (HEAD_BLOCKS, HEAD_FULL, HEAD_WINDOW_BLOCKS, IMPLS, BlockSparseFallbackWarning,
-                  block_sparse_attention, kernel_support)
+from .api import (BACKENDS, HEAD_BLOCKS, HEAD_FULL, HEAD_WINDOW_BLOCKS, IMPLS,
+                  BlockSparseBackend, BlockSparseFallbackWarning, block_sparse_attention,
+                  kernel_support)
 
-__all__ = ["HEAD_BLOCKS", "HEAD_FULL", "HEAD_WINDOW_BLOCKS", "IMPLS", "BlockSparseFallbackWarning",
-           "block_sparse_attention", "kernel_support"]
+__all__ = ["BACKENDS", "BlockSparseBackend", "HEAD_BLOCKS", "HEAD_FULL", "HEAD_WINDOW_BLOCKS",
+           "IMPLS", "BlockSparseFallbackWarning", "block_sparse_attention", "kernel_support"]

@@ -52,8 +52,8 @@ from .tables import HEAD_WINDOW_BLOCKS
 IMPLS = ("auto", "reference", "triton", "mosaic_gpu", "mosaic_tpu")
 _FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
-__all__ = ["HEAD_BLOCKS", "HEAD_FULL", "HEAD_WINDOW_BLOCKS", "IMPLS", "BlockSparseFallbackWarning",
-           "block_sparse_attention", "kernel_support"]
+__all__ = ["BACKENDS", "BlockSparseBackend", "HEAD_BLOCKS", "HEAD_FULL", "HEAD_WINDOW_BLOCKS",
+           "IMPLS", "BlockSparseFallbackWarning", "block_sparse_attention", "kernel_support"]
 
 
 class BlockSparseFallbackWarning(UserWarning):
@@ -149,15 +149,52 @@ def kernel_support(impl: str, q_shape, kv_shape, dtype, block_q: int, block_k: i
   raise ValueError(impl)
 
 
+@dataclasses.dataclass(frozen=True)
+class BlockSparseBackend:
+  """One block-sparse kernel as a backend (the pallas_kernels.backends interface): `name` (the
+  impl), `lowers_for` (lowering platforms), `needs_hopper`, `config` (no tuning knobs yet: None).
+  supports(...) is None where the kernel takes the call lowered for `platform`, else why not;
+  calling it runs block_sparse_attention with impl=name."""
+  name: str
+  lowers_for: tuple[str, ...] = ()
+  needs_hopper: bool = False
+  config: Any = None
+  not_on_hopper: bool = False   # Pallas-Triton: deprecated; Hopper resolves to Mosaic GPU only
+
+  def supports(self, q_shape, kv_shape, dtype, platform, *, block_q, block_k) -> str | None:
+    if self.name == "reference":
+      return None
+    from pallas_kernels.backends import platform_reason
+    why = platform_reason(self.name, self.lowers_for, platform, self.needs_hopper)
+    if why is None and self.not_on_hopper and platform.is_hopper:
+      why = (f"the {self.name} kernel is not resolved on Hopper ({platform.device_kind}): the "
+             "Mosaic GPU kernel is that platform's (impl='triton' on the package still runs it)")
+    return why or kernel_support(self.name, q_shape, kv_shape, dtype, block_q, block_k)
+
+  def __call__(self, q_BTNH, k_BSKH, v_BSKH, kv_blocks_BNQL, head_mode_BN=None, **kw):
+    return block_sparse_attention(q_BTNH, k_BSKH, v_BSKH, kv_blocks_BNQL, head_mode_BN,
+                                  impl=self.name, **kw)
+
+
+# Preference order (condattn_jax.ops.resolve takes the first that supports a call): Hopper: Mosaic
+# GPU; other CUDA / ROCm GPUs: Triton; TPU: Mosaic TPU; anything else: the reference.
+BACKENDS = (BlockSparseBackend("mosaic_gpu", ("cuda",), needs_hopper=True),
+            BlockSparseBackend("triton", ("cuda", "rocm"), not_on_hopper=True),
+            BlockSparseBackend("mosaic_tpu", ("tpu",)),
+            BlockSparseBackend("reference"))
+
+
 def _resolve_impl(impl, interpret, q_shape, kv_shape, dtype, block_q, block_k):
   if impl not in IMPLS:
     raise ValueError(f"block_sparse_attention: unknown impl {impl!r}; choose one of {IMPLS}")
   explicit = impl != "auto"
-  if impl == "auto":
-    impl = {"gpu": "triton", "cuda": "triton", "rocm": "triton", "tpu": "mosaic_tpu"}.get(
-        _platform(), "reference")
-    if impl == "triton" and _platform() != "rocm" and _is_hopper():
-      impl = "mosaic_gpu"   # Hopper: never the (deprecated) Pallas-Triton backend
+  if impl == "auto":  # BACKENDS' order for the host device (Hopper: never Pallas-Triton)
+    from pallas_kernels.backends import Platform, platform_reason
+    host = {"gpu": "cuda", "cuda": "cuda", "rocm": "rocm", "tpu": "tpu"}.get(_platform(), "cpu")
+    plat = Platform(host, "NVIDIA H100" if host == "cuda" and _is_hopper() else "")
+    impl = next(be.name for be in BACKENDS if be.name == "reference" or (platform_reason(
+        be.name, be.lowers_for, plat, be.needs_hopper) is None and not (
+            be.not_on_hopper and plat.is_hopper)))
   if impl == "reference":
     return impl
   reason = kernel_support(impl, q_shape, kv_shape, dtype, block_q, block_k)

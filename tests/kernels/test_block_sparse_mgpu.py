@@ -168,3 +168,26 @@ def test_mosaic_gpu_lowers_for_cuda_without_triton_calls():
   targets = re.findall(r"custom_call @([\w.]+)", text)
   assert targets.count("mosaic_gpu_v2") + targets.count("mosaic_gpu") == 3, targets
   assert not [t for t in targets if "triton" in t.lower()], targets
+
+
+def test_ops_resolver_picks_mosaic_gpu_for_block_sparse_on_h100():
+  """condattn_jax.ops' one resolver over the package's BACKENDS: an (abstract) H100 / H200 gets the
+  Mosaic GPU kernel for block-sparse calls, an A100 and a ROCm GPU the Triton kernel, a TPU Mosaic
+  TPU, the CPU none (the reference); a float32 call on an H100, which the Mosaic GPU kernel cannot
+  take, gets no kernel (the reference) rather than Pallas-Triton, with both reasons."""
+  from condattn_jax import ops
+  from pallas_kernels.backends import Platform
+  from pallas_kernels.block_sparse import BACKENDS
+  assert ops.backends("block_sparse") is BACKENDS
+  shapes = ((1, 1024, 8, 128), (1, 1024, 2, 128))
+  st = dict(block_q=128, block_k=128)
+  pick = lambda plat, dtype=jnp.bfloat16: ops.resolve("block_sparse", "auto", *shapes, dtype,
+                                                      plat, **st)
+  for kind, want in (("NVIDIA H100 80GB HBM3", "mosaic_gpu"), ("NVIDIA H200", "mosaic_gpu"),
+                     ("NVIDIA A100-SXM4-80GB", "triton")):
+    assert pick(Platform("cuda", kind))[0].name == want, kind
+  assert pick(Platform("rocm", "AMD Instinct MI300X"))[0].name == "triton"
+  assert pick(Platform("tpu", "TPU v5 lite"))[0].name == "mosaic_tpu"
+  assert pick(Platform("cpu"))[0] is None
+  be, reasons = pick(Platform("cuda", "NVIDIA H100 80GB HBM3"), jnp.float32)
+  assert be is None and "float32" in reasons[0] and "not resolved on Hopper" in reasons[1]

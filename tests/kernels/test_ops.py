@@ -667,18 +667,18 @@ def test_auto_on_cuda_runs_full_heads_on_cudnn_when_asked(fake_cudnn, monkeypatc
   monkeypatch.setattr(ops, "_block_sparse", block_sparse)
   B, T, N, K = B_, T_, N_, K_
   pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-  nq = -(-T // 64)
+  nq = -(-T // 128)
   lists = jnp.zeros((B, N, nq, 1), jnp.int32)
   mode = jnp.asarray(np.tile([ops.HEAD_FULL] * (N // K) + [ops.HEAD_BLOCKS] * (N - N // K),
                              (B, 1)), jnp.int32)
   spec = lambda window=None: ops.MaskSpec(pos, pos, window=window, contiguous=True,
-                                          block_lists=ops.BlockLists(lists, mode, block_q=64,
-                                                                     block_k=64))
+                                          block_lists=ops.BlockLists(lists, mode, block_q=128,
+                                                                     block_k=128))
   split = lambda split: functools.partial(composite.attention, dense_full_heads=split)
   for grad in (False, True):
     assert "cudnn" in _kernels(_export(spec(), "cuda", grad=grad, attend=split(True)))
   picked, _ = ops.resolve("block_sparse", "auto", (B, T, N, H_), (B, T, K, H_), jnp.bfloat16,
-                          Platform("cuda", "NVIDIA H100 80GB HBM3"), block_q=64, block_k=64)
+                          Platform("cuda", "NVIDIA H100 80GB HBM3"), block_q=128, block_k=128)
   assert sparse_calls and set(sparse_calls) == {picked.name}
   assert "cudnn" not in _kernels(_export(spec(), "cuda", attend=split(False)))
   assert "cudnn" not in _kernels(_export(spec(window=100), "cuda", attend=split(True)))
