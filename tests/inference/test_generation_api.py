@@ -152,22 +152,30 @@ def _full_aux(cfg, params, seqs):
   return jax.device_get(aux)
 
 
-def test_l2a_routing_stats_equal_the_full_forwards_counts():
-  """Prefill in chunks of 4 (stats summed over chunks and rows ending mid-chunk)."""
-  cfg, params = _l2a()
+def _aha():
+  from tests.attention.test_aha_inference import _aha as make
+  return make("qwen3", decode_skip=False)
+
+
+@pytest.mark.parametrize("make, count", [(_l2a, "global_tokens_B"), (_aha, "full_BN")],
+                         ids=["l2a", "aha"])
+def test_routing_stats_equal_the_full_forwards_counts(make, count):
+  """L2A: fraction of tokens routed global per layer; AHA: full-attention usage per layer x
+  head. Prefill in chunks of 4 (stats summed over chunks and rows ending mid-chunk)."""
+  cfg, params = make()
   gen = Engine(cfg, params, cache_len=32, prefill_chunk=4).generate(PROMPTS, 6)
   prompt = _full_aux(cfg, params, PROMPTS)
   both = _full_aux(cfg, params, [p + g[:-1] for p, g in zip(PROMPTS, gen.tokens)])
+  L = cfg.num_layers
   for b, p in enumerate(PROMPTS):
     st = gen.stats[b]
-    np.testing.assert_allclose(st["prompt"]["tokens"], len(p))
-    want = prompt["global_tokens_B"][:, b] / len(p)
-    np.testing.assert_allclose(st["prompt"]["global_tokens_B"], want, atol=1e-6)
-    g = both["global_tokens_B"][:, b] - prompt["global_tokens_B"][:, b]
-    np.testing.assert_allclose(st["generated"]["tokens"], 5)
-    np.testing.assert_allclose(st["generated"]["global_tokens_B"], g / 5, atol=1e-6)
-  frac = np.stack([s["prompt"]["global_tokens_B"] for s in gen.stats])
-  assert 0 < frac.mean() < 1  # a real mix: the test could tell global from local
+    np.testing.assert_allclose(st["prompt"]["tokens"], [len(p)] * L)
+    np.testing.assert_allclose(st["prompt"][count], prompt[count][:, b] / len(p), atol=1e-6)
+    g = both[count][:, b] - prompt[count][:, b]
+    np.testing.assert_allclose(st["generated"]["tokens"], [5] * L)
+    np.testing.assert_allclose(st["generated"][count], g / 5, atol=1e-6)
+  frac = np.stack([s["prompt"][count] for s in gen.stats])
+  assert frac.shape[1] == L and 0 < frac.mean() < 1  # a real mix: the test can tell them apart
 
 
 def test_dense_has_no_routing_stats(dense):
