@@ -1,7 +1,7 @@
 """AHA training cost: `sparse` vs `exact` mode vs the dense base model, same process, one device.
 
     python -m bench.aha_sparse_vs_exact                      # GPU: T = 32768, usage 0.05 / 0.12 / 0.5
-    python -m bench.aha_sparse_vs_exact --preset=tiny --out-dir=/tmp/aha_bench   # CPU smoke test
+    python -m bench.aha_sparse_vs_exact --preset=tiny --out_dir=/tmp/aha_bench   # CPU smoke test
 
 Model (preset 'olmo2-1b'): the OLMo-2-0425-1B shape (hidden 2048, 16 heads = 16 kv heads,
 head_dim 128, intermediate 8192, vocab 100352, post-norm, q/k norm over the projected width),
@@ -19,11 +19,10 @@ benchmark batch so that head n of layer l goes full for a fraction u[l, n] of th
 long-tailed over heads with mean p (the paper's Fig. 4: a few heavy heads, most rarely full).
 The measured usage (the step's aha/mu_f) is recorded. Sanity: the first step's CE of exact and
 sparse (same params, same batch) must agree (bf16 tolerance) before anything is timed.
-Writes <out-dir>/aha_sparse_vs_exact_<device>.json (device, jax version, date, settings, rows).
+Appends a run to <out_dir>/aha_sparse_vs_exact_<device>.json (bench/common.py's schema).
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import functools
@@ -34,6 +33,8 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags  # noqa: E402
+from bench import common  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -217,16 +218,18 @@ def run(s: Settings, log=print) -> dict:
               settings=dataclasses.asdict(s), model=dataclasses.asdict(cfg), rows=rows)
 
 
+FLAGS = common.flag_values()
+flags.DEFINE_enum("preset", "olmo2-1b", ["olmo2-1b", "tiny"], "shapes (tiny: a CPU smoke test)",
+                  flag_values=FLAGS)
+flags.DEFINE_integer("T", None, "context length (default: the preset's)", flag_values=FLAGS)
+flags.DEFINE_integer("layers", None, "layers (default: the preset's)", flag_values=FLAGS)
+flags.DEFINE_integer("window", 128, "AHA local window", flag_values=FLAGS)
+flags.DEFINE_string("usages", "0.05,0.12,0.5", "global-head usages to time", flag_values=FLAGS)
+flags.DEFINE_integer("reps", 5, "timed repeats (median)", flag_values=FLAGS)
+
+
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--preset", default="olmo2-1b", choices=("olmo2-1b", "tiny"))
-  ap.add_argument("--T", type=int, default=None)
-  ap.add_argument("--layers", type=int, default=None)
-  ap.add_argument("--window", type=int, default=128)
-  ap.add_argument("--usages", default="0.05,0.12,0.5")
-  ap.add_argument("--reps", type=int, default=5)
-  ap.add_argument("--out-dir", default=os.environ.get("OUT", "bench/results"))
-  a = ap.parse_args(argv)
+  a = common.parse_flags(FLAGS, argv)
   tiny = a.preset == "tiny"
   s = Settings(preset=a.preset, T=a.T or (64 if tiny else 32768),
                layers=a.layers or (2 if tiny else 4), window=a.window if not tiny else 8,
@@ -235,8 +238,7 @@ def main(argv=None):
   res = run(s)
   os.makedirs(a.out_dir, exist_ok=True)
   path = os.path.join(a.out_dir, f"aha_sparse_vs_exact_{res['device'].replace(' ', '_')}.json")
-  with open(path, "w") as f:
-    json.dump(res, f, indent=1)
+  common.write_result(path, "aha_sparse_vs_exact", res)
   print(path)
   return res
 

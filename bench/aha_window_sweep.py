@@ -30,7 +30,6 @@ full-attention usage then falls as the window grows, the paper's long-tail findi
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
@@ -40,6 +39,8 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags  # noqa: E402
+from bench import common  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -268,17 +269,19 @@ def run(s: Settings, log=print) -> dict[str, Any]:
       per_window=per_window)
 
 
+FLAGS = common.flag_values(out_dir=False)
+flags.DEFINE_enum("preset", "cpu", sorted(PRESETS), "sweep size", flag_values=FLAGS)
+flags.DEFINE_string("out", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                                        "aha_window_sweep.json"),
+                    "result file (runs are appended)", flag_values=FLAGS)
+
+
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  ap.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
-  ap.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                "results", "aha_window_sweep.json"))
-  a = ap.parse_args(argv)
+  a = common.parse_flags(FLAGS, argv)
   res = run(PRESETS[a.preset])
   res["preset"] = a.preset
   os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-  with open(a.out, "w") as f:
-    json.dump(res, f, indent=1)
+  common.write_result(a.out, "aha_window_sweep", res, name=a.preset)
   print(a.out)
   print(json.dumps(res["windows"], indent=1), f"dense {res['dense_accuracy']:.3f}")
   return res

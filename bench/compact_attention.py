@@ -5,15 +5,15 @@ k_end, scatter).
     python -m bench.compact_attention                      # T = 32K, 64K; s = 0 .. 0.95
     python -m bench.compact_attention --T 32768 --sweep    # also time Triton tile configurations
     python -m bench.compact_attention --check-only         # small correctness checks only
-    python -m bench.compact_attention --sweep-only --sweep-kernels dkv,dkv_dq   # backward tiles
+    python -m bench.compact_attention --sweep_only --sweep_kernels dkv,dkv_dq   # backward tiles
     python -m bench.compact_attention --breakdown --T 32768 --sparsity 0.9   # kernels vs glue
     python -m bench.compact_attention --glue      # the forward glue's pieces alone
     python -m bench.compact_attention --order     # Mosaic GPU launch orders, kernels alone
     python -m bench.compact_attention --profile   # per-kernel device time (CUPTI via torch)
     python -m bench.compact_attention --hostcost --T 32768 --sparsity 0.9,0.95  # host time/call
 
-Variants: 'auto' (on Hopper: the Mosaic GPU kernels both ways; 'auto_tbwd': with the Triton
-backward, dq; dk/dv), 'mosaic_gpu', 'triton', '<impl>_fused' (the Triton backward in one kernel:
+Variants: 'auto' (the kernel condattn_jax.ops' resolver picks for this device: on Hopper the
+Mosaic GPU kernels both ways; 'auto_tbwd': with the Triton backward, dq; dk/dv), 'mosaic_gpu', 'triton', '<impl>_fused' (the Triton backward in one kernel:
 dq by atomic adds inside dk/dv; measured slower, off by default), '<impl>_gather' /
 '<impl>_scatter' (results back by a gather / by the scatter, the default) and 'mosaic_gpu_1wg'
 (the Mosaic GPU backward with one compute warpgroup per program instead of two), '<impl>_xla'
@@ -30,28 +30,30 @@ included) and device-bound (`*_stream_ms`: --n calls enqueued back to back, one 
 median of 3: the host's dispatch of the next call hides under the device's work, as in a model's
 step), for cuDNN, the tokamax route and ours alike. Achieved TFLOP/s count only visible (query, key) pairs
 (FlashAttention convention: 4 H flops per pair forward, 14 H forward+backward). Writes
-$OUT (or --out-dir) /compact_attention_<device>.json and prints the table last.
+a run appended to $OUT (or --out_dir) /compact_attention_<device>.json (bench/common.py's schema;
+the run's `recorded` field keeps this bench's layout) and prints the table last. Variant suffixes
+are CompactConfig fields (`variant_config`), the kernel is named per call (`kernel_impl`).
 """
 from __future__ import annotations
 
-import argparse
-import datetime
 import functools
 import json
 import math
 import os
 import sys
-import time
 import traceback
 import types
 
 import jax
 import jax.numpy as jnp
+from absl import flags
 from jax import lax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from pallas_kernels.compact_attention import BlockSizes, compact_attention  # noqa: E402
+from bench import common  # noqa: E402
+from condattn_jax import ops  # noqa: E402
+from pallas_kernels.compact_attention import BlockSizes, CompactConfig, compact_attention  # noqa: E402
 from pallas_kernels.compact_attention.common import GPU_BLOCK_SIZES  # noqa: E402
 from pallas_kernels.compact_attention import compaction as cp  # noqa: E402
 from pallas_kernels.compact_attention import triton as ktriton  # noqa: E402
@@ -63,20 +65,12 @@ DT = jnp.bfloat16
 
 
 def bench(f, *args, n=10):
-  jax.block_until_ready(f(*args))
-  jax.block_until_ready(f(*args))
-  ts = []
-  for _ in range(n):
-    t0 = time.perf_counter()
-    jax.block_until_ready(f(*args))
-    ts.append(time.perf_counter() - t0)
-  return float(np.median(ts)) * 1e3
+  """Per-call wall time, ms: common.time_call's median (2 warm-ups)."""
+  return common.time_call(f, *args, n=n)["median_ms"]
 
 
 def rel(a, b):
-  a = jnp.asarray(a, jnp.float32)
-  b = jnp.asarray(b, jnp.float32)
-  return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
+  return common.rel_err(jnp.asarray(a, jnp.float32), jnp.asarray(b, jnp.float32))
 
 
 def make_inputs(T, s, seed, exact=False):
@@ -97,45 +91,39 @@ def make_inputs(T, s, seed, exact=False):
   return q, k, v, active, idx, ct
 
 
-# Variant suffixes -> the switches they set (module, name, value; read while a call is traced).
-VARIANTS = {"_fused": (api, "FUSED_TRITON_BWD", True),        # Triton backward in one kernel
-            "_scatter": (api, "UNCOMPACT_BY_GATHER", False),  # results back by an XLA scatter
-            "_gather": (api, "UNCOMPACT_BY_GATHER", True),    # results back by a gather
-            "_1wg": (kmgpu, "BWD_COMPUTE_WGS", 1),            # Mosaic GPU backward, 1 warpgroup
-            "_tbwd": (api, "AUTO_HOPPER_BWD", "triton"),      # auto: Triton backward on Hopper
-            "_xla": (api, "GPU_GLUE_KERNELS", False)}         # XLA glue, bucket ladder + switch
+# Variant suffixes -> the CompactConfig fields they set.
+VARIANTS = {"_fused": dict(fused_triton_bwd=True),        # Triton backward in one kernel
+            "_scatter": dict(uncompact_by_gather=False),  # results back by an XLA scatter
+            "_gather": dict(uncompact_by_gather=True),    # results back by a gather
+            "_1wg": dict(mgpu_bwd_wgs=1),                 # Mosaic GPU backward, 1 warpgroup
+            "_tbwd": dict(bwd_impl="triton"),             # Triton backward (Mosaic GPU forward)
+            "_xla": dict(glue_kernels=False)}             # XLA glue, bucket ladder + switch
 
 
-def kernel_impl(impl):
-  """'auto_fused' / 'triton_fused': that impl with the Triton backward in one kernel (dq by atomic
-  adds inside dk/dv) instead of the two-kernel default (dq; dk/dv); '<impl>_scatter': results put
-  back in their rows by an XLA scatter into zeros instead of the default gather."""
+def variant_config(impl) -> CompactConfig:
+  """The CompactConfig of impl's variant suffixes (e.g. 'auto_fused_scatter')."""
+  kw = {}
+  for suffix, fields in VARIANTS.items():
+    if suffix in impl:
+      kw.update(fields)
+  return CompactConfig(**kw)
+
+
+def kernel_impl(impl, q_shape=(B, 1024, N, H), kv_shape=(B, 1024, K, H), dtype=DT):
+  """The kernel `impl` names with its variant suffixes dropped; 'auto': the one condattn_jax.ops'
+  resolver picks for this device and shape ('reference' where no kernel takes it)."""
   for suffix in VARIANTS:
     impl = impl.replace(suffix, "")
-  return impl
-
-
-class variant_flags:
-  """Context manager: the api switches of impl's suffixes, restored on exit."""
-
-  def __init__(self, impl):
-    self.flags = {(mod, name): val for suf, (mod, name, val) in VARIANTS.items() if suf in impl}
-
-  def __enter__(self):
-    self.old = {(m, n): getattr(m, n) for m, n in self.flags}
-    for (m, n), v in self.flags.items():
-      setattr(m, n, v)
-
-  def __exit__(self, *exc):
-    for (m, n), v in self.old.items():
-      setattr(m, n, v)
+  if impl != "auto":
+    return impl
+  backend, _ = ops.resolve("compact", "auto", q_shape, kv_shape, dtype, common.host_platform())
+  return "reference" if backend is None else backend.name
 
 
 def ours_fn(impl, bs=None, fracs=None):
   def f(q, k, v, a):
-    with variant_flags(impl):
-      return compact_attention(q, k, v, a, impl=kernel_impl(impl), bucket_fracs=fracs,
-                               block_sizes=bs)
+    return compact_attention(q, k, v, a, impl=kernel_impl(impl, q.shape, k.shape, q.dtype),
+                             bucket_fracs=fracs, block_sizes=bs, config=variant_config(impl))
   return f
 
 
@@ -197,8 +185,8 @@ def check_small(impls, n_cases=None):
     for name, pkw, kw in cases[:n_cases]:
       p = make_problem(len(name), **{**dict(dtype=jnp.bfloat16), **pkw})
       try:
-        with variant_flags(impl):
-          errs, bad = compare(p, dict(impl=kernel_impl(impl), **kw))
+        errs, bad = compare(p, dict(impl=kernel_impl(impl, p.q.shape, p.k.shape, p.q.dtype),
+                                    config=variant_config(impl), **kw))
         row = dict(impl=impl, case=name, errs=errs, ok=not bad)
       except Exception as e:  # noqa: BLE001
         row = dict(impl=impl, case=name, ok=False, err=f"{type(e).__name__}: {str(e)[:400]}")
@@ -370,8 +358,10 @@ def auto_point(T, s, impl="auto", xla_glue=False):
   forward / dq / dk/dv loop bounds of those tiles."""
   q, k, v, active, idx_np, ct = make_inputs(T, s, 2)
   count = int(idx_np.size)
-  fwd_impl, bs_f, bwd_impl, bs_b = api._resolve_impl(impl, False, q.shape, k.shape, DT, None)
-  one_bucket = (not xla_glue and api.GPU_GLUE_KERNELS and fwd_impl in ("triton", "mosaic_gpu"))
+  config = variant_config(impl)
+  fwd_impl, bs_f, bwd_impl, bs_b = api._resolve_impl(
+      kernel_impl(impl, q.shape, k.shape, DT), q.shape, k.shape, DT, None, config)
+  one_bucket = (not xla_glue and config.glue_kernels and fwd_impl in ("triton", "mosaic_gpu"))
   caps = cp.bucket_capacities(T, bucket_fracs=(1.0,) if one_bucket else None,
                               multiple=math.lcm(bs_f.q_multiple, bs_b.q_multiple))
   C = min(c for c in caps if c >= count)
@@ -527,19 +517,9 @@ def launch_order(T, s, n):
 
 
 def bench_stream(f, *args, n=10):
-  """Device-bound time per call: n calls enqueued back to back, one block at the end (the host
-  dispatches the next call while the GPU runs this one, so host time per call is hidden when it
-  is shorter than the kernel); median of 3 such runs after 2 warm-ups, ms."""
-  jax.block_until_ready(f(*args))
-  jax.block_until_ready(f(*args))
-  ts = []
-  for _ in range(3):
-    t0 = time.perf_counter()
-    outs = [f(*args) for _ in range(n)]
-    jax.block_until_ready(outs)
-    ts.append((time.perf_counter() - t0) / n)
-    del outs
-  return float(np.median(ts)) * 1e3
+  """Device-bound time per call, ms: common.time_device_bound's median (n calls enqueued back to
+  back, one block at the end; median of 3 such runs after 2 warm-ups)."""
+  return common.time_device_bound(f, *args, n=n)["median_ms"]
 
 
 def kernel_variants(T, s, n):
@@ -759,48 +739,44 @@ def device_ceilings(n):
   return row
 
 
-def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--T", default="32768,65536")
-  ap.add_argument("--sparsity", default="0,0.5,0.8,0.9,0.95")
-  ap.add_argument("--impls", default="auto,mosaic_gpu,triton",
-                  help="our kernels to time ('auto' on Hopper: Mosaic GPU both ways; see the "
-                       "module docstring for the variant suffixes)")
-  ap.add_argument("--n", type=int, default=10)
-  ap.add_argument("--exact", action="store_true", help="exactly (1-s)T active queries")
-  ap.add_argument("--fracs", default="", help="bucket ladder, e.g. 1.0 (default: the library's)")
-  ap.add_argument("--sweep", action="store_true", help="time Triton tile configurations first")
-  ap.add_argument("--sweep-only", action="store_true")
-  ap.add_argument("--sweep-kernels", default="fwd,dq,dkv,dkv_dq",
-                  help="kernels the sweep times (dkv_dq: the fused backward; mgpu: the Mosaic "
-                       "GPU forward, dq and dk/dv tiles and compute warpgroups)")
-  ap.add_argument("--check-only", action="store_true")
-  ap.add_argument("--breakdown", action="store_true",
-                  help="only split auto's time into kernels and glue (gather vs scatter back)")
-  ap.add_argument("--order", action="store_true",
-                  help="Mosaic GPU forward / dq kernels alone: old vs heads-fastest launch order")
-  ap.add_argument("--profile", action="store_true",
-                  help="per-kernel device time of auto (CUPTI trace via torch's profiler)")
-  ap.add_argument("--variants", action="store_true",
-                  help="Mosaic GPU kernels alone in variants (launch order, softmax scale "
-                       "folding, compiler params, named barriers, exact bucket, empty programs), "
-                       "wall and device-bound")
-  ap.add_argument("--ceilings", action="store_true",
-                  help="first time a bf16 8192^3 matmul and a 2 GiB copy (device ceilings)")
-  ap.add_argument("--hostcost", action="store_true",
-                  help="host time per call (wall - device-bound) and kernel counts of ours, "
-                       "cuDNN and an empty call; run once per XLA_FLAGS setting")
-  ap.add_argument("--glue", action="store_true",
-                  help="only time the pieces of the XLA forward glue ('_xla') alone")
-  ap.add_argument("--no-check-small", action="store_true")
-  ap.add_argument("--check-impls", default="",
-                  help="kernels for the small checks (default: --impls)")
-  ap.add_argument("--check-cases", type=int, default=None, help="only the first n small checks")
-  ap.add_argument("--no-tokamax", action="store_true")
-  ap.add_argument("--tokamax-impl", default="mosaic_gpu")
-  ap.add_argument("--block-sizes", default="", help="JSON dict of Triton BlockSizes fields")
-  ap.add_argument("--out-dir", default=os.environ.get("OUT", "bench/results"))
-  args = ap.parse_args()
+FLAGS = common.flag_values(n=10)
+flags.DEFINE_string("T", "32768,65536", "sequence lengths", flag_values=FLAGS)
+flags.DEFINE_string("sparsity", "0,0.5,0.8,0.9,0.95", "sparsities s (queries active w.p. 1 - s)", flag_values=FLAGS)
+flags.DEFINE_string("impls", "auto,mosaic_gpu,triton",
+                    "our kernels to time ('auto': the resolver's pick; see the module docstring "
+                    "for the variant suffixes)", flag_values=FLAGS)
+flags.DEFINE_bool("exact", False, "exactly (1-s)T active queries", flag_values=FLAGS)
+flags.DEFINE_string("fracs", "", "bucket ladder, e.g. 1.0 (default: the library's)", flag_values=FLAGS)
+flags.DEFINE_bool("sweep", False, "time Triton tile configurations first", flag_values=FLAGS)
+flags.DEFINE_bool("sweep_only", False, "only the tile sweep", flag_values=FLAGS)
+flags.DEFINE_string("sweep_kernels", "fwd,dq,dkv,dkv_dq",
+                    "kernels the sweep times (dkv_dq: the fused backward; mgpu: the Mosaic GPU "
+                    "forward, dq and dk/dv tiles and compute warpgroups)", flag_values=FLAGS)
+flags.DEFINE_bool("check_only", False, "small correctness checks only", flag_values=FLAGS)
+flags.DEFINE_bool("breakdown", False,
+                  "only split auto's time into kernels and glue (gather vs scatter back)", flag_values=FLAGS)
+flags.DEFINE_bool("order", False,
+                  "Mosaic GPU forward / dq kernels alone: old vs heads-fastest launch order", flag_values=FLAGS)
+flags.DEFINE_bool("profile", False, "per-kernel device time of auto (CUPTI trace via torch)", flag_values=FLAGS)
+flags.DEFINE_bool("variants", False,
+                  "Mosaic GPU kernels alone in variants (launch order, softmax scale folding, "
+                  "compiler params, named barriers, exact bucket, empty programs)", flag_values=FLAGS)
+flags.DEFINE_bool("ceilings", False, "first time a bf16 8192^3 matmul and a 2 GiB copy", flag_values=FLAGS)
+flags.DEFINE_bool("hostcost", False,
+                  "host time per call (wall - device-bound) and kernel counts of ours, cuDNN and "
+                  "an empty call; run once per XLA_FLAGS setting", flag_values=FLAGS)
+flags.DEFINE_bool("glue", False, "only time the pieces of the XLA forward glue ('_xla') alone", flag_values=FLAGS)
+flags.DEFINE_bool("no_check_small", False, "skip the small checks", flag_values=FLAGS)
+flags.DEFINE_string("check_impls", "", "kernels for the small checks (default: --impls)", flag_values=FLAGS)
+flags.DEFINE_integer("check_cases", None, "only the first n small checks", flag_values=FLAGS)
+flags.DEFINE_bool("no_tokamax", False, "skip the tokamax route", flag_values=FLAGS)
+flags.DEFINE_string("tokamax_impl", "mosaic_gpu", "tokamax kernel of the tokamax route", flag_values=FLAGS)
+flags.DEFINE_string("block_sizes", "", "JSON dict of Triton BlockSizes fields", flag_values=FLAGS)
+flags.DEFINE_string("name", "main", "the run's tag (settings['name'])", flag_values=FLAGS)
+
+
+def main(argv=None):
+  args = common.parse_flags(FLAGS, argv)
   Ts = [int(x) for x in args.T.split(",")]
   ss = [float(x) for x in args.sparsity.split(",")]
   impls = [x for x in args.impls.split(",") if x]
@@ -813,24 +789,31 @@ def main():
     bs = GPU_BLOCK_SIZES.with_(**kw)
   dev = jax.devices()[0]
   print("jax", jax.__version__, dev.device_kind, flush=True)
-  name = dev.device_kind.replace(" ", "_")
-  os.makedirs(args.out_dir, exist_ok=True)
-  path = os.path.join(args.out_dir, f"compact_attention_{name}.json")
+  path = common.result_path("compact_attention", args.out_dir)
   rows, sweep_rows, small, breakdown_rows = [], [], [], []
   ceilings = None
+  run = None
 
   def write():
-    result = dict(device=dev.device_kind, jax_version=jax.__version__,
-                  date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  command=" ".join(sys.argv),
+    nonlocal run
+    result = dict(command=" ".join(sys.argv),
                   shapes=dict(B=B, q_heads=N, kv_heads=K, head_dim=H, dtype="bfloat16"),
                   active_set="exactly (1-s)T" if args.exact else "Bernoulli(1-s) per query",
                   bucket_fracs=fracs or "library default", triton_block_sizes=repr(bs),
                   timing="median of %d after 2 warm-ups" % args.n,
                   check_small=small, device_ceilings=ceilings, rows=rows, sweep=sweep_rows,
                   breakdown=breakdown_rows)
-    with open(path, "w") as fh:
-      json.dump(result, fh, indent=1)
+    checks = {f"check_small {c['impl']} {c['case']}": c["ok"] for c in small}
+    checks.update({f"check {impl} T={r['T']} s={r['sparsity']}": "err" not in r.get(impl, {})
+                   and not r[impl].get("check_nan") and r[impl].get("check_inactive_zero", True)
+                   for r in rows for impl in impls if impl in r})
+    new = common.make_run("compact_attention", result, name=args.name, claims=checks,
+                          settings=dict(T=Ts, sparsity=ss, impls=impls, n=args.n))
+    if run is None:
+      common.append_run(path, new)
+    else:
+      common.replace_last_run(path, new)
+    run = new
 
   if not args.no_check_small:
     small = check_small([x for x in args.check_impls.split(",") if x] or impls, args.check_cases)

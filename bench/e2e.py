@@ -58,6 +58,7 @@ import warnings
 from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import common  # noqa: E402
 
 # Qwen2.5-1.5B (config.json of Qwen/Qwen2.5-1.5B), as ModelConfig fields.
 QWEN25_1P5B = dict(family="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
@@ -144,9 +145,8 @@ def timed(fn: Callable[[], Any], n: int, warmup: int = 1) -> tuple[float, list[f
 
 
 def peak_bytes() -> int | None:
-  import jax
-  stats = jax.local_devices()[0].memory_stats()
-  return None if not stats else int(stats.get("peak_bytes_in_use", 0)) or None
+  """The device's peak bytes in use (bench/common.py; None without memory stats or when 0)."""
+  return common.peak_bytes() or None
 
 
 def _bf16_params(params, model_cfg):
@@ -247,12 +247,12 @@ def run_row(T: int, scheme: str, *, shapes: dict = QWEN25_1P5B, reps: int = 5,
                                                zeros_logits))
       return out, (time.perf_counter() - t) * 1e3
 
-    (cache, logits), first_ms = prefill()
+    (cache, logits, _), first_ms = prefill()
     row["prefill_first_s"] = first_ms / 1e3
     del cache, logits
     ts = []
     for _ in range(reps):
-      (cache, logits), ms = prefill()
+      (cache, logits, _), ms = prefill()
       ts.append(ms)
       if len(ts) < reps:
         del cache, logits
@@ -358,11 +358,7 @@ def run_row(T: int, scheme: str, *, shapes: dict = QWEN25_1P5B, reps: int = 5,
 # Sanity check on a short sequence
 # ------------------------------------------------------------------------------------------------
 
-def _rel(a, b) -> float:
-  import numpy as np
-  a = np.asarray(a, np.float64)
-  b = np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+_rel = common.rel_err
 
 
 def sanity(*, shapes: dict = QWEN25_1P5B, T: int = 1024, window: int = 256, tol: float = 5e-2,
@@ -645,15 +641,9 @@ def main(argv=None) -> int:
   if args.child:
     return _child(args)
   if args.merge:
-    docs = []
-    for p in args.merge:
-      with open(p) as f:
-        docs.append(json.load(f))
-    doc = merge_results(docs)
+    doc = merge_results([common.read_result(p) for p in args.merge])
     dest = os.path.join(args.out_dir, f"e2e_{doc['device'].replace(' ', '_')}.json")
-    os.makedirs(args.out_dir, exist_ok=True)
-    with open(dest, "w") as f:
-      json.dump(doc, f, indent=1)
+    common.write_result(dest, "e2e", doc, name="merged")
     print(f"wrote {dest}")
     print(table(doc["rows"]))
     return 0
@@ -686,10 +676,16 @@ def main(argv=None) -> int:
       sanity=None, rows=[], not_run=[])
   path = lambda: os.path.join(args.out_dir, f"e2e_{(doc['device'] or 'unknown').replace(' ', '_')}.json")
 
+  saved = []  # the file this run was appended to (the first save appends, later ones update)
+
   def save():
     add_speedups(doc["rows"])
-    with open(path(), "w") as f:
-      json.dump(doc, f, indent=1)
+    run = common.make_run("e2e", doc, name="tiny" if args.tiny else "main")
+    if saved and saved[-1] == path():
+      common.replace_last_run(path(), run)
+    else:
+      common.append_run(path(), run)
+      saved.append(path())
 
   def adopt(res):
     if res and res.get("device") and doc["device"] is None:

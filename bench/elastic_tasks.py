@@ -27,7 +27,6 @@ Written: settings, task, date, device, jax version, every number above.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
@@ -37,6 +36,8 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags  # noqa: E402
+from bench import common  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -262,8 +263,8 @@ def run(s: Settings, log=print) -> dict[str, Any]:
   sa_acc = accuracy(configure(ecfg, "elastic", routing="sa"), ep, ev)
   log(f"every head SSA: accuracy {sa_acc}")
   rec = _recipe()
-  groups = {"lagrange": dict(regex=rec.LAGRANGE_REGEX, maximize=True, lr=s.lambda_lr,
-                             weight_decay=0.1)}
+  # the ascent on the multipliers is the scheme's declaration (Scheme.ascent_params)
+  groups = {"lagrange": dict(regex=rec.LAGRANGE_REGEX, lr=s.lambda_lr, weight_decay=0.1)}
   ep, el_hist = train(ecfg, ep, s, mix, steps=s.router_steps, lr=s.router_lr,
                       trainable=rec.TRAINABLE_REGEX, groups=groups, phase=1, name="elastic",
                       log=log)
@@ -289,15 +290,18 @@ def run(s: Settings, log=print) -> dict[str, Any]:
       dense_history=dense_hist, elastic_history=el_hist)
 
 
+FLAGS = common.flag_values(out_dir=False)
+flags.DEFINE_enum("preset", "cpu", sorted(PRESETS), "task size (test: seconds, for tests)",
+                  flag_values=FLAGS)
+flags.DEFINE_string("out", os.path.join(ROOT, "bench", "results", "elastic_tasks.json"),
+                    "result file (runs are appended)", flag_values=FLAGS)
+
+
 def main(argv=None):
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
-  ap.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "elastic_tasks.json"))
-  a = ap.parse_args(argv)
+  a = common.parse_flags(FLAGS, argv)
   res = run(PRESETS[a.preset])
   os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-  with open(a.out, "w") as f:
-    json.dump(res, f, indent=1)
+  common.write_result(a.out, "elastic_tasks", res, name=a.preset)
   print(f"wrote {a.out}")
   return res
 

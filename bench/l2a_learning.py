@@ -29,7 +29,6 @@ The phases are functions that `scripts/demo.py` reuses: `Data`, `base_config`, `
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import importlib.util
@@ -42,6 +41,8 @@ from typing import Any
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
+from absl import flags  # noqa: E402
+from bench import common  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -463,17 +464,19 @@ def run_experiment(s: Settings, log=print, *, dense_params: str | None = None,
   return result
 
 
+FLAGS = common.flag_values(out_dir=False)
+flags.DEFINE_enum("preset", "full", sorted(PRESETS), "experiment size", flag_values=FLAGS)
+flags.DEFINE_string("out", None, "result file (runs are appended; default: "
+                    "bench/results/l2a_learning.json for the full preset)", flag_values=FLAGS)
+flags.DEFINE_multi_string("set", [], "override a setting: --set l2a_steps=2000 (repeatable)",
+                          flag_values=FLAGS)
+flags.DEFINE_string("dense_params", None, "npz of a trained dense model (skips the dense phase; "
+                    "its settings must match)", flag_values=FLAGS)
+flags.DEFINE_string("save_dense", None, "write the dense model's params (npz)", flag_values=FLAGS)
+
+
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--preset", default="full", choices=sorted(PRESETS))
-  p.add_argument("--out", default=None, help="JSON path (default: bench/results/l2a_learning.json "
-                 "for the full preset)")
-  p.add_argument("--set", action="append", default=[],
-                 help="override a setting: --set l2a_steps=2000 (repeatable)")
-  p.add_argument("--dense_params", default=None, help="npz of a trained dense model (skips "
-                 "the dense phase; its settings must match)")
-  p.add_argument("--save_dense", default=None, help="write the dense model's params (npz)")
-  a = p.parse_args(argv)
+  a = common.parse_flags(FLAGS, argv)
   s = dataclasses.replace(PRESETS[a.preset])
   for kv in a.set:
     k, v = kv.split("=", 1)
@@ -496,8 +499,7 @@ def main(argv=None):
   print(json.dumps({k: res[k] for k in keys if k in res}, indent=2))
   if out:
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    with open(out, "w") as f:
-      json.dump(res, f, indent=2)
+    common.write_result(out, "l2a_learning", res, name=a.preset)
     print("written", out)
 
 

@@ -23,7 +23,6 @@ tokens over a small vocabulary so every block retrieves k chunks.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
@@ -34,6 +33,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
+from absl import flags  # noqa: E402
+from bench import common  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -94,9 +95,7 @@ def kv_bytes(cache) -> int:
   return int(n)
 
 
-def peak_bytes():
-  stats = jax.devices()[0].memory_stats() or {}
-  return stats.get("peak_bytes_in_use")
+peak_bytes = common.peak_bytes
 
 
 def row(s: Settings, name: str, cfg: ModelConfig, params, n: int) -> dict:
@@ -167,19 +166,21 @@ def merge(docs: list[dict]) -> dict:
   return out
 
 
+FLAGS = common.flag_values(out_dir=False)
+flags.DEFINE_enum("preset", "gpu", sorted(PRESETS), "sizes", flag_values=FLAGS)
+flags.DEFINE_string("models", "match,dense", "models to measure", flag_values=FLAGS)
+flags.DEFINE_string("contexts", None, "comma-separated context lengths", flag_values=FLAGS)
+flags.DEFINE_string("out", None, "result file (runs are appended)", flag_values=FLAGS)
+flags.DEFINE_multi_string("merge", None, "merge these per-row result files into --out (no run)",
+                          flag_values=FLAGS)
+
+
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--preset", default="gpu", choices=sorted(PRESETS))
-  ap.add_argument("--models", default="match,dense")
-  ap.add_argument("--contexts", default=None, help="comma-separated context lengths")
-  ap.add_argument("--out", default=None)
-  ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
-                  help="merge per-row result files into --out (no run)")
-  a = ap.parse_args(argv)
+  a = common.parse_flags(FLAGS, argv)
   if a.merge:
-    result = merge([json.load(open(f)) for f in a.merge])
-    with open(a.out or OUT, "w") as f:
-      json.dump(result, f, indent=1)
+    result = merge([common.read_result(f) for f in a.merge])
+    common.write_result(a.out or OUT, "match_memory", result, name=result.get("preset", "main"),
+                        claims={"no failed claims": not result["failed_claims"]})
     print("failed claims:", result["failed_claims"], f"\nwrote {a.out or OUT}")
     return
   s = PRESETS[a.preset]
@@ -190,8 +191,8 @@ def main(argv=None):
   result["failed_claims"] = check_flat(result)
   out = a.out or (OUT if a.preset == "gpu" else f"/tmp/match_memory_{a.preset}.json")
   os.makedirs(os.path.dirname(out), exist_ok=True)
-  with open(out, "w") as f:
-    json.dump(result, f, indent=1)
+  common.write_result(out, "match_memory", result, name=a.preset,
+                      claims={"no failed claims": not result["failed_claims"]})
   print("failed claims:", result["failed_claims"])
   print(f"wrote {out}")
 

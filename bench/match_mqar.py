@@ -20,7 +20,6 @@ while SWA and sink+window <= 0.3 there.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
@@ -31,6 +30,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
+from absl import flags  # noqa: E402
+from bench import common  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
@@ -168,12 +169,15 @@ def check_claims(result: dict) -> list[str]:
   return bad
 
 
+FLAGS = common.flag_values(out_dir=False)
+flags.DEFINE_enum("preset", "cpu", sorted(PRESETS), "task size", flag_values=FLAGS)
+flags.DEFINE_string("out", None, "result file (runs are appended; default: bench/results for "
+                    "the cpu preset)", flag_values=FLAGS)
+flags.DEFINE_integer("steps", None, "training steps (default: the preset's)", flag_values=FLAGS)
+
+
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
-  ap.add_argument("--out", default=None)
-  ap.add_argument("--steps", type=int, default=None)
-  a = ap.parse_args(argv)
+  a = common.parse_flags(FLAGS, argv)
   s = PRESETS[a.preset]
   if a.steps:
     s = dataclasses.replace(s, steps=a.steps)
@@ -182,8 +186,8 @@ def main(argv=None):
   result["failed_claims"] = check_claims(result)
   out = a.out or (OUT if a.preset == "cpu" else f"/tmp/match_mqar_{a.preset}.json")
   os.makedirs(os.path.dirname(out), exist_ok=True)
-  with open(out, "w") as f:
-    json.dump(result, f, indent=1)
+  common.write_result(out, "match_mqar", result, name=result.get("preset", "main"),
+                      claims={"no failed claims": not result.get("failed_claims")})
   print(json.dumps(result["methods"]), "failed claims:", result["failed_claims"])
   print(f"wrote {out}")
 

@@ -27,7 +27,6 @@ at this scale the dense-trained model falls back to local statistics rather than
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import math
@@ -44,6 +43,9 @@ from condattn_jax.attention import configure
 from condattn_jax.attention import segmented as sgm
 from condattn_jax.models.config import ModelConfig
 from condattn_jax.models.decoder import Decoder
+
+from absl import flags  # noqa: E402
+from bench import common
 
 PRESETS = {
     "cpu": dict(steps=400, batch=16, train_len=64, eval_lens=(16, 32, 64, 128, 256),
@@ -179,17 +181,19 @@ def run(preset: str):
       claims=claims, findings=findings, wall_s=round(time.time() - t0, 1))
 
 
+FLAGS = common.flag_values(out_dir=False)
+flags.DEFINE_enum("preset", "cpu", sorted(PRESETS), "task size", flag_values=FLAGS)
+flags.DEFINE_string("out", None, "result file (runs are appended; preset cpu: bench/results/...)",
+                    flag_values=FLAGS)
+
+
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--preset", default="cpu", choices=sorted(PRESETS))
-  ap.add_argument("--out", default=None, help="JSON path (preset cpu: bench/results/...)")
-  args = ap.parse_args(argv)
+  args = common.parse_flags(FLAGS, argv)
   r = run(args.preset)
   out = args.out or (OUT if args.preset == "cpu" else None)
   if out:
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-      json.dump(r, f, indent=1)
+    common.write_result(out, "segmented_fidelity", r, name=r.get("preset", "main"))
   print(json.dumps(r["perplexity"], indent=1))
   print("claims:", r["claims"])
   if args.preset != "test" and not all(r["claims"].values()):

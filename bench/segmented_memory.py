@@ -19,7 +19,6 @@ Writes bench/results/segmented_memory.json (preset gpu) with the settings, the d
 """
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import os
@@ -31,6 +30,9 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from absl import flags  # noqa: E402
+from bench import common
 
 PRESETS = {
     # LLaMA-2-7B shape (32 layers, 32 heads, d=4096), bf16, the paper's S/M/R and lists
@@ -111,8 +113,7 @@ def run_row(preset: str, row: str, T: int) -> dict:
                             jnp.zeros((1, C), jnp.int32), jnp.ones((1, C), bool),
                             jnp.zeros((1, cfg.vocab_size), jnp.float32))
   ma = lowered.compile().memory_analysis()
-  stats = jax.devices()[0].memory_stats() or {}
-  peak = stats.get("peak_bytes_in_use")
+  peak = common.peak_bytes()
   return dict(row=row, T=T, chunk=C, prefill_s=statistics.median(times), first_call_s=first,
               peak_bytes=peak, weights_bytes=weights,
               peak_minus_weights=None if peak is None else peak - weights,
@@ -149,10 +150,11 @@ def run(preset: str, lengths=None, rows_wanted=ROWS, out: str | None = None) -> 
   lengths = tuple(lengths or p["lengths"])
   rows = []
   if out and os.path.exists(out):
-    with open(out) as f:
-      prev = json.load(f)
+    prev = common.read_result(out)
     if prev.get("preset") == preset:
       rows = [r for r in prev["rows"] if not (r["T"] in lengths and r["row"] in rows_wanted)]
+
+  written = False
 
   def doc():
     summary, targets = summarise(p, rows)
@@ -176,28 +178,27 @@ def run(preset: str, lengths=None, rows_wanted=ROWS, out: str | None = None) -> 
         rows.append(json.loads(res.stdout.strip().splitlines()[-1]))
       rows[-1]["wall_s"] = round(time.perf_counter() - t0, 1)
       print(json.dumps(rows[-1]), flush=True)
-      if out:
-        _write(out, doc())
+      if out:  # the first row appends this run, later rows update it
+        new = common.make_run("segmented_memory", doc(), name=preset)
+        if written:
+          common.replace_last_run(out, new)
+        else:
+          common.append_run(out, new)
+          written = True
   return doc()
 
 
-def _write(path: str, obj: dict) -> None:
-  os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=1)
-  os.replace(tmp, path)
+FLAGS = common.flag_values(out_dir=False)
+flags.DEFINE_enum("preset", "gpu", sorted(PRESETS), "sizes", flag_values=FLAGS)
+flags.DEFINE_string("row", None, "internal: 'name,T' runs one row, prints JSON", flag_values=FLAGS)
+flags.DEFINE_string("out", None, "result file (runs are appended)", flag_values=FLAGS)
+flags.DEFINE_string("lengths", "", "comma-separated context lengths (default: the preset's); rows "
+                    "of other lengths already in --out are kept", flag_values=FLAGS)
+flags.DEFINE_string("rows", ",".join(ROWS), f"subset of {','.join(ROWS)}", flag_values=FLAGS)
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--preset", default="gpu", choices=sorted(PRESETS))
-  ap.add_argument("--row", default=None, help="internal: 'name,T' runs one row, prints JSON")
-  ap.add_argument("--out", default=None)
-  ap.add_argument("--lengths", default="", help="comma-separated context lengths (default: the "
-                  "preset's); rows of other lengths already in --out are kept")
-  ap.add_argument("--rows", default=",".join(ROWS), help=f"subset of {','.join(ROWS)}")
-  args = ap.parse_args(argv)
+  args = common.parse_flags(FLAGS, argv)
   if args.row:
     name, T = args.row.split(",")
     print(json.dumps(run_row(args.preset, name, int(T))))
@@ -208,7 +209,7 @@ def main(argv=None):
   rows = tuple(x for x in args.rows.split(",") if x)
   bad = sorted(set(rows) - set(ROWS))
   if bad:
-    ap.error(f"--rows {bad}: choose from {ROWS}")
+    raise SystemExit(f"--rows {bad}: choose from {ROWS}")
   lengths = tuple(int(x) for x in args.lengths.split(",") if x) or None
   out = args.out or (OUT if args.preset == "gpu" else None)
   r = run(args.preset, lengths, rows, out)

@@ -11,6 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
+from bench import common  # noqa: E402
 from bench import aha_sparse_vs_exact as bench  # noqa: E402
 
 
@@ -48,7 +49,7 @@ def test_recorded_gpu_run_sparse_is_cheaper_than_exact():
   paths = glob.glob(os.path.join(ROOT, "bench", "results", "aha_sparse_vs_exact_*.json"))
   assert paths, "no recorded GPU run"
   for path in paths:
-    doc = json.load(open(path))
+    doc = common.read_result(path)
     assert doc["platform"] == "gpu" and doc["settings"]["T"] >= 32768, path
     assert doc["jax_version"] and doc["date"] and doc["device"]
     rows = {r["name"]: r for r in doc["rows"]}

@@ -13,6 +13,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
+from bench import common  # noqa: E402
 from bench import aha_window_sweep as sweep  # noqa: E402
 
 RESULT = os.path.join(ROOT, "bench", "results", "aha_window_sweep.json")
@@ -51,7 +52,7 @@ def test_recorded_sweep():
   a small fraction of (token, head) pairs, and at the query tokens (where the long-range need is)
   the full-attention usage falls as the window grows. Overall mu_f is NOT monotone here (it is
   dominated by a small off-query baseline): recorded as is, see the issue's closing note."""
-  doc = json.load(open(RESULT))
+  doc = common.read_result(RESULT)
   assert doc["date"] and doc["jax_version"] and doc["task"]["distance"].startswith("log-uniform")
   ws = sorted(int(w) for w in doc["per_window"])
   assert ws == [16, 32, 64, 128], ws
@@ -72,7 +73,7 @@ def test_recorded_sweep_with_observable_distance():
   """bench/results/aha_window_sweep_hint.json ('cpu_hint': the query token carries its distance
   bucket, so the router can see the need): full-attention usage falls as the window grows, at
   every window within 2 points of the dense model's accuracy (the paper's long-tail finding)."""
-  doc = json.load(open(os.path.join(ROOT, "bench", "results", "aha_window_sweep_hint.json")))
+  doc = common.read_result(os.path.join(ROOT, "bench", "results", "aha_window_sweep_hint.json"))
   assert doc["settings"]["distance_hint"] is True and doc["preset"] == "cpu_hint"
   ws = sorted(int(w) for w in doc["per_window"])
   assert ws == [16, 32, 64, 128], ws

@@ -11,6 +11,7 @@ import os
 import jax
 import pytest
 
+from bench import common  # noqa: E402
 from bench import e2e
 
 RESULTS = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "..", "..", "bench", "results",
@@ -96,8 +97,7 @@ def test_sanity_check_passes_at_tiny_shapes():
 @pytest.mark.skipif(not RESULTS, reason="no recorded bench/results/e2e_*.json yet")
 @pytest.mark.parametrize("path", RESULTS)
 def test_recorded_results_are_consistent(path):
-  with open(path) as f:
-    doc = json.load(f)
+  doc = common.read_result(path)
   e2e.check_results(doc)
   assert doc["layers"] == e2e.QWEN25_1P5B["num_layers"]  # the full model, no layer shortcut
   assert doc["model"]["hidden_size"] == 1536 and doc["model"]["vocab_size"] == 151936
@@ -149,7 +149,7 @@ def test_recorded_attention_diag_routing():
                                  "attention_diag_*.json"))
   assert paths
   for path in paths:
-    doc = json.load(open(path))
+    doc = common.read_result(path)
     d = doc["diag"]
     assert doc["device"] and doc["jax_version"] and doc["date"] and d["T"] >= 65536
     auto, tok, pal = (d[f"window4096_seg({x})"]["fwdbwd_ms"] for x in ("auto", "tokamax", "pallas"))
@@ -163,7 +163,7 @@ def test_recorded_h200_end_to_end_targets():
   128K the L2A q=0.2 train step is >= 2.0x dense and its engine prefill >= 2.2x, the speedup grows
   with T, and the forced-global expectation (p_force 0.1) is the 1.98x its findings state."""
   path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "results", "e2e_NVIDIA_H200.json")
-  doc = json.load(open(path))
+  doc = common.read_result(path)
   e2e.check_results(doc)
   l2a = {r["T"]: r for r in doc["rows"] if r["scheme"] == "l2a_q0.2" and r["status"] == "ok"}
   assert set(l2a) >= {32768, 65536, 131072}
@@ -178,7 +178,7 @@ def _h100_e2e():
   """The H100 end-to-end results: valid, device and jax version named, dated by its newest run."""
   path = os.path.join(os.path.dirname(__file__), "..", "..", "bench", "results",
                       "e2e_NVIDIA_H100_80GB_HBM3.json")
-  doc = json.load(open(path))
+  doc = common.read_result(path)
   e2e.check_results(doc)
   assert doc["device"] == "NVIDIA H100 80GB HBM3" and doc["jax_version"] == "0.11.2"
   assert doc["date"] == max(r["date"] for r in doc["runs"])

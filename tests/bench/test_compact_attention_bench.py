@@ -1,5 +1,5 @@
-"""bench/compact_attention.py: its variant switches, and the recorded GPU results (one H100, one
-H200) that the compact_attention README quotes."""
+"""bench/compact_attention.py: its variants (CompactConfig fields), and the recorded GPU results (one
+H100, one H200) that docs/performance.md quotes."""
 import json
 import os
 import sys
@@ -10,6 +10,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
+from bench import common  # noqa: E402
 from bench import compact_attention as bench  # noqa: E402
 from pallas_kernels.compact_attention import api  # noqa: E402
 
@@ -17,39 +18,30 @@ RESULTS = os.path.join(ROOT, "bench", "results")
 
 
 def _load(name):
-  with open(os.path.join(RESULTS, name)) as f:
-    return json.load(f)
+  return common.read_result(os.path.join(RESULTS, name))
 
 
-def test_variant_names_set_and_restore_the_api_switches():
-  before = (api.FUSED_TRITON_BWD, api.UNCOMPACT_BY_GATHER)
-  assert bench.kernel_impl("auto_fused") == "auto"
+def test_variant_names_map_to_kernel_configs():
+  """Variant suffixes are CompactConfig fields; the kernel name loses them; 'auto' is the kernel
+  condattn_jax.ops' resolver picks for this device (the reference on a CPU)."""
+  from pallas_kernels.compact_attention import CompactConfig
   assert bench.kernel_impl("triton_scatter") == "triton"
-  assert bench.kernel_impl("mosaic_gpu") == "mosaic_gpu"
-  with bench.variant_flags("auto_fused_scatter"):
-    assert api.FUSED_TRITON_BWD is True and api.UNCOMPACT_BY_GATHER is False
-  assert (api.FUSED_TRITON_BWD, api.UNCOMPACT_BY_GATHER) == before
-  wgs = bench.kmgpu.BWD_COMPUTE_WGS
   assert bench.kernel_impl("mosaic_gpu_1wg") == "mosaic_gpu"
-  with bench.variant_flags("mosaic_gpu_1wg"):
-    assert bench.kmgpu.BWD_COMPUTE_WGS == 1
-  with bench.variant_flags("auto_tbwd"):
-    assert api.AUTO_HOPPER_BWD == "triton"
-  assert bench.kernel_impl("auto_xla") == "auto"
-  with bench.variant_flags("auto_xla_gather"):
-    assert api.GPU_GLUE_KERNELS is False and api.UNCOMPACT_BY_GATHER is True
-  assert api.GPU_GLUE_KERNELS is True
-  assert bench.kmgpu.BWD_COMPUTE_WGS == wgs and api.AUTO_HOPPER_BWD == "mosaic_gpu"
-  with pytest.raises(RuntimeError):
-    with bench.variant_flags("triton_fused"):
-      raise RuntimeError("restored on errors too")
-  assert (api.FUSED_TRITON_BWD, api.UNCOMPACT_BY_GATHER) == before
+  assert bench.kernel_impl("auto_fused") == bench.kernel_impl("auto") == "reference"
+  assert bench.variant_config("auto_fused_scatter") == CompactConfig(fused_triton_bwd=True,
+                                                                     uncompact_by_gather=False)
+  assert bench.variant_config("mosaic_gpu_1wg") == CompactConfig(mgpu_bwd_wgs=1)
+  assert bench.variant_config("auto_tbwd") == CompactConfig(bwd_impl="triton")
+  assert bench.variant_config("auto_xla_gather") == CompactConfig(glue_kernels=False,
+                                                                  uncompact_by_gather=True)
+  assert bench.variant_config("triton") == CompactConfig()
 
 
 def test_recorded_backward_sweep_fused_kernel_is_slower():
   """bench/results/compact_attention_bwd_sweep_NVIDIA_H200.json: the fused backward (dq by atomic
   adds inside dk/dv) passed the GPU checks and, at its best tiles, took >= 2x the time of the best
-  dq + dk/dv pair at s = 0.5 and 0.9 (why FUSED_TRITON_BWD is off; the api comment quotes these)."""
+  dq + dk/dv pair at s = 0.5 and 0.9 (why CompactConfig.fused_triton_bwd is off;
+  docs/performance.md quotes these)."""
   d = _load("compact_attention_bwd_sweep_NVIDIA_H200.json")
   assert d["device"] == "NVIDIA H200" and d["jax_version"] == "0.11.2" and d["date"]
   assert d["check_small"] and all(c["ok"] for c in d["check_small"])
@@ -114,7 +106,7 @@ def test_recorded_h100_side_by_side_run():
   """'rows_side_by_side' (auto and our Triton kernels, before the scatter hint): every row passed
   its check against cuDNN (rel. error <= 5e-3, no NaN, inactive rows zero), T = 32K and 64K,
   s = 0 .. 0.95; auto (Mosaic GPU both ways) is faster than Triton in both passes everywhere and,
-  forward+backward, faster than the tokamax route at every s > 0. The README quotes these."""
+  forward+backward, faster than the tokamax route at every s > 0. docs/performance.md quotes these."""
   d, rows = _h100_rows("rows_side_by_side")
   assert {T for T, _ in rows} == {32768, 65536}
   assert {s for _, s in rows} == {0.0, 0.5, 0.8, 0.9, 0.95}
@@ -135,7 +127,7 @@ def test_recorded_h100_side_by_side_run():
 
 def test_recorded_h100_rows_before_launch_order():
   """'rows_before_launch_order' (auto after the scatter hint, head-by-head launch; 32K every s,
-  64K s = 0.9 / 0.95): checks passed, the speedups the README quotes, and which PERF.md targets
+  64K s = 0.9 / 0.95): checks passed, the speedups docs/performance.md quotes, and which PERF.md targets
   they met (with the side-by-side run's 64K s = 0 / 0.5 / 0.8 rows)."""
   _, rows = _h100_rows("rows_before_launch_order")
   _, side = _h100_rows("rows_side_by_side")
@@ -196,7 +188,7 @@ def test_recorded_h100_glue_and_breakdown_scatter_back_is_kept():
 
 def test_recorded_h100_rows_before_glue_kernels():
   """'rows_before_glue_kernels' (heads-fastest launch, e5d6bb5, XLA glue and the bucket ladder;
-  32K and 64K, every s): checks passed, the speedups the README quotes, which PERF.md targets
+  32K and 64K, every s): checks passed, the speedups docs/performance.md quotes, which PERF.md targets
   they met, and where auto was faster than the tokamax route."""
   _, rows = _h100_rows("rows_before_glue_kernels")
   quoted = {(32768, 0.0): (0.90, 0.86), (32768, 0.5): (1.75, 1.68), (32768, 0.8): (3.78, 4.10),
@@ -215,9 +207,9 @@ def test_recorded_h100_rows_before_glue_kernels():
 
 def test_recorded_h100_launch_order():
   """'launch_order': the Mosaic GPU forward and dq alone, head by head vs heads fastest, same
-  process and equal results. Heads fastest, rounded to the README's two decimals: forward 1.14x
+  process and equal results. Heads fastest, rounded to docs/performance.md's two decimals: forward 1.14x
   or more at s >= 0.9 at 32K and s = 0.95 at 64K, dq 1.04x or more at s >= 0.9; at s = 0.5 the
-  two orders are within noise (0.96-0.99; the README's alternating repeat)."""
+  two orders are within noise (0.96-0.99; the alternating repeat docs/performance.md quotes)."""
   d, _ = _h100_rows()
   lo = {(r["T"], r["sparsity"]): r for r in d["launch_order"]}
   quoted = {(32768, 0.5): (0.96, 1.07), (32768, 0.8): (1.07, 1.05), (32768, 0.9): (1.14, 1.13),
@@ -233,7 +225,7 @@ def test_recorded_h100_launch_order():
         r["head_by_head"]["fwd_ms"] / r["heads_fastest"]["fwd_ms"])
   assert all(lo[k]["fwd_speedup"] > 1.135 for k in ((32768, 0.9), (32768, 0.95), (65536, 0.95)))
   assert all(lo[k]["dq_speedup"] > 1.035 for k in lo if k[1] >= 0.9)
-  # the README's alternating repeat at 32K: at s = 0.5 (and 0) the two orders' ranges overlap,
+  # the alternating repeat docs/performance.md quotes at 32K: at s = 0.5 (and 0) the two orders' ranges overlap,
   # at s = 0.8 heads fastest is faster every time
   alt = d["launch_order_alternating"]["ms"]
   a = alt["0.5"]
@@ -246,7 +238,7 @@ def test_recorded_h100_launch_order():
 
 
 def test_recorded_h100_breakdown_after_launch_order_explains_the_misses():
-  """'breakdown' (heads-fastest launch): the kernel and glue times the README's table quotes, and
+  """'breakdown' (heads-fastest launch): the kernel and glue times the table of docs/performance.md quotes, and
   its arithmetic: at 32K s = 0.95 the kernels alone exceed the time the targets leave (forward
   0.80 ms, forward+backward 3.06 ms with the rows' cuDNN times)."""
   d, rows = _h100_rows("rows_before_glue_kernels")
@@ -317,7 +309,7 @@ def test_glue_parts_runs_and_its_scatters_agree(monkeypatch):
 def test_recorded_h100_rows_with_glue_kernels_and_targets_quoted_in_readme():
   """'rows_before_kernel_tuning' (the GPU glue kernels: one bucket, no lax.switch, count-bounded
   gathers, results back in one pass; 32K and 64K, every s): checks passed (also the small GPU
-  checks and the GPU smoke test on this code), the speedups the README quotes, the PERF.md
+  checks and the GPU smoke test on this code), the speedups docs/performance.md quotes, the PERF.md
   targets they meet (all but 32K s = 0.9 / 0.95 forward, and 32K / 64K s = 0.95
   forward+backward), and auto is faster than the tokamax route in both passes at every s >= 0.5."""
   d, rows = _h100_rows("rows_before_kernel_tuning")
@@ -342,7 +334,7 @@ def test_recorded_h100_rows_with_glue_kernels_and_targets_quoted_in_readme():
 def test_recorded_h100_rows_after_kernel_tuning_and_targets_quoted_in_readme():
   """'rows' (programs past the count launched last, the softmax scale folded into exp2, tokamax's
   compiler params and named-barrier hand-offs; 32K and 64K, every s): checks passed (the small GPU
-  checks and the named-barrier GPU test too), the speedups the README quotes per call (wall) and
+  checks and the named-barrier GPU test too), the speedups docs/performance.md quotes per call (wall) and
   device-bound, the PERF.md targets met (per call: all but 32K s = 0.9 / 0.95 forward and 32K
   s = 0.95 forward+backward; device-bound: all but 32K s = 0.95 forward+backward), faster than
   the tokamax route in both passes at every s >= 0.5 per call, and no point slower than before."""
@@ -418,7 +410,7 @@ def test_recorded_h100_profile_shows_the_switch_gaps_and_their_removal():
   switch predicate's device -> host copy and launch gaps (span - busy 0.38 / 0.23 / 0.44 ms at
   s = 0.8 / 0.9 / 0.95) and the output's zero fill (0.14 ms); with the glue kernels there are no
   gaps (span within 5 us of busy), no host copy, and the row copies take 0.10 ms of the
-  forward's 0.86 ms at s = 0.95. The numbers the README quotes."""
+  forward's 0.86 ms at s = 0.95. The numbers docs/performance.md quotes."""
   d, _ = _h100_rows()
   old = d["profile_before_glue_kernels"]
   for s, gap in ((0.8, 0.38), (0.9, 0.23), (0.95, 0.44)):
@@ -456,7 +448,7 @@ def test_recorded_h100_profile_shows_the_switch_gaps_and_their_removal():
 def test_recorded_h100_device_time_profile_ceilings_and_host_cost():
   """After the kernel tuning, the misses by device time (`profile_after_kernel_tuning`, CUPTI,
   32K, s = 0.9 / 0.95), this H100's ceilings (`device_ceilings`) and the host time per lone call
-  under three XLA_FLAGS settings (`host_cost`): the figures the README's "same misses by device
+  under three XLA_FLAGS settings (`host_cost`): the figures docs/performance.md's "same misses by device
   time" table and bullets quote. The backward kernels run at the matrix-product ceiling, the
   forward kernel below cuDNN's rate, and no flag setting removes our host time."""
   d, rows = _h100_rows()
@@ -480,7 +472,7 @@ def test_recorded_h100_device_time_profile_ceilings_and_host_cost():
     assert "sdpa" in cud["glue"][0][0]
     cudnn_tf = 4 * bench.H * bench.N * (32768 * 32769 / 2) / cudnn_kernel_ms / 1e9
     assert cudnn_tf == pytest.approx(673, abs=1.5)
-    digits = 0.05 if s == 0.95 else 0.005  # the README: 14.7x, 8.42x
+    digits = 0.05 if s == 0.95 else 0.005  # docs/performance.md: 14.7x, 8.42x
     assert cud["busy_ms"] / f["busy_ms"] == pytest.approx(q["speedup"], abs=digits)
     assert kern(fb, "dq_mgpu") == pytest.approx(q["dq"], abs=0.0005)
     assert kern(fb, "dkv_mgpu") == pytest.approx(q["dkv"], abs=0.0005)
@@ -516,7 +508,7 @@ def test_recorded_h100_device_time_profile_ceilings_and_host_cost():
   left = budget - host - sum(copies) - f95["glue_ms"]
   assert left == pytest.approx(0.51, abs=0.005)
   assert tf(4, 0.95, left) == pytest.approx(716, abs=5) and tf(4, 0.95, left) > cudnn_tf
-  readme = open(os.path.join(ROOT, "pallas_kernels", "compact_attention", "README.md")).read()
+  readme = open(os.path.join(ROOT, "docs", "performance.md")).read()
   for text in ("716 TFLOP/s", "658 TFLOP/s", "| 0.95 | fwd     | fwd 0.649 (567)", "(14.7x)",
                "(8.42x, met)", "dk/dv 1.117 (659)", "8.11 / 7.39 / 7.63x", "0.15-0.25 ms"):
     assert text in readme, text

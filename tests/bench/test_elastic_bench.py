@@ -7,6 +7,7 @@ import os
 import numpy as np
 import pytest
 
+from bench import common  # noqa: E402
 from bench import elastic_tasks as bench
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -50,7 +51,7 @@ def test_task_mix_rows():
 def test_test_preset_runs(tmp_path):
   out = tmp_path / "e.json"
   r = bench.main(["--preset=test", f"--out={out}"])
-  saved = json.loads(out.read_text())
+  saved = common.read_result(str(out))
   assert saved["settings"]["router_steps"] == 3 and len(saved["elastic_history"]) == 3
   for k in ("dense_accuracy", "elastic_accuracy", "all_ssa_accuracy", "omega_msr", "omega_esr"):
     assert set(saved[k]) == set(bench.TASKS), k
@@ -58,7 +59,7 @@ def test_test_preset_runs(tmp_path):
 
 
 def test_recorded_cpu_result_holds_the_claims():
-  r = json.load(open(os.path.join(ROOT, "bench", "results", "elastic_tasks.json")))
+  r = common.read_result(os.path.join(ROOT, "bench", "results", "elastic_tasks.json"))
   want = json.loads(json.dumps(bench.dataclasses.asdict(bench.PRESETS["cpu"])))
   assert r["platform"] == "cpu" and r["settings"] == want
   assert r["omega_msr"]["local"] > r["omega_msr"]["retrieval"] + 0.15, r["omega_msr"]
@@ -89,7 +90,7 @@ def test_recorded_prefill_result():
   from bench import elastic_prefill as ep
   path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench",
                       "results", "elastic_prefill_NVIDIA_H100_80GB_HBM3.json")
-  doc = json.load(open(path))
+  doc = common.read_result(path)
   got = {}
   for run in doc["runs"]:
     assert run["jax_version"] == "0.11.2" and run["date"][:4] >= "2026"

@@ -30,14 +30,14 @@ if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
 from _train_helpers import assert_l2a_pruning_kv_bytes  # noqa: E402
+from bench import common  # noqa: E402
 
 
 def test_recorded_cpu_run():
   """bench/results/l2a_learning_cpu.json: `python bench/l2a_learning.py --preset=cpu
   --dense_params=tests/fixtures/l2a/mqar_dense.npz`, run with the preset as it is now."""
   from bench import l2a_learning as bench
-  with open(RESULT_CPU) as f:
-    res = json.load(f)
+  res = common.read_result(RESULT_CPU)
   s = bench.PRESETS["cpu"]
   want = json.loads(json.dumps(dataclasses.asdict(s)))
   assert res["settings"] == want, "the CPU preset changed: re-run it (command in the file)"
@@ -64,8 +64,7 @@ def test_recorded_cpu_run():
 
 def test_recorded_full_run():
   """bench/results/l2a_learning.json (the full run) holds the issue's evidence."""
-  with open(RESULT) as f:
-    r = json.load(f)
+  r = common.read_result(RESULT)
   for k in ("dense_accuracy", "l2a_accuracy", "l2a_sparsity", "context_free_accuracy",
             "l2a_layer_sparsity", "task", "date", "settings"):
     assert k in r, k

@@ -8,6 +8,7 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
+from bench import common  # noqa: E402
 import match_memory  # noqa: E402
 import match_mqar  # noqa: E402
 
@@ -15,8 +16,7 @@ RESULT = os.path.join(ROOT, "bench", "results", "match_mqar.json")
 
 
 def test_recorded_mqar_result_holds_the_claims():
-  with open(RESULT) as f:
-    r = json.load(f)
+  r = common.read_result(RESULT)
   assert r["preset"] == "cpu" and r["date"] and r["settings"]["window"] == 32
   lengths = [str(n) for n in r["settings"]["lengths"]]
   assert lengths == ["64", "128", "256", "512"]
@@ -57,8 +57,7 @@ def test_memory_bench_match_flat():
 def test_recorded_gpu_memory_is_flat_for_match_and_grows_for_dense():
   """bench/results/match_memory.json (H200, one process per row, merged): MATCH's K/V and
   device peak stay flat from 8K to 128K while dense's grow with the context."""
-  with open(os.path.join(ROOT, "bench", "results", "match_memory.json")) as f:
-    r = json.load(f)
+  r = common.read_result(os.path.join(ROOT, "bench", "results", "match_memory.json"))
   assert r["device"].startswith("NVIDIA") and r["jax_version"] and r["date"][:4] >= "2026"
   rows = {(x["model"], x["context"]): x for x in r["rows"]}
   assert sorted(rows) == [(m, n) for m in ("dense", "match") for n in (8192, 32768, 131072)]

@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 
+from bench import common  # noqa: E402
 from bench import segmented_fidelity as fid
 from bench import segmented_memory as mem
 from condattn_jax.attention import segmented as sgm
@@ -30,7 +31,7 @@ def test_memory_bench_rows_at_test_preset():
 
 
 def test_recorded_fidelity_claims_follow_from_the_numbers():
-  r = json.load(open(RESULT))
+  r = common.read_result(RESULT)
   assert r["preset"] == "cpu" and r["date"][:4] >= "2026" and r["platform"] == "cpu"
   assert r["settings"]["segmented"] == {k: list(v) if isinstance(v, tuple) else v
                                         for k, v in fid.SEG.items()}
@@ -63,8 +64,9 @@ def test_memory_bench_merges_split_runs(tmp_path):
                                    prefill_s=s)
   json.dump(dict(preset="test", rows=[r("dense", 64, 100, 2.0), r("segmented", 128, 10, 1.0)]),
             open(out, "w"))
-  mem._write(out, mem.run("test", lengths=(128,), rows_wanted=(), out=out))
-  doc = json.load(open(out))
+  common.write_result(out, "segmented_memory", mem.run("test", lengths=(128,), rows_wanted=(),
+                                                        out=out), name="test")
+  doc = common.read_result(out)
   assert [(x["row"], x["T"]) for x in doc["rows"]] == [("dense", 64), ("segmented", 128)]
   json.dump(dict(doc, rows=doc["rows"] + [r("dense", 128, 80, 2.0)]), open(out, "w"))
   doc = mem.run("test", lengths=(256,), rows_wanted=(), out=out)
@@ -78,7 +80,7 @@ def test_recorded_gpu_memory_and_latency_meet_the_targets():
   """bench/results/segmented_memory.json (one GPU, LLaMA-2-7B shape, S/M/R = 4096/512/512): at
   64K the segmented prefill's peak (minus weights) is <= 1/4 of dense's, even of an ideal dense
   engine holding nothing but its KV cache, and it is no slower; the ratios follow from the rows."""
-  r = json.load(open(os.path.join(os.path.dirname(RESULT), "segmented_memory.json")))
+  r = common.read_result(os.path.join(os.path.dirname(RESULT), "segmented_memory.json"))
   assert r["preset"] == "gpu" and r["device"].startswith("NVIDIA") and r["jax_version"]
   rows = {(x["row"], x["T"]): x for x in r["rows"]}
   assert all("error" not in x and x["logits_finite"] for x in rows.values())
