@@ -18,7 +18,7 @@ still missing).
 Recipe (paper Sec. 3 / App. D, authors' code; numbers are fields): frozen backbone, trainable =
 the per-layer routers (task MLP + router MLP) and the per-task Lagrange multipliers
 (params 'scheme/lagrange' [2, tasks]: lambda1; lambda2, init U(0, 0.5)), the latter by gradient
-ASCENT (param group 'lagrange': AdamW maximize, lr 1e-3, weight decay 0.1); router AdamW lr 5e-4,
+ASCENT (declared by the scheme; param group 'lagrange': AdamW lr 1e-3, weight decay 0.1); router AdamW lr 5e-4,
 betas (0.9, 0.95), clip 5.0, weight decay 0 and a constant lr (not given by the paper);
 300 steps of 64K-token rows, bf16 compute; Gumbel tau cosine 1.5 -> 1.0 over the first 60% of
 steps; boundary pooling (100 + 100 tokens); SSA 128 sinks + 2048 local, XA stride 16, threshold
@@ -105,8 +105,9 @@ def get_config(arg=None):
   t.weight_decay = 0.0
   t.b1, t.b2 = 0.9, 0.95
   t.trainable_regex = TRAINABLE_REGEX
-  t.param_groups.lagrange = dict(regex=LAGRANGE_REGEX, maximize=True, lr=a.lam_lr,
-                                 weight_decay=0.1)
+  # lr / weight decay of the Lagrange multipliers; the ASCENT is the scheme's declaration
+  # (Scheme.ascent_params: the train step flips their gradient), not a recipe setting
+  t.param_groups.lagrange = dict(regex=LAGRANGE_REGEX, lr=a.lam_lr, weight_decay=0.1)
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
 
   if tiny:

@@ -25,7 +25,7 @@ import importlib
 import pkgutil
 import functools
 import numbers
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import jax.numpy as jnp
 
@@ -47,6 +47,23 @@ def _all_same_variant(config):
 def _no_flags(config):
   del config
   return {}
+
+
+class Forward(Protocol):
+  """`Scheme.forward`: the training / eval forward when it is not one decoder pass."""
+
+  def __call__(self, model, params, tokens_BT, positions_BT=None, segment_ids_BT=None, *,
+               train: bool = False, rngs=None, return_hidden: bool = False, task_ids_B=None,
+               fields=None) -> tuple[Any, dict]:
+    ...
+
+
+class ServingForward(Protocol):
+  """`Scheme.serving_forward`: the full forward that Engine generation equals."""
+
+  def __call__(self, model, params, tokens_BT, positions_BT, segment_ids_BT,
+               prefill_lengths_B) -> tuple[Any, dict]:
+    ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,10 +114,28 @@ class Scheme:
                 a layer (Elastic's per-task Lagrange multipliers). The decoder creates them
                 (float32) as params['scheme'][name] and hands their values to aux_loss as
                 aux['model_params'][name] (no layer axis). None / {}: none.
+  ascent_params regexes (re.fullmatch on '/'-joined param paths, e.g. 'scheme/lagrange') of the
+                params the train step updates by gradient ASCENT (Lagrange multipliers): it
+                flips their gradient before the optimizer, so no recipe can forget it (a
+                `train.param_groups` group with maximize=True over them is refused).
   forward       None, or `(model, params, tokens_BT, positions_BT, segment_ids_BT, *, train,
                 rngs, return_hidden, task_ids_B, fields) -> (out, aux)` used by the train and
                 eval steps instead of `model.apply` (a training forward that is not one decoder
                 pass, e.g. segmented: a scan over segments of the cached decoder).
+  serving_forward None, or `(model, params, tokens_BT, positions_BT, segment_ids_BT,
+                prefill_lengths_B) -> (logits_BTV, aux)`: the full forward that generation
+                through `inference.Engine` equals (ragged rows, right padding = segment 0;
+                prefill_lengths_B: the tokens of each row's first engine call, the whole prompt
+                or its first prefill chunk). None: the training forward (`forward`, else
+                `model.apply`). A scheme whose serving semantics differ from its training mask
+                declares it (MATCH: retrieved chunks recomputed; Elastic: the decision pooled
+                over the first call).
+  packed_documents True: documents packed in one row (segment ids 1, 2, ...) are independent
+                (each gets the outputs it gets alone); False: rows must hold one document (Elastic
+                pools its routing decision over the row, segmented's segments run over it).
+  tiny          None, or `() -> (config, make_params(seed) -> params)`: a small model of the
+                scheme (fp32, a few layers, routing really mixed) that tests/schemes' conformance
+                suite runs every check on; registering it is all a new scheme needs for them.
   """
   name: str
   layer_cls: type
@@ -116,7 +151,11 @@ class Scheme:
   reports: dict = dataclasses.field(default_factory=dict)
   input_module: type | None = None
   model_params: Callable[[Any], dict] | None = None
-  forward: Callable[..., tuple[Any, Any]] | None = None
+  ascent_params: tuple[str, ...] = ()
+  forward: Forward | None = None
+  serving_forward: ServingForward | None = None
+  packed_documents: bool = True
+  tiny: Callable[[], tuple[Any, Callable[[int], Any]]] | None = None
 
   def __post_init__(self):
     if not (dataclasses.is_dataclass(self.options) and isinstance(self.options, type)):
@@ -299,3 +338,14 @@ def convert(params, dense_config, scheme: str, **opts):
                      "(convert it to dense first: get_scheme(...).to_dense).")
   cfg = configure(dense_config, scheme, **opts)
   return cfg, get_scheme(scheme).from_dense(params, cfg)
+
+
+def init_dense(config, seed: int = 0):
+  """Random params of `config`'s dense base model (jitted init, unboxed): the start of the
+  schemes' `tiny` params makers."""
+  import flax.linen as nn
+  import jax
+  from condattn_jax.models.decoder import Decoder
+  base = config.replace(scheme="dense", scheme_kwargs=())
+  tok = jnp.zeros((1, 8), jnp.int32)
+  return nn.unbox(jax.jit(Decoder(base).init)(jax.random.PRNGKey(seed), tok)["params"])

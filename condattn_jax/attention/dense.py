@@ -40,4 +40,12 @@ def kv_cache_bytes(config: ModelConfig, context_len: int, batch: int = 1,
   return {"total": int(full), "full": int(full), "window": 0}
 
 
-DENSE = register(Scheme(name="dense", layer_cls=DenseLayer, kv_cache_bytes=kv_cache_bytes))
+def tiny():
+  """A 3-layer qwen3 toy (Scheme.tiny)."""
+  from condattn_jax.attention import init_dense
+  cfg = ModelConfig(family="qwen3", qk_norm="head", num_layers=3)
+  return cfg, lambda seed=0: init_dense(cfg, seed + 3)
+
+
+DENSE = register(Scheme(name="dense", layer_cls=DenseLayer, kv_cache_bytes=kv_cache_bytes,
+                        tiny=tiny))

@@ -14,6 +14,7 @@ Metrics of a step (all scalars unless the scheme returns per-layer arrays, shape
 """
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 import jax
@@ -95,6 +96,31 @@ def _check_metric_names(m: dict):
                      f"uses itself; rename them.")
 
 
+def ascent_flip(grads, scheme):
+  """`grads` with the sign of the scheme's gradient-ascent params (`Scheme.ascent_params`,
+  e.g. Elastic's Lagrange multipliers) flipped: the optimizer's descent on them is an ascent."""
+  if not scheme.ascent_params:
+    return grads
+  rx = [re.compile(r) for r in scheme.ascent_params]
+  return jax.tree_util.tree_map_with_path(
+      lambda p, g: -g if any(r.fullmatch(opt_lib.path_str(p)) for r in rx) else g, grads)
+
+
+def check_ascent_groups(scheme, tc, labels) -> None:
+  """Refuses a `train.param_groups` group with maximize=True over the scheme's ascent params
+  (the step already flips them: a second flip would train them the wrong way)."""
+  if not scheme.ascent_params:
+    return
+  rx = [re.compile(r) for r in scheme.ascent_params]
+  groups = tc.get("param_groups") or {}
+  for path, label in jax.tree_util.tree_flatten_with_path(labels)[0]:
+    name = opt_lib.path_str(path)
+    g = groups.get(label) if label not in (opt_lib.FROZEN, opt_lib.DEFAULT) else None
+    if g is not None and g.get("maximize") and any(r.fullmatch(name) for r in rx):
+      raise ValueError(f"train.param_groups.{label}.maximize=True: scheme {scheme.name!r} already "
+                       f"trains {name} by gradient ascent (Scheme.ascent_params); drop maximize.")
+
+
 def make_loss_and_grads(model_cfg: ModelConfig, tc):
   """loss_and_grads(params, batch, step) -> (grads, metrics without grad_norm / lr).
 
@@ -151,11 +177,15 @@ def make_loss_and_grads(model_cfg: ModelConfig, tc):
 
 def make_train_step(model_cfg: ModelConfig, tc, tx: optax.GradientTransformation, labels,
                     schedule: optax.Schedule) -> Callable[[TrainState, dict], tuple[TrainState, dict]]:
-  """train_step(state, batch) -> (new_state, metrics)."""
+  """train_step(state, batch) -> (new_state, metrics). The scheme's gradient-ascent params
+  (`Scheme.ascent_params`) get their gradient flipped before the optimizer."""
   loss_and_grads = make_loss_and_grads(model_cfg, tc)
+  scheme = get_scheme(model_cfg.scheme)
+  check_ascent_groups(scheme, tc, labels)
 
   def train_step(state: TrainState, batch: dict) -> tuple[TrainState, dict]:
     grads, metrics = loss_and_grads(state.params, batch, state.step)
+    grads = ascent_flip(grads, scheme)
     trainable = [g for g, l in zip(jax.tree.leaves(grads), jax.tree.leaves(labels))
                  if l != opt_lib.FROZEN]
     metrics["grad_norm"] = optax.tree.norm(trainable)

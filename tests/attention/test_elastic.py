@@ -308,21 +308,34 @@ def test_lagrangian_value_and_ascent_direction():
   np.testing.assert_allclose(float(loss), (qa + summ) / 2, rtol=1e-6)
   np.testing.assert_allclose(m["elastic/msr_sum_task"], [0.5, 0.5, 0.0])
   np.testing.assert_allclose(float(m["elastic/msr/qa"]), 0.25)
-  # gradient ascent on lambda (the optimizer's maximize group): lambdas of a task missing its
-  # target grow, the absent task's stay; the router's gradient pushes Omega toward the target
+  # gradient ascent on lambda (declared by the scheme, Scheme.ascent_params: the train step
+  # flips its gradient): lambdas of a task missing its target grow, the absent task's stay; the
+  # router's gradient pushes Omega toward the target
+  from condattn_jax.attention import get_scheme
+  from condattn_jax.train import step as step_lib
   params = {"scheme": {"lagrange": lam}, "w": jnp.zeros((2, 2))}
+  group = dict(regex="scheme/lagrange", lr=1e-2, weight_decay=0.1)
   tc = ConfigDict(dict(lr=1e-3, num_steps=10, warmup_frac=0.0, warmup_steps=None,
                        lr_schedule="constant", end_lr_frac=0.0, grad_clip=5.0, weight_decay=0.0,
                        b1=0.9, b2=0.95, eps=1e-8, trainable_regex="w",
-                       param_groups={"lagrange": dict(regex="scheme/lagrange", maximize=True,
-                                                      lr=1e-2, weight_decay=0.1)}))
+                       param_groups={"lagrange": group}))
   tx, labels, _ = opt_lib.make_optimizer(tc, params)
   assert labels["scheme"]["lagrange"] == "lagrange"
   grads = jax.grad(lambda p: elastic.aux_loss(_aux(fa, p["scheme"]["lagrange"]), batch, 0,
                                               cfg)[0])(params)
   g = np.asarray(grads["scheme"]["lagrange"])
   assert (g[:, :2] > 0).all() and (g[:, 2] == 0).all()
-  upd, _ = tx.update(grads, tx.init(params), params)
+  scheme = get_scheme("elastic")
+  flipped = step_lib.ascent_flip(grads, scheme)
+  np.testing.assert_array_equal(flipped["scheme"]["lagrange"], -g)
+  np.testing.assert_array_equal(flipped["w"], grads["w"])
+  step_lib.check_ascent_groups(scheme, tc, labels)
+  # a recipe asking for the ascent again would flip it back: refused, naming the group
+  tc_twice = ConfigDict(tc.to_dict())
+  tc_twice.param_groups.lagrange.maximize = True
+  with pytest.raises(ValueError, match="param_groups.lagrange.maximize=True.*drop maximize"):
+    step_lib.check_ascent_groups(scheme, tc_twice, labels)
+  upd, _ = tx.update(flipped, tx.init(params), params)
   new = np.asarray(optax.apply_updates(params, upd)["scheme"]["lagrange"])
   assert (new[:, :2] > np.asarray(lam)[:, :2]).all()
   assert (new[:, 2] < np.asarray(lam)[:, 2]).all()  # only weight decay: the [2, tasks] leaf decays

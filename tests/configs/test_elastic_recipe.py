@@ -34,7 +34,11 @@ def test_paper_recipe_and_variants():
   assert dict(zip(s.task_names, s.targets)) == {"qa": 0.7, "summarization": 1.0, "code": 1.0,
                                                 "in_context_learning": 1.0}
   g = t.param_groups.lagrange
-  assert (g.regex, g.maximize, g.lr, g.weight_decay) == ("scheme/lagrange", True, 1e-3, 0.1)
+  assert (g.regex, g.get("maximize"), g.lr, g.weight_decay) == ("scheme/lagrange", None, 1e-3,
+                                                                0.1)
+  # the ascent is the scheme's declaration, not the recipe's (a recipe cannot forget it)
+  from condattn_jax.attention import get_scheme
+  assert get_scheme("elastic").ascent_params == ("scheme/lagrange",)
   labels = opt_lib.param_labels(
       {"layers": {"router": {"task_fc1": {"kernel": np.zeros((2, 2))}},
                   "self_attn": {"q_proj": {"kernel": np.zeros((2, 2))}}},

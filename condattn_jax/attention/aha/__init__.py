@@ -7,7 +7,7 @@
   report.py   KV-cache bytes, usage (mu_f) per layer x head and per task, per-head gap, heatmap
 """
 from condattn_jax.attention import Scheme, refuse_sliding_window, register
-from condattn_jax.attention.aha.convert import from_dense, to_dense
+from condattn_jax.attention.aha.convert import from_dense, tiny, to_dense
 from condattn_jax.attention.aha.layer import AHALayer, Router, aux_loss, task_counts
 from condattn_jax.attention.aha.options import MODES, ROUTINGS, AHAOptions
 from condattn_jax.attention.aha.report import (gap_counts, kv_cache_bytes, measure_usage,
@@ -16,4 +16,5 @@ from condattn_jax.attention.aha.report import (gap_counts, kv_cache_bytes, measu
 AHA = register(Scheme(
     name="aha", layer_cls=AHALayer, options=AHAOptions, check=refuse_sliding_window,
     aux_loss=aux_loss, from_dense=from_dense, to_dense=to_dense, headline_metric="aha/mu_f",
-    kv_cache_bytes=kv_cache_bytes, reports={"usage": usage_report, "measure": measure_usage}))
+    kv_cache_bytes=kv_cache_bytes, reports={"usage": usage_report, "measure": measure_usage},
+    tiny=tiny))

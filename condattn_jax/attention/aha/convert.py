@@ -10,7 +10,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from condattn_jax.attention import options
+from condattn_jax import attention
+from condattn_jax.attention import configure, options
 from condattn_jax.models import stacking
 from condattn_jax.models.config import ModelConfig
 
@@ -59,3 +60,19 @@ def to_dense(params, config: ModelConfig, *, keep: str = "full"):
   window = None if keep == "full" else opts.window
   return (config.replace(scheme="dense", scheme_kwargs=(), sliding_window=window),
           rewrap(stacking.restack(out)))
+
+
+def tiny():
+  """Scheme.tiny: a 3-layer OLMo-2 (post-norm) AHA toy, window 4, with a random router (a real
+  mix of full / local heads)."""
+  import jax
+  base = ModelConfig(family="olmo2", qk_norm="full", post_norm=True, num_layers=3)
+  cfg = configure(base, "aha", window=4)
+
+  def make(seed: int = 0):
+    _, p = attention.convert(attention.init_dense(base, seed + 3), base, "aha", window=4)
+    r = p["layers"]["router"]
+    r["kernel"] = 0.3 * jax.random.normal(jax.random.PRNGKey(seed), r["kernel"].shape)
+    r["bias"] = jnp.zeros_like(r["bias"])
+    return p
+  return cfg, make

@@ -10,10 +10,11 @@ section 3; paper ../shared/papers/003_37e8e472031e3f13.txt).
 """
 from condattn_jax.attention import Scheme, refuse_sliding_window, register
 from condattn_jax.attention.elastic import masks
-from condattn_jax.attention.elastic.convert import from_dense, to_dense
+from condattn_jax.attention.elastic.convert import from_dense, tiny, to_dense
 from condattn_jax.attention.elastic.layer import (ElasticLayer, Router, aux_loss,
                                                   fixed_fa_head_sets, gumbel_ste, model_params,
-                                                  pool_keys, task_ids, tau_at)
+                                                  pool_keys, serving_forward, task_ids,
+                                                  tau_at)
 from condattn_jax.attention.elastic.options import MODES, POOLINGS, ROUTINGS, ElasticOptions
 from condattn_jax.attention.elastic.report import (kv_cache_bytes, measure, plot_fa_heatmap,
                                                    sparsity_report)
@@ -22,4 +23,6 @@ ELASTIC = register(Scheme(
     name="elastic", layer_cls=ElasticLayer, options=ElasticOptions, check=refuse_sliding_window,
     aux_loss=aux_loss, from_dense=from_dense, to_dense=to_dense,
     headline_metric="elastic/omega_msr", kv_cache_bytes=kv_cache_bytes,
-    reports={"sparsity": sparsity_report, "measure": measure}, model_params=model_params))
+    reports={"sparsity": sparsity_report, "measure": measure}, model_params=model_params,
+    ascent_params=("scheme/lagrange",),
+    serving_forward=serving_forward, packed_documents=False, tiny=tiny))

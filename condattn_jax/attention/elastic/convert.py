@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from condattn_jax.attention import options
+from condattn_jax import attention
+from condattn_jax.attention import configure, options
 from condattn_jax.attention.elastic.layer import router_shapes
 from condattn_jax.models import stacking
 from condattn_jax.models.config import ModelConfig
@@ -54,3 +55,19 @@ def to_dense(params, config: ModelConfig):
   for i in range(stacking.num_layers_of(inner)):
     out[f"layers_{i}"] = {k: v for k, v in inner[f"layers_{i}"].items() if k != "router"}
   return config.replace(scheme="dense", scheme_kwargs=()), rewrap(stacking.restack(out))
+
+
+def tiny():
+  """Scheme.tiny: a 2-layer qwen3 Elastic toy (SSA blocks of 4, 4 sinks, 8 local, 3 boundary
+  tokens) with a sharpened router (a real FA / SSA mix)."""
+  import jax
+  base = ModelConfig(family="qwen3", qk_norm="head", num_layers=2, num_heads=4, num_kv_heads=2)
+  cfg = configure(base, "elastic", block=4, sinks=4, local=8, boundary=3, seed=5)
+
+  def make(seed: int = 0):
+    dense = jax.tree.map(np.asarray, attention.init_dense(base, seed + 3))
+    _, p = attention.convert(dense, base, "elastic", **dict(cfg.scheme_kwargs))
+    r = p["layers"]["router"]["router_fc3"]
+    r["kernel"] = r["kernel"] * 300.0
+    return p
+  return cfg, make

@@ -36,8 +36,9 @@ Loss (aux_loss): Omega_b = fraction of the sample's query heads (all layers) in 
 STE: the router gets the gradient), per-sample term
 lambda1[task] |Omega_b - t_task| + lambda2[task] (Omega_b - t_task)^2, averaged within each
 task, then over the tasks present in the batch. lambda = params['scheme']['lagrange'] [2, tasks]
-(row 0: lambda1, row 1: lambda2; init U(0, lambda_init_max)), trained by gradient ASCENT (an
-optimizer group with maximize=True; one 2-D leaf, so AdamW's weight decay applies to it).
+(row 0: lambda1, row 1: lambda2; init U(0, lambda_init_max)), trained by gradient ASCENT: the
+scheme declares it (`Scheme.ascent_params`) and the train step flips its gradient (one 2-D leaf,
+so AdamW's weight decay applies to it).
 """
 from __future__ import annotations
 
@@ -337,3 +338,11 @@ def aux_loss(aux, batch, step, config):
   for i, name in enumerate(o.task_names):
     metrics[f"elastic/msr/{name}"] = msr_sum[i] / jnp.maximum(count[i], 1.0)
   return loss, metrics
+
+
+def serving_forward(model, params, tokens_BT, positions_BT, segment_ids_BT, prefill_lengths_B):
+  """Scheme.serving_forward: generation decides once per row on its first engine call, so it
+  equals the full forward whose router pools the first `prefill_lengths_B` tokens."""
+  o = options(model.config)
+  return model.apply({"params": params}, tokens_BT, positions_BT, segment_ids_BT,
+                     fields={o.prompt_field: jnp.asarray(prefill_lengths_B, jnp.int32)})

@@ -8,7 +8,7 @@
 """
 from condattn_jax.attention import Scheme, register
 from condattn_jax.attention.l2a.convert import (GLOBAL_BRANCH, from_dense, prune, prune_params,
-                                                to_dense)
+                                                tiny, to_dense)
 from condattn_jax.attention.l2a.layer import (L2ALayer, Router, aux_loss, lambda_at,
                                               layer_variants)
 from condattn_jax.attention.l2a.options import LAMBDA_SCHEDULES, ROUTINGS, L2AOptions, check
@@ -19,4 +19,4 @@ L2A = register(Scheme(
     name="l2a", layer_cls=L2ALayer, options=L2AOptions, check=check, aux_loss=aux_loss,
     from_dense=from_dense, to_dense=to_dense, layer_variants=layer_variants,
     headline_metric="l2a/sparsity", kv_cache_bytes=kv_cache_bytes,
-    reports={"prune": prune_report, "sparsity": measure_sparsity}))
+    reports={"prune": prune_report, "sparsity": measure_sparsity}, tiny=tiny))

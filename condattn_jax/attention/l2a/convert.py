@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from condattn_jax import attention
 from condattn_jax.attention import configure, options
 from condattn_jax.models import stacking
 from condattn_jax.models.config import ModelConfig
@@ -96,3 +97,22 @@ def prune(params, config: ModelConfig, layer_sparsity, threshold: float = 0.95):
   new = tuple(int(i) for i in np.nonzero(sp >= threshold)[0] if int(i) not in opts.pruned_layers)
   cfg = configure(config, "l2a", pruned_layers=tuple(sorted(set(opts.pruned_layers) | set(new))))
   return cfg, prune_params(params, new), new
+
+
+def tiny():
+  """Scheme.tiny: a 3-layer qwen3 L2A toy (window 4, layer 1 pruned) with a random router (a
+  real mix of global / local tokens at theta 0.6)."""
+  base = ModelConfig(family="qwen3", qk_norm="head", num_layers=3)
+  cfg = configure(base, "l2a", window=4, theta=0.6, pruned_layers=(1,))
+
+  def make(seed: int = 0):
+    _, p = attention.convert(attention.init_dense(base, seed + 3), base, "l2a",
+                             **dict(cfg.scheme_kwargs))
+    per, rewrap = stacking.per_layer(p)
+    for i in range(cfg.num_layers):
+      if "router" in per[f"layers_{i}"]:
+        k = per[f"layers_{i}"]["router"]["kernel"]
+        per[f"layers_{i}"]["router"]["kernel"] = 0.1 * jax.random.normal(
+            jax.random.PRNGKey(seed + i), k.shape, k.dtype)
+    return rewrap(_restack(per))
+  return cfg, make

@@ -11,7 +11,7 @@
   report.py     analytic cache bytes
 """
 from condattn_jax.attention import Scheme, refuse_sliding_window, register
-from condattn_jax.attention.match.convert import from_dense, to_dense
+from condattn_jax.attention.match.convert import from_dense, serving_forward, tiny, to_dense
 from condattn_jax.attention.match.inputs import MatchInputs, block_inputs, num_blocks
 from condattn_jax.attention.match.layer import MatchLayer, RetrievedCache
 from condattn_jax.attention.match.options import MatchOptions, layer_kinds
@@ -22,4 +22,5 @@ from condattn_jax.attention.match.retrieval import (ExactMatch, MiniLMRetriever,
 MATCH = register(Scheme(
     name="match", layer_cls=MatchLayer, options=MatchOptions, check=refuse_sliding_window,
     from_dense=from_dense, to_dense=to_dense, layer_variants=layer_kinds, headline_metric=None,
-    kv_cache_bytes=kv_cache_bytes, input_module=MatchInputs))
+    kv_cache_bytes=kv_cache_bytes, input_module=MatchInputs, serving_forward=serving_forward,
+    tiny=tiny))

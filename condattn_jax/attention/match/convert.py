@@ -15,3 +15,23 @@ def to_dense(params, config):
   """MATCH -> (dense full-attention ModelConfig, its params): the base model."""
   dense = config.replace(scheme="dense", scheme_kwargs=())
   return dense, stacking.to_model_layout(params, dense)
+
+
+def tiny():
+  """Scheme.tiny: a 3-layer qwen3 MATCH toy over 16 tokens (window 6, chunks of 3, top-2
+  exact-match retrieval, layers SWA, SWA, full)."""
+  from condattn_jax import attention
+  from condattn_jax.models.config import ModelConfig
+  base = ModelConfig(family="qwen3", qk_norm="head", num_layers=3, vocab_size=16)
+  cfg = attention.configure(base, "match", window=6, chunk=3, top_k=2, swa_ratio=0.7)
+  return cfg, lambda seed=0: from_dense(attention.init_dense(base, seed), cfg)
+
+
+def serving_forward(model, params, tokens_BT, positions_BT, segment_ids_BT, prefill_lengths_B):
+  """Scheme.serving_forward: decode recomputes the retrieved chunks (its window cache has no old
+  K/V), so generation equals the full forward with retrieved_kv='recompute'."""
+  del prefill_lengths_B
+  from condattn_jax import attention
+  from condattn_jax.models.decoder import Decoder
+  rc = Decoder(attention.configure(model.config, "match", retrieved_kv="recompute"))
+  return rc.apply({"params": params}, tokens_BT, positions_BT, segment_ids_BT)

@@ -11,7 +11,7 @@
   report.py   cache bytes, attention-visible KV length
 """
 from condattn_jax.attention import Scheme, register
-from condattn_jax.attention.segmented.convert import from_dense, to_dense
+from condattn_jax.attention.segmented.convert import from_dense, tiny, to_dense
 from condattn_jax.attention.segmented.core import (full_sequence, init_state, query_summaries,
                                                    retrieve, segment_step, state_shapes)
 from condattn_jax.attention.segmented.forward import forward
@@ -24,4 +24,4 @@ from condattn_jax.attention.segmented.report import kv_cache_bytes, visible_kv_l
 SEGMENTED = register(Scheme(
     name="segmented", layer_cls=SegmentedLayer, options=SegmentedOptions, check=check,
     from_dense=from_dense, to_dense=to_dense, layer_variants=layer_variants,
-    kv_cache_bytes=kv_cache_bytes, forward=forward))
+    kv_cache_bytes=kv_cache_bytes, forward=forward, packed_documents=False, tiny=tiny))

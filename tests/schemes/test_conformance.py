@@ -1,0 +1,171 @@
+"""Conformance: every registered scheme with a `Scheme.tiny` factory passes the same checks
+through one harness (registering `tiny` is all a new scheme needs):
+
+  to and from dense     `attention.convert` lays params out as the scheme's model does, and the
+                        scheme's `to_dense` gives back exactly the dense params (stacked or under
+                        a top-level 'params' key)
+  generation            `inference.Engine` greedy generation over ragged prompts, one-shot and
+                        chunked prefill, equals the forward the scheme declares for serving
+                        (`Scheme.serving_forward`; else its training forward) in fp32 to 1e-4,
+                        logits and tokens
+  cache bytes           the Engine's cache bytes == `Scheme.kv_cache_bytes` at its cache_len,
+                        the KVCache bookkeeping words (length / positions / valid) aside
+  packed documents      two documents packed in one row (+ padding) give each document's own
+                        outputs, or the scheme declares them refused (`packed_documents=False`)
+  aux                   every aux leaf has the layer axis first (model-level entries excepted)
+
+The tiny models are built and their Engines compiled once per module (shared fixtures).
+The per-row cache insert / reset of continuous batching is not checked yet (no engine API).
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from condattn_jax import attention
+from condattn_jax.inference import Engine, cache_bytes
+from condattn_jax.models.decoder import Decoder
+
+attention._load_builtin()
+NAMES = sorted(n for n, s in attention.SCHEMES.items() if s.tiny is not None)
+RNG = np.random.default_rng(0)
+PROMPTS = [list(map(int, RNG.integers(1, 6, n))) for n in (21, 13, 6)]  # a small alphabet:
+NEW = 8                                                  # MATCH's exact retrieval finds chunks
+CACHE_LEN = 48
+CHUNKS = (None, 4)
+
+
+@functools.lru_cache(maxsize=None)
+def tiny(name):
+  cfg, make = attention.get_scheme(name).tiny()
+  return cfg, make(0)
+
+
+@functools.lru_cache(maxsize=None)
+def engine(name, chunk):
+  cfg, params = tiny(name)
+  return Engine(cfg, params, cache_len=CACHE_LEN, prefill_chunk=chunk)
+
+
+def _rows(seqs):
+  L = max(map(len, seqs))
+  tok = np.zeros((len(seqs), L), np.int32)
+  seg = np.zeros((len(seqs), L), np.int32)
+  for b, s in enumerate(seqs):
+    tok[b, :len(s)], seg[b, :len(s)] = s, 1
+  pos = np.broadcast_to(np.arange(L, dtype=np.int32), tok.shape)
+  return jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(seg)
+
+
+def serving_forward(name, cfg, params, tok, pos, seg, prefill_lengths):
+  """The forward the scheme declares generation equals (its training forward by default)."""
+  s = attention.get_scheme(name)
+  model = Decoder(cfg)
+  if s.serving_forward is not None:
+    return s.serving_forward(model, params, tok, pos, seg, np.asarray(prefill_lengths, np.int32))
+  if s.forward is not None:
+    return s.forward(model, params, tok, pos, seg)
+  return model.apply({"params": params}, tok, pos, seg)
+
+
+# ---------------------------------------------------------------------------- to and from dense
+@pytest.mark.parametrize("name", NAMES)
+def test_to_and_from_dense(name):
+  import flax.linen as nn
+  cfg, _ = attention.get_scheme(name).tiny()
+  base = cfg.replace(scheme="dense", scheme_kwargs=())
+  tok = jnp.zeros((1, 8), jnp.int32)
+  shapes = lambda c: nn.meta.unbox(jax.eval_shape(
+      lambda: Decoder(c).init(jax.random.PRNGKey(0), tok)["params"]))
+  rng = np.random.default_rng(1)
+  dense = jax.tree.map(lambda s: rng.standard_normal(s.shape).astype(s.dtype), shapes(base))
+  scfg, sp = attention.convert(dense, base, name, **dict(cfg.scheme_kwargs))
+  assert scfg == cfg
+  # the layout the scheme's model builds (names, stacking, shapes)
+  want = jax.tree.map(lambda s: (s.shape, s.dtype), shapes(cfg))
+  assert jax.tree.map(lambda a: (a.shape, a.dtype), sp) == want
+  s = attention.get_scheme(name)
+  if s.to_dense is None:
+    return
+  for wrap in (False, True):
+    dcfg, dp = s.to_dense({"params": sp} if wrap else sp, cfg)
+    dp = dp["params"] if wrap else dp
+    assert dcfg.scheme == "dense" and dcfg.num_layers == cfg.num_layers
+    assert jax.tree_util.tree_structure(dp) == jax.tree_util.tree_structure(dense)
+    for a, b in zip(jax.tree.leaves(dp), jax.tree.leaves(dense)):
+      np.testing.assert_array_equal(a, b)
+
+
+# ---------------------------------------------------------------------------------- generation
+@pytest.mark.parametrize("chunk", CHUNKS)
+@pytest.mark.parametrize("name", NAMES)
+def test_generation_equals_the_declared_forward(name, chunk):
+  cfg, params = tiny(name)
+  eng = engine(name, chunk)
+  gen = eng.generate(PROMPTS, NEW, return_logits=True)
+  assert [len(t) for t in gen.tokens] == [NEW] * len(PROMPTS)
+  seqs = [p + g[:-1] for p, g in zip(PROMPTS, gen.tokens)]
+  first = eng.chunk_for(max(map(len, PROMPTS))) if chunk is None else chunk
+  prefill = [min(len(p), first) for p in PROMPTS]
+  full, _ = serving_forward(name, cfg, params, *_rows(seqs), prefill)
+  for b, p in enumerate(PROMPTS):
+    want = np.asarray(full[b, len(p) - 1:len(seqs[b])])
+    np.testing.assert_allclose(gen.logits[b], want, atol=1e-4, rtol=0)
+    assert gen.tokens[b] == list(want.argmax(-1))
+
+
+# --------------------------------------------------------------------------------- cache bytes
+def _bookkeeping_bytes(cache) -> int:
+  """Bytes of the engine's KVCache bookkeeping (the int32 length / positions / valid words of
+  every ring and full cache), which the schemes' analytic counts leave out."""
+  n = 0
+  for path, x in jax.tree_util.tree_flatten_with_path(cache)[0]:
+    keys = [getattr(p, "key", None) for p in path]
+    if len(keys) >= 2 and keys[-2] == "cache" and keys[-1] in ("length", "positions", "valid"):
+      n += x.size * x.dtype.itemsize
+  return n
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_engine_cache_bytes_equal_kv_cache_bytes(name):
+  cfg, _ = tiny(name)
+  s = attention.get_scheme(name)
+  eng = engine(name, 4)
+  for batch in (1, 3):
+    cache = eng.init_cache(batch)
+    want = s.kv_cache_bytes(cfg, CACHE_LEN, batch=batch)["total"]
+    assert cache_bytes(cache) - _bookkeeping_bytes(cache) == want, (name, batch)
+
+
+# ---------------------------------------------------------------------------- packed documents
+@pytest.mark.parametrize("name", NAMES)
+def test_packed_documents_are_independent(name):
+  cfg, params = tiny(name)
+  s = attention.get_scheme(name)
+  if not s.packed_documents:
+    pytest.skip(f"scheme {name!r} declares packed_documents=False (one document per row)")
+  a, b = PROMPTS[0][:11], PROMPTS[1][:7]
+  tok = jnp.asarray([a + b + [0, 0]], jnp.int32)
+  seg = jnp.asarray([[1] * len(a) + [2] * len(b) + [0, 0]], jnp.int32)
+  pos = jnp.asarray([list(range(len(a))) + list(range(len(b))) + [0, 0]], jnp.int32)
+  run = jax.jit(lambda t, p, g: (s.forward or (lambda m, pr, *x: m.apply({"params": pr}, *x)))(
+      Decoder(cfg), params, t, p, g)[0])
+  packed = np.asarray(run(tok, pos, seg))
+  for doc, lo in ((a, 0), (b, len(a))):
+    alone = np.asarray(run(jnp.asarray([doc], jnp.int32),
+                           jnp.arange(len(doc), dtype=jnp.int32)[None],
+                           jnp.ones((1, len(doc)), jnp.int32)))
+    np.testing.assert_allclose(packed[0, lo:lo + len(doc)], alone[0], atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------- aux
+@pytest.mark.parametrize("name", NAMES)
+def test_aux_leaves_have_the_layer_axis_first(name):
+  cfg, params = tiny(name)
+  tok, pos, seg = _rows(PROMPTS)
+  _, aux = jax.jit(lambda p: Decoder(cfg).apply({"params": p}, tok, pos, seg))(params)
+  for key, leaf in jax.tree_util.tree_flatten_with_path(
+      {k: v for k, v in aux.items() if k != "model_params"})[0]:
+    assert leaf.shape[:1] == (cfg.num_layers,), (name, jax.tree_util.keystr(key), leaf.shape)
