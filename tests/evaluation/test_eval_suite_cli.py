@@ -1,15 +1,20 @@
 """`python eval.py --suite=tiny --checkpoint=...` for every scheme, in one head-to-head run.
 
-The checkpoints are trained here (configs/tiny.py with each scheme, 1 step each: the test checks
-that every scheme's checkpoint goes through the engine and the report, not accuracy; the
-oracle tests in test_suite.py check the scoring)."""
+The checkpoints are written here, untrained: configs/tiny.py with each scheme, its step-0
+(random init) params saved as a params-only checkpoint (`Checkpointer.save_params`, the format
+of a model to evaluate or serve, with the run config). The test checks that every scheme's
+checkpoint goes through the engine and the report, not accuracy; the oracle tests in
+test_suite.py check the scores."""
+import dataclasses
 import json
 import os
 import subprocess
 
+import jax
 import pytest
 
 from _train_helpers import PY, ROOT, subprocess_env, tiny
+from condattn_jax import checkpoint as ckpt_lib
 from condattn_jax.train import loop
 
 # Each scheme on configs/tiny.py (2 layers, 4 heads, 2 KV heads, 64-token rows).
@@ -24,47 +29,69 @@ def runs(tmp_path_factory):
   out = {}
   for name, opts in SCHEMES.items():
     c = tiny("steps=1")
-    c.train.checkpoint_every = 1
     with c.unlocked():
       c.model.scheme.name = name
       for k, v in opts.items():
         c.model.scheme[k] = v
-    loop.run(c, str(root / name))
+      c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
+    setup = loop.build(c, devices=jax.local_devices()[:1])
+    params = loop.init_params(setup)
+    ck = ckpt_lib.Checkpointer(str(root / name / "checkpoints"), keep=1)
+    try:
+      ck.save_params(0, params, dict(config=json.loads(c.to_json_best_effort()),
+                                     model_config=dataclasses.asdict(setup.model_cfg),
+                                     process_count=1))
+    finally:
+      ck.close()
     out[name] = str(root / name)
   return out
 
 
 @pytest.mark.slow
 def test_tiny_suite_head_to_head_every_scheme(runs, tmp_path):
+  """Every scheme in one report, L2A swept over theta (the others have no theta: evaluated
+  once), perplexity by position on token documents."""
+  docs = tmp_path / "docs.jsonl"
+  docs.write_text("\n".join(json.dumps({"tokens": [(7 * i + j) % 64 for j in range(140)]})
+                            for i in range(3)))
+  out = tmp_path / "out"
   args = [f"--checkpoint={runs[s]}" for s in SCHEMES]
-  args += [f"--checkpoint={runs['l2a']}@theta=0.3"]  # a test-time knob on one model
   p = subprocess.run([PY, "eval.py", "--suite=tiny", "--lengths=128", "--num_samples=1",
-                      "--batch_size=2", f"--out_dir={tmp_path}", *args],
+                      "--batch_size=2", f"--out_dir={out}", "--sweep=theta=0.3,0.6",
+                      f"--ppl_docs={docs}", *args],
                      cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=600)
   assert p.returncode == 0, p.stderr[-3000:]
-  js = [f for f in os.listdir(tmp_path) if f.startswith("h2h_tiny_") and f.endswith(".json")
+  assert p.stderr.count("has no option 'theta': evaluated once") == len(SCHEMES) - 1
+  js = [f for f in os.listdir(out) if f.startswith("h2h_tiny_") and f.endswith(".json")
         and not f.endswith("_routing.json")]
   assert len(js) == 1
-  rep = json.load(open(tmp_path / js[0]))
+  rep = json.load(open(out / js[0]))
   names = [m["name"] for m in rep["models"]]
-  assert names == list(SCHEMES) + ["l2a@theta=0.3"]
+  assert names == ["dense", "l2a@theta=0.3", "l2a@theta=0.6", "aha", "elastic", "match",
+                   "segmented"]
+  assert rep["knobs"]["lengths"] == [128] and rep["knobs"]["num_samples"] == 1
   for m in rep["models"]:
-    assert m["knobs"]["step"] == 1 and m["knobs"]["checkpoint"].startswith(str(runs["dense"])[:-5])
+    assert m["knobs"]["step"] == 0 and m["knobs"]["checkpoint"] in runs.values()
     assert len(m["records"]) == 10  # 10 token-level tasks x 1 sample at length 128
-    assert all(0.0 <= r["score"] <= 1.0 and len(r["output"]) <= r["prompt_tokens"]
-               for r in m["records"])
+    assert all(0.0 <= r["score"] <= 1.0 and len(r["output"]) <= 5 for r in m["records"])
     e = m["efficiency"]["128"]
     assert e["ttft_s"] > 0 and e["decode_tok_s"] > 0 and e["kv_cache_bytes"] > 0
+    ppl = m["perplexity"]["128"]
+    assert ppl["documents"] == 3 and len(ppl["bins"]) == 8 and ppl["ppl"] > 1.0
   by = {m["name"]: m for m in rep["models"]}
+  assert [by[n]["knobs"].get("sweep") for n in names[:3]] == [None, {"theta": 0.3},
+                                                              {"theta": 0.6}]
   assert by["l2a@theta=0.3"]["knobs"]["scheme"]["theta"] == 0.3
-  assert by["l2a"]["knobs"]["scheme"].get("theta") != 0.3
   # routing maps: L2A per layer, AHA per layer x head; dense has none
-  assert len(by["l2a"]["routing"]["mqar"]["128"]["global_tokens_B"]) == 2
+  assert len(by["l2a@theta=0.3"]["routing"]["mqar"]["128"]["global_tokens_B"]) == 2
   assert len(by["aha"]["routing"]["mqar"]["128"]["full_BN"][0]) == 4
   assert not by["dense"]["routing"]
-  md = open(tmp_path / js[0].replace(".json", ".md")).read()
-  assert "| task | length | dense | l2a | aha | elastic | match | segmented | l2a@theta=0.3 |" in md
-  assert os.path.exists(tmp_path / js[0].replace(".json", "_accuracy_vs_ttft.png"))
+  md = open(out / js[0].replace(".json", ".md")).read()
+  assert ("| task | length | dense | l2a@theta=0.3 | l2a@theta=0.6 | aha | elastic | match | "
+          "segmented |") in md
+  assert "| ppl by position, length 128 | 0-16 |" in md
+  for png in ("_accuracy_vs_ttft.png", "_accuracy_vs_length.png", "_routing_1.png"):
+    assert os.path.getsize(out / js[0].replace(".json", png)) > 0
   assert "step 70/70" in p.stderr  # progress bar over tasks x lengths x models
 
 
@@ -81,27 +108,3 @@ def test_suite_cli_errors(runs, tmp_path):
   p = run(f"--checkpoint={runs['dense']}", f"--checkpoint={runs['l2a']}")
   assert p.returncode != 0 and "need --suite" in p.stderr
 
-
-def test_sweep_and_perplexity_by_position(runs, tmp_path):
-  docs = tmp_path / "docs.jsonl"
-  docs.write_text("\n".join(json.dumps({"tokens": [(7 * i + j) % 64 for j in range(140)]})
-                            for i in range(3)))
-  p = subprocess.run([PY, "eval.py", "--suite=tiny", "--lengths=128", "--num_samples=1",
-                      "--tasks=mqar,passkey", "--batch_size=1", f"--checkpoint={runs['dense']}",
-                      f"--checkpoint={runs['l2a']}", "--sweep=theta=0.3,0.6",
-                      f"--ppl_docs={docs}", f"--out_dir={tmp_path}"],
-                     cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=600)
-  assert p.returncode == 0, p.stderr[-3000:]
-  assert "has no option 'theta': evaluated once" in p.stderr
-  js = [f for f in os.listdir(tmp_path)
-        if f.startswith("h2h_") and f.endswith(".json") and "routing" not in f]
-  rep = json.load(open(tmp_path / js[0]))
-  assert [m["name"] for m in rep["models"]] == ["dense", "l2a@theta=0.3", "l2a@theta=0.6"]
-  assert [m["knobs"].get("sweep") for m in rep["models"]] == [None, {"theta": 0.3},
-                                                               {"theta": 0.6}]
-  assert rep["knobs"]["tasks"] == ["mqar", "passkey"]
-  for m in rep["models"]:
-    ppl = m["perplexity"]["128"]
-    assert ppl["documents"] == 3 and len(ppl["bins"]) == 8 and ppl["ppl"] > 1.0
-  md = open(tmp_path / js[0].replace(".json", ".md")).read()
-  assert "| ppl by position, length 128 | 0-16 |" in md
