@@ -21,7 +21,9 @@ length on the first batch, not timed; every prefill of a length runs in chunks o
 `prefill_chunk` given or the one the engine picks for the whole length, so one compiled shape):
   ttft_s           median over batches of the prefill wall time (time to the first token of
                    every row of a batch of `batch_size`)
-  decode_tok_s     generated tokens / decode wall seconds, summed over batches
+  decode_tok_s     tokens made by decode steps (all generated tokens but each row's first,
+                   which the prefill makes) / decode wall seconds, summed over the batches
+                   (rows of a batch decode together: batch_size tokens per step)
   kv_cache_bytes   the engine's cache for one row at this length (`engine.cache_shapes(1)`:
                    what the device allocates), and the scheme's analytic count when it has one
   peak_bytes       the device's peak bytes in use after the length ran (`memory_stats()`;
@@ -206,13 +208,13 @@ def evaluate_model(model: EvalModel, samples: Sequence[Sample], *, batch_size: i
         n = len(prompts)
         prompts += [prompts[-1]] * (batch_size - n)  # one compiled batch shape
         max_new = max(s.max_new_tokens for s in batch)
-        if warmup and not warmed:
-          engine.generate(prompts, max_new_tokens=min(2, max_new), stop_tokens=tuple(stop_t))
+        if warmup and not warmed:  # compiles the prefill chunk and the decode step
+          engine.generate([p[:max(1, L - 2)] for p in prompts], max_new_tokens=2)
           warmed = True
         gen = engine.generate(prompts, max_new_tokens=max_new, stop_tokens=tuple(stop_t))
         prefill_s.append(float(gen.prefill_s))
         decode_s += float(gen.decode_s)
-        new_tok += sum(len(t) for t in gen.tokens[:n])
+        new_tok += sum(max(len(t) - 1, 0) for t in gen.tokens[:n])  # the first: prefill's
         row_stats = list(getattr(gen, "stats", None) or [{}] * len(gen.tokens))
         for j, s in enumerate(batch):
           ids = list(gen.tokens[j])[:s.max_new_tokens]
@@ -233,7 +235,7 @@ def evaluate_model(model: EvalModel, samples: Sequence[Sample], *, batch_size: i
     eff[str(L)] = dict(
         ttft_s=float(statistics.median(prefill_s)), batch_size=batch_size, prefill_chunk=chunk,
         decode_tok_s=float(new_tok / decode_s) if decode_s > 0 else None,
-        generated_tokens=int(new_tok), batches=len(prefill_s),
+        decoded_tokens=int(new_tok), batches=len(prefill_s),
         kv_cache_bytes=_tree_bytes(engine.cache_shapes(1)),
         kv_cache_bytes_analytic=_analytic_kv(model.model_cfg, L), peak_bytes=_peak_bytes())
   mean_by_len = {str(L): float(np.mean([acc[t][str(L)] for t in acc if str(L) in acc[t]]))

@@ -237,7 +237,9 @@ def test_perfect_model_scores_one_and_wrong_model_zero_on_every_token_task(tiny_
     assert r["routing"]["vt"]["128"] == {"global_tokens_B": [0.25, 0.75]}
     e = r["efficiency"]["128"]
     assert e["kv_cache_bytes"] == 2 * 8 * 4 and e["ttft_s"] == 0.01
-    assert e["decode_tok_s"] == pytest.approx(e["generated_tokens"] / (e["batches"] * 0.02))
+    assert e["decode_tok_s"] == pytest.approx(e["decoded_tokens"] / (e["batches"] * 0.02))
+    assert e["decoded_tokens"] == sum(
+        max(min(len(rec["output"]), 8) - 1, 0) for rec in r["records"] if rec["length"] == 128)
 
 
 def test_text_outputs_are_decoded_and_scored(tok, text_samples):
