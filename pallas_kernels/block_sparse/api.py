@@ -385,7 +385,8 @@ def block_sparse_attention(q_BTNH, k_BSKH, v_BSKH, kv_blocks_BNQL, head_mode_BN=
       block i of head n may see; entries outside [0, S // block_k) are padding (use -1);
       duplicates are harmless.
     head_mode_BN: None (every head uses its list) or int [B, N]: HEAD_FULL (0) ignores its list,
-      HEAD_BLOCKS (1) sees only its listed blocks.
+      HEAD_BLOCKS (1) sees only its listed blocks, HEAD_WINDOW_BLOCKS (2) sees the window (and
+      sinks) or its listed blocks whole ('reference' and 'mosaic_gpu' only).
     block_q, block_k: the lists' block sizes (= the kernels' tiles; T and S need not be
       multiples: the kernels run on inputs padded to whole blocks, padding invisible).
     q_positions_BT: default arange(T) + S - T (the queries are the last T keys);
@@ -395,11 +396,13 @@ def block_sparse_attention(q_BTNH, k_BSKH, v_BSKH, kv_blocks_BNQL, head_mode_BN=
     window, sinks: keys q_pos - window < kv_pos <= q_pos, plus keys with kv_pos < sinks.
     active: None, bool [B, T] or [B, T, N]: inactive queries give zeros.
     scale: logits scale (default H ** -0.5).
-    impl: 'auto' | 'reference' | 'triton' | 'mosaic_tpu'; interpret: Pallas interpret mode (True
-      for Triton, pltpu.InterpretParams() for Mosaic TPU) to run a kernel on CPU.
+    impl: 'auto' | 'reference' | 'triton' | 'mosaic_gpu' | 'mosaic_tpu'; interpret: Pallas
+      interpret mode (True for Triton and Mosaic GPU, pltpu.InterpretParams() for Mosaic TPU) to
+      run a kernel on CPU.
     return_lse: also return the log-sum-exp [B, T, N] float32 (-inf where nothing is visible);
       differentiable too.
-    poison: testing aid: kernel outputs start as NaN, so an element never written shows up.
+    poison: testing aid: kernel outputs start as NaN, so an element never written shows up (the
+      Mosaic GPU kernels write every row and take no aliased buffer: ignored there).
 
   Returns:
     out [B, T, N, H] in q's dtype (queries that see nothing: zeros), and lse if return_lse.
