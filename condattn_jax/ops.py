@@ -411,36 +411,12 @@ def per_shard(fn):
 # The one resolver: which kernel backend runs a call, per lowering platform
 # ------------------------------------------------------------------------------------------------
 
-@dataclasses.dataclass(frozen=True)
-class _BlockSparseBackend:
-  """pallas_kernels.block_sparse behind the pallas_kernels.backends interface (until that package
-  exposes its own BACKENDS)."""
-  name: str
-  lowers_for: tuple[str, ...] = ()
-  needs_hopper: bool = False
-  config: Any = None
-
-  def supports(self, q_shape, kv_shape, dtype, platform, *, block_q, block_k) -> str | None:
-    if self.name == "reference":
-      return None
-    why = _kernel_module(package="pallas_kernels.backends").platform_reason(
-        self.name, self.lowers_for, platform, self.needs_hopper)
-    return why or _kernel_module(package=_BLOCK_SPARSE).kernel_support(
-        self.name, q_shape, kv_shape, dtype, block_q, block_k)
-
-
 def backends(kind: str) -> tuple:
-  """The backends of kernel package `kind` ('compact' | 'block_sparse'), in preference order,
-  the reference last."""
+  """The backends of kernel package `kind` ('compact' | 'block_sparse'): its BACKENDS, in
+  preference order, the reference last."""
   if kind == "compact":
     return _kernel_module().BACKENDS
-  pkg = _kernel_module(package=_BLOCK_SPARSE)
-  if hasattr(pkg, "BACKENDS"):
-    return pkg.BACKENDS
-  impls = getattr(pkg, "IMPLS", ())
-  return tuple([_BlockSparseBackend("mosaic_gpu", ("cuda",), True)] * ("mosaic_gpu" in impls)
-               + [_BlockSparseBackend("triton", _GPU), _BlockSparseBackend("mosaic_tpu", ("tpu",)),
-                  _BlockSparseBackend("reference")])
+  return _kernel_module(package=_BLOCK_SPARSE).BACKENDS
 
 
 def resolve(kind: str, impl: str, q_shape, kv_shape, dtype, platform, **static):

@@ -20,9 +20,7 @@ The resolver asks each backend for the platform it is LOWERING for (lax.platform
 branches; an abstract mesh's device for cross-lowering), never for jax.default_backend() at trace
 time, so a kernel package never checks the host platform itself.
 
-pallas_kernels.compact_attention.BACKENDS implements this; pallas_kernels.block_sparse is wrapped
-by condattn_jax.ops (`_BlockSparseBackend`) until the package exposes its own BACKENDS (a Mosaic
-GPU block-sparse backend goes first there, with `lowers_for=('cuda',)` and a Hopper check).
+pallas_kernels.compact_attention.BACKENDS and pallas_kernels.block_sparse.BACKENDS implement this.
 """
 from __future__ import annotations
 

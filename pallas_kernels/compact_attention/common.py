@@ -28,7 +28,7 @@ class BlockSizes:
   num_warps_dkv: int = 4
   num_stages_dkv: int = 2
   # Tiles for small compacted buffers (capacity <= small_below * T): fewer, longer programs
-  # balance worse, so smaller tiles win there (measured on H200, bench/compact_attention.py).
+  # balance worse, so smaller tiles win there (bench/compact_attention.py --sweep).
   small: "BlockSizes | None" = None
   small_below: float = 0.25
 
@@ -66,7 +66,7 @@ def _pow2_floor(x: int) -> int:
   return 1 << (max(x, 1).bit_length() - 1)
 
 
-# Chosen on an H200 (bench/compact_attention.py --sweep, T = 32K, s = 0.5 and 0.9, bf16, D = 128).
+# Chosen on an H200 by bench/compact_attention.py --sweep (docs/performance.md).
 GPU_BLOCK_SIZES = BlockSizes()
 # float32 tiles take twice the shared memory.
 GPU_BLOCK_SIZES_F32 = BlockSizes(block_q=64, block_k=64, num_warps=4, num_stages=2,
@@ -106,10 +106,8 @@ def fit_triton_smem(bs: BlockSizes, H: int, itemsize: int) -> BlockSizes | None:
 
 # Mosaic GPU (Hopper): block_q = the rows of one program = 2 compute warpgroups x 64; block_q_dq /
 # block_k_dkv = the rows of one backward compute warpgroup (two per program); num_stages* = TMA
-# pipeline depth. Chosen on an H100 (bench/compact_attention.py --sweep-only --sweep-kernels mgpu,
-# T = 32K, s = 0.5 / 0.9): forward kv tiles 128 (64: 1.22-1.25x slower), dq kv tiles 128 (64:
-# 4-5% slower), dk/dv query tiles 64 (128: 2.6-2.8x slower), two stages (three do not fit in
-# shared memory with 128-row kv tiles; for dk/dv three or four are within 4%).
+# pipeline depth. Chosen on an H100 by bench/compact_attention.py --sweep_only --sweep_kernels mgpu
+# (the measurements: docs/performance.md).
 MGPU_BLOCK_SIZES = BlockSizes(block_q=128, block_k=128, block_q_dq=64, block_k_dq=128,
                               block_q_dkv=64, block_k_dkv=64, num_stages=2, num_stages_dq=2,
                               num_stages_dkv=2)
