@@ -65,6 +65,7 @@ def _records(wd):
   return out
 
 
+@pytest.mark.slow
 def test_unwritable_checkpoints_mid_run_stop_at_once_and_the_resume_keeps_one_record_per_step(
     tmp_path):
   """The folder turns unwritable while the run trains (a checkpoint every step): the run stops

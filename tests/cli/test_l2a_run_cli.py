@@ -71,6 +71,7 @@ def _eval_row(wd_or_dir, *args):
   return json.load(open(os.path.join(wd_or_dir, sorted(files)[-1])))["results"]["64"]
 
 
+@pytest.mark.slow
 def test_export_both_layouts_hold_the_checkpoint_and_import_back(l2a_run, tmp_path):
   import jax
   import numpy as np
@@ -92,8 +93,8 @@ def test_export_both_layouts_hold_the_checkpoint_and_import_back(l2a_run, tmp_pa
     for (path, a), (_, b) in zip(jax.tree_util.tree_flatten_with_path(want)[0],
                                  jax.tree_util.tree_flatten_with_path(got)[0]):
       assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), jax.tree_util.keystr(path)
-    c = cli("export.py", f"--check={out}")
-    assert c.returncode == 0 and "scheme l2a" in c.stdout, c.stderr[-2000:]
+  c = cli("export.py", f"--check={out}")  # the authors' layout, read back by the command line
+  assert c.returncode == 0 and "scheme l2a" in c.stdout, c.stderr[-2000:]
   # import: the export as model.init_from of an L2A run keeps the router and global branch
   # (no from_dense), so its step-0 eval equals the checkpoint's
   ref = _eval_row(str(tmp_path / "e_ckpt"), f"--checkpoint={wd}")
