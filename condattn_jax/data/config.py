@@ -5,7 +5,8 @@ Every data function takes either the whole run config (with a `data` field) or t
 take the defaults below; unknown fields, unknown sources and unknown task parameters are
 errors that name the field and list the valid ones.
 
-    data.source          'mqar' | 'niah' (synthetic, generated on the fly)
+    data.source          'mqar' | 'niah' | 'suite' (synthetic, generated on the fly; 'suite':
+                         the evaluation suite's token-level tasks, synthetic.SuiteMix)
                          | 'jsonl' | 'parquet' | 'array_record' (tokenized documents)
     data.paths           str (comma separated) or list of str; globs allowed; file sources only
     data.eval_paths      like `paths`, for `make_eval_batches` (None: use `paths`, i.e. the
@@ -58,7 +59,7 @@ from typing import Any, Mapping
 
 import ml_collections
 
-SYNTHETIC_SOURCES = ("mqar", "niah")
+SYNTHETIC_SOURCES = ("mqar", "niah", "suite")  # synthetic.TASKS
 FILE_SOURCES = ("jsonl", "parquet", "array_record")
 SOURCES = SYNTHETIC_SOURCES + FILE_SOURCES
 PACKINGS = ("concat_then_split", "first_fit")

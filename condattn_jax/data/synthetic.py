@@ -214,7 +214,52 @@ class NIAH:
     return _row(s, np.arange(q + kl, q + kl + vl))
 
 
-TASKS = {"mqar": MQAR, "niah": NIAH}
+@dataclasses.dataclass(frozen=True)
+class SuiteMix:
+  """A mixture of the evaluation suite's token-level tasks (`condattn_jax.evaluation.tasks`):
+  training rows of the tasks that `eval.py --suite=synthetic` / `--suite=tiny` ask, so a
+  tokenizer-less model can be trained on them.
+
+  Example i: a task drawn uniformly from `tasks` (None: every token-level task of `suite`), its
+  sample built at length seq_len + 1 with the suite's parameters, as one row: inputs = the
+  prompt and the answers, targets shifted by one, loss only on the answer tokens (MQAR's
+  shorter prompt is right-padded with 0, unscored). Draws are keyed by (seed, stream, index) and
+  never equal an evaluation sample (those are keyed by (eval seed, task, length, index)).
+  params: vocab_size, suite, tasks, num_examples.
+  """
+  seq_len: int
+  vocab_size: int = 8192
+  suite: str = "synthetic"
+  tasks: tuple | None = None
+  num_examples: int | None = None
+
+  DEFAULTS = dict(vocab_size=8192, suite="synthetic", tasks=None, num_examples=None)
+
+  def __post_init__(self):
+    from condattn_jax.evaluation import tasks as suite_lib
+    names = suite_lib.suite_tasks(self.suite, tasks=self.tasks, token_level=True)
+    if not names:
+      raise ValueError(f"data.task: suite {self.suite!r} with tasks={self.tasks} has no "
+                       f"token-level task; valid: {list(suite_lib.TOKEN_TASKS)}")
+    object.__setattr__(self, "tasks", tuple(names))
+
+  def __len__(self) -> int:
+    return UNBOUNDED if self.num_examples is None else self.num_examples
+
+  def example(self, seed: int, index: int, stream: int = 0) -> dict[str, np.ndarray]:
+    from condattn_jax.evaluation import tasks as suite_lib
+    rng = np.random.default_rng([seed, stream, index])
+    name = self.tasks[int(rng.integers(len(self.tasks)))]
+    sample = suite_lib.token_sample(name, self.seq_len + 1, index, seed=f"data/{seed}/{stream}",
+                                    vocab_size=self.vocab_size, suite=self.suite)
+    ids, mask = suite_lib.training_example(sample)
+    s = np.zeros((self.seq_len + 1,), np.int32)
+    s[:len(ids)] = ids
+    answer_pos = np.nonzero(np.asarray(mask))[0]
+    return _row(s, answer_pos - 1)
+
+
+TASKS = {"mqar": MQAR, "niah": NIAH, "suite": SuiteMix}
 
 
 def make_task(name: str, params: Mapping[str, Any], seq_len: int):
@@ -223,6 +268,8 @@ def make_task(name: str, params: Mapping[str, Any], seq_len: int):
     raise ValueError(f"unknown synthetic task {name!r}; valid tasks: {sorted(TASKS)}")
   cls = TASKS[name]
   full = _check_params(name, params, cls.DEFAULTS)
+  if name == "suite" and full.get("tasks") is not None:
+    full["tasks"] = tuple(full["tasks"])
   return cls(seq_len=seq_len, **full)
 
 

@@ -640,6 +640,15 @@ def _token_sample(task: Task, length, index, seed, vocab_size, overrides):
                 tuple(tuple(int(t) for t in a) for a in answers), task.metric, max_new)
 
 
+def token_sample(task: str, length: int, index: int, *, seed=0, vocab_size: int,
+                 suite: str = "synthetic") -> Sample:
+  """One token-level sample of `task` with `suite`'s parameters (what build_samples makes)."""
+  if task not in TASKS or TASKS[task].tokens is None:
+    raise ValueError(f"{task!r} is not a token-level task; valid: {list(TOKEN_TASKS)}")
+  return _token_sample(TASKS[task], int(length), int(index), seed, int(vocab_size),
+                       SUITES[suite].token_kw.get(task, {}))
+
+
 def suite_tasks(suite: str, *, tasks: Sequence[str] | None = None, token_level: bool = False,
                 haystack_file: str | None = None, qa_file: str | None = None) -> list[str]:
   """The task names a suite runs (tasks needing a user file are added when it is given)."""

@@ -305,7 +305,7 @@ def test_eval_batches_fixed_and_distinct_from_train(jsonl_path):
 def test_config_errors(tmp_path):
   cfg = data.default_data_config()
   cfg.source = "c4"
-  with pytest.raises(ValueError, match=r"valid sources: \['mqar', 'niah', 'jsonl'"):
+  with pytest.raises(ValueError, match=r"valid sources: \['mqar', 'niah', 'suite', 'jsonl'"):
     data.make_train_iterator(cfg)
   with pytest.raises(ValueError, match="unknown data.task parameter.*num_pair.*valid"):
     data.make_train_iterator(_mqar_cfg(num_pair=3))

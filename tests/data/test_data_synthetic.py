@@ -138,5 +138,5 @@ def test_invalid_task_params():
     synthetic.make_task("niah", dict(num_needles=10, key_len=4, value_len=4), 64)
   with pytest.raises(ValueError, match="depth"):
     synthetic.make_task("niah", dict(num_needles=2, depth=0.5), 256)
-  with pytest.raises(ValueError, match=r"valid tasks: \['mqar', 'niah'\]"):
+  with pytest.raises(ValueError, match=r"valid tasks: \['mqar', 'niah', 'suite'\]"):
     synthetic.make_task("copy", {}, 64)

@@ -312,3 +312,35 @@ def test_perplexity_by_position_equals_the_models_log_softmax():
   assert r["nll"] == pytest.approx(nll.mean(), rel=1e-4)
   with pytest.raises(ValueError, match="no document has more than 64"):
     harness.perplexity_by_position(cfg, params, docs, 64)
+
+
+def test_suite_data_source_rows_train_on_the_answers():
+  """data.source='suite': training rows of the token-level tasks, loss on the answers only
+  (which the prompt's reader recovers), never an evaluation sample."""
+  from condattn_jax.data.synthetic import make_task
+  task = make_task("suite", {"vocab_size": V, "suite": "tiny"}, 127)
+  assert task.tasks == T.TOKEN_TASKS
+  evals = {s.prompt for s in T.build_samples("tiny", (128,), num_samples=40, vocab_size=V)}
+  answer_lens = set()
+  for i in range(40):
+    row = task.example(0, i, stream=0)
+    assert row["inputs"].shape == (127,) and (row["targets"][:-1] == row["inputs"][1:]).all()
+    pos = np.nonzero(row["loss_mask"])[0]
+    assert (np.diff(pos) == 1).all()  # the answers: one run right after the prompt
+    prompt = tuple(int(t) for t in row["inputs"][:pos[0] + 1])
+    answers = [int(t) for t in row["targets"][pos]]
+    assert prompt not in evals
+    assert any(_reads_as(n, prompt, answers) for n in T.TOKEN_TASKS), (i, prompt[-6:], answers)
+    answer_lens.add(len(answers))
+  assert len(answer_lens) >= 4  # a mixture of tasks (1 to 5 answer ids)
+  with pytest.raises(ValueError, match="unknown task"):
+    make_task("suite", {"vocab_size": V, "tasks": ["nope"]}, 127)
+
+
+def _reads_as(name, prompt, answer_ids):
+  """The reader of task `name` finds these answers in the prompt (in some order)."""
+  try:
+    got = [t for a in solve_tokens(name, prompt) for t in a]
+  except (ValueError, IndexError):
+    return False
+  return sorted(got) == sorted(answer_ids) and len(got) > 0
