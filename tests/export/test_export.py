@@ -162,3 +162,14 @@ def test_authors_layout_refused_for_other_schemes_and_bad_sidecars(tmp_path):
     export.load_model(out)
   with pytest.raises(FileNotFoundError, match="has no condattn_scheme.json"):
     export.load_model(str(tmp_path))
+
+
+def test_the_runs_tokenizer_files_travel_with_the_export(tmp_path):
+  cfg = model_cfg("dense")
+  tok = os.path.join(ROOT, "tests", "fixtures", "tokenizer", "qwen")
+  files = export.export_model(random_params(cfg), cfg, str(tmp_path / "o"), tokenizer_dir=tok)
+  copied = sorted(os.path.basename(f) for f in files if os.path.dirname(f) == str(tmp_path / "o")
+                  and os.path.basename(f) in export.TOKENIZER_FILES)
+  assert copied == sorted(n for n in os.listdir(tok) if n in export.TOKENIZER_FILES) and copied
+  for n in copied:
+    assert open(os.path.join(tok, n), "rb").read() == open(tmp_path / "o" / n, "rb").read()
