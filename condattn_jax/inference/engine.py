@@ -56,7 +56,8 @@ class Generation:
   tokens         generated ids (a stop token included; with a stop string, up to and including
                  the token that completed it)
   finish_reason  'stop_token' | 'stop_string' | 'length' (max_new_tokens reached)
-  text           decoded generated text, cut before a stop string (None without a tokenizer)
+  text           decoded generated text without a stop token, cut before a stop string (None
+                 without a tokenizer)
   stats          the scheme's routing statistics: {'prompt': {...}, 'generated': {...}} per row,
                  each {'tokens': [L] tokens run through the layers, <aux name>: [L, ...]} for
                  every per-row aux entry of the scheme's layers (name ending in _B, _BN, ...):
@@ -416,7 +417,7 @@ class Engine:
         out[b].append(t)
         if return_logits:
           kept[b].append(host_logits[b].copy())
-        if streams is not None:
+        if streams is not None and t not in stop:  # a stop token's text is not output
           delta = streams[b].push(t)
           if on_text is not None and delta:
             on_text(b, delta)

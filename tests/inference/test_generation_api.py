@@ -139,6 +139,11 @@ def test_stop_strings_cut_the_text_and_end_the_row(text_engine):
   if stop not in free.text[1]:
     assert gen.tokens[1] == free.tokens[1] and gen.text[1] == free.text[1]
   assert streamed == gen.text
+  st = free.tokens[0][3]  # a stop token ends the row; its own text is not output
+  gen = text_engine.generate(prompts, 12, stop_tokens=(st,))
+  k = free.tokens[0].index(st)
+  assert gen.tokens[0] == free.tokens[0][:k + 1] and gen.finish_reason[0] == "stop_token"
+  assert gen.text[0] == tok.decode(free.tokens[0][:k])
 
 
 def _full_aux(cfg, params, seqs):
