@@ -106,7 +106,7 @@ def check_prompts(prompts, vocab_size: int) -> list[np.ndarray]:
       raise ValueError(f"prompt {b} must be a flat list of token ids, got shape {a.shape}.")
     if a.size == 0:
       raise ValueError(f"prompt {b} is an empty prompt; every prompt needs >= 1 token.")
-    items = [] if isinstance(p, np.ndarray) else list(p)  # bools pass np.asarray as ints
+    items = [] if hasattr(p, "dtype") else list(p)  # (a list's bools pass np.asarray as ints)
     bad = next((x for x in items if isinstance(x, (bool, np.bool_))
                 or not isinstance(x, (int, np.integer))), None)
     if bad is None and a.dtype.kind not in "iu":  # an array of floats / objects

@@ -60,6 +60,11 @@ def test_bad_knobs_are_one_line_errors(dense):
     dense.prefill([list(range(40))])
   with pytest.raises(ValueError, match="256"):
     dense.prefill([[256]])
+  with pytest.raises(ValueError, match=r"non-integer token id \(1.0\)"):
+    dense.prefill([jnp.asarray([1.0, 2.0])])
+  from condattn_jax.inference import check_prompts  # arrays of ints are prompts too
+  got = check_prompts([np.asarray([3, 4], np.int64), jnp.asarray([5]), (6, np.int32(7))], 256)
+  assert [g.tolist() for g in got] == [[3, 4], [5], [6, 7]]
 
 
 def test_nucleus_probs_against_a_hand_computed_case():
