@@ -4,7 +4,7 @@ k_end, scatter).
 
     python -m bench.compact_attention                      # T = 32K, 64K; s = 0 .. 0.95
     python -m bench.compact_attention --T 32768 --sweep    # also time Triton tile configurations
-    python -m bench.compact_attention --check-only         # small correctness checks only
+    python -m bench.compact_attention --check_only         # small correctness checks only
     python -m bench.compact_attention --sweep_only --sweep_kernels dkv,dkv_dq   # backward tiles
     python -m bench.compact_attention --breakdown --T 32768 --sparsity 0.9   # kernels vs glue
     python -m bench.compact_attention --glue      # the forward glue's pieces alone

@@ -2,9 +2,9 @@
 bench/e2e.py, issue 8's end-to-end targets, PERF.md "End to end").
 
     python -m bench.e2e                                   # sanity check, then T = 32K, 64K, 128K
-    python -m bench.e2e --T 65536 --schemes dense l2a_q0.2 --no-sanity --deadline-s 560
-    python -m bench.e2e --merge run32k.json run64k.json run128k.json   # one file per device
-    python -m bench.e2e --diag 65536 131072     # one layer's attention on the fused paths
+    python -m bench.e2e --T 65536 --schemes dense,l2a_q0.2 --no_sanity --deadline_s 560
+    python -m bench.e2e --merge run32k.json --merge run64k.json   # one file per device
+    python -m bench.e2e --diag 65536,131072     # one layer's attention on the fused paths
     python -m bench.e2e --tiny --T 64 --reps 1  # CPU check of the plumbing (2 layers)
 
 Model: qwen2 family, hidden 1536, 12 q heads, 2 kv heads, head_dim 128, intermediate 8960,
@@ -21,7 +21,7 @@ Per row (T, scheme), in a process of its own (so peak memory is the row's own):
   prefill_ms   time to first token: one `Engine._step` (the engine's prefill of the whole T-token
                prompt: every layer writes its caches, logits of the last token), bf16 weights,
                cache_len = T + 128; warm-up, median of --reps, block_until_ready;
-  decode_ms    ms per token: `Engine.decode_step` after that prefill, median of --decode-steps;
+  decode_ms    ms per token: `Engine.decode_step` after that prefill, median of --decode_steps;
   train_ms     `condattn_jax.train.loop.jit_train_step` (the jitted step of loop.run: value_and_grad
                of train.step's loss with chunked CE (train.loss_chunk_size 8192), remat full, grad
                clipping, AdamW update, donated state), median of --reps after a warm-up step;
@@ -37,12 +37,11 @@ A sanity check runs first (its own process): on a short sequence, L2A with routi
 window 0 equals the dense model (same weights, `from_dense`); L2A q=0.2 with the fused kernels
 equals it with impl='reference'; the engine's prefill / decode logits equal the cache-free
 forward's.
-Writes $OUT (or --out-dir)/e2e_<device>.json after every row (device, jax version, date, tree,
+Appends a run to $OUT (or --out_dir)/e2e_<device>.json, updated after every row (device, jax version, date, tree,
 rows) and prints the table last. Rows that did not run are recorded with their reason.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
@@ -54,10 +53,13 @@ import sys
 import tempfile
 import time
 import traceback
+import types
 import warnings
 from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags  # noqa: E402
+
 from bench import common  # noqa: E402
 
 # Qwen2.5-1.5B (config.json of Qwen/Qwen2.5-1.5B), as ModelConfig fields.
@@ -77,7 +79,7 @@ SCHEMES = {
 P_FORCE = 0.1
 LOSS_CHUNK = 8192
 CACHE_EXTRA = 128  # cache slots beyond the prompt (decode steps; keeps S a multiple of 128)
-LONG_T = 131072  # rows at or above this use --reps-long
+LONG_T = 131072  # rows at or above this use --reps_long
 ROW_FIELDS = ("T", "scheme", "layers", "compile_s", "train_ms", "prefill_ms", "decode_ms",
               "peak_bytes", "speedup_train", "speedup_prefill")
 
@@ -598,8 +600,8 @@ def _child(args) -> int:
 
 def _spawn(child: str, result: str, args, timeout: float) -> tuple[dict | None, str]:
   cmd = [sys.executable, "-m", "bench.e2e", "--child", child, "--result", result,
-         "--reps", str(args.reps), "--reps-long", str(args.reps_long),
-         "--decode-steps", str(args.decode_steps)] + (["--no-forward"] if args.no_forward else [])
+         "--reps", str(args.reps), "--reps_long", str(args.reps_long),
+         "--decode_steps", str(args.decode_steps)] + (["--no_forward"] if args.no_forward else [])
   cmd += ["--tiny"] if args.tiny else []
   t0 = time.time()
   try:
@@ -615,29 +617,36 @@ def _spawn(child: str, result: str, args, timeout: float) -> tuple[dict | None, 
   return res, how
 
 
+FLAGS = common.flag_values()
+flags.DEFINE_list("T", ["32768", "65536", "131072"], "context lengths", flag_values=FLAGS)
+flags.DEFINE_list("schemes", list(SCHEMES), f"schemes, of {list(SCHEMES)}", flag_values=FLAGS)
+flags.DEFINE_integer("reps", 5, "timed repeats (median)", flag_values=FLAGS)
+flags.DEFINE_integer("reps_long", 3, "timed repeats at T >= 128K", flag_values=FLAGS)
+flags.DEFINE_integer("decode_steps", 8, "timed decode steps (median)", flag_values=FLAGS)
+flags.DEFINE_bool("no_forward", False, "skip the cache-free forward", flag_values=FLAGS)
+flags.DEFINE_bool("no_sanity", False, "skip the sanity check", flag_values=FLAGS)
+flags.DEFINE_float("deadline_s", None, "stop starting rows after this many seconds; a running "
+                   "row is cut there", flag_values=FLAGS)
+flags.DEFINE_string("tree", os.environ.get("E2E_TREE"), "what tree ran (commit and dirty files), "
+                    "recorded in the JSON", flag_values=FLAGS)
+flags.DEFINE_bool("tiny", False, "tiny shapes (2 layers, window 16): a CPU check of the plumbing",
+                  flag_values=FLAGS)
+flags.DEFINE_multi_string("merge", None, "merge these result files (one device) into "
+                          "--out_dir/e2e_<device>.json", flag_values=FLAGS)
+flags.DEFINE_list("diag", None, "only time one layer's attention on the fused paths at these T "
+                  "(attention_diag)", flag_values=FLAGS)
+flags.DEFINE_string("child", None, "internal: run one row ('T:scheme' or 'sanity')",
+                    flag_values=FLAGS)
+flags.DEFINE_string("result", None, "internal: the child's result file", flag_values=FLAGS)
+
+
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-  ap.add_argument("--T", type=int, nargs="+", default=[32768, 65536, 131072])
-  ap.add_argument("--schemes", nargs="+", default=list(SCHEMES), choices=list(SCHEMES))
-  ap.add_argument("--reps", type=int, default=5, help="timed repeats (median)")
-  ap.add_argument("--reps-long", type=int, default=3, help="timed repeats at T >= 128K")
-  ap.add_argument("--decode-steps", type=int, default=8)
-  ap.add_argument("--no-forward", action="store_true", help="skip the cache-free forward")
-  ap.add_argument("--no-sanity", action="store_true")
-  ap.add_argument("--deadline-s", type=float, default=None,
-                  help="stop starting rows after this many seconds; a running row is cut there")
-  ap.add_argument("--out-dir", default=os.environ.get("OUT", "bench/results"))
-  ap.add_argument("--tree", default=os.environ.get("E2E_TREE"),
-                  help="what tree ran (commit and dirty files), recorded in the JSON")
-  ap.add_argument("--tiny", action="store_true",
-                  help="tiny shapes (2 layers, window 16): a CPU check of the plumbing")
-  ap.add_argument("--merge", nargs="+", metavar="JSON",
-                  help="merge these result files (one device) into --out-dir/e2e_<device>.json")
-  ap.add_argument("--diag", type=int, nargs="+", metavar="T",
-                  help="only time one layer's attention on the fused paths (attention_diag)")
-  ap.add_argument("--child", help=argparse.SUPPRESS)
-  ap.add_argument("--result", help=argparse.SUPPRESS)
-  args = ap.parse_args(argv)
+  fv = common.parse_flags(FLAGS, argv)
+  args = types.SimpleNamespace(**{name: fv[name].value for name in fv})
+  args.T = [int(x) for x in args.T]
+  args.diag = None if args.diag is None else [int(x) for x in args.diag]
+  if bad := [x for x in args.schemes if x not in SCHEMES]:
+    raise SystemExit(f"--schemes {bad}: choose from {list(SCHEMES)}")
   if args.child:
     return _child(args)
   if args.merge:
@@ -700,7 +709,7 @@ def main(argv=None) -> int:
   for T in sorted(args.T):
     for scheme in args.schemes:
       if left() < 60:
-        doc["not_run"].append(dict(T=T, scheme=scheme, reason="deadline (--deadline-s) reached"))
+        doc["not_run"].append(dict(T=T, scheme=scheme, reason="deadline (--deadline_s) reached"))
         save()
         continue
       res, how = _spawn(f"{T}:{scheme}", os.path.join(work, f"row_{T}_{scheme}.json"),
