@@ -100,11 +100,7 @@ def main(argv):
   if scheme != "l2a":
     raise ValueError(f"{path}: L2A pruning needs an L2A run (model.scheme.name='l2a'); this "
                      f"config's scheme is {scheme!r}.")
-  try:
-    from condattn_jax.attention.l2a import report as l2a_report
-    l2a_report.prune_and_evaluate  # pylint: disable=pointless-statement
-  except (ImportError, AttributeError):  # before the pruning report moved into attention/l2a
-    from condattn_jax.evaluation import l2a_report
+  from condattn_jax.attention.l2a import report as l2a_report
   setup, params, step = loop.load_params(config, path, step=_STEP.value)
   rep = l2a_report.prune_and_evaluate(
       config, params, setup.model_cfg, setup.mesh, threshold=_THRESHOLD.value,
