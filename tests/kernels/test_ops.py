@@ -409,6 +409,22 @@ def test_masks_no_kernel_takes_use_the_reference_with_a_warning(caplog):
   assert "no kernel takes this call (sink tokens" in caplog.text
 
 
+def test_shapes_no_kernel_takes_use_the_reference_with_a_warning(caplog):
+  """auto on an H100 with head_dim 24 (neither Mosaic GPU nor Triton takes it): the reference,
+  warned once with each kernel's reason."""
+  ops._warn_once.cache_clear()
+  T = 64
+  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (1, T))
+  spec = ops.MaskSpec(pos, pos, active=jnp.ones((1, T), bool))
+  sds = [jax.ShapeDtypeStruct((1, T, 2, 24), jnp.bfloat16)] * 3
+  with jax.sharding.use_abstract_mesh(_H100):
+    text = jax.export.export(jax.jit(lambda q, k, v: ops.attention(q, k, v, spec)),
+                             platforms=["cuda"], disabled_checks=_DISABLED)(*sds).mlir_module()
+  assert _kernels(text) == set() and "tensor<1x2x1x64x64xf32>" in text
+  assert "no kernel takes this call (mosaic_gpu: head_dim 24" in caplog.text
+  assert "triton: head_dim 24" in caplog.text
+
+
 def test_explicit_impls_export_their_kernel_for_each_platform():
   """Every kernel name reaches its kernel: 'pallas' is the resolver's Pallas kernel (Mosaic GPU
   on an H100, Triton on an A100), 'triton' / 'mosaic_gpu' / 'mosaic_tpu' that kernel; a kernel
