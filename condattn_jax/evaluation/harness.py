@@ -111,7 +111,14 @@ def load_model(path: str, *, name: str | None = None, step: int | None = None, t
     return eng
   knobs = {"checkpoint": os.path.abspath(path), "step": loaded,
            "scheme": _scheme_knobs(cfg), "overrides": dict(sorted(scheme_options.items()))}
-  label = name or (os.path.basename(os.path.normpath(path)) + (
+  parts = os.path.normpath(os.path.abspath(path)).split(os.sep)
+  if parts[-1].isdigit() and len(parts) > 2 and parts[-2] == "checkpoints":
+    run_name = f"{parts[-3]}:{parts[-1]}"  # <workdir>/checkpoints/<step>
+  elif parts[-1] == "checkpoints" and len(parts) > 1:
+    run_name = parts[-2]
+  else:
+    run_name = parts[-1]
+  label = name or (run_name + (
       "@" + ",".join(f"{k}={v}" for k, v in sorted(scheme_options.items())) if scheme_options
       else ""))
   return EvalModel(label, cfg, tok, knobs, make, release=held.clear)

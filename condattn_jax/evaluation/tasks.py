@@ -13,7 +13,7 @@ seeded with those values.
 
 Length contract (RULER's): a text sample's prompt is the longest the task's generator makes with
 tokens(prompt) + max_new_tokens <= length, tokens counted by the model's tokenizer (text in, the
-tokenizer decides the tokens; BOS not counted). A token-level prompt has exactly
+tokenizer decides the tokens; its BOS counted when it adds one). A token-level prompt has exactly
 length - max_new_tokens ids (MQAR: at most that many).
 
 Text tasks (following RULER, github NVIDIA/RULER scripts/data/synthetic, its templates, answer
@@ -607,8 +607,8 @@ def _text_sample(task: Task, length, index, seed, tokenizer, files, n0_cache):
   def gen(i, n):
     return task.text(random.Random(_seed(seed, task.name, length, i, n)), n, **kw)
 
-  def count(pa):
-    return len(tokenizer.encode(pa[0], add_bos=False))
+  def count(pa):  # as the harness encodes the prompt: BOS when the tokenizer adds one
+    return len(tokenizer.encode(pa[0]))
   key = (task.name, length)
   if key not in n0_cache:  # RULER: search the haystack size on one sample, shrink per sample
     try:
@@ -675,7 +675,8 @@ def build_samples(suite: str, lengths: Sequence[int] | None = None, *, num_sampl
                   qa_file: str | None = None) -> list[Sample]:
   """Every sample of the suite, ordered by (length, task, index). Text variants need
   `tokenizer` (encode(text, add_bos=False) -> ids); without one (or for a token-level suite)
-  the token-level variants are built for `vocab_size` ids."""
+  the token-level variants are built for `vocab_size` ids. The tokenizer's `encode(text)` (BOS by
+  its own rule) counts a prompt's tokens."""
   spec = SUITES.get(suite)
   names = suite_tasks(suite, tasks=tasks, token_level=tokenizer is None,
                       haystack_file=haystack_file, qa_file=qa_file)

@@ -367,3 +367,14 @@ def test_text_suite_through_the_real_engine(tok):
     assert rec["prompt_tokens"] == len(tok.encode(s.prompt)) <= 1024 - s.max_new_tokens
     assert rec["score"] in (0.0, 1.0)
   assert r["efficiency"]["1024"]["prefill_chunk"] == 1024
+
+
+def test_length_budget_counts_a_bos_the_tokenizer_adds(tok):
+  from condattn_jax.data.tokenizer import Tokenizer
+  bos_tok = Tokenizer(tok.backend, bos_token="<|im_start|>", eos_token="<|endoftext|>",
+                      add_bos=True, source="qwen+bos")
+  assert bos_tok.encode("a")[0] == bos_tok.bos_id
+  for s in T.build_samples("long", (1024,), num_samples=2, tokenizer=bos_tok,
+                           tasks=["passkey", "niah_single_1"]):
+    n = len(bos_tok.encode(s.prompt))  # what the harness feeds the engine, BOS included
+    assert 1024 - 100 <= n + s.max_new_tokens <= 1024, (s.id, n)  # a noise sentence: ~70 ids
