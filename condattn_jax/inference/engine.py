@@ -131,25 +131,36 @@ def _check_ids(name: str, ids, vocab_size: int) -> tuple[int, ...]:
 
 
 class _RowStats:
-  """Per-row sums of the layers' per-row aux over the steps of one part (prompt / generated)."""
+  """Per-row sums of the layers' per-row aux over the steps of one part (prompt / generated).
+  The steps' aux stay on the device until the first `row()`: no host sync between steps."""
 
   def __init__(self):
     self.sums: dict[str, np.ndarray] = {}
     self.steps_B = None
+    self._pending: list[tuple[dict, np.ndarray]] = []
 
   def add(self, row_aux: dict, n_B: np.ndarray) -> None:
-    ran_B = (n_B > 0).astype(np.float64)
-    counts = "tokens_B" in row_aux
-    if self.steps_B is None:
-      self.steps_B = np.zeros_like(ran_B)
-    self.steps_B += ran_B
-    for k, v in row_aux.items():
-      v = np.asarray(v, np.float64)
-      if not counts:  # values: only the rows this step ran
-        v = v * ran_B.reshape((1, -1) + (1,) * (v.ndim - 2))
-      self.sums[k] = self.sums.get(k, 0.0) + v
+    """row_aux: {name: [L, B, ...]} of one step (device or host arrays); n_B: the step's valid
+    tokens per row."""
+    self._pending.append((row_aux, np.asarray(n_B)))
+
+  def _flush(self) -> None:
+    pending, self._pending = jax.device_get(self._pending), []
+    for row_aux, n_B in pending:
+      ran_B = (n_B > 0).astype(np.float64)
+      counts = "tokens_B" in row_aux
+      if self.steps_B is None:
+        self.steps_B = np.zeros_like(ran_B)
+      self.steps_B += ran_B
+      for k, v in row_aux.items():
+        v = np.asarray(v, np.float64)
+        if not counts:  # values: only the rows this step ran
+          v = v * ran_B.reshape((1, -1) + (1,) * (v.ndim - 2))
+        self.sums[k] = self.sums.get(k, 0.0) + v
 
   def row(self, b: int) -> dict[str, np.ndarray]:
+    if self._pending:
+      self._flush()
     if not self.sums:
       return {}
     if "tokens_B" in self.sums:
@@ -341,7 +352,7 @@ class Engine:
       cache, logits, row_aux = self._step(self.params, cache, jnp.asarray(tokens[:, sl]),
                                           jnp.asarray(positions[:, sl]),
                                           jnp.asarray(valid[:, sl]), logits)
-      stats.add(jax.device_get(row_aux), valid[:, sl].sum(1))
+      stats.add(row_aux, valid[:, sl].sum(1))
     return cache, logits, lengths, stats
 
   # ------------------------------------------------------------------------------- decode
@@ -437,7 +448,7 @@ class Engine:
       cache, logits, row_aux = self._step(self.params, cache, jnp.asarray(last)[:, None],
                                           jnp.asarray(pos)[:, None],
                                           jnp.asarray(~done)[:, None], logits)
-      gen_stats.add(jax.device_get(row_aux), (~done).astype(np.int32))
+      gen_stats.add(row_aux, (~done).astype(np.int32))
       pos = pos + (~done)
       steps += 1
     t2 = time.perf_counter()
