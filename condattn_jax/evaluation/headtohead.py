@@ -21,6 +21,8 @@ import json
 import os
 from typing import Any, Sequence
 
+import numpy as np
+
 from condattn_jax.evaluation import harness, plots
 from condattn_jax.evaluation import tasks as tasks_lib
 
@@ -117,7 +119,10 @@ def _mib(x):
 def markdown(report: dict) -> str:
   """Accuracy table (task x length rows, a column per model, a mean row per length), then the
   efficiency table (per length and model: TTFT, decode tokens/s, KV-cache MiB per row, peak
-  MiB; x dense: the first dense model's TTFT / KV bytes over this model's)."""
+  MiB; x dense: the first dense model's TTFT / KV bytes over this model's), the routing
+  statistics per model, task and length (mean over layers and heads: L2A's fraction routed
+  global = 1 - sparsity, AHA's full-attention usage, Elastic's FA mode / rho), perplexity by
+  position."""
   k = report["knobs"]
   models = report["models"]
   names = [m["name"] for m in models]
@@ -145,6 +150,19 @@ def markdown(report: dict) -> str:
       tok_s = "" if e["decode_tok_s"] is None else f"{e['decode_tok_s']:.1f}"
       lines.append(f"| {m['name']} | {L} | {1e3 * e['ttft_s']:.2f} | {tok_s} | "
                    f"{_mib(e['kv_cache_bytes'])} | {_mib(e['peak_bytes'])} | {sp} | {kv} |")
+  routed = [m for m in models if m.get("routing")]
+  if routed:  # the schemes' routing statistics per task: mean over layers (and heads)
+    lines += ["", "| routing (mean over layers / heads, prompt tokens) | task | " +
+              " | ".join(map(str, k["lengths"])) + " |",
+              "|---|---|" + "---|" * len(k["lengths"])]
+    for m in routed:
+      for t in k["tasks"]:
+        by_len = m["routing"].get(t, {})
+        stats = sorted({st for v in by_len.values() for st in v})
+        for st in stats:
+          cells = [f"{float(np.mean(by_len[L][st])):.3f}" if st in by_len.get(L, {}) else ""
+                   for L in map(str, k["lengths"])]
+          lines.append(f"| {m['name']} {st} | {t} | " + " | ".join(cells) + " |")
   for L in map(str, k["lengths"]):  # perplexity by position (ppl_docs), a table per length
     rows = [(m["name"], m["perplexity"][L]) for m in models if L in (m.get("perplexity") or {})]
     if rows:

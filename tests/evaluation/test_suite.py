@@ -271,6 +271,7 @@ def test_report_records_knobs_and_never_overwrites(tmp_path, tiny_samples):
   md = open(files[1]).read()
   assert "| **mean** | 256 | **1.000** | **0.000** |" in md
   assert "| passkey | 128 | 1.000 | 0.000 |" in md
+  assert "| perfect global_tokens_B | vt | 0.500 | 0.500 |" in md  # mean of [0.25, 0.75]
   assert all(os.path.getsize(f) > 0 for f in files)
   assert any(f.endswith("_routing.json") for f in files)
   rep2 = headtohead.run_suite([good, bad], "tiny", **{**kw, "num_samples": 2})
