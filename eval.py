@@ -19,12 +19,13 @@ Generation-scored long-context suite, several checkpoints head to head (one repo
   (`--config.model.scheme.<knob>=v` sets one for every model); --sweep evaluates each
   checkpoint whose scheme has that knob once per value (an accuracy-vs-TTFT curve; the others,
   e.g. the dense base, once). Efficiency is compared with the first dense checkpoint given (the
-  dense base). Writes <out_dir>/h2h_<suite>_<hash>.{json,md}
-  and PNGs (accuracy vs length, accuracy vs TTFT, routing heatmaps), the hash covering every
-  knob (never overwriting a result with other knobs); see condattn_jax/evaluation/headtohead.py.
+  dense base). --ppl_docs adds perplexity by position on user documents. Writes
+  <out_dir>/h2h_<suite>_<hash>.{json,md} and PNGs (accuracy vs length, accuracy vs TTFT,
+  routing heatmaps), the hash covering every knob (never overwriting a result with other
+  knobs); out_dir defaults to <first run's workdir>/eval. See condattn_jax/evaluation/README.md.
 
-Perplexity / teacher-forced mode (no --suite) writes <out_dir>/eval_step<N>.json and .md (out_dir: --out_dir, else <run workdir>/eval) and
-prints the markdown table. The JSON records the knobs (scheme hyper-parameters, eval section);
+Perplexity / teacher-forced mode (no --suite) writes <out_dir>/eval_step<N>.json and .md
+(out_dir: --out_dir, else <run workdir>/eval) and prints the markdown table. The JSON records the knobs (scheme hyper-parameters, eval section);
 knobs that differ from the run's own add a tag to the name (eval_step<N>_theta=0.7.json), so an
 earlier eval with other knobs is never overwritten. A bad input (missing / corrupt checkpoint, a
 file given as --checkpoint, an unknown override) is one line starting with ERROR: and exit code 2
