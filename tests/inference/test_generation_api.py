@@ -188,6 +188,21 @@ def test_routing_stats_equal_the_full_forwards_counts(make, count):
   assert frac.shape[1] == L and 0 < frac.mean() < 1  # a real mix: the test can tell them apart
 
 
+def test_elastic_stats_hold_each_rows_cached_per_head_mode():
+  """Elastic's fa_BK (no token count: a per-row value) is the mean over the steps that ran
+  the row: the mode decided at the prefill, equal to the full forward's decision, for the prompt
+  and the generated tokens alike."""
+  from tests.attention.test_elastic_inference import PROMPTS as ROWS, _full_forward
+  cfg, make = attention.get_scheme("elastic").tiny()
+  params = make(0)
+  gen = Engine(cfg, params, cache_len=32).generate(ROWS, 3)
+  _, fa_LBK = _full_forward(cfg, params, ROWS, [len(p) for p in ROWS])
+  assert 0 < fa_LBK.mean() < 1  # a real FA / SSA mix
+  for b in range(len(ROWS)):
+    for part in ("prompt", "generated"):
+      np.testing.assert_array_equal(gen.stats[b][part]["fa_BK"], fa_LBK[:, b])
+
+
 def test_dense_has_no_routing_stats(dense):
   assert dense.generate(PROMPTS, 2).stats == [{"prompt": {}, "generated": {}}] * 3
 
