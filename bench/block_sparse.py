@@ -344,6 +344,35 @@ def kernels_alone(s: Settings, T: int, mode, log=print) -> dict:
   return res
 
 
+def window_or_blocks(T: int = 65536, *, window: int = 2048, chunk: int = 128, top: int = 4,
+                     n: int = 5, seed: int = 0) -> dict:
+  """HEAD_WINDOW_BLOCKS (MATCH's "window OR retrieved chunks") on the Mosaic GPU kernel: every
+  head sees the window plus `top` random chunks before it (B 1, 32 / 8 heads of 128, bf16), vs the
+  window alone and cuDNN dense causal, forward and forward+backward ms (median of n)."""
+  from pallas_kernels.block_sparse import HEAD_WINDOW_BLOCKS
+  B, N, K, H = 1, 32, 8, 128
+  ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+  q = jax.random.normal(ks[0], (B, T, N, H), jnp.bfloat16)
+  k = jax.random.normal(ks[1], (B, T, K, H), jnp.bfloat16)
+  v = jax.random.normal(ks[2], (B, T, K, H), jnp.bfloat16)
+  ct = jax.random.normal(ks[3], (B, T, N, H), jnp.bfloat16)
+  nq = T // chunk
+  i = np.arange(nq)[None, None, :, None]
+  rng = np.random.default_rng(seed)
+  lists = (rng.random((B, N, nq, top)) * np.maximum(i - window // chunk, 1)).astype(np.int32)
+  lists = jnp.asarray(np.where(i > window // chunk, lists, -1))
+  rows = {}
+  cudnn = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                       implementation="cudnn")
+  rows["cudnn_dense"] = cudnn
+  for name, m in (("window_only", HEAD_FULL), ("window_or_top", HEAD_WINDOW_BLOCKS)):
+    rows[name] = (lambda q, k, v, m=m: block_sparse_attention(
+        q, k, v, lists, jnp.full((B, N), m, jnp.int32), block_q=chunk, block_k=chunk,
+        window=window, impl="mosaic_gpu"))
+  return {name: dict(fwd_ms=bench(jax.jit(f), q, k, v, n=n),
+                     fwdbwd_ms=bench(fwd_bwd(f, ct), q, k, v, n=n)) for name, f in rows.items()}
+
+
 # Issue 31's targets for the Mosaic GPU kernel (one H100, same process): (T, omega, variant, key,
 # floor); recorded as the run's claims where the run holds the row.
 TARGETS = ((65536, 0.7, "fused", "speedup_fwd", 2.9), (65536, 0.7, "fused", "speedup_fwdbwd", 2.7),
@@ -440,8 +469,14 @@ def main():
   ap.add_argument("--kernels-alone", action="store_true",
                   help="mosaic_gpu: also time the forward, dq and dk/dv kernels alone (all heads "
                        "full) beside cuDNN")
+  ap.add_argument("--window-or-blocks", action="store_true",
+                  help="only time HEAD_WINDOW_BLOCKS (window 2048 OR 4 chunks) at 64K vs the "
+                       "window alone and cuDNN (Mosaic GPU) and print the ms")
   ap.add_argument("--out-dir", default=os.environ.get("OUT", "bench/results"))
   args = ap.parse_args()
+  if args.window_or_blocks:
+    print(json.dumps(window_or_blocks(n=args.n or 5)), flush=True)
+    return
   s = PRESETS[args.preset]
   kw = {}
   if args.T:

@@ -151,3 +151,19 @@ def test_recorded_elastic_prefill_one_launch_meets_1_55x():
   assert one >= 1.55 and not rows["elastic_0.7"]["dense_full_heads"]
   text = open(README).read()
   assert f"{one:.2f}x" in text and f"dense {dense:.1f} ms" in text
+
+
+def test_recorded_window_or_blocks_run_costs_its_pairs():
+  """HEAD_WINDOW_BLOCKS at 64K on the H100: window 2048 OR 4 chunks costs about its visible keys
+  (2560 / 2048) over the window alone, forward and forward+backward, as the README quotes."""
+  run = _run(H100, "window_or_blocks_mosaic_gpu")
+  r = {x["variant"]: x for x in run["rows"]}
+  for key in ("fwd_ms", "fwdbwd_ms"):
+    ratio = r["window_or_top"][key] / r["window_only"][key]
+    assert 1.0 < ratio <= 1.35, (key, ratio)
+    assert r["cudnn_dense"][key] > 5 * r["window_or_top"][key]
+  text = open(README).read()
+  w, o, d = r["window_or_top"], r["window_only"], r["cudnn_dense"]
+  assert (f"{w['fwd_ms']:.2f} ms forward / {w['fwdbwd_ms']:.2f} ms forward+backward against "
+          f"{o['fwd_ms']:.2f} / {o['fwdbwd_ms']:.2f}") in " ".join(text.split())
+  assert f"cuDNN dense {d['fwd_ms']:.2f} / {d['fwdbwd_ms']:.2f}" in text
