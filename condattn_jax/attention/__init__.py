@@ -104,16 +104,15 @@ class Scheme:
   kv_cache_bytes `(config, context_len, batch) -> {'total', ...}` analytic cache bytes at a
                 context length (reports); the inference engine also measures its real cache.
   reports       name -> callable producing the scheme's reports (pruning, plots, ...).
-  input_module  None or a Flax module class `input_module(config)(tokens_BT, ctx) -> (extra
-                tokens [B, A] or None, fields)`, run by the decoder once before the layers (its
-                variables: 'cache' collection, under `scheme_inputs`): `fields` join ctx.fields;
-                the extra tokens' embeddings ride after the T rows through every layer (the
-                layers' x is [B, T + A, D]) and are dropped before the final norm (MATCH's
-                retrieval and auxiliary input).
-  model_params  `config -> {name: (shape, initializer)}`: parameters of the whole model, not of
-                a layer (Elastic's per-task Lagrange multipliers). The decoder creates them
-                (float32) as params['scheme'][name] and hands their values to aux_loss as
-                aux['model_params'][name] (no layer axis). None / {}: none.
+  module        None, or the scheme-level Flax module class: `module(config, name='scheme')`
+                runs once per forward before the layers, `(tokens_BT, ctx) -> (extra tokens
+                [B, A] or None, fields, aux)`. It owns params['scheme'] (parameters of the whole
+                model, not of a layer: Elastic's per-task Lagrange multipliers) and
+                cache['scheme'] (its decode state: MATCH's raw tokens and retrieval block);
+                `fields` join ctx.fields for every layer; the extra tokens' embeddings ride
+                after the T rows through every layer (the layers' x is [B, T + A, D]) and are
+                dropped before the final norm (MATCH's auxiliary input); `aux` (no layer axis)
+                reaches aux_loss as aux['scheme'].
   ascent_params regexes (re.fullmatch on '/'-joined param paths, e.g. 'scheme/lagrange') of the
                 params the train step updates by gradient ASCENT (Lagrange multipliers): it
                 flips their gradient before the optimizer, so no recipe can forget it (a
@@ -149,8 +148,7 @@ class Scheme:
   headline_metric: str | None = None
   kv_cache_bytes: Callable[..., dict] | None = None
   reports: dict = dataclasses.field(default_factory=dict)
-  input_module: type | None = None
-  model_params: Callable[[Any], dict] | None = None
+  module: type | None = None
   ascent_params: tuple[str, ...] = ()
   forward: Forward | None = None
   serving_forward: ServingForward | None = None

@@ -51,22 +51,13 @@ def scanned_layers(cfg: ModelConfig, layer: nn.Module, length: int):
   return lambda x, per_layer, ctx: scan(layer, x, per_layer, ctx)
 
 
-class SchemeParams(nn.Module):
-  """The scheme's model-level parameters (`Scheme.model_params`): ((name, shape, init), ...)."""
-  specs: tuple
-
-  @nn.compact
-  def __call__(self):
-    return {n: self.param(n, init, shape, jnp.float32) for n, shape, init in self.specs}
-
-
 class Decoder(nn.Module):
   """Causal LM.
 
   __call__(tokens_BT, positions_BT=None, segment_ids_BT=None, *, task_ids_B=None, fields=None,
            train, decode, cache_len, return_hidden) -> (logits_BTV float32 | hidden_BTD, aux)
   `aux` holds the scheme's per-layer outputs stacked on a leading layer axis (L), plus
-  aux['model_params'] (the scheme's model-level params, `Scheme.model_params`) when it has any.
+  aux['scheme'] (the scheme module's model-level values, `Scheme.module`) when it returns any.
   Decoding (decode=True, cache_len, mutable=['cache']): every layer reads and writes its cache;
   `segment_ids_BT` then marks the chunk's valid tokens (1) and right padding (0) of ragged rows.
   `return_hidden` returns the final-norm hidden states instead of logits.
@@ -93,8 +84,9 @@ class Decoder(nn.Module):
                        cache_len=cache_len)
 
     scheme = get_scheme(cfg.scheme)
-    if scheme.input_module is not None:  # e.g. MATCH: retrieval + auxiliary rows after the T rows
-      extra_BA, fields = scheme.input_module(cfg, name="scheme_inputs")(tokens_BT, ctx)
+    scheme_aux = {}
+    if scheme.module is not None:  # MATCH: retrieval + auxiliary rows; Elastic: multipliers
+      extra_BA, fields, scheme_aux = scheme.module(cfg, name="scheme")(tokens_BT, ctx)
       ctx = ctx.replace(fields={**ctx.fields, **fields})
       if extra_BA is not None:
         x_BTD = jnp.concatenate([x_BTD, embed(extra_BA)], axis=1)
@@ -113,10 +105,8 @@ class Decoder(nn.Module):
       auxes.append(aux)
     aux = (auxes[0] if len(auxes) == 1
            else jax.tree.map(lambda *a: jnp.concatenate(a, axis=0), *auxes))
-    specs = scheme.model_params(cfg) if scheme.model_params is not None else None
-    if specs:
-      specs = tuple((n, tuple(shape), init) for n, (shape, init) in specs.items())
-      aux = {**aux, "model_params": SchemeParams(specs, name="scheme")()}
+    if scheme_aux:
+      aux = {**aux, "scheme": scheme_aux}
     x_BTD = make_norm(cfg, "norm")(x_BTD[:, :T])
     if return_hidden:
       return x_BTD, aux

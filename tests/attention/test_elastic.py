@@ -293,7 +293,7 @@ def test_gumbel_is_categorical_sampling_with_ste_and_tau_schedule():
 def _aux(fa_LBK, lam):
   L, Bb, K = fa_LBK.shape
   return dict(fa_BK=fa_LBK, p_fa_BK=fa_LBK, rho_BN=jnp.zeros((L, Bb, 2 * K)), tau=jnp.ones(L),
-              model_params={"lagrange": lam})
+              scheme={"lagrange": lam})
 
 
 def test_lagrangian_value_and_ascent_direction():

@@ -85,7 +85,7 @@ def test_swa_cache_is_flat_in_context_length(model):
     a = match.kv_cache_bytes(cfg, eng.cache_len, batch=2)
     kv = sum(int(np.prod(s)) * 4 for s in _kv_leaves(cache).values())
     assert kv == a["window"] + a["retrieved"] + a["full"]
-    raw = cache["scheme_inputs"]["tokens"]
+    raw = cache["scheme"]["tokens"]
     assert raw.size * 4 == a["raw_tokens"]
     assert cache_bytes(cache) >= a["total"]
 
@@ -103,7 +103,7 @@ def test_retrieved_kv_recomputed_once_per_block(model):
   for _ in range(8):
     before = key(cache)
     cache, logits = eng.decode_step(cache, [tok], [pos], [True], logits)
-    assert int(cache["scheme_inputs"]["block"][0]) == pos // C + 1
+    assert int(cache["scheme"]["block"][0]) == pos // C + 1
     if not np.array_equal(before, key(cache)):
       changed.append(pos)
     pos, tok = pos + 1, int(np.asarray(logits)[0].argmax())

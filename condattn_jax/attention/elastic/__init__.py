@@ -12,7 +12,7 @@ from condattn_jax.attention import Scheme, refuse_sliding_window, register
 from condattn_jax.attention.elastic import masks
 from condattn_jax.attention.elastic.convert import from_dense, tiny, to_dense
 from condattn_jax.attention.elastic.layer import (ElasticLayer, Router, aux_loss,
-                                                  fixed_fa_head_sets, gumbel_ste, model_params,
+                                                  Multipliers, fixed_fa_head_sets, gumbel_ste,
                                                   pool_keys, serving_forward, task_ids,
                                                   tau_at)
 from condattn_jax.attention.elastic.options import MODES, POOLINGS, ROUTINGS, ElasticOptions
@@ -23,6 +23,6 @@ ELASTIC = register(Scheme(
     name="elastic", layer_cls=ElasticLayer, options=ElasticOptions, check=refuse_sliding_window,
     aux_loss=aux_loss, from_dense=from_dense, to_dense=to_dense,
     headline_metric="elastic/omega_msr", kv_cache_bytes=kv_cache_bytes,
-    reports={"sparsity": sparsity_report, "measure": measure}, model_params=model_params,
+    reports={"sparsity": sparsity_report, "measure": measure}, module=Multipliers,
     ascent_params=("scheme/lagrange",),
     serving_forward=serving_forward, packed_documents=False, tiny=tiny))

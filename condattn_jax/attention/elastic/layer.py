@@ -282,12 +282,19 @@ class ElasticLayer(nn.Module):
 # ----------------------------------------------------------------------------------------------
 # Lagrangian loss and metrics
 # ----------------------------------------------------------------------------------------------
-def model_params(config) -> dict:
-  """The model-level params: 'lagrange' [2, num_tasks] (lambda1; lambda2), U(0, init_max)."""
-  o = options(config)
-  init = lambda key, shape, dtype=jnp.float32: jax.random.uniform(
-      key, shape, dtype, 0.0, o.lambda_init_max)
-  return {"lagrange": ((2, o.num_tasks), init)}
+class Multipliers(nn.Module):
+  """Elastic's scheme module (`Scheme.module`): the model-level params['scheme']['lagrange']
+  [2, num_tasks] (lambda1; lambda2), float32, U(0, lambda_init_max); handed to aux_loss as
+  aux['scheme']['lagrange'] (the train step ascends them: `Scheme.ascent_params`)."""
+  config: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens_BT, ctx):
+    del tokens_BT, ctx
+    o = options(self.config)
+    init = lambda key, shape, dtype=jnp.float32: jax.random.uniform(
+        key, shape, dtype, 0.0, o.lambda_init_max)
+    return None, {}, {"lagrange": self.param("lagrange", init, (2, o.num_tasks), jnp.float32)}
 
 
 def _task_ids(batch, B):
@@ -314,7 +321,7 @@ def aux_loss(aux, batch, step, config):
   tid = _task_ids(batch, B)
   onehot = jax.nn.one_hot(tid, o.num_tasks, dtype=jnp.float32)            # [B, tasks]
   target_B = jnp.asarray(o.targets, jnp.float32)[tid]
-  lam = aux["model_params"]["lagrange"]
+  lam = aux["scheme"]["lagrange"]
   dev = omega_B - target_B
   term_B = lam[0][tid] * jnp.abs(dev) + lam[1][tid] * dev * dev
   count = jnp.sum(onehot, axis=0)

@@ -22,5 +22,5 @@ from condattn_jax.attention.match.retrieval import (ExactMatch, MiniLMRetriever,
 MATCH = register(Scheme(
     name="match", layer_cls=MatchLayer, options=MatchOptions, check=refuse_sliding_window,
     from_dense=from_dense, to_dense=to_dense, layer_variants=layer_kinds, headline_metric=None,
-    kv_cache_bytes=kv_cache_bytes, input_module=MatchInputs, serving_forward=serving_forward,
+    kv_cache_bytes=kv_cache_bytes, module=MatchInputs, serving_forward=serving_forward,
     tiny=tiny))

@@ -94,9 +94,9 @@ def block_inputs(o: MatchOptions, tokens_BT, positions_BT, segment_ids_BT=None, 
 
 
 class MatchInputs(nn.Module):
-  """The decoder-level MATCH input step (`Scheme.input_module`): `(tokens_BT, ctx) -> (aux
-  tokens [B, A] or None, fields)`; the decoder appends the aux tokens' embeddings after the
-  chunk's rows and hands `fields` to every layer in ctx.fields.
+  """MATCH's scheme module (`Scheme.module`): `(tokens_BT, ctx) -> (aux tokens [B, A] or None,
+  fields, {})`; the decoder appends the aux tokens' embeddings after the chunk's rows and hands
+  `fields` to every layer in ctx.fields.
 
   Full forward: `block_inputs`. Decode (ctx.decode): cache variables
     tokens  [B, cache_len] int32  every token seen so far, at its position (4 bytes per token:
@@ -115,8 +115,8 @@ class MatchInputs(nn.Module):
   def __call__(self, tokens_BT, ctx):
     o = options(self.config)
     if not ctx.decode:
-      return block_inputs(o, tokens_BT, ctx.positions_BT, ctx.segment_ids_BT,
-                          chunks_BGk=ctx.fields.get("match_chunks_BGk"))
+      return (*block_inputs(o, tokens_BT, ctx.positions_BT, ctx.segment_ids_BT,
+                            chunks_BGk=ctx.fields.get("match_chunks_BGk")), {})
     if ctx.cache_len is None:
       raise ValueError("decode=True needs cache_len (the longest sequence to decode).")
     B, T = tokens_BT.shape
@@ -171,8 +171,8 @@ class MatchInputs(nn.Module):
                   match_base_B=base, match_doc_BG=one, match_fresh_B=fresh,
                   match_g_last_B=last // c - base // c)
     if not o.top_k:
-      return None, fields
+      return None, fields, {}
     tok, apos, aok = aux_input(o, ids, raw.value, jnp.broadcast_to(
         jnp.arange(S, dtype=jnp.int32), (B, S)), known_S.astype(jnp.int32))
     fields.update(match_aux_pos_BA=apos, match_aux_ok_BA=aok)
-    return tok, fields
+    return tok, fields, {}

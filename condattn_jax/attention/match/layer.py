@@ -211,7 +211,7 @@ class MatchLayer(nn.Module):
     if "match_chunks_BGk" not in f and retrieves:
       if ctx.decode or o.retrieved_kv == "recompute":
         raise ValueError("MATCH decode / retrieved_kv='recompute' needs the auxiliary input of "
-                         "the decoder's MATCH input step (Scheme.input_module); call the layer "
+                         "the decoder's MATCH input step (Scheme.module); call the layer "
                          "through models.decoder.Decoder.")
       f.update(block_inputs(o, ctx.tokens_BT, ctx.positions_BT, ctx.segment_ids_BT,
                             recompute=False)[1])
