@@ -145,8 +145,7 @@ def tile_order(qi, ntiles, nprog, empties_last=True):
   """The query tile (program index) p that launch index qi runs. ntiles: the programs that hold
   active queries (the largest active count of any row / head, in programs; `live_tiles`). Those
   go first, heaviest (latest positions: most keys) first; the programs past every count, which
-  return at once, go last and fill the tail of the launch. (They used to launch first: in the
-  one full-T bucket at T = 32K they are up to 7168 - 364 programs, 0.08 ms on an H100 alone.)
+  return at once, go last and fill the tail of the launch (docs/performance.md: why).
   empties_last=False: the old order, the last program first (nprog - 1 - qi)."""
   if not empties_last:
     return nprog - 1 - qi
@@ -182,8 +181,8 @@ def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_B
   multiply-add per score; the row max taken on the raw scores), as tokamax's sm90 kernel, instead
   of scaling every score first. no_auto_barriers: CompilerParams(unsafe_no_auto_barriers=True,
   reduction_scratch_bytes=0), as tokamax's sm90 forward; safe here, no thread reads and writes one
-  SMEM region (Q / K / V are read by the tensor cores only, the epilogue only writes). Together
-  1.02-1.05x on one H100 (bench --variants, 32K, s = 0.5 / 0.9 / 0.95). named_barriers: the
+  SMEM region (Q / K / V are read by the tensor cores only, the epilogue only writes); measured
+  in docs/performance.md. named_barriers: the
   compute warpgroups' hand-offs on hardware named barriers (bar.arrive / bar.sync, as tokamax's
   sm90 kernel and FlashAttention-3) instead of mbarriers (api.CompactConfig.mgpu_named_barriers;
   the interpreter runs no inline PTX, so interpret mode keeps the mbarriers; tests/gpu checks both
@@ -491,8 +490,8 @@ def dq(q_BCNH, k_BSKH, v_BSKH, do_BCNH, lse_BNC, delta_BNC, qpos_BIC, qseg_BIC, 
        poison=False, compute_wgs=2, heads_fastest=True, empties_last=True,
        fold_scale=True):
   """dq_c [B, C, N, H]; programs (W query tiles of block_q_dq rows) past counts_BI are not
-  written. bounds_BIQ4: per query tile of block_q_dq rows. fold_scale: as in `fwd` (1.00-1.04x
-  on one H100; dk/dv keeps the separate scale, folded it was 1.02-1.11x slower);
+  written. bounds_BIQ4: per query tile of block_q_dq rows. fold_scale: as in `fwd` (dk/dv keeps
+  the separate scale: folded it was slower, docs/performance.md);
   heads_fastest / empties_last: as in `fwd`."""
   B, C, N, H = q_BCNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
