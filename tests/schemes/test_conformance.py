@@ -13,23 +13,18 @@ through one harness (registering `tiny` is all a new scheme needs):
   packed documents      two documents packed in one row (+ padding) give each document's own
                         outputs, or the scheme declares them refused (`packed_documents=False`)
   aux                   every aux leaf has the layer axis first (model-level entries excepted)
-  training              the scheme's tiny recipe (configs/<recipe>.py:tiny; dense: configs/
-                        tiny.py) runs three steps through train.loop.run, finite, and its
-                        sharded train step cross-lowers for TPU and for CUDA from this host
+  training              tests/schemes/test_training.py (the tiny recipes: loop and lowering)
 
 The tiny models are built and their Engines compiled once per module (shared fixtures).
 The per-row cache insert / reset of continuous batching is not checked yet (no engine API).
 """
 import functools
-import glob
-import os
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from _train_helpers import ROOT
 from condattn_jax import attention
 from condattn_jax.inference import Engine, cache_bytes
 from condattn_jax.models.decoder import Decoder
@@ -175,45 +170,3 @@ def test_aux_leaves_have_the_layer_axis_first(name):
   for key, leaf in jax.tree_util.tree_flatten_with_path(
       {k: v for k, v in aux.items() if k != "scheme"})[0]:
     assert leaf.shape[:1] == (cfg.num_layers,), (name, jax.tree_util.keystr(key), leaf.shape)
-
-
-# ------------------------------------------------------------------------------------ training
-@functools.lru_cache(maxsize=None)
-def recipes() -> dict:
-  """scheme name -> the recipe whose tiny variant trains it (configs/tiny.py for dense)."""
-  from condattn_jax.train.cli import load_recipe
-  out = {"dense": os.path.join(ROOT, "configs", "tiny.py") + ":"}
-  for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))):
-    if os.path.basename(path) != "tiny.py":
-      out.setdefault(load_recipe(path + ":tiny").model.scheme.name, path + ":tiny,")
-  return out
-
-
-def tiny_recipe(name, steps=3):
-  from condattn_jax.train.cli import load_recipe
-  if name not in recipes():
-    pytest.skip(f"no configs/*.py tiny recipe trains scheme {name!r}")
-  c = load_recipe(recipes()[name] + f"steps={steps}")
-  if c.train.get("warmup_steps") is not None:  # a recipe's fixed warmup longer than the run
-    c.train.warmup_steps = min(int(c.train.warmup_steps), steps)
-  c.train.log_every, c.train.checkpoint_every, c.train.progress_bar = 1, 0, False
-  c.eval.at_end, c.eval.context_lengths, c.eval.num_batches = False, (), 1
-  return c
-
-
-@pytest.mark.parametrize("name", NAMES)
-def test_three_steps_through_the_loop(name, tmp_path):
-  from condattn_jax.train import loop
-  res = loop.run(tiny_recipe(name), str(tmp_path))
-  assert res["step"] == 3 and not res["stopped_early"]
-  assert np.isfinite(res["train"]["loss"]), res["train"]
-
-
-@pytest.mark.parametrize("platform", ["tpu", "cuda"])
-@pytest.mark.parametrize("name", NAMES)
-def test_train_step_cross_lowers(name, platform):
-  from condattn_jax.train import loop
-  c = tiny_recipe(name)
-  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 2, 2, 2
-  exp = loop.export_train_step(loop.build(c), platform)
-  assert exp.platforms == (platform,) and exp.nr_devices == 8

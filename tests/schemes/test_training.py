@@ -1,0 +1,60 @@
+"""Conformance, training half (the other checks: test_conformance.py): every registered scheme
+with a `Scheme.tiny` factory has a tiny recipe (configs/<recipe>.py:tiny whose model.scheme.name
+is the scheme; dense: configs/tiny.py) that runs three steps through train.loop.run with a finite
+loss, and whose sharded train step cross-lowers for TPU and for CUDA from this host
+(train.loop.export_train_step on a 2x2x2 mesh of abstract devices)."""
+import functools
+import glob
+import os
+
+import numpy as np
+import pytest
+
+from _train_helpers import ROOT
+from condattn_jax import attention
+
+attention._load_builtin()
+NAMES = sorted(n for n, s in attention.SCHEMES.items() if s.tiny is not None)
+
+
+# ------------------------------------------------------------------------------------ training
+@functools.lru_cache(maxsize=None)
+def recipes() -> dict:
+  """scheme name -> the recipe whose tiny variant trains it (configs/tiny.py for dense)."""
+  from condattn_jax.train.cli import load_recipe
+  out = {"dense": os.path.join(ROOT, "configs", "tiny.py") + ":"}
+  for path in sorted(glob.glob(os.path.join(ROOT, "configs", "*.py"))):
+    if os.path.basename(path) != "tiny.py":
+      out.setdefault(load_recipe(path + ":tiny").model.scheme.name, path + ":tiny,")
+  return out
+
+
+def tiny_recipe(name, steps=3):
+  from condattn_jax.train.cli import load_recipe
+  if name not in recipes():
+    pytest.skip(f"no configs/*.py tiny recipe trains scheme {name!r}")
+  c = load_recipe(recipes()[name] + f"steps={steps}")
+  if c.train.get("warmup_steps") is not None:  # a recipe's fixed warmup longer than the run
+    c.train.warmup_steps = min(int(c.train.warmup_steps), steps)
+  c.train.log_every, c.train.checkpoint_every, c.train.progress_bar = 1, 0, False
+  c.eval.at_end, c.eval.context_lengths, c.eval.num_batches = False, (), 1
+  return c
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", NAMES)
+def test_three_steps_through_the_loop(name, tmp_path):
+  from condattn_jax.train import loop
+  res = loop.run(tiny_recipe(name), str(tmp_path))
+  assert res["step"] == 3 and not res["stopped_early"]
+  assert np.isfinite(res["train"]["loss"]), res["train"]
+
+
+@pytest.mark.parametrize("platform", ["tpu", "cuda"])
+@pytest.mark.parametrize("name", NAMES)
+def test_train_step_cross_lowers(name, platform):
+  from condattn_jax.train import loop
+  c = tiny_recipe(name)
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 2, 2, 2
+  exp = loop.export_train_step(loop.build(c), platform)
+  assert exp.platforms == (platform,) and exp.nr_devices == 8
