@@ -94,6 +94,7 @@ def run_suite(models: Sequence[harness.EvalModel], suite: str, *,
   bar.close()
   knobs = dict(suite=suite, tasks=task_names, lengths=lengths, num_samples=num_samples,
                seed=int(seed), batch_size=int(batch_size), prefill_chunk=prefill_chunk,
+               decoding="greedy, each sample's max_new_tokens, stop at EOS (text)",
                haystack_file=haystack_file, qa_file=qa_file, ppl_docs=ppl_docs,
                device=device_knobs())
   return dict(knobs=knobs, date=datetime.datetime.now(datetime.timezone.utc).isoformat(
