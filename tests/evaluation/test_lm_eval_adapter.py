@@ -4,20 +4,18 @@ own evaluator (`simple_evaluate`) on locally defined tasks (no downloads)."""
 import json
 import os
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
-pytest.importorskip("lm_eval")
-
-import flax.linen as nn  # noqa: E402
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from condattn_jax.data.tokenizer import load_tokenizer  # noqa: E402
-from condattn_jax.evaluation.lm_eval_adapter import CondattnLM  # noqa: E402
-from condattn_jax.inference import Engine  # noqa: E402
-from condattn_jax.models.config import ModelConfig  # noqa: E402
-from condattn_jax.models.decoder import Decoder  # noqa: E402
+# No importorskip: scripts/bootstrap.sh installs lm-eval, a missing install must fail here.
+from condattn_jax.data.tokenizer import load_tokenizer
+from condattn_jax.evaluation.lm_eval_adapter import CondattnLM
+from condattn_jax.inference import Engine
+from condattn_jax.models.config import ModelConfig
+from condattn_jax.models.decoder import Decoder
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOK = os.path.join(ROOT, "tests", "fixtures", "tokenizer", "qwen")
