@@ -153,26 +153,29 @@ def suite_main():
   if _TOKENIZER.value:
     from condattn_jax.data.tokenizer import load_tokenizer
     tokenizer = load_tokenizer(_TOKENIZER.value)
+
+  def load(path, **opts):  # --step: that step of every checkpoint (default: the newest)
+    return harness.load_model(path, step=_STEP.value, tokenizer=tokenizer, **opts)
+
   models, swept = [], 0
   for path, knobs in specs:
     opts = {**common, **knobs}
     if sweep:
       try:
-        first = harness.load_model(path, tokenizer=tokenizer, **{**opts, sweep[0]: sweep[1][0]})
+        first = load(path, **{**opts, sweep[0]: sweep[1][0]})
       except ValueError as e:
         if sweep[0] not in str(e):
           raise
         print(f"--sweep: {path} has no option {sweep[0]!r}: evaluated once.", file=sys.stderr)
-        models.append(harness.load_model(path, tokenizer=tokenizer, **opts))
+        models.append(load(path, **opts))
         continue
       swept += 1
       for value in sweep[1]:
-        m = first if value == sweep[1][0] else harness.load_model(
-            path, tokenizer=tokenizer, **{**opts, sweep[0]: value})
+        m = first if value == sweep[1][0] else load(path, **{**opts, sweep[0]: value})
         m.knobs["sweep"] = {sweep[0]: value}
         models.append(m)
     else:
-      models.append(harness.load_model(path, tokenizer=tokenizer, **opts))
+      models.append(load(path, **opts))
   if sweep and not swept:
     raise ValueError(f"--sweep={_SWEEP.value}: no checkpoint has the option {sweep[0]!r}.")
   if _INIT.value:

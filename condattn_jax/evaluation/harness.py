@@ -241,7 +241,7 @@ def evaluate_model(model: EvalModel, samples: Sequence[Sample], *, batch_size: i
         on_group(task, L)
     eff[str(L)] = dict(
         ttft_s=float(statistics.median(prefill_s)), batch_size=batch_size, prefill_chunk=chunk,
-        decode_tok_s=float(new_tok / decode_s) if decode_s > 0 else None,
+        decode_tok_s=float(new_tok / decode_s) if decode_s > 0 and new_tok else None,
         decoded_tokens=int(new_tok), batches=len(prefill_s),
         kv_cache_bytes=_tree_bytes(engine.cache_shapes(1)),
         kv_cache_bytes_analytic=_analytic_kv(model.model_cfg, L), peak_bytes=_peak_bytes())
