@@ -146,7 +146,7 @@ def test_recorded_h100_rows_before_launch_order():
 
 
 def test_recorded_h100_sweep_two_warpgroups_beat_one():
-  """The sweep behind MGPU_BLOCK_SIZES and BWD_COMPUTE_WGS = 2: at s = 0.5 and 0.9 the best
+  """The sweep behind MGPU_BLOCK_SIZES and CompactConfig.mgpu_bwd_wgs = 2: at s = 0.5 and 0.9 the best
   two-warpgroup dq and dk/dv are faster than the best one-warpgroup ones, dq kv tiles of 128
   beat 64, and 128-row dk/dv query tiles are > 2x slower than 64."""
   d, _ = _h100_rows()
@@ -170,7 +170,7 @@ def test_recorded_h100_glue_and_breakdown_scatter_back_is_kept():
   faster than the plain scatter alone (0.89 -> 0.46 ms at 32K s = 0.5, 1.60 -> 0.74 at 64K); in
   the whole call it cut the forward glue from 1.12 / 0.51 / 0.41 ms to 0.80 / 0.29 / 0.31 ms
   (s = 0.5 / 0.9 / 0.95), while the gather back, faster alone, was slower in the whole call at
-  every s (why UNCOMPACT_BY_GATHER stays off)."""
+  every s (why CompactConfig.uncompact_by_gather stays off)."""
   d, _ = _h100_rows()
   glue = {(r["T"], r["sparsity"]): r for r in d["glue"]}
   for key, plain, hint in (((32768, 0.5), 0.89, 0.46), ((65536, 0.5), 1.60, 0.74)):
