@@ -20,10 +20,14 @@ Result schema (one file per bench and device; runs APPENDED, never new top-level
                "claims": [{"name": ..., "passed": true, "detail": {...}}, ...]}, ...]}
 
 A claim is a statement the run checked (a speedup over a target, a check against the reference)
-with its pass / fail; tests/bench/test_results.py checks that every recorded claim passed, so a
-run that fails a claim cannot land silently. `name` (the run's tag, e.g. the old top-level key a
-migrated run came from) tells runs of one bench apart. bench/migrate_results.py brought the
-older result files to this schema.
+with its pass / fail. The writer (append_run / replace_last_run) records on the run every claim
+bench/claims registers for the bench and the run's name, evaluated on the stored numbers;
+tests/bench/test_results.py re-evaluates them from every file in bench/results and checks that
+every recorded claim passed, so a run that fails a claim cannot land silently. `name` (the run's
+tag: a preset, or the old top-level key a migrated run came from) tells runs of one bench apart.
+A run stores its rows once: in `rows`, and its bench's own layout in `recorded` without a copy
+of them (`recorded_of` puts them back). bench/migrate_results.py brought the older result files
+to this schema (`--claims` re-records every run's claims).
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ import re
 import statistics
 import subprocess
 import time
-from typing import Any, Callable
+from typing import Callable
 
 SCHEMA = 1
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -241,8 +245,15 @@ def append_run(path: str, run: dict) -> dict:
   else:
     data = dict(schema=SCHEMA, bench=run["bench"], device=run["device"], runs=[])
   data["runs"].append(run)
+  _record_claims(path, data)
   _write(path, data)
   return data
+
+
+def _record_claims(path: str, data: dict) -> None:
+  """Evaluate and record the last run's registered claims (bench/claims) on it."""
+  from bench import claims
+  claims.record(os.path.basename(path), data["runs"], len(data["runs"]) - 1)
 
 
 def _write(path: str, data: dict) -> None:
@@ -259,6 +270,7 @@ def replace_last_run(path: str, run: dict) -> dict:
   check_run(run, path)
   data = load(path)
   data["runs"][-1] = run
+  _record_claims(path, data)
   _write(path, data)
   return data
 
@@ -288,8 +300,28 @@ def recorded_from(data: dict) -> dict:
   (its old top-level layout) read as the newest run's."""
   out = {}
   for run in data["runs"]:
-    out.update(run.get("recorded", {}))
+    out.update(recorded_of(run))
   return out
+
+
+def recorded_of(run: dict) -> dict:
+  """One run's `recorded` layout; its "rows" are the run's `rows` where the run stores them once
+  (the writer drops the copy: `dedup_rows`)."""
+  if "recorded" not in run:
+    return {}
+  rec = dict(run["recorded"])
+  if "rows" not in rec and run["rows"]:
+    rec["rows"] = run["rows"]
+  return rec
+
+
+def dedup_rows(run: dict) -> dict:
+  """Store the rows once: drop `recorded["rows"]` where it equals the run's `rows` (recorded_of
+  gives it back)."""
+  rec = run.get("recorded")
+  if isinstance(rec, dict) and run.get("rows") and rec.get("rows") == run["rows"]:
+    run["recorded"] = {k: v for k, v in rec.items() if k != "rows"}
+  return run
 
 
 def recorded(path: str) -> dict:
@@ -308,7 +340,7 @@ def make_run(bench: str, result: dict, *, settings: dict | None = None, name: st
   for cname, passed in {**own_claims(result), **(claims or {})}.items():
     claim(run, cname, passed)
   run["recorded"] = result
-  return run
+  return dedup_rows(run)
 
 
 def own_claims(result: dict) -> dict:

@@ -5,6 +5,8 @@ checks before it writes).
     python -m bench.migrate_results                 # every old-format file in bench/results
     python -m bench.migrate_results --check         # only report which files need migrating
     python -m bench.migrate_results path.json ...   # these files
+    python -m bench.migrate_results --claims        # re-record every run's claims (bench/claims)
+                                                    # from its stored numbers, rows stored once
 
 An old file was one dict: metadata (device, jax_version, date, settings, ...) and results, with
 history kept as extra top-level keys. It becomes {"schema": 1, "bench", "device", "runs": [...]}:
@@ -61,7 +63,7 @@ def _run(bench, device, old_meta, name, recorded, *, date=None, commit=None):
              claims=[], recorded=recorded)
   for cname, passed in common.own_claims(recorded).items():
     common.claim(run, cname, passed)
-  return run
+  return common.dedup_rows(run)
 
 
 def migrate(old: dict, path: str, bench: str | None = None) -> dict:
@@ -87,6 +89,22 @@ def migrate(old: dict, path: str, bench: str | None = None) -> dict:
   return new
 
 
+def refresh(path: str) -> dict:
+  """A schema-1 file with its rows stored once per run (common.dedup_rows) and every run's
+  registered claims (bench/claims) evaluated on its stored numbers and recorded; ValueError if
+  the content read back (common.recorded_from) or any run's rows would change."""
+  from bench import claims
+  data = common.load(path)
+  before = common.recorded_from(data)
+  rows = [r["rows"] for r in data["runs"]]
+  for i, run in enumerate(data["runs"]):
+    common.dedup_rows(run)
+    claims.record(os.path.basename(path), data["runs"], i)
+  if common.recorded_from(data) != before or [r["rows"] for r in data["runs"]] != rows:
+    raise ValueError(f"{path}: refreshing the claims would change the recorded numbers")
+  return data
+
+
 def needs_migration(path: str) -> bool:
   with open(path) as f:
     data = json.load(f)
@@ -95,6 +113,13 @@ def needs_migration(path: str) -> bool:
 
 def main(argv):
   check = "--check" in argv
+  if "--claims" in argv:  # re-record every file's claims from its stored numbers
+    for p in [a for a in argv if not a.startswith("--")] or sorted(
+        p for p in glob.glob(os.path.join(common.RESULTS, "*.json"))
+        if not os.path.basename(p).startswith(SKIP)):
+      common._write(p, refresh(p))
+      print(f"claims recorded: {p}")
+    return 0
   paths = [a for a in argv if not a.startswith("--")] or sorted(
       p for p in glob.glob(os.path.join(common.RESULTS, "*.json"))
       if not os.path.basename(p).startswith(SKIP))

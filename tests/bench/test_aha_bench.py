@@ -11,7 +11,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
-from bench import common  # noqa: E402
 from bench import aha_sparse_vs_exact as bench  # noqa: E402
 
 
@@ -38,26 +37,3 @@ def test_tiny_run_rows_and_calibration():
     assert sp["speedup_vs_exact"] == pytest.approx(ex["train_ms"] / sp["train_ms"])
     assert all(r["train_ms"] > 0 for r in (ex, sp))
   assert res["jax_version"] and res["date"] and res["device"]
-
-
-def test_recorded_gpu_run_sparse_is_cheaper_than_exact():
-  """bench/results/aha_sparse_vs_exact_<GPU>.json (the issue's evidence, T = 32K): at every
-  usage the sparse step is measurably cheaper than the exact one (same run), the calibrated usage
-  was hit, and exact / sparse computed the same first-step CE."""
-  import glob
-  import json
-  paths = glob.glob(os.path.join(ROOT, "bench", "results", "aha_sparse_vs_exact_*.json"))
-  assert paths, "no recorded GPU run"
-  for path in paths:
-    doc = common.read_result(path)
-    assert doc["platform"] == "gpu" and doc["settings"]["T"] >= 32768, path
-    assert doc["jax_version"] and doc["date"] and doc["device"]
-    rows = {r["name"]: r for r in doc["rows"]}
-    for p in doc["settings"]["usages"]:
-      ex, sp = rows[f"exact_u{p}"], rows[f"sparse_u{p}"]
-      assert abs(sp["mu_f"] - p) < 0.02 * max(1.0, p / 0.05), (p, sp["mu_f"])
-      assert sp["ce_first"] == pytest.approx(ex["ce_first"], abs=1e-2)
-      assert sp["speedup_vs_exact"] == pytest.approx(ex["train_ms"] / sp["train_ms"])
-      assert sp["speedup_vs_exact"] > 1.05, (p, sp["speedup_vs_exact"])
-    low = min(doc["settings"]["usages"])
-    assert rows[f"sparse_u{low}"]["speedup_vs_exact"] > 1.3  # rarely-full heads: a real saving

@@ -15,21 +15,6 @@ import match_mqar  # noqa: E402
 RESULT = os.path.join(ROOT, "bench", "results", "match_mqar.json")
 
 
-def test_recorded_mqar_result_holds_the_claims():
-  r = common.read_result(RESULT)
-  assert r["preset"] == "cpu" and r["date"] and r["settings"]["window"] == 32
-  lengths = [str(n) for n in r["settings"]["lengths"]]
-  assert lengths == ["64", "128", "256", "512"]
-  for m in ("swa", "sink", "match"):
-    assert sorted(r["methods"][m], key=int) == lengths
-    assert all(0.0 <= r["methods"][m][n] <= 1.0 for n in lengths)
-  assert match_mqar.check_claims(r) == [] == r["failed_claims"]
-  # the check can fail: a result where SWA also recalls at 512 is refused
-  bad = json.loads(json.dumps(r))
-  bad["methods"]["swa"]["512"] = 0.95
-  assert match_mqar.check_claims(bad)
-
-
 def test_mqar_bench_trains_and_evaluates():
   s = match_mqar.PRESETS["test"]
   cfg, params, _ = match_mqar.train(s, "match", log=lambda *a: None)
@@ -54,22 +39,19 @@ def test_memory_bench_match_flat():
   assert match_memory.check_flat(grown) == ["dense kv_bytes do not grow with context"]
 
 
-def test_recorded_gpu_memory_is_flat_for_match_and_grows_for_dense():
-  """bench/results/match_memory.json (H200, one process per row, merged): MATCH's K/V and
-  device peak stay flat from 8K to 128K while dense's grow with the context."""
-  r = common.read_result(os.path.join(ROOT, "bench", "results", "match_memory.json"))
-  assert r["device"].startswith("NVIDIA") and r["jax_version"] and r["date"][:4] >= "2026"
-  rows = {(x["model"], x["context"]): x for x in r["rows"]}
-  assert sorted(rows) == [(m, n) for m in ("dense", "match") for n in (8192, 32768, 131072)]
-  assert match_memory.check_flat(r) == [] == r["failed_claims"]
-  m = [rows["match", n] for n in (8192, 32768, 131072)]
-  d = [rows["dense", n] for n in (8192, 32768, 131072)]
-  assert len({x["kv_bytes"] for x in m}) == 1
-  assert d[2]["kv_bytes"] >= 15 * d[0]["kv_bytes"] and d[2]["kv_bytes"] > 50 * m[2]["kv_bytes"]
-  assert max(x["peak_bytes"] for x in m) <= 1.05 * min(x["peak_bytes"] for x in m)
-  assert d[2]["peak_bytes"] > d[0]["peak_bytes"] + 2 * 2**30
-  # merging refuses runs of other settings
+def test_mqar_check_claims_refuses_swa_recall():
+  """match_mqar.check_claims (what the bench records as its claims) can fail: the recorded result
+  with SWA also recalling at 512 is refused."""
+  r = common.read_result(RESULT)
+  assert match_mqar.check_claims(r) == []
+  bad = json.loads(json.dumps(r))
+  bad["methods"]["swa"]["512"] = 0.95
+  assert match_mqar.check_claims(bad)
+
+
+def test_memory_merge_refuses_runs_of_other_settings():
   import pytest
+  r = common.read_result(os.path.join(ROOT, "bench", "results", "match_memory.json"))
   other = dict(r, settings=dict(r["settings"], window=64))
   with pytest.raises(ValueError, match="differ"):
     match_memory.merge([r, other])

@@ -1,4 +1,5 @@
-"""L2A learning on MQAR: the recorded runs of bench/l2a_learning.py, checked here.
+"""Claims of bench/l2a_learning.py's recorded runs: the CPU-sized run (l2a_learning_cpu.json)
+and the full run (l2a_learning.json); see bench/claims/__init__.py.
 
 The dense model (tests/fixtures/l2a/mqar_dense.npz) is the tiny decoder that
 `python bench/l2a_learning.py --preset=full --save_dense=...` trains with full attention on MQAR
@@ -17,59 +18,63 @@ is also run inside the suite: tests/cli/test_demo.py runs `make demo` (the same 
 600 steps, conversion to learned routing in the test) and asserts the same claims with wider
 margins.
 """
-import dataclasses
-import json
-import os
-
-import sys
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RESULT = os.path.join(ROOT, "bench", "results", "l2a_learning.json")
-RESULT_CPU = os.path.join(ROOT, "bench", "results", "l2a_learning_cpu.json")
-if ROOT not in sys.path:
-  sys.path.insert(0, ROOT)
-
-from _train_helpers import assert_l2a_pruning_kv_bytes  # noqa: E402
-from bench import common  # noqa: E402
+from bench.claims import claim, expect
 
 
-def test_recorded_cpu_run():
+def expect_l2a_pruning_kv_bytes(settings, layer_sparsity, pruning, ctx=131072):
+  """bench/l2a_learning.py's pruning section, recomputed from the settings (a dict of its
+  Settings): layers at sparsity >= 0.95 lose their full cache (K, V x kv heads x head_dim x
+  float32 per token and layer); every layer keeps its window ring."""
+  pruned = [i for i, x in enumerate(layer_sparsity) if x >= 0.95]
+  expect(pruning["pruned_layers"] == pruned, ("pruned layers", pruning["pruned_layers"], pruned))
+  per_tok = 2 * settings["num_kv_heads"] * (settings["hidden_size"] // settings["num_heads"]) * 4
+  L, w = settings["num_layers"], settings["window"]
+  kv = pruning["kv_bytes"][str(ctx)]
+  expect(kv["dense"] == L * ctx * per_tok, ("dense kv bytes", kv["dense"]))
+  expect(kv["l2a"] == L * (ctx + w) * per_tok, ("l2a kv bytes", kv["l2a"]))
+  expect(kv["l2a_pruned"] == (L * w + (L - len(pruning["pruned_layers"])) * ctx) * per_tok,
+         ("pruned kv bytes", kv["l2a_pruned"]))
+
+
+@claim("l2a_learning", run=("main", "cpu"), file="l2a_learning_cpu.json")
+def cpu_run(res, run):
   """bench/results/l2a_learning_cpu.json: `python bench/l2a_learning.py --preset=cpu
   --dense_params=tests/fixtures/l2a/mqar_dense.npz`, run with the preset as it is now."""
+  import dataclasses
+  import json
   from bench import l2a_learning as bench
-  res = common.read_result(RESULT_CPU)
   s = bench.PRESETS["cpu"]
   want = json.loads(json.dumps(dataclasses.asdict(s)))
-  assert res["settings"] == want, "the CPU preset changed: re-run it (command in the file)"
-  assert "--dense_params=tests/fixtures/l2a/mqar_dense.npz" in res["command"]
-  assert res["date"] and res["backend"] == "cpu" and res["device"]
-  assert res["jax_version"] == "0.11.2"
+  expect(res["settings"] == want, "the CPU preset changed: re-run it (command in the file)")
+  expect("--dense_params=tests/fixtures/l2a/mqar_dense.npz" in res["command"])
+  expect(res["date"] and res["backend"] == "cpu" and res["device"])
+  expect(res["jax_version"] == "0.11.2")
   summary = {k: res[k] for k in ("dense_accuracy", "converted_accuracy", "l2a_accuracy",
                                   "l2a_sparsity", "l2a_layer_sparsity", "context_free_accuracy",
                                   "context_free_sparsity")}
-  assert res["dense_accuracy"] > 0.95, summary
+  expect(res["dense_accuracy"] > 0.95, summary)
   # right after the conversion (window 4, both branches copied, zero router: every token global)
   # the local + global sum has broken the recall circuit: what L2A reaches is learned in the run
-  assert res["converted_accuracy"] < 0.2, summary
+  expect(res["converted_accuracy"] < 0.2, summary)
   # the router learned to skip global attention for most tokens ...
-  assert res["l2a_sparsity"] >= 0.65, summary
+  expect(res["l2a_sparsity"] >= 0.65, summary)
   # ... where it is not needed: well above the context-free router at the same sparsity
   # (H200, 3 seeds of the same preset: L2A 0.453 / 0.456 / 0.455 vs 0.328 / 0.332 / 0.311)
-  assert abs(res["context_free_sparsity"] - res["l2a_sparsity"]) < 0.05, summary
-  assert res["l2a_accuracy"] >= res["context_free_accuracy"] + 0.05, summary
-  assert res["l2a_accuracy"] >= 0.35, summary
+  expect(abs(res["context_free_sparsity"] - res["l2a_sparsity"]) < 0.05, summary)
+  expect(res["l2a_accuracy"] >= res["context_free_accuracy"] + 0.05, summary)
+  expect(res["l2a_accuracy"] >= 0.35, summary)
   # the pruning section (2 kv heads x head_dim 16, window ring of 4 slots)
-  assert_l2a_pruning_kv_bytes(res["settings"], res["l2a_layer_sparsity"], res["pruning"])
+  expect_l2a_pruning_kv_bytes(res["settings"], res["l2a_layer_sparsity"], res["pruning"])
 
 
-def test_recorded_full_run():
+@claim("l2a_learning", run=("main", "full"), file="l2a_learning.json")
+def full_run(r, run):
   """bench/results/l2a_learning.json (the full run) holds the issue's evidence."""
-  r = common.read_result(RESULT)
   for k in ("dense_accuracy", "l2a_accuracy", "l2a_sparsity", "context_free_accuracy",
             "l2a_layer_sparsity", "task", "date", "settings"):
-    assert k in r, k
-  assert r["task"]["seq_len"] >= 4 * r["settings"]["window"]  # window much shorter than T
-  assert r["l2a_accuracy"] >= r["dense_accuracy"] - 0.02
-  assert r["l2a_sparsity"] >= 0.70
-  assert r["l2a_accuracy"] >= r["context_free_accuracy"] + 0.1
-  assert abs(r["context_free_sparsity"] - r["l2a_sparsity"]) < 0.05
+    expect(k in r, k)
+  expect(r["task"]["seq_len"] >= 4 * r["settings"]["window"])  # window much shorter than T
+  expect(r["l2a_accuracy"] >= r["dense_accuracy"] - 0.02)
+  expect(r["l2a_sparsity"] >= 0.70)
+  expect(r["l2a_accuracy"] >= r["context_free_accuracy"] + 0.1)
+  expect(abs(r["context_free_sparsity"] - r["l2a_sparsity"]) < 0.05)

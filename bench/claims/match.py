@@ -1,0 +1,34 @@
+"""Claims of bench/match_mqar.py's and bench/match_memory.py's recorded runs (see
+bench/claims/__init__.py)."""
+from bench.claims import claim, expect
+
+
+@claim("match_mqar", run=("main", "cpu"), file="match_mqar.json")
+def mqar_result_holds_the_claims(r, run):
+  """The CPU preset's MQAR fidelity run: window 32, lengths 64..512, every method's accuracy
+  at every length in [0, 1], and the paper's claims (match_mqar.check_claims) hold."""
+  from bench import match_mqar
+  expect(r["preset"] == "cpu" and r["date"] and r["settings"]["window"] == 32)
+  lengths = [str(n) for n in r["settings"]["lengths"]]
+  expect(lengths == ["64", "128", "256", "512"])
+  for m in ("swa", "sink", "match"):
+    expect(sorted(r["methods"][m], key=int) == lengths)
+    expect(all(0.0 <= r["methods"][m][n] <= 1.0 for n in lengths))
+  expect(match_mqar.check_claims(r) == [] == r["failed_claims"])
+
+
+@claim("match_memory", run=("main", "gpu"), file="match_memory.json")
+def gpu_memory_is_flat_for_match_and_grows_for_dense(r, run):
+  """bench/results/match_memory.json (H200, one process per row, merged): MATCH's K/V and
+  device peak stay flat from 8K to 128K while dense's grow with the context."""
+  from bench import match_memory
+  expect(r["device"].startswith("NVIDIA") and r["jax_version"] and r["date"][:4] >= "2026")
+  rows = {(x["model"], x["context"]): x for x in r["rows"]}
+  expect(sorted(rows) == [(m, n) for m in ("dense", "match") for n in (8192, 32768, 131072)])
+  expect(match_memory.check_flat(r) == [] == r["failed_claims"])
+  m = [rows["match", n] for n in (8192, 32768, 131072)]
+  d = [rows["dense", n] for n in (8192, 32768, 131072)]
+  expect(len({x["kv_bytes"] for x in m}) == 1)
+  expect(d[2]["kv_bytes"] >= 15 * d[0]["kv_bytes"] and d[2]["kv_bytes"] > 50 * m[2]["kv_bytes"])
+  expect(max(x["peak_bytes"] for x in m) <= 1.05 * min(x["peak_bytes"] for x in m))
+  expect(d[2]["peak_bytes"] > d[0]["peak_bytes"] + 2 * 2**30)
