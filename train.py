@@ -3,7 +3,12 @@ r"""Train a model:  python train.py --config=configs/<recipe>.py[:arg] --workdir
   --config.train.num_steps=2000     override any existing config field (the config is locked:
                                     unknown fields are errors)
   --config.train.dry_run=True       build mesh + shapes, AOT-compile the sharded step, print
-  (or --dry_run)                    parameter counts and per-device memory, exit
+  (or --dry_run)                    the model, parameter counts and per-device memory, exit
+  --dry_run_device=v5p|h100|h200    dry run judged against that accelerator's memory ("fits
+                                    with X GiB to spare" / "short by X GiB, try ..."): v5p is
+                                    compiled for a TPU topology of this host's device count
+                                    (needs libtpu), h100 / h200 on this host's GPUs, or on a
+                                    CPU host as a labelled CPU-lowering estimate
   --stop_after=N                    save and stop after N steps of this invocation
   --distributed=auto|always|never   jax.distributed.initialize() for multi-host runs (auto:
                                     when the environment says so: TPU pod, SLURM, Open MPI,
@@ -38,6 +43,9 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Recipe: configs/<name
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, eval).")
 _DRY_RUN = flags.DEFINE_bool("dry_run", False, "Same as --config.train.dry_run=True.")
+_DRY_RUN_DEVICE = flags.DEFINE_enum("dry_run_device", None, ["v5p", "h100", "h200"],
+                                    "Implies --dry_run; judges the memory against this "
+                                    "accelerator (same as --config.train.dry_run_device).")
 _STOP_AFTER = flags.DEFINE_integer("stop_after", None, "Stop (with a checkpoint) after this many "
                                    "steps in this invocation; re-run to continue.")
 _DISTRIBUTED = flags.DEFINE_enum("distributed", "auto", ["auto", "always", "never"],
@@ -51,8 +59,10 @@ def main(argv):
   distributed.maybe_initialize(_DISTRIBUTED.value)
   from condattn_jax.train import loop
   config = _CONFIG.value
-  if _DRY_RUN.value:
+  if _DRY_RUN.value or _DRY_RUN_DEVICE.value:
     config.train.dry_run = True
+  if _DRY_RUN_DEVICE.value:
+    config.train.dry_run_device = _DRY_RUN_DEVICE.value
   if not config.train.dry_run and not _WORKDIR.value:
     raise app.UsageError("--workdir is required (except with --dry_run).")
   try:

@@ -11,8 +11,8 @@ unknown fields that a recipe added by mistake. Sections:
   data   condattn_jax.data's section (source, seq_len, batch_size = GLOBAL rows, task, ...)
   train  num_steps, lr, warmup_frac | warmup_steps, lr_schedule, end_lr_frac, grad_clip,
          weight_decay, b1, b2, eps, trainable_regex, param_groups, seed, log_every,
-         checkpoint_every, keep_checkpoints, eval_every, dry_run, loss_chunk_size, microbatches,
-         progress_bar
+         checkpoint_every, keep_checkpoints, eval_every, dry_run, dry_run_device, loss_chunk_size,
+         microbatches, progress_bar
   mesh   data, fsdp, tensor (-1 = fill with the remaining devices)
   eval   context_lengths, num_batches, batch_size, seed, at_start, at_end
 """
@@ -73,6 +73,7 @@ def default_config() -> ml_collections.ConfigDict:
       keep_checkpoints=3,
       eval_every=0,  # 0 = no periodic eval
       dry_run=False,  # build + AOT-compile the sharded step, print sizes and memory, exit
+      dry_run_device="",  # '' (this host) | v5p | h100 | h200: the verdict's accelerator
       loss_chunk_size=0,  # > 0: chunked CE over hidden states (no [B,T,V] logits)
       microbatches=1,  # gradient accumulation over this many microbatches
       progress_bar=True,
@@ -87,6 +88,14 @@ def default_config() -> ml_collections.ConfigDict:
       at_end=True,  # train.run evaluates the final params
   ))
   return c
+
+
+# --dry_run_device: name -> (what the dry run calls it, memory per device in bytes, platform)
+DRY_RUN_DEVICES = {
+    "v5p": ("TPU v5p (95 GB)", 95 * 10**9, "tpu"),
+    "h100": ("NVIDIA H100 (80 GB)", 80 * 10**9, "cuda"),
+    "h200": ("NVIDIA H200 (141 GB)", 141 * 10**9, "cuda"),
+}
 
 
 # Sections whose fields are not fixed here: the scheme's hyper-params, named param groups, and
@@ -140,6 +149,9 @@ def validate_config(config: ml_collections.ConfigDict, *, needs_data: bool = Tru
   for f in ("checkpoint_every", "eval_every", "loss_chunk_size"):
     if int(t[f]) < 0:
       raise ValueError(f"config.train.{f}={t[f]} must be >= 0.")
+  if str(t.get("dry_run_device") or "") not in ("", *DRY_RUN_DEVICES):
+    raise ValueError(f"config.train.dry_run_device={t.dry_run_device!r}: choose one of "
+                     f"{list(DRY_RUN_DEVICES)} (or '' for this host's devices).")
   if "name" not in config.model.scheme:
     raise ValueError("config.model.scheme.name is required (e.g. 'dense').")
   from condattn_jax.attention import get_scheme

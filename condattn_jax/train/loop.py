@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import time
 from typing import Any, Callable
@@ -71,6 +72,7 @@ class Setup:
   state_shardings: TrainState
   batch_sharding: Any
   batch_abstract: dict  # global batch ShapeDtypeStructs with shardings
+  layout_notes: tuple = ()  # what shd.derive_layout changed in `config` for this mesh
 
   @property
   def global_batch(self) -> int:
@@ -86,26 +88,23 @@ def _init_shape(config) -> tuple[int, int]:
 
 
 def build(config, *, devices=None, needs_data: bool = False) -> Setup:
-  """Mesh, model config, shardings, optimizer: no weights touched (init_from reads config.json).
+  """Mesh, model config, shardings, optimizer: no weights touched (init_from reads config.json
+  only, so a directory holding just config.json describes a model). Where the batch does not
+  divide the mesh, the mesh / microbatches / eval batch are derived (shd.derive_layout; logged,
+  in `Setup.layout_notes`) and `Setup.config` is the derived config: use it, not the input.
   Checks the config against the mesh and the model (divisibility, the synthetic task's token
   ids vs vocab_size); needs_data=True also requires the data fields (validate_config)."""
   config_lib.validate_config(config, needs_data=needs_data)
-  mesh = shd.make_mesh(config.mesh, devices)
   model_cfg, _ = config_lib.model_config(config, load_weights=False)
+  n_devices = len(jax.devices() if devices is None else devices)
+  config, layout_notes = shd.derive_layout(config, n_devices, num_heads=model_cfg.num_heads,
+                                           num_kv_heads=model_cfg.num_kv_heads)
+  for note in layout_notes:
+    logging.warning("layout: %s", note)
+  mesh = shd.make_mesh(config.mesh, devices)
   from condattn_jax.data import check_vocab, parse_data_config
   check_vocab(parse_data_config(config.data, needs_files=False), model_cfg.vocab_size)
-  B, T = int(config.data.batch_size), int(config.data.seq_len)
-  if B % shd.batch_shards(mesh):
-    raise ValueError(f"config.data.batch_size={B} (global) must be divisible by mesh "
-                     f"data*fsdp={shd.batch_shards(mesh)} (mesh {dict(mesh.shape)}).")
-  if (B // int(config.train.microbatches)) % shd.batch_shards(mesh):
-    raise ValueError(f"a microbatch of data.batch_size/train.microbatches="
-                     f"{B // int(config.train.microbatches)} rows must be divisible by mesh "
-                     f"data*fsdp={shd.batch_shards(mesh)}.")
-  B_eval = int(config.eval.get("batch_size") or B)
-  if B_eval % shd.batch_shards(mesh):
-    raise ValueError(f"the eval batch (config.eval.batch_size or data.batch_size) = {B_eval} rows "
-                     f"must be divisible by mesh data*fsdp={shd.batch_shards(mesh)}.")
+  shd.check_batch_layout(config, mesh.shape["data"], mesh.shape["fsdp"])
   model = Decoder(model_cfg)
   tok = jax.ShapeDtypeStruct(_init_shape(config), jnp.int32)
   with shd.init_context():
@@ -128,7 +127,7 @@ def build(config, *, devices=None, needs_data: bool = False) -> Setup:
   return Setup(config=config, mesh=mesh, model_cfg=model_cfg, boxed_params=boxed,
                abstract_params=abstract_params, param_shardings=param_sh, tx=tx, labels=labels,
                schedule=schedule, abstract_state=abstract_state, state_shardings=state_sh,
-               batch_sharding=bsh, batch_abstract=babs)
+               batch_sharding=bsh, batch_abstract=babs, layout_notes=tuple(layout_notes))
 
 
 def jit_train_step(setup: Setup):
@@ -277,34 +276,164 @@ def _fmt_bytes(n: float) -> str:
   return f"{int(n)} B"
 
 
+def _tpu_topology_devices(n: int, chip: str = "v5p"):
+  """Compile-only devices of an n-chip TPU topology (jax.experimental.topologies, as MaxText's
+  train_compile does), or (None, why) when libtpu is not installed / cannot describe it."""
+  import importlib.util
+  if importlib.util.find_spec("libtpu") is None:
+    return None, ("libtpu is not installed (pip install 'libtpu==0.0.48.*', the version jax "
+                  f"{jax.__version__} pins)")
+  if n < 1 or n & (n - 1):
+    return None, f"{n} devices: a {chip} topology here has a power-of-two chip count"
+  dims = [1, 1, 1] if n < 4 else [2, 2, 1]
+  while dims[0] * dims[1] * dims[2] < n:
+    i = max(j for j in range(3) if dims[j] == min(dims))  # double the last smallest axis
+    dims[i] *= 2
+  host = tuple(min(d, h) for d, h in zip(dims, (2, 2, 1)))
+  for k, v in (("TPU_ACCELERATOR_TYPE", f"{chip}-{2 * n}"), ("TPU_WORKER_HOSTNAMES", "localhost")):
+    os.environ.setdefault(k, v)  # silences libtpu's metadata-server probes on a non-TPU host
+  from jax.experimental import topologies
+  try:
+    topo = topologies.get_topology_desc(
+        platform="tpu", topology_name=f"{chip}:{'x'.join(map(str, dims))}",
+        chip_config_name="megacore", chips_per_host_bounds=host, num_slices=1,
+        wrap=(False, False, False))
+  except Exception as e:  # pylint: disable=broad-except  (libtpu's errors vary by version)
+    return None, f"libtpu cannot describe a {chip} topology of {n} chips ({type(e).__name__}: {e})"
+  return list(topo.devices), f"{chip}:{'x'.join(map(str, dims))}"
+
+
+def _per_device_bytes(abstract, shardings) -> int:
+  """Bytes one device holds of a tree of ShapeDtypeStructs under `shardings`."""
+  leaves = zip(jax.tree.leaves(abstract), jax.tree.leaves(
+      shardings, is_leaf=lambda x: isinstance(x, jax.sharding.Sharding)))
+  return int(sum(math.prod(s.shard_shape(a.shape)) * np.dtype(a.dtype).itemsize
+                 for a, s in leaves))
+
+
+def _activation_bytes(setup: Setup) -> int:
+  """Layer-boundary activations one device keeps for the backward of one microbatch: the
+  [rows, T, D] input of every layer in the compute dtype (what remat_policy='full' saves; the
+  other policies save more, inside the compiler's temp)."""
+  c, mc = setup.config, setup.model_cfg
+  rows = int(c.data.batch_size) // int(c.train.microbatches) // shd.batch_shards(setup.mesh)
+  return (int(mc.num_layers) * max(rows, 1) * setup.seq_len * int(mc.hidden_size)
+          * np.dtype(mc.dtype).itemsize)
+
+
+def _model_line(setup: Setup, counts: dict) -> str:
+  mc = setup.model_cfg
+  src = setup.config.model.get("init_from")
+  where = f"architecture from {src}/config.json" if src else "architecture from the recipe"
+  return (f"  model: {mc.family}, {mc.num_layers} layers, width {mc.hidden_size}, "
+          f"{mc.num_heads} heads, {mc.num_kv_heads} kv heads (head_dim {mc.head_dim}), "
+          f"mlp {mc.intermediate_size}, vocab {mc.vocab_size}, scheme {mc.scheme}; "
+          f"{counts['total'] / 1e9:.3g}B params ({counts['total']:,}); {where}")
+
+
+def _suggestions(setup: Setup) -> list[str]:
+  """The knobs that lower per-device memory, as overrides, for what this config still has."""
+  c, mc = setup.config, setup.model_cfg
+  out = []
+  if mc.remat_policy != "full":
+    out.append("--config.model.remat_policy=full")
+  mesh = dict(setup.mesh.shape)
+  if mesh["data"] > 1:
+    out.append("--config.mesh.data=1 --config.mesh.fsdp=-1 (shard params / optimizer)")
+  B, k = int(c.data.batch_size), int(c.train.microbatches)
+  rows = B // k // shd.batch_shards(setup.mesh)
+  if rows > 1:
+    out.append(f"--config.train.microbatches={k * rows} (one row per device per microbatch)")
+  if not int(c.train.loss_chunk_size):
+    out.append("--config.train.loss_chunk_size=4096 (no [B, T, vocab] logits)")
+  if setup.seq_len > 1024:
+    out.append(f"--config.data.seq_len={setup.seq_len // 2}")
+  return out
+
+
 def dry_run(config, *, devices=None, print_fn=print) -> dict[str, Any]:
-  """Builds the mesh, shapes and the sharded train step, AOT lowers + compiles it and reports
-  parameter counts and the compiler's per-device memory estimate. Allocates nothing big."""
+  """Builds the mesh, shapes and the sharded train step, compiles it ahead of time and reports
+  the model, parameter counts, per-device memory and a verdict against an accelerator.
+  Allocates nothing big and reads no weights (model.init_from's config.json is enough).
+
+  config.train.dry_run_device picks what is compiled and judged (loop docstring, README):
+    'v5p'          compiled for an n-chip TPU v5p topology from this host (n = this host's
+                   device count; needs the libtpu wheel); without libtpu the step is only
+                   lowered for TPU (jax.export): no memory figure, said on the line.
+    'h100'|'h200'  compiled on this host's GPUs when it has them; on a CPU host the figure is a
+                   'CPU-lowering estimate (reference attention)'.
+    ''             this host's devices, no verdict.
+  report['memory_per_device']: params / optimizer / batch (the state's shards), activations (an
+  estimate of the layer inputs kept for the backward, part of temp), the compiler's argument /
+  output / alias / temp sizes and peak = argument + output - alias + temp."""
   t0 = time.time()
+  target = str(config.train.get("dry_run_device") or "")
+  label, capacity, platform = config_lib.DRY_RUN_DEVICES.get(target, (None, None, None))
+  n = len(jax.devices() if devices is None else devices)
+  backend = jax.default_backend()
+  mode, why, topo = "host", None, None
+  if platform == "tpu" and backend != "tpu":
+    tpu_devices, info = _tpu_topology_devices(n)
+    if tpu_devices is None:
+      mode, why = "export", info
+    else:
+      mode, devices, topo = "tpu_aot", tpu_devices, info
   setup = build(config, devices=devices, needs_data=False)
-  step_fn = jit_train_step(setup)
-  with shd.mesh_context(setup.mesh):
-    lowered = step_fn.lower(setup.abstract_state, setup.batch_abstract)
-    compiled = lowered.compile()
   counts = opt_lib.count_params(setup.abstract_params, setup.labels)
-  mem = compiled.memory_analysis()
   report: dict[str, Any] = dict(mesh=dict(setup.mesh.shape), devices=setup.mesh.devices.size,
                                 params=counts, model=dataclasses.asdict(setup.model_cfg),
-                                global_batch=setup.global_batch, seq_len=setup.seq_len)
+                                global_batch=setup.global_batch, seq_len=setup.seq_len,
+                                microbatches=int(setup.config.train.microbatches),
+                                layout_notes=list(setup.layout_notes), device=target or None,
+                                model_line=_model_line(setup, counts))
+  compiled = None
+  if mode == "export":
+    try:
+      export_train_step(setup, "tpu", device_kind="TPU v5")
+      report["memory_source"] = f"lowered for TPU with jax.export only: no memory figure ({why})"
+    except Exception as e:  # pylint: disable=broad-except  (e.g. host callbacks need devices)
+      mode = "host"
+      why = (f"{why}; jax.export cannot lower this step for TPU without devices "
+             f"({type(e).__name__}: {str(e).splitlines()[0][:160]})")
+  if mode != "export":
+    step_fn = jit_train_step(setup)
+    with shd.mesh_context(setup.mesh):
+      compiled = step_fn.lower(setup.abstract_state, setup.batch_abstract).compile()
+    if mode == "tpu_aot":
+      report["memory_source"] = f"compiled for TPU {topo} ahead of time (libtpu)"
+    elif backend == "cpu":
+      report["memory_source"] = "CPU-lowering estimate (reference attention)"
+      if why:
+        report["memory_note"] = f"not a TPU figure: {why}"
+    else:
+      report["memory_source"] = f"compiled on {jax.devices()[0].device_kind}"
+  state_sh = setup.state_shardings
+  m = dict(params_bytes=_per_device_bytes(setup.abstract_state.params, state_sh.params),
+           optimizer_bytes=_per_device_bytes(setup.abstract_state.opt_state, state_sh.opt_state),
+           batch_bytes=_per_device_bytes(setup.batch_abstract,
+                                         {k: setup.batch_sharding for k in setup.batch_abstract}),
+           activations_estimate_bytes=_activation_bytes(setup))
+  mem = compiled.memory_analysis() if compiled is not None else None
   if mem is not None:
-    m = {k: int(getattr(mem, k)) for k in ("argument_size_in_bytes", "output_size_in_bytes",
-                                          "alias_size_in_bytes", "temp_size_in_bytes",
-                                          "generated_code_size_in_bytes") if hasattr(mem, k)}
-    m["peak_estimate_bytes"] = (m.get("argument_size_in_bytes", 0) + m.get("output_size_in_bytes", 0)
+    m.update({k: int(getattr(mem, k)) for k in ("argument_size_in_bytes", "output_size_in_bytes",
+                                               "alias_size_in_bytes", "temp_size_in_bytes",
+                                               "generated_code_size_in_bytes") if hasattr(mem, k)})
+    m["peak_estimate_bytes"] = (m.get("argument_size_in_bytes", 0)
+                                + m.get("output_size_in_bytes", 0)
                                 - m.get("alias_size_in_bytes", 0) + m.get("temp_size_in_bytes", 0))
-    report["memory_per_device"] = m
-  try:
-    cost = compiled.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    if cost and "flops" in cost:
-      report["flops_per_device"] = float(cost["flops"])
-  except Exception:  # cost analysis is best effort on some backends
-    pass
+  report["memory_per_device"] = m
+  if capacity and "peak_estimate_bytes" in m:
+    spare = capacity - m["peak_estimate_bytes"]
+    report["verdict"] = dict(device=label, capacity_bytes=capacity, fits=spare >= 0,
+                             spare_bytes=spare, try_=[] if spare >= 0 else _suggestions(setup))
+  if compiled is not None:
+    try:
+      cost = compiled.cost_analysis()
+      cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+      if cost and "flops" in cost:
+        report["flops_per_device"] = float(cost["flops"])
+    except Exception:  # cost analysis is best effort on some backends
+      pass
   report["compile_seconds"] = time.time() - t0
   if print_fn is not None:
     print_fn(format_dry_run(report))
@@ -312,20 +441,49 @@ def dry_run(config, *, devices=None, print_fn=print) -> dict[str, Any]:
 
 
 def format_dry_run(r: dict) -> str:
-  p = r["params"]
+  p, mc = r["params"], r["model"]
   lines = [f"dry run: mesh {r['mesh']} over {r['devices']} devices; global batch "
-           f"{r['global_batch']} x seq_len {r['seq_len']}; model {r['model']['family']} / scheme "
-           f"{r['model']['scheme']}",
-           f"  params: total {p['total']:,}  trainable {p.get('trainable', p['total']):,}  "
-           f"frozen {p.get('frozen', 0):,}"]
+           f"{r['global_batch']} x seq_len {r['seq_len']} in {r.get('microbatches', 1)} "
+           f"microbatch(es)"]
+  lines += [f"  layout: {n}" for n in r.get("layout_notes", ())]
+  lines.append(r.get("model_line") or
+               f"  model: {mc['family']}, {mc['num_layers']} layers, width {mc['hidden_size']}, "
+               f"{mc['num_heads']} heads, {mc['num_kv_heads']} kv heads (head_dim "
+               f"{mc['head_dim']}), mlp {mc['intermediate_size']}, vocab {mc['vocab_size']}, "
+               f"scheme {mc['scheme']}; {p['total'] / 1e9:.3g}B params")
+  lines.append(f"  params: total {p['total']:,}  trainable {p.get('trainable', p['total']):,}  "
+               f"frozen {p.get('frozen', 0):,}")
   for k, v in p.items():
     if k not in ("total", "trainable", "frozen", "default"):
       lines.append(f"    group {k}: {v:,}")
-  m = r.get("memory_per_device")
+  m = r.get("memory_per_device", {})
   if m:
-    lines.append("  compiler memory estimate per device: " + ", ".join(
-        f"{k.replace('_size_in_bytes', '')} {_fmt_bytes(v)}" for k, v in m.items()
-        if k != "peak_estimate_bytes") + f"; peak ~ {_fmt_bytes(m['peak_estimate_bytes'])}")
+    lines.append(f"  per device: params {_fmt_bytes(m['params_bytes'])}, optimizer "
+                 f"{_fmt_bytes(m['optimizer_bytes'])}, batch {_fmt_bytes(m['batch_bytes'])}, "
+                 f"activations ~{_fmt_bytes(m['activations_estimate_bytes'])} (layer inputs of "
+                 "one microbatch, part of temp)")
+  src = r.get("memory_source", "")
+  if "peak_estimate_bytes" in m:
+    lines.append(f"  memory per device [{src}]: argument "
+                 f"{_fmt_bytes(m.get('argument_size_in_bytes', 0))}, output "
+                 f"{_fmt_bytes(m.get('output_size_in_bytes', 0))}, alias "
+                 f"{_fmt_bytes(m.get('alias_size_in_bytes', 0))}, temp "
+                 f"{_fmt_bytes(m.get('temp_size_in_bytes', 0))}; peak ~ "
+                 f"{_fmt_bytes(m['peak_estimate_bytes'])}")
+  else:
+    lines.append(f"  memory per device: {src}")
+  if r.get("memory_note"):
+    lines.append(f"    ({r['memory_note']})")
+  v = r.get("verdict")
+  if v:
+    gib = abs(v["spare_bytes"]) / 2**30
+    if v["fits"]:
+      lines.append(f"  verdict on {v['device']} [{src}]: fits with {gib:.2f} GiB to spare")
+    else:
+      lines.append(f"  verdict on {v['device']} [{src}]: short by {gib:.2f} GiB, try "
+                   + ("; ".join(v["try_"]) or "more devices"))
+  elif r.get("device") and "peak_estimate_bytes" not in m:
+    lines.append(f"  verdict on {r['device']}: none (no memory figure)")
   if "flops_per_device" in r:
     lines.append(f"  flops per step per device: {r['flops_per_device']:.3e}")
   lines.append(f"  lower + compile: {r['compile_seconds']:.1f}s")
@@ -469,6 +627,7 @@ def _bar_extra(means: dict, headline: str | None) -> dict[str, float]:
 
 def _run_locked(config, workdir: str, lock, *, stop_after, on_step) -> dict[str, Any]:
   setup = build(config, needs_data=True)
+  config = setup.config  # with the layout derived for this mesh
   tc = config.train
   is_host0 = jax.process_index() == 0
   B, T = setup.global_batch, setup.seq_len
@@ -784,6 +943,7 @@ def evaluate_checkpoint(config, path: str | None = None, *, step: int | None = N
     except (ValueError, OSError, KeyError) as e:
       logging.warning("cannot read the config saved with checkpoint %d (%s): eval files are "
                       "named by their knobs' hash.", step, e)
+  config = setup.config  # eval batch derived for this mesh
   res = evaluation.evaluate(config, params, setup.model_cfg, setup.mesh, step=int(step),
                             param_shardings=setup.param_shardings)
   if out_dir is not None and jax.process_index() == 0:

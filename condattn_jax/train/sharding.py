@@ -190,3 +190,94 @@ def shard_host_tree(tree, shardings):
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
   return jax.tree.map(put, tree, shardings)
+
+
+def _divisors(n: int) -> list[int]:
+  return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def derive_layout(config, num_devices: int, *, num_heads: int = 0,
+                  num_kv_heads: int = 0) -> tuple[Any, list[str]]:
+  """(config, notes): the config laid out on `num_devices` where its batch does not divide the
+  mesh, and one note per derived field (the input config is not changed; the first item is a
+  copy when anything was derived).
+
+  Only what would otherwise stop the run is derived, in this order:
+    mesh         the default mesh (data=1, fsdp=-1, tensor=1) when data.batch_size does not
+                 divide the devices: fsdp = the largest device-count divisor that divides the
+                 batch, tensor = the rest (heads / MLP / vocab split instead of rows; a head
+                 count tensor does not divide is replicated on it, said in a note). No sequence
+                 axis exists yet, so a row is never split.
+    microbatches train.microbatches -> the largest k <= it whose microbatch of
+                 data.batch_size / k rows divides data*fsdp (the same gradient; more rows per
+                 device per microbatch).
+    eval batch   eval.batch_size (or data.batch_size) rounded up to a multiple of data*fsdp, and
+                 eval.num_batches lowered so the rows evaluated do not shrink.
+  A mesh set by hand that does not divide the batch is left alone (build() names the fields).
+  """
+  import copy
+  cfg = config
+  notes: list[str] = []
+  data, fsdp, tensor = mesh_shape(config.mesh, num_devices)
+  B = int(config.data.batch_size)
+  m = int(config.train.microbatches)
+  default_mesh = (int(config.mesh.data), int(config.mesh.fsdp), int(config.mesh.tensor)) == (1, -1, 1)
+
+  def edit():
+    nonlocal cfg
+    if cfg is config:
+      cfg = copy.deepcopy(config)
+    return cfg
+
+  if B % (data * fsdp) and default_mesh:
+    g = max(d for d in _divisors(num_devices) if B % d == 0)
+    fsdp, tensor = g, num_devices // g
+    c = edit()
+    with c.unlocked():
+      c.mesh.fsdp, c.mesh.tensor = fsdp, tensor
+    note = (f"mesh: data.batch_size={B} rows do not divide {num_devices} devices: fsdp={fsdp} x "
+            f"tensor={tensor} (rows over fsdp, heads / MLP / vocab over tensor)")
+    bad = [f"{n} {what}" for n, what in ((num_heads, "query heads"), (num_kv_heads, "KV heads"))
+           if n and n % tensor]
+    if bad:
+      note += (f"; tensor={tensor} does not divide {' and '.join(bad)}: those projections are "
+               "replicated on tensor (a batch that is a multiple of the device count avoids it)")
+    notes.append(note)
+  S = data * fsdp
+  if B % S == 0 and (B // m) % S:
+    k = max(d for d in _divisors(B) if d <= m and (B // d) % S == 0)
+    c = edit()
+    with c.unlocked():
+      c.train.microbatches = k
+    notes.append(f"train.microbatches {m} -> {k}: a microbatch of {B // m} rows does not divide "
+                 f"data*fsdp={S}; {B // k} rows per microbatch ({B // k // S} per device), the "
+                 "same gradient")
+  B_eval = int(config.eval.get("batch_size") or B)
+  if B_eval % S:
+    nb = int(config.eval.num_batches)
+    be = -(-B_eval // S) * S
+    nb2 = max(1, -(-B_eval * nb // be))
+    c = edit()
+    with c.unlocked():
+      c.eval.batch_size, c.eval.num_batches = be, nb2
+    notes.append(f"eval.batch_size {B_eval} -> {be} (a multiple of data*fsdp={S}), "
+                 f"eval.num_batches {nb} -> {nb2}")
+  return cfg, notes
+
+
+def check_batch_layout(config, data: int, fsdp: int) -> None:
+  """ValueError naming the field when the train batch, a microbatch or the eval batch does not
+  divide data*fsdp (what build() requires after derive_layout)."""
+  S = data * fsdp
+  mesh = f"mesh data*fsdp={S} (data={data}, fsdp={fsdp})"
+  B, k = int(config.data.batch_size), int(config.train.microbatches)
+  if B % S:
+    raise ValueError(f"config.data.batch_size={B} (global) must be divisible by {mesh}; the "
+                     "default mesh (data=1, fsdp=-1, tensor=1) is laid out automatically.")
+  if (B // k) % S:
+    raise ValueError(f"a microbatch of data.batch_size/train.microbatches={B // k} rows must be "
+                     f"divisible by {mesh}.")
+  B_eval = int(config.eval.get("batch_size") or B)
+  if B_eval % S:
+    raise ValueError(f"the eval batch (config.eval.batch_size or data.batch_size) = {B_eval} rows "
+                     f"must be divisible by {mesh}.")
