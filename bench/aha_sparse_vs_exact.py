@@ -236,8 +236,7 @@ def main(argv=None):
                usages=tuple(float(x) for x in a.usages.split(",")), reps=a.reps,
                loss_chunk=32 if tiny else 8192)
   res = run(s)
-  os.makedirs(a.out_dir, exist_ok=True)
-  path = os.path.join(a.out_dir, f"aha_sparse_vs_exact_{res['device'].replace(' ', '_')}.json")
+  path = common.result_path("aha_sparse_vs_exact", a.out_dir, res["device"])
   common.write_result(path, "aha_sparse_vs_exact", res)
   print(path)
   return res

@@ -2,8 +2,8 @@
 (the paper's long-tail finding, Table 2), with accuracy against the dense model (Table 1).
 
     python -m bench.aha_window_sweep                      # CPU preset -> bench/results/aha_window_sweep.json
-    python -m bench.aha_window_sweep --preset=cpu_hint --out=bench/results/aha_window_sweep_hint.json
-    python -m bench.aha_window_sweep --preset=gpu --out=/tmp/sweep.json
+    python -m bench.aha_window_sweep --preset=cpu_hint   # appends to bench/results/aha_window_sweep_hint.json
+    python -m bench.aha_window_sweep --preset=gpu --out_dir=/tmp/sweep   # /tmp/sweep/aha_window_sweep_<device>.json
 
 Task ("fused recall", generated here, numpy only): a row of T tokens holds Q key-value facts,
 each ONE token (id 1 + k * V + v: key k, value v), and Q queries (a key-only token 1 + K*V + k)
@@ -269,20 +269,19 @@ def run(s: Settings, log=print) -> dict[str, Any]:
       per_window=per_window)
 
 
-FLAGS = common.flag_values(out_dir=False)
+# result files of the recorded presets (others: <out_dir>/aha_window_sweep_<device>.json)
+FILES = {"cpu": "aha_window_sweep.json", "cpu_hint": "aha_window_sweep_hint.json"}
+FLAGS = common.flag_values()
 flags.DEFINE_enum("preset", "cpu", sorted(PRESETS), "sweep size", flag_values=FLAGS)
-flags.DEFINE_string("out", os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                                        "aha_window_sweep.json"),
-                    "result file (runs are appended)", flag_values=FLAGS)
 
 
 def main(argv=None):
   a = common.parse_flags(FLAGS, argv)
   res = run(PRESETS[a.preset])
   res["preset"] = a.preset
-  os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-  common.write_result(a.out, "aha_window_sweep", res, name=a.preset)
-  print(a.out)
+  out = common.result_path("aha_window_sweep", a.out_dir, fixed=FILES.get(a.preset))
+  common.write_result(out, "aha_window_sweep", res, name=a.preset)
+  print(out)
   print(json.dumps(res["windows"], indent=1), f"dense {res['dense_accuracy']:.3f}")
   return res
 

@@ -2,8 +2,9 @@
 
 CLI: absl flags, like train.py, in a FlagValues of the bench's own (`flag_values()` adds the
 shared --out_dir / --n / --warmup; `parse_flags(fv, argv)` parses a list, so tests call
-`main([...])`); results go to `<out_dir>/<bench>_<device>.json` (out_dir defaults to $OUT, else
-bench/results).
+`main([...])`). Every bench writes into --out_dir (default $OUT, else bench/results) and nowhere
+else: `<out_dir>/<bench>_<device>.json`, or the fixed name a bench documents for a recorded
+preset (its FILES table, e.g. bench/results/elastic_tasks.json for the CPU preset): `result_path`.
 
 Timer: `time_call(fn, *args)` -> {"median_ms", "runs_ms"}: `warmup` calls, then `n` calls each
 blocked on (wall time per call, host time included); `time_device_bound(fn, *args)` -> {"median_ms",
@@ -58,8 +59,9 @@ def flag_values(*, out_dir: bool = True, n: int | None = None, warmup: int | Non
   fv = flags.FlagValues()
   if out_dir:
     flags.DEFINE_string("out_dir", os.environ.get("OUT", RESULTS),
-                        "directory of the result file <bench>_<device>.json (default $OUT, else "
-                        "bench/results)", flag_values=fv)
+                        "directory of the result file: <bench>_<device>.json, or the fixed name the "
+                        "bench documents for a recorded preset (default $OUT, else bench/results)",
+                        flag_values=fv)
   if n is not None:
     flags.DEFINE_integer("n", n, "timed calls per measurement (the median is reported)",
                          flag_values=fv)
@@ -215,8 +217,11 @@ def check_run(run: dict, where: str = "run") -> None:
       raise ValueError(f"{where}: claims[{i}] must be {{name, passed: bool, detail}}, got {c!r}")
 
 
-def result_path(bench: str, out_dir: str | None = None, device: str | None = None) -> str:
-  return os.path.join(out_dir or RESULTS, f"{bench}_{device_slug(device)}.json")
+def result_path(bench: str, out_dir: str | None = None, device: str | None = None, *,
+                fixed: str | None = None) -> str:
+  """The one result-file rule: `<out_dir>/<fixed>` where the bench documents a fixed name (a
+  recorded preset), else `<out_dir>/<bench>_<device>.json` (device: this process's)."""
+  return os.path.join(out_dir or RESULTS, fixed or f"{bench}_{device_slug(device)}.json")
 
 
 def load(path: str) -> dict:

@@ -651,7 +651,7 @@ def main(argv=None) -> int:
     return _child(args)
   if args.merge:
     doc = merge_results([common.read_result(p) for p in args.merge])
-    dest = os.path.join(args.out_dir, f"e2e_{doc['device'].replace(' ', '_')}.json")
+    dest = common.result_path("e2e", args.out_dir, doc["device"])
     common.write_result(dest, "e2e", doc, name="merged")
     print(f"wrote {dest}")
     print(table(doc["rows"]))
@@ -683,7 +683,7 @@ def main(argv=None) -> int:
              "kernel for every cached attention, dense included); forward_ms is the cache-free "
              "forward (cuDNN / tokamax for dense self-attention)."],
       sanity=None, rows=[], not_run=[])
-  path = lambda: os.path.join(args.out_dir, f"e2e_{(doc['device'] or 'unknown').replace(' ', '_')}.json")
+  path = lambda: common.result_path("e2e", args.out_dir, doc["device"] or "unknown")
 
   saved = []  # the file this run was appended to (the first save appends, later ones update)
 

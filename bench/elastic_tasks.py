@@ -2,7 +2,7 @@
 retrieval accuracy against the dense model (SCHEMES.md section 3; paper Sec. 2.2 / Table 1).
 
     python -m bench.elastic_tasks                  # CPU preset -> bench/results/elastic_tasks.json
-    python -m bench.elastic_tasks --preset=test --out=/tmp/e.json
+    python -m bench.elastic_tasks --preset=test --out_dir=/tmp/e   # /tmp/e/elastic_tasks_<device>.json
 
 Tasks (generated here, numpy only; every row is ONE task and carries its task name, mapped to a
 task id with `elastic.task_ids`, which rejects unknown names):
@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import os
 import sys
 import time
@@ -290,19 +289,19 @@ def run(s: Settings, log=print) -> dict[str, Any]:
       dense_history=dense_hist, elastic_history=el_hist)
 
 
-FLAGS = common.flag_values(out_dir=False)
+# result file of the recorded preset (others: <out_dir>/elastic_tasks_<device>.json)
+FILES = {"cpu": "elastic_tasks.json"}
+FLAGS = common.flag_values()
 flags.DEFINE_enum("preset", "cpu", sorted(PRESETS), "task size (test: seconds, for tests)",
                   flag_values=FLAGS)
-flags.DEFINE_string("out", os.path.join(ROOT, "bench", "results", "elastic_tasks.json"),
-                    "result file (runs are appended)", flag_values=FLAGS)
 
 
 def main(argv=None):
   a = common.parse_flags(FLAGS, argv)
   res = run(PRESETS[a.preset])
-  os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
-  common.write_result(a.out, "elastic_tasks", res, name=a.preset)
-  print(f"wrote {a.out}")
+  out = common.result_path("elastic_tasks", a.out_dir, fixed=FILES.get(a.preset))
+  common.write_result(out, "elastic_tasks", res, name=a.preset)
+  print(f"wrote {out}")
   return res
 
 

@@ -2,7 +2,8 @@ r"""L2A learning experiment on MQAR (multi-query associative recall), end to end
 
   python bench/l2a_learning.py                       # full run -> bench/results/l2a_learning.json
   python bench/l2a_learning.py --preset=cpu --dense_params=tests/fixtures/l2a/mqar_dense.npz \
-      --out=bench/results/l2a_learning_cpu.json    # the CPU-sized run (~4 min, 2 cores)
+                                                     # the CPU-sized run (~4 min, 2 cores) ->
+                                                     # bench/results/l2a_learning_cpu.json
   python bench/l2a_learning.py --preset=demo --dense_params=tests/fixtures/l2a/mqar_dense.npz
                                                      # what `make demo` runs (scripts/demo.py)
 
@@ -464,10 +465,10 @@ def run_experiment(s: Settings, log=print, *, dense_params: str | None = None,
   return result
 
 
-FLAGS = common.flag_values(out_dir=False)
+# result files of the recorded presets (others: <out_dir>/l2a_learning_<device>.json)
+FILES = {"full": "l2a_learning.json", "cpu": "l2a_learning_cpu.json"}
+FLAGS = common.flag_values()
 flags.DEFINE_enum("preset", "full", sorted(PRESETS), "experiment size", flag_values=FLAGS)
-flags.DEFINE_string("out", None, "result file (runs are appended; default: "
-                    "bench/results/l2a_learning.json for the full preset)", flag_values=FLAGS)
 flags.DEFINE_multi_string("set", [], "override a setting: --set l2a_steps=2000 (repeatable)",
                           flag_values=FLAGS)
 flags.DEFINE_string("dense_params", None, "npz of a trained dense model (skips the dense phase; "
@@ -492,15 +493,12 @@ def main(argv=None):
                        save_dense=a.save_dense)
   res["command"] = " ".join(["python", "bench/l2a_learning.py"] + list(
       sys.argv[1:] if argv is None else argv))
-  out = a.out or (os.path.join(ROOT, "bench", "results", "l2a_learning.json")
-                  if a.preset == "full" else None)
+  out = common.result_path("l2a_learning", a.out_dir, fixed=FILES.get(a.preset))
   keys = ("dense_accuracy", "l2a_accuracy", "l2a_sparsity", "context_free_accuracy",
           "local_only_accuracy", "dense_continued_accuracy")
   print(json.dumps({k: res[k] for k in keys if k in res}, indent=2))
-  if out:
-    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
-    common.write_result(out, "l2a_learning", res, name=a.preset)
-    print("written", out)
+  common.write_result(out, "l2a_learning", res, name=a.preset)
+  print("written", out)
 
 
 if __name__ == "__main__":

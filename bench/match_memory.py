@@ -1,10 +1,10 @@
 r"""MATCH decode memory vs context length (GPU): flat in the context for the SWA layers.
 
   python bench/match_memory.py                        # GPU: 8K / 32K / 128K -> bench/results/
-  python bench/match_memory.py --preset=test --out=/tmp/mm.json   # CPU, seconds (tests)
+  python bench/match_memory.py --preset=test --out_dir=/tmp/mm   # CPU, seconds (tests)
   # one process per row, so peak_bytes (a process-wide high-water mark) is the row's own:
   for m in match dense; do for n in 8192 32768 131072; do python bench/match_memory.py \
-      --models=$m --contexts=$n --out=bench/results/match_memory_${m}_${n}.json; done; done
+      --models=$m --contexts=$n --out_dir=/tmp/mm_${m}_${n}; done; done
 
 For each context length N and each model (dense full attention vs MATCH all-SWA, window w,
 chunks c, top_k k, recomputed retrieved K/V at decode), one row: build the
@@ -46,7 +46,8 @@ from condattn_jax.inference import Engine, cache_bytes  # noqa: E402
 from condattn_jax.models.config import ModelConfig  # noqa: E402
 from condattn_jax.models.decoder import Decoder  # noqa: E402
 
-OUT = os.path.join(ROOT, "bench", "results", "match_memory.json")
+# result file of the recorded preset (others: <out_dir>/match_memory_<device>.json)
+FILES = {"gpu": "match_memory.json"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,12 +167,12 @@ def merge(docs: list[dict]) -> dict:
   return out
 
 
-FLAGS = common.flag_values(out_dir=False)
+FLAGS = common.flag_values()
 flags.DEFINE_enum("preset", "gpu", sorted(PRESETS), "sizes", flag_values=FLAGS)
 flags.DEFINE_string("models", "match,dense", "models to measure", flag_values=FLAGS)
 flags.DEFINE_string("contexts", None, "comma-separated context lengths", flag_values=FLAGS)
-flags.DEFINE_string("out", None, "result file (runs are appended)", flag_values=FLAGS)
-flags.DEFINE_multi_string("merge", None, "merge these per-row result files into --out (no run)",
+flags.DEFINE_multi_string("merge", None, "merge these per-row result files into the preset's "
+                          "result file in --out_dir (no run)",
                           flag_values=FLAGS)
 
 
@@ -179,9 +180,11 @@ def main(argv=None):
   a = common.parse_flags(FLAGS, argv)
   if a.merge:
     result = merge([common.read_result(f) for f in a.merge])
-    common.write_result(a.out or OUT, "match_memory", result, name=result.get("preset", "main"),
+    preset = result.get("preset", "main")
+    out = common.result_path("match_memory", a.out_dir, fixed=FILES.get(preset))
+    common.write_result(out, "match_memory", result, name=preset,
                         claims={"no failed claims": not result["failed_claims"]})
-    print("failed claims:", result["failed_claims"], f"\nwrote {a.out or OUT}")
+    print("failed claims:", result["failed_claims"], f"\nwrote {out}")
     return
   s = PRESETS[a.preset]
   if a.contexts:
@@ -189,8 +192,7 @@ def main(argv=None):
   result = run(s, tuple(a.models.split(",")))
   result["preset"] = a.preset
   result["failed_claims"] = check_flat(result)
-  out = a.out or (OUT if a.preset == "gpu" else f"/tmp/match_memory_{a.preset}.json")
-  os.makedirs(os.path.dirname(out), exist_ok=True)
+  out = common.result_path("match_memory", a.out_dir, fixed=FILES.get(a.preset))
   common.write_result(out, "match_memory", result, name=a.preset,
                       claims={"no failed claims": not result["failed_claims"]})
   print("failed claims:", result["failed_claims"])

@@ -1,7 +1,7 @@
 r"""MATCH fidelity on MQAR (paper App. B.3.1 / Table C.3): 2-layer models, window 32.
 
   python bench/match_mqar.py                            # -> bench/results/match_mqar.json (CPU)
-  python bench/match_mqar.py --preset=test --out=/tmp/m.json   # seconds (tests/bench/test_match_bench.py)
+  python bench/match_mqar.py --preset=test --out_dir=/tmp/m   # seconds (tests/bench/test_match_bench.py)
 
 Three methods share one 2-layer qwen3-style decoder and training recipe, differing only in the
 attention of scheme 'match' (condattn_jax.attention.match):
@@ -44,7 +44,8 @@ from condattn_jax.data.synthetic import MQAR  # noqa: E402
 from condattn_jax.models.config import ModelConfig  # noqa: E402
 from condattn_jax.models.decoder import Decoder  # noqa: E402
 
-OUT = os.path.join(ROOT, "bench", "results", "match_mqar.json")
+# result file of the recorded preset (others: <out_dir>/match_mqar_<device>.json)
+FILES = {"cpu": "match_mqar.json"}
 METHODS = {
     "full": dict(top_k=0, window=None),  # reference: full attention (window = the longest length)
     "swa": dict(top_k=0),
@@ -169,10 +170,8 @@ def check_claims(result: dict) -> list[str]:
   return bad
 
 
-FLAGS = common.flag_values(out_dir=False)
+FLAGS = common.flag_values()
 flags.DEFINE_enum("preset", "cpu", sorted(PRESETS), "task size", flag_values=FLAGS)
-flags.DEFINE_string("out", None, "result file (runs are appended; default: bench/results for "
-                    "the cpu preset)", flag_values=FLAGS)
 flags.DEFINE_integer("steps", None, "training steps (default: the preset's)", flag_values=FLAGS)
 
 
@@ -184,8 +183,7 @@ def main(argv=None):
   result = run(s)
   result["preset"] = a.preset
   result["failed_claims"] = check_claims(result)
-  out = a.out or (OUT if a.preset == "cpu" else f"/tmp/match_mqar_{a.preset}.json")
-  os.makedirs(os.path.dirname(out), exist_ok=True)
+  out = common.result_path("match_mqar", a.out_dir, fixed=FILES.get(a.preset))
   common.write_result(out, "match_mqar", result, name=result.get("preset", "main"),
                       claims={"no failed claims": not result.get("failed_claims")})
   print(json.dumps(result["methods"]), "failed claims:", result["failed_claims"])

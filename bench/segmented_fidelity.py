@@ -30,7 +30,6 @@ from __future__ import annotations
 import datetime
 import json
 import math
-import os
 import sys
 import time
 
@@ -56,8 +55,8 @@ PRESETS = {
 SEG = dict(segment_len=16, tail_len=4, retrieve_len=8, tbptt=1, long_heads=(0,),
            long_layers=(1,), query_len=8, summary_window=4, summary_stride=2, summary_tail=2,
            topk=4, anchors=2, expand=(-1, 2))
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                   "segmented_fidelity.json")
+# result file of the recorded preset (others: <out_dir>/segmented_fidelity_<device>.json)
+FILES = {"cpu": "segmented_fidelity.json"}
 
 
 def make_rows(rng, n, length, p):
@@ -181,19 +180,16 @@ def run(preset: str):
       claims=claims, findings=findings, wall_s=round(time.time() - t0, 1))
 
 
-FLAGS = common.flag_values(out_dir=False)
+FLAGS = common.flag_values()
 flags.DEFINE_enum("preset", "cpu", sorted(PRESETS), "task size", flag_values=FLAGS)
-flags.DEFINE_string("out", None, "result file (runs are appended; preset cpu: bench/results/...)",
-                    flag_values=FLAGS)
 
 
 def main(argv=None):
   args = common.parse_flags(FLAGS, argv)
   r = run(args.preset)
-  out = args.out or (OUT if args.preset == "cpu" else None)
-  if out:
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    common.write_result(out, "segmented_fidelity", r, name=r.get("preset", "main"))
+  out = common.result_path("segmented_fidelity", args.out_dir, fixed=FILES.get(args.preset))
+  common.write_result(out, "segmented_fidelity", r, name=r.get("preset", "main"))
+  print(f"wrote {out}")
   print(json.dumps(r["perplexity"], indent=1))
   print("claims:", r["claims"])
   if args.preset != "test" and not all(r["claims"].values()):

@@ -46,7 +46,8 @@ PRESETS = {
                           summary_tail=2, topk=4, anchors=2, expand=(-1, 2))),
 }
 ROWS = ("dense", "dense_chunked", "segmented")
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "segmented_memory.json")
+# result file of the recorded preset (others: <out_dir>/segmented_memory_<device>.json)
+FILES = {"gpu": "segmented_memory.json"}
 
 
 def _config(p, row):
@@ -188,12 +189,11 @@ def run(preset: str, lengths=None, rows_wanted=ROWS, out: str | None = None) -> 
   return doc()
 
 
-FLAGS = common.flag_values(out_dir=False)
+FLAGS = common.flag_values()
 flags.DEFINE_enum("preset", "gpu", sorted(PRESETS), "sizes", flag_values=FLAGS)
 flags.DEFINE_string("row", None, "internal: 'name,T' runs one row, prints JSON", flag_values=FLAGS)
-flags.DEFINE_string("out", None, "result file (runs are appended)", flag_values=FLAGS)
 flags.DEFINE_string("lengths", "", "comma-separated context lengths (default: the preset's); rows "
-                    "of other lengths already in --out are kept", flag_values=FLAGS)
+                    "of other lengths already in the result file are kept", flag_values=FLAGS)
 flags.DEFINE_string("rows", ",".join(ROWS), f"subset of {','.join(ROWS)}", flag_values=FLAGS)
 
 
@@ -211,7 +211,7 @@ def main(argv=None):
   if bad:
     raise SystemExit(f"--rows {bad}: choose from {ROWS}")
   lengths = tuple(int(x) for x in args.lengths.split(",") if x) or None
-  out = args.out or (OUT if args.preset == "gpu" else None)
+  out = common.result_path("segmented_memory", args.out_dir, fixed=FILES.get(args.preset))
   r = run(args.preset, lengths, rows, out)
   print(json.dumps(dict(summary=r["summary"], targets=r["targets"]), indent=1))
   return 0

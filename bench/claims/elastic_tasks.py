@@ -16,3 +16,11 @@ def cpu_result_holds_the_claims(r, run):
   expect(r["retrieval_gap_points"] <= 2.0, r["retrieval_gap_points"])
   expect(r["dense_accuracy"]["retrieval"] > 0.9)  # the dense model solved the task
   expect(r["all_ssa_accuracy"]["retrieval"] < 0.5)  # and SSA alone cannot
+
+
+@claim("elastic_tasks", run="*")
+def every_task_reported(r, run):
+  """Every run (the test preset's too): accuracies and Omega for every task of the mix."""
+  from bench import elastic_tasks as bench
+  for k in ("dense_accuracy", "elastic_accuracy", "all_ssa_accuracy", "omega_msr", "omega_esr"):
+    expect(set(r[k]) == set(bench.TASKS), k)

@@ -46,9 +46,16 @@ def test_task_mix_rows():
 
 
 def test_test_preset_runs(tmp_path):
-  out = tmp_path / "e.json"
-  r = bench.main(["--preset=test", f"--out={out}"])
-  saved = common.read_result(str(out))
+  """The test preset end to end through the CLI: the result file lands in --out_dir under the
+  one naming rule, and the writer recorded the claims registered for every run (all held)."""
+  r = bench.main(["--preset=test", f"--out_dir={tmp_path}"])
+  out = common.result_path("elastic_tasks", str(tmp_path))
+  assert os.listdir(tmp_path) == [os.path.basename(out)]
+  (run,) = common.load(out)["runs"]
+  assert run["settings"]["name"] == "test"
+  assert [c["name"] for c in run["claims"]] == ["every task reported"]
+  assert all(c["passed"] for c in run["claims"]), run["claims"]
+  saved = common.read_result(out)
   assert saved["settings"]["router_steps"] == 3 and len(saved["elastic_history"]) == 3
   for k in ("dense_accuracy", "elastic_accuracy", "all_ssa_accuracy", "omega_msr", "omega_esr"):
     assert set(saved[k]) == set(bench.TASKS), k
