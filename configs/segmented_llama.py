@@ -135,7 +135,7 @@ def get_config(arg=None):
   d.paths = required("data.paths", "pretraining-style jsonl files or glob (the paper: SlimPajama)")
   d.tokenizer = required("data.tokenizer", f"{v['name']} tokenizer directory")
   d.text_field = "text"
-  d.packing = "concat_then_split"
+  d.packing = "one_per_row"  # a row is one document (segmented: packed_documents=False)
   d.shuffle_seed = 0
   d.read_threads = 4
   d.prefetch = 2

@@ -24,7 +24,10 @@ errors that name the field and list the valid ones.
     data.shuffle_seed    document shuffle seed (None: no shuffle); also the synthetic seed
     data.num_epochs      None = repeat forever; an int stops after that many epochs
     data.packing         'concat_then_split' (no padding; documents cut at row ends) |
-                         'first_fit' (documents kept whole unless longer than T)
+                         'first_fit' (documents kept whole unless longer than T) |
+                         'one_per_row' (first_fit with one document piece per row: the rest
+                         of the row is padding; what schemes that declare
+                         packed_documents=False need, e.g. segmented)
     data.pack_bins       first_fit only: rows packed together per lane
     data.read_threads    grain read threads per lane (0: read in the iterating thread)
     data.prefetch        batches prefetched in a background thread (0: off)
@@ -39,7 +42,7 @@ errors that name the field and list the valid ones.
                          set, batches also carry `task_ids` int32 [B]: each row's index into
                          data.task_names (one task per row; packing never mixes tasks in a row,
                          see packing.py). File sources with JSON-like records and
-                         data.packing='first_fit' only. A record without the field is a bad
+                         data.packing='first_fit' | 'one_per_row' only. A record without the field is a bad
                          record (data.on_bad_record); a task name not in data.task_names is
                          always an error naming it, the record and the known names.
     data.task_names      the task list the names map into (id = index). Recipes point it at
@@ -62,7 +65,7 @@ import ml_collections
 SYNTHETIC_SOURCES = ("mqar", "niah", "suite")  # synthetic.TASKS
 FILE_SOURCES = ("jsonl", "parquet", "array_record")
 SOURCES = SYNTHETIC_SOURCES + FILE_SOURCES
-PACKINGS = ("concat_then_split", "first_fit")
+PACKINGS = ("concat_then_split", "first_fit", "one_per_row")
 RECORD_FORMATS = ("json", "int32", "uint16", "uint32", "int64")
 BAD_RECORD_POLICIES = ("error", "skip")
 REQUIRED_PREFIX = "REQUIRED: "
@@ -272,9 +275,9 @@ def _task_fields(d: Mapping[str, Any], run_cfg) -> tuple[str | None, tuple[str, 
   if d["source"] == "array_record" and d["record_format"] != "json":
     raise ValueError(f"data.task_field={field!r} needs records with fields: "
                      f"data.record_format='json', not {d['record_format']!r}")
-  if d["packing"] != "first_fit":
+  if d["packing"] not in ("first_fit", "one_per_row"):
     raise ValueError(f"data.task_field={field!r} needs data.packing='first_fit' (one task per "
-                     f"row); {d['packing']!r} would join documents of different tasks in a row")
+                     f"row) or 'one_per_row'; {d['packing']!r} would join documents of different tasks in a row")
   if not names:
     raise ValueError(f"data.task_field={field!r} needs data.task_names (the task list the "
                      "records' names map into; recipes set it to model.scheme.task_names)")

@@ -12,6 +12,9 @@ Rows are filled with grain's packers:
   'first_fit'          grain.experimental.FirstFitPackIterDataset over `pack_bins` rows:
                        documents stay whole (padding fills the rest of a row); a
                        document longer than T is first cut into pieces of T pairs.
+  'one_per_row'        'first_fit' with max_sequences_per_bin=1: every row holds one
+                       document (or one piece of T pairs of a longer one), padded; for
+                       schemes that declare packed_documents=False (train/config.py).
 
 Row / batch format (numpy, one row shown; a batch stacks rows to [B, T]):
   inputs      int32    token ids (pad_id in padding)
@@ -124,20 +127,22 @@ def pack(ds: grain.IterDataset, *, seq_len: int, packing: str, pack_bins: int = 
   also hold TASK_KEY (a scalar task id) and no row mixes tasks (first_fit only; module
   docstring)."""
   lengths = {k: seq_len for k in _PACKED}
+  one = dict(max_sequences_per_bin=1) if packing == "one_per_row" else {}
   if tasks:
-    if packing != "first_fit":
+    if packing not in ("first_fit", "one_per_row"):
       raise ValueError(f"packing {packing!r} cannot keep one task per row: use 'first_fit'")
     ds = gx.FlatMapIterDataset(ds, _SplitLong(seq_len))
     return _OneTaskFirstFitPackIterDataset(ds, length_struct=lengths, num_packing_bins=pack_bins,
-                                           seed=seed, shuffle_bins=False)
+                                           seed=seed, shuffle_bins=False, **one)
   if packing == "concat_then_split":
     return gx.ConcatThenSplitIterDataset(ds, length_struct=lengths,
                                          split_full_length_features=True)
-  if packing == "first_fit":
+  if packing in ("first_fit", "one_per_row"):
     ds = gx.FlatMapIterDataset(ds, _SplitLong(seq_len))
     return gx.FirstFitPackIterDataset(ds, length_struct=lengths, num_packing_bins=pack_bins,
-                                      seed=seed, shuffle_bins=False)
-  raise ValueError(f"unknown packing {packing!r}; valid: ['concat_then_split', 'first_fit']")
+                                      seed=seed, shuffle_bins=False, **one)
+  raise ValueError(f"unknown packing {packing!r}; valid: ['concat_then_split', 'first_fit', "
+                   "'one_per_row']")
 
 
 def packed_to_row(packed: dict[str, Any], pad_id: int = 0) -> dict[str, np.ndarray]:

@@ -155,7 +155,16 @@ def validate_config(config: ml_collections.ConfigDict, *, needs_data: bool = Tru
   if "name" not in config.model.scheme:
     raise ValueError("config.model.scheme.name is required (e.g. 'dense').")
   from condattn_jax.attention import get_scheme
-  get_scheme(config.model.scheme.name)
+  scheme = get_scheme(config.model.scheme.name)
+  from condattn_jax.data.config import FILE_SOURCES
+  # A scheme that runs a row as one document (packed_documents=False) needs one document per
+  # row. Rows with task ids (data.task_field: one task per row, Elastic's per-task rows) are
+  # left to the scheme's recipe.
+  if (not scheme.packed_documents and dc.source in FILE_SOURCES and not dc.task_field
+      and dc.packing != "one_per_row"):
+    raise ValueError(f"config.data.packing={dc.packing!r} packs several documents in a row, but "
+                     f"scheme {scheme.name!r} runs a row as one document "
+                     "(packed_documents=False); set config.data.packing='one_per_row'.")
   seq_len = int(config.data.seq_len)
   if t.loss_chunk_size and seq_len % int(t.loss_chunk_size):
     raise ValueError(f"config.train.loss_chunk_size={t.loss_chunk_size} must divide "

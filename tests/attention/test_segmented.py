@@ -217,3 +217,23 @@ def test_conversion_is_identity_on_weights_and_options_errors():
     sgm.SegmentedOptions(**{**OPTS, "anchors": 3})
   with pytest.raises(ValueError, match="unknown option.*segment_length.*for scheme 'segmented'"):
     attention.get_scheme("segmented").parse_options({"segment_length": 8})
+
+
+def test_recipes_refuse_packed_rows_for_one_document_schemes():
+  """segmented runs a row as one stream (tail, pool and segments cross documents) and declares
+  packed_documents=False: a file-source config that packs several documents in a row is refused
+  at validation naming data.packing; the recipe packs one document per row."""
+  from condattn_jax.attention import get_scheme
+  from condattn_jax.train import config as config_lib
+  from condattn_jax.train.cli import load_recipe
+  import os
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert get_scheme("segmented").packed_documents is False
+  c = load_recipe(os.path.join(root, "configs", "segmented_llama.py") + ":llama2-7b-32k")
+  assert c.data.packing == "one_per_row"
+  c.model.init_from = "/checkpoint"  # validation does not read it
+  config_lib.validate_config(c, needs_data=False)
+  for packing in ("concat_then_split", "first_fit"):
+    c.data.packing = packing
+    with pytest.raises(ValueError, match=r"config.data.packing='%s'.*'one_per_row'" % packing):
+      config_lib.validate_config(c, needs_data=False)

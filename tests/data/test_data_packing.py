@@ -53,7 +53,7 @@ def _all_batches(cfg):
   return data.make_eval_batches(cfg, None, seed=0)
 
 
-@pytest.mark.parametrize("packing_name", ["concat_then_split", "first_fit"])
+@pytest.mark.parametrize("packing_name", ["concat_then_split", "first_fit", "one_per_row"])
 @pytest.mark.parametrize("sep", [None, SEP])
 def test_packing_is_exact_and_never_crosses_documents(tmp_path, packing_name, sep):
   lengths = _lengths()
@@ -75,6 +75,8 @@ def test_packing_is_exact_and_never_crosses_documents(tmp_path, packing_name, se
       if pad.any():
         assert np.all(pad[np.argmax(pad):])
       doc, off = inp // 1000, inp % 1000
+      if packing_name == "one_per_row":  # one document (piece) per row, the rest padding
+        assert set(np.unique(seg[~pad])) <= {1}
       # The model's mask allows q -> kv only inside one document, causally.
       q, kv = np.nonzero(mask[r])
       assert np.all(doc[q] == doc[kv]) and np.all(off[kv] <= off[q])
