@@ -421,7 +421,9 @@ def to_run(result, name: str) -> dict:
 
 def append_run(path: str, run: dict, replace_last: bool = False) -> dict:
   """Append `run` to the schema-1 result file at `path` (created if absent), or replace its last
-  run (a bench saving progress on the run it appended)."""
+  run (a bench saving progress on the run it appended); the claims bench/claims registers for
+  the run are evaluated and recorded on it."""
+  from bench import claims
   if os.path.exists(path):
     with open(path) as fh:
       data = json.load(fh)
@@ -433,6 +435,7 @@ def append_run(path: str, run: dict, replace_last: bool = False) -> dict:
     data["runs"][-1] = run
   else:
     data["runs"].append(run)
+  claims.record(os.path.basename(path), data["runs"], len(data["runs"]) - 1)
   with open(path, "w") as fh:
     json.dump(data, fh, indent=1)
   return data

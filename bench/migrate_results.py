@@ -14,8 +14,7 @@ a "main" run holding the metadata and every key that is not its own result block
 key that is (a list of rows, or a dict with its own date / commit), named by that key
 (settings["name"]), dated by its own date where it has one. A run's `recorded` field keeps the
 old content verbatim; its rows are the old `rows` list where there was one. Files that other
-helpers' benches still write (block_sparse_*, elastic_prefill_*) are skipped until those benches
-append through bench/common.py.
+helpers' benches still write in their own layout (elastic_prefill_*) are skipped.
 """
 from __future__ import annotations
 
@@ -27,7 +26,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common  # noqa: E402
 
-SKIP = ("block_sparse_", "elastic_prefill_")
+SKIP = ("elastic_prefill_",)
 # Keys of the old H100 compacted-attention file that describe the whole file, not one result.
 _META = {"device", "platform", "jax_version", "date", "what", "runs", "tree", "commit", "command",
          "commands", "dates", "note", "shapes", "active_set", "bucket_fracs", "timing", "settings",

@@ -1,0 +1,129 @@
+"""Claims of bench/block_sparse.py's recorded GPU runs (block_sparse_<device>.json) and the
+pallas_kernels/block_sparse/README.md quotes of them (see bench/claims/__init__.py)."""
+from bench.claims import approx, claim, expect, quote
+
+H100 = "block_sparse_NVIDIA_H100_80GB_HBM3.json"
+README = "pallas_kernels/block_sparse/README.md"
+
+
+def _recorded(run):
+  from bench import common
+  return common.recorded_of(run)
+
+
+def _bench():
+  from bench import block_sparse
+  return block_sparse
+
+
+@claim("block_sparse", run="triton", file=H100)
+def gpu_result(rec, run):
+  """bench/results/block_sparse_<H100>.json: the kernels passed the small check against the
+  reference, every variant ran at 32K and 64K without NaN, the speedups follow from the timed
+  milliseconds, and the claims in the README hold: at Omega = 0.7 (70% SSA heads) the fused
+  launch is >= 1.85x cuDNN dense forward and forward+backward at 32K, and >= 2.1x at 64K; our
+  kernel with every head full runs at >= 0.72x cuDNN forward (the unmasked range's affine kv
+  addresses; 0.60-0.64x before)."""
+  r = _recorded(run)
+  expect(r["jax_version"] == "0.11.2" and r["date"][:4] >= "2026")
+  expect(r["check_small"] and all(c["ok"] for c in r["check_small"]))
+  rows = {(x["T"], x["omega"]): x for x in r["rows"]}
+  expect(set(rows) == {(T, o) for T in (32768, 65536) for o in (0.3, 0.7)})
+  for row in rows.values():
+    expect({"fused", "per_group", "cudnn_group"} <= set(row["variants"]))
+    for v in row["variants"].values():
+      expect("err" not in v and not v["nan"])
+      expect(v["speedup_fwd"] == approx(row["dense_fwd_ms"] / v["fwd_ms"]))
+      expect(v["speedup_fwdbwd"] == approx(row["dense_fwdbwd_ms"] / v["fwdbwd_ms"]))
+  for T, floor in ((32768, 1.85), (65536, 2.1)):
+    f = rows[T, 0.7]["variants"]["fused"]
+    expect(min(f["speedup_fwd"], f["speedup_fwdbwd"]) >= floor)
+    expect(rows[T, 0.7]["variants"]["ours_dense"]["speedup_fwd"] >= 0.72)
+  expect(r["triton_fwd_sub_tile"] == 128)
+
+
+@claim("block_sparse", run="mosaic_gpu", file=H100)
+def mosaic_gpu_run_meets_issue_31_targets(rec, run):
+  """The Mosaic GPU run on one H100: the small check passed; every (T, SSA share) row ran without
+  NaN, speedups follow from the ms; issue 31's targets at 64K, 70% SSA heads (>= 2.9x cuDNN
+  forward, >= 2.7x forward+backward in one launch; all heads full >= 0.95x forward) are claims
+  that passed; the all-full forward+backward miss is recorded with its kernels-alone profile;
+  the README's results table quotes these numbers (2 decimals: the quote mosaic_gpu_table)."""
+  r = _recorded(run)
+  expect(r["device"] == "NVIDIA H100 80GB HBM3" and r["jax_version"] == "0.11.2")
+  expect(r["settings"]["impl"] == "mosaic_gpu" and all(c["ok"] for c in r["check_small"]))
+  names = {c["name"] for c in run["claims"]}
+  expect({f"T=65536 omega=0.7 {v} {k} >= {f}" for _, _, v, k, f in _bench().TARGETS} <= names)
+  rows = {(x["T"], x["omega"]): x for x in r["rows"]}
+  expect(set(rows) == {(T, o) for T in (32768, 65536) for o in (0.3, 0.7)})
+  for row in rows.values():
+    for v in row["variants"].values():
+      expect(not v["nan"])
+      expect(v["speedup_fwd"] == approx(row["dense_fwd_ms"] / v["fwd_ms"]))
+      expect(v["speedup_fwdbwd"] == approx(row["dense_fwdbwd_ms"] / v["fwdbwd_ms"]))
+  (miss,) = r["targets_missed"]
+  expect(miss["variant"] == "ours_dense" and miss["key"] == "speedup_fwdbwd" and miss["value"] < 0.95)
+  ka = {x["T"]: x for x in r["kernels_alone"]}[65536]
+  # the backward's 7 products per pair run at the matrix ceiling: >= 600 TFLOP/s issued each
+  expect(min(ka["dq"]["tflops_issued"], ka["dkv"]["tflops_issued"]) >= 600)
+  expect(ka["bwd_ms"] > ka["cudnn"]["bwd_ms"] and ka["fwd"]["ms"] < ka["cudnn"]["fwd_ms"])
+
+
+@claim("block_sparse", run="elastic_prefill_mosaic_gpu", file=H100)
+def elastic_prefill_one_launch_meets_1_55x(rec, run):
+  """Elastic FA-SSA prefill at 64K, Omega 0.7, one block-sparse (Mosaic GPU) launch per layer:
+  >= 1.55x the dense model on the same H100, as the README quotes."""
+  rows = {x["row"]: x for x in run["rows"]}
+  dense = rows["dense"]["ms"]
+  for name, x in rows.items():
+    if name != "dense":
+      expect(x["finite"] and x["speedup_vs_dense"] == approx(dense / x["ms"]))
+  expect(run["settings"]["T"] == 65536 and _recorded(run)["block_sparse_kernel"].startswith(
+      "mosaic_gpu"))
+  one = rows["elastic_0.7"]["speedup_vs_dense"]
+  expect(one >= 1.55 and not rows["elastic_0.7"]["dense_full_heads"])
+
+
+@claim("block_sparse", run="window_or_blocks_mosaic_gpu", file=H100)
+def window_or_blocks_run_costs_its_pairs(rec, run):
+  """HEAD_WINDOW_BLOCKS at 64K on the H100: window 2048 OR 4 chunks costs about its visible keys
+  (2560 / 2048) over the window alone, forward and forward+backward, as the README quotes."""
+  r = {x["variant"]: x for x in run["rows"]}
+  for key in ("fwd_ms", "fwdbwd_ms"):
+    ratio = r["window_or_top"][key] / r["window_only"][key]
+    expect(1.0 < ratio <= 1.35, (key, ratio))
+    expect(r["cudnn_dense"][key] > 5 * r["window_or_top"][key])
+
+
+@quote(README, H100, run="mosaic_gpu")
+def mosaic_gpu_table(rec, run):
+  """The README's results table (speedups over cuDNN, 2 decimals) and the kernels-alone times."""
+  r = _recorded(run)
+  out = []
+  for row in r["rows"]:
+    v = row["variants"]
+    cells = [f"{v['fused']['speedup_fwd']:.2f} / {v['fused']['speedup_fwdbwd']:.2f}",
+             f"{v['cudnn_group']['speedup_fwd']:.2f} / {v['cudnn_group']['speedup_fwdbwd']:.2f}",
+             (f"{v['ours_dense']['speedup_fwd']:.2f} / {v['ours_dense']['speedup_fwdbwd']:.2f}"
+              if "ours_dense" in v else ""), f"{row['ideal_speedup']:.2f}"]
+    line = f"| {row['T'] // 1024}K | {round(row['omega'] * 100)}% | " + " | ".join(cells) + " |"
+    out.append(line.replace("|  |", "| |"))
+  ka = {x["T"]: x for x in r["kernels_alone"]}[65536]
+  out += [f"{ka[key]['ms']:.1f} ms" for key in ("fwd", "dq", "dkv")]
+  out.append(f"{ka['bwd_ms']:.1f} ms against cuDNN's {ka['cudnn']['bwd_ms']:.1f}")
+  return out
+
+
+@quote(README, H100, run="elastic_prefill_mosaic_gpu")
+def elastic_prefill_speedup(rec, run):
+  rows = {x["row"]: x for x in run["rows"]}
+  return [f"{rows['elastic_0.7']['speedup_vs_dense']:.2f}x", f"dense {rows['dense']['ms']:.1f} ms"]
+
+
+@quote(README, H100, run="window_or_blocks_mosaic_gpu")
+def window_or_blocks_times(rec, run):
+  r = {x["variant"]: x for x in run["rows"]}
+  w, o, d = r["window_or_top"], r["window_only"], r["cudnn_dense"]
+  return [f"{w['fwd_ms']:.2f} ms forward / {w['fwdbwd_ms']:.2f} ms forward+backward against "
+          f"{o['fwd_ms']:.2f} / {o['fwdbwd_ms']:.2f}",
+          f"cuDNN dense {d['fwd_ms']:.2f} / {d['fwdbwd_ms']:.2f}"]
