@@ -297,8 +297,10 @@ def _aux(fa_LBK, lam):
 
 
 def test_lagrangian_value_and_ascent_direction():
+  """The 'abs' form (authors' code) and the ascent plumbing: values, the flipped gradient, the
+  param group, weight decay on the [2, tasks] leaf."""
   cfg = attention.configure(ModelConfig(), "elastic", task_names=("qa", "summ", "code"),
-                               targets=(0.7, 1.0, 0.9))
+                               targets=(0.7, 1.0, 0.9), lagrangian="abs")
   lam = jnp.array([[0.1, 0.2, 0.3], [0.4, 0.5, 0.6]])
   fa = jnp.array([[[1.0, 1.0], [1.0, 0.0], [1.0, 0.0]]])                # Omega 0, .5, .5
   batch = {"task_ids": jnp.array([0, 0, 1])}                               # code absent
@@ -308,9 +310,19 @@ def test_lagrangian_value_and_ascent_direction():
   np.testing.assert_allclose(float(loss), (qa + summ) / 2, rtol=1e-6)
   np.testing.assert_allclose(m["elastic/msr_sum_task"], [0.5, 0.5, 0.0])
   np.testing.assert_allclose(float(m["elastic/msr/qa"]), 0.25)
+  # the signed form (paper eq. 8, the default): lambda1 times the signed violation
+  signed = attention.configure(ModelConfig(), "elastic", task_names=("qa", "summ", "code"),
+                               targets=(0.7, 1.0, 0.9))
+  assert attention.options(signed).lagrangian == "signed"
+  qa_s = (0.1 * -0.7 + 0.4 * 0.49 + 0.1 * -0.2 + 0.4 * 0.04) / 2
+  summ_s = 0.2 * -0.5 + 0.5 * 0.25
+  np.testing.assert_allclose(float(elastic.aux_loss(_aux(fa, lam), batch, 0, signed)[0]),
+                             (qa_s + summ_s) / 2, rtol=1e-6)
+  with pytest.raises(ValueError, match=r"model.scheme.lagrangian='sign'.*\('signed', 'abs'\)"):
+    attention.configure(ModelConfig(), "elastic", lagrangian="sign")
   # gradient ascent on lambda (declared by the scheme, Scheme.ascent_params: the train step
-  # flips its gradient): lambdas of a task missing its target grow, the absent task's stay; the
-  # router's gradient pushes Omega toward the target
+  # flips its gradient): under 'abs' lambdas of a task missing its target grow, the absent
+  # task's stay; the router's gradient pushes Omega toward the target
   from condattn_jax.attention import get_scheme
   from condattn_jax.train import step as step_lib
   params = {"scheme": {"lagrange": lam}, "w": jnp.zeros((2, 2))}
@@ -339,9 +351,73 @@ def test_lagrangian_value_and_ascent_direction():
   new = np.asarray(optax.apply_updates(params, upd)["scheme"]["lagrange"])
   assert (new[:, :2] > np.asarray(lam)[:, :2]).all()
   assert (new[:, 2] < np.asarray(lam)[:, 2]).all()  # only weight decay: the [2, tasks] leaf decays
-  d_fa = jax.grad(lambda f: elastic.aux_loss(_aux(f, lam), batch, 0, cfg)[0])(fa)
-  assert (np.asarray(d_fa)[0, :2] > 0).all()  # qa rows (Omega < 0.7): raising FA raises loss
-  assert (np.asarray(d_fa)[0, 2] > 0).all()   # summ row (Omega .5 < 1): more SA lowers it
+  for c in (cfg, signed):
+    d_fa = jax.grad(lambda f: elastic.aux_loss(_aux(f, lam), batch, 0, c)[0])(fa)
+    assert (np.asarray(d_fa)[0, :2] > 0).all()  # qa rows (Omega < 0.7): raising FA raises loss
+    assert (np.asarray(d_fa)[0, 2] > 0).all()   # summ row (Omega .5 < 1): more SA lowers it
+
+
+def _ascend(cfg, fa_LBK, lam, batch, steps=20, lr=1e-2):
+  """`steps` steps of the train step's ascent on lambda alone (Adam, no weight decay, the router
+  frozen: Omega fixed) -> lambda [2, tasks] after each step."""
+  from condattn_jax.attention import get_scheme
+  from condattn_jax.train import step as step_lib
+  tx = optax.adam(lr)
+  params = {"scheme": {"lagrange": lam}}
+  state = tx.init(params)
+  grad = jax.jit(jax.grad(lambda p: elastic.aux_loss(_aux(fa_LBK, p["scheme"]["lagrange"]),
+                                                     batch, 0, cfg)[0]))
+  out = []
+  for _ in range(steps):
+    g = step_lib.ascent_flip(grad(params), get_scheme("elastic"))
+    upd, state = tx.update(g, state, params)
+    params = optax.apply_updates(params, upd)
+    out.append(np.asarray(params["scheme"]["lagrange"]))
+  return np.stack(out)
+
+
+@pytest.mark.parametrize("where", ["below", "on", "above", "mixed_on_mean"])
+def test_signed_lagrangian_moves_lambda_toward_reducing_the_violation(where):
+  """Signed (paper eq. 8): the ascent moves lambda1 by the signed violation, so after the steps
+  the Lagrangian's pull on Omega (d term / d Omega = lambda1 + 2 lambda2 (Omega - t)) points
+  toward the target, and on target (every row, or rows on both sides averaging to it: lambda1
+  sees the batch mean) lambda1 stays put. 'abs' (authors' code) grows lambda1 in every case
+  with a violation, the mixed one included: the old 'np.diff(lam) > 0' test held whatever
+  Omega did, this one fails if the signed form does not follow Omega."""
+  t = 0.5
+  omegas = {"below": [0.25, 0.25], "on": [0.5, 0.5], "above": [0.75, 0.75],
+            "mixed_on_mean": [0.25, 0.75]}[where]
+  # Omega_b = class-0 fraction of 4 KV heads in one layer: fa rows with round(4 (1 - Omega)) ones
+  fa = jnp.asarray([[[1.0] * int(round(4 * (1 - w))) + [0.0] * int(round(4 * w))
+                     for w in omegas]])
+  batch = {"task_ids": jnp.array([0, 0])}
+  lam0 = jnp.array([[0.3], [0.3]])
+  signed = attention.configure(ModelConfig(), "elastic", task_names=("x",), targets=(t,))
+  lam = _ascend(signed, fa, lam0, batch)
+  d1 = lam[-1, 0, 0] - 0.3
+  if where == "below":      # Omega < t: lambda1 falls (a negative lambda1 pushes Omega up)
+    assert d1 < -0.1, lam[:, 0, 0]
+  elif where == "above":    # Omega > t: lambda1 grows (pushes Omega down)
+    assert d1 > 0.1, lam[:, 0, 0]
+  else:                     # on target (per row or on the batch mean): lambda1 stays put
+    np.testing.assert_allclose(lam[:, 0, 0], 0.3, atol=1e-6)
+  if where == "on":
+    np.testing.assert_allclose(lam[:, 1, 0], 0.3, atol=1e-6)  # no violation: lambda2 too
+  # the pull on Omega after the steps points at the target
+  omega_mean = float(np.mean(omegas))
+  pull = lam[-1, 0, 0] + 2 * lam[-1, 1, 0] * (omega_mean - t)
+  if where == "below":
+    assert pull < 0
+  elif where == "above":
+    assert pull > 0
+  # 'abs': lambda1 only grows while any row misses (the authors' code)
+  absolute = attention.configure(ModelConfig(), "elastic", task_names=("x",), targets=(t,),
+                                 lagrangian="abs")
+  lam_abs = _ascend(absolute, fa, lam0, batch)
+  if where == "on":
+    np.testing.assert_allclose(lam_abs[:, 0, 0], 0.3, atol=1e-6)
+  else:
+    assert (np.diff(lam_abs[:, 0, 0]) > 0).all()
 
 
 def test_unknown_task_name_is_a_one_line_error():

@@ -1,7 +1,7 @@
 """configs/elastic_qwen.py: the paper's recipe numbers (frozen backbone, router lr 5e-4, lambda
 ascent group, 300 steps at 64K, targets 0.7 / 1.0), variants, required fields, and the tiny CPU
-variant through train.loop.run: only the router and the multipliers are trained (labels), lambda grows while
-Omega misses the target, the router's FA probability falls and Omega rises toward the target."""
+variant through train.loop.run: only the router and the multipliers are trained (labels), lambda1
+falls while Omega is below the target (signed Lagrangian), the router's FA probability falls and Omega rises toward the target."""
 import json
 import os
 
@@ -31,6 +31,11 @@ def test_paper_recipe_and_variants():
   assert (s.tau_start, s.tau_end, s.anneal_steps, s.tau_schedule) == (1.5, 1.0, 180, "cosine")
   assert (t.num_steps, d.seq_len, t.lr, t.b1, t.b2, t.grad_clip) == (300, 65536, 5e-4, 0.9, 0.95,
                                                                       5.0)
+  # paper Table 8: warmup 0.2 + cosine, weight decay 0.1, global batch 48; eq. 8 signed
+  assert (t.warmup_frac, t.lr_schedule, t.end_lr_frac, t.weight_decay, d.batch_size) == (
+      0.2, "cosine", 0.0, 0.1, 48)
+  assert s.lagrangian == "signed" and recipe("lagrangian=abs").model.scheme.lagrangian == "abs"
+  assert s.lambda_init_max == 0.0 and recipe("lam_init=0.5").model.scheme.lambda_init_max == 0.5
   assert dict(zip(s.task_names, s.targets)) == {"qa": 0.7, "summarization": 1.0, "code": 1.0,
                                                 "in_context_learning": 1.0}
   g = t.param_groups.lagrange
@@ -61,8 +66,11 @@ def test_paper_recipe_and_variants():
 
 
 def test_tiny_run_moves_omega_toward_the_target(tmp_path):
-  """40 steps (target 0.7, router init N(0, 0.02): p_FA ~ 0.5, Omega ~ 0.5). Measured on CPU:
-  p_FA 0.50 -> 0.34, Omega 0.55 (steps 5-15) -> 0.66 (steps 30-40), lambda1 0.499 -> 0.531."""
+  """40 steps (target 0.7, router init N(0, 0.02): p_FA ~ 0.5, Omega ~ 0.55; lambdas init 0).
+  Signed Lagrangian (paper eq. 8): the ascent lowers lambda1 while Omega < t (its term then pulls
+  Omega up) and raises lambda2; under 'abs' lambda1 would grow here too (the old test's
+  'lambda grows' held whatever Omega did). Measured on CPU: p_FA 0.50 -> 0.29, Omega 0.55
+  (steps 5-15) -> 0.61 (steps 30-40), lambda1 0 -> -0.033, lambda2 0 -> 0.034."""
   c = recipe("tiny,steps=40")
   c.train.checkpoint_every = 0
   c.train.progress_bar = False
@@ -73,9 +81,13 @@ def test_tiny_run_moves_omega_toward_the_target(tmp_path):
   train = [r for r in rows if "train/elastic/omega_msr" in r]
   assert len(train) == 8
   p_fa = [r["train/elastic/p_fa/mean"] for r in train]
-  lam = np.asarray([r["train/elastic/lambda1"] + r["train/elastic/lambda2"] for r in train])
+  lam1 = np.asarray([r["train/elastic/lambda1"] for r in train])
+  lam2 = np.asarray([r["train/elastic/lambda2"] for r in train])
   omega = [r["train/elastic/omega_msr"] for r in train]
-  assert (np.diff(lam, axis=0) > 0).all()               # ascent while Omega < 0.7
+  below = np.asarray(omega[:-1]) < 0.7                   # rows before the last: below target
+  assert below.all(), omega
+  assert (np.diff(lam1, axis=0) < 0).all(), lam1         # so lambda1 falls (signed) ...
+  assert (np.diff(lam2, axis=0) > 0).all(), lam2         # ... and lambda2 grows
   assert p_fa[-1] < p_fa[0] - 0.1, p_fa
   assert np.mean(omega[-3:]) > np.mean(omega[:3]) + 0.05, omega
   assert train[-1]["train/elastic/tau"] == 1.0 and train[0]["train/elastic/tau"] > 1.4

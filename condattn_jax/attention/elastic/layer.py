@@ -34,7 +34,8 @@ read as training progress). Without a step: tau_end.
 
 Loss (aux_loss): Omega_b = fraction of the sample's query heads (all layers) in class 0 (with the
 STE: the router gets the gradient), per-sample term
-lambda1[task] |Omega_b - t_task| + lambda2[task] (Omega_b - t_task)^2, averaged within each
+lambda1[task] (Omega_b - t_task) + lambda2[task] (Omega_b - t_task)^2 (lagrangian 'signed', paper
+eq. 8; 'abs': lambda1[task] |Omega_b - t_task|, the authors' code), averaged within each
 task, then over the tasks present in the batch. lambda = params['scheme']['lagrange'] [2, tasks]
 (row 0: lambda1, row 1: lambda2; init U(0, lambda_init_max)), trained by gradient ASCENT: the
 scheme declares it (`Scheme.ascent_params`) and the train step flips its gradient (one 2-D leaf,
@@ -323,7 +324,8 @@ def aux_loss(aux, batch, step, config):
   target_B = jnp.asarray(o.targets, jnp.float32)[tid]
   lam = aux["scheme"]["lagrange"]
   dev = omega_B - target_B
-  term_B = lam[0][tid] * jnp.abs(dev) + lam[1][tid] * dev * dev
+  first_B = jnp.abs(dev) if o.lagrangian == "abs" else dev
+  term_B = lam[0][tid] * first_B + lam[1][tid] * dev * dev
   count = jnp.sum(onehot, axis=0)
   per_task = (term_B @ onehot) / jnp.maximum(count, 1.0)
   present = (count > 0).astype(jnp.float32)

@@ -7,6 +7,7 @@ import dataclasses
 MODES = ("fa_ssa", "fa_xa", "xa_ssa")
 POOLINGS = ("boundary", "prompt_mean")
 TAU_SCHEDULES = ("cosine", "exp")
+LAGRANGIANS = ("signed", "abs")
 ROUTINGS = ("learned", "fa", "sa", "fixed")
 FA, SA = 1, 0  # router classes
 
@@ -26,7 +27,15 @@ class ElasticOptions:
   tau_start, tau_end, anneal_steps, tau_schedule, tau_exp_rate   Gumbel temperature schedule.
   task_names     the data's task names; task id = index (batches carry 'task_ids').
   targets        target Omega_MSR per task (sensitive 0.7, robust 1.0), same order.
-  lambda_init_max  lambda1, lambda2 init U(0, lambda_init_max) (0.5).
+  lambda_init_max  lambda1, lambda2 init U(0, lambda_init_max) (0.0; the paper and the authors'
+                 code draw U(0, 0.5)). Under 'signed' a positive lambda1 at init pulls Omega
+                 toward 0 (dense) until the ascent takes it below -2 lambda2 (Omega - t): the
+                 tiny recipe with U(0, 0.5) went p_FA 0.50 -> 0.95 in 40 steps (away from
+                 t = 0.7), with 0 p_FA 0.50 -> 0.29 (docs/schemes/elastic.md).
+  lagrangian     'signed' (paper eq. 8: lambda1 (Omega - t) + lambda2 (Omega - t)^2; the
+                 ascent moves lambda1 by the signed violation, so it can shrink and change
+                 sign, and stays put on target) | 'abs' (the authors' code: lambda1 |Omega - t|,
+                 under which lambda1 can only grow).
   seed           seed of from_dense's fresh router and lambdas.
   routing        'learned' | 'fa' (every head FA: the base model under fa_* modes) | 'sa' |
                  'fixed' (the KV heads in `fixed_fa_kv_heads` are class 1 in every row and layer,
@@ -56,7 +65,8 @@ class ElasticOptions:
   tau_exp_rate: float = 0.6
   task_names: tuple = ("sensitive", "robust")
   targets: tuple = (0.7, 1.0)
-  lambda_init_max: float = 0.5
+  lambda_init_max: float = 0.0
+  lagrangian: str = "signed"
   seed: int = 0
   routing: str = "learned"
   fixed_fa_kv_heads: tuple = ()
@@ -71,6 +81,10 @@ class ElasticOptions:
       raise ValueError(f"{f}.pooling={self.pooling!r}: choose one of {POOLINGS}.")
     if self.tau_schedule not in TAU_SCHEDULES:
       raise ValueError(f"{f}.tau_schedule={self.tau_schedule!r}: choose one of {TAU_SCHEDULES}.")
+    if self.lagrangian not in LAGRANGIANS:
+      raise ValueError(f"{f}.lagrangian={self.lagrangian!r}: choose one of {LAGRANGIANS}.")
+    if self.lambda_init_max < 0:
+      raise ValueError(f"{f}.lambda_init_max={self.lambda_init_max} must be >= 0.")
     if self.routing not in ROUTINGS:
       raise ValueError(f"{f}.routing={self.routing!r}: choose one of {ROUTINGS}.")
     if self.fixed_fa_kv_heads and self.routing != "fixed":
