@@ -21,7 +21,7 @@ Variants, each forward and forward+backward (grad of sum(out * ct) w.r.t. q, k, 
 Every variant is checked first against the reference at a small shape (and NaN-checked at the
 timed shape), then timed in the same process: 2 warm-ups, median of --n, block_until_ready.
 Appends a run (bench/common.py's schema 1: the result verbatim under `recorded`, issue 31's
-targets as claims) to $OUT (or --out-dir) /block_sparse_<device>.json and prints the table last.
+targets as claims) to $OUT (or --out_dir) /block_sparse_<device>.json and prints the table last.
 --impl mosaic_gpu times the Hopper kernel; --kernels-alone adds its three kernels timed alone
 (all heads full) beside cuDNN's forward and backward.
 """
@@ -475,7 +475,7 @@ def main():
   ap.add_argument("--window-or-blocks", action="store_true",
                   help="only time HEAD_WINDOW_BLOCKS (window 2048 OR 4 chunks) at 64K vs the "
                        "window alone and cuDNN (Mosaic GPU) and print the ms")
-  ap.add_argument("--out-dir", default=os.environ.get("OUT", "bench/results"))
+  ap.add_argument("--out_dir", default=os.environ.get("OUT", "bench/results"))
   args = ap.parse_args()
   if args.window_or_blocks:
     print(json.dumps(window_or_blocks(n=args.n or 5)), flush=True)

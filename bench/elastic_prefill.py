@@ -22,7 +22,8 @@ Omega 0.7 over the model is 3 layers at 0.75 and 2 at 0.625 (5 layers; fa_heads(
 Per-layer shapes are Qwen3-8B's (hidden 4096, 32 q / 8 kv heads of 128, MLP 12288) and bf16;
 the number of layers does not change the ratio (every layer is the same work), the embedding
 and the head are left out (vocab 1024).
-Writes bench/results/elastic_prefill_<device>.json (device, jax version, date, settings).
+Appends a run to <out_dir>/elastic_prefill_<device>.json (bench/common.py's schema; device, jax
+version, date, settings; the claims bench/claims/elastic_prefill.py registers recorded on it).
 """
 from __future__ import annotations
 
@@ -168,8 +169,9 @@ def main(argv=None) -> int:
   ap.add_argument("--layers", type=int, default=None)
   ap.add_argument("--fwd-sub-tile", type=int, default=0,
                   help="block-sparse Triton forward kv sub-tile (0: the api's default)")
-  ap.add_argument("--out-dir", default=os.environ.get("OUT", os.path.join(ROOT, "bench",
-                                                                          "results")))
+  ap.add_argument("--out_dir", default=os.environ.get("OUT", os.path.join(ROOT, "bench",
+                                                                          "results")),
+                  help="directory of the result file elastic_prefill_<device>.json (runs appended)")
   a = ap.parse_args(argv)
   s = PRESETS[a.preset]
   s = dataclasses.replace(s, **{k: v for k, v in (("T", a.T), ("layers", a.layers)) if v})
@@ -180,10 +182,9 @@ def main(argv=None) -> int:
     print("preset 'gpu' needs a GPU (use --preset test on CPU)")
     return 2
   res = run(s)
-  os.makedirs(a.out_dir, exist_ok=True)
-  path = os.path.join(a.out_dir, f"elastic_prefill_{res['device'].replace(' ', '_')}.json")
-  with open(path, "w") as f:
-    json.dump(res, f, indent=1)
+  from bench import common
+  path = common.result_path("elastic_prefill", a.out_dir, res["device"])
+  common.write_result(path, "elastic_prefill", res, name=a.preset)
   print(f"wrote {path}")
   return 0
 

@@ -13,8 +13,7 @@ history kept as extra top-level keys. It becomes {"schema": 1, "bench", "device"
 a "main" run holding the metadata and every key that is not its own result block, and one run per
 key that is (a list of rows, or a dict with its own date / commit), named by that key
 (settings["name"]), dated by its own date where it has one. A run's `recorded` field keeps the
-old content verbatim; its rows are the old `rows` list where there was one. Files that other
-helpers' benches still write in their own layout (elastic_prefill_*) are skipped.
+old content verbatim; its rows are the old `rows` list where there was one (stored once).
 """
 from __future__ import annotations
 
@@ -26,7 +25,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common  # noqa: E402
 
-SKIP = ("elastic_prefill_",)
+SKIP = ()
 # Keys of the old H100 compacted-attention file that describe the whole file, not one result.
 _META = {"device", "platform", "jax_version", "date", "what", "runs", "tree", "commit", "command",
          "commands", "dates", "note", "shapes", "active_set", "bucket_fracs", "timing", "settings",
@@ -69,17 +68,24 @@ def migrate(old: dict, path: str, bench: str | None = None) -> dict:
   """The schema-1 file for the old dict `old` read from `path` (bench: its name, default from the
   old file or the file name)."""
   device = old.get("device") if isinstance(old.get("device"), str) else None
+  inner = old.get("runs") if isinstance(old.get("runs"), list) else []
+  inner = [r for r in inner if isinstance(r, dict)]
+  meta = dict(old)
+  if device is None and inner:  # a file that was only a list of runs: their device, newest date
+    newest = max(inner, key=lambda r: str(r.get("date", "")))
+    device = newest.get("device")
+    meta.update({k: newest[k] for k in ("date", "jax_version", "commit") if k in newest})
   device = device or "cpu"
   if bench is None:
     bench = old.get("bench") if isinstance(old.get("bench"), str) else _bench_name(path, device)
   blocks = [k for k, v in old.items() if _is_block(k, v)] if len(old) > 20 else []
   main = {k: v for k, v in old.items() if k not in blocks}
-  runs = [_run(bench, device, old, "main", main)]
+  runs = [_run(bench, device, meta, "main", main)]
   for k in blocks:
     v = old[k]
     date = v.get("date") if isinstance(v, dict) else None
     commit = v.get("tree") if isinstance(v, dict) and isinstance(v.get("tree"), str) else None
-    runs.append(_run(bench, device, old, k, {k: v}, date=date, commit=commit))
+    runs.append(_run(bench, device, meta, k, {k: v}, date=date, commit=commit))
   new = dict(schema=common.SCHEMA, bench=bench, device=device, runs=runs)
   for i, r in enumerate(runs):
     common.check_run(r, f"{path}: runs[{i}]")

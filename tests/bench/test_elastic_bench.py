@@ -71,39 +71,3 @@ def test_prefill_bench_test_preset_runs():
   assert split["rel_diff_vs_fused"] < 1e-5   # on CPU both rows run the reference
   assert all(x["finite"] and x["ms"] > 0 for x in r["rows"])
   assert el["speedup_vs_dense"] == pytest.approx(dense["ms"] / el["ms"])
-
-
-def test_recorded_prefill_result():
-  """bench/results/elastic_prefill_<H100>.json: 5 whole Qwen3-8B-shaped layers, FA-SSA with a
-  static head split vs dense cuDNN, one fused block-sparse launch and the split (FA heads on
-  cuDNN). Recorded as measured: the target, >= 1.5x at 64K with Omega 0.7 (3 layers at 0.75,
-  2 at 0.625), is met by the split (1.55x; fused 1.39x); sparser is faster, 64K gains more than
-  32K, the split matches the fused launch's output, and the speedups follow from the ms."""
-  import json
-  import os
-  from bench import elastic_prefill as ep
-  path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "bench",
-                      "results", "elastic_prefill_NVIDIA_H100_80GB_HBM3.json")
-  doc = common.read_result(path)
-  got = {}
-  for run in doc["runs"]:
-    assert run["jax_version"] == "0.11.2" and run["date"][:4] >= "2026"
-    s = run["settings"]
-    assert (s["hidden"], s["heads"], s["kv_heads"], s["mlp"], s["layers"]) == (
-        4096, 32, 8, 12288, 5)
-    dense = run["rows"][0]
-    assert dense["row"] == "dense"
-    for r in run["rows"][1:]:
-      assert r["finite"] and r["speedup_vs_dense"] == pytest.approx(dense["ms"] / r["ms"])
-      if r["dense_full_heads"]:
-        assert r["rel_diff_vs_fused"] < 0.02   # bf16, 5 layers: same math, other kernels
-      sets = r["fa_kv_heads"]
-      assert r["omega"] == pytest.approx(ep.omega_of(ep.Settings(layers=s["layers"]), sets))
-      got[s["T"], r["omega"], r["dense_full_heads"]] = r["speedup_vs_dense"]
-  for split in (False, True):
-    assert got[65536, 0.75, split] > got[65536, 0.7, split] > got[65536, 0.625, split] > 1.0
-    assert got[65536, 0.7, split] > got[32768, 0.7, split]
-  assert got[65536, 0.7, True] >= 1.5 > got[65536, 0.7, False]
-  assert all(got[T, o, True] > got[T, o, False] for T, o, _ in got)
-  assert set(ep.configs(ep.PRESETS["gpu"])) == {"dense"} | {
-      f"elastic_{o}{x}" for o in (0.625, 0.7, 0.75) for x in ("", "_split")}
