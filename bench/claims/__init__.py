@@ -60,7 +60,7 @@ class Claim:
 class Quote:
   doc: str            # path from the repository root
   file: str           # result file's base name in bench/results
-  run: str            # run name whose newest run is quoted
+  run: tuple          # the newest run named any of these is quoted
   name: str
   fn: Callable
 
@@ -76,11 +76,12 @@ def claim(bench: str, *, run: str | tuple = "main", file: str = "*", name: str |
   return deco
 
 
-def quote(doc: str, file: str, *, run: str = "main", name: str | None = None):
-  """Register `fn(rec, run) -> [str]`: strings `doc` must contain, made from the newest
-  `run`-named run of bench/results/`file`."""
+def quote(doc: str, file: str, *, run: str | tuple = "main", name: str | None = None):
+  """Register `fn(rec, run) -> [str]`: strings `doc` must contain, made from the newest run of
+  bench/results/`file` named `run` (a name or a tuple of names, as for `claim`)."""
   def deco(fn):
-    QUOTES.append(Quote(doc, file, run, name or fn.__name__, fn))
+    runs = (run,) if isinstance(run, str) else tuple(run)
+    QUOTES.append(Quote(doc, file, runs, name or fn.__name__, fn))
     return fn
   return deco
 
@@ -146,11 +147,19 @@ def record(file: str, runs: list[dict], i: int) -> None:
   runs[i]["claims"] = [c for c in runs[i]["claims"] if c["name"] not in names] + got
 
 
+def missing(q: Quote, text: str) -> list[str]:
+  """The strings of `quoted(q)` that `text` (the doc) lacks, line breaks read as spaces."""
+  flat = " ".join(text.split())
+  return [t for t in quoted(q) if " ".join(t.split()) not in flat]
+
+
 def quoted(q: Quote) -> list[str]:
-  """The strings `q.doc` must contain, from the newest run named `q.run` of `q.file`."""
+  """The strings `q.doc` must contain, from the newest run named one of `q.run` of `q.file`."""
   from bench import common
   path = os.path.join(common.RESULTS, q.file)
-  data = common.load(path)
-  newest = common.newest(path, q.run)
-  i = max(k for k, r in enumerate(data["runs"]) if r is newest or r == newest)
-  return list(q.fn(view(data["runs"], i), newest))
+  runs = common.load(path)["runs"]
+  named = [k for k, r in enumerate(runs) if r["settings"].get("name") in q.run]
+  if not named:
+    raise ValueError(f"{path}: no run named {q.run}")
+  i = max(named, key=lambda k: (common._timestamp(runs[k]["date"]), k))
+  return list(q.fn(view(runs, i), runs[i]))

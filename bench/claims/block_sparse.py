@@ -127,3 +127,12 @@ def window_or_blocks_times(rec, run):
   return [f"{w['fwd_ms']:.2f} ms forward / {w['fwdbwd_ms']:.2f} ms forward+backward against "
           f"{o['fwd_ms']:.2f} / {o['fwdbwd_ms']:.2f}",
           f"cuDNN dense {d['fwd_ms']:.2f} / {d['fwdbwd_ms']:.2f}"]
+
+
+@quote("README.md", H100, run="elastic_prefill_mosaic_gpu")
+def readme_elastic_prefill(rec, run):
+  """README's memory / speed section: Elastic FA-SSA prefill at 64K, Omega 0.7, one launch and
+  the split."""
+  rows = {x["row"]: x for x in run["rows"]}
+  return [f"{rows['elastic_0.7']['speedup_vs_dense']:.2f}x dense at 64K with Omega 0.7",
+          f"FA heads on cuDNN beside it: {rows['elastic_0.7_split']['speedup_vs_dense']:.2f}x"]

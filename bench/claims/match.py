@@ -1,6 +1,6 @@
 """Claims of bench/match_mqar.py's and bench/match_memory.py's recorded runs (see
 bench/claims/__init__.py)."""
-from bench.claims import claim, expect
+from bench.claims import claim, expect, quote
 
 
 @claim("match_mqar", run=("main", "cpu"), file="match_mqar.json")
@@ -32,3 +32,16 @@ def gpu_memory_is_flat_for_match_and_grows_for_dense(r, run):
   expect(d[2]["kv_bytes"] >= 15 * d[0]["kv_bytes"] and d[2]["kv_bytes"] > 50 * m[2]["kv_bytes"])
   expect(max(x["peak_bytes"] for x in m) <= 1.05 * min(x["peak_bytes"] for x in m))
   expect(d[2]["peak_bytes"] > d[0]["peak_bytes"] + 2 * 2**30)
+
+
+@quote("README.md", "match_memory.json", run=("main", "gpu"))
+def readme_match_memory(rec, run):
+  """README's memory section: MATCH's decode K/V (flat) and device peak vs dense's."""
+  rows = {(x["model"], x["context"]): x for x in rec["rows"]}
+  m = [rows["match", n] for n in (8192, 32768, 131072)]
+  d = [rows["dense", n] for n in (8192, 131072)]
+  peaks = [x["peak_bytes"] / 1e9 for x in m]
+  return [f"Decode K/V is {m[0]['kv_bytes'] / 1e6:.1f} MB at 8K, 32K and 128K (dense: "
+          f"{d[0]['kv_bytes'] / 1e6:.0f} MB -> {d[1]['kv_bytes'] / 1e9:.2f} GB)",
+          f"the device peak stays at {min(peaks):.1f}-{max(peaks):.1f} GB (dense: "
+          f"{d[0]['peak_bytes'] / 1e9:.1f} -> {d[1]['peak_bytes'] / 1e9:.1f} GB)"]

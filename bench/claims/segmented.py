@@ -1,6 +1,6 @@
 """Claims of bench/segmented_fidelity.py's (CPU) and bench/segmented_memory.py's (one GPU)
 recorded runs; see bench/claims/__init__.py."""
-from bench.claims import claim, expect
+from bench.claims import claim, expect, quote
 
 
 @claim("segmented_fidelity", run=("main", "cpu"), file="segmented_fidelity.json")
@@ -44,3 +44,15 @@ def gpu_memory_and_latency_meet_the_targets(r, run):
   # segmented memory grows only with the pool (long heads of long layers), dense with T
   expect(rows["segmented", 65536]["peak_minus_weights"]
           < 1.5 * rows["segmented", 16384]["peak_minus_weights"])
+
+
+@quote("README.md", "segmented_memory.json", run=("main", "gpu"))
+def readme_segmented_memory(rec, run):
+  """README's memory section: peak over the weights and prefill latency, segmented vs dense
+  one-shot prefill, at 16K / 32K / 64K."""
+  rows = {(x["row"], x["T"]): x for x in rec["rows"]}
+  Ts = (16384, 32768, 65536)
+  gib = lambda row: " / ".join(f"{rows[row, T]['peak_minus_weights'] / 2**30:.1f}" for T in Ts)
+  sec = lambda row: " / ".join(f"{rows[row, T]['prefill_s']:.2f}" for T in Ts)
+  return [f"{gib('segmented')} GiB vs {gib('dense')} GiB",
+          f"Prefill latency: {sec('segmented')} s vs {sec('dense')} s"]

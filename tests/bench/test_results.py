@@ -86,9 +86,15 @@ def test_a_claim_fails_when_a_stored_number_changes(tmp_path):
 def test_docs_quote_the_newest_run(q):
   """Every number a doc quotes from a result file is the newest run's (one helper for every doc:
   bench/claims' @quote)."""
-  text = " ".join(open(os.path.join(ROOT, q.doc)).read().split())  # line breaks as spaces
-  missing = [t for t in claims.quoted(q) if " ".join(t.split()) not in text]
-  assert not missing, f"{q.doc} does not quote the newest {q.run!r} run of {q.file}: {missing}"
+  missing = claims.missing(q, open(os.path.join(ROOT, q.doc)).read())
+  assert not missing, f"{q.doc} does not quote the newest {q.run} run of {q.file}: {missing}"
+
+
+def test_a_doc_quoting_another_number_fails_the_quote_check():
+  (q,) = [q for q in claims.QUOTES if q.name == "readme_match_memory"]
+  text = open(os.path.join(ROOT, q.doc)).read()
+  assert claims.missing(q, text) == []
+  assert claims.missing(q, text.replace("21.0 MB", "20.0 MB")) == [claims.quoted(q)[0]]
 
 
 def test_the_writer_appends_runs_and_readers_see_the_newest(tmp_path):
