@@ -90,11 +90,13 @@ def default_config() -> ml_collections.ConfigDict:
   return c
 
 
-# --dry_run_device: name -> (what the dry run calls it, memory per device in bytes, platform)
+# --dry_run_device: name -> (what the dry run calls it, memory per device in bytes, platform).
+# The nominal sizes are binary GB, as the devices report them (an H100 80GB shows 81559 MiB, the
+# TPU compiler gives a v5p 95.73 GiB).
 DRY_RUN_DEVICES = {
-    "v5p": ("TPU v5p (95 GB)", 95 * 10**9, "tpu"),
-    "h100": ("NVIDIA H100 (80 GB)", 80 * 10**9, "cuda"),
-    "h200": ("NVIDIA H200 (141 GB)", 141 * 10**9, "cuda"),
+    "v5p": ("TPU v5p (95 GiB)", 95 * 2**30, "tpu"),
+    "h100": ("NVIDIA H100 (80 GiB)", 80 * 2**30, "cuda"),
+    "h200": ("NVIDIA H200 (141 GiB)", 141 * 2**30, "cuda"),
 }
 
 

@@ -2,12 +2,15 @@
 
   from condattn_jax.train import loop
   final = loop.run(config, workdir)            # dict: step, train metrics of the last log, eval
-  report = loop.dry_run(config)                # AOT-compile the sharded step, sizes + memory
+  report = loop.dry_run(config)                # AOT-compile the sharded step: model, per-device
+                                               # memory (labelled), verdict (train.dry_run_device)
   results = loop.evaluate_checkpoint(config, workdir_or_checkpoint)
 
 What `run` does, in order:
   1. validate the config (every check that can fail before the first step); lock the workdir
-     (<workdir>/run.lock: one run per workdir); mesh (data, fsdp, tensor) over all devices;
+     (<workdir>/run.lock: one run per workdir); mesh (data, fsdp, tensor) over all devices,
+     the default mesh / microbatches / eval batch derived where the batch does not divide it
+     (sharding.derive_layout, logged);
   2. abstract params (`jax.eval_shape` of Decoder.init, logical-axis boxes) -> shardings by the
      rules table; optimizer (trainable mask, groups) -> its state's shardings;
   3. `jax.jit(train_step, in_shardings, out_shardings, donate_argnums=0)`;
@@ -303,6 +306,16 @@ def _tpu_topology_devices(n: int, chip: str = "v5p"):
   return list(topo.devices), f"{chip}:{'x'.join(map(str, dims))}"
 
 
+def _tpu_oom_temp_bytes(msg: str) -> int | None:
+  """The temporaries' bytes from the TPU compiler's RESOURCE_EXHAUSTED error ('... required for
+  HLO temporaries (102.13G) exceeds available HBM (95.73G)'; G = GiB), or None."""
+  import re
+  hit = re.search(r"RESOURCE_EXHAUSTED.*?temporaries \(([\d.]+)([KMGT])\)", msg, re.S)
+  if not hit:
+    return None
+  return int(float(hit.group(1)) * 2 ** (10 * "KMGT".index(hit.group(2)) + 10))
+
+
 def _per_device_bytes(abstract, shardings) -> int:
   """Bytes one device holds of a tree of ShapeDtypeStructs under `shardings`."""
   leaves = zip(jax.tree.leaves(abstract), jax.tree.leaves(
@@ -395,12 +408,23 @@ def dry_run(config, *, devices=None, print_fn=print) -> dict[str, Any]:
       mode = "host"
       why = (f"{why}; jax.export cannot lower this step for TPU without devices "
              f"({type(e).__name__}: {str(e).splitlines()[0][:160]})")
+  oom_temp = None
   if mode != "export":
     step_fn = jit_train_step(setup)
     with shd.mesh_context(setup.mesh):
-      compiled = step_fn.lower(setup.abstract_state, setup.batch_abstract).compile()
+      lowered = step_fn.lower(setup.abstract_state, setup.batch_abstract)
+      try:
+        compiled = lowered.compile()
+      except jax.errors.JaxRuntimeError as e:
+        oom_temp = _tpu_oom_temp_bytes(str(e)) if mode == "tpu_aot" else None
+        if oom_temp is None:
+          raise
+        report["memory_note"] = ("the TPU compiler refused the step: "
+                                 + str(e).split("RESOURCE_EXHAUSTED: ", 1)[-1].split(". HLO module")[0])
     if mode == "tpu_aot":
-      report["memory_source"] = f"compiled for TPU {topo} ahead of time (libtpu)"
+      report["memory_source"] = (f"TPU compiler for {topo} ahead of time (libtpu): out of memory"
+                                 if oom_temp is not None else
+                                 f"compiled for TPU {topo} ahead of time (libtpu)")
     elif backend == "cpu":
       report["memory_source"] = "CPU-lowering estimate (reference attention)"
       if why:
@@ -421,6 +445,10 @@ def dry_run(config, *, devices=None, print_fn=print) -> dict[str, Any]:
     m["peak_estimate_bytes"] = (m.get("argument_size_in_bytes", 0)
                                 + m.get("output_size_in_bytes", 0)
                                 - m.get("alias_size_in_bytes", 0) + m.get("temp_size_in_bytes", 0))
+  if oom_temp is not None:  # the TPU compiler's own figure for the temporaries
+    m["temp_size_in_bytes"] = oom_temp
+    m["peak_estimate_bytes"] = (m["params_bytes"] + m["optimizer_bytes"] + m["batch_bytes"]
+                                + oom_temp)
   report["memory_per_device"] = m
   if capacity and "peak_estimate_bytes" in m:
     spare = capacity - m["peak_estimate_bytes"]
@@ -463,7 +491,11 @@ def format_dry_run(r: dict) -> str:
                  f"activations ~{_fmt_bytes(m['activations_estimate_bytes'])} (layer inputs of "
                  "one microbatch, part of temp)")
   src = r.get("memory_source", "")
-  if "peak_estimate_bytes" in m:
+  if "peak_estimate_bytes" in m and "argument_size_in_bytes" not in m:
+    lines.append(f"  memory per device [{src}]: temp {_fmt_bytes(m['temp_size_in_bytes'])} "
+                 f"(the compiler's figure); peak ~ {_fmt_bytes(m['peak_estimate_bytes'])} "
+                 "(params + optimizer + batch + temp)")
+  elif "peak_estimate_bytes" in m:
     lines.append(f"  memory per device [{src}]: argument "
                  f"{_fmt_bytes(m.get('argument_size_in_bytes', 0))}, output "
                  f"{_fmt_bytes(m.get('output_size_in_bytes', 0))}, alias "

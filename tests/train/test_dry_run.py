@@ -37,7 +37,7 @@ def test_l2a_real_recipe_dry_run_describes_the_checkpoint_model():
   assert m["optimizer_bytes"] == pytest.approx(2 * 4 * r["params"]["trainable"] / 8, rel=0.05)
   assert m["peak_estimate_bytes"] >= m["params_bytes"] + m["optimizer_bytes"]
   assert f"memory per device [{CPU_LABEL}]" in text
-  assert f"verdict on NVIDIA H100 (80 GB) [{CPU_LABEL}]" in text
+  assert f"verdict on NVIDIA H100 (80 GiB) [{CPU_LABEL}]" in text
   assert r["verdict"]["fits"] == (m["peak_estimate_bytes"] <= 80 * 10**9)
 
 
@@ -76,9 +76,9 @@ def test_cli_match_recipe_lays_out_and_v5p_is_honest():
     # figure is printed instead, labelled, with the reason
     assert f"memory per device [{CPU_LABEL}]" in out
     assert "(not a TPU figure: libtpu is not installed" in out and "jax.export cannot lower" in out
-    assert f"verdict on TPU v5p (95 GB) [{CPU_LABEL}]" in out
+    assert f"verdict on TPU v5p (95 GiB) [{CPU_LABEL}]" in out
   else:
-    assert "verdict on TPU v5p (95 GB) [compiled for TPU v5p:2x2x2 ahead of time" in out
+    assert "verdict on TPU v5p (95 GiB) [compiled for TPU v5p:2x2x2 ahead of time" in out
 
 
 def test_v5p_without_libtpu_lowers_for_tpu_and_gives_no_figure(monkeypatch):

@@ -94,3 +94,15 @@ def test_readme_pod_example_and_hand_set_mesh():
   assert (int(out.mesh.data), int(out.mesh.fsdp)) == (64, -1)
   with pytest.raises(ValueError, match=r"config.data.batch_size=48 .* data\*fsdp=256"):
     shd.check_batch_layout(out, *shd.mesh_shape(out.mesh, 256)[:2])
+
+
+def test_tpu_compiler_out_of_memory_figure_is_read():
+  """A v5p compile that does not fit is refused by the TPU compiler; the dry run reads its
+  temporaries' size (GiB) from the error (the message libtpu 0.0.48.1 gives for the 7B 128K L2A
+  step on 64 chips) and otherwise lets the error through."""
+  from condattn_jax.train.loop import _tpu_oom_temp_bytes
+  msg = ("RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory required for HLO "
+         "temporaries (102.13G) exceeds available HBM (95.73G). HLO module: jit_guarded.")
+  assert _tpu_oom_temp_bytes(msg) == int(102.13 * 2**30)
+  assert _tpu_oom_temp_bytes(msg.replace("102.13G", "512.5M")) == int(512.5 * 2**20)
+  assert _tpu_oom_temp_bytes("INTERNAL: something else") is None
