@@ -117,3 +117,54 @@ def test_retrieved_kv_recomputed_once_per_block(model):
   rc["ok"] = jnp.ones_like(rc["ok"])  # (the block may have retrieved nothing: expose the slots)
   _, lb = eng.decode_step(bad_cache, [tok], [pos], [True], logits)
   assert pos % C != 0 and np.abs(np.asarray(lg) - np.asarray(lb)).max() > 1e-4
+
+
+# ----------------------------------------------------------- retrieval once per block, bytes
+class CountingEmbedder:
+  """An embedding retriever (E = 8: unit histogram of token ids mod 8) whose host encode logs
+  how many chunks / queries each call encodes (test double of the MiniLM bi-encoder)."""
+  kind = "embedding"
+  dim = 8
+  log: list = []
+
+  def embed(self, tok_BNc, ok_BNc):
+    def host(tok, ok):
+      tok, ok = np.asarray(tok), np.asarray(ok).astype(bool)
+      CountingEmbedder.log.append(int(ok.any(-1).sum()))
+      h = np.zeros(tok.shape[:2] + (self.dim,), np.float32)
+      b, n, _ = np.nonzero(ok)
+      np.add.at(h, (b, n, tok[ok] % self.dim), 1.0)
+      return h / np.maximum(np.linalg.norm(h, axis=-1, keepdims=True), 1e-6)
+    shape = jax.ShapeDtypeStruct(tok_BNc.shape[:2] + (self.dim,), jnp.float32)
+    return jax.pure_callback(host, shape, tok_BNc, ok_BNc)
+
+
+def test_decode_searches_once_per_block_and_cache_bytes_count_embeddings(model, monkeypatch):
+  """Decode token by token with an embedding retriever: the encoder (and so the search) runs
+  only on the steps that enter a new block, never inside one; the engine's cache (chunk
+  embeddings and the block's ids included) is what kv_cache_bytes counts."""
+  import sys
+  monkeypatch.setitem(sys.modules, "match_embed_double", sys.modules[__name__])
+  _, params = model
+  cfg = _cfg(retriever="match_embed_double:CountingEmbedder")
+  eng = Engine(cfg, params, cache_len=48)
+  cache = eng.init_cache(1)
+  a = match.kv_cache_bytes(cfg, eng.cache_len, batch=1)
+  assert cache["scheme"]["chunk_emb"].shape == (1, 48 // C, 8)
+  assert a["chunk_embeddings"] == 48 // C * 8 * 4
+  bookkeeping = sum(x.size * x.dtype.itemsize
+                    for p, x in jax.tree_util.tree_flatten_with_path(cache)[0]
+                    if [getattr(k, "key", None) for k in p][-2:-1] == ["cache"]
+                    and getattr(p[-1], "key", None) in ("length", "positions", "valid"))
+  assert cache_bytes(cache) - bookkeeping == a["total"]
+  prompt = PROMPTS[0][:20]
+  cache, logits, _ = eng.prefill([prompt])
+  pos, tok = 20, int(np.asarray(logits)[0].argmax())
+  encoded = {}
+  for _ in range(9):
+    CountingEmbedder.log.clear()
+    cache, logits = eng.decode_step(cache, [tok], [pos], [True], logits)
+    jax.block_until_ready(logits)
+    encoded[pos] = len(CountingEmbedder.log)
+    pos, tok = pos + 1, int(np.asarray(logits)[0].argmax())
+  assert all((n > 0) == (p % C == 0) for p, n in encoded.items()), encoded

@@ -105,9 +105,13 @@ class MatchInputs(nn.Module):
     block   [B] int32             1 + the block of each row's last refresh (decode refreshes the
                                   retrieved K/V when a row enters a new block: match_fresh_B,
                                   match_g_last_B = the block, within this call, of its last token)
+    ids     [B, top_k] int32          the chunks retrieved for the block of each row's last refresh
     chunk_emb [B, cache_len // c, E] float32 (embedding retrievers only): each whole chunk's
-                                  embedding, computed once when the chunk completes
-  and each call retrieves for the blocks its queries touch (the rerank plug-in runs here).
+                                  embedding, computed once (in the prefill call that completes
+                                  it, or in decode when the row enters the block after it)
+  A prefill call (T > 1) retrieves for every block its queries touch; a decode call (T = 1)
+  searches (query encode, chunk encode, scores, the rerank plug-in) only when some row enters a
+  new block (lax.cond) and otherwise reuses `ids`: retrieval runs once per block, not per token.
   """
   config: object
 
@@ -145,31 +149,51 @@ class MatchInputs(nn.Module):
     q_tok = _take(raw.value, q_slots)
     chunk_tok = raw.value[:, :J * c].reshape(B, J, c)
     chunk_ok = (jnp.arange(J, dtype=jnp.int32)[None, :] + 1) * c <= new_len[:, None]
-    if r is None or J == 0:
-      ids = jnp.full((B, G, o.top_k), -1, jnp.int32)
-    else:
-      chunk_emb = None
-      if emb is not None:  # embed the chunks completed by this call, once
-        j_BG = start_BG // c
-        done = ((j_BG + 1) * c <= new_len[:, None]) & ((j_BG + 1) * c > old_len[:, None])
-        new_tok = _take(raw.value, j_BG[..., None] * c + jnp.arange(c, dtype=jnp.int32))
-        new_emb = r.embed(new_tok, jnp.broadcast_to(done[..., None], new_tok.shape))
-        rowsG = jnp.broadcast_to(jnp.arange(B)[:, None], j_BG.shape)
-        emb.value = emb.value.at[rowsG, jnp.where(done, j_BG, J)].set(new_emb, mode="drop")
-        chunk_emb = emb.value
-      ids = retrieval.retrieve(o, q_tok, q_ok, start_BG, chunk_tok, chunk_ok, chunk_emb)
-      ids = retrieval.rerank(o, ids, q_tok, q_ok, chunk_tok, chunk_ok)
     # refresh: a row whose last token here is in another block than at its last refresh
-    # recomputes the retrieved K/V (every layer reads the same decision)
+    # recomputes the retrieved K/V (every layer reads the same decision); retrieval (and the
+    # retriever's encode) runs only then: once per block in decode, every call in prefill
     blk = self.variable("cache", "block", jnp.zeros, (B,), jnp.int32)  # block id + 1; 0 = none
     n = jnp.sum(valid, axis=1, dtype=jnp.int32)
     last = base + jnp.maximum(n - 1, 0)
     fresh = (n > 0) & ((last // c + 1 != blk.value) | (T > 1))
     blk.value = jnp.where(fresh, last // c + 1, blk.value)
+    g_last = last // c - base // c
+    rowsG = jnp.broadcast_to(jnp.arange(B)[:, None], (B, G))
+
+    def search(emb_BJE):
+      """(ids [B, G, k], chunk embeddings): embeds the chunks completed since the last search
+      (prefill: those this call completes; decode: the chunk before the block entered), then
+      retrieves and reranks."""
+      if emb_BJE is not None:
+        j_BG = start_BG // c - (0 if T > 1 else 1)
+        done = (j_BG >= 0) & ((j_BG + 1) * c <= new_len[:, None])
+        if T > 1:
+          done &= (j_BG + 1) * c > old_len[:, None]
+        new_tok = _take(raw.value, j_BG[..., None] * c + jnp.arange(c, dtype=jnp.int32))
+        new_emb = r.embed(new_tok, jnp.broadcast_to(done[..., None], new_tok.shape))
+        emb_BJE = emb_BJE.at[rowsG, jnp.where(done, j_BG, J)].set(new_emb, mode="drop")
+      ids = retrieval.retrieve(o, q_tok, q_ok, start_BG, chunk_tok, chunk_ok, emb_BJE)
+      return retrieval.rerank(o, ids, q_tok, q_ok, chunk_tok, chunk_ok), emb_BJE
+
+    if r is None or J == 0:
+      ids = jnp.full((B, G, o.top_k), -1, jnp.int32)
+    else:
+      kept = self.variable("cache", "ids", jnp.full, (B, o.top_k), -1, jnp.int32)
+      emb0 = None if emb is None else emb.value
+      if T > 1:
+        ids, emb1 = search(emb0)
+      else:  # decode: search only when a row enters a new block, else reuse the block's ids
+        reuse = lambda e: (jnp.broadcast_to(kept.value[:, None], (B, G, o.top_k)), e)
+        ids, emb1 = jax.lax.cond(jnp.any(fresh), search, reuse, emb0)
+        ids = jnp.where(fresh[:, None, None], ids, kept.value[:, None])
+      if emb is not None:
+        emb.value = emb1
+      pick = jnp.take_along_axis(ids, g_last[:, None, None], axis=1)[:, 0]
+      kept.value = jnp.where(fresh[:, None], pick, kept.value)
     one = jnp.ones((B, G), jnp.int32)
     fields = dict(match_chunks_BGk=ids, match_block_BG=start_BG, match_block_pos_BG=start_BG,
                   match_base_B=base, match_doc_BG=one, match_fresh_B=fresh,
-                  match_g_last_B=last // c - base // c)
+                  match_g_last_B=g_last)
     if not o.top_k:
       return None, fields, {}
     tok, apos, aok = aux_input(o, ids, raw.value, jnp.broadcast_to(

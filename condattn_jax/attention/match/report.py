@@ -11,9 +11,12 @@ def kv_cache_bytes(config, context_len: int, batch: int = 1, dtype: str | None =
   """Decode-cache bytes at `context_len` tokens: per SWA layer a ring of min(w, context) K/V
   slots + the retrieved-K/V cache (k*c slots and their int32 valid flags); per full layer
   context_len slots; plus the raw tokens (4 bytes each) the retrieved chunks are recomputed
-  from and two int32 words per row (length, current block). MiniLM's cached chunk embeddings
-  (retriever 'minilm') are not counted. The engine's KVCache bookkeeping (length / positions /
-  valid words of each ring and full cache) is not counted either."""
+  from, two int32 words per row (length, current block), the current block's retrieved chunk
+  ids (top_k int32 words per row) and, for an embedding retriever (MiniLM: E = 384), the
+  cached chunk embeddings (context_len // chunk x E float32: 12 bytes a token at c = 128).
+  Exactly what `MatchInputs` and the layers allocate for `Engine(cache_len=context_len)`,
+  less the engine's KVCache bookkeeping (length / positions / valid words of each ring and
+  full cache)."""
   o = options(config)
   kinds = layer_kinds(config)
   per_tok = 2 * config.num_kv_heads * config.head_dim * jnp.dtype(dtype or config.dtype).itemsize
@@ -22,7 +25,20 @@ def kv_cache_bytes(config, context_len: int, batch: int = 1, dtype: str | None =
   retrieved = (n_swa * o.kept_k * o.chunk * per_tok * batch) if o.top_k else 0
   full = (len(kinds) - n_swa) * context_len * per_tok * batch
   raw = 4 * context_len * batch
-  other = (8 + (n_swa * o.kept_k * o.chunk * 4 if o.top_k else 0)) * batch
-  return {"total": int(window + retrieved + full + raw + other), "window": int(window),
+  J = context_len // o.chunk
+  searched = o.top_k and J
+  other = (8 + (n_swa * o.kept_k * o.chunk * 4 if o.top_k else 0)
+           + (4 * o.top_k if searched else 0)) * batch
+  emb = J * embedding_dim(o) * 4 * batch if searched else 0
+  return {"total": int(window + retrieved + full + raw + other + emb), "window": int(window),
           "retrieved": int(retrieved), "full": int(full), "raw_tokens": int(raw),
-          "other": int(other)}
+          "chunk_embeddings": int(emb), "other": int(other)}
+
+
+def embedding_dim(o) -> int:
+  """E of an embedding retriever (0 for a token retriever: nothing cached per chunk)."""
+  if not o.top_k or o.retriever == "exact":
+    return 0
+  from condattn_jax.attention.match import retrieval
+  r = retrieval.MiniLMRetriever if o.retriever == "minilm" else retrieval.make_retriever(o)
+  return int(r.dim) if r.kind == "embedding" else 0
