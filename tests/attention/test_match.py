@@ -287,3 +287,63 @@ def test_reranker_keeps_its_best(monkeypatch):
   q = jnp.zeros((1, 1, 2), jnp.int32)
   kept = retrieval.rerank(o, ids, q, q, chunk_tok, jnp.ones((1, 3), bool))
   assert kept.tolist() == [[[1]]]
+
+
+# ------------------------------------------------------------ auxiliary rows (recompute mode)
+def _reference_layer_call(self, x_BTD, ctx):
+  """MatchLayer.__call__ with the attention of every row written as ONE dense boolean mask over
+  [query rows ; auxiliary rows] (the rules, not the per-block gather of layer.py):
+    query t -> query s   same document, causal on positions, t - s < w in SWA layers
+    query t -> aux a     SWA layers with retrieval: a is one of the retrieved chunks of t's
+                         block (block = t // c) and t is in that block's document
+    aux a -> aux a'      same block, both real, causal on their (real) positions
+    aux a -> query s     never
+  RoPE at every row's real position; projections, norms and MLP are the layer's own."""
+  cfg = self.config
+  o = attention.options(cfg)
+  f = ctx.fields
+  B, T = ctx.positions_BT.shape
+  A = x_BTD.shape[1] - T
+  R = o.top_k * o.chunk
+  swa = self.variant == "swa" and o.top_k > 0
+  pos = ctx.positions_BT.astype(jnp.int32)
+  seg = ctx.segment_ids_BT.astype(jnp.int32)
+  apos, aok = f["match_aux_pos_BA"], f["match_aux_ok_BA"] != 0
+  blk_t, blk_a = jnp.arange(T) // o.chunk, jnp.arange(A) // R
+  d = pos[:, :, None] - pos[:, None, :]
+  mm = (d >= 0) & (seg[:, :, None] == seg[:, None, :]) & (seg[:, None, :] != 0)
+  if self.variant == "swa":
+    mm &= d < o.window
+  doc_blk = seg[:, ::o.chunk][:, blk_t]                                         # [B, T]
+  ma = ((blk_t[:, None] == blk_a[None, :])[None] & aok[:, None, :]
+        & (seg == doc_blk)[:, :, None] & (seg != 0)[:, :, None] & swa)
+  da = apos[:, :, None] - apos[:, None, :]
+  aa = ((blk_a[:, None] == blk_a[None, :])[None] & (da >= 0) & aok[:, None, :] & aok[:, :, None])
+  m = jnp.concatenate([jnp.concatenate([mm, ma], 2),
+                       jnp.concatenate([jnp.zeros((B, A, T), bool), aa], 2)], 1)
+  P = jnp.concatenate([pos, apos], 1)
+  q, k, v = self.self_attn.project(self._attn_in(x_BTD))
+  q, k = self.self_attn.rope(q, P), self.self_attn.rope(k, P)
+  N, H = q.shape[2:]
+  kr, vr = (jnp.repeat(x, N // x.shape[2], axis=2) for x in (k, v))
+  s = jnp.einsum("btnh,bsnh->bnts", q, kr, precision="highest") / np.sqrt(H)
+  s = jnp.where(m[:, None], s, -jnp.inf)
+  p = jnp.where(m[:, None], jax.nn.softmax(s, axis=-1), 0.0)
+  out = jnp.einsum("bnts,bsnh->btnh", jnp.nan_to_num(p), vr, precision="highest")
+  x = self._mlp_residual(self._attn_residual(x_BTD, self.self_attn.project_out(out)))
+  return x, {"retrieved": jnp.zeros((), jnp.float32)}
+
+
+def test_auxiliary_rows_equal_dense_mask_reference(olmo, monkeypatch):
+  """retrieved_kv='recompute' through 3 layers (SWA, SWA, full; post-norm GQA; two packed
+  documents + padding): the per-block gathered attention of the query rows and the auxiliary
+  rows' own attention equal one dense mask over [queries ; aux rows] in every layer (deeper
+  layers are where the aux rows' hidden states matter: layer >= 1 K/V depend on them)."""
+  cfg, params, _, tok, pos, seg = olmo
+  rc = cfg.replace(scheme_kwargs=dict(cfg.scheme_options, retrieved_kv="recompute"))
+  got, aux = _apply(rc)({"params": params}, tok, pos, seg)
+  assert float(aux["retrieved"][0]) > 0.2
+  monkeypatch.setattr(match_layer.MatchLayer, "__call__", _reference_layer_call)
+  want, _ = jax.jit(Decoder(rc).apply)({"params": params}, tok, pos, seg)
+  live = np.asarray(seg) != 0
+  np.testing.assert_allclose(np.asarray(got)[live], np.asarray(want)[live], atol=2e-5)
