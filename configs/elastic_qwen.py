@@ -32,9 +32,12 @@ Task ids: a batch's `task_ids` [B] index model.scheme.task_names. The file pipel
 record's task name from data.task_field ('task': {"text": ..., "task": "qa"}) and maps it into
 data.task_names, which is a reference to model.scheme.task_names (one list:
 --config.model.scheme.task_names=... moves both); an unknown task name is an error naming the
-record, the task and the known ones. Rows hold one task each (first_fit packing: each bin
-takes one task; condattn_jax/data/packing.py). Batches without task ids (the tiny variant's
-synthetic MQAR) count as task 0.
+record, the task and the known ones. Records are a prompt and its answer (data.prompt_field
+'prompt', data.answer_field 'answer': text or token ids): rows hold ONE document
+(data.packing='one_per_row'; Elastic decides once per row, so packing that mixes documents is
+refused), batches carry `prompt_lengths` (the router pools the first / last 100 PROMPT tokens,
+never the answer) and CE covers the answer tokens only (data.loss_on='answer'). Batches
+without task ids (the tiny variant's synthetic MQAR) count as task 0.
 
 Args (comma separated after the variant name): steps, seq, batch, modes (fa_ssa | fa_xa |
 xa_ssa), pooling (boundary | prompt_mean), lagrangian (signed | abs), lam_init, lr, lam_lr,
@@ -155,12 +158,14 @@ def get_config(arg=None):
   d.source = "jsonl"
   d.paths = required("data.paths", "long-context task-mix jsonl files or glob")
   d.tokenizer = required("data.tokenizer", f"{v['name']} tokenizer directory")
-  d.text_field = "text"
+  d.prompt_field = "prompt"
+  d.answer_field = "answer"
+  d.loss_on = "answer"
   d.task_field = "task"
   d.task_names = c.model.scheme.get_ref("task_names")  # one source of truth
   d.seq_len = a.seq
   d.batch_size = a.batch
-  d.packing = "first_fit"
+  d.packing = "one_per_row"
   d.shuffle_seed = 0
   d.read_threads = 4
   d.prefetch = 2

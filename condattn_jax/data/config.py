@@ -45,6 +45,18 @@ errors that name the field and list the valid ones.
                          data.packing='first_fit' | 'one_per_row' only. A record without the field is a bad
                          record (data.on_bad_record); a task name not in data.task_names is
                          always an error naming it, the record and the known names.
+    data.prompt_field    record field holding the PROMPT (text, or a list of token ids); with
+    data.answer_field    the record field holding the ANSWER: a document is prompt + answer
+                         (answer tokenized without a BOS) and batches also carry
+                         `prompt_lengths` int32 [B]: the prompt's tokens at the row's start
+                         (Elastic pools them: model.scheme.prompt_field). Needs
+                         data.packing='one_per_row' (one document per row, so the row's prompt
+                         is the document's); a record longer than data.seq_len + 1 tokens is a
+                         bad record (cut, it would lose its answer or its prompt's start).
+    data.loss_on         'all' (every target scored) | 'answer' (needs data.prompt_field:
+                         loss_mask is 0 on targets inside the prompt, so CE covers the answer
+                         tokens only; the target after the prompt's last token is the answer's
+                         first token and is scored).
     data.task_names      the task list the names map into (id = index). Recipes point it at
                          model.scheme.task_names (a FieldReference: one source of truth, so
                          --config.model.scheme.task_names=... moves both); given a whole run
@@ -103,6 +115,9 @@ _DEFAULTS: dict[str, Any] = dict(
     on_bad_record="error",
     task_field=None,
     task_names=None,
+    prompt_field=None,
+    answer_field=None,
+    loss_on="all",
 )
 
 
@@ -139,6 +154,14 @@ class DataConfig:
   on_bad_record: str = "error"
   task_field: str | None = None
   task_names: tuple[str, ...] | None = None
+  prompt_field: str | None = None
+  answer_field: str | None = None
+  loss_on: str = "all"
+
+  @property
+  def with_prompts(self) -> bool:
+    """Records are prompt + answer and batches carry `prompt_lengths` [B]."""
+    return bool(self.prompt_field)
 
   @property
   def is_synthetic(self) -> bool:
@@ -228,6 +251,7 @@ def parse_data_config(cfg, *, needs_files: bool = True) -> DataConfig:
       raise ValueError("required field(s) not set: " + ", ".join(d[k][len(REQUIRED_PREFIX):]
                                                                  for k in marked))
   task_field, task_names = _task_fields(d, cfg if section is not cfg else None)
+  prompt_field, answer_field = _prompt_fields(d)
   paths = _paths(d["paths"], "paths")
   eval_paths = _paths(d["eval_paths"], "eval_paths")
   if needs_files and d["source"] in FILE_SOURCES and not paths:
@@ -241,7 +265,38 @@ def parse_data_config(cfg, *, needs_files: bool = True) -> DataConfig:
       shuffle_seed=d["shuffle_seed"], num_epochs=d["num_epochs"], packing=d["packing"],
       pack_bins=d["pack_bins"], read_threads=d["read_threads"], prefetch=d["prefetch"],
       pad_id=d["pad_id"], tokenizer=d["tokenizer"], task=_to_dict(d["task"]),
-      on_bad_record=d["on_bad_record"], task_field=task_field, task_names=task_names)
+      on_bad_record=d["on_bad_record"], task_field=task_field, task_names=task_names,
+      prompt_field=prompt_field, answer_field=answer_field, loss_on=d["loss_on"])
+
+
+LOSS_ON = ("all", "answer")
+
+
+def _prompt_fields(d: Mapping[str, Any]) -> tuple[str | None, str | None]:
+  """(prompt_field, answer_field), both set or both None, validated with loss_on."""
+  prompt, answer = d["prompt_field"] or None, d["answer_field"] or None
+  if d["loss_on"] not in LOSS_ON:
+    raise ValueError(f"data.loss_on={d['loss_on']!r} is unknown; valid: {list(LOSS_ON)}")
+  if (prompt is None) != (answer is None):
+    raise ValueError(f"data.prompt_field={prompt!r} and data.answer_field={answer!r}: set both "
+                     "(records of prompt + answer) or neither")
+  if prompt is None:
+    if d["loss_on"] == "answer":
+      raise ValueError("data.loss_on='answer' needs data.prompt_field / data.answer_field (the "
+                       "records' prompt and answer): without them no token is an answer")
+    return None, None
+  for name, v in (("prompt_field", prompt), ("answer_field", answer)):
+    if not isinstance(v, str):
+      raise ValueError(f"data.{name} must be a record field name (str), got {v!r}")
+  if d["source"] not in FILE_SOURCES or (d["source"] == "array_record"
+                                         and d["record_format"] != "json"):
+    raise ValueError(f"data.prompt_field={prompt!r} reads record fields: file sources with "
+                     f"JSON-like records only, not data.source={d['source']!r}")
+  if d["packing"] != "one_per_row":
+    raise ValueError(f"data.prompt_field={prompt!r} needs data.packing='one_per_row' (a row's "
+                     f"prompt_lengths is its one document's prompt); {d['packing']!r} packs "
+                     "several documents in a row")
+  return prompt, answer
 
 
 def eval_reads_training_files(cfg) -> str | None:

@@ -23,6 +23,9 @@ Row / batch format (numpy, one row shown; a batch stacks rows to [B, T]):
   positions   int32    0, 1, ... restarting in every segment (0 in padding)
   loss_mask   float32  1 where the target is scored, 0 in padding
   task_ids    int32    [B] only with data.task_field: the row's task id (0 in empty rows)
+  prompt_lengths int32 [B] only with data.prompt_field: the prompt's tokens at the start of the
+                       row's one document (0 in empty rows); rows hold one document
+                       ('one_per_row', refused otherwise)
 The model attends q -> kv iff segment_ids equal (and nonzero) AND positions[kv] <=
 positions[q]; `attention_mask` below is that rule in numpy, for tests.
 
@@ -52,23 +55,34 @@ BATCH_KEYS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 BATCH_DTYPES = {"inputs": np.int32, "targets": np.int32, "segment_ids": np.int32,
                 "positions": np.int32, "loss_mask": np.float32}
 TASK_KEY = "task_ids"  # [B] int32, only with data.task_field
-KEY_DTYPES = {**BATCH_DTYPES, TASK_KEY: np.int32}  # every key a batch may have
+PROMPT_KEY = "prompt_lengths"  # [B] int32, only with data.prompt_field
+ROW_KEYS = (TASK_KEY, PROMPT_KEY)  # [B] keys: one value per row
+KEY_DTYPES = {**BATCH_DTYPES, TASK_KEY: np.int32, PROMPT_KEY: np.int32}  # every key a batch may have
 _PACKED = ("inputs", "targets", "loss_mask")
 
 
-def batch_keys(with_tasks: bool = False) -> tuple[str, ...]:
-  """The keys of a batch: BATCH_KEYS (+ TASK_KEY with data.task_field)."""
-  return BATCH_KEYS + ((TASK_KEY,) if with_tasks else ())
+def batch_keys(with_tasks: bool = False, with_prompts: bool = False) -> tuple[str, ...]:
+  """The keys of a batch: BATCH_KEYS (+ TASK_KEY with data.task_field, + PROMPT_KEY with
+  data.prompt_field)."""
+  return BATCH_KEYS + ((TASK_KEY,) if with_tasks else ()) + ((PROMPT_KEY,) if with_prompts
+                                                             else ())
 
 
-def document_features(tokens: np.ndarray) -> dict[str, np.ndarray] | None:
-  """Token ids of one document -> per-pair features (None if < 2 tokens)."""
+def document_features(tokens: np.ndarray, prompt_len: int | None = None,
+                      answer_only: bool = False) -> dict[str, np.ndarray] | None:
+  """Token ids of one document -> per-pair features (None if < 2 tokens). prompt_len: the
+  first prompt_len tokens are the prompt (PROMPT_KEY, a scalar); answer_only: targets inside
+  the prompt (target index < prompt_len) are not scored."""
   tokens = np.asarray(tokens, np.int32)
   if tokens.shape[0] < 2:
     return None
   n = tokens.shape[0] - 1
-  return {"inputs": tokens[:-1], "targets": tokens[1:],
-          "loss_mask": np.ones((n,), np.float32)}
+  feats = {"inputs": tokens[:-1], "targets": tokens[1:], "loss_mask": np.ones((n,), np.float32)}
+  if prompt_len is not None:
+    feats[PROMPT_KEY] = np.int32(prompt_len)
+    if answer_only:
+      feats["loss_mask"] = (np.arange(1, n + 1) >= prompt_len).astype(np.float32)
+  return feats
 
 
 class _SplitLong(gx.FlatMapTransform):
@@ -85,6 +99,18 @@ class _SplitLong(gx.FlatMapTransform):
       return [element]
     return [{k: v[i:i + self.seq_len] if k in _PACKED else v for k, v in element.items()}
             for i in range(0, n, self.seq_len)]  # pieces keep the document's task
+
+
+class _RefuseLong(_SplitLong):
+  """Documents with a prompt stay whole: one longer than T pairs is an error (cut, a piece
+  would lose its answer or its prompt's start)."""
+
+  def flat_map(self, element):
+    n = element["inputs"].shape[0]
+    if n > self.seq_len:
+      raise ValueError(f"a prompt / answer record of {n + 1} tokens is longer than "
+                       f"data.seq_len + 1 = {self.seq_len + 1}: raise data.seq_len or drop it")
+    return [element]
 
 
 class _OneTaskFirstFit(FirstFitPackedBatch):
@@ -116,24 +142,31 @@ class _OneTaskFirstFit(FirstFitPackedBatch):
 class _OneTaskFirstFitPackIterDataset(gx.FirstFitPackIterDataset):
   """grain's FirstFitPackIterDataset (iteration, state) with the `_OneTaskFirstFit` packer."""
 
-  def __init__(self, parent, **kw):
-    super().__init__(parent, meta_features=(TASK_KEY,), **kw)
+  def __init__(self, parent, meta_features=(TASK_KEY,), **kw):
+    super().__init__(parent, meta_features=meta_features, **kw)
     self._packer_cls = _OneTaskFirstFit
 
 
 def pack(ds: grain.IterDataset, *, seq_len: int, packing: str, pack_bins: int = 4,
-         seed: int = 0, tasks: bool = False) -> grain.IterDataset:
+         seed: int = 0, tasks: bool = False, prompts: bool = False) -> grain.IterDataset:
   """Packs a stream of `document_features` dicts into grain packed rows. tasks=True: the dicts
   also hold TASK_KEY (a scalar task id) and no row mixes tasks (first_fit only; module
-  docstring)."""
+  docstring). prompts=True: the dicts hold PROMPT_KEY and every row holds one document
+  ('one_per_row' only; a document longer than seq_len pairs is refused, not cut)."""
   lengths = {k: seq_len for k in _PACKED}
   one = dict(max_sequences_per_bin=1) if packing == "one_per_row" else {}
-  if tasks:
+  if prompts and packing != "one_per_row":
+    raise ValueError(f"data.prompt_field needs data.packing='one_per_row' (one document per "
+                     f"row), not {packing!r}")
+  split = _RefuseLong(seq_len) if prompts else _SplitLong(seq_len)
+  if tasks or prompts:
     if packing not in ("first_fit", "one_per_row"):
       raise ValueError(f"packing {packing!r} cannot keep one task per row: use 'first_fit'")
-    ds = gx.FlatMapIterDataset(ds, _SplitLong(seq_len))
-    return _OneTaskFirstFitPackIterDataset(ds, length_struct=lengths, num_packing_bins=pack_bins,
-                                           seed=seed, shuffle_bins=False, **one)
+    ds = gx.FlatMapIterDataset(ds, split)
+    meta = ((TASK_KEY,) if tasks else ()) + ((PROMPT_KEY,) if prompts else ())
+    cls = _OneTaskFirstFitPackIterDataset if tasks else gx.FirstFitPackIterDataset
+    return cls(ds, length_struct=lengths, num_packing_bins=pack_bins, seed=seed,
+               shuffle_bins=False, meta_features=meta, **one)
   if packing == "concat_then_split":
     return gx.ConcatThenSplitIterDataset(ds, length_struct=lengths,
                                          split_full_length_features=True)
@@ -167,11 +200,16 @@ def packed_to_row(packed: dict[str, Any], pad_id: int = 0) -> dict[str, np.ndarr
     if len(tasks) != 1:
       raise AssertionError(f"a packed row holds documents of tasks {sorted(tasks)}")
     row[TASK_KEY] = np.int32(tasks.pop())
+  if PROMPT_KEY in packed:  # one document per row: one prompt length
+    (n,) = [int(x) for x in packed[PROMPT_KEY]]
+    row[PROMPT_KEY] = np.int32(n)
   return row
 
 
-def empty_row(seq_len: int, pad_id: int = 0, with_tasks: bool = False) -> dict[str, np.ndarray]:
-  """An all-padding row (nothing attended, nothing scored; task 0 with_tasks)."""
+def empty_row(seq_len: int, pad_id: int = 0, with_tasks: bool = False,
+              with_prompts: bool = False) -> dict[str, np.ndarray]:
+  """An all-padding row (nothing attended, nothing scored; task 0 with_tasks, prompt length 0
+  with_prompts)."""
   row = {"inputs": np.full((seq_len,), pad_id, np.int32),
          "targets": np.full((seq_len,), pad_id, np.int32),
          "segment_ids": np.zeros((seq_len,), np.int32),
@@ -179,6 +217,8 @@ def empty_row(seq_len: int, pad_id: int = 0, with_tasks: bool = False) -> dict[s
          "loss_mask": np.zeros((seq_len,), np.float32)}
   if with_tasks:
     row[TASK_KEY] = np.int32(0)
+  if with_prompts:
+    row[PROMPT_KEY] = np.int32(0)
   return row
 
 

@@ -31,6 +31,11 @@ Tasks (`data.task_field`): every record names its task; batches carry `task_ids`
   [B_local], row r's index into data.task_names (= model.scheme.task_names). Each lane packs
   one task per row (packing.py), so the lane contract and the resumable state above hold
   unchanged; empty (eval padding) rows have task 0 and loss_mask 0.
+
+Prompts (`data.prompt_field` + `data.answer_field`): every record is a prompt and its answer;
+  batches carry `prompt_lengths` int32 [B_local] (the prompt's tokens at the start of the row's
+  one document; 0 in empty rows), rows hold one document ('one_per_row'), and with
+  data.loss_on='answer' only the answer's targets are scored.
 """
 
 from __future__ import annotations
@@ -118,11 +123,15 @@ class _ToFeatures:
   on_bad_record='skip' (the task list is wrong, not the record)."""
 
   def __init__(self, to_tokens: sources.RecordToTokens, located: _Located, on_bad_record: str,
-               to_task: sources.RecordToTask | None = None):
+               to_task: sources.RecordToTask | None = None, prompt_answer: tuple = (),
+               answer_only: bool = False, seq_len: int | None = None):
     self.to_tokens = to_tokens
     self.located = located
     self.on_bad_record = on_bad_record
     self.to_task = to_task
+    self.prompt_answer = tuple(prompt_answer)  # (prompt_field, answer_field) or ()
+    self.answer_only = answer_only
+    self.seq_len = seq_len
 
   def __call__(self, item):
     index, record = item
@@ -130,7 +139,15 @@ class _ToFeatures:
       if isinstance(record, _BadRecord):
         raise ValueError(record.reason)
       task = None if self.to_task is None else self.to_task(record)
-      feats = packing_lib.document_features(self.to_tokens(record))
+      if self.prompt_answer:
+        ids, n_prompt = self.to_tokens.prompt_answer(record, *self.prompt_answer)
+        if self.seq_len is not None and ids.shape[0] > self.seq_len + 1:
+          raise ValueError(f"prompt + answer = {ids.shape[0]} tokens, longer than data.seq_len "
+                           f"+ 1 = {self.seq_len + 1} (one document per row; cut, it would lose "
+                           "its answer)")
+        feats = packing_lib.document_features(ids, n_prompt, self.answer_only)
+      else:
+        feats = packing_lib.document_features(self.to_tokens(record))
       if feats is not None and task is not None:
         feats[packing_lib.TASK_KEY] = np.int32(task)
       return feats
@@ -204,14 +221,21 @@ def _document_dataset(dc: DataConfig, paths: Sequence[str], *, tokenizer, seed: 
   check_vocab(dc, vocab_size, tokenizer)
   src = sources.open_source(dc.source, paths, text_field=dc.text_field,
                             tokens_field=dc.tokens_field, record_format=dc.record_format,
-                            field=field, task_field=dc.task_field)
+                            field=field, task_field=dc.task_field,
+                            prompt_fields=(dc.prompt_field, dc.answer_field) if dc.with_prompts
+                            else ())
   if len(src) == 0:
     raise ValueError(f"{field}: the files {list(paths)} hold no records")
   to_tokens = sources.RecordToTokens(text_field=dc.text_field, tokens_field=dc.tokens_field,
                                      tokenizer=tokenizer, vocab_size=vocab_size)
   located = _Located(src)
   first = _first_record(located, dc)
-  if first is not None and to_tokens.needs_tokenizer(first):
+  if first is not None and dc.with_prompts:
+    if tokenizer is None and any(isinstance(first.get(f), str)
+                                 for f in (dc.prompt_field, dc.answer_field)):
+      raise ValueError(f"{field}: records hold text in data.prompt_field={dc.prompt_field!r} / "
+                       "answer_field: set data.tokenizer or pass tokenizer=...")
+  elif first is not None and to_tokens.needs_tokenizer(first):
     if dc.text_field not in first:
       raise ValueError(f"{located.where(0)}: records have neither data.tokens_field="
                        f"{dc.tokens_field!r} nor data.text_field={dc.text_field!r}; "
@@ -229,7 +253,9 @@ def _document_dataset(dc: DataConfig, paths: Sequence[str], *, tokenizer, seed: 
     ds = ds.shuffle(seed=seed)
   ds = ds.repeat(num_epochs)
   to_task = sources.RecordToTask(dc.task_field, dc.task_names) if dc.with_tasks else None
-  return ds.map(_ToFeatures(to_tokens, located, dc.on_bad_record, to_task))
+  prompt_answer = (dc.prompt_field, dc.answer_field) if dc.with_prompts else ()
+  return ds.map(_ToFeatures(to_tokens, located, dc.on_bad_record, to_task, prompt_answer,
+                            answer_only=dc.loss_on == "answer", seq_len=dc.seq_len))
 
 
 def _first_record(located: _Located, dc: DataConfig, probe: int = 100):
@@ -267,11 +293,11 @@ class _LaneBatchIterDataset(grain.IterDataset):
 
   def __init__(self, lanes: Sequence[grain.IterDataset], *, lane_start: int,
                global_batch_size: int, seq_len: int, pad_id: int, pad_exhausted: bool,
-               with_tasks: bool = False):
+               with_tasks: bool = False, with_prompts: bool = False):
     super().__init__(list(lanes))
     self._meta = dict(lane_start=lane_start, global_batch_size=global_batch_size,
                       seq_len=seq_len, pad_id=pad_id, pad_exhausted=pad_exhausted,
-                      with_tasks=with_tasks)
+                      with_tasks=with_tasks, with_prompts=with_prompts)
 
   def __iter__(self):
     return _LaneBatchIterator([p.__iter__() for p in self._parents], **self._meta)
@@ -284,9 +310,10 @@ class _LaneBatchIterDataset(grain.IterDataset):
 class _LaneBatchIterator(grain.DatasetIterator):
 
   def __init__(self, parents, *, lane_start, global_batch_size, seq_len, pad_id,
-               pad_exhausted, with_tasks=False):
+               pad_exhausted, with_tasks=False, with_prompts=False):
     super().__init__(parents)
     self._with_tasks = with_tasks
+    self._with_prompts = with_prompts
     self._lane_start = lane_start
     self._global_batch_size = global_batch_size
     self._seq_len = seq_len
@@ -308,11 +335,12 @@ class _LaneBatchIterator(grain.DatasetIterator):
         rows.append(None)
     if all(self._exhausted) or (not self._pad_exhausted and any(self._exhausted)):
       raise StopIteration
-    empty = packing_lib.empty_row(self._seq_len, self._pad_id, self._with_tasks)
+    empty = packing_lib.empty_row(self._seq_len, self._pad_id, self._with_tasks,
+                                  self._with_prompts)
     rows = [empty if r is None else r for r in rows]
     self._step += 1
     return {k: np.stack([r[k] for r in rows]).astype(packing_lib.KEY_DTYPES[k])
-            for k in packing_lib.batch_keys(self._with_tasks)}
+            for k in packing_lib.batch_keys(self._with_tasks, self._with_prompts)}
 
   def get_state(self) -> dict[str, Any]:
     return {
@@ -395,12 +423,14 @@ def make_dataset(cfg, *, process_index: int = 0, process_count: int = 1, tokeniz
     ds = docs[lane::B].to_iter_dataset(read)
     if not dc.is_synthetic:
       ds = packing_lib.pack(ds, seq_len=dc.seq_len, packing=dc.packing,
-                            pack_bins=dc.pack_bins, seed=lane, tasks=dc.with_tasks)
+                            pack_bins=dc.pack_bins, seed=lane, tasks=dc.with_tasks,
+                            prompts=dc.with_prompts)
       ds = ds.map(_PackedToRow(dc.pad_id))
     lanes.append(ds)
   out = _LaneBatchIterDataset(lanes, lane_start=lane_start, global_batch_size=B,
                               seq_len=dc.seq_len, pad_id=dc.pad_id,
-                              pad_exhausted=pad_exhausted, with_tasks=dc.with_tasks)
+                              pad_exhausted=pad_exhausted, with_tasks=dc.with_tasks,
+                              with_prompts=dc.with_prompts)
   n_prefetch = dc.prefetch if prefetch is None else prefetch
   if n_prefetch > 0:
     out = grain.experimental.ThreadPrefetchIterDataset(out, prefetch_buffer_size=n_prefetch)
@@ -491,13 +521,13 @@ def make_eval_batches(cfg, num_batches: int | None, seed: int, *, process_index:
 
 def batch_spec(cfg, *, global_batch: bool = True, process_count: int = 1) -> dict[str, Any]:
   """{key: jax.ShapeDtypeStruct} of a global (or per-process) batch: [b, T] per key, and
-  task_ids [b] with data.task_field."""
+  task_ids [b] with data.task_field, prompt_lengths [b] with data.prompt_field."""
   import jax
   dc = parse_data_config(cfg, needs_files=False)
   b = dc.batch_size if global_batch else _shard(dc.batch_size, 0, process_count)[1]
-  return {k: jax.ShapeDtypeStruct((b,) if k == packing_lib.TASK_KEY else (b, dc.seq_len),
+  return {k: jax.ShapeDtypeStruct((b,) if k in packing_lib.ROW_KEYS else (b, dc.seq_len),
                                   np.dtype(packing_lib.KEY_DTYPES[k]))
-          for k in packing_lib.batch_keys(dc.with_tasks)}
+          for k in packing_lib.batch_keys(dc.with_tasks, dc.with_prompts)}
 
 
 def data_shard_for_sharding(sharding, global_shape: Sequence[int]) -> tuple[int, int]:

@@ -274,14 +274,16 @@ def write_array_record(path: str, records: Iterable[Any], record_format: str = "
 
 
 def open_source(source: str, paths: Sequence[str], *, text_field: str, tokens_field: str,
-                record_format: str, field: str = "data.paths", task_field: str | None = None):
-  """The record source; parquet reads only the token, text (and task) columns."""
+                record_format: str, field: str = "data.paths", task_field: str | None = None,
+                prompt_fields: Sequence[str] = ()):
+  """The record source; parquet reads only the token, text (and task, prompt / answer)
+  columns."""
   files = resolve_paths(paths, field)
   if source == "jsonl":
     return JsonlSource(files)
   if source == "parquet":
     return ParquetSource(files, columns=[tokens_field, text_field] + (
-        [task_field] if task_field else []))
+        [task_field] if task_field else []) + list(prompt_fields))
   if source == "array_record":
     return ArrayRecordSource(files, record_format)
   raise ValueError(f"not a file source: {source!r}; valid: ['jsonl', 'parquet', 'array_record']")
@@ -336,6 +338,33 @@ class RecordToTokens:
     if self.separator_id is not None:
       ids = np.concatenate([ids, np.array([self.separator_id], np.int32)])
     return ids
+
+  def prompt_answer(self, record, prompt_field: str, answer_field: str) -> tuple[np.ndarray, int]:
+    """A prompt / answer record -> (int32 ids of prompt + answer (+ separator), the prompt's
+    token count). Each field holds text (the answer is encoded without a BOS) or token ids."""
+    if not isinstance(record, dict) or prompt_field not in record or answer_field not in record:
+      fields = sorted(record)[:10] if isinstance(record, dict) else type(record).__name__
+      raise ValueError(f"record lacks data.prompt_field={prompt_field!r} or data.answer_field="
+                       f"{answer_field!r}; its fields: {fields}")
+    parts = []
+    for name, value, bos in ((prompt_field, record[prompt_field], None),
+                             (answer_field, record[answer_field], False)):
+      if isinstance(value, str):
+        if self.tokenizer is None:
+          raise ValueError(f"record field {name!r} holds text: pass tokenizer=... or set "
+                           "data.tokenizer")
+        try:
+          value = self.tokenizer.encode(value, add_bos=bos)
+        except TypeError:  # a plain encode(text) tokenizer (no BOS switch)
+          value = self.tokenizer.encode(value)
+      sep, self.separator_id = self.separator_id, None
+      try:
+        parts.append(self({self.tokens_field: value}))
+      finally:
+        self.separator_id = sep
+    ids = np.concatenate(parts + ([np.array([self.separator_id], np.int32)]
+                                  if self.separator_id is not None else []))
+    return ids.astype(np.int32), int(parts[0].shape[0])
 
 
 class UnknownTask(ValueError):

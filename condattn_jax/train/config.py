@@ -159,10 +159,9 @@ def validate_config(config: ml_collections.ConfigDict, *, needs_data: bool = Tru
   from condattn_jax.attention import get_scheme
   scheme = get_scheme(config.model.scheme.name)
   from condattn_jax.data.config import FILE_SOURCES
-  # A scheme that runs a row as one document (packed_documents=False) needs one document per
-  # row. Rows with task ids (data.task_field: one task per row, Elastic's per-task rows) are
-  # left to the scheme's recipe.
-  if (not scheme.packed_documents and dc.source in FILE_SOURCES and not dc.task_field
+  # A scheme that runs a row as one document (packed_documents=False: Elastic decides once per
+  # row, segmented runs a row as one sequence) needs one document per row, task ids or not.
+  if (not scheme.packed_documents and dc.source in FILE_SOURCES
       and dc.packing != "one_per_row"):
     raise ValueError(f"config.data.packing={dc.packing!r} packs several documents in a row, but "
                      f"scheme {scheme.name!r} runs a row as one document "

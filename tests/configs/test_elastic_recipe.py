@@ -36,6 +36,21 @@ def test_paper_recipe_and_variants():
       0.2, "cosine", 0.0, 0.1, 48)
   assert s.lagrangian == "signed" and recipe("lagrangian=abs").model.scheme.lagrangian == "abs"
   assert s.lambda_init_max == 0.0 and recipe("lam_init=0.5").model.scheme.lambda_init_max == 0.5
+  # real data: prompt / answer records, one document per row, CE on the answers, the router
+  # pooling the prompt the batches report
+  assert (d.prompt_field, d.answer_field, d.loss_on, d.packing, s.prompt_field) == (
+      "prompt", "answer", "answer", "one_per_row", "prompt_lengths")
+  c.model.init_from, c.data.paths, c.data.tokenizer = "/ckpt", "/data/*.jsonl", "/ckpt"
+  config_lib.validate_config(c, needs_data=False)
+  c.data.packing = "first_fit"  # several documents, one decision: refused in one line
+  with pytest.raises(ValueError, match=r"data.prompt_field='prompt' needs data.packing="
+                                       r"'one_per_row'.*'first_fit' packs several documents"):
+    config_lib.validate_config(c, needs_data=False)
+  c.data.prompt_field = c.data.answer_field = None  # task rows of plain text: still refused
+  c.data.loss_on = "all"
+  with pytest.raises(ValueError, match=r"config.data.packing='first_fit' packs several documents "
+                                       r"in a row, but scheme 'elastic' runs a row as one"):
+    config_lib.validate_config(c, needs_data=False)
   assert dict(zip(s.task_names, s.targets)) == {"qa": 0.7, "summarization": 1.0, "code": 1.0,
                                                 "in_context_learning": 1.0}
   g = t.param_groups.lagrange
