@@ -303,7 +303,7 @@ class RecordToTokens:
   def needs_tokenizer(self, record) -> bool:
     return isinstance(record, dict) and record.get(self.tokens_field) is None
 
-  def __call__(self, record) -> np.ndarray:
+  def __call__(self, record, separator: bool = True) -> np.ndarray:
     if isinstance(record, dict):
       toks = record.get(self.tokens_field)
       if toks is None:
@@ -335,7 +335,7 @@ class RecordToTokens:
           f" (the model's vocab_size is {self.vocab_size}: ids beyond it have no embedding)"
           if self.vocab_size is not None else ""))
     ids = ids.astype(np.int32)
-    if self.separator_id is not None:
+    if separator and self.separator_id is not None:
       ids = np.concatenate([ids, np.array([self.separator_id], np.int32)])
     return ids
 
@@ -357,11 +357,7 @@ class RecordToTokens:
           value = self.tokenizer.encode(value, add_bos=bos)
         except TypeError:  # a plain encode(text) tokenizer (no BOS switch)
           value = self.tokenizer.encode(value)
-      sep, self.separator_id = self.separator_id, None
-      try:
-        parts.append(self({self.tokens_field: value}))
-      finally:
-        self.separator_id = sep
+      parts.append(self({self.tokens_field: value}, separator=False))
     ids = np.concatenate(parts + ([np.array([self.separator_id], np.int32)]
                                   if self.separator_id is not None else []))
     return ids.astype(np.int32), int(parts[0].shape[0])
