@@ -11,7 +11,10 @@ the state stream s - 1 produced one segment earlier, and stream K gives the outp
 hidden). All streams compute the same values; they differ only in how far back their incoming
 state carries gradients, so stream K's loss reaches segments i-1 .. i-K and no further. The
 pool and the retrieved prefix are stop_gradient inside the operator. Cost: (K + 1) x a plain
-forward (the authors' code recomputes the K previous segments per segment: the same).
+forward (the authors' code recomputes the K previous segments per segment: the same). The
+boundary is the paper's (Def. 3.2): stream 0 starts from stop_gradient of the TRUE state, so
+values equal inference's; the authors' trainer instead restarts the oldest recomputed segment
+from an empty tail (not implemented: it needs a "tail empty" flag in the operator).
 
 The CE is normalised by the number of target tokens by the train step (sum(mask * CE) /
 sum(mask)); the authors' code averages per segment instead (not the same when segments carry

@@ -10,7 +10,8 @@ is `core.segment_step` on the pre-RoPE q/k/v of `Attention.project`:
   otherwise   : `core.full_sequence` (a scan of the same operator over the row's segments, this
                 layer only): the same values, for analysis / evaluation through Decoder.apply.
 Rows are single documents at positions 0..T-1 (right padding = segment id 0); packed rows
-(several documents per row) are not supported.
+(several documents per row) are not supported: the scheme declares packed_documents=False and
+train/config.py refuses a file-source packing other than data.packing='one_per_row'.
 """
 from __future__ import annotations
 
