@@ -56,3 +56,14 @@ def readme_segmented_memory(rec, run):
   sec = lambda row: " / ".join(f"{rows[row, T]['prefill_s']:.2f}" for T in Ts)
   return [f"{gib('segmented')} GiB vs {gib('dense')} GiB",
           f"Prefill latency: {sec('segmented')} s vs {sec('dense')} s"]
+
+
+@claim("segmented_fidelity", run="*")
+def claims_and_findings_follow_from_the_perplexities(r, run):
+  """Every run (the test preset's too): the claims and findings it recorded are what
+  segmented_fidelity.claims_of gives for its perplexities and preset."""
+  from bench import segmented_fidelity as fid
+  ppl = {k: {int(L): v for L, v in d.items()} for k, d in r["perplexity"].items()}
+  claims, findings = fid.claims_of(ppl, fid.PRESETS[r["preset"]])
+  expect(claims == r["claims"], ("claims", claims, r["claims"]))
+  expect(findings == r["findings"], ("findings", findings, r["findings"]))

@@ -25,11 +25,18 @@ def test_memory_bench_rows_at_test_preset():
   assert (seg["chunk"], dense["chunk"]) == (p["seg"]["segment_len"], T)
 
 
-def test_fidelity_test_preset_runs():
-  r = fid.run("test")
+def test_fidelity_test_preset_runs(tmp_path):
+  """The test preset through the CLI into --out_dir: finite perplexities at every length, and the
+  writer recorded the claim every run carries (its claims / findings follow from its numbers)."""
+  assert fid.main(["--preset=test", f"--out_dir={tmp_path}"]) == 0
+  (run,) = common.load(common.result_path("segmented_fidelity", str(tmp_path)))["runs"]
+  assert run["settings"]["name"] == "test"
+  assert {c["name"]: c["passed"] for c in run["claims"]}[
+      "claims and findings follow from the perplexities"] is True
+  r = common.recorded_of(run)
   lens = list(fid.PRESETS["test"]["eval_lens"])
   for k in ("aligned_segmented", "misaligned_segmented", "misaligned_dense"):
-    assert sorted(r["perplexity"][k]) == lens
+    assert sorted(int(L) for L in r["perplexity"][k]) == lens
     assert all(np.isfinite(v) for v in r["perplexity"][k].values())
   assert set(r["findings"]) == {"misaligned_over_aligned_at_max_len", "explodes_like_paper_2x"}
 
