@@ -1,0 +1,79 @@
+"""Claims of bench/decode.py's recorded GPU runs (decode_<device>.json; see
+bench/claims/__init__.py). Issue 33's targets are recorded on each run as `targets` (met or not:
+the baseline before the decode kernels); the claims here are that those verdicts and every derived
+number follow from the stored rows."""
+from bench.claims import approx, claim, expect, quote
+
+H100 = "decode_NVIDIA_H100_80GB_HBM3.json"
+RUNS = ("main", "rest", "match")
+
+
+@claim("decode", run=RUNS, file="decode_*NVIDIA*")
+def rows_and_targets_follow_from_the_stored_numbers(rec, run):
+  """Every row ran or says why; limit_ms = bytes / the card's bandwidth, x_limit = ms / limit_ms,
+  bytes = weights + K/V, scheme ratios against the dense row of the same point; the recorded
+  target verdicts == targets_of(rows) re-evaluated."""
+  from bench import decode
+  bw = run["settings"]["bandwidth_tbps"]
+  expect(bw == decode.bandwidth_tbps(run["device"], None), ("bandwidth", bw, run["device"]))
+  ok = [r for r in run["rows"] if r["status"] == "ok"]
+  expect(ok, "no row finished")
+  for r in run["rows"]:
+    expect(r["status"] in ("ok", "error", "skipped"), r)
+    expect(r["status"] == "ok" or r.get("error") or r.get("reason"), r)
+  eng = {(r["scheme"], r["shapes"], r["B"], r["T"]): r for r in ok if "bytes" in r}
+  for r in eng.values():
+    expect(r["bytes"] == r["weight_bytes"] + r["kv_bytes"] and r["ms"] > 0 and r["logits_finite"])
+    expect(r["limit_ms"] == approx(r["bytes"] / (bw * 1e9)) and
+           r["x_limit"] == approx(r["ms"] / r["limit_ms"]), r["scheme"])
+    d = eng.get(("dense", r["shapes"], r["B"], r["T"]))
+    if r["scheme"] != "dense" and d is not None:
+      expect(r["achieved"] == approx(d["ms"] / r["ms"] / (d["bytes"] / r["bytes"])), r["scheme"])
+  want = decode.targets_of(run["rows"], run["settings"]["dense_shapes"])
+  expect([(t["name"], t["met"]) for t in run["targets"]] ==
+         [(t["name"], t["met"]) for t in want], "recorded target verdicts differ from the rows'")
+
+
+def _engine_line(rows, scheme, shapes, B, T):
+  r = next(x for x in rows if (x["scheme"], x["shapes"], x["B"], x["T"]) == (scheme, shapes, B, T)
+           and x["status"] == "ok")
+  return (f"| {scheme} ({shapes}) | {B} | {T // 1024}K | {r['ms']:.1f} | {r['limit_ms']:.2f} | "
+          f"{r['x_limit']:.1f} |")
+
+
+@quote("docs/performance.md", H100, run="main")
+def performance_decode_main(rec, run):
+  """docs/performance.md's Decode table (main run): dense and scheme rows, the baselines, the
+  prefill pair."""
+  rows = run["rows"]
+  q = "qwen2.5-1.5b"
+  out = [_engine_line(rows, "dense", q, B, T) for B, T in
+         ((1, 8192), (1, 32768), (1, 131072), (8, 8192), (8, 32768), (32, 8192))]
+  out += [_engine_line(rows, s, sh, B, T) for s, sh, B, T in
+          (("l2a", q, 1, 32768), ("l2a", q, 1, 131072), ("elastic", q, 1, 32768),
+           ("aha", "olmo2-1b", 1, 32768), ("dense", "olmo2-1b", 1, 32768))]
+  for B, T in ((1, 8192), (1, 32768), (1, 131072), (8, 32768)):
+    st, pl = (next(x for x in rows if (x["scheme"], x["B"], x["T"]) == (n, B, T))
+              for n in ("xla_stacked", "xla_per_layer"))
+    out.append(f"| {B} | {T // 1024}K | {st['ms']:.2f} | {pl['ms']:.2f} | "
+               f"{st['temp_over_cache']:.2f} | {pl['temp_over_cache']:.2f} |")
+  pre = {r["mode"]: r for r in rows if r.get("kind") == "prefill"}
+  out.append(f"{pre['one_shot']['ms']:.0f} ms one-shot, {pre['chunked']['ms']:.0f} ms in "
+             f"{pre['chunked']['chunk']}-token chunks")
+  return out
+
+
+@quote("docs/performance.md", H100, run="rest")
+def performance_decode_rest(rec, run):
+  """The rows of the second run: segmented and dense on LLaMA-2-7B shapes, L2A at B = 8."""
+  rows = run["rows"]
+  return [_engine_line(rows, "segmented", "llama2-7b", 1, 32768),
+          _engine_line(rows, "dense", "llama2-7b", 1, 32768),
+          _engine_line(rows, "l2a", "qwen2.5-1.5b", 8, 32768)]
+
+
+@quote("docs/performance.md", H100, run="match")
+def performance_decode_match(rec, run):
+  rows = run["rows"]
+  return [_engine_line(rows, "match", "qwen2.5-1.5b", 1, 8192),
+          _engine_line(rows, "match", "qwen2.5-1.5b", 1, 32768)]

@@ -1,0 +1,737 @@
+r"""Decode at the hardware limit (issue 33's bench): ms per decode step of the inference engine
+against the bytes a step must read, per scheme, with a plain-XLA decode step as the baseline.
+
+    python -m bench.decode                       # the GPU plan (one H100: ~9 minutes)
+    python -m bench.decode --only=dense --B=1 --T=32768
+    python -m bench.decode --preset=test         # CPU, tiny shapes, seconds (tests/bench)
+
+Per row (scheme, shapes, B, T): a model of the named shapes with the scheme at its recipe's
+default knobs (configs/<recipe>.py; window-like knobs scaled by T / the recipe's seq_len, see
+`scheme_config`), random init, bf16 weights and cache; an `Engine(cache_len=T + EXTRA,
+prefill_chunk=4096)` fills the cache with a chunked prefill of B random prompts of T tokens; then
+the engine's decode program (`Engine._step` with one token per row, what `Engine.decode_step`
+runs) is compiled ahead of time (compile_s; its memory analysis: argument / output / temp bytes,
+peak_est = arguments + outputs - aliased + temps) and run `--steps` steps back to back, tokens fed
+back by an on-device argmax, one block at the end: ms = wall / steps (median of `--repeats` such
+batches, after `--warmup` steps). tokens_per_s = B * 1000 / ms.
+
+Bytes a step must read (`step_bytes`; bf16 = 2 bytes, kv = 2 (K and V) * head_dim * 2 bytes per
+token and KV head):
+  weights    every parameter once (the tied embedding once, as the LM head); an untied input
+             embedding table counts B rows only;
+  dense      L * B * T * K * kv                    (every row's whole K/V, every layer)
+  l2a        L * B * K * kv * min(W, T) + T * K * kv * sum_{l,b} g_lb
+             (the window ring always; the global cache only at the rate g_lb the decode steps
+             routed global, per layer and row, from the engine's aux `global_tokens_B`)
+  aha        kv * (L * B * N * min(W, T) + T * sum_{l,b,n} f_lbn)
+             (one KV head per query head; f_lbn = the (token, head) full-attention rate of the
+             decode steps, aux `full_BN`)
+  elastic    kv * sum_{l,b,k} (a_lbk * T + (1 - a_lbk) * min(sinks + local, T))
+             (a_lbk = the decode steps' FA rate per KV head, aux `fa_BK`; SSA = sinks + window)
+  match      L * B * K * kv * (min(W, T) + top_k * chunk)   (window + the retrieved chunks)
+  segmented  the scheme's whole decode state (`cache_bytes`: every layer's segment state is read)
+limit_ms = bytes / the card's bandwidth (3.35 TB/s H100, 4.8 TB/s H200; --bandwidth_tbps
+elsewhere); x_limit = ms / limit_ms. For a scheme row with a dense row of the same shapes, B and
+T: bound_speedup = dense bytes / scheme bytes, speedup = dense ms / scheme ms, achieved =
+speedup / bound_speedup.
+
+Baselines (dense rows, `--baseline`): the plain-XLA decode step written below
+(`baseline_step_stacked`: a lax.scan over layers carrying a DONATED stacked cache [L, B, S, K, H]
+updated by dynamic_update_slice, einsum attention with a per-row length mask;
+`baseline_step_layers`: the same step as a python loop over layers with one donated cache array
+per layer), on the engine's own params; ms timed as the engine's; their compiled memory analysis
+says whether a cache-sized temporary exists (temp_bytes / cache_bytes).
+Prefill (dense, B = 1, `--prefill_T`): the engine's time to first token, one-shot
+(prefill_chunk=None) and chunked (4096-token chunks), median of --prefill_reps after a warm-up.
+
+Targets (pre-registered: issue 33's, recorded on the run as `targets` [{name, met, detail}], met
+or not, never asserted: today they are the baseline): dense B=1 <= 2x the limit at 8K and <= 1.5x
+at 32K and 128K, B=8 at 32K <= 1.5x; the engine faster than both baselines at every dense point;
+every scheme row >= 0.9x of its bytes-bound speedup; chunked prefill <= 1.15x one-shot. The
+run's claims (bench/claims/decode.py) are that these verdicts and the derived numbers follow
+from the stored rows.
+Appends one run to <out_dir>/decode_<device>.json, saved after every row (a timeout keeps the
+rows done); rows that did not run are recorded with their reason; prints a table last.
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import statistics
+import sys
+import time
+import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags  # noqa: E402
+
+from bench import common  # noqa: E402
+
+BENCH = "decode"
+# ModelConfig fields of the named shapes (the models' config.json).
+SHAPES = {
+    "qwen2.5-1.5b": dict(family="qwen2", vocab_size=151936, hidden_size=1536,
+                         intermediate_size=8960, num_layers=28, num_heads=12, num_kv_heads=2,
+                         head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6,
+                         tie_word_embeddings=True, attention_bias=True),
+    "olmo2-1b": dict(family="olmo2", vocab_size=100352, hidden_size=2048, intermediate_size=8192,
+                     num_layers=16, num_heads=16, num_kv_heads=16, head_dim=128,
+                     rope_theta=500000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                     qk_norm="full", post_norm=True),
+    "llama2-7b": dict(family="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
+                      num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128,
+                      rope_theta=10000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
+    # CPU preset: same families and layouts, tiny
+    "tiny-qwen": dict(family="qwen2", vocab_size=256, hidden_size=64, intermediate_size=128,
+                      num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rope_theta=1e6,
+                      rms_norm_eps=1e-6, tie_word_embeddings=True, attention_bias=True),
+    "tiny-olmo": dict(family="olmo2", vocab_size=256, hidden_size=64, intermediate_size=128,
+                      num_layers=2, num_heads=4, num_kv_heads=4, head_dim=16, rope_theta=5e5,
+                      rms_norm_eps=1e-6, tie_word_embeddings=False, qk_norm="full",
+                      post_norm=True),
+    "tiny-llama": dict(family="llama", vocab_size=256, hidden_size=64, intermediate_size=128,
+                       num_layers=2, num_heads=4, num_kv_heads=4, head_dim=16, rope_theta=1e4,
+                       rms_norm_eps=1e-5, tie_word_embeddings=False),
+}
+# scheme -> (recipe file, recipe variant, the shapes the issue names, window-like knobs scaled
+# by T / the recipe's seq_len, fixed overrides)
+SCHEMES = {
+    "dense": (None, None, "qwen2.5-1.5b", (), {}),
+    # routing: the recipe's bernoulli_q (0.2) as the global rate a trained router reaches (a
+    # random-init learned router routes ~half its tokens global)
+    "l2a": ("l2a_qwen.py", None, "qwen2.5-1.5b", ("window",), dict(routing="bernoulli")),
+    "aha": ("aha_olmo.py", None, "olmo2-1b", ("window",), {}),
+    "elastic": ("elastic_qwen.py", None, "qwen2.5-1.5b", ("local",), {}),
+    # retrieval by exact match of key tokens (the MiniLM bi-encoder needs its weights and the
+    # tokenizer; the decode step's reads are the same: window + top_k retrieved chunks)
+    "match": ("match_qwen.py", None, "qwen2.5-1.5b", ("window",),
+              dict(retriever="exact", retriever_kwargs=())),
+    "segmented": ("segmented_llama.py", None, "llama2-7b", (), {}),
+}
+TINY_SHAPES = {"qwen2.5-1.5b": "tiny-qwen", "olmo2-1b": "tiny-olmo", "llama2-7b": "tiny-llama"}
+BANDWIDTH_TBPS = {"H100": 3.35, "H200": 4.8}
+EXTRA = 128  # cache slots beyond the prompt (decode steps)
+PREFILL_CHUNK = 4096
+# The GPU plan, most important first: (scheme, shapes (None: the scheme's), B, T).
+GPU_PLAN = [
+    ("dense", None, 1, 32768), ("dense", None, 1, 8192), ("dense", None, 1, 131072),
+    ("dense", None, 8, 32768), ("l2a", None, 1, 131072), ("l2a", None, 1, 32768),
+    ("dense", None, 8, 8192), ("dense", None, 32, 8192),
+    ("aha", None, 1, 32768), ("dense", "olmo2-1b", 1, 32768),
+    ("elastic", None, 1, 32768), ("segmented", None, 1, 32768), ("dense", "llama2-7b", 1, 32768),
+    ("match", None, 1, 32768), ("l2a", None, 8, 32768), ("dense", None, 32, 32768),
+]
+TEST_PLAN = [("dense", None, 1, 64), ("dense", None, 2, 64), ("l2a", None, 2, 64), ("match", None, 1, 64),
+             ("aha", None, 1, 64), ("dense", "olmo2-1b", 1, 64), ("elastic", None, 1, 64),
+             ("segmented", None, 1, 64), ("dense", "llama2-7b", 1, 64)]
+
+
+def define_flags():
+  fv = common.flag_values()
+  flags.DEFINE_enum("preset", "gpu", ["gpu", "test"], "gpu: the issue's shapes and GPU_PLAN; "
+                    "test: tiny shapes on any device (seconds)", flag_values=fv)
+  flags.DEFINE_list("only", [], "schemes to run (default: every scheme of the plan)",
+                    flag_values=fv)
+  flags.DEFINE_list("rows", [], "explicit rows scheme/B/T[/shapes] instead of the preset's plan",
+                    flag_values=fv)
+  flags.DEFINE_string("name", "main", "the run's tag (settings.name)", flag_values=fv)
+  flags.DEFINE_list("B", [], "batch sizes to keep (default: the plan's)", flag_values=fv)
+  flags.DEFINE_list("T", [], "contexts to keep (default: the plan's)", flag_values=fv)
+  flags.DEFINE_integer("steps", 32, "decode steps per timed batch (ms = wall / steps)",
+                       flag_values=fv)
+  flags.DEFINE_integer("repeats", 2, "timed batches (the median is reported)", flag_values=fv)
+  flags.DEFINE_integer("warmup", 3, "untimed decode steps first", flag_values=fv)
+  flags.DEFINE_bool("baseline", True, "time the plain-XLA baselines at the dense rows",
+                    flag_values=fv)
+  flags.DEFINE_integer("prefill_T", None, "prefill one-shot vs chunked at this T (dense, B=1); "
+                       "default 32768 (gpu), 64 (test); 0: skip", flag_values=fv)
+  flags.DEFINE_integer("prefill_reps", 2, "timed prefills (median)", flag_values=fv)
+  flags.DEFINE_float("bandwidth_tbps", None, "memory bandwidth of the card (default: 3.35 H100, "
+                     "4.8 H200, 0.02 elsewhere: a nominal CPU figure)", flag_values=fv)
+  flags.DEFINE_float("deadline_s", 0, "start no new row after this many seconds (0: none)",
+                     flag_values=fv)
+  return fv
+
+
+FLAGS = define_flags()
+
+
+# ------------------------------------------------------------------------------------------------
+# Models
+# ------------------------------------------------------------------------------------------------
+
+def _recipe(file: str):
+  spec = importlib.util.spec_from_file_location(file[:-3], os.path.join(common.ROOT, "configs",
+                                                                        file))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def scheme_config(scheme: str, shapes: str, T: int):
+  """(ModelConfig, knobs dict): the named shapes, bf16, with `scheme` at its recipe's default
+  knobs; window-like knobs scaled by T / the recipe's data.seq_len (a power of two, >= 16),
+  the scheme's fixed overrides (SCHEMES) applied."""
+  from condattn_jax.models.config import ModelConfig
+  recipe, variant, _, scaled, fixed = SCHEMES[scheme]
+  base = ModelConfig(**SHAPES[shapes], dtype="bfloat16", param_dtype="bfloat16")
+  if recipe is None:
+    return base, {}
+  from condattn_jax.train import config as config_lib
+  c = _recipe(recipe).get_config(variant)
+  with c.unlocked():
+    c.model.init_from = None
+  mc, _ = config_lib.model_config(c)
+  kw = dict(mc.scheme_kwargs)
+  seq = int(c.data.seq_len)
+  for k in scaled:
+    v = int(kw[k] * T / seq)
+    kw[k] = max(16, 1 << max(0, v.bit_length() - 1))  # the power of two <= the scaled value
+  kw.update(fixed)
+  for k, n in (("long_heads", base.num_kv_heads), ("long_layers", base.num_layers)):
+    if k in kw and any(i >= n for i in kw[k]):  # the tiny shapes: indices that exist
+      kw[k] = tuple(i for i in kw[k] if i < n) or (0,)
+  if "chunk" in kw and "window" in kw and kw["chunk"] > kw["window"]:  # MATCH at tiny T
+    kw["chunk"] = kw["window"]
+  knobs = {k: kw[k] for k in list(scaled) + list(fixed)}
+  knobs["recipe_seq_len"] = seq
+  return dataclasses.replace(base, scheme=mc.scheme, scheme_kwargs=tuple(sorted(kw.items()))), knobs
+
+
+def init_params(cfg, seed: int = 0):
+  """Random-init params of `cfg`, cast to its dtype inside one jit (unboxed)."""
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+  from condattn_jax.models.decoder import Decoder
+  dt = jnp.dtype(cfg.dtype)
+
+  def init(key):
+    p = nn.meta.unbox(Decoder(cfg).init(key, jnp.zeros((1, 8), jnp.int32))["params"])
+    return jax.tree.map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, p)
+  return jax.jit(init)(jax.random.key(seed))
+
+
+def nbytes(tree) -> int:
+  import jax
+  return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
+# ------------------------------------------------------------------------------------------------
+# Bytes a step must read
+# ------------------------------------------------------------------------------------------------
+
+def weight_bytes(cfg, params, B: int) -> int:
+  """Every parameter once; an untied input embedding table only the B rows looked up."""
+  total = nbytes(params)
+  if not cfg.tie_word_embeddings:
+    emb = params["embed_tokens"]["embedding"]
+    total -= (emb.shape[0] - B) * emb.shape[1] * emb.dtype.itemsize
+  return total
+
+
+def rates(row_aux_steps) -> dict:
+  """The decode steps' routing rates per (layer, row[, head]): an aux with `tokens_B` as counts
+  per token (L2A `global_tokens_B`, AHA `full_BN`), else the mean over steps (Elastic `fa_BK`)."""
+  import numpy as np
+  if not row_aux_steps or not row_aux_steps[0]:
+    return {}
+  sums = {}
+  for aux in row_aux_steps:
+    for k, v in aux.items():
+      sums[k] = sums.get(k, 0.0) + np.asarray(v, np.float64)
+  if "tokens_B" in sums:
+    tok = np.maximum(sums.pop("tokens_B"), 1.0)
+    return {k: v / tok.reshape(tok.shape + (1,) * (v.ndim - 2)) for k, v in sums.items()}
+  return {k: v / len(row_aux_steps) for k, v in sums.items()}
+
+
+def step_bytes(scheme: str, cfg, B: int, T: int, rate: dict, state_bytes: int) -> dict:
+  """{'kv_bytes', 'formula', 'rate'} of one decode step (see the module docstring)."""
+  import numpy as np
+  from condattn_jax.attention import options as scheme_options
+  L, K, N, H = cfg.num_layers, cfg.num_kv_heads, cfg.num_heads, cfg.head_dim
+  kv = 2 * H * 2  # K and V, bf16, per token and KV head
+  o = None if scheme == "dense" else scheme_options(cfg)
+  if scheme == "dense":
+    return dict(kv_bytes=L * B * T * K * kv, formula="L*B*T*K*kv", rate=None)
+  if scheme == "l2a":
+    g = rate["global_tokens_B"]  # [L, B]
+    W = min(o.window, T)
+    return dict(kv_bytes=int(L * B * K * kv * W + T * K * kv * g.sum()),
+                formula="L*B*K*kv*min(W,T) + T*K*kv*sum(g_lb)", rate=float(g.mean()))
+  if scheme == "aha":
+    f = rate["full_BN"]  # [L, B, N]
+    W = min(o.window, T)
+    return dict(kv_bytes=int(kv * (L * B * N * W + T * f.sum())),
+                formula="kv*(L*B*N*min(W,T) + T*sum(f_lbn))", rate=float(f.mean()))
+  if scheme == "elastic":
+    a = rate["fa_BK"]  # [L, B, K]
+    ssa = min(o.sinks + o.local, T)
+    return dict(kv_bytes=int(kv * (a * T + (1 - a) * ssa).sum()),
+                formula="kv*sum(a_lbk*T + (1-a_lbk)*min(sinks+local,T))", rate=float(a.mean()))
+  if scheme == "match":
+    return dict(kv_bytes=int(L * B * K * kv * (min(o.window, T) + o.top_k * o.chunk)),
+                formula="L*B*K*kv*(min(W,T) + top_k*chunk)", rate=None)
+  if scheme == "segmented":
+    return dict(kv_bytes=int(state_bytes), formula="cache_bytes(decode state)", rate=None)
+  raise ValueError(f"bench.decode: no bytes formula for scheme {scheme!r}")
+
+
+def bandwidth_tbps(kind: str, flag: float | None) -> float:
+  if flag:
+    return float(flag)
+  return next((v for k, v in BANDWIDTH_TBPS.items() if k in kind), 0.02)
+
+
+# ------------------------------------------------------------------------------------------------
+# The plain-XLA decode baseline (dense, pre-norm families without q/k norm)
+# ------------------------------------------------------------------------------------------------
+
+def _rms(x, scale, eps):
+  import jax.numpy as jnp
+  from jax import lax
+  x32 = x.astype(jnp.float32)
+  return (x32 * lax.rsqrt(jnp.mean(x32 * x32, -1, keepdims=True) + eps)
+          * scale.astype(jnp.float32)).astype(x.dtype)
+
+
+def _baseline_layer(cfg, lp, x_BD, k_BSKH, v_BSKH, pos, lengths_B):
+  """One layer of the baseline: writes the token's K/V at slot `pos` of this layer's cache
+  (dynamic_update_slice), attends over slots < lengths_B + 1; returns (x, k, v)."""
+  import jax.numpy as jnp
+  from jax import lax
+  from condattn_jax.models.layers import apply_rope, rope_inv_freq
+  a, eps, dt = lp["self_attn"], cfg.rms_norm_eps, x_BD.dtype
+  h = _rms(x_BD, lp["input_layernorm"]["scale"], eps)
+  proj = lambda p: jnp.einsum("bd,dnh->bnh", h, p["kernel"]) + (p["bias"] if "bias" in p else 0)
+  q, k, v = proj(a["q_proj"]), proj(a["k_proj"]), proj(a["v_proj"])
+  p_B1 = jnp.broadcast_to(pos, (x_BD.shape[0], 1))
+  inv = rope_inv_freq(cfg)
+  q, k = apply_rope(q[:, None], p_B1, inv)[:, 0], apply_rope(k[:, None], p_B1, inv)[:, 0]
+  k_BSKH = lax.dynamic_update_slice(k_BSKH, k[:, None].astype(k_BSKH.dtype), (0, pos, 0, 0))
+  v_BSKH = lax.dynamic_update_slice(v_BSKH, v[:, None].astype(v_BSKH.dtype), (0, pos, 0, 0))
+  B, S, K, H = k_BSKH.shape
+  q_BKGH = q.reshape(B, K, -1, H)
+  s_BKGS = jnp.einsum("bkgh,bskh->bkgs", q_BKGH, k_BSKH,
+                      preferred_element_type=jnp.float32) * H ** -0.5
+  live_BS = jnp.arange(S)[None] <= lengths_B[:, None]
+  s_BKGS = jnp.where(live_BS[:, None, None], s_BKGS, -jnp.inf)
+  p_BKGS = jax_softmax(s_BKGS).astype(dt)
+  o_BNH = jnp.einsum("bkgs,bskh->bkgh", p_BKGS, v_BSKH).reshape(B, -1, H)
+  x_BD = x_BD + jnp.einsum("bnh,nhd->bd", o_BNH, a["o_proj"]["kernel"])
+  m = lp["mlp"]
+  h = _rms(x_BD, lp["post_attention_layernorm"]["scale"], eps)
+  g = jnp.einsum("bd,df->bf", h, m["gate_proj"]["kernel"])
+  u = jnp.einsum("bd,df->bf", h, m["up_proj"]["kernel"])
+  act = (g.astype(jnp.float32) * jax_sigmoid(g.astype(jnp.float32))).astype(dt) * u
+  return x_BD + jnp.einsum("bf,fd->bd", act, m["down_proj"]["kernel"]), k_BSKH, v_BSKH
+
+
+def jax_softmax(x):
+  import jax
+  return jax.nn.softmax(x, axis=-1)
+
+
+def jax_sigmoid(x):
+  import jax
+  return jax.nn.sigmoid(x)
+
+
+def _logits(cfg, params, x_BD):
+  import jax.numpy as jnp
+  h = _rms(x_BD, params["norm"]["scale"], cfg.rms_norm_eps)
+  w = (params["embed_tokens"]["embedding"].T if cfg.tie_word_embeddings
+       else params["lm_head"]["kernel"])
+  return jnp.einsum("bd,dv->bv", h, w, preferred_element_type=jnp.float32)
+
+
+def baseline_step_stacked(cfg, params, k_LBSKH, v_LBSKH, tokens_B, pos, lengths_B):
+  """The stacked layout: lax.scan over layers carrying the donated [L, B, S, K, H] caches,
+  each layer's K/V written by dynamic_update_slice at (l, :, pos). Returns (k, v, logits_BV)."""
+  import jax
+  import jax.numpy as jnp
+  from jax import lax
+  x = params["embed_tokens"]["embedding"][tokens_B]
+
+  def body(carry, xs):
+    x, kc, vc = carry
+    l, lp = xs
+    k_l = lax.dynamic_index_in_dim(kc, l, keepdims=False)
+    v_l = lax.dynamic_index_in_dim(vc, l, keepdims=False)
+    x, k_l, v_l = _baseline_layer(cfg, lp, x, k_l, v_l, pos, lengths_B)
+    kc = lax.dynamic_update_slice(kc, lax.dynamic_slice_in_dim(k_l, pos, 1, 1)[None],
+                                  (l, 0, pos, 0, 0))
+    vc = lax.dynamic_update_slice(vc, lax.dynamic_slice_in_dim(v_l, pos, 1, 1)[None],
+                                  (l, 0, pos, 0, 0))
+    return (x, kc, vc), None
+
+  (x, k_LBSKH, v_LBSKH), _ = lax.scan(body, (x, k_LBSKH, v_LBSKH),
+                                      (jnp.arange(cfg.num_layers), params["layers"]))
+  return k_LBSKH, v_LBSKH, _logits(cfg, params, x)
+
+
+def baseline_step_layers(cfg, params, ks, vs, tokens_B, pos, lengths_B):
+  """One cache array per layer (tuples ks / vs of [B, S, K, H], donated), a python loop over
+  layers. Returns (ks, vs, logits_BV)."""
+  import jax
+  x = params["embed_tokens"]["embedding"][tokens_B]
+  ks, vs = list(ks), list(vs)
+  for l in range(cfg.num_layers):
+    lp = jax.tree.map(lambda a: a[l], params["layers"])
+    x, ks[l], vs[l] = _baseline_layer(cfg, lp, x, ks[l], vs[l], pos, lengths_B)
+  return tuple(ks), tuple(vs), _logits(cfg, params, x)
+
+
+def jit_baselines(cfg):
+  """(stacked, layers) jitted, caches donated, cfg static."""
+  import functools
+  import jax
+  st = jax.jit(functools.partial(baseline_step_stacked, cfg), donate_argnums=(1, 2))
+  ly = jax.jit(functools.partial(baseline_step_layers, cfg), donate_argnums=(1, 2))
+  return st, ly
+
+
+def engine_cache_to_stacked(cache):
+  """The dense engine's scanned cache -> the baseline's (k_LBSKH, v_LBSKH)."""
+  c = cache["layers"]["self_attn"]["cache"]
+  return c["key"], c["value"]
+
+
+# ------------------------------------------------------------------------------------------------
+# Measurements
+# ------------------------------------------------------------------------------------------------
+
+def _mem(compiled) -> dict:
+  m = compiled.memory_analysis()
+  if m is None:
+    return {}
+  g = lambda k: int(getattr(m, k, 0) or 0)
+  out = dict(arg_bytes=g("argument_size_in_bytes"), out_bytes=g("output_size_in_bytes"),
+             alias_bytes=g("alias_size_in_bytes"), temp_bytes=g("temp_size_in_bytes"))
+  out["peak_est_bytes"] = out["arg_bytes"] + out["out_bytes"] - out["alias_bytes"] + out["temp_bytes"]
+  return out
+
+
+def _timed_steps(step, state, n: int, repeats: int, warmup: int):
+  """`state = step(state, i)` run back to back; (median ms per step, batch ms list, state)."""
+  import jax
+  i = 0
+  for _ in range(warmup):
+    state = step(state, i)
+    i += 1
+  jax.block_until_ready(state)
+  runs = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    for _ in range(n):
+      state = step(state, i)
+      i += 1
+    jax.block_until_ready(state)
+    runs.append((time.perf_counter() - t0) * 1e3 / n)
+  return statistics.median(runs), runs, state
+
+
+def engine_row(scheme: str, shapes: str, B: int, T: int, F, log) -> tuple[dict, dict]:
+  """One engine row; returns (row, extras for the baselines: params, cfg, cache)."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from condattn_jax.inference import Engine
+  from condattn_jax.inference.engine import cache_bytes
+  cfg, knobs = scheme_config(scheme, shapes, T)
+  row = dict(scheme=scheme, shapes=shapes, B=B, T=T, layers=cfg.num_layers, knobs=knobs,
+             status="running")
+  t0 = time.perf_counter()
+  params = init_params(cfg)
+  jax.block_until_ready(params)
+  row["init_s"] = time.perf_counter() - t0
+  row["params"] = int(sum(x.size for x in jax.tree.leaves(params)))
+  row["weight_bytes"] = weight_bytes(cfg, params, B)
+  eng = Engine(cfg, params, cache_len=T + EXTRA, prefill_chunk=min(PREFILL_CHUNK, T))
+  rng = np.random.default_rng(T + B)
+  prompts = [rng.integers(0, cfg.vocab_size, T, dtype=np.int32) for _ in range(B)]
+  t0 = time.perf_counter()
+  cache, logits, lengths, _ = eng._prefill(prompts)
+  jax.block_until_ready((cache, logits))
+  row["fill_s"] = time.perf_counter() - t0
+  row["cache_bytes"] = cache_bytes(cache)
+  log(f"  filled {scheme} B={B} T={T}: {row['fill_s']:.1f} s (compile included)")
+
+  tok = jnp.argmax(logits, -1).astype(jnp.int32)[:, None]
+  pos0 = jnp.full((B, 1), T, jnp.int32)
+  on = jnp.ones((B, 1), bool)
+  t0 = time.perf_counter()
+  compiled = Engine._step.lower(eng, params, cache, tok, pos0, on, logits).compile()
+  row["compile_s"] = time.perf_counter() - t0
+  row.update(_mem(compiled))
+  auxes = []
+
+  def step(state, i):
+    cache, logits = state
+    t = jnp.argmax(logits, -1).astype(jnp.int32)[:, None]
+    cache, logits, aux = compiled(params, cache, t, pos0 + i, on, logits)
+    auxes.append(aux)
+    return cache, logits
+
+  ms, runs, (cache, logits) = _timed_steps(step, (cache, logits), F.steps, F.repeats, F.warmup)
+  row.update(ms=ms, runs_ms=runs, tokens_per_s=B * 1e3 / ms,
+             logits_finite=bool(jnp.all(jnp.isfinite(logits))))
+  rate = rates(jax.device_get(auxes[F.warmup:]))
+  row.update(step_bytes(scheme, cfg, B, T, rate, row["cache_bytes"]))
+  row["bytes"] = row["weight_bytes"] + row["kv_bytes"]
+  row["peak_bytes_in_use"] = common.peak_bytes()
+  row["status"] = "ok"
+  return row, dict(cfg=cfg, params=params, cache=cache, engine=eng)
+
+
+def baseline_rows(extra: dict, row: dict, F) -> list[dict]:
+  """The two plain-XLA layouts at the dense row's point (its cache content, random tokens)."""
+  import jax
+  import jax.numpy as jnp
+  cfg, params = extra["cfg"], extra["params"]
+  B, T = row["B"], row["T"]
+  k, v = engine_cache_to_stacked(extra["cache"])
+  extra["cache"] = None
+  st, ly = jit_baselines(cfg)
+  lengths = jnp.full((B,), T, jnp.int32)
+  tok = jnp.zeros((B,), jnp.int32)
+  out = []
+  for name, fn, caches in (("xla_stacked", st, (k, v)),
+                           ("xla_per_layer", ly, (tuple(k[l] for l in range(cfg.num_layers)),
+                                                  tuple(v[l] for l in range(cfg.num_layers))))):
+    r = dict(scheme=name, shapes=row["shapes"], B=B, T=T, layers=cfg.num_layers, status="running")
+    try:
+      t0 = time.perf_counter()
+      compiled = fn.lower(params, *caches, tok, jnp.int32(T), lengths).compile()
+      r["compile_s"] = time.perf_counter() - t0
+      r.update(_mem(compiled))
+      r["cache_bytes"] = nbytes(caches)
+      r["temp_over_cache"] = r.get("temp_bytes", 0) / r["cache_bytes"]
+
+      def step(state, i):
+        kc, vc, logits = state
+        t = jnp.argmax(logits, -1).astype(jnp.int32)
+        return compiled(params, kc, vc, t, jnp.int32(T + i), lengths + i)
+
+      init = (*caches, jnp.zeros((B, cfg.vocab_size), jnp.float32))
+      del caches
+      ms, runs, state = _timed_steps(step, init, F.steps, F.repeats, F.warmup)
+      del init
+      r.update(ms=ms, runs_ms=runs, tokens_per_s=B * 1e3 / ms,
+               logits_finite=bool(jnp.all(jnp.isfinite(state[2]))), status="ok")
+      if name == "xla_stacked":  # the per-layer variant starts from the same content
+        k, v = state[0], state[1]
+      del state
+    except Exception as e:  # recorded, the run goes on
+      r.update(status="error", error=f"{type(e).__name__}: {str(e)[:300]}")
+    out.append(r)
+  return out
+
+
+def prefill_rows(T: int, shapes: str, F, log) -> list[dict]:
+  """Dense, B = 1: the engine's prefill of T tokens one-shot and in 4096-token chunks."""
+  import jax
+  import numpy as np
+  from condattn_jax.inference import Engine
+  cfg, _ = scheme_config("dense", shapes, T)
+  params = init_params(cfg)
+  prompt = [np.random.default_rng(1).integers(0, cfg.vocab_size, T, dtype=np.int32)]
+  rows = []
+  chunk = PREFILL_CHUNK if T > PREFILL_CHUNK else max(T // 4, 1)
+  for mode, chunk in (("one_shot", None), ("chunked", chunk)):
+    r = dict(scheme="dense", kind="prefill", mode=mode, chunk=chunk, shapes=shapes, B=1, T=T)
+    try:
+      eng = Engine(cfg, params, cache_len=T + EXTRA, prefill_chunk=chunk)
+      t0 = time.perf_counter()
+      jax.block_until_ready(eng._prefill(prompt)[:2])
+      r["first_s"] = time.perf_counter() - t0
+      ts = []
+      for _ in range(F.prefill_reps):
+        t0 = time.perf_counter()
+        jax.block_until_ready(eng._prefill(prompt)[:2])
+        ts.append((time.perf_counter() - t0) * 1e3)
+      r.update(ms=statistics.median(ts), runs_ms=ts, status="ok")
+    except Exception as e:
+      r.update(status="error", error=f"{type(e).__name__}: {str(e)[:300]}")
+    log(f"  prefill {mode} T={T}: {r.get('ms')} ms")
+    rows.append(r)
+  return rows
+
+
+# ------------------------------------------------------------------------------------------------
+# Derived numbers and claims
+# ------------------------------------------------------------------------------------------------
+
+def derive(rows: list[dict], bw_tbps: float) -> None:
+  """limit_ms / x_limit on engine rows; bound_speedup / speedup / achieved on scheme rows with a
+  dense row of the same shapes, B and T; baselines' speed relative to the engine."""
+  eng = {(r["scheme"], r["shapes"], r["B"], r["T"]): r for r in rows
+         if r.get("status") == "ok" and "bytes" in r}
+  for r in eng.values():
+    r["limit_ms"] = r["bytes"] / (bw_tbps * 1e12) * 1e3
+    r["x_limit"] = r["ms"] / r["limit_ms"]
+  for (s, sh, B, T), r in eng.items():
+    d = eng.get(("dense", sh, B, T))
+    if s != "dense" and d is not None:
+      r["bound_speedup"] = d["bytes"] / r["bytes"]
+      r["speedup"] = d["ms"] / r["ms"]
+      r["achieved"] = r["speedup"] / r["bound_speedup"]
+  for r in rows:
+    d = eng.get(("dense", r.get("shapes"), r.get("B"), r.get("T")))
+    if r["scheme"].startswith("xla_") and r.get("status") == "ok" and d is not None:
+      r["engine_over_baseline"] = d["ms"] / r["ms"]
+      r["limit_ms"] = d["limit_ms"]
+      r["x_limit"] = r["ms"] / d["limit_ms"]
+
+
+DENSE_TARGETS = ((1, 8192, 2.0), (1, 32768, 1.5), (1, 131072, 1.5), (8, 32768, 1.5))
+
+
+def targets_of(rows: list[dict], dense_shapes: str) -> list[dict]:
+  """Issue 33's targets evaluated on the rows: [{name, met, detail}] (recorded on the run as
+  `targets`, met or not: today's numbers are the baseline the decode kernels are judged by;
+  bench/claims/decode.py re-evaluates them from the stored rows)."""
+  ok = [r for r in rows if r.get("status") == "ok"]
+  find = lambda **kw: next((r for r in ok if all(r.get(k) == v for k, v in kw.items())), None)
+  out = []
+  add = lambda name, met, **detail: out.append(dict(name=name, met=bool(met), detail=detail))
+  for B, T, lim in DENSE_TARGETS:
+    r = find(scheme="dense", shapes=dense_shapes, B=B, T=T)
+    if r is not None:
+      add(f"dense B={B} T={T // 1024}K <= {lim}x the bandwidth limit", r["x_limit"] <= lim,
+          ms=r["ms"], limit_ms=r["limit_ms"], x_limit=r["x_limit"])
+  for d in (r for r in ok if r["scheme"] == "dense" and "bytes" in r):
+    for name in ("xla_stacked", "xla_per_layer"):
+      b = find(scheme=name, shapes=d["shapes"], B=d["B"], T=d["T"])
+      if b is not None:
+        add(f"engine faster than {name} ({d['shapes']} B={d['B']} T={d['T']})",
+            d["ms"] < b["ms"], engine_ms=d["ms"], baseline_ms=b["ms"])
+  for r in (r for r in ok if "bound_speedup" in r):
+    add(f"{r['scheme']} ({r['shapes']} B={r['B']} T={r['T']}) >= 0.9x its bytes-bound speedup",
+        r["achieved"] >= 0.9, bound=r["bound_speedup"], speedup=r["speedup"],
+        achieved=r["achieved"])
+  one = find(kind="prefill", mode="one_shot")
+  ch = find(kind="prefill", mode="chunked")
+  if one is not None and ch is not None:
+    add(f"chunked prefill ({ch['chunk']}) <= 1.15x one-shot at T={ch['T']}",
+        ch["ms"] <= 1.15 * one["ms"], one_shot_ms=one["ms"], chunked_ms=ch["ms"])
+  return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Main
+# ------------------------------------------------------------------------------------------------
+
+def plan(F) -> list[tuple[str, str, int, int]]:
+  tiny = F.preset == "test"
+  out = []
+  explicit = [(p[0], p[3] if len(p) > 3 else None, int(p[1]), int(p[2]))
+              for p in (r.split("/") for r in F.rows)]
+  for scheme, shapes, B, T in explicit or (TEST_PLAN if tiny else GPU_PLAN):
+    shapes = shapes or SCHEMES[scheme][2]
+    if tiny:
+      shapes = TINY_SHAPES.get(shapes, shapes)
+    if F.only and scheme not in F.only:
+      continue
+    if F.B and str(B) not in F.B or F.T and str(T) not in F.T:
+      continue
+    out.append((scheme, shapes, B, T))
+  return out
+
+
+def table(rows: list[dict]) -> str:
+  head = (f"{'scheme':14s} {'shapes':13s} {'B':>3s} {'T':>7s} {'ms':>8s} {'tok/s':>9s} "
+          f"{'limit':>7s} {'xlim':>6s} {'bound':>6s} {'achv':>5s} {'comp_s':>6s} {'peakGB':>7s}")
+  out = [head]
+  f = lambda v, fmt: format(v, fmt) if isinstance(v, (int, float)) else "-"
+  for r in rows:
+    if r.get("kind") == "prefill":
+      out.append(f"prefill {r['mode']:8s} T={r['T']} chunk={r['chunk']}: {f(r.get('ms'), '.1f')} ms"
+                 f" {r.get('error', '')}")
+      continue
+    pk = r.get("peak_est_bytes")
+    out.append(f"{r['scheme']:14s} {r['shapes']:13s} {r['B']:3d} {r['T']:7d} "
+               f"{f(r.get('ms'), '8.2f')} {f(r.get('tokens_per_s'), '9.1f')} "
+               f"{f(r.get('limit_ms'), '7.2f')} {f(r.get('x_limit'), '6.2f')} "
+               f"{f(r.get('bound_speedup'), '6.2f')} {f(r.get('achieved'), '5.2f')} "
+               f"{f(r.get('compile_s'), '6.1f')} {f(pk / 2**30 if pk else None, '7.2f')} "
+               f"{r.get('status')} {r.get('error', r.get('reason', ''))[:80]}")
+  return "\n".join(out)
+
+
+def main(argv=None) -> dict:
+  import jax
+  F = common.parse_flags(FLAGS, argv)
+  t_start = time.perf_counter()
+  log = lambda s: print(s, flush=True)
+  tiny = F.preset == "test"
+  if jax.default_backend() == "gpu":
+    from bench.e2e import _ensure_tokamax_importable
+    _ensure_tokamax_importable()
+  kind = common.device_kind()
+  bw = bandwidth_tbps(kind, F.bandwidth_tbps)
+  prefill_T = F.prefill_T if F.prefill_T is not None else (64 if tiny else 32768)
+  dense_shapes = "tiny-qwen" if tiny else "qwen2.5-1.5b"
+  todo = plan(F)
+  run = common.new_run(BENCH, dict(
+      name=F.name, preset=F.preset, steps=F.steps, repeats=F.repeats, warmup=F.warmup,
+      bandwidth_tbps=bw, prefill_T=prefill_T, extra_slots=EXTRA, prefill_chunk=PREFILL_CHUNK,
+      plan=[list(p) for p in todo], dense_shapes=dense_shapes,
+      note="issue 33's targets recorded as claims, pass or fail: the baseline before the "
+           "in-place caches and decode kernels"))
+  path = common.result_path(BENCH, F.out_dir, kind)
+  run["targets"] = []
+  common.append_run(path, run)
+
+  def save():
+    derive(run["rows"], bw)
+    run["targets"] = targets_of(run["rows"], dense_shapes)
+    common.replace_last_run(path, run)
+
+  for scheme, shapes, B, T in todo:
+    if F.deadline_s and time.perf_counter() - t_start > F.deadline_s:
+      run["rows"].append(dict(scheme=scheme, shapes=shapes, B=B, T=T, status="skipped",
+                              reason=f"past --deadline_s={F.deadline_s}"))
+      continue
+    log(f"row {scheme} {shapes} B={B} T={T} ({time.perf_counter() - t_start:.0f} s)")
+    extra = None
+    try:
+      row, extra = engine_row(scheme, shapes, B, T, F, log)
+    except Exception as e:
+      row = dict(scheme=scheme, shapes=shapes, B=B, T=T, status="error",
+                 error=f"{type(e).__name__}: {str(e)[:400]}")
+      traceback.print_exc()
+    run["rows"].append(row)
+    save()
+    log(table([row]).splitlines()[1])
+    if (extra is not None and scheme == "dense" and F.baseline
+        and not SHAPES[shapes]["family"] == "olmo2"):
+      extra.pop("engine")
+      for r in baseline_rows(extra, row, F):
+        run["rows"].append(r)
+        log(table([r]).splitlines()[1])
+      save()
+    if (extra is not None and scheme == "dense" and shapes == dense_shapes and B == 1
+        and T == prefill_T):
+      del extra
+      run["rows"].extend(prefill_rows(prefill_T, dense_shapes, F, log))
+      save()
+    extra = None
+  if prefill_T and not any(r.get("kind") == "prefill" for r in run["rows"]) and (
+      not F.only or "dense" in F.only) and not (
+      F.deadline_s and time.perf_counter() - t_start > F.deadline_s):
+    run["rows"].extend(prefill_rows(prefill_T, dense_shapes, F, log))
+  save()
+  log(table(run["rows"]))
+  for t in run["targets"]:
+    log(f"target {'MET' if t['met'] else 'MISSED'}: {t['name']}")
+  for c in run["claims"]:
+    log(f"claim {'PASS' if c['passed'] else 'FAIL'}: {c['name']}")
+  log(f"wrote {path}")
+  return run
+
+
+if __name__ == "__main__":
+  main()
