@@ -47,6 +47,9 @@ VARIANTS = {
     "tiny": dict(family="olmo2", name=None),
 }
 TULU3_SFT_CONVERSATIONS = 939_344
+# re.fullmatch on '/'-joined param paths: every layer's router (kernel and bias).
+ROUTER_REGEX = r"layers(_\d+(_\d+)?)?/router/.*"
+ROUTER_LR_MULT = 1.0
 
 
 def _scheme(c, a):
@@ -59,7 +62,8 @@ def _scheme(c, a):
   s.mode = a.mode
   s.p_force = a.p_force
   s.routing = a.routing
-  s.router_bias_init = a.bias
+  s.router_bias = bool(a.router_bias)
+  s.router_bias_init = a.bias if a.router_bias else 0.0
   s.decode_skip = True
   s.compact_impl = "auto"
   s.num_tasks = 0
@@ -69,7 +73,7 @@ def get_config(arg=None):
   variant, rest = split_variant(arg, VARIANTS, "olmo2-1b")
   v = VARIANTS[variant]
   common = dict(window=128, tau=0.5, lam=3e-4, mode="exact", p_force=0.05, routing="learned",
-                bias=2.0)
+                bias=2.0, router_bias=True, router_lr_mult=ROUTER_LR_MULT)
   if variant == "tiny":
     a = parse_arg(rest, **{**common, "window": 8, "lam": 1e-2, "bias": 0.5}, steps=300, seq=64,
                   batch=16, lr=3e-3, pairs=8, gap=16, layers=2, width=64)
@@ -89,6 +93,8 @@ def get_config(arg=None):
   t.weight_decay = 0.0
   t.b1, t.b2 = 0.9, 0.95
   t.trainable_regex = None  # full SFT
+  if a.router_lr_mult != 1.0:  # the router's own lr (module docstring: why)
+    t.param_groups.router = dict(regex=ROUTER_REGEX, lr=a.lr * a.router_lr_mult)
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
 
   if variant == "tiny":

@@ -281,3 +281,27 @@ def test_kv_cache_bytes_is_one_full_cache():
   kv = aha.kv_cache_bytes(acfg, 1024, batch=2)
   assert kv == {"total": cfg.num_layers * 1024 * per_tok * 2,
                 "full": cfg.num_layers * 1024 * per_tok * 2, "window": 0}
+
+
+def test_router_without_bias_is_the_papers_eq1():
+  """router_bias=False (paper eq. 1, no b_r): no bias param (converted and fresh trees agree),
+  r = x_in @ W_r, so at W_r = 0 every score is 0.5, not above tau: every head starts LOCAL (the
+  sliding-window model, not the base model). A bias init without a bias is refused."""
+  cfg, dp, tok = _dense("olmo2")
+  acfg, ap = attention.convert(dp, cfg, "aha", window=4, router_bias=False,
+                               router_bias_init=0.0)
+  assert set(ap["layers"]["router"]) == {"kernel"}
+  init = nn.unbox(Decoder(acfg).init(jax.random.PRNGKey(0), tok)["params"])
+  assert jax.tree.structure(init) == jax.tree.structure(ap)
+  out, aux = Decoder(acfg).apply({"params": ap}, tok)
+  np.testing.assert_array_equal(aux["usage_N"], 0.0)   # every head local at init
+  np.testing.assert_allclose(aux["score_N"], 0.5)
+  wcfg = cfg.replace(sliding_window=4)                  # == the sliding-window dense model
+  np.testing.assert_allclose(out, Decoder(wcfg).apply({"params": dp}, tok)[0], atol=1e-5)
+  # a random kernel: scores are sigmoid(x_in @ W_r), no offset
+  ap["layers"]["router"]["kernel"] = 0.3 * jax.random.normal(
+      jax.random.PRNGKey(1), ap["layers"]["router"]["kernel"].shape)
+  _, aux = Decoder(acfg).apply({"params": ap}, tok)
+  assert 0.0 < float(jnp.mean(aux["usage_N"])) < 1.0
+  with pytest.raises(ValueError, match=r"router_bias_init=2.0 needs router_bias=True"):
+    attention.configure(cfg, "aha", router_bias=False)

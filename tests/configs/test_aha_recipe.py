@@ -12,6 +12,7 @@ from condattn_jax.models import stacking
 from condattn_jax.models.decoder import Decoder
 from condattn_jax.train import config as config_lib
 from condattn_jax.train import loop
+from condattn_jax.train import optimizer as opt_lib
 from condattn_jax.train.cli import load_recipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -32,6 +33,18 @@ def test_paper_recipe_and_variants():
   assert (t.lr, t.b1, t.b2, t.warmup_frac, t.lr_schedule, t.weight_decay) == (
       3e-5, 0.9, 0.95, 0.03, "linear", 0.0)
   assert d.batch_size == 128 and t.trainable_regex is None
+  assert s.router_bias is True and "router" not in t.param_groups  # one lr for every param
+  # router lr multiplier: a param group over every layer's router (kernel and bias) at lr x mult
+  v = recipe("router_lr_mult=100")
+  g = v.train.param_groups.router
+  assert g.lr == pytest.approx(3e-3)
+  labels = opt_lib.param_labels(
+      {"layers": {"router": {"kernel": np.zeros((2, 2)), "bias": np.zeros(2)},
+                  "self_attn": {"q_proj": {"kernel": np.zeros((2, 2))}}}}, v.train)
+  assert labels["layers"]["router"]["kernel"] == labels["layers"]["router"]["bias"] == "router"
+  assert labels["layers"]["self_attn"]["q_proj"]["kernel"] == "default"
+  nb = recipe("router_bias=False").model.scheme
+  assert (nb.router_bias, nb.router_bias_init) == (False, 0.0)  # the paper's eq. 1
   assert t.num_steps == -(-939_344 // 128)  # one epoch of Tulu-3 SFT at 128 rows a step
   for variant, family in (("qwen2.5-1.5b", "qwen2"), ("qwen3-1.7b", "qwen3"),
                           ("llama3.2-1b", "llama")):

@@ -38,8 +38,9 @@ def from_dense(params, config):
       raise ValueError(f"from_dense: {name}/self_attn/q_proj has {N} heads, model.num_heads="
                        f"{config.num_heads}.")
     xp = np if isinstance(q, np.ndarray) else jnp
-    layer["router"] = {"kernel": xp.zeros((D, N), q.dtype),
-                       "bias": xp.full((N,), opts.router_bias_init, q.dtype)}
+    layer["router"] = {"kernel": xp.zeros((D, N), q.dtype)}
+    if opts.router_bias:
+      layer["router"]["bias"] = xp.full((N,), opts.router_bias_init, q.dtype)
     out[name] = layer
   return rewrap(stacking.restack(out))
 

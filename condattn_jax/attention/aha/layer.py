@@ -45,9 +45,10 @@ from condattn_jax.models.layers import Attention, attend, make_norm, mlp_residua
 
 class Router(nn.Module):
   """r = x_in @ kernel + bias: one logit per token and query head, in float32.
-  kernel [D, N] zero init, bias [N] = router_bias_init."""
+  kernel [D, N] zero init, bias [N] = router_bias_init (no bias param with use_bias=False)."""
   config: ModelConfig
   bias_init: float = 2.0
+  use_bias: bool = True
 
   @nn.compact
   def __call__(self, x_BTD):
@@ -55,11 +56,14 @@ class Router(nn.Module):
     w = self.param("kernel", nn.with_logical_partitioning(nn.initializers.zeros,
                                                           ("embed", "q_heads")),
                    (cfg.hidden_size, cfg.num_heads), cfg.weight_dtype)
+    r = jnp.einsum("btd,dn->btn", x_BTD.astype(jnp.float32), w.astype(jnp.float32),
+                   precision=lax.Precision.HIGHEST)
+    if not self.use_bias:
+      return r
     b = self.param("bias", nn.with_logical_partitioning(
         nn.initializers.constant(self.bias_init), ("q_heads",)), (cfg.num_heads,),
                    cfg.weight_dtype)
-    return jnp.einsum("btd,dn->btn", x_BTD.astype(jnp.float32), w.astype(jnp.float32),
-                      precision=lax.Precision.HIGHEST) + b.astype(jnp.float32)
+    return r + b.astype(jnp.float32)
 
 
 class AHALayer(nn.Module):
@@ -89,7 +93,8 @@ class AHALayer(nn.Module):
     x_in = x_BTD if cfg.post_norm else make_norm(cfg, "input_layernorm")(x_BTD)
 
     # ---- router: one score per (token, query head)
-    s_BTN = jax.nn.sigmoid(Router(cfg, bias_init=o.router_bias_init, name="router")(x_in))
+    s_BTN = jax.nn.sigmoid(Router(cfg, bias_init=o.router_bias_init, use_bias=o.router_bias,
+                                     name="router")(x_in))
     valid_BTN = jnp.broadcast_to(valid_BT[:, :, None], (B, T, N))
     if o.routing in ("learned", "soft"):
       hard_BTN = s_BTN > o.tau

@@ -22,6 +22,10 @@ class AHAOptions:
   routing          'learned' (router + STE); 'all' (every head full: the base model); 'none'
                    (every head local: a sliding-window model); 'soft' (analysis only: head =
                    s * Full + (1 - s) * Local, dense).
+  router_bias      True: r = x W_r + b_r (the released checkpoint's layout); False: r = x W_r
+                   (the paper's eq. 1 has no bias; with W_r = 0 every score starts at 0.5, on
+                   the threshold, so g = s > tau is 0: every head starts LOCAL, not the base
+                   model).
   router_bias_init b_r at conversion / init (W_r = 0): sigmoid(2) = 0.88 > 0.5 = every head full.
   decode_skip      decode: skip the full-attention call when no (token, head) routes global.
   compact_impl     ops.attention impl of the per-head active-set calls (sparse mode, decode).
@@ -33,6 +37,7 @@ class AHAOptions:
   mode: str = "exact"
   p_force: float = 0.05
   routing: str = "learned"
+  router_bias: bool = True
   router_bias_init: float = 2.0
   decode_skip: bool = True
   compact_impl: str = "auto"
@@ -46,6 +51,11 @@ class AHAOptions:
                        "score threshold).")
     if self.lam < 0:
       raise ValueError(f"model.scheme.lam={self.lam} must be >= 0.")
+    if not isinstance(self.router_bias, bool):
+      raise ValueError(f"model.scheme.router_bias={self.router_bias!r} must be True or False.")
+    if not self.router_bias and self.router_bias_init != 0.0:
+      raise ValueError(f"model.scheme.router_bias_init={self.router_bias_init} needs "
+                       "router_bias=True (set router_bias_init=0 for a router without bias).")
     if self.mode not in MODES:
       raise ValueError(f"model.scheme.mode={self.mode!r}: choose one of {MODES}.")
     if not 0.0 <= self.p_force <= 1.0:
