@@ -34,6 +34,7 @@ import dataclasses
 import functools
 import re
 import time
+import warnings
 from typing import Callable, Sequence
 
 import jax
@@ -338,6 +339,7 @@ class Engine:
                        f"cache_len={self.cache_len}; raise cache_len.")
     B = len(prompts)
     C = self.chunk_for(int(lengths.max()))
+    self._warn_serving_notes(C, int(lengths.max()))
     P = -(-int(lengths.max()) // C) * C
     tokens = np.zeros((B, P), np.int32)
     for b, p in enumerate(prompts):
@@ -354,6 +356,20 @@ class Engine:
                                           jnp.asarray(valid[:, sl]), logits)
       stats.add(row_aux, valid[:, sl].sum(1))
     return cache, logits, lengths, stats
+
+  def _warn_serving_notes(self, chunk: int, longest_prompt: int) -> None:
+    """The scheme layer's `serving_notes(config, chunk, longest_prompt)` (what this engine call
+    does not serve as trained), each warned once per Engine."""
+    from condattn_jax.attention import get_scheme
+    fn = getattr(get_scheme(self.config.scheme).layer_cls, "serving_notes", None)
+    if fn is None:
+      return
+    seen = self.__dict__.setdefault("_serving_notes_seen", set())
+    for note in fn(self.config, chunk, longest_prompt):
+      key = note.split(":")[0]
+      if key not in seen:
+        seen.add(key)
+        warnings.warn(note, stacklevel=3)
 
   # ------------------------------------------------------------------------------- decode
   def decode_step(self, cache, tokens_B, positions_B, active_B, prev_logits_BV):

@@ -5,6 +5,7 @@ prompts (one-shot and chunked) == that full forward: tests/schemes/test_conforma
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from condattn_jax import attention
 from condattn_jax.inference import Engine
@@ -50,3 +51,26 @@ def test_prefill_decides_once_like_the_full_forward():
   full_fa, _ = _full_forward(attention.configure(cfg, "elastic", routing="fa"), params, PROMPTS,
                              [len(p) for p in PROMPTS])
   assert float(jnp.abs(full_fa - full).max()) > 1e-3
+
+
+def test_engine_says_what_it_cannot_serve_as_trained():
+  """A prefill chunk shorter than the prompt decides on the first chunk, and XA is not run over
+  the cache: the engine says each once (a warning naming the fix); one-shot FA-SSA prefill says
+  nothing."""
+  import warnings
+  from condattn_jax.attention import get_scheme
+  cfg, make = get_scheme("elastic").tiny()
+  params = make(0)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    Engine(cfg, params, cache_len=32).prefill(PROMPTS)           # one shot, fa_ssa: silent
+  chunked = Engine(cfg, params, cache_len=32, prefill_chunk=4)
+  with pytest.warns(UserWarning, match=r"prefill chunk 4 < the prompt's \d+ tokens.*"
+                                       r"prefill_chunk=None"):
+    chunked.prefill(PROMPTS)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    chunked.prefill(PROMPTS)                                     # once per engine
+  notes = get_scheme("elastic").layer_cls.serving_notes(
+      attention.configure(cfg, "elastic", modes="fa_xa", xa_stride=2), 16, 8)
+  assert len(notes) == 1 and "XA heads run full attention" in notes[0]

@@ -153,6 +153,26 @@ class ElasticLayer(nn.Module):
   config: ModelConfig
   variant: object = None
 
+  @staticmethod
+  def serving_notes(config: ModelConfig, chunk: int, longest_prompt: int) -> tuple[str, ...]:
+    """What the engine cannot serve as trained (the engine warns each once): a prefill chunk
+    shorter than the prompt decides on the first chunk (the decision at layer l pools keys that
+    depend on every earlier layer's output over the whole prompt, so no chunked pass can take
+    the whole-prompt decision: use prefill_chunk=None); XA is not run over the cache (XA heads
+    run full attention there, so served *_xa modes are dense on those heads)."""
+    o = options(config)
+    notes = []
+    if chunk < longest_prompt:
+      notes.append(f"Elastic decides on a row's first prefill call: prefill chunk {chunk} < the "
+                   f"prompt's {longest_prompt} tokens, so the router pools only the first chunk "
+                   "(the question at the prompt's end is not seen); set prefill_chunk=None "
+                   "(one-shot prefill) for the trained decision.")
+    if "xa" in o.modes:
+      notes.append(f"Elastic modes={o.modes!r}: XA is a prefill method not run over the cache, "
+                   "so through the engine XA heads run full attention (served XA is dense on "
+                   "those heads).")
+    return tuple(notes)
+
   @nn.compact
   def __call__(self, x_BTD, ctx: LayerContext):
     cfg = self.config
