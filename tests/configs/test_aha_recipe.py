@@ -33,11 +33,12 @@ def test_paper_recipe_and_variants():
   assert (t.lr, t.b1, t.b2, t.warmup_frac, t.lr_schedule, t.weight_decay) == (
       3e-5, 0.9, 0.95, 0.03, "linear", 0.0)
   assert d.batch_size == 128 and t.trainable_regex is None
-  assert s.router_bias is True and "router" not in t.param_groups  # one lr for every param
-  # router lr multiplier: a param group over every layer's router (kernel and bias) at lr x mult
-  v = recipe("router_lr_mult=100")
+  assert s.router_bias is True
+  # router lr multiplier (default 100): a param group over every layer's router at lr x mult
+  v = c
   g = v.train.param_groups.router
   assert g.lr == pytest.approx(3e-3)
+  assert "router" not in recipe("router_lr_mult=1").train.param_groups  # the paper's one lr
   labels = opt_lib.param_labels(
       {"layers": {"router": {"kernel": np.zeros((2, 2)), "bias": np.zeros(2)},
                   "self_attn": {"q_proj": {"kernel": np.zeros((2, 2))}}}}, v.train)
