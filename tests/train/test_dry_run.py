@@ -95,3 +95,26 @@ def test_v5p_without_libtpu_lowers_for_tpu_and_gives_no_figure(monkeypatch):
   assert ("memory per device: lowered for TPU with jax.export only: no memory figure (libtpu is "
           "not installed (test))") in lines[0]
   assert "verdict on v5p: none (no memory figure)" in lines[0]
+
+
+@pytest.mark.parametrize("spec,ckpt,family,notes", [
+    ("aha_olmo.py", "olmo2-0425-1b", "olmo2, 1 layers, width 2048, 16 heads, 16 kv heads", []),
+    ("elastic_qwen.py:seq=8192", "qwen3-4b", "qwen3, 1 layers, width 2560, 32 heads, 8 kv heads",
+     []),
+    ("segmented_llama.py:qwen2.5-7b", "qwen2.5-7b", "qwen2, 1 layers, width 3584, 28 heads",
+     ["train.microbatches 8 -> 1"]),
+])
+def test_other_real_recipes_dry_run_on_8_devices(spec, ckpt, family, notes):
+  """AHA, Elastic and segmented (1 layer of the real model) compile on 8 fake devices without
+  layout overrides; segmented's 8 one-row microbatches become one microbatch of 8 rows."""
+  c = cli.load_recipe(os.path.join(ROOT, "configs", spec))
+  c.model.init_from = os.path.join(CONFIG_ONLY, ckpt)
+  c.model.num_layers = 1
+  if c.model.scheme.name == "segmented":
+    c.model.scheme.long_layers = (0,)
+  c.train.dry_run_device = "h100"
+  lines = []
+  r = loop.dry_run(c, print_fn=lines.append)
+  assert f"model: {family}" in lines[0]
+  assert [n.split(":")[0] for n in r["layout_notes"]] == notes
+  assert r["memory_per_device"]["peak_estimate_bytes"] > 0 and "fits" in r["verdict"]
