@@ -135,6 +135,9 @@ def define_flags():
                     flag_values=fv)
   flags.DEFINE_list("rows", [], "explicit rows scheme/B/T[/shapes] instead of the preset's plan",
                     flag_values=fv)
+  flags.DEFINE_list("override", [], "key=value scheme options set on every scheme row (after "
+                    "the recipe's; e.g. router_bias_init=-1.0 for AHA's full rate)",
+                    flag_values=fv)
   flags.DEFINE_string("name", "main", "the run's tag (settings.name)", flag_values=fv)
   flags.DEFINE_list("B", [], "batch sizes to keep (default: the plan's)", flag_values=fv)
   flags.DEFINE_list("T", [], "contexts to keep (default: the plan's)", flag_values=fv)
@@ -169,7 +172,16 @@ def _recipe(file: str):
   return mod
 
 
-def scheme_config(scheme: str, shapes: str, T: int):
+def _value(v: str):
+  for cast in (int, float):
+    try:
+      return cast(v)
+    except ValueError:
+      pass
+  return {"True": True, "False": False}.get(v, v)
+
+
+def scheme_config(scheme: str, shapes: str, T: int, override: dict | None = None):
   """(ModelConfig, knobs dict): the named shapes, bf16, with `scheme` at its recipe's default
   knobs; window-like knobs scaled by T / the recipe's data.seq_len (a power of two, >= 16),
   the scheme's fixed overrides (SCHEMES) applied."""
@@ -189,6 +201,12 @@ def scheme_config(scheme: str, shapes: str, T: int):
     v = int(kw[k] * T / seq)
     kw[k] = max(16, 1 << max(0, v.bit_length() - 1))  # the power of two <= the scaled value
   kw.update(fixed)
+  for k, v in (override or {}).items():
+    if k not in kw:
+      raise ValueError(f"bench.decode --override: {scheme} has no option {k!r}; its options: "
+                       f"{sorted(kw)}")
+    kw[k] = v
+  fixed = {**fixed, **(override or {})}
   for k, n in (("long_heads", base.num_kv_heads), ("long_layers", base.num_layers)):
     if k in kw and any(i >= n for i in kw[k]):  # the tiny shapes: indices that exist
       kw[k] = tuple(i for i in kw[k] if i < n) or (0,)
@@ -440,7 +458,8 @@ def engine_row(scheme: str, shapes: str, B: int, T: int, F, log) -> tuple[dict, 
   import numpy as np
   from condattn_jax.inference import Engine
   from condattn_jax.inference.engine import cache_bytes
-  cfg, knobs = scheme_config(scheme, shapes, T)
+  cfg, knobs = scheme_config(scheme, shapes, T, {
+      k: _value(v) for k, v in (x.split("=", 1) for x in F.override)})
   row = dict(scheme=scheme, shapes=shapes, B=B, T=T, layers=cfg.num_layers, knobs=knobs,
              status="running")
   t0 = time.perf_counter()
@@ -676,7 +695,7 @@ def main(argv=None) -> dict:
   dense_shapes = "tiny-qwen" if tiny else "qwen2.5-1.5b"
   todo = plan(F)
   run = common.new_run(BENCH, dict(
-      name=F.name, preset=F.preset, steps=F.steps, repeats=F.repeats, warmup=F.warmup,
+      name=F.name, preset=F.preset, override=list(F.override), steps=F.steps, repeats=F.repeats, warmup=F.warmup,
       bandwidth_tbps=bw, prefill_T=prefill_T, extra_slots=EXTRA, prefill_chunk=PREFILL_CHUNK,
       plan=[list(p) for p in todo], dense_shapes=dense_shapes,
       note="issue 33's targets recorded as claims, pass or fail: the baseline before the "

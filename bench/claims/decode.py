@@ -5,7 +5,7 @@ number follow from the stored rows."""
 from bench.claims import approx, claim, expect, quote
 
 H100 = "decode_NVIDIA_H100_80GB_HBM3.json"
-RUNS = ("main", "rest", "match")
+RUNS = ("main", "rest", "match", "aha_rate", "match128")
 
 
 @claim("decode", run=RUNS, file="decode_*NVIDIA*")
@@ -77,3 +77,13 @@ def performance_decode_match(rec, run):
   rows = run["rows"]
   return [_engine_line(rows, "match", "qwen2.5-1.5b", 1, 8192),
           _engine_line(rows, "match", "qwen2.5-1.5b", 1, 32768)]
+
+
+@quote("docs/performance.md", H100, run="aha_rate")
+def performance_decode_aha_local(rec, run):
+  return [_engine_line(run["rows"], "aha", "olmo2-1b", 1, 32768)]
+
+
+@quote("docs/performance.md", H100, run="match128")
+def performance_decode_match_128k(rec, run):
+  return [_engine_line(run["rows"], "match", "qwen2.5-1.5b", 1, 131072)]
