@@ -71,6 +71,28 @@ def test_engine_says_what_it_cannot_serve_as_trained():
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     chunked.prefill(PROMPTS)                                     # once per engine
-  notes = get_scheme("elastic").layer_cls.serving_notes(
-      attention.configure(cfg, "elastic", modes="fa_xa", xa_stride=2), 16, 8)
-  assert len(notes) == 1 and "XA heads run full attention" in notes[0]
+  notes = get_scheme("elastic").layer_cls.serving_notes
+  xcfg = attention.configure(cfg, "elastic", modes="fa_xa", xa_stride=2)
+  assert notes(xcfg, 24, 24) == ()                              # one shot, block-aligned
+  assert len(notes(xcfg, 8, 24)) == 2 and "runs XA heads full" in notes(xcfg, 8, 24)[1]
+
+
+@pytest.mark.parametrize("modes", ["fa_xa", "xa_ssa"])
+def test_served_xa_runs_xa_at_prefill_like_the_full_forward(modes):
+  """One-shot prefill (the longest prompt, 24 tokens, a multiple of block 4) through the engine
+  runs XA heads on their XA lists: its last-token logits == the full forward's (prompt_lengths =
+  the prompt); the control: the same prefill with every XA head full differs."""
+  from condattn_jax.attention import get_scheme
+  cfg, make = get_scheme("elastic").tiny()
+  params = make(0)
+  xcfg = attention.configure(cfg, "elastic", modes=modes, xa_stride=2, xa_threshold=0.5)
+  _, logits, lengths = Engine(xcfg, params, cache_len=32).prefill(PROMPTS)
+  full, fa = _full_forward(xcfg, params, PROMPTS, [len(p) for p in PROMPTS])
+  assert 0 < fa.mean() < 1
+  last = np.stack([np.asarray(full)[b, n - 1] for b, n in enumerate(lengths)])
+  np.testing.assert_allclose(np.asarray(logits), last, atol=2e-4, rtol=0)
+  # control: XA heads run full (the old serving) give other logits, so the check can fail
+  dense = attention.configure(xcfg, "elastic", xa_threshold=1.0)
+  fulld, _ = _full_forward(dense, params, PROMPTS, [len(p) for p in PROMPTS])
+  lastd = np.stack([np.asarray(fulld)[b, n - 1] for b, n in enumerate(lengths)])
+  assert np.abs(lastd - last).max() > 1e-3

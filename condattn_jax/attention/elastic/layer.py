@@ -23,8 +23,9 @@ that field ([B] int). Decode: the decision is made by the first cached call of a
 of a one-shot prefill; with chunked prefill, the first chunk), cached in the layer's 'cache'
 collection (`elastic_fa` [B, K], `elastic_decided` [B]) and reused by every later call; a full
 forward over prompt + continuation with prompt_field = the prompt length computes the same
-function. XA is a prefill method: over the cache (decode / prefill through the engine) XA heads
-run full attention. SSA lists over the cache: per query block for chunks of a multiple of
+function. XA is a prefill method: XA heads run their XA lists on a row's first cached call when
+it starts at position 0 with a multiple of `block` tokens (a one-shot prefill: the same lists as
+the full forward), full attention on later calls (chunks after the first, decode). SSA lists over the cache: per query block for chunks of a multiple of
 `block` tokens (block-aligned prefill), per query (block_q = 1) otherwise.
 
 Tau (Gumbel temperature) at train step s = ctx.fields['step'] (the train step passes it):
@@ -158,8 +159,8 @@ class ElasticLayer(nn.Module):
     """What the engine cannot serve as trained (the engine warns each once): a prefill chunk
     shorter than the prompt decides on the first chunk (the decision at layer l pools keys that
     depend on every earlier layer's output over the whole prompt, so no chunked pass can take
-    the whole-prompt decision: use prefill_chunk=None); XA is not run over the cache (XA heads
-    run full attention there, so served *_xa modes are dense on those heads)."""
+    the whole-prompt decision: use prefill_chunk=None); XA lists are built only on a one-shot
+    prefill of a multiple of `block` tokens (later chunks and decode run XA heads full)."""
     o = options(config)
     notes = []
     if chunk < longest_prompt:
@@ -167,10 +168,11 @@ class ElasticLayer(nn.Module):
                    f"prompt's {longest_prompt} tokens, so the router pools only the first chunk "
                    "(the question at the prompt's end is not seen); set prefill_chunk=None "
                    "(one-shot prefill) for the trained decision.")
-    if "xa" in o.modes:
-      notes.append(f"Elastic modes={o.modes!r}: XA is a prefill method not run over the cache, "
-                   "so through the engine XA heads run full attention (served XA is dense on "
-                   "those heads).")
+    if "xa" in o.modes and (chunk < longest_prompt or chunk % o.block):
+      notes.append(f"Elastic modes={o.modes!r}: XA runs on a one-shot prefill of a multiple of "
+                   f"block={o.block} tokens; this prefill (chunk {chunk}, prompt "
+                   f"{longest_prompt} tokens) runs XA heads full after the first chunk (dense "
+                   "on those heads); set prefill_chunk=None.")
     return tuple(notes)
 
   @nn.compact
@@ -211,14 +213,16 @@ class ElasticLayer(nn.Module):
     else:
       fa_BK = (jnp.argmax(logits_BK2, axis=-1) == FA).astype(jnp.float32)
 
+    first_B = None
     if ctx.decode:
-      fa_BK = self._cached_decision(fa_BK, valid_BT)
+      fa_BK, first_B = self._cached_decision(fa_BK, valid_BT)
 
     q, k = attn.rope(q0, ctx.positions_BT), attn.rope(k0, ctx.positions_BT)
     fa_BN = jnp.repeat(fa_BK, G, axis=1)
     impl = cfg.attention_impl
     if ctx.decode:
-      heads, rho_BN = self._decode(attn, q, k, v, ctx, fa_BN, o, impl), jnp.zeros((B, N))
+      heads, rho_BN = (self._decode(attn, q, k, v, ctx, fa_BN, o, impl, first_B),
+                       jnp.zeros((B, N)))
     else:
       heads, rho_BN = self._self_attention(q, k, v, ctx, fa_BN, o, impl)
     out_BTD = attn.project_out(heads)
@@ -231,7 +235,8 @@ class ElasticLayer(nn.Module):
 
   # ------------------------------------------------------------------------------------------
   def _cached_decision(self, fa_BK, valid_BT):
-    """Decode: the first call of a row with valid tokens decides; later calls reuse it."""
+    """Decode: the first call of a row with valid tokens decides; later calls reuse it.
+    Returns (fa_BK, first_B: bool, rows that had not decided before this call)."""
     B, K = fa_BK.shape
     c_fa = self.variable("cache", "elastic_fa", jnp.zeros, (B, K), jnp.float32)
     c_done = self.variable("cache", "elastic_decided", jnp.zeros, (B,), jnp.int32)
@@ -239,7 +244,7 @@ class ElasticLayer(nn.Module):
     fa_BK = jnp.where(done[:, None], c_fa.value, fa_BK)
     c_fa.value = fa_BK
     c_done.value = (done | jnp.any(valid_BT, axis=1)).astype(jnp.int32)
-    return fa_BK
+    return fa_BK, ~done
 
   def _self_attention(self, q, k, v, ctx, fa_BN, o, impl):
     """(heads [B, T, N, H], rho_BN) of the full forward: training computes both modes for every
@@ -278,10 +283,13 @@ class ElasticLayer(nn.Module):
     z = fa_BN[:, None, :, None].astype(q.dtype)
     return z * out1 + (1 - z) * out0, rho_BN
 
-  def _decode(self, attn, q, k, v, ctx, fa_BN, o, impl):
-    """ONE call over the layer's full KV cache: FA (and XA: a prefill method) heads full, SSA
-    heads their lists (slots = positions in the full cache). A chunk of a multiple of `block`
-    tokens (prefill) uses block_q = block (the kernels' tile), lists from each query block's first
+  def _decode(self, attn, q, k, v, ctx, fa_BN, o, impl, first_B=None):
+    """ONE call over the layer's full KV cache: FA heads full, SSA heads their lists (slots =
+    positions in the full cache), XA heads their XA lists on a row's first call when it starts
+    at position 0 with a multiple of `block` tokens (a one-shot prefill: the cache then holds
+    exactly this chunk's keys, so the lists are the full forward's), full attention otherwise
+    (later chunks, decode: XA is a prefill method). A chunk of a multiple of `block` tokens
+    (prefill) uses block_q = block (the kernels' tile), lists from each query block's first
     and last positions (exact when chunks start at block-aligned positions, as the engine's
     prefill does with a chunk size that `block` divides); other chunks (decode: T = 1) use
     per-query lists (block_q = 1, exact)."""
@@ -294,6 +302,15 @@ class ElasticLayer(nn.Module):
     lists = jnp.broadcast_to(ssa[:, None], (B, N, T // bq, ssa.shape[-1]))
     ssa_on = (fa_BN < 0.5) if o.modes.endswith("ssa") else jnp.zeros((B, N), bool)
     mode = jnp.where(ssa_on, ops.HEAD_BLOCKS, ops.HEAD_FULL).astype(jnp.int32)
+    if "xa" in o.modes and bq == o.block and first_B is not None:
+      xa = masks.xa_lists(q, k, ctx.valid_BT, block=o.block, stride=o.xa_stride,
+                          threshold=o.xa_threshold, q_chunk=o.xa_chunk)     # chunk = the cache
+      xa_head = (fa_BN > 0.5) if o.modes == "xa_ssa" else (fa_BN < 0.5)
+      use_xa = xa_head & (first_B & (ctx.positions_BT[:, 0] == 0))[:, None]
+      L = max(lists.shape[-1], xa.shape[-1])
+      lists = jnp.where(use_xa[..., None, None], masks.pad_lists(xa, L),
+                        masks.pad_lists(lists, L))
+      mode = jnp.where(use_xa, ops.HEAD_BLOCKS, mode).astype(jnp.int32)
     mask = ops.MaskSpec(q_positions_BT=ctx.positions_BT, kv_positions_BS=kv_pos,
                         kv_segment_ids_BS=kv_valid,
                         block_lists=ops.BlockLists(lists, mode, block_q=bq, block_k=o.block))

@@ -101,8 +101,11 @@ def xa_keep(q_BTNH, k_BTKH, valid_BT, *, block: int, stride: int, threshold: flo
   Ts = Tp // stride
   # keys padded to the block grid; queries further, to whole chunks (extra blocks are dropped)
   pad = lambda x, n: jnp.pad(x, [(0, 0), (0, n - T)] + [(0, 0)] * (x.ndim - 2))
-  q = lax.stop_gradient(pad(q_BTNH, n_chunks * c * block))
-  k = lax.stop_gradient(pad(k_BTKH, Tp).astype(jnp.float32))
+  # padding tokens' q / k are zeroed: a stride group straddling a row's end must not score
+  # whatever the padding computed (the engine and the full forward fill it differently)
+  vmask = jnp.asarray(valid_BT, bool)[:, :, None, None]
+  q = lax.stop_gradient(pad(jnp.where(vmask, q_BTNH, 0), n_chunks * c * block))
+  k = lax.stop_gradient(pad(jnp.where(vmask, k_BTKH, 0), Tp).astype(jnp.float32))
   ks_BKSD = k.reshape(B, Ts, stride, K, H)[:, :, ::-1].transpose(0, 3, 1, 2, 4).reshape(
       B, K, Ts, stride * H)
   kvalid_BS = pad(valid_BT, Tp).reshape(B, Ts, stride)[:, :, 0]          # first token of the group
