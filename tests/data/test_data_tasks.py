@@ -180,7 +180,7 @@ def test_elastic_train_step_counts_the_batches_tasks(tmp_path):
            "task": TASKS[int(rng.integers(2))]} for _ in range(64)]
   d = c.data
   d.source, d.paths, d.packing, d.separator_id = "jsonl", _write(tmp_path / "d.jsonl", recs), \
-      "first_fit", 0
+      "one_per_row", 0  # Elastic: one document per row
   d.task_field, d.task_names = "task", s.get_ref("task_names")
   d.task = {}
   c.train.log_every = 1
