@@ -51,7 +51,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from condattn_jax.attention import l2a  # noqa: E402
-from condattn_jax.attention import configure, convert, options  # noqa: E402
+from condattn_jax.attention import configure, options  # noqa: E402
+from condattn_jax.attention import convert as convert_to_scheme  # noqa: E402
 from condattn_jax.models.config import ModelConfig  # noqa: E402
 from condattn_jax.models import stacking  # noqa: E402
 from condattn_jax.models.decoder import Decoder  # noqa: E402
@@ -355,7 +356,7 @@ def router_groups(s: Settings, routing: str = "learned"):
 
 def convert(s: Settings, cfg: ModelConfig, dense, **options):
   """(L2A config, L2A params): `attention.convert(..., "l2a")` with the settings' options (+ overrides)."""
-  return convert(dense, cfg, "l2a", **l2a_options(s, **options))
+  return convert_to_scheme(dense, cfg, "l2a", **l2a_options(s, **options))
 
 
 def train_l2a(s: Settings, data: Data, cfg: ModelConfig, dense, *, name: str = "l2a", log=print,
