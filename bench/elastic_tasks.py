@@ -1,5 +1,5 @@
 """Elastic Attention fidelity on a synthetic task mix: per-task sparsity (Omega_MSR) and
-retrieval accuracy against the dense model (SCHEMES.md section 3; paper Sec. 2.2 / Table 1).
+retrieval accuracy against the dense model (docs/schemes/elastic.md; paper Sec. 2.2 / Table 1).
 
     python -m bench.elastic_tasks                  # CPU preset -> bench/results/elastic_tasks.json
     python -m bench.elastic_tasks --preset=test --out_dir=/tmp/e   # /tmp/e/elastic_tasks_<device>.json

@@ -1,4 +1,4 @@
-r"""AHA recipes (SCHEMES.md section 2, paper 001): a dense checkpoint -> AHA, continued SFT.
+r"""AHA recipes (docs/schemes/aha.md#recipes, paper 001): a dense checkpoint -> AHA, continued SFT.
 
   # the paper's OLMo-2-0425-1B-SFT recipe (default); Qwen / Llama variants through the arg
   python train.py --config=configs/aha_olmo.py --workdir=DIR \

@@ -1,4 +1,4 @@
-r"""Elastic Attention recipes (SCHEMES.md section 3, paper 003): a dense checkpoint -> Elastic,
+r"""Elastic Attention recipes (docs/schemes/elastic.md#recipes, paper 003): a dense checkpoint -> Elastic,
 router-only training at 64K.
 
   # the paper's Qwen3-4B recipe (default); Qwen3-8B and Llama-3.1-8B through the arg

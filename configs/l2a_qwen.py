@@ -1,4 +1,4 @@
-r"""L2A recipes (SCHEMES.md section 1): a dense Qwen checkpoint -> L2A, continued training at 128K.
+r"""L2A recipes (docs/schemes/l2a.md#recipes): a dense Qwen checkpoint -> L2A, continued training at 128K.
 
   # the paper's Qwen2.5-7B recipe (default); Qwen2.5-1.5B and Qwen3-8B through the arg
   python train.py --config=configs/l2a_qwen.py --workdir=DIR \

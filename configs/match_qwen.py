@@ -1,4 +1,4 @@
-r"""MATCH recipes (SCHEMES.md section 5, paper 004): a sparse-attention Qwen3 + retrieval,
+r"""MATCH recipes (docs/schemes/match.md#recipes, paper 004): a sparse-attention Qwen3 + retrieval,
 continual training with the MATCH mask.
 
   # post-sparsified Qwen3-8B-Base, half of the layers SWA (+ retrieval): the paper's LongBench model
@@ -16,7 +16,7 @@ Variants: 'qwen3-8b-swa0.5' (default; swa_ratio 0.5: layers 1, 3, ..., 35 keep f
 all-SWA setting; the paper's pre-sparsified model is Phi-3-mini, a family this repo does not
 load, so the all-SWA variant runs on Qwen3), 'tiny'.
 
-Pinned by SCHEMES.md: chunks c = 128, top_k = 4, retrieval every c tokens once the context
+Pinned by docs/schemes/match.md#choices: chunks c = 128, top_k = 4, retrieval every c tokens once the context
 exceeds the window, candidates wholly before the window, the all-MiniLM-L6-v2 bi-encoder (its
 weights: the 'match' extra). Not pinned by the paper text (our choices, fields to override):
 window 2048 (the paper's StreamingLLM baseline keeps a 2048-token local window), lr 1e-5 cosine

@@ -1,4 +1,4 @@
-r"""Segmented-execution recipes (SCHEMES.md section 4, paper 002): a dense long-context checkpoint
+r"""Segmented-execution recipes (docs/schemes/segmented.md#recipes, paper 002): a dense long-context checkpoint
 -> scheme 'segmented' (the identity on weights), full fine-tuning under the SAME segmented
 forward that inference runs (a scan over segments, TBPTT depth K).
 
@@ -24,7 +24,7 @@ context 8K"; K = 2: 12K); lr 2e-5 constant after 20 linear warmup steps; AdamW w
 defaults (betas 0.9 / 0.999, weight decay 0); micro-batch 1 x gradient accumulation 8 (here:
 batch 8 split into 8 microbatches: the same gradient); 1000 steps on SlimPajama; bf16 compute,
 fp32 master weights, every parameter trained. The loss is normalised by the number of target
-tokens (the authors average per segment: SCHEMES.md notes the difference).
+tokens (the authors average per segment: docs/schemes/segmented.md#choices notes the difference).
 Qwen variants (not in the paper; head / layer lists are ours, untuned): half of the KV heads
 long, long layers at the LLaMA fractions of depth.
 

@@ -1,4 +1,4 @@
-r"""L2A post-training pruning (SCHEMES.md 1): measure, prune, report KV-cache bytes, re-evaluate,
+r"""L2A post-training pruning (docs/schemes/l2a.md#inference): measure, prune, report KV-cache bytes, re-evaluate,
 save the pruned model.
 
   python scripts/l2a_prune.py --workdir=DIR                       # the run's own config

@@ -1,4 +1,4 @@
-"""MATCH full forward (SCHEMES.md section 5): retrieval geometry and exact match against a numpy
+"""MATCH full forward (docs/schemes/match.md#tests): retrieval geometry and exact match against a numpy
 brute force, the per-block fused attention against a dense masked reference (window OR
 retrieved chunks), causality, the SWA / sink baselines, layer variants, recompute mode, MiniLM
 bi-encoder and reranker plug-ins, options errors."""

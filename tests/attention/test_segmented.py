@@ -1,4 +1,4 @@
-"""Scheme 'segmented' (SCHEMES.md section 4): the segment operator against a per-head numpy
+"""Scheme 'segmented' (docs/schemes/segmented.md#tests): the segment operator against a per-head numpy
 reference of the spec (tail / retrieved prefix / segment-only contexts, RoPE re-indexing,
 retrieval: summaries, top-k, dedupe by max, anchors, expansion, earliest-position padding, sort,
 refresh period), S >= T == the base model (fp32), the training forward (segment-major scan) ==

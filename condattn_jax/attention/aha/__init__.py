@@ -1,5 +1,5 @@
 """AHA (All-or-Here): per-head binary routing between full and sliding-window attention
-(SCHEMES.md section 2; paper ../shared/papers/001_2be4b50167273621.txt).
+(docs/schemes/aha.md, which names the paper).
 
   options.py  `AHAOptions` (model.scheme.<name>)
   layer.py    the decoder layer, router, regulariser (`aux_loss`)

@@ -1,4 +1,4 @@
-"""AHA conversions: dense <-> AHA (SCHEMES.md section 2).
+"""AHA conversions: dense <-> AHA (docs/schemes/aha.md#semantics).
 
 A converted layer keeps every dense parameter (one attention serves both paths) and gains
 `router` = {kernel [D, N] zeros, bias [N] = router_bias_init}. Functions take and return the

@@ -1,4 +1,4 @@
-"""AHA's decoder layer, options, router and regulariser (SCHEMES.md section 2).
+"""AHA's decoder layer, options, router and regulariser (docs/schemes/aha.md#semantics).
 
 Per decoder layer, with x_in the attention block's input (what q_proj sees: RMSNorm_in(x) in
 the pre-norm families llama / qwen2 / qwen3, the residual stream x itself in post-norm olmo2):

@@ -12,7 +12,7 @@ ROUTINGS = ("learned", "all", "none", "soft")
 
 @dataclasses.dataclass(frozen=True)
 class AHAOptions:
-  """The options (`model.scheme.<name>`) of scheme 'aha' (defaults: SCHEMES.md section 2 / the paper).
+  """The options (`model.scheme.<name>`) of scheme 'aha' (defaults: docs/schemes/aha.md#options / the paper).
 
   window           local window w (keys t-w+1..t), >= 1; paper: 16..256, released checkpoint 128.
   tau              threshold: g = (s > tau); a test-time knob (higher = fewer full heads).

@@ -1,4 +1,4 @@
-"""AHA measurements (SCHEMES.md section 2): KV-cache bytes, full-attention usage mu_f per layer x
+"""AHA measurements (docs/schemes/aha.md#metrics): KV-cache bytes, full-attention usage mu_f per layer x
 head and per task, the per-head gap between full-attention calls, the layer x head heatmap."""
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Elastic Attention: input-adaptive head-level sparsity with per-task targets (SCHEMES.md
-section 3; paper ../shared/papers/003_37e8e472031e3f13.txt).
+"""Elastic Attention: input-adaptive head-level sparsity with per-task targets
+(docs/schemes/elastic.md, which names the paper).
 
   options.py  `ElasticOptions` (model.scheme.<name>)
   layer.py    router, pooling, Gumbel STE, the decoder layer (SA modes through ONE ops.attention

@@ -1,4 +1,4 @@
-"""Elastic conversions: dense <-> Elastic (SCHEMES.md section 3).
+"""Elastic conversions: dense <-> Elastic (docs/schemes/elastic.md#semantics).
 
 A converted layer keeps every dense parameter and gains a fresh `router` (task MLP + router MLP,
 kernels N(0, 0.02), zero biases, drawn from model.scheme.seed); the model gains

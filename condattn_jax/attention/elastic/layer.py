@@ -1,5 +1,4 @@
-"""Elastic Attention's decoder layer, options, router and Lagrangian loss (SCHEMES.md section 3;
-paper ../shared/papers/003_37e8e472031e3f13.txt).
+"""Elastic Attention's decoder layer, options, router and Lagrangian loss (docs/schemes/elastic.md#semantics).
 
 Per decoder layer, with k the key states after k_norm and BEFORE RoPE ([B, T, K, H]):
 

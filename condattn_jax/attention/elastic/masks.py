@@ -1,4 +1,4 @@
-"""Elastic's sparse-attention (SA) modes as `ops.BlockLists` (SCHEMES.md section 3).
+"""Elastic's sparse-attention (SA) modes as `ops.BlockLists` (docs/schemes/elastic.md#semantics).
 
 Blocks index key SLOTS and query ROWS (ops.BlockLists' convention): in self-attention slot =
 row = token index of the row; over a full KV cache slot = position (the cache writes position p

@@ -14,7 +14,7 @@ FA, SA = 1, 0  # router classes
 
 @dataclasses.dataclass(frozen=True)
 class ElasticOptions:
-  """The options (`model.scheme.<name>`) of scheme 'elastic' (defaults: SCHEMES.md section 3).
+  """The options (`model.scheme.<name>`) of scheme 'elastic' (defaults: docs/schemes/elastic.md#options).
 
   modes          'fa_ssa' | 'fa_xa' | 'xa_ssa': (class-1 mode, class-0 mode).
   pooling        'boundary' (first and last `boundary` prompt tokens) | 'prompt_mean'.

@@ -1,4 +1,4 @@
-"""Elastic measurements (SCHEMES.md section 3): KV-cache bytes, Omega_MSR / Omega_ESR per task,
+"""Elastic measurements (docs/schemes/elastic.md#metrics): KV-cache bytes, Omega_MSR / Omega_ESR per task,
 per-head FA frequency (layer x query head) and its heatmap (paper Fig. 6)."""
 from __future__ import annotations
 

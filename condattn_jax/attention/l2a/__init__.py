@@ -1,4 +1,4 @@
-"""L2A (Learning To Attend): token-level conditional global attention (SCHEMES.md section 1).
+"""L2A (Learning To Attend): token-level conditional global attention (docs/schemes/l2a.md).
 
   options.py  `L2AOptions` (model.scheme.<name>), the pre-norm check
   layer.py    the decoder layer, router, regulariser (`aux_loss`)

@@ -1,4 +1,4 @@
-"""L2A conversions: dense <-> L2A, pruning (SCHEMES.md section 1).
+"""L2A conversions: dense <-> L2A, pruning (docs/schemes/l2a.md#inference).
 
 All functions take and return params in the model's (stacked) layout, or per-layer trees
 (`layers_{i}`); a top-level 'params' key is kept. The per-layer edits happen on the per-layer
@@ -33,7 +33,7 @@ def _restack(per_layer: dict) -> dict:
 
 
 def from_dense(params, config):
-  """Dense params -> L2A params (SCHEMES.md 1): per layer `global_attn` = copy of `self_attn`,
+  """Dense params -> L2A params (docs/schemes/l2a.md#semantics): per layer `global_attn` = copy of `self_attn`,
   `global_layernorm` = copy of `input_layernorm`, `router` = zeros [D] (every token global at
   init). Layers in `pruned_layers` get no global branch. `config` is the target
   L2A ModelConfig (or the options)."""

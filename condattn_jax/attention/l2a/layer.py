@@ -1,4 +1,4 @@
-"""L2A's decoder layer, options and regulariser (SCHEMES.md section 1).
+"""L2A's decoder layer, options and regulariser (docs/schemes/l2a.md#semantics).
 
 Per decoder layer (pre-norm families: llama, qwen2, qwen3):
 

@@ -11,7 +11,7 @@ LAMBDA_SCHEDULES = ("ramp", "constant")
 
 @dataclasses.dataclass(frozen=True)
 class L2AOptions:
-  """The options (`model.scheme.<name>`) of scheme 'l2a' (defaults: SCHEMES.md section 1 / authors' code).
+  """The options (`model.scheme.<name>`) of scheme 'l2a' (defaults: docs/schemes/l2a.md#options / authors' code).
 
   window              local attention window w (keys t-w+1..t); 0 = no local attention.
   tau                 router temperature: p = sigmoid(z / tau).

@@ -1,5 +1,5 @@
 """L2A measurements: per-layer sparsity on held-out data (the one sparsity measure), KV-cache
-bytes, and the one pruning report (SCHEMES.md section 1; run by scripts/l2a_prune.py).
+bytes, and the one pruning report (docs/schemes/l2a.md#metrics; run by scripts/l2a_prune.py).
 
   rep = prune_report(model, params, batches, context_len=131072)       # measure, prune, KV bytes
   rep = prune_and_evaluate(config, params, model_cfg, mesh, threshold=0.95, context_len=131072)

@@ -1,5 +1,5 @@
-"""MATCH: retrieval-modulated sparse attention (SCHEMES.md section 5; paper
-../shared/papers/004_3b3ddadb1b62c6a7.txt).
+"""MATCH: retrieval-modulated sparse attention (docs/schemes/match.md,
+which names the paper).
 
   options.py    `MatchOptions` (model.scheme.<name>), the SWA / full layer pattern
   retrieval.py  chunk geometry, retrievers (exact match; all-MiniLM-L6-v2 bi-encoder), reranker

@@ -1,4 +1,4 @@
-"""MATCH's decoder layer (SCHEMES.md section 5; paper ../shared/papers/004_3b3ddadb1b62c6a7.txt).
+"""MATCH's decoder layer (docs/schemes/match.md).
 
 Variants (`Scheme.layer_variants`, see options.layer_kinds): 'swa' layers (sliding window w +
 retrieval) and 'full' layers (plain causal attention: the full-attention layers a post-sparsified

@@ -11,7 +11,7 @@ RETRIEVED_KV = ("sequence", "recompute")
 
 @dataclasses.dataclass(frozen=True)
 class MatchOptions:
-  """The options (`model.scheme.<name>`) of scheme 'match' (defaults: SCHEMES.md section 5).
+  """The options (`model.scheme.<name>`) of scheme 'match' (defaults: docs/schemes/match.md#options).
 
   window        local window w of the SWA layers (keys t-w+1..t).
   chunk         c: retrieval chunks are the aligned blocks [j*c, (j+1)*c) of a row; queries are

@@ -1,5 +1,5 @@
-"""Training-inference consistent segmented execution (SCHEMES.md section 4; paper
-../shared/papers/002_f3b78f1ae6d3bc79.txt).
+"""Training-inference consistent segmented execution (docs/schemes/segmented.md,
+which names the paper).
 
   options.py  `SegmentedOptions` (model.scheme.<name>: S, M, R, K, head / layer lists, retrieval
               knobs), the whole-config check, the static partition

@@ -3,7 +3,7 @@ mode (the inference code path, verbatim), carrying every layer's state (tail, po
 
     out, aux = forward(model, params, tokens_BT, positions_BT, segment_ids_BT, train=True)
 
-TBPTT with depth K (SCHEMES.md section 4; paper Definition 3.2): the loss of segment i
+TBPTT with depth K (docs/schemes/segmented.md#semantics; paper Definition 3.2): the loss of segment i
 back-propagates through the carried tail for exactly K segment transitions. Each scan step runs
 K + 1 streams of the same segment (rows stacked as [B, K + 1] on the batch axis, so every row's
 streams live on the row's shard): stream 0 starts from stop_gradient(state), stream s >= 1 from

@@ -1,4 +1,4 @@
-"""The decoder layer of scheme 'segmented' (SCHEMES.md section 4).
+"""The decoder layer of scheme 'segmented' (docs/schemes/segmented.md#semantics).
 
 Same parameters as the dense layer (from_dense is the identity on weights); the attention core
 is `core.segment_step` on the pre-RoPE q/k/v of `Attention.project`:

@@ -1,4 +1,4 @@
-"""Options of scheme 'segmented' (SCHEMES.md section 4) and the static head / layer partition."""
+"""Options of scheme 'segmented' (docs/schemes/segmented.md) and the static head / layer partition."""
 from __future__ import annotations
 
 import dataclasses
@@ -9,14 +9,14 @@ from condattn_jax.attention import options
 
 from condattn_jax.models.config import ModelConfig
 
-# SCHEMES.md section 4: 32-head LLaMA-2 defaults (paper; the authors' code agrees on the heads).
+# docs/schemes/segmented.md#choices: 32-head LLaMA-2 defaults (paper; the authors' code agrees on the heads).
 LLAMA2_LONG_HEADS = (0, 1, 2, 4, 9, 12, 14, 15, 16, 18, 19, 22, 23, 26, 29, 30)
 LLAMA2_LONG_LAYERS = (6, 8, 11, 18)  # the authors' code uses 16 instead of 18 (a config list)
 
 
 @dataclasses.dataclass(frozen=True)
 class SegmentedOptions:
-  """The options (`model.scheme.<name>`) of scheme 'segmented' (defaults: SCHEMES.md section 4 / the paper).
+  """The options (`model.scheme.<name>`) of scheme 'segmented' (defaults: docs/schemes/segmented.md#options / the paper).
 
   segment_len     S: tokens per segment (segments never overlap; attention is causal inside).
   tail_len        M: carried KV tail, the last M pre-RoPE K/V of the previous segment (local

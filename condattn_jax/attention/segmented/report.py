@@ -34,7 +34,7 @@ def kv_cache_bytes(config: ModelConfig, context_len: int, batch: int = 1,
 
 def visible_kv_length(config: ModelConfig) -> float:
   """Peak attention-visible KV length per head, S + alpha*M + beta*(1 - alpha)*R (alpha: local
-  head fraction, beta: long-layer fraction; SCHEMES.md section 4)."""
+  head fraction, beta: long-layer fraction; docs/schemes/segmented.md#inference)."""
   o = options(config)
   alpha = 1.0 - len(o.long_heads) / config.num_kv_heads
   beta = len(o.long_layers) / config.num_layers
