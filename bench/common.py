@@ -97,6 +97,10 @@ def device_slug(kind: str | None = None) -> str:
 
 
 def git_commit() -> str | None:
+  """$CONDATTN_GIT_COMMIT if set, else `git rev-parse --short HEAD`. Set it on a device run: the
+  device tool copies the working tree, but the copy's git metadata may name an older commit."""
+  if os.environ.get("CONDATTN_GIT_COMMIT"):
+    return os.environ["CONDATTN_GIT_COMMIT"]
   try:
     return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                           text=True, check=True).stdout.strip() or None
