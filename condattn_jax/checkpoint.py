@@ -227,6 +227,13 @@ class Checkpointer:
       self.wait()
     finally:
       try:
+        # orbax removes unfinished saves' tmp directories in a background thread started by the
+        # manager, and its close() does not wait for it: a process exiting right after (a user
+        # error before the first step) printed that thread's traceback at interpreter shutdown.
+        getattr(self.mgr, "_maybe_await_cleanup_tmp_directory", lambda: None)()
+      except Exception:  # pylint: disable=broad-except  (cleanup is best effort)
+        pass
+      try:
         self.mgr.close()
       except Exception:  # pylint: disable=broad-except  (the failed save was reported by wait)
         pass
