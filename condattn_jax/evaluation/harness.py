@@ -44,7 +44,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from condattn_jax.evaluation import scoring
-from condattn_jax.evaluation.tasks import Sample
+from condattn_jax.evaluation.tasks import Sample, json_lines
 
 
 @dataclasses.dataclass
@@ -255,22 +255,12 @@ def load_documents(path: str, tokenizer=None) -> list[list[int]]:
   """Documents for perplexity by position, as token ids: a .jsonl file of rows {"text": str}
   (encoded with `tokenizer`, BOS by its rule) or {"tokens": [ids]}, else a plain text file
   holding one document."""
-  import json
   import os
   if not os.path.isfile(path):
     raise FileNotFoundError(f"ppl_docs={path} does not exist.")
   with open(path) as f:
     raw = f.read()
-  if not path.endswith(".jsonl"):
-    rows = [{"text": raw}]
-  else:
-    rows = []
-    for i, line in enumerate(raw.splitlines()):
-      if line.strip():
-        try:
-          rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-          raise ValueError(f"{path}:{i + 1}: not JSON ({e.msg}).") from None
+  rows = json_lines(raw, path) if path.endswith(".jsonl") else [{"text": raw}]
   out = []
   for i, r in enumerate(rows):
     if "tokens" in r:

@@ -326,6 +326,19 @@ def mqar_text(rng: random.Random, n: int, *, num_queries=4):
   return TEMPLATES["mqar"].format(context=ctx, query=query), [values[i] for i in asked]
 
 
+def json_lines(text: str, path: str) -> list:
+  """The JSON value of each non-blank line of `text` (read from `path`); a bad line is one
+  ValueError naming `path:line`."""
+  rows = []
+  for i, line in enumerate(text.splitlines()):
+    if line.strip():
+      try:
+        rows.append(json.loads(line))
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{i + 1}: not JSON ({e.msg}).") from None
+  return rows
+
+
 def load_qa_file(path: str) -> list[dict]:
   """Rows {question: str, answers: [str], documents: [str]} from a JSON list or JSONL file
   (a 'context' string stands for one document; RULER's SQuAD / HotpotQA files converted)."""
@@ -337,13 +350,7 @@ def load_qa_file(path: str) -> list[dict]:
     rows = json.loads(text)
     rows = rows if isinstance(rows, list) else [rows]
   except json.JSONDecodeError:
-    rows = []
-    for i, line in enumerate(text.splitlines()):
-      if line.strip():
-        try:
-          rows.append(json.loads(line))
-        except json.JSONDecodeError as e:
-          raise ValueError(f"{path}:{i + 1}: not JSON ({e.msg}).") from None
+    rows = json_lines(text, path)
   out = []
   for i, r in enumerate(rows):
     docs = r.get("documents") or ([r["context"]] if r.get("context") else None)
