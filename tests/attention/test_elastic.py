@@ -498,3 +498,29 @@ def test_fixed_routing_per_layer_head_sets():
   bad = attention.configure(ecfg, "elastic", fixed_fa_kv_heads=per_layer + ((0,),))
   with pytest.raises(ValueError, match=f"{L + 1} per-layer tuples; the model has num_layers={L}"):
     jax.jit(Decoder(bad).apply)({"params": ep}, tok)
+
+
+def test_task_mean_constraint_is_one_constraint_on_the_batch_mean_omega():
+  """constraint='task_mean' with one task name: rows on both sides of the target whose MEAN is on
+  target cost nothing and every row gets the same pull (lambda1's on the mean: the router may
+  allocate sparsity between rows);
+  per-sample ('sample') the same rows are each pulled toward t. Mean off target: the term is
+  lambda1 (mean - t) + lambda2 (mean - t)^2."""
+  fa = jnp.asarray([[[1.0, 1.0, 1.0, 0.0], [0.0, 0.0, 0.0, 1.0]]])       # Omega .25, .75
+  lam = jnp.array([[0.3], [0.7]])
+  batch = {"task_ids": jnp.array([0, 0])}
+  one = attention.configure(ModelConfig(), "elastic", task_names=("any",), targets=(0.5,),
+                            constraint="task_mean")
+  per = attention.configure(ModelConfig(), "elastic", task_names=("any",), targets=(0.5,))
+  loss_one = lambda f, c: elastic.aux_loss(_aux(f, lam), batch, 0, c)[0]
+  assert float(loss_one(fa, one)) == 0.0
+  np.testing.assert_allclose(float(loss_one(fa, per)), 0.7 * 0.0625, rtol=1e-6)
+  d_one = np.asarray(jax.grad(loss_one)(fa, one))  # only lambda1's pull on the mean: the same
+  np.testing.assert_allclose(d_one, -0.3 / 8)      # for every row (no row pulled toward t)
+  d_per = np.asarray(jax.grad(loss_one)(fa, per))
+  # each row pulled toward t: less FA for the row below t (Omega .25), more for the one above
+  assert (d_per[0, 0] > 0).all() and (d_per[0, 1] < 0).all()
+  off = jnp.asarray([[[1.0, 1.0, 1.0, 1.0], [0.0, 0.0, 0.0, 1.0]]])      # mean .375
+  np.testing.assert_allclose(float(loss_one(off, one)), 0.3 * -0.125 + 0.7 * 0.015625, rtol=1e-6)
+  with pytest.raises(ValueError, match=r"model.scheme.constraint='mean'.*\('sample', 'task_mean'\)"):
+    attention.configure(ModelConfig(), "elastic", constraint="mean")

@@ -36,7 +36,8 @@ Loss (aux_loss): Omega_b = fraction of the sample's query heads (all layers) in 
 STE: the router gets the gradient), per-sample term
 lambda1[task] (Omega_b - t_task) + lambda2[task] (Omega_b - t_task)^2 (lagrangian 'signed', paper
 eq. 8; 'abs': lambda1[task] |Omega_b - t_task|, the authors' code), averaged within each
-task, then over the tasks present in the batch. lambda = params['scheme']['lagrange'] [2, tasks]
+task, then over the tasks present in the batch (constraint 'sample'; 'task_mean': the same
+terms of the task's batch-mean Omega instead of each sample's). lambda = params['scheme']['lagrange'] [2, tasks]
 (row 0: lambda1, row 1: lambda2; init U(0, lambda_init_max)), trained by gradient ASCENT: the
 scheme declares it (`Scheme.ascent_params`) and the train step flips its gradient (one 2-D leaf,
 so AdamW's weight decay applies to it).
@@ -359,11 +360,15 @@ def aux_loss(aux, batch, step, config):
   onehot = jax.nn.one_hot(tid, o.num_tasks, dtype=jnp.float32)            # [B, tasks]
   target_B = jnp.asarray(o.targets, jnp.float32)[tid]
   lam = aux["scheme"]["lagrange"]
-  dev = omega_B - target_B
-  first_B = jnp.abs(dev) if o.lagrangian == "abs" else dev
-  term_B = lam[0][tid] * first_B + lam[1][tid] * dev * dev
   count = jnp.sum(onehot, axis=0)
-  per_task = (term_B @ onehot) / jnp.maximum(count, 1.0)
+  first = jnp.abs if o.lagrangian == "abs" else (lambda d: d)
+  if o.constraint == "task_mean":  # the task's batch-mean Omega against its target
+    dev_K = (omega_B @ onehot) / jnp.maximum(count, 1.0) - jnp.asarray(o.targets, jnp.float32)
+    per_task = lam[0] * first(dev_K) + lam[1] * dev_K * dev_K
+  else:
+    dev = omega_B - target_B
+    term_B = lam[0][tid] * first(dev) + lam[1][tid] * dev * dev
+    per_task = (term_B @ onehot) / jnp.maximum(count, 1.0)
   present = (count > 0).astype(jnp.float32)
   loss = jnp.sum(per_task * present) / jnp.maximum(jnp.sum(present), 1.0)
   msr_sum = lax.stop_gradient(omega_B) @ onehot

@@ -8,6 +8,7 @@ MODES = ("fa_ssa", "fa_xa", "xa_ssa")
 POOLINGS = ("boundary", "prompt_mean")
 TAU_SCHEDULES = ("cosine", "exp")
 LAGRANGIANS = ("signed", "abs")
+CONSTRAINTS = ("sample", "task_mean")
 ROUTINGS = ("learned", "fa", "sa", "fixed")
 FA, SA = 1, 0  # router classes
 
@@ -36,6 +37,11 @@ class ElasticOptions:
                  ascent moves lambda1 by the signed violation, so it can shrink and change
                  sign, and stays put on target) | 'abs' (the authors' code: lambda1 |Omega - t|,
                  under which lambda1 can only grow).
+  constraint     'sample' (the paper's eq. 8 per sample, averaged within each task: every row
+                 of task k pulled toward t_k) | 'task_mean' (the deviation of the task's MEAN
+                 Omega over the batch's rows: with ONE task name and one target, a single
+                 task-agnostic constraint on the batch-mean Omega, under which the router is free
+                 to give some rows more sparsity than others; bench/elastic_repro.py's arm).
   seed           seed of from_dense's fresh router and lambdas.
   routing        'learned' | 'fa' (every head FA: the base model under fa_* modes) | 'sa' |
                  'fixed' (the KV heads in `fixed_fa_kv_heads` are class 1 in every row and layer,
@@ -67,6 +73,7 @@ class ElasticOptions:
   targets: tuple = (0.7, 1.0)
   lambda_init_max: float = 0.0
   lagrangian: str = "signed"
+  constraint: str = "sample"
   seed: int = 0
   routing: str = "learned"
   fixed_fa_kv_heads: tuple = ()
@@ -83,6 +90,8 @@ class ElasticOptions:
       raise ValueError(f"{f}.tau_schedule={self.tau_schedule!r}: choose one of {TAU_SCHEDULES}.")
     if self.lagrangian not in LAGRANGIANS:
       raise ValueError(f"{f}.lagrangian={self.lagrangian!r}: choose one of {LAGRANGIANS}.")
+    if self.constraint not in CONSTRAINTS:
+      raise ValueError(f"{f}.constraint={self.constraint!r}: choose one of {CONSTRAINTS}.")
     if self.lambda_init_max < 0:
       raise ValueError(f"{f}.lambda_init_max={self.lambda_init_max} must be >= 0.")
     if self.routing not in ROUTINGS:
