@@ -52,7 +52,8 @@ is a placeholder whose lowering raises that advice (never a silently wrong kerne
 Under a mesh (jax.sharding.get_abstract_mesh()), every Pallas and tokamax call runs per shard in
 jax.shard_map over the mesh axes the rules table (condattn_jax/train/sharding.py) gives
 attention's activations: activation_batch (data, fsdp), activation_heads (tensor), when the shapes
-divide.
+divide. Contiguous self-attention under a mesh that splits rows (activation_length -> sequence,
+size > 1) runs sequence-parallel: condattn_jax/parallel/context.py.
 """
 from __future__ import annotations
 
@@ -705,6 +706,9 @@ def attention(q_BTNH, k_BSKH, v_BSKH, mask: MaskSpec, *, impl: str = "auto",
   q, k, v = map(jnp.asarray, (q_BTNH, k_BSKH, v_BSKH))
   mask = jax.tree.map(jnp.asarray, mask)
   _check(q, k, v, mask)
+  from condattn_jax.parallel import context  # rows split over the `sequence` mesh axis
+  if context.applies(mask):
+    return context.attention(q, k, v, mask, impl=impl, scale=scale)
   branches = _branches(impl, q, mask, scale)
   default = branches.pop("default")
   if not branches:

@@ -132,6 +132,11 @@ class Scheme:
   packed_documents True: documents packed in one row (segment ids 1, 2, ...) are independent
                 (each gets the outputs it gets alone); False: rows must hold one document (Elastic
                 pools its routing decision over the row, segmented's segments run over it).
+  sequence_parallel True: the scheme trains with a row's tokens split over the `sequence` mesh
+                axis (condattn_jax/parallel/context.py: all its cross-token work goes through
+                ops.attention's contiguous self-attention; tests/train/test_context_parallel.py
+                checks loss and gradients against one device); a str: why it cannot (config
+                validation refuses config.mesh.sequence > 1 with it); False: not declared (refused).
   tiny          None, or `() -> (config, make_params(seed) -> params)`: a small model of the
                 scheme (fp32, a few layers, routing really mixed) that tests/schemes' conformance
                 suite runs every check on; registering it is all a new scheme needs for them.
@@ -153,6 +158,7 @@ class Scheme:
   forward: Forward | None = None
   serving_forward: ServingForward | None = None
   packed_documents: bool = True
+  sequence_parallel: bool | str = False
   tiny: Callable[[], tuple[Any, Callable[[int], Any]]] | None = None
 
   def __post_init__(self):

@@ -48,4 +48,4 @@ def tiny():
 
 
 DENSE = register(Scheme(name="dense", layer_cls=DenseLayer, kv_cache_bytes=kv_cache_bytes,
-                        tiny=tiny))
+                        sequence_parallel=True, tiny=tiny))

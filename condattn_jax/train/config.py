@@ -13,7 +13,8 @@ unknown fields that a recipe added by mistake. Sections:
          weight_decay, b1, b2, eps, trainable_regex, param_groups, seed, log_every,
          checkpoint_every, keep_checkpoints, eval_every, dry_run, dry_run_device, loss_chunk_size,
          microbatches, progress_bar
-  mesh   data, fsdp, tensor (-1 = fill with the remaining devices)
+  mesh   data, fsdp, sequence, tensor (-1 = fill with the remaining devices),
+         sequence_attention (condattn_jax/parallel/context.py)
   eval   context_lengths, num_batches, batch_size, seed, at_start, at_end
 """
 from __future__ import annotations
@@ -78,7 +79,11 @@ def default_config() -> ml_collections.ConfigDict:
       microbatches=1,  # gradient accumulation over this many microbatches
       progress_bar=True,
   ))
-  c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=-1, tensor=1))
+  c.mesh = ml_collections.ConfigDict(dict(
+      data=1, fsdp=-1, tensor=1,
+      sequence=1,  # context parallelism: a row's tokens over this many devices (zigzag layout)
+      sequence_attention="all_gather",  # all_gather | ring: global attention over `sequence`
+  ))
   c.eval = ml_collections.ConfigDict(dict(
       context_lengths=(),  # () = data.seq_len only
       num_batches=4,
@@ -166,6 +171,8 @@ def validate_config(config: ml_collections.ConfigDict, *, needs_data: bool = Tru
     raise ValueError(f"config.data.packing={dc.packing!r} packs several documents in a row, but "
                      f"scheme {scheme.name!r} runs a row as one document "
                      "(packed_documents=False); set config.data.packing='one_per_row'.")
+  from condattn_jax.parallel import context
+  context.check_config(config, int(config.mesh.get("sequence", 1)))
   seq_len = int(config.data.seq_len)
   if t.loss_chunk_size and seq_len % int(t.loss_chunk_size):
     raise ValueError(f"config.train.loss_chunk_size={t.loss_chunk_size} must divide "

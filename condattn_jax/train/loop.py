@@ -46,6 +46,7 @@ from condattn_jax.attention import get_scheme
 from condattn_jax.data import batch_spec, data_shard_for_sharding, make_global_batch, make_train_iterator
 from condattn_jax.models.config import ModelConfig
 from condattn_jax.models.decoder import Decoder
+from condattn_jax.parallel import context
 from condattn_jax.train import config as config_lib
 from condattn_jax.train import guards
 from condattn_jax.train import metrics as metrics_lib
@@ -85,6 +86,11 @@ class Setup:
   def seq_len(self) -> int:
     return int(self.config.data.seq_len)
 
+  def mesh_context(self):
+    """shd.mesh_context of this setup's mesh, with config.mesh.sequence_attention."""
+    return shd.mesh_context(
+        self.mesh, sequence_attention=str(self.config.mesh.get("sequence_attention", "all_gather")))
+
 
 def _init_shape(config) -> tuple[int, int]:
   return (1, min(int(config.data.seq_len), 256))
@@ -108,6 +114,7 @@ def build(config, *, devices=None, needs_data: bool = False) -> Setup:
   from condattn_jax.data import check_vocab, parse_data_config
   check_vocab(parse_data_config(config.data, needs_files=False), model_cfg.vocab_size)
   shd.check_batch_layout(config, mesh.shape["data"], mesh.shape["fsdp"])
+  context.check_config(config, mesh.shape["sequence"])  # sequence = -1 resolved by the mesh
   model = Decoder(model_cfg)
   tok = jax.ShapeDtypeStruct(_init_shape(config), jnp.int32)
   with shd.init_context():
@@ -263,7 +270,7 @@ def init_params(setup: Setup):
 def init_state(setup: Setup) -> TrainState:
   """Step-0 state: `init_params` and a fresh optimizer state."""
   params = init_params(setup)
-  with shd.mesh_context(setup.mesh):
+  with setup.mesh_context():
     opt_state = jax.jit(setup.tx.init, in_shardings=(setup.param_shardings,),
                         out_shardings=setup.state_shardings.opt_state)(params)
     step = jax.device_put(jnp.zeros((), jnp.int32), setup.state_shardings.step)
@@ -330,7 +337,8 @@ def _activation_bytes(setup: Setup) -> int:
   other policies save more, inside the compiler's temp)."""
   c, mc = setup.config, setup.model_cfg
   rows = int(c.data.batch_size) // int(c.train.microbatches) // shd.batch_shards(setup.mesh)
-  return (int(mc.num_layers) * max(rows, 1) * setup.seq_len * int(mc.hidden_size)
+  tokens = setup.seq_len // setup.mesh.shape["sequence"]  # a row's shard under sequence parallelism
+  return (int(mc.num_layers) * max(rows, 1) * tokens * int(mc.hidden_size)
           * np.dtype(mc.dtype).itemsize)
 
 
@@ -359,6 +367,10 @@ def _suggestions(setup: Setup) -> list[str]:
     out.append(f"--config.train.microbatches={k * rows} (one row per device per microbatch)")
   if not int(c.train.loss_chunk_size):
     out.append("--config.train.loss_chunk_size=4096 (no [B, T, vocab] logits)")
+  seq, dev = mesh["sequence"], setup.mesh.devices.size
+  if (get_scheme(mc.scheme).sequence_parallel is True and dev % (2 * seq) == 0
+      and setup.seq_len % (4 * seq) == 0):
+    out.append(f"--config.mesh.sequence={2 * seq} (a row's tokens over {2 * seq} devices)")
   if setup.seq_len > 1024:
     out.append(f"--config.data.seq_len={setup.seq_len // 2}")
   return out
@@ -411,7 +423,7 @@ def dry_run(config, *, devices=None, print_fn=print) -> dict[str, Any]:
   oom_temp = None
   if mode != "export":
     step_fn = jit_train_step(setup)
-    with shd.mesh_context(setup.mesh):
+    with setup.mesh_context():
       lowered = step_fn.lower(setup.abstract_state, setup.batch_abstract)
       try:
         compiled = lowered.compile()
@@ -749,7 +761,7 @@ def _run_locked(config, workdir: str, lock, *, stop_after, on_step) -> dict[str,
     saved_this_run.add(s)
 
   failed = False
-  with shd.mesh_context(setup.mesh):
+  with setup.mesh_context():
     try:
       if config.eval.get("at_start") and start == 0:
         result["eval_start"] = _run_eval(config, setup, state, 0, workdir, writer, is_host0)
@@ -912,7 +924,7 @@ def load_params(config, path: str, *, step: int | None = None, devices=None):
                         setup.abstract_params, setup.param_shardings)
   ck = ckpt_lib.Checkpointer(directory, read_only=True)
   try:
-    with shd.mesh_context(setup.mesh):
+    with setup.mesh_context():
       params, step = _readable(ck, step, lambda s: ck.restore_params(target, s))
   finally:
     ck.close()

@@ -4,11 +4,13 @@ One table (`RULES`) maps every logical axis name used by the models to mesh axes
 
   params       vocab -> tensor, embed -> fsdp, q_heads/kv_heads -> tensor, mlp -> tensor,
                head_dim/norm -> replicated
-  activations  activation_batch -> (data, fsdp), activation_heads/activation_mlp -> tensor,
-               activation_length/activation_embed -> replicated
+  activations  activation_batch -> (data, fsdp), activation_length -> sequence,
+               activation_heads/activation_mlp -> tensor, activation_embed -> replicated
 
 so `data` is pure data parallelism, `fsdp` shards the batch AND the parameters / optimizer state
-(ZeRO-3; params are all-gathered per layer by XLA), `tensor` is Megatron-style head / MLP /
+(ZeRO-3; params are all-gathered per layer by XLA), `sequence` is context parallelism (a row's
+tokens split over devices in the load-balanced zigzag layout; attention runs per shard in
+jax.shard_map: condattn_jax/parallel/context.py), `tensor` is Megatron-style head / MLP /
 vocab parallelism. A parameter dimension that a mesh axis does not divide falls back to
 replicated on that axis (logged once), so odd head counts still run.
 
@@ -28,13 +30,13 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-MESH_AXES = ("data", "fsdp", "tensor")
+MESH_AXES = ("data", "fsdp", "sequence", "tensor")
 BATCH_AXES = ("data", "fsdp")
 
 RULES: tuple[tuple[str, Any], ...] = (
     # activations
     ("activation_batch", BATCH_AXES),
-    ("activation_length", None),
+    ("activation_length", "sequence"),
     ("activation_embed", None),
     ("activation_heads", "tensor"),
     ("activation_kv_heads", "tensor"),
@@ -52,9 +54,10 @@ RULES: tuple[tuple[str, Any], ...] = (
 )
 
 
-def mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
-  """(data, fsdp, tensor) from `config.mesh`; at most one axis may be -1 (fill)."""
-  sizes = [int(mesh_cfg[a]) for a in MESH_AXES]
+def mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, int, int, int]:
+  """(data, fsdp, sequence, tensor) from `config.mesh` (a config without `sequence`, e.g. a
+  saved run's, has sequence 1); at most one axis may be -1 (fill)."""
+  sizes = [int(mesh_cfg.get(a, 1) if a == "sequence" else mesh_cfg[a]) for a in MESH_AXES]
   fill = [i for i, s in enumerate(sizes) if s == -1]
   if len(fill) > 1:
     raise ValueError(f"config.mesh: at most one of {MESH_AXES} may be -1 (fill), got "
@@ -76,22 +79,27 @@ def mesh_shape(mesh_cfg, num_devices: int) -> tuple[int, int, int]:
 
 
 def make_mesh(mesh_cfg, devices: Sequence[Any] | None = None) -> jax.sharding.Mesh:
-  """The (data, fsdp, tensor) mesh over all devices (or `devices`).
+  """The (data, fsdp, sequence, tensor) mesh over all devices (or `devices`).
 
   Devices are laid out in process order with `tensor` innermost, so the batch rows a process
-  holds are one contiguous block (what per-process data loading needs).
+  holds are one contiguous block (what per-process data loading needs; batches are replicated
+  over `sequence`: every device of a row's sequence group reads the whole row).
   """
   devices = list(jax.devices() if devices is None else devices)
   shape = mesh_shape(mesh_cfg, len(devices))
   devices = sorted(devices, key=lambda d: (d.process_index, d.id))
   arr = np.asarray(devices, dtype=object).reshape(shape)
-  return jax.sharding.Mesh(arr, MESH_AXES, axis_types=(jax.sharding.AxisType.Auto,) * 3)
+  return jax.sharding.Mesh(arr, MESH_AXES,
+                           axis_types=(jax.sharding.AxisType.Auto,) * len(MESH_AXES))
 
 
 @contextlib.contextmanager
-def mesh_context(mesh, rules=RULES):
-  """Mesh + logical rules in context: everything that traces the model runs in here."""
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+def mesh_context(mesh, rules=RULES, *, sequence_attention: str = "all_gather"):
+  """Mesh + logical rules in context: everything that traces the model runs in here.
+  sequence_attention: how global attention runs over the `sequence` axis ('all_gather' |
+  'ring', condattn_jax/parallel/context.py; config.mesh.sequence_attention)."""
+  from condattn_jax.parallel import context
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules), context.strategy(sequence_attention):
     yield
 
 
@@ -203,11 +211,11 @@ def derive_layout(config, num_devices: int, *, num_heads: int = 0,
   copy when anything was derived).
 
   Only what would otherwise stop the run is derived, in this order:
-    mesh         the default mesh (data=1, fsdp=-1, tensor=1) when data.batch_size does not
-                 divide the devices: fsdp = the largest device-count divisor that divides the
-                 batch, tensor = the rest (heads / MLP / vocab split instead of rows; a head
-                 count tensor does not divide is replicated on it, said in a note). No sequence
-                 axis exists yet, so a row is never split.
+    mesh         the default mesh (data=1, fsdp=-1, tensor=1, any sequence) when
+                 data.batch_size does not divide the devices left after `sequence`: fsdp = the
+                 largest divisor of them that divides the batch, tensor = the rest (heads / MLP /
+                 vocab split instead of rows; a head count tensor does not divide is replicated
+                 on it, said in a note). Rows are split over `sequence` only as configured.
     microbatches train.microbatches -> the largest k <= it whose microbatch of
                  data.batch_size / k rows divides data*fsdp (the same gradient; more rows per
                  device per microbatch).
@@ -218,10 +226,11 @@ def derive_layout(config, num_devices: int, *, num_heads: int = 0,
   import copy
   cfg = config
   notes: list[str] = []
-  data, fsdp, tensor = mesh_shape(config.mesh, num_devices)
+  data, fsdp, seq, tensor = mesh_shape(config.mesh, num_devices)
   B = int(config.data.batch_size)
   m = int(config.train.microbatches)
   default_mesh = (int(config.mesh.data), int(config.mesh.fsdp), int(config.mesh.tensor)) == (1, -1, 1)
+  rest = num_devices // seq  # the devices of one sequence position
 
   def edit():
     nonlocal cfg
@@ -230,12 +239,13 @@ def derive_layout(config, num_devices: int, *, num_heads: int = 0,
     return cfg
 
   if B % (data * fsdp) and default_mesh:
-    g = max(d for d in _divisors(num_devices) if B % d == 0)
-    fsdp, tensor = g, num_devices // g
+    g = max(d for d in _divisors(rest) if B % d == 0)
+    fsdp, tensor = g, rest // g
     c = edit()
     with c.unlocked():
       c.mesh.fsdp, c.mesh.tensor = fsdp, tensor
-    note = (f"mesh: data.batch_size={B} rows do not divide {num_devices} devices: fsdp={fsdp} x "
+    where = f"{num_devices} devices" if seq == 1 else f"{rest} devices (x sequence={seq})"
+    note = (f"mesh: data.batch_size={B} rows do not divide {where}: fsdp={fsdp} x "
             f"tensor={tensor} (rows over fsdp, heads / MLP / vocab over tensor)")
     bad = [f"{n} {what}" for n, what in ((num_heads, "query heads"), (num_kv_heads, "KV heads"))
            if n and n % tensor]

@@ -24,6 +24,7 @@ import optax
 from condattn_jax.attention import get_scheme
 from condattn_jax.models.config import ModelConfig
 from condattn_jax.models.decoder import Decoder
+from condattn_jax.parallel import context
 from condattn_jax.train import optimizer as opt_lib
 from condattn_jax.train.state import TrainState, step_rng
 
@@ -70,7 +71,21 @@ def context_fields(batch: dict) -> dict:
 def forward_ce(model: Decoder, params, batch, *, train: bool, rng, loss_chunk_size: int = 0,
                step=None):
   """(ce_BT, correct_BT, aux) for one batch. `step` (the train step, int32 scalar) reaches the
-  layers as ctx.fields['step'] (schedules inside a layer, e.g. Elastic's Gumbel temperature)."""
+  layers as ctx.fields['step'] (schedules inside a layer, e.g. Elastic's Gumbel temperature).
+  Under a mesh that splits rows over `sequence` (n > 1 shards) the rows run in the zigzag layout
+  (condattn_jax/parallel/context.py: applied here to inputs / positions / segment ids / targets,
+  undone on ce_BT and correct_BT, which come back in the batch's order)."""
+  n_seq = context.sequence_size()
+  if n_seq > 1:
+    batch = context.batch_to_layout(batch, n_seq)
+  ce, correct, aux = _forward_ce(model, params, batch, train=train, rng=rng,
+                                 loss_chunk_size=loss_chunk_size, step=step, zigzag=n_seq > 1)
+  if n_seq > 1:
+    ce, correct = context.from_layout(ce, n_seq), context.from_layout(correct, n_seq)
+  return ce, correct, aux
+
+
+def _forward_ce(model, params, batch, *, train, rng, loss_chunk_size, step, zigzag):
   rngs = {"router": rng} if rng is not None else {}
   chunked = loss_chunk_size and loss_chunk_size > 0
   fields = context_fields(batch)
@@ -78,9 +93,10 @@ def forward_ce(model: Decoder, params, batch, *, train: bool, rng, loss_chunk_si
     fields["step"] = jnp.asarray(step, jnp.int32)
   forward = get_scheme(model.config.scheme).forward  # None: one decoder pass
   forward = forward or (lambda m, p, *a, **kw: m.apply({"params": p}, *a, **kw))
-  out, aux = forward(model, params, batch["inputs"], batch["positions"], batch["segment_ids"],
-                     task_ids_B=batch.get("task_ids"), fields=fields, train=train,
-                     return_hidden=bool(chunked), rngs=rngs)
+  with context.zigzag_layout(zigzag):
+    out, aux = forward(model, params, batch["inputs"], batch["positions"], batch["segment_ids"],
+                       task_ids_B=batch.get("task_ids"), fields=fields, train=train,
+                       return_hidden=bool(chunked), rngs=rngs)
   if chunked:
     ce, correct = chunked_token_cross_entropy(out, model.output_embedding(params), batch["targets"],
                                               int(loss_chunk_size), model.config.compute_dtype)

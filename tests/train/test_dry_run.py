@@ -27,7 +27,7 @@ def test_l2a_real_recipe_dry_run_describes_the_checkpoint_model():
   text = "\n".join(lines)
   assert "model: qwen2, 1 layers, width 3584, 28 heads, 4 kv heads (head_dim 128)" in text
   assert "qwen2.5-7b/config.json" in text
-  assert r["mesh"] == {"data": 1, "fsdp": 8, "tensor": 1} and r["layout_notes"] == []
+  assert r["mesh"] == {"data": 1, "fsdp": 8, "sequence": 1, "tensor": 1} and r["layout_notes"] == []
   m = r["memory_per_device"]
   # fp32 params, embed dim sharded 8 ways: per-device bytes = total bytes / 8 (every 2-D+ param
   # has a D axis; the 1-D norms / biases are a rounding error)

@@ -34,7 +34,7 @@ def recipe(name):
 def laid_out(c, n):
   mc, _ = config_lib.model_config(c)
   out, notes = shd.derive_layout(c, n, num_heads=mc.num_heads, num_kv_heads=mc.num_kv_heads)
-  data, fsdp, tensor = shd.mesh_shape(out.mesh, n)
+  data, fsdp, _, tensor = shd.mesh_shape(out.mesh, n)
   assert data * fsdp * tensor == n
   shd.check_batch_layout(out, data, fsdp)  # what build() raises on
   config_lib.validate_config(out, needs_data=False)

@@ -66,7 +66,7 @@ def runs():
 
 def test_the_sharded_step_runs_the_pallas_kernel_per_shard(runs):
   s = runs["eight_setup"]
-  assert dict(s.mesh.shape) == {"data": 2, "fsdp": 2, "tensor": 2}
+  assert dict(s.mesh.shape) == {"data": 2, "fsdp": 2, "sequence": 1, "tensor": 2}
   assert s.model_cfg.scheme == "l2a"
   jaxpr = runs["eight"]["jaxpr"]
   assert "pallas_call" in jaxpr and "shard_map" in jaxpr

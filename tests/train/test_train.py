@@ -264,7 +264,7 @@ def test_dry_run_on_fake_devices(capsys):
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 2, 2, 2
   c.train.dry_run = True
   r = loop.run(c, "")
-  assert r["dry_run"]["mesh"] == {"data": 2, "fsdp": 2, "tensor": 2}
+  assert r["dry_run"]["mesh"] == {"data": 2, "fsdp": 2, "sequence": 1, "tensor": 2}
   assert r["dry_run"]["params"]["total"] == r["dry_run"]["params"]["trainable"] > 0
   assert r["dry_run"]["memory_per_device"]["peak_estimate_bytes"] > 0
   out = capsys.readouterr().out

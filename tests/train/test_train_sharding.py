@@ -86,7 +86,7 @@ def test_mesh_fill_and_indivisible_dims_fall_back_to_replicated():
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 8
   c.data.batch_size = 16
   s = loop.build(c)
-  assert dict(s.mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 8}
+  assert dict(s.mesh.shape) == {"data": 1, "fsdp": 1, "sequence": 1, "tensor": 8}
   # 2 kv heads / 4 q heads cannot split 8 ways: replicated on 'tensor' instead of failing.
   for proj in ("q_proj", "k_proj"):
     spec = s.param_shardings["layers"]["self_attn"][proj]["kernel"].spec

@@ -19,4 +19,5 @@ L2A = register(Scheme(
     name="l2a", layer_cls=L2ALayer, options=L2AOptions, check=check, aux_loss=aux_loss,
     from_dense=from_dense, to_dense=to_dense, layer_variants=layer_variants,
     headline_metric="l2a/sparsity", kv_cache_bytes=kv_cache_bytes,
-    reports={"prune": prune_report, "sparsity": measure_sparsity}, tiny=tiny))
+    reports={"prune": prune_report, "sparsity": measure_sparsity}, sequence_parallel=True,
+    tiny=tiny))

@@ -1,0 +1,1 @@
+"""Parallelism beyond GSPMD's propagation: context (sequence) parallelism (`context`)."""

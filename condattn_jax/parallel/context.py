@@ -1,0 +1,322 @@
+"""Context parallelism: a row's tokens split over the `sequence` mesh axis.
+
+The mesh axis is the one the logical-axis rules table (condattn_jax/train/sharding.py) gives
+`activation_length`; every per-token op (embedding, norms, projections, RoPE, MLP, router, CE)
+is sharded over it by GSPMD from the activations' logical constraints. Only attention mixes
+tokens; `ops.attention` hands a contiguous self-attention call (MaskSpec.contiguous=True) made
+under such a mesh to `attention` here, which runs it per shard in jax.shard_map over the
+batch, sequence and head axes of the rules table.
+
+Layout (load-balanced causal, "zigzag" / MaxText's dual chunk swap). With n sequence shards a
+row is cut into 2n chunks of C = T / 2n tokens and shard i holds chunks i and 2n-1-i, so every
+shard has the same causal work. `to_layout` applies the permutation once to a batch's [B, T]
+arrays (inputs, positions, segment ids, targets: the train / eval steps do it in
+`train.step.forward_ce`) and `from_layout` undoes it on per-token outputs (the CE). Masks are
+built from the permuted positions and segment ids (global positions), so every visibility rule
+(causal, documents, window, sinks, active set) holds whatever order the tokens are in.
+
+Attention per shard (the local queries: [B_shard, T / n, N_shard, H]):
+  all_gather (default)  K/V, kv positions and kv segment ids all-gathered over `sequence`; the
+                        local queries attend to them through `ops.attention` (impl as asked:
+                        the reference on CPU, the compacted Pallas kernel on GPU / TPU). An
+                        active set (L2A, AHA) stays local: each shard compacts its OWN routed
+                        queries; shapes are static per shard, so every shard runs the same tile
+                        counts. Backward: the all-gather's transpose (reduce-scatter of dK/dV).
+  ring                  K/V (and their positions / ids) passed around the axis with ppermute,
+                        n steps; each step's block attention is ops' reference attention
+                        (pallas_kernels/compact_attention/reference.py, out and lse) merged by
+                        online softmax. O((T / n)^2) per step, no kernel yet: for long rows use
+                        all_gather on GPU / TPU.
+  window (local attn)   when the zigzag layout is in force (`zigzag_layout`), window - 1 <= C and
+                        no sinks: a halo exchange: each chunk gets the last window - 1 tokens of
+                        the chunk before it (chunk i's from shard i-1, chunk 2n-1-i's from shard
+                        i+1, shard n-1's second chunk from its own first), and attends over
+                        [halo ; chunk]. Otherwise the strategy above (correct for any window).
+Queries that see no key (padding, inactive, fully masked ring steps or shards) give zeros,
+never NaN.
+
+`strategy(name)` sets the global-attention strategy for what is traced inside it
+(`sharding.mesh_context(..., sequence_attention=config.mesh.sequence_attention)`).
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from condattn_jax import ops
+
+STRATEGIES = ("all_gather", "ring")
+LAYOUT_KEYS = ("inputs", "positions", "segment_ids", "targets")  # the [B, T] entries forward_ce reads
+
+_strategy = contextvars.ContextVar("condattn_sequence_attention", default="all_gather")
+_zigzag = contextvars.ContextVar("condattn_zigzag_layout", default=False)
+
+
+@contextlib.contextmanager
+def strategy(name: str):
+  """Global attention over `sequence` runs as `name` ('all_gather' | 'ring') inside."""
+  if name not in STRATEGIES:
+    raise ValueError(f"config.mesh.sequence_attention={name!r}: choose one of {STRATEGIES}.")
+  token = _strategy.set(name)
+  try:
+    yield
+  finally:
+    _strategy.reset(token)
+
+
+@contextlib.contextmanager
+def zigzag_layout(on: bool = True):
+  """Declares that the rows traced inside are in the zigzag layout (`to_layout`): local window
+  attention may then use the halo exchange."""
+  token = _zigzag.set(bool(on))
+  try:
+    yield
+  finally:
+    _zigzag.reset(token)
+
+
+def check_config(config, n: int) -> None:
+  """A run config against n sequence shards (config.mesh.sequence, or the size the mesh gave
+  it): one-line ValueErrors naming the field. n <= 1 (or -1 before the mesh is built) checks only
+  the strategy."""
+  name = str(config.mesh.get("sequence_attention", "all_gather"))
+  if name not in STRATEGIES:
+    raise ValueError(f"config.mesh.sequence_attention={name!r}: choose one of {STRATEGIES}.")
+  if n <= 1:
+    return
+  from condattn_jax.attention import get_scheme
+  scheme = get_scheme(config.model.scheme.name)
+  if scheme.sequence_parallel is not True:
+    why = (scheme.sequence_parallel if isinstance(scheme.sequence_parallel, str)
+           else "it does not declare Scheme.sequence_parallel (its layers were not checked "
+                "against the unsharded model with rows split over devices)")
+    raise ValueError(f"config.mesh.sequence={n}: scheme {scheme.name!r} does not run "
+                     f"sequence-parallel: {why}; set config.mesh.sequence=1.")
+  lengths = [int(config.data.seq_len)] + [int(L) for L in (config.eval.context_lengths or ())]
+  for what, L in zip(["data.seq_len"] + ["eval.context_lengths"] * (len(lengths) - 1), lengths):
+    if L % (2 * n):
+      raise ValueError(f"config.{what} has {L} tokens: with config.mesh.sequence={n} a row is cut "
+                       f"into 2 x {n} chunks (zigzag layout), so it must be a multiple of {2 * n}.")
+
+
+# ------------------------------------------------------------------------------------------------
+# The sequence axis of the current mesh
+# ------------------------------------------------------------------------------------------------
+
+def sequence_axis() -> str | None:
+  """The mesh axis the rules table gives `activation_length` (None: not sharded)."""
+  from condattn_jax.train import sharding
+  ax = dict(sharding.RULES).get("activation_length")
+  if isinstance(ax, (tuple, list)):
+    if len(ax) != 1:
+      raise ValueError(f"sharding.RULES: activation_length -> {ax}: context parallelism takes one "
+                       "mesh axis")
+    ax = ax[0]
+  return ax
+
+
+def sequence_shards():
+  """(abstract mesh, sequence axis, size) when the current mesh splits rows over the sequence
+  axis (present, size > 1, not already manual), else None."""
+  mesh = jax.sharding.get_abstract_mesh()
+  ax = sequence_axis()
+  if mesh is None or mesh.empty or ax is None or ax not in mesh.axis_names:
+    return None
+  i = mesh.axis_names.index(ax)
+  n = mesh.axis_sizes[i]
+  if n <= 1 or mesh.axis_types[i] == jax.sharding.AxisType.Manual:
+    return None
+  return mesh, ax, n
+
+
+def sequence_size() -> int:
+  """Shards of a row under the current mesh (1: none)."""
+  s = sequence_shards()
+  return 1 if s is None else s[2]
+
+
+# ------------------------------------------------------------------------------------------------
+# The zigzag layout
+# ------------------------------------------------------------------------------------------------
+
+def zigzag_order(T: int, n: int) -> np.ndarray:
+  """int [T]: the natural index of each layout slot (shard i holds chunks i and 2n-1-i)."""
+  if T % (2 * n):
+    raise ValueError(f"sequence parallelism over {n} shards cuts a row into 2 x {n} chunks: "
+                     f"the row length {T} must be a multiple of {2 * n} (data.seq_len and "
+                     "eval.context_lengths).")
+  C = T // (2 * n)
+  chunks = np.arange(T).reshape(2 * n, C)
+  return np.concatenate([np.concatenate([chunks[i], chunks[2 * n - 1 - i]]) for i in range(n)])
+
+
+def to_layout(x, n: int, axis: int = 1):
+  """x with its token axis in the zigzag layout for n shards."""
+  return jnp.take(x, jnp.asarray(zigzag_order(x.shape[axis], n)), axis=axis)
+
+
+def from_layout(x, n: int, axis: int = 1):
+  """Undoes `to_layout`."""
+  inv = np.argsort(zigzag_order(x.shape[axis], n))
+  return jnp.take(x, jnp.asarray(inv), axis=axis)
+
+
+def batch_to_layout(batch: dict, n: int) -> dict:
+  """The batch with its LAYOUT_KEYS in the zigzag layout (other entries untouched)."""
+  return {k: (to_layout(v, n) if k in LAYOUT_KEYS and v is not None else v)
+          for k, v in batch.items()}
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention per shard
+# ------------------------------------------------------------------------------------------------
+
+def applies(mask: ops.MaskSpec) -> bool:
+  """True when `ops.attention` must run this call sequence-parallel: contiguous self-attention
+  traced under a mesh whose sequence axis splits rows."""
+  return bool(mask.contiguous) and sequence_shards() is not None
+
+
+def _shard_axes(mesh, B: int, N: int, K: int):
+  """(batch mesh axes or None, head mesh axis or None) of attention's activations (rules
+  table) that are usable here and divide the shapes."""
+  batch_axes, head_axis = ops._activation_axes()
+  usable = {a: n for a, n, t in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
+            if t != jax.sharding.AxisType.Manual and n > 1}
+  batch = tuple(a for a in batch_axes if a in usable)
+  nb = int(np.prod([usable[a] for a in batch])) if batch else 1
+  if B % nb:
+    batch = ()
+  head = head_axis if head_axis in usable else None
+  if head is not None and (N % usable[head] or K % usable[head]):
+    head = None
+  return (batch or None), head
+
+
+def _local_mask(mask, kv_positions, kv_segment_ids, **kw):
+  return ops.MaskSpec(q_positions_BT=mask.q_positions_BT, kv_positions_BS=kv_positions,
+                      q_segment_ids_BT=mask.q_segment_ids_BT, kv_segment_ids_BS=kv_segment_ids,
+                      active=mask.active, window=mask.window, sinks=mask.sinks, contiguous=False,
+                      **kw)
+
+
+def _all_gather(ax, impl, scale):
+  def fn(q, k, v, mask):
+    g = lambda x: None if x is None else lax.all_gather(x, ax, axis=1, tiled=True)
+    m = _local_mask(mask, g(mask.kv_positions_BS), g(mask.kv_segment_ids_BS))
+    return ops.attention(q, g(k), g(v), m, impl=impl, scale=scale)
+  return fn
+
+
+def _merge(o_a, lse_a, o_b, lse_b):
+  """Online-softmax merge of two partial attentions (out normalised per part, lse [B, T, N]);
+  parts with lse = -inf (no visible key) weigh 0, both empty -> zeros and -inf (no NaN)."""
+  mx = lax.stop_gradient(jnp.maximum(lse_a, lse_b))
+  mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+  wa, wb = jnp.exp(lse_a - mx), jnp.exp(lse_b - mx)
+  tot = wa + wb
+  empty = tot == 0
+  tot = jnp.where(empty, 1.0, tot)
+  o = (o_a * wa[..., None] + o_b * wb[..., None]) / tot[..., None]
+  return o, jnp.where(empty, -jnp.inf, mx + jnp.log(tot))
+
+
+def _ring(ax, n, scale):
+  ref = ops._kernel_module("reference")
+
+  def fn(q, k, v, mask):
+    perm = [(j, (j + 1) % n) for j in range(n)]
+    kv = (k, v, mask.kv_positions_BS, mask.kv_segment_ids_BS)
+    B, T, N, H = q.shape
+    o = jnp.zeros((B, T, N, H), jnp.float32)
+    lse = jnp.full((B, T, N), -jnp.inf, jnp.float32)
+    for step in range(n):
+      kk, vv, kpos, kseg = kv
+      o_s, lse_s = ref.reference_attention(q, kk, vv, _local_mask(mask, kpos, kseg).dense_mask(),
+                                           scale=scale)
+      o, lse = _merge(o, lse, o_s.astype(jnp.float32), lse_s)
+      if step < n - 1:
+        kv = tuple(None if x is None else lax.ppermute(x, ax, perm) for x in kv)
+    return o.astype(q.dtype)
+  return fn
+
+
+def _halo(ax, n, impl, scale):
+  """Local window attention over [halo ; chunk] for the two zigzag chunks of each shard."""
+  def fn(q, k, v, mask):
+    B, Tl = q.shape[:2]
+    C, h = Tl // 2, mask.window - 1
+    i = lax.axis_index(ax)
+    seg = mask.q_segment_ids_BT
+    seg = jnp.ones((B, Tl), jnp.int32) if seg is None else seg  # halo filler gets id 0
+
+    def chunks(x):
+      return x[:, :C], x[:, C:]
+
+    def with_halo(x):
+      a, b = chunks(x)
+      if h == 0:
+        return a, b
+      ta, tb = a[:, C - h:], b[:, C - h:]
+      from_prev = lax.ppermute(ta, ax, [(j, j + 1) for j in range(n - 1)])  # chunk i-1's tail
+      from_next = lax.ppermute(tb, ax, [(j + 1, j) for j in range(n - 1)])  # chunk 2n-2-i's tail
+      halo_b = jnp.where(i == n - 1, ta, from_next)  # shard n-1: chunk n-1 is its own first
+      return jnp.concatenate([from_prev, a], axis=1), jnp.concatenate([halo_b, b], axis=1)
+
+    rows = lambda pair: jnp.concatenate(pair, axis=0)  # the two chunks as 2B rows
+    act = mask.active
+    m = ops.MaskSpec(q_positions_BT=rows(chunks(mask.q_positions_BT)),
+                     kv_positions_BS=rows(with_halo(mask.q_positions_BT)),
+                     q_segment_ids_BT=rows(chunks(seg)), kv_segment_ids_BS=rows(with_halo(seg)),
+                     active=None if act is None else rows(chunks(act)), window=mask.window,
+                     contiguous=False)
+    o = ops.attention(rows(chunks(q)), rows(with_halo(k)), rows(with_halo(v)), m, impl=impl,
+                      scale=scale)
+    return jnp.concatenate([o[:B], o[B:]], axis=1)
+  return fn
+
+
+def attention(q_BTNH, k_BSKH, v_BSKH, mask: ops.MaskSpec, *, impl: str = "auto",
+              scale: float | None = None):
+  """ops.attention of contiguous self-attention whose rows are split over the sequence axis
+  (the module docstring says how); the caller (`ops.attention`) checked the call."""
+  mesh, ax, n = sequence_shards()
+  B, T, N, _ = q_BTNH.shape
+  K = k_BSKH.shape[2]
+  if T % n:
+    raise ValueError(f"sequence parallelism: a row of {T} tokens does not divide the "
+                     f"{ax!r} mesh axis ({n} shards); use a multiple of {2 * n} tokens.")
+  if mask.block_lists is not None:
+    raise ValueError("sequence parallelism: block lists (MaskSpec.block_lists) are per query "
+                     "block of the whole row and do not split over the sequence axis; set "
+                     "config.mesh.sequence=1.")
+  if impl in ("cudnn", "tokamax"):
+    raise ValueError(f"ops.attention impl={impl!r} cannot run sequence-parallel (a shard's "
+                     "queries see other shards' keys: not contiguous self-attention); use "
+                     "impl='auto' or 'pallas'.")
+  batch, head = _shard_axes(mesh, B, N, K)
+  name = _strategy.get()
+  w = mask.window
+  if (w is not None and _zigzag.get() and not mask.sinks and T % (2 * n) == 0
+      and w - 1 <= T // (2 * n)):
+    fn = _halo(ax, n, impl, scale)
+  elif name == "ring":
+    fn = _ring(ax, n, scale)
+  else:
+    fn = _all_gather(ax, impl, scale)
+  P = jax.sharding.PartitionSpec
+  heads, rows = P(batch, ax, head, None), P(batch, ax)
+  act = mask.active
+  mspec = dataclasses.replace(
+      mask, q_positions_BT=rows, kv_positions_BS=rows,
+      q_segment_ids_BT=None if mask.q_segment_ids_BT is None else rows,
+      kv_segment_ids_BS=None if mask.kv_segment_ids_BS is None else rows,
+      active=None if act is None else (rows if act.ndim == 2 else P(batch, ax, head)))
+  return jax.shard_map(fn, mesh=mesh, in_specs=(heads, heads, heads, mspec), out_specs=heads,
+                       check_vma=False)(q_BTNH, k_BSKH, v_BSKH, mask)

@@ -1,0 +1,233 @@
+"""Context parallelism (condattn_jax/parallel/context.py) on 8 fake CPU devices, fp32: a row's
+tokens split over the `sequence` mesh axis (zigzag layout) give the unsharded model's loss,
+metrics and gradients (<= 1e-5), for dense and L2A, with sequence x fsdp x tensor meshes, the
+all-gather and ring strategies and local windows crossing shard boundaries (halo exchange); the
+schemes that do not run sequence-parallel are refused at config validation in one line."""
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from _train_helpers import ROOT, assert_trees_close, host
+from condattn_jax import ops
+from condattn_jax.attention import get_scheme
+from condattn_jax.data import make_global_batch
+from condattn_jax.parallel import context
+from condattn_jax.train import config as config_lib
+from condattn_jax.train import loop
+from condattn_jax.train import sharding as shd
+from condattn_jax.train.cli import load_recipe
+from condattn_jax.train.step import make_loss_and_grads
+
+
+def _mesh(data, fsdp, sequence, tensor):
+  devices = np.asarray(jax.devices()[:8]).reshape(data, fsdp, sequence, tensor)
+  return jax.sharding.Mesh(devices, shd.MESH_AXES,
+                           axis_types=(jax.sharding.AxisType.Auto,) * len(shd.MESH_AXES))
+
+
+def _packed(B, T):
+  """Segment ids (documents of different lengths, a padded tail, a row of one document) and
+  positions restarting in each document."""
+  seg = np.ones((B, T), np.int32)
+  seg[0, 11:], seg[0, T - 5:] = 2, 0
+  seg[1, 5:], seg[1, 20:] = 2, 3
+  pos = np.zeros((B, T), np.int32)
+  for b in range(B):
+    for t in range(1, T):
+      pos[b, t] = 0 if seg[b, t] != seg[b, t - 1] else pos[b, t - 1] + 1
+  return seg, pos
+
+
+# ------------------------------------------------------------------------------------------------
+# The layout
+# ------------------------------------------------------------------------------------------------
+
+def test_zigzag_layout_balances_causal_work_and_round_trips():
+  order = context.zigzag_order(16, 2)  # 4 chunks of 4: shard 0 holds chunks 0, 3; shard 1: 1, 2
+  np.testing.assert_array_equal(order, [0, 1, 2, 3, 12, 13, 14, 15, 4, 5, 6, 7, 8, 9, 10, 11])
+  T, n = 64, 4
+  order = context.zigzag_order(T, n)
+  work = [int(sum(t + 1 for t in part)) for part in order.reshape(n, T // n)]  # causal keys
+  assert len(set(work)) == 1, work
+  x = jnp.arange(2 * T).reshape(2, T)
+  np.testing.assert_array_equal(context.from_layout(context.to_layout(x, n), n), x)
+  with pytest.raises(ValueError, match="must be a multiple of 8"):
+    context.zigzag_order(60, 4)
+
+
+# ------------------------------------------------------------------------------------------------
+# Attention per shard against the unsharded reference
+# ------------------------------------------------------------------------------------------------
+
+# (mesh (data, fsdp, sequence, tensor), strategy, window, per-head active): window 5 with 4
+# shards of 2 chunks of 4 tokens is the halo path (every window crosses a chunk edge); window 12
+# does not fit a chunk's halo and runs the strategy.
+ATTN_CASES = [((1, 2, 2, 2), "ring", None, False), ((1, 2, 4, 1), "all_gather", 5, True),
+              ((2, 1, 4, 1), "ring", 12, False)]
+
+
+@pytest.mark.parametrize("mesh,strategy,window,per_head", ATTN_CASES)
+def test_attention_per_shard_equals_the_unsharded_reference(mesh, strategy, window, per_head):
+  rng = np.random.default_rng(0)
+  B, T, N, K, H, n = 2, 32, 4, 2, 8, mesh[2]
+  q = jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(B, T, K, H)), jnp.float32) for _ in range(2))
+  seg, pos = map(jnp.asarray, _packed(B, T))
+  active = jnp.asarray(rng.random((B, T, N) if per_head else (B, T)) < 0.5)
+  weights = jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.float32)
+
+  def loss(q, k, v, sharded):
+    arrays = (q, k, v, seg, pos, active)
+    if sharded:
+      arrays = tuple(context.to_layout(x, n) for x in arrays)
+    q, k, v, s, p, a = arrays
+    mask = ops.MaskSpec(p, p, s, s, active=a, window=window, contiguous=True)
+    with context.zigzag_layout(sharded):
+      out = ops.attention(q, k, v, mask, impl="reference")
+    out = context.from_layout(out, n) if sharded else out
+    return jnp.sum(out * weights), out
+
+  grad = lambda sharded: jax.value_and_grad(lambda *a: loss(*a, sharded), argnums=(0, 1, 2),
+                                            has_aux=True)
+  (want_loss, want), want_g = grad(False)(q, k, v)
+  f = jax.jit(grad(True))
+  with shd.mesh_context(_mesh(*mesh), sequence_attention=strategy):
+    (got_loss, got), got_g = f(q, k, v)
+    jaxpr = str(f.trace(q, k, v).jaxpr)
+  np.testing.assert_allclose(got, want, atol=1e-5)
+  np.testing.assert_allclose(got_loss, want_loss, rtol=1e-5)
+  for g, w in zip(got_g, want_g):
+    np.testing.assert_allclose(g, w, atol=1e-5)
+  assert np.isfinite(np.asarray(got)).all() and all(np.isfinite(np.asarray(g)).all() for g in got_g)
+  np.testing.assert_array_equal(np.asarray(got)[0, T - 5:], 0.0)  # padding queries: zeros
+  assert "shard_map" in jaxpr
+  halo = window is not None and window - 1 <= T // (2 * n)
+  if halo or strategy == "ring":  # K/V move by ppermute only: no full-row gather
+    assert "ppermute" in jaxpr and "all_gather" not in jaxpr
+  else:
+    assert "all_gather" in jaxpr
+
+
+# ------------------------------------------------------------------------------------------------
+# The train step's loss and gradients against one device
+# ------------------------------------------------------------------------------------------------
+
+def _config(scheme, mesh, strategy="all_gather"):
+  if scheme == "l2a":
+    c = load_recipe(f"{ROOT}/configs/l2a_qwen.py:tiny,steps=4,batch=4,seq=32,pairs=4,gap=8,window=4")
+    c.model.scheme.compact_impl = "reference"
+    c.model.scheme.p_force = 0.5  # some layers take the forced-global (dense) step
+    c.model.scheme.lambda_schedule = "constant"  # the regulariser is in the loss at step 0
+  else:
+    c = load_recipe(f"{ROOT}/configs/tiny.py:steps=4,batch=4,seq=32,pairs=4")
+  c.mesh.data, c.mesh.fsdp, c.mesh.sequence, c.mesh.tensor = mesh
+  c.mesh.sequence_attention = strategy
+  c.train.progress_bar = False
+  return c
+
+
+def _batch(B=4, T=32):
+  rng = np.random.default_rng(1)
+  seg, pos = _packed(B, T)
+  tok = lambda: rng.integers(0, 64, (B, T)).astype(np.int32)
+  return dict(inputs=tok(), targets=tok(), segment_ids=seg, positions=pos,
+              loss_mask=(seg != 0).astype(np.float32))
+
+
+def _random_router(params):
+  """A random router kernel: the zero init routes every token global (no real active set)."""
+  def one(path, x):
+    name = jax.tree_util.keystr(path)
+    if "router" in name and "kernel" in name:
+      return 0.3 * jax.random.normal(jax.random.key(3), x.shape, x.dtype)
+    return x
+  return jax.tree_util.tree_map_with_path(one, params)
+
+
+def _loss_and_grads(config, params, batch, one_device=False):
+  setup = loop.build(config, devices=[jax.devices()[0]] if one_device else None)
+  lg = jax.jit(make_loss_and_grads(setup.model_cfg, setup.config.train),
+               in_shardings=(setup.param_shardings, setup.batch_sharding, None),
+               out_shardings=(setup.param_shardings, None))
+  with setup.mesh_context():
+    grads, metrics = lg(jax.device_put(params, setup.param_shardings),
+                        make_global_batch(batch, setup.batch_sharding, 4), 0)
+  return host(grads), host(metrics)
+
+
+MODEL_CASES = {"dense": [((1, 2, 4, 1), "all_gather")],
+               "l2a": [((1, 2, 2, 2), "all_gather"), ((1, 2, 4, 1), "ring")]}
+
+
+@pytest.fixture(scope="module")
+def model_runs():
+  out = {}
+  batch = _batch()
+  for scheme, cases in MODEL_CASES.items():
+    c1 = _config(scheme, (1, 1, 1, 1))
+    params = host(_random_router(loop.init_state(loop.build(c1, devices=[jax.devices()[0]])).params))
+    out[scheme, "one"] = _loss_and_grads(c1, params, batch, one_device=True)
+    for mesh, strategy in cases:
+      out[scheme, mesh, strategy] = _loss_and_grads(_config(scheme, mesh, strategy), params, batch)
+  return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme,mesh,strategy",
+                         [(s, m, st) for s, cases in MODEL_CASES.items() for m, st in cases])
+def test_sequence_parallel_step_equals_one_device(model_runs, scheme, mesh, strategy):
+  want_g, want = model_runs[scheme, "one"]
+  got_g, got = model_runs[scheme, mesh, strategy]
+  assert set(got) == set(want)
+  for k in want:
+    np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
+  assert_trees_close(got_g, want_g, atol=1e-5)
+  if scheme == "l2a":  # the routing really mixed, the router is trained, some layers forced
+    assert 0.2 < float(want["l2a/sparsity"]) < 0.8
+    assert 0.0 < float(want["aux_loss"])
+    router = [x for p, x in jax.tree_util.tree_flatten_with_path(want_g)[0]
+              if "router" in jax.tree_util.keystr(p)]
+    assert router and all(np.abs(x).max() > 0 for x in router)
+
+
+# ------------------------------------------------------------------------------------------------
+# Config validation
+# ------------------------------------------------------------------------------------------------
+
+TINY_RECIPES = {"aha": "aha_olmo.py:tiny", "elastic": "elastic_qwen.py:tiny",
+                "match": "match_qwen.py:tiny", "segmented": "segmented_llama.py:tiny"}
+
+
+def test_every_scheme_runs_sequence_parallel_or_is_refused_in_one_line():
+  from condattn_jax.attention import SCHEMES
+  get_scheme("dense")  # loads the built-in schemes
+  builtin = sorted(n for n, s in SCHEMES.items()
+                   if s.layer_cls.__module__.startswith("condattn_jax.attention"))
+  assert set(builtin) == set(MODEL_CASES) | set(TINY_RECIPES), builtin
+  for name in builtin:
+    scheme = get_scheme(name)
+    if scheme.sequence_parallel is True:
+      assert name in MODEL_CASES, f"{name} declares sequence_parallel without an equality test"
+      continue
+    c = load_recipe(os.path.join(ROOT, "configs", TINY_RECIPES[name]))
+    c.mesh.sequence = 2
+    with pytest.raises(ValueError) as e:
+      config_lib.validate_config(c, needs_data=False)
+    msg = str(e.value)
+    assert "\n" not in msg
+    assert msg.startswith(f"config.mesh.sequence=2: scheme {name!r} does not run sequence-parallel")
+    assert msg.endswith("set config.mesh.sequence=1.")
+
+
+def test_row_length_and_strategy_are_checked():
+  c = _config("l2a", (1, 1, 8, 1))
+  c.data.seq_len = 40  # 16 chunks of 2.5 tokens
+  with pytest.raises(ValueError, match=r"config.data.seq_len has 40 tokens: with "
+                                       r"config.mesh.sequence=8 .* a multiple of 16"):
+    config_lib.validate_config(c, needs_data=False)
+  c = _config("dense", (1, 1, 2, 1), strategy="allgather")
+  with pytest.raises(ValueError, match=r"config.mesh.sequence_attention='allgather': choose one"):
+    config_lib.validate_config(c, needs_data=False)
