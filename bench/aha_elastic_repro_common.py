@@ -1,0 +1,139 @@
+"""What bench/aha_repro.py and bench/elastic_repro.py share: pre-registered criteria, plateau
+checks, seed statistics and a cached train-step runner over the project's train step.
+
+Criteria: a module-level CRITERIA dict of each bench, {name: Criterion(metric, op, value,
+doc)}, written before the bench runs; `judge(CRITERIA, metrics)` records each as
+{metric, op, value, got, passed}. The verdicts live in the run's `recorded["criteria"]`
+(never in the run's `claims`, which bench/results' check requires to pass): a pre-registered
+criterion that fails is recorded as failed, and bench/claims re-derives every verdict from
+the stored numbers (a changed number or a flipped verdict fails there).
+
+Plateau (issue 34): an arm is at a plateau when its metric, smoothed over a tenth of the steps,
+moved less than 1% (relative) over the last 20% of the steps (`plateau(curve)`).
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Callable
+
+import numpy as np
+
+OPS = {">=": lambda a, b: a >= b, "<=": lambda a, b: a <= b, ">": lambda a, b: a > b,
+       "<": lambda a, b: a < b, "==": lambda a, b: a == b}
+
+
+@dataclasses.dataclass(frozen=True)
+class Criterion:
+  metric: str      # key of the run's `metrics` (means over seeds unless the name says otherwise)
+  op: str          # one of OPS
+  value: float
+  doc: str
+
+
+def judge(criteria: dict, metrics: dict) -> dict:
+  """{name: {metric, op, value, got, passed, doc}}: each pre-registered criterion on `metrics`
+  (a metric that is missing or not a number fails its criterion)."""
+  out = {}
+  for name, c in criteria.items():
+    if c.op not in OPS:
+      raise ValueError(f"criterion {name}: op {c.op!r} is not one of {sorted(OPS)}")
+    got = metrics.get(c.metric)
+    if isinstance(got, bool):
+      got = float(got)
+    ok = isinstance(got, (int, float)) and math.isfinite(got) and bool(OPS[c.op](got, c.value))
+    out[name] = dict(metric=c.metric, op=c.op, value=c.value, got=got, passed=bool(ok),
+                     doc=c.doc)
+  return out
+
+
+def smooth(curve, window: int) -> np.ndarray:
+  x = np.asarray(curve, np.float64)
+  w = max(1, min(int(window), len(x)))
+  c = np.cumsum(np.concatenate([[0.0], x]))
+  out = np.empty_like(x)
+  for i in range(len(x)):
+    lo = max(0, i + 1 - w)
+    out[i] = (c[i + 1] - c[lo]) / (i + 1 - lo)
+  return out
+
+
+def plateau(curve, *, last: float = 0.2, rel: float = 0.01) -> dict:
+  """{at_plateau, moved}: the curve smoothed over a tenth of its length; moved = |end - value at
+  (1 - last) of the steps| / max(|that value|, 1e-3)."""
+  n = len(curve)
+  if n < 5:
+    return dict(at_plateau=False, moved=None)
+  sm = smooth(curve, max(1, n // 10))
+  a, b = sm[int(round((1 - last) * n)) - 1], sm[-1]
+  moved = abs(b - a) / max(abs(a), 1e-3)
+  return dict(at_plateau=bool(moved < rel), moved=float(moved))
+
+
+def seed_stats(values) -> dict:
+  """{mean, std, min, max, n} of per-seed values (population std)."""
+  v = np.asarray([x for x in values if x is not None], np.float64)
+  if not len(v):
+    return dict(mean=None, std=None, min=None, max=None, n=0)
+  return dict(mean=float(v.mean()), std=float(v.std()), min=float(v.min()),
+              max=float(v.max()), n=int(len(v)))
+
+
+def thin(curve, points: int = 50) -> list:
+  """The curve at <= `points` evenly spaced steps (recorded: [step, value] pairs, 1-based)."""
+  n = len(curve)
+  idx = sorted(set(np.linspace(0, n - 1, min(points, n)).round().astype(int).tolist()))
+  return [[i + 1, round(float(curve[i]), 5)] for i in idx]
+
+
+class _TC(dict):
+  __getattr__ = dict.__getitem__
+
+
+def train_config(*, steps, lr, seed, warmup_frac=0.05, schedule="cosine", end_lr_frac=0.1,
+                 weight_decay=0.0, grad_clip=1.0, trainable=None, groups=None) -> _TC:
+  """The train section the project's optimizer / step read (AdamW b1 .9, b2 .95)."""
+  return _TC(num_steps=steps, lr=lr, warmup_frac=warmup_frac, warmup_steps=None,
+             lr_schedule=schedule, end_lr_frac=end_lr_frac, grad_clip=grad_clip,
+             weight_decay=weight_decay, b1=0.9, b2=0.95, eps=1e-8, trainable_regex=trainable,
+             param_groups=groups or {}, seed=seed, microbatches=1, loss_chunk_size=0)
+
+
+_STEPS: dict = {}
+
+
+def _key(cfg, tc):
+  return (cfg, tuple(sorted((k, repr(v)) for k, v in tc.items() if k != "seed")))
+
+
+def train(cfg, params, tc, batch_fn: Callable[[int], dict], *, metrics=("accuracy",),
+          name="", log=print, log_every=100):
+  """`tc.num_steps` steps of the project's train step on batch_fn(i); the compiled step is
+  cached per (config, train settings) across calls (seeds reuse it). Returns (params,
+  {metric: per-step values}) for the metric names of the step's metrics dict."""
+  import jax
+  import jax.numpy as jnp
+  from condattn_jax.train import optimizer as opt_lib
+  from condattn_jax.train.state import TrainState
+  from condattn_jax.train.step import make_train_step
+  key = _key(cfg, tc)
+  if key not in _STEPS:
+    tx, labels, sched = opt_lib.make_optimizer(tc, params)
+    _STEPS[key] = (tx, jax.jit(make_train_step(cfg, tc, tx, labels, sched), donate_argnums=(0,)))
+  tx, step = _STEPS[key]
+  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+  curves = {m: [] for m in metrics}
+  pending, t0 = [], time.time()
+  for i in range(tc.num_steps):
+    state, m = step(state, jax.tree.map(jnp.asarray, batch_fn(i)))
+    pending.append({k: m[k] for k in metrics})
+    if len(pending) == 50 or i + 1 == tc.num_steps:
+      for row in jax.device_get(pending):
+        for k in metrics:
+          curves[k].append(float(np.mean(row[k])))
+      pending = []
+      if (i + 1) % log_every == 0 or i + 1 == tc.num_steps:
+        log(f"[{name}] step {i + 1} " + " ".join(f"{k}={curves[k][-1]:.4g}" for k in metrics)
+            + f" ({time.time() - t0:.0f}s)")
+  return jax.device_get(state.params), curves

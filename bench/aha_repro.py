@@ -1,0 +1,420 @@
+"""AHA (All-or-Here Attention), pre-registered reproduction (issue 34): can a learned router find
+the (token, head) pairs that need global attention when the need can ONLY be inferred from
+context, and does it beat a static head split at the same full-attention usage?
+
+    python -m bench.aha_repro                      # CPU preset -> bench/results/aha_repro.json
+    python -m bench.aha_repro --preset=ci --out_dir=/tmp/a    # the CI preset (tests/bench)
+    python -m bench.aha_repro --preset=h100 --out_dir=$OUT    # one H100 (docs/schemes/aha.md)
+
+Task ("restated recall", numpy only): a row of T tokens holds one-token facts (key k, value v)
+and Q queries (a key-only token, the same id whatever the distance) each followed by its
+answer, the only scored target. A fact lies log-uniformly 1..T-2 back from its query; for half
+of the queries whose fact lies beyond the window, the fact is RESTATED (the same token) inside
+the window before the query. The query token carries no hint: whether the answer is within
+the window (no-need) or only beyond it (need) is visible only in the context (did key k occur
+in the last w tokens?), which a local head of an earlier layer can see (3 layers).
+
+Per seed and window: a dense model learns the task; it is converted to AHA (every head full at
+conversion: router bias +0.5 > tau, the bench's router lr 10x) and trained with the paper's
+loss (CE + lam * mean score, STE, mode 'exact', all params) for a fixed step budget, the
+accuracy and mu_f curves recorded with the plateau check. Held out: accuracy; usage at need
+queries, no-need queries and non-query tokens; per-head usage sorted (the paper's long tail)
+and the per-head gap (need - no-need usage). Control: static splits (the heads the learned
+router uses most, full for every token, the rest local) with at least the learned mu_f,
+fine-tuned with their own lr sweep. A lambda sweep at one window. CRITERIA (below, fixed
+before any run) are judged on the means over seeds and recorded pass or fail.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags  # noqa: E402
+from bench import common  # noqa: E402
+from bench import aha_elastic_repro_common as rc  # noqa: E402
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from condattn_jax.attention import configure, convert  # noqa: E402
+from condattn_jax.models.config import ModelConfig  # noqa: E402
+from condattn_jax.models.decoder import Decoder  # noqa: E402
+
+ROUTER_REGEX = r"(.*/)?router/.*"
+
+# Pre-registered (written before the first run; judged on the means over seeds; `w<first>` is
+# the preset's smallest window, `lam_mid` the lambda sweep's middle value):
+CRITERIA = {
+    "accuracy_kept": rc.Criterion(
+        "min_window_accuracy_drop_points", "<=", 2.0,
+        "at every window the AHA model is within 2 points of the dense model's accuracy"),
+    "usage_targets_the_need": rc.Criterion(
+        "min_window_need_over_noneed", ">=", 3.0,
+        "at every window, full-attention usage at need queries >= 3x usage at no-need queries "
+        "(the need is inferred from context: the query token is the same)"),
+    "sparse": rc.Criterion(
+        "max_window_mu_f", "<=", 0.10, "mu_f <= 10% at every window"),
+    "long_tail": rc.Criterion(
+        "top_head_share", ">=", 0.5,
+        "the most-used quarter of the (layer, head) pairs carries >= half of the full-attention "
+        "usage (smallest window)"),
+    "learned_beats_static": rc.Criterion(
+        "learned_minus_static_points", ">=", 2.0,
+        "smallest window: learned routing >= the best static split with at least its mu_f "
+        "(fine-tuned, own lr sweep) + 2 points accuracy"),
+    "lambda_monotone": rc.Criterion(
+        "lambda_mu_f_monotone", ">=", 1.0,
+        "mu_f does not rise as lambda rises (smallest window, the lambda sweep)"),
+    "every_arm_at_plateau": rc.Criterion(
+        "plateau_fraction", ">=", 1.0,
+        "every AHA arm's accuracy and mu_f moved < 1% relative over the last 20% of steps"),
+}
+
+
+@dataclasses.dataclass
+class Settings:
+  # task
+  seq_len: int = 128
+  num_keys: int = 16
+  num_values: int = 8
+  num_queries: int = 8
+  num_filler: int = 16
+  restate_frac: float = 0.5     # of the queries whose fact is beyond the window
+  # model
+  num_layers: int = 3
+  hidden_size: int = 64
+  num_heads: int = 4
+  num_kv_heads: int = 2
+  # training
+  batch_size: int = 16
+  dense_steps: int = 800
+  dense_lr: float = 3e-3
+  aha_steps: int = 400
+  aha_lr: float = 1e-3
+  router_lr_mult: float = 10.0
+  lam: float = 3e-2
+  lams: tuple = (1e-2, 3e-2, 1e-1)   # the sweep at the smallest window (includes `lam`)
+  tau: float = 0.5
+  router_bias_init: float = 0.5
+  static_lrs: tuple = (3e-4, 1e-3)
+  windows: tuple = (16, 64)
+  seeds: tuple = (0, 1, 2)
+  eval_rows: int = 256
+  log_every: int = 200
+
+
+PRESETS = {
+    "cpu": Settings(),
+    "ci": Settings(seq_len=64, dense_steps=500, aha_steps=250, lams=(3e-2,), static_lrs=(1e-3,),
+                   windows=(16,), seeds=(0,), eval_rows=128, num_queries=6, log_every=125),
+    "h100": Settings(seq_len=512, num_keys=32, num_values=16, num_queries=16, num_layers=4,
+                     hidden_size=128, num_heads=8, num_kv_heads=4, batch_size=64,
+                     dense_steps=4000, aha_steps=3000, windows=(16, 32, 64, 128, 256),
+                     lams=(3e-3, 1e-2, 3e-2, 1e-1), static_lrs=(1e-4, 3e-4, 1e-3),
+                     eval_rows=2048, log_every=500),
+    "test": Settings(seq_len=48, num_queries=4, dense_steps=3, aha_steps=5, lams=(3e-2,),
+                     static_lrs=(1e-3,), windows=(16,), seeds=(0,), eval_rows=16, log_every=1),
+}
+FILES = {"cpu": "aha_repro.json"}
+
+
+class RestatedRecall:
+  """The task (module docstring) for one window w; `batch(start, n, stream)` is a pure function
+  of (seed, stream, start, n). Query kinds: 1 near (fact within w), 2 far and restated within
+  w (no-need: the restatement answers), 3 far (need: only global attention answers)."""
+
+  def __init__(self, s: Settings, window: int, seed: int):
+    self.s, self.w, self.seed = s, window, seed
+    K, V = s.num_keys, s.num_values
+    if s.num_queries > K:
+      raise ValueError(f"num_queries={s.num_queries} must be <= num_keys={K} (distinct keys).")
+    if window + 4 > s.seq_len:
+      raise ValueError(f"window {window} must be < seq_len - 4 = {s.seq_len - 4}.")
+    self.query0 = 1 + K * V
+    self.answer0 = self.query0 + K
+    self.filler0 = self.answer0 + V
+    self.vocab_size = -(-(self.filler0 + s.num_filler) // 16) * 16
+
+  def example(self, rng):
+    s, T, w = self.s, self.s.seq_len, self.w
+    toks = self.filler0 + rng.integers(0, s.num_filler, T + 1)
+    used = np.zeros(T + 1, bool)
+    kind = np.zeros(T, np.int32)
+    for k in rng.choice(s.num_keys, s.num_queries, replace=False):
+      v = int(rng.integers(s.num_values))
+      fact = 1 + k * s.num_values + v
+      for _ in range(1000):
+        d = int(np.exp(rng.uniform(0.0, np.log(T - 2))))
+        tq = int(rng.integers(d, T))
+        tp = tq - d
+        restate = d >= w and rng.random() < s.restate_frac
+        tr = tq - int(rng.integers(1, w)) if restate else -1
+        spots = [tp, tq, tq + 1] + ([tr] if restate else [])
+        if d >= 1 and not used[spots].any() and len(set(spots)) == len(spots) and tr < tq:
+          break
+      else:
+        raise RuntimeError("could not place a fact; lower num_queries or raise seq_len.")
+      used[spots] = True
+      toks[tp] = fact
+      if restate:
+        toks[tr] = fact
+      toks[tq] = self.query0 + k
+      toks[tq + 1] = self.answer0 + v
+      kind[tq] = 1 if d < w else (2 if restate else 3)
+    return dict(inputs=toks[:T].astype(np.int32), targets=toks[1:].astype(np.int32),
+                loss_mask=(kind > 0).astype(np.float32), positions=np.arange(T, dtype=np.int32),
+                segment_ids=np.ones(T, np.int32), kind=kind)
+
+  def batch(self, start: int, n: int, stream: int = 0) -> dict[str, np.ndarray]:
+    ex = [self.example(np.random.default_rng([self.seed, self.w, stream, start + i]))
+          for i in range(n)]
+    return {k: np.stack([e[k] for e in ex]) for k in ex[0]}
+
+
+def base_config(s: Settings, task: RestatedRecall) -> ModelConfig:
+  return ModelConfig(family="olmo2", qk_norm="full", post_norm=True, vocab_size=task.vocab_size,
+                     hidden_size=s.hidden_size, intermediate_size=2 * s.hidden_size,
+                     num_layers=s.num_layers, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
+                     head_dim=s.hidden_size // s.num_heads, rope_theta=10000.0,
+                     attention_impl="reference" if jax.default_backend() == "cpu" else "auto")
+
+
+_EVAL: dict = {}
+
+
+def evaluate(cfg, params, rows) -> dict[str, Any]:
+  """Accuracy (all queries, and per kind); AHA: mu_f, usage at need / no-need queries and
+  non-query tokens, per (layer, head) usage [L, N] overall and at need / no-need queries."""
+  if cfg not in _EVAL:
+    m = Decoder(cfg)
+    aha = cfg.scheme == "aha"
+
+    @jax.jit
+    def f(params, b):
+      (logits, _), st = m.apply({"params": params}, b["inputs"], b["positions"],
+                                b["segment_ids"], mutable=["intermediates"])
+      ok = jnp.argmax(logits, -1) == b["targets"]
+      gate = st["intermediates"]["layers"]["gate"][0] if aha else jnp.zeros((1,))
+      return ok, gate
+    _EVAL[cfg] = f
+  oks, gates = [], []
+  for i in range(0, len(rows["inputs"]), 64):
+    b = {k: jnp.asarray(v[i:i + 64]) for k, v in rows.items() if k != "kind"}
+    ok, g = jax.device_get(_EVAL[cfg](params, b))
+    oks.append(np.asarray(ok))
+    gates.append(np.asarray(g))
+  ok, kind = np.concatenate(oks), rows["kind"]
+  q = kind > 0
+  need, noneed = kind == 3, (kind == 1) | (kind == 2)
+  res: dict[str, Any] = dict(accuracy=float(ok[q].mean()),
+                             accuracy_need=float(ok[need].mean()) if need.any() else None,
+                             accuracy_noneed=float(ok[noneed].mean()),
+                             queries=dict(near=int((kind == 1).sum()),
+                                          restated=int((kind == 2).sum()),
+                                          need=int(need.sum())))
+  if cfg.scheme == "aha":
+    g = np.concatenate(gates, axis=1).astype(np.float64)                 # [L, rows, T, N]
+    res["mu_f"] = float(g.mean())
+    res["usage_need"] = float(g[:, need].mean()) if need.any() else None
+    res["usage_noneed"] = float(g[:, noneed].mean())
+    res["usage_restated"] = float(g[:, kind == 2].mean()) if (kind == 2).any() else None
+    res["usage_nonquery"] = float(g[:, ~q].mean())
+    head = g.mean(axis=(1, 2))                                           # [L, N]
+    res["usage_head"] = head.round(5).tolist()
+    res["usage_head_sorted"] = sorted(head.reshape(-1).round(5).tolist(), reverse=True)
+    hn = g[:, need].mean(axis=1) if need.any() else np.zeros_like(head)  # [L, N]
+    ho = g[:, noneed].mean(axis=1)
+    res["gap_head"] = (hn - ho).round(5).tolist()                        # need - no-need
+    res["usage_head_need"] = hn.round(5).tolist()
+    res["usage_head_noneed"] = ho.round(5).tolist()
+    tot = head.sum()
+    top = max(1, head.size // 4)
+    res["top_head_share"] = float(np.sort(head.reshape(-1))[::-1][:top].sum() / tot) if tot \
+        else None
+  return res
+
+
+def _aha_tc(s, steps, lr, seed, router=True):
+  groups = {"router": {"regex": ROUTER_REGEX, "lr": lr * s.router_lr_mult}} if router else {}
+  return rc.train_config(steps=steps, lr=lr, seed=seed, groups=groups)
+
+
+def _static_params(ap, heads_LN):
+  """A static split as AHA params: router kernel 0, bias +10 on the full heads, -10 elsewhere
+  (scores 1 - 5e-5 / 5e-5: the same hard choice for every token; the router is frozen)."""
+  ap = jax.tree.map(np.array, ap)
+  ap["layers"]["router"]["kernel"] = np.zeros_like(ap["layers"]["router"]["kernel"])
+  ap["layers"]["router"]["bias"] = np.where(heads_LN, 10.0, -10.0).astype(
+      ap["layers"]["router"]["bias"].dtype)
+  return ap
+
+
+def train_dense(s, seed, log):
+  """One dense model per seed, trained on the smallest window's rows (a restated fact is one
+  more copy of the fact: the dense model answers every window's rows alike)."""
+  task = RestatedRecall(s, min(s.windows), seed)
+  cfg = base_config(s, task)
+  B = s.batch_size
+  init = nn.unbox(Decoder(cfg).init(jax.random.key(seed),
+                                    jnp.zeros((1, s.seq_len), jnp.int32))["params"])
+  dense, dc = rc.train(cfg, init, rc.train_config(steps=s.dense_steps, lr=s.dense_lr, seed=seed),
+                       lambda i: _drop(task.batch(i * B, B)), name=f"dense s{seed}", log=log,
+                       log_every=s.log_every)
+  return jax.tree.map(np.asarray, dense), dict(curve=rc.thin(dc["accuracy"]),
+                                               plateau=rc.plateau(dc["accuracy"]))
+
+
+def _drop(b):
+  return {k: v for k, v in b.items() if k != "kind"}
+
+
+def run_window(s, seed, w, dense, dense_info, log) -> dict[str, Any]:
+  task = RestatedRecall(s, w, seed)
+  cfg = base_config(s, task)
+  ev = task.batch(0, s.eval_rows, stream=1)
+  B = s.batch_size
+  drop = _drop
+  out: dict[str, Any] = dict(dense=evaluate(cfg, dense, ev), dense_train=dense_info)
+  acfg0, ap0 = convert(dense, cfg, "aha", window=w, tau=s.tau, lam=s.lam,
+                       router_bias_init=s.router_bias_init)
+  out["local_only"] = evaluate(configure(acfg0, "aha", routing="none"), ap0, ev)
+  lams = sorted(set(s.lams) | {s.lam}) if w == min(s.windows) else [s.lam]
+  out["lams"] = {}
+  for lam in lams:
+    acfg = configure(acfg0, "aha", lam=lam)
+    p, curves = rc.train(acfg, ap0, _aha_tc(s, s.aha_steps, s.aha_lr, seed),
+                         lambda i: drop(task.batch(i * B, B, stream=10)),
+                         metrics=("accuracy", "aha/mu_f"), name=f"aha w{w} lam{lam} s{seed}",
+                         log=log, log_every=s.log_every)
+    r = evaluate(acfg, p, ev)
+    r["plateau"] = {k: rc.plateau(v) for k, v in curves.items()}
+    r["curves"] = {k: rc.thin(v) for k, v in curves.items()}
+    out["lams"][str(lam)] = r
+    log(f"[aha w{w} lam{lam} s{seed}] " + json.dumps(
+        {k: r[k] for k in ("accuracy", "mu_f", "usage_need", "usage_noneed", "usage_nonquery",
+                           "top_head_share")}))
+  learned = out["lams"][str(s.lam)]
+  if w == min(s.windows):
+    out["static"] = static_control(s, acfg0, ap0, learned, task, ev, seed, w, log)
+  return out
+
+
+def static_control(s, acfg0, ap0, learned, task, ev, seed, w, log) -> dict[str, Any]:
+  """The learned router's most-used heads full for every token (ceil(mu_f * L * N) of them, at
+  least one: at least the learned mu_f), the rest local; fine-tuned (all but the router, its
+  own lr sweep; lambda 0); the best lr by held-out accuracy (selection = eval rows: favours
+  the control)."""
+  L, N = s.num_layers, s.num_heads
+  n = max(1, int(np.ceil(round(learned["mu_f"] * L * N, 6))))
+  order = np.argsort(-np.asarray(learned["usage_head"]).reshape(-1), kind="stable")[:n]
+  heads = np.zeros(L * N, bool)
+  heads[order] = True
+  heads = heads.reshape(L, N)
+  cfg = configure(acfg0, "aha", lam=0.0)
+  p0 = _static_params(ap0, heads)
+  drop = _drop
+  B = s.batch_size
+  out = dict(full_heads=int(n), mu_f=n / (L * N), heads=heads.astype(int).tolist(),
+             frozen=evaluate(cfg, p0, ev)["accuracy"], tuned={})
+  for lr in s.static_lrs:
+    tc = rc.train_config(steps=s.aha_steps, lr=lr, seed=seed,
+                         trainable=r"(?!(.*/)?router/).*")
+    p, curves = rc.train(cfg, p0, tc, lambda i: drop(task.batch(i * B, B, stream=20)),
+                         name=f"static w{w} lr{lr} s{seed}", log=log, log_every=s.log_every)
+    r = evaluate(cfg, p, ev)
+    out["tuned"][str(lr)] = dict(accuracy=r["accuracy"], mu_f=r["mu_f"],
+                                 plateau=rc.plateau(curves["accuracy"]),
+                                 curve=rc.thin(curves["accuracy"]))
+  out["best_accuracy"] = max([out["frozen"]] + [t["accuracy"] for t in out["tuned"].values()])
+  log(f"[static w{w} s{seed}] {n} heads: frozen {out['frozen']:.3f}, best {out['best_accuracy']:.3f}")
+  return out
+
+
+def summarize(s: Settings, seeds: list[dict]) -> dict[str, Any]:
+  m: dict[str, Any] = {}
+  spread: dict[str, Any] = {}
+
+  def put(key, vals):
+    spread[key] = rc.seed_stats(vals)
+    m[key] = spread[key]["mean"]
+
+  w0 = str(min(s.windows))
+  drops, ratios, mus = [], [], []
+  for w in map(str, s.windows):
+    lw = lambda r: r[w]["lams"][str(s.lam)]
+    put(f"w{w}.dense_accuracy", [r[w]["dense"]["accuracy"] for r in seeds])
+    put(f"w{w}.local_only_accuracy", [r[w]["local_only"]["accuracy"] for r in seeds])
+    for k in ("accuracy", "accuracy_need", "mu_f", "usage_need", "usage_noneed", "usage_nonquery",
+              "usage_restated", "top_head_share"):
+      put(f"w{w}.{k}", [lw(r)[k] for r in seeds])
+    put(f"w{w}.drop_points", [100 * (r[w]["dense"]["accuracy"] - lw(r)["accuracy"])
+                              for r in seeds])
+    put(f"w{w}.need_over_noneed", [lw(r)["usage_need"] / max(lw(r)["usage_noneed"], 1e-4)
+                                   if lw(r)["usage_need"] is not None else None for r in seeds])
+    drops.append(m[f"w{w}.drop_points"])
+    ratios.append(m[f"w{w}.need_over_noneed"])
+    mus.append(m[f"w{w}.mu_f"])
+  m["min_window_accuracy_drop_points"] = max(drops)  # the worst window
+  m["min_window_need_over_noneed"] = min(x for x in ratios if x is not None) if any(
+      x is not None for x in ratios) else None
+  m["max_window_mu_f"] = max(mus)
+  m["top_head_share"] = m[f"w{w0}.top_head_share"]
+  lams = sorted(float(x) for x in seeds[0][w0]["lams"])
+  for lam in lams:
+    put(f"lam{lam}.mu_f", [r[w0]["lams"][str(lam)]["mu_f"] for r in seeds])
+    put(f"lam{lam}.accuracy", [r[w0]["lams"][str(lam)]["accuracy"] for r in seeds])
+  mu_l = [m[f"lam{lam}.mu_f"] for lam in lams]
+  m["lambda_mu_f_monotone"] = float(all(a >= b for a, b in zip(mu_l, mu_l[1:])))
+  put("static.best_accuracy", [r[w0]["static"]["best_accuracy"] for r in seeds])
+  put("static.mu_f", [r[w0]["static"]["mu_f"] for r in seeds])
+  put("learned_minus_static_points", [100 * (r[w0]["lams"][str(s.lam)]["accuracy"]
+                                             - r[w0]["static"]["best_accuracy"]) for r in seeds])
+  flags_ = [p["at_plateau"] for r in seeds for wr in r.values() for lr in wr["lams"].values()
+            for p in lr["plateau"].values()]
+  m["plateau_fraction"] = float(np.mean(flags_))
+  return dict(metrics=m, spread=spread, criteria=rc.judge(CRITERIA, m))
+
+
+def run(s: Settings, log=print) -> dict[str, Any]:
+  t0 = time.time()
+  seeds = []
+  for seed in s.seeds:
+    dense, info = train_dense(s, seed, log)
+    seeds.append({str(w): run_window(s, seed, w, dense, info, log) for w in s.windows})
+  summ = summarize(s, seeds)
+  for name, c in summ["criteria"].items():
+    log(f"criterion {name}: {'PASS' if c['passed'] else 'FAIL'} ({c['metric']} = {c['got']} "
+        f"{c['op']} {c['value']})")
+  return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              device=str(jax.devices()[0].device_kind), platform=jax.default_backend(),
+              jax_version=jax.__version__, seconds=round(time.time() - t0, 1),
+              settings=json.loads(json.dumps(dataclasses.asdict(s))),
+              task=dict(name="restated_recall", distance="log-uniform in [1, seq_len - 2]",
+                        hint_in_query=False), **summ, seeds=seeds)
+
+
+FLAGS = common.flag_values()
+flags.DEFINE_enum("preset", "cpu", sorted(PRESETS), "size: cpu (recorded), ci (tests/bench), "
+                  "h100 (one H100, docs/schemes/aha.md), test (seconds)", flag_values=FLAGS)
+
+
+def main(argv=None):
+  a = common.parse_flags(FLAGS, argv)
+  res = run(PRESETS[a.preset])
+  res["preset"] = a.preset
+  out = common.result_path("aha_repro", a.out_dir, fixed=FILES.get(a.preset))
+  common.write_result(out, "aha_repro", res, name=a.preset)
+  print(f"wrote {out}")
+  return res
+
+
+if __name__ == "__main__":
+  main()

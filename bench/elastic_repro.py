@@ -1,0 +1,414 @@
+"""Elastic Attention, pre-registered reproduction (issue 34): does the router allocate sparsity
+by task when ONE task-agnostic constraint leaves it free to, and does that beat a static head
+split at the same mean Omega?
+
+    python -m bench.elastic_repro                      # CPU preset -> bench/results/elastic_repro.json
+    python -m bench.elastic_repro --preset=ci --out_dir=/tmp/e   # the CI preset (tests/bench)
+    python -m bench.elastic_repro --preset=h100 --out_dir=$OUT  # one H100 (docs/schemes/elastic.md)
+
+Tasks (numpy only): ONE vocabulary; a row is [instruction] [filler + F one-token facts
+(key k, value v_k) in [sink_pad, T/2)] ... [question marker] then Q times [fact (k, v'_k)]
+[query k] [answer], the facts restated inside the local window with ANOTHER value v'_k != v_k.
+'recall' (sensitive) asks for the FIRST value v_k (beyond SSA's sinks + local window: needs FA
+heads); 'recent' (robust) for the restated v'_k (SSA's local window suffices). The two tasks
+differ only in the instruction token (position 0) and the question marker (the prompt's last
+tokens): the body is drawn from the same distribution. Batches carry `prompt_lengths` (the
+prompt ends at the first query; boundary pooling sees both ends) and `task_ids`.
+
+Arms (per seed; the dense model trained first, every arm converts it, FA-SSA):
+  per_task     task targets (t_recall, t_recent), constraint 'sample' (the paper's setting)
+  single       ONE task name, one target (their mean), constraint 'task_mean': a single lambda
+               pair on the batch-mean Omega (the router may allocate between tasks)
+  single_mean  single + pooling 'prompt_mean'
+  single_abs   single + lagrangian 'abs' (the authors' code)
+  static       the best static head split (routing 'fixed') with at least single's measured
+               FA budget (candidates: the heads single uses most, overall and on recall rows),
+               frozen and fine-tuned (every weight; its own lr sweep, best on selection rows)
+Router arms train the router and the multipliers (recipe: warmup 0.2 + cosine, weight decay
+0.1); each arm's accuracy and Omega curves are recorded with the plateau check. CRITERIA
+(below, fixed before any run) are judged on the means over seeds and recorded pass or fail.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import itertools
+import json
+import os
+import sys
+import time
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags  # noqa: E402
+from bench import common  # noqa: E402
+from bench import aha_elastic_repro_common as rc  # noqa: E402
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from condattn_jax.attention import configure, convert  # noqa: E402
+from condattn_jax.models.config import ModelConfig  # noqa: E402
+from condattn_jax.models.decoder import Decoder  # noqa: E402
+
+TASKS = ("recall", "recent")  # sensitive, robust
+TRAINABLE_REGEX = r"layers(_\d+_\d+)?/router/.*"
+LAGRANGE_REGEX = r"scheme/lagrange"
+
+# Pre-registered (written before the first run; judged on the means over seeds):
+CRITERIA = {
+    "sparsity_gap_under_one_constraint": rc.Criterion(
+        "single.omega_gap", ">=", 0.15,
+        "Omega_MSR(recent) - Omega_MSR(recall) >= 0.15 under ONE task-agnostic constraint"),
+    "adaptive_beats_static_on_sensitive": rc.Criterion(
+        "single_minus_static_recall_points", ">=", 5.0,
+        "recall accuracy (points): single (learned) >= the best static split at >= its FA "
+        "budget (frozen or fine-tuned, own lr sweep) + 5"),
+    "dense_solves_both_tasks": rc.Criterion(
+        "dense.min_accuracy", ">=", 0.9, "the dense model solved both tasks (else void)"),
+    "ssa_cannot_recall": rc.Criterion(
+        "all_ssa.recall", "<=", 0.5, "every head SSA fails recall (the task needs FA heads)"),
+    "every_arm_at_plateau": rc.Criterion(
+        "plateau_fraction", ">=", 1.0, "every router arm's accuracy and Omega curves moved < 1% "
+        "relative over the last 20% of steps, every seed"),
+}
+
+
+@dataclasses.dataclass
+class Settings:
+  # task
+  seq_len: int = 64
+  num_keys: int = 8
+  num_values: int = 8
+  num_facts: int = 4
+  num_queries: int = 2
+  num_filler: int = 16
+  sink_pad: int = 8
+  # model (MHA: 2 layers x 4 KV heads = 8 decisions, Omega in steps of 1/8)
+  num_layers: int = 2
+  hidden_size: int = 64
+  num_heads: int = 4
+  num_kv_heads: int = 4
+  # Elastic (SSA: 1 sink block + 2 local blocks of 8)
+  block: int = 8
+  sinks: int = 8
+  local: int = 16
+  boundary: int = 8
+  targets: tuple = (0.75, 1.0)   # per_task arm; the single arm's one target is their mean
+  # training
+  batch_size: int = 32
+  dense_steps: int = 1000
+  dense_lr: float = 3e-3
+  router_steps: int = 300
+  router_lr: float = 1e-2
+  lambda_lr: float = 3e-2
+  static_lrs: tuple = (3e-4, 1e-3)
+  arms: tuple = ("per_task", "single", "single_mean", "single_abs")
+  seeds: tuple = (0, 1, 2)
+  eval_rows: int = 512
+  select_rows: int = 256
+  log_every: int = 200
+
+
+PRESETS = {
+    "cpu": Settings(),
+    # CI (tests/bench/test_elastic_repro.py): one seed, the single arm and the static control
+    "ci": Settings(dense_steps=500, router_steps=150, static_lrs=(1e-3,), arms=("single",),
+                   seeds=(0,), eval_rows=256, select_rows=128, log_every=100),
+    "h100": Settings(seq_len=512, num_keys=32, num_values=32, num_facts=16, num_queries=4,
+                     sink_pad=64, num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4,
+                     block=64, sinks=64, local=128, boundary=32, batch_size=64,
+                     dense_steps=6000, router_steps=2000, static_lrs=(1e-4, 3e-4, 1e-3),
+                     seeds=(0, 1, 2), eval_rows=2048, select_rows=1024, log_every=500),
+    "test": Settings(dense_steps=3, router_steps=5, static_lrs=(1e-3,), arms=("single",),
+                     seeds=(0,), eval_rows=32, select_rows=32, log_every=1),
+}
+FILES = {"cpu": "elastic_repro.json"}
+
+
+class InstructedRecall:
+  """The two tasks (module docstring); `batch(start, n, stream)` is a pure function of
+  (seed, stream, start, n); rows alternate recall / recent."""
+
+  def __init__(self, s: Settings, seed: int):
+    self.s, self.seed = s, seed
+    K, V = s.num_keys, s.num_values
+    self.fact0 = 1
+    self.query0 = self.fact0 + K * V
+    self.answer0 = self.query0 + K
+    self.filler0 = self.answer0 + V
+    self.instr0 = self.filler0 + s.num_filler     # instruction per task
+    self.marker0 = self.instr0 + len(TASKS)       # question marker per task
+    self.vocab_size = -(-(self.marker0 + len(TASKS)) // 16) * 16
+    T = s.seq_len
+    self.end = 1 + 3 * s.num_queries              # marker + Q x (restated fact, query, answer)
+    if s.num_queries > s.num_facts or s.sink_pad + s.num_facts > T // 2:
+      raise ValueError("task does not fit: num_queries <= num_facts and sink_pad + num_facts "
+                       "<= seq_len / 2.")
+    if T - self.end - T // 2 < s.local + s.block or s.sinks > s.sink_pad:
+      raise ValueError("the first facts must lie beyond SSA's reach: seq_len / 2 - "
+                       f"{self.end} >= local + block and sinks <= sink_pad.")
+    if self.end > s.local:
+      raise ValueError("the restated facts must lie in the local window: 1 + 3 num_queries "
+                       "<= local.")
+
+  def example(self, rng, task: int):
+    s, T = self.s, self.s.seq_len
+    toks = self.filler0 + rng.integers(0, s.num_filler, T + 1)
+    toks[0] = self.instr0 + task
+    keys = rng.choice(s.num_keys, s.num_facts, replace=False)
+    first = rng.integers(0, s.num_values, s.num_facts)
+    pos = rng.choice(np.arange(s.sink_pad, T // 2), s.num_facts, replace=False)
+    toks[pos] = self.fact0 + keys * s.num_values + first
+    e = T - self.end + 1                    # token index of the marker (row has T + 1 tokens)
+    toks[e] = self.marker0 + task
+    mask = np.zeros(T, np.float32)
+    for j, i in enumerate(rng.choice(s.num_facts, s.num_queries, replace=False)):
+      recent = (first[i] + 1 + rng.integers(0, s.num_values - 1)) % s.num_values  # != first
+      p = e + 1 + 3 * j
+      toks[p] = self.fact0 + keys[i] * s.num_values + recent
+      toks[p + 1] = self.query0 + keys[i]
+      toks[p + 2] = self.answer0 + (first[i] if task == 0 else recent)
+      mask[p + 1] = 1.0
+    return dict(inputs=toks[:T].astype(np.int32), targets=toks[1:].astype(np.int32),
+                loss_mask=mask, positions=np.arange(T, dtype=np.int32),
+                segment_ids=np.ones(T, np.int32), prompt_lengths=np.int32(e + 3),
+                task=np.int32(task))
+
+  def batch(self, start: int, n: int, stream: int = 0) -> dict[str, np.ndarray]:
+    ex = [self.example(np.random.default_rng([self.seed, stream, start + i]), (start + i) % 2)
+          for i in range(n)]
+    return {k: np.stack([e[k] for e in ex]) for k in ex[0]}
+
+
+def base_config(s: Settings, task: InstructedRecall) -> ModelConfig:
+  return ModelConfig(family="qwen3", qk_norm="head", vocab_size=task.vocab_size,
+                     hidden_size=s.hidden_size, intermediate_size=2 * s.hidden_size,
+                     num_layers=s.num_layers, num_heads=s.num_heads, num_kv_heads=s.num_kv_heads,
+                     head_dim=s.hidden_size // s.num_heads, rope_theta=10000.0,
+                     attention_impl="reference" if jax.default_backend() == "cpu" else "auto")
+
+
+def _with_task_ids(b: dict, single: bool) -> dict:
+  b = dict(b)
+  t = b.pop("task")
+  b["task_ids"] = np.zeros_like(t) if single else t
+  return b
+
+
+_EVAL: dict = {}
+
+
+def evaluate(cfg, params, rows: dict) -> dict[str, Any]:
+  """Per task: scored-token accuracy; Elastic configs also Omega_MSR and the FA frequency per
+  layer x KV head (eval: argmax decisions on the row's prompt)."""
+  if cfg not in _EVAL:
+    m = Decoder(cfg)
+    elastic_cfg = cfg.scheme == "elastic"
+
+    @jax.jit
+    def f(params, b):
+      fields = {"prompt_lengths": b["prompt_lengths"]} if elastic_cfg else None
+      logits, aux = m.apply({"params": params}, b["inputs"], b["positions"], b["segment_ids"],
+                            fields=fields)
+      ok = (jnp.argmax(logits, -1) == b["targets"]).astype(jnp.float32) * b["loss_mask"]
+      fa = aux["fa_BK"] if elastic_cfg else jnp.ones((1, b["inputs"].shape[0], 1))
+      return ok.sum(1) / b["loss_mask"].sum(1), fa
+    _EVAL[cfg] = f
+  f = _EVAL[cfg]
+  oks, fas = [], []
+  n = len(rows["inputs"])
+  for i in range(0, n, 128):
+    b = {k: jnp.asarray(v[i:i + 128]) for k, v in rows.items() if k != "task"}
+    ok, fa = jax.device_get(f(params, b))
+    oks.append(ok)
+    fas.append(np.moveaxis(np.asarray(fa), 1, 0))                       # [B, L, K]
+  ok, fa = np.concatenate(oks), np.concatenate(fas)
+  out: dict[str, Any] = {}
+  for t, name in enumerate(TASKS):
+    sel = rows["task"] == t
+    out[name] = float(ok[sel].mean())
+    if cfg.scheme == "elastic":
+      out[f"omega_{name}"] = float(1.0 - fa[sel].mean())
+      out[f"fa_freq_{name}"] = fa[sel].mean(0).round(4).tolist()
+  out["min_accuracy"] = min(out[n] for n in TASKS)
+  if cfg.scheme == "elastic":
+    out["omega"] = float(1.0 - fa.mean())
+    out["omega_gap"] = out["omega_recent"] - out["omega_recall"]
+    out["fa_freq"] = fa.mean(0).round(4).tolist()
+  return out
+
+
+def _elastic_cfg(s, cfg, arm, **extra):
+  single = arm != "per_task"
+  return dict(modes="fa_ssa", block=s.block, sinks=s.sinks, local=s.local, boundary=s.boundary,
+              task_names=("any",) if single else TASKS,
+              targets=(float(np.mean(s.targets)),) if single else tuple(s.targets),
+              constraint="task_mean" if single else "sample",
+              pooling="prompt_mean" if arm == "single_mean" else "boundary",
+              lagrangian="abs" if arm == "single_abs" else "signed",
+              anneal_steps=int(round(0.6 * s.router_steps)), **extra)
+
+
+def run_seed(s: Settings, seed: int, log=print) -> dict[str, Any]:
+  task = InstructedRecall(s, seed)
+  cfg = base_config(s, task)
+  ev = task.batch(0, s.eval_rows, stream=1)
+  sel = task.batch(0, s.select_rows, stream=2)
+  init = nn.unbox(Decoder(cfg).init(jax.random.key(seed),
+                                    jnp.zeros((1, s.seq_len), jnp.int32))["params"])
+  B = s.batch_size
+  dense_tc = rc.train_config(steps=s.dense_steps, lr=s.dense_lr, seed=seed)
+  dense, dcurve = rc.train(cfg, init, dense_tc,
+                           lambda i: _with_task_ids(task.batch(i * B, B), True),
+                           name=f"dense s{seed}", log=log, log_every=s.log_every)
+  out: dict[str, Any] = dict(seed=seed, dense=evaluate(cfg, dense, ev),
+                             dense_curve=rc.thin(dcurve["accuracy"]))
+  log(f"[s{seed}] dense {out['dense']}")
+  dense_np = jax.tree.map(np.asarray, dense)
+  acfg, ap = convert(dense_np, cfg, "elastic", **_elastic_cfg(s, cfg, "single"))
+  out["all_ssa"] = evaluate(configure(acfg, "elastic", routing="sa"), ap, ev)
+  groups = {"lagrange": dict(regex=LAGRANGE_REGEX, lr=s.lambda_lr, weight_decay=0.1)}
+  router_tc = rc.train_config(steps=s.router_steps, lr=s.router_lr, seed=seed, warmup_frac=0.2,
+                              end_lr_frac=0.0, weight_decay=0.1, grad_clip=5.0,
+                              trainable=TRAINABLE_REGEX, groups=groups)
+  out["arms"] = {}
+  for arm in s.arms:
+    ecfg, ep = convert(dense_np, cfg, "elastic", **_elastic_cfg(s, cfg, arm, seed=seed))
+    single = arm != "per_task"
+    ep, curves = rc.train(ecfg, ep, router_tc,
+                          lambda i: _with_task_ids(task.batch(i * B, B, stream=10), single),
+                          metrics=("accuracy", "elastic/omega_msr"), name=f"{arm} s{seed}",
+                          log=log, log_every=s.log_every)
+    r = evaluate(ecfg, ep, ev)
+    r["plateau"] = {k: rc.plateau(v) for k, v in curves.items()}
+    r["curves"] = {k: rc.thin(v) for k, v in curves.items()}
+    r["lagrange"] = np.asarray(ep["scheme"]["lagrange"]).round(4).tolist()
+    out["arms"][arm] = r
+    log(f"[{arm} s{seed}] " + json.dumps({k: v for k, v in r.items()
+                                          if k not in ("curves", "fa_freq", "fa_freq_recall",
+                                                       "fa_freq_recent")}))
+  if "single" in out["arms"]:
+    out["static"] = static_control(s, cfg, dense_np, out["arms"]["single"], task, ev, sel, seed,
+                                   log)
+  return out
+
+
+def static_control(s, cfg, dense_np, single, task, ev, sel, seed, log) -> dict[str, Any]:
+  """The best static split with at least the single arm's FA budget: candidate head sets (the
+  heads single routes FA most, overall and on recall rows; every set when there are <= 8),
+  chosen on selection rows, frozen and fine-tuned (every weight, lrs s.static_lrs)."""
+  L, K = s.num_layers, s.num_kv_heads
+  n_fa = int(np.ceil(round((1.0 - single["omega"]) * L * K, 6)))
+  n_fa = min(max(n_fa, 1), L * K)
+  slots = [(l, k) for l in range(L) for k in range(K)]
+  cands = []
+  for key in ("fa_freq", "fa_freq_recall"):
+    f = np.asarray(single[key]).reshape(-1)
+    cands.append(tuple(sorted(slots[i] for i in np.argsort(-f, kind="stable")[:n_fa])))
+  allsets = list(itertools.combinations(slots, n_fa))
+  if len(allsets) <= 8:
+    cands += allsets
+  cands = list(dict.fromkeys(cands))
+
+  def fixed_cfg(heads):
+    per_layer = tuple(tuple(k for (l2, k) in heads if l2 == l) for l in range(L))
+    base = _elastic_cfg(s, cfg, "single", seed=seed)
+    c, p = convert(dense_np, cfg, "elastic", **base)
+    return configure(c, "elastic", routing="fixed", fixed_fa_kv_heads=per_layer), p
+
+  scored = []
+  for heads in cands:
+    c, p = fixed_cfg(heads)
+    scored.append((evaluate(c, p, sel)["recall"], heads))
+  best_sel, best = max(scored, key=lambda t: t[0])
+  c, p = fixed_cfg(best)
+  frozen = evaluate(c, p, ev)
+  out = dict(fa_heads=n_fa, omega=1.0 - n_fa / (L * K), heads=[list(h) for h in best],
+             candidates=len(cands), frozen=frozen, tuned={})
+  B = s.batch_size
+  best_tuned = None
+  for lr in s.static_lrs:
+    tc = rc.train_config(steps=s.router_steps, lr=lr, seed=seed,
+                         groups={"lagrange": dict(regex=LAGRANGE_REGEX, lr=0.0)})
+    tp, curves = rc.train(c, p, tc, lambda i: _with_task_ids(task.batch(i * B, B, stream=20),
+                                                             True),
+                          name=f"static lr={lr} s{seed}", log=log, log_every=s.log_every)
+    r = evaluate(c, tp, ev)
+    r["select_recall"] = evaluate(c, tp, sel)["recall"]
+    r["plateau"] = {"accuracy": rc.plateau(curves["accuracy"])}
+    r["curve"] = rc.thin(curves["accuracy"])
+    out["tuned"][str(lr)] = r
+    if best_tuned is None or r["select_recall"] > out["tuned"][best_tuned]["select_recall"]:
+      best_tuned = str(lr)
+  out["best_tuned_lr"] = best_tuned
+  tuned_recall = out["tuned"][best_tuned]["recall"] if best_tuned else -1.0
+  out["best_recall"] = max(frozen["recall"], tuned_recall)
+  log(f"[static s{seed}] {n_fa} FA heads {best}: frozen {frozen['recall']:.3f}, tuned "
+      f"{tuned_recall:.3f}")
+  return out
+
+
+def summarize(s: Settings, seeds: list[dict]) -> dict[str, Any]:
+  """Means / spreads over seeds (`metrics`, the criteria's inputs) and the verdicts."""
+  st = rc.seed_stats
+  m: dict[str, Any] = {}
+  spread: dict[str, Any] = {}
+
+  def put(key, vals):
+    spread[key] = st(vals)
+    m[key] = spread[key]["mean"]
+
+  for k in ("recall", "recent", "min_accuracy"):
+    put(f"dense.{k}", [r["dense"][k] for r in seeds])
+    put(f"all_ssa.{k}", [r["all_ssa"][k] for r in seeds])
+  for arm in s.arms:
+    for k in ("recall", "recent", "omega", "omega_recall", "omega_recent", "omega_gap"):
+      put(f"{arm}.{k}", [r["arms"][arm][k] for r in seeds])
+  if "single" in s.arms:
+    put("static.omega", [r["static"]["omega"] for r in seeds])
+    put("static.frozen_recall", [r["static"]["frozen"]["recall"] for r in seeds])
+    put("static.best_recall", [r["static"]["best_recall"] for r in seeds])
+    put("single_minus_static_recall_points",
+        [100 * (r["arms"]["single"]["recall"] - r["static"]["best_recall"]) for r in seeds])
+  flags_ = [p["at_plateau"] for r in seeds for a in r["arms"].values()
+            for p in a["plateau"].values()]
+  m["plateau_fraction"] = float(np.mean(flags_)) if flags_ else 0.0
+  return dict(metrics=m, spread=spread, criteria=rc.judge(CRITERIA, m))
+
+
+def run(s: Settings, log=print) -> dict[str, Any]:
+  t0 = time.time()
+  seeds = [run_seed(s, seed, log) for seed in s.seeds]
+  summ = summarize(s, seeds)
+  for name, c in summ["criteria"].items():
+    log(f"criterion {name}: {'PASS' if c['passed'] else 'FAIL'} ({c['metric']} = {c['got']} "
+        f"{c['op']} {c['value']})")
+  return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+              device=str(jax.devices()[0].device_kind), platform=jax.default_backend(),
+              jax_version=jax.__version__, seconds=round(time.time() - t0, 1),
+              settings=json.loads(json.dumps(dataclasses.asdict(s))),
+              task=dict(names=TASKS, sensitive="recall", robust="recent",
+                        vocab_size=InstructedRecall(s, 0).vocab_size),
+              **summ, seeds=seeds)
+
+
+FLAGS = common.flag_values()
+flags.DEFINE_enum("preset", "cpu", sorted(PRESETS), "size: cpu (recorded), ci (tests/bench), "
+                  "h100 (one H100, docs/schemes/elastic.md), test (seconds)", flag_values=FLAGS)
+
+
+def main(argv=None):
+  a = common.parse_flags(FLAGS, argv)
+  res = run(PRESETS[a.preset])
+  res["preset"] = a.preset
+  out = common.result_path("elastic_repro", a.out_dir, fixed=FILES.get(a.preset))
+  common.write_result(out, "elastic_repro", res, name=a.preset)
+  print(f"wrote {out}")
+  return res
+
+
+if __name__ == "__main__":
+  main()
