@@ -1,0 +1,205 @@
+"""Scale-out on one host (issue 30): the train step of dense and L2A on 1 device vs n devices in
+data- and sequence-parallel layouts: loss equal to one device, tokens/s per device, scaling
+efficiency, peak memory per device.
+
+    python -m bench.scale                                   # 2 GPUs, 1.5B shapes, T = 32K, 128K
+    python -m bench.scale --T 131072 --schemes l2a --layouts one,sequence
+    python -m bench.scale --tiny --T 64 --reps 1 --inprocess   # CPU check of the plumbing
+
+Model: bench/e2e.py's (Qwen2.5-1.5B shapes, all 28 layers, bf16 compute, fp32 master weights,
+remat 'full', chunked CE 8192, random init from train.seed, random tokens; --tiny: its 2-layer
+shapes). Schemes: dense; l2a = bench/e2e.py's l2a_q0.2 (context-free routing, q = 0.2, window
+4096). Layouts of n = --devices devices (default: all):
+  one       1 device, 1 row of T tokens (the baseline);
+  sequence  mesh sequence = n: the same row split over n devices (condattn_jax/parallel/context.py,
+            zigzag layout, --strategy all_gather | ring);
+  data      mesh data = n: n rows (copies of the baseline's row), one per device: the loss is
+            the baseline's for dense; L2A's context-free draws depend on the row index, so its
+            copies route differently (loss within ~1e-3 relative, not equal).
+Per row (its own process unless --inprocess, so peak memory is the row's own): compile_s (AOT
+compile of `loop.jit_train_step`), step_ms (median of --reps steps after a warm-up),
+loss (the first step's, same params and row as the baseline), tokens_per_s and
+tokens_per_s_per_device, peak_bytes (max over the row's devices of peak_bytes_in_use; None on
+CPU). The parent adds scaling_efficiency = tokens_per_s_per_device / the baseline's and
+loss_rel_diff = |loss - baseline loss| / baseline loss.
+Claims (bench/common.py): every layout's loss within --loss_rtol of the baseline's (bf16 compute:
+the sharded reductions round differently). Goal (recorded, not a claim: a missed goal is a
+measurement): the L2A step at 128K with sequence parallelism 2 at >= 85% scaling efficiency.
+Writes <out_dir>/scale_<device>.json (one run per invocation).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import types
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags  # noqa: E402
+
+from bench import common  # noqa: E402
+from bench import e2e  # noqa: E402
+
+SCHEMES = {"dense": "dense", "l2a": "l2a_q0.2"}  # this bench's name -> bench/e2e.py's scheme
+LAYOUTS = ("one", "sequence", "data")
+GOAL = dict(scheme="l2a", T=131072, layout="sequence", devices=2, min_efficiency=0.85)
+
+FLAGS = common.flag_values(n=None, warmup=None)
+flags.DEFINE_list("T", ["32768", "131072"], "row lengths", flag_values=FLAGS)
+flags.DEFINE_list("schemes", list(SCHEMES), f"schemes of {list(SCHEMES)}", flag_values=FLAGS)
+flags.DEFINE_list("layouts", list(LAYOUTS), f"layouts of {list(LAYOUTS)}", flag_values=FLAGS)
+flags.DEFINE_integer("devices", 0, "devices of the parallel layouts (0: all)", flag_values=FLAGS)
+flags.DEFINE_enum("strategy", "all_gather", ["all_gather", "ring"],
+                  "config.mesh.sequence_attention of the sequence layout", flag_values=FLAGS)
+flags.DEFINE_integer("reps", 3, "timed train steps per row (median)", flag_values=FLAGS)
+flags.DEFINE_float("loss_rtol", 2e-2, "loss claim: relative difference to one device",
+                   flag_values=FLAGS)
+flags.DEFINE_bool("tiny", False, "bench/e2e.py's tiny shapes (CPU check)", flag_values=FLAGS)
+flags.DEFINE_bool("inprocess", False, "run every row in this process (CPU check)",
+                  flag_values=FLAGS)
+flags.DEFINE_string("row", None, "internal: run one row (JSON) and print it", flag_values=FLAGS)
+
+
+def row_config(T: int, scheme: str, layout: str, n: int, *, tiny: bool, strategy: str):
+  """The run config of one row (bench/e2e.py's, with this layout's batch and mesh)."""
+  c = e2e.run_config(T, SCHEMES[scheme], shapes=e2e.TINY if tiny else e2e.QWEN25_1P5B)
+  c.data.batch_size = n if layout == "data" else 1
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = (n if layout == "data" else 1), 1, 1
+  c.mesh.sequence = n if layout == "sequence" else 1
+  c.mesh.sequence_attention = strategy
+  return c
+
+
+def run_row(T: int, scheme: str, layout: str, n: int, *, tiny: bool = False, reps: int = 3,
+            strategy: str = "all_gather") -> dict:
+  """Measures one (T, scheme, layout) row on the first n devices (1 for 'one')."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from condattn_jax.train import loop
+  k = 1 if layout == "one" else n
+  devices = jax.devices()[:k]
+  c = row_config(T, scheme, layout, k, tiny=tiny, strategy=strategy)
+  row: dict[str, Any] = dict(T=T, scheme=scheme, layout=layout, devices=k,
+                             rows=int(c.data.batch_size))
+  setup = loop.build(c, devices=devices)
+  row["mesh"] = dict(setup.mesh.shape)
+  state = loop.init_state(setup)
+  one = e2e.random_batch(T, setup.model_cfg.vocab_size, seed=1)
+  batch = {key: jnp.concatenate([v] * row["rows"], axis=0) for key, v in one.items()}
+  batch = jax.device_put(batch, setup.batch_sharding)
+  with setup.mesh_context():
+    t0 = time.perf_counter()
+    compiled = loop.jit_train_step(setup).lower(setup.abstract_state,
+                                                setup.batch_abstract).compile()
+    row["compile_s"] = time.perf_counter() - t0
+    box = {"state": state}
+
+    def step():
+      box["state"], box["metrics"] = compiled(box["state"], batch)
+      return box["state"].params, box["metrics"]
+
+    jax.block_until_ready(step())  # the first step: its loss is the comparison's
+    row["loss"] = float(jax.device_get(box["metrics"]["loss"]))
+    ts = []
+    for _ in range(reps):
+      t0 = time.perf_counter()
+      jax.block_until_ready(step())
+      ts.append((time.perf_counter() - t0) * 1e3)
+  row["step_ms"] = float(np.median(ts))
+  row["step_ms_all"] = ts
+  row["tokens_per_s"] = row["rows"] * T / (row["step_ms"] / 1e3)
+  row["tokens_per_s_per_device"] = row["tokens_per_s"] / k
+  stats = [d.memory_stats() or {} for d in devices]
+  peaks = [s.get("peak_bytes_in_use") for s in stats if s.get("peak_bytes_in_use")]
+  row["peak_bytes"] = max(peaks) if peaks else None
+  return row
+
+
+def _row_in_child(spec: dict) -> dict:
+  """One row in a fresh process (its peak memory is its own); an error is recorded on the row."""
+  cmd = [sys.executable, "-m", "bench.scale", f"--row={json.dumps(spec)}"]
+  p = subprocess.run(cmd, cwd=common.ROOT, capture_output=True, text=True)
+  for line in p.stdout.splitlines():
+    if line.startswith("ROW "):
+      return json.loads(line[4:])
+  return dict(spec, error=(p.stderr or p.stdout).strip().splitlines()[-1:] or [f"rc {p.returncode}"])
+
+
+def summarize(rows: list[dict], loss_rtol: float) -> tuple[list[dict], dict, dict]:
+  """(rows with scaling_efficiency / loss_rel_diff, claims {name: passed}, goal)."""
+  base = {(r["T"], r["scheme"]): r for r in rows if r["layout"] == "one" and "loss" in r}
+  claims = {}
+  for r in rows:
+    b = base.get((r["T"], r["scheme"]))
+    if r["layout"] == "one" or b is None or "loss" not in r:
+      continue
+    r["scaling_efficiency"] = r["tokens_per_s_per_device"] / b["tokens_per_s_per_device"]
+    r["loss_rel_diff"] = abs(r["loss"] - b["loss"]) / abs(b["loss"])
+    claims[f"{r['scheme']} {r['T']} {r['layout']} x{r['devices']}: loss within {loss_rtol} of "
+           "one device"] = r["loss_rel_diff"] <= loss_rtol
+  hit = [r for r in rows if r["scheme"] == GOAL["scheme"] and r["T"] == GOAL["T"]
+         and r["layout"] == GOAL["layout"] and r["devices"] == GOAL["devices"]
+         and "scaling_efficiency" in r]
+  goal = dict(GOAL, efficiency=hit[0]["scaling_efficiency"] if hit else None,
+              met=bool(hit) and hit[0]["scaling_efficiency"] >= GOAL["min_efficiency"])
+  return rows, claims, goal
+
+
+def table(rows: list[dict]) -> str:
+  head = f"{'T':>7} {'scheme':>6} {'layout':>8} {'dev':>3} {'step ms':>9} {'tok/s/dev':>10} " \
+         f"{'eff':>5} {'loss':>8} {'peak GiB':>8}"
+  out = [head]
+  for r in rows:
+    if "step_ms" not in r:
+      out.append(f"{r['T']:>7} {r['scheme']:>6} {r['layout']:>8}  error: {r.get('error')}")
+      continue
+    eff = r.get("scaling_efficiency")
+    peak = r.get("peak_bytes")
+    out.append(f"{r['T']:>7} {r['scheme']:>6} {r['layout']:>8} {r['devices']:>3} "
+               f"{r['step_ms']:>9.1f} {r['tokens_per_s_per_device']:>10.0f} "
+               f"{'-' if eff is None else f'{eff:.2f}':>5} {r['loss']:>8.4f} "
+               f"{'-' if peak is None else f'{peak / 2**30:.2f}':>8}")
+  return "\n".join(out)
+
+
+def main(argv=None) -> int:
+  fv = common.parse_flags(FLAGS, argv)
+  a = types.SimpleNamespace(**{name: fv[name].value for name in fv})
+  if a.row:
+    spec = json.loads(a.row)
+    print("ROW " + json.dumps(run_row(**spec)), flush=True)
+    return 0
+  if bad := [s for s in a.schemes if s not in SCHEMES] + [l for l in a.layouts if l not in LAYOUTS]:
+    raise SystemExit(f"bench.scale: unknown --schemes / --layouts {bad}: choose from "
+                     f"{list(SCHEMES)} / {list(LAYOUTS)}")
+  import jax
+  n = a.devices or jax.device_count()
+  if n < 2:
+    raise SystemExit(f"bench.scale: {n} device(s): the parallel layouts need >= 2 (--devices)")
+  layouts = ["one"] + [l for l in a.layouts if l != "one"]
+  rows = []
+  for T in [int(x) for x in a.T]:
+    for scheme in a.schemes:
+      for layout in layouts:
+        spec = dict(T=T, scheme=scheme, layout=layout, n=n, tiny=a.tiny, reps=a.reps,
+                    strategy=a.strategy)
+        rows.append(run_row(**spec) if a.inprocess else _row_in_child(spec))
+        print(table(rows[-1:]).splitlines()[-1], flush=True)
+  rows, claims, goal = summarize(rows, a.loss_rtol)
+  result = dict(rows=rows, goal=goal, settings=dict(
+      T=[int(x) for x in a.T], schemes=a.schemes, layouts=layouts, devices=n, strategy=a.strategy,
+      reps=a.reps, tiny=a.tiny, loss_rtol=a.loss_rtol,
+      model="bench/e2e.py TINY" if a.tiny else "Qwen2.5-1.5B shapes (bench/e2e.py)"))
+  path = common.result_path("scale", a.out_dir)
+  common.write_result(path, "scale", result, name="tiny" if a.tiny else "main", claims=claims)
+  print(table(rows))
+  print(f"goal {goal}\nwrote {path}")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())

@@ -1,0 +1,40 @@
+"""bench/scale.py (issue 30's two-GPU scale-out bench) on CPU with its tiny shapes: the L2A step
+on 1 device and sequence-parallel on 2 fake devices gives the same first-step loss, the run
+records rows, scaling efficiency and the loss claims; `summarize` fails a claim on a loss that
+moved and judges the 128K goal only on its own row."""
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+from bench import scale  # noqa: E402
+
+
+@pytest.mark.slow
+def test_tiny_run_on_two_cpu_devices(tmp_path):
+  assert scale.main(["--tiny", "--T=32", "--schemes=l2a", "--layouts=one,sequence",
+                     "--devices=2", "--reps=1", "--inprocess", f"--out_dir={tmp_path}"]) == 0
+  (path,) = tmp_path.glob("scale_*.json")
+  run = json.loads(path.read_text())["runs"][-1]
+  one, seq = run["rows"]
+  assert (one["layout"], one["devices"], seq["layout"], seq["devices"]) == ("one", 1, "sequence", 2)
+  assert seq["mesh"] == {"data": 1, "fsdp": 1, "sequence": 2, "tensor": 1}
+  assert seq["loss_rel_diff"] < 1e-2 and seq["scaling_efficiency"] > 0
+  assert seq["tokens_per_s_per_device"] == pytest.approx(seq["tokens_per_s"] / 2)
+  assert [c["passed"] for c in run["claims"]] == [True]
+  assert run["recorded"]["goal"]["efficiency"] is None  # the goal is the 128K x2 row only
+
+
+def test_summarize_fails_a_moved_loss_and_judges_the_goal_row():
+  row = lambda layout, dev, loss, tps: dict(T=131072, scheme="l2a", layout=layout, devices=dev,
+                                            loss=loss, tokens_per_s_per_device=tps)
+  rows, claims, goal = scale.summarize([row("one", 1, 10.0, 100.0), row("sequence", 2, 10.05, 90.0),
+                                        row("data", 2, 10.5, 99.0)], loss_rtol=2e-2)
+  assert [r.get("scaling_efficiency") for r in rows] == [None, 0.9, 0.99]
+  assert list(claims.values()) == [True, False]
+  assert goal["efficiency"] == 0.9 and goal["met"]
