@@ -19,7 +19,8 @@ conversion: router bias +0.5 > tau, the bench's router lr 10x) and trained with 
 loss (CE + lam * mean score, STE, mode 'exact', all params) for a fixed step budget, the
 accuracy and mu_f curves recorded with the plateau check. Held out: accuracy; usage at need
 queries, no-need queries and non-query tokens; per-head usage sorted (the paper's long tail)
-and the per-head gap (need - no-need usage). Control: static splits (the heads the learned
+the per-head gap (paper Table 3: mean tokens between a head's consecutive full-attention
+calls, -1: fewer than two calls) and the per-head need gap (need - no-need usage). Control: static splits (the heads the learned
 router uses most, full for every token, the rest local) with at least the learned mu_f,
 fine-tuned with their own lr sweep. A lambda sweep at one window. CRITERIA (below, fixed
 before any run) are judged on the means over seeds and recorded pass or fail.
@@ -192,7 +193,8 @@ _EVAL: dict = {}
 
 def evaluate(cfg, params, rows) -> dict[str, Any]:
   """Accuracy (all queries, and per kind); AHA: mu_f, usage at need / no-need queries and
-  non-query tokens, per (layer, head) usage [L, N] overall and at need / no-need queries."""
+  non-query tokens, per (layer, head) usage [L, N] overall and at need / no-need queries, the
+  per-head gap (paper Table 3) and need gap (need - no-need usage)."""
   if cfg not in _EVAL:
     m = Decoder(cfg)
     aha = cfg.scheme == "aha"
@@ -232,7 +234,10 @@ def evaluate(cfg, params, rows) -> dict[str, Any]:
     res["usage_head_sorted"] = sorted(head.reshape(-1).round(5).tolist(), reverse=True)
     hn = g[:, need].mean(axis=1) if need.any() else np.zeros_like(head)  # [L, N]
     ho = g[:, noneed].mean(axis=1)
-    res["gap_head"] = (hn - ho).round(5).tolist()                        # need - no-need
+    res["need_gap_head"] = (hn - ho).round(5).tolist()                   # need - no-need
+    from condattn_jax.attention.aha.report import gap_counts
+    gs, gc = (np.asarray(x).sum(axis=1) for x in gap_counts(g > 0.5))    # [L, N]
+    res["gap_head"] = np.where(gc > 0, gs / np.maximum(gc, 1), -1).round(2).tolist()  # paper T3
     res["usage_head_need"] = hn.round(5).tolist()
     res["usage_head_noneed"] = ho.round(5).tolist()
     tot = head.sum()
