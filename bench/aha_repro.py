@@ -83,10 +83,10 @@ CRITERIA = {
 @dataclasses.dataclass
 class Settings:
   # task
-  seq_len: int = 128
+  seq_len: int = 96
   num_keys: int = 16
   num_values: int = 8
-  num_queries: int = 8
+  num_queries: int = 6
   num_filler: int = 16
   restate_frac: float = 0.5     # of the queries whose fact is beyond the window
   # model
@@ -96,9 +96,9 @@ class Settings:
   num_kv_heads: int = 2
   # training
   batch_size: int = 16
-  dense_steps: int = 800
+  dense_steps: int = 600
   dense_lr: float = 3e-3
-  aha_steps: int = 400
+  aha_steps: int = 300
   aha_lr: float = 1e-3
   router_lr_mult: float = 10.0
   lam: float = 3e-2
@@ -109,13 +109,13 @@ class Settings:
   windows: tuple = (16, 64)
   seeds: tuple = (0, 1, 2)
   eval_rows: int = 256
-  log_every: int = 200
+  log_every: int = 150
 
 
 PRESETS = {
     "cpu": Settings(),
-    "ci": Settings(seq_len=64, dense_steps=500, aha_steps=250, lams=(3e-2,), static_lrs=(1e-3,),
-                   windows=(16,), seeds=(0,), eval_rows=128, num_queries=6, log_every=125),
+    "ci": Settings(seq_len=64, dense_steps=400, aha_steps=200, lams=(3e-2,), static_lrs=(1e-3,),
+                   windows=(16,), seeds=(0,), eval_rows=128, num_queries=4, log_every=100),
     "h100": Settings(seq_len=512, num_keys=32, num_values=16, num_queries=16, num_layers=4,
                      hidden_size=128, num_heads=8, num_kv_heads=4, batch_size=64,
                      dense_steps=4000, aha_steps=3000, windows=(16, 32, 64, 128, 256),
