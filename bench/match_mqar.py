@@ -1,28 +1,35 @@
-r"""MATCH fidelity on MQAR (paper App. B.3.1 / Table C.3): 2-layer models, window 32.
+r"""MATCH reproduction on MQAR (paper App. B.3.1 / Table C.3), pre-registered (CRITERIA below).
 
-  python bench/match_mqar.py                            # -> bench/results/match_mqar.json (CPU)
+  python bench/match_mqar.py --preset=cpu          # -> bench/results/match_mqar.json (2-core CPU)
   python bench/match_mqar.py --preset=test --out_dir=/tmp/m   # seconds (tests/bench/test_match_bench.py)
+  CONDATTN_GIT_COMMIT=<sha> python bench/match_mqar.py --preset=h100 --lengths=64,128 --out_dir=$OUT
+                                                   # one H100, one command (< 10 min) per length pair
 
-Three methods share one 2-layer qwen3-style decoder and training recipe, differing only in the
-attention of scheme 'match' (condattn_jax.attention.match):
-  full      full attention (reference: window = the longest length, no retrieval)
-  swa       sliding window w=32 (top_k=0)
-  sink      StreamingLLM-style sink + window (top_k=0, sinks=4)
-  match     window + retrieval: chunks c=2 (one MQAR key-value pair each), exact match of the
-            query key tokens, top_k=4 ('sequence' K/V: the paper's training mask)
-Protocol (scaled to a 2-core CPU shared with others; the paper trains each length separately on
-100K samples with a 4-LR sweep and 3 seeds): each method is trained ONCE from scratch on MQAR
-rows of train_length=128 tokens (8 pairs), AdamW, fixed steps, then evaluated on held-out rows
-(stream 1) at each length 64..512 with num_pairs = length // 16 (4..32 pairs), min_gap 0,
-vocabulary 128 (so 256 and 512 also test length generalisation). Accuracy =
-answer tokens predicted exactly (argmax). Claims checked (`check_claims`): MATCH >= 0.9 at 512
-while SWA and sink+window <= 0.3 there.
+Protocol (the paper's, scaled): 2-layer qwen3-style decoders (width 64, 4 heads), every length
+trained SEPARATELY from scratch on fresh MQAR rows of that length (num_pairs per length as the
+paper's 4..64 pairs: 64->4, 128->8, 256->16, 512->64; min_gap 0; keys from [1, V/2), values from
+[V/2, V)), AdamW with 10% warmup and cosine decay, an LR sweep per method (best LR by the mean
+over seeds), 2 seeds (init and data), evaluated on held-out rows (stream 1): accuracy = answer
+tokens argmax-correct. The models of one (method, length) train together: lrs x seeds stacked
+and vmapped (one compiled step). Four methods share the model and differ only in the attention
+of scheme 'match':
+  full    full causal attention (window = the row length, no retrieval): the reference
+  swa     sliding window w=32, no retrieval
+  match   window + retrieval: chunks c=2 (one key-value pair each), exact match of the query's key
+          tokens, top_k=4; trained with the paper's mask (retrieved_kv='sequence')
+  random  window + top_k=4 RANDOM candidate chunks (retriever 'random'): the control
+MATCH and random are evaluated under BOTH semantics on the same weights: the training mask
+('sequence': the retrieved chunks' K/V from the forward) and the decode semantics ('recompute':
+the retrieved chunks' raw tokens re-run through every layer as auxiliary rows, what generation
+computes). Curves (training loss; held-out accuracy under the training mask every eval_every
+steps) are recorded per model, with a plateau flag (last two evals within 0.02).
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
 import json
+import math
 import os
 import sys
 import time
@@ -44,71 +51,127 @@ from condattn_jax.data.synthetic import MQAR  # noqa: E402
 from condattn_jax.models.config import ModelConfig  # noqa: E402
 from condattn_jax.models.decoder import Decoder  # noqa: E402
 
-# result file of the recorded preset (others: <out_dir>/match_mqar_<device>.json)
+# result file of the recorded CPU preset (others: <out_dir>/match_mqar_<device>.json)
 FILES = {"cpu": "match_mqar.json"}
 METHODS = {
-    "full": dict(top_k=0, window=None),  # reference: full attention (window = the longest length)
+    "full": dict(top_k=0, window=None),  # window = the row length: full attention
     "swa": dict(top_k=0),
-    "sink": dict(top_k=0, sinks=4),
-    "match": dict(top_k=4),
+    "match": dict(),
+    "random": dict(retriever="random"),
 }
+RETRIEVES = ("match", "random")  # evaluated under both semantics
+PAIRS = {64: 4, 128: 8, 256: 16, 512: 64}  # the paper's 4..64 recall pairs over 64..512
 
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-  lengths: tuple = (64, 128, 256, 512)
-  pairs_per_token: int = 16  # num_pairs = length // 16
+  lengths: tuple = (64, 128)
+  lrs: tuple = (1e-3, 3e-3, 1e-2)
+  seeds: tuple = (0, 1)
   vocab: int = 128
   window: int = 32
   chunk: int = 2
   top_k: int = 4
-  width: int = 64
-  heads: int = 4
-  train_length: int = 128
-  steps: int = 1500
-  batch: int = 32
-  lr: float = 1e-2
-  warmup: int = 100  # a slow warmup (20%): MQAR's recall plateau
+  width: int = 32
+  heads: int = 2
+  steps: int = 800
+  batch: int = 16
+  warmup_frac: float = 0.1
+  weight_decay: float = 0.1
   eval_rows: int = 128
-  seed: int = 0
+  eval_every: int = 100
 
 
 PRESETS = {
+    # 2 CPU cores shared with other jobs: 2 lengths x 4 methods x 3 lrs x 2 seeds, width 32,
+    # 800 steps of 16 rows (12.8K samples a model: far below the paper's 100K)
     "cpu": Settings(),
-    "test": Settings(lengths=(64, 128), train_length=64, steps=6, batch=4, eval_rows=8, width=32,
-                     warmup=2),
+    # one H100 (jax 0.11.2): the paper's lengths, width 64, vocabulary 8192 and ~100K samples a
+    # model (1600 steps of 64 rows); one or two lengths per command (--lengths) for < 10 min
+    "h100": Settings(lengths=(64, 128, 256, 512), vocab=8192, width=64, heads=4, steps=1600,
+                     batch=64, eval_rows=1024, eval_every=200),
+    # CI (tests/bench/test_match_bench.py): length 64, one lr, 2 seeds
+    "test": Settings(lengths=(64,), lrs=(1e-2,), seeds=(0, 1), steps=150, batch=16,
+                     eval_rows=64, eval_every=75),
 }
 
+# Pre-registered criteria (written with this script, before its first sweep ran). Numbers are
+# the best-lr mean over seeds; `last` = the longest length of the run. MATCH is judged only if
+# the baselines are fair (full and swa criteria hold).
+CRITERIA = {
+    "full_fair": "full attention >= 0.95 at every length",
+    "swa_fair": "SWA >= 0.9 at length 64",
+    "match_sequence": "MATCH under the training mask >= 0.95 at every length",
+    "match_decode": "MATCH under the decode semantics (recompute) >= 0.95 at every length",
+    "match_beats_swa": "MATCH (both semantics) >= SWA + 0.1 at the longest length",
+    "random_near_swa": "random retrieval (training mask) <= SWA + 0.1 at the longest length",
+}
+BASELINE_CRITERIA = ("full_fair", "swa_fair")
 
-def model_config(s: Settings, method: str) -> ModelConfig:
+
+def pairs(length: int) -> int:
+  return PAIRS.get(length, length // 16)
+
+
+def model_config(s: Settings, method: str, length: int, retrieved_kv: str = "sequence"):
   base = ModelConfig(family="qwen3", qk_norm="head", vocab_size=s.vocab, hidden_size=s.width,
                      intermediate_size=2 * s.width, num_layers=2, num_heads=s.heads,
-                     num_kv_heads=s.heads, head_dim=s.width // s.heads, rope_theta=10000.0)
-  kw = dict(window=s.window, chunk=s.chunk, top_k=s.top_k)
+                     num_kv_heads=s.heads, head_dim=s.width // s.heads, rope_theta=10000.0,
+                     attention_impl="reference")
+  # 'reference' attention (XLA) everywhere: the models are vmapped, and rows <= 512 tokens
+  kw = dict(window=s.window, chunk=s.chunk, top_k=s.top_k, impl="reference")
   kw.update(METHODS[method])
   if kw["window"] is None:
-    kw["window"] = max(s.lengths)
+    kw["window"] = length
+  if kw["top_k"]:
+    kw["retrieved_kv"] = retrieved_kv
   return configure(base, "match", **kw)
 
 
 def task(s: Settings, length: int) -> MQAR:
-  return MQAR(seq_len=length, vocab_size=s.vocab, num_pairs=length // s.pairs_per_token)
+  return MQAR(seq_len=length, vocab_size=s.vocab, num_pairs=pairs(length))
 
 
-def batch(t: MQAR, seed: int, start: int, n: int, stream: int) -> dict[str, np.ndarray]:
-  rows = [t.example(seed, start + i, stream) for i in range(n)]
-  return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+def rows(t: MQAR, seed: int, n: int, stream: int) -> dict[str, np.ndarray]:
+  """n MQAR rows (inputs, targets, loss_mask) of one seed and stream."""
+  ex = [t.example(seed, i, stream) for i in range(n)]
+  return {k: np.stack([r[k] for r in ex]) for k in ("inputs", "targets", "loss_mask")}
 
 
-def train(s: Settings, method: str, log=print):
-  cfg = model_config(s, method)
+def schedule(s: Settings, step):
+  """lr multiplier: linear warmup over warmup_frac of the steps, then cosine to 0."""
+  w = max(1, int(s.warmup_frac * s.steps))
+  warm = (step + 1) / w
+  cos = 0.5 * (1 + jnp.cos(jnp.pi * jnp.clip((step - w) / max(1, s.steps - w), 0.0, 1.0)))
+  return jnp.where(step < w, warm, cos)
+
+
+def _accuracy_fn(cfg):
   model = Decoder(cfg)
-  t = task(s, s.train_length)
-  params = nn.unbox(model.init(jax.random.PRNGKey(s.seed), jnp.zeros((1, t.seq_len), jnp.int32))
-                    ["params"])
-  sched = optax.warmup_cosine_decay_schedule(0.0, s.lr, s.warmup, s.steps, s.lr * 0.05)
-  opt = optax.adamw(sched, b1=0.9, b2=0.98, weight_decay=0.01)
-  opt_state = opt.init(params)
+
+  def acc(p, b):
+    logits, _ = model.apply({"params": p}, b["inputs"])
+    hit = (jnp.argmax(logits, -1) == b["targets"]) & (b["loss_mask"] > 0)
+    return jnp.sum(hit) / jnp.maximum(jnp.sum(b["loss_mask"] > 0), 1)
+  return jax.jit(jax.vmap(acc, in_axes=(0, None)))
+
+
+def train_length(s: Settings, method: str, length: int, log=print) -> dict:
+  """Trains the lrs x seeds models of one method at one length together (vmapped); returns
+  {"final": {semantics: [M] accuracy}, "curves": ..., "seconds": ...}; model m = lr index
+  m // len(seeds), seed m % len(seeds)."""
+  cfg = model_config(s, method, length)
+  model = Decoder(cfg)
+  t = task(s, length)
+  nL, nS = len(s.lrs), len(s.seeds)
+  M = nL * nS
+  init = [nn.unbox(model.init(jax.random.PRNGKey(seed), jnp.zeros((1, length), jnp.int32))
+                   ["params"]) for seed in s.seeds]
+  params = jax.tree.map(lambda *a: jnp.stack([a[m % nS] for m in range(M)]), *init)
+  lr_M = jnp.asarray([s.lrs[m // nS] for m in range(M)], jnp.float32)
+  tx = optax.chain(optax.scale_by_adam(b1=0.9, b2=0.98), optax.add_decayed_weights(s.weight_decay))
+  opt_state = jax.vmap(tx.init)(params)
+  seed_of = np.asarray([m % nS for m in range(M)])
 
   def loss_fn(p, b):
     logits, _ = model.apply({"params": p}, b["inputs"])
@@ -116,63 +179,142 @@ def train(s: Settings, method: str, log=print):
     m = b["loss_mask"]
     return jnp.sum(ce * m) / jnp.maximum(jnp.sum(m), 1.0)
 
-  @jax.jit
-  def step(p, st, b):
+  def one(p, st, lr, b, step):
     loss, g = jax.value_and_grad(loss_fn)(p, b)
-    upd, st = opt.update(g, st, p)
-    return optax.apply_updates(p, upd), st, loss
+    upd, st = tx.update(g, st, p)
+    scale = -lr * schedule(s, step)
+    return optax.apply_updates(p, jax.tree.map(lambda u: scale * u, upd)), st, loss
 
+  step_fn = jax.jit(jax.vmap(one, in_axes=(0, 0, 0, 0, None)), donate_argnums=(0, 1))
+  acc_train = _accuracy_fn(cfg)
+  held = {k: jnp.asarray(v) for k, v in rows(t, 0, s.eval_rows, stream=1).items()}
+  data = [rows(t, seed, s.steps * s.batch, stream=0) for seed in s.seeds]
+  curves = {"step": [], "loss": [], "acc": []}
   t0 = time.perf_counter()
   for i in range(s.steps):
-    b = batch(t, s.seed, i * s.batch, s.batch, stream=0)
-    params, opt_state, loss = step(params, opt_state, {k: jnp.asarray(v) for k, v in b.items()})
-    if i % max(1, s.steps // 10) == 0 or i == s.steps - 1:
-      log(f"  {method} step {i} loss {float(loss):.3f} ({time.perf_counter() - t0:.0f}s)")
-  return cfg, params, time.perf_counter() - t0
+    sl = slice(i * s.batch, (i + 1) * s.batch)
+    b = {k: jnp.asarray(np.stack([data[j][k][sl] for j in seed_of])) for k in data[0]}
+    params, opt_state, loss = step_fn(params, opt_state, lr_M, b, i)
+    if (i + 1) % s.eval_every == 0 or i == s.steps - 1:
+      a = np.asarray(acc_train(params, held))
+      curves["step"].append(i + 1)
+      curves["loss"].append([round(float(x), 4) for x in np.asarray(loss)])
+      curves["acc"].append([round(float(x), 4) for x in a])
+      log(f"  {method} L={length} step {i + 1} loss {np.round(np.asarray(loss), 3).tolist()} "
+          f"acc {np.round(a, 3).tolist()} ({time.perf_counter() - t0:.0f}s)")
+  final = {"sequence": curves["acc"][-1]}
+  if method in RETRIEVES:
+    rc = _accuracy_fn(model_config(s, method, length, retrieved_kv="recompute"))
+    final["recompute"] = [round(float(x), 4) for x in np.asarray(rc(params, held))]
+  return {"final": final, "curves": curves, "seconds": round(time.perf_counter() - t0, 1),
+          "params": params}
 
 
-def accuracy(s: Settings, cfg: ModelConfig, params, length: int) -> float:
-  t = task(s, length)
-  b = batch(t, s.seed, 0, s.eval_rows, stream=1)
-  logits, _ = jax.jit(Decoder(cfg).apply)({"params": params}, jnp.asarray(b["inputs"]))
-  hit = (np.asarray(logits).argmax(-1) == b["targets"]) & (b["loss_mask"] > 0)
-  return float(hit.sum() / b["loss_mask"].sum())
-
-
-def run(s: Settings, log=print) -> dict:
-  out = {"settings": dataclasses.asdict(s), "methods": {}, "train_seconds": {},
-         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-         "device": jax.devices()[0].device_kind,
-         "protocol": (f"each method trained once on MQAR rows of {s.train_length} tokens, evaluated on "
-                      "held-out rows (stream 1) at every length; num_pairs = length // "
-                      f"{s.pairs_per_token}, min_gap 0, vocab {s.vocab}; accuracy = answer "
-                      "tokens argmax-correct"),
-         "pairs": {str(n): n // s.pairs_per_token for n in s.lengths}}
-  for method in METHODS:
-    cfg, params, secs = train(s, method, log)
-    out["train_seconds"][method] = round(secs, 1)
-    out["methods"][method] = {str(n): accuracy(s, cfg, params, n) for n in s.lengths}
-    log(f"{method}: {out['methods'][method]}")
+def summarize(s: Settings, per: dict) -> dict:
+  """per[method][length] -> the best lr (by the mean over seeds, training mask) and its mean /
+  per-seed accuracy under each semantics, and whether the curve plateaued."""
+  nS = len(s.seeds)
+  out = {}
+  for method, by_len in per.items():
+    out[method] = {}
+    for length, r in by_len.items():
+      seq = np.asarray(r["final"]["sequence"]).reshape(len(s.lrs), nS)
+      best = int(np.argmax(seq.mean(1)))
+      row = {"best_lr": s.lrs[best], "lr_means": [round(float(x), 4) for x in seq.mean(1)]}
+      for sem, acc in r["final"].items():
+        a = np.asarray(acc).reshape(len(s.lrs), nS)[best]
+        row[sem] = round(float(a.mean()), 4)
+        row[sem + "_seeds"] = [round(float(x), 4) for x in a]
+      accs = np.asarray(r["curves"]["acc"]).reshape(-1, len(s.lrs), nS)[:, best].mean(-1)
+      row["plateau"] = bool(len(accs) >= 2 and abs(accs[-1] - accs[-2]) <= 0.02)
+      out[method][str(length)] = row
   return out
 
 
-def check_claims(result: dict) -> list[str]:
-  """The paper's Table C.3 shape at the longest length: MATCH ~1.0 while SWA and sink+window
-  fall toward 0. Returns the failed claims (empty = all hold)."""
-  n = str(max(int(k) for k in result["methods"]["match"]))
-  m = result["methods"]
-  bad = []
-  if m["match"][n] < 0.9:
-    bad.append(f"match accuracy at {n} = {m['match'][n]:.3f} < 0.9")
-  for b in ("swa", "sink"):
-    if m[b][n] > 0.3:
-      bad.append(f"{b} accuracy at {n} = {m[b][n]:.3f} > 0.3")
-  return bad
+def check_criteria(summary: dict) -> dict:
+  """{criterion: passed} of CRITERIA on a summary (lengths as str keys)."""
+  lengths = sorted(summary["full"], key=int)
+  last = lengths[-1]
+  g = lambda m, n, sem="sequence": summary[m][n][sem]
+  out = {
+      "full_fair": all(g("full", n) >= 0.95 for n in lengths),
+      "swa_fair": "64" in summary["swa"] and g("swa", "64") >= 0.9,
+      "match_sequence": all(g("match", n) >= 0.95 for n in lengths),
+      "match_decode": all(g("match", n, "recompute") >= 0.95 for n in lengths),
+      "match_beats_swa": min(g("match", last), g("match", last, "recompute"))
+                         >= g("swa", last) + 0.1,
+      "random_near_swa": g("random", last) <= g("swa", last) + 0.1,
+  }
+  assert set(out) == set(CRITERIA)
+  return out
+
+
+def verdict(criteria: dict) -> str:
+  if not all(criteria[c] for c in BASELINE_CRITERIA):
+    return "not judged: baselines not fair (" + ", ".join(
+        c for c in BASELINE_CRITERIA if not criteria[c]) + " failed)"
+  return "pass" if all(criteria.values()) else "fail: " + ", ".join(
+      c for c, ok in criteria.items() if not ok)
+
+
+def run(s: Settings, methods=tuple(METHODS), log=print, progress: str | None = None) -> dict:
+  """Every (length, method) in turn; `progress`: a JSON file rewritten after each one with the
+  finals / curves so far (a long sweep's partial results survive an interruption)."""
+  per, secs = {}, {}
+  for length in s.lengths:
+    for method in methods:
+      r = train_length(s, method, length, log)
+      r.pop("params")
+      per.setdefault(method, {})[length] = r
+      secs[f"{method}/{length}"] = r["seconds"]
+      if progress:
+        with open(progress, "w") as f:
+          json.dump({m: {str(n): x for n, x in by.items()} for m, by in per.items()}, f)
+  return assemble(s, per, secs)
+
+
+def assemble(s: Settings, per: dict, secs: dict) -> dict:
+  """The result layout from per[method][length] = {"final", "curves"} (a run's, or progress
+  files merged: `--merge`); criteria and verdict when every method ran."""
+  summary = summarize(s, per)
+  out = {"settings": dataclasses.asdict(s), "criteria_text": dict(CRITERIA),
+         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+         "device": jax.devices()[0].device_kind,
+         "pairs": {str(n): pairs(n) for n in s.lengths},
+         "summary": summary, "train_seconds": secs,
+         "curves": {m: {str(n): r["curves"] for n, r in by.items()} for m, by in per.items()},
+         "finals": {m: {str(n): r["final"] for n, r in by.items()} for m, by in per.items()}}
+  if set(per) == set(METHODS):
+    out["criteria"] = check_criteria(summary)
+    out["verdict"] = verdict(out["criteria"])
+  return out
+
+
+def merge_progress(s: Settings, paths) -> dict:
+  """One result from the progress files of runs of the same settings over different lengths
+  (e.g. one process per length on a shared CPU)."""
+  per, secs = {}, {}
+  for path in paths:
+    with open(path) as f:
+      for m, by in json.load(f).items():
+        for n, r in by.items():
+          per.setdefault(m, {})[int(n)] = r
+          secs[f"{m}/{n}"] = r["seconds"]
+  got = sorted({n for by in per.values() for n in by})
+  if got != sorted(s.lengths) or any(sorted(by) != got for by in per.values()):
+    raise ValueError(f"--merge: the progress files hold lengths {got} (per method: "
+                     f"{ {m: sorted(by) for m, by in per.items()} }), not {sorted(s.lengths)}.")
+  return assemble(s, {m: dict(sorted(by.items())) for m, by in per.items()}, secs)
 
 
 FLAGS = common.flag_values()
-flags.DEFINE_enum("preset", "cpu", sorted(PRESETS), "task size", flag_values=FLAGS)
+flags.DEFINE_enum("preset", "cpu", sorted(PRESETS), "sweep size", flag_values=FLAGS)
 flags.DEFINE_integer("steps", None, "training steps (default: the preset's)", flag_values=FLAGS)
+flags.DEFINE_list("lengths", None, "row lengths (default: the preset's)", flag_values=FLAGS)
+flags.DEFINE_string("progress", None, "JSON file of the partial results, rewritten as they come",
+                    flag_values=FLAGS)
+flags.DEFINE_list("merge", None, "progress files to merge into one result (no training): runs "
+                  "of this preset over disjoint lengths", flag_values=FLAGS)
 
 
 def main(argv=None):
@@ -180,13 +322,14 @@ def main(argv=None):
   s = PRESETS[a.preset]
   if a.steps:
     s = dataclasses.replace(s, steps=a.steps)
-  result = run(s)
+  if a.lengths:
+    s = dataclasses.replace(s, lengths=tuple(int(x) for x in a.lengths))
+  result = merge_progress(s, a.merge) if a.merge else run(s, progress=a.progress)
   result["preset"] = a.preset
-  result["failed_claims"] = check_claims(result)
   out = common.result_path("match_mqar", a.out_dir, fixed=FILES.get(a.preset))
-  common.write_result(out, "match_mqar", result, name=result.get("preset", "main"),
-                      claims={"no failed claims": not result.get("failed_claims")})
-  print(json.dumps(result["methods"]), "failed claims:", result["failed_claims"])
+  common.write_result(out, "match_mqar", result, name=f"sweep_{a.preset}")
+  print(json.dumps(result["summary"]), "criteria:", result.get("criteria"),
+        "verdict:", result.get("verdict"))
   print(f"wrote {out}")
 
 

@@ -5,16 +5,20 @@ from bench.claims import claim, expect, quote
 
 @claim("match_mqar", run=("main", "cpu"), file="match_mqar.json")
 def mqar_result_holds_the_claims(r, run):
-  """The CPU preset's MQAR fidelity run: window 32, lengths 64..512, every method's accuracy
-  at every length in [0, 1], and the paper's claims (match_mqar.check_claims) hold."""
-  from bench import match_mqar
+  """The first (superseded) single-lr MQAR run: window 32, lengths 64..512, every method's
+  accuracy at every length in [0, 1], MATCH >= 0.9 at 512 while SWA and sink+window <= 0.3
+  there. Its baselines never learned the task (issue 29); the pre-registered sweep
+  (`sweep_cpu`) replaces it as the evidence."""
   expect(r["preset"] == "cpu" and r["date"] and r["settings"]["window"] == 32)
   lengths = [str(n) for n in r["settings"]["lengths"]]
   expect(lengths == ["64", "128", "256", "512"])
   for m in ("swa", "sink", "match"):
     expect(sorted(r["methods"][m], key=int) == lengths)
     expect(all(0.0 <= r["methods"][m][n] <= 1.0 for n in lengths))
-  expect(match_mqar.check_claims(r) == [] == r["failed_claims"])
+  n = lengths[-1]
+  m = r["methods"]  # the old bench's check: MATCH >= 0.9 at 512, SWA and sink <= 0.3 there
+  expect(m["match"][n] >= 0.9 and m["swa"][n] <= 0.3 and m["sink"][n] <= 0.3)
+  expect(r["failed_claims"] == [])
 
 
 @claim("match_memory", run=("main", "gpu"), file="match_memory.json")

@@ -80,6 +80,30 @@ def test_exact_match_retrieval_equals_brute_force(c, w, k, packed):
       assert j < 0 or (j + 1) * c <= g * c - w + 1
 
 
+def test_random_retrieval_fills_k_candidates_blind_to_content():
+  """retriever='random' (the MQAR control): every block with >= k candidates gets k distinct
+  candidates (never in the window, causal), the same ids in a second forward, other ids for
+  other query tokens, and ids that do not follow the exact-match ones."""
+  T, c, w, k = 64, 2, 8, 4
+  tok = _tokens(2, T, hi=12, seed=3)
+  pos = jnp.broadcast_to(jnp.arange(T), (2, T))
+  o = match.MatchOptions(window=w, chunk=c, top_k=k, retriever="random")
+  ids = lambda o, t: np.asarray(match.block_inputs(o, t, pos)[1]["match_chunks_BGk"])
+  got = ids(o, tok)
+  assert np.array_equal(got, ids(o, tok))
+  for g in range(got.shape[1]):
+    n_cand = max(0, (g * c - w + 1) // c)
+    row = got[:, g]
+    assert ((row >= 0).sum(-1) == min(k, n_cand)).all(), (g, row)
+    assert all(len(set(r[r >= 0])) == (r >= 0).sum() for r in row)
+    assert ((row < 0) | ((row + 1) * c <= g * c - w + 1)).all()
+  other = ids(o, (tok + 1) % 12)
+  exact = ids(match.MatchOptions(window=w, chunk=c, top_k=k), tok)
+  late = slice(10, None)  # blocks with >> k candidates
+  assert (np.sort(got[:, late], -1) != np.sort(other[:, late], -1)).any(-1).mean() > 0.8
+  assert (np.sort(got[:, late], -1) != np.sort(exact[:, late], -1)).any(-1).mean() > 0.8
+
+
 def test_precomputed_retrieval_is_used_as_given():
   o = match.MatchOptions(window=8, chunk=4, top_k=2)
   tok, pos = _tokens(1, 24), jnp.arange(24)[None]

@@ -22,7 +22,8 @@ class MatchOptions:
   swa_ratio     fraction of layers that are SWA (+ retrieval); the others are full attention
                 (post-sparsified models: 0.5 / 0.8; pre-sparsified: 1.0). See `layer_kinds`.
   retriever     'exact' (exact match of query key tokens: synthetic tasks), 'minilm' (the
-                all-MiniLM-L6-v2 bi-encoder over the chunks' text), or 'pkg.module:factory'.
+                all-MiniLM-L6-v2 bi-encoder over the chunks' text), 'random' (the control:
+                random candidates, content-blind), or 'pkg.module:factory'.
   retriever_kwargs (name, value) pairs for the retriever factory (exact: ignore_tokens;
                 minilm: tokenizer = the LLM's tokenizer.json, to turn chunks back into text).
   reranker      '' (none) or 'pkg.module:factory' -> a Reranker (decode only, see retrieval.py).

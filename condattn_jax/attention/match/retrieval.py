@@ -14,6 +14,8 @@ Retrievers (`make_retriever(options)`), two kinds:
                     ExactMatch: the number of distinct query tokens (outside `ignore_tokens`)
                     found in the chunk; chunks scoring 0 are never retrieved (synthetic tasks:
                     MQAR's query key finds the chunk holding its pair).
+                    RandomChunks: the control: top_k candidates picked at random (a hash of the
+                    block's query tokens and the chunk id: deterministic, content-blind).
   kind 'embedding'  `embed(tok_BNc, ok_BNc) -> f32 [B, N, E]` unit vectors (jit-able: a host
                     callback is fine), score = cosine. MiniLMRetriever: the LLM's tokens -> text
                     (its tokenizer.json) -> all-MiniLM-L6-v2 (condattn_jax.attention.match.minilm).
@@ -103,6 +105,29 @@ class MiniLMRetriever:
     return jax.pure_callback(self.embed_host, shape, tok_BNc, ok_BNc)
 
 
+class RandomChunks:
+  """Random retrieval (the paper's 'Random-k' control): every candidate chunk scores a
+  pseudo-random value in [1, 1001) (far above top_chunks' tie-break) from a hash of the block's query tokens, the block's slot and the
+  chunk id, so top_k picks random candidates, the same in every forward of the same tokens."""
+  kind = "tokens"
+
+  def __init__(self, seed=0):
+    self.seed = int(seed)
+
+  def scores(self, q_tok_BGc, q_ok_BGc, c_tok_BJc, c_ok_BJc):
+    B, G, c = q_tok_BGc.shape
+    J = c_tok_BJc.shape[1]
+    mult = jnp.asarray([1000003 * (i + 1) % 2147483 for i in range(c)], jnp.uint32)
+    tok = jnp.where(q_ok_BGc.astype(bool), q_tok_BGc, 0).astype(jnp.uint32)
+    h_BG = jnp.sum(tok * mult, axis=-1, dtype=jnp.uint32) + jnp.uint32(self.seed * 7919)
+    h_BG = h_BG + jnp.arange(G, dtype=jnp.uint32)[None, :] * jnp.uint32(2654435761)
+    x = h_BG[..., None] ^ (jnp.arange(J, dtype=jnp.uint32) * jnp.uint32(40503) + jnp.uint32(1))
+    for m in (0x7FEB352D, 0x846CA68B):  # integer hash (lowbias32)
+      x = (x ^ (x >> 16)) * jnp.uint32(m)
+    x = x ^ (x >> 16)
+    return 1.0 + 1000.0 * (x >> 8).astype(jnp.float32) / float(1 << 24)
+
+
 def _import(spec: str, what: str):
   if ":" not in spec:
     raise ValueError(f"model.scheme.{what}={spec!r}: give 'pkg.module:factory'.")
@@ -120,6 +145,8 @@ def make_retriever(o: MatchOptions):
     kw = dict(o.retriever_kwargs)
     if o.retriever == "exact":
       _CACHE[key] = ExactMatch(**kw)
+    elif o.retriever == "random":
+      _CACHE[key] = RandomChunks(**kw)
     elif o.retriever == "minilm":
       tk = kw.get("tokenizer")
       if tk is None or (isinstance(tk, str) and (not tk or tk.startswith("REQUIRED"))):
