@@ -33,13 +33,18 @@ def _model(family, **kw):
 @pytest.mark.parametrize("family,window", [("llama", None), ("qwen2", 5), ("qwen3", None),
                                            ("olmo2", 5)])
 def test_decode_equals_full_forward(family, window):
+  # jitted: one compile each for the forward, the 7-token prefill and the 1-token step (eager
+  # apply dispatches op by op)
   m, params, tok = _model(family, sliding_window=window)
-  full, _ = m.apply({"params": params}, tok)
-  logits, v = m.apply({"params": params}, tok[:, :7], decode=True, cache_len=16, mutable=["cache"])
+  full, _ = jax.jit(lambda p, t: m.apply({"params": p}, t))(params, tok)
+  prefill = jax.jit(lambda p, t: m.apply({"params": p}, t, decode=True, cache_len=16,
+                                         mutable=["cache"]))
+  step = jax.jit(lambda p, c, t, pos: m.apply({"params": p, "cache": c}, t, pos, decode=True,
+                                              cache_len=16, mutable=["cache"]))
+  logits, v = prefill(params, tok[:, :7])
   steps = [logits]
   for t in range(7, 16):
-    (lg, _), v = m.apply({"params": params, "cache": v["cache"]}, tok[:, t:t + 1],
-                         jnp.full((2, 1), t), decode=True, cache_len=16, mutable=["cache"])
+    (lg, _), v = step(params, v["cache"], tok[:, t:t + 1], jnp.full((2, 1), t))
     steps.append(lg)
   np.testing.assert_allclose(jnp.concatenate([steps[0][0]] + steps[1:], 1), full, atol=1e-4)
 
