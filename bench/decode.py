@@ -412,9 +412,12 @@ def jit_baselines(cfg):
 
 
 def engine_cache_to_stacked(cache):
-  """The dense engine's scanned cache -> the baseline's (k_LBSKH, v_LBSKH)."""
-  c = cache["layers"]["self_attn"]["cache"]
-  return c["key"], c["value"]
+  """The dense engine's cache (one per layer, `layers_{i}`) -> the baseline's (k_LBSKH,
+  v_LBSKH)."""
+  import jax.numpy as jnp
+  L = sum(1 for name in cache if name.startswith("layers_"))
+  c = [cache[f"layers_{i}"]["self_attn"]["cache"] for i in range(L)]
+  return jnp.stack([x["key"] for x in c]), jnp.stack([x["value"] for x in c])
 
 
 # ------------------------------------------------------------------------------------------------

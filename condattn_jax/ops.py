@@ -11,7 +11,12 @@ impl="reference" is the one reference attention (same file).
 Implementations (one vocabulary):
   reference  masked dense attention, float32 softmax, any mask. O(T*S) memory: CPU and tests.
   cudnn      jax.nn.dot_product_attention(implementation="cudnn"): contiguous self-attention
-             without segment ids, active set, sinks or block lists; bfloat16/float16.
+             without segment ids, active set, sinks or block lists; bfloat16/float16. Also
+             decode (`decode_reasons`): one query per row over a full cache with per-row fill
+             (MaskSpec.kv_lengths_B), no window, an active set per row at most: the GQA group is
+             folded into the query rows (each K/V tile read once for the group), and a row's
+             kv length is its fill (1 slot for an inactive row: the L2A row routed local skips
+             its global cache reads).
   tokamax    tokamax flash attention (Mosaic GPU, else Triton) with a per-query k_start
              (document start, window): contiguous (packed) self-attention without active set,
              sinks or block lists. Off GPU: tokamax's XLA implementation (tests).
@@ -28,7 +33,9 @@ Implementations (one vocabulary):
   auto       picked for the platform the call is LOWERED for (jax.lax.platform_dependent), not
              the backend at trace time, so jax.export for GPU/TPU from a CPU host gets the GPU/TPU
              kernel:  cpu -> reference;
-                      cuda -> contiguous self-attention without active/sinks: cudnn (no segment
+                      cuda -> decode over a full cache (kv_lengths_B, T = 1, no window, no
+                              per-head active set): cudnn;
+                              contiguous self-attention without active/sinks: cudnn (no segment
                               ids) else tokamax (causal) or the Pallas kernel (with a window:
                               tokamax's backward does not skip out-of-window tiles); anything
                               else (active set, cache layout, decode, chunked prefill): the
@@ -123,6 +130,11 @@ class MaskSpec:
   active: None, bool [B, T] (per token: L2A) or bool [B, T, N] (per query head: AHA): the
     queries to compute; the others come back as zeros.
   block_lists: None or BlockLists (per-head kv block lists; see there).
+  kv_lengths_B: None or int32 [B]: a full cache's fill (models.layers.KVCache kind 'full' after
+    its write). The caller promises that row b's keys are in slots < kv_lengths_B[b] (later slots
+    are empty: never visible) and that a single query (T == 1) sees every one of them (cache
+    positions <= the query's). The mask builder honours the first part; decode kernels read only
+    those slots.
   contiguous (static): the caller promises q and kv are the same tokens laid out contiguously,
     positions restarting at 0 in each document (so T == S, and segment ids both or neither);
     only then may cudnn / tokamax run. False for caches, decode, chunked prefill.
@@ -133,6 +145,7 @@ class MaskSpec:
   kv_segment_ids_BS: Any = None
   active: Any = None
   block_lists: BlockLists | None = None
+  kv_lengths_B: Any = None
   window: int | None = _static(None)
   sinks: int = _static(0)
   contiguous: bool = _static(False)
@@ -142,12 +155,17 @@ class MaskSpec:
     ref = _kernel_module("reference")
     m = jax.tree.map(jnp.asarray, self)
     bl = m.block_lists
-    return ref.dense_mask(
+    mask = ref.dense_mask(
         m.q_positions_BT, m.kv_positions_BS, m.q_segment_ids_BT, m.kv_segment_ids_BS,
         window=m.window, sinks=m.sinks, active=m.active,
         kv_blocks_BNQL=None if bl is None else bl.kv_blocks_BNQL,
         head_mode_BN=None if bl is None else bl.head_mode_BN,
         block_q=None if bl is None else bl.block_q, block_k=None if bl is None else bl.block_k)
+    if m.kv_lengths_B is None:
+      return mask
+    S = m.kv_positions_BS.shape[1]
+    filled_BS = jnp.arange(S, dtype=jnp.int32)[None, :] < m.kv_lengths_B[:, None]
+    return mask & (filled_BS[:, None, :] if mask.ndim == 3 else filled_BS[:, None, None, :])
 
 
 def _check(q, k, v, mask: MaskSpec):
@@ -168,6 +186,10 @@ def _check(q, k, v, mask: MaskSpec):
   if mask.q_segment_ids_BT is not None and mask.kv_segment_ids_BS is None:
     raise ValueError("MaskSpec: q_segment_ids_BT without kv_segment_ids_BS; give kv ids too "
                      "(kv ids alone mean a cache's validity)")
+  kl = mask.kv_lengths_B
+  if kl is not None and (kl.shape != (B,) or not jnp.issubdtype(kl.dtype, jnp.integer)):
+    raise ValueError(f"MaskSpec.kv_lengths_B must be an int array of shape {(B,)}; got "
+                     f"{kl.dtype} {kl.shape}")
   a = mask.active
   if a is not None and (a.dtype != jnp.bool_ or a.shape not in ((B, T), (B, T, N))):
     raise ValueError(f"MaskSpec.active must be bool [B, T]={(B, T)} or [B, T, N]={(B, T, N)}; "
@@ -230,6 +252,29 @@ def cudnn_reasons(q, mask: MaskSpec) -> list[str]:
   why = _fused_reasons(q, mask)
   if mask.kv_segment_ids_BS is not None:
     why.append("packed segment ids (use impl='tokamax')")
+  if q.dtype not in (jnp.bfloat16, jnp.float16):
+    why.append(f"dtype {q.dtype} (cuDNN needs bfloat16 or float16)")
+  H = q.shape[-1]
+  if H % 8 or H > 256:
+    why.append(f"head_dim {H} (cuDNN needs a multiple of 8, <= 256)")
+  return why
+
+
+def decode_reasons(q, mask: MaskSpec) -> list[str]:
+  """Why the cuDNN decode path cannot take the call (empty: it can): one query per row over a
+  full cache with its fill (kv_lengths_B), no window / sinks / block lists / query segment ids,
+  an active set per row at most; bfloat16 / float16, head_dim a multiple of 8 <= 256."""
+  why = []
+  if mask.kv_lengths_B is None:
+    why.append("no cache fill (MaskSpec.kv_lengths_B): not a decode over a full cache")
+  if q.shape[1] != 1:
+    why.append(f"{q.shape[1]} queries per row (decode takes one)")
+  if mask.window is not None or mask.sinks or mask.block_lists is not None:
+    why.append("a window, sinks or block lists")
+  if mask.q_segment_ids_BT is not None:
+    why.append("query segment ids")
+  if mask.active is not None and mask.active.ndim != 2:
+    why.append("a per-head active set")
   if q.dtype not in (jnp.bfloat16, jnp.float16):
     why.append(f"dtype {q.dtype} (cuDNN needs bfloat16 or float16)")
   H = q.shape[-1]
@@ -400,6 +445,7 @@ def per_shard(fn):
         q_segment_ids_BT=None if mask.q_segment_ids_BT is None else rows,
         kv_segment_ids_BS=None if mask.kv_segment_ids_BS is None else rows,
         active=None if act is None else (rows if act.ndim == 2 else P(batch, None, head)),
+        kv_lengths_B=None if mask.kv_lengths_B is None else P(batch),
         block_lists=None if bl is None else dataclasses.replace(
             bl, kv_blocks_BNQL=P(batch, head, None, None),
             head_mode_BN=None if bl.head_mode_BN is None else P(batch, head)))
@@ -466,6 +512,29 @@ def _cudnn(scale):
     local = None if mask.window is None else (mask.window - 1, 0)
     return jax.nn.dot_product_attention(q, k, v, scale=scale, is_causal=True,
                                         local_window_size=local, implementation="cudnn")
+  return fn
+
+
+def _cudnn_decode(scale, implementation: str = "cudnn"):
+  """One query per row over a full cache through cuDNN with per-row kv lengths, the GQA group
+  folded into the query rows: q [B, 1, K*G, H] -> [B, G, K, H] (G query rows per kv head, no
+  causal mask: the whole fill is visible), kv length = the row's fill (1 where the row is
+  inactive; its output is zeroed). implementation: jax.nn.dot_product_attention's ('xla': the
+  same folding on any backend, for tests)."""
+  def fn(q, k, v, mask):
+    B, _, N, H = q.shape
+    K = k.shape[2]
+    G = N // K
+    lengths_B = mask.kv_lengths_B.astype(jnp.int32)
+    on_B = lengths_B > 0
+    if mask.active is not None:
+      on_B = on_B & mask.active[:, 0]
+    q_BGKH = q.reshape(B, K, G, H).transpose(0, 2, 1, 3)
+    o_BGKH = jax.nn.dot_product_attention(
+        q_BGKH, k, v, scale=scale, key_value_seq_lengths=jnp.where(on_B, lengths_B, 1),
+        implementation=implementation)
+    o = o_BGKH.transpose(0, 2, 1, 3).reshape(B, 1, N, H)
+    return jnp.where(on_B[:, None, None, None], o, 0).astype(q.dtype)
   return fn
 
 
@@ -583,9 +652,16 @@ def _auto(scale, platform):
   no kernel takes (sinks without block lists, a shape no kernel fits) uses the reference,
   warned once."""
   cudnn, tok = _cudnn(scale), per_shard(_tokamax(scale, ("mosaic_gpu", "triton")))
+  cudnn_decode = per_shard(_cudnn_decode(scale))
   ref = _reference(scale)
 
   def fn(q, k, v, mask):
+    if (platform.name == "cuda" and not decode_reasons(q, mask)
+        and cudnn_available() is None):
+      try:
+        return cudnn_decode(q, k, v, mask)
+      except NotImplementedError:  # this GPU / cuDNN cannot take the shape
+        pass
     if platform.name == "cuda" and not _fused_reasons(q, mask):
       if not cudnn_reasons(q, mask) and cudnn_available() is None:
         try:
@@ -655,6 +731,10 @@ def _branches(impl: str, q, mask: MaskSpec, scale):
     raise ValueError(f"ops.attention: unknown impl {impl!r}; choose one of {IMPLS}")
   if impl == "reference":
     return dict(default=_reference(scale))
+  if impl == "cudnn" and not decode_reasons(q, mask):
+    if (unavailable := cudnn_available()) is not None:
+      raise _explicit_error(impl, [unavailable + "; trace on a CUDA GPU host"])
+    return dict(default=per_shard(_cudnn_decode(scale)))
   if impl == "cudnn":
     why = cudnn_reasons(q, mask)
     if not why and (unavailable := cudnn_available()) is not None:

@@ -12,7 +12,9 @@ or sampled, stop tokens / strings, per-row routing statistics) over any scheme's
 How it drives a scheme: every step is one `Decoder.apply(..., decode=True, cache_len,
 mutable=['cache'])` on a chunk [B, C] with per-row positions and a validity mask (ragged rows are
 right-padded; padding tokens are never written to a cache and never attended). Each layer owns
-its cache (`models.layers.KVCache`: per-row lengths, full or window ring; L2A: a window ring for
+its cache, one per layer (`cache/layers_{i}`: the decoder's `unroll_layers` mode), donated to the
+jitted step and written in place (`stacked_cache` views it in the scanned layout). A layer's
+cache: `models.layers.KVCache` (per-row lengths, full or window ring; L2A: a window ring for
 the local branch and a full cache for the global branch, written for every token, read only by
 tokens routed global). The engine never names a scheme: it threads the 'cache' collection, whose
 structure it reads off the model (`init_cache`: zeros of the abstract cache), collects the
@@ -273,7 +275,7 @@ class Engine:
     (hidden_BTD, aux), variables = self.model.apply(
         {"params": params, "cache": cache}, tokens_BT, positions_BT,
         valid_BT.astype(jnp.int32), decode=True, cache_len=self.cache_len, return_hidden=True,
-        mutable=["cache"])
+        unroll_layers=True, mutable=["cache"])
     B = tokens_BT.shape[0]
     row_aux = {k: v.astype(jnp.float32) for k, v in aux.items()
                if _ROW_AUX.search(k) and getattr(v, "ndim", 0) >= 2 and v.shape[1] == B}
@@ -292,7 +294,8 @@ class Engine:
       tok = jax.ShapeDtypeStruct((batch_size, 1), jnp.int32)
       self._cache_shapes[batch_size] = jax.eval_shape(
           lambda p, t: self.model.apply({"params": p}, t, decode=True, cache_len=self.cache_len,
-                                        mutable=["cache"])[1]["cache"], self.params, tok)
+                                        unroll_layers=True, mutable=["cache"])[1]["cache"],
+          self.params, tok)
     return self._cache_shapes[batch_size]
 
   def _commit(self, tree):
@@ -303,6 +306,20 @@ class Engine:
             for d in x.devices()}
     dev = devs.pop() if len(devs) == 1 else (jax.devices()[0] if not devs else None)
     return tree if dev is None else jax.device_put(tree, dev)
+
+  def stacked_cache(self, cache):
+    """A view of an engine cache (one cache per layer, `layers_{i}`) in the scanned layout of
+    the model's parameters (`layers` / `layers_{start}_{stop}` groups, a leading layer axis):
+    for inspection; `per_layer_cache` goes back."""
+    from condattn_jax.attention import get_scheme
+    from condattn_jax.models import stacking
+    return stacking.stack_layers(dict(cache), get_scheme(self.config.scheme).layer_variants(
+        self.config))
+
+  def per_layer_cache(self, stacked):
+    """The engine's layout (one cache per layer) of a cache in the scanned layout."""
+    from condattn_jax.models import stacking
+    return stacking.unstack_layers(dict(stacked), self.config.num_layers)
 
   def init_cache(self, batch_size: int):
     """Zeros in the structure of every layer's cache (read off the model, not hard-coded),

@@ -8,6 +8,13 @@ scheme variant (`Scheme.layer_variants`) form one scanned group each (parameters
 or `layers_{start}_{stop}` when there are several groups; see `models.stacking`). Per-layer
 values (`Scheme.layer_flags`) and the layer index are scanned inputs that reach the layer in its
 `LayerContext`.
+
+Decoding for the inference engine (`unroll_layers=True`, MaxText's unrolled decode): the layers
+run as a python loop, each on its slice of the stacked parameters, with ONE cache per layer
+(`cache/layers_{i}`), so a jitted step that donates the cache writes every layer's new K/V into
+that layer's buffer in place (a scan would carry the stacked cache [L, ...] through the loop and
+copy it). `models.stacking.stack_layers(cache, variants)` views such a cache in the scanned
+layout, `unstack_layers` goes back.
 """
 from __future__ import annotations
 
@@ -60,6 +67,8 @@ class Decoder(nn.Module):
   aux['scheme'] (the scheme module's model-level values, `Scheme.module`) when it returns any.
   Decoding (decode=True, cache_len, mutable=['cache']): every layer reads and writes its cache;
   `segment_ids_BT` then marks the chunk's valid tokens (1) and right padding (0) of ragged rows.
+  unroll_layers (decode with existing params only): one cache per layer, `cache/layers_{i}`,
+  layers unrolled (see the module docstring); False: the scanned groups' stacked caches.
   `return_hidden` returns the final-norm hidden states instead of logits.
   """
   config: ModelConfig
@@ -67,7 +76,8 @@ class Decoder(nn.Module):
   @nn.compact
   def __call__(self, tokens_BT, positions_BT=None, segment_ids_BT=None, *, task_ids_B=None,
                fields=None, train: bool = False, decode: bool = False,
-               cache_len: int | None = None, return_hidden: bool = False):
+               cache_len: int | None = None, return_hidden: bool = False,
+               unroll_layers: bool = False):
     cfg = self.config
     B, T = tokens_BT.shape
     if positions_BT is None:
@@ -97,6 +107,13 @@ class Decoder(nn.Module):
     flags = {k: np.asarray(v) for k, v in scheme.layer_flags(cfg).items()}
     groups = layer_groups(variants)
     auxes = []
+    if unroll_layers:
+      if not decode or self.is_initializing():
+        raise ValueError("Decoder(unroll_layers=True) is for decoding with existing params "
+                         "(decode=True, apply); initialise with the scanned layers.")
+      x_BTD, aux = self._unrolled(scheme, groups, flags, x_BTD, ctx)
+      groups = ()
+      auxes.append(aux)
     for start, stop, variant in groups:
       per_layer = (jnp.arange(start, stop, dtype=jnp.int32),
                    {k: jnp.asarray(v[start:stop]) for k, v in flags.items()})
@@ -119,6 +136,29 @@ class Decoder(nn.Module):
                                                                  ("embed", "vocab")),
                         name="lm_head")(x_BTD)
     return logits.astype(jnp.float32), aux
+
+  def _unrolled(self, scheme, groups, flags, x_BTD, ctx: LayerContext):
+    """Every layer applied on its parameter slice with its own cache `cache/layers_{i}`
+    (created by the layer itself on the first call); aux stacked on a leading layer axis."""
+    cfg = self.config
+    params = self.variables["params"]
+    auxes = []
+    for start, stop, variant in groups:
+      layer = scheme.layer_cls(cfg, variant=variant, parent=None)
+      group = params[group_name(start, stop, len(groups))]
+      for i in range(start, stop):
+        name = f"layers_{i}"
+        variables = {"params": jax.tree.map(lambda a, j=i - start: a[j], group)}
+        if self.has_variable("cache", name):
+          variables["cache"] = self.get_variable("cache", name)
+        lctx = ctx.replace(layer_idx=jnp.int32(i),
+                           layer_flags={k: jnp.asarray(v[i]) for k, v in flags.items()})
+        (x_BTD, aux), new = layer.apply(variables, x_BTD, lctx, mutable=["cache"])
+        x_BTD = nn.with_logical_constraint(x_BTD, ACTIVATION)
+        if "cache" in new:
+          self.put_variable("cache", name, new["cache"])
+        auxes.append(aux)
+    return x_BTD, jax.tree.map(lambda *a: jnp.stack(a), *auxes)
 
   def output_embedding(self, params):
     """[D, V] matrix mapping final hidden states to logits (for chunked / fused losses)."""

@@ -155,11 +155,17 @@ class KVCache(nn.Module):
 
 
 def attend(q_BTNH, k_BSKH, v_BSKH, *, q_positions_BT, kv_positions_BS, q_segment_ids_BT=None,
-           kv_segment_ids_BS=None, window=None, active=None, impl="auto", contiguous=False):
-  """The model's one call into `ops.attention` (builds the mask spec)."""
+           kv_segment_ids_BS=None, window=None, active=None, impl="auto", contiguous=False,
+           full_cache=False):
+  """The model's one call into `ops.attention` (builds the mask spec). full_cache: k/v are a
+  KVCache of kind 'full' after its write (valid slots = kv_segment_ids_BS, a prefix of each
+  row): the mask then carries the fill (MaskSpec.kv_lengths_B) that decode kernels read."""
+  lengths_B = None
+  if full_cache:
+    lengths_B = jnp.sum(kv_segment_ids_BS != 0, axis=1, dtype=jnp.int32)
   mask = ops.MaskSpec(q_positions_BT=q_positions_BT, kv_positions_BS=kv_positions_BS,
                       q_segment_ids_BT=q_segment_ids_BT, kv_segment_ids_BS=kv_segment_ids_BS,
-                      window=window, active=active, contiguous=contiguous)
+                      window=window, active=active, contiguous=contiguous, kv_lengths_B=lengths_B)
   return ops.attention(q_BTNH, k_BSKH, v_BSKH, mask, impl=impl)
 
 
@@ -218,8 +224,12 @@ class Attention(nn.Module):
     if ctx.cache_len is None:
       raise ValueError("decode=True needs cache_len (the longest sequence to decode).")
     size = ctx.cache_len if self.window is None else min(self.window, ctx.cache_len)
-    kind = "full" if self.window is None or self.window >= ctx.cache_len else "window"
-    return self.kv_cache(k_BTKH, v_BTKH, ctx.positions_BT, ctx.valid_BT, kind=kind, size=size)
+    return self.kv_cache(k_BTKH, v_BTKH, ctx.positions_BT, ctx.valid_BT,
+                         kind=self.cache_kind(ctx), size=size)
+
+  def cache_kind(self, ctx) -> str:
+    """'full' (cache_len slots) or 'window' (a ring of `window` slots) for this attention."""
+    return "full" if self.window is None or self.window >= ctx.cache_len else "window"
 
   def attend(self, q_BTNH, k_BTKH, v_BTKH, ctx, *, active=None, impl=None):
     """Attention of the chunk's queries (only the `active` ones, when given): over the cache
@@ -228,7 +238,8 @@ class Attention(nn.Module):
     if ctx.decode:
       k_all, v_all, kv_pos, kv_valid = self.write_cache(k_BTKH, v_BTKH, ctx)
       return attend(q_BTNH, k_all, v_all, q_positions_BT=ctx.positions_BT, kv_positions_BS=kv_pos,
-                    kv_segment_ids_BS=kv_valid, window=self.window, active=active, impl=impl)
+                    kv_segment_ids_BS=kv_valid, window=self.window, active=active, impl=impl,
+                    full_cache=self.cache_kind(ctx) == "full")
     return attend(q_BTNH, k_BTKH, v_BTKH, q_positions_BT=ctx.positions_BT,
                   kv_positions_BS=ctx.positions_BT, q_segment_ids_BT=ctx.segment_ids_BT,
                   kv_segment_ids_BS=ctx.segment_ids_BT, window=self.window, active=active,

@@ -89,7 +89,7 @@ def test_one_full_cache_per_layer_and_its_bytes():
   cfg, params = _aha()
   eng = Engine(cfg, params, cache_len=32)
   cache, _, lengths = eng.prefill(PROMPTS)
-  layers = cache["layers"]
+  layers = eng.stacked_cache(cache)["layers"]
   assert set(layers) == {"self_attn"} and set(layers["self_attn"]) == {"cache"}  # one cache
   c = layers["self_attn"]["cache"]
   assert c["key"].shape == (cfg.num_layers, len(PROMPTS), 32, cfg.num_kv_heads, cfg.head_dim)
@@ -105,6 +105,7 @@ def test_local_heads_read_only_the_window():
   cfg, params = _aha(routing="none")
   eng = Engine(cfg, params, cache_len=32)
   cache, logits, lengths = eng.prefill(PROMPTS)
+  cache = eng.stacked_cache(cache)  # one cache per layer, viewed with a leading layer axis
   c = cache["layers"]["self_attn"]["cache"]
   old = c["positions"] < (lengths[None, :, None] - 3)  # outside the window of the next token (w=4)
   assert old.any()
@@ -112,16 +113,19 @@ def test_local_heads_read_only_the_window():
   for name in ("key", "value"):
     bad["layers"]["self_attn"]["cache"][name] = jnp.where(old[..., None, None], 1e3, c[name])
   tok = np.asarray(logits).argmax(-1)
+  cache, bad = eng.per_layer_cache(cache), eng.per_layer_cache(bad)
   ok_out = eng.decode_step(jax.tree.map(jnp.copy, cache), tok, lengths, np.ones(3, bool), logits)[1]
   bad_out = eng.decode_step(bad, tok, lengths, np.ones(3, bool), logits)[1]
   np.testing.assert_allclose(bad_out, ok_out, atol=1e-5, rtol=0)
   # ... and the same corruption does change a model whose heads go full
   full_eng = Engine(attention.configure(cfg, "aha", routing="all"), params, cache_len=32)
   cache, logits, _ = full_eng.prefill(PROMPTS)
+  cache = full_eng.stacked_cache(cache)
   bad = jax.tree.map(lambda x: x, cache)
   for name in ("key", "value"):
     bad["layers"]["self_attn"]["cache"][name] = jnp.where(
         old[..., None, None], 1e3, cache["layers"]["self_attn"]["cache"][name])
+  cache, bad = full_eng.per_layer_cache(cache), full_eng.per_layer_cache(bad)
   ok_out = full_eng.decode_step(jax.tree.map(jnp.copy, cache), tok, lengths, np.ones(3, bool),
                                 logits)[1]
   bad_out = full_eng.decode_step(bad, tok, lengths, np.ones(3, bool), logits)[1]

@@ -71,7 +71,8 @@ def _kv_leaves(cache):
 def test_swa_cache_is_flat_in_context_length(model):
   cfg, params = model
   small, big = Engine(cfg, params, cache_len=48), Engine(cfg, params, cache_len=480)
-  cs, cb = small.init_cache(2), big.init_cache(2)
+  # one cache per layer, viewed with a leading layer axis (the scanned groups)
+  cs, cb = small.stacked_cache(small.init_cache(2)), big.stacked_cache(big.init_cache(2))
   ks, kb = _kv_leaves(cs), _kv_leaves(cb)
   assert ks.keys() == kb.keys()
   for name in ks:
@@ -97,7 +98,7 @@ def test_retrieved_kv_recomputed_once_per_block(model):
   eng = Engine(cfg, params, cache_len=48)
   prompt = PROMPTS[0][:20]
   cache, logits, lengths = eng.prefill([prompt])
-  key = lambda c: np.asarray(c["layers_0_2"]["retrieved_cache"]["key"][0])
+  key = lambda c: np.asarray(eng.stacked_cache(c)["layers_0_2"]["retrieved_cache"]["key"][0])
   pos, tok = 20, int(np.asarray(logits)[0].argmax())
   changed = []
   for _ in range(8):
@@ -111,11 +112,11 @@ def test_retrieved_kv_recomputed_once_per_block(model):
   assert len(changed) >= 2 and all(p % C == 0 for p in changed), changed
   # inside a block (pos 28 is in block 9, entered at 27): the stored K/V are read, not redone
   good, lg = eng.decode_step(jax.tree.map(jnp.copy, cache), [tok], [pos], [True], logits)
-  bad_cache = jax.tree.map(jnp.copy, cache)
+  bad_cache = eng.stacked_cache(jax.tree.map(jnp.copy, cache))
   rc = bad_cache["layers_0_2"]["retrieved_cache"]
   rc["key"] = rc["key"] + 1.0
   rc["ok"] = jnp.ones_like(rc["ok"])  # (the block may have retrieved nothing: expose the slots)
-  _, lb = eng.decode_step(bad_cache, [tok], [pos], [True], logits)
+  _, lb = eng.decode_step(eng.per_layer_cache(bad_cache), [tok], [pos], [True], logits)
   assert pos % C != 0 and np.abs(np.asarray(lg) - np.asarray(lb)).max() > 1e-4
 
 

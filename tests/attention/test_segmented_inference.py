@@ -34,6 +34,7 @@ def test_cache_bytes_and_chunk_errors(model):
   eng = Engine(cfg, params, cache_len=32, prefill_chunk=8)
   cache, _, _ = eng.prefill(PROMPTS)
   assert cache_bytes(cache) == sgm.kv_cache_bytes(cfg, 32, batch=len(PROMPTS))["total"]
+  cache = eng.stacked_cache(cache)  # one cache per layer, viewed with a leading layer axis
   loc = cache["layers_0_1"]
   assert loc["seg_k"].shape == (1, 3, 8, 2, 8) and "pool_k" not in loc  # S slots, no pool
   assert cache["layers_1_2"]["pool_k"].shape == (1, 3, 32, 1, 8)  # long layer, long head only

@@ -88,6 +88,7 @@ def test_cache_is_per_row_and_sized_like_the_schemes_count():
   lcfg, lp = _l2a()
   eng = Engine(lcfg, lp, cache_len=32)
   cache, _, lengths = eng.prefill(PROMPTS)
+  cache = eng.stacked_cache(cache)  # one cache per layer, viewed with a leading layer axis
   glen = cache["layers"]["global_attn"]["cache"]["length"]  # [L, B]
   np.testing.assert_array_equal(glen, np.broadcast_to(lengths, glen.shape))
   ring = cache["layers"]["self_attn"]["cache"]

@@ -153,7 +153,8 @@ class L2ALayer(nn.Module):
 
       def run_global(q, k_all, v_all):
         return attend(q, k_all, v_all, q_positions_BT=ctx.positions_BT, kv_positions_BS=kv_pos,
-                      kv_segment_ids_BS=kv_valid, active=hard_BT, impl=o.compact_impl)
+                      kv_segment_ids_BS=kv_valid, active=hard_BT, impl=o.compact_impl,
+                      full_cache=True)
 
       if o.decode_skip:
         a_BTNH = lax.cond(jnp.any(hard_BT), run_global, lambda q, *_: jnp.zeros_like(q),

@@ -1,0 +1,56 @@
+"""Decode attention over a full cache with per-row fill (ops.MaskSpec.kv_lengths_B): the mask
+builder honours the fill, and the cuDNN decode path's GQA folding (query group -> query rows,
+kv length = the row's fill, 1 slot and zeros for an inactive row) equals the reference on CPU
+(through jax.nn.dot_product_attention's XLA implementation; tests/gpu/test_decode_gpu.py runs
+cuDNN itself)."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from condattn_jax import ops
+
+B, S, K, G, H = 3, 40, 2, 3, 16
+
+
+def _case(seed, active=None):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+  q = jax.random.normal(ks[0], (B, 1, K * G, H), jnp.float32)
+  k = jax.random.normal(ks[1], (B, S, K, H), jnp.float32)
+  v = jax.random.normal(ks[2], (B, S, K, H), jnp.float32)
+  lengths = jnp.asarray([S, 17, 1], jnp.int32)
+  slot = jnp.arange(S, dtype=jnp.int32)[None]
+  valid = (slot < lengths[:, None]).astype(jnp.int32)
+  mask = ops.MaskSpec(q_positions_BT=(lengths - 1)[:, None], kv_positions_BS=jnp.broadcast_to(
+      slot, (B, S)), kv_segment_ids_BS=valid, active=active, kv_lengths_B=lengths)
+  # garbage past the fill: must never be read into the result
+  k = jnp.where(valid[..., None, None] == 1, k, 1e4)
+  v = jnp.where(valid[..., None, None] == 1, v, 1e4)
+  return q, k, v, mask
+
+
+@pytest.mark.parametrize("active", [None, [True, False, True]])
+def test_folded_decode_equals_the_reference(active):
+  act = None if active is None else jnp.asarray(active)[:, None]
+  q, k, v, mask = _case(0, act)
+  assert not ops.decode_reasons(q.astype(jnp.bfloat16), mask)
+  ref = ops.attention(q, k, v, mask, impl="reference")
+  out = ops._cudnn_decode(None, implementation="xla")(q, k, v, mask)
+  np.testing.assert_allclose(out, ref, atol=2e-5, rtol=0)
+  if active is not None:
+    assert float(jnp.abs(out[1]).max()) == 0.0  # the inactive row: zeros
+
+
+def test_fill_bounds_the_mask_and_decode_reasons_name_the_field():
+  q, k, v, mask = _case(1)
+  # slots past the fill are invisible even when the validity ids say otherwise
+  loose = jax.tree.map(lambda x: x, mask)
+  object.__setattr__(loose, "kv_segment_ids_BS", jnp.ones((B, S), jnp.int32))
+  np.testing.assert_allclose(ops.attention(q, k, v, loose, impl="reference"),
+                             ops.attention(q, k, v, mask, impl="reference"), atol=1e-6)
+  assert any("kv_lengths_B" in r for r in ops.decode_reasons(
+      q, ops.MaskSpec(q_positions_BT=mask.q_positions_BT, kv_positions_BS=mask.kv_positions_BS)))
+  with pytest.raises(ValueError, match="kv_lengths_B"):
+    ops.attention(q, k, v, ops.MaskSpec(q_positions_BT=mask.q_positions_BT,
+                                        kv_positions_BS=mask.kv_positions_BS,
+                                        kv_lengths_B=jnp.zeros((B, 1), jnp.int32)))
