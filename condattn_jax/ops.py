@@ -75,7 +75,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.extend import core as jex_core
-from jax.interpreters import mlir
+from jax.interpreters import batching, mlir
 
 KERNEL_IMPLS = ("triton", "mosaic_gpu", "mosaic_tpu")  # one Pallas kernel, by name
 IMPLS = ("auto", "reference", "cudnn", "tokamax", "pallas", *KERNEL_IMPLS)
@@ -343,6 +343,18 @@ def _lower_unavailable(ctx, x, *, msg, aval):
 
 
 mlir.register_lowering(_unavailable_p, _lower_unavailable)
+
+
+def _batch_unavailable(args, dims, *, msg, aval):
+  """vmap of a placeholder branch (a vmapped model traces every platform's branch): the
+  placeholder of the batched shape, still raising `msg` if lowered."""
+  (x,), (d,) = args, dims
+  x = jnp.moveaxis(x, d, 0)
+  out = jax.core.ShapedArray((x.shape[0], *aval.shape), aval.dtype)
+  return _unavailable_p.bind(x, msg=msg, aval=out), 0
+
+
+batching.primitive_batchers[_unavailable_p] = _batch_unavailable
 
 
 def _unavailable(msg: str):
