@@ -268,7 +268,7 @@ def run(s: Settings, log=print) -> dict[str, Any]:
                       trainable=rec.TRAINABLE_REGEX, groups=groups, phase=1, name="elastic",
                       log=log)
   el_acc = accuracy(ecfg, ep, ev)
-  meas = elastic.measure(ecfg, ep, ev)
+  meas = elastic.measure(Decoder(ecfg), ep, ev)
   log(f"elastic accuracy {el_acc}; Omega_MSR "
       f"{ {k: round(v['omega_msr'], 3) for k, v in meas['tasks'].items()} }")
   return dict(

@@ -239,7 +239,7 @@ def aha_section(workdir: str, steps: int | None, seed: int) -> Section:
   ev = task.batch(0, s.eval_rows, stream=1)
   ev.pop("distance")
   batches = [{k: v[i:i + 64] for k, v in ev.items()} for i in range(0, s.eval_rows, 64)]
-  rep = aha_report.usage_report(Decoder(acfg), params, batches, workdir, name="aha_usage")
+  rep = aha_report.usage_report(Decoder(acfg), params, batches, out_dir=workdir, name="aha_usage")
 
   acc, dense, mu = r["accuracy"], d["accuracy"], r["mu_f"]
   print(f"\nAnswer accuracy on {r['queries']} held-out queries:")

@@ -103,7 +103,14 @@ class Scheme:
   headline_metric name of the aux_loss metric to show on progress bars (e.g. 'l2a/sparsity').
   kv_cache_bytes `(config, context_len, batch) -> {'total', ...}` analytic cache bytes at a
                 context length (reports); the inference engine also measures its real cache.
-  reports       name -> callable producing the scheme's reports (pruning, plots, ...).
+  reports       name -> report, every report with ONE signature:
+                `(model, params, batches, *, out_dir=None, name=<its file stem>, **knobs)
+                -> dict`: model a Decoder with the scheme's config, params its params,
+                batches an iterable of held-out batch dicts (`inputs` [+ `positions`,
+                `segment_ids`, `task_ids`, fields]), knobs the report's test-time options
+                (L2A theta, AHA tau, ...). Returns a JSON-ready dict (L2A's prune: plus the
+                pruned config / params); with out_dir it also writes <out_dir>/<name>.json
+                (and its plot / table) and returns their paths under 'json' (and 'png').
   module        None, or the scheme-level Flax module class: `module(config, name='scheme')`
                 runs once per forward before the layers, `(tokens_BT, ctx) -> (extra tokens
                 [B, A] or None, fields, aux)`. It owns params['scheme'] (parameters of the whole
@@ -240,6 +247,20 @@ def refuse_sliding_window(config, options) -> None:
   if config.sliding_window is not None:
     raise ValueError(f"model.sliding_window={config.sliding_window}: scheme {config.scheme!r} "
                      "converts a full-attention model; set model.sliding_window=None.")
+
+
+def write_report_json(rep: dict, out_dir: str | None, name: str) -> dict:
+  """A report's files step (`Scheme.reports`): with out_dir, writes `rep` (JSON-ready) to
+  <out_dir>/<name>.json and returns it with that path under 'json'; else returns `rep`."""
+  if out_dir is None:
+    return rep
+  import json
+  import os
+  os.makedirs(out_dir, exist_ok=True)
+  rep = {**rep, "json": os.path.join(out_dir, f"{name}.json")}
+  with open(rep["json"], "w") as f:
+    json.dump(rep, f, indent=1)
+  return rep
 
 
 SCHEMES: dict[str, Scheme] = {}

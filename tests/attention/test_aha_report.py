@@ -59,7 +59,7 @@ def test_usage_report_per_layer_head_and_task(tmp_path):
   batches = [dict(inputs=tok, segment_ids=seg, task_ids=np.array([0, 1])),
              dict(inputs=(tok * 5 + 1) % cfg.vocab_size, task_ids=np.array([1, 1]))]
   m = Decoder(acfg)
-  rep = get_scheme("aha").reports["usage"](m, ap, batches, str(tmp_path), name="u")
+  rep = get_scheme("aha").reports["usage"](m, ap, batches, out_dir=str(tmp_path), name="u")
   # usage == the layer's own counts (aux full_BN / tokens_B), pooled over batches and by task
   auxes = [m.apply({"params": ap}, jnp.asarray(b["inputs"]), None,
                    None if "segment_ids" not in b else jnp.asarray(b["segment_ids"]))[1]

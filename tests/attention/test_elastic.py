@@ -437,7 +437,7 @@ def test_report_msr_esr_per_task_and_heatmap(tmp_path):
                                       seed=3, **SMALL)
   ep["layers"]["router"]["router_fc3"]["kernel"] = ep["layers"]["router"]["router_fc3"]["kernel"] * 300
   batches = [dict(inputs=np.asarray(tok), task_ids=np.array([0, 1, 0, 1]))]
-  rep = elastic.sparsity_report(ecfg, ep, batches, str(tmp_path))
+  rep = elastic.sparsity_report(Decoder(ecfg), ep, batches, out_dir=str(tmp_path))
   _, aux = jax.jit(Decoder(ecfg).apply)({"params": ep}, tok)
   fa = np.asarray(aux["fa_BK"])
   np.testing.assert_allclose(rep["omega_msr"], 1 - fa.mean(), atol=1e-6)

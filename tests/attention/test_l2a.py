@@ -1,4 +1,6 @@
 """L2A: exactness against the base model, forced-global, STE gradient, decode, pruning, schedule."""
+import json
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -313,7 +315,7 @@ def test_aux_loss_schedule_and_metrics():
   assert float(jnp.abs(g["layers"]["router"]["kernel"]).min()) > 0  # every layer's router
 
 
-def test_measure_prune_and_kv_bytes():
+def test_measure_prune_and_kv_bytes(tmp_path):
   cfg, dp, tok = _dense("qwen3")
   lcfg, lp = attention.convert(dp, cfg, "l2a", window=4)
   lp = _random_router(lp)
@@ -323,8 +325,13 @@ def test_measure_prune_and_kv_bytes():
   np.testing.assert_allclose(meas["layer_sparsity"], np.mean(aux, axis=0), atol=1e-6)
   sp = meas["layer_sparsity"]
   hi = int(np.argmax(sp))
-  res = l2a.prune_report(Decoder(lcfg), lp, batches, context_len=1024, threshold=float(np.mean(sp)))
+  res = l2a.prune_report(Decoder(lcfg), lp, batches, context_len=1024, threshold=float(np.mean(sp)),
+                         out_dir=str(tmp_path), name="p")
   rep = res["report"]
+  # the reports' out_dir: JSON (the report), markdown, per-layer plot
+  assert res["json"] == str(tmp_path / "p.json") and json.load(open(res["json"])) == rep
+  assert "| layer | sparsity | pruned |" in open(res["md"]).read()
+  assert open(res["png"], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
   assert rep["layer_sparsity"] == sp and rep["pruned_layers"] == [hi]
   per = stacking.unstack_layers(res["params"])
   assert "global_attn" not in per[f"layers_{hi}"]

@@ -123,3 +123,24 @@ def test_a_broken_builtin_scheme_module_is_loud(tmp_path, monkeypatch):
   with pytest.raises(ModuleNotFoundError, match="no_such_dependency_of_the_scheme"):
     attention.get_scheme("l2a")
   sys.modules.pop("condattn_jax.attention.zz_broken_scheme", None)
+
+
+def test_every_report_has_the_one_reports_signature():
+  """`Scheme.reports`: (model, params, batches, *, out_dir=None, name=<stem>, **knobs) for every
+  built-in report (one caller can run any scheme's report and ask for its files)."""
+  import inspect
+  from condattn_jax import attention
+  attention._load_builtin()
+  seen = 0
+  for scheme in attention.SCHEMES.values():
+    for rname, fn in scheme.reports.items():
+      ps = list(inspect.signature(fn).parameters.values())
+      where = f"{scheme.name}.reports[{rname!r}] = {fn.__module__}.{fn.__name__}"
+      assert [p.name for p in ps[:3]] == ["model", "params", "batches"], where
+      assert all(p.kind is p.POSITIONAL_OR_KEYWORD for p in ps[:3]), where
+      rest = {p.name: p for p in ps[3:]}
+      assert all(p.kind is p.KEYWORD_ONLY for p in rest.values()), where
+      assert "out_dir" in rest and rest["out_dir"].default is None, where
+      assert "name" in rest and isinstance(rest["name"].default, str), where
+      seen += 1
+  assert seen >= 6  # L2A, AHA and Elastic register two reports each

@@ -2,7 +2,6 @@
 head and per task, the per-head gap between full-attention calls, the layer x head heatmap."""
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -62,9 +61,11 @@ def _summary(full_LN, tokens, gap_sum_LN, gap_count_LN):
           "heads_by_usage": sorted(usage.ravel().tolist(), reverse=True)}
 
 
-def measure_usage(model, params, batches, *, tau: float | None = None) -> dict[str, Any]:
+def measure_usage(model, params, batches, *, out_dir: str | None = None,
+                  name: str = "aha_usage", tau: float | None = None) -> dict[str, Any]:
   """Full-attention usage on held-out batches: mu_f per layer x head (paper eq. 8 and Fig. 3),
-  per task id (rows' batch['task_ids']), and the per-head gap (paper Table 3).
+  per task id (rows' batch['task_ids']), and the per-head gap (paper Table 3)
+  (`Scheme.reports` signature; with out_dir also <out_dir>/<name>.json, path under 'json').
 
   model: a Decoder with an AHA config (tau overrides its threshold); batches: iterable of dicts
   with `inputs` (+ optional `positions`, `segment_ids`, `task_ids` [B]). Returns a JSON-ready
@@ -115,7 +116,8 @@ def measure_usage(model, params, batches, *, tau: float | None = None) -> dict[s
   o = options(cfg)
   out = {"tau": float(o.tau), "window": int(o.window), **_summary(*acc.pop("all"))}
   out["tasks"] = {str(k): _summary(*v) for k, v in sorted(acc.items())}
-  return out
+  from condattn_jax.attention import write_report_json
+  return write_report_json(out, out_dir, name)
 
 
 def plot_usage_heatmap(usage, path: str, *, title: str | None = None,
@@ -148,16 +150,17 @@ def plot_usage_heatmap(usage, path: str, *, title: str | None = None,
   return path
 
 
-def usage_report(model, params, batches, out_dir: str, *, tau: float | None = None,
-                 name: str = "aha_usage") -> dict[str, Any]:
-  """measure_usage + the heatmap: writes <out_dir>/<name>.json and <name>.png (a panel per task
-  when the batches carry task ids). Returns the measured dict (with the two paths)."""
+def usage_report(model, params, batches, *, out_dir: str | None = None,
+                 name: str = "aha_usage", tau: float | None = None) -> dict[str, Any]:
+  """measure_usage + the heatmap (`Scheme.reports` signature): with out_dir, writes
+  <out_dir>/<name>.json and <name>.png (a panel per task when the batches carry task ids).
+  Returns the measured dict (with the two paths under 'json' / 'png')."""
   rep = measure_usage(model, params, batches, tau=tau)
+  if out_dir is None:
+    return rep
+  from condattn_jax.attention import write_report_json
   os.makedirs(out_dir, exist_ok=True)
   png = plot_usage_heatmap(rep["usage"], os.path.join(out_dir, f"{name}.png"),
                            title=f"AHA full-attention usage (w={rep['window']}, tau={rep['tau']})",
                            tasks={k: v["usage"] for k, v in rep["tasks"].items()} or None)
-  rep = {**rep, "png": png, "json": os.path.join(out_dir, f"{name}.json")}
-  with open(rep["json"], "w") as f:
-    json.dump(rep, f, indent=1)
-  return rep
+  return write_report_json({**rep, "png": png}, out_dir, name)

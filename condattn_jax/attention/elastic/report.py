@@ -2,7 +2,6 @@
 per-head FA frequency (layer x query head) and its heatmap (paper Fig. 6)."""
 from __future__ import annotations
 
-import json
 import os
 from typing import Any
 
@@ -26,15 +25,17 @@ def kv_cache_bytes(config: ModelConfig, context_len: int, batch: int = 1,
   return {"total": int(full + decision), "full": int(full), "decision": int(decision)}
 
 
-def measure(model_cfg: ModelConfig, params, batches) -> dict[str, Any]:
-  """Eval-mode (argmax, no noise) decisions on `batches` (dicts with inputs [+ positions,
-  segment_ids, task_ids [B], the prompt field]): per task id and overall, samples, Omega_MSR
-  (mean per-sample fraction of query heads in class 0), Omega_ESR (mean fraction of causal
-  pairs skipped), fa_freq [L][N] (class-1 frequency per layer x query head)."""
-  from condattn_jax.attention import options
+def measure(model, params, batches, *, out_dir: str | None = None,
+            name: str = "elastic_sparsity") -> dict[str, Any]:
+  """Eval-mode (argmax, no noise) decisions of `model` (a Decoder with an Elastic config) on
+  `batches` (dicts with inputs [+ positions, segment_ids, task_ids [B], the prompt field]): per
+  task id and overall, samples, Omega_MSR (mean per-sample fraction of query heads in class 0),
+  Omega_ESR (mean fraction of causal pairs skipped), fa_freq [L][N] (class-1 frequency per layer
+  x query head). `Scheme.reports` signature (with out_dir also <out_dir>/<name>.json)."""
+  from condattn_jax.attention import options, write_report_json
   from condattn_jax.models.decoder import Decoder
-  o = options(model_cfg)
-  m = Decoder(model_cfg)
+  o = options(model.config)
+  m = Decoder(model.config)
 
   @jax.jit
   def decide(params, inputs, positions, segment_ids, fields):
@@ -69,7 +70,7 @@ def measure(model_cfg: ModelConfig, params, batches) -> dict[str, Any]:
                        "fa_freq": (a[3] / a[0]).tolist()}
   out = {"modes": o.modes, **summary(acc.pop("all"))}
   out["tasks"] = {k: summary(v) for k, v in acc.items()}
-  return out
+  return write_report_json(out, out_dir, name)
 
 
 def plot_fa_heatmap(fa_freq, path: str, *, tasks: dict[str, Any] | None = None,
@@ -102,15 +103,17 @@ def plot_fa_heatmap(fa_freq, path: str, *, tasks: dict[str, Any] | None = None,
   return path
 
 
-def sparsity_report(model_cfg: ModelConfig, params, batches, out_dir: str, *,
+def sparsity_report(model, params, batches, *, out_dir: str | None = None,
                     name: str = "elastic_sparsity") -> dict[str, Any]:
-  """`measure` + the FA-frequency heatmap: writes <out_dir>/<name>.json and <name>.png (a panel
-  per task). Returns the measured dict with the two paths."""
-  rep = measure(model_cfg, params, batches)
+  """`measure` + the FA-frequency heatmap (`Scheme.reports` signature): with out_dir, writes
+  <out_dir>/<name>.json and <name>.png (a panel per task). Returns the measured dict with the
+  two paths under 'json' / 'png'."""
+  from condattn_jax.attention import write_report_json
+  rep = measure(model, params, batches)
+  if out_dir is None:
+    return rep
+  os.makedirs(out_dir, exist_ok=True)
   png = plot_fa_heatmap(rep["fa_freq"], os.path.join(out_dir, f"{name}.png"),
                         tasks={k: v["fa_freq"] for k, v in rep["tasks"].items()},
                         title=f"Elastic ({rep['modes']}) FA frequency per head")
-  rep = {**rep, "png": png, "json": os.path.join(out_dir, f"{name}.json")}
-  with open(rep["json"], "w") as f:
-    json.dump(rep, f, indent=1)
-  return rep
+  return write_report_json({**rep, "png": png}, out_dir, name)

@@ -21,18 +21,20 @@ import jax.numpy as jnp
 import numpy as np
 
 from condattn_jax.attention.l2a.convert import prune
-from condattn_jax.attention import configure, options
+from condattn_jax.attention import configure, options, write_report_json
 from condattn_jax.models.config import ModelConfig
 
 # ----------------------------------------------------------------------------------------------
 # Measuring sparsity, KV-cache bytes
 # ----------------------------------------------------------------------------------------------
-def measure_sparsity(model, params, batches, *, theta: float | None = None) -> dict[str, Any]:
-  """Per-layer sparsity (fraction of non-padding tokens with d = 0) over held-out batches.
+def measure_sparsity(model, params, batches, *, out_dir: str | None = None,
+                     name: str = "l2a_sparsity", theta: float | None = None) -> dict[str, Any]:
+  """Per-layer sparsity (fraction of non-padding tokens with d = 0) over held-out batches
+  (`Scheme.reports` signature).
 
   model: a Decoder with an L2A config (theta overrides its threshold); batches: iterable of dicts
   with `inputs` (+ optional `positions`, `segment_ids`). Returns {'layer_sparsity': [L],
-  'sparsity': mean over layers with a global branch, 'tokens': count}.
+  'sparsity': mean over layers with a global branch, 'tokens': count} (+ 'json' with out_dir).
   """
   from condattn_jax.models.decoder import Decoder  # avoid an import cycle at module load
 
@@ -61,9 +63,9 @@ def measure_sparsity(model, params, batches, *, theta: float | None = None) -> d
   layer_sparsity = 1.0 - glob / np.maximum(tokens, 1.0)
   opts = options(cfg)
   live = [i for i in range(cfg.num_layers) if i not in opts.pruned_layers]
-  return {"layer_sparsity": [float(x) for x in layer_sparsity],
-          "sparsity": float(np.mean(layer_sparsity[live])) if live else 1.0,
-          "tokens": float(tokens[0])}
+  return write_report_json({"layer_sparsity": [float(x) for x in layer_sparsity],
+                            "sparsity": float(np.mean(layer_sparsity[live])) if live else 1.0,
+                            "tokens": float(tokens[0])}, out_dir, name)
 
 
 def kv_cache_bytes(config: ModelConfig, context_len: int, batch: int = 1,
@@ -99,13 +101,16 @@ def kv_bytes_report(config: ModelConfig, pruned: ModelConfig, context_len: int,
   }
 
 
-def prune_report(model, params, batches, *, context_len: int, threshold: float = 0.95,
+def prune_report(model, params, batches, *, out_dir: str | None = None,
+                 name: str = "l2a_prune", context_len: int, threshold: float = 0.95,
                  theta: float | None = None, dtype: str | None = None) -> dict[str, Any]:
-  """Measure per-layer sparsity, prune layers >= threshold, report KV-cache bytes.
+  """Measure per-layer sparsity, prune layers >= threshold, report KV-cache bytes
+  (`Scheme.reports` signature).
 
   Returns a dict with the pruned config and params under 'config' / 'params' and a JSON-ready
   'report': layer_sparsity, pruned_layers, kv bytes for the dense base model, the L2A model before
-  pruning and after, and the reduction relative to both.
+  pruning and after, and the reduction relative to both. With out_dir, `write` puts the report
+  there (<name>.json, <name>.md, <name>_layers.png; paths under 'json', 'md', 'png').
   """
   cfg = model.config
   if theta is not None:
@@ -123,7 +128,11 @@ def prune_report(model, params, batches, *, context_len: int, threshold: float =
       "newly_pruned": list(new),
       **kv_bytes_report(cfg, pcfg, context_len, dtype),
   }
-  return {"config": pcfg, "params": pparams, "report": report}
+  rep = {"config": pcfg, "params": pparams, "report": report}
+  if out_dir is not None:
+    rep["json"], rep["md"] = write(report, out_dir, name)
+    rep["png"] = os.path.join(out_dir, name + "_layers.png")
+  return rep
 
 
 # ----------------------------------------------------------------------------------------------
@@ -191,8 +200,10 @@ def markdown(report: dict) -> str:
   lines += ["", f"KV cache at {report['context_len']} tokens (batch 1): dense base "
             f"{mib(report['kv_bytes_dense_base'])}, L2A before {mib(report['kv_bytes_before'])}, "
             f"after {mib(report['kv_bytes_after'])} "
-            f"({_vs_dense(report['kv_reduction_vs_dense'])})", "",
-            "| | token acc | exact match | ppl | sparsity |", "|---|---|---|---|---|"]
+            f"({_vs_dense(report['kv_reduction_vs_dense'])})"]
+  if "eval_before" not in report:  # prune_report alone: no evaluation
+    return "\n".join(lines) + "\n"
+  lines += ["", "| | token acc | exact match | ppl | sparsity |", "|---|---|---|---|---|"]
   for name in ("eval_before", "eval_after"):
     r = report[name]
     lines.append(f"| {name[5:]} | {r.get('token_acc', float('nan')):.4f} | "
