@@ -2,7 +2,7 @@
 kernel, per-head modes) vs one launch per head group vs dense cuDNN causal, FA-SSA heads.
 
     python -m bench.block_sparse                     # T = 32K, 64K; 30% / 70% of heads SSA
-    python -m bench.block_sparse --T 32768 --n 10
+    python -m bench.block_sparse --T=32768 --n=10
     python -m bench.block_sparse --preset=test       # tiny CPU run (interpret mode): tests
 
 Qwen-like shapes: B = 1, 32 query heads, 8 kv heads, head_dim 128, bf16, random inputs. FA-SSA:
@@ -22,12 +22,11 @@ Every variant is checked first against the reference at a small shape (and NaN-c
 timed shape), then timed in the same process: 2 warm-ups, median of --n, block_until_ready.
 Appends a run (bench/common.py's schema 1: the result verbatim under `recorded`, issue 31's
 targets as claims) to $OUT (or --out_dir) /block_sparse_<device>.json and prints the table last.
---impl mosaic_gpu times the Hopper kernel; --kernels-alone adds its three kernels timed alone
+--impl=mosaic_gpu times the Hopper kernel; --kernels_alone adds its three kernels timed alone
 (all heads full) beside cuDNN's forward and backward.
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
@@ -41,6 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from absl import flags  # noqa: E402
+from bench import common  # noqa: E402
 from pallas_kernels.block_sparse import HEAD_BLOCKS, HEAD_FULL, block_sparse_attention  # noqa
 from pallas_kernels.block_sparse.testing import ssa_lists  # noqa: E402
 from pallas_kernels.compact_attention.reference import (dense_mask,  # noqa: E402
@@ -230,7 +231,7 @@ def set_fwd_sub_tile(sub: int, block: int) -> None:
   from pallas_kernels.block_sparse import api
   if sub:
     if sub < 16 or sub & (sub - 1) or block % sub:
-      raise SystemExit(f"--fwd-sub-tile {sub}: a power of two >= 16 that divides the block "
+      raise SystemExit(f"--fwd_sub_tile {sub}: a power of two >= 16 that divides the block "
                        f"({block})")
     api.TRITON_FWD_SUB_TILE = sub
 
@@ -399,14 +400,7 @@ def claims_of(result) -> list:
 
 def to_run(result, name: str) -> dict:
   """A run of bench/common.py's result schema (schema 1) holding `result` verbatim."""
-  commit = None
-  try:
-    import subprocess
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, cwd=os.path.dirname(os.path.abspath(__file__))
-                            ).stdout.strip() or None
-  except OSError:
-    pass
+  commit = common.git_commit()
   missed = []
   rows = {(r["T"], r["omega"]): r for r in result["rows"]}
   for T, om, var, key, target in REPORTED:
@@ -458,29 +452,28 @@ def table(result) -> str:
   return "\n".join(lines)
 
 
-def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--preset", default="gpu", choices=sorted(PRESETS))
-  ap.add_argument("--T", default="", help="comma-separated lengths (default: the preset's)")
-  ap.add_argument("--omega", default="", help="comma-separated SSA head fractions")
-  ap.add_argument("--n", type=int, default=None)
-  ap.add_argument("--variants", default="", help="subset of " + ",".join(Settings.variants))
-  ap.add_argument("--fwd-sub-tile", type=int, default=0,
-                  help="Triton forward kv sub-tile (divides the block; 0: the api's default)")
-  ap.add_argument("--impl", default="", choices=["", "triton", "mosaic_gpu"],
-                  help="the block-sparse kernel timed (default: the preset's, triton)")
-  ap.add_argument("--kernels-alone", action="store_true",
-                  help="mosaic_gpu: also time the forward, dq and dk/dv kernels alone (all heads "
-                       "full) beside cuDNN")
-  ap.add_argument("--window-or-blocks", action="store_true",
-                  help="only time HEAD_WINDOW_BLOCKS (window 2048 OR 4 chunks) at 64K vs the "
-                       "window alone and cuDNN (Mosaic GPU) and print the ms")
-  ap.add_argument("--out_dir", default=os.environ.get("OUT", "bench/results"))
-  args = ap.parse_args()
-  if args.window_or_blocks:
-    print(json.dumps(window_or_blocks(n=args.n or 5)), flush=True)
-    return
-  s = PRESETS[args.preset]
+FLAGS = common.flag_values(n=None)
+flags.DEFINE_enum("preset", "gpu", sorted(PRESETS), "settings preset (test: tiny CPU shapes)",
+                  flag_values=FLAGS)
+flags.DEFINE_string("T", "", "comma-separated lengths (default: the preset's)", flag_values=FLAGS)
+flags.DEFINE_string("omega", "", "comma-separated SSA head fractions (default: the preset's)",
+                    flag_values=FLAGS)
+flags.DEFINE_integer("n", None, "timed calls per measurement, the median is reported (default: "
+                     "the preset's)", flag_values=FLAGS)
+flags.DEFINE_string("variants", "", "subset of " + ",".join(Settings.variants), flag_values=FLAGS)
+flags.DEFINE_integer("fwd_sub_tile", 0, "Triton forward kv sub-tile (divides the block; 0: the "
+                     "api's default)", flag_values=FLAGS)
+flags.DEFINE_enum("impl", "", ["", "triton", "mosaic_gpu"], "the block-sparse kernel timed "
+                  "(default: the preset's, triton)", flag_values=FLAGS)
+flags.DEFINE_bool("kernels_alone", False, "mosaic_gpu: also time the forward, dq and dk/dv "
+                  "kernels alone (all heads full) beside cuDNN", flag_values=FLAGS)
+flags.DEFINE_bool("window_or_blocks", False, "only time HEAD_WINDOW_BLOCKS (window 2048 OR 4 "
+                  "chunks) at 64K vs the window alone and cuDNN (Mosaic GPU) and print the ms",
+                  flag_values=FLAGS)
+
+
+def settings_from_flags(args) -> Settings:
+  """The preset with the flags' overrides."""
   kw = {}
   if args.T:
     kw["Ts"] = tuple(int(x) for x in args.T.split(","))
@@ -496,7 +489,16 @@ def main():
     kw["impl"] = args.impl
   if args.kernels_alone:
     kw["kernels_alone"] = True
-  s = dataclasses.replace(s, **kw)
+  return dataclasses.replace(PRESETS[args.preset], **kw)
+
+
+def main(argv=None):
+  """`python -m bench.block_sparse [--flags]`; argv: a list of flags (tests), None: sys.argv."""
+  args = common.parse_flags(FLAGS, argv)
+  if args.window_or_blocks:
+    print(json.dumps(window_or_blocks(n=args.n or 5)), flush=True)
+    return
+  s = settings_from_flags(args)
   set_fwd_sub_tile(s.fwd_sub_tile, s.block)
   if s.preset != "test" and not on_gpu():
     raise SystemExit(f"bench.block_sparse --preset={s.preset} needs a GPU (backend "

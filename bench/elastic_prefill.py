@@ -2,7 +2,7 @@
 Omega = 0.7), on one GPU.
 
     python -m bench.elastic_prefill                     # T = 65536, 5 Qwen3-8B-shaped layers
-    python -m bench.elastic_prefill --preset test       # tiny CPU shapes (tests)
+    python -m bench.elastic_prefill --preset=test       # tiny CPU shapes (tests)
 
 Rows, timed in the same process (2 warm-ups, median of n, block_until_ready):
   dense        the dense decoder's forward over one row of T tokens (attention: ops 'auto',
@@ -27,7 +27,6 @@ version, date, settings; the claims bench/claims/elastic_prefill.py registers re
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import datetime
 import json
@@ -40,6 +39,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
   sys.path.insert(0, ROOT)
 
+from absl import flags  # noqa: E402
+from bench import common  # noqa: E402
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -162,17 +163,18 @@ def run(s: Settings, log=print) -> dict:
               timing=f"median of {s.n} after 2 warm-ups, same process", rows=rows)
 
 
+FLAGS = common.flag_values()
+flags.DEFINE_enum("preset", "gpu", sorted(PRESETS), "settings preset (test: tiny CPU shapes)",
+                  flag_values=FLAGS)
+flags.DEFINE_integer("T", None, "tokens of the row (default: the preset's)", flag_values=FLAGS)
+flags.DEFINE_integer("layers", None, "decoder layers (default: the preset's)", flag_values=FLAGS)
+flags.DEFINE_integer("fwd_sub_tile", 0, "block-sparse Triton forward kv sub-tile (0: the api's "
+                     "default)", flag_values=FLAGS)
+
+
 def main(argv=None) -> int:
-  ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--preset", default="gpu", choices=sorted(PRESETS))
-  ap.add_argument("--T", type=int, default=None)
-  ap.add_argument("--layers", type=int, default=None)
-  ap.add_argument("--fwd-sub-tile", type=int, default=0,
-                  help="block-sparse Triton forward kv sub-tile (0: the api's default)")
-  ap.add_argument("--out_dir", default=os.environ.get("OUT", os.path.join(ROOT, "bench",
-                                                                          "results")),
-                  help="directory of the result file elastic_prefill_<device>.json (runs appended)")
-  a = ap.parse_args(argv)
+  """`python -m bench.elastic_prefill [--flags]`; argv: a list of flags (tests), None: sys.argv."""
+  a = common.parse_flags(FLAGS, argv)
   s = PRESETS[a.preset]
   s = dataclasses.replace(s, **{k: v for k, v in (("T", a.T), ("layers", a.layers)) if v})
   if a.fwd_sub_tile:
@@ -182,7 +184,6 @@ def main(argv=None) -> int:
     print("preset 'gpu' needs a GPU (use --preset test on CPU)")
     return 2
   res = run(s)
-  from bench import common
   path = common.result_path("elastic_prefill", a.out_dir, res["device"])
   common.write_result(path, "elastic_prefill", res, name=a.preset)
   print(f"wrote {path}")

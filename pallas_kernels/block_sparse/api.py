@@ -100,7 +100,7 @@ def _backend_module(name: str):
 # tile keeps two 128 x H float32 accumulators live and spills).
 TRITON_SUB_TILE = 64
 # Forward (Triton): kv tiles are walked in sub-tiles of this many keys (bench/block_sparse.py
-# --fwd-sub-tile times the choices against cuDNN in one process).
+# --fwd_sub_tile times the choices against cuDNN in one process).
 TRITON_FWD_SUB_TILE = 128
 
 

@@ -56,3 +56,21 @@ def test_visible_fraction_of_ssa_heads():
   mode_full, _ = bench.head_modes(s, 0.0)
   assert bench.visible_fraction(s, 64, lists, mode_full) == 1.0
   assert np.all(np.asarray(mode_full) == bench.HEAD_FULL)
+
+
+def test_absl_flags_of_block_sparse_and_elastic_prefill(capsys):
+  """Both benches parse absl flags (bench/common.py's convention) into their settings; a GPU
+  preset on a CPU stops before any compilation."""
+  from bench import common
+  from bench import elastic_prefill as ep
+  args = common.parse_flags(bench.FLAGS, ["--preset=test", "--T=32,64", "--omega=0.3",
+                                          "--impl=mosaic_gpu", "--kernels_alone", "--n=3",
+                                          "--variants=fused", "--out_dir=/tmp/x"])
+  s = bench.settings_from_flags(args)
+  assert (s.preset, s.Ts, s.omegas, s.impl, s.kernels_alone, s.n, s.variants) == (
+      "test", (32, 64), (0.3,), "mosaic_gpu", True, 3, ("fused",))
+  assert args.out_dir == "/tmp/x"
+  assert bench.settings_from_flags(common.parse_flags(bench.FLAGS, ["--preset=test"])) == \
+      bench.PRESETS["test"]
+  assert ep.main(["--preset=gpu", "--T=64", "--layers=1"]) == 2  # on CPU: refused, no run
+  assert "needs a GPU" in capsys.readouterr().out
