@@ -93,6 +93,7 @@ def test_tiny_recipe_router_learns(tmp_path):
   c.train.progress_bar = False
   c.eval.num_batches = 1
   res = loop.run(c, str(tmp_path))
+  assert res["step"] == 60 and not res["stopped_early"] and np.isfinite(res["train"]["loss"])
   rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
   train = [r for r in rows if "train/aha/mu_f" in r]
   assert len(train) == 12

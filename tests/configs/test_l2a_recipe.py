@@ -120,6 +120,7 @@ def test_tiny_recipe_trains_evaluates_and_prunes(tmp_path):
   c.train.progress_bar = False
   c.eval.num_batches = 1
   res = loop.run(c, str(tmp_path))
+  assert res["step"] == 6 and not res["stopped_early"] and np.isfinite(res["train"]["loss"])
   rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
   train_rows = [r for r in rows if "train/l2a/sparsity_layer_0" in r]
   assert train_rows, rows[:2]

@@ -1,7 +1,8 @@
 """Conformance, training half (the other checks: test_conformance.py): every registered scheme
 with a `Scheme.tiny` factory has a tiny recipe (configs/<recipe>.py:tiny whose model.scheme.name
 is the scheme; dense: configs/tiny.py) that runs three steps through train.loop.run with a finite
-loss, and whose sharded train step cross-lowers for TPU and for CUDA from this host
+loss (or, for the schemes in LOOP_TESTED, the recipe test that already runs it for more steps),
+and whose sharded train step cross-lowers for TPU and for CUDA from this host
 (train.loop.export_train_step on a 2x2x2 mesh of abstract devices)."""
 import functools
 import glob
@@ -41,8 +42,38 @@ def tiny_recipe(name, steps=3):
   return c
 
 
+# Schemes whose tiny recipe a recipe test already runs through train.loop.run (more steps, the
+# same step / stopped_early / finite-loss assertions, and the scheme's own metrics): the
+# three-step run below would compile the same train step again, so it runs for the others only.
+LOOP_TESTED = {
+    "dense": "tests/train/test_checkpoint.py::straight",
+    "l2a": "tests/configs/test_l2a_recipe.py::test_tiny_recipe_trains_evaluates_and_prunes",
+    "aha": "tests/configs/test_aha_recipe.py::test_tiny_recipe_router_learns",
+    "elastic": "tests/configs/test_elastic_recipe.py::test_tiny_run_moves_omega_toward_the_target",
+    "segmented": "tests/configs/test_segmented_recipe.py::"
+                 "test_tiny_recipe_trains_through_the_segmented_forward",
+}
+
+
+@pytest.mark.parametrize("name", sorted(LOOP_TESTED))
+def test_loop_tested_schemes_name_a_test_that_runs_their_tiny_recipe(name):
+  """The test LOOP_TESTED names exists, runs the scheme's tiny recipe through train.loop.run and
+  asserts the finished step (a renamed or rewritten test brings the three-step run back)."""
+  path, func = LOOP_TESTED[name].split("::")
+  src = open(os.path.join(ROOT, path)).read()
+  body = src[src.index(f"def {func}("):]
+  end = body.find("\ndef ", 1)
+  body = body if end < 0 else body[:end]
+  assert "loop.run(" in body and "stopped_early" in body, LOOP_TESTED[name]
+  if name == "dense":
+    assert "tiny(" in body, LOOP_TESTED[name]  # _train_helpers.tiny: configs/tiny.py
+  else:
+    recipe_file = os.path.basename(recipes()[name].split(":")[0])
+    assert f'"{recipe_file}"' in src and 'recipe("tiny' in body, (LOOP_TESTED[name], recipe_file)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("name", [n for n in NAMES if n not in LOOP_TESTED])
 def test_three_steps_through_the_loop(name, tmp_path):
   from condattn_jax.train import loop
   res = loop.run(tiny_recipe(name), str(tmp_path))

@@ -22,6 +22,7 @@ def straight(tmp_path_factory):
   losses = {}
   r = loop.run(c, wd, on_step=lambda s, m: losses.__setitem__(s, float(m["loss"])))
   assert r["step"] == N and not r["stopped_early"]
+  assert np.isfinite(r["train"]["loss"]), r["train"]
   return wd, c, losses
 
 
