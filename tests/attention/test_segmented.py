@@ -237,3 +237,53 @@ def test_recipes_refuse_packed_rows_for_one_document_schemes():
     c.data.packing = packing
     with pytest.raises(ValueError, match=r"config.data.packing='%s'.*'one_per_row'" % packing):
       config_lib.validate_config(c, needs_data=False)
+
+
+def test_empty_restart_boundary_is_the_authors_recompute_from_an_empty_start():
+  """tbptt_boundary='empty_restart' (the authors' trainer): with K = 1 the loss's segment i sees
+  segment i-1 recomputed from an empty start, i.e. exactly the plain segmented forward over the
+  two-segment window [i-1, i] (no retrieval here: long_layers=()); 'true_state' differs from it
+  from segment 2 on and equals it on segments 0 and 1. The operator's restart_B also drops the
+  retrieved prefix: a restarted chunk of a long layer with a full pool == the first segment's."""
+  cfg, dp = _dense("llama", layers=2)
+  S = OPTS["segment_len"]
+  kw = {**OPTS, "long_layers": (), "remat_segments": False}
+  rcfg, sp = attention.convert(dp, cfg, "segmented", **kw, tbptt_boundary="empty_restart")
+  tcfg = attention.configure(cfg, "segmented", **kw)
+  toks = np.asarray(jax.random.randint(jax.random.PRNGKey(7), (1, 4 * S), 0, 64))
+  # rows: the sequence, then the windows [i-1, i] (i = 1, 2, 3) at its start, zero-padded
+  rows = np.concatenate([toks] + [np.pad(toks[:, (i - 1) * S:(i + 1) * S], ((0, 0), (0, 2 * S)))
+                                  for i in (1, 2, 3)])
+  run = lambda c: np.asarray(jax.jit(lambda p, t: sgm.forward(Decoder(c), p, t, train=True)[0])(
+      sp, jnp.asarray(rows)))
+  restart, true = run(rcfg), run(tcfg)
+  for i in (1, 2, 3):
+    np.testing.assert_allclose(restart[0, i * S:(i + 1) * S], true[i, S:2 * S], atol=1e-5, rtol=0)
+  np.testing.assert_allclose(restart[0, :2 * S], true[0, :2 * S], atol=1e-5, rtol=0)
+  assert np.abs(restart[0, 2 * S:] - true[0, 2 * S:]).max() > 1e-3
+  with pytest.raises(ValueError, match="tbptt_boundary='empty_restart' needs tbptt >= 1"):
+    sgm.SegmentedOptions(**OPTS, tbptt=0, tbptt_boundary="empty_restart")
+  with pytest.raises(ValueError, match="tbptt_boundary='empty' must be one of"):
+    sgm.SegmentedOptions(**OPTS, tbptt_boundary="empty")
+  # operator level, a long layer: segment 3 restarted == the same chunk as a first segment
+  o = sgm.SegmentedOptions(**OPTS)
+  mcfg = ModelConfig(family="llama", num_heads=4, num_kv_heads=2, head_dim=8, rope_theta=100.0)
+  g = sgm.head_groups(mcfg, o)
+  q, k, v = (jax.random.normal(key, (1, 4 * S, n, 8)) for key, n in
+             zip(jax.random.split(jax.random.PRNGKey(2), 3), (4, 2, 2)))
+  step = jax.jit(functools.partial(sgm.segment_step, config=mcfg, o=o, groups=g,
+                                   long_layer=True, impl="reference"))
+  st = sgm.init_state(mcfg, o, g, True, 1, 4 * S, jnp.float32)
+  ok = jnp.ones((1, S), bool)
+  pos = lambda i: jnp.arange(i * S, (i + 1) * S)[None]
+  for i in range(3):
+    _, st = step(st, q[:, i * S:(i + 1) * S], k[:, i * S:(i + 1) * S], v[:, i * S:(i + 1) * S],
+                 pos(i), ok, restart_B=jnp.zeros(1, bool))
+  c = slice(3 * S, 4 * S)
+  first, _ = step(sgm.init_state(mcfg, o, g, True, 1, 4 * S, jnp.float32), q[:, c], k[:, c],
+                  v[:, c], pos(0), ok)
+  restarted, st2 = step(st, q[:, c], k[:, c], v[:, c], pos(3), ok, restart_B=jnp.ones(1, bool))
+  carried, st3 = step(st, q[:, c], k[:, c], v[:, c], pos(3), ok, restart_B=jnp.zeros(1, bool))
+  np.testing.assert_allclose(np.asarray(restarted), np.asarray(first), atol=1e-5, rtol=0)
+  assert np.abs(np.asarray(carried) - np.asarray(first)).max() > 1e-3
+  jax.tree.map(np.testing.assert_array_equal, st2, st3)  # the state transitions as usual

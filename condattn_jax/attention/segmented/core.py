@@ -159,11 +159,14 @@ def _transition(state, boundary_B, seg_B, config, o: SegmentedOptions, groups: H
 
 def segment_step(state: dict, q_BCNH, k_BCKH, v_BCKH, positions_BC, valid_BC, *,
                  config: ModelConfig, o: SegmentedOptions, groups: HeadGroups, long_layer: bool,
-                 impl: str | None = None):
+                 impl: str | None = None, restart_B=None):
   """One chunk inside one segment (per row): (out_BCNH, new state). See the module docstring.
 
   positions_BC: absolute token positions (row b's valid tokens first, padding after);
-  valid_BC: bool, real tokens. impl: ops.attention's (default config.attention_impl)."""
+  valid_BC: bool, real tokens. impl: ops.attention's (default config.attention_impl).
+  restart_B: None, or per row: run this chunk as a first segment's (no carried tail, no
+  retrieved prefix; the state still transitions and is written as usual): the authors'
+  empty-tail TBPTT restart (`tbptt_boundary='empty_restart'`, forward.py)."""
   B, C, N, H = q_BCNH.shape
   S, M = o.segment_len, o.tail_len
   if C > S:
@@ -214,17 +217,20 @@ def segment_step(state: dict, q_BCNH, k_BCKH, v_BCKH, positions_BC, valid_BC, *,
     return attend(q_g, k_g, v_seg, q_positions_BT=q_pos, kv_positions_BS=kv_pos,
                   kv_segment_ids_BS=kv_ids, impl=impl)
 
+  carried_B = seg_B > 0  # the row has a carried state (tail / retrieved prefix) to attend to
+  if restart_B is not None:
+    carried_B = carried_B & ~jnp.asarray(restart_B, bool)
   out = jnp.zeros_like(q_BCNH)
   if len(groups.local_q):
     prefix = None
     if M:
-      has_prev = jnp.broadcast_to((seg_B > 0)[:, None], (B, M))
+      has_prev = jnp.broadcast_to(carried_B[:, None], (B, M))
       prefix = (state["tail_k"], state["tail_v"], has_prev)
     out = out.at[:, :, groups.local_q].set(run(groups.local_q, groups.local_kv, prefix))
   if len(groups.long_q):
     prefix = None
     if "ret_k" in state:
-      prefix = (state["ret_k"], state["ret_v"], state["ret_valid"] * (seg_B > 0)[:, None])
+      prefix = (state["ret_k"], state["ret_v"], state["ret_valid"] * carried_B[:, None])
     out = out.at[:, :, groups.long_q].set(run(groups.long_q, groups.long_kv, prefix))
   return out, state
 

@@ -11,10 +11,15 @@ the state stream s - 1 produced one segment earlier, and stream K gives the outp
 hidden). All streams compute the same values; they differ only in how far back their incoming
 state carries gradients, so stream K's loss reaches segments i-1 .. i-K and no further. The
 pool and the retrieved prefix are stop_gradient inside the operator. Cost: (K + 1) x a plain
-forward (the authors' code recomputes the K previous segments per segment: the same). The
-boundary is the paper's (Def. 3.2): stream 0 starts from stop_gradient of the TRUE state, so
-values equal inference's; the authors' trainer instead restarts the oldest recomputed segment
-from an empty tail (not implemented: it needs a "tail empty" flag in the operator).
+forward (the authors' code recomputes the K previous segments per segment: the same).
+
+The boundary (`tbptt_boundary`): 'true_state' (default, the paper's Def. 3.2): stream 0 starts
+from stop_gradient of the TRUE state, so values equal inference's. 'empty_restart' (the
+authors' trainer.py): stream 0 runs its segment as a first segment (no carried tail, no
+retrieved prefix: ctx.fields[layer.RESTART_FIELD] on its rows), so stream K's segment i sees
+segments i-K.. recomputed from an empty start; its values differ from inference's. (The pool
+entries of the restarted segments are the restarted stream's K/V; the authors' pool keeps the
+K/V of each segment's first computation. The pool is forward-only either way.)
 
 The CE is normalised by the number of target tokens by the train step (sum(mask * CE) /
 sum(mask)); the authors' code averages per segment instead (not the same when segments carry
@@ -27,6 +32,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from condattn_jax.attention import options
+from condattn_jax.attention.segmented.layer import RESTART_FIELD
 
 
 def _init_cache(model, params, batch: int, cache_len: int):
@@ -60,6 +66,8 @@ def forward(model, params, tokens_BT, positions_BT=None, segment_ids_BT=None, *,
   rep = lambda x: jnp.repeat(x, NS, axis=0)  # [B, ...] -> [B * NS, ...], row-major streams
   per_row = lambda v: jnp.ndim(v) >= 1 and jnp.shape(v)[0] == B
   fields = {k: rep(v) if per_row(v) else v for k, v in (fields or {}).items()}
+  if o.tbptt_boundary == "empty_restart":  # stream 0 of every row restarts empty
+    fields[RESTART_FIELD] = jnp.tile(jnp.arange(NS) == 0, B)
   task = None if task_ids_B is None else rep(task_ids_B)
   cache0 = _init_cache(model, params, B * NS, n * S)
   for leaf in jax.tree.leaves(cache0):

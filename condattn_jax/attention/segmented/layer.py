@@ -26,6 +26,11 @@ from condattn_jax.models.context import LayerContext
 from condattn_jax.models.layers import Attention, make_norm, mlp_residual
 
 
+# ctx.fields entry [B] (bool) the training forward sets on the streams that restart empty
+# (options.tbptt_boundary == 'empty_restart'; forward.py); absent everywhere else.
+RESTART_FIELD = "segmented_restart"
+
+
 class SegmentedLayer(nn.Module):
   """pre-norm : x + Attn_seg(input_layernorm(x)), then the MLP half (post-norm olmo2 as dense).
   variant: 'long' (holds a retrieval pool) | 'local'. aux: {} (no per-layer metrics)."""
@@ -59,7 +64,8 @@ class SegmentedLayer(nn.Module):
       var = {n: self.variable("cache", n, jnp.zeros, s, d)
              for n, (s, d) in shapes.items()}
       out, state = core.segment_step({n: v_.value for n, v_ in var.items()}, q, k, v,
-                                     ctx.positions_BT, ctx.valid_BT, **kw)
+                                     ctx.positions_BT, ctx.valid_BT,
+                                     restart_B=ctx.fields.get(RESTART_FIELD), **kw)
       for n, v_ in var.items():
         v_.value = state[n]
     else:

@@ -12,6 +12,7 @@ from condattn_jax.models.config import ModelConfig
 # docs/schemes/segmented.md#choices: 32-head LLaMA-2 defaults (paper; the authors' code agrees on the heads).
 LLAMA2_LONG_HEADS = (0, 1, 2, 4, 9, 12, 14, 15, 16, 18, 19, 22, 23, 26, 29, 30)
 LLAMA2_LONG_LAYERS = (6, 8, 11, 18)  # the authors' code uses 16 instead of 18 (a config list)
+TBPTT_BOUNDARIES = ("true_state", "empty_restart")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,6 +40,12 @@ class SegmentedOptions:
                   alike; 1 = every segment, the paper).
   remat_segments  training forward: rematerialise each segment step in the backward pass
                   (activation memory O(S), not O(T)).
+  tbptt_boundary  where the training forward's gradient window starts (docs/schemes/segmented.md#choices):
+                  'true_state' (the paper, Def. 3.2): the oldest recomputed segment starts from
+                  stop_gradient of the TRUE carried state, so values equal inference's;
+                  'empty_restart' (the authors' trainer): the oldest recomputed segment runs as
+                  a first segment (no carried tail, no retrieved prefix), so the loss's segment
+                  sees a tail computed from an empty start. Needs tbptt >= 1.
   """
   segment_len: int = 4096
   tail_len: int = 512
@@ -55,6 +62,7 @@ class SegmentedOptions:
   expand: tuple = (-3, 4)
   refresh: int = 1
   remat_segments: bool = True
+  tbptt_boundary: str = "true_state"
 
   def __post_init__(self):
     object.__setattr__(self, "long_heads", tuple(int(h) for h in self.long_heads))
@@ -69,6 +77,12 @@ class SegmentedOptions:
       v = getattr(self, f)
       if int(v) != v or v < 0:
         raise ValueError(f"model.scheme.{f}={v!r} must be an int >= 0.")
+    if self.tbptt_boundary not in TBPTT_BOUNDARIES:
+      raise ValueError(f"model.scheme.tbptt_boundary={self.tbptt_boundary!r} must be one of "
+                       f"{TBPTT_BOUNDARIES}.")
+    if self.tbptt_boundary == "empty_restart" and self.tbptt < 1:
+      raise ValueError("model.scheme.tbptt_boundary='empty_restart' needs tbptt >= 1 (with "
+                       "tbptt=0 every segment would restart empty); set tbptt or 'true_state'.")
     if self.tail_len > self.segment_len:
       raise ValueError(f"model.scheme.tail_len={self.tail_len} must be <= segment_len="
                        f"{self.segment_len} (the tail is cut from one segment).")
