@@ -126,7 +126,7 @@ PRESETS = {
                    windows=(16,), seeds=(0,), eval_rows=128, num_queries=4, log_every=100),
     "h100": Settings(seq_len=512, num_keys=32, num_values=16, num_queries=16, num_layers=4,
                      hidden_size=128, num_heads=8, num_kv_heads=4, batch_size=64,
-                     dense_steps=4000, aha_steps=3000, windows=(16, 32, 64, 128, 256),
+                     dense_steps=3000, aha_steps=1500, windows=(16, 32, 64, 128, 256),
                      lams=(3e-3, 1e-2, 3e-2, 1e-1), static_lrs=(3e-4, 1e-3, 3e-3), sweep_seeds=3,
                      eval_rows=2048, log_every=500),
     "test": Settings(seq_len=48, num_queries=4, dense_steps=3, aha_steps=5, lams=(3e-2,),
@@ -422,12 +422,21 @@ flags.DEFINE_enum("preset", "cpu", sorted(PRESETS), "size: cpu (recorded), ci (t
                   "h100 (one H100, docs/schemes/aha.md), test (seconds)", flag_values=FLAGS)
 
 
+flags.DEFINE_list("seeds", None, "override the preset's seeds (e.g. 0: one seed a command on a "
+                  "slow machine; the run is then named <preset>_seeds<list>)", flag_values=FLAGS)
+
+
 def main(argv=None):
   a = common.parse_flags(FLAGS, argv)
-  res = run(PRESETS[a.preset])
-  res["preset"] = a.preset
-  out = common.result_path("aha_repro", a.out_dir, fixed=FILES.get(a.preset))
-  common.write_result(out, "aha_repro", res, name=a.preset)
+  s = PRESETS[a.preset]
+  name = a.preset
+  if a.seeds:
+    s = dataclasses.replace(s, seeds=tuple(int(x) for x in a.seeds))
+    name = f"{a.preset}_seeds{'_'.join(a.seeds)}"
+  res = run(s)
+  res["preset"] = name
+  out = common.result_path("aha_repro", a.out_dir, fixed=FILES.get(name))
+  common.write_result(out, "aha_repro", res, name=name)
   print(f"wrote {out}")
   return res
 

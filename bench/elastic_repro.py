@@ -128,7 +128,7 @@ PRESETS = {
     "h100": Settings(seq_len=512, num_keys=32, num_values=32, num_facts=16, num_queries=4,
                      sink_pad=64, num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4,
                      block=64, sinks=64, local=128, boundary=32, batch_size=64,
-                     dense_steps=6000, router_steps=2000, static_lrs=(3e-4, 1e-3, 3e-3),
+                     dense_steps=4000, router_steps=1500, static_lrs=(3e-4, 1e-3, 3e-3),
                      seeds=(0, 1, 2), ablation_seeds=3, eval_rows=2048, select_rows=1024,
                      log_every=500),
     "test": Settings(dense_steps=3, router_steps=5, static_lrs=(1e-3,), arms=("single",),
@@ -411,12 +411,21 @@ flags.DEFINE_enum("preset", "cpu", sorted(PRESETS), "size: cpu (recorded), ci (t
                   "h100 (one H100, docs/schemes/elastic.md), test (seconds)", flag_values=FLAGS)
 
 
+flags.DEFINE_list("seeds", None, "override the preset's seeds (e.g. 0: one seed a command on a "
+                  "slow machine; the run is then named <preset>_seeds<list>)", flag_values=FLAGS)
+
+
 def main(argv=None):
   a = common.parse_flags(FLAGS, argv)
-  res = run(PRESETS[a.preset])
-  res["preset"] = a.preset
-  out = common.result_path("elastic_repro", a.out_dir, fixed=FILES.get(a.preset))
-  common.write_result(out, "elastic_repro", res, name=a.preset)
+  s = PRESETS[a.preset]
+  name = a.preset
+  if a.seeds:
+    s = dataclasses.replace(s, seeds=tuple(int(x) for x in a.seeds))
+    name = f"{a.preset}_seeds{'_'.join(a.seeds)}"
+  res = run(s)
+  res["preset"] = name
+  out = common.result_path("elastic_repro", a.out_dir, fixed=FILES.get(name))
+  common.write_result(out, "elastic_repro", res, name=name)
   print(f"wrote {out}")
   return res
 
