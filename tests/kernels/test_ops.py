@@ -660,11 +660,14 @@ def test_split_full_heads_matches_the_reference_with_gradients():
   sparse_fn = ops._block_sparse(None, "triton", interpret=True)  # the kernel, interpret mode
   split = lambda q, k, v: composite.split_full_heads(q, k, v, mask, dense_fn, sparse_fn)
   ref = lambda q, k, v: ops.attention(q, k, v, mask, impl="reference")
-  np.testing.assert_allclose(split(q, k, v), ref(q, k, v), atol=2e-5)
-  assert 4 in calls  # lax.switch traced every head count; C = 2 KV heads = 4 query heads ran
   ct = jnp.asarray(np.random.default_rng(4).standard_normal(q.shape), jnp.float32)
-  g_split = jax.grad(lambda *a: jnp.sum(split(*a) * ct), argnums=(0, 1, 2))(q, k, v)
-  g_ref = jax.grad(lambda *a: jnp.sum(ref(*a) * ct), argnums=(0, 1, 2))(q, k, v)
+  # output and gradients in one jitted program per side
+  both = lambda f: jax.jit(lambda *a: (f(*a), jax.grad(lambda *b: jnp.sum(f(*b) * ct),
+                                                        argnums=(0, 1, 2))(*a)))
+  out_split, g_split = both(split)(q, k, v)
+  out_ref, g_ref = both(ref)(q, k, v)
+  np.testing.assert_allclose(out_split, out_ref, atol=2e-5)
+  assert 4 in calls  # lax.switch traced every head count; C = 2 KV heads = 4 query heads ran
   for a, b in zip(g_split, g_ref):
     np.testing.assert_allclose(a, b, atol=5e-5)
 
