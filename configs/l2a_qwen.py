@@ -33,6 +33,8 @@ Recipe (paper F.1, E.1.3 and the authors' code; numbers are fields):
 Args (comma separated after the variant name): steps, seq, batch, window, lam (lambda_max),
   lam_schedule (ramp | constant), lam_ramp_frac (fraction of the post-warmup steps the ramp takes),
   p_force, tau, theta, routing (learned | bernoulli | all | none), q (bernoulli_q), lr;
+  real variants only: sequence (config.mesh.sequence: a row's tokens over that many devices,
+  the paper's 8: `configs/l2a_qwen.py:sequence=8`; needs a multiple of 8 devices);
   tiny only: pairs, gap (MQAR min_gap), layers, width, freeze (freeze FFN + embeddings as the
   real recipes do; default off for a random init).
 """
@@ -92,7 +94,7 @@ def get_config(arg=None):
   else:
     a = parse_arg(rest, steps=0, seq=131072, batch=v["batch"], window=4096, lam=1.3e-3,
                   lam_schedule="ramp", lam_ramp_frac=1.0, p_force=0.1, tau=0.1, theta=0.5,
-                  routing="learned", q=0.2, lr=5e-5)
+                  routing="learned", q=0.2, lr=5e-5, sequence=1)
   c = default_config()
   c.train.num_steps = a.steps or max(1, round(v["tokens"] / (a.batch * a.seq)))
   _scheme(c, a)
@@ -160,6 +162,7 @@ def get_config(arg=None):
   t.checkpoint_every = 200
   t.keep_checkpoints = 3
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
+  c.mesh.sequence = a.sequence  # the paper: 8 (a 128K row over 8 devices)
   c.eval.context_lengths = tuple(L for L in (32768, 65536, 131072) if L <= a.seq) or (a.seq,)
   c.eval.num_batches = 8
   c.eval.batch_size = 8

@@ -31,7 +31,10 @@ Attention per shard (the local queries: [B_shard, T / n, N_shard, H]):
                         no sinks: a halo exchange: each chunk gets the last window - 1 tokens of
                         the chunk before it (chunk i's from shard i-1, chunk 2n-1-i's from shard
                         i+1, shard n-1's second chunk from its own first), and attends over
-                        [halo ; chunk]. Otherwise the strategy above (correct for any window).
+                        [halo ; chunk] (the halo rounded up so that it plus the chunk is a
+                        multiple of 128 where a chunk holds that: the kernels' tile; the extra
+                        keys are outside the window). Otherwise the strategy above (correct
+                        for any window).
 Queries that see no key (padding, inactive, fully masked ring steps or shards) give zeros,
 never NaN.
 
@@ -252,6 +255,8 @@ def _halo(ax, n, impl, scale):
   def fn(q, k, v, mask):
     B, Tl = q.shape[:2]
     C, h = Tl // 2, mask.window - 1
+    if h and h + (-(h + C)) % 128 <= C:  # a longer halo (masked) keeps kv a multiple of 128
+      h += (-(h + C)) % 128                # (the kernels' tile)
     i = lax.axis_index(ax)
     seg = mask.q_segment_ids_BT
     seg = jnp.ones((B, Tl), jnp.int32) if seg is None else seg  # halo filler gets id 0

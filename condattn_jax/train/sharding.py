@@ -2,16 +2,16 @@
 
 One table (`RULES`) maps every logical axis name used by the models to mesh axes:
 
-  params       vocab -> tensor, embed -> fsdp, q_heads/kv_heads -> tensor, mlp -> tensor,
-               head_dim/norm -> replicated
+  params       vocab -> tensor, embed -> (fsdp, sequence), q_heads/kv_heads -> tensor,
+               mlp -> tensor, head_dim/norm -> replicated
   activations  activation_batch -> (data, fsdp), activation_length -> sequence,
                activation_heads/activation_mlp -> tensor, activation_embed -> replicated
 
 so `data` is pure data parallelism, `fsdp` shards the batch AND the parameters / optimizer state
 (ZeRO-3; params are all-gathered per layer by XLA), `sequence` is context parallelism (a row's
 tokens split over devices in the load-balanced zigzag layout; attention runs per shard in
-jax.shard_map: condattn_jax/parallel/context.py), `tensor` is Megatron-style head / MLP /
-vocab parallelism. A parameter dimension that a mesh axis does not divide falls back to
+jax.shard_map: condattn_jax/parallel/context.py) and shards the parameters / optimizer state
+like fsdp, `tensor` is Megatron-style head / MLP / vocab parallelism. A parameter dimension that a mesh axis does not divide falls back to
 replicated on that axis (logged once), so odd head counts still run.
 
 Flax reads the rules and the mesh from context: run model code inside `mesh_context(mesh)`
@@ -44,7 +44,7 @@ RULES: tuple[tuple[str, Any], ...] = (
     ("activation_vocab", "tensor"),
     # parameters
     ("vocab", "tensor"),
-    ("embed", "fsdp"),
+    ("embed", ("fsdp", "sequence")),  # ZeRO-3 over the sequence axis too (MaxText's rule)
     ("q_heads", "tensor"),
     ("kv_heads", "tensor"),
     ("head_dim", None),
@@ -119,6 +119,9 @@ def logical_to_spec(names, shape, mesh, rules=RULES) -> P:
   for i, (axes, dim) in enumerate(zip(spec, shape)):
     if axes is None:
       continue
+    if isinstance(axes, tuple):  # a group's size-1 axes dropped (all size 1: its first axis)
+      kept = tuple(a for a in axes if mesh.shape[a] > 1) or axes[:1]
+      axes = spec[i] = kept if len(kept) > 1 else kept[0]
     tup = axes if isinstance(axes, tuple) else (axes,)
     size = math.prod(mesh.shape[a] for a in tup)
     if dim % size:

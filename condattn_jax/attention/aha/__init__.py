@@ -17,4 +17,4 @@ AHA = register(Scheme(
     name="aha", layer_cls=AHALayer, options=AHAOptions, check=refuse_sliding_window,
     aux_loss=aux_loss, from_dense=from_dense, to_dense=to_dense, headline_metric="aha/mu_f",
     kv_cache_bytes=kv_cache_bytes, reports={"usage": usage_report, "measure": measure_usage},
-    tiny=tiny))
+    sequence_parallel=True, tiny=tiny))

@@ -25,4 +25,7 @@ ELASTIC = register(Scheme(
     headline_metric="elastic/omega_msr", kv_cache_bytes=kv_cache_bytes,
     reports={"sparsity": sparsity_report, "measure": measure}, module=Multipliers,
     ascent_params=("scheme/lagrange",),
-    serving_forward=serving_forward, packed_documents=False, tiny=tiny))
+    serving_forward=serving_forward, packed_documents=False,
+    sequence_parallel=("its router pools the whole prompt and its block lists index query "
+                       "blocks of the whole row"),
+    tiny=tiny))

@@ -24,4 +24,6 @@ from condattn_jax.attention.segmented.report import kv_cache_bytes, visible_kv_l
 SEGMENTED = register(Scheme(
     name="segmented", layer_cls=SegmentedLayer, options=SegmentedOptions, check=check,
     from_dense=from_dense, to_dense=to_dense, layer_variants=layer_variants,
-    kv_cache_bytes=kv_cache_bytes, forward=forward, packed_documents=False, tiny=tiny))
+    kv_cache_bytes=kv_cache_bytes, forward=forward, packed_documents=False,
+    sequence_parallel="its forward is a sequential scan over the row's segments",
+    tiny=tiny))
