@@ -527,26 +527,57 @@ def _cudnn(scale):
   return fn
 
 
-def _cudnn_decode(scale, implementation: str = "cudnn"):
-  """One query per row over a full cache through cuDNN with per-row kv lengths, the GQA group
-  folded into the query rows: q [B, 1, K*G, H] -> [B, G, K, H] (G query rows per kv head, no
-  causal mask: the whole fill is visible), kv length = the row's fill (1 where the row is
-  inactive; its output is zeroed). implementation: jax.nn.dot_product_attention's ('xla': the
-  same folding on any backend, for tests)."""
+DECODE_CTAS = 264  # cuDNN decode: split the kv length until about 2 programs per H100 SM
+
+
+def decode_splits(B: int, S: int, K: int, target: int = DECODE_CTAS) -> int:
+  """Kv splits of the cuDNN decode path: the largest power of two P with B * K * P <= target,
+  S % P == 0 and S / P >= 128 (cuDNN runs one program per (row, kv head, query tile) and walks
+  the kv length in it: at B = 1 an unsplit call leaves most of the GPU idle)."""
+  P = 1
+  while B * K * P * 2 <= target and S % (P * 2) == 0 and S // (P * 2) >= 128:
+    P *= 2
+  return P
+
+
+def _cudnn_decode(scale, implementation: str = "cudnn", splits: int | None = None):
+  """One query per row over a full cache through cuDNN with per-row kv lengths.
+
+  The GQA group is folded into the query rows: q [B, 1, K*G, H] -> [B, G, K, H] (G query rows
+  per kv head, no causal mask: the whole fill is visible), so each K/V tile is read once for its
+  group. The kv length is split into P = decode_splits(...) contiguous parts that run as extra
+  rows ([B, S, K, H] -> [B*P, S/P, K, H], a free reshape), each with its own kv length (the part
+  of the fill inside it; 1 where it is empty or the row inactive, then weighted 0), combined by
+  their log-sum-exp. An inactive row gives zeros. implementation: jax.nn.dot_product_attention's
+  ('xla': the same path on any backend, for tests)."""
   def fn(q, k, v, mask):
     B, _, N, H = q.shape
-    K = k.shape[2]
+    S, K = k.shape[1], k.shape[2]
     G = N // K
+    P = decode_splits(B, S, K) if splits is None else splits
+    Sp = S // P
     lengths_B = mask.kv_lengths_B.astype(jnp.int32)
     on_B = lengths_B > 0
     if mask.active is not None:
       on_B = on_B & mask.active[:, 0]
     q_BGKH = q.reshape(B, K, G, H).transpose(0, 2, 1, 3)
-    o_BGKH = jax.nn.dot_product_attention(
-        q_BGKH, k, v, scale=scale, key_value_seq_lengths=jnp.where(on_B, lengths_B, 1),
-        implementation=implementation)
-    o = o_BGKH.transpose(0, 2, 1, 3).reshape(B, 1, N, H)
-    return jnp.where(on_B[:, None, None, None], o, 0).astype(q.dtype)
+    q_XGKH = jnp.broadcast_to(q_BGKH[:, None], (B, P, G, K, H)).reshape(B * P, G, K, H)
+    start_P = jnp.arange(P, dtype=jnp.int32) * Sp
+    len_BP = jnp.clip(lengths_B[:, None] - start_P[None, :], 0, Sp)
+    on_BP = (len_BP > 0) & on_B[:, None]
+    o_XGKH, lse_XGK = jax.nn.dot_product_attention(
+        q_XGKH, k.reshape(B * P, Sp, K, H), v.reshape(B * P, Sp, K, H), scale=scale,
+        key_value_seq_lengths=jnp.where(on_BP, len_BP, 1).reshape(B * P),
+        implementation=implementation, return_residual=True)
+    o = o_XGKH.reshape(B, P, G, K, H).astype(jnp.float32)
+    lse = jnp.where(on_BP[:, :, None, None], lse_XGK.reshape(B, P, G, K).astype(jnp.float32),
+                    -jnp.inf)
+    m = jnp.max(lse, axis=1, keepdims=True)
+    w = jnp.exp(lse - jnp.where(jnp.isfinite(m), m, 0))                       # [B, P, G, K]
+    den = jnp.sum(w, axis=1)
+    o_BGKH = jnp.sum(w[..., None] * o, axis=1) / jnp.where(den > 0, den, 1)[..., None]
+    o_BGKH = jnp.where(on_B[:, None, None, None], o_BGKH, 0)
+    return o_BGKH.transpose(0, 2, 1, 3).reshape(B, 1, N, H).astype(q.dtype)
   return fn
 
 

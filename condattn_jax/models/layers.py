@@ -113,10 +113,13 @@ class KVCache(nn.Module):
   queries must see, as (k_BSKH, v_BSKH, kv_positions_BS, kv_valid_BS):
     full  : the cache after the write (every earlier key and the chunk itself, in slot order);
     window: the ring before the write followed by the chunk (a chunk longer than the ring still
-            sees its own earlier keys).
+            sees its own earlier keys); with `after_write` (for a one-token chunk: decode) the
+            ring after the write, which holds the same keys of the token's window (the `size`
+            most recent), filled as a prefix of min(length, size) slots.
   """
   @nn.compact
-  def __call__(self, k_BTKH, v_BTKH, positions_BT, valid_BT, *, kind: str, size: int):
+  def __call__(self, k_BTKH, v_BTKH, positions_BT, valid_BT, *, kind: str, size: int,
+               after_write: bool = False):
     B, T, K, H = k_BTKH.shape
     ck = self.variable("cache", "key", jnp.zeros, (B, size, K, H), k_BTKH.dtype)
     cv = self.variable("cache", "value", jnp.zeros, (B, size, K, H), v_BTKH.dtype)
@@ -145,7 +148,7 @@ class KVCache(nn.Module):
     cpos.value = put(cpos.value, positions_BT)
     cvalid.value = put(cvalid.value, jnp.ones((B, T), jnp.int32))
     clen.value = length_B + n_B
-    if kind == "full":
+    if kind == "full" or after_write:
       return ck.value, cv.value, cpos.value, cvalid.value
     k0, v0, p0, ok0 = before
     return (jnp.concatenate([k0, k_BTKH.astype(k0.dtype)], axis=1),
@@ -219,13 +222,15 @@ class Attention(nn.Module):
   def project_out(self, o_BTNH):
     return self.o_proj(o_BTNH)
 
-  def write_cache(self, k_BTKH, v_BTKH, ctx):
-    """Writes the chunk into this attention's KVCache; returns the keys its queries see."""
+  def write_cache(self, k_BTKH, v_BTKH, ctx, *, after_write: bool = False):
+    """Writes the chunk into this attention's KVCache; returns the keys its queries see (a
+    window ring: before the write + the chunk, or after the write with `after_write`; see
+    KVCache)."""
     if ctx.cache_len is None:
       raise ValueError("decode=True needs cache_len (the longest sequence to decode).")
     size = ctx.cache_len if self.window is None else min(self.window, ctx.cache_len)
     return self.kv_cache(k_BTKH, v_BTKH, ctx.positions_BT, ctx.valid_BT,
-                         kind=self.cache_kind(ctx), size=size)
+                         kind=self.cache_kind(ctx), size=size, after_write=after_write)
 
   def cache_kind(self, ctx) -> str:
     """'full' (cache_len slots) or 'window' (a ring of `window` slots) for this attention."""
@@ -236,10 +241,15 @@ class Attention(nn.Module):
     when ctx.decode, else self-attention. impl: ops.attention's (default model.attention_impl)."""
     impl = self.config.attention_impl if impl is None else impl
     if ctx.decode:
-      k_all, v_all, kv_pos, kv_valid = self.write_cache(k_BTKH, v_BTKH, ctx)
+      # one token over a ring of `window` slots after its write: every key held is in its
+      # window, so the ring reads like a full cache (no window mask, its fill = valid slots)
+      ring_step = self.cache_kind(ctx) == "window" and q_BTNH.shape[1] == 1
+      k_all, v_all, kv_pos, kv_valid = self.write_cache(k_BTKH, v_BTKH, ctx,
+                                                        after_write=ring_step)
       return attend(q_BTNH, k_all, v_all, q_positions_BT=ctx.positions_BT, kv_positions_BS=kv_pos,
-                    kv_segment_ids_BS=kv_valid, window=self.window, active=active, impl=impl,
-                    full_cache=self.cache_kind(ctx) == "full")
+                    kv_segment_ids_BS=kv_valid, window=None if ring_step else self.window,
+                    active=active, impl=impl,
+                    full_cache=ring_step or self.cache_kind(ctx) == "full")
     return attend(q_BTNH, k_BTKH, v_BTKH, q_positions_BT=ctx.positions_BT,
                   kv_positions_BS=ctx.positions_BT, q_segment_ids_BT=ctx.segment_ids_BT,
                   kv_segment_ids_BS=ctx.segment_ids_BT, window=self.window, active=active,

@@ -54,3 +54,15 @@ def test_fill_bounds_the_mask_and_decode_reasons_name_the_field():
     ops.attention(q, k, v, ops.MaskSpec(q_positions_BT=mask.q_positions_BT,
                                         kv_positions_BS=mask.kv_positions_BS,
                                         kv_lengths_B=jnp.zeros((B, 1), jnp.int32)))
+
+
+@pytest.mark.parametrize("splits", [4, 8])
+def test_split_kv_combines_like_one_pass(splits):
+  """The kv length split into parts (rows 0 / 2 span several parts, row 1 ends inside one,
+  later parts empty) and merged by log-sum-exp == the reference."""
+  q, k, v, mask = _case(2, jnp.asarray([True, True, False])[:, None])
+  ref = ops.attention(q, k, v, mask, impl="reference")
+  out = ops._cudnn_decode(None, implementation="xla", splits=splits)(q, k, v, mask)
+  np.testing.assert_allclose(out, ref, atol=2e-5, rtol=0)
+  assert ops.decode_splits(1, 32896, 2) == 128 and ops.decode_splits(8, 32896, 2) == 16
+  assert ops.decode_splits(1, 100, 2) == 1
