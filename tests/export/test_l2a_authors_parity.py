@@ -25,13 +25,14 @@ def test_authors_checkpoint_imports_with_logit_parity(tmp_path):
       "l2a", "qwen3", 4, 0.1, 0.5)
   exp = np.load(os.path.join(FIX, "expected.npz"))
   ids = jnp.asarray(exp["input_ids"])
-  logits, aux = Decoder(cfg).apply({"params": params}, ids, train=False)
+  logits, aux = jax.jit(lambda p: Decoder(cfg).apply({"params": p}, ids, train=False))(params)
   want = exp["logits"]
   assert 0.1 < exp["decisions"].mean() < 0.9  # both routes are taken: the router is exercised
   np.testing.assert_allclose(np.asarray(logits), want, atol=2e-4, rtol=0)
   # a wrong window or a dropped global branch is far off: the comparison can fail
   wrong = cfg.replace(scheme_kwargs=tuple(sorted({**opts, "window": 8}.items())))
-  off = np.asarray(Decoder(wrong).apply({"params": params}, ids, train=False)[0])
+  off = np.asarray(jax.jit(lambda p: Decoder(wrong).apply({"params": p}, ids, train=False))(
+      params)[0])
   assert np.abs(off - want).max() > 1e-2
   # and back out in the authors' layout: the same tensors, bit for bit
   export.export_model(params, cfg, str(tmp_path / "o"), layout="authors")
