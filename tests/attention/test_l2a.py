@@ -1,4 +1,5 @@
 """L2A: exactness against the base model, forced-global, STE gradient, decode, pruning, schedule."""
+import functools
 import json
 
 import flax.linen as nn
@@ -26,11 +27,16 @@ B, T = 2, 16
 def _dense(family, seed=1):
   cfg = ModelConfig(family=family).replace(**FAMILIES[family])
   tok = jax.random.randint(jax.random.PRNGKey(0), (B, T), 0, cfg.vocab_size)
-  params = nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(seed), tok)["params"])
+  params = nn.unbox(jax.jit(Decoder(cfg).init)(jax.random.PRNGKey(seed), tok)["params"])
   if cfg.attention_bias:  # non-zero biases, so copying them is tested too
     params = jax.tree_util.tree_map_with_path(
         lambda p, x: x + 0.1 if "bias" in jax.tree_util.keystr(p) else x, params)
   return cfg, params, tok
+
+
+def _apply(model, params, *args, **kw):
+  """model.apply({'params': params}, *args, **kw) jitted (eager apply dispatches op by op)."""
+  return jax.jit(functools.partial(model.apply, **kw))({"params": params}, *args)
 
 
 def _per_layer(params):
@@ -61,33 +67,33 @@ def _decisions(state):
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_global_disabled_full_window_equals_base(family):
   cfg, dp, tok = _dense(family)
-  base, _ = Decoder(cfg).apply({"params": dp}, tok)
+  base, _ = _apply(Decoder(cfg), dp, tok)
   lcfg, lp = attention.convert(dp, cfg, "l2a", window=T, routing="none")
-  out, aux = Decoder(lcfg).apply({"params": lp}, tok)
+  out, aux = _apply(Decoder(lcfg), lp, tok)
   np.testing.assert_allclose(out, base, atol=1e-5, rtol=0)
   np.testing.assert_array_equal(aux["sparsity"], 1.0)
   # the same through pruning every layer, and through the reverse conversion
   pcfg = attention.configure(lcfg, "l2a", routing="learned", pruned_layers=range(cfg.num_layers))
   pp = l2a.prune_params(lp, range(cfg.num_layers))
-  out, _ = Decoder(pcfg).apply({"params": pp}, tok)
+  out, _ = _apply(Decoder(pcfg), pp, tok)
   np.testing.assert_allclose(out, base, atol=1e-5, rtol=0)
   dcfg, back = l2a.to_dense(lp, lcfg)
   assert dcfg.scheme == "dense" and dcfg.sliding_window == T
   assert jax.tree.structure(back) == jax.tree.structure(dp)
-  out, _ = Decoder(dcfg).apply({"params": back}, tok)
+  out, _ = _apply(Decoder(dcfg), back, tok)
   np.testing.assert_allclose(out, base, atol=1e-5, rtol=0)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_router_on_window0_equals_base_through_global_branch(family):
   cfg, dp, tok = _dense(family)
-  base, _ = Decoder(cfg).apply({"params": dp}, tok)
+  base, _ = _apply(Decoder(cfg), dp, tok)
   for routing in ("all", "learned"):  # zero-init router: p = 0.5 >= theta, every token global
     lcfg, lp = attention.convert(dp, cfg, "l2a", window=0, routing=routing)
     # scramble the local branch: with window 0 it must not matter
     lp = jax.tree.map(lambda x: x, lp)
     lp["layers"]["self_attn"] = jax.tree.map(lambda x: 3.0 * x + 1.0, lp["layers"]["self_attn"])
-    out, aux = Decoder(lcfg).apply({"params": lp}, tok)
+    out, aux = _apply(Decoder(lcfg), lp, tok)
     np.testing.assert_allclose(out, base, atol=1e-5, rtol=0)
     np.testing.assert_array_equal(aux["sparsity"], 0.0)
 
@@ -126,12 +132,12 @@ def test_forced_and_normal_paths_same_forward():
   lcfg, lp = attention.convert(dp, cfg, "l2a", window=4)
   lp = _random_router(lp)
   rng = {"router": jax.random.PRNGKey(7)}
-  ev, aux_ev = Decoder(lcfg).apply({"params": lp}, tok)
+  ev, aux_ev = _apply(Decoder(lcfg), lp, tok)
   assert 0.2 < float(aux_ev["sparsity"].mean()) < 0.8  # a real mix of decisions
   outs = {}
   for p_force in (0.0, 1e-9, 1.0):
     m = Decoder(attention.configure(lcfg, "l2a", p_force=p_force))
-    outs[p_force], aux = m.apply({"params": lp}, tok, train=True, rngs=rng)
+    outs[p_force], aux = _apply(m, lp, tok, train=True, rngs=rng)
     np.testing.assert_array_equal(aux["forced"], 1.0 if p_force == 1.0 else 0.0)
     np.testing.assert_allclose(aux["sparsity"], aux_ev["sparsity"])
   for o in outs.values():
@@ -185,16 +191,16 @@ def _objective(cfg, layer, x, pos, c, train, c_mask=None):
 def test_ste_router_gradient_matches_soft_path_finite_difference():
   cfg, layer, x, pos, c = _layer_setup()
   w = layer["router"]["kernel"]
-  soft = _objective(attention.configure(cfg, "l2a", routing="soft"), layer, x, pos, c, False)
-  g_forced = jax.grad(_objective(attention.configure(cfg, "l2a", p_force=1.0), layer, x, pos, c, True))(w)
-  g_normal = jax.grad(_objective(attention.configure(cfg, "l2a", p_force=0.0), layer, x, pos, c, True))(w)
+  soft = jax.jit(_objective(attention.configure(cfg, "l2a", routing="soft"), layer, x, pos, c, False))
+  g_forced = jax.jit(jax.grad(_objective(attention.configure(cfg, "l2a", p_force=1.0), layer, x, pos, c, True)))(w)
+  g_normal = jax.jit(jax.grad(_objective(attention.configure(cfg, "l2a", p_force=0.0), layer, x, pos, c, True)))(w)
   # decisions of this input
   _, st = l2a.L2ALayer(cfg).apply({"params": layer}, x, LayerContext(tokens_BT=pos, positions_BT=pos),
                                   mutable=["intermediates"])
   d = st["intermediates"]["decision"][0]
   assert 0 < int(d.sum()) < d.size
-  soft_acc = _objective(attention.configure(cfg, "l2a", routing="soft"), layer, x, pos, c, False,
-                        c_mask=d.astype(jnp.float32))
+  soft_acc = jax.jit(_objective(attention.configure(cfg, "l2a", routing="soft"), layer, x, pos, c,
+                               False, c_mask=d.astype(jnp.float32)))
 
   def fd(f, direction, eps=2e-2):
     """Central differences with one Richardson step (float32: small steps drown in rounding)."""
@@ -234,8 +240,7 @@ def test_decode_equals_full_forward(family, skip, pruned):
                               pruned_layers=pruned)
   lp = _random_router(lp)
   m = Decoder(lcfg)
-  full, aux = m.apply({"params": lp}, tok)
-  (_, _), st = m.apply({"params": lp}, tok, mutable=["intermediates"])
+  (full, aux), st = _apply(m, lp, tok, mutable=["intermediates"])
   d = _decisions(st)
   assert d.shape[0] == cfg.num_layers - len(pruned)
   # some decode steps have no global query in some layer (the skip branch runs) and some do
@@ -247,15 +252,15 @@ def test_decode_context_free_routing_is_stable():
   cfg, dp, tok = _dense("qwen3")
   lcfg, lp = attention.convert(dp, cfg, "l2a", window=4, routing="bernoulli", bernoulli_q=0.3)
   m = Decoder(lcfg)
-  full, aux = m.apply({"params": lp}, tok)
+  full, aux = _apply(m, lp, tok)
   assert 0.4 < float(aux["sparsity"].mean()) < 0.95
   np.testing.assert_allclose(_decode_all(m, lp, tok), full, atol=1e-4, rtol=0)
   # context-free: the draws do not depend on the tokens
-  _, aux2 = m.apply({"params": lp}, (tok + 1) % cfg.vocab_size)
+  _, aux2 = _apply(m, lp, (tok + 1) % cfg.vocab_size)
   np.testing.assert_array_equal(aux["global_tokens_B"], aux2["global_tokens_B"])
   # in training they come from the step key
-  _, a1 = m.apply({"params": lp}, tok, train=True, rngs={"router": jax.random.PRNGKey(1)})
-  _, a2 = m.apply({"params": lp}, tok, train=True, rngs={"router": jax.random.PRNGKey(2)})
+  _, a1 = _apply(m, lp, tok, train=True, rngs={"router": jax.random.PRNGKey(1)})
+  _, a2 = _apply(m, lp, tok, train=True, rngs={"router": jax.random.PRNGKey(2)})
   assert not np.array_equal(a1["global_tokens_B"], a2["global_tokens_B"])
   np.testing.assert_array_equal(a1["p2_mean"], 0.0)  # no router in the loop, no regulariser
 
@@ -264,7 +269,7 @@ def test_theta_is_a_test_time_knob():
   cfg, dp, tok = _dense("qwen3")
   lcfg, lp = attention.convert(dp, cfg, "l2a", window=4)
   lp = _random_router(lp)
-  sp = [float(Decoder(attention.configure(lcfg, "l2a", theta=th)).apply({"params": lp}, tok)[1]["sparsity"].mean())
+  sp = [float(_apply(Decoder(attention.configure(lcfg, "l2a", theta=th)), lp, tok)[1]["sparsity"].mean())
         for th in (0.1, 0.5, 0.9)]
   assert sp[0] < sp[1] < sp[2]
 
@@ -278,9 +283,9 @@ def test_packed_documents_and_padding():
   packed = jnp.concatenate([a, b, jnp.zeros((2,), tok.dtype)])[None]
   seg = jnp.array([[1] * 9 + [2] * 5 + [0] * 2])
   pos = jnp.array([list(range(9)) + list(range(5)) + [0, 0]])
-  out, aux = m.apply({"params": lp}, packed, pos, seg)
-  alone_a, aux_a = m.apply({"params": lp}, a[None])
-  alone_b, aux_b = m.apply({"params": lp}, b[None])
+  out, aux = _apply(m, lp, packed, pos, seg)
+  alone_a, aux_a = _apply(m, lp, a[None])
+  alone_b, aux_b = _apply(m, lp, b[None])
   np.testing.assert_allclose(out[0, :9], alone_a[0], atol=1e-5)
   np.testing.assert_allclose(out[0, 9:14], alone_b[0], atol=1e-5)
   np.testing.assert_array_equal(aux["tokens_B"][:, 0], 14.0)  # padding is not counted
@@ -311,7 +316,7 @@ def test_aux_loss_schedule_and_metrics():
   def reg(params):
     _, aux = Decoder(lcfg).apply({"params": params}, tok)
     return l2a.aux_loss(aux, None, 0, lcfg)[0]
-  g = jax.grad(reg)(lp)
+  g = jax.jit(jax.grad(reg))(lp)
   assert float(jnp.abs(g["layers"]["router"]["kernel"]).min()) > 0  # every layer's router
 
 
@@ -321,7 +326,7 @@ def test_measure_prune_and_kv_bytes(tmp_path):
   lp = _random_router(lp)
   batches = [{"inputs": tok}, {"inputs": (tok * 7 + 3) % cfg.vocab_size}]
   meas = l2a.measure_sparsity(Decoder(lcfg), lp, batches)
-  aux = [Decoder(lcfg).apply({"params": lp}, b["inputs"])[1]["sparsity"] for b in batches]
+  aux = [_apply(Decoder(lcfg), lp, b["inputs"])[1]["sparsity"] for b in batches]
   np.testing.assert_allclose(meas["layer_sparsity"], np.mean(aux, axis=0), atol=1e-6)
   sp = meas["layer_sparsity"]
   hi = int(np.argmax(sp))
@@ -345,5 +350,5 @@ def test_measure_prune_and_kv_bytes(tmp_path):
   assert rep["kv_bytes_after"] == (1024 + 2 * 4) * per_tok
   # the pruned model decodes like its own full forward
   m = Decoder(res["config"])
-  full, _ = m.apply({"params": res["params"]}, tok)
+  full, _ = _apply(m, res["params"], tok)
   np.testing.assert_allclose(_decode_all(m, res["params"], tok), full, atol=1e-4, rtol=0)
