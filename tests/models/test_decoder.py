@@ -24,7 +24,7 @@ def _model(family, **kw):
   cfg = ModelConfig(family=family).replace(**FAMILIES[family], **kw)
   m = Decoder(cfg)
   tok = jax.random.randint(jax.random.PRNGKey(0), (2, 16), 0, cfg.vocab_size)
-  params = nn.unbox(m.init(jax.random.PRNGKey(1), tok)["params"])
+  params = nn.unbox(jax.jit(m.init)(jax.random.PRNGKey(1), tok)["params"])
   return m, params, tok
 
 
@@ -56,9 +56,8 @@ def test_packed_documents_do_not_interact():
   packed = jnp.concatenate([a, b])[None]
   seg = jnp.array([[1] * 9 + [2] * 7])
   pos = jnp.array([list(range(9)) + list(range(7))])
-  out, _ = m.apply({"params": params}, packed, pos, seg)
-  alone_a, _ = m.apply({"params": params}, a[None])
-  alone_b, _ = m.apply({"params": params}, b[None])
+  fwd = jax.jit(lambda *x: m.apply({"params": params}, *x)[0])
+  out, alone_a, alone_b = fwd(packed, pos, seg), fwd(a[None]), fwd(b[None])
   np.testing.assert_allclose(out[0, :9], alone_a[0], atol=1e-5)
   np.testing.assert_allclose(out[0, 9:], alone_b[0], atol=1e-5)
 
@@ -76,8 +75,9 @@ def test_params_carry_logical_axes():
 def test_bf16_compute_with_fp32_master_params():
   m, params, tok = _model("llama", dtype="bfloat16")
   assert params["layers"]["mlp"]["up_proj"]["kernel"].dtype == jnp.float32
-  logits, _ = m.apply({"params": params}, tok)
-  ref, _ = Decoder(m.config.replace(dtype="float32")).apply({"params": params}, tok)
+  logits, _ = jax.jit(lambda p: m.apply({"params": p}, tok))(params)
+  ref, _ = jax.jit(lambda p: Decoder(m.config.replace(dtype="float32")).apply({"params": p}, tok))(
+      params)
   assert logits.dtype == jnp.float32
   assert float(jnp.abs(logits - ref).max()) < 0.05
 
