@@ -24,6 +24,17 @@ def tiny(arg="steps=8", **train):
   return c
 
 
+def recipe_loader(recipe_file: str):
+  """The tests/configs recipe tests' one loader: `recipe(arg='')` = load_recipe of
+  configs/<recipe_file>[:arg] (a variant and overrides, e.g. recipe('tiny,steps=6'))."""
+  path = os.path.join(ROOT, "configs", recipe_file)
+
+  def recipe(arg=""):
+    from condattn_jax.train.cli import load_recipe
+    return load_recipe(path + (":" + arg if arg else ""))
+  return recipe
+
+
 def host(tree):
   return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
 

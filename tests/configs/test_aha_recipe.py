@@ -8,20 +8,14 @@ import jax
 import numpy as np
 import pytest
 
+from _train_helpers import HF, recipe_loader
 from condattn_jax.models import stacking
 from condattn_jax.models.decoder import Decoder
 from condattn_jax.train import config as config_lib
 from condattn_jax.train import loop
 from condattn_jax.train import optimizer as opt_lib
-from condattn_jax.train.cli import load_recipe
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RECIPE = os.path.join(ROOT, "configs", "aha_olmo.py")
-HF = os.path.join(ROOT, "tests", "fixtures", "hf")
-
-
-def recipe(arg=""):
-  return load_recipe(RECIPE + (":" + arg if arg else ""))
+recipe = recipe_loader("aha_olmo.py")
 
 
 def test_paper_recipe_and_variants():

@@ -3,22 +3,16 @@ ascent group, 300 steps at 64K, targets 0.7 / 1.0), variants, required fields, a
 variant through train.loop.run: only the router and the multipliers are trained (labels), lambda1
 falls while Omega is below the target (signed Lagrangian), the router's FA probability falls and Omega rises toward the target."""
 import json
-import os
 
 import numpy as np
 import pytest
 
+from _train_helpers import recipe_loader
 from condattn_jax.train import config as config_lib
 from condattn_jax.train import loop
 from condattn_jax.train import optimizer as opt_lib
-from condattn_jax.train.cli import load_recipe
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RECIPE = os.path.join(ROOT, "configs", "elastic_qwen.py")
-
-
-def recipe(arg=""):
-  return load_recipe(RECIPE + (":" + arg if arg else ""))
+recipe = recipe_loader("elastic_qwen.py")
 
 
 def test_paper_recipe_and_variants():

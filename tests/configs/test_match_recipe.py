@@ -1,22 +1,16 @@
 """configs/match_qwen.py: pinned numbers, the three Qwen3 variants' SWA / full layer patterns
 (through the run config -> ModelConfig path), required fields, and the tiny variant's forward."""
-import os
 
 import jax
 import jax.numpy as jnp
 
+from _train_helpers import recipe_loader
 from condattn_jax import attention
 from condattn_jax.attention import match
 from condattn_jax.data.config import is_required_marker
 from condattn_jax.train import config as config_lib
-from condattn_jax.train.cli import load_recipe
 
-RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "configs",
-                      "match_qwen.py")
-
-
-def recipe(arg=""):
-  return load_recipe(RECIPE + (":" + arg if arg else ""))
+recipe = recipe_loader("match_qwen.py")
 
 
 def test_variants_and_pinned_numbers():
