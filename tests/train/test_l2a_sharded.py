@@ -1,10 +1,14 @@
 """The L2A train step under the 8-device CPU mesh (data=2, fsdp=2, tensor=2) with the global
 branch on the Pallas compacted-query kernel (model.scheme.compact_impl='pallas': on CPU the
 kernel runs in Pallas interpret mode, per shard in jax.shard_map) gives the same loss, gradients,
-metrics and updated params as the unsharded run on the reference attention (one device)."""
+metrics and updated params as the unsharded run on the reference attention (one device); params,
+batches and Adam moments really are sharded by the rules table. (The suite's one compiled
+sharded-equivalence run: the L2A decoder's dense parameters and local attention are the dense
+model's; tests/train/test_train_sharding.py keeps the layout rules that need no compilation.)"""
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from _train_helpers import ROOT, assert_trees_close, host, synthetic_batch
 from condattn_jax.data import make_global_batch
@@ -49,7 +53,7 @@ def _run(setup, state, batch):
     s1, m1 = step(state, gbatch)
     s2, m2 = step(s1, gbatch)
   return dict(grads=host(grads), metrics=host(metrics), m1=host(m1), m2=host(m2),
-              params=host(s2.params), jaxpr=str(traced.jaxpr))
+              params=host(s2.params), jaxpr=str(traced.jaxpr), state=s2)
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +79,24 @@ def test_the_sharded_step_runs_the_pallas_kernel_per_shard(runs):
   m = runs["eight"]["metrics"]
   assert 0.2 < float(m["l2a/sparsity"]) < 0.8, float(m["l2a/sparsity"])
   assert float(runs["eight"]["m1"]["l2a/forced_frac"]) < 1.0
+
+
+def test_params_batches_and_moments_are_sharded(runs):
+  """The rules table on the 2x2x2 mesh (moved from test_train_sharding.py, same specs)."""
+  s = runs["eight_setup"]
+  sh = s.param_shardings
+  assert sh["embed_tokens"]["embedding"].spec == P("tensor", "fsdp")  # vocab, embed
+  # scanned layers: a leading (unsharded) layer axis, then the per-layer rule
+  assert sh["layers"]["self_attn"]["q_proj"]["kernel"].spec == P(None, "fsdp", "tensor")
+  assert sh["layers"]["mlp"]["down_proj"]["kernel"].spec == P(None, "tensor", "fsdp")
+  assert sh["norm"]["scale"].spec == P()
+  assert s.batch_sharding.spec == P(("data", "fsdp"))
+  # the updated params keep their layout, and Adam moments follow their params
+  new = runs["eight"]["state"]
+  g = new.params["layers"]["mlp"]["up_proj"]["kernel"]
+  assert g.sharding.spec == P(None, "fsdp", "tensor")
+  mus = [x for x in jax.tree.leaves(new.opt_state) if getattr(x, "shape", None) == g.shape]
+  assert mus and all(m.sharding.spec == P(None, "fsdp", "tensor") for m in mus)
 
 
 def test_same_loss_gradients_and_metrics_as_the_unsharded_reference(runs):
