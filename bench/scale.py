@@ -6,6 +6,12 @@ efficiency, peak memory per device.
     python -m bench.scale --T 131072 --schemes l2a --layouts one,sequence
     python -m bench.scale --tiny --T 64 --reps 1 --inprocess   # CPU check of the plumbing
 
+On two H100s (the device tool's nvidia-h100-x2; DEVELOPERS.md: carry the wheels the image lacks
+and name the commit that runs):
+    pip install --no-deps .whl/*.whl && CONDATTN_GIT_COMMIT=<git rev-parse --short HEAD> \
+      python -m bench.scale --T 32768,131072 --schemes dense,l2a --layouts one,sequence,data
+    python -m bench.scale --T 262144 --schemes l2a --layouts one,sequence   # one GPU: OOM row
+
 Model: bench/e2e.py's (Qwen2.5-1.5B shapes, all 28 layers, bf16 compute, fp32 master weights,
 remat 'full', chunked CE 8192, random init from train.seed, random tokens; --tiny: its 2-layer
 shapes). Schemes: dense; l2a = bench/e2e.py's l2a_q0.2 (context-free routing, q = 0.2, window

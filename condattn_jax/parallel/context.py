@@ -38,6 +38,10 @@ Attention per shard (the local queries: [B_shard, T / n, N_shard, H]):
 Queries that see no key (padding, inactive, fully masked ring steps or shards) give zeros,
 never NaN.
 
+The kernel is ops' branch for the platform this process lowers for (its GPU / TPU, or the
+abstract device of a cross-lowering mesh), picked at trace time: a lowering-time switch between
+the reference and the kernel keeps the reference's zero-filled residuals under jax.grad here.
+
 `strategy(name)` sets the global-attention strategy for what is traced inside it
 (`sharding.mesh_context(..., sequence_attention=config.mesh.sequence_attention)`).
 """
@@ -46,6 +50,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -209,11 +214,11 @@ def _local_mask(mask, kv_positions, kv_segment_ids, **kw):
                       **kw)
 
 
-def _all_gather(ax, impl, scale):
+def _all_gather(ax, local):
   def fn(q, k, v, mask):
     g = lambda x: None if x is None else lax.all_gather(x, ax, axis=1, tiled=True)
     m = _local_mask(mask, g(mask.kv_positions_BS), g(mask.kv_segment_ids_BS))
-    return ops.attention(q, g(k), g(v), m, impl=impl, scale=scale)
+    return local(q, g(k), g(v), m)
   return fn
 
 
@@ -250,7 +255,7 @@ def _ring(ax, n, scale):
   return fn
 
 
-def _halo(ax, n, impl, scale):
+def _halo(ax, n, local):
   """Local window attention over [halo ; chunk] for the two zigzag chunks of each shard."""
   def fn(q, k, v, mask):
     B, Tl = q.shape[:2]
@@ -281,8 +286,7 @@ def _halo(ax, n, impl, scale):
                      q_segment_ids_BT=rows(chunks(seg)), kv_segment_ids_BS=rows(with_halo(seg)),
                      active=None if act is None else rows(chunks(act)), window=mask.window,
                      contiguous=False)
-    o = ops.attention(rows(chunks(q)), rows(with_halo(k)), rows(with_halo(v)), m, impl=impl,
-                      scale=scale)
+    o = local(rows(chunks(q)), rows(with_halo(k)), rows(with_halo(v)), m)
     return jnp.concatenate([o[:B], o[B:]], axis=1)
   return fn
 
@@ -308,13 +312,29 @@ def attention(q_BTNH, k_BSKH, v_BSKH, mask: ops.MaskSpec, *, impl: str = "auto",
   batch, head = _shard_axes(mesh, B, N, K)
   name = _strategy.get()
   w = mask.window
-  if (w is not None and _zigzag.get() and not mask.sinks and T % (2 * n) == 0
-      and w - 1 <= T // (2 * n)):
-    fn = _halo(ax, n, impl, scale)
-  elif name == "ring":
-    fn = _ring(ax, n, scale)
-  else:
-    fn = _all_gather(ax, impl, scale)
+  halo = (w is not None and _zigzag.get() and not mask.sinks and T % (2 * n) == 0
+          and w - 1 <= T // (2 * n))
+  if name == "ring" and not halo:
+    return _per_shard(_ring(ax, n, scale), mesh, ax, batch, head, q_BTNH, k_BSKH, v_BSKH, mask)
+  # ops' branch for a shard's (non-contiguous) mask, picked at trace time where this process
+  # can lower for one accelerator platform only (its GPU / TPU, or the abstract device it
+  # cross-lowers for): under jax.grad a lowering-time platform switch keeps the other branches'
+  # zero-filled residuals (the reference's [T/n, T] scores) in the compiled step (measured: 575
+  # GiB temp for the 7B 128K step on v5p). Several such platforms: the lowering-time switch.
+  wrap = _halo if halo else (lambda ax_, n_, local: _all_gather(ax_, local))
+  branches = ops._branches(impl, q_BTNH, dataclasses.replace(mask, contiguous=False), scale)
+  branches = {p: functools.partial(_per_shard, wrap(ax, n, fn), mesh, ax, batch, head)
+              for p, fn in branches.items()}
+  default = branches.pop("default")
+  live = [p for p in branches if p in ops._targets()]
+  if len(live) <= 1:
+    return (branches[live[0]] if live else default)(q_BTNH, k_BSKH, v_BSKH, mask)
+  return lax.platform_dependent(q_BTNH, k_BSKH, v_BSKH, mask, default=default,
+                                **{p: branches[p] for p in live})
+
+
+def _per_shard(fn, mesh, ax, batch, head, q_BTNH, k_BSKH, v_BSKH, mask):
+  """fn(q, k, v, mask) per (batch, sequence, head) shard in jax.shard_map."""
   P = jax.sharding.PartitionSpec
   heads, rows = P(batch, ax, head, None), P(batch, ax)
   act = mask.active

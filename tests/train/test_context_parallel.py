@@ -240,3 +240,18 @@ def test_row_length_and_strategy_are_checked():
   c = _config("dense", (1, 1, 2, 1), strategy="allgather")
   with pytest.raises(ValueError, match=r"config.mesh.sequence_attention='allgather': choose one"):
     config_lib.validate_config(c, needs_data=False)
+
+
+@pytest.mark.parametrize("devices,mesh", [(8, (1, 1, 8, 1)), (64, (1, 8, 8, 1)),
+                                          (256, (1, 16, 8, 2))])
+def test_the_7b_128k_recipe_with_sequence_8_lays_out(devices, mesh):
+  """configs/l2a_qwen.py:sequence=8 (the paper's 128K rows over 8 devices, 48 rows) on 8, 64 and
+  256 devices: the mesh the build derives, and every check build() applies passes."""
+  c = load_recipe(os.path.join(ROOT, "configs", "l2a_qwen.py:sequence=8"))
+  c.model.init_from = os.path.join(ROOT, "tests", "fixtures", "config_only", "qwen2.5-7b")
+  out, _ = shd.derive_layout(c, devices, num_heads=28, num_kv_heads=4)
+  assert shd.mesh_shape(out.mesh, devices) == mesh
+  data, fsdp, seq, _ = mesh
+  shd.check_batch_layout(out, data, fsdp)
+  context.check_config(out, seq)
+  assert int(out.data.seq_len) == 131072 and int(out.data.batch_size) == 48
