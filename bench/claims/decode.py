@@ -5,7 +5,8 @@ number follow from the stored rows."""
 from bench.claims import approx, claim, expect, quote
 
 H100 = "decode_NVIDIA_H100_80GB_HBM3.json"
-RUNS = ("main", "rest", "match", "aha_rate", "match128")
+RUNS = ("main", "rest", "match", "aha_rate", "match128", "inplace_cudnn", "split_kv",
+        "split_kv_no_cond")
 
 
 @claim("decode", run=RUNS, file="decode_*NVIDIA*")
@@ -87,3 +88,57 @@ def performance_decode_aha_local(rec, run):
 @quote("docs/performance.md", H100, run="match128")
 def performance_decode_match_128k(rec, run):
   return [_engine_line(run["rows"], "match", "qwen2.5-1.5b", 1, 131072)]
+
+
+def _baseline_line(rows, B, T):
+  st, pl = (next(x for x in rows if (x["scheme"], x["B"], x["T"]) == (n, B, T))
+            for n in ("xla_stacked", "xla_per_layer"))
+  return f"| {B} | {T // 1024}K | {st['ms']:.2f} | {pl['ms']:.2f} |"
+
+
+def _achieved(rows, scheme, shapes, B, T):
+  r = next(x for x in rows if (x["scheme"], x["shapes"], x["B"], x["T"]) == (scheme, shapes, B, T)
+           and x["status"] == "ok")
+  return f"{r['ms']:.2f} ms, {r['achieved']:.2f} of the bound"
+
+
+@quote("docs/performance.md", H100, run="inplace_cudnn")
+def performance_decode_inplace(rec, run):
+  """In-place caches with the unsplit cuDNN decode (the first run after the cache change)."""
+  rows, q = run["rows"], "qwen2.5-1.5b"
+  return [_engine_line(rows, "dense", q, 1, T) + f" {_peak(rows, 'dense', q, 1, T)} |"
+          for T in (8192, 32768, 131072)]
+
+
+def _over_mib(run):
+  """The most MiB any dense row's compiled peak holds beyond its weights + cache."""
+  return max((r["peak_est_bytes"] - r["weight_bytes"] - r["cache_bytes"]) / 2**20
+             for r in run["rows"] if r["scheme"] == "dense" and "peak_est_bytes" in r)
+
+
+def _peak(rows, scheme, shapes, B, T):
+  r = next(x for x in rows if (x["scheme"], x["shapes"], x["B"], x["T"]) == (scheme, shapes, B, T)
+           and x["status"] == "ok")
+  return f"{r['peak_est_bytes'] / 2**30:.2f} / {r['cache_bytes'] / 2**30:.2f}"
+
+
+@quote("docs/performance.md", H100, run="split_kv")
+def performance_decode_split(rec, run):
+  """Split-KV cuDNN decode: dense B = 1 rows, their baselines, L2A with decode_skip."""
+  rows, q = run["rows"], "qwen2.5-1.5b"
+  out = [_engine_line(rows, "dense", q, 1, T) + f" {_peak(rows, 'dense', q, 1, T)} |"
+         for T in (8192, 32768, 131072)]
+  out += [_baseline_line(rows, 1, T) for T in (8192, 32768, 131072)]
+  out += [_achieved(rows, "l2a", q, 1, T) for T in (32768, 131072)]
+  out.append(f"weights + the cache + at most {_over_mib(run):.1f} MiB at B = 1")
+  return out
+
+
+@quote("docs/performance.md", H100, run="split_kv_no_cond")
+def performance_decode_split_no_cond(rec, run):
+  """The same code, L2A without decode_skip's per-layer lax.cond; dense at B = 8."""
+  rows, q = run["rows"], "qwen2.5-1.5b"
+  return [_engine_line(rows, "dense", q, 8, 32768) + f" {_peak(rows, 'dense', q, 8, 32768)} |",
+          _baseline_line(rows, 8, 32768),
+          _achieved(rows, "l2a", q, 1, 32768), _achieved(rows, "l2a", q, 1, 131072),
+          f"{_over_mib(run):.1f} MiB at B = 8, 32K"]
