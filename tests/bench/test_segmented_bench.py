@@ -1,7 +1,7 @@
 """bench/segmented_memory.py (test preset rows, in process: every row runs, the segmented cache
 is the analytic one and smaller than dense, its compiled prefill step needs less scratch than
-the one-shot dense step) and bench/segmented_fidelity.py (the recorded CPU run: its claims hold
-and follow from its numbers; the test preset runs end to end)."""
+the one-shot dense step) and bench/segmented_fidelity.py (the pre-registered protocol re-run fresh at the test preset:
+verdicts recorded as they follow from the evaluations, the direction of the paper's claim)."""
 import json
 
 import numpy as np
@@ -25,20 +25,25 @@ def test_memory_bench_rows_at_test_preset():
   assert (seg["chunk"], dense["chunk"]) == (p["seg"]["segment_len"], T)
 
 
-def test_fidelity_test_preset_runs(tmp_path):
-  """The test preset through the CLI into --out_dir: finite perplexities at every length, and the
-  writer recorded the claim every run carries (its claims / findings follow from its numbers)."""
+def test_fidelity_test_preset_reruns_the_protocol(tmp_path):
+  """The pre-registered protocol at the test preset, fresh, through the CLI into --out_dir (dense
+  checkpoint, aligned and misaligned fine-tunes on the same batches, 2 seeds vmapped): the
+  writer recorded the criteria's verdicts as they follow from the evaluations, and the
+  direction of the paper's claim holds at 2 segments: the dense-trained weights lose
+  perplexity when run segmented, and fine-tuning under the segmented execution recovers part
+  of it (aligned < misaligned under the same execution)."""
   assert fid.main(["--preset=test", f"--out_dir={tmp_path}"]) == 0
   (run,) = common.load(common.result_path("segmented_fidelity", str(tmp_path)))["runs"]
   assert run["settings"]["name"] == "test"
-  assert {c["name"]: c["passed"] for c in run["claims"]}[
-      "claims and findings follow from the perplexities"] is True
+  assert {c["name"]: c["passed"] for c in run["claims"]} == {
+      "criteria verdicts follow from the evaluations": True}
   r = common.recorded_of(run)
-  lens = list(fid.PRESETS["test"]["eval_lens"])
-  for k in ("aligned_segmented", "misaligned_segmented", "misaligned_dense"):
-    assert sorted(int(L) for L in r["perplexity"][k]) == lens
-    assert all(np.isfinite(v) for v in r["perplexity"][k].values())
-  assert set(r["findings"]) == {"misaligned_over_aligned_at_max_len", "explodes_like_paper_2x"}
+  assert set(r["criteria"]) == {"aligned_within_10pct_of_full", "misaligned_2x_worse"}
+  ppl = {k: np.mean(d["2"]["ppl"]) for k, d in r["evals"].items()}
+  assert ppl["misaligned/segmented"] > ppl["misaligned/full"]
+  assert ppl["aligned/segmented"] < ppl["misaligned/segmented"]
+  assert r["criteria"]["misaligned_2x_worse"]["values"]["2"] == (
+      ppl["misaligned/segmented"] / ppl["aligned/segmented"])
 
 
 def test_memory_bench_merges_split_runs(tmp_path):
