@@ -143,3 +143,32 @@ def readme_segmented_memory(rec, run):
   sec = lambda row: " / ".join(f"{rows[row, T]['prefill_s']:.2f}" for T in Ts)
   return [f"{gib('segmented')} GiB vs {gib('dense')} GiB",
           f"Prefill latency: {sec('segmented')} s vs {sec('dense')} s"]
+
+
+def _fidelity_lines(run):
+  """README lines of a pre-registered run: mean perplexity per execution at each length, the
+  verdicts."""
+  import numpy as np
+  from bench import common
+  r = common.recorded_of(run)
+  rows = (("aligned, segmented", "aligned/segmented"),
+          ("misaligned, segmented", "misaligned/segmented"),
+          ("full-attention reference", "misaligned/full"),
+          ("aligned weights, full attention", "aligned/full"),
+          ("M = 0 ablation, segmented", "ablation_M0/segmented"),
+          ("no-long-layers ablation, segmented", "ablation_no_long/segmented"))
+  ns = sorted(r["evals"]["aligned/segmented"], key=int)
+  out = [f"| {label} | " + " | ".join(f"{np.mean(r['evals'][k][n]['ppl']):.2f}" for n in ns) + " |"
+         for label, k in rows if k in r["evals"]]
+  for name, v in r["criteria"].items():
+    vals = ", ".join(f"{k}: {x:.3g}" for k, x in v["values"].items())
+    out.append(f"`{name}`: {'PASS' if v['passed'] else 'FAIL'} ({vals})")
+  out.append(f"Overall: {'PASS' if r['passed'] else 'FAIL'}")
+  return out
+
+
+@quote("README.md", "segmented_fidelity.json", run="cpu")
+def readme_segmented_fidelity(rec, run):
+  """README's pre-registered segmented reproduction: the newest CPU run's perplexities and
+  verdicts."""
+  return _fidelity_lines(run)
