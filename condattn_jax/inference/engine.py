@@ -268,13 +268,16 @@ class Engine:
 
   # ------------------------------------------------------------------------------ the step
   @functools.partial(jax.jit, static_argnums=0, donate_argnums=(2,))
-  def _step(self, params, cache, tokens_BT, positions_BT, valid_BT, prev_logits_BV):
+  def _step(self, params, cache, tokens_BT, positions_BT, valid_BT, prev_logits_BV,
+            prompt_len_B=None):
     """One chunk: writes its valid tokens into the caches; returns (cache, logits of each row's
     last valid token [B, V] (prev_logits where a row has none in this chunk), the layers'
-    per-row aux entries {name: [L, B, ...]})."""
+    per-row aux entries {name: [L, B, ...]}). prompt_len_B (prefill): each row's prompt length,
+    handed to the layers as ctx.fields['prompt_len_B'] (MATCH retrieves for the last m only)."""
     (hidden_BTD, aux), variables = self.model.apply(
         {"params": params, "cache": cache}, tokens_BT, positions_BT,
         valid_BT.astype(jnp.int32), decode=True, cache_len=self.cache_len, return_hidden=True,
+        fields=None if prompt_len_B is None else {"prompt_len_B": prompt_len_B},
         unroll_layers=True, mutable=["cache"])
     B = tokens_BT.shape[0]
     row_aux = {k: v.astype(jnp.float32) for k, v in aux.items()
@@ -370,7 +373,8 @@ class Engine:
       sl = slice(c, c + C)
       cache, logits, row_aux = self._step(self.params, cache, jnp.asarray(tokens[:, sl]),
                                           jnp.asarray(positions[:, sl]),
-                                          jnp.asarray(valid[:, sl]), logits)
+                                          jnp.asarray(valid[:, sl]), logits,
+                                          self._commit(jnp.asarray(lengths)))
       stats.add(row_aux, valid[:, sl].sum(1))
     return cache, logits, lengths, stats
 

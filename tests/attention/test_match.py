@@ -88,7 +88,8 @@ def test_random_retrieval_fills_k_candidates_blind_to_content():
   tok = _tokens(2, T, hi=12, seed=3)
   pos = jnp.broadcast_to(jnp.arange(T), (2, T))
   o = match.MatchOptions(window=w, chunk=c, top_k=k, retriever="random")
-  ids = lambda o, t: np.asarray(match.block_inputs(o, t, pos)[1]["match_chunks_BGk"])
+  ids = lambda o, t: np.asarray(jax.jit(
+      lambda t: match.block_inputs(o, t, pos)[1]["match_chunks_BGk"])(t))
   got = ids(o, tok)
   assert np.array_equal(got, ids(o, tok))
   for g in range(got.shape[1]):
@@ -267,6 +268,11 @@ def test_option_errors_name_the_field():
     attention.get_scheme("match").parse_options({"windw": 3})
   with pytest.raises(ValueError, match="needs retriever_kwargs tokenizer"):
     retrieval.make_retriever(match.MatchOptions(retriever="minilm"))
+  with pytest.raises(ValueError, match=r"prefill_last=-1 must be an int >= 0"):
+    match.MatchOptions(prefill_last=-1)
+  with pytest.raises(ValueError, match=r"decode_queries=\(64, 64\) must be distinct"):
+    match.MatchOptions(decode_queries=(64, 64))
+  assert match.MatchOptions(top_k=3, decode_queries=(64, 128)).slots == 6
 
 
 # ------------------------------------------------------------------------------ plug-ins

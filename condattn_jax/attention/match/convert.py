@@ -27,11 +27,20 @@ def tiny():
   return cfg, lambda seed=0: from_dense(attention.init_dense(base, seed), cfg)
 
 
-def serving_forward(model, params, tokens_BT, positions_BT, segment_ids_BT, prefill_lengths_B):
+def serving_forward(model, params, tokens_BT, positions_BT, segment_ids_BT, prefill_lengths_B,
+                    *, prompt_lengths_B=None):
   """Scheme.serving_forward: decode recomputes the retrieved chunks (its window cache has no old
-  K/V), so generation equals the full forward with retrieved_kv='recompute'."""
-  del prefill_lengths_B
+  K/V), so generation equals the full forward with retrieved_kv='recompute' in which only the
+  blocks holding the last `prefill_last` prompt positions and the generated tokens retrieve
+  (inputs.block_retrieves; the engine passes each row's prompt length to its prefill).
+  prompt_lengths_B: each row's prompt length; None: prefill_lengths_B (the first engine call's
+  tokens: the prompt for a one-shot prefill; with a chunked prefill and prefill_last shorter than
+  the prompt, pass the prompt lengths)."""
+  if prompt_lengths_B is None:
+    prompt_lengths_B = prefill_lengths_B
+  import jax.numpy as jnp
   from condattn_jax import attention
   from condattn_jax.models.decoder import Decoder
   rc = Decoder(attention.configure(model.config, "match", retrieved_kv="recompute"))
-  return rc.apply({"params": params}, tokens_BT, positions_BT, segment_ids_BT)
+  return rc.apply({"params": params}, tokens_BT, positions_BT, segment_ids_BT,
+                  fields={"prompt_len_B": jnp.asarray(prompt_lengths_B, jnp.int32)})

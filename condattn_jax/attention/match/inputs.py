@@ -10,6 +10,9 @@ it owns the raw-token cache: the "compact cache of original inputs") produce the
   match_base_B         int32 [B]: slot of row 0 of this call (0 in a full forward; the chunk's
                        first position in decode), so query t of row b is slot base + t.
   match_doc_BG         int32 [B, G]: the block's document id (0 = none).
+  match_aux_block_BG   int32 [B, G] (engine prefill with prompt lengths only): the auxiliary
+                       block of block g (-1 = none): the aux rows then hold only the blocks
+                       that retrieve (at most ceil(m / c) + 1, see `block_retrieves`).
 and, when the retrieved K/V are recomputed (options.retrieved_kv='recompute', and always in
 decode), the auxiliary input: the retrieved chunks' raw tokens, block-major (aux row
 g*k*c + s*c + i = token i of block g's s-th chunk), returned as tokens [B, A = G*k*c] next to
@@ -40,6 +43,42 @@ def num_blocks(T: int, c: int, decode: bool) -> int:
   return -(-(T + (c - 1 if decode else 0)) // c)
 
 
+def block_retrieves(o: MatchOptions, block_start_BG, prompt_len_B):
+  """bool [B, G]: block g retrieves (the paper's prefill, Sec. 4.2.1: retrieval only for the last
+  m = options.prefill_last prompt positions): its last slot is >= P - m, P = the row's prompt
+  length, so every block of generated tokens and the blocks holding the last m prompt positions
+  retrieve, and earlier prompt blocks run the window only."""
+  return block_start_BG + (o.chunk - 1) >= (prompt_len_B[:, None] - o.prefill_last)
+
+
+def pad_ids(ids_BGn, width: int):
+  """Chunk ids padded with -1 to `width` slots (a single-query search among multi-query ones)."""
+  n = ids_BGn.shape[-1]
+  if n >= width:
+    return ids_BGn
+  return jnp.concatenate([ids_BGn, jnp.full(ids_BGn.shape[:-1] + (width - n,), -1, jnp.int32)],
+                         axis=-1)
+
+
+def multi_query_ids(o: MatchOptions, query, block_start_BG, chunk_tok_BJc, chunk_ok_BJ,
+                    chunk_emb_BJE=None, cand_BGJ=None):
+  """The paper's multi-query search (App. A): for each length L in options.decode_queries the
+  query `query(L) -> (tokens, ok) [B, G, L]` (the L tokens ending at the block's first token)
+  retrieves top_k chunks, reranked to kept_k; the results concatenated, a chunk already kept by
+  an earlier query dropped (-1): ids [B, G, options.slots]."""
+  outs = []
+  for L in o.decode_queries:
+    q_tok, q_ok = query(L)
+    ids = retrieval.retrieve(o, q_tok, q_ok, block_start_BG, chunk_tok_BJc, chunk_ok_BJ,
+                             chunk_emb_BJE, cand_BGJ)
+    outs.append(retrieval.rerank(o, ids, q_tok, q_ok, chunk_tok_BJc, chunk_ok_BJ))
+  ids = jnp.concatenate(outs, axis=-1)
+  n = ids.shape[-1]
+  earlier = jnp.tril(jnp.ones((n, n), bool), -1)
+  dup = jnp.any((ids[..., :, None] == ids[..., None, :]) & earlier, axis=-1)
+  return jnp.where(dup, -1, ids)
+
+
 def aux_input(o: MatchOptions, ids_BGk, tokens_BS, positions_BS, ok_BS):
   """The retrieved chunks' raw tokens, positions and validity, block-major [B, G*k*c]."""
   B, G, k = ids_BGk.shape
@@ -53,10 +92,12 @@ def aux_input(o: MatchOptions, ids_BGk, tokens_BS, positions_BS, ok_BS):
 
 
 def block_inputs(o: MatchOptions, tokens_BT, positions_BT, segment_ids_BT=None, *,
-                 recompute: bool | None = None, chunks_BGk=None):
+                 recompute: bool | None = None, chunks_BGk=None, prompt_len_B=None):
   """Full forward: (aux tokens [B, A] or None, fields). Slots are row indices; a chunk or query
   is used only inside one document (segment ids). chunks_BGk: retrieval results computed
-  elsewhere (e.g. MiniLM in the data pipeline: batch field 'match_chunks_BGk'), used as given."""
+  elsewhere (e.g. MiniLM in the data pipeline: batch field 'match_chunks_BGk'), used as given.
+  prompt_len_B: the serving forward (rows = prompt + generated tokens): only the blocks
+  `block_retrieves` keeps retrieve; None (training): every block."""
   B, T = tokens_BT.shape
   c = o.chunk
   seg = (jnp.ones((B, T), jnp.int32) if segment_ids_BT is None
@@ -81,6 +122,17 @@ def block_inputs(o: MatchOptions, tokens_BT, positions_BT, segment_ids_BT=None, 
     ids = retrieval.retrieve(o, q_tok, q_ok, start_BG, chunk_tok, chunk_ok, cand_BGJ=same_doc)
   else:
     ids = jnp.full((B, G, o.top_k), -1, jnp.int32)
+  if prompt_len_B is not None:
+    P = jnp.asarray(prompt_len_B, jnp.int32)
+    if o.decode_queries and o.top_k and J and chunks_BGk is None:
+      def query(L):
+        qs = start_BG[..., None] - (L - 1) + jnp.arange(L, dtype=jnp.int32)
+        ok = (qs >= 0) & (_take(seg, qs) == doc_BG[..., None]) & (doc_BG[..., None] != 0)
+        return _take(tokens_BT, qs), ok
+      multi = multi_query_ids(o, query, start_BG, chunk_tok, chunk_ok, cand_BGJ=same_doc)
+      decoded = (start_BG >= P[:, None])[..., None]  # blocks decode enters (searched there)
+      ids = jnp.where(decoded, multi, pad_ids(ids, o.slots))
+    ids = jnp.where(block_retrieves(o, start_BG, P)[..., None], ids, -1)
   fields = dict(match_chunks_BGk=ids, match_block_BG=start_BG,
                 match_block_pos_BG=_take(positions_BT.astype(jnp.int32), start_BG),
                 match_base_B=jnp.zeros((B,), jnp.int32), match_doc_BG=doc_BG)
@@ -109,18 +161,24 @@ class MatchInputs(nn.Module):
     chunk_emb [B, cache_len // c, E] float32 (embedding retrievers only): each whole chunk's
                                   embedding, computed once (in the prefill call that completes
                                   it, or in decode when the row enters the block after it)
-  A prefill call (T > 1) retrieves for every block its queries touch; a decode call (T = 1)
-  searches (query encode, chunk encode, scores, the rerank plug-in) only when some row enters a
-  new block (lax.cond) and otherwise reuses `ids`: retrieval runs once per block, not per token.
+  A prefill call (T > 1) with the prompt lengths (ctx.fields['prompt_len_B'], which the engine
+  passes) retrieves, and builds auxiliary rows, only for the blocks `block_retrieves` keeps (the
+  last m prompt positions: at most Ga = ceil(m / c) + 1 blocks a call, a static count, so the
+  recompute costs Ga*k*c rows instead of G*k*c); without them, for every block it touches. A
+  decode call (T = 1) searches (query encode, chunk encode, scores, the rerank plug-in) only when
+  some row enters a new block (lax.cond) and otherwise reuses `ids`: retrieval runs once per
+  block, not per token.
   """
   config: object
 
   @nn.compact
   def __call__(self, tokens_BT, ctx):
     o = options(self.config)
+    prompt_len_B = ctx.fields.get("prompt_len_B")
     if not ctx.decode:
       return (*block_inputs(o, tokens_BT, ctx.positions_BT, ctx.segment_ids_BT,
-                            chunks_BGk=ctx.fields.get("match_chunks_BGk")), {})
+                            chunks_BGk=ctx.fields.get("match_chunks_BGk"),
+                            prompt_len_B=prompt_len_B), {})
     if ctx.cache_len is None:
       raise ValueError("decode=True needs cache_len (the longest sequence to decode).")
     B, T = tokens_BT.shape
@@ -144,11 +202,20 @@ class MatchInputs(nn.Module):
     base = pos[:, 0]
     start_BG = (base // c)[:, None] * c + jnp.arange(G, dtype=jnp.int32) * c
     known_S = jnp.arange(S, dtype=jnp.int32)[None, :] < new_len[:, None]
-    q_slots = retrieval.query_slots(start_BG, c)
-    q_ok = (q_slots >= 0) & (q_slots < new_len[:, None, None])
-    q_tok = _take(raw.value, q_slots)
     chunk_tok = raw.value[:, :J * c].reshape(B, J, c)
     chunk_ok = (jnp.arange(J, dtype=jnp.int32)[None, :] + 1) * c <= new_len[:, None]
+    # the blocks that may retrieve in this call: all G, or (prefill with prompt lengths) the Ga
+    # blocks from the first one holding one of the last m prompt positions
+    Ga, g_aux = G, None
+    if T > 1 and prompt_len_B is not None:
+      P = jnp.asarray(prompt_len_B, jnp.int32)
+      Ga = min(G, (o.prefill_last + c - 1) // c + 1)
+      first = -(-(P - o.prefill_last - (c - 1) - start_BG[:, 0]) // c)
+      g_aux = jnp.clip(first, 0, G - Ga)[:, None] + jnp.arange(Ga, dtype=jnp.int32)   # [B, Ga]
+    start_q = start_BG if g_aux is None else jnp.take_along_axis(start_BG, g_aux, axis=1)
+    q_slots = retrieval.query_slots(start_q, c)
+    q_ok = (q_slots >= 0) & (q_slots < new_len[:, None, None])
+    q_tok = _take(raw.value, q_slots)
     # refresh: a row whose last token here is in another block than at its last refresh
     # recomputes the retrieved K/V (every layer reads the same decision); retrieval (and the
     # retriever's encode) runs only then: once per block in decode, every call in prefill
@@ -172,31 +239,46 @@ class MatchInputs(nn.Module):
         new_tok = _take(raw.value, j_BG[..., None] * c + jnp.arange(c, dtype=jnp.int32))
         new_emb = r.embed(new_tok, jnp.broadcast_to(done[..., None], new_tok.shape))
         emb_BJE = emb_BJE.at[rowsG, jnp.where(done, j_BG, J)].set(new_emb, mode="drop")
-      ids = retrieval.retrieve(o, q_tok, q_ok, start_BG, chunk_tok, chunk_ok, emb_BJE)
-      return retrieval.rerank(o, ids, q_tok, q_ok, chunk_tok, chunk_ok), emb_BJE
+      if T == 1 and o.decode_queries:
+        def query(L):
+          qs = start_q[..., None] - (L - 1) + jnp.arange(L, dtype=jnp.int32)
+          return _take(raw.value, qs), (qs >= 0) & (qs < new_len[:, None, None])
+        return multi_query_ids(o, query, start_q, chunk_tok, chunk_ok, emb_BJE), emb_BJE
+      ids = retrieval.retrieve(o, q_tok, q_ok, start_q, chunk_tok, chunk_ok, emb_BJE)
+      ids = retrieval.rerank(o, ids, q_tok, q_ok, chunk_tok, chunk_ok)
+      return pad_ids(ids, o.slots), emb_BJE
 
     if r is None or J == 0:
-      ids = jnp.full((B, G, o.top_k), -1, jnp.int32)
+      ids = jnp.full((B, Ga, o.slots), -1, jnp.int32)
     else:
-      kept = self.variable("cache", "ids", jnp.full, (B, o.top_k), -1, jnp.int32)
+      kept = self.variable("cache", "ids", jnp.full, (B, o.slots), -1, jnp.int32)
       emb0 = None if emb is None else emb.value
       if T > 1:
         ids, emb1 = search(emb0)
       else:  # decode: search only when a row enters a new block, else reuse the block's ids
-        reuse = lambda e: (jnp.broadcast_to(kept.value[:, None], (B, G, o.top_k)), e)
+        reuse = lambda e: (jnp.broadcast_to(kept.value[:, None], (B, G, o.slots)), e)
         ids, emb1 = jax.lax.cond(jnp.any(fresh), search, reuse, emb0)
         ids = jnp.where(fresh[:, None, None], ids, kept.value[:, None])
       if emb is not None:
         emb.value = emb1
+    aux_ids = ids                                                                 # [B, Ga, k]
+    if g_aux is not None:
+      aux_ids = jnp.where(block_retrieves(o, start_q, P)[..., None], ids, -1)
+      ids = jnp.full((B, G, ids.shape[-1]), -1, jnp.int32).at[
+          jnp.arange(B)[:, None], g_aux].set(aux_ids)
+    if r is not None and J:
       pick = jnp.take_along_axis(ids, g_last[:, None, None], axis=1)[:, 0]
       kept.value = jnp.where(fresh[:, None], pick, kept.value)
     one = jnp.ones((B, G), jnp.int32)
     fields = dict(match_chunks_BGk=ids, match_block_BG=start_BG, match_block_pos_BG=start_BG,
                   match_base_B=base, match_doc_BG=one, match_fresh_B=fresh,
                   match_g_last_B=g_last)
+    if g_aux is not None:
+      idx = jnp.arange(G, dtype=jnp.int32)[None, :] - g_aux[:, :1]
+      fields["match_aux_block_BG"] = jnp.where((idx >= 0) & (idx < Ga), idx, -1)
     if not o.top_k:
       return None, fields, {}
-    tok, apos, aok = aux_input(o, ids, raw.value, jnp.broadcast_to(
+    tok, apos, aok = aux_input(o, aux_ids, raw.value, jnp.broadcast_to(
         jnp.arange(S, dtype=jnp.int32), (B, S)), known_S.astype(jnp.int32))
     fields.update(match_aux_pos_BA=apos, match_aux_ok_BA=aok)
     return tok, fields, {}

@@ -24,7 +24,9 @@ Decode (ctx.decode): a window-only ring cache (Attention's KVCache with `window`
 SWA layers, a full cache for 'full' layers; the retrieved chunks' K/V are recomputed once per
 decoding block (when a row enters a new block) and kept in a fixed-size cache (RetrievedCache:
 k*c slots) that the block's later tokens reuse; between refreshes the aux rows are skipped
-(nn.cond). So SWA-layer memory is flat in the context length.
+(nn.cond). So SWA-layer memory is flat in the context length. An engine prefill call with the
+prompt lengths carries auxiliary rows only for the blocks that retrieve (the last m prompt
+positions: inputs.block_retrieves), mapped to their blocks by match_aux_block_BG.
 """
 from __future__ import annotations
 
@@ -219,15 +221,23 @@ class MatchLayer(nn.Module):
 
     retrieved = None
     if A:
-      G = f["match_block_BG"].shape[1]
+      # aux blocks: one per block (G), or (engine prefill with prompt lengths) only the Ga
+      # blocks that retrieve, mapped to blocks by match_aux_block_BG
+      Ga = A // (f["match_chunks_BGk"].shape[-1] * o.chunk)
       apos, aok = f["match_aux_pos_BA"], f["match_aux_ok_BA"]
       if ctx.decode and T == 1:  # recompute only when a row enters a new block
         x_aux, k_aux, v_aux = nn.cond(
-            jnp.any(f["match_fresh_B"]), lambda m, *a: m._aux_update(*a, G),
-            lambda m, *a: m._aux_skip(*a, G), self, x_aux, apos, aok)
+            jnp.any(f["match_fresh_B"]), lambda m, *a: m._aux_update(*a, Ga),
+            lambda m, *a: m._aux_skip(*a, Ga), self, x_aux, apos, aok)
       else:
-        x_aux, k_aux, v_aux = self._aux_update(x_aux, apos, aok, G)
-      ok_BGR = aok.reshape(B, G, A // G)
+        x_aux, k_aux, v_aux = self._aux_update(x_aux, apos, aok, Ga)
+      ok_BGR = aok.reshape(B, Ga, A // Ga)
+      if "match_aux_block_BG" in f:
+        idx = f["match_aux_block_BG"]
+        at = lambda t: jnp.take_along_axis(
+            t, jnp.maximum(idx, 0).reshape(idx.shape + (1,) * (t.ndim - 2)), axis=1)
+        k_aux, v_aux = at(k_aux), at(v_aux)
+        ok_BGR = jnp.where((idx >= 0)[..., None], at(ok_BGR), 0)
       if ctx.decode and retrieves:
         k_aux, v_aux, ok_BGR = self.retrieved_cache(k_aux, v_aux, ok_BGR, f["match_fresh_B"],
                                                     f["match_g_last_B"], all_fresh=T > 1)

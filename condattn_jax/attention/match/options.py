@@ -36,6 +36,16 @@ class MatchOptions:
                             (what decode with a window-only cache computes; a full forward in
                             this mode equals generation).
                 Decode always recomputes (the window cache has no old K/V).
+  prefill_last  m: serving (the engine's prefill with the prompt lengths, and the declared
+                serving forward) retrieves only for the blocks holding the last m prompt
+                positions (and every generated token's block); earlier prompt positions run the
+                window only (the paper's prefill, Sec. 4.2.1, m = 1000). Training ignores it.
+  decode_queries the query lengths of the multi-query search (the paper's App. A, e.g. (64,
+                128)): a block entered at decode searches once per length L with the L tokens
+                ending at its first token, keeps top_k (rerank_k with a reranker) chunks per
+                query, duplicates dropped: `slots` = kept_k * len(decode_queries) chunks a
+                block. () = one query of c tokens. Prompt blocks (prefill) search with one
+                query of c tokens (their results padded to `slots`).
   sinks         StreamingLLM sink tokens kept visible in the SWA layers (full forward only).
   impl          ops.attention impl of the gathered per-block attention ('auto': the compacted-
                 query Pallas kernel on GPU/TPU, the reference on CPU).
@@ -49,6 +59,8 @@ class MatchOptions:
   reranker: str = ""
   rerank_k: int = 0
   retrieved_kv: str = "sequence"
+  prefill_last: int = 1000
+  decode_queries: tuple = ()
   sinks: int = 0
   impl: str = "auto"
 
@@ -70,6 +82,13 @@ class MatchOptions:
     if self.reranker and not 0 < self.rerank_k <= self.top_k:
       raise ValueError(f"model.scheme.rerank_k={self.rerank_k} must be in [1, top_k="
                        f"{self.top_k}] with a reranker.")
+    if int(self.prefill_last) != self.prefill_last or self.prefill_last < 0:
+      raise ValueError(f"model.scheme.prefill_last={self.prefill_last!r} must be an int >= 0 "
+                       "(retrieval for the last m prompt positions).")
+    if any(int(L) != L or L < 1 for L in self.decode_queries) or \
+        len(set(self.decode_queries)) != len(self.decode_queries):
+      raise ValueError(f"model.scheme.decode_queries={self.decode_queries!r} must be distinct "
+                       "query lengths >= 1 (e.g. (64, 128)), or () for one query of chunk tokens.")
     if self.sinks < 0:
       raise ValueError(f"model.scheme.sinks={self.sinks} must be >= 0.")
     if self.sinks and self.top_k:
@@ -80,8 +99,13 @@ class MatchOptions:
 
   @property
   def kept_k(self) -> int:
-    """Chunks attended per block at decode (after the optional rerank)."""
+    """Chunks each decode query keeps (after the optional rerank)."""
     return self.rerank_k if self.reranker else self.top_k
+
+  @property
+  def slots(self) -> int:
+    """Retrieved-chunk slots per block at serving: kept_k per decode query."""
+    return self.kept_k * max(1, len(self.decode_queries))
 
 
 def layer_kinds(config) -> tuple[str, ...]:

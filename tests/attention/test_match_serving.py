@@ -1,0 +1,152 @@
+"""MATCH served as the paper pins it (docs/schemes/match.md#inference): the engine's prefill
+retrieves only for the blocks of the last m = prefill_last prompt positions (earlier prompt
+blocks: the window only), generation (one-shot and chunked prefill, ragged rows) equals the
+declared serving forward with that m, m really changes the forward, and a prefill call builds
+auxiliary rows for at most ceil(m / c) + 1 blocks instead of every block it touches."""
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from condattn_jax import attention
+from condattn_jax.attention import match
+from condattn_jax.inference import Engine
+from condattn_jax.models.config import ModelConfig
+from condattn_jax.models.context import LayerContext
+from condattn_jax.models.decoder import Decoder
+
+RNG = np.random.default_rng(3)
+PROMPTS = [list(RNG.integers(1, 6, 29)), list(RNG.integers(1, 6, 22)), list(RNG.integers(1, 6, 9))]
+NEW = 7
+M = 4  # prefill_last: blocks holding the last 4 prompt positions retrieve
+
+
+def _cfg(**kw):
+  base = ModelConfig(family="qwen3", qk_norm="head", num_layers=3, vocab_size=16)
+  return attention.configure(base, "match", **{**dict(window=6, chunk=3, top_k=2, swa_ratio=0.7,
+                                                      prefill_last=M), **kw})
+
+
+@pytest.fixture(scope="module")
+def model():
+  cfg = _cfg()
+  params = nn.unbox(jax.jit(Decoder(cfg).init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
+                    ["params"])
+  return cfg, params
+
+
+def _rows(seqs):
+  L = max(map(len, seqs))
+  tok, seg = np.zeros((len(seqs), L), np.int32), np.zeros((len(seqs), L), np.int32)
+  for b, s in enumerate(seqs):
+    tok[b, :len(s)], seg[b, :len(s)] = s, 1
+  return tok, np.broadcast_to(np.arange(L, dtype=np.int32), tok.shape), seg
+
+
+def _serving(cfg, params, seqs, prompt_lengths):
+  tok, pos, seg = _rows(seqs)
+  return match.serving_forward(Decoder(cfg), params, tok, pos, seg, None,
+                               prompt_lengths_B=np.asarray(prompt_lengths, np.int32))[0]
+
+
+@pytest.mark.parametrize("chunk", [pytest.param(None, marks=pytest.mark.slow), 5])
+def test_generation_equals_the_serving_forward_with_last_m_retrieval(model, chunk):
+  cfg, params = model
+  gen = Engine(cfg, params, cache_len=48, prefill_chunk=chunk).generate(PROMPTS, NEW,
+                                                                         return_logits=True)
+  seqs = [p + g[:-1] for p, g in zip(PROMPTS, gen.tokens)]
+  full = np.asarray(_serving(cfg, params, seqs, [len(p) for p in PROMPTS]))
+  for b, p in enumerate(PROMPTS):
+    want = full[b, len(p) - 1:len(seqs[b])]
+    np.testing.assert_allclose(gen.logits[b], want, atol=1e-4, rtol=0)
+    assert gen.tokens[b] == list(want.argmax(-1))
+
+
+def test_last_m_changes_the_forward_only_before_the_last_m(model):
+  """The serving forward with m = 4 differs from the every-block forward (m >= the prompt) on
+  the prompt's early blocks (they lose their retrieved chunks) and equals it before any block
+  has a candidate; with m = 0 no block ending before the prompt's end retrieves."""
+  cfg, params = model
+  seqs = [p + [1, 2, 3] for p in PROMPTS]
+  P = [len(p) for p in PROMPTS]
+  last_m = np.asarray(_serving(cfg, params, seqs, P))
+  every = np.asarray(_serving(_cfg(prefill_last=1000), params, seqs, P))
+  early = slice(9, 21)  # row 0: blocks 3..6 have candidates (window 6) and end before P - m = 25
+  assert np.abs(last_m[0, early] - every[0, early]).max() > 1e-3
+  np.testing.assert_allclose(last_m[0, :7], every[0, :7], atol=1e-5)  # no candidates yet
+  # m = 0: only the generated tokens' blocks (and the block holding the prompt's end) retrieve
+  ids = match.block_inputs(match.MatchOptions(window=6, chunk=3, top_k=2, prefill_last=0),
+                           jnp.asarray(_rows(seqs)[0]), jnp.asarray(_rows(seqs)[1]),
+                           prompt_len_B=jnp.asarray(P))[1]["match_chunks_BGk"]
+  blocks = np.nonzero((np.asarray(ids)[0] >= 0).any(-1))[0]
+  assert blocks.size and blocks.min() * 3 + 2 >= P[0]
+
+
+def test_prefill_builds_aux_rows_for_the_last_m_blocks_only():
+  """A one-shot prefill call of 29 tokens (chunk 3, top_k 2): 11 blocks; with m = 4 only
+  ceil(4 / 3) + 1 = 3 blocks get auxiliary rows (18 rows instead of 66), mapped to the blocks
+  holding positions >= 25 - 2."""
+  cfg = _cfg()
+  o = match.MatchOptions(window=6, chunk=3, top_k=2, prefill_last=M)
+  tok = jnp.asarray([PROMPTS[0]], jnp.int32)
+  pos = jnp.arange(29, dtype=jnp.int32)[None]
+  ctx = LayerContext(tokens_BT=tok, positions_BT=pos, segment_ids_BT=jnp.ones_like(tok),
+                     fields={"prompt_len_B": jnp.asarray([29])}, decode=True, cache_len=48)
+  mod = match.MatchInputs(cfg)
+  (aux_BA, f, _), _ = mod.init_with_output(jax.random.PRNGKey(0), tok, ctx)
+  assert aux_BA.shape == (1, 3 * 2 * 3)
+  idx = np.asarray(f["match_aux_block_BG"])[0]
+  assert list(np.nonzero(idx >= 0)[0]) == [8, 9, 10] and list(idx[8:]) == [0, 1, 2]
+  ids = np.asarray(f["match_chunks_BGk"])[0]
+  assert (ids[:8] < 0).all() and (ids[8:] >= 0).any()
+  # without the prompt lengths (a caller that passes none): every block, 11 * 6 rows
+  (aux_all, f_all, _), _ = mod.init_with_output(jax.random.PRNGKey(0), tok,
+                                                ctx.replace(fields={}))
+  assert aux_all.shape == (1, 11 * 2 * 3) and "match_aux_block_BG" not in f_all
+  np.testing.assert_array_equal(np.asarray(f_all["match_chunks_BGk"])[0, 8:], ids[8:])
+  assert o.prefill_last == M
+
+
+def test_multi_query_decode_search_is_served_and_counted(model):
+  """decode_queries=(2, 5): a block entered at decode searches with the 2 and the 5 tokens
+  ending at its first token (2 kept chunks each, duplicates dropped: 4 slots); generation
+  (chunked prefill, ragged rows) equals the serving forward, which uses the multi-query ids on
+  the blocks decode enters only (prompt positions: the single-query forward's logits); where
+  the multi-query ids differ from the single query's, the logits differ; the engine's cache
+  bytes equal kv_cache_bytes (4-slot retrieved-K/V cache and ids)."""
+  from condattn_jax.inference import cache_bytes
+  _, params = model
+  rng = np.random.default_rng(5)
+  prompts = [list(rng.integers(1, 15, 29)), list(rng.integers(1, 15, 23))]
+  cfg = _cfg(decode_queries=(2, 5))
+  eng = Engine(cfg, params, cache_len=48, prefill_chunk=5)
+  gen = eng.generate(prompts, NEW, return_logits=True)
+  seqs = [p + g[:-1] for p, g in zip(prompts, gen.tokens)]
+  P = [len(p) for p in prompts]
+  full = np.asarray(_serving(cfg, params, seqs, P))
+  for b, p in enumerate(prompts):
+    np.testing.assert_allclose(gen.logits[b], full[b, len(p) - 1:len(seqs[b])], atol=1e-4, rtol=0)
+  single = np.asarray(_serving(_cfg(), params, seqs, P))
+  tok, pos, _ = _rows(seqs)
+  ids = lambda c: np.asarray(match.block_inputs(
+      attention.options(c), jnp.asarray(tok), jnp.asarray(pos),
+      prompt_len_B=jnp.asarray(P))[1]["match_chunks_BGk"])
+  multi_ids, single_ids = ids(cfg), ids(_cfg())
+  assert multi_ids.shape[-1] == attention.options(cfg).slots == 4
+  differ = []
+  for b in range(len(seqs)):
+    np.testing.assert_allclose(full[b, :P[b]], single[b, :P[b]], atol=1e-5)
+    for g in range(-(-P[b] // 3), -(-len(seqs[b]) // 3)):  # blocks entered at decode
+      m = multi_ids[b, g][multi_ids[b, g] >= 0]
+      assert len(set(m)) == len(m)
+      if set(m) != set(single_ids[b, g][single_ids[b, g] >= 0]):
+        differ.append((b, g))
+        assert np.abs(full[b, 3 * g:3 * g + 3] - single[b, 3 * g:3 * g + 3]).max() > 1e-4
+  assert differ
+  cache = eng.init_cache(2)
+  book = sum(x.size * x.dtype.itemsize for path, x in jax.tree_util.tree_flatten_with_path(cache)[0]
+             if [getattr(p, "key", None) for p in path][-2:] in (["cache", "length"],
+                                                                 ["cache", "positions"],
+                                                                 ["cache", "valid"]))
+  assert cache_bytes(cache) - book == match.kv_cache_bytes(cfg, 48, batch=2)["total"]
