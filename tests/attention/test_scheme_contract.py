@@ -87,10 +87,10 @@ def test_context_reaches_every_layer_and_aux_is_per_layer_per_head(toy_module):
   cfg = ModelConfig(num_layers=3, scheme=f"{toy_module}:toy")
   m = Decoder(cfg)
   tok = jax.random.randint(jax.random.PRNGKey(0), (2, 8), 1, 200)
-  variables = m.init(jax.random.PRNGKey(1), tok)
+  variables = jax.jit(m.init)(jax.random.PRNGKey(1), tok)
   assert {k for k in variables["params"] if k.startswith("layers")} == {"layers_0_1", "layers_1_3"}
-  _, aux = m.apply(variables, tok, task_ids_B=jnp.array([0, 1]),
-                   fields={"doc_lengths": jnp.ones((2,))})
+  _, aux = jax.jit(lambda v: m.apply(v, tok, task_ids_B=jnp.array([0, 1]),
+                                     fields={"doc_lengths": jnp.ones((2,))}))(variables)
   assert aux["gate_N"].shape == (3, cfg.num_heads)
   np.testing.assert_array_equal(aux["layer"], [0, 1, 2])
   np.testing.assert_array_equal(aux["first_token"], float(tok[0, 0]))
