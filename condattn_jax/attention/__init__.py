@@ -144,6 +144,10 @@ class Scheme:
                 ops.attention's contiguous self-attention; tests/train/test_context_parallel.py
                 checks loss and gradients against one device); a str: why it cannot (config
                 validation refuses config.mesh.sequence > 1 with it); False: not declared (refused).
+  loss_weights  None, or `(batch, config) -> weights_BT float32 | None`: per-token weights of the
+                CE in the train step's objective, `sum(mask * w * CE) / sum(mask)` (computed on
+                the whole batch before microbatching; None: 1). Segmented's
+                `loss_normalisation='segment_mean'` (the authors' per-segment CE mean).
   tiny          None, or `() -> (config, make_params(seed) -> params)`: a small model of the
                 scheme (fp32, a few layers, routing really mixed) that tests/schemes' conformance
                 suite runs every check on; registering it is all a new scheme needs for them.
@@ -165,6 +169,7 @@ class Scheme:
   forward: Forward | None = None
   serving_forward: ServingForward | None = None
   packed_documents: bool = True
+  loss_weights: Callable[[dict, Any], Any] | None = None
   sequence_parallel: bool | str = False
   tiny: Callable[[], tuple[Any, Callable[[int], Any]]] | None = None
 

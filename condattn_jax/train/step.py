@@ -1,6 +1,9 @@
 """Loss, train step and eval step (pure functions; `loop.py` jits them with shardings).
 
-loss = sum(loss_mask * token CE) / sum(loss_mask)  +  scheme.aux_loss(aux, batch, step, model_cfg)
+loss = sum(loss_mask * w * token CE) / sum(loss_mask)  +  scheme.aux_loss(aux, batch, step, cfg)
+
+w = scheme.loss_weights(batch, model_cfg) (per-token weights on the whole batch; 1 when the
+scheme declares none). The reported `loss` / `ce` are the unweighted token mean.
 
 `train.loss_chunk_size > 0` computes the CE from the final hidden states in chunks of that many
 positions (`Decoder(..., return_hidden=True)` + `Decoder.output_embedding`), rematerialising
@@ -148,14 +151,15 @@ def make_loss_and_grads(model_cfg: ModelConfig, tc):
   chunk = int(tc.get("loss_chunk_size", 0) or 0)
   seed = int(tc.seed)
 
-  def micro_objective(params, mb, rng, step, n_total):
+  def micro_objective(params, mb, w, rng, step, n_total):
     ce, correct, aux = forward_ce(model, params, mb, train=True, rng=rng, loss_chunk_size=chunk,
                                   step=step)
     mask = mb["loss_mask"].astype(jnp.float32)
     ce_sum = jnp.sum(ce * mask)
     aux_loss, aux_metrics = scheme.aux_loss(aux, mb, step, model_cfg)
     _check_metric_names(aux_metrics)
-    obj = ce_sum / n_total + aux_loss / k
+    ce_obj = ce_sum if w is None else jnp.sum(ce * mask * w)
+    obj = ce_obj / n_total + aux_loss / k
     return obj, (ce_sum, jnp.sum(correct * mask), aux_loss, aux_metrics)
 
   grad_fn = jax.value_and_grad(micro_objective, has_aux=True)
@@ -165,22 +169,26 @@ def make_loss_and_grads(model_cfg: ModelConfig, tc):
     rng = step_rng(seed, step)
     n_tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
     n_total = jnp.maximum(n_tokens, 1.0)
+    w = scheme.loss_weights(batch, model_cfg) if scheme.loss_weights is not None else None
     if k == 1:
-      (_, (ce_sum, correct, aux_loss, aux_m)), grads = grad_fn(params, batch, rng, step, n_total)
+      (_, (ce_sum, correct, aux_loss, aux_m)), grads = grad_fn(params, batch, w, rng, step,
+                                                               n_total)
     else:
       B = batch["inputs"].shape[0]
       if B % k:
         raise ValueError(f"train.microbatches={k} must divide the global batch "
                          f"data.batch_size={B}.")
       # Row r goes to microbatch r % k: each device keeps its own rows (no resharding).
-      mbs = jax.tree.map(lambda x: x.reshape(B // k, k, *x.shape[1:]).swapaxes(0, 1), batch)
+      split = lambda x: x.reshape(B // k, k, *x.shape[1:]).swapaxes(0, 1)
+      mbs = jax.tree.map(split, batch)
 
-      def body(g_acc, mb):
-        (_, outs), g = grad_fn(params, mb, rng, step, n_total)
+      def body(g_acc, xs):
+        mb, w_mb = xs
+        (_, outs), g = grad_fn(params, mb, w_mb, rng, step, n_total)
         return jax.tree.map(jnp.add, g_acc, g), outs
 
       grads, (ce_sum, correct, aux_loss, aux_m) = jax.lax.scan(
-          body, jax.tree.map(jnp.zeros_like, params), mbs)
+          body, jax.tree.map(jnp.zeros_like, params), (mbs, None if w is None else split(w)))
       ce_sum, correct, aux_loss = ce_sum.sum(), correct.sum(), aux_loss.mean()
       aux_m = jax.tree.map(lambda v: v.mean(axis=0), aux_m)
     metrics = dict(loss=ce_sum / n_total + aux_loss, ce=ce_sum / n_total, aux_loss=aux_loss,

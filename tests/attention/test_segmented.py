@@ -287,3 +287,52 @@ def test_empty_restart_boundary_is_the_authors_recompute_from_an_empty_start():
   np.testing.assert_allclose(np.asarray(restarted), np.asarray(first), atol=1e-5, rtol=0)
   assert np.abs(np.asarray(carried) - np.asarray(first)).max() > 1e-3
   jax.tree.map(np.testing.assert_array_equal, st2, st3)  # the state transitions as usual
+
+
+@pytest.mark.slow
+def test_segment_mean_loss_is_the_authors_per_segment_mean_through_the_train_step():
+  """loss_normalisation='segment_mean' (the authors' trainer): the train step's gradient (whole
+  batch, and in 2 microbatches) == the gradient of the mean over segments of each segment's
+  mean CE over the batch, written here from the definition; on a ragged batch (segments with
+  14 / 7 / 6 targets) it differs from the token mean's."""
+  import ml_collections
+  from condattn_jax.train.step import make_loss_and_grads, token_cross_entropy
+  cfg, dp = _dense("llama", layers=2)
+  S = OPTS["segment_len"]
+  kw = {**OPTS, "long_layers": (), "remat_segments": False}
+  scfg, sp = attention.convert(dp, cfg, "segmented", **kw, loss_normalisation="segment_mean")
+  T = 3 * S
+  rng = np.random.default_rng(3)
+  toks = rng.integers(1, 64, (2, T + 1)).astype(np.int32)
+  lens = np.asarray([[T], [S + 2]])
+  seg_ids = (np.arange(T)[None] < lens).astype(np.int32)
+  mask = ((np.arange(T)[None] < lens - 1) & (np.arange(T)[None] % S != 0)).astype(np.int32)
+  batch = dict(inputs=toks[:, :T], targets=toks[:, 1:], positions=np.tile(np.arange(T), (2, 1)),
+               segment_ids=seg_ids, loss_mask=mask)
+  batch = {k: jnp.asarray(v, jnp.int32) for k, v in batch.items()}
+
+  @jax.jit
+  def reference(p):
+    def obj(p, per_segment):
+      logits, _ = sgm.forward(Decoder(scfg), p, batch["inputs"], None, batch["segment_ids"],
+                              train=True)
+      ce = token_cross_entropy(logits, batch["targets"])[0] * batch["loss_mask"]
+      m = batch["loss_mask"].astype(jnp.float32)
+      if not per_segment:
+        return jnp.sum(ce) / jnp.sum(m)
+      means = [jnp.sum(ce[:, j * S:(j + 1) * S]) / jnp.sum(m[:, j * S:(j + 1) * S])
+               for j in range(3)]
+      return sum(means) / 3
+    return jax.grad(obj)(p, True), jax.grad(obj)(p, False)
+
+  per_segment, token_mean = reference(sp)
+  for micro in (1, 2):
+    tc = ml_collections.ConfigDict(dict(microbatches=micro, loss_chunk_size=0, seed=0))
+    grads, _ = jax.jit(make_loss_and_grads(scfg, tc))(sp, batch, 0)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-6, rtol=1e-4), grads,
+                 per_segment)
+  diff = max(float(jnp.abs(a - b).max()) for a, b in
+             zip(jax.tree.leaves(per_segment), jax.tree.leaves(token_mean)))
+  assert diff > 1e-3, diff
+  with pytest.raises(ValueError, match="loss_normalisation='segment' must be one of"):
+    sgm.SegmentedOptions(**OPTS, loss_normalisation="segment")

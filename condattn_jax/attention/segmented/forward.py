@@ -21,9 +21,10 @@ segments i-K.. recomputed from an empty start; its values differ from inference'
 entries of the restarted segments are the restarted stream's K/V; the authors' pool keeps the
 K/V of each segment's first computation. The pool is forward-only either way.)
 
-The CE is normalised by the number of target tokens by the train step (sum(mask * CE) /
-sum(mask)); the authors' code averages per segment instead (not the same when segments carry
-different numbers of targets).
+The CE is normalised by the train step: by the number of target tokens (`loss_normalisation=
+'tokens'`, sum(mask * CE) / sum(mask)), or, 'segment_mean' (the authors' trainer), as the mean
+over segments of each segment's mean CE: `loss_weights` (Scheme.loss_weights) gives the step the
+per-token weights (not the same when segments carry different numbers of targets).
 """
 from __future__ import annotations
 
@@ -95,3 +96,22 @@ def forward(model, params, tokens_BT, positions_BT=None, segment_ids_BT=None, *,
   _, out = lax.scan(step, cache0, (to_seg(tok), to_seg(pos), to_seg(val)))
   out = out.swapaxes(0, 1).reshape(B, n * S, *out.shape[3:])[:, :T]
   return out, {}
+
+
+def loss_weights(batch: dict, config):
+  """Scheme.loss_weights: None for loss_normalisation='tokens'; for 'segment_mean' the weights
+  w_BT with sum(mask * w * CE) / sum(mask) == the mean over segments j (holding >= 1 target in
+  the batch) of sum_{t in j}(mask * CE) / sum_{t in j}(mask), sums over the batch's rows; a
+  target belongs to its input position's segment (position t // segment_len)."""
+  o = options(config)
+  if o.loss_normalisation == "tokens":
+    return None
+  mask_BT = batch["loss_mask"].astype(jnp.float32)
+  B, T = mask_BT.shape
+  S = o.segment_len
+  n = -(-T // S)
+  per_seg_n = jnp.pad(mask_BT, ((0, 0), (0, n * S - T))).reshape(B, n, S).sum(axis=(0, 2))
+  has = per_seg_n > 0
+  n_segs = jnp.maximum(jnp.sum(has), 1)
+  w_n = jnp.where(has, jnp.sum(mask_BT) / (n_segs * jnp.maximum(per_seg_n, 1.0)), 0.0)
+  return jnp.broadcast_to(jnp.repeat(w_n, S)[:T][None], (B, T))

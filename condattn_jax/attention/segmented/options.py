@@ -13,6 +13,7 @@ from condattn_jax.models.config import ModelConfig
 LLAMA2_LONG_HEADS = (0, 1, 2, 4, 9, 12, 14, 15, 16, 18, 19, 22, 23, 26, 29, 30)
 LLAMA2_LONG_LAYERS = (6, 8, 11, 18)  # the authors' code uses 16 instead of 18 (a config list)
 TBPTT_BOUNDARIES = ("true_state", "empty_restart")
+LOSS_NORMALISATIONS = ("tokens", "segment_mean")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,6 +47,11 @@ class SegmentedOptions:
                   'empty_restart' (the authors' trainer): the oldest recomputed segment runs as
                   a first segment (no carried tail, no retrieved prefix), so the loss's segment
                   sees a tail computed from an empty start. Needs tbptt >= 1.
+  loss_normalisation  the train step's CE normalisation: 'tokens' (sum over target tokens /
+                  their number) or 'segment_mean' (the authors' trainer: the mean over segments
+                  of each segment's mean CE over the batch; a target belongs to its input
+                  position's segment). Equal when every segment holds the same number of
+                  targets. `forward.loss_weights`.
   """
   segment_len: int = 4096
   tail_len: int = 512
@@ -63,6 +69,7 @@ class SegmentedOptions:
   refresh: int = 1
   remat_segments: bool = True
   tbptt_boundary: str = "true_state"
+  loss_normalisation: str = "tokens"
 
   def __post_init__(self):
     object.__setattr__(self, "long_heads", tuple(int(h) for h in self.long_heads))
@@ -83,6 +90,9 @@ class SegmentedOptions:
     if self.tbptt_boundary == "empty_restart" and self.tbptt < 1:
       raise ValueError("model.scheme.tbptt_boundary='empty_restart' needs tbptt >= 1 (with "
                        "tbptt=0 every segment would restart empty); set tbptt or 'true_state'.")
+    if self.loss_normalisation not in LOSS_NORMALISATIONS:
+      raise ValueError(f"model.scheme.loss_normalisation={self.loss_normalisation!r} must be one "
+                       f"of {LOSS_NORMALISATIONS}.")
     if self.tail_len > self.segment_len:
       raise ValueError(f"model.scheme.tail_len={self.tail_len} must be <= segment_len="
                        f"{self.segment_len} (the tail is cut from one segment).")
