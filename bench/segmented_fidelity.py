@@ -98,6 +98,17 @@ PRESETS = {
                           summary_tail=2, topk=4, anchors=8, expand=(-1, 2)),
                  n_pairs=8, motif=4, dense_steps=60, ft_steps=20, batch=8, train_segs=2, ablations=False,
                  lr=3e-3, ft_lr=1e-3, eval_segs=(2,), eval_rows=8),
+    # The synthetic task with the steps a dense model needs to learn the recall (the 'cpu' run's
+    # 1200 dense steps did not: recall-value accuracy at chance): minutes on one GPU (not run yet).
+    "gpu_recall": dict(task="recall_copy", seeds=3, vocab=64, width=128, layers=2, heads=4,
+                       kv_heads=2,
+                       seg=dict(segment_len=32, tail_len=8, retrieve_len=32, tbptt=1,
+                                long_heads=(0,), long_layers=(1,), query_len=8, summary_window=2,
+                                summary_stride=2, summary_tail=2, topk=4, anchors=8,
+                                expand=(-1, 2)),
+                       n_pairs=8, motif=4, dense_steps=8000, ft_steps=1000, batch=32,
+                       train_segs=4, ablations=True, lr=3e-3, ft_lr=1e-3,
+                       eval_segs=(1, 2, 4, 8, 16), eval_rows=64),
     # One H100 (not run yet: see docs/schemes/segmented.md#reproduction for the command).
     "h100": dict(task="text", seeds=3, vocab=256, width=512, layers=8, heads=8, kv_heads=8,
                  seg=dict(segment_len=256, tail_len=32, retrieve_len=64, tbptt=1,
