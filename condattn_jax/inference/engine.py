@@ -4,6 +4,7 @@ or sampled, stop tokens / strings, per-row routing statistics) over any scheme's
     engine = Engine.from_checkpoint("runs/l2a", cache_len=4096, theta=0.7)   # a train.py run
     engine = Engine(model_cfg, params, cache_len=4096, prefill_chunk=1024)   # or in memory
     out = engine.generate([[1, 5, 9], [4, 4]], max_new_tokens=32, stop_tokens=(2,))
+    outs = engine.serve(many_prompts, max_new_tokens=32, slots=8)   # continuous batching
     out.tokens        # per row: the generated ids (up to and including a stop token)
     out.text          # per row: the decoded text (with a tokenizer), cut before a stop string
     out.stats         # per row: the scheme's routing statistics, prompt and generated apart
@@ -392,6 +393,81 @@ class Engine:
         seen.add(key)
         warnings.warn(note, stacklevel=3)
 
+  # ----------------------------------------------------------------- continuous batching
+  def reset_rows(self, cache, rows_B):
+    """`cache` with the rows where rows_B is True emptied (as `init_cache`'s rows: every
+    scheme's cache starts at zeros), the others untouched; a ValueError names a cache leaf
+    whose first axis is not the batch."""
+    m = np.asarray(rows_B, bool)
+    for path, x in jax.tree_util.tree_flatten_with_path(cache)[0]:
+      if x.ndim == 0 or x.shape[0] != m.shape[0]:
+        raise ValueError(f"Engine.reset_rows: cache leaf {jax.tree_util.keystr(path)} has shape "
+                         f"{x.shape}, not batch-first with {m.shape[0]} rows.")
+    return _reset_rows(cache, jnp.asarray(m))
+
+  def serve(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, slots: int,
+            stop_tokens: Sequence[int] = ()) -> list[list[int]]:
+    """Greedy generation for many prompts through `slots` fixed rows (continuous batching):
+    a row whose request finished (a stop token or max_new_tokens) is reset and takes the next
+    waiting prompt, prefilled alone in chunks of `chunk_for(longest prompt)` while the other
+    rows wait, then decodes with the others one token per step. Returns each request's
+    generated ids (in request order), as `generate` would give it for that prompt alone."""
+    V = self.config.vocab_size
+    rows = check_prompts(prompts, V)
+    if not isinstance(slots, (int, np.integer)) or isinstance(slots, bool) or slots < 1:
+      raise ValueError(f"Engine.serve(slots={slots!r}) must be an int >= 1.")
+    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) \
+        or max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1.")
+    stop = set(_check_ids("stop_tokens", stop_tokens, V))
+    longest = max(len(p) for p in rows)
+    if longest + max_new_tokens > self.cache_len:
+      raise ValueError(f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) exceeds "
+                       f"cache_len={self.cache_len}; raise cache_len.")
+    B, C = int(slots), self.chunk_for(longest)
+    cache = self.init_cache(B)
+    logits = self._commit(jnp.zeros((B, V), jnp.float32))
+    waiting = list(range(len(rows)))
+    req: list[int | None] = [None] * B
+    pos = np.zeros(B, np.int32)
+    out: list[list[int]] = [[] for _ in rows]
+    while True:
+      for b in range(B):  # free rows take the next prompts
+        if req[b] is None and waiting:
+          r = waiting.pop(0)
+          req[b], p = r, rows[r]
+          cache = self.reset_rows(cache, np.arange(B) == b)
+          P = -(-len(p) // C) * C
+          tok = np.zeros((B, P), np.int32)
+          tok[b, :len(p)] = p
+          posn = np.broadcast_to(np.arange(P, dtype=np.int32), (B, P))
+          valid = np.zeros((B, P), bool)
+          valid[b, :len(p)] = True
+          for c in range(0, P, C):
+            sl = slice(c, c + C)
+            cache, logits, _ = self._step(self.params, cache, jnp.asarray(tok[:, sl]),
+                                          jnp.asarray(posn[:, sl]), jnp.asarray(valid[:, sl]),
+                                          logits)
+          pos[b] = len(p)
+      active = np.asarray([r is not None for r in req])
+      if not active.any():
+        break
+      ids = np.asarray(_argmax(logits))
+      for b in np.flatnonzero(active):
+        t = int(ids[b])
+        out[req[b]].append(t)
+        if t in stop or len(out[req[b]]) >= max_new_tokens:
+          req[b] = None
+      active = np.asarray([r is not None for r in req])
+      if not active.any():
+        continue  # admit the waiting prompts (or stop)
+      last = np.asarray([out[r][-1] if r is not None else 0 for r in req], np.int32)
+      cache, logits, _ = self._step(self.params, cache, jnp.asarray(last)[:, None],
+                                    jnp.asarray(pos)[:, None], jnp.asarray(active)[:, None],
+                                    logits)
+      pos = pos + active
+    return out
+
   # ------------------------------------------------------------------------------- decode
   def decode_step(self, cache, tokens_B, positions_B, active_B, prev_logits_BV):
     """One token per active row at its position. Returns (cache, logits_BV)."""
@@ -495,6 +571,14 @@ class Engine:
         stats=[{"prompt": prompt_stats.row(b), "generated": gen_stats.row(b)} for b in range(B)],
         logits=[np.stack(k) for k in kept] if return_logits else None,
         prefill_s=t1 - t0, decode_s=t2 - t1, steps=steps, cache_bytes=cache_bytes(cache))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _reset_rows(cache, rows_B):
+  """Zeros in the rows where rows_B is True, for every batch-first leaf (in place: donated)."""
+  return jax.tree.map(
+      lambda x: jnp.where(rows_B.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.zeros((), x.dtype), x),
+      cache)
 
 
 @jax.jit
