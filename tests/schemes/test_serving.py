@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from test_conformance import engine  # the suite's shared tiny models (module-cached)
+from test_conformance import NAMES, engine  # the suite's shared tiny models (module-cached)
 
 RNG = np.random.default_rng(1)
 REQUESTS = [list(map(int, RNG.integers(1, 6, n))) for n in (9, 3, 14, 5)]
@@ -35,3 +35,11 @@ def test_reset_rows_empties_only_those_rows():
   assert any(b[1].any() for b in jax.tree.leaves(before))
   with pytest.raises(ValueError, match="slots"):
     eng.serve(REQUESTS, 2, slots=0)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_every_schemes_cache_can_be_reset_per_row(name):
+  """Every leaf of every scheme's cache is batch-first: serve can give a row to a new request."""
+  eng = engine(name, 4)
+  cache = eng.reset_rows(eng.init_cache(2), [True, False])
+  assert all(x.shape[0] == 2 for x in jax.tree.leaves(cache))
