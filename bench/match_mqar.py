@@ -2,8 +2,14 @@ r"""MATCH reproduction on MQAR (paper App. B.3.1 / Table C.3), pre-registered (C
 
   python bench/match_mqar.py --preset=cpu          # -> bench/results/match_mqar.json (2-core CPU)
   python bench/match_mqar.py --preset=test --out_dir=/tmp/m   # seconds (tests/bench/test_match_bench.py)
-  CONDATTN_GIT_COMMIT=<sha> python bench/match_mqar.py --preset=h100 --lengths=64,128 --out_dir=$OUT
-                                                   # one H100, one command (< 10 min) per length pair
+  # one H100 (the next session; the device tool: carry the wheels DEVELOPERS.md names), one
+  # command per length pair (each < 10 min; if one nears the limit, one length per command):
+  pip install --no-deps .whl/*.whl; CONDATTN_GIT_COMMIT=<sha> python bench/match_mqar.py \
+      --preset=h100 --lengths=64,128 --progress=$OUT/mqar_h100_a.json --out_dir=$OUT/a
+  pip install --no-deps .whl/*.whl; CONDATTN_GIT_COMMIT=<sha> python bench/match_mqar.py \
+      --preset=h100 --lengths=256,512 --progress=$OUT/mqar_h100_b.json --out_dir=$OUT/b
+  # then here: one run with every length, named sweep_h100, in bench/results/match_mqar_<GPU>.json
+  python bench/match_mqar.py --preset=h100 --merge=<files_at>/mqar_h100_a.json,<files_at>/mqar_h100_b.json
 
 Protocol (the paper's, scaled): 2-layer qwen3-style decoders (width 64, 4 heads), every length
 trained SEPARATELY from scratch on fresh MQAR rows of that length (num_pairs per length as the
@@ -90,9 +96,10 @@ PRESETS = {
     # model (1600 steps of 64 rows); one or two lengths per command (--lengths) for < 10 min
     "h100": Settings(lengths=(64, 128, 256, 512), vocab=8192, width=64, heads=4, steps=1600,
                      batch=64, eval_rows=1024, eval_every=200),
-    # CI (tests/bench/test_match_bench.py): length 64, one lr, 2 seeds
-    "test": Settings(lengths=(64,), lrs=(1e-2,), seeds=(0, 1), steps=150, batch=16,
-                     eval_rows=64, eval_every=75),
+    # CI (tests/bench/test_match_bench.py, SWA and MATCH only): length 64, the sweep's best
+    # MATCH lr, one seed, 300 steps (where the sweep's MATCH / SWA curves separate)
+    "test": Settings(lengths=(64,), lrs=(3e-3,), seeds=(0,), steps=300, batch=16,
+                     eval_rows=64, eval_every=150),
 }
 
 # Pre-registered criteria (written with this script, before its first sweep ran). Numbers are
@@ -269,17 +276,18 @@ def run(s: Settings, methods=tuple(METHODS), log=print, progress: str | None = N
       secs[f"{method}/{length}"] = r["seconds"]
       if progress:
         with open(progress, "w") as f:
-          json.dump({m: {str(n): x for n, x in by.items()} for m, by in per.items()}, f)
+          json.dump({"device": jax.devices()[0].device_kind, "settings": dataclasses.asdict(s),
+                     "per": {m: {str(n): x for n, x in by.items()} for m, by in per.items()}}, f)
   return assemble(s, per, secs)
 
 
-def assemble(s: Settings, per: dict, secs: dict) -> dict:
+def assemble(s: Settings, per: dict, secs: dict, device: str | None = None) -> dict:
   """The result layout from per[method][length] = {"final", "curves"} (a run's, or progress
   files merged: `--merge`); criteria and verdict when every method ran."""
   summary = summarize(s, per)
   out = {"settings": dataclasses.asdict(s), "criteria_text": dict(CRITERIA),
          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-         "device": jax.devices()[0].device_kind,
+         "device": device or jax.devices()[0].device_kind,
          "pairs": {str(n): pairs(n) for n in s.lengths},
          "summary": summary, "train_seconds": secs,
          "curves": {m: {str(n): r["curves"] for n, r in by.items()} for m, by in per.items()},
@@ -292,19 +300,38 @@ def assemble(s: Settings, per: dict, secs: dict) -> dict:
 
 def merge_progress(s: Settings, paths) -> dict:
   """One result from the progress files of runs of the same settings over different lengths
-  (e.g. one process per length on a shared CPU)."""
-  per, secs = {}, {}
+  (one process per length on a shared CPU; one device command per length pair), recorded with
+  the device the files name. Results at lengths outside s.lengths (a length whose methods did
+  not all finish) are kept under "partial", outside the summary and the criteria."""
+  per, secs, devices, partial = {}, {}, set(), {}
   for path in paths:
     with open(path) as f:
-      for m, by in json.load(f).items():
-        for n, r in by.items():
+      data = json.load(f)
+    if "per" in data:
+      devices.add(data["device"])
+      own = {k: v for k, v in data["settings"].items() if k != "lengths"}
+      if own != {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(s))).items()
+                 if k != "lengths"}:
+        raise ValueError(f"--merge: {path} was run with other settings than preset's: {own}")
+      data = data["per"]
+    for m, by in data.items():
+      for n, r in by.items():
+        if int(n) in s.lengths:
           per.setdefault(m, {})[int(n)] = r
           secs[f"{m}/{n}"] = r["seconds"]
+        else:  # a length the sweep did not finish: kept, not judged
+          partial.setdefault(m, {})[n] = r["final"]
+  if len(devices) > 1:
+    raise ValueError(f"--merge: the progress files come from different devices: {devices}")
   got = sorted({n for by in per.values() for n in by})
   if got != sorted(s.lengths) or any(sorted(by) != got for by in per.values()):
     raise ValueError(f"--merge: the progress files hold lengths {got} (per method: "
                      f"{ {m: sorted(by) for m, by in per.items()} }), not {sorted(s.lengths)}.")
-  return assemble(s, {m: dict(sorted(by.items())) for m, by in per.items()}, secs)
+  out = assemble(s, {m: dict(sorted(by.items())) for m, by in per.items()}, secs,
+                 device=devices.pop() if devices else None)
+  if partial:
+    out["partial"] = partial  # {method: {length: finals}} of lengths outside the settings
+  return out
 
 
 FLAGS = common.flag_values()
@@ -326,7 +353,8 @@ def main(argv=None):
     s = dataclasses.replace(s, lengths=tuple(int(x) for x in a.lengths))
   result = merge_progress(s, a.merge) if a.merge else run(s, progress=a.progress)
   result["preset"] = a.preset
-  out = common.result_path("match_mqar", a.out_dir, fixed=FILES.get(a.preset))
+  out = common.result_path("match_mqar", a.out_dir, device=result["device"],
+                           fixed=FILES.get(a.preset))
   common.write_result(out, "match_mqar", result, name=f"sweep_{a.preset}")
   print(json.dumps(result["summary"]), "criteria:", result.get("criteria"),
         "verdict:", result.get("verdict"))
