@@ -382,11 +382,10 @@ def summarize(s: Settings, seeds: list[dict]) -> dict[str, Any]:
   m["max_window_mu_f"] = max(mus)
   m["top_head_share"] = m[f"w{w0}.top_head_share"]
   lams = sorted(float(x) for x in seeds[0][w0]["lams"])
+  swept = [r for r in seeds if all(str(lam) in r[w0]["lams"] for lam in lams)]  # same seeds
   for lam in lams:
-    put(f"lam{lam}.mu_f", [r[w0]["lams"][str(lam)]["mu_f"] for r in seeds
-                           if str(lam) in r[w0]["lams"]])
-    put(f"lam{lam}.accuracy", [r[w0]["lams"][str(lam)]["accuracy"] for r in seeds
-                               if str(lam) in r[w0]["lams"]])
+    put(f"lam{lam}.mu_f", [r[w0]["lams"][str(lam)]["mu_f"] for r in swept])
+    put(f"lam{lam}.accuracy", [r[w0]["lams"][str(lam)]["accuracy"] for r in swept])
   mu_l = [m[f"lam{lam}.mu_f"] for lam in lams]
   m["lambda_mu_f_monotone"] = float(all(a >= b for a, b in zip(mu_l, mu_l[1:])))
   put("static.best_accuracy", [r[w0]["static"]["best_accuracy"] for r in seeds])
