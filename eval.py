@@ -202,6 +202,7 @@ def _init_models(common: dict, tokenizer):
     for k, v in common.items():
       config.model.scheme[k] = v
     config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, -1, 1
+    config.mesh.sequence = 1  # one device: a recipe's sequence parallelism does not apply
   import jax
   setup = loop.build(config, devices=jax.local_devices()[:1])
   params = loop.init_params(setup)
