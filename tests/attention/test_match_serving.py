@@ -45,9 +45,10 @@ def _rows(seqs):
 
 
 def _serving(cfg, params, seqs, prompt_lengths):
-  tok, pos, seg = _rows(seqs)
-  return match.serving_forward(Decoder(cfg), params, tok, pos, seg, None,
-                               prompt_lengths_B=np.asarray(prompt_lengths, np.int32))[0]
+  """The declared serving forward (jitted) with each row's prompt length."""
+  fwd = jax.jit(lambda p, t, po, sg, pl: match.serving_forward(Decoder(cfg), p, t, po, sg, None,
+                                                               prompt_lengths_B=pl)[0])
+  return fwd(params, *_rows(seqs), np.asarray(prompt_lengths, np.int32))
 
 
 @pytest.mark.parametrize("chunk", [pytest.param(None, marks=pytest.mark.slow), 5])
@@ -76,9 +77,9 @@ def test_last_m_changes_the_forward_only_before_the_last_m(model):
   assert np.abs(last_m[0, early] - every[0, early]).max() > 1e-3
   np.testing.assert_allclose(last_m[0, :7], every[0, :7], atol=1e-5)  # no candidates yet
   # m = 0: only the generated tokens' blocks (and the block holding the prompt's end) retrieve
-  ids = match.block_inputs(match.MatchOptions(window=6, chunk=3, top_k=2, prefill_last=0),
-                           jnp.asarray(_rows(seqs)[0]), jnp.asarray(_rows(seqs)[1]),
-                           prompt_len_B=jnp.asarray(P))[1]["match_chunks_BGk"]
+  o0 = match.MatchOptions(window=6, chunk=3, top_k=2, prefill_last=0)
+  ids = jax.jit(lambda t, po, pl: match.block_inputs(o0, t, po, prompt_len_B=pl)[1][
+      "match_chunks_BGk"])(*_rows(seqs)[:2], np.asarray(P))
   blocks = np.nonzero((np.asarray(ids)[0] >= 0).any(-1))[0]
   assert blocks.size and blocks.min() * 3 + 2 >= P[0]
 
@@ -94,15 +95,15 @@ def test_prefill_builds_aux_rows_for_the_last_m_blocks_only():
   ctx = LayerContext(tokens_BT=tok, positions_BT=pos, segment_ids_BT=jnp.ones_like(tok),
                      fields={"prompt_len_B": jnp.asarray([29])}, decode=True, cache_len=48)
   mod = match.MatchInputs(cfg)
-  (aux_BA, f, _), _ = mod.init_with_output(jax.random.PRNGKey(0), tok, ctx)
+  run = jax.jit(lambda t, c: mod.init_with_output(jax.random.PRNGKey(0), t, c)[0])
+  aux_BA, f, _ = run(tok, ctx)
   assert aux_BA.shape == (1, 3 * 2 * 3)
   idx = np.asarray(f["match_aux_block_BG"])[0]
   assert list(np.nonzero(idx >= 0)[0]) == [8, 9, 10] and list(idx[8:]) == [0, 1, 2]
   ids = np.asarray(f["match_chunks_BGk"])[0]
   assert (ids[:8] < 0).all() and (ids[8:] >= 0).any()
   # without the prompt lengths (a caller that passes none): every block, 11 * 6 rows
-  (aux_all, f_all, _), _ = mod.init_with_output(jax.random.PRNGKey(0), tok,
-                                                ctx.replace(fields={}))
+  aux_all, f_all, _ = run(tok, ctx.replace(fields={}))
   assert aux_all.shape == (1, 11 * 2 * 3) and "match_aux_block_BG" not in f_all
   np.testing.assert_array_equal(np.asarray(f_all["match_chunks_BGk"])[0, 8:], ids[8:])
   assert o.prefill_last == M
@@ -129,9 +130,8 @@ def test_multi_query_decode_search_is_served_and_counted(model):
     np.testing.assert_allclose(gen.logits[b], full[b, len(p) - 1:len(seqs[b])], atol=1e-4, rtol=0)
   single = np.asarray(_serving(_cfg(), params, seqs, P))
   tok, pos, _ = _rows(seqs)
-  ids = lambda c: np.asarray(match.block_inputs(
-      attention.options(c), jnp.asarray(tok), jnp.asarray(pos),
-      prompt_len_B=jnp.asarray(P))[1]["match_chunks_BGk"])
+  ids = lambda c: np.asarray(jax.jit(lambda t, po, pl: match.block_inputs(
+      attention.options(c), t, po, prompt_len_B=pl)[1]["match_chunks_BGk"])(tok, pos, np.asarray(P)))
   multi_ids, single_ids = ids(cfg), ids(_cfg())
   assert multi_ids.shape[-1] == attention.options(cfg).slots == 4
   differ = []
