@@ -249,6 +249,7 @@ class Engine:
         config.model.scheme[k] = v
       # One device: the engine's steps are single-device (the run's mesh may be larger).
       config.mesh.data, config.mesh.fsdp, config.mesh.tensor = 1, -1, 1
+      config.mesh.sequence = 1  # a run's sequence parallelism does not apply to one device
     from condattn_jax import attention
     from condattn_jax.train import config as config_lib
     attention.options(config_lib.model_config(config)[0])  # the scheme checks the overrides
@@ -443,11 +444,13 @@ class Engine:
           posn = np.broadcast_to(np.arange(P, dtype=np.int32), (B, P))
           valid = np.zeros((B, P), bool)
           valid[b, :len(p)] = True
+          plen = pos.copy()
+          plen[b] = len(p)  # the prompt length its prefill calls see (as in _prefill)
           for c in range(0, P, C):
             sl = slice(c, c + C)
             cache, logits, _ = self._step(self.params, cache, jnp.asarray(tok[:, sl]),
                                           jnp.asarray(posn[:, sl]), jnp.asarray(valid[:, sl]),
-                                          logits)
+                                          logits, self._commit(jnp.asarray(plen)))
           pos[b] = len(p)
       active = np.asarray([r is not None for r in req])
       if not active.any():
