@@ -236,7 +236,9 @@ def test_reference_gradients_are_finite_with_empty_rows():
 GQA = [(2, 1), (4, 2), (4, 4), (6, 2)]
 
 
-@settings(max_examples=6, deadline=None, suppress_health_check=list(HealthCheck))
+# 4 random draws a run (each compiles its own interpret-mode kernels); the named
+# configurations are pinned by test_triton_edge_cases / test_triton_default_tiles_and_ladder.
+@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 10 ** 6), sparsity=st.floats(0.0, 1.0), T=st.sampled_from([48, 80, 128]),
        gqa=st.sampled_from(GQA), dtype=st.sampled_from(["float32", "bfloat16"]),
        per_head=st.booleans(), fracs=st.sampled_from([None, (0.25,), (0.5, 0.75)]),
