@@ -1,0 +1,102 @@
+"""bench/aha_repro.py: the query token carries no hint (need vs no-need is visible only in the
+context), the query kinds are what the bench says; a fresh run of the CI preset agrees in
+direction with the recorded CPU run's pre-registered verdicts; the honesty claim (criteria as
+registered, metrics re-derived from the seeds, verdicts from the metrics) fails when a stored
+number or a verdict changes."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from bench import aha_elastic_repro_common as rc
+from bench import aha_repro as bench
+from bench import claims, common
+
+RECORDED = os.path.join(common.RESULTS, "aha_repro.json")
+
+
+def test_query_kinds_are_visible_only_in_context():
+  s = bench.PRESETS["cpu"]
+  w = 16
+  task = bench.RestatedRecall(s, w, seed=0)
+  b = task.batch(0, 64)
+  kinds = {1: 0, 2: 0, 3: 0}
+  for inp, tgt, kind in zip(b["inputs"], b["targets"], b["kind"]):
+    for t in np.flatnonzero(kind):
+      k = inp[t] - task.query0
+      assert 0 <= k < s.num_keys                       # the query token: the key, nothing else
+      pos = [p for p in range(t) if 1 <= inp[p] < task.query0
+             and (inp[p] - 1) // s.num_values == k]
+      v = {(inp[p] - 1) % s.num_values for p in pos}
+      assert v == {tgt[t] - task.answer0}               # every copy of the fact: the answer
+      within = [p for p in pos if t - p < w]
+      if kind[t] == 3:
+        assert not within and len(pos) == 1            # need: only beyond the window
+      elif kind[t] == 2:
+        assert len(pos) == 2 and len(within) == 1      # restated inside the window
+      else:
+        assert pos == within                           # near
+      kinds[int(kind[t])] += 1
+  assert all(n > 0 for n in kinds.values()), kinds
+  np.testing.assert_array_equal(b["loss_mask"] > 0, b["kind"] > 0)
+
+
+def test_plateau_and_judge():
+  flat = [0.5] * 40 + [1.0] * 60
+  assert rc.plateau(flat)["at_plateau"] and not rc.plateau(np.linspace(0, 1, 100))["at_plateau"]
+  c = {"x": rc.Criterion("m", ">=", 1.0, "")}
+  assert rc.judge(c, {"m": 1.0})["x"]["passed"] and not rc.judge(c, {"m": 0.5})["x"]["passed"]
+  assert not rc.judge(c, {})["x"]["passed"] and not rc.judge(c, {"m": float("nan")})["x"]["passed"]
+
+
+# The CI preset trains a dense model and its arms: 2-7 minutes on the 2-core CI machine, over
+# the suite's budget (issue 34 asked for <= ~45 s). Opt in with CONDATTN_REPRO_CI=1.
+REPRO_CI = pytest.mark.skipif(os.environ.get("CONDATTN_REPRO_CI") != "1",
+                              reason="re-runs the CI preset (2-7 min): set CONDATTN_REPRO_CI=1")
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory):
+  """The CI preset, run fresh through the CLI (one seed, window 16, one lambda)."""
+  out = tmp_path_factory.mktemp("aha_repro")
+  bench.main(["--preset=ci", f"--out_dir={out}"])
+  path = common.result_path("aha_repro", str(out))
+  return path, common.load(path)
+
+
+@REPRO_CI
+@pytest.mark.slow
+def test_ci_preset_agrees_with_the_recorded_run(fresh):
+  """The fresh run's record is honest (its claims passed when written), the window alone loses
+  the far facts, and the headline metrics point the way the recorded CPU run's verdicts do."""
+  path, data = fresh
+  (run,) = data["runs"]
+  assert run["claims"] and all(c["passed"] for c in run["claims"]), run["claims"]
+  m = common.recorded_of(run)["metrics"]
+  assert m["w16.dense_accuracy"] >= 0.8
+  assert m["w16.local_only_accuracy"] <= m["w16.dense_accuracy"] - 0.05  # T 64: ~10% need
+  rec = common.read_result(RECORDED)["criteria"]
+  for name, metric, ci_bound in bench.CI_DIRECTIONS:
+    if rec[name]["passed"]:
+      assert m[metric] >= ci_bound, (name, metric, m[metric])
+    else:
+      assert m[metric] < rec[name]["value"], (name, metric, m[metric])
+
+
+@REPRO_CI
+@pytest.mark.slow
+def test_the_honesty_claim_fails_when_a_number_or_verdict_changes(fresh):
+  path, data = fresh
+  name = "aha repro record is honest"
+  ok = {c["name"]: c for c in claims.evaluate(path, data["runs"], 0)}[name]
+  assert ok["passed"], ok
+  bad = json.loads(json.dumps(data))
+  bad["runs"][0]["recorded"]["seeds"][0]["16"]["lams"]["0.03"]["mu_f"] += 0.2
+  got = {c["name"]: c for c in claims.evaluate(path, bad["runs"], 0)}[name]
+  assert not got["passed"] and "w16.mu_f" in got["detail"]["error"]
+  flip = json.loads(json.dumps(data))
+  c = flip["runs"][0]["recorded"]["criteria"]["sparse"]
+  c["passed"] = not c["passed"]
+  got = {c["name"]: c for c in claims.evaluate(path, flip["runs"], 0)}[name]
+  assert not got["passed"] and "sparse" in got["detail"]["error"]

@@ -1,0 +1,99 @@
+"""bench/elastic_repro.py: the two tasks differ only where the bench says (instruction, question
+marker, answers), the first facts lie beyond SSA's reach and the restated ones inside it; a
+fresh run of the CI preset agrees in direction with the recorded CPU run's pre-registered
+verdicts; the honesty claim (criteria as registered, metrics re-derived from the seeds,
+verdicts from the metrics) fails when a stored number or a verdict changes."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from bench import claims, common
+from bench import elastic_repro as bench
+
+RECORDED = os.path.join(common.RESULTS, "elastic_repro.json")
+
+
+def test_tasks_share_the_body_and_differ_only_in_instruction_marker_and_answers():
+  s = bench.PRESETS["cpu"]
+  task = bench.InstructedRecall(s, seed=0)
+  a = task.example(np.random.default_rng(7), 0)   # recall
+  b = task.example(np.random.default_rng(7), 1)   # recent: the same draws
+  T = s.seq_len
+  e = T - task.end + 1                             # the question marker's position
+  q = np.flatnonzero(a["loss_mask"])
+  diff = np.flatnonzero(a["inputs"] != b["inputs"])
+  # instruction, question marker, and the answers (inputs of the next position) only
+  assert diff.tolist() == [0, e] + [t + 1 for t in q if t + 1 < T]
+  assert a["inputs"][0] == task.instr0 and b["inputs"][e] == task.marker0 + 1
+  assert len(q) == s.num_queries and (a["loss_mask"] == b["loss_mask"]).all()
+  assert int(a["prompt_lengths"]) == q[0] + 1      # the prompt ends at the first query
+  np.testing.assert_array_equal(np.flatnonzero(a["targets"] != b["targets"]), [e - 1, *q])
+  fact = lambda t: (t >= task.fact0) & (t < task.query0)
+  for t in q:
+    k = a["inputs"][t] - task.query0
+    facts = [p for p in np.flatnonzero(fact(a["inputs"]))
+             if (a["inputs"][p] - task.fact0) // s.num_values == k]
+    first, recent = facts                         # the far fact and its restatement
+    assert t - first >= s.local + s.block and first >= s.sink_pad  # beyond SSA's sinks + window
+    assert t - recent < s.local and recent == t - 1
+    v = lambda p: (a["inputs"][p] - task.fact0) % s.num_values
+    assert v(first) != v(recent)
+    assert a["targets"][t] - task.answer0 == v(first) and b["targets"][t] - task.answer0 == v(recent)
+  rows = task.batch(0, 6)
+  np.testing.assert_array_equal(rows["task"], [0, 1] * 3)
+  assert set(rows) >= {"prompt_lengths", "inputs", "targets", "loss_mask"}
+
+
+# The CI preset trains a dense model and its arms: 2-7 minutes on the 2-core CI machine, over
+# the suite's budget (issue 34 asked for <= ~45 s). Opt in with CONDATTN_REPRO_CI=1.
+REPRO_CI = pytest.mark.skipif(os.environ.get("CONDATTN_REPRO_CI") != "1",
+                              reason="re-runs the CI preset (2-7 min): set CONDATTN_REPRO_CI=1")
+
+
+@pytest.fixture(scope="module")
+def fresh(tmp_path_factory):
+  """The CI preset, run fresh through the CLI (one seed, the single arm and the static control)."""
+  out = tmp_path_factory.mktemp("elastic_repro")
+  bench.main(["--preset=ci", f"--out_dir={out}"])
+  path = common.result_path("elastic_repro", str(out))
+  return path, common.load(path)
+
+
+@REPRO_CI
+@pytest.mark.slow
+def test_ci_preset_agrees_with_the_recorded_run(fresh):
+  """The fresh run's record is honest (its claims passed when written) and its controls and
+  headline point the way the recorded CPU run's verdicts do."""
+  path, data = fresh
+  (run,) = data["runs"]
+  assert run["claims"] and all(c["passed"] for c in run["claims"]), run["claims"]
+  m = common.recorded_of(run)["metrics"]
+  assert m["dense.min_accuracy"] >= 0.8          # the dense model learns both tasks
+  assert m["all_ssa.recall"] <= 0.5               # SSA alone cannot recall
+  assert m["static.best_recall"] >= 0.8           # the control is a real one
+  rec = common.read_result(RECORDED)["criteria"]
+  for name, metric, ci_bound in bench.CI_DIRECTIONS:
+    if rec[name]["passed"]:
+      assert m[metric] >= ci_bound, (name, metric, m[metric])
+    else:
+      assert m[metric] < rec[name]["value"], (name, metric, m[metric])
+
+
+@REPRO_CI
+@pytest.mark.slow
+def test_the_honesty_claim_fails_when_a_number_or_verdict_changes(fresh):
+  path, data = fresh
+  name = "elastic repro record is honest"
+  ok = {c["name"]: c for c in claims.evaluate(path, data["runs"], 0)}[name]
+  assert ok["passed"], ok
+  bad = json.loads(json.dumps(data))
+  bad["runs"][0]["recorded"]["seeds"][0]["arms"]["single"]["omega_gap"] += 0.3
+  got = {c["name"]: c for c in claims.evaluate(path, bad["runs"], 0)}[name]
+  assert not got["passed"] and "single.omega_gap" in got["detail"]["error"]
+  flip = json.loads(json.dumps(data))
+  c = flip["runs"][0]["recorded"]["criteria"]["ssa_cannot_recall"]
+  c["passed"] = not c["passed"]
+  got = {c["name"]: c for c in claims.evaluate(path, flip["runs"], 0)}[name]
+  assert not got["passed"] and "ssa_cannot_recall" in got["detail"]["error"]
