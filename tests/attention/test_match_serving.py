@@ -51,9 +51,12 @@ def _serving(cfg, params, seqs, prompt_lengths):
   return fwd(params, *_rows(seqs), np.asarray(prompt_lengths, np.int32))
 
 
-@pytest.mark.parametrize("chunk", [pytest.param(None, marks=pytest.mark.slow), 5])
-def test_generation_equals_the_serving_forward_with_last_m_retrieval(model, chunk):
-  cfg, params = model
+def test_generation_equals_the_serving_forward_with_last_m_retrieval(model):
+  """Chunked prefill (5-token chunks over 3-token blocks: calls that hold several blocks, and
+  blocks split across calls); one-shot prefill with the default m is the conformance suite's
+  match case, and one call's auxiliary rows for the last m blocks are
+  test_prefill_builds_aux_rows_for_the_last_m_blocks_only."""
+  cfg, params, chunk = *model, 5
   gen = Engine(cfg, params, cache_len=48, prefill_chunk=chunk).generate(PROMPTS, NEW,
                                                                          return_logits=True)
   seqs = [p + g[:-1] for p, g in zip(PROMPTS, gen.tokens)]
