@@ -248,16 +248,22 @@ def _fused_reasons(q, mask: MaskSpec) -> list[str]:
   return why
 
 
-def cudnn_reasons(q, mask: MaskSpec) -> list[str]:
-  why = _fused_reasons(q, mask)
-  if mask.kv_segment_ids_BS is not None:
-    why.append("packed segment ids (use impl='tokamax')")
+def _cudnn_shape_reasons(q) -> list[str]:
+  """What cuDNN's attention refuses in q's dtype and head_dim (both its paths)."""
+  why = []
   if q.dtype not in (jnp.bfloat16, jnp.float16):
     why.append(f"dtype {q.dtype} (cuDNN needs bfloat16 or float16)")
   H = q.shape[-1]
   if H % 8 or H > 256:
     why.append(f"head_dim {H} (cuDNN needs a multiple of 8, <= 256)")
   return why
+
+
+def cudnn_reasons(q, mask: MaskSpec) -> list[str]:
+  why = _fused_reasons(q, mask)
+  if mask.kv_segment_ids_BS is not None:
+    why.append("packed segment ids (use impl='tokamax')")
+  return why + _cudnn_shape_reasons(q)
 
 
 def decode_reasons(q, mask: MaskSpec) -> list[str]:
@@ -275,12 +281,7 @@ def decode_reasons(q, mask: MaskSpec) -> list[str]:
     why.append("query segment ids")
   if mask.active is not None and mask.active.ndim != 2:
     why.append("a per-head active set")
-  if q.dtype not in (jnp.bfloat16, jnp.float16):
-    why.append(f"dtype {q.dtype} (cuDNN needs bfloat16 or float16)")
-  H = q.shape[-1]
-  if H % 8 or H > 256:
-    why.append(f"head_dim {H} (cuDNN needs a multiple of 8, <= 256)")
-  return why
+  return why + _cudnn_shape_reasons(q)
 
 
 def _pallas_reasons(mask: MaskSpec) -> list[str]:
@@ -527,6 +528,21 @@ def _cudnn(scale):
   return fn
 
 
+def merge_attention_parts(o, lse, axis: int):
+  """Online-softmax merge of partial attentions stacked on `axis` (a non-negative axis of lse):
+  o [..., P, ..., H] each normalised over its own keys, lse the same shape without H. A part
+  with lse = -inf (no visible key) weighs 0; all parts empty -> zeros and lse -inf (no NaN).
+  Returns (o without the P axis, lse of the union)."""
+  mx = lax.stop_gradient(jnp.max(lse, axis=axis, keepdims=True))
+  mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+  w = jnp.exp(lse - mx)
+  tot = jnp.sum(w, axis=axis)
+  empty = tot == 0
+  tot = jnp.where(empty, 1.0, tot)
+  out = jnp.sum(o * jnp.expand_dims(w, -1), axis=axis) / tot[..., None]
+  return out, jnp.where(empty, -jnp.inf, jnp.squeeze(mx, axis) + jnp.log(tot))
+
+
 DECODE_CTAS = 264  # cuDNN decode: split the kv length until about 2 programs per H100 SM
 
 
@@ -569,14 +585,10 @@ def _cudnn_decode(scale, implementation: str = "cudnn", splits: int | None = Non
         q_XGKH, k.reshape(B * P, Sp, K, H), v.reshape(B * P, Sp, K, H), scale=scale,
         key_value_seq_lengths=jnp.where(on_BP, len_BP, 1).reshape(B * P),
         implementation=implementation, return_residual=True)
-    o = o_XGKH.reshape(B, P, G, K, H).astype(jnp.float32)
-    lse = jnp.where(on_BP[:, :, None, None], lse_XGK.reshape(B, P, G, K).astype(jnp.float32),
-                    -jnp.inf)
-    m = jnp.max(lse, axis=1, keepdims=True)
-    w = jnp.exp(lse - jnp.where(jnp.isfinite(m), m, 0))                       # [B, P, G, K]
-    den = jnp.sum(w, axis=1)
-    o_BGKH = jnp.sum(w[..., None] * o, axis=1) / jnp.where(den > 0, den, 1)[..., None]
-    o_BGKH = jnp.where(on_B[:, None, None, None], o_BGKH, 0)
+    o_BPGKH = o_XGKH.reshape(B, P, G, K, H).astype(jnp.float32)
+    lse_BPGK = jnp.where(on_BP[:, :, None, None],
+                         lse_XGK.reshape(B, P, G, K).astype(jnp.float32), -jnp.inf)
+    o_BGKH, _ = merge_attention_parts(o_BPGKH, lse_BPGK, axis=1)  # inactive row: all -inf -> 0
     return o_BGKH.transpose(0, 2, 1, 3).reshape(B, 1, N, H).astype(q.dtype)
   return fn
 

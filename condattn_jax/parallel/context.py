@@ -223,16 +223,8 @@ def _all_gather(ax, local):
 
 
 def _merge(o_a, lse_a, o_b, lse_b):
-  """Online-softmax merge of two partial attentions (out normalised per part, lse [B, T, N]);
-  parts with lse = -inf (no visible key) weigh 0, both empty -> zeros and -inf (no NaN)."""
-  mx = lax.stop_gradient(jnp.maximum(lse_a, lse_b))
-  mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-  wa, wb = jnp.exp(lse_a - mx), jnp.exp(lse_b - mx)
-  tot = wa + wb
-  empty = tot == 0
-  tot = jnp.where(empty, 1.0, tot)
-  o = (o_a * wa[..., None] + o_b * wb[..., None]) / tot[..., None]
-  return o, jnp.where(empty, -jnp.inf, mx + jnp.log(tot))
+  """Online-softmax merge of two partial attentions (out normalised per part, lse [B, T, N])."""
+  return ops.merge_attention_parts(jnp.stack([o_a, o_b]), jnp.stack([lse_a, lse_b]), axis=0)
 
 
 def _ring(ax, n, scale):
