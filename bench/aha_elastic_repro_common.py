@@ -137,3 +137,31 @@ def train(cfg, params, tc, batch_fn: Callable[[int], dict], *, metrics=("accurac
         log(f"[{name}] step {i + 1} " + " ".join(f"{k}={curves[k][-1]:.4g}" for k in metrics)
             + f" ({time.time() - t0:.0f}s)")
   return jax.device_get(state.params), curves
+
+
+def define_flags(flag_values, presets, doc: str):
+  """The two repro benches' flags: --preset (names from `presets`, `doc` for the page of its H100
+  command) and --seeds (override the preset's seeds)."""
+  from absl import flags
+  flags.DEFINE_enum("preset", "cpu", sorted(presets), "size: cpu (recorded), ci (tests/bench), "
+                    f"h100 (one H100, {doc}), test (seconds)", flag_values=flag_values)
+  flags.DEFINE_list("seeds", None, "override the preset's seeds (e.g. 0: one seed a command on a "
+                    "slow machine; the run is then named <preset>_seeds<list>)",
+                    flag_values=flag_values)
+
+
+def main(bench: str, flag_values, presets, files, run, argv=None):
+  """Parse the flags, run the preset (seeds overridden by --seeds, the run named after them),
+  append it to bench/results/<bench>.json (or --out_dir) and return the result."""
+  from bench import common
+  a = common.parse_flags(flag_values, argv)
+  s, name = presets[a.preset], a.preset
+  if a.seeds:
+    s = dataclasses.replace(s, seeds=tuple(int(x) for x in a.seeds))
+    name = f"{a.preset}_seeds{'_'.join(a.seeds)}"
+  res = run(s)
+  res["preset"] = name
+  out = common.result_path(bench, a.out_dir, fixed=files.get(name))
+  common.write_result(out, bench, res, name=name)
+  print(f"wrote {out}")
+  return res

@@ -41,7 +41,6 @@ import time
 from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from absl import flags  # noqa: E402
 from bench import common  # noqa: E402
 from bench import aha_elastic_repro_common as rc  # noqa: E402
 
@@ -407,27 +406,11 @@ def run(s: Settings, log=print) -> dict[str, Any]:
 
 
 FLAGS = common.flag_values()
-flags.DEFINE_enum("preset", "cpu", sorted(PRESETS), "size: cpu (recorded), ci (tests/bench), "
-                  "h100 (one H100, docs/schemes/elastic.md), test (seconds)", flag_values=FLAGS)
-
-
-flags.DEFINE_list("seeds", None, "override the preset's seeds (e.g. 0: one seed a command on a "
-                  "slow machine; the run is then named <preset>_seeds<list>)", flag_values=FLAGS)
+rc.define_flags(FLAGS, PRESETS, "docs/schemes/elastic.md")
 
 
 def main(argv=None):
-  a = common.parse_flags(FLAGS, argv)
-  s = PRESETS[a.preset]
-  name = a.preset
-  if a.seeds:
-    s = dataclasses.replace(s, seeds=tuple(int(x) for x in a.seeds))
-    name = f"{a.preset}_seeds{'_'.join(a.seeds)}"
-  res = run(s)
-  res["preset"] = name
-  out = common.result_path("elastic_repro", a.out_dir, fixed=FILES.get(name))
-  common.write_result(out, "elastic_repro", res, name=name)
-  print(f"wrote {out}")
-  return res
+  return rc.main("elastic_repro", FLAGS, PRESETS, FILES, run, argv)
 
 
 if __name__ == "__main__":
