@@ -1,5 +1,7 @@
 """Shared helpers for the training / checkpoint / eval tests (not a test module)."""
+import json
 import os
+import socket
 import sys
 
 import jax
@@ -76,3 +78,17 @@ def assert_l2a_pruning_kv_bytes(settings, layer_sparsity, pruning, ctx=131072):
     expect_l2a_pruning_kv_bytes(settings, layer_sparsity, pruning, ctx)
   except ClaimFailed as e:
     raise AssertionError(str(e)) from None
+
+
+def free_port() -> int:
+  """A free TCP port on localhost (a jax.distributed coordinator for multi-process tests)."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
+def logged_losses(workdir) -> dict:
+  """{step: train/loss} from a run's metrics.jsonl."""
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    rows = [json.loads(line) for line in f]
+  return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}

@@ -7,13 +7,13 @@ equal the batch a single process builds alone.
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
 
 import numpy as np
 
+from _train_helpers import free_port
 from condattn_jax import data
 
 WORKER = textwrap.dedent("""
@@ -50,12 +50,6 @@ WORKER = textwrap.dedent("""
 """)
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def test_two_processes_build_the_single_process_batch(tmp_path):
   cfg = {"source": "mqar", "seq_len": 64, "batch_size": 8, "prefetch": 0,
          "task": {"vocab_size": 128, "num_pairs": 4, "min_gap": 8}}
@@ -64,7 +58,7 @@ def test_two_processes_build_the_single_process_batch(tmp_path):
   out = tmp_path / "out.json"
   env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2",
              JAX_PLATFORMS="cpu")
-  port = _free_port()
+  port = free_port()
   procs = [subprocess.Popen([sys.executable, str(worker), str(i), str(port), json.dumps(cfg),
                              str(out)], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT) for i in range(2)]

@@ -2,15 +2,12 @@
 collectives, jax.distributed) with a 4-device `sequence` axis spanning both (every row split over
 the two hosts' devices; the K/V all-gather and the batch's replicated rows cross processes) give
 one process's losses step for step (tests/train/test_multihost.py's harness)."""
-import json
-import os
-import socket
 import subprocess
 
 import numpy as np
 import pytest
 
-from _train_helpers import PY, ROOT, subprocess_env
+from _train_helpers import PY, ROOT, free_port, logged_losses, subprocess_env
 
 STEPS = 3
 ARGS = ["--config=configs/tiny.py:steps=%d,seq=32" % STEPS, "--config.train.log_every=1",
@@ -18,21 +15,9 @@ ARGS = ["--config=configs/tiny.py:steps=%d,seq=32" % STEPS, "--config.train.log_
         "--config.train.progress_bar=False"]
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _losses(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    rows = [json.loads(line) for line in f]
-  return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
-
-
 @pytest.mark.slow
 def test_sequence_axis_across_two_processes_matches_one_process(tmp_path):
-  port = _free_port()
+  port = free_port()
   seq = ["--config.mesh.fsdp=1", "--config.mesh.sequence=4"]
   runs = [(str(tmp_path / "mh"), seq, subprocess_env(2, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
                                                      JAX_NUM_PROCESSES=2, JAX_PROCESS_ID=i))
@@ -50,6 +35,6 @@ def test_sequence_axis_across_two_processes_matches_one_process(tmp_path):
   for p, o in zip(procs, outs):
     assert p.returncode == 0, o[-4000:]
   assert "mesh {'data': 1, 'fsdp': 1, 'sequence': 4, 'tensor': 1}" in outs[0]  # host 0's log
-  a, b = _losses(runs[0][0]), _losses(runs[2][0])
+  a, b = logged_losses(runs[0][0]), logged_losses(runs[2][0])
   assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
   np.testing.assert_allclose([a[s] for s in a], [b[s] for s in a], rtol=1e-5)

@@ -3,15 +3,14 @@ jax.distributed via JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID
 per-process data loading match a one-process 4-device run step for step; the checkpoint they
 write restores (params, optimizer, data iterator) in a single process, which continues exactly
 like the reference."""
-import json
 import os
-import socket
 import subprocess
 
 import numpy as np
 import pytest
 
-from _train_helpers import PY, ROOT, assert_trees_close, subprocess_env, tiny
+from _train_helpers import (PY, ROOT, assert_trees_close, free_port, logged_losses,
+                            subprocess_env, tiny)
 from condattn_jax import checkpoint as ckpt_lib
 from condattn_jax.train import loop
 
@@ -22,27 +21,11 @@ ARGS = ["--config=configs/tiny.py:steps=%d" % STEPS, "--config.train.log_every=1
         "--config.mesh.tensor=2"]
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def _losses(workdir):
-  out = {}
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    for line in f:
-      r = json.loads(line)
-      if "train/loss" in r:
-        out[r["step"]] = r["train/loss"]
-  return out
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   mh = str(tmp_path_factory.mktemp("multihost"))
   ref = str(tmp_path_factory.mktemp("reference"))
-  port = _free_port()
+  port = free_port()
   procs = []
   for i in range(2):
     env = subprocess_env(2, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=2,
@@ -68,7 +51,7 @@ def runs(tmp_path_factory):
 
 def test_two_processes_match_one_process(runs):
   mh, ref = runs
-  a, b = _losses(mh), _losses(ref)
+  a, b = logged_losses(mh), logged_losses(ref)
   assert sorted(a) == list(range(1, HALF + 1)) and sorted(b) == list(range(1, STEPS + 1))
   np.testing.assert_allclose([a[s] for s in a], [b[s] for s in a], rtol=1e-5)
   ck = ckpt_lib.Checkpointer(os.path.join(mh, "checkpoints"), read_only=True)
@@ -91,7 +74,7 @@ def test_multihost_checkpoint_restores_and_continues_in_one_process(runs):
   losses = {}
   r = loop.run(c, mh, on_step=lambda s, m: losses.__setitem__(s, float(m["loss"])))
   assert r["step"] == STEPS
-  want = _losses(ref)
+  want = logged_losses(ref)
   np.testing.assert_allclose([losses[s] for s in range(HALF + 1, STEPS + 1)],
                              [want[s] for s in range(HALF + 1, STEPS + 1)], rtol=1e-5)
   _, final_mh, _ = loop.load_params(c, mh)
