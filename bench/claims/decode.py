@@ -35,9 +35,14 @@ def rows_and_targets_follow_from_the_stored_numbers(rec, run):
          [(t["name"], t["met"]) for t in want], "recorded target verdicts differ from the rows'")
 
 
+def _row(rows, scheme, shapes, B, T):
+  """The engine row that ran (status ok) for scheme / shapes / B / T."""
+  return next(x for x in rows if (x["scheme"], x["shapes"], x["B"], x["T"]) == (scheme, shapes, B, T)
+              and x["status"] == "ok")
+
+
 def _engine_line(rows, scheme, shapes, B, T):
-  r = next(x for x in rows if (x["scheme"], x["shapes"], x["B"], x["T"]) == (scheme, shapes, B, T)
-           and x["status"] == "ok")
+  r = _row(rows, scheme, shapes, B, T)
   return (f"| {scheme} ({shapes}) | {B} | {T // 1024}K | {r['ms']:.1f} | {r['limit_ms']:.2f} | "
           f"{r['x_limit']:.1f} |")
 
@@ -97,8 +102,7 @@ def _baseline_line(rows, B, T):
 
 
 def _achieved(rows, scheme, shapes, B, T):
-  r = next(x for x in rows if (x["scheme"], x["shapes"], x["B"], x["T"]) == (scheme, shapes, B, T)
-           and x["status"] == "ok")
+  r = _row(rows, scheme, shapes, B, T)
   return f"{r['ms']:.2f} ms, {r['achieved']:.2f} of the bound"
 
 
@@ -117,8 +121,7 @@ def _over_mib(run):
 
 
 def _peak(rows, scheme, shapes, B, T):
-  r = next(x for x in rows if (x["scheme"], x["shapes"], x["B"], x["T"]) == (scheme, shapes, B, T)
-           and x["status"] == "ok")
+  r = _row(rows, scheme, shapes, B, T)
   return f"{r['peak_est_bytes'] / 2**30:.2f} / {r['cache_bytes'] / 2**30:.2f}"
 
 
