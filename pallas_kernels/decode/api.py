@@ -1,0 +1,280 @@
+"""decode: attention of a few query tokens per row over a KV cache, kv split into parts.
+
+    out_BTNH = decode_attention(q_BTNH, k_BSKH, v_BSKH, q_positions_BT=qpos,
+                                kv_positions_BS=kvpos, kv_lengths_B=fill, impl="mosaic_gpu")
+
+What a call sees is `reference.decode_mask`: row b's slots < kv_lengths_B[b] (its fill; or every
+slot with kv_valid_BS != 0), causal on positions, optionally a window (q_pos - kv_pos < window)
+with `sinks` (kv_pos < sinks stays visible), and an active set: bool [B, T] (per row: an L2A row
+routed local) or [B, T, N] (per query head: AHA); inactive queries give zeros.
+
+The plan the kernels share (`plan`):
+- GQA folded into the query rows: the G = N / K query heads of kv head k and the T query tokens
+  become R = T * G rows (row t * G + g) of one program, so each K/V tile is read once per
+  (row, kv head), never once per query head.
+- Reads skipped per (row, kv head): the kv tiles (block_k slots) a program reads are two runs,
+  sink tiles [0, sink_end) and window tiles [win_lo, win_hi), from per-tile position bounds:
+  without a window, the tiles up to the row's fill (one run); with one, only the tiles that hold
+  a key inside some query's window (a full cache read by an AHA head routed local, Elastic's
+  sinks + window); a (row, kv head) with no active query reads nothing. A window ring read after
+  its write (models.layers.KVCache) is a full cache whose fill is min(length, ring size).
+  The kernels still mask every score exactly; the runs only bound the reads.
+- Split over the kv length: each (row, kv head) splits its runs into P equal parts (P static:
+  `num_parts`, about config.target_programs programs in all, >= config.min_tiles_per_part tiles
+  each), one program per part, merged by their log-sum-exp (`reference.merge_parts`).
+
+impl: 'reference' (dense, `reference_decode_attention`), 'mosaic_gpu' (Hopper: TMA K/V pipeline
+with a memory warpgroup, wgmma), 'mosaic_tpu' (scalar-prefetched tile runs), each by name;
+`interpret=True` runs a kernel in Pallas interpret mode (CPU tests). Choosing one per platform is
+condattn_jax.ops' job (`BACKENDS`, the pallas_kernels.backends interface). Forward only.
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.backends import Platform, platform_reason
+
+from .reference import merge_parts, reference_decode_attention
+
+IMPLS = ("reference", "mosaic_gpu", "mosaic_tpu")
+NO_QUERY = -(2 ** 31) + 1   # the position of a padding / inactive query row: sees no key
+MGPU_ROWS = 64              # one wgmma M tile: the query rows of a Mosaic GPU program
+_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig:
+  """Tuning knobs (static). block_k: kv slots per tile (None: 64 Mosaic GPU, 128 Mosaic TPU);
+  num_stages: K/V tiles in flight per program (Mosaic GPU); parts: kv parts per (row, kv head)
+  (None: `num_parts`); target_programs: programs to aim for (about 2 per H100 SM);
+  min_tiles_per_part: the fewest tiles a part gets (a part's partial output is written and
+  merged: bytes a tiny part would spend on that instead of K/V)."""
+  block_k: int | None = None
+  num_stages: int = 4
+  parts: int | None = None
+  target_programs: int = 264
+  min_tiles_per_part: int = 8
+
+  def tile(self, impl: str) -> int:
+    if self.block_k is not None:
+      return self.block_k
+    return 128 if impl == "mosaic_tpu" else 64
+
+
+def num_parts(B: int, K: int, ntiles: int, cfg: DecodeConfig) -> int:
+  """The largest power of two P with B * K * P <= target_programs and ntiles / P >=
+  min_tiles_per_part (1 at least), or cfg.parts."""
+  if cfg.parts is not None:
+    return cfg.parts
+  P = 1
+  while B * K * P * 2 <= cfg.target_programs and ntiles // (P * 2) >= cfg.min_tiles_per_part:
+    P *= 2
+  return P
+
+
+def kernel_support(impl: str, q_shape, kv_shape, dtype, cfg: DecodeConfig = DecodeConfig()
+                   ) -> str | None:
+  """None if kernel `impl` takes [B, T, N, H] queries over [B, S, K, H] keys of `dtype`, else why
+  not (one line)."""
+  if impl == "reference":
+    return None
+  if impl not in IMPLS:
+    return f"unknown decode impl {impl!r}; choose one of {IMPLS}"
+  B, T, N, H = q_shape
+  S, K = kv_shape[1], kv_shape[2]
+  bk = cfg.tile(impl)
+  why = []
+  if jnp.dtype(dtype) not in _DTYPES:
+    why.append(f"dtype {jnp.dtype(dtype).name} (the decode kernels take bfloat16 / float16)")
+  if H % 64 or H > 256:
+    why.append(f"head_dim {H} (the decode kernels take a multiple of 64, <= 256)")
+  rows = T * (N // K)
+  max_rows = MGPU_ROWS if impl == "mosaic_gpu" else 128
+  if rows > max_rows:
+    why.append(f"{T} queries x {N // K} query heads per kv head = {rows} rows (a decode program "
+               f"takes <= {max_rows}: decode is a few tokens per row)")
+  if S % bk:
+    why.append(f"cache length {S} is not a multiple of the kv tile {bk} (DecodeConfig.block_k)")
+  if impl == "mosaic_tpu" and bk % 128:
+    why.append(f"kv tile {bk}: Mosaic TPU needs a multiple of 128")
+  return "; ".join(why) or None
+
+
+# ------------------------------------------------------------------------------------------------
+# The plan: folded query rows, per-(row, kv head) tile runs
+# ------------------------------------------------------------------------------------------------
+
+def fold_queries(q_BTNH, q_positions_BT, active, K: int, rows: int):
+  """(q_BKRH [B, K, rows, H], qpos_BKR int32): query head k * G + g of token t is row t * G + g
+  of kv head k; rows past T * G and inactive queries get position NO_QUERY (they see nothing)."""
+  B, T, N, H = q_BTNH.shape
+  G = N // K
+  R = T * G
+  q_BKRH = q_BTNH.reshape(B, T, K, G, H).transpose(0, 2, 1, 3, 4).reshape(B, K, R, H)
+  qpos_BTN = jnp.broadcast_to(q_positions_BT.astype(jnp.int32)[:, :, None], (B, T, N))
+  if active is not None:
+    act_BTN = active if active.ndim == 3 else jnp.broadcast_to(active[:, :, None], (B, T, N))
+    qpos_BTN = jnp.where(act_BTN, qpos_BTN, NO_QUERY)
+  qpos_BKR = qpos_BTN.reshape(B, T, K, G).transpose(0, 2, 1, 3).reshape(B, K, R)
+  pad = rows - R
+  q_BKRH = jnp.pad(q_BKRH, ((0, 0), (0, 0), (0, pad), (0, 0)))
+  qpos_BKR = jnp.pad(qpos_BKR, ((0, 0), (0, 0), (0, pad)), constant_values=NO_QUERY)
+  return q_BKRH, qpos_BKR
+
+
+def unfold_rows(o_BKRH, T: int, N: int):
+  """Inverse of fold_queries' row layout: [B, K, >= T * G, H] -> [B, T, N, H]."""
+  B, K, _, H = o_BKRH.shape
+  G = N // K
+  o = o_BKRH[:, :, :T * G].reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4)
+  return o.reshape(B, T, N, H)
+
+
+def tile_runs(qpos_BKR, kv_positions_BS, kv_lengths_B, kv_valid_BS, *, window, sinks, block_k):
+  """int32 [B, K, 3] (sink_end, win_lo, win_hi): the kv tiles (block_k slots each) program
+  (b, k) reads, tiles [0, sink_end) then [win_lo, win_hi) (disjoint, win_lo >= sink_end). Every
+  tile holding a slot visible to one of the (b, k) rows is in them (the kernels mask the rest).
+  With neither a window nor kv_valid_BS this is arithmetic on the fills; otherwise one pass over
+  the [B, S] positions (4 bytes a slot, against K * H * 4 bytes of K/V)."""
+  B, S = kv_positions_BS.shape
+  nT = S // block_k
+  on_BKR = qpos_BKR != NO_QUERY
+  on_BK = jnp.any(on_BKR, axis=-1)
+  big = jnp.iinfo(jnp.int32).max
+  qmax_BK = jnp.max(jnp.where(on_BKR, qpos_BKR, -big), axis=-1)
+  qmin_BK = jnp.min(jnp.where(on_BKR, qpos_BKR, big), axis=-1)
+  zero = jnp.zeros_like(qmax_BK)
+  if window is None and kv_valid_BS is None:
+    fill_B = jnp.full((B,), S, jnp.int32) if kv_lengths_B is None else kv_lengths_B
+    end_B = (jnp.clip(fill_B.astype(jnp.int32), 0, S) + block_k - 1) // block_k
+    end_BK = jnp.where(on_BK, end_B[:, None], 0)
+    return jnp.stack([zero, zero, end_BK], axis=-1)
+  slot_BS = jnp.arange(S, dtype=jnp.int32)[None, :]
+  ok_BS = jnp.ones((B, S), bool)
+  if kv_lengths_B is not None:
+    ok_BS = slot_BS < kv_lengths_B[:, None]
+  if kv_valid_BS is not None:
+    ok_BS = ok_BS & (kv_valid_BS != 0)
+  pos_BnT = kv_positions_BS.astype(jnp.int32).reshape(B, nT, block_k)
+  ok_BnT = ok_BS.reshape(B, nT, block_k)
+  pmin_BT = jnp.min(jnp.where(ok_BnT, pos_BnT, big), axis=-1)
+  pmax_BT = jnp.max(jnp.where(ok_BnT, pos_BnT, -big), axis=-1)
+  any_BT = jnp.any(ok_BnT, axis=-1)
+  past_BKT = any_BT[:, None] & (pmin_BT[:, None] <= qmax_BK[..., None])   # a non-future key
+  need_BKT = past_BKT
+  if window is not None:
+    need_BKT = past_BKT & (pmax_BT[:, None] > qmin_BK[..., None] - window)
+  t_T = jnp.arange(nT, dtype=jnp.int32)
+
+  def run_end(need):  # 1 + the last needed tile (0 if none)
+    return jnp.max(jnp.where(need, t_T + 1, 0), axis=-1)
+
+  win_hi = run_end(need_BKT)
+  win_lo = jnp.min(jnp.where(need_BKT, t_T, nT), axis=-1)
+  sink_end = zero
+  if window is not None and sinks:
+    sink_end = run_end(past_BKT & (pmin_BT[:, None] < sinks))
+  win_lo = jnp.maximum(jnp.minimum(win_lo, win_hi), sink_end)
+  win_hi = jnp.maximum(win_hi, win_lo)
+  runs = jnp.stack([sink_end, win_lo, win_hi], axis=-1)
+  return jnp.where(on_BK[..., None], runs, 0)
+
+
+def plan(q_BTNH, k_BSKH, *, q_positions_BT, kv_positions_BS, kv_lengths_B, kv_valid_BS, active,
+         window, sinks, block_k, rows):
+  """(q_BKRH, qpos_BKR, runs_BK3): the kernels' inputs (see the module docstring)."""
+  K = k_BSKH.shape[2]
+  q_BKRH, qpos_BKR = fold_queries(q_BTNH, q_positions_BT, active, K, rows)
+  runs = tile_runs(qpos_BKR, kv_positions_BS, kv_lengths_B, kv_valid_BS, window=window,
+                   sinks=sinks, block_k=block_k)
+  return q_BKRH, qpos_BKR, runs
+
+
+def part_range(runs_3, p, P):
+  """(lo, hi): the run entries part p of P reads (entry e is tile e below sink_end, else
+  win_lo + e - sink_end); the n entries split as evenly as integers allow."""
+  n = runs_3[0] + runs_3[2] - runs_3[1]
+  return (n * p) // P, (n * (p + 1)) // P
+
+
+def entry_tile(runs_3, e):
+  return jnp.where(e < runs_3[0], e, runs_3[1] + e - runs_3[0])
+
+
+# ------------------------------------------------------------------------------------------------
+# Entry point and backends
+# ------------------------------------------------------------------------------------------------
+
+def decode_attention(q_BTNH, k_BSKH, v_BSKH, *, q_positions_BT, kv_positions_BS,
+                     kv_lengths_B=None, kv_valid_BS=None, active=None, window=None, sinks=0,
+                     scale=None, impl: str = "reference", config: DecodeConfig = DecodeConfig(),
+                     interpret=False, return_lse: bool = False):
+  """out [B, T, N, H] in q's dtype (and lse [B, T, N] float32 with return_lse) under
+  reference.decode_mask; see the module docstring. A kernel that cannot take the shape raises
+  ValueError naming why."""
+  if impl not in IMPLS:
+    raise ValueError(f"decode_attention: unknown impl {impl!r}; choose one of {IMPLS}")
+  B, T, N, H = q_BTNH.shape
+  S, K = k_BSKH.shape[1], k_BSKH.shape[2]
+  scale = H ** -0.5 if scale is None else float(scale)
+  if impl == "reference":
+    out, lse = reference_decode_attention(
+        q_BTNH, k_BSKH, v_BSKH, q_positions_BT=q_positions_BT, kv_positions_BS=kv_positions_BS,
+        kv_lengths_B=kv_lengths_B, kv_valid_BS=kv_valid_BS, active=active, window=window,
+        sinks=sinks, scale=scale)
+    return (out, lse) if return_lse else out
+  if why := kernel_support(impl, q_BTNH.shape, k_BSKH.shape, q_BTNH.dtype, config):
+    raise ValueError(f"decode_attention impl={impl!r} cannot take this call: {why}")
+  bk = config.tile(impl)
+  rows = MGPU_ROWS if impl == "mosaic_gpu" else -(-T * (N // K) // 8) * 8
+  q_BKRH, qpos_BKR, runs = plan(
+      q_BTNH, k_BSKH, q_positions_BT=q_positions_BT, kv_positions_BS=kv_positions_BS,
+      kv_lengths_B=kv_lengths_B, kv_valid_BS=kv_valid_BS, active=active, window=window,
+      sinks=sinks, block_k=bk, rows=rows)
+  P = num_parts(B, K, S // bk, config)
+  lengths_B = (jnp.full((B,), S, jnp.int32) if kv_lengths_B is None
+               else kv_lengths_B.astype(jnp.int32))
+  kvpos = kv_positions_BS.astype(jnp.int32)
+  valid = None if kv_valid_BS is None else kv_valid_BS.astype(jnp.int32)
+  out_rows = -(-T * (N // K) // 8) * 8
+  if impl == "mosaic_gpu":
+    from . import mosaic_gpu as mod
+  else:
+    from . import mosaic_tpu as mod
+  o_BKPRH, lse_BKPR = mod.decode_parts(
+      q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos, valid, lengths_B, runs, scale=scale,
+      window=window, sinks=sinks, parts=P, out_rows=out_rows, block_k=bk,
+      num_stages=config.num_stages, interpret=interpret)
+  o_BKRH, lse_BKR = merge_parts(o_BKPRH.astype(jnp.float32), lse_BKPR, axis=2)
+  out = unfold_rows(o_BKRH, T, N).astype(q_BTNH.dtype)
+  if not return_lse:
+    return out
+  return out, unfold_rows(lse_BKR[..., None], T, N)[..., 0]
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeBackend:
+  """One decode kernel as a backend (the pallas_kernels.backends interface)."""
+  name: str
+  lowers_for: tuple[str, ...] = ()
+  needs_hopper: bool = False
+  config: DecodeConfig = DecodeConfig()
+
+  def supports(self, q_shape, kv_shape, dtype, platform: Platform) -> str | None:
+    if self.name == "reference":
+      return None
+    why = platform_reason(self.name, self.lowers_for, platform, self.needs_hopper)
+    return why if why is not None else kernel_support(self.name, q_shape, kv_shape, dtype,
+                                                      self.config)
+
+  def __call__(self, q_BTNH, k_BSKH, v_BSKH, **kw):
+    return decode_attention(q_BTNH, k_BSKH, v_BSKH, impl=self.name, config=self.config, **kw)
+
+
+BACKENDS = (DecodeBackend("mosaic_gpu", ("cuda",), needs_hopper=True),
+            DecodeBackend("mosaic_tpu", ("tpu",)),
+            DecodeBackend("reference"))

@@ -1,0 +1,170 @@
+"""Hopper decode kernel (Pallas Mosaic GPU): one program per (kv part, kv head, row).
+
+grid (P, K, B), rows launched fastest. A program holds the 64 folded query rows of its
+(row, kv head) (api.fold_queries: T tokens x G query heads, padding rows at NO_QUERY) in shared
+memory and walks its part of the (row, kv head)'s tile runs (api.part_range / entry_tile): a
+memory warpgroup streams the K / V tiles (block_k slots of kv head k, [block_k, H] each, TMA)
+through `num_stages` slots; the compute warpgroup runs S = Q K^T (wgmma, fp32), masks each score
+exactly (slot < the row's fill, kv_valid, causal / window / sinks on positions), base-2 online
+softmax, and O += P V (wgmma, P in registers). It writes its first out_rows rows of O
+(normalised, q's dtype) and their natural-log lse; api.decode_attention merges the parts.
+
+Interpret mode (CPU) reuses compact_attention's rule for wgmma with a register operand
+(mgpu_interpret) and its register accumulate (`_acc_update`).
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels.compact_attention.mosaic_gpu import _acc_update, _interp, _swizzled
+from pallas_kernels.flash_tiles import LN2, LOG2E
+
+from .api import entry_tile, part_range
+
+NEG_INF = float("-inf")
+_WGMMA = plgpu.Layout.WGMMA
+_ROW = plgpu.Layout.WGMMA.reduce(1)
+_COL = plgpu.Layout.WGMMA.reduce(0)
+
+
+def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths_B, runs_BK3, *,
+                 scale, window, sinks, parts, out_rows, block_k, num_stages, interpret=False):
+  """(o [B, K, parts, out_rows, H] in q's dtype, lse [B, K, parts, out_rows] float32): each part's
+  attention normalised over its own keys (lse -inf and o 0 where it sees none)."""
+  B, K, R, H = q_BKRH.shape
+  S = k_BSKH.shape[1]
+  dtype = q_BKRH.dtype
+  bk, P = block_k, parts
+  stages = max(1, min(num_stages, S // bk))
+  qk_scale = scale * LOG2E
+  has_valid = kvvalid_BS is not None
+
+  def kernel(q_ref, k_ref, v_ref, qpos_ref, kvpos_ref, kvvalid_ref, len_ref, runs_ref, out_ref,
+             lse_ref, scoped):
+    (qo_smem, k_smem, v_smem, lse_smem), (k_bar, v_bar, q_bar), (k_used, v_used) = scoped
+    p = lax.axis_index("part")
+    kh = lax.axis_index("heads")
+    b = lax.axis_index("batch")
+    wg = lax.axis_index("wg")
+    runs = tuple(runs_ref[b, kh, c] for c in range(3))
+    lo, hi = part_range(runs, p, P)
+    nsteps = hi - lo
+
+    @pl.when(wg == 0)
+    def _compute():
+      plgpu.copy_gmem_to_smem(q_ref.at[b, kh], qo_smem, q_bar.at[0])
+      qp = plgpu.load(qpos_ref.at[b, kh], layout=_ROW, optimized=False)
+      fill = len_ref[b]
+      plgpu.barrier_wait(q_bar.at[0])
+      m_i = plgpu.layout_cast(jnp.full((R,), NEG_INF, jnp.float32), _ROW)
+      l_i = plgpu.layout_cast(jnp.zeros((R,), jnp.float32), _ROW)
+      acc = plgpu.layout_cast(jnp.zeros((R, H), jnp.float32), _WGMMA)
+
+      def step(e, carry):
+        acc, m_i, l_i = carry
+        slot = lax.rem(e - lo, stages)
+        start = entry_tile(runs, e) * bk
+        plgpu.barrier_wait(k_bar.at[slot])
+
+        def qk(ref):
+          plgpu.wgmma(ref, qo_smem, k_smem.at[slot].T)
+          return ref[...]
+        s = pl.run_scoped(qk, plgpu.ACC((R, bk), jnp.float32))
+        plgpu.barrier_arrive(k_used.at[slot])
+        shape = s.shape
+        kp = lax.broadcast_in_dim(
+            plgpu.load(kvpos_ref.at[b, pl.ds(start, bk)], layout=_COL, optimized=False),
+            shape, [1])
+        qpb = lax.broadcast_in_dim(qp, shape, [0])
+        idx = start + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=_WGMMA)
+        vis = (kp <= qpb) & (idx < fill)
+        if window is not None:
+          inside = qpb - kp < window
+          if sinks:
+            inside = inside | (kp < sinks)
+          vis = vis & inside
+        if has_valid:
+          ok = lax.broadcast_in_dim(
+              plgpu.load(kvvalid_ref.at[b, pl.ds(start, bk)], layout=_COL, optimized=False),
+              shape, [1])
+          vis = vis & (ok != 0)
+        s = jnp.where(vis, s, NEG_INF)
+        m_new = jnp.maximum(m_i, s.max(axis=1) * qk_scale)
+        m_use = jnp.where(m_new == NEG_INF, 0.0, m_new)
+        alpha = jnp.exp2(m_i - m_use)
+        pr = jnp.exp2(s * qk_scale - lax.broadcast_in_dim(m_use, shape, [0]))
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        l_i = l_i * alpha + pr.sum(axis=1)
+        p16 = pr.astype(dtype)
+        plgpu.barrier_wait(v_bar.at[slot])
+        acc = _acc_update(acc, p16, v_smem.at[slot], interpret)
+        plgpu.barrier_arrive(v_used.at[slot])
+        return acc, m_new, l_i
+
+      acc, m_i, l_i = lax.fori_loop(lo, hi, step, (acc, m_i, l_i))
+      empty = l_i == 0.0
+      l_safe = jnp.where(empty, 1.0, l_i)
+      acc = acc * lax.broadcast_in_dim(1.0 / l_safe, acc.shape, [0])
+      qo_smem[...] = acc.astype(dtype)
+      lse_smem[...] = jnp.where(empty, NEG_INF, (m_i + jnp.log2(l_safe)) * LN2)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(qo_smem.at[pl.ds(0, out_rows)], out_ref.at[b, kh, p])
+      plgpu.copy_smem_to_gmem(lse_smem.at[pl.ds(0, out_rows)], lse_ref.at[b, kh, p])
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 1)
+    def _memory():
+      def load(t, slot):
+        rows = pl.ds(entry_tile(runs, lo + t) * bk, bk)
+        plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kh], k_smem.at[slot], k_bar.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kh], v_smem.at[slot], v_bar.at[slot])
+
+      for i in range(stages):
+        pl.when(i < nsteps)(functools.partial(load, i, i))
+
+      @pl.loop(0, nsteps - stages)
+      def _loop(t):
+        slot = lax.rem(t, stages)
+        rows = pl.ds(entry_tile(runs, lo + t + stages) * bk, bk)
+        plgpu.barrier_wait(k_used.at[slot])
+        plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kh], k_smem.at[slot], k_bar.at[slot])
+        plgpu.barrier_wait(v_used.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kh], v_smem.at[slot], v_bar.at[slot])
+
+      # observe the last steps' releases too: every barrier phase is seen by each waiter
+      @pl.loop(jnp.maximum(nsteps - stages, 0), nsteps)
+      def _drain(t):
+        slot = lax.rem(t, stages)
+        plgpu.barrier_wait(k_used.at[slot])
+        plgpu.barrier_wait(v_used.at[slot])
+
+  def entry(*refs):
+    scratch = (
+        (_swizzled((R, H), dtype), _swizzled((stages, bk, H), dtype),
+         _swizzled((stages, bk, H), dtype), plgpu.SMEM((R,), jnp.float32)),
+        (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+         plgpu.Barrier(num_barriers=1)),
+        (plgpu.Barrier(num_arrivals=1, num_barriers=stages),) * 2,
+    )
+    pl.run_scoped(lambda *s: kernel(*refs, s), *scratch, collective_axes="wg")
+
+  def entry_sel(q_ref, k_ref, v_ref, qpos_ref, kvpos_ref, kvvalid_ref, len_ref, runs_ref,
+                out_ref, lse_ref):
+    entry(q_ref, k_ref, v_ref, qpos_ref, kvpos_ref, kvvalid_ref if has_valid else None, len_ref,
+          runs_ref, out_ref, lse_ref)
+
+  out_shape = [jax.ShapeDtypeStruct((B, K, P, out_rows, H), dtype),
+               jax.ShapeDtypeStruct((B, K, P, out_rows), jnp.float32)]
+  call = plgpu.kernel(
+      entry_sel, out_type=out_shape, grid=(P, K, B), grid_names=("part", "heads", "batch"),
+      num_threads=2, thread_name="wg",
+      compiler_params=plgpu.CompilerParams(approx_math=True), interpret=_interp(interpret),
+      kernel_name="decode_attention_mgpu")
+  return call(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS,
+              kvvalid_BS if has_valid else jnp.zeros((1, 1), jnp.int32), lengths_B, runs_BK3)

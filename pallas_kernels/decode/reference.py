@@ -1,0 +1,51 @@
+"""Pure-jnp pieces of the decode kernels: the reference (the tree's one mask builder and one
+reference attention, pallas_kernels/compact_attention/reference.py) and the log-sum-exp merge of
+the kernels' kv parts (condattn_jax.ops.merge_attention_parts is this function).
+
+Importable without condattn_jax.
+"""
+from __future__ import annotations
+
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels.compact_attention.reference import dense_mask, reference_attention
+
+
+def decode_mask(q_positions_BT, kv_positions_BS, *, kv_lengths_B=None, kv_valid_BS=None,
+                active=None, window=None, sinks=0):
+  """bool [B, T, S] (or [B, N, T, S] with a per-head active set [B, T, N]): query t of row b sees
+  slot s iff s < kv_lengths_B[b] (when given), kv_valid_BS[b, s] != 0 (when given), and
+  dense_mask's causal / window / sinks / active conditions on positions."""
+  m = dense_mask(q_positions_BT, kv_positions_BS, None, kv_valid_BS, window=window, sinks=sinks,
+                 active=active)
+  if kv_lengths_B is None:
+    return m
+  S = kv_positions_BS.shape[1]
+  filled_BS = jnp.arange(S, dtype=jnp.int32)[None, :] < kv_lengths_B[:, None]
+  return m & (filled_BS[:, None, :] if m.ndim == 3 else filled_BS[:, None, None, :])
+
+
+def reference_decode_attention(q_BTNH, k_BSKH, v_BSKH, *, q_positions_BT, kv_positions_BS,
+                               kv_lengths_B=None, kv_valid_BS=None, active=None, window=None,
+                               sinks=0, scale=None):
+  """(out [B, T, N, H] in q's dtype, lse [B, T, N] float32) under `decode_mask`; queries that see
+  no key (inactive ones included) give zeros and lse = -inf."""
+  mask = decode_mask(q_positions_BT, kv_positions_BS, kv_lengths_B=kv_lengths_B,
+                     kv_valid_BS=kv_valid_BS, active=active, window=window, sinks=sinks)
+  return reference_attention(q_BTNH, k_BSKH, v_BSKH, mask, scale=scale)
+
+
+def merge_parts(o, lse, axis: int):
+  """Online-softmax merge of partial attentions stacked on `axis` (a non-negative axis of lse):
+  o [..., P, ..., H] each normalised over its own keys, lse the same shape without H. A part
+  with lse = -inf (no visible key) weighs 0; all parts empty -> zeros and lse -inf (no NaN).
+  Returns (o without the P axis, in the dtype of o * lse; lse of the union)."""
+  mx = lax.stop_gradient(jnp.max(lse, axis=axis, keepdims=True))
+  mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
+  w = jnp.exp(lse - mx)
+  tot = jnp.sum(w, axis=axis)
+  empty = tot == 0
+  tot = jnp.where(empty, 1.0, tot)
+  out = jnp.sum(o * jnp.expand_dims(w, -1), axis=axis) / tot[..., None]
+  return out, jnp.where(empty, -jnp.inf, jnp.squeeze(mx, axis) + jnp.log(tot))
