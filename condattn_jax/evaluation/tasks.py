@@ -398,19 +398,30 @@ def _insert(rng, hay: list, pieces: list[list[int]], ordered=False) -> list:
     raise ValueError("the context length is too short for this token-level task.")
   order = list(range(len(pieces))) if ordered else rng.permutation(len(pieces)).tolist()
   cuts = np.sort(rng.integers(0, n + 1, size=len(pieces)))
-  out, prev = [], 0
-  for c, j in zip(cuts, order):
-    out += hay[prev:c] + list(pieces[j])
-    prev = c
-  return out + hay[prev:n]
+  # hay[:c_0] + pieces[order[0]] + hay[c_0:c_1] + ... + hay[c_last:n], in one np.insert (the
+  # ids of a piece all go in before haystack position c, in order)
+  placed = [pieces[j] for j in order]
+  lens = np.asarray([len(p) for p in placed], np.int64)
+  ids = np.asarray([t for p in placed for t in p], np.int64)
+  return np.insert(np.asarray(hay[:n], np.int64), np.repeat(cuts, lens), ids).tolist()
+
+
+def _draws(rng, count, size, kv) -> list[tuple]:
+  """`count` draws of `size` ids from [FIRST_KV, FIRST_KV + kv): the ids of `count` calls
+  rng.integers(0, kv, size=size) in one call (numpy's generator gives the same stream)."""
+  a = rng.integers(0, kv, size=count * size) + FIRST_KV
+  return [tuple(r) for r in a.reshape(count, size).tolist()]
 
 
 def _keys(rng, count, key_len, kv):
+  """`count` distinct keys of key_len ids: draws of one key each, a repeat drawn again."""
   seen: list[tuple] = []
+  have: set[tuple] = set()
   while len(seen) < count:
-    k = tuple((rng.integers(0, kv, size=key_len) + FIRST_KV).tolist())
-    if k not in seen:
-      seen.append(k)
+    for k in _draws(rng, count - len(seen), key_len, kv):  # never more draws than one by one
+      if k not in have:
+        have.add(k)
+        seen.append(k)
   return seen
 
 
@@ -448,7 +459,7 @@ def cwe_tokens(rng, budget, V, *, num_cw=4):
   if f_c <= f_u:
     raise ValueError(f"cwe: context of {budget} ids too short to make {num_cw} common tokens.")
   seq = [t for t in common for _ in range(f_c)] + [t for t in uncommon for _ in range(f_u)]
-  seq = [int(x) for x in rng.permutation(np.asarray(seq))]
+  seq = rng.permutation(np.asarray(seq)).tolist()
   seq = _insert(rng, _noise(rng, n, V), [[t] for t in seq], ordered=True)
   return seq + [TQUERY], [(t,) for t in common]
 
@@ -462,7 +473,7 @@ def fwe_tokens(rng, budget, V, *, alpha=2.0, num_answers=3):
   if not np.all(np.diff(counts[:num_answers + 2]) < 0):
     raise ValueError(f"fwe: context of {budget} ids too short for distinct top frequencies.")
   seq = [t for t, c in zip(vocab, counts) for _ in range(c)]
-  seq = [int(x) for x in rng.permutation(np.asarray(seq))]
+  seq = rng.permutation(np.asarray(seq)).tolist()
   seq = _insert(rng, _noise(rng, n, V), [[t] for t in seq], ordered=True)
   return seq + [TQUERY], [(t,) for t in vocab[1:1 + num_answers]]
 
@@ -476,7 +487,7 @@ def json_kv_tokens(rng, budget, V, *, value_len=2):
       break
     key_len += 1
   keys = _keys(rng, count, key_len, kv)
-  values = [tuple((rng.integers(0, kv, size=value_len) + FIRST_KV).tolist()) for _ in keys]
+  values = _draws(rng, len(keys), value_len, kv)
   body = [t for k, v in zip(keys, values) for t in (*k, TSEP, *v)]
   target = int(rng.integers(0, count))
   query = [TQUERY, *keys[target]]
