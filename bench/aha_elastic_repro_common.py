@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import time
 from typing import Callable
 
@@ -148,18 +149,53 @@ def define_flags(flag_values, presets, doc: str):
   flags.DEFINE_list("seeds", None, "override the preset's seeds (e.g. 0: one seed a command on a "
                     "slow machine; the run is then named <preset>_seeds<list>)",
                     flag_values=flag_values)
+  flags.DEFINE_list("merge", None, "result files of one-seed runs of --preset (--seeds=N each, e.g. "
+                    "one per GPU): judge them together as one run named <preset>, no training",
+                    flag_values=flag_values)
+
+
+def merged_seeds(paths, preset: str) -> tuple[list[int], list[dict], float]:
+  """(seeds, per-seed results, seconds) of the newest run of `preset` (or `preset_seeds...`) in
+  each result file, ordered by seed; ValueError naming the file on a repeated seed or a run of
+  other settings."""
+  from bench import common
+  by_seed, seconds, ref = {}, 0.0, None
+  for path in paths:
+    rec = [r for r in common.load(path)["runs"]
+           if str(r["settings"].get("name", "")).split("_seeds")[0] == preset]
+    if not rec:
+      raise ValueError(f"{path}: no run of preset {preset!r} to merge")
+    r = max(rec, key=lambda r: common._timestamp(r["date"]))["recorded"]
+    other = {k: v for k, v in r["settings"].items() if k != "seeds"}
+    if ref is not None and other != ref:
+      raise ValueError(f"{path}: settings differ from the first file's; merge runs of one preset")
+    ref = other
+    for seed, res in zip(r["settings"]["seeds"], r["seeds"]):
+      if seed in by_seed:
+        raise ValueError(f"{path}: seed {seed} is already in another merged file")
+      by_seed[seed] = res
+    seconds += float(r.get("seconds", 0.0))
+  order = sorted(by_seed)
+  return order, [by_seed[k] for k in order], seconds
 
 
 def main(bench: str, flag_values, presets, files, run, argv=None):
-  """Parse the flags, run the preset (seeds overridden by --seeds, the run named after them),
-  append it to bench/results/<bench>.json (or --out_dir) and return the result."""
+  """Parse the flags, run the preset (seeds overridden by --seeds, the run named after them; or
+  --merge: judge one-seed runs together), append it to bench/results/<bench>.json (or
+  --out_dir) and return the result. `run(settings, done=None)` trains every seed of the settings,
+  or, given `done` (the per-seed results), only judges them."""
   from bench import common
   a = common.parse_flags(flag_values, argv)
   s, name = presets[a.preset], a.preset
-  if a.seeds:
-    s = dataclasses.replace(s, seeds=tuple(int(x) for x in a.seeds))
-    name = f"{a.preset}_seeds{'_'.join(a.seeds)}"
-  res = run(s)
+  if a.merge:
+    seeds, done, seconds = merged_seeds(a.merge, a.preset)
+    res = run(dataclasses.replace(s, seeds=tuple(seeds)), done=done)
+    res["seconds"], res["merged_from"] = seconds, list(a.merge)
+  else:
+    if a.seeds:
+      s = dataclasses.replace(s, seeds=tuple(int(x) for x in a.seeds))
+      name = f"{a.preset}_seeds{'_'.join(a.seeds)}"
+    res = run(s)
   res["preset"] = name
   out = common.result_path(bench, a.out_dir, fixed=files.get(name))
   common.write_result(out, bench, res, name=name)

@@ -397,10 +397,12 @@ def summarize(s: Settings, seeds: list[dict]) -> dict[str, Any]:
   return dict(metrics=m, spread=spread, criteria=rc.judge(CRITERIA, m))
 
 
-def run(s: Settings, log=print) -> dict[str, Any]:
+def run(s: Settings, log=print, done: list[dict] | None = None) -> dict[str, Any]:
+  """Train and judge every seed of `s`; with `done` (the seeds' results, in s.seeds' order) only
+  judge them."""
   t0 = time.time()
-  seeds = []
-  for seed in s.seeds:
+  seeds = list(done or [])
+  for seed in ([] if done is not None else s.seeds):
     dense, info = train_dense(s, seed, log)
     seeds.append({str(w): run_window(s, seed, w, dense, info, log) for w in s.windows})
   summ = summarize(s, seeds)

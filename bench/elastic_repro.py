@@ -389,9 +389,11 @@ def summarize(s: Settings, seeds: list[dict]) -> dict[str, Any]:
   return dict(metrics=m, spread=spread, criteria=rc.judge(CRITERIA, m))
 
 
-def run(s: Settings, log=print) -> dict[str, Any]:
+def run(s: Settings, log=print, done: list[dict] | None = None) -> dict[str, Any]:
+  """Train and judge every seed of `s`; with `done` (the seeds' results, in s.seeds' order) only
+  judge them."""
   t0 = time.time()
-  seeds = [run_seed(s, seed, log) for seed in s.seeds]
+  seeds = list(done) if done is not None else [run_seed(s, seed, log) for seed in s.seeds]
   summ = summarize(s, seeds)
   for name, c in summ["criteria"].items():
     log(f"criterion {name}: {'PASS' if c['passed'] else 'FAIL'} ({c['metric']} = {c['got']} "
