@@ -1,0 +1,131 @@
+"""TPU decode kernel (Pallas Mosaic TPU): one (row, kv head, kv part) per grid point, its tiles
+streamed by the pipeline.
+
+grid (B, K, P, L), L = ceil(tiles / P) the most tiles a part can hold; the (row, kv head)'s tile
+runs and fills are scalar-prefetched, and the K / V index maps send step j of part p to its tile
+(api.part_range / entry_tile); a step past the part's count repeats the last tile's index (the
+pipeline does not fetch a block again) and is skipped. K / V are read as [B, S, K * H] (a free
+reshape) in [block_k, H] blocks of kv head k. The folded query rows (api.fold_queries, padded to
+a multiple of 8) attend with an exact per-score mask (fill, kv_valid, causal / window / sinks on
+positions) and an online softmax in VMEM scratch; the last step writes O (normalised) and lse.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from .api import entry_tile, part_range
+
+NEG_INF = float("-inf")
+_LANES = 128
+
+
+def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths_B, runs_BK3, *,
+                 scale, window, sinks, parts, out_rows, block_k, num_stages=None,
+                 interpret=False):
+  """(o [B, K, parts, out_rows, H] in q's dtype, lse [B, K, parts, out_rows] float32); see
+  mosaic_gpu.decode_parts."""
+  del num_stages  # the Pallas TPU pipeline double-buffers
+  B, K, R, H = q_BKRH.shape
+  S = k_BSKH.shape[1]
+  bk, P = block_k, parts
+  nT = S // bk
+  L = -(-nT // P)
+  has_valid = kvvalid_BS is not None
+  dtype = q_BKRH.dtype
+
+  def runs_of(runs_ref, b, kh):
+    return tuple(runs_ref[(b * K + kh) * 3 + c] for c in range(3))
+
+  def tile_of(b, kh, p, j, runs_ref):
+    runs = runs_of(runs_ref, b, kh)
+    lo, hi = part_range(runs, p, P)
+    e = lo + jnp.minimum(j, jnp.maximum(hi - lo - 1, 0))
+    return entry_tile(runs, e)
+
+  def kv_map(b, kh, p, j, runs_ref, len_ref):
+    return b, tile_of(b, kh, p, j, runs_ref), kh
+
+  def pos_map(b, kh, p, j, runs_ref, len_ref):
+    return b, 0, tile_of(b, kh, p, j, runs_ref)
+
+  def kernel(runs_ref, len_ref, q_ref, k_ref, v_ref, qpos_ref, kvpos_ref, valid_ref, o_ref,
+             lse_ref, m_sc, l_sc, acc_sc):
+    b, kh, p, j = (pl.program_id(i) for i in range(4))
+    runs = runs_of(runs_ref, b, kh)
+    lo, hi = part_range(runs, p, P)
+
+    @pl.when(j == 0)
+    def _init():
+      m_sc[...] = jnp.full(m_sc.shape, NEG_INF, jnp.float32)
+      l_sc[...] = jnp.zeros(l_sc.shape, jnp.float32)
+      acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+    @pl.when(j < hi - lo)
+    def _step():
+      start = entry_tile(runs, lo + j) * bk
+      s = lax.dot_general(q_ref[0, 0], k_ref[0], (((1,), (1,)), ((), ())),
+                          preferred_element_type=jnp.float32) * scale          # [R, bk]
+      qp = qpos_ref[0, 0]                                                       # [R, 128]
+      qp = qp if bk == _LANES else jnp.concatenate([qp] * (bk // _LANES), axis=1)
+      kp = jnp.broadcast_to(kvpos_ref[0], (R, bk))
+      idx = start + lax.broadcasted_iota(jnp.int32, (R, bk), 1)
+      vis = (kp <= qp) & (idx < len_ref[b])
+      if window is not None:
+        inside = qp - kp < window
+        if sinks:
+          inside = inside | (kp < sinks)
+        vis = vis & inside
+      if has_valid:
+        vis = vis & (jnp.broadcast_to(valid_ref[0], (R, bk)) != 0)
+      s = jnp.where(vis, s, NEG_INF)
+      m_prev = m_sc[...]                                                        # [R, 128]
+      m_new = jnp.maximum(m_prev, jnp.max(s, axis=1, keepdims=True))
+      m_use = jnp.where(m_new == NEG_INF, 0.0, m_new)
+      alpha = jnp.exp(m_prev - m_use)
+      pr = jnp.exp(s - m_use[:, :1])
+      l_sc[...] = alpha * l_sc[...] + jnp.sum(pr, axis=1, keepdims=True)
+      acc_sc[...] = acc_sc[...] * alpha[:, :1] + jnp.dot(
+          pr.astype(dtype), v_ref[0], preferred_element_type=jnp.float32)
+      m_sc[...] = m_new
+
+    @pl.when(j == L - 1)
+    def _finish():
+      l = l_sc[...]
+      empty = l == 0.0
+      l_safe = jnp.where(empty, 1.0, l)
+      o_ref[0, 0, 0] = (acc_sc[...] / l_safe[:, :1]).astype(o_ref.dtype)
+      lse_ref[0, 0, 0] = jnp.where(empty, NEG_INF, m_sc[...] + jnp.log(l_safe))
+
+  kv_spec = pl.BlockSpec((1, bk, H), kv_map)
+  in_specs = [
+      pl.BlockSpec((1, 1, R, H), lambda b, kh, p, j, *_: (b, kh, 0, 0)),
+      kv_spec, kv_spec,
+      pl.BlockSpec((1, 1, R, _LANES), lambda b, kh, p, j, *_: (b, kh, 0, 0)),
+      pl.BlockSpec((1, 1, bk), pos_map),
+      pl.BlockSpec((1, 1, bk), pos_map if has_valid else lambda *_: (0, 0, 0)),
+  ]
+  out_specs = [pl.BlockSpec((1, 1, 1, R, H), lambda b, kh, p, j, *_: (b, kh, p, 0, 0)),
+               pl.BlockSpec((1, 1, 1, R, _LANES), lambda b, kh, p, j, *_: (b, kh, p, 0, 0))]
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=2, grid=(B, K, P, L), in_specs=in_specs, out_specs=out_specs,
+      scratch_shapes=[pltpu.VMEM((R, _LANES), jnp.float32), pltpu.VMEM((R, _LANES), jnp.float32),
+                      pltpu.VMEM((R, H), jnp.float32)])
+  out_shape = [jax.ShapeDtypeStruct((B, K, P, R, H), dtype),
+               jax.ShapeDtypeStruct((B, K, P, R, _LANES), jnp.float32)]
+  if interpret is True:
+    interpret = pltpu.InterpretParams()
+  call = pl.pallas_call(
+      kernel, grid_spec=grid_spec, out_shape=out_shape,
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+      interpret=interpret or False, name="decode_attention_tpu")
+  qpos4 = jnp.broadcast_to(qpos_BKR[..., None], (B, K, R, _LANES))
+  valid = (kvvalid_BS.reshape(B, 1, S) if has_valid else jnp.zeros((1, 1, bk), jnp.int32))
+  o, lse = call(runs_BK3.reshape(-1).astype(jnp.int32), lengths_B.astype(jnp.int32), q_BKRH,
+                k_BSKH.reshape(B, S, K * H), v_BSKH.reshape(B, S, K * H), qpos4,
+                kvpos_BS.reshape(B, 1, S), valid)
+  return o[..., :out_rows, :], lse[..., :out_rows, 0]

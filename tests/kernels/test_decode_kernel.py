@@ -1,0 +1,174 @@
+"""pallas_kernels.decode: the decode kernels (Mosaic GPU, Mosaic TPU) in Pallas interpret mode ==
+the reference (the tree's one mask builder + reference attention), the tile runs cover every
+visible slot and skip the rest, the TPU kernel cross-lowers for TPU.
+
+The GPU run (kernel == reference on the H100, timing vs cuDNN) is tests/gpu/test_decode_kernel.py.
+"""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from pallas_kernels import decode as dk
+from pallas_kernels.decode import api
+
+
+def _problem(B=2, T=1, N=6, K=2, H=64, S=256, lengths=(200, 37), seed=0):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 3)
+  q = jax.random.normal(ks[0], (B, T, N, H), jnp.bfloat16)
+  k = jax.random.normal(ks[1], (B, S, K, H), jnp.bfloat16)
+  v = jax.random.normal(ks[2], (B, S, K, H), jnp.bfloat16)
+  lens = jnp.asarray(lengths, jnp.int32)
+  # the slots past a row's fill hold finite garbage: the kernel must not let it in
+  slot = jnp.arange(S, dtype=jnp.int32)[None]
+  k = jnp.where((slot < lens[:, None])[..., None, None], k, 300.0).astype(jnp.bfloat16)
+  v = jnp.where((slot < lens[:, None])[..., None, None], v, 300.0).astype(jnp.bfloat16)
+  kvpos = jnp.broadcast_to(slot, (B, S))
+  qpos = lens[:, None] - T + jnp.arange(T, dtype=jnp.int32)[None]
+  return q, k, v, dict(q_positions_BT=qpos, kv_positions_BS=kvpos, kv_lengths_B=lens)
+
+
+def _close(out, ref):
+  out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
+  assert np.isfinite(out).all()
+  np.testing.assert_allclose(out, ref, atol=2e-2, rtol=2e-2)
+
+
+def _visible_tiles(kw, active, window, sinks, K, bk):
+  """[B, K, nT] bool from the reference mask: the tiles holding a slot some (b, k) row sees."""
+  m = dk.decode_mask(kw["q_positions_BT"], kw["kv_positions_BS"],
+                     kv_lengths_B=kw.get("kv_lengths_B"), kv_valid_BS=kw.get("kv_valid_BS"),
+                     active=active, window=window, sinks=sinks)
+  B, S = kw["kv_positions_BS"].shape
+  if m.ndim == 3:
+    m = jnp.broadcast_to(m[:, None, None], (B, K, 1) + m.shape[1:])
+  else:
+    m = m.reshape(B, K, -1, *m.shape[2:])                      # [B, K, G, T, S]
+  return np.asarray(jnp.any(m, axis=(2, 3)).reshape(B, K, S // bk, bk).any(-1))
+
+
+def _run_tiles(runs):
+  B, K, _ = runs.shape
+  out = []
+  for b in range(B):
+    for k in range(K):
+      se, lo, hi = (int(x) for x in runs[b, k])
+      out.append(set(range(se)) | set(range(lo, hi)))
+  return out
+
+
+@pytest.mark.parametrize("case", ["fill", "window", "sinks", "ring-valid", "inactive"])
+def test_tile_runs_cover_every_visible_tile_and_skip_the_rest(case):
+  """The runs a program reads hold every tile with a visible slot (the kernel would drop keys
+  otherwise), and skip: a full cache read through a window reads its window's tiles (+ the sink
+  tile), an inactive (row, kv head) reads nothing, a fill reads only its tiles."""
+  B, T, N, K, S, bk = 3, 2, 4, 2, 1024, 64
+  rng = np.random.default_rng(1)
+  lens = jnp.asarray([1000, 300, 5], jnp.int32)
+  kvpos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+  kw = dict(q_positions_BT=lens[:, None] - 2 + jnp.arange(2)[None], kv_positions_BS=kvpos,
+            kv_lengths_B=lens)
+  active = window = None
+  sinks = 0
+  if case == "window":
+    window = 150
+  elif case == "sinks":
+    window, sinks = 100, 4
+  elif case == "ring-valid":  # a ring: positions wrap, validity from kv_valid, no fill
+    ring = (jnp.arange(S)[None] + jnp.asarray([[0], [500], [900]])) % S
+    kw = dict(q_positions_BT=jnp.full((B, T), S + 3, jnp.int32), kv_positions_BS=ring,
+              kv_valid_BS=jnp.asarray(rng.random((B, S)) < 0.2, jnp.int32))
+    window = 300
+  elif case == "inactive":
+    active = jnp.asarray(rng.random((B, T, N)) < 0.5).at[1].set(False)
+  q = jnp.zeros((B, T, N, 64), jnp.bfloat16)
+  _, qpos, runs = api.plan(q, jnp.zeros((B, S, K, 64)), active=active, window=window, sinks=sinks,
+                           block_k=bk, rows=8, kv_lengths_B=kw.get("kv_lengths_B"),
+                           kv_valid_BS=kw.get("kv_valid_BS"), q_positions_BT=kw["q_positions_BT"],
+                           kv_positions_BS=kw["kv_positions_BS"])
+  runs = np.asarray(runs)
+  assert (runs[..., 0] <= runs[..., 1]).all() and (runs[..., 1] <= runs[..., 2]).all()
+  want = _visible_tiles(kw, active, window, sinks, K, bk)
+  read = _run_tiles(runs)
+  for i, tiles in enumerate(read):
+    b, k = divmod(i, K)
+    missing = set(np.flatnonzero(want[b, k])) - tiles
+    assert not missing, f"{case}: (row {b}, kv head {k}) misses visible tiles {missing}"
+  n_read = [len(t) for t in read]
+  if case == "fill":
+    assert n_read == [16, 16, 5, 5, 1, 1]            # ceil(fill / 64) tiles each
+  if case == "window":
+    assert max(n_read) <= 4                          # 151 positions: at most 4 tiles of 64
+  if case == "sinks":
+    assert read[0] == {0, 14, 15} and read[4] == {0}  # keys 899..999 + the sinks
+  if case == "inactive":
+    assert n_read[2] == n_read[3] == 0               # row 1: no active query, no reads
+
+
+def test_mosaic_gpu_interpret_equals_reference():
+  """The Hopper kernel (Pallas interpret mode): two queries per row (MATCH multi-query), GQA 3,
+  per-head active set with a fully inactive row, window + sinks over a full cache with a fill,
+  garbage past the fill, 2 kv parts per (row, kv head): == the reference; inactive -> zeros."""
+  q, k, v, kw = _problem(T=2, lengths=(200, 90))
+  active = jnp.ones((2, 2, 6), bool).at[0, 1, 2].set(False).at[1].set(False)
+  kw.update(active=active, window=60, sinks=3)
+  ref = dk.decode_attention(q, k, v, **kw)
+  out = dk.decode_attention(q, k, v, impl="mosaic_gpu", interpret=True,
+                            config=dk.DecodeConfig(parts=2), **kw)
+  _close(out, ref)
+  assert float(jnp.abs(out[1].astype(jnp.float32)).max()) == 0.0
+  assert float(jnp.abs(out[0, 1, 2].astype(jnp.float32)).max()) == 0.0
+
+
+def test_mosaic_tpu_interpret_equals_reference():
+  """The TPU kernel (Pallas TPU interpret mode), fill-only (the parts split the fill: row 0 reads
+  3 tiles in 2 parts, row 1 one tile and an empty part) plus a per-row active set == the
+  reference."""
+  q, k, v, kw = _problem(N=3, K=1, H=128, S=512, lengths=(300, 37), seed=3)
+  kw.update(active=jnp.asarray([[True], [True]]))
+  ref = dk.decode_attention(q, k, v, **kw)
+  out = dk.decode_attention(q, k, v, impl="mosaic_tpu", interpret=True,
+                            config=dk.DecodeConfig(parts=2), **kw)
+  _close(out, ref)
+
+
+@pytest.mark.parametrize("chip", ["TPU v5 lite", "TPU v6 lite"])
+def test_mosaic_tpu_lowers_for_tpu_at_qwen_shapes(chip):
+  """jax.export lowers the TPU decode kernel to Mosaic at Qwen2.5-1.5B decode shapes (12 query
+  heads, 2 kv heads, head_dim 128, 32K cache, B = 8), window + sinks + a per-head active set."""
+  B, S, N, K, H = 8, 32768, 12, 2, 128
+  sds = [jax.ShapeDtypeStruct((B, 1, N, H), jnp.bfloat16),
+         jax.ShapeDtypeStruct((B, S, K, H), jnp.bfloat16),
+         jax.ShapeDtypeStruct((B, S, K, H), jnp.bfloat16),
+         jax.ShapeDtypeStruct((B, S), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.int32),
+         jax.ShapeDtypeStruct((B, 1, N), jnp.bool_)]
+
+  def f(q, k, v, kvpos, lens, act):
+    return dk.decode_attention(q, k, v, q_positions_BT=(lens - 1)[:, None], kv_positions_BS=kvpos,
+                               kv_lengths_B=lens, active=act, window=4096, sinks=4,
+                               impl="mosaic_tpu")
+  mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+      device_kind=chip, num_cores=1, platform="tpu"))
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = jax.export.export(jax.jit(f), platforms=["tpu"])(*sds).mlir_module()
+  assert text.count("tpu_custom_call") == 1
+
+
+def test_kernel_support_names_the_bad_field():
+  why = dk.kernel_support("mosaic_gpu", (1, 20, 12, 128), (1, 1024, 2, 128), jnp.bfloat16)
+  assert "120 rows" in why
+  why = dk.kernel_support("mosaic_gpu", (1, 1, 12, 96), (1, 1000, 2, 96), jnp.float32)
+  assert "float32" in why and "head_dim 96" in why and "1000" in why
+  assert dk.kernel_support("mosaic_tpu", (8, 1, 12, 128), (8, 32768, 2, 128), jnp.bfloat16) is None
+  q, k, v, kw = _problem(H=96)
+  with pytest.raises(ValueError, match="head_dim 96"):
+    dk.decode_attention(q, k, v, impl="mosaic_gpu", interpret=True, **kw)
+
+
+def test_num_parts_aims_at_two_programs_per_sm():
+  cfg = dk.DecodeConfig()
+  assert dk.num_parts(1, 2, 8192 // 64, cfg) == 16     # >= 8 tiles a part
+  assert dk.num_parts(1, 2, 131072 // 64, cfg) == 128  # B * K * P = 256 <= 264
+  assert dk.num_parts(8, 2, 32768 // 64, cfg) == 16
+  assert dk.num_parts(8, 2, 32768 // 64, dk.DecodeConfig(parts=3)) == 3
