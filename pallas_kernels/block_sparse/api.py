@@ -161,7 +161,10 @@ class BlockSparseBackend:
   config: Any = None
   not_on_hopper: bool = False   # Pallas-Triton: deprecated; Hopper resolves to Mosaic GPU only
 
-  def supports(self, q_shape, kv_shape, dtype, platform, *, block_q, block_k) -> str | None:
+  def supports(self, q_shape, kv_shape, dtype, platform, *, block_q, block_k,
+               window_blocks: bool = False) -> str | None:
+    """window_blocks: the head modes may hold HEAD_WINDOW_BLOCKS (only 'mosaic_gpu' and the
+    reference run it)."""
     if self.name == "reference":
       return None
     from pallas_kernels.backends import platform_reason
@@ -169,6 +172,9 @@ class BlockSparseBackend:
     if why is None and self.not_on_hopper and platform.is_hopper:
       why = (f"the {self.name} kernel is not resolved on Hopper ({platform.device_kind}): the "
              "Mosaic GPU kernel is that platform's (impl='triton' on the package still runs it)")
+    if why is None and window_blocks and self.name != "mosaic_gpu":
+      why = (f"head mode HEAD_WINDOW_BLOCKS (2): the {self.name} kernel does not run it (only "
+             "mosaic_gpu and the reference do)")
     return why or kernel_support(self.name, q_shape, kv_shape, dtype, block_q, block_k)
 
   def __call__(self, q_BTNH, k_BSKH, v_BSKH, kv_blocks_BNQL, head_mode_BN=None, **kw):
