@@ -102,7 +102,11 @@ class BlockLists:
     head n may see; entries outside [0, ceil(S / block_k)) are padding (use -1).
   head_mode_BN: None (every head uses its list) or int32 [B, N]: HEAD_FULL (0) = the head ignores
     its list (full attention under the rest of the mask), HEAD_BLOCKS (1) = the head sees only its
-    listed blocks. Lists never widen the rest of the mask (causal, documents, window, active).
+    listed blocks, HEAD_WINDOW_BLOCKS (2) = the head sees the window (and sinks) OR its listed
+    blocks whole (MATCH's "window OR retrieved chunks"). Lists never widen the rest of the mask
+    (causal, documents, active; the window only for mode 2's listed blocks).
+  window_blocks (static): the modes may hold HEAD_WINDOW_BLOCKS; only backends that run it are
+    resolved (the Mosaic GPU kernel; elsewhere auto takes the reference). Required for mode 2.
   Heads whose queries are all HEAD_FULL can run apart in a dense kernel:
   condattn_jax/attention/elastic/composite.py (Elastic's composite).
   """
@@ -110,9 +114,10 @@ class BlockLists:
   head_mode_BN: Any = None
   block_q: int = _static(128)
   block_k: int = _static(128)
+  window_blocks: bool = _static(False)
 
 
-HEAD_FULL, HEAD_BLOCKS = 0, 1
+HEAD_FULL, HEAD_BLOCKS, HEAD_WINDOW_BLOCKS = 0, 1, 2
 
 
 @functools.partial(jax.tree_util.register_dataclass)
@@ -155,7 +160,10 @@ class MaskSpec:
     ref = _kernel_module("reference")
     m = jax.tree.map(jnp.asarray, self)
     bl = m.block_lists
-    mask = ref.dense_mask(
+    build = ref.dense_mask
+    if bl is not None and bl.window_blocks:  # dense_mask with HEAD_WINDOW_BLOCKS heads too
+      build = _kernel_module("api", package=_BLOCK_SPARSE).reference_mask
+    mask = build(
         m.q_positions_BT, m.kv_positions_BS, m.q_segment_ids_BT, m.kv_segment_ids_BS,
         window=m.window, sinks=m.sinks, active=m.active,
         kv_blocks_BNQL=None if bl is None else bl.kv_blocks_BNQL,
@@ -686,7 +694,8 @@ def _kind(mask: MaskSpec) -> str:
 
 def _static_args(mask: MaskSpec) -> dict:
   bl = mask.block_lists
-  return {} if bl is None else dict(block_q=bl.block_q, block_k=bl.block_k)
+  return {} if bl is None else dict(block_q=bl.block_q, block_k=bl.block_k,
+                                    window_blocks=bl.window_blocks)
 
 
 def _kernel(backend, mask: MaskSpec, scale, interpret: Any = False):

@@ -6,7 +6,16 @@ model keeps). Parameter names are the dense layer's, so a dense checkpoint loads
 
 An SWA layer, for query t in block g (slots g*c .. g*c+c-1, see retrieval.py):
     visible(t, s) = causal AND (t - s < w  OR  s in one of block g's retrieved chunks)
-Kernel (never a dense T x T mask): per block, gather the block's queries [c], its local keys
+Two ways to run it (options.attention_path; 'auto' picks per lowering platform):
+Block-sparse (full forward with retrieved_kv='sequence': training, one-shot prefill): one
+ops.attention call over the whole row with block lists: query block g (block_q = c) of every
+head lists block g's retrieved chunks (block_k = c) in head mode HEAD_WINDOW_BLOCKS (window OR
+listed blocks whole, under causality and documents): pallas_kernels.block_sparse's Mosaic GPU
+kernel on Hopper, no gathered keys (K/V read in place: a training forward's memory is SWA's plus
+the kernel's step tables). The retrieved chunks lie before the window of every query of their
+block (retrieval.py's candidates), so window and listed blocks never overlap and the union is
+what the gathered path computes.
+Gathered (never a dense T x T mask): per block, gather the block's queries [c], its local keys
 (slots g*c-w+1 .. g*c+c-1: the window of every query of the block) and its k*c retrieved keys,
 and run ops.attention on [B*G, c] x [B*G, w+c-1+k*c] with explicit positions (impl 'auto': the
 compacted-query Pallas kernel on GPU/TPU, the reference on CPU). The window applies to the local
@@ -39,6 +48,18 @@ from condattn_jax.attention.match.inputs import _take, block_inputs
 from condattn_jax.attention import options
 from condattn_jax.models.context import LayerContext
 from condattn_jax.models.layers import MLP, Attention, RMSNorm
+
+
+def block_sparse_runs(o, q_shape, kv_shape, dtype, platform) -> bool:
+  """Whether options.attention_path='auto' runs the block-sparse path when lowered for `platform`
+  (a pallas_kernels.backends.Platform): the one resolver (ops.resolve) has a block-sparse kernel
+  for HEAD_WINDOW_BLOCKS heads at chunk-sized blocks, this shape and dtype, under options.impl
+  ('auto' / 'pallas' / a kernel name; any other impl keeps the gathered path)."""
+  if o.impl not in ("auto", "pallas", *ops.KERNEL_IMPLS):
+    return False
+  backend, _ = ops.resolve("block_sparse", o.impl, q_shape, kv_shape, dtype, platform,
+                           block_q=o.chunk, block_k=o.chunk, window_blocks=True)
+  return backend is not None
 
 
 class RetrievedCache(nn.Module):
@@ -188,6 +209,38 @@ class MatchLayer(nn.Module):
     return jnp.zeros_like(q).at[rows_BG, jnp.where(q_in, qt, T)].set(
         out.reshape(B, G, c, N, H), mode="drop")
 
+  def _row_mask(self, ctx: LayerContext, f: dict, N: int):
+    """The whole row's mask: window OR block g's retrieved chunks for query block g (block lists
+    in head mode HEAD_WINDOW_BLOCKS, block_q = block_k = chunk)."""
+    o = options(self.config)
+    B, T = ctx.positions_BT.shape
+    pos = ctx.positions_BT.astype(jnp.int32)
+    seg = (ctx.valid_BT.astype(jnp.int32) if ctx.segment_ids_BT is None
+           else ctx.segment_ids_BT.astype(jnp.int32))
+    ids = f["match_chunks_BGk"]
+    lists = jnp.broadcast_to(ids[:, None], (B, N) + ids.shape[1:]).astype(jnp.int32)
+    mode = jnp.full((B, N), ops.HEAD_WINDOW_BLOCKS, jnp.int32)
+    return ops.MaskSpec(q_positions_BT=pos, kv_positions_BS=pos, q_segment_ids_BT=seg,
+                        kv_segment_ids_BS=seg, window=o.window,
+                        block_lists=ops.BlockLists(lists, mode, block_q=o.chunk,
+                                                   block_k=o.chunk, window_blocks=True))
+
+  def _sequence_attend(self, q, k, v, ctx: LayerContext, f: dict):
+    """Full forward, retrieved_kv='sequence': block-sparse or gathered (options.attention_path;
+    'auto' decides per lowering platform with `block_sparse_runs`)."""
+    o = options(self.config)
+    gathered = lambda q, k, v, _: self._block_attend(q, k, v, ctx, f, None)
+    if o.attention_path == "gathered":
+      return gathered(q, k, v, None)
+    mask = self._row_mask(ctx, f, q.shape[2])
+    listed = lambda q, k, v, m: ops.attention(q, k, v, m, impl=o.impl)
+    if o.attention_path == "block_sparse":
+      return listed(q, k, v, mask)
+    make = lambda platform: (listed if block_sparse_runs(o, q.shape, k.shape, q.dtype, platform)
+                             else gathered)
+    return ops.by_lowering_platform(q, k, v, mask, default=gathered, cuda=make, rocm=make,
+                                    tpu=make)
+
   def _plain_attend(self, q, k, v, ctx: LayerContext):
     """Full layers, or SWA without retrieval (with StreamingLLM sinks when options.sinks)."""
     o = options(self.config)
@@ -244,7 +297,9 @@ class MatchLayer(nn.Module):
       retrieved = (k_aux, v_aux, ok_BGR)
 
     q, k, v = self.self_attn.qkv(self._attn_in(x_main), ctx.positions_BT)
-    if retrieves:
+    if retrieves and retrieved is None and not ctx.decode:
+      heads = self._sequence_attend(q, k, v, ctx, f)
+    elif retrieves:
       heads = self._block_attend(q, k, v, ctx, f, retrieved)
     else:
       heads = self._plain_attend(q, k, v, ctx)

@@ -7,6 +7,7 @@ from condattn_jax import ops
 from condattn_jax.attention import options
 
 RETRIEVED_KV = ("sequence", "recompute")
+ATTENTION_PATHS = ("auto", "block_sparse", "gathered")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,8 +48,20 @@ class MatchOptions:
                 block. () = one query of c tokens. Prompt blocks (prefill) search with one
                 query of c tokens (their results padded to `slots`).
   sinks         StreamingLLM sink tokens kept visible in the SWA layers (full forward only).
-  impl          ops.attention impl of the gathered per-block attention ('auto': the compacted-
-                query Pallas kernel on GPU/TPU, the reference on CPU).
+  impl          ops.attention impl of the SWA layers' attention ('auto': per lowering platform).
+  attention_path how an SWA layer's full forward with retrieved_kv='sequence' (training, one-shot
+                prefill) runs "window OR retrieved chunks" (layer.py):
+                'block_sparse'  one ops.attention call over the whole row with block lists
+                                (pallas_kernels.block_sparse, head mode HEAD_WINDOW_BLOCKS: no
+                                gathered keys; on CPU the reference, O(T^2) mask);
+                'gathered'      per block, its window and retrieved keys gathered into
+                                [B*G, w+c-1+k*c] (the compacted kernel; (w+c+k*c)/c times K/V);
+                'auto'          block_sparse where the lowering platform's resolver has a block-
+                                sparse kernel that runs the mode at these shapes (Hopper, chunk
+                                128, head_dim 64/128, bf16/f16, impl auto/pallas/mosaic_gpu),
+                                else gathered (CPU, TPU, other GPUs).
+                Both compute the same attention (retrieved chunks lie before every block query's
+                window, never overlap it). Recompute mode and decode always gather.
   """
   window: int = 1024
   chunk: int = 128
@@ -63,6 +76,7 @@ class MatchOptions:
   decode_queries: tuple = ()
   sinks: int = 0
   impl: str = "auto"
+  attention_path: str = "auto"
 
   def __post_init__(self):
     for f in ("window", "chunk"):
@@ -94,6 +108,9 @@ class MatchOptions:
     if self.sinks and self.top_k:
       raise ValueError(f"model.scheme.sinks={self.sinks} is the StreamingLLM baseline "
                        f"(sink + window, no retrieval): set top_k=0 (got {self.top_k}).")
+    if self.attention_path not in ATTENTION_PATHS:
+      raise ValueError(f"model.scheme.attention_path={self.attention_path!r}: choose one of "
+                       f"{ATTENTION_PATHS}.")
     if self.impl not in ops.IMPLS:
       raise ValueError(f"model.scheme.impl={self.impl!r}: choose one of {ops.IMPLS}.")
 

@@ -1,0 +1,132 @@
+"""MATCH's training attention through the block-sparse kernel (options.attention_path,
+docs/schemes/match.md): the whole-row block-sparse call (block lists in head mode
+HEAD_WINDOW_BLOCKS) equals the per-block gathered path, values and gradients in float32; 'auto'
+takes it exactly where the resolver has a kernel for it (Hopper), and the Hopper program of a
+MATCH training step runs the Mosaic GPU block-sparse kernels with no gathered K/V copy."""
+import contextlib
+import re
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AbstractDevice, AbstractMesh
+
+from condattn_jax import attention, ops
+from condattn_jax.attention.match import layer as match_layer
+from condattn_jax.models.config import ModelConfig
+from condattn_jax.models.decoder import Decoder
+from pallas_kernels.backends import Platform
+
+
+def _with(cfg, **kw):
+  return cfg.replace(scheme_kwargs=dict(cfg.scheme_options, **kw))
+
+
+def test_block_sparse_path_equals_gathered_path_fp32(monkeypatch):
+  """Two SWA + retrieval layers (OLMo-2: post-norm, GQA 4:2), two packed documents with
+  restarting positions and padding in row 1: logits and every parameter gradient of the
+  block-sparse path (one ops.attention call over the row: the reference on CPU) == the gathered
+  path's. The block-sparse run never calls the gathered path."""
+  base = ModelConfig(family="olmo2", num_layers=2, vocab_size=32).replace(qk_norm="full",
+                                                                         post_norm=True)
+  cfg = attention.configure(base, "match", window=8, chunk=4, top_k=2)
+  T = 43
+  tok = jax.random.randint(jax.random.PRNGKey(1), (2, T), 1, 8)
+  params = nn.unbox(jax.jit(Decoder(cfg).init)(jax.random.PRNGKey(0), tok)["params"])
+  seg = np.ones((2, T), np.int32)
+  seg[1, 25:] = 2
+  seg[1, 41:] = 0
+  pos = np.stack([np.arange(T), np.where(seg[1] == 0, 0, np.r_[np.arange(25), np.arange(18)])])
+  pos, seg = jnp.asarray(pos, jnp.int32), jnp.asarray(seg)
+  ct = jnp.cos(jnp.arange(2 * T * 32).reshape(2, T, 32)) * (seg != 0)[..., None]
+
+  def run(path):
+    c = _with(cfg, attention_path=path)
+
+    def loss(p):
+      out, aux = Decoder(c).apply({"params": p}, tok, pos, seg)
+      return jnp.sum(out * ct), (out, aux["retrieved"])
+    (_, (out, frac)), g = jax.jit(jax.value_and_grad(loss, has_aux=True))(params)
+    return np.asarray(out), np.asarray(frac), g
+
+  want, frac, g_want = run("gathered")
+  assert float(frac.min()) > 0.2  # every layer retrieves
+
+  def no_gather(*a, **k):
+    raise AssertionError("the block-sparse path ran the gathered attention")
+  monkeypatch.setattr(match_layer.MatchLayer, "_block_attend", no_gather)
+  got, _, g_got = run("block_sparse")
+  live = np.asarray(seg) != 0
+  np.testing.assert_allclose(got[live], want[live], atol=2e-5)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(g_got), jax.tree.leaves(g_want)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4,
+                               atol=1e-5 * float(np.abs(b).max()) + 1e-7,
+                               err_msg=jax.tree_util.keystr(path))
+
+
+_H100 = Platform("cuda", "NVIDIA H100 80GB HBM3")
+
+
+@pytest.mark.parametrize("platform,chunk,H,dtype,impl,want", [
+    (_H100, 128, 128, jnp.bfloat16, "auto", True),
+    (Platform("cuda", "NVIDIA H200"), 128, 64, jnp.float16, "pallas", True),
+    (_H100, 64, 128, jnp.bfloat16, "auto", False),        # the kernel's block_q is 128
+    (_H100, 128, 128, jnp.float32, "auto", False),        # wgmma: bf16 / f16
+    (_H100, 128, 128, jnp.bfloat16, "reference", False),  # impl asks for no kernel
+    (Platform("cuda", "NVIDIA A100-SXM4-80GB"), 128, 128, jnp.bfloat16, "auto", False),
+    (Platform("tpu", "TPU v5 lite"), 128, 128, jnp.bfloat16, "auto", False),
+    (Platform("cpu"), 128, 128, jnp.bfloat16, "auto", False),
+])
+def test_auto_takes_the_block_sparse_path_where_a_kernel_runs_it(platform, chunk, H, dtype, impl,
+                                                                 want):
+  from condattn_jax.attention.match import MatchOptions
+  o = MatchOptions(window=1024, chunk=chunk, impl=impl)
+  assert match_layer.block_sparse_runs(o, (1, 4096, 32, H), (1, 4096, 8, H), dtype,
+                                       platform) is want
+
+
+def test_window_blocks_resolve_only_to_kernels_that_run_mode_2():
+  shapes = ((1, 1024, 8, 128), (1, 1024, 2, 128), jnp.bfloat16)
+  st = dict(block_q=128, block_k=128, window_blocks=True)
+  be, _ = ops.resolve("block_sparse", "auto", *shapes, _H100, **st)
+  assert be.name == "mosaic_gpu"
+  for plat in (Platform("cuda", "NVIDIA A100-SXM4-80GB"), Platform("tpu", "TPU v5 lite")):
+    be, why = ops.resolve("block_sparse", "auto", *shapes, plat, **st)
+    assert be is None and any("HEAD_WINDOW_BLOCKS" in w for w in why), why
+    assert ops.resolve("block_sparse", "auto", *shapes, plat, block_q=128,
+                       block_k=128)[0] is not None
+
+
+_DISABLED = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+
+
+def test_hopper_training_step_runs_the_block_sparse_kernel_without_gathered_keys():
+  """jax.export of a MATCH layer's forward + backward for an (abstract) H100, chunk 128, window
+  128, top-2, bf16: 'auto' lowers three Mosaic GPU calls (fwd, dq, dk/dv), no Triton call and no
+  per-block gathered K/V ([B*G, w+c-1+k*c, K, H]); the gathered path (control) holds them."""
+  base = ModelConfig(family="qwen3", qk_norm="head", num_layers=1, vocab_size=64, hidden_size=128,
+                     num_heads=2, num_kv_heads=1, head_dim=64, dtype="bfloat16")
+  cfg = attention.configure(base, "match", window=128, chunk=128, top_k=2)
+  B, T = 1, 512
+  mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+      device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"))
+  tok = jax.ShapeDtypeStruct((B, T), jnp.int32)
+  params = jax.eval_shape(lambda t: nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(0), t)),
+                          jnp.zeros((B, T), jnp.int32))["params"]
+  gathered_kv = f"tensor<{B * T // 128}x{128 + 127 + 2 * 128}x1x64xbf16>"
+
+  def program(path):
+    c = _with(cfg, attention_path=path)
+    loss = lambda p, t: jnp.sum(Decoder(c).apply({"params": p}, t)[0].astype(jnp.float32))
+    with jax.sharding.use_abstract_mesh(mesh):
+      return jax.export.export(jax.jit(jax.grad(loss)), platforms=["cuda"],
+                               disabled_checks=_DISABLED)(params, tok).mlir_module()
+
+  text = program("auto")
+  targets = re.findall(r"custom_call @([\w.$]+)", text)
+  assert targets.count("mosaic_gpu_v2") + targets.count("mosaic_gpu") == 3, targets
+  assert not [t for t in targets if "triton" in t.lower()], targets
+  assert gathered_kv not in text
+  assert gathered_kv in program("gathered")
