@@ -35,6 +35,11 @@ Implementations (one vocabulary):
              kernel:  cpu -> reference;
                       cuda -> decode over a full cache (kv_lengths_B, T = 1, no window, no
                               per-head active set): cudnn;
+                              other decode over a cache (`decode_kernel_reasons`: a window,
+                              sinks, a per-head active set, a few queries per row with a fill):
+                              the decode kernel (pallas_kernels.decode, the resolver's pick:
+                              Mosaic GPU on Hopper; Mosaic TPU on tpu), forward only (its VJP
+                              is the reference's);
                               contiguous self-attention without active/sinks: cudnn (no segment
                               ids) else tokamax (causal) or the Pallas kernel (with a window:
                               tokamax's backward does not skip out-of-window tiles); anything
@@ -73,6 +78,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.extend import core as jex_core
 from jax.interpreters import batching, mlir
@@ -81,6 +87,7 @@ KERNEL_IMPLS = ("triton", "mosaic_gpu", "mosaic_tpu")  # one Pallas kernel, by n
 IMPLS = ("auto", "reference", "cudnn", "tokamax", "pallas", *KERNEL_IMPLS)
 _KERNELS = "pallas_kernels.compact_attention"
 _BLOCK_SPARSE = "pallas_kernels.block_sparse"
+_DECODE = "pallas_kernels.decode"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -292,6 +299,23 @@ def decode_reasons(q, mask: MaskSpec) -> list[str]:
   return why + _cudnn_shape_reasons(q)
 
 
+def decode_kernel_reasons(q, mask: MaskSpec) -> list[str]:
+  """Why the decode kernels (pallas_kernels.decode) cannot take the call (empty: they can,
+  shapes aside: their backends' supports() say that): a decode over a cache, i.e. a fill
+  (kv_lengths_B) or a single query per row, not contiguous self-attention, no query segment ids
+  or block lists. Window, sinks and an active set per row or per head are theirs."""
+  why = []
+  if mask.contiguous:
+    why.append("contiguous self-attention (not a decode over a cache)")
+  if mask.kv_lengths_B is None and q.shape[1] != 1:
+    why.append(f"{q.shape[1]} queries per row without a cache fill (MaskSpec.kv_lengths_B)")
+  if mask.q_segment_ids_BT is not None:
+    why.append("query segment ids")
+  if mask.block_lists is not None:
+    why.append("block lists")
+  return why
+
+
 def _pallas_reasons(mask: MaskSpec) -> list[str]:
   if mask.block_lists is not None:  # the block-sparse kernel takes every MaskSpec field
     return []
@@ -480,10 +504,12 @@ def per_shard(fn):
 # ------------------------------------------------------------------------------------------------
 
 def backends(kind: str) -> tuple:
-  """The backends of kernel package `kind` ('compact' | 'block_sparse'): its BACKENDS, in
-  preference order, the reference last."""
+  """The backends of kernel package `kind` ('compact' | 'block_sparse' | 'decode'): its BACKENDS,
+  in preference order, the reference last."""
   if kind == "compact":
     return _kernel_module().BACKENDS
+  if kind == "decode":
+    return _kernel_module(package=_DECODE).BACKENDS
   return _kernel_module(package=_BLOCK_SPARSE).BACKENDS
 
 
@@ -540,15 +566,9 @@ def merge_attention_parts(o, lse, axis: int):
   """Online-softmax merge of partial attentions stacked on `axis` (a non-negative axis of lse):
   o [..., P, ..., H] each normalised over its own keys, lse the same shape without H. A part
   with lse = -inf (no visible key) weighs 0; all parts empty -> zeros and lse -inf (no NaN).
-  Returns (o without the P axis, lse of the union)."""
-  mx = lax.stop_gradient(jnp.max(lse, axis=axis, keepdims=True))
-  mx = jnp.where(jnp.isfinite(mx), mx, 0.0)
-  w = jnp.exp(lse - mx)
-  tot = jnp.sum(w, axis=axis)
-  empty = tot == 0
-  tot = jnp.where(empty, 1.0, tot)
-  out = jnp.sum(o * jnp.expand_dims(w, -1), axis=axis) / tot[..., None]
-  return out, jnp.where(empty, -jnp.inf, jnp.squeeze(mx, axis) + jnp.log(tot))
+  Returns (o without the P axis, lse of the union). (pallas_kernels.decode.merge_parts: the
+  decode kernels' merge, the cuDNN decode path's and the context-parallel ring's.)"""
+  return _kernel_module(package=_DECODE).merge_parts(o, lse, axis)
 
 
 DECODE_CTAS = 264  # cuDNN decode: split the kv length until about 2 programs per H100 SM
@@ -688,6 +708,34 @@ def _block_sparse(scale, kernel_impl: str, interpret: Any = False):
   return fn
 
 
+def _decode_kernel(scale, backend, interpret: Any = False):
+  """fn(q, k, v, mask) running a decode backend (pallas_kernels.decode.BACKENDS), per shard under
+  a mesh. The kernels run forward only: the VJP is the reference's (T is a few tokens)."""
+  def fn(q, k, v, mask):
+    @jax.custom_vjp
+    def run(q, k, v, mask):
+      return backend(q, k, v, q_positions_BT=mask.q_positions_BT,
+                     kv_positions_BS=mask.kv_positions_BS, kv_lengths_B=mask.kv_lengths_B,
+                     kv_valid_BS=mask.kv_segment_ids_BS if mask.kv_lengths_B is None else None,
+                     active=mask.active, window=mask.window, sinks=mask.sinks, scale=scale,
+                     interpret=interpret)
+
+    def run_fwd(q, k, v, mask):
+      return run(q, k, v, mask), (q, k, v, mask)
+
+    def run_bwd(res, ct):
+      q, k, v, mask = res
+      _, vjp = jax.vjp(lambda q, k, v: _reference(scale)(q, k, v, mask), q, k, v)
+      zeros = jax.tree.map(lambda x: np.zeros(x.shape, jax.dtypes.float0)
+                           if jnp.issubdtype(x.dtype, jnp.integer) or x.dtype == jnp.bool_
+                           else jnp.zeros_like(x), mask)
+      return (*vjp(ct), zeros)
+
+    run.defvjp(run_fwd, run_bwd)
+    return run(q, k, v, mask)
+  return per_shard(fn)
+
+
 def _kind(mask: MaskSpec) -> str:
   return "compact" if mask.block_lists is None else "block_sparse"
 
@@ -726,6 +774,10 @@ def _auto(scale, platform):
         return cudnn_decode(q, k, v, mask)
       except NotImplementedError:  # this GPU / cuDNN cannot take the shape
         pass
+    if not decode_kernel_reasons(q, mask):  # window / sinks / per-head active / a few queries
+      backend, _ = resolve("decode", "auto", q.shape, k.shape, q.dtype, platform)
+      if backend is not None:
+        return _decode_kernel(scale, backend)(q, k, v, mask)
     if platform.name == "cuda" and not _fused_reasons(q, mask):
       if not cudnn_reasons(q, mask) and cudnn_available() is None:
         try:
