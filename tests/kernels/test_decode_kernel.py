@@ -110,8 +110,8 @@ def test_mosaic_gpu_interpret_equals_reference():
   """The Hopper kernel (Pallas interpret mode): two queries per row (MATCH multi-query), GQA 3,
   per-head active set with a fully inactive row, window + sinks over a full cache with a fill,
   garbage past the fill, 2 kv parts per (row, kv head): == the reference; inactive -> zeros."""
-  q, k, v, kw = _problem(T=2, lengths=(200, 90))
-  active = jnp.ones((2, 2, 6), bool).at[0, 1, 2].set(False).at[1].set(False)
+  q, k, v, kw = _problem(T=2, N=3, K=1, lengths=(200, 90))
+  active = jnp.ones((2, 2, 3), bool).at[0, 1, 2].set(False).at[1].set(False)
   kw.update(active=active, window=60, sinks=3)
   ref = dk.decode_attention(q, k, v, **kw)
   out = dk.decode_attention(q, k, v, impl="mosaic_gpu", interpret=True,
@@ -172,3 +172,88 @@ def test_num_parts_aims_at_two_programs_per_sm():
   assert dk.num_parts(1, 2, 131072 // 64, cfg) == 128  # B * K * P = 256 <= 264
   assert dk.num_parts(8, 2, 32768 // 64, cfg) == 16
   assert dk.num_parts(8, 2, 32768 // 64, dk.DecodeConfig(parts=3)) == 3
+
+
+# ------------------------------------------------------------------------------------------------
+# condattn_jax.ops: auto runs the decode kernel where cuDNN's decode path cannot
+# ------------------------------------------------------------------------------------------------
+
+def _decode_specs(S=1024, lengths=(1000, 300)):
+  from condattn_jax import ops
+  B, N = 2, 12
+  lens = jnp.asarray(lengths, jnp.int32)
+  kvpos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+  valid = (kvpos < lens[:, None]).astype(jnp.int32)
+  qpos = (lens - 1)[:, None]
+  per_head = jnp.asarray(np.random.default_rng(0).random((B, 1, N)) < 0.5)
+  return {  # AHA heads routed local over the full cache; Elastic SSA heads (sinks + window)
+      "aha-local": ops.MaskSpec(qpos, kvpos, None, valid, window=256, active=per_head),
+      "sinks-window": ops.MaskSpec(qpos, kvpos, None, valid, window=256, sinks=4,
+                                   kv_lengths_B=lens),
+  }
+
+
+def _export_kernels(spec, platform, mesh):
+  from condattn_jax import ops
+  B, S = spec.kv_positions_BS.shape
+  sds = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((B, 1, 12, 128), (B, S, 2, 128),
+                                                         (B, S, 2, 128))]
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = jax.export.export(jax.jit(lambda q, k, v: ops.attention(q, k, v, spec)),
+                             platforms=[platform])(*sds).mlir_module()
+  calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+  return {next((n for n in ("decode_attention_mgpu", "decode_attention_tpu") if n in c), c[:80])
+          for c in calls}
+
+
+def test_auto_runs_the_decode_kernel_on_hopper_and_tpu():
+  """ops.resolve('decode', ...) picks the Mosaic GPU decode kernel on an (abstract) H100, the
+  Mosaic TPU one on a TPU, none on an A100 (one-line reason); ops.attention(impl='auto') lowered
+  for an H100 / TPU runs it for routed decode that cuDNN's decode path cannot take (per-head
+  active + window: AHA; sinks + window: Elastic SSA, which had only the reference before)."""
+  from condattn_jax import ops
+  from pallas_kernels.backends import Platform
+  shape_q, shape_kv = (8, 1, 12, 128), (8, 32768, 2, 128)
+  be, _ = ops.resolve("decode", "auto", shape_q, shape_kv, jnp.bfloat16,
+                      Platform("cuda", "NVIDIA H100 80GB HBM3"))
+  assert be.name == "mosaic_gpu"
+  be, _ = ops.resolve("decode", "auto", shape_q, shape_kv, jnp.bfloat16, Platform("tpu"))
+  assert be.name == "mosaic_tpu"
+  be, why = ops.resolve("decode", "auto", shape_q, shape_kv, jnp.bfloat16,
+                        Platform("cuda", "NVIDIA A100-SXM4-80GB"))
+  assert be is None and "Hopper" in why[0]
+  h100 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+      device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"))
+  tpu = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+      device_kind="TPU v5 lite", num_cores=1, platform="tpu"))
+  for name, spec in _decode_specs().items():
+    assert _export_kernels(spec, "cuda", h100) == {"decode_attention_mgpu"}, name
+    assert _export_kernels(spec, "tpu", tpu) == {"decode_attention_tpu"}, name
+
+
+def test_ops_decode_path_maps_the_mask_and_differentiates_like_the_reference():
+  """ops' decode-kernel runner hands every MaskSpec field to the kernel (here its reference
+  backend: no kernel compile): outputs == impl='reference', and its VJP (the reference's) == the
+  reference's gradient."""
+  from condattn_jax import ops
+  runner = ops._decode_kernel(None, dk.DecodeBackend("reference"))
+  rng = np.random.default_rng(2)
+  specs = _decode_specs(S=384, lengths=(380, 100))
+  B, S = 2, 384
+  q, k, v = (jnp.asarray(rng.standard_normal(s), jnp.float32)
+             for s in ((B, 1, 12, 64), (B, S, 2, 64), (B, S, 2, 64)))
+
+  @jax.jit
+  def both(q, k, v):
+    out = {}
+    for name, spec in specs.items():
+      for label, f in (("kernel", lambda q, k, v, s=spec: runner(q, k, v, s)),
+                       ("reference", lambda q, k, v, s=spec: ops.attention(q, k, v, s,
+                                                                            impl="reference"))):
+        loss = lambda q, k, v, f=f: jnp.sum(f(q, k, v) * jnp.cos(q))
+        out[name, label] = (f(q, k, v), jax.grad(loss, argnums=(0, 1, 2))(q, k, v))
+    return out
+  out = both(q, k, v)
+  for name in specs:
+    for got, want in zip(jax.tree.leaves(out[name, "kernel"]), jax.tree.leaves(out[name, "reference"])):
+      np.testing.assert_allclose(got, want, atol=1e-5, err_msg=name)
