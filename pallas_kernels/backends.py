@@ -20,7 +20,8 @@ The resolver asks each backend for the platform it is LOWERING for (lax.platform
 branches; an abstract mesh's device for cross-lowering), never for jax.default_backend() at trace
 time, so a kernel package never checks the host platform itself.
 
-pallas_kernels.compact_attention.BACKENDS and pallas_kernels.block_sparse.BACKENDS implement this.
+pallas_kernels.compact_attention.BACKENDS, pallas_kernels.block_sparse.BACKENDS and
+pallas_kernels.decode.BACKENDS (decode over a cache; no static arguments) implement this.
 """
 from __future__ import annotations
 

@@ -35,6 +35,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
 from pallas_kernels.backends import Platform, platform_reason
 
@@ -198,7 +199,7 @@ def part_range(runs_3, p, P):
   """(lo, hi): the run entries part p of P reads (entry e is tile e below sink_end, else
   win_lo + e - sink_end); the n entries split as evenly as integers allow."""
   n = runs_3[0] + runs_3[2] - runs_3[1]
-  return (n * p) // P, (n * (p + 1)) // P
+  return lax.div(n * p, P), lax.div(n * (p + 1), P)  # n, p >= 0: truncation == floor
 
 
 def entry_tile(runs_3, e):
