@@ -37,13 +37,24 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.flash_tiles import LN2, LOG2E
-# The compacted-query Hopper kernel's building blocks (same TMA layouts, same hand-offs).
-from pallas_kernels.compact_attention.mosaic_gpu import (_COL, _FREE_BAR, _ROW, _SCHED_BAR,
-                                                         _WG_THREADS, _WGMMA, NEG_INF,
-                                                         _acc_update, _interp, _kv_cols, _lse2,
-                                                         _named_barrier, _params, _spec,
-                                                         _swizzled)
+# The Mosaic GPU tile helpers the compacted-query and decode kernels use too (same TMA layouts,
+# same hand-offs), under this module's names.
+from pallas_kernels.flash_tiles import COL as _COL
+from pallas_kernels.flash_tiles import FREE_BAR as _FREE_BAR
+from pallas_kernels.flash_tiles import LN2, LOG2E, NEG_INF
+from pallas_kernels.flash_tiles import ROW as _ROW
+from pallas_kernels.flash_tiles import SCHED_BAR as _SCHED_BAR
+from pallas_kernels.flash_tiles import WG_THREADS as _WG_THREADS
+from pallas_kernels.flash_tiles import WGMMA as _WGMMA
+from pallas_kernels.flash_tiles import acc_update as _acc_update
+from pallas_kernels.flash_tiles import bwd_lse2 as _lse2
+from pallas_kernels.flash_tiles import ids_or_zeros as _opt
+from pallas_kernels.flash_tiles import kv_cols as _kv_cols
+from pallas_kernels.flash_tiles import mgpu_interpret as _interp
+from pallas_kernels.flash_tiles import mgpu_params as _params
+from pallas_kernels.flash_tiles import named_barrier as _named_barrier
+from pallas_kernels.flash_tiles import swizzled as _swizzled
+from pallas_kernels.flash_tiles import swizzled_spec as _spec
 
 from .tables import KIND_FULL, KIND_LISTED
 
@@ -276,10 +287,6 @@ def fwd(q_BTNH, k_BSKH, v_BSKH, steps_BNQX, count_BNQ, qpos_BT, qseg_BIT, kvpos_
       num_threads=_COMPUTE_WGS + 1, thread_name="wg", compiler_params=_params(True),
       interpret=_interp(interpret), kernel_name=name + ("_nb" if named else ""))(*args)
   return out, lse
-
-
-def _opt(x, shape):
-  return x if x is not None else jnp.zeros(shape, jnp.int32)
 
 
 # ----------------------------------------------------------------------------------------------

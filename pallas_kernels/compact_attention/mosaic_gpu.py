@@ -38,43 +38,28 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.flash_tiles import LN2, LOG2E
+# The Mosaic GPU tile helpers (pallas_kernels/flash_tiles.py, shared with block_sparse and
+# decode), under this module's names.
+from pallas_kernels.flash_tiles import COL as _COL
+from pallas_kernels.flash_tiles import FREE_BAR as _FREE_BAR
+from pallas_kernels.flash_tiles import LN2, LOG2E, NEG_INF
+from pallas_kernels.flash_tiles import ROW as _ROW
+from pallas_kernels.flash_tiles import SCHED_BAR as _SCHED_BAR
+from pallas_kernels.flash_tiles import WG_THREADS as _WG_THREADS
+from pallas_kernels.flash_tiles import WGMMA as _WGMMA
+from pallas_kernels.flash_tiles import acc_update as _acc_update
+from pallas_kernels.flash_tiles import bwd_lse2 as _lse2
+from pallas_kernels.flash_tiles import ids_or_zeros as _opt
+from pallas_kernels.flash_tiles import kv_cols as _kv_cols
+from pallas_kernels.flash_tiles import mgpu_interpret as _interp
+from pallas_kernels.flash_tiles import mgpu_params as _params
+from pallas_kernels.flash_tiles import named_barrier as _named_barrier
+from pallas_kernels.flash_tiles import swizzled as _swizzled
+from pallas_kernels.flash_tiles import swizzled_spec as _spec
 
 from .common import BlockSizes
 
-NEG_INF = float("-inf")
-_WGMMA = plgpu.Layout.WGMMA
-_ROW = plgpu.Layout.WGMMA.reduce(1)
-_COL = plgpu.Layout.WGMMA.reduce(0)
 _COMPUTE_WGS = 2
-
-
-def _swizzled(shape, dtype):
-  """SMEM tiles in the layout wgmma / TMA want (8 x 64 bf16 tiles, 128-byte swizzle)."""
-  bits = jnp.dtype(dtype).itemsize * 8
-  swizzle = plgpu.find_swizzle(shape[-1] * bits)
-  return plgpu.SMEM(shape, dtype, transforms=(
-      plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)))
-
-
-def _spec(shape, dtype, index_map):
-  bits = jnp.dtype(dtype).itemsize * 8
-  swizzle = plgpu.find_swizzle(shape[-1] * bits)
-  return plgpu.BlockSpec(shape, index_map, transforms=(
-      plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle)))
-
-
-def _acc_update(acc, a, b_ref, interpret):
-  """acc + a @ b_ref (fp32 [M, N] in WGMMA layout; a in registers, b in SMEM)."""
-  if interpret:
-    def f(ref):
-      plgpu.wgmma(ref, a, b_ref)
-      return ref[...]
-    return acc + pl.run_scoped(f, plgpu.ACC(acc.shape, jnp.float32))
-
-  def g(ref):
-    plgpu.wgmma(ref, a, b_ref)
-  return pl.run_state(g)(plgpu.ACC.init(acc))
 
 
 def _mask(s, qp, qs, kp_fn, ks_fn, window, shape):
@@ -89,24 +74,6 @@ def _mask(s, qp, qs, kp_fn, ks_fn, window, shape):
   if qs is not None:
     vis = vis & (row(qs) == ks_fn())
   return jnp.where(vis, s, NEG_INF)
-
-
-def _kv_cols(kvpos_ref, kvseg_ref, b, start, bk, shape, transposed=False):
-  """Closures producing the kv positions / segment ids of kv tile [start, start + bk) broadcast
-  over a [bq, bk] (or, transposed, [bk, bq]) tile."""
-  dim = 0 if transposed else 1
-  layout = _ROW if transposed else _COL
-
-  def kp():
-    if kvpos_ref is None:
-      return start + plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=_WGMMA)
-    x = plgpu.load(kvpos_ref.at[b, pl.ds(start, bk)], layout=layout, optimized=False)
-    return lax.broadcast_in_dim(x, shape, [dim])
-
-  def ks():
-    x = plgpu.load(kvseg_ref.at[b, pl.ds(start, bk)], layout=layout, optimized=False)
-    return lax.broadcast_in_dim(x, shape, [dim])
-  return kp, ks
 
 
 # ----------------------------------------------------------------------------------------------
@@ -409,42 +376,6 @@ def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_B
   return out, lse
 
 
-_WG_THREADS = 128
-_SCHED_BAR = 4   # named barriers 4, 5: the compute warpgroups' turns (Mosaic GPU uses 0..3)
-_FREE_BAR = 6    # 6 .. 6 + 2 * stages: K slots free, then V slots free
-
-
-def _named_barrier(op, barrier_id, num_threads):
-  """`bar.{op} barrier_id, num_threads` (op 'arrive' or 'sync') by every thread of the calling
-  warpgroup; barrier_id an int or an int32 scalar."""
-  from jax.experimental.mosaic.gpu import utils as mgpu_utils
-  if isinstance(barrier_id, int):
-    @plgpu.inline_mgpu()
-    def emit(_):
-      mgpu_utils.inline_ptx(f"bar.{op} {barrier_id}, {num_threads};", convergent=True)
-    emit()
-    return
-
-  @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,))
-  def emit_dyn(_, bid):
-    mgpu_utils.inline_ptx(f"bar.{op} $0, {num_threads};", bid.registers[()], convergent=True)
-  emit_dyn(jnp.asarray(barrier_id, jnp.int32))
-
-
-def _params(no_auto_barriers):
-  if no_auto_barriers:
-    return plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=True,
-                                reduction_scratch_bytes=0)
-  return plgpu.CompilerParams(approx_math=True)
-
-
-def _interp(interpret):
-  if not interpret:
-    return None
-  from . import mgpu_interpret
-  return mgpu_interpret.params(interpret)
-
-
 def _poison_unwritten(out, lse, counts_BI, tile, I):
   """Testing: NaN in the rows of tiles the kernel skips (past the count), as an aliased poisoned
   buffer would hold; a kernel bug that skips an active tile leaves garbage that the reference
@@ -461,16 +392,6 @@ def _poison_unwritten(out, lse, counts_BI, tile, I):
 # ----------------------------------------------------------------------------------------------
 # backward
 # ----------------------------------------------------------------------------------------------
-
-def _lse2(lse_BNC):
-  """Natural-log lse -> base 2, empty rows (-inf) -> +inf so that their P is 0."""
-  lse2 = lse_BNC * LOG2E
-  return jnp.where(lse2 == NEG_INF, jnp.inf, lse2)
-
-
-def _opt(x, shape):
-  return x if x is not None else jnp.zeros(shape, jnp.int32)
-
 
 # Compute warpgroups per backward program (compute_wgs; api.CompactConfig.mgpu_bwd_wgs), as in
 # tokamax's sm90 flash-attention VJP: dq runs W query tiles of block_q_dq rows against each K/V
