@@ -5,6 +5,7 @@ or sampled, stop tokens / strings, per-row routing statistics) over any scheme's
     engine = Engine(model_cfg, params, cache_len=4096, prefill_chunk=1024)   # or in memory
     out = engine.generate([[1, 5, 9], [4, 4]], max_new_tokens=32, stop_tokens=(2,))
     outs = engine.serve(many_prompts, max_new_tokens=32, slots=8)   # continuous batching
+    outs = engine.serve([Request(p, temperature=0.8, seed=1), q], 32, slots=8)   # per request
     out.tokens        # per row: the generated ids (up to and including a stop token)
     out.text          # per row: the decoded text (with a tokenizer), cut before a stop string
     out.stats         # per row: the scheme's routing statistics, prompt and generated apart
@@ -77,6 +78,8 @@ class Generation:
   prefill_s      wall seconds of the prefill (the time to the first token's logits)
   decode_s       wall seconds of the decode loop; steps: decode steps run
   cache_bytes    bytes of the cache the generation used (`cache_bytes`)
+  ttft_s         (serve) per request: seconds from the call's start to its first token
+  schedule       (serve) the calls in order: ('prefill', request, chunk) / ('decode', rows)
   """
   tokens: list[list[int]]
   finish_reason: list[str]
@@ -87,6 +90,8 @@ class Generation:
   decode_s: float
   steps: int
   cache_bytes: int
+  ttft_s: list[float] | None = None
+  schedule: list[tuple] | None = None
 
 
 def cache_bytes(cache) -> int:
@@ -132,6 +137,101 @@ def _check_ids(name: str, ids, vocab_size: int) -> tuple[int, ...]:
     if not isinstance(t, (int, np.integer)) or isinstance(t, bool) or not 0 <= t < vocab_size:
       raise ValueError(f"{name} holds {t!r}: ids are ints in [0, {vocab_size}).")
   return tuple(int(t) for t in ids)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """One request of `Engine.serve`: a prompt (token ids) and its own knobs; a field left None
+  takes the value serve was called with."""
+  prompt: Sequence[int]
+  max_new_tokens: int | None = None
+  temperature: float | None = None
+  top_p: float | None = None
+  seed: int | None = None
+  stop_tokens: Sequence[int] | None = None
+  stop_strings: Sequence[str] | None = None
+
+
+@dataclasses.dataclass
+class _Knobs:
+  """One row's checked generation knobs (`check`: one-line errors naming `who`)."""
+  max_new_tokens: int
+  stop_tokens: frozenset
+  stop_strings: tuple
+  temperature: float
+  top_p: float
+  seed: int
+  row: int = 0  # the row index its generator is drawn for (sampling.row_rng(seed, row))
+
+  @classmethod
+  def check(cls, engine, max_new_tokens, stop_tokens, stop_strings, temperature, top_p, seed,
+            who: str) -> "_Knobs":
+    V = engine.config.vocab_size
+    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) \
+        or max_new_tokens < 1:
+      raise ValueError(f"{who}: max_new_tokens={max_new_tokens!r} must be an int >= 1.")
+    stop = frozenset(_check_ids(f"{who}: stop_tokens", stop_tokens, V))
+    if isinstance(stop_strings, str):
+      stop_strings = (stop_strings,)
+    stop_strings = tuple(stop_strings)
+    if any(not isinstance(x, str) or not x for x in stop_strings):
+      raise ValueError(f"{who}: stop_strings={stop_strings!r} must be non-empty strings.")
+    if stop_strings and engine.tokenizer is None:
+      raise ValueError(f"{who}: stop_strings / on_text need a tokenizer: load the engine with "
+                       "Engine.from_checkpoint(..., tokenizer=<dir>) or set engine.tokenizer.")
+    try:
+      sampling.check_sampling(temperature, top_p)
+    except ValueError as e:
+      raise ValueError(f"{who}: {e}") from None
+    if not isinstance(seed, (int, np.integer)) or isinstance(seed, bool):
+      raise ValueError(f"{who}: seed={seed!r} must be an int.")
+    return cls(int(max_new_tokens), stop, stop_strings, float(temperature), float(top_p),
+               int(seed))
+
+
+class _Output:
+  """One row's generated tokens, text, finish reason and (sampling) generator."""
+
+  def __init__(self, knobs: _Knobs, tokenizer, keep_logits: bool, on_text, index: int):
+    self.k, self.keep_logits, self.on_text, self.index = knobs, keep_logits, on_text, index
+    self.rng = sampling.row_rng(knobs.seed, knobs.row)
+    self.stream = TextStream(tokenizer, knobs.stop_strings) if tokenizer is not None else None
+    self.tokens: list[int] = []
+    self.kept: list[np.ndarray] = []
+    self.reason = "length"
+    self.done = False
+
+  @property
+  def needs_logits(self) -> bool:
+    """The host needs this row's logits (else the on-device argmax id does)."""
+    return self.k.temperature > 0 or self.keep_logits
+
+  def push(self, logits_V, greedy_id) -> bool:
+    """Chooses the next token (from logits_V when `needs_logits`, else greedy_id), streams its
+    text; returns True when the row is done."""
+    k = self.k
+    t = greedy_id if logits_V is None else sampling.choose(
+        logits_V, temperature=k.temperature, top_p=k.top_p, rng=self.rng)
+    t = int(t)
+    self.tokens.append(t)
+    if self.keep_logits:
+      self.kept.append(np.array(logits_V, copy=True))
+    s = self.stream
+    if s is not None and t not in k.stop_tokens:  # a stop token's text is not output
+      delta = s.push(t)
+      if self.on_text is not None and delta:
+        self.on_text(self.index, delta)
+    if t in k.stop_tokens:
+      self.done, self.reason = True, "stop_token"
+    elif s is not None and s.stopped:
+      self.done, self.reason = True, "stop_string"
+    elif len(self.tokens) >= k.max_new_tokens:
+      self.done = True
+    if self.done and s is not None and self.on_text is not None:
+      rest = s.flush()
+      if rest:
+        self.on_text(self.index, rest)
+    return self.done
 
 
 class _RowStats:
@@ -400,76 +500,161 @@ class Engine:
     scheme's cache starts at zeros), the others untouched; a ValueError names a cache leaf
     whose first axis is not the batch."""
     m = np.asarray(rows_B, bool)
-    for path, x in jax.tree_util.tree_flatten_with_path(cache)[0]:
-      if x.ndim == 0 or x.shape[0] != m.shape[0]:
-        raise ValueError(f"Engine.reset_rows: cache leaf {jax.tree_util.keystr(path)} has shape "
-                         f"{x.shape}, not batch-first with {m.shape[0]} rows.")
+    self._check_batch_first(cache, m.shape[0], "Engine.reset_rows")
     return _reset_rows(cache, jnp.asarray(m))
 
-  def serve(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *, slots: int,
-            stop_tokens: Sequence[int] = ()) -> list[list[int]]:
-    """Greedy generation for many prompts through `slots` fixed rows (continuous batching):
-    a row whose request finished (a stop token or max_new_tokens) is reset and takes the next
-    waiting prompt, prefilled alone in chunks of `chunk_for(longest prompt)` while the other
-    rows wait, then decodes with the others one token per step. Returns each request's
-    generated ids (in request order), as `generate` would give it for that prompt alone."""
+  @staticmethod
+  def _check_batch_first(cache, B: int, who: str = "Engine.serve") -> None:
+    for path, x in jax.tree_util.tree_flatten_with_path(cache)[0]:
+      if x.ndim == 0 or x.shape[0] != B:
+        raise ValueError(f"{who}: cache leaf {jax.tree_util.keystr(path)} has shape "
+                         f"{x.shape}, not batch-first with {B} rows.")
+
+  def serve(self, requests: Sequence, max_new_tokens: int, *, slots: int,
+            stop_tokens: Sequence[int] = (), stop_strings: Sequence[str] = (),
+            temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+            return_logits: bool = False,
+            on_text: Callable[[int, str], None] | None = None) -> Generation:
+    """Continuous batching: many requests through `slots` fixed rows of one cache.
+
+    requests: prompts (token-id lists) or `Request`s (a prompt with its own max_new_tokens,
+      temperature, top_p, seed, stop_tokens, stop_strings; a None field takes serve's argument).
+    Schedule: a free row takes the next waiting request; its prompt is prefilled alone (one row,
+    its own cache) in chunks of `chunk_for(longest prompt of the call)` (one compiled prefill
+    program for the call), ONE chunk per iteration, interleaved with the decode steps of the
+    rows already generating (they never wait for a whole prompt); the finished prefill is
+    inserted into its row of the batch cache (every leaf is batch-first: the row is overwritten
+    whole, so nothing of the row's previous request survives), and the row decodes with the
+    others, one token per step ([slots, 1]: the decode program every scheme declares). A row
+    whose request finished (stop token, stop string, its max_new_tokens) takes the next one.
+    Each request gets what `generate` gives it: request i without its own seed draws as row i
+    of `generate(prompts, seed=seed)`; a Request with seed s draws as `generate([prompt],
+    seed=s)` (greedy is exact either way, up to the float rounding of batch composition).
+    Returns a `Generation` in request order (stats per request: its prompt and its generated
+    tokens); prefill_s is the time to the first request's first token, decode_s the rest,
+    steps the decode steps; `ttft_s` per request (from the call's start to its first token on
+    the host) and `schedule` (('prefill', request, chunk) / ('decode', active rows) events) say
+    how the requests were interleaved. on_text(request, text): as in `generate`.
+    """
     V = self.config.vocab_size
-    rows = check_prompts(prompts, V)
+    if isinstance(requests, (str, bytes)) or not hasattr(requests, "__len__"):
+      raise ValueError(f"requests must be a list of prompts or Requests, got "
+                       f"{type(requests).__name__}.")
+    reqs = [r if isinstance(r, Request) else Request(r) for r in requests]
+    rows = check_prompts([r.prompt for r in reqs], V)
     if not isinstance(slots, (int, np.integer)) or isinstance(slots, bool) or slots < 1:
       raise ValueError(f"Engine.serve(slots={slots!r}) must be an int >= 1.")
-    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) \
-        or max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1.")
-    stop = set(_check_ids("stop_tokens", stop_tokens, V))
-    longest = max(len(p) for p in rows)
-    if longest + max_new_tokens > self.cache_len:
-      raise ValueError(f"prompt ({longest}) + max_new_tokens ({max_new_tokens}) exceeds "
-                       f"cache_len={self.cache_len}; raise cache_len.")
-    B, C = int(slots), self.chunk_for(longest)
+    default = _Knobs.check(self, max_new_tokens, stop_tokens, stop_strings, temperature, top_p,
+                           seed, "Engine.serve")
+    knobs = []
+    for i, r in enumerate(reqs):
+      pick = lambda name: getattr(default, name) if getattr(r, name) is None else getattr(r, name)
+      k = _Knobs.check(self, pick("max_new_tokens"), pick("stop_tokens"), pick("stop_strings"),
+                       pick("temperature"), pick("top_p"), pick("seed"), f"request {i}")
+      k.row = i if r.seed is None else 0  # the row of the generate call it draws as
+      if len(rows[i]) + k.max_new_tokens > self.cache_len:
+        raise ValueError(f"request {i}: prompt ({len(rows[i])}) + max_new_tokens "
+                         f"({k.max_new_tokens}) exceeds cache_len={self.cache_len}; raise "
+                         "cache_len.")
+      knobs.append(k)
+    if self.tokenizer is None and on_text is not None:
+      raise ValueError("on_text needs a tokenizer: load the engine with "
+                       "Engine.from_checkpoint(..., tokenizer=<dir>) or set engine.tokenizer.")
+    B, C = int(slots), self.chunk_for(max(len(p) for p in rows))
+    self._warn_serving_notes(C, max(len(p) for p in rows))
+    t0 = time.perf_counter()
     cache = self.init_cache(B)
+    self._check_batch_first(cache, B)
     logits = self._commit(jnp.zeros((B, V), jnp.float32))
-    waiting = list(range(len(rows)))
-    req: list[int | None] = [None] * B
+    outs = [_Output(k, self.tokenizer, return_logits, on_text, i) for i, k in enumerate(knobs)]
+    prompt_stats: list = [None] * len(reqs)
+    ttft = [0.0] * len(reqs)
+    log: list = []          # the decode steps' (row aux, active rows), device until needed
+    log_host: list = []
+    started = [0] * B       # the decode-step index at which each row's request started
+    gen_stats: list = [None] * len(reqs)
+    waiting = list(range(len(reqs)))
+    req: list[int | None] = [None] * B   # the request each row is decoding
+    fresh = np.zeros(B, bool)            # rows whose logits hold a token not chosen yet
     pos = np.zeros(B, np.int32)
-    out: list[list[int]] = [[] for _ in rows]
+    pending = None                       # the prefill under way: [row, request, chunks, ...]
+    schedule: list[tuple] = []
+    steps, t_first = 0, None
+
+    def finish(b):
+      r = req[b]
+      if len(log_host) < len(log):  # one transfer for every step not on the host yet
+        log_host.extend(jax.device_get(log[len(log_host):]))
+        log[:len(log_host)] = [None] * len(log_host)
+      st = _RowStats()
+      for aux, act in log_host[started[b]:]:
+        st.add(aux, act)
+      gen_stats[r] = st.row(b)
+      req[b] = None
+
     while True:
-      for b in range(B):  # free rows take the next prompts
-        if req[b] is None and waiting:
-          r = waiting.pop(0)
-          req[b], p = r, rows[r]
-          cache = self.reset_rows(cache, np.arange(B) == b)
-          P = -(-len(p) // C) * C
-          tok = np.zeros((B, P), np.int32)
-          tok[b, :len(p)] = p
-          posn = np.broadcast_to(np.arange(P, dtype=np.int32), (B, P))
-          valid = np.zeros((B, P), bool)
-          valid[b, :len(p)] = True
-          plen = pos.copy()
-          plen[b] = len(p)  # the prompt length its prefill calls see (as in _prefill)
-          for c in range(0, P, C):
-            sl = slice(c, c + C)
-            cache, logits, _ = self._step(self.params, cache, jnp.asarray(tok[:, sl]),
-                                          jnp.asarray(posn[:, sl]), jnp.asarray(valid[:, sl]),
-                                          logits, self._commit(jnp.asarray(plen)))
-          pos[b] = len(p)
+      free = [b for b in range(B) if req[b] is None and (pending is None or pending[0] != b)]
+      if pending is None and waiting and free:
+        r = waiting.pop(0)
+        p = rows[r]
+        P = -(-len(p) // C) * C
+        tok = np.zeros((1, P), np.int32)
+        tok[0, :len(p)] = p
+        pending = [free[0], r, 0, tok, self.init_cache(1),
+                   self._commit(jnp.zeros((1, V), jnp.float32)), _RowStats()]
+      if pending is not None:  # one chunk of the waiting prompt
+        b, r, c, tok, one, one_logits, st = pending
+        p, P = rows[r], tok.shape[1]
+        sl = slice(c, c + C)
+        posn = np.arange(c, c + C, dtype=np.int32)[None]
+        valid = posn < len(p)
+        one, one_logits, aux = self._step(
+            self.params, one, jnp.asarray(tok[:, sl]), jnp.asarray(posn), jnp.asarray(valid),
+            one_logits, self._commit(jnp.asarray([len(p)], np.int32)))
+        st.add(aux, valid.sum(1))
+        schedule.append(("prefill", r, c // C))
+        pending[2:6] = [c + C, tok, one, one_logits]
+        if c + C >= P:  # the prompt is in: the row joins the batch
+          cache, logits = _insert_row(cache, one, logits, one_logits, jnp.int32(b))
+          req[b], pos[b], fresh[b], started[b] = r, len(p), True, len(log)
+          prompt_stats[r] = st.row(0)
+          pending = None
+      if fresh.any():
+        need_host = any(outs[req[b]].needs_logits for b in np.flatnonzero(fresh))
+        host = np.asarray(logits) if need_host else None
+        ids = None if need_host else np.asarray(_argmax(logits))
+        now = time.perf_counter()
+        for b in np.flatnonzero(fresh):
+          o = outs[req[b]]
+          if not o.tokens:
+            ttft[req[b]] = now - t0
+            t_first = now if t_first is None else t_first
+          if o.push(host[b] if host is not None else None,
+                    None if ids is None else int(ids[b])):
+            finish(b)
+        fresh[:] = False
       active = np.asarray([r is not None for r in req])
-      if not active.any():
+      if active.any():
+        last = np.asarray([outs[r].tokens[-1] if r is not None else 0 for r in req], np.int32)
+        cache, logits, aux = self._step(self.params, cache, jnp.asarray(last)[:, None],
+                                        jnp.asarray(pos)[:, None], jnp.asarray(active)[:, None],
+                                        logits)
+        log.append((aux, active.astype(np.int32)))
+        schedule.append(("decode", int(active.sum())))
+        pos = pos + active
+        fresh = active.copy()
+        steps += 1
+      elif pending is None and not waiting:
         break
-      ids = np.asarray(_argmax(logits))
-      for b in np.flatnonzero(active):
-        t = int(ids[b])
-        out[req[b]].append(t)
-        if t in stop or len(out[req[b]]) >= max_new_tokens:
-          req[b] = None
-      active = np.asarray([r is not None for r in req])
-      if not active.any():
-        continue  # admit the waiting prompts (or stop)
-      last = np.asarray([out[r][-1] if r is not None else 0 for r in req], np.int32)
-      cache, logits, _ = self._step(self.params, cache, jnp.asarray(last)[:, None],
-                                    jnp.asarray(pos)[:, None], jnp.asarray(active)[:, None],
-                                    logits)
-      pos = pos + active
-    return out
+    t_end = time.perf_counter()
+    t_first = t_end if t_first is None else t_first
+    return Generation(
+        tokens=[o.tokens for o in outs], finish_reason=[o.reason for o in outs],
+        text=[o.stream.text for o in outs] if self.tokenizer is not None else None,
+        stats=[{"prompt": prompt_stats[r], "generated": gen_stats[r]} for r in range(len(reqs))],
+        logits=[np.stack(o.kept) for o in outs] if return_logits else None,
+        prefill_s=t_first - t0, decode_s=t_end - t_first, steps=steps,
+        cache_bytes=cache_bytes(cache), ttft_s=ttft, schedule=schedule)
 
   # ------------------------------------------------------------------------------- decode
   def decode_step(self, cache, tokens_B, positions_B, active_B, prev_logits_BV):
@@ -496,18 +681,10 @@ class Engine:
     """
     V = self.config.vocab_size
     rows = check_prompts(prompts, V)
-    if not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool) \
-        or max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1.")
-    stop = set(_check_ids("stop_tokens", stop_tokens, V))
-    if isinstance(stop_strings, str):
-      stop_strings = (stop_strings,)
-    stop_strings = tuple(stop_strings)
-    if any(not isinstance(x, str) or not x for x in stop_strings):
-      raise ValueError(f"stop_strings={stop_strings!r} must be non-empty strings.")
-    sampling.check_sampling(temperature, top_p)
+    knobs = _Knobs.check(self, max_new_tokens, stop_tokens, stop_strings, temperature, top_p,
+                         seed, "Engine.generate")
     tok = self.tokenizer
-    if tok is None and (stop_strings or on_text is not None):
+    if tok is None and on_text is not None:
       raise ValueError("stop_strings / on_text need a tokenizer: load the engine with "
                        "Engine.from_checkpoint(..., tokenizer=<dir>) or set engine.tokenizer.")
     longest = max(len(p) for p in rows)
@@ -519,48 +696,25 @@ class Engine:
     logits.block_until_ready()
     t1 = time.perf_counter()
     B = len(rows)
-    rngs = [sampling.row_rng(seed, b) for b in range(B)]
-    streams = [TextStream(tok, stop_strings) for _ in range(B)] if tok is not None else None
-    out: list[list[int]] = [[] for _ in range(B)]
-    reason = ["length"] * B
-    kept: list[list[np.ndarray]] = [[] for _ in range(B)]
-    done = np.zeros(B, bool)
+    outs = [_Output(dataclasses.replace(knobs, row=b), tok, return_logits, on_text, b)
+            for b in range(B)]
     gen_stats = _RowStats()
-    on_device_argmax = temperature == 0 and not return_logits
     pos = lengths.copy()
     steps = 0
     while True:
-      if on_device_argmax:  # greedy without logits: B ids cross to the host, not B x V floats
-        host_ids = np.asarray(_argmax(logits))
-      else:
+      done = np.asarray([o.done for o in outs])
+      if any(o.needs_logits for o in outs):
         host_logits = np.asarray(logits)
-      for b in range(B):
-        if done[b]:
-          continue
-        if on_device_argmax:
-          t = int(host_ids[b])
-        else:
-          t = sampling.choose(host_logits[b], temperature=temperature, top_p=top_p, rng=rngs[b])
-        out[b].append(t)
-        if return_logits:
-          kept[b].append(host_logits[b].copy())
-        if streams is not None and t not in stop:  # a stop token's text is not output
-          delta = streams[b].push(t)
-          if on_text is not None and delta:
-            on_text(b, delta)
-        if t in stop:
-          done[b], reason[b] = True, "stop_token"
-        elif streams is not None and streams[b].stopped:
-          done[b], reason[b] = True, "stop_string"
-        elif len(out[b]) >= max_new_tokens:
-          done[b] = True
-        if done[b] and streams is not None and on_text is not None:
-          rest = streams[b].flush()
-          if rest:
-            on_text(b, rest)
+      else:  # greedy without logits: B ids cross to the host, not B x V floats
+        host_logits, host_ids = None, np.asarray(_argmax(logits))
+      for b, o in enumerate(outs):
+        if not done[b]:
+          o.push(None if host_logits is None else host_logits[b],
+                 None if host_logits is not None else int(host_ids[b]))
+      done = np.asarray([o.done for o in outs])
       if done.all():
         break
-      last = np.asarray([o[-1] if o else 0 for o in out], np.int32)
+      last = np.asarray([o.tokens[-1] for o in outs], np.int32)
       cache, logits, row_aux = self._step(self.params, cache, jnp.asarray(last)[:, None],
                                           jnp.asarray(pos)[:, None],
                                           jnp.asarray(~done)[:, None], logits)
@@ -569,10 +723,10 @@ class Engine:
       steps += 1
     t2 = time.perf_counter()
     return Generation(
-        tokens=out, finish_reason=reason,
-        text=[s.text for s in streams] if streams is not None else None,
+        tokens=[o.tokens for o in outs], finish_reason=[o.reason for o in outs],
+        text=[o.stream.text for o in outs] if tok is not None else None,
         stats=[{"prompt": prompt_stats.row(b), "generated": gen_stats.row(b)} for b in range(B)],
-        logits=[np.stack(k) for k in kept] if return_logits else None,
+        logits=[np.stack(o.kept) for o in outs] if return_logits else None,
         prefill_s=t1 - t0, decode_s=t2 - t1, steps=steps, cache_bytes=cache_bytes(cache))
 
 
@@ -582,6 +736,13 @@ def _reset_rows(cache, rows_B):
   return jax.tree.map(
       lambda x: jnp.where(rows_B.reshape((-1,) + (1,) * (x.ndim - 1)), jnp.zeros((), x.dtype), x),
       cache)
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 2))
+def _insert_row(cache, one, logits_BV, one_logits_1V, b):
+  """Row b of the batch cache (and logits) overwritten by a one-row cache (in place: donated)."""
+  put = lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y[0].astype(x.dtype), b, 0)
+  return jax.tree.map(put, cache, one), put(logits_BV, one_logits_1V)
 
 
 @jax.jit

@@ -144,6 +144,13 @@ def test_stop_strings_cut_the_text_and_end_the_row(text_engine):
   if stop not in free.text[1]:
     assert gen.tokens[1] == free.tokens[1] and gen.text[1] == free.text[1]
   assert streamed == gen.text
+  # serve: a request's own stop string ends only that request, text cut the same way
+  from condattn_jax.inference.engine import Request
+  served = text_engine.serve([Request(prompts[0], stop_strings=(stop,)), prompts[1]], 12,
+                             slots=1)
+  assert served.tokens == [gen.tokens[0], free.tokens[1]]
+  assert served.text == [gen.text[0], free.text[1]]
+  assert served.finish_reason == ["stop_string", "length"]
   st = free.tokens[0][3]  # a stop token ends the row; its own text is not output
   gen = text_engine.generate(prompts, 12, stop_tokens=(st,))
   k = free.tokens[0].index(st)

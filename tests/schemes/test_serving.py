@@ -1,12 +1,17 @@
 """Continuous batching (`Engine.serve`): requests of mixed lengths through 2 fixed slots (a
-finished row is reset and takes the next prompt) give each request the tokens greedy
-generation gives it alone, on the conformance suite's tiny L2A model (a window ring and a full
-cache per layer); `reset_rows` empties only the rows asked. Every scheme's cache starts at zeros
-(`Engine.init_cache`), so a reset row is a fresh one for each of them."""
+finished row takes the next prompt, prefilled in its own one-row cache and inserted) give each
+request what `generate` gives it alone (greedy, or sampled with its own temperature / top_p /
+seed / max_new_tokens; its routing statistics too), on the conformance suite's tiny L2A model
+(a window ring and a full cache per layer; all six schemes were checked by hand the same way);
+a new prompt's prefill chunks alternate with the other rows' decode steps; `reset_rows` empties
+only the rows asked. Every scheme's cache starts at zeros (`Engine.init_cache`)."""
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
 
+from condattn_jax.inference.engine import Request
 from test_conformance import NAMES, engine  # the suite's shared tiny models (module-cached)
 
 RNG = np.random.default_rng(1)
@@ -18,9 +23,52 @@ def test_serve_equals_per_request_generation():
   """L2A's tiny model: both cache kinds (window ring, full cache) are reset and reused."""
   eng = engine("l2a", 4)
   for new in NEW:
-    got = eng.serve(REQUESTS, new, slots=2)
+    got = eng.serve(REQUESTS, new, slots=2).tokens
     want = [eng.generate([p], new).tokens[0] for p in REQUESTS]
     assert got == want, (new, got, want)
+
+
+def test_serve_samples_each_request_as_its_own_generation():
+  """Per-request knobs: each Request == generate([prompt], its knobs, seed=its seed), tokens
+  and per-request routing stats (L2A's global fraction, prompt and generated apart); requests
+  without a seed draw as their row of generate(prompts, seed=serve's seed)."""
+  eng = engine("l2a", 4)
+  reqs = [Request(p, max_new_tokens=m, temperature=t, top_p=tp, seed=s)
+          for p, m, t, tp, s in zip(REQUESTS, (5, 3, 4, 2), (1.0, 1.5, 0.0, 1.0),
+                                    (0.9, 1.0, 1.0, 0.5), (7, 8, 9, 10))]
+  got = eng.serve(reqs, 3, slots=2)
+  for r, toks, st in zip(reqs, got.tokens, got.stats):
+    want = eng.generate([r.prompt], r.max_new_tokens, temperature=r.temperature, top_p=r.top_p,
+                        seed=r.seed)
+    assert toks == want.tokens[0], (r, toks, want.tokens)
+    for part in ("prompt", "generated"):
+      assert set(st[part]) == set(want.stats[0][part])
+      for k, v in want.stats[0][part].items():
+        np.testing.assert_allclose(st[part][k], v, atol=1e-6, err_msg=f"{part} {k}")
+  assert [len(t) for t in got.tokens] == [5, 3, 4, 2] and got.finish_reason == ["length"] * 4
+  assert 0 < np.mean([s["prompt"]["global_tokens_B"].mean() for s in got.stats]) < 1
+  assert got.tokens != eng.serve([dataclasses.replace(r, seed=r.seed + 1) for r in reqs], 3,
+                                 slots=2).tokens  # the seed matters
+  kw = dict(temperature=1.0, seed=5)
+  assert eng.serve(REQUESTS, 3, slots=2, **kw).tokens == eng.generate(REQUESTS, 3, **kw).tokens
+
+
+def test_prefill_chunks_interleave_with_decode_steps():
+  """The 14-token prompt (4 chunks of 4) is prefilled while the other row (request 1, 8 new
+  tokens) decodes: a decode step runs between each two of its chunks."""
+  eng = engine("l2a", 4)
+  got = eng.serve([REQUESTS[0], Request(REQUESTS[1], max_new_tokens=8)] + REQUESTS[2:], 5,
+                  slots=2)
+  ev = got.schedule
+  chunks = [i for i, e in enumerate(ev) if e[:2] == ("prefill", 2)]
+  assert len(chunks) == 4
+  assert all(ev[i + 1] == ("decode", 1) for i in chunks[:-1]), ev
+  assert got.steps == sum(e[0] == "decode" for e in ev)
+  assert all(t > 0 for t in got.ttft_s) and got.ttft_s[0] < got.ttft_s[2]
+  with pytest.raises(ValueError, match=r"request 1: max_new_tokens=0 must be an int >= 1"):
+    eng.serve([REQUESTS[0], Request(REQUESTS[1], max_new_tokens=0)], 2, slots=2)
+  with pytest.raises(ValueError, match=r"request 0: top_p=0.0 must be in"):
+    eng.serve([Request(REQUESTS[0], top_p=0.0)], 2, slots=2)
 
 
 def test_reset_rows_empties_only_those_rows():
