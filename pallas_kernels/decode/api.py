@@ -6,7 +6,10 @@
 What a call sees is `reference.decode_mask`: row b's slots < kv_lengths_B[b] (its fill; or every
 slot with kv_valid_BS != 0), causal on positions, optionally a window (q_pos - kv_pos < window)
 with `sinks` (kv_pos < sinks stays visible), and an active set: bool [B, T] (per row: an L2A row
-routed local) or [B, T, N] (per query head: AHA); inactive queries give zeros.
+routed local) or [B, T, N] (per query head: AHA); inactive queries give zeros. With a fill, one
+query per row and no window / kv_valid, the caller promises (condattn_jax.ops.MaskSpec's
+kv_lengths_B contract) that every slot below the fill holds a position <= the query's: the
+kernels then read no positions (a dense or ring decode reads K / V and nothing else).
 
 The plan the kernels share (`plan`):
 - GQA folded into the query rows: the G = N / K query heads of kv head k and the T query tokens
@@ -239,7 +242,11 @@ def decode_attention(q_BTNH, k_BSKH, v_BSKH, *, q_positions_BT, kv_positions_BS,
   P = num_parts(B, K, S // bk, config)
   lengths_B = (jnp.full((B,), S, jnp.int32) if kv_lengths_B is None
                else kv_lengths_B.astype(jnp.int32))
-  kvpos = kv_positions_BS.astype(jnp.int32)
+  # fill-only: one query per row, a fill, no window / validity: every slot below the fill is
+  # visible (MaskSpec.kv_lengths_B's contract: cache positions <= the query's), so the kernels
+  # read no positions
+  fill_only = T == 1 and kv_lengths_B is not None and window is None and kv_valid_BS is None
+  kvpos = None if fill_only else kv_positions_BS.astype(jnp.int32)
   valid = None if kv_valid_BS is None else kv_valid_BS.astype(jnp.int32)
   out_rows = -(-T * (N // K) // 8) * 8
   if impl == "mosaic_gpu":

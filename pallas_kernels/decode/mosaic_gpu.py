@@ -25,7 +25,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels.compact_attention.mosaic_gpu import _acc_update, _interp, _swizzled
 from pallas_kernels.flash_tiles import LN2, LOG2E
 
-from .api import entry_tile, part_range
+from .api import NO_QUERY, entry_tile, part_range
 
 NEG_INF = float("-inf")
 _WGMMA = plgpu.Layout.WGMMA
@@ -36,14 +36,16 @@ _COL = plgpu.Layout.WGMMA.reduce(0)
 def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths_B, runs_BK3, *,
                  scale, window, sinks, parts, out_rows, block_k, num_stages, interpret=False):
   """(o [B, K, parts, out_rows, H] in q's dtype, lse [B, K, parts, out_rows] float32): each part's
-  attention normalised over its own keys (lse -inf and o 0 where it sees none)."""
+  attention normalised over its own keys (lse -inf and o 0 where it sees none). kvpos_BS None:
+  every slot below the fill is visible to every active row (api.decode_attention's fill-only
+  case), positions are not read."""
   B, K, R, H = q_BKRH.shape
   S = k_BSKH.shape[1]
   dtype = q_BKRH.dtype
   bk, P = block_k, parts
   stages = max(1, min(num_stages, S // bk))
   qk_scale = scale * LOG2E
-  has_valid = kvvalid_BS is not None
+  has_valid, has_pos = kvvalid_BS is not None, kvpos_BS is not None
 
   def kernel(q_ref, k_ref, v_ref, qpos_ref, kvpos_ref, kvvalid_ref, len_ref, runs_ref, out_ref,
              lse_ref, scoped):
@@ -70,6 +72,12 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
         acc, m_i, l_i = carry
         slot = lax.rem(e - lo, stages)
         start = entry_tile(runs, e) * bk
+        # the tile's positions / validity: plain global loads, issued before the K wait
+        kp_t = ok_t = None
+        if has_pos:
+          kp_t = plgpu.load(kvpos_ref.at[b, pl.ds(start, bk)], layout=_COL, optimized=False)
+        if has_valid:
+          ok_t = plgpu.load(kvvalid_ref.at[b, pl.ds(start, bk)], layout=_COL, optimized=False)
         plgpu.barrier_wait(k_bar.at[slot])
 
         def qk(ref):
@@ -78,22 +86,21 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
         s = pl.run_scoped(qk, plgpu.ACC((R, bk), jnp.float32))
         plgpu.barrier_arrive(k_used.at[slot])
         shape = s.shape
-        kp = lax.broadcast_in_dim(
-            plgpu.load(kvpos_ref.at[b, pl.ds(start, bk)], layout=_COL, optimized=False),
-            shape, [1])
         qpb = lax.broadcast_in_dim(qp, shape, [0])
         idx = start + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=_WGMMA)
-        vis = (kp <= qpb) & (idx < fill)
-        if window is not None:
-          inside = qpb - kp < window
-          if sinks:
-            inside = inside | (kp < sinks)
-          vis = vis & inside
+        vis = idx < fill
+        if has_pos:
+          kp = lax.broadcast_in_dim(kp_t, shape, [1])
+          vis = vis & (kp <= qpb)
+          if window is not None:
+            inside = qpb - kp < window
+            if sinks:
+              inside = inside | (kp < sinks)
+            vis = vis & inside
+        else:
+          vis = vis & (qpb != NO_QUERY)
         if has_valid:
-          ok = lax.broadcast_in_dim(
-              plgpu.load(kvvalid_ref.at[b, pl.ds(start, bk)], layout=_COL, optimized=False),
-              shape, [1])
-          vis = vis & (ok != 0)
+          vis = vis & (lax.broadcast_in_dim(ok_t, shape, [1]) != 0)
         s = jnp.where(vis, s, NEG_INF)
         m_new = jnp.maximum(m_i, s.max(axis=1) * qk_scale)
         m_use = jnp.where(m_new == NEG_INF, 0.0, m_new)
@@ -156,8 +163,8 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
 
   def entry_sel(q_ref, k_ref, v_ref, qpos_ref, kvpos_ref, kvvalid_ref, len_ref, runs_ref,
                 out_ref, lse_ref):
-    entry(q_ref, k_ref, v_ref, qpos_ref, kvpos_ref, kvvalid_ref if has_valid else None, len_ref,
-          runs_ref, out_ref, lse_ref)
+    entry(q_ref, k_ref, v_ref, qpos_ref, kvpos_ref if has_pos else None,
+          kvvalid_ref if has_valid else None, len_ref, runs_ref, out_ref, lse_ref)
 
   out_shape = [jax.ShapeDtypeStruct((B, K, P, out_rows, H), dtype),
                jax.ShapeDtypeStruct((B, K, P, out_rows), jnp.float32)]
@@ -166,5 +173,6 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
       num_threads=2, thread_name="wg",
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=_interp(interpret),
       kernel_name="decode_attention_mgpu")
-  return call(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS,
+  return call(q_BKRH, k_BSKH, v_BSKH, qpos_BKR,
+              kvpos_BS if has_pos else jnp.zeros((1, 1), jnp.int32),
               kvvalid_BS if has_valid else jnp.zeros((1, 1), jnp.int32), lengths_B, runs_BK3)

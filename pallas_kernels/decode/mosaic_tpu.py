@@ -17,7 +17,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .api import entry_tile, part_range
+from .api import NO_QUERY, entry_tile, part_range
 
 NEG_INF = float("-inf")
 _LANES = 128
@@ -34,7 +34,7 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
   bk, P = block_k, parts
   nT = S // bk
   L = -(-nT // P)
-  has_valid = kvvalid_BS is not None
+  has_valid, has_pos = kvvalid_BS is not None, kvpos_BS is not None
   dtype = q_BKRH.dtype
 
   def runs_of(runs_ref, b, kh):
@@ -71,14 +71,18 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
                           preferred_element_type=jnp.float32) * scale          # [R, bk]
       qp = qpos_ref[0, 0]                                                       # [R, 128]
       qp = qp if bk == _LANES else jnp.concatenate([qp] * (bk // _LANES), axis=1)
-      kp = jnp.broadcast_to(kvpos_ref[0], (R, bk))
       idx = start + lax.broadcasted_iota(jnp.int32, (R, bk), 1)
-      vis = (kp <= qp) & (idx < len_ref[b])
-      if window is not None:
-        inside = qp - kp < window
-        if sinks:
-          inside = inside | (kp < sinks)
-        vis = vis & inside
+      vis = idx < len_ref[b]
+      if has_pos:
+        kp = jnp.broadcast_to(kvpos_ref[0], (R, bk))
+        vis = vis & (kp <= qp)
+        if window is not None:
+          inside = qp - kp < window
+          if sinks:
+            inside = inside | (kp < sinks)
+          vis = vis & inside
+      else:
+        vis = vis & (qp != NO_QUERY)
       if has_valid:
         vis = vis & (jnp.broadcast_to(valid_ref[0], (R, bk)) != 0)
       s = jnp.where(vis, s, NEG_INF)
@@ -105,7 +109,7 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
       pl.BlockSpec((1, 1, R, H), lambda b, kh, p, j, *_: (b, kh, 0, 0)),
       kv_spec, kv_spec,
       pl.BlockSpec((1, 1, R, _LANES), lambda b, kh, p, j, *_: (b, kh, 0, 0)),
-      pl.BlockSpec((1, 1, bk), pos_map),
+      pl.BlockSpec((1, 1, bk), pos_map if has_pos else lambda *_: (0, 0, 0)),
       pl.BlockSpec((1, 1, bk), pos_map if has_valid else lambda *_: (0, 0, 0)),
   ]
   out_specs = [pl.BlockSpec((1, 1, 1, R, H), lambda b, kh, p, j, *_: (b, kh, p, 0, 0)),
@@ -124,8 +128,9 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
           dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
       interpret=interpret or False, name="decode_attention_tpu")
   qpos4 = jnp.broadcast_to(qpos_BKR[..., None], (B, K, R, _LANES))
-  valid = (kvvalid_BS.reshape(B, 1, S) if has_valid else jnp.zeros((1, 1, bk), jnp.int32))
+  dummy = jnp.zeros((1, 1, bk), jnp.int32)
+  valid = kvvalid_BS.reshape(B, 1, S) if has_valid else dummy
   o, lse = call(runs_BK3.reshape(-1).astype(jnp.int32), lengths_B.astype(jnp.int32), q_BKRH,
                 k_BSKH.reshape(B, S, K * H), v_BSKH.reshape(B, S, K * H), qpos4,
-                kvpos_BS.reshape(B, 1, S), valid)
+                kvpos_BS.reshape(B, 1, S) if has_pos else dummy, valid)
   return o[..., :out_rows, :], lse[..., :out_rows, 0]

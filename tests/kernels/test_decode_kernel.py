@@ -133,6 +133,26 @@ def test_mosaic_tpu_interpret_equals_reference():
   _close(out, ref)
 
 
+@pytest.mark.slow
+def test_each_kernel_on_the_other_mask_path():
+  """(slow: two more interpret runs; by default the Mosaic GPU kernel runs the positions path and
+  the TPU kernel the fill-only path above, and tests/gpu runs both paths on the H100.) Mosaic
+  GPU fill-only (no positions read) with a per-row active set; Mosaic TPU with window + sinks
+  + 2 queries per row: both == the reference."""
+  q, k, v, kw = _problem(N=3, K=1, lengths=(200, 37), seed=5)
+  kw.update(active=jnp.asarray([[True], [False]]))
+  ref = dk.decode_attention(q, k, v, **kw)
+  out = dk.decode_attention(q, k, v, impl="mosaic_gpu", interpret=True,
+                            config=dk.DecodeConfig(parts=2), **kw)
+  _close(out, ref)
+  q, k, v, kw = _problem(T=2, N=3, K=1, H=128, S=512, lengths=(400, 37), seed=6)
+  kw.update(window=150, sinks=3)
+  ref = dk.decode_attention(q, k, v, **kw)
+  out = dk.decode_attention(q, k, v, impl="mosaic_tpu", interpret=True,
+                            config=dk.DecodeConfig(parts=2), **kw)
+  _close(out, ref)
+
+
 @pytest.mark.parametrize("chip", ["TPU v5 lite", "TPU v6 lite"])
 def test_mosaic_tpu_lowers_for_tpu_at_qwen_shapes(chip):
   """jax.export lowers the TPU decode kernel to Mosaic at Qwen2.5-1.5B decode shapes (12 query
