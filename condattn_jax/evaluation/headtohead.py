@@ -101,6 +101,28 @@ def run_suite(models: Sequence[harness.EvalModel], suite: str, *,
       timespec="seconds"), models=results)
 
 
+def merge_reports(reports: Sequence[dict]) -> dict[str, Any]:
+  """One report from several `run_suite` reports with the same knobs (suite, tasks, lengths,
+  samples, seed, batch size, device, jax version...), e.g. one model each, run in separate
+  processes: their models in order, the latest date. Knobs that differ (another device: TTFTs
+  would not compare) or a model name twice are a one-line ValueError."""
+  if not reports:
+    raise ValueError("merge_reports needs at least one report.")
+  knobs = reports[0]["knobs"]
+  for i, r in enumerate(reports[1:], 1):
+    diff = sorted(k for k in set(knobs) | set(r["knobs"]) if knobs.get(k) != r["knobs"].get(k))
+    if diff:
+      raise ValueError(f"report {i} was run with other knobs than report 0: "
+                       + ", ".join(f"{k}={r['knobs'].get(k)!r} vs {knobs.get(k)!r}" for k in diff)
+                       + "; merge only reports of the same suite settings and device.")
+  models = [m for r in reports for m in r["models"]]
+  names = [m["name"] for m in models]
+  twice = sorted({n for n in names if names.count(n) > 1})
+  if twice:
+    raise ValueError(f"model name(s) {twice} in more than one report; name the models apart.")
+  return dict(knobs=knobs, date=max(r["date"] for r in reports), models=models)
+
+
 def report_hash(report: dict) -> str:
   what = dict(knobs={k: v for k, v in report["knobs"].items()},
               models=[m["knobs"] for m in report["models"]])

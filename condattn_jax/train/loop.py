@@ -564,12 +564,15 @@ class _Accumulator:
 
 # -------------------------------------------------------------------------------------- run
 def run(config, workdir: str, *, stop_after: int | None = None,
-        on_step: Callable[[int, dict], None] | None = None) -> dict[str, Any]:
+        on_step: Callable[[int, dict], None] | None = None,
+        time_budget_s: float | None = None) -> dict[str, Any]:
   """Trains to `config.train.num_steps` (resuming from <workdir>/checkpoints if present).
 
   stop_after: stop (with a checkpoint) after this many steps in THIS call, as a preemption
-    would; the next call resumes. on_step(step, host_metrics) is called after each step's
-    metrics reach the host (one step late). Returns {'step', 'train': last logged means,
+    would; the next call resumes. time_budget_s: the same, once this call has run that many
+    seconds (counted from entering run: setup, restore and compilation included; checked after
+    every step, so the save and the step in flight come on top). on_step(step, host_metrics)
+    is called after each step's metrics reach the host (one step late). Returns {'step', 'train': last logged means,
     'eval': eval results at the end or None, 'eval_start': at step 0 (eval.at_start) or None,
     'stopped_early': bool, 'dry_run': report or None}.
 
@@ -584,10 +587,12 @@ def run(config, workdir: str, *, stop_after: int | None = None,
   is_host0 = jax.process_index() == 0
   _warn_eval_on_training_files(config, evaluates=bool(
       config.eval.get("at_end", True) or config.eval.get("at_start") or int(config.train.eval_every)))
+  deadline = None if time_budget_s is None else time.time() + float(time_budget_s)
   workdir = workdir_lib.prepare(workdir) if is_host0 else os.path.abspath(workdir)
   lock = _lock_workdir(workdir, is_host0)
   try:
-    return _run_locked(config, workdir, lock, stop_after=stop_after, on_step=on_step)
+    return _run_locked(config, workdir, lock, stop_after=stop_after, on_step=on_step,
+                       deadline=deadline)
   finally:
     if lock is not None:
       lock.release()
@@ -669,7 +674,8 @@ def _bar_extra(means: dict, headline: str | None) -> dict[str, float]:
   return extra
 
 
-def _run_locked(config, workdir: str, lock, *, stop_after, on_step) -> dict[str, Any]:
+def _run_locked(config, workdir: str, lock, *, stop_after, on_step,
+                deadline=None) -> dict[str, Any]:
   setup = build(config, needs_data=True)
   config = setup.config  # with the layout derived for this mesh
   tc = config.train
@@ -776,7 +782,9 @@ def _run_locked(config, workdir: str, lock, *, stop_after, on_step) -> dict[str,
         pending = (step, m)
         reason = (stop_signals.reason if stop_signals.flag else
                   "preemption" if multiproc and ckpt.mgr.reached_preemption(step) else
-                  "stop_after" if stop_after is not None and step - start >= stop_after else None)
+                  "stop_after" if stop_after is not None and step - start >= stop_after else
+                  "time_budget_s" if deadline is not None and not _all_processes_ok(
+                      time.time() < deadline) else None)
         stop = reason is not None
         periodic = int(tc.checkpoint_every) and step % int(tc.checkpoint_every) == 0
         evaluate_now = int(tc.eval_every) and step % int(tc.eval_every) == 0 and step < total

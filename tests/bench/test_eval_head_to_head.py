@@ -1,0 +1,154 @@
+"""bench/eval_head_to_head.py: the GPU head-to-head's pipeline, CPU-checked.
+
+By default: the h100 preset's sizes (what travels between 10-minute device commands), the
+pre-registered verdict as a function of the rows (it can fail), the state's pack / unpack, the
+report merge's refusals, and the tiny preset end to end for dense + L2A in two calls (the first
+stopped by its time budget inside the dense pretraining, its state packed and carried into the
+second, which resumes it, converts, continues, evaluates and writes the result). Every scheme
+(the six-model head-to-head of the tiny preset) runs in the slow test."""
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from _train_helpers import PY, ROOT, subprocess_env
+from bench import common
+from bench import eval_head_to_head as h2h
+
+
+def test_h100_preset_fits_the_device_calls():
+  """The model is ~4M params: its bf16 export is < 16 MiB (one $OUT file) and its whole train
+  state (fp32 params + Adam moments) packs into MAX_PARTS parts of <= 15 MiB; the count is the
+  model's own (eval_shape of the run config's model)."""
+  import jax
+  import numpy as np
+
+  from condattn_jax import export
+  from condattn_jax.train.config import model_config
+  p = h2h.PRESETS["h100"]
+  cfg, _ = model_config(h2h.run_config(p, seq_len=1024, num_steps=10, lr=1e-3))
+  n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(export.abstract_params(cfg)))
+  assert n == h2h.param_count(p)["total"]
+  plan = h2h.plan(p)
+  assert 3e6 < n < 8.4e6 and plan["bf16_export_mib"] < 16
+  assert 12 * n < h2h.MAX_PARTS * h2h.PART_BYTES
+  assert [ph["seq_len"] for ph in plan["phases"]] == [1024, 4096, 8192, 8192]
+  assert all(ph["est_steps_per_s"] > 0 for ph in plan["phases"])
+  # knobs are a small fraction of the training length
+  k, L = p["knobs"], h2h.train_len(p)
+  assert k["l2a"]["window"] <= L // 16 and k["aha"]["window"] <= L // 64
+  assert k["match"]["window"] <= L // 16 and k["segmented"]["segment_len"] <= L // 8
+  assert k["elastic"]["sinks"] + k["elastic"]["local"] <= L // 8
+
+
+def _rows(acc):
+  return [dict(kind="accuracy", model="dense", task=t, length=8192, accuracy=a)
+          for t, a in zip(h2h.NIAH_TASKS, acc)]
+
+
+def test_verdict_follows_the_rows_and_can_fail():
+  assert h2h.verdict_from_rows(_rows([1.0, 0.95, 0.9, 0.85]), 8192)["judged"]
+  v = h2h.verdict_from_rows(_rows([1.0, 0.95, 0.9, 0.7]), 8192)
+  assert not v["judged"] and v["value"] == pytest.approx(0.8875)
+  assert not h2h.verdict_from_rows(_rows([1.0, 1.0, 1.0]), 8192)["judged"]  # a task missing
+  assert not h2h.verdict_from_rows(_rows([1.0] * 4), 4096)["judged"]  # not the training length
+
+
+def test_pack_round_trip_and_size_limit(tmp_path, monkeypatch):
+  s = tmp_path / "state"
+  (s / "dense" / "checkpoints" / "7").mkdir(parents=True)
+  (s / "dense" / "checkpoints" / "7" / "w").write_bytes(os.urandom(3000))
+  (s / "progress.json").write_text("{}")
+  monkeypatch.setattr(h2h, "PART_BYTES", 8192)  # the tar: 20 KiB
+  files = h2h.pack(str(s), str(tmp_path / "out"))
+  assert 1 < len(files) <= h2h.MAX_PARTS
+  assert [os.path.basename(f) for f in files] == [f"state.tar.part{i:02d}"
+                                                   for i in range(len(files))]
+  assert all(os.path.getsize(f) <= 8192 for f in files)
+  t = tmp_path / "carried"
+  t.mkdir()
+  for f in files:
+    shutil.copy(f, t)
+  assert h2h.unpack(str(t)) and not h2h._parts(str(t))
+  assert (t / "dense" / "checkpoints" / "7" / "w").read_bytes() == \
+      (s / "dense" / "checkpoints" / "7" / "w").read_bytes()
+  assert h2h._latest_step(str(t / "dense")) == 7
+  (s / "big").write_bytes(os.urandom(40000))
+  with pytest.raises(ValueError, match="more than 4 x .* largest: big"):
+    h2h.pack(str(s), str(tmp_path / "out2"))
+
+
+def test_merge_reports_refuses_other_devices_and_twice_a_name():
+  from condattn_jax.evaluation import headtohead
+  k = dict(suite="tiny", lengths=[256], device=dict(device_kind="NVIDIA H100 80GB HBM3"))
+  a = dict(knobs=k, date="2026-11-26T10:00:00+00:00", models=[dict(name="dense")])
+  b = dict(knobs=k, date="2026-11-26T11:00:00+00:00", models=[dict(name="l2a")])
+  m = headtohead.merge_reports([a, b])
+  assert [x["name"] for x in m["models"]] == ["dense", "l2a"] and m["date"] == b["date"]
+  c = dict(b, knobs=dict(k, device=dict(device_kind="NVIDIA H200")))
+  with pytest.raises(ValueError, match="other knobs than report 0: device="):
+    headtohead.merge_reports([a, c])
+  with pytest.raises(ValueError, match=r"\['dense'\] in more than one report"):
+    headtohead.merge_reports([a, a])
+
+
+def _bench(*args, timeout=900):
+  p = subprocess.run([PY, "-m", "bench.eval_head_to_head", *args], cwd=ROOT,
+                     env=subprocess_env(1, PYTHONUNBUFFERED=1), capture_output=True, text=True,
+                     timeout=timeout)
+  assert p.returncode == 0, p.stderr[-3000:]
+  return p.stdout
+
+
+def _run_tiny(tmp_path, schemes):
+  state, out, packed = tmp_path / "state", tmp_path / "out", tmp_path / "packed"
+  args = ["--preset=tiny", f"--state_dir={state}", f"--out_dir={out}", f"--schemes={schemes}"]
+  # call 1: the budget runs out in the first dense phase: a checkpoint, the state packed
+  log = _bench(*args, "--time_budget_s=1", f"--pack_dir={packed}")
+  assert "stopped (dense pretraining at step 1 of 5)" in log and not out.exists()
+  parts = sorted(os.listdir(packed))
+  assert parts and all(p.startswith("state.tar.part") for p in parts)
+  shutil.rmtree(state)  # the next call sees only what travelled
+  state.mkdir()
+  for f in parts:
+    shutil.copy(packed / f, state)
+  # call 2: unpacks, resumes at step 1, finishes every stage
+  log = _bench(*args)
+  assert "unpacked the carried state" in log and "dense phase 128: steps 1 -> 3 of 3" in log
+  path = out / "eval_head_to_head_cpu.json"
+  data = common.load(str(path))
+  assert len(data["runs"]) == 1
+  return data["runs"][0], out
+
+
+def test_tiny_pipeline_resumes_and_records(tmp_path):
+  run, out = _run_tiny(tmp_path, "dense,l2a")
+  r = common.recorded_of(run)
+  assert run["settings"]["name"] == "tiny" and r["training_length"] == 256
+  tr = r["training"]
+  assert tr["calls"] == 2
+  assert [(ph["seq_len"], ph["steps"]) for ph in tr["dense"]["phases"]] == [
+      (128, [0, 1]), (128, [1, 3]), (256, [3, 5])]
+  assert tr["dense"]["export"]["step"] == 5
+  assert tr["models"]["l2a"]["ft_steps"] == 2 == tr["models"]["dense"]["ft_steps"]
+  acc = [x for x in run["rows"] if x["kind"] == "accuracy"]
+  assert {(x["model"], x["length"]) for x in acc} == {("dense", 256), ("l2a", 256)}
+  assert len(acc) == 2 * 10 and all(0.0 <= x["accuracy"] <= 1.0 for x in acc)
+  eff = [x for x in run["rows"] if x["kind"] == "efficiency"]
+  assert len(eff) == 2 and all(x["ttft_s"] > 0 and x["decode_tok_s"] > 0 for x in eff)
+  # the verdict is the rows' (an untrained tiny base: not judged), and says so
+  assert r["verdict"] == h2h.verdict_from_rows(run["rows"], 256) and r["judged"] is False
+  assert "NOT JUDGED" in (out / "eval_head_to_head_cpu.md").read_text()
+  assert r["knobs"]["l2a"]["window"] == 16 and set(r["versus_dense"]) == {"l2a"}
+  assert os.path.getsize(out / "eval_head_to_head_cpu.png") > 0
+  assert os.path.getsize(out / "eval_head_to_head_cpu_report.tar") > 0
+
+
+@pytest.mark.slow
+def test_tiny_pipeline_every_scheme(tmp_path):
+  """All six models through the tiny pipeline (~6 CPU-minutes on a loaded 2-core host)."""
+  run, _ = _run_tiny(tmp_path, ",".join(h2h.SCHEMES))
+  names = sorted({x["model"] for x in run["rows"]})
+  assert names == sorted(h2h.SCHEMES)
