@@ -4,6 +4,9 @@ against the bytes a step must read, per scheme, with a plain-XLA decode step as 
     python -m bench.decode                       # the GPU plan (one H100: ~9 minutes)
     python -m bench.decode --only=dense --B=1 --T=32768
     python -m bench.decode --preset=test         # CPU, tiny shapes, seconds (tests/bench)
+    # continuous batching on one H100 (~4 min): 64 requests, prompts 256..4096, budgets 16..256
+    CONDATTN_GIT_COMMIT=<rev> python -m bench.decode --name=serve --only=serve \
+        --serve_requests=64 --serve_slots=8 --serve_prompt=256,4096 --serve_new=16,256
 
 Per row (scheme, shapes, B, T): a model of the named shapes with the scheme at its recipe's
 default knobs (configs/<recipe>.py; window-like knobs scaled by T / the recipe's seq_len, see
@@ -44,10 +47,16 @@ says whether a cache-sized temporary exists (temp_bytes / cache_bytes).
 Prefill (dense, B = 1, `--prefill_T`): the engine's time to first token, one-shot
 (prefill_chunk=None) and chunked (4096-token chunks), median of --prefill_reps after a warm-up.
 
+Continuous batching (`--serve_requests=N`, `serve_rows`): N requests of mixed prompt lengths
+and budgets (max_new_tokens) through `Engine.serve(slots=S)` against `Engine.generate` over
+consecutive groups of S (each group runs until its largest budget), same requests, greedy;
+tokens_per_s = the sum of the budgets / wall (a timed run after an untimed one).
+
 Targets (pre-registered: issue 33's, recorded on the run as `targets` [{name, met, detail}], met
 or not, never asserted: today they are the baseline): dense B=1 <= 2x the limit at 8K and <= 1.5x
 at 32K and 128K, B=8 at 32K <= 1.5x; the engine faster than both baselines at every dense point;
-every scheme row >= 0.9x of its bytes-bound speedup; chunked prefill <= 1.15x one-shot. The
+every scheme row >= 0.9x of its bytes-bound speedup; chunked prefill <= 1.15x one-shot; serve
+faster (tokens/s) than one batch at a time. The
 run's claims (bench/claims/decode.py) are that these verdicts and the derived numbers follow
 from the stored rows.
 Appends one run to <out_dir>/decode_<device>.json, saved after every row (a timeout keeps the
@@ -152,6 +161,19 @@ def define_flags():
   flags.DEFINE_integer("prefill_reps", 2, "timed prefills (median)", flag_values=fv)
   flags.DEFINE_float("bandwidth_tbps", None, "memory bandwidth of the card (default: 3.35 H100, "
                      "4.8 H200, 0.02 elsewhere: a nominal CPU figure)", flag_values=fv)
+  flags.DEFINE_integer("serve_requests", 0, "continuous batching: this many requests of mixed "
+                       "lengths through Engine.serve vs one batch at a time through generate "
+                       "(0: skip)", flag_values=fv)
+  flags.DEFINE_integer("serve_slots", 8, "rows of the serve cache (= the generate batch size)",
+                       flag_values=fv)
+  flags.DEFINE_list("serve_prompt", ["256", "4096"], "prompt lengths drawn uniformly in [lo, hi]",
+                    flag_values=fv)
+  flags.DEFINE_list("serve_new", ["16", "256"], "max_new_tokens per request drawn uniformly in "
+                    "[lo, hi]", flag_values=fv)
+  flags.DEFINE_string("serve_scheme", "dense", "the scheme of the serve rows (its shapes)",
+                      flag_values=fv)
+  flags.DEFINE_integer("serve_chunk", 512, "prefill chunk of the serve rows (both modes)",
+                       flag_values=fv)
   flags.DEFINE_float("deadline_s", 0, "start no new row after this many seconds (0: none)",
                      flag_values=fv)
   return fv
@@ -582,6 +604,80 @@ def prefill_rows(T: int, shapes: str, F, log) -> list[dict]:
   return rows
 
 
+def serve_requests(n: int, prompt_range, new_range, vocab: int, seed: int = 0):
+  """n requests: (prompt ids, max_new_tokens), lengths uniform in the two inclusive ranges."""
+  import numpy as np
+  rng = np.random.default_rng(seed)
+  lo, hi = (int(x) for x in prompt_range)
+  nlo, nhi = (int(x) for x in new_range)
+  return [(rng.integers(0, vocab, int(rng.integers(lo, hi + 1)), dtype=np.int32),
+           int(rng.integers(nlo, nhi + 1))) for _ in range(n)]
+
+
+def serve_rows(F, log) -> list[dict]:
+  """Continuous batching vs one batch at a time, same requests (greedy, bf16 shapes of the
+  scheme, prefill chunk --serve_chunk in both): `Engine.serve(slots=S)` (a finished row takes
+  the next request) and `Engine.generate` over consecutive groups of S requests (a group runs
+  until its largest max_new_tokens: each request keeps its own budget's tokens, the rest is
+  the waste continuous batching removes). Each mode runs once untimed (compiles) and once
+  timed; tokens = the sum of the requests' max_new_tokens (no stop tokens: every request runs
+  its budget); tokens_per_s = tokens / wall. same_tokens: the fraction of requests whose tokens
+  agree between the modes (bf16: batch composition may flip a near tie)."""
+  import jax
+  from condattn_jax.inference import Engine, Request
+  scheme = F.serve_scheme
+  shapes = SCHEMES[scheme][2]
+  if F.preset == "test":
+    shapes = TINY_SHAPES.get(shapes, shapes)
+  reqs = serve_requests(F.serve_requests, F.serve_prompt, F.serve_new,
+                        SHAPES[shapes]["vocab_size"])
+  longest = max(len(p) for p, _ in reqs) + max(m for _, m in reqs)
+  cfg, knobs = scheme_config(scheme, shapes, longest)
+  params = init_params(cfg)
+  S = F.serve_slots
+  eng = Engine(cfg, params, cache_len=longest, prefill_chunk=min(F.serve_chunk, longest))
+  base = dict(scheme=scheme, kind="serve", shapes=shapes, B=S, T=longest, knobs=knobs,
+              requests=len(reqs), prompt_range=[int(x) for x in F.serve_prompt],
+              new_range=[int(x) for x in F.serve_new], chunk=eng.prefill_chunk,
+              tokens=sum(m for _, m in reqs), prompt_tokens=int(sum(len(p) for p, _ in reqs)))
+
+  def served():
+    g = eng.serve([Request(p, max_new_tokens=m) for p, m in reqs], 1, slots=S)
+    return g.tokens, dict(steps=g.steps, ttft_s_median=statistics.median(g.ttft_s))
+
+  def batched():
+    out, steps = [], 0
+    for i in range(0, len(reqs), S):
+      group = reqs[i:i + S]
+      g = eng.generate([p for p, _ in group], max(m for _, m in group))
+      out += [t[:m] for t, (_, m) in zip(g.tokens, group)]
+      steps += g.steps
+    return out, dict(steps=steps)
+
+  rows, got = [], {}
+  for mode, fn in (("serve", served), ("batched_generate", batched)):
+    r = dict(base, mode=mode, status="running")
+    try:
+      t0 = time.perf_counter()
+      fn()
+      r["first_s"] = time.perf_counter() - t0  # compiles included
+      t0 = time.perf_counter()
+      got[mode], extra = fn()
+      jax.effects_barrier()
+      r["wall_s"] = time.perf_counter() - t0
+      r.update(extra, tokens_per_s=r["tokens"] / r["wall_s"], status="ok")
+    except Exception as e:
+      r.update(status="error", error=f"{type(e).__name__}: {str(e)[:300]}")
+      traceback.print_exc()
+    log(f"  {mode}: {r.get('wall_s')} s, {r.get('tokens_per_s')} tok/s")
+    rows.append(r)
+  if all(r["status"] == "ok" for r in rows):
+    rows[0]["same_tokens"] = sum(a == b for a, b in zip(got["serve"], got["batched_generate"])
+                                 ) / len(reqs)
+    rows[0]["over_batched"] = rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"]
+  return rows
+
+
 # ------------------------------------------------------------------------------------------------
 # Derived numbers and claims
 # ------------------------------------------------------------------------------------------------
@@ -620,7 +716,7 @@ def targets_of(rows: list[dict], dense_shapes: str) -> list[dict]:
   out = []
   add = lambda name, met, **detail: out.append(dict(name=name, met=bool(met), detail=detail))
   for B, T, lim in DENSE_TARGETS:
-    r = find(scheme="dense", shapes=dense_shapes, B=B, T=T)
+    r = find(scheme="dense", shapes=dense_shapes, B=B, T=T, kind=None)
     if r is not None:
       add(f"dense B={B} T={T // 1024}K <= {lim}x the bandwidth limit", r["x_limit"] <= lim,
           ms=r["ms"], limit_ms=r["limit_ms"], x_limit=r["x_limit"])
@@ -634,6 +730,11 @@ def targets_of(rows: list[dict], dense_shapes: str) -> list[dict]:
     add(f"{r['scheme']} ({r['shapes']} B={r['B']} T={r['T']}) >= 0.9x its bytes-bound speedup",
         r["achieved"] >= 0.9, bound=r["bound_speedup"], speedup=r["speedup"],
         achieved=r["achieved"])
+  sv, bt = find(kind="serve", mode="serve"), find(kind="serve", mode="batched_generate")
+  if sv is not None and bt is not None:
+    add(f"continuous batching ({sv['requests']} requests, {sv['B']} slots) faster than one "
+        "batch at a time", sv["tokens_per_s"] > bt["tokens_per_s"],
+        serve_tokens_per_s=sv["tokens_per_s"], batched_tokens_per_s=bt["tokens_per_s"])
   one = find(kind="prefill", mode="one_shot")
   ch = find(kind="prefill", mode="chunked")
   if one is not None and ch is not None:
@@ -669,6 +770,11 @@ def table(rows: list[dict]) -> str:
   out = [head]
   f = lambda v, fmt: format(v, fmt) if isinstance(v, (int, float)) else "-"
   for r in rows:
+    if r.get("kind") == "serve":
+      out.append(f"serve {r['mode']:16s} {r['scheme']} {r['shapes']} slots={r['B']} "
+                 f"requests={r['requests']}: {f(r.get('wall_s'), '.2f')} s "
+                 f"{f(r.get('tokens_per_s'), '.1f')} tok/s {r.get('error', '')}")
+      continue
     if r.get("kind") == "prefill":
       out.append(f"prefill {r['mode']:8s} T={r['T']} chunk={r['chunk']}: {f(r.get('ms'), '.1f')} ms"
                  f" {r.get('error', '')}")
@@ -699,7 +805,9 @@ def main(argv=None) -> dict:
   todo = plan(F)
   run = common.new_run(BENCH, dict(
       name=F.name, preset=F.preset, override=list(F.override), steps=F.steps, repeats=F.repeats, warmup=F.warmup,
-      bandwidth_tbps=bw, prefill_T=prefill_T, extra_slots=EXTRA, prefill_chunk=PREFILL_CHUNK,
+      bandwidth_tbps=bw, prefill_T=prefill_T, serve=dict(
+          requests=F.serve_requests, slots=F.serve_slots, prompt=list(F.serve_prompt),
+          new=list(F.serve_new), scheme=F.serve_scheme, chunk=F.serve_chunk), extra_slots=EXTRA, prefill_chunk=PREFILL_CHUNK,
       plan=[list(p) for p in todo], dense_shapes=dense_shapes,
       note="issue 33's targets recorded as claims, pass or fail: the baseline before the "
            "in-place caches and decode kernels"))
@@ -745,6 +853,9 @@ def main(argv=None) -> dict:
       not F.only or "dense" in F.only) and not (
       F.deadline_s and time.perf_counter() - t_start > F.deadline_s):
     run["rows"].extend(prefill_rows(prefill_T, dense_shapes, F, log))
+  if F.serve_requests > 0 and not (F.deadline_s and time.perf_counter() - t_start > F.deadline_s):
+    log(f"serve {F.serve_requests} requests through {F.serve_slots} slots")
+    run["rows"].extend(serve_rows(F, log))
   save()
   log(table(run["rows"]))
   for t in run["targets"]:

@@ -16,11 +16,15 @@ GPU_FILE = os.path.join(common.RESULTS, "decode_NVIDIA_H100_80GB_HBM3.json")
 DOC = os.path.join(common.ROOT, "docs", "performance.md")
 
 
+SERVE = ["--serve_requests=6", "--serve_slots=2", "--serve_prompt=3,20", "--serve_new=1,8",
+         "--serve_chunk=8"]
+
+
 @pytest.fixture(scope="module")
 def cpu_run(tmp_path_factory):
   out = str(tmp_path_factory.mktemp("decode"))
   run = decode.main([f"--out_dir={out}", "--preset=test", "--steps=2", "--repeats=1",
-                     "--warmup=1", "--rows=dense/1/64,l2a/1/64"])
+                     "--warmup=1", "--rows=dense/1/64,l2a/1/64", *SERVE])
   return run, common.load(common.result_path("decode", out))
 
 
@@ -30,7 +34,8 @@ def test_cpu_preset_records_every_row_with_its_bytes_and_the_targets(cpu_run):
   rows = {(r["scheme"], r.get("mode")): r for r in run["rows"]}
   assert all(r["status"] == "ok" for r in run["rows"]), [r.get("error") for r in run["rows"]]
   assert set(rows) == {("dense", None), ("xla_stacked", None), ("xla_per_layer", None),
-                       ("l2a", None), ("dense", "one_shot"), ("dense", "chunked")}
+                       ("l2a", None), ("dense", "one_shot"), ("dense", "chunked"),
+                       ("dense", "serve"), ("dense", "batched_generate")}
   cfg, _ = decode.scheme_config("dense", "tiny-qwen", 64)
   d, l2a = rows[("dense", None)], rows[("l2a", None)]
   kv = 2 * cfg.head_dim * 2
@@ -63,6 +68,24 @@ def test_cpu_preset_records_every_row_with_its_bytes_and_the_targets(cpu_run):
   data["runs"][-1]["targets"][0]["met"] ^= True  # a verdict that does not follow from the rows
   (c,) = claims.evaluate("decode_NVIDIA_fake.json", data["runs"], last)
   assert not c["passed"] and "target verdicts" in c["detail"]["error"]
+
+
+def test_serve_rows_compare_continuous_batching_with_one_batch_at_a_time(cpu_run):
+  """The same 6 requests (prompts 3..20, budgets 1..8) through serve (2 slots) and through
+  generate in groups of 2: every budget's tokens counted, tokens/s = tokens / wall, the modes
+  agree on the tokens, the recorded verdict follows from the two rows."""
+  run, _ = cpu_run
+  sv, bt = (next(r for r in run["rows"] if r.get("mode") == m)
+            for m in ("serve", "batched_generate"))
+  reqs = decode.serve_requests(6, (3, 20), (1, 8), decode.SHAPES["tiny-qwen"]["vocab_size"])
+  assert sv["tokens"] == bt["tokens"] == sum(m for _, m in reqs)
+  assert sv["prompt_tokens"] == sum(len(p) for p, _ in reqs) and sv["B"] == 2
+  for r in (sv, bt):
+    assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["wall_s"])
+  assert sv["over_batched"] == pytest.approx(sv["tokens_per_s"] / bt["tokens_per_s"])
+  assert sv["same_tokens"] > 0.5  # fp32 equality: tests/schemes/test_serving.py
+  (t,) = [t for t in run["targets"] if t["name"].startswith("continuous batching")]
+  assert t["met"] == (sv["tokens_per_s"] > bt["tokens_per_s"])
 
 
 def test_step_bytes_per_scheme_follow_the_routing_rates():
