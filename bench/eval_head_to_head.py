@@ -2,7 +2,7 @@ r"""The GPU-scale head-to-head (issue 28): a small decoder trained from scratch 
 suite's token-level tasks, converted to every scheme, continued for equal steps, then the suite
 answered by each through the inference engine, with TTFT and decode speed.
 
-    python -m bench.eval_head_to_head --preset=tiny --state_dir=/tmp/h2h      # CPU, < 1 min
+    python -m bench.eval_head_to_head --preset=tiny --state_dir=/tmp/h2h      # CPU: minutes
     python -m bench.eval_head_to_head --preset=h100 --state_dir=workdir_h2h \
         --time_budget_s=500 --pack_dir=$OUT                                   # one H100 (below)
 
@@ -18,8 +18,10 @@ holds its output, so a call resumes where the last one stopped):
   2. every scheme from that export through the one dense -> scheme entry point (`model.init_from`:
      the scheme's `from_dense`, as train.py runs it), then continued for the same steps, rows,
      lr and data as the others, the dense arm included (so every model has seen the same tokens),
-     with its knobs scaled to the training length (PRESETS[...]['knobs']: windows 1/16 and 1/64 of
-     it, MATCH chunks 1/128, segments 1/8): converted, trained, exported (bf16), evaluated.
+     with its knobs scaled to the training length (PRESETS[...]['knobs'], h100 at 8192: L2A and
+     MATCH windows 512 (1/16), AHA's 128 (1/64), Elastic's SSA 128 sinks + 512 local, MATCH
+     chunks of 128 x top 4, segments of 1024 (1/8) with 128-token tails and retrievals):
+     converted, trained, exported (bf16), evaluated.
      Training recipes: L2A, AHA, MATCH, segmented and dense fine-tune every weight (AHA's router at
      `router_lr_mult` x the lr, configs/aha_olmo.py's param group); Elastic trains its routers
      only, its Lagrange multipliers by ascent (configs/elastic_qwen.py's regexes and group).
@@ -43,33 +45,39 @@ Between device commands (10 minutes each, the machine starts bare): with --pack_
 directory is packed at the end of the call as state.tar.part00.. (<= 15 MiB each, at most 4: a
 `run` call returns 8 files of <= 16 MiB) and unpacked from <state_dir> at the start of the next.
 What it holds: during pretraining the orbax checkpoint of the dense run (fp32 params + Adam
-moments: 12 bytes x 3.8M params = 45 MiB for h100, so the resume is exact: the same lr schedule,
+moments: 12 bytes x 3.8M params = 44 MiB for h100, so the resume is exact: the same lr schedule,
 optimizer moments and data position), afterwards the bf16 dense export (7.3 MiB) and the
 per-model results. A fine-tune cut by the budget starts again in the next call (minutes; its
 checkpoint is not carried). --time_budget_s bounds each call: training stops on it (a checkpoint
 saved), and a model's fine-tune + evaluation starts only when the last one's wall time still fits.
 
-GPU commands (the lead; CONDATTN_GIT_COMMIT = local `git rev-parse --short HEAD`, the wheels of
-DEVELOPERS.md carried in .whl; `kind="nvidia-h100-x1"` on every call so all parts are timed on
-one card kind; locally first `mkdir -p workdir_h2h` (ignored by /workdir*/)):
-  call k = 1, 2, ... (carry [".whl", "workdir_h2h"], timeout_s 600):
+GPU commands (the lead, a later session; each call names kind="nvidia-h100-x1" so every part
+is timed on one card kind (merge_reports refuses a mix); the wheels of DEVELOPERS.md in .whl
+(the tree, .whl and the 44 MiB state share the 64 MiB a call carries: check `du -sh .whl`);
+locally first `mkdir -p workdir_h2h` (ignored by /workdir*/); <sha> = local
+`git rev-parse --short HEAD`):
+  each call (carry [".whl", "workdir_h2h"], timeout_s 600):
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; \
     PYTHONUNBUFFERED=1 CONDATTN_GIT_COMMIT=<sha> python -m bench.eval_head_to_head \
-      --preset=h100 --state_dir=workdir_h2h --time_budget_s=480 --pack_dir=$OUT
-  after each call, locally: rm -rf workdir_h2h/*; cp <files_at>/state.tar.part* workdir_h2h/
-  (when the call wrote them), and keep <files_at>/eval_head_to_head_* when it wrote them (the
-  last call): copy the .json and .png into bench/results/.
-  How many: `python -m bench.eval_head_to_head --preset=h100 --plan` prints the estimate below;
-  the dense stage is 1-2 calls, the six fine-tune + suite units ~2 minutes each (2 calls): 3-4
-  calls of 10 minutes (~35-40 minutes of one H100, start-up included).
+      --preset=h100 --state_dir=workdir_h2h --time_budget_s=500 --pack_dir=$OUT
+  after a call that printed "packed the state": rm -rf workdir_h2h/*; cp <files_at>/state.tar.part*
+  workdir_h2h/; then the same call again. The call that finishes prints JUDGED / NOT JUDGED and
+  returns eval_head_to_head_<device>.{json,png,md} and _report.tar: copy the .json and .png into
+  bench/results/ (the .md is the README's table; the tar holds per-sample records).
+  How many calls: 3-4 (~35-45 minutes of one H100 with the starts). `--plan` prints the estimate:
+  dense 12000 steps (4000 each at 1024 / 4096 / 8192 tokens x 16 rows), ~0.6 + 1.5 + 4.3 minutes
+  at the estimated rates below, plus ~1 minute of compiles per phase: 1-2 calls; then six units
+  (a 400-step continuation at 8192, ~0.5 minute estimated, plus compiles, plus the suite: 600
+  prompts at 4K/8K/16K), ~2-3 minutes each: 2 calls.
 
-Throughput ESTIMATE (not measured; `plan()`): the model's training FLOPs per token (6 x matmul
-params + 6 x layers x heads x head_dim x T for causal attention; the h100 model at T = 8192:
-~0.10 GFLOP) at an assumed 20% of the H100's 989 dense bf16 TFLOP/s: ~15 steps/s at 1024,
-~6 at 4096, ~1.6 at 8192 tokens x 16 rows... see `--plan` for the numbers of each phase; the
-suite generator costs ~4-7 ms of one CPU core per 8K row (measured here), which bounds a step at
-8K x 16 rows to >= ~0.1 s unless grain's threads overlap it.
+Throughput ESTIMATE (`plan()`; not measured on a GPU): training FLOPs per token = 6 x matmul
+params + 6 x layers x heads x head_dim x T (causal attention, no recompute): 0.032 / 0.060 / 0.098
+GFLOP at T = 1024 / 4096 / 8192 for the h100 model; at an assumed 20% of the H100's 989 dense bf16
+TFLOP/s a step of 16 rows takes 2.6 / 20 / 65 ms: ~380 / 50 / 15 steps/s. Generating the rows
+(measured here, one core, process time: 0.8 / 1.4 / 2.6 ms per row) bounds that to ~80 / 45 / 24
+steps/s on one core, so the estimate is ~80 / 45 / 15 steps/s; a tiny model rarely reaches 20% of
+peak, so expect up to 2x slower (the reason for the 2-call dense budget).
 """
 from __future__ import annotations
 
@@ -121,15 +129,17 @@ PRESETS = {
     "h100": dict(
         vocab=512, width=256, layers=6, heads=4, kv_heads=2, ffn=512, dtype="bfloat16",
         suite="synthetic", batch=16, lr=1e-3, ft_lr=3e-4, warmup_frac=0.05, read_threads=8,
-        dense_phases=((1024, 3000), (4096, 6000), (8192, 9000)), ft_steps=400,
+        dense_phases=((1024, 4000), (4096, 8000), (8192, 12000)), ft_steps=400,
         lengths=(4096, 8192, 16384), num_samples=20, eval_batch=8, tasks=None,
         router_lr_mult=10.0, unit_estimate_s=150.0,
         knobs={  # training length 8192
             "dense": {},
             "l2a": dict(window=512, theta=0.5),                     # window 1/16
             "aha": dict(window=128, tau=0.5),                       # window 1/64
-            "elastic": dict(sinks=128, local=512, block=64, boundary=100),  # SSA 640 of 8192
-            "match": dict(window=512, chunk=64, top_k=4, prefill_last=1024),
+            # block / chunk 128: the Hopper block-sparse kernel's tile (block_q 128); a 64 would
+            # leave the sparse layers on the O(T*S) reference
+            "elastic": dict(sinks=128, local=512, block=128, boundary=100),  # SSA 640 of 8192
+            "match": dict(window=512, chunk=128, top_k=4, prefill_last=1024),
             "segmented": dict(segment_len=1024, tail_len=128, retrieve_len=128, query_len=32,
                               anchors=8, topk=8, long_heads=(0, 1), long_layers=(2, 4)),
         }),
@@ -219,9 +229,21 @@ def param_count(p) -> dict:
   return dict(total=L * per_layer + 2 * V * D + D, matmul=L * (attn + 3 * D * F) + V * D)
 
 
-def plan(p) -> dict:
-  """The throughput ESTIMATE (no measurement): training FLOPs per token and steps/s per phase at
-  ASSUMED_MFU of an H100's dense bf16 peak; sizes of what travels between calls."""
+def data_ms_per_row(p, seq_len: int, rows: int = 4) -> float:
+  """CPU milliseconds (process time, this host) to generate one training row of the suite
+  mixture at seq_len (synthetic.SuiteMix, the rows loop.run reads)."""
+  from condattn_jax.data.synthetic import SuiteMix
+  mix = SuiteMix(seq_len=seq_len, vocab_size=p["vocab"], suite=p["suite"])
+  t = time.process_time()
+  for i in range(rows):
+    mix.example(0, i)
+  return 1e3 * (time.process_time() - t) / rows
+
+
+def plan(p, measure_data: bool = False) -> dict:
+  """The throughput ESTIMATE: training FLOPs per token and steps/s per phase at ASSUMED_MFU of an
+  H100's dense bf16 peak (not measured), and with measure_data the bound of generating the rows
+  on one core of this host (measured: data_ms_per_row); sizes of what travels between calls."""
   n = param_count(p)
   attn_dims = p["heads"] * (p["width"] // p["heads"])
   out = dict(params=n, assumed_mfu=ASSUMED_MFU, peak_flops=H100_PEAK_BF16,
@@ -232,10 +254,15 @@ def plan(p) -> dict:
     flops_tok = 6 * n["matmul"] + 6 * p["layers"] * attn_dims * T
     step_s = flops_tok * T * p["batch"] / (ASSUMED_MFU * H100_PEAK_BF16)
     steps = (until - prev) if until is not None else p["ft_steps"]
-    out["phases"].append(dict(stage="dense" if until is not None else "fine-tune (each)",
-                              seq_len=T, steps=steps, gflop_per_token=round(flops_tok / 1e9, 4),
-                              est_steps_per_s=round(1 / step_s, 1),
-                              est_minutes=round(steps * step_s / 60, 2)))
+    ph = dict(stage="dense" if until is not None else "fine-tune (each)", seq_len=T,
+              steps=steps, gflop_per_token=round(flops_tok / 1e9, 4),
+              est_steps_per_s=round(1 / step_s, 1), est_minutes=round(steps * step_s / 60, 2))
+    if measure_data:
+      ms = data_ms_per_row(p, T)
+      data_s = ms * p["batch"] / 1e3
+      ph.update(data_ms_per_row=round(ms, 2), data_bound_steps_per_s=round(1 / data_s, 1),
+                est_minutes_with_data=round(steps * max(step_s, data_s) / 60, 2))
+    out["phases"].append(ph)
     if until is not None:
       prev = until
   return out
@@ -564,7 +591,7 @@ def main(argv=None):
   args = common.parse_flags(FLAGS, argv)
   p = PRESETS[args.preset]
   if args.plan:
-    print(json.dumps(plan(p), indent=1))
+    print(json.dumps(plan(p, measure_data=True), indent=1))
     return 0
   if not args.state_dir:
     raise SystemExit("--state_dir is required (where the stages keep their state)")
