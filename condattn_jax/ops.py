@@ -39,7 +39,8 @@ Implementations (one vocabulary):
                               sinks, a per-head active set, a few queries per row with a fill):
                               the decode kernel (pallas_kernels.decode, the resolver's pick:
                               Mosaic GPU on Hopper; Mosaic TPU on tpu), forward only (its VJP
-                              is the reference's);
+                              is the reference's); with the backend's
+                              DecodeConfig(over_cudnn=True) it takes cuDNN's decode calls too;
                               contiguous self-attention without active/sinks: cudnn (no segment
                               ids) else tokamax (causal) or the Pallas kernel (with a window:
                               tokamax's backward does not skip out-of-window tiles); anything
@@ -768,16 +769,18 @@ def _auto(scale, platform):
   ref = _reference(scale)
 
   def fn(q, k, v, mask):
+    decode_backend = None
+    if not decode_kernel_reasons(q, mask):
+      decode_backend, _ = resolve("decode", "auto", q.shape, k.shape, q.dtype, platform)
     if (platform.name == "cuda" and not decode_reasons(q, mask)
-        and cudnn_available() is None):
+        and cudnn_available() is None
+        and not (decode_backend is not None and decode_backend.config.over_cudnn)):
       try:
         return cudnn_decode(q, k, v, mask)
       except NotImplementedError:  # this GPU / cuDNN cannot take the shape
         pass
-    if not decode_kernel_reasons(q, mask):  # window / sinks / per-head active / a few queries
-      backend, _ = resolve("decode", "auto", q.shape, k.shape, q.dtype, platform)
-      if backend is not None:
-        return _decode_kernel(scale, backend)(q, k, v, mask)
+    if decode_backend is not None:  # window / sinks / per-head active / a few queries
+      return _decode_kernel(scale, decode_backend)(q, k, v, mask)
     if platform.name == "cuda" and not _fused_reasons(q, mask):
       if not cudnn_reasons(q, mask) and cudnn_available() is None:
         try:

@@ -56,12 +56,16 @@ class DecodeConfig:
   num_stages: K/V tiles in flight per program (Mosaic GPU); parts: kv parts per (row, kv head)
   (None: `num_parts`); target_programs: programs to aim for (about 2 per H100 SM);
   min_tiles_per_part: the fewest tiles a part gets (a part's partial output is written and
-  merged: bytes a tiny part would spend on that instead of K/V)."""
+  merged: bytes a tiny part would spend on that instead of K/V). over_cudnn: condattn_jax.ops'
+  auto runs this backend for the decode calls cuDNN's decode path also takes (a full cache
+  with a fill, no window, an active set per row at most), not only for the others; set it
+  where tests/gpu/test_decode_kernel.py's timings show the kernel faster than cuDNN there."""
   block_k: int | None = None
   num_stages: int = 4
   parts: int | None = None
   target_programs: int = 264
   min_tiles_per_part: int = 8
+  over_cudnn: bool = False
 
   def tile(self, impl: str) -> int:
     if self.block_k is not None:

@@ -4,6 +4,8 @@ visible slot and skip the rest, the TPU kernel cross-lowers for TPU.
 
 The GPU run (kernel == reference on the H100, timing vs cuDNN) is tests/gpu/test_decode_kernel.py.
 """
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -218,12 +220,46 @@ def _export_kernels(spec, platform, mesh):
   B, S = spec.kv_positions_BS.shape
   sds = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((B, 1, 12, 128), (B, S, 2, 128),
                                                          (B, S, 2, 128))]
-  with jax.sharding.use_abstract_mesh(mesh):
+  cudnn = [jax.export.DisabledSafetyCheck.custom_call("__cudnn$fmhaSoftmax")]
+  with jax.sharding.use_abstract_mesh(mesh) if mesh is not None else contextlib.nullcontext():
     text = jax.export.export(jax.jit(lambda q, k, v: ops.attention(q, k, v, spec)),
-                             platforms=[platform])(*sds).mlir_module()
+                             platforms=[platform], disabled_checks=cudnn)(*sds).mlir_module()
   calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
-  return {next((n for n in ("decode_attention_mgpu", "decode_attention_tpu") if n in c), c[:80])
-          for c in calls}
+  names = ("decode_attention_mgpu", "decode_attention_tpu", "cudnn")
+  return {next((n for n in names if n in c), c[:80]) for c in calls}
+
+
+_H100 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+    device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"))
+
+
+def test_dense_decode_stays_on_cudnn_unless_the_backend_says_over_cudnn(monkeypatch):
+  """With cuDNN available (faked: this CPU process has none), a dense decode over a full cache
+  (a fill, no window) exported for an H100 runs cuDNN's decode path; with the Mosaic GPU
+  backend's DecodeConfig(over_cudnn=True) it runs the decode kernel; the AHA-local call runs
+  the kernel either way."""
+  import dataclasses
+
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+
+  import pallas_kernels.decode as dpkg
+  from condattn_jax import ops
+  from pallas_kernels.backends import Platform
+
+  class FakeVersions:  # as tests/kernels/test_ops.py's fake_cudnn; cuDNN's partitioning needs
+    @staticmethod     # concrete devices (no abstract mesh), so ops is told it can trace cuda
+    def cudnn_get_version():
+      return 91000
+  monkeypatch.setattr(fa, "cuda_versions", FakeVersions)
+  monkeypatch.setattr(ops, "_targets", lambda: {"cuda": Platform("cuda", "NVIDIA H100 80GB HBM3")})
+  specs = _decode_specs()
+  dense = dataclasses.replace(specs["sinks-window"], window=None, sinks=0)
+  assert _export_kernels(dense, "cuda", None) == {"cudnn"}
+  assert _export_kernels(specs["aha-local"], "cuda", None) == {"decode_attention_mgpu"}
+  over = tuple(dataclasses.replace(b, config=dataclasses.replace(b.config, over_cudnn=True))
+               for b in dpkg.BACKENDS)
+  monkeypatch.setattr(dpkg, "BACKENDS", over)
+  assert _export_kernels(dense, "cuda", None) == {"decode_attention_mgpu"}
 
 
 def test_auto_runs_the_decode_kernel_on_hopper_and_tpu():
@@ -242,8 +278,7 @@ def test_auto_runs_the_decode_kernel_on_hopper_and_tpu():
   be, why = ops.resolve("decode", "auto", shape_q, shape_kv, jnp.bfloat16,
                         Platform("cuda", "NVIDIA A100-SXM4-80GB"))
   assert be is None and "Hopper" in why[0]
-  h100 = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-      device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"))
+  h100 = _H100
   tpu = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
       device_kind="TPU v5 lite", num_cores=1, platform="tpu"))
   for name, spec in _decode_specs().items():
