@@ -53,7 +53,8 @@ _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
   """Tuning knobs (static). block_k: kv slots per tile (None: 64 Mosaic GPU, 128 Mosaic TPU);
-  num_stages: K/V tiles in flight per program (Mosaic GPU); parts: kv parts per (row, kv head)
+  num_stages: K/V tiles in flight per program (Mosaic GPU; 2 x 64-slot tiles: 80 KiB of shared
+  memory a program with head_dim 128, so two programs fit an H100 SM); parts: kv parts per (row, kv head)
   (None: `num_parts`); target_programs: programs to aim for (about 2 per H100 SM);
   min_tiles_per_part: the fewest tiles a part gets (a part's partial output is written and
   merged: bytes a tiny part would spend on that instead of K/V). over_cudnn: condattn_jax.ops'
@@ -61,7 +62,7 @@ class DecodeConfig:
   with a fill, no window, an active set per row at most), not only for the others; set it
   where tests/gpu/test_decode_kernel.py's timings show the kernel faster than cuDNN there."""
   block_k: int | None = None
-  num_stages: int = 4
+  num_stages: int = 2
   parts: int | None = None
   target_programs: int = 264
   min_tiles_per_part: int = 8

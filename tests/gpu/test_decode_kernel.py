@@ -184,3 +184,26 @@ def test_decode_kernel_timing_vs_cudnn(B, S):
   if path:
     with open(path, "w") as f:
       json.dump(_ROWS, f, indent=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B,S", [(1, 32768), (8, 32768), (1, 131072)])
+def test_decode_kernel_config_sweep(B, S):
+  """Prints ms per dense call of the kernel for a few DecodeConfigs (tile, stages, parts), to
+  pick the defaults (DecodeConfig) and over_cudnn; asserts only finite numbers."""
+  q, k, v, kw = _problem(B, S, [S] * B)
+  cfgs = [dk.DecodeConfig(), dk.DecodeConfig(num_stages=3), dk.DecodeConfig(num_stages=4),
+          dk.DecodeConfig(block_k=128, num_stages=2), dk.DecodeConfig(min_tiles_per_part=4),
+          dk.DecodeConfig(min_tiles_per_part=16), dk.DecodeConfig(target_programs=132)]
+  for cfg in cfgs:
+    fn = lambda q, k, v, cfg=cfg: dk.decode_attention(q, k, v, impl="mosaic_gpu", config=cfg, **kw)
+    ms = _time(fn, q, k, v)
+    gbs = _kv_bytes(S, B) / (ms * 1e-3) / 1e9
+    _ROWS.append(dict(B=B, S=S, case=f"sweep/{cfg}", ms=round(ms, 4), kv_GBps=round(gbs, 1),
+                      device=jax.devices()[0].device_kind))
+    print(f"B={B} S={S:>6} {cfg} {ms * 1e3:9.1f} us  {gbs:7.1f} GB/s of K/V")
+    assert np.isfinite(ms)
+  path = os.environ.get("CONDATTN_DECODE_TIMINGS")
+  if path:
+    with open(path, "w") as f:
+      json.dump(_ROWS, f, indent=1)
