@@ -187,14 +187,14 @@ def test_decode_kernel_timing_vs_cudnn(B, S):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("B,S", [(1, 32768), (8, 32768), (1, 131072)])
+@pytest.mark.parametrize("B,S", [(8, 32768), (1, 131072)])
 def test_decode_kernel_config_sweep(B, S):
   """Prints ms per dense call of the kernel for a few DecodeConfigs (tile, stages, parts), to
   pick the defaults (DecodeConfig) and over_cudnn; asserts only finite numbers."""
   q, k, v, kw = _problem(B, S, [S] * B)
-  cfgs = [dk.DecodeConfig(), dk.DecodeConfig(num_stages=3), dk.DecodeConfig(num_stages=4),
+  cfgs = [dk.DecodeConfig(num_stages=3), dk.DecodeConfig(num_stages=4),
           dk.DecodeConfig(block_k=128, num_stages=2), dk.DecodeConfig(min_tiles_per_part=4),
-          dk.DecodeConfig(min_tiles_per_part=16), dk.DecodeConfig(target_programs=132)]
+          dk.DecodeConfig(target_programs=132)]  # the default's number: the timing test's
   for cfg in cfgs:
     fn = lambda q, k, v, cfg=cfg: dk.decode_attention(q, k, v, impl="mosaic_gpu", config=cfg, **kw)
     ms = _time(fn, q, k, v)
