@@ -80,9 +80,13 @@ CRITERIA = {
 }
 
 # tests/bench/test_aha_repro.py: a fresh CI-preset run must point the way the recorded CPU run's
-# verdict does: (criterion, metric of the CI run, bound it must reach where the recorded verdict
-# passed); where it failed, the CI metric must stay on the failing side of the criterion.
-CI_DIRECTIONS = (("usage_targets_the_need", "min_window_need_over_noneed", 1.5),
+# verdict does: (criterion, metric of the CI run, the bound the CI metric must meet (same op as
+# the criterion) where the recorded verdict passed); where it failed, the CI metric must stay on
+# the criterion's failing side. The CI preset's static control is frozen (no fine-tune): its
+# accuracy is <= the fine-tuned best's, so learned - static below 2 points there implies it
+# below 2 points against the tuned control too.
+CI_DIRECTIONS = (("accuracy_kept", "min_window_accuracy_drop_points", 2.0),
+                 ("usage_targets_the_need", "min_window_need_over_noneed", 1.5),
                  ("learned_beats_static", "learned_minus_static_points", 0.0))
 
 
@@ -121,8 +125,10 @@ class Settings:
 
 PRESETS = {
     "cpu": Settings(),
-    "ci": Settings(seq_len=64, dense_steps=300, aha_steps=200, lams=(3e-2,), static_lrs=(1e-3,),
-                   windows=(16,), seeds=(0,), eval_rows=128, num_queries=4, log_every=100),
+    # tests/bench (by default, ~40 CPU-s): one seed, window 16, one lambda, the static control
+    # frozen (no fine-tune); 100 AHA steps show the mechanism (layers 1-2 off, layer 0 on)
+    "ci": Settings(seq_len=48, dense_steps=150, aha_steps=100, lams=(3e-2,), static_lrs=(),
+                   windows=(16,), seeds=(0,), eval_rows=64, num_queries=4, log_every=50),
     "h100": Settings(seq_len=512, num_keys=32, num_values=16, num_queries=16, num_layers=4,
                      hidden_size=128, num_heads=8, num_kv_heads=4, batch_size=64,
                      dense_steps=3000, aha_steps=1500, windows=(16, 32, 64, 128, 256),
