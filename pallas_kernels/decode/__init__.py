@@ -2,9 +2,9 @@
 GQA folded into the query rows, kv split into parts merged by log-sum-exp, per-(row, head) reads
 skipped. Importable without condattn_jax. See api.py."""
 from .api import (BACKENDS, DecodeBackend, DecodeConfig, decode_attention, kernel_support,
-                  num_parts, plan, tile_runs)
+                  kv_bytes_read, num_parts, plan, tile_runs)
 from .reference import decode_mask, merge_parts, reference_decode_attention
 
 __all__ = ["BACKENDS", "DecodeBackend", "DecodeConfig", "decode_attention", "decode_mask",
-           "kernel_support", "merge_parts", "num_parts", "plan", "reference_decode_attention",
+           "kernel_support", "kv_bytes_read", "merge_parts", "num_parts", "plan", "reference_decode_attention",
            "tile_runs"]

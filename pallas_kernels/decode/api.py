@@ -203,6 +203,15 @@ def plan(q_BTNH, k_BSKH, *, q_positions_BT, kv_positions_BS, kv_lengths_B, kv_va
   return q_BKRH, qpos_BKR, runs
 
 
+def kv_bytes_read(runs_BK3, block_k: int, head_dim: int, itemsize: int):
+  """float32 scalar: the K / V bytes the kernels read for these tile runs (`tile_runs`), i.e.
+  sum over (row, kv head) of its tiles x block_k slots x head_dim x 2 (K and V) x itemsize
+  (float: a step's bytes pass int32): what a scheme's routing saves shows up here (an inactive
+  (row, kv head) reads 0)."""
+  tiles = runs_BK3[..., 0] + runs_BK3[..., 2] - runs_BK3[..., 1]
+  return jnp.sum(tiles).astype(jnp.float32) * float(block_k * head_dim * 2 * itemsize)
+
+
 def part_range(runs_3, p, P):
   """(lo, hi): the run entries part p of P reads (entry e is tile e below sink_end, else
   win_lo + e - sink_end); the n entries split as evenly as integers allow."""

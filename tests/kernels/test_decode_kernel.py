@@ -177,6 +177,35 @@ def test_mosaic_tpu_lowers_for_tpu_at_qwen_shapes(chip):
   assert text.count("tpu_custom_call") == 1
 
 
+def test_bytes_read_follow_the_routing():
+  """kv_bytes_read at Qwen2.5-1.5B decode shapes, 8K cache, B = 8: dense reads every row's fill;
+  AHA-style per-head routing with 1 of every 2 kv heads' queries all local (window 1024) reads
+  the window for those; L2A-style rows routed local read nothing of the global cache."""
+  B, S, N, K, H, bk = 8, 8192, 12, 2, 128, 64
+  fill = jnp.full((B,), S, jnp.int32)
+  kvpos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
+  qpos = (fill - 1)[:, None]
+  q = jnp.zeros((B, 1, N, H), jnp.bfloat16)
+
+  def read(active=None, window=None):
+    @jax.jit
+    def f(active):
+      _, _, runs = api.plan(q, jnp.zeros((B, 8, K, H)), q_positions_BT=qpos,
+                            kv_positions_BS=kvpos, kv_lengths_B=fill, kv_valid_BS=None,
+                            active=active, window=window, sinks=0, block_k=bk, rows=64)
+      return dk.kv_bytes_read(runs, bk, H, 2)
+    return int(f(active))  # exact: multiples of 2^k
+  dense = read()
+  assert dense == B * S * K * H * 2 * 2                      # K and V, bf16
+  local_heads = jnp.broadcast_to(jnp.arange(N) >= N // K, (B, 1, N))   # kv head 1's queries
+  full = read(active=~local_heads)                           # kv head 0 only: half
+  window = read(active=local_heads, window=1024)             # kv head 1, its window
+  assert full == dense // 2
+  assert window == B * 1024 * H * 2 * 2                       # keys 7168..8191: 16 tiles
+  rows = read(active=jnp.asarray([[b < 2] for b in range(B)]))   # 2 of 8 rows routed global
+  assert rows == dense // 4
+
+
 def test_kernel_support_names_the_bad_field():
   why = dk.kernel_support("mosaic_gpu", (1, 20, 12, 128), (1, 1024, 2, 128), jnp.bfloat16)
   assert "120 rows" in why
