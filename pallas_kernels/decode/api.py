@@ -34,9 +34,7 @@ condattn_jax.ops' job (`BACKENDS`, the pallas_kernels.backends interface). Forwa
 from __future__ import annotations
 
 import dataclasses
-import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -230,21 +228,19 @@ def entry_tile(runs_3, e):
 def decode_attention(q_BTNH, k_BSKH, v_BSKH, *, q_positions_BT, kv_positions_BS,
                      kv_lengths_B=None, kv_valid_BS=None, active=None, window=None, sinks=0,
                      scale=None, impl: str = "reference", config: DecodeConfig = DecodeConfig(),
-                     interpret=False, return_lse: bool = False):
-  """out [B, T, N, H] in q's dtype (and lse [B, T, N] float32 with return_lse) under
-  reference.decode_mask; see the module docstring. A kernel that cannot take the shape raises
-  ValueError naming why."""
+                     interpret=False):
+  """out [B, T, N, H] in q's dtype under reference.decode_mask; see the module docstring. A
+  kernel that cannot take the shape raises ValueError naming why."""
   if impl not in IMPLS:
     raise ValueError(f"decode_attention: unknown impl {impl!r}; choose one of {IMPLS}")
   B, T, N, H = q_BTNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   scale = H ** -0.5 if scale is None else float(scale)
   if impl == "reference":
-    out, lse = reference_decode_attention(
+    return reference_decode_attention(
         q_BTNH, k_BSKH, v_BSKH, q_positions_BT=q_positions_BT, kv_positions_BS=kv_positions_BS,
         kv_lengths_B=kv_lengths_B, kv_valid_BS=kv_valid_BS, active=active, window=window,
-        sinks=sinks, scale=scale)
-    return (out, lse) if return_lse else out
+        sinks=sinks, scale=scale)[0]
   if why := kernel_support(impl, q_BTNH.shape, k_BSKH.shape, q_BTNH.dtype, config):
     raise ValueError(f"decode_attention impl={impl!r} cannot take this call: {why}")
   bk = config.tile(impl)
@@ -271,11 +267,8 @@ def decode_attention(q_BTNH, k_BSKH, v_BSKH, *, q_positions_BT, kv_positions_BS,
       q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos, valid, lengths_B, runs, scale=scale,
       window=window, sinks=sinks, parts=P, out_rows=out_rows, block_k=bk,
       num_stages=config.num_stages, interpret=interpret)
-  o_BKRH, lse_BKR = merge_parts(o_BKPRH.astype(jnp.float32), lse_BKPR, axis=2)
-  out = unfold_rows(o_BKRH, T, N).astype(q_BTNH.dtype)
-  if not return_lse:
-    return out
-  return out, unfold_rows(lse_BKR[..., None], T, N)[..., 0]
+  o_BKRH, _ = merge_parts(o_BKPRH.astype(jnp.float32), lse_BKPR, axis=2)
+  return unfold_rows(o_BKRH, T, N).astype(q_BTNH.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
