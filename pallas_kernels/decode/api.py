@@ -50,7 +50,8 @@ _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-  """Tuning knobs (static). block_k: kv slots per tile (None: 64 Mosaic GPU, 128 Mosaic TPU);
+  """Tuning knobs (static). block_k: kv slots per tile (None: Mosaic GPU the largest of 64 / 32 /
+  16 that divides the cache length, Mosaic TPU 128);
   num_stages: K/V tiles in flight per program (Mosaic GPU; 2 x 64-slot tiles: 80 KiB of shared
   memory a program with head_dim 128, so two programs fit an H100 SM); parts: kv parts per (row, kv head)
   (None: `num_parts`); target_programs: programs to aim for (about 2 per H100 SM);
@@ -66,10 +67,13 @@ class DecodeConfig:
   min_tiles_per_part: int = 8
   over_cudnn: bool = False
 
-  def tile(self, impl: str) -> int:
+  def tile(self, impl: str, S: int) -> int:
+    """The kv tile for a cache of S slots."""
     if self.block_k is not None:
       return self.block_k
-    return 128 if impl == "mosaic_tpu" else 64
+    if impl == "mosaic_tpu":
+      return 128
+    return next((t for t in (64, 32, 16) if S % t == 0), 64)
 
 
 def num_parts(B: int, K: int, ntiles: int, cfg: DecodeConfig) -> int:
@@ -93,7 +97,7 @@ def kernel_support(impl: str, q_shape, kv_shape, dtype, cfg: DecodeConfig = Deco
     return f"unknown decode impl {impl!r}; choose one of {IMPLS}"
   B, T, N, H = q_shape
   S, K = kv_shape[1], kv_shape[2]
-  bk = cfg.tile(impl)
+  bk = cfg.tile(impl, S)
   why = []
   if jnp.dtype(dtype) not in _DTYPES:
     why.append(f"dtype {jnp.dtype(dtype).name} (the decode kernels take bfloat16 / float16)")
@@ -243,7 +247,7 @@ def decode_attention(q_BTNH, k_BSKH, v_BSKH, *, q_positions_BT, kv_positions_BS,
         sinks=sinks, scale=scale)[0]
   if why := kernel_support(impl, q_BTNH.shape, k_BSKH.shape, q_BTNH.dtype, config):
     raise ValueError(f"decode_attention impl={impl!r} cannot take this call: {why}")
-  bk = config.tile(impl)
+  bk = config.tile(impl, S)
   rows = MGPU_ROWS if impl == "mosaic_gpu" else -(-T * (N // K) // 8) * 8
   q_BKRH, qpos_BKR, runs = plan(
       q_BTNH, k_BSKH, q_positions_BT=q_positions_BT, kv_positions_BS=kv_positions_BS,

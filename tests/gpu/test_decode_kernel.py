@@ -54,9 +54,9 @@ def _rel(a, b):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["fill", "per-row-active", "per-head-window", "sinks-window",
-                                  "multi-query"])
+                                  "multi-query", "tile-32"])
 def test_mosaic_gpu_decode_kernel_equals_reference(case):
-  B, S = 4, 8192
+  B, S = 4, 8224 if case == "tile-32" else 8192  # 8224 = 257 tiles of 32 slots
   T = 2 if case == "multi-query" else 1
   q, k, v, kw = _problem(B, S, [S, S // 3, 1, S - 77], T=T, seed=len(case))
   rng = np.random.default_rng(0)

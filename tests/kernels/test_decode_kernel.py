@@ -139,9 +139,9 @@ def test_mosaic_tpu_interpret_equals_reference():
 def test_each_kernel_on_the_other_mask_path():
   """(slow: two more interpret runs; by default the Mosaic GPU kernel runs the positions path and
   the TPU kernel the fill-only path above, and tests/gpu runs both paths on the H100.) Mosaic
-  GPU fill-only (no positions read) with a per-row active set; Mosaic TPU with window + sinks
-  + 2 queries per row: both == the reference."""
-  q, k, v, kw = _problem(N=3, K=1, lengths=(200, 37), seed=5)
+  GPU fill-only (no positions read) with a per-row active set over a cache of 224 slots (tiles
+  of 32); Mosaic TPU with window + sinks + 2 queries per row: both == the reference."""
+  q, k, v, kw = _problem(N=3, K=1, S=224, lengths=(200, 37), seed=5)  # 224: tiles of 32
   kw.update(active=jnp.asarray([[True], [False]]))
   ref = dk.decode_attention(q, k, v, **kw)
   out = dk.decode_attention(q, k, v, impl="mosaic_gpu", interpret=True,
@@ -209,8 +209,11 @@ def test_bytes_read_follow_the_routing():
 def test_kernel_support_names_the_bad_field():
   why = dk.kernel_support("mosaic_gpu", (1, 20, 12, 128), (1, 1024, 2, 128), jnp.bfloat16)
   assert "120 rows" in why
-  why = dk.kernel_support("mosaic_gpu", (1, 1, 12, 96), (1, 1000, 2, 96), jnp.float32)
-  assert "float32" in why and "head_dim 96" in why and "1000" in why
+  why = dk.kernel_support("mosaic_gpu", (1, 1, 12, 96), (1, 1004, 2, 96), jnp.float32)
+  assert "float32" in why and "head_dim 96" in why and "1004" in why
+  tile = dk.DecodeConfig().tile  # Mosaic GPU: the largest of 64 / 32 / 16 dividing the cache
+  assert [tile("mosaic_gpu", S) for S in (8192, 8224, 1008, 1000)] == [64, 32, 16, 64]
+  assert dk.kernel_support("mosaic_gpu", (1, 1, 12, 128), (1, 1008, 2, 128), jnp.bfloat16) is None
   assert dk.kernel_support("mosaic_tpu", (8, 1, 12, 128), (8, 32768, 2, 128), jnp.bfloat16) is None
   q, k, v, kw = _problem(H=96)
   with pytest.raises(ValueError, match="head_dim 96"):
