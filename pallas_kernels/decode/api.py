@@ -50,8 +50,8 @@ _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-  """Tuning knobs (static). block_k: kv slots per tile (None: Mosaic GPU the largest of 64 / 32 /
-  16 that divides the cache length, Mosaic TPU 128);
+  """Tuning knobs (static). block_k: kv slots per tile (None: Mosaic GPU 64, or 32 where that
+  divides the cache length and 64 does not; Mosaic TPU 128);
   num_stages: K/V tiles in flight per program (Mosaic GPU; 2 x 64-slot tiles: 80 KiB of shared
   memory a program with head_dim 128, so two programs fit an H100 SM); parts: kv parts per (row, kv head)
   (None: `num_parts`); target_programs: programs to aim for (about 2 per H100 SM);
@@ -73,7 +73,7 @@ class DecodeConfig:
       return self.block_k
     if impl == "mosaic_tpu":
       return 128
-    return next((t for t in (64, 32, 16) if S % t == 0), 64)
+    return next((t for t in (64, 32) if S % t == 0), 64)
 
 
 def num_parts(B: int, K: int, ntiles: int, cfg: DecodeConfig) -> int:

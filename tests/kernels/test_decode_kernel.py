@@ -211,9 +211,9 @@ def test_kernel_support_names_the_bad_field():
   assert "120 rows" in why
   why = dk.kernel_support("mosaic_gpu", (1, 1, 12, 96), (1, 1004, 2, 96), jnp.float32)
   assert "float32" in why and "head_dim 96" in why and "1004" in why
-  tile = dk.DecodeConfig().tile  # Mosaic GPU: the largest of 64 / 32 / 16 dividing the cache
-  assert [tile("mosaic_gpu", S) for S in (8192, 8224, 1008, 1000)] == [64, 32, 16, 64]
-  assert dk.kernel_support("mosaic_gpu", (1, 1, 12, 128), (1, 1008, 2, 128), jnp.bfloat16) is None
+  tile = dk.DecodeConfig().tile  # Mosaic GPU: 64, else 32 where it divides the cache
+  assert [tile("mosaic_gpu", S) for S in (8192, 8224, 1000)] == [64, 32, 64]
+  assert dk.kernel_support("mosaic_gpu", (1, 1, 12, 128), (1, 1056, 2, 128), jnp.bfloat16) is None
   assert dk.kernel_support("mosaic_tpu", (8, 1, 12, 128), (8, 32768, 2, 128), jnp.bfloat16) is None
   q, k, v, kw = _problem(H=96)
   with pytest.raises(ValueError, match="head_dim 96"):
