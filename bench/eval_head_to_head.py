@@ -469,7 +469,8 @@ def run(preset: str, state_dir: str, *, time_budget_s: float | None = None,
             f"({time.time() - ts:.0f} s), loss {_last_loss(dense_wd)}")
         if r["step"] < until:
           raise OutOfTime(f"dense pretraining at step {r['step']} of {total}")
-      prog["dense"]["export"] = export_bf16(cfg, dense_wd, dense_export)
+      last = run_config(p, seq_len=L, num_steps=total, lr=p["lr"])
+      prog["dense"]["export"] = export_bf16(last, dense_wd, dense_export)
       prog["dense"]["final_loss"] = _last_loss(dense_wd)
       shutil.rmtree(dense_wd)
       save()

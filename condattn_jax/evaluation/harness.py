@@ -170,14 +170,29 @@ def _analytic_kv(model_cfg, length: int):
     return None
 
 
+def _routing_array(v) -> np.ndarray | None:
+  """A statistic as a routing map ([L] per layer or [L, N] per layer x head, numeric), else None
+  (a scheme's other per-row entries, e.g. nested dicts, are not maps)."""
+  if isinstance(v, dict):
+    return None
+  try:
+    a = np.asarray(v, np.float64)
+  except (TypeError, ValueError):
+    return None
+  return a if a.ndim in (1, 2) else None
+
+
 def _mean_stats(stats_list: list[dict]) -> dict:
-  """Mean over samples of each prompt-part statistic ({name: [L] or [L, N] list})."""
+  """Mean over samples of each prompt-part statistic that is a routing map ({name: [L] or
+  [L, N] list}; others left out)."""
   acc: dict[str, list] = {}
   for st in stats_list:
     for k, v in (st or {}).get("prompt", {}).items():
-      if k != "tokens":
-        acc.setdefault(k, []).append(np.asarray(v, np.float64))
-  return {k: np.mean(np.stack(v), axis=0).tolist() for k, v in acc.items()}
+      a = None if k == "tokens" else _routing_array(v)
+      if a is not None:
+        acc.setdefault(k, []).append(a)
+  return {k: np.mean(np.stack(v), axis=0).tolist() for k, v in acc.items()
+          if len({x.shape for x in v}) == 1}
 
 
 def evaluate_model(model: EvalModel, samples: Sequence[Sample], *, batch_size: int = 8,

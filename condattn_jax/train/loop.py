@@ -572,9 +572,9 @@ def run(config, workdir: str, *, stop_after: int | None = None,
     would; the next call resumes. time_budget_s: the same, once this call has run that many
     seconds (counted from entering run: setup, restore and compilation included; checked after
     every step, so the save and the step in flight come on top). on_step(step, host_metrics)
-    is called after each step's metrics reach the host (one step late). Returns {'step', 'train': last logged means,
-    'eval': eval results at the end or None, 'eval_start': at step 0 (eval.at_start) or None,
-    'stopped_early': bool, 'dry_run': report or None}.
+    is called after each step's metrics reach the host (one step late). Returns {'step',
+    'train': last logged means, 'eval': eval results at the end or None, 'eval_start': at step 0
+    (eval.at_start) or None, 'stopped_early': bool, 'dry_run': report or None}.
 
   Before the first step: every config check (validate_config, build, the data against the
   model's vocabulary), the workdir lock (workdir.WorkdirBusyError if another run holds it), the
