@@ -76,10 +76,15 @@ CRITERIA = {
 }
 
 # tests/bench/test_elastic_repro.py: a fresh CI-preset run must point the way the recorded CPU
-# run's verdict does: (criterion, metric of the CI run, bound it must reach where the recorded
-# verdict passed); where it failed, the CI metric must stay below the criterion's value.
+# run's verdict does: (criterion, metric of the CI run, the bound the CI metric must meet (same
+# op as the criterion) where the recorded verdict passed); where it failed, the CI metric must
+# stay on the criterion's failing side. The CI preset's static control is frozen (no fine-tune):
+# its recall is <= the fine-tuned best's, so single - static below 5 points there implies it
+# below 5 points against the tuned control too.
 CI_DIRECTIONS = (("sparsity_gap_under_one_constraint", "single.omega_gap", 0.05),
-                 ("adaptive_beats_static_on_sensitive", "single_minus_static_recall_points", 0.0))
+                 ("adaptive_beats_static_on_sensitive", "single_minus_static_recall_points", 0.0),
+                 ("dense_solves_both_tasks", "dense.min_accuracy", 0.85),
+                 ("ssa_cannot_recall", "all_ssa.recall", 0.5))
 
 
 @dataclasses.dataclass
@@ -121,9 +126,11 @@ class Settings:
 
 PRESETS = {
     "cpu": Settings(),
-    # CI (tests/bench/test_elastic_repro.py): one seed, the single arm and the static control
-    "ci": Settings(dense_steps=500, router_steps=150, static_lrs=(1e-3,), arms=("single",),
-                   seeds=(0,), eval_rows=256, select_rows=128, log_every=100),
+    # CI (tests/bench/test_elastic_repro.py, by default, ~50 CPU-s): a smaller body (4 keys x 4
+    # values, 2 facts, 2 queries), one seed, the single arm and the static control frozen
+    "ci": Settings(num_keys=4, num_values=4, num_facts=2, num_queries=2, batch_size=16,
+                   dense_steps=400, router_steps=100, static_lrs=(), arms=("single",),
+                   seeds=(0,), eval_rows=128, select_rows=64, log_every=100),
     "h100": Settings(seq_len=512, num_keys=32, num_values=32, num_facts=16, num_queries=4,
                      sink_pad=64, num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4,
                      block=64, sinks=64, local=128, boundary=32, batch_size=64,

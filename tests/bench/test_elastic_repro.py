@@ -5,12 +5,16 @@ verdicts; the honesty claim (criteria as registered, metrics re-derived from the
 verdicts from the metrics) fails when a stored number or a verdict changes."""
 import json
 import os
+import subprocess
 
 import numpy as np
 import pytest
 
+from bench import aha_elastic_repro_common as rc
 from bench import claims, common
 from bench import elastic_repro as bench
+from _test_env import user_env
+from _train_helpers import PY, ROOT, subprocess_env
 
 RECORDED = os.path.join(common.RESULTS, "elastic_repro.json")
 
@@ -46,39 +50,35 @@ def test_tasks_share_the_body_and_differ_only_in_instruction_marker_and_answers(
   assert set(rows) >= {"prompt_lengths", "inputs", "targets", "loss_mask"}
 
 
-# The CI preset trains a dense model and its arms: 2-7 minutes on the 2-core CI machine, over
-# the suite's budget (issue 34 asked for <= ~45 s). Opt in with CONDATTN_REPRO_CI=1.
-REPRO_CI = pytest.mark.skipif(os.environ.get("CONDATTN_REPRO_CI") != "1",
-                              reason="re-runs the CI preset (2-7 min): set CONDATTN_REPRO_CI=1")
-
-
 @pytest.fixture(scope="module")
 def fresh(tmp_path_factory):
-  """The CI preset, run fresh through the CLI (one seed, the single arm and the static control)."""
+  """The CI preset (one seed, the single arm and a frozen static control), run fresh through the
+  CLI in a subprocess with a user's compile flags (the suite's -O0 flags make its 500 train
+  steps ~2.7x slower)."""
   out = tmp_path_factory.mktemp("elastic_repro")
-  bench.main(["--preset=ci", f"--out_dir={out}"])
+  subprocess.run([PY, "-m", "bench.elastic_repro", "--preset=ci", f"--out_dir={out}"], cwd=ROOT,
+                 env=user_env(subprocess_env(1)), check=True, timeout=900,
+                 stdout=subprocess.DEVNULL)
   path = common.result_path("elastic_repro", str(out))
   return path, common.load(path)
 
 
-@REPRO_CI
-@pytest.mark.slow
 def test_ci_preset_agrees_with_the_recorded_run(fresh):
-  """The fresh run's record is honest (its claims passed when written) and its controls and
-  headline point the way the recorded CPU run's verdicts do."""
+  """A fresh CI run's record is honest (its claims passed when written) and its controls and
+  headline point the way the recorded CPU run's verdicts do (no sparsity gap between the tasks
+  under one constraint; the static split at least as good on recall)."""
   path, data = fresh
   (run,) = data["runs"]
   assert run["claims"] and all(c["passed"] for c in run["claims"]), run["claims"]
   m = common.recorded_of(run)["metrics"]
-  assert m["dense.min_accuracy"] >= 0.8          # the dense model learns both tasks
-  assert m["all_ssa.recall"] <= 0.5               # SSA alone cannot recall
   assert m["static.best_recall"] >= 0.8           # the control is a real one
   rec = common.read_result(RECORDED)["criteria"]
   for name, metric, ci_bound in bench.CI_DIRECTIONS:
+    op = rec[name]["op"]
     if rec[name]["passed"]:
-      assert m[metric] >= ci_bound, (name, metric, m[metric])
+      assert rc.OPS[op](m[metric], ci_bound), (name, metric, m[metric])
     else:
-      assert m[metric] < rec[name]["value"], (name, metric, m[metric])
+      assert not rc.OPS[op](m[metric], rec[name]["value"]), (name, metric, m[metric])
 
 
 def test_the_honesty_claim_fails_when_a_number_or_verdict_changes():
