@@ -152,3 +152,13 @@ def test_tiny_pipeline_every_scheme(tmp_path):
   run, _ = _run_tiny(tmp_path, ",".join(h2h.SCHEMES))
   names = sorted({x["model"] for x in run["rows"]})
   assert names == sorted(h2h.SCHEMES)
+
+
+def test_routing_maps_are_the_per_layer_statistics():
+  """The head-to-head's routing maps keep [L] / [L, N] numeric statistics and leave out a
+  scheme's other per-row entries (a nested dict, a scalar) instead of failing the evaluation."""
+  from condattn_jax.evaluation import harness
+  rows = [{"prompt": {"tokens": [3, 3], "g": [0.5, 1.0], "h": [[1.0, 0.0]], "x": {"a": 1},
+                      "s": 2.0}},
+          {"prompt": {"tokens": [3, 3], "g": [1.0, 1.0], "h": [[0.0, 0.0]], "x": {"a": 2}}}]
+  assert harness._mean_stats(rows) == {"g": [0.75, 1.0], "h": [[0.5, 0.0]]}
