@@ -57,7 +57,16 @@ FLAGS = common.flag_values(n=None, warmup=None)
 flags.DEFINE_list("T", ["32768", "131072"], "row lengths", flag_values=FLAGS)
 flags.DEFINE_list("schemes", list(SCHEMES), f"schemes of {list(SCHEMES)}", flag_values=FLAGS)
 flags.DEFINE_list("layouts", list(LAYOUTS), f"layouts of {list(LAYOUTS)}", flag_values=FLAGS)
-flags.DEFINE_integer("devices", 0, "devices of the parallel layouts (0: all)", flag_values=FLAGS)
+flags.DEFINE_list("devices", ["0"], "device counts of the parallel layouts (0: all), e.g. 2,4",
+                  flag_values=FLAGS)
+flags.DEFINE_list("plan", None, "explicit rows T:scheme:layout[:n] (e.g. 131072:l2a:sequence:4) "
+                  "instead of --T x --schemes x --layouts x --devices", flag_values=FLAGS)
+flags.DEFINE_bool("concurrent", False, "run rows on disjoint devices at the same time (each row's "
+                  "child sees only its own GPUs through CUDA_VISIBLE_DEVICES)", flag_values=FLAGS)
+flags.DEFINE_integer("row_timeout_s", 0, "kill a row's child after this many seconds (0: never); "
+                     "the row records error 'timeout'", flag_values=FLAGS)
+flags.DEFINE_string("progress", None, "JSON-lines file: each finished row appended as it ends",
+                    flag_values=FLAGS)
 flags.DEFINE_enum("strategy", "all_gather", ["all_gather", "ring"],
                   "config.mesh.sequence_attention of the sequence layout", flag_values=FLAGS)
 flags.DEFINE_integer("reps", 3, "timed train steps per row (median)", flag_values=FLAGS)
@@ -125,14 +134,98 @@ def run_row(T: int, scheme: str, layout: str, n: int, *, tiny: bool = False, rep
   return row
 
 
-def _row_in_child(spec: dict) -> dict:
-  """One row in a fresh process (its peak memory is its own); an error is recorded on the row."""
+def _child(spec: dict, gpus: list[int] | None = None) -> subprocess.Popen:
+  """One row in a fresh process (its peak memory is its own), on `gpus` only when given."""
+  env = dict(os.environ)
+  if gpus is not None:
+    env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
   cmd = [sys.executable, "-m", "bench.scale", f"--row={json.dumps(spec)}"]
-  p = subprocess.run(cmd, cwd=common.ROOT, capture_output=True, text=True)
-  for line in p.stdout.splitlines():
+  return subprocess.Popen(cmd, cwd=common.ROOT, env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.PIPE, text=True)
+
+
+def _child_row(spec: dict, p: subprocess.Popen, timeout_s: float | None) -> dict:
+  """The row a child printed; an error (the last stderr line, or 'timeout') recorded on it."""
+  try:
+    out, err = p.communicate(timeout=timeout_s or None)
+  except subprocess.TimeoutExpired:
+    p.kill()
+    p.communicate()
+    return dict(spec, error=[f"timeout after {timeout_s} s"])
+  for line in out.splitlines():
     if line.startswith("ROW "):
       return json.loads(line[4:])
-  return dict(spec, error=(p.stderr or p.stdout).strip().splitlines()[-1:] or [f"rc {p.returncode}"])
+  return dict(spec, error=(err or out).strip().splitlines()[-1:] or [f"rc {p.returncode}"])
+
+
+def _row_in_child(spec: dict, timeout_s: float | None = None) -> dict:
+  return _child_row(spec, _child(spec), timeout_s)
+
+
+def row_devices(spec: dict) -> int:
+  return 1 if spec["layout"] == "one" else spec["n"]
+
+
+def run_concurrent(specs: list[dict], num_devices: int, timeout_s: float | None,
+                   on_row=lambda row: None) -> list[dict]:
+  """Each spec in its own child on disjoint devices, as many at a time as fit (first-fit in
+  plan order); rows returned in plan order."""
+  import threading
+  free, lock, done = list(range(num_devices)), threading.Condition(), {}
+  threads = []
+
+  def worker(i, spec, gpus):
+    try:
+      row = _child_row(spec, _child(spec, gpus), timeout_s)
+    except Exception as e:  # noqa: BLE001 -- recorded on the row; the scheduler must go on
+      row = dict(spec, error=[f"{type(e).__name__}: {e}"])
+    row["gpus"] = gpus
+    with lock:
+      done[i] = row
+      free.extend(gpus)
+      lock.notify_all()
+    on_row(row)
+
+  pending = list(enumerate(specs))
+  with lock:
+    while pending:
+      start = next(((i, s) for i, s in pending if row_devices(s) <= len(free)), None)
+      if start is None:
+        lock.wait()
+        continue
+      pending.remove(start)
+      k = row_devices(start[1])
+      free.sort()
+      gpus, free[:] = free[:k], free[k:]
+      t = threading.Thread(target=worker, args=(start[0], start[1], gpus))
+      t.start()
+      threads.append(t)
+  for t in threads:
+    t.join()
+  return [done[i] for i in range(len(specs))]
+
+
+def plan(a, n_all: int) -> list[dict]:
+  """The rows to run: --plan, else --T x --schemes x (one + --layouts x --devices)."""
+  base = dict(tiny=a.tiny, reps=a.reps, strategy=a.strategy)
+  if a.plan:
+    out = []
+    for item in a.plan:
+      f = item.split(":")
+      if len(f) not in (3, 4) or f[1] not in SCHEMES or f[2] not in LAYOUTS:
+        raise SystemExit(f"bench.scale: --plan item {item!r}: want T:scheme:layout[:n] with "
+                         f"scheme in {list(SCHEMES)}, layout in {list(LAYOUTS)}")
+      out.append(dict(base, T=int(f[0]), scheme=f[1], layout=f[2],
+                      n=1 if f[2] == "one" else int(f[3]) if len(f) == 4 else n_all))
+    return out
+  counts = [int(d) or n_all for d in a.devices]
+  out = []
+  for T in [int(x) for x in a.T]:
+    for scheme in a.schemes:
+      out.append(dict(base, T=T, scheme=scheme, layout="one", n=1))
+      for n in counts:
+        out += [dict(base, T=T, scheme=scheme, layout=l, n=n) for l in a.layouts if l != "one"]
+  return out
 
 
 def summarize(rows: list[dict], loss_rtol: float) -> tuple[list[dict], dict, dict]:
@@ -183,21 +276,34 @@ def main(argv=None) -> int:
     raise SystemExit(f"bench.scale: unknown --schemes / --layouts {bad}: choose from "
                      f"{list(SCHEMES)} / {list(LAYOUTS)}")
   import jax
-  n = a.devices or jax.device_count()
-  if n < 2:
-    raise SystemExit(f"bench.scale: {n} device(s): the parallel layouts need >= 2 (--devices)")
-  layouts = ["one"] + [l for l in a.layouts if l != "one"]
-  rows = []
-  for T in [int(x) for x in a.T]:
-    for scheme in a.schemes:
-      for layout in layouts:
-        spec = dict(T=T, scheme=scheme, layout=layout, n=n, tiny=a.tiny, reps=a.reps,
-                    strategy=a.strategy)
-        rows.append(run_row(**spec) if a.inprocess else _row_in_child(spec))
-        print(table(rows[-1:]).splitlines()[-1], flush=True)
+  n_all = jax.device_count()
+  specs = plan(a, n_all)
+  if bad := [s for s in specs if row_devices(s) > n_all or (s["layout"] != "one" and s["n"] < 2)]:
+    raise SystemExit(f"bench.scale: {n_all} device(s) here: rows {bad[0]['layout']} x{bad[0]['n']}"
+                     " need 2..n devices (--devices / --plan)")
+
+  if a.progress:
+    os.makedirs(os.path.dirname(os.path.abspath(a.progress)), exist_ok=True)
+
+  def on_row(row):
+    print(table([row]).splitlines()[-1], flush=True)
+    if a.progress:
+      with open(a.progress, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+  if a.concurrent and not a.inprocess:
+    rows = run_concurrent(specs, n_all, a.row_timeout_s, on_row)
+  else:
+    rows = []
+    for spec in specs:
+      rows.append(run_row(**spec) if a.inprocess else _row_in_child(spec, a.row_timeout_s))
+      on_row(rows[-1])
   rows, claims, goal = summarize(rows, a.loss_rtol)
   result = dict(rows=rows, goal=goal, settings=dict(
-      T=[int(x) for x in a.T], schemes=a.schemes, layouts=layouts, devices=n, strategy=a.strategy,
+      T=sorted({s["T"] for s in specs}), schemes=sorted({s["scheme"] for s in specs}),
+      layouts=sorted({s["layout"] for s in specs}), devices=sorted({row_devices(s) for s in specs}),
+      plan=[f"{s['T']}:{s['scheme']}:{s['layout']}:{row_devices(s)}" for s in specs],
+      concurrent=bool(a.concurrent), strategy=a.strategy,
       reps=a.reps, tiny=a.tiny, loss_rtol=a.loss_rtol,
       model="bench/e2e.py TINY" if a.tiny else "Qwen2.5-1.5B shapes (bench/e2e.py)"))
   path = common.result_path("scale", a.out_dir)

@@ -38,3 +38,18 @@ def test_summarize_fails_a_moved_loss_and_judges_the_goal_row():
   assert [r.get("scaling_efficiency") for r in rows] == [None, 0.9, 0.99]
   assert list(claims.values()) == [True, False]
   assert goal["efficiency"] == 0.9 and goal["met"]
+
+
+def test_plan_rows_from_flags_and_refuses_a_bad_item():
+  a = scale.common.parse_flags(scale.FLAGS, ["--plan=131072:l2a:one,131072:l2a:sequence:4,"
+                                             "32768:dense:data"])
+  rows = scale.plan(a, n_all=2)
+  assert [(r["T"], r["scheme"], r["layout"], scale.row_devices(r)) for r in rows] == [
+      (131072, "l2a", "one", 1), (131072, "l2a", "sequence", 4), (32768, "dense", "data", 2)]
+  a = scale.common.parse_flags(scale.FLAGS, ["--T=64", "--schemes=l2a", "--layouts=sequence",
+                                             "--devices=2,4"])
+  assert [(r["layout"], scale.row_devices(r)) for r in scale.plan(a, n_all=4)] == [
+      ("one", 1), ("sequence", 2), ("sequence", 4)]
+  a = scale.common.parse_flags(scale.FLAGS, ["--plan=131072:l2a:zigzag"])
+  with pytest.raises(SystemExit, match="want T:scheme:layout"):
+    scale.plan(a, n_all=2)
