@@ -72,8 +72,12 @@ class Generation:
                  steps that ran the row (Elastic `fa_BK`: per-KV-head mode, 1 = full). The
                  generated part covers the generated tokens fed back (all but the last, which
                  is never run). {} for a scheme without per-row aux (dense). Entries are what
-                 the layers' decode path returns: Elastic's `rho_BN` (skipped pair fraction) is
-                 not computed when decoding and reads 0 there.
+                 the layers' decode path returns (Elastic `rho_BN`: the fraction of the causal
+                 (query, key) pairs a head skipped, per call, averaged over the calls).
+                 The scheme module's per-row values (names ending in _B, ...) are under
+                 'scheme': {'calls': calls that ran the row, <name>: their sum over those calls}
+                 (MATCH `searches_B`: retrieval searches, i.e. recomputes of the retrieved K/V;
+                 `retrieved_B`: retrieved chunks read, per query block of each call).
   logits         per row [n, V] float32 logits that chose the tokens (return_logits) or None
   prefill_s      wall seconds of the prefill (the time to the first token's logits)
   decode_s       wall seconds of the decode loop; steps: decode steps run
@@ -240,6 +244,7 @@ class _RowStats:
 
   def __init__(self):
     self.sums: dict[str, np.ndarray] = {}
+    self.module_sums: dict[str, np.ndarray] = {}   # the scheme module's per-row values [B, ...]
     self.steps_B = None
     self._pending: list[tuple[dict, np.ndarray]] = []
 
@@ -252,6 +257,11 @@ class _RowStats:
     pending, self._pending = jax.device_get(self._pending), []
     for row_aux, n_B in pending:
       ran_B = (n_B > 0).astype(np.float64)
+      row_aux = dict(row_aux)
+      for k, v in row_aux.pop("scheme", {}).items():
+        v = np.asarray(v, np.float64)
+        v = v * ran_B.reshape((-1,) + (1,) * (v.ndim - 1))
+        self.module_sums[k] = self.module_sums.get(k, 0.0) + v
       counts = "tokens_B" in row_aux
       if self.steps_B is None:
         self.steps_B = np.zeros_like(ran_B)
@@ -265,6 +275,13 @@ class _RowStats:
   def row(self, b: int) -> dict[str, np.ndarray]:
     if self._pending:
       self._flush()
+    out = self._layers_row(b)
+    if self.module_sums:
+      out["scheme"] = {"calls": float(self.steps_B[b]),
+                       **{k: v[b] for k, v in self.module_sums.items()}}
+    return out
+
+  def _layers_row(self, b: int) -> dict[str, np.ndarray]:
     if not self.sums:
       return {}
     if "tokens_B" in self.sums:
@@ -384,6 +401,10 @@ class Engine:
     B = tokens_BT.shape[0]
     row_aux = {k: v.astype(jnp.float32) for k, v in aux.items()
                if _ROW_AUX.search(k) and getattr(v, "ndim", 0) >= 2 and v.shape[1] == B}
+    model_level = {k: v.astype(jnp.float32) for k, v in aux.get("scheme", {}).items()
+                   if _ROW_AUX.search(k) and getattr(v, "ndim", 0) >= 1 and v.shape[0] == B}
+    if model_level:  # the scheme module's per-row values (MATCH: searches_B, retrieved_B)
+      row_aux["scheme"] = model_level
     n_B = jnp.sum(valid_BT, axis=1)
     last_BD = jnp.take_along_axis(hidden_BTD, jnp.maximum(n_B - 1, 0)[:, None, None], axis=1)[:, 0]
     logits_BV = jnp.einsum("bd,dv->bv", last_BD.astype(self.config.compute_dtype),

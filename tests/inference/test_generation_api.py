@@ -198,16 +198,56 @@ def test_routing_stats_equal_the_full_forwards_counts(make, count):
 def test_elastic_stats_hold_each_rows_cached_per_head_mode():
   """Elastic's fa_BK (no token count: a per-row value) is the mean over the steps that ran
   the row: the mode decided at the prefill, equal to the full forward's decision, for the prompt
-  and the generated tokens alike."""
+  and the generated tokens alike; its decode rho_BN (the causal pairs an SSA head skips) equals
+  the count from the sinks + local rule, 0 for FA heads."""
   from tests.attention.test_elastic_inference import PROMPTS as ROWS, _full_forward
   cfg, make = attention.get_scheme("elastic").tiny()
   params = make(0)
-  gen = Engine(cfg, params, cache_len=32).generate(ROWS, 3)
+  gen = Engine(cfg, params, cache_len=32).generate(ROWS, 5)
   _, fa_LBK = _full_forward(cfg, params, ROWS, [len(p) for p in ROWS])
   assert 0 < fa_LBK.mean() < 1  # a real FA / SSA mix
   for b in range(len(ROWS)):
     for part in ("prompt", "generated"):
       np.testing.assert_array_equal(gen.stats[b][part]["fa_BK"], fa_LBK[:, b])
+  # decode rho: per generated token at position p, an SSA head sees the keys j <= p in the sink
+  # blocks (j < ceil(sinks / block) * block) or the local blocks (j // block > p // block -
+  # max(local // block, 1)), out of p + 1; FA heads skip nothing; averaged over the steps
+  o = attention.options(cfg)
+  n_sink, n_local = -(-o.sinks // o.block), max(o.local // o.block, 1)
+  G = cfg.num_heads // cfg.num_kv_heads
+  for b, p0 in enumerate(len(r) for r in ROWS):
+    rho_p = []
+    for p in range(p0, p0 + 4):  # the 4 generated tokens fed back
+      j = np.arange(p + 1)
+      seen = ((j < n_sink * o.block) | (j // o.block > p // o.block - n_local)).sum()
+      rho_p.append(1 - seen / (p + 1))
+    ssa_LN = np.repeat(fa_LBK[:, b] < 0.5, G, axis=1)
+    np.testing.assert_allclose(gen.stats[b]["generated"]["rho_BN"],
+                               np.where(ssa_LN, np.mean(rho_p), 0.0), atol=1e-6)
+    assert gen.stats[b]["generated"]["rho_BN"].max() > 0.1  # past the sinks + local window
+
+
+def test_match_stats_count_one_search_per_block_entered():
+  """MATCH's module stats (Generation.stats[...]['scheme']): a decode step searches (and
+  recomputes the retrieved K/V) only when the row's token enters a new block, i.e. at
+  positions p with p % chunk == 0; every prefill call searches; the chunks read per call are
+  at most the retrieval slots, and some are read (a real retrieval)."""
+  cfg, make = attention.get_scheme("match").tiny()
+  params = make(0)
+  o = attention.options(cfg)
+  rows = [[int(x) for x in np.random.default_rng(b).integers(1, cfg.vocab_size, n)]
+          for b, n in enumerate((10, 5))]
+  gen = Engine(cfg, params, cache_len=32, prefill_chunk=4).generate(rows, 8)
+  read = 0.0
+  for b, p in enumerate(rows):
+    pr, ge = gen.stats[b]["prompt"]["scheme"], gen.stats[b]["generated"]["scheme"]
+    assert pr["calls"] == pr["searches_B"] == -(-len(p) // 4)
+    fed = range(len(p), len(p) + len(gen.tokens[b]) - 1)
+    assert ge["calls"] == len(fed) == 7
+    assert ge["searches_B"] == sum(q % o.chunk == 0 for q in fed)
+    assert 0 <= ge["retrieved_B"] <= ge["calls"] * o.slots
+    read += ge["retrieved_B"]
+  assert read > 0
 
 
 def test_dense_has_no_routing_stats(dense):

@@ -221,8 +221,7 @@ class ElasticLayer(nn.Module):
     fa_BN = jnp.repeat(fa_BK, G, axis=1)
     impl = cfg.attention_impl
     if ctx.decode:
-      heads, rho_BN = (self._decode(attn, q, k, v, ctx, fa_BN, o, impl, first_B),
-                       jnp.zeros((B, N)))
+      heads, rho_BN = self._decode(attn, q, k, v, ctx, fa_BN, o, impl, first_B)
     else:
       heads, rho_BN = self._self_attention(q, k, v, ctx, fa_BN, o, impl)
     out_BTD = attn.project_out(heads)
@@ -292,7 +291,8 @@ class ElasticLayer(nn.Module):
     (prefill) uses block_q = block (the kernels' tile), lists from each query block's first
     and last positions (exact when chunks start at block-aligned positions, as the engine's
     prefill does with a chunk size that `block` divides); other chunks (decode: T = 1) use
-    per-query lists (block_q = 1, exact)."""
+    per-query lists (block_q = 1, exact). Returns (heads, rho_BN: the fraction of this call's
+    causal (query, key) pairs each head skips, `decode_skipped_fraction`)."""
     B, T, N, _ = q.shape
     k_all, v_all, kv_pos, kv_valid = attn.write_cache(k, v, ctx)
     bq = o.block if T % o.block == 0 else 1
@@ -314,7 +314,24 @@ class ElasticLayer(nn.Module):
     mask = ops.MaskSpec(q_positions_BT=ctx.positions_BT, kv_positions_BS=kv_pos,
                         kv_segment_ids_BS=kv_valid,
                         block_lists=ops.BlockLists(lists, mode, block_q=bq, block_k=o.block))
-    return ops.attention(q, k_all, v_all, mask, impl=impl)
+    return (ops.attention(q, k_all, v_all, mask, impl=impl),
+            decode_skipped_fraction(lists, mode, ctx.positions_BT, ctx.valid_BT, bq, o.block))
+
+
+def decode_skipped_fraction(lists_BNQL, mode_BN, positions_BT, valid_BT, block_q: int,
+                            block: int):
+  """float32 [B, N]: the fraction of a decode call's causal (query, key) pairs a head skips
+  (Omega_ESR's rho over the call's valid queries; 0 for HEAD_FULL heads and rows without a
+  query). Slots are positions (the full cache): a query at position p sees, of each listed key
+  block j, the keys j * block .. min(p, (j + 1) * block - 1); it has p + 1 causal keys."""
+  p_BT1 = positions_BT.astype(jnp.int32)[:, None, :, None]
+  lists = jnp.repeat(lists_BNQL, block_q, axis=2)                         # [B, N, T, L]
+  seen = jnp.where(lists >= 0, jnp.clip(p_BT1 + 1 - lists * block, 0, block), 0)
+  ok = jnp.asarray(valid_BT, jnp.float32)[:, None, :]
+  seen_BN = jnp.sum(jnp.sum(seen, -1) * ok, -1)
+  total_BN = jnp.sum((p_BT1[..., 0] + 1) * ok, -1)
+  rho = 1.0 - seen_BN / jnp.maximum(total_BN, 1.0)
+  return jnp.where((mode_BN == ops.HEAD_FULL) | (total_BN == 0), 0.0, rho).astype(jnp.float32)
 
 
 # ----------------------------------------------------------------------------------------------

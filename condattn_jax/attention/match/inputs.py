@@ -281,4 +281,12 @@ class MatchInputs(nn.Module):
     tok, apos, aok = aux_input(o, aux_ids, raw.value, jnp.broadcast_to(
         jnp.arange(S, dtype=jnp.int32), (B, S)), known_S.astype(jnp.int32))
     fields.update(match_aux_pos_BA=apos, match_aux_ok_BA=aok)
-    return tok, fields, {}
+    # per-row serving statistics (the engine's Generation.stats[...]['scheme']): searches_B =
+    # 1 where this call searched and recomputed the row's retrieved K/V (decode: the row
+    # entered a new block; prefill: every call), retrieved_B = the retrieved chunks its
+    # queries read (summed over the call's query blocks that hold a valid query)
+    q_blk = (start_BG < new_len[:, None]) & (start_BG + c > old_len[:, None])     # [B, G]
+    read_B = jnp.sum(jnp.where(q_blk[..., None], ids >= 0, False), axis=(1, 2))
+    stats = dict(searches_B=(fresh & (J > 0)).astype(jnp.float32),
+                 retrieved_B=jnp.where(n > 0, read_B, 0).astype(jnp.float32))
+    return tok, fields, stats
