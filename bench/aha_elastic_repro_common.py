@@ -140,6 +140,46 @@ def train(cfg, params, tc, batch_fn: Callable[[int], dict], *, metrics=("accurac
   return jax.device_get(state.params), curves
 
 
+_FORWARD: dict = {}
+
+
+def correct_and_gates(cfg, params, rows: dict, *, chunk: int = 64):
+  """(ok [rows, T] bool: argmax == target, gate [L, rows, T, N] bool for an AHA config, else
+  None) of the decoder on `rows` (inputs / targets / positions / segment_ids; other keys
+  ignored), `chunk` rows a call; the jitted forward is cached per config (the AHA benches'
+  one eval step: bench/aha_repro.py, bench/aha_window_sweep.py)."""
+  import jax
+  import jax.numpy as jnp
+  from condattn_jax.models.decoder import Decoder
+  aha = cfg.scheme == "aha"
+  if cfg not in _FORWARD:
+    m = Decoder(cfg)
+
+    @jax.jit
+    def f(params, b):
+      (logits, _), st = m.apply({"params": params}, b["inputs"], b["positions"],
+                                b["segment_ids"], mutable=["intermediates"])
+      ok = jnp.argmax(logits, -1) == b["targets"]
+      return ok, (st["intermediates"]["layers"]["gate"][0] if aha else jnp.zeros((1,)))
+    _FORWARD[cfg] = f
+  oks, gates = [], []
+  for i in range(0, len(rows["inputs"]), chunk):
+    b = {k: jnp.asarray(v[i:i + chunk]) for k, v in rows.items()
+         if k in ("inputs", "targets", "positions", "segment_ids")}
+    ok, g = jax.device_get(_FORWARD[cfg](params, b))
+    oks.append(np.asarray(ok))
+    gates.append(np.asarray(g))
+  return np.concatenate(oks), (np.concatenate(gates, axis=1) if aha else None)
+
+
+def history(curves: dict, every: int) -> list:
+  """Per-step curves (rc.train's) as rows {step, <metric>: value} at every `every`-th step and
+  the last (1-based steps)."""
+  n = len(next(iter(curves.values())))
+  return [dict(step=i + 1, **{k: float(v[i]) for k, v in curves.items()})
+          for i in range(n) if (i + 1) % every == 0 or i + 1 == n]
+
+
 def define_flags(flag_values, presets, doc: str):
   """The two repro benches' flags: --preset (names from `presets`, `doc` for the page of its H100
   command) and --seeds (override the preset's seeds)."""

@@ -40,6 +40,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import flags  # noqa: E402
+from bench import aha_elastic_repro_common as rc  # noqa: E402
 from bench import common  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
@@ -50,9 +51,6 @@ import numpy as np  # noqa: E402
 from condattn_jax.attention import configure, convert  # noqa: E402
 from condattn_jax.models.config import ModelConfig  # noqa: E402
 from condattn_jax.models.decoder import Decoder  # noqa: E402
-from condattn_jax.train import optimizer as opt_lib  # noqa: E402
-from condattn_jax.train.state import TrainState  # noqa: E402
-from condattn_jax.train.step import make_train_step  # noqa: E402
 
 
 @dataclasses.dataclass
@@ -158,39 +156,28 @@ def base_config(s: Settings, task: FusedRecall) -> ModelConfig:
                      attention_impl="reference" if jax.default_backend() == "cpu" else "auto")
 
 
-class _TC(dict):
-  __getattr__ = dict.__getitem__
-
-
 ROUTER_REGEX = r"(.*/)?router/.*"
 
 
 def train(cfg: ModelConfig, params, task: FusedRecall, *, steps: int, lr: float, phase: int,
           name: str, router_lr: float | None = None, log=print):
-  """The project's train step (all params, AdamW, cosine; the router at `router_lr` when given)
-  on fresh task rows; returns (params, history)."""
+  """The project's train step through the AHA benches' runner (`rc.train`: all params, AdamW,
+  cosine; the router at `router_lr` when given) on fresh task rows; returns (params, history:
+  rows {step, ce, accuracy[, mu_f]} every `log_every` steps)."""
   s = task.s
   groups = {} if router_lr is None else {"router": {"regex": ROUTER_REGEX, "lr": router_lr}}
-  tc = _TC(num_steps=steps, lr=lr, warmup_frac=0.05, warmup_steps=None, lr_schedule="cosine",
-           end_lr_frac=0.1, grad_clip=1.0, weight_decay=0.0, b1=0.9, b2=0.95, eps=1e-8,
-           trainable_regex=None, param_groups=groups, seed=s.seed, microbatches=1,
-           loss_chunk_size=0)
-  tx, labels, sched = opt_lib.make_optimizer(tc, params)
-  step = jax.jit(make_train_step(cfg, tc, tx, labels, sched), donate_argnums=(0,))
-  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
-  hist, t0 = [], time.time()
-  for i in range(steps):
+  tc = rc.train_config(steps=steps, lr=lr, seed=s.seed, groups=groups)
+
+  def batch_fn(i):
     b = task.batch((phase * 10_000_000) + i * s.batch_size, s.batch_size)
     b.pop("distance")
-    state, m = step(state, jax.tree.map(jnp.asarray, b))
-    if (i + 1) % s.log_every == 0 or i + 1 == steps:
-      m = jax.device_get(m)
-      row = dict(step=i + 1, ce=float(m["ce"]), accuracy=float(m["accuracy"]))
-      if "aha/mu_f" in m:
-        row["mu_f"] = float(m["aha/mu_f"])
-      hist.append(row)
-      log(f"[{name}] {row} ({time.time() - t0:.0f}s)")
-  return jax.device_get(state.params), hist
+    return b
+  metrics = ("ce", "accuracy") + (("aha/mu_f",) if cfg.scheme == "aha" else ())
+  params, curves = rc.train(cfg, params, tc, batch_fn, metrics=metrics, name=name, log=log,
+                            log_every=s.log_every)
+  hist = [{("mu_f" if k == "aha/mu_f" else k): v for k, v in row.items()}
+          for row in rc.history(curves, s.log_every)]
+  return params, hist
 
 
 def evaluate(cfg: ModelConfig, params, task: FusedRecall, windows=()) -> dict[str, Any]:
@@ -198,24 +185,7 @@ def evaluate(cfg: ModelConfig, params, task: FusedRecall, windows=()) -> dict[st
   window of `windows`), and for AHA models the usage: mu_f, per layer, at query tokens, elsewhere."""
   s = task.s
   ev = task.batch(0, s.eval_rows, stream=1)
-  model = Decoder(cfg)
-  is_aha = cfg.scheme == "aha"
-
-  @jax.jit
-  def f(params, b):
-    (logits, _), st = model.apply({"params": params}, b["inputs"], b["positions"],
-                                  b["segment_ids"], mutable=["intermediates"])
-    ok = jnp.argmax(logits, -1) == b["targets"]
-    gate = st["intermediates"]["layers"]["gate"][0] if is_aha else jnp.zeros((1,))
-    return ok, gate
-
-  oks, gates = [], []
-  for i in range(0, s.eval_rows, 64):
-    b = {k: jnp.asarray(v[i:i + 64]) for k, v in ev.items() if k != "distance"}
-    ok, g = jax.device_get(f(params, b))
-    oks.append(np.asarray(ok))
-    gates.append(np.asarray(g))
-  ok = np.concatenate(oks)
+  ok, g = rc.correct_and_gates(cfg, params, ev)
   q = ev["loss_mask"] > 0
   d = ev["distance"]
   res: dict[str, Any] = {"accuracy": float(ok[q].mean()), "queries": int(q.sum())}
@@ -223,8 +193,7 @@ def evaluate(cfg: ModelConfig, params, task: FusedRecall, windows=()) -> dict[st
     near, far = q & (d < w), q & (d >= w)
     res[f"accuracy_within_{w}"] = float(ok[near].mean()) if near.any() else None
     res[f"accuracy_beyond_{w}"] = float(ok[far].mean()) if far.any() else None
-  if is_aha:
-    g = np.concatenate(gates, axis=1)                                    # [L, rows, T, N]
+  if g is not None:                                                      # [L, rows, T, N]
     res["mu_f"] = float(g.mean())
     res["usage_layer"] = [float(x) for x in g.mean(axis=(1, 2, 3))]
     res["usage_at_queries"] = float(g[:, q].mean())
