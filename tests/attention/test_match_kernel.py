@@ -130,3 +130,44 @@ def test_hopper_training_step_runs_the_block_sparse_kernel_without_gathered_keys
   assert not [t for t in targets if "triton" in t.lower()], targets
   assert gathered_kv not in text
   assert gathered_kv in program("gathered")
+
+
+def _serving_cfg(**kw):
+  base = ModelConfig(family="qwen3", qk_norm="head", num_layers=3, vocab_size=16)
+  return attention.configure(base, "match", **{**dict(window=6, chunk=3, top_k=2, swa_ratio=0.7,
+                                                      prefill_last=4), **kw})
+
+
+@pytest.mark.slow
+def test_recomputed_retrieval_block_sparse_equals_gathered():
+  """Recomputed retrieved K/V on the block-sparse path (the retrieved chunks' K/V appended after
+  the keys, listed by their block): the engine's chunked prefill (5-token calls over 3-token
+  blocks: calls that start inside a block, several blocks a call, the window ring; decode steps
+  gather) == the gathered path's serving forward (retrieved_kv='recompute', last-m retrieval),
+  and that forward on the block-sparse path == gathered (fp32)."""
+  from condattn_jax.attention import match
+  from condattn_jax.inference import Engine
+  rng = np.random.default_rng(3)
+  prompts = [list(rng.integers(1, 6, n)) for n in (29, 22, 9)]
+  cfg = _serving_cfg(attention_path="block_sparse")
+  params = nn.unbox(jax.jit(Decoder(cfg).init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
+                    ["params"])
+  gen = Engine(cfg, params, cache_len=48, prefill_chunk=5).generate(prompts, 7, return_logits=True)
+  seqs = [p + g[:-1] for p, g in zip(prompts, gen.tokens)]
+  L = max(map(len, seqs))
+  tok, seg = np.zeros((3, L), np.int32), np.zeros((3, L), np.int32)
+  for b, s in enumerate(seqs):
+    tok[b, :len(s)], seg[b, :len(s)] = s, 1
+  pos = np.broadcast_to(np.arange(L, dtype=np.int32), tok.shape)
+  P = np.asarray([len(p) for p in prompts], np.int32)
+
+  def serving(c):
+    return np.asarray(jax.jit(lambda p: match.serving_forward(Decoder(c), p, tok, pos, seg, None,
+                                                              prompt_lengths_B=P)[0])(params))
+  want = serving(_serving_cfg(attention_path="gathered"))
+  got = serving(cfg)
+  live = seg != 0
+  np.testing.assert_allclose(got[live], want[live], atol=2e-5)
+  for b, p in enumerate(prompts):
+    np.testing.assert_allclose(gen.logits[b], want[b, len(p) - 1:len(seqs[b])], atol=1e-4,
+                               rtol=0)

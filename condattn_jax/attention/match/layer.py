@@ -7,14 +7,19 @@ model keeps). Parameter names are the dense layer's, so a dense checkpoint loads
 An SWA layer, for query t in block g (slots g*c .. g*c+c-1, see retrieval.py):
     visible(t, s) = causal AND (t - s < w  OR  s in one of block g's retrieved chunks)
 Two ways to run it (options.attention_path; 'auto' picks per lowering platform):
-Block-sparse (full forward with retrieved_kv='sequence': training, one-shot prefill): one
-ops.attention call over the whole row with block lists: query block g (block_q = c) of every
-head lists block g's retrieved chunks (block_k = c) in head mode HEAD_WINDOW_BLOCKS (window OR
-listed blocks whole, under causality and documents): pallas_kernels.block_sparse's Mosaic GPU
-kernel on Hopper, no gathered keys (K/V read in place: a training forward's memory is SWA's plus
-the kernel's step tables). The retrieved chunks lie before the window of every query of their
-block (retrieval.py's candidates), so window and listed blocks never overlap and the union is
-what the gathered path computes.
+Block-sparse (every call of more than one token): one ops.attention call over the whole row
+with block lists: query block g (block_q = c) of every head lists block g's retrieved chunks
+(block_k = c) in head mode HEAD_WINDOW_BLOCKS (window OR listed blocks whole, under causality
+and documents): pallas_kernels.block_sparse's Mosaic GPU kernel on Hopper, no gathered keys (K/V
+read in place: a training forward's memory is SWA's plus the kernel's step tables). With
+retrieved_kv='sequence' the lists name chunks of the row; with recomputed retrieved K/V
+(recompute mode, the engine's prefill calls) every block's retrieved K/V are appended after the
+keys (this forward's, or the cache's after the write) at a position before every query and
+outside every window, and block g lists its own; a call starting inside a block takes its
+queries shifted so that MATCH's blocks are the kernel's query tiles. The retrieved chunks lie
+before the window of every query of their block (retrieval.py's candidates), so window and
+listed blocks never overlap and the union is what the gathered path computes. One-token decode
+steps gather.
 Gathered (never a dense T x T mask): per block, gather the block's queries [c], its local keys
 (slots g*c-w+1 .. g*c+c-1: the window of every query of the block) and its k*c retrieved keys,
 and run ops.attention on [B*G, c] x [B*G, w+c-1+k*c] with explicit positions (impl 'auto': the
@@ -48,6 +53,10 @@ from condattn_jax.attention.match.inputs import _take, block_inputs
 from condattn_jax.attention import options
 from condattn_jax.models.context import LayerContext
 from condattn_jax.models.layers import MLP, Attention, RMSNorm
+
+
+_AFTER_ALL = 2 ** 30     # key position of padding slots: after every query (never visible)
+_BEFORE_ALL = -2 ** 30   # retrieved keys: before every query, outside every window (listed only)
 
 
 def block_sparse_runs(o, q_shape, kv_shape, dtype, platform) -> bool:
@@ -152,9 +161,10 @@ class MatchLayer(nn.Module):
     return x_BAD, z, z
 
   # ------------------------------------------------------------------------- attention
-  def _block_attend(self, q, k, v, ctx: LayerContext, f: dict, retrieved):
+  def _block_attend(self, q, k, v, ctx: LayerContext, f: dict, retrieved, cache=None):
     """Window OR retrieved chunks, per block (see the module docstring). retrieved: None (the
-    chunks' K/V are gathered from this forward's k/v) or (k, v, ok) [B, G, R, ...]."""
+    chunks' K/V are gathered from this forward's k/v) or (k, v, ok) [B, G, R, ...]. cache
+    (decode): write_cache's (k, v, positions, valid) when the caller wrote the chunk already."""
     o = options(self.config)
     c, w = o.chunk, o.window
     B, T, N, H = q.shape
@@ -171,7 +181,8 @@ class MatchLayer(nn.Module):
     # local keys: the window of every query of the block
     ls = start[..., None] - (w - 1) + jnp.arange(w + c - 1, dtype=jnp.int32)       # slots
     if ctx.decode:
-      k_all, v_all, kv_pos, kv_valid = self.self_attn.write_cache(k, v, ctx)
+      k_all, v_all, kv_pos, kv_valid = (self.self_attn.write_cache(k, v, ctx) if cache is None
+                                        else cache)
       ring = k_all.shape[1] - T
       if ring < ctx.cache_len:  # window ring (before the write) + this chunk
         idx = jnp.where(ls >= base[:, None, None], ring + ls - base[:, None, None], ls % ring)
@@ -241,6 +252,65 @@ class MatchLayer(nn.Module):
     return ops.by_lowering_platform(q, k, v, mask, default=gathered, cuda=make, rocm=make,
                                     tpu=make)
 
+  def _retrieved_attend(self, q, k, v, ctx: LayerContext, f: dict, retrieved):
+    """Recomputed retrieved K/V (retrieved_kv='recompute', decode, the engine's prefill):
+    (k, v, ok) [B, G, R, ...] per block. A call of one token (decode) gathers; otherwise
+    block-sparse or gathered as `_sequence_attend` decides (options.attention_path): the block-
+    sparse call takes the queries shifted so that MATCH's blocks are its query tiles, the keys
+    of this forward (or of the cache after the write) followed by every block's retrieved K/V,
+    which block g lists whole (they sit at a position no window reaches and every query is
+    after: only the listing makes them visible)."""
+    o = options(self.config)
+    cache = self.self_attn.write_cache(k, v, ctx) if ctx.decode else None
+    kw = {} if cache is None else dict(cache=cache)
+    gathered = lambda: self._block_attend(q, k, v, ctx, f, retrieved, **kw)
+    if o.attention_path == "gathered" or q.shape[1] == 1:
+      return gathered()
+    c, w = o.chunk, o.window
+    B, T, N, H = q.shape
+    start, base = f["match_block_BG"], f["match_base_B"]
+    G = start.shape[1]
+    valid = (ctx.valid_BT.astype(jnp.int32) if ctx.decode or ctx.segment_ids_BT is None
+             else ctx.segment_ids_BT.astype(jnp.int32))
+    # kernel query row j = this call's query j - (base - block 0's first slot): MATCH's block g
+    # is query tile g
+    t_BJ = jnp.arange(G * c, dtype=jnp.int32)[None, :] + (start[:, :1] - base[:, None])
+    inside = (t_BJ >= 0) & (t_BJ < T)
+    shift = lambda x: jnp.where(inside.reshape(inside.shape + (1,) * (x.ndim - 2)),
+                                _take(x, t_BJ), 0).astype(x.dtype)
+    unshift = lambda x: _take(x, jnp.arange(T, dtype=jnp.int32)[None, :] - t_BJ[:, :1])
+    if cache is None:
+      k_all, v_all, kv_pos, kv_seg = k, v, ctx.positions_BT.astype(jnp.int32), valid
+    else:
+      k_all, v_all, kv_pos, kv_seg = cache
+    S0 = k_all.shape[1]
+    pad = -(-S0 // c) * c - S0
+    kr, vr, r_ok = retrieved
+    R = kr.shape[2]
+    r_seg = jnp.where(r_ok != 0, 1 if ctx.decode else f["match_doc_BG"][..., None], 0)
+    cat = lambda a, fill, b: jnp.concatenate(
+        [jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=fill),
+         b.reshape((B, G * R) + b.shape[3:]).astype(a.dtype)], axis=1)
+    keys = (cat(k_all, 0, kr), cat(v_all, 0, vr))
+    kv_pos = cat(kv_pos.astype(jnp.int32), _AFTER_ALL, jnp.full((B, G, R), _BEFORE_ALL, jnp.int32))
+    kv_seg = cat(kv_seg.astype(jnp.int32), 0, r_seg.astype(jnp.int32))
+    first = (S0 + pad) // c + jnp.arange(G, dtype=jnp.int32)[:, None] * (R // c)
+    lists = jnp.broadcast_to(first + jnp.arange(R // c, dtype=jnp.int32), (B, N, G, R // c))
+    mask = ops.MaskSpec(
+        q_positions_BT=shift(ctx.positions_BT.astype(jnp.int32)), kv_positions_BS=kv_pos,
+        q_segment_ids_BT=shift(valid), kv_segment_ids_BS=kv_seg, window=w,
+        block_lists=ops.BlockLists(lists, jnp.full((B, N), ops.HEAD_WINDOW_BLOCKS, jnp.int32),
+                                   block_q=c, block_k=c, window_blocks=True))
+    listed = lambda qs, ks, vs, m: ops.attention(qs, ks, vs, m, impl=o.impl)
+    if o.attention_path == "block_sparse":
+      return unshift(listed(shift(q), *keys, mask))
+    make = lambda platform: (listed if block_sparse_runs(o, (B, G * c, N, H), keys[0].shape,
+                                                         q.dtype, platform)
+                             else lambda *_: shift(gathered()))
+    return unshift(ops.by_lowering_platform(shift(q), *keys, mask,
+                                            default=lambda *_: shift(gathered()), cuda=make,
+                                            rocm=make, tpu=make))
+
   def _plain_attend(self, q, k, v, ctx: LayerContext):
     """Full layers, or SWA without retrieval (with StreamingLLM sinks when options.sinks)."""
     o = options(self.config)
@@ -299,6 +369,8 @@ class MatchLayer(nn.Module):
     q, k, v = self.self_attn.qkv(self._attn_in(x_main), ctx.positions_BT)
     if retrieves and retrieved is None and not ctx.decode:
       heads = self._sequence_attend(q, k, v, ctx, f)
+    elif retrieves and retrieved is not None:
+      heads = self._retrieved_attend(q, k, v, ctx, f, retrieved)
     elif retrieves:
       heads = self._block_attend(q, k, v, ctx, f, retrieved)
     else:

@@ -49,11 +49,12 @@ class MatchOptions:
                 query of c tokens (their results padded to `slots`).
   sinks         StreamingLLM sink tokens kept visible in the SWA layers (full forward only).
   impl          ops.attention impl of the SWA layers' attention ('auto': per lowering platform).
-  attention_path how an SWA layer's full forward with retrieved_kv='sequence' (training, one-shot
-                prefill) runs "window OR retrieved chunks" (layer.py):
+  attention_path how an SWA layer runs "window OR retrieved chunks" in a call of more than one
+                token (training, full forwards, the engine's prefill calls; layer.py):
                 'block_sparse'  one ops.attention call over the whole row with block lists
                                 (pallas_kernels.block_sparse, head mode HEAD_WINDOW_BLOCKS: no
-                                gathered keys; on CPU the reference, O(T^2) mask);
+                                gathered keys; recomputed retrieved K/V appended after the keys;
+                                on CPU the reference, O(T^2) mask);
                 'gathered'      per block, its window and retrieved keys gathered into
                                 [B*G, w+c-1+k*c] (the compacted kernel; (w+c+k*c)/c times K/V);
                 'auto'          block_sparse where the lowering platform's resolver has a block-
@@ -61,7 +62,7 @@ class MatchOptions:
                                 128, head_dim 64/128, bf16/f16, impl auto/pallas/mosaic_gpu),
                                 else gathered (CPU, TPU, other GPUs).
                 Both compute the same attention (retrieved chunks lie before every block query's
-                window, never overlap it). Recompute mode and decode always gather.
+                window, never overlap it). One-token decode steps always gather.
   """
   window: int = 1024
   chunk: int = 128
