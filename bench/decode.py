@@ -7,6 +7,12 @@ against the bytes a step must read, per scheme, with a plain-XLA decode step as 
     # continuous batching on one H100 (~4 min): 64 requests, prompts 256..4096, budgets 16..256
     CONDATTN_GIT_COMMIT=<rev> python -m bench.decode --name=serve --only=serve \
         --serve_requests=64 --serve_slots=8 --serve_prompt=256,4096 --serve_new=16,256
+    # does LLaMA-2-7B dense prefill (4K chunks) + decode at 64K fit one 80 GB card (~3 min)
+    CONDATTN_GIT_COMMIT=<rev> python -m bench.decode --name=fits --only=fits --fits
+    # every scheme x B {1, 8, 32} x 8K / 32K / 128K that fits (GPU_ALL_PLAN, 54 rows), in 14
+    # ten-minute commands k = 0..13 (each keeps its points' dense and scheme rows together)
+    CONDATTN_GIT_COMMIT=<rev> python -m bench.decode --preset=gpu_all --part=$k/14 \
+        --name=all_$k --baseline=false --prefill_T=0 --deadline_s=480
 
 Per row (scheme, shapes, B, T): a model of the named shapes with the scheme at its recipe's
 default knobs (configs/<recipe>.py; window-like knobs scaled by T / the recipe's seq_len, see
@@ -31,7 +37,8 @@ token and KV head):
              decode steps, aux `full_BN`)
   elastic    kv * sum_{l,b,k} (a_lbk * T + (1 - a_lbk) * min(sinks + local, T))
              (a_lbk = the decode steps' FA rate per KV head, aux `fa_BK`; SSA = sinks + window)
-  match      L * B * K * kv * (min(W, T) + top_k * chunk)   (window + the retrieved chunks)
+  match      L * K * kv * (B * min(W, T) + chunk * sum_b r_b)   (window + the retrieved chunks:
+             r_b = the chunks row b's decode steps read, engine stats `retrieved_B`; <= top_k)
   segmented  the scheme's whole decode state (`cache_bytes`: every layer's segment state is read)
 limit_ms = bytes / the card's bandwidth (3.35 TB/s H100, 4.8 TB/s H200; --bandwidth_tbps
 elsewhere); x_limit = ms / limit_ms. For a scheme row with a dense row of the same shapes, B and
@@ -52,6 +59,12 @@ and budgets (max_new_tokens) through `Engine.serve(slots=S)` against `Engine.gen
 consecutive groups of S (each group runs until its largest budget), same requests, greedy;
 tokens_per_s = the sum of the budgets / wall (a timed run after an untimed one).
 
+Fits (`--fits`, `fits_rows`): the dense prefill-chunk and decode programs of --fits_shapes at
+--fits_T compiled from abstract arguments; their memory analysis against the card (on CPU the
+reference attention's [N, chunk, T] scores make the prefill figure meaningless: a GPU run
+answers). --preset=gpu_all: GPU_ALL_PLAN (`gpu_all_plan`: every scheme on its shapes with dense
+at the same points, where weights + cache <= 90% of 78 GiB), split by --part=k/n.
+
 Targets (pre-registered: issue 33's, recorded on the run as `targets` [{name, met, detail}], met
 or not, never asserted: today they are the baseline): dense B=1 <= 2x the limit at 8K and <= 1.5x
 at 32K and 128K, B=8 at 32K <= 1.5x; the engine faster than both baselines at every dense point;
@@ -65,6 +78,7 @@ rows done); rows that did not run are recorded with their reason; prints a table
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 import statistics
@@ -131,6 +145,75 @@ GPU_PLAN = [
     ("elastic", None, 1, 32768), ("segmented", None, 1, 32768), ("dense", "llama2-7b", 1, 32768),
     ("match", None, 1, 32768), ("l2a", None, 8, 32768), ("dense", None, 32, 32768),
 ]
+# --preset=gpu_all: every scheme on its shapes (and dense on the same shapes, for the ratios),
+# B in ALL_B, T in ALL_T, the rows whose weights + cache fit FIT_FRACTION of CARD_BYTES; split
+# over ten-minute device commands with --part=k/n (rows k, k + n, ...).
+ALL_B, ALL_T = (1, 8, 32), (8192, 32768, 131072)
+CARD_BYTES = 78 * 2**30   # what one H100 80GB gives a process (the device tool: ~78 GiB)
+FIT_FRACTION = 0.9
+
+
+# gpu_all_plan()'s result (tracing every model at every point takes minutes; the slow test
+# tests/bench/test_decode_bench.py recomputes it)
+GPU_ALL_PLAN = [
+    (s, sh, B, T) for s, sh, pts in (
+        ("dense", "qwen2.5-1.5b", "1/8K 1/32K 1/128K 8/8K 8/32K 8/128K 32/8K 32/32K"),
+        ("l2a", "qwen2.5-1.5b", "1/8K 1/32K 1/128K 8/8K 8/32K 8/128K 32/8K 32/32K"),
+        ("dense", "olmo2-1b", "1/8K"), ("aha", "olmo2-1b", "1/8K"),
+        ("dense", "olmo2-1b", "1/32K"), ("aha", "olmo2-1b", "1/32K"),
+        ("dense", "olmo2-1b", "1/128K"), ("aha", "olmo2-1b", "1/128K"),
+        ("dense", "olmo2-1b", "8/8K"), ("aha", "olmo2-1b", "8/8K"),
+        ("dense", "olmo2-1b", "8/32K"), ("aha", "olmo2-1b", "8/32K"),
+        ("dense", "olmo2-1b", "32/8K"), ("aha", "olmo2-1b", "32/8K"),
+        ("elastic", "qwen2.5-1.5b", "1/8K 1/32K 1/128K 8/8K 8/32K 8/128K 32/8K 32/32K"),
+        ("match", "qwen2.5-1.5b", "1/8K 1/32K 1/128K 8/8K 8/32K 8/128K 32/8K 32/32K 32/128K"),
+        ("dense", "llama2-7b", "1/8K"), ("segmented", "llama2-7b", "1/8K"),
+        ("dense", "llama2-7b", "1/32K"), ("segmented", "llama2-7b", "1/32K 1/128K"),
+        ("dense", "llama2-7b", "8/8K"), ("segmented", "llama2-7b", "8/8K 8/32K 8/128K"))
+    for B, T in ((int(p.split("/")[0]), int(p.split("/")[1][:-1]) * 1024) for p in pts.split())]
+
+
+def by_point(rows):
+  """Rows ordered by point (shapes, B, T), dense first at each: a --part keeps a point whole,
+  so its scheme rows find their dense row in the same run (the ratios need it)."""
+  order = list(SCHEMES)
+  return sorted(rows, key=lambda r: (r[1], r[2], r[3], order.index(r[0])))
+
+
+def part_of(rows, part: str):
+  """Part k of n (--part=k/n): the k-th of n contiguous slices of the points (each point's rows
+  together), as even in rows as the points allow."""
+  k, n = (int(x) for x in part.split("/"))
+  if not 0 <= k < n:
+    raise ValueError(f"bench.decode --part={part}: k/n with 0 <= k < n.")
+  points = []
+  for r in rows:
+    if not points or points[-1][0][1:] != r[1:]:
+      points.append([])
+    points[-1].append(r)
+  total, out, done = len(rows), [], 0
+  for pt in points:  # the point goes to the part its first row falls in
+    if done * n // total == k:
+      out += pt
+    done += len(pt)
+  return out
+
+
+def gpu_all_plan() -> list[tuple[str, str, int, int]]:
+  """Every scheme on its shapes (dense first at each point), B in ALL_B, T in ALL_T, where
+  `resident_bytes` <= FIT_FRACTION * CARD_BYTES."""
+  out = []
+  for scheme in SCHEMES:
+    shapes = SCHEMES[scheme][2]
+    for B in ALL_B:
+      for T in ALL_T:
+        for s in (("dense", scheme) if scheme != "dense" else ("dense",)):
+          row = (s, shapes, B, T)
+          if row not in out and resident_bytes(s, shapes, B, T) <= FIT_FRACTION * CARD_BYTES:
+            out.append(row)
+  return out
+
+
 TEST_PLAN = [("dense", None, 1, 64), ("dense", None, 2, 64), ("l2a", None, 2, 64), ("match", None, 1, 64),
              ("aha", None, 1, 64), ("dense", "olmo2-1b", 1, 64), ("elastic", None, 1, 64),
              ("segmented", None, 1, 64), ("dense", "llama2-7b", 1, 64)]
@@ -138,8 +221,19 @@ TEST_PLAN = [("dense", None, 1, 64), ("dense", None, 2, 64), ("l2a", None, 2, 64
 
 def define_flags():
   fv = common.flag_values()
-  flags.DEFINE_enum("preset", "gpu", ["gpu", "test"], "gpu: the issue's shapes and GPU_PLAN; "
-                    "test: tiny shapes on any device (seconds)", flag_values=fv)
+  flags.DEFINE_enum("preset", "gpu", ["gpu", "gpu_all", "test"], "gpu: the issue's shapes "
+                    "and GPU_PLAN; gpu_all: every scheme x B x T that fits (gpu_all_plan, split "
+                    "with --part); test: tiny shapes on any device (seconds)", flag_values=fv)
+  flags.DEFINE_string("part", None, "k/n: run rows k, k + n, ... of the plan (0 <= k < n)",
+                      flag_values=fv)
+  flags.DEFINE_bool("fits", False, "compile (abstract arguments, nothing allocated) the dense "
+                    "prefill-chunk and decode programs at --fits_T on --fits_shapes and record "
+                    "their memory analysis against the card (fits_rows)", flag_values=fv)
+  flags.DEFINE_string("fits_shapes", "llama2-7b", "shapes of the fits check", flag_values=fv)
+  flags.DEFINE_integer("fits_T", 65536, "context of the fits check", flag_values=fv)
+  flags.DEFINE_integer("fits_chunk", 4096, "prefill chunk of the fits check", flag_values=fv)
+  flags.DEFINE_float("card_gib", None, "memory of the card for the fits check (default: the "
+                     "device's bytes_limit, else 78 GiB: one H100 80GB)", flag_values=fv)
   flags.DEFINE_list("only", [], "schemes to run (default: every scheme of the plan)",
                     flag_values=fv)
   flags.DEFINE_list("rows", [], "explicit rows scheme/B/T[/shapes] instead of the preset's plan",
@@ -239,8 +333,7 @@ def scheme_config(scheme: str, shapes: str, T: int, override: dict | None = None
   return dataclasses.replace(base, scheme=mc.scheme, scheme_kwargs=tuple(sorted(kw.items()))), knobs
 
 
-def init_params(cfg, seed: int = 0):
-  """Random-init params of `cfg`, cast to its dtype inside one jit (unboxed)."""
+def _init_fn(cfg):
   import flax.linen as nn
   import jax
   import jax.numpy as jnp
@@ -250,7 +343,37 @@ def init_params(cfg, seed: int = 0):
   def init(key):
     p = nn.meta.unbox(Decoder(cfg).init(key, jnp.zeros((1, 8), jnp.int32))["params"])
     return jax.tree.map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, p)
-  return jax.jit(init)(jax.random.key(seed))
+  return init
+
+
+def init_params(cfg, seed: int = 0):
+  """Random-init params of `cfg`, cast to its dtype inside one jit (unboxed)."""
+  import jax
+  return jax.jit(_init_fn(cfg))(jax.random.key(seed))
+
+
+def abstract_params(cfg):
+  """The params of `cfg` as ShapeDtypeStructs (nothing allocated)."""
+  import jax
+  return jax.eval_shape(_init_fn(cfg), jax.random.key(0))
+
+
+def resident_bytes(scheme: str, shapes: str, B: int, T: int) -> int:
+  """Weights + the engine's cache (cache_len T + EXTRA, the scheme's own cache structure) of a
+  row, from abstract shapes: what a row holds before any temporary (the gpu_all plan keeps the
+  rows where it is <= FIT_FRACTION of the card). Every cache leaf is batch-first
+  (tests/schemes/test_serving.py), so the cache is B x one row's."""
+  weights, row = _resident(scheme, shapes, T)
+  return weights + B * row
+
+
+@functools.lru_cache(maxsize=None)
+def _resident(scheme: str, shapes: str, T: int) -> tuple[int, int]:
+  from condattn_jax.inference import Engine
+  cfg, _ = scheme_config(scheme, shapes, T)
+  params = abstract_params(cfg)
+  eng = Engine(cfg, params, cache_len=T + EXTRA)
+  return nbytes(params), nbytes(eng.cache_shapes(1))
 
 
 def nbytes(tree) -> int:
@@ -277,14 +400,20 @@ def rates(row_aux_steps) -> dict:
   import numpy as np
   if not row_aux_steps or not row_aux_steps[0]:
     return {}
-  sums = {}
+  sums, module = {}, {}
   for aux in row_aux_steps:
     for k, v in aux.items():
-      sums[k] = sums.get(k, 0.0) + np.asarray(v, np.float64)
+      if k == "scheme":  # the scheme module's per-row values [B]: mean per step
+        for m, x in v.items():
+          module[m] = module.get(m, 0.0) + np.asarray(x, np.float64) / len(row_aux_steps)
+      else:
+        sums[k] = sums.get(k, 0.0) + np.asarray(v, np.float64)
   if "tokens_B" in sums:
     tok = np.maximum(sums.pop("tokens_B"), 1.0)
-    return {k: v / tok.reshape(tok.shape + (1,) * (v.ndim - 2)) for k, v in sums.items()}
-  return {k: v / len(row_aux_steps) for k, v in sums.items()}
+    out = {k: v / tok.reshape(tok.shape + (1,) * (v.ndim - 2)) for k, v in sums.items()}
+  else:
+    out = {k: v / len(row_aux_steps) for k, v in sums.items()}
+  return {**out, **{f"scheme/{m}": v for m, v in module.items()}}
 
 
 def step_bytes(scheme: str, cfg, B: int, T: int, rate: dict, state_bytes: int) -> dict:
@@ -312,8 +441,13 @@ def step_bytes(scheme: str, cfg, B: int, T: int, rate: dict, state_bytes: int) -
     return dict(kv_bytes=int(kv * (a * T + (1 - a) * ssa).sum()),
                 formula="kv*sum(a_lbk*T + (1-a_lbk)*min(sinks+local,T))", rate=float(a.mean()))
   if scheme == "match":
-    return dict(kv_bytes=int(L * B * K * kv * (min(o.window, T) + o.top_k * o.chunk)),
-                formula="L*B*K*kv*(min(W,T) + top_k*chunk)", rate=None)
+    r_B = rate.get("scheme/retrieved_B")  # chunks a decode step read, per row (engine stats)
+    if r_B is None:
+      return dict(kv_bytes=int(L * B * K * kv * (min(o.window, T) + o.top_k * o.chunk)),
+                  formula="L*B*K*kv*(min(W,T) + top_k*chunk)", rate=None)
+    return dict(kv_bytes=int(L * K * kv * (B * min(o.window, T) + o.chunk * r_B.sum())),
+                formula="L*K*kv*(B*min(W,T) + chunk*sum(r_b))", rate=float(r_B.mean()),
+                searches_per_step=float(rate["scheme/searches_B"].mean()))
   if scheme == "segmented":
     return dict(kv_bytes=int(state_bytes), formula="cache_bytes(decode state)", rate=None)
   raise ValueError(f"bench.decode: no bytes formula for scheme {scheme!r}")
@@ -678,6 +812,56 @@ def serve_rows(F, log) -> list[dict]:
   return rows
 
 
+def fits_rows(F, log) -> list[dict]:
+  """Dense at --fits_T on --fits_shapes, B = 1 (issue 33: LLaMA-2-7B, 4K-chunk prefill + decode
+  at 64K on one 80 GB card): the engine's prefill-chunk program ([1, fits_chunk] with the
+  prompt lengths) and decode program ([1, 1]) compiled from abstract arguments (weights and
+  cache never allocated) on this backend; per program its memory analysis (argument / output /
+  alias / temp bytes, peak_est) and fits = peak_est <= the card's bytes. A run of the prompt
+  then its decode holds at most the larger peak (the cache is donated: aliased, held once).
+  Only a GPU run answers the GPU question (the CPU reference attention materialises the chunk's
+  [N, chunk, T] scores, which cuDNN never does): the test preset checks the mechanism."""
+  import jax
+  import jax.numpy as jnp
+  from condattn_jax.inference import Engine
+  shapes = F.fits_shapes if F.preset != "test" else TINY_SHAPES.get(F.fits_shapes, F.fits_shapes)
+  T, chunk = F.fits_T, F.fits_chunk
+  cfg, _ = scheme_config("dense", shapes, T)
+  params = abstract_params(cfg)
+  eng = Engine(cfg, params, cache_len=T + EXTRA, prefill_chunk=chunk)
+  cache = eng.cache_shapes(1)
+  if F.card_gib:
+    card = int(F.card_gib * 2**30)
+  else:
+    stats = jax.devices()[0].memory_stats() if jax.default_backend() == "gpu" else None
+    card = int((stats or {}).get("bytes_limit", CARD_BYTES))
+  sds = lambda shape, dt: jax.ShapeDtypeStruct(shape, dt)
+  rows = []
+  for mode, C in (("prefill_chunk", chunk), ("decode", 1)):
+    r = dict(scheme="dense", kind="fits", mode=mode, shapes=shapes, B=1, T=T, chunk=C,
+             platform=jax.default_backend(), weight_bytes=nbytes(params),
+             cache_bytes=nbytes(cache), card_bytes=card, status="running")
+    try:
+      args = (params, cache, sds((1, C), jnp.int32), sds((1, C), jnp.int32), sds((1, C), bool),
+              sds((1, cfg.vocab_size), jnp.float32))
+      if mode == "prefill_chunk":
+        args += (sds((1,), jnp.int32),)
+      t0 = time.perf_counter()
+      compiled = Engine._step.lower(eng, *args).compile()
+      r["compile_s"] = time.perf_counter() - t0
+      r.update(_mem(compiled))
+      r["over_resident_bytes"] = r["peak_est_bytes"] - r["weight_bytes"] - r["cache_bytes"]
+      r.update(fits=r["peak_est_bytes"] <= card, status="ok")
+    except Exception as e:
+      r.update(status="error", error=f"{type(e).__name__}: {str(e)[:300]}")
+      traceback.print_exc()
+    log(f"  fits {mode} {shapes} T={T}: peak {r.get('peak_est_bytes', 0) / 2**30:.2f} GiB of "
+        f"{card / 2**30:.2f} (weights {r['weight_bytes'] / 2**30:.2f} + cache "
+        f"{r['cache_bytes'] / 2**30:.2f}) fits={r.get('fits')}")
+    rows.append(r)
+  return rows
+
+
 # ------------------------------------------------------------------------------------------------
 # Derived numbers and claims
 # ------------------------------------------------------------------------------------------------
@@ -730,6 +914,12 @@ def targets_of(rows: list[dict], dense_shapes: str) -> list[dict]:
     add(f"{r['scheme']} ({r['shapes']} B={r['B']} T={r['T']}) >= 0.9x its bytes-bound speedup",
         r["achieved"] >= 0.9, bound=r["bound_speedup"], speedup=r["speedup"],
         achieved=r["achieved"])
+  fits = [r for r in ok if r.get("kind") == "fits"]
+  if len(fits) == 2:
+    add(f"dense {fits[0]['shapes']} prefill ({fits[0]['chunk']}-token chunks) + decode at "
+        f"T={fits[0]['T']} fits the card ({fits[0]['platform']})",
+        all(r["fits"] for r in fits), peak_bytes=max(r["peak_est_bytes"] for r in fits),
+        card_bytes=fits[0]["card_bytes"])
   sv, bt = find(kind="serve", mode="serve"), find(kind="serve", mode="batched_generate")
   if sv is not None and bt is not None:
     add(f"continuous batching ({sv['requests']} requests, {sv['B']} slots) faster than one "
@@ -752,7 +942,11 @@ def plan(F) -> list[tuple[str, str, int, int]]:
   out = []
   explicit = [(p[0], p[3] if len(p) > 3 else None, int(p[1]), int(p[2]))
               for p in (r.split("/") for r in F.rows)]
-  for scheme, shapes, B, T in explicit or (TEST_PLAN if tiny else GPU_PLAN):
+  base = explicit or (TEST_PLAN if tiny else GPU_ALL_PLAN if F.preset == "gpu_all"
+                      else GPU_PLAN)
+  if F.part:
+    base = part_of(by_point(base), F.part)
+  for scheme, shapes, B, T in base:
     shapes = shapes or SCHEMES[scheme][2]
     if tiny:
       shapes = TINY_SHAPES.get(shapes, shapes)
@@ -770,6 +964,11 @@ def table(rows: list[dict]) -> str:
   out = [head]
   f = lambda v, fmt: format(v, fmt) if isinstance(v, (int, float)) else "-"
   for r in rows:
+    if r.get("kind") == "fits":
+      out.append(f"fits {r['mode']:14s} {r['shapes']} T={r['T']} chunk={r['chunk']}: peak "
+                 f"{f(r.get('peak_est_bytes', 0) / 2**30, '.2f')} GiB, card "
+                 f"{r['card_bytes'] / 2**30:.2f} GiB, fits={r.get('fits')} {r.get('error', '')}")
+      continue
     if r.get("kind") == "serve":
       out.append(f"serve {r['mode']:16s} {r['scheme']} {r['shapes']} slots={r['B']} "
                  f"requests={r['requests']}: {f(r.get('wall_s'), '.2f')} s "
@@ -853,6 +1052,9 @@ def main(argv=None) -> dict:
       not F.only or "dense" in F.only) and not (
       F.deadline_s and time.perf_counter() - t_start > F.deadline_s):
     run["rows"].extend(prefill_rows(prefill_T, dense_shapes, F, log))
+  if F.fits:
+    run["rows"].extend(fits_rows(F, log))
+    save()
   if F.serve_requests > 0 and not (F.deadline_s and time.perf_counter() - t_start > F.deadline_s):
     log(f"serve {F.serve_requests} requests through {F.serve_slots} slots")
     run["rows"].extend(serve_rows(F, log))

@@ -6,7 +6,7 @@ from bench.claims import approx, claim, expect, quote
 
 H100 = "decode_NVIDIA_H100_80GB_HBM3.json"
 RUNS = ("main", "rest", "match", "aha_rate", "match128", "inplace_cudnn", "split_kv",
-        "split_kv_no_cond")
+        "split_kv_no_cond", "serve", "fits") + tuple(f"all_{k}" for k in range(14))
 
 
 @claim("decode", run=RUNS, file="decode_*NVIDIA*")
@@ -30,6 +30,12 @@ def rows_and_targets_follow_from_the_stored_numbers(rec, run):
     d = eng.get(("dense", r["shapes"], r["B"], r["T"]))
     if r["scheme"] != "dense" and d is not None:
       expect(r["achieved"] == approx(d["ms"] / r["ms"] / (d["bytes"] / r["bytes"])), r["scheme"])
+  for r in ok:
+    if r.get("kind") == "fits":  # peak from the memory analysis; fits against the card
+      expect(r["peak_est_bytes"] == r["arg_bytes"] + r["out_bytes"] - r["alias_bytes"]
+             + r["temp_bytes"] and r["fits"] == (r["peak_est_bytes"] <= r["card_bytes"]), r)
+    if r.get("kind") == "serve":
+      expect(r["tokens_per_s"] == approx(r["tokens"] / r["wall_s"]), r["mode"])
   want = decode.targets_of(run["rows"], run["settings"]["dense_shapes"])
   expect([(t["name"], t["met"]) for t in run["targets"]] ==
          [(t["name"], t["met"]) for t in want], "recorded target verdicts differ from the rows'")

@@ -17,7 +17,7 @@ DOC = os.path.join(common.ROOT, "docs", "performance.md")
 
 
 SERVE = ["--serve_requests=6", "--serve_slots=2", "--serve_prompt=3,20", "--serve_new=1,8",
-         "--serve_chunk=8"]
+         "--serve_chunk=8", "--fits", "--fits_T=64", "--fits_chunk=16"]
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,8 @@ def test_cpu_preset_records_every_row_with_its_bytes_and_the_targets(cpu_run):
   assert all(r["status"] == "ok" for r in run["rows"]), [r.get("error") for r in run["rows"]]
   assert set(rows) == {("dense", None), ("xla_stacked", None), ("xla_per_layer", None),
                        ("l2a", None), ("dense", "one_shot"), ("dense", "chunked"),
-                       ("dense", "serve"), ("dense", "batched_generate")}
+                       ("dense", "serve"), ("dense", "batched_generate"),
+                       ("dense", "prefill_chunk"), ("dense", "decode")}
   cfg, _ = decode.scheme_config("dense", "tiny-qwen", 64)
   d, l2a = rows[("dense", None)], rows[("l2a", None)]
   kv = 2 * cfg.head_dim * 2
@@ -88,6 +89,62 @@ def test_serve_rows_compare_continuous_batching_with_one_batch_at_a_time(cpu_run
   assert t["met"] == (sv["tokens_per_s"] > bt["tokens_per_s"])
 
 
+def test_fits_rows_hold_the_cache_once(cpu_run):
+  """The fits check (tiny LLaMA shapes, T 64, 16-token chunks): both programs compiled from
+  abstract arguments; their arguments are the weights + the cache, the cache is donated
+  (aliased: held once), peak_est follows the memory analysis, the verdict the card."""
+  from condattn_jax.inference import Engine
+  run, _ = cpu_run
+  rows = {r["mode"]: r for r in run["rows"] if r.get("kind") == "fits"}
+  assert set(rows) == {"prefill_chunk", "decode"}
+  cfg, _ = decode.scheme_config("dense", "tiny-llama", 64)
+  params = decode.init_params(cfg)
+  cache = Engine(cfg, params, cache_len=64 + decode.EXTRA).cache_shapes(1)
+  for mode, r in rows.items():
+    assert r["status"] == "ok" and r["chunk"] == (16 if mode == "prefill_chunk" else 1)
+    assert r["weight_bytes"] == decode.nbytes(params) and r["cache_bytes"] == decode.nbytes(cache)
+    assert r["arg_bytes"] >= r["weight_bytes"] + r["cache_bytes"]
+    assert r["alias_bytes"] >= r["cache_bytes"]  # donated: the output cache is the input's
+    assert r["peak_est_bytes"] == (r["arg_bytes"] + r["out_bytes"] - r["alias_bytes"]
+                                   + r["temp_bytes"])
+    assert r["fits"] == (r["peak_est_bytes"] <= r["card_bytes"]) and r["fits"]
+  (t,) = [t for t in run["targets"] if "fits the card" in t["name"]]
+  assert t["met"] and "(cpu)" in t["name"]
+
+
+def test_gpu_all_plan_parts_keep_each_point_whole():
+  """--preset=gpu_all: every row once over the parts; a point's dense and scheme rows in one
+  part (the ratios need both in one run); the 7B dense 128K row is left out (does not fit)."""
+  rows = decode.by_point(decode.GPU_ALL_PLAN)
+  parts = [decode.part_of(rows, f"{k}/14") for k in range(14)]
+  assert sorted(sum(parts, [])) == sorted(decode.GPU_ALL_PLAN) and all(parts)
+  where = {r: k for k, p in enumerate(parts) for r in p}
+  for r in rows:
+    d = ("dense",) + r[1:]
+    if d in where:
+      assert where[d] == where[r], r
+  assert ("dense", "llama2-7b", 1, 131072) not in where
+  assert ("segmented", "llama2-7b", 1, 131072) in where
+  with pytest.raises(ValueError, match="--part=3/3"):
+    decode.part_of(rows, "3/3")
+
+
+def test_resident_bytes_of_the_7b_at_64k():
+  """LLaMA-2-7B dense, 64K: 6.74e9 bf16 weights + K/V of 32 layers x 32 heads x 128 x 2 bytes
+  x 2 per slot (+ the int32 positions / valid per slot), from abstract shapes."""
+  S = 65536 + decode.EXTRA
+  got = decode.resident_bytes("dense", "llama2-7b", 1, 65536)
+  kv = 32 * S * 32 * 128 * 2 * 2 + 32 * (S * 4 * 2 + 4)
+  assert got - kv == 6_738_415_616 * 2
+  assert decode.resident_bytes("dense", "llama2-7b", 3, 65536) - got == 2 * kv
+
+
+@pytest.mark.slow
+def test_gpu_all_plan_is_the_computed_one():
+  """GPU_ALL_PLAN == gpu_all_plan() (every model traced at every point: minutes)."""
+  assert decode.GPU_ALL_PLAN == decode.gpu_all_plan()
+
+
 def test_step_bytes_per_scheme_follow_the_routing_rates():
   cfg, _ = decode.scheme_config("elastic", "tiny-qwen", 64)
   a = np.array([[[1.0, 0.0]], [[0.5, 0.0]]])  # [L=2, B=1, K=2]: FA rates per KV head
@@ -101,6 +158,12 @@ def test_step_bytes_per_scheme_follow_the_routing_rates():
   W = dict(cfg.scheme_kwargs)["window"]
   o = decode.step_bytes("aha", cfg, 1, 64, {"full_BN": f}, 0)
   assert o["kv_bytes"] == 2 * cfg.head_dim * 2 * (2 * 4 * W + 64) and ssa == 64
+  cfg, _ = decode.scheme_config("match", "tiny-qwen", 64)
+  mo = dict(cfg.scheme_kwargs)
+  r = {"scheme/retrieved_B": np.array([2.0, 0.5]), "scheme/searches_B": np.array([0.25, 0.0])}
+  o = decode.step_bytes("match", cfg, 2, 64, r, 0)  # the chunks the steps read, per row
+  assert o["kv_bytes"] == int(2 * 2 * 2 * cfg.head_dim * 2 * (2 * mo["window"] + mo["chunk"] * 2.5))
+  assert o["searches_per_step"] == 0.125
   with pytest.raises(ValueError, match="no bytes formula for scheme 'nope'"):
     decode.step_bytes("nope", cfg, 1, 64, {}, 0)
 
