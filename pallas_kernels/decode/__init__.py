@@ -6,5 +6,5 @@ from .api import (BACKENDS, DecodeBackend, DecodeConfig, decode_attention, kerne
 from .reference import decode_mask, merge_parts, reference_decode_attention
 
 __all__ = ["BACKENDS", "DecodeBackend", "DecodeConfig", "decode_attention", "decode_mask",
-           "kernel_support", "kv_bytes_read", "merge_parts", "num_parts", "plan", "reference_decode_attention",
-           "tile_runs"]
+           "kernel_support", "kv_bytes_read", "merge_parts", "num_parts", "plan",
+           "reference_decode_attention", "tile_runs"]

@@ -51,12 +51,12 @@ _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
   """Tuning knobs (static). block_k: kv slots per tile (None: Mosaic GPU 64, or 32 where that
-  divides the cache length and 64 does not; Mosaic TPU 128);
-  num_stages: K/V tiles in flight per program (Mosaic GPU; 2 x 64-slot tiles: 80 KiB of shared
-  memory a program with head_dim 128, so two programs fit an H100 SM); parts: kv parts per (row, kv head)
-  (None: `num_parts`); target_programs: programs to aim for (about 2 per H100 SM);
+  divides the cache length and 64 does not; Mosaic TPU 128); num_stages: K/V tiles in flight
+  per program (Mosaic GPU; 2 x 64-slot tiles: 80 KiB of shared memory a program with head_dim
+  128, so two programs fit an H100 SM); parts: kv parts per (row, kv head) (None:
+  `num_parts`); target_programs: programs to aim for (about 2 per H100 SM);
   min_tiles_per_part: the fewest tiles a part gets (a part's partial output is written and
-  merged: bytes a tiny part would spend on that instead of K/V). over_cudnn: condattn_jax.ops'
+  merged: bytes a tiny part would spend on that instead of K/V); over_cudnn: condattn_jax.ops'
   auto runs this backend for the decode calls cuDNN's decode path also takes (a full cache
   with a fill, no window, an active set per row at most), not only for the others; set it
   where tests/gpu/test_decode_kernel.py's timings show the kernel faster than cuDNN there."""

@@ -9,8 +9,8 @@ exactly (slot < the row's fill, kv_valid, causal / window / sinks on positions),
 softmax, and O += P V (wgmma, P in registers). It writes its first out_rows rows of O
 (normalised, q's dtype) and their natural-log lse; api.decode_attention merges the parts.
 
-Interpret mode (CPU) reuses compact_attention's rule for wgmma with a register operand
-(mgpu_interpret) and its register accumulate (`_acc_update`).
+Interpret mode (CPU): flash_tiles' helpers (wgmma with a register operand through
+compact_attention/mgpu_interpret.py, the register accumulate `acc_update`).
 """
 from __future__ import annotations
 
@@ -22,15 +22,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.compact_attention.mosaic_gpu import _acc_update, _interp, _swizzled
-from pallas_kernels.flash_tiles import LN2, LOG2E
+from pallas_kernels.flash_tiles import COL as _COL
+from pallas_kernels.flash_tiles import LN2, LOG2E, NEG_INF, acc_update, mgpu_interpret, swizzled
+from pallas_kernels.flash_tiles import ROW as _ROW
+from pallas_kernels.flash_tiles import WGMMA as _WGMMA
 
 from .api import NO_QUERY, entry_tile, part_range
-
-NEG_INF = float("-inf")
-_WGMMA = plgpu.Layout.WGMMA
-_ROW = plgpu.Layout.WGMMA.reduce(1)
-_COL = plgpu.Layout.WGMMA.reduce(0)
 
 
 def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths_B, runs_BK3, *,
@@ -110,7 +107,7 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
         l_i = l_i * alpha + pr.sum(axis=1)
         p16 = pr.astype(dtype)
         plgpu.barrier_wait(v_bar.at[slot])
-        acc = _acc_update(acc, p16, v_smem.at[slot], interpret)
+        acc = acc_update(acc, p16, v_smem.at[slot], interpret)
         plgpu.barrier_arrive(v_used.at[slot])
         return acc, m_new, l_i
 
@@ -153,8 +150,8 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
 
   def entry(*refs):
     scratch = (
-        (_swizzled((R, H), dtype), _swizzled((stages, bk, H), dtype),
-         _swizzled((stages, bk, H), dtype), plgpu.SMEM((R,), jnp.float32)),
+        (swizzled((R, H), dtype), swizzled((stages, bk, H), dtype),
+         swizzled((stages, bk, H), dtype), plgpu.SMEM((R,), jnp.float32)),
         (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
          plgpu.Barrier(num_barriers=1)),
         (plgpu.Barrier(num_arrivals=1, num_barriers=stages),) * 2,
@@ -171,7 +168,8 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
   call = plgpu.kernel(
       entry_sel, out_type=out_shape, grid=(P, K, B), grid_names=("part", "heads", "batch"),
       num_threads=2, thread_name="wg",
-      compiler_params=plgpu.CompilerParams(approx_math=True), interpret=_interp(interpret),
+      compiler_params=plgpu.CompilerParams(approx_math=True),
+      interpret=mgpu_interpret(interpret),
       kernel_name="decode_attention_mgpu")
   return call(q_BKRH, k_BSKH, v_BSKH, qpos_BKR,
               kvpos_BS if has_pos else jnp.zeros((1, 1), jnp.int32),

@@ -153,7 +153,8 @@ def test_decode_kernel_timing_vs_cudnn(B, S):
   and the kernel's window call reads less time than its dense call at S >= 32K."""
   q, k, v, kw = _problem(B, S, [S] * B)
   mask = ops.MaskSpec(q_positions_BT=kw["q_positions_BT"], kv_positions_BS=kw["kv_positions_BS"],
-                      kv_segment_ids_BS=jnp.ones((B, S), jnp.int32), kv_lengths_B=kw["kv_lengths_B"])
+                      kv_segment_ids_BS=jnp.ones((B, S), jnp.int32),
+                      kv_lengths_B=kw["kv_lengths_B"])
   half = jnp.asarray([[b % 2 == 0] for b in range(B)]) if B > 1 else jnp.asarray([[False]])
   kern = lambda **x: (lambda q, k, v: dk.decode_attention(q, k, v, impl="mosaic_gpu",
                                                           **{**kw, **x}))

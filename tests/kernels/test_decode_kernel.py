@@ -342,5 +342,6 @@ def test_ops_decode_path_maps_the_mask_and_differentiates_like_the_reference():
     return out
   out = both(q, k, v)
   for name in specs:
-    for got, want in zip(jax.tree.leaves(out[name, "kernel"]), jax.tree.leaves(out[name, "reference"])):
+    for got, want in zip(jax.tree.leaves(out[name, "kernel"]),
+                         jax.tree.leaves(out[name, "reference"])):
       np.testing.assert_allclose(got, want, atol=1e-5, err_msg=name)
