@@ -2,7 +2,9 @@
 jax.distributed via JAX_COORDINATOR_ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID) with
 per-process data loading match a one-process 4-device run step for step; the checkpoint they
 write restores (params, optimizer, data iterator) in a single process, which continues exactly
-like the reference."""
+like the reference. In the same fixture, two more train.py processes with a 4-device `sequence`
+axis spanning both (context parallelism: every row split over the two hosts' devices; the K/V
+all-gather and the batch's replicated rows cross processes) give the same one-process losses."""
 import os
 import subprocess
 
@@ -15,27 +17,32 @@ from condattn_jax import checkpoint as ckpt_lib
 from condattn_jax.train import loop
 
 STEPS, HALF = 6, 4
-ARGS = ["--config=configs/tiny.py:steps=%d" % STEPS, "--config.train.log_every=1",
-        "--config.train.checkpoint_every=2", "--config.eval.at_end=False",
-        "--config.train.progress_bar=False", "--config.mesh.data=1", "--config.mesh.fsdp=2",
-        "--config.mesh.tensor=2"]
+COMMON = ["--config=configs/tiny.py:steps=%d" % STEPS, "--config.train.log_every=1",
+          "--config.eval.at_end=False", "--config.train.progress_bar=False", "--config.mesh.data=1"]
+ARGS = COMMON + ["--config.train.checkpoint_every=2", "--config.mesh.fsdp=2",
+                 "--config.mesh.tensor=2"]
+# context parallelism across the two processes: sequence 4 (a 64-token row in 8 zigzag chunks)
+SEQ_ARGS = COMMON + ["--config.train.checkpoint_every=0", "--config.mesh.fsdp=1",
+                     "--config.mesh.sequence=4", "--config.mesh.tensor=1"]
+SEQ_STEPS = 3
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+  """Workdirs of the fsdp x tensor two-process run (stopped after HALF steps), the one-process
+  4-device reference (all STEPS) and the sequence-4 two-process run (SEQ_STEPS); host 0's log of
+  the last."""
   mh = str(tmp_path_factory.mktemp("multihost"))
   ref = str(tmp_path_factory.mktemp("reference"))
-  port = free_port()
-  procs = []
-  for i in range(2):
-    env = subprocess_env(2, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES=2,
-                         JAX_PROCESS_ID=i)
-    procs.append(subprocess.Popen([PY, "train.py", *ARGS, f"--workdir={mh}", f"--stop_after={HALF}"],
-                                  cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True))
-  procs.append(subprocess.Popen([PY, "train.py", *ARGS, f"--workdir={ref}"], cwd=ROOT,
-                                env=subprocess_env(4), stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT, text=True))
+  seq = str(tmp_path_factory.mktemp("sequence"))
+  runs = [(ARGS + [f"--workdir={ref}"], subprocess_env(4))]
+  for args in (ARGS + [f"--workdir={mh}", f"--stop_after={HALF}"],
+               SEQ_ARGS + [f"--workdir={seq}", f"--stop_after={SEQ_STEPS}"]):
+    port = free_port()
+    runs += [(args, subprocess_env(2, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+                                   JAX_NUM_PROCESSES=2, JAX_PROCESS_ID=i)) for i in range(2)]
+  procs = [subprocess.Popen([PY, "train.py", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for args, env in runs]
   outs = []
   try:
     for p in procs:
@@ -46,11 +53,11 @@ def runs(tmp_path_factory):
         p.kill()
   for p, o in zip(procs, outs):
     assert p.returncode == 0, o[-4000:]
-  return mh, ref
+  return mh, ref, seq, outs[3]
 
 
 def test_two_processes_match_one_process(runs):
-  mh, ref = runs
+  mh, ref, _, _ = runs
   a, b = logged_losses(mh), logged_losses(ref)
   assert sorted(a) == list(range(1, HALF + 1)) and sorted(b) == list(range(1, STEPS + 1))
   np.testing.assert_allclose([a[s] for s in a], [b[s] for s in a], rtol=1e-5)
@@ -64,7 +71,7 @@ def test_two_processes_match_one_process(runs):
 
 
 def test_multihost_checkpoint_restores_and_continues_in_one_process(runs):
-  mh, ref = runs
+  mh, ref, _, _ = runs
   c = tiny(f"steps={STEPS}", checkpoint_every=2)
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 2  # 8 local devices, another mesh
   _, p_mh, step = loop.load_params(c, mh, step=HALF)
@@ -80,3 +87,11 @@ def test_multihost_checkpoint_restores_and_continues_in_one_process(runs):
   _, final_mh, _ = loop.load_params(c, mh)
   _, final_ref, _ = loop.load_params(c, ref)
   assert_trees_close(final_mh, final_ref, atol=1e-5)
+
+
+def test_sequence_axis_across_two_processes_matches_one_process(runs):
+  _, ref, seq, log = runs
+  assert "mesh {'data': 1, 'fsdp': 1, 'sequence': 4, 'tensor': 1}" in log  # host 0's log
+  a, b = logged_losses(seq), logged_losses(ref)
+  assert sorted(a) == list(range(1, SEQ_STEPS + 1))
+  np.testing.assert_allclose([a[s] for s in a], [b[s] for s in a], rtol=1e-5)
