@@ -41,17 +41,20 @@ def _random_router(params, scale=0.3):
 
 def _run(setup, state, batch):
   """(grads, metrics) of loss_and_grads at step 0, then two train steps of the loop's jitted step
-  (metrics of both, params after the second); plus the train step's jaxpr."""
+  (metrics of both, params after the second); plus the program's jaxpr. loss_and_grads and the
+  step are jitted functions called inside ONE jitted program (one compilation: XLA shares their
+  common forward / backward), which keeps the step's in / out shardings."""
   gbatch = make_global_batch(batch, setup.batch_sharding, batch["inputs"].shape[0])
   lg = jax.jit(make_loss_and_grads(setup.model_cfg, setup.config.train),
                in_shardings=(setup.param_shardings, setup.batch_sharding, None),
                out_shardings=(setup.param_shardings, None))
+  step = loop.jit_train_step(setup)
+  both = jax.jit(lambda s, b: (lg(s.params, b, s.step), step(s, b)))
   with shd.mesh_context(setup.mesh):
-    grads, metrics = lg(state.params, gbatch, 0)
-    traced = loop.jit_train_step(setup).trace(state, gbatch)
-    step = traced.lower().compile()
-    s1, m1 = step(state, gbatch)
-    s2, m2 = step(s1, gbatch)
+    traced = both.trace(state, gbatch)
+    compiled = traced.lower().compile()
+    (grads, metrics), (s1, m1) = compiled(state, gbatch)
+    _, (s2, m2) = compiled(s1, gbatch)
   return dict(grads=host(grads), metrics=host(metrics), m1=host(m1), m2=host(m2),
               params=host(s2.params), jaxpr=str(traced.jaxpr), state=s2)
 
