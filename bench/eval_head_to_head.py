@@ -42,14 +42,17 @@ NOT JUDGED (an untrained base measures nothing about the schemes), and the resul
 verdict is `verdict_from_rows(rows, ...)`, a function of the recorded rows.
 
 Between device commands (10 minutes each, the machine starts bare): with --pack_dir the state
-directory is packed at the end of the call as state.tar.part00.. (<= 15 MiB each, at most 4: a
-`run` call returns 8 files of <= 16 MiB) and unpacked from <state_dir> at the start of the next.
+directory is packed as state.tar.part00.. (<= 15 MiB each, at most 4: a `run` call returns 8
+files of <= 16 MiB) after every finished stage and when the budget stops the call (so a call
+killed at its limit still returns its last finished stage), and unpacked from <state_dir> at
+the start of the next.
 What it holds: during pretraining the orbax checkpoint of the dense run (fp32 params + Adam
 moments: 12 bytes x 3.8M params = 44 MiB for h100, so the resume is exact: the same lr schedule,
 optimizer moments and data position), afterwards the bf16 dense export (7.3 MiB) and the
 per-model results. A fine-tune cut by the budget starts again in the next call (minutes; its
 checkpoint is not carried). --time_budget_s bounds each call: training stops on it (a checkpoint
-saved), and a model's fine-tune + evaluation starts only when the last one's wall time still fits.
+saved), and a model's fine-tune + evaluation starts only when 1.2 x the longest one so far (the
+first: `unit_estimate_s`) still fits.
 
 GPU commands (the lead, a later session; each call names kind="nvidia-h100-x1" so every part
 is timed on one card kind (merge_reports refuses a mix); the wheels of DEVELOPERS.md in .whl
@@ -61,10 +64,11 @@ locally first `mkdir -p workdir_h2h` (ignored by /workdir*/); <sha> = local
       --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; \
     PYTHONUNBUFFERED=1 CONDATTN_GIT_COMMIT=<sha> python -m bench.eval_head_to_head \
       --preset=h100 --state_dir=workdir_h2h --time_budget_s=500 --pack_dir=$OUT
-  after a call that printed "packed the state": rm -rf workdir_h2h/*; cp <files_at>/state.tar.part*
-  workdir_h2h/; then the same call again. The call that finishes prints JUDGED / NOT JUDGED and
-  returns eval_head_to_head_<device>.{json,png,md} and _report.tar: copy the .json and .png into
-  bench/results/ (the .md is the README's table; the tar holds per-sample records).
+  after a call that returned state.tar.part* (it stopped, or was killed at its limit): rm -rf
+  workdir_h2h/*; cp <files_at>/state.tar.part* workdir_h2h/; then the same call again. The call
+  that finishes prints JUDGED / NOT JUDGED and returns eval_head_to_head_<device>.{json,png,md}
+  and _report.tar (no parts): copy the .json and .png into bench/results/ (the .md is the
+  README's table; the tar holds per-sample records).
   How many calls: 3-4 (~35-45 minutes of one H100 with the starts). `--plan` prints the estimate:
   dense 12000 steps (4000 each at 1024 / 4096 / 8192 tokens x 16 rows), ~0.6 + 1.5 + 4.3 minutes
   at the estimated rates below, plus ~1 minute of compiles per phase: 1-2 calls; then six units
@@ -128,10 +132,10 @@ PRESETS = {
     # One H100: 3.8M params (bf16 export 7.3 MiB; the orbax train state 45 MiB).
     "h100": dict(
         vocab=512, width=256, layers=6, heads=4, kv_heads=2, ffn=512, dtype="bfloat16",
-        suite="synthetic", batch=16, lr=1e-3, ft_lr=3e-4, warmup_frac=0.05, read_threads=8,
+        suite="synthetic", batch=16, lr=1e-3, ft_lr=3e-4, warmup_frac=0.05, read_threads=2,
         dense_phases=((1024, 4000), (4096, 8000), (8192, 12000)), ft_steps=400,
         lengths=(4096, 8192, 16384), num_samples=20, eval_batch=8, tasks=None,
-        router_lr_mult=10.0, unit_estimate_s=150.0,
+        router_lr_mult=10.0, unit_estimate_s=240.0,
         knobs={  # training length 8192
             "dense": {},
             "l2a": dict(window=512, theta=0.5),                     # window 1/16
@@ -306,11 +310,15 @@ def pack(state_dir: str, pack_dir: str) -> list[str]:
                      f"{MAX_PARTS} x {PART_BYTES / 2**20:.0f} MiB; largest: "
                      + ", ".join(f"{x} {s / 2**20:.1f} MiB" for s, x in sizes))
   os.makedirs(pack_dir, exist_ok=True)
+  for i in range(n):  # written aside, then swapped for the last pack's parts
+    with open(os.path.join(pack_dir, f".state.tar.part{i:02d}.tmp"), "wb") as fh:
+      fh.write(data[i * PART_BYTES:(i + 1) * PART_BYTES])
+  for f in _parts(pack_dir):
+    os.remove(f)
   out = []
   for i in range(n):
     f = os.path.join(pack_dir, f"state.tar.part{i:02d}")
-    with open(f, "wb") as fh:
-      fh.write(data[i * PART_BYTES:(i + 1) * PART_BYTES])
+    os.replace(os.path.join(pack_dir, f".state.tar.part{i:02d}.tmp"), f)
     out.append(f)
   return out
 
@@ -425,9 +433,11 @@ class OutOfTime(Exception):
 
 
 def run(preset: str, state_dir: str, *, time_budget_s: float | None = None,
-        schemes=SCHEMES, log=print) -> dict | None:
+        schemes=SCHEMES, pack_dir: str | None = None, log=print) -> dict | None:
   """The protocol of the module docstring at `preset`, resuming from `state_dir`: the result
-  dict, or None when the time budget ran out first (the progress is in state_dir)."""
+  dict, or None when the time budget ran out first (the progress is in state_dir). With
+  pack_dir the state is packed there after every finished stage and on the stop, so a call
+  killed at its limit still returns its last finished stage."""
   import jax
 
   from condattn_jax.evaluation import harness, headtohead
@@ -446,7 +456,11 @@ def run(preset: str, state_dir: str, *, time_budget_s: float | None = None,
     raise ValueError(f"{state_dir} holds preset {prog['preset']!r}, not {preset!r}; use another "
                      f"--state_dir.")
   prog["calls"] += 1
-  save = lambda: json.dump(prog, open(prog_f, "w"), indent=1)
+  def save(packed: bool = False):
+    json.dump(prog, open(prog_f, "w"), indent=1)
+    if packed and pack_dir:
+      files = pack(state_dir, pack_dir)
+      log(f"packed the state into {len(files)} file(s) in {pack_dir}")
   total = int(p["dense_phases"][-1][1])
   dense_wd = os.path.join(state_dir, "dense")
   dense_export = os.path.join(state_dir, "dense_export")
@@ -464,7 +478,7 @@ def run(preset: str, state_dir: str, *, time_budget_s: float | None = None,
         prog["dense"]["phases"].append(dict(seq_len=T, call=prog["calls"], steps=[cur, r["step"]],
                                             wall_s=round(time.time() - ts, 1),
                                             loss=_last_loss(dense_wd)))
-        save()
+        save(packed=r["step"] >= until)
         log(f"dense phase {T}: steps {cur} -> {r['step']} of {until} "
             f"({time.time() - ts:.0f} s), loss {_last_loss(dense_wd)}")
         if r["step"] < until:
@@ -473,7 +487,7 @@ def run(preset: str, state_dir: str, *, time_budget_s: float | None = None,
       prog["dense"]["export"] = export_bf16(last, dense_wd, dense_export)
       prog["dense"]["final_loss"] = _last_loss(dense_wd)
       shutil.rmtree(dense_wd)
-      save()
+      save(packed=True)
     # 2 + 3. per model: convert + continue, export, evaluate
     for name in schemes:
       rec = prog["models"].setdefault(name, {})
@@ -511,13 +525,15 @@ def run(preset: str, state_dir: str, *, time_budget_s: float | None = None,
       json.dump(report, open(res_f + ".tmp", "w"), default=str)
       os.replace(res_f + ".tmp", res_f)
       shutil.rmtree(exp_dir)
-      save()
+      save(packed=name != schemes[-1])
       log(f"{name}: fine-tune + suite {rec['unit_s']:.0f} s; mean accuracy "
           f"{report['models'][0]['mean_accuracy']}")
       del params, model
   except OutOfTime as e:
-    save()
-    log(f"stopped ({e}); the state is in {state_dir}: run the same command again")
+    save(packed=True)
+    log(f"stopped ({e}); the state is in {state_dir}" + (
+        f" and packed in {pack_dir}: copy the parts into {state_dir}" if pack_dir else "")
+        + " and run the same command again")
     return None
   reports = [json.load(open(os.path.join(state_dir, f"eval_{n}.json"))) for n in schemes]
   report = headtohead.merge_reports(reports)
@@ -580,8 +596,9 @@ flags.DEFINE_string("state_dir", None, "directory of the stages' state (checkpoi
                     "first", flag_values=FLAGS)
 flags.DEFINE_float("time_budget_s", None, "stop training / skip the next model once this call "
                    "has run this long (the state is kept: call again to go on)", flag_values=FLAGS)
-flags.DEFINE_string("pack_dir", None, "when the call stops early: the state as "
-                    "state.tar.part00.. (<= 15 MiB each) here (e.g. $OUT)", flag_values=FLAGS)
+flags.DEFINE_string("pack_dir", None, "after every finished stage and on a stop: the state as "
+                    "state.tar.part00.. (<= 15 MiB each) here (e.g. $OUT); removed when the "
+                    "head-to-head finishes", flag_values=FLAGS)
 flags.DEFINE_list("schemes", list(SCHEMES), "models of the head-to-head (dense first)",
                   flag_values=FLAGS)
 flags.DEFINE_boolean("plan", False, "print the throughput estimate and sizes, run nothing",
@@ -600,13 +617,12 @@ def main(argv=None):
   if bad or not args.schemes or args.schemes[0] != "dense":
     raise SystemExit(f"--schemes={','.join(args.schemes)}: dense first, then any of {SCHEMES}")
   r = run(args.preset, args.state_dir, time_budget_s=args.time_budget_s,
-          schemes=tuple(args.schemes))
+          schemes=tuple(args.schemes), pack_dir=args.pack_dir)
   if r is None:
-    if args.pack_dir:
-      files = pack(args.state_dir, args.pack_dir)
-      print(f"packed the state into {len(files)} file(s) in {args.pack_dir}: copy them into "
-            f"{args.state_dir} and run the same command again")
     return 0
+  if args.pack_dir:  # finished: no state to carry
+    for f in _parts(args.pack_dir):
+      os.remove(f)
   files = write_outputs(r, args.out_dir)
   print("wrote " + ", ".join(files))
   print(("JUDGED" if r["judged"] else "NOT JUDGED") + f": dense NIAH mean at "

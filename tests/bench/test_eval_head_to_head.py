@@ -114,9 +114,11 @@ def _run_tiny(tmp_path, schemes):
   state.mkdir()
   for f in parts:
     shutil.copy(packed / f, state)
-  # call 2: unpacks, resumes at step 1, finishes every stage
-  log = _bench(*args)
+  # call 2: unpacks, resumes at step 1, finishes every stage (packing after each: a call killed
+  # at its limit keeps its last finished stage), and leaves no parts once finished
+  log = _bench(*args, f"--pack_dir={packed}")
   assert "unpacked the carried state" in log and "dense phase 128: steps 1 -> 3 of 3" in log
+  assert "packed the state into 1 file(s)" in log and not os.listdir(packed)
   path = out / "eval_head_to_head_cpu.json"
   data = common.load(str(path))
   assert len(data["runs"]) == 1
