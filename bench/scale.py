@@ -179,7 +179,7 @@ def run_concurrent(specs: list[dict], num_devices: int, timeout_s: float | None,
       row = _child_row(spec, _child(spec, gpus), timeout_s)
     except Exception as e:  # noqa: BLE001 -- recorded on the row; the scheduler must go on
       row = dict(spec, error=[f"{type(e).__name__}: {e}"])
-    row["gpus"] = gpus
+    row["gpus"], row["devices"] = gpus, row_devices(spec)
     with lock:
       done[i] = row
       free.extend(gpus)
@@ -230,6 +230,8 @@ def plan(a, n_all: int) -> list[dict]:
 
 def summarize(rows: list[dict], loss_rtol: float) -> tuple[list[dict], dict, dict]:
   """(rows with scaling_efficiency / loss_rel_diff, claims {name: passed}, goal)."""
+  for r in rows:  # a row whose child failed carries its spec: name its device count
+    r.setdefault("devices", 1 if r["layout"] == "one" else r.get("n"))
   base = {(r["T"], r["scheme"]): r for r in rows if r["layout"] == "one" and "loss" in r}
   claims = {}
   for r in rows:
