@@ -69,6 +69,9 @@ locally first `mkdir -p workdir_h2h` (ignored by /workdir*/); <sha> = local
   that finishes prints JUDGED / NOT JUDGED and returns eval_head_to_head_<device>.{json,png,md}
   and _report.tar (no parts): copy the .json and .png into bench/results/ (the .md is the
   README's table; the tar holds per-sample records).
+  Optional first: the same call with --preset=h100_smoke --state_dir=workdir_smoke (the h100
+  model at a few steps, every scheme trained and evaluated at 8192: kernels, memory and compile
+  times at the real shapes in one call; its result is no head-to-head).
   How many calls: 3-4 (~35-45 minutes of one H100 with the starts). `--plan` prints the estimate:
   dense 12000 steps (4000 each at 1024 / 4096 / 8192 tokens x 16 rows), ~0.6 + 1.5 + 4.3 minutes
   at the estimated rates below, plus ~1 minute of compiles per phase: 1-2 calls; then six units
@@ -148,6 +151,10 @@ PRESETS = {
                               anchors=8, topk=8, long_heads=(0, 1), long_layers=(2, 4)),
         }),
 }
+# The h100 model and knobs at a few steps: every scheme trains and answers at the real shapes
+# (kernels, memory, compile times) in one call, before the long run (optional; not a result).
+PRESETS["h100_smoke"] = dict(PRESETS["h100"], dense_phases=((1024, 20), (8192, 40)), ft_steps=10,
+                             lengths=(8192,), num_samples=2, unit_estimate_s=120.0)
 PART_BYTES = 15 * 2**20
 MAX_PARTS = 4
 
