@@ -171,3 +171,40 @@ def test_recomputed_retrieval_block_sparse_equals_gathered():
   for b, p in enumerate(prompts):
     np.testing.assert_allclose(gen.logits[b], want[b, len(p) - 1:len(seqs[b])], atol=1e-4,
                                rtol=0)
+
+
+@pytest.mark.slow
+def test_recomputed_retrieval_layout_on_the_mosaic_gpu_kernel_interpret():
+  """The keys layout of recomputed retrieval (layer._retrieved_attend: the row's keys, then each
+  block's retrieved chunks at position layer._BEFORE_ALL, listed by their block, HEAD_WINDOW_
+  BLOCKS) on the Mosaic GPU kernel in interpret mode == the reference, forward and gradients
+  (bf16); without the lists the output is far off. (At -2^30 the kernel hid the listed keys: it
+  tests a listed pair's distance against 2^30.)"""
+  from pallas_kernels.block_sparse import block_sparse_attention
+  B, T, N, K, H, c, R, w = 1, 256, 2, 1, 64, 128, 256, 100
+  G, S = T // c, T + T // c * R
+  ks = jax.random.split(jax.random.PRNGKey(0), 4)
+  rnd = lambda i, s: jax.random.normal(ks[i], s, jnp.float32).astype(jnp.bfloat16)
+  q, k, v, ct = rnd(0, (B, T, N, H)), rnd(1, (B, S, K, H)), rnd(2, (B, S, K, H)), rnd(3, (B, T, N, H))
+  kw = dict(block_q=c, block_k=c, window=w,
+            q_positions_BT=jnp.arange(T, dtype=jnp.int32)[None] + 1000,
+            kv_positions_BS=jnp.concatenate([jnp.arange(T, dtype=jnp.int32) + 1000, jnp.full(
+                (G * R,), match_layer._BEFORE_ALL, jnp.int32)])[None],
+            q_segment_ids_BT=jnp.ones((B, T), jnp.int32).at[0, :5].set(0),
+            kv_segment_ids_BS=jnp.ones((B, S), jnp.int32).at[0, T + 300:].set(0))
+  first = T // c + jnp.arange(G)[:, None] * (R // c)
+  lists = jnp.broadcast_to(first + jnp.arange(R // c), (B, N, G, R // c)).astype(jnp.int32)
+  mode = jnp.full((B, N), ops.HEAD_WINDOW_BLOCKS, jnp.int32)
+
+  def run(impl, lists=lists, **x):
+    def loss(q, k, v):
+      o = block_sparse_attention(q, k, v, lists, mode, impl=impl, **kw, **x)
+      return jnp.sum(o.astype(jnp.float32) * ct.astype(jnp.float32)), o
+    (_, o), g = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return (o, *g)
+  rel = lambda a, b: float(jnp.linalg.norm((a - b).astype(jnp.float32))
+                           / jnp.linalg.norm(b.astype(jnp.float32)))
+  want = run("reference")
+  for name, a, b in zip(("out", "dq", "dk", "dv"), run("mosaic_gpu", interpret=True), want):
+    assert rel(a, b) < 1e-2, (name, rel(a, b))
+  assert rel(run("reference", lists=jnp.full_like(lists, -1))[0], want[0]) > 0.5

@@ -125,10 +125,10 @@ def test_block_sparse_auto_on_hopper_holds_no_triton_call_gpu():
 @hopper
 def test_match_block_sparse_path_equals_gathered_path_gpu():
   """MATCH's SWA layer on this Hopper GPU, bf16, chunk 128, window 256, top-2 exact-match
-  retrieval over 2048 tokens with two packed documents: the block-sparse path (one Mosaic GPU
-  launch per kernel) vs the gathered path (compacted kernel): logits and parameter gradients
-  agree to bf16 accuracy (relative Frobenius error <= 2e-2), and the retrieved chunks matter
-  (the SWA model's logits differ by more)."""
+  retrieval over 2048 tokens with two packed documents, retrieved K/V from the row and
+  recomputed: the block-sparse path (one Mosaic GPU launch per kernel) vs the gathered path
+  (compacted kernel): logits and parameter gradients agree to bf16 accuracy (relative Frobenius
+  error <= 2e-2), and the retrieved chunks matter (the SWA model's logits differ by more)."""
   import flax.linen as nn
   from condattn_jax import attention
   from condattn_jax.models.config import ModelConfig
@@ -155,12 +155,13 @@ def test_match_block_sparse_path_equals_gathered_path_gpu():
     return out, frac, g
 
   with_ = lambda **kw: cfg.replace(scheme_kwargs=dict(cfg.scheme_options, **kw))
-  want, frac, g_want = run(with_(attention_path="gathered"))
-  got, _, g_got = run(with_(attention_path="block_sparse"))
   swa, _, _ = run(with_(top_k=0))
-  assert float(jnp.min(frac)) > 0.2
-  err = rel(got, want)
-  gerr = max(rel(a, b) for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)))
-  print("logits rel", err, "grad rel", gerr, "swa vs match", rel(swa, want))
-  assert err <= 2e-2 and gerr <= 2e-2
-  assert rel(swa, want) > 5 * err
+  for kv in ("sequence", "recompute"):  # retrieved K/V: the row's, or recomputed and appended
+    want, frac, g_want = run(with_(attention_path="gathered", retrieved_kv=kv))
+    got, _, g_got = run(with_(attention_path="block_sparse", retrieved_kv=kv))
+    assert float(jnp.min(frac)) > 0.2
+    err = rel(got, want)
+    gerr = max(rel(a, b) for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)))
+    print(kv, "logits rel", err, "grad rel", gerr, "swa vs match", rel(swa, want))
+    assert err <= 2e-2 and gerr <= 2e-2
+    assert rel(swa, want) > 5 * err

@@ -56,7 +56,10 @@ from condattn_jax.models.layers import MLP, Attention, RMSNorm
 
 
 _AFTER_ALL = 2 ** 30     # key position of padding slots: after every query (never visible)
-_BEFORE_ALL = -2 ** 30   # retrieved keys: before every query, outside every window (listed only)
+# Retrieved keys appended after the row's: a position before every query and outside every
+# window, so only their block's listing shows them; -2^29, not lower: the block-sparse kernels
+# test a listed pair's distance against 2^30 (positions < 2^29, windows <= 2^29).
+_BEFORE_ALL = -2 ** 29
 
 
 def block_sparse_runs(o, q_shape, kv_shape, dtype, platform) -> bool:
