@@ -138,16 +138,22 @@ def test_maximize_group_ascends():
   setup = loop.build(c, devices=ONE())
   state = loop.init_state(setup)
   batch = synthetic_batch(c)
-  grads, _ = jax.jit(make_loss_and_grads(setup.model_cfg, c.train))(state.params, batch, 0)
+  lg, step = make_loss_and_grads(setup.model_cfg, c.train), loop.jit_train_step(setup)
+  with shd.mesh_context(setup.mesh):  # one compilation for both
+    (grads, _), (state2, _) = jax.jit(lambda s, b: (lg(s.params, b, 0), step(s, b)))(state, batch)
   g = np.asarray(grads["norm"]["scale"])
-  with shd.mesh_context(setup.mesh):
-    state2, _ = loop.jit_train_step(setup)(state, batch)
   delta = np.asarray(state2.params["norm"]["scale"]) - 1.0
   big = np.abs(g) > 1e-6
   assert np.all(np.sign(delta[big]) == np.sign(g[big]))  # ascent: moves along the gradient
 
 
 # -------------------------------------------------------------------------------- loss
+def _one_program(*fns):
+  """The functions (same arguments) jitted as ONE program: one compilation instead of one each
+  (XLA shares what they have in common, e.g. the decoder forward); each output is its own."""
+  return jax.jit(lambda *args: tuple(f(*args) for f in fns))
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_chunked_cross_entropy_equals_plain(tied):
   c = tiny()
@@ -156,9 +162,10 @@ def test_chunked_cross_entropy_equals_plain(tied):
   params = loop.init_params(setup)
   batch = synthetic_batch(c)
   batch["loss_mask"] = np.ones_like(batch["loss_mask"])  # score every token
-  plain = jax.jit(make_loss_and_grads(setup.model_cfg, c.train))(params, batch, 0)
+  plain_fn = make_loss_and_grads(setup.model_cfg, c.train)
   c.train.loss_chunk_size = 16
-  chunked = jax.jit(make_loss_and_grads(setup.model_cfg, c.train))(params, batch, 0)
+  chunked_fn = make_loss_and_grads(setup.model_cfg, c.train)
+  plain, chunked = _one_program(plain_fn, chunked_fn)(params, batch, 0)
   np.testing.assert_allclose(chunked[1]["loss"], plain[1]["loss"], rtol=1e-6)
   np.testing.assert_allclose(chunked[1]["accuracy"], plain[1]["accuracy"])
   assert_trees_close(chunked[0], plain[0], atol=1e-6, rtol=1e-5)
@@ -169,9 +176,10 @@ def test_microbatches_equal_full_batch():
   setup = loop.build(c, devices=ONE())
   params = loop.init_params(setup)
   batch = synthetic_batch(c)
-  full = jax.jit(make_loss_and_grads(setup.model_cfg, c.train))(params, batch, 3)
+  full_fn = make_loss_and_grads(setup.model_cfg, c.train)
   c.train.microbatches = 4
-  micro = jax.jit(make_loss_and_grads(setup.model_cfg, c.train))(params, batch, 3)
+  micro_fn = make_loss_and_grads(setup.model_cfg, c.train)
+  full, micro = _one_program(full_fn, micro_fn)(params, batch, 3)
   np.testing.assert_allclose(micro[1]["loss"], full[1]["loss"], rtol=1e-6)
   assert_trees_close(micro[0], full[0], atol=1e-7, rtol=1e-5)
 
