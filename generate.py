@@ -5,9 +5,16 @@ r"""Generate from a trained run:  python generate.py --checkpoint=DIR --prompt="
   --prompt="text"                    one prompt, streamed to stdout as it is generated; without a
                                      tokenizer (the synthetic-task runs) the prompt is token ids
                                      ("3 17 5" or "3,17,5") and the ids generated are printed
-  --prompts_file=x.jsonl             one request per line: {"prompt": "text"} or {"tokens": [ids]};
-                                     prints one JSON line per request (text and/or tokens,
-                                     finish_reason, with --stats the routing statistics)
+  --prompts_file=x.jsonl             one request per line: {"prompt": "text"} or {"tokens": [ids]},
+                                     optionally with its own "max_new_tokens", "temperature",
+                                     "top_p", "seed", "stop_strings" (a list); prints one JSON
+                                     line per request (text and/or tokens, finish_reason, with
+                                     --stats the routing statistics)
+  --slots=N                          serve the requests through N rows (continuous batching,
+                                     Engine.serve: a finished row takes the next request); the
+                                     default: all requests in one batch (Engine.generate), or
+                                     one row per request through serve when a request has its
+                                     own knobs
   --max_new_tokens=64  --cache_len=N (default: prompt + max_new_tokens)  --prefill_chunk=N
   --temperature=0 (greedy) --top_p=1 --seed=0  --stop_tokens=2,5  --stop_strings="\n\n"
                                      (repeatable; needs a tokenizer)  --no_eos: do not stop at the
@@ -49,6 +56,10 @@ _NO_EOS = flags.DEFINE_bool("no_eos", False, "Do not stop at the tokenizer's EOS
 _TOKENIZER = flags.DEFINE_string("tokenizer", None, "Tokenizer directory (default: the run's).")
 _STATS = flags.DEFINE_bool("stats", False, "Print the per-row routing statistics.")
 _WARMUP = flags.DEFINE_bool("warmup", False, "Generate once before timing (compilation).")
+_SLOTS = flags.DEFINE_integer("slots", None, "Serve the requests through this many rows "
+                              "(continuous batching).")
+KNOBS = {"max_new_tokens": int, "temperature": (int, float), "top_p": (int, float), "seed": int,
+         "stop_strings": list}
 
 SCHEME_PREFIX = "model.scheme."
 
@@ -62,11 +73,12 @@ def _ids(text: str, what: str) -> list[int]:
                      f"spaces or commas (got {text[:40]!r}); or pass --tokenizer=DIR.") from None
 
 
-def read_requests(tok, prompt, prompts_file) -> list[list[int]]:
-  """Token-id prompts from --prompt or --prompts_file (text tokenized with `tok`)."""
+def read_requests(tok, prompt, prompts_file) -> tuple[list[list[int]], list[dict]]:
+  """(token-id prompts, each request's own knobs) from --prompt or --prompts_file (text
+  tokenized with `tok`; knobs: the KNOBS keys a line gives)."""
   if prompt is not None:
-    return [tok.encode(prompt) if tok is not None else _ids(prompt, "--prompt")]
-  rows = []
+    return [tok.encode(prompt) if tok is not None else _ids(prompt, "--prompt")], [{}]
+  rows, knobs = [], []
   with open(prompts_file) as f:
     for n, line in enumerate(f, 1):
       if not line.strip():
@@ -78,6 +90,12 @@ def read_requests(tok, prompt, prompts_file) -> list[list[int]]:
         raise ValueError(f"{where} is not valid JSON: {e.msg} (column {e.colno}).") from None
       if not isinstance(rec, dict) or ("prompt" in rec) == ("tokens" in rec):
         raise ValueError(f'{where}: give exactly one of "prompt" (text) or "tokens" (ids).')
+      own = {k: rec[k] for k in KNOBS if k in rec}
+      for k, v in own.items():
+        if not isinstance(v, KNOBS[k]) or isinstance(v, bool):
+          raise ValueError(f'{where}: "{k}" is {v!r}; it must be a {k.replace("_", " ")} '
+                           f'({"a list of strings" if k == "stop_strings" else "a number"}).')
+      knobs.append(own)
       if "tokens" in rec:
         rows.append(rec["tokens"])
       elif not isinstance(rec["prompt"], str):
@@ -88,7 +106,14 @@ def read_requests(tok, prompt, prompts_file) -> list[list[int]]:
         rows.append(tok.encode(rec["prompt"]))
   if not rows:
     raise ValueError(f"--prompts_file={prompts_file} holds no request.")
-  return rows
+  return rows, knobs
+
+
+def _rounded(d):
+  """Stats for JSON: arrays as lists rounded to 4 places (nested dicts kept)."""
+  import numpy as np
+  return {k: _rounded(v) if isinstance(v, dict) else np.round(np.asarray(v, float), 4).tolist()
+          for k, v in d.items()}
 
 
 def main(argv):
@@ -105,7 +130,6 @@ def main(argv):
     raise FileNotFoundError(f"--prompts_file={_PROMPTS_FILE.value} does not exist.")
   from condattn_jax import checkpoint as ckpt_lib
   ckpt_lib.resolve_checkpoint_path(_CHECKPOINT.value)  # one line, before jax starts
-  import numpy as np
   from condattn_jax.inference import Engine, engine as engine_lib
   from condattn_jax.train import loop
   config = loop.config_from_checkpoint(_CHECKPOINT.value, _STEP.value)
@@ -120,8 +144,14 @@ def main(argv):
   if tok is None and _STOP_STRINGS.value:
     raise ValueError("--stop_strings needs a tokenizer: this run has none (data.tokenizer); "
                      "pass --tokenizer=DIR.")
-  prompts = read_requests(tok, _PROMPT.value, _PROMPTS_FILE.value)
-  cache_len = _CACHE_LEN.value or max(len(p) for p in prompts) + _MAX_NEW.value
+  prompts, knobs = read_requests(tok, _PROMPT.value, _PROMPTS_FILE.value)
+  if _SLOTS.value is not None and _SLOTS.value < 1:
+    raise ValueError(f"--slots={_SLOTS.value} must be >= 1.")
+  if tok is None and any("stop_strings" in k for k in knobs):
+    raise ValueError("--prompts_file: a request's stop_strings need a tokenizer: this run has "
+                     "none (data.tokenizer); pass --tokenizer=DIR.")
+  new_of = [k.get("max_new_tokens", _MAX_NEW.value) for k in knobs]
+  cache_len = _CACHE_LEN.value or max(len(p) + n for p, n in zip(prompts, new_of))
   engine = Engine.from_checkpoint(_CHECKPOINT.value, step=_STEP.value, config=config,
                                   cache_len=cache_len, prefill_chunk=_CHUNK.value, tokenizer=tok,
                                   **scheme_opts)
@@ -130,19 +160,26 @@ def main(argv):
   single = _PROMPT.value is not None
   kw = dict(stop_tokens=stop_tokens, stop_strings=tuple(_STOP_STRINGS.value),
             temperature=_TEMPERATURE.value, top_p=_TOP_P.value, seed=_SEED.value)
+  slots = _SLOTS.value or (len(prompts) if any(knobs) else None)
+  if slots is None:
+    run = lambda **k: engine.generate(prompts, _MAX_NEW.value, **kw, **k)
+  else:
+    from condattn_jax.inference import Request
+    reqs = [Request(p, **{k: tuple(v) if k == "stop_strings" else v for k, v in own.items()})
+            for p, own in zip(prompts, knobs)]
+    run = lambda **k: engine.serve(reqs, _MAX_NEW.value, slots=slots, **kw, **k)
   if _WARMUP.value:
-    engine.generate(prompts, _MAX_NEW.value, **kw)
+    run()
   on_text = None
   if single and tok is not None:
     on_text = lambda b, s: (sys.stdout.write(s), sys.stdout.flush())
-  gen = engine.generate(prompts, _MAX_NEW.value, on_text=on_text, **kw)
+  gen = run(on_text=on_text)
   for b in range(len(prompts)):
     rec = {"finish_reason": gen.finish_reason[b], "tokens": gen.tokens[b]}
     if gen.text is not None:
       rec["text"] = gen.text[b]
     if _STATS.value:
-      rec["stats"] = {part: {k: np.round(np.asarray(v, float), 4).tolist() for k, v in d.items()}
-                      for part, d in gen.stats[b].items()}
+      rec["stats"] = _rounded(gen.stats[b])
     if single:
       if tok is None:
         print(" ".join(map(str, gen.tokens[b])))
@@ -157,7 +194,7 @@ def main(argv):
   note = "" if _WARMUP.value else " (first call: includes compilation; --warmup excludes it)"
   print(f"TTFT {gen.prefill_s * 1e3:.1f} ms | decode {n_decode} tokens in {gen.decode_s:.3f} s, "
         f"{rate} | cache {gen.cache_bytes} bytes ({gen.cache_bytes / 2**20:.2f} MiB, "
-        f"{len(prompts)} rows x {cache_len} slots){note}", file=sys.stderr)
+        f"{slots or len(prompts)} rows x {cache_len} slots){note}", file=sys.stderr)
 
 
 def _bad_stop(t):

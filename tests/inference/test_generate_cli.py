@@ -1,6 +1,6 @@
 """generate.py as a user runs it (subprocesses) on one tiny trained run (conftest's
 tiny_l2a_run): token ids in / out without a tokenizer, streamed text with one, a JSON line per
-request of a prompts file, the TTFT / tokens/s / cache-bytes line; the outputs equal the
+request of a prompts file (served through --slots rows with per-request knobs), the TTFT / tokens/s / cache-bytes line; the outputs equal the
 engine's generation in process. Every bad input is ONE line starting with ERROR:, exit code 2,
 no traceback."""
 import json
@@ -52,14 +52,16 @@ def test_token_ids_in_and_out_equal_the_engine(run, engine, tmp_path):
   line = _summary(p)
   assert "TTFT" in line and "tokens/s" in line and f"cache {want[0].cache_bytes} bytes" in line
   f = tmp_path / "requests.jsonl"
-  f.write_text('{"tokens": [3, 9, 17, 4]}\n\n{"prompt": "5, 6 7 8"}\n')
-  p = gen(f"--checkpoint={run}", f"--prompts_file={f}", "--max_new_tokens=5",
+  # continuous batching through one row, the second request with its own budget
+  f.write_text('{"tokens": [3, 9, 17, 4]}\n\n{"prompt": "5, 6 7 8", "max_new_tokens": 3}\n')
+  p = gen(f"--checkpoint={run}", f"--prompts_file={f}", "--max_new_tokens=5", "--slots=1",
           "--config.model.scheme.theta=0.5")  # the run's own value: the same generation
   assert p.returncode == 0, p.stderr[-2000:]
   rows = [json.loads(l) for l in p.stdout.splitlines()]
-  assert [r["tokens"] for r in rows] == [w.tokens[0] for w in want]
+  assert [r["tokens"] for r in rows] == [want[0].tokens[0], want[1].tokens[0][:3]]
   assert [r["row"] for r in rows] == [0, 1]
   assert all(r["finish_reason"] == "length" for r in rows)
+  assert "1 rows x 9 slots)" in _summary(p)
 
 
 def test_text_with_a_tokenizer_streams_what_the_engine_generates(run, engine):
@@ -84,10 +86,13 @@ def test_text_with_a_tokenizer_streams_what_the_engine_generates(run, engine):
     (["--checkpoint={run}", "--prompt=1", "--config.model.scheme.thetaa=0.7"], ["thetaa"]),
     (["--checkpoint={run}", "--prompt=1", "--config.model.bogus=1"], ["config.model.bogus"]),
     (["--checkpoint={run}", "--prompts_file={tmp}/bad.jsonl"], ["line 2 is not valid JSON"]),
+    (["--checkpoint={run}", "--prompts_file={tmp}/knob.jsonl"],
+     ['line 1: "top_p" is \'high\'', "a number"]),
     (["--checkpoint={run}", "--prompts_file={tmp}/none.jsonl"], ["none.jsonl does not exist"]),
     (["--checkpoint={run}"], ["exactly one of --prompt or --prompts_file"]),
 ])
 def test_bad_input_is_one_line(run, tmp_path, args, needles):
   (tmp_path / "bad.jsonl").write_text('{"tokens": [1]}\n{"tokens": [1\n')
+  (tmp_path / "knob.jsonl").write_text('{"tokens": [1], "top_p": "high"}\n')
   p = gen(*[a.format(run=run, tmp=tmp_path) for a in args])
   assert_user_error(p, *needles)
