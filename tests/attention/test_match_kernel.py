@@ -28,7 +28,9 @@ def test_block_sparse_path_equals_gathered_path_fp32(monkeypatch):
   """Two SWA + retrieval layers (OLMo-2: post-norm, GQA 4:2), two packed documents with
   restarting positions and padding in row 1: logits and every parameter gradient of the
   block-sparse path (one ops.attention call over the row: the reference on CPU) == the gathered
-  path's. The block-sparse run never calls the gathered path."""
+  path's. The block-sparse run never calls the gathered path. Recomputed retrieval
+  (retrieved_kv='recompute': the retrieved K/V appended after the row's keys): the forward on
+  both paths agrees too."""
   base = ModelConfig(family="olmo2", num_layers=2, vocab_size=32).replace(qk_norm="full",
                                                                          post_norm=True)
   cfg = attention.configure(base, "match", window=8, chunk=4, top_k=2)
@@ -64,6 +66,12 @@ def test_block_sparse_path_equals_gathered_path_fp32(monkeypatch):
     np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4,
                                atol=1e-5 * float(np.abs(b).max()) + 1e-7,
                                err_msg=jax.tree_util.keystr(path))
+  # recomputed retrieved K/V (appended after the row's keys, listed by their block): forward
+  monkeypatch.undo()
+  fwd = lambda path: np.asarray(jax.jit(Decoder(_with(cfg, retrieved_kv="recompute",
+                                                      attention_path=path)).apply)(
+      {"params": params}, tok, pos, seg)[0])
+  np.testing.assert_allclose(fwd("block_sparse")[live], fwd("gathered")[live], atol=2e-5)
 
 
 _H100 = Platform("cuda", "NVIDIA H100 80GB HBM3")
