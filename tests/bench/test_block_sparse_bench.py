@@ -74,3 +74,22 @@ def test_absl_flags_of_block_sparse_and_elastic_prefill(capsys):
       bench.PRESETS["test"]
   assert ep.main(["--preset=gpu", "--T=64", "--layers=1"]) == 2  # on CPU: refused, no run
   assert "needs a GPU" in capsys.readouterr().out
+
+
+def test_match_run_claims_memory_within_1_2x_swa(tmp_path):
+  """bench.block_sparse --match's record (no compilation here): the run keeps every row and the
+  issue's memory claim passes at <= 1.2x SWA's training-forward temp bytes and fails above; the
+  claim-carrying run appends to a schema-1 result file."""
+  rows = {name: dict(fwd_temp_bytes=b, fwdbwd_temp_bytes=2 * b, fwd_ms=1.0, fwdbwd_ms=3.0,
+                     finite=True) for name, b in (("dense", 100), ("swa", 100), ("match", 110),
+                                                  ("match_gathered", 400))}
+  res = dict(T=32768, window=2048, chunk=128, top_k=4, layers=2, rows=rows,
+             fwd_temp_vs_swa=1.1, fwdbwd_temp_vs_swa=1.1)
+  run = bench.match_run(res)
+  assert [r["row"] for r in run["rows"]] == list(rows) and run["settings"]["T"] == 32768
+  assert [c["passed"] for c in run["claims"]] == [True]
+  assert [c["passed"] for c in bench.match_run(dict(res, fwd_temp_vs_swa=1.3))["claims"]] == [False]
+  assert [c["passed"] for c in bench.match_run({k: v for k, v in res.items()
+                                                if k != "fwd_temp_vs_swa"})["claims"]] == [False]
+  data = bench.append_run(str(tmp_path / "block_sparse_x.json"), run)
+  assert data["runs"][-1]["settings"]["name"] == "match_mosaic_gpu"
