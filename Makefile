@@ -1,5 +1,6 @@
 # Two commands on a fresh machine:  `make demo` (dense -> L2A on a recall task, CPU, minutes) and
-# `make test`. `make demo SCHEME=<name>` runs another scheme's demo section (scripts/demo.py).
+# `make test`. `make demo SCHEME=<name>` runs another scheme's demo section (scripts/demo.py:
+# l2a, aha, elastic, segmented, match); `make demo SCHEME=all` runs every section.
 VENV ?= .venv
 PY := $(VENV)/bin/python
 DEMO_DIR ?= /tmp/condattn_demo
