@@ -27,16 +27,26 @@ B, T = 2, 16
 def _dense(family, seed=1):
   cfg = ModelConfig(family=family).replace(**FAMILIES[family])
   tok = jax.random.randint(jax.random.PRNGKey(0), (B, T), 0, cfg.vocab_size)
-  params = nn.unbox(jax.jit(Decoder(cfg).init)(jax.random.PRNGKey(seed), tok)["params"])
+  params = nn.unbox(_jitted(Decoder(cfg), "init", ())(jax.random.PRNGKey(seed), tok)["params"])
   if cfg.attention_bias:  # non-zero biases, so copying them is tested too
     params = jax.tree_util.tree_map_with_path(
         lambda p, x: x + 0.1 if "bias" in jax.tree_util.keystr(p) else x, params)
   return cfg, params, tok
 
 
-def _apply(model, params, *args, **kw):
-  """model.apply({'params': params}, *args, **kw) jitted (eager apply dispatches op by op)."""
-  return jax.jit(functools.partial(model.apply, **kw))({"params": params}, *args)
+@functools.lru_cache(maxsize=None)
+def _jitted(model, method, kw):
+  """jax.jit of model.<method> with the static keywords kw (a sorted tuple of items), one per
+  (model config, method, kw) for the module: a model applied again (another test, other inputs
+  of the same shapes) reuses its compilation instead of tracing a new partial."""
+  return jax.jit(functools.partial(getattr(model, method), **dict(kw)))
+
+
+def _apply(model, params, *args, rngs=None, **kw):
+  """model.apply({'params': params}, *args, rngs=rngs, **kw) jitted (eager apply dispatches op
+  by op); rngs are traced, the other keywords static."""
+  kw = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in kw.items()))
+  return _jitted(model, "apply", kw)({"params": params}, *args, rngs=rngs)
 
 
 def _per_layer(params):
