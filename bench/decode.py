@@ -7,6 +7,8 @@ against the bytes a step must read, per scheme, with a plain-XLA decode step as 
     # continuous batching on one H100 (~4 min): 64 requests, prompts 256..4096, budgets 16..256
     CONDATTN_GIT_COMMIT=<rev> python -m bench.decode --name=serve --only=serve \
         --serve_requests=64 --serve_slots=8 --serve_prompt=256,4096 --serve_new=16,256
+    # the bytes side only (no run, any device): every gpu_all row at the NOMINAL rates
+    python -m bench.decode --preset=gpu_all --bytes_only
     # does LLaMA-2-7B dense prefill (4K chunks) + decode at 64K fit one 80 GB card (~3 min)
     CONDATTN_GIT_COMMIT=<rev> python -m bench.decode --name=fits --only=fits --fits
     # every scheme x B {1, 8, 32} x 8K / 32K / 128K that fits (GPU_ALL_PLAN, 54 rows), in 14
@@ -226,6 +228,9 @@ def define_flags():
                     "with --part); test: tiny shapes on any device (seconds)", flag_values=fv)
   flags.DEFINE_string("part", None, "k/n: run rows k, k + n, ... of the plan (0 <= k < n)",
                       flag_values=fv)
+  flags.DEFINE_bool("bytes_only", False, "no run: each plan row's step bytes at the NOMINAL "
+                    "routing rates and its bytes-bound speedup over dense (nominal_bytes), "
+                    "recorded as kind 'bytes' rows", flag_values=fv)
   flags.DEFINE_bool("fits", False, "compile (abstract arguments, nothing allocated) the dense "
                     "prefill-chunk and decode programs at --fits_T on --fits_shapes and record "
                     "their memory analysis against the card (fits_rows)", flag_values=fv)
@@ -812,6 +817,37 @@ def serve_rows(F, log) -> list[dict]:
   return rows
 
 
+# Nominal routing rates for `nominal_bytes` (no run: the rates a trained router is expected to
+# reach): L2A the recipe's bernoulli_q, AHA the issue's 10% of (token, head) pairs full, Elastic
+# the FA share of KV heads at the recipe's first target (0.7 of heads sparse -> 0.3 FA).
+NOMINAL = {"l2a": 0.2, "aha": 0.1, "elastic": 0.3, "match": None, "segmented": None}
+
+
+def nominal_bytes(scheme: str, shapes: str, B: int, T: int, rate: float | None = None) -> dict:
+  """{weight_bytes, kv_bytes, bytes, limit_ms_h100} of one decode step at a nominal routing
+  rate (NOMINAL[scheme] unless given; MATCH: top_k chunks retrieved; segmented: its cache), from
+  abstract shapes (nothing allocated, no run): the bytes-bound side of the table before any GPU
+  time. The same `step_bytes` formulas as a measured row, with every (layer, row, head) at the
+  rate."""
+  import numpy as np
+  from condattn_jax.inference import Engine
+  cfg, _ = scheme_config(scheme, shapes, T)
+  params = abstract_params(cfg)
+  L, K, N = cfg.num_layers, cfg.num_kv_heads, cfg.num_heads
+  q = NOMINAL.get(scheme) if rate is None else rate
+  r = {"l2a": {"global_tokens_B": np.full((L, B), q if q is not None else 0.0)},
+       "aha": {"full_BN": np.full((L, B, N), q if q is not None else 0.0)},
+       "elastic": {"fa_BK": np.full((L, B, K), q if q is not None else 0.0)}}.get(scheme, {})
+  state = 0
+  if scheme == "segmented":
+    state = nbytes(Engine(cfg, params, cache_len=T + EXTRA).cache_shapes(B))
+  out = step_bytes(scheme, cfg, B, T, r, state)
+  out["weight_bytes"] = weight_bytes(cfg, params, B)
+  out["bytes"] = out["weight_bytes"] + out["kv_bytes"]
+  out["limit_ms_h100"] = out["bytes"] / (BANDWIDTH_TBPS["H100"] * 1e12) * 1e3
+  return out
+
+
 def fits_rows(F, log) -> list[dict]:
   """Dense at --fits_T on --fits_shapes, B = 1 (issue 33: LLaMA-2-7B, 4K-chunk prefill + decode
   at 64K on one 80 GB card): the engine's prefill-chunk program ([1, fits_chunk] with the
@@ -870,7 +906,7 @@ def derive(rows: list[dict], bw_tbps: float) -> None:
   """limit_ms / x_limit on engine rows; bound_speedup / speedup / achieved on scheme rows with a
   dense row of the same shapes, B and T; baselines' speed relative to the engine."""
   eng = {(r["scheme"], r["shapes"], r["B"], r["T"]): r for r in rows
-         if r.get("status") == "ok" and "bytes" in r}
+         if r.get("status") == "ok" and "bytes" in r and "kind" not in r}
   for r in eng.values():
     r["limit_ms"] = r["bytes"] / (bw_tbps * 1e12) * 1e3
     r["x_limit"] = r["ms"] / r["limit_ms"]
@@ -904,13 +940,13 @@ def targets_of(rows: list[dict], dense_shapes: str) -> list[dict]:
     if r is not None:
       add(f"dense B={B} T={T // 1024}K <= {lim}x the bandwidth limit", r["x_limit"] <= lim,
           ms=r["ms"], limit_ms=r["limit_ms"], x_limit=r["x_limit"])
-  for d in (r for r in ok if r["scheme"] == "dense" and "bytes" in r):
+  for d in (r for r in ok if r["scheme"] == "dense" and "bytes" in r and "kind" not in r):
     for name in ("xla_stacked", "xla_per_layer"):
       b = find(scheme=name, shapes=d["shapes"], B=d["B"], T=d["T"])
       if b is not None:
         add(f"engine faster than {name} ({d['shapes']} B={d['B']} T={d['T']})",
             d["ms"] < b["ms"], engine_ms=d["ms"], baseline_ms=b["ms"])
-  for r in (r for r in ok if "bound_speedup" in r):
+  for r in (r for r in ok if "bound_speedup" in r and "kind" not in r):
     add(f"{r['scheme']} ({r['shapes']} B={r['B']} T={r['T']}) >= 0.9x its bytes-bound speedup",
         r["achieved"] >= 0.9, bound=r["bound_speedup"], speedup=r["speedup"],
         achieved=r["achieved"])
@@ -1019,6 +1055,19 @@ def main(argv=None) -> dict:
     run["targets"] = targets_of(run["rows"], dense_shapes)
     common.replace_last_run(path, run)
 
+  if F.bytes_only:
+    for scheme, shapes, B, T in todo:
+      r = dict(scheme=scheme, kind="bytes", shapes=shapes, B=B, T=T, rate_nominal=NOMINAL.get(
+          scheme), **nominal_bytes(scheme, shapes, B, T), status="ok")
+      d = next((x for x in run["rows"] if (x["scheme"], x["shapes"], x["B"], x["T"]) ==
+                ("dense", shapes, B, T)), None)
+      if d is not None and scheme != "dense":
+        r["bound_speedup"] = d["bytes"] / r["bytes"]
+      run["rows"].append(r)
+      log(f"bytes {scheme:10s} {shapes:13s} B={B:3d} T={T:7d}: {r['bytes'] / 1e9:7.3f} GB "
+          f"(weights {r['weight_bytes'] / 1e9:.3f}), H100 limit {r['limit_ms_h100']:.2f} ms"
+          + (f", bound speedup {r['bound_speedup']:.2f}x" if "bound_speedup" in r else ""))
+    todo = []
   for scheme, shapes, B, T in todo:
     if F.deadline_s and time.perf_counter() - t_start > F.deadline_s:
       run["rows"].append(dict(scheme=scheme, shapes=shapes, B=B, T=T, status="skipped",
@@ -1048,7 +1097,8 @@ def main(argv=None) -> dict:
       run["rows"].extend(prefill_rows(prefill_T, dense_shapes, F, log))
       save()
     extra = None
-  if prefill_T and not any(r.get("kind") == "prefill" for r in run["rows"]) and (
+  if prefill_T and not F.bytes_only and not any(
+      r.get("kind") == "prefill" for r in run["rows"]) and (
       not F.only or "dense" in F.only) and not (
       F.deadline_s and time.perf_counter() - t_start > F.deadline_s):
     run["rows"].extend(prefill_rows(prefill_T, dense_shapes, F, log))

@@ -139,6 +139,28 @@ def test_resident_bytes_of_the_7b_at_64k():
   assert decode.resident_bytes("dense", "llama2-7b", 3, 65536) - got == 2 * kv
 
 
+def test_nominal_bytes_reproduce_the_issues_l2a_bound(tmp_path):
+  """Issue 33's numbers from abstract shapes: Qwen2.5-1.5B at 128K, dense reads ~6.85 GB a step
+  (2.04 ms at 3.35 TB/s), L2A at q = 0.2 ~4.26 GB (its extra global-branch weights included):
+  ~1.6x bound. The --bytes_only run records the same per row (tiny preset)."""
+  d = decode.nominal_bytes("dense", "qwen2.5-1.5b", 1, 131072)
+  l2a = decode.nominal_bytes("l2a", "qwen2.5-1.5b", 1, 131072)
+  assert d["bytes"] / 1e9 == pytest.approx(6.85, abs=0.01)
+  assert d["limit_ms_h100"] == pytest.approx(2.04, abs=0.01)
+  assert l2a["bytes"] / 1e9 == pytest.approx(4.26, abs=0.01)
+  assert d["bytes"] / l2a["bytes"] == pytest.approx(1.6, abs=0.01)
+  run = decode.main([f"--out_dir={tmp_path}", "--preset=test", "--bytes_only",
+                     "--rows=dense/1/64,l2a/1/64", "--prefill_T=0"])
+  rows = {r["scheme"]: r for r in run["rows"]}
+  assert set(rows) == {"dense", "l2a"} and all(r["kind"] == "bytes" for r in rows.values())
+  cfg, k = decode.scheme_config("l2a", "tiny-qwen", 64)
+  kv = 2 * cfg.head_dim * 2
+  assert rows["l2a"]["kv_bytes"] == int(cfg.num_layers * cfg.num_kv_heads * kv
+                                        * (k["window"] + 64 * 0.2))
+  assert rows["l2a"]["bound_speedup"] == rows["dense"]["bytes"] / rows["l2a"]["bytes"]
+  assert run["targets"] == []  # no timing: nothing to judge
+
+
 @pytest.mark.slow
 def test_gpu_all_plan_is_the_computed_one():
   """GPU_ALL_PLAN == gpu_all_plan() (every model traced at every point: minutes)."""
