@@ -591,8 +591,9 @@ class Engine:
     prompt_stats: list = [None] * len(reqs)
     ttft = [0.0] * len(reqs)
     log: list = []          # the decode steps' (row aux, active rows), device until needed
-    log_host: list = []
-    started = [0] * B       # the decode-step index at which each row's request started
+    log_host: list = []     # ... on the host; both start at decode step `base`
+    base = 0
+    started = [0] * B       # the decode step at which each row's request started
     gen_stats: list = [None] * len(reqs)
     waiting = list(range(len(reqs)))
     req: list[int | None] = [None] * B   # the request each row is decoding
@@ -603,15 +604,19 @@ class Engine:
     steps, t_first = 0, None
 
     def finish(b):
+      nonlocal base
       r = req[b]
       if len(log_host) < len(log):  # one transfer for every step not on the host yet
         log_host.extend(jax.device_get(log[len(log_host):]))
         log[:len(log_host)] = [None] * len(log_host)
       st = _RowStats()
-      for aux, act in log_host[started[b]:]:
+      for aux, act in log_host[started[b] - base:]:
         st.add(aux, act)
       gen_stats[r] = st.row(b)
       req[b] = None
+      keep = min((started[x] for x in range(B) if req[x] is not None), default=base + len(log))
+      del log[:keep - base], log_host[:keep - base]  # steps no running request needs
+      base = keep
 
     while True:
       free = [b for b in range(B) if req[b] is None and (pending is None or pending[0] != b)]
@@ -637,7 +642,7 @@ class Engine:
         pending[2:6] = [c + C, tok, one, one_logits]
         if c + C >= P:  # the prompt is in: the row joins the batch
           cache, logits = _insert_row(cache, one, logits, one_logits, jnp.int32(b))
-          req[b], pos[b], fresh[b], started[b] = r, len(p), True, len(log)
+          req[b], pos[b], fresh[b], started[b] = r, len(p), True, base + len(log)
           prompt_stats[r] = st.row(0)
           pending = None
       if fresh.any():
