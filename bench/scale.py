@@ -75,6 +75,15 @@ flags.DEFINE_float("loss_rtol", 2e-2, "loss claim: relative difference to one de
 flags.DEFINE_bool("tiny", False, "bench/e2e.py's tiny shapes (CPU check)", flag_values=FLAGS)
 flags.DEFINE_bool("inprocess", False, "run every row in this process (CPU check)",
                   flag_values=FLAGS)
+flags.DEFINE_list("from_rows", None, "record the rows of --progress files (a run cut by the device "
+                  "tool's limit) instead of running: one run, judged like a fresh one",
+                  flag_values=FLAGS)
+flags.DEFINE_string("rows_device", None, "with --from_rows: the device the rows ran on",
+                    flag_values=FLAGS)
+flags.DEFINE_string("rows_commit", None, "with --from_rows: the git commit that ran them",
+                    flag_values=FLAGS)
+flags.DEFINE_string("rows_date", None, "with --from_rows: when they ran (ISO 8601)",
+                    flag_values=FLAGS)
 flags.DEFINE_string("row", None, "internal: run one row (JSON) and print it", flag_values=FLAGS)
 
 
@@ -131,6 +140,7 @@ def run_row(T: int, scheme: str, layout: str, n: int, *, tiny: bool = False, rep
   stats = [d.memory_stats() or {} for d in devices]
   peaks = [s.get("peak_bytes_in_use") for s in stats if s.get("peak_bytes_in_use")]
   row["peak_bytes"] = max(peaks) if peaks else None
+  row["device_kind"] = devices[0].device_kind
   return row
 
 
@@ -267,6 +277,35 @@ def table(rows: list[dict]) -> str:
   return "\n".join(out)
 
 
+def record_rows(a) -> int:
+  """--from_rows: the rows of progress files judged and appended as one run, with the device,
+  commit and date they ran on (flags; a row's own device_kind must agree)."""
+  rows = []
+  for path in a.from_rows:
+    with open(path) as f:
+      rows += [json.loads(line) for line in f if line.strip()]
+  if not rows:
+    raise SystemExit(f"bench.scale: --from_rows {a.from_rows}: no rows")
+  kinds = {r["device_kind"] for r in rows if "device_kind" in r} | (
+      {a.rows_device} if a.rows_device else set())
+  if len(kinds) != 1 or not a.rows_commit or not a.rows_date:
+    raise SystemExit("bench.scale: --from_rows needs one device (rows' device_kind or "
+                     f"--rows_device; got {sorted(kinds)}), --rows_commit and --rows_date")
+  (device,) = kinds
+  rows, claims, goal = summarize(rows, a.loss_rtol)
+  result = dict(rows=rows, goal=goal, settings=dict(
+      plan=[f"{r['T']}:{r['scheme']}:{r['layout']}:{r['devices']}" for r in rows],
+      from_rows=[os.path.basename(p) for p in a.from_rows], loss_rtol=a.loss_rtol,
+      reps=a.reps, strategy=a.strategy, model="Qwen2.5-1.5B shapes (bench/e2e.py)"))
+  run = common.make_run("scale", result, name="main", claims=claims)
+  run.update(device=device, git_commit=a.rows_commit, date=a.rows_date)
+  path = common.result_path("scale", a.out_dir, device=device)
+  common.append_run(path, run)
+  print(table(rows))
+  print(f"goal {goal}\nwrote {path}")
+  return 0
+
+
 def main(argv=None) -> int:
   fv = common.parse_flags(FLAGS, argv)
   a = types.SimpleNamespace(**{name: fv[name].value for name in fv})
@@ -277,6 +316,8 @@ def main(argv=None) -> int:
   if bad := [s for s in a.schemes if s not in SCHEMES] + [l for l in a.layouts if l not in LAYOUTS]:
     raise SystemExit(f"bench.scale: unknown --schemes / --layouts {bad}: choose from "
                      f"{list(SCHEMES)} / {list(LAYOUTS)}")
+  if a.from_rows:
+    return record_rows(a)
   import jax
   n_all = jax.device_count()
   specs = plan(a, n_all)
