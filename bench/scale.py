@@ -11,6 +11,11 @@ and name the commit that runs):
     pip install --no-deps .whl/*.whl && CONDATTN_GIT_COMMIT=<git rev-parse --short HEAD> \
       python -m bench.scale --T 32768,131072 --schemes dense,l2a --layouts one,sequence,data
     python -m bench.scale --T 262144 --schemes l2a --layouts one,sequence   # one GPU: OOM row
+On four GPUs (nvidia-h100-x4), rows on disjoint GPUs at once, rows kept if the call is cut:
+    python -m bench.scale --concurrent --reps=2 --row_timeout_s=300 --progress=$OUT/rows.jsonl \
+      --plan=131072:l2a:one,131072:l2a:sequence:2,131072:dense:one,131072:l2a:sequence:4
+    python -m bench.scale --from_rows=<files_at>/rows.jsonl --rows_device="NVIDIA H100 80GB HBM3" \
+      --rows_commit=<sha> --rows_date=<ISO date>     # here: record a cut run's rows
 
 Model: bench/e2e.py's (Qwen2.5-1.5B shapes, all 28 layers, bf16 compute, fp32 master weights,
 remat 'full', chunked CE 8192, random init from train.seed, random tokens; --tiny: its 2-layer
