@@ -11,7 +11,7 @@ against the bytes a step must read, per scheme, with a plain-XLA decode step as 
     python -m bench.decode --preset=gpu_all --bytes_only
     # does LLaMA-2-7B dense prefill (4K chunks) + decode at 64K fit one 80 GB card (~3 min)
     CONDATTN_GIT_COMMIT=<rev> python -m bench.decode --name=fits --only=fits --fits
-    # every scheme x B {1, 8, 32} x 8K / 32K / 128K that fits (GPU_ALL_PLAN, 54 rows), in 14
+    # every scheme x B {1, 8, 32} x 8K / 32K / 128K that fits (GPU_ALL_PLAN, 56 rows), in 14
     # ten-minute commands k = 0..13 (each keeps its points' dense and scheme rows together)
     CONDATTN_GIT_COMMIT=<rev> python -m bench.decode --preset=gpu_all --part=$k/14 \
         --name=all_$k --baseline=false --prefill_T=0 --deadline_s=480
@@ -71,7 +71,9 @@ Targets (pre-registered: issue 33's, recorded on the run as `targets` [{name, me
 or not, never asserted: today they are the baseline): dense B=1 <= 2x the limit at 8K and <= 1.5x
 at 32K and 128K, B=8 at 32K <= 1.5x; the engine faster than both baselines at every dense point;
 every scheme row >= 0.9x of its bytes-bound speedup; chunked prefill <= 1.15x one-shot; serve
-faster (tokens/s) than one batch at a time. The
+faster (tokens/s) than one batch at a time; MATCH decode ms and peak at 128K within 1.2x of 8K
+(same run, same B); segmented decode no slower than dense at 64K; the fits check's programs
+within the card. The
 run's claims (bench/claims/decode.py) are that these verdicts and the derived numbers follow
 from the stored rows.
 Appends one run to <out_dir>/decode_<device>.json, saved after every row (a timeout keeps the
@@ -173,6 +175,9 @@ GPU_ALL_PLAN = [
         ("dense", "llama2-7b", "1/32K"), ("segmented", "llama2-7b", "1/32K 1/128K"),
         ("dense", "llama2-7b", "8/8K"), ("segmented", "llama2-7b", "8/8K 8/32K 8/128K"))
     for B, T in ((int(p.split("/")[0]), int(p.split("/")[1][:-1]) * 1024) for p in pts.split())]
+# the issue's segmented target is at 64K: that point too
+EXTRA_POINTS = [("dense", "llama2-7b", 1, 65536), ("segmented", "llama2-7b", 1, 65536)]
+GPU_ALL_PLAN += EXTRA_POINTS
 
 
 def by_point(rows):
@@ -213,7 +218,7 @@ def gpu_all_plan() -> list[tuple[str, str, int, int]]:
           row = (s, shapes, B, T)
           if row not in out and resident_bytes(s, shapes, B, T) <= FIT_FRACTION * CARD_BYTES:
             out.append(row)
-  return out
+  return out + EXTRA_POINTS
 
 
 TEST_PLAN = [("dense", None, 1, 64), ("dense", None, 2, 64), ("l2a", None, 2, 64), ("match", None, 1, 64),
@@ -925,6 +930,7 @@ def derive(rows: list[dict], bw_tbps: float) -> None:
 
 
 DENSE_TARGETS = ((1, 8192, 2.0), (1, 32768, 1.5), (1, 131072, 1.5), (8, 32768, 1.5))
+MATCH_FLAT = 1.2  # "MATCH decode time and memory flat from 8K to 128K": 128K within 1.2x of 8K
 
 
 def targets_of(rows: list[dict], dense_shapes: str) -> list[dict]:
@@ -950,6 +956,20 @@ def targets_of(rows: list[dict], dense_shapes: str) -> list[dict]:
     add(f"{r['scheme']} ({r['shapes']} B={r['B']} T={r['T']}) >= 0.9x its bytes-bound speedup",
         r["achieved"] >= 0.9, bound=r["bound_speedup"], speedup=r["speedup"],
         achieved=r["achieved"])
+  engine_rows = [r for r in ok if "bytes" in r and "kind" not in r]
+  for B in sorted({r["B"] for r in engine_rows if r["scheme"] == "match"}):
+    m = {r["T"]: r for r in engine_rows if r["scheme"] == "match" and r["B"] == B}
+    if 8192 in m and 131072 in m:  # flat: 128K within MATCH_FLAT of 8K, time and peak memory
+      lo, hi = m[8192], m[131072]
+      add(f"match decode flat from 8K to 128K (B={B}): ms and peak within {MATCH_FLAT}x",
+          hi["ms"] <= MATCH_FLAT * lo["ms"] and hi.get("peak_est_bytes", 0)
+          <= MATCH_FLAT * lo.get("peak_est_bytes", 0), ms_8k=lo["ms"], ms_128k=hi["ms"],
+          peak_8k=lo.get("peak_est_bytes"), peak_128k=hi.get("peak_est_bytes"))
+  for r in (r for r in engine_rows if r["scheme"] == "segmented" and r["T"] == 65536):
+    d = find(scheme="dense", shapes=r["shapes"], B=r["B"], T=r["T"], kind=None)
+    if d is not None:
+      add(f"segmented decode no slower than dense at 64K (B={r['B']})", r["ms"] <= d["ms"],
+          segmented_ms=r["ms"], dense_ms=d["ms"])
   fits = [r for r in ok if r.get("kind") == "fits"]
   if len(fits) == 2:
     add(f"dense {fits[0]['shapes']} prefill ({fits[0]['chunk']}-token chunks) + decode at "

@@ -139,6 +139,24 @@ def test_resident_bytes_of_the_7b_at_64k():
   assert decode.resident_bytes("dense", "llama2-7b", 3, 65536) - got == 2 * kv
 
 
+def test_match_flat_and_segmented_64k_targets_follow_the_rows():
+  """The MATCH flatness target (128K within 1.2x of 8K in ms and peak, same B) and segmented
+  no slower than dense at 64K, judged from rows, met or missed."""
+  row = lambda s, sh, T, ms, peak=1.0: dict(scheme=s, shapes=sh, B=1, T=T, ms=ms, bytes=1,
+                                             peak_est_bytes=peak, status="ok")
+  q, l = "qwen2.5-1.5b", "llama2-7b"
+  got = lambda rows: {t["name"]: t["met"] for t in decode.targets_of(rows, q)}
+  flat = "match decode flat from 8K to 128K (B=1): ms and peak within 1.2x"
+  seg = "segmented decode no slower than dense at 64K (B=1)"
+  rows = [row("match", q, 8192, 2.0), row("match", q, 131072, 2.3),
+          row("dense", l, 65536, 9.0), row("segmented", l, 65536, 8.0)]
+  assert got(rows) == {flat: True, seg: True}
+  rows[1]["ms"], rows[3]["ms"] = 2.5, 9.5
+  assert got(rows) == {flat: False, seg: False}
+  rows[1]["ms"], rows[1]["peak_est_bytes"] = 2.3, 1.3  # time flat, memory not
+  assert got(rows)[flat] is False
+
+
 def test_nominal_bytes_reproduce_the_issues_l2a_bound(tmp_path):
   """Issue 33's numbers from abstract shapes: Qwen2.5-1.5B at 128K, dense reads ~6.85 GB a step
   (2.04 ms at 3.35 TB/s), L2A at q = 0.2 ~4.26 GB (its extra global-branch weights included):
