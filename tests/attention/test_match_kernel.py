@@ -216,3 +216,42 @@ def test_recomputed_retrieval_layout_on_the_mosaic_gpu_kernel_interpret():
   for name, a, b in zip(("out", "dq", "dk", "dv"), run("mosaic_gpu", interpret=True), want):
     assert rel(a, b) < 1e-2, (name, rel(a, b))
   assert rel(run("reference", lists=jnp.full_like(lists, -1))[0], want[0]) > 0.5
+
+
+def test_hopper_engine_prefill_runs_the_block_sparse_kernel():
+  """An engine prefill call (decode mode, cache written, 256 tokens with the prompt lengths:
+  recomputed retrieval for the last m) exported for an (abstract) H100: the SWA layers run the
+  Mosaic GPU block-sparse forward (one Mosaic GPU kernel more than the gathered path, whose
+  per-block keys no kernel takes: the reference; the aux rows' own attention is the compacted
+  kernel's in both) and hold no gathered [B*G, w+c-1+k*c] K/V tensor; the gathered path does."""
+  base = ModelConfig(family="qwen3", qk_norm="head", num_layers=2, vocab_size=64, hidden_size=128,
+                     num_heads=2, num_kv_heads=1, head_dim=64, dtype="bfloat16")
+  mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+      device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"))
+  B, C, L = 1, 256, 1024
+  i32 = lambda s: jax.ShapeDtypeStruct(s, jnp.int32)
+  G = -(-(C + 127) // 128)  # blocks a call of C tokens from any start touches
+  gathered_kv = f"tensor<{B * G}x{128 + 127 + 2 * 128}x1x64xbf16>"
+
+  def program(path):
+    m = Decoder(attention.configure(base, "match", window=128, chunk=128, top_k=2,
+                                    prefill_last=200, attention_path=path))
+    params = jax.eval_shape(lambda t: nn.unbox(m.init(jax.random.PRNGKey(0), t)),
+                            jnp.zeros((1, 8), jnp.int32))["params"]
+    cache = jax.eval_shape(lambda p, t: m.apply({"params": p}, t, decode=True, cache_len=L,
+                                                unroll_layers=True, mutable=["cache"])[1]["cache"],
+                           params, i32((B, 1)))
+
+    def step(p, c, t, pos, valid, P):
+      return m.apply({"params": p, "cache": c}, t, pos, valid, decode=True, cache_len=L,
+                     fields={"prompt_len_B": P}, unroll_layers=True, mutable=["cache"])[0]
+    with jax.sharding.use_abstract_mesh(mesh):
+      return jax.export.export(jax.jit(step), platforms=["cuda"], disabled_checks=_DISABLED)(
+          params, cache, i32((B, C)), i32((B, C)), i32((B, C)), i32((B,))).mlir_module()
+
+  mosaic = lambda text: [c for c in re.findall(r"custom_call @([\w.$]+)", text)
+                         if c.startswith("mosaic_gpu")]
+  auto, gathered = program("auto"), program("gathered")
+  # one more Mosaic GPU kernel (the block-sparse forward; the layers share one lowered function)
+  assert len(mosaic(auto)) == len(mosaic(gathered)) + 1, (mosaic(auto), mosaic(gathered))
+  assert gathered_kv not in auto and gathered_kv in gathered
