@@ -20,7 +20,9 @@ loss (CE + lam * mean score, STE, mode 'exact', all params) for a fixed step bud
 accuracy and mu_f curves recorded with the plateau check. Held out: accuracy; usage at need
 queries, no-need queries and non-query tokens; per-head usage sorted (the paper's long tail)
 the per-head gap (paper Table 3: mean tokens between a head's consecutive full-attention
-calls, -1: fewer than two calls) and the per-head need gap (need - no-need usage). Control: static splits (the heads the learned
+calls, -1: fewer than two calls), the per-head need gap (need - no-need usage) and, for the
+headline lambda, mu_f over generated tokens through the engine (the paper's eq. 8:
+`generated_usage`). Control: static splits (the heads the learned
 router uses most, full for every token, the rest local) with at least the learned mu_f,
 fine-tuned with their own lr sweep. A lambda sweep at the smallest window (on the first
 `sweep_seeds` seeds: CPU 1, H100 all). CRITERIA (below, fixed
@@ -99,6 +101,11 @@ class Settings:
   num_queries: int = 6
   num_filler: int = 16
   restate_frac: float = 0.5     # of the queries whose fact is beyond the window
+  # 1: a fact is ONE token (id 1 + k V + v): the query token's own layer-0 head can match it,
+  # so retrieval may stay in layer 0, whose router sees only the token (docs/schemes/aha.md,
+  # "Why the router fires on every query token"); 2: a key token then a value token: answering
+  # needs an induction step (layer >= 1), whose router sees the context
+  fact_tokens: int = 1
   # model
   num_layers: int = 3
   hidden_size: int = 64
@@ -137,6 +144,9 @@ PRESETS = {
     "test": Settings(seq_len=48, num_queries=4, dense_steps=3, aha_steps=5, lams=(3e-2,),
                      static_lrs=(1e-3,), windows=(16,), seeds=(0,), eval_rows=16, log_every=1),
 }
+# the h100 preset on two-token facts (retrieval forced out of layer 0: the test the one-token
+# task cannot make; not run yet)
+PRESETS["h100_pairs"] = dataclasses.replace(PRESETS["h100"], fact_tokens=2)
 FILES = {"cpu": "aha_repro.json"}
 
 
@@ -152,12 +162,17 @@ class RestatedRecall:
       raise ValueError(f"num_queries={s.num_queries} must be <= num_keys={K} (distinct keys).")
     if window + 4 > s.seq_len:
       raise ValueError(f"window {window} must be < seq_len - 4 = {s.seq_len - 4}.")
-    self.query0 = 1 + K * V
+    if s.fact_tokens not in (1, 2):
+      raise ValueError(f"fact_tokens={s.fact_tokens!r}: 1 (one fact token) or 2 (key, value).")
+    self.key0, self.value0 = 1, 1 + K          # fact_tokens=2: key / value token ids
+    self.query0 = 1 + K * V if s.fact_tokens == 1 else 1 + K + V
     self.answer0 = self.query0 + K
     self.filler0 = self.answer0 + V
     self.vocab_size = -(-(self.filler0 + s.num_filler) // 16) * 16
 
   def example(self, rng):
+    if self.s.fact_tokens == 2:
+      return self._example_pairs(rng)
     s, T, w = self.s, self.s.seq_len, self.w
     toks = self.filler0 + rng.integers(0, s.num_filler, T + 1)
     used = np.zeros(T + 1, bool)
@@ -180,6 +195,39 @@ class RestatedRecall:
       toks[tp] = fact
       if restate:
         toks[tr] = fact
+      toks[tq] = self.query0 + k
+      toks[tq + 1] = self.answer0 + v
+      kind[tq] = 1 if d < w else (2 if restate else 3)
+    return dict(inputs=toks[:T].astype(np.int32), targets=toks[1:].astype(np.int32),
+                loss_mask=(kind > 0).astype(np.float32), positions=np.arange(T, dtype=np.int32),
+                segment_ids=np.ones(T, np.int32), kind=kind)
+
+  def _example_pairs(self, rng):
+    """fact_tokens=2: the fact is a key token at tp and its value token at tp + 1; d = tq -
+    (tp + 1), the distance from the query to the value token (near: d < w); a restated pair
+    lies wholly inside the window before the query."""
+    s, T, w = self.s, self.s.seq_len, self.w
+    toks = self.filler0 + rng.integers(0, s.num_filler, T + 1)
+    used = np.zeros(T + 1, bool)
+    kind = np.zeros(T, np.int32)
+    for k in rng.choice(s.num_keys, s.num_queries, replace=False):
+      v = int(rng.integers(s.num_values))
+      for _ in range(1000):
+        d = int(np.exp(rng.uniform(0.0, np.log(T - 3))))
+        tq = int(rng.integers(d + 1, T))
+        tp = tq - d - 1
+        restate = d >= w and rng.random() < s.restate_frac
+        tr = tq - 1 - int(rng.integers(1, w - 1)) if restate else -1
+        spots = [tp, tp + 1, tq, tq + 1] + ([tr, tr + 1] if restate else [])
+        if (not restate or tr >= 0) and not used[spots].any() \
+            and len(set(spots)) == len(spots):
+          break
+      else:
+        raise RuntimeError("could not place a fact; lower num_queries or raise seq_len.")
+      used[spots] = True
+      toks[tp], toks[tp + 1] = self.key0 + k, self.value0 + v
+      if restate:
+        toks[tr], toks[tr + 1] = self.key0 + k, self.value0 + v
       toks[tq] = self.query0 + k
       toks[tq + 1] = self.answer0 + v
       kind[tq] = 1 if d < w else (2 if restate else 3)
@@ -260,6 +308,29 @@ def evaluate(cfg, params, rows) -> dict[str, Any]:
   return res
 
 
+def generated_usage(cfg, params, rows, *, n_rows: int = 32, new_tokens: int = 8) -> dict:
+  """mu_f as the paper defines it (eq. 8: the gates of the generated tokens, over layers, heads
+  and tokens), through the engine: the first `n_rows` rows' first T - new_tokens tokens as
+  prompts, `new_tokens` greedy tokens each (the engine runs the n - 1 fed back). Also the
+  prompt's usage through the engine's prefill and per (layer, head) usage of the generated
+  tokens."""
+  from condattn_jax.inference.engine import Engine
+  T = rows["inputs"].shape[1]
+  prompts = [r[:T - new_tokens] for r in rows["inputs"][:n_rows]]
+  gen = Engine(cfg, params, cache_len=T).generate(prompts, new_tokens)
+
+  def usage(part):
+    tok = np.stack([st[part]["tokens"] for st in gen.stats])              # [rows, L]
+    u = np.stack([st[part]["full_BN"] for st in gen.stats])               # [rows, L, N]
+    head = (u * tok[..., None]).sum(0) / np.maximum(tok.sum(0), 1)[:, None]  # [L, N]
+    return head, float(tok[:, 0].sum())
+  head, n = usage("generated")
+  prompt_head, n_prompt = usage("prompt")
+  return dict(mu_f=float(head.mean()), tokens=n, usage_head=head.round(5).tolist(),
+              mu_f_prompt=float(prompt_head.mean()), prompt_tokens=n_prompt,
+              new_tokens=new_tokens)
+
+
 def _aha_tc(s, steps, lr, seed, router=True):
   groups = {"router": {"regex": ROUTER_REGEX, "lr": lr * s.router_lr_mult}} if router else {}
   return rc.train_config(steps=steps, lr=lr, seed=seed, groups=groups)
@@ -314,12 +385,15 @@ def run_window(s, seed, w, dense, dense_info, log) -> dict[str, Any]:
                          metrics=("accuracy", "aha/mu_f"), name=f"aha w{w} lam{lam} s{seed}",
                          log=log, log_every=s.log_every)
     r = evaluate(acfg, p, ev)
+    if lam == s.lam:
+      r["generated"] = generated_usage(acfg, p, ev)
     r["plateau"] = {k: rc.plateau(v) for k, v in curves.items()}
     r["curves"] = {k: rc.thin(v) for k, v in curves.items()}
     out["lams"][str(lam)] = r
     log(f"[aha w{w} lam{lam} s{seed}] " + json.dumps(
         {k: r[k] for k in ("accuracy", "mu_f", "usage_need", "usage_noneed", "usage_nonquery",
-                           "top_head_share")}))
+                           "top_head_share")}
+        | ({"mu_f_generated": r["generated"]["mu_f"]} if "generated" in r else {})))
   learned = out["lams"][str(s.lam)]
   if w == min(s.windows):
     out["static"] = static_control(s, acfg0, ap0, learned, task, ev, seed, w, log)
@@ -378,6 +452,8 @@ def summarize(s: Settings, seeds: list[dict]) -> dict[str, Any]:
                               for r in seeds])
     put(f"w{w}.need_over_noneed", [lw(r)["usage_need"] / max(lw(r)["usage_noneed"], 1e-4)
                                    if lw(r)["usage_need"] is not None else None for r in seeds])
+    if all("generated" in lw(r) for r in seeds):   # runs before it was recorded lack it
+      put(f"w{w}.mu_f_generated", [lw(r)["generated"]["mu_f"] for r in seeds])
     drops.append(m[f"w{w}.drop_points"])
     ratios.append(m[f"w{w}.need_over_noneed"])
     mus.append(m[f"w{w}.mu_f"])

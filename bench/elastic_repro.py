@@ -230,17 +230,19 @@ def evaluate(cfg, params, rows: dict) -> dict[str, Any]:
                             fields=fields)
       ok = (jnp.argmax(logits, -1) == b["targets"]).astype(jnp.float32) * b["loss_mask"]
       fa = aux["fa_BK"] if elastic_cfg else jnp.ones((1, b["inputs"].shape[0], 1))
-      return ok.sum(1) / b["loss_mask"].sum(1), fa
+      p_fa = aux["p_fa_BK"] if elastic_cfg else fa
+      return ok.sum(1) / b["loss_mask"].sum(1), fa, p_fa
     _EVAL[cfg] = f
   f = _EVAL[cfg]
-  oks, fas = [], []
+  oks, fas, ps = [], [], []
   n = len(rows["inputs"])
   for i in range(0, n, 128):
     b = {k: jnp.asarray(v[i:i + 128]) for k, v in rows.items() if k != "task"}
-    ok, fa = jax.device_get(f(params, b))
+    ok, fa, p_fa = jax.device_get(f(params, b))
     oks.append(ok)
     fas.append(np.moveaxis(np.asarray(fa), 1, 0))                       # [B, L, K]
-  ok, fa = np.concatenate(oks), np.concatenate(fas)
+    ps.append(np.moveaxis(np.asarray(p_fa), 1, 0))                      # [B, L, K]
+  ok, fa, p_fa = np.concatenate(oks), np.concatenate(fas), np.concatenate(ps)
   out: dict[str, Any] = {}
   for t, name in enumerate(TASKS):
     sel = rows["task"] == t
@@ -253,7 +255,22 @@ def evaluate(cfg, params, rows: dict) -> dict[str, Any]:
     out["omega"] = float(1.0 - fa.mean())
     out["omega_gap"] = out["omega_recent"] - out["omega_recall"]
     out["fa_freq"] = fa.mean(0).round(4).tolist()
+    out.update(saturation(p_fa))
   return out
+
+
+SATURATED = 0.01
+
+
+def saturation(p_fa) -> dict[str, Any]:
+  """Router saturation of (row, layer, KV head) decisions from the noise-free class-1
+  probabilities p_fa [B, L, K]: the fraction at 0 (p <= SATURATED) and at 1 (p >= 1 -
+  SATURATED), their sum, and the mean |p - 0.5| per layer x KV head. A saturated router makes
+  the same choice for every input (the Gumbel noise no longer flips it)."""
+  p = np.asarray(p_fa, np.float64)
+  at0, at1 = float((p <= SATURATED).mean()), float((p >= 1 - SATURATED).mean())
+  return dict(p_fa_at_0=at0, p_fa_at_1=at1, p_fa_saturated=at0 + at1,
+              p_fa_margin=np.abs(p - 0.5).mean(0).round(4).tolist())
 
 
 def _elastic_cfg(s, cfg, arm, **extra):
@@ -306,7 +323,7 @@ def run_seed(s: Settings, seed: int, log=print) -> dict[str, Any]:
     out["arms"][arm] = r
     log(f"[{arm} s{seed}] " + json.dumps({k: v for k, v in r.items()
                                           if k not in ("curves", "fa_freq", "fa_freq_recall",
-                                                       "fa_freq_recent")}))
+                                                       "fa_freq_recent", "p_fa_margin")}))
   if "single" in out["arms"]:
     out["static"] = static_control(s, cfg, dense_np, out["arms"]["single"], task, ev, sel, seed,
                                    log)
@@ -384,6 +401,9 @@ def summarize(s: Settings, seeds: list[dict]) -> dict[str, Any]:
   for arm in s.arms:
     for k in ("recall", "recent", "omega", "omega_recall", "omega_recent", "omega_gap"):
       put(f"{arm}.{k}", [r["arms"][arm][k] for r in seeds if arm in r["arms"]])
+    ran = [r["arms"][arm] for r in seeds if arm in r["arms"]]
+    if ran and all("p_fa_saturated" in a for a in ran):  # runs before it was recorded lack it
+      put(f"{arm}.p_fa_saturated", [a["p_fa_saturated"] for a in ran])
   if "single" in s.arms:
     put("static.omega", [r["static"]["omega"] for r in seeds])
     put("static.frozen_recall", [r["static"]["frozen"]["recall"] for r in seeds])

@@ -45,6 +45,38 @@ def test_query_kinds_are_visible_only_in_context():
   np.testing.assert_array_equal(b["loss_mask"] > 0, b["kind"] > 0)
 
 
+def test_two_token_facts_need_an_induction_step():
+  """fact_tokens=2: a fact is a key token followed by its value token (no token holds both), the
+  query kinds follow the distance to the value token, and a restated pair lies inside the
+  window; the one-token rows are unchanged by the option (same draws, same ids)."""
+  import dataclasses
+  s = dataclasses.replace(bench.PRESETS["cpu"], fact_tokens=2)
+  w = 16
+  task = bench.RestatedRecall(s, w, seed=0)
+  b = task.batch(0, 64)
+  kinds = {1: 0, 2: 0, 3: 0}
+  for inp, tgt, kind in zip(b["inputs"], b["targets"], b["kind"]):
+    for t in np.flatnonzero(kind):
+      k = inp[t] - task.query0
+      assert 0 <= k < s.num_keys
+      keys = [p for p in range(t) if inp[p] == task.key0 + k]
+      assert keys and all(inp[p + 1] - task.value0 == tgt[t] - task.answer0 for p in keys)
+      within = [p for p in keys if t - (p + 1) < w]
+      if kind[t] == 3:
+        assert not within and len(keys) == 1
+      elif kind[t] == 2:
+        assert len(keys) == 2 and len(within) == 1 and t - within[0] < w
+      else:
+        assert keys == within
+      kinds[int(kind[t])] += 1
+  assert all(n > 0 for n in kinds.values()), kinds
+  assert b["inputs"].max() < task.vocab_size
+  one = bench.RestatedRecall(bench.PRESETS["cpu"], w, seed=0).batch(0, 4)["inputs"]
+  one = one.astype(np.int64)   # the recorded run's rows (checksums of the code that made them)
+  assert (one.sum(), (one * np.arange(one.size).reshape(one.shape)).sum()) == (58440, 11199273)
+  assert bench.PRESETS["h100_pairs"] == dataclasses.replace(bench.PRESETS["h100"], fact_tokens=2)
+
+
 def test_plateau_and_judge():
   flat = [0.5] * 40 + [1.0] * 60
   assert rc.plateau(flat)["at_plateau"] and not rc.plateau(np.linspace(0, 1, 100))["at_plateau"]
@@ -102,3 +134,29 @@ def test_the_honesty_claim_fails_when_a_number_or_verdict_changes():
   c["passed"] = not c["passed"]
   got = {c["name"]: c for c in claims.evaluate(path, flip["runs"], 0)}[name]
   assert not got["passed"] and "sparse" in got["detail"]["error"]
+
+
+def test_generated_usage_is_the_gates_of_the_generated_tokens():
+  """mu_f over generated tokens (the paper's eq. 8) through the engine, on a static split (the
+  router bias +-10: every token takes the same choice per head): the per-head usage of the
+  generated tokens is the split itself, mu_f its mean, and the engine ran rows x (n - 1) of them
+  (the last generated token is never fed back)."""
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+  from condattn_jax.attention import convert
+  from condattn_jax.models.decoder import Decoder
+  s = bench.PRESETS["test"]
+  task = bench.RestatedRecall(s, 16, seed=0)
+  cfg = bench.base_config(s, task)
+  dense = jax.tree.map(np.asarray, nn.unbox(Decoder(cfg).init(
+      jax.random.key(0), jnp.zeros((1, s.seq_len), jnp.int32))["params"]))
+  acfg, ap = convert(dense, cfg, "aha", window=16, tau=s.tau, lam=s.lam)
+  heads = np.zeros((s.num_layers, s.num_heads), bool)
+  heads[0, [0, 3]] = heads[2, 1] = True
+  rows = task.batch(0, 3, stream=1)
+  got = bench.generated_usage(acfg, bench._static_params(ap, heads), rows, n_rows=2,
+                              new_tokens=4)
+  np.testing.assert_array_equal(got["usage_head"], heads.astype(float))
+  assert got["mu_f"] == got["mu_f_prompt"] == heads.mean()
+  assert got["tokens"] == 2 * 3 and got["prompt_tokens"] == 2 * (s.seq_len - 4)

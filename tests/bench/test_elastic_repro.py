@@ -97,3 +97,14 @@ def test_the_honesty_claim_fails_when_a_number_or_verdict_changes():
   c["passed"] = not c["passed"]
   got = {c["name"]: c for c in claims.evaluate(path, flip["runs"], 0)}[name]
   assert not got["passed"] and "ssa_cannot_recall" in got["detail"]["error"]
+
+
+def test_saturation_counts_decisions_at_0_and_1():
+  """Router saturation per arm: the fraction of (row, layer, KV head) probabilities at 0 / 1
+  (within bench.SATURATED) and the mean margin |p - 0.5| per layer x head."""
+  p_BLK = np.array([[[0.001, 0.5], [0.995, 0.2]],
+                    [[0.02, 0.999], [1.0, 0.0]]])
+  got = bench.saturation(p_BLK)
+  assert got["p_fa_at_0"] == 2 / 8 and got["p_fa_at_1"] == 3 / 8
+  assert got["p_fa_saturated"] == 5 / 8
+  np.testing.assert_allclose(got["p_fa_margin"], [[0.4895, 0.2495], [0.4975, 0.4]], atol=1e-4)
