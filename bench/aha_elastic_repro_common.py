@@ -112,7 +112,8 @@ def train(cfg, params, tc, batch_fn: Callable[[int], dict], *, metrics=("accurac
           name="", log=print, log_every=100):
   """`tc.num_steps` steps of the project's train step on batch_fn(i); the compiled step is
   cached per (config, train settings) across calls (seeds reuse it). Returns (params,
-  {metric: per-step values}) for the metric names of the step's metrics dict."""
+  {metric: per-step values}) for the metric names of the step's metrics dict (a scalar metric's
+  values are floats, an array metric's lists)."""
   import jax
   import jax.numpy as jnp
   from condattn_jax.train import optimizer as opt_lib
@@ -132,10 +133,13 @@ def train(cfg, params, tc, batch_fn: Callable[[int], dict], *, metrics=("accurac
     if len(pending) == 50 or i + 1 == tc.num_steps:
       for row in jax.device_get(pending):
         for k in metrics:
-          curves[k].append(float(np.mean(row[k])))
+          v = np.asarray(row[k])
+          curves[k].append(float(v) if v.ndim == 0 else v.tolist())
       pending = []
       if (i + 1) % log_every == 0 or i + 1 == tc.num_steps:
-        log(f"[{name}] step {i + 1} " + " ".join(f"{k}={curves[k][-1]:.4g}" for k in metrics)
+        log(f"[{name}] step {i + 1} " + " ".join(
+            f"{k}={curves[k][-1]:.4g}" if isinstance(curves[k][-1], float)
+            else f"{k}={np.round(curves[k][-1], 4).tolist()}" for k in metrics)
             + f" ({time.time() - t0:.0f}s)")
   return jax.device_get(state.params), curves
 
@@ -176,7 +180,7 @@ def history(curves: dict, every: int) -> list:
   """Per-step curves (rc.train's) as rows {step, <metric>: value} at every `every`-th step and
   the last (1-based steps)."""
   n = len(next(iter(curves.values())))
-  return [dict(step=i + 1, **{k: float(v[i]) for k, v in curves.items()})
+  return [dict(step=i + 1, **{k: v[i] for k, v in curves.items()})
           for i in range(n) if (i + 1) % every == 0 or i + 1 == n]
 
 

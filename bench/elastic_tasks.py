@@ -36,6 +36,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import flags  # noqa: E402
+from bench import aha_elastic_repro_common as rc  # noqa: E402
 from bench import common  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
@@ -46,9 +47,6 @@ import numpy as np  # noqa: E402
 from condattn_jax.attention import configure, convert, elastic  # noqa: E402
 from condattn_jax.models.config import ModelConfig  # noqa: E402
 from condattn_jax.models.decoder import Decoder  # noqa: E402
-from condattn_jax.train import optimizer as opt_lib  # noqa: E402
-from condattn_jax.train.state import TrainState  # noqa: E402
-from condattn_jax.train.step import make_train_step  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASKS = ("retrieval", "local")
@@ -181,10 +179,6 @@ def base_config(s: Settings, mix: TaskMix) -> ModelConfig:
                      attention_impl="reference")
 
 
-class _TC(dict):
-  __getattr__ = dict.__getitem__
-
-
 def _recipe():
   import importlib.util
   spec = importlib.util.spec_from_file_location("_elastic_recipe",
@@ -196,31 +190,28 @@ def _recipe():
 
 def train(cfg, params, s: Settings, mix: TaskMix, *, steps, lr, trainable=None, groups=None,
           phase=0, name="", log=print):
-  """`steps` steps of the project's train step; returns (params, history)."""
-  tc = _TC(num_steps=steps, lr=lr, warmup_frac=0.0, warmup_steps=None, lr_schedule="constant",
-           end_lr_frac=1.0, grad_clip=5.0, weight_decay=0.0, b1=0.9, b2=0.95, eps=1e-8,
-           trainable_regex=trainable, param_groups=groups or {}, seed=s.seed, microbatches=1,
-           loss_chunk_size=0)
-  tx, labels, schedule = opt_lib.make_optimizer(tc, params)
-  step = jax.jit(make_train_step(cfg, tc, tx, labels, schedule), donate_argnums=(0,))
-  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
-  hist, t0 = [], time.time()
-  for i in range(steps):
-    b = mix.batch(phase * 10_000_000 + i * s.batch_size, s.batch_size)
-    state, m = step(state, jax.tree.map(jnp.asarray, b))
-    if (i + 1) % s.log_every == 0 or i + 1 == steps:
-      m = jax.device_get(m)
-      row = dict(step=i + 1, ce=float(m["ce"]), accuracy=float(m["accuracy"]))
-      for k in ("elastic/msr/retrieval", "elastic/msr/local", "elastic/tau"):
-        if k in m:
-          row[k.split("/", 1)[1]] = float(m[k])
-      if "elastic/lambda1" in m:
-        row["lambda1"] = np.asarray(m["elastic/lambda1"]).round(4).tolist()
-        row["lambda2"] = np.asarray(m["elastic/lambda2"]).round(4).tolist()
-      hist.append(row)
-      log(f"[{name}] " + " ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                  for k, v in row.items()) + f" ({time.time() - t0:.0f}s)")
-  return jax.device_get(state.params), hist
+  """`steps` steps of the project's train step through the AHA / Elastic benches' runner
+  (`rc.train`; constant lr, clip 5, no weight decay); returns (params, history: rows {step, ce,
+  accuracy[, msr/<task>, tau, lambda1, lambda2]} every `log_every` steps)."""
+  tc = rc.train_config(steps=steps, lr=lr, seed=s.seed, warmup_frac=0.0, schedule="constant",
+                       end_lr_frac=1.0, grad_clip=5.0, weight_decay=0.0, trainable=trainable,
+                       groups=groups)
+  extra = (tuple(f"elastic/msr/{t}" for t in TASKS) + ("elastic/tau", "elastic/lambda1",
+                                                         "elastic/lambda2")
+           if cfg.scheme == "elastic" else ())
+  params, curves = rc.train(cfg, params, tc,
+                            lambda i: mix.batch(phase * 10_000_000 + i * s.batch_size,
+                                                s.batch_size),
+                            metrics=("ce", "accuracy") + extra, name=name, log=log,
+                            log_every=s.log_every)
+  hist = []
+  for row in rc.history(curves, s.log_every):
+    out = {}
+    for k, v in row.items():
+      k = k.split("/", 1)[1] if k.startswith("elastic/") else k
+      out[k] = np.round(v, 4).tolist() if k.startswith("lambda") else v
+    hist.append(out)
+  return params, hist
 
 
 def accuracy(cfg, params, batches) -> dict[str, float]:
