@@ -453,15 +453,15 @@ def segmented_section(workdir: str, steps: int | None, seed: int) -> Section:
       "retrieval searches) grows with the context.")
 
   L, n_tr = max(segs), p["train_segs"]
-  verdict = (f"Served segmented, the aligned fine-tune keeps full attention's quality at the "
-             f"training length ({n_tr * S} tokens: perplexity {ppl['aligned/segmented'][n_tr]:.2f}"
-             f" vs {ppl['misaligned/full'][n_tr]:.2f}) and holds it at {L * S} tokens "
-             f"({ppl['aligned/segmented'][L]:.2f}, where full attention itself drifts to "
+  verdict = (f"Served segmented, the aligned fine-tune has perplexity "
+             f"{ppl['aligned/segmented'][n_tr]:.2f} at the training length ({n_tr * S} tokens; "
+             f"full attention {ppl['misaligned/full'][n_tr]:.2f}) and "
+             f"{ppl['aligned/segmented'][L]:.2f} at {L * S} tokens (full attention "
              f"{ppl['misaligned/full'][L]:.2f}); the misaligned fine-tune, served segmented, "
-             f"degrades to {ppl['misaligned/segmented'][n_tr]:.2f} / "
-             f"{ppl['misaligned/segmented'][L]:.2f}. The segmented prefill step's temporaries "
-             f"grow x{grow('segmented', 'step_temp'):.2f} for x{lens[1] // lens[0]} the context "
-             f"(dense one-shot: x{grow('dense', 'step_temp'):.1f}).")
+             f"{ppl['misaligned/segmented'][n_tr]:.2f} / {ppl['misaligned/segmented'][L]:.2f}. "
+             f"The segmented prefill step's temporaries grow x{grow('segmented', 'step_temp'):.2f}"
+             f" for x{lens[1] // lens[0]} the context (dense one-shot: "
+             f"x{grow('dense', 'step_temp'):.1f}).")
   claims = [
       Claim("aligned within 10% of the full-attention reference at every length of >= 2 "
             "segments: " + ", ".join(f"{v:.2f}" for v in a["values"].values()), a["passed"]),
@@ -634,10 +634,9 @@ def elastic_section(workdir: str, steps: int | None, seed: int) -> Section:
         f"{pct(hidden['omega_recent'])}  (gap {100 * gh:+.1f} points)")
   lam = np.asarray(ep["scheme"]["lagrange"]).round(3).tolist()
   verdict = (f"The router gives recall rows Omega {pct(r['omega_recall'])} and recent rows "
-             f"{pct(r['omega_recent'])} (gap {100 * gap:.1f} points) from the instruction alone: "
-             f"swapped, the split follows the instruction shown (gap {100 * gs:+.1f}); hidden, it "
-             f"vanishes ({100 * gh:+.1f}). Recall keeps {pct(r['recall'])} (dense "
-             f"{pct(d['recall'])}, every head SSA {pct(ssa['recall'])}).")
+             f"{pct(r['omega_recent'])} (gap {100 * gap:+.1f} points); with the instruction "
+             f"swapped the gap is {100 * gs:+.1f}, hidden {100 * gh:+.1f}. Recall "
+             f"{pct(r['recall'])} (dense {pct(d['recall'])}, every head SSA {pct(ssa['recall'])}).")
   claims = [
       Claim(f"the dense model answers both tasks: {pct(d['min_accuracy'])} >= 85%",
             d["min_accuracy"] >= 0.85),
@@ -759,8 +758,7 @@ def match_section(workdir: str, steps: int | None, seed: int) -> Section:
         "800-step sweep: full attention itself only 21%): what retrieval buys shows beyond the "
         "window.")
   verdict = (f"Beyond its {w}-token window MATCH answers {pct(ma['beyond'])} of the queries, SWA "
-             f"{pct(sw['beyond'])} and random retrieval {pct(ra['beyond'])}: retrieval by content, "
-             "not extra keys, brings the far value back.")
+             f"{pct(sw['beyond'])} and random retrieval {pct(ra['beyond'])}.")
   claims = [
       Claim(f"SWA cannot recall beyond its window: {pct(sw['beyond'])} <= 15%", sw["beyond"] <= 0.15),
       Claim(f"MATCH recalls beyond the window: {pct(ma['beyond'])} >= 40% and >= SWA + 30 "
