@@ -21,7 +21,10 @@ Attention per shard (the local queries: [B_shard, T / n, N_shard, H]):
                         the reference on CPU, the compacted Pallas kernel on GPU / TPU). An
                         active set (L2A, AHA) stays local: each shard compacts its OWN routed
                         queries; shapes are static per shard, so every shard runs the same tile
-                        counts. Backward: the all-gather's transpose (reduce-scatter of dK/dV).
+                        counts. In the zigzag layout the gathered row is put back in natural
+                        order (`natural_order`): sorted kv positions, so the kernels' per-tile
+                        bounds skip every future tile. Backward: the all-gather's transpose
+                        (reduce-scatter of dK/dV).
   ring                  K/V (and their positions / ids) passed around the axis with ppermute,
                         n steps; each step's block attention is ops' reference attention
                         (pallas_kernels/compact_attention/reference.py, out and lse) merged by
@@ -214,9 +217,28 @@ def _local_mask(mask, kv_positions, kv_segment_ids, **kw):
                       **kw)
 
 
-def _all_gather(ax, local):
+def natural_order(x, n: int):
+  """A whole row in the zigzag layout (e.g. all-gathered over n shards: shard i's chunks i and
+  2n-1-i, shard after shard) in natural token order, along axis 1. Static slices, a reverse and
+  a concatenation: its transpose (the backward of the gathered K/V) is one too, no scatter."""
+  B, T = x.shape[:2]
+  x5 = x.reshape(B, n, 2, T // (2 * n), *x.shape[2:])
+  first, second = x5[:, :, 0], x5[:, ::-1, 1]  # chunks 0..n-1; n..2n-1 (shard n-1 holds n)
+  return jnp.concatenate([first, second], axis=1).reshape(x.shape)
+
+
+def _all_gather(ax, n, local, zigzag: bool):
+  """K/V gathered over the axis. Rows in the zigzag layout are put back in natural token order
+  first: the kernels skip kv tiles outside [first, last) visible tile of a query tile, and in the
+  gathered zigzag order a first-half chunk's keys interleave with future chunks (masked tiles
+  inside the range): the last shard would walk 4n - 1 chunks of keys for its 2n + 1 visible ones
+  (tests/train/test_context_parallel.py counts the kernels' tile bounds)."""
   def fn(q, k, v, mask):
-    g = lambda x: None if x is None else lax.all_gather(x, ax, axis=1, tiled=True)
+    def g(x):
+      if x is None:
+        return None
+      x = lax.all_gather(x, ax, axis=1, tiled=True)
+      return natural_order(x, n) if zigzag else x
     m = _local_mask(mask, g(mask.kv_positions_BS), g(mask.kv_segment_ids_BS))
     return local(q, g(k), g(v), m)
   return fn
@@ -313,7 +335,8 @@ def attention(q_BTNH, k_BSKH, v_BSKH, mask: ops.MaskSpec, *, impl: str = "auto",
   # cross-lowers for): under jax.grad a lowering-time platform switch keeps the other branches'
   # zero-filled residuals (the reference's [T/n, T] scores) in the compiled step (measured: 575
   # GiB temp for the 7B 128K step on v5p). Several such platforms: the lowering-time switch.
-  wrap = _halo if halo else (lambda ax_, n_, local: _all_gather(ax_, local))
+  zigzag = _zigzag.get() and T % (2 * n) == 0
+  wrap = _halo if halo else (lambda ax_, n_, local: _all_gather(ax_, n_, local, zigzag))
   branches = ops._branches(impl, q_BTNH, dataclasses.replace(mask, contiguous=False), scale)
   branches = {p: functools.partial(_per_shard, wrap(ax, n, fn), mesh, ax, batch, head)
               for p, fn in branches.items()}
