@@ -110,13 +110,20 @@ def run_row(T: int, scheme: str, layout: str, n: int, *, tiny: bool = False, rep
   import numpy as np
   from condattn_jax.train import loop
   k = 1 if layout == "one" else n
+  t_row = time.perf_counter()
+  phase = lambda name: print(f"PHASE {name} {time.perf_counter() - t_row:.1f}s", file=sys.stderr,
+                             flush=True)  # a row cut by its timeout names where it was
   devices = jax.devices()[:k]
+  phase("devices")
   c = row_config(T, scheme, layout, k, tiny=tiny, strategy=strategy)
   row: dict[str, Any] = dict(T=T, scheme=scheme, layout=layout, devices=k,
                              rows=int(c.data.batch_size))
   setup = loop.build(c, devices=devices)
   row["mesh"] = dict(setup.mesh.shape)
+  phase("built")
   state = loop.init_state(setup)
+  jax.block_until_ready(state)
+  phase("initialised")
   one = e2e.random_batch(T, setup.model_cfg.vocab_size, seed=1)
   batch = {key: jnp.concatenate([v] * row["rows"], axis=0) for key, v in one.items()}
   batch = jax.device_put(batch, setup.batch_sharding)
@@ -125,6 +132,7 @@ def run_row(T: int, scheme: str, layout: str, n: int, *, tiny: bool = False, rep
     compiled = loop.jit_train_step(setup).lower(setup.abstract_state,
                                                 setup.batch_abstract).compile()
     row["compile_s"] = time.perf_counter() - t0
+    phase("compiled")
     box = {"state": state}
 
     def step():
@@ -133,11 +141,13 @@ def run_row(T: int, scheme: str, layout: str, n: int, *, tiny: bool = False, rep
 
     jax.block_until_ready(step())  # the first step: its loss is the comparison's
     row["loss"] = float(jax.device_get(box["metrics"]["loss"]))
+    phase("first step")
     ts = []
-    for _ in range(reps):
+    for i in range(reps):
       t0 = time.perf_counter()
       jax.block_until_ready(step())
       ts.append((time.perf_counter() - t0) * 1e3)
+      phase(f"step {i + 1} {ts[-1]:.0f} ms")
   row["step_ms"] = float(np.median(ts))
   row["step_ms_all"] = ts
   row["tokens_per_s"] = row["rows"] * T / (row["step_ms"] / 1e3)
@@ -149,9 +159,12 @@ def run_row(T: int, scheme: str, layout: str, n: int, *, tiny: bool = False, rep
   return row
 
 
-def _child(spec: dict, gpus: list[int] | None = None) -> subprocess.Popen:
+def _child(spec: dict, gpus: list[int] | None = None,
+           timeout_s: float | None = None) -> subprocess.Popen:
   """One row in a fresh process (its peak memory is its own), on `gpus` only when given."""
   env = dict(os.environ)
+  if timeout_s:  # the child dumps its Python stacks (stderr) shortly before it would be killed
+    env["CONDATTN_ROW_STACKS_AT_S"] = str(max(1.0, timeout_s - 10))
   if gpus is not None:
     env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
   cmd = [sys.executable, "-m", "bench.scale", f"--row={json.dumps(spec)}"]
@@ -165,8 +178,12 @@ def _child_row(spec: dict, p: subprocess.Popen, timeout_s: float | None) -> dict
     out, err = p.communicate(timeout=timeout_s or None)
   except subprocess.TimeoutExpired:
     p.kill()
-    p.communicate()
-    return dict(spec, error=[f"timeout after {timeout_s} s"])
+    _, err = p.communicate()
+    lines = (err or "").splitlines()
+    phases = [l for l in lines if l.startswith("PHASE ")]
+    return dict(spec, error=[f"timeout after {timeout_s} s",
+                             f"last phase: {phases[-1][6:] if phases else 'none (before jax)'}"],
+                stderr_tail=lines[-40:])
   for line in out.splitlines():
     if line.startswith("ROW "):
       return json.loads(line[4:])
@@ -174,7 +191,7 @@ def _child_row(spec: dict, p: subprocess.Popen, timeout_s: float | None) -> dict
 
 
 def _row_in_child(spec: dict, timeout_s: float | None = None) -> dict:
-  return _child_row(spec, _child(spec), timeout_s)
+  return _child_row(spec, _child(spec, timeout_s=timeout_s), timeout_s)
 
 
 def row_devices(spec: dict) -> int:
@@ -191,7 +208,7 @@ def run_concurrent(specs: list[dict], num_devices: int, timeout_s: float | None,
 
   def worker(i, spec, gpus):
     try:
-      row = _child_row(spec, _child(spec, gpus), timeout_s)
+      row = _child_row(spec, _child(spec, gpus, timeout_s), timeout_s)
     except Exception as e:  # noqa: BLE001 -- recorded on the row; the scheduler must go on
       row = dict(spec, error=[f"{type(e).__name__}: {e}"])
     row["gpus"], row["devices"] = gpus, row_devices(spec)
@@ -316,6 +333,9 @@ def main(argv=None) -> int:
   a = types.SimpleNamespace(**{name: fv[name].value for name in fv})
   if a.row:
     spec = json.loads(a.row)
+    if os.environ.get("CONDATTN_ROW_STACKS_AT_S"):
+      import faulthandler
+      faulthandler.dump_traceback_later(float(os.environ["CONDATTN_ROW_STACKS_AT_S"]))
     print("ROW " + json.dumps(run_row(**spec)), flush=True)
     return 0
   if bad := [s for s in a.schemes if s not in SCHEMES] + [l for l in a.layouts if l not in LAYOUTS]:
