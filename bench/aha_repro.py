@@ -132,7 +132,7 @@ class Settings:
 
 PRESETS = {
     "cpu": Settings(),
-    # tests/bench (by default, ~40 CPU-s): one seed, window 16, one lambda, the static control
+    # tests/bench (by default, ~50 CPU-s with the engine generation): one seed, window 16, one lambda, the static control
     # frozen (no fine-tune); 100 AHA steps show the mechanism (layers 1-2 off, layer 0 on)
     "ci": Settings(seq_len=48, dense_steps=150, aha_steps=100, lams=(3e-2,), static_lrs=(),
                    windows=(16,), seeds=(0,), eval_rows=64, num_queries=4, log_every=50),
