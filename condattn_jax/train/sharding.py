@@ -221,7 +221,11 @@ def derive_layout(config, num_devices: int, *, num_heads: int = 0,
                  on it, said in a note). Rows are split over `sequence` only as configured.
     microbatches train.microbatches -> the largest k <= it whose microbatch of
                  data.batch_size / k rows divides data*fsdp (the same gradient; more rows per
-                 device per microbatch).
+                 device per microbatch). With sequence > 1 and train.microbatches left at 1:
+                 one row per data*fsdp shard per microbatch (k = data.batch_size / (data*fsdp)):
+                 a row is split over `sequence` because one row is what a device group holds,
+                 so a microbatch of several rows per shard would multiply the activations the
+                 split was meant to divide (the same gradient).
     eval batch   eval.batch_size (or data.batch_size) rounded up to a multiple of data*fsdp, and
                  eval.num_batches lowered so the rows evaluated do not shrink.
   A mesh set by hand that does not divide the batch is left alone (build() names the fields).
@@ -257,6 +261,13 @@ def derive_layout(config, num_devices: int, *, num_heads: int = 0,
                "replicated on tensor (a batch that is a multiple of the device count avoids it)")
     notes.append(note)
   S = data * fsdp
+  if seq > 1 and m == 1 and B % S == 0 and B // S > 1:
+    c = edit()
+    with c.unlocked():
+      c.train.microbatches = m = B // S
+    notes.append(f"train.microbatches 1 -> {m}: mesh sequence={seq} splits a row over {seq} "
+                 f"devices, so a microbatch holds one row per data*fsdp={S} shard instead of "
+                 f"{m}; the same gradient (set train.microbatches > 1 to choose)")
   if B % S == 0 and (B // m) % S:
     k = max(d for d in _divisors(B) if d <= m and (B // d) % S == 0)
     c = edit()

@@ -4,6 +4,7 @@ metrics and gradients (<= 1e-5), for dense, L2A and AHA, with sequence x fsdp x 
 all-gather and ring strategies and local windows crossing shard boundaries (halo exchange); the
 schemes that do not run sequence-parallel are refused at config validation in one line."""
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -275,19 +276,28 @@ def test_row_length_and_strategy_are_checked():
     config_lib.validate_config(c, needs_data=False)
 
 
-@pytest.mark.parametrize("devices,mesh", [(8, (1, 1, 8, 1)), (64, (1, 8, 8, 1)),
-                                          (256, (1, 16, 8, 2))])
-def test_the_7b_128k_recipe_with_sequence_8_lays_out(devices, mesh):
+@pytest.mark.parametrize("devices,mesh,microbatches", [(8, (1, 1, 8, 1), 48), (64, (1, 8, 8, 1), 6),
+                                                       (256, (1, 16, 8, 2), 3)])
+def test_the_7b_128k_recipe_with_sequence_8_lays_out(devices, mesh, microbatches):
   """configs/l2a_qwen.py:sequence=8 (the paper's 128K rows over 8 devices, 48 rows) on 8, 64 and
-  256 devices: the mesh the build derives, and every check build() applies passes."""
+  256 devices: the mesh the build derives, one row per data*fsdp shard per microbatch (no
+  hand-set train.microbatches), and every check build() applies passes. A microbatch count set
+  by hand stays."""
   c = load_recipe(os.path.join(ROOT, "configs", "l2a_qwen.py:sequence=8"))
   c.model.init_from = os.path.join(ROOT, "tests", "fixtures", "config_only", "qwen2.5-7b")
-  out, _ = shd.derive_layout(c, devices, num_heads=28, num_kv_heads=4)
+  out, notes = shd.derive_layout(c, devices, num_heads=28, num_kv_heads=4)
   assert shd.mesh_shape(out.mesh, devices) == mesh
   data, fsdp, seq, _ = mesh
   shd.check_batch_layout(out, data, fsdp)
   context.check_config(out, seq)
   assert int(out.data.seq_len) == 131072 and int(out.data.batch_size) == 48
+  assert int(out.train.microbatches) == microbatches == 48 // (data * fsdp)
+  assert int(c.train.microbatches) == 1  # the input config is not changed
+  assert any(n.startswith(f"train.microbatches 1 -> {microbatches}: mesh sequence=8") for n in notes)
+  c.train.microbatches = 3  # set by hand: kept (16 rows per microbatch divide every mesh here)
+  assert int(shd.derive_layout(c, devices, num_heads=28, num_kv_heads=4)[0].train.microbatches) == 3
+  c.train.microbatches, c.mesh.sequence = 1, 1  # no sequence axis: rows per microbatch as set
+  assert int(shd.derive_layout(c, devices, num_heads=28, num_kv_heads=4)[0].train.microbatches) == 1
 
 
 @pytest.mark.slow
@@ -311,3 +321,40 @@ def test_sequence_parallel_step_exports_the_tpu_kernels():
   assert not re.search(r"tensor<\d+x\d+x\d+x(256x512|128x256)x", text)
   assert "all_gather" in text and "collective_permute" in text  # K/V gather, halo exchange
   assert "platform_index" not in text
+
+
+@pytest.mark.parametrize("mesh", [(1, 2, 4, 1), (1, 1, 4, 2)])
+def test_chunked_cross_entropy_runs_each_shards_own_tokens(mesh):
+  """train.step.chunked_token_cross_entropy under a sequence mesh: each shard scores its own
+  tokens (chunks of its T / n), so no hidden-state chunk is gathered across devices (chunks of the
+  whole row were: GSPMD gathered each chunk to every device, and at the 1.5B 128K shapes
+  all-reduced its [8192, V] float32 logits); CE, argmax-correct and gradients == the unsharded CE."""
+  from condattn_jax.train.step import chunked_token_cross_entropy, token_cross_entropy
+  B, T, D, V = 2, 64, 24, 256
+  rng = np.random.default_rng(0)
+  h = jnp.asarray(rng.normal(size=(B, T, D)), jnp.float32)
+  w = jnp.asarray(rng.normal(size=(D, V)), jnp.float32)
+  t = jnp.asarray(rng.integers(0, V, (B, T)), jnp.int32)
+  weights = jnp.arange(T, dtype=jnp.float32)
+
+  def run(ce_fn):
+    def loss(h, w):
+      ce, correct = ce_fn(h, w)
+      return jnp.sum(ce * weights), (ce, correct)
+    return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+
+  (_, want), want_g = run(lambda h, w: token_cross_entropy(h @ w, t))(h, w)
+  f = jax.jit(run(lambda h, w: chunked_token_cross_entropy(h, w, t, 16, jnp.float32)))
+  m = _mesh(*mesh)
+  hs = jax.device_put(h, jax.sharding.NamedSharding(m, jax.sharding.PartitionSpec(shd.BATCH_AXES,
+                                                                                 "sequence")))
+  with shd.mesh_context(m):
+    (_, got), got_g = f(hs, w)
+    hlo = f.lower(hs, w).compile().as_text()
+  np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(got[1], want[1])
+  for g, wg in zip(got_g, want_g):
+    np.testing.assert_allclose(g, wg, rtol=1e-4, atol=1e-5)
+  moved = [l for l in hlo.splitlines() if re.search(r" (all-gather|all-to-all)\(", l)
+           and re.search(rf"\[[\d,]*,{D}\]", l.split("=", 1)[1].split("(")[0])]
+  assert not moved, moved
