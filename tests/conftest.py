@@ -7,7 +7,8 @@ TEST_COMPILE_FLAGS): the programs compute the same values up to float rounding a
 which only long trainings notice (`make demo`'s test runs the demo with XLA's default flags, as a
 user runs it: tests/cli/test_demo.py). jax's persistent compilation cache is NOT used: with jax 0.11.2
 on CPU a process that runs a train step loaded from it aborts (tests/train/test_checkpoint.py, run twice
-on one cache directory).
+on one cache directory). Within a test process, a program identical to one already compiled
+(same module up to debug locations) reuses that executable (_reuse_identical_compilations).
 """
 import os
 
@@ -22,6 +23,48 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _reuse_identical_compilations(max_entries=512):
+  """A test process compiles the same program again and again: every loop.run / jit of a fresh
+  closure traces a new function, and the lowered module differs from the last one only in its
+  debug locations (the caller's file:line), so jax's own caches miss. This keys XLA's compile
+  (jax._src.compiler.compile_or_get_cached) on what the executable depends on: the module text
+  without debug info (large constants printed in full), the device ids, the serialized compile
+  options and the backend; an identical program reuses the executable compiled for it (an LRU
+  of `max_entries`). Modules with host callbacks (io_callback, pure_callback, Pallas interpret
+  mode) or resource blobs always compile. Test-only: the library never shares executables."""
+  import collections
+  import hashlib
+
+  from jax._src import compiler
+  compile_ = compiler.compile_or_get_cached
+  cache = collections.OrderedDict()
+
+  def compile_or_reuse(backend, computation, devices, compile_options, host_callbacks, *args,
+                       **kwargs):
+    if host_callbacks:
+      return compile_(backend, computation, devices, compile_options, host_callbacks, *args,
+                      **kwargs)
+    text = computation.operation.get_asm(enable_debug_info=False, large_elements_limit=None)
+    if "dense_resource" in text:
+      return compile_(backend, computation, devices, compile_options, host_callbacks, *args,
+                      **kwargs)
+    key = (hashlib.sha256(text.encode()).digest(), tuple(d.id for d in devices.flat),
+           compile_options.SerializeAsString(), id(backend))
+    if key in cache:
+      cache.move_to_end(key)
+      return cache[key]
+    out = cache[key] = compile_(backend, computation, devices, compile_options, host_callbacks,
+                                *args, **kwargs)
+    if len(cache) > max_entries:
+      cache.popitem(last=False)
+    return out
+
+  compiler.compile_or_get_cached = compile_or_reuse
+
+
+_reuse_identical_compilations()
 
 
 def pytest_collection_modifyitems(config, items):
