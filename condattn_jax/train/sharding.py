@@ -225,7 +225,8 @@ def derive_layout(config, num_devices: int, *, num_heads: int = 0,
                  one row per data*fsdp shard per microbatch (k = data.batch_size / (data*fsdp)):
                  a row is split over `sequence` because one row is what a device group holds,
                  so a microbatch of several rows per shard would multiply the activations the
-                 split was meant to divide (the same gradient).
+                 split was meant to divide (the same CE gradient; a scheme's batch-level aux
+                 term, e.g. L2A's regulariser on the mean routing rate, is per microbatch).
     eval batch   eval.batch_size (or data.batch_size) rounded up to a multiple of data*fsdp, and
                  eval.num_batches lowered so the rows evaluated do not shrink.
   A mesh set by hand that does not divide the batch is left alone (build() names the fields).
@@ -267,7 +268,8 @@ def derive_layout(config, num_devices: int, *, num_heads: int = 0,
       c.train.microbatches = m = B // S
     notes.append(f"train.microbatches 1 -> {m}: mesh sequence={seq} splits a row over {seq} "
                  f"devices, so a microbatch holds one row per data*fsdp={S} shard instead of "
-                 f"{m}; the same gradient (set train.microbatches > 1 to choose)")
+                 f"{m}; the same CE gradient, batch-level aux terms per microbatch (set "
+                 "train.microbatches > 1 to choose)")
   if B % S == 0 and (B // m) % S:
     k = max(d for d in _divisors(B) if d <= m and (B // d) % S == 0)
     c = edit()

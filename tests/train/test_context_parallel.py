@@ -166,6 +166,10 @@ def _config(scheme, mesh, strategy="all_gather"):
   c.mesh.data, c.mesh.fsdp, c.mesh.sequence, c.mesh.tensor = mesh
   c.mesh.sequence_attention = strategy
   c.train.progress_bar = False
+  c.train.loss_chunk_size = 8  # the chunked CE: per shard under sequence > 1 (whole rows on one)
+  # one row per data*fsdp=2 shard per microbatch, as derive_layout sets under sequence > 1, on
+  # one device too: L2A's regulariser is per microbatch
+  c.train.microbatches = 2
   return c
 
 
