@@ -214,7 +214,7 @@ def model_runs():
   batch = _batch()
   for scheme, cases in MODEL_CASES.items():
     c1 = _config(scheme, (1, 1, 1, 1))
-    params = host(_random_router(loop.init_state(loop.build(c1, devices=[jax.devices()[0]])).params))
+    params = host(_random_router(loop.init_params(loop.build(c1, devices=[jax.devices()[0]]))))
     out[scheme, "one"] = _loss_and_grads(c1, params, batch, one_device=True)
     for mesh, strategy in cases:
       out[scheme, mesh, strategy] = _loss_and_grads(_config(scheme, mesh, strategy), params, batch)
