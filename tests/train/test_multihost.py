@@ -89,6 +89,7 @@ def test_multihost_checkpoint_restores_and_continues_in_one_process(runs):
   assert_trees_close(final_mh, final_ref, atol=1e-5)
 
 
+@pytest.mark.slow  # the file's fixture runs 5 train.py processes: scheduled first
 def test_sequence_axis_across_two_processes_matches_one_process(runs):
   _, ref, seq, log = runs
   assert "mesh {'data': 1, 'fsdp': 1, 'sequence': 4, 'tensor': 1}" in log  # host 0's log
