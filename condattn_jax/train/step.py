@@ -48,42 +48,48 @@ def chunked_token_cross_entropy(hidden_BTD, w_DV, targets_BT, chunk: int, dtype)
   """Same as token_cross_entropy(hidden @ w) without materialising all logits.
 
   Under a mesh that splits rows over `sequence` (n shards) each shard runs its own T / n tokens
-  in chunks of gcd(chunk, T / n) (one chunk per shard per loop step), with the weight gathered
-  in `dtype` over all but its vocab axis. (Chunks of the whole row put each step's chunk on one
-  shard: GSPMD gathered it to every device and all-reduced its [chunk, V] float32 logits over
-  the sharded hidden dim: 32 all-reduces of 4.6 GiB in the 1.5B 128K step at sequence 4.)"""
+  in chunks of gcd(chunk, T / n), in jax.shard_map (rows over the batch and sequence axes; the
+  weight whole on every shard, in `dtype`, its vocab not split over `tensor` here): the weight's
+  gradient is summed over the shards once, after the chunk loop.
+  (Chunks of the whole row put each step's chunk on one shard: GSPMD gathered it to every device
+  and all-reduced its [chunk, V] float32 logits over the sharded hidden dim: 32 all-reduces of
+  4.6 GiB in the 1.5B 128K step at sequence 4; per-shard chunks under sharding constraints still
+  all-reduced the [V, D] weight gradient in every loop step.)"""
   B, T, D = hidden_BTD.shape
   if T % chunk:
     raise ValueError(f"train.loss_chunk_size={chunk} must divide the sequence length "
                      f"data.seq_len={T}.")
   shards = context.sequence_shards()
-  ns = 1 if shards is None else shards[2]
-  c = math.gcd(chunk, T // ns)
-  m = T // ns // c
-  h = hidden_BTD.reshape(B, ns, m, c, D).transpose(2, 0, 1, 3, 4)  # [m, B, ns, c, D]
-  t = targets_BT.reshape(B, ns, m, c).transpose(2, 0, 1, 3)
-  w = w_DV.astype(dtype)
-  if shards is not None:
-    mesh, ax, _ = shards
-    batch, _ = context._shard_axes(mesh, B, 1, 1)
-    P = jax.sharding.PartitionSpec
-    h = jax.lax.with_sharding_constraint(h, P(None, batch, ax))
-    t = jax.lax.with_sharding_constraint(t, P(None, batch, ax))
-    from condattn_jax.train import sharding  # the vocab stays split over its axis, if any
-    vocab = dict(sharding.RULES).get("activation_vocab")
-    sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    if not (isinstance(vocab, str) and vocab in sizes and w.shape[1] % sizes[vocab] == 0):
-      vocab = None
-    w = jax.lax.with_sharding_constraint(w, P(None, vocab))
+  if shards is None:
+    return _chunked_ce(hidden_BTD, w_DV.astype(dtype), targets_BT, chunk, dtype)
+  mesh, ax, n = shards
+  batch, _ = context._shard_axes(mesh, B, 1, 1)
+  P = jax.sharding.PartitionSpec
+  rows = P(batch, ax)
+
+  def per_shard(h, w, t):
+    # w varies over the shards from here: its gradient is summed once, here (its transpose),
+    # instead of in every chunk of the loop (where jax would cast it at each use)
+    w = jax.lax.pcast(w, (ax, *(batch or ())), to="varying")
+    return _chunked_ce(h, w, t, math.gcd(chunk, T // n), dtype)
+
+  fn = jax.shard_map(per_shard, mesh=mesh, in_specs=(rows, P(), rows), out_specs=(rows, rows))
+  return fn(hidden_BTD, w_DV.astype(dtype), targets_BT)
+
+
+def _chunked_ce(hidden_BTD, w_DV, targets_BT, chunk: int, dtype):
+  B, T, D = hidden_BTD.shape
+  n = T // chunk
+  h = hidden_BTD.reshape(B, n, chunk, D).swapaxes(0, 1)
+  t = targets_BT.reshape(B, n, chunk).swapaxes(0, 1)
 
   @jax.checkpoint
-  def one(h_BSCD, t_BSC):
-    logits = jnp.einsum("bscd,dv->bscv", h_BSCD.astype(dtype), w)
-    return token_cross_entropy(logits.astype(jnp.float32), t_BSC)
+  def one(h_BCD, t_BC):
+    logits = jnp.einsum("bcd,dv->bcv", h_BCD.astype(dtype), w_DV)
+    return token_cross_entropy(logits.astype(jnp.float32), t_BC)
 
   ce, correct = jax.lax.map(lambda xs: one(*xs), (h, t))
-  back = lambda x: x.transpose(1, 2, 0, 3).reshape(B, T)
-  return back(ce), back(correct)
+  return ce.swapaxes(0, 1).reshape(B, T), correct.swapaxes(0, 1).reshape(B, T)
 
 
 # Batch entries the decoder reads itself; every other entry reaches the layers in ctx.fields.

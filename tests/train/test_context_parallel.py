@@ -332,7 +332,8 @@ def test_chunked_cross_entropy_runs_each_shards_own_tokens(mesh):
   """train.step.chunked_token_cross_entropy under a sequence mesh: each shard scores its own
   tokens (chunks of its T / n), so no hidden-state chunk is gathered across devices (chunks of the
   whole row were: GSPMD gathered each chunk to every device, and at the 1.5B 128K shapes
-  all-reduced its [8192, V] float32 logits); CE, argmax-correct and gradients == the unsharded CE."""
+  all-reduced its [8192, V] float32 logits), and the weight's gradient is summed over the shards
+  once (not in every chunk); CE, argmax-correct and gradients == the unsharded CE."""
   from condattn_jax.train.step import chunked_token_cross_entropy, token_cross_entropy
   B, T, D, V = 2, 64, 24, 256
   rng = np.random.default_rng(0)
@@ -348,7 +349,7 @@ def test_chunked_cross_entropy_runs_each_shards_own_tokens(mesh):
     return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
 
   (_, want), want_g = run(lambda h, w: token_cross_entropy(h @ w, t))(h, w)
-  f = jax.jit(run(lambda h, w: chunked_token_cross_entropy(h, w, t, 16, jnp.float32)))
+  f = jax.jit(run(lambda h, w: chunked_token_cross_entropy(h, w, t, 8, jnp.float32)))  # 2 / shard
   m = _mesh(*mesh)
   hs = jax.device_put(h, jax.sharding.NamedSharding(m, jax.sharding.PartitionSpec(shd.BATCH_AXES,
                                                                                  "sequence")))
@@ -362,3 +363,7 @@ def test_chunked_cross_entropy_runs_each_shards_own_tokens(mesh):
   moved = [l for l in hlo.splitlines() if re.search(r" (all-gather|all-to-all)\(", l)
            and re.search(rf"\[[\d,]*,{D}\]", l.split("=", 1)[1].split("(")[0])]
   assert not moved, moved
+  # the weight's gradient is summed over the shards once, not once per chunk of the loop
+  summed = [l for l in hlo.splitlines() if re.search(r" all-reduce\(", l)
+            and re.search(rf"\[({D},{V}|{V},{D})\]", l.split("=", 1)[1].split(" all-reduce(")[0])]
+  assert len(summed) <= 1, summed
