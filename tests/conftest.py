@@ -25,7 +25,7 @@ import jax  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
-def _reuse_identical_compilations(max_entries=512):
+def _reuse_identical_compilations(max_entries=256):
   """A test process compiles the same program again and again: every loop.run / jit of a fresh
   closure traces a new function, and the lowered module differs from the last one only in its
   debug locations (the caller's file:line), so jax's own caches miss. This keys XLA's compile
