@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml scripts/bootstrap.sh
 setup: $(VENV)/.installed
 
 test: $(VENV)/.installed
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 tests
+	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder --durations=25 -m "not manual" tests
 
 demo: $(VENV)/.installed
 	$(PY) scripts/demo.py --workdir=$(DEMO_DIR) --scheme=$(SCHEME)

@@ -148,9 +148,11 @@ def test_tiny_pipeline_resumes_and_records(tmp_path):
   assert os.path.getsize(out / "eval_head_to_head_cpu_report.tar") > 0
 
 
-@pytest.mark.slow
+@pytest.mark.manual
 def test_tiny_pipeline_every_scheme(tmp_path):
-  """All six models through the tiny pipeline (~6 CPU-minutes on a loaded 2-core host)."""
+  """All six models through the tiny pipeline (~6 CPU-minutes on a loaded 2-core host; left out
+  of `make test`: test_tiny_pipeline_resumes_and_records runs the pipeline with dense + L2A, and
+  tests/evaluation/test_eval_suite_cli.py runs the tiny suite for every scheme)."""
   run, _ = _run_tiny(tmp_path, ",".join(h2h.SCHEMES))
   names = sorted({x["model"] for x in run["rows"]})
   assert names == sorted(h2h.SCHEMES)
