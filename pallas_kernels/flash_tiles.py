@@ -22,6 +22,8 @@ Importable without condattn_jax; nothing here depends on the platform a program 
 """
 from __future__ import annotations
 
+import functools
+
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -182,3 +184,33 @@ def mgpu_interpret(interpret):
 def ids_or_zeros(x, shape):
   """An optional int32 kernel operand: x, or a placeholder of `shape` the kernel never reads."""
   return x if x is not None else jnp.zeros(shape, jnp.int32)
+
+
+def kv_pipeline(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_used, v_used, *, b, kh, rows_of,
+                nsteps, stages):
+  """The Hopper kernels' memory-warpgroup K/V producer: TMA-loads rows `rows_of(t)` of
+  k_ref / v_ref[b, :, kh] into slot t % stages for t < nsteps (arriving on k_bar / v_bar), waits
+  for the compute warpgroups' release (k_used / v_used) before reusing a slot, and then observes
+  the last steps' releases too, so each waiter sees every barrier phase."""
+  def load(t, slot):
+    rows = rows_of(t)
+    plmgpu.copy_gmem_to_smem(k_ref.at[b, rows, kh], k_smem.at[slot], k_bar.at[slot])
+    plmgpu.copy_gmem_to_smem(v_ref.at[b, rows, kh], v_smem.at[slot], v_bar.at[slot])
+
+  for i in range(stages):
+    pl.when(i < nsteps)(functools.partial(load, i, i))
+
+  @pl.loop(0, nsteps - stages)
+  def _loop(t):
+    slot = lax.rem(t, stages)
+    rows = rows_of(t + stages)
+    plmgpu.barrier_wait(k_used.at[slot])
+    plmgpu.copy_gmem_to_smem(k_ref.at[b, rows, kh], k_smem.at[slot], k_bar.at[slot])
+    plmgpu.barrier_wait(v_used.at[slot])
+    plmgpu.copy_gmem_to_smem(v_ref.at[b, rows, kh], v_smem.at[slot], v_bar.at[slot])
+
+  @pl.loop(jnp.maximum(nsteps - stages, 0), nsteps)
+  def _drain(t):
+    slot = lax.rem(t, stages)
+    plmgpu.barrier_wait(k_used.at[slot])
+    plmgpu.barrier_wait(v_used.at[slot])

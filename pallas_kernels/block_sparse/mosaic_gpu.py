@@ -29,7 +29,6 @@ operand rule (compact_attention/mgpu_interpret.py).
 """
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +49,7 @@ from pallas_kernels.flash_tiles import acc_update as _acc_update
 from pallas_kernels.flash_tiles import bwd_lse2 as _lse2
 from pallas_kernels.flash_tiles import ids_or_zeros as _opt
 from pallas_kernels.flash_tiles import kv_cols as _kv_cols
+from pallas_kernels.flash_tiles import kv_pipeline
 from pallas_kernels.flash_tiles import mgpu_interpret as _interp
 from pallas_kernels.flash_tiles import mgpu_params as _params
 from pallas_kernels.flash_tiles import named_barrier as _named_barrier
@@ -241,28 +241,8 @@ def fwd(q_BTNH, k_BSKH, v_BSKH, steps_BNQX, count_BNQ, qpos_BT, qseg_BIT, kvpos_
           plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kh], v_smem.at[slot], v_bar.at[slot])
         return  # the compute warpgroups' last releases are left unmatched (CTA exit)
 
-      def load(t, slot):
-        rows = rows_of(t)
-        plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kh], k_smem.at[slot], k_bar.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kh], v_smem.at[slot], v_bar.at[slot])
-
-      for i in range(stages):
-        pl.when(i < nsteps)(functools.partial(load, i, i))
-
-      @pl.loop(0, nsteps - stages)
-      def _loop(t):
-        slot = lax.rem(t, stages)
-        rows = rows_of(t + stages)
-        plgpu.barrier_wait(k_used.at[slot])
-        plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kh], k_smem.at[slot], k_bar.at[slot])
-        plgpu.barrier_wait(v_used.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kh], v_smem.at[slot], v_bar.at[slot])
-
-      @pl.loop(jnp.maximum(nsteps - stages, 0), nsteps)
-      def _drain(t):
-        slot = lax.rem(t, stages)
-        plgpu.barrier_wait(k_used.at[slot])
-        plgpu.barrier_wait(v_used.at[slot])
+      kv_pipeline(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_used, v_used, b=b, kh=kh,
+                  rows_of=rows_of, nsteps=nsteps, stages=stages)
 
   def entry(q_ref, k_ref, v_ref, steps_ref, count_ref, qpos_ref, qseg_ref, kvpos_ref, kvseg_ref,
             out_ref, lse_ref):

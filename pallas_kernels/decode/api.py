@@ -52,9 +52,9 @@ _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 class DecodeConfig:
   """Tuning knobs (static). block_k: kv slots per tile (None: Mosaic GPU 64, or 32 where that
   divides the cache length and 64 does not; Mosaic TPU 128); num_stages: K/V tiles in flight
-  per program (Mosaic GPU; 2 x 64-slot tiles: 80 KiB of shared memory a program with head_dim
-  128, so two programs fit an H100 SM); parts: kv parts per (row, kv head) (None:
-  `num_parts`); target_programs: programs to aim for (about 2 per H100 SM);
+  per program (Mosaic GPU; shared memory per program grows with num_stages x block_k x
+  head_dim); parts: kv parts per (row, kv head) (None: `num_parts`); target_programs: the
+  total programs `num_parts` aims for;
   min_tiles_per_part: the fewest tiles a part gets (a part's partial output is written and
   merged: bytes a tiny part would spend on that instead of K/V); over_cudnn: condattn_jax.ops'
   auto runs this backend for the decode calls cuDNN's decode path also takes (a full cache

@@ -14,7 +14,6 @@ compact_attention/mgpu_interpret.py, the register accumulate `acc_update`).
 """
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +22,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.flash_tiles import COL as _COL
-from pallas_kernels.flash_tiles import LN2, LOG2E, NEG_INF, acc_update, mgpu_interpret, swizzled
+from pallas_kernels.flash_tiles import LN2, LOG2E, NEG_INF, acc_update, kv_pipeline, mgpu_interpret
+from pallas_kernels.flash_tiles import swizzled
 from pallas_kernels.flash_tiles import ROW as _ROW
 from pallas_kernels.flash_tiles import WGMMA as _WGMMA
 
@@ -124,29 +124,9 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
 
     @pl.when(wg == 1)
     def _memory():
-      def load(t, slot):
-        rows = pl.ds(entry_tile(runs, lo + t) * bk, bk)
-        plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kh], k_smem.at[slot], k_bar.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kh], v_smem.at[slot], v_bar.at[slot])
-
-      for i in range(stages):
-        pl.when(i < nsteps)(functools.partial(load, i, i))
-
-      @pl.loop(0, nsteps - stages)
-      def _loop(t):
-        slot = lax.rem(t, stages)
-        rows = pl.ds(entry_tile(runs, lo + t + stages) * bk, bk)
-        plgpu.barrier_wait(k_used.at[slot])
-        plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kh], k_smem.at[slot], k_bar.at[slot])
-        plgpu.barrier_wait(v_used.at[slot])
-        plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kh], v_smem.at[slot], v_bar.at[slot])
-
-      # observe the last steps' releases too: every barrier phase is seen by each waiter
-      @pl.loop(jnp.maximum(nsteps - stages, 0), nsteps)
-      def _drain(t):
-        slot = lax.rem(t, stages)
-        plgpu.barrier_wait(k_used.at[slot])
-        plgpu.barrier_wait(v_used.at[slot])
+      kv_pipeline(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_used, v_used, b=b, kh=kh,
+                  rows_of=lambda t: pl.ds(entry_tile(runs, lo + t) * bk, bk), nsteps=nsteps,
+                  stages=stages)
 
   def entry(*refs):
     scratch = (
