@@ -42,7 +42,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 # decode), under this module's names.
 from pallas_kernels.flash_tiles import COL as _COL
 from pallas_kernels.flash_tiles import FREE_BAR as _FREE_BAR
-from pallas_kernels.flash_tiles import LN2, LOG2E, NEG_INF
+from pallas_kernels.flash_tiles import LN2, LOG2E, NEG_INF, kv_pipeline
 from pallas_kernels.flash_tiles import ROW as _ROW
 from pallas_kernels.flash_tiles import SCHED_BAR as _SCHED_BAR
 from pallas_kernels.flash_tiles import WG_THREADS as _WG_THREADS
@@ -304,41 +304,21 @@ def fwd(q_BCNH, k_BSKH, v_BSKH, qpos_BIC, qseg_BIC, kvpos_BS, kvseg_BS, bounds_B
         plgpu.set_max_registers(40, action="decrease")
         kh = lax.div(h, G)
 
-        def load(step, slot):
-          rows = pl.ds((plo + step) * bk, bk)
-          plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kh], k_smem.at[slot], k_bar.at[slot])
-          plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kh], v_smem.at[slot], v_bar.at[slot])
+        rows_of = lambda t: pl.ds((plo + t) * bk, bk)
 
         if named:
           @pl.loop(0, nsteps)
           def _named_loop(t):
             slot = lax.rem(t, stages)
-            rows = pl.ds((plo + t) * bk, bk)
+            rows = rows_of(t)
             _named_barrier("sync", _FREE_BAR + slot, 3 * _WG_THREADS)
             plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kh], k_smem.at[slot], k_bar.at[slot])
             _named_barrier("sync", _FREE_BAR + stages + slot, 3 * _WG_THREADS)
             plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kh], v_smem.at[slot], v_bar.at[slot])
           return  # the compute warpgroups' last releases are left unmatched (CTA exit)
 
-        for i in range(stages):
-          pl.when(i < nsteps)(functools.partial(load, i, i))
-
-        @pl.loop(0, nsteps - stages)
-        def _loop(t):
-          slot = lax.rem(t, stages)
-          plgpu.barrier_wait(k_used.at[slot])
-          rows = pl.ds((plo + t + stages) * bk, bk)
-          plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kh], k_smem.at[slot], k_bar.at[slot])
-          plgpu.barrier_wait(v_used.at[slot])
-          plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kh], v_smem.at[slot], v_bar.at[slot])
-
-        # Observe the last steps' releases too (no-op cost: the compute warpgroups are done
-        # with them at the end); every barrier phase is then seen by each thread that waits on it.
-        @pl.loop(jnp.maximum(nsteps - stages, 0), nsteps)
-        def _drain(t):
-          slot = lax.rem(t, stages)
-          plgpu.barrier_wait(k_used.at[slot])
-          plgpu.barrier_wait(v_used.at[slot])
+        kv_pipeline(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_used, v_used, b=b, kh=kh,
+                    rows_of=rows_of, nsteps=nsteps, stages=stages)
 
   def entry(*refs):
     kernel_refs = refs
