@@ -26,6 +26,7 @@ if jax.default_backend() != "gpu" or not jax.devices()[0].device_kind.startswith
 
 from condattn_jax import ops  # noqa: E402
 from pallas_kernels import decode as dk  # noqa: E402
+from pallas_kernels.decode.testing import decode_problem  # noqa: E402
 
 N, K, H = 12, 2, 128
 _REPS = 32
@@ -33,18 +34,7 @@ _ROWS = []
 
 
 def _problem(B, S, lengths, T=1, seed=0):
-  ks = jax.random.split(jax.random.PRNGKey(seed), 3)
-  q = jax.random.normal(ks[0], (B, T, N, H), jnp.bfloat16)
-  k = jax.random.normal(ks[1], (B, S, K, H), jnp.bfloat16)
-  v = jax.random.normal(ks[2], (B, S, K, H), jnp.bfloat16)
-  lens = jnp.asarray(lengths, jnp.int32)
-  slot = jnp.arange(S, dtype=jnp.int32)[None]
-  inside = (slot < lens[:, None])[..., None, None]
-  k = jnp.where(inside, k, 300.0).astype(jnp.bfloat16)  # finite garbage past the fill
-  v = jnp.where(inside, v, 300.0).astype(jnp.bfloat16)
-  kvpos = jnp.broadcast_to(slot, (B, S))
-  qpos = lens[:, None] - T + jnp.arange(T, dtype=jnp.int32)[None]
-  return q, k, v, dict(q_positions_BT=qpos, kv_positions_BS=kvpos, kv_lengths_B=lens)
+  return decode_problem(B=B, T=T, N=N, K=K, H=H, S=S, lengths=lengths, seed=seed)
 
 
 def _rel(a, b):

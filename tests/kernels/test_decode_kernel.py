@@ -14,21 +14,10 @@ from jax.sharding import AbstractDevice, AbstractMesh
 
 from pallas_kernels import decode as dk
 from pallas_kernels.decode import api
+from pallas_kernels.decode.testing import decode_problem
 
 
-def _problem(B=2, T=1, N=6, K=2, H=64, S=256, lengths=(200, 37), seed=0):
-  ks = jax.random.split(jax.random.PRNGKey(seed), 3)
-  q = jax.random.normal(ks[0], (B, T, N, H), jnp.bfloat16)
-  k = jax.random.normal(ks[1], (B, S, K, H), jnp.bfloat16)
-  v = jax.random.normal(ks[2], (B, S, K, H), jnp.bfloat16)
-  lens = jnp.asarray(lengths, jnp.int32)
-  # the slots past a row's fill hold finite garbage: the kernel must not let it in
-  slot = jnp.arange(S, dtype=jnp.int32)[None]
-  k = jnp.where((slot < lens[:, None])[..., None, None], k, 300.0).astype(jnp.bfloat16)
-  v = jnp.where((slot < lens[:, None])[..., None, None], v, 300.0).astype(jnp.bfloat16)
-  kvpos = jnp.broadcast_to(slot, (B, S))
-  qpos = lens[:, None] - T + jnp.arange(T, dtype=jnp.int32)[None]
-  return q, k, v, dict(q_positions_BT=qpos, kv_positions_BS=kvpos, kv_lengths_B=lens)
+_problem = decode_problem
 
 
 def _close(out, ref):
