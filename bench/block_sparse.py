@@ -598,12 +598,12 @@ def main(argv=None):
     T = int(args.T.split(",")[0]) if args.T else (64 if small else 32768)
     res = match_layers(T, n=args.n or (1 if small else 5), small=small,
                        **(dict(window=16, chunk=8, top=2, layers=1) if small else {}))
-    run = match_run(res)
+    record = match_run(res)
     print(json.dumps({k: v for k, v in res.items() if k != "rows"}), flush=True)
     if args.out_dir:
       os.makedirs(args.out_dir, exist_ok=True)
-      append_run(os.path.join(args.out_dir, f"block_sparse_{run['device'].replace(' ', '_')}"
-                              ".json"), run)
+      append_run(os.path.join(args.out_dir, f"block_sparse_{record['device'].replace(' ', '_')}"
+                              ".json"), record)
     return
   s = settings_from_flags(args)
   set_fwd_sub_tile(s.fwd_sub_tile, s.block)
