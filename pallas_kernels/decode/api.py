@@ -50,8 +50,11 @@ _DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 @dataclasses.dataclass(frozen=True)
 class DecodeConfig:
-  """Tuning knobs (static). block_k: kv slots per tile (None: Mosaic GPU 64, or 32 where that
-  divides the cache length and 64 does not; Mosaic TPU 128); num_stages: K/V tiles in flight
+  """Tuning knobs (static). block_k: kv slots per tile (None: Mosaic GPU 64, Mosaic TPU 128;
+  Mosaic GPU takes multiples of 64 only: its P@V wgmma contracts over the tile, and the K of a
+  bf16 / f16 wgmma must be a multiple of 64 under the 128-byte swizzle); a cache length that is
+  no multiple of the tile ends in a ragged tile (read as the last block_k slots, the slots an
+  earlier tile holds masked); num_stages: K/V tiles in flight
   per program (Mosaic GPU; shared memory per program grows with num_stages x block_k x
   head_dim); parts: kv parts per (row, kv head) (None: `num_parts`); target_programs: the
   total programs `num_parts` aims for;
@@ -67,13 +70,24 @@ class DecodeConfig:
   min_tiles_per_part: int = 8
   over_cudnn: bool = False
 
-  def tile(self, impl: str, S: int) -> int:
-    """The kv tile for a cache of S slots."""
+  def tile(self, impl: str, S: int | None = None) -> int:
+    """The kv tile (S, the cache length, no longer matters: a ragged last tile is masked)."""
     if self.block_k is not None:
       return self.block_k
-    if impl == "mosaic_tpu":
-      return 128
-    return next((t for t in (64, 32) if S % t == 0), 64)
+    return 128 if impl == "mosaic_tpu" else 64
+
+
+def num_tiles(S: int, block_k: int) -> int:
+  """Tiles of a cache of S slots: ceil(S / block_k); the last one ragged when block_k does not
+  divide S (`tile_start`)."""
+  return -(-S // block_k)
+
+
+def tile_start(tile, S: int, block_k: int):
+  """The first slot the kernels load for kv tile `tile`: tile * block_k, or S - block_k for a
+  ragged last tile (block_k slots in bounds; its slots below tile * block_k belong to the tile
+  before and are masked). Needs S >= block_k (kernel_support)."""
+  return jnp.minimum(tile * block_k, S - block_k)
 
 
 def num_parts(B: int, K: int, ntiles: int, cfg: DecodeConfig) -> int:
@@ -108,10 +122,15 @@ def kernel_support(impl: str, q_shape, kv_shape, dtype, cfg: DecodeConfig = Deco
   if rows > max_rows:
     why.append(f"{T} queries x {N // K} query heads per kv head = {rows} rows (a decode program "
                f"takes <= {max_rows}: decode is a few tokens per row)")
-  if S % bk:
-    why.append(f"cache length {S} is not a multiple of the kv tile {bk} (DecodeConfig.block_k)")
+  if impl == "mosaic_gpu" and bk % 64:
+    why.append(f"DecodeConfig.block_k={bk}: Mosaic GPU's P@V wgmma contracts over the kv tile, "
+               "a multiple of 64 for bf16 / f16; use block_k=None (64) or a multiple of 64")
   if impl == "mosaic_tpu" and bk % 128:
-    why.append(f"kv tile {bk}: Mosaic TPU needs a multiple of 128")
+    why.append(f"DecodeConfig.block_k={bk}: Mosaic TPU needs a multiple of 128; use "
+               "block_k=None (128)")
+  if S < bk:
+    why.append(f"cache length {S} < the kv tile {bk} (DecodeConfig.block_k): use a smaller "
+               "block_k or the reference")
   return "; ".join(why) or None
 
 
@@ -152,7 +171,7 @@ def tile_runs(qpos_BKR, kv_positions_BS, kv_lengths_B, kv_valid_BS, *, window, s
   With neither a window nor kv_valid_BS this is arithmetic on the fills; otherwise one pass over
   the [B, S] positions (4 bytes a slot, against K * H * 4 bytes of K/V)."""
   B, S = kv_positions_BS.shape
-  nT = S // block_k
+  nT = num_tiles(S, block_k)
   on_BKR = qpos_BKR != NO_QUERY
   on_BK = jnp.any(on_BKR, axis=-1)
   big = jnp.iinfo(jnp.int32).max
@@ -170,8 +189,9 @@ def tile_runs(qpos_BKR, kv_positions_BS, kv_lengths_B, kv_valid_BS, *, window, s
     ok_BS = slot_BS < kv_lengths_B[:, None]
   if kv_valid_BS is not None:
     ok_BS = ok_BS & (kv_valid_BS != 0)
-  pos_BnT = kv_positions_BS.astype(jnp.int32).reshape(B, nT, block_k)
-  ok_BnT = ok_BS.reshape(B, nT, block_k)
+  pad = nT * block_k - S  # a ragged last tile: its missing slots hold no key
+  pos_BnT = jnp.pad(kv_positions_BS.astype(jnp.int32), ((0, 0), (0, pad))).reshape(B, nT, block_k)
+  ok_BnT = jnp.pad(ok_BS, ((0, 0), (0, pad))).reshape(B, nT, block_k)
   pmin_BT = jnp.min(jnp.where(ok_BnT, pos_BnT, big), axis=-1)
   pmax_BT = jnp.max(jnp.where(ok_BnT, pos_BnT, -big), axis=-1)
   any_BT = jnp.any(ok_BnT, axis=-1)
@@ -253,9 +273,9 @@ def decode_attention(q_BTNH, k_BSKH, v_BSKH, *, q_positions_BT, kv_positions_BS,
       q_BTNH, k_BSKH, q_positions_BT=q_positions_BT, kv_positions_BS=kv_positions_BS,
       kv_lengths_B=kv_lengths_B, kv_valid_BS=kv_valid_BS, active=active, window=window,
       sinks=sinks, block_k=bk, rows=rows)
-  P = num_parts(B, K, S // bk, config)
+  P = num_parts(B, K, num_tiles(S, bk), config)
   lengths_B = (jnp.full((B,), S, jnp.int32) if kv_lengths_B is None
-               else kv_lengths_B.astype(jnp.int32))
+               else jnp.minimum(kv_lengths_B.astype(jnp.int32), S))  # masks a ragged tile's tail
   # fill-only: one query per row, a fill, no window / validity: every slot below the fill is
   # visible (MaskSpec.kv_lengths_B's contract: cache positions <= the query's), so the kernels
   # read no positions

@@ -8,6 +8,8 @@ through `num_stages` slots; the compute warpgroup runs S = Q K^T (wgmma, fp32), 
 exactly (slot < the row's fill, kv_valid, causal / window / sinks on positions), base-2 online
 softmax, and O += P V (wgmma, P in registers). It writes its first out_rows rows of O
 (normalised, q's dtype) and their natural-log lse; api.decode_attention merges the parts.
+A cache length S that is no multiple of block_k ends in a ragged tile: it loads the last block_k
+slots (api.tile_start: TMA stays in bounds) and masks those below its own first slot.
 
 Interpret mode (CPU): flash_tiles' helpers (wgmma with a register operand through
 compact_attention/mgpu_interpret.py, the register accumulate `acc_update`).
@@ -27,7 +29,7 @@ from pallas_kernels.flash_tiles import swizzled
 from pallas_kernels.flash_tiles import ROW as _ROW
 from pallas_kernels.flash_tiles import WGMMA as _WGMMA
 
-from .api import NO_QUERY, entry_tile, part_range
+from .api import NO_QUERY, entry_tile, num_tiles, part_range, tile_start
 
 
 def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths_B, runs_BK3, *,
@@ -40,7 +42,8 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
   S = k_BSKH.shape[1]
   dtype = q_BKRH.dtype
   bk, P = block_k, parts
-  stages = max(1, min(num_stages, S // bk))
+  stages = max(1, min(num_stages, num_tiles(S, bk)))
+  ragged = S % bk != 0  # the last tile loads slots [S - bk, S): those of the tile before masked
   qk_scale = scale * LOG2E
   has_valid, has_pos = kvvalid_BS is not None, kvpos_BS is not None
 
@@ -68,7 +71,8 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
       def step(e, carry):
         acc, m_i, l_i = carry
         slot = lax.rem(e - lo, stages)
-        start = entry_tile(runs, e) * bk
+        tile = entry_tile(runs, e)
+        start = tile_start(tile, S, bk)
         # the tile's positions / validity: plain global loads, issued before the K wait
         kp_t = ok_t = None
         if has_pos:
@@ -86,6 +90,8 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
         qpb = lax.broadcast_in_dim(qp, shape, [0])
         idx = start + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=_WGMMA)
         vis = idx < fill
+        if ragged:
+          vis = vis & (idx >= tile * bk)
         if has_pos:
           kp = lax.broadcast_in_dim(kp_t, shape, [1])
           vis = vis & (kp <= qpb)
@@ -125,8 +131,8 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
     @pl.when(wg == 1)
     def _memory():
       kv_pipeline(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_used, v_used, b=b, kh=kh,
-                  rows_of=lambda t: pl.ds(entry_tile(runs, lo + t) * bk, bk), nsteps=nsteps,
-                  stages=stages)
+                  rows_of=lambda t: pl.ds(tile_start(entry_tile(runs, lo + t), S, bk), bk),
+                  nsteps=nsteps, stages=stages)
 
   def entry(*refs):
     scratch = (

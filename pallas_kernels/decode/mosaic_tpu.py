@@ -8,6 +8,9 @@ pipeline does not fetch a block again) and is skipped. K / V are read as [B, S, 
 reshape) in [block_k, H] blocks of kv head k. The folded query rows (api.fold_queries, padded to
 a multiple of 8) attend with an exact per-score mask (fill, kv_valid, causal / window / sinks on
 positions) and an online softmax in VMEM scratch; the last step writes O (normalised) and lse.
+A cache length S that is no multiple of block_k ends in a partial block: the pipeline leaves its
+slots past S unspecified, the fill mask (lengths <= S) drops their scores and their V rows are
+zeroed (0 * NaN would not be 0).
 """
 from __future__ import annotations
 
@@ -17,7 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from .api import NO_QUERY, entry_tile, part_range
+from .api import NO_QUERY, entry_tile, num_tiles, part_range
 
 NEG_INF = float("-inf")
 _LANES = 128
@@ -32,7 +35,8 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
   B, K, R, H = q_BKRH.shape
   S = k_BSKH.shape[1]
   bk, P = block_k, parts
-  nT = S // bk
+  nT = num_tiles(S, bk)
+  ragged = S % bk != 0  # the last block runs past S: the pipeline leaves its tail unspecified
   L = -(-nT // P)
   has_valid, has_pos = kvvalid_BS is not None, kvpos_BS is not None
   dtype = q_BKRH.dtype
@@ -92,8 +96,11 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
       alpha = jnp.exp(m_prev - m_use)
       pr = jnp.exp(s - m_use[:, :1])
       l_sc[...] = alpha * l_sc[...] + jnp.sum(pr, axis=1, keepdims=True)
+      v = v_ref[0]
+      if ragged:  # P is 0 there, but 0 * NaN is not: zero the rows past S
+        v = jnp.where(start + lax.broadcasted_iota(jnp.int32, v.shape, 0) < S, v, 0)
       acc_sc[...] = acc_sc[...] * alpha[:, :1] + jnp.dot(
-          pr.astype(dtype), v_ref[0], preferred_element_type=jnp.float32)
+          pr.astype(dtype), v, preferred_element_type=jnp.float32)
       m_sc[...] = m_new
 
     @pl.when(j == L - 1)

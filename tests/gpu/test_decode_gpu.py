@@ -21,9 +21,12 @@ def _rel(a, b):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("K,G,S,active", [(2, 6, 8192, False), (2, 6, 8192, True),
-                                          (16, 1, 4096, False), (8, 4, 1000, True)])
+@pytest.mark.parametrize("K,G,S,active", [(2, 6, 8192, True), (16, 1, 4096, False),
+                                          (8, 4, 1000, True)])
 def test_cudnn_decode_vs_reference(K, G, S, active):
+  """Qwen2.5-1.5B's GQA 6 with an L2A-style inactive row (rows 0, 2, 3 dense), no GQA, and a
+  cache length no multiple of a tile; one compile each (the compiled program's text is read and
+  the same executable runs)."""
   B, H = 4, 128
   ks = jax.random.split(jax.random.PRNGKey(S + K), 4)
   q = jax.random.normal(ks[0], (B, 1, K * G, H), jnp.bfloat16)
@@ -40,9 +43,8 @@ def test_cudnn_decode_vs_reference(K, G, S, active):
   mask = ops.MaskSpec(q_positions_BT=(lengths - 1)[:, None],
                       kv_positions_BS=jnp.broadcast_to(slot, (B, S)), kv_segment_ids_BS=valid,
                       active=act, kv_lengths_B=lengths)
-  f = jax.jit(lambda q, k, v, m: ops.attention(q, k, v, m))
-  hlo = f.lower(q, k, v, mask).compile().as_text()
-  assert "cudnn" in hlo.lower()  # the decode path really took cuDNN
+  f = jax.jit(lambda q, k, v, m: ops.attention(q, k, v, m)).lower(q, k, v, mask).compile()
+  assert "cudnn" in f.as_text().lower()  # the decode path really took cuDNN
   out = f(q, k, v, mask)
   ref = ops.attention(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32), mask,
                       impl="reference")

@@ -36,7 +36,10 @@ def _visible_tiles(kw, active, window, sinks, K, bk):
     m = jnp.broadcast_to(m[:, None, None], (B, K, 1) + m.shape[1:])
   else:
     m = m.reshape(B, K, -1, *m.shape[2:])                      # [B, K, G, T, S]
-  return np.asarray(jnp.any(m, axis=(2, 3)).reshape(B, K, S // bk, bk).any(-1))
+  seen = jnp.any(m, axis=(2, 3))
+  nT = -(-S // bk)                                             # a ragged last tile
+  seen = jnp.pad(seen, ((0, 0), (0, 0), (0, nT * bk - S)))
+  return np.asarray(seen.reshape(B, K, nT, bk).any(-1))
 
 
 def _run_tiles(runs):
@@ -53,8 +56,9 @@ def _run_tiles(runs):
 def test_tile_runs_cover_every_visible_tile_and_skip_the_rest(case):
   """The runs a program reads hold every tile with a visible slot (the kernel would drop keys
   otherwise), and skip: a full cache read through a window reads its window's tiles (+ the sink
-  tile), an inactive (row, kv head) reads nothing, a fill reads only its tiles."""
-  B, T, N, K, S, bk = 3, 2, 4, 2, 1024, 64
+  tile), an inactive (row, kv head) reads nothing, a fill reads only its tiles. The cache (1000
+  slots) ends in a ragged tile of 40."""
+  B, T, N, K, S, bk = 3, 2, 4, 2, 1000, 64
   rng = np.random.default_rng(1)
   lens = jnp.asarray([1000, 300, 5], jnp.int32)
   kvpos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (B, S))
@@ -100,8 +104,10 @@ def test_tile_runs_cover_every_visible_tile_and_skip_the_rest(case):
 def test_mosaic_gpu_interpret_equals_reference():
   """The Hopper kernel (Pallas interpret mode): two queries per row (MATCH multi-query), GQA 3,
   per-head active set with a fully inactive row, window + sinks over a full cache with a fill,
-  garbage past the fill, 2 kv parts per (row, kv head): == the reference; inactive -> zeros."""
-  q, k, v, kw = _problem(T=2, N=3, K=1, lengths=(200, 90))
+  garbage past the fill, 2 kv parts per (row, kv head), a ragged last tile (250 slots: the 4th
+  tile loads slots 186..249 and must drop 186..191, which row 0's window also reads through the
+  3rd tile): == the reference; inactive -> zeros."""
+  q, k, v, kw = _problem(T=2, N=3, K=1, S=250, lengths=(250, 90))
   active = jnp.ones((2, 2, 3), bool).at[0, 1, 2].set(False).at[1].set(False)
   kw.update(active=active, window=60, sinks=3)
   ref = dk.decode_attention(q, k, v, **kw)
@@ -114,9 +120,10 @@ def test_mosaic_gpu_interpret_equals_reference():
 
 def test_mosaic_tpu_interpret_equals_reference():
   """The TPU kernel (Pallas TPU interpret mode), fill-only (the parts split the fill: row 0 reads
-  3 tiles in 2 parts, row 1 one tile and an empty part) plus a per-row active set == the
-  reference."""
-  q, k, v, kw = _problem(N=3, K=1, H=128, S=512, lengths=(300, 37), seed=3)
+  4 tiles in 2 parts, the last a partial block of 450 - 384 slots whose tail past the cache the
+  pipeline leaves unspecified; row 1 one tile and an empty part) plus a per-row active set ==
+  the reference."""
+  q, k, v, kw = _problem(N=3, K=1, H=128, S=450, lengths=(440, 37), seed=3)
   kw.update(active=jnp.asarray([[True], [True]]))
   ref = dk.decode_attention(q, k, v, **kw)
   out = dk.decode_attention(q, k, v, impl="mosaic_tpu", interpret=True,
@@ -128,9 +135,9 @@ def test_mosaic_tpu_interpret_equals_reference():
 def test_each_kernel_on_the_other_mask_path():
   """(slow: two more interpret runs; by default the Mosaic GPU kernel runs the positions path and
   the TPU kernel the fill-only path above, and tests/gpu runs both paths on the H100.) Mosaic
-  GPU fill-only (no positions read) with a per-row active set over a cache of 224 slots (tiles
-  of 32); Mosaic TPU with window + sinks + 2 queries per row: both == the reference."""
-  q, k, v, kw = _problem(N=3, K=1, S=224, lengths=(200, 37), seed=5)  # 224: tiles of 32
+  GPU fill-only (no positions read) with a per-row active set over a cache of 224 slots (a
+  ragged 4th tile of 32); Mosaic TPU with window + sinks + 2 queries per row: both == the reference."""
+  q, k, v, kw = _problem(N=3, K=1, S=224, lengths=(200, 37), seed=5)  # 224: a ragged 4th tile
   kw.update(active=jnp.asarray([[True], [False]]))
   ref = dk.decode_attention(q, k, v, **kw)
   out = dk.decode_attention(q, k, v, impl="mosaic_gpu", interpret=True,
@@ -144,11 +151,12 @@ def test_each_kernel_on_the_other_mask_path():
   _close(out, ref)
 
 
-@pytest.mark.parametrize("chip", ["TPU v5 lite", "TPU v6 lite"])
-def test_mosaic_tpu_lowers_for_tpu_at_qwen_shapes(chip):
+@pytest.mark.parametrize("chip,S", [("TPU v5 lite", 32768), ("TPU v6 lite", 32768 + 40)])
+def test_mosaic_tpu_lowers_for_tpu_at_qwen_shapes(chip, S):
   """jax.export lowers the TPU decode kernel to Mosaic at Qwen2.5-1.5B decode shapes (12 query
-  heads, 2 kv heads, head_dim 128, 32K cache, B = 8), window + sinks + a per-head active set."""
-  B, S, N, K, H = 8, 32768, 12, 2, 128
+  heads, 2 kv heads, head_dim 128, 32K cache, B = 8), window + sinks + a per-head active set; on
+  v6 the cache ends in a partial tile (32808 slots)."""
+  B, N, K, H = 8, 12, 2, 128
   sds = [jax.ShapeDtypeStruct((B, 1, N, H), jnp.bfloat16),
          jax.ShapeDtypeStruct((B, S, K, H), jnp.bfloat16),
          jax.ShapeDtypeStruct((B, S, K, H), jnp.bfloat16),
@@ -198,11 +206,16 @@ def test_bytes_read_follow_the_routing():
 def test_kernel_support_names_the_bad_field():
   why = dk.kernel_support("mosaic_gpu", (1, 20, 12, 128), (1, 1024, 2, 128), jnp.bfloat16)
   assert "120 rows" in why
-  why = dk.kernel_support("mosaic_gpu", (1, 1, 12, 96), (1, 1004, 2, 96), jnp.float32)
-  assert "float32" in why and "head_dim 96" in why and "1004" in why
-  tile = dk.DecodeConfig().tile  # Mosaic GPU: 64, else 32 where it divides the cache
-  assert [tile("mosaic_gpu", S) for S in (8192, 8224, 1000)] == [64, 32, 64]
-  assert dk.kernel_support("mosaic_gpu", (1, 1, 12, 128), (1, 1056, 2, 128), jnp.bfloat16) is None
+  why = dk.kernel_support("mosaic_gpu", (1, 1, 12, 96), (1, 40, 2, 96), jnp.float32)
+  assert "float32" in why and "head_dim 96" in why and "cache length 40 < the kv tile 64" in why
+  # the P@V wgmma's K is the kv tile: 32 does not lower on Hopper (seen on the H100)
+  why = dk.kernel_support("mosaic_gpu", (1, 1, 12, 128), (1, 8224, 2, 128), jnp.bfloat16,
+                          dk.DecodeConfig(block_k=32))
+  assert "DecodeConfig.block_k=32" in why and "multiple of 64" in why
+  assert "DecodeConfig.block_k=64" in dk.kernel_support(
+      "mosaic_tpu", (1, 1, 12, 128), (1, 8224, 2, 128), jnp.bfloat16, dk.DecodeConfig(block_k=64))
+  # a cache length that is no multiple of the tile: a ragged last tile, taken
+  assert dk.kernel_support("mosaic_gpu", (1, 1, 12, 128), (1, 1000, 2, 128), jnp.bfloat16) is None
   assert dk.kernel_support("mosaic_tpu", (8, 1, 12, 128), (8, 32768, 2, 128), jnp.bfloat16) is None
   q, k, v, kw = _problem(H=96)
   with pytest.raises(ValueError, match="head_dim 96"):
@@ -221,7 +234,7 @@ def test_num_parts_aims_at_two_programs_per_sm():
 # condattn_jax.ops: auto runs the decode kernel where cuDNN's decode path cannot
 # ------------------------------------------------------------------------------------------------
 
-def _decode_specs(S=1024, lengths=(1000, 300)):
+def _decode_specs(S=1000, lengths=(1000, 300)):  # 1000: a ragged last tile (64 / 128)
   from condattn_jax import ops
   B, N = 2, 12
   lens = jnp.asarray(lengths, jnp.int32)
