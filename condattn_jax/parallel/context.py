@@ -196,16 +196,18 @@ def applies(mask: ops.MaskSpec) -> bool:
 
 def _shard_axes(mesh, B: int, N: int, K: int):
   """(batch mesh axes or None, head mesh axis or None) of attention's activations (rules
-  table) that are usable here and divide the shapes."""
+  table) that are not manual here and divide the shapes. Size-1 axes are always named: an axis
+  the specs leave out is one the inputs are replicated over, and shard_map's transpose sums
+  their cotangents over it (an all-reduce of dQ / dK / dV per attention call, over groups of
+  one device when the axis has size 1)."""
   batch_axes, head_axis = ops._activation_axes()
-  usable = {a: n for a, n, t in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
-            if t != jax.sharding.AxisType.Manual and n > 1}
-  batch = tuple(a for a in batch_axes if a in usable)
-  nb = int(np.prod([usable[a] for a in batch])) if batch else 1
-  if B % nb:
-    batch = ()
-  head = head_axis if head_axis in usable else None
-  if head is not None and (N % usable[head] or K % usable[head]):
+  sizes = {a: n for a, n, t in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
+           if t != jax.sharding.AxisType.Manual}
+  batch = tuple(a for a in batch_axes if a in sizes)
+  if B % int(np.prod([sizes[a] for a in batch])):
+    batch = tuple(a for a in batch if sizes[a] == 1)
+  head = head_axis if head_axis in sizes else None
+  if head is not None and (N % sizes[head] or K % sizes[head]):
     head = None
   return (batch or None), head
 

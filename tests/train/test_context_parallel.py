@@ -107,6 +107,9 @@ def test_attention_per_shard_equals_the_unsharded_reference(mesh, strategy, wind
   assert np.isfinite(np.asarray(got)).all() and all(np.isfinite(np.asarray(g)).all() for g in got_g)
   np.testing.assert_array_equal(np.asarray(got)[0, T - 5:], 0.0)  # padding queries: zeros
   assert "shard_map" in jaxpr
+  # every mesh axis is named in the specs (size-1 axes too): no psum of dQ / dK / dV over the
+  # axes the inputs would be replicated over (one all-reduce per attention call in the backward)
+  assert "psum" not in jaxpr
   halo = window is not None and window - 1 <= T // (2 * n)
   if halo or strategy == "ring":  # K/V move by ppermute only: no full-row gather
     assert "ppermute" in jaxpr and "all_gather" not in jaxpr
