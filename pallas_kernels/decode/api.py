@@ -128,6 +128,9 @@ def kernel_support(impl: str, q_shape, kv_shape, dtype, cfg: DecodeConfig = Deco
   if impl == "mosaic_tpu" and bk % 128:
     why.append(f"DecodeConfig.block_k={bk}: Mosaic TPU needs a multiple of 128; use "
                "block_k=None (128)")
+  if impl == "mosaic_gpu" and S % 8:
+    why.append(f"cache length {S}: Mosaic GPU loads a ragged last tile from slot S - block_k, "
+               "which its TMA copy needs at a multiple of 8; pad the cache to a multiple of 8")
   if S < bk:
     why.append(f"cache length {S} < the kv tile {bk} (DecodeConfig.block_k): use a smaller "
                "block_k or the reference")

@@ -66,3 +66,37 @@ def test_split_kv_combines_like_one_pass(splits):
   np.testing.assert_allclose(out, ref, atol=2e-5, rtol=0)
   assert ops.decode_splits(1, 32896, 2) == 128 and ops.decode_splits(8, 32896, 2) == 16
   assert ops.decode_splits(1, 100, 2) == 1
+
+
+def test_hopper_match_decode_step_runs_the_decode_kernel():
+  """A MATCH decode step (one token per row: its block's window + retrieved chunks) exported for
+  an (abstract) H100 runs the Mosaic GPU decode kernel, one call per SWA layer, not the
+  prefill-shaped path (a tile of `chunk` query rows of which one is real)."""
+  import flax.linen as nn
+  from jax.sharding import AbstractDevice, AbstractMesh
+
+  from condattn_jax import attention
+  from condattn_jax.models.config import ModelConfig
+  from condattn_jax.models.decoder import Decoder
+  base = ModelConfig(family="qwen3", qk_norm="head", num_layers=2, vocab_size=64, hidden_size=128,
+                     num_heads=2, num_kv_heads=1, head_dim=64, dtype="bfloat16")
+  mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+      device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"))
+  B, L = 2, 1024
+  i32 = lambda s: jax.ShapeDtypeStruct(s, jnp.int32)
+  m = Decoder(attention.configure(base, "match", window=128, chunk=128, top_k=2))
+  params = jax.eval_shape(lambda t: nn.unbox(m.init(jax.random.PRNGKey(0), t)),
+                          jnp.zeros((1, 8), jnp.int32))["params"]
+  cache = jax.eval_shape(lambda p, t: m.apply({"params": p}, t, decode=True, cache_len=L,
+                                              unroll_layers=True, mutable=["cache"])[1]["cache"],
+                         params, i32((B, 1)))
+
+  def step(p, c, t, pos, valid, P):
+    return m.apply({"params": p, "cache": c}, t, pos, valid, decode=True, cache_len=L,
+                   fields={"prompt_len_B": P}, unroll_layers=True, mutable=["cache"])[0]
+  cudnn = jax.export.DisabledSafetyCheck.custom_call("__cudnn$fmhaSoftmax")
+  with jax.sharding.use_abstract_mesh(mesh):
+    text = jax.export.export(jax.jit(step), platforms=["cuda"], disabled_checks=[cudnn])(
+        params, cache, i32((B, 1)), i32((B, 1)), i32((B, 1)), i32((B,))).mlir_module()
+  calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+  assert sum("decode_attention_mgpu" in c for c in calls) >= 1, [c[:120] for c in calls]

@@ -214,6 +214,8 @@ def test_kernel_support_names_the_bad_field():
   assert "DecodeConfig.block_k=32" in why and "multiple of 64" in why
   assert "DecodeConfig.block_k=64" in dk.kernel_support(
       "mosaic_tpu", (1, 1, 12, 128), (1, 8224, 2, 128), jnp.bfloat16, dk.DecodeConfig(block_k=64))
+  why = dk.kernel_support("mosaic_gpu", (1, 1, 12, 128), (1, 1004, 2, 128), jnp.bfloat16)
+  assert "cache length 1004" in why and "multiple of 8" in why   # the ragged tile's TMA start
   # a cache length that is no multiple of the tile: a ragged last tile, taken
   assert dk.kernel_support("mosaic_gpu", (1, 1, 12, 128), (1, 1000, 2, 128), jnp.bfloat16) is None
   assert dk.kernel_support("mosaic_tpu", (8, 1, 12, 128), (8, 32768, 2, 128), jnp.bfloat16) is None

@@ -212,6 +212,17 @@ class MatchLayer(nn.Module):
     r_pos = jnp.broadcast_to(f["match_block_pos_BG"][..., None], (B, G, R))
     kk = jnp.concatenate([kl, kr.astype(kl.dtype)], axis=2)
     vv = jnp.concatenate([vl, vr.astype(vl.dtype)], axis=2)
+    if ctx.decode and T == 1:  # G == 1: the one query over its block's window + retrieved keys
+      # as a decode over a cache (ops: the decode kernels on Hopper / TPU), not a tile of c
+      # query rows of which one is real; kv segment ids alone are the keys' validity. The keys
+      # are padded (invalid) to a multiple of 8 slots (the Mosaic GPU decode kernel's ragged tile)
+      S = kl.shape[2] + R
+      pad = lambda x: jnp.zeros((B, (-S) % 8) + x.shape[3:], x.dtype)
+      cat = lambda a, b: jnp.concatenate([a[:, 0], b[:, 0].astype(a.dtype), pad(a)], axis=1)
+      mask = ops.MaskSpec(q_positions_BT=pos, kv_positions_BS=cat(l_pos, r_pos),
+                          kv_segment_ids_BS=cat(l_seg.astype(jnp.int32), r_seg), window=w,
+                          active=seg != 0)
+      return ops.attention(q, cat(kl, kr), cat(vl, vr), mask, impl=o.impl)
     flat = lambda t: t.reshape((B * G,) + t.shape[2:])
     mask = ops.MaskSpec(q_positions_BT=flat(q_pos),
                         kv_positions_BS=flat(jnp.concatenate([l_pos, r_pos], axis=-1)),
