@@ -2,22 +2,22 @@ r"""MATCH reproduction on MQAR (paper App. B.3.1 / Table C.3), pre-registered (C
 
   python bench/match_mqar.py --preset=cpu          # -> bench/results/match_mqar.json (2-core CPU)
   python bench/match_mqar.py --preset=test --out_dir=/tmp/m   # seconds (tests/bench/test_match_bench.py)
-  # one H100 (the next session; the device tool: carry the wheels DEVELOPERS.md names), one
-  # command per length pair (each < 10 min; if one nears the limit, one length per command):
-  pip install --no-deps .whl/*.whl; CONDATTN_GIT_COMMIT=<sha> python bench/match_mqar.py \
-      --preset=h100 --lengths=64,128 --progress=$OUT/mqar_h100_a.json --out_dir=$OUT/a
-  pip install --no-deps .whl/*.whl; CONDATTN_GIT_COMMIT=<sha> python bench/match_mqar.py \
-      --preset=h100 --lengths=256,512 --progress=$OUT/mqar_h100_b.json --out_dir=$OUT/b
+  # H100s: one process per (method, length), 3-4 per GPU (XLA_PYTHON_CLIENT_MEM_FRACTION=0.22);
+  # the 4-GPU script: docs/schemes/match.md#reproduction. Each writes its progress file:
+  CONDATTN_GIT_COMMIT=<sha> python bench/match_mqar.py --preset=h100 --methods=full \
+      --lengths=512 --data_workers=4 --progress=$OUT/mqar_full_512.json --out_dir=$OUT/full_512
   # then here: one run with every length, named sweep_h100, in bench/results/match_mqar_<GPU>.json
-  python bench/match_mqar.py --preset=h100 --merge=<files_at>/mqar_h100_a.json,<files_at>/mqar_h100_b.json
+  python bench/match_mqar.py --preset=h100 --merge=<files_at>/mqar_full_512.json,...
 
 Protocol (the paper's, scaled): 2-layer qwen3-style decoders (width 64, 4 heads), every length
 trained SEPARATELY from scratch on fresh MQAR rows of that length (num_pairs per length as the
 paper's 4..64 pairs: 64->4, 128->8, 256->16, 512->64; min_gap 0; keys from [1, V/2), values from
 [V/2, V)), AdamW with 10% warmup and cosine decay, an LR sweep per method (best LR by the mean
-over seeds), 2 seeds (init and data), evaluated on held-out rows (stream 1): accuracy = answer
-tokens argmax-correct. The models of one (method, length) train together: lrs x seeds stacked
-and vmapped (one compiled step). Four methods share the model and differ only in the attention
+over seeds; the baselines' own sweep may hold more lrs: Settings.method_lrs), 2-3 seeds (init
+and data), evaluated on held-out rows (stream 1): accuracy = answer tokens argmax-correct. Only
+the answer positions reach the LM head (answer_logits), held-out rows are evaluated eval_chunk
+at a time. The models of one (method, length) train together: lrs x seeds stacked and vmapped
+(one compiled step; Settings.model_groups: g at a time under lax.map). Four methods share the model and differ only in the attention
 of scheme 'match':
   full    full causal attention (window = the row length, no retrieval): the reference
   swa     sliding window w=32, no retrieval
@@ -86,16 +86,43 @@ class Settings:
   weight_decay: float = 0.1
   eval_rows: int = 128
   eval_every: int = 100
+  eval_chunk: int = 128  # held-out rows per compiled evaluation call
+  train_rows: int = 0  # distinct training rows per seed (epochs over them); 0 = steps x batch
+  method_lrs: tuple = ()  # (method, lrs) pairs: a method's own lr sweep (else `lrs`)
+  # (length, g) pairs: at that length the M models run g at a time (lax.map over groups of g
+  # vmapped models: memory of g models, not M); other lengths vmap all M at once
+  model_groups: tuple = ()
+
+
+def method_lrs(s: Settings, method: str) -> tuple:
+  """The learning rates swept for `method`."""
+  return dict(s.method_lrs).get(method, s.lrs)
+
+
+def over_models(s: Settings, length: int, fn, xs, *shared):
+  """fn(*x, *shared) for every model's slice x of the leading-axis trees `xs`: vmapped over all
+  models, or s.model_groups' g at a time at this length (lax.map with batch_size g)."""
+  g = dict(s.model_groups).get(length)
+  if not g:
+    return jax.vmap(lambda *x: fn(*x, *shared))(*xs)
+  return jax.lax.map(lambda x: fn(*x, *shared), xs, batch_size=g)
 
 
 PRESETS = {
     # 2 CPU cores shared with other jobs: 2 lengths x 4 methods x 3 lrs x 2 seeds, width 32,
     # 800 steps of 16 rows (12.8K samples a model: far below the paper's 100K)
     "cpu": Settings(),
-    # one H100 (jax 0.11.2): the paper's lengths, width 64, vocabulary 8192 and ~100K samples a
-    # model (1600 steps of 64 rows); one or two lengths per command (--lengths) for < 10 min
-    "h100": Settings(lengths=(64, 128, 256, 512), vocab=8192, width=64, heads=4, steps=1600,
-                     batch=64, eval_rows=1024, eval_every=200),
+    # H100 (jax 0.11.2): the paper's lengths, width 64, vocabulary 8192, 100K training rows a
+    # seed (the paper's count) seen twice (3200 steps of 64), 3 seeds; the baselines sweep one
+    # lower lr besides (their own sweep). One process per (method, length) (--methods,
+    # --lengths), several per GPU: compiled on CPU, the largest (length 512, 12 models run 4 at
+    # a time) needs ~9 GiB of temporaries a step and ~2 GiB an evaluation call
+    # (tests/bench/test_match_bench.py::test_h100_preset_fits_a_shared_gpu).
+    "h100": Settings(lengths=(64, 128, 256, 512), vocab=8192, width=64, heads=4, steps=3200,
+                     batch=64, seeds=(0, 1, 2), eval_rows=1024, eval_every=400, eval_chunk=64,
+                     train_rows=100_000, model_groups=((512, 4),),
+                     method_lrs=(("full", (3e-4, 1e-3, 3e-3, 1e-2)),
+                                 ("swa", (3e-4, 1e-3, 3e-3, 1e-2)))),
     # CI (tests/bench/test_match_bench.py, SWA and MATCH only): length 64, the sweep's best
     # MATCH lr, one seed, 300 steps (where the sweep's MATCH / SWA curves separate)
     "test": Settings(lengths=(64,), lrs=(3e-3,), seeds=(0,), steps=300, batch=16,
@@ -140,9 +167,36 @@ def task(s: Settings, length: int) -> MQAR:
 
 
 def rows(t: MQAR, seed: int, n: int, stream: int) -> dict[str, np.ndarray]:
-  """n MQAR rows (inputs, targets, loss_mask) of one seed and stream."""
-  ex = [t.example(seed, i, stream) for i in range(n)]
+  """n MQAR rows (inputs, targets, loss_mask, answers) of one seed and stream; answers [n, Q]
+  = the positions of the Q = num_pairs scored tokens of each row (every row has Q)."""
+  if DATA_WORKERS > 1 and n >= 4096:  # the same rows, made by worker processes
+    import concurrent.futures
+    import multiprocessing
+    cuts = np.linspace(0, n, DATA_WORKERS + 1).astype(int)
+    with concurrent.futures.ProcessPoolExecutor(
+        DATA_WORKERS, mp_context=multiprocessing.get_context("spawn")) as ex:
+      parts = list(ex.map(_rows_part, [(t, seed, a, b, stream) for a, b in zip(cuts, cuts[1:])]))
+    out = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+  else:
+    out = _rows_part((t, seed, 0, n, stream))
+  return dict(out, answers=answer_positions(out["loss_mask"], t.queries))
+
+
+DATA_WORKERS = 1  # processes making training rows (--data_workers)
+
+
+def _rows_part(args):
+  t, seed, start, stop, stream = args
+  ex = [t.example(seed, i, stream) for i in range(start, stop)]
   return {k: np.stack([r[k] for r in ex]) for k in ("inputs", "targets", "loss_mask")}
+
+
+def answer_positions(loss_mask_NT, q: int) -> np.ndarray:
+  """[N, q] int32 positions of loss_mask_NT > 0 (exactly q a row, else ValueError)."""
+  got = (loss_mask_NT > 0).sum(1)
+  if not (got == q).all():
+    raise ValueError(f"MQAR rows hold {sorted(set(got.tolist()))} scored tokens, expected {q}")
+  return np.nonzero(loss_mask_NT > 0)[1].reshape(-1, q).astype(np.int32)
 
 
 def schedule(s: Settings, step):
@@ -153,38 +207,59 @@ def schedule(s: Settings, step):
   return jnp.where(step < w, warm, cos)
 
 
-def _accuracy_fn(cfg):
+def answer_logits(model, p, inputs_BT, answers_BQ):
+  """float32 logits [B, Q, V] at the scored positions only: the final hidden states gathered at
+  `answers_BQ` times the output embedding (the LM head over every position would hold
+  models x B x T x V floats: 6 GiB at T = 512, V = 8192, B = 64, 6 models)."""
+  h_BTD, _ = model.apply({"params": p}, inputs_BT, return_hidden=True)
+  h_BQD = jnp.take_along_axis(h_BTD, answers_BQ[..., None], axis=1)
+  cd = model.config.compute_dtype
+  return jnp.einsum("bqd,dv->bqv", h_BQD.astype(cd),
+                    model.output_embedding(p).astype(cd)).astype(jnp.float32)
+
+
+def _hits_fn(s: Settings, cfg, length: int):
+  """jit of (params [M, ...], rows) -> answer tokens argmax-correct [M] (over_models)."""
   model = Decoder(cfg)
 
-  def acc(p, b):
-    logits, _ = model.apply({"params": p}, b["inputs"])
-    hit = (jnp.argmax(logits, -1) == b["targets"]) & (b["loss_mask"] > 0)
-    return jnp.sum(hit) / jnp.maximum(jnp.sum(b["loss_mask"] > 0), 1)
-  return jax.jit(jax.vmap(acc, in_axes=(0, None)))
+  def hits(p, b):
+    logits_BQV = answer_logits(model, p, b["inputs"], b["answers"])
+    return jnp.sum(jnp.argmax(logits_BQV, -1) == _answer_targets(b))
+  return jax.jit(lambda p, b: over_models(s, length, hits, (p,), b))
 
 
-def train_length(s: Settings, method: str, length: int, log=print) -> dict:
-  """Trains the lrs x seeds models of one method at one length together (vmapped); returns
-  {"final": {semantics: [M] accuracy}, "curves": ..., "seconds": ...}; model m = lr index
-  m // len(seeds), seed m % len(seeds)."""
+def _answer_targets(b):
+  return jnp.take_along_axis(b["targets"], b["answers"], axis=1)
+
+
+def _accuracy_fn(s: Settings, cfg, length: int):
+  """(params [M, ...], held-out rows) -> accuracy [M] (numpy), the rows evaluated
+  s.eval_chunk at a time (one compiled program: the activations of eval_chunk rows x M
+  models, not of every held-out row)."""
+  hits = _hits_fn(s, cfg, length)
+
+  def acc(params, held):
+    n = held["inputs"].shape[0]
+    total = 0
+    for i in range(0, n, s.eval_chunk):
+      total = total + np.asarray(hits(params, {k: v[i:i + s.eval_chunk] for k, v in held.items()}))
+    return total / held["answers"].size
+  acc.hits = hits
+  return acc
+
+
+def programs(s: Settings, method: str, length: int):
+  """(step, accuracy under the training mask, accuracy under the decode semantics or None,
+  model): the compiled pieces of one (method, length), M = lrs x seeds models vmapped. step
+  (params, opt_state, lr_M, batch, step) -> (params, opt_state, loss_M), batch arrays
+  [M, batch, ...]."""
   cfg = model_config(s, method, length)
   model = Decoder(cfg)
-  t = task(s, length)
-  nL, nS = len(s.lrs), len(s.seeds)
-  M = nL * nS
-  init = [nn.unbox(model.init(jax.random.PRNGKey(seed), jnp.zeros((1, length), jnp.int32))
-                   ["params"]) for seed in s.seeds]
-  params = jax.tree.map(lambda *a: jnp.stack([a[m % nS] for m in range(M)]), *init)
-  lr_M = jnp.asarray([s.lrs[m // nS] for m in range(M)], jnp.float32)
-  tx = optax.chain(optax.scale_by_adam(b1=0.9, b2=0.98), optax.add_decayed_weights(s.weight_decay))
-  opt_state = jax.vmap(tx.init)(params)
-  seed_of = np.asarray([m % nS for m in range(M)])
+  tx = optimizer(s)
 
   def loss_fn(p, b):
-    logits, _ = model.apply({"params": p}, b["inputs"])
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits, b["targets"])
-    m = b["loss_mask"]
-    return jnp.sum(ce * m) / jnp.maximum(jnp.sum(m), 1.0)
+    logits_BQV = answer_logits(model, p, b["inputs"], b["answers"])
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits_BQV, _answer_targets(b)))
 
   def one(p, st, lr, b, step):
     loss, g = jax.value_and_grad(loss_fn)(p, b)
@@ -192,29 +267,78 @@ def train_length(s: Settings, method: str, length: int, log=print) -> dict:
     scale = -lr * schedule(s, step)
     return optax.apply_updates(p, jax.tree.map(lambda u: scale * u, upd)), st, loss
 
-  step_fn = jax.jit(jax.vmap(one, in_axes=(0, 0, 0, 0, None)), donate_argnums=(0, 1))
-  acc_train = _accuracy_fn(cfg)
+  step_fn = jax.jit(lambda p, st, lr, b, i: over_models(s, length, one, (p, st, lr, b), i),
+                    donate_argnums=(0, 1))
+  rc = (_accuracy_fn(s, model_config(s, method, length, retrieved_kv="recompute"), length)
+        if method in RETRIEVES else None)
+  return step_fn, _accuracy_fn(s, cfg, length), rc, model
+
+
+def optimizer(s: Settings):
+  return optax.chain(optax.scale_by_adam(b1=0.9, b2=0.98), optax.add_decayed_weights(s.weight_decay))
+
+
+def train_length(s: Settings, method: str, length: int, log=print) -> dict:
+  """Trains the lrs x seeds models of one method at one length together (vmapped); returns
+  {"final": {semantics: [M] accuracy}, "curves": ..., "seconds": ...}; model m = lr index
+  m // len(seeds), seed m % len(seeds)."""
+  step_fn, acc_train, acc_rc, model = programs(s, method, length)
+  t = task(s, length)
+  lrs = method_lrs(s, method)
+  nL, nS = len(lrs), len(s.seeds)
+  M = nL * nS
+  init = [nn.unbox(model.init(jax.random.PRNGKey(seed), jnp.zeros((1, length), jnp.int32))
+                   ["params"]) for seed in s.seeds]
+  params = jax.tree.map(lambda *a: jnp.stack([a[m % nS] for m in range(M)]), *init)
+  lr_M = jnp.asarray([lrs[m // nS] for m in range(M)], jnp.float32)
+  opt_state = jax.vmap(optimizer(s).init)(params)
+  seed_of = np.asarray([m % nS for m in range(M)])
   held = {k: jnp.asarray(v) for k, v in rows(t, 0, s.eval_rows, stream=1).items()}
-  data = [rows(t, seed, s.steps * s.batch, stream=0) for seed in s.seeds]
+  n_train = s.train_rows or s.steps * s.batch
+  data = [rows(t, seed, n_train, stream=0) for seed in s.seeds]
   curves = {"step": [], "loss": [], "acc": []}
   t0 = time.perf_counter()
   for i in range(s.steps):
-    sl = slice(i * s.batch, (i + 1) * s.batch)
-    b = {k: jnp.asarray(np.stack([data[j][k][sl] for j in seed_of])) for k in data[0]}
+    at = (np.arange(i * s.batch, (i + 1) * s.batch) % n_train)  # epochs over the n_train rows
+    b = {k: jnp.asarray(np.stack([data[j][k][at] for j in seed_of])) for k in data[0]}
     params, opt_state, loss = step_fn(params, opt_state, lr_M, b, i)
     if (i + 1) % s.eval_every == 0 or i == s.steps - 1:
-      a = np.asarray(acc_train(params, held))
+      a = acc_train(params, held)
       curves["step"].append(i + 1)
       curves["loss"].append([round(float(x), 4) for x in np.asarray(loss)])
       curves["acc"].append([round(float(x), 4) for x in a])
       log(f"  {method} L={length} step {i + 1} loss {np.round(np.asarray(loss), 3).tolist()} "
           f"acc {np.round(a, 3).tolist()} ({time.perf_counter() - t0:.0f}s)")
   final = {"sequence": curves["acc"][-1]}
-  if method in RETRIEVES:
-    rc = _accuracy_fn(model_config(s, method, length, retrieved_kv="recompute"))
-    final["recompute"] = [round(float(x), 4) for x in np.asarray(rc(params, held))]
-  return {"final": final, "curves": curves, "seconds": round(time.perf_counter() - t0, 1),
-          "params": params}
+  if acc_rc is not None:
+    final["recompute"] = [round(float(x), 4) for x in acc_rc(params, held)]
+  return {"final": final, "curves": curves, "lrs": list(lrs),
+          "seconds": round(time.perf_counter() - t0, 1), "params": params}
+
+
+def compiled_memory(s: Settings, method: str, length: int) -> dict:
+  """Bytes XLA's memory analysis gives the compiled training step and evaluation call of one
+  (method, length) on the default backend (nothing runs): {'step_temp', 'step_args',
+  'eval_temp', 'eval_args', 'recompute_eval_temp' (retrieving methods)}."""
+  step_fn, acc, acc_rc, model = programs(s, method, length)
+  M = len(method_lrs(s, method)) * len(s.seeds)
+  sd = lambda shape, dt=jnp.int32: jax.ShapeDtypeStruct(shape, dt)
+  p1 = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.PRNGKey(0),
+                                                  jnp.zeros((1, length), jnp.int32))["params"]))
+  params = jax.tree.map(lambda a: sd((M,) + a.shape, a.dtype), p1)
+  opt = jax.eval_shape(jax.vmap(optimizer(s).init), params)
+  q = pairs(length)
+  batch = lambda *lead: {"inputs": sd((*lead, length)), "targets": sd((*lead, length)),
+                         "loss_mask": sd((*lead, length), jnp.float32), "answers": sd((*lead, q))}
+  step = step_fn.lower(params, opt, sd((M,), jnp.float32), batch(M, s.batch), 0).compile()
+  out = {"step_temp": step.memory_analysis().temp_size_in_bytes,
+         "step_args": step.memory_analysis().argument_size_in_bytes}
+  for name, fn in (("eval", acc), ("recompute_eval", acc_rc)):
+    if fn is not None:
+      c = fn.hits.lower(params, batch(min(s.eval_chunk, s.eval_rows))).compile()
+      out[name + "_temp"] = c.memory_analysis().temp_size_in_bytes
+      out[name + "_args"] = c.memory_analysis().argument_size_in_bytes
+  return out
 
 
 def summarize(s: Settings, per: dict) -> dict:
@@ -224,15 +348,16 @@ def summarize(s: Settings, per: dict) -> dict:
   out = {}
   for method, by_len in per.items():
     out[method] = {}
+    lrs = method_lrs(s, method)
     for length, r in by_len.items():
-      seq = np.asarray(r["final"]["sequence"]).reshape(len(s.lrs), nS)
+      seq = np.asarray(r["final"]["sequence"]).reshape(len(lrs), nS)
       best = int(np.argmax(seq.mean(1)))
-      row = {"best_lr": s.lrs[best], "lr_means": [round(float(x), 4) for x in seq.mean(1)]}
+      row = {"best_lr": lrs[best], "lr_means": [round(float(x), 4) for x in seq.mean(1)]}
       for sem, acc in r["final"].items():
-        a = np.asarray(acc).reshape(len(s.lrs), nS)[best]
+        a = np.asarray(acc).reshape(len(lrs), nS)[best]
         row[sem] = round(float(a.mean()), 4)
         row[sem + "_seeds"] = [round(float(x), 4) for x in a]
-      accs = np.asarray(r["curves"]["acc"]).reshape(-1, len(s.lrs), nS)[:, best].mean(-1)
+      accs = np.asarray(r["curves"]["acc"]).reshape(-1, len(lrs), nS)[:, best].mean(-1)
       row["plateau"] = bool(len(accs) >= 2 and abs(accs[-1] - accs[-2]) <= 0.02)
       out[method][str(length)] = row
   return out
@@ -340,6 +465,9 @@ flags.DEFINE_integer("steps", None, "training steps (default: the preset's)", fl
 flags.DEFINE_list("lengths", None, "row lengths (default: the preset's)", flag_values=FLAGS)
 flags.DEFINE_string("progress", None, "JSON file of the partial results, rewritten as they come",
                     flag_values=FLAGS)
+flags.DEFINE_list("methods", None, f"methods to train (default: all of {list(METHODS)})",
+                  flag_values=FLAGS)
+flags.DEFINE_integer("data_workers", 1, "processes making the training rows", flag_values=FLAGS)
 flags.DEFINE_list("merge", None, "progress files to merge into one result (no training): runs "
                   "of this preset over disjoint lengths", flag_values=FLAGS)
 
@@ -351,7 +479,13 @@ def main(argv=None):
     s = dataclasses.replace(s, steps=a.steps)
   if a.lengths:
     s = dataclasses.replace(s, lengths=tuple(int(x) for x in a.lengths))
-  result = merge_progress(s, a.merge) if a.merge else run(s, progress=a.progress)
+  global DATA_WORKERS
+  DATA_WORKERS = a.data_workers
+  methods = tuple(a.methods or METHODS)
+  if set(methods) - set(METHODS):
+    raise SystemExit(f"--methods={a.methods}: choose from {list(METHODS)}")
+  result = (merge_progress(s, a.merge) if a.merge
+            else run(s, methods=methods, progress=a.progress))
   result["preset"] = a.preset
   out = common.result_path("match_mqar", a.out_dir, device=result["device"],
                            fixed=FILES.get(a.preset))

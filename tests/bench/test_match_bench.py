@@ -91,3 +91,48 @@ def test_memory_merge_refuses_runs_of_other_settings():
   other = dict(r, settings=dict(r["settings"], window=64))
   with pytest.raises(ValueError, match="differ"):
     match_memory.merge([r, other])
+
+
+def test_answer_logits_and_chunked_accuracy_equal_the_full_logits():
+  """The bench scores only the answer positions (hidden states gathered before the LM head) and
+  evaluates held-out rows eval_chunk at a time: the logits equal the full forward's at those
+  positions, and the chunked accuracy (uneven last chunk, 2 models) equals argmax-correct over
+  the full logits, with targets set so that a known fraction is correct."""
+  import dataclasses
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  s = dataclasses.replace(match_mqar.PRESETS["test"], eval_chunk=16)
+  cfg = match_mqar.model_config(s, "swa", 64)
+  model = match_mqar.Decoder(cfg)
+  held = match_mqar.rows(match_mqar.task(s, 64), 0, 40, stream=1)
+  init = lambda k: nn.unbox(model.init(jax.random.PRNGKey(k), jnp.zeros((1, 64), jnp.int32))["params"])
+  params = jax.tree.map(lambda *a: jnp.stack(a), init(0), init(1))
+  full = np.stack([np.asarray(model.apply({"params": jax.tree.map(lambda a: a[m], params)},
+                                          held["inputs"])[0]) for m in range(2)])  # [M,N,T,V]
+  ans = held["answers"]
+  got = np.asarray(match_mqar.answer_logits(model, jax.tree.map(lambda a: a[1], params),
+                                            jnp.asarray(held["inputs"]), jnp.asarray(ans)))
+  np.testing.assert_allclose(got, np.take_along_axis(full[1], ans[..., None], 1), atol=1e-5)
+  # model 0's argmax becomes the target of rows 0..24 (25 of 40 rows correct for model 0)
+  pred = np.take_along_axis(full[0].argmax(-1), ans, 1)
+  targets = held["targets"].copy()
+  np.put_along_axis(targets[:25], ans[:25], pred[:25], 1)
+  held = dict(held, targets=targets)
+  acc = match_mqar._accuracy_fn(s, cfg, 64)(params, {k: jnp.asarray(v) for k, v in held.items()})
+  want = [np.mean(np.take_along_axis(full[m].argmax(-1), ans, 1) ==
+                  np.take_along_axis(targets, ans, 1)) for m in range(2)]
+  np.testing.assert_allclose(acc, want)
+  assert acc[0] >= 25 / 40
+
+
+def test_h100_preset_fits_a_shared_gpu():
+  """The H100 preset's largest job (full attention at length 512: 4 lrs x 3 seeds = 12 models,
+  4 at a time) compiles on CPU to <= 12 GiB of step temporaries and <= 4 GiB an evaluation
+  call, so 3-4 jobs share one 80 GiB GPU. (Before: logits of every position and the 1024
+  held-out rows in one call asked 24 GiB at length 128 and 96 GiB at 512.)"""
+  s = match_mqar.PRESETS["h100"]
+  assert dict(s.model_groups) == {512: 4} and len(match_mqar.method_lrs(s, "full")) == 4
+  m = match_mqar.compiled_memory(s, "full", 512)
+  assert m["step_temp"] <= 12 * 2**30 and m["eval_temp"] <= 4 * 2**30, m
