@@ -54,7 +54,8 @@ def test_mqar_fresh_run_shows_the_recorded_direction(fresh_mqar):
 def test_mqar_criteria_can_fail():
   """check_criteria / verdict on a recorded-shaped summary: MATCH is judged only when the
   baselines are fair, and each criterion fails on its own numbers."""
-  row = lambda a, rc=None: dict(sequence=a, **({} if rc is None else {"recompute": rc}))
+  row = lambda a, rc=None: dict(sequence=a, plateau=True,
+                                **({} if rc is None else {"recompute": rc}))
   good = {"full": {"64": row(1.0), "128": row(0.99)}, "swa": {"64": row(0.95), "128": row(0.5)},
           "match": {"64": row(1.0, 1.0), "128": row(0.99, 0.97)},
           "random": {"64": row(0.97, 0.9), "128": row(0.55, 0.5)}}
@@ -62,6 +63,10 @@ def test_mqar_criteria_can_fail():
   bad = json.loads(json.dumps(good))
   bad["swa"]["64"]["sequence"] = 0.3
   assert match_mqar.verdict(match_mqar.check_criteria(bad)).startswith("not judged")
+  bad = json.loads(json.dumps(good))
+  bad["full"]["128"]["plateau"] = False
+  assert match_mqar.verdict(match_mqar.check_criteria(bad)) == (
+      "not judged: baselines not fair (baselines_plateau failed)")
   bad = json.loads(json.dumps(good))
   bad["match"]["128"]["recompute"] = 0.55
   crit = match_mqar.check_criteria(bad)
