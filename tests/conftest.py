@@ -10,8 +10,12 @@ on CPU a process that runs a train step loaded from it aborts (tests/train/test_
 on one cache directory). Within a test process, a program identical to one already compiled
 (same module up to debug locations) reuses that executable (_reuse_identical_compilations).
 """
+import collections
+import json
 import os
+import resource
 
+import pytest
 from _test_env import TEST_COMPILE_FLAGS
 
 _flags = os.environ.get("XLA_FLAGS", "")
@@ -67,9 +71,74 @@ def _reuse_identical_compilations(max_entries=256):
 _reuse_identical_compilations()
 
 
+# ------------------------------------------------------------------ file order and durations
+# `make test` hands whole files to its 2 workers in collection order (--dist loadfile
+# --no-loadscope-reorder): longest first, so both workers end together (a long file handed out
+# last would end the run alone on one worker). tests/durations.json holds each file's CPU seconds
+# (the pytest process and the subprocesses it waited for: a measure the host's load barely moves)
+# from the last `make durations` run.
+DURATIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "durations.json")
+RECORD_ENV = "CONDATTN_RECORD_DURATIONS"  # set (to 1) -> this run's files' CPU s merged into it
+
+
+def _recorded_durations() -> dict:
+  try:
+    with open(DURATIONS) as f:
+      return json.load(f)["cpu_s"]
+  except (OSError, ValueError, KeyError):
+    return {}
+
+
+def _file_key(path) -> str:
+  return os.path.relpath(str(path), os.path.dirname(os.path.dirname(DURATIONS)))
+
+
 def pytest_collection_modifyitems(config, items):
-  """Files that hold a slow test first, the rest in collection order: `make test` hands whole files
-  to its 2 workers in this order (--dist loadfile --no-loadscope-reorder), and a long file handed
-  out last would end the run alone on one worker."""
+  """Files longest first by tests/durations.json; files it does not list (new ones) before all
+  listed ones, those holding a slow test first (a new file may be long: at the start the other
+  worker is busy anyway). Tests keep their order within a file."""
+  recorded = _recorded_durations()
   slow = {item.path for item in items if item.get_closest_marker("slow")}
-  items.sort(key=lambda item: item.path not in slow)
+  items.sort(key=lambda item: (_file_key(item.path) in recorded, item.path not in slow,
+                               -recorded.get(_file_key(item.path), 0.0)))
+
+
+def _cpu_seconds() -> float:
+  me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+  return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
+
+
+_measured = collections.defaultdict(float)  # file -> CPU s in this process
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+  """Under CONDATTN_RECORD_DURATIONS: each test's CPU seconds (setup, call and teardown: a
+  module fixture counts in its file's first test), summed per file."""
+  if not os.environ.get(RECORD_ENV):
+    yield
+    return
+  t0 = _cpu_seconds()
+  yield
+  _measured[_file_key(item.path)] += _cpu_seconds() - t0
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):  # xdist: a worker's per-file seconds reach the controller
+  for f, s in json.loads(getattr(node, "workeroutput", {}).get("condattn_cpu_s", "{}")).items():
+    _measured[f] += s
+
+
+def pytest_sessionfinish(session, exitstatus):
+  if not os.environ.get(RECORD_ENV):
+    return
+  if hasattr(session.config, "workerinput"):  # an xdist worker: hand the numbers over
+    session.config.workeroutput["condattn_cpu_s"] = json.dumps(_measured)
+    return
+  recorded = _recorded_durations()
+  recorded.update({f: round(s, 1) for f, s in _measured.items()})
+  with open(DURATIONS, "w") as f:
+    json.dump({"about": "CPU seconds per test file (tests/conftest.py orders files by them); "
+                        "refresh: make durations",
+               "cpu_s": dict(sorted(recorded.items(), key=lambda kv: -kv[1]))}, f, indent=1)
+    f.write("\n")
