@@ -131,7 +131,8 @@ class CompactConfig:
   uncompact_by_gather: results go back to their rows as a gather (each output row reads its slot,
     zeros for inactive rows) instead of an XLA scatter into zeros (XLA glue only).
   glue_kernels: GPU kernels (Triton, Mosaic GPU): the gathers and putting results back as Pallas
-    kernels bounded by the active count (glue.py) and, unless the call gives bucket_fracs /
+    kernels bounded by the active count (glue.py; Mosaic GPU copies in a pass whose kernel is
+    Mosaic GPU, Triton copies in a Triton pass) and, unless the call gives bucket_fracs /
     capacity, ONE full-T bucket instead of the ladder (no lax.switch, whose predicate XLA reads on
     the host before the branch's kernels launch). Ignored where glue.supported(H) is False.
   mgpu_bwd_wgs: compute warpgroups per Mosaic GPU backward program (1 or 2).
@@ -178,6 +179,12 @@ def _row_multiple(cfg: _Config) -> int:
   dq programs' query rows, the dk/dv query tiles)."""
   wgs = cfg.mgpu_bwd_wgs if cfg.bwd_backend == "mosaic_gpu" else 1
   return math.lcm(cfg.bs.q_multiple, cfg.bs_bwd.q_multiple, wgs * cfg.bs_bwd.block_q_dq)
+
+
+def _glue_kernel(backend: str) -> str:
+  """The row copies (glue.py) of a pass run as that pass's kernel does: Mosaic GPU next to the
+  Mosaic GPU kernels (Hopper: no Triton call), else Triton."""
+  return "mosaic_gpu" if backend == "mosaic_gpu" else "triton"
 
 
 def _compact(C, active_BIT, qpos_BT, qseg_BT, slot_BIT=None):
@@ -245,7 +252,8 @@ def _forward_impl(cfg: _Config, q, k, v, active, qpos, kvpos, qseg, kvseg):
                               block_q=bq, block_k=bs.block_k)
       counts = cp.active_counts(active_BIT)
       if cfg.glue_kernels:
-        q_c = glue.gather_rows(q, idx, counts, _row_multiple(cfg), interpret=bool(cfg.interpret))
+        q_c = glue.gather_rows(q, idx, counts, _row_multiple(cfg), interpret=bool(cfg.interpret),
+                               kernel=_glue_kernel(cfg.backend))
       else:
         q_c = _gather(q, idx)
       extra = (dict(named_barriers=cfg.mgpu_named_barriers) if cfg.backend == "mosaic_gpu"
@@ -254,7 +262,8 @@ def _forward_impl(cfg: _Config, q, k, v, active, qpos, kvpos, qseg, kvseg):
                              bounds, counts, scale=cfg.scale, window=cfg.window, bs=bs,
                              interpret=cfg.interpret, poison=cfg.poison, **extra)
       if cfg.glue_kernels:
-        return (glue.uncompact_rows(out_c, slot, interpret=bool(cfg.interpret)),
+        return (glue.uncompact_rows(out_c, slot, interpret=bool(cfg.interpret),
+                                    kernel=_glue_kernel(cfg.backend)),
                 cp.uncompact_BNC(lse_c, slot, -jnp.inf))
       return _scatter(cfg, out_c, idx, T, slot), _scatter_lse(cfg, lse_c, idx, T, slot)
     return f
@@ -284,8 +293,10 @@ def _backward_impl(cfg: _Config, res, dout, dlse):
       counts = cp.active_counts(active_BIT)
       if cfg.glue_kernels:
         mult, interp = _row_multiple(cfg), bool(cfg.interpret)
-        q_c = glue.gather_rows(q, idx, counts, mult, interpret=interp)
-        do_c, delta = glue.gather_rows_delta(dout, out, idx, counts, mult, interpret=interp)
+        gk = _glue_kernel(cfg.bwd_backend)
+        q_c = glue.gather_rows(q, idx, counts, mult, interpret=interp, kernel=gk)
+        do_c, delta = glue.gather_rows_delta(dout, out, idx, counts, mult, interpret=interp,
+                                             kernel=gk)
       else:
         q_c = _gather(q, idx)
         do_c = _gather(dout, idx)
@@ -315,7 +326,7 @@ def _backward_impl(cfg: _Config, res, dout, dlse):
         dk, dv = mod.dkv(q_c, k, v, do_c, lse_c, delta, qpos_c, seg_k, kvpos_k, kvseg, b_dkv,
                          **kw)
       if cfg.glue_kernels:
-        return glue.uncompact_rows(dq_c, slot, interpret=bool(cfg.interpret)), dk, dv
+        return glue.uncompact_rows(dq_c, slot, interpret=bool(cfg.interpret), kernel=gk), dk, dv
       return _scatter(cfg, dq_c, idx, T, slot), dk, dv
     return f
 

@@ -1,6 +1,9 @@
-"""pallas_kernels/compact_attention/glue.py: the GPU glue kernels (Pallas Triton, run here in
-interpret mode) against the XLA compaction they replace, the count bound they run under, and the
-GPU path's single bucket (no lax.switch)."""
+"""pallas_kernels/compact_attention/glue.py: the GPU glue kernels (Pallas Triton and, for Hopper,
+Pallas Mosaic GPU, run here in interpret mode) against the XLA compaction they replace, the count
+bound they run under, and the GPU path's single bucket (no lax.switch); the Mosaic GPU copies
+lowered for cuda."""
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -117,3 +120,84 @@ def test_gpu_path_runs_one_bucket_without_a_switch():
 def test_supported_head_dims():
   assert glue.supported(64) and glue.supported(128) and glue.supported(16)
   assert not glue.supported(48) and not glue.supported(8) and not glue.supported(2048)
+
+
+# Mosaic GPU row copies (Hopper: the Mosaic GPU kernels' glue, no Triton call), Pallas' GPU
+# interpret mode: bf16 heads of 64 (rows of 128 bytes, TMA's shared-memory alignment).
+MGPU_T, MGPU_N, MGPU_H = 96, 3, 64
+
+
+def _setup_mgpu(per_head, seed=0):
+  keys = jax.random.split(jax.random.PRNGKey(seed), 3)
+  x, y = (jax.random.normal(k, (B, MGPU_T, MGPU_N, MGPU_H), jnp.bfloat16) for k in keys[:2])
+  active = (jax.random.uniform(keys[2], (B, MGPU_T, MGPU_N) if per_head else (B, MGPU_T)) < 0.3
+            ).at[1].set(False)
+  a_BIT, _ = cp.active_to_RT(active)
+  C = MGPU_T
+  slot = cp.compact_slots(a_BIT)
+  return x, y, slot, cp.compact_indices(a_BIT, C, slot), cp.active_counts(a_BIT), C
+
+
+@pytest.mark.parametrize("per_head", [False, True], ids=["l2a", "aha"])
+def test_mosaic_gpu_row_copies_equal_the_xla_compaction(per_head):
+  """kernel='mosaic_gpu': gather_rows == compaction.gather_rows on the rows the kernels read (the
+  programs past the count write nothing: NaN in interpret mode; an empty row writes nothing),
+  uncompact_rows == the scatter into zeros on every row, gather_rows_delta's dO rows and float32
+  delta [B, N, C] == the gathered rows' dot products (3 heads: sub-rows padded to a 64-row
+  tile inside the program)."""
+  x, y, slot, idx, counts, C = _setup_mgpu(per_head)
+  mg = dict(interpret=True, kernel="mosaic_gpu")
+  got = np.asarray(glue.gather_rows(x, idx, counts, 32, **mg).astype(jnp.float32))
+  want = np.asarray(cp.gather_rows(x, idx).astype(jnp.float32))
+  n0 = _bound(counts, 0, 32)
+  assert 0 < n0 < C
+  np.testing.assert_array_equal(got[0, :n0], want[0, :n0])
+  written = ~np.isnan(got).any(axis=(2, 3))
+  assert not written[1].any() and not written[0, -16:].any()
+
+  x_c = cp.gather_rows(x, idx)
+  got = np.asarray(glue.uncompact_rows(x_c, slot, **mg).astype(jnp.float32))
+  np.testing.assert_array_equal(got, np.asarray(cp.scatter_rows(x_c, idx, MGPU_T).astype(
+      jnp.float32)))
+
+  do_c, delta = glue.gather_rows_delta(x, y, idx, counts, 32, **mg)
+  o_c = cp.gather_rows(y, idx)
+  want = jnp.swapaxes(jnp.sum(x_c.astype(jnp.float32) * o_c.astype(jnp.float32), -1), 1, 2)
+  assert do_c.dtype == jnp.bfloat16 and delta.shape == (B, MGPU_N, C)
+  np.testing.assert_array_equal(np.asarray(do_c[0, :n0]), np.asarray(x_c[0, :n0]))
+  np.testing.assert_allclose(np.asarray(delta[0, :, :n0]), np.asarray(want[0, :, :n0]),
+                             rtol=1e-6, atol=1e-5)
+
+
+def test_mosaic_gpu_delta_falls_back_to_xla_where_the_kernel_cannot_take_the_heads(monkeypatch):
+  """A head count copy_rows_delta's Mosaic GPU kernel cannot take (glue.mgpu_supported False):
+  dO by the Mosaic GPU row copy, delta by XLA; the same values; the kernel itself refuses with a
+  one-line reason."""
+  x, y, _, idx, counts, _ = _setup_mgpu(False, seed=2)
+  monkeypatch.setattr(glue, "_mgpu_delta_rows", lambda heads, rows_out: None)
+  do_c, delta = glue.gather_rows_delta(x, y, idx, counts, 32, interpret=True, kernel="mosaic_gpu")
+  x_c, o_c = cp.gather_rows(x, idx), cp.gather_rows(y, idx)
+  want = jnp.swapaxes(jnp.sum(x_c.astype(jnp.float32) * o_c.astype(jnp.float32), -1), 1, 2)
+  n0 = _bound(counts, 0, 32)
+  np.testing.assert_array_equal(np.asarray(do_c[0, :n0]), np.asarray(x_c[0, :n0]))
+  np.testing.assert_allclose(np.asarray(delta[0, :, :n0]), np.asarray(want[0, :, :n0]),
+                             rtol=1e-6, atol=1e-5)
+  with pytest.raises(ValueError, match="copy_rows_delta \\(mosaic_gpu\\).*mgpu_supported"):
+    rows = lambda a: a.reshape(B, MGPU_T, -1)
+    glue.copy_rows_delta(rows(x), rows(y), idx[:, 0], counts[:, 0], MGPU_H, kernel="mosaic_gpu")
+
+
+def test_mosaic_gpu_row_copies_lower_for_hopper():
+  """The Mosaic GPU copies lower (jax.export for cuda: Mosaic GPU custom calls, no Triton call)
+  at a Qwen2.5-7B layer's rows (28 heads of 128: a row is 16 TMA sub-rows of 224 values; delta
+  4 rows of 28 heads per program) and per-head rows."""
+  S = jax.ShapeDtypeStruct
+  bf16, i32 = jnp.bfloat16, jnp.int32
+  for F, rows in ((28 * 128, 1024), (128, 28 * 1024)):
+    x = S((1, rows, F), bf16)
+    f = lambda x, y, s, n: (glue.copy_rows(x, s, n, kernel="mosaic_gpu"),
+                            glue.copy_rows_delta(x, y, s, n, 128, kernel="mosaic_gpu"))
+    text = jax.export.export(jax.jit(f), platforms=["cuda"])(
+        x, x, S((1, rows), i32), S((1,), i32)).mlir_module()
+    targets = re.findall(r"custom_call @([\w$.]+)", text)
+    assert targets == ["mosaic_gpu_v2"] * 2, targets

@@ -320,8 +320,8 @@ def test_auto_picks_per_lowering_platform(grad):
   specs = _specs()
   # no cuDNN in this process (the next test fakes one); tokamax only for causal documents: with a
   # window it visits every causal tile, the compacted kernel's bounds stop at the window. On an
-  # H100 the compacted kernel is Mosaic GPU (its gathers / putting back: the Triton glue kernels)
-  mgpu = {"mosaic-gpu", "glue-triton"}
+  # H100 the compacted kernel is Mosaic GPU, its gathers / putting back too: no Triton call
+  mgpu = {"mosaic-gpu"}
   want_cuda = {"unpacked": mgpu, "packed-window": mgpu, "packed": {"tokamax-triton"},
                "active": mgpu, "per-head": mgpu, "cache": mgpu}
   for name, want in want_cuda.items():
@@ -430,11 +430,10 @@ def test_explicit_impls_export_their_kernel_for_each_platform():
   on an H100, Triton on an A100), 'triton' / 'mosaic_gpu' / 'mosaic_tpu' that kernel; a kernel
   name lowered for a platform it does not compile for is a lowering error naming it."""
   spec = _specs()["cache"]
-  assert _kernels(_export(spec, "cuda", impl="pallas", mesh=_H100)) == {"mosaic-gpu", "glue-triton"}
+  assert _kernels(_export(spec, "cuda", impl="pallas", mesh=_H100)) == {"mosaic-gpu"}
   assert _kernels(_export(spec, "cuda", impl="pallas", mesh=_A100)) == {"compact-triton",
                                                                        "glue-triton"}
-  assert _kernels(_export(spec, "cuda", impl="mosaic_gpu", mesh=_H100)) == {"mosaic-gpu",
-                                                                           "glue-triton"}
+  assert _kernels(_export(spec, "cuda", impl="mosaic_gpu", mesh=_H100)) == {"mosaic-gpu"}
   assert _kernels(_export(spec, "cuda", impl="triton", mesh=_H100)) == {"compact-triton",
                                                                        "glue-triton"}
   assert _kernels(_export(spec, "tpu", impl="pallas", mesh=_TPU)) == {"mosaic-tpu"}
@@ -619,7 +618,7 @@ def test_without_tokamax_auto_uses_the_compacted_kernel(monkeypatch):
   for name in ["tokamax"] + [m for m in sys.modules if m.startswith("tokamax.")]:
     monkeypatch.setitem(sys.modules, name, None)  # `import tokamax...` raises ImportError
   specs = _specs()
-  assert _kernels(_export(specs["packed"], "cuda", mesh=_H100)) == {"mosaic-gpu", "glue-triton"}
+  assert _kernels(_export(specs["packed"], "cuda", mesh=_H100)) == {"mosaic-gpu"}
   with pytest.raises(ValueError, match=r"impl='tokamax'.*tokamax cannot be imported.*pip install"):
     _export(specs["packed"], "cuda", impl="tokamax", mesh=_H100)
 
