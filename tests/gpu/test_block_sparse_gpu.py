@@ -127,8 +127,11 @@ def test_match_block_sparse_path_equals_gathered_path_gpu():
   """MATCH's SWA layer on this Hopper GPU, bf16, chunk 128, window 256, top-2 exact-match
   retrieval over 2048 tokens with two packed documents, retrieved K/V from the row and
   recomputed: the block-sparse path (one Mosaic GPU launch per kernel) vs the gathered path
-  (compacted kernel): logits and parameter gradients agree to bf16 accuracy (relative Frobenius
-  error <= 2e-2), and the retrieved chunks matter (the SWA model's logits differ by more)."""
+  (compacted kernel), both in bf16, against the gathered path in float32 (the truth): the
+  block-sparse path's logits and parameter gradients are no further from it than the bf16
+  gathered path's (<= 1.5x its relative Frobenius error + 2e-3), the two bf16 paths' logits agree
+  within 2e-2, and the retrieved chunks matter (the SWA model's logits differ by more). (Gradients
+  of two bf16 paths can differ by more than 2e-2 from each other: 0.024 on an H100.)"""
   import flax.linen as nn
   from condattn_jax import attention
   from condattn_jax.models.config import ModelConfig
@@ -156,12 +159,18 @@ def test_match_block_sparse_path_equals_gathered_path_gpu():
 
   with_ = lambda **kw: cfg.replace(scheme_kwargs=dict(cfg.scheme_options, **kw))
   swa, _, _ = run(with_(top_k=0))
+  gerr = lambda g, h: max(rel(a, b) for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(h)))
   for kv in ("sequence", "recompute"):  # retrieved K/V: the row's, or recomputed and appended
     want, frac, g_want = run(with_(attention_path="gathered", retrieved_kv=kv))
     got, _, g_got = run(with_(attention_path="block_sparse", retrieved_kv=kv))
+    truth, _, g_truth = run(with_(attention_path="gathered", retrieved_kv=kv).replace(
+        dtype="float32"))
     assert float(jnp.min(frac)) > 0.2
     err = rel(got, want)
-    gerr = max(rel(a, b) for a, b in zip(jax.tree.leaves(g_got), jax.tree.leaves(g_want)))
-    print(kv, "logits rel", err, "grad rel", gerr, "swa vs match", rel(swa, want))
-    assert err <= 2e-2 and gerr <= 2e-2
+    e_got, e_want = rel(got, truth), rel(want, truth)
+    ge_got, ge_want = gerr(g_got, g_truth), gerr(g_want, g_truth)
+    print(kv, "logits rel to f32: block_sparse", e_got, "gathered", e_want, "| grads rel to f32:",
+          ge_got, ge_want, "| bf16 paths", err, gerr(g_got, g_want), "| swa", rel(swa, want))
+    assert e_got <= 1.5 * e_want + 2e-3 and ge_got <= 1.5 * ge_want + 2e-3
+    assert err <= 2e-2
     assert rel(swa, want) > 5 * err
