@@ -102,12 +102,13 @@ def run(p: Problem, *, grads=True, **kw):
   return jax.jit(fg)(p.q, p.k, p.v)
 
 
-def compare(p: Problem, impl_kw: dict, *, grads=True, tol=None, outputs=False):
+def compare(p: Problem, impl_kw: dict, *, grads=True, tol=None, outputs=False, reference=None):
   """Errors of the kernel (poisoned outputs) vs the reference: (errs, bad); NaN fails.
-  outputs=True: (errs, bad, the kernel's (out, lse, grads))."""
+  outputs=True: (errs, bad, the kernel's (out, lse, grads)). reference: the reference's
+  run(p, grads=grads, impl='reference') computed before (one compile for several kernels)."""
   tol = TOL[jnp.dtype(p.q.dtype).name] if tol is None else tol
   o, l, g = run(p, grads=grads, poison=True, **impl_kw)
-  o_r, l_r, g_r = run(p, grads=grads, impl="reference")
+  o_r, l_r, g_r = reference or run(p, grads=grads, impl="reference")
   errs = {"out": rel_err(o, o_r)}
   fin = np.isfinite(np.asarray(l_r))
   errs["lse_inf_pattern"] = 0.0 if np.array_equal(fin, np.isfinite(np.asarray(l))) else np.nan

@@ -99,11 +99,13 @@ def run(p: Problem, *, grads=True, **kw):
   return jax.jit(fg)(p.q, p.k, p.v)
 
 
-def compare(p: Problem, impl_kw: dict, *, grads=True, tol=None):
-  """Errors of the kernel vs the reference: dict name -> relative error (NaN fails)."""
+def compare(p: Problem, impl_kw: dict, *, grads=True, tol=None, reference=None):
+  """Errors of the kernel vs the reference: dict name -> relative error (NaN fails). reference:
+  the reference's run(p, grads=grads, impl='reference') computed before (one compile for several
+  kernels)."""
   tol = TOL[jnp.dtype(p.q.dtype).name] if tol is None else tol
   o, l, g = run(p, grads=grads, poison=True, **impl_kw)
-  o_r, l_r, g_r = run(p, grads=grads, impl="reference")
+  o_r, l_r, g_r = reference or run(p, grads=grads, impl="reference")
   errs = {"out": rel_err(o, o_r)}
   fin = np.isfinite(np.asarray(l_r))
   # 0.0 = the lse is -inf exactly where the reference's is (no key seen); NaN (fails) otherwise
