@@ -1,8 +1,11 @@
 """GPU smoke test: the Triton and (on Hopper) Mosaic GPU compacted-query attention kernels vs the
-jnp reference on the GPU.
+jnp reference on the GPU (one reference compile per case), the Mosaic GPU glue copies vs XLA,
+and the Hopper program of 'auto' without Triton calls.
 
     make gpu-smoke        (= pytest -q tests/gpu; skipped without a GPU)
 """
+import functools
+
 import jax
 import jax.numpy as jnp
 import pytest
@@ -11,18 +14,18 @@ if jax.default_backend() != "gpu":
   pytest.skip("needs a GPU", allow_module_level=True)
 
 from pallas_kernels.compact_attention import BlockSizes  # noqa: E402
-from pallas_kernels.compact_attention.testing import compare, make_problem  # noqa: E402
+from pallas_kernels.compact_attention.testing import compare, make_problem, run  # noqa: E402
 
 CASES = [
-    # (name, dtype, make_problem kwargs, compact_attention kwargs); each compiles 2 buckets.
-    ("l2a_s05", "bfloat16", dict(T=1024, N=8, K=2, H=128, sparsity=0.5),
-     dict(bucket_fracs=(0.6,))),
+    # (name, dtype, make_problem kwargs, compact_attention kwargs): the GPU path's one full-T
+    # bucket (the glue kernels; CPU interpret mode covers the ladders)
+    ("l2a_s05", "bfloat16", dict(T=1024, N=8, K=2, H=128, sparsity=0.5), {}),
     ("aha_packed_window_f32", "float32",
      dict(T=1024, N=8, K=2, H=128, sparsity=0.6, per_head=True, segments=3, window=200,
-          packed_positions=True), dict(bucket_fracs=(0.5,))),
+          packed_positions=True), {}),
     ("s095_empty_row_prefix_small_tiles", "bfloat16",
      dict(B=2, T=1024, N=4, K=1, H=128, sparsity=0.95, empty_rows=(1,), q_offset=512),
-     dict(bucket_fracs=(0.1,), block_sizes=BlockSizes(
+     dict(block_sizes=BlockSizes(
          block_q=64, block_k=32, block_q_dq=64, block_k_dq=32, block_q_dkv=32, block_k_dkv=64,
          num_warps=4, num_stages=2, num_warps_dq=4, num_stages_dq=2))),
 ]
@@ -32,29 +35,91 @@ def _hopper():
   return jax.devices()[0].device_kind.startswith(("NVIDIA H100", "NVIDIA H200", "NVIDIA H800"))
 
 
+@functools.cache
+def _problem(name):
+  """(problem, its reference run): one reference compile per case for both kernels."""
+  _, dtype, pkw, _ = next(c for c in CASES if c[0] == name)
+  p = make_problem(len(name), dtype=jnp.dtype(dtype), **pkw)
+  return p, run(p, impl="reference")
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl", ["triton", "mosaic_gpu", "auto"])
+@pytest.mark.parametrize("impl", ["triton", "mosaic_gpu"])
 @pytest.mark.parametrize("name,dtype,pkw,kw", CASES, ids=[c[0] for c in CASES])
 def test_kernels_vs_reference_gpu(impl, name, dtype, pkw, kw):
-  """Forward, lse and dq/dk/dv vs the float32 jnp reference; Triton outputs poisoned with NaN
-  first, inactive rows must be exactly zero. (Mosaic GPU: bf16 / f16, its own default tiles.)"""
+  """Forward, lse and dq/dk/dv vs the float32 jnp reference (the glue kernels included: Mosaic GPU
+  row copies next to the Mosaic GPU kernels); Triton outputs poisoned with NaN first, inactive
+  rows must be exactly zero. (Mosaic GPU: bf16 / f16, its own default tiles.)"""
   if impl != "triton" and not _hopper():
     pytest.skip("Mosaic GPU kernels need Hopper")
   if impl == "mosaic_gpu" and dtype == "float32":
     pytest.skip("Mosaic GPU kernels take bf16 / f16")
   if impl != "triton":
     kw = {k: x for k, x in kw.items() if k != "block_sizes"}
-  p = make_problem(len(name), dtype=jnp.dtype(dtype), **pkw)
-  if impl == "auto":  # the kernel condattn_jax.ops' resolver picks for this GPU
-    from condattn_jax import ops
-    from pallas_kernels.backends import Platform
-    backend, why = ops.resolve("compact", "auto", p.q.shape, p.k.shape, p.q.dtype,
-                               Platform("cuda", jax.devices()[0].device_kind))
-    assert backend is not None, why
-    impl = backend.name
-  errs, bad = compare(p, dict(impl=impl, **kw))
+  p, ref = _problem(name)
+  errs, bad = compare(p, dict(impl=impl, **kw), reference=ref)
   print(impl, name, dtype, errs)
   assert not bad, (impl, name, dtype, errs)
+
+
+@pytest.mark.gpu
+def test_auto_on_hopper_is_mosaic_gpu_without_triton_calls_gpu():
+  """condattn_jax.ops' resolver on this GPU: Hopper -> the Mosaic GPU kernel for bf16 (the run
+  above); its forward + backward program lowered here holds Mosaic GPU calls only (attention
+  and glue), no Pallas-Triton call."""
+  if not _hopper():
+    pytest.skip("Mosaic GPU kernels need Hopper")
+  import re
+  from condattn_jax import ops
+  from pallas_kernels.backends import Platform
+  from pallas_kernels.compact_attention import compact_attention
+  p, _ = _problem("l2a_s05")
+  backend, why = ops.resolve("compact", "auto", p.q.shape, p.k.shape, p.q.dtype,
+                             Platform("cuda", jax.devices()[0].device_kind))
+  assert backend is not None and backend.name == "mosaic_gpu", why
+  loss = lambda q, k, v: jnp.sum(compact_attention(q, k, v, p.active, impl=backend.name,
+                                                   **p.kw).astype(jnp.float32))
+  text = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(p.q, p.k, p.v).as_text()
+  targets = re.findall(r"custom_call @([\w.$]+)", text)
+  assert len([t for t in targets if t.startswith("mosaic_gpu")]) == 8, targets  # 3 + 5 glue
+  assert not [t for t in targets if "triton" in t.lower()], targets
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("F,H", [(28 * 128, 128), (64, 64)], ids=["rows_28x128", "head_rows_64"])
+def test_mosaic_gpu_glue_copies_equal_xla_gpu(F, H):
+  """The Mosaic GPU row copies compiled for this GPU == XLA: copy_rows with zero rows (src < 0),
+  rows past the count's programs untouched by the check; copy_rows_delta's rows and float32
+  row dot products per head (28 heads: 4 rows of 112 sub-rows per program)."""
+  if not _hopper():
+    pytest.skip("Mosaic GPU kernels need Hopper")
+  import numpy as np
+  from pallas_kernels.compact_attention import glue
+  B, rows = 2, 1024
+  ks = jax.random.split(jax.random.PRNGKey(0), 3)
+  x = jax.random.normal(ks[0], (B, rows, F), jnp.bfloat16)
+  y = jax.random.normal(ks[1], (B, rows, F), jnp.bfloat16)
+  src = jax.random.randint(ks[2], (B, rows), -1, rows)
+  n = jnp.asarray([rows, 300], jnp.int32)
+  out = np.asarray(jax.jit(lambda x, s, n: glue.copy_rows(x, s, n, kernel="mosaic_gpu"))(
+      x, src, n).astype(jnp.float32))
+  s_np = np.asarray(src)
+  want = np.where((s_np >= 0)[..., None], np.take_along_axis(
+      np.asarray(x.astype(jnp.float32)), np.maximum(s_np, 0)[..., None], axis=1), 0)
+  np.testing.assert_array_equal(out[0], want[0])
+  np.testing.assert_array_equal(out[1, :300], want[1, :300])
+  src = jnp.maximum(src, 0)
+  o, d = jax.jit(lambda x, y, s, n: glue.copy_rows_delta(x, y, s, n, H, kernel="mosaic_gpu"))(
+      x, y, src, n)
+  gx = jnp.take_along_axis(x, src[..., None], axis=1)
+  gy = jnp.take_along_axis(y, src[..., None], axis=1)
+  dw = jnp.swapaxes(jnp.sum((gx.astype(jnp.float32) * gy.astype(jnp.float32)).reshape(
+      B, rows, F // H, H), -1), 1, 2)
+  np.testing.assert_array_equal(np.asarray(o[0]), np.asarray(gx[0]))
+  np.testing.assert_array_equal(np.asarray(o[1, :300]), np.asarray(gx[1, :300]))
+  np.testing.assert_allclose(np.asarray(d[0]), np.asarray(dw[0]), rtol=1e-5, atol=1e-4)
+  np.testing.assert_allclose(np.asarray(d[1, :, :300]), np.asarray(dw[1, :, :300]), rtol=1e-5,
+                             atol=1e-4)
 
 
 @pytest.mark.gpu
