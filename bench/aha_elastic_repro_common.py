@@ -108,6 +108,39 @@ def _key(cfg, tc):
   return (cfg, tuple(sorted((k, repr(v)) for k, v in tc.items() if k != "seed")))
 
 
+def _step_fn(cfg, tc, params):
+  import jax
+  from condattn_jax.train import optimizer as opt_lib
+  from condattn_jax.train.step import make_train_step
+  key = _key(cfg, tc)
+  if key not in _STEPS:
+    tx, labels, sched = opt_lib.make_optimizer(tc, params)
+    _STEPS[key] = (tx, jax.jit(make_train_step(cfg, tc, tx, labels, sched), donate_argnums=(0,)))
+  return _STEPS[key]
+
+
+def _steps(step, state, batch_fn, start, stop, metrics, curves, name, log, log_every, t0):
+  """Steps start..stop-1 of `step` on batch_fn(i), appending each metric to curves[k]."""
+  import jax
+  import jax.numpy as jnp
+  pending = []
+  for i in range(start, stop):
+    state, m = step(state, jax.tree.map(jnp.asarray, batch_fn(i)))
+    pending.append({k: m[k] for k in metrics})
+    if len(pending) == 50 or i + 1 == stop:
+      for row in jax.device_get(pending):
+        for k in metrics:
+          v = np.asarray(row[k])
+          curves[k].append(float(v) if v.ndim == 0 else v.tolist())
+      pending = []
+      if (i + 1) % log_every == 0 or i + 1 == stop:
+        log(f"[{name}] step {i + 1} " + " ".join(
+            f"{k}={curves[k][-1]:.4g}" if isinstance(curves[k][-1], float)
+            else f"{k}={np.round(curves[k][-1], 4).tolist()}" for k in metrics)
+            + f" ({time.time() - t0:.0f}s)")
+  return state
+
+
 def train(cfg, params, tc, batch_fn: Callable[[int], dict], *, metrics=("accuracy",),
           name="", log=print, log_every=100):
   """`tc.num_steps` steps of the project's train step on batch_fn(i); the compiled step is
@@ -116,32 +149,56 @@ def train(cfg, params, tc, batch_fn: Callable[[int], dict], *, metrics=("accurac
   values are floats, an array metric's lists)."""
   import jax
   import jax.numpy as jnp
-  from condattn_jax.train import optimizer as opt_lib
   from condattn_jax.train.state import TrainState
-  from condattn_jax.train.step import make_train_step
-  key = _key(cfg, tc)
-  if key not in _STEPS:
-    tx, labels, sched = opt_lib.make_optimizer(tc, params)
-    _STEPS[key] = (tx, jax.jit(make_train_step(cfg, tc, tx, labels, sched), donate_argnums=(0,)))
-  tx, step = _STEPS[key]
+  tx, step = _step_fn(cfg, tc, params)
   state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
   curves = {m: [] for m in metrics}
-  pending, t0 = [], time.time()
-  for i in range(tc.num_steps):
-    state, m = step(state, jax.tree.map(jnp.asarray, batch_fn(i)))
-    pending.append({k: m[k] for k in metrics})
-    if len(pending) == 50 or i + 1 == tc.num_steps:
-      for row in jax.device_get(pending):
-        for k in metrics:
-          v = np.asarray(row[k])
-          curves[k].append(float(v) if v.ndim == 0 else v.tolist())
-      pending = []
-      if (i + 1) % log_every == 0 or i + 1 == tc.num_steps:
-        log(f"[{name}] step {i + 1} " + " ".join(
-            f"{k}={curves[k][-1]:.4g}" if isinstance(curves[k][-1], float)
-            else f"{k}={np.round(curves[k][-1], 4).tolist()}" for k in metrics)
-            + f" ({time.time() - t0:.0f}s)")
+  state = _steps(step, state, batch_fn, 0, tc.num_steps, metrics, curves, name, log, log_every,
+                 time.time())
   return jax.device_get(state.params), curves
+
+
+class Budget(Exception):
+  """A gated training stopped at its wall-clock budget; its state is saved (rerun to go on)."""
+
+
+def train_to_gate(cfg, params, tc, batch_fn, gate: Callable, *, check_every: int,
+                  resume: dict | None = None, save: Callable | None = None,
+                  budget_s: float | None = None, name="", log=print, log_every=100):
+  """Train until `gate(params)` (called every `check_every` steps: (passed, value)) passes or
+  `tc.num_steps` (the cap) is reached. Deterministic however it is split: with `resume` (a
+  dict `save` was given) it goes on from that check; `save(state_dict)` is called after every
+  check; past `budget_s` seconds it raises Budget after saving. Returns (params, dict(curve,
+  checks [[step, value]], steps, passed))."""
+  import jax
+  import jax.numpy as jnp
+  from condattn_jax.train.state import TrainState
+  tx, step = _step_fn(cfg, tc, params)
+  if resume:
+    st = dict(resume)
+    state = jax.tree.map(jnp.asarray, st.pop("state"))
+  else:
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
+    st = dict(curve=[], checks=[], steps=0, passed=False)
+  t0 = time.time()
+  while not st["passed"] and st["steps"] < tc.num_steps:
+    stop = min(st["steps"] + check_every, tc.num_steps)
+    curves = {"accuracy": st["curve"]}
+    state = _steps(step, state, batch_fn, st["steps"], stop, ("accuracy",), curves, name, log,
+                   log_every, t0)
+    st["steps"] = stop
+    ok, value = gate(jax.device_get(state.params))
+    st["checks"].append([stop, value])
+    st["passed"] = bool(ok)
+    log(f"[{name}] gate at step {stop}: {value:.4f} ({'passed' if ok else 'not yet'})")
+    if save is not None:
+      save(dict(st, state=jax.device_get(state)))
+    if budget_s is not None and time.time() - t0 > budget_s and not st["passed"] \
+        and st["steps"] < tc.num_steps:
+      raise Budget(f"{name}: stopped at step {stop} after {time.time() - t0:.0f} s (budget "
+                   f"{budget_s:.0f} s), state saved: run the same part again to continue")
+  return jax.device_get(state.params), dict(curve=st["curve"], checks=st["checks"],
+                                            steps=st["steps"], passed=st["passed"])
 
 
 _FORWARD: dict = {}
@@ -184,18 +241,172 @@ def history(curves: dict, every: int) -> list:
           for i in range(n) if (i + 1) % every == 0 or i + 1 == n]
 
 
+class Store:
+  """One seed's unit results (and saved trees, e.g. the dense checkpoint) of a run: in memory (a
+  whole run in one process) or in `work_dir` (one part a job: `<bench>_<preset>_s<seed>_<unit>
+  .json` / `.pkl`, each result with the settings it ran under; a file of other settings is a
+  ValueError naming it)."""
+
+  def __init__(self, bench: str, preset: str, settings, seed: int, work_dir: str | None = None):
+    self.bench, self.preset, self.seed, self.work_dir = bench, preset, seed, work_dir
+    self.settings = _settings_json(settings)
+    self.budget_s = None   # a gated dense training's wall-clock budget (--dense_budget_s)
+    self._mem: dict = {}
+
+  def path(self, unit: str, ext: str = "json") -> str:
+    return os.path.join(self.work_dir, f"{self.bench}_{self.preset}_s{self.seed}_{unit}.{ext}")
+
+  def _hint(self, unit):
+    return (f"run `python -m bench.{self.bench} --preset={self.preset} --seeds={self.seed} "
+            f"--part={unit} --work_dir={self.work_dir}` first")
+
+  def has(self, unit: str) -> bool:
+    if self.work_dir is None:
+      return ("json", unit) in self._mem
+    return os.path.exists(self.path(unit))
+
+  def put(self, unit: str, result: dict, seconds: float) -> None:
+    if self.work_dir is None:
+      self._mem[("json", unit)] = dict(result=result, seconds=seconds)
+      return
+    import json
+    os.makedirs(self.work_dir, exist_ok=True)
+    _atomic(self.path(unit), json.dumps(dict(settings=self.settings, seed=self.seed,
+                                             unit=unit, seconds=round(seconds, 2),
+                                             result=result)).encode())
+
+  def _read(self, unit: str) -> dict:
+    if self.work_dir is None:
+      if ("json", unit) not in self._mem:
+        raise ValueError(f"seed {self.seed}: unit {unit!r} has not run")
+      return self._mem[("json", unit)]
+    import json
+    path = self.path(unit)
+    if not os.path.exists(path):
+      raise ValueError(f"{path}: missing; {self._hint(unit)}")
+    d = json.load(open(path))
+    if d["settings"] != self.settings:
+      raise ValueError(f"{path}: written under other settings than preset {self.preset!r} now; "
+                       "remove it or use another --work_dir")
+    return d
+
+  def get(self, unit: str) -> dict:
+    return self._read(unit)["result"]
+
+  def seconds(self, unit: str) -> float:
+    return float(self._read(unit)["seconds"])
+
+  def put_tree(self, name: str, tree) -> None:
+    if self.work_dir is None:
+      self._mem[("tree", name)] = tree
+      return
+    import pickle
+    os.makedirs(self.work_dir, exist_ok=True)
+    _atomic(self.path(name, "pkl"), pickle.dumps(dict(settings=self.settings, tree=tree)))
+
+  def get_tree(self, name: str, missing_ok: bool = False):
+    if self.work_dir is None:
+      return self._mem.get(("tree", name)) if missing_ok else self._mem[("tree", name)]
+    import pickle
+    path = self.path(name, "pkl")
+    if not os.path.exists(path):
+      if missing_ok:
+        return None
+      raise ValueError(f"{path}: missing; {self._hint(name)}")
+    with open(path, "rb") as f:
+      d = pickle.load(f)
+    if d["settings"] != self.settings:
+      raise ValueError(f"{path}: written under other settings than preset {self.preset!r} now; "
+                       "remove it or use another --work_dir")
+    return d["tree"]
+
+
+def _settings_json(settings) -> dict:
+  import json
+  return json.loads(json.dumps(dataclasses.asdict(settings)))
+
+
+def _atomic(path: str, data: bytes) -> None:
+  tmp = f"{path}.tmp{os.getpid()}"
+  with open(tmp, "wb") as f:
+    f.write(data)
+  os.replace(tmp, path)
+
+
+@dataclasses.dataclass(frozen=True)
+class Bench:
+  """What a repro bench gives the part runner: units(s, seed) (the seed's unit names, 'dense'
+  first), run_unit(s, seed, unit, store, log) -> a JSON-able result (reads the units it needs
+  from `store`), assemble(s, seed, store) -> the seed's record (what run() / summarize read)."""
+  name: str
+  units: Callable
+  run_unit: Callable
+  assemble: Callable
+
+
+def run_units(b: Bench, s, seed: int, store: Store, units=None, log=print) -> None:
+  """Run `units` (default: all of the seed's, in order) into `store`, skipping those already
+  stored (a rerun of a part after a timeout goes on where it stopped)."""
+  known = b.units(s, seed)
+  for u in units or known:
+    if u not in known:
+      raise ValueError(f"--part: unit {u!r} is not one of seed {seed}'s units {known}")
+    if store.has(u):
+      log(f"[s{seed} {u}] done already ({store.path(u) if store.work_dir else 'memory'})")
+      continue
+    t0 = time.time()
+    res = b.run_unit(s, seed, u, store, log)
+    store.put(u, res, time.time() - t0)
+    log(f"[s{seed} {u}] {time.time() - t0:.1f} s")
+
+
+def run_seeds(b: Bench, s, preset: str, log=print) -> list[dict]:
+  """Every seed of `s`, every unit, in memory: the seeds' records."""
+  out = []
+  for seed in s.seeds:
+    store = Store(b.name, preset, s, seed)
+    run_units(b, s, seed, store, log=log)
+    out.append(b.assemble(s, seed, store))
+  return out
+
+
+def merged_parts(b: Bench, s, preset: str, work_dir: str) -> tuple[list[dict], dict]:
+  """(seeds' records, {seed: {unit: seconds}}) assembled from the part files in `work_dir`;
+  ValueError naming the first missing file and the part command that writes it."""
+  seeds, secs = [], {}
+  for seed in s.seeds:
+    store = Store(b.name, preset, s, seed, work_dir)
+    secs[str(seed)] = {u: store.seconds(u) for u in b.units(s, seed)}
+    seeds.append(b.assemble(s, seed, store))
+  return seeds, secs
+
+
 def define_flags(flag_values, presets, doc: str):
   """The two repro benches' flags: --preset (names from `presets`, `doc` for the page of its H100
   command) and --seeds (override the preset's seeds)."""
   from absl import flags
-  flags.DEFINE_enum("preset", "cpu", sorted(presets), "size: cpu (recorded), ci (tests/bench), "
-                    f"h100 (one H100, {doc}), test (seconds)", flag_values=flag_values)
+  flags.DEFINE_string("preset", "cpu", f"one of {sorted(presets)}: cpu (recorded), ci "
+                      f"(tests/bench), h100 (one H100, {doc}), test (seconds)",
+                      flag_values=flag_values)
   flags.DEFINE_list("seeds", None, "override the preset's seeds (e.g. 0: one seed a command on a "
                     "slow machine; the run is then named <preset>_seeds<list>)",
                     flag_values=flag_values)
   flags.DEFINE_list("merge", None, "result files of one-seed runs of --preset (--seeds=N each, e.g. "
                     "one per GPU): judge them together as one run named <preset>, no training",
                     flag_values=flag_values)
+  flags.DEFINE_list("part", None, "run only these units of --seeds (default: the preset's "
+                    "seeds) into --work_dir, e.g. dense, then the arms that reuse its checkpoint "
+                    "(`--part=list` prints every seed's units); no result file: --merge_parts "
+                    "judges them", flag_values=flag_values)
+  flags.DEFINE_string("work_dir", None, "--part: directory of the dense checkpoints and unit "
+                      "results (<bench>_<preset>_s<seed>_<unit>.json / .pkl)",
+                      flag_values=flag_values)
+  flags.DEFINE_string("merge_parts", None, "a --work_dir whose parts cover every unit of every "
+                      "seed of --preset: assemble and judge them as one run named <preset> (no "
+                      "training)", flag_values=flag_values)
+  flags.DEFINE_float("dense_budget_s", None, "--part: a gated dense training (Elastic) stops "
+                     "after this many seconds at its next check, saves its state and exits 3; "
+                     "the same command goes on from there", flag_values=flag_values)
 
 
 def merged_seeds(paths, preset: str) -> tuple[list[int], list[dict], float]:
@@ -223,15 +434,47 @@ def merged_seeds(paths, preset: str) -> tuple[list[int], list[dict], float]:
   return order, [by_seed[k] for k in order], seconds
 
 
-def main(bench: str, flag_values, presets, files, run, argv=None):
+def main(bench: str, flag_values, presets, files, run, argv=None, parts: Bench | None = None):
   """Parse the flags, run the preset (seeds overridden by --seeds, the run named after them; or
-  --merge: judge one-seed runs together), append it to bench/results/<bench>.json (or
-  --out_dir) and return the result. `run(settings, done=None)` trains every seed of the settings,
-  or, given `done` (the per-seed results), only judges them."""
+  --merge: judge one-seed runs together; or --part: run some units into --work_dir; or
+  --merge_parts: judge a --work_dir's units as one run), append it to
+  bench/results/<bench>.json (or --out_dir) and return the result. `run(settings, done=None)`
+  trains every seed of the settings, or, given `done` (the per-seed results), only judges them."""
   from bench import common
   a = common.parse_flags(flag_values, argv)
+  if a.preset not in presets:
+    raise ValueError(f"--preset={a.preset!r}: choose one of {sorted(presets)}")
   s, name = presets[a.preset], a.preset
-  if a.merge:
+  if a.part:
+    if a.part == ["list"]:
+      units = {seed: parts.units(s, seed) for seed in s.seeds}
+      for seed, u in units.items():
+        print(f"seed {seed}: {','.join(u)}")
+      return units
+    if not a.work_dir:
+      raise ValueError("--part needs --work_dir (where the dense checkpoints and units live)")
+    seeds = [int(x) for x in a.seeds] if a.seeds else list(s.seeds)
+    bad = [x for x in seeds if x not in s.seeds]
+    if bad:
+      raise ValueError(f"--seeds={bad}: not seeds of preset {a.preset!r} {tuple(s.seeds)}")
+    t0 = time.time()
+    for seed in seeds:
+      store = Store(bench, a.preset, s, seed, a.work_dir)
+      store.budget_s = a.dense_budget_s
+      try:
+        run_units(parts, s, seed, store, a.part)
+      except Budget as e:
+        print(f"BUDGET: {e}")
+        raise SystemExit(3)
+    print(f"part {','.join(a.part)} of seeds {seeds}: {time.time() - t0:.1f} s")
+    return dict(part=a.part, seeds=seeds, seconds=time.time() - t0)
+  if a.merge_parts:
+    done, secs = merged_parts(parts, s, a.preset, a.merge_parts)
+    res = run(s, done=done)
+    res["unit_seconds"] = secs
+    res["seconds"] = round(sum(v for d in secs.values() for v in d.values()), 1)
+    res["merged_from"] = a.merge_parts
+  elif a.merge:
     seeds, done, seconds = merged_seeds(a.merge, a.preset)
     res = run(dataclasses.replace(s, seeds=tuple(seeds)), done=done)
     res["seconds"], res["merged_from"] = seconds, list(a.merge)

@@ -367,39 +367,89 @@ def _drop(b):
   return {k: v for k, v in b.items() if k != "kind"}
 
 
-def run_window(s, seed, w, dense, dense_info, log) -> dict[str, Any]:
+def _window(s, seed, w, dense):
+  """(task, cfg, eval rows, AHA config and params at conversion) of window w."""
   task = RestatedRecall(s, w, seed)
   cfg = base_config(s, task)
   ev = task.batch(0, s.eval_rows, stream=1)
-  B = s.batch_size
-  drop = _drop
-  out: dict[str, Any] = dict(dense=evaluate(cfg, dense, ev), dense_train=dense_info)
   acfg0, ap0 = convert(dense, cfg, "aha", window=w, tau=s.tau, lam=s.lam,
                        router_bias_init=s.router_bias_init)
-  out["local_only"] = evaluate(configure(acfg0, "aha", routing="none"), ap0, ev)
-  sweep = w == min(s.windows) and seed in s.seeds[:s.sweep_seeds]
-  lams = sorted(set(s.lams) | {s.lam}) if sweep else [s.lam]
-  out["lams"] = {}
-  for lam in lams:
-    acfg = configure(acfg0, "aha", lam=lam)
-    p, curves = rc.train(acfg, ap0, _aha_tc(s, s.aha_steps, s.aha_lr, seed),
-                         lambda i: drop(task.batch(i * B, B, stream=10)),
-                         metrics=("accuracy", "aha/mu_f"), name=f"aha w{w} lam{lam} s{seed}",
-                         log=log, log_every=s.log_every)
-    r = evaluate(acfg, p, ev)
-    if lam == s.lam:
-      r["generated"] = generated_usage(acfg, p, ev)
-    r["plateau"] = {k: rc.plateau(v) for k, v in curves.items()}
-    r["curves"] = {k: rc.thin(v) for k, v in curves.items()}
-    out["lams"][str(lam)] = r
-    log(f"[aha w{w} lam{lam} s{seed}] " + json.dumps(
-        {k: r[k] for k in ("accuracy", "mu_f", "usage_need", "usage_noneed", "usage_nonquery",
-                           "top_head_share")}
-        | ({"mu_f_generated": r["generated"]["mu_f"]} if "generated" in r else {})))
-  learned = out["lams"][str(s.lam)]
-  if w == min(s.windows):
-    out["static"] = static_control(s, acfg0, ap0, learned, task, ev, seed, w, log)
+  return task, cfg, ev, acfg0, ap0
+
+
+def lam_arm(s, seed, w, lam, dense, log) -> dict[str, Any]:
+  """One learned arm: window w, lambda `lam` (the headline lambda s.lam also measures mu_f over
+  generated tokens)."""
+  task, _, ev, acfg0, ap0 = _window(s, seed, w, dense)
+  B = s.batch_size
+  acfg = configure(acfg0, "aha", lam=lam)
+  p, curves = rc.train(acfg, ap0, _aha_tc(s, s.aha_steps, s.aha_lr, seed),
+                       lambda i: _drop(task.batch(i * B, B, stream=10)),
+                       metrics=("accuracy", "aha/mu_f"), name=f"aha w{w} lam{lam} s{seed}",
+                       log=log, log_every=s.log_every)
+  r = evaluate(acfg, p, ev)
+  if lam == s.lam:
+    r["generated"] = generated_usage(acfg, p, ev)
+  r["plateau"] = {k: rc.plateau(v) for k, v in curves.items()}
+  r["curves"] = {k: rc.thin(v) for k, v in curves.items()}
+  log(f"[aha w{w} lam{lam} s{seed}] " + json.dumps(
+      {k: r[k] for k in ("accuracy", "mu_f", "usage_need", "usage_noneed", "usage_nonquery",
+                         "top_head_share")}
+      | ({"mu_f_generated": r["generated"]["mu_f"]} if "generated" in r else {})))
+  return r
+
+
+def window_unit(s, seed, w, dense, dense_info, log) -> dict[str, Any]:
+  """Unit `w<w>`: the dense model and the local-only control on window w's rows, and the
+  headline-lambda arm."""
+  _, cfg, ev, acfg0, ap0 = _window(s, seed, w, dense)
+  return dict(dense=evaluate(cfg, dense, ev), dense_train=dense_info,
+              local_only=evaluate(configure(acfg0, "aha", routing="none"), ap0, ev),
+              lams={str(s.lam): lam_arm(s, seed, w, s.lam, dense, log)})
+
+
+def units(s: Settings, seed: int) -> list[str]:
+  """The seed's units: dense, one per window (headline lambda), the lambda sweep's other values
+  at the smallest window (first `sweep_seeds` seeds), the static control."""
+  w0 = min(s.windows)
+  out = ["dense"] + [f"w{w}" for w in s.windows]
+  if seed in s.seeds[:s.sweep_seeds]:
+    out += [f"w{w0}_lam{lam}" for lam in sorted(set(s.lams) | {s.lam}) if lam != s.lam]
+  return out + ["static"]
+
+
+def run_unit(s: Settings, seed: int, unit: str, store: rc.Store, log=print) -> dict[str, Any]:
+  if unit == "dense":
+    dense, info = train_dense(s, seed, log)
+    store.put_tree("dense", dense)
+    return info
+  dense = store.get_tree("dense")
+  w0 = min(s.windows)
+  if unit == "static":
+    learned = store.get(f"w{w0}")["lams"][str(s.lam)]
+    task, _, ev, acfg0, ap0 = _window(s, seed, w0, dense)
+    return static_control(s, acfg0, ap0, learned, task, ev, seed, w0, log)
+  if "_lam" in unit:
+    return lam_arm(s, seed, w0, float(unit.split("_lam")[1]), dense, log)
+  return window_unit(s, seed, int(unit[1:]), dense, store.get("dense"), log)
+
+
+def assemble(s: Settings, seed: int, store: rc.Store) -> dict[str, Any]:
+  """The seed's record {window: {dense, dense_train, local_only, lams, static (smallest)}}."""
+  w0 = min(s.windows)
+  extra = {u.split("_lam")[1]: store.get(u) for u in units(s, seed) if "_lam" in u}
+  out = {}
+  for w in s.windows:
+    r = dict(store.get(f"w{w}"))
+    if w == w0:
+      lams = {**r["lams"], **{str(float(k)): v for k, v in extra.items()}}
+      r["lams"] = {str(lam): lams[str(lam)] for lam in sorted(float(k) for k in lams)}
+      r["static"] = store.get("static")
+    out[str(w)] = r
   return out
+
+
+BENCH = rc.Bench("aha_repro", units, run_unit, assemble)
 
 
 def static_control(s, acfg0, ap0, learned, task, ev, seed, w, log) -> dict[str, Any]:
@@ -485,10 +535,7 @@ def run(s: Settings, log=print, done: list[dict] | None = None) -> dict[str, Any
   """Train and judge every seed of `s`; with `done` (the seeds' results, in s.seeds' order) only
   judge them."""
   t0 = time.time()
-  seeds = list(done or [])
-  for seed in ([] if done is not None else s.seeds):
-    dense, info = train_dense(s, seed, log)
-    seeds.append({str(w): run_window(s, seed, w, dense, info, log) for w in s.windows})
+  seeds = list(done) if done is not None else rc.run_seeds(BENCH, s, "run", log)
   summ = summarize(s, seeds)
   for name, c in summ["criteria"].items():
     log(f"criterion {name}: {'PASS' if c['passed'] else 'FAIL'} ({c['metric']} = {c['got']} "
@@ -506,7 +553,7 @@ rc.define_flags(FLAGS, PRESETS, "docs/schemes/aha.md")
 
 
 def main(argv=None):
-  return rc.main("aha_repro", FLAGS, PRESETS, FILES, run, argv)
+  return rc.main("aha_repro", FLAGS, PRESETS, FILES, run, argv, parts=BENCH)
 
 
 if __name__ == "__main__":

@@ -110,7 +110,9 @@ class Settings:
   targets: tuple = (0.75, 1.0)   # per_task arm; the single arm's one target is their mean
   # training
   batch_size: int = 32
-  dense_steps: int = 800
+  dense_steps: int = 800         # the cap of the gated dense training (dense_unit)
+  dense_gate: float = 0.95       # pre-registered: min task accuracy on the selection rows
+  dense_check_every: int = 100
   dense_lr: float = 3e-3
   router_steps: int = 200
   router_lr: float = 1e-2
@@ -125,7 +127,7 @@ class Settings:
 
 
 PRESETS = {
-    "cpu": Settings(),
+    "cpu": Settings(dense_steps=2000),
     # CI (tests/bench/test_elastic_repro.py, by default, ~50 CPU-s): a smaller body (4 keys x 4
     # values, 2 facts, 2 queries), one seed, the single arm and the static control frozen
     "ci": Settings(num_keys=4, num_values=4, num_facts=2, num_queries=2, batch_size=16,
@@ -137,8 +139,9 @@ PRESETS = {
                      dense_steps=4000, router_steps=1500, static_lrs=(3e-4, 1e-3, 3e-3),
                      seeds=(0, 1, 2), ablation_seeds=3, eval_rows=2048, select_rows=1024,
                      log_every=500),
-    "test": Settings(dense_steps=3, router_steps=5, static_lrs=(1e-3,), arms=("single",),
-                     seeds=(0,), eval_rows=32, select_rows=32, log_every=1),
+    "test": Settings(dense_steps=3, dense_gate=0.0, dense_check_every=2, router_steps=5,
+                     static_lrs=(1e-3,), arms=("single",), seeds=(0,), eval_rows=32,
+                     select_rows=32, log_every=1),
 }
 FILES = {"cpu": "elastic_repro.json"}
 
@@ -284,50 +287,103 @@ def _elastic_cfg(s, cfg, arm, **extra):
               anneal_steps=int(round(0.6 * s.router_steps)), **extra)
 
 
-def run_seed(s: Settings, seed: int, log=print) -> dict[str, Any]:
+def _seed_data(s: Settings, seed: int):
   task = InstructedRecall(s, seed)
-  cfg = base_config(s, task)
-  ev = task.batch(0, s.eval_rows, stream=1)
-  sel = task.batch(0, s.select_rows, stream=2)
+  return task, base_config(s, task), task.batch(0, s.eval_rows, stream=1), \
+      task.batch(0, s.select_rows, stream=2)
+
+
+def dense_unit(s: Settings, seed: int, store: rc.Store, log=print) -> dict[str, Any]:
+  """The dense model, trained until its worst task's accuracy on the selection rows reaches
+  s.dense_gate (checked every s.dense_check_every steps; warmup then a constant lr, so the
+  model does not depend on the cap) or s.dense_steps (the cap: the seed is then NOT JUDGED).
+  Saved as the store's 'dense' tree; with a work dir the training state is saved at every
+  check ('dense_state') and a rerun goes on from it."""
+  task, cfg, ev, sel = _seed_data(s, seed)
   init = nn.unbox(Decoder(cfg).init(jax.random.key(seed),
                                     jnp.zeros((1, s.seq_len), jnp.int32))["params"])
   B = s.batch_size
-  dense_tc = rc.train_config(steps=s.dense_steps, lr=s.dense_lr, seed=seed)
-  dense, dcurve = rc.train(cfg, init, dense_tc,
-                           lambda i: _with_task_ids(task.batch(i * B, B), True),
-                           name=f"dense s{seed}", log=log, log_every=s.log_every)
-  out: dict[str, Any] = dict(seed=seed, dense=evaluate(cfg, dense, ev),
-                             dense_curve=rc.thin(dcurve["accuracy"]))
-  log(f"[s{seed}] dense {out['dense']}")
+  tc = rc.train_config(steps=s.dense_steps, lr=s.dense_lr, seed=seed, schedule="constant")
+
+  def gate(p):
+    v = evaluate(cfg, p, sel)["min_accuracy"]
+    return v >= s.dense_gate, v
+  disk = store.work_dir is not None
+  dense, g = rc.train_to_gate(
+      cfg, init, tc, lambda i: _with_task_ids(task.batch(i * B, B), True), gate,
+      check_every=s.dense_check_every,
+      resume=store.get_tree("dense_state", missing_ok=True) if disk else None,
+      save=(lambda st: store.put_tree("dense_state", st)) if disk else None,
+      budget_s=store.budget_s, name=f"dense s{seed}", log=log, log_every=s.log_every)
   dense_np = jax.tree.map(np.asarray, dense)
+  store.put_tree("dense", dense_np)
+  out: dict[str, Any] = dict(seed=seed, dense=evaluate(cfg, dense_np, ev),
+                             dense_curve=rc.thin(g["curve"]),
+                             dense_gate=dict(threshold=s.dense_gate, passed=g["passed"],
+                                             steps=g["steps"], checks=g["checks"]))
   acfg, ap = convert(dense_np, cfg, "elastic", **_elastic_cfg(s, cfg, "single"))
   out["all_ssa"] = evaluate(configure(acfg, "elastic", routing="sa"), ap, ev)
+  log(f"[s{seed}] dense {out['dense']} gate {'PASSED' if g['passed'] else 'FAILED: NOT JUDGED'}"
+      f" at step {g['steps']}")
+  return out
+
+
+def arm_unit(s: Settings, seed: int, arm: str, dense_np, log=print) -> dict[str, Any]:
+  task, cfg, ev, _ = _seed_data(s, seed)
+  B = s.batch_size
   groups = {"lagrange": dict(regex=LAGRANGE_REGEX, lr=s.lambda_lr, weight_decay=0.1)}
   router_tc = rc.train_config(steps=s.router_steps, lr=s.router_lr, seed=seed, warmup_frac=0.2,
                               end_lr_frac=0.0, weight_decay=0.1, grad_clip=5.0,
                               trainable=TRAINABLE_REGEX, groups=groups)
-  out["arms"] = {}
-  for arm in s.arms:
-    if arm != "single" and seed not in s.seeds[:s.ablation_seeds]:
-      continue
-    ecfg, ep = convert(dense_np, cfg, "elastic", **_elastic_cfg(s, cfg, arm, seed=seed))
-    single = arm != "per_task"
-    ep, curves = rc.train(ecfg, ep, router_tc,
-                          lambda i: _with_task_ids(task.batch(i * B, B, stream=10), single),
-                          metrics=("accuracy", "elastic/omega_msr"), name=f"{arm} s{seed}",
-                          log=log, log_every=s.log_every)
-    r = evaluate(ecfg, ep, ev)
-    r["plateau"] = {k: rc.plateau(v) for k, v in curves.items()}
-    r["curves"] = {k: rc.thin(v) for k, v in curves.items()}
-    r["lagrange"] = np.asarray(ep["scheme"]["lagrange"]).round(4).tolist()
-    out["arms"][arm] = r
-    log(f"[{arm} s{seed}] " + json.dumps({k: v for k, v in r.items()
-                                          if k not in ("curves", "fa_freq", "fa_freq_recall",
-                                                       "fa_freq_recent", "p_fa_margin")}))
-  if "single" in out["arms"]:
-    out["static"] = static_control(s, cfg, dense_np, out["arms"]["single"], task, ev, sel, seed,
-                                   log)
+  ecfg, ep = convert(dense_np, cfg, "elastic", **_elastic_cfg(s, cfg, arm, seed=seed))
+  single = arm != "per_task"
+  ep, curves = rc.train(ecfg, ep, router_tc,
+                        lambda i: _with_task_ids(task.batch(i * B, B, stream=10), single),
+                        metrics=("accuracy", "elastic/omega_msr"), name=f"{arm} s{seed}",
+                        log=log, log_every=s.log_every)
+  r = evaluate(ecfg, ep, ev)
+  r["plateau"] = {k: rc.plateau(v) for k, v in curves.items()}
+  r["curves"] = {k: rc.thin(v) for k, v in curves.items()}
+  r["lagrange"] = np.asarray(ep["scheme"]["lagrange"]).round(4).tolist()
+  log(f"[{arm} s{seed}] " + json.dumps({k: v for k, v in r.items()
+                                        if k not in ("curves", "fa_freq", "fa_freq_recall",
+                                                     "fa_freq_recent", "p_fa_margin")}))
+  return r
+
+
+def units(s: Settings, seed: int) -> list[str]:
+  """The seed's units: dense (with its gate), the arms (all but 'single' on the first
+  `ablation_seeds` seeds), the static control (needs 'single')."""
+  arms = [a for a in s.arms if a == "single" or seed in s.seeds[:s.ablation_seeds]]
+  return ["dense"] + arms + (["static"] if "single" in arms else [])
+
+
+def run_unit(s: Settings, seed: int, unit: str, store: rc.Store, log=print) -> dict[str, Any]:
+  if unit == "dense":
+    return dense_unit(s, seed, store, log)
+  if not store.get("dense")["dense_gate"]["passed"]:
+    return dict(not_judged="the dense model did not reach the gate")
+  dense_np = store.get_tree("dense")
+  if unit == "static":
+    task, cfg, ev, sel = _seed_data(s, seed)
+    return static_control(s, cfg, dense_np, store.get("single"), task, ev, sel, seed, log)
+  return arm_unit(s, seed, unit, dense_np, log)
+
+
+def assemble(s: Settings, seed: int, store: rc.Store) -> dict[str, Any]:
+  """The seed's record {seed, dense, dense_curve, dense_gate, all_ssa, arms, static}; a seed
+  whose dense model missed the gate: judged False, no arms."""
+  out = dict(store.get("dense"))
+  if not out["dense_gate"]["passed"]:
+    return dict(out, judged=False, arms={})
+  u = units(s, seed)
+  out["arms"] = {a: store.get(a) for a in s.arms if a in u}
+  if "static" in u:
+    out["static"] = store.get("static")
   return out
+
+
+BENCH = rc.Bench("elastic_repro", units, run_unit, assemble)
 
 
 def static_control(s, cfg, dense_np, single, task, ev, sel, seed, log) -> dict[str, Any]:
@@ -395,6 +451,10 @@ def summarize(s: Settings, seeds: list[dict]) -> dict[str, Any]:
     spread[key] = st(vals)
     m[key] = spread[key]["mean"]
 
+  gated = any("dense_gate" in r for r in seeds)   # runs before the gate lack it
+  if gated:   # a seed whose dense model missed the pre-registered gate is NOT JUDGED
+    m["judged_seeds"] = float(sum(r.get("judged", True) for r in seeds))
+    seeds = [r for r in seeds if r.get("judged", True)]
   for k in ("recall", "recent", "min_accuracy"):
     put(f"dense.{k}", [r["dense"][k] for r in seeds])
     put(f"all_ssa.{k}", [r["all_ssa"][k] for r in seeds])
@@ -420,11 +480,16 @@ def run(s: Settings, log=print, done: list[dict] | None = None) -> dict[str, Any
   """Train and judge every seed of `s`; with `done` (the seeds' results, in s.seeds' order) only
   judge them."""
   t0 = time.time()
-  seeds = list(done) if done is not None else [run_seed(s, seed, log) for seed in s.seeds]
+  seeds = list(done) if done is not None else rc.run_seeds(BENCH, s, "run", log)
   summ = summarize(s, seeds)
+  judged = summ["metrics"].get("judged_seeds", len(seeds))
   for name, c in summ["criteria"].items():
-    log(f"criterion {name}: {'PASS' if c['passed'] else 'FAIL'} ({c['metric']} = {c['got']} "
-        f"{c['op']} {c['value']})")
+    verdict = "NOT JUDGED" if not judged else ("PASS" if c["passed"] else "FAIL")
+    log(f"criterion {name}: {verdict} ({c['metric']} = {c['got']} {c['op']} {c['value']})")
+  if judged < len(seeds):
+    log(f"NOT JUDGED: {len(seeds) - int(judged)} of {len(seeds)} seeds (dense below the gate "
+        f"{s.dense_gate}): " + ", ".join(str(r["seed"]) for r in seeds
+                                         if not r.get("judged", True)))
   return dict(date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
               device=str(jax.devices()[0].device_kind), platform=jax.default_backend(),
               jax_version=jax.__version__, seconds=round(time.time() - t0, 1),
@@ -439,7 +504,7 @@ rc.define_flags(FLAGS, PRESETS, "docs/schemes/elastic.md")
 
 
 def main(argv=None):
-  return rc.main("elastic_repro", FLAGS, PRESETS, FILES, run, argv)
+  return rc.main("elastic_repro", FLAGS, PRESETS, FILES, run, argv, parts=BENCH)
 
 
 if __name__ == "__main__":
