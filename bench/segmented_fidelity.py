@@ -32,17 +32,24 @@ Task 'text' (preset h100): a byte-level LM (vocab 256) on the Python standard li
 (shipped with the interpreter, offline), S = 256, documents >= 4096 bytes, cut at 256..4096
 tokens = 1..16 segments; split by file (held-out files for evaluation).
 
-Criteria (CRITERIA, written before the run; the verdicts are recorded, pass or fail):
-  aligned_within_10pct_of_full : at every evaluated length with >= 2 segments, the aligned model
-      (segmented execution) has perplexity <= 1.10 x the full-attention reference (the
-      misaligned weights under full attention; mean over seeds).
-  misaligned_2x_worse          : at every evaluated length with >= 2 segments, misaligned
+Criteria (CRITERIA, written before the run; the verdicts are recorded, pass or fail; a recorded
+run is re-checked against the criteria it registered, RETIRED_CRITERIA included):
+  aligned_within_10pct_of_sane_full : at every length with >= 2 segments where the full-attention
+      reference (the misaligned weights under full attention) is sane (its perplexity <= 1.5 x
+      its perplexity at the training length), the aligned model (segmented execution) has
+      perplexity <= 1.10 x the reference (means over seeds); beyond that cap the values report
+      aligned against its own perplexity at the training length.
+  misaligned_2x_worse          : at every length with >= 2 segments, misaligned
       (segmented execution) >= 2 x the aligned perplexity.
-  (task 'recall_copy' only, the controls: the M = 0 ablation's recall-key accuracy and the
-  no-long-layers ablation's recall-value accuracy are each below the aligned model's by >= 0.2.)
+  (task 'recall_copy' only, the controls: the M = 0 ablation's recall-key accuracy is below the
+  aligned model's by >= 0.2; the gate dense_recall_needs_long_range, checked on the dense
+  checkpoint before the fine-tunes: its recall-value accuracy is >= 0.5 under full attention and
+  >= 0.3 above a sliding window of S + M keys (all a non-long layer sees); only then is the
+  no-long-layers ablation judged: its recall-value accuracy below aligned's by >= 0.2.)
 """
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import glob
 import json
@@ -65,20 +72,45 @@ from condattn_jax.models.config import ModelConfig
 from condattn_jax.models.decoder import Decoder
 
 CRITERIA = {
-    "aligned_within_10pct_of_full": dict(
-        rule="at every length with >= 2 segments: ppl(aligned, segmented) <= 1.10 x "
-             "ppl(full-attention reference = misaligned weights, full attention); means over seeds",
-        max_ratio=1.10),
+    # full attention is itself sane at a length when its perplexity there is <= 1.5 x its
+    # perplexity at the training length (past it, full attention extrapolates badly and
+    # "within 10% of full" would pass by full's breakdown); elsewhere the values report the
+    # aligned model against its own perplexity at the training length (not judged)
+    "aligned_within_10pct_of_sane_full": dict(
+        rule="at every length with >= 2 segments where the full-attention reference (misaligned "
+             "weights, full attention) has perplexity <= 1.5 x its perplexity at the training "
+             "length: ppl(aligned, segmented) <= 1.10 x ppl(reference); means over seeds; at "
+             "least one such length", max_ratio=1.10, sane_ratio=1.5),
     "misaligned_2x_worse": dict(
         rule="at every length with >= 2 segments: ppl(misaligned, segmented) >= 2 x "
              "ppl(aligned, segmented); means over seeds", min_ratio=2.0),
     "ablation_M0_loses_tail_copies": dict(
         rule="task recall_copy: recall-key accuracy (copies from distance M) of the M = 0 "
              "ablation <= aligned's - 0.2, at the longest length", min_drop=0.2),
+    # the gate of the no-long-layers control, checked on the dense checkpoint before the
+    # fine-tunes: the recall is learned (full attention) and not served by a local window that
+    # covers everything a non-long layer sees (its segment and the carried tail: S + M keys)
+    "dense_recall_needs_long_range": dict(
+        rule="task recall_copy: the dense checkpoint's recall-value accuracy at the training "
+             "length is >= 0.5 under full attention and >= 0.3 above its accuracy under a "
+             "sliding window of S + M keys", min_full=0.5, min_gap=0.3),
+    "ablation_no_long_layers_loses_recall_gated": dict(
+        rule="task recall_copy, judged only when dense_recall_needs_long_range holds (else "
+             "failed, judged false): recall-value accuracy of the no-long-layers ablation <= "
+             "aligned's - 0.2, at the longest length", min_drop=0.2),
+}
+# Criteria of runs recorded before the ones above replaced them (a recorded run is re-checked
+# against the criteria it registered: verdicts(..., names=)).
+RETIRED_CRITERIA = {
+    "aligned_within_10pct_of_full": dict(
+        rule="at every length with >= 2 segments: ppl(aligned, segmented) <= 1.10 x "
+             "ppl(full-attention reference = misaligned weights, full attention); means over seeds",
+        max_ratio=1.10),
     "ablation_no_long_layers_loses_recall": dict(
         rule="task recall_copy: recall-value accuracy of the no-long-layers ablation <= "
              "aligned's - 0.2, at the longest length", min_drop=0.2),
 }
+ALL_CRITERIA = {**RETIRED_CRITERIA, **CRITERIA}
 
 # Token layout of task 'recall_copy' (ids): 0 BOS, keys, values, filler.
 N_KEYS, N_VALUES = 16, 16
@@ -340,34 +372,71 @@ def evaluate(cfg, params_seeds, rows, segmented: bool) -> dict:
   return out
 
 
-def verdicts(res: dict, p: dict) -> dict:
-  """The CRITERIA's verdicts from the evaluations `res` ({model_execution: {n_seg: {...}}}):
-  {criterion: {'passed': bool, 'values': {...}}} (means over seeds)."""
+def verdicts_dense_gate(res: dict, p: dict) -> dict:
+  """The dense checkpoint's recall-value accuracy (mean over seeds) at the training length under
+  full attention and under the local window (dense_recall_needs_long_range's inputs)."""
+  acc = lambda k: float(np.mean(res[k][p["train_segs"]]["acc"]["recall_value"]))
+  return dict(full=acc("dense_checkpoint/full"), local=acc("dense_checkpoint/local"))
+
+
+def verdicts(res: dict, p: dict, names=None) -> dict:
+  """The criteria's verdicts from the evaluations `res` ({model_execution: {n_seg: {...}}}):
+  {criterion: {'passed': bool, 'values': {...}}} (means over seeds), for CRITERIA or for
+  `names` (the criteria a recorded run registered, retired ones included)."""
+  names = list(CRITERIA) if names is None else list(names)
   mean = lambda xs: float(np.mean(xs))
   ppl = lambda k: {int(n): mean(v["ppl"]) for n, v in res[k].items()}
   a, m, ref = ppl("aligned/segmented"), ppl("misaligned/segmented"), ppl("misaligned/full")
   multi = [n for n in sorted(a) if n >= 2]
+  train = p["train_segs"]
   out = {}
   r_ref = {n: a[n] / ref[n] for n in multi}
-  out["aligned_within_10pct_of_full"] = dict(
-      passed=bool(multi) and all(r <= CRITERIA["aligned_within_10pct_of_full"]["max_ratio"]
-                                 for r in r_ref.values()),
-      values={str(n): r for n, r in r_ref.items()})
+  if "aligned_within_10pct_of_full" in names:
+    out["aligned_within_10pct_of_full"] = dict(
+        passed=bool(multi) and all(r <= RETIRED_CRITERIA["aligned_within_10pct_of_full"]
+                                   ["max_ratio"] for r in r_ref.values()),
+        values={str(n): r for n, r in r_ref.items()})
+  if "aligned_within_10pct_of_sane_full" in names:
+    c = CRITERIA["aligned_within_10pct_of_sane_full"]
+    base = ref.get(train)
+    sane = [n for n in multi if base is not None and ref[n] <= c["sane_ratio"] * base]
+    out["aligned_within_10pct_of_sane_full"] = dict(
+        passed=bool(sane) and all(r_ref[n] <= c["max_ratio"] for n in sane),
+        values=dict(judged_at=[str(n) for n in sane], ratio={str(n): r_ref[n] for n in sane},
+                    full_over_full_at_train={str(n): ref[n] / base for n in multi} if base
+                    else {},
+                    # beyond the cap: aligned against its own perplexity at the training length
+                    aligned_over_aligned_at_train={str(n): a[n] / a[train] for n in multi
+                                                   if n not in sane and train in a}))
   r_mis = {n: m[n] / a[n] for n in multi}
-  out["misaligned_2x_worse"] = dict(
-      passed=bool(multi) and all(r >= CRITERIA["misaligned_2x_worse"]["min_ratio"]
-                                 for r in r_mis.values()),
-      values={str(n): r for n, r in r_mis.items()})
+  if "misaligned_2x_worse" in names:
+    out["misaligned_2x_worse"] = dict(
+        passed=bool(multi) and all(r >= CRITERIA["misaligned_2x_worse"]["min_ratio"]
+                                   for r in r_mis.values()),
+        values={str(n): r for n, r in r_mis.items()})
   if p["task"] == "recall_copy" and p["ablations"]:
     L = max(int(n) for n in res["aligned/segmented"])
-    acc = lambda k, cl: mean(res[k][L]["acc"][cl])
+    acc = lambda k, cl, n=L: mean(res[k][n]["acc"][cl])
+    gate = None
+    if "dense_recall_needs_long_range" in names:
+      c = CRITERIA["dense_recall_needs_long_range"]
+      full, local = verdicts_dense_gate(res, p).values()
+      gate = bool(full >= c["min_full"] and full - local >= c["min_gap"])
+      out["dense_recall_needs_long_range"] = dict(
+          passed=gate, values=dict(n_seg=train, full=full, local=local, gap=full - local))
     for name, model, cl in (("ablation_M0_loses_tail_copies", "ablation_M0", "recall_key"),
                             ("ablation_no_long_layers_loses_recall", "ablation_no_long",
+                             "recall_value"),
+                            ("ablation_no_long_layers_loses_recall_gated", "ablation_no_long",
                              "recall_value")):
+      if name not in names:
+        continue
       drop = acc("aligned/segmented", cl) - acc(f"{model}/segmented", cl)
-      out[name] = dict(passed=bool(drop >= CRITERIA[name]["min_drop"]),
+      out[name] = dict(passed=bool(drop >= ALL_CRITERIA[name]["min_drop"]),
                        values=dict(n_seg=L, aligned=acc("aligned/segmented", cl),
                                    ablation=acc(f"{model}/segmented", cl), drop=drop))
+      if name.endswith("_gated"):
+        out[name].update(judged=bool(gate), passed=bool(gate) and out[name]["passed"])
   return out
 
 
@@ -408,6 +477,22 @@ def run(preset: str, checkpoint_dir: str | None = None, stop_after_dense: bool =
   print(f"[{t_dense:.0f} s] dense: final CE {np.mean(dense_loss[-1]):.3f}", flush=True)
   if stop_after_dense:
     return None
+  rows = {}
+  for k in sorted(set(p["eval_segs"]) | {p["train_segs"]}):
+    rs = [np.random.default_rng([99, s, k]) for s in range(n)]
+    ev = [data.eval(r, p["eval_rows"], k) for r in rs]
+    rows[k] = (np.stack([e[0] for e in ev]), np.stack([e[1] for e in ev]))
+  res = {}
+  if p["task"] == "recall_copy" and p["ablations"]:
+    # the gate of the no-long-layers control, before the fine-tunes: the dense checkpoint
+    # under full attention and under a window covering all a non-long layer sees (S + M keys)
+    g = p["seg"]
+    local = dataclasses.replace(cfgs["dense"], sliding_window=g["segment_len"] + g["tail_len"])
+    res["dense_checkpoint/full"] = evaluate(cfgs["dense"], dense, rows, False)
+    res["dense_checkpoint/local"] = evaluate(local, dense, rows, False)
+    gate = verdicts_dense_gate(res, p)
+    print(f"[{time.time() - t0:.0f} s] dense recall-value accuracy at {p['train_segs']} "
+          f"segments: full {gate['full']:.3f}, local window {gate['local']:.3f}", flush=True)
   conv = lambda name: jax.vmap(lambda q: sgm.from_dense(q, cfgs[name]))(dense)
   ft = {}
   ft_loss = {}
@@ -420,12 +505,7 @@ def run(preset: str, checkpoint_dir: str | None = None, stop_after_dense: bool =
                                     seg)
     print(f"[{time.time() - t0:.0f} s] fine-tuned {name}: final CE {np.mean(ft_loss[name][-1]):.3f}",
           flush=True)
-  rows = {}
-  for k in p["eval_segs"]:
-    rs = [np.random.default_rng([99, s, k]) for s in range(n)]
-    ev = [data.eval(r, p["eval_rows"], k) for r in rs]
-    rows[k] = (np.stack([e[0] for e in ev]), np.stack([e[1] for e in ev]))
-  res = {
+  res.update({
       "aligned/segmented": evaluate(cfgs["segmented"], ft["aligned"], rows, True),
       "misaligned/segmented": evaluate(cfgs["segmented"], conv_ft(ft["misaligned"], cfgs), rows,
                                        True),
@@ -433,7 +513,7 @@ def run(preset: str, checkpoint_dir: str | None = None, stop_after_dense: bool =
       "aligned/full": evaluate(cfgs["dense"], jax.vmap(
           lambda q: sgm.to_dense(q, cfgs["segmented"])[1])(ft["aligned"]), rows, False),
       "dense_checkpoint/segmented": evaluate(cfgs["segmented"], conv("segmented"), rows, True),
-  }
+  })
   for name in ft:
     if name.startswith("ablation"):
       res[f"{name}/segmented"] = evaluate(cfgs[name], ft[name], rows, True)

@@ -38,7 +38,7 @@ def test_fidelity_test_preset_reruns_the_protocol(tmp_path):
   assert {c["name"]: c["passed"] for c in run["claims"]} == {
       "criteria verdicts follow from the evaluations": True}
   r = common.recorded_of(run)
-  assert set(r["criteria"]) == {"aligned_within_10pct_of_full", "misaligned_2x_worse"}
+  assert set(r["criteria"]) == {"aligned_within_10pct_of_sane_full", "misaligned_2x_worse"}
   ppl = {k: np.mean(d["2"]["ppl"]) for k, d in r["evals"].items()}
   assert ppl["misaligned/segmented"] > ppl["misaligned/full"]
   assert ppl["aligned/segmented"] < ppl["misaligned/segmented"]
@@ -64,3 +64,43 @@ def test_memory_bench_merges_split_runs(tmp_path):
                                         latency_ratio_vs_dense=0.5)}
   assert doc["targets"] == dict(at_length=128, memory_quarter_at_max_len=True,
                                 latency_no_worse_at_max_len=True)
+
+
+def test_criteria_cap_full_attention_and_gate_the_no_long_control():
+  """On the recorded H200 gpu_recall evaluations (full attention breaks past its training
+  length: 23.4 / 644 perplexity at 8 / 16 segments vs 4.1 at 4): 'aligned within 10% of full'
+  is judged only at 2 and 4 segments (beyond, the aligned model is reported against its own
+  perplexity at the training length) and fails when aligned is 20% worse there; the
+  no-long-layers control is judged only when the dense checkpoint recalls under full
+  attention and not under an S + M window (the gate), and then fails / passes on its drop."""
+  import json as _json
+  import os
+  path = os.path.join(os.path.dirname(fid.__file__), "results",
+                      "segmented_fidelity_NVIDIA_H200.json")
+  r = common.recorded_of(common.load(path)["runs"][-1])
+  p = fid.PRESETS["gpu_recall"]
+  res = {k: {int(n): v for n, v in d.items()} for k, d in r["evals"].items()}
+  dense_at = lambda full, local: {k: {p["train_segs"]: dict(ppl=[2.0], acc=dict(
+      recall_value=[x], recall_key=[1.0], local_copy=[1.0]))} for k, x in
+      (("dense_checkpoint/full", full), ("dense_checkpoint/local", local))}
+  v = fid.verdicts(dict(res, **dense_at(0.23, 0.19)), p)
+  assert set(v) == set(fid.CRITERIA)
+  sane = v["aligned_within_10pct_of_sane_full"]
+  assert sane["passed"] and sane["values"]["judged_at"] == ["2", "4"]
+  assert set(sane["values"]["aligned_over_aligned_at_train"]) == {"8", "16"}
+  assert not v["dense_recall_needs_long_range"]["passed"]  # the dense model does not recall
+  gated = v["ablation_no_long_layers_loses_recall_gated"]
+  assert gated["judged"] is False and gated["passed"] is False
+  v = fid.verdicts(dict(res, **dense_at(0.9, 0.1)), p)
+  gated = v["ablation_no_long_layers_loses_recall_gated"]
+  assert v["dense_recall_needs_long_range"]["passed"] and gated["judged"]
+  assert not gated["passed"] and abs(gated["values"]["drop"] - 0.0062) < 1e-3  # as recorded
+  worse = _json.loads(_json.dumps(r["evals"]))
+  worse["aligned/segmented"]["2"]["ppl"] = [x * 1.2 for x in worse["misaligned/full"]["2"]["ppl"]]
+  for cls, x in (("recall_value", 0.0),):
+    worse["ablation_no_long/segmented"]["16"]["acc"][cls] = [x] * 3
+    worse["aligned/segmented"]["16"]["acc"][cls] = [0.9] * 3
+  res2 = {k: {int(n): d for n, d in e.items()} for k, e in worse.items()}
+  v = fid.verdicts(dict(res2, **dense_at(0.9, 0.1)), p)
+  assert not v["aligned_within_10pct_of_sane_full"]["passed"]
+  assert v["ablation_no_long_layers_loses_recall_gated"]["passed"]
