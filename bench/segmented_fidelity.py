@@ -33,8 +33,8 @@ Task 'text' (preset h100): a byte-level LM (vocab 256) on the Python standard li
 tokens = 1..16 segments; split by file (held-out files for evaluation).
 
 Criteria (CRITERIA, written before the run; the verdicts are recorded, pass or fail; a recorded
-run is re-checked against the criteria it registered, RETIRED_CRITERIA included):
-  aligned_within_10pct_of_sane_full : at every length with >= 2 segments where the full-attention
+run is re-checked against the rules it registered, RETIRED_RULES included):
+  aligned_within_10pct_of_full : at every length with >= 2 segments where the full-attention
       reference (the misaligned weights under full attention) is sane (its perplexity <= 1.5 x
       its perplexity at the training length), the aligned model (segmented execution) has
       perplexity <= 1.10 x the reference (means over seeds); beyond that cap the values report
@@ -74,9 +74,9 @@ from condattn_jax.models.decoder import Decoder
 CRITERIA = {
     # full attention is itself sane at a length when its perplexity there is <= 1.5 x its
     # perplexity at the training length (past it, full attention extrapolates badly and
-    # "within 10% of full" would pass by full's breakdown); elsewhere the values report the
+    # "within 10% of full" would pass by full's breakdown); elsewhere the verdict reports the
     # aligned model against its own perplexity at the training length (not judged)
-    "aligned_within_10pct_of_sane_full": dict(
+    "aligned_within_10pct_of_full": dict(
         rule="at every length with >= 2 segments where the full-attention reference (misaligned "
              "weights, full attention) has perplexity <= 1.5 x its perplexity at the training "
              "length: ppl(aligned, segmented) <= 1.10 x ppl(reference); means over seeds; at "
@@ -94,23 +94,27 @@ CRITERIA = {
         rule="task recall_copy: the dense checkpoint's recall-value accuracy at the training "
              "length is >= 0.5 under full attention and >= 0.3 above its accuracy under a "
              "sliding window of S + M keys", min_full=0.5, min_gap=0.3),
-    "ablation_no_long_layers_loses_recall_gated": dict(
+    "ablation_no_long_layers_loses_recall": dict(
         rule="task recall_copy, judged only when dense_recall_needs_long_range holds (else "
              "failed, judged false): recall-value accuracy of the no-long-layers ablation <= "
              "aligned's - 0.2, at the longest length", min_drop=0.2),
 }
-# Criteria of runs recorded before the ones above replaced them (a recorded run is re-checked
-# against the criteria it registered: verdicts(..., names=)).
-RETIRED_CRITERIA = {
-    "aligned_within_10pct_of_full": dict(
-        rule="at every length with >= 2 segments: ppl(aligned, segmented) <= 1.10 x "
-             "ppl(full-attention reference = misaligned weights, full attention); means over seeds",
-        max_ratio=1.10),
-    "ablation_no_long_layers_loses_recall": dict(
-        rule="task recall_copy: recall-value accuracy of the no-long-layers ablation <= "
-             "aligned's - 0.2, at the longest length", min_drop=0.2),
+# The rules of criteria that runs recorded before the length cap and the gate registered: a
+# recorded run is re-checked against the rules it registered (verdicts(..., rules=)).
+RETIRED_RULES = {
+    "aligned_within_10pct_of_full":
+        "at every length with >= 2 segments: ppl(aligned, segmented) <= 1.10 x "
+        "ppl(full-attention reference = misaligned weights, full attention); means over seeds",
+    "ablation_no_long_layers_loses_recall":
+        "task recall_copy: recall-value accuracy of the no-long-layers ablation <= "
+        "aligned's - 0.2, at the longest length",
 }
-ALL_CRITERIA = {**RETIRED_CRITERIA, **CRITERIA}
+
+
+def registered_rules() -> dict:
+  """{criterion: rule} a run records (criteria_rules)."""
+  return {k: v["rule"] for k, v in CRITERIA.items()}
+
 
 # Token layout of task 'recall_copy' (ids): 0 BOS, keys, values, filler.
 N_KEYS, N_VALUES = 16, 16
@@ -379,11 +383,13 @@ def verdicts_dense_gate(res: dict, p: dict) -> dict:
   return dict(full=acc("dense_checkpoint/full"), local=acc("dense_checkpoint/local"))
 
 
-def verdicts(res: dict, p: dict, names=None) -> dict:
+def verdicts(res: dict, p: dict, rules=None) -> dict:
   """The criteria's verdicts from the evaluations `res` ({model_execution: {n_seg: {...}}}):
-  {criterion: {'passed': bool, 'values': {...}}} (means over seeds), for CRITERIA or for
-  `names` (the criteria a recorded run registered, retired ones included)."""
-  names = list(CRITERIA) if names is None else list(names)
+  {criterion: {'passed': bool, 'values': {...}, ...}} (means over seeds), under `rules` ({name:
+  rule text}: a recorded run's criteria_rules; default the current CRITERIA): a criterion whose
+  rule is its RETIRED_RULES text is evaluated as it was then."""
+  rules = registered_rules() if rules is None else dict(rules)
+  retired = lambda name: rules.get(name) == RETIRED_RULES.get(name)
   mean = lambda xs: float(np.mean(xs))
   ppl = lambda k: {int(n): mean(v["ppl"]) for n, v in res[k].items()}
   a, m, ref = ppl("aligned/segmented"), ppl("misaligned/segmented"), ppl("misaligned/full")
@@ -391,34 +397,33 @@ def verdicts(res: dict, p: dict, names=None) -> dict:
   train = p["train_segs"]
   out = {}
   r_ref = {n: a[n] / ref[n] for n in multi}
-  if "aligned_within_10pct_of_full" in names:
-    out["aligned_within_10pct_of_full"] = dict(
-        passed=bool(multi) and all(r <= RETIRED_CRITERIA["aligned_within_10pct_of_full"]
-                                   ["max_ratio"] for r in r_ref.values()),
-        values={str(n): r for n, r in r_ref.items()})
-  if "aligned_within_10pct_of_sane_full" in names:
-    c = CRITERIA["aligned_within_10pct_of_sane_full"]
-    base = ref.get(train)
-    sane = [n for n in multi if base is not None and ref[n] <= c["sane_ratio"] * base]
-    out["aligned_within_10pct_of_sane_full"] = dict(
-        passed=bool(sane) and all(r_ref[n] <= c["max_ratio"] for n in sane),
-        values=dict(judged_at=[str(n) for n in sane], ratio={str(n): r_ref[n] for n in sane},
-                    full_over_full_at_train={str(n): ref[n] / base for n in multi} if base
-                    else {},
-                    # beyond the cap: aligned against its own perplexity at the training length
-                    aligned_over_aligned_at_train={str(n): a[n] / a[train] for n in multi
-                                                   if n not in sane and train in a}))
+  name = "aligned_within_10pct_of_full"
+  if name in rules:
+    c = CRITERIA[name]
+    out[name] = dict(values={str(n): r for n, r in r_ref.items()})
+    if retired(name):
+      out[name]["passed"] = bool(multi) and all(r <= c["max_ratio"] for r in r_ref.values())
+    else:
+      base = ref.get(train)
+      sane = [n for n in multi if base is not None and ref[n] <= c["sane_ratio"] * base]
+      out[name].update(
+          passed=bool(sane) and all(r_ref[n] <= c["max_ratio"] for n in sane),
+          judged_at=[str(n) for n in sane],
+          full_over_full_at_train={str(n): ref[n] / base for n in multi} if base else {},
+          # beyond the cap: the aligned model against its own perplexity at the training length
+          aligned_over_aligned_at_train={str(n): a[n] / a[train] for n in multi
+                                         if n not in sane and train in a})
   r_mis = {n: m[n] / a[n] for n in multi}
-  if "misaligned_2x_worse" in names:
+  if "misaligned_2x_worse" in rules:
     out["misaligned_2x_worse"] = dict(
         passed=bool(multi) and all(r >= CRITERIA["misaligned_2x_worse"]["min_ratio"]
                                    for r in r_mis.values()),
         values={str(n): r for n, r in r_mis.items()})
   if p["task"] == "recall_copy" and p["ablations"]:
     L = max(int(n) for n in res["aligned/segmented"])
-    acc = lambda k, cl, n=L: mean(res[k][n]["acc"][cl])
+    acc = lambda k, cl: mean(res[k][L]["acc"][cl])
     gate = None
-    if "dense_recall_needs_long_range" in names:
+    if "dense_recall_needs_long_range" in rules:
       c = CRITERIA["dense_recall_needs_long_range"]
       full, local = verdicts_dense_gate(res, p).values()
       gate = bool(full >= c["min_full"] and full - local >= c["min_gap"])
@@ -426,16 +431,14 @@ def verdicts(res: dict, p: dict, names=None) -> dict:
           passed=gate, values=dict(n_seg=train, full=full, local=local, gap=full - local))
     for name, model, cl in (("ablation_M0_loses_tail_copies", "ablation_M0", "recall_key"),
                             ("ablation_no_long_layers_loses_recall", "ablation_no_long",
-                             "recall_value"),
-                            ("ablation_no_long_layers_loses_recall_gated", "ablation_no_long",
                              "recall_value")):
-      if name not in names:
+      if name not in rules:
         continue
       drop = acc("aligned/segmented", cl) - acc(f"{model}/segmented", cl)
-      out[name] = dict(passed=bool(drop >= ALL_CRITERIA[name]["min_drop"]),
+      out[name] = dict(passed=bool(drop >= CRITERIA[name]["min_drop"]),
                        values=dict(n_seg=L, aligned=acc("aligned/segmented", cl),
                                    ablation=acc(f"{model}/segmented", cl), drop=drop))
-      if name.endswith("_gated"):
+      if name == "ablation_no_long_layers_loses_recall" and not retired(name):
         out[name].update(judged=bool(gate), passed=bool(gate) and out[name]["passed"])
   return out
 
@@ -527,7 +530,7 @@ def run(preset: str, checkpoint_dir: str | None = None, stop_after_dense: bool =
       settings=dict({k: (list(v) if isinstance(v, tuple) else v) for k, v in p.items()
                      if k != "seg"}, segmented={k: list(v) if isinstance(v, tuple) else v
                                                 for k, v in p["seg"].items()}),
-      criteria_rules={k: v["rule"] for k, v in CRITERIA.items()},
+      criteria_rules=registered_rules(),
       evals={k: {str(n): v for n, v in d.items()} for k, d in res.items()},
       criteria=crit, passed=all(v["passed"] for v in crit.values()),
       train_curves=dict(dense=curve(dense_loss), **{k: curve(v) for k, v in ft_loss.items()}),

@@ -38,7 +38,7 @@ def test_fidelity_test_preset_reruns_the_protocol(tmp_path):
   assert {c["name"]: c["passed"] for c in run["claims"]} == {
       "criteria verdicts follow from the evaluations": True}
   r = common.recorded_of(run)
-  assert set(r["criteria"]) == {"aligned_within_10pct_of_sane_full", "misaligned_2x_worse"}
+  assert set(r["criteria"]) == {"aligned_within_10pct_of_full", "misaligned_2x_worse"}
   ppl = {k: np.mean(d["2"]["ppl"]) for k, d in r["evals"].items()}
   assert ppl["misaligned/segmented"] > ppl["misaligned/full"]
   assert ppl["aligned/segmented"] < ppl["misaligned/segmented"]
@@ -85,14 +85,15 @@ def test_criteria_cap_full_attention_and_gate_the_no_long_control():
       (("dense_checkpoint/full", full), ("dense_checkpoint/local", local))}
   v = fid.verdicts(dict(res, **dense_at(0.23, 0.19)), p)
   assert set(v) == set(fid.CRITERIA)
-  sane = v["aligned_within_10pct_of_sane_full"]
-  assert sane["passed"] and sane["values"]["judged_at"] == ["2", "4"]
-  assert set(sane["values"]["aligned_over_aligned_at_train"]) == {"8", "16"}
+  sane = v["aligned_within_10pct_of_full"]
+  assert sane["passed"] and sane["judged_at"] == ["2", "4"]
+  assert set(sane["aligned_over_aligned_at_train"]) == {"8", "16"}
+  assert fid.verdicts(res, p, rules=r["criteria_rules"]) == r["criteria"]  # as registered
   assert not v["dense_recall_needs_long_range"]["passed"]  # the dense model does not recall
-  gated = v["ablation_no_long_layers_loses_recall_gated"]
+  gated = v["ablation_no_long_layers_loses_recall"]
   assert gated["judged"] is False and gated["passed"] is False
   v = fid.verdicts(dict(res, **dense_at(0.9, 0.1)), p)
-  gated = v["ablation_no_long_layers_loses_recall_gated"]
+  gated = v["ablation_no_long_layers_loses_recall"]
   assert v["dense_recall_needs_long_range"]["passed"] and gated["judged"]
   assert not gated["passed"] and abs(gated["values"]["drop"] - 0.0062) < 1e-3  # as recorded
   worse = _json.loads(_json.dumps(r["evals"]))
@@ -102,5 +103,5 @@ def test_criteria_cap_full_attention_and_gate_the_no_long_control():
     worse["aligned/segmented"]["16"]["acc"][cls] = [0.9] * 3
   res2 = {k: {int(n): d for n, d in e.items()} for k, e in worse.items()}
   v = fid.verdicts(dict(res2, **dense_at(0.9, 0.1)), p)
-  assert not v["aligned_within_10pct_of_sane_full"]["passed"]
-  assert v["ablation_no_long_layers_loses_recall_gated"]["passed"]
+  assert not v["aligned_within_10pct_of_full"]["passed"]
+  assert v["ablation_no_long_layers_loses_recall"]["passed"]
