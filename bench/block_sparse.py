@@ -4,6 +4,7 @@ kernel, per-head modes) vs one launch per head group vs dense cuDNN causal, FA-S
     python -m bench.block_sparse                     # T = 32K, 64K; 30% / 70% of heads SSA
     python -m bench.block_sparse --T=32768 --n=10
     python -m bench.block_sparse --preset=test       # tiny CPU run (interpret mode): tests
+    python -m bench.block_sparse --preset=test_mosaic_gpu   # the Mosaic GPU rows on CPU
 
 Qwen-like shapes: B = 1, 32 query heads, 8 kv heads, head_dim 128, bf16, random inputs. FA-SSA:
 a head is either full causal attention (HEAD_FULL) or SSA (HEAD_BLOCKS over its streaming list:
@@ -76,6 +77,13 @@ PRESETS = {
     "test": Settings(preset="test", Ts=(64,), omegas=(0.5,), N=4, K=2, H=16, dtype="float32",
                      block=16, sink_blocks=1, local_blocks=2, n=1, check_T=64, interpret=True,
                      variants=("fused", "per_group")),
+    # the Mosaic GPU kernels' rows on CPU (Pallas' GPU interpret mode; the jnp reference is the
+    # dense baseline): the CPU check of `--impl=mosaic_gpu --T=65536 --omega=0.7
+    # --variants=fused,ours_dense` at the kernel's smallest tiles (bf16, head_dim 64, 128 blocks)
+    "test_mosaic_gpu": Settings(preset="test_mosaic_gpu", Ts=(256,), omegas=(0.5,), N=4, K=2,
+                                H=64, dtype="bfloat16", block=128, sink_blocks=1,
+                                local_blocks=1, n=1, check_T=256, impl="mosaic_gpu",
+                                interpret=True, variants=("fused", "ours_dense")),
 }
 
 
@@ -607,7 +615,7 @@ def main(argv=None):
     return
   s = settings_from_flags(args)
   set_fwd_sub_tile(s.fwd_sub_tile, s.block)
-  if s.preset != "test" and not on_gpu():
+  if not s.interpret and not on_gpu():
     raise SystemExit(f"bench.block_sparse --preset={s.preset} needs a GPU (backend "
                      f"{jax.default_backend()!r}); use --preset=test on CPU")
   print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
