@@ -38,6 +38,12 @@ Attention per shard (the local queries: [B_shard, T / n, N_shard, H]):
                         multiple of 128 where a chunk holds that: the kernels' tile; the extra
                         keys are outside the window). Otherwise the strategy above (correct
                         for any window).
+  block lists            (MaskSpec.block_lists: per head and query block, the kv blocks it
+                        may see) take the all_gather path whatever the strategy: the lists'
+                        query-block axis is laid out like the tokens (`to_layout(lists, n,
+                        axis=2)` of the natural row's lists; block_q must divide a chunk, so
+                        each shard holds whole query blocks) and split with them; their kv
+                        entries are blocks of the natural row, which the gathered K/V are in.
 Queries that see no key (padding, inactive, fully masked ring steps or shards) give zeros,
 never NaN.
 
@@ -216,7 +222,7 @@ def _local_mask(mask, kv_positions, kv_segment_ids, **kw):
   return ops.MaskSpec(q_positions_BT=mask.q_positions_BT, kv_positions_BS=kv_positions,
                       q_segment_ids_BT=mask.q_segment_ids_BT, kv_segment_ids_BS=kv_segment_ids,
                       active=mask.active, window=mask.window, sinks=mask.sinks, contiguous=False,
-                      **kw)
+                      block_lists=mask.block_lists, **kw)
 
 
 def natural_order(x, n: int):
@@ -317,10 +323,15 @@ def attention(q_BTNH, k_BSKH, v_BSKH, mask: ops.MaskSpec, *, impl: str = "auto",
   if T % n:
     raise ValueError(f"sequence parallelism: a row of {T} tokens does not divide the "
                      f"{ax!r} mesh axis ({n} shards); use a multiple of {2 * n} tokens.")
-  if mask.block_lists is not None:
-    raise ValueError("sequence parallelism: block lists (MaskSpec.block_lists) are per query "
-                     "block of the whole row and do not split over the sequence axis; set "
-                     "config.mesh.sequence=1.")
+  bl = mask.block_lists
+  zigzag = _zigzag.get() and T % (2 * n) == 0
+  if bl is not None:  # the query blocks split with the tokens: none may straddle two chunks
+    piece, what = (T // (2 * n), f"a zigzag chunk (T / 2n = {T // (2 * n)} tokens)") if zigzag \
+        else (T // n, f"a shard's T / n = {T // n} tokens")
+    if piece % bl.block_q:
+      raise ValueError(f"sequence parallelism: BlockLists.block_q={bl.block_q} must divide "
+                       f"{what}: a query block would span two shards' tokens; use a row of a "
+                       f"multiple of {2 * n * bl.block_q} tokens or a smaller block_q.")
   if impl in ("cudnn", "tokamax"):
     raise ValueError(f"ops.attention impl={impl!r} cannot run sequence-parallel (a shard's "
                      "queries see other shards' keys: not contiguous self-attention); use "
@@ -329,15 +340,14 @@ def attention(q_BTNH, k_BSKH, v_BSKH, mask: ops.MaskSpec, *, impl: str = "auto",
   name = _strategy.get()
   w = mask.window
   halo = (w is not None and _zigzag.get() and not mask.sinks and T % (2 * n) == 0
-          and w - 1 <= T // (2 * n))
-  if name == "ring" and not halo:
+          and w - 1 <= T // (2 * n) and bl is None)
+  if name == "ring" and not halo and bl is None:
     return _per_shard(_ring(ax, n, scale), mesh, ax, batch, head, q_BTNH, k_BSKH, v_BSKH, mask)
   # ops' branch for a shard's (non-contiguous) mask, picked at trace time where this process
   # can lower for one accelerator platform only (its GPU / TPU, or the abstract device it
   # cross-lowers for): under jax.grad a lowering-time platform switch keeps the other branches'
   # zero-filled residuals (the reference's [T/n, T] scores) in the compiled step (measured: 575
   # GiB temp for the 7B 128K step on v5p). Several such platforms: the lowering-time switch.
-  zigzag = _zigzag.get() and T % (2 * n) == 0
   wrap = _halo if halo else (lambda ax_, n_, local: _all_gather(ax_, n_, local, zigzag))
   branches = ops._branches(impl, q_BTNH, dataclasses.replace(mask, contiguous=False), scale)
   branches = {p: functools.partial(_per_shard, wrap(ax, n, fn), mesh, ax, batch, head)
@@ -355,10 +365,14 @@ def _per_shard(fn, mesh, ax, batch, head, q_BTNH, k_BSKH, v_BSKH, mask):
   P = jax.sharding.PartitionSpec
   heads, rows = P(batch, ax, head, None), P(batch, ax)
   act = mask.active
+  bl = mask.block_lists
   mspec = dataclasses.replace(
       mask, q_positions_BT=rows, kv_positions_BS=rows,
       q_segment_ids_BT=None if mask.q_segment_ids_BT is None else rows,
       kv_segment_ids_BS=None if mask.kv_segment_ids_BS is None else rows,
-      active=None if act is None else (rows if act.ndim == 2 else P(batch, ax, head)))
+      active=None if act is None else (rows if act.ndim == 2 else P(batch, ax, head)),
+      block_lists=None if bl is None else dataclasses.replace(  # query blocks split as tokens
+          bl, kv_blocks_BNQL=P(batch, head, ax, None),
+          head_mode_BN=None if bl.head_mode_BN is None else P(batch, head)))
   return jax.shard_map(fn, mesh=mesh, in_specs=(heads, heads, heads, mspec), out_specs=heads,
                        check_vma=False)(q_BTNH, k_BSKH, v_BSKH, mask)

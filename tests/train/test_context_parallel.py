@@ -117,6 +117,59 @@ def test_attention_per_shard_equals_the_unsharded_reference(mesh, strategy, wind
     assert "all_gather" in jaxpr
 
 
+@pytest.mark.parametrize("mesh,strategy,window", [((1, 1, 4, 2), "all_gather", None),
+                                                   ((2, 1, 4, 1), "ring", 12)])
+def test_block_lists_split_with_the_query_blocks(mesh, strategy, window):
+  """Block lists (per head and query block: the kv blocks it may see; Elastic's / MATCH's masks)
+  under sequence parallelism: their query-block axis laid out like the tokens (zigzag, whole
+  blocks per chunk), their kv entries blocks of the natural row (the gathered K/V are put back
+  in natural order): out and dQ / dK / dV == the unsharded reference (fp32, 1e-5), heads mixing
+  HEAD_FULL and HEAD_BLOCKS, padded lists, documents; lists take the gather path whatever the
+  strategy (ring steps and halos hold other key blocks). A block_q that does not divide a
+  chunk is refused in one line."""
+  rng = np.random.default_rng(0)
+  B, T, N, K, H, bq, bk, L, n = 2, 128, 4, 2, 8, 8, 16, 3, mesh[2]
+  Q = T // bq
+  q = jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.float32)
+  k, v = (jnp.asarray(rng.normal(size=(B, T, K, H)), jnp.float32) for _ in range(2))
+  seg, pos = map(jnp.asarray, _packed(B, T))
+  last = (np.arange(Q) * bq + bq - 1) // bk  # a query block's last causal kv block
+  lists = (rng.random((B, N, Q, L)) * (last[None, None, :, None] + 1)).astype(np.int32)
+  lists[..., -1] = np.where(rng.random((B, N, Q)) < 0.3, -1, lists[..., -1])
+  mode = jnp.asarray([[ops.HEAD_FULL, ops.HEAD_BLOCKS, ops.HEAD_BLOCKS, ops.HEAD_FULL],
+                      [ops.HEAD_BLOCKS] * N], jnp.int32)
+  weights = jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.float32)
+
+  def loss(q, k, v, sharded, block_q=bq):
+    arrays, kb = (q, k, v, seg, pos), jnp.asarray(lists)
+    if sharded:
+      arrays, kb = tuple(context.to_layout(x, n) for x in arrays), context.to_layout(kb, n, axis=2)
+    q, k, v, s, p = arrays
+    bl = ops.BlockLists(kb if block_q == bq else kb[:, :, ::block_q // bq], mode, block_q=block_q,
+                        block_k=bk)
+    mask = ops.MaskSpec(p, p, s, s, window=window, block_lists=bl, contiguous=True)
+    with context.zigzag_layout(sharded):
+      out = ops.attention(q, k, v, mask, impl="reference")
+    out = context.from_layout(out, n) if sharded else out
+    return jnp.sum(out * weights), out
+
+  grad = lambda sharded: jax.value_and_grad(lambda *a: loss(*a, sharded), argnums=(0, 1, 2),
+                                            has_aux=True)
+  (_, want), want_g = grad(False)(q, k, v)
+  assert 0 < np.mean(np.asarray(want) == 0) < 0.5  # the lists hide keys, not every query
+  f = jax.jit(grad(True))
+  with shd.mesh_context(_mesh(*mesh), sequence_attention=strategy):
+    (_, got), got_g = f(q, k, v)
+    jaxpr = str(f.trace(q, k, v).jaxpr)
+    with pytest.raises(ValueError, match=r"BlockLists.block_q=32 must divide a zigzag chunk "
+                                         r"\(T / 2n = 16 tokens\)"):
+      loss(q, k, v, True, block_q=32)
+  np.testing.assert_allclose(got, want, atol=1e-5)
+  for g, w in zip(got_g, want_g):
+    np.testing.assert_allclose(g, w, atol=1e-5)
+  assert "all_gather" in jaxpr and "ppermute" not in jaxpr
+
+
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_gathered_keys_reach_the_kernel_sorted_so_no_shard_walks_future_tiles(monkeypatch, n):
   """The compacted kernels walk, per query tile, the kv tiles between the first and the last one
