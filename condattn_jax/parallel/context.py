@@ -13,7 +13,9 @@ shard has the same causal work. `to_layout` applies the permutation once to a ba
 arrays (inputs, positions, segment ids, targets: the train / eval steps do it in
 `train.step.forward_ce`) and `from_layout` undoes it on per-token outputs (the CE). Masks are
 built from the permuted positions and segment ids (global positions), so every visibility rule
-(causal, documents, window, sinks, active set) holds whatever order the tokens are in.
+(causal, documents, window, sinks, active set) holds whatever order the tokens are in. A
+layer that reads its row by token index asks `layout_size()` (n inside the step's layout, else
+1) and uses from_layout / to_layout itself.
 
 Attention per shard (the local queries: [B_shard, T / n, N_shard, H]):
   all_gather (default)  K/V, kv positions and kv segment ids all-gathered over `sequence`; the
@@ -174,14 +176,28 @@ def zigzag_order(T: int, n: int) -> np.ndarray:
 
 
 def to_layout(x, n: int, axis: int = 1):
-  """x with its token axis in the zigzag layout for n shards."""
+  """x with its token axis in the zigzag layout for n shards (x itself for n = 1)."""
+  if n == 1:
+    return x
   return jnp.take(x, jnp.asarray(zigzag_order(x.shape[axis], n)), axis=axis)
 
 
 def from_layout(x, n: int, axis: int = 1):
   """Undoes `to_layout`."""
+  if n == 1:
+    return x
   inv = np.argsort(zigzag_order(x.shape[axis], n))
   return jnp.take(x, jnp.asarray(inv), axis=axis)
+
+
+def layout_size() -> int:
+  """n when the rows traced here are in the zigzag layout for n sequence shards (a layer inside
+  the train / eval step's forward under a sequence mesh), else 1. A layer that reads its row by
+  token index (pools the first / last tokens, scores the natural row's blocks) takes it back
+  with `from_layout(x, layout_size())` and lays per-query-block results (block lists) out again
+  with `to_layout(lists, layout_size(), axis=2)`."""
+  n = sequence_size()
+  return n if n > 1 and _zigzag.get() else 1
 
 
 def batch_to_layout(batch: dict, n: int) -> dict:

@@ -57,6 +57,14 @@ def test_zigzag_layout_balances_causal_work_and_round_trips():
   np.testing.assert_array_equal(context.from_layout(context.to_layout(x, n), n), x)
   with pytest.raises(ValueError, match="must be a multiple of 8"):
     context.zigzag_order(60, 4)
+  # what a layer reads to take its row back to token order: n only inside the step's layout
+  assert context.to_layout(x, 1) is x and context.from_layout(x, 1) is x
+  with shd.mesh_context(_mesh(1, 1, 4, 2)):
+    with context.zigzag_layout():
+      assert context.layout_size() == 4
+    assert context.layout_size() == 1
+  with context.zigzag_layout():
+    assert context.layout_size() == 1  # no sequence axis
 
 
 # ------------------------------------------------------------------------------------------------
