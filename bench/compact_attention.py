@@ -97,7 +97,8 @@ VARIANTS = {"_fused": dict(fused_triton_bwd=True),        # Triton backward in o
             "_gather": dict(uncompact_by_gather=True),    # results back by a gather
             "_1wg": dict(mgpu_bwd_wgs=1),                 # Mosaic GPU backward, 1 warpgroup
             "_tbwd": dict(bwd_impl="triton"),             # Triton backward (Mosaic GPU forward)
-            "_xla": dict(glue_kernels=False)}             # XLA glue, bucket ladder + switch
+            "_xla": dict(glue_kernels=False),             # XLA glue, bucket ladder + switch
+            "_tglue": dict(glue_impl="triton")}           # Triton glue (next to Mosaic GPU)
 
 
 def variant_config(impl) -> CompactConfig:

@@ -138,6 +138,8 @@ class CompactConfig:
   mgpu_bwd_wgs: compute warpgroups per Mosaic GPU backward program (1 or 2).
   mgpu_named_barriers: the Mosaic GPU forward's hand-offs on hardware named barriers instead of
     mbarriers (interpret mode always uses mbarriers).
+  glue_impl: the glue kernels' backend ('triton' / 'mosaic_gpu'); None: each pass's kernel's
+    (Mosaic GPU next to Mosaic GPU, so Hopper runs no Triton call). For A/B timing.
   """
   bwd_impl: str | None = None
   fused_triton_bwd: bool = False
@@ -145,11 +147,15 @@ class CompactConfig:
   glue_kernels: bool = True
   mgpu_bwd_wgs: int = 2
   mgpu_named_barriers: bool = True
+  glue_impl: str | None = None
 
   def __post_init__(self):
     if self.bwd_impl not in (None, *IMPLS[1:]):
       raise ValueError(f"CompactConfig.bwd_impl={self.bwd_impl!r}: choose None or one of "
                        f"{IMPLS[1:]}")
+    if self.glue_impl not in (None, *glue.KERNELS):
+      raise ValueError(f"CompactConfig.glue_impl={self.glue_impl!r}: choose None or one of "
+                       f"{glue.KERNELS}")
     if self.mgpu_bwd_wgs not in (1, 2):
       raise ValueError(f"CompactConfig.mgpu_bwd_wgs={self.mgpu_bwd_wgs!r}: choose 1 or 2")
 
@@ -172,6 +178,7 @@ class _Config:
   mgpu_bwd_wgs: int = 2
   mgpu_named_barriers: bool = True
   glue_kernels: bool = False  # resolved: the config's switch and glue.supported(H)
+  glue_impl: str | None = None
 
 
 def _row_multiple(cfg: _Config) -> int:
@@ -181,9 +188,11 @@ def _row_multiple(cfg: _Config) -> int:
   return math.lcm(cfg.bs.q_multiple, cfg.bs_bwd.q_multiple, wgs * cfg.bs_bwd.block_q_dq)
 
 
-def _glue_kernel(backend: str) -> str:
+def _glue_kernel(cfg: _Config, backend: str) -> str:
   """The row copies (glue.py) of a pass run as that pass's kernel does: Mosaic GPU next to the
-  Mosaic GPU kernels (Hopper: no Triton call), else Triton."""
+  Mosaic GPU kernels (Hopper: no Triton call), else Triton; CompactConfig.glue_impl overrides."""
+  if cfg.glue_impl is not None:
+    return cfg.glue_impl
   return "mosaic_gpu" if backend == "mosaic_gpu" else "triton"
 
 
@@ -253,7 +262,7 @@ def _forward_impl(cfg: _Config, q, k, v, active, qpos, kvpos, qseg, kvseg):
       counts = cp.active_counts(active_BIT)
       if cfg.glue_kernels:
         q_c = glue.gather_rows(q, idx, counts, _row_multiple(cfg), interpret=bool(cfg.interpret),
-                               kernel=_glue_kernel(cfg.backend))
+                               kernel=_glue_kernel(cfg, cfg.backend))
       else:
         q_c = _gather(q, idx)
       extra = (dict(named_barriers=cfg.mgpu_named_barriers) if cfg.backend == "mosaic_gpu"
@@ -263,7 +272,7 @@ def _forward_impl(cfg: _Config, q, k, v, active, qpos, kvpos, qseg, kvseg):
                              interpret=cfg.interpret, poison=cfg.poison, **extra)
       if cfg.glue_kernels:
         return (glue.uncompact_rows(out_c, slot, interpret=bool(cfg.interpret),
-                                    kernel=_glue_kernel(cfg.backend)),
+                                    kernel=_glue_kernel(cfg, cfg.backend)),
                 cp.uncompact_BNC(lse_c, slot, -jnp.inf))
       return _scatter(cfg, out_c, idx, T, slot), _scatter_lse(cfg, lse_c, idx, T, slot)
     return f
@@ -293,7 +302,7 @@ def _backward_impl(cfg: _Config, res, dout, dlse):
       counts = cp.active_counts(active_BIT)
       if cfg.glue_kernels:
         mult, interp = _row_multiple(cfg), bool(cfg.interpret)
-        gk = _glue_kernel(cfg.bwd_backend)
+        gk = _glue_kernel(cfg, cfg.bwd_backend)
         q_c = glue.gather_rows(q, idx, counts, mult, interpret=interp, kernel=gk)
         do_c, delta = glue.gather_rows_delta(dout, out, idx, counts, mult, interpret=interp,
                                              kernel=gk)
@@ -500,7 +509,7 @@ def compact_attention(q_BTNH, k_BSKH, v_BSKH, active, *, q_positions_BT=None,
                   uncompact_by_gather=config.uncompact_by_gather,
                   mgpu_bwd_wgs=config.mgpu_bwd_wgs if bwd_impl == "mosaic_gpu" else 2,
                   mgpu_named_barriers=impl != "mosaic_gpu" or config.mgpu_named_barriers,
-                  glue_kernels=use_glue)
+                  glue_kernels=use_glue, glue_impl=config.glue_impl)
     out, lse = _kernel_attention_jit(cfg, q, k, v, active, qpos, kvpos, qseg, kvseg)
   return (out, lse) if return_lse else out
 

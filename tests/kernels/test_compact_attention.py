@@ -480,7 +480,8 @@ def test_mosaic_gpu_named_barriers_config_reaches_the_forward_kernel(monkeypatch
 
 @pytest.mark.parametrize("field,values", [("uncompact_by_gather", (False, True)),
                                           ("fused_triton_bwd", (False, True)),
-                                          ("glue_kernels", (False, True))])
+                                          ("glue_kernels", (False, True)),
+                                          ("glue_impl", (None, "mosaic_gpu"))])
 def test_config_fields_change_the_program(field, values):
   """Each CompactConfig field changes the traced program (it is part of the static config of the
   inner jit, so calls with other knobs never share a cached trace)."""
