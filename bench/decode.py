@@ -276,6 +276,8 @@ def define_flags():
                     "[lo, hi]", flag_values=fv)
   flags.DEFINE_string("serve_scheme", "dense", "the scheme of the serve rows (its shapes)",
                       flag_values=fv)
+  flags.DEFINE_integer("serve_admit", 0, "Engine.serve(admit=): most requests admitted into one "
+                       "prefill (0: slots; 1: one prompt per prefill)", flag_values=fv)
   flags.DEFINE_integer("serve_chunk", 512, "prefill chunk of the serve rows (both modes)",
                        flag_values=fv)
   flags.DEFINE_float("deadline_s", 0, "start no new row after this many seconds (0: none)",
@@ -783,10 +785,12 @@ def serve_rows(F, log) -> list[dict]:
   base = dict(scheme=scheme, kind="serve", shapes=shapes, B=S, T=longest, knobs=knobs,
               requests=len(reqs), prompt_range=[int(x) for x in F.serve_prompt],
               new_range=[int(x) for x in F.serve_new], chunk=eng.prefill_chunk,
+              admit=F.serve_admit or S,
               tokens=sum(m for _, m in reqs), prompt_tokens=int(sum(len(p) for p, _ in reqs)))
 
   def served():
-    g = eng.serve([Request(p, max_new_tokens=m) for p, m in reqs], 1, slots=S)
+    g = eng.serve([Request(p, max_new_tokens=m) for p, m in reqs], 1, slots=S,
+                  admit=F.serve_admit or None)
     return g.tokens, dict(steps=g.steps, ttft_s_median=statistics.median(g.ttft_s))
 
   def batched():

@@ -535,19 +535,24 @@ class Engine:
             stop_tokens: Sequence[int] = (), stop_strings: Sequence[str] = (),
             temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
             return_logits: bool = False,
-            on_text: Callable[[int, str], None] | None = None) -> Generation:
+            on_text: Callable[[int, str], None] | None = None,
+            admit: int | None = None) -> Generation:
     """Continuous batching: many requests through `slots` fixed rows of one cache.
 
     requests: prompts (token-id lists) or `Request`s (a prompt with its own max_new_tokens,
       temperature, top_p, seed, stop_tokens, stop_strings; a None field takes serve's argument).
-    Schedule: a free row takes the next waiting request; its prompt is prefilled alone (one row,
-    its own cache) in chunks of `chunk_for(longest prompt of the call)` (one compiled prefill
-    program for the call), ONE chunk per iteration, interleaved with the decode steps of the
-    rows already generating (they never wait for a whole prompt); the finished prefill is
-    inserted into its row of the batch cache (every leaf is batch-first: the row is overwritten
-    whole, so nothing of the row's previous request survives), and the row decodes with the
-    others, one token per step ([slots, 1]: the decode program every scheme declares). A row
-    whose request finished (stop token, stop string, its max_new_tokens) takes the next one.
+    Schedule: when rows are free and no prefill is under way, the next n = min(free rows,
+    waiting requests, `admit` (None: slots)) requests are admitted together: their prompts are
+    prefilled as one ragged batch (its own cache of A rows, A = n rounded up to a power of two
+    and capped at `admit`, so at most log2(admit) + 1 prefill programs compile; the padding rows
+    hold no token) in chunks of `chunk_for(longest prompt of the call)`, ONE chunk per
+    iteration, interleaved with the decode steps of the rows already generating (they never
+    wait for a whole prompt); a prompt whose last chunk ran is inserted into its row of the
+    batch cache at once (every leaf is batch-first: the row is overwritten whole, so nothing of
+    the row's previous request survives; the batch's later chunks hold no token of it), and the
+    row decodes with the others, one token per step ([slots, 1]: the decode program every
+    scheme declares). A row whose request finished (stop token, stop string, its
+    max_new_tokens) takes a next one. admit=1: one prompt per prefill.
     Each request gets what `generate` gives it: request i without its own seed draws as row i
     of `generate(prompts, seed=seed)`; a Request with seed s draws as `generate([prompt],
     seed=s)` (greedy is exact either way, up to the float rounding of batch composition).
@@ -555,7 +560,8 @@ class Engine:
     tokens); prefill_s is the time to the first request's first token, decode_s the rest,
     steps the decode steps; `ttft_s` per request (from the call's start to its first token on
     the host) and `schedule` (('prefill', request, chunk) / ('decode', active rows) events) say
-    how the requests were interleaved. on_text(request, text): as in `generate`.
+    how the requests were interleaved (a batched prefill chunk: one 'prefill' event per request
+    with a token in it). on_text(request, text): as in `generate`.
     """
     V = self.config.vocab_size
     if isinstance(requests, (str, bytes)) or not hasattr(requests, "__len__"):
@@ -565,6 +571,10 @@ class Engine:
     rows = check_prompts([r.prompt for r in reqs], V)
     if not isinstance(slots, (int, np.integer)) or isinstance(slots, bool) or slots < 1:
       raise ValueError(f"Engine.serve(slots={slots!r}) must be an int >= 1.")
+    admit = int(slots) if admit is None else admit
+    if not isinstance(admit, (int, np.integer)) or isinstance(admit, bool) or admit < 1:
+      raise ValueError(f"Engine.serve(admit={admit!r}) must be an int >= 1 (or None: slots).")
+    admit = min(int(admit), int(slots))
     default = _Knobs.check(self, max_new_tokens, stop_tokens, stop_strings, temperature, top_p,
                            seed, "Engine.serve")
     knobs = []
@@ -599,7 +609,7 @@ class Engine:
     req: list[int | None] = [None] * B   # the request each row is decoding
     fresh = np.zeros(B, bool)            # rows whose logits hold a token not chosen yet
     pos = np.zeros(B, np.int32)
-    pending = None                       # the prefill under way: [row, request, chunks, ...]
+    pending = None                       # the batched prefill under way (_Admission)
     schedule: list[tuple] = []
     steps, t_first = 0, None
 
@@ -619,31 +629,33 @@ class Engine:
       base = keep
 
     while True:
-      free = [b for b in range(B) if req[b] is None and (pending is None or pending[0] != b)]
-      if pending is None and waiting and free:
-        r = waiting.pop(0)
-        p = rows[r]
-        P = -(-len(p) // C) * C
-        tok = np.zeros((1, P), np.int32)
-        tok[0, :len(p)] = p
-        pending = [free[0], r, 0, tok, self.init_cache(1),
-                   self._commit(jnp.zeros((1, V), jnp.float32)), _RowStats()]
-      if pending is not None:  # one chunk of the waiting prompt
-        b, r, c, tok, one, one_logits, st = pending
-        p, P = rows[r], tok.shape[1]
+      if pending is None and waiting and any(r is None for r in req):
+        free = [b for b in range(B) if req[b] is None]
+        rs = [waiting.pop(0) for _ in range(min(len(free), len(waiting), admit))]
+        pending = _Admission(self, [rows[r] for r in rs], rs, free[:len(rs)], C, admit)
+      if pending is not None:  # one chunk of the admitted prompts
+        a = pending
+        c = a.c
         sl = slice(c, c + C)
-        posn = np.arange(c, c + C, dtype=np.int32)[None]
-        valid = posn < len(p)
-        one, one_logits, aux = self._step(
-            self.params, one, jnp.asarray(tok[:, sl]), jnp.asarray(posn), jnp.asarray(valid),
-            one_logits, self._commit(jnp.asarray([len(p)], np.int32)))
-        st.add(aux, valid.sum(1))
-        schedule.append(("prefill", r, c // C))
-        pending[2:6] = [c + C, tok, one, one_logits]
-        if c + C >= P:  # the prompt is in: the row joins the batch
-          cache, logits = _insert_row(cache, one, logits, one_logits, jnp.int32(b))
-          req[b], pos[b], fresh[b], started[b] = r, len(p), True, base + len(log)
-          prompt_stats[r] = st.row(0)
+        posn = np.broadcast_to(np.arange(c, c + C, dtype=np.int32), (a.A, C))
+        valid = posn < a.lengths[:, None]
+        a.cache, a.logits, aux = self._step(
+            self.params, a.cache, jnp.asarray(a.tokens[:, sl]), jnp.asarray(posn),
+            jnp.asarray(valid), a.logits, self._commit(jnp.asarray(a.lengths)))
+        a.stats.add(aux, valid.sum(1))
+        schedule.extend(("prefill", r, c // C) for j, r in enumerate(a.requests)
+                        if c < a.lengths[j])
+        a.c = c + C
+        for j, (b, r) in enumerate(zip(a.slots, a.requests)):
+          if a.inserted[j] or a.lengths[j] > a.c:
+            continue
+          # the prompt is in: the row joins the batch (later chunks hold none of its tokens)
+          cache, logits = _insert_row(cache, a.cache, logits, a.logits, jnp.int32(b),
+                                      jnp.int32(j))
+          req[b], pos[b], fresh[b], started[b] = r, a.lengths[j], True, base + len(log)
+          prompt_stats[r] = a.stats.row(j)
+          a.inserted[j] = True
+        if all(a.inserted):
           pending = None
       if fresh.any():
         need_host = any(outs[req[b]].needs_logits for b in np.flatnonzero(fresh))
@@ -764,11 +776,34 @@ def _reset_rows(cache, rows_B):
       cache)
 
 
+class _Admission:
+  """Engine.serve's batched prefill under way: the admitted requests' prompts as one ragged
+  batch of A rows (a power of two >= their count, <= admit; padding rows have length 0), its
+  cache and last logits, the next chunk's start `c`, which rows are inserted already."""
+
+  def __init__(self, engine, prompts, requests, slots, chunk: int, admit: int):
+    n = len(prompts)
+    self.A = min(1 << (n - 1).bit_length(), admit)
+    self.requests, self.slots, self.inserted = list(requests), list(slots), [False] * n
+    self.lengths = np.zeros(self.A, np.int32)
+    self.lengths[:n] = [len(p) for p in prompts]
+    P = -(-int(self.lengths.max()) // chunk) * chunk
+    self.tokens = np.zeros((self.A, P), np.int32)
+    for j, p in enumerate(prompts):
+      self.tokens[j, :len(p)] = p
+    self.cache = engine.init_cache(self.A)
+    self.logits = engine._commit(jnp.zeros((self.A, engine.config.vocab_size), jnp.float32))
+    self.stats = _RowStats()
+    self.c = 0
+
+
 @functools.partial(jax.jit, donate_argnums=(0, 2))
-def _insert_row(cache, one, logits_BV, one_logits_1V, b):
-  """Row b of the batch cache (and logits) overwritten by a one-row cache (in place: donated)."""
-  put = lambda x, y: jax.lax.dynamic_update_index_in_dim(x, y[0].astype(x.dtype), b, 0)
-  return jax.tree.map(put, cache, one), put(logits_BV, one_logits_1V)
+def _insert_row(cache, part, logits_BV, part_logits_AV, b, j):
+  """Row b of the batch cache (and logits) overwritten by row j of another cache (a batched
+  prefill's; in place: the batch cache is donated)."""
+  put = lambda x, y: jax.lax.dynamic_update_index_in_dim(
+      x, jax.lax.dynamic_index_in_dim(y, j, 0, keepdims=False).astype(x.dtype), b, 0)
+  return jax.tree.map(put, cache, part), put(logits_BV, part_logits_AV)
 
 
 @jax.jit

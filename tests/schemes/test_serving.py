@@ -1,6 +1,6 @@
-"""Continuous batching (`Engine.serve`): requests of mixed lengths through 2 fixed slots (a
-finished row takes the next prompt, prefilled in its own one-row cache and inserted) give each
-request what `generate` gives it alone (greedy, or sampled with its own temperature / top_p /
+"""Continuous batching (`Engine.serve`): requests of mixed lengths through fixed slots (free
+rows take the next prompts, admitted together: prefilled as one ragged batch in its own cache,
+each row inserted when its prompt is in) give each request what `generate` gives it alone (greedy, or sampled with its own temperature / top_p /
 seed / max_new_tokens; its routing statistics too), on the conformance suite's tiny L2A model
 (a window ring and a full cache per layer; all six schemes were checked by hand the same way);
 a new prompt's prefill chunks alternate with the other rows' decode steps; `reset_rows` empties
@@ -20,12 +20,16 @@ NEW = (5, 3)  # the slots free at different steps
 
 
 def test_serve_equals_per_request_generation():
-  """L2A's tiny model: both cache kinds (window ring, full cache) are reset and reused."""
+  """L2A's tiny model: both cache kinds (window ring, full cache) are reset and reused; 2 slots
+  (requests 0 and 1 admitted in one prefill, then one at a time), and 4 slots for 3 requests
+  (one prefill of 3 prompts in 4 rows, one of them padding)."""
   eng = engine("l2a", 4)
-  for new in NEW:
-    got = eng.serve(REQUESTS, new, slots=2).tokens
-    want = [eng.generate([p], new).tokens[0] for p in REQUESTS]
-    assert got == want, (new, got, want)
+  for new, slots, reqs in ((NEW[0], 2, REQUESTS), (NEW[1], 4, REQUESTS[:3])):
+    got = eng.serve(reqs, new, slots=slots)
+    want = [eng.generate([p], new).tokens[0] for p in reqs]
+    assert got.tokens == want, (new, got.tokens, want)
+    n = min(slots, len(reqs))  # admitted together: their first chunks come first
+    assert got.schedule[:n] == [("prefill", r, 0) for r in range(n)], got.schedule
 
 
 def test_serve_samples_each_request_as_its_own_generation():
@@ -54,11 +58,16 @@ def test_serve_samples_each_request_as_its_own_generation():
 
 
 def test_prefill_chunks_interleave_with_decode_steps():
-  """The 14-token prompt (4 chunks of 4) is prefilled while the other row (request 1, 8 new
-  tokens) decodes: a decode step runs between each two of its chunks."""
+  """One prompt per prefill (admit=1): the 14-token prompt (4 chunks of 4) is prefilled while
+  the other row (request 1, 8 new tokens) decodes: a decode step runs between each two of its
+  chunks. Admitted together (the default), requests 0 (9 tokens: 3 chunks) and 1 (3 tokens)
+  share their first chunk, and request 1 decodes between request 0's later chunks."""
   eng = engine("l2a", 4)
-  got = eng.serve([REQUESTS[0], Request(REQUESTS[1], max_new_tokens=8)] + REQUESTS[2:], 5,
-                  slots=2)
+  reqs = [REQUESTS[0], Request(REQUESTS[1], max_new_tokens=8)] + REQUESTS[2:]
+  ev = eng.serve(reqs, 5, slots=2).schedule
+  assert ev[:6] == [("prefill", 0, 0), ("prefill", 1, 0), ("decode", 1), ("prefill", 0, 1),
+                    ("decode", 1), ("prefill", 0, 2)], ev
+  got = eng.serve(reqs, 5, slots=2, admit=1)
   ev = got.schedule
   chunks = [i for i, e in enumerate(ev) if e[:2] == ("prefill", 2)]
   assert len(chunks) == 4
@@ -69,6 +78,8 @@ def test_prefill_chunks_interleave_with_decode_steps():
     eng.serve([REQUESTS[0], Request(REQUESTS[1], max_new_tokens=0)], 2, slots=2)
   with pytest.raises(ValueError, match=r"request 0: top_p=0.0 must be in"):
     eng.serve([Request(REQUESTS[0], top_p=0.0)], 2, slots=2)
+  with pytest.raises(ValueError, match=r"admit=0\) must be an int >= 1"):
+    eng.serve(REQUESTS, 2, slots=2, admit=0)
 
 
 def test_reset_rows_empties_only_those_rows():
