@@ -15,7 +15,7 @@ a function `<scheme>_section(args) -> Section` and an entry in SECTIONS.
 L2A (the default): bench/l2a_learning.py's `demo` preset; the dense model is
 tests/fixtures/l2a/mqar_dense.npz (trained by that bench's full run).
 AHA (--scheme=aha): bench/aha_window_sweep.py's `demo` preset at window 16; the dense model is
-trained in the run (300 steps, seconds).
+tests/fixtures/aha/fused_recall_dense.npz (the preset's 300 dense steps at seed 0).
 Segmented (--scheme=segmented): bench/segmented_fidelity.py's task and 'cpu' preset (one seed):
 aligned vs misaligned fine-tunes of a dense model (tests/fixtures/segmented/), served segmented,
 against full attention; the serving memory (inference.Engine) at two context lengths.
@@ -24,7 +24,7 @@ a dense model (tests/fixtures/elastic/); controls: every head SSA, the instructi
 hidden.
 MATCH (--scheme=match): bench/match_mqar.py's MQAR models at length 64 (SWA, MATCH, random
 retrieval), held-out answers within / beyond the window.
-The segmented and Elastic fixtures are made by `--dense_from_scratch` (written to
+The AHA, segmented and Elastic fixtures are made by `--dense_from_scratch` (written to
 <workdir>/dense.npz).
 """
 from __future__ import annotations
@@ -52,6 +52,7 @@ METRICS = "demo_metrics.json"
 DENSE_FIXTURE = os.path.join(ROOT, "tests", "fixtures", "l2a", "mqar_dense.npz")
 SEGMENTED_DENSE = os.path.join(ROOT, "tests", "fixtures", "segmented", "recall_copy_dense.npz")
 ELASTIC_DENSE = os.path.join(ROOT, "tests", "fixtures", "elastic", "instructed_recall_dense.npz")
+AHA_DENSE = os.path.join(ROOT, "tests", "fixtures", "aha", "fused_recall_dense.npz")
 ELASTIC_TARGETS = (0.5, 1.0)  # target Omega of the recall and recent rows
 # Router and multiplier lrs of the Elastic section: at the bench's (1e-2, 3e-2) the router's
 # logits saturate within ~50 steps, before the multipliers grow (a run here: Omega 48% / 62%,
@@ -245,13 +246,19 @@ def aha_section(workdir: str, steps: int | None, seed: int) -> Section:
   say(f"AHA demo: a {s.num_layers}-layer, {s.num_heads}-head OLMo-2-shaped decoder on fused "
       f"recall ({s.seq_len} tokens, {s.num_queries} queries a row, each fact log-uniformly "
       f"1..{s.seq_len - 2} tokens before its query: {pct(1 - np.log(w) / np.log(s.seq_len - 2))} "
-      f"of them beyond a {w}-token window). Dense training, then conversion to AHA (window {w}, "
-      f"tau {s.tau}, lambda {s.lam}) and {s.aha_steps} AHA steps.", "")
+      f"of them beyond a {w}-token window). A dense model that solves it ({s.dense_steps} "
+      f"steps of full attention), converted to AHA (window {w}, tau {s.tau}, lambda {s.lam}) "
+      f"and trained {s.aha_steps} AHA steps.", "")
   log = lambda m: print("  " + m, flush=True)
-  init = nn.unbox(Decoder(cfg).init(jax.random.key(s.seed),
-                                    jnp.zeros((1, s.seq_len), jnp.int32))["params"])
-  dense_p, _ = sweep.train(cfg, init, task, steps=s.dense_steps, lr=s.dense_lr, phase=0,
-                           name="dense", log=log)
+
+  def train_dense():
+    init = nn.unbox(Decoder(cfg).init(jax.random.key(s.seed),
+                                      jnp.zeros((1, s.seq_len), jnp.int32))["params"])
+    return sweep.train(cfg, init, task, steps=s.dense_steps, lr=s.dense_lr, phase=0,
+                       name="dense", log=log)[0]
+  dense_p, source = _dense_params(workdir, AHA_DENSE, train_dense,
+                                  f"{s.dense_steps} steps of full attention")
+  print(f"Dense model: {source}.", flush=True)
   d = sweep.evaluate(cfg, dense_p, task, (w,))
   acfg, ap = attention.convert(dense_p, cfg, "aha", window=w, tau=s.tau, lam=s.lam,
                                     router_bias_init=s.router_bias_init)
@@ -309,7 +316,8 @@ def aha_section(workdir: str, steps: int | None, seed: int) -> Section:
             "--config.data.paths='/data/tulu-3-sft/*.jsonl'")
   commands = [f"python train.py --config={real} --workdir=DIR {fields}",
               "python eval.py --checkpoint=DIR --config.model.scheme.tau=0.7"]
-  metrics = dict(settings=dataclasses.asdict(s), dense=d, aha={k: v for k, v in r.items()},
+  metrics = dict(settings=dataclasses.asdict(s), dense_source=source, dense=d,
+                 aha={k: v for k, v in r.items()},
                  local_only_at_conversion=local, tau_knob={str(t): k for t, k in knob.items()},
                  usage=rep["usage"], aha_history=hist, verdict=verdict, commands=commands)
   return Section(metrics=metrics, claims=claims,
@@ -317,7 +325,7 @@ def aha_section(workdir: str, steps: int | None, seed: int) -> Section:
 
 
 # ----------------------------------------------------------------------------------------------
-# Dense models of the fixtures (segmented, Elastic)
+# Dense models of the fixtures (AHA, segmented, Elastic)
 # ----------------------------------------------------------------------------------------------
 def _dense_params(workdir: str, fixture: str, train: Callable[[], Any], what: str):
   """The section's trained dense model: the committed `fixture` (an npz of

@@ -101,8 +101,9 @@ def test_demo_unknown_scheme_is_one_line(tmp_path):
 
 @pytest.mark.slow
 def test_demo_aha_claims(tmp_path):
-  """`make demo SCHEME=aha`: dense model trained in the run, converted, AHA-trained; the numbers
-  come from this run and the margins can be missed."""
+  """`make demo SCHEME=aha`: the dense model (tests/fixtures/aha/, made by the demo's own dense
+  training: --dense_from_scratch), converted and AHA-trained; the numbers come from this run and
+  the margins can be missed."""
   wd = str(tmp_path / "aha")
   p = _demo(["--scheme=aha", f"--workdir={wd}"])
   path = os.path.join(wd, "demo_metrics.json")
@@ -120,6 +121,7 @@ def test_demo_aha_claims(tmp_path):
   # tau is a test-time knob: a higher threshold sends fewer pairs to full attention
   lo, hi = m["tau_knob"]["0.3"], m["tau_knob"]["0.7"]
   assert lo["mu_f"] >= aha["mu_f"] >= hi["mu_f"] and lo["mu_f"] > hi["mu_f"], m["tau_knob"]
+  assert m["dense_source"] == "tests/fixtures/aha/fused_recall_dense.npz"
   assert len(m["usage"]) == 2 and len(m["usage"][0]) == 4
   assert os.path.getsize(os.path.join(wd, "aha_usage.png")) > 1000
   assert all(c["ok"] for c in m["claims"]), m["claims"]
