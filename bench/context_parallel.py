@@ -16,7 +16,7 @@ Cases (q [1, T, 12, 128], k / v [1, T, 2, 128] bf16, one document, zigzag layout
                the sequence axis (n > 1 only): whether the devices' collectives run at all.
 Per row: compile_s (AOT compile of fwd + bwd), fwd_ms / fwd_bwd_ms (median of --reps calls
 after a warm-up, common.time_call), collectives of the compiled fwd + bwd (op -> [count, result
-MiB], loops counted once), peak_bytes (max over the row's devices; None on CPU). The parent adds
+MiB x loop trips]: condattn_jax/parallel/hlo.py), peak_bytes (max over the row's devices; None on CPU). The parent adds
 efficiency = time at n = 1 / (n x time at n) for fwd and fwd + bwd. A row killed by
 --case_timeout_s records its last phase (devices / inputs / compiled / warm / fwd / fwd_bwd).
 Writes <out_dir>/context_parallel_<device>.json (one run per invocation; no claims: measurements).
@@ -24,9 +24,7 @@ Writes <out_dir>/context_parallel_<device>.json (one run per invocation; no clai
 from __future__ import annotations
 
 import json
-import math
 import os
-import re
 import subprocess
 import sys
 import time
@@ -56,26 +54,11 @@ flags.DEFINE_bool("inprocess", False, "every row in this process (CPU check; no 
                   flag_values=FLAGS)
 flags.DEFINE_string("row", None, "internal: run one row (JSON) and print it", flag_values=FLAGS)
 
-_COLLECTIVE = re.compile(r"= (.+?) (all-gather|all-reduce|reduce-scatter|collective-permute|"
-                         r"all-to-all)(?:-start)?\(")
-_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "pred": 1, "s8": 1, "u8": 1}
-
-
 def collectives(hlo_text: str) -> dict:
-  """{op: [count, result MiB]} of a compiled HLO module's collectives (an op in a loop body
-  counted once)."""
-  out: dict[str, list] = {}
-  for line in hlo_text.splitlines():
-    m = _COLLECTIVE.search(line)
-    if not m:
-      continue
-    nbytes = 0
-    for dt, dims in re.findall(r"(\w+)\[([\d,]*)\]", m.group(1)):
-      nbytes += _BYTES.get(dt, 0) * math.prod(int(d) for d in dims.split(",") if d)
-    c = out.setdefault(m.group(2), [0, 0.0])
-    c[0] += 1
-    c[1] = round(c[1] + nbytes / 2**20, 3)
-  return out
+  """{op: [count, result MiB x loop trips]} of a compiled module (condattn_jax.parallel.hlo)."""
+  from condattn_jax.parallel import hlo
+  return {op: [v["count"], round(v["bytes"] / 2**20, 3)]
+          for op, v in hlo.summary(hlo.collectives(hlo_text))["ops"].items()}
 
 
 def run_row(case: str, n: int, T: int, *, tiny: bool = False, window: int = 4096,

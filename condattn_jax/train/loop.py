@@ -390,7 +390,10 @@ def dry_run(config, *, devices=None, print_fn=print) -> dict[str, Any]:
     ''             this host's devices, no verdict.
   report['memory_per_device']: params / optimizer / batch (the state's shards), activations (an
   estimate of the layer inputs kept for the backward, part of temp), the compiler's argument /
-  output / alias / temp sizes and peak = argument + output - alias + temp."""
+  output / alias / temp sizes and peak = argument + output - alias + temp.
+  report['collectives'] (more than one device): condattn_jax.parallel.hlo.summary of the
+  compiled step: per collective op its count and result bytes x loop trips, their total, and
+  how many sit under a conditional."""
   t0 = time.time()
   target = str(config.train.get("dry_run_device") or "")
   label, capacity, platform = config_lib.DRY_RUN_DEVICES.get(target, (None, None, None))
@@ -466,6 +469,9 @@ def dry_run(config, *, devices=None, print_fn=print) -> dict[str, Any]:
     spare = capacity - m["peak_estimate_bytes"]
     report["verdict"] = dict(device=label, capacity_bytes=capacity, fits=spare >= 0,
                              spare_bytes=spare, try_=[] if spare >= 0 else _suggestions(setup))
+  if compiled is not None and setup.mesh.devices.size > 1:
+    from condattn_jax.parallel import hlo
+    report["collectives"] = hlo.summary(hlo.collectives(compiled.as_text()))
   if compiled is not None:
     try:
       cost = compiled.cost_analysis()
@@ -518,6 +524,13 @@ def format_dry_run(r: dict) -> str:
     lines.append(f"  memory per device: {src}")
   if r.get("memory_note"):
     lines.append(f"    ({r['memory_note']})")
+  col = r.get("collectives")
+  if col:
+    ops = ", ".join(f"{k} {v['count']} ({_fmt_bytes(v['bytes'])})" for k, v in col["ops"].items())
+    lines.append(f"  collectives per step [{src}]: {_fmt_bytes(col['total_bytes'])} of results x "
+                 f"loop trips; {ops or 'none'}"
+                 + (f"; {col['in_conditional']} under a conditional" if col["in_conditional"]
+                    else ""))
   v = r.get("verdict")
   if v:
     gib = abs(v["spare_bytes"]) / 2**30

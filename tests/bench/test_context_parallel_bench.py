@@ -31,11 +31,3 @@ def test_tiny_rows_on_two_cpu_devices(tmp_path):
     assert r["fwd_efficiency"] > 0 and r["fwd_bwd_efficiency"] > 0
   assert set(rows["collectives", 2]["collectives"]) == {"all-gather", "collective-permute",
                                                         "all-reduce"}
-
-
-def test_collectives_are_counted_with_their_result_bytes():
-  hlo = ("  %ag = bf16[1,1024,2,128]{3,2,1,0} all-gather(%k), channel_id=1, dimensions={1}\n"
-         "  %ar = (f32[8,4]{1,0}, f32[]) all-reduce(%a, %b), channel_id=2, to_apply=%add\n"
-         "  %ag2 = bf16[1,1024,2,128]{3,2,1,0} all-gather-start(%v), channel_id=3\n"
-         "  %x = f32[4]{0} add(%p, %q)\n")
-  assert cp.collectives(hlo) == {"all-gather": [2, 1.0], "all-reduce": [1, 0.0]}

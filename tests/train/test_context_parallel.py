@@ -431,3 +431,52 @@ def test_chunked_cross_entropy_runs_each_shards_own_tokens(mesh):
   summed = [l for l in hlo.splitlines() if re.search(r" all-reduce\(", l)
             and re.search(rf"\[({D},{V}|{V},{D})\]", l.split("=", 1)[1].split(" all-reduce(")[0])]
   assert len(summed) <= 1, summed
+
+
+# ------------------------------------------------------------------------------------------------
+# What a compiled step moves (condattn_jax/parallel/hlo.py; the dry run's collectives line)
+# ------------------------------------------------------------------------------------------------
+
+_HLO = """HloModule step
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%branch.t (p: f32[4]) -> f32[4] {
+  %p = f32[4]{0} parameter(0)
+  ROOT %ar = f32[4]{0} all-reduce(%p), channel_id=3, replica_groups=mesh['data'=1,'sequence'=2] {'sequence'}, to_apply=%add
+}
+
+%body.1 (t: (s32[], bf16[2,8])) -> (s32[], bf16[2,8]) {
+  %t = (s32[], bf16[2,8]{1,0}) parameter(0)
+  %ag = bf16[4,8]{1,0} all-gather(%x), channel_id=1, replica_groups=mesh['data'=1,'sequence'=2] {'sequence'}, dimensions={0}
+  %cp = (bf16[2,8]{1,0}, bf16[2,8]{1,0}) collective-permute(%x, %y), channel_id=2, source_target_pairs={{0,1}}
+  %c = f32[4]{0} conditional(%pred, %v, %v), true_computation=%branch.t, false_computation=%branch.f
+}
+
+ENTRY %main (p0: bf16[2,8]) -> bf16[2,8] {
+  %w = (s32[], bf16[2,8]{1,0}) while(%init), condition=%cond.1, body=%body.1, backend_config={"known_trip_count":{"n":"28"}}
+  %rs = f32[2,8]{1,0} reduce-scatter(%g), channel_id=4, replica_groups=mesh['data'=1,'sequence'=2] {'sequence'}, dimensions={0}, to_apply=%add
+}
+"""
+
+
+def test_compiled_collectives_count_loop_trips_and_conditionals():
+  from condattn_jax.parallel import hlo
+  got = {c["op"]: c for c in hlo.collectives(_HLO)}
+  assert set(got) == {"all-reduce", "all-gather", "collective-permute", "reduce-scatter"}
+  assert (got["all-gather"]["bytes"], got["all-gather"]["trips"]) == (64, 28)
+  assert got["all-gather"]["axes"] == "sequence" and got["collective-permute"]["axes"] == ""
+  assert got["collective-permute"]["bytes"] == 64  # a tuple's elements summed
+  assert got["all-reduce"]["in_conditional"] and got["all-reduce"]["trips"] == 28
+  assert not got["all-gather"]["in_conditional"] and got["reduce-scatter"]["trips"] == 1
+  s = hlo.summary(hlo.collectives(_HLO))
+  assert s["total_bytes"] == 64 * 28 + 64 * 28 + 16 * 28 + 64 and s["in_conditional"] == 1
+  assert list(s["ops"]) == ["all-gather", "collective-permute", "all-reduce", "reduce-scatter"]
+  report = dict(params=dict(total=1), model={}, mesh={}, devices=2, global_batch=1, seq_len=8,
+                model_line="  model", memory_source="src", collectives=s, compile_seconds=1.0)
+  assert ("  collectives per step [src]: 4.00 KiB of results x loop trips; all-gather 1 (1.75 KiB)"
+          in loop.format_dry_run(report))
+  assert "1 under a conditional" in loop.format_dry_run(report)
