@@ -132,7 +132,7 @@ def test_block_lists_split_with_the_query_blocks(mesh, strategy, window):
   under sequence parallelism: their query-block axis laid out like the tokens (zigzag, whole
   blocks per chunk), their kv entries blocks of the natural row (the gathered K/V are put back
   in natural order): out and dQ / dK / dV == the unsharded reference (fp32, 1e-5), heads mixing
-  HEAD_FULL and HEAD_BLOCKS, padded lists, documents; lists take the gather path whatever the
+  HEAD_FULL, HEAD_BLOCKS and (with a window) HEAD_WINDOW_BLOCKS, padded lists, documents; lists take the gather path whatever the
   strategy (ring steps and halos hold other key blocks). A block_q that does not divide a
   chunk is refused in one line."""
   rng = np.random.default_rng(0)
@@ -146,6 +146,8 @@ def test_block_lists_split_with_the_query_blocks(mesh, strategy, window):
   lists[..., -1] = np.where(rng.random((B, N, Q)) < 0.3, -1, lists[..., -1])
   mode = jnp.asarray([[ops.HEAD_FULL, ops.HEAD_BLOCKS, ops.HEAD_BLOCKS, ops.HEAD_FULL],
                       [ops.HEAD_BLOCKS] * N], jnp.int32)
+  if window:  # MATCH's "window OR its listed blocks" heads too
+    mode = mode.at[:, 2].set(ops.HEAD_WINDOW_BLOCKS)
   weights = jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.float32)
 
   def loss(q, k, v, sharded, block_q=bq):
@@ -154,7 +156,7 @@ def test_block_lists_split_with_the_query_blocks(mesh, strategy, window):
       arrays, kb = tuple(context.to_layout(x, n) for x in arrays), context.to_layout(kb, n, axis=2)
     q, k, v, s, p = arrays
     bl = ops.BlockLists(kb if block_q == bq else kb[:, :, ::block_q // bq], mode, block_q=block_q,
-                        block_k=bk)
+                        block_k=bk, window_blocks=bool(window))
     mask = ops.MaskSpec(p, p, s, s, window=window, block_lists=bl, contiguous=True)
     with context.zigzag_layout(sharded):
       out = ops.attention(q, k, v, mask, impl="reference")
