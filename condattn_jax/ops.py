@@ -36,7 +36,8 @@ Implementations (one vocabulary):
                       cuda -> decode over a full cache (kv_lengths_B, T = 1, no window, no
                               per-head active set): cudnn;
                               other decode over a cache (`decode_kernel_reasons`: a window,
-                              sinks, a per-head active set, a few queries per row with a fill):
+                              sinks, a per-head active set, block lists, a few queries per row
+                              with a fill):
                               the decode kernel (pallas_kernels.decode, the resolver's pick:
                               Mosaic GPU on Hopper; Mosaic TPU on tpu), forward only (its VJP
                               is the reference's); with the backend's
@@ -303,8 +304,9 @@ def decode_reasons(q, mask: MaskSpec) -> list[str]:
 def decode_kernel_reasons(q, mask: MaskSpec) -> list[str]:
   """Why the decode kernels (pallas_kernels.decode) cannot take the call (empty: they can,
   shapes aside: their backends' supports() say that): a decode over a cache, i.e. a fill
-  (kv_lengths_B) or a single query per row, not contiguous self-attention, no query segment ids
-  or block lists. Window, sinks and an active set per row or per head are theirs."""
+  (kv_lengths_B) or a single query per row, not contiguous self-attention, no query segment
+  ids. Window, sinks, an active set per row or per head and block lists (every head mode; the
+  backends take blocks of a multiple of their kv tile) are theirs."""
   why = []
   if mask.contiguous:
     why.append("contiguous self-attention (not a decode over a cache)")
@@ -312,8 +314,6 @@ def decode_kernel_reasons(q, mask: MaskSpec) -> list[str]:
     why.append(f"{q.shape[1]} queries per row without a cache fill (MaskSpec.kv_lengths_B)")
   if mask.q_segment_ids_BT is not None:
     why.append("query segment ids")
-  if mask.block_lists is not None:
-    why.append("block lists")
   return why
 
 
@@ -715,11 +715,15 @@ def _decode_kernel(scale, backend, interpret: Any = False):
   def fn(q, k, v, mask):
     @jax.custom_vjp
     def run(q, k, v, mask):
+      bl = mask.block_lists
+      lists = {} if bl is None else dict(
+          kv_blocks_BNQL=bl.kv_blocks_BNQL, head_mode_BN=bl.head_mode_BN, block_q=bl.block_q,
+          list_block_k=bl.block_k)
       return backend(q, k, v, q_positions_BT=mask.q_positions_BT,
                      kv_positions_BS=mask.kv_positions_BS, kv_lengths_B=mask.kv_lengths_B,
                      kv_valid_BS=mask.kv_segment_ids_BS if mask.kv_lengths_B is None else None,
                      active=mask.active, window=mask.window, sinks=mask.sinks, scale=scale,
-                     interpret=interpret)
+                     interpret=interpret, **lists)
 
     def run_fwd(q, k, v, mask):
       return run(q, k, v, mask), (q, k, v, mask)
@@ -771,7 +775,9 @@ def _auto(scale, platform):
   def fn(q, k, v, mask):
     decode_backend = None
     if not decode_kernel_reasons(q, mask):
-      decode_backend, _ = resolve("decode", "auto", q.shape, k.shape, q.dtype, platform)
+      lb = None if mask.block_lists is None else mask.block_lists.block_k
+      decode_backend, _ = resolve("decode", "auto", q.shape, k.shape, q.dtype, platform,
+                                  list_block_k=lb)
     if (platform.name == "cuda" and not decode_reasons(q, mask)
         and cudnn_available() is None
         and not (decode_backend is not None and decode_backend.config.over_cudnn)):
@@ -779,7 +785,7 @@ def _auto(scale, platform):
         return cudnn_decode(q, k, v, mask)
       except NotImplementedError:  # this GPU / cuDNN cannot take the shape
         pass
-    if decode_backend is not None:  # window / sinks / per-head active / a few queries
+    if decode_backend is not None:  # window / sinks / per-head active / lists / a few queries
       return _decode_kernel(scale, decode_backend)(q, k, v, mask)
     if platform.name == "cuda" and not _fused_reasons(q, mask):
       if not cudnn_reasons(q, mask) and cudnn_available() is None:

@@ -42,6 +42,8 @@ from pallas_kernels.backends import Platform, platform_reason
 
 from .reference import merge_parts, reference_decode_attention
 
+HEAD_FULL, HEAD_BLOCKS, HEAD_WINDOW_BLOCKS = 0, 1, 2   # ops.BlockLists' head modes
+
 IMPLS = ("reference", "mosaic_gpu", "mosaic_tpu")
 NO_QUERY = -(2 ** 31) + 1   # the position of a padding / inactive query row: sees no key
 MGPU_ROWS = 64              # one wgmma M tile: the query rows of a Mosaic GPU program
@@ -101,10 +103,10 @@ def num_parts(B: int, K: int, ntiles: int, cfg: DecodeConfig) -> int:
   return P
 
 
-def kernel_support(impl: str, q_shape, kv_shape, dtype, cfg: DecodeConfig = DecodeConfig()
-                   ) -> str | None:
-  """None if kernel `impl` takes [B, T, N, H] queries over [B, S, K, H] keys of `dtype`, else why
-  not (one line)."""
+def kernel_support(impl: str, q_shape, kv_shape, dtype, cfg: DecodeConfig = DecodeConfig(),
+                   list_block_k: int | None = None) -> str | None:
+  """None if kernel `impl` takes [B, T, N, H] queries over [B, S, K, H] keys of `dtype` (with
+  block lists of list_block_k slots a block, when given), else why not (one line)."""
   if impl == "reference":
     return None
   if impl not in IMPLS:
@@ -134,6 +136,10 @@ def kernel_support(impl: str, q_shape, kv_shape, dtype, cfg: DecodeConfig = Deco
   if S < bk:
     why.append(f"cache length {S} < the kv tile {bk} (DecodeConfig.block_k): use a smaller "
                "block_k or the reference")
+  if list_block_k is not None and list_block_k % bk:
+    why.append(f"block lists of {list_block_k}-slot blocks (BlockLists.block_k): the decode "
+               f"kernels read whole listed blocks in tiles of {bk}; use blocks of a multiple of "
+               f"{bk} slots")
   return "; ".join(why) or None
 
 
@@ -165,6 +171,43 @@ def unfold_rows(o_BKRH, T: int, N: int):
   G = N // K
   o = o_BKRH[:, :, :T * G].reshape(B, K, T, G, H).transpose(0, 2, 1, 3, 4)
   return o.reshape(B, T, N, H)
+
+
+def fold_lists(kv_blocks_BNQL, head_mode_BN, T: int, K: int, rows: int, block_q: int):
+  """(lists_BKRL int32 [B, K, rows, L], mode_BKR int32 [B, K, rows]): the block list and head
+  mode of each folded query row (row t * G + g of kv head k: head k * G + g, query block
+  t // block_q); head_mode_BN None = HEAD_BLOCKS; padding rows list nothing."""
+  B, N, _, L = kv_blocks_BNQL.shape
+  G = N // K
+  lists = kv_blocks_BNQL.astype(jnp.int32)[:, :, jnp.arange(T) // block_q]     # [B, N, T, L]
+  lists = lists.reshape(B, K, G, T, L).transpose(0, 1, 3, 2, 4).reshape(B, K, T * G, L)
+  mode = (jnp.full((B, N), HEAD_BLOCKS, jnp.int32) if head_mode_BN is None
+          else head_mode_BN.astype(jnp.int32))
+  mode = jnp.broadcast_to(mode.reshape(B, K, 1, G), (B, K, T, G)).reshape(B, K, T * G)
+  pad = rows - T * G
+  lists = jnp.pad(lists, ((0, 0), (0, 0), (0, pad), (0, 0)), constant_values=-1)
+  mode = jnp.pad(mode, ((0, 0), (0, 0), (0, pad)), constant_values=HEAD_BLOCKS)
+  return lists, mode
+
+
+def listed_tiles(lists_BKRL, mode_BKR, qpos_BKR, runs_BK3, *, num_kv_tiles: int,
+                 per_block: int):
+  """(listed_BKE int32 [B, K, E], count_BK int32): the tiles of the blocks (per_block tiles a
+  block) listed by a (row, kv head)'s active rows in a mode other than HEAD_FULL, outside its
+  runs (a tile is read once), ascending and distinct, `count` of them first (the rest 0)."""
+  B, K, R, L = lists_BKRL.shape
+  nT, m = num_kv_tiles, per_block
+  use = (mode_BKR != HEAD_FULL) & (qpos_BKR != NO_QUERY)
+  e = lists_BKRL
+  tiles = e[..., None] * m + jnp.arange(m, dtype=jnp.int32)                   # [B, K, R, L, m]
+  ok = (use[..., None] & (e >= 0))[..., None] & (tiles >= 0) & (tiles < nT)
+  r = runs_BK3[:, :, None, None, None, :]
+  ok &= ~((tiles < r[..., 0]) | ((tiles >= r[..., 1]) & (tiles < r[..., 2])))
+  flat = jnp.sort(jnp.where(ok, tiles, nT).reshape(B, K, -1), axis=-1)
+  dup = jnp.concatenate([jnp.zeros((B, K, 1), bool), flat[..., 1:] == flat[..., :-1]], axis=-1)
+  flat = jnp.sort(jnp.where(dup, nT, flat), axis=-1)
+  count = jnp.sum(flat < nT, axis=-1).astype(jnp.int32)
+  return jnp.where(flat < nT, flat, 0), count
 
 
 def tile_runs(qpos_BKR, kv_positions_BS, kv_lengths_B, kv_valid_BS, *, window, sinks, block_k):
@@ -219,33 +262,62 @@ def tile_runs(qpos_BKR, kv_positions_BS, kv_lengths_B, kv_valid_BS, *, window, s
 
 
 def plan(q_BTNH, k_BSKH, *, q_positions_BT, kv_positions_BS, kv_lengths_B, kv_valid_BS, active,
-         window, sinks, block_k, rows):
-  """(q_BKRH, qpos_BKR, runs_BK3): the kernels' inputs (see the module docstring)."""
-  K = k_BSKH.shape[2]
+         window, sinks, block_k, rows, kv_blocks_BNQL=None, head_mode_BN=None, block_q=1,
+         list_block_k=None):
+  """(q_BKRH, qpos_BKR, runs_BK4, lists): the kernels' inputs (see the module docstring).
+  runs_BK4: (sink_end, win_lo, win_hi, listed count) per (row, kv head); lists: None, or
+  (lists_BKRL, mode_BKR, listed_BKE) with block lists (`fold_lists`, `listed_tiles`): the runs
+  are then those of the rows not in HEAD_BLOCKS mode (HEAD_FULL: the usual mask;
+  HEAD_WINDOW_BLOCKS: its window too), the listed tiles those of the rows not in HEAD_FULL."""
+  B, T, N, _ = q_BTNH.shape
+  S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   q_BKRH, qpos_BKR = fold_queries(q_BTNH, q_positions_BT, active, K, rows)
-  runs = tile_runs(qpos_BKR, kv_positions_BS, kv_lengths_B, kv_valid_BS, window=window,
+  lists = None
+  qpos_runs = qpos_BKR
+  if kv_blocks_BNQL is not None:
+    lists_BKRL, mode_BKR = fold_lists(kv_blocks_BNQL, head_mode_BN, T, K, rows, block_q)
+    qpos_runs = jnp.where(mode_BKR == HEAD_BLOCKS, NO_QUERY, qpos_BKR)
+  runs = tile_runs(qpos_runs, kv_positions_BS, kv_lengths_B, kv_valid_BS, window=window,
                    sinks=sinks, block_k=block_k)
-  return q_BKRH, qpos_BKR, runs
+  count = jnp.zeros(runs.shape[:2], jnp.int32)
+  if kv_blocks_BNQL is not None:
+    listed, count = listed_tiles(lists_BKRL, mode_BKR, qpos_BKR, runs,
+                                 num_kv_tiles=num_tiles(S, block_k),
+                                 per_block=list_block_k // block_k)
+    lists = (lists_BKRL, mode_BKR, listed)
+  return q_BKRH, qpos_BKR, jnp.concatenate([runs, count[..., None]], axis=-1), lists
 
 
-def kv_bytes_read(runs_BK3, block_k: int, head_dim: int, itemsize: int):
-  """float32 scalar: the K / V bytes the kernels read for these tile runs (`tile_runs`), i.e.
+def num_entries(runs):
+  """The tiles a (row, kv head) reads: sink tiles + window tiles (+ listed tiles: runs of 4)."""
+  n = runs[0] + runs[2] - runs[1]
+  return n + runs[3] if len(runs) > 3 else n
+
+
+def kv_bytes_read(runs_BK4, block_k: int, head_dim: int, itemsize: int):
+  """float32 scalar: the K / V bytes the kernels read for these tile runs (`plan`'s runs), i.e.
   sum over (row, kv head) of its tiles x block_k slots x head_dim x 2 (K and V) x itemsize
   (float: a step's bytes pass int32): what a scheme's routing saves shows up here (an inactive
   (row, kv head) reads 0)."""
-  tiles = runs_BK3[..., 0] + runs_BK3[..., 2] - runs_BK3[..., 1]
+  tiles = num_entries(tuple(runs_BK4[..., c] for c in range(runs_BK4.shape[-1])))
   return jnp.sum(tiles).astype(jnp.float32) * float(block_k * head_dim * 2 * itemsize)
 
 
-def part_range(runs_3, p, P):
-  """(lo, hi): the run entries part p of P reads (entry e is tile e below sink_end, else
-  win_lo + e - sink_end); the n entries split as evenly as integers allow."""
-  n = runs_3[0] + runs_3[2] - runs_3[1]
+def part_range(runs, p, P):
+  """(lo, hi): the run entries part p of P reads (`entry_tile`); the n entries split as evenly
+  as integers allow."""
+  n = num_entries(runs)
   return lax.div(n * p, P), lax.div(n * (p + 1), P)  # n, p >= 0: truncation == floor
 
 
-def entry_tile(runs_3, e):
-  return jnp.where(e < runs_3[0], e, runs_3[1] + e - runs_3[0])
+def entry_tile(runs, e, listed_at=None):
+  """The tile of run entry e: e below sink_end, then win_lo + e - sink_end through the window
+  run, then listed_at(i) (the i-th listed tile, `listed_tiles`) past it."""
+  t = jnp.where(e < runs[0], e, runs[1] + e - runs[0])
+  if listed_at is None:
+    return t
+  w = runs[0] + runs[2] - runs[1]
+  return jnp.where(e < w, t, listed_at(jnp.maximum(e - w, 0)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -255,34 +327,44 @@ def entry_tile(runs_3, e):
 def decode_attention(q_BTNH, k_BSKH, v_BSKH, *, q_positions_BT, kv_positions_BS,
                      kv_lengths_B=None, kv_valid_BS=None, active=None, window=None, sinks=0,
                      scale=None, impl: str = "reference", config: DecodeConfig = DecodeConfig(),
-                     interpret=False):
-  """out [B, T, N, H] in q's dtype under reference.decode_mask; see the module docstring. A
-  kernel that cannot take the shape raises ValueError naming why."""
+                     interpret=False, kv_blocks_BNQL=None, head_mode_BN=None, block_q=1,
+                     list_block_k=None):
+  """out [B, T, N, H] in q's dtype under reference.decode_mask; see the module docstring. Block
+  lists (ops.BlockLists' contract): kv_blocks_BNQL [B, N, ceil(T / block_q), L] of key blocks of
+  list_block_k slots, head_mode_BN (None: every head HEAD_BLOCKS). A kernel that cannot take the
+  shape raises ValueError naming why."""
   if impl not in IMPLS:
     raise ValueError(f"decode_attention: unknown impl {impl!r}; choose one of {IMPLS}")
   B, T, N, H = q_BTNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   scale = H ** -0.5 if scale is None else float(scale)
+  has_lists = kv_blocks_BNQL is not None
+  if has_lists and list_block_k is None:
+    raise ValueError("decode_attention: kv_blocks_BNQL needs list_block_k (the slots a block)")
+  lists_kw = (dict(kv_blocks_BNQL=kv_blocks_BNQL, head_mode_BN=head_mode_BN, block_q=block_q,
+                   list_block_k=list_block_k) if has_lists else {})
   if impl == "reference":
     return reference_decode_attention(
         q_BTNH, k_BSKH, v_BSKH, q_positions_BT=q_positions_BT, kv_positions_BS=kv_positions_BS,
         kv_lengths_B=kv_lengths_B, kv_valid_BS=kv_valid_BS, active=active, window=window,
-        sinks=sinks, scale=scale)[0]
-  if why := kernel_support(impl, q_BTNH.shape, k_BSKH.shape, q_BTNH.dtype, config):
+        sinks=sinks, scale=scale, **lists_kw)[0]
+  if why := kernel_support(impl, q_BTNH.shape, k_BSKH.shape, q_BTNH.dtype, config,
+                           list_block_k if has_lists else None):
     raise ValueError(f"decode_attention impl={impl!r} cannot take this call: {why}")
   bk = config.tile(impl, S)
   rows = MGPU_ROWS if impl == "mosaic_gpu" else -(-T * (N // K) // 8) * 8
-  q_BKRH, qpos_BKR, runs = plan(
+  q_BKRH, qpos_BKR, runs, lists = plan(
       q_BTNH, k_BSKH, q_positions_BT=q_positions_BT, kv_positions_BS=kv_positions_BS,
       kv_lengths_B=kv_lengths_B, kv_valid_BS=kv_valid_BS, active=active, window=window,
-      sinks=sinks, block_k=bk, rows=rows)
+      sinks=sinks, block_k=bk, rows=rows, **lists_kw)
   P = num_parts(B, K, num_tiles(S, bk), config)
   lengths_B = (jnp.full((B,), S, jnp.int32) if kv_lengths_B is None
                else jnp.minimum(kv_lengths_B.astype(jnp.int32), S))  # masks a ragged tile's tail
   # fill-only: one query per row, a fill, no window / validity: every slot below the fill is
   # visible (MaskSpec.kv_lengths_B's contract: cache positions <= the query's), so the kernels
   # read no positions
-  fill_only = T == 1 and kv_lengths_B is not None and window is None and kv_valid_BS is None
+  fill_only = (T == 1 and kv_lengths_B is not None and window is None and kv_valid_BS is None
+               and not has_lists)
   kvpos = None if fill_only else kv_positions_BS.astype(jnp.int32)
   valid = None if kv_valid_BS is None else kv_valid_BS.astype(jnp.int32)
   out_rows = -(-T * (N // K) // 8) * 8
@@ -293,7 +375,8 @@ def decode_attention(q_BTNH, k_BSKH, v_BSKH, *, q_positions_BT, kv_positions_BS,
   o_BKPRH, lse_BKPR = mod.decode_parts(
       q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos, valid, lengths_B, runs, scale=scale,
       window=window, sinks=sinks, parts=P, out_rows=out_rows, block_k=bk,
-      num_stages=config.num_stages, interpret=interpret)
+      num_stages=config.num_stages, interpret=interpret, lists=lists,
+      per_block=list_block_k // bk if has_lists else 1)
   o_BKRH, _ = merge_parts(o_BKPRH.astype(jnp.float32), lse_BKPR, axis=2)
   return unfold_rows(o_BKRH, T, N).astype(q_BTNH.dtype)
 
@@ -306,12 +389,14 @@ class DecodeBackend:
   needs_hopper: bool = False
   config: DecodeConfig = DecodeConfig()
 
-  def supports(self, q_shape, kv_shape, dtype, platform: Platform) -> str | None:
+  def supports(self, q_shape, kv_shape, dtype, platform: Platform,
+               list_block_k: int | None = None) -> str | None:
+    """list_block_k (static): the call's block lists' block size (None: no block lists)."""
     if self.name == "reference":
       return None
     why = platform_reason(self.name, self.lowers_for, platform, self.needs_hopper)
     return why if why is not None else kernel_support(self.name, q_shape, kv_shape, dtype,
-                                                      self.config)
+                                                      self.config, list_block_k)
 
   def __call__(self, q_BTNH, k_BSKH, v_BSKH, **kw):
     return decode_attention(q_BTNH, k_BSKH, v_BSKH, impl=self.name, config=self.config, **kw)

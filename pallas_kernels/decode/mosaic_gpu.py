@@ -32,12 +32,16 @@ from pallas_kernels.flash_tiles import WGMMA as _WGMMA
 from .api import NO_QUERY, entry_tile, num_tiles, part_range, tile_start
 
 
-def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths_B, runs_BK3, *,
-                 scale, window, sinks, parts, out_rows, block_k, num_stages, interpret=False):
+def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths_B, runs_BK4, *,
+                 scale, window, sinks, parts, out_rows, block_k, num_stages, interpret=False,
+                 lists=None, per_block=1):
   """(o [B, K, parts, out_rows, H] in q's dtype, lse [B, K, parts, out_rows] float32): each part's
   attention normalised over its own keys (lse -inf and o 0 where it sees none). kvpos_BS None:
   every slot below the fill is visible to every active row (api.decode_attention's fill-only
-  case), positions are not read."""
+  case), positions are not read. lists: None or api.plan's (lists_BKRL, mode_BKR, listed_BKE):
+  the listed tiles are read after the runs, and a row sees a key per its head mode (HEAD_FULL:
+  the usual mask; HEAD_BLOCKS: and its block, tile // per_block, listed in the row's list;
+  HEAD_WINDOW_BLOCKS: causal and valid, and inside the window or listed)."""
   B, K, R, H = q_BKRH.shape
   S = k_BSKH.shape[1]
   dtype = q_BKRH.dtype
@@ -46,15 +50,26 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
   ragged = S % bk != 0  # the last tile loads slots [S - bk, S): those of the tile before masked
   qk_scale = scale * LOG2E
   has_valid, has_pos = kvvalid_BS is not None, kvpos_BS is not None
+  has_lists = lists is not None
+  if has_lists:
+    lists_BKRL, mode_BKR, listed_BKE = lists
+    L = lists_BKRL.shape[-1]
+    lists_BKLR = lists_BKRL.transpose(0, 1, 3, 2)   # a row vector per list entry
+  else:
+    L = 1
+    lists_BKLR = jnp.zeros((1, 1, 1, R), jnp.int32)
+    mode_BKR = jnp.zeros((1, 1, R), jnp.int32)
+    listed_BKE = jnp.zeros((1, 1, 1), jnp.int32)
 
-  def kernel(q_ref, k_ref, v_ref, qpos_ref, kvpos_ref, kvvalid_ref, len_ref, runs_ref, out_ref,
-             lse_ref, scoped):
+  def kernel(q_ref, k_ref, v_ref, qpos_ref, kvpos_ref, kvvalid_ref, len_ref, runs_ref, lists_ref,
+             mode_ref, listed_ref, out_ref, lse_ref, scoped):
     (qo_smem, k_smem, v_smem, lse_smem), (k_bar, v_bar, q_bar), (k_used, v_used) = scoped
     p = lax.axis_index("part")
     kh = lax.axis_index("heads")
     b = lax.axis_index("batch")
     wg = lax.axis_index("wg")
-    runs = tuple(runs_ref[b, kh, c] for c in range(3))
+    runs = tuple(runs_ref[b, kh, c] for c in range(4))
+    listed_at = (lambda i: listed_ref[b, kh, i]) if has_lists else None
     lo, hi = part_range(runs, p, P)
     nsteps = hi - lo
 
@@ -63,6 +78,9 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
       plgpu.copy_gmem_to_smem(q_ref.at[b, kh], qo_smem, q_bar.at[0])
       qp = plgpu.load(qpos_ref.at[b, kh], layout=_ROW, optimized=False)
       fill = len_ref[b]
+      if has_lists:  # each row's list (one row vector per entry) and head mode
+        lv = [plgpu.load(lists_ref.at[b, kh, l], layout=_ROW, optimized=False) for l in range(L)]
+        mv = plgpu.load(mode_ref.at[b, kh], layout=_ROW, optimized=False)
       plgpu.barrier_wait(q_bar.at[0])
       m_i = plgpu.layout_cast(jnp.full((R,), NEG_INF, jnp.float32), _ROW)
       l_i = plgpu.layout_cast(jnp.zeros((R,), jnp.float32), _ROW)
@@ -71,7 +89,7 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
       def step(e, carry):
         acc, m_i, l_i = carry
         slot = lax.rem(e - lo, stages)
-        tile = entry_tile(runs, e)
+        tile = entry_tile(runs, e, listed_at)
         start = tile_start(tile, S, bk)
         # the tile's positions / validity: plain global loads, issued before the K wait
         kp_t = ok_t = None
@@ -95,10 +113,25 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
         if has_pos:
           kp = lax.broadcast_in_dim(kp_t, shape, [1])
           vis = vis & (kp <= qpb)
+          inside = None
           if window is not None:
             inside = qpb - kp < window
             if sinks:
               inside = inside | (kp < sinks)
+          if has_lists:
+            jb = lax.div(tile, per_block)
+            hit = lv[0] == jb
+            for x in lv[1:]:
+              hit = hit | (x == jb)
+            lst = lax.broadcast_in_dim(hit.astype(jnp.int32), shape, [0]) != 0
+            md = lax.broadcast_in_dim(mv, shape, [0])
+            if inside is None:  # no window: HEAD_FULL / HEAD_WINDOW_BLOCKS see every key
+              sel = (md != 1) | lst
+            else:
+              sel = (((md == 0) & inside) | ((md == 1) & inside & lst)
+                     | ((md == 2) & (inside | lst)))
+            vis = vis & sel
+          elif inside is not None:
             vis = vis & inside
         else:
           vis = vis & (qpb != NO_QUERY)
@@ -131,7 +164,8 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
     @pl.when(wg == 1)
     def _memory():
       kv_pipeline(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, k_used, v_used, b=b, kh=kh,
-                  rows_of=lambda t: pl.ds(tile_start(entry_tile(runs, lo + t), S, bk), bk),
+                  rows_of=lambda t: pl.ds(tile_start(entry_tile(runs, lo + t, listed_at), S,
+                                                     bk), bk),
                   nsteps=nsteps, stages=stages)
 
   def entry(*refs):
@@ -145,9 +179,10 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
     pl.run_scoped(lambda *s: kernel(*refs, s), *scratch, collective_axes="wg")
 
   def entry_sel(q_ref, k_ref, v_ref, qpos_ref, kvpos_ref, kvvalid_ref, len_ref, runs_ref,
-                out_ref, lse_ref):
+                lists_ref, mode_ref, listed_ref, out_ref, lse_ref):
     entry(q_ref, k_ref, v_ref, qpos_ref, kvpos_ref if has_pos else None,
-          kvvalid_ref if has_valid else None, len_ref, runs_ref, out_ref, lse_ref)
+          kvvalid_ref if has_valid else None, len_ref, runs_ref, lists_ref, mode_ref,
+          listed_ref, out_ref, lse_ref)
 
   out_shape = [jax.ShapeDtypeStruct((B, K, P, out_rows, H), dtype),
                jax.ShapeDtypeStruct((B, K, P, out_rows), jnp.float32)]
@@ -159,4 +194,5 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
       kernel_name="decode_attention_mgpu")
   return call(q_BKRH, k_BSKH, v_BSKH, qpos_BKR,
               kvpos_BS if has_pos else jnp.zeros((1, 1), jnp.int32),
-              kvvalid_BS if has_valid else jnp.zeros((1, 1), jnp.int32), lengths_B, runs_BK3)
+              kvvalid_BS if has_valid else jnp.zeros((1, 1), jnp.int32), lengths_B, runs_BK4,
+              lists_BKLR, mode_BKR, listed_BKE)

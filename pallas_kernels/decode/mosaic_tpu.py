@@ -26,9 +26,9 @@ NEG_INF = float("-inf")
 _LANES = 128
 
 
-def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths_B, runs_BK3, *,
+def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths_B, runs_BK4, *,
                  scale, window, sinks, parts, out_rows, block_k, num_stages=None,
-                 interpret=False):
+                 interpret=False, lists=None, per_block=1):
   """(o [B, K, parts, out_rows, H] in q's dtype, lse [B, K, parts, out_rows] float32); see
   mosaic_gpu.decode_parts."""
   del num_stages  # the Pallas TPU pipeline double-buffers
@@ -37,27 +37,41 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
   bk, P = block_k, parts
   nT = num_tiles(S, bk)
   ragged = S % bk != 0  # the last block runs past S: the pipeline leaves its tail unspecified
-  L = -(-nT // P)
+  L = -(-nT // P)  # listed tiles are distinct and outside the runs: <= nT entries in all
   has_valid, has_pos = kvvalid_BS is not None, kvpos_BS is not None
+  has_lists = lists is not None
   dtype = q_BKRH.dtype
+  if has_lists:
+    lists_BKRL, mode_BKR, listed_BKE = lists
+  else:
+    lists_BKRL = jnp.zeros((1, 1, R, 1), jnp.int32)
+    mode_BKR = jnp.zeros((1, 1, R), jnp.int32)
+    listed_BKE = jnp.zeros((1, 1, 1), jnp.int32)
+  E = listed_BKE.shape[-1]
+  Lp = -(-lists_BKRL.shape[-1] // _LANES) * _LANES   # the lists' lanes (padding: -1)
+  lists_BKRL = jnp.pad(lists_BKRL, ((0, 0), (0, 0), (0, 0), (0, Lp - lists_BKRL.shape[-1])),
+                       constant_values=-1)
 
   def runs_of(runs_ref, b, kh):
-    return tuple(runs_ref[(b * K + kh) * 3 + c] for c in range(3))
+    return tuple(runs_ref[(b * K + kh) * 4 + c] for c in range(4))
 
-  def tile_of(b, kh, p, j, runs_ref):
+  def listed_of(listed_ref, b, kh):
+    return (lambda i: listed_ref[(b * K + kh) * E + i]) if has_lists else None
+
+  def tile_of(b, kh, p, j, runs_ref, listed_ref):
     runs = runs_of(runs_ref, b, kh)
     lo, hi = part_range(runs, p, P)
     e = lo + jnp.minimum(j, jnp.maximum(hi - lo - 1, 0))
-    return entry_tile(runs, e)
+    return entry_tile(runs, e, listed_of(listed_ref, b, kh))
 
-  def kv_map(b, kh, p, j, runs_ref, len_ref):
-    return b, tile_of(b, kh, p, j, runs_ref), kh
+  def kv_map(b, kh, p, j, runs_ref, len_ref, listed_ref):
+    return b, tile_of(b, kh, p, j, runs_ref, listed_ref), kh
 
-  def pos_map(b, kh, p, j, runs_ref, len_ref):
-    return b, 0, tile_of(b, kh, p, j, runs_ref)
+  def pos_map(b, kh, p, j, runs_ref, len_ref, listed_ref):
+    return b, 0, tile_of(b, kh, p, j, runs_ref, listed_ref)
 
-  def kernel(runs_ref, len_ref, q_ref, k_ref, v_ref, qpos_ref, kvpos_ref, valid_ref, o_ref,
-             lse_ref, m_sc, l_sc, acc_sc):
+  def kernel(runs_ref, len_ref, listed_ref, q_ref, k_ref, v_ref, qpos_ref, kvpos_ref, valid_ref,
+             lists_ref, mode_ref, o_ref, lse_ref, m_sc, l_sc, acc_sc):
     b, kh, p, j = (pl.program_id(i) for i in range(4))
     runs = runs_of(runs_ref, b, kh)
     lo, hi = part_range(runs, p, P)
@@ -70,7 +84,8 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
 
     @pl.when(j < hi - lo)
     def _step():
-      start = entry_tile(runs, lo + j) * bk
+      tile = entry_tile(runs, lo + j, listed_of(listed_ref, b, kh))
+      start = tile * bk
       s = lax.dot_general(q_ref[0, 0], k_ref[0], (((1,), (1,)), ((), ())),
                           preferred_element_type=jnp.float32) * scale          # [R, bk]
       qp = qpos_ref[0, 0]                                                       # [R, 128]
@@ -80,10 +95,24 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
       if has_pos:
         kp = jnp.broadcast_to(kvpos_ref[0], (R, bk))
         vis = vis & (kp <= qp)
+        inside = None
         if window is not None:
           inside = qp - kp < window
           if sinks:
             inside = inside | (kp < sinks)
+        if has_lists:  # the row's head mode and whether its list holds this tile's block
+          lst = lists_ref[0, 0]                                                 # [R, Lp]
+          hit = jnp.max(jnp.where(lst == lax.div(tile, per_block), 1, 0), axis=1, keepdims=True)
+          lst = jnp.broadcast_to(hit, (R, bk)) != 0
+          md = mode_ref[0, 0]                                                   # [R, 128]
+          md = md if bk == _LANES else jnp.concatenate([md] * (bk // _LANES), axis=1)
+          if inside is None:  # no window: HEAD_FULL / HEAD_WINDOW_BLOCKS see every key
+            sel = (md != 1) | lst
+          else:
+            sel = (((md == 0) & inside) | ((md == 1) & inside & lst)
+                   | ((md == 2) & (inside | lst)))
+          vis = vis & sel
+        elif inside is not None:
           vis = vis & inside
       else:
         vis = vis & (qp != NO_QUERY)
@@ -118,11 +147,15 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
       pl.BlockSpec((1, 1, R, _LANES), lambda b, kh, p, j, *_: (b, kh, 0, 0)),
       pl.BlockSpec((1, 1, bk), pos_map if has_pos else lambda *_: (0, 0, 0)),
       pl.BlockSpec((1, 1, bk), pos_map if has_valid else lambda *_: (0, 0, 0)),
+      pl.BlockSpec((1, 1, R, Lp), lambda b, kh, p, j, *_: (b if has_lists else 0,
+                                                          kh if has_lists else 0, 0, 0)),
+      pl.BlockSpec((1, 1, R, _LANES), lambda b, kh, p, j, *_: (b if has_lists else 0,
+                                                              kh if has_lists else 0, 0, 0)),
   ]
   out_specs = [pl.BlockSpec((1, 1, 1, R, H), lambda b, kh, p, j, *_: (b, kh, p, 0, 0)),
                pl.BlockSpec((1, 1, 1, R, _LANES), lambda b, kh, p, j, *_: (b, kh, p, 0, 0))]
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=2, grid=(B, K, P, L), in_specs=in_specs, out_specs=out_specs,
+      num_scalar_prefetch=3, grid=(B, K, P, L), in_specs=in_specs, out_specs=out_specs,
       scratch_shapes=[pltpu.VMEM((R, _LANES), jnp.float32), pltpu.VMEM((R, _LANES), jnp.float32),
                       pltpu.VMEM((R, H), jnp.float32)])
   out_shape = [jax.ShapeDtypeStruct((B, K, P, R, H), dtype),
@@ -137,7 +170,9 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
   qpos4 = jnp.broadcast_to(qpos_BKR[..., None], (B, K, R, _LANES))
   dummy = jnp.zeros((1, 1, bk), jnp.int32)
   valid = kvvalid_BS.reshape(B, 1, S) if has_valid else dummy
-  o, lse = call(runs_BK3.reshape(-1).astype(jnp.int32), lengths_B.astype(jnp.int32), q_BKRH,
+  o, lse = call(runs_BK4.reshape(-1).astype(jnp.int32), lengths_B.astype(jnp.int32),
+                listed_BKE.reshape(-1), q_BKRH,
                 k_BSKH.reshape(B, S, K * H), v_BSKH.reshape(B, S, K * H), qpos4,
-                kvpos_BS.reshape(B, 1, S) if has_pos else dummy, valid)
+                kvpos_BS.reshape(B, 1, S) if has_pos else dummy, valid, lists_BKRL,
+                jnp.broadcast_to(mode_BKR[..., None], mode_BKR.shape + (_LANES,)))
   return o[..., :out_rows, :], lse[..., :out_rows, 0]

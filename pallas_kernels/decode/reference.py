@@ -13,12 +13,22 @@ from pallas_kernels.compact_attention.reference import dense_mask, reference_att
 
 
 def decode_mask(q_positions_BT, kv_positions_BS, *, kv_lengths_B=None, kv_valid_BS=None,
-                active=None, window=None, sinks=0):
-  """bool [B, T, S] (or [B, N, T, S] with a per-head active set [B, T, N]): query t of row b sees
-  slot s iff s < kv_lengths_B[b] (when given), kv_valid_BS[b, s] != 0 (when given), and
-  dense_mask's causal / window / sinks / active conditions on positions."""
-  m = dense_mask(q_positions_BT, kv_positions_BS, None, kv_valid_BS, window=window, sinks=sinks,
-                 active=active)
+                active=None, window=None, sinks=0, kv_blocks_BNQL=None, head_mode_BN=None,
+                block_q=None, list_block_k=None):
+  """bool [B, T, S] (or [B, N, T, S] with a per-head active set [B, T, N] or block lists): query
+  t of row b sees slot s iff s < kv_lengths_B[b] (when given), kv_valid_BS[b, s] != 0 (when
+  given), and dense_mask's causal / window / sinks / active conditions on positions; with block
+  lists (kv_blocks_BNQL [B, N, ceil(T / block_q), L] of key blocks of list_block_k slots, head
+  modes HEAD_FULL / HEAD_BLOCKS / HEAD_WINDOW_BLOCKS) the block-sparse kernels' mask
+  (pallas_kernels.block_sparse.api.reference_mask: ops.BlockLists' contract)."""
+  if kv_blocks_BNQL is not None:
+    from pallas_kernels.block_sparse.api import reference_mask
+    m = reference_mask(q_positions_BT, kv_positions_BS, None, kv_valid_BS, window=window,
+                       sinks=sinks, active=active, kv_blocks_BNQL=kv_blocks_BNQL,
+                       head_mode_BN=head_mode_BN, block_q=block_q, block_k=list_block_k)
+  else:
+    m = dense_mask(q_positions_BT, kv_positions_BS, None, kv_valid_BS, window=window,
+                   sinks=sinks, active=active)
   if kv_lengths_B is None:
     return m
   S = kv_positions_BS.shape[1]
@@ -28,11 +38,12 @@ def decode_mask(q_positions_BT, kv_positions_BS, *, kv_lengths_B=None, kv_valid_
 
 def reference_decode_attention(q_BTNH, k_BSKH, v_BSKH, *, q_positions_BT, kv_positions_BS,
                                kv_lengths_B=None, kv_valid_BS=None, active=None, window=None,
-                               sinks=0, scale=None):
-  """(out [B, T, N, H] in q's dtype, lse [B, T, N] float32) under `decode_mask`; queries that see
-  no key (inactive ones included) give zeros and lse = -inf."""
+                               sinks=0, scale=None, **lists):
+  """(out [B, T, N, H] in q's dtype, lse [B, T, N] float32) under `decode_mask` (lists: its
+  block-list arguments); queries that see no key (inactive ones included) give zeros and
+  lse = -inf."""
   mask = decode_mask(q_positions_BT, kv_positions_BS, kv_lengths_B=kv_lengths_B,
-                     kv_valid_BS=kv_valid_BS, active=active, window=window, sinks=sinks)
+                     kv_valid_BS=kv_valid_BS, active=active, window=window, sinks=sinks, **lists)
   return reference_attention(q_BTNH, k_BSKH, v_BSKH, mask, scale=scale)
 
 

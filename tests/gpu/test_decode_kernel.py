@@ -46,11 +46,13 @@ def _rel(a, b):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["fill", "per-row-active", "per-head-window", "sinks-window",
-                                  "multi-query", "ragged-window"])
+                                  "multi-query", "ragged-window", "block-lists"])
 def test_mosaic_gpu_decode_kernel_equals_reference(case):
   """Kernel == the float32 reference; 'fill' (no positions read) and 'ragged-window' (per-head
   active, window + sinks) run a cache of 8224 slots: 128 tiles of 64 and a ragged 129th that
-  loads slots 8160..8223 and masks those below 8192."""
+  loads slots 8160..8223 and masks those below 8192; 'block-lists': per-head block lists of 128
+  slots in every head mode (Elastic: FA heads full, SSA heads their listed blocks; MATCH-style
+  window OR listed), validity instead of a fill."""
   B, S = 4, 8224 if case in ("fill", "ragged-window") else 8192
   T = 2 if case == "multi-query" else 1
   q, k, v, kw = _problem(B, S, [S, S // 3, 1, S - 77], T=T, seed=len(case))
@@ -63,6 +65,12 @@ def test_mosaic_gpu_decode_kernel_equals_reference(case):
     kw.update(window=2048, sinks=4)
   elif case == "ragged-window":
     kw.update(active=jnp.asarray(rng.random((B, 1, N)) < 0.5), window=1000, sinks=4)
+  elif case == "block-lists":
+    lens = kw.pop("kv_lengths_B")
+    kw["kv_valid_BS"] = (jnp.arange(S)[None] < lens[:, None]).astype(jnp.int32)
+    lists = jnp.asarray(rng.integers(-1, S // 128, (B, N, 1, 6)), jnp.int32)
+    kw.update(window=1024, kv_blocks_BNQL=lists, block_q=1, list_block_k=128,
+              head_mode_BN=jnp.asarray(rng.integers(0, 3, (B, N)), jnp.int32))
   elif case == "multi-query":
     kw["active"] = jnp.asarray(rng.random((B, T, N)) < 0.8)
   out = jax.jit(lambda q, k, v: dk.decode_attention(q, k, v, impl="mosaic_gpu", **kw))(q, k, v)

@@ -68,10 +68,15 @@ def test_split_kv_combines_like_one_pass(splits):
   assert ops.decode_splits(1, 100, 2) == 1
 
 
-def test_hopper_match_decode_step_runs_the_decode_kernel():
-  """A MATCH decode step (one token per row: its block's window + retrieved chunks) exported for
-  an (abstract) H100 runs the Mosaic GPU decode kernel, one call per SWA layer, not the
-  prefill-shaped path (a tile of `chunk` query rows of which one is real)."""
+@pytest.mark.parametrize("scheme,knobs", [
+    ("match", dict(window=128, chunk=128, top_k=2)),
+    ("elastic", dict(block=128, sinks=128, local=256))])
+def test_hopper_decode_step_runs_the_decode_kernel(scheme, knobs):
+  """A decode step (one token per row) exported for an (abstract) H100 runs the Mosaic GPU
+  decode kernel: MATCH's window + retrieved chunks (not the prefill-shaped path, a tile of
+  `chunk` query rows of which one is real), Elastic's per-head block lists over the full cache
+  (FA heads full, SSA heads their sink + local blocks; not the block-sparse kernel with one
+  query padded to a tile)."""
   import flax.linen as nn
   from jax.sharding import AbstractDevice, AbstractMesh
 
@@ -79,12 +84,12 @@ def test_hopper_match_decode_step_runs_the_decode_kernel():
   from condattn_jax.models.config import ModelConfig
   from condattn_jax.models.decoder import Decoder
   base = ModelConfig(family="qwen3", qk_norm="head", num_layers=2, vocab_size=64, hidden_size=128,
-                     num_heads=2, num_kv_heads=1, head_dim=64, dtype="bfloat16")
+                     num_heads=4, num_kv_heads=2, head_dim=64, dtype="bfloat16")
   mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
       device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"))
   B, L = 2, 1024
   i32 = lambda s: jax.ShapeDtypeStruct(s, jnp.int32)
-  m = Decoder(attention.configure(base, "match", window=128, chunk=128, top_k=2))
+  m = Decoder(attention.configure(base, scheme, **knobs))
   params = jax.eval_shape(lambda t: nn.unbox(m.init(jax.random.PRNGKey(0), t)),
                           jnp.zeros((1, 8), jnp.int32))["params"]
   cache = jax.eval_shape(lambda p, t: m.apply({"params": p}, t, decode=True, cache_len=L,
@@ -100,3 +105,4 @@ def test_hopper_match_decode_step_runs_the_decode_kernel():
         params, cache, i32((B, 1)), i32((B, 1)), i32((B, 1)), i32((B,))).mlir_module()
   calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
   assert sum("decode_attention_mgpu" in c for c in calls) >= 1, [c[:120] for c in calls]
+  assert not any("block_sparse" in c for c in calls), [c[:120] for c in calls]

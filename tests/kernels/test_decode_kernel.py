@@ -47,7 +47,7 @@ def _run_tiles(runs):
   out = []
   for b in range(B):
     for k in range(K):
-      se, lo, hi = (int(x) for x in runs[b, k])
+      se, lo, hi = (int(x) for x in runs[b, k, :3])
       out.append(set(range(se)) | set(range(lo, hi)))
   return out
 
@@ -78,10 +78,10 @@ def test_tile_runs_cover_every_visible_tile_and_skip_the_rest(case):
   elif case == "inactive":
     active = jnp.asarray(rng.random((B, T, N)) < 0.5).at[1].set(False)
   q = jnp.zeros((B, T, N, 64), jnp.bfloat16)
-  _, qpos, runs = api.plan(q, jnp.zeros((B, S, K, 64)), active=active, window=window, sinks=sinks,
-                           block_k=bk, rows=8, kv_lengths_B=kw.get("kv_lengths_B"),
-                           kv_valid_BS=kw.get("kv_valid_BS"), q_positions_BT=kw["q_positions_BT"],
-                           kv_positions_BS=kw["kv_positions_BS"])
+  _, qpos, runs, _ = api.plan(
+      q, jnp.zeros((B, S, K, 64)), active=active, window=window, sinks=sinks, block_k=bk, rows=8,
+      kv_lengths_B=kw.get("kv_lengths_B"), kv_valid_BS=kw.get("kv_valid_BS"),
+      q_positions_BT=kw["q_positions_BT"], kv_positions_BS=kw["kv_positions_BS"])
   runs = np.asarray(runs)
   assert (runs[..., 0] <= runs[..., 1]).all() and (runs[..., 1] <= runs[..., 2]).all()
   want = _visible_tiles(kw, active, window, sinks, K, bk)
@@ -104,10 +104,10 @@ def test_tile_runs_cover_every_visible_tile_and_skip_the_rest(case):
 def test_mosaic_gpu_interpret_equals_reference():
   """The Hopper kernel (Pallas interpret mode): two queries per row (MATCH multi-query), GQA 3,
   per-head active set with a fully inactive row, window + sinks over a full cache with a fill,
-  garbage past the fill, 2 kv parts per (row, kv head), a ragged last tile (250 slots: the 4th
-  tile loads slots 186..249 and must drop 186..191, which row 0's window also reads through the
+  garbage past the fill, 2 kv parts per (row, kv head), a ragged last tile (248 slots: the 4th
+  tile loads slots 184..247 and must drop 184..191, which row 0's window also reads through the
   3rd tile): == the reference; inactive -> zeros."""
-  q, k, v, kw = _problem(T=2, N=3, K=1, S=250, lengths=(250, 90))
+  q, k, v, kw = _problem(T=2, N=3, K=1, S=248, lengths=(248, 90))
   active = jnp.ones((2, 2, 3), bool).at[0, 1, 2].set(False).at[1].set(False)
   kw.update(active=active, window=60, sinks=3)
   ref = dk.decode_attention(q, k, v, **kw)
@@ -136,7 +136,8 @@ def test_each_kernel_on_the_other_mask_path():
   """(slow: two more interpret runs; by default the Mosaic GPU kernel runs the positions path and
   the TPU kernel the fill-only path above, and tests/gpu runs both paths on the H100.) Mosaic
   GPU fill-only (no positions read) with a per-row active set over a cache of 224 slots (a
-  ragged 4th tile of 32); Mosaic TPU with window + sinks + 2 queries per row: both == the reference."""
+  ragged 4th tile of 32); Mosaic TPU with window + sinks + 2 queries per row: both == the
+  reference."""
   q, k, v, kw = _problem(N=3, K=1, S=224, lengths=(200, 37), seed=5)  # 224: a ragged 4th tile
   kw.update(active=jnp.asarray([[True], [False]]))
   ref = dk.decode_attention(q, k, v, **kw)
@@ -187,9 +188,9 @@ def test_bytes_read_follow_the_routing():
   def read(active=None, window=None):
     @jax.jit
     def f(active):
-      _, _, runs = api.plan(q, jnp.zeros((B, 8, K, H)), q_positions_BT=qpos,
-                            kv_positions_BS=kvpos, kv_lengths_B=fill, kv_valid_BS=None,
-                            active=active, window=window, sinks=0, block_k=bk, rows=64)
+      _, _, runs, _ = api.plan(q, jnp.zeros((B, 8, K, H)), q_positions_BT=qpos,
+                               kv_positions_BS=kvpos, kv_lengths_B=fill, kv_valid_BS=None,
+                               active=active, window=window, sinks=0, block_k=bk, rows=64)
       return dk.kv_bytes_read(runs, bk, H, 2)
     return int(f(active))  # exact: multiples of 2^k
   dense = read()
@@ -244,10 +245,19 @@ def _decode_specs(S=1000, lengths=(1000, 300)):  # 1000: a ragged last tile (64 
   valid = (kvpos < lens[:, None]).astype(jnp.int32)
   qpos = (lens - 1)[:, None]
   per_head = jnp.asarray(np.random.default_rng(0).random((B, 1, N)) < 0.5)
+  # Elastic's decode call: kv head 0's heads full, kv head 1's their SSA blocks (sink block 0 +
+  # the query's block and the one before), 128-slot blocks, validity instead of a fill
+  cur = ((lens - 1) // 128)[:, None, None, None]
+  lists = jnp.broadcast_to(jnp.concatenate(
+      [jnp.zeros_like(cur), jnp.maximum(cur - 1, 0), cur], axis=-1), (B, N, 1, 3))
+  mode = jnp.broadcast_to(jnp.repeat(jnp.asarray([ops.HEAD_FULL, ops.HEAD_BLOCKS]), N // 2),
+                          (B, N)).astype(jnp.int32)
   return {  # AHA heads routed local over the full cache; Elastic SSA heads (sinks + window)
       "aha-local": ops.MaskSpec(qpos, kvpos, None, valid, window=256, active=per_head),
       "sinks-window": ops.MaskSpec(qpos, kvpos, None, valid, window=256, sinks=4,
                                    kv_lengths_B=lens),
+      "elastic-lists": ops.MaskSpec(qpos, kvpos, None, valid, block_lists=ops.BlockLists(
+          lists.astype(jnp.int32), mode, block_q=1, block_k=128)),
   }
 
 
@@ -302,7 +312,8 @@ def test_auto_runs_the_decode_kernel_on_hopper_and_tpu():
   """ops.resolve('decode', ...) picks the Mosaic GPU decode kernel on an (abstract) H100, the
   Mosaic TPU one on a TPU, none on an A100 (one-line reason); ops.attention(impl='auto') lowered
   for an H100 / TPU runs it for routed decode that cuDNN's decode path cannot take (per-head
-  active + window: AHA; sinks + window: Elastic SSA, which had only the reference before)."""
+  active + window: AHA; sinks + window: Elastic SSA, which had only the reference before; Elastic's
+  per-head block lists, which went to the block-sparse kernel with one query padded to a tile)."""
   from condattn_jax import ops
   from pallas_kernels.backends import Platform
   shape_q, shape_kv = (8, 1, 12, 128), (8, 32768, 2, 128)
@@ -349,3 +360,71 @@ def test_ops_decode_path_maps_the_mask_and_differentiates_like_the_reference():
     for got, want in zip(jax.tree.leaves(out[name, "kernel"]),
                          jax.tree.leaves(out[name, "reference"])):
       np.testing.assert_allclose(got, want, atol=1e-5, err_msg=name)
+
+
+# ------------------------------------------------------------------------------------------------
+# Block lists (ops.BlockLists: Elastic's per-head blocks, MATCH's window OR listed chunks)
+# ------------------------------------------------------------------------------------------------
+
+def _lists_problem(seed=7):
+  """Two rows, two queries each (block_q 1: per-token lists), 4 query heads over 2 kv heads,
+  a 504-slot cache (ragged last tile) with validity (Elastic's cache: no fill), window 100 +
+  3 sinks, blocks of 128 slots; per-head lists that differ inside a kv head's group (with -1
+  padding, duplicates, a block past the cache) and every head mode: row 0 FULL / BLOCKS / BLOCKS
+  / WINDOW_BLOCKS, row 1 BLOCKS / BLOCKS / FULL / FULL (kv head 0 lists only)."""
+  q, k, v, kw = _problem(B=2, T=2, N=4, K=2, S=504, lengths=(480, 300), seed=seed)
+  lens = kw.pop("kv_lengths_B")
+  kw["kv_valid_BS"] = (jnp.arange(504)[None] < lens[:, None]).astype(jnp.int32)
+  lists = jnp.asarray([[[[0, 3, -1], [1, 1, 3]], [[2, -1, -1], [0, 9, 2]],
+                        [[1, -1, -1], [3, 3, 3]], [[0, -1, -1], [1, -1, -1]]],
+                       [[[2, 0, -1], [1, -1, -1]], [[0, 1, 2], [-1, -1, -1]],
+                        [[0, -1, -1], [0, -1, -1]], [[1, -1, -1], [1, -1, -1]]]], jnp.int32)
+  mode = jnp.asarray([[0, 1, 1, 2], [1, 1, 0, 0]], jnp.int32)
+  kw.update(window=100, sinks=3, kv_blocks_BNQL=lists, head_mode_BN=mode, block_q=1,
+            list_block_k=128)
+  return q, k, v, kw
+
+
+def test_block_list_runs_read_each_listed_tile_once():
+  """plan with block lists: a (row, kv head) whose rows are all HEAD_BLOCKS reads only the tiles
+  of its listed blocks (2 tiles of 64 a 128-slot block), each once, none past the cache; one
+  with a HEAD_FULL / HEAD_WINDOW_BLOCKS row reads its runs too, listed tiles inside them not
+  again; kv_bytes_read counts them."""
+  q, _, _, kw = _lists_problem()
+  kw.pop("list_block_k")
+  _, _, runs, (_, _, listed) = api.plan(
+      q, jnp.zeros((2, 504, 2, 64)), active=None, block_k=64, rows=8, kv_lengths_B=None,
+      list_block_k=128, **kw)
+  runs, listed = np.asarray(runs), np.asarray(listed)
+  tiles = [set(range(r[0])) | set(range(r[1], r[2])) | set(listed[b, k, :r[3]].tolist())
+           for b, row in enumerate(runs) for k, r in enumerate(row)]
+  counts = [r[0] + r[2] - r[1] + r[3] for row in runs for r in row]
+  assert counts == [len(t) for t in tiles]                         # no tile twice
+  assert tiles[1] == {0, 1, 2, 3, 5, 6, 7}    # (0, 1): blocks 0, 1, 3 + window 379..479 + sinks
+  assert tiles[2] == {0, 1, 2, 3, 4, 5} and runs[1, 0, 2] == 0    # (1, 0): blocks 0, 1, 2 only
+  assert max(max(t) for t in tiles) <= 7                          # block 9: past the cache
+  assert float(dk.kv_bytes_read(jnp.asarray(runs), 64, 64, 2)) == sum(counts) * 64 * 64 * 2 * 2
+
+
+def test_mosaic_gpu_block_lists_interpret_equals_reference():
+  """The Hopper kernel (interpret mode) with block lists == the reference (the block-sparse
+  kernels' mask, ops.BlockLists' contract), in every head mode, 2 kv parts."""
+  q, k, v, kw = _lists_problem()
+  ref = dk.decode_attention(q, k, v, **kw)
+  out = dk.decode_attention(q, k, v, impl="mosaic_gpu", interpret=True,
+                            config=dk.DecodeConfig(parts=2), **kw)
+  _close(out, ref)
+  assert float(jnp.abs(ref.astype(jnp.float32)).max()) > 0
+
+
+@pytest.mark.slow
+def test_mosaic_tpu_block_lists_interpret_equals_reference():
+  """(slow: by default the TPU kernel's block lists are checked by the export below and the
+  Mosaic GPU kernel's in interpret mode.) The TPU kernel (interpret) with block lists == the
+  reference."""
+  q, k, v, kw = _lists_problem()
+  q, k, v = (jnp.concatenate([x, x], axis=-1) for x in (q, k, v))   # head_dim 128
+  ref = dk.decode_attention(q, k, v, **kw)
+  out = dk.decode_attention(q, k, v, impl="mosaic_tpu", interpret=True,
+                            config=dk.DecodeConfig(parts=2), **kw)
+  _close(out, ref)

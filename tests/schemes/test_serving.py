@@ -1,7 +1,8 @@
 """Continuous batching (`Engine.serve`): requests of mixed lengths through fixed slots (free
 rows take the next prompts, admitted together: prefilled as one ragged batch in its own cache,
-each row inserted when its prompt is in) give each request what `generate` gives it alone (greedy, or sampled with its own temperature / top_p /
-seed / max_new_tokens; its routing statistics too), on the conformance suite's tiny L2A model
+each row inserted when its prompt is in) give each request what `generate` gives it alone
+(greedy, or sampled with its own temperature / top_p / seed / max_new_tokens; its routing
+statistics too), on the conformance suite's tiny L2A model
 (a window ring and a full cache per layer; all six schemes were checked by hand the same way);
 a new prompt's prefill chunks alternate with the other rows' decode steps; `reset_rows` empties
 only the rows asked. Every scheme's cache starts at zeros (`Engine.init_cache`)."""
