@@ -14,17 +14,22 @@ Cases (q [1, T, 12, 128], k / v [1, T, 2, 128] bf16, one document, zigzag layout
   window       local attention, window --window (L2A's local branch): the halo exchange.
   collectives  no attention: the all-gather of K, the halo's two chained ppermutes and a psum on
                the sequence axis (n > 1 only): whether the devices' collectives run at all.
-Per row: compile_s (AOT compile of fwd + bwd), fwd_ms / fwd_bwd_ms (median of --reps calls
-after a warm-up, common.time_call), collectives of the compiled fwd + bwd (op -> [count, result
-MiB x loop trips]: condattn_jax/parallel/hlo.py), peak_bytes (max over the row's devices; None on CPU). The parent adds
-efficiency = time at n = 1 / (n x time at n) for fwd and fwd + bwd. A row killed by
---case_timeout_s records its last phase (devices / inputs / compiled / warm / fwd / fwd_bwd).
+Per row: kernels (the custom-call targets of the compiled fwd + bwd: at n = 1 what
+ops.attention picks for contiguous self-attention, e.g. tokamax for causal with document ids,
+at n > 1 the per-shard kernel, so an efficiency holds that kernel change too), compile_s (AOT
+compile of fwd + bwd), fwd_ms / fwd_bwd_ms (median of --reps calls after a warm-up,
+common.time_call), collectives of the compiled fwd + bwd (op -> [count, result MiB x loop
+trips]: condattn_jax/parallel/hlo.py), peak_bytes (max over the row's devices; None on CPU).
+The parent adds efficiency = time at n = 1 / (n x time at n) for fwd and fwd + bwd. A row
+killed by --case_timeout_s records its last phase (devices / inputs / compiled / warm / fwd /
+fwd_bwd).
 Writes <out_dir>/context_parallel_<device>.json (one run per invocation; no claims: measurements).
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -91,8 +96,9 @@ def run_row(case: str, n: int, T: int, *, tiny: bool = False, window: int = 4096
                 for k_, h in zip(ks[:3], (N, K, K)))
   pos = put(layout(jnp.arange(T, dtype=jnp.int32)[None]))
   active = put(layout(jax.random.bernoulli(ks[3], q, (B, T)))) if case == "routed" else None
-  mask = ops.MaskSpec(pos, pos, active=active, window=window if case == "window" else None,
-                      contiguous=True)
+  seg = put(jnp.ones((B, T), jnp.int32))  # one document, as the train step's rows carry ids
+  mask = ops.MaskSpec(pos, pos, seg, seg, active=active,
+                      window=window if case == "window" else None, contiguous=True)
   row: dict[str, Any] = dict(case=case, devices=n, T=T, mesh=dict(mesh.shape),
                              heads=dict(N=N, K=K, H=H))
   if case == "routed":
@@ -129,7 +135,9 @@ def run_row(case: str, n: int, T: int, *, tiny: bool = False, window: int = 4096
     t0 = time.perf_counter()
     compiled = fwd_bwd.lower(*args).compile()
     row["compile_s"] = time.perf_counter() - t0
-    row["collectives"] = collectives(compiled.as_text())
+    text = compiled.as_text()
+    row["collectives"] = collectives(text)
+    row["kernels"] = sorted(set(re.findall(r'custom_call_target="([^"]+)"', text)))
     phase("compiled")
     jax.block_until_ready(compiled(*args))
     phase("warm")
@@ -159,8 +167,8 @@ def efficiency(rows: list[dict]) -> list[dict]:
 def _row_in_child(spec: dict, timeout_s: float) -> dict:
   from bench import scale  # the row-in-a-child conventions: ROW / PHASE lines, timeout record
   env = dict(os.environ, CONDATTN_ROW_STACKS_AT_S=str(max(1.0, timeout_s - 10)))
-  p = subprocess.Popen([sys.executable, "-m", "bench.context_parallel", f"--row={json.dumps(spec)}"],
-                       cwd=common.ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+  cmd = [sys.executable, "-m", "bench.context_parallel", f"--row={json.dumps(spec)}"]
+  p = subprocess.Popen(cmd, cwd=common.ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                        text=True)
   return scale._child_row(spec, p, timeout_s)
 
