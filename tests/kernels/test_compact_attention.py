@@ -457,6 +457,27 @@ def test_triton_lowers_for_h100_at_realistic_shapes(fused_bwd):
   assert names == sorted(attn + glue), names
 
 
+def test_mosaic_gpu_lowers_for_h100_at_realistic_shapes():
+  """The Hopper path at Qwen2.5-7B shapes (28 query / 4 kv heads of 128, 4K), forward + backward
+  lowered for cuda: ONE bucket (no switch), Mosaic GPU calls only: forward, dq, dk/dv and the
+  glue's five row copies (q gathered for each pass, out and dq put back, dO with delta: 4 rows
+  of 28 heads per program), no Triton call."""
+  B, T, N, K, H = 1, 4096, 28, 4, 128
+  sds = [jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16),
+         jax.ShapeDtypeStruct((B, T, K, H), jnp.bfloat16),
+         jax.ShapeDtypeStruct((B, T, K, H), jnp.bfloat16),
+         jax.ShapeDtypeStruct((B, T), jnp.bool_)]
+
+  def fwd_bwd(q, k, v, a):
+    f = lambda q, k, v: compact_attention(q, k, v, a, impl="mosaic_gpu", window=4096)
+    out, vjp = jax.vjp(f, q, k, v)
+    return out, vjp(out)
+  text = jax.export.export(jax.jit(fwd_bwd), platforms=["cuda"])(*sds).mlir_module()
+  targets = re.findall(r"custom_call @([\w$.]+)", text)
+  assert "stablehlo.case" not in text
+  assert targets == ["mosaic_gpu_v2"] * 8, targets
+
+
 def test_mosaic_gpu_named_barriers_config_reaches_the_forward_kernel(monkeypatch):
   """CompactConfig.mgpu_named_barriers is handed to the forward kernel through the static config,
   on every call."""
