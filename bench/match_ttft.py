@@ -1,0 +1,146 @@
+r"""MATCH vs SWA time to first token (issue 29; paper Sec. 4.2.1: TTFT 4.98 s vs 4.62 s for SWA at
+90K, i.e. retrieval for the last m prompt positions costs ~8%), pre-registered (CRITERION below).
+
+  python bench/match_ttft.py --preset=test --out_dir=/tmp/tt   # CPU, seconds (tests)
+  # one GPU (< 8 min: two compiles and 1 + reps prefills a model):
+  CONDATTN_GIT_COMMIT=<sha> python bench/match_ttft.py --out_dir=$OUT
+  # -> $OUT/match_ttft_<device>.json; copy it to bench/results/
+
+For each model (SWA: window w, no retrieval; MATCH: the same window + top_k chunks of c tokens
+retrieved for the blocks holding the last m = prefill_last prompt positions, retrieved K/V
+recomputed; every layer SWA) one row: build the inference.Engine (cache_len = context + 1,
+prefill_chunk tokens a prefill call), prefill one prompt of `context` random tokens once
+(compile + run: compile_s), then `reps` times (ttft_s = their median, the prefill call returning
+the first token's logits). The model is Qwen3-8B-shaped per layer (hidden 4096, 32 q / 8 kv
+heads of 128, MLP 12288) with few layers and random weights, bfloat16; retrieval = exact match
+on random tokens from a small vocabulary (every retrieving block finds k chunks). The
+retriever's cost is exact match, not the paper's MiniLM encode (its weights are not on the GPU
+image).
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+from absl import flags  # noqa: E402
+from bench import common  # noqa: E402
+
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from condattn_jax.attention import configure  # noqa: E402
+from condattn_jax.inference import Engine  # noqa: E402
+from condattn_jax.models.config import ModelConfig  # noqa: E402
+from condattn_jax.models.decoder import Decoder  # noqa: E402
+
+CRITERION = dict(rule="MATCH's time to first token <= 1.15 x SWA's at the preset's context "
+                      "(the paper: 1.08 at 90K)", max_ratio=1.15)
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+  context: int = 32768
+  layers: int = 4
+  hidden: int = 4096
+  heads: int = 32
+  kv_heads: int = 8
+  head_dim: int = 128
+  mlp: int = 12288
+  vocab: int = 1024
+  window: int = 2048
+  chunk: int = 128
+  top_k: int = 4
+  prefill_last: int = 1000
+  prefill_chunk: int = 4096
+  reps: int = 3
+  dtype: str = "bfloat16"
+  token_vocab: int = 64  # prompt tokens drawn from [1, 64): every block finds matches
+
+
+PRESETS = {
+    "gpu": Settings(),
+    "test": Settings(context=256, layers=2, hidden=32, heads=4, kv_heads=2, head_dim=8, mlp=64,
+                     vocab=64, window=16, chunk=4, top_k=2, prefill_last=24, prefill_chunk=64,
+                     reps=1, dtype="float32", token_vocab=16),
+}
+
+
+def configs(s: Settings) -> dict:
+  base = ModelConfig(family="qwen3", qk_norm="head", vocab_size=s.vocab, hidden_size=s.hidden,
+                     intermediate_size=s.mlp, num_layers=s.layers, num_heads=s.heads,
+                     num_kv_heads=s.kv_heads, head_dim=s.head_dim, dtype=s.dtype,
+                     param_dtype=s.dtype)
+  kw = dict(window=s.window, chunk=s.chunk, retrieved_kv="recompute", prefill_last=s.prefill_last)
+  return {"swa": configure(base, "match", top_k=0, **kw),
+          "match": configure(base, "match", top_k=s.top_k, **kw)}
+
+
+def row(s: Settings, name: str, cfg, params) -> dict:
+  eng = Engine(cfg, params, cache_len=s.context + 1, prefill_chunk=s.prefill_chunk)
+  prompt = np.random.default_rng(s.context).integers(1, s.token_vocab, s.context).tolist()
+
+  def ttft():
+    t0 = time.perf_counter()
+    _, logits, _ = eng.prefill([prompt])
+    logits.block_until_ready()
+    return time.perf_counter() - t0, np.asarray(logits, np.float32)
+  first, logits = ttft()
+  times = [ttft()[0] for _ in range(s.reps)]
+  return logits, {"model": name, "context": s.context, "ttft_s": round(float(np.median(times)), 4),
+          "ttft_reps_s": [round(t, 4) for t in times], "compile_s": round(first, 2),
+          "logits_finite": bool(np.isfinite(logits).all()),
+          "peak_bytes": common.peak_bytes()}
+
+
+def run(s: Settings, log=print) -> dict:
+  rows = []
+  cfgs = configs(s)
+  params = nn.unbox(jax.jit(Decoder(cfgs["swa"]).init)(jax.random.PRNGKey(0),
+                                                         jnp.zeros((1, 8), jnp.int32))["params"])
+  logits = {}
+  for name in ("swa", "match"):  # the same weights: top_k adds no parameter
+    logits[name], r = row(s, name, cfgs[name], params)
+    rows.append(r)
+    log(json.dumps(r))
+  by = {r["model"]: r for r in rows}
+  ratio = by["match"]["ttft_s"] / by["swa"]["ttft_s"]
+  return {"settings": dataclasses.asdict(s), "device": jax.devices()[0].device_kind,
+          "jax_version": jax.__version__,
+          "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+          "rows": rows, "criterion": CRITERION["rule"],
+          # the retrieval changed the first token's logits (it ran): max |MATCH - SWA|
+          "match_vs_swa_logit_diff": float(np.abs(logits["match"] - logits["swa"]).max()), "match_over_swa": round(ratio, 4),
+          "passed": bool(ratio <= CRITERION["max_ratio"])}
+
+
+FLAGS = common.flag_values()
+flags.DEFINE_enum("preset", "gpu", sorted(PRESETS), "sizes", flag_values=FLAGS)
+flags.DEFINE_integer("context", None, "prompt tokens (default: the preset's)", flag_values=FLAGS)
+
+
+def main(argv=None):
+  a = common.parse_flags(FLAGS, argv)
+  s = PRESETS[a.preset]
+  if a.context:
+    s = dataclasses.replace(s, context=a.context)
+  result = run(s)
+  result["preset"] = a.preset
+  out = common.result_path("match_ttft", a.out_dir)
+  common.write_result(out, "match_ttft", result, name=a.preset,
+                      claims={"MATCH TTFT within 1.15x SWA": result["passed"]})
+  print(f"MATCH / SWA time to first token at {s.context}: {result['match_over_swa']:.3f} "
+        f"(<= {CRITERION['max_ratio']}: {'PASS' if result['passed'] else 'FAIL'})")
+  print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+  main()
