@@ -52,6 +52,11 @@ def _pow2_divisor(n: int, cap: int) -> int:
   return min(n & -n, cap)
 
 
+def _pow2_floor(n: int) -> int:
+  """Largest power of two <= n (n >= 1)."""
+  return 1 << (n.bit_length() - 1)
+
+
 def supported(H: int) -> bool:
   """Heads of H values can be moved as Triton tensors (a power of two, 16 .. 1024)."""
   return H & (H - 1) == 0 and 16 <= H <= _MAX_CHUNK
@@ -77,12 +82,18 @@ def mgpu_supported(F: int, itemsize: int, H: int | None = None, rows_out: int = 
   return _mgpu_delta_rows(F // H, rows_out) is not None
 
 
+def _mgpu_copy_rows(F: int, itemsize: int, rows_out: int) -> int:
+  """Rows per copy_rows program: a power of two dividing rows_out, at most 64, whose rows fit
+  the program's buffer (_MGPU_SMEM_BYTES; at least one row)."""
+  fit = max(1, _MGPU_SMEM_BYTES // (F * itemsize))
+  return _pow2_divisor(rows_out, _pow2_floor(min(64, fit)))
+
+
 def _mgpu_delta_rows(heads: int, rows_out: int) -> int | None:
   """Rows per copy_rows_delta program, or None: a power of two dividing rows_out whose
   R * heads sub-rows are about _MGPU_DELTA_SUBROWS, a multiple of 4 (the float32 row sums go
   out as whole 16-byte units) and at most 256 (one TMA box)."""
-  R = _pow2_divisor(rows_out, max(1, 1 << ((_MGPU_DELTA_SUBROWS // heads).bit_length() - 1)
-                                  if heads <= _MGPU_DELTA_SUBROWS else 1))
+  R = _pow2_divisor(rows_out, _pow2_floor(max(1, _MGPU_DELTA_SUBROWS // heads)))
   while (R * heads) % 4 and rows_out % (2 * R) == 0:
     R *= 2
   return R if (R * heads) % 4 == 0 and R * heads <= _MGPU_BOX else None
@@ -197,7 +208,7 @@ def _copy_rows_mgpu(x_BRF, src_BR, nrows_B, *, interpret=False):
                      "(needs multiples of 128 bytes, at most 65536 values); use kernel='triton' "
                      "or the XLA glue")
   m = F // _pow2_divisor(F, _MGPU_BOX)
-  R = _pow2_divisor(rows_out, max(1, min(64, _MGPU_SMEM_BYTES // (F * dtype.itemsize))))
+  R = _mgpu_copy_rows(F, dtype.itemsize, rows_out)
 
   def body(nrows_ref, src_ref, x_ref, zero_ref, out_ref, rows_smem, bar):
     b = lax.axis_index("b")

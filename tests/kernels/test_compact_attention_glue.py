@@ -169,6 +169,27 @@ def test_mosaic_gpu_row_copies_equal_the_xla_compaction(per_head):
                              rtol=1e-6, atol=1e-5)
 
 
+def test_mosaic_gpu_rows_per_program_divide_the_rows_and_fit():
+  """Every Mosaic GPU program size is a power of two dividing the output rows (a grid of
+  rows_out // R programs covers every row), its buffer fits the program's shared memory, its
+  copies fit a TMA box (<= 256 per dimension), delta's float32 row sums are whole 16 bytes."""
+  for F in range(64, 64 * 70, 64):
+    for rows_out in (1, 6, 64, 96, 208, 1000, 4096, 28 * 4096):
+      R = glue._mgpu_copy_rows(F, 2, rows_out)
+      m = F // glue._pow2_divisor(F, glue._MGPU_BOX)
+      assert R & (R - 1) == 0 and rows_out % R == 0, (F, rows_out, R)
+      assert R == 1 or R * F * 2 <= glue._MGPU_SMEM_BYTES
+      assert R * m <= 256 and F // m <= 256
+  for heads in range(1, 140):
+    for rows_out in (64, 96, 128, 4096):
+      R = glue._mgpu_delta_rows(heads, rows_out)
+      if R is None:
+        assert heads > 64 and heads % 4, heads   # R * heads would pass 256
+        continue
+      assert rows_out % R == 0 and R & (R - 1) == 0 and (R * heads) % 4 == 0
+      assert R * heads <= 256
+
+
 def test_mosaic_gpu_delta_falls_back_to_xla_where_the_kernel_cannot_take_the_heads(monkeypatch):
   """A head count copy_rows_delta's Mosaic GPU kernel cannot take (glue.mgpu_supported False):
   dO by the Mosaic GPU row copy, delta by XLA; the same values; the kernel itself refuses with a
