@@ -3,7 +3,7 @@ and its time per call against cuDNN's decode path (ops.attention impl='cudnn': G
 split, per-row lengths) at Qwen2.5-1.5B decode shapes (12 query heads, 2 kv heads, head_dim 128),
 (B, cache) = (1, 8K), (1, 128K), (8, 32K), plus the reads the kernel skips (AHA heads routed local:
 a window of a full cache; L2A rows routed local: inactive rows; Elastic SSA: sinks + window) that
-cuDNN cannot.
+cuDNN cannot; AHA / Elastic / MATCH engines decode through it.
 
     pytest -q -s -m "not slow" tests/gpu/test_decode_kernel.py   (skipped without a Hopper GPU)
 
@@ -86,23 +86,35 @@ def test_mosaic_gpu_decode_kernel_equals_reference(case):
 
 
 @pytest.mark.gpu
-def test_aha_engine_decode_runs_the_kernel_and_equals_the_reference():
-  """An AHA model (OLMo-2 layout, 4 heads of 128, window 64, a random router: a mix of heads
-  routed local and full) decodes through ops.attention(impl='auto'): its per-head decode calls
-  run the decode kernel (traced calls counted), and the decode step's logits equal the same
-  engine on the reference attention."""
+@pytest.mark.parametrize("scheme", ["aha", "elastic", "match"])
+def test_engine_decode_runs_the_kernel_and_equals_the_reference(scheme):
+  """A scheme's engine decodes through ops.attention(impl='auto') and its decode calls run the
+  decode kernel (traced calls counted), the decode step's logits equal the same engine on the
+  reference attention: AHA (OLMo-2 layout, 4 heads of 128, window 64, a random router: heads
+  routed local and full), Elastic (4 query / 2 kv heads of 128, blocks of 128, kv head 0 FA and
+  kv head 1 SSA by routing 'fixed': per-head block lists), MATCH (window 128, chunks of 128,
+  top 2: the window + retrieved keys)."""
   from condattn_jax import attention
   from condattn_jax.inference import Engine
   from condattn_jax.models.config import ModelConfig
   from pallas_kernels.decode import api
-  base = ModelConfig(family="olmo2", qk_norm="full", post_norm=True, vocab_size=512,
-                     hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
-                     num_kv_heads=4, head_dim=128, dtype="bfloat16", param_dtype="bfloat16")
-  cfg, params = attention.convert(attention.init_dense(base, 3), base, "aha", window=64)
-  r = params["layers"]["router"]
-  r["kernel"] = 0.3 * jax.random.normal(jax.random.PRNGKey(0), r["kernel"].shape,
-                                        r["kernel"].dtype)
-  r["bias"] = jnp.zeros_like(r["bias"])
+  if scheme == "aha":
+    base = ModelConfig(family="olmo2", qk_norm="full", post_norm=True, vocab_size=512,
+                       hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+                       num_kv_heads=4, head_dim=128, dtype="bfloat16", param_dtype="bfloat16")
+    knobs = dict(window=64)
+  else:
+    base = ModelConfig(family="qwen3", qk_norm="head", vocab_size=512, hidden_size=256,
+                       intermediate_size=512, num_layers=2, num_heads=4, num_kv_heads=2,
+                       head_dim=128, dtype="bfloat16", param_dtype="bfloat16")
+    knobs = (dict(block=128, sinks=128, local=256, routing="fixed", fixed_fa_kv_heads=(0,))
+             if scheme == "elastic" else dict(window=128, chunk=128, top_k=2))
+  cfg, params = attention.convert(attention.init_dense(base, 3), base, scheme, **knobs)
+  if scheme == "aha":  # a random router: both routes taken
+    r = params["layers"]["router"]
+    r["kernel"] = 0.3 * jax.random.normal(jax.random.PRNGKey(0), r["kernel"].shape,
+                                          r["kernel"].dtype)
+    r["bias"] = jnp.zeros_like(r["bias"])
   calls = []
   orig = api.decode_attention
 
@@ -113,8 +125,9 @@ def test_aha_engine_decode_runs_the_kernel_and_equals_the_reference():
   prompts = [rng.integers(0, 512, n).astype(np.int32) for n in (300, 77, 512)]
   outs = []
   for impl in ("auto", "reference"):
-    c = attention.configure(cfg, "aha", compact_impl=impl).replace(attention_impl=impl)
-    eng = Engine(c, params, cache_len=640)
+    c = (attention.configure(cfg, "aha", compact_impl=impl) if scheme == "aha"
+         else attention.configure(cfg, "match", impl=impl) if scheme == "match" else cfg)
+    eng = Engine(c.replace(attention_impl=impl), params, cache_len=640)
     cache, logits, lengths = eng.prefill(prompts)
     tok = np.asarray(logits).argmax(-1)
     api.decode_attention = counting

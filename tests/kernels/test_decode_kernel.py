@@ -392,9 +392,11 @@ def test_block_list_runs_read_each_listed_tile_once():
   again; kv_bytes_read counts them."""
   q, _, _, kw = _lists_problem()
   kw.pop("list_block_k")
-  _, _, runs, (_, _, listed) = api.plan(
-      q, jnp.zeros((2, 504, 2, 64)), active=None, block_k=64, rows=8, kv_lengths_B=None,
-      list_block_k=128, **kw)
+  static = dict(window=kw.pop("window"), sinks=kw.pop("sinks"), block_q=kw.pop("block_q"))
+  plan = jax.jit(lambda q, kw: api.plan(q, jnp.zeros((2, 504, 2, 64)), active=None, block_k=64,
+                                        rows=8, kv_lengths_B=None, list_block_k=128, **static,
+                                        **kw))
+  _, _, runs, (_, _, listed) = plan(q, kw)
   runs, listed = np.asarray(runs), np.asarray(listed)
   tiles = [set(range(r[0])) | set(range(r[1], r[2])) | set(listed[b, k, :r[3]].tolist())
            for b, row in enumerate(runs) for k, r in enumerate(row)]
