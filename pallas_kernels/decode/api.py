@@ -127,6 +127,9 @@ def kernel_support(impl: str, q_shape, kv_shape, dtype, cfg: DecodeConfig = Deco
   if impl == "mosaic_gpu" and bk % 64:
     why.append(f"DecodeConfig.block_k={bk}: Mosaic GPU's P@V wgmma contracts over the kv tile, "
                "a multiple of 64 for bf16 / f16; use block_k=None (64) or a multiple of 64")
+  if impl == "mosaic_tpu" and H % 128 and K > 1:
+    why.append(f"head_dim {H} with {K} kv heads (Mosaic TPU reads a kv head's [block_k, "
+               "head_dim] block of the [B, S, K * head_dim] cache: head_dim a multiple of 128)")
   if impl == "mosaic_tpu" and bk % 128:
     why.append(f"DecodeConfig.block_k={bk}: Mosaic TPU needs a multiple of 128; use "
                "block_k=None (128)")

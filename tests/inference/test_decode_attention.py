@@ -68,15 +68,22 @@ def test_split_kv_combines_like_one_pass(splits):
   assert ops.decode_splits(1, 100, 2) == 1
 
 
-@pytest.mark.parametrize("scheme,knobs", [
-    ("match", dict(window=128, chunk=128, top_k=2)),
-    ("elastic", dict(block=128, sinks=128, local=256))])
-def test_hopper_decode_step_runs_the_decode_kernel(scheme, knobs):
+_KNOBS = dict(match=dict(window=128, chunk=128, top_k=2),
+              elastic=dict(block=128, sinks=128, local=256))
+
+
+@pytest.mark.parametrize("scheme,platform", [
+    ("match", "cuda"), ("elastic", "cuda"),
+    pytest.param("match", "tpu", marks=pytest.mark.slow),
+    pytest.param("elastic", "tpu", marks=pytest.mark.slow)])
+def test_decode_step_runs_the_decode_kernel(scheme, platform):
   """A decode step (one token per row) exported for an (abstract) H100 runs the Mosaic GPU
   decode kernel: MATCH's window + retrieved chunks (not the prefill-shaped path, a tile of
   `chunk` query rows of which one is real), Elastic's per-head block lists over the full cache
   (FA heads full, SSA heads their sink + local blocks; not the block-sparse kernel with one
-  query padded to a tile)."""
+  query padded to a tile). For a TPU (slow: by default ops' TPU choice is checked on Elastic's
+  decode mask in tests/kernels/test_decode_kernel.py) the Mosaic TPU decode kernel (head_dim
+  128; at 64 with 2 kv heads it declines, and a TPU decode falls back to the reference)."""
   import flax.linen as nn
   from jax.sharding import AbstractDevice, AbstractMesh
 
@@ -84,9 +91,13 @@ def test_hopper_decode_step_runs_the_decode_kernel(scheme, knobs):
   from condattn_jax.models.config import ModelConfig
   from condattn_jax.models.decoder import Decoder
   base = ModelConfig(family="qwen3", qk_norm="head", num_layers=2, vocab_size=64, hidden_size=128,
-                     num_heads=4, num_kv_heads=2, head_dim=64, dtype="bfloat16")
-  mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
-      device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"))
+                     num_heads=4, num_kv_heads=2, head_dim=64 if platform == "cuda" else 128,
+                     dtype="bfloat16")  # Mosaic TPU: head_dim a multiple of 128 (kernel_support)
+  device = (AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu")
+            if platform == "cuda" else
+            AbstractDevice(device_kind="TPU v5 lite", num_cores=1, platform="tpu"))
+  mesh = AbstractMesh((1,), ("x",), abstract_device=device)
+  knobs = _KNOBS[scheme]
   B, L = 2, 1024
   i32 = lambda s: jax.ShapeDtypeStruct(s, jnp.int32)
   m = Decoder(attention.configure(base, scheme, **knobs))
@@ -101,8 +112,9 @@ def test_hopper_decode_step_runs_the_decode_kernel(scheme, knobs):
                    fields={"prompt_len_B": P}, unroll_layers=True, mutable=["cache"])[0]
   cudnn = jax.export.DisabledSafetyCheck.custom_call("__cudnn$fmhaSoftmax")
   with jax.sharding.use_abstract_mesh(mesh):
-    text = jax.export.export(jax.jit(step), platforms=["cuda"], disabled_checks=[cudnn])(
+    text = jax.export.export(jax.jit(step), platforms=[platform], disabled_checks=[cudnn])(
         params, cache, i32((B, 1)), i32((B, 1)), i32((B, 1)), i32((B,))).mlir_module()
   calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
-  assert sum("decode_attention_mgpu" in c for c in calls) >= 1, [c[:120] for c in calls]
+  kernel = "decode_attention_mgpu" if platform == "cuda" else "decode_attention_tpu"
+  assert sum(kernel in c for c in calls) >= 1, [c[:120] for c in calls]
   assert not any("block_sparse" in c for c in calls), [c[:120] for c in calls]

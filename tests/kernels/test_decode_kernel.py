@@ -220,6 +220,9 @@ def test_kernel_support_names_the_bad_field():
   # a cache length that is no multiple of the tile: a ragged last tile, taken
   assert dk.kernel_support("mosaic_gpu", (1, 1, 12, 128), (1, 1000, 2, 128), jnp.bfloat16) is None
   assert dk.kernel_support("mosaic_tpu", (8, 1, 12, 128), (8, 32768, 2, 128), jnp.bfloat16) is None
+  # Mosaic TPU blocks a kv head's [tile, head_dim] out of [B, S, K * head_dim]: 128 lanes
+  assert "head_dim 64 with 2 kv heads" in dk.kernel_support(
+      "mosaic_tpu", (8, 1, 12, 64), (8, 32768, 2, 64), jnp.bfloat16)
   q, k, v, kw = _problem(H=96)
   with pytest.raises(ValueError, match="head_dim 96"):
     dk.decode_attention(q, k, v, impl="mosaic_gpu", interpret=True, **kw)
