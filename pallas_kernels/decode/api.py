@@ -284,8 +284,9 @@ def plan(q_BTNH, k_BSKH, *, q_positions_BT, kv_positions_BS, kv_lengths_B, kv_va
                    sinks=sinks, block_k=block_k)
   count = jnp.zeros(runs.shape[:2], jnp.int32)
   if kv_blocks_BNQL is not None:
-    listed, count = listed_tiles(lists_BKRL, mode_BKR, qpos_BKR, runs,
-                                 num_kv_tiles=num_tiles(S, block_k),
+    R = T * (N // K)  # the real rows: the padding rows list nothing (sorted per step)
+    listed, count = listed_tiles(lists_BKRL[:, :, :R], mode_BKR[:, :, :R], qpos_BKR[:, :, :R],
+                                 runs, num_kv_tiles=num_tiles(S, block_k),
                                  per_block=list_block_k // block_k)
     lists = (lists_BKRL, mode_BKR, listed)
   return q_BKRH, qpos_BKR, jnp.concatenate([runs, count[..., None]], axis=-1), lists

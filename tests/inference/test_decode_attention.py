@@ -83,7 +83,7 @@ def test_decode_step_runs_the_decode_kernel(scheme, platform):
   (FA heads full, SSA heads their sink + local blocks; not the block-sparse kernel with one
   query padded to a tile). For a TPU (slow: by default ops' TPU choice is checked on Elastic's
   decode mask in tests/kernels/test_decode_kernel.py) the Mosaic TPU decode kernel (head_dim
-  128; at 64 with 2 kv heads it declines, and a TPU decode falls back to the reference)."""
+  128; at 64 with 2 kv heads it declines and ops takes another path)."""
   import flax.linen as nn
   from jax.sharding import AbstractDevice, AbstractMesh
 
