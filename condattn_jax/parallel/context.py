@@ -40,7 +40,7 @@ Attention per shard (the local queries: [B_shard, T / n, N_shard, H]):
                         multiple of 128 where a chunk holds that: the kernels' tile; the extra
                         keys are outside the window). Otherwise the strategy above (correct
                         for any window).
-  block lists            (MaskSpec.block_lists: per head and query block, the kv blocks it
+  block lists           (MaskSpec.block_lists: per head and query block, the kv blocks it
                         may see) take the all_gather path whatever the strategy: the lists'
                         query-block axis is laid out like the tokens (`to_layout(lists, n,
                         axis=2)` of the natural row's lists; block_q must divide a chunk, so
