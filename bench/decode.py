@@ -7,6 +7,8 @@ against the bytes a step must read, per scheme, with a plain-XLA decode step as 
     # continuous batching on one H100 (~4 min): 64 requests, prompts 256..4096, budgets 16..256
     CONDATTN_GIT_COMMIT=<rev> python -m bench.decode --name=serve --only=serve \
         --serve_requests=64 --serve_slots=8 --serve_prompt=256,4096 --serve_new=16,256
+    # ... with one prompt per prefill (Engine.serve(admit=1)) instead of the free rows' prompts
+    # admitted together: add --serve_admit=1 --name=serve_admit1
     # the bytes side only (no run, any device): every gpu_all row at the NOMINAL rates
     python -m bench.decode --preset=gpu_all --bytes_only
     # does LLaMA-2-7B dense prefill (4K chunks) + decode at 64K fit one 80 GB card (~3 min)
