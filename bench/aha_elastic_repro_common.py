@@ -270,9 +270,12 @@ class Store:
       self._mem[("json", unit)] = dict(result=result, seconds=seconds)
       return
     import json
+    import jax
     os.makedirs(self.work_dir, exist_ok=True)
     _atomic(self.path(unit), json.dumps(dict(settings=self.settings, seed=self.seed,
                                              unit=unit, seconds=round(seconds, 2),
+                                             device=str(jax.devices()[0].device_kind),
+                                             platform=jax.default_backend(),
                                              result=result)).encode())
 
   def _read(self, unit: str) -> dict:
@@ -297,28 +300,51 @@ class Store:
     return float(self._read(unit)["seconds"])
 
   def put_tree(self, name: str, tree) -> None:
+    """A tree of arrays: a model's params (nested dicts: msgpack, flax.serialization) or a
+    training state (pickle: only a rerun on the same machine reads it)."""
     if self.work_dir is None:
       self._mem[("tree", name)] = tree
       return
-    import pickle
+    import json
     os.makedirs(self.work_dir, exist_ok=True)
-    _atomic(self.path(name, "pkl"), pickle.dumps(dict(settings=self.settings, tree=tree)))
+    if _plain(tree):
+      from flax import serialization
+      _atomic(self.path(name, "msgpack"), serialization.msgpack_serialize(
+          dict(settings=json.dumps(self.settings), tree=tree)))
+    else:
+      import pickle
+      _atomic(self.path(name, "pkl"), pickle.dumps(dict(settings=self.settings, tree=tree)))
 
   def get_tree(self, name: str, missing_ok: bool = False):
     if self.work_dir is None:
       return self._mem.get(("tree", name)) if missing_ok else self._mem[("tree", name)]
-    import pickle
-    path = self.path(name, "pkl")
-    if not os.path.exists(path):
-      if missing_ok:
-        return None
+    import json
+    path = self.path(name, "msgpack")
+    if os.path.exists(path):
+      from flax import serialization
+      with open(path, "rb") as f:
+        d = serialization.msgpack_restore(f.read())
+      d["settings"] = json.loads(d["settings"])
+    elif os.path.exists(self.path(name, "pkl")):
+      import pickle
+      path = self.path(name, "pkl")
+      with open(path, "rb") as f:
+        d = pickle.load(f)
+    elif missing_ok:
+      return None
+    else:
       raise ValueError(f"{path}: missing; {self._hint(name)}")
-    with open(path, "rb") as f:
-      d = pickle.load(f)
     if d["settings"] != self.settings:
       raise ValueError(f"{path}: written under other settings than preset {self.preset!r} now; "
                        "remove it or use another --work_dir")
     return d["tree"]
+
+
+def _plain(tree) -> bool:
+  """Nested dicts of numpy arrays (what msgpack restores as it was saved)."""
+  if isinstance(tree, dict):
+    return all(isinstance(k, str) and _plain(v) for k, v in tree.items())
+  return isinstance(tree, np.ndarray)
 
 
 def _settings_json(settings) -> dict:
@@ -370,15 +396,21 @@ def run_seeds(b: Bench, s, preset: str, log=print) -> list[dict]:
   return out
 
 
-def merged_parts(b: Bench, s, preset: str, work_dir: str) -> tuple[list[dict], dict]:
-  """(seeds' records, {seed: {unit: seconds}}) assembled from the part files in `work_dir`;
-  ValueError naming the first missing file and the part command that writes it."""
-  seeds, secs = [], {}
+def merged_parts(b: Bench, s, preset: str, work_dir: str) -> tuple[list[dict], dict, tuple]:
+  """(seeds' records, {seed: {unit: seconds}}, (device, platform) the units ran on) assembled
+  from the part files in `work_dir`; ValueError naming the first missing file and the part
+  command that writes it, or the units' devices when they differ."""
+  seeds, secs, where = [], {}, set()
   for seed in s.seeds:
     store = Store(b.name, preset, s, seed, work_dir)
     secs[str(seed)] = {u: store.seconds(u) for u in b.units(s, seed)}
+    where |= {(store._read(u).get("device"), store._read(u).get("platform"))
+              for u in b.units(s, seed)}
     seeds.append(b.assemble(s, seed, store))
-  return seeds, secs
+  if len(where) != 1:
+    raise ValueError(f"{work_dir}: the units of preset {preset!r} ran on different devices "
+                     f"{sorted(map(str, where))}; merge units of one device")
+  return seeds, secs, where.pop()
 
 
 def define_flags(flag_values, presets, doc: str):
@@ -403,7 +435,7 @@ def define_flags(flag_values, presets, doc: str):
                       flag_values=flag_values)
   flags.DEFINE_string("merge_parts", None, "a --work_dir whose parts cover every unit of every "
                       "seed of --preset: assemble and judge them as one run named <preset> (no "
-                      "training)", flag_values=flag_values)
+                      "training; with --part, after it)", flag_values=flag_values)
   flags.DEFINE_float("dense_budget_s", None, "--part: a gated dense training (Elastic) stops "
                      "after this many seconds at its next check, saves its state and exits 3; "
                      "the same command goes on from there", flag_values=flag_values)
@@ -467,14 +499,22 @@ def main(bench: str, flag_values, presets, files, run, argv=None, parts: Bench |
         print(f"BUDGET: {e}")
         raise SystemExit(3)
     print(f"part {','.join(a.part)} of seeds {seeds}: {time.time() - t0:.1f} s")
-    return dict(part=a.part, seeds=seeds, seconds=time.time() - t0)
-  if a.merge_parts:
-    done, secs = merged_parts(parts, s, a.preset, a.merge_parts)
+    if not a.merge_parts:
+      return dict(part=a.part, seeds=seeds, seconds=time.time() - t0)
+  if a.merge_parts:   # judged here (e.g. on a CPU), recorded as run where the units ran
+    done, secs, (device, platform) = merged_parts(parts, s, a.preset, a.merge_parts)
     res = run(s, done=done)
     res["unit_seconds"] = secs
     res["seconds"] = round(sum(v for d in secs.values() for v in d.values()), 1)
     res["merged_from"] = a.merge_parts
-  elif a.merge:
+    res["device"], res["platform"], res["preset"] = device, platform, name
+    out = common.result_path(bench, a.out_dir, device=device, fixed=files.get(name))
+    r = common.make_run(bench, res, name=name)
+    r["device"] = device
+    common.append_run(out, r)
+    print(f"wrote {out}")
+    return res
+  if a.merge:
     seeds, done, seconds = merged_seeds(a.merge, a.preset)
     res = run(dataclasses.replace(s, seeds=tuple(seeds)), done=done)
     res["seconds"], res["merged_from"] = seconds, list(a.merge)

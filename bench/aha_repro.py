@@ -127,17 +127,20 @@ class Settings:
   seeds: tuple = (0, 1, 2)
   sweep_seeds: int = 1           # the lambda sweep runs on the first this many seeds
   eval_rows: int = 256
+  generated_rows: int = 32       # rows of the engine's mu_f over generated tokens (0: none)
   log_every: int = 150
 
 
 PRESETS = {
     "cpu": Settings(),
-    # tests/bench (by default, ~50 CPU-s with the engine generation): one seed, window 16, one
-    # lambda, the static control frozen (no fine-tune); 100 AHA steps show the mechanism
-    # (layers 1-2 off, layer 0 on). Not fewer steps: at 100 dense / 60 AHA steps the dense model
-    # is not converged (0.965) and the frozen static control trails the learned arm by 3.5 points
+    # tests/bench (by default, ~20 CPU-s from its committed dense model, no engine generation):
+    # one seed, window 16, one lambda, the static control frozen (no fine-tune); 100 AHA steps
+    # show the mechanism (layers 1-2 off, layer 0 on). Not fewer steps: at 100 dense / 60 AHA
+    # steps the dense model is not converged (0.965) and the frozen static control trails the
+    # learned arm by 3.5 points
     "ci": Settings(seq_len=48, dense_steps=150, aha_steps=100, lams=(3e-2,), static_lrs=(),
-                   windows=(16,), seeds=(0,), eval_rows=64, num_queries=4, log_every=50),
+                   windows=(16,), seeds=(0,), eval_rows=64, num_queries=4, generated_rows=0,
+                   log_every=50),
     "h100": Settings(seq_len=512, num_keys=32, num_values=16, num_queries=16, num_layers=4,
                      hidden_size=128, num_heads=8, num_kv_heads=4, batch_size=64,
                      dense_steps=3000, aha_steps=1500, windows=(16, 32, 64, 128, 256),
@@ -149,6 +152,13 @@ PRESETS = {
 # the h100 preset on two-token facts (retrieval forced out of layer 0: the test the one-token
 # task cannot make; not run yet)
 PRESETS["h100_pairs"] = dataclasses.replace(PRESETS["h100"], fact_tokens=2)
+# the GPU plan's dry run (bench/aha_elastic_gpu.py --tiny): h100's units of one seed (windows,
+# lambdas, static lrs), a tiny model, two steps each, no engine generation
+PRESETS["tiny"] = dataclasses.replace(
+    PRESETS["h100"], seq_len=264, num_keys=8, num_values=4, num_queries=4, num_layers=2,
+    hidden_size=32, num_heads=4, num_kv_heads=2, batch_size=4, dense_steps=2, aha_steps=2,
+    eval_rows=8, generated_rows=0, seeds=(0,), log_every=1)
+PRESETS["tiny_pairs"] = dataclasses.replace(PRESETS["tiny"], fact_tokens=2)
 FILES = {"cpu": "aha_repro.json"}
 
 
@@ -388,8 +398,8 @@ def lam_arm(s, seed, w, lam, dense, log) -> dict[str, Any]:
                        metrics=("accuracy", "aha/mu_f"), name=f"aha w{w} lam{lam} s{seed}",
                        log=log, log_every=s.log_every)
   r = evaluate(acfg, p, ev)
-  if lam == s.lam:
-    r["generated"] = generated_usage(acfg, p, ev)
+  if lam == s.lam and s.generated_rows:
+    r["generated"] = generated_usage(acfg, p, ev, n_rows=s.generated_rows)
   r["plateau"] = {k: rc.plateau(v) for k, v in curves.items()}
   r["curves"] = {k: rc.thin(v) for k, v in curves.items()}
   log(f"[aha w{w} lam{lam} s{seed}] " + json.dumps(
@@ -467,14 +477,15 @@ def static_control(s, acfg0, ap0, learned, task, ev, seed, w, log) -> dict[str, 
   p0 = _static_params(ap0, heads)
   drop = _drop
   B = s.batch_size
+  # evaluated under the arm's config (lambda only weighs the loss: the same forward, compiled once)
   out = dict(full_heads=int(n), mu_f=n / (L * N), heads=heads.astype(int).tolist(),
-             frozen=evaluate(cfg, p0, ev)["accuracy"], tuned={})
+             frozen=evaluate(acfg0, p0, ev)["accuracy"], tuned={})
   for lr in s.static_lrs:
     tc = rc.train_config(steps=s.aha_steps, lr=lr, seed=seed,
                          trainable=r"(?!(.*/)?router/).*")
     p, curves = rc.train(cfg, p0, tc, lambda i: drop(task.batch(i * B, B, stream=20)),
                          name=f"static w{w} lr{lr} s{seed}", log=log, log_every=s.log_every)
-    r = evaluate(cfg, p, ev)
+    r = evaluate(acfg0, p, ev)
     out["tuned"][str(lr)] = dict(accuracy=r["accuracy"], mu_f=r["mu_f"],
                                  plateau=rc.plateau(curves["accuracy"]),
                                  curve=rc.thin(curves["accuracy"]))

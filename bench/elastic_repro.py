@@ -111,8 +111,12 @@ class Settings:
   # training
   batch_size: int = 32
   dense_steps: int = 800         # the cap of the gated dense training (dense_unit)
-  dense_gate: float = 0.95       # pre-registered: min task accuracy on the selection rows
-  dense_check_every: int = 100
+  # pre-registered gate: the dense model's worst task accuracy on the selection rows, checked
+  # every dense_check_every steps (0: once, at the cap); the defaults (no gate, cosine over
+  # the cap) are the recipe the recorded cpu run used; gated presets: constant lr after warmup
+  dense_gate: float = 0.0
+  dense_check_every: int = 0
+  dense_schedule: str = "cosine"
   dense_lr: float = 3e-3
   router_steps: int = 200
   router_lr: float = 1e-2
@@ -127,22 +131,40 @@ class Settings:
 
 
 PRESETS = {
-    "cpu": Settings(dense_steps=2000),
-    # CI (tests/bench/test_elastic_repro.py, by default, ~50 CPU-s): a smaller body (4 keys x 4
-    # values, 2 facts, 2 queries), one seed, the single arm and the static control frozen
+    "cpu": Settings(),   # the recorded run (bench/results/elastic_repro.json): no dense gate
+    # the cpu preset with the pre-registered dense gate (to record next: NOT JUDGED seeds)
+    "cpu_gated": Settings(dense_steps=2000, dense_gate=0.95, dense_check_every=100,
+                          dense_schedule="constant"),
+    # CI (tests/bench/test_elastic_repro.py, by default, ~20 CPU-s from its committed dense
+    # model): a smaller body (4 keys x 4 values, 2 facts, 2 queries), one seed, the single arm
+    # and the static control frozen. Its dense model keeps the recipe of the recorded CPU run it
+    # is compared with (400 steps, cosine, no gate: that run predates the gate). With the gated
+    # recipe (constant lr, gate 0.85, passed at step 400) the single arm's gap was 0.158 (>=
+    # 0.15, the recorded verdict's other side): re-record the cpu run before moving ci to it
     "ci": Settings(num_keys=4, num_values=4, num_facts=2, num_queries=2, batch_size=16,
-                   dense_steps=400, router_steps=100, static_lrs=(), arms=("single",),
-                   seeds=(0,), eval_rows=128, select_rows=64, log_every=100),
+                   dense_steps=400, dense_gate=0.0, dense_check_every=400,
+                   dense_schedule="cosine", router_steps=100, static_lrs=(), arms=("single",),
+                   seeds=(0,), eval_rows=128, select_rows=128, log_every=100),
     "h100": Settings(seq_len=512, num_keys=32, num_values=32, num_facts=16, num_queries=4,
                      sink_pad=64, num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4,
                      block=64, sinks=64, local=128, boundary=32, batch_size=64,
-                     dense_steps=4000, router_steps=1500, static_lrs=(3e-4, 1e-3, 3e-3),
+                     dense_steps=8000, dense_gate=0.95, dense_check_every=250,
+                     dense_schedule="constant", router_steps=1500,
+                     static_lrs=(3e-4, 1e-3, 3e-3),
                      seeds=(0, 1, 2), ablation_seeds=3, eval_rows=2048, select_rows=1024,
                      log_every=500),
-    "test": Settings(dense_steps=3, dense_gate=0.0, dense_check_every=2, router_steps=5,
+    "test": Settings(dense_steps=3, dense_gate=0.0, dense_check_every=2,
+                     dense_schedule="constant", router_steps=5,
                      static_lrs=(1e-3,), arms=("single",), seeds=(0,), eval_rows=32,
                      select_rows=32, log_every=1),
 }
+# the GPU plan's dry run (bench/aha_elastic_gpu.py --tiny): h100's units of one seed (arms, static
+# lrs), the cpu task and two steps each (the gate passes at once)
+PRESETS["tiny"] = Settings(
+    arms=PRESETS["h100"].arms, seeds=(0,), static_lrs=PRESETS["h100"].static_lrs,
+    batch_size=8, dense_steps=2, dense_gate=0.0, dense_check_every=2,
+    dense_schedule="constant", router_steps=2,
+    eval_rows=16, select_rows=16, log_every=1)
 FILES = {"cpu": "elastic_repro.json"}
 
 
@@ -303,7 +325,7 @@ def dense_unit(s: Settings, seed: int, store: rc.Store, log=print) -> dict[str, 
   init = nn.unbox(Decoder(cfg).init(jax.random.key(seed),
                                     jnp.zeros((1, s.seq_len), jnp.int32))["params"])
   B = s.batch_size
-  tc = rc.train_config(steps=s.dense_steps, lr=s.dense_lr, seed=seed, schedule="constant")
+  tc = rc.train_config(steps=s.dense_steps, lr=s.dense_lr, seed=seed, schedule=s.dense_schedule)
 
   def gate(p):
     v = evaluate(cfg, p, sel)["min_accuracy"]
@@ -311,7 +333,7 @@ def dense_unit(s: Settings, seed: int, store: rc.Store, log=print) -> dict[str, 
   disk = store.work_dir is not None
   dense, g = rc.train_to_gate(
       cfg, init, tc, lambda i: _with_task_ids(task.batch(i * B, B), True), gate,
-      check_every=s.dense_check_every,
+      check_every=s.dense_check_every or s.dense_steps,
       resume=store.get_tree("dense_state", missing_ok=True) if disk else None,
       save=(lambda st: store.put_tree("dense_state", st)) if disk else None,
       budget_s=store.budget_s, name=f"dense s{seed}", log=log, log_every=s.log_every)
@@ -355,6 +377,7 @@ def units(s: Settings, seed: int) -> list[str]:
   """The seed's units: dense (with its gate), the arms (all but 'single' on the first
   `ablation_seeds` seeds), the static control (needs 'single')."""
   arms = [a for a in s.arms if a == "single" or seed in s.seeds[:s.ablation_seeds]]
+  arms.sort(key=lambda a: a != "single")   # first: the static control reads it
   return ["dense"] + arms + (["static"] if "single" in arms else [])
 
 

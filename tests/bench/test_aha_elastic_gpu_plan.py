@@ -1,0 +1,74 @@
+"""bench/aha_elastic_gpu.py: the H100 plan of the AHA / Elastic reproductions runs every unit of
+every seed once, each after the units it reads, in lanes of at most the capacity (<= per_gpu a
+GPU), in 3 calls; the committed script is the plan's. The CPU dry run of the whole script (tiny
+presets, every call and the merge) is the manual test below (default cover: this file's plan
+checks and tests/bench/test_aha_elastic_parts.py, which runs parts and merges them)."""
+import importlib
+import os
+import subprocess
+
+import pytest
+
+from bench import aha_elastic_gpu as gp
+from bench import common
+from _train_helpers import PY, ROOT
+
+
+def _check(calls, tiny, capacity, gpus=4, per_gpu=3):
+  placed = {}
+  for c, lanes in enumerate(calls):
+    assert len(lanes) <= gpus * per_gpu
+    for lane in lanes:
+      assert sum(ch.cost for ch in lane) <= capacity
+      for ch in lane:
+        s = importlib.import_module(f"bench.{ch.bench}").PRESETS[ch.preset]
+        for j, u in enumerate(ch.units):
+          key = (ch.bench, ch.preset, ch.seed, u)
+          assert key not in placed, key                         # once
+          for d in gp.deps(ch.bench, s, u):                     # after what it reads
+            dk = (ch.bench, ch.preset, ch.seed, d)
+            assert (dk in placed and placed[dk] < c) or d in ch.units[:j], (key, d)
+          placed[key] = c
+  want = set()
+  for bench, preset in gp.RUNS:
+    p = gp.TINY.get(preset, preset) if tiny else preset
+    s = importlib.import_module(f"bench.{bench}").PRESETS[p]
+    want |= {(bench, p, seed, u) for seed in s.seeds
+             for u in importlib.import_module(f"bench.{bench}").units(s, seed)}
+  assert set(placed) == want                                     # every unit
+
+
+def test_h100_plan_runs_every_unit_once_after_its_inputs_in_3_calls():
+  calls = gp.plan()
+  _check(calls, False, 330.0)
+  assert len(calls) == 3
+  with open(os.path.join(ROOT, "bench", "aha_elastic_h100.sh")) as f:
+    assert f.read() == gp.script(calls), "rewrite: python -m bench.aha_elastic_gpu " \
+                                         "--write=bench/aha_elastic_h100.sh"
+  _check(gp.plan(tiny=True), True, 330.0)
+  _check(gp.plan(capacity=300.0, per_gpu=2), False, 300.0, per_gpu=2)
+  with pytest.raises(RuntimeError, match="raise capacity"):
+    gp.plan(capacity=250.0)          # the Elastic dense model alone is 300
+
+
+@pytest.mark.manual
+def test_tiny_script_dry_run(tmp_path):
+  """The whole script on the tiny presets on this CPU (lanes one after another, every call,
+  then the merges): every lane exits 0 and every preset's merged run is written with passing
+  claims (its pre-registered verdicts may fail: tiny models)."""
+  sh = tmp_path / "tiny.sh"
+  subprocess.run([PY, "-m", "bench.aha_elastic_gpu", "--tiny", f"--write={sh}"], cwd=ROOT,
+                 check=True)
+  env = dict(os.environ, W=str(tmp_path / "w"), OUT=str(tmp_path / "out"), PY=PY, SERIAL="1",
+             TIMEOUT="1800")
+  p = subprocess.run(["bash", str(sh), "all"], cwd=ROOT, env=env, capture_output=True,
+                     text=True, timeout=3600)
+  assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+  lanes = [l for l in p.stdout.splitlines() if l.startswith("call ")]
+  assert lanes and all("rc=0" in l for l in lanes), lanes
+  for bench, name in (("aha_repro", "tiny"), ("aha_repro", "tiny_pairs"),
+                      ("elastic_repro", "tiny")):
+    runs = common.load(common.result_path(bench, str(tmp_path / "out")))["runs"]
+    (run,) = [r for r in runs if r["settings"]["name"] == name]
+    assert run["claims"] and all(c["passed"] for c in run["claims"])
+  assert (tmp_path / "out" / "aha_elastic_units.tgz").exists()
