@@ -454,13 +454,18 @@ def _activation_axes() -> tuple[tuple[str, ...], str | None]:
 
 
 def _mesh_shards(B: int, N: int, K: int):
-  """(mesh, batch axes, head axis) to run a kernel per shard on, or None (no / trivial mesh,
-  axes already manual, or shapes the mesh does not divide)."""
+  """(mesh, batch axes, head axis, token axis) to run a kernel per shard on, or None (no /
+  trivial mesh, axes already manual, or shapes the mesh does not divide). The rules table's
+  size-1 axes are named too (batch, heads, tokens: the token axis only when it has size 1): an
+  axis the specs leave out is one the inputs are replicated over, and shard_map's transpose
+  sums their cotangents over it (an all-reduce of dQ / dK / dV per attention call, over groups
+  of one device)."""
   mesh = jax.sharding.get_abstract_mesh()
   if mesh is None or mesh.empty or mesh.size <= 1:
     return None
-  usable = {a: n for a, n, t in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
-            if t != jax.sharding.AxisType.Manual and n > 1}
+  sizes = {a: n for a, n, t in zip(mesh.axis_names, mesh.axis_sizes, mesh.axis_types)
+           if t != jax.sharding.AxisType.Manual}
+  usable = {a: n for a, n in sizes.items() if n > 1}
   batch_axes, head_axis = _activation_axes()
   batch = tuple(a for a in batch_axes if a in usable)
   head = head_axis if head_axis in usable else None
@@ -471,7 +476,12 @@ def _mesh_shards(B: int, N: int, K: int):
     return None
   if not batch and head is None:
     return None
-  return mesh, (batch or None), head
+  one = lambda a: isinstance(a, str) and sizes.get(a) == 1
+  batch = tuple(a for a in batch_axes if a in usable or one(a))
+  head = head if head is not None else (head_axis if one(head_axis) else None)
+  from condattn_jax.train import sharding
+  length = dict(sharding.RULES).get("activation_length")
+  return mesh, (batch or None), head, (length if one(length) else None)
 
 
 def per_shard(fn):
@@ -481,19 +491,19 @@ def per_shard(fn):
     where = _mesh_shards(q.shape[0], q.shape[2], k.shape[2])
     if where is None:
       return fn(q, k, v, mask)
-    mesh, batch, head = where
+    mesh, batch, head, length = where
     P = jax.sharding.PartitionSpec
-    heads, rows = P(batch, None, head, None), P(batch, None)
+    heads, rows = P(batch, length, head, None), P(batch, length)
     act = mask.active
     bl = mask.block_lists
     mspec = dataclasses.replace(
         mask, q_positions_BT=rows, kv_positions_BS=rows,
         q_segment_ids_BT=None if mask.q_segment_ids_BT is None else rows,
         kv_segment_ids_BS=None if mask.kv_segment_ids_BS is None else rows,
-        active=None if act is None else (rows if act.ndim == 2 else P(batch, None, head)),
+        active=None if act is None else (rows if act.ndim == 2 else P(batch, length, head)),
         kv_lengths_B=None if mask.kv_lengths_B is None else P(batch),
         block_lists=None if bl is None else dataclasses.replace(
-            bl, kv_blocks_BNQL=P(batch, head, None, None),
+            bl, kv_blocks_BNQL=P(batch, head, length, None),
             head_mode_BN=None if bl.head_mode_BN is None else P(batch, head)))
     return jax.shard_map(fn, mesh=mesh, in_specs=(heads, heads, heads, mspec), out_specs=heads,
                          check_vma=False)(q, k, v, mask)

@@ -125,6 +125,22 @@ def test_attention_per_shard_equals_the_unsharded_reference(mesh, strategy, wind
     assert "all_gather" in jaxpr
 
 
+def test_kernels_per_shard_leave_no_gradient_psum_over_size_one_axes():
+  """ops.per_shard (a kernel under a data x fsdp x tensor mesh, sequence 1) names the rules
+  table's size-1 axes in its shard_map specs, as context.attention does: the backward holds no
+  psum of dQ / dK / dV over an axis the inputs would be replicated over (it had one per
+  attention call, over the size-1 sequence axis)."""
+  B, T, N, K, H = 4, 128, 4, 2, 16
+  q, k = jnp.ones((B, T, N, H)), jnp.ones((B, T, K, H))
+  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+  mask = ops.MaskSpec(pos, pos, active=jnp.ones((B, T), bool), contiguous=True)
+  f = jax.jit(jax.grad(lambda q, k, v: jnp.sum(ops.attention(q, k, v, mask, impl="pallas")),
+                       argnums=(0, 1, 2)))
+  with shd.mesh_context(_mesh(2, 2, 1, 2)):
+    jaxpr = str(f.trace(q, k, k).jaxpr)
+  assert "shard_map" in jaxpr and "psum" not in jaxpr
+
+
 @pytest.mark.parametrize("mesh,strategy,window", [((1, 1, 4, 2), "all_gather", None),
                                                    ((2, 1, 4, 1), "ring", 12)])
 def test_block_lists_split_with_the_query_blocks(mesh, strategy, window):
