@@ -154,6 +154,14 @@ PRESETS = {
                  dense_steps=2000, ft_steps=400, batch=8, train_segs=8, lr=1e-3, ft_lr=3e-4,
                  ablations=False,
                  eval_segs=(1, 2, 4, 8, 16), eval_rows=64),
+    # CPU check of the h100 preset's path (task text, checkpoints, resume): seconds
+    "text_test": dict(task="text", seeds=1, vocab=256, width=32, layers=2, heads=4, kv_heads=2,
+                      seg=dict(segment_len=32, tail_len=8, retrieve_len=16, tbptt=1,
+                               long_heads=(0,), long_layers=(1,), query_len=8, summary_window=4,
+                               summary_stride=2, summary_tail=2, topk=2, anchors=2,
+                               expand=(-1, 2)),
+                      dense_steps=6, ft_steps=4, batch=2, train_segs=2, lr=1e-3, ft_lr=3e-4,
+                      ablations=False, eval_segs=(1, 2, 4), eval_rows=4),
 }
 FILES = {"cpu": "segmented_fidelity.json"}
 MODELS = ("aligned", "misaligned", "ablation_M0", "ablation_no_long")
@@ -349,7 +357,7 @@ def train(cfg, params_seeds, data, p, steps: int, lr: float, seed: int, segmente
     params_seeds, opt = jax.tree.unflatten(jax.tree.structure(tree), leaves)
     print(f"  resumed at step {start}/{steps}", flush=True)
   for i in range(start, steps):
-    if deadline is not None and time.time() > deadline:
+    if deadline is not None and i > start and time.time() > deadline:  # >= 1 step a call
       np.savez(state_file, step=i, losses=np.asarray(jnp.stack(losses)).reshape(i, n_seeds),
                **{f"p{j}": np.asarray(x) for j, x in
                   enumerate(jax.tree.leaves((params_seeds, opt)))})
@@ -447,7 +455,7 @@ def run(preset: str, checkpoint_dir: str | None = None, stop_after_dense: bool =
         time_budget_s: float | None = None):
   """The protocol of the module docstring at `preset`: the result dict, or None when
   stop_after_dense (the dense checkpoint is trained and saved under checkpoint_dir, then it
-  stops) or when the dense training ran past time_budget_s (its progress is saved under
+  stops) or when the dense training or a fine-tune ran past time_budget_s (its progress is saved under
   checkpoint_dir; call again to resume). For a device whose commands are time-limited."""
   p = PRESETS[preset]
   t0 = time.time()
@@ -460,10 +468,7 @@ def run(preset: str, checkpoint_dir: str | None = None, stop_after_dense: bool =
                       is_leaf=lambda x: hasattr(x, "value"))
   ckpt = os.path.join(checkpoint_dir, f"dense_{preset}.npz") if checkpoint_dir else None
   if ckpt and os.path.exists(ckpt):  # a dense checkpoint of this preset saved by an earlier call
-    with np.load(ckpt) as z:
-      leaves = [jnp.asarray(z[f"p{i}"]) for i in range(len(jax.tree.leaves(init)))]
-      dense_loss = z["loss"]
-    dense = jax.tree.unflatten(jax.tree.structure(init), leaves)
+    dense, dense_loss = _load_tree(ckpt, init)
   else:
     if ckpt:
       os.makedirs(checkpoint_dir, exist_ok=True)
@@ -474,8 +479,7 @@ def run(preset: str, checkpoint_dir: str | None = None, stop_after_dense: bool =
       return None
     dense, dense_loss = out
     if ckpt:
-      np.savez(ckpt, loss=dense_loss,
-               **{f"p{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(dense))})
+      _save_tree(ckpt, dense, dense_loss)
   t_dense = time.time() - t0
   print(f"[{t_dense:.0f} s] dense: final CE {np.mean(dense_loss[-1]):.3f}", flush=True)
   if stop_after_dense:
@@ -502,12 +506,26 @@ def run(preset: str, checkpoint_dir: str | None = None, stop_after_dense: bool =
   runs = [("aligned", "segmented", True), ("misaligned", "dense", False)]
   if p["ablations"]:
     runs += [("ablation_M0", "ablation_M0", True), ("ablation_no_long", "ablation_no_long", True)]
+  deadline = None if not (ckpt and time_budget_s) else t0 + time_budget_s
   for name, cfg_name, seg in runs:
     start = dense if cfg_name == "dense" else conv(cfg_name)
-    ft[name], ft_loss[name] = train(cfgs[cfg_name], start, data, p, p["ft_steps"], p["ft_lr"], 2,
-                                    seg)
+    saved = ckpt and ckpt.replace("dense_", f"ft_{name}_")
+    if saved and os.path.exists(saved):  # finished by an earlier call
+      ft[name], ft_loss[name] = _load_tree(saved, start)
+    else:
+      out = train(cfgs[cfg_name], start, data, p, p["ft_steps"], p["ft_lr"], 2, seg,
+                  state_file=saved and saved.replace(".npz", "_partial.npz"), deadline=deadline)
+      if out is None:
+        return None
+      ft[name], ft_loss[name] = out
+      if saved:
+        _save_tree(saved, *out)
     print(f"[{time.time() - t0:.0f} s] fine-tuned {name}: final CE {np.mean(ft_loss[name][-1]):.3f}",
           flush=True)
+  if deadline is not None and time.time() > t0 + 0.75 * time_budget_s:
+    print(f"  evaluations left for the next call (under a quarter of --time_budget_s left)",
+          flush=True)
+    return None
   res.update({
       "aligned/segmented": evaluate(cfgs["segmented"], ft["aligned"], rows, True),
       "misaligned/segmented": evaluate(cfgs["segmented"], conv_ft(ft["misaligned"], cfgs), rows,
@@ -539,6 +557,18 @@ def run(preset: str, checkpoint_dir: str | None = None, stop_after_dense: bool =
       wall_s=dict(total=round(time.time() - t0, 1), dense=round(t_dense, 1)))
 
 
+def _save_tree(path: str, params_seeds, losses):
+  np.savez(path, loss=losses,
+           **{f"p{i}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(params_seeds))})
+
+
+def _load_tree(path: str, like):
+  """(params shaped as `like`, losses) saved by _save_tree."""
+  with np.load(path) as z:
+    leaves = [jnp.asarray(z[f"p{i}"]) for i in range(len(jax.tree.leaves(like)))]
+    return jax.tree.unflatten(jax.tree.structure(like), leaves), z["loss"]
+
+
 def conv_ft(params_seeds, cfgs):
   return jax.vmap(lambda q: sgm.from_dense(q, cfgs["segmented"]))(params_seeds)
 
@@ -548,8 +578,9 @@ flags.DEFINE_enum("preset", "cpu", sorted(PRESETS), "task size", flag_values=FLA
 flags.DEFINE_string("checkpoint_dir", None, "directory of the dense checkpoint "
                     "(dense_<preset>.npz): loaded when there, else trained and saved there",
                     flag_values=FLAGS)
-flags.DEFINE_float("time_budget_s", None, "with --checkpoint_dir: stop the dense training after "
-                   "this many seconds, saving its progress there (call again to resume)",
+flags.DEFINE_float("time_budget_s", None, "with --checkpoint_dir: stop the dense training or a "
+                   "fine-tune after this many seconds, saving its progress there (call again to "
+                   "resume; the evaluations start only with a quarter of the budget left)",
                    flag_values=FLAGS)
 flags.DEFINE_boolean("stop_after_dense", False, "train (or load) and save the dense checkpoint, "
                      "then stop (needs --checkpoint_dir)", flag_values=FLAGS)

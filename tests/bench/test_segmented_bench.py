@@ -27,12 +27,16 @@ def test_memory_bench_rows_at_test_preset():
 
 def test_fidelity_test_preset_reruns_the_protocol(tmp_path):
   """The pre-registered protocol at the test preset, fresh, through the CLI into --out_dir (dense
-  checkpoint, aligned and misaligned fine-tunes on the same batches, 2 seeds vmapped): the
+  checkpoint and each fine-tune saved under --checkpoint_dir, aligned and misaligned fine-tunes on the same batches, 2 seeds vmapped): the
   writer recorded the criteria's verdicts as they follow from the evaluations, and the
   direction of the paper's claim holds at 2 segments: the dense-trained weights lose
   perplexity when run segmented, and fine-tuning under the segmented execution recovers part
   of it (aligned < misaligned under the same execution)."""
-  assert fid.main(["--preset=test", f"--out_dir={tmp_path}"]) == 0
+  ck = tmp_path / "ck"
+  assert fid.main(["--preset=test", f"--out_dir={tmp_path}", f"--checkpoint_dir={ck}"]) == 0
+  # each phase saved (what a time-limited GPU command resumes from)
+  assert {f.name for f in ck.iterdir()} >= {"dense_test.npz", "ft_aligned_test.npz",
+                                           "ft_misaligned_test.npz"}
   (run,) = common.load(common.result_path("segmented_fidelity", str(tmp_path)))["runs"]
   assert run["settings"]["name"] == "test"
   assert {c["name"]: c["passed"] for c in run["claims"]} == {
