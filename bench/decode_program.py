@@ -1,0 +1,350 @@
+r"""What one decode step runs: the op histogram of a compiled program, per layer (issue 33).
+
+    # on the GPU: compile (abstract arguments, nothing allocated) the engine's decode program and
+    # the plain-XLA per-layer baseline of bench/decode.py for this device; print the table
+    python -m bench.decode_program --shapes=qwen2.5-1.5b --B=1 --T=8192
+    # on any host: the StableHLO exported for an abstract H100 (what reaches XLA:GPU: custom
+    # calls, dots, scatters, conditionals; XLA:GPU's fusions happen after this)
+    python -m bench.decode_program --export=cuda --shapes=qwen2.5-1.5b --B=1 --T=8192
+
+A step at fixed T is bounded by its bytes (weights + K/V), but a small step is bounded by what
+the GPU launches per layer: every fusion, library call (cuBLAS / cuDNN), Pallas kernel, copy and
+in-place update is one kernel. `op_histogram(compiled.as_text())` reads a compiled program's HLO
+and counts them (the instructions XLA turns into thunks: those of the entry computation and of
+the computations it runs through while / conditional / call, never a fusion's body); `per_layer`
+compiles the program at two layer counts and splits the histogram into a per-layer part and a
+fixed part (embedding, logits, ...), exactly: the layers are unrolled, each one the same ops.
+
+Histogram keys (counts; `launches` sums every kernel-like key):
+  fusion:<kind>      a fusion: kind 'loop' / 'input' (a reduction) / 'output', or for a custom
+                     fusion its backend kind (e.g. '__triton_gemm', '__cudnn$fusion')
+  custom-call:<target>  a library or Pallas call ('__cublas$gemm', '__cudnn$fmhaSoftmax',
+                     'mosaic_gpu_v2', ...)
+  <opcode>           any other op that runs on its own: copy, dynamic-update-slice, scatter,
+                     dot, while, conditional, all-reduce, ... (plumbing is not counted:
+                     parameter, constant, tuple, get-tuple-element, bitcast, ...)
+  copy_bytes         result bytes of pure data movement: copies and loop fusions made only of
+                     copy / slice / concatenate / transpose / pad / broadcast / convert / ...
+                     (a weight sliced, concatenated or widened into a new buffer every step
+                     shows here; the CPU compiler widens bf16 dot operands to f32, so a CPU
+                     figure holds every weight once: compare layouts, not backends)
+A StableHLO module (jax.export's `mlir_module()`) gets `stablehlo_histogram` instead: every op
+name and custom-call target, before XLA fuses anything.
+"""
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import json
+import re
+import sys
+
+from condattn_jax.parallel.hlo import shape_bytes
+
+# Ops that are plumbing, not work: no thunk of their own (or a no-op one).
+PLUMBING = frozenset({
+    "parameter", "constant", "tuple", "get-tuple-element", "bitcast", "after-all",
+    "opt-barrier", "partition-id", "replica-id", "add-dependency", "domain", "iota"})
+CONTROL = frozenset({"while", "conditional", "call"})
+# A fusion made of these only moves (or widens) data: a copy kernel.
+MOVE_OPS = frozenset({"copy", "concatenate", "slice", "transpose", "pad", "dynamic-slice",
+                      "broadcast", "reshape", "bitcast", "convert", "parameter", "constant",
+                      "tuple", "get-tuple-element"})
+_COMP = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%?[\w.\-]+ = (.+?) ([a-z][\w\-]*)\(")
+_CALLS = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)="
+                    r"%?([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_KIND = re.compile(r"kind=k(\w+)")
+_BACKEND_KIND = re.compile(r'"kind":"([^"]+)"')
+_TRIPS = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+
+
+def _computations(hlo_text: str) -> tuple[dict[str, list[str]], str | None]:
+  comps: dict[str, list[str]] = {}
+  entry, cur = None, None
+  for line in hlo_text.splitlines():
+    m = _COMP.match(line)
+    if m and not line.startswith(" "):
+      cur = comps.setdefault(m.group(1), [])
+      if line.startswith("ENTRY"):
+        entry = m.group(1)
+    elif cur is not None and line.startswith("  "):
+      cur.append(line)
+  return comps, entry
+
+
+def _ops(lines: list[str]) -> set[str]:
+  return {m.group(2) for m in map(_INSTR.match, lines) if m}
+
+
+def op_histogram(hlo_text: str) -> dict[str, int]:
+  """The kernel-like ops of a compiled program's HLO text (`compiled.as_text()`), counted once
+  per execution: an op inside a while body counts its loop's known trip count times (1 when
+  unknown). Keys as in the module docstring, plus 'launches' and 'copy_bytes'."""
+  comps, entry = _computations(hlo_text)
+  if entry is None:
+    raise ValueError("op_histogram: no ENTRY computation in the text (pass the compiled "
+                     "program's HLO: jax.jit(f).lower(...).compile().as_text()).")
+  hist: collections.Counter = collections.Counter()
+  seen: set[tuple[str, int]] = set()
+
+  def walk(name: str, trips: int):
+    if (name, trips) in seen or name not in comps:
+      return
+    seen.add((name, trips))
+    for line in comps[name]:
+      m = _INSTR.match(line)
+      if not m:
+        continue
+      shape, op = m.group(1), m.group(2)
+      if op in PLUMBING:
+        continue
+      if op == "fusion":
+        callee = _CALLS.search(line)
+        body = comps.get(callee.group(1), []) if callee else []
+        kind = (_KIND.search(line) or [None, "?"])[1].lower()
+        if kind == "custom":
+          bk = _BACKEND_KIND.search(line)
+          kind = bk.group(1) if bk else "custom"
+        hist[f"fusion:{kind}"] += trips
+        if kind == "loop" and body and _ops(body) <= MOVE_OPS:
+          hist["copy_bytes"] += shape_bytes(shape) * trips
+        continue
+      if op == "custom-call":
+        t = _TARGET.search(line)
+        hist[f"custom-call:{t.group(1) if t else '?'}"] += trips
+        continue
+      if op == "copy":
+        hist["copy_bytes"] += shape_bytes(shape) * trips
+      hist[op] += trips
+      if op == "while":
+        t = _TRIPS.search(line)
+        n = int(t.group(1)) if t else 1
+        body = re.search(r"body=%?([\w.\-]+)", line)
+        cond = re.search(r"condition=%?([\w.\-]+)", line)
+        if body:
+          walk(body.group(1), trips * n)
+        if cond:
+          walk(cond.group(1), trips * (n + 1))
+      elif op == "conditional":
+        b = _BRANCHES.search(line)
+        names = ([x.strip().lstrip("%") for x in b.group(1).split(",")] if b else
+                 re.findall(r"(?:true|false)_computation=%?([\w.\-]+)", line))
+        for n in names:
+          walk(n, trips)  # every branch counted: an upper bound on what one step runs
+      elif op == "call":
+        for n in _CALLS.findall(line):
+          walk(n, trips)
+  walk(entry, 1)
+  out = dict(sorted(hist.items()))
+  out["launches"] = sum(v for k, v in out.items()
+                        if k not in ("copy_bytes",) and k not in CONTROL)
+  out.setdefault("copy_bytes", 0)
+  return out
+
+
+def stablehlo_histogram(mlir_text: str) -> dict[str, int]:
+  """Every op of a StableHLO module (jax.export's `mlir_module()`) by name, and its custom
+  calls by target ('custom_call:<target>'), nothing fused yet; a private function's ops count
+  once per `func.call` of it (jax lowers a repeated jitted / custom-vjp body as one function
+  called from every layer), from the public `main`."""
+  funcs: dict[str, list[str]] = {}
+  cur = None
+  for line in mlir_text.splitlines():
+    m = re.match(r"\s*func\.func (?:public |private )?@([\w$.\-]+)\(", line)
+    if m:
+      cur = funcs.setdefault(m.group(1), [])
+    if cur is not None:
+      cur.append(line)
+
+  @functools.cache
+  def count(name: str) -> tuple:
+    hist: collections.Counter = collections.Counter()
+    for line in funcs.get(name, []):
+      for op in re.findall(r'= "?((?:stablehlo|chlo|mhlo)\.[\w.]+)', line):
+        hist[op] += 1
+      for t in re.findall(r"custom_call @([\w$.:\-]+)", line):
+        hist[f"custom_call:{t}"] += 1
+      for callee in re.findall(r"(?:= |^\s*)(?:func\.)?call @([\w$.\-]+)", line):
+        hist.update(dict(count(callee)))
+    return tuple(hist.items())
+
+  if "main" not in funcs:
+    raise ValueError("stablehlo_histogram: no public main function in the module (pass "
+                     "jax.export.export(...)(...).mlir_module()).")
+  return dict(sorted(count("main")))
+
+
+def split_layers(h_a: dict, n_a: int, h_b: dict, n_b: int) -> tuple[dict, dict]:
+  """(per layer, fixed) from the histograms of one program at n_a < n_b unrolled layers:
+  per layer = (h_b - h_a) / (n_b - n_a), fixed = h_a - n_a * per layer (keys present in either;
+  a fractional per-layer count means the layers are not all alike)."""
+  keys = sorted(set(h_a) | set(h_b))
+  per = {k: (h_b.get(k, 0) - h_a.get(k, 0)) / (n_b - n_a) for k in keys}
+  per = {k: int(v) if float(v).is_integer() else v for k, v in per.items()}
+  fixed = {k: h_a.get(k, 0) - n_a * per[k] for k in keys}
+  return ({k: v for k, v in per.items() if v}, {k: v for k, v in fixed.items() if v})
+
+
+# ------------------------------------------------------------------------------------------------
+# The programs
+# ------------------------------------------------------------------------------------------------
+
+def h100_mesh():
+  """An abstract one-device H100 (ops.attention then lowers its cuda branch from any host)."""
+  from jax.sharding import AbstractDevice, AbstractMesh
+  return AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+      device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"))
+
+
+def model_config(shapes: str, layers: int | None = None, scheme: str = "dense", T: int = 8192):
+  """bench/decode.py's model config of `scheme` on `shapes` (bf16), with `layers` layers."""
+  from bench import decode as bd
+  cfg, _ = bd.scheme_config(scheme, shapes, T)
+  return cfg if layers is None else dataclasses.replace(cfg, num_layers=layers)
+
+
+def engine_program(cfg, B: int, T: int, split: bool = False):
+  """(fn, abstract args, donated argnums) of the engine's decode program: `Engine._step` with
+  one token per row over a cache of T + bench.decode.EXTRA slots (what `Engine.decode_step`
+  runs); `split`: the params in `models.stacking.split_groups`' layout."""
+  import jax
+  import jax.numpy as jnp
+  from bench import decode as bd
+  from condattn_jax.inference import Engine
+  from condattn_jax.models import stacking
+  params = bd.abstract_params(cfg)
+  if split:
+    params = jax.eval_shape(stacking.split_groups, params)
+  eng = Engine(cfg, params, cache_len=T + bd.EXTRA)
+  cache = eng.cache_shapes(B)
+  sds = jax.ShapeDtypeStruct
+  args = (params, cache, sds((B, 1), jnp.int32), sds((B, 1), jnp.int32), sds((B, 1), jnp.bool_),
+          sds((B, cfg.vocab_size), jnp.float32))
+  return (lambda *a: Engine._step(eng, *a)), args, (1,)
+
+
+def baseline_program(cfg, B: int, T: int):
+  """(fn, abstract args, donated argnums) of bench/decode.py's plain-XLA per-layer step
+  (`baseline_step_layers`: one donated cache array per layer, a python loop over layers)."""
+  import jax
+  import jax.numpy as jnp
+  from bench import decode as bd
+  params = bd.abstract_params(cfg)
+  kv = jax.ShapeDtypeStruct((B, T + bd.EXTRA, cfg.num_kv_heads, cfg.head_dim), jnp.dtype(cfg.dtype))
+  caches = tuple(kv for _ in range(cfg.num_layers))
+  fn = functools.partial(bd.baseline_step_layers, cfg)
+  args = (params, caches, caches, jax.ShapeDtypeStruct((B,), jnp.int32),
+          jax.ShapeDtypeStruct((), jnp.int32), jax.ShapeDtypeStruct((B,), jnp.int32))
+  return fn, args, (1, 2)
+
+
+PROGRAMS = {"engine": engine_program, "xla_per_layer": baseline_program,
+            "engine_split": functools.partial(engine_program, split=True)}
+
+
+def compiled_text(program: str, cfg, B: int, T: int) -> str:
+  """The HLO text of `program` compiled for this process's default backend."""
+  import jax
+  fn, args, donate = PROGRAMS[program](cfg, B, T)
+  return jax.jit(fn, donate_argnums=donate).lower(*args).compile().as_text()
+
+
+def cudnn_exportable():
+  """A context in which cuDNN attention lowers without a GPU (ops' cuDNN decode path is taken as
+  on an H100 with cuDNN 9.10: what `auto` picks there), for `exported_text`."""
+  import contextlib
+  from unittest import mock
+  from jax._src import dispatch
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+  from condattn_jax import ops
+  stack = contextlib.ExitStack()
+  # cuDNN's primitive asks for devices at lowering (its custom partitioning): one device here
+  # and its custom partitioning's lowering then wants a device assignment; on one device it
+  # lowers the wrapped call, which is what this does
+  from jax._src import core, custom_partitioning as cp
+  from jax._src.interpreters import mlir
+  stack.enter_context(mock.patch.object(dispatch, "jaxpr_has_prim_requiring_devices",
+                                        lambda jaxpr: False))
+
+  def one_device(ctx, *values, call, **_):
+    return mlir.lower_fun(core.jaxpr_as_fun(call), multiple_results=True)(ctx, *values)
+  stack.enter_context(mock.patch.dict(mlir._lowerings, {
+      cp.custom_partitioning_p: mlir.LoweringRuleEntry(one_device, False)}))
+  stack.enter_context(mock.patch.object(ops, "cudnn_available", lambda: None))
+  stack.enter_context(mock.patch.object(fa, "check_cudnn_version", lambda: 91000))
+  stack.enter_context(mock.patch.object(fa, "check_compute_capability", lambda c: c <= "9.0"))
+  stack.enter_context(mock.patch.object(fa, "is_cuda_compute_capability_equal",
+                                        lambda c: c == "9.0"))
+  return stack
+
+
+def exported_text(program: str, cfg, B: int, T: int, platform: str = "cuda") -> str:
+  """The StableHLO of `program` exported for `platform` ('cuda': an abstract H100, cuDNN on)."""
+  import jax
+  fn, args, donate = PROGRAMS[program](cfg, B, T)
+  checks = [jax.export.DisabledSafetyCheck.custom_call(t) for t in (
+      "__cudnn$fmhaSoftmax", "__gpu$xla.gpu.triton")]
+  import contextlib
+  mesh = (jax.sharding.use_abstract_mesh(h100_mesh()) if program.startswith("engine")
+          else contextlib.nullcontext())  # the baseline calls no ops.attention
+  with cudnn_exportable(), mesh:
+    return jax.export.export(jax.jit(fn, donate_argnums=donate), platforms=[platform], disabled_checks=checks)(
+        *args).mlir_module()
+
+
+def table(program: str, shapes: str, B: int, T: int, *, layers=(2, 3), export: str | None = None,
+          full: bool = True) -> dict:
+  """{per_layer, fixed, total (at the shapes' own layer count, when `full`)} histograms of
+  `program` (compiled here, or exported for `export`)."""
+  hist = ((lambda c: stablehlo_histogram(exported_text(program, c, B, T, export))) if export
+          else (lambda c: op_histogram(compiled_text(program, c, B, T))))
+  a, b = layers
+  ha, hb = hist(model_config(shapes, a)), hist(model_config(shapes, b))
+  per, fixed = split_layers(ha, a, hb, b)
+  out = dict(program=program, shapes=shapes, B=B, T=T, layers=layers,
+             backend=f"export:{export}" if export else _backend(), per_layer=per, fixed=fixed)
+  if full:
+    cfg = model_config(shapes)
+    out["num_layers"] = cfg.num_layers
+    out["total"] = hist(cfg)
+  return out
+
+
+def _backend() -> str:
+  import jax
+  d = jax.devices()[0]
+  return f"{d.platform}:{getattr(d, 'device_kind', '')}"
+
+
+def main(argv=None) -> list[dict]:
+  import argparse
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--shapes", default="qwen2.5-1.5b")
+  p.add_argument("--B", type=int, default=1)
+  p.add_argument("--T", type=int, default=8192)
+  p.add_argument("--programs", default="engine,engine_split,xla_per_layer",
+                 help=f"some of {sorted(PROGRAMS)}")
+  p.add_argument("--export", default=None, help="export for this platform (cuda) instead of "
+                 "compiling for this backend")
+  p.add_argument("--layers", default="2,3", help="the two layer counts of the per-layer split")
+  p.add_argument("--no_full", action="store_true", help="skip the full-depth total")
+  p.add_argument("--out", default=None, help="write the tables here as JSON")
+  a = p.parse_args(argv)
+  layers = tuple(int(x) for x in a.layers.split(","))
+  rows = []
+  for prog in a.programs.split(","):
+    r = table(prog, a.shapes, a.B, a.T, layers=layers, export=a.export, full=not a.no_full)
+    rows.append(r)
+    print(json.dumps(r, indent=1), flush=True)
+  if a.out:
+    with open(a.out, "w") as f:
+      json.dump(rows, f, indent=1)
+  return rows
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])
