@@ -14,7 +14,8 @@ run as a python loop, each on its slice of the stacked parameters, with ONE cach
 (`cache/layers_{i}`), so a jitted step that donates the cache writes every layer's new K/V into
 that layer's buffer in place (a scan would carry the stacked cache [L, ...] through the loop and
 copy it). `models.stacking.stack_layers(cache, variants)` views such a cache in the scanned
-layout, `unstack_layers` goes back.
+layout, `unstack_layers` goes back. The stacked parameters may be given split
+(`models.stacking.split_groups`: each group a tuple of per-layer trees) in this mode.
 """
 from __future__ import annotations
 
@@ -139,16 +140,25 @@ class Decoder(nn.Module):
 
   def _unrolled(self, scheme, groups, flags, x_BTD, ctx: LayerContext):
     """Every layer applied on its parameter slice with its own cache `cache/layers_{i}`
-    (created by the layer itself on the first call); aux stacked on a leading layer axis."""
+    (created by the layer itself on the first call); aux stacked on a leading layer axis.
+    A group given split (`models.stacking.split_groups`: a tuple of per-layer trees) is used
+    as is: each layer's weights are then their own arguments of the step, never a slice of
+    the stacked array (which a compiler may copy into a new buffer every step)."""
     cfg = self.config
     params = self.variables["params"]
     auxes = []
     for start, stop, variant in groups:
       layer = scheme.layer_cls(cfg, variant=variant, parent=None)
       group = params[group_name(start, stop, len(groups))]
+      split = isinstance(group, (tuple, list))  # models.stacking.split_groups: no slicing
+      if split and len(group) != stop - start:
+        raise ValueError(f"params[{group_name(start, stop, len(groups))!r}] holds {len(group)} "
+                         f"layers; the model's group has {stop - start} (split_groups of "
+                         "another config's params?).")
       for i in range(start, stop):
         name = f"layers_{i}"
-        variables = {"params": jax.tree.map(lambda a, j=i - start: a[j], group)}
+        variables = {"params": group[i - start] if split else
+                     jax.tree.map(lambda a, j=i - start: a[j], group)}
         if self.has_variable("cache", name):
           variables["cache"] = self.get_variable("cache", name)
         lctx = ctx.replace(layer_idx=jnp.int32(i),

@@ -100,6 +100,21 @@ def unstack_layers(params: dict, num_layers: int | None = None) -> dict:
   return out
 
 
+def split_groups(params: dict) -> dict:
+  """A stacked tree with every scanned group (`layers`, `layers_{start}_{stop}`) replaced by a
+  tuple of its layers' trees (leaves without the layer axis): the layout the Decoder's
+  `unroll_layers` (decode) mode takes as is, so each layer's weights reach the compiled step as
+  arguments of their own instead of slices of the stacked leaves. Other entries, and groups
+  already split, are kept. (Allocates the layers' copies: call it once, outside
+  the step, and drop the stacked tree to keep one copy of the weights.)"""
+  out = dict(params)
+  for name, start, stop in _group_ranges(
+      {k: v for k, v in params.items() if not isinstance(v, (tuple, list))}, None):
+    out[name] = tuple(jax.tree.map(lambda x, j=j: x[j], params[name])
+                      for j in range(stop - start))
+  return out
+
+
 def unstack_then(params: dict, variants: Sequence[Any]) -> dict:
   """A stacked tree regrouped for `variants` (e.g. after pruning changed the groups)."""
   return stack_layers(unstack_layers(params, len(variants)), variants)
