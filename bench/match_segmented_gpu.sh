@@ -43,7 +43,9 @@ mqar() {
 }
 seg() {
   mkdir -p out/segfid
-  CUDA_VISIBLE_DEVICES=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 timeout 480 \
+  # (the h100 dense step compiled on CPU with the reference attention: 74.5 GiB of temporaries,
+  # its [T, T] scores; on GPU the attention kernel holds none of them)
+  CUDA_VISIBLE_DEVICES=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 timeout 480 \
     python -m bench.segmented_fidelity --preset=h100 --checkpoint_dir=out/segfid \
     --time_budget_s=400 --out_dir=$OUT/seg_h100 >> $OUT/seg_h100.log 2>&1 &
   CUDA_VISIBLE_DEVICES=2 XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 timeout 480 \
