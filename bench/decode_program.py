@@ -314,6 +314,88 @@ def table(program: str, shapes: str, B: int, T: int, *, layers=(2, 3), export: s
   return out
 
 
+def filled_cache(eng, B: int, T: int, seed: int = 0):
+  """The engine's cache for B rows holding T tokens each (random K/V, positions 0..T-1, slots
+  < T valid, length T), made on the device: what a prefill of T tokens leaves, for timing."""
+  import jax
+  import jax.numpy as jnp
+  shapes = eng.cache_shapes(B)
+  base = jax.random.key(seed)
+
+  @functools.partial(jax.jit, static_argnums=(0, 1, 2))
+  def make(name, shape, dtype, key):
+    if name in ("key", "value"):
+      return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+    if name == "length":
+      return jnp.full(shape, T, dtype)
+    slot = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    if name == "positions":
+      return jnp.where(slot < T, slot, 0).astype(dtype)
+    if name == "valid":
+      return (slot < T).astype(dtype)
+    return jnp.zeros(shape, dtype)
+
+  leaves, tree = jax.tree_util.tree_flatten_with_path(shapes)
+  return eng._commit(jax.tree_util.tree_unflatten(tree, [
+      make(path[-1].key, s.shape, s.dtype, jax.random.fold_in(base, i))
+      for i, (path, s) in enumerate(leaves)]))
+
+
+def time_step(shapes: str, B: int, T: int, *, variants=("stacked", "split"), steps: int = 32,
+              repeats: int = 3, warmup: int = 3, compiler_options: dict | None = None,
+              log=print) -> list[dict]:
+  """The engine's decode step timed in ONE process for each params layout in `variants`
+  ('stacked': the model's own; 'split': models.stacking.split_groups), same weights, each over
+  a fresh `filled_cache` of T tokens: ms per step (`bench.decode._timed_steps`: `steps` back to
+  back, median of `repeats`), compile_s, memory analysis and the compiled program's
+  op_histogram (launches, copy_bytes, custom calls). compiler_options: passed to
+  `.compile(compiler_options=...)` (XLA debug options by name, e.g.
+  {'xla_gpu_dot_merger_threshold_mb': 0}) for every variant."""
+  import time
+  import jax
+  import jax.numpy as jnp
+  from bench import decode as bd
+  from condattn_jax.inference import Engine
+  from condattn_jax.models import stacking
+  cfg = model_config(shapes)
+  params = bd.init_params(cfg)
+  eng = Engine(cfg, params, cache_len=T + 512)
+  rows = []
+  for variant in variants:
+    p = params if variant == "stacked" else jax.jit(stacking.split_groups)(params)
+    cache = filled_cache(eng, B, T)
+    logits = eng._commit(jnp.zeros((B, cfg.vocab_size), jnp.float32))
+    tok = jnp.zeros((B, 1), jnp.int32)
+    pos0 = eng._commit(jnp.full((B, 1), T, jnp.int32))
+    on = eng._commit(jnp.ones((B, 1), bool))
+    t0 = time.perf_counter()
+    compiled = Engine._step.lower(eng, p, cache, tok, pos0, on, logits).compile(
+        compiler_options=compiler_options or None)
+    row = dict(program="engine", params=variant, shapes=shapes, B=B, T=T,
+               compile_s=time.perf_counter() - t0, compiler_options=compiler_options or {},
+               backend=_backend())
+    row.update(bd._mem(compiled))
+    hist = op_histogram(compiled.as_text())
+    row["launches"], row["copy_bytes"] = hist["launches"], hist["copy_bytes"]
+    row["histogram"] = hist
+
+    def step(state, i):
+      cache, logits = state
+      t = jnp.argmax(logits, -1).astype(jnp.int32)[:, None]
+      cache, logits, _ = compiled(p, cache, t, pos0 + i, on, logits)
+      return cache, logits
+
+    ms, runs, (cache, logits) = bd._timed_steps(step, (cache, logits), steps, repeats, warmup)
+    row.update(ms=ms, runs_ms=runs, logits_finite=bool(jnp.all(jnp.isfinite(logits))))
+    log(f"{variant}: {ms:.3f} ms/step, {hist['launches']} launches, "
+        f"copy {hist['copy_bytes'] / 2**20:.1f} MiB, compile {row['compile_s']:.1f} s")
+    rows.append(row)
+    del cache, logits, compiled
+    if variant != "stacked":
+      del p
+  return rows
+
+
 def _backend() -> str:
   import jax
   d = jax.devices()[0]
@@ -325,7 +407,7 @@ def main(argv=None) -> list[dict]:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--shapes", default="qwen2.5-1.5b")
   p.add_argument("--B", type=int, default=1)
-  p.add_argument("--T", type=int, default=8192)
+  p.add_argument("--T", default="8192", help="context (--time: a comma list)")
   p.add_argument("--programs", default="engine,engine_split,xla_per_layer",
                  help=f"some of {sorted(PROGRAMS)}")
   p.add_argument("--export", default=None, help="export for this platform (cuda) instead of "
@@ -333,11 +415,32 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--layers", default="2,3", help="the two layer counts of the per-layer split")
   p.add_argument("--no_full", action="store_true", help="skip the full-depth total")
   p.add_argument("--out", default=None, help="write the tables here as JSON")
+  p.add_argument("--time", action="store_true", help="time the engine's step in this process "
+                 "for each --variants params layout (time_step) instead of the tables")
+  p.add_argument("--variants", default="stacked,split")
+  p.add_argument("--steps", type=int, default=32)
+  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--option", action="append", default=[], help="name=value: an XLA option "
+                 "for the timed compiles (e.g. xla_gpu_dot_merger_threshold_mb=0); repeatable")
   a = p.parse_args(argv)
+  if a.time:
+    opts = {}
+    for kv in a.option:
+      k, _, v = kv.partition("=")
+      opts[k] = (int(v) if v.lstrip("-").isdigit() else {"true": True, "false": False}.get(v, v))
+    rows = []
+    for T in (int(t) for t in str(a.T).split(",")):
+      rows += time_step(a.shapes, a.B, T, variants=tuple(a.variants.split(",")), steps=a.steps,
+                        repeats=a.repeats, compiler_options=opts)
+    print(json.dumps([{k: v for k, v in r.items() if k != "histogram"} for r in rows]))
+    if a.out:
+      with open(a.out, "w") as f:
+        json.dump(rows, f, indent=1)
+    return rows
   layers = tuple(int(x) for x in a.layers.split(","))
   rows = []
   for prog in a.programs.split(","):
-    r = table(prog, a.shapes, a.B, a.T, layers=layers, export=a.export, full=not a.no_full)
+    r = table(prog, a.shapes, a.B, int(a.T), layers=layers, export=a.export, full=not a.no_full)
     rows.append(r)
     print(json.dumps(r, indent=1), flush=True)
   if a.out:
