@@ -22,6 +22,12 @@ The plan the kernels share (`plan`):
   sinks + window); a (row, kv head) with no active query reads nothing. A window ring read after
   its write (models.layers.KVCache) is a full cache whose fill is min(length, ring size).
   The kernels still mask every score exactly; the runs only bound the reads.
+- Block lists (ops.BlockLists' contract: kv_blocks_BNQL per head and query block, head modes
+  HEAD_FULL / HEAD_BLOCKS / HEAD_WINDOW_BLOCKS, blocks of list_block_k slots, a multiple of the
+  tile): the runs above are those of the rows not in HEAD_BLOCKS mode; after them a (row, kv
+  head) reads the tiles of the blocks its other rows list (`listed_tiles`: ascending, each once,
+  none inside the runs), and the kernels check each row's list and mode per tile.
+- Ragged caches: S need not be a multiple of block_k (`tile_start`).
 - Split over the kv length: each (row, kv head) splits its runs into P equal parts (P static:
   `num_parts`, about config.target_programs programs in all, >= config.min_tiles_per_part tiles
   each), one program per part, merged by their log-sum-exp (`reference.merge_parts`).
