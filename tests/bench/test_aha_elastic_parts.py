@@ -62,9 +62,13 @@ def test_elastic_parts_resume_and_merge_equal_the_whole_run(tmp_path):
     del mod.PRESETS["test_nogate"]
 
 
+@pytest.mark.manual
 def test_aha_parts_merge_equal_the_whole_run(tmp_path):
   """AHA `test` preset with a two-value lambda sweep: dense, then the headline window, the other
-  lambda and the static control as separate parts, merged == the one-process run."""
+  lambda and the static control as separate parts, merged == the one-process run (~35 CPU-s).
+  Default cover: the Elastic test above (the shared part runner, stores and merge) and
+  tests/bench/test_aha_repro.py's CI run (AHA's w16 and static units through --part and
+  --merge_parts from the committed dense model)."""
   import dataclasses
   mod = aha_repro
   s = dataclasses.replace(mod.PRESETS["test"], lams=(1e-2, 3e-2))
