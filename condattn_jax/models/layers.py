@@ -159,13 +159,16 @@ class KVCache(nn.Module):
 
 def attend(q_BTNH, k_BSKH, v_BSKH, *, q_positions_BT, kv_positions_BS, q_segment_ids_BT=None,
            kv_segment_ids_BS=None, window=None, active=None, impl="auto", contiguous=False,
-           full_cache=False):
+           full_cache=False, kv_lengths_B=None):
   """The model's one call into `ops.attention` (builds the mask spec). full_cache: k/v are a
   KVCache of kind 'full' after its write (valid slots = kv_segment_ids_BS, a prefix of each
-  row): the mask then carries the fill (MaskSpec.kv_lengths_B) that decode kernels read."""
+  row): the mask then carries the fill (MaskSpec.kv_lengths_B) that decode kernels read;
+  kv_lengths_B: that fill when the caller knows it (the cache's own counter: no reduction
+  over the slots), else it is counted from kv_segment_ids_BS."""
   lengths_B = None
   if full_cache:
-    lengths_B = jnp.sum(kv_segment_ids_BS != 0, axis=1, dtype=jnp.int32)
+    lengths_B = (jnp.sum(kv_segment_ids_BS != 0, axis=1, dtype=jnp.int32)
+                 if kv_lengths_B is None else kv_lengths_B.astype(jnp.int32))
   mask = ops.MaskSpec(q_positions_BT=q_positions_BT, kv_positions_BS=kv_positions_BS,
                       q_segment_ids_BT=q_segment_ids_BT, kv_segment_ids_BS=kv_segment_ids_BS,
                       window=window, active=active, contiguous=contiguous, kv_lengths_B=lengths_B)
@@ -246,10 +249,12 @@ class Attention(nn.Module):
       ring_step = self.cache_kind(ctx) == "window" and q_BTNH.shape[1] == 1
       k_all, v_all, kv_pos, kv_valid = self.write_cache(k_BTKH, v_BTKH, ctx,
                                                         after_write=ring_step)
+      # the fill after the write: a full cache's length counter, a ring's min(length, size)
+      fill_B = jnp.minimum(self.kv_cache.get_variable("cache", "length"), k_all.shape[1])
       return attend(q_BTNH, k_all, v_all, q_positions_BT=ctx.positions_BT, kv_positions_BS=kv_pos,
                     kv_segment_ids_BS=kv_valid, window=None if ring_step else self.window,
                     active=active, impl=impl,
-                    full_cache=ring_step or self.cache_kind(ctx) == "full")
+                    full_cache=ring_step or self.cache_kind(ctx) == "full", kv_lengths_B=fill_B)
     return attend(q_BTNH, k_BTKH, v_BTKH, q_positions_BT=ctx.positions_BT,
                   kv_positions_BS=ctx.positions_BT, q_segment_ids_BT=ctx.segment_ids_BT,
                   kv_segment_ids_BS=ctx.segment_ids_BT, window=self.window, active=active,

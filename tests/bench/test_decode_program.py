@@ -128,12 +128,16 @@ def test_split_params_decode_the_same_and_copy_no_weights():
 def test_h100_export_runs_one_cudnn_call_per_layer():
   """The engine's decode program exported for an abstract H100 (cuDNN decode path as on the
   card): per layer exactly one cuDNN attention call, the 7 projections' dots, the 4 cache
-  writes (key, value, positions, valid); the logits' dot once; no loop or Pallas call."""
+  writes (key, value, positions, valid), 6 reductions; the logits' dot once; no loop or Pallas
+  call."""
   h = {n: dp.stablehlo_histogram(dp.exported_text("engine", _tiny(n, "bfloat16"), 1, 64))
        for n in (2, 3)}
   per, fixed = dp.split_layers(h[2], 2, h[3], 3)
   assert per["custom_call:__cudnn$fmhaSoftmax"] == 1
   assert per["stablehlo.dot_general"] == 7 and fixed["stablehlo.dot_general"] == 1
   assert per["stablehlo.scatter"] == 4
+  # the fill comes from the cache's length counter: no reduction over the valid slots per layer
+  # (7 when attend counted it from kv_segment_ids_BS)
+  assert per["stablehlo.reduce"] == 6
   assert not any(k in h[3] for k in ("stablehlo.while", "custom_call:mosaic_gpu_v2",
                                      "custom_call:__gpu$xla.gpu.triton"))
