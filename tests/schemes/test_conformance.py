@@ -154,11 +154,13 @@ def test_packed_documents_are_independent(name):
   run = jax.jit(lambda t, p, g: (s.forward or (lambda m, pr, *x: m.apply({"params": pr}, *x)))(
       Decoder(cfg), params, t, p, g)[0])
   packed = np.asarray(run(tok, pos, seg))
-  for doc, lo in ((a, 0), (b, len(a))):
-    alone = np.asarray(run(jnp.asarray([doc], jnp.int32),
-                           jnp.arange(len(doc), dtype=jnp.int32)[None],
-                           jnp.ones((1, len(doc)), jnp.int32)))
-    np.testing.assert_allclose(packed[0, lo:lo + len(doc)], alone[0], atol=1e-5)
+  L = tok.shape[1]
+  for doc, lo in ((a, 0), (b, len(a))):  # alone: the document, then padding to the same length
+    pad = [0] * (L - len(doc))              # (one compiled program for the three rows)
+    alone = np.asarray(run(jnp.asarray([doc + pad], jnp.int32),
+                           jnp.asarray([list(range(len(doc))) + pad], jnp.int32),
+                           jnp.asarray([[1] * len(doc) + pad], jnp.int32)))
+    np.testing.assert_allclose(packed[0, lo:lo + len(doc)], alone[0, :len(doc)], atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------- aux
