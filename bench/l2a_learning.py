@@ -229,21 +229,33 @@ def train(cfg: ModelConfig, params, s: Settings, data: Data, *, steps: int, lr: 
   return jax.device_get(state.params), history, time.time() - t0
 
 
+_EVAL_STEPS: dict[ModelConfig, Any] = {}
+
+
+def _eval_step(cfg: ModelConfig):
+  """The jitted held-out step of `evaluate`, one per config: an experiment evaluates the same
+  config several times (the converted and the trained L2A model, theta = the trained one's),
+  which then compiles once."""
+  if cfg not in _EVAL_STEPS:
+    model = Decoder(cfg)
+
+    @jax.jit
+    def f(params, b):
+      logits, aux = model.apply({"params": params}, b["inputs"], b["positions"], b["segment_ids"])
+      ok = (jnp.argmax(logits, -1) == b["targets"]).astype(jnp.float32) * b["loss_mask"]
+      out = dict(correct=ok.sum(), scored=b["loss_mask"].sum())
+      if aux:
+        out["glob"] = aux["global_tokens_B"].sum(axis=1)
+        out["tok"] = aux["tokens_B"].sum(axis=1)
+      return out
+    _EVAL_STEPS[cfg] = f
+  return _EVAL_STEPS[cfg]
+
+
 def evaluate(cfg: ModelConfig, params, data: Data, batch: int = 256) -> dict[str, Any]:
   """Answer-token accuracy and per-layer sparsity on the held-out examples (train=False)."""
-  model = Decoder(cfg)
   params = model_params(params, cfg)
-
-  @jax.jit
-  def f(params, b):
-    logits, aux = model.apply({"params": params}, b["inputs"], b["positions"], b["segment_ids"])
-    ok = (jnp.argmax(logits, -1) == b["targets"]).astype(jnp.float32) * b["loss_mask"]
-    out = dict(correct=ok.sum(), scored=b["loss_mask"].sum())
-    if aux:
-      out["glob"] = aux["global_tokens_B"].sum(axis=1)
-      out["tok"] = aux["tokens_B"].sum(axis=1)
-    return out
-
+  f = _eval_step(cfg)
   sums: dict[str, Any] = {}
   n = data.eval["inputs"].shape[0]
   for i in range(0, n, batch):
@@ -398,8 +410,11 @@ def pruning(lcfg: ModelConfig, params, data: Data, layer_sparsity, threshold: fl
 
 
 def run_experiment(s: Settings, log=print, *, dense_params: str | None = None,
-                   save_dense: str | None = None) -> dict[str, Any]:
-  """The whole experiment; `dense_params` (npz from `save_dense`) skips the dense training."""
+                   save_dense: str | None = None, baseline_steps: int | None = None
+                   ) -> dict[str, Any]:
+  """The whole experiment; `dense_params` (npz from `save_dense`) skips the dense training;
+  `baseline_steps` trains each baseline that many steps instead of s.l2a_steps (recorded as
+  result['baseline_steps'])."""
   t_start = time.time()
   data = Data(s)
   cfg = base_config(s)
@@ -441,9 +456,11 @@ def run_experiment(s: Settings, log=print, *, dense_params: str | None = None,
       "history": {"dense": dense_hist, "l2a": l2a_hist},
   }
   q = float(np.clip(l2a_eval["global_fraction"], 0.0, 1.0))
+  b = s if baseline_steps is None else dataclasses.replace(s, l2a_steps=baseline_steps)
+  result["baseline_steps"] = b.l2a_steps
   if "context_free" in s.baselines:
     ccfg, cparams, chist, timings["context_free"] = train_l2a(
-        s, data, cfg, dense, name="context_free", log=log, routing="bernoulli", bernoulli_q=q)
+        b, data, cfg, dense, name="context_free", log=log, routing="bernoulli", bernoulli_q=q)
     ce = evaluate(ccfg, cparams, data)
     result.update(context_free_accuracy=ce["accuracy"], context_free_sparsity=ce["sparsity"],
                   context_free_q=q, context_free_layer_sparsity=ce["layer_sparsity"])
@@ -451,14 +468,14 @@ def run_experiment(s: Settings, log=print, *, dense_params: str | None = None,
     log(f"context-free accuracy {ce['accuracy']:.4f} sparsity {ce['sparsity']:.4f} (q={q:.4f})")
   if "local_only" in s.baselines:
     ocfg, oparams, ohist, timings["local_only"] = train_l2a(
-        s, data, cfg, dense, name="local_only", log=log, routing="none")
+        b, data, cfg, dense, name="local_only", log=log, routing="none")
     oe = evaluate(ocfg, oparams, data)
     result.update(local_only_accuracy=oe["accuracy"], local_only_sparsity=oe["sparsity"])
     result["history"]["local_only"] = ohist
     log(f"local-only accuracy {oe['accuracy']:.4f}")
   if "dense_continued" in s.baselines:
     dparams, dhist, timings["dense_continued"] = train(
-        cfg, dense, s, data, steps=s.l2a_steps, lr=s.l2a_lr, trainable=L2A_TRAINABLE, phase=1,
+        cfg, dense, b, data, steps=b.l2a_steps, lr=s.l2a_lr, trainable=L2A_TRAINABLE, phase=1,
         name="dense_continued", log=log)
     result.update(dense_continued_accuracy=evaluate(cfg, dparams, data)["accuracy"])
     result["history"]["dense_continued"] = dhist

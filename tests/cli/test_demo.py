@@ -1,8 +1,10 @@
 """`make demo` shows conditional attention at work: scripts/demo.py (L2A and AHA sections) run here.
 
-Every number checked below is measured by the demo run inside this test (dense model from
-tests/fixtures/l2a/mqar_dense.npz; conversion, L2A training, both baselines and the evals run
-here); the margins are ones the run can miss.
+Every number checked below is measured by the demo run inside this test (dense models from
+tests/fixtures/{l2a,aha}/; conversion, the scheme's training, the baselines and the evals run
+here); the margins are ones the run can miss. The runs use `--preset=ci` (scripts/demo.py
+CI_PRESET: the same claims, fewer steps for phases whose full-run values sit far from the
+limits); `make demo` runs the full preset.
 """
 import json
 import os
@@ -26,7 +28,7 @@ def _demo(args, timeout=1500):
 def demo_run(tmp_path_factory):
   """(workdir, the finished process, its metrics): `make demo`'s command, run once."""
   wd = str(tmp_path_factory.mktemp("demo") / "run")
-  p = _demo([f"--workdir={wd}"])
+  p = _demo([f"--workdir={wd}", "--preset=ci"])
   path = os.path.join(wd, "demo_metrics.json")  # written before a failed claim exits 1
   assert os.path.exists(path), (p.stdout[-4000:], p.stderr[-4000:])
   with open(path) as f:
@@ -105,7 +107,7 @@ def test_demo_aha_claims(tmp_path):
   training: --dense_from_scratch), converted and AHA-trained; the numbers come from this run and
   the margins can be missed."""
   wd = str(tmp_path / "aha")
-  p = _demo(["--scheme=aha", f"--workdir={wd}"])
+  p = _demo(["--scheme=aha", f"--workdir={wd}", "--preset=ci"])
   path = os.path.join(wd, "demo_metrics.json")
   assert os.path.exists(path), (p.stdout[-4000:], p.stderr[-4000:])
   m = json.load(open(path))

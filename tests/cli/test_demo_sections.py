@@ -1,6 +1,6 @@
 """`make demo SCHEME=segmented | elastic | match` (scripts/demo.py): the three sections run once,
-in one process (`--scheme=segmented,elastic,match`, each into <workdir>/<scheme>), with a user's
-compile flags; every number checked below is measured by that run (the dense models of the
+in one process (`--scheme=segmented,elastic,match --preset=ci`, each into <workdir>/<scheme>),
+with a user's compile flags; every number checked below is measured by that run (the dense models of the
 segmented and Elastic sections come from tests/fixtures/{segmented,elastic}/, the rest trains
 here), and the margins are ones the run can miss. `--scheme=all` is the same loop over every
 section."""
@@ -19,7 +19,7 @@ SECTIONS = ("segmented", "elastic", "match")
 def demo_sections(tmp_path_factory):
   """(workdir, the finished process, {scheme: its metrics})."""
   wd = str(tmp_path_factory.mktemp("demo_sections") / "run")
-  p = _demo([f"--workdir={wd}", "--scheme=" + ",".join(SECTIONS)])
+  p = _demo([f"--workdir={wd}", "--preset=ci", "--scheme=" + ",".join(SECTIONS)])
   out = {}
   for name in SECTIONS:
     path = os.path.join(wd, name, "demo_metrics.json")  # written before a failed claim exits 1
