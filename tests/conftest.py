@@ -93,14 +93,19 @@ def _file_key(path) -> str:
   return os.path.relpath(str(path), os.path.dirname(os.path.dirname(DURATIONS)))
 
 
+UNLISTED_S = 20.0  # a file tests/durations.json does not list (yet): about the mean file
+
+
 def pytest_collection_modifyitems(config, items):
-  """Files longest first by tests/durations.json; files it does not list (new ones) before all
-  listed ones, those holding a slow test first (a new file may be long: at the start the other
-  worker is busy anyway). Tests keep their order within a file."""
+  """Files longest first by tests/durations.json; a file it does not list (a new one) first if it
+  holds a slow test, else as if it took UNLISTED_S. Tests keep their order within a file."""
   recorded = _recorded_durations()
   slow = {item.path for item in items if item.get_closest_marker("slow")}
-  items.sort(key=lambda item: (_file_key(item.path) in recorded, item.path not in slow,
-                               -recorded.get(_file_key(item.path), 0.0)))
+
+  def seconds(path):
+    key = _file_key(path)
+    return recorded[key] if key in recorded else float("inf") if path in slow else UNLISTED_S
+  items.sort(key=lambda item: -seconds(item.path))
 
 
 def _cpu_seconds() -> float:
