@@ -7,6 +7,12 @@ r"""What one decode step runs: the op histogram of a compiled program, per layer
     # calls, dots, scatters, conditionals; XLA:GPU's fusions happen after this)
     python -m bench.decode_program --export=cuda --shapes=qwen2.5-1.5b --B=1 --T=8192
 
+    # on the GPU: the engine's step timed in one process for the stacked and the split params
+    # layout (same weights), with each compiled program's launches / copy_bytes beside the ms;
+    # --option passes XLA options to the compiles (the same-process A/B of a compiler switch)
+    python -m bench.decode_program --time --B=1 --T=8192,32768,131072
+    python -m bench.decode_program --time --T=8192 --option=xla_gpu_dot_merger_threshold_mb=0
+
 A step at fixed T is bounded by its bytes (weights + K/V), but a small step is bounded by what
 the GPU launches per layer: every fusion, library call (cuBLAS / cuDNN), Pallas kernel, copy and
 in-place update is one kernel. `op_histogram(compiled.as_text())` reads a compiled program's HLO
