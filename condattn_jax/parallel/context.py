@@ -35,7 +35,8 @@ Attention per shard (the local queries: [B_shard, T / n, N_shard, H]):
   window (local attn)   when the zigzag layout is in force (`zigzag_layout`), window - 1 <= C and
                         no sinks: a halo exchange: each chunk gets the last window - 1 tokens of
                         the chunk before it (chunk i's from shard i-1, chunk 2n-1-i's from shard
-                        i+1, shard n-1's second chunk from its own first), and attends over
+                        i+1, shard n-1's second chunk from its own first; by ppermute, or by an
+                        all-gather of the tails: `halo_exchange`), and attends over
                         [halo ; chunk] (the halo rounded up so that it plus the chunk is a
                         multiple of 128 where a chunk holds that: the kernels' tile; the extra
                         keys are outside the window). Otherwise the strategy above (correct
@@ -71,10 +72,12 @@ from jax import lax
 from condattn_jax import ops
 
 STRATEGIES = ("all_gather", "ring")
+HALO_EXCHANGES = ("ppermute", "all_gather")  # how the window's halo moves (`halo_exchange`)
 LAYOUT_KEYS = ("inputs", "positions", "segment_ids", "targets")  # the [B, T] entries forward_ce reads
 
 _strategy = contextvars.ContextVar("condattn_sequence_attention", default="all_gather")
 _zigzag = contextvars.ContextVar("condattn_zigzag_layout", default=False)
+_halo_exchange = contextvars.ContextVar("condattn_halo_exchange", default="ppermute")
 
 
 @contextlib.contextmanager
@@ -98,6 +101,22 @@ def zigzag_layout(on: bool = True):
     yield
   finally:
     _zigzag.reset(token)
+
+
+@contextlib.contextmanager
+def halo_exchange(name: str):
+  """The window's halo moves by `name` for what is traced inside: 'ppermute' (default: two
+  collective-permutes along the chain of shards per tensor, the halo's bytes only) or
+  'all_gather' (every shard's two chunk tails all-gathered, each shard picks its neighbours':
+  n x the halo's bytes, but the step then holds no collective-permute, only the all-gather /
+  reduce-scatter kind the global branch already issues; bench/scale.py --halo_exchange)."""
+  if name not in HALO_EXCHANGES:
+    raise ValueError(f"halo_exchange={name!r}: choose one of {HALO_EXCHANGES}.")
+  token = _halo_exchange.set(name)
+  try:
+    yield
+  finally:
+    _halo_exchange.reset(token)
 
 
 def check_config(config, n: int) -> None:
@@ -294,7 +313,10 @@ def _ring(ax, n, scale):
 
 
 def _halo(ax, n, local):
-  """Local window attention over [halo ; chunk] for the two zigzag chunks of each shard."""
+  """Local window attention over [halo ; chunk] for the two zigzag chunks of each shard (the
+  halo moved as `halo_exchange` says at trace time)."""
+  gathered = _halo_exchange.get() == "all_gather"
+
   def fn(q, k, v, mask):
     B, Tl = q.shape[:2]
     C, h = Tl // 2, mask.window - 1
@@ -312,8 +334,14 @@ def _halo(ax, n, local):
       if h == 0:
         return a, b
       ta, tb = a[:, C - h:], b[:, C - h:]
-      from_prev = lax.ppermute(ta, ax, [(j, j + 1) for j in range(n - 1)])  # chunk i-1's tail
-      from_next = lax.ppermute(tb, ax, [(j + 1, j) for j in range(n - 1)])  # chunk 2n-2-i's tail
+      if gathered:  # every shard's (ta, tb); shard i reads i-1's ta and i+1's tb
+        tails = lax.all_gather(jnp.stack([ta, tb]), ax, axis=0, tiled=False)  # [n, 2, B, h, ..]
+        pick = lambda j, t: lax.dynamic_index_in_dim(tails, jnp.clip(j, 0, n - 1), 0, False)[t]
+        from_prev = jnp.where(i == 0, jnp.zeros_like(ta), pick(i - 1, 0))
+        from_next = pick(i + 1, 1)
+      else:
+        from_prev = lax.ppermute(ta, ax, [(j, j + 1) for j in range(n - 1)])  # chunk i-1's tail
+        from_next = lax.ppermute(tb, ax, [(j + 1, j) for j in range(n - 1)])  # 2n-2-i's tail
       halo_b = jnp.where(i == n - 1, ta, from_next)  # shard n-1: chunk n-1 is its own first
       return jnp.concatenate([from_prev, a], axis=1), jnp.concatenate([halo_b, b], axis=1)
 

@@ -75,13 +75,18 @@ def test_zigzag_layout_balances_causal_work_and_round_trips():
 # shards of 2 chunks of 128 tokens is the halo path (every window crosses a chunk edge; the halo
 # is rounded up to a whole chunk: kv a multiple of 128); window 12 does not fit a 4-token chunk's
 # halo and runs the strategy; the all-gather over 8 shards puts the gathered zigzag row back in
-# natural order (context.natural_order) before the kernel.
+# natural order (context.natural_order) before the kernel. The halo moves by ppermute or (the
+# last case, halo_exchange='all_gather': the step then holds no collective-permute) by an
+# all-gather of every shard's chunk tails.
 ATTN_CASES = [((1, 2, 2, 2), "ring", None, False, 32), ((1, 2, 4, 1), "all_gather", 5, True, 1024),
-              ((2, 1, 4, 1), "ring", 12, False, 32), ((1, 1, 8, 1), "all_gather", None, True, 64)]
+              ((2, 1, 4, 1), "ring", 12, False, 32), ((1, 1, 8, 1), "all_gather", None, True, 64),
+              ((1, 1, 4, 2), "all_gather", 5, False, 1024, "all_gather")]
 
 
-@pytest.mark.parametrize("mesh,strategy,window,per_head,T", ATTN_CASES)
-def test_attention_per_shard_equals_the_unsharded_reference(mesh, strategy, window, per_head, T):
+@pytest.mark.parametrize("mesh,strategy,window,per_head,T,halo_by",
+                         [c + ("ppermute",) * (6 - len(c)) for c in ATTN_CASES])
+def test_attention_per_shard_equals_the_unsharded_reference(mesh, strategy, window, per_head, T,
+                                                            halo_by):
   rng = np.random.default_rng(0)
   B, N, K, H, n = 2, 4, 2, 8, mesh[2]
   q = jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.float32)
@@ -105,7 +110,8 @@ def test_attention_per_shard_equals_the_unsharded_reference(mesh, strategy, wind
                                             has_aux=True)
   (want_loss, want), want_g = grad(False)(q, k, v)
   f = jax.jit(grad(True))
-  with shd.mesh_context(_mesh(*mesh), sequence_attention=strategy):
+  with shd.mesh_context(_mesh(*mesh), sequence_attention=strategy), \
+      context.halo_exchange(halo_by):
     (got_loss, got), got_g = f(q, k, v)
     jaxpr = str(f.trace(q, k, v).jaxpr)
   np.testing.assert_allclose(got, want, atol=1e-5)
@@ -119,7 +125,11 @@ def test_attention_per_shard_equals_the_unsharded_reference(mesh, strategy, wind
   # axes the inputs would be replicated over (one all-reduce per attention call in the backward)
   assert "psum" not in jaxpr
   halo = window is not None and window - 1 <= T // (2 * n)
-  if halo or strategy == "ring":  # K/V move by ppermute only: no full-row gather
+  if halo and halo_by == "all_gather":  # the tails only: [n, 2, B, halo, K, H] per tensor
+    assert "ppermute" not in jaxpr and "all_gather" in jaxpr
+    gathered = re.findall(r"\w+\[([\d,]*)\] = all_gather", jaxpr)
+    assert gathered and all(g.startswith(f"{n},2,{B},128") for g in gathered), gathered
+  elif halo or strategy == "ring":  # K/V move by ppermute only: no full-row gather
     assert "ppermute" in jaxpr and "all_gather" not in jaxpr
   else:
     assert "all_gather" in jaxpr
