@@ -186,6 +186,7 @@ def rows(t: MQAR, seed: int, n: int, stream: int) -> dict[str, np.ndarray]:
 
 
 DATA_WORKERS = 1  # processes making training rows (--data_workers)
+DEADLINE = None  # time.time() by which training stops at an evaluation (--deadline_s)
 
 
 def _rows_part(args):
@@ -300,6 +301,7 @@ def train_length(s: Settings, method: str, length: int, log=print) -> dict:
   n_train = s.train_rows or s.steps * s.batch
   data = [rows(t, seed, n_train, stream=0) for seed in s.seeds]
   curves = {"step": [], "loss": [], "acc": []}
+  stopped_at = None
   t0 = time.perf_counter()
   for i in range(s.steps):
     at = (np.arange(i * s.batch, (i + 1) * s.batch) % n_train)  # epochs over the n_train rows
@@ -312,10 +314,18 @@ def train_length(s: Settings, method: str, length: int, log=print) -> dict:
       curves["acc"].append([round(float(x), 4) for x in a])
       log(f"  {method} L={length} step {i + 1} loss {np.round(np.asarray(loss), 3).tolist()} "
           f"acc {np.round(a, 3).tolist()} ({time.perf_counter() - t0:.0f}s)")
+      # the next eval_every steps (at this pace, with a margin) would pass the deadline: stop
+      # here with this evaluation as the final one (recorded: stopped_at)
+      pace = (time.perf_counter() - t0) / (i + 1)
+      if (DEADLINE is not None and i + 1 < s.steps
+          and time.time() + 1.5 * pace * s.eval_every + 20 > DEADLINE):
+        stopped_at = i + 1
+        log(f"  {method} L={length}: stopped at step {i + 1} of {s.steps} (--deadline_s)")
+        break
   final = {"sequence": curves["acc"][-1]}
   if acc_rc is not None:
     final["recompute"] = [round(float(x), 4) for x in acc_rc(params, held)]
-  return {"final": final, "curves": curves, "lrs": list(lrs),
+  return {"final": final, "curves": curves, "lrs": list(lrs), "stopped_at": stopped_at,
           "seconds": round(time.perf_counter() - t0, 1), "params": params}
 
 
@@ -406,6 +416,7 @@ def run(s: Settings, methods=tuple(METHODS), log=print, progress: str | None = N
       per.setdefault(method, {})[length] = r
       secs[f"{method}/{length}"] = r["seconds"]
       if progress:
+        os.makedirs(os.path.dirname(os.path.abspath(progress)), exist_ok=True)
         with open(progress, "w") as f:
           json.dump({"device": jax.devices()[0].device_kind, "settings": dataclasses.asdict(s),
                      "per": {m: {str(n): x for n, x in by.items()} for m, by in per.items()}}, f)
@@ -422,7 +433,10 @@ def assemble(s: Settings, per: dict, secs: dict, device: str | None = None) -> d
          "pairs": {str(n): pairs(n) for n in s.lengths},
          "summary": summary, "train_seconds": secs,
          "curves": {m: {str(n): r["curves"] for n, r in by.items()} for m, by in per.items()},
-         "finals": {m: {str(n): r["final"] for n, r in by.items()} for m, by in per.items()}}
+         "finals": {m: {str(n): r["final"] for n, r in by.items()} for m, by in per.items()},
+         # (method/length: step) of trainings cut short by --deadline_s (their curves end there)
+         "stopped_early": {f"{m}/{n}": r["stopped_at"] for m, by in per.items()
+                           for n, r in by.items() if r.get("stopped_at")}}
   if set(per) == set(METHODS):
     out["criteria"] = check_criteria(summary)
     out["verdict"] = verdict(out["criteria"])
@@ -465,6 +479,7 @@ def merge_progress(s: Settings, paths) -> dict:
   return out
 
 
+START = time.time()  # the process's start (as `timeout` counts it, up to the imports)
 FLAGS = common.flag_values()
 flags.DEFINE_enum("preset", "cpu", sorted(PRESETS), "sweep size", flag_values=FLAGS)
 flags.DEFINE_integer("steps", None, "training steps (default: the preset's)", flag_values=FLAGS)
@@ -474,6 +489,9 @@ flags.DEFINE_string("progress", None, "JSON file of the partial results, rewritt
 flags.DEFINE_list("methods", None, f"methods to train (default: all of {list(METHODS)})",
                   flag_values=FLAGS)
 flags.DEFINE_integer("data_workers", 1, "processes making the training rows", flag_values=FLAGS)
+flags.DEFINE_float("deadline_s", None, "seconds after the start by which a training stops at "
+                   "an evaluation (recorded as stopped_early), so that a time-limited job still "
+                   "writes its progress", flag_values=FLAGS)
 flags.DEFINE_list("merge", None, "progress files to merge into one result (no training): runs "
                   "of this preset over disjoint lengths", flag_values=FLAGS)
 
@@ -485,8 +503,9 @@ def main(argv=None):
     s = dataclasses.replace(s, steps=a.steps)
   if a.lengths:
     s = dataclasses.replace(s, lengths=tuple(int(x) for x in a.lengths))
-  global DATA_WORKERS
+  global DATA_WORKERS, DEADLINE
   DATA_WORKERS = a.data_workers
+  DEADLINE = None if a.deadline_s is None else START + a.deadline_s
   methods = tuple(a.methods or METHODS)
   if set(methods) - set(METHODS):
     raise SystemExit(f"--methods={a.methods}: choose from {list(METHODS)}")

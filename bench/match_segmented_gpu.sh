@@ -14,7 +14,8 @@
 # MQAR: GPU g runs slot j's length (512, 256, 128, 64) with method (g + j) mod 4, so every GPU
 # holds one job of each length and every (method, length) runs once; jobs allocate on demand,
 # each capped at 24% of its GPU (the largest, length 512: ~9 GiB step + ~2 GiB eval compiled
-# on CPU). Each writes $OUT/mqar_<method>_<length>.json (progress) and .log.
+# on CPU). Each writes $OUT/mqar_<method>_<length>.json (progress) and .log; a training that
+# would pass 440 s stops at an evaluation (recorded under stopped_early) so the job still writes.
 # Then, on the lead's machine (files_at = where $OUT came back):
 #   python bench/match_mqar.py --preset=h100 --out_dir=bench/results \
 #       --merge=$(ls <files_at>/mqar_*_*.json | paste -sd, -)
@@ -36,6 +37,7 @@ mqar() {
       m=${methods[$(( (g + j) % 4 ))]}; L=${lengths[$j]}
       CUDA_VISIBLE_DEVICES=$g XLA_PYTHON_CLIENT_MEM_FRACTION=0.24 timeout 480 \
         python bench/match_mqar.py --preset=h100 --methods=$m --lengths=$L --data_workers=3 \
+        --deadline_s=440 \
         --progress=$OUT/mqar_${m}_${L}.json --out_dir=$OUT/mqar_runs/${m}_${L} \
         > $OUT/mqar_${m}_${L}.log 2>&1 &
     done
