@@ -141,21 +141,34 @@ def test_engine_cache_bytes_equal_kv_cache_bytes(name):
 
 
 # ---------------------------------------------------------------------------- packed documents
+@functools.lru_cache(maxsize=None)
+def apply_fn(name):
+  """(tokens, positions, segment_ids) -> the decoder's (logits, aux), jitted once per scheme
+  (the packed-documents and aux checks share its compilation)."""
+  cfg, params = tiny(name)
+  f = jax.jit(lambda p, t, pos, seg: Decoder(cfg).apply({"params": p}, t, pos, seg))
+  return lambda t, pos, seg: f(params, t, pos, seg)
+
+
+A, B = PROMPTS[0][:11], PROMPTS[1][:7]
+PACKED = (jnp.asarray([A + B + [0, 0]], jnp.int32),                                     # tokens
+          jnp.asarray([list(range(len(A))) + list(range(len(B))) + [0, 0]], jnp.int32),  # positions
+          jnp.asarray([[1] * len(A) + [2] * len(B) + [0, 0]], jnp.int32))               # segments
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_packed_documents_are_independent(name):
   cfg, params = tiny(name)
   s = attention.get_scheme(name)
   if not s.packed_documents:
     pytest.skip(f"scheme {name!r} declares packed_documents=False (one document per row)")
-  a, b = PROMPTS[0][:11], PROMPTS[1][:7]
-  tok = jnp.asarray([a + b + [0, 0]], jnp.int32)
-  seg = jnp.asarray([[1] * len(a) + [2] * len(b) + [0, 0]], jnp.int32)
-  pos = jnp.asarray([list(range(len(a))) + list(range(len(b))) + [0, 0]], jnp.int32)
-  run = jax.jit(lambda t, p, g: (s.forward or (lambda m, pr, *x: m.apply({"params": pr}, *x)))(
-      Decoder(cfg), params, t, p, g)[0])
-  packed = np.asarray(run(tok, pos, seg))
-  L = tok.shape[1]
-  for doc, lo in ((a, 0), (b, len(a))):  # alone: the document, then padding to the same length
+  if s.forward is None:
+    run = lambda *x: apply_fn(name)(*x)[0]
+  else:
+    run = jax.jit(lambda t, p, g: s.forward(Decoder(cfg), params, t, p, g)[0])
+  packed = np.asarray(run(*PACKED))
+  L = PACKED[0].shape[1]
+  for doc, lo in ((A, 0), (B, len(A))):  # alone: the document, then padding to the same length
     pad = [0] * (L - len(doc))              # (one compiled program for the three rows)
     alone = np.asarray(run(jnp.asarray([doc + pad], jnp.int32),
                            jnp.asarray([list(range(len(doc))) + pad], jnp.int32),
@@ -166,9 +179,8 @@ def test_packed_documents_are_independent(name):
 # ---------------------------------------------------------------------------------------- aux
 @pytest.mark.parametrize("name", NAMES)
 def test_aux_leaves_have_the_layer_axis_first(name):
-  cfg, params = tiny(name)
-  tok, pos, seg = _rows(PROMPTS)
-  _, aux = jax.jit(lambda p: Decoder(cfg).apply({"params": p}, tok, pos, seg))(params)
+  cfg, _ = tiny(name)
+  _, aux = apply_fn(name)(*PACKED)
   for key, leaf in jax.tree_util.tree_flatten_with_path(
       {k: v for k, v in aux.items() if k != "scheme"})[0]:
     assert leaf.shape[:1] == (cfg.num_layers,), (name, jax.tree_util.keystr(key), leaf.shape)
