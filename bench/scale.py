@@ -14,6 +14,8 @@ and name the commit that runs):
 On four GPUs (nvidia-h100-x4), rows on disjoint GPUs at once, rows kept if the call is cut:
     python -m bench.scale --concurrent --reps=2 --row_timeout_s=300 --progress=$OUT/rows.jsonl \
       --plan=131072:l2a:one,131072:l2a:sequence:2,131072:dense:one,131072:l2a:sequence:4
+    python -m bench.scale --concurrent --plan=32768:l2a:sequence:4 --halo_exchange=all_gather \
+      --row_timeout_s=80     # L2A's window halo by an all-gather of chunk tails: no collective-permute
     python -m bench.scale --from_rows=<files_at>/rows.jsonl --rows_device="NVIDIA H100 80GB HBM3" \
       --rows_commit=<sha> --rows_date=<ISO date>     # here: record a cut run's rows
 
@@ -74,6 +76,9 @@ flags.DEFINE_string("progress", None, "JSON-lines file: each finished row append
                     flag_values=FLAGS)
 flags.DEFINE_enum("strategy", "all_gather", ["all_gather", "ring"],
                   "config.mesh.sequence_attention of the sequence layout", flag_values=FLAGS)
+flags.DEFINE_enum("halo_exchange", "ppermute", ["ppermute", "all_gather"],
+                  "how L2A's window halo moves under the sequence layout "
+                  "(condattn_jax/parallel/context.halo_exchange)", flag_values=FLAGS)
 flags.DEFINE_integer("reps", 3, "timed train steps per row (median)", flag_values=FLAGS)
 flags.DEFINE_float("loss_rtol", 2e-2, "loss claim: relative difference to one device",
                    flag_values=FLAGS)
@@ -103,11 +108,12 @@ def row_config(T: int, scheme: str, layout: str, n: int, *, tiny: bool, strategy
 
 
 def run_row(T: int, scheme: str, layout: str, n: int, *, tiny: bool = False, reps: int = 3,
-            strategy: str = "all_gather") -> dict:
+            strategy: str = "all_gather", halo_exchange: str = "ppermute") -> dict:
   """Measures one (T, scheme, layout) row on the first n devices (1 for 'one')."""
   import jax
   import jax.numpy as jnp
   import numpy as np
+  from condattn_jax.parallel import context
   from condattn_jax.train import loop
   k = 1 if layout == "one" else n
   t_row = time.perf_counter()
@@ -117,7 +123,7 @@ def run_row(T: int, scheme: str, layout: str, n: int, *, tiny: bool = False, rep
   phase("devices")
   c = row_config(T, scheme, layout, k, tiny=tiny, strategy=strategy)
   row: dict[str, Any] = dict(T=T, scheme=scheme, layout=layout, devices=k,
-                             rows=int(c.data.batch_size))
+                             rows=int(c.data.batch_size), halo_exchange=halo_exchange)
   setup = loop.build(c, devices=devices)
   row["mesh"] = dict(setup.mesh.shape)
   phase("built")
@@ -127,7 +133,7 @@ def run_row(T: int, scheme: str, layout: str, n: int, *, tiny: bool = False, rep
   one = e2e.random_batch(T, setup.model_cfg.vocab_size, seed=1)
   batch = {key: jnp.concatenate([v] * row["rows"], axis=0) for key, v in one.items()}
   batch = jax.device_put(batch, setup.batch_sharding)
-  with setup.mesh_context():
+  with setup.mesh_context(), context.halo_exchange(halo_exchange):
     t0 = time.perf_counter()
     compiled = loop.jit_train_step(setup).lower(setup.abstract_state,
                                                 setup.batch_abstract).compile()
@@ -239,7 +245,7 @@ def run_concurrent(specs: list[dict], num_devices: int, timeout_s: float | None,
 
 def plan(a, n_all: int) -> list[dict]:
   """The rows to run: --plan, else --T x --schemes x (one + --layouts x --devices)."""
-  base = dict(tiny=a.tiny, reps=a.reps, strategy=a.strategy)
+  base = dict(tiny=a.tiny, reps=a.reps, strategy=a.strategy, halo_exchange=a.halo_exchange)
   if a.plan:
     out = []
     for item in a.plan:
@@ -371,7 +377,7 @@ def main(argv=None) -> int:
       T=sorted({s["T"] for s in specs}), schemes=sorted({s["scheme"] for s in specs}),
       layouts=sorted({s["layout"] for s in specs}), devices=sorted({row_devices(s) for s in specs}),
       plan=[f"{s['T']}:{s['scheme']}:{s['layout']}:{row_devices(s)}" for s in specs],
-      concurrent=bool(a.concurrent), strategy=a.strategy,
+      concurrent=bool(a.concurrent), strategy=a.strategy, halo_exchange=a.halo_exchange,
       reps=a.reps, tiny=a.tiny, loss_rtol=a.loss_rtol,
       model="bench/e2e.py TINY" if a.tiny else "Qwen2.5-1.5B shapes (bench/e2e.py)"))
   path = common.result_path("scale", a.out_dir)
