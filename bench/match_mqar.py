@@ -2,8 +2,8 @@ r"""MATCH reproduction on MQAR (paper App. B.3.1 / Table C.3), pre-registered (C
 
   python bench/match_mqar.py --preset=cpu          # -> bench/results/match_mqar.json (2-core CPU)
   python bench/match_mqar.py --preset=test --out_dir=/tmp/m   # seconds (tests/bench/test_match_bench.py)
-  # H100s: one process per (method, length), 3-4 per GPU (XLA_PYTHON_CLIENT_MEM_FRACTION=0.22);
-  # the 4-GPU script: docs/schemes/match.md#reproduction. Each writes its progress file:
+  # H100s: one process per (method, length), 4 per GPU (bench/match_segmented_gpu.sh mqar, on
+  # a 4-GPU host; docs/schemes/match.md#reproduction-mqar). Each writes its progress file:
   CONDATTN_GIT_COMMIT=<sha> python bench/match_mqar.py --preset=h100 --methods=full \
       --lengths=512 --data_workers=4 --progress=$OUT/mqar_full_512.json --out_dir=$OUT/full_512
   # then here: one run with every length, named sweep_h100, in bench/results/match_mqar_<GPU>.json
@@ -17,8 +17,8 @@ over seeds; the baselines' own sweep may hold more lrs: Settings.method_lrs), 2-
 and data), evaluated on held-out rows (stream 1): accuracy = answer tokens argmax-correct. Only
 the answer positions reach the LM head (answer_logits), held-out rows are evaluated eval_chunk
 at a time. The models of one (method, length) train together: lrs x seeds stacked and vmapped
-(one compiled step; Settings.model_groups: g at a time under lax.map). Four methods share the model and differ only in the attention
-of scheme 'match':
+(one compiled step; Settings.model_groups: g at a time under lax.map). Four methods share the
+model and differ only in the attention of scheme 'match':
   full    full causal attention (window = the row length, no retrieval): the reference
   swa     sliding window w=32, no retrieval
   match   window + retrieval: chunks c=2 (one key-value pair each), exact match of the query's key
@@ -279,7 +279,8 @@ def programs(s: Settings, method: str, length: int):
 
 
 def optimizer(s: Settings):
-  return optax.chain(optax.scale_by_adam(b1=0.9, b2=0.98), optax.add_decayed_weights(s.weight_decay))
+  return optax.chain(optax.scale_by_adam(b1=0.9, b2=0.98),
+                     optax.add_decayed_weights(s.weight_decay))
 
 
 def train_length(s: Settings, method: str, length: int, log=print) -> dict:

@@ -118,7 +118,8 @@ def run(s: Settings, log=print) -> dict:
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
           "rows": rows, "criterion": CRITERION["rule"],
           # the retrieval changed the first token's logits (it ran): max |MATCH - SWA|
-          "match_vs_swa_logit_diff": float(np.abs(logits["match"] - logits["swa"]).max()), "match_over_swa": round(ratio, 4),
+          "match_vs_swa_logit_diff": float(np.abs(logits["match"] - logits["swa"]).max()),
+          "match_over_swa": round(ratio, 4),
           "passed": bool(ratio <= CRITERION["max_ratio"])}
 
 

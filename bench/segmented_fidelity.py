@@ -455,8 +455,8 @@ def run(preset: str, checkpoint_dir: str | None = None, stop_after_dense: bool =
         time_budget_s: float | None = None):
   """The protocol of the module docstring at `preset`: the result dict, or None when
   stop_after_dense (the dense checkpoint is trained and saved under checkpoint_dir, then it
-  stops) or when the dense training or a fine-tune ran past time_budget_s (its progress is saved under
-  checkpoint_dir; call again to resume). For a device whose commands are time-limited."""
+  stops) or when the dense training or a fine-tune ran past time_budget_s (its progress is
+  saved under checkpoint_dir; call again to resume). For a device whose commands are time-limited."""
   p = PRESETS[preset]
   t0 = time.time()
   cfgs = model_configs(p)

@@ -77,8 +77,8 @@ def claims_and_findings_follow_from_the_perplexities(r, run):
 def criteria_verdicts_follow_from_the_evaluations(r, run):
   """Every pre-registered run: the verdicts it recorded are segmented_fidelity.verdicts of its
   evaluations (a verdict cannot be edited by hand, pass or fail), its overall 'passed' is
-  their conjunction, its rules are the script's criteria it registered, and every evaluation holds one finite
-  perplexity > 1 per seed at every evaluated length."""
+  their conjunction, its rules are the script's criteria it registered, and every evaluation
+  holds one finite perplexity > 1 per seed at every evaluated length."""
   import math
   from bench import common
   from bench import segmented_fidelity as fid

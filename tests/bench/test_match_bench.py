@@ -95,7 +95,8 @@ def test_answer_logits_and_chunked_accuracy_equal_the_full_logits():
   cfg = match_mqar.model_config(s, "swa", 64)
   model = match_mqar.Decoder(cfg)
   held = match_mqar.rows(match_mqar.task(s, 64), 0, 40, stream=1)
-  init = lambda k: nn.unbox(model.init(jax.random.PRNGKey(k), jnp.zeros((1, 64), jnp.int32))["params"])
+  init = lambda k: nn.unbox(model.init(jax.random.PRNGKey(k),
+                                       jnp.zeros((1, 64), jnp.int32))["params"])
   params = jax.tree.map(lambda *a: jnp.stack(a), init(0), init(1))
   full = np.asarray(jax.jit(jax.vmap(lambda p, x: model.apply({"params": p}, x)[0],
                                     in_axes=(0, None)))(params, held["inputs"]))  # [M,N,T,V]
