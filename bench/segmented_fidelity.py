@@ -482,8 +482,6 @@ def run(preset: str, checkpoint_dir: str | None = None, stop_after_dense: bool =
       _save_tree(ckpt, dense, dense_loss)
   t_dense = time.time() - t0
   print(f"[{t_dense:.0f} s] dense: final CE {np.mean(dense_loss[-1]):.3f}", flush=True)
-  if stop_after_dense:
-    return None
   rows = {}
   for k in sorted(set(p["eval_segs"]) | {p["train_segs"]}):
     rs = [np.random.default_rng([99, s, k]) for s in range(n)]
@@ -500,6 +498,8 @@ def run(preset: str, checkpoint_dir: str | None = None, stop_after_dense: bool =
     gate = verdicts_dense_gate(res, p)
     print(f"[{time.time() - t0:.0f} s] dense recall-value accuracy at {p['train_segs']} "
           f"segments: full {gate['full']:.3f}, local window {gate['local']:.3f}", flush=True)
+  if stop_after_dense:  # (the gate above printed: the task's check before the fine-tunes)
+    return None
   conv = lambda name: jax.vmap(lambda q: sgm.from_dense(q, cfgs[name]))(dense)
   ft = {}
   ft_loss = {}
