@@ -12,6 +12,9 @@ Cases (q [1, T, 12, 128], k / v [1, T, 2, 128] bf16, one document, zigzag layout
   routed       L2A's global branch: a context-free 20% of the queries (the same tokens for every
                n) on the compacted kernel against the gathered K/V.
   window       local attention, window --window (L2A's local branch): the halo exchange.
+  layer        L2A's two attention calls in one program, as its step holds them: window (halo)
+               then routed (gathered K/V) on the window's output, in a lax.scan of LAYER_SCAN
+               layers (the step's layer scan): whether the pieces that run alone hang together.
   collectives  no attention: the all-gather of K, the halo's two chained ppermutes and a psum on
                the sequence axis (n > 1 only): whether the devices' collectives run at all.
 Per row: kernels (the custom-call targets of the compiled fwd + bwd: at n = 1 what
@@ -27,6 +30,7 @@ Writes <out_dir>/context_parallel_<device>.json (one run per invocation; no clai
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -41,7 +45,8 @@ from absl import flags  # noqa: E402
 
 from bench import common  # noqa: E402
 
-CASES = ("causal", "routed", "window", "collectives")
+CASES = ("causal", "routed", "window", "collectives", "layer")
+LAYER_SCAN = 2  # the layer case's scanned layers
 SHAPES = dict(N=12, K=2, H=128)  # Qwen2.5-1.5B's attention (bench/e2e.py QWEN25_1P5B)
 TINY = dict(N=4, K=2, H=16)
 
@@ -51,6 +56,9 @@ flags.DEFINE_list("devices", ["1", "2", "0"], "device counts (0: all)", flag_val
 flags.DEFINE_list("cases", list(CASES), f"cases of {list(CASES)}", flag_values=FLAGS)
 flags.DEFINE_integer("window", 4096, "the window case's window", flag_values=FLAGS)
 flags.DEFINE_float("q", 0.2, "the routed case's fraction of global queries", flag_values=FLAGS)
+flags.DEFINE_enum("halo_exchange", "ppermute", ["ppermute", "all_gather"],
+                  "how the window halo moves (condattn_jax/parallel/context.halo_exchange)",
+                  flag_values=FLAGS)
 flags.DEFINE_integer("reps", 5, "timed calls per row (median)", flag_values=FLAGS)
 flags.DEFINE_integer("case_timeout_s", 180, "kill a row's child after this many seconds",
                      flag_values=FLAGS)
@@ -67,7 +75,7 @@ def collectives(hlo_text: str) -> dict:
 
 
 def run_row(case: str, n: int, T: int, *, tiny: bool = False, window: int = 4096,
-            q: float = 0.2, reps: int = 5) -> dict:
+            q: float = 0.2, reps: int = 5, halo_exchange: str = "ppermute") -> dict:
   """Measures one (case, n) row on the first n devices."""
   import jax
   import jax.numpy as jnp
@@ -95,15 +103,16 @@ def run_row(case: str, n: int, T: int, *, tiny: bool = False, window: int = 4096
   qq, kk, vv = (put(layout(jax.random.normal(k_, (B, T, h, H), jnp.bfloat16)))
                 for k_, h in zip(ks[:3], (N, K, K)))
   pos = put(layout(jnp.arange(T, dtype=jnp.int32)[None]))
-  active = put(layout(jax.random.bernoulli(ks[3], q, (B, T)))) if case == "routed" else None
+  active = (put(layout(jax.random.bernoulli(ks[3], q, (B, T)))) if case in ("routed", "layer")
+            else None)
   seg = put(jnp.ones((B, T), jnp.int32))  # one document, as the train step's rows carry ids
-  mask = ops.MaskSpec(pos, pos, seg, seg, active=active,
-                      window=window if case == "window" else None, contiguous=True)
+  mask = ops.MaskSpec(pos, pos, seg, seg, active=None if case == "layer" else active,
+                      window=window if case in ("window", "layer") else None, contiguous=True)
   row: dict[str, Any] = dict(case=case, devices=n, T=T, mesh=dict(mesh.shape),
-                             heads=dict(N=N, K=K, H=H))
-  if case == "routed":
+                             heads=dict(N=N, K=K, H=H), halo_exchange=halo_exchange)
+  if case in ("routed", "layer"):
     row["q"] = q
-  if case == "window":
+  if case in ("window", "layer"):
     row["window"] = window
   phase("inputs")
 
@@ -121,6 +130,21 @@ def run_row(case: str, n: int, T: int, *, tiny: bool = False, window: int = 4096
     fwd = jax.jit(jax.shard_map(body, mesh=mesh, in_specs=P(None, "sequence"),
                                 out_specs=P(None, "sequence"), check_vma=False))
     fwd_bwd, args = fwd, (kk,)
+  elif case == "layer":
+    glob = dataclasses.replace(mask, active=active, window=None)
+
+    def attn(q_, k_, v_):
+      def layer(x, _):
+        with context.zigzag_layout(n > 1):
+          x = ops.attention(x, k_, v_, mask, impl="auto")  # the window (halo)
+          return ops.attention(x, k_, v_, glob, impl="auto"), None  # routed, gathered K/V
+      return lax.scan(layer, q_, None, length=LAYER_SCAN)[0]
+
+    def grads(q_, k_, v_):
+      out, vjp = jax.vjp(attn, q_, k_, v_)
+      return vjp(q_)
+
+    fwd, fwd_bwd, args = jax.jit(attn), jax.jit(grads), (qq, kk, vv)
   else:
     def attn(q_, k_, v_):
       with context.zigzag_layout(n > 1):
@@ -131,7 +155,7 @@ def run_row(case: str, n: int, T: int, *, tiny: bool = False, window: int = 4096
       return vjp(q_)  # any cotangent of the output's shape: q's
 
     fwd, fwd_bwd, args = jax.jit(attn), jax.jit(grads), (qq, kk, vv)
-  with shd.mesh_context(mesh):
+  with shd.mesh_context(mesh), context.halo_exchange(halo_exchange):
     t0 = time.perf_counter()
     compiled = fwd_bwd.lower(*args).compile()
     row["compile_s"] = time.perf_counter() - t0
@@ -204,7 +228,8 @@ def main(argv=None) -> int:
   counts = sorted({int(d) or n_all for d in a.devices})
   if counts[-1] > n_all:
     raise SystemExit(f"bench.context_parallel: --devices {counts}: {n_all} device(s) here")
-  specs = [dict(case=c, n=n, T=int(T), tiny=a.tiny, window=a.window, q=a.q, reps=a.reps)
+  specs = [dict(case=c, n=n, T=int(T), tiny=a.tiny, window=a.window, q=a.q, reps=a.reps,
+                halo_exchange=a.halo_exchange)
            for T in a.T for c in a.cases for n in counts if not (c == "collectives" and n < 2)]
   rows = []
   for spec in specs:
@@ -218,6 +243,7 @@ def main(argv=None) -> int:
   rows = efficiency(rows)
   result = dict(rows=rows, settings=dict(
       T=[int(T) for T in a.T], devices=counts, cases=list(a.cases), window=a.window, q=a.q,
+      halo_exchange=a.halo_exchange,
       reps=a.reps, tiny=a.tiny, heads=TINY if a.tiny else SHAPES,
       model="tiny heads" if a.tiny else "Qwen2.5-1.5B attention shapes, bf16"))
   path = common.result_path("context_parallel", a.out_dir)
