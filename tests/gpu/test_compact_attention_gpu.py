@@ -13,6 +13,7 @@ import pytest
 if jax.default_backend() != "gpu":
   pytest.skip("needs a GPU", allow_module_level=True)
 
+from pallas_kernels.backends import HOPPER_DEVICE_KINDS  # noqa: E402
 from pallas_kernels.compact_attention.testing import compare, make_problem, run  # noqa: E402
 
 CASES = [
@@ -28,7 +29,10 @@ CASES = [
 
 
 def _hopper():
-  return jax.devices()[0].device_kind.startswith(("NVIDIA H100", "NVIDIA H200", "NVIDIA H800"))
+  return jax.devices()[0].device_kind.startswith(HOPPER_DEVICE_KINDS)
+
+
+hopper = pytest.mark.skipif(not _hopper(), reason="Mosaic GPU kernels need Hopper")
 
 
 @functools.cache
@@ -61,12 +65,11 @@ def test_kernels_vs_reference_gpu(impl, case):
 
 
 @pytest.mark.gpu
+@hopper
 def test_auto_on_hopper_is_mosaic_gpu_without_triton_calls_gpu():
   """condattn_jax.ops' resolver on this GPU: Hopper -> the Mosaic GPU kernel for bf16 (the run
   above); its forward + backward program lowered here holds Mosaic GPU calls only (attention
   and glue), no Pallas-Triton call."""
-  if not _hopper():
-    pytest.skip("Mosaic GPU kernels need Hopper")
   import re
   from condattn_jax import ops
   from pallas_kernels.backends import Platform
@@ -84,13 +87,12 @@ def test_auto_on_hopper_is_mosaic_gpu_without_triton_calls_gpu():
 
 
 @pytest.mark.gpu
+@hopper
 @pytest.mark.parametrize("F,H", [(28 * 128, 128), (64, 64)], ids=["rows_28x128", "head_rows_64"])
 def test_mosaic_gpu_glue_copies_equal_xla_gpu(F, H):
   """The Mosaic GPU row copies compiled for this GPU == XLA: copy_rows with zero rows (src < 0),
   rows past the count's programs untouched by the check; copy_rows_delta's rows and float32
   row dot products per head (28 heads: 4 rows of 112 sub-rows per program)."""
-  if not _hopper():
-    pytest.skip("Mosaic GPU kernels need Hopper")
   import numpy as np
   from pallas_kernels.compact_attention import glue
   B, rows = 2, 1024
@@ -121,14 +123,13 @@ def test_mosaic_gpu_glue_copies_equal_xla_gpu(F, H):
 
 
 @pytest.mark.gpu
+@hopper
 @pytest.mark.parametrize("name", ["aha_packed_window", "s095_empty_row_prefix"])
 def test_mosaic_gpu_named_barriers_give_the_same_bits(name):
   """The Mosaic GPU forward with its hand-offs on hardware named barriers (the default on the
   GPU; interpret mode cannot run them) and on mbarriers: the same arithmetic in the same order,
   so bit-identical outputs and lse, also with skipped steps (per-head sets, packed documents, a
   window, an empty row, a prefix) and no hang."""
-  if not _hopper():
-    pytest.skip("Mosaic GPU kernels need Hopper")
   from pallas_kernels.compact_attention import CompactConfig, compact_attention
   pkw = dict(CASES[1][2], dtype=jnp.bfloat16) if name == "aha_packed_window" else dict(
       CASES[2][2], dtype=jnp.bfloat16)
