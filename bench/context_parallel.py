@@ -31,10 +31,8 @@ Writes <out_dir>/context_parallel_<device>.json (one run per invocation; no clai
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
-import subprocess
 import sys
 import time
 import types
@@ -190,10 +188,7 @@ def efficiency(rows: list[dict]) -> list[dict]:
 
 def _row_in_child(spec: dict, timeout_s: float) -> dict:
   from bench import scale  # the row-in-a-child conventions: ROW / PHASE lines, timeout record
-  env = dict(os.environ, CONDATTN_ROW_STACKS_AT_S=str(max(1.0, timeout_s - 10)))
-  cmd = [sys.executable, "-m", "bench.context_parallel", f"--row={json.dumps(spec)}"]
-  p = subprocess.Popen(cmd, cwd=common.ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                       text=True)
+  p = scale._child(spec, timeout_s=timeout_s, module="bench.context_parallel")
   return scale._child_row(spec, p, timeout_s)
 
 
@@ -215,12 +210,8 @@ def main(argv=None) -> int:
   fv = common.parse_flags(FLAGS, argv)
   a = types.SimpleNamespace(**{name: fv[name].value for name in fv})
   if a.row:
-    spec = json.loads(a.row)
-    if os.environ.get("CONDATTN_ROW_STACKS_AT_S"):
-      import faulthandler
-      faulthandler.dump_traceback_later(float(os.environ["CONDATTN_ROW_STACKS_AT_S"]))
-    print("ROW " + json.dumps(run_row(**spec)), flush=True)
-    return 0
+    from bench import scale  # the row-in-a-child conventions: ROW / PHASE lines, timeout record
+    return scale.print_row(run_row, a.row)
   if bad := [c for c in a.cases if c not in CASES]:
     raise SystemExit(f"bench.context_parallel: unknown --cases {bad}: choose from {list(CASES)}")
   import jax

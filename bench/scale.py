@@ -165,15 +165,16 @@ def run_row(T: int, scheme: str, layout: str, n: int, *, tiny: bool = False, rep
   return row
 
 
-def _child(spec: dict, gpus: list[int] | None = None,
-           timeout_s: float | None = None) -> subprocess.Popen:
-  """One row in a fresh process (its peak memory is its own), on `gpus` only when given."""
+def _child(spec: dict, gpus: list[int] | None = None, timeout_s: float | None = None,
+           module: str = "bench.scale") -> subprocess.Popen:
+  """One row in a fresh process (its peak memory is its own), on `gpus` only when given;
+  `module` is the bench whose `--row=` runs it (its main calls `print_row`)."""
   env = dict(os.environ)
   if timeout_s:  # the child dumps its Python stacks (stderr) shortly before it would be killed
     env["CONDATTN_ROW_STACKS_AT_S"] = str(max(1.0, timeout_s - 10))
   if gpus is not None:
     env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, gpus))
-  cmd = [sys.executable, "-m", "bench.scale", f"--row={json.dumps(spec)}"]
+  cmd = [sys.executable, "-m", module, f"--row={json.dumps(spec)}"]
   return subprocess.Popen(cmd, cwd=common.ROOT, env=env, stdout=subprocess.PIPE,
                           stderr=subprocess.PIPE, text=True)
 
@@ -194,6 +195,16 @@ def _child_row(spec: dict, p: subprocess.Popen, timeout_s: float | None) -> dict
     if line.startswith("ROW "):
       return json.loads(line[4:])
   return dict(spec, error=(err or out).strip().splitlines()[-1:] or [f"rc {p.returncode}"])
+
+
+def print_row(run_row, row_json: str) -> int:
+  """The child's side of `_child`: run_row(**spec) printed as a ROW line; with
+  CONDATTN_ROW_STACKS_AT_S set, the Python stacks are dumped that many seconds in."""
+  if os.environ.get("CONDATTN_ROW_STACKS_AT_S"):
+    import faulthandler
+    faulthandler.dump_traceback_later(float(os.environ["CONDATTN_ROW_STACKS_AT_S"]))
+  print("ROW " + json.dumps(run_row(**json.loads(row_json))), flush=True)
+  return 0
 
 
 def _row_in_child(spec: dict, timeout_s: float | None = None) -> dict:
@@ -338,12 +349,7 @@ def main(argv=None) -> int:
   fv = common.parse_flags(FLAGS, argv)
   a = types.SimpleNamespace(**{name: fv[name].value for name in fv})
   if a.row:
-    spec = json.loads(a.row)
-    if os.environ.get("CONDATTN_ROW_STACKS_AT_S"):
-      import faulthandler
-      faulthandler.dump_traceback_later(float(os.environ["CONDATTN_ROW_STACKS_AT_S"]))
-    print("ROW " + json.dumps(run_row(**spec)), flush=True)
-    return 0
+    return print_row(run_row, a.row)
   if bad := [s for s in a.schemes if s not in SCHEMES] + [l for l in a.layouts if l not in LAYOUTS]:
     raise SystemExit(f"bench.scale: unknown --schemes / --layouts {bad}: choose from "
                      f"{list(SCHEMES)} / {list(LAYOUTS)}")
