@@ -6,7 +6,7 @@ from bench.claims import approx, claim, expect, quote
 
 H100 = "decode_NVIDIA_H100_80GB_HBM3.json"
 RUNS = ("main", "rest", "match", "aha_rate", "match128", "inplace_cudnn", "split_kv",
-        "split_kv_no_cond", "serve", "fits") + tuple(f"all_{k}" for k in range(14))
+        "split_kv_no_cond", "main_decode_kernel", "serve", "fits") + tuple(f"all_{k}" for k in range(14))
 
 
 @claim("decode", run=RUNS, file="decode_*NVIDIA*")
@@ -152,3 +152,20 @@ def performance_decode_split_no_cond(rec, run):
           _baseline_line(rows, 8, 32768),
           _achieved(rows, "l2a", q, 1, 32768), _achieved(rows, "l2a", q, 1, 131072),
           f"{_over_mib(run):.1f} MiB at B = 8, 32K"]
+
+
+@quote("docs/performance.md", H100, run="main_decode_kernel")
+def performance_decode_kernel(rec, run):
+  """The Mosaic GPU decode kernel in the engine: dense rows with their XLA baselines, L2A at 128K."""
+  rows, q = run["rows"], "qwen2.5-1.5b"
+  out = []
+  for B, T in ((1, 8192), (1, 32768), (1, 131072), (8, 32768)):
+    r = _row(rows, "dense", q, B, T)
+    st, pl = (next(x for x in rows if (x["scheme"], x["B"], x["T"]) == (n, B, T))
+              for n in ("xla_stacked", "xla_per_layer"))
+    out.append(f"| dense ({q}) | {B} | {T // 1024}K | {r['ms']:.2f} | {r['limit_ms']:.2f} | "
+               f"{r['x_limit']:.2f} | {st['ms']:.2f} / {pl['ms']:.2f} |")
+  r = _row(rows, "l2a", q, 1, 131072)
+  out.append(f"| L2A ({q}) | 1 | 128K | {r['ms']:.2f} | {r['limit_ms']:.2f} | {r['x_limit']:.2f} | - |")
+  out.append(f"{r['ms']:.2f} ms, {r['achieved']:.2f} of its bytes-bound speedup")
+  return out
