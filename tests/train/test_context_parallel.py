@@ -1,6 +1,6 @@
 """Context parallelism (condattn_jax/parallel/context.py) on 8 fake CPU devices, fp32: a row's
 tokens split over the `sequence` mesh axis (zigzag layout) give the unsharded model's loss,
-metrics and gradients (<= 1e-5), for dense, L2A and AHA, with sequence x fsdp x tensor meshes, the
+metrics and gradients (<= 1e-5), for dense, L2A, AHA and Elastic, with sequence x fsdp x tensor meshes, the
 all-gather and ring strategies and local windows crossing shard boundaries (halo exchange); the
 schemes that do not run sequence-parallel are refused at config validation in one line."""
 import os
@@ -253,6 +253,9 @@ def _config(scheme, mesh, strategy="all_gather"):
     c.model.scheme.compact_impl = "reference"
     c.model.scheme.mode = "sparse"
     c.model.scheme.p_force = 0.5
+  elif scheme == "elastic":  # XA and SSA block lists mixed per head (STE), boundary pooling
+    c = load_recipe(f"{ROOT}/configs/elastic_qwen.py:tiny,steps=4,batch=4,seq=32,pairs=4,gap=8,"
+                    "modes=xa_ssa")
   else:
     c = load_recipe(f"{ROOT}/configs/tiny.py:steps=4,batch=4,seq=32,pairs=4")
   c.mesh.data, c.mesh.fsdp, c.mesh.sequence, c.mesh.tensor = mesh
@@ -297,7 +300,8 @@ def _loss_and_grads(config, params, batch, one_device=False):
 # L2A's window 4 and AHA's window 8 take the halo path (2 or 4 shards of 2 chunks of 8 / 4 tokens)
 MODEL_CASES = {"dense": [((1, 2, 4, 1), "all_gather")],
                "l2a": [((1, 2, 2, 2), "all_gather"), ((1, 2, 4, 1), "ring")],
-               "aha": [((1, 2, 2, 2), "all_gather")]}
+               "aha": [((1, 2, 2, 2), "all_gather")],
+               "elastic": [((1, 2, 2, 2), "all_gather")]}
 
 
 @pytest.fixture(scope="module")
@@ -336,7 +340,7 @@ def test_sequence_parallel_step_equals_one_device(model_runs, scheme, mesh, stra
 # Config validation
 # ------------------------------------------------------------------------------------------------
 
-TINY_RECIPES = {"elastic": "elastic_qwen.py:tiny", "match": "match_qwen.py:tiny",
+TINY_RECIPES = {"match": "match_qwen.py:tiny",
                 "segmented": "segmented_llama.py:tiny"}
 
 

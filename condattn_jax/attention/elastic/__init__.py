@@ -26,6 +26,5 @@ ELASTIC = register(Scheme(
     reports={"sparsity": sparsity_report, "measure": measure}, module=Multipliers,
     ascent_params=("scheme/lagrange",),
     serving_forward=serving_forward, packed_documents=False,
-    sequence_parallel=("its router pools the whole prompt and its block lists index query "
-                       "blocks of the whole row"),
+    sequence_parallel=True,
     tiny=tiny))

@@ -59,6 +59,7 @@ from condattn_jax.attention.elastic.options import FA, ElasticOptions
 from condattn_jax.models.config import ModelConfig
 from condattn_jax.models.context import LayerContext
 from condattn_jax.models.layers import Attention, make_norm, mlp_residual
+from condattn_jax.parallel import context
 
 def fixed_fa_head_sets(spec, num_layers: int) -> tuple:
   """routing 'fixed': the class-1 KV heads of each layer (num_layers tuples) from
@@ -188,7 +189,9 @@ class ElasticLayer(nn.Module):
     valid_BT = ctx.valid_BT
 
     prompt_len = ctx.fields.get(o.prompt_field)
-    logits_BK2 = Router(cfg, name="router")(pool_keys(k0, valid_BT, prompt_len, o))
+    n_lay = context.layout_size()  # sequence parallel: the router pools the natural row
+    logits_BK2 = Router(cfg, name="router")(pool_keys(
+        context.from_layout(k0, n_lay), context.from_layout(valid_BT, n_lay), prompt_len, o))
     p_fa_BK = jax.nn.softmax(logits_BK2, axis=-1)[..., FA]
     tau = jnp.asarray(o.tau_end, jnp.float32)
     if o.routing == "fa":
@@ -254,8 +257,10 @@ class ElasticLayer(nn.Module):
     ssa = masks.ssa_lists(rows, sinks=o.sinks, local=o.local, block=o.block)
     ssa = jnp.broadcast_to(ssa[:, None], (B, N, nq, ssa.shape[-1]))
     xa = None
+    n_lay = context.layout_size()  # lists of the natural row's blocks; laid out in `blocks`
     if "xa" in o.modes:
-      xa = masks.xa_lists(q, k, ctx.valid_BT, block=o.block, stride=o.xa_stride,
+      nat = lambda x: context.from_layout(x, n_lay)
+      xa = masks.xa_lists(nat(q), nat(k), nat(ctx.valid_BT), block=o.block, stride=o.xa_stride,
                           threshold=o.xa_threshold, q_chunk=o.xa_chunk)
     L = ssa.shape[-1] if xa is None else max(ssa.shape[-1], xa.shape[-1])
     ssa = masks.pad_lists(ssa, L)
@@ -265,7 +270,8 @@ class ElasticLayer(nn.Module):
     base = dict(q_positions_BT=ctx.positions_BT, kv_positions_BS=ctx.positions_BT,
                 q_segment_ids_BT=ctx.segment_ids_BT, kv_segment_ids_BS=ctx.segment_ids_BT,
                 contiguous=True)
-    blocks = lambda lists, mode: ops.BlockLists(lists, mode, block_q=o.block, block_k=o.block)
+    blocks = lambda lists, mode: ops.BlockLists(context.to_layout(lists, n_lay, axis=2), mode,
+                                                block_q=o.block, block_k=o.block)
     run = lambda bl: composite.attention(q, k, v, ops.MaskSpec(**base, block_lists=bl), impl=impl,
                                          dense_full_heads=o.dense_full_heads)
     fa_on = fa_BN > 0.5
