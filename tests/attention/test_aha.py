@@ -46,8 +46,15 @@ def _random_router(params, scale=0.3, seed=0):
   return params
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+# qwen2 (kept biases) and olmo2 (post-norm, full qk-norm) by default; llama and qwen3 (the
+# conversion copies the same attention / MLP leaves, nothing family-specific) are `manual`
+@pytest.mark.parametrize("family", [
+    pytest.param(f, marks=() if f in ("qwen2", "olmo2") else pytest.mark.manual)
+    for f in sorted(FAMILIES)])
 def test_conversion_is_the_base_model_and_reverses(family):
+  """dense -> AHA (exact and sparse) is the base model, AHA -> dense gives the params back, every
+  head local is the sliding-window model. Default cover of the manual families: the qwen2 /
+  olmo2 cases here and tests/schemes/test_conformance.py::test_to_and_from_dense[aha]."""
   cfg, dp, tok = _dense(family)
   base, _ = Decoder(cfg).apply({"params": dp}, tok)
   for mode in ("exact", "sparse"):
