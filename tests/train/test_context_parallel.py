@@ -1,8 +1,9 @@
 """Context parallelism (condattn_jax/parallel/context.py) on 8 fake CPU devices, fp32: a row's
 tokens split over the `sequence` mesh axis (zigzag layout) give the unsharded model's loss,
-metrics and gradients (<= 1e-5), for dense, L2A, AHA and Elastic, with sequence x fsdp x tensor meshes, the
-all-gather and ring strategies and local windows crossing shard boundaries (halo exchange); the
-schemes that do not run sequence-parallel are refused at config validation in one line."""
+metrics and gradients (<= 1e-5), for dense, L2A, AHA, Elastic and MATCH, with sequence x fsdp x
+tensor meshes, the all-gather and ring strategies and local windows crossing shard boundaries
+(halo exchange); the schemes that do not run sequence-parallel are refused at config validation
+in one line."""
 import os
 import re
 
@@ -256,6 +257,9 @@ def _config(scheme, mesh, strategy="all_gather"):
   elif scheme == "elastic":  # XA and SSA block lists mixed per head (STE), boundary pooling
     c = load_recipe(f"{ROOT}/configs/elastic_qwen.py:tiny,steps=4,batch=4,seq=32,pairs=4,gap=8,"
                     "modes=xa_ssa")
+  elif scheme == "match":  # window 8, chunks of 2, exact-match retrieval of 2 chunks per block
+    c = load_recipe(f"{ROOT}/configs/match_qwen.py:tiny,steps=4,batch=4,seq=32,pairs=4,window=8,"
+                    "top_k=2")
   else:
     c = load_recipe(f"{ROOT}/configs/tiny.py:steps=4,batch=4,seq=32,pairs=4")
   c.mesh.data, c.mesh.fsdp, c.mesh.sequence, c.mesh.tensor = mesh
@@ -301,7 +305,8 @@ def _loss_and_grads(config, params, batch, one_device=False):
 MODEL_CASES = {"dense": [((1, 2, 4, 1), "all_gather")],
                "l2a": [((1, 2, 2, 2), "all_gather"), ((1, 2, 4, 1), "ring")],
                "aha": [((1, 2, 2, 2), "all_gather")],
-               "elastic": [((1, 2, 2, 2), "all_gather")]}
+               "elastic": [((1, 2, 2, 2), "all_gather")],
+               "match": [((1, 2, 2, 2), "all_gather")]}
 
 
 @pytest.fixture(scope="module")
@@ -330,7 +335,14 @@ def test_sequence_parallel_step_equals_one_device(model_runs, scheme, mesh, stra
   if scheme == "l2a":  # the routing really mixed, the regulariser in the loss
     assert 0.2 < float(want["l2a/sparsity"]) < 0.8
     assert 0.0 < float(want["aux_loss"])
-  if scheme != "dense":  # the router is trained (through the STE and the regulariser)
+  if scheme == "match":  # the batch really retrieves: some blocks list chunks, not all slots
+    from condattn_jax.attention import options
+    from condattn_jax.attention.match import block_inputs
+    b = _batch()
+    ids = block_inputs(options(_config("match", mesh)), b["inputs"], b["positions"],
+                       b["segment_ids"])[1]["match_chunks_BGk"]
+    assert 0.0 < float(np.mean(np.asarray(ids) >= 0)) < 1.0
+  if scheme in ("l2a", "aha", "elastic"):  # the router is trained (STE and the regulariser)
     router = [x for p, x in jax.tree_util.tree_flatten_with_path(want_g)[0]
               if "router" in jax.tree_util.keystr(p)]
     assert router and all(np.abs(x).max() > 0 for x in router)
@@ -340,8 +352,7 @@ def test_sequence_parallel_step_equals_one_device(model_runs, scheme, mesh, stra
 # Config validation
 # ------------------------------------------------------------------------------------------------
 
-TINY_RECIPES = {"match": "match_qwen.py:tiny",
-                "segmented": "segmented_llama.py:tiny"}
+TINY_RECIPES = {"segmented": "segmented_llama.py:tiny"}
 
 
 def test_every_scheme_runs_sequence_parallel_or_is_refused_in_one_line():

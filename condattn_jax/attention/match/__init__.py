@@ -23,6 +23,5 @@ MATCH = register(Scheme(
     name="match", layer_cls=MatchLayer, options=MatchOptions, check=refuse_sliding_window,
     from_dense=from_dense, to_dense=to_dense, layer_variants=layer_kinds, headline_metric=None,
     kv_cache_bytes=kv_cache_bytes, module=MatchInputs, serving_forward=serving_forward,
-    sequence_parallel=("it retrieves chunks over the whole row and appends auxiliary rows to "
-                       "it (block-gathered keys, not one contiguous self-attention)"),
+    sequence_parallel=True,
     tiny=tiny))

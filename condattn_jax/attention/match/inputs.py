@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from condattn_jax.attention.match import retrieval
 from condattn_jax.attention import options
 from condattn_jax.attention.match.options import MatchOptions
+from condattn_jax.parallel import context
 
 
 def _take(x_BS, idx_BN):
@@ -176,7 +177,13 @@ class MatchInputs(nn.Module):
     o = options(self.config)
     prompt_len_B = ctx.fields.get("prompt_len_B")
     if not ctx.decode:
-      return (*block_inputs(o, tokens_BT, ctx.positions_BT, ctx.segment_ids_BT,
+      n = context.layout_size()  # sequence parallel: retrieval reads the natural row
+      if n > 1 and o.top_k and o.retrieved_kv != "sequence":
+        raise ValueError(f"model.scheme.retrieved_kv={o.retrieved_kv!r} appends auxiliary rows "
+                         "that sequence parallelism does not split; use retrieved_kv='sequence' "
+                         "or config.mesh.sequence=1.")
+      nat = lambda x: None if x is None else context.from_layout(x, n)
+      return (*block_inputs(o, nat(tokens_BT), nat(ctx.positions_BT), nat(ctx.segment_ids_BT),
                             chunks_BGk=ctx.fields.get("match_chunks_BGk"),
                             prompt_len_B=prompt_len_B), {})
     if ctx.cache_len is None:

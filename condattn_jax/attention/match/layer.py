@@ -44,6 +44,8 @@ positions: inputs.block_retrieves), mapped to their blocks by match_aux_block_BG
 """
 from __future__ import annotations
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -53,6 +55,7 @@ from condattn_jax.attention.match.inputs import _take, block_inputs
 from condattn_jax.attention import options
 from condattn_jax.models.context import LayerContext
 from condattn_jax.models.layers import MLP, Attention, RMSNorm
+from condattn_jax.parallel import context
 
 
 _AFTER_ALL = 2 ** 30     # key position of padding slots: after every query (never visible)
@@ -234,9 +237,11 @@ class MatchLayer(nn.Module):
     return jnp.zeros_like(q).at[rows_BG, jnp.where(q_in, qt, T)].set(
         out.reshape(B, G, c, N, H), mode="drop")
 
-  def _row_mask(self, ctx: LayerContext, f: dict, N: int):
+  def _row_mask(self, ctx: LayerContext, f: dict, N: int, n: int = 1):
     """The whole row's mask: window OR block g's retrieved chunks for query block g (block lists
-    in head mode HEAD_WINDOW_BLOCKS, block_q = block_k = chunk)."""
+    in head mode HEAD_WINDOW_BLOCKS, block_q = block_k = chunk). n > 1: the row is in the zigzag
+    layout of n sequence shards (context.layout_size): the lists' query blocks are laid out like
+    the tokens and the call is contiguous self-attention (run per shard)."""
     o = options(self.config)
     B, T = ctx.positions_BT.shape
     pos = ctx.positions_BT.astype(jnp.int32)
@@ -246,18 +251,29 @@ class MatchLayer(nn.Module):
     lists = jnp.broadcast_to(ids[:, None], (B, N) + ids.shape[1:]).astype(jnp.int32)
     mode = jnp.full((B, N), ops.HEAD_WINDOW_BLOCKS, jnp.int32)
     return ops.MaskSpec(q_positions_BT=pos, kv_positions_BS=pos, q_segment_ids_BT=seg,
-                        kv_segment_ids_BS=seg, window=o.window,
-                        block_lists=ops.BlockLists(lists, mode, block_q=o.chunk,
+                        kv_segment_ids_BS=seg, window=o.window, contiguous=n > 1,
+                        block_lists=ops.BlockLists(context.to_layout(lists, n, axis=2), mode,
+                                                   block_q=o.chunk,
                                                    block_k=o.chunk, window_blocks=True))
 
   def _sequence_attend(self, q, k, v, ctx: LayerContext, f: dict):
     """Full forward, retrieved_kv='sequence': block-sparse or gathered (options.attention_path;
     'auto' decides per lowering platform with `block_sparse_runs`)."""
     o = options(self.config)
-    gathered = lambda q, k, v, _: self._block_attend(q, k, v, ctx, f, None)
+    n = context.layout_size()
+    if n > 1:  # sequence parallel: the gathered path reads the row by slot (the natural row's,
+      # as the fields' blocks are); the block-sparse call runs per shard (context.attention)
+      nat = lambda x: None if x is None else context.from_layout(x, n)
+      ctx_nat = dataclasses.replace(ctx, tokens_BT=nat(ctx.tokens_BT),
+                                    positions_BT=nat(ctx.positions_BT),
+                                    segment_ids_BT=nat(ctx.segment_ids_BT))
+      gathered = lambda q, k, v, _: context.to_layout(
+          self._block_attend(nat(q), nat(k), nat(v), ctx_nat, f, None), n)
+    else:
+      gathered = lambda q, k, v, _: self._block_attend(q, k, v, ctx, f, None)
     if o.attention_path == "gathered":
       return gathered(q, k, v, None)
-    mask = self._row_mask(ctx, f, q.shape[2])
+    mask = self._row_mask(ctx, f, q.shape[2], n)
     listed = lambda q, k, v, m: ops.attention(q, k, v, m, impl=o.impl)
     if o.attention_path == "block_sparse":
       return listed(q, k, v, mask)
@@ -352,8 +368,9 @@ class MatchLayer(nn.Module):
         raise ValueError("MATCH decode / retrieved_kv='recompute' needs the auxiliary input of "
                          "the decoder's MATCH input step (Scheme.module); call the layer "
                          "through models.decoder.Decoder.")
-      f.update(block_inputs(o, ctx.tokens_BT, ctx.positions_BT, ctx.segment_ids_BT,
-                            recompute=False)[1])
+      nat = lambda x: None if x is None else context.from_layout(x, context.layout_size())
+      f.update(block_inputs(o, nat(ctx.tokens_BT), nat(ctx.positions_BT),
+                            nat(ctx.segment_ids_BT), recompute=False)[1])
     x_main, x_aux = x_BTD[:, :T], x_BTD[:, T:]
 
     retrieved = None
