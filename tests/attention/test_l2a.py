@@ -74,7 +74,15 @@ def _decisions(state):
   return np.concatenate([np.asarray(inter[k]["decision"][0]) for k in groups])
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+# The conversion copies the same attention / MLP leaves for every family: qwen2 (kept biases,
+# tied embeddings) and qwen3 (q/k norm) by default, llama (rope scaling only) `manual`; default
+# cover of llama: the qwen2 / qwen3 cases and tests/schemes/test_conformance.py::
+# test_to_and_from_dense[l2a]
+CONVERSION_FAMILIES = [pytest.param(f, marks=pytest.mark.manual if f == "llama" else ())
+                       for f in sorted(FAMILIES)]
+
+
+@pytest.mark.parametrize("family", CONVERSION_FAMILIES)
 def test_global_disabled_full_window_equals_base(family):
   cfg, dp, tok = _dense(family)
   base, _ = _apply(Decoder(cfg), dp, tok)
@@ -94,7 +102,7 @@ def test_global_disabled_full_window_equals_base(family):
   np.testing.assert_allclose(out, base, atol=1e-5, rtol=0)
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", CONVERSION_FAMILIES)
 def test_router_on_window0_equals_base_through_global_branch(family):
   cfg, dp, tok = _dense(family)
   base, _ = _apply(Decoder(cfg), dp, tok)
