@@ -19,7 +19,7 @@ from condattn_jax.train import loop
 STEPS, HALF = 6, 4
 COMMON = ["--config=configs/tiny.py:steps=%d" % STEPS, "--config.train.log_every=1",
           "--config.eval.at_end=False", "--config.train.progress_bar=False", "--config.mesh.data=1"]
-ARGS = COMMON + ["--config.train.checkpoint_every=2", "--config.mesh.fsdp=2",
+ARGS = COMMON + ["--config.train.checkpoint_every=%d" % HALF, "--config.mesh.fsdp=2",
                  "--config.mesh.tensor=2"]
 # context parallelism across the two processes: sequence 4 (a 64-token row in 8 zigzag chunks)
 SEQ_ARGS = COMMON + ["--config.train.checkpoint_every=0", "--config.mesh.fsdp=1",
