@@ -16,7 +16,7 @@ from pallas_kernels.compact_attention import (BlockSizes, CompactConfig, bucket_
                                               mask_from_indices, reference_compact_attention)
 from pallas_kernels.compact_attention import api
 from pallas_kernels.compact_attention import compaction as cp
-from pallas_kernels.compact_attention.testing import compare, make_problem, rel_err
+from pallas_kernels.compact_attention.testing import compare, make_problem, rel_err, run
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:The Pallas Triton backend is deprecated:DeprecationWarning")
@@ -115,14 +115,15 @@ def _check_bounds(bounds, any_vis, all_vis, *, exact, ends=True):
       np.testing.assert_array_equal(full, row_all, err_msg=f"{idx}: unmasked range not exact")
 
 
-@settings(max_examples=25, deadline=None)
-@given(st.integers(0, 10 ** 6), st.sampled_from(["causal", "offset", "window", "segments",
-                                                 "packed"]), st.floats(0.0, 1.0),
-       st.booleans())
-def test_tile_bounds_are_tight(seed, mask, sparsity, per_head):
+@pytest.mark.parametrize("mask", ["causal", "offset", "window", "segments", "packed"])
+@settings(max_examples=3, deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(seed=st.integers(0, 10 ** 6), sparsity=st.floats(0.0, 1.0), per_head=st.booleans())
+def test_tile_bounds_are_tight(mask, seed, sparsity, per_head):
   """The bounds of the forward (and dq) loop per query tile over kv tiles, and of the dk/dv loop
   per kv tile over query tiles, at the kernels' own (different) tile sizes: nothing visible is
-  skipped, nothing masked-only is visited at either end, exact for causal masks."""
+  skipped, nothing masked-only is visited at either end, exact for causal masks. Every mask kind
+  is drawn (3 fixed draws each)."""
   rng = np.random.default_rng(seed)
   B, T = 2, 96
   kw = dict(causal={}, offset=dict(q_offset=32), window=dict(window=int(rng.integers(1, 40))),
@@ -236,9 +237,10 @@ def test_reference_gradients_are_finite_with_empty_rows():
 GQA = [(2, 1), (4, 2), (4, 4), (6, 2)]
 
 
-# 4 random draws a run (each compiles its own interpret-mode kernels); the named
+# 3 fixed draws a run (each compiles its own interpret-mode kernels); the named
 # configurations are pinned by test_triton_edge_cases / test_triton_default_tiles_and_ladder.
-@settings(max_examples=4, deadline=None, suppress_health_check=list(HealthCheck))
+@settings(max_examples=3, deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 10 ** 6), sparsity=st.floats(0.0, 1.0), T=st.sampled_from([48, 80, 128]),
        gqa=st.sampled_from(GQA), dtype=st.sampled_from(["float32", "bfloat16"]),
        per_head=st.booleans(), fracs=st.sampled_from([None, (0.25,), (0.5, 0.75)]),
@@ -269,7 +271,7 @@ def test_triton_matches_reference_hypothesis(seed, sparsity, T, gqa, dtype, per_
 def test_triton_edge_cases(name, kw, fused_bwd):
   """Both backward variants (CompactConfig.fused_triton_bwd): dq fused into the dk/dv kernel
   (atomic adds) and the two-kernel backward (dq; dk/dv, the default)."""
-  p = make_problem(5, **{**dict(T=64, N=4, K=2, H=32), **kw})
+  p = make_problem(5, **{**dict(T=64, N=2, K=1, H=32), **kw})
   errs, bad = compare(p, dict(TRITON, bucket_fracs=(0.25,),
                               config=CompactConfig(fused_triton_bwd=fused_bwd)))
   assert not bad, (name, errs)
@@ -287,12 +289,13 @@ def test_poisoned_outputs_catch_an_unwritten_tile(monkeypatch):
   counts one tile short) must fail the comparison, so a passing run means every element was
   written by the kernel."""
   p = make_problem(8, T=64, N=2, K=1, H=32, sparsity=0.3)
-  errs, bad = compare(p, dict(TRITON, bucket_fracs=(1.0,)), grads=False)
+  ref = run(p, grads=False, impl="reference")
+  errs, bad = compare(p, dict(TRITON, bucket_fracs=(1.0,)), grads=False, reference=ref)
   assert not bad, errs
   real = cp.active_counts
   monkeypatch.setattr(cp, "active_counts", lambda a: jnp.maximum(real(a) - SMALL.block_q, 0))
   jax.clear_caches()  # retrace with the broken count
-  errs, bad = compare(p, dict(TRITON, bucket_fracs=(1.0,)), grads=False)
+  errs, bad = compare(p, dict(TRITON, bucket_fracs=(1.0,)), grads=False, reference=ref)
   assert "out" in bad and np.isnan(errs["out"]), errs
 
 
