@@ -272,11 +272,14 @@ def test_packed_documents_and_padding():
   packed = jnp.concatenate([a, b, jnp.zeros((2,), tok.dtype)])[None]
   seg = jnp.array([[1] * 9 + [2] * 5 + [0] * 2])
   pos = jnp.array([list(range(9)) + list(range(5)) + [0, 0]])
-  out, aux = m.apply({"params": ap}, packed, pos, seg)
-  alone_a, aux_a = m.apply({"params": ap}, a[None])
-  alone_b, aux_b = m.apply({"params": ap}, b[None])
-  np.testing.assert_allclose(out[0, :9], alone_a[0], atol=1e-5)
-  np.testing.assert_allclose(out[0, 9:14], alone_b[0], atol=1e-5)
+  # each document alone, padded to the packed row's length: one compiled program for the three
+  fwd = jax.jit(lambda t, p, s: m.apply({"params": ap}, t, p, s))
+  out, aux = fwd(packed, pos, seg)
+  alone = lambda d: fwd(*(jnp.asarray([list(x) + [0] * (16 - len(d))], jnp.int32) for x in
+                          (d, range(len(d)), [1] * len(d))))
+  (alone_a, aux_a), (alone_b, aux_b) = alone(a), alone(b)
+  np.testing.assert_allclose(out[0, :9], alone_a[0, :9], atol=1e-5)
+  np.testing.assert_allclose(out[0, 9:14], alone_b[0, :5], atol=1e-5)
   np.testing.assert_array_equal(aux["tokens_B"][:, 0], 14.0)  # padding is not counted
   np.testing.assert_array_equal(aux["full_BN"][:, 0], aux_a["full_BN"][:, 0] + aux_b["full_BN"][:, 0])
 

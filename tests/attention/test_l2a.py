@@ -306,10 +306,12 @@ def test_packed_documents_and_padding():
   seg = jnp.array([[1] * 9 + [2] * 5 + [0] * 2])
   pos = jnp.array([list(range(9)) + list(range(5)) + [0, 0]])
   out, aux = _apply(m, lp, packed, pos, seg)
-  alone_a, aux_a = _apply(m, lp, a[None])
-  alone_b, aux_b = _apply(m, lp, b[None])
-  np.testing.assert_allclose(out[0, :9], alone_a[0], atol=1e-5)
-  np.testing.assert_allclose(out[0, 9:14], alone_b[0], atol=1e-5)
+  # each document alone, padded to the packed row's length: one compiled program for the three
+  alone = lambda d: _apply(m, lp, *(jnp.asarray([list(x) + [0] * (16 - len(d))], jnp.int32)
+                                    for x in (d, range(len(d)), [1] * len(d))))
+  (alone_a, aux_a), (alone_b, aux_b) = alone(a), alone(b)
+  np.testing.assert_allclose(out[0, :9], alone_a[0, :9], atol=1e-5)
+  np.testing.assert_allclose(out[0, 9:14], alone_b[0, :5], atol=1e-5)
   np.testing.assert_array_equal(aux["tokens_B"][:, 0], 14.0)  # padding is not counted
   np.testing.assert_allclose(aux["global_tokens_B"][:, 0],
                              aux_a["global_tokens_B"][:, 0] + aux_b["global_tokens_B"][:, 0])

@@ -52,8 +52,11 @@ def test_decode_equals_full_forward(family, window):
   np.testing.assert_allclose(jnp.concatenate([steps[0][0]] + steps[1:], 1), full, atol=1e-4)
 
 
+@pytest.mark.manual
 def test_packed_documents_do_not_interact():
-  """Logits of a packed row equal the logits of each document run alone."""
+  """Logits of a packed row equal the logits of each document run alone. Manual: the default
+  cover is tests/schemes/test_conformance.py::test_packed_documents_are_independent[dense] (the
+  dense scheme's tiny qwen3 model, two packed documents and padding)."""
   m, params, tok = _model("qwen3")
   a, b = tok[0, :9], tok[1, :7]
   packed = jnp.concatenate([a, b])[None]
