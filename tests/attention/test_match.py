@@ -65,9 +65,9 @@ def test_exact_match_retrieval_equals_brute_force(c, w, k, packed):
     seg[0, 20:] = 2
     seg[1, 40:] = 0
   o = match.MatchOptions(window=w, chunk=c, top_k=k)
-  _, f = match.block_inputs(o, jnp.asarray(tok), jnp.asarray(np.arange(T)[None].repeat(2, 0)),
-                            jnp.asarray(seg))
-  got = np.asarray(f["match_chunks_BGk"])
+  # jitted (block_inputs dispatched op by op compiles every op on its own)
+  got = np.asarray(jax.jit(lambda *a: match.block_inputs(o, *a)[1]["match_chunks_BGk"])(
+      jnp.asarray(tok), jnp.asarray(np.arange(T)[None].repeat(2, 0)), jnp.asarray(seg)))
   want = _brute_force_ids(tok, seg, c, w, k)
   assert got.shape == want.shape
   for b in range(2):
@@ -109,8 +109,8 @@ def test_precomputed_retrieval_is_used_as_given():
   o = match.MatchOptions(window=8, chunk=4, top_k=2)
   tok, pos = _tokens(1, 24), jnp.arange(24)[None]
   ids = jnp.asarray([[[-1, -1]] * 4 + [[0, -1], [1, 0]]], jnp.int32)
-  aux, f = match.block_inputs(o, tok, pos, chunks_BGk=ids,
-                              recompute=True)
+  aux, f = jax.jit(lambda t, p, i: match.block_inputs(o, t, p, chunks_BGk=i, recompute=True))(
+      tok, pos, ids)
   np.testing.assert_array_equal(f["match_chunks_BGk"], ids)
   np.testing.assert_array_equal(aux[0, -8:-4], tok[0, 4:8])  # block 5's first chunk: chunk 1
   with pytest.raises(ValueError, match="match_chunks_BGk.*top_k"):
@@ -123,8 +123,8 @@ def test_mqar_query_key_retrieves_its_pair():
   ex = task.example(0, 3)
   tok = jnp.asarray(ex["inputs"])[None]
   o = match.MatchOptions(window=32, chunk=2, top_k=4)
-  _, f = match.block_inputs(o, tok, jnp.arange(128)[None])
-  ids = np.asarray(f["match_chunks_BGk"])[0]
+  ids = np.asarray(jax.jit(lambda t, p: match.block_inputs(o, t, p)[1]["match_chunks_BGk"])(
+      tok, jnp.arange(128)[None]))[0]
   qpos = np.flatnonzero(ex["loss_mask"])
   assert len(qpos) == 8
   for t in qpos:  # the query key is at t (the block's first slot): its pair is chunk j = key's
