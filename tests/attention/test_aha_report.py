@@ -50,7 +50,7 @@ def test_gap_counts_match_brute_force():
 def test_usage_report_per_layer_head_and_task(tmp_path):
   cfg = ModelConfig(family="olmo2", qk_norm="full", post_norm=True, num_layers=3)
   tok = jax.random.randint(jax.random.PRNGKey(0), (2, 24), 1, cfg.vocab_size)
-  dp = nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(1), tok)["params"])
+  dp = nn.unbox(jax.jit(Decoder(cfg).init)(jax.random.PRNGKey(1), tok)["params"])
   acfg, ap = attention.convert(dp, cfg, "aha", window=4)
   r = ap["layers"]["router"]
   r["kernel"] = 0.3 * jax.random.normal(jax.random.PRNGKey(2), r["kernel"].shape)
@@ -61,9 +61,11 @@ def test_usage_report_per_layer_head_and_task(tmp_path):
   m = Decoder(acfg)
   rep = get_scheme("aha").reports["usage"](m, ap, batches, out_dir=str(tmp_path), name="u")
   # usage == the layer's own counts (aux full_BN / tokens_B), pooled over batches and by task
-  auxes = [m.apply({"params": ap}, jnp.asarray(b["inputs"]), None,
-                   None if "segment_ids" not in b else jnp.asarray(b["segment_ids"]))[1]
-           for b in batches]
+  # one forward per batch (its aux and its sown gates), jitted
+  fwd = jax.jit(lambda t, s: m.apply({"params": ap}, t, None, s, mutable=["intermediates"]))
+  runs = [fwd(jnp.asarray(b["inputs"]), jnp.asarray(b.get("segment_ids", np.ones(
+      b["inputs"].shape, np.int32)), jnp.int32)) for b in batches]
+  auxes = [aux for (_, aux), _ in runs]
   full = np.concatenate([np.asarray(a["full_BN"]) for a in auxes], axis=1)   # [L, 4 rows, N]
   toks = np.concatenate([np.asarray(a["tokens_B"]) for a in auxes], axis=1)[0]
   tasks = np.array([0, 1, 1, 1])
@@ -78,13 +80,8 @@ def test_usage_report_per_layer_head_and_task(tmp_path):
   assert rep["mu_f"] == pytest.approx(u.mean())
   assert rep["heads_by_usage"] == sorted(u.ravel().tolist(), reverse=True)
   # the gap of each head == the brute-force mean over documents of the sown gates
-  gates, segs = [], []
-  for b in batches:
-    _, st = m.apply({"params": ap}, jnp.asarray(b["inputs"]), None,
-                    None if "segment_ids" not in b else jnp.asarray(b["segment_ids"]),
-                    mutable=["intermediates"])
-    gates.append(np.asarray(st["intermediates"]["layers"]["gate"][0]))
-    segs.append(b.get("segment_ids", np.ones(b["inputs"].shape, np.int64)))
+  gates = [np.asarray(st["intermediates"]["layers"]["gate"][0]) for _, st in runs]
+  segs = [b.get("segment_ids", np.ones(b["inputs"].shape, np.int64)) for b in batches]
   want = _brute_gap(np.concatenate(gates, axis=1), np.concatenate(segs, axis=0))
   got = np.array([[np.nan if x is None else x for x in row] for row in rep["gap"]])
   np.testing.assert_allclose(got, want, rtol=1e-9)
