@@ -376,6 +376,25 @@ def test_every_scheme_runs_sequence_parallel_or_is_refused_in_one_line():
     assert msg.endswith("set config.mesh.sequence=1.")
 
 
+def test_match_auxiliary_rows_are_refused_under_sequence_parallelism():
+  """MATCH with retrieved_kv='recompute' (auxiliary rows appended to the row) under a sequence
+  mesh in the zigzag layout: one line naming the field and the fix (traced only)."""
+  from condattn_jax.attention.match import MatchInputs
+  from condattn_jax.models.context import LayerContext
+  c = _config("match", (1, 1, 2, 1))
+  c.model.scheme.retrieved_kv = "recompute"
+  setup = loop.build(c, devices=jax.devices()[:2])
+  b = _batch()
+  ctx = LayerContext(tokens_BT=b["inputs"], positions_BT=b["positions"],
+                     segment_ids_BT=b["segment_ids"])
+  run = lambda: MatchInputs(setup.model_cfg).apply({}, b["inputs"], ctx)
+  with setup.mesh_context(), context.zigzag_layout():
+    with pytest.raises(ValueError) as e:
+      jax.eval_shape(run)
+  assert "\n" not in str(e.value)
+  assert str(e.value).startswith("model.scheme.retrieved_kv='recompute' appends auxiliary rows")
+
+
 def test_row_length_and_strategy_are_checked():
   c = _config("l2a", (1, 1, 8, 1))
   c.data.seq_len = 40  # 16 chunks of 2.5 tokens
