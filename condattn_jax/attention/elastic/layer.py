@@ -272,8 +272,10 @@ class ElasticLayer(nn.Module):
                 contiguous=True)
     blocks = lambda lists, mode: ops.BlockLists(context.to_layout(lists, n_lay, axis=2), mode,
                                                 block_q=o.block, block_k=o.block)
+    # sequence parallel: every head through ops.attention (context.attention per shard); the
+    # cuDNN split of full heads runs per batch / head shard over the whole row, not per shard
     run = lambda bl: composite.attention(q, k, v, ops.MaskSpec(**base, block_lists=bl), impl=impl,
-                                         dense_full_heads=o.dense_full_heads)
+                                         dense_full_heads=o.dense_full_heads and n_lay == 1)
     fa_on = fa_BN > 0.5
     head_mode = jnp.where(fa_on & (cls1 is None), ops.HEAD_FULL, ops.HEAD_BLOCKS).astype(jnp.int32)
     lists = cls0 if cls1 is None else jnp.where(fa_on[..., None, None], cls1, cls0)
