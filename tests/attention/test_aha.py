@@ -30,7 +30,7 @@ B, T = 2, 16
 def _dense(family, seed=1):
   cfg = ModelConfig(family=family).replace(**FAMILIES[family])
   tok = jax.random.randint(jax.random.PRNGKey(0), (B, T), 0, cfg.vocab_size)
-  params = nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(seed), tok)["params"])
+  params = nn.unbox(jax.jit(Decoder(cfg).init)(jax.random.PRNGKey(seed), tok)["params"])
   if cfg.attention_bias:  # non-zero biases, so keeping them is tested too
     params = jax.tree_util.tree_map_with_path(
         lambda p, x: x + 0.1 if "bias" in jax.tree_util.keystr(p) else x, params)

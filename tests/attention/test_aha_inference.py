@@ -24,7 +24,7 @@ FAMILIES = {"qwen3": dict(qk_norm="head"), "olmo2": dict(qk_norm="full", post_no
 def _aha(family="olmo2", **kw):
   cfg = ModelConfig(family=family, num_layers=3).replace(**FAMILIES[family])
   tok = jnp.zeros((1, 8), jnp.int32)
-  dp = nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(3), tok)["params"])
+  dp = nn.unbox(jax.jit(Decoder(cfg).init)(jax.random.PRNGKey(3), tok)["params"])
   acfg, ap = attention.convert(dp, cfg, "aha", **{"window": 4, **kw})
   r = ap["layers"]["router"]  # a random router: a real mix of full / local heads
   r["kernel"] = 0.3 * jax.random.normal(jax.random.PRNGKey(0), r["kernel"].shape)

@@ -167,7 +167,7 @@ def test_forced_and_normal_paths_same_forward():
 def test_forced_step_draw_is_per_layer_and_from_step_key():
   cfg, dp, tok = _dense("llama")
   cfg = cfg.replace(num_layers=8)
-  dp = nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(1), tok)["params"])
+  dp = nn.unbox(jax.jit(Decoder(cfg).init)(jax.random.PRNGKey(1), tok)["params"])
   lcfg, lp = attention.convert(dp, cfg, "l2a", window=4, p_force=0.5)
   m = Decoder(lcfg)
   f = jax.jit(lambda key: m.apply({"params": lp}, tok, train=True, rngs={"router": key})[1]["forced"])

@@ -25,7 +25,8 @@ def model():
   cfg = ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64,
                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm="head",
                     rope_theta=100.0)
-  dp = nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  dp = nn.unbox(jax.jit(Decoder(cfg).init)(jax.random.PRNGKey(0),
+                                           jnp.zeros((1, 8), jnp.int32))["params"])
   return attention.convert(dp, cfg, "segmented", **OPTS)
 
 
