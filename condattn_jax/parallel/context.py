@@ -81,29 +81,28 @@ _halo_exchange = contextvars.ContextVar("condattn_halo_exchange", default="pperm
 
 
 @contextlib.contextmanager
+def _set(var: contextvars.ContextVar, value):
+  """`var` holds `value` for what is traced inside (the settings below)."""
+  token = var.set(value)
+  try:
+    yield
+  finally:
+    var.reset(token)
+
+
 def strategy(name: str):
   """Global attention over `sequence` runs as `name` ('all_gather' | 'ring') inside."""
   if name not in STRATEGIES:
     raise ValueError(f"config.mesh.sequence_attention={name!r}: choose one of {STRATEGIES}.")
-  token = _strategy.set(name)
-  try:
-    yield
-  finally:
-    _strategy.reset(token)
+  return _set(_strategy, name)
 
 
-@contextlib.contextmanager
 def zigzag_layout(on: bool = True):
   """Declares that the rows traced inside are in the zigzag layout (`to_layout`): local window
   attention may then use the halo exchange."""
-  token = _zigzag.set(bool(on))
-  try:
-    yield
-  finally:
-    _zigzag.reset(token)
+  return _set(_zigzag, bool(on))
 
 
-@contextlib.contextmanager
 def halo_exchange(name: str):
   """The window's halo moves by `name` for what is traced inside: 'ppermute' (default: two
   collective-permutes along the chain of shards per tensor, the halo's bytes only) or
@@ -112,11 +111,7 @@ def halo_exchange(name: str):
   reduce-scatter kind the global branch already issues; bench/scale.py --halo_exchange)."""
   if name not in HALO_EXCHANGES:
     raise ValueError(f"halo_exchange={name!r}: choose one of {HALO_EXCHANGES}.")
-  token = _halo_exchange.set(name)
-  try:
-    yield
-  finally:
-    _halo_exchange.reset(token)
+  return _set(_halo_exchange, name)
 
 
 def check_config(config, n: int) -> None:
@@ -202,8 +197,8 @@ def to_layout(x, n: int, axis: int = 1):
 
 
 def from_layout(x, n: int, axis: int = 1):
-  """Undoes `to_layout`."""
-  if n == 1:
+  """Undoes `to_layout` (None stays None: an optional field)."""
+  if n == 1 or x is None:
     return x
   inv = np.argsort(zigzag_order(x.shape[axis], n))
   return jnp.take(x, jnp.asarray(inv), axis=axis)

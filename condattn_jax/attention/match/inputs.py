@@ -182,7 +182,7 @@ class MatchInputs(nn.Module):
         raise ValueError(f"model.scheme.retrieved_kv={o.retrieved_kv!r} appends auxiliary rows "
                          "that sequence parallelism does not split; use retrieved_kv='sequence' "
                          "or config.mesh.sequence=1.")
-      nat = lambda x: None if x is None else context.from_layout(x, n)
+      nat = lambda x: context.from_layout(x, n)
       return (*block_inputs(o, nat(tokens_BT), nat(ctx.positions_BT), nat(ctx.segment_ids_BT),
                             chunks_BGk=ctx.fields.get("match_chunks_BGk"),
                             prompt_len_B=prompt_len_B), {})

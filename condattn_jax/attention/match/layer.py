@@ -263,7 +263,7 @@ class MatchLayer(nn.Module):
     n = context.layout_size()
     if n > 1:  # sequence parallel: the gathered path reads the row by slot (the natural row's,
       # as the fields' blocks are); the block-sparse call runs per shard (context.attention)
-      nat = lambda x: None if x is None else context.from_layout(x, n)
+      nat = lambda x: context.from_layout(x, n)
       ctx_nat = dataclasses.replace(ctx, tokens_BT=nat(ctx.tokens_BT),
                                     positions_BT=nat(ctx.positions_BT),
                                     segment_ids_BT=nat(ctx.segment_ids_BT))
@@ -368,7 +368,7 @@ class MatchLayer(nn.Module):
         raise ValueError("MATCH decode / retrieved_kv='recompute' needs the auxiliary input of "
                          "the decoder's MATCH input step (Scheme.module); call the layer "
                          "through models.decoder.Decoder.")
-      nat = lambda x: None if x is None else context.from_layout(x, context.layout_size())
+      nat = lambda x: context.from_layout(x, context.layout_size())
       f.update(block_inputs(o, nat(ctx.tokens_BT), nat(ctx.positions_BT),
                             nat(ctx.segment_ids_BT), recompute=False)[1])
     x_main, x_aux = x_BTD[:, :T], x_BTD[:, T:]
