@@ -702,6 +702,31 @@ class Engine:
                                   jnp.asarray(active_B, bool)[:, None], prev_logits_BV)
     return cache, logits
 
+  def decode_greedy(self, cache, positions_B, active_B, prev_logits_BV, steps: int):
+    """`steps` greedy decode steps in ONE jitted program (no host round trip between tokens):
+    each active row takes the argmax of its logits as its next token at its next position, the
+    caches carried (donated) through the steps. Equals `steps` calls of `decode_step` fed the
+    argmax of the previous logits, positions_B + i (tested). Returns (cache, logits_BV, tokens
+    [B, steps]: the tokens fed, i.e. the greedy tokens generated; an inactive row's entries
+    are the argmax of logits it never updates)."""
+    if not isinstance(steps, int) or steps < 1:
+      raise ValueError(f"Engine.decode_greedy: steps must be an int >= 1, got {steps!r}.")
+    pos = self._commit(jnp.asarray(positions_B, jnp.int32)[:, None])
+    on = self._commit(jnp.asarray(active_B, bool)[:, None])
+    return self._greedy_steps(self.params, cache, pos, on, prev_logits_BV, steps)
+
+  @functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=(2,))
+  def _greedy_steps(self, params, cache, positions_B1, active_B1, logits_BV, steps):
+    """`decode_greedy`'s program: a lax.scan of `steps` one-token `_step`s."""
+    def body(carry, _):
+      cache, logits_BV, pos_B1 = carry
+      tok_B1 = _argmax(logits_BV).astype(jnp.int32)[:, None]
+      cache, logits_BV, _ = self._step(params, cache, tok_B1, pos_B1, active_B1, logits_BV)
+      return (cache, logits_BV, pos_B1 + active_B1.astype(jnp.int32)), tok_B1[:, 0]
+    (cache, logits_BV, _), tokens_SB = jax.lax.scan(body, (cache, logits_BV, positions_B1),
+                                                    None, length=steps)
+    return cache, logits_BV, tokens_SB.T
+
   def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                stop_tokens: Sequence[int] = (), stop_strings: Sequence[str] = (),
                temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
