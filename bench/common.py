@@ -171,6 +171,96 @@ def peak_bytes(device=None) -> int | None:
   return int(stats["peak_bytes_in_use"])
 
 
+def activity(events) -> dict:
+  """Summary of device activity events [(name, start_us, dur_us), ...] (one trace, any source:
+  a CUPTI chrome trace through torch, a jax.profiler xplane): {count, busy_us (the union of the
+  intervals: time the device did something), span_us (first start to last end; span - busy is
+  idle time inside, e.g. launch gaps), per_name_us {name: summed duration}}."""
+  events = list(events)
+  per: dict[str, float] = {}
+  for name, _, dur in events:
+    per[name] = per.get(name, 0.0) + float(dur)
+  if not events:
+    return dict(count=0, busy_us=0.0, span_us=0.0, per_name_us=per)
+  iv = sorted((float(s), float(s) + float(d)) for _, s, d in events)
+  busy, lo, hi = 0.0, iv[0][0], iv[0][1]
+  for a, b in iv[1:]:
+    if a > hi:
+      busy, lo, hi = busy + hi - lo, a, b
+    else:
+      hi = max(hi, b)
+  busy += hi - lo
+  return dict(count=len(events), busy_us=busy, span_us=max(b for _, b in iv) - iv[0][0],
+              per_name_us=per)
+
+
+# Lines of an xplane that summarise (derived from) the stream lines: never counted twice.
+DERIVED_LINES = ("XLA Modules", "XLA Ops", "Async XLA Ops", "Steps", "Framework Ops",
+                 "Framework Name Scope", "Source code", "Launch Stats", "_counters_",
+                 "XLA TraceMe", "TensorFlow Ops", "TensorFlow Name Scope")
+
+
+def xplane_events(path: str, plane_prefix: str = "/device:GPU", line_prefix: str = "Stream"):
+  """(events [(name, start_us, dur_us)], line names read) of a jax.profiler trace file
+  (`*.xplane.pb`): the events of the planes named `plane_prefix*` on the lines named
+  `line_prefix*` (on a GPU, CUPTI's 'Stream #<id>(...)' lines: one event per kernel / memcpy /
+  memset), or where no line has that prefix, on every line but the derived summaries
+  (DERIVED_LINES)."""
+  from jax.profiler import ProfileData
+  data = ProfileData.from_file(path)
+  events, names = [], []
+  for plane in data.planes:
+    if not plane.name.startswith(plane_prefix):
+      continue
+    lines = list(plane.lines)
+    chosen = [l for l in lines if l.name.startswith(line_prefix)] or [
+        l for l in lines if l.name not in DERIVED_LINES]
+    for line in chosen:
+      names.append(f"{plane.name}/{line.name}")
+      events += [(e.name, e.start_ns / 1e3, e.duration_ns / 1e3) for e in line.events]
+  return events, names
+
+
+def trace_activity(fn: Callable, n: int = 1, *, plane_prefix: str | None = None,
+                   line_prefix: str | None = None) -> dict:
+  """`fn()` called n times back to back (blocked at the end) under jax.profiler, the device's
+  activity summarised per call: {calls, kernels (events per call), busy_ms / span_ms per call,
+  top [[name, ms per call], ...] (10 longest), lines (what was read)}. Default planes: the GPU's
+  stream lines; on a CPU backend (a plumbing check only: no device plane exists) the XLA CPU
+  client's threads of the host plane. Wall time under a trace is not reported (the tracer
+  slows the host): time the same calls untraced."""
+  import glob
+  import shutil
+  import tempfile
+  import jax
+  cpu = jax.default_backend() == "cpu"
+  plane_prefix = plane_prefix or ("/host:CPU" if cpu else "/device:GPU")
+  line_prefix = line_prefix or ("tf_XLA" if cpu else "Stream")
+  d = tempfile.mkdtemp(prefix="trace_")
+  try:
+    jax.profiler.start_trace(d)
+    try:
+      out = [fn() for _ in range(n)]
+      jax.block_until_ready(out)
+    finally:
+      jax.profiler.stop_trace()
+    paths = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+    if not paths:
+      raise RuntimeError(f"trace_activity: jax.profiler wrote no .xplane.pb under {d}.")
+    events, lines = xplane_events(paths[0], plane_prefix, line_prefix)
+    if not lines:  # nothing matched (e.g. no CUPTI on the GPU host): say what the trace held
+      from jax.profiler import ProfileData
+      lines = [f"no {plane_prefix}* plane; planes: " + ", ".join(
+          pl.name for pl in ProfileData.from_file(paths[0]).planes)]
+  finally:
+    shutil.rmtree(d, ignore_errors=True)
+  a = activity(events)
+  top = sorted(a["per_name_us"].items(), key=lambda kv: -kv[1])[:10]
+  return dict(calls=n, kernels=a["count"] / n, busy_ms=a["busy_us"] / n / 1e3,
+              span_ms=a["span_us"] / n / 1e3, top=[[k, v / n / 1e3] for k, v in top],
+              lines=lines)
+
+
 def rel_err(a, b) -> float:
   """||a - b|| / ||b|| in float64 (0 when both are zero)."""
   import numpy as np

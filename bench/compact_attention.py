@@ -634,16 +634,10 @@ def _trace_kernels(fn, n):
              else "") + e["name"][:90]
       d[key] = d.get(key, 0.0) + e["dur"] / 1e3
     per_name.append(d)
-    iv = sorted((e["ts"], e["ts"] + e["dur"]) for e in acts)
-    tot, cur0, cur1 = 0.0, iv[0][0], iv[0][1]
-    for a, b in iv[1:]:
-      if a > cur1:
-        tot, cur0, cur1 = tot + cur1 - cur0, a, b
-      else:
-        cur1 = max(cur1, b)
-    busy.append((tot + cur1 - cur0) / 1e3)
-    span.append((iv[-1][1] - iv[0][0]) / 1e3)
-    t0 = iv[0][0]
+    summary = common.activity((e["name"], e["ts"], e["dur"]) for e in acts)  # one parser
+    busy.append(summary["busy_us"] / 1e3)
+    span.append(summary["span_us"] / 1e3)
+    t0 = min(e["ts"] for e in acts)
     timeline = [[e["name"][:60], round(e["ts"] - t0, 1), round(e["dur"], 1)]
                 for e in sorted(acts, key=lambda e: e["ts"])]
   names = {k for d in per_name for k in d}

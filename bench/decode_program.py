@@ -13,6 +13,12 @@ r"""What one decode step runs: the op histogram of a compiled program, per layer
     python -m bench.decode_program --time --B=1 --T=8192,32768,131072
     python -m bench.decode_program --time --T=8192 --option=xla_gpu_dot_merger_threshold_mb=0
 
+    # on the GPU: where a step's time goes, per variant in one process (profile_step): wall,
+    # bare program, host dispatch, device-busy ms and kernels per token from a jax.profiler
+    # trace, for both params layouts, XLA command buffers off / default / extended (CB_MODES)
+    # and k greedy steps per call (Engine.decode_greedy); prints a table
+    python -m bench.decode_program --time --profile --T=8192,131072 --out=profile.json
+
 A step at fixed T is bounded by its bytes (weights + K/V), but a small step is bounded by what
 the GPU launches per layer: every fusion, library call (cuBLAS / cuDNN), Pallas kernel, copy and
 in-place update is one kernel. `op_histogram(compiled.as_text())` reads a compiled program's HLO
@@ -402,6 +408,184 @@ def time_step(shapes: str, B: int, T: int, *, variants=("stacked", "split"), ste
   return rows
 
 
+# XLA command buffers (CUDA graphs) per compile, by name: XLA's default set, none (every thunk
+# launched on its own), and every kernel kind including library / Pallas custom calls in one
+# graph however small (jax 0.11.2's DebugOptions: a comma list of CommandBufferCmdType names; ''
+# turns them off).
+CB_MODES = {
+    "default": {},
+    "off": {"xla_gpu_enable_command_buffer": ""},
+    "extended": {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN",
+                 "xla_gpu_graph_min_graph_size": 1},
+}
+# Every profiled compile keeps its command buffers under the tracer (by default XLA runs a
+# program op by op while a profile is active, which would time a different program).
+PROFILE_OPTIONS = {"xla_enable_command_buffers_during_profiling": True}
+LAYOUTS = ("stacked", "split", "xla_per_layer")
+PROFILE_VARIANTS = ("stacked", "split", "split:off", "split:extended", "split:k8",
+                    "split:extended:k8", "xla_per_layer", "xla_per_layer:off")
+
+
+def parse_variant(v: str) -> tuple[str, str, int]:
+  """'<layout>[:<command-buffer mode>][:k<steps per call>]' -> (layout, mode, k): layout one of
+  LAYOUTS (the engine's step on its stacked params or split_groups' layout, or bench/decode's
+  plain-XLA per-layer step), mode one of CB_MODES, k > 1 = Engine.decode_greedy's k greedy
+  steps in one program."""
+  layout, *rest = v.split(":")
+  mode, k = "default", 1
+  if layout not in LAYOUTS:
+    raise ValueError(f"--variants: {v!r}: layout {layout!r} is not one of {LAYOUTS}.")
+  for x in rest:
+    if re.fullmatch(r"k[1-9]\d*", x):
+      k = int(x[1:])
+    elif x in CB_MODES:
+      mode = x
+    else:
+      raise ValueError(f"--variants: {v!r}: {x!r} is neither a command-buffer mode "
+                       f"{tuple(CB_MODES)} nor k<steps per call> (e.g. k8).")
+  if layout == "xla_per_layer" and k > 1:
+    raise ValueError(f"--variants: {v!r}: k steps per call runs the engine only (stacked / split).")
+  return layout, mode, k
+
+
+def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, steps: int = 32,
+                 repeats: int = 3, warmup: int = 3, traced: int = 8,
+                 compiler_options: dict | None = None, log=print) -> list[dict]:
+  """Where one decode step's time goes, every variant (`parse_variant`) in ONE process, same
+  weights, each over a fresh `filled_cache` of T tokens (per token; k-step variants divide by k):
+
+    ms          the bench's loop (bench.decode._timed_steps: argmax of the last logits and
+                pos0 + i dispatched beside every step; a k-step call has them inside)
+    bare_ms     the compiled program alone, called back to back on its own outputs (k = 1:
+                same token and position every call): ms - bare_ms = the bench's extra dispatches
+    host_ms     median time for the host to enqueue one call (the call returns before the
+                device has run it): host-bound when close to bare_ms
+    busy_ms     device-busy time from a jax.profiler trace of `traced` bare calls (the union of
+                kernel / memcpy intervals on the GPU's streams), kernels = events per token,
+                span_ms first start to last end (span - busy: the GPU idles inside the calls:
+                launch gaps), top = the longest kernels
+    launches / copy_bytes  the compiled program's op_histogram (per token)
+    compile_s, memory analysis, compiler_options (the variant's CB_MODES entry + PROFILE_OPTIONS
+                + `compiler_options`)
+
+  On a CPU backend every field is measured the same way (a plumbing check: its 'kernels' are
+  the XLA CPU client's host-thread events)."""
+  import statistics
+  import time
+  import jax
+  import jax.numpy as jnp
+  from bench import common
+  from bench import decode as bd
+  from condattn_jax.inference import Engine
+  from condattn_jax.models import stacking
+  parsed = [(v, *parse_variant(v)) for v in variants]
+  cfg = model_config(shapes, T=T)
+  params = bd.init_params(cfg)
+  split = (jax.jit(stacking.split_groups)(params)
+           if any(lay == "split" for _, lay, _, _ in parsed) else None)
+  eng = Engine(cfg, params, cache_len=T + bd.EXTRA)
+  rows = []
+  for name, layout, mode, k in parsed:
+    opts = {**CB_MODES[mode], **PROFILE_OPTIONS, **(compiler_options or {})}
+    row = dict(program="xla_per_layer" if layout == "xla_per_layer" else "engine", variant=name,
+               params=layout, command_buffers=mode, steps_per_call=k, shapes=shapes, B=B, T=T,
+               compiler_options=opts, backend=_backend())
+    try:
+      p = split if layout == "split" else params
+      logits = eng._commit(jnp.zeros((B, cfg.vocab_size), jnp.float32))
+      pos0 = eng._commit(jnp.full((B, 1), T, jnp.int32))
+      on = eng._commit(jnp.ones((B, 1), bool))
+      tok = eng._commit(jnp.zeros((B, 1), jnp.int32))
+      if layout == "xla_per_layer":
+        kv = filled_cache(eng, B, T)
+        ks, vs = bd.engine_cache_to_stacked(kv)
+        del kv
+        caches = (tuple(ks[l] for l in range(cfg.num_layers)),
+                  tuple(vs[l] for l in range(cfg.num_layers)))
+        del ks, vs
+        lengths = eng._commit(jnp.full((B,), T, jnp.int32))
+        fn = jax.jit(functools.partial(bd.baseline_step_layers, cfg), donate_argnums=(1, 2))
+        t0 = time.perf_counter()
+        compiled = fn.lower(p, *caches, tok[:, 0], jnp.int32(T), lengths).compile(
+            compiler_options=opts)
+        state = (*caches, logits)
+        del caches
+        bench = lambda s, i: compiled(p, s[0], s[1], jnp.argmax(s[2], -1).astype(jnp.int32),
+                                      jnp.int32(T + i), lengths + i)
+        bare = lambda s: compiled(p, s[0], s[1], tok[:, 0], jnp.int32(T), lengths)
+      elif k == 1:
+        state = (filled_cache(eng, B, T), logits)
+        t0 = time.perf_counter()
+        compiled = Engine._step.lower(eng, p, state[0], tok, pos0, on, logits).compile(
+            compiler_options=opts)
+        bench = lambda s, i: compiled(p, s[0], jnp.argmax(s[1], -1).astype(jnp.int32)[:, None],
+                                      pos0 + i, on, s[1])[:2]
+        bare = lambda s: compiled(p, s[0], tok, pos0, on, s[1])[:2]
+      else:
+        state = (filled_cache(eng, B, T), logits, pos0)
+        t0 = time.perf_counter()
+        compiled = Engine._greedy_steps.lower(eng, p, state[0], pos0, on, logits, k).compile(
+            compiler_options=opts)
+        bare = lambda s: compiled(p, s[0], s[2], on, s[1])[:2] + (s[2] + k,)
+        bench = lambda s, i: bare(s)
+      row["compile_s"] = time.perf_counter() - t0
+      row.update(bd._mem(compiled))
+      hist = op_histogram(compiled.as_text())
+      row.update(launches=hist["launches"] / k, copy_bytes=hist["copy_bytes"] / k,
+                 histogram=hist)
+      ms, runs, state = bd._timed_steps(bench, state, steps, repeats, warmup)
+      row.update(ms=ms / k, runs_ms=[r / k for r in runs])
+      host, bare_runs = [], []
+      for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(steps):
+          t1 = time.perf_counter()
+          state = bare(state)
+          host.append(time.perf_counter() - t1)
+        jax.block_until_ready(state)
+        bare_runs.append((time.perf_counter() - t0) * 1e3 / steps)
+      row.update(bare_ms=statistics.median(bare_runs) / k,
+                 host_ms=statistics.median(host) * 1e3 / k)
+      holder = [state]
+
+      def call():
+        holder[0] = bare(holder[0])
+        return holder[0][-2 if layout != "xla_per_layer" and k > 1 else -1]
+      prof = common.trace_activity(call, traced)
+      state = holder.pop()
+      row.update(busy_ms=prof["busy_ms"] / k, kernels=prof["kernels"] / k,
+                 span_ms=prof["span_ms"] / k, top=[[n, t / k] for n, t in prof["top"]],
+                 trace_lines=prof["lines"])
+      row["logits_finite"] = bool(jnp.all(jnp.isfinite(state[-2 if k > 1 else -1])))
+      row["status"] = "ok"
+      log(f"{name}: {row['ms']:.3f} ms/token (bare {row['bare_ms']:.3f}, host "
+          f"{row['host_ms']:.3f}, busy {row['busy_ms']:.3f}, {row['kernels']:.0f} kernels, "
+          f"{row['launches']:.0f} launches), compile {row['compile_s']:.1f} s")
+      del state, compiled, holder
+    except Exception as e:  # recorded; the other variants still run
+      row.update(status="error", error=f"{type(e).__name__}: {str(e)[:400]}")
+      log(f"{name}: error {row['error']}")
+    rows.append(row)
+  return rows
+
+
+PROFILE_COLUMNS = (("variant", "{}"), ("T", "{}"), ("ms", "{:.3f}"), ("bare_ms", "{:.3f}"),
+                   ("host_ms", "{:.3f}"), ("busy_ms", "{:.3f}"), ("span_ms", "{:.3f}"),
+                   ("kernels", "{:.0f}"), ("launches", "{:.0f}"), ("compile_s", "{:.1f}"))
+
+
+def profile_table(rows: list[dict]) -> str:
+  """A markdown table of profile_step rows (per token; '-' where a row has no value)."""
+  head = "| " + " | ".join(c for c, _ in PROFILE_COLUMNS) + " | top kernel (ms) |"
+  out = [head, "|" + "---|" * (len(PROFILE_COLUMNS) + 1)]
+  for r in rows:
+    cells = [f.format(r[c]) if r.get(c) is not None else "-" for c, f in PROFILE_COLUMNS]
+    top = r.get("top") or [[r.get("error", "-")[:60], None]]
+    cells.append(f"{top[0][0][:50]} ({top[0][1]:.3f})" if top[0][1] is not None else top[0][0])
+    out.append("| " + " | ".join(cells) + " |")
+  return "\n".join(out)
+
+
 def _backend() -> str:
   import jax
   d = jax.devices()[0]
@@ -423,7 +607,12 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--out", default=None, help="write the tables here as JSON")
   p.add_argument("--time", action="store_true", help="time the engine's step in this process "
                  "for each --variants params layout (time_step) instead of the tables")
-  p.add_argument("--variants", default="stacked,split")
+  p.add_argument("--variants", default="stacked,split", help="--time: params layouts; with "
+                 "--profile: <layout>[:<command buffers>][:k<steps per call>] names (parse_variant;"
+                 f" default {','.join(PROFILE_VARIANTS)})")
+  p.add_argument("--profile", action="store_true", help="--time: every variant's wall, bare, "
+                 "host-dispatch and device-busy ms, kernels per token (profile_step)")
+  p.add_argument("--traced", type=int, default=8, help="--profile: calls in the trace")
   p.add_argument("--steps", type=int, default=32)
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--option", action="append", default=[], help="name=value: an XLA option "
@@ -436,8 +625,22 @@ def main(argv=None) -> list[dict]:
       opts[k] = (int(v) if v.lstrip("-").isdigit() else {"true": True, "false": False}.get(v, v))
     rows = []
     for T in (int(t) for t in str(a.T).split(",")):
+      if a.profile:
+        variants = (PROFILE_VARIANTS if a.variants == "stacked,split"
+                    else tuple(a.variants.split(",")))
+        for v in variants:
+          parse_variant(v)  # a bad name fails before anything compiles
+        rows += profile_step(a.shapes, a.B, T, variants=variants, steps=a.steps,
+                             repeats=a.repeats, traced=a.traced, compiler_options=opts)
+        print(profile_table(rows), flush=True)
+        if a.out:  # after every context: a timeout still leaves the contexts done
+          with open(a.out, "w") as f:
+            json.dump(rows, f, indent=1)
+        continue
       rows += time_step(a.shapes, a.B, T, variants=tuple(a.variants.split(",")), steps=a.steps,
                         repeats=a.repeats, compiler_options=opts)
+    if a.profile:
+      return rows
     print(json.dumps([{k: v for k, v in r.items() if k != "histogram"} for r in rows]))
     if a.out:
       with open(a.out, "w") as f:

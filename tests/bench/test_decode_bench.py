@@ -274,3 +274,35 @@ def test_recorded_h100_runs_hold_their_claims_and_the_docs_quote_them():
   for q in claims.QUOTES:
     if q.file == os.path.basename(GPU_FILE):
       assert claims.missing(q, text) == [], q.name
+
+
+def test_profile_step_measures_every_variant_on_cpu(tmp_path):
+  """bench/decode_program.py --time --profile (the GPU command's CPU equivalent, tiny shapes):
+  every variant in one process records wall / bare / host-dispatch ms, a trace's busy ms and
+  kernels per token, its compiled program's launches and the XLA options it compiled with; the
+  k-step variant runs Engine.decode_greedy. Bad variant names fail in one line; the shared
+  trace parser's busy time is the union of the intervals."""
+  from bench import decode_program as dp
+  out = tmp_path / "profile.json"
+  rows = dp.main(["--time", "--profile", "--shapes=tiny-qwen", "--B=1", "--T=32",
+                  "--variants=split,split:off,split:k2,xla_per_layer", "--steps=2",
+                  "--repeats=1", "--traced=2", f"--out={out}"])
+  assert [r["variant"] for r in rows] == ["split", "split:off", "split:k2", "xla_per_layer"]
+  assert all(r["status"] == "ok" for r in rows), [r.get("error") for r in rows]
+  for r in rows:
+    assert r["logits_finite"] and r["kernels"] > 0 and r["trace_lines"]
+    assert all(r[k] > 0 for k in ("ms", "bare_ms", "host_ms", "busy_ms", "span_ms", "launches"))
+    assert r["compiler_options"]["xla_enable_command_buffers_during_profiling"] is True
+  by = {r["variant"]: r for r in rows}
+  assert by["split:off"]["compiler_options"]["xla_gpu_enable_command_buffer"] == ""
+  assert "xla_gpu_enable_command_buffer" not in by["split"]["compiler_options"]
+  assert by["split:k2"]["steps_per_call"] == 2 and by["split:k2"]["histogram"]["while"] == 1
+  assert by["xla_per_layer"]["program"] == "xla_per_layer"
+  assert len(__import__("json").loads(out.read_text())) == 4
+  assert "| split:k2 | 32 |" in dp.profile_table(rows)
+  for bad, msg in (("scan", "layout 'scan'"), ("split:graphs", "neither a command-buffer"),
+                   ("xla_per_layer:k4", "engine only")):
+    with pytest.raises(ValueError, match=msg):
+      dp.parse_variant(bad)
+  a = common.activity([("x", 0, 10), ("y", 5, 10), ("x", 30, 5)])
+  assert a == dict(count=3, busy_us=20.0, span_us=35.0, per_name_us={"x": 15.0, "y": 10.0})
