@@ -450,7 +450,8 @@ def parse_variant(v: str) -> tuple[str, str, int]:
 
 def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, steps: int = 32,
                  repeats: int = 3, warmup: int = 3, traced: int = 8,
-                 compiler_options: dict | None = None, log=print) -> list[dict]:
+                 compiler_options: dict | None = None, hlo_dir: str | None = None,
+                 hlo_variants=(), log=print) -> list[dict]:
   """Where one decode step's time goes, every variant (`parse_variant`) in ONE process, same
   weights, each over a fresh `filled_cache` of T tokens (per token; k-step variants divide by k):
 
@@ -467,6 +468,9 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
     launches / copy_bytes  the compiled program's op_histogram (per token)
     compile_s, memory analysis, compiler_options (the variant's CB_MODES entry + PROFILE_OPTIONS
                 + `compiler_options`)
+
+  hlo_dir: the compiled HLO text of each of `hlo_variants` goes to
+  `<hlo_dir>/<variant>_B<B>_T<T>.hlo.txt.gz` (':' -> '_'), for reading its fusions offline.
 
   On a CPU backend every field is measured the same way (a plumbing check: its 'kernels' are
   the XLA CPU client's host-thread events)."""
@@ -530,7 +534,17 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
         bench = lambda s, i: bare(s)
       row["compile_s"] = time.perf_counter() - t0
       row.update(bd._mem(compiled))
-      hist = op_histogram(compiled.as_text())
+      text = compiled.as_text()
+      hist = op_histogram(text)
+      if hlo_dir and name in hlo_variants:
+        import gzip
+        import os
+        os.makedirs(hlo_dir, exist_ok=True)
+        path = os.path.join(hlo_dir, f"{name.replace(':', '_')}_B{B}_T{T}.hlo.txt.gz")
+        with gzip.open(path, "wt") as f:
+          f.write(text)
+        row["hlo_file"] = path
+      del text
       row.update(launches=hist["launches"] / k, copy_bytes=hist["copy_bytes"] / k,
                  histogram=hist)
       ms, runs, state = bd._timed_steps(bench, state, steps, repeats, warmup)
@@ -613,6 +627,9 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--profile", action="store_true", help="--time: every variant's wall, bare, "
                  "host-dispatch and device-busy ms, kernels per token (profile_step)")
   p.add_argument("--traced", type=int, default=8, help="--profile: calls in the trace")
+  p.add_argument("--hlo_dir", default=None, help="--profile: write the compiled HLO (gzip) of "
+                 "--hlo_variants here, at the first --T only")
+  p.add_argument("--hlo_variants", default="stacked,split,xla_per_layer")
   p.add_argument("--steps", type=int, default=32)
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--option", action="append", default=[], help="name=value: an XLA option "
@@ -630,8 +647,11 @@ def main(argv=None) -> list[dict]:
                     else tuple(a.variants.split(",")))
         for v in variants:
           parse_variant(v)  # a bad name fails before anything compiles
+        first = str(a.T).split(",")[0] == str(T)
         rows += profile_step(a.shapes, a.B, T, variants=variants, steps=a.steps,
-                             repeats=a.repeats, traced=a.traced, compiler_options=opts)
+                             repeats=a.repeats, traced=a.traced, compiler_options=opts,
+                             hlo_dir=a.hlo_dir if first else None,
+                             hlo_variants=tuple(a.hlo_variants.split(",")))
         print(profile_table(rows), flush=True)
         if a.out:  # after every context: a timeout still leaves the contexts done
           with open(a.out, "w") as f:

@@ -286,7 +286,8 @@ def test_profile_step_measures_every_variant_on_cpu(tmp_path):
   out = tmp_path / "profile.json"
   rows = dp.main(["--time", "--profile", "--shapes=tiny-qwen", "--B=1", "--T=32",
                   "--variants=split,split:off,split:k2,xla_per_layer", "--steps=2",
-                  "--repeats=1", "--traced=2", f"--out={out}"])
+                  "--repeats=1", "--traced=2", f"--out={out}", f"--hlo_dir={tmp_path}",
+                  "--hlo_variants=split"])
   assert [r["variant"] for r in rows] == ["split", "split:off", "split:k2", "xla_per_layer"]
   assert all(r["status"] == "ok" for r in rows), [r.get("error") for r in rows]
   for r in rows:
@@ -299,6 +300,10 @@ def test_profile_step_measures_every_variant_on_cpu(tmp_path):
   assert by["split:k2"]["steps_per_call"] == 2 and by["split:k2"]["histogram"]["while"] == 1
   assert by["xla_per_layer"]["program"] == "xla_per_layer"
   assert len(__import__("json").loads(out.read_text())) == 4
+  import gzip
+  with gzip.open(by["split"]["hlo_file"], "rt") as f:  # the program it timed, for offline reading
+    assert dp.op_histogram(f.read()) == by["split"]["histogram"]
+  assert "hlo_file" not in by["split:off"]
   assert "| split:k2 | 32 |" in dp.profile_table(rows)
   for bad, msg in (("scan", "layout 'scan'"), ("split:graphs", "neither a command-buffer"),
                    ("xla_per_layer:k4", "engine only")):
