@@ -418,34 +418,45 @@ CB_MODES = {
     "extended": {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN",
                  "xla_gpu_graph_min_graph_size": 1},
 }
+# Other XLA:GPU switches a variant can name (after its command-buffer mode, same syntax):
+# merge dots that share an operand however large (q/k/v, gate/up: XLA's default merges only
+# below 32 MB), GEMMs through cuBLAS instead of Triton (Triton GEMM fusions can take elementwise
+# prologues, cuBLAS cannot).
+OPTION_SETS = {**CB_MODES,
+               "dotmerge": {"xla_gpu_dot_merger_threshold_mb": 1024},
+               "notriton": {"xla_gpu_enable_triton_gemm": False}}
 # Every profiled compile keeps its command buffers under the tracer (by default XLA runs a
 # program op by op while a profile is active, which would time a different program).
 PROFILE_OPTIONS = {"xla_enable_command_buffers_during_profiling": True}
 LAYOUTS = ("stacked", "split", "xla_per_layer")
-PROFILE_VARIANTS = ("stacked", "split", "split:off", "split:extended", "split:k8",
-                    "split:extended:k8", "xla_per_layer", "xla_per_layer:off")
+PROFILE_VARIANTS = ("stacked", "split", "split:off", "split:extended", "split:dotmerge",
+                    "split:notriton", "split:k8", "split:extended:k8", "xla_per_layer",
+                    "xla_per_layer:off")
 
 
-def parse_variant(v: str) -> tuple[str, str, int]:
-  """'<layout>[:<command-buffer mode>][:k<steps per call>]' -> (layout, mode, k): layout one of
-  LAYOUTS (the engine's step on its stacked params or split_groups' layout, or bench/decode's
-  plain-XLA per-layer step), mode one of CB_MODES, k > 1 = Engine.decode_greedy's k greedy
-  steps in one program."""
+def parse_variant(v: str) -> tuple[str, tuple[str, ...], int]:
+  """'<layout>[:<option set>]...[:k<steps per call>]' -> (layout, option sets, k): layout one
+  of LAYOUTS (the engine's step on its stacked params or split_groups' layout, or bench/decode's
+  plain-XLA per-layer step), option sets from OPTION_SETS (at most one command-buffer mode of
+  CB_MODES; none = XLA's defaults), k > 1 = Engine.decode_greedy's k greedy steps in one
+  program."""
   layout, *rest = v.split(":")
-  mode, k = "default", 1
+  sets, k = [], 1
   if layout not in LAYOUTS:
     raise ValueError(f"--variants: {v!r}: layout {layout!r} is not one of {LAYOUTS}.")
   for x in rest:
     if re.fullmatch(r"k[1-9]\d*", x):
       k = int(x[1:])
-    elif x in CB_MODES:
-      mode = x
+    elif x in OPTION_SETS:
+      sets.append(x)
     else:
-      raise ValueError(f"--variants: {v!r}: {x!r} is neither a command-buffer mode "
-                       f"{tuple(CB_MODES)} nor k<steps per call> (e.g. k8).")
+      raise ValueError(f"--variants: {v!r}: {x!r} is neither an option set "
+                       f"{tuple(OPTION_SETS)} nor k<steps per call> (e.g. k8).")
+  if sum(x in CB_MODES for x in sets) > 1:
+    raise ValueError(f"--variants: {v!r}: name at most one command-buffer mode {tuple(CB_MODES)}.")
   if layout == "xla_per_layer" and k > 1:
     raise ValueError(f"--variants: {v!r}: k steps per call runs the engine only (stacked / split).")
-  return layout, mode, k
+  return layout, tuple(sets), k
 
 
 def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, steps: int = 32,
@@ -466,8 +477,8 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
                 span_ms first start to last end (span - busy: the GPU idles inside the calls:
                 launch gaps), top = the longest kernels
     launches / copy_bytes  the compiled program's op_histogram (per token)
-    compile_s, memory analysis, compiler_options (the variant's CB_MODES entry + PROFILE_OPTIONS
-                + `compiler_options`)
+    compile_s, memory analysis, compiler_options (the variant's OPTION_SETS entries +
+                PROFILE_OPTIONS + `compiler_options`)
 
   hlo_dir: the compiled HLO text of each of `hlo_variants` goes to
   `<hlo_dir>/<variant>_B<B>_T<T>.hlo.txt.gz` (':' -> '_'), for reading its fusions offline.
@@ -489,10 +500,13 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
            if any(lay == "split" for _, lay, _, _ in parsed) else None)
   eng = Engine(cfg, params, cache_len=T + bd.EXTRA)
   rows = []
-  for name, layout, mode, k in parsed:
-    opts = {**CB_MODES[mode], **PROFILE_OPTIONS, **(compiler_options or {})}
+  for name, layout, sets, k in parsed:
+    opts = {k_: v_ for x in sets for k_, v_ in OPTION_SETS[x].items()}
+    opts = {**opts, **PROFILE_OPTIONS, **(compiler_options or {})}
     row = dict(program="xla_per_layer" if layout == "xla_per_layer" else "engine", variant=name,
-               params=layout, command_buffers=mode, steps_per_call=k, shapes=shapes, B=B, T=T,
+               params=layout, option_sets=list(sets),
+               command_buffers=next((x for x in sets if x in CB_MODES), "default"),
+               steps_per_call=k, shapes=shapes, B=B, T=T,
                compiler_options=opts, backend=_backend())
     try:
       p = split if layout == "split" else params
@@ -622,7 +636,7 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--time", action="store_true", help="time the engine's step in this process "
                  "for each --variants params layout (time_step) instead of the tables")
   p.add_argument("--variants", default="stacked,split", help="--time: params layouts; with "
-                 "--profile: <layout>[:<command buffers>][:k<steps per call>] names (parse_variant;"
+                 "--profile: <layout>[:<option set>]...[:k<steps per call>] names (parse_variant;"
                  f" default {','.join(PROFILE_VARIANTS)})")
   p.add_argument("--profile", action="store_true", help="--time: every variant's wall, bare, "
                  "host-dispatch and device-busy ms, kernels per token (profile_step)")

@@ -285,17 +285,18 @@ def test_profile_step_measures_every_variant_on_cpu(tmp_path):
   from bench import decode_program as dp
   out = tmp_path / "profile.json"
   rows = dp.main(["--time", "--profile", "--shapes=tiny-qwen", "--B=1", "--T=32",
-                  "--variants=split,split:off,split:k2,xla_per_layer", "--steps=2",
+                  "--variants=split,split:off:dotmerge,split:k2,xla_per_layer", "--steps=2",
                   "--repeats=1", "--traced=2", f"--out={out}", f"--hlo_dir={tmp_path}",
                   "--hlo_variants=split"])
-  assert [r["variant"] for r in rows] == ["split", "split:off", "split:k2", "xla_per_layer"]
+  assert [r["variant"] for r in rows] == ["split", "split:off:dotmerge", "split:k2", "xla_per_layer"]
   assert all(r["status"] == "ok" for r in rows), [r.get("error") for r in rows]
   for r in rows:
     assert r["logits_finite"] and r["kernels"] > 0 and r["trace_lines"]
     assert all(r[k] > 0 for k in ("ms", "bare_ms", "host_ms", "busy_ms", "span_ms", "launches"))
     assert r["compiler_options"]["xla_enable_command_buffers_during_profiling"] is True
   by = {r["variant"]: r for r in rows}
-  assert by["split:off"]["compiler_options"]["xla_gpu_enable_command_buffer"] == ""
+  assert by["split:off:dotmerge"]["compiler_options"]["xla_gpu_enable_command_buffer"] == ""
+  assert by["split:off:dotmerge"]["compiler_options"]["xla_gpu_dot_merger_threshold_mb"] == 1024
   assert "xla_gpu_enable_command_buffer" not in by["split"]["compiler_options"]
   assert by["split:k2"]["steps_per_call"] == 2 and by["split:k2"]["histogram"]["while"] == 1
   assert by["xla_per_layer"]["program"] == "xla_per_layer"
@@ -303,9 +304,10 @@ def test_profile_step_measures_every_variant_on_cpu(tmp_path):
   import gzip
   with gzip.open(by["split"]["hlo_file"], "rt") as f:  # the program it timed, for offline reading
     assert dp.op_histogram(f.read()) == by["split"]["histogram"]
-  assert "hlo_file" not in by["split:off"]
+  assert "hlo_file" not in by["split:off:dotmerge"]
   assert "| split:k2 | 32 |" in dp.profile_table(rows)
-  for bad, msg in (("scan", "layout 'scan'"), ("split:graphs", "neither a command-buffer"),
+  for bad, msg in (("scan", "layout 'scan'"), ("split:graphs", "neither an option set"),
+                   ("split:off:extended", "at most one command-buffer"),
                    ("xla_per_layer:k4", "engine only")):
     with pytest.raises(ValueError, match=msg):
       dp.parse_variant(bad)
