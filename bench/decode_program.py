@@ -15,8 +15,9 @@ r"""What one decode step runs: the op histogram of a compiled program, per layer
 
     # on the GPU: where a step's time goes, per variant in one process (profile_step): wall,
     # bare program, host dispatch, device-busy ms and kernels per token from a jax.profiler
-    # trace, for both params layouts, XLA command buffers off / default / extended (CB_MODES)
-    # and k greedy steps per call (Engine.decode_greedy); prints a table
+    # trace, for both params layouts, XLA command buffers off / default / extended (CB_MODES),
+    # dot merging, the decode attention path (cuDNN split-KV / Mosaic GPU kernel / XLA
+    # reference) and k greedy steps per call (Engine.decode_greedy); prints a table
     python -m bench.decode_program --time --profile --T=8192,131072 --out=profile.json
 
 A step at fixed T is bounded by its bytes (weights + K/V), but a small step is bounded by what
@@ -425,21 +426,48 @@ CB_MODES = {
 OPTION_SETS = {**CB_MODES,
                "dotmerge": {"xla_gpu_dot_merger_threshold_mb": 1024},
                "notriton": {"xla_gpu_enable_triton_gemm": False}}
+# What a variant can change in the engine's traced program (engine layouts only): the decode
+# attention through the Mosaic GPU decode kernel where auto would run cuDNN's split-KV path
+# (pallas_kernels.decode's DecodeConfig(over_cudnn=True)), or through the XLA reference
+# (model attention_impl='reference': einsum over the cache with a length mask, like the
+# plain-XLA baseline).
+TRACE_SETS = ("mgpu", "refattn")
+
+
+def _trace_context(sets):
+  """The context the variant's program is traced in (TRACE_SETS' 'mgpu': the decode kernels'
+  backends with over_cudnn=True)."""
+  import contextlib
+  stack = contextlib.ExitStack()
+  if "mgpu" in sets:
+    # jit reuses a trace per (function, static args, shapes) and engines of one config compare
+    # equal: traces made outside the patch must not serve it, nor its trace later variants
+    import jax
+    from unittest import mock
+    from pallas_kernels import decode as pd
+    jax.clear_caches()
+    stack.callback(jax.clear_caches)
+    new = tuple(dataclasses.replace(b, config=dataclasses.replace(b.config, over_cudnn=True))
+                if hasattr(getattr(b, "config", None), "over_cudnn") else b for b in pd.BACKENDS)
+    stack.enter_context(mock.patch.object(pd, "BACKENDS", new))
+  return stack
+
+
 # Every profiled compile keeps its command buffers under the tracer (by default XLA runs a
 # program op by op while a profile is active, which would time a different program).
 PROFILE_OPTIONS = {"xla_enable_command_buffers_during_profiling": True}
 LAYOUTS = ("stacked", "split", "xla_per_layer")
 PROFILE_VARIANTS = ("stacked", "split", "split:off", "split:extended", "split:dotmerge",
-                    "split:notriton", "split:k8", "split:extended:k8", "xla_per_layer",
-                    "xla_per_layer:off")
+                    "split:mgpu", "split:refattn", "split:k8", "split:extended:k8",
+                    "xla_per_layer")
 
 
 def parse_variant(v: str) -> tuple[str, tuple[str, ...], int]:
-  """'<layout>[:<option set>]...[:k<steps per call>]' -> (layout, option sets, k): layout one
-  of LAYOUTS (the engine's step on its stacked params or split_groups' layout, or bench/decode's
-  plain-XLA per-layer step), option sets from OPTION_SETS (at most one command-buffer mode of
-  CB_MODES; none = XLA's defaults), k > 1 = Engine.decode_greedy's k greedy steps in one
-  program."""
+  """'<layout>[:<set>]...[:k<steps per call>]' -> (layout, sets, k): layout one of LAYOUTS (the
+  engine's step on its stacked params or split_groups' layout, or bench/decode's plain-XLA
+  per-layer step), sets from OPTION_SETS (XLA options; at most one command-buffer mode of
+  CB_MODES; none = XLA's defaults) and TRACE_SETS (the engine's attention path), k > 1 =
+  Engine.decode_greedy's k greedy steps in one program."""
   layout, *rest = v.split(":")
   sets, k = [], 1
   if layout not in LAYOUTS:
@@ -447,15 +475,16 @@ def parse_variant(v: str) -> tuple[str, tuple[str, ...], int]:
   for x in rest:
     if re.fullmatch(r"k[1-9]\d*", x):
       k = int(x[1:])
-    elif x in OPTION_SETS:
+    elif x in OPTION_SETS or x in TRACE_SETS:
       sets.append(x)
     else:
       raise ValueError(f"--variants: {v!r}: {x!r} is neither an option set "
-                       f"{tuple(OPTION_SETS)} nor k<steps per call> (e.g. k8).")
+                       f"{tuple(OPTION_SETS) + TRACE_SETS} nor k<steps per call> (e.g. k8).")
   if sum(x in CB_MODES for x in sets) > 1:
     raise ValueError(f"--variants: {v!r}: name at most one command-buffer mode {tuple(CB_MODES)}.")
-  if layout == "xla_per_layer" and k > 1:
-    raise ValueError(f"--variants: {v!r}: k steps per call runs the engine only (stacked / split).")
+  if layout == "xla_per_layer" and (k > 1 or any(x in TRACE_SETS for x in sets)):
+    raise ValueError(f"--variants: {v!r}: k steps per call and {TRACE_SETS} change the engine "
+                     "only (stacked / split).")
   return layout, tuple(sets), k
 
 
@@ -498,10 +527,9 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
   params = bd.init_params(cfg)
   split = (jax.jit(stacking.split_groups)(params)
            if any(lay == "split" for _, lay, _, _ in parsed) else None)
-  eng = Engine(cfg, params, cache_len=T + bd.EXTRA)
   rows = []
   for name, layout, sets, k in parsed:
-    opts = {k_: v_ for x in sets for k_, v_ in OPTION_SETS[x].items()}
+    opts = {k_: v_ for x in sets if x in OPTION_SETS for k_, v_ in OPTION_SETS[x].items()}
     opts = {**opts, **PROFILE_OPTIONS, **(compiler_options or {})}
     row = dict(program="xla_per_layer" if layout == "xla_per_layer" else "engine", variant=name,
                params=layout, option_sets=list(sets),
@@ -510,6 +538,11 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
                compiler_options=opts, backend=_backend())
     try:
       p = split if layout == "split" else params
+      # a fresh engine per variant: jit caches a trace per (engine, shapes), and a variant's
+      # trace context / attention impl must reach its own trace
+      eng = Engine(dataclasses.replace(cfg, attention_impl="reference") if "refattn" in sets
+                   else cfg, params, cache_len=T + bd.EXTRA)
+      traced_in = _trace_context(sets)
       logits = eng._commit(jnp.zeros((B, cfg.vocab_size), jnp.float32))
       pos0 = eng._commit(jnp.full((B, 1), T, jnp.int32))
       on = eng._commit(jnp.ones((B, 1), bool))
@@ -524,8 +557,9 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
         lengths = eng._commit(jnp.full((B,), T, jnp.int32))
         fn = jax.jit(functools.partial(bd.baseline_step_layers, cfg), donate_argnums=(1, 2))
         t0 = time.perf_counter()
-        compiled = fn.lower(p, *caches, tok[:, 0], jnp.int32(T), lengths).compile(
-            compiler_options=opts)
+        with traced_in:
+          lowered = fn.lower(p, *caches, tok[:, 0], jnp.int32(T), lengths)
+        compiled = lowered.compile(compiler_options=opts)
         state = (*caches, logits)
         del caches
         bench = lambda s, i: compiled(p, s[0], s[1], jnp.argmax(s[2], -1).astype(jnp.int32),
@@ -534,16 +568,18 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
       elif k == 1:
         state = (filled_cache(eng, B, T), logits)
         t0 = time.perf_counter()
-        compiled = Engine._step.lower(eng, p, state[0], tok, pos0, on, logits).compile(
-            compiler_options=opts)
+        with traced_in:
+          lowered = Engine._step.lower(eng, p, state[0], tok, pos0, on, logits)
+        compiled = lowered.compile(compiler_options=opts)
         bench = lambda s, i: compiled(p, s[0], jnp.argmax(s[1], -1).astype(jnp.int32)[:, None],
                                       pos0 + i, on, s[1])[:2]
         bare = lambda s: compiled(p, s[0], tok, pos0, on, s[1])[:2]
       else:
         state = (filled_cache(eng, B, T), logits, pos0)
         t0 = time.perf_counter()
-        compiled = Engine._greedy_steps.lower(eng, p, state[0], pos0, on, logits, k).compile(
-            compiler_options=opts)
+        with traced_in:
+          lowered = Engine._greedy_steps.lower(eng, p, state[0], pos0, on, logits, k)
+        compiled = lowered.compile(compiler_options=opts)
         bare = lambda s: compiled(p, s[0], s[2], on, s[1])[:2] + (s[2] + k,)
         bench = lambda s, i: bare(s)
       row["compile_s"] = time.perf_counter() - t0
@@ -589,7 +625,7 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
       log(f"{name}: {row['ms']:.3f} ms/token (bare {row['bare_ms']:.3f}, host "
           f"{row['host_ms']:.3f}, busy {row['busy_ms']:.3f}, {row['kernels']:.0f} kernels, "
           f"{row['launches']:.0f} launches), compile {row['compile_s']:.1f} s")
-      del state, compiled, holder
+      del state, compiled, lowered, holder
     except Exception as e:  # recorded; the other variants still run
       row.update(status="error", error=f"{type(e).__name__}: {str(e)[:400]}")
       log(f"{name}: error {row['error']}")

@@ -285,10 +285,11 @@ def test_profile_step_measures_every_variant_on_cpu(tmp_path):
   from bench import decode_program as dp
   out = tmp_path / "profile.json"
   rows = dp.main(["--time", "--profile", "--shapes=tiny-qwen", "--B=1", "--T=32",
-                  "--variants=split,split:off:dotmerge,split:k2,xla_per_layer", "--steps=2",
+                  "--variants=split,split:off:dotmerge,split:refattn:k2,xla_per_layer", "--steps=2",
                   "--repeats=1", "--traced=2", f"--out={out}", f"--hlo_dir={tmp_path}",
                   "--hlo_variants=split"])
-  assert [r["variant"] for r in rows] == ["split", "split:off:dotmerge", "split:k2", "xla_per_layer"]
+  assert [r["variant"] for r in rows] == ["split", "split:off:dotmerge", "split:refattn:k2",
+                                             "xla_per_layer"]
   assert all(r["status"] == "ok" for r in rows), [r.get("error") for r in rows]
   for r in rows:
     assert r["logits_finite"] and r["kernels"] > 0 and r["trace_lines"]
@@ -298,18 +299,41 @@ def test_profile_step_measures_every_variant_on_cpu(tmp_path):
   assert by["split:off:dotmerge"]["compiler_options"]["xla_gpu_enable_command_buffer"] == ""
   assert by["split:off:dotmerge"]["compiler_options"]["xla_gpu_dot_merger_threshold_mb"] == 1024
   assert "xla_gpu_enable_command_buffer" not in by["split"]["compiler_options"]
-  assert by["split:k2"]["steps_per_call"] == 2 and by["split:k2"]["histogram"]["while"] == 1
+  k2 = by["split:refattn:k2"]
+  assert k2["steps_per_call"] == 2 and k2["histogram"]["while"] == 1
   assert by["xla_per_layer"]["program"] == "xla_per_layer"
   assert len(__import__("json").loads(out.read_text())) == 4
   import gzip
   with gzip.open(by["split"]["hlo_file"], "rt") as f:  # the program it timed, for offline reading
     assert dp.op_histogram(f.read()) == by["split"]["histogram"]
   assert "hlo_file" not in by["split:off:dotmerge"]
-  assert "| split:k2 | 32 |" in dp.profile_table(rows)
+  assert "| split:refattn:k2 | 32 |" in dp.profile_table(rows)
   for bad, msg in (("scan", "layout 'scan'"), ("split:graphs", "neither an option set"),
                    ("split:off:extended", "at most one command-buffer"),
-                   ("xla_per_layer:k4", "engine only")):
+                   ("xla_per_layer:k4", "engine"), ("xla_per_layer:mgpu", "engine")):
     with pytest.raises(ValueError, match=msg):
       dp.parse_variant(bad)
   a = common.activity([("x", 0, 10), ("y", 5, 10), ("x", 30, 5)])
   assert a == dict(count=3, busy_us=20.0, span_us=35.0, per_name_us={"x": 15.0, "y": 10.0})
+
+
+def test_profile_trace_sets_change_the_h100_program():
+  """The --profile variants' attention paths reach the traced program (exported for an abstract
+  H100, 2 layers): default auto = cuDNN's split-KV call per layer, 'mgpu' = the Mosaic GPU decode
+  kernel instead (even after a default trace of the same engine: jit's trace cache is cleared),
+  'refattn' = no attention custom call (the XLA reference)."""
+  import dataclasses
+  from bench import decode_program as dp
+  cfg, _ = decode.scheme_config("dense", "qwen2.5-1.5b", 512)
+  cfg = dataclasses.replace(cfg, num_layers=2)
+  calls = lambda c, sets=(): {k: v for k, v in dp.stablehlo_histogram(
+      _export(dp, c, sets)).items() if k.startswith("custom_call:")}
+  assert calls(cfg) == {"custom_call:__cudnn$fmhaSoftmax": 2}
+  assert calls(cfg, ("mgpu",)) == {"custom_call:mosaic_gpu_v2": 2}
+  assert calls(dataclasses.replace(cfg, attention_impl="reference")) == {}
+  assert calls(cfg) == {"custom_call:__cudnn$fmhaSoftmax": 2}  # the patch is gone
+
+
+def _export(dp, cfg, sets):
+  with dp._trace_context(sets):
+    return dp.exported_text("engine", cfg, 1, 512)
