@@ -1,6 +1,7 @@
 """Engine.decode_greedy: k greedy decode steps in one jitted program (issue 33's host cost per
 token) equal k single `decode_step`s fed the argmax of the previous logits, ragged rows and an
-inactive row included; the scan carries every cache buffer in place."""
+inactive row included; the scan carries every cache buffer in place. Engine(split_layers=True)
+(each layer's weights their own arrays) generates what the stacked engine does."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -15,10 +16,28 @@ from condattn_jax.models.decoder import Decoder
 B, S, K = 3, 32, 4
 
 
-def test_decode_greedy_equals_single_steps():
-  cfg = ModelConfig(family="qwen3", qk_norm="head", num_layers=2, vocab_size=64, hidden_size=32,
-                    intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=8)
-  params = nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
+CFG = ModelConfig(family="qwen3", qk_norm="head", num_layers=2, vocab_size=64, hidden_size=32,
+                  intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=8)
+
+
+@pytest.fixture(scope="module")
+def params():
+  return nn.unbox(Decoder(CFG).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
+
+
+def test_split_layers_engine_generates_the_same(params):
+  prompts = [[3, 9, 4, 1, 7], [5, 2]]
+  a = Engine(CFG, params, cache_len=S).generate(prompts, 5, return_logits=True)
+  split = Engine(CFG, params, cache_len=S, split_layers=True)
+  assert isinstance(split.params["layers"], tuple) and len(split.params["layers"]) == 2
+  b = split.generate(prompts, 5, return_logits=True)
+  assert a.tokens == b.tokens
+  for x, y in zip(a.logits, b.logits):
+    np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6)
+
+
+def test_decode_greedy_equals_single_steps(params):
+  cfg = CFG
   eng = Engine(cfg, params, cache_len=S)
   rng = np.random.default_rng(0)
   prompts = [rng.integers(0, 64, n, dtype=np.int32) for n in (5, 9, 7)]  # ragged
