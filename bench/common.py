@@ -10,7 +10,9 @@ Timer: `time_call(fn, *args)` -> {"median_ms", "runs_ms"}: `warmup` calls, then 
 blocked on (wall time per call, host time included); `time_device_bound(fn, *args)` -> {"median_ms",
 "runs_ms"}: `n` calls enqueued back to back and one block at the end, per-call time = total / n,
 median of `repeats` (the host's dispatch of the next call hides under the device's work, as in a
-model's step).
+model's step). Device activity: `trace_activity(fn, n)` -> kernels, busy / span ms per call from a
+jax.profiler trace; `activity(events)` is the one parser of such events (also of the CUPTI
+traces bench/compact_attention.py --profile takes through torch).
 
 Result schema (one file per bench and device; runs APPENDED, never new top-level keys):
 
