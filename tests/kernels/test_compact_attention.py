@@ -43,31 +43,41 @@ def test_bucket_ladder_always_holds_every_count():
     bucket_capacities(100, bucket_fracs=(0.0,))
 
 
+@functools.partial(jax.jit, static_argnums=(3,))
+def _roundtrip(act, x, lse_c, C):
+  """Everything test_compaction_roundtrip_matches_numpy checks, in one compiled program (op by
+  op, each jnp call compiled alone)."""
+  a_BIT, _ = cp.active_to_RT(act)
+  idx = cp.compact_indices(a_BIT, C)
+  T = act.shape[1]
+  x_c = cp.gather_rows(x, idx)
+  slot = cp.compact_slots(a_BIT)
+  return dict(a_BIT=a_BIT, idx=idx, back=cp.scatter_rows(x_c, idx, T),
+              gathered_back=cp.uncompact_rows(x_c, slot),
+              lse=cp.uncompact_BNC(lse_c, slot, -jnp.inf),
+              lse_want=jnp.swapaxes(cp.scatter_BNT(lse_c, idx, T, -jnp.inf), 1, 2))
+
+
 def test_compaction_roundtrip_matches_numpy():
   rng = np.random.default_rng(0)
   B, T, N, H, C = 2, 50, 3, 4, 64
   active = rng.random((B, T, N)) < 0.4
   x = jnp.asarray(rng.normal(size=(B, T, N, H)), jnp.float32)
+  lse_c = jnp.asarray(rng.normal(size=(B, N, C)), jnp.float32)
   for act, I in ((active[..., 0], 1), (active, N)):
-    a_BIT, I2 = cp.active_to_RT(jnp.asarray(act))
-    assert I2 == I
-    idx = np.asarray(cp.compact_indices(a_BIT, C))
+    assert cp.active_to_RT(jnp.asarray(act))[1] == I
+    r = jax.device_get(_roundtrip(jnp.asarray(act), x, lse_c, C))
+    idx = r["idx"]
     for b in range(B):
       for i in range(I):
-        want = np.nonzero(np.asarray(a_BIT)[b, i])[0]
+        want = np.nonzero(r["a_BIT"][b, i])[0]
         assert np.array_equal(idx[b, i, :len(want)], want)
         assert np.all(idx[b, i, len(want):] == T)
-    x_c = cp.gather_rows(x, jnp.asarray(idx))
-    back = cp.scatter_rows(x_c, jnp.asarray(idx), T)
     mask = act[..., None] if act.ndim == 3 else act[:, :, None, None]
-    np.testing.assert_array_equal(np.asarray(back), np.where(mask, np.asarray(x), 0))
+    np.testing.assert_array_equal(r["back"], np.where(mask, np.asarray(x), 0))
     # the gather form of the scatter (what the kernels' results go back through) agrees
-    slot = cp.compact_slots(a_BIT)
-    np.testing.assert_array_equal(np.asarray(cp.uncompact_rows(x_c, slot)), np.asarray(back))
-    lse_c = jnp.asarray(rng.normal(size=(B, N, C)), jnp.float32)
-    want = jnp.swapaxes(cp.scatter_BNT(lse_c, jnp.asarray(idx), T, -jnp.inf), 1, 2)
-    np.testing.assert_array_equal(np.asarray(cp.uncompact_BNC(lse_c, slot, -jnp.inf)),
-                                  np.asarray(want))
+    np.testing.assert_array_equal(r["gathered_back"], r["back"])
+    np.testing.assert_array_equal(r["lse"], r["lse_want"])
   m = mask_from_indices(jnp.array([[3, 0, 9, -1]]), 8)
   np.testing.assert_array_equal(np.asarray(m)[0], [1, 0, 0, 1, 0, 0, 0, 0])
 
@@ -115,6 +125,25 @@ def _check_bounds(bounds, any_vis, all_vis, *, exact, ends=True):
       np.testing.assert_array_equal(full, row_all, err_msg=f"{idx}: unmasked range not exact")
 
 
+# (block_q, block_k, transpose) of the forward, the dq and the dk/dv loop
+_KERNEL_TILES = ((SMALL.block_q, SMALL.block_k, False), (SMALL.block_q_dq, SMALL.block_k_dq, False),
+                 (SMALL.block_q_dkv, SMALL.block_k_dkv, True))
+
+
+@functools.partial(jax.jit, static_argnames=("C", "window"))
+def _compacted_tile_bounds(active, qpos_BT, qseg_BT, kvpos_BS, kvseg_BS, *, C, window):
+  """(valid, compacted positions, compacted segment ids or None, [bounds per _KERNEL_TILES]):
+  the compaction and the three loops' bounds in one compiled program."""
+  a_BIT, _ = cp.active_to_RT(active)
+  idx = cp.compact_indices(a_BIT, C)
+  valid = idx < active.shape[1]
+  qp_c = cp.gather_meta(qpos_BT, idx, cp.PAD_POS)
+  qs_c = None if qseg_BT is None else cp.gather_meta(qseg_BT, idx, 0)
+  return valid, qp_c, qs_c, [cp.tile_bounds(qp_c, valid, qs_c, kvpos_BS, kvseg_BS, window=window,
+                                            block_q=bq, block_k=bk, transpose=tr)
+                             for bq, bk, tr in _KERNEL_TILES]
+
+
 @pytest.mark.parametrize("mask", ["causal", "offset", "window", "segments", "packed"])
 @settings(max_examples=3, deadline=None, derandomize=True,
           suppress_health_check=list(HealthCheck))
@@ -135,20 +164,13 @@ def test_tile_bounds_are_tight(mask, seed, sparsity, per_head):
   kvpos = np.asarray(p.kw.get("kv_positions_BS", np.broadcast_to(np.arange(S), (B, S))), np.int32)
   qseg = p.kw.get("q_segment_ids_BT")
   kvseg = p.kw.get("kv_segment_ids_BS")
-  a_BIT, _ = cp.active_to_RT(p.active)
   C = cp.round_up(T, SMALL.q_multiple)
-  idx = cp.compact_indices(a_BIT, C)
-  valid = idx < T
-  qp_c = cp.gather_meta(jnp.asarray(qpos), idx, cp.PAD_POS)
-  qs_c = None if qseg is None else cp.gather_meta(qseg, idx, 0)
+  valid, qp_c, qs_c, all_bounds = jax.device_get(_compacted_tile_bounds(
+      p.active, jnp.asarray(qpos), qseg, jnp.asarray(kvpos), kvseg, C=C,
+      window=p.kw.get("window")))
   vis = _dense_visibility(p, qp_c, valid, qs_c, kvpos)
   exact = mask in ("causal", "offset")
-  for bq, bk, transpose in ((SMALL.block_q, SMALL.block_k, False),
-                            (SMALL.block_q_dq, SMALL.block_k_dq, False),
-                            (SMALL.block_q_dkv, SMALL.block_k_dkv, True)):
-    bounds = np.asarray(cp.tile_bounds(qp_c, valid, qs_c, jnp.asarray(kvpos), kvseg,
-                                       window=p.kw.get("window"), block_q=bq, block_k=bk,
-                                       transpose=transpose))
+  for (bq, bk, transpose), bounds in zip(_KERNEL_TILES, all_bounds):
     tiles = vis.reshape(vis.shape[:2] + (C // bq, bq, S // bk, bk))
     any_vis, all_vis = tiles.any(axis=(3, 5)), tiles.all(axis=(3, 5))
     if transpose:
@@ -260,6 +282,9 @@ def test_triton_matches_reference_hypothesis(seed, sparsity, T, gqa, dtype, per_
   assert not bad, errs
 
 
+_EDGE = {}  # name -> (problem, its reference's run)
+
+
 @pytest.mark.parametrize("name,kw", [
     ("all_empty", dict(sparsity=1.0)),
     # row 1 fully active -> the full bucket (no gather / scatter); row 0 attends nothing
@@ -271,9 +296,12 @@ def test_triton_matches_reference_hypothesis(seed, sparsity, T, gqa, dtype, per_
 def test_triton_edge_cases(name, kw, fused_bwd):
   """Both backward variants (CompactConfig.fused_triton_bwd): dq fused into the dk/dv kernel
   (atomic adds) and the two-kernel backward (dq; dk/dv, the default)."""
-  p = make_problem(5, **{**dict(T=64, N=2, K=1, H=32), **kw})
+  if name not in _EDGE:  # the problem and its reference, once for both backward variants
+    p = make_problem(5, **{**dict(T=64, N=2, K=1, H=32), **kw})
+    _EDGE[name] = p, run(p, impl="reference")
+  p, ref = _EDGE[name]
   errs, bad = compare(p, dict(TRITON, bucket_fracs=(0.25,),
-                              config=CompactConfig(fused_triton_bwd=fused_bwd)))
+                              config=CompactConfig(fused_triton_bwd=fused_bwd)), reference=ref)
   assert not bad, (name, errs)
 
 
