@@ -101,14 +101,17 @@ def test_step_tables_match_brute_force(segments):
   pos = jnp.arange(T)[None]
   qp, kp = kw.get("q_positions_BT", pos), kw.get("kv_positions_BS", pos)
   qs, ks = kw.get("q_segment_ids_BT"), kw.get("kv_segment_ids_BS")
-  mask = np.asarray(api.reference_mask(
-      qp, kp, qs, ks, window=60, sinks=3, kv_blocks_BNQL=kw["kv_blocks_BNQL"],
-      head_mode_BN=kw["head_mode_BN"], block_q=bq, block_k=bk))          # [B, N, T, S]
   cfg = api._Config(backend="mosaic_gpu", scale=1.0, window=60, sinks=3, block_q=bq, block_k=bk,
                     interpret=True, poison=False)
-  meta = api._normalise(B, T, T, N, kw["kv_blocks_BNQL"], kw["head_mode_BN"], qp, kp, qs, ks,
-                        None)
-  steps, count = (np.asarray(x) for x in api._mgpu_tables(cfg, meta))
+
+  @jax.jit  # the reference mask and the tables in one program (op by op: each op compiled alone)
+  def mask_and_tables(qp, kp, qs, ks, lists, modes):
+    mask = api.reference_mask(qp, kp, qs, ks, window=60, sinks=3, kv_blocks_BNQL=lists,
+                              head_mode_BN=modes, block_q=bq, block_k=bk)      # [B, N, T, S]
+    meta = api._normalise(B, T, T, N, lists, modes, qp, kp, qs, ks, None)
+    return mask, api._mgpu_tables(cfg, meta)
+  mask, (steps, count) = jax.device_get(
+      mask_and_tables(qp, kp, qs, ks, kw["kv_blocks_BNQL"], kw["head_mode_BN"]))
   tiles = mask.reshape(B, N, T // bq, bq, T // bk, bk)
   any_, all_ = tiles.any(axis=(3, 5)), tiles.all(axis=(3, 5))
   for n in range(N):
