@@ -1,11 +1,12 @@
 """The GPU plan of the pre-registered reproductions: bench/aha_repro.py (presets h100 and
-h100_pairs) and bench/elastic_repro.py (h100), every seed, as a few calls of <= 9 minutes on one
-4-GPU machine, then the merges (issue 34).
+h100_pairs) and bench/elastic_repro.py (h100), every seed, as calls of <= 8 minutes on one
+machine of `--gpus` GPUs, then the merges (issue 34).
 
-    python -m bench.aha_elastic_gpu --print                  # the plan: calls, lanes, units
-    python -m bench.aha_elastic_gpu --write=bench/aha_elastic_h100.sh   # the lead's script
-    bash bench/aha_elastic_h100.sh 1    # call 1 on the GPU machine (then 2, 3, ...), $OUT set
-    bash bench/aha_elastic_h100.sh merge   # anywhere (a CPU will do): judge + record
+    python -m bench.aha_elastic_gpu --gpus=2 --print                # the plan: calls, lanes, units
+    python -m bench.aha_elastic_gpu --gpus=2 --write=bench/aha_elastic_x2.sh   # the lead's script
+    IN=<packs of earlier calls> bash bench/aha_elastic_x2.sh 1   # call 1 on the GPU machine, $OUT set
+    bash bench/aha_elastic_x2.sh merge    # anywhere (a CPU will do): judge + record
+(bench/aha_elastic_h100.sh is the same plan for 4 GPUs: --gpus=4.)
 
 A unit is one piece of a seed's run (bench/aha_elastic_repro_common.py: a dense model, a
 window, a lambda, an arm, a static control); a lane is one process on one GPU (jobs via
@@ -14,18 +15,23 @@ seed (`--part=u1,u2 --work_dir=W`: a dense model saved there, then units that re
 are packed into lanes by their estimated H100 seconds (COST: one process alone on a GPU,
 compile included) up to `capacity` a lane, leaving room for the slowdown of sharing a GPU with
 the other lanes; a unit runs in a call after the units it reads (dense; the static control
-reads the headline window / the single arm), or after them in the same lane. A unit that did
-not finish (a lane past its timeout) is run by the next call of the same script: every part
-skips the units already in W. W (workdir_aha_elastic/ in the repo: git-ignored, so it stays on
-a warm machine between calls) holds the dense checkpoints; each call also copies the unit
-results (JSON, no checkpoints) to $OUT/aha_elastic_units.tgz, which is all `merge` needs.
+reads the headline window / the single arm), or after them in the same lane. Runs are placed
+in RUNS' order (a run's units before the next run's), so the first calls finish whole runs.
+
+Resume across calls: W (workdir_aha_elastic/, git-ignored) holds the unit results and the
+dense checkpoints. Each call leaves in $OUT the unit results (aha_elastic_units.tgz: JSON and
+logs, all `merge` needs) and the saved trees the seeds with units still to run read
+(aha_elastic_state.tgz.NN, <= 15 MiB pieces: the dense models, or a cut dense training's
+state); a call first unpacks the packs found in $IN (a folder: the files of earlier calls,
+carried in), so a call on a fresh machine goes on where the last one stopped, and a unit that
+did not finish (a lane past its timeout) runs again in a later call (every part skips the units
+already in W; a cut gated dense training goes on from its saved state).
 
 Dry run on a CPU (the same plan on the `tiny` presets, lanes one after another):
-    python -m bench.aha_elastic_gpu --tiny --write=/tmp/tiny.sh && \\
+    python -m bench.aha_elastic_gpu --tiny --gpus=2 --write=/tmp/tiny.sh && \\
       W=/tmp/w OUT=/tmp/o SERIAL=1 TIMEOUT=1800 PY=.venv/bin/python bash /tmp/tiny.sh all
 (tests/bench/test_aha_elastic_gpu_plan.py: the plan's invariants by default, this dry run as a
-manual test: 12 lanes, every one exit 0, and the three merged runs with their claims passing;
-5.7 CPU-minutes, 28 minutes on the shared 2-core host.)
+manual test: every lane exit 0, and the three merged runs with their claims passing.)
 """
 from __future__ import annotations
 
@@ -37,8 +43,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-# (bench module, preset) of the plan; --tiny swaps each preset for its tiny twin
+# (bench module, preset) of the plan, in the order they are placed (--runs picks some);
+# --tiny swaps each preset for its tiny twin
 RUNS = (("aha_repro", "h100"), ("aha_repro", "h100_pairs"), ("elastic_repro", "h100"))
+# the order on fewer than 4 GPUs (several calls): Elastic first (its chain dense -> arms ->
+# static spans 3 calls), then AHA h100, then h100_pairs (not run before: the optional one)
+RUNS_FEW = (("elastic_repro", "h100"), ("aha_repro", "h100"), ("aha_repro", "h100_pairs"))
+SCRIPTS = {4: "bench/aha_elastic_h100.sh", 2: "bench/aha_elastic_x2.sh"}   # per --gpus
 TINY = {"h100": "tiny", "h100_pairs": "tiny_pairs"}
 
 # Estimated seconds of a unit alone on one H100, compile included, from the last GPU logs (AHA
@@ -47,6 +58,16 @@ TINY = {"h100": "tiny", "h100_pairs": "tiny_pairs"}
 COST = {"aha_repro": dict(dense=140, w=100, lam=75, static=200),
         "elastic_repro": dict(dense=300, arm=110, static=260)}
 TIMEOUT_S = 480
+# MiB of a seed's saved dense model (float32 params, msgpack) in the h100 presets: Elastic 2.9M
+# params, AHA 0.62M (jax.eval_shape of the presets' decoders); tiny presets: ~0.
+TREE_MIB = {"aha_repro": 2.4, "elastic_repro": 11.2}
+# the carry budget of a plan on fewer than 4 GPUs (a fresh machine a call): the device tool
+# carries 64 MiB in all, with the wheels (~10 MiB) and the source tree (~9 MiB)
+CARRY_MIB = 42.0
+
+
+def _tree_mib(bench: str, tiny: bool) -> float:
+  return 0.05 if tiny else TREE_MIB[bench]
 
 
 def _kind(bench: str, unit: str) -> str:
@@ -74,26 +95,36 @@ class Cmd:
   seed: int
   units: list
   cost: float = 0.0
+  rank: int = 0     # the run's place in the plan's order
 
 
 def plan(runs=RUNS, *, tiny: bool = False, gpus: int = 4, per_gpu: int = 3,
-         capacity: float = 330.0) -> list[list[list[Cmd]]]:
+         capacity: float = 330.0, ordered: bool | None = None,
+         carry_mib: float | None = None) -> list[list[list[Cmd]]]:
   """calls[c][lane] = the commands of that lane (lane i on GPU i % gpus). Greedy: each call,
   every seed's ready units (in the bench's order, cut into commands of <= capacity) go into the
-  lane with the most room that fits, largest first; what does not fit waits for the next call."""
+  lane with the most room that fits: units others read first, then (with `ordered`, default:
+  fewer than 4 GPUs) the runs in `runs`' order, so the first calls finish whole runs, then the
+  largest; what does not fit waits for the next call. `carry_mib`: a seed's dense model starts
+  only while the dense trees held for later calls (TREE_MIB each) stay within it (what a fresh
+  machine's call gets back through the device tool's carry)."""
+  if ordered is None:
+    ordered = gpus < 4
   import importlib
   todo = []   # (bench, preset, seed, settings, [units left])
+  rank = {}   # (bench, preset) -> its place in `runs` (placed in that order when `ordered`)
   for bench, preset in runs:
     mod = importlib.import_module(f"bench.{bench}")
     p = TINY.get(preset, preset) if tiny else preset
     s = mod.PRESETS[p]
+    rank[(bench, p)] = len(rank) if ordered else 0
     for seed in s.seeds:
       todo.append([bench, p, seed, s, list(mod.units(s, seed))])
   done: set = set()
   calls = []
   while any(t[4] for t in todo):
     chunks = []
-    for bench, p, seed, s, left in todo:
+    for r, (bench, p, seed, s, left) in enumerate(todo):
       mine = []   # this seed's commands in this call: first fit, a unit after what it reads
       for u in left:
         c = COST[bench][_kind(bench, u)]
@@ -105,17 +136,26 @@ def plan(runs=RUNS, *, tiny: bool = False, gpus: int = 4, per_gpu: int = 3,
             break
         else:
           if not before and c <= capacity:
-            mine.append(Cmd(bench, p, seed, [u], c))
+            mine.append(Cmd(bench, p, seed, [u], c, rank=rank[(bench, p)]))
       chunks += mine
     lanes = [[] for _ in range(gpus * per_gpu)]
     room = [capacity] * len(lanes)
     placed = []
+    # MiB of dense trees later calls read: seeds with a dense model and units left (counted
+    # until the call after the one that finishes the seed: conservative)
+    held = sum(_tree_mib(b, tiny) for b, p, seed, s, left in todo
+               if left and (b, p, seed, "dense") in done)
     # units others wait for (dense, the static control's input) first, then the largest
     needed = lambda c: bool(set(c.units) & set(deps(c.bench, _settings(c), "static")))
-    for ch in sorted(chunks, key=lambda c: (not needed(c), -c.cost)):
+    for ch in sorted(chunks, key=lambda c: (not needed(c), c.rank, -c.cost)):
       i = max(range(len(lanes)), key=lambda j: room[j])
       if room[i] < ch.cost:
         continue
+      left = next(t[4] for t in todo if t[:3] == [ch.bench, ch.preset, ch.seed])
+      opens = "dense" in ch.units and set(left) - set(ch.units)
+      if opens and carry_mib is not None and held + _tree_mib(ch.bench, tiny) > carry_mib:
+        continue   # its dense model would not fit the carry until a held seed finishes
+      held += _tree_mib(ch.bench, tiny) if opens else 0.0
       # a chunk reads only units done in earlier calls or earlier in itself
       lanes[i].append(ch)
       room[i] -= ch.cost
@@ -151,18 +191,55 @@ def command(c: Cmd, work: str = "$W") -> str:
           f"--part={','.join(first + c.units)} --work_dir={work}{budget}")
 
 
+def _flags(runs, tiny: bool, gpus: int) -> str:
+  """The generator flags that rebuild a plan of these runs (what the script's pack step passes
+  to --carry)."""
+  out = " --tiny" if tiny else ""
+  out += f" --gpus={gpus}"
+  if tuple(runs) != (RUNS if gpus >= 4 else RUNS_FEW):
+    out += " --runs=" + ",".join(f"{b}:{p}" for b, p in runs)
+  return out
+
+
+def carry(work_dir: str, runs=RUNS, *, tiny: bool = False) -> list[str]:
+  """The saved trees in `work_dir` that a later call needs (names relative to it): for every
+  seed of `runs` with a unit not yet done, its dense model, or its gated dense training's saved
+  state where the dense model is not done."""
+  import importlib
+  out = []
+  for bench, preset in runs:
+    mod = importlib.import_module(f"bench.{bench}")
+    p = TINY.get(preset, preset) if tiny else preset
+    s = mod.PRESETS[p]
+    for seed in s.seeds:
+      stem = os.path.join(work_dir, f"{bench}_{p}_s{seed}_")
+      if all(os.path.exists(f"{stem}{u}.json") for u in mod.units(s, seed)):
+        continue
+      for name in ("dense.msgpack", "dense.pkl", "dense_state.pkl"):
+        if os.path.exists(stem + name):
+          out.append(os.path.basename(stem + name))
+          if name.startswith("dense."):
+            break
+  return out
+
+
 def script(calls, runs=RUNS, *, tiny: bool = False, gpus: int = 4) -> str:
   """The bash script: `bash <script> <call number> | all | merge`."""
-  presets = sorted({(b, TINY.get(p, p) if tiny else p) for b, p in runs})
+  presets = [(b, TINY.get(p, p) if tiny else p) for b, p in runs]
   lines = [
       "#!/bin/bash",
-      f"# Generated by `python -m bench.aha_elastic_gpu{' --tiny' if tiny else ''} --write=...`"
+      f"# Generated by `python -m bench.aha_elastic_gpu{_flags(runs, tiny, gpus)} --write=...`"
       " (bench/aha_elastic_gpu.py: the plan, its cost estimates and the dry run).",
-      f"# {len(calls)} calls of <= {TIMEOUT_S} s + a merge; usage: bash $0 1|2|...|all|merge",
-      "# Run from the repository root (python -m bench.*).",
+      f"# {len(calls)} calls of <= {TIMEOUT_S} s on {gpus} GPUs + a merge; usage: "
+      "bash $0 1|2|...|all|merge",
+      "# Run from the repository root (python -m bench.*). A call on a fresh machine resumes "
+      "from IN=<folder",
+      "# holding the earlier calls' aha_elastic_units.tgz and aha_elastic_state.tgz.* (their "
+      "$OUT files).",
       "set -u",
       'export W=${W:-workdir_aha_elastic}   # git-ignored: stays on a warm machine',
       'OUT=${OUT:-out}',
+      'IN=${IN:-}',
       'PY=${PY:-python}',
       'SERIAL=${SERIAL:-0}   # 1: lanes one after another (a CPU dry run)',
       f'TIMEOUT=${{TIMEOUT:-{TIMEOUT_S}}}',
@@ -173,25 +250,43 @@ def script(calls, runs=RUNS, *, tiny: bool = False, gpus: int = 4) -> str:
       '  local c=$1 i=$2 g=$3; shift 3',
       '  local log="$W/logs/call${c}_lane${i}.log"',
       '  ( export CUDA_VISIBLE_DEVICES=$g; timeout "$TIMEOUT" bash -c "$(printf \'%s; \' "$@")" )'
-      ' > "$log" 2>&1',
+      ' >> "$log" 2>&1',
       '  echo "call $c lane $i (GPU $g): rc=$? $(grep -h \'^part \' "$log" | tr \'\\n\' \' \')"',
       "}",
       "go() {  # a lane in the background (SERIAL=1: in the foreground)",
       '  if [ "$SERIAL" = 1 ]; then lane "$@"; else lane "$@" & fi',
       "}",
-      "pack() {  # the unit results (no checkpoints) back to $OUT",
+      "unpack() {  # the earlier calls' packs from $IN (files already in $W are kept)",
+      '  [ -n "$IN" ] || return 0',
+      '  [ -e "$IN/aha_elastic_units.tgz" ] && tar xzf "$IN/aha_elastic_units.tgz" -C "$W"'
+      ' --skip-old-files',
+      '  if ls "$IN"/aha_elastic_state.tgz.* >/dev/null 2>&1; then',
+      '    cat "$IN"/aha_elastic_state.tgz.* | tar xzf - -C "$W" --skip-old-files',
+      "  fi",
+      '  echo "resumed from $IN: $(ls "$W" | grep -c \'\\.json$\') unit results"',
+      "}",
+      "pack() {  # unit results (JSON, logs) and the trees later calls read, back to $OUT",
       '  tar czf "$OUT/aha_elastic_units.tgz" -C "$W" $(cd "$W" && ls *.json 2>/dev/null) logs',
+      '  rm -f "$OUT"/aha_elastic_state.tgz.*',
+      f'  local keep; keep=$($PY -m bench.aha_elastic_gpu{_flags(runs, tiny, gpus)} '
+      '--carry="$W")',
+      '  if [ -n "$keep" ]; then',
+      '    tar czf - -C "$W" $keep | split -b 15m -d - "$OUT/aha_elastic_state.tgz."',
+      "  fi",
+      '  echo "packed: $(ls "$OUT"/aha_elastic_* | tr \'\\n\' \' \')"',
       "}",
   ]
   for c, lanes in enumerate(calls, 1):
     lines.append(f"call{c}() {{")
     est = max(sum(ch.cost for ch in lane) for lane in lanes)
     lines.append(f"  # {len(lanes)} lanes, the fullest an estimated {est:.0f} s alone on a GPU")
+    lines.append("  unpack")
     for i, lane in enumerate(lanes):
       cmds = " ".join(shlex.quote(command(ch)) for ch in lane)
       lines.append(f"  go {c} {i} {i % gpus} {cmds}")
     lines += ["  wait", "  pack", "}"]
   lines.append("merge() {  # every preset judged on the merged units (needs every unit in $W)")
+  lines.append("  unpack")
   for b, p in presets:
     lines.append(f"  $PY -m bench.{b} --preset={p} --merge_parts=$W --out_dir=$OUT || return 1")
   lines.append("}")
@@ -212,9 +307,32 @@ def main(argv=None):
   ap.add_argument("--per_gpu", type=int, default=3)
   ap.add_argument("--capacity", type=float, default=330.0,
                   help="estimated seconds alone on a GPU a lane may hold")
+  ap.add_argument("--carry_mib", type=float, default=None,
+                  help=f"carry budget of the held dense models (default: {CARRY_MIB} on fewer "
+                       "than 4 GPUs, else none: one warm machine keeps W)")
+  ap.add_argument("--runs", default=None,
+                  help="bench:preset,... in the order to place them (default: " +
+                       ",".join(f"{b}:{p}" for b, p in RUNS) + ")")
+  ap.add_argument("--carry", default=None, metavar="W",
+                  help="print the saved trees in W that later calls read (the script's pack)")
   a = ap.parse_args(argv)
-  calls = plan(tiny=a.tiny, gpus=a.gpus, per_gpu=a.per_gpu, capacity=a.capacity)
+  if a.runs is None:
+    runs = RUNS if a.gpus >= 4 else RUNS_FEW
+  else:
+    runs = tuple(tuple(x.split(":")) for x in a.runs.split(","))
+  bad = [r for r in runs if r not in RUNS]
+  if bad:
+    raise SystemExit(f"--runs: {bad} not in {RUNS}")
+  if a.carry is not None:
+    print(" ".join(carry(a.carry, runs, tiny=a.tiny)))
+    return None
+  carry_mib = a.carry_mib if a.carry_mib is not None else (CARRY_MIB if a.gpus < 4 else None)
+  calls = plan(runs, tiny=a.tiny, gpus=a.gpus, per_gpu=a.per_gpu, capacity=a.capacity,
+               carry_mib=carry_mib)
   if a.print or not a.write:
+    total = sum(ch.cost for lanes in calls for lane in lanes for ch in lane)
+    print(f"{len(calls)} calls on {a.gpus} GPUs, {a.per_gpu} lanes a GPU: {total:.0f} estimated "
+          f"H100-alone seconds of units")
     for c, lanes in enumerate(calls, 1):
       print(f"call {c}: {len(lanes)} lanes")
       for i, lane in enumerate(lanes):
@@ -223,7 +341,7 @@ def main(argv=None):
                            for ch in lane))
   if a.write:
     with open(a.write, "w") as f:
-      f.write(script(calls, tiny=a.tiny, gpus=a.gpus))
+      f.write(script(calls, runs, tiny=a.tiny, gpus=a.gpus))
     os.chmod(a.write, 0o755)
     print(f"wrote {a.write}: {len(calls)} calls")
   return calls

@@ -269,13 +269,17 @@ class Store:
     if self.work_dir is None:
       self._mem[("json", unit)] = dict(result=result, seconds=seconds)
       return
+    import datetime
     import json
     import jax
+    from bench import common
     os.makedirs(self.work_dir, exist_ok=True)
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
     _atomic(self.path(unit), json.dumps(dict(settings=self.settings, seed=self.seed,
                                              unit=unit, seconds=round(seconds, 2),
                                              device=str(jax.devices()[0].device_kind),
                                              platform=jax.default_backend(),
+                                             commit=common.git_commit(), date=date,
                                              result=result)).encode())
 
   def _read(self, unit: str) -> dict:
@@ -396,21 +400,31 @@ def run_seeds(b: Bench, s, preset: str, log=print) -> list[dict]:
   return out
 
 
-def merged_parts(b: Bench, s, preset: str, work_dir: str) -> tuple[list[dict], dict, tuple]:
-  """(seeds' records, {seed: {unit: seconds}}, (device, platform) the units ran on) assembled
-  from the part files in `work_dir`; ValueError naming the first missing file and the part
-  command that writes it, or the units' devices when they differ."""
-  seeds, secs, where = [], {}, set()
+def merged_parts(b: Bench, s, preset: str, work_dir: str) -> tuple[list[dict], dict, dict]:
+  """(seeds' records, {seed: {unit: seconds}}, provenance) assembled from the part files in
+  `work_dir`; ValueError naming the first missing file and the part command that writes it.
+  provenance = {device, platform: those of most units; devices {device: units}; commits (sorted,
+  of the units that record one); first_date / last_date (ISO, units that record one)}: units of
+  one run may come from several calls on different cards (an x2 call that came as H200)."""
+  seeds, secs, where, commits, dates = [], {}, {}, set(), []
   for seed in s.seeds:
     store = Store(b.name, preset, s, seed, work_dir)
     secs[str(seed)] = {u: store.seconds(u) for u in b.units(s, seed)}
-    where |= {(store._read(u).get("device"), store._read(u).get("platform"))
-              for u in b.units(s, seed)}
+    for u in b.units(s, seed):
+      d = store._read(u)
+      key = (d.get("device"), d.get("platform"))
+      where[key] = where.get(key, 0) + 1
+      if d.get("commit"):
+        commits.add(d["commit"])
+      if d.get("date"):
+        dates.append(d["date"])
     seeds.append(b.assemble(s, seed, store))
-  if len(where) != 1:
-    raise ValueError(f"{work_dir}: the units of preset {preset!r} ran on different devices "
-                     f"{sorted(map(str, where))}; merge units of one device")
-  return seeds, secs, where.pop()
+  (device, platform), _ = max(where.items(), key=lambda kv: (kv[1], str(kv[0])))
+  prov = dict(device=device, platform=platform,
+              devices={str(k[0]): n for k, n in sorted(where.items(), key=str)},
+              commits=sorted(commits), first_date=min(dates) if dates else None,
+              last_date=max(dates) if dates else None)
+  return seeds, secs, prov
 
 
 def define_flags(flag_values, presets, doc: str):
@@ -502,12 +516,14 @@ def main(bench: str, flag_values, presets, files, run, argv=None, parts: Bench |
     if not a.merge_parts:
       return dict(part=a.part, seeds=seeds, seconds=time.time() - t0)
   if a.merge_parts:   # judged here (e.g. on a CPU), recorded as run where the units ran
-    done, secs, (device, platform) = merged_parts(parts, s, a.preset, a.merge_parts)
+    done, secs, prov = merged_parts(parts, s, a.preset, a.merge_parts)
+    device = prov["device"]
     res = run(s, done=done)
     res["unit_seconds"] = secs
     res["seconds"] = round(sum(v for d in secs.values() for v in d.values()), 1)
     res["merged_from"] = a.merge_parts
-    res["device"], res["platform"], res["preset"] = device, platform, name
+    res["device"], res["platform"], res["preset"] = device, prov["platform"], name
+    res["units_ran"] = prov   # devices, commits and dates of the units (the run: the merge's)
     out = common.result_path(bench, a.out_dir, device=device, fixed=files.get(name))
     r = common.make_run(bench, res, name=name)
     r["device"] = device

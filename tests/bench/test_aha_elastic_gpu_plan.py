@@ -1,6 +1,7 @@
 """bench/aha_elastic_gpu.py: the H100 plan of the AHA / Elastic reproductions runs every unit of
 every seed once, each after the units it reads, in lanes of at most the capacity (<= per_gpu a
-GPU), in 3 calls; the committed script is the plan's. The CPU dry run of the whole script (tiny
+GPU), in 3 calls on 4 GPUs (6 on 2, within the carry budget); the committed scripts are the
+plans'. The CPU dry run of the whole script (tiny
 presets, every call and the merge) is the manual test below (default cover: this file's plan
 checks and tests/bench/test_aha_elastic_parts.py, which runs parts and merges them)."""
 import importlib
@@ -14,8 +15,14 @@ from bench import common
 from _train_helpers import PY, ROOT
 
 
-def _check(calls, tiny, capacity, gpus=4, per_gpu=3):
+def _check(calls, tiny, capacity, gpus=4, per_gpu=3, runs=gp.RUNS, carry_mib=None):
   placed = {}
+  units = {}
+  for bench, preset in runs:
+    p = gp.TINY.get(preset, preset) if tiny else preset
+    s = importlib.import_module(f"bench.{bench}").PRESETS[p]
+    for seed in s.seeds:
+      units[(bench, p, seed)] = importlib.import_module(f"bench.{bench}").units(s, seed)
   for c, lanes in enumerate(calls):
     assert len(lanes) <= gpus * per_gpu
     for lane in lanes:
@@ -29,8 +36,13 @@ def _check(calls, tiny, capacity, gpus=4, per_gpu=3):
             dk = (ch.bench, ch.preset, ch.seed, d)
             assert (dk in placed and placed[dk] < c) or d in ch.units[:j], (key, d)
           placed[key] = c
+    if carry_mib is not None:   # dense models held for later calls fit the carry
+      held = sum(gp._tree_mib(b, tiny) for (b, p, seed), us in units.items()
+                 if (b, p, seed, "dense") in placed
+                 and any((b, p, seed, u) not in placed for u in us))
+      assert held <= carry_mib, (c, held)
   want = set()
-  for bench, preset in gp.RUNS:
+  for bench, preset in runs:
     p = gp.TINY.get(preset, preset) if tiny else preset
     s = importlib.import_module(f"bench.{bench}").PRESETS[p]
     want |= {(bench, p, seed, u) for seed in s.seeds
@@ -49,6 +61,27 @@ def test_h100_plan_runs_every_unit_once_after_its_inputs_in_3_calls():
   _check(gp.plan(capacity=300.0, per_gpu=2), False, 300.0, per_gpu=2)
   with pytest.raises(RuntimeError, match="raise capacity"):
     gp.plan(capacity=250.0)          # the Elastic dense model alone is 300
+
+
+def test_x2_plan_finishes_elastic_first_and_fits_the_carry():
+  """Two GPUs, a fresh machine a call: Elastic's run is whole after call 3, the dense models
+  held between calls fit the carry budget, and the committed x2 script is the plan's (it
+  unpacks $IN, packs the unit results and the held trees to $OUT)."""
+  calls = gp.plan(gp.RUNS_FEW, gpus=2, carry_mib=gp.CARRY_MIB)
+  _check(calls, False, 330.0, gpus=2, runs=gp.RUNS_FEW, carry_mib=gp.CARRY_MIB)
+  assert len(calls) == 6
+  elastic = {c for c, lanes in enumerate(calls) for lane in lanes for ch in lane
+             if ch.bench == "elastic_repro"}
+  assert max(elastic) == 2
+  with open(os.path.join(ROOT, gp.SCRIPTS[2])) as f:
+    text = f.read()
+  assert text == gp.script(calls, gp.RUNS_FEW, gpus=2), \
+      "rewrite: python -m bench.aha_elastic_gpu --gpus=2 --write=bench/aha_elastic_x2.sh"
+  assert "unpack" in text and "--carry=" in text and "split -b 15m" in text
+  # without the budget, the first calls would hold more than it
+  free = gp.plan(gp.RUNS_FEW, gpus=2)
+  with pytest.raises(AssertionError):
+    _check(free, False, 330.0, gpus=2, runs=gp.RUNS_FEW, carry_mib=gp.CARRY_MIB)
 
 
 @pytest.mark.manual
