@@ -1,22 +1,31 @@
 #!/usr/bin/env bash
-# Issue 29's GPU runs on one 4-GPU host (the device tool, kind nvidia-h100-x4), every job under
-# `timeout 480` (the tool's commands stop at 10 minutes). Run from the repository root with
-# CONDATTN_GIT_COMMIT set (DEVELOPERS.md) and the wheels installed
-# (pip install --no-deps .whl/*.whl); what comes back is under $OUT.
+# Issue 29's GPU runs on one host of $GPUS GPUs (default 4: kind nvidia-h100-x4; GPUS=2: kind
+# nvidia-h100-x2), every job under `timeout 480` (the tool's commands stop at 10 minutes). Run
+# from the repository root with CONDATTN_GIT_COMMIT set (DEVELOPERS.md) and the wheels
+# installed (pip install --no-deps .whl/*.whl); what comes back is under $OUT.
 #
 #   bash bench/match_segmented_gpu.sh mqar   # MQAR h100: 16 (method, length) jobs, 4 a GPU
-#   bash bench/match_segmented_gpu.sh seg    # segmented h100 (GPU 1) + gpu_recall (GPU 2) +
-#                                            # MATCH / SWA TTFT at 32K (GPU 3); repeat until
+#   GPUS=2 bash bench/match_segmented_gpu.sh mqar 512 256   # two GPUs: call 1 (8 jobs, 4 a GPU)
+#   GPUS=2 bash bench/match_segmented_gpu.sh mqar 128 64    #           call 2
+#   bash bench/match_segmented_gpu.sh seg    # segmented h100 + gpu_recall (RECALL=0: left out)
+#                                            # + MATCH / SWA TTFT at 32K (GPUs 1, 2 mod $GPUS,
+#                                            # 3 or, on fewer GPUs, 0); repeat until
 #                                            # both segmented logs print 'wrote' (they resume
-#                                            # from out/segfid, which stays on a warm machine)
-#   bash bench/match_segmented_gpu.sh all    # both at once (MQAR's memory leaves room)
+#                                            # from out/segfid, which stays on a WARM machine
+#                                            # only: the h100 checkpoints, ~250 MB, do not fit
+#                                            # the device tool's carry)
+#   bash bench/match_segmented_gpu.sh all    # both at once (4 GPUs; MQAR's memory leaves room)
 #
-# MQAR: GPU g runs slot j's length (512, 256, 128, 64) with method (g + j) mod 4, so every GPU
-# holds one job of each length and every (method, length) runs once; jobs allocate on demand,
-# each capped at 24% of its GPU (the largest, length 512: ~9 GiB step + ~2 GiB eval compiled
-# on CPU). Each writes $OUT/mqar_<method>_<length>.json (progress) and .log; a training that
-# would pass 440 s stops at an evaluation (recorded under stopped_early) so the job still writes.
-# Then, on the lead's machine (files_at = where $OUT came back):
+# MQAR, 4 GPUs, all lengths: GPU g runs slot j's length (512, 256, 128, 64) with method
+# (g + j) mod 4, so every GPU holds one job of each length and every (method, length) runs once,
+# each capped at 24% of its GPU. Given lengths (any $GPUS): the (method, length) jobs of those
+# lengths, job k on GPU k mod $GPUS, each capped by its length (CAP: the compiled step + eval
+# temporaries on CPU, jax.eval_shape params, bench/match_mqar.compiled_memory; GiB at 512 /
+# 256 / 128 / 64: full 11.5 / 10.1 / 3.6 / 1.5, match (its recompute eval) 10.9 / 10.5 / 5.3,
+# so 4 jobs of 512 / 256 on one 80 GiB card use <= 45 GiB). Each job writes
+# $OUT/mqar_<method>_<length>.json (progress) and .log; a training that would pass 440 s stops
+# at an evaluation (recorded under stopped_early) so the job still writes.
+# Then, on the lead's machine (files_at = where $OUT came back; every call's files):
 #   python bench/match_mqar.py --preset=h100 --out_dir=bench/results \
 #       --merge=$(ls <files_at>/mqar_*_*.json | paste -sd, -)
 #   # -> bench/results/match_mqar_<GPU>.json, run sweep_h100 (its claim re-derives the verdict)
@@ -29,9 +38,28 @@ set -u
 : "${CONDATTN_GIT_COMMIT:?set CONDATTN_GIT_COMMIT (local git rev-parse --short HEAD)}"
 : "${OUT:?}"
 what=${1:-all}
+[ $# -gt 0 ] && shift
+GPUS=${GPUS:-4}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-mqar() {
-  local methods=(full swa match random) lengths=(512 256 128 64) g j m L
+declare -A CAP=([512]=0.17 [256]=0.16 [128]=0.08 [64]=0.04)   # of an 80 GiB card, per job
+mqar_job() {  # mqar_job <gpu> <method> <length> <memory fraction>
+  CUDA_VISIBLE_DEVICES=$1 XLA_PYTHON_CLIENT_MEM_FRACTION=$4 timeout 480 \
+    python bench/match_mqar.py --preset=h100 --methods=$2 --lengths=$3 --data_workers=3 \
+    --deadline_s=440 \
+    --progress=$OUT/mqar_$2_$3.json --out_dir=$OUT/mqar_runs/$2_$3 \
+    > $OUT/mqar_$2_$3.log 2>&1 &
+}
+mqar() {  # mqar [lengths...]: none = every length, the 4-GPU layout
+  local methods=(full swa match random) lengths=(512 256 128 64) g j m L k=0
+  if [ $# -gt 0 ]; then
+    for L in "$@"; do
+      for m in "${methods[@]}"; do
+        mqar_job $(( k % GPUS )) $m $L ${CAP[$L]}; k=$(( k + 1 ))
+      done
+    done
+    return
+  fi
+  [ "$GPUS" = 4 ] || { echo "mqar: name the lengths of this call on $GPUS GPUs" >&2; exit 2; }
   for g in 0 1 2 3; do
     for j in 0 1 2 3; do
       m=${methods[$(( (g + j) % 4 ))]}; L=${lengths[$j]}
@@ -47,19 +75,23 @@ seg() {
   mkdir -p out/segfid
   # (the h100 dense step compiled on CPU with the reference attention: 74.5 GiB of temporaries,
   # its [T, T] scores; on GPU the attention kernel holds none of them)
-  CUDA_VISIBLE_DEVICES=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 timeout 480 \
+  CUDA_VISIBLE_DEVICES=$(( 1 % GPUS )) XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 timeout 480 \
     python -m bench.segmented_fidelity --preset=h100 --checkpoint_dir=out/segfid \
     --time_budget_s=400 --out_dir=$OUT/seg_h100 >> $OUT/seg_h100.log 2>&1 &
-  CUDA_VISIBLE_DEVICES=2 XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 timeout 480 \
-    python -m bench.segmented_fidelity --preset=gpu_recall --checkpoint_dir=out/segfid \
-    --time_budget_s=400 --out_dir=$OUT/seg_recall >> $OUT/seg_recall.log 2>&1 &
+  # gpu_recall is recorded (H200, stop 37); RECALL=0 leaves it out (its dense model did not
+  # learn the recall there: the no-long-layers control's gate would fail again)
+  if [ "${RECALL:-1}" = 1 ]; then
+    CUDA_VISIBLE_DEVICES=$(( 2 % GPUS )) XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 timeout 480 \
+      python -m bench.segmented_fidelity --preset=gpu_recall --checkpoint_dir=out/segfid \
+      --time_budget_s=400 --out_dir=$OUT/seg_recall >> $OUT/seg_recall.log 2>&1 &
+  fi
   if [ ! -e out/ttft.done ]; then  # once (out/ stays on a warm machine; $OUT is fresh)
-    CUDA_VISIBLE_DEVICES=3 XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 timeout 480 \
+    CUDA_VISIBLE_DEVICES=$(( GPUS > 3 ? 3 : 0 )) XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 timeout 480 \
       python bench/match_ttft.py --out_dir=$OUT/ttft > $OUT/ttft.log 2>&1 && touch out/ttft.done &
   fi
 }
 case $what in
-  mqar) mqar ;;
+  mqar) mqar "$@" ;;
   seg) seg ;;
   all) mqar; seg ;;
   *) echo "usage: $0 mqar|seg|all" >&2; exit 2 ;;
