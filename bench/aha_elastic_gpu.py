@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import glob
 import os
 import shlex
 import sys
@@ -204,7 +205,8 @@ def _flags(runs, tiny: bool, gpus: int) -> str:
 def carry(work_dir: str, runs=RUNS, *, tiny: bool = False) -> list[str]:
   """The saved trees in `work_dir` that a later call needs (names relative to it): for every
   seed of `runs` with a unit not yet done, its dense model, or its gated dense training's saved
-  state where the dense model is not done."""
+  state(s) where the dense model is not done (an Elastic state holds Adam's moments: ~34 MiB
+  a seed, over the carry budget for more than one seed)."""
   import importlib
   out = []
   for bench, preset in runs:
@@ -215,11 +217,11 @@ def carry(work_dir: str, runs=RUNS, *, tiny: bool = False) -> list[str]:
       stem = os.path.join(work_dir, f"{bench}_{p}_s{seed}_")
       if all(os.path.exists(f"{stem}{u}.json") for u in mod.units(s, seed)):
         continue
-      for name in ("dense.msgpack", "dense.pkl", "dense_state.pkl"):
-        if os.path.exists(stem + name):
-          out.append(os.path.basename(stem + name))
-          if name.startswith("dense."):
-            break
+      done = [n for n in ("dense.msgpack", "dense.pkl") if os.path.exists(stem + n)]
+      if done:
+        out.append(os.path.basename(stem + done[0]))
+      else:   # a cut gated dense training: its saved states (one per lr of its sweep)
+        out += sorted(os.path.basename(f) for f in glob.glob(glob.escape(stem) + "dense_state*.pkl"))
   return out
 
 

@@ -29,11 +29,13 @@ def test_elastic_parts_resume_and_merge_equal_the_whole_run(tmp_path):
   """Elastic `test` preset through parts (dense, then the single arm and the static control,
   which reuse the saved dense model; a rerun skips done units) merged == the one-process run
   (every number, curves included). With a gate the dense model cannot reach: stopped at its
-  budget after the first check (exit 3, state saved), resumed to the cap, the seed NOT JUDGED
+  budget after the first check (exit 3, state saved), resumed to the cap, then its own lr sweep's
+second lr to the cap, the seed NOT JUDGED
   (no arm trained, no criterion judged on it), merged == the one-process run."""
   import dataclasses
   mod = elastic_repro
-  mod.PRESETS["test_nogate"] = dataclasses.replace(mod.PRESETS["test"], dense_gate=2.0)
+  mod.PRESETS["test_nogate"] = dataclasses.replace(mod.PRESETS["test"], dense_gate=2.0,
+                                                   dense_lrs=(1e-3, 3e-3))
   try:
     for preset in ("test", "test_nogate"):
       whole = mod.run(mod.PRESETS[preset], log=lambda *a: None)
@@ -56,6 +58,9 @@ def test_elastic_parts_resume_and_merge_equal_the_whole_run(tmp_path):
         assert res["seeds"][0]["arms"]["single"]["curves"]["accuracy"]
       else:
         assert [c[0] for c in gate["checks"]] == [2, 3] and not gate["passed"]
+        # its own lr sweep: both lrs tried to the cap (the first resumed after the budget stop)
+        assert [(t["lr"], t["steps"], t["passed"]) for t in gate["tries"]] == [
+            (1e-3, 3, False), (3e-3, 3, False)]
         assert res["seeds"][0]["judged"] is False and res["seeds"][0]["arms"] == {}
         assert res["metrics"]["judged_seeds"] == 0 and res["metrics"]["single.omega_gap"] is None
   finally:
