@@ -125,6 +125,13 @@ def test_h100_preset_fits_a_shared_gpu():
   assert dict(s.model_groups) == {512: 4} and len(match_mqar.method_lrs(s, "full")) == 4
   m = match_mqar.compiled_memory(s, "full", 512)
   assert m["step_temp"] <= 12 * 2**30 and m["eval_temp"] <= 4 * 2**30, m
+  # the 2-GPU calls cap a length-512 job at CAP[512] of an 80 GB card (4 jobs a card): the
+  # step's and the evaluation's temporaries and the arguments together fit under it
+  import re
+  with open(os.path.join(ROOT, "bench", "match_segmented_gpu.sh")) as f:
+    cap = float(re.search(r"CAP=\(\[512\]=([0-9.]+)", f.read()).group(1))
+  total = m["step_temp"] + m["eval_temp"] + m["step_args"] + m["eval_args"]
+  assert total <= cap * 80e9, (total / 2**30, cap)
 
 
 def test_ttft_bench_test_preset(tmp_path):
