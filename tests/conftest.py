@@ -147,3 +147,40 @@ def pytest_sessionfinish(session, exitstatus):
                         "refresh: make durations",
                "cpu_s": dict(sorted(recorded.items(), key=lambda kv: -kv[1]))}, f, indent=1)
     f.write("\n")
+
+
+# ------------------------------------------------------------------ where tracing repeats
+TRACES_ENV = "CONDATTN_TRACE_COUNTS"  # set to a path -> per file: jit traces / lowerings / compiles
+_TRACE_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
+                 "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+                 "/jax/core/compile/backend_compile_duration": "compile"}
+_traces = collections.defaultdict(lambda: collections.defaultdict(lambda: [0, 0.0]))
+_current_file = [None]
+
+
+if os.environ.get(TRACES_ENV):
+  def _count_trace(event, seconds, fun_name=None, **_):
+    if event in _TRACE_EVENTS and _current_file[0]:
+      entry = _traces[_current_file[0]][f"{_TRACE_EVENTS[event]} {fun_name}"]
+      entry[0] += 1
+      entry[1] += seconds
+  jax.monitoring.register_event_duration_secs_listener(_count_trace)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+  _current_file[0] = _file_key(item.path)
+  yield
+
+
+def pytest_unconfigure(config):
+  """Under CONDATTN_TRACE_COUNTS=<path>: per test file, each jit-traced / lowered / compiled
+  function's count and seconds in this process (tests of one process; subprocesses not
+  counted), most seconds first, appended to <path> as one JSON line per process."""
+  path = os.environ.get(TRACES_ENV)
+  if not path or not _traces:
+    return
+  with open(path, "a") as f:
+    for file, entries in _traces.items():
+      rows = sorted(((k, n, round(s, 2)) for k, (n, s) in entries.items()), key=lambda r: -r[2])
+      f.write(json.dumps({"file": file, "pid": os.getpid(), "functions": rows}) + "\n")

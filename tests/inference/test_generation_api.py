@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import _programs
 from condattn_jax import attention
 from condattn_jax.data.tokenizer import load_tokenizer
 from condattn_jax.inference import Engine, sampling
 from condattn_jax.inference.text import TextStream
-from condattn_jax.models.decoder import Decoder
 from tests._train_helpers import ROOT
 from tests.inference.test_inference import PROMPTS, _dense, _l2a
 
@@ -164,8 +164,7 @@ def _full_aux(cfg, params, seqs):
   for b, s in enumerate(seqs):
     tok[b, :len(s)], seg[b, :len(s)] = s, 1
   pos = np.broadcast_to(np.arange(tok.shape[1], dtype=np.int32), tok.shape)
-  _, aux = Decoder(cfg).apply({"params": params}, jnp.asarray(tok), jnp.asarray(pos),
-                              jnp.asarray(seg))
+  _, aux = _programs.apply(cfg)(params, jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(seg))
   return jax.device_get(aux)
 
 

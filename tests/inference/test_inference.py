@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import _programs
 from condattn_jax import attention
 from condattn_jax.attention import l2a
 from condattn_jax.inference import Engine, cache_bytes
@@ -22,7 +23,8 @@ NEW = 6
 def _dense(**kw):
   cfg = ModelConfig(family="qwen3", qk_norm="head", num_layers=3).replace(**kw)
   tok = jnp.zeros((1, 8), jnp.int32)
-  return cfg, nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(3), tok)["params"])
+  # jitted: an eager init compiles op by op
+  return cfg, nn.unbox(jax.jit(Decoder(cfg).init)(jax.random.PRNGKey(3), tok)["params"])
 
 
 def _l2a(routing="learned", **kw):
@@ -46,8 +48,7 @@ def _check_against_full_forward(cfg, params, gen):
   for b, s in enumerate(seqs):
     tok[b, :len(s)], seg[b, :len(s)] = s, 1
   pos = np.broadcast_to(np.arange(L, dtype=np.int32), tok.shape)
-  full, _ = Decoder(cfg).apply({"params": params}, jnp.asarray(tok), jnp.asarray(pos),
-                               jnp.asarray(seg))
+  full, _ = _programs.apply(cfg)(params, jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(seg))
   for b, prompt in enumerate(PROMPTS):
     want = np.asarray(full[b, len(prompt) - 1:len(seqs[b])])
     np.testing.assert_allclose(gen.logits[b], want, atol=1e-4, rtol=0)

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import _programs
 from condattn_jax import attention
 from condattn_jax.inference import Engine, cache_bytes
 from condattn_jax.models.decoder import Decoder
@@ -61,14 +62,11 @@ def _rows(seqs):
 
 
 def serving_forward(name, cfg, params, tok, pos, seg, prefill_lengths):
-  """The forward the scheme declares generation equals (its training forward by default)."""
-  s = attention.get_scheme(name)
-  model = Decoder(cfg)
-  if s.serving_forward is not None:
-    return s.serving_forward(model, params, tok, pos, seg, np.asarray(prefill_lengths, np.int32))
-  if s.forward is not None:
-    return s.forward(model, params, tok, pos, seg)
-  return model.apply({"params": params}, tok, pos, seg)
+  """The forward the scheme declares generation equals (its training forward by default),
+  jitted once per config (tests/_programs.py: both prefill chunkings share its compilation)."""
+  assert cfg.scheme == name, (cfg.scheme, name)
+  return _programs.serving_forward(cfg)(params, tok, pos, seg,
+                                        np.asarray(prefill_lengths, np.int32))
 
 
 # ---------------------------------------------------------------------------- to and from dense
@@ -146,7 +144,7 @@ def apply_fn(name):
   """(tokens, positions, segment_ids) -> the decoder's (logits, aux), jitted once per scheme
   (the packed-documents and aux checks share its compilation)."""
   cfg, params = tiny(name)
-  f = jax.jit(lambda p, t, pos, seg: Decoder(cfg).apply({"params": p}, t, pos, seg))
+  f = _programs.apply(cfg)
   return lambda t, pos, seg: f(params, t, pos, seg)
 
 
