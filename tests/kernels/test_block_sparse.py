@@ -22,9 +22,10 @@ from pallas_kernels.compact_attention.reference import dense_mask, reference_att
 TRITON = dict(impl="triton", interpret=True)
 
 
-# 3 random draws a run (each compiles its own interpret-mode kernels); the named cases below pin
-# the edge configurations.
-@settings(max_examples=3, deadline=None, suppress_health_check=list(HealthCheck))
+# 3 fixed (derandomized) draws a run (each compiles its own interpret-mode kernels); the named
+# cases below pin the edge configurations.
+@settings(max_examples=3, deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 10 ** 6), gqa=st.sampled_from([(4, 2), (2, 1), (2, 2)]),
        dtype=st.sampled_from(["float32", "bfloat16"]), L=st.integers(1, 4),
        full_frac=st.sampled_from([0.0, 0.5, 1.0]), B=st.integers(1, 2),

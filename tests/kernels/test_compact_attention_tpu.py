@@ -16,9 +16,10 @@ T128 = BlockSizes(block_q=128, block_k=128, block_q_dq=128, block_k_dq=128, bloc
 MOSAIC = dict(impl="mosaic_tpu", interpret=pltpu.InterpretParams(), block_sizes=T128)
 
 
-# 2 random draws a run (each compiles its own interpret-mode kernels); test_mosaic_edge_cases pins
-# the named configurations.
-@settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck))
+# 2 fixed (derandomized) draws a run (each compiles its own interpret-mode kernels);
+# test_mosaic_edge_cases pins the named configurations.
+@settings(max_examples=2, deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
 @given(seed=st.integers(0, 10 ** 6), sparsity=st.floats(0.0, 1.0),
        gqa=st.sampled_from([(2, 1), (4, 2), (2, 2)]), dtype=st.sampled_from(["float32", "bfloat16"]),
        per_head=st.booleans(), extra=st.sampled_from(["none", "window", "segments", "offset"]))
