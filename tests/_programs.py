@@ -13,10 +13,10 @@ import jax.numpy as jnp
 
 @functools.lru_cache(maxsize=None)
 def apply(cfg):
-  """(params, tokens_BT, positions_BT, segment_ids_BT) -> Decoder(cfg)'s (logits_BTV, aux),
-  jitted once per config."""
+  """(params, tokens_BT[, positions_BT, segment_ids_BT]) -> Decoder(cfg)'s (logits_BTV, aux),
+  jitted once per config (positional arrays or None)."""
   from condattn_jax.models.decoder import Decoder
-  return jax.jit(lambda p, t, pos, seg: Decoder(cfg).apply({"params": p}, t, pos, seg))
+  return jax.jit(lambda p, *args: Decoder(cfg).apply({"params": p}, *args))
 
 
 @functools.lru_cache(maxsize=None)

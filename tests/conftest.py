@@ -58,6 +58,8 @@ def _reuse_identical_compilations(max_entries=256):
            compile_options.SerializeAsString(), id(backend))
     if key in cache:
       cache.move_to_end(key)
+      if _REUSE_HOOK:  # CONDATTN_TRACE_COUNTS: a program traced and lowered again
+        _REUSE_HOOK[0](str(computation.operation.attributes["sym_name"]).strip('"'))
       return cache[key]
     out = cache[key] = compile_(backend, computation, devices, compile_options, host_callbacks,
                                 *args, **kwargs)
@@ -68,6 +70,7 @@ def _reuse_identical_compilations(max_entries=256):
   compiler.compile_or_get_cached = compile_or_reuse
 
 
+_REUSE_HOOK = []  # CONDATTN_TRACE_COUNTS sets it: called with a reused program's name
 _reuse_identical_compilations()
 
 
@@ -166,6 +169,11 @@ if os.environ.get(TRACES_ENV):
       entry[1] += seconds
   jax.monitoring.register_event_duration_secs_listener(_count_trace)
 
+  def _count_reuse(name):  # an identical program compiled before: its trace + lower repeated
+    if _current_file[0]:
+      _traces[_current_file[0]][f"reused {name}"][0] += 1
+  _REUSE_HOOK.append(_count_reuse)
+
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item):
@@ -176,7 +184,9 @@ def pytest_runtest_setup(item):
 def pytest_unconfigure(config):
   """Under CONDATTN_TRACE_COUNTS=<path>: per test file, each jit-traced / lowered / compiled
   function's count and seconds in this process (tests of one process; subprocesses not
-  counted), most seconds first, appended to <path> as one JSON line per process."""
+  counted), and 'reused <module>': how often a program identical to one compiled before was
+  traced and lowered again (its compile skipped by _reuse_identical_compilations), most seconds
+  first, appended to <path> as one JSON line per process."""
   path = os.environ.get(TRACES_ENV)
   if not path or not _traces:
     return

@@ -111,34 +111,49 @@ def _ssa_token_mask(o):
   return (s <= t) & ((s // o.block < n_sink) | (t // o.block - s // o.block < n_local))
 
 
+@functools.lru_cache(maxsize=None)
+def _reference_programs(cfg):
+  """_reference's array parts, jitted once per config (run eagerly, every op compiled alone):
+  (layer, x, pos) -> (router logits z [B, K, 2], q, k, v, XA keep [B, K, nq, nk]) and
+  (q, k, v, [B, N, T, S] mask) -> the reference attention's heads."""
+  o = attention.options(cfg)
+  pooled_t = np.flatnonzero((np.arange(T) < o.boundary) | (np.arange(T) >= T - o.boundary))
+
+  def project(layer, x, pos):
+    x_in = RMSNorm(eps=cfg.rms_norm_eps).apply({"params": layer["input_layernorm"]}, x)
+    _, k0, _ = Attention(cfg).apply({"params": layer["self_attn"]}, x_in, method="project")
+    pooled = k0[:, pooled_t].mean(axis=1)                                   # [B, K, H]
+    r = layer["router"]
+    lin = lambda n, h: h @ r[n]["kernel"] + r[n]["bias"]
+    h = lin("task_fc2", jax.nn.silu(lin("task_fc1", pooled)))
+    z = lin("router_fc3", jax.nn.silu(lin("router_fc2", jax.nn.silu(lin("router_fc1", h)))))
+    q, k, v = Attention(cfg).apply({"params": layer["self_attn"]}, x_in, pos, method="qkv")
+    keep = masks.xa_keep(q, k, jnp.ones((B, T), bool), block=o.block, stride=o.xa_stride,
+                         threshold=o.xa_threshold)
+    return z, q, k, v, keep
+  return jax.jit(project), jax.jit(lambda q, k, v, m: reference_attention(q, k, v, m)[0])
+
+
 def _reference(cfg, layer, x, pos, fa_BK=None):
   """(out, fa_BK, fa_mask, sa_mask): router from its equations, then ONE reference attention
   with a per-head [B, N, T, S] dense mask (the head's class-1 or class-0 mask)."""
   o = attention.options(cfg)
-  x_in = RMSNorm(eps=cfg.rms_norm_eps).apply({"params": layer["input_layernorm"]}, x)
-  _, k0, _ = Attention(cfg).apply({"params": layer["self_attn"]}, x_in, method="project")
-  lo, hi = np.arange(T) < o.boundary, np.arange(T) >= T - o.boundary
-  pooled = jnp.asarray(np.asarray(k0)[:, lo | hi].mean(axis=1))           # [B, K, H]
-  r = layer["router"]
-  lin = lambda n, h: h @ r[n]["kernel"] + r[n]["bias"]
-  h = lin("task_fc2", jax.nn.silu(lin("task_fc1", pooled)))
-  z = lin("router_fc3", jax.nn.silu(lin("router_fc2", jax.nn.silu(lin("router_fc1", h)))))
+  project, attend = _reference_programs(cfg)
+  z, q, k, v, keep = project(layer, x, pos)
   if fa_BK is None:
     fa_BK = np.asarray(z[..., 1] > z[..., 0], np.float32)
-  q, k, v = Attention(cfg).apply({"params": layer["self_attn"]}, x_in, pos, method="qkv")
   causal = np.asarray(dense_mask(pos, pos))[:, None]                      # [B, 1, T, S]
   ssa = np.broadcast_to(_ssa_token_mask(o)[None, None], causal.shape)
-  keep = np.asarray(masks.xa_keep(q, k, jnp.ones((B, T), bool), block=o.block,
-                                  stride=o.xa_stride, threshold=o.xa_threshold))
+  keep = np.asarray(keep)
   xa = np.repeat(np.repeat(keep, o.block, 2), o.block, 3)[:, :, :T, :T] & causal
   cls1 = {"fa_ssa": causal, "fa_xa": causal, "xa_ssa": xa}[o.modes]
   cls0 = {"fa_ssa": ssa, "fa_xa": xa, "xa_ssa": ssa}[o.modes]
   G = cfg.num_heads // cfg.num_kv_heads
   on = np.repeat(fa_BK, G, axis=1)[:, :, None, None] > 0.5
   per_head = np.where(on, cls1, cls0)
-  heads = reference_attention(q, k, v, jnp.asarray(per_head))[0]
+  heads = attend(q, k, v, jnp.asarray(per_head))
   out = x + jnp.einsum("btnh,nhd->btd", heads, layer["self_attn"]["o_proj"]["kernel"])
-  full = lambda m: reference_attention(q, k, v, jnp.asarray(np.broadcast_to(m, per_head.shape)))[0]
+  full = lambda m: attend(q, k, v, jnp.asarray(np.broadcast_to(m, per_head.shape)))
   return dict(out=out, fa_BK=fa_BK, heads1=full(cls1), heads0=full(cls0), per_head=per_head)
 
 
