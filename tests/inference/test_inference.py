@@ -2,6 +2,8 @@
 (sliding-window dense, L2A with learned and context-free routing; dense and pruned L2A:
 tests/schemes/test_conformance.py), chunked prefill equals
 one-shot prefill, caches are per row and as large as the scheme's analytic count."""
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -21,7 +23,14 @@ NEW = 6
 
 
 def _dense(**kw):
-  cfg = ModelConfig(family="qwen3", qk_norm="head", num_layers=3).replace(**kw)
+  """(cfg, params) of the qwen3 test model with the config overrides kw: built once per kw in a
+  process (test_generation_api shares them); callers do not modify the params."""
+  return _dense_once(tuple(sorted(kw.items())))
+
+
+@functools.lru_cache(maxsize=None)
+def _dense_once(kw):
+  cfg = ModelConfig(family="qwen3", qk_norm="head", num_layers=3).replace(**dict(kw))
   tok = jnp.zeros((1, 8), jnp.int32)
   # jitted: an eager init compiles op by op
   return cfg, nn.unbox(jax.jit(Decoder(cfg).init)(jax.random.PRNGKey(3), tok)["params"])
