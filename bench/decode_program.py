@@ -430,8 +430,10 @@ OPTION_SETS = {**CB_MODES,
 # attention through the Mosaic GPU decode kernel where auto would run cuDNN's split-KV path
 # (pallas_kernels.decode's DecodeConfig(over_cudnn=True)), or through the XLA reference
 # (model attention_impl='reference': einsum over the cache with a length mask, like the
-# plain-XLA baseline).
-TRACE_SETS = ("mgpu", "refattn")
+# plain-XLA baseline); 'inrange': a decode step's cache writes with one in-range slot per row
+# (models.layers._IN_RANGE_DECODE_WRITE on) instead of the general scatter that drops
+# out-of-range slots (its bounds checks ran as extra kernels per array and layer on the H100).
+TRACE_SETS = ("mgpu", "refattn", "inrange")
 
 
 def _trace_context(sets):
@@ -439,14 +441,19 @@ def _trace_context(sets):
   backends with over_cudnn=True)."""
   import contextlib
   stack = contextlib.ExitStack()
-  if "mgpu" in sets:
+  if "mgpu" in sets or "inrange" in sets:
     # jit reuses a trace per (function, static args, shapes) and engines of one config compare
     # equal: traces made outside the patch must not serve it, nor its trace later variants
     import jax
-    from unittest import mock
-    from pallas_kernels import decode as pd
     jax.clear_caches()
     stack.callback(jax.clear_caches)
+  if "inrange" in sets:
+    from unittest import mock
+    from condattn_jax.models import layers
+    stack.enter_context(mock.patch.object(layers, "_IN_RANGE_DECODE_WRITE", True))
+  if "mgpu" in sets:
+    from unittest import mock
+    from pallas_kernels import decode as pd
     new = tuple(dataclasses.replace(b, config=dataclasses.replace(b.config, over_cudnn=True))
                 if hasattr(getattr(b, "config", None), "over_cudnn") else b for b in pd.BACKENDS)
     stack.enter_context(mock.patch.object(pd, "BACKENDS", new))

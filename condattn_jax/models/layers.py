@@ -5,6 +5,7 @@ Parameters carry logical axis names (see `condattn_jax.train.sharding` for the r
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import flax.linen as nn
@@ -98,6 +99,30 @@ class Projection(nn.Module):
     return y
 
 
+# True: KVCache writes a one-token chunk through `_put_one` instead of the general scatter with
+# mode='drop' (same cache, tested). Off until bench/decode_program.py's 'inrange' variant shows
+# it faster on the GPU: on XLA:CPU it compiles to 1-2 more kernels per layer.
+_IN_RANGE_DECODE_WRITE = False
+
+
+def _put_one(buf, val, *, slot_B, keep_B):
+  """buf [B, S, ...] with val [B, 1, ...] written at (b, slot_B[b]) where keep_B[b], else the
+  slot's own value written back: one in-range index per row, so the compiled update needs no
+  bounds check (a decode step's cache write; mode='drop' with an out-of-range slot costs a
+  predicate and index kernels per array and layer on XLA:GPU)."""
+  B = buf.shape[0]
+  idx_B2 = jnp.stack([jnp.arange(B, dtype=jnp.int32), slot_B.astype(jnp.int32)], axis=1)
+  win = (1, 1) + buf.shape[2:]
+  old = lax.gather(buf, idx_B2, lax.GatherDimensionNumbers(
+      offset_dims=tuple(range(1, buf.ndim - 1)), collapsed_slice_dims=(0, 1),
+      start_index_map=(0, 1)), win, mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+  new = jnp.where(keep_B.reshape((B,) + (1,) * (old.ndim - 1)), val[:, 0].astype(buf.dtype), old)
+  return lax.scatter(buf, idx_B2, new, lax.ScatterDimensionNumbers(
+      update_window_dims=tuple(range(1, buf.ndim - 1)), inserted_window_dims=(0, 1),
+      scatter_dims_to_operand_dims=(0, 1)), indices_are_sorted=True, unique_indices=True,
+      mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+
+
 class KVCache(nn.Module):
   """Decode-time K/V cache in the 'cache' collection, with a length per batch row.
 
@@ -139,9 +164,14 @@ class KVCache(nn.Module):
       keep_BT = valid_BT & (j_BT >= n_B[:, None] - size)  # only the last `size` tokens: no clashes
     else:
       raise ValueError(f"KVCache kind={kind!r}: choose 'full' or 'window'.")
-    slot_BT = jnp.where(keep_BT, slot_BT, size)  # out of range: dropped by the scatter
-    rows_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-    put = lambda buf, val: buf.at[rows_BT, slot_BT].set(val.astype(buf.dtype), mode="drop")
+    if T == 1 and _IN_RANGE_DECODE_WRITE:
+      # a full cache's slot past its end is dropped, as the scatter below drops it
+      put = functools.partial(_put_one, slot_B=jnp.clip(slot_BT[:, 0], 0, size - 1),
+                              keep_B=keep_BT[:, 0] & (slot_BT[:, 0] < size))
+    else:
+      slot_BT = jnp.where(keep_BT, slot_BT, size)  # out of range: dropped by the scatter
+      rows_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+      put = lambda buf, val: buf.at[rows_BT, slot_BT].set(val.astype(buf.dtype), mode="drop")
     before = (ck.value, cv.value, cpos.value, cvalid.value)
     ck.value = put(ck.value, k_BTKH)
     cv.value = put(cv.value, v_BTKH)

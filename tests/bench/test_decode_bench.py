@@ -332,6 +332,9 @@ def test_profile_trace_sets_change_the_h100_program():
   assert calls(cfg, ("mgpu",)) == {"custom_call:mosaic_gpu_v2": 2}
   assert calls(dataclasses.replace(cfg, attention_impl="reference")) == {}
   assert calls(cfg) == {"custom_call:__cudnn$fmhaSoftmax": 2}  # the patch is gone
+  # 'inrange': the cache writes without out-of-range slots (compares per layer 12 -> 5)
+  cmp = lambda sets: dp.stablehlo_histogram(_export(dp, cfg, sets))["stablehlo.compare"]
+  assert cmp(()) - cmp(("inrange",)) == 2 * 7
 
 
 def _export(dp, cfg, sets):

@@ -62,3 +62,34 @@ def test_decode_greedy_equals_single_steps(params):
   assert m.alias_size_in_bytes == cache_bytes(c1)
   with pytest.raises(ValueError, match="steps must be an int >= 1"):
     eng.decode_greedy(c1, pos, active, l1, 0)
+
+
+@pytest.mark.parametrize("kind", ["full", "window"])
+def test_one_token_cache_write_equals_the_dropping_scatter(kind, monkeypatch):
+  """A one-token write (one in-range slot per row; an inactive row rewrites its slot's value)
+  leaves the cache exactly as the general scatter that drops out-of-range slots: a full row
+  (length == size) that is inactive keeps its last key, an active row writes at its length
+  (a ring: length mod size; a full cache: nothing past its end)."""
+  from condattn_jax.models import layers
+  B, size, K, H = 3, 4, 2, 8
+  rng = np.random.default_rng(0)
+  cache = dict(key=jnp.asarray(rng.standard_normal((B, size, K, H)), jnp.float32),
+               value=jnp.asarray(rng.standard_normal((B, size, K, H)), jnp.float32),
+               positions=jnp.asarray(rng.integers(0, 9, (B, size)), jnp.int32),
+               valid=jnp.ones((B, size), jnp.int32), length=jnp.asarray([4, 2, 5], jnp.int32))
+  k = jnp.asarray(rng.standard_normal((B, 1, K, H)), jnp.float32)
+  v = jnp.asarray(rng.standard_normal((B, 1, K, H)), jnp.float32)
+  pos, valid = jnp.asarray([[4], [2], [5]]), jnp.asarray([[False], [True], [True]])
+
+  def write():
+    return layers.KVCache().apply({"cache": cache}, k, v, pos, valid, kind=kind, size=size,
+                                  mutable=["cache"])[1]["cache"]
+  ref = write()  # the default: the scatter that drops out-of-range slots
+  monkeypatch.setattr(layers, "_IN_RANGE_DECODE_WRITE", True)
+  new = write()
+  jax.tree.map(np.testing.assert_array_equal, new, ref)
+  np.testing.assert_array_equal(new["key"][0], cache["key"][0])  # inactive full row untouched
+  np.testing.assert_array_equal(new["key"][1, 2], k[1, 0])
+  np.testing.assert_array_equal(new["length"], [4, 3, 6])
+  if kind == "window":
+    np.testing.assert_array_equal(new["value"][2, 1], v[2, 0])  # slot 5 mod 4
