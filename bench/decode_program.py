@@ -432,8 +432,9 @@ OPTION_SETS = {**CB_MODES,
 # (model attention_impl='reference': einsum over the cache with a length mask, like the
 # plain-XLA baseline); 'inrange': a decode step's cache writes with one in-range slot per row
 # (models.layers._IN_RANGE_DECODE_WRITE on) instead of the general scatter that drops
-# out-of-range slots (its bounds checks ran as extra kernels per array and layer on the H100).
-TRACE_SETS = ("mgpu", "refattn", "inrange")
+# out-of-range slots (its bounds checks ran as extra kernels per array and layer on the H100);
+# 'dot2d': the q / k / v / o projections as 2-D matmuls (models.layers._PROJECTION_2D on).
+TRACE_SETS = ("mgpu", "refattn", "inrange", "dot2d")
 
 
 def _trace_context(sets):
@@ -441,16 +442,17 @@ def _trace_context(sets):
   backends with over_cudnn=True)."""
   import contextlib
   stack = contextlib.ExitStack()
-  if "mgpu" in sets or "inrange" in sets:
+  if any(x in sets for x in ("mgpu", "inrange", "dot2d")):
     # jit reuses a trace per (function, static args, shapes) and engines of one config compare
     # equal: traces made outside the patch must not serve it, nor its trace later variants
     import jax
     jax.clear_caches()
     stack.callback(jax.clear_caches)
-  if "inrange" in sets:
-    from unittest import mock
-    from condattn_jax.models import layers
-    stack.enter_context(mock.patch.object(layers, "_IN_RANGE_DECODE_WRITE", True))
+  for name, flag in (("inrange", "_IN_RANGE_DECODE_WRITE"), ("dot2d", "_PROJECTION_2D")):
+    if name in sets:
+      from unittest import mock
+      from condattn_jax.models import layers
+      stack.enter_context(mock.patch.object(layers, flag, True))
   if "mgpu" in sets:
     from unittest import mock
     from pallas_kernels import decode as pd

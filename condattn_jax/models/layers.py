@@ -72,6 +72,14 @@ def apply_rope(x_BTNH, positions_BT, inv_freq):
   return (x * cos + rotated * sin).astype(x_BTNH.dtype)
 
 
+# True: Projection contracts a 2-D view of its kernel ([in, out], e.g. q [D, N*H]) instead of
+# the [D, N, H] kernel's dot_general. On the H100, XLA rewrote the one-token (M = 1) q / k / v / o
+# dot_generals into a weight-sized multiply + reduce (2 kernels, the weight written and read
+# again) where the 2-D gate / up matmul stayed one GEMM. Off until bench/decode_program.py's
+# 'dot2d' variant says so on the GPU.
+_PROJECTION_2D = False
+
+
 class Projection(nn.Module):
   """y = x @ kernel (+ bias) contracting x's trailing dims with kernel's leading dims.
 
@@ -89,8 +97,15 @@ class Projection(nn.Module):
     n_in = 1 if self.names[0] == "embed" else 2  # contracted (input) dims of the kernel
     kernel = self.param("kernel", _init(self.names), self.shape, self.param_dtype)
     x = x.astype(self.dtype)
-    y = lax.dot_general(x, kernel.astype(self.dtype),
-                        ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ())))
+    if _PROJECTION_2D:  # one [in, out] matmul on flattened dims (free reshapes)
+      n_out = len(self.shape) - n_in
+      k2 = kernel.astype(self.dtype).reshape(math.prod(self.shape[:n_in]), -1)
+      y = (x.reshape(x.shape[:x.ndim - n_in] + (-1,)) @ k2).reshape(
+          x.shape[:x.ndim - n_in] + self.shape[n_in:])
+      assert y.ndim == x.ndim - n_in + n_out
+    else:
+      y = lax.dot_general(x, kernel.astype(self.dtype),
+                          ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ())))
     if self.use_bias:
       out_names = self.names[n_in:]
       bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, out_names),

@@ -335,6 +335,9 @@ def test_profile_trace_sets_change_the_h100_program():
   # 'inrange': the cache writes without out-of-range slots (compares per layer 12 -> 5)
   cmp = lambda sets: dp.stablehlo_histogram(_export(dp, cfg, sets))["stablehlo.compare"]
   assert cmp(()) - cmp(("inrange",)) == 2 * 7
+  # 'dot2d': each of the 4 projections flattens its operands and output (reshapes per layer +8)
+  rs = lambda sets: dp.stablehlo_histogram(_export(dp, cfg, sets))["stablehlo.reshape"]
+  assert rs(("dot2d",)) - rs(()) == 2 * 8
 
 
 def _export(dp, cfg, sets):

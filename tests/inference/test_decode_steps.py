@@ -93,3 +93,18 @@ def test_one_token_cache_write_equals_the_dropping_scatter(kind, monkeypatch):
   np.testing.assert_array_equal(new["length"], [4, 3, 6])
   if kind == "window":
     np.testing.assert_array_equal(new["value"][2, 1], v[2, 0])  # slot 5 mod 4
+
+
+def test_projection_2d_generates_the_same(params, monkeypatch):
+  """models.layers._PROJECTION_2D (q / k / v / o as 2-D matmuls, off by default): the same
+  tokens and logits (float32, 1e-5) as the dot_general path."""
+  from condattn_jax.models import layers
+  prompts = [[3, 9, 4, 1, 7], [5, 2]]
+  a = Engine(CFG, params, cache_len=S).generate(prompts, 4, return_logits=True)
+  monkeypatch.setattr(layers, "_PROJECTION_2D", True)
+  jax.clear_caches()  # engines of one config share traces
+  b = Engine(CFG, params, cache_len=S).generate(prompts, 4, return_logits=True)
+  jax.clear_caches()
+  assert a.tokens == b.tokens
+  for x, y in zip(a.logits, b.logits):
+    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
