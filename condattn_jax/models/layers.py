@@ -75,8 +75,9 @@ def apply_rope(x_BTNH, positions_BT, inv_freq):
 # True: Projection contracts a 2-D view of its kernel ([in, out], e.g. q [D, N*H]) instead of
 # the [D, N, H] kernel's dot_general. On the H100, XLA rewrote the one-token (M = 1) q / k / v / o
 # dot_generals into a weight-sized multiply + reduce (2 kernels, the weight written and read
-# again) where the 2-D gate / up matmul stayed one GEMM. Off until bench/decode_program.py's
-# 'dot2d' variant says so on the GPU.
+# again) where the 2-D gate / up matmul stayed one GEMM. Off: on one H100
+# (bench/decode_program.py variant 'dot2d') XLA:GPU compiled the same kernels (986 a step, the
+# weight-sized multiply still there): the flattening does not change its rewrite. Kept for the A/B.
 _PROJECTION_2D = False
 
 
@@ -115,8 +116,11 @@ class Projection(nn.Module):
 
 
 # True: KVCache writes a one-token chunk through `_put_one` instead of the general scatter with
-# mode='drop' (same cache, tested). Off until bench/decode_program.py's 'inrange' variant shows
-# it faster on the GPU: on XLA:CPU it compiles to 1-2 more kernels per layer.
+# mode='drop' (same cache, tested). Off: on one H100 (bench/decode_program.py variant 'inrange',
+# Qwen2.5-1.5B) B=1 compiled to the same 986 kernels a step (an HLO scatter skips out-of-range
+# updates whatever jax's mode, so XLA keeps its bounds checks) and B=8 32K to 30 more; on
+# XLA:CPU 1-2 more kernels per layer. Kept for the A/B; a plain dynamic-update-slice per row is
+# what would drop the checks.
 _IN_RANGE_DECODE_WRITE = False
 
 
