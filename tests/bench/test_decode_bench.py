@@ -317,11 +317,15 @@ def test_profile_step_measures_every_variant_on_cpu(tmp_path):
   assert a == dict(count=3, busy_us=20.0, span_us=35.0, per_name_us={"x": 15.0, "y": 10.0})
 
 
+@pytest.mark.manual
 def test_profile_trace_sets_change_the_h100_program():
   """The --profile variants' attention paths reach the traced program (exported for an abstract
   H100, 2 layers): default auto = cuDNN's split-KV call per layer, 'mgpu' = the Mosaic GPU decode
   kernel instead (even after a default trace of the same engine: jit's trace cache is cleared),
-  'refattn' = no attention custom call (the XLA reference)."""
+  'refattn' = no attention custom call (the XLA reference). Manual (14 CPU-s; a bench-only
+  check, run it before a GPU --profile call): the variants' plumbing on CPU is covered by
+  test_profile_step_measures_every_variant_on_cpu, and the default decode path's H100 lowering by
+  tests/kernels/test_decode_kernel.py's export tests."""
   import dataclasses
   from bench import decode_program as dp
   cfg, _ = decode.scheme_config("dense", "qwen2.5-1.5b", 512)
