@@ -202,13 +202,18 @@ def _flags(runs, tiny: bool, gpus: int) -> str:
   return out
 
 
-def carry(work_dir: str, runs=RUNS, *, tiny: bool = False) -> list[str]:
+def carry(work_dir: str, runs=RUNS, *, tiny: bool = False,
+          budget_mib: float | None = None, log=None) -> list[str]:
   """The saved trees in `work_dir` that a later call needs (names relative to it): for every
   seed of `runs` with a unit not yet done, its dense model, or its gated dense training's saved
   state(s) where the dense model is not done (an Elastic state holds Adam's moments: ~34 MiB
-  a seed, over the carry budget for more than one seed)."""
+  a seed, over the carry budget for more than one seed). With `budget_mib`, the finished dense
+  models come first and a cut training's states (all or none of one seed's) only while the
+  files' sizes stay within the budget: what is left out restarts in the next call, named on
+  `log`, instead of a pack larger than the device tool returns (64 MiB in all), whose lost
+  pieces would break the whole split archive."""
   import importlib
-  out = []
+  groups = []   # (0 = a finished dense model / 1 = a cut training's states, [names])
   for bench, preset in runs:
     mod = importlib.import_module(f"bench.{bench}")
     p = TINY.get(preset, preset) if tiny else preset
@@ -219,9 +224,24 @@ def carry(work_dir: str, runs=RUNS, *, tiny: bool = False) -> list[str]:
         continue
       done = [n for n in ("dense.msgpack", "dense.pkl") if os.path.exists(stem + n)]
       if done:
-        out.append(os.path.basename(stem + done[0]))
+        groups.append((0, [os.path.basename(stem + done[0])]))
       else:   # a cut gated dense training: its saved states (one per lr of its sweep)
-        out += sorted(os.path.basename(f) for f in glob.glob(glob.escape(stem) + "dense_state*.pkl"))
+        states = sorted(os.path.basename(f)
+                        for f in glob.glob(glob.escape(stem) + "dense_state*.pkl"))
+        if states:
+          groups.append((1, states))
+  if budget_mib is None:
+    return [n for _, names in groups for n in names]
+  out, used, left = [], 0.0, []
+  for _, names in sorted(groups, key=lambda g: g[0]):   # stable: plan order within a kind
+    mib = sum(os.path.getsize(os.path.join(work_dir, n)) for n in names) / 2**20
+    if used + mib <= budget_mib:
+      out, used = out + names, used + mib
+    else:
+      left += names
+  if left and log is not None:
+    log(f"carry: left out {' '.join(left)} (over the {budget_mib:g} MiB carry budget, "
+        f"{used:.1f} MiB kept): those dense trainings restart in the next call")
   return out
 
 
@@ -326,7 +346,9 @@ def main(argv=None):
   if bad:
     raise SystemExit(f"--runs: {bad} not in {RUNS}")
   if a.carry is not None:
-    print(" ".join(carry(a.carry, runs, tiny=a.tiny)))
+    budget = a.carry_mib if a.carry_mib is not None else (CARRY_MIB if a.gpus < 4 else None)
+    print(" ".join(carry(a.carry, runs, tiny=a.tiny, budget_mib=budget,
+                         log=lambda m: print(m, file=sys.stderr))))
     return None
   carry_mib = a.carry_mib if a.carry_mib is not None else (CARRY_MIB if a.gpus < 4 else None)
   calls = plan(runs, tiny=a.tiny, gpus=a.gpus, per_gpu=a.per_gpu, capacity=a.capacity,

@@ -105,3 +105,29 @@ def test_tiny_script_dry_run(tmp_path):
     (run,) = [r for r in runs if r["settings"]["name"] == name]
     assert run["claims"] and all(c["passed"] for c in run["claims"])
   assert (tmp_path / "out" / "aha_elastic_units.tgz").exists()
+
+
+def test_carry_keeps_finished_dense_models_first_within_the_budget(tmp_path):
+  """The pack's --carry list on a work dir like the one-GPU call 1 left (Elastic seed 0 cut with
+  two sweep states, seeds 1-2 dense done, AHA dense done): within the budget the finished dense
+  models come first and a cut training's states go all together or not at all (named on the
+  log), so the pack never outgrows what the device tool returns; without a budget, all."""
+  def f(name, mib):
+    (tmp_path / name).write_bytes(b"\0" * int(mib * 2**20))
+  f("elastic_repro_h100_s0_dense_state_lr0.pkl", 6)
+  f("elastic_repro_h100_s0_dense_state_lr1.pkl", 6)
+  for s in (1, 2):
+    f(f"elastic_repro_h100_s{s}_dense.msgpack", 3)
+  for s in (0, 1, 2):
+    f(f"aha_repro_h100_s{s}_dense.msgpack", 1)
+  runs = (("elastic_repro", "h100"), ("aha_repro", "h100"))
+  everything = gp.carry(str(tmp_path), runs)
+  assert len(everything) == 7
+  logged = []
+  kept = gp.carry(str(tmp_path), runs, budget_mib=10, log=logged.append)
+  assert kept == ["elastic_repro_h100_s1_dense.msgpack", "elastic_repro_h100_s2_dense.msgpack",
+                  "aha_repro_h100_s0_dense.msgpack", "aha_repro_h100_s1_dense.msgpack",
+                  "aha_repro_h100_s2_dense.msgpack"]
+  assert len(logged) == 1 and "dense_state_lr0.pkl" in logged[0] and "lr1" in logged[0]
+  roomy = gp.carry(str(tmp_path), runs, budget_mib=30, log=logged.append)
+  assert sorted(roomy) == sorted(everything) and len(logged) == 1
