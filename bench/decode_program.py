@@ -432,7 +432,7 @@ OPTION_SETS = {**CB_MODES,
 # (model attention_impl='reference': einsum over the cache with a length mask, like the
 # plain-XLA baseline); 'inrange': a decode step's cache writes with one in-range slot per row
 # (models.layers._IN_RANGE_DECODE_WRITE on) instead of the general scatter that drops
-# out-of-range slots (its bounds checks ran as extra kernels per array and layer on the H100);
+# out-of-range slots;
 # 'dot2d': the q / k / v / o projections as 2-D matmuls (models.layers._PROJECTION_2D on).
 TRACE_SETS = ("mgpu", "refattn", "inrange", "dot2d")
 

@@ -301,12 +301,11 @@ class Engine:
   prefill_chunk: prompt tokens per prefill call (None: the whole padded prompt at once); chunked
     prefill bounds activation memory at long context.
   split_layers: hold the params in `models.stacking.split_groups`' layout (each layer's weights
-    their own arrays, made once here; the stacked tree given is not kept by the engine): the
-    steps run every layer unrolled, and a slice of a stacked weight is a copy of that weight
-    every step on compilers that do not fuse it into its matmul (XLA:CPU; XLA:GPU's cuBLAS
-    calls: bench/decode_program.py --profile times both). Same tokens and logits (tested);
-    `engine.params` is then the split tree, which the scanned forward (`model.apply` without
-    unroll_layers) does not take.
+    their own arrays, made once here; the stacked tree given is not kept by the engine), so no
+    step slices a stacked weight (a compiler that does not fuse the slice into its matmul copies
+    the weight every step; bench/decode_program.py --profile compares both layouts). Same tokens
+    and logits (tested); `engine.params` is then the split tree, which the scanned forward
+    (`model.apply` without unroll_layers) does not take.
   """
 
   def __init__(self, model_cfg: ModelConfig, params, *, cache_len: int,

@@ -73,11 +73,9 @@ def apply_rope(x_BTNH, positions_BT, inv_freq):
 
 
 # True: Projection contracts a 2-D view of its kernel ([in, out], e.g. q [D, N*H]) instead of
-# the [D, N, H] kernel's dot_general. On the H100, XLA rewrote the one-token (M = 1) q / k / v / o
-# dot_generals into a weight-sized multiply + reduce (2 kernels, the weight written and read
-# again) where the 2-D gate / up matmul stayed one GEMM. Off: on one H100
-# (bench/decode_program.py variant 'dot2d') XLA:GPU compiled the same kernels (986 a step, the
-# weight-sized multiply still there): the flattening does not change its rewrite. Kept for the A/B.
+# the [D, N, H] kernel's dot_general (same result, tested). Off: it did not change the compiled
+# GPU decode step (docs/performance.md, "Where a B = 1 decode step's time goes"); kept for that
+# A/B (bench/decode_program.py variant 'dot2d').
 _PROJECTION_2D = False
 
 
@@ -116,19 +114,16 @@ class Projection(nn.Module):
 
 
 # True: KVCache writes a one-token chunk through `_put_one` instead of the general scatter with
-# mode='drop' (same cache, tested). Off: on one H100 (bench/decode_program.py variant 'inrange',
-# Qwen2.5-1.5B) B=1 compiled to the same 986 kernels a step (an HLO scatter skips out-of-range
-# updates whatever jax's mode, so XLA keeps its bounds checks) and B=8 32K to 30 more; on
-# XLA:CPU 1-2 more kernels per layer. Kept for the A/B; a plain dynamic-update-slice per row is
-# what would drop the checks.
+# mode='drop' (same cache, tested). Off: it did not shorten the compiled GPU decode step
+# (docs/performance.md, "Where a B = 1 decode step's time goes"); kept for that A/B
+# (bench/decode_program.py variant 'inrange').
 _IN_RANGE_DECODE_WRITE = False
 
 
 def _put_one(buf, val, *, slot_B, keep_B):
   """buf [B, S, ...] with val [B, 1, ...] written at (b, slot_B[b]) where keep_B[b], else the
-  slot's own value written back: one in-range index per row, so the compiled update needs no
-  bounds check (a decode step's cache write; mode='drop' with an out-of-range slot costs a
-  predicate and index kernels per array and layer on XLA:GPU)."""
+  slot's own value written back: one in-range index per row (slot_B in [0, S); the gather and
+  scatter promise it), where the general write sends a dropped token out of range."""
   B = buf.shape[0]
   idx_B2 = jnp.stack([jnp.arange(B, dtype=jnp.int32), slot_B.astype(jnp.int32)], axis=1)
   win = (1, 1) + buf.shape[2:]
