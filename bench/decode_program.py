@@ -18,7 +18,7 @@ r"""What one decode step runs: the op histogram of a compiled program, per layer
     # trace, for both params layouts, XLA command buffers off / default / extended (CB_MODES),
     # dot merging, the decode attention path (cuDNN split-KV / Mosaic GPU kernel / XLA
     # reference) and k greedy steps per call (Engine.decode_greedy); prints a table
-    python -m bench.decode_program --time --profile --T=8192,131072 --out=profile.json
+    python -m bench.decode_program --time --profile --T=8192,131072 --out_dir=bench/results
 
 A step at fixed T is bounded by its bytes (weights + K/V), but a small step is bounded by what
 the GPU launches per layer: every fusion, library call (cuBLAS / cuDNN), Pallas kernel, copy and
@@ -678,6 +678,10 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--layers", default="2,3", help="the two layer counts of the per-layer split")
   p.add_argument("--no_full", action="store_true", help="skip the full-depth total")
   p.add_argument("--out", default=None, help="write the tables here as JSON")
+  p.add_argument("--out_dir", default=None, help="--profile: also append the run (device, jax "
+                 "version, date, commit, settings, rows) to <out_dir>/decode_program_<device>.json "
+                 "in bench/common.py's result schema")
+  p.add_argument("--name", default="profile", help="--profile --out_dir: the run's name")
   p.add_argument("--time", action="store_true", help="time the engine's step in this process "
                  "for each --variants params layout (time_step) instead of the tables")
   p.add_argument("--variants", default="stacked,split", help="--time: params layouts; with "
@@ -719,6 +723,14 @@ def main(argv=None) -> list[dict]:
       rows += time_step(a.shapes, a.B, T, variants=tuple(a.variants.split(",")), steps=a.steps,
                         repeats=a.repeats, compiler_options=opts)
     if a.profile:
+      if a.out_dir:
+        from bench import common
+        run = common.new_run("decode_program", dict(
+            name=a.name, shapes=a.shapes, B=a.B, T=[int(t) for t in str(a.T).split(",")],
+            variants=[r["variant"] for r in rows], steps=a.steps, repeats=a.repeats,
+            traced=a.traced, options=opts))
+        run["rows"] = [{k: v for k, v in r.items() if k != "trace_lines"} for r in rows]
+        common.append_run(common.result_path("decode_program", a.out_dir), run)
       return rows
     print(json.dumps([{k: v for k, v in r.items() if k != "histogram"} for r in rows]))
     if a.out:

@@ -287,7 +287,7 @@ def test_profile_step_measures_every_variant_on_cpu(tmp_path):
   rows = dp.main(["--time", "--profile", "--shapes=tiny-qwen", "--B=1", "--T=32",
                   "--variants=split,split:off:dotmerge,split:refattn:k2,xla_per_layer", "--steps=2",
                   "--repeats=1", "--traced=2", f"--out={out}", f"--hlo_dir={tmp_path}",
-                  "--hlo_variants=split"])
+                  "--hlo_variants=split", f"--out_dir={tmp_path}"])
   assert [r["variant"] for r in rows] == ["split", "split:off:dotmerge", "split:refattn:k2",
                                              "xla_per_layer"]
   assert all(r["status"] == "ok" for r in rows), [r.get("error") for r in rows]
@@ -303,6 +303,9 @@ def test_profile_step_measures_every_variant_on_cpu(tmp_path):
   assert k2["steps_per_call"] == 2 and k2["histogram"]["while"] == 1
   assert by["xla_per_layer"]["program"] == "xla_per_layer"
   assert len(__import__("json").loads(out.read_text())) == 4
+  (run,) = common.load(common.result_path("decode_program", str(tmp_path)))["runs"]  # the schema
+  assert [r["variant"] for r in run["rows"]] == [r["variant"] for r in rows]
+  assert run["settings"]["T"] == [32] and run["jax_version"] and run["date"]
   import gzip
   with gzip.open(by["split"]["hlo_file"], "rt") as f:  # the program it timed, for offline reading
     assert dp.op_histogram(f.read()) == by["split"]["histogram"]
