@@ -57,7 +57,10 @@ from bench import common  # noqa: E402
 from bench import e2e  # noqa: E402
 
 SCHEMES = {"dense": "dense", "l2a": "l2a_q0.2"}  # this bench's name -> bench/e2e.py's scheme
-LAYOUTS = ("one", "sequence", "data")
+LAYOUTS = ("one", "sequence", "data", "seqfsdp")
+MODELS = ("1.5b", "7b_recipe")
+QWEN7B_CONFIG = os.path.join(common.ROOT, "tests", "fixtures", "config_only", "qwen2.5-7b",
+                             "config.json")
 GOAL = dict(scheme="l2a", T=131072, layout="sequence", devices=2, min_efficiency=0.85)
 
 FLAGS = common.flag_values(n=None, warmup=None)
@@ -80,6 +83,19 @@ flags.DEFINE_enum("halo_exchange", "ppermute", ["ppermute", "all_gather"],
                   "how L2A's window halo moves under the sequence layout "
                   "(condattn_jax/parallel/context.halo_exchange)", flag_values=FLAGS)
 flags.DEFINE_integer("reps", 3, "timed train steps per row (median)", flag_values=FLAGS)
+flags.DEFINE_enum("model", "1.5b", list(MODELS), "1.5b: bench/e2e.py's Qwen2.5-1.5B shapes and "
+                  "schemes; 7b_recipe: configs/l2a_qwen.py's Qwen2.5-7B L2A recipe (scheme l2a "
+                  "only: learned routing, p_force 0.1, its trainable subset and optimizer), "
+                  "random init", flag_values=FLAGS)
+flags.DEFINE_integer("rows", 0, "rows per step (0: 1, or n for the data layout); seqfsdp needs "
+                     "a multiple of 2", flag_values=FLAGS)
+flags.DEFINE_integer("steps", 0, "0: one first step then --reps timed steps on the same batch; "
+                     "S > 0: S training steps from step 0, a fresh random batch each, every "
+                     "step's loss recorded (the rows of one (T, scheme) compared step by step)",
+                     flag_values=FLAGS)
+flags.DEFINE_float("steps_rtol", 2e-3, "--steps claim: every step's loss within this relative "
+                   "difference of the reference row's (the first of its T / scheme)",
+                   flag_values=FLAGS)
 flags.DEFINE_float("loss_rtol", 2e-2, "loss claim: relative difference to one device",
                    flag_values=FLAGS)
 flags.DEFINE_bool("tiny", False, "bench/e2e.py's tiny shapes (CPU check)", flag_values=FLAGS)
@@ -97,19 +113,57 @@ flags.DEFINE_string("rows_date", None, "with --from_rows: when they ran (ISO 860
 flags.DEFINE_string("row", None, "internal: run one row (JSON) and print it", flag_values=FLAGS)
 
 
-def row_config(T: int, scheme: str, layout: str, n: int, *, tiny: bool, strategy: str):
-  """The run config of one row (bench/e2e.py's, with this layout's batch and mesh)."""
-  c = e2e.run_config(T, SCHEMES[scheme], shapes=e2e.TINY if tiny else e2e.QWEN25_1P5B)
-  c.data.batch_size = n if layout == "data" else 1
-  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = (n if layout == "data" else 1), 1, 1
-  c.mesh.sequence = n if layout == "sequence" else 1
+def qwen7b_shapes() -> dict:
+  """Qwen2.5-7B's model fields from its config.json (tests/fixtures/config_only), RoPE base as
+  the L2A recipe raises it (5e6)."""
+  with open(QWEN7B_CONFIG) as f:
+    h = json.load(f)
+  return dict(family=h["model_type"], vocab_size=h["vocab_size"], hidden_size=h["hidden_size"],
+              intermediate_size=h["intermediate_size"], num_layers=h["num_hidden_layers"],
+              num_heads=h["num_attention_heads"], num_kv_heads=h["num_key_value_heads"],
+              head_dim=h["hidden_size"] // h["num_attention_heads"], rope_theta=5e6,
+              rms_norm_eps=h["rms_norm_eps"], tie_word_embeddings=h["tie_word_embeddings"],
+              attention_bias=True)
+
+
+def row_rows(layout: str, n: int, rows: int = 0) -> int:
+  """Rows per step: --rows, else n for the data layout and 1 otherwise."""
+  return rows or (n if layout == "data" else 1)
+
+
+def row_config(T: int, scheme: str, layout: str, n: int, *, tiny: bool, strategy: str,
+               model: str = "1.5b", rows: int = 0, steps: int = 0):
+  """The run config of one row (bench/e2e.py's, or the 7B L2A recipe's, with this layout's batch
+  and mesh: seqfsdp is fsdp 2 x sequence n / 2)."""
+  if model == "7b_recipe":
+    if scheme != "l2a":
+      raise SystemExit(f"bench.scale: --model=7b_recipe is the L2A recipe; scheme {scheme!r} "
+                       "has none (use --schemes=l2a)")
+    from configs import l2a_qwen
+    c = l2a_qwen.get_config(f"qwen2.5-7b,seq={T},steps={max(steps, 1)}"
+                            + (",window=8" if tiny else ""))  # tiny: a window the row exceeds
+    c.model.init_from = None  # random init: the recipe's shapes without weights
+    for k, v in (e2e.TINY if tiny else qwen7b_shapes()).items():
+      c.model[k] = v
+    c.train.progress_bar = False
+  else:
+    c = e2e.run_config(T, SCHEMES[scheme], shapes=e2e.TINY if tiny else e2e.QWEN25_1P5B)
+  c.data.batch_size = row_rows(layout, n, rows)
+  fsdp = 2 if layout == "seqfsdp" else 1
+  if layout == "seqfsdp" and (n % 2 or n < 4):
+    raise SystemExit(f"bench.scale: layout seqfsdp x{n}: fsdp 2 x sequence n / 2 needs n a "
+                     "multiple of 2 and >= 4")
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = (n if layout == "data" else 1), fsdp, 1
+  c.mesh.sequence = n if layout == "sequence" else n // 2 if layout == "seqfsdp" else 1
   c.mesh.sequence_attention = strategy
   return c
 
 
 def run_row(T: int, scheme: str, layout: str, n: int, *, tiny: bool = False, reps: int = 3,
-            strategy: str = "all_gather", halo_exchange: str = "ppermute") -> dict:
-  """Measures one (T, scheme, layout) row on the first n devices (1 for 'one')."""
+            strategy: str = "all_gather", halo_exchange: str = "ppermute", model: str = "1.5b",
+            rows: int = 0, steps: int = 0) -> dict:
+  """Measures one (T, scheme, layout) row on the first n devices (1 for 'one'); steps > 0: that
+  many training steps on fresh batches, every loss kept (`losses`)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
@@ -121,24 +175,50 @@ def run_row(T: int, scheme: str, layout: str, n: int, *, tiny: bool = False, rep
                              flush=True)  # a row cut by its timeout names where it was
   devices = jax.devices()[:k]
   phase("devices")
-  c = row_config(T, scheme, layout, k, tiny=tiny, strategy=strategy)
+  c = row_config(T, scheme, layout, k, tiny=tiny, strategy=strategy, model=model, rows=rows,
+                 steps=steps)
   row: dict[str, Any] = dict(T=T, scheme=scheme, layout=layout, devices=k,
                              rows=int(c.data.batch_size), halo_exchange=halo_exchange)
+  if model != "1.5b":
+    row["model"] = model
   setup = loop.build(c, devices=devices)
   row["mesh"] = dict(setup.mesh.shape)
   phase("built")
   state = loop.init_state(setup)
   jax.block_until_ready(state)
   phase("initialised")
-  one = e2e.random_batch(T, setup.model_cfg.vocab_size, seed=1)
-  batch = {key: jnp.concatenate([v] * row["rows"], axis=0) for key, v in one.items()}
-  batch = jax.device_put(batch, setup.batch_sharding)
+  vocab = setup.model_cfg.vocab_size
+
+  def make_batch(i):  # steps == 0: the baseline's row copied; else step i's own rows
+    ones = ([e2e.random_batch(T, vocab, seed=1)] * row["rows"] if not steps else
+            [e2e.random_batch(T, vocab, seed=1000 * (i + 1) + r) for r in range(row["rows"])])
+    b = {key: jnp.concatenate([o[key] for o in ones], axis=0) for key in ones[0]}
+    return jax.device_put(b, setup.batch_sharding)
+
+  batch = make_batch(0)
   with setup.mesh_context(), context.halo_exchange(halo_exchange):
     t0 = time.perf_counter()
     compiled = loop.jit_train_step(setup).lower(setup.abstract_state,
                                                 setup.batch_abstract).compile()
     row["compile_s"] = time.perf_counter() - t0
+    mem = loop.compiled_memory(compiled)
+    if mem:  # the dry run's prediction (train.py --dry_run_device on this device kind)
+      row["predicted_peak_bytes"] = mem["peak_estimate_bytes"]
     phase("compiled")
+    if steps:
+      box, ts, losses = {"state": state}, [], []
+      for i in range(steps):
+        b = make_batch(i)
+        jax.block_until_ready(b)
+        t0 = time.perf_counter()
+        box["state"], metrics = compiled(box["state"], b)
+        jax.block_until_ready((box["state"].params, metrics))
+        ts.append((time.perf_counter() - t0) * 1e3)
+        losses.append(float(jax.device_get(metrics["loss"])))
+        phase(f"step {i} {ts[-1]:.0f} ms loss {losses[-1]:.6f}")
+      row.update(losses=losses, loss=losses[0], step_ms_all=ts,
+                 step_ms=float(np.median(ts[1:] if steps > 1 else ts)))
+      return _finish_row(row, devices, T, k)
     box = {"state": state}
 
     def step():
@@ -156,6 +236,11 @@ def run_row(T: int, scheme: str, layout: str, n: int, *, tiny: bool = False, rep
       phase(f"step {i + 1} {ts[-1]:.0f} ms")
   row["step_ms"] = float(np.median(ts))
   row["step_ms_all"] = ts
+  return _finish_row(row, devices, T, k)
+
+
+def _finish_row(row: dict, devices, T: int, k: int) -> dict:
+  """Throughput and the measured peak memory (max over the row's devices) of a timed row."""
   row["tokens_per_s"] = row["rows"] * T / (row["step_ms"] / 1e3)
   row["tokens_per_s_per_device"] = row["tokens_per_s"] / k
   stats = [d.memory_stats() or {} for d in devices]
@@ -256,7 +341,8 @@ def run_concurrent(specs: list[dict], num_devices: int, timeout_s: float | None,
 
 def plan(a, n_all: int) -> list[dict]:
   """The rows to run: --plan, else --T x --schemes x (one + --layouts x --devices)."""
-  base = dict(tiny=a.tiny, reps=a.reps, strategy=a.strategy, halo_exchange=a.halo_exchange)
+  base = dict(tiny=a.tiny, reps=a.reps, strategy=a.strategy, halo_exchange=a.halo_exchange,
+              model=a.model, rows=a.rows, steps=a.steps)
   if a.plan:
     out = []
     for item in a.plan:
@@ -277,8 +363,11 @@ def plan(a, n_all: int) -> list[dict]:
   return out
 
 
-def summarize(rows: list[dict], loss_rtol: float) -> tuple[list[dict], dict, dict]:
-  """(rows with scaling_efficiency / loss_rel_diff, claims {name: passed}, goal)."""
+def summarize(rows: list[dict], loss_rtol: float,
+              steps_rtol: float = 2e-3) -> tuple[list[dict], dict, dict]:
+  """(rows with scaling_efficiency / loss_rel_diff, claims {name: passed}, goal). Rows with
+  per-step `losses` (--steps) are also compared step by step with the first such row of their
+  (T, scheme, model): steps_rel_diff = the largest relative difference over the steps."""
   for r in rows:  # a row whose child failed carries its spec: name its device count
     r.setdefault("devices", 1 if r["layout"] == "one" else r.get("n"))
   base = {(r["T"], r["scheme"]): r for r in rows if r["layout"] == "one" and "loss" in r}
@@ -291,6 +380,22 @@ def summarize(rows: list[dict], loss_rtol: float) -> tuple[list[dict], dict, dic
     r["loss_rel_diff"] = abs(r["loss"] - b["loss"]) / abs(b["loss"])
     claims[f"{r['scheme']} {r['T']} {r['layout']} x{r['devices']}: loss within {loss_rtol} of "
            "one device"] = r["loss_rel_diff"] <= loss_rtol
+  ref: dict = {}
+  for r in rows:
+    if "losses" not in r:
+      continue
+    key = (r["T"], r["scheme"], r.get("model", "1.5b"))
+    b = ref.setdefault(key, r)
+    if b is r:
+      continue
+    if len(b["losses"]) != len(r["losses"]):
+      raise ValueError(f"bench.scale: rows {b['layout']} x{b['devices']} and {r['layout']} "
+                       f"x{r['devices']} ran {len(b['losses'])} / {len(r['losses'])} steps")
+    r["steps_reference"] = f"{b['layout']} x{b['devices']}"
+    r["steps_rel_diff"] = max(abs(x - y) / abs(y) for x, y in zip(r["losses"], b["losses"]))
+    claims[f"{r.get('model', '1.5b')} {r['scheme']} {r['T']} {r['layout']} x{r['devices']}: "
+           f"{len(r['losses'])} step losses within {steps_rtol} of {r['steps_reference']}"] = (
+               r["steps_rel_diff"] <= steps_rtol)
   hit = [r for r in rows if r["scheme"] == GOAL["scheme"] and r["T"] == GOAL["T"]
          and r["layout"] == GOAL["layout"] and r["devices"] == GOAL["devices"]
          and "scaling_efficiency" in r]
@@ -316,6 +421,14 @@ def table(rows: list[dict]) -> str:
   return "\n".join(out)
 
 
+def model_name(a) -> str:
+  shapes = "bench/e2e.py TINY shapes" if a.tiny else None
+  if a.model == "7b_recipe":
+    return (f"configs/l2a_qwen.py qwen2.5-7b recipe, {shapes or 'Qwen2.5-7B shapes'}, random init, "
+            "bf16 compute, fp32 master weights")
+  return shapes or "Qwen2.5-1.5B shapes (bench/e2e.py)"
+
+
 def record_rows(a) -> int:
   """--from_rows: the rows of progress files judged and appended as one run, with the device,
   commit and date they ran on (flags; a row's own device_kind must agree)."""
@@ -331,11 +444,11 @@ def record_rows(a) -> int:
     raise SystemExit("bench.scale: --from_rows needs one device (rows' device_kind or "
                      f"--rows_device; got {sorted(kinds)}), --rows_commit and --rows_date")
   (device,) = kinds
-  rows, claims, goal = summarize(rows, a.loss_rtol)
+  rows, claims, goal = summarize(rows, a.loss_rtol, a.steps_rtol)
   result = dict(rows=rows, goal=goal, settings=dict(
       plan=[f"{r['T']}:{r['scheme']}:{r['layout']}:{r['devices']}" for r in rows],
       from_rows=[os.path.basename(p) for p in a.from_rows], loss_rtol=a.loss_rtol,
-      reps=a.reps, strategy=a.strategy, model="Qwen2.5-1.5B shapes (bench/e2e.py)"))
+      reps=a.reps, strategy=a.strategy, model=model_name(a)))
   run = common.make_run("scale", result, name="main", claims=claims)
   run.update(device=device, git_commit=a.rows_commit, date=a.rows_date)
   path = common.result_path("scale", a.out_dir, device=device)
@@ -378,14 +491,14 @@ def main(argv=None) -> int:
     for spec in specs:
       rows.append(run_row(**spec) if a.inprocess else _row_in_child(spec, a.row_timeout_s))
       on_row(rows[-1])
-  rows, claims, goal = summarize(rows, a.loss_rtol)
+  rows, claims, goal = summarize(rows, a.loss_rtol, a.steps_rtol)
   result = dict(rows=rows, goal=goal, settings=dict(
       T=sorted({s["T"] for s in specs}), schemes=sorted({s["scheme"] for s in specs}),
       layouts=sorted({s["layout"] for s in specs}), devices=sorted({row_devices(s) for s in specs}),
       plan=[f"{s['T']}:{s['scheme']}:{s['layout']}:{row_devices(s)}" for s in specs],
       concurrent=bool(a.concurrent), strategy=a.strategy, halo_exchange=a.halo_exchange,
-      reps=a.reps, tiny=a.tiny, loss_rtol=a.loss_rtol,
-      model="bench/e2e.py TINY" if a.tiny else "Qwen2.5-1.5B shapes (bench/e2e.py)"))
+      reps=a.reps, tiny=a.tiny, loss_rtol=a.loss_rtol, rows=a.rows, steps=a.steps,
+      steps_rtol=a.steps_rtol, model=model_name(a)))
   path = common.result_path("scale", a.out_dir)
   common.write_result(path, "scale", result, name="tiny" if a.tiny else "main", claims=claims)
   print(table(rows))

@@ -452,14 +452,8 @@ def dry_run(config, *, devices=None, print_fn=print) -> dict[str, Any]:
            batch_bytes=_per_device_bytes(setup.batch_abstract,
                                          {k: setup.batch_sharding for k in setup.batch_abstract}),
            activations_estimate_bytes=_activation_bytes(setup))
-  mem = compiled.memory_analysis() if compiled is not None else None
-  if mem is not None:
-    m.update({k: int(getattr(mem, k)) for k in ("argument_size_in_bytes", "output_size_in_bytes",
-                                               "alias_size_in_bytes", "temp_size_in_bytes",
-                                               "generated_code_size_in_bytes") if hasattr(mem, k)})
-    m["peak_estimate_bytes"] = (m.get("argument_size_in_bytes", 0)
-                                + m.get("output_size_in_bytes", 0)
-                                - m.get("alias_size_in_bytes", 0) + m.get("temp_size_in_bytes", 0))
+  if compiled is not None:
+    m.update(compiled_memory(compiled))
   if oom_temp is not None:  # the TPU compiler's own figure for the temporaries
     m["temp_size_in_bytes"] = oom_temp
     m["peak_estimate_bytes"] = (m["params_bytes"] + m["optimizer_bytes"] + m["batch_bytes"]
@@ -484,6 +478,21 @@ def dry_run(config, *, devices=None, print_fn=print) -> dict[str, Any]:
   if print_fn is not None:
     print_fn(format_dry_run(report))
   return report
+
+
+def compiled_memory(compiled) -> dict:
+  """A compiled step's memory_analysis per device (argument / output / alias / temp / code bytes)
+  and the dry run's peak prediction from it: peak_estimate_bytes = arguments + outputs - aliased
+  (donated) + temporaries. {} where the backend gives no analysis."""
+  mem = compiled.memory_analysis()
+  if mem is None:
+    return {}
+  m = {k: int(getattr(mem, k)) for k in ("argument_size_in_bytes", "output_size_in_bytes",
+                                         "alias_size_in_bytes", "temp_size_in_bytes",
+                                         "generated_code_size_in_bytes") if hasattr(mem, k)}
+  m["peak_estimate_bytes"] = (m.get("argument_size_in_bytes", 0) + m.get("output_size_in_bytes", 0)
+                              - m.get("alias_size_in_bytes", 0) + m.get("temp_size_in_bytes", 0))
+  return m
 
 
 def format_dry_run(r: dict) -> str:

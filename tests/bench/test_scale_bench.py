@@ -53,3 +53,36 @@ def test_plan_rows_from_flags_and_refuses_a_bad_item():
   a = scale.common.parse_flags(scale.FLAGS, ["--plan=131072:l2a:zigzag"])
   with pytest.raises(SystemExit, match="want T:scheme:layout"):
     scale.plan(a, n_all=2)
+
+
+@pytest.mark.slow
+def test_recipe_rows_compare_every_step(tmp_path):
+  """--model=7b_recipe (configs/l2a_qwen.py's L2A recipe: learned routing, forced-global steps,
+  its trainable subset; tiny shapes here) over 2 training steps of 2 fresh rows each: sequence 4
+  and fsdp 2 x sequence 2 give the same loss at every step, the dry run's peak is on the row."""
+  assert scale.main(["--model=7b_recipe", "--tiny", "--T=32", "--steps=2", "--rows=2",
+                     "--plan=32:l2a:sequence:4,32:l2a:seqfsdp:4", "--inprocess",
+                     f"--out_dir={tmp_path}"]) == 0
+  (path,) = tmp_path.glob("scale_*.json")
+  run = json.loads(path.read_text())["runs"][-1]
+  seq, sf = run["rows"]
+  assert seq["mesh"] == {"data": 1, "fsdp": 1, "sequence": 4, "tensor": 1}
+  assert sf["mesh"] == {"data": 1, "fsdp": 2, "sequence": 2, "tensor": 1}
+  assert (seq["rows"], len(seq["losses"]), seq["model"]) == (2, 2, "7b_recipe")
+  assert seq["losses"][0] != seq["losses"][1]  # a fresh batch and an update each step
+  assert sf["steps_reference"] == "sequence x4" and sf["steps_rel_diff"] < 2e-3
+  assert seq["predicted_peak_bytes"] > 0
+  assert [c["passed"] for c in run["claims"]] == [True]
+  assert "qwen2.5-7b recipe" in run["settings"]["model"]
+
+
+def test_summarize_fails_a_step_loss_that_moved():
+  row = lambda layout, losses: dict(T=131072, scheme="l2a", layout=layout, devices=4,
+                                    model="7b_recipe", losses=losses, loss=losses[0])
+  rows, claims, _ = scale.summarize([row("sequence", [10.0, 9.0]), row("seqfsdp", [10.0, 9.01])],
+                                    loss_rtol=2e-2, steps_rtol=2e-3)
+  assert rows[1]["steps_rel_diff"] == pytest.approx(0.01 / 9.0)
+  assert list(claims.values()) == [True]
+  rows, claims, _ = scale.summarize([row("sequence", [10.0, 9.0]), row("seqfsdp", [10.0, 9.03])],
+                                    loss_rtol=2e-2, steps_rtol=2e-3)
+  assert list(claims.values()) == [False]
