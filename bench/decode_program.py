@@ -304,6 +304,9 @@ def exported_text(program: str, cfg, B: int, T: int, platform: str = "cuda") -> 
   import contextlib
   mesh = (jax.sharding.use_abstract_mesh(h100_mesh()) if program.startswith("engine")
           else contextlib.nullcontext())  # the baseline calls no ops.attention
+  if program.startswith("engine"):  # the arguments on the mesh the step's values live on
+    rep = jax.sharding.NamedSharding(h100_mesh(), jax.sharding.PartitionSpec())
+    args = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=rep), args)
   with cudnn_exportable(), mesh:
     return jax.export.export(jax.jit(fn, donate_argnums=donate), platforms=[platform], disabled_checks=checks)(
         *args).mlir_module()
@@ -430,11 +433,13 @@ OPTION_SETS = {**CB_MODES,
 # attention through the Mosaic GPU decode kernel where auto would run cuDNN's split-KV path
 # (pallas_kernels.decode's DecodeConfig(over_cudnn=True)), or through the XLA reference
 # (model attention_impl='reference': einsum over the cache with a length mask, like the
-# plain-XLA baseline); 'inrange': a decode step's cache writes with one in-range slot per row
-# (models.layers._IN_RANGE_DECODE_WRITE on) instead of the general scatter that drops
-# out-of-range slots;
-# 'dot2d': the q / k / v / o projections as 2-D matmuls (models.layers._PROJECTION_2D on).
-TRACE_SETS = ("mgpu", "refattn", "inrange", "dot2d")
+# plain-XLA baseline); 'oldwrite': a decode step's cache writes through the general scatter that
+# drops out-of-range slots (models.layers._ONE_TOKEN_WRITE off; default: one in-place update per
+# array); 'oldproj': one-row q / k / v / o projections as one-row dots (models.layers.
+# _PAD_ONE_ROW off; default: a 2-row operand, so XLA:GPU keeps a GEMM).
+TRACE_SETS = ("mgpu", "refattn", "oldwrite", "oldproj")
+# The models.layers switches a trace set turns (to the value given) while the variant traces.
+_LAYER_FLAGS = {"oldwrite": ("_ONE_TOKEN_WRITE", False), "oldproj": ("_PAD_ONE_ROW", False)}
 
 
 def _trace_context(sets):
@@ -442,17 +447,17 @@ def _trace_context(sets):
   backends with over_cudnn=True)."""
   import contextlib
   stack = contextlib.ExitStack()
-  if any(x in sets for x in ("mgpu", "inrange", "dot2d")):
+  if any(x in sets for x in ("mgpu", *_LAYER_FLAGS)):
     # jit reuses a trace per (function, static args, shapes) and engines of one config compare
     # equal: traces made outside the patch must not serve it, nor its trace later variants
     import jax
     jax.clear_caches()
     stack.callback(jax.clear_caches)
-  for name, flag in (("inrange", "_IN_RANGE_DECODE_WRITE"), ("dot2d", "_PROJECTION_2D")):
+  for name, (flag, value) in _LAYER_FLAGS.items():
     if name in sets:
       from unittest import mock
       from condattn_jax.models import layers
-      stack.enter_context(mock.patch.object(layers, flag, True))
+      stack.enter_context(mock.patch.object(layers, flag, value))
   if "mgpu" in sets:
     from unittest import mock
     from pallas_kernels import decode as pd

@@ -5,7 +5,6 @@ Parameters carry logical axis names (see `condattn_jax.train.sharding` for the r
 """
 from __future__ import annotations
 
-import functools
 import math
 
 import flax.linen as nn
@@ -72,11 +71,13 @@ def apply_rope(x_BTNH, positions_BT, inv_freq):
   return (x * cos + rotated * sin).astype(x_BTNH.dtype)
 
 
-# True: Projection contracts a 2-D view of its kernel ([in, out], e.g. q [D, N*H]) instead of
-# the [D, N, H] kernel's dot_general (same result, tested). Off: it did not change the compiled
-# GPU decode step (docs/performance.md, "Where a B = 1 decode step's time goes"); kept for that
-# A/B (bench/decode_program.py variant 'dot2d').
-_PROJECTION_2D = False
+# True: a projection of ONE row (B * T == 1: a B = 1 decode step) multiplies a 2-row operand
+# (the row and a zero row) and keeps row 0: the same numbers. XLA:GPU's algebraic simplifier
+# rewrites a dot whose operand is a vector (one row) and whose (M + N) * K is below 10M elements
+# (q / k / v / o at 1.5B shapes) into a weight-sized elementwise multiply + reduce: 2 kernels
+# and a weight-sized temporary each; a 2-row dot stays a GEMM. Off: the one-row dot, kept for
+# the A/B (bench/decode_program.py trace set 'oldproj').
+_PAD_ONE_ROW = True
 
 
 class Projection(nn.Module):
@@ -96,15 +97,15 @@ class Projection(nn.Module):
     n_in = 1 if self.names[0] == "embed" else 2  # contracted (input) dims of the kernel
     kernel = self.param("kernel", _init(self.names), self.shape, self.param_dtype)
     x = x.astype(self.dtype)
-    if _PROJECTION_2D:  # one [in, out] matmul on flattened dims (free reshapes)
-      n_out = len(self.shape) - n_in
-      k2 = kernel.astype(self.dtype).reshape(math.prod(self.shape[:n_in]), -1)
-      y = (x.reshape(x.shape[:x.ndim - n_in] + (-1,)) @ k2).reshape(
-          x.shape[:x.ndim - n_in] + self.shape[n_in:])
-      assert y.ndim == x.ndim - n_in + n_out
-    else:
-      y = lax.dot_general(x, kernel.astype(self.dtype),
-                          ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ())))
+    lead = x.shape[:x.ndim - n_in]
+    one_row = _PAD_ONE_ROW and math.prod(lead) == 1
+    if one_row:  # [1, ..., in] -> [2, in]: the row, then zeros
+      x = x.reshape((1,) + x.shape[x.ndim - n_in:])
+      x = jnp.concatenate([x, jnp.zeros_like(x)], axis=0)
+    y = lax.dot_general(x, kernel.astype(self.dtype),
+                        ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ())))
+    if one_row:
+      y = y[:1].reshape(lead + y.shape[1:])
     if self.use_bias:
       out_names = self.names[n_in:]
       bias = self.param("bias", nn.with_logical_partitioning(nn.initializers.zeros, out_names),
@@ -113,25 +114,29 @@ class Projection(nn.Module):
     return y
 
 
-# True: KVCache writes a one-token chunk through `_put_one` instead of the general scatter with
-# mode='drop' (same cache, tested). Off: it did not shorten the compiled GPU decode step
-# (docs/performance.md, "Where a B = 1 decode step's time goes"); kept for that A/B
-# (bench/decode_program.py variant 'inrange').
-_IN_RANGE_DECODE_WRITE = False
+# True: a one-token write into a full cache (decode) stores each array with ONE in-place update
+# (models.layers._write_one_token) instead of the general scatter that drops out-of-range slots.
+# XLA:GPU turns a single-index dropping scatter into a bounds predicate, a read of the slot's
+# old value, a select and the update, per array: 12 kernels a layer for key / value /
+# positions / valid / length at B = 1, where the plain-XLA step runs 2. Off: the general
+# scatter, kept for the A/B (bench/decode_program.py trace set 'oldwrite').
+_ONE_TOKEN_WRITE = True
 
 
-def _put_one(buf, val, *, slot_B, keep_B):
-  """buf [B, S, ...] with val [B, 1, ...] written at (b, slot_B[b]) where keep_B[b], else the
-  slot's own value written back: one in-range index per row (slot_B in [0, S); the gather and
-  scatter promise it), where the general write sends a dropped token out of range."""
+def _write_one_token(buf, val_B, slot_B):
+  """buf [B, S, ...] with val_B [B, ...] stored at (b, slot_B[b]) (slot_B in [0, S)).
+
+  B = 1: one dynamic-update-slice (it clamps its start; no bounds check). B > 1: one scatter of
+  B in-range, distinct, sorted slots. (An HLO scatter skips out-of-range updates whatever jax's
+  mode: XLA:GPU turns a one-index scatter into a bounds predicate, a read of the old value, a
+  select and the update.)"""
   B = buf.shape[0]
+  val = val_B.astype(buf.dtype)[:, None]
+  # (dynamic_update_slice wants both on one mesh with one spec: else the scatter below)
+  if B == 1 and jax.typeof(buf).sharding == jax.typeof(val).sharding:
+    return lax.dynamic_update_slice(buf, val, (0, slot_B[0]) + (0,) * (buf.ndim - 2))
   idx_B2 = jnp.stack([jnp.arange(B, dtype=jnp.int32), slot_B.astype(jnp.int32)], axis=1)
-  win = (1, 1) + buf.shape[2:]
-  old = lax.gather(buf, idx_B2, lax.GatherDimensionNumbers(
-      offset_dims=tuple(range(1, buf.ndim - 1)), collapsed_slice_dims=(0, 1),
-      start_index_map=(0, 1)), win, mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
-  new = jnp.where(keep_B.reshape((B,) + (1,) * (old.ndim - 1)), val[:, 0].astype(buf.dtype), old)
-  return lax.scatter(buf, idx_B2, new, lax.ScatterDimensionNumbers(
+  return lax.scatter(buf, idx_B2, val[:, 0], lax.ScatterDimensionNumbers(
       update_window_dims=tuple(range(1, buf.ndim - 1)), inserted_window_dims=(0, 1),
       scatter_dims_to_operand_dims=(0, 1)), indices_are_sorted=True, unique_indices=True,
       mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
@@ -155,6 +160,13 @@ class KVCache(nn.Module):
             sees its own earlier keys); with `after_write` (for a one-token chunk: decode) the
             ring after the write, which holds the same keys of the token's window (the `size`
             most recent), filled as a prefix of min(length, size) slots.
+  A full cache's slots past a row's length hold zeros (writes fill a prefix; Engine resets
+  zero a row). A one-token chunk into a full cache (decode) relies on it: each array is
+  stored with one in-place update at slot `length` (an inactive row stores zeros there, i.e.
+  nothing changes), where a longer chunk goes through a scatter that drops padding. A row
+  that already holds `size` tokens has no slot left: a longer chunk's extra tokens are
+  dropped, while a one-token step, active or not, overwrites its last slot (callers never ask
+  for either: Engine.generate / serve refuse prompt + max_new_tokens > cache_len).
   """
   @nn.compact
   def __call__(self, k_BTKH, v_BTKH, positions_BT, valid_BT, *, kind: str, size: int,
@@ -178,15 +190,24 @@ class KVCache(nn.Module):
       keep_BT = valid_BT & (j_BT >= n_B[:, None] - size)  # only the last `size` tokens: no clashes
     else:
       raise ValueError(f"KVCache kind={kind!r}: choose 'full' or 'window'.")
-    if T == 1 and _IN_RANGE_DECODE_WRITE:
-      # a full cache's slot past its end is dropped, as the scatter below drops it
-      put = functools.partial(_put_one, slot_B=jnp.clip(slot_BT[:, 0], 0, size - 1),
-                              keep_B=keep_BT[:, 0] & (slot_BT[:, 0] < size))
-    else:
-      slot_BT = jnp.where(keep_BT, slot_BT, size)  # out of range: dropped by the scatter
-      rows_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-      put = lambda buf, val: buf.at[rows_BT, slot_BT].set(val.astype(buf.dtype), mode="drop")
     before = (ck.value, cv.value, cpos.value, cvalid.value)
+    if T == 1 and kind == "full" and _ONE_TOKEN_WRITE:
+      # slot = the row's length; an inactive row stores zeros there (slots past the fill hold
+      # zeros: unchanged); the slot read off the new length, so the old counter is not kept
+      keep_B = valid_BT[:, 0]
+      new_len_B = length_B + keep_BT[:, 0].astype(jnp.int32)
+      slot_B = jnp.clip(new_len_B - keep_B.astype(jnp.int32), 0, size - 1)
+      zero = lambda x: jnp.where(keep_B.reshape((B,) + (1,) * (x.ndim - 1)), x,
+                                 jnp.zeros((), x.dtype))
+      ck.value = _write_one_token(ck.value, zero(k_BTKH[:, 0]), slot_B)
+      cv.value = _write_one_token(cv.value, zero(v_BTKH[:, 0]), slot_B)
+      cpos.value = _write_one_token(cpos.value, zero(positions_BT[:, 0]), slot_B)
+      cvalid.value = _write_one_token(cvalid.value, keep_B.astype(jnp.int32), slot_B)
+      clen.value = new_len_B
+      return ck.value, cv.value, cpos.value, cvalid.value
+    slot_BT = jnp.where(keep_BT, slot_BT, size)  # out of range: dropped by the scatter
+    rows_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    put = lambda buf, val: buf.at[rows_BT, slot_BT].set(val.astype(buf.dtype), mode="drop")
     ck.value = put(ck.value, k_BTKH)
     cv.value = put(cv.value, v_BTKH)
     cpos.value = put(cpos.value, positions_BT)

@@ -339,12 +339,15 @@ def test_profile_trace_sets_change_the_h100_program():
   assert calls(cfg, ("mgpu",)) == {"custom_call:mosaic_gpu_v2": 2}
   assert calls(dataclasses.replace(cfg, attention_impl="reference")) == {}
   assert calls(cfg) == {"custom_call:__cudnn$fmhaSoftmax": 2}  # the patch is gone
-  # 'inrange': the cache writes without out-of-range slots (compares per layer 12 -> 5)
-  cmp = lambda sets: dp.stablehlo_histogram(_export(dp, cfg, sets))["stablehlo.compare"]
-  assert cmp(()) - cmp(("inrange",)) == 2 * 7
-  # 'dot2d': each of the 4 projections flattens its operands and output (reshapes per layer +8)
-  rs = lambda sets: dp.stablehlo_histogram(_export(dp, cfg, sets))["stablehlo.reshape"]
-  assert rs(("dot2d",)) - rs(()) == 2 * 8
+  # default: the one-token cache write is 4 dynamic-update-slices a layer, no scatter;
+  # 'oldwrite': the 4 dropping scatters
+  h = lambda sets: dp.stablehlo_histogram(_export(dp, cfg, sets))
+  new, old = h(()), h(("oldwrite",))
+  assert new.get("stablehlo.scatter", 0) == 0 and new["stablehlo.dynamic_update_slice"] == 2 * 4
+  assert old["stablehlo.scatter"] == 2 * 4 and "stablehlo.dynamic_update_slice" not in old
+  # default: the 4 one-row projections pad their operand to 2 rows (a concatenate each);
+  # 'oldproj': none
+  assert new["stablehlo.concatenate"] - h(("oldproj",))["stablehlo.concatenate"] == 2 * 4
 
 
 def _export(dp, cfg, sets):

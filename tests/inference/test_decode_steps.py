@@ -1,7 +1,8 @@
 """Engine.decode_greedy: k greedy decode steps in one jitted program (issue 33's host cost per
 token) equal k single `decode_step`s fed the argmax of the previous logits, ragged rows and an
 inactive row included; the scan carries every cache buffer in place. Engine(split_layers=True)
-(each layer's weights their own arrays) generates what the stacked engine does."""
+(each layer's weights their own arrays) generates what the stacked engine does. A one-token
+write into a full cache equals the general dropping scatter."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -64,51 +65,40 @@ def test_decode_greedy_equals_single_steps(params):
     eng.decode_greedy(c1, pos, active, l1, 0)
 
 
-@pytest.mark.parametrize("kind", ["full", "window"])
-def test_one_token_cache_write_equals_the_dropping_scatter(kind, monkeypatch):
-  """A one-token write (one in-range slot per row; an inactive row rewrites its slot's value)
-  leaves the cache exactly as the general scatter that drops out-of-range slots: a full row
-  (length == size) that is inactive keeps its last key, an active row writes at its length
-  (a ring: length mod size; a full cache: nothing past its end)."""
+@pytest.mark.parametrize("B", [1, 3])
+def test_one_token_write_equals_the_dropping_scatter(B, monkeypatch):
+  """A one-token write into a full cache (models.layers._ONE_TOKEN_WRITE: one in-place update
+  per array, a dynamic-update-slice at B = 1, a scatter of B in-range slots else) leaves the
+  cache exactly as the general scatter that drops padding, for ragged fills (slots past a row's
+  length hold zeros) with an inactive row (nothing changes), and its program holds no
+  scatter at B = 1 (a one-index scatter is a bounds check + old-value select on XLA:GPU)."""
   from condattn_jax.models import layers
-  B, size, K, H = 3, 4, 2, 8
+  size, K, H = 5, 2, 8
   rng = np.random.default_rng(0)
-  cache = dict(key=jnp.asarray(rng.standard_normal((B, size, K, H)), jnp.float32),
-               value=jnp.asarray(rng.standard_normal((B, size, K, H)), jnp.float32),
-               positions=jnp.asarray(rng.integers(0, 9, (B, size)), jnp.int32),
-               valid=jnp.ones((B, size), jnp.int32), length=jnp.asarray([4, 2, 5], jnp.int32))
+  length = np.asarray([3, 0, 4][:B], np.int32)
+  filled = (np.arange(size)[None] < length[:, None])
+  cache = dict(key=jnp.asarray(rng.standard_normal((B, size, K, H)) * filled[..., None, None],
+                               jnp.float32),
+               value=jnp.asarray(rng.standard_normal((B, size, K, H)) * filled[..., None, None],
+                                 jnp.float32),
+               positions=jnp.asarray(np.where(filled, np.arange(size)[None], 0), jnp.int32),
+               valid=jnp.asarray(filled, jnp.int32), length=jnp.asarray(length))
   k = jnp.asarray(rng.standard_normal((B, 1, K, H)), jnp.float32)
   v = jnp.asarray(rng.standard_normal((B, 1, K, H)), jnp.float32)
-  pos, valid = jnp.asarray([[4], [2], [5]]), jnp.asarray([[False], [True], [True]])
+  pos = jnp.asarray(length[:, None])
+  for valid in ([[True], [False], [True]][:B], [[False]] * B):
+    valid = jnp.asarray(valid)
 
-  def write():
-    return layers.KVCache().apply({"cache": cache}, k, v, pos, valid, kind=kind, size=size,
-                                  mutable=["cache"])[1]["cache"]
-  ref = write()  # the default: the scatter that drops out-of-range slots
-  monkeypatch.setattr(layers, "_IN_RANGE_DECODE_WRITE", True)
-  new = write()
-  jax.tree.map(np.testing.assert_array_equal, new, ref)
-  np.testing.assert_array_equal(new["key"][0], cache["key"][0])  # inactive full row untouched
-  np.testing.assert_array_equal(new["key"][1, 2], k[1, 0])
-  np.testing.assert_array_equal(new["length"], [4, 3, 6])
-  if kind == "window":
-    np.testing.assert_array_equal(new["value"][2, 1], v[2, 0])  # slot 5 mod 4
-
-
-@pytest.mark.manual
-def test_projection_2d_generates_the_same(params, monkeypatch):
-  """models.layers._PROJECTION_2D (q / k / v / o as 2-D matmuls, off by default): the same
-  tokens and logits (float32, 1e-5) as the dot_general path. Manual (19 CPU-s): the flag stays
-  off after its H100 A/B (docs/performance.md), so `make test` runs only the default path, which
-  tests/schemes/test_conformance.py::test_generation_equals_the_declared_forward covers; run this
-  before switching the flag on."""
-  from condattn_jax.models import layers
-  prompts = [[3, 9, 4, 1, 7], [5, 2]]
-  a = Engine(CFG, params, cache_len=S).generate(prompts, 4, return_logits=True)
-  monkeypatch.setattr(layers, "_PROJECTION_2D", True)
-  jax.clear_caches()  # engines of one config share traces
-  b = Engine(CFG, params, cache_len=S).generate(prompts, 4, return_logits=True)
-  jax.clear_caches()
-  assert a.tokens == b.tokens
-  for x, y in zip(a.logits, b.logits):
-    np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-5)
+    def write():
+      return layers.KVCache().apply({"cache": cache}, k, v, pos, valid, kind="full", size=size,
+                                    mutable=["cache"])[1]["cache"]
+    new = jax.jit(write)()
+    if B == 1:
+      assert "scatter" not in str(jax.make_jaxpr(write)())
+    with monkeypatch.context() as m:
+      m.setattr(layers, "_ONE_TOKEN_WRITE", False)
+      ref = write()  # the scatter that drops out-of-range slots
+    jax.tree.map(np.testing.assert_array_equal, new, ref)
+    np.testing.assert_array_equal(new["length"], length + np.asarray(valid)[:, 0])
+    if bool(valid[0, 0]):
+      np.testing.assert_array_equal(new["key"][0, length[0]], k[0, 0])
