@@ -28,7 +28,14 @@ shapes). Schemes: dense; l2a = bench/e2e.py's l2a_q0.2 (context-free routing, q 
             zigzag layout, --strategy all_gather | ring);
   data      mesh data = n: n rows (copies of the baseline's row), one per device: the loss is
             the baseline's for dense; L2A's context-free draws depend on the row index, so its
-            copies route differently (loss within ~1e-3 relative, not equal).
+            copies route differently (loss within ~1e-3 relative, not equal);
+  seqfsdp   mesh fsdp 2 x sequence n / 2: the rows over fsdp, each row split over sequence.
+--model=7b_recipe: configs/l2a_qwen.py's Qwen2.5-7B L2A recipe (learned routing, p_force 0.1, its
+trainable subset and optimizer; shapes from tests/fixtures/config_only/qwen2.5-7b), random init;
+with --rows=2 --steps=10 --plan=131072:l2a:sequence:4,131072:l2a:seqfsdp:4 (4 GPUs) or
+...:sequence:8,...:seqfsdp:8 (8 GPUs), the issue-32 comparison: every step's loss of a row within
+--steps_rtol of the first row of its T / scheme (claim), predicted_peak_bytes (the dry run's
+figure: the compiled step's memory analysis) beside the measured peak.
 Per row (its own process unless --inprocess, so peak memory is the row's own): compile_s (AOT
 compile of `loop.jit_train_step`), step_ms (median of --reps steps after a warm-up),
 loss (the first step's, same params and row as the baseline), tokens_per_s and
