@@ -28,6 +28,21 @@ block is [k1 v1 k2 v2 ...] with v_j the store's value of k_j.
   - the rest (motif starts, announce keys, store, filler) is random.
 Perplexity = exp(mean CE over every predicted token of the row); accuracy per token class.
 
+Task 'far_recall' (synthetic, numpy; presets far_cpu / far_gpu / far_test): the recall the
+no-long-layers control is judged on cannot be served by any local model. Every key is stored
+ONCE per row (segment 0 stores (S - M - 1) // 2 pairs, each later segment `store` more) with a
+value drawn uniformly, independent of the rest of the row, and recalled at most once. Segment
+s >= 1 = a RECALL block [k1 v1 k2 v2 ...] of the M / 2 keys announced at the end of segment
+s - 1 (announce block [k1 k1 k2 k2 ...], keys picked uniformly among the stored, not yet
+recalled ones), a STORE block of new pairs, a copy-motif block, the ANNOUNCE block. A recall
+value is FAR when its stored value lies more than far_distance = L * (S + M) tokens back: no
+sliding window of S + M keys in L layers, and no segmented execution without long-range layers,
+sees it from the position that predicts it, so their FAR accuracy is chance (1 / n_values) by
+construction (tests/bench/test_segmented_bench.py checks that changing the stored value leaves
+their logits there unchanged). The other recalls (near_value) are a curriculum: the same
+mechanism at short distances, learnable by the dense model early. Recall keys are copies from
+distance exactly M (the tail), as in recall_copy.
+
 Task 'text' (preset h100): a byte-level LM (vocab 256) on the Python standard library's .py files
 (shipped with the interpreter, offline), S = 256, documents >= 4096 bytes, cut at 256..4096
 tokens = 1..16 segments; split by file (held-out files for evaluation).
@@ -41,6 +56,11 @@ run is re-checked against the rules it registered, RETIRED_RULES included):
       aligned against its own perplexity at the training length.
   misaligned_2x_worse          : at every length with >= 2 segments, misaligned
       (segmented execution) >= 2 x the aligned perplexity.
+  (task far_recall, its own controls: far_ablation_M0_loses_tail_copies as above;
+  far_dense_recall_needs_long_range, the gate on the dense checkpoint: FAR recall-value accuracy
+  >= 0.5 under full attention and <= chance + 0.1 under the S + M window; only then is
+  far_ablation_no_long_layers_loses_recall judged: its FAR recall-value accuracy below
+  aligned's by >= 0.2.)
   (task 'recall_copy' only, the controls: the M = 0 ablation's recall-key accuracy is below the
   aligned model's by >= 0.2; the gate dense_recall_needs_long_range, checked on the dense
   checkpoint before the fine-tunes: its recall-value accuracy is >= 0.5 under full attention and
@@ -98,7 +118,26 @@ CRITERIA = {
         rule="task recall_copy, judged only when dense_recall_needs_long_range holds (else "
              "failed, judged false): recall-value accuracy of the no-long-layers ablation <= "
              "aligned's - 0.2, at the longest length", min_drop=0.2),
+    # task far_recall (registered before its first run): the controls on recalls whose stored
+    # value lies beyond every local receptive field (far_distance), so a window cannot serve them
+    "far_ablation_M0_loses_tail_copies": dict(
+        rule="task far_recall: recall-key accuracy (copies from distance exactly M) of the M = 0 "
+             "ablation <= aligned's - 0.2, at the longest length", min_drop=0.2,
+        tasks=("far_recall",)),
+    "far_dense_recall_needs_long_range": dict(
+        rule="task far_recall, checked on the dense checkpoint before the fine-tunes, at the "
+             "training length: its FAR recall-value accuracy (stored value more than L * (S + M) "
+             "tokens back) is >= 0.5 under full attention, and <= 1 / n_values + 0.1 under a "
+             "sliding window of S + M keys (the construction: no local model sees the value)",
+        min_full=0.5, max_local_over_chance=0.1, tasks=("far_recall",)),
+    "far_ablation_no_long_layers_loses_recall": dict(
+        rule="task far_recall, judged only when far_dense_recall_needs_long_range holds (else "
+             "failed, judged false): FAR recall-value accuracy of the no-long-layers ablation "
+             "<= aligned's - 0.2, at the longest length", min_drop=0.2, tasks=("far_recall",)),
 }
+for _name in ("ablation_M0_loses_tail_copies", "dense_recall_needs_long_range",
+              "ablation_no_long_layers_loses_recall"):
+  CRITERIA[_name]["tasks"] = ("recall_copy",)
 # The rules of criteria that runs recorded before the length cap and the gate registered: a
 # recorded run is re-checked against the rules it registered (verdicts(..., rules=)).
 RETIRED_RULES = {
@@ -111,9 +150,11 @@ RETIRED_RULES = {
 }
 
 
-def registered_rules() -> dict:
-  """{criterion: rule} a run records (criteria_rules)."""
-  return {k: v["rule"] for k, v in CRITERIA.items()}
+def registered_rules(task: str | None = None) -> dict:
+  """{criterion: rule} a run of `task` records (criteria_rules): the criteria of every task and
+  those of `task` (None: every criterion)."""
+  return {k: v["rule"] for k, v in CRITERIA.items()
+          if task is None or task in v.get("tasks", (task,))}
 
 
 # Token layout of task 'recall_copy' (ids): 0 BOS, keys, values, filler.
@@ -121,6 +162,11 @@ N_KEYS, N_VALUES = 16, 16
 KEY0, VAL0 = 1, 1 + N_KEYS
 FILL0 = VAL0 + N_VALUES
 
+# task far_recall's segmented options (as the recall_copy presets': one long head of one
+# long layer; the announce block's 4 key pairs are the retrieval's 4 query summaries)
+_FAR_SEG = dict(segment_len=32, tail_len=8, retrieve_len=32, tbptt=1, long_heads=(0,),
+                long_layers=(1,), query_len=8, summary_window=2, summary_stride=2,
+                summary_tail=2, topk=4, anchors=8, expand=(-1, 2))
 PRESETS = {
     "cpu": dict(task="recall_copy", seeds=3, vocab=64, width=64, layers=2, heads=4, kv_heads=2,
                 seg=dict(segment_len=32, tail_len=8, retrieve_len=32, tbptt=1, long_heads=(0,),
@@ -145,6 +191,22 @@ PRESETS = {
                        n_pairs=8, motif=4, dense_steps=8000, ft_steps=1000, batch=32,
                        train_segs=4, ablations=True, lr=3e-3, ft_lr=1e-3,
                        eval_segs=(1, 2, 4, 8, 16), eval_rows=64),
+    # Task far_recall (the recall the no-long-layers control is judged on lies beyond every
+    # local receptive field by construction; far_distance): 'far_cpu' is the dense gate's CPU
+    # check (--stop_after_dense: the dense model and the S + M window on FAR recalls), 'far_gpu'
+    # the judged run (one H100, two calls: estimate_s), 'far_test' its CI size.
+    "far_cpu": dict(task="far_recall", seeds=2, vocab=128, width=64, layers=2, heads=4,
+                    kv_heads=2, seg=_FAR_SEG, n_keys=80, n_values=16, store=4, motif=4,
+                    dense_steps=1500, ft_steps=200, batch=8, train_segs=8, ablations=True,
+                    lr=3e-3, ft_lr=1e-3, eval_segs=(1, 2, 4, 8, 16), eval_rows=64),
+    "far_gpu": dict(task="far_recall", seeds=3, vocab=128, width=128, layers=2, heads=4,
+                    kv_heads=2, seg=_FAR_SEG, n_keys=80, n_values=16, store=4, motif=4,
+                    dense_steps=6000, ft_steps=1000, batch=32, train_segs=8, ablations=True,
+                    lr=3e-3, ft_lr=1e-3, eval_segs=(1, 2, 4, 8, 16), eval_rows=64),
+    "far_test": dict(task="far_recall", seeds=2, vocab=128, width=32, layers=2, heads=4,
+                     kv_heads=2, seg=_FAR_SEG, n_keys=80, n_values=16, store=4, motif=4,
+                     dense_steps=40, ft_steps=10, batch=4, train_segs=4, ablations=True,
+                     lr=3e-3, ft_lr=1e-3, eval_segs=(4,), eval_rows=8),
     # One H100 (not run yet: see docs/schemes/segmented.md#reproduction for the command).
     "h100": dict(task="text", seeds=3, vocab=256, width=512, layers=8, heads=8, kv_heads=8,
                  seg=dict(segment_len=256, tail_len=32, retrieve_len=64, tbptt=1,
@@ -165,7 +227,9 @@ PRESETS = {
 }
 FILES = {"cpu": "segmented_fidelity.json"}
 MODELS = ("aligned", "misaligned", "ablation_M0", "ablation_no_long")
-CLASSES = ("recall_key", "recall_value", "local_copy")
+# accuracy classes (ids 1..4 in the classes array); task 'far_recall' scores its recalls from
+# beyond every local receptive field as "recall_value" and the others as "near_value"
+CLASSES = ("recall_key", "recall_value", "local_copy", "near_value")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -213,6 +277,74 @@ def recall_copy_rows(rng, n: int, n_seg: int, p: dict):
   return toks, cls
 
 
+def far_recall_rows(rng, n: int, n_seg: int, p: dict):
+  """(tokens [n, n_seg*S] int32, classes [n, n_seg*S] int8: 0 unscored class, 1 recall key (a
+  copy from distance exactly M), 2 FAR recall value, 3 local copy, 4 near recall value) of task
+  'far_recall' (module docstring). Ids: 0 BOS, keys 1..n_keys, values, filler. Every key is
+  stored once per row with a value drawn uniformly (independent of everything else in the row)
+  and recalled at most once, so the store is the only place a value's binding appears; a recall
+  is FAR when its stored value lies more than far_distance(p) tokens before it, beyond what any
+  local model of the preset can see (far_distance)."""
+  S, M = p["seg"]["segment_len"], p["seg"]["tail_len"]
+  n_keys, n_vals, motif, per_seg = p["n_keys"], p["n_values"], p["motif"], p["store"]
+  n_ann = M // 2  # pairs recalled per segment (announced, each key twice, at the end of the last)
+  store0 = (S - M - 1) // 2  # pairs stored in segment 0 (after BOS)
+  fill_mid = S - 2 * M - 2 * per_seg  # the motif block of a later segment
+  fill0, n_fill = 1 + n_keys + n_vals, p["vocab"] - (1 + n_keys + n_vals)
+  far = far_distance(p)
+  assert fill_mid >= 0 and fill_mid % motif == 0 and n_fill >= 2 and n_ann <= store0
+  assert n_keys >= store0 + (n_seg - 1) * per_seg, (n_keys, n_seg)
+  toks = np.zeros((n, n_seg * S), np.int32)
+  cls = np.zeros((n, n_seg * S), np.int8)
+  for r in range(n):
+    keys = iter(1 + rng.permutation(n_keys))
+    value, stored_at = {}, {}  # key -> value token, key -> the value's position
+    t, c = [0], [0]
+
+    def store(count):
+      for _ in range(count):
+        k = int(next(keys))
+        value[k] = int(1 + n_keys + rng.integers(n_vals))
+        stored_at[k] = len(t) + 1
+        t.extend((k, value[k]))
+        c.extend((0, 0))
+
+    store(store0)
+    pending = list(value)  # stored, not yet recalled
+    for s in range(n_seg):
+      if s:
+        for k in ann:  # the recall block: [k v ...] of the keys announced last segment
+          t.extend((k, value[k]))
+          c.extend((1, 2 if len(t) - 1 - stored_at[k] > far else 4))
+        store(per_seg)
+        pending += list(value)[-per_seg:] if per_seg else []
+        if fill_mid:  # one motif repeated: its first copy random, the rest copies
+          m = list(fill0 + rng.integers(0, n_fill, motif))
+          t += m * (fill_mid // motif)
+          c += [0] * motif + [3] * (fill_mid - motif)
+      pad = s * S + S - M - len(t)
+      t += list(fill0 + rng.integers(0, n_fill, pad))
+      c += [0] * pad
+      ann = [pending.pop(int(i)) for i in sorted(rng.choice(len(pending), n_ann, replace=False),
+                                                  reverse=True)]
+      for k in ann:
+        t.extend((k, k))
+        c.extend((0, 3))
+    toks[r], cls[r] = t, c
+  return toks, cls
+
+
+def far_distance(p: dict) -> int:
+  """Task 'far_recall': a recall is FAR when its stored value lies more than L * (S + M) tokens
+  before the recalled value. A model whose attention is local in every layer (a sliding window
+  of W = S + M keys: each of the L layers reaches W - 1 tokens back, L * (W - 1) in all; or the
+  segmented execution without long-range layers: a layer reaches its segment and the previous
+  segment's last M tokens, so L layers reach at most L * S + M - 1 back) cannot see the value
+  from the position that predicts it, and the value is independent of everything it does see:
+  its accuracy on FAR recalls is chance (1 / n_values) in expectation."""
+  return p["layers"] * (p["seg"]["segment_len"] + p["seg"]["tail_len"])
+
+
 def text_docs(min_bytes: int):
   """Byte arrays of the Python standard library's .py files of >= min_bytes (sorted by path:
   deterministic), shipped with the interpreter."""
@@ -240,6 +372,9 @@ def text_rows(rng, docs, n: int, length: int):
   return rows, np.zeros((n, length), np.int8)
 
 
+ROWS = {"recall_copy": recall_copy_rows, "far_recall": far_recall_rows}
+
+
 class Data:
   """Rows of the preset's task: `train(rng, n)` and `eval(rng, n, n_seg)` -> (tokens, classes)."""
 
@@ -259,13 +394,13 @@ class Data:
     S, k = self.p["seg"]["segment_len"], self.p["train_segs"]
     if self.p["task"] == "text":
       return text_rows(rng, self.train_docs, n, S * k)
-    return recall_copy_rows(rng, n, k, self.p)
+    return ROWS[self.p["task"]](rng, n, k, self.p)
 
   def eval(self, rng, n, n_seg):
     S = self.p["seg"]["segment_len"]
     if self.p["task"] == "text":
       return text_rows(rng, self.eval_docs, n, S * n_seg)
-    return recall_copy_rows(rng, n, n_seg, self.p)
+    return ROWS[self.p["task"]](rng, n, n_seg, self.p)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -394,9 +529,9 @@ def verdicts_dense_gate(res: dict, p: dict) -> dict:
 def verdicts(res: dict, p: dict, rules=None) -> dict:
   """The criteria's verdicts from the evaluations `res` ({model_execution: {n_seg: {...}}}):
   {criterion: {'passed': bool, 'values': {...}, ...}} (means over seeds), under `rules` ({name:
-  rule text}: a recorded run's criteria_rules; default the current CRITERIA): a criterion whose
-  rule is its RETIRED_RULES text is evaluated as it was then."""
-  rules = registered_rules() if rules is None else dict(rules)
+  rule text}: a recorded run's criteria_rules; default the current CRITERIA of p's task): a
+  criterion whose rule is its RETIRED_RULES text is evaluated as it was then."""
+  rules = registered_rules(p["task"]) if rules is None else dict(rules)
   retired = lambda name: rules.get(name) == RETIRED_RULES.get(name)
   mean = lambda xs: float(np.mean(xs))
   ppl = lambda k: {int(n): mean(v["ppl"]) for n, v in res[k].items()}
@@ -448,6 +583,29 @@ def verdicts(res: dict, p: dict, rules=None) -> dict:
                                    ablation=acc(f"{model}/segmented", cl), drop=drop))
       if name == "ablation_no_long_layers_loses_recall" and not retired(name):
         out[name].update(judged=bool(gate), passed=bool(gate) and out[name]["passed"])
+  if p["task"] == "far_recall" and p["ablations"]:
+    L = max(int(n) for n in res["aligned/segmented"])
+    acc = lambda k, cl: mean(res[k][L]["acc"][cl])
+    gate = False
+    name = "far_dense_recall_needs_long_range"
+    if name in rules:
+      c = CRITERIA[name]
+      full, local = verdicts_dense_gate(res, p).values()
+      chance = 1.0 / p["n_values"]
+      gate = bool(full >= c["min_full"] and local <= chance + c["max_local_over_chance"])
+      out[name] = dict(passed=gate, values=dict(n_seg=train, full=full, local=local,
+                                                chance=chance, gap=full - local))
+    for name, model, cl in (("far_ablation_M0_loses_tail_copies", "ablation_M0", "recall_key"),
+                            ("far_ablation_no_long_layers_loses_recall", "ablation_no_long",
+                             "recall_value")):
+      if name not in rules:
+        continue
+      drop = acc("aligned/segmented", cl) - acc(f"{model}/segmented", cl)
+      ok = bool(drop >= CRITERIA[name]["min_drop"])
+      out[name] = dict(passed=ok, values=dict(n_seg=L, aligned=acc("aligned/segmented", cl),
+                                              ablation=acc(f"{model}/segmented", cl), drop=drop))
+      if name == "far_ablation_no_long_layers_loses_recall":
+        out[name].update(judged=gate, passed=gate and ok)
   return out
 
 
@@ -488,7 +646,7 @@ def run(preset: str, checkpoint_dir: str | None = None, stop_after_dense: bool =
     ev = [data.eval(r, p["eval_rows"], k) for r in rs]
     rows[k] = (np.stack([e[0] for e in ev]), np.stack([e[1] for e in ev]))
   res = {}
-  if p["task"] == "recall_copy" and p["ablations"]:
+  if p["task"] in ("recall_copy", "far_recall") and p["ablations"]:
     # the gate of the no-long-layers control, before the fine-tunes: the dense checkpoint
     # under full attention and under a window covering all a non-long layer sees (S + M keys)
     g = p["seg"]
@@ -548,7 +706,7 @@ def run(preset: str, checkpoint_dir: str | None = None, stop_after_dense: bool =
       settings=dict({k: (list(v) if isinstance(v, tuple) else v) for k, v in p.items()
                      if k != "seg"}, segmented={k: list(v) if isinstance(v, tuple) else v
                                                 for k, v in p["seg"].items()}),
-      criteria_rules=registered_rules(),
+      criteria_rules=registered_rules(p["task"]),
       evals={k: {str(n): v for n, v in d.items()} for k, d in res.items()},
       criteria=crit, passed=all(v["passed"] for v in crit.values()),
       train_curves=dict(dense=curve(dense_loss), **{k: curve(v) for k, v in ft_loss.items()}),
