@@ -436,10 +436,14 @@ OPTION_SETS = {**CB_MODES,
 # plain-XLA baseline); 'oldwrite': a decode step's cache writes through the general scatter that
 # drops out-of-range slots (models.layers._ONE_TOKEN_WRITE off; default: one in-place update per
 # array); 'oldproj': one-row q / k / v / o projections as one-row dots (models.layers.
-# _PAD_ONE_ROW off; default: a 2-row operand, so XLA:GPU keeps a GEMM).
-TRACE_SETS = ("mgpu", "refattn", "oldwrite", "oldproj")
-# The models.layers switches a trace set turns (to the value given) while the variant traces.
-_LAYER_FLAGS = {"oldwrite": ("_ONE_TOKEN_WRITE", False), "oldproj": ("_PAD_ONE_ROW", False)}
+# _PAD_ONE_ROW off; default: a 2-row operand, so XLA:GPU keeps a GEMM); 'oldmerge': the decode
+# attention's kv parts merged by pallas_kernels.decode.merge_parts' four reductions
+# (reference.ONE_PASS_MERGE off; default: one variadic reduction).
+TRACE_SETS = ("mgpu", "refattn", "oldwrite", "oldproj", "oldmerge")
+# The switches (module, name, value) a trace set turns while the variant traces.
+_LAYER_FLAGS = {"oldwrite": ("condattn_jax.models.layers", "_ONE_TOKEN_WRITE", False),
+                "oldproj": ("condattn_jax.models.layers", "_PAD_ONE_ROW", False),
+                "oldmerge": ("pallas_kernels.decode.reference", "ONE_PASS_MERGE", False)}
 
 
 def _trace_context(sets):
@@ -453,11 +457,11 @@ def _trace_context(sets):
     import jax
     jax.clear_caches()
     stack.callback(jax.clear_caches)
-  for name, (flag, value) in _LAYER_FLAGS.items():
+  for name, (module, flag, value) in _LAYER_FLAGS.items():
     if name in sets:
+      import importlib
       from unittest import mock
-      from condattn_jax.models import layers
-      stack.enter_context(mock.patch.object(layers, flag, value))
+      stack.enter_context(mock.patch.object(importlib.import_module(module), flag, value))
   if "mgpu" in sets:
     from unittest import mock
     from pallas_kernels import decode as pd

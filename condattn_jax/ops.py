@@ -627,7 +627,8 @@ def _cudnn_decode(scale, implementation: str = "cudnn", splits: int | None = Non
     o_BPGKH = o_XGKH.reshape(B, P, G, K, H).astype(jnp.float32)
     lse_BPGK = jnp.where(on_BP[:, :, None, None],
                          lse_XGK.reshape(B, P, G, K).astype(jnp.float32), -jnp.inf)
-    o_BGKH, _ = merge_attention_parts(o_BPGKH, lse_BPGK, axis=1)  # inactive row: all -inf -> 0
+    # inactive row: all -inf -> 0 (one reduction: pallas_kernels.decode.merge_decode_parts)
+    o_BGKH = _kernel_module(package=_DECODE).merge_decode_parts(o_BPGKH, lse_BPGK, axis=1)
     return o_BGKH.transpose(0, 2, 1, 3).reshape(B, 1, N, H).astype(q.dtype)
   return fn
 

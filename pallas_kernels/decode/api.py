@@ -30,7 +30,7 @@ The plan the kernels share (`plan`):
 - Ragged caches: S need not be a multiple of block_k (`tile_start`).
 - Split over the kv length: each (row, kv head) splits its runs into P equal parts (P static:
   `num_parts`, about config.target_programs programs in all, >= config.min_tiles_per_part tiles
-  each), one program per part, merged by their log-sum-exp (`reference.merge_parts`).
+  each), one program per part, merged by their log-sum-exp (`reference.merge_decode_parts`).
 
 impl: 'reference' (dense, `reference_decode_attention`), 'mosaic_gpu' (Hopper: TMA K/V pipeline
 with a memory warpgroup, wgmma), 'mosaic_tpu' (scalar-prefetched tile runs), each by name;
@@ -46,7 +46,7 @@ from jax import lax
 
 from pallas_kernels.backends import Platform, platform_reason
 
-from .reference import merge_parts, reference_decode_attention
+from .reference import merge_decode_parts, reference_decode_attention
 
 HEAD_FULL, HEAD_BLOCKS, HEAD_WINDOW_BLOCKS = 0, 1, 2   # ops.BlockLists' head modes
 
@@ -387,7 +387,7 @@ def decode_attention(q_BTNH, k_BSKH, v_BSKH, *, q_positions_BT, kv_positions_BS,
       window=window, sinks=sinks, parts=P, out_rows=out_rows, block_k=bk,
       num_stages=config.num_stages, interpret=interpret, lists=lists,
       per_block=list_block_k // bk if has_lists else 1)
-  o_BKRH, _ = merge_parts(o_BKPRH.astype(jnp.float32), lse_BKPR, axis=2)
+  o_BKRH = merge_decode_parts(o_BKPRH.astype(jnp.float32), lse_BKPR, axis=2)
   return unfold_rows(o_BKRH, T, N).astype(q_BTNH.dtype)
 
 

@@ -1,6 +1,7 @@
 """Pure-jnp pieces of the decode kernels: the reference (the tree's one mask builder and one
 reference attention, pallas_kernels/compact_attention/reference.py) and the log-sum-exp merge of
-the kernels' kv parts (condattn_jax.ops.merge_attention_parts is this function).
+the kernels' kv parts (condattn_jax.ops.merge_attention_parts is this function; the decode paths
+merge their forward-only output with `merge_parts_one_pass`).
 
 Importable without condattn_jax.
 """
@@ -60,3 +61,36 @@ def merge_parts(o, lse, axis: int):
   tot = jnp.where(empty, 1.0, tot)
   out = jnp.sum(o * jnp.expand_dims(w, -1), axis=axis) / tot[..., None]
   return out, jnp.where(empty, -jnp.inf, jnp.squeeze(mx, axis) + jnp.log(tot))
+
+
+# True: the decode paths (this package's kernels, ops' cuDNN split-KV path) merge their kv parts
+# with `merge_parts_one_pass` (one variadic reduction: one kernel on XLA:GPU) instead of
+# `merge_parts` (a max, a sum of weights, the weights and a weighted sum: four). Off: kept for
+# the A/B (bench/decode_program.py trace set 'oldmerge').
+ONE_PASS_MERGE = True
+
+
+def merge_parts_one_pass(o, lse, axis: int):
+  """`merge_parts`' output (not its lse; forward only: no gradient) as ONE reduction over
+  `axis`: each element carries (running max m, sum of weights s, weighted sum a), combined as
+  an online softmax. A part with lse = -inf weighs 0; all parts empty -> zeros. float32."""
+  m = jnp.broadcast_to(jnp.expand_dims(lse.astype(jnp.float32), -1), o.shape)
+  seen = m != -jnp.inf  # an empty part is (-inf, 0, 0): the combiner's identity, as XLA assumes
+  o = jnp.where(seen, o.astype(jnp.float32), 0.0)
+
+  def combine(x, y):
+    (m1, s1, a1), (m2, s2, a2) = x, y
+    mx = jnp.maximum(m1, m2)
+    w1 = jnp.where(m1 == -jnp.inf, 0.0, jnp.exp(m1 - mx))
+    w2 = jnp.where(m2 == -jnp.inf, 0.0, jnp.exp(m2 - mx))
+    return mx, s1 * w1 + s2 * w2, a1 * w1 + a2 * w2
+  zero = jnp.zeros((), jnp.float32)
+  _, tot, acc = lax.reduce((m, seen.astype(jnp.float32), o), (jnp.float32(-jnp.inf), zero, zero),
+                           combine, (axis,))
+  return acc / jnp.where(tot == 0, 1.0, tot)
+
+
+def merge_decode_parts(o, lse, axis: int):
+  """The decode paths' merge of kv parts: `merge_parts_one_pass` (ONE_PASS_MERGE), else
+  `merge_parts`' output."""
+  return merge_parts_one_pass(o, lse, axis) if ONE_PASS_MERGE else merge_parts(o, lse, axis)[0]
