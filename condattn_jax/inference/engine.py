@@ -262,14 +262,12 @@ class _RowStats:
         v = np.asarray(v, np.float64)
         v = v * ran_B.reshape((-1,) + (1,) * (v.ndim - 1))
         self.module_sums[k] = self.module_sums.get(k, 0.0) + v
-      counts = "tokens_B" in row_aux
       if self.steps_B is None:
         self.steps_B = np.zeros_like(ran_B)
       self.steps_B += ran_B
-      for k, v in row_aux.items():
-        v = np.asarray(v, np.float64)
-        if not counts:  # values: only the rows this step ran
-          v = v * ran_B.reshape((1, -1) + (1,) * (v.ndim - 2))
+      for k, v in row_aux.items():  # only the rows this step ran (a count is 0 for the others,
+        v = np.asarray(v, np.float64)  # except a greedy chunk's steps after a row stopped)
+        v = v * ran_B.reshape((1, -1) + (1,) * (v.ndim - 2))
         self.sums[k] = self.sums.get(k, 0.0) + v
 
   def row(self, b: int) -> dict[str, np.ndarray]:
@@ -300,6 +298,10 @@ class Engine:
   cache_len: slots of every full cache (>= prompt length + new tokens of every row).
   prefill_chunk: prompt tokens per prefill call (None: the whole padded prompt at once); chunked
     prefill bounds activation memory at long context.
+  greedy_steps: decode steps per jitted call of a greedy `generate` that keeps no logits
+    (`decode_greedy`'s program: no host round trip between its tokens; the same tokens as one
+    step a call, tested); 1 = one step a call. A row that stops inside a call ignores the
+    rest of it (up to greedy_steps - 1 steps run on the device for nothing).
   split_layers: hold the params in `models.stacking.split_groups`' layout (each layer's weights
     their own arrays, made once here; the stacked tree given is not kept by the engine), so no
     step slices a stacked weight (a compiler that does not fuse the slice into its matmul copies
@@ -309,9 +311,12 @@ class Engine:
   """
 
   def __init__(self, model_cfg: ModelConfig, params, *, cache_len: int,
-               prefill_chunk: int | None = None, split_layers: bool = False):
+               prefill_chunk: int | None = None, split_layers: bool = False,
+               greedy_steps: int = 8):
     if cache_len <= 0:
       raise ValueError(f"Engine(cache_len={cache_len}) must be > 0.")
+    if not isinstance(greedy_steps, int) or greedy_steps < 1:
+      raise ValueError(f"Engine(greedy_steps={greedy_steps!r}) must be an int >= 1.")
     if prefill_chunk is not None and prefill_chunk <= 0:
       raise ValueError(f"Engine(prefill_chunk={prefill_chunk}) must be > 0 or None.")
     self.config = model_cfg
@@ -322,6 +327,7 @@ class Engine:
     self.params = params
     self.cache_len = int(cache_len)
     self.prefill_chunk = prefill_chunk
+    self.greedy_steps = greedy_steps
     self._cache_shapes: dict[int, object] = {}
     self.tokenizer = None   # set by from_checkpoint (None: token ids in and out)
     self.run_config = None  # the train.py run config (from_checkpoint)
@@ -342,7 +348,8 @@ class Engine:
   @classmethod
   def from_checkpoint(cls, path: str, *, step: int | None = None, cache_len: int | None = None,
                       prefill_chunk: int | None = None, tokenizer=None, devices=None,
-                      config=None, split_layers: bool = False, **scheme_options) -> "Engine":
+                      config=None, split_layers: bool = False, greedy_steps: int = 8,
+                      **scheme_options) -> "Engine":
     """An Engine over a train.py checkpoint: the weights and the model config saved with it.
 
     path: a run's workdir (its newest readable checkpoint), its checkpoints/ directory, or one
@@ -350,7 +357,7 @@ class Engine:
     scheme_options: test-time overrides of the run's scheme options (`config.model.scheme.<name>`,
       e.g. `theta=0.7` for L2A, `tau=0.5` for AHA); the scheme checks their names and values.
     cache_len: cache slots per row (default: the run's data.seq_len, the context it trained at).
-    prefill_chunk, split_layers: as in `Engine(...)`.
+    prefill_chunk, split_layers, greedy_steps: as in `Engine(...)`.
     tokenizer: a `condattn_jax.data.tokenizer.Tokenizer`, a tokenizer directory, or None: the
       run's `data.tokenizer`, else `model.init_from` when it holds a tokenizer.json, else none
       (`engine.tokenizer` is None: token ids in and out, e.g. the synthetic-task runs).
@@ -384,7 +391,8 @@ class Engine:
     setup, params, loaded = loop.load_params(config, path, step=step, devices=devices)
     eng = cls(setup.model_cfg, params,
               cache_len=int(cache_len if cache_len is not None else config.data.seq_len),
-              prefill_chunk=prefill_chunk, split_layers=split_layers)
+              prefill_chunk=prefill_chunk, split_layers=split_layers,
+              greedy_steps=greedy_steps)
     del params
     eng.run_config, eng.step = config, int(loaded)
     tv = getattr(tok, "vocab_size", None)
@@ -723,19 +731,44 @@ class Engine:
       raise ValueError(f"Engine.decode_greedy: steps must be an int >= 1, got {steps!r}.")
     pos = self._commit(jnp.asarray(positions_B, jnp.int32)[:, None])
     on = self._commit(jnp.asarray(active_B, bool)[:, None])
-    return self._greedy_steps(self.params, cache, pos, on, prev_logits_BV, steps)
+    return self._greedy_steps(self.params, cache, pos, on, prev_logits_BV, steps)[:3]
 
   @functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=(2,))
   def _greedy_steps(self, params, cache, positions_B1, active_B1, logits_BV, steps):
-    """`decode_greedy`'s program: a lax.scan of `steps` one-token `_step`s."""
+    """`decode_greedy`'s program: a lax.scan of `steps` one-token `_step`s; also returns each
+    step's per-row aux ({name: [steps, L, B, ...]}, as `_step`'s)."""
     def body(carry, _):
       cache, logits_BV, pos_B1 = carry
       tok_B1 = _argmax(logits_BV).astype(jnp.int32)[:, None]
-      cache, logits_BV, _ = self._step(params, cache, tok_B1, pos_B1, active_B1, logits_BV)
-      return (cache, logits_BV, pos_B1 + active_B1.astype(jnp.int32)), tok_B1[:, 0]
-    (cache, logits_BV, _), tokens_SB = jax.lax.scan(body, (cache, logits_BV, positions_B1),
-                                                    None, length=steps)
-    return cache, logits_BV, tokens_SB.T
+      cache, logits_BV, aux = self._step(params, cache, tok_B1, pos_B1, active_B1, logits_BV)
+      return (cache, logits_BV, pos_B1 + active_B1.astype(jnp.int32)), (tok_B1[:, 0], aux)
+    (cache, logits_BV, _), (tokens_SB, aux) = jax.lax.scan(
+        body, (cache, logits_BV, positions_B1), None, length=steps)
+    return cache, logits_BV, tokens_SB.T, aux
+
+  def _greedy_chunk(self, cache, logits, pos_B, outs, active_B, stats, k: int):
+    """`generate`'s k greedy steps in one call (`_greedy_steps`): the active rows feed the
+    argmax of `logits` (the token each was just given) and k - 1 more; the tokens the steps
+    produce are pushed to the rows in order, so a row that finishes inside the chunk takes no
+    more (its later steps ran on the device, into its own cache only, and count nowhere: not in
+    the tokens, the stats or the steps). Returns (cache, logits after the last step, the steps
+    that ran some row)."""
+    cache, logits, toks_BK, aux = self._greedy_steps(
+        self.params, cache, self._commit(jnp.asarray(pos_B, jnp.int32)[:, None]),
+        self._commit(jnp.asarray(active_B)[:, None]), logits, k)
+    toks_BK = np.asarray(toks_BK)
+    run = np.asarray(active_B, bool).copy()
+    ran = 0
+    for j in range(k):
+      if not run.any():
+        break
+      stats.add(jax.tree.map(lambda x, j=j: x[j], aux), run.astype(np.int32))
+      ran += 1
+      if j + 1 < k:
+        for b in np.flatnonzero(run):
+          outs[b].push(None, int(toks_BK[b, j + 1]))
+        run &= ~np.asarray([o.done for o in outs])
+    return cache, logits, ran
 
   def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                stop_tokens: Sequence[int] = (), stop_strings: Sequence[str] = (),
@@ -774,6 +807,8 @@ class Engine:
     gen_stats = _RowStats()
     pos = lengths.copy()
     steps = 0
+    # greedy without logits on the host: `greedy_steps` decode steps a call (decode_greedy)
+    chunk = self.greedy_steps if not any(o.needs_logits for o in outs) else 1
     while True:
       done = np.asarray([o.done for o in outs])
       if any(o.needs_logits for o in outs):
@@ -787,6 +822,11 @@ class Engine:
       done = np.asarray([o.done for o in outs])
       if done.all():
         break
+      if chunk > 1:
+        cache, logits, ran = self._greedy_chunk(cache, logits, pos, outs, ~done, gen_stats, chunk)
+        pos = pos + (~done) * chunk  # a row still going ran every step of the chunk
+        steps += ran
+        continue
       last = np.asarray([o.tokens[-1] for o in outs], np.int32)
       cache, logits, row_aux = self._step(self.params, cache, jnp.asarray(last)[:, None],
                                           jnp.asarray(pos)[:, None],
