@@ -146,4 +146,9 @@ def test_ttft_bench_test_preset(tmp_path):
   assert sorted(by) == ["match", "swa"] and all(x["logits_finite"] for x in by.values())
   assert r["match_over_swa"] == round(by["match"]["ttft_s"] / by["swa"]["ttft_s"], 4)
   assert r["passed"] == (r["match_over_swa"] <= match_ttft.CRITERION["max_ratio"])
+  # the verdict a recorded run's claim re-derives from its rows, and that it can fail
+  assert match_ttft.verdict(r["rows"]) == {k: r[k] for k in ("match_over_swa", "passed")}
+  slow = [dict(x, ttft_s=1.2 * by["swa"]["ttft_s"]) if x["model"] == "match" else x
+          for x in r["rows"]]
+  assert match_ttft.verdict(slow) == {"match_over_swa": 1.2, "passed": False}
   assert r["match_vs_swa_logit_diff"] > 1e-3
