@@ -17,7 +17,9 @@ r"""What one decode step runs: the op histogram of a compiled program, per layer
     # bare program, host dispatch, device-busy ms and kernels per token from a jax.profiler
     # trace, for both params layouts, XLA command buffers off / default / extended (CB_MODES),
     # dot merging, the decode attention path (cuDNN split-KV / Mosaic GPU kernel / XLA
-    # reference) and k greedy steps per call (Engine.decode_greedy); prints a table
+    # reference), the step's kernel cuts switched off (TRACE_SETS 'oldwrite', 'oldproj',
+    # 'oldmerge': the program before them) and k greedy steps per call
+    # (Engine.decode_greedy); prints a table
     python -m bench.decode_program --time --profile --T=8192,131072 --out_dir=bench/results
 
 A step at fixed T is bounded by its bytes (weights + K/V), but a small step is bounded by what
@@ -475,9 +477,9 @@ def _trace_context(sets):
 # program op by op while a profile is active, which would time a different program).
 PROFILE_OPTIONS = {"xla_enable_command_buffers_during_profiling": True}
 LAYOUTS = ("stacked", "split", "xla_per_layer")
-PROFILE_VARIANTS = ("stacked", "split", "split:off", "split:extended", "split:dotmerge",
-                    "split:mgpu", "split:refattn", "split:k8", "split:extended:k8",
-                    "xla_per_layer")
+PROFILE_VARIANTS = ("stacked:oldwrite:oldproj:oldmerge", "stacked", "split", "split:off",
+                    "split:extended", "split:dotmerge", "split:mgpu", "split:refattn",
+                    "split:k8", "split:extended:k8", "xla_per_layer")
 
 
 def parse_variant(v: str) -> tuple[str, tuple[str, ...], int]:
