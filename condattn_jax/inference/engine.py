@@ -25,7 +25,9 @@ the scheme's layer class:
   `decode_chunk(config) -> int`  a decode call's chunk must divide this many tokens (segmented:
                                  segment_len); the engine then picks a valid prefill chunk itself.
 Attention inside the chunk goes through `ops.attention` with the cache's kv positions, i.e. the
-fused kernels on GPU/TPU (the reference on CPU).
+fused kernels on GPU/TPU (the reference on CPU). A greedy `generate` that keeps no logits runs
+`Engine(greedy_steps=8)` decode steps per jitted call (`decode_greedy`'s program; the host
+checks stop tokens / strings per token afterwards: the same output as one step a call).
 
 Bad input is a ValueError with a one-line message (token ids outside [0, vocab) or not integers,
 an empty request list or prompt, max_new_tokens < 1, a prompt + new tokens longer than the cache,
