@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.compact_attention.testing import TOL, rel_err
+from pallas_kernels.compact_attention.testing import TOL, random_operands, rel_err
 
 from .api import HEAD_BLOCKS, HEAD_FULL, block_sparse_attention
 
@@ -45,12 +45,7 @@ def make_problem(seed, *, B=1, T=64, S=None, N=4, K=2, H=16, dtype=jnp.float32, 
   ('token' or 'head'), a cache-like prefix (S > T) with kv_positions."""
   S = T if S is None else S
   rng = np.random.default_rng(seed)
-  ks = jax.random.split(jax.random.PRNGKey(seed), 5)
-  q = jax.random.normal(ks[0], (B, T, N, H), jnp.float32).astype(dtype)
-  k = jax.random.normal(ks[1], (B, S, K, H), jnp.float32).astype(dtype)
-  v = jax.random.normal(ks[2], (B, S, K, H), jnp.float32).astype(dtype)
-  ct = jax.random.normal(ks[3], (B, T, N, H), jnp.float32).astype(dtype)
-  ct_lse = jax.random.normal(ks[4], (B, T, N), jnp.float32)
+  q, k, v, ct, ct_lse = random_operands(seed, B, T, S, N, K, H, dtype)
   nq, nk = -(-T // block_q), -(-S // block_k)
   lists = rng.integers(-1, nk, size=(B, N, nq, L)).astype(np.int32)
   if dup_pad and L > 1:

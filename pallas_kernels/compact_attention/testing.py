@@ -25,6 +25,17 @@ class Problem:
   kw: dict                # positions / segments / window keyword arguments
 
 
+def random_operands(seed, B, T, S, N, K, H, dtype):
+  """(q [B,T,N,H], k, v [B,S,K,H], ct [B,T,N,H] in dtype; ct_lse [B,T,N] float32): standard
+  normal draws (numpy, a stream of its own per seed), rounded to dtype on the host: no program
+  is compiled to make a problem."""
+  rng = np.random.default_rng([seed, 1])
+  draw = lambda *shape: rng.standard_normal(shape, np.float32)
+  cast = lambda x: jnp.asarray(x.astype(jnp.dtype(dtype)))
+  return (cast(draw(B, T, N, H)), cast(draw(B, S, K, H)), cast(draw(B, S, K, H)),
+          cast(draw(B, T, N, H)), jnp.asarray(draw(B, T, N)))
+
+
 def make_problem(seed, *, B=1, T=128, S=None, N=4, K=2, H=32, dtype=jnp.float32,
                  sparsity=0.5, per_head=False, segments=0, window=None, q_offset=0,
                  packed_positions=False, kv_positions=False, empty_rows=()):
@@ -32,12 +43,7 @@ def make_problem(seed, *, B=1, T=128, S=None, N=4, K=2, H=32, dtype=jnp.float32,
   padding with id 0 at the end); packed_positions restarts positions per document."""
   S = T + q_offset if S is None else S
   rng = np.random.default_rng(seed)
-  ks = jax.random.split(jax.random.PRNGKey(seed), 5)
-  q = jax.random.normal(ks[0], (B, T, N, H), jnp.float32).astype(dtype)
-  k = jax.random.normal(ks[1], (B, S, K, H), jnp.float32).astype(dtype)
-  v = jax.random.normal(ks[2], (B, S, K, H), jnp.float32).astype(dtype)
-  ct = jax.random.normal(ks[3], (B, T, N, H), jnp.float32).astype(dtype)
-  ct_lse = jax.random.normal(ks[4], (B, T, N), jnp.float32)
+  q, k, v, ct, ct_lse = random_operands(seed, B, T, S, N, K, H, dtype)
   shape = (B, T, N) if per_head else (B, T)
   active = rng.random(shape) >= sparsity
   for r in empty_rows:
