@@ -7,14 +7,22 @@
 #   bash bench/match_segmented_gpu.sh mqar   # MQAR h100: 16 (method, length) jobs, 4 a GPU
 #   GPUS=2 bash bench/match_segmented_gpu.sh mqar 512 256   # two GPUs: call 1 (8 jobs, 4 a GPU)
 #   GPUS=2 bash bench/match_segmented_gpu.sh mqar 128 64    #           call 2
-#   bash bench/match_segmented_gpu.sh seg    # segmented h100 + gpu_recall (RECALL=0: left out)
-#                                            # + MATCH / SWA TTFT at 32K (GPUs 1, 2 mod $GPUS,
-#                                            # 3 or, on fewer GPUs, 0); repeat until
+#   bash bench/match_segmented_gpu.sh seg    # segmented h100 (GPU 1 mod $GPUS) + far_gpu (GPU
+#                                            # 2, 4 GPUs only) + MATCH / SWA TTFT at 32K (GPU 3
+#                                            # or, on fewer GPUs, 0); repeat until
 #                                            # both segmented logs print 'wrote' (they resume
 #                                            # from out/segfid, which stays on a WARM machine
 #                                            # only: the h100 checkpoints, ~250 MB, do not fit
 #                                            # the device tool's carry)
 #   bash bench/match_segmented_gpu.sh all    # both at once (4 GPUs; MQAR's memory leaves room)
+#   bash bench/match_segmented_gpu.sh far    # segmented far_gpu on GPU 0 alone (kind
+#                                            # nvidia-h100-x1): the dense model and its gate, then
+#                                            # the fine-tunes; estimate_s: ~743 s in all, so 2-3
+#                                            # calls of --time_budget_s=400 under timeout 480, each
+#                                            # resuming from the checkpoints (a few MB: they come
+#                                            # back in $OUT/segfid_far; carry them to the next
+#                                            # call on a fresh machine: IN=<that folder>, default
+#                                            # .gpu/segfid_far)
 #
 # MQAR, 4 GPUs, all lengths: GPU g runs slot j's length (512, 256, 128, 64) with method
 # (g + j) mod 4, so every GPU holds one job of each length and every (method, length) runs once,
@@ -78,23 +86,32 @@ seg() {
   CUDA_VISIBLE_DEVICES=$(( 1 % GPUS )) XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 timeout 480 \
     python -m bench.segmented_fidelity --preset=h100 --checkpoint_dir=out/segfid \
     --time_budget_s=400 --out_dir=$OUT/seg_h100 >> $OUT/seg_h100.log 2>&1 &
-  # gpu_recall is recorded (H200, stop 37); RECALL=0 leaves it out (its dense model did not
-  # learn the recall there: the no-long-layers control's gate would fail again)
-  if [ "${RECALL:-1}" = 1 ]; then
-    CUDA_VISIBLE_DEVICES=$(( 2 % GPUS )) XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 timeout 480 \
-      python -m bench.segmented_fidelity --preset=gpu_recall --checkpoint_dir=out/segfid \
-      --time_budget_s=400 --out_dir=$OUT/seg_recall >> $OUT/seg_recall.log 2>&1 &
+  # gpu_recall is recorded (H200, stop 37: its dense model did not learn the recall, so the
+  # no-long-layers control could not be judged); its successor far_gpu runs here on GPU 2 of 4
+  # (on fewer GPUs it would share the TTFT's GPU: run `far` as its own call)
+  if [ "$GPUS" -ge 4 ]; then
+    far_on 2 &
   fi
   if [ ! -e out/ttft.done ]; then  # once (out/ stays on a warm machine; $OUT is fresh)
     CUDA_VISIBLE_DEVICES=$(( GPUS > 3 ? 3 : 0 )) XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 timeout 480 \
       python bench/match_ttft.py --out_dir=$OUT/ttft > $OUT/ttft.log 2>&1 && touch out/ttft.done &
   fi
 }
+far_on() {  # far_on <gpu>: the far_recall run; checkpoints travel through $OUT (carried back)
+  mkdir -p out/segfid_far $OUT/segfid_far
+  local in=${IN:-.gpu/segfid_far}   # the earlier call's $OUT/segfid_far, carried back
+  if [ -d "$in" ]; then cp -n "$in"/*.npz out/segfid_far/ 2>/dev/null; fi
+  CUDA_VISIBLE_DEVICES=$1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 timeout 480 \
+    python -m bench.segmented_fidelity --preset=far_gpu --checkpoint_dir=out/segfid_far \
+    --time_budget_s=400 --out_dir=$OUT/seg_far >> $OUT/seg_far.log 2>&1
+  cp out/segfid_far/*.npz $OUT/segfid_far/ 2>/dev/null
+}
 case $what in
   mqar) mqar "$@" ;;
   seg) seg ;;
   all) mqar; seg ;;
-  *) echo "usage: $0 mqar|seg|all" >&2; exit 2 ;;
+  far) far_on 0 ;;
+  *) echo "usage: $0 mqar|seg|all|far" >&2; exit 2 ;;
 esac
 wait
 tail -n 3 $OUT/*.log

@@ -192,21 +192,27 @@ PRESETS = {
                        train_segs=4, ablations=True, lr=3e-3, ft_lr=1e-3,
                        eval_segs=(1, 2, 4, 8, 16), eval_rows=64),
     # Task far_recall (the recall the no-long-layers control is judged on lies beyond every
-    # local receptive field by construction; far_distance): 'far_cpu' is the dense gate's CPU
-    # check (--stop_after_dense: the dense model and the S + M window on FAR recalls), 'far_gpu'
-    # the judged run (one H100, two calls: estimate_s), 'far_test' its CI size.
-    "far_cpu": dict(task="far_recall", seeds=2, vocab=128, width=64, layers=2, heads=4,
-                    kv_heads=2, seg=_FAR_SEG, n_keys=80, n_values=16, store=4, motif=4,
-                    dense_steps=1500, ft_steps=200, batch=8, train_segs=8, ablations=True,
-                    lr=3e-3, ft_lr=1e-3, eval_segs=(1, 2, 4, 8, 16), eval_rows=64),
+    # local receptive field by construction; far_distance): 'far_gpu' is the judged run (one
+    # GPU, 3 calls: estimate_s), 'far_cpu' its reduced-scale CPU check of the dense gate
+    # (--stop_after_dense: S / M = 16 / 4, 6 segments), 'far_test' its CI size. Announce
+    # [k x] with a marker x (an announced key is not followed by itself: the induction that
+    # recalls a value has one distractor, a constant); lr 1e-3 (the CPU probes at 3e-3 learned
+    # neither the tail copies nor the recall in 1500-2000 steps; at 1e-3 the tail copies).
     "far_gpu": dict(task="far_recall", seeds=3, vocab=128, width=128, layers=2, heads=4,
                     kv_heads=2, seg=_FAR_SEG, n_keys=80, n_values=16, store=4, motif=4,
-                    dense_steps=6000, ft_steps=1000, batch=32, train_segs=8, ablations=True,
-                    lr=3e-3, ft_lr=1e-3, eval_segs=(1, 2, 4, 8, 16), eval_rows=64),
+                    announce="marker", dense_steps=8000, ft_steps=1000, batch=32, train_segs=8,
+                    ablations=True, lr=1e-3, ft_lr=3e-4, eval_segs=(1, 2, 4, 8, 16),
+                    eval_rows=64),
+    "far_cpu": dict(task="far_recall", seeds=2, vocab=64, width=64, layers=2, heads=4,
+                    kv_heads=2, seg=dict(_FAR_SEG, segment_len=16, tail_len=4, query_len=4,
+                                         retrieve_len=16, anchors=4),
+                    n_keys=40, n_values=16, store=2, motif=2, announce="marker",
+                    dense_steps=2000, ft_steps=200, batch=16, train_segs=6, ablations=True,
+                    lr=1e-3, ft_lr=3e-4, eval_segs=(1, 2, 4, 8, 16), eval_rows=64),
     "far_test": dict(task="far_recall", seeds=2, vocab=128, width=32, layers=2, heads=4,
                      kv_heads=2, seg=_FAR_SEG, n_keys=80, n_values=16, store=4, motif=4,
-                     dense_steps=40, ft_steps=10, batch=4, train_segs=4, ablations=True,
-                     lr=3e-3, ft_lr=1e-3, eval_segs=(4,), eval_rows=8),
+                     announce="marker", dense_steps=40, ft_steps=10, batch=4, train_segs=4,
+                     ablations=True, lr=1e-3, ft_lr=3e-4, eval_segs=(4,), eval_rows=8),
     # One H100 (not run yet: see docs/schemes/segmented.md#reproduction for the command).
     "h100": dict(task="text", seeds=3, vocab=256, width=512, layers=8, heads=8, kv_heads=8,
                  seg=dict(segment_len=256, tail_len=32, retrieve_len=64, tbptt=1,
@@ -280,56 +286,62 @@ def recall_copy_rows(rng, n: int, n_seg: int, p: dict):
 def far_recall_rows(rng, n: int, n_seg: int, p: dict):
   """(tokens [n, n_seg*S] int32, classes [n, n_seg*S] int8: 0 unscored class, 1 recall key (a
   copy from distance exactly M), 2 FAR recall value, 3 local copy, 4 near recall value) of task
-  'far_recall' (module docstring). Ids: 0 BOS, keys 1..n_keys, values, filler. Every key is
-  stored once per row with a value drawn uniformly (independent of everything else in the row)
-  and recalled at most once, so the store is the only place a value's binding appears; a recall
-  is FAR when its stored value lies more than far_distance(p) tokens before it, beyond what any
-  local model of the preset can see (far_distance)."""
+  'far_recall' (module docstring). Ids: 0 BOS, keys 1..n_keys, values, [the marker,] filler. A
+  RECORD is a key and `value_len` value tokens, each drawn uniformly (independent of everything
+  else in the row); every key is stored once per row and recalled at most once, so the store is
+  the only place its values appear; a recalled value token is FAR when its stored copy lies more
+  than far_distance(p) tokens before it, beyond what any local model of the preset can see."""
   S, M = p["seg"]["segment_len"], p["seg"]["tail_len"]
   n_keys, n_vals, motif, per_seg = p["n_keys"], p["n_values"], p["motif"], p["store"]
-  n_ann = M // 2  # pairs recalled per segment (announced, each key twice, at the end of the last)
-  store0 = (S - M - 1) // 2  # pairs stored in segment 0 (after BOS)
-  fill_mid = S - 2 * M - 2 * per_seg  # the motif block of a later segment
-  fill0, n_fill = 1 + n_keys + n_vals, p["vocab"] - (1 + n_keys + n_vals)
+  vl = p.get("value_len", 1)
+  rl = 1 + vl  # record length
+  marker = p.get("announce", "pairs") == "marker"
+  n_ann = M // rl  # records recalled per segment (announced at the end of the one before)
+  store0 = (S - M - 1) // rl  # records stored in segment 0 (after BOS)
+  fill_mid = S - 2 * M - rl * per_seg  # the motif block of a later segment
+  fill0 = 1 + n_keys + n_vals + marker
+  n_fill = p["vocab"] - fill0
   far = far_distance(p)
-  assert fill_mid >= 0 and fill_mid % motif == 0 and n_fill >= 2 and n_ann <= store0
+  assert M % rl == 0 and fill_mid >= 0 and fill_mid % motif == 0 and n_fill >= 2, p
+  assert n_ann <= store0 and per_seg >= n_ann, p  # enough stored, not yet recalled records
   assert n_keys >= store0 + (n_seg - 1) * per_seg, (n_keys, n_seg)
   toks = np.zeros((n, n_seg * S), np.int32)
   cls = np.zeros((n, n_seg * S), np.int8)
   for r in range(n):
     keys = iter(1 + rng.permutation(n_keys))
-    value, stored_at = {}, {}  # key -> value token, key -> the value's position
+    value, stored_at = {}, {}  # key -> value tokens, key -> its record's position
     t, c = [0], [0]
 
     def store(count):
       for _ in range(count):
         k = int(next(keys))
-        value[k] = int(1 + n_keys + rng.integers(n_vals))
-        stored_at[k] = len(t) + 1
-        t.extend((k, value[k]))
-        c.extend((0, 0))
+        value[k] = [int(v) for v in 1 + n_keys + rng.integers(0, n_vals, vl)]
+        stored_at[k] = len(t)
+        t.extend([k] + value[k])
+        c.extend([0] * rl)
+        pending.append(k)
 
+    pending = []  # stored, not yet recalled
     store(store0)
-    pending = list(value)  # stored, not yet recalled
     for s in range(n_seg):
       if s:
-        for k in ann:  # the recall block: [k v ...] of the keys announced last segment
-          t.extend((k, value[k]))
-          c.extend((1, 2 if len(t) - 1 - stored_at[k] > far else 4))
+        for k in ann:  # the recall block: the records of the keys announced last segment
+          far_k = len(t) - stored_at[k] > far
+          t.extend([k] + value[k])
+          c.extend([1] + [2 if far_k else 4] * vl)
         store(per_seg)
-        pending += list(value)[-per_seg:] if per_seg else []
         if fill_mid:  # one motif repeated: its first copy random, the rest copies
           m = list(fill0 + rng.integers(0, n_fill, motif))
           t += m * (fill_mid // motif)
           c += [0] * motif + [3] * (fill_mid - motif)
-      pad = s * S + S - M - len(t)
+      pad = s * S + S - n_ann * rl - len(t)
       t += list(fill0 + rng.integers(0, n_fill, pad))
       c += [0] * pad
       ann = [pending.pop(int(i)) for i in sorted(rng.choice(len(pending), n_ann, replace=False),
                                                   reverse=True)]
-      for k in ann:
-        t.extend((k, k))
-        c.extend((0, 3))
+      for k in ann:  # [k k ...] (announce 'pairs'), or [k x ...] with the marker x
+        t.extend([k] + [fill0 - 1 if marker else k] * vl)
+        c.extend([0] + [0 if marker else 3] * vl)
     toks[r], cls[r] = t, c
   return toks, cls
 
@@ -731,6 +743,31 @@ def conv_ft(params_seeds, cfgs):
   return jax.vmap(lambda q: sgm.from_dense(q, cfgs["segmented"]))(params_seeds)
 
 
+# Seconds a step on one GPU, from the recorded H200 gpu_recall run (wall_s: dense 226.2 s for
+# 8000 steps; the rest, 202.1 s, for 3 segmented + 1 dense fine-tunes of 1000 steps and every
+# evaluation), at its shapes: 4 segments of 32 tokens, batch 32, width 128, 3 seeds vmapped.
+_STEP_S = dict(dense=226.2 / 8000, segmented=(202.1 - 1000 * 226.2 / 8000) / 3000,
+               segs=4, batch=32, width=128)
+
+
+def estimate_s(preset: str, budget_s: float = 400.0) -> dict:
+  """The preset's estimated seconds on one GPU (H100 or H200: these tiny models are bound by
+  kernel launches, not by the card) and the calls it needs at --time_budget_s=budget_s (each
+  call stops its training at the budget and resumes from --checkpoint_dir; run each under
+  `timeout 480`). From _STEP_S, scaled (conservatively) linearly in segments per row for both
+  kinds of step and in batch x width / (32 x 128) where that is above 1; the segmented step's
+  cost charges every evaluation and compile to it (an upper bound)."""
+  p = PRESETS[preset]
+  size = max(1.0, p["batch"] * p["width"] / (_STEP_S["batch"] * _STEP_S["width"]))
+  k = p["train_segs"] / _STEP_S["segs"] * size * p["seeds"] / 3
+  n_seg_ft = 3 if p["ablations"] else 1
+  dense = p["dense_steps"] * _STEP_S["dense"] * k
+  ft = p["ft_steps"] * (n_seg_ft * _STEP_S["segmented"] + _STEP_S["dense"]) * k
+  total = dense + ft
+  return dict(dense_s=round(dense), finetunes_s=round(ft), total_s=round(total),
+              calls=math.ceil(total / (0.9 * budget_s)))
+
+
 FLAGS = common.flag_values()
 flags.DEFINE_enum("preset", "cpu", sorted(PRESETS), "task size", flag_values=FLAGS)
 flags.DEFINE_string("checkpoint_dir", None, "directory of the dense checkpoint "
@@ -740,12 +777,19 @@ flags.DEFINE_float("time_budget_s", None, "with --checkpoint_dir: stop the dense
                    "fine-tune after this many seconds, saving its progress there (call again to "
                    "resume; the evaluations start only with a quarter of the budget left)",
                    flag_values=FLAGS)
+flags.DEFINE_boolean("estimate", False, "print the preset's estimated GPU seconds and the "
+                     "calls it needs at --time_budget_s (default 400), then stop (estimate_s)",
+                     flag_values=FLAGS)
 flags.DEFINE_boolean("stop_after_dense", False, "train (or load) and save the dense checkpoint, "
                      "then stop (needs --checkpoint_dir)", flag_values=FLAGS)
 
 
 def main(argv=None):
   args = common.parse_flags(FLAGS, argv)
+  if args.estimate:
+    print(json.dumps(dict(preset=args.preset, **estimate_s(args.preset,
+                                                             args.time_budget_s or 400.0))))
+    return 0
   if args.stop_after_dense and not args.checkpoint_dir:
     raise SystemExit("--stop_after_dense needs --checkpoint_dir (where the dense checkpoint goes)")
   r = run(args.preset, args.checkpoint_dir, args.stop_after_dense, args.time_budget_s)

@@ -113,10 +113,10 @@ def test_criteria_cap_full_attention_and_gate_the_no_long_control():
 
 def test_far_recalls_lie_beyond_every_local_receptive_field():
   """Task far_recall's construction, on a random-init model of the far_test preset: the rows
-  class a recall value FAR exactly when its key's stored value lies more than far_distance
-  tokens back (re-derived here from the tokens: each key stored once, recalled at most once);
-  changing that stored value leaves the logits that predict every FAR recall of the row
-  unchanged under a sliding window of S + M keys (the dense gate's window) and under the
+  class a recalled value token FAR exactly when its stored copy lies more than far_distance
+  tokens back (re-derived here from the tokens: each key stored once, recalled at most once, its
+  values only there); changing that stored value token leaves the logits that predict the FAR
+  token unchanged under a sliding window of S + M keys (the dense gate's window) and under the
   segmented execution without long-range layers (the no-long-layers control), while full
   attention's change (so neither model can beat chance there: the value is drawn independently
   of everything they see)."""
@@ -125,32 +125,34 @@ def test_far_recalls_lie_beyond_every_local_receptive_field():
   import jax.numpy as jnp
   from condattn_jax.models.decoder import Decoder
   p = fid.PRESETS["far_test"]
-  S, M = p["seg"]["segment_len"], p["seg"]["tail_len"]
+  S, M, vl = p["seg"]["segment_len"], p["seg"]["tail_len"], p.get("value_len", 1)
   far, n_seg = fid.far_distance(p), 6
   toks, cls = fid.far_recall_rows(np.random.default_rng(3), 2, n_seg, p)
-  n_far = 0
-  for t, c in zip(toks, cls):
+  n_far, stored = 0, []  # (target position, position of its stored copy) of row 0's FAR tokens
+  for row, (t, c) in enumerate(zip(toks, cls)):
     for j in np.flatnonzero((c == 2) | (c == 4)):
-      k = t[j - 1]
+      jk = j - 1 - np.flatnonzero(c[j - 1::-1] == 1)[0]  # the record's key (a tail copy)
+      k, i = t[jk], j - jk
+      assert 1 <= i <= vl and np.all(np.isin(c[jk + 1:j + 1], (2, 4)))
       (first,) = np.flatnonzero(t == k)[:1]
-      assert t[first + 1] == t[j] and c[j - 1] == 1  # the store's pair; the key a tail copy
-      assert np.sum((t[:j - 1] == k) & (c[:j - 1] == 1)) == 0  # recalled once
-      assert (c[j] == 2) == (j - (first + 1) > far)
+      assert t[first + i] == t[j] and c[first] == 0  # the stored record
+      assert np.sum((t[:jk] == k) & (c[:jk] == 1)) == 0  # recalled once
+      assert (c[j] == 2) == (j - (first + i) > far)
       n_far += c[j] == 2
+      if c[j] == 2 and row == 0:
+        stored.append((j, first + i))
   assert n_far >= 8 and far == 2 * (S + M)
   cfgs = fid.model_configs(p)
   params = jax.jit(Decoder(cfgs["dense"]).init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
   params = jax.tree.map(lambda x: x.value if hasattr(x, "value") else x, params["params"],
                         is_leaf=lambda x: hasattr(x, "value"))
   window = dataclasses.replace(cfgs["dense"], sliding_window=S + M)
-  # row 0's far recalls; for each, a copy of the row with that key's stored value changed
-  (far_j,) = np.nonzero(cls[0] == 2)
+  # row 0, and for each of its FAR tokens a copy with that token's stored copy changed
   rows = [toks[0]]
-  for j in far_j:
-    (first,) = np.flatnonzero(toks[0] == toks[0][j - 1])[:1]
-    v0 = 1 + p["n_keys"]
+  v0 = 1 + p["n_keys"]
+  for j, st in stored:
     rows.append(toks[0].copy())
-    rows[-1][first + 1] = v0 + (toks[0][first + 1] - v0 + 1) % p["n_values"]
+    rows[-1][st] = v0 + (toks[0][st] - v0 + 1) % p["n_values"]
   both = jnp.asarray(np.stack(rows))
   runs = {"full": (cfgs["dense"], params, False), "window": (window, params, False),
           "no_long": (cfgs["ablation_no_long"], sgm.from_dense(params, cfgs["ablation_no_long"]),
@@ -159,6 +161,64 @@ def test_far_recalls_lie_beyond_every_local_receptive_field():
   for name, (cfg, pr, seg) in runs.items():
     logits = jax.jit(fid._apply(cfg, seg, train=False))(pr, both)
     diff[name] = max(float(jnp.max(jnp.abs(logits[1 + i, j - 1] - logits[0, j - 1])))
-                     for i, j in enumerate(far_j))
+                     for i, (j, _) in enumerate(stored))
   assert diff["window"] == 0.0 and diff["no_long"] == 0.0, diff
   assert diff["full"] > 1e-4, diff
+
+
+def test_far_gpu_plan_fits_the_device_calls():
+  """The GPU cost model (estimate_s) gives back the recorded H200 gpu_recall run's wall time it
+  was fitted on; far_gpu needs at most 3 calls of --time_budget_s=400 (the script's, under
+  timeout 480); its checkpoints (5 finished trees and one partial with Adam's two moments, per
+  seed, float32) stay within the 42 MiB carry budget that brings them to the next call."""
+  import os
+  import re
+  import jax
+  import jax.numpy as jnp
+  from condattn_jax.models.decoder import Decoder
+  path = os.path.join(os.path.dirname(fid.__file__), "results",
+                      "segmented_fidelity_NVIDIA_H200.json")
+  r = common.recorded_of(common.load(path)["runs"][-1])
+  assert abs(fid.estimate_s("gpu_recall")["total_s"] - r["wall_s"]["total"]) <= 1
+  est = fid.estimate_s("far_gpu", 400)
+  assert est["calls"] <= 3 and est["total_s"] > est["dense_s"] > 0
+  with open(os.path.join(os.path.dirname(fid.__file__), "match_segmented_gpu.sh")) as f:
+    far = re.search(r"far_on\(\) \{.*?\n\}", f.read(), re.S).group(0)
+  assert "--preset=far_gpu" in far and "--time_budget_s=400" in far and "timeout 480" in far
+  p = fid.PRESETS["far_gpu"]
+  shapes = jax.eval_shape(Decoder(fid.model_configs(p)["dense"]).init, jax.random.PRNGKey(0),
+                          jnp.zeros((1, 8), jnp.int32))
+  n = sum(x.size for x in jax.tree.leaves(shapes))
+  assert (5 + 3) * n * 4 * p["seeds"] <= 42 * 2**20, n
+
+
+def test_far_criteria_gate_the_no_long_control_and_can_fail():
+  """Task far_recall's verdicts on made-up evaluations: the gate passes only when the dense
+  checkpoint's FAR accuracy is >= 0.5 under full attention AND at most chance + 0.1 under the
+  S + M window; the no-long-layers control is judged only behind the gate (a 0.6 drop with the
+  gate failed is a FAIL); the M = 0 control reads the recall keys."""
+  p = fid.PRESETS["far_gpu"]
+  L, train = max(p["eval_segs"]), p["train_segs"]
+
+  def ev(rv, rk=1.0, ppl=3.0):
+    return {n: dict(ppl=[ppl] * 3, acc=dict(recall_value=[rv] * 3, recall_key=[rk] * 3,
+                                           local_copy=[1.0] * 3, near_value=[1.0] * 3))
+            for n in sorted(set(p["eval_segs"]) | {train})}
+
+  def res(full, local, aligned_rv=0.9, no_long_rv=0.06, m0_rk=0.1):
+    return {"aligned/segmented": ev(aligned_rv), "misaligned/segmented": ev(0.06, ppl=9.0),
+            "misaligned/full": ev(0.9), "dense_checkpoint/full": ev(full),
+            "dense_checkpoint/local": ev(local), "ablation_M0/segmented": ev(0.9, m0_rk),
+            "ablation_no_long/segmented": ev(no_long_rv)}
+
+  v = fid.verdicts(res(0.8, 0.07), p)
+  assert set(v) == set(fid.registered_rules("far_recall")) and all(x["passed"] for x in v.values())
+  assert v["far_ablation_no_long_layers_loses_recall"]["values"]["n_seg"] == L
+  for full, local in ((0.45, 0.07), (0.8, 0.17)):  # not learned / the window sees the values
+    v = fid.verdicts(res(full, local), p)
+    assert not v["far_dense_recall_needs_long_range"]["passed"]
+    no_long = v["far_ablation_no_long_layers_loses_recall"]
+    assert no_long["judged"] is False and no_long["passed"] is False
+  v = fid.verdicts(res(0.8, 0.07, no_long_rv=0.8, m0_rk=0.95), p)
+  assert not v["far_ablation_no_long_layers_loses_recall"]["passed"]
+  assert not v["far_ablation_M0_loses_tail_copies"]["passed"]
