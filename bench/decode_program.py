@@ -17,8 +17,8 @@ r"""What one decode step runs: the op histogram of a compiled program, per layer
     # bare program, host dispatch, device-busy ms and kernels per token from a jax.profiler
     # trace, for both params layouts, XLA command buffers off / default / extended (CB_MODES),
     # dot merging, the decode attention path (cuDNN split-KV / Mosaic GPU kernel / XLA
-    # reference), the step's kernel cuts switched off (TRACE_SETS 'oldwrite', 'oldproj',
-    # 'oldmerge': the program before them) and k greedy steps per call
+    # reference), the step's kernel cuts switched off (TRACE_SETS 'oldwrite', 'oldproj': the
+    # program before them), the one-pass merge on ('onepass') and k greedy steps per call
     # (Engine.decode_greedy); prints a table
     python -m bench.decode_program --time --profile --T=8192,131072 --out_dir=bench/results
 
@@ -438,14 +438,14 @@ OPTION_SETS = {**CB_MODES,
 # plain-XLA baseline); 'oldwrite': a decode step's cache writes through the general scatter that
 # drops out-of-range slots (models.layers._ONE_TOKEN_WRITE off; default: one in-place update per
 # array); 'oldproj': one-row q / k / v / o projections as one-row dots (models.layers.
-# _PAD_ONE_ROW off; default: a 2-row operand, so XLA:GPU keeps a GEMM); 'oldmerge': the decode
-# attention's kv parts merged by pallas_kernels.decode.merge_parts' four reductions
-# (reference.ONE_PASS_MERGE off; default: one variadic reduction).
-TRACE_SETS = ("mgpu", "refattn", "oldwrite", "oldproj", "oldmerge")
+# _PAD_ONE_ROW off; default: a 2-row operand, so XLA:GPU keeps a GEMM; the k-step loop traces
+# it off either way); 'onepass': the decode attention's kv parts merged by one variadic
+# reduction (pallas_kernels.decode.reference.ONE_PASS_MERGE on; default: merge_parts).
+TRACE_SETS = ("mgpu", "refattn", "oldwrite", "oldproj", "onepass")
 # The switches (module, name, value) a trace set turns while the variant traces.
 _LAYER_FLAGS = {"oldwrite": ("condattn_jax.models.layers", "_ONE_TOKEN_WRITE", False),
                 "oldproj": ("condattn_jax.models.layers", "_PAD_ONE_ROW", False),
-                "oldmerge": ("pallas_kernels.decode.reference", "ONE_PASS_MERGE", False)}
+                "onepass": ("pallas_kernels.decode.reference", "ONE_PASS_MERGE", True)}
 
 
 def _trace_context(sets):
@@ -477,7 +477,7 @@ def _trace_context(sets):
 # program op by op while a profile is active, which would time a different program).
 PROFILE_OPTIONS = {"xla_enable_command_buffers_during_profiling": True}
 LAYOUTS = ("stacked", "split", "xla_per_layer")
-PROFILE_VARIANTS = ("stacked:oldwrite:oldproj:oldmerge", "stacked", "split", "split:off",
+PROFILE_VARIANTS = ("stacked:oldwrite:oldproj", "stacked", "split", "split:off",
                     "split:extended", "split:dotmerge", "split:mgpu", "split:refattn",
                     "split:k8", "split:extended:k8", "xla_per_layer")
 

@@ -742,10 +742,15 @@ class Engine:
     def body(carry, _):
       cache, logits_BV, pos_B1 = carry
       tok_B1 = _argmax(logits_BV).astype(jnp.int32)[:, None]
-      cache, logits_BV, aux = self._step(params, cache, tok_B1, pos_B1, active_B1, logits_BV)
+      # _step's function traced here (not its jitted trace, which jit may have cached with
+      # the one-step program's settings)
+      cache, logits_BV, aux = Engine._step.__wrapped__(self, params, cache, tok_B1, pos_B1,
+                                                       active_B1, logits_BV)
       return (cache, logits_BV, pos_B1 + active_B1.astype(jnp.int32)), (tok_B1[:, 0], aux)
-    (cache, logits_BV, _), (tokens_SB, aux) = jax.lax.scan(
-        body, (cache, logits_BV, positions_B1), None, length=steps)
+    from condattn_jax.models import layers
+    with layers.one_row_padding(False):  # see one_row_padding: no per-iteration weight copies
+      (cache, logits_BV, _), (tokens_SB, aux) = jax.lax.scan(
+          body, (cache, logits_BV, positions_B1), None, length=steps)
     return cache, logits_BV, tokens_SB.T, aux
 
   def _greedy_chunk(self, cache, logits, pos_B, outs, active_B, stats, k: int):

@@ -5,6 +5,7 @@ Parameters carry logical axis names (see `condattn_jax.train.sharding` for the r
 """
 from __future__ import annotations
 
+import contextlib
 import math
 
 import flax.linen as nn
@@ -78,6 +79,19 @@ def apply_rope(x_BTNH, positions_BT, inv_freq):
 # and a weight-sized temporary each; a 2-row dot stays a GEMM. Off: the one-row dot, kept for
 # the A/B (bench/decode_program.py trace set 'oldproj').
 _PAD_ONE_ROW = True
+
+
+@contextlib.contextmanager
+def one_row_padding(on: bool):
+  """`_PAD_ONE_ROW` set to `on` while a program traces (Engine's k-step decode loop traces with
+  it off: inside XLA:GPU's while loop the 2-row GEMMs had the stacked weights copied every
+  iteration, a weight-sized memcpy a token; the one-step program copies no whole weight)."""
+  global _PAD_ONE_ROW
+  old, _PAD_ONE_ROW = _PAD_ONE_ROW, on
+  try:
+    yield
+  finally:
+    _PAD_ONE_ROW = old
 
 
 class Projection(nn.Module):

@@ -1,7 +1,7 @@
 """Pure-jnp pieces of the decode kernels: the reference (the tree's one mask builder and one
 reference attention, pallas_kernels/compact_attention/reference.py) and the log-sum-exp merge of
 the kernels' kv parts (condattn_jax.ops.merge_attention_parts is this function; the decode paths
-merge their forward-only output with `merge_parts_one_pass`).
+merge through `merge_decode_parts`).
 
 Importable without condattn_jax.
 """
@@ -64,10 +64,11 @@ def merge_parts(o, lse, axis: int):
 
 
 # True: the decode paths (this package's kernels, ops' cuDNN split-KV path) merge their kv parts
-# with `merge_parts_one_pass` (one variadic reduction: one kernel on XLA:GPU) instead of
-# `merge_parts` (a max, a sum of weights, the weights and a weighted sum: four). Off: kept for
-# the A/B (bench/decode_program.py trace set 'oldmerge').
-ONE_PASS_MERGE = True
+# with `merge_parts_one_pass` (one variadic reduction) instead of `merge_parts` (a max, a sum of
+# weights, the weights and a weighted sum). Off: on one H100 XLA:GPU already ran merge_parts in
+# as many kernels, and the one-pass merge was 0.06 ms a step slower at 8K and 128K
+# (docs/performance.md); bench/decode_program.py trace set 'onepass' turns it on.
+ONE_PASS_MERGE = False
 
 
 def merge_parts_one_pass(o, lse, axis: int):

@@ -342,13 +342,13 @@ def test_profile_trace_sets_change_the_h100_program():
   # default: the one-token cache write is 4 dynamic-update-slices a layer, no scatter;
   # 'oldwrite': the 4 dropping scatters
   h = lambda sets: dp.stablehlo_histogram(_export(dp, cfg, sets))
-  new, old = h(()), h(("oldwrite", "oldmerge"))
+  new, old = h(("onepass",)), h(("oldwrite",))
   assert new.get("stablehlo.scatter", 0) == 0 and new["stablehlo.dynamic_update_slice"] == 2 * 4
   assert old["stablehlo.scatter"] == 2 * 4 and "stablehlo.dynamic_update_slice" not in old
   # default: the 4 one-row projections pad their operand to 2 rows (a concatenate each);
   # 'oldproj': none
   assert new["stablehlo.concatenate"] - h(("oldproj",))["stablehlo.concatenate"] == 2 * 4
-  # default: the split-KV merge is one (variadic) reduce a layer; 'oldmerge': four reductions
+  # 'onepass': the split-KV merge is one (variadic) reduce a layer; default: merge_parts' four
   assert old["stablehlo.reduce"] - new["stablehlo.reduce"] == 2 * 3
 
 

@@ -138,3 +138,17 @@ def test_generate_in_greedy_chunks_equals_one_step_calls():
   assert all(1 < len(t) < 8 for t in a.tokens[1:])  # both inside the first chunk
   with pytest.raises(ValueError, match="greedy_steps"):
     Engine(cfg, p, cache_len=24, greedy_steps=0)
+
+
+def test_k_step_loop_traces_one_row_dots(params):
+  """At B = 1 the one-step program pads its projections to 2-row dots (models.layers.
+  _PAD_ONE_ROW: XLA:GPU keeps them GEMMs) while decode_greedy's loop traces one-row dots
+  (inside XLA:GPU's while loop the 2-row GEMMs had the stacked weights copied every iteration),
+  even after the one-step program was traced (jit caches traces)."""
+  import re
+  eng = Engine(CFG, params, cache_len=S)
+  i32, on = jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), bool)
+  logits, cache = jnp.zeros((1, CFG.vocab_size)), eng.init_cache(1)
+  two_row = lambda text: re.search(r"dot_general.*: \(tensor<2x", text) is not None
+  assert two_row(eng._step.lower(eng, eng.params, cache, i32, i32, on, logits).as_text())
+  assert not two_row(eng._greedy_steps.lower(eng, eng.params, cache, i32, on, logits, 2).as_text())
