@@ -104,7 +104,11 @@ far_on() {  # far_on <gpu>: the far_recall run; checkpoints travel through $OUT 
   CUDA_VISIBLE_DEVICES=$1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 timeout 480 \
     python -m bench.segmented_fidelity --preset=far_gpu --checkpoint_dir=out/segfid_far \
     --time_budget_s=400 --out_dir=$OUT/seg_far >> $OUT/seg_far.log 2>&1
-  cp out/segfid_far/*.npz $OUT/segfid_far/ 2>/dev/null
+  local f
+  for f in out/segfid_far/*.npz; do  # a phase's progress file only while the phase is unfinished
+    case $f in *_partial.npz) [ -e "${f%_partial.npz}.npz" ] && continue ;; esac
+    cp "$f" $OUT/segfid_far/
+  done
 }
 case $what in
   mqar) mqar "$@" ;;
