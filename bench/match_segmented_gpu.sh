@@ -98,12 +98,14 @@ seg() {
   fi
 }
 far_on() {  # far_on <gpu>: the far_recall run; checkpoints travel through $OUT (carried back)
+  # (FAR_PRESET / FAR_BUDGET: another preset / budget, for the CPU dry run on far_test)
   mkdir -p out/segfid_far $OUT/segfid_far
   local in=${IN:-.gpu/segfid_far}   # the earlier call's $OUT/segfid_far, carried back
   if [ -d "$in" ]; then cp -n "$in"/*.npz out/segfid_far/ 2>/dev/null; fi
   CUDA_VISIBLE_DEVICES=$1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.3 timeout 480 \
-    python -m bench.segmented_fidelity --preset=far_gpu --checkpoint_dir=out/segfid_far \
-    --time_budget_s=400 --out_dir=$OUT/seg_far >> $OUT/seg_far.log 2>&1
+    python -m bench.segmented_fidelity --preset=${FAR_PRESET:-far_gpu} \
+    --checkpoint_dir=out/segfid_far --time_budget_s=${FAR_BUDGET:-400} --out_dir=$OUT/seg_far \
+    >> $OUT/seg_far.log 2>&1
   local f
   for f in out/segfid_far/*.npz; do  # a phase's progress file only while the phase is unfinished
     case $f in *_partial.npz) [ -e "${f%_partial.npz}.npz" ] && continue ;; esac

@@ -184,7 +184,8 @@ def test_far_gpu_plan_fits_the_device_calls():
   assert est["calls"] <= 3 and est["total_s"] > est["dense_s"] > 0
   with open(os.path.join(os.path.dirname(fid.__file__), "match_segmented_gpu.sh")) as f:
     far = re.search(r"far_on\(\) \{.*?\n\}", f.read(), re.S).group(0)
-  assert "--preset=far_gpu" in far and "--time_budget_s=400" in far and "timeout 480" in far
+  assert "--preset=${FAR_PRESET:-far_gpu}" in far and "--time_budget_s=${FAR_BUDGET:-400}" in far
+  assert "timeout 480" in far
   p = fid.PRESETS["far_gpu"]
   shapes = jax.eval_shape(Decoder(fid.model_configs(p)["dense"]).init, jax.random.PRNGKey(0),
                           jnp.zeros((1, 8), jnp.int32))
