@@ -6,6 +6,8 @@ much worse?
     python -m bench.segmented_fidelity                  # preset 'cpu' (recorded): minutes, 2 cores
     python -m bench.segmented_fidelity --preset=test    # CI size (tests/bench/test_segmented_bench.py)
     python -m bench.segmented_fidelity --preset=h100    # real text (stdlib bytes), one H100
+    python -m bench.segmented_fidelity --preset=far_gpu --estimate   # its GPU seconds, calls
+    bash bench/match_segmented_gpu.sh far               # far_gpu on one GPU, resumable calls
 
 Protocol (every preset): train a dense model (full attention) from scratch; from that checkpoint
 fine-tune, for the same number of steps and on the same batches, (a) ALIGNED: the segmented
