@@ -207,9 +207,11 @@ class KVCache(nn.Module):
     before = (ck.value, cv.value, cpos.value, cvalid.value)
     if T == 1 and kind == "full" and _ONE_TOKEN_WRITE:
       # slot = the row's length; an inactive row stores zeros there (slots past the fill hold
-      # zeros: unchanged); the slot read off the new length, so the old counter is not kept
+      # zeros: unchanged). The slot is read off the new length behind a barrier: XLA:GPU
+      # otherwise recomputes it from the old counter inside each update's fusion, and keeps
+      # the old counter alive by a copy (a kernel a layer) since the add updates it in place
       keep_B = valid_BT[:, 0]
-      new_len_B = length_B + keep_BT[:, 0].astype(jnp.int32)
+      new_len_B = lax.optimization_barrier(length_B + keep_BT[:, 0].astype(jnp.int32))
       slot_B = jnp.clip(new_len_B - keep_B.astype(jnp.int32), 0, size - 1)
       zero = lambda x: jnp.where(keep_B.reshape((B,) + (1,) * (x.ndim - 1)), x,
                                  jnp.zeros((), x.dtype))
