@@ -440,12 +440,14 @@ OPTION_SETS = {**CB_MODES,
 # array); 'oldproj': one-row q / k / v / o projections as one-row dots (models.layers.
 # _PAD_ONE_ROW off; default: a 2-row operand, so XLA:GPU keeps a GEMM; the k-step loop traces
 # it off either way); 'onepass': the decode attention's kv parts merged by one variadic
-# reduction (pallas_kernels.decode.reference.ONE_PASS_MERGE on; default: merge_parts).
-TRACE_SETS = ("mgpu", "refattn", "oldwrite", "oldproj", "onepass")
+# reduction (pallas_kernels.decode.reference.ONE_PASS_MERGE on; default: merge_parts); 'o2d':
+# the padded one-row o_proj as a 2-D dot (models.layers._O_PROJ_2D on; default: [N, H, D]).
+TRACE_SETS = ("mgpu", "refattn", "oldwrite", "oldproj", "onepass", "o2d")
 # The switches (module, name, value) a trace set turns while the variant traces.
 _LAYER_FLAGS = {"oldwrite": ("condattn_jax.models.layers", "_ONE_TOKEN_WRITE", False),
                 "oldproj": ("condattn_jax.models.layers", "_PAD_ONE_ROW", False),
-                "onepass": ("pallas_kernels.decode.reference", "ONE_PASS_MERGE", True)}
+                "onepass": ("pallas_kernels.decode.reference", "ONE_PASS_MERGE", True),
+                "o2d": ("condattn_jax.models.layers", "_O_PROJ_2D", True)}
 
 
 def _trace_context(sets):

@@ -81,6 +81,14 @@ def apply_rope(x_BTNH, positions_BT, inv_freq):
 _PAD_ONE_ROW = True
 
 
+# True: a padded one-row projection that contracts two kernel dims (o_proj [N, H, D]) contracts
+# a 2-D view of the kernel ([N*H, D]) instead. Off (to be timed: bench/decode_program.py trace
+# set 'o2d'): on one H100 the stacked engine's step copied each layer's o_proj slice
+# ([N, H, D] of the stacked [L, N, H, D]) into a new buffer before its GEMM, 4.7 MB a layer
+# (q / k / v, which contract one dim, read their slices in place).
+_O_PROJ_2D = False
+
+
 @contextlib.contextmanager
 def one_row_padding(on: bool):
   """`_PAD_ONE_ROW` set to `on` while a program traces (Engine's k-step decode loop traces with
@@ -116,8 +124,11 @@ class Projection(nn.Module):
     if one_row:  # [1, ..., in] -> [2, in]: the row, then zeros
       x = x.reshape((1,) + x.shape[x.ndim - n_in:])
       x = jnp.concatenate([x, jnp.zeros_like(x)], axis=0)
-    y = lax.dot_general(x, kernel.astype(self.dtype),
-                        ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ())))
+    w, n_c = kernel.astype(self.dtype), n_in  # n_c: the dims the dot contracts
+    if one_row and n_in > 1 and _O_PROJ_2D:  # [2, in...] x [in..., out] as [2, in] x [in, out]
+      x, w, n_c = x.reshape(2, -1), w.reshape(math.prod(self.shape[:n_in]), -1), 1
+    y = lax.dot_general(x, w, ((tuple(range(x.ndim - n_c, x.ndim)), tuple(range(n_c))),
+                               ((), ())))
     if one_row:
       y = y[:1].reshape(lead + y.shape[1:])
     if self.use_bias:

@@ -152,3 +152,24 @@ def test_k_step_loop_traces_one_row_dots(params):
   two_row = lambda text: re.search(r"dot_general.*: \(tensor<2x", text) is not None
   assert two_row(eng._step.lower(eng, eng.params, cache, i32, i32, on, logits).as_text())
   assert not two_row(eng._greedy_steps.lower(eng, eng.params, cache, i32, on, logits, 2).as_text())
+
+
+def test_o_proj_2d_decodes_the_same(params, monkeypatch):
+  """models.layers._O_PROJ_2D (off; the padded one-row o_proj as a [2, N*H] x [N*H, D] dot,
+  for bench/decode_program's 'o2d' A/B): the same B = 1 decode step (logits 1e-6, caches)."""
+  from condattn_jax.models import layers
+  eng = Engine(CFG, params, cache_len=S)
+  cache, logits, lengths, _ = eng._prefill([[3, 9, 4, 1, 7]])
+  step = lambda: eng.decode_step(jax.tree.map(jnp.copy, cache), [2], lengths, [True], logits)
+  c1, l1 = step()
+  monkeypatch.setattr(layers, "_O_PROJ_2D", True)
+  jax.clear_caches()  # engines of one config share traces
+  c2, l2 = step()
+  jax.clear_caches()
+  np.testing.assert_allclose(l2, l1, rtol=1e-6, atol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), c1, c2)
+  i32 = jnp.zeros((1, 1), jnp.int32)
+  text = eng._step.lower(eng, eng.params, cache, i32, i32, jnp.ones((1, 1), bool),
+                         logits).as_text()
+  jax.clear_caches()
+  assert "(tensor<2x32xf32>, tensor<32x32xf32>) -> tensor<2x32xf32>" in text  # o: [N*H, D]
