@@ -17,7 +17,7 @@
 #   bash bench/match_segmented_gpu.sh all    # both at once (4 GPUs; MQAR's memory leaves room)
 #   bash bench/match_segmented_gpu.sh far    # segmented far_gpu on GPU 0 alone (kind
 #                                            # nvidia-h100-x1): the dense model and its gate, then
-#                                            # the fine-tunes; estimate_s: ~743 s in all, so 2-3
+#                                            # the fine-tunes; estimate_s: ~727 s in all, so 3
 #                                            # calls of --time_budget_s=400 under timeout 480, each
 #                                            # resuming from the checkpoints (a few MB: they come
 #                                            # back in $OUT/segfid_far; carry them to the next
