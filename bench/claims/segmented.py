@@ -73,7 +73,7 @@ def claims_and_findings_follow_from_the_perplexities(r, run):
 # fine-tunes, ablations, CRITERIA): every run records the criteria's verdicts, pass or fail.
 # ------------------------------------------------------------------------------------------------
 
-@claim("segmented_fidelity", run=("cpu", "test", "h100", "gpu_recall"))
+@claim("segmented_fidelity", run=("cpu", "test", "h100", "gpu_recall", "far_cpu", "far_gpu"))
 def criteria_verdicts_follow_from_the_evaluations(r, run):
   """Every pre-registered run: the verdicts it recorded are segmented_fidelity.verdicts of its
   evaluations (a verdict cannot be edited by hand, pass or fail), its overall 'passed' is
