@@ -25,9 +25,10 @@ the scheme's layer class:
   `decode_chunk(config) -> int`  a decode call's chunk must divide this many tokens (segmented:
                                  segment_len); the engine then picks a valid prefill chunk itself.
 Attention inside the chunk goes through `ops.attention` with the cache's kv positions, i.e. the
-fused kernels on GPU/TPU (the reference on CPU). A greedy `generate` that keeps no logits runs
-`Engine(greedy_steps=8)` decode steps per jitted call (`decode_greedy`'s program; the host
-checks stop tokens / strings per token afterwards: the same output as one step a call).
+fused kernels on GPU/TPU (the reference on CPU). With `Engine(greedy_steps=k)`, k > 1, a greedy
+`generate` that keeps no logits runs k decode steps per jitted call (`decode_greedy`'s program;
+the host checks stop tokens / strings per token afterwards: the same output as one step a call).
+The default is one step a call until a GPU A/B shows the k-step loop faster (docs/performance.md).
 
 Bad input is a ValueError with a one-line message (token ids outside [0, vocab) or not integers,
 an empty request list or prompt, max_new_tokens < 1, a prompt + new tokens longer than the cache,
@@ -302,7 +303,7 @@ class Engine:
     prefill bounds activation memory at long context.
   greedy_steps: decode steps per jitted call of a greedy `generate` that keeps no logits
     (`decode_greedy`'s program: no host round trip between its tokens; the same tokens as one
-    step a call, tested); 1 = one step a call. A row that stops inside a call ignores the
+    step a call, tested); 1 (default) = one step a call. A row that stops inside a call ignores the
     rest of it (up to greedy_steps - 1 steps run on the device for nothing).
   split_layers: hold the params in `models.stacking.split_groups`' layout (each layer's weights
     their own arrays, made once here; the stacked tree given is not kept by the engine), so no
@@ -314,7 +315,7 @@ class Engine:
 
   def __init__(self, model_cfg: ModelConfig, params, *, cache_len: int,
                prefill_chunk: int | None = None, split_layers: bool = False,
-               greedy_steps: int = 8):
+               greedy_steps: int = 1):
     if cache_len <= 0:
       raise ValueError(f"Engine(cache_len={cache_len}) must be > 0.")
     if not isinstance(greedy_steps, int) or greedy_steps < 1:
@@ -350,7 +351,7 @@ class Engine:
   @classmethod
   def from_checkpoint(cls, path: str, *, step: int | None = None, cache_len: int | None = None,
                       prefill_chunk: int | None = None, tokenizer=None, devices=None,
-                      config=None, split_layers: bool = False, greedy_steps: int = 8,
+                      config=None, split_layers: bool = False, greedy_steps: int = 1,
                       **scheme_options) -> "Engine":
     """An Engine over a train.py checkpoint: the weights and the model config saved with it.
 

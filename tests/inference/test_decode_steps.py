@@ -111,7 +111,7 @@ def _same_generation(a, b):
 
 
 def test_generate_in_greedy_chunks_equals_one_step_calls():
-  """A greedy generate that keeps no logits runs Engine(greedy_steps=8) steps a call
+  """With Engine(greedy_steps=8), a greedy generate that keeps no logits runs 8 steps a call
   (decode_greedy's program): the same tokens, text, finish reasons, per-row routing stats
   (L2A) and step count as one step a call, with rows that stop inside a chunk (a stop string, a
   stop token) beside a row that runs to max_new_tokens = 11 (not a multiple of 8)."""
