@@ -578,30 +578,36 @@ def verdicts(res: dict, p: dict, rules=None) -> dict:
         passed=bool(multi) and all(r >= CRITERIA["misaligned_2x_worse"]["min_ratio"]
                                    for r in r_mis.values()),
         values={str(n): r for n, r in r_mis.items()})
-  if p["task"] == "recall_copy" and p["ablations"]:
+
+  def ablation_drops(checks, gated: str | None, gate: bool):
+    """Each (criterion, ablated model, class) in rules: the aligned model's accuracy on the class
+    at the longest evaluated length minus the ablation's >= min_drop; `gated` is judged only
+    behind the dense gate."""
     L = max(int(n) for n in res["aligned/segmented"])
     acc = lambda k, cl: mean(res[k][L]["acc"][cl])
-    gate = None
-    if "dense_recall_needs_long_range" in rules:
-      c = CRITERIA["dense_recall_needs_long_range"]
-      full, local = verdicts_dense_gate(res, p).values()
-      gate = bool(full >= c["min_full"] and full - local >= c["min_gap"])
-      out["dense_recall_needs_long_range"] = dict(
-          passed=gate, values=dict(n_seg=train, full=full, local=local, gap=full - local))
-    for name, model, cl in (("ablation_M0_loses_tail_copies", "ablation_M0", "recall_key"),
-                            ("ablation_no_long_layers_loses_recall", "ablation_no_long",
-                             "recall_value")):
+    for name, model, cl in checks:
       if name not in rules:
         continue
       drop = acc("aligned/segmented", cl) - acc(f"{model}/segmented", cl)
       out[name] = dict(passed=bool(drop >= CRITERIA[name]["min_drop"]),
                        values=dict(n_seg=L, aligned=acc("aligned/segmented", cl),
                                    ablation=acc(f"{model}/segmented", cl), drop=drop))
-      if name == "ablation_no_long_layers_loses_recall" and not retired(name):
-        out[name].update(judged=bool(gate), passed=bool(gate) and out[name]["passed"])
+      if name == gated:
+        out[name].update(judged=gate, passed=gate and out[name]["passed"])
+
+  if p["task"] == "recall_copy" and p["ablations"]:
+    gate = False
+    if "dense_recall_needs_long_range" in rules:
+      c = CRITERIA["dense_recall_needs_long_range"]
+      full, local = verdicts_dense_gate(res, p).values()
+      gate = bool(full >= c["min_full"] and full - local >= c["min_gap"])
+      out["dense_recall_needs_long_range"] = dict(
+          passed=gate, values=dict(n_seg=train, full=full, local=local, gap=full - local))
+    gated = "ablation_no_long_layers_loses_recall"
+    ablation_drops((("ablation_M0_loses_tail_copies", "ablation_M0", "recall_key"),
+                    (gated, "ablation_no_long", "recall_value")),
+                   None if retired(gated) else gated, gate)
   if p["task"] == "far_recall" and p["ablations"]:
-    L = max(int(n) for n in res["aligned/segmented"])
-    acc = lambda k, cl: mean(res[k][L]["acc"][cl])
     gate = False
     name = "far_dense_recall_needs_long_range"
     if name in rules:
@@ -611,17 +617,9 @@ def verdicts(res: dict, p: dict, rules=None) -> dict:
       gate = bool(full >= c["min_full"] and local <= chance + c["max_local_over_chance"])
       out[name] = dict(passed=gate, values=dict(n_seg=train, full=full, local=local,
                                                 chance=chance, gap=full - local))
-    for name, model, cl in (("far_ablation_M0_loses_tail_copies", "ablation_M0", "recall_key"),
-                            ("far_ablation_no_long_layers_loses_recall", "ablation_no_long",
-                             "recall_value")):
-      if name not in rules:
-        continue
-      drop = acc("aligned/segmented", cl) - acc(f"{model}/segmented", cl)
-      ok = bool(drop >= CRITERIA[name]["min_drop"])
-      out[name] = dict(passed=ok, values=dict(n_seg=L, aligned=acc("aligned/segmented", cl),
-                                              ablation=acc(f"{model}/segmented", cl), drop=drop))
-      if name == "far_ablation_no_long_layers_loses_recall":
-        out[name].update(judged=gate, passed=gate and ok)
+    gated = "far_ablation_no_long_layers_loses_recall"
+    ablation_drops((("far_ablation_M0_loses_tail_copies", "ablation_M0", "recall_key"),
+                    (gated, "ablation_no_long", "recall_value")), gated, gate)
   return out
 
 
