@@ -213,13 +213,12 @@ def run_row(T: int, scheme: str, layout: str, n: int, *, tiny: bool = False, rep
       row["predicted_peak_bytes"] = mem["peak_estimate_bytes"]
     phase("compiled")
     if steps:
-      box, ts, losses = {"state": state}, [], []
+      ts, losses = [], []
       for i in range(steps):
-        b = make_batch(i)
-        jax.block_until_ready(b)
+        b = jax.block_until_ready(make_batch(i))
         t0 = time.perf_counter()
-        box["state"], metrics = compiled(box["state"], b)
-        jax.block_until_ready((box["state"].params, metrics))
+        state, metrics = compiled(state, b)
+        jax.block_until_ready((state.params, metrics))
         ts.append((time.perf_counter() - t0) * 1e3)
         losses.append(float(jax.device_get(metrics["loss"])))
         phase(f"step {i} {ts[-1]:.0f} ms loss {losses[-1]:.6f}")

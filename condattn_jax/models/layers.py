@@ -75,17 +75,15 @@ def apply_rope(x_BTNH, positions_BT, inv_freq):
 # True: a projection of ONE row (B * T == 1: a B = 1 decode step) multiplies a 2-row operand
 # (the row and a zero row) and keeps row 0: the same numbers. XLA:GPU's algebraic simplifier
 # rewrites a dot whose operand is a vector (one row) and whose (M + N) * K is below 10M elements
-# (q / k / v / o at 1.5B shapes) into a weight-sized elementwise multiply + reduce: 2 kernels
-# and a weight-sized temporary each; a 2-row dot stays a GEMM. Off: the one-row dot, kept for
-# the A/B (bench/decode_program.py trace set 'oldproj').
+# into an elementwise multiply + reduce over the whole weight; a 2-row dot stays a GEMM. Off:
+# the one-row dot (bench/decode_program.py trace set 'oldproj'; the A/B: docs/performance.md).
 _PAD_ONE_ROW = True
 
 
 # True: a padded one-row projection that contracts two kernel dims (o_proj [N, H, D]) contracts
-# a 2-D view of the kernel ([N*H, D]) instead. Off (to be timed: bench/decode_program.py trace
-# set 'o2d'): on one H100 the stacked engine's step copied each layer's o_proj slice
-# ([N, H, D] of the stacked [L, N, H, D]) into a new buffer before its GEMM, 4.7 MB a layer
-# (q / k / v, which contract one dim, read their slices in place).
+# a 2-D view of the kernel ([N*H, D]) instead, aimed at the copy XLA:GPU makes of each layer's
+# o_proj slice of the stacked weights before its GEMM (q / k / v, which contract one dim, read
+# their slices in place). Off until timed (bench/decode_program.py trace set 'o2d').
 _O_PROJ_2D = False
 
 
@@ -142,9 +140,8 @@ class Projection(nn.Module):
 # True: a one-token write into a full cache (decode) stores each array with ONE in-place update
 # (models.layers._write_one_token) instead of the general scatter that drops out-of-range slots.
 # XLA:GPU turns a single-index dropping scatter into a bounds predicate, a read of the slot's
-# old value, a select and the update, per array: 12 kernels a layer for key / value /
-# positions / valid / length at B = 1, where the plain-XLA step runs 2. Off: the general
-# scatter, kept for the A/B (bench/decode_program.py trace set 'oldwrite').
+# old value, a select and the update, per array. Off: the general scatter
+# (bench/decode_program.py trace set 'oldwrite'; the A/B: docs/performance.md).
 _ONE_TOKEN_WRITE = True
 
 

@@ -65,9 +65,9 @@ def merge_parts(o, lse, axis: int):
 
 # True: the decode paths (this package's kernels, ops' cuDNN split-KV path) merge their kv parts
 # with `merge_parts_one_pass` (one variadic reduction) instead of `merge_parts` (a max, a sum of
-# weights, the weights and a weighted sum). Off: on one H100 XLA:GPU already ran merge_parts in
-# as many kernels, and the one-pass merge was 0.06 ms a step slower at 8K and 128K
-# (docs/performance.md); bench/decode_program.py trace set 'onepass' turns it on.
+# weights, the weights and a weighted sum). Off: measured no faster on a GPU (XLA:GPU fuses
+# merge_parts' reductions already; docs/performance.md); bench/decode_program.py trace set
+# 'onepass' turns it on.
 ONE_PASS_MERGE = False
 
 
