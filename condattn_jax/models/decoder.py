@@ -27,7 +27,7 @@ import numpy as np
 from condattn_jax.attention import get_scheme
 from condattn_jax.models.config import ModelConfig
 from condattn_jax.models.context import LayerContext
-from condattn_jax.models.layers import INIT_STD, make_norm
+from condattn_jax.models.layers import INIT_STD, make_norm, shared_decode_fill
 from condattn_jax.models.stacking import group_name, layer_groups
 
 REMAT_POLICIES = {
@@ -146,6 +146,10 @@ class Decoder(nn.Module):
     the stacked array (which a compiler may copy into a new buffer every step)."""
     cfg = self.config
     params = self.variables["params"]
+    fill_B = (shared_decode_fill(cfg, self.get_variable("cache", "layers_0"), ctx.valid_BT,
+                                 ctx.cache_len) if self.has_variable("cache", "layers_0") else None)
+    if fill_B is not None:  # one per step, for every layer's attention (models.layers)
+      ctx = ctx.replace(fields={**ctx.fields, "decode_fill_B": fill_B})
     auxes = []
     for start, stop, variant in groups:
       layer = scheme.layer_cls(cfg, variant=variant, parent=None)

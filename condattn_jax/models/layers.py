@@ -80,11 +80,35 @@ def apply_rope(x_BTNH, positions_BT, inv_freq):
 _PAD_ONE_ROW = True
 
 
-# True: a padded one-row projection that contracts two kernel dims (o_proj [N, H, D]) contracts
-# a 2-D view of the kernel ([N*H, D]) instead, aimed at the copy XLA:GPU makes of each layer's
-# o_proj slice of the stacked weights before its GEMM (q / k / v, which contract one dim, read
-# their slices in place). Off until timed (bench/decode_program.py trace set 'o2d').
+# True: a projection that contracts two kernel dims (o_proj [N, H, D]) contracts a 2-D view of
+# the kernel ([N*H, D]) and of its input ([..., N*H]) instead, aimed at the copy XLA:GPU makes
+# of each layer's o_proj slice of the stacked weights before its GEMM (q / k / v, which
+# contract one dim, read their slices in place), at any batch. Off until timed
+# (bench/decode_program.py trace set 'o2d').
 _O_PROJ_2D = False
+
+
+# True: a dense model's one-token decode step hands every layer's attention ONE fill (the
+# kv length its mask / cuDNN's per-part lengths are built from), computed once a step by the
+# Decoder from layer 0's counter (`shared_decode_fill`), so XLA builds the length inputs once
+# a step instead of once a layer. Exact for an Engine cache: every chunk, step and row reset
+# writes every layer alike, so all layers' counters are equal. Off until timed
+# (bench/decode_program.py trace set 'fill1').
+_SHARED_FILL = False
+
+
+def shared_decode_fill(cfg: ModelConfig, layer0_cache, valid_BT, cache_len: int):
+  """The fill after a one-token write, min(length + valid, cache_len) [B] int32, read off layer
+  0's cache `layer0_cache` (its 'self_attn/cache' KVCache), for `ctx.fields['decode_fill_B']`;
+  None (each layer counts its own) unless `_SHARED_FILL` is on, the model is dense without a
+  sliding window, the chunk is one token and layer 0 holds a full cache of cache_len slots."""
+  if not (_SHARED_FILL and cfg.scheme == "dense" and cfg.sliding_window is None
+          and valid_BT.shape[1] == 1):
+    return None
+  kv = (layer0_cache or {}).get("self_attn", {}).get("cache", {})
+  if "length" not in kv or kv["key"].shape[1] != cache_len:
+    return None
+  return jnp.minimum(kv["length"] + valid_BT[:, 0].astype(jnp.int32), cache_len)
 
 
 @contextlib.contextmanager
@@ -123,8 +147,9 @@ class Projection(nn.Module):
       x = x.reshape((1,) + x.shape[x.ndim - n_in:])
       x = jnp.concatenate([x, jnp.zeros_like(x)], axis=0)
     w, n_c = kernel.astype(self.dtype), n_in  # n_c: the dims the dot contracts
-    if one_row and n_in > 1 and _O_PROJ_2D:  # [2, in...] x [in..., out] as [2, in] x [in, out]
-      x, w, n_c = x.reshape(2, -1), w.reshape(math.prod(self.shape[:n_in]), -1), 1
+    if n_in > 1 and _O_PROJ_2D:  # [..., in...] x [in..., out] as [..., in] x [in, out]
+      x = x.reshape(x.shape[:x.ndim - n_in] + (-1,))
+      w, n_c = w.reshape(math.prod(self.shape[:n_in]), -1), 1
     y = lax.dot_general(x, w, ((tuple(range(x.ndim - n_c, x.ndim)), tuple(range(n_c))),
                                ((), ())))
     if one_row:
@@ -338,8 +363,11 @@ class Attention(nn.Module):
       ring_step = self.cache_kind(ctx) == "window" and q_BTNH.shape[1] == 1
       k_all, v_all, kv_pos, kv_valid = self.write_cache(k_BTKH, v_BTKH, ctx,
                                                         after_write=ring_step)
-      # the fill after the write: a full cache's length counter, a ring's min(length, size)
-      fill_B = jnp.minimum(self.kv_cache.get_variable("cache", "length"), k_all.shape[1])
+      # the fill after the write: a full cache's length counter, a ring's min(length, size);
+      # a dense one-token step may carry it for all layers (shared_decode_fill)
+      fill_B = ctx.fields.get("decode_fill_B") if not ring_step else None
+      if fill_B is None or self.window is not None or q_BTNH.shape[1] != 1:
+        fill_B = jnp.minimum(self.kv_cache.get_variable("cache", "length"), k_all.shape[1])
       return attend(q_BTNH, k_all, v_all, q_positions_BT=ctx.positions_BT, kv_positions_BS=kv_pos,
                     kv_segment_ids_BS=kv_valid, window=None if ring_step else self.window,
                     active=active, impl=impl,

@@ -173,3 +173,33 @@ def test_o_proj_2d_decodes_the_same(params, monkeypatch):
                          logits).as_text()
   jax.clear_caches()
   assert "(tensor<2x32xf32>, tensor<32x32xf32>) -> tensor<2x32xf32>" in text  # o: [N*H, D]
+
+
+def test_shared_fill_decodes_the_same(params, monkeypatch):
+  """models.layers._SHARED_FILL (off; bench/decode_program's 'fill1' A/B): every layer's decode
+  attention reads its fill off one per-step value from layer 0's counter. Ragged rows and an
+  inactive row: the same logits (1e-6) and caches over 3 greedy steps, and the traced step
+  builds its fill once (one `minimum` fewer per layer after the first)."""
+  from condattn_jax.models import layers
+  eng = Engine(CFG, params, cache_len=S)
+  cache, logits, lengths, _ = eng._prefill([[3, 9, 4, 1, 7], [5, 2], [8]])
+  active = np.array([True, False, True])
+  i32, on = jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), bool)
+
+  def run():
+    jax.clear_caches()  # engines of one config share traces
+    c, l, pos, outs = jax.tree.map(jnp.copy, cache), logits, np.asarray(lengths), []
+    for _ in range(3):
+      c, l = eng.decode_step(c, np.asarray(jnp.argmax(l, -1), np.int32), pos, active, l)
+      pos, outs = pos + active, outs + [l]
+    text = eng._step.lower(eng, eng.params, eng.init_cache(1), i32, i32, on,
+                           jnp.zeros((1, CFG.vocab_size))).as_text()
+    return c, outs, text.count("stablehlo.minimum")
+  c1, l1, mins_off = run()
+  monkeypatch.setattr(layers, "_SHARED_FILL", True)
+  c2, l2, mins_on = run()
+  jax.clear_caches()
+  for x, y in zip(l1, l2):
+    np.testing.assert_allclose(y, x, rtol=1e-6, atol=1e-6)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), c1, c2)
+  assert mins_on == mins_off - (CFG.num_layers - 1), (mins_off, mins_on)
