@@ -443,14 +443,16 @@ OPTION_SETS = {**CB_MODES,
 # reduction (pallas_kernels.decode.reference.ONE_PASS_MERGE on; default: merge_parts); 'o2d':
 # the o_proj as a 2-D dot (models.layers._O_PROJ_2D on; default: [N, H, D]); 'fill1': every
 # layer's attention fill read off one per-step value (models.layers._SHARED_FILL on; default:
-# each layer's own counter).
-TRACE_SETS = ("mgpu", "refattn", "oldwrite", "oldproj", "onepass", "o2d", "fill1")
+# each layer's own counter); 'wmerge': cuDNN's kv parts merged in its lse layout, the weight
+# total as an extra channel of the one weighted sum (condattn_jax.ops._CUDNN_NATIVE_MERGE on).
+TRACE_SETS = ("mgpu", "refattn", "oldwrite", "oldproj", "onepass", "o2d", "fill1", "wmerge")
 # The switches (module, name, value) a trace set turns while the variant traces.
 _LAYER_FLAGS = {"oldwrite": ("condattn_jax.models.layers", "_ONE_TOKEN_WRITE", False),
                 "oldproj": ("condattn_jax.models.layers", "_PAD_ONE_ROW", False),
                 "onepass": ("pallas_kernels.decode.reference", "ONE_PASS_MERGE", True),
                 "o2d": ("condattn_jax.models.layers", "_O_PROJ_2D", True),
-                "fill1": ("condattn_jax.models.layers", "_SHARED_FILL", True)}
+                "fill1": ("condattn_jax.models.layers", "_SHARED_FILL", True),
+                "wmerge": ("condattn_jax.ops", "_CUDNN_NATIVE_MERGE", True)}
 
 
 def _trace_context(sets):

@@ -68,6 +68,21 @@ def test_split_kv_combines_like_one_pass(splits):
   assert ops.decode_splits(1, 100, 2) == 1
 
 
+def test_native_layout_merge_equals_merge_parts(monkeypatch):
+  """ops._CUDNN_NATIVE_MERGE (off; bench/decode_program's 'wmerge' A/B): the split-KV parts
+  merged in cuDNN's lse layout with the weight total as an extra channel == merge_parts' merge
+  (1e-6) and the reference, rows spanning parts, ending inside one and an inactive row
+  (zeros)."""
+  q, k, v, mask = _case(2, jnp.asarray([True, True, False])[:, None])
+  ref = ops.attention(q, k, v, mask, impl="reference")
+  old = ops._cudnn_decode(None, implementation="xla", splits=8)(q, k, v, mask)
+  monkeypatch.setattr(ops, "_CUDNN_NATIVE_MERGE", True)
+  new = ops._cudnn_decode(None, implementation="xla", splits=8)(q, k, v, mask)
+  np.testing.assert_allclose(new, old, atol=1e-6, rtol=1e-6)
+  np.testing.assert_allclose(new, ref, atol=2e-5, rtol=0)
+  assert float(jnp.abs(new[2]).max()) == 0.0
+
+
 _KNOBS = dict(match=dict(window=128, chunk=128, top_k=2),
               elastic=dict(block=128, sinks=128, local=256))
 
