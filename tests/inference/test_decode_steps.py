@@ -155,12 +155,14 @@ def test_k_step_loop_traces_one_row_dots(params):
 
 
 def test_o_proj_2d_decodes_the_same(params, monkeypatch):
-  """models.layers._O_PROJ_2D (off; the padded one-row o_proj as a [2, N*H] x [N*H, D] dot,
-  for bench/decode_program's 'o2d' A/B): the same B = 1 decode step (logits 1e-6, caches)."""
+  """models.layers._O_PROJ_2D (off; the o_proj as a [..., N*H] x [N*H, D] dot, for
+  bench/decode_program's 'o2d' A/B): the same B = 2 decode step (logits 1e-6, caches), and at
+  B = 1 the padded one-row o_proj is the 2-D dot."""
   from condattn_jax.models import layers
   eng = Engine(CFG, params, cache_len=S)
-  cache, logits, lengths, _ = eng._prefill([[3, 9, 4, 1, 7]])
-  step = lambda: eng.decode_step(jax.tree.map(jnp.copy, cache), [2], lengths, [True], logits)
+  cache, logits, lengths, _ = eng._prefill([[3, 9, 4, 1, 7], [5, 2]])
+  step = lambda: eng.decode_step(jax.tree.map(jnp.copy, cache), [2, 6], lengths, [True, True],
+                                 logits)
   c1, l1 = step()
   monkeypatch.setattr(layers, "_O_PROJ_2D", True)
   jax.clear_caches()  # engines of one config share traces
@@ -169,8 +171,8 @@ def test_o_proj_2d_decodes_the_same(params, monkeypatch):
   np.testing.assert_allclose(l2, l1, rtol=1e-6, atol=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), c1, c2)
   i32 = jnp.zeros((1, 1), jnp.int32)
-  text = eng._step.lower(eng, eng.params, cache, i32, i32, jnp.ones((1, 1), bool),
-                         logits).as_text()
+  text = eng._step.lower(eng, eng.params, eng.init_cache(1), i32, i32, jnp.ones((1, 1), bool),
+                         logits[:1]).as_text()
   jax.clear_caches()
   assert "(tensor<2x32xf32>, tensor<32x32xf32>) -> tensor<2x32xf32>" in text  # o: [N*H, D]
 
