@@ -444,15 +444,19 @@ OPTION_SETS = {**CB_MODES,
 # the o_proj as a 2-D dot (models.layers._O_PROJ_2D on; default: [N, H, D]); 'fill1': every
 # layer's attention fill read off one per-step value (models.layers._SHARED_FILL on; default:
 # each layer's own counter); 'wmerge': cuDNN's kv parts merged in its lse layout, the weight
-# total as an extra channel of the one weighted sum (condattn_jax.ops._CUDNN_NATIVE_MERGE on).
-TRACE_SETS = ("mgpu", "refattn", "oldwrite", "oldproj", "onepass", "o2d", "fill1", "wmerge")
+# total as an extra channel of the one weighted sum (condattn_jax.ops._CUDNN_NATIVE_MERGE on);
+# 'kv1': positions / valid / length kept once, in layer 0's cache (models.layers.
+# _SHARED_KV_STATE on; the other layers write key / value only).
+TRACE_SETS = ("mgpu", "refattn", "oldwrite", "oldproj", "onepass", "o2d", "fill1", "wmerge",
+              "kv1")
 # The switches (module, name, value) a trace set turns while the variant traces.
 _LAYER_FLAGS = {"oldwrite": ("condattn_jax.models.layers", "_ONE_TOKEN_WRITE", False),
                 "oldproj": ("condattn_jax.models.layers", "_PAD_ONE_ROW", False),
                 "onepass": ("pallas_kernels.decode.reference", "ONE_PASS_MERGE", True),
                 "o2d": ("condattn_jax.models.layers", "_O_PROJ_2D", True),
                 "fill1": ("condattn_jax.models.layers", "_SHARED_FILL", True),
-                "wmerge": ("condattn_jax.ops", "_CUDNN_NATIVE_MERGE", True)}
+                "wmerge": ("condattn_jax.ops", "_CUDNN_NATIVE_MERGE", True),
+                "kv1": ("condattn_jax.models.layers", "_SHARED_KV_STATE", True)}
 
 
 def _trace_context(sets):
@@ -563,13 +567,17 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
                command_buffers=next((x for x in sets if x in CB_MODES), "default"),
                steps_per_call=k, shapes=shapes, B=B, T=T,
                compiler_options=opts, backend=_backend())
+    traced_in = _trace_context(())  # a no-op until the variant's own is made
     try:
       p = split if layout == "split" else params
       # a fresh engine per variant: jit caches a trace per (engine, shapes), and a variant's
       # trace context / attention impl must reach its own trace
       eng = Engine(dataclasses.replace(cfg, attention_impl="reference") if "refattn" in sets
                    else cfg, params, cache_len=T + bd.EXTRA)
+      # the variant's switches hold while its cache is made (a 'kv1' cache has another tree)
+      # and its program traced
       traced_in = _trace_context(sets)
+      traced_in.__enter__()
       logits = eng._commit(jnp.zeros((B, cfg.vocab_size), jnp.float32))
       pos0 = eng._commit(jnp.full((B, 1), T, jnp.int32))
       on = eng._commit(jnp.ones((B, 1), bool))
@@ -584,8 +592,7 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
         lengths = eng._commit(jnp.full((B,), T, jnp.int32))
         fn = jax.jit(functools.partial(bd.baseline_step_layers, cfg), donate_argnums=(1, 2))
         t0 = time.perf_counter()
-        with traced_in:
-          lowered = fn.lower(p, *caches, tok[:, 0], jnp.int32(T), lengths)
+        lowered = fn.lower(p, *caches, tok[:, 0], jnp.int32(T), lengths)
         compiled = lowered.compile(compiler_options=opts)
         state = (*caches, logits)
         del caches
@@ -595,8 +602,7 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
       elif k == 1:
         state = (filled_cache(eng, B, T), logits)
         t0 = time.perf_counter()
-        with traced_in:
-          lowered = Engine._step.lower(eng, p, state[0], tok, pos0, on, logits)
+        lowered = Engine._step.lower(eng, p, state[0], tok, pos0, on, logits)
         compiled = lowered.compile(compiler_options=opts)
         bench = lambda s, i: compiled(p, s[0], jnp.argmax(s[1], -1).astype(jnp.int32)[:, None],
                                       pos0 + i, on, s[1])[:2]
@@ -604,11 +610,11 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
       else:
         state = (filled_cache(eng, B, T), logits, pos0)
         t0 = time.perf_counter()
-        with traced_in:
-          lowered = Engine._greedy_steps.lower(eng, p, state[0], pos0, on, logits, k)
+        lowered = Engine._greedy_steps.lower(eng, p, state[0], pos0, on, logits, k)
         compiled = lowered.compile(compiler_options=opts)
         bare = lambda s: compiled(p, s[0], s[2], on, s[1])[:2] + (s[2] + k,)
         bench = lambda s, i: bare(s)
+      traced_in.close()
       row["compile_s"] = time.perf_counter() - t0
       row.update(bd._mem(compiled))
       text = compiled.as_text()
@@ -654,6 +660,7 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
           f"{row['launches']:.0f} launches), compile {row['compile_s']:.1f} s")
       del state, compiled, lowered, holder
     except Exception as e:  # recorded; the other variants still run
+      traced_in.close()
       row.update(status="error", error=f"{type(e).__name__}: {str(e)[:400]}")
       log(f"{name}: error {row['error']}")
     rows.append(row)

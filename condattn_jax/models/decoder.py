@@ -27,7 +27,7 @@ import numpy as np
 from condattn_jax.attention import get_scheme
 from condattn_jax.models.config import ModelConfig
 from condattn_jax.models.context import LayerContext
-from condattn_jax.models.layers import INIT_STD, make_norm, shared_decode_fill
+from condattn_jax.models.layers import INIT_STD, make_norm, shared_decode_fill, shares_kv_state
 from condattn_jax.models.stacking import group_name, layer_groups
 
 REMAT_POLICIES = {
@@ -150,6 +150,14 @@ class Decoder(nn.Module):
                                  ctx.cache_len) if self.has_variable("cache", "layers_0") else None)
     if fill_B is not None:  # one per step, for every layer's attention (models.layers)
       ctx = ctx.replace(fields={**ctx.fields, "decode_fill_B": fill_B})
+    # models.layers.shares_kv_state: layers after the first write at layer 0's slots and read
+    # its positions / valid / length after the write (only layers_0 holds them)
+    share = shares_kv_state(cfg)
+    if share:
+      B = x_BTD.shape[0]
+      kv0 = (self.get_variable("cache", "layers_0")["self_attn"]["cache"]
+             if self.has_variable("cache", "layers_0") else {})
+      old_len_B = kv0["length"] if "length" in kv0 else jnp.zeros((B,), jnp.int32)
     auxes = []
     for start, stop, variant in groups:
       layer = scheme.layer_cls(cfg, variant=variant, parent=None)
@@ -167,7 +175,13 @@ class Decoder(nn.Module):
           variables["cache"] = self.get_variable("cache", name)
         lctx = ctx.replace(layer_idx=jnp.int32(i),
                            layer_flags={k: jnp.asarray(v[i]) for k, v in flags.items()})
+        if share and i > 0:
+          lctx = lctx.replace(fields={**lctx.fields, "kv_state": state})
         (x_BTD, aux), new = layer.apply(variables, x_BTD, lctx, mutable=["cache"])
+        if share and i == 0:
+          kv = new["cache"]["self_attn"]["cache"]
+          state = dict(length=old_len_B, new_length=kv["length"], positions=kv["positions"],
+                       valid=kv["valid"])
         x_BTD = nn.with_logical_constraint(x_BTD, ACTIVATION)
         if "cache" in new:
           self.put_variable("cache", name, new["cache"])

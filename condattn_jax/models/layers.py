@@ -111,6 +111,22 @@ def shared_decode_fill(cfg: ModelConfig, layer0_cache, valid_BT, cache_len: int)
   return jnp.minimum(kv["length"] + valid_BT[:, 0].astype(jnp.int32), cache_len)
 
 
+# True: a dense model's decode (Decoder unrolled, no window: full caches only) keeps ONE copy of
+# the caches' bookkeeping: layer 0's KVCache holds positions / valid / length, every other
+# layer's only key / value, and writes its chunk at layer 0's slots and returns layer 0's
+# positions / valid after the write (`ctx.fields['kv_state']`, see `shares_kv_state`). Exact:
+# those arrays are equal in every layer (each chunk writes every layer alike). Per step and
+# layer after the first, 3 in-place updates (positions, valid, length) and the fill's inputs
+# fewer. The cache then holds positions / valid / length only under layers_0. Off until timed
+# (bench/decode_program.py trace set 'kv1').
+_SHARED_KV_STATE = False
+
+
+def shares_kv_state(cfg: ModelConfig) -> bool:
+  """Whether a decode of `cfg` keeps one positions / valid / length (`_SHARED_KV_STATE`)."""
+  return _SHARED_KV_STATE and cfg.scheme == "dense" and cfg.sliding_window is None
+
+
 @contextlib.contextmanager
 def one_row_padding(on: bool):
   """`_PAD_ONE_ROW` set to `on` while a program traces (Engine's k-step decode loop traces with
@@ -217,17 +233,37 @@ class KVCache(nn.Module):
   """
   @nn.compact
   def __call__(self, k_BTKH, v_BTKH, positions_BT, valid_BT, *, kind: str, size: int,
-               after_write: bool = False):
+               after_write: bool = False, shared: dict | None = None):
+    """shared (kind 'full'; `shares_kv_state`): another full cache's bookkeeping this chunk,
+    {'length': its length before the write, 'new_length', 'positions', 'valid': after it}:
+    this cache then holds only key / value, written at those slots."""
     B, T, K, H = k_BTKH.shape
     ck = self.variable("cache", "key", jnp.zeros, (B, size, K, H), k_BTKH.dtype)
     cv = self.variable("cache", "value", jnp.zeros, (B, size, K, H), v_BTKH.dtype)
-    cpos = self.variable("cache", "positions", jnp.zeros, (B, size), jnp.int32)
-    cvalid = self.variable("cache", "valid", jnp.zeros, (B, size), jnp.int32)
-    clen = self.variable("cache", "length", jnp.zeros, (B,), jnp.int32)
     valid_BT = jnp.asarray(valid_BT, bool)
     positions_BT = positions_BT.astype(jnp.int32)
     n_B = jnp.sum(valid_BT, axis=1, dtype=jnp.int32)
     j_BT = jnp.arange(T, dtype=jnp.int32)[None, :]
+    if shared is not None:
+      if kind != "full":
+        raise ValueError(f"KVCache(shared=...) is for a full cache, not kind={kind!r}.")
+      length_B = shared["length"]
+      if T == 1 and _ONE_TOKEN_WRITE:
+        keep_B = valid_BT[:, 0]
+        slot_B = jnp.clip(shared["new_length"] - keep_B.astype(jnp.int32), 0, size - 1)
+        zero = lambda x: jnp.where(keep_B.reshape((B,) + (1,) * (x.ndim - 1)), x,
+                                   jnp.zeros((), x.dtype))
+        ck.value = _write_one_token(ck.value, zero(k_BTKH[:, 0]), slot_B)
+        cv.value = _write_one_token(cv.value, zero(v_BTKH[:, 0]), slot_B)
+      else:
+        slot_BT = jnp.where(valid_BT, length_B[:, None] + j_BT, size)  # size: dropped
+        rows_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+        ck.value = ck.value.at[rows_BT, slot_BT].set(k_BTKH.astype(ck.value.dtype), mode="drop")
+        cv.value = cv.value.at[rows_BT, slot_BT].set(v_BTKH.astype(cv.value.dtype), mode="drop")
+      return ck.value, cv.value, shared["positions"], shared["valid"]
+    cpos = self.variable("cache", "positions", jnp.zeros, (B, size), jnp.int32)
+    cvalid = self.variable("cache", "valid", jnp.zeros, (B, size), jnp.int32)
+    clen = self.variable("cache", "length", jnp.zeros, (B,), jnp.int32)
     length_B = clen.value
     if kind == "full":
       slot_BT = length_B[:, None] + j_BT
@@ -346,8 +382,10 @@ class Attention(nn.Module):
     if ctx.cache_len is None:
       raise ValueError("decode=True needs cache_len (the longest sequence to decode).")
     size = ctx.cache_len if self.window is None else min(self.window, ctx.cache_len)
+    kind = self.cache_kind(ctx)
+    shared = ctx.fields.get("kv_state") if kind == "full" and self.window is None else None
     return self.kv_cache(k_BTKH, v_BTKH, ctx.positions_BT, ctx.valid_BT,
-                         kind=self.cache_kind(ctx), size=size, after_write=after_write)
+                         kind=kind, size=size, after_write=after_write, shared=shared)
 
   def cache_kind(self, ctx) -> str:
     """'full' (cache_len slots) or 'window' (a ring of `window` slots) for this attention."""
@@ -367,7 +405,10 @@ class Attention(nn.Module):
       # a dense one-token step may carry it for all layers (shared_decode_fill)
       fill_B = ctx.fields.get("decode_fill_B") if not ring_step else None
       if fill_B is None or self.window is not None or q_BTNH.shape[1] != 1:
-        fill_B = jnp.minimum(self.kv_cache.get_variable("cache", "length"), k_all.shape[1])
+        length_B = (ctx.fields["kv_state"]["new_length"]
+                    if not self.kv_cache.has_variable("cache", "length")
+                    else self.kv_cache.get_variable("cache", "length"))
+        fill_B = jnp.minimum(length_B, k_all.shape[1])
       return attend(q_BTNH, k_all, v_all, q_positions_BT=ctx.positions_BT, kv_positions_BS=kv_pos,
                     kv_segment_ids_BS=kv_valid, window=None if ring_step else self.window,
                     active=active, impl=impl,

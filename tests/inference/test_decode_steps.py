@@ -205,3 +205,39 @@ def test_shared_fill_decodes_the_same(params, monkeypatch):
     np.testing.assert_allclose(y, x, rtol=1e-6, atol=1e-6)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), c1, c2)
   assert mins_on == mins_off - (CFG.num_layers - 1), (mins_off, mins_on)
+
+
+def test_shared_kv_state_decodes_the_same(params, monkeypatch):
+  """models.layers._SHARED_KV_STATE (off; bench/decode_program's 'kv1' A/B): a dense decode
+  keeps positions / valid / length once (layers_0), the other layers write key / value at its
+  slots. Chunked ragged prefill (chunks of 4) + 3 greedy steps with an inactive row: the same
+  logits (1e-6), key / value in every layer and bookkeeping as layer 0's; the B = 1 step runs
+  2 in-place updates a layer after the first (4 in layer 0)."""
+  from condattn_jax.models import layers
+  prompts, active = [[3, 9, 4, 1, 7, 2, 8], [5, 2], [8]], np.array([True, False, True])
+  i32, on = jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), bool)
+
+  def run():
+    jax.clear_caches()  # engines of one config share traces
+    eng = Engine(CFG, params, cache_len=S, prefill_chunk=4)
+    c, l, pos, _ = eng._prefill(prompts)
+    outs = [l]
+    for _ in range(3):
+      c, l = eng.decode_step(c, np.asarray(jnp.argmax(l, -1), np.int32), pos, active, l)
+      pos, outs = pos + active, outs + [l]
+    text = eng._step.lower(eng, eng.params, eng.init_cache(1), i32, i32, on,
+                           jnp.zeros((1, CFG.vocab_size))).as_text()
+    return c, outs, text.count("stablehlo.dynamic_update_slice")
+  c1, l1, dus_off = run()
+  monkeypatch.setattr(layers, "_SHARED_KV_STATE", True)
+  c2, l2, dus_on = run()
+  jax.clear_caches()
+  for x, y in zip(l1, l2):
+    np.testing.assert_allclose(y, x, rtol=1e-6, atol=1e-6)
+  for i in range(CFG.num_layers):
+    a, b = c1[f"layers_{i}"]["self_attn"]["cache"], c2[f"layers_{i}"]["self_attn"]["cache"]
+    assert sorted(b) == (sorted(a) if i == 0 else ["key", "value"])
+    for name in b:
+      np.testing.assert_allclose(b[name], a[name], rtol=1e-6, atol=1e-6)
+  L = CFG.num_layers
+  assert (dus_off, dus_on) == (4 * L, 4 + 2 * (L - 1))
