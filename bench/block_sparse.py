@@ -18,13 +18,16 @@ Variants, each forward and forward+backward (grad of sum(out * ct) w.r.t. q, k, 
                (heads sliced out and the outputs put back, as a per-group dispatch would).
   cudnn_group  cuDNN causal for the full heads + our kernel for the SSA heads.
   ours_dense   our kernel with every head HEAD_FULL (the kernel's own dense cost).
+  fused_onebwd, ours_dense_onebwd   fused / ours_dense with the Mosaic GPU one-kernel backward
+               (BlockSparseConfig(mgpu_fused_bwd=True): dq added into float32 by TMA reduce-add
+               stores) instead of the dq and dk/dv kernels; --onebwd adds them next to theirs.
   cudnn        dense causal cuDNN over all heads (the baseline: speedups are cudnn / variant).
 Every variant is checked first against the reference at a small shape (and NaN-checked at the
 timed shape), then timed in the same process: 2 warm-ups, median of --n, block_until_ready.
 Appends a run (bench/common.py's schema 1: the result verbatim under `recorded`, issue 31's
 targets as claims) to $OUT (or --out_dir) /block_sparse_<device>.json and prints the table last.
 --impl=mosaic_gpu times the Hopper kernel; --kernels_alone adds its three kernels timed alone
-(all heads full) beside cuDNN's forward and backward. --match: MATCH's training attention on the
+(all heads full) and the one-kernel backward alone beside cuDNN's forward and backward. --match: MATCH's training attention on the
 block-sparse kernel vs its gathered path, SWA and dense (match_layers).
 """
 from __future__ import annotations
@@ -44,7 +47,8 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import flags  # noqa: E402
 from bench import common  # noqa: E402
-from pallas_kernels.block_sparse import HEAD_BLOCKS, HEAD_FULL, block_sparse_attention  # noqa
+from pallas_kernels.block_sparse import (HEAD_BLOCKS, HEAD_FULL, BlockSparseConfig,  # noqa
+                                         block_sparse_attention)
 from pallas_kernels.block_sparse.testing import ssa_lists  # noqa: E402
 from pallas_kernels.compact_attention.reference import (dense_mask,  # noqa: E402
                                                         reference_attention)
@@ -69,6 +73,7 @@ class Settings:
   impl: str = "triton"
   interpret: bool = False
   variants: tuple = ("fused", "per_group", "cudnn_group", "ours_dense")
+  # (more: "fused_onebwd", "ours_dense_onebwd": the one-kernel Mosaic GPU backward; --onebwd)
   kernels_alone: bool = False      # mosaic_gpu: time fwd / dq / dk/dv alone, all heads full
 
 
@@ -134,10 +139,13 @@ def lists_for(s: Settings, T: int):
                                sink_blocks=s.sink_blocks, local_blocks=s.local_blocks))
 
 
-def kernel(s: Settings, lists, mode):
+def kernel(s: Settings, lists, mode, *, onebwd: bool = False):
+  """onebwd: the Mosaic GPU one-kernel backward (BlockSparseConfig.mgpu_fused_bwd)."""
+  config = BlockSparseConfig(mgpu_fused_bwd=onebwd)
+
   def f(q, k, v):
     return block_sparse_attention(q, k, v, lists, mode, block_q=s.block, block_k=s.block,
-                                  impl=s.impl, interpret=s.interpret)
+                                  impl=s.impl, interpret=s.interpret, config=config)
   return f
 
 
@@ -192,7 +200,9 @@ def variants(s: Settings, lists, mode, sparse_kv):
   vs = {"fused": kernel(s, lists, mode),
         "per_group": grouped(s, lists, mode, sparse_kv, full_with_cudnn=False),
         "cudnn_group": grouped(s, lists, mode, sparse_kv, full_with_cudnn=True),
-        "ours_dense": kernel(s, lists, jnp.full_like(mode, HEAD_FULL))}
+        "ours_dense": kernel(s, lists, jnp.full_like(mode, HEAD_FULL)),
+        "fused_onebwd": kernel(s, lists, mode, onebwd=True),
+        "ours_dense_onebwd": kernel(s, lists, jnp.full_like(mode, HEAD_FULL), onebwd=True)}
   return {name: vs[name] for name in s.variants}
 
 
@@ -223,7 +233,7 @@ def check_small(s: Settings, log):
     ref = lambda q, k, v: reference_attention(q, k, v, m)[0]
     o_r, g_r = fwd_bwd(ref, ct)(q, k, v)
     for name, f in variants(s, lists, mode, sparse_kv).items():
-      if name == "ours_dense":
+      if name.startswith("ours_dense"):
         continue  # a different mask (every head full): checked through ops tests, not here
       o, g = fwd_bwd(f, ct)(q, k, v)
       errs = dict(out=rel(o, o_r), dq=rel(g[0], g_r[0]), dk=rel(g[1], g_r[1]),
@@ -261,9 +271,11 @@ def run(s: Settings, log=print, out_dir=None):
     path = os.path.join(out_dir, f"block_sparse_{dev.device_kind.replace(' ', '_')}.json")
   appended = []
 
+  run_name = s.impl + ("_onebwd_ab" if any(v.endswith("_onebwd") for v in s.variants) else "")
+
   def write():
     if path is not None:
-      append_run(path, to_run(result, s.impl), replace_last=bool(appended))
+      append_run(path, to_run(result, run_name), replace_last=bool(appended))
       appended.append(True)
 
   result["check_small"] = check_small(s, log)
@@ -285,7 +297,7 @@ def run(s: Settings, log=print, out_dir=None):
                  dense_fwd_ms=base_f, dense_fwdbwd_ms=base_fb, visible_fraction=vis,
                  ideal_speedup=1 / vis, variants={})
       for name, f in variants(s, lists, mode, sparse_kv).items():
-        if name == "ours_dense" and n_omega:   # the same call at every omega: timed once per T
+        if name.startswith("ours_dense") and n_omega:   # the same call at every omega: timed once per T
           continue
         r = {}
         try:
@@ -316,9 +328,11 @@ def run(s: Settings, log=print, out_dir=None):
 
 def kernels_alone(s: Settings, T: int, mode, log=print) -> dict:
   """The three kernels of `s.impl` timed alone (tables built outside the timed calls) at T with
-  head modes `mode`, beside cuDNN's forward and forward+backward in the same process: ms and
-  TFLOP/s of the useful matrix products (forward 2, backward 5 per visible pair: 4 H flops each
-  for 2 products); dq and dk/dv each recompute Q K^T (and dO V^T), 7 products in all."""
+  head modes `mode`, and the one-kernel backward (mosaic_gpu.bwd_fused, its dq's float32 zeroing
+  and final scale / cast included), beside cuDNN's forward and forward+backward in the same
+  process: ms and TFLOP/s of the useful matrix products (forward 2, backward 5 per visible pair:
+  4 H flops each for 2 products); dq and dk/dv each recompute Q K^T (and dO V^T), 7 products in
+  all; the one-kernel backward does the 5."""
   from pallas_kernels.block_sparse import api, tables as tb
   q, k, v, ct = inputs(s, T, 0)
   lists = lists_for(s, T)
@@ -344,6 +358,12 @@ def kernels_alone(s: Settings, T: int, mode, log=print) -> dict:
     res[name] = dict(ms=ms, tflops_issued=pairs * 2 * H * prods / ms / 1e9)
   res["bwd_ms"] = res["dq"]["ms"] + res["dkv"]["ms"]
   res["bwd_tflops_useful"] = pairs * 2 * H * 5 / res["bwd_ms"] / 1e9
+  if s.impl == "mosaic_gpu":
+    one = jax.jit(lambda q, k, v: mod.bwd_fused(q, k, v, ct, lse, delta, tsteps, tcount, *rest,
+                                                **kw))
+    ms = bench(one, q, k, v, n=s.n)
+    res["bwd_onekernel"] = dict(ms=ms, tflops_useful=pairs * 2 * H * 5 / ms / 1e9,
+                                two_kernels_over_one=res["bwd_ms"] / ms)
   base = dense(s)
   cf = bench(jax.jit(base), q, k, v, n=s.n)
   cfb = bench(fwd_bwd(base, ct), q, k, v, n=s.n)
@@ -476,7 +496,8 @@ def match_run(res: dict, name: str = "match_mosaic_gpu") -> dict:
 TARGETS = ((65536, 0.7, "fused", "speedup_fwd", 2.9), (65536, 0.7, "fused", "speedup_fwdbwd", 2.7),
            (65536, 0.7, "ours_dense", "speedup_fwd", 0.95))
 # Targets the run reports as missed instead (not claims): (T, omega, variant, key, target).
-REPORTED = ((65536, 0.7, "ours_dense", "speedup_fwdbwd", 0.95),)
+REPORTED = ((65536, 0.7, "ours_dense", "speedup_fwdbwd", 0.95),
+            (65536, 0.7, "ours_dense_onebwd", "speedup_fwdbwd", 0.95))
 
 
 def claims_of(result) -> list:
@@ -532,21 +553,36 @@ def append_run(path: str, run: dict, replace_last: bool = False) -> dict:
   return data
 
 
+def kernels_alone_lines(result) -> list:
+  """The kernels-alone rows of the table (ms; the one-kernel backward beside dq + dk/dv)."""
+  lines = []
+  for x in result.get("kernels_alone", []):
+    one = x.get("bwd_onekernel")
+    lines.append(
+        f"kernels alone T={x['T']} ({x['heads']}): fwd {x['fwd']['ms']:.2f} ms, bwd dq "
+        f"{x['dq']['ms']:.2f} + dk/dv {x['dkv']['ms']:.2f} = {x['bwd_ms']:.2f} ms "
+        f"({x['bwd_tflops_useful']:.0f} TFLOP/s useful)"
+        + (f", one-kernel bwd {one['ms']:.2f} ms ({one['tflops_useful']:.0f} TFLOP/s, "
+           f"{one['two_kernels_over_one']:.2f}x the two)" if one else "")
+        + f"; cuDNN fwd {x['cudnn']['fwd_ms']:.2f} bwd {x['cudnn']['bwd_ms']:.2f} ms")
+  return lines
+
+
 def table(result) -> str:
   lines = [f"{result['device']}  jax {result['jax_version']}  {result['date']}  "
            f"baseline: {result['baseline']}",
-           "T      omega  variant      fwd ms   x dense  fwd+bwd ms  x dense  (ideal x)"]
+           "T      omega  variant            fwd ms   x dense  fwd+bwd ms  x dense  (ideal x)"]
   for row in result["rows"]:
-    lines.append(f"{row['T']:<6} {row['omega']:<6.2f} {'dense':<12} {row['dense_fwd_ms']:8.2f} "
+    lines.append(f"{row['T']:<6} {row['omega']:<6.2f} {'dense':<18} {row['dense_fwd_ms']:8.2f} "
                  f"{1.0:8.2f} {row['dense_fwdbwd_ms']:11.2f} {1.0:8.2f}")
     for name, r in row["variants"].items():
       if "err" in r:
-        lines.append(f"{row['T']:<6} {row['omega']:<6.2f} {name:<12} ERROR {r['err'][:60]}")
+        lines.append(f"{row['T']:<6} {row['omega']:<6.2f} {name:<18} ERROR {r['err'][:60]}")
         continue
-      lines.append(f"{row['T']:<6} {row['omega']:<6.2f} {name:<12} {r['fwd_ms']:8.2f} "
+      lines.append(f"{row['T']:<6} {row['omega']:<6.2f} {name:<18} {r['fwd_ms']:8.2f} "
                    f"{r['speedup_fwd']:8.2f} {r['fwdbwd_ms']:11.2f} {r['speedup_fwdbwd']:8.2f}"
                    f"  ({row['ideal_speedup']:.2f})")
-  return "\n".join(lines)
+  return "\n".join(lines + kernels_alone_lines(result))
 
 
 FLAGS = common.flag_values(n=None)
@@ -557,13 +593,17 @@ flags.DEFINE_string("omega", "", "comma-separated SSA head fractions (default: t
                     flag_values=FLAGS)
 flags.DEFINE_integer("n", None, "timed calls per measurement, the median is reported (default: "
                      "the preset's)", flag_values=FLAGS)
-flags.DEFINE_string("variants", "", "subset of " + ",".join(Settings.variants), flag_values=FLAGS)
+flags.DEFINE_string("variants", "", "subset of " + ",".join(Settings.variants) + ",fused_onebwd,"
+                    "ours_dense_onebwd", flag_values=FLAGS)
 flags.DEFINE_integer("fwd_sub_tile", 0, "Triton forward kv sub-tile (divides the block; 0: the "
                      "api's default)", flag_values=FLAGS)
 flags.DEFINE_enum("impl", "", ["", "triton", "mosaic_gpu"], "the block-sparse kernel timed "
                   "(default: the preset's, triton)", flag_values=FLAGS)
 flags.DEFINE_bool("kernels_alone", False, "mosaic_gpu: also time the forward, dq and dk/dv "
                   "kernels alone (all heads full) beside cuDNN", flag_values=FLAGS)
+flags.DEFINE_bool("onebwd", False, "mosaic_gpu: also time fused / ours_dense with the one-kernel "
+                  "backward (variants fused_onebwd / ours_dense_onebwd, each after its two-kernel "
+                  "variant) in the same process", flag_values=FLAGS)
 flags.DEFINE_bool("window_or_blocks", False, "only time HEAD_WINDOW_BLOCKS (window 2048 OR 4 "
                   "chunks) at 64K vs the window alone and cuDNN (Mosaic GPU) and print the ms",
                   flag_values=FLAGS)
@@ -590,7 +630,13 @@ def settings_from_flags(args) -> Settings:
     kw["impl"] = args.impl
   if args.kernels_alone:
     kw["kernels_alone"] = True
-  return dataclasses.replace(PRESETS[args.preset], **kw)
+  s = dataclasses.replace(PRESETS[args.preset], **kw)
+  if args.onebwd:
+    vs = []
+    for v in s.variants:
+      vs += [v] + ([v + "_onebwd"] if v in ("fused", "ours_dense") else [])
+    s = dataclasses.replace(s, variants=tuple(dict.fromkeys(vs)))
+  return s
 
 
 def main(argv=None):

@@ -3,8 +3,8 @@
 Importable without condattn_jax. See README.md beside this file.
 """
 from .api import (BACKENDS, HEAD_BLOCKS, HEAD_FULL, HEAD_WINDOW_BLOCKS, IMPLS,
-                  BlockSparseBackend, BlockSparseFallbackWarning, block_sparse_attention,
+                  BlockSparseBackend, BlockSparseConfig, BlockSparseFallbackWarning, block_sparse_attention,
                   kernel_support)
 
-__all__ = ["BACKENDS", "BlockSparseBackend", "HEAD_BLOCKS", "HEAD_FULL", "HEAD_WINDOW_BLOCKS",
+__all__ = ["BACKENDS", "BlockSparseBackend", "BlockSparseConfig", "HEAD_BLOCKS", "HEAD_FULL", "HEAD_WINDOW_BLOCKS",
            "IMPLS", "BlockSparseFallbackWarning", "block_sparse_attention", "kernel_support"]

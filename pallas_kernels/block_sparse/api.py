@@ -17,7 +17,7 @@ blocks, padding invisible); they visit only the listed tiles
 (duplicates, padding -1 and tiles no pair can see are dropped by tables.py, so the list length L
 bounds the work) and apply the element mask inside a tile. Backward: custom_vjp saving the lse;
 dq over the same tables, dk/dv per kv tile over the transposed tables (every query head of the kv
-head: native GQA).
+head: native GQA); on Mosaic GPU optionally one kernel for all three (BlockSparseConfig).
 
 impl: 'auto' (Hopper GPUs: Mosaic GPU; other GPUs: Triton; TPU: Mosaic; elsewhere the jnp
 reference), 'reference', 'triton', 'mosaic_gpu', 'mosaic_tpu'. A kernel that cannot take a call
@@ -52,8 +52,8 @@ from .tables import HEAD_WINDOW_BLOCKS
 IMPLS = ("auto", "reference", "triton", "mosaic_gpu", "mosaic_tpu")
 _FLOAT_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
-__all__ = ["BACKENDS", "BlockSparseBackend", "HEAD_BLOCKS", "HEAD_FULL", "HEAD_WINDOW_BLOCKS",
-           "IMPLS", "BlockSparseFallbackWarning", "block_sparse_attention", "kernel_support"]
+__all__ = ["BACKENDS", "BlockSparseBackend", "BlockSparseConfig", "HEAD_BLOCKS", "HEAD_FULL",
+           "HEAD_WINDOW_BLOCKS", "IMPLS", "BlockSparseFallbackWarning", "block_sparse_attention", "kernel_support"]
 
 
 class BlockSparseFallbackWarning(UserWarning):
@@ -150,11 +150,23 @@ def kernel_support(impl: str, q_shape, kv_shape, dtype, block_q: int, block_k: i
 
 
 @dataclasses.dataclass(frozen=True)
+class BlockSparseConfig:
+  """Kernel variants of block_sparse_attention (static: another config is another program).
+
+  mgpu_fused_bwd: the Mosaic GPU backward as ONE kernel (mosaic_gpu.bwd_fused: per kv tile,
+    dk / dv in registers and each step's dq contribution added into a float32 buffer in global
+    memory by a TMA reduce-add; 5 matrix products per visible tile pair) instead of the dq and
+    dk/dv kernels (7). Off until an H100 A/B (bench/block_sparse.py --onebwd) shows it
+    faster; other backends ignore it. (condattn_jax.ops runs the defaults.)"""
+  mgpu_fused_bwd: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
 class BlockSparseBackend:
   """One block-sparse kernel as a backend (the pallas_kernels.backends interface): `name` (the
-  impl), `lowers_for` (lowering platforms), `needs_hopper`, `config` (no tuning knobs yet: None).
-  supports(...) is None where the kernel takes the call lowered for `platform`, else why not;
-  calling it runs block_sparse_attention with impl=name."""
+  impl), `lowers_for` (lowering platforms), `needs_hopper`, `config` (a BlockSparseConfig or
+  None: the defaults). supports(...) is None where the kernel takes the call lowered for
+  `platform`, else why not; calling it runs block_sparse_attention with impl=name and config."""
   name: str
   lowers_for: tuple[str, ...] = ()
   needs_hopper: bool = False
@@ -178,13 +190,15 @@ class BlockSparseBackend:
     return why or kernel_support(self.name, q_shape, kv_shape, dtype, block_q, block_k)
 
   def __call__(self, q_BTNH, k_BSKH, v_BSKH, kv_blocks_BNQL, head_mode_BN=None, **kw):
+    kw.setdefault("config", self.config)
     return block_sparse_attention(q_BTNH, k_BSKH, v_BSKH, kv_blocks_BNQL, head_mode_BN,
                                   impl=self.name, **kw)
 
 
 # Preference order (condattn_jax.ops.resolve takes the first that supports a call): Hopper: Mosaic
 # GPU; other CUDA / ROCm GPUs: Triton; TPU: Mosaic TPU; anything else: the reference.
-BACKENDS = (BlockSparseBackend("mosaic_gpu", ("cuda",), needs_hopper=True),
+BACKENDS = (BlockSparseBackend("mosaic_gpu", ("cuda",), needs_hopper=True,
+                               config=BlockSparseConfig()),
             BlockSparseBackend("triton", ("cuda", "rocm"), not_on_hopper=True),
             BlockSparseBackend("mosaic_tpu", ("tpu",)),
             BlockSparseBackend("reference"))
@@ -226,6 +240,7 @@ class _Config:
   poison: bool
   sub_tile: int = TRITON_SUB_TILE
   fwd_sub_tile: int = TRITON_FWD_SUB_TILE
+  fused_bwd: bool = False   # Mosaic GPU: BlockSparseConfig.mgpu_fused_bwd
 
 
 @dataclasses.dataclass(frozen=True)
@@ -322,6 +337,9 @@ def _backward_impl(cfg: _Config, res, dout, dlse_BNT):
     steps, count = _mgpu_tables(cfg, m)
     tsteps, tcount = tables.transposed_step_tables(steps, count, k.shape[2])
     meta = (m.qpos_BT, m.kseg_q_BIT, m.kvpos_BS, m.kseg_kv_BS)
+    if cfg.fused_bwd:
+      return mod.bwd_fused(q, k, v, dout, lse_BNT, delta, tsteps, tcount, *meta,
+                           **_mgpu_kw(cfg))
     dq = mod.dq(q, k, v, dout, lse_BNT, delta, steps, count, *meta, **_mgpu_kw(cfg))
     dk, dv = mod.dkv(q, k, v, dout, lse_BNT, delta, tsteps, tcount, *meta, **_mgpu_kw(cfg))
     return dq, dk, dv
@@ -382,7 +400,8 @@ def block_sparse_attention(q_BTNH, k_BSKH, v_BSKH, kv_blocks_BNQL, head_mode_BN=
                            kv_positions_BS=None, q_segment_ids_BT=None, kv_segment_ids_BS=None,
                            window: int | None = None, sinks: int = 0, active=None,
                            scale: float | None = None, impl: str = "auto", interpret: Any = False,
-                           return_lse: bool = False, poison: bool = False):
+                           return_lse: bool = False, poison: bool = False,
+                           config: BlockSparseConfig | None = None):
   """Block-sparse attention; the mask contract is reference.dense_mask's (module docstring).
 
   Args:
@@ -409,6 +428,7 @@ def block_sparse_attention(q_BTNH, k_BSKH, v_BSKH, kv_blocks_BNQL, head_mode_BN=
       differentiable too.
     poison: testing aid: kernel outputs start as NaN, so an element never written shows up (the
       Mosaic GPU kernels write every row and take no aliased buffer: ignored there).
+    config: BlockSparseConfig (kernel variants; default BlockSparseConfig()).
 
   Returns:
     out [B, T, N, H] in q's dtype (queries that see nothing: zeros), and lse if return_lse.
@@ -455,6 +475,10 @@ def block_sparse_attention(q_BTNH, k_BSKH, v_BSKH, kv_blocks_BNQL, head_mode_BN=
     raise ValueError(f"active must be bool [B, T]={(B, T)} or [B, T, N]={(B, T, N)}; got "
                      f"{act.dtype} {act.shape}")
   scale = float(H ** -0.5 if scale is None else scale)
+  config = BlockSparseConfig() if config is None else config
+  if not isinstance(config, BlockSparseConfig):
+    raise ValueError(f"block_sparse_attention: config must be a BlockSparseConfig, got "
+                     f"{type(config).__name__}")
 
   impl = _resolve_impl(impl, interpret, q.shape, k.shape, q.dtype, block_q, block_k)
   mode2 = None
@@ -473,7 +497,8 @@ def block_sparse_attention(q_BTNH, k_BSKH, v_BSKH, kv_blocks_BNQL, head_mode_BN=
     cfg = _Config(backend=impl, scale=scale, window=None if window is None else int(window),
                   sinks=int(sinks), block_q=int(block_q), block_k=int(block_k),
                   interpret=interpret, poison=poison, sub_tile=TRITON_SUB_TILE,
-                  fwd_sub_tile=TRITON_FWD_SUB_TILE)
+                  fwd_sub_tile=TRITON_FWD_SUB_TILE,
+                  fused_bwd=impl == "mosaic_gpu" and config.mgpu_fused_bwd)
     Tp, Sp = nq * block_q, -(-S // block_k) * block_k
     if (Tp, Sp) != (T, S):  # whole blocks: padding queries inactive, padding keys invisible
       q, k, v, qpos, kvpos, qseg, kvseg, act = _pad_to_blocks(
