@@ -446,9 +446,10 @@ OPTION_SETS = {**CB_MODES,
 # each layer's own counter); 'wmerge': cuDNN's kv parts merged in its lse layout, the weight
 # total as an extra channel of the one weighted sum (condattn_jax.ops._CUDNN_NATIVE_MERGE on);
 # 'kv1': positions / valid / length kept once, in layer 0's cache (models.layers.
-# _SHARED_KV_STATE on; the other layers write key / value only).
+# _SHARED_KV_STATE on; the other layers write key / value only); 'ctas2x': cuDNN's decode
+# split aims at twice the programs (condattn_jax.ops.DECODE_CTAS 264 -> 528: about 4 per SM).
 TRACE_SETS = ("mgpu", "refattn", "oldwrite", "oldproj", "onepass", "o2d", "fill1", "wmerge",
-              "kv1")
+              "kv1", "ctas2x")
 # The switches (module, name, value) a trace set turns while the variant traces.
 _LAYER_FLAGS = {"oldwrite": ("condattn_jax.models.layers", "_ONE_TOKEN_WRITE", False),
                 "oldproj": ("condattn_jax.models.layers", "_PAD_ONE_ROW", False),
@@ -456,7 +457,8 @@ _LAYER_FLAGS = {"oldwrite": ("condattn_jax.models.layers", "_ONE_TOKEN_WRITE", F
                 "o2d": ("condattn_jax.models.layers", "_O_PROJ_2D", True),
                 "fill1": ("condattn_jax.models.layers", "_SHARED_FILL", True),
                 "wmerge": ("condattn_jax.ops", "_CUDNN_NATIVE_MERGE", True),
-                "kv1": ("condattn_jax.models.layers", "_SHARED_KV_STATE", True)}
+                "kv1": ("condattn_jax.models.layers", "_SHARED_KV_STATE", True),
+                "ctas2x": ("condattn_jax.ops", "DECODE_CTAS", 528)}
 
 
 def _trace_context(sets):

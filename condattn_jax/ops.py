@@ -585,10 +585,12 @@ def merge_attention_parts(o, lse, axis: int):
 DECODE_CTAS = 264  # cuDNN decode: split the kv length until about 2 programs per H100 SM
 
 
-def decode_splits(B: int, S: int, K: int, target: int = DECODE_CTAS) -> int:
-  """Kv splits of the cuDNN decode path: the largest power of two P with B * K * P <= target,
-  S % P == 0 and S / P >= 128 (cuDNN runs one program per (row, kv head, query tile) and walks
-  the kv length in it: at B = 1 an unsplit call leaves most of the GPU idle)."""
+def decode_splits(B: int, S: int, K: int, target: int | None = None) -> int:
+  """Kv splits of the cuDNN decode path: the largest power of two P with B * K * P <= target
+  (default DECODE_CTAS, read at the call), S % P == 0 and S / P >= 128 (cuDNN runs one program
+  per (row, kv head, query tile) and walks the kv length in it: at B = 1 an unsplit call leaves
+  most of the GPU idle)."""
+  target = DECODE_CTAS if target is None else target
   P = 1
   while B * K * P * 2 <= target and S % (P * 2) == 0 and S // (P * 2) >= 128:
     P *= 2
