@@ -427,10 +427,14 @@ CB_MODES = {
 # Other XLA:GPU switches a variant can name (after its command-buffer mode, same syntax):
 # merge dots that share an operand however large (q/k/v, gate/up: XLA's default merges only
 # below 32 MB), GEMMs through cuBLAS instead of Triton (Triton GEMM fusions can take elementwise
-# prologues, cuBLAS cannot).
+# prologues, cuBLAS cannot), no Triton block-level reduction fusions ('noblock').
 OPTION_SETS = {**CB_MODES,
                "dotmerge": {"xla_gpu_dot_merger_threshold_mb": 1024},
-               "notriton": {"xla_gpu_enable_triton_gemm": False}}
+               "notriton": {"xla_gpu_enable_triton_gemm": False},
+               # reductions through XLA's own emitters, not Triton block-level fusions (the
+               # H100 HLO runs each RMSNorm's sum of squares as one: its residual add and
+               # scaling are then kernels of their own)
+               "noblock": {"xla_gpu_experimental_enable_fusion_block_level_rewriter": False}}
 # What a variant can change in the engine's traced program (engine layouts only): the decode
 # attention through the Mosaic GPU decode kernel where auto would run cuDNN's split-KV path
 # (pallas_kernels.decode's DecodeConfig(over_cudnn=True)), or through the XLA reference
