@@ -81,10 +81,10 @@ _PAD_ONE_ROW = True
 
 
 # True: a projection that contracts two kernel dims (o_proj [N, H, D]) contracts a 2-D view of
-# the kernel ([N*H, D]) and of its input ([..., N*H]) instead, aimed at the copy XLA:GPU makes
-# of each layer's o_proj slice of the stacked weights before its GEMM (q / k / v, which
-# contract one dim, read their slices in place), at any batch. Off until timed
-# (bench/decode_program.py trace set 'o2d').
+# the kernel ([N*H, D]) and of its input ([..., N*H]) instead when the input holds one token a
+# row (a decode step, any batch), aimed at the copy XLA:GPU makes of each layer's o_proj slice
+# of the stacked weights before its GEMM (q / k / v, which contract one dim, read their slices
+# in place). Off until timed (bench/decode_program.py trace set 'o2d').
 _O_PROJ_2D = False
 
 
@@ -163,7 +163,7 @@ class Projection(nn.Module):
       x = x.reshape((1,) + x.shape[x.ndim - n_in:])
       x = jnp.concatenate([x, jnp.zeros_like(x)], axis=0)
     w, n_c = kernel.astype(self.dtype), n_in  # n_c: the dims the dot contracts
-    if n_in > 1 and _O_PROJ_2D:  # [..., in...] x [in..., out] as [..., in] x [in, out]
+    if n_in > 1 and _O_PROJ_2D and lead[-1:] == (1,):  # one token a row: [.., in] x [in, out]
       x = x.reshape(x.shape[:x.ndim - n_in] + (-1,))
       w, n_c = w.reshape(math.prod(self.shape[:n_in]), -1), 1
     y = lax.dot_general(x, w, ((tuple(range(x.ndim - n_c, x.ndim)), tuple(range(n_c))),
