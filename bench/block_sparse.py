@@ -370,16 +370,21 @@ def kernels_alone(s: Settings, T: int, mode, log=print) -> dict:
     res[name] = dict(ms=ms, tflops_issued=pairs * 2 * H * prods / ms / 1e9)
   res["bwd_ms"] = res["dq"]["ms"] + res["dkv"]["ms"]
   res["bwd_tflops_useful"] = pairs * 2 * H * 5 / res["bwd_ms"] / 1e9
-  if s.impl == "mosaic_gpu":
-    one = jax.jit(lambda q, k, v: mod.bwd_fused(q, k, v, ct, lse, delta, tsteps, tcount, *rest,
-                                                **kw))
+  # the one-kernel backward (its default: dq columns split between the warpgroups where
+  # block_k = head_dim = 128), and where that splits, also without the split
+  splits = [("bwd_onekernel", None)] + (
+      [("bwd_onekernel_nosplit", False)] if s.impl == "mosaic_gpu" and s.block == 128
+      and H == 128 else [])
+  for key, split in splits if s.impl == "mosaic_gpu" else ():
+    one = jax.jit(lambda q, k, v, split=split: mod.bwd_fused(
+        q, k, v, ct, lse, delta, tsteps, tcount, *rest, dq_split=split, **kw))
     try:
       ms = bench(one, q, k, v, n=s.n)
-      res["bwd_onekernel"] = dict(ms=ms, tflops_useful=pairs * 2 * H * 5 / ms / 1e9,
-                                  two_kernels_over_one=res["bwd_ms"] / ms)
+      res[key] = dict(ms=ms, tflops_useful=pairs * 2 * H * 5 / ms / 1e9,
+                      two_kernels_over_one=res["bwd_ms"] / ms)
     except Exception as e:  # noqa: BLE001
       traceback.print_exc()
-      res["bwd_onekernel_err"] = f"{type(e).__name__}: {str(e)[:400]}"
+      res[key + "_err"] = f"{type(e).__name__}: {str(e)[:400]}"
   base = dense(s)
   cf = bench(jax.jit(base), q, k, v, n=s.n)
   cfb = bench(fwd_bwd(base, ct), q, k, v, n=s.n)
@@ -582,6 +587,10 @@ def kernels_alone_lines(result) -> list:
            f"{one['two_kernels_over_one']:.2f}x the two)" if one else
            f", one-kernel bwd ERROR {x['bwd_onekernel_err'][:80]}" if "bwd_onekernel_err" in x
            else "")
+        + (f", without the dq split {x['bwd_onekernel_nosplit']['ms']:.2f} ms"
+           if "bwd_onekernel_nosplit" in x else
+           f", without the dq split ERROR {x['bwd_onekernel_nosplit_err'][:80]}"
+           if "bwd_onekernel_nosplit_err" in x else "")
         + f"; cuDNN fwd {x['cudnn']['fwd_ms']:.2f} bwd {x['cudnn']['bwd_ms']:.2f} ms")
   return lines
 

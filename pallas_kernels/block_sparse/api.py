@@ -157,8 +157,12 @@ class BlockSparseConfig:
     dk / dv in registers and each step's dq contribution added into a float32 buffer in global
     memory by a TMA reduce-add; 5 matrix products per visible tile pair) instead of the dq and
     dk/dv kernels (7). Off until an H100 A/B (bench/block_sparse.py --onebwd) shows it
-    faster; other backends ignore it. (condattn_jax.ops runs the defaults.)"""
+    faster; other backends ignore it. (condattn_jax.ops runs the defaults.)
+  mgpu_dq_split: with mgpu_fused_bwd at block_k 128 and head_dim 128: the two warpgroups of a
+    128-key tile split dq's columns (one reduce-add of the tile's whole dq contribution a step,
+    as FlashAttention-3) instead of each adding its own 64 kv rows' contribution."""
   mgpu_fused_bwd: bool = False
+  mgpu_dq_split: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +245,7 @@ class _Config:
   sub_tile: int = TRITON_SUB_TILE
   fwd_sub_tile: int = TRITON_FWD_SUB_TILE
   fused_bwd: bool = False   # Mosaic GPU: BlockSparseConfig.mgpu_fused_bwd
+  dq_split: bool = True     # Mosaic GPU: BlockSparseConfig.mgpu_dq_split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -339,7 +344,7 @@ def _backward_impl(cfg: _Config, res, dout, dlse_BNT):
     meta = (m.qpos_BT, m.kseg_q_BIT, m.kvpos_BS, m.kseg_kv_BS)
     if cfg.fused_bwd:
       return mod.bwd_fused(q, k, v, dout, lse_BNT, delta, tsteps, tcount, *meta,
-                           **_mgpu_kw(cfg))
+                           dq_split=None if cfg.dq_split else False, **_mgpu_kw(cfg))
     dq = mod.dq(q, k, v, dout, lse_BNT, delta, steps, count, *meta, **_mgpu_kw(cfg))
     dk, dv = mod.dkv(q, k, v, dout, lse_BNT, delta, tsteps, tcount, *meta, **_mgpu_kw(cfg))
     return dq, dk, dv
@@ -498,7 +503,8 @@ def block_sparse_attention(q_BTNH, k_BSKH, v_BSKH, kv_blocks_BNQL, head_mode_BN=
                   sinks=int(sinks), block_q=int(block_q), block_k=int(block_k),
                   interpret=interpret, poison=poison, sub_tile=TRITON_SUB_TILE,
                   fwd_sub_tile=TRITON_FWD_SUB_TILE,
-                  fused_bwd=impl == "mosaic_gpu" and config.mgpu_fused_bwd)
+                  fused_bwd=impl == "mosaic_gpu" and config.mgpu_fused_bwd,
+                  dq_split=config.mgpu_dq_split)
     Tp, Sp = nq * block_q, -(-S // block_k) * block_k
     if (Tp, Sp) != (T, S):  # whole blocks: padding queries inactive, padding keys invisible
       q, k, v, qpos, kvpos, qseg, kvseg, act = _pad_to_blocks(

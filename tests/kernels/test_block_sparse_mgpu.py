@@ -29,16 +29,18 @@ CASES = [
     # (dk/dv: one compute warpgroup)
     ("gqa_mixed", dict(T=256, N=4, K=2, L=2), None, False),
     # every mode in one launch, window + sinks, 128-key tiles (dk/dv: two compute warpgroups;
-    # fused: both add into the same dq rows), 4 query heads on one kv head
+    # fused at head_dim 64: each adds its own kv rows' dq part into the same rows), 4 query heads
+    # on one kv head
     ("modes_window_sinks", dict(T=256, N=4, K=1, L=2, window=70, sinks=5, block_k=128),
      [F, B_, W, W], True),
     # packed documents with restarting positions, per-head active sets, mode 2 with a window
     ("documents_active_heads", dict(T=256, N=2, K=1, L=2, segments=2, active="head", window=50),
      [W, B_], False),
     # a cache: keys before the queries at sorted positions with a validity mask, float16, two kv
-    # heads (fused: dq rows of both kv heads' programs)
-    ("cache_f16", dict(T=128, S=256, N=2, K=2, L=3, kv_positions=True, dtype=jnp.float16),
-     [B_, F], True),
+    # heads, 128-key tiles at head_dim 128 (fused: the two warpgroups split dq's columns, each
+    # over both one's kv rows)
+    ("cache_f16", dict(T=128, S=256, N=2, K=2, L=3, H=128, kv_positions=True,
+                       dtype=jnp.float16, block_k=128), [B_, F], True),
 ]
 
 
