@@ -102,3 +102,13 @@ def elastic_repro_cpu_run_is_the_preset(rec, run):
 @quote("docs/schemes/elastic.md", "elastic_repro.json", run="cpu")
 def elastic_doc_repro(rec, run):
   return quotes(rec)
+
+
+@quote("docs/schemes/aha.md", "aha_repro_NVIDIA_H200.json", run="h100")
+def aha_doc_repro_gpu(rec, run):
+  return quotes(rec)
+
+
+@quote("docs/schemes/aha.md", "aha_repro_NVIDIA_H200.json", run="h100_pairs")
+def aha_doc_repro_gpu_pairs(rec, run):
+  return quotes(rec)
