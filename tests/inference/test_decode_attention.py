@@ -75,6 +75,7 @@ def test_native_layout_merge_equals_merge_parts(monkeypatch):
   (zeros)."""
   q, k, v, mask = _case(2, jnp.asarray([True, True, False])[:, None])
   ref = ops.attention(q, k, v, mask, impl="reference")
+  monkeypatch.setattr(ops, "_CUDNN_NATIVE_MERGE", False)
   old = ops._cudnn_decode(None, implementation="xla", splits=8)(q, k, v, mask)
   monkeypatch.setattr(ops, "_CUDNN_NATIVE_MERGE", True)
   new = ops._cudnn_decode(None, implementation="xla", splits=8)(q, k, v, mask)

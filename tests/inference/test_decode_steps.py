@@ -163,6 +163,7 @@ def test_o_proj_2d_decodes_the_same(params, monkeypatch):
   cache, logits, lengths, _ = eng._prefill([[3, 9, 4, 1, 7], [5, 2]])
   step = lambda: eng.decode_step(jax.tree.map(jnp.copy, cache), [2, 6], lengths, [True, True],
                                  logits)
+  monkeypatch.setattr(layers, "_O_PROJ_2D", False)
   c1, l1 = step()
   monkeypatch.setattr(layers, "_O_PROJ_2D", True)
   jax.clear_caches()  # engines of one config share traces
@@ -197,6 +198,8 @@ def test_shared_fill_decodes_the_same(params, monkeypatch):
     text = eng._step.lower(eng, eng.params, eng.init_cache(1), i32, i32, on,
                            jnp.zeros((1, CFG.vocab_size))).as_text()
     return c, outs, text.count("stablehlo.minimum")
+  monkeypatch.setattr(layers, "_SHARED_KV_STATE", False)  # (it shares the fill too)
+  monkeypatch.setattr(layers, "_SHARED_FILL", False)
   c1, l1, mins_off = run()
   monkeypatch.setattr(layers, "_SHARED_FILL", True)
   c2, l2, mins_on = run()
@@ -228,6 +231,7 @@ def test_shared_kv_state_decodes_the_same(params, monkeypatch):
     text = eng._step.lower(eng, eng.params, eng.init_cache(1), i32, i32, on,
                            jnp.zeros((1, CFG.vocab_size))).as_text()
     return c, outs, text.count("stablehlo.dynamic_update_slice")
+  monkeypatch.setattr(layers, "_SHARED_KV_STATE", False)
   c1, l1, dus_off = run()
   monkeypatch.setattr(layers, "_SHARED_KV_STATE", True)
   c2, l2, dus_on = run()
