@@ -154,94 +154,80 @@ def test_k_step_loop_traces_one_row_dots(params):
   assert not two_row(eng._greedy_steps.lower(eng, eng.params, cache, i32, on, logits, 2).as_text())
 
 
-def test_o_proj_2d_decodes_the_same(params, monkeypatch):
-  """models.layers._O_PROJ_2D (off; the o_proj as a [..., N*H] x [N*H, D] dot, for
-  bench/decode_program's 'o2d' A/B): the same B = 2 decode step (logits 1e-6, caches), and at
-  B = 1 the padded one-row o_proj is the 2-D dot."""
+# The decode step's kernel cuts behind models.layers flags (off until timed on a GPU:
+# bench/decode_program's trace sets 'o2d', 'fill1', 'kv1'): each flag's run against ONE
+# baseline with every flag off (a module fixture: one compile of the baseline for the 3 tests).
+_CUT_FLAGS = ("_O_PROJ_2D", "_SHARED_FILL", "_SHARED_KV_STATE")
+
+
+def _cut_run(params, on=None):
+  """Chunked ragged prefill (chunks of 4) + 3 greedy steps with an inactive row, with flag
+  `on` of _CUT_FLAGS set (the others off): (cache, logits after the prefill and each step,
+  the StableHLO of the B = 1 step)."""
+  import contextlib
+  from unittest import mock
   from condattn_jax.models import layers
-  eng = Engine(CFG, params, cache_len=S)
-  cache, logits, lengths, _ = eng._prefill([[3, 9, 4, 1, 7], [5, 2]])
-  step = lambda: eng.decode_step(jax.tree.map(jnp.copy, cache), [2, 6], lengths, [True, True],
-                                 logits)
-  monkeypatch.setattr(layers, "_O_PROJ_2D", False)
-  c1, l1 = step()
-  monkeypatch.setattr(layers, "_O_PROJ_2D", True)
-  jax.clear_caches()  # engines of one config share traces
-  c2, l2 = step()
-  jax.clear_caches()
-  np.testing.assert_allclose(l2, l1, rtol=1e-6, atol=1e-6)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), c1, c2)
-  i32 = jnp.zeros((1, 1), jnp.int32)
-  text = eng._step.lower(eng, eng.params, eng.init_cache(1), i32, i32, jnp.ones((1, 1), bool),
-                         logits[:1]).as_text()
-  jax.clear_caches()
-  assert "(tensor<2x32xf32>, tensor<32x32xf32>) -> tensor<2x32xf32>" in text  # o: [N*H, D]
-
-
-def test_shared_fill_decodes_the_same(params, monkeypatch):
-  """models.layers._SHARED_FILL (off; bench/decode_program's 'fill1' A/B): every layer's decode
-  attention reads its fill off one per-step value from layer 0's counter. Ragged rows and an
-  inactive row: the same logits (1e-6) and caches over 3 greedy steps, and the traced step
-  builds its fill once (one `minimum` fewer per layer after the first)."""
-  from condattn_jax.models import layers
-  eng = Engine(CFG, params, cache_len=S)
-  cache, logits, lengths, _ = eng._prefill([[3, 9, 4, 1, 7], [5, 2], [8]])
-  active = np.array([True, False, True])
-  i32, on = jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), bool)
-
-  def run():
-    jax.clear_caches()  # engines of one config share traces
-    c, l, pos, outs = jax.tree.map(jnp.copy, cache), logits, np.asarray(lengths), []
-    for _ in range(3):
-      c, l = eng.decode_step(c, np.asarray(jnp.argmax(l, -1), np.int32), pos, active, l)
-      pos, outs = pos + active, outs + [l]
-    text = eng._step.lower(eng, eng.params, eng.init_cache(1), i32, i32, on,
-                           jnp.zeros((1, CFG.vocab_size))).as_text()
-    return c, outs, text.count("stablehlo.minimum")
-  monkeypatch.setattr(layers, "_SHARED_KV_STATE", False)  # (it shares the fill too)
-  monkeypatch.setattr(layers, "_SHARED_FILL", False)
-  c1, l1, mins_off = run()
-  monkeypatch.setattr(layers, "_SHARED_FILL", True)
-  c2, l2, mins_on = run()
-  jax.clear_caches()
-  for x, y in zip(l1, l2):
-    np.testing.assert_allclose(y, x, rtol=1e-6, atol=1e-6)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), c1, c2)
-  assert mins_on == mins_off - (CFG.num_layers - 1), (mins_off, mins_on)
-
-
-def test_shared_kv_state_decodes_the_same(params, monkeypatch):
-  """models.layers._SHARED_KV_STATE (off; bench/decode_program's 'kv1' A/B): a dense decode
-  keeps positions / valid / length once (layers_0), the other layers write key / value at its
-  slots. Chunked ragged prefill (chunks of 4) + 3 greedy steps with an inactive row: the same
-  logits (1e-6), key / value in every layer and bookkeeping as layer 0's; the B = 1 step runs
-  2 in-place updates a layer after the first (4 in layer 0)."""
-  from condattn_jax.models import layers
-  prompts, active = [[3, 9, 4, 1, 7, 2, 8], [5, 2], [8]], np.array([True, False, True])
-  i32, on = jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), bool)
-
-  def run():
+  with contextlib.ExitStack() as stack:
+    for name in _CUT_FLAGS:
+      stack.enter_context(mock.patch.object(layers, name, name == on))
     jax.clear_caches()  # engines of one config share traces
     eng = Engine(CFG, params, cache_len=S, prefill_chunk=4)
-    c, l, pos, _ = eng._prefill(prompts)
-    outs = [l]
+    c, l, pos, _ = eng._prefill([[3, 9, 4, 1, 7, 2, 8], [5, 2], [8]])
+    active, outs = np.array([True, False, True]), [l]
     for _ in range(3):
       c, l = eng.decode_step(c, np.asarray(jnp.argmax(l, -1), np.int32), pos, active, l)
       pos, outs = pos + active, outs + [l]
-    text = eng._step.lower(eng, eng.params, eng.init_cache(1), i32, i32, on,
+    i32, one = jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), bool)
+    text = eng._step.lower(eng, eng.params, eng.init_cache(1), i32, i32, one,
                            jnp.zeros((1, CFG.vocab_size))).as_text()
-    return c, outs, text.count("stablehlo.dynamic_update_slice")
-  monkeypatch.setattr(layers, "_SHARED_KV_STATE", False)
-  c1, l1, dus_off = run()
-  monkeypatch.setattr(layers, "_SHARED_KV_STATE", True)
-  c2, l2, dus_on = run()
   jax.clear_caches()
-  for x, y in zip(l1, l2):
+  return c, outs, text
+
+
+@pytest.fixture(scope="module")
+def cut_baseline(params):
+  return _cut_run(params)
+
+
+def _same_decode(base, run, cache_names=None):
+  """Logits (1e-6) and caches of a flag's run == the baseline's (`cache_names(i)`: the names
+  layer i's cache holds under the flag; default all)."""
+  for x, y in zip(base[1], run[1]):
     np.testing.assert_allclose(y, x, rtol=1e-6, atol=1e-6)
   for i in range(CFG.num_layers):
-    a, b = c1[f"layers_{i}"]["self_attn"]["cache"], c2[f"layers_{i}"]["self_attn"]["cache"]
-    assert sorted(b) == (sorted(a) if i == 0 else ["key", "value"])
+    a, b = base[0][f"layers_{i}"]["self_attn"]["cache"], run[0][f"layers_{i}"]["self_attn"]["cache"]
+    assert sorted(b) == sorted(a if cache_names is None else cache_names(i))
     for name in b:
       np.testing.assert_allclose(b[name], a[name], rtol=1e-6, atol=1e-6)
+
+
+def test_o_proj_2d_decodes_the_same(params, cut_baseline):
+  """models.layers._O_PROJ_2D (the o_proj as a [..., N*H] x [N*H, D] dot for one token a row):
+  the same logits / caches, and at B = 1 the padded one-row o_proj is the 2-D dot."""
+  run = _cut_run(params, "_O_PROJ_2D")
+  _same_decode(cut_baseline, run)
+  o2d = "(tensor<2x32xf32>, tensor<32x32xf32>) -> tensor<2x32xf32>"  # o: [N*H, D]
+  assert o2d in run[2] and o2d not in cut_baseline[2]
+
+
+def test_shared_fill_decodes_the_same(params, cut_baseline):
+  """models.layers._SHARED_FILL: every layer's decode attention reads its fill off one
+  per-step value from layer 0's counter: the same logits / caches, and the traced step
+  builds its fill once (one `minimum` fewer per layer after the first)."""
+  run = _cut_run(params, "_SHARED_FILL")
+  _same_decode(cut_baseline, run)
+  mins = [r[2].count("stablehlo.minimum") for r in (cut_baseline, run)]
+  assert mins[1] == mins[0] - (CFG.num_layers - 1), mins
+
+
+def test_shared_kv_state_decodes_the_same(params, cut_baseline):
+  """models.layers._SHARED_KV_STATE: a dense decode keeps positions / valid / length once
+  (layers_0), the other layers write key / value at its slots: the same logits, key / value in
+  every layer and bookkeeping as layer 0's (chunked prefill and steps), and the B = 1 step runs
+  2 in-place updates a layer after the first (4 in layer 0)."""
+  run = _cut_run(params, "_SHARED_KV_STATE")
+  names = ["key", "length", "positions", "valid", "value"]
+  _same_decode(cut_baseline, run, lambda i: names if i == 0 else ["key", "value"])
   L = CFG.num_layers
-  assert (dus_off, dus_on) == (4 * L, 4 + 2 * (L - 1))
+  dus = [r[2].count("stablehlo.dynamic_update_slice") for r in (cut_baseline, run)]
+  assert dus == [4 * L, 4 + 2 * (L - 1)], dus
