@@ -18,8 +18,9 @@ r"""What one decode step runs: the op histogram of a compiled program, per layer
     # trace, for both params layouts, XLA command buffers off / default / extended (CB_MODES),
     # dot merging, the decode attention path (cuDNN split-KV / Mosaic GPU kernel / XLA
     # reference), the step's kernel cuts switched off (TRACE_SETS 'oldwrite', 'oldproj': the
-    # program before them), the one-pass merge on ('onepass') and k greedy steps per call
-    # (Engine.decode_greedy); prints a table
+    # program before them), cuts not yet on by default switched on ('onepass', 'o2d', 'fill1',
+    # 'kv1', 'wmerge', 'ctas2x') and k greedy steps per call (Engine.decode_greedy); prints a
+    # table
     python -m bench.decode_program --time --profile --T=8192,131072 --out_dir=bench/results
 
 A step at fixed T is bounded by its bytes (weights + K/V), but a small step is bounded by what
