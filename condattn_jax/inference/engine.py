@@ -459,7 +459,11 @@ class Engine:
     the model's parameters (`layers` / `layers_{start}_{stop}` groups, a leading layer axis):
     for inspection; `per_layer_cache` goes back."""
     from condattn_jax.attention import get_scheme
-    from condattn_jax.models import stacking
+    from condattn_jax.models import layers, stacking
+    if layers.shares_kv_state(self.config) and len(cache) > 1:
+      raise ValueError("Engine.stacked_cache: this decode keeps positions / valid / length in "
+                       "layers_0 only (models.layers._SHARED_KV_STATE), so its layers' caches "
+                       "do not stack; read cache['layers_{i}'] directly.")
     return stacking.stack_layers(dict(cache), get_scheme(self.config.scheme).layer_variants(
         self.config))
 

@@ -231,3 +231,8 @@ def test_shared_kv_state_decodes_the_same(params, cut_baseline):
   L = CFG.num_layers
   dus = [r[2].count("stablehlo.dynamic_update_slice") for r in (cut_baseline, run)]
   assert dus == [4 * L, 4 + 2 * (L - 1)], dus
+  from unittest import mock
+  from condattn_jax.models import layers
+  with mock.patch.object(layers, "_SHARED_KV_STATE", True), pytest.raises(
+      ValueError, match="do not stack"):
+    Engine(CFG, params, cache_len=S).stacked_cache(run[0])
