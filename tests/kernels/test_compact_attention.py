@@ -285,22 +285,26 @@ def test_triton_matches_reference_hypothesis(seed, sparsity, T, gqa, dtype, per_
 _EDGE = {}  # name -> (problem, its reference's run)
 
 
-@pytest.mark.parametrize("name,kw", [
-    ("all_empty", dict(sparsity=1.0)),
-    # row 1 fully active -> the full bucket (no gather / scatter); row 0 attends nothing
-    ("empty_and_full_rows", dict(B=2, sparsity=0.0, empty_rows=(0,))),
-    ("aha_segments_window", dict(sparsity=0.6, per_head=True, segments=2, window=10)),
-    ("kv_positions", dict(sparsity=0.3, kv_positions=True, S=96)),
+@pytest.mark.parametrize("name,kw,fracs", [
+    # the ladder (0.25,): no active query -> the smallest bucket
+    ("all_empty", dict(sparsity=1.0), (0.25,)),
+    # row 1 fully active -> the full bucket of the ladder (no gather / scatter); row 0 attends
+    # nothing
+    ("empty_and_full_rows", dict(B=2, sparsity=0.0, empty_rows=(0,)), (0.25,)),
+    # masking cases: one bucket (compacted rows, no switch: half the compile; the ladder's
+    # switch is the two cases above, test_triton_default_tiles_and_ladder and the hypothesis test)
+    ("aha_segments_window", dict(sparsity=0.6, per_head=True, segments=2, window=10), (1.0,)),
+    ("kv_positions", dict(sparsity=0.3, kv_positions=True, S=96), (1.0,)),
 ])
 @pytest.mark.parametrize("fused_bwd", [True, False], ids=["fused_bwd", "split_bwd"])
-def test_triton_edge_cases(name, kw, fused_bwd):
+def test_triton_edge_cases(name, kw, fracs, fused_bwd):
   """Both backward variants (CompactConfig.fused_triton_bwd): dq fused into the dk/dv kernel
   (atomic adds) and the two-kernel backward (dq; dk/dv, the default)."""
   if name not in _EDGE:  # the problem and its reference, once for both backward variants
     p = make_problem(5, **{**dict(T=64, N=2, K=1, H=32), **kw})
     _EDGE[name] = p, run(p, impl="reference")
   p, ref = _EDGE[name]
-  errs, bad = compare(p, dict(TRITON, bucket_fracs=(0.25,),
+  errs, bad = compare(p, dict(TRITON, bucket_fracs=fracs,
                               config=CompactConfig(fused_triton_bwd=fused_bwd)), reference=ref)
   assert not bad, (name, errs)
 
