@@ -16,11 +16,12 @@ CASES = [
     # L2A: one active set per row, GQA 2:1, 3 query tiles of which the last is padding-only
     ("l2a_gqa", dict(T=256, N=4, K=2, H=64, sparsity=0.5)),
     # AHA: per-head sets, packed documents with restarting positions (kv positions given), window
-    # (GQA 2:1 as in l2a_gqa; two heads keep the interpreter's grid small)
-    ("aha_packed_window", dict(T=256, N=2, K=1, H=64, sparsity=0.6, per_head=True, segments=3,
+    # (GQA 2:1 as in l2a_gqa; two heads and one query tile of 128 keep the interpreter's grid
+    # small: the backward still runs 2 tiles of 64 each way)
+    ("aha_packed_window", dict(T=128, N=2, K=1, H=64, sparsity=0.6, per_head=True, segments=3,
                                window=40, packed_positions=True)),
-    # a prefix of keys before the queries, an empty row, float16
-    ("prefix_empty_row_f16", dict(B=2, T=256, N=2, K=1, H=64, sparsity=0.9, q_offset=128,
+    # a prefix of keys before the queries (128 queries after 128 keys), an empty row, float16
+    ("prefix_empty_row_f16", dict(B=2, T=128, N=2, K=1, H=64, sparsity=0.9, q_offset=128,
                                   empty_rows=(1,), dtype=jnp.float16)),
     # 5 kv tiles: dk/dv falls back to one compute warpgroup per program, dq keeps two; a window
     # that cuts through the programs' pairs of query tiles (each warpgroup masks its own range)
