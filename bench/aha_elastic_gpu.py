@@ -51,13 +51,21 @@ RUNS = (("aha_repro", "h100"), ("aha_repro", "h100_pairs"), ("elastic_repro", "h
 # static spans 3 calls), then AHA h100, then h100_pairs (not run before: the optional one)
 RUNS_FEW = (("elastic_repro", "h100"), ("aha_repro", "h100"), ("aha_repro", "h100_pairs"))
 SCRIPTS = {4: "bench/aha_elastic_h100.sh", 2: "bench/aha_elastic_x2.sh"}   # per --gpus
-TINY = {"h100": "tiny", "h100_pairs": "tiny_pairs"}
+# runs outside the default plan, placed only by --runs: AHA h100_pairs with the gated dense
+# baseline (its script: PAIRS_GATED_SCRIPT, `--runs=aha_repro:h100_pairs_gated`)
+EXTRA_RUNS = (("aha_repro", "h100_pairs_gated"),)
+PAIRS_GATED_SCRIPT = "bench/aha_pairs_h100.sh"
+TINY = {"h100": "tiny", "h100_pairs": "tiny_pairs", "h100_pairs_gated": "tiny_pairs_gated"}
 
 # Estimated seconds of a unit alone on one H100, compile included, from the last GPU logs (AHA
 # h100: dense ~110 s, ~60 s of training an arm; Elastic h100: ~85 s an arm; its gated dense
 # model is unmeasured: the cap's worth). Static controls: 3 fine-tunes of an arm's steps.
 COST = {"aha_repro": dict(dense=140, w=100, lam=75, static=200),
         "elastic_repro": dict(dense=300, arm=110, static=260)}
+# a gated dense training (a preset with dense_gate): a lane of its own (the whole capacity); it
+# stops at DENSE_BUDGET_S (exit 3, state saved) and the same call, rerun, goes on (the script's
+# comment); its cost beyond one call is the plan's estimate in docs/schemes/aha.md
+GATED_DENSE_COST = 330
 TIMEOUT_S = 480
 # MiB of a seed's saved dense model (float32 params, msgpack) in the h100 presets: Elastic 2.9M
 # params, AHA 0.62M (jax.eval_shape of the presets' decoders); tiny presets: ~0.
@@ -128,7 +136,7 @@ def plan(runs=RUNS, *, tiny: bool = False, gpus: int = 4, per_gpu: int = 3,
     for r, (bench, p, seed, s, left) in enumerate(todo):
       mine = []   # this seed's commands in this call: first fit, a unit after what it reads
       for u in left:
-        c = COST[bench][_kind(bench, u)]
+        c = _cost(bench, s, u)
         before = [d for d in deps(bench, s, u) if (bench, p, seed, d) not in done]
         for ch in mine:
           if ch.cost + c <= capacity and all(d in ch.units for d in before):
@@ -172,6 +180,12 @@ def plan(runs=RUNS, *, tiny: bool = False, gpus: int = 4, per_gpu: int = 3,
   return calls
 
 
+def _cost(bench: str, s, unit: str) -> float:
+  if unit == "dense" and getattr(s, "dense_gate", 0.0) and bench == "aha_repro":
+    return GATED_DENSE_COST
+  return COST[bench][_kind(bench, unit)]
+
+
 def _settings(c: Cmd):
   import importlib
   return importlib.import_module(f"bench.{c.bench}").PRESETS[c.preset]
@@ -187,7 +201,8 @@ def command(c: Cmd, work: str = "$W") -> str:
   first = []
   for u in c.units:
     first += [d for d in deps(c.bench, s, u) if d not in c.units and d not in first]
-  budget = f" --dense_budget_s={DENSE_BUDGET_S}" if c.bench == "elastic_repro" else ""
+  gated = c.bench == "elastic_repro" or getattr(s, "dense_gate", 0.0)
+  budget = f" --dense_budget_s={DENSE_BUDGET_S}" if gated else ""
   return (f"$PY -m bench.{c.bench} --preset={c.preset} --seeds={c.seed} "
           f"--part={','.join(first + c.units)} --work_dir={work}{budget}")
 
@@ -247,6 +262,7 @@ def carry(work_dir: str, runs=RUNS, *, tiny: bool = False,
 
 def script(calls, runs=RUNS, *, tiny: bool = False, gpus: int = 4) -> str:
   """The bash script: `bash <script> <call number> | all | merge`."""
+  import importlib
   presets = [(b, TINY.get(p, p) if tiny else p) for b, p in runs]
   lines = [
       "#!/bin/bash",
@@ -258,6 +274,16 @@ def script(calls, runs=RUNS, *, tiny: bool = False, gpus: int = 4) -> str:
       "from IN=<folder",
       "# holding the earlier calls' aha_elastic_units.tgz and aha_elastic_state.tgz.* (their "
       "$OUT files).",
+  ]
+  if any(getattr(importlib.import_module(f"bench.{b}").PRESETS[p], "dense_gate", 0.0)
+         and b == "aha_repro" for b, p in presets):
+    lines += [
+        "# Gated dense trainings (call 1, a lane each): a lane with rc=3 (or 124) stopped at its",
+        f"# budget ({DENSE_BUDGET_S} s an lr of its sweep) with its state saved: run call 1 again "
+        "until every",
+        "# lane says rc=0 (a seed that missed its gate at the cap is NOT JUDGED), then call 2.",
+    ]
+  lines += [
       "set -u",
       'export W=${W:-workdir_aha_elastic}   # git-ignored: stays on a warm machine',
       'OUT=${OUT:-out}',
@@ -342,9 +368,9 @@ def main(argv=None):
     runs = RUNS if a.gpus >= 4 else RUNS_FEW
   else:
     runs = tuple(tuple(x.split(":")) for x in a.runs.split(","))
-  bad = [r for r in runs if r not in RUNS]
+  bad = [r for r in runs if r not in RUNS + EXTRA_RUNS]
   if bad:
-    raise SystemExit(f"--runs: {bad} not in {RUNS}")
+    raise SystemExit(f"--runs: {bad} not in {RUNS + EXTRA_RUNS}")
   if a.carry is not None:
     budget = a.carry_mib if a.carry_mib is not None else (CARRY_MIB if a.gpus < 4 else None)
     print(" ".join(carry(a.carry, runs, tiny=a.tiny, budget_mib=budget,

@@ -357,9 +357,14 @@ OPTIONAL_FIELDS = ("dense_lrs",)
 
 
 def _settings_json(settings) -> dict:
+  """The settings a store's files carry: without OPTIONAL_FIELDS while empty, nor the fields a
+  Settings class names in its STORE_DEFAULTS ({field: value}) while at that value (fields added
+  after its committed fixtures / work dirs were written, e.g. AHA's dense gate)."""
   import json
   d = json.loads(json.dumps(dataclasses.asdict(settings)))
-  return {k: v for k, v in d.items() if not (k in OPTIONAL_FIELDS and v == [])}
+  late = json.loads(json.dumps(getattr(type(settings), "STORE_DEFAULTS", {})))
+  return {k: v for k, v in d.items() if not (k in OPTIONAL_FIELDS and v == [])
+          and not (k in late and v == late[k])}
 
 
 def _atomic(path: str, data: bytes) -> None:

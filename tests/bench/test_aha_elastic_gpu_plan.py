@@ -131,3 +131,25 @@ def test_carry_keeps_finished_dense_models_first_within_the_budget(tmp_path):
   assert len(logged) == 1 and "dense_state_lr0.pkl" in logged[0] and "lr1" in logged[0]
   roomy = gp.carry(str(tmp_path), runs, budget_mib=30, log=logged.append)
   assert sorted(roomy) == sorted(everything) and len(logged) == 1
+
+
+def test_pairs_gated_plan_runs_only_its_units_and_its_script_is_the_plans():
+  """`--runs=aha_repro:h100_pairs_gated` (outside the default plan): every unit of its 3 seeds
+  once, after what it reads; each gated dense training in a lane of its own in call 1, with the
+  budget stop (--dense_budget_s: exit 3, rerun goes on); the committed 4-GPU script is the
+  plan's; the default plans are unchanged (the tests above)."""
+  runs = gp.EXTRA_RUNS
+  calls = gp.plan(runs)
+  _check(calls, False, 330.0, runs=runs)
+  _check(gp.plan(runs, tiny=True), True, 330.0, runs=runs)
+  dense = [lane for lane in calls[0] if any("dense" in ch.units for ch in lane)]
+  assert len(dense) == 3 and all(len(lane) == 1 and lane[0].units == ["dense"]
+                                 for lane in dense)
+  assert all(f"--dense_budget_s={gp.DENSE_BUDGET_S}" in gp.command(lane[0]) for lane in dense)
+  assert {ch.preset for lanes in calls for lane in lanes for ch in lane} == {"h100_pairs_gated"}
+  with open(os.path.join(ROOT, gp.PAIRS_GATED_SCRIPT)) as f:
+    assert f.read() == gp.script(calls, runs), \
+        "rewrite: python -m bench.aha_elastic_gpu --runs=aha_repro:h100_pairs_gated " \
+        f"--write={gp.PAIRS_GATED_SCRIPT}"
+  with pytest.raises(SystemExit, match="not in"):
+    gp.main(["--runs=aha_repro:nope"])

@@ -183,3 +183,34 @@ def test_generated_usage_is_the_gates_of_the_generated_tokens():
   np.testing.assert_array_equal(got["usage_head"], heads.astype(float))
   assert got["mu_f"] == got["mu_f_prompt"] == heads.mean()
   assert got["tokens"] == 2 * 3 and got["prompt_tokens"] == 2 * (s.seq_len - 4)
+
+
+def test_gated_dense_baseline_judges_only_a_model_that_solves_the_task(tmp_path):
+  """Gated presets (h100_pairs_gated; `test_gated` here, two-token facts, seconds): the dense
+  model trains until its need-query accuracy on the selection rows reaches the gate, its own lr
+  sweep tried in turn. A gate no 3-step model reaches: stopped at its budget after the first
+  check (exit 3), resumed to the cap, then the second lr to the cap; the seed is NOT JUDGED (no
+  arm trained), the merged run judges nothing (every criterion fails) and its record is honest.
+  The same programs with the gate at 0 pass at the first check and keep the first lr."""
+  import dataclasses
+  s = bench.PRESETS["test_gated"]
+  argv = ["--preset=test_gated", f"--work_dir={tmp_path}"]
+  with pytest.raises(SystemExit) as e:
+    bench.main(argv + ["--part=dense", "--dense_budget_s=0"])
+  assert e.value.code == 3
+  bench.main(argv + ["--part=" + ",".join(bench.units(s, 0))])
+  res = bench.main(["--preset=test_gated", f"--merge_parts={tmp_path}",
+                    f"--out_dir={tmp_path / 'o'}"])
+  (seed,) = res["seeds"]
+  g = seed["dense_train"]["dense_gate"]
+  assert seed["not_judged"] and set(seed) == {"not_judged", "dense_train"}
+  assert [c[0] for c in g["checks"]] == [2, 3] and not g["passed"]
+  assert [(t["lr"], t["steps"], t["passed"]) for t in g["tries"]] == [
+      (1e-3, 3, False), (3e-3, 3, False)]
+  assert res["metrics"] == {"seeds_judged": 0}
+  assert not any(c["passed"] for c in res["criteria"].values())
+  (run,) = common.load(common.result_path("aha_repro", str(tmp_path / "o")))["runs"]
+  assert run["claims"] and all(c["passed"] for c in run["claims"]), run["claims"]
+  _, info = bench.train_dense(dataclasses.replace(s, dense_gate=0.0), 0, lambda *a: None)
+  assert info["dense_gate"]["passed"] and info["dense_gate"]["steps"] == 2
+  assert [t["lr"] for t in info["dense_gate"]["tries"]] == [1e-3]
