@@ -4,6 +4,7 @@ HEAD_WINDOW_BLOCKS) equals the per-block gathered path, values and gradients in 
 takes it exactly where the resolver has a kernel for it (Hopper), and the Hopper program of a
 MATCH training step runs the Mosaic GPU block-sparse kernels with no gathered K/V copy."""
 import contextlib
+import functools
 import re
 
 import flax.linen as nn
@@ -204,6 +205,7 @@ def test_recomputed_retrieval_layout_on_the_mosaic_gpu_kernel_interpret():
   lists = jnp.broadcast_to(first + jnp.arange(R // c), (B, N, G, R // c)).astype(jnp.int32)
   mode = jnp.full((B, N), ops.HEAD_WINDOW_BLOCKS, jnp.int32)
 
+  @functools.partial(jax.jit, static_argnames=("impl", "interpret"))  # one program a kernel
   def run(impl, lists=lists, **x):
     def loss(q, k, v):
       o = block_sparse_attention(q, k, v, lists, mode, impl=impl, **kw, **x)
