@@ -28,7 +28,7 @@ Attention inside the chunk goes through `ops.attention` with the cache's kv posi
 fused kernels on GPU/TPU (the reference on CPU). With `Engine(greedy_steps=k)`, k > 1, a greedy
 `generate` that keeps no logits runs k decode steps per jitted call (`decode_greedy`'s program;
 the host checks stop tokens / strings per token afterwards: the same output as one step a call).
-The default is one step a call until a GPU A/B shows the k-step loop faster (docs/performance.md).
+The default is one step a call (the A/B of the two: docs/performance.md).
 
 Bad input is a ValueError with a one-line message (token ids outside [0, vocab) or not integers,
 an empty request list or prompt, max_new_tokens < 1, a prompt + new tokens longer than the cache,

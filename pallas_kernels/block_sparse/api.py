@@ -156,8 +156,8 @@ class BlockSparseConfig:
   mgpu_fused_bwd: the Mosaic GPU backward as ONE kernel (mosaic_gpu.bwd_fused: per kv tile,
     dk / dv in registers and each step's dq contribution added into a float32 buffer in global
     memory by a TMA reduce-add; 5 matrix products per visible tile pair) instead of the dq and
-    dk/dv kernels (7). Off until an H100 A/B (bench/block_sparse.py --onebwd) shows it
-    faster; other backends ignore it. (condattn_jax.ops runs the defaults.)
+    dk/dv kernels (7). Default off (the A/B: bench/block_sparse.py --onebwd; results in
+    README.md beside this file); other backends ignore it. (condattn_jax.ops runs the defaults.)
   mgpu_dq_split: with mgpu_fused_bwd at block_k 128 and head_dim 128: the two warpgroups of a
     128-key tile split dq's columns (one reduce-add of the tile's whole dq contribution a step,
     as FlashAttention-3) instead of each adding its own 64 kv rows' contribution."""

@@ -369,133 +369,18 @@ def dq(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, steps_BNQX, count_BN
 
 
 # ----------------------------------------------------------------------------------------------
-# backward: dk, dv
+# backward: dk, dv (and, fused, dq) over the transposed step tables
 # ----------------------------------------------------------------------------------------------
 
 def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount_BKJ, qpos_BT,
         qseg_BIT, kvpos_BS, kvseg_BS, *, scale, window, sinks, block_q, block_k,
         num_stages=NUM_STAGES, interpret=False):
   """(dk, dv) [B, S, K, H] over the transposed step tables (tables.transposed_step_tables)."""
-  B, T, N, H = q_BTNH.shape
-  S, K = k_BSKH.shape[1], k_BSKH.shape[2]
-  G = N // K
-  dtype = q_BTNH.dtype
-  bkw, bq = DKV_ROWS, DKV_SUB_Q
-  W = block_k // bkw
-  R = block_q // bq
-  nq, nk = T // block_q, S // block_k
-  stages = max(1, num_stages)
-  has_seg = qseg_BIT is not None
-  I = qseg_BIT.shape[1] if has_seg else 1
-  qk_scale = scale * LOG2E
+  return _kv_major_bwd(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY,
+                       tcount_BKJ, qpos_BT, qseg_BIT, kvpos_BS, kvseg_BS, scale=scale,
+                       window=window, sinks=sinks, block_q=block_q, block_k=block_k,
+                       num_stages=num_stages, interpret=interpret, fused=False, split=False)
 
-  def kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, tsteps_ref, tcount_ref, qpos_ref,
-             qseg_ref, kvpos_ref, kvseg_ref, dk_ref, dv_ref, k_smem2, v_smem2, bar2):
-    qseg_ref = qseg_ref if has_seg else None
-    kvseg_ref = kvseg_ref if has_seg else None
-    kh = lax.axis_index("heads")
-    b = lax.axis_index("batch")
-    jt = lax.axis_index("kv")
-    wg = lax.axis_index("wg")
-    start = jt * block_k + wg * bkw
-    rows = pl.ds(start, bkw)
-    nsteps = tcount_ref[b, kh, jt]
-    k_smem, v_smem, bar = k_smem2.at[wg], v_smem2.at[wg], bar2.at[wg]
-
-    def dec(t):
-      gi, kind = _decode(tsteps_ref[b, kh, jt, t])
-      return lax.div(gi, nq), lax.rem(gi, nq), kind   # (g, query tile, kind)
-
-    def compute(pipeline_callback):
-      plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kh], k_smem, bar)
-      plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kh], v_smem, bar)
-      plgpu.barrier_wait(bar)
-
-      def run(dk_acc, dv_acc):
-        pipeline_callback((dk_acc, dv_acc))
-        return dk_acc[...], dv_acc[...]
-      acc = plgpu.ACC((bkw, H), jnp.float32)
-      dk_, dv_ = pl.run_scoped(run, acc, acc)
-      k_smem[...] = (dk_ * scale).astype(dtype)
-      v_smem[...] = dv_.astype(dtype)
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, rows, kh], commit_group=False)
-      plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, rows, kh], commit_group=False)
-      plgpu.commit_smem_to_gmem_group()
-      plgpu.wait_smem_to_gmem(0)
-
-    def body(idx, q_smem, do_smem, lse_smem, delta_smem, q_used, do_used, lse_used, delta_used,
-             carry):
-      t, r = idx
-      g, i, kind = dec(t)
-      h = kh * G + g
-      hsel = h if I > 1 else 0
-      dk_acc, dv_acc = carry
-
-      def s_fn(acc):
-        plgpu.wgmma(acc, k_smem, q_smem.T)
-        plgpu.wgmma_wait(0)
-        lse2 = plgpu.load(lse_smem, layout=_COL)
-        delta = plgpu.load(delta_smem, layout=_COL)
-        plgpu.barrier_arrive(lse_used)
-        plgpu.barrier_arrive(delta_used)
-        return acc[...], lse2, delta
-      sT, lse2, delta = pl.run_scoped(s_fn, plgpu.ACC((bkw, bq), jnp.float32))
-      qrows = pl.ds((i * R + r) * bq, bq)
-
-      def masked():
-        qp = plgpu.load(qpos_ref.at[b, qrows], layout=_COL, optimized=False)
-        qs = None if qseg_ref is None else plgpu.load(qseg_ref.at[b, hsel, qrows], layout=_COL,
-                                                      optimized=False)
-        return _mask(sT, qp, qs, kvpos_ref, kvseg_ref, b, start, bkw, kind, window=window,
-                     sinks=sinks, transposed=True)
-      sT = lax.cond(kind == KIND_FULL, lambda: sT, masked)
-      col = lambda x: lax.broadcast_in_dim(x, sT.shape, [1])
-      pT = jnp.exp2(sT * qk_scale - col(lse2))
-
-      def dp_fn(acc):
-        plgpu.wgmma(acc, v_smem, do_smem.T)
-        plgpu.wgmma(dv_acc, pT.astype(dtype), do_smem)
-        return plgpu.wgmma_accumulator_load(acc, wait_n=1)
-      dpT = pl.run_scoped(dp_fn, plgpu.ACC((bkw, bq), jnp.float32))
-      dsT = pT * (dpT - col(delta))
-      plgpu.wgmma(dk_acc, dsT.astype(dtype), q_smem)
-      plgpu.wgmma_wait(1)
-      plgpu.barrier_arrive(do_used)
-      plgpu.wgmma_wait(0)
-      plgpu.barrier_arrive(q_used)
-      return carry
-
-    def qmap(t, r):
-      g, i, _ = dec(t)
-      return i * R + r, kh * G + g, 0
-
-    def rmap(t, r):
-      g, i, _ = dec(t)
-      return kh * G + g, i * R + r
-
-    plgpu.emit_pipeline_warp_specialized(
-        body, grid=(nsteps, R), max_concurrent_steps=stages, num_compute_wgs=W,
-        memory_registers=40, wg_axis="wg", manual_consumed_barriers=True, compute_context=compute,
-        in_specs=[_spec((bq, None, H), dtype, qmap), _spec((bq, None, H), dtype, qmap),
-                  plgpu.BlockSpec((None, bq), rmap), plgpu.BlockSpec((None, bq), rmap)],
-    )(q_ref.at[b], do_ref.at[b], lse2_ref.at[b], delta_ref.at[b])
-
-  args = [q_BTNH, k_BSKH, v_BSKH, do_BTNH, _lse2(lse_BNT), delta_BNT, tsteps_BKJY, tcount_BKJ,
-          qpos_BT, _opt(qseg_BIT, (1, 1, 1)), kvpos_BS, _opt(kvseg_BS, (1, 1))]
-  kv_t = jax.ShapeDtypeStruct((B, S, K, H), dtype)
-  return plgpu.kernel(
-      kernel, out_type=(kv_t, kv_t), grid=(K, nk, B), grid_names=("heads", "kv", "batch"),
-      num_threads=W + 1, thread_name="wg",
-      scratch_types=[_swizzled((W, bkw, H), dtype), _swizzled((W, bkw, H), dtype),
-                     plgpu.Barrier(num_arrivals=2, num_barriers=W)],
-      compiler_params=plgpu.CompilerParams(approx_math=True), interpret=_interp(interpret),
-      kernel_name="block_sparse_dkv_mgpu")(*args)
-
-
-# ----------------------------------------------------------------------------------------------
-# backward: dq, dk, dv in one kernel
-# ----------------------------------------------------------------------------------------------
 
 def bwd_fused(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount_BKJ,
               qpos_BT, qseg_BIT, kvpos_BS, kvseg_BS, *, scale, window, sinks, block_q, block_k,
@@ -518,6 +403,24 @@ def bwd_fused(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, 
   double-buffered in shared memory, one barrier of the two warpgroups per step) and adds that
   [64, 64] tile: one float32 reduce-add of the whole [64, H] contribution per 128-key step, as
   FlashAttention-3, instead of one per warpgroup (each [64, H] over its own 64 kv rows)."""
+  H = q_BTNH.shape[3]
+  W = block_k // DKV_ROWS
+  split = (W == 2 and H == 128) if dq_split is None else bool(dq_split)
+  if split and not (W == 2 and H == 128):
+    raise ValueError(f"bwd_fused: dq_split needs block_k 128 and head_dim 128 (got block_k "
+                     f"{block_k}, head_dim {H})")
+  return _kv_major_bwd(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY,
+                       tcount_BKJ, qpos_BT, qseg_BIT, kvpos_BS, kvseg_BS, scale=scale,
+                       window=window, sinks=sinks, block_q=block_q, block_k=block_k,
+                       num_stages=num_stages, interpret=interpret, fused=True, split=split)
+
+
+def _kv_major_bwd(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount_BKJ,
+                  qpos_BT, qseg_BIT, kvpos_BS, kvseg_BS, *, scale, window, sinks, block_q,
+                  block_k, num_stages, interpret, fused, split):
+  """dkv (fused False: (dk, dv)) and bwd_fused (fused True: (dq, dk, dv); `split`: dq's columns
+  split between the two warpgroups): one kernel body, the dq product and its reduce-add store
+  added when fused."""
   B, T, N, H = q_BTNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   G = N // K
@@ -530,16 +433,15 @@ def bwd_fused(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, 
   has_seg = qseg_BIT is not None
   I = qseg_BIT.shape[1] if has_seg else 1
   qk_scale = scale * LOG2E
-  split = (W == 2 and H == 128) if dq_split is None else bool(dq_split)
-  if split and not (W == 2 and H % 128 == 0):
-    raise ValueError(f"bwd_fused: dq_split needs block_k 128 and head_dim 128 (got block_k "
-                     f"{block_k}, head_dim {H})")
-  HC = H // W if split else H   # dq columns per warpgroup
+  HC = H // W if split else H   # fused: dq columns per warpgroup
   named = not interpret
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, tsteps_ref, tcount_ref, qpos_ref,
-             qseg_ref, kvpos_ref, kvseg_ref, dq_ref, dk_ref, dv_ref, k_smem2, v_smem2, ds_smem2,
-             dq_smem2, bar2, xbar):
+             qseg_ref, kvpos_ref, kvseg_ref, *rest):
+    if fused:
+      dq_ref, dk_ref, dv_ref, k_smem2, v_smem2, ds_smem2, dq_smem2, bar2, xbar = rest
+    else:
+      dk_ref, dv_ref, k_smem2, v_smem2, bar2 = rest
     qseg_ref = qseg_ref if has_seg else None
     kvseg_ref = kvseg_ref if has_seg else None
     kh = lax.axis_index("heads")
@@ -550,7 +452,7 @@ def bwd_fused(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, 
     rows = pl.ds(start, bkw)
     nsteps = tcount_ref[b, kh, jt]
     k_smem, v_smem, bar = k_smem2.at[wg], v_smem2.at[wg], bar2.at[wg]
-    dq_smem = dq_smem2.at[wg]
+    dq_smem = dq_smem2.at[wg] if fused else None
 
     def dec(t):
       gi, kind = _decode(tsteps_ref[b, kh, jt, t])
@@ -625,6 +527,13 @@ def bwd_fused(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, 
         return plgpu.wgmma_accumulator_load(acc, wait_n=1)
       dpT = pl.run_scoped(dp_fn, plgpu.ACC((bkw, bq), jnp.float32))
       dsT = (pT * (dpT - col(delta))).astype(dtype)
+      if not fused:
+        plgpu.wgmma(dk_acc, dsT, q_smem)
+        plgpu.wgmma_wait(1)
+        plgpu.barrier_arrive(do_used)
+        plgpu.wgmma_wait(0)
+        plgpu.barrier_arrive(q_used)
+        return carry
       if not split:
         # dS^T to shared memory for dq's product (the previous step's dq wgmma has completed)
         ds_smem = ds_smem2.at[wg]
@@ -676,22 +585,28 @@ def bwd_fused(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, 
                   plgpu.BlockSpec((None, bq), rmap), plgpu.BlockSpec((None, bq), rmap)],
     )(q_ref.at[b], do_ref.at[b], lse2_ref.at[b], delta_ref.at[b])
 
-  if interpret:
-    from pallas_kernels import mgpu_reduce_interpret
-    mgpu_reduce_interpret.install()
-  dq_acc = jax.new_ref(jnp.zeros((B, T, N, H), jnp.float32))
+  if fused:
+    if interpret:
+      from pallas_kernels import mgpu_reduce_interpret
+      mgpu_reduce_interpret.install()
+    dq_acc = jax.new_ref(jnp.zeros((B, T, N, H), jnp.float32))
   args = [q_BTNH, k_BSKH, v_BSKH, do_BTNH, _lse2(lse_BNT), delta_BNT, tsteps_BKJY, tcount_BKJ,
-          qpos_BT, _opt(qseg_BIT, (1, 1, 1)), kvpos_BS, _opt(kvseg_BS, (1, 1)), dq_acc]
+          qpos_BT, _opt(qseg_BIT, (1, 1, 1)), kvpos_BS, _opt(kvseg_BS, (1, 1))]
+  scratch = [_swizzled((W, bkw, H), dtype), _swizzled((W, bkw, H), dtype)]
+  barriers = [plgpu.Barrier(num_arrivals=2, num_barriers=W)]
+  name = "block_sparse_dkv_mgpu"
+  if fused:
+    args.append(dq_acc)
+    scratch += [_swizzled((2, W, bkw, bq) if split else (W, bkw, bq), dtype),
+                _swizzled((W, bq, HC), jnp.float32)]
+    barriers.append(plgpu.Barrier(num_arrivals=W))
+    name = "block_sparse_bwd_fused_mgpu" + ("_split" if split else "")
   kv_t = jax.ShapeDtypeStruct((B, S, K, H), dtype)
   dk, dv = plgpu.kernel(
       kernel, out_type=(kv_t, kv_t), grid=(K, nk, B), grid_names=("heads", "kv", "batch"),
-      num_threads=W + 1, thread_name="wg",
-      scratch_types=[_swizzled((W, bkw, H), dtype), _swizzled((W, bkw, H), dtype),
-                     _swizzled((2, W, bkw, bq) if split else (W, bkw, bq), dtype),
-                     _swizzled((W, bq, HC), jnp.float32),
-                     plgpu.Barrier(num_arrivals=2, num_barriers=W),
-                     plgpu.Barrier(num_arrivals=W)],
+      num_threads=W + 1, thread_name="wg", scratch_types=scratch + barriers,
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=_interp(interpret),
-      kernel_name="block_sparse_bwd_fused_mgpu" + ("_split" if split else ""))(*args)
-  dq = (jax.freeze(dq_acc) * scale).astype(dtype)
-  return dq, dk, dv
+      kernel_name=name)(*args)
+  if not fused:
+    return dk, dv
+  return (jax.freeze(dq_acc) * scale).astype(dtype), dk, dv
