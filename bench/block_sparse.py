@@ -373,8 +373,7 @@ def kernels_alone(s: Settings, T: int, mode, log=print) -> dict:
   # the one-kernel backward (its default: dq columns split between the warpgroups where
   # block_k = head_dim = 128), and where that splits, also without the split
   splits = [("bwd_onekernel", None)] + (
-      [("bwd_onekernel_nosplit", False)] if s.impl == "mosaic_gpu" and s.block == 128
-      and H == 128 else [])
+      [("bwd_onekernel_nosplit", False)] if s.block == 128 and H == 128 else [])
   for key, split in splits if s.impl == "mosaic_gpu" else ():
     one = jax.jit(lambda q, k, v, split=split: mod.bwd_fused(
         q, k, v, ct, lse, delta, tsteps, tcount, *rest, dq_split=split, **kw))

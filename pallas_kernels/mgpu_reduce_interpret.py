@@ -59,7 +59,8 @@ def _copy_smem_to_gmem(*, token, mesh_location, thread, src_allocation_key_as_ar
   if reduction_op != "add":
     raise NotImplementedError(f"reduction_op {reduction_op!r} (the emulation takes 'add')")
   if predicate is not None:
-    raise NotImplementedError("predicate not supported")
+    raise NotImplementedError("a predicated reduce-add store (the emulation takes unpredicated "
+                              "stores only)")
   del commit_group
   src_key = gc.HostAllocationKey.from_array(src_allocation_key_as_array)
   dst_key = gc.HostAllocationKey.from_array(dst_allocation_key_as_array)
