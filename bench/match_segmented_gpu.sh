@@ -34,8 +34,9 @@
 # $OUT/mqar_<method>_<length>.json (progress) and .log; a training that would pass 440 s stops
 # at an evaluation (recorded under stopped_early) so the job still writes.
 # Then, on the lead's machine (files_at = where $OUT came back; every call's files):
+#   mkdir -p /tmp/mqar && tar xzf <files_at>/mqar_jobs.tgz -C /tmp/mqar
 #   python bench/match_mqar.py --preset=h100 --out_dir=bench/results \
-#       --merge=$(ls <files_at>/mqar_*_*.json | paste -sd, -)
+#       --merge=$(ls /tmp/mqar/mqar_*_*.json | paste -sd, -)
 #   # -> bench/results/match_mqar_<GPU>.json, run sweep_h100 (its claim re-derives the verdict)
 #   cp <files_at>/seg_h100/segmented_fidelity_*.json <files_at>/seg_recall/... bench/results/
 #   #    (append the runs to an existing bench/results/segmented_fidelity_<GPU>.json with
@@ -121,3 +122,8 @@ case $what in
 esac
 wait
 tail -n 3 $OUT/*.log
+# a device call returns at most 8 files of $OUT: the MQAR jobs' 32 (progress JSON + log) go back
+# as one archive (here: tar xzf <files_at>/mqar_jobs.tgz -C <dir>, then --merge=<dir>/mqar_*_*.json)
+if ls $OUT/mqar_*_*.json >/dev/null 2>&1; then
+  (cd $OUT && tar czf mqar_jobs.tgz mqar_*_*.json mqar_*_*.log && rm -rf mqar_*_*.json mqar_*_*.log mqar_runs)
+fi

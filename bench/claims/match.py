@@ -1,6 +1,6 @@
 """Claims of bench/match_mqar.py's and bench/match_memory.py's recorded runs (see
 bench/claims/__init__.py)."""
-from bench.claims import claim, expect, quote
+from bench.claims import approx, claim, expect, quote
 
 
 @claim("match_mqar", run=("main", "cpu"), file="match_mqar.json")
@@ -92,3 +92,43 @@ def readme_match_mqar(rec, run):
   return [f"full attention {g('full')}, SWA {g('swa')}, MATCH {g('match')} (training mask) / "
           f"{g('match', 'recompute')} (decode semantics), random retrieval {g('random')}",
           f"verdict: {rec['verdict']}"]
+
+
+@claim("match_ttft", run=("gpu",), file="match_ttft_*.json")
+def ttft_run_records_its_verdict(r, run):
+  """A GPU time-to-first-token run (bench/match_ttft.py): one SWA and one MATCH row at the
+  preset's context, both finite, each TTFT the median of its repetitions, and the recorded
+  ratio / pass re-derive from the rows (match_ttft.verdict against the CRITERION registered in
+  the bench). Pass or fail of the criterion is data (docs/schemes/match.md reports it); this
+  claim is that the record is complete and consistent."""
+  import statistics
+  from bench import match_ttft
+  expect(r["device"].startswith("NVIDIA") and r["jax_version"] and run["git_commit"])
+  rows = {x["model"]: x for x in r["rows"]}
+  expect(sorted(rows) == ["match", "swa"])
+  for x in rows.values():
+    expect(x["context"] == r["settings"]["context"] and x["logits_finite"])
+    expect(len(x["ttft_reps_s"]) == r["settings"]["reps"])
+    expect(x["ttft_s"] == approx(statistics.median(x["ttft_reps_s"]), rel=0.02))
+  expect(match_ttft.verdict(r["rows"]) == {"match_over_swa": r["match_over_swa"],
+                                           "passed": r["passed"]})
+
+
+@quote("docs/schemes/match.md", "match_ttft_NVIDIA_H100_80GB_HBM3.json", run="gpu")
+def match_md_ttft(rec, run):
+  """docs/schemes/match.md's TTFT result: both medians and the ratio with its verdict."""
+  g = {x["model"]: x for x in rec["rows"]}
+  return [f"SWA {g['swa']['ttft_s'] * 1e3:.1f} ms, MATCH {g['match']['ttft_s'] * 1e3:.1f} ms: "
+          f"{rec['match_over_swa']:.2f}x ({'PASS' if rec['passed'] else 'FAIL'})"]
+
+
+@quote("docs/schemes/match.md", "match_mqar_NVIDIA_H200.json", run="sweep_h100")
+def match_md_mqar_h100(rec, run):
+  """docs/schemes/match.md's H100-preset sweep: best-lr seed means per length and the verdict."""
+  s = rec["summary"]
+  row = lambda m, sem="sequence": " / ".join(f"{s[m][n][sem]:.3f}" for n in ("64", "128", "256",
+                                                                            "512"))
+  return [f"| full attention | {row('full')} |", f"| SWA (window 32) | {row('swa')} |",
+          f"| MATCH, training mask | {row('match')} |",
+          f"| MATCH, decode semantics | {row('match', 'recompute')} |",
+          f"| random retrieval (control) | {row('random')} |", f"verdict: {rec['verdict']}"]
