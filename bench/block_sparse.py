@@ -18,16 +18,13 @@ Variants, each forward and forward+backward (grad of sum(out * ct) w.r.t. q, k, 
                (heads sliced out and the outputs put back, as a per-group dispatch would).
   cudnn_group  cuDNN causal for the full heads + our kernel for the SSA heads.
   ours_dense   our kernel with every head HEAD_FULL (the kernel's own dense cost).
-  fused_onebwd, ours_dense_onebwd   fused / ours_dense with the Mosaic GPU one-kernel backward
-               (BlockSparseConfig(mgpu_fused_bwd=True): dq added into float32 by TMA reduce-add
-               stores) instead of the dq and dk/dv kernels; --onebwd adds them next to theirs.
   cudnn        dense causal cuDNN over all heads (the baseline: speedups are cudnn / variant).
 Every variant is checked first against the reference at a small shape (and NaN-checked at the
 timed shape), then timed in the same process: 2 warm-ups, median of --n, block_until_ready.
 Appends a run (bench/common.py's schema 1: the result verbatim under `recorded`, issue 31's
 targets as claims) to $OUT (or --out_dir) /block_sparse_<device>.json and prints the table last.
 --impl=mosaic_gpu times the Hopper kernel; --kernels_alone adds its three kernels timed alone
-(all heads full) and the one-kernel backward alone beside cuDNN's forward and backward. --match: MATCH's training attention on the
+(all heads full) beside cuDNN's forward and backward. --match: MATCH's training attention on the
 block-sparse kernel vs its gathered path, SWA and dense (match_layers).
 """
 from __future__ import annotations
@@ -47,7 +44,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import flags  # noqa: E402
 from bench import common  # noqa: E402
-from pallas_kernels.block_sparse import (HEAD_BLOCKS, HEAD_FULL, BlockSparseConfig,  # noqa
+from pallas_kernels.block_sparse import (HEAD_BLOCKS, HEAD_FULL,  # noqa: E402
                                          block_sparse_attention)
 from pallas_kernels.block_sparse.testing import ssa_lists  # noqa: E402
 from pallas_kernels.compact_attention.reference import (dense_mask,  # noqa: E402
@@ -73,7 +70,6 @@ class Settings:
   impl: str = "triton"
   interpret: bool = False
   variants: tuple = ("fused", "per_group", "cudnn_group", "ours_dense")
-  # (more: "fused_onebwd", "ours_dense_onebwd": the one-kernel Mosaic GPU backward; --onebwd)
   kernels_alone: bool = False      # mosaic_gpu: time fwd / dq / dk/dv alone, all heads full
 
 
@@ -139,13 +135,10 @@ def lists_for(s: Settings, T: int):
                                sink_blocks=s.sink_blocks, local_blocks=s.local_blocks))
 
 
-def kernel(s: Settings, lists, mode, *, onebwd: bool = False):
-  """onebwd: the Mosaic GPU one-kernel backward (BlockSparseConfig.mgpu_fused_bwd)."""
-  config = BlockSparseConfig(mgpu_fused_bwd=onebwd)
-
+def kernel(s: Settings, lists, mode):
   def f(q, k, v):
     return block_sparse_attention(q, k, v, lists, mode, block_q=s.block, block_k=s.block,
-                                  impl=s.impl, interpret=s.interpret, config=config)
+                                  impl=s.impl, interpret=s.interpret)
   return f
 
 
@@ -200,9 +193,7 @@ def variants(s: Settings, lists, mode, sparse_kv):
   vs = {"fused": kernel(s, lists, mode),
         "per_group": grouped(s, lists, mode, sparse_kv, full_with_cudnn=False),
         "cudnn_group": grouped(s, lists, mode, sparse_kv, full_with_cudnn=True),
-        "ours_dense": kernel(s, lists, jnp.full_like(mode, HEAD_FULL)),
-        "fused_onebwd": kernel(s, lists, mode, onebwd=True),
-        "ours_dense_onebwd": kernel(s, lists, jnp.full_like(mode, HEAD_FULL), onebwd=True)}
+        "ours_dense": kernel(s, lists, jnp.full_like(mode, HEAD_FULL))}
   return {name: vs[name] for name in s.variants}
 
 
@@ -233,7 +224,7 @@ def check_small(s: Settings, log):
     ref = lambda q, k, v: reference_attention(q, k, v, m)[0]
     o_r, g_r = fwd_bwd(ref, ct)(q, k, v)
     for name, f in variants(s, lists, mode, sparse_kv).items():
-      if name.startswith("ours_dense"):
+      if name == "ours_dense":
         continue  # a different mask (every head full): checked through ops tests, not here
       try:
         o, g = fwd_bwd(f, ct)(q, k, v)
@@ -278,7 +269,7 @@ def run(s: Settings, log=print, out_dir=None):
     path = os.path.join(out_dir, f"block_sparse_{dev.device_kind.replace(' ', '_')}.json")
   appended = []
 
-  run_name = s.impl + ("_onebwd_ab" if any(v.endswith("_onebwd") for v in s.variants) else "")
+  run_name = s.impl
 
   def write():
     if path is not None:
@@ -287,14 +278,10 @@ def run(s: Settings, log=print, out_dir=None):
 
   result["check_small"] = check_small(s, log)
   write()
-  failed = {c["variant"] for c in result["check_small"] if not c["ok"]}
-  if any(not v.endswith("_onebwd") for v in failed):
+  if not all(c["ok"] for c in result["check_small"]):
     log("small checks FAILED: not timing")
     return result
-  if failed:   # the one-kernel backward's variants failed: time the others
-    log("small checks FAILED for", sorted(failed), ": timing the other variants")
-    s = dataclasses.replace(s, variants=tuple(v for v in s.variants if v not in failed))
-  if s.kernels_alone and s.impl == "mosaic_gpu" and on_gpu():   # first: the backward A/B
+  if s.kernels_alone and s.impl == "mosaic_gpu" and on_gpu():   # first: the kernels alone
     result["kernels_alone"] = []
     for T in s.Ts:
       mode = jnp.full((s.B, s.N), HEAD_FULL, jnp.int32)
@@ -315,7 +302,7 @@ def run(s: Settings, log=print, out_dir=None):
                  dense_fwd_ms=base_f, dense_fwdbwd_ms=base_fb, visible_fraction=vis,
                  ideal_speedup=1 / vis, variants={})
       for name, f in variants(s, lists, mode, sparse_kv).items():
-        if name.startswith("ours_dense") and n_omega:   # the same call at every omega: timed once per T
+        if name == "ours_dense" and n_omega:   # the same call at every omega: timed once per T
           continue
         r = {}
         try:
@@ -340,11 +327,9 @@ def run(s: Settings, log=print, out_dir=None):
 
 def kernels_alone(s: Settings, T: int, mode, log=print) -> dict:
   """The three kernels of `s.impl` timed alone (tables built outside the timed calls) at T with
-  head modes `mode`, and the one-kernel backward (mosaic_gpu.bwd_fused, its dq's float32 zeroing
-  and final scale / cast included), beside cuDNN's forward and forward+backward in the same
-  process: ms and TFLOP/s of the useful matrix products (forward 2, backward 5 per visible pair:
-  4 H flops each for 2 products); dq and dk/dv each recompute Q K^T (and dO V^T), 7 products in
-  all; the one-kernel backward does the 5."""
+  head modes `mode`, beside cuDNN's forward and forward+backward in the same process: ms and
+  TFLOP/s of the useful matrix products (forward 2, backward 5 per visible pair: 4 H flops each
+  for 2 products); dq and dk/dv each recompute Q K^T (and dO V^T), 7 products in all."""
   from pallas_kernels.block_sparse import api, tables as tb
   q, k, v, ct = inputs(s, T, 0)
   lists = lists_for(s, T)
@@ -370,20 +355,6 @@ def kernels_alone(s: Settings, T: int, mode, log=print) -> dict:
     res[name] = dict(ms=ms, tflops_issued=pairs * 2 * H * prods / ms / 1e9)
   res["bwd_ms"] = res["dq"]["ms"] + res["dkv"]["ms"]
   res["bwd_tflops_useful"] = pairs * 2 * H * 5 / res["bwd_ms"] / 1e9
-  # the one-kernel backward (its default: dq columns split between the warpgroups where
-  # block_k = head_dim = 128), and where that splits, also without the split
-  splits = [("bwd_onekernel", None)] + (
-      [("bwd_onekernel_nosplit", False)] if s.block == 128 and H == 128 else [])
-  for key, split in splits if s.impl == "mosaic_gpu" else ():
-    one = jax.jit(lambda q, k, v, split=split: mod.bwd_fused(
-        q, k, v, ct, lse, delta, tsteps, tcount, *rest, dq_split=split, **kw))
-    try:
-      ms = bench(one, q, k, v, n=s.n)
-      res[key] = dict(ms=ms, tflops_useful=pairs * 2 * H * 5 / ms / 1e9,
-                      two_kernels_over_one=res["bwd_ms"] / ms)
-    except Exception as e:  # noqa: BLE001
-      traceback.print_exc()
-      res[key + "_err"] = f"{type(e).__name__}: {str(e)[:400]}"
   base = dense(s)
   cf = bench(jax.jit(base), q, k, v, n=s.n)
   cfb = bench(fwd_bwd(base, ct), q, k, v, n=s.n)
@@ -516,8 +487,7 @@ def match_run(res: dict, name: str = "match_mosaic_gpu") -> dict:
 TARGETS = ((65536, 0.7, "fused", "speedup_fwd", 2.9), (65536, 0.7, "fused", "speedup_fwdbwd", 2.7),
            (65536, 0.7, "ours_dense", "speedup_fwd", 0.95))
 # Targets the run reports as missed instead (not claims): (T, omega, variant, key, target).
-REPORTED = ((65536, 0.7, "ours_dense", "speedup_fwdbwd", 0.95),
-            (65536, 0.7, "ours_dense_onebwd", "speedup_fwdbwd", 0.95))
+REPORTED = ((65536, 0.7, "ours_dense", "speedup_fwdbwd", 0.95),)
 
 
 def claims_of(result) -> list:
@@ -574,22 +544,13 @@ def append_run(path: str, run: dict, replace_last: bool = False) -> dict:
 
 
 def kernels_alone_lines(result) -> list:
-  """The kernels-alone rows of the table (ms; the one-kernel backward beside dq + dk/dv)."""
+  """The kernels-alone rows of the table (ms)."""
   lines = []
   for x in result.get("kernels_alone", []):
-    one = x.get("bwd_onekernel")
     lines.append(
         f"kernels alone T={x['T']} ({x['heads']}): fwd {x['fwd']['ms']:.2f} ms, bwd dq "
         f"{x['dq']['ms']:.2f} + dk/dv {x['dkv']['ms']:.2f} = {x['bwd_ms']:.2f} ms "
         f"({x['bwd_tflops_useful']:.0f} TFLOP/s useful)"
-        + (f", one-kernel bwd {one['ms']:.2f} ms ({one['tflops_useful']:.0f} TFLOP/s, "
-           f"{one['two_kernels_over_one']:.2f}x the two)" if one else
-           f", one-kernel bwd ERROR {x['bwd_onekernel_err'][:80]}" if "bwd_onekernel_err" in x
-           else "")
-        + (f", without the dq split {x['bwd_onekernel_nosplit']['ms']:.2f} ms"
-           if "bwd_onekernel_nosplit" in x else
-           f", without the dq split ERROR {x['bwd_onekernel_nosplit_err'][:80]}"
-           if "bwd_onekernel_nosplit_err" in x else "")
         + f"; cuDNN fwd {x['cudnn']['fwd_ms']:.2f} bwd {x['cudnn']['bwd_ms']:.2f} ms")
   return lines
 
@@ -619,17 +580,14 @@ flags.DEFINE_string("omega", "", "comma-separated SSA head fractions (default: t
                     flag_values=FLAGS)
 flags.DEFINE_integer("n", None, "timed calls per measurement, the median is reported (default: "
                      "the preset's)", flag_values=FLAGS)
-flags.DEFINE_string("variants", "", "subset of " + ",".join(Settings.variants) + ",fused_onebwd,"
-                    "ours_dense_onebwd", flag_values=FLAGS)
+flags.DEFINE_string("variants", "", "subset of " + ",".join(Settings.variants),
+                    flag_values=FLAGS)
 flags.DEFINE_integer("fwd_sub_tile", 0, "Triton forward kv sub-tile (divides the block; 0: the "
                      "api's default)", flag_values=FLAGS)
 flags.DEFINE_enum("impl", "", ["", "triton", "mosaic_gpu"], "the block-sparse kernel timed "
                   "(default: the preset's, triton)", flag_values=FLAGS)
 flags.DEFINE_bool("kernels_alone", False, "mosaic_gpu: also time the forward, dq and dk/dv "
                   "kernels alone (all heads full) beside cuDNN", flag_values=FLAGS)
-flags.DEFINE_bool("onebwd", False, "mosaic_gpu: also time fused / ours_dense with the one-kernel "
-                  "backward (variants fused_onebwd / ours_dense_onebwd, each after its two-kernel "
-                  "variant) in the same process", flag_values=FLAGS)
 flags.DEFINE_bool("window_or_blocks", False, "only time HEAD_WINDOW_BLOCKS (window 2048 OR 4 "
                   "chunks) at 64K vs the window alone and cuDNN (Mosaic GPU) and print the ms",
                   flag_values=FLAGS)
@@ -656,13 +614,7 @@ def settings_from_flags(args) -> Settings:
     kw["impl"] = args.impl
   if args.kernels_alone:
     kw["kernels_alone"] = True
-  s = dataclasses.replace(PRESETS[args.preset], **kw)
-  if args.onebwd:
-    vs = []
-    for v in s.variants:
-      vs += [v] + ([v + "_onebwd"] if v in ("fused", "ours_dense") else [])
-    s = dataclasses.replace(s, variants=tuple(dict.fromkeys(vs)))
-  return s
+  return dataclasses.replace(PRESETS[args.preset], **kw)
 
 
 def main(argv=None):

@@ -17,7 +17,7 @@ blocks, padding invisible); they visit only the listed tiles
 (duplicates, padding -1 and tiles no pair can see are dropped by tables.py, so the list length L
 bounds the work) and apply the element mask inside a tile. Backward: custom_vjp saving the lse;
 dq over the same tables, dk/dv per kv tile over the transposed tables (every query head of the kv
-head: native GQA); on Mosaic GPU optionally one kernel for all three (BlockSparseConfig).
+head: native GQA).
 
 impl: 'auto' (Hopper GPUs: Mosaic GPU; other GPUs: Triton; TPU: Mosaic; elsewhere the jnp
 reference), 'reference', 'triton', 'mosaic_gpu', 'mosaic_tpu'. A kernel that cannot take a call
@@ -151,18 +151,8 @@ def kernel_support(impl: str, q_shape, kv_shape, dtype, block_q: int, block_k: i
 
 @dataclasses.dataclass(frozen=True)
 class BlockSparseConfig:
-  """Kernel variants of block_sparse_attention (static: another config is another program).
-
-  mgpu_fused_bwd: the Mosaic GPU backward as ONE kernel (mosaic_gpu.bwd_fused: per kv tile,
-    dk / dv in registers and each step's dq contribution added into a float32 buffer in global
-    memory by a TMA reduce-add; 5 matrix products per visible tile pair) instead of the dq and
-    dk/dv kernels (7). Default off (the A/B: bench/block_sparse.py --onebwd; results in
-    README.md beside this file); other backends ignore it. (condattn_jax.ops runs the defaults.)
-  mgpu_dq_split: with mgpu_fused_bwd at block_k 128 and head_dim 128: the two warpgroups of a
-    128-key tile split dq's columns (one reduce-add of the tile's whole dq contribution a step,
-    as FlashAttention-3) instead of each adding its own 64 kv rows' contribution."""
-  mgpu_fused_bwd: bool = False
-  mgpu_dq_split: bool = True
+  """Kernel variants of block_sparse_attention (static: another config is another program;
+  condattn_jax.ops runs the defaults). No variant today: the fields come with the kernels' A/Bs."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,8 +234,6 @@ class _Config:
   poison: bool
   sub_tile: int = TRITON_SUB_TILE
   fwd_sub_tile: int = TRITON_FWD_SUB_TILE
-  fused_bwd: bool = False   # Mosaic GPU: BlockSparseConfig.mgpu_fused_bwd
-  dq_split: bool = True     # Mosaic GPU: BlockSparseConfig.mgpu_dq_split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,9 +330,6 @@ def _backward_impl(cfg: _Config, res, dout, dlse_BNT):
     steps, count = _mgpu_tables(cfg, m)
     tsteps, tcount = tables.transposed_step_tables(steps, count, k.shape[2])
     meta = (m.qpos_BT, m.kseg_q_BIT, m.kvpos_BS, m.kseg_kv_BS)
-    if cfg.fused_bwd:
-      return mod.bwd_fused(q, k, v, dout, lse_BNT, delta, tsteps, tcount, *meta,
-                           dq_split=None if cfg.dq_split else False, **_mgpu_kw(cfg))
     dq = mod.dq(q, k, v, dout, lse_BNT, delta, steps, count, *meta, **_mgpu_kw(cfg))
     dk, dv = mod.dkv(q, k, v, dout, lse_BNT, delta, tsteps, tcount, *meta, **_mgpu_kw(cfg))
     return dq, dk, dv
@@ -502,9 +487,7 @@ def block_sparse_attention(q_BTNH, k_BSKH, v_BSKH, kv_blocks_BNQL, head_mode_BN=
     cfg = _Config(backend=impl, scale=scale, window=None if window is None else int(window),
                   sinks=int(sinks), block_q=int(block_q), block_k=int(block_k),
                   interpret=interpret, poison=poison, sub_tile=TRITON_SUB_TILE,
-                  fwd_sub_tile=TRITON_FWD_SUB_TILE,
-                  fused_bwd=impl == "mosaic_gpu" and config.mgpu_fused_bwd,
-                  dq_split=config.mgpu_dq_split)
+                  fwd_sub_tile=TRITON_FWD_SUB_TILE)
     Tp, Sp = nq * block_q, -(-S // block_k) * block_k
     if (Tp, Sp) != (T, S):  # whole blocks: padding queries inactive, padding keys invisible
       q, k, v, qpos, kvpos, qseg, kvseg, act = _pad_to_blocks(

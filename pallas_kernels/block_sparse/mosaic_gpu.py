@@ -20,9 +20,6 @@ dk/dv    grid (K, kv tile, B): block_k / 64 compute warpgroups of 64 kv rows acc
          over the steps of the transposed table (tables.transposed_step_tables: every (query
          head of the kv head, query tile) pair that visits the tile: native GQA), each in
          block_q / 64 query sub-tiles of 64 rows streamed with their lse / delta.
-bwd_fused  (BlockSparseConfig.mgpu_fused_bwd) dk/dv's programs also computing dq: each step's
-         dS K added into a float32 dq buffer in global memory by a TMA reduce-add store (at
-         128-key tiles and head_dim 128 the two warpgroups split dq's columns).
 Every output row is written (programs with no step write zeros / lse -inf), so `poison` needs no
 aliased buffer.
 
@@ -369,58 +366,13 @@ def dq(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, steps_BNQX, count_BN
 
 
 # ----------------------------------------------------------------------------------------------
-# backward: dk, dv (and, fused, dq) over the transposed step tables
+# backward: dk, dv over the transposed step tables
 # ----------------------------------------------------------------------------------------------
 
 def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount_BKJ, qpos_BT,
         qseg_BIT, kvpos_BS, kvseg_BS, *, scale, window, sinks, block_q, block_k,
         num_stages=NUM_STAGES, interpret=False):
   """(dk, dv) [B, S, K, H] over the transposed step tables (tables.transposed_step_tables)."""
-  return _kv_major_bwd(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY,
-                       tcount_BKJ, qpos_BT, qseg_BIT, kvpos_BS, kvseg_BS, scale=scale,
-                       window=window, sinks=sinks, block_q=block_q, block_k=block_k,
-                       num_stages=num_stages, interpret=interpret, fused=False, split=False)
-
-
-def bwd_fused(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount_BKJ,
-              qpos_BT, qseg_BIT, kvpos_BS, kvseg_BS, *, scale, window, sinks, block_q, block_k,
-              num_stages=NUM_STAGES, interpret=False, dq_split=None):
-  """(dq, dk, dv) in ONE kernel over the transposed step tables (FlashAttention-3's backward: 5
-  matrix products per visible tile pair where dq + dkv take 7).
-
-  dkv's programs and steps (grid (K, kv tile, B), block_k / 64 compute warpgroups of 64 kv rows,
-  64-row query sub-tiles of every (query head of the kv head, query tile) pair that visits the kv
-  tile); each step also writes dS^T (bf16 / f16) to shared memory and computes its dq contribution
-  dS [64 q, 64 kv] @ K [64 kv, H] (wgmma, dS^T read transposed), which it adds into a float32
-  [B, T, N, H] buffer in global memory with a TMA reduce-add store (`copy_smem_to_gmem(...,
-  reduction_op="add")`; the buffer starts at zeros, a jax Ref the kernel updates in place).
-  dq = scale * buffer, cast to q's dtype. The order of the adds varies from run to run (float32
-  sums: not bit-reproducible). Interpret mode emulates the reduce-add store
-  (pallas_kernels/mgpu_reduce_interpret.py).
-
-  dq_split (default: on where block_k = 128 and head_dim = 128): with two compute warpgroups,
-  each computes dq's columns [64 w, 64 w + 64) over BOTH warpgroups' kv rows (dS^T of the step
-  double-buffered in shared memory, one barrier of the two warpgroups per step) and adds that
-  [64, 64] tile: one float32 reduce-add of the whole [64, H] contribution per 128-key step, as
-  FlashAttention-3, instead of one per warpgroup (each [64, H] over its own 64 kv rows)."""
-  H = q_BTNH.shape[3]
-  W = block_k // DKV_ROWS
-  split = (W == 2 and H == 128) if dq_split is None else bool(dq_split)
-  if split and not (W == 2 and H == 128):
-    raise ValueError(f"bwd_fused: dq_split needs block_k 128 and head_dim 128 (got block_k "
-                     f"{block_k}, head_dim {H})")
-  return _kv_major_bwd(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY,
-                       tcount_BKJ, qpos_BT, qseg_BIT, kvpos_BS, kvseg_BS, scale=scale,
-                       window=window, sinks=sinks, block_q=block_q, block_k=block_k,
-                       num_stages=num_stages, interpret=interpret, fused=True, split=split)
-
-
-def _kv_major_bwd(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount_BKJ,
-                  qpos_BT, qseg_BIT, kvpos_BS, kvseg_BS, *, scale, window, sinks, block_q,
-                  block_k, num_stages, interpret, fused, split):
-  """dkv (fused False: (dk, dv)) and bwd_fused (fused True: (dq, dk, dv); `split`: dq's columns
-  split between the two warpgroups): one kernel body, the dq product and its reduce-add store
-  added when fused."""
   B, T, N, H = q_BTNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   G = N // K
@@ -433,15 +385,9 @@ def _kv_major_bwd(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BK
   has_seg = qseg_BIT is not None
   I = qseg_BIT.shape[1] if has_seg else 1
   qk_scale = scale * LOG2E
-  HC = H // W if split else H   # fused: dq columns per warpgroup
-  named = not interpret
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, tsteps_ref, tcount_ref, qpos_ref,
-             qseg_ref, kvpos_ref, kvseg_ref, *rest):
-    if fused:
-      dq_ref, dk_ref, dv_ref, k_smem2, v_smem2, ds_smem2, dq_smem2, bar2, xbar = rest
-    else:
-      dk_ref, dv_ref, k_smem2, v_smem2, bar2 = rest
+             qseg_ref, kvpos_ref, kvseg_ref, dk_ref, dv_ref, k_smem2, v_smem2, bar2):
     qseg_ref = qseg_ref if has_seg else None
     kvseg_ref = kvseg_ref if has_seg else None
     kh = lax.axis_index("heads")
@@ -452,25 +398,10 @@ def _kv_major_bwd(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BK
     rows = pl.ds(start, bkw)
     nsteps = tcount_ref[b, kh, jt]
     k_smem, v_smem, bar = k_smem2.at[wg], v_smem2.at[wg], bar2.at[wg]
-    dq_smem = dq_smem2.at[wg] if fused else None
 
     def dec(t):
       gi, kind = _decode(tsteps_ref[b, kh, jt, t])
       return lax.div(gi, nq), lax.rem(gi, nq), kind   # (g, query tile, kind)
-
-    def both_wgs():   # the two compute warpgroups meet (dS^T of the step complete)
-      if named:
-        _named_barrier("sync", _SCHED_BAR, 2 * _WG_THREADS)
-      else:
-        plgpu.barrier_arrive(xbar)
-        plgpu.barrier_wait(xbar)
-
-    def add_dq(dq_part, qrows, h, c0):
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # dq_smem free again
-      dq_smem[...] = dq_part
-      plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(dq_smem, dq_ref.at[b, qrows, h, pl.ds(c0, HC)],
-                              reduction_op="add")
 
     def compute(pipeline_callback):
       plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kh], k_smem, bar)
@@ -482,8 +413,6 @@ def _kv_major_bwd(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BK
         return dk_acc[...], dv_acc[...]
       acc = plgpu.ACC((bkw, H), jnp.float32)
       dk_, dv_ = pl.run_scoped(run, acc, acc)
-      if split:
-        both_wgs()   # the other warpgroup's last dq product has read this one's K rows
       k_smem[...] = (dk_ * scale).astype(dtype)
       v_smem[...] = dv_.astype(dtype)
       plgpu.commit_smem()
@@ -527,46 +456,10 @@ def _kv_major_bwd(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BK
         return plgpu.wgmma_accumulator_load(acc, wait_n=1)
       dpT = pl.run_scoped(dp_fn, plgpu.ACC((bkw, bq), jnp.float32))
       dsT = (pT * (dpT - col(delta))).astype(dtype)
-      if not fused:
-        plgpu.wgmma(dk_acc, dsT, q_smem)
-        plgpu.wgmma_wait(1)
-        plgpu.barrier_arrive(do_used)
-        plgpu.wgmma_wait(0)
-        plgpu.barrier_arrive(q_used)
-        return carry
-      if not split:
-        # dS^T to shared memory for dq's product (the previous step's dq wgmma has completed)
-        ds_smem = ds_smem2.at[wg]
-        ds_smem[...] = dsT
-        plgpu.commit_smem()
-        plgpu.wgmma(dk_acc, dsT, q_smem)
-
-        def dq_fn(acc):
-          plgpu.wgmma(acc, ds_smem.T, k_smem)
-          plgpu.wgmma_wait(0)
-          return acc[...]
-        dq_part = pl.run_scoped(dq_fn, plgpu.ACC((bq, H), jnp.float32))
-        plgpu.barrier_arrive(do_used)
-        plgpu.barrier_arrive(q_used)
-        add_dq(dq_part, qrows, h, 0)
-        return carry
-      # split: buffer (step parity) of dS^T [W, 64 kv, 64 q]; a warpgroup rewrites a buffer two
-      # steps later, after both passed the next step's meeting, i.e. after both read it
-      ds2 = ds_smem2.at[lax.rem(t * R + r, 2)]
-      ds2.at[wg][...] = dsT
-      plgpu.commit_smem()
       plgpu.wgmma(dk_acc, dsT, q_smem)
-      both_wgs()
-      for w in range(W):   # static column slices of K
-        @pl.when(wg == w)
-        def _dq():
-          def dq_fn(acc):
-            for u in range(W):   # dS [64 q, 64 kv of warpgroup u] @ K [its rows, my columns]
-              plgpu.wgmma(acc, ds2.at[u].T, k_smem2.at[u, :, pl.ds(w * HC, HC)])
-            plgpu.wgmma_wait(0)
-            return acc[...]
-          add_dq(pl.run_scoped(dq_fn, plgpu.ACC((bq, HC), jnp.float32)), qrows, h, w * HC)
+      plgpu.wgmma_wait(1)
       plgpu.barrier_arrive(do_used)
+      plgpu.wgmma_wait(0)
       plgpu.barrier_arrive(q_used)
       return carry
 
@@ -585,28 +478,13 @@ def _kv_major_bwd(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BK
                   plgpu.BlockSpec((None, bq), rmap), plgpu.BlockSpec((None, bq), rmap)],
     )(q_ref.at[b], do_ref.at[b], lse2_ref.at[b], delta_ref.at[b])
 
-  if fused:
-    if interpret:
-      from pallas_kernels import mgpu_reduce_interpret
-      mgpu_reduce_interpret.install()
-    dq_acc = jax.new_ref(jnp.zeros((B, T, N, H), jnp.float32))
   args = [q_BTNH, k_BSKH, v_BSKH, do_BTNH, _lse2(lse_BNT), delta_BNT, tsteps_BKJY, tcount_BKJ,
           qpos_BT, _opt(qseg_BIT, (1, 1, 1)), kvpos_BS, _opt(kvseg_BS, (1, 1))]
-  scratch = [_swizzled((W, bkw, H), dtype), _swizzled((W, bkw, H), dtype)]
-  barriers = [plgpu.Barrier(num_arrivals=2, num_barriers=W)]
-  name = "block_sparse_dkv_mgpu"
-  if fused:
-    args.append(dq_acc)
-    scratch += [_swizzled((2, W, bkw, bq) if split else (W, bkw, bq), dtype),
-                _swizzled((W, bq, HC), jnp.float32)]
-    barriers.append(plgpu.Barrier(num_arrivals=W))
-    name = "block_sparse_bwd_fused_mgpu" + ("_split" if split else "")
   kv_t = jax.ShapeDtypeStruct((B, S, K, H), dtype)
-  dk, dv = plgpu.kernel(
+  return plgpu.kernel(
       kernel, out_type=(kv_t, kv_t), grid=(K, nk, B), grid_names=("heads", "kv", "batch"),
-      num_threads=W + 1, thread_name="wg", scratch_types=scratch + barriers,
+      num_threads=W + 1, thread_name="wg",
+      scratch_types=[_swizzled((W, bkw, H), dtype), _swizzled((W, bkw, H), dtype),
+                     plgpu.Barrier(num_arrivals=2, num_barriers=W)],
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=_interp(interpret),
-      kernel_name=name)(*args)
-  if not fused:
-    return dk, dv
-  return (jax.freeze(dq_acc) * scale).astype(dtype), dk, dv
+      kernel_name="block_sparse_dkv_mgpu")(*args)

@@ -73,10 +73,6 @@ def test_absl_flags_of_block_sparse_and_elastic_prefill(capsys):
   assert args.out_dir == "/tmp/x"
   assert bench.settings_from_flags(common.parse_flags(bench.FLAGS, ["--preset=test"])) == \
       bench.PRESETS["test"]
-  # --onebwd: each kernel variant followed by its one-kernel-backward twin
-  s1 = bench.settings_from_flags(common.parse_flags(bench.FLAGS, ["--preset=test_mosaic_gpu",
-                                                                  "--onebwd"]))
-  assert s1.variants == ("fused", "fused_onebwd", "ours_dense", "ours_dense_onebwd")
   assert ep.main(["--preset=gpu", "--T=64", "--layers=1"]) == 2  # on CPU: refused, no run
   assert "needs a GPU" in capsys.readouterr().out
 

@@ -14,7 +14,7 @@ import pytest
 if jax.default_backend() != "gpu":
   pytest.skip("needs a GPU", allow_module_level=True)
 
-from pallas_kernels.block_sparse import HEAD_BLOCKS, HEAD_FULL, BlockSparseConfig, api  # noqa
+from pallas_kernels.block_sparse import HEAD_BLOCKS, HEAD_FULL, api  # noqa
 from pallas_kernels.block_sparse.tables import HEAD_WINDOW_BLOCKS  # noqa: E402
 from pallas_kernels.block_sparse.testing import compare, make_problem, run, ssa_lists  # noqa: E402
 
@@ -88,26 +88,15 @@ def test_full_heads_on_cudnn_split_matches_reference_gpu():
 
 hopper = pytest.mark.skipif(not api._is_hopper(), reason="Mosaic GPU kernels need a Hopper GPU")
 
-BWD = {"two_kernel_bwd": BlockSparseConfig(),
-       "one_kernel_bwd": BlockSparseConfig(mgpu_fused_bwd=True),
-       "one_kernel_bwd_nosplit": BlockSparseConfig(mgpu_fused_bwd=True, mgpu_dq_split=False)}
-
-
 @pytest.mark.gpu
 @hopper
-@pytest.mark.parametrize("bwd", list(BWD))
 @pytest.mark.parametrize("name", list(PROBLEMS))
-def test_block_sparse_mosaic_gpu_vs_reference_gpu(name, bwd):
-  """Forward, lse and dq / dk / dv against the reference, for each backward: two kernels, or one
-  (BlockSparseConfig.mgpu_fused_bwd: dq added into float32 by TMA reduce-add stores from every kv
-  tile's program; at 128-key tiles and head_dim 128 the two compute warpgroups split dq's
-  columns, or with mgpu_dq_split=False each adds its own kv rows' part into the same rows)."""
-  if bwd == "one_kernel_bwd_nosplit" and name != "all_modes_window_sinks_packed_bf16":
-    pytest.skip("the split applies at block_k 128, head_dim 128 only")
+def test_block_sparse_mosaic_gpu_vs_reference_gpu(name):
+  """Forward, lse and dq / dk / dv (the dq and dk/dv kernels) against the reference."""
   p, ref = _problem(name)
-  errs, bad = compare(p, dict(impl="mosaic_gpu", config=BWD[bwd]), reference=ref)
-  print(name, bwd, errs)
-  assert not bad, (name, bwd, errs)
+  errs, bad = compare(p, dict(impl="mosaic_gpu"), reference=ref)
+  print(name, errs)
+  assert not bad, (name, errs)
 
 
 @pytest.mark.gpu

@@ -10,69 +10,55 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.block_sparse import (HEAD_BLOCKS, HEAD_FULL, BlockSparseConfig, api,
-                                         block_sparse_attention, tables)
+from pallas_kernels.block_sparse import (HEAD_BLOCKS, HEAD_FULL, api, block_sparse_attention,
+                                         tables)
 from pallas_kernels.block_sparse.tables import HEAD_WINDOW_BLOCKS
-from pallas_kernels.block_sparse.testing import compare, make_problem, run, ssa_lists
+from pallas_kernels.block_sparse.testing import compare, make_problem, ssa_lists
 from pallas_kernels.compact_attention.reference import dense_mask
 
 MGPU = dict(impl="mosaic_gpu", interpret=True)
-# The one-kernel backward (dq added into a float32 buffer by TMA reduce-add stores, emulated by
-# pallas_kernels/mgpu_reduce_interpret.py): forward and dk / dv programs as MGPU's.
-MGPU_FUSED = dict(MGPU, config=BlockSparseConfig(mgpu_fused_bwd=True))
 W, F, B_ = HEAD_WINDOW_BLOCKS, HEAD_FULL, HEAD_BLOCKS
 
-# (name, problem, head modes, also the one-kernel backward: where it adds coverage beyond the
-# default backward test's, which runs it at 64-key tiles, every mode, window + sinks, documents)
+# (name, problem, head modes)
 CASES = [
     # GQA 2:1, mixed FULL / BLOCKS heads, random lists with padding and duplicates, 64-key tiles
     # (dk/dv: one compute warpgroup)
-    ("gqa_mixed", dict(T=256, N=4, K=2, L=2), None, False),
-    # every mode in one launch, window + sinks, 128-key tiles (dk/dv: two compute warpgroups;
-    # fused at head_dim 64: each adds its own kv rows' dq part into the same rows), 4 query heads
-    # on one kv head
+    ("gqa_mixed", dict(T=256, N=4, K=2, L=2), None),
+    # every mode in one launch, window + sinks, 128-key tiles (dk/dv: two compute warpgroups),
+    # 4 query heads on one kv head
     ("modes_window_sinks", dict(T=256, N=4, K=1, L=2, window=70, sinks=5, block_k=128),
-     [F, B_, W, W], True),
+     [F, B_, W, W]),
     # packed documents with restarting positions, per-head active sets, mode 2 with a window
     ("documents_active_heads", dict(T=256, N=2, K=1, L=2, segments=2, active="head", window=50),
-     [W, B_], False),
+     [W, B_]),
     # a cache: keys before the queries at sorted positions with a validity mask, float16, two kv
-    # heads, 128-key tiles at head_dim 128 (fused: the two warpgroups split dq's columns, each
-    # over both one's kv rows)
+    # heads, 128-key tiles at head_dim 128
     ("cache_f16", dict(T=128, S=256, N=2, K=2, L=3, H=128, kv_positions=True,
-                       dtype=jnp.float16, block_k=128), [B_, F], True),
+                       dtype=jnp.float16, block_k=128), [B_, F]),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,kw,modes,fused", CASES, ids=[c[0] for c in CASES])
-def test_mosaic_gpu_matches_reference_interpret(name, kw, modes, fused):
-  """The two-kernel backward, and where `fused` the one-kernel backward too, against one
-  reference run."""
+@pytest.mark.parametrize("name,kw,modes", CASES, ids=[c[0] for c in CASES])
+def test_mosaic_gpu_matches_reference_interpret(name, kw, modes):
   kw = {**dict(H=64, dtype=jnp.bfloat16, block_q=128, block_k=64), **kw}
   p = make_problem(11, **kw)
   if modes is not None:
     p.kw["head_mode_BN"] = jnp.asarray([modes], jnp.int32)
-  ref = run(p, impl="reference")
-  for variant, impl_kw in (("two kernels", MGPU), ("fused", MGPU_FUSED))[:1 + fused]:
-    errs, bad = compare(p, impl_kw, reference=ref)
-    assert not bad, (name, variant, errs)
+  errs, bad = compare(p, MGPU)
+  assert not bad, (name, errs)
 
 
 def test_mosaic_gpu_backward_every_mode_window_sinks_documents_interpret():
   """The default-run check of the Mosaic GPU backward (the CASES above are slow): forward, lse, dq
   and dk / dv (the transposed tables, the group's query heads summed in one program) against the
   reference's gradients, every head mode in one launch (FULL, BLOCKS, WINDOW_BLOCKS on one kv
-  head), window + sinks, packed documents with restarting positions, 64-key tiles. The same for
-  the fused backward (config mgpu_fused_bwd: dq summed over kv tiles by reduce-add stores into
-  float32), against the same reference run."""
+  head), window + sinks, packed documents with restarting positions, 64-key tiles."""
   p = make_problem(13, T=256, N=3, K=1, L=2, H=64, dtype=jnp.bfloat16, block_q=128, block_k=64,
                    window=70, sinks=5, segments=2)
   p.kw["head_mode_BN"] = jnp.asarray([[F, B_, W]], jnp.int32)
-  ref = run(p, impl="reference")
-  for variant, impl_kw in (("two kernels", MGPU), ("fused", MGPU_FUSED)):
-    errs, bad = compare(p, impl_kw, reference=ref)
-    assert not bad, (variant, errs)
+  errs, bad = compare(p, MGPU)
+  assert not bad, errs
 
 
 def test_mosaic_gpu_ssa_rows_that_see_nothing_interpret():
@@ -175,11 +161,9 @@ def test_auto_on_hopper_resolves_to_mosaic_gpu(monkeypatch):
                            128) == "triton"
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_mosaic_gpu_lowers_for_cuda_without_triton_calls(fused):
+def test_mosaic_gpu_lowers_for_cuda_without_triton_calls():
   """The Hopper program (jax.export for cuda, forward + backward): Mosaic GPU custom calls for
-  all three kernels (two with the fused backward, whose TMA reduce-add store of float32 dq and
-  transposed-dS wgmma lower too), no Triton call."""
+  all three kernels, no Triton call."""
   from jax import export
   B, T, N, K, H = 1, 512, 4, 2, 128
   q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
@@ -189,8 +173,7 @@ def test_mosaic_gpu_lowers_for_cuda_without_triton_calls(fused):
   mode = jnp.asarray([[F, B_, W, B_]], jnp.int32)
 
   def loss(q, k, v):
-    o = block_sparse_attention(q, k, v, lists, mode, window=256, sinks=4, impl="mosaic_gpu",
-                               config=BlockSparseConfig(mgpu_fused_bwd=fused))
+    o = block_sparse_attention(q, k, v, lists, mode, window=256, sinks=4, impl="mosaic_gpu")
     return jnp.sum(o.astype(jnp.float32))
 
   orig = api._platform
@@ -201,8 +184,7 @@ def test_mosaic_gpu_lowers_for_cuda_without_triton_calls(fused):
   finally:
     api._platform = orig
   targets = re.findall(r"custom_call @([\w.]+)", text)
-  assert targets.count("mosaic_gpu_v2") + targets.count("mosaic_gpu") == (2 if fused else 3), targets
-  assert ("block_sparse_bwd_fused_mgpu" in text) == fused
+  assert targets.count("mosaic_gpu_v2") + targets.count("mosaic_gpu") == 3, targets
   assert not [t for t in targets if "triton" in t.lower()], targets
 
 
