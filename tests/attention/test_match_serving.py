@@ -1,8 +1,9 @@
 """MATCH served as the paper pins it (docs/schemes/match.md#inference): the engine's prefill
 retrieves only for the blocks of the last m = prefill_last prompt positions (earlier prompt
 blocks: the window only), generation (one-shot and chunked prefill, ragged rows) equals the
-declared serving forward with that m, m really changes the forward, and a prefill call builds
-auxiliary rows for at most ceil(m / c) + 1 blocks instead of every block it touches."""
+declared serving forward with that m, m really changes the forward, a prefill call builds
+auxiliary rows for at most ceil(m / c) + 1 blocks instead of every block it touches, and runs
+them only in the calls that hold a retrieving block."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -153,3 +154,22 @@ def test_multi_query_decode_search_is_served_and_counted(model):
                                                                  ["cache", "positions"],
                                                                  ["cache", "valid"]))
   assert cache_bytes(cache) - book == match.kv_cache_bytes(cfg, 48, batch=2)["total"]
+
+
+def test_prefill_runs_aux_rows_only_in_calls_that_retrieve(model, monkeypatch):
+  """A chunked prefill (a 29-token prompt in 5-token calls, m = 4): the auxiliary rows run
+  through the layers (MatchLayer._aux_update, counted at run time) only in the 2 calls holding
+  a block that retrieves (positions 20..24 and 25..28), not in the 4 before them (there the
+  layer skips them: nn.cond), so a long prompt pays the recompute once, not once per call."""
+  from condattn_jax.attention.match import layer as match_layer
+  cfg, params = model
+  runs = []
+  update = match_layer.MatchLayer._aux_update
+
+  def counted(self, x, pos, ok, G):
+    jax.debug.callback(lambda: runs.append(1))
+    return update(self, x, pos, ok, G)
+  monkeypatch.setattr(match_layer.MatchLayer, "_aux_update", counted)
+  Engine(cfg, params, cache_len=48, prefill_chunk=5).prefill([PROMPTS[0]])
+  jax.effects_barrier()
+  assert len(runs) == 2 * cfg.num_layers, len(runs)  # every layer, in the 2 retrieving calls

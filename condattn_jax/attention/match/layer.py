@@ -22,7 +22,8 @@ listed blocks never overlap and the union is what the gathered path computes. On
 steps gather.
 Gathered (never a dense T x T mask): per block, gather the block's queries [c], its local keys
 (slots g*c-w+1 .. g*c+c-1: the window of every query of the block) and its k*c retrieved keys,
-and run ops.attention on [B*G, c] x [B*G, w+c-1+k*c] with explicit positions (impl 'auto': the
+and run ops.attention on [B*G, c] x [B*G, w+c-1+k*c] with explicit positions, the keys padded
+with invisible slots to a multiple of 128 (whole kv tiles of the kernels; impl 'auto': the
 compacted-query Pallas kernel on GPU/TPU, the reference on CPU). The window applies to the local
 keys through their real positions; the retrieved keys get the block's first position as their
 mask slot (inside every block query's window, never after it; RoPE was applied with their real
@@ -40,7 +41,10 @@ decoding block (when a row enters a new block) and kept in a fixed-size cache (R
 k*c slots) that the block's later tokens reuse; between refreshes the aux rows are skipped
 (nn.cond). So SWA-layer memory is flat in the context length. An engine prefill call with the
 prompt lengths carries auxiliary rows only for the blocks that retrieve (the last m prompt
-positions: inputs.block_retrieves), mapped to their blocks by match_aux_block_BG.
+positions: inputs.block_retrieves), mapped to their blocks by match_aux_block_BG, and runs them
+only when one of them retrieves a chunk (nn.cond): a long prompt's calls before its last m
+positions cost what SWA's do, bar the (empty) listing; the block-sparse call appends only
+those blocks' K/V.
 """
 from __future__ import annotations
 
@@ -63,6 +67,9 @@ _AFTER_ALL = 2 ** 30     # key position of padding slots: after every query (nev
 # window, so only their block's listing shows them; -2^29, not lower: the block-sparse kernels
 # test a listed pair's distance against 2^30 (positions < 2^29, windows <= 2^29).
 _BEFORE_ALL = -2 ** 29
+# The gathered path's per-block keys are padded to a multiple of this (invisible slots): the
+# compacted kernels' kv tiles (Triton 16, Mosaic GPU 64, Mosaic TPU 128).
+_GATHERED_KV_MULTIPLE = 128
 
 
 def block_sparse_runs(o, q_shape, kv_shape, dtype, platform) -> bool:
@@ -226,13 +233,20 @@ class MatchLayer(nn.Module):
                           kv_segment_ids_BS=cat(l_seg.astype(jnp.int32), r_seg), window=w,
                           active=seg != 0)
       return ops.attention(q, cat(kl, kr), cat(vl, vr), mask, impl=o.impl)
+    # the w + c - 1 + R keys padded to a multiple of _GATHERED_KV_MULTIPLE with invisible
+    # slots (segment 0, a position after every query): the compacted kernels take only whole
+    # kv tiles (w = 2048, c = 128, k = 4: 2687 keys, which no GPU kernel takes, -> 2688)
+    S = kk.shape[2]
+    fill = (-S) % _GATHERED_KV_MULTIPLE
+    padded = lambda x, value: jnp.concatenate(
+        [x, jnp.full(x.shape[:2] + (fill,) + x.shape[3:], value, x.dtype)], axis=2)
+    kv_pos = padded(jnp.concatenate([l_pos, r_pos.astype(jnp.int32)], axis=-1), _AFTER_ALL)
+    kv_seg = padded(jnp.concatenate([l_seg, r_seg.astype(jnp.int32)], axis=-1), 0)
     flat = lambda t: t.reshape((B * G,) + t.shape[2:])
-    mask = ops.MaskSpec(q_positions_BT=flat(q_pos),
-                        kv_positions_BS=flat(jnp.concatenate([l_pos, r_pos], axis=-1)),
-                        q_segment_ids_BT=flat(q_seg),
-                        kv_segment_ids_BS=flat(jnp.concatenate([l_seg, r_seg], axis=-1)),
-                        window=w)
-    out = ops.attention(flat(_take(q, qt)), flat(kk), flat(vv), mask, impl=o.impl)
+    mask = ops.MaskSpec(q_positions_BT=flat(q_pos), kv_positions_BS=flat(kv_pos),
+                        q_segment_ids_BT=flat(q_seg), kv_segment_ids_BS=flat(kv_seg), window=w)
+    out = ops.attention(flat(_take(q, qt)), flat(padded(kk, 0)), flat(padded(vv, 0)), mask,
+                        impl=o.impl)
     rows_BG = jnp.broadcast_to(jnp.arange(B)[:, None, None], qt.shape)
     return jnp.zeros_like(q).at[rows_BG, jnp.where(q_in, qt, T)].set(
         out.reshape(B, G, c, N, H), mode="drop")
@@ -282,14 +296,17 @@ class MatchLayer(nn.Module):
     return ops.by_lowering_platform(q, k, v, mask, default=gathered, cuda=make, rocm=make,
                                     tpu=make)
 
-  def _retrieved_attend(self, q, k, v, ctx: LayerContext, f: dict, retrieved):
+  def _retrieved_attend(self, q, k, v, ctx: LayerContext, f: dict, retrieved, aux_blocks=None):
     """Recomputed retrieved K/V (retrieved_kv='recompute', decode, the engine's prefill):
     (k, v, ok) [B, G, R, ...] per block. A call of one token (decode) gathers; otherwise
     block-sparse or gathered as `_sequence_attend` decides (options.attention_path): the block-
     sparse call takes the queries shifted so that MATCH's blocks are its query tiles, the keys
-    of this forward (or of the cache after the write) followed by every block's retrieved K/V,
-    which block g lists whole (they sit at a position no window reaches and every query is
-    after: only the listing makes them visible)."""
+    of this forward (or of the cache after the write) followed by the retrieved K/V of each
+    aux block, which the blocks mapped to it list whole (they sit at a position no window
+    reaches and every query is after: only the listing makes them visible). aux_blocks (an
+    engine call of several tokens): (k, v, ok) [B, Ga, R, ...] of the Ga aux blocks and the
+    map block g -> aux block [B, G] (-1: none; None: the identity), so only Ga*R keys are
+    appended; None: `retrieved`'s G blocks."""
     o = options(self.config)
     cache = self.self_attn.write_cache(k, v, ctx) if ctx.decode else None
     kw = {} if cache is None else dict(cache=cache)
@@ -315,17 +332,23 @@ class MatchLayer(nn.Module):
       k_all, v_all, kv_pos, kv_seg = cache
     S0 = k_all.shape[1]
     pad = -(-S0 // c) * c - S0
-    kr, vr, r_ok = retrieved
-    R = kr.shape[2]
+    kr, vr, r_ok, aux_of_BG = retrieved + (None,) if aux_blocks is None else aux_blocks
+    Ga, R = kr.shape[1], kr.shape[2]
+    if aux_of_BG is None:
+      aux_of_BG = jnp.broadcast_to(jnp.arange(G, dtype=jnp.int32), (B, G))
     r_seg = jnp.where(r_ok != 0, 1 if ctx.decode else f["match_doc_BG"][..., None], 0)
     cat = lambda a, fill, b: jnp.concatenate(
         [jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2), constant_values=fill),
-         b.reshape((B, G * R) + b.shape[3:]).astype(a.dtype)], axis=1)
+         b.reshape((B, Ga * R) + b.shape[3:]).astype(a.dtype)], axis=1)
     keys = (cat(k_all, 0, kr), cat(v_all, 0, vr))
-    kv_pos = cat(kv_pos.astype(jnp.int32), _AFTER_ALL, jnp.full((B, G, R), _BEFORE_ALL, jnp.int32))
+    kv_pos = cat(kv_pos.astype(jnp.int32), _AFTER_ALL, jnp.full((B, Ga, R), _BEFORE_ALL,
+                                                               jnp.int32))
     kv_seg = cat(kv_seg.astype(jnp.int32), 0, r_seg.astype(jnp.int32))
-    first = (S0 + pad) // c + jnp.arange(G, dtype=jnp.int32)[:, None] * (R // c)
-    lists = jnp.broadcast_to(first + jnp.arange(R // c, dtype=jnp.int32), (B, N, G, R // c))
+    # block g lists the R / c kv blocks of its aux block (none without one)
+    first_BG = (S0 + pad) // c + aux_of_BG * (R // c)
+    lists = jnp.where((aux_of_BG >= 0)[..., None],
+                      first_BG[..., None] + jnp.arange(R // c, dtype=jnp.int32), -1)
+    lists = jnp.broadcast_to(lists[:, None], (B, N, G, R // c))
     mask = ops.MaskSpec(
         q_positions_BT=shift(ctx.positions_BT.astype(jnp.int32)), kv_positions_BS=kv_pos,
         q_segment_ids_BT=shift(valid), kv_segment_ids_BS=kv_seg, window=w,
@@ -373,19 +396,26 @@ class MatchLayer(nn.Module):
                             nat(ctx.segment_ids_BT), recompute=False)[1])
     x_main, x_aux = x_BTD[:, :T], x_BTD[:, T:]
 
-    retrieved = None
+    retrieved = aux_blocks = None
     if A:
       # aux blocks: one per block (G), or (engine prefill with prompt lengths) only the Ga
       # blocks that retrieve, mapped to blocks by match_aux_block_BG
       Ga = A // (f["match_chunks_BGk"].shape[-1] * o.chunk)
       apos, aok = f["match_aux_pos_BA"], f["match_aux_ok_BA"]
-      if ctx.decode and T == 1:  # recompute only when a row enters a new block
-        x_aux, k_aux, v_aux = nn.cond(
-            jnp.any(f["match_fresh_B"]), lambda m, *a: m._aux_update(*a, Ga),
-            lambda m, *a: m._aux_skip(*a, Ga), self, x_aux, apos, aok)
-      else:
+      # the aux rows run only where one is real: decode steps when a row enters a new block;
+      # engine calls of several tokens (prefill) when one of its blocks retrieves (with the
+      # prompt lengths, only the call(s) holding the prompt's last m positions)
+      run_aux = (jnp.any(f["match_fresh_B"]) if ctx.decode and T == 1
+                 else jnp.any(aok != 0) if ctx.decode else None)
+      if run_aux is None:
         x_aux, k_aux, v_aux = self._aux_update(x_aux, apos, aok, Ga)
+      else:
+        x_aux, k_aux, v_aux = nn.cond(run_aux, lambda m, *a: m._aux_update(*a, Ga),
+                                      lambda m, *a: m._aux_skip(*a, Ga), self, x_aux, apos, aok)
       ok_BGR = aok.reshape(B, Ga, A // Ga)
+      # the Ga aux blocks as they are (the block-sparse path appends only these) and the map
+      # block g -> aux block (-1: none; None: aux block g is block g)
+      aux_blocks = (k_aux, v_aux, ok_BGR, f.get("match_aux_block_BG"))
       if "match_aux_block_BG" in f:
         idx = f["match_aux_block_BG"]
         at = lambda t: jnp.take_along_axis(
@@ -401,7 +431,8 @@ class MatchLayer(nn.Module):
     if retrieves and retrieved is None and not ctx.decode:
       heads = self._sequence_attend(q, k, v, ctx, f)
     elif retrieves and retrieved is not None:
-      heads = self._retrieved_attend(q, k, v, ctx, f, retrieved)
+      heads = self._retrieved_attend(q, k, v, ctx, f, retrieved,
+                                     aux_blocks if ctx.decode and T > 1 else None)
     elif retrieves:
       heads = self._block_attend(q, k, v, ctx, f, retrieved)
     else:
