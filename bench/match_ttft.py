@@ -16,12 +16,20 @@ heads of 128, MLP 12288) with few layers and random weights, bfloat16; retrieval
 on random tokens from a small vocabulary (every retrieving block finds k chunks). The
 retriever's cost is exact match, not the paper's MiniLM encode (its weights are not on the GPU
 image).
+
+Each row also records `work` (the prefill's static geometry: engine calls, the auxiliary rows
+a call carries, and the calls that hold a retrieving block, the only ones whose auxiliary rows
+run: layer.py's nn.cond; dense row passes through the layers = context + aux_calls *
+aux_rows_a_call) and `reference_fallbacks` (ops.attention's warnings, logged while this row's
+program was traced, that a call took no kernel; on a GPU a warning from a platform-dependent
+branch the device does not run is included too).
 """
 from __future__ import annotations
 
 import dataclasses
 import datetime
 import json
+import logging
 import os
 import sys
 import time
@@ -37,6 +45,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from condattn_jax import ops  # noqa: E402
 from condattn_jax.attention import configure  # noqa: E402
 from condattn_jax.inference import Engine  # noqa: E402
 from condattn_jax.models.config import ModelConfig  # noqa: E402
@@ -84,21 +93,53 @@ def configs(s: Settings) -> dict:
           "match": configure(base, "match", top_k=s.top_k, **kw)}
 
 
+def work(s: Settings, retrieves: bool) -> dict:
+  """The prefill's geometry (MatchInputs / layer.py): engine calls of prefill_chunk tokens; a
+  call's auxiliary rows (ceil(m / c) + 1 blocks of top_k * chunk rows, a static count); the
+  calls that hold a block whose last position is >= context - m (only they run the rows)."""
+  c, m, P = s.chunk, s.prefill_last, s.context
+  calls = [(a, min(a + s.prefill_chunk, P)) for a in range(0, P, s.prefill_chunk)]
+  G = -(-(s.prefill_chunk + c - 1) // c)
+  rows = min(G, -(-m // c) + 1) * s.top_k * c if retrieves else 0
+  aux = sum(1 for _, e in calls if ((e - 1) // c) * c + c - 1 >= P - m) if rows else 0
+  return {"prefill_calls": len(calls), "aux_rows_a_call": rows, "aux_calls": aux,
+          "row_passes_over_context": round((P + aux * rows) / P, 4)}
+
+
+class _Fallbacks(logging.Handler):
+  """Collects ops.attention's 'no kernel takes this call' warnings."""
+
+  def __init__(self):
+    super().__init__(logging.WARNING)
+    self.messages = []
+
+  def emit(self, record):
+    if "no kernel takes this call" in record.getMessage():
+      self.messages.append(record.getMessage())
+
+
 def row(s: Settings, name: str, cfg, params) -> dict:
   eng = Engine(cfg, params, cache_len=s.context + 1, prefill_chunk=s.prefill_chunk)
   prompt = np.random.default_rng(s.context).integers(1, s.token_vocab, s.context).tolist()
 
   prefill = lambda: eng.prefill([prompt])[1]   # the first token's logits
-  t0 = time.perf_counter()
-  logits = np.asarray(jax.block_until_ready(prefill()), np.float32)   # compiles
-  first = time.perf_counter() - t0
+  fallbacks = _Fallbacks()
+  ops._warn_once.cache_clear()  # ops logs each message once a process: this row's, afresh
+  logging.getLogger().addHandler(fallbacks)
+  try:
+    t0 = time.perf_counter()
+    logits = np.asarray(jax.block_until_ready(prefill()), np.float32)   # compiles
+    first = time.perf_counter() - t0
+  finally:
+    logging.getLogger().removeHandler(fallbacks)
   timed = common.time_call(prefill, n=s.reps, warmup=0)
   times = [t / 1e3 for t in timed["runs_ms"]]
   return logits, {"model": name, "context": s.context,
           "ttft_s": round(timed["median_ms"] / 1e3, 4),
           "ttft_reps_s": [round(t, 4) for t in times], "compile_s": round(first, 2),
           "logits_finite": bool(np.isfinite(logits).all()),
-          "peak_bytes": common.peak_bytes()}
+          "peak_bytes": common.peak_bytes(),   # the process's peak so far (SWA's row runs first)
+          "work": work(s, name == "match"), "reference_fallbacks": fallbacks.messages}
 
 
 def run(s: Settings, log=print) -> dict:
