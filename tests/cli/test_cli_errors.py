@@ -3,9 +3,11 @@ starting with ERROR:) naming the problem, exit code 2 and no traceback; Ctrl-C s
 SIGTERM and a second Ctrl-C exits at once; one run per workdir; corrupt checkpoints are skipped;
 a non-finite step never reaches a checkpoint.
 
-Every case is a subprocess. To stay fast, most fail before any compilation, and the cases that
-need a trained run share ONE run (`run1`: started, refused a second run, Ctrl-C'd) and copy its
-workdir.
+Every case is a program run as `python <script> <args>` runs it (`cli`: a fork of one process
+that imported the programs' modules once, tests/_cli_runner.py; `cli_process`: a new interpreter,
+for the runs that take signals and for each program's entry point). To stay fast, most fail
+before any compilation, and the cases that need a trained run share ONE run (`run1`: started,
+refused a second run, Ctrl-C'd) and copy its workdir.
 """
 import json
 import os
@@ -17,6 +19,7 @@ import time
 
 import pytest
 
+from _cli_runner import Runner
 from _train_helpers import HF, PY, ROOT, subprocess_env
 
 TINY = "configs/tiny.py"
@@ -28,9 +31,25 @@ FAST = ["--config.train.log_every=1", "--config.train.checkpoint_every=1",
 LONG = f"{TINY}:steps=100000"
 
 
+RUNNER = Runner(subprocess_env(1))
+
+
 def cli(*args, timeout=300):
+  """`python *args` in the repo root, 1 CPU device (a fork of RUNNER's process)."""
+  return RUNNER.run(*args, timeout=timeout)
+
+
+def cli_process(*args, timeout=300):
+  """The same in a new interpreter: the program's start as a user's shell starts it."""
   return subprocess.run([PY, *args], cwd=ROOT, env=subprocess_env(1), capture_output=True,
                         text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cli_runner_per_module():
+  """RUNNER's process ends with each module that uses `cli` (its CPU time counts in the module)."""
+  yield
+  RUNNER.close()
 
 
 def last_line(p) -> str:
@@ -52,7 +71,7 @@ def assert_user_error(p, *needles, code=2):
 
 # ------------------------------------------------------------------ fail before any training
 def test_missing_recipe_file():
-  p = cli("train.py", "--config=configs/nope.py", "--workdir=/tmp/unused_condattn")
+  p = cli_process("train.py", "--config=configs/nope.py", "--workdir=/tmp/unused_condattn")
   assert_user_error(p, "configs/nope.py does not exist")
 
 
@@ -155,7 +174,7 @@ def test_truncated_hf_checkpoint_is_named(tmp_path):
 
 
 def test_eval_checkpoint_errors(tmp_path):
-  p = cli("eval.py", f"--checkpoint={tmp_path}/nope")
+  p = cli_process("eval.py", f"--checkpoint={tmp_path}/nope")
   assert_user_error(p, f"{tmp_path}/nope does not exist")
   f = tmp_path / "afile"
   f.write_text("x")

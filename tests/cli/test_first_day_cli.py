@@ -15,7 +15,8 @@ import time
 import pytest
 
 from _train_helpers import HF, PY, ROOT, subprocess_env
-from test_cli_errors import FAST, LONG, TINY, _steps, _wait_for, assert_user_error, cli, last_line
+from test_cli_errors import (FAST, LONG, TINY, _steps, _wait_for, assert_user_error, cli,
+                             cli_runner_per_module, last_line)  # noqa: F401 (autouse)
 
 
 

@@ -9,13 +9,14 @@ import os
 
 import pytest
 
-from test_cli_errors import TINY, assert_user_error, cli
+from test_cli_errors import (TINY, assert_user_error, cli, cli_process,  # noqa: F401
+                             cli_runner_per_module)  # autouse: ends the runner with the module
 
 L2A_TINY = "configs/l2a_qwen.py:tiny,steps=4"
 
 
 def test_l2a_prune_bad_inputs_are_one_line(tmp_path):
-  p = cli("scripts/l2a_prune.py", f"--workdir={tmp_path}/nope")
+  p = cli_process("scripts/l2a_prune.py", f"--workdir={tmp_path}/nope")
   assert_user_error(p, f"checkpoint path {tmp_path}/nope does not exist")
   p = cli("scripts/l2a_prune.py")
   assert_user_error(p, "give --workdir or --checkpoint")
@@ -79,7 +80,7 @@ def test_export_both_layouts_hold_the_checkpoint_and_import_back(l2a_run, tmp_pa
   from condattn_jax import export
   from condattn_jax.train import loop
   wd = l2a_run
-  p = cli("export.py", f"--checkpoint={tmp_path}/nope", f"--out={tmp_path}/o")
+  p = cli_process("export.py", f"--checkpoint={tmp_path}/nope", f"--out={tmp_path}/o")
   assert_user_error(p, f"checkpoint path {tmp_path}/nope does not exist")
   cfg_run = loop.config_from_checkpoint(wd)
   _, params, _ = loop.load_params(cfg_run, wd)
