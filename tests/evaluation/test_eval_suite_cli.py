@@ -13,6 +13,7 @@ import subprocess
 import jax
 import pytest
 
+from _cli_runner import Runner
 from _train_helpers import PY, ROOT, subprocess_env, tiny
 from condattn_jax import checkpoint as ckpt_lib
 from condattn_jax.train import loop
@@ -96,9 +97,15 @@ def test_tiny_suite_head_to_head_every_scheme(runs, tmp_path):
 
 
 def test_suite_cli_errors(runs, tmp_path):
-  def run(*a):
-    return subprocess.run([PY, "eval.py", *a], cwd=ROOT, env=subprocess_env(1),
-                          capture_output=True, text=True, timeout=300)
+  runner = Runner(subprocess_env(1))  # forks of one process (tests/_cli_runner.py): one import
+  run = lambda *a: runner.run("eval.py", *a)
+  try:
+    _suite_cli_errors(run, runs, tmp_path)
+  finally:
+    runner.close()
+
+
+def _suite_cli_errors(run, runs, tmp_path):
   p = run("--suite=nope", f"--checkpoint={runs['dense']}", f"--out_dir={tmp_path}")
   assert p.returncode == 2 and "unknown suite 'nope'" in p.stderr
   p = run("--suite=tiny", f"--checkpoint={runs['dense']}@theta", f"--out_dir={tmp_path}")
