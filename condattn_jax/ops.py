@@ -585,41 +585,14 @@ def merge_attention_parts(o, lse, axis: int):
 DECODE_CTAS = 264  # cuDNN decode: split the kv length until about 2 programs per H100 SM
 
 
-def decode_splits(B: int, S: int, K: int, target: int | None = None) -> int:
-  """Kv splits of the cuDNN decode path: the largest power of two P with B * K * P <= target
-  (default DECODE_CTAS, read at the call), S % P == 0 and S / P >= 128 (cuDNN runs one program
-  per (row, kv head, query tile) and walks the kv length in it: at B = 1 an unsplit call leaves
-  most of the GPU idle)."""
-  target = DECODE_CTAS if target is None else target
+def decode_splits(B: int, S: int, K: int) -> int:
+  """Kv splits of the cuDNN decode path: the largest power of two P with B * K * P <=
+  DECODE_CTAS, S % P == 0 and S / P >= 128 (cuDNN runs one program per (row, kv head, query
+  tile) and walks the kv length in it: at B = 1 an unsplit call leaves most of the GPU idle)."""
   P = 1
-  while B * K * P * 2 <= target and S % (P * 2) == 0 and S // (P * 2) >= 128:
+  while B * K * P * 2 <= DECODE_CTAS and S % (P * 2) == 0 and S // (P * 2) >= 128:
     P *= 2
   return P
-
-
-# True: the cuDNN decode path merges its kv parts with `_merge_cudnn_parts` (the max over parts
-# read off cuDNN's lse in its own [X, K, G] layout; the weight total summed with the weighted
-# outputs as an extra channel: one reduction over the outputs) instead of
-# merge_decode_parts on the lse transposed to the outputs' [X, G, K] layout (XLA:GPU fuses no
-# physically transposing producer into a reduction: the transposed lse runs as its own
-# kernels). Off until timed (bench/decode_program.py trace set 'wmerge').
-_CUDNN_NATIVE_MERGE = False
-
-
-def _merge_cudnn_parts(o_BPGKH, lse_BPKG, on_BP):
-  """merge_parts' output (forward; float32 [B, G, K, H]) of cuDNN's kv parts: outputs
-  o_BPGKH, lse in cuDNN's layout lse_BPKG, parts that ran on_BP (others weigh 0; a row with
-  none gives zeros)."""
-  H = o_BPGKH.shape[-1]
-  lse = jnp.where(on_BP[:, :, None, None], lse_BPKG.astype(jnp.float32), -jnp.inf)
-  mx_BKG = jnp.max(lse, axis=1)
-  mx_BKG = jnp.where(jnp.isfinite(mx_BKG), mx_BKG, 0.0)
-  w_BPGK = jnp.exp(lse - mx_BKG[:, None]).transpose(0, 1, 3, 2)  # 0 for an empty part
-  o = o_BPGKH.astype(jnp.float32)
-  ext = jnp.concatenate([o, jnp.ones(o.shape[:-1] + (1,), jnp.float32)], axis=-1)
-  acc = jnp.sum(ext * w_BPGK[..., None], axis=1)  # [B, G, K, H + 1]: weighted o, weight total
-  tot = acc[..., H:]
-  return acc[..., :H] / jnp.where(tot == 0, 1.0, tot)
 
 
 def _cudnn_decode(scale, implementation: str = "cudnn", splits: int | None = None):
@@ -651,16 +624,13 @@ def _cudnn_decode(scale, implementation: str = "cudnn", splits: int | None = Non
         q_XGKH, k.reshape(B * P, Sp, K, H), v.reshape(B * P, Sp, K, H), scale=scale,
         key_value_seq_lengths=jnp.where(on_BP, len_BP, 1).reshape(B * P),
         implementation=implementation, return_residual=True)
-    if _CUDNN_NATIVE_MERGE and not _kernel_module(package=_DECODE).reference.ONE_PASS_MERGE:
-      # jax hands lse as [X, G, K] (a transpose of cuDNN's [X, K, G]): undone, XLA drops both
-      lse_BPKG = lse_XGK.transpose(0, 2, 1).reshape(B, P, K, G)
-      o_BGKH = _merge_cudnn_parts(o_XGKH.reshape(B, P, G, K, H), lse_BPKG, on_BP)
-      return o_BGKH.transpose(0, 2, 1, 3).reshape(B, 1, N, H).astype(q.dtype)
-    o_BPGKH = o_XGKH.reshape(B, P, G, K, H).astype(jnp.float32)
-    lse_BPGK = jnp.where(on_BP[:, :, None, None],
-                         lse_XGK.reshape(B, P, G, K).astype(jnp.float32), -jnp.inf)
-    # inactive row: all -inf -> 0 (one reduction: pallas_kernels.decode.merge_decode_parts)
-    o_BGKH = _kernel_module(package=_DECODE).merge_decode_parts(o_BPGKH, lse_BPGK, axis=1)
+    # jax hands lse as [X, G, K] (a transpose of cuDNN's [X, K, G]): undone, XLA drops both;
+    # the merge reorders only the weights (a part that did not run, or an inactive row's: -inf,
+    # weighs 0; a row with none gives zeros)
+    lse_BPKG = jnp.where(on_BP[:, :, None, None],
+                         lse_XGK.transpose(0, 2, 1).reshape(B, P, K, G), -jnp.inf)
+    o_BGKH = _kernel_module(package=_DECODE).merge_decode_parts(
+        o_XGKH.reshape(B, P, G, K, H), lse_BPKG, axis=1, lse_perm=(0, 1, 3, 2))
     return o_BGKH.transpose(0, 2, 1, 3).reshape(B, 1, N, H).astype(q.dtype)
   return fn
 

@@ -25,10 +25,7 @@ the scheme's layer class:
   `decode_chunk(config) -> int`  a decode call's chunk must divide this many tokens (segmented:
                                  segment_len); the engine then picks a valid prefill chunk itself.
 Attention inside the chunk goes through `ops.attention` with the cache's kv positions, i.e. the
-fused kernels on GPU/TPU (the reference on CPU). With `Engine(greedy_steps=k)`, k > 1, a greedy
-`generate` that keeps no logits runs k decode steps per jitted call (`decode_greedy`'s program;
-the host checks stop tokens / strings per token afterwards: the same output as one step a call).
-The default is one step a call (the A/B of the two: docs/performance.md).
+fused kernels on GPU/TPU (the reference on CPU). Decode runs one jitted step per token.
 
 Bad input is a ValueError with a one-line message (token ids outside [0, vocab) or not integers,
 an empty request list or prompt, max_new_tokens < 1, a prompt + new tokens longer than the cache,
@@ -268,8 +265,8 @@ class _RowStats:
       if self.steps_B is None:
         self.steps_B = np.zeros_like(ran_B)
       self.steps_B += ran_B
-      for k, v in row_aux.items():  # only the rows this step ran (a count is 0 for the others,
-        v = np.asarray(v, np.float64)  # except a greedy chunk's steps after a row stopped)
+      for k, v in row_aux.items():  # only the rows this step ran
+        v = np.asarray(v, np.float64)
         v = v * ran_B.reshape((1, -1) + (1,) * (v.ndim - 2))
         self.sums[k] = self.sums.get(k, 0.0) + v
 
@@ -301,10 +298,6 @@ class Engine:
   cache_len: slots of every full cache (>= prompt length + new tokens of every row).
   prefill_chunk: prompt tokens per prefill call (None: the whole padded prompt at once); chunked
     prefill bounds activation memory at long context.
-  greedy_steps: decode steps per jitted call of a greedy `generate` that keeps no logits
-    (`decode_greedy`'s program: no host round trip between its tokens; the same tokens as one
-    step a call, tested); 1 (default) = one step a call. A row that stops inside a call ignores the
-    rest of it (up to greedy_steps - 1 steps run on the device for nothing).
   split_layers: hold the params in `models.stacking.split_groups`' layout (each layer's weights
     their own arrays, made once here; the stacked tree given is not kept by the engine), so no
     step slices a stacked weight (a compiler that does not fuse the slice into its matmul copies
@@ -314,12 +307,9 @@ class Engine:
   """
 
   def __init__(self, model_cfg: ModelConfig, params, *, cache_len: int,
-               prefill_chunk: int | None = None, split_layers: bool = False,
-               greedy_steps: int = 1):
+               prefill_chunk: int | None = None, split_layers: bool = False):
     if cache_len <= 0:
       raise ValueError(f"Engine(cache_len={cache_len}) must be > 0.")
-    if not isinstance(greedy_steps, int) or greedy_steps < 1:
-      raise ValueError(f"Engine(greedy_steps={greedy_steps!r}) must be an int >= 1.")
     if prefill_chunk is not None and prefill_chunk <= 0:
       raise ValueError(f"Engine(prefill_chunk={prefill_chunk}) must be > 0 or None.")
     self.config = model_cfg
@@ -330,7 +320,6 @@ class Engine:
     self.params = params
     self.cache_len = int(cache_len)
     self.prefill_chunk = prefill_chunk
-    self.greedy_steps = greedy_steps
     self._cache_shapes: dict[int, object] = {}
     self.tokenizer = None   # set by from_checkpoint (None: token ids in and out)
     self.run_config = None  # the train.py run config (from_checkpoint)
@@ -351,7 +340,7 @@ class Engine:
   @classmethod
   def from_checkpoint(cls, path: str, *, step: int | None = None, cache_len: int | None = None,
                       prefill_chunk: int | None = None, tokenizer=None, devices=None,
-                      config=None, split_layers: bool = False, greedy_steps: int = 1,
+                      config=None, split_layers: bool = False,
                       **scheme_options) -> "Engine":
     """An Engine over a train.py checkpoint: the weights and the model config saved with it.
 
@@ -360,7 +349,7 @@ class Engine:
     scheme_options: test-time overrides of the run's scheme options (`config.model.scheme.<name>`,
       e.g. `theta=0.7` for L2A, `tau=0.5` for AHA); the scheme checks their names and values.
     cache_len: cache slots per row (default: the run's data.seq_len, the context it trained at).
-    prefill_chunk, split_layers, greedy_steps: as in `Engine(...)`.
+    prefill_chunk, split_layers: as in `Engine(...)`.
     tokenizer: a `condattn_jax.data.tokenizer.Tokenizer`, a tokenizer directory, or None: the
       run's `data.tokenizer`, else `model.init_from` when it holds a tokenizer.json, else none
       (`engine.tokenizer` is None: token ids in and out, e.g. the synthetic-task runs).
@@ -394,8 +383,7 @@ class Engine:
     setup, params, loaded = loop.load_params(config, path, step=step, devices=devices)
     eng = cls(setup.model_cfg, params,
               cache_len=int(cache_len if cache_len is not None else config.data.seq_len),
-              prefill_chunk=prefill_chunk, split_layers=split_layers,
-              greedy_steps=greedy_steps)
+              prefill_chunk=prefill_chunk, split_layers=split_layers)
     del params
     eng.run_config, eng.step = config, int(loaded)
     tv = getattr(tok, "vocab_size", None)
@@ -456,21 +444,32 @@ class Engine:
 
   def stacked_cache(self, cache):
     """A view of an engine cache (one cache per layer, `layers_{i}`) in the scanned layout of
-    the model's parameters (`layers` / `layers_{start}_{stop}` groups, a leading layer axis):
-    for inspection; `per_layer_cache` goes back."""
+    the model's parameters (`layers` / `layers_{start}_{stop}` groups, a leading layer axis),
+    i.e. the caches of the scanned decode (`Decoder` without unroll_layers): for inspection;
+    `per_layer_cache` goes back. A cache that keeps its bookkeeping in layers_0 only
+    (`models.layers.shares_kv_state`) gets layer 0's positions / valid / length in every layer."""
     from condattn_jax.attention import get_scheme
     from condattn_jax.models import layers, stacking
-    if layers.shares_kv_state(self.config) and len(cache) > 1:
-      raise ValueError("Engine.stacked_cache: this decode keeps positions / valid / length in "
-                       "layers_0 only (models.layers._SHARED_KV_STATE), so its layers' caches "
-                       "do not stack; read cache['layers_{i}'] directly.")
-    return stacking.stack_layers(dict(cache), get_scheme(self.config.scheme).layer_variants(
+    cache = dict(cache)
+    if layers.shares_kv_state(self.config):
+      kv0 = cache["layers_0"]["self_attn"]["cache"]
+      book = {k: v for k, v in kv0.items() if k not in ("key", "value")}
+      cache = {name: {**c, "self_attn": {**c["self_attn"], "cache": {
+          **c["self_attn"]["cache"], **book}}} for name, c in cache.items()}
+    return stacking.stack_layers(cache, get_scheme(self.config.scheme).layer_variants(
         self.config))
 
   def per_layer_cache(self, stacked):
-    """The engine's layout (one cache per layer) of a cache in the scanned layout."""
-    from condattn_jax.models import stacking
-    return stacking.unstack_layers(dict(stacked), self.config.num_layers)
+    """The engine's layout (one cache per layer) of a cache in the scanned layout (layers after
+    the first without positions / valid / length when the engine keeps them in layers_0 only)."""
+    from condattn_jax.models import layers, stacking
+    cache = stacking.unstack_layers(dict(stacked), self.config.num_layers)
+    if layers.shares_kv_state(self.config):
+      for i in range(1, self.config.num_layers):
+        c = cache[f"layers_{i}"]
+        kv = {k: v for k, v in c["self_attn"]["cache"].items() if k in ("key", "value")}
+        cache[f"layers_{i}"] = {**c, "self_attn": {**c["self_attn"], "cache": kv}}
+    return cache
 
   def init_cache(self, batch_size: int):
     """Zeros in the structure of every layer's cache (read off the model, not hard-coded),
@@ -727,61 +726,6 @@ class Engine:
                                   jnp.asarray(active_B, bool)[:, None], prev_logits_BV)
     return cache, logits
 
-  def decode_greedy(self, cache, positions_B, active_B, prev_logits_BV, steps: int):
-    """`steps` greedy decode steps in ONE jitted program (no host round trip between tokens):
-    each active row takes the argmax of its logits as its next token at its next position, the
-    caches carried (donated) through the steps. Equals `steps` calls of `decode_step` fed the
-    argmax of the previous logits, positions_B + i (tested). Returns (cache, logits_BV, tokens
-    [B, steps]: the tokens fed, i.e. the greedy tokens generated; an inactive row's entries
-    are the argmax of logits it never updates)."""
-    if not isinstance(steps, int) or steps < 1:
-      raise ValueError(f"Engine.decode_greedy: steps must be an int >= 1, got {steps!r}.")
-    pos = self._commit(jnp.asarray(positions_B, jnp.int32)[:, None])
-    on = self._commit(jnp.asarray(active_B, bool)[:, None])
-    return self._greedy_steps(self.params, cache, pos, on, prev_logits_BV, steps)[:3]
-
-  @functools.partial(jax.jit, static_argnums=(0, 6), donate_argnums=(2,))
-  def _greedy_steps(self, params, cache, positions_B1, active_B1, logits_BV, steps):
-    """`decode_greedy`'s program: a lax.scan of `steps` one-token `_step`s; also returns each
-    step's per-row aux ({name: [steps, L, B, ...]}, as `_step`'s)."""
-    def body(carry, _):
-      cache, logits_BV, pos_B1 = carry
-      tok_B1 = _argmax(logits_BV).astype(jnp.int32)[:, None]
-      # _step's function traced here (not its jitted trace, which jit may have cached with
-      # the one-step program's settings)
-      cache, logits_BV, aux = Engine._step.__wrapped__(self, params, cache, tok_B1, pos_B1,
-                                                       active_B1, logits_BV)
-      return (cache, logits_BV, pos_B1 + active_B1.astype(jnp.int32)), (tok_B1[:, 0], aux)
-    from condattn_jax.models import layers
-    with layers.one_row_padding(False):  # see one_row_padding: no per-iteration weight copies
-      (cache, logits_BV, _), (tokens_SB, aux) = jax.lax.scan(
-          body, (cache, logits_BV, positions_B1), None, length=steps)
-    return cache, logits_BV, tokens_SB.T, aux
-
-  def _greedy_chunk(self, cache, logits, pos_B, outs, active_B, stats, k: int):
-    """`generate`'s k greedy steps in one call (`_greedy_steps`): the active rows feed the
-    argmax of `logits` (the token each was just given) and k - 1 more; the tokens the steps
-    produce are pushed to the rows in order, so a row that finishes inside the chunk takes no
-    more (its later steps ran on the device, into its own cache only, and count nowhere: not in
-    the tokens, the stats or the steps). Returns (cache, logits after the last step, the steps
-    that ran some row)."""
-    cache, logits, toks_BK, aux = self._greedy_steps(
-        self.params, cache, self._commit(jnp.asarray(pos_B, jnp.int32)[:, None]),
-        self._commit(jnp.asarray(active_B)[:, None]), logits, k)
-    toks_BK = np.asarray(toks_BK)
-    run = np.asarray(active_B, bool).copy()
-    ran = 0
-    for j in range(k):
-      if not run.any():
-        break
-      stats.add(jax.tree.map(lambda x, j=j: x[j], aux), run.astype(np.int32))
-      ran += 1
-      if j + 1 < k:
-        for b in np.flatnonzero(run):
-          outs[b].push(None, int(toks_BK[b, j + 1]))
-        run &= ~np.asarray([o.done for o in outs])
-    return cache, logits, ran
-
   def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                stop_tokens: Sequence[int] = (), stop_strings: Sequence[str] = (),
                temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
@@ -819,8 +763,6 @@ class Engine:
     gen_stats = _RowStats()
     pos = lengths.copy()
     steps = 0
-    # greedy without logits on the host: `greedy_steps` decode steps a call (decode_greedy)
-    chunk = self.greedy_steps if not any(o.needs_logits for o in outs) else 1
     while True:
       done = np.asarray([o.done for o in outs])
       if any(o.needs_logits for o in outs):
@@ -834,11 +776,6 @@ class Engine:
       done = np.asarray([o.done for o in outs])
       if done.all():
         break
-      if chunk > 1:
-        cache, logits, ran = self._greedy_chunk(cache, logits, pos, outs, ~done, gen_stats, chunk)
-        pos = pos + (~done) * chunk  # a row still going ran every step of the chunk
-        steps += ran
-        continue
       last = np.asarray([o.tokens[-1] for o in outs], np.int32)
       cache, logits, row_aux = self._step(self.params, cache, jnp.asarray(last)[:, None],
                                           jnp.asarray(pos)[:, None],

@@ -5,7 +5,6 @@ Parameters carry logical axis names (see `condattn_jax.train.sharding` for the r
 """
 from __future__ import annotations
 
-import contextlib
 import math
 
 import flax.linen as nn
@@ -72,38 +71,16 @@ def apply_rope(x_BTNH, positions_BT, inv_freq):
   return (x * cos + rotated * sin).astype(x_BTNH.dtype)
 
 
-# True: a projection of ONE row (B * T == 1: a B = 1 decode step) multiplies a 2-row operand
-# (the row and a zero row) and keeps row 0: the same numbers. XLA:GPU's algebraic simplifier
-# rewrites a dot whose operand is a vector (one row) and whose (M + N) * K is below 10M elements
-# into an elementwise multiply + reduce over the whole weight; a 2-row dot stays a GEMM. Off:
-# the one-row dot (bench/decode_program.py trace set 'oldproj'; the A/B: docs/performance.md).
-_PAD_ONE_ROW = True
-
-
-# True: a projection that contracts two kernel dims (o_proj [N, H, D]) contracts a 2-D view of
-# the kernel ([N*H, D]) and of its input ([..., N*H]) instead when the input holds one token a
-# row (a decode step, any batch), aimed at the copy XLA:GPU makes of each layer's o_proj slice
-# of the stacked weights before its GEMM (q / k / v, which contract one dim, read their slices
-# in place). Off until timed (bench/decode_program.py trace set 'o2d').
-_O_PROJ_2D = False
-
-
-# True: a dense model's one-token decode step hands every layer's attention ONE fill (the
-# kv length its mask / cuDNN's per-part lengths are built from), computed once a step by the
-# Decoder from layer 0's counter (`shared_decode_fill`), so XLA builds the length inputs once
-# a step instead of once a layer. Exact for an Engine cache: every chunk, step and row reset
-# writes every layer alike, so all layers' counters are equal. Off until timed
-# (bench/decode_program.py trace set 'fill1').
-_SHARED_FILL = False
-
-
 def shared_decode_fill(cfg: ModelConfig, layer0_cache, valid_BT, cache_len: int):
   """The fill after a one-token write, min(length + valid, cache_len) [B] int32, read off layer
-  0's cache `layer0_cache` (its 'self_attn/cache' KVCache), for `ctx.fields['decode_fill_B']`;
-  None (each layer counts its own) unless `_SHARED_FILL` is on, the model is dense without a
-  sliding window, the chunk is one token and layer 0 holds a full cache of cache_len slots."""
-  if not (_SHARED_FILL and cfg.scheme == "dense" and cfg.sliding_window is None
-          and valid_BT.shape[1] == 1):
+  0's cache `layer0_cache` (its 'self_attn/cache' KVCache), for `ctx.fields['decode_fill_B']`:
+  a dense model's one-token decode step hands every layer's attention this ONE fill (the kv
+  length its mask / cuDNN's per-part lengths are built from), computed once a step by the
+  Decoder, instead of once a layer. Exact for an Engine cache: every chunk, step and row reset
+  writes every layer alike, so all layers' counters are equal. None (each layer counts its
+  own) unless the model is dense without a sliding window, the chunk is one token and layer 0
+  holds a full cache of cache_len slots."""
+  if not (cfg.scheme == "dense" and cfg.sliding_window is None and valid_BT.shape[1] == 1):
     return None
   kv = (layer0_cache or {}).get("self_attn", {}).get("cache", {})
   if "length" not in kv or kv["key"].shape[1] != cache_len:
@@ -111,33 +88,14 @@ def shared_decode_fill(cfg: ModelConfig, layer0_cache, valid_BT, cache_len: int)
   return jnp.minimum(kv["length"] + valid_BT[:, 0].astype(jnp.int32), cache_len)
 
 
-# True: a dense model's decode (Decoder unrolled, no window: full caches only) keeps ONE copy of
-# the caches' bookkeeping: layer 0's KVCache holds positions / valid / length, every other
-# layer's only key / value, and writes its chunk at layer 0's slots and returns layer 0's
-# positions / valid after the write (`ctx.fields['kv_state']`, see `shares_kv_state`). Exact:
-# those arrays are equal in every layer (each chunk writes every layer alike). Per step and
-# layer after the first, 3 in-place updates (positions, valid, length) and the fill's inputs
-# fewer. The cache then holds positions / valid / length only under layers_0. Off until timed
-# (bench/decode_program.py trace set 'kv1').
-_SHARED_KV_STATE = False
-
-
 def shares_kv_state(cfg: ModelConfig) -> bool:
-  """Whether a decode of `cfg` keeps one positions / valid / length (`_SHARED_KV_STATE`)."""
-  return _SHARED_KV_STATE and cfg.scheme == "dense" and cfg.sliding_window is None
-
-
-@contextlib.contextmanager
-def one_row_padding(on: bool):
-  """`_PAD_ONE_ROW` set to `on` while a program traces (Engine's k-step decode loop traces with
-  it off: inside XLA:GPU's while loop the 2-row GEMMs had the stacked weights copied every
-  iteration, a weight-sized memcpy a token; the one-step program copies no whole weight)."""
-  global _PAD_ONE_ROW
-  old, _PAD_ONE_ROW = _PAD_ONE_ROW, on
-  try:
-    yield
-  finally:
-    _PAD_ONE_ROW = old
+  """Whether a decode of `cfg` (Decoder unrolled) keeps ONE copy of its caches' bookkeeping: a
+  dense model without a sliding window (full caches only). Layer 0's KVCache then holds
+  positions / valid / length, every other layer's only key / value, written at layer 0's slots
+  (`ctx.fields['kv_state']`: layer 0's positions / valid after the write). Exact: those arrays
+  are equal in every layer (each chunk writes every layer alike); a step then runs 3 in-place
+  updates (positions, valid, length) and the fill's inputs once, not once a layer."""
+  return cfg.scheme == "dense" and cfg.sliding_window is None
 
 
 class Projection(nn.Module):
@@ -145,6 +103,12 @@ class Projection(nn.Module):
 
   q/k/v: kernel [D, N, H] (x [..., D] -> [..., N, H]); o: kernel [N, H, D] ([..., N, H] -> [..., D]).
   The kernel is created in its final shape, so its logical names always match its rank.
+  Decode shapes (same numbers as the plain contraction): a projection of ONE row (B * T == 1)
+  multiplies a 2-row operand (the row and a zero row) and keeps row 0 (XLA:GPU's algebraic
+  simplifier rewrites a dot of one row whose (M + N) * K is below 10M elements into an
+  elementwise multiply + reduce over the whole weight; a 2-row dot stays a GEMM); an input of
+  one token a row contracting two kernel dims (o_proj) contracts 2-D views ([..., N*H] x
+  [N*H, D]), so XLA:GPU reads the kernel in place instead of copying it before its GEMM.
   """
   shape: tuple[int, ...]
   names: tuple[str, ...]
@@ -158,12 +122,12 @@ class Projection(nn.Module):
     kernel = self.param("kernel", _init(self.names), self.shape, self.param_dtype)
     x = x.astype(self.dtype)
     lead = x.shape[:x.ndim - n_in]
-    one_row = _PAD_ONE_ROW and math.prod(lead) == 1
+    one_row = math.prod(lead) == 1
     if one_row:  # [1, ..., in] -> [2, in]: the row, then zeros
       x = x.reshape((1,) + x.shape[x.ndim - n_in:])
       x = jnp.concatenate([x, jnp.zeros_like(x)], axis=0)
     w, n_c = kernel.astype(self.dtype), n_in  # n_c: the dims the dot contracts
-    if n_in > 1 and _O_PROJ_2D and lead[-1:] == (1,):  # one token a row: [.., in] x [in, out]
+    if n_in > 1 and lead[-1:] == (1,):  # one token a row: [.., in] x [in, out]
       x = x.reshape(x.shape[:x.ndim - n_in] + (-1,))
       w, n_c = w.reshape(math.prod(self.shape[:n_in]), -1), 1
     y = lax.dot_general(x, w, ((tuple(range(x.ndim - n_c, x.ndim)), tuple(range(n_c))),
@@ -178,16 +142,10 @@ class Projection(nn.Module):
     return y
 
 
-# True: a one-token write into a full cache (decode) stores each array with ONE in-place update
-# (models.layers._write_one_token) instead of the general scatter that drops out-of-range slots.
-# XLA:GPU turns a single-index dropping scatter into a bounds predicate, a read of the slot's
-# old value, a select and the update, per array. Off: the general scatter
-# (bench/decode_program.py trace set 'oldwrite'; the A/B: docs/performance.md).
-_ONE_TOKEN_WRITE = True
-
-
 def _write_one_token(buf, val_B, slot_B):
-  """buf [B, S, ...] with val_B [B, ...] stored at (b, slot_B[b]) (slot_B in [0, S)).
+  """buf [B, S, ...] with val_B [B, ...] stored at (b, slot_B[b]) (slot_B in [0, S)): a
+  one-token write into a full cache (decode), one in-place update per array instead of the
+  general scatter that drops out-of-range slots.
 
   B = 1: one dynamic-update-slice (it clamps its start; no bounds check). B > 1: one scatter of
   B in-range, distinct, sorted slots. (An HLO scatter skips out-of-range updates whatever jax's
@@ -248,7 +206,7 @@ class KVCache(nn.Module):
       if kind != "full":
         raise ValueError(f"KVCache(shared=...) is for a full cache, not kind={kind!r}.")
       length_B = shared["length"]
-      if T == 1 and _ONE_TOKEN_WRITE:
+      if T == 1:
         keep_B = valid_BT[:, 0]
         slot_B = jnp.clip(shared["new_length"] - keep_B.astype(jnp.int32), 0, size - 1)
         zero = lambda x: jnp.where(keep_B.reshape((B,) + (1,) * (x.ndim - 1)), x,
@@ -274,7 +232,7 @@ class KVCache(nn.Module):
     else:
       raise ValueError(f"KVCache kind={kind!r}: choose 'full' or 'window'.")
     before = (ck.value, cv.value, cpos.value, cvalid.value)
-    if T == 1 and kind == "full" and _ONE_TOKEN_WRITE:
+    if T == 1 and kind == "full":
       # slot = the row's length; an inactive row stores zeros there (slots past the fill hold
       # zeros: unchanged). The slot is read off the new length behind a barrier: XLA:GPU
       # otherwise recomputes it from the old counter inside each update's fusion, and keeps

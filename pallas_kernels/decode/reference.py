@@ -1,7 +1,7 @@
 """Pure-jnp pieces of the decode kernels: the reference (the tree's one mask builder and one
 reference attention, pallas_kernels/compact_attention/reference.py) and the log-sum-exp merge of
-the kernels' kv parts (condattn_jax.ops.merge_attention_parts is this function; the decode paths
-merge through `merge_decode_parts`).
+the kernels' kv parts (`merge_parts`: condattn_jax.ops.merge_attention_parts, with the union's
+lse and a gradient; `merge_decode_parts`: the decode paths' forward-only merge).
 
 Importable without condattn_jax.
 """
@@ -63,35 +63,24 @@ def merge_parts(o, lse, axis: int):
   return out, jnp.where(empty, -jnp.inf, jnp.squeeze(mx, axis) + jnp.log(tot))
 
 
-# True: the decode paths (this package's kernels, ops' cuDNN split-KV path) merge their kv parts
-# with `merge_parts_one_pass` (one variadic reduction) instead of `merge_parts` (a max, a sum of
-# weights, the weights and a weighted sum). Off: measured no faster on a GPU (XLA:GPU fuses
-# merge_parts' reductions already; docs/performance.md); bench/decode_program.py trace set
-# 'onepass' turns it on.
-ONE_PASS_MERGE = False
-
-
-def merge_parts_one_pass(o, lse, axis: int):
-  """`merge_parts`' output (not its lse; forward only: no gradient) as ONE reduction over
-  `axis`: each element carries (running max m, sum of weights s, weighted sum a), combined as
-  an online softmax. A part with lse = -inf weighs 0; all parts empty -> zeros. float32."""
-  m = jnp.broadcast_to(jnp.expand_dims(lse.astype(jnp.float32), -1), o.shape)
-  seen = m != -jnp.inf  # an empty part is (-inf, 0, 0): the combiner's identity, as XLA assumes
-  o = jnp.where(seen, o.astype(jnp.float32), 0.0)
-
-  def combine(x, y):
-    (m1, s1, a1), (m2, s2, a2) = x, y
-    mx = jnp.maximum(m1, m2)
-    w1 = jnp.where(m1 == -jnp.inf, 0.0, jnp.exp(m1 - mx))
-    w2 = jnp.where(m2 == -jnp.inf, 0.0, jnp.exp(m2 - mx))
-    return mx, s1 * w1 + s2 * w2, a1 * w1 + a2 * w2
-  zero = jnp.zeros((), jnp.float32)
-  _, tot, acc = lax.reduce((m, seen.astype(jnp.float32), o), (jnp.float32(-jnp.inf), zero, zero),
-                           combine, (axis,))
-  return acc / jnp.where(tot == 0, 1.0, tot)
-
-
-def merge_decode_parts(o, lse, axis: int):
-  """The decode paths' merge of kv parts: `merge_parts_one_pass` (ONE_PASS_MERGE), else
-  `merge_parts`' output."""
-  return merge_parts_one_pass(o, lse, axis) if ONE_PASS_MERGE else merge_parts(o, lse, axis)[0]
+def merge_decode_parts(o, lse, axis: int, lse_perm: tuple[int, ...] | None = None):
+  """The decode paths' merge of kv parts (this package's kernels and condattn_jax.ops' cuDNN
+  split-KV path): `merge_parts`' output, float32, forward only. o [..., P, ..., H] (P on
+  `axis`), each part normalised over its own keys; lse the same axes without H, in o's order,
+  or in another order with `lse_perm` (lse.transpose(lse_perm) is in o's order: a kernel's
+  native lse layout, e.g. cuDNN's [.., K, G] beside outputs [.., G, K, H]). The max over parts
+  is taken in lse's own layout and only the weights are reordered; the weight total is an
+  extra channel of the one weighted sum over the parts. A part with lse = -inf weighs 0; all
+  parts empty -> zeros."""
+  lse = lse.astype(jnp.float32)
+  lse_axis = axis if lse_perm is None else lse_perm[axis]
+  mx = lax.stop_gradient(jnp.max(lse, axis=lse_axis, keepdims=True))
+  w = jnp.exp(lse - jnp.where(jnp.isfinite(mx), mx, 0.0))  # 0 for an empty part
+  if lse_perm is not None:
+    w = w.transpose(lse_perm)
+  o = o.astype(jnp.float32)
+  ext = jnp.concatenate([o, jnp.ones(o.shape[:-1] + (1,), jnp.float32)], axis=-1)
+  acc = jnp.sum(ext * w[..., None], axis=axis)  # [..., H + 1]: weighted o, weight total
+  H = o.shape[-1]
+  tot = acc[..., H:]
+  return acc[..., :H] / jnp.where(tot == 0, 1.0, tot)

@@ -435,10 +435,12 @@ def test_mosaic_tpu_block_lists_interpret_equals_reference():
   _close(out, ref)
 
 
-def test_one_pass_merge_equals_merge_parts():
-  """merge_parts_one_pass (the decode paths' merge: one variadic reduction) == merge_parts' output
-  over parts of very different lse, parts that see no key (lse -inf), a row whose parts are
-  all empty (zeros, no NaN) and a single part (an empty one: zeros)."""
+def test_decode_merge_equals_merge_parts():
+  """merge_decode_parts (the decode paths' merge: the weight total an extra channel of the one
+  weighted sum) == merge_parts' output over parts of very different lse, parts that see no key
+  (lse -inf), a row whose parts are all empty (zeros, no NaN) and a single part (an empty one:
+  zeros); with its lse in another layout (lse_perm: cuDNN's [.., K, G] beside o's [.., G, K, H])
+  the same numbers."""
   rng = np.random.default_rng(0)
   o = jnp.asarray(rng.standard_normal((3, 5, 4, 8)), jnp.float32)    # [B, P, rows, H]
   lse = rng.standard_normal((3, 5, 4)) * 30
@@ -446,11 +448,15 @@ def test_one_pass_merge_equals_merge_parts():
   lse[1, :, 2] = -np.inf                                              # a row that sees nothing
   lse[2, 3] = -np.inf
   lse = jnp.asarray(lse, jnp.float32)
-  got = jax.jit(lambda o, l: dk.merge_parts_one_pass(o, l, axis=1))(o, lse)
+  got = jax.jit(lambda o, l: dk.merge_decode_parts(o, l, axis=1))(o, lse)
   want, _ = dk.merge_parts(o, lse, axis=1)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(got[1, 2], 0.0)
   np.testing.assert_allclose(got[0], o[0, 0], rtol=1e-6)
-  one = dk.merge_parts_one_pass(o[:, 1:2], lse[:, 1:2], axis=1)  # one part (XLA drops the reduce)
+  one = dk.merge_decode_parts(o[:, 1:2], lse[:, 1:2], axis=1)  # one part
   np.testing.assert_allclose(one, dk.merge_parts(o[:, 1:2], lse[:, 1:2], axis=1)[0], rtol=1e-6)
   np.testing.assert_array_equal(one[0], 0.0)
+  o5 = o.reshape(3, 5, 2, 2, 8)                                       # [B, P, G, K, H]
+  lse_kg = lse.reshape(3, 5, 2, 2).transpose(0, 1, 3, 2)              # [B, P, K, G]
+  perm = jax.jit(lambda o, l: dk.merge_decode_parts(o, l, axis=1, lse_perm=(0, 1, 3, 2)))
+  np.testing.assert_allclose(perm(o5, lse_kg), want.reshape(3, 2, 2, 8), rtol=1e-5, atol=1e-6)
