@@ -16,11 +16,8 @@ r"""What one decode step runs: the op histogram of a compiled program, per layer
     # on the GPU: where a step's time goes, per variant in one process (profile_step): wall,
     # bare program, host dispatch, device-busy ms and kernels per token from a jax.profiler
     # trace, for both params layouts, XLA command buffers off / default / extended (CB_MODES),
-    # dot merging, the decode attention path (cuDNN split-KV / Mosaic GPU kernel / XLA
-    # reference), the step's kernel cuts switched off (TRACE_SETS 'oldwrite', 'oldproj': the
-    # program before them), cuts not yet on by default switched on ('onepass', 'o2d', 'fill1',
-    # 'kv1', 'wmerge', 'ctas2x') and k greedy steps per call (Engine.decode_greedy); prints a
-    # table
+    # dot merging, the decode attention path (TRACE_SETS: cuDNN split-KV / Mosaic GPU kernel /
+    # XLA reference) and bench/decode.py's plain-XLA per-layer step; prints a table
     python -m bench.decode_program --time --profile --T=8192,131072 --out_dir=bench/results
 
 A step at fixed T is bounded by its bytes (weights + K/V), but a small step is bounded by what
@@ -428,63 +425,31 @@ CB_MODES = {
 # Other XLA:GPU switches a variant can name (after its command-buffer mode, same syntax):
 # merge dots that share an operand however large (q/k/v, gate/up: XLA's default merges only
 # below 32 MB), GEMMs through cuBLAS instead of Triton (Triton GEMM fusions can take elementwise
-# prologues, cuBLAS cannot), no Triton block-level reduction fusions ('noblock').
+# prologues, cuBLAS cannot).
 OPTION_SETS = {**CB_MODES,
                "dotmerge": {"xla_gpu_dot_merger_threshold_mb": 1024},
-               "notriton": {"xla_gpu_enable_triton_gemm": False},
-               # reductions through XLA's own emitters, not Triton block-level fusions (the
-               # H100 HLO runs each RMSNorm's sum of squares as one: its residual add and
-               # scaling are then kernels of their own)
-               "noblock": {"xla_gpu_experimental_enable_fusion_block_level_rewriter": False}}
+               "notriton": {"xla_gpu_enable_triton_gemm": False}}
 # What a variant can change in the engine's traced program (engine layouts only): the decode
 # attention through the Mosaic GPU decode kernel where auto would run cuDNN's split-KV path
-# (pallas_kernels.decode's DecodeConfig(over_cudnn=True)), or through the XLA reference
-# (model attention_impl='reference': einsum over the cache with a length mask, like the
-# plain-XLA baseline); 'oldwrite': a decode step's cache writes through the general scatter that
-# drops out-of-range slots (models.layers._ONE_TOKEN_WRITE off; default: one in-place update per
-# array); 'oldproj': one-row q / k / v / o projections as one-row dots (models.layers.
-# _PAD_ONE_ROW off; default: a 2-row operand, so XLA:GPU keeps a GEMM; the k-step loop traces
-# it off either way); 'onepass': the decode attention's kv parts merged by one variadic
-# reduction (pallas_kernels.decode.reference.ONE_PASS_MERGE on; default: merge_parts); 'o2d':
-# the o_proj as a 2-D dot (models.layers._O_PROJ_2D on; default: [N, H, D]); 'fill1': every
-# layer's attention fill read off one per-step value (models.layers._SHARED_FILL on; default:
-# each layer's own counter); 'wmerge': cuDNN's kv parts merged in its lse layout, the weight
-# total as an extra channel of the one weighted sum (condattn_jax.ops._CUDNN_NATIVE_MERGE on);
-# 'kv1': positions / valid / length kept once, in layer 0's cache (models.layers.
-# _SHARED_KV_STATE on; the other layers write key / value only); 'ctas2x': cuDNN's decode
-# split aims at twice the programs (condattn_jax.ops.DECODE_CTAS 264 -> 528: about 4 per SM).
-TRACE_SETS = ("mgpu", "refattn", "oldwrite", "oldproj", "onepass", "o2d", "fill1", "wmerge",
-              "kv1", "ctas2x")
-# The switches (module, name, value) a trace set turns while the variant traces.
-_LAYER_FLAGS = {"oldwrite": ("condattn_jax.models.layers", "_ONE_TOKEN_WRITE", False),
-                "oldproj": ("condattn_jax.models.layers", "_PAD_ONE_ROW", False),
-                "onepass": ("pallas_kernels.decode.reference", "ONE_PASS_MERGE", True),
-                "o2d": ("condattn_jax.models.layers", "_O_PROJ_2D", True),
-                "fill1": ("condattn_jax.models.layers", "_SHARED_FILL", True),
-                "wmerge": ("condattn_jax.ops", "_CUDNN_NATIVE_MERGE", True),
-                "kv1": ("condattn_jax.models.layers", "_SHARED_KV_STATE", True),
-                "ctas2x": ("condattn_jax.ops", "DECODE_CTAS", 528)}
+# ('mgpu': pallas_kernels.decode's DecodeConfig(over_cudnn=True)), or through the XLA reference
+# ('refattn': model attention_impl='reference': einsum over the cache with a length mask, like
+# the plain-XLA baseline).
+TRACE_SETS = ("mgpu", "refattn")
 
 
 def _trace_context(sets):
   """The context the variant's program is traced in (TRACE_SETS' 'mgpu': the decode kernels'
-  backends with over_cudnn=True)."""
+  backends with over_cudnn=True; 'refattn' is a model config, set by the caller)."""
   import contextlib
   stack = contextlib.ExitStack()
-  if any(x in sets for x in ("mgpu", *_LAYER_FLAGS)):
+  if "mgpu" in sets:
     # jit reuses a trace per (function, static args, shapes) and engines of one config compare
     # equal: traces made outside the patch must not serve it, nor its trace later variants
     import jax
-    jax.clear_caches()
-    stack.callback(jax.clear_caches)
-  for name, (module, flag, value) in _LAYER_FLAGS.items():
-    if name in sets:
-      import importlib
-      from unittest import mock
-      stack.enter_context(mock.patch.object(importlib.import_module(module), flag, value))
-  if "mgpu" in sets:
     from unittest import mock
     from pallas_kernels import decode as pd
+    jax.clear_caches()
+    stack.callback(jax.clear_caches)
     new = tuple(dataclasses.replace(b, config=dataclasses.replace(b.config, over_cudnn=True))
                 if hasattr(getattr(b, "config", None), "over_cudnn") else b for b in pd.BACKENDS)
     stack.enter_context(mock.patch.object(pd, "BACKENDS", new))
@@ -495,35 +460,27 @@ def _trace_context(sets):
 # program op by op while a profile is active, which would time a different program).
 PROFILE_OPTIONS = {"xla_enable_command_buffers_during_profiling": True}
 LAYOUTS = ("stacked", "split", "xla_per_layer")
-PROFILE_VARIANTS = ("stacked:oldwrite:oldproj", "stacked", "split", "split:off",
-                    "split:extended", "split:dotmerge", "split:mgpu", "split:refattn",
-                    "split:k8", "split:extended:k8", "xla_per_layer")
+PROFILE_VARIANTS = ("stacked", "split", "split:off", "split:extended", "split:dotmerge",
+                    "split:mgpu", "split:refattn", "xla_per_layer")
 
 
-def parse_variant(v: str) -> tuple[str, tuple[str, ...], int]:
-  """'<layout>[:<set>]...[:k<steps per call>]' -> (layout, sets, k): layout one of LAYOUTS (the
-  engine's step on its stacked params or split_groups' layout, or bench/decode's plain-XLA
-  per-layer step), sets from OPTION_SETS (XLA options; at most one command-buffer mode of
-  CB_MODES; none = XLA's defaults) and TRACE_SETS (the engine's attention path), k > 1 =
-  Engine.decode_greedy's k greedy steps in one program."""
+def parse_variant(v: str) -> tuple[str, tuple[str, ...]]:
+  """'<layout>[:<set>]...' -> (layout, sets): layout one of LAYOUTS (the engine's step on its
+  stacked params or split_groups' layout, or bench/decode's plain-XLA per-layer step), sets
+  from OPTION_SETS (XLA options; at most one command-buffer mode of CB_MODES; none = XLA's
+  defaults) and TRACE_SETS (the engine's attention path)."""
   layout, *rest = v.split(":")
-  sets, k = [], 1
   if layout not in LAYOUTS:
     raise ValueError(f"--variants: {v!r}: layout {layout!r} is not one of {LAYOUTS}.")
   for x in rest:
-    if re.fullmatch(r"k[1-9]\d*", x):
-      k = int(x[1:])
-    elif x in OPTION_SETS or x in TRACE_SETS:
-      sets.append(x)
-    else:
-      raise ValueError(f"--variants: {v!r}: {x!r} is neither an option set "
-                       f"{tuple(OPTION_SETS) + TRACE_SETS} nor k<steps per call> (e.g. k8).")
-  if sum(x in CB_MODES for x in sets) > 1:
+    if x not in OPTION_SETS and x not in TRACE_SETS:
+      raise ValueError(f"--variants: {v!r}: {x!r} is not an option set "
+                       f"{tuple(OPTION_SETS) + TRACE_SETS}.")
+  if sum(x in CB_MODES for x in rest) > 1:
     raise ValueError(f"--variants: {v!r}: name at most one command-buffer mode {tuple(CB_MODES)}.")
-  if layout == "xla_per_layer" and (k > 1 or any(x in TRACE_SETS for x in sets)):
-    raise ValueError(f"--variants: {v!r}: k steps per call and {TRACE_SETS} change the engine "
-                     "only (stacked / split).")
-  return layout, tuple(sets), k
+  if layout == "xla_per_layer" and any(x in TRACE_SETS for x in rest):
+    raise ValueError(f"--variants: {v!r}: {TRACE_SETS} change the engine only (stacked / split).")
+  return layout, tuple(rest)
 
 
 def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, steps: int = 32,
@@ -531,12 +488,12 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
                  compiler_options: dict | None = None, hlo_dir: str | None = None,
                  hlo_variants=(), log=print) -> list[dict]:
   """Where one decode step's time goes, every variant (`parse_variant`) in ONE process, same
-  weights, each over a fresh `filled_cache` of T tokens (per token; k-step variants divide by k):
+  weights, each over a fresh `filled_cache` of T tokens (per token):
 
     ms          the bench's loop (bench.decode._timed_steps: argmax of the last logits and
-                pos0 + i dispatched beside every step; a k-step call has them inside)
-    bare_ms     the compiled program alone, called back to back on its own outputs (k = 1:
-                same token and position every call): ms - bare_ms = the bench's extra dispatches
+                pos0 + i dispatched beside every step)
+    bare_ms     the compiled program alone, called back to back on its own outputs (same
+                token and position every call): ms - bare_ms = the bench's extra dispatches
     host_ms     median time for the host to enqueue one call (the call returns before the
                 device has run it): host-bound when close to bare_ms
     busy_ms     device-busy time from a jax.profiler trace of `traced` bare calls (the union of
@@ -564,15 +521,15 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
   cfg = model_config(shapes, T=T)
   params = bd.init_params(cfg)
   split = (jax.jit(stacking.split_groups)(params)
-           if any(lay == "split" for _, lay, _, _ in parsed) else None)
+           if any(lay == "split" for _, lay, _ in parsed) else None)
   rows = []
-  for name, layout, sets, k in parsed:
+  for name, layout, sets in parsed:
     opts = {k_: v_ for x in sets if x in OPTION_SETS for k_, v_ in OPTION_SETS[x].items()}
     opts = {**opts, **PROFILE_OPTIONS, **(compiler_options or {})}
     row = dict(program="xla_per_layer" if layout == "xla_per_layer" else "engine", variant=name,
                params=layout, option_sets=list(sets),
                command_buffers=next((x for x in sets if x in CB_MODES), "default"),
-               steps_per_call=k, shapes=shapes, B=B, T=T,
+               shapes=shapes, B=B, T=T,
                compiler_options=opts, backend=_backend())
     traced_in = _trace_context(())  # a no-op until the variant's own is made
     try:
@@ -581,8 +538,7 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
       # trace context / attention impl must reach its own trace
       eng = Engine(dataclasses.replace(cfg, attention_impl="reference") if "refattn" in sets
                    else cfg, params, cache_len=T + bd.EXTRA)
-      # the variant's switches hold while its cache is made (a 'kv1' cache has another tree)
-      # and its program traced
+      # the variant's trace context holds while its program is traced
       traced_in = _trace_context(sets)
       traced_in.__enter__()
       logits = eng._commit(jnp.zeros((B, cfg.vocab_size), jnp.float32))
@@ -606,7 +562,7 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
         bench = lambda s, i: compiled(p, s[0], s[1], jnp.argmax(s[2], -1).astype(jnp.int32),
                                       jnp.int32(T + i), lengths + i)
         bare = lambda s: compiled(p, s[0], s[1], tok[:, 0], jnp.int32(T), lengths)
-      elif k == 1:
+      else:
         state = (filled_cache(eng, B, T), logits)
         t0 = time.perf_counter()
         lowered = Engine._step.lower(eng, p, state[0], tok, pos0, on, logits)
@@ -614,13 +570,6 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
         bench = lambda s, i: compiled(p, s[0], jnp.argmax(s[1], -1).astype(jnp.int32)[:, None],
                                       pos0 + i, on, s[1])[:2]
         bare = lambda s: compiled(p, s[0], tok, pos0, on, s[1])[:2]
-      else:
-        state = (filled_cache(eng, B, T), logits, pos0)
-        t0 = time.perf_counter()
-        lowered = Engine._greedy_steps.lower(eng, p, state[0], pos0, on, logits, k)
-        compiled = lowered.compile(compiler_options=opts)
-        bare = lambda s: compiled(p, s[0], s[2], on, s[1])[:2] + (s[2] + k,)
-        bench = lambda s, i: bare(s)
       traced_in.close()
       row["compile_s"] = time.perf_counter() - t0
       row.update(bd._mem(compiled))
@@ -635,10 +584,9 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
           f.write(text)
         row["hlo_file"] = path
       del text
-      row.update(launches=hist["launches"] / k, copy_bytes=hist["copy_bytes"] / k,
-                 histogram=hist)
+      row.update(launches=hist["launches"], copy_bytes=hist["copy_bytes"], histogram=hist)
       ms, runs, state = bd._timed_steps(bench, state, steps, repeats, warmup)
-      row.update(ms=ms / k, runs_ms=[r / k for r in runs])
+      row.update(ms=ms, runs_ms=runs)
       host, bare_runs = [], []
       for _ in range(repeats):
         t0 = time.perf_counter()
@@ -648,19 +596,18 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
           host.append(time.perf_counter() - t1)
         jax.block_until_ready(state)
         bare_runs.append((time.perf_counter() - t0) * 1e3 / steps)
-      row.update(bare_ms=statistics.median(bare_runs) / k,
-                 host_ms=statistics.median(host) * 1e3 / k)
+      row.update(bare_ms=statistics.median(bare_runs),
+                 host_ms=statistics.median(host) * 1e3)
       holder = [state]
 
       def call():
         holder[0] = bare(holder[0])
-        return holder[0][-2 if layout != "xla_per_layer" and k > 1 else -1]
+        return holder[0][-1]
       prof = common.trace_activity(call, traced)
       state = holder.pop()
-      row.update(busy_ms=prof["busy_ms"] / k, kernels=prof["kernels"] / k,
-                 span_ms=prof["span_ms"] / k, top=[[n, t / k] for n, t in prof["top"]],
-                 trace_lines=prof["lines"])
-      row["logits_finite"] = bool(jnp.all(jnp.isfinite(state[-2 if k > 1 else -1])))
+      row.update(busy_ms=prof["busy_ms"], kernels=prof["kernels"], span_ms=prof["span_ms"],
+                 top=[[n, t] for n, t in prof["top"]], trace_lines=prof["lines"])
+      row["logits_finite"] = bool(jnp.all(jnp.isfinite(state[-1])))
       row["status"] = "ok"
       log(f"{name}: {row['ms']:.3f} ms/token (bare {row['bare_ms']:.3f}, host "
           f"{row['host_ms']:.3f}, busy {row['busy_ms']:.3f}, {row['kernels']:.0f} kernels, "
@@ -717,7 +664,7 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--time", action="store_true", help="time the engine's step in this process "
                  "for each --variants params layout (time_step) instead of the tables")
   p.add_argument("--variants", default="stacked,split", help="--time: params layouts; with "
-                 "--profile: <layout>[:<option set>]...[:k<steps per call>] names (parse_variant;"
+                 "--profile: <layout>[:<option set>]... names (parse_variant;"
                  f" default {','.join(PROFILE_VARIANTS)})")
   p.add_argument("--profile", action="store_true", help="--time: every variant's wall, bare, "
                  "host-dispatch and device-busy ms, kernels per token (profile_step)")
