@@ -19,7 +19,11 @@ dq       grid (query tile, B, N): two compute warpgroups of block_q / 2 rows + a
 dk/dv    grid (K, kv tile, B): block_k / 64 compute warpgroups of 64 kv rows accumulate dk, dv
          over the steps of the transposed table (tables.transposed_step_tables: every (query
          head of the kv head, query tile) pair that visits the tile: native GQA), each in
-         block_q / 64 query sub-tiles of 64 rows streamed with their lse / delta.
+         block_q / 64 query sub-tiles of 64 rows streamed with their lse / delta through
+         `num_stages` TMA slots. A step's products: S^T = K Q^T, dP^T = V dO^T, dV += P^T dO,
+         dK += dS^T Q (P^T, dS^T from registers). overlap_dp: dP^T is issued right after S^T and
+         P^T computed while it runs (FlashAttention-3's order); default: S^T is waited for, then
+         dP^T and dV are issued together.
 Every output row is written (programs with no step write zeros / lse -inf), so `poison` needs no
 aliased buffer.
 
@@ -62,6 +66,7 @@ _COMPUTE_WGS = 2
 DKV_ROWS = 64        # kv rows per dk/dv compute warpgroup (wgmma M)
 DKV_SUB_Q = 64       # query rows per dk/dv step (128: two more 64 x 128 fp32 tiles live: spills)
 NUM_STAGES = 2       # TMA slots (three 128-row K/V stages do not fit beside Q at head_dim 128)
+DKV_MAX_STAGES = 4   # dk/dv: 4 stages of 64-row Q + dO (128 KB at head_dim 128) beside K, V (64 KB)
 _BIG = 2 ** 30
 
 
@@ -371,8 +376,13 @@ def dq(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, steps_BNQX, count_BN
 
 def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount_BKJ, qpos_BT,
         qseg_BIT, kvpos_BS, kvseg_BS, *, scale, window, sinks, block_q, block_k,
-        num_stages=NUM_STAGES, interpret=False):
-  """(dk, dv) [B, S, K, H] over the transposed step tables (tables.transposed_step_tables)."""
+        num_stages=NUM_STAGES, overlap_dp=False, interpret=False):
+  """(dk, dv) [B, S, K, H] over the transposed step tables (tables.transposed_step_tables).
+  num_stages: 64-row query sub-tiles (Q, dO, lse, delta) in flight, 1 to DKV_MAX_STAGES;
+  overlap_dp: the step order (module docstring)."""
+  if not 1 <= num_stages <= DKV_MAX_STAGES:
+    raise ValueError(f"dkv: num_stages must be in [1, {DKV_MAX_STAGES}] (the query sub-tiles in "
+                     f"flight; shared memory), got {num_stages}")
   B, T, N, H = q_BTNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   G = N // K
@@ -437,24 +447,45 @@ def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount
         plgpu.barrier_arrive(lse_used)
         plgpu.barrier_arrive(delta_used)
         return acc[...], lse2, delta
-      sT, lse2, delta = pl.run_scoped(s_fn, plgpu.ACC((bkw, bq), jnp.float32))
-      qrows = pl.ds((i * R + r) * bq, bq)
+      qrows_of = lambda: pl.ds((i * R + r) * bq, bq)
 
-      def masked():
+      def masked(sT, qrows):
         qp = plgpu.load(qpos_ref.at[b, qrows], layout=_COL, optimized=False)
         qs = None if qseg_ref is None else plgpu.load(qseg_ref.at[b, hsel, qrows], layout=_COL,
                                                       optimized=False)
         return _mask(sT, qp, qs, kvpos_ref, kvseg_ref, b, start, bkw, kind, window=window,
                      sinks=sinks, transposed=True)
-      sT = lax.cond(kind == KIND_FULL, lambda: sT, masked)
-      col = lambda x: lax.broadcast_in_dim(x, sT.shape, [1])
-      pT = jnp.exp2(sT * qk_scale - col(lse2))
+      col = lambda x: lax.broadcast_in_dim(x, (bkw, bq), [1])
 
-      def dp_fn(acc):
-        plgpu.wgmma(acc, v_smem, do_smem.T)
-        plgpu.wgmma(dv_acc, pT.astype(dtype), do_smem)
-        return plgpu.wgmma_accumulator_load(acc, wait_n=1)
-      dpT = pl.run_scoped(dp_fn, plgpu.ACC((bkw, bq), jnp.float32))
+      def p_of(sT, lse2, qrows):
+        sT = lax.cond(kind == KIND_FULL, lambda: sT, lambda: masked(sT, qrows))
+        return jnp.exp2(sT * qk_scale - col(lse2))
+
+      tile = plgpu.ACC((bkw, bq), jnp.float32)
+      if overlap_dp:
+        qrows = qrows_of()
+
+        def sdp_fn(s_acc, dp_acc):
+          plgpu.wgmma(s_acc, k_smem, q_smem.T)
+          plgpu.wgmma(dp_acc, v_smem, do_smem.T)
+          sT = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)   # S^T done, dP^T may run
+          lse2 = plgpu.load(lse_smem, layout=_COL)
+          delta = plgpu.load(delta_smem, layout=_COL)
+          plgpu.barrier_arrive(lse_used)
+          plgpu.barrier_arrive(delta_used)
+          pT = p_of(sT, lse2, qrows)
+          plgpu.wgmma(dv_acc, pT.astype(dtype), do_smem)
+          return pT, plgpu.wgmma_accumulator_load(dp_acc, wait_n=1), delta   # dV may run
+        pT, dpT, delta = pl.run_scoped(sdp_fn, tile, tile)
+      else:
+        sT, lse2, delta = pl.run_scoped(s_fn, tile)
+        pT = p_of(sT, lse2, qrows_of())
+
+        def dp_fn(acc):
+          plgpu.wgmma(acc, v_smem, do_smem.T)
+          plgpu.wgmma(dv_acc, pT.astype(dtype), do_smem)
+          return plgpu.wgmma_accumulator_load(acc, wait_n=1)
+        dpT = pl.run_scoped(dp_fn, tile)
       dsT = (pT * (dpT - col(delta))).astype(dtype)
       plgpu.wgmma(dk_acc, dsT, q_smem)
       plgpu.wgmma_wait(1)

@@ -73,6 +73,11 @@ def test_absl_flags_of_block_sparse_and_elastic_prefill(capsys):
   assert args.out_dir == "/tmp/x"
   assert bench.settings_from_flags(common.parse_flags(bench.FLAGS, ["--preset=test"])) == \
       bench.PRESETS["test"]
+  # --dkv_ab: ours_dense followed by its dk/dv variants (one process: the A/B)
+  s1 = bench.settings_from_flags(common.parse_flags(bench.FLAGS, ["--preset=test_mosaic_gpu",
+                                                                  "--dkv_ab"]))
+  assert s1.dkv_ab and s1.variants == ("fused", "ours_dense") + tuple(
+      f"ours_dense_dkv_{n}" for n in bench.DKV_VARIANTS)
   assert ep.main(["--preset=gpu", "--T=64", "--layers=1"]) == 2  # on CPU: refused, no run
   assert "needs a GPU" in capsys.readouterr().out
 
