@@ -158,15 +158,15 @@ class BlockSparseConfig:
     S^T = K Q^T and computes P^T while dP^T runs (FlashAttention-3's order); default False: S^T
     is waited for, then dP^T and dV are issued together (mosaic_gpu.dkv).
   mgpu_dkv_stages: 64-row query sub-tiles (Q, dO, lse, delta) the dk/dv kernel's TMA pipeline
-    keeps in flight, 1 to mosaic_gpu.DKV_MAX_STAGES (default 2).
+    keeps in flight, 2 to mosaic_gpu.DKV_MAX_STAGES = 4 (default 2).
   The A/B of both: bench/block_sparse.py --kernels_alone --dkv_ab."""
   mgpu_dkv_overlap_dp: bool = False
   mgpu_dkv_stages: int = 2
 
   def __post_init__(self):
     if (not isinstance(self.mgpu_dkv_stages, int) or isinstance(self.mgpu_dkv_stages, bool)
-        or not 1 <= self.mgpu_dkv_stages <= 4):
-      raise ValueError(f"BlockSparseConfig.mgpu_dkv_stages must be an int in [1, 4] (query "
+        or not 2 <= self.mgpu_dkv_stages <= 4):
+      raise ValueError(f"BlockSparseConfig.mgpu_dkv_stages must be an int in [2, 4] (query "
                        f"sub-tiles in flight; shared memory), got {self.mgpu_dkv_stages!r}")
 
 

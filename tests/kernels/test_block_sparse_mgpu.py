@@ -138,8 +138,8 @@ def test_step_tables_match_brute_force(segments):
       np.testing.assert_array_equal(e, want)
 
 
-@pytest.mark.parametrize("stages", [0, 5, 2.0, True])
-def test_config_rejects_dkv_stages_outside_1_to_4(stages):
+@pytest.mark.parametrize("stages", [1, 5, 2.0, True])
+def test_config_rejects_dkv_stages_outside_2_to_4(stages):
   with pytest.raises(ValueError, match="mgpu_dkv_stages"):
     BlockSparseConfig(mgpu_dkv_stages=stages)
 
