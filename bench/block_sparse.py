@@ -27,8 +27,9 @@ Appends a run (bench/common.py's schema 1: the result verbatim under `recorded`,
 targets as claims) to $OUT (or --out_dir) /block_sparse_<device>.json and prints the table last.
 --impl=mosaic_gpu times the Hopper kernel; --kernels_alone adds its three kernels timed alone
 (all heads full) beside cuDNN's forward and backward; with --dkv_ab also each dk/dv variant of
-DKV_VARIANTS (BlockSparseConfig's mgpu_dkv_ fields), its dk / dv checked against the default's. --match: MATCH's training attention on the
-block-sparse kernel vs its gathered path, SWA and dense (match_layers).
+DKV_VARIANTS (BlockSparseConfig's mgpu_dkv_ fields), its dk / dv checked against the default's.
+--match: MATCH's training attention on the block-sparse kernel vs its gathered path, SWA and
+dense (match_layers).
 """
 from __future__ import annotations
 
@@ -319,7 +320,7 @@ def run(s: Settings, log=print, out_dir=None):
                  dense_fwd_ms=base_f, dense_fwdbwd_ms=base_fb, visible_fraction=vis,
                  ideal_speedup=1 / vis, variants={})
       for name, f in variants(s, lists, mode, sparse_kv).items():
-        if name.startswith("ours_dense") and n_omega:   # the same call at every omega: timed once per T
+        if name.startswith("ours_dense") and n_omega:   # the same call at every omega: once a T
           continue
         r = {}
         try:
