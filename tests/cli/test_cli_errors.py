@@ -180,6 +180,9 @@ def test_eval_checkpoint_errors(tmp_path):
   f.write_text("x")
   p = cli("eval.py", f"--checkpoint={f}")
   assert_user_error(p, f"{f} is a file")
+  # --config and --workdir (the run directory) instead of --checkpoint
+  p = cli("eval.py", f"--config={TINY}", f"--workdir={tmp_path}/none")
+  assert_user_error(p, f"{tmp_path}/none", "does not exist")
 
 
 # ------------------------------------------------------------------- one shared trained run
