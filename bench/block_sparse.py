@@ -80,12 +80,19 @@ class Settings:
 
 # The Mosaic GPU dk/dv kernel's variants (BlockSparseConfig's mgpu_dkv_ fields) timed by --dkv_ab
 # against the default (overlap: dP^T issued with S^T, FlashAttention-3's order; stagesN: N query
-# sub-tiles in flight instead of 2).
+# sub-tiles in flight instead of 2; defer: a step's dK not waited for, its sub-tile released by
+# the next step).
+_C = BlockSparseConfig
 DKV_VARIANTS = {
-    "overlap": BlockSparseConfig(mgpu_dkv_overlap_dp=True),
-    "stages3": BlockSparseConfig(mgpu_dkv_stages=3),
-    "stages4": BlockSparseConfig(mgpu_dkv_stages=4),
-    "overlap_stages3": BlockSparseConfig(mgpu_dkv_overlap_dp=True, mgpu_dkv_stages=3),
+    "overlap": _C(mgpu_dkv_overlap_dp=True),
+    "stages3": _C(mgpu_dkv_stages=3),
+    "stages4": _C(mgpu_dkv_stages=4),
+    "overlap_stages3": _C(mgpu_dkv_overlap_dp=True, mgpu_dkv_stages=3),
+    "defer_stages3": _C(mgpu_dkv_defer_release=True, mgpu_dkv_stages=3),
+    "overlap_defer_stages3": _C(mgpu_dkv_overlap_dp=True, mgpu_dkv_defer_release=True,
+                                mgpu_dkv_stages=3),
+    "overlap_defer_stages4": _C(mgpu_dkv_overlap_dp=True, mgpu_dkv_defer_release=True,
+                                mgpu_dkv_stages=4),
 }
 
 
@@ -401,7 +408,7 @@ def kernels_alone(s: Settings, T: int, mode, log=print) -> dict:
     for name, config in DKV_VARIANTS.items():
       f = jax.jit(lambda q, k, v, c=config: mod.dkv(
           q, k, v, ct, lse, delta, tsteps, tcount, *rest, num_stages=c.mgpu_dkv_stages,
-          overlap_dp=c.mgpu_dkv_overlap_dp, **kw))
+          overlap_dp=c.mgpu_dkv_overlap_dp, defer_release=c.mgpu_dkv_defer_release, **kw))
       try:
         dk1, dv1 = f(q, k, v)
         ms = bench(f, q, k, v, n=s.n)

@@ -88,10 +88,12 @@ def test_full_heads_on_cudnn_split_matches_reference_gpu():
 
 hopper = pytest.mark.skipif(not api._is_hopper(), reason="Mosaic GPU kernels need a Hopper GPU")
 
-# The default kernels, and the dk/dv variant (BlockSparseConfig's mgpu_dkv_ fields: dP^T issued
-# with S^T, 3 query sub-tiles in flight).
+# The default kernels, and the dk/dv variants (BlockSparseConfig's mgpu_dkv_ fields: dP^T issued
+# with S^T, 3 query sub-tiles in flight, and each released by the next step).
 CONFIGS = {"default": None,
-           "dkv_overlap_stages3": BlockSparseConfig(mgpu_dkv_overlap_dp=True, mgpu_dkv_stages=3)}
+           "dkv_overlap_stages3": BlockSparseConfig(mgpu_dkv_overlap_dp=True, mgpu_dkv_stages=3),
+           "dkv_overlap_defer_stages3": BlockSparseConfig(
+               mgpu_dkv_overlap_dp=True, mgpu_dkv_stages=3, mgpu_dkv_defer_release=True)}
 
 
 @pytest.mark.gpu

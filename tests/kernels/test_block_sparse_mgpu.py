@@ -25,13 +25,16 @@ CASES = [
     # (dk/dv: one compute warpgroup)
     ("gqa_mixed", dict(T=256, N=4, K=2, L=2), None, None),
     # every mode in one launch, window + sinks, 128-key tiles (dk/dv: two compute warpgroups),
-    # 4 query heads on one kv head; the dk/dv variant (dP^T issued with S^T, 3 query sub-tiles in
-    # flight: the default dk/dv at 128-key tiles runs in cache_f16)
+    # 4 query heads on one kv head; the dk/dv variants (dP^T issued with S^T, 3 query sub-tiles
+    # in flight, each sub-tile released by the next step: the default dk/dv at 128-key tiles
+    # runs in cache_f16)
     ("modes_window_sinks", dict(T=256, N=4, K=1, L=2, window=70, sinks=5, block_k=128),
-     [F, B_, W, W], BlockSparseConfig(mgpu_dkv_overlap_dp=True, mgpu_dkv_stages=3)),
-    # packed documents with restarting positions, per-head active sets, mode 2 with a window
+     [F, B_, W, W], BlockSparseConfig(mgpu_dkv_overlap_dp=True, mgpu_dkv_stages=3,
+                                      mgpu_dkv_defer_release=True)),
+    # packed documents with restarting positions, per-head active sets, mode 2 with a window; dk/dv
+    # with dP^T issued with S^T, 3 query sub-tiles in flight
     ("documents_active_heads", dict(T=256, N=2, K=1, L=2, segments=2, active="head", window=50),
-     [W, B_], None),
+     [W, B_], BlockSparseConfig(mgpu_dkv_overlap_dp=True, mgpu_dkv_stages=3)),
     # a cache: keys before the queries at sorted positions with a validity mask, float16, two kv
     # heads, 128-key tiles at head_dim 128
     ("cache_f16", dict(T=128, S=256, N=2, K=2, L=3, H=128, kv_positions=True,
