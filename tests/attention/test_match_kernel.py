@@ -230,8 +230,8 @@ def test_hopper_engine_prefill_runs_the_block_sparse_kernel(caplog):
   recomputed retrieval for the last m) exported for an (abstract) H100: the SWA layers run the
   Mosaic GPU block-sparse forward and hold no gathered [B*G, w+c-1+k*c] K/V tensor; the gathered
   path's per-block keys (w+c-1+k*c = 511, which no GPU kernel takes) are padded to 512 and run
-  the compacted Mosaic GPU kernel (the aux rows' own attention is the compacted kernel's in both
-  programs). Neither lowering warns that a call
+  the compacted Mosaic GPU kernel (the aux rows' own attention and, in a call none of whose
+  blocks retrieves, the window's, are the compacted kernel's in both programs). Neither lowering warns that a call
   fell back to the O(T*S) reference (the block-sparse program traces the gathered path too, in
   the branch for other platforms)."""
   base = ModelConfig(family="qwen3", qk_norm="head", num_layers=2, vocab_size=64, hidden_size=128,
@@ -259,13 +259,19 @@ def test_hopper_engine_prefill_runs_the_block_sparse_kernel(caplog):
       return jax.export.export(jax.jit(step), platforms=["cuda"], disabled_checks=_DISABLED)(
           params, cache, i32((B, C)), i32((B, C)), i32((B, C)), i32((B,))).mlir_module()
 
-  mosaic = lambda text: [c for c in re.findall(r"custom_call @([\w.$]+)", text)
-                         if c.startswith("mosaic_gpu")]
+  def kernels(text):  # the Mosaic GPU kernels' names (their custom calls' locations)
+    names = []
+    for line in re.findall(r"^.*custom_call @mosaic_gpu.*$", text, re.M):
+      loc = re.search(r"loc\((#loc\d+)\)\s*$", line).group(1)
+      names += re.findall(r'"(\w+)_mgpu\w*/', re.search(rf"^{loc} = (.*)$", text, re.M).group(1))
+    return names
   ops._warn_once.cache_clear()  # (a warning is logged once a process)
   with caplog.at_level(logging.WARNING):
-    auto, gathered = program("auto"), program("gathered")
+    auto, gathered = kernels(program("auto")), program("gathered")
   assert not [r for r in caplog.records if "no kernel takes this call" in r.getMessage()]
-  # auto: per layer the aux rows' compacted call and the block-sparse forward; gathered: the aux
-  # rows' and the per-block compacted calls (unpadded, the latter would be the reference)
-  assert len(mosaic(gathered)) >= len(mosaic(auto)) == 4, (mosaic(auto), mosaic(gathered))
-  assert kv(512) in gathered and kv(511) not in gathered + auto
+  # compacted forwards: the aux rows' attention and (a call no block of which retrieves) the
+  # window's, in both; gathered: the per-block call's too (unpadded: the reference)
+  fwd = lambda names: names.count("compact_attention_fwd")
+  assert "block_sparse_fwd" in auto and "block_sparse_fwd" not in kernels(gathered), auto
+  assert fwd(kernels(gathered)) > fwd(auto) >= 2, (auto, kernels(gathered))
+  assert kv(512) in gathered and kv(511) not in gathered

@@ -58,7 +58,7 @@ from condattn_jax import ops
 from condattn_jax.attention.match.inputs import _take, block_inputs
 from condattn_jax.attention import options
 from condattn_jax.models.context import LayerContext
-from condattn_jax.models.layers import MLP, Attention, RMSNorm
+from condattn_jax.models.layers import MLP, Attention, RMSNorm, attend
 from condattn_jax.parallel import context
 
 
@@ -306,9 +306,27 @@ class MatchLayer(nn.Module):
     reaches and every query is after: only the listing makes them visible). aux_blocks (an
     engine call of several tokens): (k, v, ok) [B, Ga, R, ...] of the Ga aux blocks and the
     map block g -> aux block [B, G] (-1: none; None: the identity), so only Ga*R keys are
-    appended; None: `retrieved`'s G blocks."""
+    appended; None: `retrieved`'s G blocks. Such a call none of whose blocks retrieves a chunk
+    (a long prompt's calls before its last m positions) runs SWA's attention over the cache
+    instead (lax.cond: the same keys visible, the same ops.attention call as Attention.attend)."""
     o = options(self.config)
     cache = self.self_attn.write_cache(k, v, ctx) if ctx.decode else None
+    if aux_blocks is not None and cache is not None and q.shape[1] > 1:
+      k_all, v_all, kv_pos, kv_valid = cache
+      window_only = lambda: attend(q, k_all, v_all, q_positions_BT=ctx.positions_BT,
+                                   kv_positions_BS=kv_pos, kv_segment_ids_BS=kv_valid,
+                                   window=o.window, impl=o.impl)
+      return jax.lax.cond(
+          jnp.any(aux_blocks[2] != 0),
+          lambda: self._retrieving_attend(q, k, v, ctx, f, retrieved, aux_blocks, cache),
+          window_only)
+    return self._retrieving_attend(q, k, v, ctx, f, retrieved, aux_blocks, cache)
+
+  def _retrieving_attend(self, q, k, v, ctx: LayerContext, f: dict, retrieved, aux_blocks,
+                         cache):
+    """`_retrieved_attend`'s window OR retrieved chunks; cache: write_cache's result (decode)
+    or None."""
+    o = options(self.config)
     kw = {} if cache is None else dict(cache=cache)
     gathered = lambda: self._block_attend(q, k, v, ctx, f, retrieved, **kw)
     if o.attention_path == "gathered" or q.shape[1] == 1:
