@@ -313,18 +313,22 @@ def exported_text(program: str, cfg, B: int, T: int, platform: str = "cuda") -> 
 
 
 def table(program: str, shapes: str, B: int, T: int, *, layers=(2, 3), export: str | None = None,
-          full: bool = True) -> dict:
+          full: bool = True, scheme: str = "dense") -> dict:
   """{per_layer, fixed, total (at the shapes' own layer count, when `full`)} histograms of
-  `program` (compiled here, or exported for `export`)."""
+  `program` (compiled here, or exported for `export`); `scheme` (engine programs): bench/decode's
+  config of that scheme at context T."""
+  if scheme != "dense" and not program.startswith("engine"):
+    raise ValueError(f"--scheme={scheme}: program {program!r} is dense only; use engine / "
+                     "engine_split.")
   hist = ((lambda c: stablehlo_histogram(exported_text(program, c, B, T, export))) if export
           else (lambda c: op_histogram(compiled_text(program, c, B, T))))
   a, b = layers
-  ha, hb = hist(model_config(shapes, a)), hist(model_config(shapes, b))
+  ha, hb = (hist(model_config(shapes, n, scheme, T)) for n in (a, b))
   per, fixed = split_layers(ha, a, hb, b)
-  out = dict(program=program, shapes=shapes, B=B, T=T, layers=layers,
+  out = dict(program=program, scheme=scheme, shapes=shapes, B=B, T=T, layers=layers,
              backend=f"export:{export}" if export else _backend(), per_layer=per, fixed=fixed)
   if full:
-    cfg = model_config(shapes)
+    cfg = model_config(shapes, None, scheme, T)
     out["num_layers"] = cfg.num_layers
     out["total"] = hist(cfg)
   return out
@@ -648,6 +652,8 @@ def main(argv=None) -> list[dict]:
   import argparse
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--shapes", default="qwen2.5-1.5b")
+  p.add_argument("--scheme", default="dense", help="tables of the engine programs: the scheme "
+                 "(bench/decode.py's config of it at --T)")
   p.add_argument("--B", type=int, default=1)
   p.add_argument("--T", default="8192", help="context (--time: a comma list)")
   p.add_argument("--programs", default="engine,engine_split,xla_per_layer",
@@ -719,7 +725,8 @@ def main(argv=None) -> list[dict]:
   layers = tuple(int(x) for x in a.layers.split(","))
   rows = []
   for prog in a.programs.split(","):
-    r = table(prog, a.shapes, a.B, int(a.T), layers=layers, export=a.export, full=not a.no_full)
+    r = table(prog, a.shapes, a.B, int(a.T), layers=layers, export=a.export, full=not a.no_full,
+              scheme=a.scheme)
     rows.append(r)
     print(json.dumps(r, indent=1), flush=True)
   if a.out:

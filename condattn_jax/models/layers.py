@@ -142,6 +142,16 @@ class Projection(nn.Module):
     return y
 
 
+def _read_one_token(buf, slot_B):
+  """buf[b, slot_B[b]] [B, ...] (slot_B in [0, S)): a dynamic slice at B = 1, a gather else."""
+  B = buf.shape[0]
+  if B == 1:
+    start = (0, slot_B[0]) + (0,) * (buf.ndim - 2)
+    return lax.dynamic_slice(buf, start, (1, 1) + buf.shape[2:])[:, 0]
+  idx = slot_B.astype(jnp.int32).reshape((B, 1) + (1,) * (buf.ndim - 2))
+  return jnp.take_along_axis(buf, idx, axis=1)[:, 0]
+
+
 def _write_one_token(buf, val_B, slot_B):
   """buf [B, S, ...] with val_B [B, ...] stored at (b, slot_B[b]) (slot_B in [0, S)): a
   one-token write into a full cache (decode), one in-place update per array instead of the
@@ -184,7 +194,8 @@ class KVCache(nn.Module):
   A full cache's slots past a row's length hold zeros (writes fill a prefix; Engine resets
   zero a row). A one-token chunk into a full cache (decode) relies on it: each array is
   stored with one in-place update at slot `length` (an inactive row stores zeros there, i.e.
-  nothing changes), where a longer chunk goes through a scatter that drops padding. A row
+  nothing changes); into a ring, at slot `length % size` (an inactive row stores the slot's
+  old value back); a longer chunk goes through a scatter that drops padding. A row
   that already holds `size` tokens has no slot left: a longer chunk's extra tokens are
   dropped, while a one-token step, active or not, overwrites its last slot (callers never ask
   for either: Engine.generate / serve refuse prompt + max_new_tokens > cache_len).
@@ -232,30 +243,37 @@ class KVCache(nn.Module):
     else:
       raise ValueError(f"KVCache kind={kind!r}: choose 'full' or 'window'.")
     before = (ck.value, cv.value, cpos.value, cvalid.value)
-    if T == 1 and kind == "full":
-      # slot = the row's length; an inactive row stores zeros there (slots past the fill hold
-      # zeros: unchanged). The slot is read off the new length behind a barrier: XLA:GPU
-      # otherwise recomputes it from the old counter inside each update's fusion, and keeps
-      # the old counter alive by a copy (a kernel a layer) since the add updates it in place
+    if T == 1:
+      # one in-place update per array at the row's slot: a full cache's length (an inactive
+      # row stores zeros there: slots past the fill hold zeros, unchanged), a ring's length %
+      # size (an inactive row stores the slot's old value back: a ring's slots may all be
+      # live). The slot is read off the new length behind a barrier: XLA:GPU otherwise
+      # recomputes it from the old counter inside each update's fusion, and keeps the old
+      # counter alive by a copy (a kernel a layer) since the add updates it in place
       keep_B = valid_BT[:, 0]
-      new_len_B = lax.optimization_barrier(length_B + keep_BT[:, 0].astype(jnp.int32))
-      slot_B = jnp.clip(new_len_B - keep_B.astype(jnp.int32), 0, size - 1)
-      zero = lambda x: jnp.where(keep_B.reshape((B,) + (1,) * (x.ndim - 1)), x,
-                                 jnp.zeros((), x.dtype))
-      ck.value = _write_one_token(ck.value, zero(k_BTKH[:, 0]), slot_B)
-      cv.value = _write_one_token(cv.value, zero(v_BTKH[:, 0]), slot_B)
-      cpos.value = _write_one_token(cpos.value, zero(positions_BT[:, 0]), slot_B)
-      cvalid.value = _write_one_token(cvalid.value, keep_B.astype(jnp.int32), slot_B)
+      new_len_B = lax.optimization_barrier(length_B + keep_B.astype(jnp.int32))
+      old_len_B = new_len_B - keep_B.astype(jnp.int32)
+      slot_B = jnp.clip(old_len_B, 0, size - 1) if kind == "full" else old_len_B % size
+
+      def write(buf, val_B):
+        other = (jnp.zeros((), buf.dtype) if kind == "full" else _read_one_token(buf, slot_B))
+        val_B = jnp.where(keep_B.reshape((B,) + (1,) * (val_B.ndim - 1)),
+                          val_B.astype(buf.dtype), other)
+        return _write_one_token(buf, val_B, slot_B)
+      ck.value = write(ck.value, k_BTKH[:, 0])
+      cv.value = write(cv.value, v_BTKH[:, 0])
+      cpos.value = write(cpos.value, positions_BT[:, 0])
+      cvalid.value = write(cvalid.value, jnp.ones((B,), jnp.int32))
       clen.value = new_len_B
-      return ck.value, cv.value, cpos.value, cvalid.value
-    slot_BT = jnp.where(keep_BT, slot_BT, size)  # out of range: dropped by the scatter
-    rows_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-    put = lambda buf, val: buf.at[rows_BT, slot_BT].set(val.astype(buf.dtype), mode="drop")
-    ck.value = put(ck.value, k_BTKH)
-    cv.value = put(cv.value, v_BTKH)
-    cpos.value = put(cpos.value, positions_BT)
-    cvalid.value = put(cvalid.value, jnp.ones((B, T), jnp.int32))
-    clen.value = length_B + n_B
+    else:
+      slot_BT = jnp.where(keep_BT, slot_BT, size)  # out of range: dropped by the scatter
+      rows_BT = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+      put = lambda buf, val: buf.at[rows_BT, slot_BT].set(val.astype(buf.dtype), mode="drop")
+      ck.value = put(ck.value, k_BTKH)
+      cv.value = put(cv.value, v_BTKH)
+      cpos.value = put(cpos.value, positions_BT)
+      cvalid.value = put(cvalid.value, jnp.ones((B, T), jnp.int32))
+      clen.value = length_B + n_B
     if kind == "full" or after_write:
       return ck.value, cv.value, cpos.value, cvalid.value
     k0, v0, p0, ok0 = before

@@ -147,3 +147,17 @@ def test_h100_export_runs_one_cudnn_call_per_layer():
   assert per["stablehlo.reduce"] == 4
   assert not any(k in h[3] for k in ("stablehlo.while", "custom_call:mosaic_gpu_v2",
                                      "custom_call:__gpu$xla.gpu.triton"))
+
+
+def test_h100_export_of_l2a_writes_its_ring_in_place():
+  """`table(..., scheme='l2a', export='cuda')` (--scheme): L2A's decode step exported for an
+  abstract H100 runs two cuDNN decode calls a layer (the local ring read after its write, the
+  global cache) and writes both caches with one in-place update per array (the ring's one-token
+  write included: no scatter, each ring array's slot read back for an inactive row)."""
+  t = dp.table("engine", "tiny-qwen", 1, 256, export="cuda", full=False, scheme="l2a")
+  per = t["per_layer"]
+  assert t["scheme"] == "l2a" and per["custom_call:__cudnn$fmhaSoftmax"] == 2
+  assert per["stablehlo.dynamic_update_slice"] == 8 and per["stablehlo.dynamic_slice"] == 4
+  assert "stablehlo.scatter" not in per
+  with pytest.raises(ValueError, match="dense only"):
+    dp.table("xla_per_layer", "tiny-qwen", 1, 256, scheme="l2a")

@@ -35,24 +35,27 @@ def test_split_layers_engine_generates_the_same(params):
     np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["full", "window"])
 @pytest.mark.parametrize("B", [1, 3])
-def test_one_token_write_equals_the_dropping_scatter(B):
-  """A one-token write into a full cache (one in-place update per array, a
-  dynamic-update-slice at B = 1, a scatter of B in-range slots else) leaves the cache exactly
-  as the general scatter that drops padding (the same token as a 2-token chunk whose second
-  token is padding), for ragged fills (slots past a row's length hold zeros) with an inactive
-  row (nothing changes), and its program holds no scatter at B = 1 (a one-index scatter is a
-  bounds check + old-value select on XLA:GPU)."""
+def test_one_token_write_equals_the_dropping_scatter(B, kind):
+  """A one-token write (one in-place update per array, a dynamic-update-slice at B = 1, a
+  scatter of B in-range slots else) leaves the cache, and returns the keys, exactly as the
+  general scatter that drops padding (the same token as a 2-token chunk whose second token is
+  padding), for ragged fills (a full cache's slots past a row's length hold zeros; a ring that
+  wrapped, one empty, one partial) with an inactive row (nothing changes), and its program
+  holds no scatter at B = 1 (a one-index scatter is a bounds check + old-value select on
+  XLA:GPU)."""
   from condattn_jax.models import layers
   size, K, H = 5, 2, 8
   rng = np.random.default_rng(0)
-  length = np.asarray([3, 0, 4][:B], np.int32)
-  filled = (np.arange(size)[None] < length[:, None])
+  length = np.asarray([3 if kind == "full" else 7, 0, 4][:B], np.int32)
+  filled = (np.arange(size)[None] < np.minimum(length, size)[:, None])
   cache = dict(key=jnp.asarray(rng.standard_normal((B, size, K, H)) * filled[..., None, None],
                                jnp.float32),
                value=jnp.asarray(rng.standard_normal((B, size, K, H)) * filled[..., None, None],
                                  jnp.float32),
-               positions=jnp.asarray(np.where(filled, np.arange(size)[None], 0), jnp.int32),
+               positions=jnp.asarray(np.where(filled, rng.integers(1, 9, (B, size)), 0),
+                                     jnp.int32),
                valid=jnp.asarray(filled, jnp.int32), length=jnp.asarray(length))
   k = jnp.asarray(rng.standard_normal((B, 1, K, H)), jnp.float32)
   v = jnp.asarray(rng.standard_normal((B, 1, K, H)), jnp.float32)
@@ -61,17 +64,18 @@ def test_one_token_write_equals_the_dropping_scatter(B):
     valid = jnp.asarray(valid)
 
     def write(k=k, v=v, pos=pos, valid=valid):
-      return layers.KVCache().apply({"cache": cache}, k, v, pos, valid, kind="full", size=size,
-                                    mutable=["cache"])[1]["cache"]
-    new = jax.jit(write)()
+      return layers.KVCache().apply({"cache": cache}, k, v, pos, valid, kind=kind, size=size,
+                                    after_write=True, mutable=["cache"])
+    seen, new = jax.jit(write)()
     if B == 1:
       assert "scatter" not in str(jax.make_jaxpr(write)())
     pad = lambda x: jnp.concatenate([x, jnp.zeros_like(x)], axis=1)
-    ref = write(pad(k), pad(v), pad(pos), pad(valid))  # the scatter that drops padding
-    jax.tree.map(np.testing.assert_array_equal, new, ref)
+    ref_seen, ref = write(pad(k), pad(v), pad(pos), pad(valid))  # the dropping scatter
+    jax.tree.map(np.testing.assert_array_equal, (seen, new), (ref_seen, ref))
+    new = new["cache"]
     np.testing.assert_array_equal(new["length"], length + np.asarray(valid)[:, 0])
     if bool(valid[0, 0]):
-      np.testing.assert_array_equal(new["key"][0, length[0]], k[0, 0])
+      np.testing.assert_array_equal(new["key"][0, length[0] % size], k[0, 0])
 
 
 def test_decode_equals_the_scanned_decode_and_the_forward(params):
