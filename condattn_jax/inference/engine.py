@@ -16,9 +16,10 @@ mutable=['cache'])` on a chunk [B, C] with per-row positions and a validity mask
 right-padded; padding tokens are never written to a cache and never attended). Each layer owns
 its cache, one per layer (`cache/layers_{i}`: the decoder's `unroll_layers` mode), donated to the
 jitted step and written in place (`stacked_cache` views it in the scanned layout). A layer's
-cache: `models.layers.KVCache` (per-row lengths, full or window ring; L2A: a window ring for
-the local branch and a full cache for the global branch, written for every token, read only by
-tokens routed global). The engine never names a scheme: it threads the 'cache' collection, whose
+cache: `models.layers.KVCache` (per-row lengths, full or window ring; a dense model's layers
+after the first hold key / value only, their positions / valid / length are layers_0's:
+`models.layers.shares_kv_state`; L2A: a window ring for the local branch and a full cache for
+the global branch, written for every token, read only by tokens routed global). The engine never names a scheme: it threads the 'cache' collection, whose
 structure it reads off the model (`init_cache`: zeros of the abstract cache), collects the
 per-row entries of the layers' aux (`Generation.stats`), and reads one optional declaration of
 the scheme's layer class:

@@ -108,7 +108,7 @@ class Projection(nn.Module):
   simplifier rewrites a dot of one row whose (M + N) * K is below 10M elements into an
   elementwise multiply + reduce over the whole weight; a 2-row dot stays a GEMM); an input of
   one token a row contracting two kernel dims (o_proj) contracts 2-D views ([..., N*H] x
-  [N*H, D]), so XLA:GPU reads the kernel in place instead of copying it before its GEMM.
+  [N*H, D]): one GEMM operand shape for every decode batch size.
   """
   shape: tuple[int, ...]
   names: tuple[str, ...]
