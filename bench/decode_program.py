@@ -490,7 +490,7 @@ def parse_variant(v: str) -> tuple[str, tuple[str, ...]]:
 def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, steps: int = 32,
                  repeats: int = 3, warmup: int = 3, traced: int = 8,
                  compiler_options: dict | None = None, hlo_dir: str | None = None,
-                 hlo_variants=(), log=print) -> list[dict]:
+                 hlo_variants=(), scheme: str = "dense", log=print) -> list[dict]:
   """Where one decode step's time goes, every variant (`parse_variant`) in ONE process, same
   weights, each over a fresh `filled_cache` of T tokens (per token):
 
@@ -511,6 +511,8 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
   hlo_dir: the compiled HLO text of each of `hlo_variants` goes to
   `<hlo_dir>/<variant>_B<B>_T<T>.hlo.txt.gz` (':' -> '_'), for reading its fusions offline.
 
+  scheme: the engine's model is bench/decode.py's config of that scheme at context T.
+
   On a CPU backend every field is measured the same way (a plumbing check: its 'kernels' are
   the XLA CPU client's host-thread events)."""
   import statistics
@@ -522,7 +524,9 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
   from condattn_jax.inference import Engine
   from condattn_jax.models import stacking
   parsed = [(v, *parse_variant(v)) for v in variants]
-  cfg = model_config(shapes, T=T)
+  if scheme != "dense" and any(lay == "xla_per_layer" for _, lay, _ in parsed):
+    raise ValueError(f"--scheme={scheme}: the xla_per_layer variant is dense only.")
+  cfg = model_config(shapes, scheme=scheme, T=T)
   params = bd.init_params(cfg)
   split = (jax.jit(stacking.split_groups)(params)
            if any(lay == "split" for _, lay, _ in parsed) else None)
@@ -533,7 +537,7 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
     row = dict(program="xla_per_layer" if layout == "xla_per_layer" else "engine", variant=name,
                params=layout, option_sets=list(sets),
                command_buffers=next((x for x in sets if x in CB_MODES), "default"),
-               shapes=shapes, B=B, T=T,
+               scheme=scheme, shapes=shapes, B=B, T=T,
                compiler_options=opts, backend=_backend())
     traced_in = _trace_context(())  # a no-op until the variant's own is made
     try:
@@ -652,8 +656,8 @@ def main(argv=None) -> list[dict]:
   import argparse
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--shapes", default="qwen2.5-1.5b")
-  p.add_argument("--scheme", default="dense", help="tables of the engine programs: the scheme "
-                 "(bench/decode.py's config of it at --T)")
+  p.add_argument("--scheme", default="dense", help="the tables' engine programs and --profile: "
+                 "the scheme (bench/decode.py's config of it at --T)")
   p.add_argument("--B", type=int, default=1)
   p.add_argument("--T", default="8192", help="context (--time: a comma list)")
   p.add_argument("--programs", default="engine,engine_split,xla_per_layer",
@@ -699,7 +703,7 @@ def main(argv=None) -> list[dict]:
         rows += profile_step(a.shapes, a.B, T, variants=variants, steps=a.steps,
                              repeats=a.repeats, traced=a.traced, compiler_options=opts,
                              hlo_dir=a.hlo_dir if first else None,
-                             hlo_variants=tuple(a.hlo_variants.split(",")))
+                             hlo_variants=tuple(a.hlo_variants.split(",")), scheme=a.scheme)
         print(profile_table(rows), flush=True)
         if a.out:  # after every context: a timeout still leaves the contexts done
           with open(a.out, "w") as f:
@@ -711,7 +715,8 @@ def main(argv=None) -> list[dict]:
       if a.out_dir:
         from bench import common
         run = common.new_run("decode_program", dict(
-            name=a.name, shapes=a.shapes, B=a.B, T=[int(t) for t in str(a.T).split(",")],
+            name=a.name, scheme=a.scheme, shapes=a.shapes, B=a.B,
+            T=[int(t) for t in str(a.T).split(",")],
             variants=[r["variant"] for r in rows], steps=a.steps, repeats=a.repeats,
             traced=a.traced, options=opts))
         run["rows"] = [{k: v for k, v in r.items() if k != "trace_lines"} for r in rows]
