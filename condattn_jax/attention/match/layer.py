@@ -72,6 +72,17 @@ _BEFORE_ALL = -2 ** 29
 _GATHERED_KV_MULTIPLE = 128
 
 
+def _per_block(aux_blocks):
+  """(k, v, ok) [B, G, R, ...] of each block from the aux blocks' (k, v, ok) [B, Ga, R, ...] and
+  the map block g -> aux block [B, G] (-1: none, ok 0; None: aux block g is block g)."""
+  k, v, ok, idx = aux_blocks
+  if idx is None:
+    return k, v, ok
+  at = lambda t: jnp.take_along_axis(
+      t, jnp.maximum(idx, 0).reshape(idx.shape + (1,) * (t.ndim - 2)), axis=1)
+  return at(k), at(v), jnp.where((idx >= 0)[..., None], at(ok), 0)
+
+
 def block_sparse_runs(o, q_shape, kv_shape, dtype, platform) -> bool:
   """Whether options.attention_path='auto' runs the block-sparse path when lowered for `platform`
   (a pallas_kernels.backends.Platform): the one resolver (ops.resolve) has a block-sparse kernel
@@ -316,9 +327,12 @@ class MatchLayer(nn.Module):
       window_only = lambda: attend(q, k_all, v_all, q_positions_BT=ctx.positions_BT,
                                    kv_positions_BS=kv_pos, kv_segment_ids_BS=kv_valid,
                                    window=o.window, impl=o.impl)
+      # (the retrieving branch maps the aux blocks to blocks itself: the fresh K/V a call of
+      # several tokens uses, and no [B, G, R] copy is made for the calls that skip it)
       return jax.lax.cond(
           jnp.any(aux_blocks[2] != 0),
-          lambda: self._retrieving_attend(q, k, v, ctx, f, retrieved, aux_blocks, cache),
+          lambda: self._retrieving_attend(q, k, v, ctx, f, _per_block(aux_blocks), aux_blocks,
+                                          cache),
           window_only)
     return self._retrieving_attend(q, k, v, ctx, f, retrieved, aux_blocks, cache)
 
@@ -434,12 +448,7 @@ class MatchLayer(nn.Module):
       # the Ga aux blocks as they are (the block-sparse path appends only these) and the map
       # block g -> aux block (-1: none; None: aux block g is block g)
       aux_blocks = (k_aux, v_aux, ok_BGR, f.get("match_aux_block_BG"))
-      if "match_aux_block_BG" in f:
-        idx = f["match_aux_block_BG"]
-        at = lambda t: jnp.take_along_axis(
-            t, jnp.maximum(idx, 0).reshape(idx.shape + (1,) * (t.ndim - 2)), axis=1)
-        k_aux, v_aux = at(k_aux), at(v_aux)
-        ok_BGR = jnp.where((idx >= 0)[..., None], at(ok_BGR), 0)
+      k_aux, v_aux, ok_BGR = _per_block(aux_blocks)
       if ctx.decode and retrieves:
         k_aux, v_aux, ok_BGR = self.retrieved_cache(k_aux, v_aux, ok_BGR, f["match_fresh_B"],
                                                     f["match_g_last_B"], all_fresh=T > 1)
