@@ -1,8 +1,10 @@
-"""A user's first day (issue 27), as subprocesses: a checkpoints/ folder that cannot be written
-(before the first step and in the middle of a run: one ERROR line, no Orbax wait, what can be
-kept is kept), the resume after it (one metrics record per step, a changed config said and
-kept, the metrics plot), init_from config.json errors, and the small CLI roughness (--help, a misspelt recipe variant, the TPU backend line, the eval-on-training-files
-warning).
+"""A user's first day (issue 27), the programs run as a user runs them (test_cli_errors.cli: a
+fork of the CLI runner; the run whose folder turns unwritable mid-run and the TPU-line check in
+new interpreters): a checkpoints/ folder that cannot be written (before the first step and in
+the middle of a run: one ERROR line, no Orbax wait, what can be kept is kept), the resume after
+it (one metrics record per step, a changed config said and kept, the metrics plot), init_from
+config.json errors, and the small CLI roughness (--help, a misspelt recipe variant, the TPU
+backend line, the eval-on-training-files warning).
 
 The unwritable directory: `chattr +i` when the tests run as root (root ignores mode bits) and
 the file system supports it, else chmod 0o555; skipped when neither can stop a write.
