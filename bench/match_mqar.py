@@ -5,14 +5,17 @@ r"""MATCH reproduction on MQAR (paper App. B.3.1 / Table C.3), pre-registered (C
   # H100s: one process per (method, length), 4 per GPU (bench/match_segmented_gpu.sh mqar, on
   # a 4-GPU host; docs/schemes/match.md#reproduction-mqar). Each writes its progress file:
   CONDATTN_GIT_COMMIT=<sha> python bench/match_mqar.py --preset=h100 --methods=full \
-      --lengths=512 --data_workers=4 --progress=$OUT/mqar_full_512.json --out_dir=$OUT/full_512
+      --lengths=128 --data_workers=4 --progress=$OUT/mqar_full_128.json --out_dir=$OUT/full_128
+  # lengths 256 / 512: one process per lr (--lrs=1e-3 ... --progress=$OUT/mqar_full_512_1e-3.json)
   # then here: one run with every length, named sweep_h100, in bench/results/match_mqar_<GPU>.json
   python bench/match_mqar.py --preset=h100 --merge=<files_at>/mqar_full_512.json,...
 
 Protocol (the paper's, scaled): 2-layer qwen3-style decoders (width 64, 4 heads), every length
 trained SEPARATELY from scratch on fresh MQAR rows of that length (num_pairs per length as the
 paper's 4..64 pairs: 64->4, 128->8, 256->16, 512->64; min_gap 0; keys from [1, V/2), values from
-[V/2, V)), AdamW with 10% warmup and cosine decay, an LR sweep per method (best LR by the mean
+[V/2, V); the presets' query slots as Zoology draws them: Settings.query_power), the LM head
+tied to the embedding (Settings.tie_embeddings, as Zoology's models), AdamW with 10% warmup and
+cosine decay, an LR sweep per method (best LR by the mean
 over seeds; the baselines' own sweep may hold more lrs: Settings.method_lrs), 2-3 seeds (init
 and data), evaluated on held-out rows (stream 1): accuracy = answer tokens argmax-correct. Only
 the answer positions reach the LM head (answer_logits), held-out rows are evaluated eval_chunk
@@ -92,11 +95,30 @@ class Settings:
   # (length, g) pairs: at that length the M models run g at a time (lax.map over groups of g
   # vmapped models: memory of g models, not M); other lengths vmap all M at once
   model_groups: tuple = ()
+  # the LM head is the token embedding (Zoology's MQAR models tie them); untied, the head
+  # must learn every value token's own output row, which 4096 value tokens (vocabulary 8192)
+  # seen ~200 times each in 2 epochs of 100K rows do not give it
+  tie_embeddings: bool = False
+  # MQAR query slots: None = uniform over the query region, a = Zoology's power law (its
+  # power_a, 0.01: most queries near the pairs; condattn_jax.data.synthetic.MQAR.query_power)
+  query_power: float | None = None
 
 
 def method_lrs(s: Settings, method: str) -> tuple:
   """The learning rates swept for `method`."""
   return dict(s.method_lrs).get(method, s.lrs)
+
+
+def job_lrs(s: Settings, method: str) -> tuple:
+  """The lrs of `method` this process trains: its whole sweep, or (--lrs, one job of a sweep
+  split over processes) the sweep's lrs among LRS, in the sweep's order."""
+  sweep = method_lrs(s, method)
+  if LRS is None:
+    return sweep
+  got = tuple(x for x in sweep if any(math.isclose(x, y) for y in LRS))
+  if not got:
+    raise ValueError(f"--lrs={list(LRS)} holds none of {method}'s swept lrs {list(sweep)}")
+  return got
 
 
 def over_models(s: Settings, length: int, fn, xs, *shared):
@@ -109,20 +131,25 @@ def over_models(s: Settings, length: int, fn, xs, *shared):
 
 
 PRESETS = {
-    # 2 CPU cores shared with other jobs: 2 lengths x 4 methods x 3 lrs x 2 seeds, width 32,
-    # 800 steps of 16 rows (12.8K samples a model: far below the paper's 100K)
-    "cpu": Settings(),
+    # 2 CPU cores: 2 lengths x 4 methods x 2 lrs x 2 seeds, width 64, 1000 steps of 64 fresh
+    # rows (64K a model), Zoology's query placement; untied head (64 value tokens need no tie).
+    # (The first preset, width 32 and 800 steps of 16 rows, left full attention at 0.21.)
+    "cpu": Settings(lrs=(1e-3, 3e-3), width=64, heads=4, steps=1000, batch=64,
+                    query_power=0.01),
     # H100 (jax 0.11.2): the paper's lengths, width 64, vocabulary 8192, 100K training rows a
     # seed (the paper's count) seen twice (3200 steps of 64), 3 seeds; the baselines sweep one
-    # lower lr besides (their own sweep). One process per (method, length) (--methods,
-    # --lengths), several per GPU: compiled on CPU, the largest (length 512, 12 models run 4 at
+    # lower lr besides (their own sweep); tied embeddings and Zoology's query placement
+    # (power 0.01), as the Zoology models and data the paper's MQAR follows. One process per
+    # (method, length) (--methods, --lengths; at lengths 256 / 512 one per lr, --lrs, joined by
+    # --merge), several per GPU: compiled on CPU, the largest (length 512, 12 models run 4 at
     # a time) needs ~9 GiB of temporaries a step and ~2 GiB an evaluation call
     # (tests/bench/test_match_bench.py::test_h100_preset_fits_a_shared_gpu).
     "h100": Settings(lengths=(64, 128, 256, 512), vocab=8192, width=64, heads=4, steps=3200,
                      batch=64, seeds=(0, 1, 2), eval_rows=1024, eval_every=400, eval_chunk=64,
                      train_rows=100_000, model_groups=((512, 4),),
                      method_lrs=(("full", (3e-4, 1e-3, 3e-3, 1e-2)),
-                                 ("swa", (3e-4, 1e-3, 3e-3, 1e-2)))),
+                                 ("swa", (3e-4, 1e-3, 3e-3, 1e-2))),
+                     tie_embeddings=True, query_power=0.01),
     # CI (tests/bench/test_match_bench.py, SWA and MATCH only): length 64, the sweep's best
     # MATCH lr, one seed, 300 steps (where the sweep's MATCH / SWA curves separate)
     "test": Settings(lengths=(64,), lrs=(3e-3,), seeds=(0,), steps=300, batch=16,
@@ -154,7 +181,7 @@ def model_config(s: Settings, method: str, length: int, retrieved_kv: str = "seq
   base = ModelConfig(family="qwen3", qk_norm="head", vocab_size=s.vocab, hidden_size=s.width,
                      intermediate_size=2 * s.width, num_layers=2, num_heads=s.heads,
                      num_kv_heads=s.heads, head_dim=s.width // s.heads, rope_theta=10000.0,
-                     attention_impl="reference")
+                     tie_word_embeddings=s.tie_embeddings, attention_impl="reference")
   # 'reference' attention (XLA) everywhere: the models are vmapped, and rows <= 512 tokens
   kw = dict(window=s.window, chunk=s.chunk, top_k=s.top_k, impl="reference")
   kw.update(METHODS[method])
@@ -166,7 +193,8 @@ def model_config(s: Settings, method: str, length: int, retrieved_kv: str = "seq
 
 
 def task(s: Settings, length: int) -> MQAR:
-  return MQAR(seq_len=length, vocab_size=s.vocab, num_pairs=pairs(length))
+  return MQAR(seq_len=length, vocab_size=s.vocab, num_pairs=pairs(length),
+              query_power=s.query_power)
 
 
 def rows(t: MQAR, seed: int, n: int, stream: int) -> dict[str, np.ndarray]:
@@ -186,6 +214,7 @@ def rows(t: MQAR, seed: int, n: int, stream: int) -> dict[str, np.ndarray]:
 
 
 DATA_WORKERS = 1  # processes making training rows (--data_workers)
+LRS = None  # --lrs: the subset of each method's swept lrs this process trains (job_lrs)
 DEADLINE = None  # time.time() by which training stops at an evaluation (--deadline_s)
 
 
@@ -289,7 +318,7 @@ def train_length(s: Settings, method: str, length: int, log=print) -> dict:
   m // len(seeds), seed m % len(seeds)."""
   step_fn, acc_train, acc_rc, model = programs(s, method, length)
   t = task(s, length)
-  lrs = method_lrs(s, method)
+  lrs = job_lrs(s, method)
   nL, nS = len(lrs), len(s.seeds)
   M = nL * nS
   init = [nn.unbox(model.init(jax.random.PRNGKey(seed), jnp.zeros((1, length), jnp.int32))
@@ -335,7 +364,7 @@ def compiled_memory(s: Settings, method: str, length: int) -> dict:
   (method, length) on the default backend (nothing runs): {'step_temp', 'step_args',
   'eval_temp', 'eval_args', 'recompute_eval_temp' (retrieving methods)}."""
   step_fn, acc, acc_rc, model = programs(s, method, length)
-  M = len(method_lrs(s, method)) * len(s.seeds)
+  M = len(job_lrs(s, method)) * len(s.seeds)
   sd = lambda shape, dt=jnp.int32: jax.ShapeDtypeStruct(shape, dt)
   p1 = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.PRNGKey(0),
                                                   jnp.zeros((1, length), jnp.int32))["params"]))
@@ -362,8 +391,8 @@ def summarize(s: Settings, per: dict) -> dict:
   out = {}
   for method, by_len in per.items():
     out[method] = {}
-    lrs = method_lrs(s, method)
     for length, r in by_len.items():
+      lrs = r.get("lrs") or method_lrs(s, method)  # a --lrs job: its own lrs
       seq = np.asarray(r["final"]["sequence"]).reshape(len(lrs), nS)
       best = int(np.argmax(seq.mean(1)))
       row = {"best_lr": lrs[best], "lr_means": [round(float(x), 4) for x in seq.mean(1)]}
@@ -463,12 +492,13 @@ def merge_progress(s: Settings, paths) -> dict:
     for m, by in data.items():
       for n, r in by.items():
         if int(n) in s.lengths:
-          per.setdefault(m, {})[int(n)] = r
-          secs[f"{m}/{n}"] = r["seconds"]
+          per.setdefault(m, {}).setdefault(int(n), []).append(r)
         else:  # a length the sweep did not finish: kept, not judged
           partial.setdefault(m, {})[n] = r["final"]
   if len(devices) > 1:
     raise ValueError(f"--merge: the progress files come from different devices: {devices}")
+  per = {m: {n: join_lr_jobs(s, m, n, parts) for n, parts in by.items()} for m, by in per.items()}
+  secs = {f"{m}/{n}": r["seconds"] for m, by in per.items() for n, r in by.items()}
   got = sorted({n for by in per.values() for n in by})
   if got != sorted(s.lengths) or any(sorted(by) != got for by in per.values()):
     raise ValueError(f"--merge: the progress files hold lengths {got} (per method: "
@@ -478,6 +508,33 @@ def merge_progress(s: Settings, paths) -> dict:
   if partial:
     out["partial"] = partial  # {method: {length: finals}} of lengths outside the settings
   return out
+
+
+def join_lr_jobs(s: Settings, method: str, length: int, parts: list) -> dict:
+  """One (method, length) result from the results of jobs that trained disjoint parts of its
+  lr sweep (--lrs; a single part is returned as is): finals and curves concatenated in the
+  sweep's lr order (model m = lr index * seeds + seed), seconds = the longest job's. The parts
+  must cover the sweep once and hold the same evaluation steps."""
+  sweep = list(method_lrs(s, method))
+  where = lambda r: sweep.index(min(sweep, key=lambda x: abs(x - r.get("lrs", sweep)[0])))
+  parts = sorted(parts, key=where)
+  lrs = [x for r in parts for x in r.get("lrs", sweep)]
+  if len(lrs) != len(sweep) or not all(math.isclose(a, b) for a, b in zip(lrs, sweep)):
+    raise ValueError(f"--merge: the {method}/{length} jobs trained lrs {lrs}, not the sweep's "
+                     f"{sweep} once each")
+  if len(parts) == 1:
+    return parts[0]
+  steps = {tuple(r["curves"]["step"]) for r in parts}
+  if len(steps) != 1:
+    raise ValueError(f"--merge: the {method}/{length} jobs evaluated at different steps "
+                     f"{sorted(steps)} (one stopped early: rerun it)")
+  cat = lambda rows: [x for row in rows for x in row]
+  return {"final": {sem: cat(r["final"][sem] for r in parts) for sem in parts[0]["final"]},
+          "curves": {"step": parts[0]["curves"]["step"],
+                     **{k: [cat(at) for at in zip(*(r["curves"][k] for r in parts))]
+                        for k in ("loss", "acc")}},
+          "lrs": sweep, "stopped_at": parts[0].get("stopped_at"),
+          "seconds": max(r["seconds"] for r in parts)}
 
 
 START = time.time()  # the process's start (as `timeout` counts it, up to the imports)
@@ -493,6 +550,8 @@ flags.DEFINE_integer("data_workers", 1, "processes making the training rows", fl
 flags.DEFINE_float("deadline_s", None, "seconds after the start by which a training stops at "
                    "an evaluation (recorded as stopped_early), so that a time-limited job still "
                    "writes its progress", flag_values=FLAGS)
+flags.DEFINE_list("lrs", None, "train only these of each method's swept lrs (one job of a sweep "
+                  "split over processes; --merge joins the jobs)", flag_values=FLAGS)
 flags.DEFINE_list("merge", None, "progress files to merge into one result (no training): runs "
                   "of this preset over disjoint lengths", flag_values=FLAGS)
 
@@ -504,8 +563,9 @@ def main(argv=None):
     s = dataclasses.replace(s, steps=a.steps)
   if a.lengths:
     s = dataclasses.replace(s, lengths=tuple(int(x) for x in a.lengths))
-  global DATA_WORKERS, DEADLINE
+  global DATA_WORKERS, DEADLINE, LRS
   DATA_WORKERS = a.data_workers
+  LRS = None if a.lrs is None else tuple(float(x) for x in a.lrs)
   DEADLINE = None if a.deadline_s is None else START + a.deadline_s
   methods = tuple(a.methods or METHODS)
   if set(methods) - set(METHODS):

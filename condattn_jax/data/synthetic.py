@@ -19,7 +19,11 @@ MQAR (multi-query associative recall, Zoology / Arora et al. 2024; MATCH App. B.
   tokens after the value of its pair (in fact after every pair): a sliding window of
   w <= min_gap + 1 tokens at the query cannot see any pair, and L layers of window w
   reach at most L * (w - 1) back, so choose min_gap >= L * w for a multi-layer model.
-  params: vocab_size, num_pairs, num_queries (None = num_pairs), min_gap, num_examples.
+  The slots are drawn uniformly (`query_power` None), or as Zoology's generator draws them
+  (`query_power` = its power_a, 0.01 there): slot j (0-based) with probability proportional
+  to (j + 1) ** (query_power - 1), without replacement, so most queries sit near the pairs.
+  params: vocab_size, num_pairs, num_queries (None = num_pairs), min_gap, query_power,
+  num_examples.
 
 NIAH (needle in a haystack):
   vocabulary: 0 unused, 1 = NEEDLE marker, 2 = QUERY marker, 3 reserved,
@@ -76,9 +80,10 @@ class MQAR:
   num_queries: int | None = None
   min_gap: int = 0
   num_examples: int | None = None
+  query_power: float | None = None  # None: uniform query slots; a > 0: p(j) ~ (j + 1)^(a - 1)
 
   DEFAULTS = dict(vocab_size=8192, num_pairs=8, num_queries=None, min_gap=0,
-                  num_examples=None)
+                  num_examples=None, query_power=None)
 
   def __post_init__(self):
     v, n, q = self.vocab_size, self.num_pairs, self.queries
@@ -92,6 +97,9 @@ class MQAR:
       raise ValueError(f"data.task.num_queries={q} must be in [1, num_pairs={n}]")
     if self.min_gap < 0:
       raise ValueError(f"data.task.min_gap={self.min_gap} must be >= 0")
+    if self.query_power is not None and not self.query_power > 0:
+      raise ValueError(f"data.task.query_power={self.query_power} must be > 0 (Zoology: 0.01) "
+                       "or None (uniform query slots)")
     if self.num_slots < q:
       need = 2 * n + self.min_gap + 2 * q - 1
       raise ValueError(
@@ -113,6 +121,13 @@ class MQAR:
   def __len__(self) -> int:
     return UNBOUNDED if self.num_examples is None else self.num_examples
 
+  def _slot_p(self) -> np.ndarray | None:
+    """Probabilities of the query slots (None: uniform)."""
+    if self.query_power is None:
+      return None
+    p = np.arange(1, self.num_slots + 1, dtype=np.float64) ** (self.query_power - 1.0)
+    return p / p.sum()
+
   def example(self, seed: int, index: int, stream: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng([seed, stream, index])
     v, n, q = self.vocab_size, self.num_pairs, self.queries
@@ -122,7 +137,7 @@ class MQAR:
     s[0:2 * n:2] = keys
     s[1:2 * n:2] = values
     asked = rng.choice(n, size=q, replace=False)
-    slots = rng.choice(self.num_slots, size=q, replace=False)
+    slots = rng.choice(self.num_slots, size=q, replace=False, p=self._slot_p())
     qpos = self.query_start + 2 * slots
     s[qpos] = keys[asked]
     s[qpos + 1] = values[asked]

@@ -47,6 +47,10 @@ def test_mqar_criteria_can_fail():
   bad["swa"]["64"]["sequence"] = 0.3
   assert match_mqar.verdict(match_mqar.check_criteria(bad)).startswith("not judged")
   bad = json.loads(json.dumps(good))
+  bad["full"]["128"]["sequence"] = 0.94  # full attention below 0.95 at one length only
+  assert match_mqar.verdict(match_mqar.check_criteria(bad)) == (
+      "not judged: baselines not fair (full_fair failed)")
+  bad = json.loads(json.dumps(good))
   bad["full"]["128"]["plateau"] = False
   assert match_mqar.verdict(match_mqar.check_criteria(bad)) == (
       "not judged: baselines not fair (baselines_plateau failed)")
@@ -57,6 +61,61 @@ def test_mqar_criteria_can_fail():
   bad = json.loads(json.dumps(good))
   bad["random"]["128"]["sequence"] = 0.9
   assert match_mqar.verdict(match_mqar.check_criteria(bad)) == "fail: random_near_swa"
+
+
+def test_mqar_query_power_places_queries_near_the_pairs():
+  """The presets' MQAR rows (query_power 0.01, Zoology's placement): most queries sit in the
+  first slots after the pairs (uniform slots: about a quarter in the first quarter), each answer
+  is its key's value, and a power <= 0 is refused."""
+  import numpy as np
+  t = match_mqar.task(match_mqar.PRESETS["h100"], 64)
+  uniform = match_mqar.dataclasses.replace(t, query_power=None)
+  assert t.query_power == 0.01 and match_mqar.task(match_mqar.PRESETS["cpu"], 64).query_power
+  first_quarter = lambda task: np.mean([
+      (np.nonzero(task.example(0, i)["loss_mask"])[0] - task.query_start) // 2 < task.num_slots // 4
+      for i in range(300)])
+  assert first_quarter(t) > 0.5 and 0.15 < first_quarter(uniform) < 0.35
+  for i in range(20):
+    r = t.example(0, i)
+    pairs = dict(zip(r["inputs"][:2 * t.num_pairs:2], r["inputs"][1:2 * t.num_pairs:2]))
+    q = np.nonzero(r["loss_mask"])[0]
+    assert len(q) == t.num_pairs and all(pairs[r["inputs"][j]] == r["targets"][j] for j in q)
+  with pytest.raises(ValueError, match="query_power"):
+    match_mqar.dataclasses.replace(t, query_power=0.0)
+
+
+def test_mqar_merge_joins_lr_jobs(tmp_path):
+  """A (method, length) trained as jobs over parts of its lr sweep (--lrs) merges into the
+  sweep's result: finals and curves in the sweep's lr order whatever the files' order, and the
+  summary's best lr is found across jobs; a sweep covered twice or partly is refused."""
+  s = match_mqar.dataclasses.replace(match_mqar.PRESETS["test"], lrs=(1e-3, 3e-3), seeds=(0, 1))
+  settings = json.loads(json.dumps(match_mqar.dataclasses.asdict(s)))
+
+  def job(method, lrs, accs):
+    curves = {"step": [150, 300], "loss": [[2.0] * len(accs), [1.0] * len(accs)],
+              "acc": [[a / 2 for a in accs], accs]}
+    final = {"sequence": accs, **({"recompute": accs} if method in match_mqar.RETRIEVES else {})}
+    return {"final": final, "curves": curves, "lrs": lrs, "stopped_at": None, "seconds": 1.0}
+
+  def write(name, per):
+    path = str(tmp_path / name)
+    with open(path, "w") as f:
+      json.dump({"device": "cpu", "settings": settings, "per": per}, f)
+    return path
+
+  paths = [write("hi.json", {"full": {"64": job("full", [3e-3], [0.9, 0.7])}}),
+           write("lo.json", {"full": {"64": job("full", [1e-3], [0.2, 0.4])}}),
+           write("rest.json", {m: {"64": job(m, [1e-3, 3e-3], [0.1, 0.1, 0.2, 0.2])}
+                               for m in ("swa", "match", "random")})]
+  r = match_mqar.merge_progress(s, paths)
+  assert r["finals"]["full"]["64"]["sequence"] == [0.2, 0.4, 0.9, 0.7]
+  assert r["curves"]["full"]["64"]["acc"] == [[0.1, 0.2, 0.45, 0.35], [0.2, 0.4, 0.9, 0.7]]
+  assert r["summary"]["full"]["64"]["best_lr"] == 3e-3 and r["summary"]["full"]["64"][
+      "sequence"] == 0.8
+  with pytest.raises(ValueError, match="not the sweep's"):
+    match_mqar.merge_progress(s, paths + [paths[0]])
+  with pytest.raises(ValueError, match="not the sweep's"):
+    match_mqar.merge_progress(s, paths[1:])
 
 
 def test_memory_bench_match_flat():
