@@ -136,15 +136,16 @@ PRESETS = {
     # (The first preset, width 32 and 800 steps of 16 rows, left full attention at 0.21.)
     "cpu": Settings(lrs=(1e-3, 3e-3), width=64, heads=4, steps=1000, batch=64,
                     query_power=0.01),
-    # H100 (jax 0.11.2): the paper's lengths, width 64, vocabulary 8192, 100K training rows a
+    # H100 (jax 0.11.2): the paper's lengths, width 128, vocabulary 8192, 100K training rows a
     # seed (the paper's count) seen twice (3200 steps of 64), 3 seeds; the baselines sweep one
     # lower lr besides (their own sweep); tied embeddings and Zoology's query placement
     # (power 0.01), as the Zoology models and data the paper's MQAR follows. One process per
     # (method, length) (--methods, --lengths; at lengths 256 / 512 one per lr, --lrs, joined by
     # --merge), several per GPU: compiled on CPU, the largest (length 512, 12 models run 4 at
-    # a time) needs ~9 GiB of temporaries a step and ~2 GiB an evaluation call
+    # a time) needs ~11 GiB of temporaries a step and ~2 GiB an evaluation call; its job of one
+    # lr (3 models) fits a quarter of a card
     # (tests/bench/test_match_bench.py::test_h100_preset_fits_a_shared_gpu).
-    "h100": Settings(lengths=(64, 128, 256, 512), vocab=8192, width=64, heads=4, steps=3200,
+    "h100": Settings(lengths=(64, 128, 256, 512), vocab=8192, width=128, heads=4, steps=3200,
                      batch=64, seeds=(0, 1, 2), eval_rows=1024, eval_every=400, eval_chunk=64,
                      train_rows=100_000, model_groups=((512, 4),),
                      method_lrs=(("full", (3e-4, 1e-3, 3e-3, 1e-2)),

@@ -175,13 +175,14 @@ def test_answer_logits_and_chunked_accuracy_equal_the_full_logits():
   assert acc[0] >= 25 / 40
 
 
-def test_h100_preset_fits_a_shared_gpu():
-  """The H100 preset's largest job (full attention at length 512: 4 lrs x 3 seeds = 12 models,
-  4 at a time) compiles on CPU to <= 12 GiB of step temporaries and <= 4 GiB an evaluation
-  call, so 3-4 jobs share one 80 GiB GPU. (Before: logits of every position and the 1024
-  held-out rows in one call asked 24 GiB at length 128 and 96 GiB at 512.)"""
+def test_h100_preset_fits_a_shared_gpu(monkeypatch):
+  """The H100 preset's largest job (full attention at length 512, one lr of its sweep: --lrs,
+  3 seeds = 3 models) compiles on CPU to <= 12 GiB of step temporaries and <= 4 GiB an
+  evaluation call, so 4 jobs share one 80 GiB GPU. (Before: logits of every position and the
+  1024 held-out rows in one call asked 24 GiB at length 128 and 96 GiB at 512.)"""
   s = match_mqar.PRESETS["h100"]
   assert dict(s.model_groups) == {512: 4} and len(match_mqar.method_lrs(s, "full")) == 4
+  monkeypatch.setattr(match_mqar, "LRS", (1e-3,))
   m = match_mqar.compiled_memory(s, "full", 512)
   assert m["step_temp"] <= 12 * 2**30 and m["eval_temp"] <= 4 * 2**30, m
   # the 2-GPU calls cap a length-512 job at CAP[512] of an 80 GB card (4 jobs a card): the
