@@ -4,7 +4,11 @@
 # from the repository root with CONDATTN_GIT_COMMIT set (DEVELOPERS.md) and the wheels
 # installed (pip install --no-deps .whl/*.whl); what comes back is under $OUT.
 #
-#   bash bench/match_segmented_gpu.sh mqar   # MQAR h100: 16 (method, length) jobs, 4 a GPU
+#   bash bench/match_segmented_gpu.sh mqar 256 128 64   # MQAR h100 on 4 GPUs, call 1: 12 jobs
+#   bash bench/match_segmented_gpu.sh mqar512            #   call 2: length 512, one job per
+#                                            # (method, lr): 14 jobs (a 12-model job at width 128
+#                                            # passes 440 s); --merge joins a method's lr jobs
+#   bash bench/match_segmented_gpu.sh mqar   # the older plan: 16 (method, length) jobs, 4 a GPU
 #   GPUS=2 bash bench/match_segmented_gpu.sh mqar 512 256   # two GPUs: call 1 (8 jobs, 4 a GPU)
 #   GPUS=2 bash bench/match_segmented_gpu.sh mqar 128 64    #           call 2
 #   bash bench/match_segmented_gpu.sh seg    # segmented h100 (GPU 1 mod $GPUS) + far_gpu (GPU
@@ -80,6 +84,19 @@ mqar() {  # mqar [lengths...]: none = every length, the 4-GPU layout
     done
   done
 }
+mqar512() {  # the length-512 jobs one per (method, lr): 14 jobs, job k on GPU k mod $GPUS (a
+  # 12-model job at width 128 would pass its 440 s deadline and its memory cap)
+  local m lr k=0
+  for m in full swa match random; do
+    for lr in $(python -c "import sys; sys.path.insert(0, 'bench'); import match_mqar as q; print(*q.method_lrs(q.PRESETS['h100'], '$m'))"); do
+      CUDA_VISIBLE_DEVICES=$(( k % GPUS )) XLA_PYTHON_CLIENT_MEM_FRACTION=${CAP[512]} timeout 480 \
+        python bench/match_mqar.py --preset=h100 --methods=$m --lengths=512 --lrs=$lr \
+        --data_workers=3 --deadline_s=440 --progress=$OUT/mqar_${m}_512_$lr.json \
+        --out_dir=$OUT/mqar_runs/${m}_512_$lr > $OUT/mqar_${m}_512_$lr.log 2>&1 &
+      k=$(( k + 1 ))
+    done
+  done
+}
 seg() {
   mkdir -p out/segfid
   # (the h100 dense step compiled on CPU with the reference attention: 74.5 GiB of temporaries,
@@ -115,10 +132,11 @@ far_on() {  # far_on <gpu>: the far_recall run; checkpoints travel through $OUT 
 }
 case $what in
   mqar) mqar "$@" ;;
+  mqar512) mqar512 ;;
   seg) seg ;;
   all) mqar; seg ;;
   far) far_on 0 ;;
-  *) echo "usage: $0 mqar|seg|all|far" >&2; exit 2 ;;
+  *) echo "usage: $0 mqar|mqar512|seg|all|far" >&2; exit 2 ;;
 esac
 wait
 tail -n 3 $OUT/*.log
