@@ -450,9 +450,7 @@ def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount
           for used in (q_used, do_used, lse_used, delta_used):
             plgpu.barrier_arrive(used)
 
-      def s_fn(acc):
-        plgpu.wgmma(acc, k_smem, q_smem.T)
-        plgpu.wgmma_wait(0)
+      def load_stats():   # this step's lse and delta; frees their slots (or the last step's)
         lse2 = plgpu.load(lse_smem, layout=_COL)
         delta = plgpu.load(delta_smem, layout=_COL)
         if defer_release:
@@ -460,6 +458,12 @@ def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount
         else:
           plgpu.barrier_arrive(lse_used)
           plgpu.barrier_arrive(delta_used)
+        return lse2, delta
+
+      def s_fn(acc):
+        plgpu.wgmma(acc, k_smem, q_smem.T)
+        plgpu.wgmma_wait(0)
+        lse2, delta = load_stats()
         return acc[...], lse2, delta
       qrows_of = lambda: pl.ds((i * R + r) * bq, bq)
 
@@ -483,13 +487,7 @@ def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount
           plgpu.wgmma(s_acc, k_smem, q_smem.T)
           plgpu.wgmma(dp_acc, v_smem, do_smem.T)
           sT = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)   # S^T done, dP^T may run
-          lse2 = plgpu.load(lse_smem, layout=_COL)
-          delta = plgpu.load(delta_smem, layout=_COL)
-          if defer_release:
-            release_previous()
-          else:
-            plgpu.barrier_arrive(lse_used)
-            plgpu.barrier_arrive(delta_used)
+          lse2, delta = load_stats()
           pT = p_of(sT, lse2, qrows)
           plgpu.wgmma(dv_acc, pT.astype(dtype), do_smem)
           return pT, plgpu.wgmma_accumulator_load(dp_acc, wait_n=1), delta   # dV may run
