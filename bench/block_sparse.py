@@ -18,18 +18,14 @@ Variants, each forward and forward+backward (grad of sum(out * ct) w.r.t. q, k, 
                (heads sliced out and the outputs put back, as a per-group dispatch would).
   cudnn_group  cuDNN causal for the full heads + our kernel for the SSA heads.
   ours_dense   our kernel with every head HEAD_FULL (the kernel's own dense cost).
-  ours_dense_dkv_<name>   ours_dense with the Mosaic GPU dk/dv variant DKV_VARIANTS[name]
-               (--dkv_ab adds them after ours_dense).
   cudnn        dense causal cuDNN over all heads (the baseline: speedups are cudnn / variant).
 Every variant is checked first against the reference at a small shape (and NaN-checked at the
 timed shape), then timed in the same process: 2 warm-ups, median of --n, block_until_ready.
 Appends a run (bench/common.py's schema 1: the result verbatim under `recorded`, issue 31's
 targets as claims) to $OUT (or --out_dir) /block_sparse_<device>.json and prints the table last.
 --impl=mosaic_gpu times the Hopper kernel; --kernels_alone adds its three kernels timed alone
-(all heads full) beside cuDNN's forward and backward; with --dkv_ab also each dk/dv variant of
-DKV_VARIANTS (BlockSparseConfig's mgpu_dkv_ fields), its dk / dv checked against the default's.
---match: MATCH's training attention on the block-sparse kernel vs its gathered path, SWA and
-dense (match_layers).
+(all heads full) beside cuDNN's forward and backward. --match: MATCH's training attention on the
+block-sparse kernel vs its gathered path, SWA and dense (match_layers).
 """
 from __future__ import annotations
 
@@ -48,7 +44,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import flags  # noqa: E402
 from bench import common  # noqa: E402
-from pallas_kernels.block_sparse import (HEAD_BLOCKS, HEAD_FULL, BlockSparseConfig,  # noqa
+from pallas_kernels.block_sparse import (HEAD_BLOCKS, HEAD_FULL,  # noqa: E402
                                          block_sparse_attention)
 from pallas_kernels.block_sparse.testing import ssa_lists  # noqa: E402
 from pallas_kernels.compact_attention.reference import (dense_mask,  # noqa: E402
@@ -75,25 +71,6 @@ class Settings:
   interpret: bool = False
   variants: tuple = ("fused", "per_group", "cudnn_group", "ours_dense")
   kernels_alone: bool = False      # mosaic_gpu: time fwd / dq / dk/dv alone, all heads full
-  dkv_ab: bool = False             # mosaic_gpu: also the DKV_VARIANTS (kernels alone, ours_dense)
-
-
-# The Mosaic GPU dk/dv kernel's variants (BlockSparseConfig's mgpu_dkv_ fields) timed by --dkv_ab
-# against the default (overlap: dP^T issued with S^T, FlashAttention-3's order; stagesN: N query
-# sub-tiles in flight instead of 2; defer: a step's dK not waited for, its sub-tile released by
-# the next step).
-_C = BlockSparseConfig
-DKV_VARIANTS = {
-    "overlap": _C(mgpu_dkv_overlap_dp=True),
-    "stages3": _C(mgpu_dkv_stages=3),
-    "stages4": _C(mgpu_dkv_stages=4),
-    "overlap_stages3": _C(mgpu_dkv_overlap_dp=True, mgpu_dkv_stages=3),
-    "defer_stages3": _C(mgpu_dkv_defer_release=True, mgpu_dkv_stages=3),
-    "overlap_defer_stages3": _C(mgpu_dkv_overlap_dp=True, mgpu_dkv_defer_release=True,
-                                mgpu_dkv_stages=3),
-    "overlap_defer_stages4": _C(mgpu_dkv_overlap_dp=True, mgpu_dkv_defer_release=True,
-                                mgpu_dkv_stages=4),
-}
 
 
 PRESETS = {
@@ -158,10 +135,10 @@ def lists_for(s: Settings, T: int):
                                sink_blocks=s.sink_blocks, local_blocks=s.local_blocks))
 
 
-def kernel(s: Settings, lists, mode, config: BlockSparseConfig | None = None):
+def kernel(s: Settings, lists, mode):
   def f(q, k, v):
     return block_sparse_attention(q, k, v, lists, mode, block_q=s.block, block_k=s.block,
-                                  impl=s.impl, interpret=s.interpret, config=config)
+                                  impl=s.impl, interpret=s.interpret)
   return f
 
 
@@ -217,8 +194,6 @@ def variants(s: Settings, lists, mode, sparse_kv):
         "per_group": grouped(s, lists, mode, sparse_kv, full_with_cudnn=False),
         "cudnn_group": grouped(s, lists, mode, sparse_kv, full_with_cudnn=True),
         "ours_dense": kernel(s, lists, jnp.full_like(mode, HEAD_FULL))}
-  vs.update({f"ours_dense_dkv_{name}": kernel(s, lists, jnp.full_like(mode, HEAD_FULL), config)
-             for name, config in DKV_VARIANTS.items()})
   return {name: vs[name] for name in s.variants}
 
 
@@ -249,7 +224,7 @@ def check_small(s: Settings, log):
     ref = lambda q, k, v: reference_attention(q, k, v, m)[0]
     o_r, g_r = fwd_bwd(ref, ct)(q, k, v)
     for name, f in variants(s, lists, mode, sparse_kv).items():
-      if name.startswith("ours_dense"):
+      if name == "ours_dense":
         continue  # a different mask (every head full): checked through ops tests, not here
       try:
         o, g = fwd_bwd(f, ct)(q, k, v)
@@ -294,7 +269,7 @@ def run(s: Settings, log=print, out_dir=None):
     path = os.path.join(out_dir, f"block_sparse_{dev.device_kind.replace(' ', '_')}.json")
   appended = []
 
-  run_name = s.impl + ("_dkv_ab" if s.dkv_ab else "")
+  run_name = s.impl
 
   def write():
     if path is not None:
@@ -327,7 +302,7 @@ def run(s: Settings, log=print, out_dir=None):
                  dense_fwd_ms=base_f, dense_fwdbwd_ms=base_fb, visible_fraction=vis,
                  ideal_speedup=1 / vis, variants={})
       for name, f in variants(s, lists, mode, sparse_kv).items():
-        if name.startswith("ours_dense") and n_omega:   # the same call at every omega: once a T
+        if name == "ours_dense" and n_omega:   # the same call at every omega: timed once per T
           continue
         r = {}
         try:
@@ -403,22 +378,6 @@ def kernels_alone(s: Settings, T: int, mode, log=print) -> dict:
     return (o, mod.dq(q, k, v, ct, l, d, steps, count, *rest, **kw),
             mod.dkv(q, k, v, ct, l, d, tsteps, tcount, *rest, **kw))
   res["glue"]["kernels_one_program_ms"] = bench(jax.jit(chain), q, k, v, n=s.n)
-  if s.dkv_ab and s.impl == "mosaic_gpu":
-    dk0, dv0 = dkv(q, k, v)
-    for name, config in DKV_VARIANTS.items():
-      f = jax.jit(lambda q, k, v, c=config: mod.dkv(
-          q, k, v, ct, lse, delta, tsteps, tcount, *rest, num_stages=c.mgpu_dkv_stages,
-          overlap_dp=c.mgpu_dkv_overlap_dp, defer_release=c.mgpu_dkv_defer_release, **kw))
-      try:
-        dk1, dv1 = f(q, k, v)
-        ms = bench(f, q, k, v, n=s.n)
-        res[f"dkv_{name}"] = dict(ms=ms, tflops_issued=pairs * 2 * H * 4 / ms / 1e9,
-                                  default_over_variant=res["dkv"]["ms"] / ms,
-                                  rel_err_vs_default=max(rel(dk1, dk0), rel(dv1, dv0)))
-        del dk1, dv1
-      except Exception as e:  # noqa: BLE001
-        traceback.print_exc()
-        res[f"dkv_{name}_err"] = f"{type(e).__name__}: {str(e)[:400]}"
   base = dense(s)
   cf = bench(jax.jit(base), q, k, v, n=s.n)
   cfb = bench(fwd_bwd(base, ct), q, k, v, n=s.n)
@@ -551,8 +510,7 @@ def match_run(res: dict, name: str = "match_mosaic_gpu") -> dict:
 TARGETS = ((65536, 0.7, "fused", "speedup_fwd", 2.9), (65536, 0.7, "fused", "speedup_fwdbwd", 2.7),
            (65536, 0.7, "ours_dense", "speedup_fwd", 0.95))
 # Targets the run reports as missed instead (not claims): (T, omega, variant, key, target).
-REPORTED = ((65536, 0.7, "ours_dense", "speedup_fwdbwd", 0.95),) + tuple(
-    (65536, 0.7, f"ours_dense_dkv_{name}", "speedup_fwdbwd", 0.95) for name in DKV_VARIANTS)
+REPORTED = ((65536, 0.7, "ours_dense", "speedup_fwdbwd", 0.95),)
 
 
 def claims_of(result) -> list:
@@ -609,14 +567,15 @@ def append_run(path: str, run: dict, replace_last: bool = False) -> dict:
 
 
 def kernels_alone_lines(result) -> list:
-  """The kernels-alone rows of the table (ms; with --dkv_ab each dk/dv variant)."""
+  """The kernels-alone rows of the table (ms; a recorded dk/dv A/B run (issue 31, its variants
+  removed) also holds each variant's dk/dv alone as dkv_<name> / dkv_<name>_err)."""
   lines = []
   for x in result.get("kernels_alone", []):
     ab = "".join(
-        f", dk/dv {name} {x[f'dkv_{name}']['ms']:.2f} ms (err vs default "
-        f"{x[f'dkv_{name}']['rel_err_vs_default']:.1e})" if f"dkv_{name}" in x else
-        f", dk/dv {name} ERROR {x[f'dkv_{name}_err'][:80]}" if f"dkv_{name}_err" in x else ""
-        for name in DKV_VARIANTS)
+        f", dk/dv {key[4:]} {x[key]['ms']:.2f} ms (err vs default "
+        f"{x[key]['rel_err_vs_default']:.1e})" if not key.endswith("_err") else
+        f", dk/dv {key[4:-4]} ERROR {x[key][:80]}"
+        for key in x if key.startswith("dkv_"))
     lines.append(
         f"kernels alone T={x['T']} ({x['heads']}): fwd {x['fwd']['ms']:.2f} ms, bwd dq "
         f"{x['dq']['ms']:.2f} + dk/dv {x['dkv']['ms']:.2f} = {x['bwd_ms']:.2f} ms "
@@ -654,17 +613,14 @@ flags.DEFINE_string("omega", "", "comma-separated SSA head fractions (default: t
                     flag_values=FLAGS)
 flags.DEFINE_integer("n", None, "timed calls per measurement, the median is reported (default: "
                      "the preset's)", flag_values=FLAGS)
-flags.DEFINE_string("variants", "", "subset of " + ",".join(Settings.variants) + " and "
-                    "ours_dense_dkv_<name> (name in DKV_VARIANTS)", flag_values=FLAGS)
+flags.DEFINE_string("variants", "", "subset of " + ",".join(Settings.variants),
+                    flag_values=FLAGS)
 flags.DEFINE_integer("fwd_sub_tile", 0, "Triton forward kv sub-tile (divides the block; 0: the "
                      "api's default)", flag_values=FLAGS)
 flags.DEFINE_enum("impl", "", ["", "triton", "mosaic_gpu"], "the block-sparse kernel timed "
                   "(default: the preset's, triton)", flag_values=FLAGS)
 flags.DEFINE_bool("kernels_alone", False, "mosaic_gpu: also time the forward, dq and dk/dv "
                   "kernels alone (all heads full) beside cuDNN", flag_values=FLAGS)
-flags.DEFINE_bool("dkv_ab", False, "mosaic_gpu: time the dk/dv variants (DKV_VARIANTS) beside the "
-                  "default: alone with --kernels_alone (dk / dv checked against the default's), "
-                  "and as ours_dense_dkv_<name> after ours_dense", flag_values=FLAGS)
 flags.DEFINE_bool("window_or_blocks", False, "only time HEAD_WINDOW_BLOCKS (window 2048 OR 4 "
                   "chunks) at 64K vs the window alone and cuDNN (Mosaic GPU) and print the ms",
                   flag_values=FLAGS)
@@ -691,13 +647,7 @@ def settings_from_flags(args) -> Settings:
     kw["impl"] = args.impl
   if args.kernels_alone:
     kw["kernels_alone"] = True
-  s = dataclasses.replace(PRESETS[args.preset], **kw)
-  if args.dkv_ab:
-    vs = []
-    for v in s.variants:
-      vs += [v] + ([f"ours_dense_dkv_{n}" for n in DKV_VARIANTS] if v == "ours_dense" else [])
-    s = dataclasses.replace(s, variants=tuple(dict.fromkeys(vs)), dkv_ab=True)
-  return s
+  return dataclasses.replace(PRESETS[args.preset], **kw)
 
 
 def main(argv=None):

@@ -152,26 +152,9 @@ def kernel_support(impl: str, q_shape, kv_shape, dtype, block_q: int, block_k: i
 @dataclasses.dataclass(frozen=True)
 class BlockSparseConfig:
   """Kernel variants of block_sparse_attention (static: another config is another program;
-  condattn_jax.ops runs the defaults). Other backends ignore the mgpu_ fields.
-
-  mgpu_dkv_overlap_dp: the Mosaic GPU dk/dv kernel issues dP^T = V dO^T right after
-    S^T = K Q^T and computes P^T while dP^T runs (FlashAttention-3's order); default False: S^T
-    is waited for, then dP^T and dV are issued together (mosaic_gpu.dkv).
-  mgpu_dkv_stages: 64-row query sub-tiles (Q, dO, lse, delta) the dk/dv kernel's TMA pipeline
-    keeps in flight, 2 to mosaic_gpu.DKV_MAX_STAGES = 4 (default 2).
-  mgpu_dkv_defer_release: a dk/dv step ends with dK issued, not waited for; the next step
-    releases its query sub-tile once its own first product is done (num_stages - 1 of them
-    prefetched); default False: each step waits for its dK.
-  The A/B of the three: bench/block_sparse.py --kernels_alone --dkv_ab."""
-  mgpu_dkv_overlap_dp: bool = False
-  mgpu_dkv_stages: int = 2
-  mgpu_dkv_defer_release: bool = False
-
-  def __post_init__(self):
-    if (not isinstance(self.mgpu_dkv_stages, int) or isinstance(self.mgpu_dkv_stages, bool)
-        or not 2 <= self.mgpu_dkv_stages <= 4):
-      raise ValueError(f"BlockSparseConfig.mgpu_dkv_stages must be an int in [2, 4] (query "
-                       f"sub-tiles in flight; shared memory), got {self.mgpu_dkv_stages!r}")
+  condattn_jax.ops runs the defaults). No variant today: the fields come with the kernels' A/Bs
+  (the Mosaic GPU dk/dv variants mgpu_dkv_overlap_dp / mgpu_dkv_stages / mgpu_dkv_defer_release
+  lost theirs on one H100 and were removed: issue 31)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,9 +236,6 @@ class _Config:
   poison: bool
   sub_tile: int = TRITON_SUB_TILE
   fwd_sub_tile: int = TRITON_FWD_SUB_TILE
-  dkv_overlap_dp: bool = False   # Mosaic GPU: BlockSparseConfig.mgpu_dkv_overlap_dp
-  dkv_stages: int = 2            # Mosaic GPU: BlockSparseConfig.mgpu_dkv_stages
-  dkv_defer_release: bool = False   # Mosaic GPU: BlockSparseConfig.mgpu_dkv_defer_release
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,9 +333,7 @@ def _backward_impl(cfg: _Config, res, dout, dlse_BNT):
     tsteps, tcount = tables.transposed_step_tables(steps, count, k.shape[2])
     meta = (m.qpos_BT, m.kseg_q_BIT, m.kvpos_BS, m.kseg_kv_BS)
     dq = mod.dq(q, k, v, dout, lse_BNT, delta, steps, count, *meta, **_mgpu_kw(cfg))
-    dk, dv = mod.dkv(q, k, v, dout, lse_BNT, delta, tsteps, tcount, *meta,
-                     num_stages=cfg.dkv_stages, overlap_dp=cfg.dkv_overlap_dp,
-                     defer_release=cfg.dkv_defer_release, **_mgpu_kw(cfg))
+    dk, dv = mod.dkv(q, k, v, dout, lse_BNT, delta, tsteps, tcount, *meta, **_mgpu_kw(cfg))
     return dq, dk, dv
   vis, full = _visibility(cfg, m)
   full_BN = m.full_BN
@@ -511,9 +489,7 @@ def block_sparse_attention(q_BTNH, k_BSKH, v_BSKH, kv_blocks_BNQL, head_mode_BN=
     cfg = _Config(backend=impl, scale=scale, window=None if window is None else int(window),
                   sinks=int(sinks), block_q=int(block_q), block_k=int(block_k),
                   interpret=interpret, poison=poison, sub_tile=TRITON_SUB_TILE,
-                  fwd_sub_tile=TRITON_FWD_SUB_TILE,
-                  dkv_overlap_dp=config.mgpu_dkv_overlap_dp, dkv_stages=config.mgpu_dkv_stages,
-                  dkv_defer_release=config.mgpu_dkv_defer_release)
+                  fwd_sub_tile=TRITON_FWD_SUB_TILE)
     Tp, Sp = nq * block_q, -(-S // block_k) * block_k
     if (Tp, Sp) != (T, S):  # whole blocks: padding queries inactive, padding keys invisible
       q, k, v, qpos, kvpos, qseg, kvseg, act = _pad_to_blocks(

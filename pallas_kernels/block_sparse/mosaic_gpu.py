@@ -20,12 +20,9 @@ dk/dv    grid (K, kv tile, B): block_k / 64 compute warpgroups of 64 kv rows acc
          over the steps of the transposed table (tables.transposed_step_tables: every (query
          head of the kv head, query tile) pair that visits the tile: native GQA), each in
          block_q / 64 query sub-tiles of 64 rows streamed with their lse / delta through
-         `num_stages` TMA slots. A step's products: S^T = K Q^T, dP^T = V dO^T, dV += P^T dO,
-         dK += dS^T Q (P^T, dS^T from registers). overlap_dp: dP^T is issued right after S^T and
-         P^T computed while it runs (FlashAttention-3's order); default: S^T is waited for, then
-         dP^T and dV are issued together. defer_release: a step ends with dK issued, not waited
-         for; the next step's first wait (its S^T done: products complete in order) releases the
-         step's query sub-tile (the pipeline's delay_release = 1: num_stages - 1 prefetched).
+         `num_stages` TMA slots. A step's products: S^T = K Q^T (waited for), then
+         dP^T = V dO^T and dV += P^T dO issued together, dK += dS^T Q (P^T, dS^T from
+         registers).
 Every output row is written (programs with no step write zeros / lse -inf), so `poison` needs no
 aliased buffer.
 
@@ -34,8 +31,6 @@ Interpret mode (CPU) runs under Pallas' GPU interpreter with the compacted kerne
 operand rule (compact_attention/mgpu_interpret.py).
 """
 from __future__ import annotations
-
-import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -69,7 +64,6 @@ _COMPUTE_WGS = 2
 DKV_ROWS = 64        # kv rows per dk/dv compute warpgroup (wgmma M)
 DKV_SUB_Q = 64       # query rows per dk/dv step (128: two more 64 x 128 fp32 tiles live: spills)
 NUM_STAGES = 2       # TMA slots (three 128-row K/V stages do not fit beside Q at head_dim 128)
-DKV_MAX_STAGES = 4   # dk/dv: 4 stages of 64-row Q + dO (128 KB at head_dim 128) beside K, V (64 KB)
 _BIG = 2 ** 30
 
 
@@ -379,13 +373,8 @@ def dq(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, steps_BNQX, count_BN
 
 def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount_BKJ, qpos_BT,
         qseg_BIT, kvpos_BS, kvseg_BS, *, scale, window, sinks, block_q, block_k,
-        num_stages=NUM_STAGES, overlap_dp=False, defer_release=False, interpret=False):
-  """(dk, dv) [B, S, K, H] over the transposed step tables (tables.transposed_step_tables).
-  num_stages: 64-row query sub-tiles (Q, dO, lse, delta) in flight, 1 to DKV_MAX_STAGES (2 to
-  it with defer_release); overlap_dp, defer_release: the step order (module docstring)."""
-  if not 1 + defer_release <= num_stages <= DKV_MAX_STAGES:
-    raise ValueError(f"dkv: num_stages must be in [{1 + defer_release}, {DKV_MAX_STAGES}] (the "
-                     f"query sub-tiles in flight; shared memory), got {num_stages}")
+        num_stages=NUM_STAGES, interpret=False):
+  """(dk, dv) [B, S, K, H] over the transposed step tables (tables.transposed_step_tables)."""
   B, T, N, H = q_BTNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   G = N // K
@@ -423,8 +412,6 @@ def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount
 
       def run(dk_acc, dv_acc):
         pipeline_callback((dk_acc, dv_acc))
-        if defer_release:
-          plgpu.wgmma_wait(0)   # the last step's dK
         return dk_acc[...], dv_acc[...]
       acc = plgpu.ACC((bkw, H), jnp.float32)
       dk_, dv_ = pl.run_scoped(run, acc, acc)
@@ -444,67 +431,34 @@ def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount
       hsel = h if I > 1 else 0
       dk_acc, dv_acc = carry
 
-      def release_previous():   # defer_release: the barriers are the previous step's slot's
-        @pl.when(t * R + r > 0)
-        def _():
-          for used in (q_used, do_used, lse_used, delta_used):
-            plgpu.barrier_arrive(used)
-
-      def load_stats():   # this step's lse and delta; frees their slots (or the last step's)
-        lse2 = plgpu.load(lse_smem, layout=_COL)
-        delta = plgpu.load(delta_smem, layout=_COL)
-        if defer_release:
-          release_previous()
-        else:
-          plgpu.barrier_arrive(lse_used)
-          plgpu.barrier_arrive(delta_used)
-        return lse2, delta
-
       def s_fn(acc):
         plgpu.wgmma(acc, k_smem, q_smem.T)
         plgpu.wgmma_wait(0)
-        lse2, delta = load_stats()
+        lse2 = plgpu.load(lse_smem, layout=_COL)
+        delta = plgpu.load(delta_smem, layout=_COL)
+        plgpu.barrier_arrive(lse_used)
+        plgpu.barrier_arrive(delta_used)
         return acc[...], lse2, delta
-      qrows_of = lambda: pl.ds((i * R + r) * bq, bq)
+      sT, lse2, delta = pl.run_scoped(s_fn, plgpu.ACC((bkw, bq), jnp.float32))
+      qrows = pl.ds((i * R + r) * bq, bq)
 
-      def masked(sT, qrows):
+      def masked():
         qp = plgpu.load(qpos_ref.at[b, qrows], layout=_COL, optimized=False)
         qs = None if qseg_ref is None else plgpu.load(qseg_ref.at[b, hsel, qrows], layout=_COL,
                                                       optimized=False)
         return _mask(sT, qp, qs, kvpos_ref, kvseg_ref, b, start, bkw, kind, window=window,
                      sinks=sinks, transposed=True)
-      col = lambda x: lax.broadcast_in_dim(x, (bkw, bq), [1])
+      sT = lax.cond(kind == KIND_FULL, lambda: sT, masked)
+      col = lambda x: lax.broadcast_in_dim(x, sT.shape, [1])
+      pT = jnp.exp2(sT * qk_scale - col(lse2))
 
-      def p_of(sT, lse2, qrows):
-        sT = lax.cond(kind == KIND_FULL, lambda: sT, lambda: masked(sT, qrows))
-        return jnp.exp2(sT * qk_scale - col(lse2))
-
-      tile = plgpu.ACC((bkw, bq), jnp.float32)
-      if overlap_dp:
-        qrows = qrows_of()
-
-        def sdp_fn(s_acc, dp_acc):
-          plgpu.wgmma(s_acc, k_smem, q_smem.T)
-          plgpu.wgmma(dp_acc, v_smem, do_smem.T)
-          sT = plgpu.wgmma_accumulator_load(s_acc, wait_n=1)   # S^T done, dP^T may run
-          lse2, delta = load_stats()
-          pT = p_of(sT, lse2, qrows)
-          plgpu.wgmma(dv_acc, pT.astype(dtype), do_smem)
-          return pT, plgpu.wgmma_accumulator_load(dp_acc, wait_n=1), delta   # dV may run
-        pT, dpT, delta = pl.run_scoped(sdp_fn, tile, tile)
-      else:
-        sT, lse2, delta = pl.run_scoped(s_fn, tile)
-        pT = p_of(sT, lse2, qrows_of())
-
-        def dp_fn(acc):
-          plgpu.wgmma(acc, v_smem, do_smem.T)
-          plgpu.wgmma(dv_acc, pT.astype(dtype), do_smem)
-          return plgpu.wgmma_accumulator_load(acc, wait_n=1)
-        dpT = pl.run_scoped(dp_fn, tile)
+      def dp_fn(acc):
+        plgpu.wgmma(acc, v_smem, do_smem.T)
+        plgpu.wgmma(dv_acc, pT.astype(dtype), do_smem)
+        return plgpu.wgmma_accumulator_load(acc, wait_n=1)
+      dpT = pl.run_scoped(dp_fn, plgpu.ACC((bkw, bq), jnp.float32))
       dsT = (pT * (dpT - col(delta))).astype(dtype)
       plgpu.wgmma(dk_acc, dsT, q_smem)
-      if defer_release:
-        return carry
       plgpu.wgmma_wait(1)
       plgpu.barrier_arrive(do_used)
       plgpu.wgmma_wait(0)
@@ -519,15 +473,11 @@ def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount
       g, i, _ = dec(t)
       return kh * G + g, i * R + r
 
-    in_specs = [_spec((bq, None, H), dtype, qmap), _spec((bq, None, H), dtype, qmap),
-                plgpu.BlockSpec((None, bq), rmap), plgpu.BlockSpec((None, bq), rmap)]
-    if defer_release:
-      in_specs = [dataclasses.replace(spec, delay_release=1) for spec in in_specs]
-
     plgpu.emit_pipeline_warp_specialized(
         body, grid=(nsteps, R), max_concurrent_steps=stages, num_compute_wgs=W,
         memory_registers=40, wg_axis="wg", manual_consumed_barriers=True, compute_context=compute,
-        in_specs=in_specs,
+        in_specs=[_spec((bq, None, H), dtype, qmap), _spec((bq, None, H), dtype, qmap),
+                  plgpu.BlockSpec((None, bq), rmap), plgpu.BlockSpec((None, bq), rmap)],
     )(q_ref.at[b], do_ref.at[b], lse2_ref.at[b], delta_ref.at[b])
 
   args = [q_BTNH, k_BSKH, v_BSKH, do_BTNH, _lse2(lse_BNT), delta_BNT, tsteps_BKJY, tcount_BKJ,

@@ -59,6 +59,16 @@ def test_visible_fraction_of_ssa_heads():
   assert np.all(np.asarray(mode_full) == bench.HEAD_FULL)
 
 
+def test_kernels_alone_lines_read_a_recorded_dkv_ab_run():
+  """The dk/dv variants are removed (issue 31), their recorded A/B runs stay readable: each
+  dkv_<name> / dkv_<name>_err of a kernels-alone row is printed."""
+  x = dict(T=65536, heads="all full", fwd=dict(ms=57.39), dq=dict(ms=74.72), dkv=dict(ms=109.36),
+           bwd_ms=184.08, bwd_tflops_useful=478.0, cudnn=dict(fwd_ms=57.62, bwd_ms=165.14),
+           dkv_stages4=dict(ms=107.15, rel_err_vs_default=0.0), dkv_overlap_err="ValueError: x")
+  (line,) = bench.kernels_alone_lines(dict(kernels_alone=[x]))
+  assert "dk/dv 109.36" in line and "dk/dv stages4 107.15 ms" in line
+  assert "dk/dv overlap ERROR ValueError: x" in line and line.endswith("bwd 165.14 ms")
+
 def test_absl_flags_of_block_sparse_and_elastic_prefill(capsys):
   """Both benches parse absl flags (bench/common.py's convention) into their settings; a GPU
   preset on a CPU stops before any compilation."""
@@ -73,11 +83,6 @@ def test_absl_flags_of_block_sparse_and_elastic_prefill(capsys):
   assert args.out_dir == "/tmp/x"
   assert bench.settings_from_flags(common.parse_flags(bench.FLAGS, ["--preset=test"])) == \
       bench.PRESETS["test"]
-  # --dkv_ab: ours_dense followed by its dk/dv variants (one process: the A/B)
-  s1 = bench.settings_from_flags(common.parse_flags(bench.FLAGS, ["--preset=test_mosaic_gpu",
-                                                                  "--dkv_ab"]))
-  assert s1.dkv_ab and s1.variants == ("fused", "ours_dense") + tuple(
-      f"ours_dense_dkv_{n}" for n in bench.DKV_VARIANTS)
   assert ep.main(["--preset=gpu", "--T=64", "--layers=1"]) == 2  # on CPU: refused, no run
   assert "needs a GPU" in capsys.readouterr().out
 

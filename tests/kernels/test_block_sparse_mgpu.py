@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.block_sparse import (HEAD_BLOCKS, HEAD_FULL, BlockSparseConfig, api,
-                                         block_sparse_attention, tables)
+from pallas_kernels.block_sparse import (HEAD_BLOCKS, HEAD_FULL, api, block_sparse_attention,
+                                         tables)
 from pallas_kernels.block_sparse.tables import HEAD_WINDOW_BLOCKS
 from pallas_kernels.block_sparse.testing import compare, make_problem, ssa_lists
 from pallas_kernels.compact_attention.reference import dense_mask
@@ -19,37 +19,33 @@ from pallas_kernels.compact_attention.reference import dense_mask
 MGPU = dict(impl="mosaic_gpu", interpret=True)
 W, F, B_ = HEAD_WINDOW_BLOCKS, HEAD_FULL, HEAD_BLOCKS
 
-# (name, problem, head modes, config: None = the defaults)
+# (name, problem, head modes)
 CASES = [
     # GQA 2:1, mixed FULL / BLOCKS heads, random lists with padding and duplicates, 64-key tiles
     # (dk/dv: one compute warpgroup)
-    ("gqa_mixed", dict(T=256, N=4, K=2, L=2), None, None),
+    ("gqa_mixed", dict(T=256, N=4, K=2, L=2), None),
     # every mode in one launch, window + sinks, 128-key tiles (dk/dv: two compute warpgroups),
-    # 4 query heads on one kv head; the dk/dv variants (dP^T issued with S^T, 3 query sub-tiles
-    # in flight, each sub-tile released by the next step: the default dk/dv at 128-key tiles
-    # runs in cache_f16)
+    # 4 query heads on one kv head
     ("modes_window_sinks", dict(T=256, N=4, K=1, L=2, window=70, sinks=5, block_k=128),
-     [F, B_, W, W], BlockSparseConfig(mgpu_dkv_overlap_dp=True, mgpu_dkv_stages=3,
-                                      mgpu_dkv_defer_release=True)),
-    # packed documents with restarting positions, per-head active sets, mode 2 with a window; dk/dv
-    # with dP^T issued with S^T, 3 query sub-tiles in flight
+     [F, B_, W, W]),
+    # packed documents with restarting positions, per-head active sets, mode 2 with a window
     ("documents_active_heads", dict(T=256, N=2, K=1, L=2, segments=2, active="head", window=50),
-     [W, B_], BlockSparseConfig(mgpu_dkv_overlap_dp=True, mgpu_dkv_stages=3)),
+     [W, B_]),
     # a cache: keys before the queries at sorted positions with a validity mask, float16, two kv
     # heads, 128-key tiles at head_dim 128
     ("cache_f16", dict(T=128, S=256, N=2, K=2, L=3, H=128, kv_positions=True,
-                       dtype=jnp.float16, block_k=128), [B_, F], None),
+                       dtype=jnp.float16, block_k=128), [B_, F]),
 ]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,kw,modes,config", CASES, ids=[c[0] for c in CASES])
-def test_mosaic_gpu_matches_reference_interpret(name, kw, modes, config):
+@pytest.mark.parametrize("name,kw,modes", CASES, ids=[c[0] for c in CASES])
+def test_mosaic_gpu_matches_reference_interpret(name, kw, modes):
   kw = {**dict(H=64, dtype=jnp.bfloat16, block_q=128, block_k=64), **kw}
   p = make_problem(11, **kw)
   if modes is not None:
     p.kw["head_mode_BN"] = jnp.asarray([modes], jnp.int32)
-  errs, bad = compare(p, dict(MGPU, config=config))
+  errs, bad = compare(p, MGPU)
   assert not bad, (name, errs)
 
 
@@ -139,12 +135,6 @@ def test_step_tables_match_brute_force(segments):
       want = [g * nq + i for g in range(G) for i in range(nq)
               if j in steps[0, kh * G + g, i, :count[0, kh * G + g, i]] // 4]
       np.testing.assert_array_equal(e, want)
-
-
-@pytest.mark.parametrize("stages", [1, 5, 2.0, True])
-def test_config_rejects_dkv_stages_outside_2_to_4(stages):
-  with pytest.raises(ValueError, match="mgpu_dkv_stages"):
-    BlockSparseConfig(mgpu_dkv_stages=stages)
 
 
 def test_mode2_rejected_by_triton_and_tpu_kernels():
