@@ -350,15 +350,31 @@ def scheme_config(scheme: str, shapes: str, T: int, override: dict | None = None
   return dataclasses.replace(base, scheme=mc.scheme, scheme_kwargs=tuple(sorted(kw.items()))), knobs
 
 
+def _reference_attention(cfg):
+  """`cfg` with every ops.attention call on the XLA reference: the model's attention_impl and a
+  scheme's compact_impl (L2A / AHA's active-set calls) where it has one."""
+  from condattn_jax.attention import options
+  kw = dict(cfg.scheme_kwargs)
+  if cfg.scheme != "dense" and hasattr(options(cfg), "compact_impl"):
+    kw["compact_impl"] = "reference"
+  return dataclasses.replace(cfg, attention_impl="reference",
+                             scheme_kwargs=tuple(sorted(kw.items())))
+
+
 def _init_fn(cfg):
+  """key -> params of `cfg` (unboxed, cast to its dtype). The init trace (8 tokens) runs the
+  XLA reference attention, named: on a GPU, auto would look for a kernel for L2A's compacted
+  global call at kv length 8, find none (Mosaic GPU needs a multiple of 64) and log a fallback
+  warning that is no part of any timed step; the params do not depend on the attention path."""
   import flax.linen as nn
   import jax
   import jax.numpy as jnp
   from condattn_jax.models.decoder import Decoder
   dt = jnp.dtype(cfg.dtype)
+  model = Decoder(_reference_attention(cfg))
 
   def init(key):
-    p = nn.meta.unbox(Decoder(cfg).init(key, jnp.zeros((1, 8), jnp.int32))["params"])
+    p = nn.meta.unbox(model.init(key, jnp.zeros((1, 8), jnp.int32))["params"])
     return jax.tree.map(lambda x: x.astype(dt) if jnp.issubdtype(x.dtype, jnp.floating) else x, p)
   return init
 

@@ -419,12 +419,17 @@ def time_step(shapes: str, B: int, T: int, *, variants=("stacked", "split"), ste
 # XLA command buffers (CUDA graphs) per compile, by name: XLA's default set, none (every thunk
 # launched on its own), and every kernel kind including library / Pallas custom calls in one
 # graph however small (jax 0.11.2's DebugOptions: a comma list of CommandBufferCmdType names; ''
-# turns them off).
+# turns them off); 'cond': XLA's default kinds plus CONDITIONAL and WHILE, so a lax.cond (L2A's
+# decode_skip, one a layer) runs inside the graph as a conditional node whose predicate the GPU
+# reads, instead of a ConditionalThunk that copies its predicate to the host and waits for it
+# (by default each such cond ends the graph before it and drains the stream: a host-bound step).
 CB_MODES = {
     "default": {},
     "off": {"xla_gpu_enable_command_buffer": ""},
     "extended": {"xla_gpu_enable_command_buffer": "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN",
                  "xla_gpu_graph_min_graph_size": 1},
+    "cond": {"xla_gpu_enable_command_buffer":
+             "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,CONDITIONAL,WHILE"},
 }
 # Other XLA:GPU switches a variant can name (after its command-buffer mode, same syntax):
 # merge dots that share an operand however large (q/k/v, gate/up: XLA's default merges only
@@ -437,15 +442,44 @@ OPTION_SETS = {**CB_MODES,
 # attention through the Mosaic GPU decode kernel where auto would run cuDNN's split-KV path
 # ('mgpu': pallas_kernels.decode's DecodeConfig(over_cudnn=True)), or through the XLA reference
 # ('refattn': model attention_impl='reference': einsum over the cache with a length mask, like
-# the plain-XLA baseline).
-TRACE_SETS = ("mgpu", "refattn")
+# the plain-XLA baseline); 'noskip': the scheme's decode_skip off (L2A, AHA: the global call runs
+# every step, branch-free, its inactive rows reading one kv tile per split part and weighted 0:
+# no lax.cond, so no host round trip per layer; same logits and caches); L2A's decode switches
+# (condattn_jax/attention/l2a/layer.py, exact, off by default until timed): 'l2afill' (the global
+# call's fill from the cache's length counter, not a reduction over its slots, every layer),
+# 'wideskip' (decode_skip's branch also holds the global q / o projections).
+TRACE_SETS = ("mgpu", "refattn", "noskip", "l2afill", "wideskip")
+L2A_SWITCHES = {"l2afill": "_FILL_FROM_LENGTH", "wideskip": "_WIDE_SKIP"}
+
+
+def variant_config(cfg, sets):
+  """The engine's model config of a variant: TRACE_SETS' 'refattn' (attention_impl='reference')
+  and 'noskip' (decode_skip=False; a scheme without the option raises)."""
+  if "refattn" in sets:
+    cfg = dataclasses.replace(cfg, attention_impl="reference")
+  if "noskip" in sets:
+    kw = dict(cfg.scheme_kwargs)
+    if "decode_skip" not in kw:
+      raise ValueError(f"variant set 'noskip': scheme {cfg.scheme!r} has no decode_skip option.")
+    kw["decode_skip"] = False
+    cfg = dataclasses.replace(cfg, scheme_kwargs=tuple(sorted(kw.items())))
+  return cfg
 
 
 def _trace_context(sets):
   """The context the variant's program is traced in (TRACE_SETS' 'mgpu': the decode kernels'
-  backends with over_cudnn=True; 'refattn' is a model config, set by the caller)."""
+  backends with over_cudnn=True; 'l2afill' / 'wideskip': L2A's module switches on; 'refattn' /
+  'noskip' are model configs, set by the caller: variant_config)."""
   import contextlib
   stack = contextlib.ExitStack()
+  switches = {L2A_SWITCHES[x]: True for x in sets if x in L2A_SWITCHES}
+  if switches:
+    import jax
+    from unittest import mock
+    from condattn_jax.attention.l2a import layer as l2a_layer
+    jax.clear_caches()  # the switches act at trace time (see 'mgpu' below)
+    stack.callback(jax.clear_caches)
+    stack.enter_context(mock.patch.multiple(l2a_layer, **switches))
   if "mgpu" in sets:
     # jit reuses a trace per (function, static args, shapes) and engines of one config compare
     # equal: traces made outside the patch must not serve it, nor its trace later variants
@@ -544,8 +578,7 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
       p = split if layout == "split" else params
       # a fresh engine per variant: jit caches a trace per (engine, shapes), and a variant's
       # trace context / attention impl must reach its own trace
-      eng = Engine(dataclasses.replace(cfg, attention_impl="reference") if "refattn" in sets
-                   else cfg, params, cache_len=T + bd.EXTRA)
+      eng = Engine(variant_config(cfg, sets), params, cache_len=T + bd.EXTRA)
       # the variant's trace context holds while its program is traced
       traced_in = _trace_context(sets)
       traced_in.__enter__()
@@ -629,9 +662,31 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
   return rows
 
 
-PROFILE_COLUMNS = (("variant", "{}"), ("T", "{}"), ("ms", "{:.3f}"), ("bare_ms", "{:.3f}"),
-                   ("host_ms", "{:.3f}"), ("busy_ms", "{:.3f}"), ("span_ms", "{:.3f}"),
-                   ("kernels", "{:.0f}"), ("launches", "{:.0f}"), ("compile_s", "{:.1f}"))
+PROFILE_COLUMNS = (("scheme", "{}"), ("variant", "{}"), ("T", "{}"), ("ms", "{:.3f}"),
+                   ("bare_ms", "{:.3f}"), ("host_ms", "{:.3f}"), ("busy_ms", "{:.3f}"),
+                   ("span_ms", "{:.3f}"), ("kernels", "{:.0f}"), ("launches", "{:.0f}"),
+                   ("compile_s", "{:.1f}"), ("x_dense", "{:.2f}"), ("x_dense_busy", "{:.2f}"),
+                   ("bound_x", "{:.2f}"), ("of_bound", "{:.2f}"))
+
+
+def dense_ratios(rows: list[dict]) -> None:
+  """Adds to every ok row of a scheme other than dense, where an ok dense row of the same T is
+  in `rows` (the first such: the denominator, same process): x_dense = dense ms / its ms,
+  x_dense_busy the same in device-busy ms, bound_x = the bytes-bound speedup over dense
+  (bench.decode.nominal_bytes: weights + K/V at the scheme's nominal routing rate), of_bound =
+  x_dense / bound_x (issue 33's target: >= 0.9)."""
+  from bench import decode as bd
+  for r in rows:
+    if r.get("status") != "ok" or r.get("scheme", "dense") == "dense":
+      continue
+    d = next((x for x in rows if x.get("scheme") == "dense" and x.get("status") == "ok"
+              and x["T"] == r["T"] and x["B"] == r["B"]), None)
+    if d is None:
+      continue
+    bound = (bd.nominal_bytes("dense", d["shapes"], d["B"], d["T"])["bytes"]
+             / bd.nominal_bytes(r["scheme"], r["shapes"], r["B"], r["T"])["bytes"])
+    r.update(x_dense=d["ms"] / r["ms"], x_dense_busy=d["busy_ms"] / r["busy_ms"], bound_x=bound,
+             of_bound=d["ms"] / r["ms"] / bound, dense_variant=d["variant"])
 
 
 def profile_table(rows: list[dict]) -> str:
@@ -679,6 +734,10 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--profile", action="store_true", help="--time: every variant's wall, bare, "
                  "host-dispatch and device-busy ms, kernels per token (profile_step)")
   p.add_argument("--traced", type=int, default=8, help="--profile: calls in the trace")
+  p.add_argument("--dense_variants", default="", help="--profile with a --scheme other than "
+                 "dense: these dense variants too, in the same process, at the --dense_T "
+                 "contexts (the denominator of x_dense / of_bound; comma list, '' = none)")
+  p.add_argument("--dense_T", default="", help="--dense_variants' contexts (default: every --T)")
   p.add_argument("--hlo_dir", default=None, help="--profile: write the compiled HLO (gzip) of "
                  "--hlo_variants here, at the first --T only")
   p.add_argument("--hlo_variants", default="stacked,split,xla_per_layer")
@@ -697,13 +756,19 @@ def main(argv=None) -> list[dict]:
       if a.profile:
         variants = (PROFILE_VARIANTS if a.variants == "stacked,split"
                     else tuple(a.variants.split(",")))
-        for v in variants:
+        for v in variants + tuple(x for x in a.dense_variants.split(",") if x):
           parse_variant(v)  # a bad name fails before anything compiles
         first = str(a.T).split(",")[0] == str(T)
         rows += profile_step(a.shapes, a.B, T, variants=variants, steps=a.steps,
                              repeats=a.repeats, traced=a.traced, compiler_options=opts,
                              hlo_dir=a.hlo_dir if first else None,
                              hlo_variants=tuple(a.hlo_variants.split(",")), scheme=a.scheme)
+        dense_T = [int(t) for t in (a.dense_T or a.T).split(",")]
+        if a.dense_variants and a.scheme != "dense" and T in dense_T:
+          rows += profile_step(a.shapes, a.B, T, variants=tuple(a.dense_variants.split(",")),
+                               steps=a.steps, repeats=a.repeats, traced=a.traced,
+                               compiler_options=opts, scheme="dense")
+          dense_ratios(rows)
         print(profile_table(rows), flush=True)
         if a.out:  # after every context: a timeout still leaves the contexts done
           with open(a.out, "w") as f:
@@ -718,7 +783,8 @@ def main(argv=None) -> list[dict]:
             name=a.name, scheme=a.scheme, shapes=a.shapes, B=a.B,
             T=[int(t) for t in str(a.T).split(",")],
             variants=[r["variant"] for r in rows], steps=a.steps, repeats=a.repeats,
-            traced=a.traced, options=opts))
+            traced=a.traced, options=opts, dense_variants=a.dense_variants,
+            dense_T=a.dense_T))
         run["rows"] = [{k: v for k, v in r.items() if k != "trace_lines"} for r in rows]
         common.append_run(common.result_path("decode_program", a.out_dir), run)
       return rows

@@ -147,3 +147,71 @@ def test_decode_equals_the_scanned_decode_and_the_forward(params):
   assert text.count("stablehlo.dynamic_update_slice") == 4 + 2 * (CFG.num_layers - 1)
   assert "(tensor<2x32xf32>, tensor<32x32xf32>) -> tensor<2x32xf32>" in text  # o: [N*H, D]
   assert re.search(r"dot_general.*: \(tensor<2x", text)
+
+
+L2A = dict(routing="bernoulli", bernoulli_q=0.4, window=4, decode_skip=True)
+
+
+def _l2a_decode(params, variant):
+  """Prefill + 6 greedy one-token steps of the tiny L2A model (rows: one active, one inactive),
+  under `variant`: {'decode_skip': bool, '_FILL_FROM_LENGTH': bool, '_WIDE_SKIP': bool} (the
+  layer module's switches, bench/decode_program's trace sets). Returns (logits per call, the
+  final cache)."""
+  import dataclasses
+  from unittest import mock
+  from condattn_jax.attention.l2a import layer as l2a_layer
+  cfg = dataclasses.replace(CFG, scheme="l2a", scheme_kwargs=tuple(sorted(
+      {**L2A, "decode_skip": variant.get("decode_skip", True)}.items())))
+  flags = {"_FILL_FROM_LENGTH": False, "_WIDE_SKIP": False,
+           **{k: v for k, v in variant.items() if k.startswith("_")}}
+  jax.clear_caches()  # the module switches act at trace time
+  try:
+    with mock.patch.multiple(l2a_layer, **flags):
+      eng = Engine(cfg, params, cache_len=S)
+      c, l, pos = eng.prefill([[3, 9, 4, 1, 7, 2, 8], [5, 2]])
+      outs, active = [l], np.array([True, False])
+      for _ in range(6):
+        t = np.asarray(jnp.argmax(l, -1), np.int32)
+        c, l = eng.decode_step(c, t, pos, active, l)
+        pos = pos + active
+        outs.append(l)
+      return outs, c
+  finally:
+    jax.clear_caches()
+
+
+@pytest.fixture(scope="module")
+def l2a_params():
+  import dataclasses
+  cfg = dataclasses.replace(CFG, scheme="l2a", scheme_kwargs=tuple(sorted(L2A.items())))
+  return nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(1), jnp.zeros((1, 8), jnp.int32))["params"])
+
+
+@pytest.fixture(scope="module")
+def l2a_default(l2a_params):
+  return _l2a_decode(l2a_params, {})
+
+
+@pytest.mark.parametrize("variant", [
+    {"decode_skip": False}, {"_FILL_FROM_LENGTH": True},
+    {"_WIDE_SKIP": True, "_FILL_FROM_LENGTH": True}, {"decode_skip": False,
+                                                      "_FILL_FROM_LENGTH": True}],
+    ids=["noskip", "l2afill", "wideskip+l2afill", "noskip+l2afill"])
+def test_l2a_decode_variants_equal_the_default(l2a_params, l2a_default, variant):
+  """bench/decode_program's L2A decode variants (issue 33: a branch-free global call instead of
+  the per-layer lax.cond; the global call's fill from the cache's length counter; the skipped
+  branch also holding the global q / o projections) decode what the default does: logits of
+  the prefill and 6 steps and every cache leaf within 1e-6, with one active and one inactive row,
+  over steps where a layer's only active row routes global and steps where it routes local (both
+  branches of the skip run)."""
+  from condattn_jax.attention.l2a.layer import _bernoulli_uniform
+  pos = jnp.arange(7, 13, dtype=jnp.int32)[None]  # the active row's decode positions
+  glob = np.stack([np.asarray(_bernoulli_uniform(jax.random.PRNGKey(0), pos, i))[0] < 0.4
+                   for i in range(CFG.num_layers)])
+  assert glob.any() and not glob.all()
+  ref_l, ref_c = l2a_default
+  got_l, got_c = _l2a_decode(l2a_params, variant)
+  for a, b in zip(got_l, ref_l):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+  assert jax.tree.structure(got_c) == jax.tree.structure(ref_c)
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6), got_c, ref_c)

@@ -40,6 +40,18 @@ from condattn_jax.models.config import ModelConfig
 from condattn_jax.models.context import LayerContext
 from condattn_jax.models.layers import Attention, attend, make_norm, mlp_residual
 
+# Decode-step switches (issue 33; bench/decode_program.py's trace sets 'l2afill' / 'wideskip'
+# turn them on for an A/B on the GPU; off until timed). Both are exact: same logits and caches.
+# _FILL_FROM_LENGTH: the global call's kv fill is the cache's length counter after the write,
+#   min(length, slots) (what a full cache's valid prefix holds), not a count of its valid slots
+#   (a reduction over the whole cache's bookkeeping, every layer).
+# _WIDE_SKIP: with decode_skip, the skipped branch also holds the global query's projection and
+#   the o_proj (their weights are not read when no query of the chunk routes global); the keys /
+#   values are still projected and written every step.
+_FILL_FROM_LENGTH = False
+_WIDE_SKIP = False
+
+
 def _bernoulli_uniform(key, positions_BT, layer_idx):
   """Uniform draws that depend only on (key, layer, row, position): stable under decoding."""
   B = positions_BT.shape[0]
@@ -147,16 +159,27 @@ class L2ALayer(nn.Module):
 
     # ---- global branch
     glob = Attention(cfg, window=None, name="global_attn")
+    # (_WIDE_SKIP: this q is unused, so never computed: the branch projects its own)
     q, k, v = glob.qkv(g_BTD, ctx.positions_BT)
     if ctx.decode:
       k_all, v_all, kv_pos, kv_valid = glob.write_cache(k, v, ctx)
+      fill_B = None
+      if _FILL_FROM_LENGTH:
+        fill_B = jnp.minimum(glob.kv_cache.get_variable("cache", "length"), k_all.shape[1])
 
       def run_global(q, k_all, v_all):
         return attend(q, k_all, v_all, q_positions_BT=ctx.positions_BT, kv_positions_BS=kv_pos,
                       kv_segment_ids_BS=kv_valid, active=hard_BT, impl=o.compact_impl,
-                      full_cache=True)
+                      full_cache=True, kv_lengths_B=fill_B)
 
-      if o.decode_skip:
+      if o.decode_skip and _WIDE_SKIP:
+        def on(mdl, g, k_all, v_all):
+          return mdl.project_out(run_global(mdl.qkv(g, ctx.positions_BT)[0], k_all, v_all))
+
+        def off(mdl, g, *_):
+          return jnp.zeros(g.shape, cfg.compute_dtype)
+        a_BTD = nn.cond(jnp.any(hard_BT), on, off, glob, g_BTD, k_all, v_all)
+      elif o.decode_skip:
         a_BTNH = lax.cond(jnp.any(hard_BT), run_global, lambda q, *_: jnp.zeros_like(q),
                           q, k_all, v_all)
       else:
@@ -172,7 +195,8 @@ class L2ALayer(nn.Module):
         a_BTNH = lax.cond(forced, dense, compact, q, k, v)
       else:
         a_BTNH = compact(q, k, v)
-    a_BTD = glob.project_out(a_BTNH)
+    if not (ctx.decode and o.decode_skip and _WIDE_SKIP):
+      a_BTD = glob.project_out(a_BTNH)
     self.sow("intermediates", "router_p", p_BT)
     self.sow("intermediates", "decision", hard_BT)
     x_BTD = s_BTD + d_BT[..., None].astype(a_BTD.dtype) * a_BTD
