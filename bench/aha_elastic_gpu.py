@@ -7,6 +7,10 @@ machine of `--gpus` GPUs, then the merges (issue 34).
     IN=<packs of earlier calls> bash bench/aha_elastic_x2.sh 1   # call 1 on the GPU machine, $OUT set
     bash bench/aha_elastic_x2.sh merge    # anywhere (a CPU will do): judge + record
 (bench/aha_elastic_h100.sh is the same plan for 4 GPUs: --gpus=4.)
+    # Elastic h100 alone on 4 GPUs in 2 calls instead of 3 (the same units): each seed's dense
+    # model then its single arm in a solo lane (alone on its GPU, timeout 540 s), the rest after
+    python -m bench.aha_elastic_gpu --gpus=4 --runs=elastic_repro:h100 --solo_capacity=420 \
+      --write=/tmp/e.sh
 
 A unit is one piece of a seed's run (bench/aha_elastic_repro_common.py: a dense model, a
 window, a lambda, an arm, a static control); a lane is one process on one GPU (jobs via
@@ -67,6 +71,10 @@ COST = {"aha_repro": dict(dense=140, w=100, lam=75, static=200),
 # comment); its cost beyond one call is the plan's estimate in docs/schemes/aha.md
 GATED_DENSE_COST = 330
 TIMEOUT_S = 480
+# a solo lane (plan's solo_capacity: a chain longer than `capacity` that holds a whole GPU, no
+# other lane on it) runs under this timeout: no sharing slowdown to allow for, and a call may
+# last up to 540 s
+SOLO_TIMEOUT_S = 540
 # MiB of a seed's saved dense model (float32 params, msgpack) in the h100 presets: Elastic 2.9M
 # params, AHA 0.62M (jax.eval_shape of the presets' decoders); tiny presets: ~0.
 TREE_MIB = {"aha_repro": 2.4, "elastic_repro": 11.2}
@@ -105,18 +113,25 @@ class Cmd:
   units: list
   cost: float = 0.0
   rank: int = 0     # the run's place in the plan's order
+  gpu: int = -1     # the GPU of its lane (set by plan)
+  solo: bool = False  # in a solo lane: alone on its GPU (plan's solo_capacity)
 
 
 def plan(runs=RUNS, *, tiny: bool = False, gpus: int = 4, per_gpu: int = 3,
          capacity: float = 330.0, ordered: bool | None = None,
-         carry_mib: float | None = None) -> list[list[list[Cmd]]]:
+         carry_mib: float | None = None,
+         solo_capacity: float | None = None) -> list[list[list[Cmd]]]:
   """calls[c][lane] = the commands of that lane (lane i on GPU i % gpus). Greedy: each call,
   every seed's ready units (in the bench's order, cut into commands of <= capacity) go into the
   lane with the most room that fits: units others read first, then (with `ordered`, default:
   fewer than 4 GPUs) the runs in `runs`' order, so the first calls finish whole runs, then the
   largest; what does not fit waits for the next call. `carry_mib`: a seed's dense model starts
   only while the dense trees held for later calls (TREE_MIB each) stay within it (what a fresh
-  machine's call gets back through the device tool's carry)."""
+  machine's call gets back through the device tool's carry). `solo_capacity` (default None:
+  off): a unit that reads a unit of a command of this call, and would otherwise wait for the
+  next call, may join that command up to solo_capacity; such a command runs in a solo lane,
+  alone on its GPU (no other lane there, SOLO_TIMEOUT_S): e.g. Elastic h100 on 4 GPUs, dense
+  then the single arm in one lane a seed, 2 calls instead of 3."""
   if ordered is None:
     ordered = gpus < 4
   import importlib
@@ -146,6 +161,13 @@ def plan(runs=RUNS, *, tiny: bool = False, gpus: int = 4, per_gpu: int = 3,
         else:
           if not before and c <= capacity:
             mine.append(Cmd(bench, p, seed, [u], c, rank=rank[(bench, p)]))
+          elif before and solo_capacity is not None:   # after what it reads, in a solo lane
+            for ch in mine:
+              if ch.cost + c <= solo_capacity and all(d in ch.units for d in before):
+                ch.units.append(u)
+                ch.cost += c
+                ch.solo = True
+                break
       chunks += mine
     lanes = [[] for _ in range(gpus * per_gpu)]
     room = [capacity] * len(lanes)
@@ -156,10 +178,17 @@ def plan(runs=RUNS, *, tiny: bool = False, gpus: int = 4, per_gpu: int = 3,
                if left and (b, p, seed, "dense") in done)
     # units others wait for (dense, the static control's input) first, then the largest
     needed = lambda c: bool(set(c.units) & set(deps(c.bench, _settings(c), "static")))
-    for ch in sorted(chunks, key=lambda c: (not needed(c), c.rank, -c.cost)):
-      i = max(range(len(lanes)), key=lambda j: room[j])
-      if room[i] < ch.cost:
-        continue
+    for ch in sorted(chunks, key=lambda c: (not needed(c), not c.solo, c.rank, -c.cost)):
+      if ch.solo:   # the first lane of a GPU with no lane yet; the GPU's other lanes closed
+        free = [g for g in range(gpus) if all(not lanes[j] for j in range(g, len(lanes), gpus))
+                and room[g] >= 0]
+        if not free:
+          continue
+        i = free[0]
+      else:
+        i = max(range(len(lanes)), key=lambda j: room[j])
+        if room[i] < ch.cost:
+          continue
       left = next(t[4] for t in todo if t[:3] == [ch.bench, ch.preset, ch.seed])
       opens = "dense" in ch.units and set(left) - set(ch.units)
       if opens and carry_mib is not None and held + _tree_mib(ch.bench, tiny) > carry_mib:
@@ -167,7 +196,12 @@ def plan(runs=RUNS, *, tiny: bool = False, gpus: int = 4, per_gpu: int = 3,
       held += _tree_mib(ch.bench, tiny) if opens else 0.0
       # a chunk reads only units done in earlier calls or earlier in itself
       lanes[i].append(ch)
+      ch.gpu = i % gpus
       room[i] -= ch.cost
+      if ch.solo:
+        room[i] = -1.0                      # nothing after it in its lane
+        for j in range(i + gpus, len(lanes), gpus):
+          room[j] = -1.0                    # nor beside it on its GPU
       placed.append(ch)
     if not placed:
       raise RuntimeError("a unit costs more than a lane's capacity: raise capacity")
@@ -207,13 +241,15 @@ def command(c: Cmd, work: str = "$W") -> str:
           f"--part={','.join(first + c.units)} --work_dir={work}{budget}")
 
 
-def _flags(runs, tiny: bool, gpus: int) -> str:
+def _flags(runs, tiny: bool, gpus: int, solo_capacity: float | None = None) -> str:
   """The generator flags that rebuild a plan of these runs (what the script's pack step passes
   to --carry)."""
   out = " --tiny" if tiny else ""
   out += f" --gpus={gpus}"
   if tuple(runs) != (RUNS if gpus >= 4 else RUNS_FEW):
     out += " --runs=" + ",".join(f"{b}:{p}" for b, p in runs)
+  if solo_capacity is not None:
+    out += f" --solo_capacity={solo_capacity:g}"
   return out
 
 
@@ -260,15 +296,20 @@ def carry(work_dir: str, runs=RUNS, *, tiny: bool = False,
   return out
 
 
-def script(calls, runs=RUNS, *, tiny: bool = False, gpus: int = 4) -> str:
-  """The bash script: `bash <script> <call number> | all | merge`."""
+def script(calls, runs=RUNS, *, tiny: bool = False, gpus: int = 4,
+           solo_capacity: float | None = None) -> str:
+  """The bash script: `bash <script> <call number> | all | merge` (solo_capacity: the plan's,
+  named in its header)."""
   import importlib
   presets = [(b, TINY.get(p, p) if tiny else p) for b, p in runs]
+  solo = any(ch.solo for lanes in calls for lane in lanes for ch in lane)
   lines = [
       "#!/bin/bash",
-      f"# Generated by `python -m bench.aha_elastic_gpu{_flags(runs, tiny, gpus)} --write=...`"
+      f"# Generated by `python -m bench.aha_elastic_gpu{_flags(runs, tiny, gpus, solo_capacity)} "
+      "--write=...`"
       " (bench/aha_elastic_gpu.py: the plan, its cost estimates and the dry run).",
-      f"# {len(calls)} calls of <= {TIMEOUT_S} s on {gpus} GPUs + a merge; usage: "
+      f"# {len(calls)} calls of <= {SOLO_TIMEOUT_S if solo else TIMEOUT_S} s on {gpus} GPUs + a "
+      "merge; usage: "
       "bash $0 1|2|...|all|merge",
       "# Run from the repository root (python -m bench.*). A call on a fresh machine resumes "
       "from IN=<folder",
@@ -291,6 +332,11 @@ def script(calls, runs=RUNS, *, tiny: bool = False, gpus: int = 4) -> str:
       'PY=${PY:-python}',
       'SERIAL=${SERIAL:-0}   # 1: lanes one after another (a CPU dry run)',
       f'TIMEOUT=${{TIMEOUT:-{TIMEOUT_S}}}',
+  ]
+  if solo:   # a solo lane's timeout (never below TIMEOUT: a CPU dry run sets a longer one)
+    lines.append(f'SOLO_TIMEOUT=${{SOLO_TIMEOUT:-$(( TIMEOUT > {SOLO_TIMEOUT_S} ? TIMEOUT : '
+                 f'{SOLO_TIMEOUT_S} ))}}   # a lane alone on its GPU')
+  lines += [
       'mkdir -p "$W/logs" "$OUT"',
       'export PY PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false',
       'export CONDATTN_GIT_COMMIT=${CONDATTN_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}',
@@ -327,11 +373,15 @@ def script(calls, runs=RUNS, *, tiny: bool = False, gpus: int = 4) -> str:
   for c, lanes in enumerate(calls, 1):
     lines.append(f"call{c}() {{")
     est = max(sum(ch.cost for ch in lane) for lane in lanes)
-    lines.append(f"  # {len(lanes)} lanes, the fullest an estimated {est:.0f} s alone on a GPU")
+    n_solo = sum(any(ch.solo for ch in lane) for lane in lanes)
+    lines.append(f"  # {len(lanes)} lanes, the fullest an estimated {est:.0f} s alone on a GPU"
+                 + (f" ({n_solo} solo: alone on its GPU)" if n_solo else ""))
     lines.append("  unpack")
     for i, lane in enumerate(lanes):
       cmds = " ".join(shlex.quote(command(ch)) for ch in lane)
-      lines.append(f"  go {c} {i} {i % gpus} {cmds}")
+      g = lane[0].gpu if lane[0].gpu >= 0 else i % gpus
+      env = "TIMEOUT=$SOLO_TIMEOUT " if any(ch.solo for ch in lane) else ""
+      lines.append(f"  {env}go {c} {i} {g} {cmds}")
     lines += ["  wait", "  pack", "}"]
   lines.append("merge() {  # every preset judged on the merged units (needs every unit in $W)")
   lines.append("  unpack")
@@ -358,6 +408,11 @@ def main(argv=None):
   ap.add_argument("--carry_mib", type=float, default=None,
                   help=f"carry budget of the held dense models (default: {CARRY_MIB} on fewer "
                        "than 4 GPUs, else none: one warm machine keeps W)")
+  ap.add_argument("--solo_capacity", type=float, default=None,
+                  help="let a unit that reads one of this call's commands join it up to this "
+                       "many estimated seconds, alone on its GPU (a solo lane, timeout "
+                       f"{SOLO_TIMEOUT_S} s): fewer calls (Elastic h100 on 4 GPUs: 420 -> 2 "
+                       "calls); default off")
   ap.add_argument("--runs", default=None,
                   help="bench:preset,... in the order to place them (default: " +
                        ",".join(f"{b}:{p}" for b, p in RUNS) + ")")
@@ -378,7 +433,7 @@ def main(argv=None):
     return None
   carry_mib = a.carry_mib if a.carry_mib is not None else (CARRY_MIB if a.gpus < 4 else None)
   calls = plan(runs, tiny=a.tiny, gpus=a.gpus, per_gpu=a.per_gpu, capacity=a.capacity,
-               carry_mib=carry_mib)
+               carry_mib=carry_mib, solo_capacity=a.solo_capacity)
   if a.print or not a.write:
     total = sum(ch.cost for lanes in calls for lane in lanes for ch in lane)
     print(f"{len(calls)} calls on {a.gpus} GPUs, {a.per_gpu} lanes a GPU: {total:.0f} estimated "
@@ -386,12 +441,14 @@ def main(argv=None):
     for c, lanes in enumerate(calls, 1):
       print(f"call {c}: {len(lanes)} lanes")
       for i, lane in enumerate(lanes):
-        print(f"  lane {i} GPU {i % a.gpus} ({sum(ch.cost for ch in lane):.0f} s): "
+        g = lane[0].gpu if lane[0].gpu >= 0 else i % a.gpus
+        solo = " solo" if any(ch.solo for ch in lane) else ""
+        print(f"  lane {i} GPU {g}{solo} ({sum(ch.cost for ch in lane):.0f} s): "
               + " ; ".join(f"{ch.bench}:{ch.preset}:s{ch.seed}:{','.join(ch.units)}"
                            for ch in lane))
   if a.write:
     with open(a.write, "w") as f:
-      f.write(script(calls, runs, tiny=a.tiny, gpus=a.gpus))
+      f.write(script(calls, runs, tiny=a.tiny, gpus=a.gpus, solo_capacity=a.solo_capacity))
     os.chmod(a.write, 0o755)
     print(f"wrote {a.write}: {len(calls)} calls")
   return calls

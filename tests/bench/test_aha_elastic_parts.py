@@ -100,3 +100,57 @@ def test_a_part_of_other_settings_is_refused(tmp_path):
   other = rc.Store("elastic_repro", "test", elastic_repro.PRESETS["ci"], 0, str(tmp_path))
   with pytest.raises(ValueError, match="other settings"):
     other.get("dense")
+
+
+def test_solo_lanes_pack_elastic_h100_into_2_calls_of_the_same_units():
+  """bench/aha_elastic_gpu.py --solo_capacity: Elastic h100 on 4 GPUs runs each seed's dense
+  model and single arm in one lane alone on its GPU (call 1), the rest in call 2: the same
+  units as the 3-call plan, each once, after what it reads; a solo lane is alone on its GPU in
+  its call (also beside other runs' lanes) and runs under the solo timeout; shared lanes keep
+  the capacity. Without solo_capacity the plan is the 3-call one."""
+  import importlib
+  from bench import aha_elastic_gpu as gp
+
+  def check(calls, runs, solo_cap, gpus=4, per_gpu=3):
+    placed = {}
+    for c, lanes in enumerate(calls):
+      by_gpu = {}
+      for lane in lanes:
+        by_gpu.setdefault(lane[0].gpu, []).append(lane)
+        assert len({ch.gpu for ch in lane}) == 1 and 0 <= lane[0].gpu < gpus
+        cost = sum(ch.cost for ch in lane)
+        assert cost <= (solo_cap if any(ch.solo for ch in lane) else 330.0), (c, cost)
+        for ch in lane:
+          s = importlib.import_module(f"bench.{ch.bench}").PRESETS[ch.preset]
+          for j, u in enumerate(ch.units):
+            key = (ch.bench, ch.preset, ch.seed, u)
+            assert key not in placed, key
+            for d in gp.deps(ch.bench, s, u):
+              dk = key[:3] + (d,)
+              assert (dk in placed and placed[dk] < c) or d in ch.units[:j], (key, d)
+            placed[key] = c
+      for g, ls in by_gpu.items():
+        assert len(ls) <= per_gpu
+        if any(ch.solo for lane in ls for ch in lane):
+          assert len(ls) == 1, (c, g, [[ch.units for ch in lane] for lane in ls])
+    return placed
+
+  runs = (("elastic_repro", "h100"),)
+  three = gp.plan(runs)
+  two = gp.plan(runs, solo_capacity=420.0)
+  assert len(three) == 3 and len(two) == 2
+  assert not any(ch.solo for lanes in three for lane in lanes for ch in lane)
+  assert set(check(two, runs, 420.0)) == set(check(three, runs, 330.0))
+  solo = [lane for lane in two[0] if lane[0].solo]
+  assert sorted((lane[0].seed, tuple(lane[0].units)) for lane in solo) == \
+      [(s, ("dense", "single")) for s in (0, 1, 2)]
+  text = gp.script(two, runs, solo_capacity=420.0)
+  assert "--solo_capacity=420" in text.splitlines()[1]
+  goes = [l.split() for l in text.splitlines() if l.strip().startswith(("go ", "TIMEOUT="))]
+  call1 = [g for g in goes if "go" in g and g[g.index("go") + 1] == "1"]
+  assert len(call1) == 3 and all(g[0] == "TIMEOUT=$SOLO_TIMEOUT" for g in call1)
+  assert sorted(g[g.index("go") + 3] for g in call1) == ["0", "1", "2"]
+  assert f"SOLO_TIMEOUT=${{SOLO_TIMEOUT:-$(( TIMEOUT > {gp.SOLO_TIMEOUT_S}" in text
+  # beside another run's lanes, a solo lane still has its GPU to itself
+  mixed = (("elastic_repro", "h100"), ("aha_repro", "h100"))
+  check(gp.plan(mixed, solo_capacity=420.0), mixed, 420.0)
