@@ -662,6 +662,44 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
   return rows
 
 
+def buffers_probe(counts=(64, 256, 1024), calls: int = 64, repeats: int = 3,
+                  log=print) -> list[dict]:
+  """The host's cost of a call's buffers, apart from its kernels: a compiled program of N
+  donated int32[1] arguments, each + 1 (XLA fuses them into one kernel), called back to back
+  on its own outputs; host_us = median time for the host to enqueue one call, us_per_buffer =
+  its slope over N (each buffer is one argument and one output). The L2A step takes ~306
+  arguments (280 cache leaves, 10 a layer) where dense takes ~85: this says what that costs."""
+  import statistics
+  import time
+  import jax
+  import jax.numpy as jnp
+  rows = []
+  for n in counts:
+    xs = [jnp.zeros((1,), jnp.int32) + i for i in range(n)]
+    f = jax.jit(lambda *a: tuple(x + 1 for x in a), donate_argnums=tuple(range(n)))
+    compiled = f.lower(*xs).compile()
+    xs = compiled(*xs)
+    host = []
+    for _ in range(repeats):
+      for _ in range(calls):
+        t0 = time.perf_counter()
+        xs = compiled(*xs)
+        host.append(time.perf_counter() - t0)
+      jax.block_until_ready(xs)
+    rows.append(dict(buffers=n, host_us=statistics.median(host) * 1e6,
+                     check=int(xs[0][0]) == 1 + repeats * calls))
+    del xs, compiled
+  if len(rows) > 1:
+    a, b = rows[0], rows[-1]
+    slope = (b["host_us"] - a["host_us"]) / (b["buffers"] - a["buffers"])
+    for r in rows:
+      r["us_per_buffer"] = slope
+  for r in rows:
+    log(f"buffers_probe: {r['buffers']} donated buffers: host {r['host_us']:.1f} us/call "
+        f"({r.get('us_per_buffer', 0):.2f} us per buffer)")
+  return rows
+
+
 PROFILE_COLUMNS = (("scheme", "{}"), ("variant", "{}"), ("T", "{}"), ("ms", "{:.3f}"),
                    ("bare_ms", "{:.3f}"), ("host_ms", "{:.3f}"), ("busy_ms", "{:.3f}"),
                    ("span_ms", "{:.3f}"), ("kernels", "{:.0f}"), ("launches", "{:.0f}"),
@@ -737,6 +775,8 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--dense_variants", default="", help="--profile with a --scheme other than "
                  "dense: these dense variants too, in the same process, at the --dense_T "
                  "contexts (the denominator of x_dense / of_bound; comma list, '' = none)")
+  p.add_argument("--buffers_probe", default="", help="--profile: first time the host's cost "
+                 "of a call's donated buffers at these counts (buffers_probe; comma list)")
   p.add_argument("--dense_T", default="", help="--dense_variants' contexts (default: every --T)")
   p.add_argument("--hlo_dir", default=None, help="--profile: write the compiled HLO (gzip) of "
                  "--hlo_variants here, at the first --T only")
@@ -752,6 +792,8 @@ def main(argv=None) -> list[dict]:
       k, _, v = kv.partition("=")
       opts[k] = (int(v) if v.lstrip("-").isdigit() else {"true": True, "false": False}.get(v, v))
     rows = []
+    probe = (buffers_probe(tuple(int(n) for n in a.buffers_probe.split(",")))
+             if a.profile and a.buffers_probe else None)
     for T in (int(t) for t in str(a.T).split(",")):
       if a.profile:
         variants = (PROFILE_VARIANTS if a.variants == "stacked,split"
@@ -786,6 +828,8 @@ def main(argv=None) -> list[dict]:
             traced=a.traced, options=opts, dense_variants=a.dense_variants,
             dense_T=a.dense_T))
         run["rows"] = [{k: v for k, v in r.items() if k != "trace_lines"} for r in rows]
+        if probe:
+          run["buffers_probe"] = probe
         common.append_run(common.result_path("decode_program", a.out_dir), run)
       return rows
     print(json.dumps([{k: v for k, v in r.items() if k != "histogram"} for r in rows]))
