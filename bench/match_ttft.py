@@ -22,7 +22,21 @@ a call carries, and the calls that hold a retrieving block, the only ones whose 
 run: layer.py's nn.cond; dense row passes through the layers = context + aux_calls *
 aux_rows_a_call) and `reference_fallbacks` (ops.attention's warnings, logged while this row's
 program was traced, that a call took no kernel; on a GPU a warning from a platform-dependent
-branch the device does not run is included too).
+branch the device does not run is included too). The run records XLA_FLAGS (`xla_flags`).
+
+--profile (where the time goes; the criterion still reads ttft_s only): each row gets `calls`,
+one entry per engine prefill call (Engine._prefill's loop, the same compiled step):
+  start, stop     its prompt positions;  retrieves: the geometry says it holds a retrieving
+                  block (`work`);  retrieved: the chunks its queries read (the engine's
+                  per-row stat retrieved_B: > 0 where retrieval ran; None for SWA)
+  ms              wall time of the call alone (blocked before and after), median over reps
+  busy_ms, kernels  (the calls `profiled_calls` picks: the first, the last that does not
+                  retrieve, every one that does) GPU-busy time and kernel count of the call
+                  from a jax.profiler trace (bench.common.trace_activity)
+and `prefill_busy_ms` / `prefill_span_ms` / `prefill_kernels` (the whole prefill, its calls back
+to back, one trace: span - busy = GPU idle inside, e.g. a cond's host round trip), `calls_ms`
+(the sum of the calls' ms). The run gets `per_call` (MATCH's ms over SWA's, call by call, and
+over the retrieving / the other calls).
 """
 from __future__ import annotations
 
@@ -31,6 +45,7 @@ import datetime
 import json
 import logging
 import os
+import statistics
 import sys
 import time
 
@@ -93,17 +108,112 @@ def configs(s: Settings) -> dict:
           "match": configure(base, "match", top_k=s.top_k, **kw)}
 
 
+def call_geometry(s: Settings, retrieves: bool) -> list[tuple[int, int, bool]]:
+  """The engine's prefill calls of prefill_chunk tokens: (start, stop, holds a block whose last
+  position is >= context - m, i.e. a block that retrieves: only such a call runs its auxiliary
+  rows)."""
+  c, m, P = s.chunk, s.prefill_last, s.context
+  return [(a, min(a + s.prefill_chunk, P),
+           retrieves and ((min(a + s.prefill_chunk, P) - 1) // c) * c + c - 1 >= P - m)
+          for a in range(0, P, s.prefill_chunk)]
+
+
 def work(s: Settings, retrieves: bool) -> dict:
   """The prefill's geometry (MatchInputs / layer.py): engine calls of prefill_chunk tokens; a
   call's auxiliary rows (ceil(m / c) + 1 blocks of top_k * chunk rows, a static count); the
   calls that hold a block whose last position is >= context - m (only they run the rows)."""
   c, m, P = s.chunk, s.prefill_last, s.context
-  calls = [(a, min(a + s.prefill_chunk, P)) for a in range(0, P, s.prefill_chunk)]
+  calls = call_geometry(s, retrieves)
   G = -(-(s.prefill_chunk + c - 1) // c)
   rows = min(G, -(-m // c) + 1) * s.top_k * c if retrieves else 0
-  aux = sum(1 for _, e in calls if ((e - 1) // c) * c + c - 1 >= P - m) if rows else 0
+  aux = sum(1 for *_, r in calls if r) if rows else 0
   return {"prefill_calls": len(calls), "aux_rows_a_call": rows, "aux_calls": aux,
           "row_passes_over_context": round((P + aux * rows) / P, 4)}
+
+
+def profiled_calls(geometry) -> list[int]:
+  """The calls whose GPU time is traced: the first, the last one that does not retrieve, and
+  every one that does (of MATCH's geometry: SWA's row traces the same indices)."""
+  plain = [i for i, (*_, r) in enumerate(geometry) if not r]
+  return sorted({0, *plain[-1:], *(i for i, (*_, r) in enumerate(geometry) if r)})
+
+
+def profile(s: Settings, eng, prompt, geometry, traced, want_logits) -> dict:
+  """--profile's fields of a row (module docstring): Engine._prefill's calls of `prompt` run
+  one by one through the engine's (compiled) step."""
+  B, n = 1, len(prompt)
+  C = eng.chunk_for(n)
+  P = -(-n // C) * C
+  tokens = np.zeros((B, P), np.int32)
+  tokens[0, :n] = prompt
+  positions = np.broadcast_to(np.arange(P, dtype=np.int32), (B, P))
+  valid = positions < n
+  lengths = eng._commit(jnp.asarray([n], jnp.int32))
+  args = [(jnp.asarray(tokens[:, a:a + C]), jnp.asarray(positions[:, a:a + C]),
+           jnp.asarray(valid[:, a:a + C])) for a in range(0, P, C)]
+  if len(args) != len(geometry):
+    raise ValueError(f"profile: {len(args)} engine calls, the geometry has {len(geometry)}")
+
+  def fresh():
+    return [eng.init_cache(B), eng._commit(jnp.zeros((B, eng.config.vocab_size), jnp.float32))]
+
+  def call(state, i):
+    state[0], state[1], aux = eng._step(eng.params, state[0], *args[i], state[1], lengths)
+    return aux
+
+  ms = [[] for _ in args]
+  retrieved = [None] * len(args)
+  for _ in range(s.reps):
+    state = fresh()
+    jax.block_until_ready(state)
+    for i in range(len(args)):
+      t0 = time.perf_counter()
+      aux = jax.block_until_ready(call(state, i))
+      ms[i].append((time.perf_counter() - t0) * 1e3)
+      got = aux.get("scheme", {}).get("retrieved_B")
+      retrieved[i] = None if got is None else float(np.asarray(got)[0])
+  same = bool(np.array_equal(np.asarray(state[1], np.float32), want_logits))
+  out = []
+  for i, (a, e, r) in enumerate(geometry):
+    out.append({"start": a, "stop": e, "retrieves": bool(r), "retrieved": retrieved[i],
+                "ms": round(statistics.median(ms[i]), 3)})
+  for i in traced:  # the state before call i, then call i alone under the profiler
+    state = fresh()
+    for j in range(i):
+      call(state, j)
+    jax.block_until_ready(state)
+
+    def one(i=i):
+      call(state, i)
+      return state[1]
+    prof = common.trace_activity(one, 1)
+    out[i].update(busy_ms=round(prof["busy_ms"], 3), kernels=prof["kernels"])
+  state = fresh()
+  jax.block_until_ready(state)
+
+  def whole():
+    for i in range(len(args)):
+      call(state, i)
+    return state[1]
+  prof = common.trace_activity(whole, 1)
+  return {"calls": out, "calls_ms": round(sum(c["ms"] for c in out), 3),
+          "prefill_busy_ms": round(prof["busy_ms"], 3),
+          "prefill_span_ms": round(prof["span_ms"], 3), "prefill_kernels": prof["kernels"],
+          "profile_logits_equal_prefill": same}
+
+
+def per_call(rows) -> dict:
+  """MATCH's call times over SWA's (rows with `calls`): each call's ratio, and the retrieving /
+  the other calls' summed ms over SWA's same calls."""
+  by = {r["model"]: r for r in rows}
+  m, w = by["match"]["calls"], by["swa"]["calls"]
+  ret = [i for i, c in enumerate(m) if c["retrieves"]]
+  other = [i for i in range(len(m)) if i not in ret]
+  ratio = lambda idx: (round(sum(m[i]["ms"] for i in idx) / sum(w[i]["ms"] for i in idx), 4)
+                       if idx else None)
+  return {"match_over_swa_by_call": [round(a["ms"] / b["ms"], 4) for a, b in zip(m, w)],
+          "retrieving_calls": ret, "retrieving_over_swa": ratio(ret),
+          "other_calls_over_swa": ratio(other)}
 
 
 class _Fallbacks(logging.Handler):
@@ -118,7 +228,7 @@ class _Fallbacks(logging.Handler):
       self.messages.append(record.getMessage())
 
 
-def row(s: Settings, name: str, cfg, params) -> dict:
+def row(s: Settings, name: str, cfg, params, with_profile: bool = False) -> dict:
   eng = Engine(cfg, params, cache_len=s.context + 1, prefill_chunk=s.prefill_chunk)
   prompt = np.random.default_rng(s.context).integers(1, s.token_vocab, s.context).tolist()
 
@@ -134,26 +244,31 @@ def row(s: Settings, name: str, cfg, params) -> dict:
     logging.getLogger().removeHandler(fallbacks)
   timed = common.time_call(prefill, n=s.reps, warmup=0)
   times = [t / 1e3 for t in timed["runs_ms"]]
-  return logits, {"model": name, "context": s.context,
-          "ttft_s": round(timed["median_ms"] / 1e3, 4),
-          "ttft_reps_s": [round(t, 4) for t in times], "compile_s": round(first, 2),
-          "logits_finite": bool(np.isfinite(logits).all()),
-          "peak_bytes": common.peak_bytes(),   # the process's peak so far (SWA's row runs first)
-          "work": work(s, name == "match"), "reference_fallbacks": fallbacks.messages}
+  r = {"model": name, "context": s.context,
+       "ttft_s": round(timed["median_ms"] / 1e3, 4),
+       "ttft_reps_s": [round(t, 4) for t in times], "compile_s": round(first, 2),
+       "logits_finite": bool(np.isfinite(logits).all()),
+       "peak_bytes": common.peak_bytes(),   # the process's peak so far (SWA's row runs first)
+       "work": work(s, name == "match"), "reference_fallbacks": fallbacks.messages}
+  if with_profile:
+    geometry = call_geometry(s, name == "match")
+    r.update(profile(s, eng, prompt, geometry, profiled_calls(call_geometry(s, True)), logits))
+  return logits, r
 
 
-def run(s: Settings, log=print) -> dict:
+def run(s: Settings, log=print, with_profile: bool = False) -> dict:
   rows = []
   cfgs = configs(s)
   params = nn.unbox(jax.jit(Decoder(cfgs["swa"]).init)(jax.random.PRNGKey(0),
                                                          jnp.zeros((1, 8), jnp.int32))["params"])
   logits = {}
   for name in ("swa", "match"):  # the same weights: top_k adds no parameter
-    logits[name], r = row(s, name, cfgs[name], params)
+    logits[name], r = row(s, name, cfgs[name], params, with_profile)
     rows.append(r)
     log(json.dumps(r))
+  extra = {"per_call": per_call(rows)} if with_profile else {}
   return {"settings": dataclasses.asdict(s), "device": jax.devices()[0].device_kind,
-          "jax_version": jax.__version__,
+          "jax_version": jax.__version__, "xla_flags": os.environ.get("XLA_FLAGS", ""), **extra,
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
           "rows": rows, "criterion": CRITERION["rule"],
           # the retrieval changed the first token's logits (it ran): max |MATCH - SWA|
@@ -176,6 +291,8 @@ def verdict(rows) -> dict:
 FLAGS = common.flag_values()
 flags.DEFINE_enum("preset", "gpu", sorted(PRESETS), "sizes", flag_values=FLAGS)
 flags.DEFINE_integer("context", None, "prompt tokens (default: the preset's)", flag_values=FLAGS)
+flags.DEFINE_bool("profile", False, "also time each prefill call alone and trace its GPU-busy "
+                  "time (module docstring)", flag_values=FLAGS)
 
 
 def main(argv=None):
@@ -183,13 +300,21 @@ def main(argv=None):
   s = PRESETS[a.preset]
   if a.context:
     s = dataclasses.replace(s, context=a.context)
-  result = run(s)
+  result = run(s, with_profile=a.profile)
   result["preset"] = a.preset
   out = common.result_path("match_ttft", a.out_dir)
   # pass or fail of CRITERION is data ("passed"), not a recorded claim of the run
   common.write_result(out, "match_ttft", result, name=a.preset)
   print(f"MATCH / SWA time to first token at {s.context}: {result['match_over_swa']:.3f} "
         f"(<= {CRITERION['max_ratio']}: {'PASS' if result['passed'] else 'FAIL'})")
+  if a.profile:
+    for r in result["rows"]:
+      print(f"{r['model']}: calls " + ", ".join(
+          f"{c['ms']:.2f}" + ("R" if c["retrieves"] else "") +
+          (f" (busy {c['busy_ms']:.2f})" if "busy_ms" in c else "") for c in r["calls"]) +
+          f" ms; sum {r['calls_ms']:.1f}; prefill busy {r['prefill_busy_ms']:.1f} / span "
+          f"{r['prefill_span_ms']:.1f} ms")
+    print(f"per call (MATCH / SWA): {json.dumps(result['per_call'])}")
   print(f"wrote {out}")
 
 

@@ -1,0 +1,43 @@
+"""bench/match_ttft.py --profile: where MATCH's time to first token goes, call by call (the CLI
+run without it: tests/bench/test_match_bench.py::test_ttft_bench_test_preset)."""
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+
+from bench import common  # noqa: E402
+import match_ttft  # noqa: E402
+
+
+def test_profile_times_each_prefill_call_and_names_the_retrieving_ones(tmp_path):
+  """The 'test' preset with --profile: each row lists the engine's prefill calls (contiguous
+  over the prompt, the compiled step the TTFT timed: the same first-token logits); the calls
+  the geometry says retrieve (`work`'s aux_calls of them) are exactly MATCH's calls whose
+  queries read retrieved chunks (the engine's retrieved_B, measured), SWA's read none; GPU-busy
+  time is traced for the first call, the last plain one and each retrieving one; the run's
+  per-call ratios re-derive from the rows, and the verdict still reads ttft_s only."""
+  match_ttft.main(["--preset=test", "--profile", f"--out_dir={tmp_path}"])
+  (run,) = common.load(common.result_path("match_ttft", str(tmp_path)))["runs"]
+  r = common.recorded_of(run)
+  s = match_ttft.PRESETS["test"]
+  by = {x["model"]: x for x in r["rows"]}
+  traced = match_ttft.profiled_calls(match_ttft.call_geometry(s, True))
+  for name, row in by.items():
+    calls = row["calls"]
+    assert len(calls) == row["work"]["prefill_calls"] == -(-s.context // s.prefill_chunk)
+    assert calls[0]["start"] == 0 and calls[-1]["stop"] == s.context
+    assert all(a["stop"] == b["start"] for a, b in zip(calls, calls[1:]))
+    assert all(c["ms"] > 0 for c in calls) and row["profile_logits_equal_prefill"]
+    assert [i for i, c in enumerate(calls) if "busy_ms" in c] == traced
+    assert row["prefill_busy_ms"] > 0 and row["prefill_span_ms"] >= row["prefill_busy_ms"]
+    assert row["calls_ms"] == round(sum(c["ms"] for c in calls), 3)
+  ret = [i for i, c in enumerate(by["match"]["calls"]) if c["retrieves"]]
+  assert ret and len(ret) == by["match"]["work"]["aux_calls"]
+  assert [i for i, c in enumerate(by["match"]["calls"]) if c["retrieved"] > 0] == ret
+  assert all(c["retrieved"] is None and not c["retrieves"] for c in by["swa"]["calls"])
+  assert set(traced) >= {0, *ret} and len(traced) == len(ret) + 2
+  assert r["per_call"] == match_ttft.per_call(r["rows"])
+  assert r["per_call"]["retrieving_calls"] == ret
+  assert r["match_over_swa"] == round(by["match"]["ttft_s"] / by["swa"]["ttft_s"], 4)
+  assert "xla_flags" in r
