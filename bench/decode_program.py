@@ -447,8 +447,11 @@ OPTION_SETS = {**CB_MODES,
 # no lax.cond, so no host round trip per layer; same logits and caches); L2A's decode switches
 # (condattn_jax/attention/l2a/layer.py, exact, off by default until timed): 'l2afill' (the global
 # call's fill from the cache's length counter, not a reduction over its slots, every layer),
-# 'wideskip' (decode_skip's branch also holds the global q / o projections).
-TRACE_SETS = ("mgpu", "refattn", "noskip", "l2afill", "wideskip")
+# 'wideskip' (decode_skip's branch also holds the global q / o projections); 'bookshare': the
+# engine keeps an L2A cache's bookkeeping once per cache kind (condattn_jax/inference/engine.py
+# _SHARE_BOOKKEEPING: 4 cache leaves a layer instead of 10; with 'l2afill' the other layers'
+# bookkeeping writes are dead on the GPU's cuDNN path).
+TRACE_SETS = ("mgpu", "refattn", "noskip", "l2afill", "wideskip", "bookshare")
 L2A_SWITCHES = {"l2afill": "_FILL_FROM_LENGTH", "wideskip": "_WIDE_SKIP"}
 
 
@@ -473,6 +476,13 @@ def _trace_context(sets):
   import contextlib
   stack = contextlib.ExitStack()
   switches = {L2A_SWITCHES[x]: True for x in sets if x in L2A_SWITCHES}
+  if "bookshare" in sets:
+    import jax
+    from unittest import mock
+    from condattn_jax.inference import engine as engine_mod
+    jax.clear_caches()
+    stack.callback(jax.clear_caches)
+    stack.enter_context(mock.patch.object(engine_mod, "_SHARE_BOOKKEEPING", True))
   if switches:
     import jax
     from unittest import mock

@@ -293,6 +293,70 @@ class _RowStats:
     return {k: v[:, b] / den for k, v in self.sums.items()}
 
 
+# Issue 33, an A/B switch (bench/decode_program.py's trace set 'bookshare'; off until timed): an
+# L2A engine keeps each kind of cache's bookkeeping (positions / valid / length of the global
+# caches, and of the window rings) once, in the first layer that holds that cache, like a dense
+# cache's layers_0 (`models.layers.shares_kv_state`). The step hands that copy to every layer
+# and keeps the first layer's result: the other layers' bookkeeping writes are dead where their
+# attention reads only the fill (the cuDNN decode path, with the L2A layer's _FILL_FROM_LENGTH),
+# and their length updates are one computation (CSE). Exact for an engine cache: every chunk,
+# step and row reset writes every layer alike. It cuts the buffers a step takes and returns
+# (10 -> 4 a layer): the host pays ~5 us for each (bench/decode_program --buffers_probe, H100).
+_SHARE_BOOKKEEPING = False
+_BOOK = ("positions", "valid", "length")
+
+
+def _shares_book(cfg) -> bool:
+  return _SHARE_BOOKKEEPING and cfg.scheme == "l2a"
+
+
+def _book_owners(full_cache) -> dict:
+  """{(layer name, sub-path of a KVCache dict): owner layer name} for every KVCache dict that
+  holds bookkeeping, owner = the first layer holding the same sub-path with the same shapes."""
+  owners, first = {}, {}
+
+  def walk(name, d, path):
+    if isinstance(d, dict) and "key" in d and all(k in d for k in _BOOK):
+      sig = (path, tuple((k, tuple(d[k].shape)) for k in _BOOK))
+      owners[(name, path)] = first.setdefault(sig, name)
+    elif isinstance(d, dict):
+      for k, v in d.items():
+        walk(name, v, path + (k,))
+  for name in sorted(full_cache, key=lambda n: int(n.split("_")[1])):
+    walk(name, full_cache[name], ())
+  return owners
+
+
+def _get(d, path):
+  for k in path:
+    d = d[k]
+  return d
+
+
+def _with(d, path, value):
+  return value if not path else {**d, path[0]: _with(d[path[0]], path[1:], value)}
+
+
+def _compress_book(cache, owners):
+  """The cache without the bookkeeping of the layers that do not own it."""
+  cache = dict(cache)
+  for (name, path), owner in owners.items():
+    if owner != name:
+      kv = _get(cache[name], path)
+      cache[name] = _with(cache[name], path, {k: v for k, v in kv.items() if k not in _BOOK})
+  return cache
+
+
+def _expand_book(cache, owners):
+  """Every layer's KVCache dicts with their bookkeeping (the owner's)."""
+  cache = dict(cache)
+  for (name, path), owner in owners.items():
+    if owner != name:
+      book = {k: v for k, v in _get(cache[owner], path).items() if k in _BOOK}
+      cache[name] = _with(cache[name], path, {**_get(cache[name], path), **book})
+  return cache
+
+
 class Engine:
   """Prefill / decode / generate for one model (any scheme) and one cache size.
 
@@ -403,6 +467,10 @@ class Engine:
     last valid token [B, V] (prev_logits where a row has none in this chunk), the layers'
     per-row aux entries {name: [L, B, ...]}). prompt_len_B (prefill): each row's prompt length,
     handed to the layers as ctx.fields['prompt_len_B'] (MATCH retrieves for the last m only)."""
+    owners = None
+    if _shares_book(self.config):  # the bookkeeping kept once (_SHARE_BOOKKEEPING)
+      owners = _book_owners(self._full_cache_shapes(tokens_BT.shape[0]))
+      cache = _expand_book(cache, owners)
     (hidden_BTD, aux), variables = self.model.apply(
         {"params": params, "cache": cache}, tokens_BT, positions_BT,
         valid_BT.astype(jnp.int32), decode=True, cache_len=self.cache_len, return_hidden=True,
@@ -421,11 +489,14 @@ class Engine:
                            self.model.output_embedding(params).astype(self.config.compute_dtype),
                            preferred_element_type=jnp.float32)
     logits_BV = jnp.where((n_B > 0)[:, None], logits_BV, prev_logits_BV)
-    return variables["cache"], logits_BV, row_aux
+    new_cache = variables["cache"]
+    if owners is not None:
+      new_cache = _compress_book(new_cache, owners)
+    return new_cache, logits_BV, row_aux
 
-  def cache_shapes(self, batch_size: int):
-    """The abstract cache (ShapeDtypeStructs) for `batch_size` rows, read off the model once per
-    batch size (tracing a 32-layer model costs ~1 s: not paid again on every prefill)."""
+  def _full_cache_shapes(self, batch_size: int):
+    """The model's own abstract cache for `batch_size` rows (every layer's bookkeeping), read
+    off the model once per batch size (tracing a 32-layer model costs ~1 s)."""
     if batch_size not in self._cache_shapes:
       tok = jax.ShapeDtypeStruct((batch_size, 1), jnp.int32)
       self._cache_shapes[batch_size] = jax.eval_shape(
@@ -433,6 +504,13 @@ class Engine:
                                         unroll_layers=True, mutable=["cache"])[1]["cache"],
           self.params, tok)
     return self._cache_shapes[batch_size]
+
+  def cache_shapes(self, batch_size: int):
+    """The abstract cache (ShapeDtypeStructs) for `batch_size` rows: the model's, less the
+    bookkeeping of the layers that do not own it when the engine keeps it once
+    (_SHARE_BOOKKEEPING)."""
+    full = self._full_cache_shapes(batch_size)
+    return _compress_book(full, _book_owners(full)) if _shares_book(self.config) else full
 
   def _commit(self, tree):
     """`tree` placed on the params' device (when they all live on one). The step's outputs are
@@ -452,6 +530,9 @@ class Engine:
     from condattn_jax.attention import get_scheme
     from condattn_jax.models import layers, stacking
     cache = dict(cache)
+    if _shares_book(self.config):
+      B = jax.tree.leaves(cache)[0].shape[0]
+      cache = _expand_book(cache, _book_owners(self._full_cache_shapes(B)))
     if layers.shares_kv_state(self.config):
       kv0 = cache["layers_0"]["self_attn"]["cache"]
       book = {k: v for k, v in kv0.items() if k not in ("key", "value")}
@@ -465,6 +546,9 @@ class Engine:
     the first without positions / valid / length when the engine keeps them in layers_0 only)."""
     from condattn_jax.models import layers, stacking
     cache = stacking.unstack_layers(dict(stacked), self.config.num_layers)
+    if _shares_book(self.config):
+      B = jax.tree.leaves(cache)[0].shape[0]
+      cache = _compress_book(cache, _book_owners(self._full_cache_shapes(B)))
     if layers.shares_kv_state(self.config):
       for i in range(1, self.config.num_layers):
         c = cache[f"layers_{i}"]

@@ -353,7 +353,8 @@ def _export(dp, cfg, sets):
 def test_l2a_decode_variant_sets_and_the_dense_ratio():
   """decode_program's L2A variants (issue 33): 'noskip' is the config without decode_skip (a
   scheme without it is refused), 'l2afill' / 'wideskip' turn L2A's module switches on only while
-  the variant's program is traced, the 'cond' command-buffer mode adds CONDITIONAL and WHILE to
+  the variant's program is traced, 'bookshare' the engine's (6 cache leaves fewer a layer after
+  the first), the 'cond' command-buffer mode adds CONDITIONAL and WHILE to
   XLA's default kinds; dense_ratios divides the same-T dense row's ms by a scheme row's and
   relates it to the bytes bound (issue 33's 0.9 target)."""
   from bench import decode_program as dp
@@ -373,6 +374,13 @@ def test_l2a_decode_variant_sets_and_the_dense_ratio():
   assert not l2a_layer._WIDE_SKIP and not l2a_layer._FILL_FROM_LENGTH
   with dp._trace_context(("l2afill",)):
     assert l2a_layer._FILL_FROM_LENGTH and not l2a_layer._WIDE_SKIP
+  from condattn_jax.inference import Engine, engine as engine_mod
+  eng = lambda: Engine(cfg, decode.abstract_params(cfg), cache_len=64)
+  n = len(jax.tree.leaves(eng().cache_shapes(1)))
+  with dp._trace_context(("bookshare",)):  # the engine keeps L2A's bookkeeping once
+    assert engine_mod._SHARE_BOOKKEEPING
+    assert len(jax.tree.leaves(eng().cache_shapes(1))) == n - 6 * (cfg.num_layers - 1)
+  assert not engine_mod._SHARE_BOOKKEEPING
   base = dict(status="ok", shapes="tiny-qwen", B=1, T=64)
   rows = [dict(base, scheme="l2a", variant="stacked", ms=2.0, busy_ms=1.0),
           dict(base, scheme="l2a", variant="stacked", ms=3.0, busy_ms=1.0, T=128),

@@ -162,11 +162,14 @@ def _l2a_decode(params, variant):
   from condattn_jax.attention.l2a import layer as l2a_layer
   cfg = dataclasses.replace(CFG, scheme="l2a", scheme_kwargs=tuple(sorted(
       {**L2A, "decode_skip": variant.get("decode_skip", True)}.items())))
+  from condattn_jax.inference import engine as engine_mod
   flags = {"_FILL_FROM_LENGTH": False, "_WIDE_SKIP": False,
-           **{k: v for k, v in variant.items() if k.startswith("_")}}
+           **{k: v for k, v in variant.items() if k in ("_FILL_FROM_LENGTH", "_WIDE_SKIP")}}
+  share = variant.get("_SHARE_BOOKKEEPING", False)
   jax.clear_caches()  # the module switches act at trace time
   try:
-    with mock.patch.multiple(l2a_layer, **flags):
+    with mock.patch.multiple(l2a_layer, **flags), \
+        mock.patch.object(engine_mod, "_SHARE_BOOKKEEPING", share):
       eng = Engine(cfg, params, cache_len=S)
       c, l, pos = eng.prefill([[3, 9, 4, 1, 7, 2, 8], [5, 2]])
       outs, active = [l], np.array([True, False])
@@ -175,7 +178,10 @@ def _l2a_decode(params, variant):
         c, l = eng.decode_step(c, t, pos, active, l)
         pos = pos + active
         outs.append(l)
-      return outs, c
+      n_leaves = len(jax.tree.leaves(c))
+      if share:  # every layer's view (the bookkeeping is kept once: compared as the model's)
+        c = engine_mod._expand_book(c, engine_mod._book_owners(eng._full_cache_shapes(2)))
+      return outs, c, n_leaves
   finally:
     jax.clear_caches()
 
@@ -195,22 +201,28 @@ def l2a_default(l2a_params):
 @pytest.mark.parametrize("variant", [
     {"decode_skip": False}, {"_FILL_FROM_LENGTH": True},
     {"_WIDE_SKIP": True, "_FILL_FROM_LENGTH": True}, {"decode_skip": False,
-                                                      "_FILL_FROM_LENGTH": True}],
-    ids=["noskip", "l2afill", "wideskip+l2afill", "noskip+l2afill"])
+                                                      "_FILL_FROM_LENGTH": True},
+    {"decode_skip": False, "_FILL_FROM_LENGTH": True, "_SHARE_BOOKKEEPING": True}],
+    ids=["noskip", "l2afill", "wideskip+l2afill", "noskip+l2afill", "noskip+l2afill+bookshare"])
 def test_l2a_decode_variants_equal_the_default(l2a_params, l2a_default, variant):
   """bench/decode_program's L2A decode variants (issue 33: a branch-free global call instead of
   the per-layer lax.cond; the global call's fill from the cache's length counter; the skipped
   branch also holding the global q / o projections) decode what the default does: logits of
   the prefill and 6 steps and every cache leaf within 1e-6, with one active and one inactive row,
   over steps where a layer's only active row routes global and steps where it routes local (both
-  branches of the skip run)."""
+  branches of the skip run). With the bookkeeping kept once (Engine, _SHARE_BOOKKEEPING) the
+  cache holds 4 leaves a layer + 6, and every layer's view of it is the default's."""
   from condattn_jax.attention.l2a.layer import _bernoulli_uniform
   pos = jnp.arange(7, 13, dtype=jnp.int32)[None]  # the active row's decode positions
   glob = np.stack([np.asarray(_bernoulli_uniform(jax.random.PRNGKey(0), pos, i))[0] < 0.4
                    for i in range(CFG.num_layers)])
   assert glob.any() and not glob.all()
-  ref_l, ref_c = l2a_default
-  got_l, got_c = _l2a_decode(l2a_params, variant)
+  ref_l, ref_c, ref_n = l2a_default
+  got_l, got_c, got_n = _l2a_decode(l2a_params, variant)
+  # the engine's cache: 10 leaves a layer (window ring + global cache: key, value, positions,
+  # valid, length); with the bookkeeping kept once, 4 a layer + the 6 of the first layer
+  L = CFG.num_layers
+  assert ref_n == 10 * L and got_n == (4 * L + 6 if "_SHARE_BOOKKEEPING" in variant else 10 * L)
   for a, b in zip(got_l, ref_l):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
   assert jax.tree.structure(got_c) == jax.tree.structure(ref_c)
