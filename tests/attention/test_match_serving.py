@@ -173,3 +173,45 @@ def test_prefill_runs_aux_rows_only_in_calls_that_retrieve(model, monkeypatch):
   Engine(cfg, params, cache_len=48, prefill_chunk=5).prefill([PROMPTS[0]])
   jax.effects_barrier()
   assert len(runs) == 2 * cfg.num_layers, len(runs)  # every layer, in the 2 retrieving calls
+
+
+def test_prefill_call_holds_one_cond_a_layer_and_no_per_block_kv_outside_it(model):
+  """Chunked prefill in 12-token calls (5 blocks of 3 a call, 3 aux blocks mapped to the last 3:
+  match_aux_block_BG is not the identity) then decode: logits equal the serving forward's,
+  including the decode steps that reuse the retrieved K/V the last prefill call stored
+  (RetrievedCache, read off the aux blocks through the map). The compiled prefill program holds
+  one conditional a layer (the aux rows with the attention over their K/V, or SWA's attention;
+  on a GPU each is a predicate read on the host: two a layer cost twice the waits; the last
+  layer's aux rows feed nothing, so its cond is dropped), and its
+  jaxpr builds no per-block [B, G, R, K, H] K/V outside a cond (the calls that do not retrieve
+  pay no such copy)."""
+  from jax.extend.core import jaxprs_in_params
+  cfg, params = model
+  eng = Engine(cfg, params, cache_len=48, prefill_chunk=12)
+  gen = eng.generate(PROMPTS, NEW, return_logits=True)
+  seqs = [p + g[:-1] for p, g in zip(PROMPTS, gen.tokens)]
+  full = np.asarray(_serving(cfg, params, seqs, [len(p) for p in PROMPTS]))
+  for b, p in enumerate(PROMPTS):
+    np.testing.assert_allclose(gen.logits[b], full[b, len(p) - 1:len(seqs[b])], atol=1e-4, rtol=0)
+
+  B, C = 1, 12
+  sds = jax.ShapeDtypeStruct
+  args = (params, eng.cache_shapes(B), sds((B, C), jnp.int32), sds((B, C), jnp.int32),
+          sds((B, C), jnp.bool_), sds((B, cfg.vocab_size), jnp.float32), sds((B,), jnp.int32))
+  hlo = Engine._step.lower(eng, *args).compile().as_text()
+  # one a layer, bar the last layer's aux rows, which no later layer reads (XLA drops them)
+  assert hlo.count(" conditional(") == cfg.num_layers - 1
+  o = attention.options(cfg)
+  G, R = -(-(C + o.chunk - 1) // o.chunk), o.top_k * o.chunk
+  per_block = (B, G, R, cfg.num_kv_heads, cfg.head_dim)
+  seen = []
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      seen.extend(tuple(v.aval.shape) for v in eqn.outvars)
+      if eqn.primitive.name == "cond":
+        continue
+      for sub in jaxprs_in_params(eqn.params):
+        walk(sub)
+  walk(jax.make_jaxpr(lambda *a: Engine._step(eng, *a))(*args).jaxpr)
+  assert seen and per_block not in seen, per_block

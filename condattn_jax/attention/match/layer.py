@@ -42,16 +42,17 @@ k*c slots) that the block's later tokens reuse; between refreshes the aux rows a
 (nn.cond). So SWA-layer memory is flat in the context length. An engine prefill call with the
 prompt lengths carries auxiliary rows only for the blocks that retrieve (the last m prompt
 positions: inputs.block_retrieves), mapped to their blocks by match_aux_block_BG, and runs them
-only when one of them retrieves a chunk (nn.cond): a long prompt's calls before its last m
-positions cost what SWA's do, bar the (empty) listing; the block-sparse call appends only
-those blocks' K/V.
+only when one of them retrieves a chunk: one nn.cond a layer (MatchLayer._prefill_attend) holds
+the aux rows and the attention over their K/V, else SWA's attention over the cache (on a GPU
+each cond is a predicate read on the host). A long prompt's calls before its last m positions
+cost what SWA's do, bar the retrieval search (once a call, in MatchInputs), the aux tokens'
+embedding and that cond; the block-sparse call appends only the aux blocks' K/V.
 """
 from __future__ import annotations
 
 import dataclasses
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 
 from condattn_jax import ops
@@ -101,10 +102,14 @@ class RetrievedCache(nn.Module):
   Variables: key/value [B, R, K, H] (R = k*c), ok [B, R] int32.
   `__call__(k, v, ok [B, G, R, ...] fresh ones, fresh_B, g_last_B, all_fresh)` returns the K/V
   each block uses (the fresh ones where `all_fresh` or the row refreshed, else the stored ones)
-  and stores the fresh K/V of the block of each refreshed row's last token."""
+  and stores the fresh K/V of the block of each refreshed row's last token. picked=True (an
+  engine prefill call): k, v [B, R, K, H], ok [B, R] are already that block's; only stored."""
 
   @nn.compact
-  def __call__(self, k_BGRKH, v_BGRKH, ok_BGR, fresh_B, g_last_B, all_fresh: bool):
+  def __call__(self, k_BGRKH, v_BGRKH, ok_BGR, fresh_B, g_last_B, all_fresh: bool,
+               picked: bool = False):
+    if picked:  # [B, R, ...]: as the last block of a call of one block
+      k_BGRKH, v_BGRKH, ok_BGR = k_BGRKH[:, None], v_BGRKH[:, None], ok_BGR[:, None]
     B, G, R, K, H = k_BGRKH.shape
     ck = self.variable("cache", "key", jnp.zeros, (B, R, K, H), k_BGRKH.dtype)
     cv = self.variable("cache", "value", jnp.zeros, (B, R, K, H), v_BGRKH.dtype)
@@ -116,8 +121,8 @@ class RetrievedCache(nn.Module):
       use = (jnp.where(f[..., None, None], k_BGRKH, ck.value[:, None]),
              jnp.where(f[..., None, None], v_BGRKH, cv.value[:, None]),
              jnp.where(f, ok_BGR, cok.value[:, None]))
-    pick = lambda x: jnp.take_along_axis(
-        x, g_last_B.reshape((B, 1) + (1,) * (x.ndim - 2)), axis=1)[:, 0]
+    pick = (lambda x: x[:, 0]) if picked else (lambda x: jnp.take_along_axis(
+        x, g_last_B.reshape((B, 1) + (1,) * (x.ndim - 2)), axis=1)[:, 0])
     fr = fresh_B.reshape((B,) + (1,) * 3)
     ck.value = jnp.where(fr, pick(k_BGRKH), ck.value)
     cv.value = jnp.where(fr, pick(v_BGRKH), cv.value)
@@ -307,34 +312,61 @@ class MatchLayer(nn.Module):
     return ops.by_lowering_platform(q, k, v, mask, default=gathered, cuda=make, rocm=make,
                                     tpu=make)
 
-  def _retrieved_attend(self, q, k, v, ctx: LayerContext, f: dict, retrieved, aux_blocks=None):
-    """Recomputed retrieved K/V (retrieved_kv='recompute', decode, the engine's prefill):
-    (k, v, ok) [B, G, R, ...] per block. A call of one token (decode) gathers; otherwise
-    block-sparse or gathered as `_sequence_attend` decides (options.attention_path): the block-
-    sparse call takes the queries shifted so that MATCH's blocks are its query tiles, the keys
-    of this forward (or of the cache after the write) followed by the retrieved K/V of each
-    aux block, which the blocks mapped to it list whole (they sit at a position no window
-    reaches and every query is after: only the listing makes them visible). aux_blocks (an
-    engine call of several tokens): (k, v, ok) [B, Ga, R, ...] of the Ga aux blocks and the
-    map block g -> aux block [B, G] (-1: none; None: the identity), so only Ga*R keys are
-    appended; None: `retrieved`'s G blocks. Such a call none of whose blocks retrieves a chunk
-    (a long prompt's calls before its last m positions) runs SWA's attention over the cache
-    instead (lax.cond: the same keys visible, the same ops.attention call as Attention.attend)."""
-    o = options(self.config)
+  def _retrieved_attend(self, q, k, v, ctx: LayerContext, f: dict, retrieved):
+    """Recomputed retrieved K/V (retrieved_kv='recompute': a full forward, or a decode step of
+    one token) (k, v, ok) [B, G, R, ...] per block: `_retrieving_attend` over this forward's
+    keys, or the cache's after the write (decode). An engine call of several tokens runs
+    `_prefill_attend` instead."""
     cache = self.self_attn.write_cache(k, v, ctx) if ctx.decode else None
-    if aux_blocks is not None and cache is not None and q.shape[1] > 1:
+    return self._retrieving_attend(q, k, v, ctx, f, retrieved, None, cache)
+
+  def _prefill_attend(self, x_aux, q, k, v, ctx: LayerContext, f: dict, Ga: int):
+    """An engine call of several tokens (a prefill chunk) of an SWA layer with auxiliary rows
+    for Ga aux blocks: ONE nn.cond (one predicate read a layer on a GPU: a lax.cond's
+    ConditionalThunk copies it to the host and waits) on whether one of the call's aux rows is
+    real (one of its blocks retrieves a chunk: with the prompt lengths, only the call(s)
+    holding the prompt's last m positions):
+      retrieving: the aux rows through this layer (`_aux_update`), then window OR retrieved
+        chunks over the cache after the write and the aux blocks' fresh K/V
+        (`_retrieving_attend`: the block-sparse call appends only the Ga aux blocks, which the
+        blocks mapped to them by match_aux_block_BG list);
+      else: the aux rows unchanged and SWA's attention over the cache (the ops.attention call
+        Attention.attend makes: window over the written ring + chunk, the same keys visible).
+    Returns (x_aux, heads). RetrievedCache stores the fresh K/V of the block of each row's last
+    token (zeros, ok 0, where the aux rows did not run), read off the aux blocks inside the
+    branch: no per-block [B, G, R, K, H] copy is made outside it."""
+    o = options(self.config)
+    cfg = self.config
+    apos, aok = f["match_aux_pos_BA"], f["match_aux_ok_BA"]
+    B, A = aok.shape
+    R = A // Ga
+    ok_BGR = aok.reshape(B, Ga, R)
+    aux_of_BG = f.get("match_aux_block_BG")   # block -> aux block (-1: none); None: identity
+    g_last = f["match_g_last_B"]
+    a_last = (g_last if aux_of_BG is None
+              else jnp.take_along_axis(aux_of_BG, g_last[:, None], axis=1)[:, 0])
+    cache = self.self_attn.write_cache(k, v, ctx)
+
+    def retrieving(m, x_aux, q, k, v, cache):
+      x_aux, k_aux, v_aux = m._aux_update(x_aux, apos, aok, Ga)
+      aux_blocks = (k_aux, v_aux, ok_BGR, aux_of_BG)
+      heads = m._retrieving_attend(q, k, v, ctx, f, _per_block(aux_blocks), aux_blocks, cache)
+      # the last token's block's (what _per_block then RetrievedCache's pick would give)
+      at = lambda t: jnp.take_along_axis(
+          t, jnp.maximum(a_last, 0).reshape((B, 1) + (1,) * (t.ndim - 2)), axis=1)[:, 0]
+      return x_aux, heads, (at(k_aux), at(v_aux), jnp.where((a_last >= 0)[:, None], at(ok_BGR), 0))
+
+    def window_only(m, x_aux, q, k, v, cache):
       k_all, v_all, kv_pos, kv_valid = cache
-      window_only = lambda: attend(q, k_all, v_all, q_positions_BT=ctx.positions_BT,
-                                   kv_positions_BS=kv_pos, kv_segment_ids_BS=kv_valid,
-                                   window=o.window, impl=o.impl)
-      # (the retrieving branch maps the aux blocks to blocks itself: the fresh K/V a call of
-      # several tokens uses, and no [B, G, R] copy is made for the calls that skip it)
-      return jax.lax.cond(
-          jnp.any(aux_blocks[2] != 0),
-          lambda: self._retrieving_attend(q, k, v, ctx, f, _per_block(aux_blocks), aux_blocks,
-                                          cache),
-          window_only)
-    return self._retrieving_attend(q, k, v, ctx, f, retrieved, aux_blocks, cache)
+      heads = attend(q, k_all, v_all, q_positions_BT=ctx.positions_BT, kv_positions_BS=kv_pos,
+                     kv_segment_ids_BS=kv_valid, window=o.window, impl=o.impl)
+      z = jnp.zeros((B, R, cfg.num_kv_heads, cfg.head_dim), cfg.compute_dtype)
+      return x_aux, heads, (z, z, jnp.zeros((B, R), ok_BGR.dtype))
+
+    x_aux, heads, last = nn.cond(jnp.any(aok != 0), retrieving, window_only, self, x_aux, q, k,
+                                 v, cache)
+    self.retrieved_cache(*last, f["match_fresh_B"], g_last, all_fresh=True, picked=True)
+    return x_aux, heads
 
   def _retrieving_attend(self, q, k, v, ctx: LayerContext, f: dict, retrieved, aux_blocks,
                          cache):
@@ -428,15 +460,17 @@ class MatchLayer(nn.Module):
                             nat(ctx.segment_ids_BT), recompute=False)[1])
     x_main, x_aux = x_BTD[:, :T], x_BTD[:, T:]
 
-    retrieved = aux_blocks = None
-    if A:
-      # aux blocks: one per block (G), or (engine prefill with prompt lengths) only the Ga
-      # blocks that retrieve, mapped to blocks by match_aux_block_BG
-      Ga = A // (f["match_chunks_BGk"].shape[-1] * o.chunk)
+    # aux blocks: one per block (G), or (engine prefill with prompt lengths) only the Ga blocks
+    # that retrieve, mapped to blocks by match_aux_block_BG
+    Ga = A // (f["match_chunks_BGk"].shape[-1] * o.chunk) if A else 0
+    # an engine call of several tokens (prefill) of an SWA layer: the aux rows and the attention
+    # over their K/V in one nn.cond (_prefill_attend), after this layer's q / k / v
+    prefill = bool(A) and ctx.decode and T > 1 and retrieves
+    retrieved = None
+    if A and not prefill:
       apos, aok = f["match_aux_pos_BA"], f["match_aux_ok_BA"]
       # the aux rows run only where one is real: decode steps when a row enters a new block;
-      # engine calls of several tokens (prefill) when one of its blocks retrieves (with the
-      # prompt lengths, only the call(s) holding the prompt's last m positions)
+      # a 'full' layer's engine calls of several tokens when one of its blocks retrieves
       run_aux = (jnp.any(f["match_fresh_B"]) if ctx.decode and T == 1
                  else jnp.any(aok != 0) if ctx.decode else None)
       if run_aux is None:
@@ -444,22 +478,23 @@ class MatchLayer(nn.Module):
       else:
         x_aux, k_aux, v_aux = nn.cond(run_aux, lambda m, *a: m._aux_update(*a, Ga),
                                       lambda m, *a: m._aux_skip(*a, Ga), self, x_aux, apos, aok)
-      ok_BGR = aok.reshape(B, Ga, A // Ga)
-      # the Ga aux blocks as they are (the block-sparse path appends only these) and the map
-      # block g -> aux block (-1: none; None: aux block g is block g)
-      aux_blocks = (k_aux, v_aux, ok_BGR, f.get("match_aux_block_BG"))
-      k_aux, v_aux, ok_BGR = _per_block(aux_blocks)
-      if ctx.decode and retrieves:
-        k_aux, v_aux, ok_BGR = self.retrieved_cache(k_aux, v_aux, ok_BGR, f["match_fresh_B"],
-                                                    f["match_g_last_B"], all_fresh=T > 1)
-      retrieved = (k_aux, v_aux, ok_BGR)
+      if retrieves:  # (a 'full' layer only carries the aux rows on)
+        # the Ga aux blocks mapped to blocks (block g -> aux block: match_aux_block_BG, -1
+        # none; absent: aux block g is block g)
+        k_aux, v_aux, ok_BGR = _per_block((k_aux, v_aux, aok.reshape(B, Ga, A // Ga),
+                                           f.get("match_aux_block_BG")))
+        if ctx.decode:  # a decode step of one token
+          k_aux, v_aux, ok_BGR = self.retrieved_cache(k_aux, v_aux, ok_BGR, f["match_fresh_B"],
+                                                      f["match_g_last_B"], all_fresh=False)
+        retrieved = (k_aux, v_aux, ok_BGR)
 
     q, k, v = self.self_attn.qkv(self._attn_in(x_main), ctx.positions_BT)
-    if retrieves and retrieved is None and not ctx.decode:
+    if prefill:
+      x_aux, heads = self._prefill_attend(x_aux, q, k, v, ctx, f, Ga)
+    elif retrieves and retrieved is None and not ctx.decode:
       heads = self._sequence_attend(q, k, v, ctx, f)
     elif retrieves and retrieved is not None:
-      heads = self._retrieved_attend(q, k, v, ctx, f, retrieved,
-                                     aux_blocks if ctx.decode and T > 1 else None)
+      heads = self._retrieved_attend(q, k, v, ctx, f, retrieved)
     elif retrieves:
       heads = self._block_attend(q, k, v, ctx, f, retrieved)
     else:
