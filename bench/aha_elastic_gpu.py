@@ -58,8 +58,12 @@ SCRIPTS = {4: "bench/aha_elastic_h100.sh", 2: "bench/aha_elastic_x2.sh"}   # per
 # runs outside the default plan, placed only by --runs: AHA h100_pairs with the gated dense
 # baseline (its script: PAIRS_GATED_SCRIPT, `--runs=aha_repro:h100_pairs_gated`)
 EXTRA_RUNS = (("aha_repro", "h100_pairs_gated"),)
+# the same on a pretrained qwen3-layout dense model (`--runs=aha_repro:h100_pairs_pre`; its
+# script is written where the lead runs it, e.g. --write=.gpu/pairs_pre.sh)
+PRE_RUNS = (("aha_repro", "h100_pairs_pre"),)
 PAIRS_GATED_SCRIPT = "bench/aha_pairs_h100.sh"
-TINY = {"h100": "tiny", "h100_pairs": "tiny_pairs", "h100_pairs_gated": "tiny_pairs_gated"}
+TINY = {"h100": "tiny", "h100_pairs": "tiny_pairs", "h100_pairs_gated": "tiny_pairs_gated",
+        "h100_pairs_pre": "tiny_pairs_pre"}
 
 # Estimated seconds of a unit alone on one H100, compile included, from the last GPU logs (AHA
 # h100: dense ~110 s, ~60 s of training an arm; Elastic h100: ~85 s an arm; its gated dense
@@ -423,9 +427,9 @@ def main(argv=None):
     runs = RUNS if a.gpus >= 4 else RUNS_FEW
   else:
     runs = tuple(tuple(x.split(":")) for x in a.runs.split(","))
-  bad = [r for r in runs if r not in RUNS + EXTRA_RUNS]
+  bad = [r for r in runs if r not in RUNS + EXTRA_RUNS + PRE_RUNS]
   if bad:
-    raise SystemExit(f"--runs: {bad} not in {RUNS + EXTRA_RUNS}")
+    raise SystemExit(f"--runs: {bad} not in {RUNS + EXTRA_RUNS + PRE_RUNS}")
   if a.carry is not None:
     budget = a.carry_mib if a.carry_mib is not None else (CARRY_MIB if a.gpus < 4 else None)
     print(" ".join(carry(a.carry, runs, tiny=a.tiny, budget_mib=budget,

@@ -154,3 +154,21 @@ def test_solo_lanes_pack_elastic_h100_into_2_calls_of_the_same_units():
   # beside another run's lanes, a solo lane still has its GPU to itself
   mixed = (("elastic_repro", "h100"), ("aha_repro", "h100"))
   check(gp.plan(mixed, solo_capacity=420.0), mixed, 420.0)
+
+
+def test_pairs_pre_plan_runs_its_gated_dense_models_first():
+  """`--runs=aha_repro:h100_pairs_pre`: every unit of its 3 seeds once (tiny twin too), the
+  gated (pretrained) dense trainings in call 1 with the budget stop."""
+  import importlib
+  from bench import aha_elastic_gpu as gp
+  for tiny in (False, True):
+    calls = gp.plan(gp.PRE_RUNS, tiny=tiny)
+    preset = gp.TINY["h100_pairs_pre"] if tiny else "h100_pairs_pre"
+    s = importlib.import_module("bench.aha_repro").PRESETS[preset]
+    got = sorted((ch.seed, u) for lanes in calls for lane in lanes for ch in lane
+                 for u in ch.units)
+    assert got == sorted((seed, u) for seed in s.seeds for u in aha_repro.units(s, seed))
+    first = [ch for lane in calls[0] for ch in lane]
+    assert sorted(ch.seed for ch in first if "dense" in ch.units) == list(s.seeds)
+    if not tiny:   # the tiny twin's gate is 0 (a dry run): no budget stop
+      assert all(f"--dense_budget_s={gp.DENSE_BUDGET_S}" in gp.command(ch) for ch in first)

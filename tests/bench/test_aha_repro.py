@@ -214,3 +214,49 @@ def test_gated_dense_baseline_judges_only_a_model_that_solves_the_task(tmp_path)
   _, info = bench.train_dense(dataclasses.replace(s, dense_gate=0.0), 0, lambda *a: None)
   assert info["dense_gate"]["passed"] and info["dense_gate"]["steps"] == 2
   assert [t["lr"] for t in info["dense_gate"]["tries"]] == [1e-3]
+
+
+def test_induction_pretraining_rows_and_the_pre_presets():
+  """Settings.pretrain_steps' rows (repeat_batch): a random run of 4..24 tokens repeated right
+  after itself at a random place, the loss on the repeat's tokens after its first, each target
+  the token one run length back (a content match predicts it; the offset varies, so no fixed
+  position does). h100_pairs_pre is h100_pairs_gated on the qwen3 layout (pre-norm, per-head
+  q/k-norm, MHA) with induction pretraining; the default layout stays the recorded runs' olmo2
+  and old stores keep their settings."""
+  import dataclasses
+  s = bench.PRESETS["cpu_pairs_pre"]
+  task = bench.RestatedRecall(s, 16, seed=0)
+  b = bench.repeat_batch(task, 0, 0, 32)
+  starts, lengths = set(), set()
+  for inp, tgt, m in zip(b["inputs"], b["targets"], b["loss_mask"]):
+    j = np.flatnonzero(m)
+    k = len(j) + 1                                        # the run's length
+    assert 4 <= k <= 24 and np.all(np.diff(j) == 1)
+    toks = np.append(inp, tgt[-1])
+    np.testing.assert_array_equal(tgt[j], toks[j + 1 - k])   # the token one run back
+    np.testing.assert_array_equal(toks[j[0] - k:j[0]], toks[j[0]:j[0] + k])
+    starts.add(int(j[0]))
+    lengths.add(k)
+  assert len(starts) > 8 and len(lengths) > 4
+  assert b["inputs"].max() < task.filler0 + s.num_filler and b["inputs"].min() >= 1
+  assert bench.PRESETS["h100_pairs_pre"] == dataclasses.replace(
+      bench.PRESETS["h100_pairs_gated"], layout="qwen3", pretrain_steps=1500, dense_gate=0.95)
+  q = bench.base_config(s, task)
+  assert (q.family, q.post_norm, q.qk_norm, q.num_kv_heads) == ("qwen3", False, "head",
+                                                                 s.num_heads)
+  o = bench.base_config(bench.PRESETS["h100_pairs_gated"], task)
+  assert (o.family, o.post_norm, o.qk_norm, o.num_kv_heads) == ("olmo2", True, "full", 4)
+  stored = rc._settings_json(bench.PRESETS["h100_pairs"])
+  assert "layout" not in stored and "pretrain_steps" not in stored
+  assert rc._settings_json(bench.PRESETS["h100_pairs_pre"])["pretrain_steps"] == 1500
+
+
+def test_pretrained_dense_model_records_its_pretraining():
+  """A preset with pretrain_steps: the dense model is pretrained on repeats first, then gated
+  on the task; the record names the pretraining (steps, curve)."""
+  import dataclasses
+  s = dataclasses.replace(bench.PRESETS["test_gated"], layout="qwen3", pretrain_steps=2,
+                          dense_gate=0.0)
+  _, info = bench.train_dense(s, 0, lambda *a: None)
+  assert info["pretrain"]["steps"] == 2 and len(info["pretrain"]["curve"]) == 2
+  assert info["dense_gate"]["passed"] and info["dense_gate"]["steps"] == 2
