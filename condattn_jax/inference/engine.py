@@ -460,13 +460,17 @@ class Engine:
     return eng
 
   # ------------------------------------------------------------------------------ the step
-  @functools.partial(jax.jit, static_argnums=0, donate_argnums=(2,))
+  @functools.partial(jax.jit, static_argnums=0, static_argnames=("static_fields",),
+                     donate_argnums=(2,))
   def _step(self, params, cache, tokens_BT, positions_BT, valid_BT, prev_logits_BV,
-            prompt_len_B=None):
+            prompt_len_B=None, static_fields=()):
     """One chunk: writes its valid tokens into the caches; returns (cache, logits of each row's
     last valid token [B, V] (prev_logits where a row has none in this chunk), the layers'
     per-row aux entries {name: [L, B, ...]}). prompt_len_B (prefill): each row's prompt length,
-    handed to the layers as ctx.fields['prompt_len_B'] (MATCH retrieves for the last m only)."""
+    handed to the layers as ctx.fields['prompt_len_B'] (MATCH retrieves for the last m only).
+    static_fields (prefill): ((name, python value), ...) the scheme layer's
+    `prefill_fields` gave for this call, added to ctx.fields (static: one program per value;
+    MATCH: whether the call retrieves)."""
     owners = None
     if _shares_book(self.config):  # the bookkeeping kept once (_SHARE_BOOKKEEPING)
       owners = _book_owners(self._full_cache_shapes(tokens_BT.shape[0]))
@@ -474,7 +478,8 @@ class Engine:
     (hidden_BTD, aux), variables = self.model.apply(
         {"params": params, "cache": cache}, tokens_BT, positions_BT,
         valid_BT.astype(jnp.int32), decode=True, cache_len=self.cache_len, return_hidden=True,
-        fields=None if prompt_len_B is None else {"prompt_len_B": prompt_len_B},
+        fields=None if prompt_len_B is None else {"prompt_len_B": prompt_len_B,
+                                                  **dict(static_fields)},
         unroll_layers=True, mutable=["cache"])
     B = tokens_BT.shape[0]
     row_aux = {k: v.astype(jnp.float32) for k, v in aux.items()
@@ -606,9 +611,20 @@ class Engine:
       cache, logits, row_aux = self._step(self.params, cache, jnp.asarray(tokens[:, sl]),
                                           jnp.asarray(positions[:, sl]),
                                           jnp.asarray(valid[:, sl]), logits,
-                                          self._commit(jnp.asarray(lengths)))
+                                          self._commit(jnp.asarray(lengths)),
+                                          static_fields=self._prefill_fields(c, C, lengths))
       stats.add(row_aux, valid[:, sl].sum(1))
     return cache, logits, lengths, stats
+
+  def _prefill_fields(self, start: int, chunk: int, lengths) -> tuple:
+    """The static fields of the prefill call of `chunk` tokens at positions start .. (every
+    row's): the scheme layer's `prefill_fields(config, start, chunk, lengths)` as sorted
+    (name, value) pairs; () for a scheme without one (its step is unchanged)."""
+    from condattn_jax.attention import get_scheme
+    fn = getattr(get_scheme(self.config.scheme).layer_cls, "prefill_fields", None)
+    if fn is None:
+      return ()
+    return tuple(sorted(fn(self.config, int(start), int(chunk), np.asarray(lengths)).items()))
 
   def _warn_serving_notes(self, chunk: int, longest_prompt: int) -> None:
     """The scheme layer's `serving_notes(config, chunk, longest_prompt)` (what this engine call
@@ -750,7 +766,8 @@ class Engine:
         valid = posn < a.lengths[:, None]
         a.cache, a.logits, aux = self._step(
             self.params, a.cache, jnp.asarray(a.tokens[:, sl]), jnp.asarray(posn),
-            jnp.asarray(valid), a.logits, self._commit(jnp.asarray(a.lengths)))
+            jnp.asarray(valid), a.logits, self._commit(jnp.asarray(a.lengths)),
+            static_fields=self._prefill_fields(c, C, a.lengths))
         a.stats.add(aux, valid.sum(1))
         schedule.extend(("prefill", r, c // C) for j, r in enumerate(a.requests)
                         if c < a.lengths[j])

@@ -159,8 +159,9 @@ def test_multi_query_decode_search_is_served_and_counted(model):
 def test_prefill_runs_aux_rows_only_in_calls_that_retrieve(model, monkeypatch):
   """A chunked prefill (a 29-token prompt in 5-token calls, m = 4): the auxiliary rows run
   through the layers (MatchLayer._aux_update, counted at run time) only in the 2 calls holding
-  a block that retrieves (positions 20..24 and 25..28), not in the 4 before them (there the
-  layer skips them: nn.cond), so a long prompt pays the recompute once, not once per call."""
+  a block that retrieves (positions 20..24 and 25..28), not in the 4 before them (the engine
+  knows them on the host: no aux rows there; unknown, the layer skips them: nn.cond), so a long
+  prompt pays the recompute once, not once per call."""
   from condattn_jax.attention.match import layer as match_layer
   cfg, params = model
   runs = []
@@ -215,3 +216,111 @@ def test_prefill_call_holds_one_cond_a_layer_and_no_per_block_kv_outside_it(mode
         walk(sub)
   walk(jax.make_jaxpr(lambda *a: Engine._step(eng, *a))(*args).jaxpr)
   assert seen and per_block not in seen, per_block
+
+
+def _prefill_on(eng, fields=None, monkeypatch=None):
+  """eng.prefill(PROMPTS[:2]) (cache, logits), its calls' static fields replaced by `fields`
+  (None: the engine's own; () the unknown path, else a dict every call gets)."""
+  if fields is not None:
+    monkeypatch.setattr(Engine, "_prefill_fields",
+                        lambda self, *a: tuple(sorted(dict(fields).items())))
+  cache, logits, _ = eng.prefill(PROMPTS[:2])
+  monkeypatch.undo() if fields is not None else None
+  return jax.device_get(cache), np.asarray(logits)
+
+
+def test_prefill_with_the_engine_s_static_fact_equals_the_cond_path(model, monkeypatch):
+  """Chunked ragged prefill (29 / 22 tokens in 5-token calls, m = 4): the engine tells each
+  call whether one of its blocks retrieves (host geometry, MatchLayer.prefill_fields), and
+  the calls that do not compile to SWA's call, the one that does to its branch without a cond.
+  The logits and every cache leaf equal the path where the fact is unknown (one nn.cond a
+  layer, decided on the device), also when the fact says 'retrieves' for every call (the data
+  then retrieves nothing in most: the retrieving branch must give what the other one does).
+  A call marked non-retrieving that does retrieve is refused (NaN logits), never silently run
+  without its retrieval. At most two programs for the chunk shape."""
+  cfg, params = model
+  C = 5
+  eng = Engine(cfg, params, cache_len=48, prefill_chunk=C)
+  lengths = np.asarray([len(p) for p in PROMPTS[:2]])
+  facts = [dict(eng._prefill_fields(c, C, lengths))["match_call_retrieves"]
+           for c in range(0, 30, C)]
+  # row 1's block 18..20 (positions 15..19), row 0's 24..26, and a finished row's blocks
+  # (start >= its length) retrieve as MatchInputs has them
+  assert facts == [False, False, False, True, True, True], facts
+  before = Engine._step._cache_size()
+  cache, logits = _prefill_on(eng)
+  assert Engine._step._cache_size() - before == 2  # a non-retrieving and a retrieving program
+  ref_cache, ref_logits = _prefill_on(eng, (), monkeypatch)
+  every_call, every_logits = _prefill_on(eng, {"match_call_retrieves": True}, monkeypatch)
+  for got, got_cache in ((logits, cache), (every_logits, every_call)):
+    np.testing.assert_allclose(got, ref_logits, atol=1e-4, rtol=0)
+    leaves = jax.tree_util.tree_flatten_with_path(ref_cache)[0]
+    assert len(leaves) == len(jax.tree.leaves(got_cache))
+    for (path, ref), x in zip(leaves, jax.tree.leaves(got_cache)):
+      np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(ref, np.float64),
+                                 atol=1e-4, rtol=0, err_msg=jax.tree_util.keystr(path))
+  # the stored retrieved K/V are not all zeros (the comparison above reads real values)
+  assert any(np.abs(np.asarray(c["retrieved_cache"]["key"])).max() > 0
+             for n, c in cache.items() if n.startswith("layers_") and "retrieved_cache" in c)
+  _, wrong = _prefill_on(eng, {"match_call_retrieves": False}, monkeypatch)
+  assert np.isnan(wrong).all(axis=1).all(), "a retrieving call run as SWA's must be refused"
+
+
+def _dot_flops(mlir: str) -> int:
+  """2 * prod(out) * prod(contracted lhs dims), summed over the module's dot_generals."""
+  import re
+  total = 0
+  for line in mlir.splitlines():
+    if "stablehlo.dot_general" not in line:
+      continue
+    cd = re.search(r"contracting_dims = \[([\d, ]*)\] x", line)
+    sig = re.search(r":\s*\((tensor<[^>]*>),\s*(tensor<[^>]*>)\)\s*->\s*(tensor<[^>]*>)", line)
+    dims = lambda t: [int(d) for d in t[len("tensor<"):-1].split("x")[:-1]]
+    lhs, out = dims(sig.group(1)), dims(sig.group(3))
+    total += 2 * int(np.prod(out)) * int(np.prod([lhs[int(i)] for i in cd.group(1).split(",")]))
+  return total
+
+
+def test_prefill_call_known_not_to_retrieve_is_swa_s_program(model):
+  """One 12-token prefill call (B=1): with the engine's fact 'retrieves nothing' the compiled
+  step holds 0 conditionals (SWA's: 0; unknown: num_layers - 1, each a predicate read on the
+  host on a GPU) and, exported for cuda, the dot FLOPs and kernels (custom calls) of SWA's call
+  (no aux rows); with 'retrieves' 0 conditionals and more dot FLOPs (the aux rows)."""
+  import re
+  from jax.sharding import AbstractDevice, AbstractMesh
+  cfg, params = model
+  swa = Engine(_cfg(top_k=0), params, cache_len=48, prefill_chunk=12)
+  eng = Engine(cfg, params, cache_len=48, prefill_chunk=12)
+  B, C = 1, 12
+  sds = jax.ShapeDtypeStruct
+  mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
+      device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"))
+
+  def program(e, fact):
+    args = (e.params, e.cache_shapes(B), sds((B, C), jnp.int32), sds((B, C), jnp.int32),
+            sds((B, C), jnp.bool_), sds((B, cfg.vocab_size), jnp.float32), sds((B,), jnp.int32))
+    sf = () if fact is None else (("match_call_retrieves", fact),)
+    conds = Engine._step.lower(e, *args, static_fields=sf).compile().as_text().count(
+        " conditional(")
+    with jax.sharding.use_abstract_mesh(mesh):
+      t = Engine._step.trace(e, *args, static_fields=sf).lower(
+          lowering_platforms=("cuda",)).as_text()
+    return conds, _dot_flops(t), sorted(re.findall(r"stablehlo.custom_call @(\w+)", t))
+
+  ref = program(swa, None)
+  assert ref[0] == 0 and ref[1] > 0
+  assert program(eng, False) == ref
+  on = program(eng, True)
+  assert on[0] == 0 and on[1] > ref[1]
+  assert program(eng, None)[0] == cfg.num_layers - 1
+
+
+def test_serve_with_padding_rows_equals_generation(model):
+  """Engine.serve admits 3 prompts into 4 rows (one padding row of prompt length 0, which holds
+  no chunk to retrieve: the host's fact leaves it out, and so does the refusal) in 5-token
+  prefill calls: each request's tokens are what generate gives it alone."""
+  cfg, params = model
+  eng = Engine(cfg, params, cache_len=48, prefill_chunk=5)
+  assert not dict(eng._prefill_fields(0, 5, [len(PROMPTS[1]), 0]))["match_call_retrieves"]
+  got = eng.serve(PROMPTS, NEW, slots=4)
+  assert got.tokens == [eng.generate([p], NEW).tokens[0] for p in PROMPTS], got.tokens

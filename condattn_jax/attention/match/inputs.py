@@ -52,6 +52,26 @@ def block_retrieves(o: MatchOptions, block_start_BG, prompt_len_B):
   return block_start_BG + (o.chunk - 1) >= (prompt_len_B[:, None] - o.prefill_last)
 
 
+def call_retrieves(o: MatchOptions, start: int, T: int, prompt_len_B) -> bool:
+  """On the host (numpy): whether an engine prefill call of T tokens at positions start ..
+  start + T - 1 (every row the same, as Engine's prefill calls) holds a block that retrieves for
+  some row, i.e. whether MatchInputs' aux rows can be real (the condition `block_retrieves`
+  applies to its Ga aux blocks, reproduced here with the same integer arithmetic; a row of
+  prompt length 0 holds no token, so no chunk: never real). False: the
+  call's aux rows are all empty whatever the data, so it may run as SWA's call
+  (ctx.fields['match_call_retrieves'] = False)."""
+  import numpy as np
+  c, m = o.chunk, o.prefill_last
+  P = np.asarray(prompt_len_B, np.int64)
+  G = num_blocks(T, c, decode=True)
+  start_G = (start // c) * c + np.arange(G) * c
+  Ga = min(G, (m + c - 1) // c + 1)
+  first = -(-(P - m - (c - 1) - start_G[0]) // c)
+  g_aux = np.clip(first, 0, G - Ga)[:, None] + np.arange(Ga)                       # [B, Ga]
+  # (a row of no tokens, e.g. Engine.serve's padding rows, has no chunk to retrieve)
+  return bool(np.any((start_G[g_aux] + (c - 1) >= (P[:, None] - m)) & (P[:, None] > 0)))
+
+
 def pad_ids(ids_BGn, width: int):
   """Chunk ids padded with -1 to `width` slots (a single-query search among multi-query ones)."""
   n = ids_BGn.shape[-1]
@@ -214,6 +234,9 @@ class MatchInputs(nn.Module):
     # the blocks that may retrieve in this call: all G, or (prefill with prompt lengths) the Ga
     # blocks from the first one holding one of the last m prompt positions
     Ga, g_aux = G, None
+    # the engine's static fact (call_retrieves on the host; None: unknown): False = none of
+    # this call's blocks retrieves, so no search, no aux rows (the layers run SWA's call)
+    static = ctx.fields.get("match_call_retrieves") if T > 1 and prompt_len_B is not None else None
     if T > 1 and prompt_len_B is not None:
       P = jnp.asarray(prompt_len_B, jnp.int32)
       Ga = min(G, (o.prefill_last + c - 1) // c + 1)
@@ -234,18 +257,21 @@ class MatchInputs(nn.Module):
     g_last = last // c - base // c
     rowsG = jnp.broadcast_to(jnp.arange(B)[:, None], (B, G))
 
+    def search_embed(emb_BJE):
+      """The chunk embeddings with the chunks completed since the last search (prefill: those
+      this call completes; decode: the chunk before the block entered) embedded."""
+      j_BG = start_BG // c - (0 if T > 1 else 1)
+      done = (j_BG >= 0) & ((j_BG + 1) * c <= new_len[:, None])
+      if T > 1:
+        done &= (j_BG + 1) * c > old_len[:, None]
+      new_tok = _take(raw.value, j_BG[..., None] * c + jnp.arange(c, dtype=jnp.int32))
+      new_emb = r.embed(new_tok, jnp.broadcast_to(done[..., None], new_tok.shape))
+      return emb_BJE.at[rowsG, jnp.where(done, j_BG, J)].set(new_emb, mode="drop")
+
     def search(emb_BJE):
-      """(ids [B, G, k], chunk embeddings): embeds the chunks completed since the last search
-      (prefill: those this call completes; decode: the chunk before the block entered), then
-      retrieves and reranks."""
+      """(ids [B, G, k], chunk embeddings): `search_embed`, then retrieves and reranks."""
       if emb_BJE is not None:
-        j_BG = start_BG // c - (0 if T > 1 else 1)
-        done = (j_BG >= 0) & ((j_BG + 1) * c <= new_len[:, None])
-        if T > 1:
-          done &= (j_BG + 1) * c > old_len[:, None]
-        new_tok = _take(raw.value, j_BG[..., None] * c + jnp.arange(c, dtype=jnp.int32))
-        new_emb = r.embed(new_tok, jnp.broadcast_to(done[..., None], new_tok.shape))
-        emb_BJE = emb_BJE.at[rowsG, jnp.where(done, j_BG, J)].set(new_emb, mode="drop")
+        emb_BJE = search_embed(emb_BJE)
       if T == 1 and o.decode_queries:
         def query(L):
           qs = start_q[..., None] - (L - 1) + jnp.arange(L, dtype=jnp.int32)
@@ -255,7 +281,19 @@ class MatchInputs(nn.Module):
       ids = retrieval.rerank(o, ids, q_tok, q_ok, chunk_tok, chunk_ok)
       return pad_ids(ids, o.slots), emb_BJE
 
-    if r is None or J == 0:
+    refuse = None
+    if static is False:
+      # no block of the call retrieves: ids stay -1 (what the masked search would give); the
+      # chunks this call completes are still embedded (later calls search them). Where the
+      # data says otherwise (the host's fact wrong) the layers poison the output (NaN) instead
+      # of silently skipping the retrieval (match_refuse)
+      refuse = jnp.any(block_retrieves(o, start_q, P) & (P[:, None] > 0))
+      ids = jnp.full((B, Ga, o.slots), -1, jnp.int32)
+      if r is not None and J:
+        kept = self.variable("cache", "ids", jnp.full, (B, o.slots), -1, jnp.int32)
+      if emb is not None and J:
+        emb.value = search_embed(emb.value)
+    elif r is None or J == 0:
       ids = jnp.full((B, Ga, o.slots), -1, jnp.int32)
     else:
       kept = self.variable("cache", "ids", jnp.full, (B, o.slots), -1, jnp.int32)
@@ -285,9 +323,13 @@ class MatchInputs(nn.Module):
       fields["match_aux_block_BG"] = jnp.where((idx >= 0) & (idx < Ga), idx, -1)
     if not o.top_k:
       return None, fields, {}
-    tok, apos, aok = aux_input(o, aux_ids, raw.value, jnp.broadcast_to(
-        jnp.arange(S, dtype=jnp.int32), (B, S)), known_S.astype(jnp.int32))
-    fields.update(match_aux_pos_BA=apos, match_aux_ok_BA=aok)
+    tok = None
+    if refuse is not None:  # no aux rows: the layers run SWA's call (MatchLayer.__call__)
+      fields["match_refuse"] = refuse
+    else:
+      tok, apos, aok = aux_input(o, aux_ids, raw.value, jnp.broadcast_to(
+          jnp.arange(S, dtype=jnp.int32), (B, S)), known_S.astype(jnp.int32))
+      fields.update(match_aux_pos_BA=apos, match_aux_ok_BA=aok)
     # per-row serving statistics (the engine's Generation.stats[...]['scheme']): searches_B =
     # 1 where this call searched and recomputed the row's retrieved K/V (decode: the row
     # entered a new block; prefill: every call), retrieved_B = the retrieved chunks its

@@ -46,7 +46,10 @@ only when one of them retrieves a chunk: one nn.cond a layer (MatchLayer._prefil
 the aux rows and the attention over their K/V, else SWA's attention over the cache (on a GPU
 each cond is a predicate read on the host). A long prompt's calls before its last m positions
 cost what SWA's do, bar the retrieval search (once a call, in MatchInputs), the aux tokens'
-embedding and that cond; the block-sparse call appends only the aux blocks' K/V.
+embedding and that cond; the block-sparse call appends only the aux blocks' K/V. The engine
+knows on the host which calls hold a retrieving block (MatchLayer.prefill_fields ->
+ctx.fields['match_call_retrieves'], static): False compiles SWA's call (no search, no aux rows,
+no cond: `_prefill_window`), True the retrieving branch without the cond; unknown keeps the cond.
 """
 from __future__ import annotations
 
@@ -56,7 +59,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from condattn_jax import ops
-from condattn_jax.attention.match.inputs import _take, block_inputs
+from condattn_jax.attention.match.inputs import _take, block_inputs, call_retrieves
 from condattn_jax.attention import options
 from condattn_jax.models.context import LayerContext
 from condattn_jax.models.layers import MLP, Attention, RMSNorm, attend
@@ -153,6 +156,17 @@ class MatchLayer(nn.Module):
       self.post_attention_layernorm = norm()
     self.mlp = MLP(cfg)
     self.retrieved_cache = RetrievedCache()
+
+  @staticmethod
+  def prefill_fields(config, start: int, chunk: int, lengths) -> dict:
+    """The engine's static fields of a prefill call (Engine._prefill_fields):
+    match_call_retrieves = whether a block of the call retrieves for some row
+    (inputs.call_retrieves, on the host): False compiles SWA's call (no search, no aux rows, no
+    cond), True the retrieving branch without a cond; at most two programs a chunk shape."""
+    o = options(config)
+    if not o.top_k:
+      return {}
+    return {"match_call_retrieves": call_retrieves(o, start, chunk, lengths)}
 
   # ------------------------------------------------------------------------- block halves
   def _attn_in(self, x):
@@ -363,10 +377,38 @@ class MatchLayer(nn.Module):
       z = jnp.zeros((B, R, cfg.num_kv_heads, cfg.head_dim), cfg.compute_dtype)
       return x_aux, heads, (z, z, jnp.zeros((B, R), ok_BGR.dtype))
 
-    x_aux, heads, last = nn.cond(jnp.any(aok != 0), retrieving, window_only, self, x_aux, q, k,
-                                 v, cache)
+    if f.get("match_call_retrieves") is True:
+      # the engine's static fact (inputs.call_retrieves): a block of this call retrieves, so
+      # the retrieving branch runs without a cond. Where the data retrieves nothing after all
+      # (every aux row empty) it equals the other branch: the same keys visible (the aux rows
+      # are masked), and the stored K/V are zeroed as window_only's (one select)
+      x_aux, heads, last = retrieving(self, x_aux, q, k, v, cache)
+      real = jnp.any(aok != 0)
+      last = tuple(jnp.where(real, t, jnp.zeros_like(t)) for t in last)
+    else:  # unknown (None): decided on the device
+      x_aux, heads, last = nn.cond(jnp.any(aok != 0), retrieving, window_only, self, x_aux, q,
+                                   k, v, cache)
     self.retrieved_cache(*last, f["match_fresh_B"], g_last, all_fresh=True, picked=True)
     return x_aux, heads
+
+  def _prefill_window(self, q, k, v, ctx: LayerContext, f: dict):
+    """An engine call of several tokens that the engine knows retrieves nothing (the static
+    fact ctx.fields['match_call_retrieves'] = False; MatchInputs then builds no aux rows):
+    SWA's call (the cache write and the window attention over it: no cond, no aux rows) and
+    RetrievedCache stores what `_prefill_attend`'s window_only branch stores (zeros, ok 0).
+    Where the data says a block of the call retrieves (match_refuse: the host's fact was
+    wrong) the heads are NaN: a refusal, never a silently skipped retrieval."""
+    o = options(self.config)
+    cfg = self.config
+    k_all, v_all, kv_pos, kv_valid = self.self_attn.write_cache(k, v, ctx)
+    heads = attend(q, k_all, v_all, q_positions_BT=ctx.positions_BT, kv_positions_BS=kv_pos,
+                   kv_segment_ids_BS=kv_valid, window=o.window, impl=o.impl)
+    heads = jnp.where(f["match_refuse"], jnp.asarray(jnp.nan, heads.dtype), heads)
+    B, R = q.shape[0], f["match_chunks_BGk"].shape[-1] * o.chunk
+    z = jnp.zeros((B, R, cfg.num_kv_heads, cfg.head_dim), cfg.compute_dtype)
+    self.retrieved_cache(z, z, jnp.zeros((B, R), jnp.int32), f["match_fresh_B"],
+                         f["match_g_last_B"], all_fresh=True, picked=True)
+    return heads
 
   def _retrieving_attend(self, q, k, v, ctx: LayerContext, f: dict, retrieved, aux_blocks,
                          cache):
@@ -472,6 +514,7 @@ class MatchLayer(nn.Module):
       # the aux rows run only where one is real: decode steps when a row enters a new block;
       # a 'full' layer's engine calls of several tokens when one of its blocks retrieves
       run_aux = (jnp.any(f["match_fresh_B"]) if ctx.decode and T == 1
+                 else None if f.get("match_call_retrieves") is True  # (engine's static fact)
                  else jnp.any(aok != 0) if ctx.decode else None)
       if run_aux is None:
         x_aux, k_aux, v_aux = self._aux_update(x_aux, apos, aok, Ga)
@@ -491,6 +534,8 @@ class MatchLayer(nn.Module):
     q, k, v = self.self_attn.qkv(self._attn_in(x_main), ctx.positions_BT)
     if prefill:
       x_aux, heads = self._prefill_attend(x_aux, q, k, v, ctx, f, Ga)
+    elif retrieves and ctx.decode and T > 1 and "match_refuse" in f:  # (no aux rows: A == 0)
+      heads = self._prefill_window(q, k, v, ctx, f)
     elif retrieves and retrieved is None and not ctx.decode:
       heads = self._sequence_attend(q, k, v, ctx, f)
     elif retrieves and retrieved is not None:
