@@ -61,15 +61,22 @@ def call_retrieves(o: MatchOptions, start: int, T: int, prompt_len_B) -> bool:
   call's aux rows are all empty whatever the data, so it may run as SWA's call
   (ctx.fields['match_call_retrieves'] = False)."""
   import numpy as np
-  c, m = o.chunk, o.prefill_last
   P = np.asarray(prompt_len_B, np.int64)
-  G = num_blocks(T, c, decode=True)
-  start_G = (start // c) * c + np.arange(G) * c
-  Ga = min(G, (m + c - 1) // c + 1)
-  first = -(-(P - m - (c - 1) - start_G[0]) // c)
-  g_aux = np.clip(first, 0, G - Ga)[:, None] + np.arange(Ga)                       # [B, Ga]
+  G = num_blocks(T, o.chunk, decode=True)
+  start_G = (start // o.chunk) * o.chunk + np.arange(G) * o.chunk
+  _, g_aux = aux_blocks(o, G, P, start_G[0], np)
   # (a row of no tokens, e.g. Engine.serve's padding rows, has no chunk to retrieve)
-  return bool(np.any((start_G[g_aux] + (c - 1) >= (P[:, None] - m)) & (P[:, None] > 0)))
+  return bool(np.any(block_retrieves(o, start_G[g_aux], P) & (P[:, None] > 0)))
+
+
+def aux_blocks(o: MatchOptions, G: int, prompt_len_B, first_start_B, xp=jnp):
+  """(Ga, g_aux [B, Ga]): the Ga blocks of a prefill call of G blocks that may retrieve, from
+  the first one holding one of the row's last m = prefill_last prompt positions (first_start_B:
+  the position of the call's first block; xp: jnp traced, numpy on the host)."""
+  c = o.chunk
+  Ga = min(G, (o.prefill_last + c - 1) // c + 1)
+  first = -(-(prompt_len_B - o.prefill_last - (c - 1) - first_start_B) // c)
+  return Ga, xp.clip(first, 0, G - Ga)[:, None] + xp.arange(Ga, dtype=first.dtype)
 
 
 def pad_ids(ids_BGn, width: int):
@@ -239,9 +246,7 @@ class MatchInputs(nn.Module):
     static = ctx.fields.get("match_call_retrieves") if T > 1 and prompt_len_B is not None else None
     if T > 1 and prompt_len_B is not None:
       P = jnp.asarray(prompt_len_B, jnp.int32)
-      Ga = min(G, (o.prefill_last + c - 1) // c + 1)
-      first = -(-(P - o.prefill_last - (c - 1) - start_BG[:, 0]) // c)
-      g_aux = jnp.clip(first, 0, G - Ga)[:, None] + jnp.arange(Ga, dtype=jnp.int32)   # [B, Ga]
+      Ga, g_aux = aux_blocks(o, G, P, start_BG[:, 0])  # [B, Ga]
     start_q = start_BG if g_aux is None else jnp.take_along_axis(start_BG, g_aux, axis=1)
     q_slots = retrieval.query_slots(start_q, c)
     q_ok = (q_slots >= 0) & (q_slots < new_len[:, None, None])
