@@ -301,7 +301,7 @@ class _RowStats:
 # attention reads only the fill (the cuDNN decode path, with the L2A layer's _FILL_FROM_LENGTH),
 # and their length updates are one computation (CSE). Exact for an engine cache: every chunk,
 # step and row reset writes every layer alike. It cuts the buffers a step takes and returns
-# (10 -> 4 a layer): the host pays ~5 us for each (bench/decode_program --buffers_probe, H100).
+# (10 -> 4 a layer): the host pays for each buffer a call takes (bench/decode_program --buffers_probe).
 _SHARE_BOOKKEEPING = False
 _BOOK = ("positions", "valid", "length")
 

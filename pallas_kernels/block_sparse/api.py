@@ -154,7 +154,7 @@ class BlockSparseConfig:
   """Kernel variants of block_sparse_attention (static: another config is another program;
   condattn_jax.ops runs the defaults). No variant today: the fields come with the kernels' A/Bs
   (the Mosaic GPU dk/dv variants mgpu_dkv_overlap_dp / mgpu_dkv_stages / mgpu_dkv_defer_release
-  lost theirs on one H100 and were removed: issue 31)."""
+  lost their pre-registered A/B and were removed: issue 31)."""
 
 
 @dataclasses.dataclass(frozen=True)
