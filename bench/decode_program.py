@@ -20,6 +20,12 @@ r"""What one decode step runs: the op histogram of a compiled program, per layer
     # XLA reference) and bench/decode.py's plain-XLA per-layer step; prints a table
     python -m bench.decode_program --time --profile --T=8192,131072 --out_dir=bench/results
 
+    # on the GPU: the pre-registered A/B of a decode path (ADOPTION_RULE): the default (first
+    # --variants entry) and candidates of --scheme, with dense, interleaved in one process
+    python -m bench.decode_program --ab --scheme=l2a --T=8192,131072 --repeats=7 \
+        --variants=stacked,stacked:noskip:l2afill:bookshare,stacked:noskip:l2afill \
+        --dense_variants=stacked --out_dir=bench/results
+
 A step at fixed T is bounded by its bytes (weights + K/V), but a small step is bounded by what
 the GPU launches per layer: every fusion, library call (cuBLAS / cuDNN), Pallas kernel, copy and
 in-place update is one kernel. `op_histogram(compiled.as_text())` reads a compiled program's HLO
@@ -355,10 +361,14 @@ def filled_cache(eng, B: int, T: int, seed: int = 0):
       return (slot < T).astype(dtype)
     return jnp.zeros(shape, dtype)
 
+  import zlib
   leaves, tree = jax.tree_util.tree_flatten_with_path(shapes)
+  # each leaf's key from its path: two engines whose caches hold the same leaf (one keeping
+  # bookkeeping a layer that the other keeps once) hold the same K/V in it
   return eng._commit(jax.tree_util.tree_unflatten(tree, [
-      make(path[-1].key, s.shape, s.dtype, jax.random.fold_in(base, i))
-      for i, (path, s) in enumerate(leaves)]))
+      make(path[-1].key, s.shape, s.dtype, jax.random.fold_in(
+          base, zlib.crc32(jax.tree_util.keystr(path).encode()) & 0x7FFFFFFF))
+      for path, s in leaves]))
 
 
 def time_step(shapes: str, B: int, T: int, *, variants=("stacked", "split"), steps: int = 32,
@@ -563,9 +573,7 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
   import time
   import jax
   import jax.numpy as jnp
-  from bench import common
   from bench import decode as bd
-  from condattn_jax.inference import Engine
   from condattn_jax.models import stacking
   parsed = [(v, *parse_variant(v)) for v in variants]
   if scheme != "dense" and any(lay == "xla_per_layer" for _, lay, _ in parsed):
@@ -576,66 +584,15 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
            if any(lay == "split" for _, lay, _ in parsed) else None)
   rows = []
   for name, layout, sets in parsed:
-    opts = {k_: v_ for x in sets if x in OPTION_SETS for k_, v_ in OPTION_SETS[x].items()}
-    opts = {**opts, **PROFILE_OPTIONS, **(compiler_options or {})}
-    row = dict(program="xla_per_layer" if layout == "xla_per_layer" else "engine", variant=name,
-               params=layout, option_sets=list(sets),
-               command_buffers=next((x for x in sets if x in CB_MODES), "default"),
-               scheme=scheme, shapes=shapes, B=B, T=T,
-               compiler_options=opts, backend=_backend())
-    traced_in = _trace_context(())  # a no-op until the variant's own is made
+    built = _build_variant(name, layout, sets, cfg, params, split, B, T, compiler_options,
+                           scheme, shapes, hlo_dir if name in hlo_variants else None)
+    row = built["row"]
+    if row["status"] == "error":
+      log(f"{name}: error {row['error']}")
+      rows.append(row)
+      continue
     try:
-      p = split if layout == "split" else params
-      # a fresh engine per variant: jit caches a trace per (engine, shapes), and a variant's
-      # trace context / attention impl must reach its own trace
-      eng = Engine(variant_config(cfg, sets), params, cache_len=T + bd.EXTRA)
-      # the variant's trace context holds while its program is traced
-      traced_in = _trace_context(sets)
-      traced_in.__enter__()
-      logits = eng._commit(jnp.zeros((B, cfg.vocab_size), jnp.float32))
-      pos0 = eng._commit(jnp.full((B, 1), T, jnp.int32))
-      on = eng._commit(jnp.ones((B, 1), bool))
-      tok = eng._commit(jnp.zeros((B, 1), jnp.int32))
-      if layout == "xla_per_layer":
-        kv = filled_cache(eng, B, T)
-        ks, vs = bd.engine_cache_to_stacked(kv)
-        del kv
-        caches = (tuple(ks[l] for l in range(cfg.num_layers)),
-                  tuple(vs[l] for l in range(cfg.num_layers)))
-        del ks, vs
-        lengths = eng._commit(jnp.full((B,), T, jnp.int32))
-        fn = jax.jit(functools.partial(bd.baseline_step_layers, cfg), donate_argnums=(1, 2))
-        t0 = time.perf_counter()
-        lowered = fn.lower(p, *caches, tok[:, 0], jnp.int32(T), lengths)
-        compiled = lowered.compile(compiler_options=opts)
-        state = (*caches, logits)
-        del caches
-        bench = lambda s, i: compiled(p, s[0], s[1], jnp.argmax(s[2], -1).astype(jnp.int32),
-                                      jnp.int32(T + i), lengths + i)
-        bare = lambda s: compiled(p, s[0], s[1], tok[:, 0], jnp.int32(T), lengths)
-      else:
-        state = (filled_cache(eng, B, T), logits)
-        t0 = time.perf_counter()
-        lowered = Engine._step.lower(eng, p, state[0], tok, pos0, on, logits)
-        compiled = lowered.compile(compiler_options=opts)
-        bench = lambda s, i: compiled(p, s[0], jnp.argmax(s[1], -1).astype(jnp.int32)[:, None],
-                                      pos0 + i, on, s[1])[:2]
-        bare = lambda s: compiled(p, s[0], tok, pos0, on, s[1])[:2]
-      traced_in.close()
-      row["compile_s"] = time.perf_counter() - t0
-      row.update(bd._mem(compiled))
-      text = compiled.as_text()
-      hist = op_histogram(text)
-      if hlo_dir and name in hlo_variants:
-        import gzip
-        import os
-        os.makedirs(hlo_dir, exist_ok=True)
-        path = os.path.join(hlo_dir, f"{name.replace(':', '_')}_B{B}_T{T}.hlo.txt.gz")
-        with gzip.open(path, "wt") as f:
-          f.write(text)
-        row["hlo_file"] = path
-      del text
-      row.update(launches=hist["launches"], copy_bytes=hist["copy_bytes"], histogram=hist)
+      bench, bare, state = built["bench"], built["bare"], built["state"]
       ms, runs, state = bd._timed_steps(bench, state, steps, repeats, warmup)
       row.update(ms=ms, runs_ms=runs)
       host, bare_runs = [], []
@@ -649,27 +606,264 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
         bare_runs.append((time.perf_counter() - t0) * 1e3 / steps)
       row.update(bare_ms=statistics.median(bare_runs),
                  host_ms=statistics.median(host) * 1e3)
-      holder = [state]
-
-      def call():
-        holder[0] = bare(holder[0])
-        return holder[0][-1]
-      prof = common.trace_activity(call, traced)
-      state = holder.pop()
-      row.update(busy_ms=prof["busy_ms"], kernels=prof["kernels"], span_ms=prof["span_ms"],
-                 top=[[n, t] for n, t in prof["top"]], trace_lines=prof["lines"])
+      state = _trace_row(row, bare, state, traced)
       row["logits_finite"] = bool(jnp.all(jnp.isfinite(state[-1])))
       row["status"] = "ok"
       log(f"{name}: {row['ms']:.3f} ms/token (bare {row['bare_ms']:.3f}, host "
           f"{row['host_ms']:.3f}, busy {row['busy_ms']:.3f}, {row['kernels']:.0f} kernels, "
           f"{row['launches']:.0f} launches), compile {row['compile_s']:.1f} s")
-      del state, compiled, lowered, holder
+      del state, built
     except Exception as e:  # recorded; the other variants still run
-      traced_in.close()
       row.update(status="error", error=f"{type(e).__name__}: {str(e)[:400]}")
       log(f"{name}: error {row['error']}")
     rows.append(row)
   return rows
+
+
+def _trace_row(row: dict, bare, state, traced: int):
+  """row += a jax.profiler trace of `traced` bare calls (bench.common.trace_activity): busy_ms,
+  kernels, span_ms per token, the top kernels, the trace's lines; returns the state."""
+  from bench import common
+  holder = [state]
+
+  def call():
+    holder[0] = bare(holder[0])
+    return holder[0][-1]
+  prof = common.trace_activity(call, traced)
+  row.update(busy_ms=prof["busy_ms"], kernels=prof["kernels"], span_ms=prof["span_ms"],
+             top=[[n, t] for n, t in prof["top"]], trace_lines=prof["lines"])
+  return holder.pop()
+
+
+def _build_variant(name, layout, sets, cfg, params, split, B, T, compiler_options, scheme,
+                   shapes, hlo_dir=None) -> dict:
+  """One variant (`parse_variant`) compiled over a fresh `filled_cache` of T tokens:
+  {row (its settings, compile_s, memory analysis, op_histogram; status 'built' or 'error'),
+  bench (state, i) -> state: the bench's step (argmax of the last logits, pos0 + i), bare
+  state -> state: the compiled program alone (same token and position every call), state}."""
+  import time
+  import jax
+  import jax.numpy as jnp
+  from bench import decode as bd
+  from condattn_jax.inference import Engine
+  opts = {k_: v_ for x in sets if x in OPTION_SETS for k_, v_ in OPTION_SETS[x].items()}
+  opts = {**opts, **PROFILE_OPTIONS, **(compiler_options or {})}
+  row = dict(program="xla_per_layer" if layout == "xla_per_layer" else "engine", variant=name,
+             params=layout, option_sets=list(sets),
+             command_buffers=next((x for x in sets if x in CB_MODES), "default"),
+             scheme=scheme, shapes=shapes, B=B, T=T,
+             compiler_options=opts, backend=_backend())
+  traced_in = _trace_context(())  # a no-op until the variant's own is made
+  try:
+    p = split if layout == "split" else params
+    # a fresh engine per variant: jit caches a trace per (engine, shapes), and a variant's
+    # trace context / attention impl must reach its own trace
+    eng = Engine(variant_config(cfg, sets), params, cache_len=T + bd.EXTRA)
+    # the variant's trace context holds while its program is traced
+    traced_in = _trace_context(sets)
+    traced_in.__enter__()
+    logits = eng._commit(jnp.zeros((B, cfg.vocab_size), jnp.float32))
+    pos0 = eng._commit(jnp.full((B, 1), T, jnp.int32))
+    on = eng._commit(jnp.ones((B, 1), bool))
+    tok = eng._commit(jnp.zeros((B, 1), jnp.int32))
+    if layout == "xla_per_layer":
+      kv = filled_cache(eng, B, T)
+      ks, vs = bd.engine_cache_to_stacked(kv)
+      del kv
+      caches = (tuple(ks[l] for l in range(cfg.num_layers)),
+                tuple(vs[l] for l in range(cfg.num_layers)))
+      del ks, vs
+      lengths = eng._commit(jnp.full((B,), T, jnp.int32))
+      fn = jax.jit(functools.partial(bd.baseline_step_layers, cfg), donate_argnums=(1, 2))
+      t0 = time.perf_counter()
+      lowered = fn.lower(p, *caches, tok[:, 0], jnp.int32(T), lengths)
+      compiled = lowered.compile(compiler_options=opts)
+      state = (*caches, logits)
+      del caches
+      bench = lambda s, i: compiled(p, s[0], s[1], jnp.argmax(s[2], -1).astype(jnp.int32),
+                                    jnp.int32(T + i), lengths + i)
+      bare = lambda s: compiled(p, s[0], s[1], tok[:, 0], jnp.int32(T), lengths)
+    else:
+      state = (filled_cache(eng, B, T), logits)
+      t0 = time.perf_counter()
+      lowered = Engine._step.lower(eng, p, state[0], tok, pos0, on, logits)
+      compiled = lowered.compile(compiler_options=opts)
+      bench = lambda s, i: compiled(p, s[0], jnp.argmax(s[1], -1).astype(jnp.int32)[:, None],
+                                    pos0 + i, on, s[1])[:2]
+      bare = lambda s: compiled(p, s[0], tok, pos0, on, s[1])[:2]
+    traced_in.close()
+    row["compile_s"] = time.perf_counter() - t0
+    row.update(bd._mem(compiled))
+    text = compiled.as_text()
+    hist = op_histogram(text)
+    if hlo_dir:
+      import gzip
+      import os
+      os.makedirs(hlo_dir, exist_ok=True)
+      path = os.path.join(hlo_dir, f"{name.replace(':', '_')}_B{B}_T{T}.hlo.txt.gz")
+      with gzip.open(path, "wt") as f:
+        f.write(text)
+      row["hlo_file"] = path
+    del text
+    row.update(launches=hist["launches"], copy_bytes=hist["copy_bytes"], histogram=hist,
+               status="built")
+    return dict(row=row, bench=bench, bare=bare, state=state)
+  except Exception as e:  # recorded; the other variants still run
+    traced_in.close()
+    row.update(status="error", error=f"{type(e).__name__}: {str(e)[:400]}")
+    return dict(row=row)
+
+
+# The rule that settles a decode-step A/B (issue 33 / issue 26: L2A's exact decode switches),
+# registered before the GPU run that applies it (docs/performance.md, "L2A's decode step at
+# B = 1"): `ab_step` runs the default and every candidate in ONE process over the same weights
+# and the same K/V, compiled first, then >= min_repeats timed repeats of >= min_steps steps each
+# (after warm-up), the variants alternating, their order rotated every repeat; at every context T
+# of the rule, a candidate must have
+#   median wall ms (over its repeats) <= the default's median,
+#   median busy ms (device-busy time of jax.profiler traces, interleaved likewise) <= the
+#     default's * (1 + busy_slack),
+#   its first step's logits (from the same filled cache) within max_rel_err of the default's
+#     (rel_err = ||a - b|| / ||b||; bf16 model: a different program may round differently; the
+#     switches' exactness itself is tested on CPU to 1e-6).
+# A candidate that holds at every T is adopted (the one code path), any other is deleted; where
+# two hold, the one with the lower median wall ms at the longest T.
+ADOPTION_RULE = dict(T=(8192, 131072), min_repeats=5, min_steps=32, busy_slack=0.02,
+                     max_rel_err=1e-2)
+
+
+def ab_step(shapes: str, B: int, T: int, *, variants, scheme: str = "l2a",
+            dense_variants=("stacked",), steps: int = 32, repeats: int = 7, warmup: int = 3,
+            traced: int = 8, busy_repeats: int = 3, compiler_options: dict | None = None,
+            log=print) -> list[dict]:
+  """The decode-step A/B of ADOPTION_RULE at context T: `variants` (parse_variant names; the
+  first is the default, the others candidates) of `scheme`, and `dense_variants` of dense (the
+  x_dense denominator), all built first (`_build_variant`: one process, the same weights per
+  scheme, each over its own `filled_cache`, whose K/V depend on the leaf's path only), then:
+
+    rel_err / max_abs_err / same_argmax  the first call's logits against the scheme's first
+                variant's (the same cache and token: an exactness check on the device)
+    runs_ms     `repeats` timed repeats of `steps` steps each (bench.decode._timed_steps, after
+                `warmup` steps), every variant once a repeat, the order rotated by one each
+                repeat; ms = their median
+    host_ms     median time for the host to enqueue one bare call (`steps` calls)
+    busy_runs_ms  `busy_repeats` traces of `traced` bare calls each (bench.common.trace_activity),
+                interleaved the same way; busy_ms = their median, kernels / span_ms / top of the
+                last
+  and dense_ratios' x_dense / bound_x / of_bound. Rows keep profile_step's fields otherwise."""
+  import statistics
+  import time
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from bench import common
+  from bench import decode as bd
+  from condattn_jax.models import stacking
+  groups = [(scheme, tuple(variants))]
+  if scheme != "dense" and dense_variants:
+    groups.append(("dense", tuple(dense_variants)))
+  for sch, names in groups:
+    for v in names:
+      if parse_variant(v)[0] == "xla_per_layer" and sch != "dense":
+        raise ValueError(f"--scheme={sch}: the xla_per_layer variant is dense only.")
+  built = []
+  for sch, names in groups:
+    parsed = [(v, *parse_variant(v)) for v in names]
+    cfg = model_config(shapes, scheme=sch, T=T)
+    params = bd.init_params(cfg)
+    split = (jax.jit(stacking.split_groups)(params)
+             if any(lay == "split" for _, lay, _ in parsed) else None)
+    ref = None
+    for name, layout, sets in parsed:
+      b = _build_variant(name, layout, sets, cfg, params, split, B, T, compiler_options, sch,
+                         shapes)
+      row = b["row"]
+      row.update(steps=steps, repeats=repeats)
+      built.append(b)
+      if row["status"] == "error":
+        log(f"{sch} {name}: error {row['error']}")
+        continue
+      try:
+        b["state"] = b["bare"](b["state"])
+        first = np.asarray(b["state"][-1], np.float64)
+        if ref is None:
+          ref = (name, first)
+        row.update(reference_variant=ref[0], rel_err=common.rel_err(first, ref[1]),
+                   max_abs_err=float(np.max(np.abs(first - ref[1]))),
+                   same_argmax=bool(np.array_equal(first.argmax(-1), ref[1].argmax(-1))))
+        _, _, b["state"] = bd._timed_steps(b["bench"], b["state"], 1, 1, warmup)
+        row.update(runs_ms=[], busy_runs_ms=[])
+        log(f"{sch} {name}: compiled in {row['compile_s']:.1f} s, {row['launches']} launches, "
+            f"rel_err {row['rel_err']:.2e} against {ref[0]}")
+      except Exception as e:
+        row.update(status="error", error=f"{type(e).__name__}: {str(e)[:400]}")
+        log(f"{sch} {name}: error {row['error']}")
+  live = [b for b in built if b["row"]["status"] == "built"]
+
+  def rotated(r):
+    k = r % max(len(live), 1)
+    return live[k:] + live[:k]
+  for r in range(repeats):
+    for b in rotated(r):
+      ms, _, b["state"] = bd._timed_steps(b["bench"], b["state"], steps, 1, 0)
+      b["row"]["runs_ms"].append(ms)
+  for b in live:
+    host, bare, state = [], b["bare"], b["state"]
+    for _ in range(steps):
+      t1 = time.perf_counter()
+      state = bare(state)
+      host.append(time.perf_counter() - t1)
+    jax.block_until_ready(state)
+    b["state"] = state
+    b["row"]["host_ms"] = statistics.median(host) * 1e3
+  for r in range(busy_repeats):
+    for b in rotated(r):
+      b["state"] = _trace_row(b["row"], b["bare"], b["state"], traced)
+      b["row"]["busy_runs_ms"].append(b["row"]["busy_ms"])
+  for b in live:
+    row = b["row"]
+    row.update(ms=statistics.median(row["runs_ms"]),
+               busy_ms=statistics.median(row["busy_runs_ms"]),
+               logits_finite=bool(jnp.all(jnp.isfinite(b["state"][-1]))), status="ok")
+    log(f"{row['scheme']} {row['variant']} T={T}: {row['ms']:.3f} ms/token (runs "
+        f"{', '.join(f'{x:.2f}' for x in row['runs_ms'])}), host {row['host_ms']:.3f}, busy "
+        f"{row['busy_ms']:.3f}, {row['kernels']:.0f} kernels, {row['launches']} launches")
+  rows = [b["row"] for b in built]
+  del built, live
+  dense_ratios(rows)
+  return rows
+
+
+def adoption(rows: list[dict], scheme: str, default: str, rule: dict = ADOPTION_RULE) -> dict:
+  """ADOPTION_RULE applied to ab_step rows: {candidate: {adopt, failed: [reasons], per_T: {T:
+  {ms, default_ms, wall_ratio, busy_ms, default_busy_ms, busy_ratio, rel_err}}}} for every
+  variant of `scheme` other than `default`."""
+  by = {(r["variant"], r["T"]): r for r in rows if r.get("scheme") == scheme}
+  cands = list(dict.fromkeys(v for v, _ in by if v != default))
+  out = {}
+  for c in cands:
+    per, failed = {}, []
+    for T in rule["T"]:
+      d, x = by.get((default, T)), by.get((c, T))
+      if not d or not x or d.get("status") != "ok" or x.get("status") != "ok":
+        failed.append(f"T={T}: no ok row of both")
+        continue
+      per[T] = dict(ms=x["ms"], default_ms=d["ms"], wall_ratio=x["ms"] / d["ms"],
+                    busy_ms=x["busy_ms"], default_busy_ms=d["busy_ms"],
+                    busy_ratio=x["busy_ms"] / d["busy_ms"], rel_err=x["rel_err"])
+      if min(len(x["runs_ms"]), len(d["runs_ms"])) < rule["min_repeats"] or (
+          min(x["steps"], d["steps"]) < rule["min_steps"]):
+        failed.append(f"T={T}: fewer than {rule['min_repeats']} repeats of "
+                      f"{rule['min_steps']} steps")
+      if x["ms"] > d["ms"]:
+        failed.append(f"T={T}: wall {x['ms']:.3f} > {d['ms']:.3f} ms")
+      if x["busy_ms"] > d["busy_ms"] * (1 + rule["busy_slack"]):
+        failed.append(f"T={T}: busy {x['busy_ms']:.3f} > {d['busy_ms']:.3f} ms "
+                      f"* {1 + rule['busy_slack']}")
+      if not x["rel_err"] <= rule["max_rel_err"]:
+        failed.append(f"T={T}: logits rel_err {x['rel_err']:.2e} > {rule['max_rel_err']}")
+    out[c] = dict(adopt=not failed, failed=failed, per_T=per)
+  return out
 
 
 def buffers_probe(counts=(64, 256, 1024), calls: int = 64, repeats: int = 3,
@@ -793,9 +987,17 @@ def main(argv=None) -> list[dict]:
   p.add_argument("--hlo_variants", default="stacked,split,xla_per_layer")
   p.add_argument("--steps", type=int, default=32)
   p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--ab", action="store_true", help="the decode-step A/B of ADOPTION_RULE "
+                 "(ab_step): --variants of --scheme (the first the default) and --dense_variants "
+                 "of dense, interleaved in one process at every --T; prints the table and the "
+                 "rule's decision; --out_dir: records the run (its 'adoption' beside the rows)")
+  p.add_argument("--busy_repeats", type=int, default=3, help="--ab: interleaved traces per variant")
+  p.add_argument("--note", default=None, help="--out_dir: the recorded run's note")
   p.add_argument("--option", action="append", default=[], help="name=value: an XLA option "
                  "for the timed compiles (e.g. xla_gpu_dot_merger_threshold_mb=0); repeatable")
   a = p.parse_args(argv)
+  if a.ab:
+    return _main_ab(a)
   if a.time:
     opts = {}
     for kv in a.option:
@@ -857,6 +1059,40 @@ def main(argv=None) -> list[dict]:
   if a.out:
     with open(a.out, "w") as f:
       json.dump(rows, f, indent=1)
+  return rows
+
+
+def _main_ab(a) -> list[dict]:
+  """--ab: ab_step at every --T, the table and the rule's decision after each; the run recorded
+  under --out_dir (and the rows written to --out after every T: a timeout keeps what ran)."""
+  variants = tuple(a.variants.split(","))
+  dense = tuple(x for x in a.dense_variants.split(",") if x)
+  for v in variants + dense:
+    parse_variant(v)  # a bad name fails before anything compiles
+  Ts = [int(t) for t in str(a.T).split(",")]
+  rows = []
+  for T in Ts:
+    rows += ab_step(a.shapes, a.B, T, variants=variants, scheme=a.scheme, dense_variants=dense,
+                    steps=a.steps, repeats=a.repeats, traced=a.traced,
+                    busy_repeats=a.busy_repeats)
+    print(profile_table(rows), flush=True)
+    decision = adoption(rows, a.scheme, variants[0])
+    print(json.dumps(decision, indent=1), flush=True)
+    if a.out:
+      with open(a.out, "w") as f:
+        json.dump(dict(rows=[{k: v for k, v in r.items() if k != "trace_lines"} for r in rows],
+                       adoption=decision), f, indent=1)
+  if a.out_dir:
+    from bench import common
+    run = common.new_run("decode_program", dict(
+        name=a.name, mode="ab", scheme=a.scheme, shapes=a.shapes, B=a.B, T=Ts,
+        variants=list(variants), dense_variants=list(dense), steps=a.steps, repeats=a.repeats,
+        traced=a.traced, busy_repeats=a.busy_repeats, rule=ADOPTION_RULE))
+    run["rows"] = [{k: v for k, v in r.items() if k != "trace_lines"} for r in rows]
+    run["adoption"] = adoption(rows, a.scheme, variants[0])
+    if a.note:
+      run["note"] = a.note
+    common.append_run(common.result_path("decode_program", a.out_dir), run)
   return rows
 
 

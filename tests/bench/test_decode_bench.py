@@ -320,6 +320,41 @@ def test_profile_step_measures_every_variant_on_cpu(tmp_path):
   assert a == dict(count=3, busy_us=20.0, span_us=35.0, per_name_us={"x": 15.0, "y": 10.0})
 
 
+def test_ab_interleaves_the_variants_and_applies_the_registered_rule(tmp_path):
+  """bench/decode_program.py --ab (the pre-registered A/B of a decode path, CPU plumbing, tiny
+  shapes): the default and a candidate of L2A and dense in one process, every variant timed once
+  a repeat (the order rotated), its first step's logits checked against the default's (the same
+  K/V per cache leaf: exact on CPU), busy time from interleaved traces; the run records the rule
+  and its decision; `adoption` adopts only a candidate no slower at every T of the rule."""
+  from bench import decode_program as dp
+  rows = dp.main(["--ab", "--scheme=l2a", "--shapes=tiny-qwen", "--B=1", "--T=64",
+                  "--variants=stacked,stacked:noskip:l2afill", "--dense_variants=stacked",
+                  "--steps=2", "--repeats=2", "--traced=2", "--busy_repeats=2",
+                  f"--out_dir={tmp_path}", "--note=cpu"])
+  assert [(r["scheme"], r["variant"]) for r in rows] == [
+      ("l2a", "stacked"), ("l2a", "stacked:noskip:l2afill"), ("dense", "stacked")]
+  assert all(r["status"] == "ok" for r in rows), [r.get("error") for r in rows]
+  for r in rows:
+    assert len(r["runs_ms"]) == 2 and len(r["busy_runs_ms"]) == 2 and r["rel_err"] == 0.0
+    assert r["host_ms"] > 0 and r["logits_finite"]
+  assert rows[1]["reference_variant"] == "stacked" and rows[1]["x_dense"] > 0
+  (run,) = common.load(common.result_path("decode_program", str(tmp_path)))["runs"]
+  assert run["settings"]["rule"] == {**dp.ADOPTION_RULE, "T": list(dp.ADOPTION_RULE["T"])}
+  assert run["note"] == "cpu" and run["adoption"]["stacked:noskip:l2afill"]["adopt"] is False
+  rule = dict(dp.ADOPTION_RULE, T=(64, 128), min_repeats=1, min_steps=1)
+  row = lambda v, T, ms, busy, err=0.0: dict(scheme="l2a", variant=v, T=T, ms=ms, busy_ms=busy,
+                                             rel_err=err, runs_ms=[ms], steps=2, status="ok")
+  rows = [row("d", 64, 2.0, 1.0), row("d", 128, 3.0, 1.0), row("a", 64, 1.9, 1.02),
+          row("a", 128, 3.0, 0.9), row("b", 64, 1.0, 1.03), row("b", 128, 1.0, 1.0),
+          row("c", 64, 1.0, 1.0), row("c", 128, 3.01, 1.0), row("e", 64, 1.0, 1.0, 0.1),
+          row("e", 128, 1.0, 1.0)]
+  got = dp.adoption(rows, "l2a", "d", rule)
+  assert {c: v["adopt"] for c, v in got.items()} == dict(a=True, b=False, c=False, e=False)
+  assert "busy" in got["b"]["failed"][0] and "wall" in got["c"]["failed"][0]
+  assert "rel_err" in got["e"]["failed"][0]
+  assert dp.adoption(rows[:3], "l2a", "d", rule)["a"]["failed"] == ["T=128: no ok row of both"]
+
+
 @pytest.mark.manual
 def test_profile_trace_sets_change_the_h100_program():
   """The --profile variants' attention paths reach the traced program (exported for an abstract
