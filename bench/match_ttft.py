@@ -29,7 +29,10 @@ one entry per engine prefill call (Engine._prefill's loop, the same compiled ste
   start, stop     its prompt positions;  retrieves: the geometry says it holds a retrieving
                   block (`work`);  retrieved: the chunks its queries read (the engine's
                   per-row stat retrieved_B: > 0 where retrieval ran; None for SWA)
-  ms              wall time of the call alone (blocked before and after), median over reps
+  fields          the static fields Engine._prefill gives the call (MATCH:
+                  match_call_retrieves; {} for SWA): the profiled step is the TTFT's program
+  ms              wall time of the call alone (blocked on its cache, logits and aux before
+                  and after), median over reps
   busy_ms, kernels  (the calls `profiled_calls` picks: the first, the last that does not
                   retrieve, every one that does) GPU-busy time and kernel count of the call
                   from a jax.profiler trace (bench.common.trace_activity)
@@ -148,9 +151,13 @@ def profile(s: Settings, eng, prompt, geometry, traced, want_logits) -> dict:
   tokens[0, :n] = prompt
   positions = np.broadcast_to(np.arange(P, dtype=np.int32), (B, P))
   valid = positions < n
-  lengths = eng._commit(jnp.asarray([n], jnp.int32))
+  host_lengths = np.asarray([n], np.int32)
+  lengths = eng._commit(jnp.asarray(host_lengths))
   args = [(jnp.asarray(tokens[:, a:a + C]), jnp.asarray(positions[:, a:a + C]),
            jnp.asarray(valid[:, a:a + C])) for a in range(0, P, C)]
+  # the static fields Engine._prefill gives each call (MATCH: whether it retrieves): without
+  # them the step compiles the path where that is unknown (a cond a layer), not the TTFT's
+  fields = [eng._prefill_fields(a, C, host_lengths) for a in range(0, P, C)]
   if len(args) != len(geometry):
     raise ValueError(f"profile: {len(args)} engine calls, the geometry has {len(geometry)}")
 
@@ -158,7 +165,8 @@ def profile(s: Settings, eng, prompt, geometry, traced, want_logits) -> dict:
     return [eng.init_cache(B), eng._commit(jnp.zeros((B, eng.config.vocab_size), jnp.float32))]
 
   def call(state, i):
-    state[0], state[1], aux = eng._step(eng.params, state[0], *args[i], state[1], lengths)
+    state[0], state[1], aux = eng._step(eng.params, state[0], *args[i], state[1], lengths,
+                                        static_fields=fields[i])
     return aux
 
   ms = [[] for _ in args]
@@ -168,7 +176,8 @@ def profile(s: Settings, eng, prompt, geometry, traced, want_logits) -> dict:
     jax.block_until_ready(state)
     for i in range(len(args)):
       t0 = time.perf_counter()
-      aux = jax.block_until_ready(call(state, i))
+      aux = call(state, i)
+      jax.block_until_ready((state, aux))  # the whole call (SWA's aux is empty)
       ms[i].append((time.perf_counter() - t0) * 1e3)
       got = aux.get("scheme", {}).get("retrieved_B")
       retrieved[i] = None if got is None else float(np.asarray(got)[0])
@@ -176,7 +185,7 @@ def profile(s: Settings, eng, prompt, geometry, traced, want_logits) -> dict:
   out = []
   for i, (a, e, r) in enumerate(geometry):
     out.append({"start": a, "stop": e, "retrieves": bool(r), "retrieved": retrieved[i],
-                "ms": round(statistics.median(ms[i]), 3)})
+                "fields": dict(fields[i]), "ms": round(statistics.median(ms[i]), 3)})
   for i in traced:  # the state before call i, then call i alone under the profiler
     state = fresh()
     for j in range(i):

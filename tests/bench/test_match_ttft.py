@@ -10,14 +10,28 @@ from bench import common  # noqa: E402
 import match_ttft  # noqa: E402
 
 
-def test_profile_times_each_prefill_call_and_names_the_retrieving_ones(tmp_path):
+def test_profile_times_each_prefill_call_and_names_the_retrieving_ones(tmp_path, monkeypatch):
   """The 'test' preset with --profile: each row lists the engine's prefill calls (contiguous
   over the prompt, the compiled step the TTFT timed: the same first-token logits); the calls
   the geometry says retrieve (`work`'s aux_calls of them) are exactly MATCH's calls whose
   queries read retrieved chunks (the engine's retrieved_B, measured), SWA's read none; GPU-busy
   time is traced for the first call, the last plain one and each retrieving one; the run's
-  per-call ratios re-derive from the rows, and the verdict still reads ttft_s only."""
+  per-call ratios re-derive from the rows, and the verdict still reads ttft_s only. The profile
+  runs the TTFT's programs: each call gets the engine's static fields (MATCH: whether it
+  retrieves; without them the step compiles the path that decides on the device, a cond a
+  layer) and compiles no program the timed prefill did not."""
+  from condattn_jax.inference import Engine
+  new_programs = []
+  profile = match_ttft.profile
+
+  def counted(*a, **kw):
+    before = Engine._step._cache_size()
+    out = profile(*a, **kw)
+    new_programs.append(Engine._step._cache_size() - before)
+    return out
+  monkeypatch.setattr(match_ttft, "profile", counted)
   match_ttft.main(["--preset=test", "--profile", f"--out_dir={tmp_path}"])
+  assert new_programs == [0, 0], new_programs
   (run,) = common.load(common.result_path("match_ttft", str(tmp_path)))["runs"]
   r = common.recorded_of(run)
   s = match_ttft.PRESETS["test"]
@@ -36,6 +50,9 @@ def test_profile_times_each_prefill_call_and_names_the_retrieving_ones(tmp_path)
   assert ret and len(ret) == by["match"]["work"]["aux_calls"]
   assert [i for i, c in enumerate(by["match"]["calls"]) if c["retrieved"] > 0] == ret
   assert all(c["retrieved"] is None and not c["retrieves"] for c in by["swa"]["calls"])
+  assert all(c["fields"] == {} for c in by["swa"]["calls"])
+  assert [c["fields"] for c in by["match"]["calls"]] == [
+      {"match_call_retrieves": c["retrieves"]} for c in by["match"]["calls"]]
   assert set(traced) >= {0, *ret} and len(traced) == len(ret) + 2
   assert r["per_call"] == match_ttft.per_call(r["rows"])
   assert r["per_call"]["retrieving_calls"] == ret
