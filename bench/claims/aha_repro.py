@@ -112,3 +112,8 @@ def aha_doc_repro_gpu(rec, run):
 @quote("docs/schemes/aha.md", "aha_repro_NVIDIA_H200.json", run="h100_pairs")
 def aha_doc_repro_gpu_pairs(rec, run):
   return quotes(rec)
+
+
+@quote("docs/schemes/elastic.md", "elastic_repro_NVIDIA_H200.json", run="h100")
+def elastic_doc_repro_gpu(rec, run):
+  return quotes(rec)

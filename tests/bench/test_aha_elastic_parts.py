@@ -83,7 +83,7 @@ def test_aha_parts_merge_equal_the_whole_run(tmp_path):
     assert mod.units(s, 0) == ["dense", "w16", "w16_lam0.01", "static"]
     work = tmp_path / "w"
     argv = ["--preset=test_sweep", f"--work_dir={work}"]
-    with pytest.raises(ValueError, match="_dense.msgpack: missing; run .*--part=dense"):
+    with pytest.raises(ValueError, match=r"_s0_dense\.json: missing; run .*--part=dense"):
       mod.main(argv + ["--part=w16"])
     for part in ("dense", "w16_lam0.01,w16", "static"):
       mod.main(argv + [f"--part={part}"])
