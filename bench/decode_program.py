@@ -23,8 +23,7 @@ r"""What one decode step runs: the op histogram of a compiled program, per layer
     # on the GPU: the pre-registered A/B of a decode path (ADOPTION_RULE): the default (first
     # --variants entry) and candidates of --scheme, with dense, interleaved in one process
     python -m bench.decode_program --ab --scheme=l2a --T=8192,131072 --repeats=7 \
-        --variants=stacked,stacked:noskip:l2afill:bookshare,stacked:noskip:l2afill \
-        --dense_variants=stacked --out_dir=bench/results
+        --variants=stacked,stacked:noskip --dense_variants=stacked --out_dir=bench/results
 
 A step at fixed T is bounded by its bytes (weights + K/V), but a small step is bounded by what
 the GPU launches per layer: every fusion, library call (cuBLAS / cuDNN), Pallas kernel, copy and
@@ -454,15 +453,8 @@ OPTION_SETS = {**CB_MODES,
 # ('refattn': model attention_impl='reference': einsum over the cache with a length mask, like
 # the plain-XLA baseline); 'noskip': the scheme's decode_skip off (L2A, AHA: the global call runs
 # every step, branch-free, its inactive rows reading one kv tile per split part and weighted 0:
-# no lax.cond, so no host round trip per layer; same logits and caches); L2A's decode switches
-# (condattn_jax/attention/l2a/layer.py, exact, off by default until timed): 'l2afill' (the global
-# call's fill from the cache's length counter, not a reduction over its slots, every layer),
-# 'wideskip' (decode_skip's branch also holds the global q / o projections); 'bookshare': the
-# engine keeps an L2A cache's bookkeeping once per cache kind (condattn_jax/inference/engine.py
-# _SHARE_BOOKKEEPING: 4 cache leaves a layer instead of 10; with 'l2afill' the other layers'
-# bookkeeping writes are dead on the GPU's cuDNN path).
-TRACE_SETS = ("mgpu", "refattn", "noskip", "l2afill", "wideskip", "bookshare")
-L2A_SWITCHES = {"l2afill": "_FILL_FROM_LENGTH", "wideskip": "_WIDE_SKIP"}
+# no lax.cond, so no host round trip per layer; same logits and caches).
+TRACE_SETS = ("mgpu", "refattn", "noskip")
 
 
 def variant_config(cfg, sets):
@@ -481,25 +473,10 @@ def variant_config(cfg, sets):
 
 def _trace_context(sets):
   """The context the variant's program is traced in (TRACE_SETS' 'mgpu': the decode kernels'
-  backends with over_cudnn=True; 'l2afill' / 'wideskip': L2A's module switches on; 'refattn' /
-  'noskip' are model configs, set by the caller: variant_config)."""
+  backends with over_cudnn=True; 'refattn' / 'noskip' are model configs, set by the caller:
+  variant_config)."""
   import contextlib
   stack = contextlib.ExitStack()
-  switches = {L2A_SWITCHES[x]: True for x in sets if x in L2A_SWITCHES}
-  if "bookshare" in sets:
-    import jax
-    from unittest import mock
-    from condattn_jax.inference import engine as engine_mod
-    jax.clear_caches()
-    stack.callback(jax.clear_caches)
-    stack.enter_context(mock.patch.object(engine_mod, "_SHARE_BOOKKEEPING", True))
-  if switches:
-    import jax
-    from unittest import mock
-    from condattn_jax.attention.l2a import layer as l2a_layer
-    jax.clear_caches()  # the switches act at trace time (see 'mgpu' below)
-    stack.callback(jax.clear_caches)
-    stack.enter_context(mock.patch.multiple(l2a_layer, **switches))
   if "mgpu" in sets:
     # jit reuses a trace per (function, static args, shapes) and engines of one config compare
     # equal: traces made outside the patch must not serve it, nor its trace later variants

@@ -19,7 +19,11 @@ jitted step and written in place (`stacked_cache` views it in the scanned layout
 cache: `models.layers.KVCache` (per-row lengths, full or window ring; a dense model's layers
 after the first hold key / value only, their positions / valid / length are layers_0's:
 `models.layers.shares_kv_state`; L2A: a window ring for the local branch and a full cache for
-the global branch, written for every token, read only by tokens routed global). The engine never names a scheme: it threads the 'cache' collection, whose
+the global branch, written for every token, read only by tokens routed global). Beyond that,
+the layers of any scheme that hold one kind of cache (the same sub-path, the same shapes) share its
+positions / valid / length too: the engine keeps them once, in the first such layer, and hands
+that copy to every layer (`cache_shapes`; `stacked_cache` gives every layer's view). The engine
+never names a scheme: it threads the 'cache' collection, whose
 structure it reads off the model (`init_cache`: zeros of the abstract cache), collects the
 per-row entries of the layers' aux (`Generation.stats`), and reads one optional declaration of
 the scheme's layer class:
@@ -293,26 +297,20 @@ class _RowStats:
     return {k: v[:, b] / den for k, v in self.sums.items()}
 
 
-# Issue 33, an A/B switch (bench/decode_program.py's trace set 'bookshare'; off until timed): an
-# L2A engine keeps each kind of cache's bookkeeping (positions / valid / length of the global
-# caches, and of the window rings) once, in the first layer that holds that cache, like a dense
-# cache's layers_0 (`models.layers.shares_kv_state`). The step hands that copy to every layer
-# and keeps the first layer's result: the other layers' bookkeeping writes are dead where their
-# attention reads only the fill (the cuDNN decode path, with the L2A layer's _FILL_FROM_LENGTH),
-# and their length updates are one computation (CSE). Exact for an engine cache: every chunk,
-# step and row reset writes every layer alike. It cuts the buffers a step takes and returns
-# (10 -> 4 a layer): the host pays for each buffer a call takes (bench/decode_program --buffers_probe).
-_SHARE_BOOKKEEPING = False
+# The engine keeps each kind of cache's bookkeeping (positions / valid / length) once, in the
+# first layer that holds that cache (the same sub-path of a layer's cache, the same shapes), like
+# a dense model's layers_0 (`models.layers.shares_kv_state`), for every scheme. The step hands
+# that copy to every layer and keeps the first layer's result. Exact for an engine cache: every
+# chunk, step, row reset and row insert writes every layer's cache of one kind alike (each layer
+# writes its new tokens at the same slots). It cuts the buffers a step takes and returns (the
+# host pays for each buffer a call takes: bench/decode_program --buffers_probe).
 _BOOK = ("positions", "valid", "length")
 
 
-def _shares_book(cfg) -> bool:
-  return _SHARE_BOOKKEEPING and cfg.scheme == "l2a"
-
-
 def _book_owners(full_cache) -> dict:
-  """{(layer name, sub-path of a KVCache dict): owner layer name} for every KVCache dict that
-  holds bookkeeping, owner = the first layer holding the same sub-path with the same shapes."""
+  """{(layer name, sub-path of a KVCache dict): owner layer name} for every KVCache dict of a
+  layer (`layers_{i}`) that holds bookkeeping, owner = the first layer holding the same sub-path
+  with the same shapes. Other entries of the cache (a scheme module's: MATCH's) are not shared."""
   owners, first = {}, {}
 
   def walk(name, d, path):
@@ -322,7 +320,8 @@ def _book_owners(full_cache) -> dict:
     elif isinstance(d, dict):
       for k, v in d.items():
         walk(name, v, path + (k,))
-  for name in sorted(full_cache, key=lambda n: int(n.split("_")[1])):
+  layer_names = [n for n in full_cache if re.fullmatch(r"layers_\d+", n)]
+  for name in sorted(layer_names, key=lambda n: int(n.split("_")[1])):
     walk(name, full_cache[name], ())
   return owners
 
@@ -471,10 +470,9 @@ class Engine:
     static_fields (prefill): ((name, python value), ...) the scheme layer's
     `prefill_fields` gave for this call, added to ctx.fields (static: one program per value;
     MATCH: whether the call retrieves)."""
-    owners = None
-    if _shares_book(self.config):  # the bookkeeping kept once (_SHARE_BOOKKEEPING)
-      owners = _book_owners(self._full_cache_shapes(tokens_BT.shape[0]))
-      cache = _expand_book(cache, owners)
+    # the bookkeeping kept once: every layer's view of it for the model
+    owners = _book_owners(self._full_cache_shapes(tokens_BT.shape[0]))
+    cache = _expand_book(cache, owners)
     (hidden_BTD, aux), variables = self.model.apply(
         {"params": params, "cache": cache}, tokens_BT, positions_BT,
         valid_BT.astype(jnp.int32), decode=True, cache_len=self.cache_len, return_hidden=True,
@@ -494,10 +492,7 @@ class Engine:
                            self.model.output_embedding(params).astype(self.config.compute_dtype),
                            preferred_element_type=jnp.float32)
     logits_BV = jnp.where((n_B > 0)[:, None], logits_BV, prev_logits_BV)
-    new_cache = variables["cache"]
-    if owners is not None:
-      new_cache = _compress_book(new_cache, owners)
-    return new_cache, logits_BV, row_aux
+    return _compress_book(variables["cache"], owners), logits_BV, row_aux
 
   def _full_cache_shapes(self, batch_size: int):
     """The model's own abstract cache for `batch_size` rows (every layer's bookkeeping), read
@@ -512,10 +507,9 @@ class Engine:
 
   def cache_shapes(self, batch_size: int):
     """The abstract cache (ShapeDtypeStructs) for `batch_size` rows: the model's, less the
-    bookkeeping of the layers that do not own it when the engine keeps it once
-    (_SHARE_BOOKKEEPING)."""
+    bookkeeping of the layers that do not own it (kept once per kind of cache)."""
     full = self._full_cache_shapes(batch_size)
-    return _compress_book(full, _book_owners(full)) if _shares_book(self.config) else full
+    return _compress_book(full, _book_owners(full))
 
   def _commit(self, tree):
     """`tree` placed on the params' device (when they all live on one). The step's outputs are
@@ -534,10 +528,8 @@ class Engine:
     (`models.layers.shares_kv_state`) gets layer 0's positions / valid / length in every layer."""
     from condattn_jax.attention import get_scheme
     from condattn_jax.models import layers, stacking
-    cache = dict(cache)
-    if _shares_book(self.config):
-      B = jax.tree.leaves(cache)[0].shape[0]
-      cache = _expand_book(cache, _book_owners(self._full_cache_shapes(B)))
+    B = jax.tree.leaves(cache)[0].shape[0]
+    cache = _expand_book(dict(cache), _book_owners(self._full_cache_shapes(B)))
     if layers.shares_kv_state(self.config):
       kv0 = cache["layers_0"]["self_attn"]["cache"]
       book = {k: v for k, v in kv0.items() if k not in ("key", "value")}
@@ -551,9 +543,8 @@ class Engine:
     the first without positions / valid / length when the engine keeps them in layers_0 only)."""
     from condattn_jax.models import layers, stacking
     cache = stacking.unstack_layers(dict(stacked), self.config.num_layers)
-    if _shares_book(self.config):
-      B = jax.tree.leaves(cache)[0].shape[0]
-      cache = _compress_book(cache, _book_owners(self._full_cache_shapes(B)))
+    B = jax.tree.leaves(cache)[0].shape[0]
+    cache = _compress_book(cache, _book_owners(self._full_cache_shapes(B)))
     if layers.shares_kv_state(self.config):
       for i in range(1, self.config.num_layers):
         c = cache[f"layers_{i}"]

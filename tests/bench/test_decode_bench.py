@@ -328,11 +328,11 @@ def test_ab_interleaves_the_variants_and_applies_the_registered_rule(tmp_path):
   and its decision; `adoption` adopts only a candidate no slower at every T of the rule."""
   from bench import decode_program as dp
   rows = dp.main(["--ab", "--scheme=l2a", "--shapes=tiny-qwen", "--B=1", "--T=64",
-                  "--variants=stacked,stacked:noskip:l2afill", "--dense_variants=stacked",
+                  "--variants=stacked,stacked:noskip", "--dense_variants=stacked",
                   "--steps=2", "--repeats=2", "--traced=2", "--busy_repeats=2",
                   f"--out_dir={tmp_path}", "--note=cpu"])
   assert [(r["scheme"], r["variant"]) for r in rows] == [
-      ("l2a", "stacked"), ("l2a", "stacked:noskip:l2afill"), ("dense", "stacked")]
+      ("l2a", "stacked"), ("l2a", "stacked:noskip"), ("dense", "stacked")]
   assert all(r["status"] == "ok" for r in rows), [r.get("error") for r in rows]
   for r in rows:
     assert len(r["runs_ms"]) == 2 and len(r["busy_runs_ms"]) == 2 and r["rel_err"] == 0.0
@@ -340,7 +340,7 @@ def test_ab_interleaves_the_variants_and_applies_the_registered_rule(tmp_path):
   assert rows[1]["reference_variant"] == "stacked" and rows[1]["x_dense"] > 0
   (run,) = common.load(common.result_path("decode_program", str(tmp_path)))["runs"]
   assert run["settings"]["rule"] == {**dp.ADOPTION_RULE, "T": list(dp.ADOPTION_RULE["T"])}
-  assert run["note"] == "cpu" and run["adoption"]["stacked:noskip:l2afill"]["adopt"] is False
+  assert run["note"] == "cpu" and run["adoption"]["stacked:noskip"]["adopt"] is False
   rule = dict(dp.ADOPTION_RULE, T=(64, 128), min_repeats=1, min_steps=1)
   row = lambda v, T, ms, busy, err=0.0: dict(scheme="l2a", variant=v, T=T, ms=ms, busy_ms=busy,
                                              rel_err=err, runs_ms=[ms], steps=2, status="ok")
@@ -387,35 +387,23 @@ def _export(dp, cfg, sets):
 
 def test_l2a_decode_variant_sets_and_the_dense_ratio():
   """decode_program's L2A variants (issue 33): 'noskip' is the config without decode_skip (a
-  scheme without it is refused), 'l2afill' / 'wideskip' turn L2A's module switches on only while
-  the variant's program is traced, 'bookshare' the engine's (6 cache leaves fewer a layer after
-  the first), the 'cond' command-buffer mode adds CONDITIONAL and WHILE to
-  XLA's default kinds; dense_ratios divides the same-T dense row's ms by a scheme row's and
-  relates it to the bytes bound (issue 33's 0.9 target)."""
+  scheme without it is refused); the decode switches the A/B settled are no variant sets any
+  more; the 'cond' command-buffer mode adds CONDITIONAL and WHILE to XLA's default kinds;
+  dense_ratios divides the same-T dense row's ms by a scheme row's and relates it to the bytes
+  bound (issue 33's 0.9 target)."""
   from bench import decode_program as dp
-  from condattn_jax.attention.l2a import layer as l2a_layer
   cfg, _ = decode.scheme_config("l2a", "tiny-qwen", 64)
   assert dict(cfg.scheme_kwargs)["decode_skip"] is True
   assert dict(dp.variant_config(cfg, ("noskip",)).scheme_kwargs)["decode_skip"] is False
   assert dp.variant_config(cfg, ("noskip",)).scheme_kwargs != cfg.scheme_kwargs
   with pytest.raises(ValueError, match="no decode_skip"):
     dp.variant_config(decode.scheme_config("dense", "tiny-qwen", 64)[0], ("noskip",))
-  assert dp.parse_variant("stacked:cond:wideskip:l2afill:noskip") == (
-      "stacked", ("cond", "wideskip", "l2afill", "noskip"))
+  assert dp.parse_variant("stacked:cond:noskip") == ("stacked", ("cond", "noskip"))
+  for gone in ("l2afill", "wideskip", "bookshare"):
+    with pytest.raises(ValueError, match="not an option set"):
+      dp.parse_variant(f"stacked:{gone}")
   kinds = dp.OPTION_SETS["cond"]["xla_gpu_enable_command_buffer"].split(",")
   assert {"FUSION", "CUBLAS", "CUDNN", "CUSTOM_CALL", "CONDITIONAL", "WHILE"} <= set(kinds)
-  with dp._trace_context(("wideskip", "l2afill")):
-    assert l2a_layer._WIDE_SKIP and l2a_layer._FILL_FROM_LENGTH
-  assert not l2a_layer._WIDE_SKIP and not l2a_layer._FILL_FROM_LENGTH
-  with dp._trace_context(("l2afill",)):
-    assert l2a_layer._FILL_FROM_LENGTH and not l2a_layer._WIDE_SKIP
-  from condattn_jax.inference import Engine, engine as engine_mod
-  eng = lambda: Engine(cfg, decode.abstract_params(cfg), cache_len=64)
-  n = len(jax.tree.leaves(eng().cache_shapes(1)))
-  with dp._trace_context(("bookshare",)):  # the engine keeps L2A's bookkeeping once
-    assert engine_mod._SHARE_BOOKKEEPING
-    assert len(jax.tree.leaves(eng().cache_shapes(1))) == n - 6 * (cfg.num_layers - 1)
-  assert not engine_mod._SHARE_BOOKKEEPING
   base = dict(status="ok", shapes="tiny-qwen", B=1, T=64)
   rows = [dict(base, scheme="l2a", variant="stacked", ms=2.0, busy_ms=1.0),
           dict(base, scheme="l2a", variant="stacked", ms=3.0, busy_ms=1.0, T=128),

@@ -149,41 +149,7 @@ def test_decode_equals_the_scanned_decode_and_the_forward(params):
   assert re.search(r"dot_general.*: \(tensor<2x", text)
 
 
-L2A = dict(routing="bernoulli", bernoulli_q=0.4, window=4, decode_skip=True)
-
-
-def _l2a_decode(params, variant):
-  """Prefill + 6 greedy one-token steps of the tiny L2A model (rows: one active, one inactive),
-  under `variant`: {'decode_skip': bool, '_FILL_FROM_LENGTH': bool, '_WIDE_SKIP': bool} (the
-  layer module's switches, bench/decode_program's trace sets). Returns (logits per call, the
-  final cache)."""
-  import dataclasses
-  from unittest import mock
-  from condattn_jax.attention.l2a import layer as l2a_layer
-  cfg = dataclasses.replace(CFG, scheme="l2a", scheme_kwargs=tuple(sorted(
-      {**L2A, "decode_skip": variant.get("decode_skip", True)}.items())))
-  from condattn_jax.inference import engine as engine_mod
-  flags = {"_FILL_FROM_LENGTH": False, "_WIDE_SKIP": False,
-           **{k: v for k, v in variant.items() if k in ("_FILL_FROM_LENGTH", "_WIDE_SKIP")}}
-  share = variant.get("_SHARE_BOOKKEEPING", False)
-  jax.clear_caches()  # the module switches act at trace time
-  try:
-    with mock.patch.multiple(l2a_layer, **flags), \
-        mock.patch.object(engine_mod, "_SHARE_BOOKKEEPING", share):
-      eng = Engine(cfg, params, cache_len=S)
-      c, l, pos = eng.prefill([[3, 9, 4, 1, 7, 2, 8], [5, 2]])
-      outs, active = [l], np.array([True, False])
-      for _ in range(6):
-        t = np.asarray(jnp.argmax(l, -1), np.int32)
-        c, l = eng.decode_step(c, t, pos, active, l)
-        pos = pos + active
-        outs.append(l)
-      n_leaves = len(jax.tree.leaves(c))
-      if share:  # every layer's view (the bookkeeping is kept once: compared as the model's)
-        c = engine_mod._expand_book(c, engine_mod._book_owners(eng._full_cache_shapes(2)))
-      return outs, c, n_leaves
-  finally:
-    jax.clear_caches()
+L2A = dict(routing="bernoulli", bernoulli_q=0.4, window=4)
 
 
 @pytest.fixture(scope="module")
@@ -193,37 +159,75 @@ def l2a_params():
   return nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(1), jnp.zeros((1, 8), jnp.int32))["params"])
 
 
-@pytest.fixture(scope="module")
-def l2a_default(l2a_params):
-  return _l2a_decode(l2a_params, {})
-
-
-@pytest.mark.parametrize("variant", [
-    {"decode_skip": False}, {"_FILL_FROM_LENGTH": True},
-    {"_WIDE_SKIP": True, "_FILL_FROM_LENGTH": True}, {"decode_skip": False,
-                                                      "_FILL_FROM_LENGTH": True},
-    {"decode_skip": False, "_FILL_FROM_LENGTH": True, "_SHARE_BOOKKEEPING": True}],
-    ids=["noskip", "l2afill", "wideskip+l2afill", "noskip+l2afill", "noskip+l2afill+bookshare"])
-def test_l2a_decode_variants_equal_the_default(l2a_params, l2a_default, variant):
-  """bench/decode_program's L2A decode variants (issue 33: a branch-free global call instead of
-  the per-layer lax.cond; the global call's fill from the cache's length counter; the skipped
-  branch also holding the global q / o projections) decode what the default does: logits of
-  the prefill and 6 steps and every cache leaf within 1e-6, with one active and one inactive row,
-  over steps where a layer's only active row routes global and steps where it routes local (both
-  branches of the skip run). With the bookkeeping kept once (Engine, _SHARE_BOOKKEEPING) the
-  cache holds 4 leaves a layer + 6, and every layer's view of it is the default's."""
+@pytest.mark.parametrize("skip", [True, False], ids=["decode_skip", "noskip"])
+def test_l2a_decode_equals_the_scanned_decode_and_the_forward(l2a_params, skip):
+  """L2A's engine decode (issue 33's A/B, adopted: the global call's fill read from the full
+  cache's length counter; the engine keeping each kind of cache's positions / valid / length
+  once, in layers_0: 4 cache leaves a layer + 6) == the scanned decode (`Decoder` without
+  unroll_layers: every layer its own bookkeeping) and the full forward, with and without
+  decode_skip's per-layer lax.cond: a chunked ragged prefill (chunks of 4) + 6 greedy steps,
+  one active and one inactive row, over steps where a layer's only active row routes global
+  and steps where it routes local (both branches of the skip run): logits within 1e-6 of the
+  scanned decode's and 1e-5 of the forward's at those positions, every layer's view of the
+  cache (`stacked_cache`) == the scanned decode's cache within 1e-6, `per_layer_cache` back."""
+  import dataclasses
   from condattn_jax.attention.l2a.layer import _bernoulli_uniform
-  pos = jnp.arange(7, 13, dtype=jnp.int32)[None]  # the active row's decode positions
-  glob = np.stack([np.asarray(_bernoulli_uniform(jax.random.PRNGKey(0), pos, i))[0] < 0.4
+  pos_a = jnp.arange(7, 13, dtype=jnp.int32)[None]  # the active row's decode positions
+  glob = np.stack([np.asarray(_bernoulli_uniform(jax.random.PRNGKey(0), pos_a, i))[0] < 0.4
                    for i in range(CFG.num_layers)])
   assert glob.any() and not glob.all()
-  ref_l, ref_c, ref_n = l2a_default
-  got_l, got_c, got_n = _l2a_decode(l2a_params, variant)
-  # the engine's cache: 10 leaves a layer (window ring + global cache: key, value, positions,
-  # valid, length); with the bookkeeping kept once, 4 a layer + the 6 of the first layer
+  cfg = dataclasses.replace(CFG, scheme="l2a", scheme_kwargs=tuple(sorted(
+      {**L2A, "decode_skip": skip}.items())))
+  eng = Engine(cfg, l2a_params, cache_len=S, prefill_chunk=4)
+  prompts = [[3, 9, 4, 1, 7, 2, 8], [5, 2]]
+  c, l, pos, _ = eng._prefill([np.asarray(p, np.int32) for p in prompts])
   L = CFG.num_layers
-  assert ref_n == 10 * L and got_n == (4 * L + 6 if "_SHARE_BOOKKEEPING" in variant else 10 * L)
-  for a, b in zip(got_l, ref_l):
-    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
-  assert jax.tree.structure(got_c) == jax.tree.structure(ref_c)
-  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6), got_c, ref_c)
+  assert len(jax.tree.leaves(c)) == 4 * L + 6  # layers_0: 10 leaves, each later layer key / value x2
+  assert sorted(c["layers_1"]["global_attn"]["cache"]) == ["key", "value"]
+  model = Decoder(cfg)
+
+  @jax.jit
+  def scanned(cache, tok, posn, valid, prev):  # (cache, logits of each row's last valid token)
+    (logits, _), v = model.apply({"params": l2a_params, "cache": cache}, tok, posn,
+                                 valid.astype(jnp.int32), decode=True, cache_len=S,
+                                 mutable=["cache"])
+    n = jnp.sum(valid, 1)
+    last = jnp.take_along_axis(logits, jnp.maximum(n - 1, 0)[:, None, None], 1)[:, 0]
+    return v["cache"], jnp.where((n > 0)[:, None], last, prev)
+  ref_c = eng.stacked_cache(eng.init_cache(2))
+  toks = np.zeros((2, 8), np.int32)
+  for b, p in enumerate(prompts):
+    toks[b, :len(p)] = p
+  posn = np.broadcast_to(np.arange(8, dtype=np.int32), (2, 8))
+  ref_l = jnp.zeros_like(l)
+  for ch in (slice(0, 4), slice(4, 8)):
+    ref_c, ref_l = scanned(ref_c, toks[:, ch], posn[:, ch], posn[:, ch] < pos[:, None], ref_l)
+  np.testing.assert_allclose(l, ref_l, rtol=1e-6, atol=1e-6)
+  active, seqs = np.array([True, False]), [list(p) for p in prompts]
+  want_at, outs = [[len(p) - 1 for p in prompts]], [l]
+  for _ in range(6):
+    t = np.asarray(jnp.argmax(l, -1), np.int32)
+    c, l = eng.decode_step(c, t, pos, active, l)
+    ref_c, ref_l = scanned(ref_c, t[:, None], pos[:, None], active[:, None], ref_l)
+    np.testing.assert_allclose(l, ref_l, rtol=1e-6, atol=1e-6)
+    for b in np.flatnonzero(active):
+      seqs[b].append(int(t[b]))
+    pos = pos + active
+    want_at.append(list(pos - 1))
+    outs.append(l)
+  assert list(pos) == [13, 2]
+  got = eng.stacked_cache(c)
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6), got, ref_c)
+  back = eng.per_layer_cache(got)
+  assert jax.tree.structure(back) == jax.tree.structure(c)
+  jax.tree.map(np.testing.assert_array_equal, back, c)
+  n = max(map(len, seqs))
+  full = np.zeros((2, n), np.int32)
+  for b, q in enumerate(seqs):
+    full[b, :len(q)] = q
+  seg = (np.arange(n)[None] < np.asarray([len(q) for q in seqs])[:, None]).astype(np.int32)
+  fwd, _ = jax.jit(lambda t, sg: model.apply({"params": l2a_params}, t, None, sg))(full, seg)
+  for step, (lo, at) in enumerate(zip(outs, want_at)):
+    for b in range(2):
+      if step == 0 or active[b]:
+        np.testing.assert_allclose(lo[b], fwd[b, at[b]], rtol=1e-5, atol=1e-5)

@@ -21,8 +21,9 @@ active set: the compacted-query kernel).
 
 Decode (ctx.decode): two caches per layer, a window ring for `self_attn` and a full cache for
 `global_attn`; the new tokens' K/V always go into the full cache, and global attention runs only
-for the queries that route global (per row: a row with none does no work in the kernel; the
-whole call is skipped when no query of the chunk routes global).
+for the queries that route global (per row: a row with none does no work in the kernel; with
+the option `decode_skip`, the whole call is skipped when no query of the chunk routes global: a
+`lax.cond` a layer), over the full cache's fill read from its length counter.
 
 Pruned layers (`pruned_layers`) are the layer variant 'pruned': no global branch, router or global
 norm, only the window cache. They are scanned as groups of their own (`layer_variants`).
@@ -39,18 +40,6 @@ from condattn_jax.attention.l2a.options import L2AOptions
 from condattn_jax.models.config import ModelConfig
 from condattn_jax.models.context import LayerContext
 from condattn_jax.models.layers import Attention, attend, make_norm, mlp_residual
-
-# Decode-step switches (issue 33; bench/decode_program.py's trace sets 'l2afill' / 'wideskip'
-# turn them on for an A/B on the GPU; off until timed). Both are exact: same logits and caches.
-# _FILL_FROM_LENGTH: the global call's kv fill is the cache's length counter after the write,
-#   min(length, slots) (what a full cache's valid prefix holds), not a count of its valid slots
-#   (a reduction over the whole cache's bookkeeping, every layer).
-# _WIDE_SKIP: with decode_skip, the skipped branch also holds the global query's projection and
-#   the o_proj (their weights are not read when no query of the chunk routes global); the keys /
-#   values are still projected and written every step.
-_FILL_FROM_LENGTH = False
-_WIDE_SKIP = False
-
 
 def _bernoulli_uniform(key, positions_BT, layer_idx):
   """Uniform draws that depend only on (key, layer, row, position): stable under decoding."""
@@ -159,27 +148,19 @@ class L2ALayer(nn.Module):
 
     # ---- global branch
     glob = Attention(cfg, window=None, name="global_attn")
-    # (_WIDE_SKIP: this q is unused, so never computed: the branch projects its own)
     q, k, v = glob.qkv(g_BTD, ctx.positions_BT)
     if ctx.decode:
       k_all, v_all, kv_pos, kv_valid = glob.write_cache(k, v, ctx)
-      fill_B = None
-      if _FILL_FROM_LENGTH:
-        fill_B = jnp.minimum(glob.kv_cache.get_variable("cache", "length"), k_all.shape[1])
+      # the fill (valid prefix of the full cache) from its length counter after the write, not a
+      # reduction over its valid slots: a full cache holds a row's tokens in slots 0..length-1
+      fill_B = jnp.minimum(glob.kv_cache.get_variable("cache", "length"), k_all.shape[1])
 
       def run_global(q, k_all, v_all):
         return attend(q, k_all, v_all, q_positions_BT=ctx.positions_BT, kv_positions_BS=kv_pos,
                       kv_segment_ids_BS=kv_valid, active=hard_BT, impl=o.compact_impl,
                       full_cache=True, kv_lengths_B=fill_B)
 
-      if o.decode_skip and _WIDE_SKIP:
-        def on(mdl, g, k_all, v_all):
-          return mdl.project_out(run_global(mdl.qkv(g, ctx.positions_BT)[0], k_all, v_all))
-
-        def off(mdl, g, *_):
-          return jnp.zeros(g.shape, cfg.compute_dtype)
-        a_BTD = nn.cond(jnp.any(hard_BT), on, off, glob, g_BTD, k_all, v_all)
-      elif o.decode_skip:
+      if o.decode_skip:
         a_BTNH = lax.cond(jnp.any(hard_BT), run_global, lambda q, *_: jnp.zeros_like(q),
                           q, k_all, v_all)
       else:
@@ -195,8 +176,7 @@ class L2ALayer(nn.Module):
         a_BTNH = lax.cond(forced, dense, compact, q, k, v)
       else:
         a_BTNH = compact(q, k, v)
-    if not (ctx.decode and o.decode_skip and _WIDE_SKIP):
-      a_BTD = glob.project_out(a_BTNH)
+    a_BTD = glob.project_out(a_BTNH)
     self.sow("intermediates", "router_p", p_BT)
     self.sow("intermediates", "decision", hard_BT)
     x_BTD = s_BTD + d_BT[..., None].astype(a_BTD.dtype) * a_BTD
