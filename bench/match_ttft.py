@@ -123,12 +123,18 @@ def call_geometry(s: Settings, retrieves: bool) -> list[tuple[int, int, bool]]:
 
 def work(s: Settings, retrieves: bool) -> dict:
   """The prefill's geometry (MatchInputs / layer.py): engine calls of prefill_chunk tokens; a
-  call's auxiliary rows (ceil(m / c) + 1 blocks of top_k * chunk rows, a static count); the
-  calls that hold a block whose last position is >= context - m (only they run the rows)."""
-  c, m, P = s.chunk, s.prefill_last, s.context
+  retrieving call's auxiliary rows (the engine's static count of aux blocks,
+  inputs.call_aux_blocks: ceil(m / c) or ceil(m / c) + 1, of top_k * chunk rows; the most over
+  the calls); the calls that hold a block whose last position is >= context - m (only they run
+  the rows)."""
+  from condattn_jax.attention.match.inputs import call_aux_blocks
+  from condattn_jax.attention import options
+  c, P = s.chunk, s.context
   calls = call_geometry(s, retrieves)
   G = -(-(s.prefill_chunk + c - 1) // c)
-  rows = min(G, -(-m // c) + 1) * s.top_k * c if retrieves else 0
+  o = options(configs(s)["match"])
+  rows = max((min(G, call_aux_blocks(o, a, s.prefill_chunk, [P])) * s.top_k * c
+              for a, _, r in calls if r), default=0)
   aux = sum(1 for *_, r in calls if r) if rows else 0
   return {"prefill_calls": len(calls), "aux_rows_a_call": rows, "aux_calls": aux,
           "row_passes_over_context": round((P + aux * rows) / P, 4)}

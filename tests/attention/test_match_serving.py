@@ -324,3 +324,67 @@ def test_serve_with_padding_rows_equals_generation(model):
   assert not dict(eng._prefill_fields(0, 5, [len(PROMPTS[1]), 0]))["match_call_retrieves"]
   got = eng.serve(PROMPTS, NEW, slots=4)
   assert got.tokens == [eng.generate([p], NEW).tokens[0] for p in PROMPTS], got.tokens
+
+
+
+
+def test_prefill_loop_reads_nothing_back_and_compiles_nothing_new(model, monkeypatch):
+  """Engine.prefill's calls (chunked, ragged: non-retrieving and retrieving calls) only enqueue
+  work: after a first prefill compiled the step's programs, a second one converts no device
+  value on the host (int / bool / float / item / tolist / np.asarray through __array__ /
+  device_get go through ArrayImpl._value; block_until_ready) and compiles no program (the
+  static fields hit the same jit entries). On a GPU such a read blocks the host until the call
+  ran and the next dispatch waits on it. (np.asarray of a CPU array reads its buffer directly,
+  past this probe; a cond's predicate read is a GPU runtime's: the conditional counts of
+  test_prefill_call_known_not_to_retrieve_is_swa_s_program.)"""
+  from jax._src import array as jax_array
+  cfg, params = model
+  eng = Engine(cfg, params, cache_len=48, prefill_chunk=5)
+  _, want, _ = eng.prefill(PROMPTS[:2])
+  want = np.asarray(want)
+  before = Engine._step._cache_size()
+
+  def refuse(*_, **__):
+    raise AssertionError("a device value read on the host inside Engine.prefill")
+  with monkeypatch.context() as m:
+    m.setattr(jax_array.ArrayImpl, "_value", property(refuse))
+    m.setattr(jax_array.ArrayImpl, "block_until_ready", refuse)
+    m.setattr(jax, "device_get", refuse)
+    m.setattr(jax, "block_until_ready", refuse)
+    with pytest.raises(AssertionError, match="read on the host"):  # the probe sees a read
+      bool(jnp.asarray(1) > 0)
+    _, got, _ = eng.prefill(PROMPTS[:2])
+  assert Engine._step._cache_size() == before
+  np.testing.assert_array_equal(np.asarray(got), want)
+
+
+def test_call_aux_blocks_covers_every_retrieving_block_with_a_query():
+  """The engine's static aux-block count of a retrieving prefill call (inputs.call_aux_blocks:
+  ceil(m / c), or the bound ceil(m / c) + 1 where a row needs it): over random ragged calls,
+  the aux window aux_blocks places with it holds every block of every row that holds one of
+  the row's prompt tokens of the call and retrieves, as the bound's window does (what the
+  queries read is the same); at bench/match_ttft.py's sizes (32K, m = 1000, c = 128, the last
+  4096-token call) 8 blocks, not the bound's 9 (the 9th: the block the first generated token
+  enters, which no prompt query reads)."""
+  from condattn_jax.attention.match import inputs
+  rng = np.random.default_rng(0)
+  for c, m in ((3, 4), (4, 24), (128, 1000), (5, 5)):
+    o = attention.options(_cfg(chunk=c, window=max(6, c), prefill_last=m))
+    for _ in range(300):
+      T = int(rng.integers(2, 40)) * (c if rng.random() < 0.5 else 1)
+      start = int(rng.integers(0, 12)) * T
+      P = rng.integers(0, start + 2 * T + m, size=int(rng.integers(1, 4)))
+      if not inputs.call_retrieves(o, start, T, P):
+        continue
+      G = inputs.num_blocks(T, c, decode=True)
+      Ga = inputs.call_aux_blocks(o, start, T, P)
+      assert Ga in (-(-m // c), -(-m // c) + 1)
+      start_G = (start // c) * c + np.arange(G) * c
+      _, g_aux = inputs.aux_blocks(o, G, P, start_G[0], np, Ga=Ga)
+      need = ((start_G[None] < np.minimum(start + T, P)[:, None]) & (P[:, None] > 0)
+              & inputs.block_retrieves(o, start_G[None], P))
+      for b in range(len(P)):
+        assert set(np.flatnonzero(need[b])) <= set(g_aux[b]), (c, m, T, start, P, b)
+  o = attention.options(_cfg(chunk=128, window=2048, prefill_last=1000, top_k=4))
+  assert inputs.call_aux_blocks(o, 28672, 4096, [32768]) == 8
+  assert inputs.aux_blocks(o, 33, np.asarray([32768]), 28672, np)[0] == 9

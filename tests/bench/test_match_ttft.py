@@ -51,8 +51,10 @@ def test_profile_times_each_prefill_call_and_names_the_retrieving_ones(tmp_path,
   assert [i for i, c in enumerate(by["match"]["calls"]) if c["retrieved"] > 0] == ret
   assert all(c["retrieved"] is None and not c["retrieves"] for c in by["swa"]["calls"])
   assert all(c["fields"] == {} for c in by["swa"]["calls"])
+  aux_blocks = by["match"]["work"]["aux_rows_a_call"] // (s.top_k * s.chunk)
   assert [c["fields"] for c in by["match"]["calls"]] == [
-      {"match_call_retrieves": c["retrieves"]} for c in by["match"]["calls"]]
+      {"match_call_retrieves": True, "match_aux_blocks": aux_blocks} if c["retrieves"] else
+      {"match_call_retrieves": False} for c in by["match"]["calls"]]
   assert set(traced) >= {0, *ret} and len(traced) == len(ret) + 2
   assert r["per_call"] == match_ttft.per_call(r["rows"])
   assert r["per_call"]["retrieving_calls"] == ret

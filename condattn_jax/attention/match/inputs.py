@@ -69,12 +69,33 @@ def call_retrieves(o: MatchOptions, start: int, T: int, prompt_len_B) -> bool:
   return bool(np.any(block_retrieves(o, start_G[g_aux], P) & (P[:, None] > 0)))
 
 
-def aux_blocks(o: MatchOptions, G: int, prompt_len_B, first_start_B, xp=jnp):
+def call_aux_blocks(o: MatchOptions, start: int, T: int, prompt_len_B) -> int:
+  """On the host (numpy): the aux blocks an engine prefill call of T tokens at positions
+  start .. start + T - 1 needs: ceil(m / c) where no row (prompt length > 0) has more blocks
+  that hold one of its prompt tokens of this call and retrieve (`block_retrieves`), else the
+  bound ceil(m / c) + 1 (the last m positions straddle one more block); two values, so at most
+  one more program a chunk shape. `aux_blocks` with this Ga still covers each row's such blocks
+  (its window starts at the row's first retrieving block, or ends at the call's last block):
+  the queries read what they read with the bound; a block that holds no query of the call
+  (after the prompt: the block the first generated token enters) may get no aux rows."""
+  import numpy as np
+  P = np.asarray(prompt_len_B, np.int64)
+  c = o.chunk
+  G = num_blocks(T, c, decode=True)
+  start_G = (start // c) * c + np.arange(G) * c
+  holds = (start_G[None, :] < np.minimum(start + T, P)[:, None]) & (P[:, None] > 0)
+  n = int(np.sum(holds & block_retrieves(o, start_G[None, :], P), axis=1).max(initial=0))
+  fewer = -(-o.prefill_last // c)
+  return fewer if n <= fewer else fewer + 1
+
+
+def aux_blocks(o: MatchOptions, G: int, prompt_len_B, first_start_B, xp=jnp, Ga=None):
   """(Ga, g_aux [B, Ga]): the Ga blocks of a prefill call of G blocks that may retrieve, from
   the first one holding one of the row's last m = prefill_last prompt positions (first_start_B:
-  the position of the call's first block; xp: jnp traced, numpy on the host)."""
+  the position of the call's first block; xp: jnp traced, numpy on the host). Ga: the static
+  bound min(G, ceil(m / c) + 1), or (given: the engine's `call_aux_blocks`) fewer."""
   c = o.chunk
-  Ga = min(G, (o.prefill_last + c - 1) // c + 1)
+  Ga = min(G, (o.prefill_last + c - 1) // c + 1, *(() if Ga is None else (Ga,)))
   first = -(-(prompt_len_B - o.prefill_last - (c - 1) - first_start_B) // c)
   return Ga, xp.clip(first, 0, G - Ga)[:, None] + xp.arange(Ga, dtype=first.dtype)
 
@@ -246,7 +267,9 @@ class MatchInputs(nn.Module):
     static = ctx.fields.get("match_call_retrieves") if T > 1 and prompt_len_B is not None else None
     if T > 1 and prompt_len_B is not None:
       P = jnp.asarray(prompt_len_B, jnp.int32)
-      Ga, g_aux = aux_blocks(o, G, P, start_BG[:, 0])  # [B, Ga]
+      # (a retrieving call: the engine's exact count, call_aux_blocks, where it gives one)
+      Ga, g_aux = aux_blocks(o, G, P, start_BG[:, 0], Ga=(
+          ctx.fields.get("match_aux_blocks") if static is True else None))  # [B, Ga]
     start_q = start_BG if g_aux is None else jnp.take_along_axis(start_BG, g_aux, axis=1)
     q_slots = retrieval.query_slots(start_q, c)
     q_ok = (q_slots >= 0) & (q_slots < new_len[:, None, None])

@@ -59,7 +59,8 @@ import flax.linen as nn
 import jax.numpy as jnp
 
 from condattn_jax import ops
-from condattn_jax.attention.match.inputs import _take, block_inputs, call_retrieves
+from condattn_jax.attention.match.inputs import (_take, block_inputs, call_aux_blocks,
+                                                 call_retrieves)
 from condattn_jax.attention import options
 from condattn_jax.models.context import LayerContext
 from condattn_jax.models.layers import MLP, Attention, RMSNorm, attend
@@ -162,11 +163,16 @@ class MatchLayer(nn.Module):
     """The engine's static fields of a prefill call (Engine._prefill_fields):
     match_call_retrieves = whether a block of the call retrieves for some row
     (inputs.call_retrieves, on the host): False compiles SWA's call (no search, no aux rows, no
-    cond), True the retrieving branch without a cond; at most two programs a chunk shape."""
+    cond), True the retrieving branch without a cond; and where it retrieves, match_aux_blocks
+    = the aux blocks it needs (inputs.call_aux_blocks: the retrieving blocks that hold a query
+    of the call, at most ceil(m / c) + 1). A program per (chunk shape, fields)."""
     o = options(config)
     if not o.top_k:
       return {}
-    return {"match_call_retrieves": call_retrieves(o, start, chunk, lengths)}
+    if not call_retrieves(o, start, chunk, lengths):
+      return {"match_call_retrieves": False}
+    return {"match_call_retrieves": True,
+            "match_aux_blocks": call_aux_blocks(o, start, chunk, lengths)}
 
   # ------------------------------------------------------------------------- block halves
   def _attn_in(self, x):
