@@ -2,13 +2,15 @@ r"""MATCH reproduction on MQAR (paper App. B.3.1 / Table C.3), pre-registered (C
 
   python bench/match_mqar.py --preset=cpu          # -> bench/results/match_mqar.json (2-core CPU)
   python bench/match_mqar.py --preset=test --out_dir=/tmp/m   # seconds (tests/bench/test_match_bench.py)
-  # H100s: one process per (method, length), 4 per GPU (bench/match_segmented_gpu.sh mqar, on
-  # a 4-GPU host; docs/schemes/match.md#reproduction-mqar). Each writes its progress file:
+  # H100s: jobs of (method, length, lrs, seeds), several a GPU, planned by gpu_plan
+  python bench/match_mqar.py --preset=h100 --plan=4     # calls, jobs a GPU, estimated seconds
+  # (bench/match_segmented_gpu.sh mqar runs the next call on a 4-GPU host;
+  # docs/schemes/match.md#reproduction-mqar). Each job writes its progress file:
   CONDATTN_GIT_COMMIT=<sha> python bench/match_mqar.py --preset=h100 --methods=full \
-      --lengths=128 --data_workers=4 --progress=$OUT/mqar_full_128.json --out_dir=$OUT/full_128
-  # lengths 256 / 512: one process per lr (--lrs=1e-3 ... --progress=$OUT/mqar_full_512_1e-3.json)
+      --lengths=512 --lrs=1e-3 --seeds=0 --data_dir=out/mqar_rows --deadline_s=440 \
+      --progress=$OUT/mqar_full_512_0.001_s0.json --out_dir=$OUT/mqar_runs/full_512
   # then here: one run with every length, named sweep_h100, in bench/results/match_mqar_<GPU>.json
-  python bench/match_mqar.py --preset=h100 --merge=<files_at>/mqar_full_512.json,...
+  python bench/match_mqar.py --preset=h100 --merge=<dir>/mqar_full_512_0.001_s0.json,...
 
 Protocol (the paper's, scaled): 2-layer qwen3-style decoders (width 64, 4 heads), every length
 trained SEPARATELY from scratch on fresh MQAR rows of that length (num_pairs per length as the
@@ -121,6 +123,17 @@ def job_lrs(s: Settings, method: str) -> tuple:
   return got
 
 
+def job_seeds(s: Settings) -> tuple:
+  """The seeds this process trains: all of s.seeds, or (--seeds, one job of a sweep split by
+  seed) those among SEEDS, in s.seeds' order."""
+  if SEEDS is None:
+    return tuple(s.seeds)
+  got = tuple(x for x in s.seeds if x in SEEDS)
+  if not got:
+    raise ValueError(f"--seeds={list(SEEDS)} holds none of the preset's seeds {list(s.seeds)}")
+  return got
+
+
 def over_models(s: Settings, length: int, fn, xs, *shared):
   """fn(*x, *shared) for every model's slice x of the leading-axis trees `xs`: vmapped over all
   models, or s.model_groups' g at a time at this length (lax.map with batch_size g)."""
@@ -137,15 +150,17 @@ PRESETS = {
     "cpu": Settings(lrs=(1e-3, 3e-3), width=64, heads=4, steps=1000, batch=64,
                     query_power=0.01),
     # H100 (jax 0.11.2): the paper's lengths, width 128, vocabulary 8192, 100K training rows a
-    # seed (the paper's count) seen twice (3200 steps of 64), 3 seeds; the baselines sweep one
-    # lower lr besides (their own sweep); tied embeddings and Zoology's query placement
-    # (power 0.01), as the Zoology models and data the paper's MQAR follows. One process per
-    # (method, length) (--methods, --lengths; at lengths 256 / 512 one per lr, --lrs, joined by
-    # --merge), several per GPU: compiled on CPU, the largest (length 512, 12 models run 4 at
-    # a time) needs ~11 GiB of temporaries a step and ~2 GiB an evaluation call; its job of one
-    # lr (3 models) fits a quarter of a card
+    # seed (the paper's count) seen 8 times (12,800 steps of 64: at 3200 steps, 2 epochs, full
+    # attention levelled at 0.57 on CPU; at 12,800 one H100 saw full 1.000 at 64 and 128 and SWA
+    # 0.996 at 64: docs/schemes/match.md), 3 seeds; the baselines sweep one lower lr besides
+    # (their own sweep); tied embeddings and Zoology's query placement (power 0.01), as the
+    # Zoology models and data the paper's MQAR follows. Run as jobs of (method, length, lrs,
+    # seeds) (--methods, --lengths, --lrs, --seeds; joined by --merge), several per GPU
+    # (gpu_plan, bench/match_segmented_gpu.sh): compiled on CPU, the largest (length 512, 12
+    # models run 4 at a time) needs ~11 GiB of temporaries a step and ~2 GiB an evaluation
+    # call; its job of one lr (3 models) fits a quarter of a card
     # (tests/bench/test_match_bench.py::test_h100_preset_fits_a_shared_gpu).
-    "h100": Settings(lengths=(64, 128, 256, 512), vocab=8192, width=128, heads=4, steps=3200,
+    "h100": Settings(lengths=(64, 128, 256, 512), vocab=8192, width=128, heads=4, steps=12800,
                      batch=64, seeds=(0, 1, 2), eval_rows=1024, eval_every=400, eval_chunk=64,
                      train_rows=100_000, model_groups=((512, 4),),
                      method_lrs=(("full", (3e-4, 1e-3, 3e-3, 1e-2)),
@@ -200,22 +215,77 @@ def task(s: Settings, length: int) -> MQAR:
 
 def rows(t: MQAR, seed: int, n: int, stream: int) -> dict[str, np.ndarray]:
   """n MQAR rows (inputs, targets, loss_mask, answers) of one seed and stream; answers [n, Q]
-  = the positions of the Q = num_pairs scored tokens of each row (every row has Q)."""
-  if DATA_WORKERS > 1 and n >= 4096:  # the same rows, made by worker processes
+  = the positions of the Q = num_pairs scored tokens of each row (every row has Q). With
+  DATA_DIR (--data_dir) the rows are read from there when an earlier process saved them
+  (--make_data; the same rows: MQAR.example is a function of seed, index and stream), else
+  made and saved there."""
+  path = rows_path(t, seed, n, stream)
+  if path and os.path.exists(path):
+    with np.load(path) as z:
+      out = {k: z[k] for k in ("inputs", "targets", "loss_mask")}
+  else:
+    out = _make_rows([(t, seed, n, stream)])[0]
+  return dict(out, answers=answer_positions(out["loss_mask"], t.queries))
+
+
+def rows_path(t: MQAR, seed: int, n: int, stream: int) -> str | None:
+  """Where DATA_DIR keeps these rows (the file names the task's every field), or None."""
+  if not DATA_DIR:
+    return None
+  import hashlib
+  key = hashlib.md5(repr(sorted(dataclasses.asdict(t).items())).encode()).hexdigest()[:10]
+  return os.path.join(DATA_DIR, f"mqar_T{t.seq_len}_{key}_s{seed}_r{stream}_n{n}.npz")
+
+
+def _make_rows(wanted: list) -> list:
+  """The rows {inputs, targets, loss_mask} of each (task, seed, n, stream) in `wanted`, made in
+  one pool of DATA_WORKERS processes (the same rows as one process makes) when they are many,
+  and saved under DATA_DIR when it is set."""
+  cuts = lambda n: np.linspace(0, n, max(1, min(DATA_WORKERS, n // 2048)) + 1).astype(int)
+  parts = [[(t, seed, a, b, stream) for a, b in zip(cuts(n), cuts(n)[1:])]
+           for t, seed, n, stream in wanted]
+  flat = [p for ps in parts for p in ps]
+  if DATA_WORKERS > 1 and len(flat) > 1:  # the same rows, made by worker processes
     import concurrent.futures
     import multiprocessing
-    cuts = np.linspace(0, n, DATA_WORKERS + 1).astype(int)
     with concurrent.futures.ProcessPoolExecutor(
         DATA_WORKERS, mp_context=multiprocessing.get_context("spawn")) as ex:
-      parts = list(ex.map(_rows_part, [(t, seed, a, b, stream) for a, b in zip(cuts, cuts[1:])]))
-    out = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+      made = list(ex.map(_rows_part, flat))
   else:
-    out = _rows_part((t, seed, 0, n, stream))
-  return dict(out, answers=answer_positions(out["loss_mask"], t.queries))
+    made = [_rows_part(p) for p in flat]
+  out, k = [], 0
+  for (t, seed, n, stream), ps in zip(wanted, parts):
+    got = made[k:k + len(ps)]
+    k += len(ps)
+    r = {key: np.concatenate([g[key] for g in got]) for key in got[0]}
+    path = rows_path(t, seed, n, stream)
+    if path:  # written whole, then renamed: a reader never sees half a file
+      os.makedirs(DATA_DIR, exist_ok=True)
+      tmp = f"{path[:-4]}.{os.getpid()}.tmp.npz"
+      np.savez(tmp, **r)
+      os.replace(tmp, path)
+    out.append(r)
+  return out
+
+
+def make_data(s: Settings, log=print):
+  """Every row the preset's jobs at s.lengths read (each seed's training rows, the held-out
+  rows), saved under DATA_DIR once, in one pool of DATA_WORKERS processes (--make_data: one
+  process per call, before the jobs)."""
+  t0 = time.perf_counter()
+  wanted = [(task(s, n), seed, s.train_rows or s.steps * s.batch, 0)
+            for n in s.lengths for seed in s.seeds] + [(task(s, n), 0, s.eval_rows, 1)
+                                                       for n in s.lengths]
+  wanted = [w for w in wanted if not os.path.exists(rows_path(*w))]
+  _make_rows(wanted)
+  log(f"  rows of lengths {list(s.lengths)}: {len(wanted)} sets made under {DATA_DIR} in "
+      f"{time.perf_counter() - t0:.0f}s")
 
 
 DATA_WORKERS = 1  # processes making training rows (--data_workers)
 LRS = None  # --lrs: the subset of each method's swept lrs this process trains (job_lrs)
+SEEDS = None  # --seeds: the subset of the preset's seeds this process trains (job_seeds)
+DATA_DIR = None  # --data_dir: rows made once per call (--make_data) and loaded by every job
 DEADLINE = None  # time.time() by which training stops at an evaluation (--deadline_s)
 
 
@@ -316,21 +386,21 @@ def optimizer(s: Settings):
 def train_length(s: Settings, method: str, length: int, log=print) -> dict:
   """Trains the lrs x seeds models of one method at one length together (vmapped); returns
   {"final": {semantics: [M] accuracy}, "curves": ..., "seconds": ...}; model m = lr index
-  m // len(seeds), seed m % len(seeds)."""
+  m // len(seeds), seed m % len(seeds) (the job's lrs and seeds: job_lrs, job_seeds)."""
   step_fn, acc_train, acc_rc, model = programs(s, method, length)
   t = task(s, length)
-  lrs = job_lrs(s, method)
-  nL, nS = len(lrs), len(s.seeds)
+  lrs, seeds = job_lrs(s, method), job_seeds(s)
+  nL, nS = len(lrs), len(seeds)
   M = nL * nS
   init = [nn.unbox(model.init(jax.random.PRNGKey(seed), jnp.zeros((1, length), jnp.int32))
-                   ["params"]) for seed in s.seeds]
+                   ["params"]) for seed in seeds]
   params = jax.tree.map(lambda *a: jnp.stack([a[m % nS] for m in range(M)]), *init)
   lr_M = jnp.asarray([lrs[m // nS] for m in range(M)], jnp.float32)
   opt_state = jax.vmap(optimizer(s).init)(params)
   seed_of = np.asarray([m % nS for m in range(M)])
   held = {k: jnp.asarray(v) for k, v in rows(t, 0, s.eval_rows, stream=1).items()}
   n_train = s.train_rows or s.steps * s.batch
-  data = [rows(t, seed, n_train, stream=0) for seed in s.seeds]
+  data = [rows(t, seed, n_train, stream=0) for seed in seeds]
   curves = {"step": [], "loss": [], "acc": []}
   stopped_at = None
   t0 = time.perf_counter()
@@ -356,7 +426,8 @@ def train_length(s: Settings, method: str, length: int, log=print) -> dict:
   final = {"sequence": curves["acc"][-1]}
   if acc_rc is not None:
     final["recompute"] = [round(float(x), 4) for x in acc_rc(params, held)]
-  return {"final": final, "curves": curves, "lrs": list(lrs), "stopped_at": stopped_at,
+  return {"final": final, "curves": curves, "lrs": list(lrs), "seeds": list(seeds),
+          "stopped_at": stopped_at,
           "seconds": round(time.perf_counter() - t0, 1), "params": params}
 
 
@@ -365,7 +436,7 @@ def compiled_memory(s: Settings, method: str, length: int) -> dict:
   (method, length) on the default backend (nothing runs): {'step_temp', 'step_args',
   'eval_temp', 'eval_args', 'recompute_eval_temp' (retrieving methods)}."""
   step_fn, acc, acc_rc, model = programs(s, method, length)
-  M = len(job_lrs(s, method)) * len(s.seeds)
+  M = len(job_lrs(s, method)) * len(job_seeds(s))
   sd = lambda shape, dt=jnp.int32: jax.ShapeDtypeStruct(shape, dt)
   p1 = jax.eval_shape(lambda: nn.unbox(model.init(jax.random.PRNGKey(0),
                                                   jnp.zeros((1, length), jnp.int32))["params"]))
@@ -388,12 +459,12 @@ def compiled_memory(s: Settings, method: str, length: int) -> dict:
 def summarize(s: Settings, per: dict) -> dict:
   """per[method][length] -> the best lr (by the mean over seeds, training mask) and its mean /
   per-seed accuracy under each semantics, and whether the curve plateaued."""
-  nS = len(s.seeds)
   out = {}
   for method, by_len in per.items():
     out[method] = {}
     for length, r in by_len.items():
       lrs = r.get("lrs") or method_lrs(s, method)  # a --lrs job: its own lrs
+      nS = len(r.get("seeds") or s.seeds)  # a --seeds job: its own seeds
       seq = np.asarray(r["final"]["sequence"]).reshape(len(lrs), nS)
       best = int(np.argmax(seq.mean(1)))
       row = {"best_lr": lrs[best], "lr_means": [round(float(x), 4) for x in seq.mean(1)]}
@@ -475,9 +546,8 @@ def assemble(s: Settings, per: dict, secs: dict, device: str | None = None) -> d
 
 
 def merge_progress(s: Settings, paths) -> dict:
-  """One result from the progress files of runs of the same settings over different lengths
-  (one process per length on a shared CPU; one device command per length pair), recorded with
-  the device the files name. Results at lengths outside s.lengths (a length whose methods did
+  """One result from the progress files of runs of the same settings over different lengths,
+  lrs or seeds (the GPU plan's jobs), recorded with the device(s) the files name. Results at lengths outside s.lengths (a length whose methods did
   not all finish) are kept under "partial", outside the summary and the criteria."""
   per, secs, devices, partial = {}, {}, set(), {}
   for path in paths:
@@ -496,46 +566,202 @@ def merge_progress(s: Settings, paths) -> dict:
           per.setdefault(m, {}).setdefault(int(n), []).append(r)
         else:  # a length the sweep did not finish: kept, not judged
           partial.setdefault(m, {})[n] = r["final"]
-  if len(devices) > 1:
-    raise ValueError(f"--merge: the progress files come from different devices: {devices}")
-  per = {m: {n: join_lr_jobs(s, m, n, parts) for n, parts in by.items()} for m, by in per.items()}
+  # jobs of one sweep may run on H100s and H200s (the GPU plan's calls span device sessions,
+  # each given either card): the run names every device (the accuracies do not depend on it;
+  # train_seconds do)
+  per = {m: {n: join_lr_jobs(s, m, n, superseded_dropped(parts)) for n, parts in by.items()}
+         for m, by in per.items()}
   secs = {f"{m}/{n}": r["seconds"] for m, by in per.items() for n, r in by.items()}
   got = sorted({n for by in per.values() for n in by})
   if got != sorted(s.lengths) or any(sorted(by) != got for by in per.values()):
     raise ValueError(f"--merge: the progress files hold lengths {got} (per method: "
                      f"{ {m: sorted(by) for m, by in per.items()} }), not {sorted(s.lengths)}.")
   out = assemble(s, {m: dict(sorted(by.items())) for m, by in per.items()}, secs,
-                 device=devices.pop() if devices else None)
+                 device=" + ".join(sorted(devices)) if devices else None)
   if partial:
     out["partial"] = partial  # {method: {length: finals}} of lengths outside the settings
   return out
 
 
+def superseded_dropped(parts: list) -> list:
+  """The parts of one (method, length) less each stopped-early part whose every (lr, seed) a
+  finished part holds (a job that a later call of the GPU plan ran again)."""
+  cells = lambda r: {(lr, x) for lr in r.get("lrs", []) for x in r.get("seeds", [])}
+  full = set().union(*(cells(r) for r in parts if not r.get("stopped_at")))
+  return [r for r in parts if not (r.get("stopped_at") and cells(r) and cells(r) <= full)]
+
+
 def join_lr_jobs(s: Settings, method: str, length: int, parts: list) -> dict:
   """One (method, length) result from the results of jobs that trained disjoint parts of its
-  lr sweep (--lrs; a single part is returned as is): finals and curves concatenated in the
-  sweep's lr order (model m = lr index * seeds + seed), seconds = the longest job's. The parts
-  must cover the sweep once and hold the same evaluation steps."""
-  sweep = list(method_lrs(s, method))
-  where = lambda r: sweep.index(min(sweep, key=lambda x: abs(x - r.get("lrs", sweep)[0])))
-  parts = sorted(parts, key=where)
-  lrs = [x for r in parts for x in r.get("lrs", sweep)]
-  if len(lrs) != len(sweep) or not all(math.isclose(a, b) for a, b in zip(lrs, sweep)):
-    raise ValueError(f"--merge: the {method}/{length} jobs trained lrs {lrs}, not the sweep's "
-                     f"{sweep} once each")
+  lr x seed grid (--lrs, --seeds; a single part is returned as is): finals and curves put in
+  the sweep's order (model m = lr index * seeds + seed), seconds = the longest job's. The
+  parts must cover every (lr, seed) of the sweep once and hold the same evaluation steps."""
+  sweep, seeds = list(method_lrs(s, method)), list(s.seeds)
+  cells, got = {}, []  # (lr index, seed) -> [(part, the model's index in the part)]
+  for p, r in enumerate(parts):
+    lrs, ss = r.get("lrs", sweep), r.get("seeds", seeds)
+    for a, lr in enumerate(lrs):
+      for b, seed in enumerate(ss):
+        got.append((lr, seed))
+        i = next((i for i, x in enumerate(sweep) if math.isclose(x, lr)), None)
+        cells.setdefault((i, seed), []).append((p, a * len(ss) + b))
+  if (set(cells) != {(i, x) for i in range(len(sweep)) for x in seeds}
+      or any(len(at) > 1 for at in cells.values())):
+    raise ValueError(f"--merge: the {method}/{length} jobs trained (lr, seed) {got}, not the "
+                     f"sweep's lrs {sweep} x seeds {seeds} once each")
   if len(parts) == 1:
     return parts[0]
   steps = {tuple(r["curves"]["step"]) for r in parts}
   if len(steps) != 1:
     raise ValueError(f"--merge: the {method}/{length} jobs evaluated at different steps "
                      f"{sorted(steps)} (one stopped early: rerun it)")
-  cat = lambda rows: [x for row in rows for x in row]
-  return {"final": {sem: cat(r["final"][sem] for r in parts) for sem in parts[0]["final"]},
+  order = [cells[i, x][0] for i in range(len(sweep)) for x in seeds]
+  pick = lambda rows_of: [rows_of(p)[k] for p, k in order]
+  return {"final": {sem: pick(lambda p: parts[p]["final"][sem]) for sem in parts[0]["final"]},
           "curves": {"step": parts[0]["curves"]["step"],
-                     **{k: [cat(at) for at in zip(*(r["curves"][k] for r in parts))]
-                        for k in ("loss", "acc")}},
-          "lrs": sweep, "stopped_at": parts[0].get("stopped_at"),
+                     **{key: [pick(lambda p: parts[p]["curves"][key][e])
+                              for e in range(len(parts[0]["curves"]["step"]))]
+                        for key in ("loss", "acc")}},
+          "lrs": sweep, "seeds": seeds,
+          "stopped_at": next((r["stopped_at"] for r in parts if r.get("stopped_at")), None),
           "seconds": max(r["seconds"] for r in parts)}
+
+
+# The GPU plan (bench/match_segmented_gpu.sh): jobs of (method, length, lrs, seeds), packed on
+# the GPUs of one host, several a GPU, in calls of `timeout 480` (--deadline_s=440).
+#
+# STEP_MS: estimated GPU milliseconds one model's training step adds to its GPU (width 128,
+# batch 64, evaluations included), ADDITIVE over the jobs sharing a GPU (their kernels take
+# turns). 64 / 128: the one-H100 check of the h100 preset (d8709b8): 6 models (2 lrs x 3 seeds)
+# a job, 3 jobs on one H100, 12,800 steps in 221-249 s at either length: 249 s / 12,800 / 18
+# models = 1.08 ms; MATCH / random x2.5 (the 4-H200 run at ca50048, width 64: their per-model
+# pace over full's / SWA's at 64 and 128: 1.9-2.5). 512: SWA's 12-model job of that run alone on
+# its H200 for its last 800 steps, 80 ms a step = 6.7 ms a model at width 64, x1.23 for width
+# 128 (XLA's bytes accessed of the compiled step, width 128 / 64, compiled on CPU) = 8.2; full
+# attention x1.5 (its job on the same run: 133 s for its first 400 steps against SWA's 97 s);
+# MATCH / random x1.9 (that run's per-model pace against SWA's at 512). 256: 512's x the compiled
+# step's bytes accessed at 256 / 512 (full and SWA 0.35, MATCH and random 0.49). Estimates,
+# conservative (the 64 / 128 anchor counts a shared GPU's whole time against its jobs); a call's
+# logs show the real paces: update this table, then re-plan what is left (--done).
+STEP_MS = {64: dict(full=1.1, swa=1.1, match=2.7, random=2.7),
+           128: dict(full=1.1, swa=1.1, match=2.7, random=2.7),
+           256: dict(full=4.3, swa=2.9, match=7.6, random=7.6),
+           512: dict(full=12.3, swa=8.2, match=15.6, random=15.6)}
+# Seconds a job spends besides its training steps: the imports, its rows read (--make_data made
+# them), the compiles, MATCH's decode-semantics evaluation at the end, and --deadline_s's margin
+# (a training stops at an evaluation unless 1.5 x the next 400 steps + 20 s still fit).
+JOB_OVERHEAD_S = 70.0
+# XLA_PYTHON_CLIENT_MEM_FRACTION of a job (of an 80 GiB card) by length: the compiled step +
+# evaluation temporaries and arguments of the largest job the plan makes at that length, compiled
+# on CPU (compiled_memory): 512 one lr (3 models, 4 a group), 256 / 128 / 64 the whole 12-model
+# sweep: full 11.5 / 10.1 / 3.6 / 1.5 GiB, MATCH with its recompute evaluation 10.9 / 10.5 / 5.3
+# (test_h100_preset_fits_a_shared_gpu)
+MEM_FRACTION = {512: 0.17, 256: 0.16, 128: 0.08, 64: 0.04}
+GPU_BUDGET_S = 440.0  # --deadline_s of every job (`timeout 480`: the device tool stops at 600 s)
+JOBS_PER_GPU = 4  # as many as the measured runs shared a GPU (3 on the H100 check, 4 on H200s)
+
+
+def model_seconds(s: Settings, method: str, length: int) -> float:
+  """Estimated GPU seconds of one model's training (s.steps steps) at this length: STEP_MS."""
+  return s.steps * STEP_MS[length][method] / 1e3
+
+
+def plan_jobs(s: Settings, done=frozenset(), job_s: float | None = None) -> list:
+  """The sweep as jobs: per (method, length), its (lr, seed) models not in `done` grouped so a
+  job's estimated GPU seconds stay near a third of a GPU's budget (packing room): whole lrs (all
+  seeds) while 3 or more models fit, else the seeds of one lr in groups (job_s: another
+  target, e.g. 0.001 for one model a job). Each job: dict(method, length, lrs, seeds, models,
+  work_s = its GPU seconds, cap = its memory fraction)."""
+  target = job_s or (GPU_BUDGET_S - JOB_OVERHEAD_S) / 3
+  jobs = []
+  for length in s.lengths:
+    for method in METHODS:
+      w = model_seconds(s, method, length)
+      m = max(1, int(target // w))
+      left = [(lr, tuple(x for x in s.seeds if (method, length, lr, x) not in done))
+              for lr in method_lrs(s, method)]
+      whole = [lr for lr, xs in left if len(xs) == len(s.seeds)]
+      per_job = m // len(s.seeds)
+      groups = ([(tuple(whole[i:i + per_job]), tuple(s.seeds))
+                 for i in range(0, len(whole), per_job)] if per_job else [])
+      for lr, xs in left:
+        if xs and not (per_job and lr in whole):
+          groups += [((lr,), xs[i:i + m]) for i in range(0, len(xs), m)]
+      for lrs, seeds in groups:
+        jobs.append(dict(method=method, length=length, lrs=list(lrs), seeds=list(seeds),
+                         models=len(lrs) * len(seeds), work_s=round(len(lrs) * len(seeds) * w, 1),
+                         cap=MEM_FRACTION[length]))
+  return jobs
+
+
+def gpu_plan(s: Settings, gpus: int, done=frozenset(), job_s: float | None = None) -> list:
+  """Device calls, each a list of jobs with their GPU (job["gpu"]): first fit decreasing (the
+  longest jobs first, each into the first call and GPU where the GPU's summed work stays within
+  GPU_BUDGET_S - JOB_OVERHEAD_S, its jobs within JOBS_PER_GPU and its memory fractions within
+  0.9), so the short jobs fill the long ones' GPUs. job["est_s"]: the estimated seconds until
+  the job's GPU finishes all its jobs (its own end, when its GPU's jobs are similar)."""
+  room = GPU_BUDGET_S - JOB_OVERHEAD_S
+  calls = []  # [call][gpu] -> jobs
+  jobs = plan_jobs(s, done, job_s)
+  for job in sorted(jobs, key=lambda j: -j["work_s"]):  # stable: the sweep's order within ties
+    if job["work_s"] > room:
+      raise ValueError(f"a job of one model passes a call's budget: {job}")
+    for c in calls + [None]:
+      if c is None:
+        c = [[] for _ in range(gpus)]
+        calls.append(c)
+      g = next((g for g, on in enumerate(c)
+                if sum(j["work_s"] for j in on) + job["work_s"] <= room
+                and len(on) < JOBS_PER_GPU
+                and sum(j["cap"] for j in on) + job["cap"] <= 0.9), None)
+      if g is not None:
+        c[g].append(dict(job, gpu=g))
+        break
+  out = []
+  for c in calls:
+    for on in c:
+      for j in on:
+        j["est_s"] = round(JOB_OVERHEAD_S + sum(x["work_s"] for x in on))
+    out.append([j for on in c for j in on])
+  return out
+
+
+def job_name(j: dict) -> str:
+  """The job's file stem: mqar_<method>_<length>_<lrs>_<seeds> (lrs and seeds joined by '-')."""
+  return (f"mqar_{j['method']}_{j['length']}_{'-'.join(map(str, j['lrs']))}"
+          f"_s{'-'.join(map(str, j['seeds']))}")
+
+
+def done_models(paths) -> set:
+  """(method, length, lr, seed) of the models the progress files hold a finished training of
+  (not stopped early): what a re-plan (--done) leaves out."""
+  out = set()
+  for path in paths:
+    with open(path) as f:
+      data = json.load(f)
+    for m, by in data.get("per", {}).items():
+      for n, r in by.items():
+        if not r.get("stopped_at"):
+          out |= {(m, int(n), lr, x) for lr in r["lrs"] for x in r.get("seeds", data[
+              "settings"]["seeds"])}
+  return out
+
+
+def format_plan(s: Settings, calls: list) -> str:
+  """The plan as text: per call, per GPU, its jobs and estimated seconds; the totals."""
+  lines = []
+  for k, c in enumerate(calls, 1):
+    gpus = sorted({j["gpu"] for j in c})
+    lines.append(f"call {k}: {len(c)} jobs, GPU finishes (est.) "
+                 + ", ".join(f"{g}: {max(j['est_s'] for j in c if j['gpu'] == g)} s" for g in gpus))
+    for g in gpus:
+      lines.append(f"  GPU {g}: " + "; ".join(
+          f"{j['method']} {j['length']} lr {','.join(map(str, j['lrs']))} seeds "
+          f"{','.join(map(str, j['seeds']))} ({j['work_s']:.0f} s)" for j in c if j["gpu"] == g))
+  work = sum(j["work_s"] for c in calls for j in c)
+  lines.append(f"{len(calls)} calls, {sum(map(len, calls))} jobs, {work:.0f} GPU-s of training "
+               f"(STEP_MS) at {s.steps} steps; every job under timeout 480, --deadline_s=440")
+  return "\n".join(lines)
 
 
 START = time.time()  # the process's start (as `timeout` counts it, up to the imports)
@@ -553,6 +779,22 @@ flags.DEFINE_float("deadline_s", None, "seconds after the start by which a train
                    "writes its progress", flag_values=FLAGS)
 flags.DEFINE_list("lrs", None, "train only these of each method's swept lrs (one job of a sweep "
                   "split over processes; --merge joins the jobs)", flag_values=FLAGS)
+flags.DEFINE_list("seeds", None, "train only these of the preset's seeds (one job of a sweep "
+                  "split by seed; --merge joins the jobs)", flag_values=FLAGS)
+flags.DEFINE_string("data_dir", None, "directory of the MQAR rows: read when saved there "
+                    "(--make_data), else made and saved", flag_values=FLAGS)
+flags.DEFINE_boolean("make_data", False, "make the rows of the preset's (or --lengths') jobs "
+                     "under --data_dir, then stop (one process a device call, before its jobs)",
+                     flag_values=FLAGS)
+flags.DEFINE_integer("plan", None, "print the preset's GPU plan for this many GPUs (calls, jobs "
+                     "a GPU, estimated seconds: gpu_plan), then stop", flag_values=FLAGS)
+flags.DEFINE_integer("plan_jobs", None, "with --plan: print call N's jobs, one a line: "
+                     "gpu method length lrs seeds memory-fraction estimated-s (for "
+                     "bench/match_segmented_gpu.sh)", flag_values=FLAGS)
+flags.DEFINE_float("plan_job_s", None, "with --plan: the GPU seconds a job aims at (default a "
+                   "third of a GPU's budget; 0.001: one model a job)", flag_values=FLAGS)
+flags.DEFINE_list("done", None, "with --plan: progress files of finished jobs (earlier calls); "
+                  "their models are left out of the plan", flag_values=FLAGS)
 flags.DEFINE_list("merge", None, "progress files to merge into one result (no training): runs "
                   "of this preset over disjoint lengths", flag_values=FLAGS)
 
@@ -564,9 +806,25 @@ def main(argv=None):
     s = dataclasses.replace(s, steps=a.steps)
   if a.lengths:
     s = dataclasses.replace(s, lengths=tuple(int(x) for x in a.lengths))
-  global DATA_WORKERS, DEADLINE, LRS
+  if a.plan:
+    calls = gpu_plan(s, a.plan, done_models(a.done or ()), a.plan_job_s)
+    if a.plan_jobs is None:
+      print(format_plan(s, calls))
+    else:
+      for j in (calls[a.plan_jobs - 1] if a.plan_jobs <= len(calls) else []):
+        print(j["gpu"], j["method"], j["length"], ",".join(map(str, j["lrs"])),
+              ",".join(map(str, j["seeds"])), j["cap"], job_name(j), j["est_s"])
+    return
+  global DATA_WORKERS, DATA_DIR, DEADLINE, LRS, SEEDS
   DATA_WORKERS = a.data_workers
+  DATA_DIR = a.data_dir
+  if a.make_data:
+    if not DATA_DIR:
+      raise SystemExit("--make_data needs --data_dir")
+    make_data(s)
+    return
   LRS = None if a.lrs is None else tuple(float(x) for x in a.lrs)
+  SEEDS = None if a.seeds is None else tuple(int(x) for x in a.seeds)
   DEADLINE = None if a.deadline_s is None else START + a.deadline_s
   methods = tuple(a.methods or METHODS)
   if set(methods) - set(METHODS):

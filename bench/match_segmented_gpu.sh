@@ -1,16 +1,13 @@
 #!/usr/bin/env bash
-# Issue 29's GPU runs on one host of $GPUS GPUs (default 4: kind nvidia-h100-x4; GPUS=2: kind
-# nvidia-h100-x2), every job under `timeout 480` (the tool's commands stop at 10 minutes). Run
+# Issue 29's GPU runs on one host of $GPUS GPUs (default 4: kind nvidia-h100-x4, which may come
+# as 4 x H200), every job under `timeout 480` (the tool's commands stop at 10 minutes). Run
 # from the repository root with CONDATTN_GIT_COMMIT set (DEVELOPERS.md) and the wheels
-# installed (pip install --no-deps .whl/*.whl); what comes back is under $OUT.
+# installed (source scripts/gpu_env.sh); what comes back is under $OUT.
 #
-#   bash bench/match_segmented_gpu.sh mqar 256 128 64   # MQAR h100 on 4 GPUs, call 1: 12 jobs
-#   bash bench/match_segmented_gpu.sh mqar512            #   call 2: length 512, one job per
-#                                            # (method, lr): 14 jobs (a 12-model job at width 128
-#                                            # passes 440 s); --merge joins a method's lr jobs
-#   bash bench/match_segmented_gpu.sh mqar   # the older plan: 16 (method, length) jobs, 4 a GPU
-#   GPUS=2 bash bench/match_segmented_gpu.sh mqar 512 256   # two GPUs: call 1 (8 jobs, 4 a GPU)
-#   GPUS=2 bash bench/match_segmented_gpu.sh mqar 128 64    #           call 2
+#   bash bench/match_segmented_gpu.sh plan   # the MQAR plan (no GPU: runs here too): calls,
+#                                            # jobs a GPU, estimated seconds
+#   bash bench/match_segmented_gpu.sh mqar   # one MQAR call: the first call of the plan of
+#                                            # what is left (IN: earlier calls' archives)
 #   bash bench/match_segmented_gpu.sh seg    # segmented h100 (GPU 1 mod $GPUS) + far_gpu (GPU
 #                                            # 2, 4 GPUs only) + MATCH / SWA TTFT at 32K (GPU 3
 #                                            # or, on fewer GPUs, 0); repeat until
@@ -18,7 +15,6 @@
 #                                            # from out/segfid, which stays on a WARM machine
 #                                            # only: the h100 checkpoints, ~250 MB, do not fit
 #                                            # the device tool's carry)
-#   bash bench/match_segmented_gpu.sh all    # both at once (4 GPUs; MQAR's memory leaves room)
 #   bash bench/match_segmented_gpu.sh far    # segmented far_gpu on GPU 0 alone (kind
 #                                            # nvidia-h100-x1): the dense model and its gate, then
 #                                            # the fine-tunes; estimate_s: ~727 s in all, so 3
@@ -28,74 +24,81 @@
 #                                            # call on a fresh machine: IN=<that folder>, default
 #                                            # .gpu/segfid_far)
 #
-# MQAR, 4 GPUs, all lengths: GPU g runs slot j's length (512, 256, 128, 64) with method
-# (g + j) mod 4, so every GPU holds one job of each length and every (method, length) runs once,
-# each capped at 24% of its GPU. Given lengths (any $GPUS): the (method, length) jobs of those
-# lengths, job k on GPU k mod $GPUS, each capped by its length (CAP: the compiled step + eval
-# temporaries on CPU, jax.eval_shape params, bench/match_mqar.compiled_memory; GiB at 512 /
-# 256 / 128 / 64: full 11.5 / 10.1 / 3.6 / 1.5, match (its recompute eval) 10.9 / 10.5 / 5.3,
-# so 4 jobs of 512 / 256 on one 80 GiB card use <= 45 GiB). Each job writes
-# $OUT/mqar_<method>_<length>.json (progress) and .log; a training that would pass 440 s stops
-# at an evaluation (recorded under stopped_early) so the job still writes.
-# Then, on the lead's machine (files_at = where $OUT came back; every call's files):
-#   mkdir -p /tmp/mqar && tar xzf <files_at>/mqar_jobs.tgz -C /tmp/mqar
-#   python bench/match_mqar.py --preset=h100 --out_dir=bench/results \
-#       --merge=$(ls /tmp/mqar/mqar_*_*.json | paste -sd, -)
-#   # -> bench/results/match_mqar_<GPU>.json, run sweep_h100 (its claim re-derives the verdict)
+# MQAR (preset h100: 4 methods x lengths 64-512 x their lrs (4 for full / SWA, 3 for MATCH /
+# random) x 3 seeds = 168 models of 12,800 steps). bench/match_mqar.py --plan=$GPUS makes the
+# jobs (method, length, lrs, seeds: --lrs / --seeds) and packs them, several a GPU, into calls
+# (gpu_plan: first fit decreasing by estimated GPU seconds, STEP_MS there, additive over a GPU's
+# jobs, <= 370 s of work, <= 4 jobs and <= 0.9 of memory a GPU; each job capped by its length:
+# MEM_FRACTION there). On 4 GPUs: 9 calls, 92 jobs, ~11,500 GPU-s estimated (conservative; the
+# largest job, one MATCH / random model at 512, ~200 s + 70 s alone). Each `mqar` call re-plans
+# what its IN folder does not already hold finished (--done), so a call that fails, or a job that
+# stopped at its deadline (stopped_early), is simply planned again. A call: the rows of its
+# lengths made once (--make_data, every core) under out/mqar_rows, then its jobs, each writing
+# $OUT/mqar_<method>_<length>_<lrs>_s<seeds>.json (progress) and .log, returned as ONE archive
+# $OUT/mqar_jobs_<time>.tgz (a call returns at most 8 files) with $OUT/mqar_plan.txt.
+#   here, once:  rm -rf .gpu/src && mkdir -p .gpu/src .gpu/mqar_in &&
+#     git archive HEAD | tar x -C .gpu/src && git rev-parse --short HEAD > .gpu/src/COMMIT
+#   each call (kind nvidia-h100-x4, carry [".whl", ".gpu/src", ".gpu/mqar_in"], timeout_s 600):
+#     cd .gpu/src && ln -sfn ../../.whl .whl && source scripts/gpu_env.sh &&
+#       IN=../mqar_in bash bench/match_segmented_gpu.sh mqar
+#   then here: cp <files_at>/mqar_jobs_*.tgz .gpu/mqar_in/   (every call's, kept for the next)
+#   what is left, as calls:
+#     PATH=$PWD/.venv/bin:$PATH IN=.gpu/mqar_in bash bench/match_segmented_gpu.sh plan
+#   merge, once the plan is empty (here; calls on H100s and H200s merge into one run naming both):
+#     mkdir -p /tmp/mqar && for f in .gpu/mqar_in/mqar_jobs_*.tgz; do tar xzf $f -C /tmp/mqar; done
+#     python bench/match_mqar.py --preset=h100 --out_dir=bench/results \
+#         --merge=$(ls /tmp/mqar/mqar_*.json | paste -sd, -)
+#     # -> bench/results/match_mqar_<GPU>.json, run sweep_h100 (its claim re-derives the verdict;
+#     # a stopped-early job that a later call re-ran is dropped by the merge)
+# Segmented / TTFT results (`seg`):
 #   cp <files_at>/seg_h100/segmented_fidelity_*.json <files_at>/seg_recall/... bench/results/
 #   #    (append the runs to an existing bench/results/segmented_fidelity_<GPU>.json with
 #   #     bench/common.append_run if the file exists)
 #   cp <files_at>/ttft/match_ttft_*.json bench/results/
 #   python -m bench.migrate_results --claims   # records the registered claims on the new runs
 set -u
-: "${CONDATTN_GIT_COMMIT:?set CONDATTN_GIT_COMMIT (local git rev-parse --short HEAD)}"
-: "${OUT:?}"
-what=${1:-all}
+what=${1:-plan}
 [ $# -gt 0 ] && shift
+if [ "$what" != plan ]; then
+  : "${CONDATTN_GIT_COMMIT:?set CONDATTN_GIT_COMMIT (local git rev-parse --short HEAD)}"
+  : "${OUT:?}"
+fi
 GPUS=${GPUS:-4}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
-declare -A CAP=([512]=0.17 [256]=0.16 [128]=0.08 [64]=0.04)   # of an 80 GiB card, per job
-mqar_job() {  # mqar_job <gpu> <method> <length> <memory fraction>
-  CUDA_VISIBLE_DEVICES=$1 XLA_PYTHON_CLIENT_MEM_FRACTION=$4 timeout 480 \
-    python bench/match_mqar.py --preset=h100 --methods=$2 --lengths=$3 --data_workers=3 \
-    --deadline_s=440 \
-    --progress=$OUT/mqar_$2_$3.json --out_dir=$OUT/mqar_runs/$2_$3 \
-    > $OUT/mqar_$2_$3.log 2>&1 &
+# MQAR: MQAR_PRESET / MQAR_ARGS: another preset / more flags; MQAR_TIMEOUT: another limit a
+# job (its --deadline_s 40 s less). The CPU dry run: MQAR_PRESET=cpu MQAR_ARGS="--steps=10
+# --lengths=64 --plan_job_s=0.001" (one model a job) GPUS=2 MQAR_TIMEOUT=1800 (a loaded CPU)
+PRESET=${MQAR_PRESET:-h100}
+read -r -a EXTRA <<< "${MQAR_ARGS:-}"
+LIMIT=${MQAR_TIMEOUT:-480}
+mqar_done() {  # the progress files of the archives in $IN (earlier calls'), comma-joined
+  local in=${IN:-.gpu/mqar_in} t tmp
+  tmp=$(mktemp -d)
+  for t in "$in"/mqar_jobs_*.tgz; do [ -e "$t" ] && tar xzf "$t" -C $tmp; done
+  ls $tmp/mqar_*_*_*.json 2>/dev/null | paste -sd, -
 }
-mqar() {  # mqar [lengths...]: none = every length, the 4-GPU layout
-  local methods=(full swa match random) lengths=(512 256 128 64) g j m L k=0
-  if [ $# -gt 0 ]; then
-    for L in "$@"; do
-      for m in "${methods[@]}"; do
-        mqar_job $(( k % GPUS )) $m $L ${CAP[$L]}; k=$(( k + 1 ))
-      done
-    done
-    return
-  fi
-  [ "$GPUS" = 4 ] || { echo "mqar: name the lengths of this call on $GPUS GPUs" >&2; exit 2; }
-  for g in 0 1 2 3; do
-    for j in 0 1 2 3; do
-      m=${methods[$(( (g + j) % 4 ))]}; L=${lengths[$j]}
-      CUDA_VISIBLE_DEVICES=$g XLA_PYTHON_CLIENT_MEM_FRACTION=0.24 timeout 480 \
-        python bench/match_mqar.py --preset=h100 --methods=$m --lengths=$L --data_workers=3 \
-        --deadline_s=440 \
-        --progress=$OUT/mqar_${m}_${L}.json --out_dir=$OUT/mqar_runs/${m}_${L} \
-        > $OUT/mqar_${m}_${L}.log 2>&1 &
-    done
-  done
-}
-mqar512() {  # the length-512 jobs one per (method, lr): 14 jobs, job k on GPU k mod $GPUS (a
-  # 12-model job at width 128 would pass its 440 s deadline and its memory cap)
-  local m lr k=0
-  for m in full swa match random; do
-    for lr in $(python -c "import sys; sys.path.insert(0, 'bench'); import match_mqar as q; print(*q.method_lrs(q.PRESETS['h100'], '$m'))"); do
-      CUDA_VISIBLE_DEVICES=$(( k % GPUS )) XLA_PYTHON_CLIENT_MEM_FRACTION=${CAP[512]} timeout 480 \
-        python bench/match_mqar.py --preset=h100 --methods=$m --lengths=512 --lrs=$lr \
-        --data_workers=3 --deadline_s=440 --progress=$OUT/mqar_${m}_512_$lr.json \
-        --out_dir=$OUT/mqar_runs/${m}_512_$lr > $OUT/mqar_${m}_512_$lr.log 2>&1 &
-      k=$(( k + 1 ))
-    done
-  done
+mqar() {  # one call: the first call of the plan of what $IN does not hold finished
+  local done lengths g m L lrs seeds cap name est
+  mkdir -p out/mqar_rows
+  done=$(mqar_done)
+  python bench/match_mqar.py --preset=$PRESET "${EXTRA[@]}" --plan=$GPUS ${done:+--done=$done} \
+    > $OUT/mqar_plan.txt 2> $OUT/mqar_plan.err &&
+  python bench/match_mqar.py --preset=$PRESET "${EXTRA[@]}" --plan=$GPUS ${done:+--done=$done} \
+    --plan_jobs=1 > $OUT/mqar_call.txt 2> $OUT/mqar_plan.err ||
+    { echo "mqar: the plan failed"; tail -n 20 $OUT/mqar_plan.err; return 1; }
+  rm -f $OUT/mqar_plan.err
+  if [ ! -s $OUT/mqar_call.txt ]; then echo "mqar: nothing left to run"; return; fi
+  lengths=$(awk '{print $3}' $OUT/mqar_call.txt | sort -un | paste -sd, -)
+  echo "mqar: $(wc -l < $OUT/mqar_call.txt) jobs, lengths $lengths"
+  python bench/match_mqar.py --preset=$PRESET "${EXTRA[@]}" --lengths=$lengths --make_data \
+    --data_dir=out/mqar_rows --data_workers=$(( $(nproc) > 4 ? $(nproc) - 2 : 2 )) \
+    > $OUT/mqar_rows.log 2>&1
+  while read -r g m L lrs seeds cap name est; do
+    CUDA_VISIBLE_DEVICES=$g XLA_PYTHON_CLIENT_MEM_FRACTION=$cap timeout $LIMIT \
+      python bench/match_mqar.py --preset=$PRESET "${EXTRA[@]}" --methods=$m --lengths=$L \
+      --lrs=$lrs --seeds=$seeds --data_dir=out/mqar_rows --deadline_s=$(( LIMIT - 40 )) \
+      --progress=$OUT/$name.json --out_dir=$OUT/mqar_runs/$name > $OUT/$name.log 2>&1 &
+  done < $OUT/mqar_call.txt
 }
 seg() {
   mkdir -p out/segfid
@@ -131,17 +134,19 @@ far_on() {  # far_on <gpu>: the far_recall run; checkpoints travel through $OUT 
   done
 }
 case $what in
-  mqar) mqar "$@" ;;
-  mqar512) mqar512 ;;
+  plan) done=$(mqar_done)
+        python bench/match_mqar.py --preset=$PRESET "${EXTRA[@]}" --plan=$GPUS \
+          ${done:+--done=$done} 2>/dev/null; exit ;;
+  mqar) mqar ;;
   seg) seg ;;
-  all) mqar; seg ;;
   far) far_on 0 ;;
-  *) echo "usage: $0 mqar|mqar512|seg|all|far" >&2; exit 2 ;;
+  *) echo "usage: $0 plan|mqar|seg|far" >&2; exit 2 ;;
 esac
 wait
 tail -n 3 $OUT/*.log
-# a device call returns at most 8 files of $OUT: the MQAR jobs' 32 (progress JSON + log) go back
-# as one archive (here: tar xzf <files_at>/mqar_jobs.tgz -C <dir>, then --merge=<dir>/mqar_*_*.json)
-if ls $OUT/mqar_*_*.json >/dev/null 2>&1; then
-  (cd $OUT && tar czf mqar_jobs.tgz mqar_*_*.json mqar_*_*.log && rm -rf mqar_*_*.json mqar_*_*.log mqar_runs)
+# a device call returns at most 8 files of $OUT: the MQAR jobs' progress JSON + logs go back
+# as one archive, named by the call's time (the next call's IN holds every call's)
+if ls $OUT/mqar_*_*_*.json >/dev/null 2>&1; then
+  (cd $OUT && tar czf mqar_jobs_$(date +%Y%m%d%H%M%S).tgz mqar_*_*_*.json mqar_*_*_*.log \
+     mqar_rows.log && rm -rf mqar_*_*_*.json mqar_*_*_*.log mqar_rows.log mqar_runs)
 fi

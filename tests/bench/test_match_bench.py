@@ -116,6 +116,20 @@ def test_mqar_merge_joins_lr_jobs(tmp_path):
     match_mqar.merge_progress(s, paths + [paths[0]])
   with pytest.raises(ValueError, match="not the sweep's"):
     match_mqar.merge_progress(s, paths[1:])
+  # a sweep split by seed too (--seeds): lr 3e-3 as seed 1, then seed 0; a stopped-early job
+  # that a finished one covers (run again by a later call) is dropped, an uncovered one is not
+  def seeded(seeds, accs, stopped=None):
+    r = job("full", [3e-3], accs)
+    return dict(r, seeds=seeds, stopped_at=stopped)
+  split = [write("s1.json", {"full": {"64": seeded([1], [0.7])}}),
+           write("s0.json", {"full": {"64": seeded([0], [0.9])}}),
+           write("old.json", {"full": {"64": seeded([0, 1], [0.1, 0.1], stopped=150)}})]
+  r = match_mqar.merge_progress(s, [paths[1]] + split + paths[2:])
+  assert r["finals"]["full"]["64"]["sequence"] == [0.2, 0.4, 0.9, 0.7]
+  assert r["curves"]["full"]["64"]["acc"][0] == [0.1, 0.2, 0.45, 0.35]
+  assert "stopped_early" in r and not r["stopped_early"]
+  with pytest.raises(ValueError, match="not the sweep's"):
+    match_mqar.merge_progress(s, [paths[1], split[0], split[2]] + paths[2:])
 
 
 def test_memory_bench_match_flat():
@@ -185,13 +199,47 @@ def test_h100_preset_fits_a_shared_gpu(monkeypatch):
   monkeypatch.setattr(match_mqar, "LRS", (1e-3,))
   m = match_mqar.compiled_memory(s, "full", 512)
   assert m["step_temp"] <= 12 * 2**30 and m["eval_temp"] <= 4 * 2**30, m
-  # the 2-GPU calls cap a length-512 job at CAP[512] of an 80 GB card (4 jobs a card): the
-  # step's and the evaluation's temporaries and the arguments together fit under it
-  import re
-  with open(os.path.join(ROOT, "bench", "match_segmented_gpu.sh")) as f:
-    cap = float(re.search(r"CAP=\(\[512\]=([0-9.]+)", f.read()).group(1))
+  # the GPU plan caps a length-512 job at MEM_FRACTION[512] of an 80 GB card (<= 4 jobs a
+  # card): the step's and the evaluation's temporaries and the arguments together fit under it
+  cap = match_mqar.MEM_FRACTION[512]
   total = m["step_temp"] + m["eval_temp"] + m["step_args"] + m["eval_args"]
   assert total <= cap * 80e9, (total / 2**30, cap)
+  assert max(j["models"] for j in match_mqar.plan_jobs(s) if j["length"] == 512) <= 3
+
+
+def test_h100_gpu_plan_runs_the_sweep_once_within_the_calls():
+  """The h100 preset trains 12,800 steps (8 epochs of its 100K rows: at 3200 the baselines did
+  not learn); its GPU plan on 4 GPUs holds every (method, length, lr, seed) model exactly once,
+  each GPU's estimated work within a call's budget, <= 4 jobs and <= 0.9 of its memory, and
+  each job's estimated end before --deadline_s; a re-plan leaves out what finished (--done),
+  and the script runs each job under timeout 480 with --deadline_s=440."""
+  import re
+  s = match_mqar.PRESETS["h100"]
+  assert s.steps == 12800 and s.steps * s.batch // s.train_rows == 8  # epochs of 100K rows
+  calls = match_mqar.gpu_plan(s, 4)
+  want = sorted((m, n, lr, x) for n in s.lengths for m in match_mqar.METHODS
+                for lr in match_mqar.method_lrs(s, m) for x in s.seeds)
+  got = sorted((j["method"], j["length"], lr, x) for c in calls for j in c
+               for lr in j["lrs"] for x in j["seeds"])
+  assert got == want and len(want) == 168
+  room = match_mqar.GPU_BUDGET_S - match_mqar.JOB_OVERHEAD_S
+  for c in calls:
+    for g in range(4):
+      on = [j for j in c if j["gpu"] == g]
+      assert sum(j["work_s"] for j in on) <= room and len(on) <= match_mqar.JOBS_PER_GPU
+      assert sum(j["cap"] for j in on) <= 0.9
+      assert all(j["est_s"] <= match_mqar.GPU_BUDGET_S for j in on)
+  assert len(calls) <= 10
+  first = {(j["method"], j["length"], lr, x) for j in calls[0] for lr in j["lrs"]
+           for x in j["seeds"]}
+  rest = match_mqar.gpu_plan(s, 4, done=first)
+  assert sorted((j["method"], j["length"], lr, x) for c in rest for j in c for lr in j["lrs"]
+                for x in j["seeds"]) == sorted(set(want) - first)
+  with open(os.path.join(ROOT, "bench", "match_segmented_gpu.sh")) as f:
+    sh = f.read()
+  job = re.search(r"while read -r g m L.*?done <", sh, re.S).group(0)
+  assert "LIMIT=${MQAR_TIMEOUT:-480}" in sh and "timeout $LIMIT" in job
+  assert "--deadline_s=$(( LIMIT - 40 ))" in job and "--seeds=$seeds" in job
 
 
 def test_ttft_bench_test_preset(tmp_path):
