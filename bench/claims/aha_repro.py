@@ -117,3 +117,8 @@ def aha_doc_repro_gpu_pairs(rec, run):
 @quote("docs/schemes/elastic.md", "elastic_repro_NVIDIA_H200.json", run="h100")
 def elastic_doc_repro_gpu(rec, run):
   return quotes(rec)
+
+
+@quote("docs/schemes/aha.md", "aha_repro_NVIDIA_H200.json", run="h100_pairs_pre")
+def aha_doc_repro_gpu_pairs_pre(rec, run):
+  return quotes(rec)
