@@ -61,15 +61,19 @@ EXTRA_RUNS = (("aha_repro", "h100_pairs_gated"),)
 # the same on a pretrained qwen3-layout dense model (`--runs=aha_repro:h100_pairs_pre`; its
 # script is written where the lead runs it, e.g. --write=.gpu/pairs_pre.sh)
 PRE_RUNS = (("aha_repro", "h100_pairs_pre"),)
+# Elastic's need design (two-hop recall, 1 recall row in 4; `--runs=elastic_repro:h100_need`,
+# script written where the lead runs it): docs/schemes/elastic.md, "Need design"
+NEED_RUNS = (("elastic_repro", "h100_need"),)
 PAIRS_GATED_SCRIPT = "bench/aha_pairs_h100.sh"
 TINY = {"h100": "tiny", "h100_pairs": "tiny_pairs", "h100_pairs_gated": "tiny_pairs_gated",
-        "h100_pairs_pre": "tiny_pairs_pre"}
+        "h100_pairs_pre": "tiny_pairs_pre", "h100_need": "tiny_need"}
 
 # Estimated seconds of a unit alone on one H100, compile included, from the last GPU logs (AHA
 # h100: dense ~110 s, ~60 s of training an arm; Elastic h100: ~85 s an arm; its gated dense
 # model is unmeasured: the cap's worth). Static controls: 3 fine-tunes of an arm's steps.
 COST = {"aha_repro": dict(dense=140, w=100, lam=75, static=200),
-        "elastic_repro": dict(dense=300, arm=110, static=260)}
+        "elastic_repro": dict(dense=300, arm=110, static=260, need=120)}
+# (need: the need unit, ~40 frozen evaluations of 2048 rows, one compile each: unmeasured)
 # a gated dense training (a preset with dense_gate): a lane of its own (the whole capacity); it
 # stops at DENSE_BUDGET_S (exit 3, state saved) and the same call, rerun, goes on (the script's
 # comment); its cost beyond one call is the plan's estimate in docs/schemes/aha.md
@@ -96,7 +100,7 @@ def _kind(bench: str, unit: str) -> str:
     return unit
   if bench == "aha_repro":
     return "lam" if "_lam" in unit else "w"
-  return "arm"
+  return "need" if unit == "need" else "arm"
 
 
 def deps(bench: str, s, unit: str) -> list[str]:
@@ -427,9 +431,10 @@ def main(argv=None):
     runs = RUNS if a.gpus >= 4 else RUNS_FEW
   else:
     runs = tuple(tuple(x.split(":")) for x in a.runs.split(","))
-  bad = [r for r in runs if r not in RUNS + EXTRA_RUNS + PRE_RUNS]
+  known = RUNS + EXTRA_RUNS + PRE_RUNS + NEED_RUNS
+  bad = [r for r in runs if r not in known]
   if bad:
-    raise SystemExit(f"--runs: {bad} not in {RUNS + EXTRA_RUNS + PRE_RUNS}")
+    raise SystemExit(f"--runs: {bad} not in {known}")
   if a.carry is not None:
     budget = a.carry_mib if a.carry_mib is not None else (CARRY_MIB if a.gpus < 4 else None)
     print(" ".join(carry(a.carry, runs, tiny=a.tiny, budget_mib=budget,

@@ -5,6 +5,7 @@ split at the same mean Omega?
     python -m bench.elastic_repro                      # CPU preset -> bench/results/elastic_repro.json
     python -m bench.elastic_repro --preset=ci --out_dir=/tmp/e   # the CI preset (tests/bench)
     python -m bench.elastic_repro --preset=h100 --out_dir=$OUT  # one H100 (docs/schemes/elastic.md)
+    python -m bench.aha_elastic_gpu --gpus=2 --runs=elastic_repro:h100_need --write=.gpu/need.sh
 
 Tasks (numpy only): ONE vocabulary; a row is [instruction] [filler + F one-token facts
 (key k, value v_k) in [sink_pad, T/2)] ... [question marker] then Q times [fact (k, v'_k)]
@@ -24,6 +25,16 @@ Arms (per seed; the dense model trained first, every arm converts it, FA-SSA):
   static       the best static head split (routing 'fixed') with at least single's measured
                FA budget (candidates: the heads single uses most, overall and on recall rows),
                frozen and fine-tuned (every weight; its own lr sweep, best on selection rows)
+Need design (presets cpu_need, h100_need; Settings.hops 2, recall_every 4, need_counts):
+on the recorded task a static split of 1-2 FA heads already recalls (the single target's whole
+budget), so no allocation can beat the static control. Here recall is two-hop: a link token
+(k -> k') in the far region's first part and the value fact (k', v) in its last part, each
+beyond SSA's reach of the other and of the query, so one retrieval per layer in two layers is
+needed (one FA head cannot answer); recent rows (3 in 4) answer the restated value. The single
+target (mean of the per-task targets) then allows 1 FA head a row: every static split at that
+budget has one head, while recall rows with 2+ heads and recent rows with none fit it. The
+'need' unit records the need curve (need_curve: recall of frozen static splits by FA heads) and
+CRITERIA_NEED (pre-registered for these presets only) check the design on each dense model.
 The ablation arms (all but 'single') run on the first `ablation_seeds` seeds (CPU: 1; H100:
 all). Router arms train the router and the multipliers (recipe: warmup 0.2 + cosine, weight decay
 0.1); each arm's accuracy and Omega curves are recorded with the plateau check. CRITERIA
@@ -38,7 +49,7 @@ import json
 import os
 import sys
 import time
-from typing import Any
+from typing import Any, ClassVar
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bench import common  # noqa: E402
@@ -73,6 +84,21 @@ CRITERIA = {
     "every_arm_at_plateau": rc.Criterion(
         "plateau_fraction", ">=", 1.0, "every router arm's accuracy and Omega curves moved < 1% "
         "relative over the last 20% of steps, every seed"),
+}
+
+# Pre-registered for the need presets (Settings.need_counts set: cpu_need, h100_need; written
+# before their first run, in addition to CRITERIA, which stay as they are): the design holds
+# on the seed's dense model, i.e. a frozen static split at the single arm's mean FA budget
+# cannot recall (so an adaptive allocation has something to gain) and one at the recall rows'
+# budget (the per-task recall target) can (so the gain is reachable). 'best' = the best of the
+# need unit's head sets of that size (need_curve).
+CRITERIA_NEED = {
+    "static_at_single_budget_fails_recall": rc.Criterion(
+        "need.at_single_budget", "<=", 0.6,
+        "the best frozen static split with the single target's FA heads fails recall"),
+    "static_at_recall_budget_solves_recall": rc.Criterion(
+        "need.at_recall_budget", ">=", 0.9,
+        "the best frozen static split with the recall target's FA heads solves recall"),
 }
 
 # tests/bench/test_elastic_repro.py: a fresh CI-preset run must point the way the recorded CPU
@@ -132,6 +158,23 @@ class Settings:
   eval_rows: int = 512
   select_rows: int = 256
   log_every: int = 200
+  # --- the need design (presets *_need; the defaults are every recorded run's task) ---
+  # hops 2: recall asks value(link(k)): a link token (k -> k') in the far region's first part and
+  # a value fact (k', v) in its last part, the two beyond SSA's reach of each other (and the
+  # query), so no single head can answer: FA heads in two layers (one retrieval each) are needed
+  hops: int = 1
+  # row i is a recall row iff i % recall_every == 0 (2: alternate, the recorded runs): 4 makes
+  # the batch-mean FA budget of an allocation that serves recall rows small
+  recall_every: int = 2
+  # induction pretraining steps before the dense training (bench/aha_repro.py's repeat_batch)
+  pretrain_steps: int = 0
+  # the 'need' unit: recall of frozen static splits with these many FA heads (empty: no unit)
+  need_counts: tuple = ()
+  need_sets: int = 12            # head sets sampled per count (all when fewer)
+  # fields added after the committed fixtures / work dirs: left out of a store's settings at
+  # these values (bench/aha_elastic_repro_common._settings_json)
+  STORE_DEFAULTS: ClassVar[dict] = dict(hops=1, recall_every=2, pretrain_steps=0,
+                                        need_counts=(), need_sets=12)
 
 
 PRESETS = {
@@ -162,6 +205,35 @@ PRESETS = {
                      static_lrs=(1e-3,), arms=("single",), seeds=(0,), eval_rows=32,
                      select_rows=32, log_every=1),
 }
+# The need design (docs/schemes/elastic.md, "Need curve"): on the recorded task 1-2 FA heads
+# recall 95-99% as a static split, the single target's whole budget, so no allocation can beat
+# the static control. Here recall is two-hop (hops 2: no single head can answer, FA heads in two
+# layers are needed), recall rows are 1 in 4 (recall_every 4) and the single target (the mean
+# of the per-task targets) allows 1 FA head a row on average: every static split at that budget
+# has ONE FA head (cannot recall), while an allocation giving recall rows 2-4 heads and recent
+# rows none fits it (0.5-1 head a row). CRITERIA_NEED check both on each seed's dense model
+# (the 'need' unit); the dense model gets bench/aha_repro.py's induction pretraining.
+PRESETS["cpu_need"] = Settings(
+    seq_len=128, num_keys=8, num_values=8, num_facts=3, num_queries=2, hops=2, recall_every=4,
+    targets=(0.75, 1.0), pretrain_steps=300, dense_steps=3000, dense_gate=0.95,
+    dense_check_every=250, dense_schedule="constant", router_steps=300,
+    static_lrs=(1e-3, 3e-3), arms=("per_task", "single"), seeds=(0, 1, 2), ablation_seeds=3,
+    eval_rows=512, select_rows=256, need_counts=(0, 1, 2, 4), need_sets=12, log_every=100)
+PRESETS["h100_need"] = Settings(
+    seq_len=512, num_keys=32, num_values=32, num_facts=16, num_queries=4, sink_pad=64,
+    num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4, block=64, sinks=64, local=64,
+    boundary=32, hops=2, recall_every=4, targets=(0.875, 1.0), batch_size=64,
+    pretrain_steps=1500, dense_steps=4000, dense_gate=0.95, dense_check_every=250,
+    dense_schedule="constant", dense_lrs=(3e-3, 1e-3), router_steps=1500,
+    static_lrs=(3e-4, 1e-3, 3e-3), arms=("per_task", "single"), seeds=(0, 1, 2),
+    ablation_seeds=3, eval_rows=2048, select_rows=1024, need_counts=(0, 1, 2, 4), need_sets=12,
+    log_every=500)
+PRESETS["tiny_need"] = Settings(
+    seq_len=128, num_keys=8, num_values=8, num_facts=3, num_queries=2, hops=2, recall_every=4,
+    targets=(0.75, 1.0), pretrain_steps=2, arms=PRESETS["h100_need"].arms, seeds=(0,),
+    static_lrs=(1e-3,), batch_size=8, dense_steps=2, dense_gate=0.0, dense_check_every=2,
+    dense_schedule="constant", router_steps=2, eval_rows=16, select_rows=16,
+    need_counts=(0, 1, 2), need_sets=3, log_every=1)
 # the GPU plan's dry run (bench/aha_elastic_gpu.py --tiny): h100's units of one seed (arms, static
 # lrs), the cpu task and two steps each (the gate passes at once)
 PRESETS["tiny"] = Settings(
@@ -185,8 +257,17 @@ class InstructedRecall:
     self.filler0 = self.answer0 + V
     self.instr0 = self.filler0 + s.num_filler     # instruction per task
     self.marker0 = self.instr0 + len(TASKS)       # question marker per task
-    self.vocab_size = -(-(self.marker0 + len(TASKS)) // 16) * 16
+    self.link0 = self.marker0 + len(TASKS)        # hops 2: link tokens (k -> k'), K x K
+    self.vocab_size = -(-(self.link0 + (K * K if s.hops == 2 else 0)) // 16) * 16
     T = s.seq_len
+    if s.hops not in (1, 2) or s.recall_every < 2:
+      raise ValueError("hops is 1 or 2, recall_every >= 2.")
+    # hops 2: links in [sink_pad, link_end), value facts in [link_end + local + block, T / 2)
+    self.link_end = s.sink_pad + (T // 2 - s.sink_pad - s.local - s.block) // 2
+    if s.hops == 2 and (2 * s.num_facts > K or self.link_end - s.sink_pad < s.num_facts
+                        or T // 2 - self.link_end - s.local - s.block < s.num_facts):
+      raise ValueError("hops 2 does not fit: 2 num_facts <= num_keys, and num_facts links and "
+                       "value facts each in (seq_len / 2 - sink_pad - local - block) / 2 slots.")
     self.end = 1 + 3 * s.num_queries              # marker + Q x (restated fact, query, answer)
     if s.num_queries > s.num_facts or s.sink_pad + s.num_facts > T // 2:
       raise ValueError("task does not fit: num_queries <= num_facts and sink_pad + num_facts "
@@ -202,10 +283,20 @@ class InstructedRecall:
     s, T = self.s, self.s.seq_len
     toks = self.filler0 + rng.integers(0, s.num_filler, T + 1)
     toks[0] = self.instr0 + task
-    keys = rng.choice(s.num_keys, s.num_facts, replace=False)
-    first = rng.integers(0, s.num_values, s.num_facts)
-    pos = rng.choice(np.arange(s.sink_pad, T // 2), s.num_facts, replace=False)
-    toks[pos] = self.fact0 + keys * s.num_values + first
+    if s.hops == 1:
+      keys = rng.choice(s.num_keys, s.num_facts, replace=False)
+      first = rng.integers(0, s.num_values, s.num_facts)
+      pos = rng.choice(np.arange(s.sink_pad, T // 2), s.num_facts, replace=False)
+      toks[pos] = self.fact0 + keys * s.num_values + first
+    else:   # link (k -> k') far from the value fact (k', v): recall needs two retrievals
+      kk = rng.choice(s.num_keys, 2 * s.num_facts, replace=False)
+      keys, dst = kk[:s.num_facts], kk[s.num_facts:]
+      first = rng.integers(0, s.num_values, s.num_facts)    # v = value(link(k))
+      lpos = rng.choice(np.arange(s.sink_pad, self.link_end), s.num_facts, replace=False)
+      vpos = rng.choice(np.arange(self.link_end + s.local + s.block, T // 2), s.num_facts,
+                        replace=False)
+      toks[lpos] = self.link0 + keys * s.num_keys + dst
+      toks[vpos] = self.fact0 + dst * s.num_values + first
     e = T - self.end + 1                    # token index of the marker (row has T + 1 tokens)
     toks[e] = self.marker0 + task
     mask = np.zeros(T, np.float32)
@@ -222,8 +313,8 @@ class InstructedRecall:
                 task=np.int32(task))
 
   def batch(self, start: int, n: int, stream: int = 0) -> dict[str, np.ndarray]:
-    ex = [self.example(np.random.default_rng([self.seed, stream, start + i]), (start + i) % 2)
-          for i in range(n)]
+    ex = [self.example(np.random.default_rng([self.seed, stream, start + i]),
+                       int((start + i) % self.s.recall_every != 0)) for i in range(n)]
     return {k: np.stack([e[k] for e in ex]) for k in ex[0]}
 
 
@@ -331,6 +422,15 @@ def dense_unit(s: Settings, seed: int, store: rc.Store, log=print) -> dict[str, 
   init = jax.device_get(nn.unbox(Decoder(cfg).init(   # host copy: each lr starts from it
       jax.random.key(seed), jnp.zeros((1, s.seq_len), jnp.int32))["params"]))
   B = s.batch_size
+  pre = None
+  if s.pretrain_steps:   # induction pretraining (bench/aha_repro.py's), then the task's sweep
+    from bench.aha_repro import repeat_batch
+    init, pc = rc.train(cfg, init, rc.train_config(steps=s.pretrain_steps, lr=1e-3, seed=seed,
+                                                   schedule="constant"),
+                        lambda i: repeat_batch(task, seed, i, B), name=f"pretrain s{seed}",
+                        log=log, log_every=s.log_every)
+    init = jax.device_get(init)
+    pre = dict(steps=s.pretrain_steps, curve=rc.thin(pc["accuracy"]))
 
   def gate(p):
     v = evaluate(cfg, p, sel)["min_accuracy"]
@@ -361,6 +461,8 @@ def dense_unit(s: Settings, seed: int, store: rc.Store, log=print) -> dict[str, 
     out["dense_gate"]["lr"] = lr
     out["dense_gate"]["tries"] = [dict(lr=x, passed=t["passed"], steps=t["steps"],
                                        last=t["checks"][-1][1]) for x, _, t in tries]
+  if pre:
+    out["pretrain"] = pre
   acfg, ap = convert(dense_np, cfg, "elastic", **_elastic_cfg(s, cfg, "single"))
   out["all_ssa"] = evaluate(configure(acfg, "elastic", routing="sa"), ap, ev)
   log(f"[s{seed}] dense {out['dense']} gate {'PASSED' if g['passed'] else 'FAILED: NOT JUDGED'}"
@@ -396,7 +498,8 @@ def units(s: Settings, seed: int) -> list[str]:
   `ablation_seeds` seeds), the static control (needs 'single')."""
   arms = [a for a in s.arms if a == "single" or seed in s.seeds[:s.ablation_seeds]]
   arms.sort(key=lambda a: a != "single")   # first: the static control reads it
-  return ["dense"] + arms + (["static"] if "single" in arms else [])
+  return ["dense"] + arms + (["static"] if "single" in arms else []) + \
+      (["need"] if s.need_counts else [])
 
 
 def run_unit(s: Settings, seed: int, unit: str, store: rc.Store, log=print) -> dict[str, Any]:
@@ -405,6 +508,11 @@ def run_unit(s: Settings, seed: int, unit: str, store: rc.Store, log=print) -> d
   if not store.get("dense")["dense_gate"]["passed"]:
     return dict(not_judged="the dense model did not reach the gate")
   dense_np = store.get_tree("dense")
+  if unit == "need":
+    _, cfg, ev, _ = _seed_data(s, seed)
+    r = need_curve(s, cfg, dense_np, ev, s.need_counts, s.need_sets, seed)
+    log(f"[need s{seed}] " + json.dumps({n: (v["best"], v["best_heads"]) for n, v in r.items()}))
+    return dict(curve=r, **need_budgets(s))
   if unit == "static":
     task, cfg, ev, sel = _seed_data(s, seed)
     return static_control(s, cfg, dense_np, store.get("single"), task, ev, sel, seed, log)
@@ -421,6 +529,8 @@ def assemble(s: Settings, seed: int, store: rc.Store) -> dict[str, Any]:
   out["arms"] = {a: store.get(a) for a in s.arms if a in u}
   if "static" in u:
     out["static"] = store.get("static")
+  if "need" in u:
+    out["need"] = store.get("need")
   return out
 
 
@@ -482,6 +592,78 @@ def static_control(s, cfg, dense_np, single, task, ev, sel, seed, log) -> dict[s
   return out
 
 
+def fixed_split(s, cfg, dense_np, heads, seed=0):
+  """The dense model converted with a static head split: routing 'fixed', FA on the (layer, KV
+  head) pairs of `heads`, SSA elsewhere (frozen: the dense weights)."""
+  per_layer = tuple(tuple(k for (l2, k) in heads if l2 == l) for l in range(s.num_layers))
+  c, p = convert(dense_np, cfg, "elastic", **_elastic_cfg(s, cfg, "single", seed=seed))
+  return configure(c, "elastic", routing="fixed", fixed_fa_kv_heads=per_layer), p
+
+
+def need_budgets(s) -> dict[str, int]:
+  """FA heads (of num_layers x num_kv_heads) at the per-task recall target and at the single
+  arm's one target (their mean)."""
+  n = s.num_layers * s.num_kv_heads
+  return dict(recall_budget=int(round((1.0 - s.targets[0]) * n)),
+              single_budget=int(round((1.0 - float(np.mean(s.targets))) * n)))
+
+
+def need_curve(s, cfg, dense_np, rows, counts, max_sets: int = 12, seed: int = 0):
+  """How recall of a FROZEN static split depends on its number of FA heads: for each n in
+  `counts`, the sets of n (layer, KV head) slots: every set when there are <= `max_sets`, else
+  the n heads whose loss costs the dense model most recall (each head alone SSA, the rest FA),
+  that set's best head per layer spread over the layers, and a random sample (a pure function
+  of (seed, n)) up to `max_sets`; each evaluated on `rows`. {str(n): best / mean / worst
+  recall, the best set and its recent accuracy, every set's (recall, recent, heads)}."""
+  L, K = s.num_layers, s.num_kv_heads
+  slots = [(l, k) for l in range(L) for k in range(K)]
+
+  def ev(heads):
+    c, p = fixed_split(s, cfg, dense_np, heads, seed)
+    r = evaluate(c, p, rows)
+    return r["recall"], r["recent"]
+  cost = None
+  out = {}
+  for n in counts:
+    allsets = list(itertools.combinations(slots, n))
+    sets = allsets
+    if len(allsets) > max_sets:
+      if cost is None:   # recall lost with one head SSA, every other head FA
+        cost = {h: -ev(tuple(x for x in slots if x != h))[0] for h in slots}
+      order = sorted(slots, key=lambda h: -cost[h])   # stable: most costly first
+      top = tuple(sorted(order[:n]))
+      spread = tuple(sorted(_spread(order, n, L)))
+      sets = list(dict.fromkeys([top, spread]))
+      rest = [x for x in allsets if x not in sets]
+      pick = np.random.default_rng([seed, 77, n]).choice(len(rest), max_sets - len(sets),
+                                                         replace=False)
+      sets += [rest[i] for i in sorted(pick)]
+    res = [(*ev(h), h) for h in sets]
+    rec = [x[0] for x in res]
+    b = max(res, key=lambda x: x[0])
+    out[str(n)] = dict(sets=len(sets), of=len(allsets), best=round(b[0], 4),
+                       mean=round(float(np.mean(rec)), 4), worst=round(min(rec), 4),
+                       best_heads=[list(h) for h in b[2]], best_recent=round(b[1], 4),
+                       per_set=[[round(x[0], 4), round(x[1], 4), [list(h) for h in x[2]]]
+                                for x in res])
+  if cost is not None:
+    out["drop_cost"] = [[l, k, round(cost[(l, k)], 4)] for (l, k) in slots]
+  return out
+
+
+def _spread(order, n, L):
+  """n heads taken round-robin over the layers, each layer's in `order` (most costly first)."""
+  per = [[h for h in order if h[0] == l] for l in range(L)]
+  layers = sorted(range(L), key=lambda l: order.index(per[l][0]))
+  out, i = [], 0
+  while len(out) < n:
+    l = layers[i % L]
+    if per[l]:
+      out.append(per[l].pop(0))
+    i += 1
+  return tuple(out)
+
+
 def summarize(s: Settings, seeds: list[dict]) -> dict[str, Any]:
   """Means / spreads over seeds (`metrics`, the criteria's inputs) and the verdicts."""
   st = rc.seed_stats
@@ -511,10 +693,15 @@ def summarize(s: Settings, seeds: list[dict]) -> dict[str, Any]:
     put("static.best_recall", [r["static"]["best_recall"] for r in seeds])
     put("single_minus_static_recall_points",
         [100 * (r["arms"]["single"]["recall"] - r["static"]["best_recall"]) for r in seeds])
+  if s.need_counts:
+    for key, b in (("at_single_budget", "single_budget"), ("at_recall_budget", "recall_budget")):
+      put(f"need.{key}", [r["need"]["curve"][str(r["need"][b])]["best"] for r in seeds
+                          if str(r["need"][b]) in r["need"]["curve"]])
   flags_ = [p["at_plateau"] for r in seeds for a in r["arms"].values()
             for p in a["plateau"].values()]
   m["plateau_fraction"] = float(np.mean(flags_)) if flags_ else 0.0
-  return dict(metrics=m, spread=spread, criteria=rc.judge(CRITERIA, m))
+  crit = dict(CRITERIA, **CRITERIA_NEED) if s.need_counts else CRITERIA
+  return dict(metrics=m, spread=spread, criteria=rc.judge(crit, m))
 
 
 def run(s: Settings, log=print, done: list[dict] | None = None) -> dict[str, Any]:

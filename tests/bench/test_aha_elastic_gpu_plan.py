@@ -153,3 +153,19 @@ def test_pairs_gated_plan_runs_only_its_units_and_its_script_is_the_plans():
         f"--write={gp.PAIRS_GATED_SCRIPT}"
   with pytest.raises(SystemExit, match="not in"):
     gp.main(["--runs=aha_repro:nope"])
+
+
+def test_need_plan_places_the_need_unit_after_the_dense_model():
+  """Elastic's need design on 2 GPUs (`--runs=elastic_repro:h100_need`): every unit once, each
+  after what it reads, within the carry; the need unit (recall of frozen static splits) reads
+  only the dense model and has its own cost; its tiny twin is the dry run's."""
+  runs = gp.NEED_RUNS
+  calls = gp.plan(runs, gpus=2, carry_mib=gp.CARRY_MIB)
+  _check(calls, False, 330.0, gpus=2, runs=runs, carry_mib=gp.CARRY_MIB)
+  assert len(calls) == 3
+  need = [ch for lanes in calls for lane in lanes for ch in lane if "need" in ch.units]
+  assert len(need) == 3 and all(ch.cost == gp.COST["elastic_repro"]["need"] for ch in need)
+  _check(gp.plan(runs, tiny=True, gpus=2), True, 330.0, gpus=2, runs=runs)
+  s = importlib.import_module("bench.elastic_repro").PRESETS["h100"]
+  assert "need" not in importlib.import_module("bench.elastic_repro").units(s, 0)
+  assert gp.main(["--gpus=2", "--runs=elastic_repro:h100_need", "--print"])

@@ -131,3 +131,86 @@ def test_saturation_counts_decisions_at_0_and_1():
   assert got["p_fa_at_0"] == 2 / 8 and got["p_fa_at_1"] == 3 / 8
   assert got["p_fa_saturated"] == 5 / 8
   np.testing.assert_allclose(got["p_fa_margin"], [[0.4895, 0.2495], [0.4975, 0.4]], atol=1e-4)
+
+
+def test_need_task_rows_two_hops_beyond_ssa_and_one_recall_row_in_four():
+  """cpu_need (hops 2, recall_every 4): rows are recall 1 in 4; the tasks still differ only in
+  instruction, marker and answers; recall's answer is value(link(k)), with every link beyond
+  SSA's reach of every value fact (so no head composes the hops locally) and both beyond the
+  query's; recent's is the restated value, another one. The hops-1 presets' rows are the
+  recorded runs' (hashes of the code before the need design)."""
+  import hashlib
+  for name, want in (("cpu", "48b270b0789b2cc0"), ("h100", "1a3762fbf7dfe07b"),
+                     ("ci", "83641cd716cebba7")):
+    b = bench.InstructedRecall(bench.PRESETS[name], 3).batch(5, 6, stream=2)
+    assert hashlib.sha256(b"".join(np.ascontiguousarray(b[k]).tobytes()
+                                   for k in sorted(b))).hexdigest()[:16] == want, name
+  for name in ("cpu_need", "h100_need"):
+    s = bench.PRESETS[name]
+    task = bench.InstructedRecall(s, seed=0)
+    assert task.batch(0, 8)["task"].tolist() == [0, 1, 1, 1, 0, 1, 1, 1]
+    reach = s.local + s.block
+    for seed in range(5):
+      a = task.example(np.random.default_rng(seed), 0)
+      b = task.example(np.random.default_rng(seed), 1)
+      x = a["inputs"]
+      q = np.flatnonzero(a["loss_mask"])
+      e = s.seq_len - task.end + 1
+      assert np.flatnonzero(x != b["inputs"]).tolist() == [0, e] + [t + 1 for t in q
+                                                                  if t + 1 < s.seq_len]
+      links = np.flatnonzero((x >= task.link0) & (x < task.link0 + s.num_keys ** 2))
+      facts = np.flatnonzero((x >= task.fact0) & (x < task.query0))
+      far = facts[facts < s.seq_len // 2]
+      assert len(links) == len(far) == s.num_facts
+      assert far.min() - links.max() >= reach and links.min() >= s.sink_pad
+      for t in q:
+        k = x[t] - task.query0
+        (lp,) = [p for p in links if (x[p] - task.link0) // s.num_keys == k]
+        k2 = (x[lp] - task.link0) % s.num_keys
+        (vp,) = [p for p in far if (x[p] - task.fact0) // s.num_values == k2]
+        assert t - vp >= reach and x[t - 1] - task.fact0 == k * s.num_values + (
+            b["targets"][t] - task.answer0)               # recent: the restated value
+        v = (x[vp] - task.fact0) % s.num_values
+        assert a["targets"][t] - task.answer0 == v != b["targets"][t] - task.answer0
+
+
+def test_need_curve_ends_and_criteria_only_for_need_presets():
+  """need_curve on a small random model: 0 FA heads is routing 'sa', every head FA is the dense
+  model; _spread takes heads round-robin over the layers; the need presets (and only they) add
+  CRITERIA_NEED, judged on the need unit's best split at each budget."""
+  import jax
+  import jax.numpy as jnp
+  import flax.linen as nn
+  from condattn_jax.attention import configure, convert
+  from condattn_jax.models.decoder import Decoder
+  s = bench.PRESETS["test"]
+  task, cfg, ev, _ = bench._seed_data(s, 0)
+  dense = jax.device_get(nn.unbox(Decoder(cfg).init(
+      jax.random.key(0), jnp.zeros((1, s.seq_len), jnp.int32))["params"]))
+  n = s.num_layers * s.num_kv_heads
+  got = bench.need_curve(s, cfg, dense, ev, (0, n))
+  assert got["0"]["sets"] == got[str(n)]["sets"] == 1
+  assert got[str(n)]["best"] == pytest.approx(bench.evaluate(cfg, dense, ev)["recall"], abs=1e-4)
+  c, p = convert(dense, cfg, "elastic", **bench._elastic_cfg(s, cfg, "single"))
+  sa = bench.evaluate(configure(c, "elastic", routing="sa"), p, ev)["recall"]
+  assert got["0"]["best"] == pytest.approx(sa, abs=1e-4)
+  order = [(1, 0), (1, 1), (0, 2), (0, 0)]
+  assert bench._spread(order, 2, 2) == ((1, 0), (0, 2))
+  assert bench._spread(order, 3, 2) == ((1, 0), (0, 2), (1, 1))
+  assert bench.need_budgets(bench.PRESETS["cpu_need"]) == dict(recall_budget=2, single_budget=1)
+  assert bench.need_budgets(bench.PRESETS["h100_need"]) == dict(recall_budget=2,
+                                                                single_budget=1)
+  rec = common.read_result(RECORDED)
+  for name in ("cpu", "cpu_need"):   # the recorded seeds, with a need unit added
+    st = bench.PRESETS[name]
+    seeds = json.loads(json.dumps(rec["seeds"]))
+    for r in seeds:
+      r["need"] = dict(curve={"1": dict(best=0.2), "2": dict(best=0.95)}, **bench.need_budgets(st))
+    crit = bench.summarize(st, seeds)["criteria"]
+    if name == "cpu":
+      assert set(crit) == set(bench.CRITERIA)
+    else:
+      assert set(crit) == set(bench.CRITERIA) | set(bench.CRITERIA_NEED)
+      assert crit["static_at_single_budget_fails_recall"]["got"] == pytest.approx(0.2)
+      assert crit["static_at_single_budget_fails_recall"]["passed"]
+      assert crit["static_at_recall_budget_solves_recall"]["passed"]
