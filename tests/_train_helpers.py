@@ -6,7 +6,6 @@ import sys
 
 import jax
 import numpy as np
-from _test_env import persistent_cache_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HF = os.path.join(ROOT, "tests", "fixtures", "hf")
@@ -63,10 +62,6 @@ def subprocess_env(devices: int, **extra):
   env["XLA_FLAGS"] = (flags + f" --xla_force_host_platform_device_count={devices}").strip()
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-  for k in [k for k in env if k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))]:
-    del env[k]
-  if "JAX_COORDINATOR_ADDRESS" not in extra:  # one process: the run's cache for 1 device
-    env.update(persistent_cache_env(devices))
   env.update({k: str(v) for k, v in extra.items()})
   return env
 

@@ -5,26 +5,18 @@ and the train.py / eval.py subprocesses they start, which inherit this environme
 LLVM's optimisation level 0 and its expensive passes off (tests/_test_env.py:
 TEST_COMPILE_FLAGS): the programs compute the same values up to float rounding and run slower,
 which only long trainings notice (`make demo`'s test runs the demo with XLA's default flags, as a
-user runs it: tests/cli/test_demo.py). Within a test process, a program identical to one already
-compiled (same module up to debug locations) reuses that executable (_reuse_identical_compilations).
-Subprocesses of ONE fake device (tests/_train_helpers.py subprocess_env(1): train.py / eval.py /
-generate.py runs) share jax's persistent compilation cache in a fresh directory of this run
-(_test_env.persistent_cache_env; removed at the end): generate.py runs on one tiny checkpoint
-compile the same programs process after process. The test processes themselves (8 devices) and
-multi-device subprocesses never use it: a one-device cache in a test process found no hit between
-its programs and paid ~10% CPU to write them (tests/kernels/test_ops.py), and with jax 0.11.2 on
-CPU a process that runs a sharded train step loaded from the cache can hang in a collective's
-rendezvous and abort (tests/train/test_checkpoint.py run twice on one cache directory:
-`Termination timeout for all reduce`).
+user runs it: tests/cli/test_demo.py). jax's persistent compilation cache is NOT used: with jax 0.11.2
+on CPU a process that runs a train step loaded from it aborts (tests/train/test_checkpoint.py, run twice
+on one cache directory). Within a test process, a program identical to one already compiled
+(same module up to debug locations) reuses that executable (_reuse_identical_compilations).
 """
 import collections
 import json
 import os
 import resource
-import shutil
 
 import pytest
-from _test_env import OWN_JAX_CACHE, TEST_COMPILE_FLAGS, persistent_cache_env
+from _test_env import TEST_COMPILE_FLAGS
 
 _flags = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join(
@@ -35,7 +27,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
-persistent_cache_env(1)  # the run's cache directory, made now: xdist's workers inherit it
 
 
 def _reuse_identical_compilations(max_entries=256):
@@ -147,8 +138,6 @@ def pytest_testnodedown(node, error):  # xdist: a worker's per-file seconds reac
 
 
 def pytest_sessionfinish(session, exitstatus):
-  for d in OWN_JAX_CACHE:  # the run's persistent cache: never reused by another run
-    shutil.rmtree(d, ignore_errors=True)
   if not os.environ.get(RECORD_ENV):
     return
   if hasattr(session.config, "workerinput"):  # an xdist worker: hand the numbers over

@@ -2,8 +2,8 @@
 
 tests/conftest.py pins JAX to the CPU for the CPU suite (JAX_PLATFORMS=cpu unless set). When
 pytest is asked for tests/gpu alone and a CUDA device is present, let JAX use it, with XLA's
-default compile flags and no persistent compilation cache (the CPU suite's test-only flags and
-cache are dropped here, before any backend starts).
+default compile flags (the CPU suite's test-only flags are dropped here, before any backend
+starts).
 """
 import os
 import pathlib
@@ -19,8 +19,7 @@ def pytest_configure(config):
   only_gpu = bool(args) and all(a == here or here in a.parents for a in args)
   if only_gpu and _cuda_present() and os.environ.get("JAX_PLATFORMS", "cpu") == "cpu":
     import jax
-    from _test_env import JAX_CACHE_ENV, user_env
+    from _test_env import user_env
     os.environ["JAX_PLATFORMS"] = ""
     jax.config.update("jax_platforms", None)
     os.environ["XLA_FLAGS"] = user_env(dict(os.environ))["XLA_FLAGS"]
-    os.environ[JAX_CACHE_ENV] = "off"  # nor the CPU suite's persistent compilation cache
