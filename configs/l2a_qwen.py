@@ -80,7 +80,7 @@ def _scheme(c, a):
   s.bernoulli_q = a.q
   s.bernoulli_seed = 0
   s.pruned_layers = ()
-  s.decode_skip = True
+  s.decode_skip = False
   s.compact_impl = "auto"
 
 

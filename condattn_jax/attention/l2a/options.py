@@ -29,7 +29,9 @@ class L2AOptions:
                       the draw of token (row b, position t) is the same in a full forward and in
                       token-by-token decoding.
   pruned_layers       layer indices without a global branch (post-training pruning).
-  decode_skip         decode: skip the global attention compute when no query routes global.
+  decode_skip         decode: skip the global attention compute when no query routes global (a
+                      `lax.cond` a layer; off by default: on XLA:GPU a conditional copies its
+                      predicate to the host each layer, see docs/performance.md).
   compact_impl        ops.attention impl of the global branch's active-query calls
                       ('auto' | 'reference' | 'pallas' | ...).
   """
@@ -45,7 +47,7 @@ class L2AOptions:
   bernoulli_q: float = 0.2
   bernoulli_seed: int = 0
   pruned_layers: tuple[int, ...] = ()
-  decode_skip: bool = True
+  decode_skip: bool = False
   compact_impl: str = "auto"
 
   def __post_init__(self):
