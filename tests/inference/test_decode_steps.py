@@ -78,6 +78,63 @@ def test_one_token_write_equals_the_dropping_scatter(B, kind):
       np.testing.assert_array_equal(new["key"][0, length[0] % size], k[0, 0])
 
 
+def _decode_matches_scanned_and_forward(eng, model, params, prompts, c, l, pos, active, steps):
+  """The engine's cache `c` / logits `l` after its chunked prefill of `prompts` (chunks of 4,
+  right-padded to 8) == the scanned decode's (`model` = `Decoder` without unroll_layers: every
+  layer its own bookkeeping) within 1e-6; then `steps` greedy steps with the rows `active`:
+  logits within 1e-6 of the scanned decode's each step, every layer's view of the cache
+  (`stacked_cache`) == the scanned decode's cache within 1e-6 and `per_layer_cache` back to the
+  engine's structure; the logits == the full forward's at those positions (1e-5).
+  Returns (the engine's cache, positions, per_layer_cache(stacked_cache(cache)))."""
+  B = len(prompts)
+
+  @jax.jit
+  def scanned(cache, tok, posn, valid, prev):  # (cache, logits of each row's last valid token)
+    (logits, _), v = model.apply({"params": params, "cache": cache}, tok, posn,
+                                 valid.astype(jnp.int32), decode=True, cache_len=S,
+                                 mutable=["cache"])
+    n = jnp.sum(valid, 1)
+    last = jnp.take_along_axis(logits, jnp.maximum(n - 1, 0)[:, None, None], 1)[:, 0]
+    return v["cache"], jnp.where((n > 0)[:, None], last, prev)
+  ref_c = eng.stacked_cache(eng.init_cache(B))
+  toks = np.zeros((B, 8), np.int32)
+  for b, p in enumerate(prompts):
+    toks[b, :len(p)] = p
+  posn = np.broadcast_to(np.arange(8, dtype=np.int32), (B, 8))
+  ref_l = jnp.zeros_like(l)
+  for ch in (slice(0, 4), slice(4, 8)):
+    ref_c, ref_l = scanned(ref_c, toks[:, ch], posn[:, ch], posn[:, ch] < pos[:, None], ref_l)
+  np.testing.assert_allclose(l, ref_l, rtol=1e-6, atol=1e-6)
+  seqs = [list(p) for p in prompts]
+  want_at, outs = [[len(p) - 1 for p in prompts]], [l]
+  for _ in range(steps):
+    t = np.asarray(jnp.argmax(l, -1), np.int32)
+    c, l = eng.decode_step(c, t, pos, active, l)
+    ref_c, ref_l = scanned(ref_c, t[:, None], pos[:, None], active[:, None], ref_l)
+    np.testing.assert_allclose(l, ref_l, rtol=1e-6, atol=1e-6)
+    for b in np.flatnonzero(active):
+      seqs[b].append(int(t[b]))
+    pos = pos + active
+    want_at.append(list(pos - 1))
+    outs.append(l)
+  got = eng.stacked_cache(c)
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6), got, ref_c)
+  back = eng.per_layer_cache(got)
+  assert jax.tree.structure(back) == jax.tree.structure(c)
+  # the full forward over each row's tokens (right-padded), at the positions the logits chose
+  n = max(map(len, seqs))
+  full = np.zeros((B, n), np.int32)
+  for b, q in enumerate(seqs):
+    full[b, :len(q)] = q
+  seg = (np.arange(n)[None] < np.asarray([len(q) for q in seqs])[:, None]).astype(np.int32)
+  fwd, _ = jax.jit(lambda t, sg: model.apply({"params": params}, t, None, sg))(full, seg)
+  for step, (lo, at) in enumerate(zip(outs, want_at)):
+    for b in range(B):
+      if step == 0 or active[b]:
+        np.testing.assert_allclose(lo[b], fwd[b, at[b]], rtol=1e-5, atol=1e-5)
+  return c, pos, back
+
+
 def test_decode_equals_the_scanned_decode_and_the_forward(params):
   """The engine's decode (layers unrolled; a dense model keeps positions / valid / length in
   layers_0 only, the other layers write key / value at its slots; one fill a step for every
@@ -94,53 +151,8 @@ def test_decode_equals_the_scanned_decode_and_the_forward(params):
   prompts = [[3, 9, 4, 1, 7, 2, 8], [5, 2], [8]]
   c, l, pos, _ = eng._prefill([np.asarray(p, np.int32) for p in prompts])
   assert sorted(c["layers_1"]["self_attn"]["cache"]) == ["key", "value"]
-  ref_c = eng.stacked_cache(eng.init_cache(3))
-  model = Decoder(CFG)
-
-  @jax.jit
-  def scanned(cache, tok, posn, valid, prev):  # (cache, logits of each row's last valid token)
-    (logits, _), v = model.apply({"params": params, "cache": cache}, tok, posn,
-                                 valid.astype(jnp.int32), decode=True, cache_len=S,
-                                 mutable=["cache"])
-    n = jnp.sum(valid, 1)
-    last = jnp.take_along_axis(logits, jnp.maximum(n - 1, 0)[:, None, None], 1)[:, 0]
-    return v["cache"], jnp.where((n > 0)[:, None], last, prev)
-  toks = np.zeros((3, 8), np.int32)
-  for b, p in enumerate(prompts):
-    toks[b, :len(p)] = p
-  posn = np.broadcast_to(np.arange(8, dtype=np.int32), (3, 8))
-  ref_l = jnp.zeros_like(l)
-  for ch in (slice(0, 4), slice(4, 8)):
-    ref_c, ref_l = scanned(ref_c, toks[:, ch], posn[:, ch], posn[:, ch] < pos[:, None], ref_l)
-  np.testing.assert_allclose(l, ref_l, rtol=1e-6, atol=1e-6)
-  active, seqs = np.array([True, False, True]), [list(p) for p in prompts]
-  want_at = [[len(p) - 1 for p in prompts]]
-  outs = [l]
-  for _ in range(3):
-    t = np.asarray(jnp.argmax(l, -1), np.int32)
-    c, l = eng.decode_step(c, t, pos, active, l)
-    ref_c, ref_l = scanned(ref_c, t[:, None], pos[:, None], active[:, None], ref_l)
-    np.testing.assert_allclose(l, ref_l, rtol=1e-6, atol=1e-6)
-    for b in np.flatnonzero(active):
-      seqs[b].append(int(t[b]))
-    pos = pos + active
-    want_at.append(list(pos - 1))
-    outs.append(l)
-  got = eng.stacked_cache(c)
-  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6), got, ref_c)
-  back = eng.per_layer_cache(got)
-  assert jax.tree.structure(back) == jax.tree.structure(c)
-  # the full forward over each row's tokens (right-padded), at the positions the logits chose
-  n = max(map(len, seqs))
-  full = np.zeros((3, n), np.int32)
-  for b, q in enumerate(seqs):
-    full[b, :len(q)] = q
-  seg = (np.arange(n)[None] < np.asarray([len(q) for q in seqs])[:, None]).astype(np.int32)
-  fwd, _ = jax.jit(lambda t, sg: model.apply({"params": params}, t, None, sg))(full, seg)
-  for step, (lo, at) in enumerate(zip(outs, want_at)):
-    for b in range(3):
-      if step == 0 or active[b]:
-        np.testing.assert_allclose(lo[b], fwd[b, at[b]], rtol=1e-5, atol=1e-5)
+  _decode_matches_scanned_and_forward(eng, Decoder(CFG), params, prompts, c, l, pos,
+                                      active=np.array([True, False, True]), steps=3)
   i32, one = jnp.zeros((1, 1), jnp.int32), jnp.ones((1, 1), bool)
   text = eng._step.lower(eng, eng.params, eng.init_cache(1), i32, i32, one,
                          jnp.zeros((1, CFG.vocab_size))).as_text()
@@ -184,50 +196,7 @@ def test_l2a_decode_equals_the_scanned_decode_and_the_forward(l2a_params, skip):
   L = CFG.num_layers
   assert len(jax.tree.leaves(c)) == 4 * L + 6  # layers_0: 10 leaves, each later layer key / value x2
   assert sorted(c["layers_1"]["global_attn"]["cache"]) == ["key", "value"]
-  model = Decoder(cfg)
-
-  @jax.jit
-  def scanned(cache, tok, posn, valid, prev):  # (cache, logits of each row's last valid token)
-    (logits, _), v = model.apply({"params": l2a_params, "cache": cache}, tok, posn,
-                                 valid.astype(jnp.int32), decode=True, cache_len=S,
-                                 mutable=["cache"])
-    n = jnp.sum(valid, 1)
-    last = jnp.take_along_axis(logits, jnp.maximum(n - 1, 0)[:, None, None], 1)[:, 0]
-    return v["cache"], jnp.where((n > 0)[:, None], last, prev)
-  ref_c = eng.stacked_cache(eng.init_cache(2))
-  toks = np.zeros((2, 8), np.int32)
-  for b, p in enumerate(prompts):
-    toks[b, :len(p)] = p
-  posn = np.broadcast_to(np.arange(8, dtype=np.int32), (2, 8))
-  ref_l = jnp.zeros_like(l)
-  for ch in (slice(0, 4), slice(4, 8)):
-    ref_c, ref_l = scanned(ref_c, toks[:, ch], posn[:, ch], posn[:, ch] < pos[:, None], ref_l)
-  np.testing.assert_allclose(l, ref_l, rtol=1e-6, atol=1e-6)
-  active, seqs = np.array([True, False]), [list(p) for p in prompts]
-  want_at, outs = [[len(p) - 1 for p in prompts]], [l]
-  for _ in range(6):
-    t = np.asarray(jnp.argmax(l, -1), np.int32)
-    c, l = eng.decode_step(c, t, pos, active, l)
-    ref_c, ref_l = scanned(ref_c, t[:, None], pos[:, None], active[:, None], ref_l)
-    np.testing.assert_allclose(l, ref_l, rtol=1e-6, atol=1e-6)
-    for b in np.flatnonzero(active):
-      seqs[b].append(int(t[b]))
-    pos = pos + active
-    want_at.append(list(pos - 1))
-    outs.append(l)
+  c, pos, back = _decode_matches_scanned_and_forward(
+      eng, Decoder(cfg), l2a_params, prompts, c, l, pos, active=np.array([True, False]), steps=6)
   assert list(pos) == [13, 2]
-  got = eng.stacked_cache(c)
-  jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6), got, ref_c)
-  back = eng.per_layer_cache(got)
-  assert jax.tree.structure(back) == jax.tree.structure(c)
   jax.tree.map(np.testing.assert_array_equal, back, c)
-  n = max(map(len, seqs))
-  full = np.zeros((2, n), np.int32)
-  for b, q in enumerate(seqs):
-    full[b, :len(q)] = q
-  seg = (np.arange(n)[None] < np.asarray([len(q) for q in seqs])[:, None]).astype(np.int32)
-  fwd, _ = jax.jit(lambda t, sg: model.apply({"params": l2a_params}, t, None, sg))(full, seg)
-  for step, (lo, at) in enumerate(zip(outs, want_at)):
-    for b in range(2):
-      if step == 0 or active[b]:
-        np.testing.assert_allclose(lo[b], fwd[b, at[b]], rtol=1e-5, atol=1e-5)
