@@ -52,6 +52,15 @@ def block_retrieves(o: MatchOptions, block_start_BG, prompt_len_B):
   return block_start_BG + (o.chunk - 1) >= (prompt_len_B[:, None] - o.prefill_last)
 
 
+def _call_blocks(o: MatchOptions, start: int, T: int, prompt_len_B):
+  """On the host (numpy): (prompt lengths [B] int64, G, the start position of each of the G
+  blocks [G]) of an engine prefill call of T tokens at positions start .. start + T - 1."""
+  import numpy as np
+  G = num_blocks(T, o.chunk, decode=True)
+  return (np.asarray(prompt_len_B, np.int64), G,
+          (start // o.chunk) * o.chunk + np.arange(G) * o.chunk)
+
+
 def call_retrieves(o: MatchOptions, start: int, T: int, prompt_len_B) -> bool:
   """On the host (numpy): whether an engine prefill call of T tokens at positions start ..
   start + T - 1 (every row the same, as Engine's prefill calls) holds a block that retrieves for
@@ -61,9 +70,7 @@ def call_retrieves(o: MatchOptions, start: int, T: int, prompt_len_B) -> bool:
   call's aux rows are all empty whatever the data, so it may run as SWA's call
   (ctx.fields['match_call_retrieves'] = False)."""
   import numpy as np
-  P = np.asarray(prompt_len_B, np.int64)
-  G = num_blocks(T, o.chunk, decode=True)
-  start_G = (start // o.chunk) * o.chunk + np.arange(G) * o.chunk
+  P, G, start_G = _call_blocks(o, start, T, prompt_len_B)
   _, g_aux = aux_blocks(o, G, P, start_G[0], np)
   # (a row of no tokens, e.g. Engine.serve's padding rows, has no chunk to retrieve)
   return bool(np.any(block_retrieves(o, start_G[g_aux], P) & (P[:, None] > 0)))
@@ -79,10 +86,8 @@ def call_aux_blocks(o: MatchOptions, start: int, T: int, prompt_len_B) -> int:
   the queries read what they read with the bound; a block that holds no query of the call
   (after the prompt: the block the first generated token enters) may get no aux rows."""
   import numpy as np
-  P = np.asarray(prompt_len_B, np.int64)
   c = o.chunk
-  G = num_blocks(T, c, decode=True)
-  start_G = (start // c) * c + np.arange(G) * c
+  P, _, start_G = _call_blocks(o, start, T, prompt_len_B)
   holds = (start_G[None, :] < np.minimum(start + T, P)[:, None]) & (P[:, None] > 0)
   n = int(np.sum(holds & block_retrieves(o, start_G[None, :], P), axis=1).max(initial=0))
   fewer = -(-o.prefill_last // c)
