@@ -643,10 +643,15 @@ def join_lr_jobs(s: Settings, method: str, length: int, parts: list) -> dict:
 # step's bytes accessed at 256 / 512 (full and SWA 0.35, MATCH and random 0.49). Estimates,
 # conservative (the 64 / 128 anchor counts a shared GPU's whole time against its jobs); a call's
 # logs show the real paces: update this table, then re-plan what is left (--done).
+# Call 1 of the sweep (8aff63a, 4 H200s, one MATCH and one full job a GPU at 512) measured 512:
+# MATCH alone 22.5-23 ms a step once full's job had ended, 44 ms beside it, full 22 ms beside
+# MATCH, so full alone ~10.6 ms (additive); the MATCH jobs stopped at step 10,000 of 12,800 at
+# their deadline. 512's MATCH / random -> 24 (x1.54), full -> 12.3 kept (conservative), and 256's
+# MATCH / random scaled by the same x1.54 (11.7).
 STEP_MS = {64: dict(full=1.1, swa=1.1, match=2.7, random=2.7),
            128: dict(full=1.1, swa=1.1, match=2.7, random=2.7),
-           256: dict(full=4.3, swa=2.9, match=7.6, random=7.6),
-           512: dict(full=12.3, swa=8.2, match=15.6, random=15.6)}
+           256: dict(full=4.3, swa=2.9, match=11.7, random=11.7),
+           512: dict(full=12.3, swa=8.2, match=24.0, random=24.0)}
 # Seconds a job spends besides its training steps: the imports, its rows read (--make_data made
 # them), the compiles, MATCH's decode-semantics evaluation at the end, and --deadline_s's margin
 # (a training stops at an evaluation unless 1.5 x the next 400 steps + 20 s still fit).
