@@ -25,6 +25,14 @@ r"""What one decode step runs: the op histogram of a compiled program, per layer
     python -m bench.decode_program --ab --scheme=l2a --T=8192,131072 --repeats=7 \
         --variants=stacked,stacked:noskip --dense_variants=stacked --out_dir=bench/results
 
+    # on the GPU: CB_UPDATE_RULE (XLA's command-buffer update mode, a process setting): run A
+    # without XLA_FLAGS, then run B with the flag, compared to A's --out
+    python -m bench.decode_program --ab --scheme=l2a --T=8192,131072 --repeats=5 \
+        --variants=stacked --dense_variants=stacked --out=a.json --name=cbupd_a --out_dir=...
+    XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP python -m bench.decode_program \
+        --ab --scheme=l2a --T=8192,131072 --repeats=5 --variants=stacked:alwaysupdate,stacked \
+        --dense_variants=stacked:alwaysupdate,stacked --compare_to=a.json --name=cbupd_b ...
+
 A step at fixed T is bounded by its bytes (weights + K/V), but a small step is bounded by what
 the GPU launches per layer: every fusion, library call (cuBLAS / cuDNN), Pallas kernel, copy and
 in-place update is one kernel. `op_histogram(compiled.as_text())` reads a compiled program's HLO
@@ -55,6 +63,7 @@ import collections
 import dataclasses
 import functools
 import json
+import os
 import re
 import sys
 
@@ -446,7 +455,21 @@ CB_MODES = {
 # prologues, cuBLAS cannot).
 OPTION_SETS = {**CB_MODES,
                "dotmerge": {"xla_gpu_dot_merger_threshold_mb": 1024},
-               "notriton": {"xla_gpu_enable_triton_gemm": False}}
+               "notriton": {"xla_gpu_enable_triton_gemm": False},
+               **{k.lower().replace("_", ""): {"xla_gpu_command_buffer_update_mode": k}
+                  for k in ("ALWAYS_UPDATE", "SKIP_TEMP")}}
+# 'alwaysupdate' / 'skiptemp' above: XLA:GPU's command-buffer update mode for one executable
+# (jax 0.11.2 DebugOptions.xla_gpu_command_buffer_update_mode). A command buffer (CUDA graph)
+# records its kernels' buffer addresses; whenever an address it references changes between two
+# calls, XLA re-records ("updates") the nodes that use it before the launch, on the host, a few
+# us a node. ALWAYS_UPDATE (the default) leaves the temporaries to the client's allocator, whose
+# addresses may move from call to call (then nearly every node of the step is updated: the
+# decode step's host time grows with its kernel count, ~5-7 us a kernel on an H100); SKIP_TEMP
+# gives the temporaries stable virtual addresses (one VMM reservation per executable), so only
+# nodes that read a moved argument or write a new output are updated. SKIP_TEMP needs XLA's VMM
+# allocator, which the GPU client only selects when the mode is in XLA_FLAGS at start-up
+# (`--xla_gpu_command_buffer_update_mode=SKIP_TEMP`): otherwise the executable falls back to
+# ALWAYS_UPDATE silently. CB_UPDATE_RULE settles it.
 # What a variant can change in the engine's traced program (engine layouts only): the decode
 # attention through the Mosaic GPU decode kernel where auto would run cuDNN's split-KV path
 # ('mgpu': pallas_kernels.decode's DecodeConfig(over_cudnn=True)), or through the XLA reference
@@ -843,6 +866,70 @@ def adoption(rows: list[dict], scheme: str, default: str, rule: dict = ADOPTION_
   return out
 
 
+# The rule that settles XLA's command-buffer update mode for decoding (issue 33), registered before
+# its GPU run (2026-11-27, tree of this commit). The mode is a process setting (XLA_FLAGS at
+# start-up picks the allocator), so the A/B is two --ab processes in ONE device call, the same
+# weights and K/V (bench seeds), B = 1, Qwen2.5-1.5B shapes, T = 8K and 128K, >= 5 interleaved
+# repeats of >= 32 steps:
+#   A (default): no XLA_FLAGS; variants l2a `stacked`, dense `stacked`.
+#   B (candidate): XLA_FLAGS=--xla_gpu_command_buffer_update_mode=SKIP_TEMP (VMM allocator);
+#      variants l2a `stacked:alwaysupdate` (B's same-process reference: the default update mode
+#      on B's allocator) and `stacked` (SKIP_TEMP), dense the same two.
+# SKIP_TEMP is adopted for decoding iff at BOTH T:
+#   L2A's median wall ms in B (`stacked`) <= its median in A (`stacked`) and <= B's
+#     `stacked:alwaysupdate` median;
+#   dense's median wall ms in B (`stacked`) <= 1.05 x its median in A (the flag is
+#     process-wide: it must not cost dense more than run-to-run noise);
+#   the first step's logits of B's `stacked` within max_rel_err of B's `stacked:alwaysupdate`
+#     (L2A and dense; the same weights and cache).
+# Adopted, the decode entry points start their processes with the flag (bench/decode.py,
+# bench/decode_program.py; generate.py and the serving docs: the lead's); rejected, the option
+# sets stay as a measurement only and the verdict is recorded.
+CB_UPDATE_RULE = dict(T=(8192, 131072), min_repeats=5, min_steps=32, max_rel_err=1e-2,
+                      dense_slack=0.05, scheme="l2a",
+                      flag="--xla_gpu_command_buffer_update_mode=SKIP_TEMP")
+
+
+def cb_update_adoption(rows_a: list[dict], rows_b: list[dict],
+                       rule: dict = CB_UPDATE_RULE) -> dict:
+  """CB_UPDATE_RULE applied to the rows of run A (no flag) and run B (the flag):
+  {adopt, failed: [reasons], per_T: {T: {l2a_a, l2a_b_ref, l2a_b, dense_a, dense_b, rel_err}}}."""
+  def pick(rows, scheme, variant, T):
+    return next((r for r in rows if r.get("scheme") == scheme and r.get("variant") == variant
+                 and r.get("T") == T and r.get("status") == "ok"), None)
+  failed, per = [], {}
+  for T in rule["T"]:
+    got = dict(l2a_a=pick(rows_a, rule["scheme"], "stacked", T),
+               l2a_b_ref=pick(rows_b, rule["scheme"], "stacked:alwaysupdate", T),
+               l2a_b=pick(rows_b, rule["scheme"], "stacked", T),
+               dense_a=pick(rows_a, "dense", "stacked", T),
+               dense_b_ref=pick(rows_b, "dense", "stacked:alwaysupdate", T),
+               dense_b=pick(rows_b, "dense", "stacked", T))
+    missing = [k for k, r in got.items() if r is None]
+    if missing:
+      failed.append(f"T={T}: no ok row for {', '.join(missing)}")
+      continue
+    per[T] = {k: r["ms"] for k, r in got.items()}
+    per[T]["rel_err"] = max(got["l2a_b"]["rel_err"], got["dense_b"]["rel_err"])
+    for r in got.values():
+      if len(r["runs_ms"]) < rule["min_repeats"] or r["steps"] < rule["min_steps"]:
+        failed.append(f"T={T}: {r['scheme']} {r['variant']}: fewer than {rule['min_repeats']} "
+                      f"repeats of {rule['min_steps']} steps")
+        break
+    if got["l2a_b"]["ms"] > got["l2a_a"]["ms"]:
+      failed.append(f"T={T}: L2A wall {got['l2a_b']['ms']:.3f} > default {got['l2a_a']['ms']:.3f}")
+    if got["l2a_b"]["ms"] > got["l2a_b_ref"]["ms"]:
+      failed.append(f"T={T}: L2A wall {got['l2a_b']['ms']:.3f} > same-process ALWAYS_UPDATE "
+                    f"{got['l2a_b_ref']['ms']:.3f}")
+    if got["dense_b"]["ms"] > got["dense_a"]["ms"] * (1 + rule["dense_slack"]):
+      failed.append(f"T={T}: dense wall {got['dense_b']['ms']:.3f} > {1 + rule['dense_slack']} x "
+                    f"default {got['dense_a']['ms']:.3f}")
+    for k in ("l2a_b", "dense_b"):
+      if not got[k]["rel_err"] <= rule["max_rel_err"]:
+        failed.append(f"T={T}: {k} logits rel_err {got[k]['rel_err']:.2e} > {rule['max_rel_err']}")
+  return dict(adopt=not failed, failed=failed, per_T=per)
+
+
 def buffers_probe(counts=(64, 256, 1024), calls: int = 64, repeats: int = 3,
                   log=print) -> list[dict]:
   """The host's cost of a call's buffers, apart from its kernels: a compiled program of N
@@ -970,6 +1057,8 @@ def main(argv=None) -> list[dict]:
                  "rule's decision; --out_dir: records the run (its 'adoption' beside the rows)")
   p.add_argument("--busy_repeats", type=int, default=3, help="--ab: interleaved traces per variant")
   p.add_argument("--note", default=None, help="--out_dir: the recorded run's note")
+  p.add_argument("--compare_to", default=None, help="--ab: CB_UPDATE_RULE's run B; the --out "
+                 "JSON of run A (no XLA_FLAGS): the rule's verdict is printed and recorded")
   p.add_argument("--option", action="append", default=[], help="name=value: an XLA option "
                  "for the timed compiles (e.g. xla_gpu_dot_merger_threshold_mb=0); repeatable")
   a = p.parse_args(argv)
@@ -1047,7 +1136,7 @@ def _main_ab(a) -> list[dict]:
   for v in variants + dense:
     parse_variant(v)  # a bad name fails before anything compiles
   Ts = [int(t) for t in str(a.T).split(",")]
-  rows = []
+  rows, cb = [], None
   for T in Ts:
     rows += ab_step(a.shapes, a.B, T, variants=variants, scheme=a.scheme, dense_variants=dense,
                     steps=a.steps, repeats=a.repeats, traced=a.traced,
@@ -1055,18 +1144,25 @@ def _main_ab(a) -> list[dict]:
     print(profile_table(rows), flush=True)
     decision = adoption(rows, a.scheme, variants[0])
     print(json.dumps(decision, indent=1), flush=True)
+    if a.compare_to:  # CB_UPDATE_RULE: this run is B, --compare_to holds run A's rows
+      with open(a.compare_to) as f:
+        cb = cb_update_adoption(json.load(f)["rows"], rows)
+      print("CB_UPDATE_RULE:", json.dumps(cb, indent=1), flush=True)
     if a.out:
       with open(a.out, "w") as f:
         json.dump(dict(rows=[{k: v for k, v in r.items() if k != "trace_lines"} for r in rows],
-                       adoption=decision), f, indent=1)
+                       adoption=decision, cb_update_adoption=cb), f, indent=1)
   if a.out_dir:
     from bench import common
     run = common.new_run("decode_program", dict(
         name=a.name, mode="ab", scheme=a.scheme, shapes=a.shapes, B=a.B, T=Ts,
         variants=list(variants), dense_variants=list(dense), steps=a.steps, repeats=a.repeats,
-        traced=a.traced, busy_repeats=a.busy_repeats, rule=ADOPTION_RULE))
+        traced=a.traced, busy_repeats=a.busy_repeats, rule=ADOPTION_RULE,
+        xla_flags=os.environ.get("XLA_FLAGS", "")))
     run["rows"] = [{k: v for k, v in r.items() if k != "trace_lines"} for r in rows]
     run["adoption"] = adoption(rows, a.scheme, variants[0])
+    if cb is not None:
+      run["cb_update_adoption"] = cb
     if a.note:
       run["note"] = a.note
     common.append_run(common.result_path("decode_program", a.out_dir), run)

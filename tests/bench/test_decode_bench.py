@@ -445,3 +445,39 @@ def test_bench_params_init_lowers_no_attention_fallback_for_a_gpu(caplog):
   got = jax.eval_shape(decode._init_fn(cfg), jax.random.key(0))
   import flax.linen as nn
   assert jax.tree.structure(got) == jax.tree.structure(nn.meta.unbox(want))
+
+
+def test_command_buffer_update_mode_sets_and_the_registered_rule():
+  """XLA's command-buffer update mode as decode_program option sets ('alwaysupdate' /
+  'skiptemp': xla_gpu_command_buffer_update_mode, valid names in this jax's XLA) and
+  CB_UPDATE_RULE (issue 33, registered before its GPU run): SKIP_TEMP is adopted only where
+  L2A's wall in the flag's process is no slower than the default process and than its own
+  ALWAYS_UPDATE reference at every T, dense costs at most 5% more, and the logits agree."""
+  import jax
+  import jax.numpy as jnp
+  from bench import decode_program as dp
+  assert dp.parse_variant("stacked:skiptemp") == ("stacked", ("skiptemp",))
+  assert dp.OPTION_SETS["alwaysupdate"] == {"xla_gpu_command_buffer_update_mode": "ALWAYS_UPDATE"}
+  f = jax.jit(lambda x: x + 1).lower(jnp.ones(2))
+  for name in ("alwaysupdate", "skiptemp"):  # XLA parses the values (a bad name would raise)
+    assert f.compile(compiler_options=dp.OPTION_SETS[name])(jnp.ones(2)).tolist() == [2.0, 2.0]
+  rule = dict(dp.CB_UPDATE_RULE, T=(64, 128), min_repeats=1, min_steps=1)
+
+  def row(scheme, variant, T, ms, err=0.0):
+    return dict(scheme=scheme, variant=variant, T=T, ms=ms, rel_err=err, runs_ms=[ms], steps=2,
+                status="ok")
+
+  def runs(l2a_a, l2a_ref, l2a_b, dense_a, dense_b, err=0.0):
+    a = [row(s, "stacked", T, ms) for T in (64, 128)
+         for s, ms in (("l2a", l2a_a), ("dense", dense_a))]
+    b = [row(s, v, T, ms, e) for T in (64, 128) for s, v, ms, e in (
+        ("l2a", "stacked:alwaysupdate", l2a_ref, 0.0), ("l2a", "stacked", l2a_b, err),
+        ("dense", "stacked:alwaysupdate", dense_a, 0.0), ("dense", "stacked", dense_b, 0.0))]
+    return dp.cb_update_adoption(a, b, rule)
+  assert runs(6.9, 6.0, 4.0, 3.8, 3.9)["adopt"] is True
+  assert runs(6.9, 6.0, 4.0, 3.8, 3.9)["per_T"][64]["l2a_b"] == 4.0
+  assert "default" in runs(3.9, 6.0, 4.0, 3.8, 3.8)["failed"][0]        # slower than run A
+  assert "ALWAYS_UPDATE" in runs(6.9, 3.9, 4.0, 3.8, 3.8)["failed"][0]  # than B's reference
+  assert "dense" in runs(6.9, 6.0, 4.0, 3.8, 4.1)["failed"][0]          # dense > 1.05x
+  assert "rel_err" in runs(6.9, 6.0, 4.0, 3.8, 3.8, err=0.1)["failed"][0]
+  assert "no ok row" in dp.cb_update_adoption([], [], rule)["failed"][0]
