@@ -481,3 +481,42 @@ def test_command_buffer_update_mode_sets_and_the_registered_rule():
   assert "dense" in runs(6.9, 6.0, 4.0, 3.8, 4.1)["failed"][0]          # dense > 1.05x
   assert "rel_err" in runs(6.9, 6.0, 4.0, 3.8, 3.8, err=0.1)["failed"][0]
   assert "no ok row" in dp.cb_update_adoption([], [], rule)["failed"][0]
+
+
+def _runtime_cases(mlir_text: str) -> list[str]:
+  """The `stablehlo.case` ops of a StableHLO module whose branch index is computed at run time
+  (not a constant, nor another case's result: jax's platform dispatch, which XLA folds). XLA:GPU
+  runs such a conditional on the host (its predicate copied back, the command buffer ended
+  before it): issue 33's L2A decode_skip."""
+  import re
+  defs = {}
+  for line in mlir_text.splitlines():
+    m = re.match(r'\s*(%[\w#]+)(?::\d+)? = "?([\w.]+)', line)
+    if m:
+      defs[m.group(1)] = m.group(2)
+  return [x for x in re.findall(r'"stablehlo\.case"\((%[\w#]+)\)', mlir_text)
+          if not (x.startswith("%c") or defs.get(x) in ("stablehlo.case", "stablehlo.constant"))]
+
+
+def test_l2a_decode_program_launches_nothing_that_splits_command_buffers():
+  """The L2A decode step exported for an abstract H100 (2 layers, B = 1; issue 33): per layer two
+  cuDNN attention calls (window ring + global cache; dense: one) and no other custom call (no
+  Mosaic GPU / Triton call, whose thunks XLA's default command-buffer kinds might not capture),
+  no while loop and no conditional on a run-time value (a host round trip a layer). Undoing the
+  branch-free global call (decode_skip=True) fails here."""
+  import dataclasses
+  from bench import decode_program as dp
+
+  def export(scheme, **kw):
+    cfg = dp.model_config("tiny-qwen", 2, scheme, 512)
+    if kw:
+      cfg = dataclasses.replace(cfg, scheme_kwargs=tuple(sorted(
+          {**dict(cfg.scheme_kwargs), **kw}.items())))
+    return dp.exported_text("engine", cfg, 1, 512)
+  calls = lambda t: {k: v for k, v in dp.stablehlo_histogram(t).items()
+                     if k.startswith("custom_call:") or k == "stablehlo.while"}
+  l2a, dense = export("l2a"), export("dense")
+  assert calls(dense) == {"custom_call:__cudnn$fmhaSoftmax": 2}
+  assert calls(l2a) == {"custom_call:__cudnn$fmhaSoftmax": 4}
+  assert _runtime_cases(l2a) == [] and _runtime_cases(dense) == []
+  assert len(_runtime_cases(export("l2a", decode_skip=True))) == 2  # the check sees a cond
