@@ -144,6 +144,20 @@ def time_call(fn: Callable, *args, n: int = 10, warmup: int = 2) -> dict:
   return dict(median_ms=statistics.median(runs), runs_ms=runs)
 
 
+def time_interleaved(fns: dict, n: int = 10) -> dict:
+  """Several calls timed in turns: n rounds, each calls every fn once, alone and blocked, in an
+  order that reverses every round (A B, B A, ...), so drift over the rounds reaches each fn
+  alike; {name: {"median_ms", "runs_ms"}}."""
+  names = list(fns)
+  runs = {k: [] for k in names}
+  for i in range(n):
+    for k in (names if i % 2 == 0 else names[::-1]):
+      t0 = time.perf_counter()
+      _block(fns[k]())
+      runs[k].append((time.perf_counter() - t0) * 1e3)
+  return {k: dict(median_ms=statistics.median(v), runs_ms=v) for k, v in runs.items()}
+
+
 def time_device_bound(fn: Callable, *args, n: int = 10, warmup: int = 2, repeats: int = 3) -> dict:
   """Calls back to back: n calls enqueued, one block at the end, per-call time = total / n;
   {"median_ms", "runs_ms"} over `repeats` such batches."""

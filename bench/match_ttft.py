@@ -10,8 +10,9 @@ For each model (SWA: window w, no retrieval; MATCH: the same window + top_k chun
 retrieved for the blocks holding the last m = prefill_last prompt positions, retrieved K/V
 recomputed; every layer SWA) one row: build the inference.Engine (cache_len = context + 1,
 prefill_chunk tokens a prefill call), prefill one prompt of `context` random tokens once
-(compile + run: compile_s), then `reps` times (ttft_s = their median, the prefill call returning
-the first token's logits). The model is Qwen3-8B-shaped per layer (hidden 4096, 32 q / 8 kv
+(compile + run: compile_s); once both models are compiled, their prefills run `reps` times
+each in turns, the order reversed every round (ttft_s = a model's median, the prefill call
+returning the first token's logits; run-to-run drift reaches both models alike). The model is Qwen3-8B-shaped per layer (hidden 4096, 32 q / 8 kv
 heads of 128, MLP 12288) with few layers and random weights, bfloat16; retrieval = exact match
 on random tokens from a small vocabulary (every retrieving block finds k chunks). The
 retriever's cost is exact match, not the paper's MiniLM encode (its weights are not on the GPU
@@ -88,7 +89,7 @@ class Settings:
   top_k: int = 4
   prefill_last: int = 1000
   prefill_chunk: int = 4096
-  reps: int = 3
+  reps: int = 11  # prefills a model, timed in turns with the other model's (3 until a693b8e)
   dtype: str = "bfloat16"
   token_vocab: int = 64  # prompt tokens drawn from [1, 64): every block finds matches
 
@@ -243,13 +244,14 @@ class _Fallbacks(logging.Handler):
       self.messages.append(record.getMessage())
 
 
-def row(s: Settings, name: str, cfg, params, with_profile: bool = False) -> dict:
+def compiled_prefill(s: Settings, cfg, params) -> dict:
+  """One model's engine and its first prefill (the compile, timed): dict(eng, prompt, prefill,
+  logits, compile_s, fallbacks)."""
   eng = Engine(cfg, params, cache_len=s.context + 1, prefill_chunk=s.prefill_chunk)
   prompt = np.random.default_rng(s.context).integers(1, s.token_vocab, s.context).tolist()
-
   prefill = lambda: eng.prefill([prompt])[1]   # the first token's logits
   fallbacks = _Fallbacks()
-  ops._warn_once.cache_clear()  # ops logs each message once a process: this row's, afresh
+  ops._warn_once.cache_clear()  # ops logs each message once a process: this model's, afresh
   logging.getLogger().addHandler(fallbacks)
   try:
     t0 = time.perf_counter()
@@ -257,28 +259,34 @@ def row(s: Settings, name: str, cfg, params, with_profile: bool = False) -> dict
     first = time.perf_counter() - t0
   finally:
     logging.getLogger().removeHandler(fallbacks)
-  timed = common.time_call(prefill, n=s.reps, warmup=0)
-  times = [t / 1e3 for t in timed["runs_ms"]]
-  r = {"model": name, "context": s.context,
-       "ttft_s": round(timed["median_ms"] / 1e3, 4),
-       "ttft_reps_s": [round(t, 4) for t in times], "compile_s": round(first, 2),
-       "logits_finite": bool(np.isfinite(logits).all()),
-       "peak_bytes": common.peak_bytes(),   # the process's peak so far (SWA's row runs first)
-       "work": work(s, name == "match"), "reference_fallbacks": fallbacks.messages}
-  if with_profile:
-    geometry = call_geometry(s, name == "match")
-    r.update(profile(s, eng, prompt, geometry, profiled_calls(call_geometry(s, True)), logits))
-  return logits, r
+  return dict(eng=eng, prompt=prompt, prefill=prefill, logits=logits, compile_s=first,
+              fallbacks=fallbacks.messages)
 
 
 def run(s: Settings, log=print, with_profile: bool = False) -> dict:
-  rows = []
+  """Both models compiled first, then their prefills timed in turns (bench.common.
+  time_interleaved: s.reps rounds, the order reversed every round); each row's ttft_s is the
+  median of its s.reps prefills."""
   cfgs = configs(s)
   params = nn.unbox(jax.jit(Decoder(cfgs["swa"]).init)(jax.random.PRNGKey(0),
                                                          jnp.zeros((1, 8), jnp.int32))["params"])
-  logits = {}
-  for name in ("swa", "match"):  # the same weights: top_k adds no parameter
-    logits[name], r = row(s, name, cfgs[name], params, with_profile)
+  names = ("swa", "match")  # the same weights: top_k adds no parameter
+  ready = {name: compiled_prefill(s, cfgs[name], params) for name in names}
+  timed = common.time_interleaved({name: ready[name]["prefill"] for name in names}, n=s.reps)
+  rows = []
+  for name in names:
+    m = ready[name]
+    times = [t / 1e3 for t in timed[name]["runs_ms"]]
+    r = {"model": name, "context": s.context,
+         "ttft_s": round(timed[name]["median_ms"] / 1e3, 4),
+         "ttft_reps_s": [round(t, 4) for t in times], "compile_s": round(m["compile_s"], 2),
+         "logits_finite": bool(np.isfinite(m["logits"]).all()),
+         "peak_bytes": common.peak_bytes(),   # the process's peak (both models' engines live)
+         "work": work(s, name == "match"), "reference_fallbacks": m["fallbacks"]}
+    if with_profile:
+      geometry = call_geometry(s, name == "match")
+      r.update(profile(s, m["eng"], m["prompt"], geometry, profiled_calls(call_geometry(s, True)),
+                       m["logits"]))
     rows.append(r)
     log(json.dumps(r))
   extra = {"per_call": per_call(rows)} if with_profile else {}
@@ -287,7 +295,8 @@ def run(s: Settings, log=print, with_profile: bool = False) -> dict:
           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
           "rows": rows, "criterion": CRITERION["rule"],
           # the retrieval changed the first token's logits (it ran): max |MATCH - SWA|
-          "match_vs_swa_logit_diff": float(np.abs(logits["match"] - logits["swa"]).max()),
+          "match_vs_swa_logit_diff": float(np.abs(ready["match"]["logits"] -
+                                                  ready["swa"]["logits"]).max()),
           **verdict(rows)}
 
 

@@ -242,6 +242,19 @@ def test_h100_gpu_plan_runs_the_sweep_once_within_the_calls():
   assert "--deadline_s=$(( LIMIT - 40 ))" in job and "--seeds=$seeds" in job
 
 
+def test_ttft_times_the_two_models_in_turns():
+  """bench.common.time_interleaved (the TTFT bench's timer): n rounds, each model once a round,
+  the order reversed every round (A B, B A, ...), each model's own runs and their median."""
+  calls = []
+  fns = {"swa": lambda: calls.append("swa"), "match": lambda: calls.append("match")}
+  out = common.time_interleaved(fns, n=4)
+  assert calls == ["swa", "match", "match", "swa", "swa", "match", "match", "swa"]
+  for k in fns:
+    assert len(out[k]["runs_ms"]) == 4
+    mid = sorted(out[k]["runs_ms"])[1:3]
+    assert out[k]["median_ms"] == pytest.approx((mid[0] + mid[1]) / 2)
+
+
 def test_ttft_bench_test_preset(tmp_path):
   """bench/match_ttft.py's 'test' preset through its CLI: SWA and MATCH (retrieval for the last
   prefill_last prompt positions) each prefilled through the engine, a median TTFT each, the
