@@ -36,16 +36,18 @@
 # lengths made once (--make_data, every core) under out/mqar_rows, then its jobs, each writing
 # $OUT/mqar_<method>_<length>_<lrs>_s<seeds>.json (progress) and .log, returned as ONE archive
 # $OUT/mqar_jobs_<time>.tgz (a call returns at most 8 files) with $OUT/mqar_plan.txt.
-#   here, once:  rm -rf .gpu/src && mkdir -p .gpu/src .gpu/mqar_in &&
+#   here, before each call (the tree at HEAD, with the earlier calls' archives committed under
+#   bench/results/mqar_units/):  rm -rf .gpu/src && mkdir -p .gpu/src &&
 #     git archive HEAD | tar x -C .gpu/src && git rev-parse --short HEAD > .gpu/src/COMMIT
-#   each call (kind nvidia-h100-x4, carry [".whl", ".gpu/src", ".gpu/mqar_in"], timeout_s 600):
+#   each call (kind nvidia-h100-x4, carry [".whl", ".gpu/src"], timeout_s 600):
 #     cd .gpu/src && ln -sfn ../../.whl .whl && source scripts/gpu_env.sh &&
-#       IN=../mqar_in bash bench/match_segmented_gpu.sh mqar
-#   then here: cp <files_at>/mqar_jobs_*.tgz .gpu/mqar_in/   (every call's, kept for the next)
+#       bash bench/match_segmented_gpu.sh mqar
+#   then here: cp <files_at>/mqar_jobs_*.tgz bench/results/mqar_units/ and commit them (every
+#     call's archive, a few KB, kept in the repository for the next call and the merge)
 #   what is left, as calls:
-#     PATH=$PWD/.venv/bin:$PATH IN=.gpu/mqar_in bash bench/match_segmented_gpu.sh plan
+#     PATH=$PWD/.venv/bin:$PATH bash bench/match_segmented_gpu.sh plan
 #   merge, once the plan is empty (here; calls on H100s and H200s merge into one run naming both):
-#     mkdir -p /tmp/mqar && for f in .gpu/mqar_in/mqar_jobs_*.tgz; do tar xzf $f -C /tmp/mqar; done
+#     mkdir -p /tmp/mqar && for f in bench/results/mqar_units/mqar_jobs_*.tgz; do tar xzf $f -C /tmp/mqar; done
 #     python bench/match_mqar.py --preset=h100 --out_dir=bench/results \
 #         --merge=$(ls /tmp/mqar/mqar_*.json | paste -sd, -)
 #     # -> bench/results/match_mqar_<GPU>.json, run sweep_h100 (its claim re-derives the verdict;
@@ -72,7 +74,7 @@ PRESET=${MQAR_PRESET:-h100}
 read -r -a EXTRA <<< "${MQAR_ARGS:-}"
 LIMIT=${MQAR_TIMEOUT:-480}
 mqar_done() {  # the progress files of the archives in $IN (earlier calls'), comma-joined
-  local in=${IN:-.gpu/mqar_in} t tmp
+  local in=${IN:-bench/results/mqar_units} t tmp
   tmp=$(mktemp -d)
   for t in "$in"/mqar_jobs_*.tgz; do [ -e "$t" ] && tar xzf "$t" -C $tmp; done
   ls $tmp/mqar_*_*_*.json 2>/dev/null | paste -sd, -
