@@ -229,7 +229,7 @@ def test_h100_gpu_plan_runs_the_sweep_once_within_the_calls():
       assert sum(j["work_s"] for j in on) <= room and len(on) <= match_mqar.JOBS_PER_GPU
       assert sum(j["cap"] for j in on) <= 0.9
       assert all(j["est_s"] <= match_mqar.GPU_BUDGET_S for j in on)
-  assert len(calls) <= 10
+  assert len(calls) <= 12  # 12 with STEP_MS re-tuned from call 1 (MATCH / random at 512: 24 ms)
   first = {(j["method"], j["length"], lr, x) for j in calls[0] for lr in j["lrs"]
            for x in j["seeds"]}
   rest = match_mqar.gpu_plan(s, 4, done=first)
