@@ -885,6 +885,12 @@ def adoption(rows: list[dict], scheme: str, default: str, rule: dict = ADOPTION_
 # Adopted, the decode entry points start their processes with the flag (bench/decode.py,
 # bench/decode_program.py; generate.py and the serving docs: the lead's); rejected, the option
 # sets stay as a measurement only and the verdict is recorded.
+# Verdict (runs cbupd_a / cbupd_b in bench/results/decode_program_NVIDIA_H100_80GB_HBM3.json,
+# one H100, tree d53737d, one device call): REJECTED. With the flag XLA switches the process to
+# its VMM allocator, and L2A's step got slower, not faster: 4.53 / 9.13 ms at 8K / 128K against
+# 3.39 / 4.82 without the flag (run A) and 4.88 / 8.87 with the flag's allocator but
+# ALWAYS_UPDATE (B's reference); dense 2.45 / 4.16 against 2.43 / 3.69. Logits identical (rel_err
+# 0). The option sets stay, as a measurement only.
 CB_UPDATE_RULE = dict(T=(8192, 131072), min_repeats=5, min_steps=32, max_rel_err=1e-2,
                       dense_slack=0.05, scheme="l2a",
                       flag="--xla_gpu_command_buffer_update_mode=SKIP_TEMP")
