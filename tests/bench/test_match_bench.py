@@ -2,7 +2,7 @@
 fresh small run: tests/cli/test_demo_sections.py); the pre-registered criteria can fail; the
 scored-positions-only training / chunked evaluation equal the full logits and the H100 preset's
 compiled step fits a shared GPU; the memory bench's 'test' preset shows MATCH's K/V bytes flat
-in the context length; the TTFT bench's 'test' preset runs."""
+in the context length; the TTFT bench's 'test' preset runs (tests/bench/test_match_ttft.py)."""
 import json
 import os
 import sys
@@ -15,7 +15,6 @@ sys.path.insert(0, os.path.join(ROOT, "bench"))
 from bench import common  # noqa: E402
 import match_memory  # noqa: E402
 import match_mqar  # noqa: E402
-import match_ttft  # noqa: E402
 
 RESULT = os.path.join(ROOT, "bench", "results", "match_mqar.json")
 
@@ -253,23 +252,3 @@ def test_ttft_times_the_two_models_in_turns():
     assert len(out[k]["runs_ms"]) == 4
     mid = sorted(out[k]["runs_ms"])[1:3]
     assert out[k]["median_ms"] == pytest.approx((mid[0] + mid[1]) / 2)
-
-
-def test_ttft_bench_test_preset(tmp_path):
-  """bench/match_ttft.py's 'test' preset through its CLI: SWA and MATCH (retrieval for the last
-  prefill_last prompt positions) each prefilled through the engine, a median TTFT each, the
-  ratio and verdict recorded from the rows, and MATCH's first-token logits differ from SWA's on
-  the same weights (the retrieval ran)."""
-  match_ttft.main(["--preset=test", f"--out_dir={tmp_path}"])
-  (run,) = common.load(common.result_path("match_ttft", str(tmp_path)))["runs"]
-  r = common.recorded_of(run)
-  by = {x["model"]: x for x in r["rows"]}
-  assert sorted(by) == ["match", "swa"] and all(x["logits_finite"] for x in by.values())
-  assert r["match_over_swa"] == round(by["match"]["ttft_s"] / by["swa"]["ttft_s"], 4)
-  assert r["passed"] == (r["match_over_swa"] <= match_ttft.CRITERION["max_ratio"])
-  # the verdict a recorded run's claim re-derives from its rows, and that it can fail
-  assert match_ttft.verdict(r["rows"]) == {k: r[k] for k in ("match_over_swa", "passed")}
-  slow = [dict(x, ttft_s=1.2 * by["swa"]["ttft_s"]) if x["model"] == "match" else x
-          for x in r["rows"]]
-  assert match_ttft.verdict(slow) == {"match_over_swa": 1.2, "passed": False}
-  assert r["match_vs_swa_logit_diff"] > 1e-3
