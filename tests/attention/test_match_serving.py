@@ -52,14 +52,21 @@ def _serving(cfg, params, seqs, prompt_lengths):
   return fwd(params, *_rows(seqs), np.asarray(prompt_lengths, np.int32))
 
 
-def test_generation_equals_the_serving_forward_with_last_m_retrieval(model):
+@pytest.fixture(scope="module")
+def generated(model):
+  """Engine.generate(PROMPTS, NEW) in 5-token prefill calls over 3-token blocks, with logits."""
+  cfg, params = model
+  return Engine(cfg, params, cache_len=48, prefill_chunk=5).generate(PROMPTS, NEW,
+                                                                     return_logits=True)
+
+
+def test_generation_equals_the_serving_forward_with_last_m_retrieval(model, generated):
   """Chunked prefill (5-token chunks over 3-token blocks: calls that hold several blocks, and
   blocks split across calls); one-shot prefill with the default m is the conformance suite's
   match case, and one call's auxiliary rows for the last m blocks are
   test_prefill_builds_aux_rows_for_the_last_m_blocks_only."""
-  cfg, params, chunk = *model, 5
-  gen = Engine(cfg, params, cache_len=48, prefill_chunk=chunk).generate(PROMPTS, NEW,
-                                                                         return_logits=True)
+  cfg, params = model
+  gen = generated
   seqs = [p + g[:-1] for p, g in zip(PROMPTS, gen.tokens)]
   full = np.asarray(_serving(cfg, params, seqs, [len(p) for p in PROMPTS]))
   for b, p in enumerate(PROMPTS):
@@ -154,26 +161,6 @@ def test_multi_query_decode_search_is_served_and_counted(model):
                                                                  ["cache", "positions"],
                                                                  ["cache", "valid"]))
   assert cache_bytes(cache) - book == match.kv_cache_bytes(cfg, 48, batch=2)["total"]
-
-
-def test_prefill_runs_aux_rows_only_in_calls_that_retrieve(model, monkeypatch):
-  """A chunked prefill (a 29-token prompt in 5-token calls, m = 4): the auxiliary rows run
-  through the layers (MatchLayer._aux_update, counted at run time) only in the 2 calls holding
-  a block that retrieves (positions 20..24 and 25..28), not in the 4 before them (the engine
-  knows them on the host: no aux rows there; unknown, the layer skips them: nn.cond), so a long
-  prompt pays the recompute once, not once per call."""
-  from condattn_jax.attention.match import layer as match_layer
-  cfg, params = model
-  runs = []
-  update = match_layer.MatchLayer._aux_update
-
-  def counted(self, x, pos, ok, G):
-    jax.debug.callback(lambda: runs.append(1))
-    return update(self, x, pos, ok, G)
-  monkeypatch.setattr(match_layer.MatchLayer, "_aux_update", counted)
-  Engine(cfg, params, cache_len=48, prefill_chunk=5).prefill([PROMPTS[0]])
-  jax.effects_barrier()
-  assert len(runs) == 2 * cfg.num_layers, len(runs)  # every layer, in the 2 retrieving calls
 
 
 def test_prefill_call_holds_one_cond_a_layer_and_no_per_block_kv_outside_it(model):
@@ -315,17 +302,17 @@ def test_prefill_call_known_not_to_retrieve_is_swa_s_program(model):
   assert program(eng, None)[0] == cfg.num_layers - 1
 
 
-def test_serve_with_padding_rows_equals_generation(model):
+def test_serve_with_padding_rows_equals_generation(model, generated):
   """Engine.serve admits 3 prompts into 4 rows (one padding row of prompt length 0, which holds
   no chunk to retrieve: the host's fact leaves it out, and so does the refusal) in 5-token
-  prefill calls: each request's tokens are what generate gives it alone."""
+  prefill calls: each request's tokens are what generate gives it (its row of the `generated`
+  batch, which test_generation_equals_the_serving_forward_with_last_m_retrieval checks against
+  the serving forward)."""
   cfg, params = model
   eng = Engine(cfg, params, cache_len=48, prefill_chunk=5)
   assert not dict(eng._prefill_fields(0, 5, [len(PROMPTS[1]), 0]))["match_call_retrieves"]
   got = eng.serve(PROMPTS, NEW, slots=4)
-  assert got.tokens == [eng.generate([p], NEW).tokens[0] for p in PROMPTS], got.tokens
-
-
+  assert got.tokens == generated.tokens, got.tokens
 
 
 def test_prefill_loop_reads_nothing_back_and_compiles_nothing_new(model, monkeypatch):
