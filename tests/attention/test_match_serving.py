@@ -186,7 +186,8 @@ def test_prefill_call_holds_one_cond_a_layer_and_no_per_block_kv_outside_it(mode
   sds = jax.ShapeDtypeStruct
   args = (params, eng.cache_shapes(B), sds((B, C), jnp.int32), sds((B, C), jnp.int32),
           sds((B, C), jnp.bool_), sds((B, cfg.vocab_size), jnp.float32), sds((B,), jnp.int32))
-  hlo = Engine._step.lower(eng, *args).compile().as_text()
+  traced = Engine._step.trace(eng, *args)  # one trace for the compiled program and the jaxpr
+  hlo = traced.lower().compile().as_text()
   # one a layer, bar the last layer's aux rows, which no later layer reads (XLA drops them)
   assert hlo.count(" conditional(") == cfg.num_layers - 1
   o = attention.options(cfg)
@@ -201,7 +202,7 @@ def test_prefill_call_holds_one_cond_a_layer_and_no_per_block_kv_outside_it(mode
         continue
       for sub in jaxprs_in_params(eqn.params):
         walk(sub)
-  walk(jax.make_jaxpr(lambda *a: Engine._step(eng, *a))(*args).jaxpr)
+  walk(traced.jaxpr.jaxpr)
   assert seen and per_block not in seen, per_block
 
 
