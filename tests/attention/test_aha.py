@@ -2,6 +2,8 @@
 the mixed per-head forward against an obviously-right reference (one attention with a per-head
 full-or-window mask), exact == sparse forward, the STE gradient d head / d s = Full - Local, the
 regulariser and metrics, tau as a test-time knob, packed documents."""
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -27,7 +29,10 @@ FAMILIES = {
 B, T = 2, 16
 
 
+@functools.lru_cache(maxsize=None)
 def _dense(family, seed=1):
+  """(config, params, tokens) of the dense model, built once per (family, seed): the tests copy
+  before they change a params tree (_random_router, _layer_setup)."""
   cfg = ModelConfig(family=family).replace(**FAMILIES[family])
   tok = jax.random.randint(jax.random.PRNGKey(0), (B, T), 0, cfg.vocab_size)
   params = nn.unbox(jax.jit(Decoder(cfg).init)(jax.random.PRNGKey(seed), tok)["params"])
