@@ -4,6 +4,8 @@ blocks: the window only), generation (one-shot and chunked prefill, ragged rows)
 declared serving forward with that m, m really changes the forward, a prefill call builds
 auxiliary rows for at most ceil(m / c) + 1 blocks instead of every block it touches, and runs
 them only in the calls that hold a retrieving block."""
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -45,11 +47,17 @@ def _rows(seqs):
   return tok, np.broadcast_to(np.arange(L, dtype=np.int32), tok.shape), seg
 
 
+@functools.lru_cache(maxsize=None)
+def _serving_fn(cfg):
+  """The declared serving forward of cfg, jitted once per config (calls with inputs of the same
+  shapes share its trace)."""
+  return jax.jit(lambda p, t, po, sg, pl: match.serving_forward(Decoder(cfg), p, t, po, sg, None,
+                                                                prompt_lengths_B=pl)[0])
+
+
 def _serving(cfg, params, seqs, prompt_lengths):
   """The declared serving forward (jitted) with each row's prompt length."""
-  fwd = jax.jit(lambda p, t, po, sg, pl: match.serving_forward(Decoder(cfg), p, t, po, sg, None,
-                                                               prompt_lengths_B=pl)[0])
-  return fwd(params, *_rows(seqs), np.asarray(prompt_lengths, np.int32))
+  return _serving_fn(cfg)(params, *_rows(seqs), np.asarray(prompt_lengths, np.int32))
 
 
 @pytest.fixture(scope="module")
