@@ -477,13 +477,7 @@ OPTION_SETS = {**CB_MODES,
 # the plain-XLA baseline); 'noskip': the scheme's decode_skip off (L2A, AHA: the global call runs
 # every step, branch-free, its inactive rows reading one kv tile per split part and weighted 0:
 # no lax.cond, so no host round trip per layer; same logits and caches).
-# 'layerdraws' (L2A, A/B only): each layer hashes its own context-free routing draws, as before
-# the scheme module DecodeDraws hashed every layer's once a step (issue 33; same values; -2
-# StableHLO threefry chains a layer). Its A/B, registered before any GPU run of it (2026-11-27):
-# ADOPTION_RULE with `--variants=stacked:layerdraws,stacked` (the previous program the default,
-# the tree's one path the candidate): DecodeDraws stays iff the rule adopts `stacked`, else it is
-# deleted (the scheme module, DRAWS, this trace set and their tests).
-TRACE_SETS = ("mgpu", "refattn", "noskip", "layerdraws")
+TRACE_SETS = ("mgpu", "refattn", "noskip")
 
 
 def variant_config(cfg, sets):
@@ -502,8 +496,8 @@ def variant_config(cfg, sets):
 
 def _trace_context(sets):
   """The context the variant's program is traced in (TRACE_SETS' 'mgpu': the decode kernels'
-  backends with over_cudnn=True; 'layerdraws': L2A's DecodeDraws gives no draws, each layer
-  hashes its own; 'refattn' / 'noskip' are model configs, set by the caller: variant_config)."""
+  backends with over_cudnn=True; 'refattn' / 'noskip' are model configs, set by the caller:
+  variant_config)."""
   import contextlib
   stack = contextlib.ExitStack()
   if "mgpu" in sets:
@@ -517,14 +511,6 @@ def _trace_context(sets):
     new = tuple(dataclasses.replace(b, config=dataclasses.replace(b.config, over_cudnn=True))
                 if hasattr(getattr(b, "config", None), "over_cudnn") else b for b in pd.BACKENDS)
     stack.enter_context(mock.patch.object(pd, "BACKENDS", new))
-  if "layerdraws" in sets:
-    import jax
-    from unittest import mock
-    from condattn_jax.attention.l2a import layer as l2a_layer
-    jax.clear_caches()
-    stack.callback(jax.clear_caches)
-    stack.enter_context(mock.patch.object(l2a_layer.DecodeDraws, "__call__",
-                                          lambda self, tokens_BT, ctx: (None, {}, {})))
   return stack
 
 

@@ -520,22 +520,3 @@ def test_l2a_decode_program_launches_nothing_that_splits_command_buffers():
   assert calls(l2a) == {"custom_call:__cudnn$fmhaSoftmax": 4}
   assert _runtime_cases(l2a) == [] and _runtime_cases(dense) == []
   assert len(_runtime_cases(export("l2a", decode_skip=True))) == 2  # the check sees a cond
-
-
-def test_l2a_decode_draws_every_layers_routing_once_a_step():
-  """L2A's decode step with context-free routing (the bench's 'bernoulli', issue 33) hashes the
-  routing draws of every layer once a step (the scheme module DecodeDraws), not once a layer:
-  exported for an abstract H100 at 2 and 3 layers, no threefry op (shift_left / xor) is per
-  layer, and the step's fixed part holds one hash's worth. Undoing it (each layer drawing its own)
-  fails here; the draws' values are tested in tests/inference/test_decode_steps.py."""
-  from bench import decode_program as dp
-  r = dp.table("engine", "tiny-qwen", 1, 512, layers=(2, 3), export="cuda", full=False,
-               scheme="l2a")
-  per, fixed = r["per_layer"], r["fixed"]
-  assert per.get("stablehlo.shift_left", 0) == 0 and per.get("stablehlo.xor", 0) == 0, per
-  assert fixed["stablehlo.shift_left"] > 0 and fixed["stablehlo.xor"] > 0
-  assert per["custom_call:__cudnn$fmhaSoftmax"] == 2
-  # the A/B's 'layerdraws' variant traces the previous program: one hash a layer (2 layers)
-  cfg = dp.model_config("tiny-qwen", 2, "l2a", 512)
-  hist = lambda sets: dp.stablehlo_histogram(_export(dp, cfg, sets))["stablehlo.shift_left"]
-  assert hist(("layerdraws",)) == 2 * hist(()) and hist(()) == fixed["stablehlo.shift_left"]

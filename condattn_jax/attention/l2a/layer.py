@@ -23,9 +23,7 @@ Decode (ctx.decode): two caches per layer, a window ring for `self_attn` and a f
 `global_attn`; the new tokens' K/V always go into the full cache, and global attention runs only
 for the queries that route global (per row: a row with none does no work in the kernel; with
 the option `decode_skip`, the whole call is skipped when no query of the chunk routes global: a
-`lax.cond` a layer), over the full cache's fill read from its length counter. With the
-context-free routing ('bernoulli') the step's draws of every layer are hashed once, before the
-layers, by the scheme module `DecodeDraws` (ctx.fields[DRAWS]; the same values as a layer's own).
+`lax.cond` a layer), over the full cache's fill read from its length counter.
 
 Pruned layers (`pruned_layers`) are the layer variant 'pruned': no global branch, router or global
 norm, only the window cache. They are scanned as groups of their own (`layer_variants`).
@@ -53,31 +51,6 @@ def _bernoulli_uniform(key, positions_BT, layer_idx):
 
   rows = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], positions_BT.shape)
   return jax.vmap(jax.vmap(one))(rows, positions_BT.astype(jnp.int32))
-
-
-# ctx.fields key of the decode step's context-free draws of every layer ([L, B, T], DecodeDraws)
-DRAWS = "l2a_uniform_LBT"
-
-
-class DecodeDraws(nn.Module):
-  """L2A's scheme module (`Scheme.module`, no params, no cache): when decoding with the
-  context-free routing ('bernoulli', key bernoulli_seed), the draws of EVERY layer for the
-  step's tokens at once, [L, B, T] in ctx.fields[DRAWS]: one vectorised hash a step instead of one
-  per layer (issue 33: fewer kernels a decode step). The same values as each layer's own
-  `_bernoulli_uniform(key, positions, layer)` (threefry is elementwise). Anything else (training,
-  a full forward, learned routing) gives no fields: each layer draws its own."""
-  config: ModelConfig
-
-  @nn.compact
-  def __call__(self, tokens_BT, ctx):
-    del tokens_BT
-    o = options(self.config)
-    if not ctx.decode or ctx.train or o.routing != "bernoulli":
-      return None, {}, {}
-    key = jax.random.PRNGKey(o.bernoulli_seed)
-    layers = jnp.arange(self.config.num_layers, dtype=jnp.int32)
-    u_LBT = jax.vmap(lambda l: _bernoulli_uniform(key, ctx.positions_BT, l))(layers)
-    return None, {DRAWS: u_LBT}, {}
 
 
 class Router(nn.Module):
@@ -149,13 +122,9 @@ class L2ALayer(nn.Module):
     if o.routing == "learned":
       hard_BT = p_BT >= o.theta
     elif o.routing == "bernoulli":
-      if DRAWS in ctx.fields:  # decoding: the step's draws of every layer (DecodeDraws)
-        u_BT = ctx.fields[DRAWS][ctx.layer_idx]
-      else:
-        key = (self.make_rng("router") if (ctx.train and self.has_rng("router"))
-               else jax.random.PRNGKey(o.bernoulli_seed))
-        u_BT = _bernoulli_uniform(key, ctx.positions_BT, ctx.layer_idx)
-      hard_BT = u_BT < o.bernoulli_q
+      key = (self.make_rng("router") if (ctx.train and self.has_rng("router"))
+             else jax.random.PRNGKey(o.bernoulli_seed))
+      hard_BT = _bernoulli_uniform(key, ctx.positions_BT, ctx.layer_idx) < o.bernoulli_q
     elif o.routing in ("all", "soft"):
       hard_BT = jnp.ones((B, T), bool)
     else:  # none
