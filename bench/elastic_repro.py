@@ -219,6 +219,17 @@ PRESETS["cpu_need"] = Settings(
     dense_check_every=250, dense_schedule="constant", router_steps=300,
     static_lrs=(1e-3, 3e-3), arms=("per_task", "single"), seeds=(0, 1, 2), ablation_seeds=3,
     eval_rows=512, select_rows=256, need_counts=(0, 1, 2, 4), need_sets=12, log_every=100)
+# Its dense model does not learn two-hop recall on CPU (probes, not recorded; seed 0, one process
+# on a shared 2-core host, gate = recall on the 256 selection rows, lr 3e-3 constant unless said):
+# T 128 + 300 / 600 pretraining steps (repeats 0.05-0.09: no induction head) 0.40 -> 0.55 at
+# steps 250-1750; T 80, training rows recall 1 in 2: 0.52 at 1000, 0.48 at 1200; the same at
+# hidden 128: 0.28 at 400; + one-hop curriculum rows (half the training rows: the queried key's
+# value fact keyed by the key itself) 0.56 at 1600; lr 1e-2: 0.53 at 1000; 4000 steps: 0.50-0.59
+# from step 500 to 4000 (0.54 at 4000), recent 1.0 throughout. The plateau is consistent with a
+# guess among the row's far values (not checked row by row), the slow phase of in-context
+# two-hop learning. With 2 facts and 2 queries (T 80, 4 keys) it sat at 0.77-0.79: both facts
+# are asked, so the second answer follows by elimination (keep num_queries < num_facts).
+# The GPU run's first call (the dense units) is its learnability check (docs/schemes/elastic.md)
 PRESETS["h100_need"] = Settings(
     seq_len=512, num_keys=32, num_values=32, num_facts=16, num_queries=4, sink_pad=64,
     num_layers=4, hidden_size=256, num_heads=8, num_kv_heads=4, block=64, sinks=64, local=64,
