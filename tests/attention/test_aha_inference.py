@@ -4,6 +4,8 @@ and chunked, with decode_skip: tests/schemes/test_conformance.py on AHA's tiny m
 is checked here);
 ONE full KV cache per layer, as large as the scheme's analytic count; routed-local heads read
 only the window of it; tau is a test-time knob of the served model."""
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -21,10 +23,16 @@ NEW = 6
 FAMILIES = {"qwen3": dict(qk_norm="head"), "olmo2": dict(qk_norm="full", post_norm=True)}
 
 
-def _aha(family="olmo2", **kw):
+@functools.lru_cache(maxsize=None)
+def _dense(family):
+  """The dense model's (config, params), built once per family (attention.convert copies)."""
   cfg = ModelConfig(family=family, num_layers=3).replace(**FAMILIES[family])
   tok = jnp.zeros((1, 8), jnp.int32)
-  dp = nn.unbox(jax.jit(Decoder(cfg).init)(jax.random.PRNGKey(3), tok)["params"])
+  return cfg, nn.unbox(jax.jit(Decoder(cfg).init)(jax.random.PRNGKey(3), tok)["params"])
+
+
+def _aha(family="olmo2", **kw):
+  cfg, dp = _dense(family)
   acfg, ap = attention.convert(dp, cfg, "aha", **{"window": 4, **kw})
   r = ap["layers"]["router"]  # a random router: a real mix of full / local heads
   r["kernel"] = 0.3 * jax.random.normal(jax.random.PRNGKey(0), r["kernel"].shape)
