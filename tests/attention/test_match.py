@@ -212,10 +212,11 @@ def test_sinks_baseline_sees_the_first_tokens():
   cfg = attention.configure(BASE, "match", window=8, chunk=4, top_k=0, sinks=2)
   params = _model(cfg)
   tok = _tokens(1, 40)
-  a, _ = _apply(cfg)({"params": params}, tok)
-  b, _ = _apply(cfg)({"params": params}, tok.at[0, 1].set(7 if tok[0, 1] != 7 else 6))
+  fwd = _apply(cfg)  # one trace for the three rows
+  a, _ = fwd({"params": params}, tok)
+  b, _ = fwd({"params": params}, tok.at[0, 1].set(7 if tok[0, 1] != 7 else 6))
   assert np.abs(np.asarray(a)[0, 39] - np.asarray(b)[0, 39]).max() > 1e-4  # a sink: visible
-  c, _ = _apply(cfg)({"params": params}, tok.at[0, 5].set(7 if tok[0, 5] != 7 else 6))
+  c, _ = fwd({"params": params}, tok.at[0, 5].set(7 if tok[0, 5] != 7 else 6))
   np.testing.assert_array_equal(np.asarray(a)[0, 39], np.asarray(c)[0, 39])  # out of reach
 
 
