@@ -224,7 +224,8 @@ PRESETS["cpu_need"] = Settings(
 # T 128 + 300 / 600 pretraining steps (repeats 0.05-0.09: no induction head) 0.40 -> 0.55 at
 # steps 250-1750; T 80, training rows recall 1 in 2: 0.52 at 1000, 0.48 at 1200; the same at
 # hidden 128: 0.28 at 400; + one-hop curriculum rows (half the training rows: the queried key's
-# value fact keyed by the key itself) 0.56 at 1600; lr 1e-2: 0.53 at 1000; 4000 steps: 0.50-0.59
+# value fact keyed by the key itself) 0.56 at 1600; lr 1e-2: 0.53 at 1000; 4 layers (h100_need's
+# depth): 0.49 at 1400 (0.55 at 1200); 4000 steps: 0.50-0.59
 # from step 500 to 4000 (0.54 at 4000), recent 1.0 throughout. The plateau is consistent with a
 # guess among the row's far values (not checked row by row), the slow phase of in-context
 # two-hop learning. With 2 facts and 2 queries (T 80, 4 keys) it sat at 0.77-0.79: both facts
