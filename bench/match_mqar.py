@@ -104,6 +104,11 @@ class Settings:
   # MQAR query slots: None = uniform over the query region, a = Zoology's power law (its
   # power_a, 0.01: most queries near the pairs; condattn_jax.data.synthetic.MQAR.query_power)
   query_power: float | None = None
+  # how MATCH / random run "window OR retrieved chunks" (MatchOptions.attention_path): with the
+  # reference impl 'auto' is the gathered path; 'block_sparse' is one masked O(T^2) reference call
+  # a layer (the same values: tests/attention/test_match_kernel.py). An execution choice: runs that
+  # differ only in it merge (EXECUTION_FIELDS).
+  attention_path: str = "auto"
 
 
 def method_lrs(s: Settings, method: str) -> tuple:
@@ -205,6 +210,7 @@ def model_config(s: Settings, method: str, length: int, retrieved_kv: str = "seq
     kw["window"] = length
   if kw["top_k"]:
     kw["retrieved_kv"] = retrieved_kv
+    kw["attention_path"] = s.attention_path
   return configure(base, "match", **kw)
 
 
@@ -545,6 +551,11 @@ def assemble(s: Settings, per: dict, secs: dict, device: str | None = None) -> d
   return out
 
 
+# Settings fields progress files of one merged run may differ in: the lengths a job ran and how
+# the retrieving methods' attention was executed (same values, another XLA program).
+EXECUTION_FIELDS = ("lengths", "attention_path")
+
+
 def merge_progress(s: Settings, paths) -> dict:
   """One result from the progress files of runs of the same settings over different lengths,
   lrs or seeds (the GPU plan's jobs), recorded with the device(s) the files name. Results at lengths outside s.lengths (a length whose methods did
@@ -555,9 +566,9 @@ def merge_progress(s: Settings, paths) -> dict:
       data = json.load(f)
     if "per" in data:
       devices.add(data["device"])
-      own = {k: v for k, v in data["settings"].items() if k != "lengths"}
+      own = {k: v for k, v in data["settings"].items() if k not in EXECUTION_FIELDS}
       if own != {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(s))).items()
-                 if k != "lengths"}:
+                 if k not in EXECUTION_FIELDS}:
         raise ValueError(f"--merge: {path} was run with other settings than preset's: {own}")
       data = data["per"]
     for m, by in data.items():
@@ -802,6 +813,9 @@ flags.DEFINE_float("plan_job_s", None, "with --plan: the GPU seconds a job aims 
                    "third of a GPU's budget; 0.001: one model a job)", flag_values=FLAGS)
 flags.DEFINE_list("done", None, "with --plan: progress files of finished jobs (earlier calls); "
                   "their models are left out of the plan", flag_values=FLAGS)
+flags.DEFINE_enum("attention_path", None, ["auto", "gathered", "block_sparse"], "MATCH / random: "
+                  "how 'window OR retrieved chunks' runs (default: the preset's; Settings)",
+                  flag_values=FLAGS)
 flags.DEFINE_list("merge", None, "progress files to merge into one result (no training): runs "
                   "of this preset over disjoint lengths", flag_values=FLAGS)
 
@@ -813,6 +827,8 @@ def main(argv=None):
     s = dataclasses.replace(s, steps=a.steps)
   if a.lengths:
     s = dataclasses.replace(s, lengths=tuple(int(x) for x in a.lengths))
+  if a.attention_path:
+    s = dataclasses.replace(s, attention_path=a.attention_path)
   if a.plan:
     calls = gpu_plan(s, a.plan, done_models(a.done or ()), a.plan_job_s)
     if a.plan_jobs is None:

@@ -129,6 +129,19 @@ def test_mqar_merge_joins_lr_jobs(tmp_path):
   assert "stopped_early" in r and not r["stopped_early"]
   with pytest.raises(ValueError, match="not the sweep's"):
     match_mqar.merge_progress(s, [paths[1], split[0], split[2]] + paths[2:])
+  # a file from before Settings.attention_path (no such key) merges with one that ran the
+  # block-sparse path (an execution field: same values); any other settings difference is refused
+  want = match_mqar.merge_progress(s, paths)["finals"]
+  rest = {m: {"64": job(m, [1e-3, 3e-3], [0.1, 0.1, 0.2, 0.2])} for m in ("swa", "match", "random")}
+  base = settings
+  settings = {k: v for k, v in base.items() if k != "attention_path"}
+  old = [write("old_hi.json", {"full": {"64": job("full", [3e-3], [0.9, 0.7])}}),
+         write("old_lo.json", {"full": {"64": job("full", [1e-3], [0.2, 0.4])}})]
+  settings = dict(base, attention_path="block_sparse")
+  assert match_mqar.merge_progress(s, old + [write("bs.json", rest)])["finals"] == want
+  settings = dict(base, window=s.window + 1)
+  with pytest.raises(ValueError, match="other settings"):
+    match_mqar.merge_progress(s, old + [write("other.json", rest)])
 
 
 def test_memory_bench_match_flat():
