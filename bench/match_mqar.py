@@ -58,6 +58,7 @@ import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
 from condattn_jax.attention import configure  # noqa: E402
+from condattn_jax.attention.match.options import ATTENTION_PATHS  # noqa: E402
 from condattn_jax.data.synthetic import MQAR  # noqa: E402
 from condattn_jax.models.config import ModelConfig  # noqa: E402
 from condattn_jax.models.decoder import Decoder  # noqa: E402
@@ -813,7 +814,7 @@ flags.DEFINE_float("plan_job_s", None, "with --plan: the GPU seconds a job aims 
                    "third of a GPU's budget; 0.001: one model a job)", flag_values=FLAGS)
 flags.DEFINE_list("done", None, "with --plan: progress files of finished jobs (earlier calls); "
                   "their models are left out of the plan", flag_values=FLAGS)
-flags.DEFINE_enum("attention_path", None, ["auto", "gathered", "block_sparse"], "MATCH / random: "
+flags.DEFINE_enum("attention_path", None, list(ATTENTION_PATHS), "MATCH / random: "
                   "how 'window OR retrieved chunks' runs (default: the preset's; Settings)",
                   flag_values=FLAGS)
 flags.DEFINE_list("merge", None, "progress files to merge into one result (no training): runs "
