@@ -661,7 +661,8 @@ def join_lr_jobs(s: Settings, method: str, length: int, parts: list) -> dict:
 # their deadline. 512's MATCH / random -> 24 (x1.54), full -> 12.3 kept (conservative), and 256's
 # MATCH / random scaled by the same x1.54 (11.7). Linear in a job's models: a probe on one H100
 # (200d654, 512, lr 1e-3, steps 400-800) ran one MATCH model at 27.5 ms a step and three vmapped
-# at 75 ms (25 a model): the GPU is busy, vmapping saves nothing.
+# at 75 ms (25 a model; logs: bench/results/mqar_units/pace_probe_h100_20261127.tgz): the GPU is
+# busy, vmapping saves nothing.
 STEP_MS = {64: dict(full=1.1, swa=1.1, match=2.7, random=2.7),
            128: dict(full=1.1, swa=1.1, match=2.7, random=2.7),
            256: dict(full=4.3, swa=2.9, match=11.7, random=11.7),
