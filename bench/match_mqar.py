@@ -171,7 +171,7 @@ PRESETS = {
                      train_rows=100_000, model_groups=((512, 4),),
                      method_lrs=(("full", (3e-4, 1e-3, 3e-3, 1e-2)),
                                  ("swa", (3e-4, 1e-3, 3e-3, 1e-2))),
-                     tie_embeddings=True, query_power=0.01),
+                     tie_embeddings=True, query_power=0.01, attention_path="block_sparse"),
     # CI (tests/bench/test_match_bench.py, SWA and MATCH only): length 64, the sweep's best
     # MATCH lr, one seed, 300 steps (where the sweep's MATCH / SWA curves separate)
     "test": Settings(lengths=(64,), lrs=(3e-3,), seeds=(0,), steps=300, batch=16,
@@ -663,10 +663,16 @@ def join_lr_jobs(s: Settings, method: str, length: int, parts: list) -> dict:
 # (200d654, 512, lr 1e-3, steps 400-800) ran one MATCH model at 27.5 ms a step and three vmapped
 # at 75 ms (25 a model; logs: bench/results/mqar_units/pace_probe_h100_20261127.tgz): the GPU is
 # busy, vmapping saves nothing.
+# The h100 preset runs MATCH / random on attention_path='block_sparse' from call 3 (958225f on):
+# a probe on one H100 (512, lr 1e-3, seed 0, steps 400-800, one model a GPU; logs:
+# bench/results/mqar_units/pace_probe_paths_h100_20261127.tgz) took 10 s for those 400 steps on
+# the gathered path (25 ms a step), 4 s on block_sparse (10 ms; loss at step 800 0.213 vs 0.212,
+# accuracy 0.971 both) and 4 s for full attention: MATCH / random 512 -> 13.0 (full's 12.3 and a
+# margin for the retrieval scoring), 256 -> 5.2 (full's 4.3 x 1.2); 64 / 128 kept (not probed).
 STEP_MS = {64: dict(full=1.1, swa=1.1, match=2.7, random=2.7),
            128: dict(full=1.1, swa=1.1, match=2.7, random=2.7),
-           256: dict(full=4.3, swa=2.9, match=11.7, random=11.7),
-           512: dict(full=12.3, swa=8.2, match=24.0, random=24.0)}
+           256: dict(full=4.3, swa=2.9, match=5.2, random=5.2),
+           512: dict(full=12.3, swa=8.2, match=13.0, random=13.0)}
 # Seconds a job spends besides its training steps: the imports, its rows read (--make_data made
 # them), the compiles, MATCH's decode-semantics evaluation at the end, and --deadline_s's margin
 # (a training stops at an evaluation unless 1.5 x the next 400 steps + 20 s still fit).
