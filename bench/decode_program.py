@@ -471,47 +471,36 @@ OPTION_SETS = {**CB_MODES,
 # (`--xla_gpu_command_buffer_update_mode=SKIP_TEMP`): otherwise the executable falls back to
 # ALWAYS_UPDATE silently. CB_UPDATE_RULE settles it.
 # What a variant can change in the engine's traced program (engine layouts only): the decode
-# attention through the Mosaic GPU decode kernel where auto would run cuDNN's split-KV path
-# ('mgpu': pallas_kernels.decode's DecodeConfig(over_cudnn=True)), or through the XLA reference
-# ('refattn': model attention_impl='reference': einsum over the cache with a length mask, like
-# the plain-XLA baseline); 'noskip': the scheme's decode_skip off (L2A, AHA: the global call runs
-# every step, branch-free, its inactive rows reading one kv tile per split part and weighted 0:
-# no lax.cond, so no host round trip per layer; same logits and caches).
+# attention through the decode kernel (pallas_kernels.decode, Mosaic GPU on an H100) where auto
+# would run cuDNN's split-KV path ('mgpu': ops impl 'decode_kernel' as the model's
+# attention_impl and, for a scheme with one, its compact_impl: typed config values, no patched
+# module state), or through the XLA reference ('refattn': model attention_impl='reference':
+# einsum over the cache with a length mask, like the plain-XLA baseline); 'noskip': the
+# scheme's decode_skip off (L2A, AHA: the global call runs every step, branch-free, its inactive
+# rows reading one kv tile per split part and weighted 0: no lax.cond, so no host round trip per
+# layer; same logits and caches).
 TRACE_SETS = ("mgpu", "refattn", "noskip")
 
 
 def variant_config(cfg, sets):
-  """The engine's model config of a variant: TRACE_SETS' 'refattn' (attention_impl='reference')
-  and 'noskip' (decode_skip=False; a scheme without the option raises)."""
+  """The engine's model config of a variant: TRACE_SETS' 'mgpu' (attention_impl and a scheme's
+  compact_impl 'decode_kernel'), 'refattn' (attention_impl='reference') and 'noskip'
+  (decode_skip=False; a scheme without the option raises)."""
+  from condattn_jax.attention import options
+  if "mgpu" in sets and "refattn" in sets:
+    raise ValueError("variant sets 'mgpu' and 'refattn' name two attention paths; pick one.")
+  kw = dict(cfg.scheme_kwargs)
   if "refattn" in sets:
     cfg = dataclasses.replace(cfg, attention_impl="reference")
+  if "mgpu" in sets:
+    cfg = dataclasses.replace(cfg, attention_impl="decode_kernel")
+    if cfg.scheme != "dense" and hasattr(options(cfg), "compact_impl"):
+      kw["compact_impl"] = "decode_kernel"
   if "noskip" in sets:
-    kw = dict(cfg.scheme_kwargs)
     if "decode_skip" not in kw:
       raise ValueError(f"variant set 'noskip': scheme {cfg.scheme!r} has no decode_skip option.")
     kw["decode_skip"] = False
-    cfg = dataclasses.replace(cfg, scheme_kwargs=tuple(sorted(kw.items())))
-  return cfg
-
-
-def _trace_context(sets):
-  """The context the variant's program is traced in (TRACE_SETS' 'mgpu': the decode kernels'
-  backends with over_cudnn=True; 'refattn' / 'noskip' are model configs, set by the caller:
-  variant_config)."""
-  import contextlib
-  stack = contextlib.ExitStack()
-  if "mgpu" in sets:
-    # jit reuses a trace per (function, static args, shapes) and engines of one config compare
-    # equal: traces made outside the patch must not serve it, nor its trace later variants
-    import jax
-    from unittest import mock
-    from pallas_kernels import decode as pd
-    jax.clear_caches()
-    stack.callback(jax.clear_caches)
-    new = tuple(dataclasses.replace(b, config=dataclasses.replace(b.config, over_cudnn=True))
-                if hasattr(getattr(b, "config", None), "over_cudnn") else b for b in pd.BACKENDS)
-    stack.enter_context(mock.patch.object(pd, "BACKENDS", new))
-  return stack
+  return dataclasses.replace(cfg, scheme_kwargs=tuple(sorted(kw.items())))
 
 
 # Every profiled compile keeps its command buffers under the tracer (by default XLA runs a
@@ -653,15 +642,11 @@ def _build_variant(name, layout, sets, cfg, params, split, B, T, compiler_option
              command_buffers=next((x for x in sets if x in CB_MODES), "default"),
              scheme=scheme, shapes=shapes, B=B, T=T,
              compiler_options=opts, backend=_backend())
-  traced_in = _trace_context(())  # a no-op until the variant's own is made
   try:
     p = split if layout == "split" else params
     # a fresh engine per variant: jit caches a trace per (engine, shapes), and a variant's
-    # trace context / attention impl must reach its own trace
+    # model config (attention impl, scheme options) must reach its own trace
     eng = Engine(variant_config(cfg, sets), params, cache_len=T + bd.EXTRA)
-    # the variant's trace context holds while its program is traced
-    traced_in = _trace_context(sets)
-    traced_in.__enter__()
     logits = eng._commit(jnp.zeros((B, cfg.vocab_size), jnp.float32))
     pos0 = eng._commit(jnp.full((B, 1), T, jnp.int32))
     on = eng._commit(jnp.ones((B, 1), bool))
@@ -691,7 +676,6 @@ def _build_variant(name, layout, sets, cfg, params, split, B, T, compiler_option
       bench = lambda s, i: compiled(p, s[0], jnp.argmax(s[1], -1).astype(jnp.int32)[:, None],
                                     pos0 + i, on, s[1])[:2]
       bare = lambda s: compiled(p, s[0], tok, pos0, on, s[1])[:2]
-    traced_in.close()
     row["compile_s"] = time.perf_counter() - t0
     row.update(bd._mem(compiled))
     text = compiled.as_text()
@@ -709,7 +693,6 @@ def _build_variant(name, layout, sets, cfg, params, split, B, T, compiler_option
                status="built")
     return dict(row=row, bench=bench, bare=bare, state=state)
   except Exception as e:  # recorded; the other variants still run
-    traced_in.close()
     row.update(status="error", error=f"{type(e).__name__}: {str(e)[:400]}")
     return dict(row=row)
 
@@ -728,6 +711,13 @@ def _build_variant(name, layout, sets, cfg, params, split, B, T, compiler_option
 #     switches' exactness itself is tested on CPU to 1e-6).
 # A candidate that holds at every T is adopted (the one code path), any other is deleted; where
 # two hold, the one with the lower median wall ms at the longest T.
+# Extension for candidates that change what dense runs too (registered 2026-11-27 before the run
+# of `split` = Engine(split_layers=True) and `mgpu` = ops impl 'decode_kernel'; `settle`): when
+# --dense_variants names a variant of the same name as a scheme candidate (the first dense
+# variant is dense's default), that candidate must also pass the rule above as a dense
+# candidate against dense's default (same T, same thresholds); adopted = the candidates passing
+# both (or the scheme's alone where dense has no variant of that name), and where several pass,
+# the one with the lower median wall ms of the scheme at the longest T.
 ADOPTION_RULE = dict(T=(8192, 131072), min_repeats=5, min_steps=32, busy_slack=0.02,
                      max_rel_err=1e-2)
 
@@ -864,6 +854,21 @@ def adoption(rows: list[dict], scheme: str, default: str, rule: dict = ADOPTION_
         failed.append(f"T={T}: logits rel_err {x['rel_err']:.2e} > {rule['max_rel_err']}")
     out[c] = dict(adopt=not failed, failed=failed, per_T=per)
   return out
+
+
+def settle(rows: list[dict], scheme: str, default: str, dense_default: str | None,
+           rule: dict = ADOPTION_RULE) -> dict:
+  """ADOPTION_RULE with its dense extension applied to ab_step rows: {adopt: the adopted
+  candidate or None, scheme: adoption(rows, scheme, default), dense: adoption(rows, 'dense',
+  dense_default) (empty without a dense default), passed: {candidate: bool}} where a candidate
+  passes iff it passes for `scheme` and, when dense holds a variant of its name, for dense."""
+  own = adoption(rows, scheme, default, rule)
+  dense = adoption(rows, "dense", dense_default, rule) if dense_default else {}
+  passed = {c: bool(r["adopt"] and (c not in dense or dense[c]["adopt"]))
+            for c, r in own.items()}
+  longest = max(rule["T"])
+  winners = sorted((own[c]["per_T"][longest]["ms"], c) for c, ok in passed.items() if ok)
+  return dict(adopt=winners[0][1] if winners else None, passed=passed, scheme=own, dense=dense)
 
 
 # The rule that settles XLA's command-buffer update mode for decoding (issue 33), registered before
@@ -1148,7 +1153,7 @@ def _main_ab(a) -> list[dict]:
                     steps=a.steps, repeats=a.repeats, traced=a.traced,
                     busy_repeats=a.busy_repeats)
     print(profile_table(rows), flush=True)
-    decision = adoption(rows, a.scheme, variants[0])
+    decision = settle(rows, a.scheme, variants[0], dense[0] if len(dense) > 1 else None)
     print(json.dumps(decision, indent=1), flush=True)
     if a.compare_to:  # CB_UPDATE_RULE: this run is B, --compare_to holds run A's rows
       with open(a.compare_to) as f:
@@ -1166,7 +1171,7 @@ def _main_ab(a) -> list[dict]:
         traced=a.traced, busy_repeats=a.busy_repeats, rule=ADOPTION_RULE,
         xla_flags=os.environ.get("XLA_FLAGS", "")))
     run["rows"] = [{k: v for k, v in r.items() if k != "trace_lines"} for r in rows]
-    run["adoption"] = adoption(rows, a.scheme, variants[0])
+    run["adoption"] = settle(rows, a.scheme, variants[0], dense[0] if len(dense) > 1 else None)
     if cb is not None:
       run["cb_update_adoption"] = cb
     if a.note:

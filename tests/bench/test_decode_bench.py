@@ -328,19 +328,25 @@ def test_ab_interleaves_the_variants_and_applies_the_registered_rule(tmp_path):
   and its decision; `adoption` adopts only a candidate no slower at every T of the rule."""
   from bench import decode_program as dp
   rows = dp.main(["--ab", "--scheme=l2a", "--shapes=tiny-qwen", "--B=1", "--T=64",
-                  "--variants=stacked,stacked:noskip", "--dense_variants=stacked",
+                  "--variants=stacked,stacked:noskip,split:mgpu",
+                  "--dense_variants=stacked,split:mgpu",
                   "--steps=2", "--repeats=2", "--traced=2", "--busy_repeats=2",
                   f"--out_dir={tmp_path}", "--note=cpu"])
   assert [(r["scheme"], r["variant"]) for r in rows] == [
-      ("l2a", "stacked"), ("l2a", "stacked:noskip"), ("dense", "stacked")]
+      ("l2a", "stacked"), ("l2a", "stacked:noskip"), ("l2a", "split:mgpu"),
+      ("dense", "stacked"), ("dense", "split:mgpu")]
   assert all(r["status"] == "ok" for r in rows), [r.get("error") for r in rows]
   for r in rows:
-    assert len(r["runs_ms"]) == 2 and len(r["busy_runs_ms"]) == 2 and r["rel_err"] == 0.0
+    # split params + the decode kernels' path (on CPU their reference backend): same logits
+    assert len(r["runs_ms"]) == 2 and len(r["busy_runs_ms"]) == 2 and r["rel_err"] <= 1e-6
     assert r["host_ms"] > 0 and r["logits_finite"]
+  assert rows[1]["rel_err"] == 0.0
   assert rows[1]["reference_variant"] == "stacked" and rows[1]["x_dense"] > 0
+  assert rows[4]["reference_variant"] == "stacked" and "x_dense" not in rows[4]
   (run,) = common.load(common.result_path("decode_program", str(tmp_path)))["runs"]
   assert run["settings"]["rule"] == {**dp.ADOPTION_RULE, "T": list(dp.ADOPTION_RULE["T"])}
-  assert run["note"] == "cpu" and run["adoption"]["stacked:noskip"]["adopt"] is False
+  assert run["note"] == "cpu" and run["adoption"]["scheme"]["stacked:noskip"]["adopt"] is False
+  assert run["adoption"]["adopt"] is None and "split:mgpu" in run["adoption"]["dense"]
   rule = dict(dp.ADOPTION_RULE, T=(64, 128), min_repeats=1, min_steps=1)
   row = lambda v, T, ms, busy, err=0.0: dict(scheme="l2a", variant=v, T=T, ms=ms, busy_ms=busy,
                                              rel_err=err, runs_ms=[ms], steps=2, status="ok")
@@ -353,6 +359,18 @@ def test_ab_interleaves_the_variants_and_applies_the_registered_rule(tmp_path):
   assert "busy" in got["b"]["failed"][0] and "wall" in got["c"]["failed"][0]
   assert "rel_err" in got["e"]["failed"][0]
   assert dp.adoption(rows[:3], "l2a", "d", rule)["a"]["failed"] == ["T=128: no ok row of both"]
+  # the dense extension (settle): a candidate dense also ran must pass for dense too; among the
+  # passing ones the lower scheme wall at the longest T wins
+  rows.append(row("f", 64, 1.5, 1.0))
+  rows.append(row("f", 128, 2.0, 1.0))
+  drow = lambda v, T, ms: dict(row(v, T, ms, 1.0), scheme="dense")
+  dense = [drow("dd", 64, 2.0), drow("dd", 128, 2.0), drow("a", 64, 1.0), drow("a", 128, 2.5),
+           drow("f", 64, 1.0), drow("f", 128, 1.0)]
+  got = dp.settle(rows + dense, "l2a", "d", "dd", rule)
+  assert got["passed"] == dict(a=False, b=False, c=False, e=False, f=True)
+  assert got["adopt"] == "f" and "wall" in got["dense"]["a"]["failed"][0]
+  assert dp.settle(rows, "l2a", "d", None, rule)["adopt"] == "f"  # no dense candidates: a, f
+  assert dp.settle(rows[:10], "l2a", "d", None, rule)["adopt"] == "a"
 
 
 @pytest.mark.manual
@@ -373,7 +391,7 @@ def test_profile_trace_sets_change_the_h100_program():
   assert calls(cfg) == {"custom_call:__cudnn$fmhaSoftmax": 2}
   assert calls(cfg, ("mgpu",)) == {"custom_call:mosaic_gpu_v2": 2}
   assert calls(dataclasses.replace(cfg, attention_impl="reference")) == {}
-  assert calls(cfg) == {"custom_call:__cudnn$fmhaSoftmax": 2}  # the patch is gone
+  assert calls(cfg) == {"custom_call:__cudnn$fmhaSoftmax": 2}  # the default again
   # the one-token cache write: 4 dynamic-update-slices in layer 0 (key, value, positions,
   # valid), 2 in the other (key, value: its bookkeeping is layer 0's), no scatter
   new = dp.stablehlo_histogram(_export(dp, cfg, ()))
@@ -381,8 +399,7 @@ def test_profile_trace_sets_change_the_h100_program():
 
 
 def _export(dp, cfg, sets):
-  with dp._trace_context(sets):
-    return dp.exported_text("engine", cfg, 1, 512)
+  return dp.exported_text("engine", dp.variant_config(cfg, sets), 1, 512)
 
 
 def test_l2a_decode_variant_sets_and_the_dense_ratio():
@@ -520,3 +537,10 @@ def test_l2a_decode_program_launches_nothing_that_splits_command_buffers():
   assert calls(l2a) == {"custom_call:__cudnn$fmhaSoftmax": 4}
   assert _runtime_cases(l2a) == [] and _runtime_cases(dense) == []
   assert len(_runtime_cases(export("l2a", decode_skip=True))) == 2  # the check sees a cond
+  # the issue-33 candidate 'mgpu' (ops impl 'decode_kernel' for the model and the global call):
+  # both calls of every layer on the Mosaic GPU decode kernel (Qwen2.5-1.5B shapes at 8K: the
+  # kernel takes head_dim 128, not the tiny 16, and a 256-slot ring, not 512's 16), no cuDNN
+  # call, no conditional
+  mgpu = dp.exported_text("engine", dp.variant_config(
+      dp.model_config("qwen2.5-1.5b", 2, "l2a", 8192), ("mgpu",)), 1, 8192)
+  assert calls(mgpu) == {"custom_call:mosaic_gpu_v2": 4} and _runtime_cases(mgpu) == []
