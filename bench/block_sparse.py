@@ -24,7 +24,8 @@ timed shape), then timed in the same process: 2 warm-ups, median of --n, block_u
 Appends a run (bench/common.py's schema 1: the result verbatim under `recorded`, issue 31's
 targets as claims) to $OUT (or --out_dir) /block_sparse_<device>.json and prints the table last.
 --impl=mosaic_gpu times the Hopper kernel; --kernels_alone adds its three kernels timed alone
-(all heads full) beside cuDNN's forward and backward. --match: MATCH's training attention on the
+(all heads full) beside cuDNN's forward and backward. --ab: the pre-registered A/B of the Mosaic
+GPU backward's schedule variants (AB_VARIANTS, rule in ab_decide), all heads full. --match: MATCH's training attention on the
 block-sparse kernel vs its gathered path, SWA and dense (match_layers).
 """
 from __future__ import annotations
@@ -44,7 +45,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from absl import flags  # noqa: E402
 from bench import common  # noqa: E402
-from pallas_kernels.block_sparse import (HEAD_BLOCKS, HEAD_FULL,  # noqa: E402
+from pallas_kernels.block_sparse import (HEAD_BLOCKS, HEAD_FULL, BlockSparseConfig,  # noqa
                                          block_sparse_attention)
 from pallas_kernels.block_sparse.testing import ssa_lists  # noqa: E402
 from pallas_kernels.compact_attention.reference import (dense_mask,  # noqa: E402
@@ -135,10 +136,10 @@ def lists_for(s: Settings, T: int):
                                sink_blocks=s.sink_blocks, local_blocks=s.local_blocks))
 
 
-def kernel(s: Settings, lists, mode):
+def kernel(s: Settings, lists, mode, config: BlockSparseConfig | None = None):
   def f(q, k, v):
     return block_sparse_attention(q, k, v, lists, mode, block_q=s.block, block_k=s.block,
-                                  impl=s.impl, interpret=s.interpret)
+                                  impl=s.impl, interpret=s.interpret, config=config)
   return f
 
 
@@ -605,6 +606,208 @@ def table(result) -> str:
   return "\n".join(lines + kernels_alone_lines(result))
 
 
+
+# ----------------------------------------------------------------------------------------------
+# The all-full A/B of the Mosaic GPU backward's schedule variants (issue 31: all heads full
+# >= 0.95x cuDNN forward+backward at 64K). Registered before any GPU run of these variants.
+# ----------------------------------------------------------------------------------------------
+
+# (dq_overlap: S issued before dP, P while dP runs; dkv_stages4: 4 query sub-tiles in flight;
+# *pingpong: the compute warpgroups take turns on the tensor cores; the variants without named
+# barriers first, so that a guarded check process that hangs has checked those)
+AB_VARIANTS = {
+    "dq_overlap": BlockSparseConfig(mgpu_dq_overlap=True),
+    "dkv_stages4": BlockSparseConfig(mgpu_dkv_stages=4),
+    "dq_pingpong": BlockSparseConfig(mgpu_dq_pingpong=True),
+    "dkv_pingpong": BlockSparseConfig(mgpu_dkv_pingpong=True),
+    "pingpong": BlockSparseConfig(mgpu_dq_pingpong=True, mgpu_dkv_pingpong=True),
+    "pingpong_stages4": BlockSparseConfig(mgpu_dq_pingpong=True, mgpu_dkv_pingpong=True,
+                                          mgpu_dkv_stages=4),
+    "all": BlockSparseConfig(mgpu_dq_pingpong=True, mgpu_dq_overlap=True, mgpu_dkv_pingpong=True,
+                             mgpu_dkv_stages=4),
+}
+AB_TS = (65536, 32768)   # both must show the gain
+AB_MIN_GAIN = 1.015      # default ms / variant ms, at every T of AB_TS
+AB_TOL = 2e-2            # bf16: rel error vs the reference (check_T) and vs the default (timed T)
+
+
+def ab_check(s: Settings, names, log=print, on_result=None) -> dict:
+  """Each AB_VARIANTS entry in `names` against the reference at T = s.check_T (fresh inputs, 70%
+  of kv heads SSA beside full heads: masked and unmasked tiles): out, dq, dk, dv rel errors;
+  ok iff all <= AB_TOL (NaN fails). on_result(dict so far) after each variant (a guarded
+  process saves what it checked before a hang)."""
+  T = s.check_T
+  q, k, v, ct = inputs(s, T, 1)
+  lists = lists_for(s, T)
+  mode, _ = head_modes(s, 0.7, seed=1)
+  pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (s.B, T))
+  m = dense_mask(pos, pos, kv_blocks_BNQL=lists, head_mode_BN=mode, block_q=s.block,
+                 block_k=s.block)
+  o_r, g_r = fwd_bwd(lambda q, k, v: reference_attention(q, k, v, m)[0], ct)(q, k, v)
+  out = {}
+  for name in names:
+    try:
+      o, g = fwd_bwd(kernel(s, lists, mode, AB_VARIANTS[name]), ct)(q, k, v)
+      errs = dict(out=rel(o, o_r), dq=rel(g[0], g_r[0]), dk=rel(g[1], g_r[1]),
+                  dv=rel(g[2], g_r[2]))
+      out[name] = dict(errors=errs, ok=all(e <= AB_TOL for e in errs.values()))
+    except Exception as e:  # noqa: BLE001
+      traceback.print_exc()
+      out[name] = dict(errors={}, ok=False, err=f"{type(e).__name__}: {str(e)[:400]}")
+    log("ab check", name, out[name])
+    if on_result is not None:
+      on_result(out)
+  return out
+
+
+def ab_time(s: Settings, T: int, names, n: int, log=print) -> dict:
+  """ours_dense (every head HEAD_FULL) forward+backward at T, the default config and each
+  variant in `names`, and cuDNN dense causal, in one process: each compiled and run once (its
+  out / dq / dk / dv compared with the default's: rel errors, NaN), warmed up once more, then
+  timed by common.time_interleaved (n rounds, the order reversed every round): median ms."""
+  q, k, v, ct = inputs(s, T, 0)
+  lists = lists_for(s, T)
+  full = jnp.full((s.B, s.N), HEAD_FULL, jnp.int32)
+  fns = {"default": fwd_bwd(kernel(s, lists, full), ct)}
+  fns.update({name: fwd_bwd(kernel(s, lists, full, AB_VARIANTS[name]), ct) for name in names})
+  fns["cudnn"] = fwd_bwd(dense(s), ct)
+  row = dict(T=T, errors_vs_default={}, nan={}, err={})
+  o0, g0 = fns["default"](q, k, v)
+  row["nan"]["default"] = bool(jnp.isnan(o0).any()) or any(bool(jnp.isnan(x).any()) for x in g0)
+  live = {}
+  for name, f in fns.items():
+    log(f"ab T={T}: compiling / running {name}")
+    try:
+      o, g = f(q, k, v)
+      if name != "default":
+        row["nan"][name] = bool(jnp.isnan(o).any()) or any(bool(jnp.isnan(x).any()) for x in g)
+        row["errors_vs_default"][name] = dict(out=rel(o, o0), dq=rel(g[0], g0[0]),
+                                              dk=rel(g[1], g0[1]), dv=rel(g[2], g0[2]))
+      del o, g
+      jax.block_until_ready(f(q, k, v))
+      live[name] = f
+    except Exception as e:  # noqa: BLE001
+      traceback.print_exc()
+      row["err"][name] = f"{type(e).__name__}: {str(e)[:400]}"
+  del o0, g0
+  t = common.time_interleaved({name: (lambda f=f: f(q, k, v)) for name, f in live.items()}, n=n)
+  row["ms"] = {name: x["median_ms"] for name, x in t.items()}
+  row["runs_ms"] = {name: x["runs_ms"] for name, x in t.items()}
+  base = row["ms"]["default"]
+  row["gain_vs_default"] = {name: base / ms for name, ms in row["ms"].items()}
+  row["speedup_vs_cudnn"] = {name: row["ms"]["cudnn"] / ms for name, ms in row["ms"].items()
+                             if "cudnn" in row["ms"]}
+  log(json.dumps(dict(ab_T=T, ms=row["ms"], gain_vs_default=row["gain_vs_default"],
+                      speedup_vs_cudnn=row["speedup_vs_cudnn"], err=row["err"])))
+  return row
+
+
+def ab_decide(checks: dict, rows: list) -> dict:
+  """The A/B's rule, registered before its GPU run: a variant QUALIFIES iff
+    (1) it passed ab_check (out, dq, dk, dv within AB_TOL of the reference at check_T),
+    (2) at every T of AB_TS it ran without NaN and its out, dq, dk, dv are within AB_TOL of the
+        default's (same inputs), and
+    (3) at every T of AB_TS its median forward+backward ms (interleaved rounds, one process) is
+        faster than the default's by >= AB_MIN_GAIN (default ms / variant ms >= 1.015).
+  The ADOPTED variant is the qualifier with the largest gain at AB_TS[0] (64K); none qualifying:
+  none adopted (the default stays, the variants' switches are removed)."""
+  by_T = {r["T"]: r for r in rows}
+  verdict = {}
+  for name in AB_VARIANTS:
+    why = []
+    if not checks.get(name, {}).get("ok"):
+      why.append("small check")
+    for T in AB_TS:
+      r = by_T.get(T)
+      if r is None or name not in r.get("ms", {}):
+        why.append(f"not timed at {T}")
+        continue
+      errs = r["errors_vs_default"].get(name, {})
+      if r["nan"].get(name, True) or not errs or not all(e <= AB_TOL for e in errs.values()):
+        why.append(f"differs from the default at {T}")
+      if r["gain_vs_default"][name] < AB_MIN_GAIN:
+        why.append(f"gain {r['gain_vs_default'][name]:.4f} < {AB_MIN_GAIN} at {T}")
+    verdict[name] = dict(qualifies=not why, why=why)
+  quals = [n for n in AB_VARIANTS if verdict[n]["qualifies"]]
+  adopted = max(quals, key=lambda n: by_T[AB_TS[0]]["gain_vs_default"][n]) if quals else None
+  return dict(rule=ab_decide.__doc__, min_gain=AB_MIN_GAIN, tol=AB_TOL, Ts=list(AB_TS),
+              verdict=verdict, adopted=adopted)
+
+
+def ab_table(res: dict) -> str:
+  lines = [f"A/B {res['device']} commit {res.get('git_commit')}: ours_dense fwd+bwd ms (median of "
+           f"{res['n']} interleaved rounds); gain = default / variant; x cuDNN = cuDNN / variant",
+           "variant            " + "".join(f"{'T=' + str(r['T']):>28}" for r in res["rows"])]
+  names = ["cudnn", "default"] + [n for n in AB_VARIANTS if n in res["names"]]
+  for name in names:
+    cells = []
+    for r in res["rows"]:
+      if name in r["ms"]:
+        cells.append(f"{r['ms'][name]:9.2f} ms {r['gain_vs_default'][name]:6.3f} "
+                     f"{r['speedup_vs_cudnn'].get(name, float('nan')):6.3f}x")
+      else:
+        cells.append(f"{'ERROR' if name in r['err'] else '-':>28}")
+    ok = res["checks"].get(name, {}).get("ok")
+    lines.append(f"{name:<18} " + "".join(f"{c:>28}" for c in cells)
+                 + ("" if ok is None else f"  check {'ok' if ok else 'FAILED'}"))
+  d = res["decision"]
+  lines.append(f"adopted: {d['adopted']}")
+  for name, v in d["verdict"].items():
+    if v["why"]:
+      lines.append(f"  {name}: " + "; ".join(v["why"]))
+  return "\n".join(lines)
+
+
+def ab_run(s: Settings, names, *, n: int, checks_path: str | None = None, check_only=False,
+           log=print, out_dir=None) -> dict:
+  """--ab: ab_check of `names` (or, given checks_path, the checks a guarded earlier process
+  saved there: only the variants that passed are timed; no file: none is), then ab_time at each T of s.Ts, ab_decide, a run
+  'mosaic_gpu_ab' appended to out_dir's result file (after each T) and ab_table printed.
+  check_only: only the checks, saved to checks_path after each variant."""
+  if checks_path and not check_only:   # a guarded process's checks; none saved: none passed
+    checks = {}
+    if os.path.exists(checks_path):
+      with open(checks_path) as fh:
+        checks = json.load(fh)
+  else:
+    def save(c):
+      if checks_path:
+        with open(checks_path, "w") as fh:
+          json.dump(c, fh)
+    checks = ab_check(s, names, log, on_result=save)
+  if check_only:
+    return checks
+  dev = jax.devices()[0].device_kind
+  res = dict(device=dev, jax_version=jax.__version__, git_commit=common.git_commit(),
+             date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+             command=" ".join(sys.argv), settings=dataclasses.asdict(s), n=n,
+             names=list(names), variants={k: dataclasses.asdict(AB_VARIANTS[k]) for k in names},
+             checks=checks, rows=[])
+  timed = [x for x in names if checks.get(x, {}).get("ok")]
+  path = None
+  if out_dir is not None:
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, f"block_sparse_{dev.replace(' ', '_')}.json")
+  for i, T in enumerate(s.Ts):
+    res["rows"].append(ab_time(s, T, timed, n, log))
+    res["decision"] = ab_decide(checks, res["rows"])
+    if path is not None:
+      append_run(path, ab_record(res), replace_last=i > 0)
+  log(ab_table(res))
+  return res
+
+
+def ab_record(res: dict) -> dict:
+  """The A/B result as a schema-1 run 'mosaic_gpu_ab' (rows: one per T; recorded verbatim)."""
+  run = common.new_run("block_sparse", dict(name="mosaic_gpu_ab", Ts=[r["T"] for r in res["rows"]],
+                                            n=res["n"], names=res["names"]), device=res["device"])
+  run["git_commit"] = res["git_commit"]
+  run["rows"] = [dict(T=r["T"], ms=r["ms"], gain_vs_default=r["gain_vs_default"],
+                      speedup_vs_cudnn=r["speedup_vs_cudnn"]) for r in res["rows"]]
+  run["recorded"] = res
+  return run
+
+
 FLAGS = common.flag_values(n=None)
 flags.DEFINE_enum("preset", "gpu", sorted(PRESETS), "settings preset (test: tiny CPU shapes)",
                   flag_values=FLAGS)
@@ -621,6 +824,15 @@ flags.DEFINE_enum("impl", "", ["", "triton", "mosaic_gpu"], "the block-sparse ke
                   "(default: the preset's, triton)", flag_values=FLAGS)
 flags.DEFINE_bool("kernels_alone", False, "mosaic_gpu: also time the forward, dq and dk/dv "
                   "kernels alone (all heads full) beside cuDNN", flag_values=FLAGS)
+flags.DEFINE_string("ab", "", "mosaic_gpu, all heads full: the pre-registered A/B (ab_decide) of "
+                    "these comma-separated AB_VARIANTS ('all_variants': every one) against the "
+                    "default at --T (default 65536,32768), --n interleaved rounds",
+                    flag_values=FLAGS)
+flags.DEFINE_string("ab_checks", "", "--ab: JSON of the variants' small checks (written by "
+                    "--ab_check_only, read by a later --ab run: only variants that passed are "
+                    "timed)", flag_values=FLAGS)
+flags.DEFINE_bool("ab_check_only", False, "--ab: only the small checks, saved to --ab_checks",
+                  flag_values=FLAGS)
 flags.DEFINE_bool("window_or_blocks", False, "only time HEAD_WINDOW_BLOCKS (window 2048 OR 4 "
                   "chunks) at 64K vs the window alone and cuDNN (Mosaic GPU) and print the ms",
                   flag_values=FLAGS)
@@ -671,6 +883,20 @@ def main(argv=None):
                               ".json"), record)
     return
   s = settings_from_flags(args)
+  if args.ab:
+    names = list(AB_VARIANTS) if args.ab == "all_variants" else [x for x in args.ab.split(",") if x]
+    unknown = set(names) - set(AB_VARIANTS)
+    if unknown:
+      raise SystemExit(f"--ab: unknown variants {sorted(unknown)}; choose from {list(AB_VARIANTS)}")
+    if not args.T and not s.interpret:
+      s = dataclasses.replace(s, Ts=AB_TS)
+    s = dataclasses.replace(s, impl="mosaic_gpu")
+    if not s.interpret and not on_gpu():
+      raise SystemExit("bench.block_sparse --ab needs a GPU (or --preset=test_mosaic_gpu)")
+    ab_run(s, names, n=args.n or 8, checks_path=args.ab_checks or None,
+           check_only=args.ab_check_only, log=lambda *a: print(*a, flush=True),
+           out_dir=None if args.ab_check_only else args.out_dir)
+    return
   set_fwd_sub_tile(s.fwd_sub_tile, s.block)
   if not s.interpret and not on_gpu():
     raise SystemExit(f"bench.block_sparse --preset={s.preset} needs a GPU (backend "

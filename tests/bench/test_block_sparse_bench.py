@@ -104,3 +104,30 @@ def test_match_run_claims_memory_within_1_2x_swa(tmp_path):
                                                 if k != "fwd_temp_vs_swa"})["claims"]] == [False]
   data = bench.append_run(str(tmp_path / "block_sparse_x.json"), run)
   assert data["runs"][-1]["settings"]["name"] == "match_mosaic_gpu"
+
+
+def test_ab_rule_adopts_only_a_variant_faster_by_the_margin_at_every_length():
+  """bench/block_sparse.ab_decide, the A/B's pre-registered rule, on made-up rows (no compile):
+  a variant qualifies only if its small check passed, it matches the default at every T and it
+  is >= AB_MIN_GAIN faster at every T of AB_TS; of the qualifiers the largest 64K gain is
+  adopted."""
+  names = list(bench.AB_VARIANTS)
+  a, b, c, d = names[:4]
+  gains = {65536: {a: 1.03, b: 1.05, c: 1.02, d: 1.04}, 32768: {a: 1.02, b: 1.01, c: 1.016,
+                                                                  d: 1.03}}
+  rows = []
+  for T, g in gains.items():
+    ms = {"default": 100.0, **{n: 100.0 / x for n, x in g.items()}}
+    rows.append(dict(T=T, ms=ms, gain_vs_default={n: 100.0 / v for n, v in ms.items()},
+                     nan={n: False for n in ms},
+                     errors_vs_default={n: dict(out=1e-3, dq=1e-3, dk=1e-3, dv=1e-3) for n in g},
+                     err={}))
+  checks = {n: dict(ok=True) for n in (a, b, c)} | {d: dict(ok=False)}
+  dec = bench.ab_decide(checks, rows)
+  # b: 1.01 at 32K (under the margin); d: its check failed; a and c qualify, a gains more at 64K
+  assert [n for n, v in dec["verdict"].items() if v["qualifies"]] == [a, c]
+  assert dec["adopted"] == a and bench.AB_MIN_GAIN == 1.015
+  rows[1]["errors_vs_default"][a]["dq"] = 0.1       # a gradient off the default's: disqualified
+  assert bench.ab_decide(checks, rows)["adopted"] == c
+  rows[0]["nan"][c] = True
+  assert bench.ab_decide(checks, rows)["adopted"] is None
