@@ -260,9 +260,6 @@ def define_flags():
                        flag_values=fv)
   flags.DEFINE_integer("repeats", 2, "timed batches (the median is reported)", flag_values=fv)
   flags.DEFINE_integer("warmup", 3, "untimed decode steps first", flag_values=fv)
-  flags.DEFINE_bool("split_layers", False, "engine rows hold their params split per layer "
-                    "(Engine(split_layers=True): no slice of a stacked weight in the step)",
-                    flag_values=fv)
   flags.DEFINE_bool("baseline", True, "time the plain-XLA baselines at the dense rows",
                     flag_values=fv)
   flags.DEFINE_integer("prefill_T", None, "prefill one-shot vs chunked at this T (dense, B=1); "
@@ -660,9 +657,7 @@ def engine_row(scheme: str, shapes: str, B: int, T: int, F, log) -> tuple[dict, 
   row["init_s"] = time.perf_counter() - t0
   row["params"] = int(sum(x.size for x in jax.tree.leaves(params)))
   row["weight_bytes"] = weight_bytes(cfg, params, B)
-  eng = Engine(cfg, params, cache_len=T + EXTRA, prefill_chunk=min(PREFILL_CHUNK, T),
-               split_layers=F.split_layers)
-  row["split_layers"] = bool(F.split_layers)
+  eng = Engine(cfg, params, cache_len=T + EXTRA, prefill_chunk=min(PREFILL_CHUNK, T))
   rng = np.random.default_rng(T + B)
   prompts = [rng.integers(0, cfg.vocab_size, T, dtype=np.int32) for _ in range(B)]
   t0 = time.perf_counter()
@@ -756,8 +751,7 @@ def prefill_rows(T: int, shapes: str, F, log) -> list[dict]:
   for mode, chunk in (("one_shot", None), ("chunked", chunk)):
     r = dict(scheme="dense", kind="prefill", mode=mode, chunk=chunk, shapes=shapes, B=1, T=T)
     try:
-      eng = Engine(cfg, params, cache_len=T + EXTRA, prefill_chunk=chunk,
-                   split_layers=F.split_layers)
+      eng = Engine(cfg, params, cache_len=T + EXTRA, prefill_chunk=chunk)
       t0 = time.perf_counter()
       jax.block_until_ready(eng._prefill(prompt)[:2])
       r["first_s"] = time.perf_counter() - t0
@@ -805,8 +799,7 @@ def serve_rows(F, log) -> list[dict]:
   cfg, knobs = scheme_config(scheme, shapes, longest)
   params = init_params(cfg)
   S = F.serve_slots
-  eng = Engine(cfg, params, cache_len=longest, prefill_chunk=min(F.serve_chunk, longest),
-               split_layers=F.split_layers)
+  eng = Engine(cfg, params, cache_len=longest, prefill_chunk=min(F.serve_chunk, longest))
   base = dict(scheme=scheme, kind="serve", shapes=shapes, B=S, T=longest, knobs=knobs,
               requests=len(reqs), prompt_range=[int(x) for x in F.serve_prompt],
               new_range=[int(x) for x in F.serve_new], chunk=eng.prefill_chunk,
@@ -898,9 +891,6 @@ def fits_rows(F, log) -> list[dict]:
   T, chunk = F.fits_T, F.fits_chunk
   cfg, _ = scheme_config("dense", shapes, T)
   params = abstract_params(cfg)
-  if F.split_layers:  # Engine(split_layers=True)'s layout, abstractly
-    from condattn_jax.models import stacking
-    params = jax.eval_shape(stacking.split_groups, params)
   eng = Engine(cfg, params, cache_len=T + EXTRA, prefill_chunk=chunk)
   cache = eng.cache_shapes(1)
   if F.card_gib:
@@ -1091,7 +1081,7 @@ def main(argv=None) -> dict:
   dense_shapes = "tiny-qwen" if tiny else "qwen2.5-1.5b"
   todo = plan(F)
   run = common.new_run(BENCH, dict(
-      name=F.name, preset=F.preset, override=list(F.override), split_layers=F.split_layers,
+      name=F.name, preset=F.preset, override=list(F.override),
       steps=F.steps, repeats=F.repeats, warmup=F.warmup,
       bandwidth_tbps=bw, prefill_T=prefill_T, serve=dict(
           requests=F.serve_requests, slots=F.serve_slots, prompt=list(F.serve_prompt),

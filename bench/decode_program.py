@@ -16,8 +16,8 @@ r"""What one decode step runs: the op histogram of a compiled program, per layer
     # on the GPU: where a step's time goes, per variant in one process (profile_step): wall,
     # bare program, host dispatch, device-busy ms and kernels per token from a jax.profiler
     # trace, for both params layouts, XLA command buffers off / default / extended (CB_MODES),
-    # dot merging, the decode attention path (TRACE_SETS: cuDNN split-KV / Mosaic GPU kernel /
-    # XLA reference) and bench/decode.py's plain-XLA per-layer step; prints a table
+    # dot merging, the decode attention path (TRACE_SETS: cuDNN split-KV / XLA reference) and
+    # bench/decode.py's plain-XLA per-layer step; prints a table
     python -m bench.decode_program --time --profile --T=8192,131072 --out_dir=bench/results
 
     # on the GPU: the pre-registered A/B of a decode path (ADOPTION_RULE): the default (first
@@ -471,36 +471,27 @@ OPTION_SETS = {**CB_MODES,
 # (`--xla_gpu_command_buffer_update_mode=SKIP_TEMP`): otherwise the executable falls back to
 # ALWAYS_UPDATE silently. CB_UPDATE_RULE settles it.
 # What a variant can change in the engine's traced program (engine layouts only): the decode
-# attention through the decode kernel (pallas_kernels.decode, Mosaic GPU on an H100) where auto
-# would run cuDNN's split-KV path ('mgpu': ops impl 'decode_kernel' as the model's
-# attention_impl and, for a scheme with one, its compact_impl: typed config values, no patched
-# module state), or through the XLA reference ('refattn': model attention_impl='reference':
-# einsum over the cache with a length mask, like the plain-XLA baseline); 'noskip': the
-# scheme's decode_skip off (L2A, AHA: the global call runs every step, branch-free, its inactive
-# rows reading one kv tile per split part and weighted 0: no lax.cond, so no host round trip per
-# layer; same logits and caches).
-TRACE_SETS = ("mgpu", "refattn", "noskip")
+# attention through the XLA reference ('refattn': model attention_impl='reference': einsum over
+# the cache with a length mask, like the plain-XLA baseline); 'noskip': the scheme's decode_skip
+# off (L2A, AHA: the global call runs every step, branch-free, its inactive rows reading one kv
+# tile per split part and weighted 0: no lax.cond, so no host round trip per layer; same logits
+# and caches). The decode kernel in place of cuDNN's split-KV path ('mgpu': ops impl
+# 'decode_kernel') lost ADOPTION_RULE's A/B (run d_split_mgpu_ab) and is gone.
+TRACE_SETS = ("refattn", "noskip")
 
 
 def variant_config(cfg, sets):
-  """The engine's model config of a variant: TRACE_SETS' 'mgpu' (attention_impl and a scheme's
-  compact_impl 'decode_kernel'), 'refattn' (attention_impl='reference') and 'noskip'
-  (decode_skip=False; a scheme without the option raises)."""
-  from condattn_jax.attention import options
-  if "mgpu" in sets and "refattn" in sets:
-    raise ValueError("variant sets 'mgpu' and 'refattn' name two attention paths; pick one.")
-  kw = dict(cfg.scheme_kwargs)
+  """The engine's model config of a variant: TRACE_SETS' 'refattn' (attention_impl='reference')
+  and 'noskip' (decode_skip=False; a scheme without the option raises)."""
   if "refattn" in sets:
     cfg = dataclasses.replace(cfg, attention_impl="reference")
-  if "mgpu" in sets:
-    cfg = dataclasses.replace(cfg, attention_impl="decode_kernel")
-    if cfg.scheme != "dense" and hasattr(options(cfg), "compact_impl"):
-      kw["compact_impl"] = "decode_kernel"
   if "noskip" in sets:
+    kw = dict(cfg.scheme_kwargs)
     if "decode_skip" not in kw:
       raise ValueError(f"variant set 'noskip': scheme {cfg.scheme!r} has no decode_skip option.")
     kw["decode_skip"] = False
-  return dataclasses.replace(cfg, scheme_kwargs=tuple(sorted(kw.items())))
+    cfg = dataclasses.replace(cfg, scheme_kwargs=tuple(sorted(kw.items())))
+  return cfg
 
 
 # Every profiled compile keeps its command buffers under the tracer (by default XLA runs a
@@ -508,7 +499,7 @@ def variant_config(cfg, sets):
 PROFILE_OPTIONS = {"xla_enable_command_buffers_during_profiling": True}
 LAYOUTS = ("stacked", "split", "xla_per_layer")
 PROFILE_VARIANTS = ("stacked", "split", "split:off", "split:extended", "split:dotmerge",
-                    "split:mgpu", "split:refattn", "xla_per_layer")
+                    "split:refattn", "xla_per_layer")
 
 
 def parse_variant(v: str) -> tuple[str, tuple[str, ...]]:
@@ -711,13 +702,18 @@ def _build_variant(name, layout, sets, cfg, params, split, B, T, compiler_option
 #     switches' exactness itself is tested on CPU to 1e-6).
 # A candidate that holds at every T is adopted (the one code path), any other is deleted; where
 # two hold, the one with the lower median wall ms at the longest T.
-# Extension for candidates that change what dense runs too (registered 2026-11-27 before the run
-# of `split` = Engine(split_layers=True) and `mgpu` = ops impl 'decode_kernel'; `settle`): when
+# Extension for candidates that change what dense runs too (registered 2026-11-27 before run
+# d_split_mgpu_ab of the params layout `split` and the decode kernel `mgpu`; `settle`): when
 # --dense_variants names a variant of the same name as a scheme candidate (the first dense
 # variant is dense's default), that candidate must also pass the rule above as a dense
 # candidate against dense's default (same T, same thresholds); adopted = the candidates passing
 # both (or the scheme's alone where dense has no variant of that name), and where several pass,
 # the one with the lower median wall ms of the scheme at the longest T.
+# Verdict of d_split_mgpu_ab (bench/results/decode_program_NVIDIA_H100_80GB_HBM3.json, one H100,
+# tree 2616c6a; T = 8192 only: the call's timeout stopped it compiling T = 131072): no candidate
+# adopted, each failing at 8K: `split` (Engine(split_layers=True), since deleted: fewer kernels,
+# no per-step weight copy, but a slower wall), `mgpu` (ops impl 'decode_kernel', deleted:
+# logits rel_err 5e-2 against cuDNN's path, L2A's wall slower) and their combination.
 ADOPTION_RULE = dict(T=(8192, 131072), min_repeats=5, min_steps=32, busy_slack=0.02,
                      max_rel_err=1e-2)
 

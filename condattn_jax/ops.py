@@ -48,14 +48,6 @@ Implementations (one vocabulary):
                               else (active set, cache layout, decode, chunked prefill): the
                               Pallas kernel (with an all-true active set if none);
                       rocm, tpu -> the Pallas kernel.
-  decode_kernel
-             auto, except that on cuda a decode call cuDNN's decode path takes (a full cache
-             with a fill, no window, an active set per row at most) runs the decode kernel
-             (pallas_kernels.decode, the resolver's pick) where it supports the call, as with
-             the backend's DecodeConfig(over_cudnn=True); off cuda as auto, except that on CPU
-             (default branch) a decode call the decode kernels take runs their reference
-             backend through the same mask mapping (tests). Forward only, like auto's decode
-             kernel path.
 The one resolver (`resolve`) picks the Pallas kernel: the first backend of the kernel package
 (its BACKENDS, the pallas_kernels.backends interface) whose supports(shape, dtype, platform)
 holds for the lowering platform and its device kind: Mosaic GPU on Hopper, Triton on other
@@ -94,7 +86,7 @@ from jax.extend import core as jex_core
 from jax.interpreters import batching, mlir
 
 KERNEL_IMPLS = ("triton", "mosaic_gpu", "mosaic_tpu")  # one Pallas kernel, by name
-IMPLS = ("auto", "reference", "cudnn", "tokamax", "pallas", "decode_kernel", *KERNEL_IMPLS)
+IMPLS = ("auto", "reference", "cudnn", "tokamax", "pallas", *KERNEL_IMPLS)
 _KERNELS = "pallas_kernels.compact_attention"
 _BLOCK_SPARSE = "pallas_kernels.block_sparse"
 _DECODE = "pallas_kernels.decode"
@@ -784,12 +776,11 @@ def _warn_once(msg):
   logging.warning(msg)
 
 
-def _auto(scale, platform, decode_over_cudnn: bool = False):
+def _auto(scale, platform):
   """impl='auto' lowered for `platform` (a Platform): on cuda, cudnn (unpacked) or tokamax
   (packed, causal) for contiguous self-attention; else the resolver's kernel backend; a mask
   no kernel takes (sinks without block lists, a shape no kernel fits) uses the reference,
-  warned once. decode_over_cudnn (impl='decode_kernel'): the decode kernel takes cuDNN's decode
-  calls where it supports them, as with its backend's DecodeConfig(over_cudnn=True)."""
+  warned once."""
   cudnn, tok = _cudnn(scale), per_shard(_tokamax(scale, ("mosaic_gpu", "triton")))
   cudnn_decode = per_shard(_cudnn_decode(scale))
   ref = _reference(scale)
@@ -802,8 +793,7 @@ def _auto(scale, platform, decode_over_cudnn: bool = False):
                                   list_block_k=lb)
     if (platform.name == "cuda" and not decode_reasons(q, mask)
         and cudnn_available() is None
-        and not (decode_backend is not None
-                 and (decode_over_cudnn or decode_backend.config.over_cudnn))):
+        and not (decode_backend is not None and decode_backend.config.over_cudnn)):
       try:
         return cudnn_decode(q, k, v, mask)
       except NotImplementedError:  # this GPU / cuDNN cannot take the shape
@@ -834,20 +824,6 @@ def _auto(scale, platform, decode_over_cudnn: bool = False):
                  f"({'; '.join(why)}); using the O(T*S) reference.")
       return ref(q, k, v, mask)
     return _kernel(backend, mask, scale)(q, k, v, mask)
-  return fn
-
-
-def _decode_reference_backend(scale):
-  """impl='decode_kernel' off the accelerators (CPU): a decode call the decode kernels take
-  (`decode_kernel_reasons`) through the decode package's reference backend, by the same
-  mapping of the MaskSpec as the kernels (`_decode_kernel`); any other call the reference."""
-  ref = _reference(scale)
-
-  def fn(q, k, v, mask):
-    if decode_kernel_reasons(q, mask):
-      return ref(q, k, v, mask)
-    backend = next(b for b in backends("decode") if b.name == "reference")
-    return _decode_kernel(scale, backend)(q, k, v, mask)
   return fn
 
 
@@ -916,11 +892,6 @@ def _branches(impl: str, q, mask: MaskSpec, scale):
         raise _explicit_error(impl, [str(e)]) from e
     return dict(default=per_shard(_tokamax(scale, ("xla",))),
                 cuda=_for_platform("cuda", lambda _: on_gpu, "impl='tokamax'", _targets()))
-  if impl == "decode_kernel":
-    return dict(default=_decode_reference_backend(scale),
-                **{p: _for_platform(p, lambda pl: _auto(scale, pl, decode_over_cudnn=True),
-                                    "impl='decode_kernel'", _targets())
-                   for p in ("cuda", "rocm", "tpu")})
   default = _reference(scale) if impl == "auto" else _explicit_kernel(impl, scale, None)
   targets = _targets()
   if impl in ("mosaic_gpu", "mosaic_tpu") and targets:

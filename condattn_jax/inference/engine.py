@@ -362,25 +362,16 @@ class Engine:
   cache_len: slots of every full cache (>= prompt length + new tokens of every row).
   prefill_chunk: prompt tokens per prefill call (None: the whole padded prompt at once); chunked
     prefill bounds activation memory at long context.
-  split_layers: hold the params in `models.stacking.split_groups`' layout (each layer's weights
-    their own arrays, made once here; the stacked tree given is not kept by the engine), so no
-    step slices a stacked weight (a compiler that does not fuse the slice into its matmul copies
-    the weight every step; bench/decode_program.py --profile compares both layouts). Same tokens
-    and logits (tested); `engine.params` is then the split tree, which the scanned forward
-    (`model.apply` without unroll_layers) does not take.
   """
 
   def __init__(self, model_cfg: ModelConfig, params, *, cache_len: int,
-               prefill_chunk: int | None = None, split_layers: bool = False):
+               prefill_chunk: int | None = None):
     if cache_len <= 0:
       raise ValueError(f"Engine(cache_len={cache_len}) must be > 0.")
     if prefill_chunk is not None and prefill_chunk <= 0:
       raise ValueError(f"Engine(prefill_chunk={prefill_chunk}) must be > 0 or None.")
     self.config = model_cfg
     self.model = Decoder(model_cfg)
-    if split_layers:
-      from condattn_jax.models import stacking
-      params = jax.jit(stacking.split_groups)(params)
     self.params = params
     self.cache_len = int(cache_len)
     self.prefill_chunk = prefill_chunk
@@ -404,7 +395,7 @@ class Engine:
   @classmethod
   def from_checkpoint(cls, path: str, *, step: int | None = None, cache_len: int | None = None,
                       prefill_chunk: int | None = None, tokenizer=None, devices=None,
-                      config=None, split_layers: bool = False,
+                      config=None,
                       **scheme_options) -> "Engine":
     """An Engine over a train.py checkpoint: the weights and the model config saved with it.
 
@@ -413,7 +404,7 @@ class Engine:
     scheme_options: test-time overrides of the run's scheme options (`config.model.scheme.<name>`,
       e.g. `theta=0.7` for L2A, `tau=0.5` for AHA); the scheme checks their names and values.
     cache_len: cache slots per row (default: the run's data.seq_len, the context it trained at).
-    prefill_chunk, split_layers: as in `Engine(...)`.
+    prefill_chunk: as in `Engine(...)`.
     tokenizer: a `condattn_jax.data.tokenizer.Tokenizer`, a tokenizer directory, or None: the
       run's `data.tokenizer`, else `model.init_from` when it holds a tokenizer.json, else none
       (`engine.tokenizer` is None: token ids in and out, e.g. the synthetic-task runs).
@@ -447,7 +438,7 @@ class Engine:
     setup, params, loaded = loop.load_params(config, path, step=step, devices=devices)
     eng = cls(setup.model_cfg, params,
               cache_len=int(cache_len if cache_len is not None else config.data.seq_len),
-              prefill_chunk=prefill_chunk, split_layers=split_layers)
+              prefill_chunk=prefill_chunk)
     del params
     eng.run_config, eng.step = config, int(loaded)
     tv = getattr(tok, "vocab_size", None)

@@ -313,7 +313,8 @@ def test_profile_step_measures_every_variant_on_cpu(tmp_path):
   for bad, msg in (("scan", "layout 'scan'"), ("split:graphs", "not an option set"),
                    ("split:k8", "not an option set"),
                    ("split:off:extended", "at most one command-buffer"),
-                   ("xla_per_layer:mgpu", "engine")):
+                   ("split:mgpu", "not an option set"),  # lost its A/B: gone
+                   ("xla_per_layer:refattn", "engine")):
     with pytest.raises(ValueError, match=msg):
       dp.parse_variant(bad)
   a = common.activity([("x", 0, 10), ("y", 5, 10), ("x", 30, 5)])
@@ -328,16 +329,16 @@ def test_ab_interleaves_the_variants_and_applies_the_registered_rule(tmp_path):
   and its decision; `adoption` adopts only a candidate no slower at every T of the rule."""
   from bench import decode_program as dp
   rows = dp.main(["--ab", "--scheme=l2a", "--shapes=tiny-qwen", "--B=1", "--T=64",
-                  "--variants=stacked,stacked:noskip,split:mgpu",
-                  "--dense_variants=stacked,split:mgpu",
+                  "--variants=stacked,stacked:noskip,split",
+                  "--dense_variants=stacked,split",
                   "--steps=2", "--repeats=2", "--traced=2", "--busy_repeats=2",
                   f"--out_dir={tmp_path}", "--note=cpu"])
   assert [(r["scheme"], r["variant"]) for r in rows] == [
-      ("l2a", "stacked"), ("l2a", "stacked:noskip"), ("l2a", "split:mgpu"),
-      ("dense", "stacked"), ("dense", "split:mgpu")]
+      ("l2a", "stacked"), ("l2a", "stacked:noskip"), ("l2a", "split"),
+      ("dense", "stacked"), ("dense", "split")]
   assert all(r["status"] == "ok" for r in rows), [r.get("error") for r in rows]
   for r in rows:
-    # split params + the decode kernels' path (on CPU their reference backend): same logits
+    # the split params layout: the same logits
     assert len(r["runs_ms"]) == 2 and len(r["busy_runs_ms"]) == 2 and r["rel_err"] <= 1e-6
     assert r["host_ms"] > 0 and r["logits_finite"]
   assert rows[1]["rel_err"] == 0.0
@@ -346,7 +347,7 @@ def test_ab_interleaves_the_variants_and_applies_the_registered_rule(tmp_path):
   (run,) = common.load(common.result_path("decode_program", str(tmp_path)))["runs"]
   assert run["settings"]["rule"] == {**dp.ADOPTION_RULE, "T": list(dp.ADOPTION_RULE["T"])}
   assert run["note"] == "cpu" and run["adoption"]["scheme"]["stacked:noskip"]["adopt"] is False
-  assert run["adoption"]["adopt"] is None and "split:mgpu" in run["adoption"]["dense"]
+  assert run["adoption"]["adopt"] is None and "split" in run["adoption"]["dense"]
   rule = dict(dp.ADOPTION_RULE, T=(64, 128), min_repeats=1, min_steps=1)
   row = lambda v, T, ms, busy, err=0.0: dict(scheme="l2a", variant=v, T=T, ms=ms, busy_ms=busy,
                                              rel_err=err, runs_ms=[ms], steps=2, status="ok")
@@ -376,9 +377,8 @@ def test_ab_interleaves_the_variants_and_applies_the_registered_rule(tmp_path):
 @pytest.mark.manual
 def test_profile_trace_sets_change_the_h100_program():
   """The --profile variants' attention paths reach the traced program (exported for an abstract
-  H100, 2 layers): default auto = cuDNN's split-KV call per layer, 'mgpu' = the Mosaic GPU decode
-  kernel instead (even after a default trace of the same engine: jit's trace cache is cleared),
-  'refattn' = no attention custom call (the XLA reference). Manual (14 CPU-s; a bench-only
+  H100, 2 layers): default auto = cuDNN's split-KV call per layer, 'refattn' (and the model's
+  attention_impl='reference') = no attention custom call (the XLA reference). Manual (14 CPU-s; a bench-only
   check, run it before a GPU --profile call): the variants' plumbing on CPU is covered by
   test_profile_step_measures_every_variant_on_cpu, and the default decode path's H100 lowering by
   tests/kernels/test_decode_kernel.py's export tests."""
@@ -389,9 +389,8 @@ def test_profile_trace_sets_change_the_h100_program():
   calls = lambda c, sets=(): {k: v for k, v in dp.stablehlo_histogram(
       _export(dp, c, sets)).items() if k.startswith("custom_call:")}
   assert calls(cfg) == {"custom_call:__cudnn$fmhaSoftmax": 2}
-  assert calls(cfg, ("mgpu",)) == {"custom_call:mosaic_gpu_v2": 2}
+  assert calls(cfg, ("refattn",)) == {}
   assert calls(dataclasses.replace(cfg, attention_impl="reference")) == {}
-  assert calls(cfg) == {"custom_call:__cudnn$fmhaSoftmax": 2}  # the default again
   # the one-token cache write: 4 dynamic-update-slices in layer 0 (key, value, positions,
   # valid), 2 in the other (key, value: its bookkeeping is layer 0's), no scatter
   new = dp.stablehlo_histogram(_export(dp, cfg, ()))
@@ -537,10 +536,3 @@ def test_l2a_decode_program_launches_nothing_that_splits_command_buffers():
   assert calls(l2a) == {"custom_call:__cudnn$fmhaSoftmax": 4}
   assert _runtime_cases(l2a) == [] and _runtime_cases(dense) == []
   assert len(_runtime_cases(export("l2a", decode_skip=True))) == 2  # the check sees a cond
-  # the issue-33 candidate 'mgpu' (ops impl 'decode_kernel' for the model and the global call):
-  # both calls of every layer on the Mosaic GPU decode kernel (Qwen2.5-1.5B shapes at 8K: the
-  # kernel takes head_dim 128, not the tiny 16, and a 256-slot ring, not 512's 16), no cuDNN
-  # call, no conditional
-  mgpu = dp.exported_text("engine", dp.variant_config(
-      dp.model_config("qwen2.5-1.5b", 2, "l2a", 8192), ("mgpu",)), 1, 8192)
-  assert calls(mgpu) == {"custom_call:mosaic_gpu_v2": 4} and _runtime_cases(mgpu) == []
