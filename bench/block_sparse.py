@@ -25,8 +25,9 @@ Appends a run (bench/common.py's schema 1: the result verbatim under `recorded`,
 targets as claims) to $OUT (or --out_dir) /block_sparse_<device>.json and prints the table last.
 --impl=mosaic_gpu times the Hopper kernel; --kernels_alone adds its three kernels timed alone
 (all heads full) beside cuDNN's forward and backward. --ab: the pre-registered A/B of the Mosaic
-GPU backward's schedule variants (AB_VARIANTS, rule in ab_decide), all heads full. --match: MATCH's training attention on the
-block-sparse kernel vs its gathered path, SWA and dense (match_layers).
+GPU kernels' variants (AB_VARIANTS, rule in ab_decide), all heads full. --match: MATCH's
+training attention on the block-sparse kernel vs its gathered path, SWA and dense
+(match_layers).
 """
 from __future__ import annotations
 
@@ -608,24 +609,15 @@ def table(result) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
-# The all-full A/B of the Mosaic GPU backward's schedule variants (issue 31: all heads full
-# >= 0.95x cuDNN forward+backward at 64K). Registered before any GPU run of these variants.
+# The all-full A/B of the Mosaic GPU kernels' variants (issue 31: all heads full >= 0.95x cuDNN
+# forward+backward at 64K). The rule (ab_decide) was registered before its first GPU run.
 # ----------------------------------------------------------------------------------------------
 
-# (dq_overlap: S issued before dP, P while dP runs; dkv_stages4: 4 query sub-tiles in flight;
-# *pingpong: the compute warpgroups take turns on the tensor cores; the variants without named
-# barriers first, so that a guarded check process that hangs has checked those)
-AB_VARIANTS = {
-    "dq_overlap": BlockSparseConfig(mgpu_dq_overlap=True),
-    "dkv_stages4": BlockSparseConfig(mgpu_dkv_stages=4),
-    "dq_pingpong": BlockSparseConfig(mgpu_dq_pingpong=True),
-    "dkv_pingpong": BlockSparseConfig(mgpu_dkv_pingpong=True),
-    "pingpong": BlockSparseConfig(mgpu_dq_pingpong=True, mgpu_dkv_pingpong=True),
-    "pingpong_stages4": BlockSparseConfig(mgpu_dq_pingpong=True, mgpu_dkv_pingpong=True,
-                                          mgpu_dkv_stages=4),
-    "all": BlockSparseConfig(mgpu_dq_pingpong=True, mgpu_dq_overlap=True, mgpu_dkv_pingpong=True,
-                             mgpu_dkv_stages=4),
-}
+# name -> BlockSparseConfig: the candidates of the next A/B (the config fields come with them).
+# None now: the backward schedule variants of run mosaic_gpu_ab (dq_overlap, dkv_stages4,
+# dq_pingpong, dkv_pingpong and their combinations pingpong, pingpong_stages4, all) lost its rule
+# and were removed with their BlockSparseConfig fields (issue 31).
+AB_VARIANTS: dict = {}
 AB_TS = (65536, 32768)   # both must show the gain
 AB_MIN_GAIN = 1.015      # default ms / variant ms, at every T of AB_TS
 AB_TOL = 2e-2            # bf16: rel error vs the reference (check_T) and vs the default (timed T)
@@ -702,7 +694,7 @@ def ab_time(s: Settings, T: int, names, n: int, log=print) -> dict:
   return row
 
 
-def ab_decide(checks: dict, rows: list) -> dict:
+def ab_decide(checks: dict, rows: list, names) -> dict:
   """The A/B's rule, registered before its GPU run: a variant QUALIFIES iff
     (1) it passed ab_check (out, dq, dk, dv within AB_TOL of the reference at check_T),
     (2) at every T of AB_TS it ran without NaN and its out, dq, dk, dv are within AB_TOL of the
@@ -710,10 +702,11 @@ def ab_decide(checks: dict, rows: list) -> dict:
     (3) at every T of AB_TS its median forward+backward ms (interleaved rounds, one process) is
         faster than the default's by >= AB_MIN_GAIN (default ms / variant ms >= 1.015).
   The ADOPTED variant is the qualifier with the largest gain at AB_TS[0] (64K); none qualifying:
-  none adopted (the default stays, the variants' switches are removed)."""
+  none adopted (the default stays, the variants' switches are removed). `names`: the variants
+  the run compared (in AB_VARIANTS when it ran)."""
   by_T = {r["T"]: r for r in rows}
   verdict = {}
-  for name in AB_VARIANTS:
+  for name in names:
     why = []
     if not checks.get(name, {}).get("ok"):
       why.append("small check")
@@ -728,7 +721,7 @@ def ab_decide(checks: dict, rows: list) -> dict:
       if r["gain_vs_default"][name] < AB_MIN_GAIN:
         why.append(f"gain {r['gain_vs_default'][name]:.4f} < {AB_MIN_GAIN} at {T}")
     verdict[name] = dict(qualifies=not why, why=why)
-  quals = [n for n in AB_VARIANTS if verdict[n]["qualifies"]]
+  quals = [n for n in names if verdict[n]["qualifies"]]
   adopted = max(quals, key=lambda n: by_T[AB_TS[0]]["gain_vs_default"][n]) if quals else None
   return dict(rule=ab_decide.__doc__, min_gain=AB_MIN_GAIN, tol=AB_TOL, Ts=list(AB_TS),
               verdict=verdict, adopted=adopted)
@@ -738,7 +731,7 @@ def ab_table(res: dict) -> str:
   lines = [f"A/B {res['device']} commit {res.get('git_commit')}: ours_dense fwd+bwd ms (median of "
            f"{res['n']} interleaved rounds); gain = default / variant; x cuDNN = cuDNN / variant",
            "variant            " + "".join(f"{'T=' + str(r['T']):>28}" for r in res["rows"])]
-  names = ["cudnn", "default"] + [n for n in AB_VARIANTS if n in res["names"]]
+  names = ["cudnn", "default"] + list(res["names"])
   for name in names:
     cells = []
     for r in res["rows"]:
@@ -761,9 +754,9 @@ def ab_table(res: dict) -> str:
 def ab_run(s: Settings, names, *, n: int, checks_path: str | None = None, check_only=False,
            log=print, out_dir=None) -> dict:
   """--ab: ab_check of `names` (or, given checks_path, the checks a guarded earlier process
-  saved there: only the variants that passed are timed; no file: none is), then ab_time at each T of s.Ts, ab_decide, a run
-  'mosaic_gpu_ab' appended to out_dir's result file (after each T) and ab_table printed.
-  check_only: only the checks, saved to checks_path after each variant."""
+  saved there: only the variants that passed are timed; no file: none is), then ab_time at each
+  T of s.Ts, ab_decide, a run 'mosaic_gpu_ab' appended to out_dir's result file (after each T)
+  and ab_table printed. check_only: only the checks, saved to checks_path after each variant."""
   if checks_path and not check_only:   # a guarded process's checks; none saved: none passed
     checks = {}
     if os.path.exists(checks_path):
@@ -790,7 +783,7 @@ def ab_run(s: Settings, names, *, n: int, checks_path: str | None = None, check_
     path = os.path.join(out_dir, f"block_sparse_{dev.replace(' ', '_')}.json")
   for i, T in enumerate(s.Ts):
     res["rows"].append(ab_time(s, T, timed, n, log))
-    res["decision"] = ab_decide(checks, res["rows"])
+    res["decision"] = ab_decide(checks, res["rows"], names)
     if path is not None:
       append_run(path, ab_record(res), replace_last=i > 0)
   log(ab_table(res))

@@ -152,31 +152,11 @@ def kernel_support(impl: str, q_shape, kv_shape, dtype, block_q: int, block_k: i
 @dataclasses.dataclass(frozen=True)
 class BlockSparseConfig:
   """Kernel variants of block_sparse_attention (static: another config is another program;
-  condattn_jax.ops runs the defaults). Each field changes the schedule of a Mosaic GPU backward
-  kernel, never its result (the same products in the same order):
-
-    mgpu_dq_pingpong  dq's two compute warpgroups take turns on the tensor cores (FlashAttention-
-                      3's ping-pong, the forward's named barriers): a warpgroup issues dQ += dS K
-                      and the next step's S, dP while the other computes its P / dS.
-    mgpu_dq_overlap   dq issues S = Q K^T before dP = dO V^T and computes P while dP runs (the
-                      default waits for both).
-    mgpu_dkv_stages   query sub-tiles in flight in dk/dv (1-4; shared memory at head_dim 128:
-                      stages x 32 KB + 64 KB K/V).
-    mgpu_dkv_pingpong dk/dv's two compute warpgroups (block_k 128) take turns as dq's: a
-                      warpgroup issues dP^T, dV, dK and the next S^T while the other computes
-                      its P^T (block_k 64: one warpgroup, ignored).
-
-  (Earlier dk/dv variants mgpu_dkv_overlap_dp / mgpu_dkv_defer_release lost their pre-registered
-  A/B and were removed: issue 31.)"""
-  mgpu_dq_pingpong: bool = False
-  mgpu_dq_overlap: bool = False
-  mgpu_dkv_stages: int = 2
-  mgpu_dkv_pingpong: bool = False
-
-  def __post_init__(self):
-    if not (isinstance(self.mgpu_dkv_stages, int) and 1 <= self.mgpu_dkv_stages <= 4):
-      raise ValueError(f"BlockSparseConfig.mgpu_dkv_stages must be an int in 1..4, got "
-                       f"{self.mgpu_dkv_stages!r}")
+  condattn_jax.ops runs the defaults). No variant today: the fields come with the kernels' A/Bs
+  (bench/block_sparse.py --ab, AB_VARIANTS). Removed after losing their pre-registered A/B (issue
+  31): the Mosaic GPU dk/dv variants mgpu_dkv_overlap_dp / mgpu_dkv_stages /
+  mgpu_dkv_defer_release, and the backward schedule variants mgpu_dq_pingpong / mgpu_dq_overlap /
+  mgpu_dkv_pingpong / mgpu_dkv_stages (run mosaic_gpu_ab of the H100 result file)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -258,7 +238,6 @@ class _Config:
   poison: bool
   sub_tile: int = TRITON_SUB_TILE
   fwd_sub_tile: int = TRITON_FWD_SUB_TILE
-  variant: BlockSparseConfig = BlockSparseConfig()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,16 +313,6 @@ def _mgpu_kw(cfg: _Config) -> dict:
               block_k=cfg.block_k, interpret=cfg.interpret)
 
 
-def _mgpu_dq_kw(c: BlockSparseConfig) -> dict:
-  """The Mosaic GPU dq kernel's keyword arguments of a config."""
-  return dict(pingpong=c.mgpu_dq_pingpong, overlap=c.mgpu_dq_overlap)
-
-
-def _mgpu_dkv_kw(c: BlockSparseConfig) -> dict:
-  """The Mosaic GPU dk/dv kernel's keyword arguments of a config."""
-  return dict(num_stages=c.mgpu_dkv_stages, pingpong=c.mgpu_dkv_pingpong)
-
-
 def _forward_impl(cfg: _Config, q, k, v, m: _Meta):
   mod = _backend_module(cfg.backend)
   if cfg.backend == "mosaic_gpu":
@@ -365,10 +334,8 @@ def _backward_impl(cfg: _Config, res, dout, dlse_BNT):
     steps, count = _mgpu_tables(cfg, m)
     tsteps, tcount = tables.transposed_step_tables(steps, count, k.shape[2])
     meta = (m.qpos_BT, m.kseg_q_BIT, m.kvpos_BS, m.kseg_kv_BS)
-    dq = mod.dq(q, k, v, dout, lse_BNT, delta, steps, count, *meta, **_mgpu_kw(cfg),
-                **_mgpu_dq_kw(cfg.variant))
-    dk, dv = mod.dkv(q, k, v, dout, lse_BNT, delta, tsteps, tcount, *meta, **_mgpu_kw(cfg),
-                     **_mgpu_dkv_kw(cfg.variant))
+    dq = mod.dq(q, k, v, dout, lse_BNT, delta, steps, count, *meta, **_mgpu_kw(cfg))
+    dk, dv = mod.dkv(q, k, v, dout, lse_BNT, delta, tsteps, tcount, *meta, **_mgpu_kw(cfg))
     return dq, dk, dv
   vis, full = _visibility(cfg, m)
   full_BN = m.full_BN
@@ -524,7 +491,7 @@ def block_sparse_attention(q_BTNH, k_BSKH, v_BSKH, kv_blocks_BNQL, head_mode_BN=
     cfg = _Config(backend=impl, scale=scale, window=None if window is None else int(window),
                   sinks=int(sinks), block_q=int(block_q), block_k=int(block_k),
                   interpret=interpret, poison=poison, sub_tile=TRITON_SUB_TILE,
-                  fwd_sub_tile=TRITON_FWD_SUB_TILE, variant=config)
+                  fwd_sub_tile=TRITON_FWD_SUB_TILE)
     Tp, Sp = nq * block_q, -(-S // block_k) * block_k
     if (Tp, Sp) != (T, S):  # whole blocks: padding queries inactive, padding keys invisible
       q, k, v, qpos, kvpos, qseg, kvseg, act = _pad_to_blocks(

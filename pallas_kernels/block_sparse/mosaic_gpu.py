@@ -277,16 +277,8 @@ def fwd(q_BTNH, k_BSKH, v_BSKH, steps_BNQX, count_BNQ, qpos_BT, qseg_BIT, kvpos_
 
 def dq(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, steps_BNQX, count_BNQ, qpos_BT,
        qseg_BIT, kvpos_BS, kvseg_BS, *, scale, window, sinks, block_q, block_k,
-       num_stages=NUM_STAGES, pingpong=False, overlap=False, interpret=False):
-  """dq [B, T, N, H] over the forward's step tables.
-
-  pingpong: the two compute warpgroups take turns on the tensor cores (hardware named barriers
-  _SCHED_BAR + wg; in interpret mode one mbarrier per warpgroup with the same protocol): a
-  warpgroup signals the other right after issuing S and dP, and waits for its turn before issuing
-  dQ += dS K (warpgroup 1 waits once before its first step, warpgroup 0 signals once after its
-  last). overlap: S is issued before dP and P computed while dP runs. Neither changes a product
-  or its order."""
-  named = pingpong and not interpret
+       num_stages=NUM_STAGES, interpret=False):
+  """dq [B, T, N, H] over the forward's step tables."""
   B, T, N, H = q_BTNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   G = N // K
@@ -300,7 +292,7 @@ def dq(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, steps_BNQX, count_BN
   qk_scale = scale * LOG2E
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, steps_ref, count_ref, qpos_ref,
-             qseg_ref, kvpos_ref, kvseg_ref, dq_ref, q_smem2, do_smem2, bar2, *turn):
+             qseg_ref, kvpos_ref, kvseg_ref, dq_ref, q_smem2, do_smem2, bar2):
     qseg_ref = qseg_ref if has_seg else None
     kvseg_ref = kvseg_ref if has_seg else None
     h = lax.axis_index("heads")
@@ -313,21 +305,6 @@ def dq(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, steps_BNQX, count_BN
     q_smem, do_smem, bar = q_smem2.at[wg], do_smem2.at[wg], bar2.at[wg]
     nsteps = count_ref[b, h, p]
 
-    if named:
-      def signal_other():
-        _named_barrier("arrive", _SCHED_BAR + 1 - wg, 2 * _WG_THREADS)
-
-      def wait_turn():
-        _named_barrier("sync", _SCHED_BAR + wg, 2 * _WG_THREADS)
-    elif pingpong:   # interpret mode: mbarrier `turn[w]` is warpgroup w's turn
-      def signal_other():
-        plgpu.barrier_arrive(turn[0].at[1 - wg])
-
-      def wait_turn():
-        plgpu.barrier_wait(turn[0].at[wg])
-    else:
-      signal_other = wait_turn = lambda: None
-
     def compute(pipeline_callback):
       plgpu.copy_gmem_to_smem(q_ref.at[b, rows, h], q_smem, bar)
       plgpu.copy_gmem_to_smem(do_ref.at[b, rows, h], do_smem, bar)
@@ -339,11 +316,7 @@ def dq(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, steps_BNQX, count_BN
       plgpu.barrier_wait(bar)
 
       def run(acc):
-        if pingpong:
-          pl.when(wg == 1)(wait_turn)
         pipeline_callback((acc, lse2, delta, qp, qs))
-        if pingpong:
-          pl.when(wg == 0)(signal_other)
         return acc[...]
       dq_ = pl.run_scoped(run, plgpu.ACC((bq, H), jnp.float32))
       q_smem[...] = (dq_ * scale).astype(dtype)
@@ -355,37 +328,20 @@ def dq(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, steps_BNQX, count_BN
       (t,) = idx
       j, kind = _decode(steps_ref[b, h, p, t])
       acc, lse2, delta, qp, qs = carry
-      row = lambda x: lax.broadcast_in_dim(x, (bq, bk), [0])
 
-      def probs(s):
-        s = lax.cond(kind == KIND_FULL, lambda: s, lambda: _mask(
-            s, qp, qs, kvpos_ref, kvseg_ref, b, j * bk, bk, kind, window=window, sinks=sinks))
-        return jnp.exp2(s * qk_scale - row(lse2))
-
-      if overlap:
-        def s_dp(s_acc, dp_acc):
-          plgpu.wgmma(s_acc, q_smem, k_smem.T)
-          plgpu.wgmma(dp_acc, do_smem, v_smem.T)
-          signal_other()
-          p_ = probs(plgpu.wgmma_accumulator_load(s_acc, wait_n=1))
-          dp = plgpu.wgmma_accumulator_load(dp_acc, wait_n=0)
-          plgpu.barrier_arrive(v_used)
-          return p_, dp
-        tile = plgpu.ACC((bq, bk), jnp.float32)
-        p_, dp = pl.run_scoped(s_dp, tile, tile)
-      else:
-        def dp_s(dp_acc, s_acc):
-          plgpu.wgmma(dp_acc, do_smem, v_smem.T)
-          plgpu.wgmma(s_acc, q_smem, k_smem.T)
-          signal_other()
-          plgpu.wgmma_wait(0)
-          plgpu.barrier_arrive(v_used)
-          return dp_acc[...], s_acc[...]
-        tile = plgpu.ACC((bq, bk), jnp.float32)
-        dp, s = pl.run_scoped(dp_s, tile, tile)
-        p_ = probs(s)
+      def dp_s(dp_acc, s_acc):
+        plgpu.wgmma(dp_acc, do_smem, v_smem.T)
+        plgpu.wgmma(s_acc, q_smem, k_smem.T)
+        plgpu.wgmma_wait(0)
+        plgpu.barrier_arrive(v_used)
+        return dp_acc[...], s_acc[...]
+      tile = plgpu.ACC((bq, bk), jnp.float32)
+      dp, s = pl.run_scoped(dp_s, tile, tile)
+      s = lax.cond(kind == KIND_FULL, lambda: s, lambda: _mask(
+          s, qp, qs, kvpos_ref, kvseg_ref, b, j * bk, bk, kind, window=window, sinks=sinks))
+      row = lambda x: lax.broadcast_in_dim(x, s.shape, [0])
+      p_ = jnp.exp2(s * qk_scale - row(lse2))
       ds = p_ * (dp - row(delta))
-      wait_turn()
       plgpu.wgmma(acc, ds.astype(dtype), k_smem)
       plgpu.wgmma_wait(0)
       plgpu.barrier_arrive(k_used)
@@ -402,17 +358,13 @@ def dq(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, steps_BNQX, count_BN
 
   args = [q_BTNH, k_BSKH, v_BSKH, do_BTNH, _lse2(lse_BNT), delta_BNT, steps_BNQX, count_BNQ,
           qpos_BT, _opt(qseg_BIT, (1, 1, 1)), kvpos_BS, _opt(kvseg_BS, (1, 1))]
-  scratch = [_swizzled((W, bq, H), dtype), _swizzled((W, bq, H), dtype),
-             plgpu.Barrier(num_arrivals=2, num_barriers=W)]
-  if pingpong and not named:
-    scratch.append(plgpu.Barrier(num_arrivals=1, num_barriers=W))
   return plgpu.kernel(
       kernel, out_type=jax.ShapeDtypeStruct((B, T, N, H), dtype), grid=(nq, B, N),
       grid_names=("q", "batch", "heads"), num_threads=W + 1, thread_name="wg",
-      scratch_types=scratch,
+      scratch_types=[_swizzled((W, bq, H), dtype), _swizzled((W, bq, H), dtype),
+                     plgpu.Barrier(num_arrivals=2, num_barriers=W)],
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=_interp(interpret),
-      kernel_name="block_sparse_dq_mgpu" + ("_pp" if pingpong else "") + (
-          "_ov" if overlap else ""))(*args)
+      kernel_name="block_sparse_dq_mgpu")(*args)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -421,13 +373,8 @@ def dq(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, steps_BNQX, count_BN
 
 def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount_BKJ, qpos_BT,
         qseg_BIT, kvpos_BS, kvseg_BS, *, scale, window, sinks, block_q, block_k,
-        num_stages=NUM_STAGES, pingpong=False, interpret=False):
-  """(dk, dv) [B, S, K, H] over the transposed step tables (tables.transposed_step_tables).
-
-  pingpong (two compute warpgroups, block_k 128; ignored with one): the warpgroups take turns on
-  the tensor cores as dq's (named barriers _SCHED_BAR + wg; mbarriers in interpret mode): a
-  warpgroup signals the other right after issuing S^T and waits for its turn before issuing
-  dP^T, dV and dK. It changes no product or its order."""
+        num_stages=NUM_STAGES, interpret=False):
+  """(dk, dv) [B, S, K, H] over the transposed step tables (tables.transposed_step_tables)."""
   B, T, N, H = q_BTNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   G = N // K
@@ -440,11 +387,9 @@ def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount
   has_seg = qseg_BIT is not None
   I = qseg_BIT.shape[1] if has_seg else 1
   qk_scale = scale * LOG2E
-  pingpong = pingpong and W == 2
-  named = pingpong and not interpret
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, tsteps_ref, tcount_ref, qpos_ref,
-             qseg_ref, kvpos_ref, kvseg_ref, dk_ref, dv_ref, k_smem2, v_smem2, bar2, *turn):
+             qseg_ref, kvpos_ref, kvseg_ref, dk_ref, dv_ref, k_smem2, v_smem2, bar2):
     qseg_ref = qseg_ref if has_seg else None
     kvseg_ref = kvseg_ref if has_seg else None
     kh = lax.axis_index("heads")
@@ -456,21 +401,6 @@ def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount
     nsteps = tcount_ref[b, kh, jt]
     k_smem, v_smem, bar = k_smem2.at[wg], v_smem2.at[wg], bar2.at[wg]
 
-    if named:
-      def signal_other():
-        _named_barrier("arrive", _SCHED_BAR + 1 - wg, 2 * _WG_THREADS)
-
-      def wait_turn():
-        _named_barrier("sync", _SCHED_BAR + wg, 2 * _WG_THREADS)
-    elif pingpong:   # interpret mode: mbarrier `turn[w]` is warpgroup w's turn
-      def signal_other():
-        plgpu.barrier_arrive(turn[0].at[1 - wg])
-
-      def wait_turn():
-        plgpu.barrier_wait(turn[0].at[wg])
-    else:
-      signal_other = wait_turn = lambda: None
-
     def dec(t):
       gi, kind = _decode(tsteps_ref[b, kh, jt, t])
       return lax.div(gi, nq), lax.rem(gi, nq), kind   # (g, query tile, kind)
@@ -481,11 +411,7 @@ def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount
       plgpu.barrier_wait(bar)
 
       def run(dk_acc, dv_acc):
-        if pingpong:
-          pl.when(wg == 1)(wait_turn)
         pipeline_callback((dk_acc, dv_acc))
-        if pingpong:
-          pl.when(wg == 0)(signal_other)
         return dk_acc[...], dv_acc[...]
       acc = plgpu.ACC((bkw, H), jnp.float32)
       dk_, dv_ = pl.run_scoped(run, acc, acc)
@@ -507,7 +433,6 @@ def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount
 
       def s_fn(acc):
         plgpu.wgmma(acc, k_smem, q_smem.T)
-        signal_other()
         plgpu.wgmma_wait(0)
         lse2 = plgpu.load(lse_smem, layout=_COL)
         delta = plgpu.load(delta_smem, layout=_COL)
@@ -526,7 +451,6 @@ def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount
       sT = lax.cond(kind == KIND_FULL, lambda: sT, masked)
       col = lambda x: lax.broadcast_in_dim(x, sT.shape, [1])
       pT = jnp.exp2(sT * qk_scale - col(lse2))
-      wait_turn()
 
       def dp_fn(acc):
         plgpu.wgmma(acc, v_smem, do_smem.T)
@@ -559,12 +483,10 @@ def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount
   args = [q_BTNH, k_BSKH, v_BSKH, do_BTNH, _lse2(lse_BNT), delta_BNT, tsteps_BKJY, tcount_BKJ,
           qpos_BT, _opt(qseg_BIT, (1, 1, 1)), kvpos_BS, _opt(kvseg_BS, (1, 1))]
   kv_t = jax.ShapeDtypeStruct((B, S, K, H), dtype)
-  scratch = [_swizzled((W, bkw, H), dtype), _swizzled((W, bkw, H), dtype),
-             plgpu.Barrier(num_arrivals=2, num_barriers=W)]
-  if pingpong and not named:
-    scratch.append(plgpu.Barrier(num_arrivals=1, num_barriers=W))
   return plgpu.kernel(
       kernel, out_type=(kv_t, kv_t), grid=(K, nk, B), grid_names=("heads", "kv", "batch"),
-      num_threads=W + 1, thread_name="wg", scratch_types=scratch,
+      num_threads=W + 1, thread_name="wg",
+      scratch_types=[_swizzled((W, bkw, H), dtype), _swizzled((W, bkw, H), dtype),
+                     plgpu.Barrier(num_arrivals=2, num_barriers=W)],
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=_interp(interpret),
-      kernel_name="block_sparse_dkv_mgpu" + ("_pp" if pingpong else ""))(*args)
+      kernel_name="block_sparse_dkv_mgpu")(*args)

@@ -209,30 +209,3 @@ def test_ops_resolver_picks_mosaic_gpu_for_block_sparse_on_h100():
   assert pick(Platform("cpu"))[0] is None
   be, reasons = pick(Platform("cuda", "NVIDIA H100 80GB HBM3"), jnp.float32)
   assert be is None and "float32" in reasons[0] and "not resolved on Hopper" in reasons[1]
-
-
-# The Mosaic GPU backward's schedule variants (BlockSparseConfig's mgpu_ fields, issue 31's
-# all-full A/B): each must give the reference's gradients; interpret mode runs the ping-pong turns
-# on mbarriers with the named barriers' protocol (a count that does not match hangs the test).
-VARIANTS = [
-    ("dq_pingpong_dkv3", api.BlockSparseConfig(mgpu_dq_pingpong=True, mgpu_dkv_stages=3)),
-    ("dq_pingpong_overlap_dkv_pingpong4", api.BlockSparseConfig(
-        mgpu_dq_pingpong=True, mgpu_dq_overlap=True, mgpu_dkv_stages=4, mgpu_dkv_pingpong=True)),
-]
-
-
-@pytest.mark.parametrize("name,config", VARIANTS, ids=[v[0] for v in VARIANTS])
-def test_mosaic_gpu_backward_variants_interpret(name, config):
-  """Every head mode in one launch (FULL, BLOCKS, WINDOW_BLOCKS on one kv head), window + sinks,
-  packed documents, 128-key tiles (dk/dv: two compute warpgroups), head_dim 64: out, lse, dq, dk,
-  dv of a BlockSparseConfig variant against the reference."""
-  p = make_problem(17, T=256, N=3, K=1, L=2, H=64, dtype=jnp.bfloat16, block_q=128, block_k=128,
-                   window=70, sinks=5, segments=2)
-  p.kw["head_mode_BN"] = jnp.asarray([[F, B_, W]], jnp.int32)
-  errs, bad = compare(p, dict(MGPU, config=config))
-  assert not bad, (name, errs)
-
-
-def test_block_sparse_config_rejects_dkv_stages_outside_1_to_4():
-  with pytest.raises(ValueError, match="mgpu_dkv_stages"):
-    api.BlockSparseConfig(mgpu_dkv_stages=5)
