@@ -669,10 +669,14 @@ def join_lr_jobs(s: Settings, method: str, length: int, parts: list) -> dict:
 # the gathered path (25 ms a step), 4 s on block_sparse (10 ms; loss at step 800 0.213 vs 0.212,
 # accuracy 0.971 both) and 4 s for full attention: MATCH / random 512 -> 13.0 (full's 12.3 and a
 # margin for the retrieval scoring), 256 -> 5.2 (full's 4.3 x 1.2); 64 / 128 kept (not probed).
+# Calls 3 and 4 (afca99a, 1359620; 4 H200s, two one-model jobs a GPU at 512; logs in
+# bench/results/mqar_units/mqar_jobs_20261127175450.tgz / _180424.tgz): steps 400-12,800 took
+# 233-237 s for MATCH, random and full alike, 9.5 ms a model-step additive (evaluations
+# included): 512 -> 11.5 for all three (x1.2 for an H100 or a slower machine).
 STEP_MS = {64: dict(full=1.1, swa=1.1, match=2.7, random=2.7),
            128: dict(full=1.1, swa=1.1, match=2.7, random=2.7),
            256: dict(full=4.3, swa=2.9, match=5.2, random=5.2),
-           512: dict(full=12.3, swa=8.2, match=13.0, random=13.0)}
+           512: dict(full=11.5, swa=8.2, match=11.5, random=11.5)}
 # Seconds a job spends besides its training steps: the imports, its rows read (--make_data made
 # them), the compiles, MATCH's decode-semantics evaluation at the end, and --deadline_s's margin
 # (a training stops at an evaluation unless 1.5 x the next 400 steps + 20 s still fit).
