@@ -101,6 +101,17 @@ def bench(f, *args, n=10):
   return float(np.median(ts)) * 1e3
 
 
+def has_nan(o, grads) -> bool:
+  """Whether an output or any of its gradients holds a NaN."""
+  return bool(jnp.isnan(o).any()) or any(bool(jnp.isnan(x).any()) for x in grads)
+
+
+def result_file(out_dir: str, device: str) -> str:
+  """<out_dir>/block_sparse_<device>.json (common.result_path), out_dir created."""
+  os.makedirs(out_dir, exist_ok=True)
+  return common.result_path("block_sparse", out_dir, device)
+
+
 def rel(a, b):
   a = jnp.asarray(a, jnp.float32)
   b = jnp.asarray(b, jnp.float32)
@@ -267,8 +278,7 @@ def run(s: Settings, log=print, out_dir=None):
   result["impl"] = s.impl
   path = None
   if out_dir is not None:
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"block_sparse_{dev.device_kind.replace(' ', '_')}.json")
+    path = result_file(out_dir, dev.device_kind)
   appended = []
 
   run_name = s.impl
@@ -310,7 +320,7 @@ def run(s: Settings, log=print, out_dir=None):
         try:
           fb = fwd_bwd(f, ct)
           o, g = fb(q, k, v)
-          r["nan"] = bool(jnp.isnan(o).any()) or any(bool(jnp.isnan(x).any()) for x in g)
+          r["nan"] = has_nan(o, g)
           del o, g
           r["fwd_ms"] = bench(jax.jit(f), q, k, v, n=s.n)
           r["fwdbwd_ms"] = bench(fb, q, k, v, n=s.n)
@@ -665,14 +675,14 @@ def ab_time(s: Settings, T: int, names, n: int, log=print) -> dict:
   fns["cudnn"] = fwd_bwd(dense(s), ct)
   row = dict(T=T, errors_vs_default={}, nan={}, err={})
   o0, g0 = fns["default"](q, k, v)
-  row["nan"]["default"] = bool(jnp.isnan(o0).any()) or any(bool(jnp.isnan(x).any()) for x in g0)
+  row["nan"]["default"] = has_nan(o0, g0)
   live = {}
   for name, f in fns.items():
     log(f"ab T={T}: compiling / running {name}")
     try:
       o, g = f(q, k, v)
       if name != "default":
-        row["nan"][name] = bool(jnp.isnan(o).any()) or any(bool(jnp.isnan(x).any()) for x in g)
+        row["nan"][name] = has_nan(o, g)
         row["errors_vs_default"][name] = dict(out=rel(o, o0), dq=rel(g[0], g0[0]),
                                               dk=rel(g[1], g0[1]), dv=rel(g[2], g0[2]))
       del o, g
@@ -779,8 +789,7 @@ def ab_run(s: Settings, names, *, n: int, checks_path: str | None = None, check_
   timed = [x for x in names if checks.get(x, {}).get("ok")]
   path = None
   if out_dir is not None:
-    os.makedirs(out_dir, exist_ok=True)
-    path = os.path.join(out_dir, f"block_sparse_{dev.replace(' ', '_')}.json")
+    path = result_file(out_dir, dev)
   for i, T in enumerate(s.Ts):
     res["rows"].append(ab_time(s, T, timed, n, log))
     res["decision"] = ab_decide(checks, res["rows"], names)
@@ -871,9 +880,7 @@ def main(argv=None):
     record = match_run(res)
     print(json.dumps({k: v for k, v in res.items() if k != "rows"}), flush=True)
     if args.out_dir:
-      os.makedirs(args.out_dir, exist_ok=True)
-      append_run(os.path.join(args.out_dir, f"block_sparse_{record['device'].replace(' ', '_')}"
-                              ".json"), record)
+      append_run(result_file(args.out_dir, record["device"]), record)
     return
   s = settings_from_flags(args)
   if args.ab:

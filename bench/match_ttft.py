@@ -13,8 +13,9 @@ prefill_chunk tokens a prefill call), prefill one prompt of `context` random tok
 (compile + run: compile_s); once both models are compiled, their prefills run `reps` times
 each in turns, the order reversed every round (ttft_s = a model's median, the prefill call
 returning the first token's logits; run-to-run drift reaches both models alike). The model is
-Qwen3-8B-shaped per layer (hidden 4096, 32 q / 8 kv heads of 128, MLP 12288) with few layers and random weights, bfloat16; retrieval = exact match
-on random tokens from a small vocabulary (every retrieving block finds k chunks). The
+Qwen3-8B-shaped per layer (hidden 4096, 32 q / 8 kv heads of 128, MLP 12288) with few layers
+and random weights, bfloat16; retrieval = exact match on random tokens from a small vocabulary
+(every retrieving block finds k chunks). The
 retriever's cost is exact match, not the paper's MiniLM encode (its weights are not on the GPU
 image).
 

@@ -152,11 +152,9 @@ def kernel_support(impl: str, q_shape, kv_shape, dtype, block_q: int, block_k: i
 @dataclasses.dataclass(frozen=True)
 class BlockSparseConfig:
   """Kernel variants of block_sparse_attention (static: another config is another program;
-  condattn_jax.ops runs the defaults). No variant today: the fields come with the kernels' A/Bs
-  (bench/block_sparse.py --ab, AB_VARIANTS). Removed after losing their pre-registered A/B (issue
-  31): the Mosaic GPU dk/dv variants mgpu_dkv_overlap_dp / mgpu_dkv_stages /
-  mgpu_dkv_defer_release, and the backward schedule variants mgpu_dq_pingpong / mgpu_dq_overlap /
-  mgpu_dkv_pingpong / mgpu_dkv_stages (run mosaic_gpu_ab of the H100 result file)."""
+  condattn_jax.ops runs the defaults). No variant today: a field comes with a candidate of the
+  kernels' pre-registered A/B (bench/block_sparse.py --ab, AB_VARIANTS) and stays only if it is
+  adopted; the removed ones are listed in this package's README."""
 
 
 @dataclasses.dataclass(frozen=True)

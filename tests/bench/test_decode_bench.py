@@ -378,10 +378,10 @@ def test_ab_interleaves_the_variants_and_applies_the_registered_rule(tmp_path):
 def test_profile_trace_sets_change_the_h100_program():
   """The --profile variants' attention paths reach the traced program (exported for an abstract
   H100, 2 layers): default auto = cuDNN's split-KV call per layer, 'refattn' (and the model's
-  attention_impl='reference') = no attention custom call (the XLA reference). Manual (14 CPU-s; a bench-only
-  check, run it before a GPU --profile call): the variants' plumbing on CPU is covered by
-  test_profile_step_measures_every_variant_on_cpu, and the default decode path's H100 lowering by
-  tests/kernels/test_decode_kernel.py's export tests."""
+  attention_impl='reference') = no attention custom call (the XLA reference). Manual (14 CPU-s;
+  a bench-only check, run it before a GPU --profile call): the variants' plumbing on CPU is
+  covered by test_profile_step_measures_every_variant_on_cpu, and the default decode path's H100
+  lowering by tests/kernels/test_decode_kernel.py's export tests."""
   import dataclasses
   from bench import decode_program as dp
   cfg, _ = decode.scheme_config("dense", "qwen2.5-1.5b", 512)
