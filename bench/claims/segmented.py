@@ -78,7 +78,8 @@ def criteria_verdicts_follow_from_the_evaluations(r, run):
   """Every pre-registered run: the verdicts it recorded are segmented_fidelity.verdicts of its
   evaluations (a verdict cannot be edited by hand, pass or fail), its overall 'passed' is
   their conjunction, its rules are the script's criteria it registered, and every evaluation
-  holds one finite perplexity > 1 per seed at every evaluated length."""
+  holds one finite perplexity > 1 per seed at every evaluated length (eval_segs and the
+  training length)."""
   import math
   from bench import common
   from bench import segmented_fidelity as fid
@@ -92,8 +93,10 @@ def criteria_verdicts_follow_from_the_evaluations(r, run):
   expect(fid.verdicts(res, p, rules=r["criteria_rules"]) == r["criteria"],
          "verdicts differ from the evaluations")
   expect(r["passed"] == all(v["passed"] for v in r["criteria"].values()))
+  # the evaluated lengths: eval_segs and the training length (the dense gate's)
+  lens = sorted(set(int(x) for x in r["settings"]["eval_segs"]) | {r["settings"]["train_segs"]})
   for k, d in res.items():
-    expect(sorted(d) == sorted(int(x) for x in r["settings"]["eval_segs"]), (k, sorted(d)))
+    expect(sorted(d) == lens, (k, sorted(d)))
     expect(all(len(v["ppl"]) == r["settings"]["seeds"] and
                all(math.isfinite(x) and x > 1 for x in v["ppl"]) for v in d.values()), k)
 
