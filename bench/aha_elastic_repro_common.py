@@ -414,10 +414,12 @@ def run_seeds(b: Bench, s, preset: str, log=print) -> list[dict]:
 def merged_parts(b: Bench, s, preset: str, work_dir: str) -> tuple[list[dict], dict, dict]:
   """(seeds' records, {seed: {unit: seconds}}, provenance) assembled from the part files in
   `work_dir`; ValueError naming the first missing file and the part command that writes it.
-  provenance = {device, platform: those of most units; devices {device: units}; commits (sorted,
+  provenance = {device, platform: those of the units that ran the most seconds (a seed NOT
+  JUDGED at its dense gate leaves its other units empty, returned at once wherever the merge
+  runs), ties by unit count; devices {device: units}; commits (sorted,
   of the units that record one); first_date / last_date (ISO, units that record one)}: units of
   one run may come from several calls on different cards (an x2 call that came as H200)."""
-  seeds, secs, where, commits, dates = [], {}, {}, set(), []
+  seeds, secs, where, busy, commits, dates = [], {}, {}, {}, set(), []
   for seed in s.seeds:
     store = Store(b.name, preset, s, seed, work_dir)
     secs[str(seed)] = {u: store.seconds(u) for u in b.units(s, seed)}
@@ -425,12 +427,13 @@ def merged_parts(b: Bench, s, preset: str, work_dir: str) -> tuple[list[dict], d
       d = store._read(u)
       key = (d.get("device"), d.get("platform"))
       where[key] = where.get(key, 0) + 1
+      busy[key] = busy.get(key, 0.0) + secs[str(seed)][u]
       if d.get("commit"):
         commits.add(d["commit"])
       if d.get("date"):
         dates.append(d["date"])
     seeds.append(b.assemble(s, seed, store))
-  (device, platform), _ = max(where.items(), key=lambda kv: (kv[1], str(kv[0])))
+  (device, platform) = max(where, key=lambda k: (busy[k], where[k], str(k)))
   prov = dict(device=device, platform=platform,
               devices={str(k[0]): n for k, n in sorted(where.items(), key=str)},
               commits=sorted(commits), first_date=min(dates) if dates else None,

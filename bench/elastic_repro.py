@@ -712,8 +712,12 @@ def summarize(s: Settings, seeds: list[dict]) -> dict[str, Any]:
   flags_ = [p["at_plateau"] for r in seeds for a in r["arms"].values()
             for p in a["plateau"].values()]
   m["plateau_fraction"] = float(np.mean(flags_)) if flags_ else 0.0
-  crit = dict(CRITERIA, **CRITERIA_NEED) if s.need_counts else CRITERIA
-  return dict(metrics=m, spread=spread, criteria=rc.judge(crit, m))
+  return dict(metrics=m, spread=spread, criteria=rc.judge(criteria(s), m))
+
+
+def criteria(s: Settings) -> dict:
+  """The criteria a run of `s` registers: CRITERIA, and CRITERIA_NEED for the need presets."""
+  return dict(CRITERIA, **CRITERIA_NEED) if s.need_counts else CRITERIA
 
 
 def run(s: Settings, log=print, done: list[dict] | None = None) -> dict[str, Any]:

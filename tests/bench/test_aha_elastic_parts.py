@@ -63,6 +63,15 @@ second lr to the cap, the seed NOT JUDGED
             (1e-3, 3, False), (3e-3, 3, False)]
         assert res["seeds"][0]["judged"] is False and res["seeds"][0]["arms"] == {}
         assert res["metrics"]["judged_seeds"] == 0 and res["metrics"]["single.omega_gap"] is None
+        # the dense unit ran on a GPU call, the NOT JUDGED units (empty) where the later calls
+        # ran: the run is recorded where its work ran (unit-seconds), not where most units did
+        dense_json = work / "elastic_repro_test_nogate_s0_dense.json"
+        d = json.loads(dense_json.read_text())
+        dense_json.write_text(json.dumps(dict(d, device="NVIDIA H200", platform="gpu")))
+        res = mod.main([f"--preset={preset}", f"--merge_parts={work}",
+                        f"--out_dir={tmp_path / 'o_gpu'}"])
+        assert (res["device"], res["platform"]) == ("NVIDIA H200", "gpu")
+        assert res["units_ran"]["devices"] == {"NVIDIA H200": 1, "cpu": 2}
   finally:
     del mod.PRESETS["test_nogate"]
 
