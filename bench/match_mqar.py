@@ -172,10 +172,12 @@ PRESETS = {
                      method_lrs=(("full", (3e-4, 1e-3, 3e-3, 1e-2)),
                                  ("swa", (3e-4, 1e-3, 3e-3, 1e-2))),
                      tie_embeddings=True, query_power=0.01, attention_path="block_sparse"),
-    # CI (tests/bench/test_match_bench.py, SWA and MATCH only): length 64, the sweep's best
-    # MATCH lr, one seed, 300 steps (where the sweep's MATCH / SWA curves separate)
+    # CI (scripts/demo.py's MATCH section, tests/cli/test_demo_sections.py): length 64, the
+    # sweep's best MATCH lr, one seed, 300 steps (where the sweep's MATCH / SWA curves
+    # separate); MATCH / random on the block-sparse path (one masked reference call a layer:
+    # the same values as the gathered path, a third of its CPU time at this size)
     "test": Settings(lengths=(64,), lrs=(3e-3,), seeds=(0,), steps=300, batch=16,
-                     eval_rows=64, eval_every=150),
+                     eval_rows=64, eval_every=150, attention_path="block_sparse"),
 }
 
 # Pre-registered criteria (written with this script, before its first sweep ran). Numbers are

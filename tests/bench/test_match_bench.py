@@ -87,7 +87,8 @@ def test_mqar_merge_joins_lr_jobs(tmp_path):
   """A (method, length) trained as jobs over parts of its lr sweep (--lrs) merges into the
   sweep's result: finals and curves in the sweep's lr order whatever the files' order, and the
   summary's best lr is found across jobs; a sweep covered twice or partly is refused."""
-  s = match_mqar.dataclasses.replace(match_mqar.PRESETS["test"], lrs=(1e-3, 3e-3), seeds=(0, 1))
+  s = match_mqar.dataclasses.replace(match_mqar.PRESETS["test"], lrs=(1e-3, 3e-3), seeds=(0, 1),
+                                     attention_path="auto")
   settings = json.loads(json.dumps(match_mqar.dataclasses.asdict(s)))
 
   def job(method, lrs, accs):
