@@ -624,10 +624,17 @@ def table(result) -> str:
 # ----------------------------------------------------------------------------------------------
 
 # name -> BlockSparseConfig: the candidates of the next A/B (the config fields come with them).
-# None now: the backward schedule variants of run mosaic_gpu_ab (dq_overlap, dkv_stages4,
-# dq_pingpong, dkv_pingpong and their combinations pingpong, pingpong_stages4, all) lost its rule
-# and were removed with their BlockSparseConfig fields (issue 31).
-AB_VARIANTS: dict = {}
+# The backward schedule variants of run mosaic_gpu_ab (dq_overlap, dkv_stages4, dq_pingpong,
+# dkv_pingpong and their combinations pingpong, pingpong_stages4, all) lost its rule and were
+# removed with their BlockSparseConfig fields (issue 31). Candidates of run AB_RUN: the one-kernel
+# backward (mosaic_gpu.bwd_fused: dq issued before dK and sent out while dK runs, by TMA
+# reduce-add from one or two float32 shared-memory tiles per warpgroup; onebwd2_tm: its steps in
+# (query tile, query head) order, so the kv tiles running at once add into fewer dq rows).
+AB_VARIANTS: dict = {
+    "onebwd1": BlockSparseConfig(mgpu_onebwd=1),
+    "onebwd2": BlockSparseConfig(mgpu_onebwd=2),
+    "onebwd2_tm": BlockSparseConfig(mgpu_onebwd=2, mgpu_onebwd_tile_major=True)}
+AB_RUN = "mosaic_gpu_onebwd2_ab"   # the result file's run name of this A/B
 AB_TS = (65536, 32768)   # both must show the gain
 AB_MIN_GAIN = 1.015      # default ms / variant ms, at every T of AB_TS
 AB_TOL = 2e-2            # bf16: rel error vs the reference (check_T) and vs the default (timed T)
@@ -765,7 +772,7 @@ def ab_run(s: Settings, names, *, n: int, checks_path: str | None = None, check_
            log=print, out_dir=None) -> dict:
   """--ab: ab_check of `names` (or, given checks_path, the checks a guarded earlier process
   saved there: only the variants that passed are timed; no file: none is), then ab_time at each
-  T of s.Ts, ab_decide, a run 'mosaic_gpu_ab' appended to out_dir's result file (after each T)
+  T of s.Ts, ab_decide, a run AB_RUN appended to out_dir's result file (after each T)
   and ab_table printed. check_only: only the checks, saved to checks_path after each variant."""
   if checks_path and not check_only:   # a guarded process's checks; none saved: none passed
     checks = {}
@@ -800,8 +807,8 @@ def ab_run(s: Settings, names, *, n: int, checks_path: str | None = None, check_
 
 
 def ab_record(res: dict) -> dict:
-  """The A/B result as a schema-1 run 'mosaic_gpu_ab' (rows: one per T; recorded verbatim)."""
-  run = common.new_run("block_sparse", dict(name="mosaic_gpu_ab", Ts=[r["T"] for r in res["rows"]],
+  """The A/B result as a schema-1 run AB_RUN (rows: one per T; recorded verbatim)."""
+  run = common.new_run("block_sparse", dict(name=AB_RUN, Ts=[r["T"] for r in res["rows"]],
                                             n=res["n"], names=res["names"]), device=res["device"])
   run["git_commit"] = res["git_commit"]
   run["rows"] = [dict(T=r["T"], ms=r["ms"], gain_vs_default=r["gain_vs_default"],

@@ -490,3 +490,189 @@ def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount
                      plgpu.Barrier(num_arrivals=2, num_barriers=W)],
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=_interp(interpret),
       kernel_name="block_sparse_dkv_mgpu")(*args)
+
+
+# ----------------------------------------------------------------------------------------------
+# backward in one kernel (A/B candidate, BlockSparseConfig.mgpu_onebwd): dk, dv and dq
+# ----------------------------------------------------------------------------------------------
+
+def bwd_fused(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount_BKJ,
+              qpos_BT, qseg_BIT, kvpos_BS, kvseg_BS, *, scale, window, sinks, block_q, block_k,
+              dq_buffers=2, num_stages=NUM_STAGES, interpret=False):
+  """(dq, dk, dv) in ONE kernel over the transposed step tables: 5 matrix products per visible
+  (query sub-tile, kv tile) pair where dq + dkv take 7 (FlashAttention-3's backward).
+
+  dkv's programs and steps (grid (K, kv tile, B), two compute warpgroups of 64 kv rows, 64-row
+  query sub-tiles of every (query head of the kv head, query tile) pair visiting the kv tile).
+  Each step writes its dS^T [64 kv, 64 q] to shared memory (double-buffered by step parity), the
+  two warpgroups meet (named barrier), and warpgroup w computes dq's columns [64 w, 64 w + 64)
+  of the step, dS [64 q, 128 kv] @ K[:, cols], issued BEFORE dK += dS^T Q; it waits for the dq
+  product only (dK still running), stores it to one of `dq_buffers` float32 shared-memory tiles
+  and adds it into a float32 [B, T, N, H] buffer in global memory with a TMA reduce-add store
+  (`copy_smem_to_gmem(..., reduction_op="add")`). A tile is rewritten `dq_buffers` steps later,
+  after waiting until at most dq_buffers - 1 of this warpgroup's adds still read shared memory.
+  dq = scale * buffer, cast to q's dtype; the order of the float32 adds varies from run to run
+  (not bit-reproducible). Takes block_k 128 and head_dim 128 only (ValueError otherwise).
+  Interpret mode emulates the reduce-add store (reduce_interpret.py)."""
+  B, T, N, H = q_BTNH.shape
+  S, K = k_BSKH.shape[1], k_BSKH.shape[2]
+  if block_k != 2 * DKV_ROWS or H != 128:
+    raise ValueError(f"bwd_fused: block_k 128 and head_dim 128 only (got block_k {block_k}, "
+                     f"head_dim {H})")
+  if dq_buffers not in (1, 2):
+    raise ValueError(f"bwd_fused: dq_buffers 1 or 2, got {dq_buffers}")
+  G = N // K
+  dtype = q_BTNH.dtype
+  bkw, bq = DKV_ROWS, DKV_SUB_Q
+  W = block_k // bkw
+  R = block_q // bq
+  HC = H // W           # dq columns per warpgroup
+  nq, nk = T // block_q, S // block_k
+  stages = max(1, num_stages)
+  has_seg = qseg_BIT is not None
+  I = qseg_BIT.shape[1] if has_seg else 1
+  qk_scale = scale * LOG2E
+  named = not interpret
+  nbuf = dq_buffers
+
+  def kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, tsteps_ref, tcount_ref, qpos_ref,
+             qseg_ref, kvpos_ref, kvseg_ref, dq_ref, dk_ref, dv_ref, k_smem2, v_smem2, ds_smem2,
+             dq_smem3, bar2, xbar):
+    qseg_ref = qseg_ref if has_seg else None
+    kvseg_ref = kvseg_ref if has_seg else None
+    kh = lax.axis_index("heads")
+    b = lax.axis_index("batch")
+    jt = lax.axis_index("kv")
+    wg = lax.axis_index("wg")
+    start = jt * block_k + wg * bkw
+    rows = pl.ds(start, bkw)
+    nsteps = tcount_ref[b, kh, jt]
+    k_smem, v_smem, bar = k_smem2.at[wg], v_smem2.at[wg], bar2.at[wg]
+    dq_smem2 = dq_smem3.at[wg]
+
+    def dec(t):
+      gi, kind = _decode(tsteps_ref[b, kh, jt, t])
+      return lax.div(gi, nq), lax.rem(gi, nq), kind   # (g, query tile, kind)
+
+    def both_wgs():   # the two compute warpgroups meet (dS^T of the step complete)
+      if named:
+        _named_barrier("sync", _SCHED_BAR, 2 * _WG_THREADS)
+      else:
+        plgpu.barrier_arrive(xbar)
+        plgpu.barrier_wait(xbar)
+
+    def compute(pipeline_callback):
+      plgpu.copy_gmem_to_smem(k_ref.at[b, rows, kh], k_smem, bar)
+      plgpu.copy_gmem_to_smem(v_ref.at[b, rows, kh], v_smem, bar)
+      plgpu.barrier_wait(bar)
+
+      def run(dk_acc, dv_acc):
+        pipeline_callback((dk_acc, dv_acc))
+        return dk_acc[...], dv_acc[...]
+      acc = plgpu.ACC((bkw, H), jnp.float32)
+      dk_, dv_ = pl.run_scoped(run, acc, acc)
+      both_wgs()   # the other warpgroup's last dq product has read this one's K rows
+      k_smem[...] = (dk_ * scale).astype(dtype)
+      v_smem[...] = dv_.astype(dtype)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, rows, kh], commit_group=False)
+      plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, rows, kh], commit_group=False)
+      plgpu.commit_smem_to_gmem_group()
+      plgpu.wait_smem_to_gmem(0)   # also every dq add of this warpgroup
+
+    def body(idx, q_smem, do_smem, lse_smem, delta_smem, q_used, do_used, lse_used, delta_used,
+             carry):
+      t, r = idx
+      g, i, kind = dec(t)
+      h = kh * G + g
+      hsel = h if I > 1 else 0
+      dk_acc, dv_acc = carry
+      step = t * R + r
+
+      def s_fn(acc):
+        plgpu.wgmma(acc, k_smem, q_smem.T)
+        plgpu.wgmma_wait(0)
+        lse2 = plgpu.load(lse_smem, layout=_COL)
+        delta = plgpu.load(delta_smem, layout=_COL)
+        plgpu.barrier_arrive(lse_used)
+        plgpu.barrier_arrive(delta_used)
+        return acc[...], lse2, delta
+      sT, lse2, delta = pl.run_scoped(s_fn, plgpu.ACC((bkw, bq), jnp.float32))
+      qrows = pl.ds((i * R + r) * bq, bq)
+
+      def masked():
+        qp = plgpu.load(qpos_ref.at[b, qrows], layout=_COL, optimized=False)
+        qs = None if qseg_ref is None else plgpu.load(qseg_ref.at[b, hsel, qrows], layout=_COL,
+                                                      optimized=False)
+        return _mask(sT, qp, qs, kvpos_ref, kvseg_ref, b, start, bkw, kind, window=window,
+                     sinks=sinks, transposed=True)
+      sT = lax.cond(kind == KIND_FULL, lambda: sT, masked)
+      col = lambda x: lax.broadcast_in_dim(x, sT.shape, [1])
+      pT = jnp.exp2(sT * qk_scale - col(lse2))
+
+      def dp_fn(acc):
+        plgpu.wgmma(acc, v_smem, do_smem.T)
+        plgpu.wgmma(dv_acc, pT.astype(dtype), do_smem)
+        return plgpu.wgmma_accumulator_load(acc, wait_n=1)
+      dpT = pl.run_scoped(dp_fn, plgpu.ACC((bkw, bq), jnp.float32))
+      dsT = (pT * (dpT - col(delta))).astype(dtype)
+      # dS^T [W, 64 kv, 64 q] by step parity: a warpgroup rewrites a buffer two steps later,
+      # after both passed the next step's meeting, i.e. after both read it
+      ds2 = ds_smem2.at[lax.rem(step, 2)]
+      ds2.at[wg][...] = dsT
+      plgpu.commit_smem()
+      both_wgs()
+      dq_smem = dq_smem2.at[lax.rem(step, nbuf)] if nbuf > 1 else dq_smem2.at[0]
+      for w in range(W):   # static column slices of K
+        @pl.when(wg == w)
+        def _dq():
+          def dq_fn(acc):
+            for u in range(W):   # dS [64 q, 64 kv of warpgroup u] @ K [its rows, my columns]
+              plgpu.wgmma(acc, ds2.at[u].T, k_smem2.at[u, :, pl.ds(w * HC, HC)])
+            plgpu.wgmma(dk_acc, dsT, q_smem)    # dK runs while dq goes out
+            # dV and dq done (groups complete in order), dK may still run
+            return plgpu.wgmma_accumulator_load(acc, wait_n=1)
+          dq_part = pl.run_scoped(dq_fn, plgpu.ACC((bq, HC), jnp.float32))
+          plgpu.barrier_arrive(do_used)
+          plgpu.wait_smem_to_gmem(nbuf - 1, wait_read_only=True)   # this tile's last add read
+          dq_smem[...] = dq_part
+          plgpu.commit_smem()
+          plgpu.copy_smem_to_gmem(dq_smem, dq_ref.at[b, qrows, h, pl.ds(w * HC, HC)],
+                                  reduction_op="add")
+      plgpu.wgmma_wait(0)
+      plgpu.barrier_arrive(q_used)
+      return carry
+
+    def qmap(t, r):
+      g, i, _ = dec(t)
+      return i * R + r, kh * G + g, 0
+
+    def rmap(t, r):
+      g, i, _ = dec(t)
+      return kh * G + g, i * R + r
+
+    plgpu.emit_pipeline_warp_specialized(
+        body, grid=(nsteps, R), max_concurrent_steps=stages, num_compute_wgs=W,
+        memory_registers=40, wg_axis="wg", manual_consumed_barriers=True, compute_context=compute,
+        in_specs=[_spec((bq, None, H), dtype, qmap), _spec((bq, None, H), dtype, qmap),
+                  plgpu.BlockSpec((None, bq), rmap), plgpu.BlockSpec((None, bq), rmap)],
+    )(q_ref.at[b], do_ref.at[b], lse2_ref.at[b], delta_ref.at[b])
+
+  if interpret:
+    from . import reduce_interpret
+    reduce_interpret.install()
+  dq_acc = jax.new_ref(jnp.zeros((B, T, N, H), jnp.float32))
+  args = [q_BTNH, k_BSKH, v_BSKH, do_BTNH, _lse2(lse_BNT), delta_BNT, tsteps_BKJY, tcount_BKJ,
+          qpos_BT, _opt(qseg_BIT, (1, 1, 1)), kvpos_BS, _opt(kvseg_BS, (1, 1)), dq_acc]
+  kv_t = jax.ShapeDtypeStruct((B, S, K, H), dtype)
+  dk, dv = plgpu.kernel(
+      kernel, out_type=(kv_t, kv_t), grid=(K, nk, B), grid_names=("heads", "kv", "batch"),
+      num_threads=W + 1, thread_name="wg",
+      scratch_types=[_swizzled((W, bkw, H), dtype), _swizzled((W, bkw, H), dtype),
+                     _swizzled((2, W, bkw, bq), dtype),
+                     _swizzled((W, nbuf, bq, HC), jnp.float32),
+                     plgpu.Barrier(num_arrivals=2, num_barriers=W),
+                     plgpu.Barrier(num_arrivals=W)],
+      compiler_params=plgpu.CompilerParams(approx_math=True), interpret=_interp(interpret),
+      kernel_name=f"block_sparse_bwd_fused{nbuf}_mgpu")(*args)
+  return (jax.freeze(dq_acc) * scale).astype(dtype), dk, dv
