@@ -12,9 +12,10 @@
 #                                            # 2, 4 GPUs only) + MATCH / SWA TTFT at 32K (GPU 3
 #                                            # or, on fewer GPUs, 0); repeat until
 #                                            # both segmented logs print 'wrote' (they resume
-#                                            # from out/segfid, which stays on a WARM machine
-#                                            # only: the h100 checkpoints, ~250 MB, do not fit
-#                                            # the device tool's carry)
+#                                            # from $SEGFID, default $HOME/segfid, which stays
+#                                            # on a WARM machine only: the h100 checkpoints,
+#                                            # ~250 MB, do not fit the device tool's carry, and
+#                                            # a carried tree is replaced on every call)
 #   bash bench/match_segmented_gpu.sh far    # segmented far_gpu on GPU 0 alone (kind
 #                                            # nvidia-h100-x1): the dense model and its gate, then
 #                                            # the fine-tunes; estimate_s: ~727 s in all, so 3
@@ -103,11 +104,14 @@ mqar() {  # one call: the first call of the plan of what $IN does not hold finis
   done < $OUT/mqar_call.txt
 }
 seg() {
-  mkdir -p out/segfid
+  # the h100 checkpoints (hundreds of MB) stay on the warm machine OUTSIDE the repository copy:
+  # the device tool replaces a carried tree (and its out/) on every call
+  local ckpt=${SEGFID:-$HOME/segfid}
+  mkdir -p "$ckpt"
   # (the h100 dense step compiled on CPU with the reference attention: 74.5 GiB of temporaries,
   # its [T, T] scores; on GPU the attention kernel holds none of them)
   CUDA_VISIBLE_DEVICES=$(( 1 % GPUS )) XLA_PYTHON_CLIENT_MEM_FRACTION=0.6 timeout 480 \
-    python -m bench.segmented_fidelity --preset=h100 --checkpoint_dir=out/segfid \
+    python -m bench.segmented_fidelity --preset=h100 --checkpoint_dir="$ckpt" \
     --time_budget_s=400 --out_dir=$OUT/seg_h100 >> $OUT/seg_h100.log 2>&1 &
   # gpu_recall is recorded (H200, stop 37: its dense model did not learn the recall, so the
   # no-long-layers control could not be judged); its successor far_gpu runs here on GPU 2 of 4

@@ -193,6 +193,22 @@ def test_far_gpu_plan_fits_the_device_calls():
   assert (5 + 3) * n * 4 * p["seeds"] <= 42 * 2**20, n
 
 
+def test_h100_plan_from_its_measured_rates_and_checkpoints_outside_the_carried_tree():
+  """The h100 preset's estimate gives back its measured call (one H100: dense 2000 steps in
+  270 s, the aligned fine-tune's 400 in 197 s) and needs 2 calls, so its checkpoints must
+  survive between calls of one warm machine: `seg` keeps them outside the repository copy,
+  which the device tool replaces on every call that carries it."""
+  import os
+  import re
+  est = fid.estimate_s("h100", 400)
+  assert est["dense_s"] == 270 and est["calls"] == 2
+  assert est["finetunes_s"] == round(197 + 400 * 270 / 2000)   # aligned + misaligned (dense)
+  with open(os.path.join(os.path.dirname(fid.__file__), "match_segmented_gpu.sh")) as f:
+    seg = re.search(r"\nseg\(\) \{.*?\n\}", f.read(), re.S).group(0)
+  ckpt = re.search(r"--checkpoint_dir=(\S+)", seg).group(1)
+  assert ckpt == '"$ckpt"' and "local ckpt=${SEGFID:-$HOME/segfid}" in seg, seg
+
+
 def test_far_criteria_gate_the_no_long_control_and_can_fail():
   """Task far_recall's verdicts on made-up evaluations: the gate passes only when the dense
   checkpoint's FAR accuracy is >= 0.5 under full attention AND at most chance + 0.1 under the
