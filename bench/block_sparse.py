@@ -624,17 +624,14 @@ def table(result) -> str:
 # ----------------------------------------------------------------------------------------------
 
 # name -> BlockSparseConfig: the candidates of the next A/B (the config fields come with them).
-# The backward schedule variants of run mosaic_gpu_ab (dq_overlap, dkv_stages4, dq_pingpong,
-# dkv_pingpong and their combinations pingpong, pingpong_stages4, all) lost its rule and were
-# removed with their BlockSparseConfig fields (issue 31). Candidates of run AB_RUN: the one-kernel
-# backward (mosaic_gpu.bwd_fused: dq issued before dK and sent out while dK runs, by TMA
-# reduce-add from one or two float32 shared-memory tiles per warpgroup; onebwd2_tm: its steps in
-# (query tile, query head) order, so the kv tiles running at once add into fewer dq rows).
-AB_VARIANTS: dict = {
-    "onebwd1": BlockSparseConfig(mgpu_onebwd=1),
-    "onebwd2": BlockSparseConfig(mgpu_onebwd=2),
-    "onebwd2_tm": BlockSparseConfig(mgpu_onebwd=2, mgpu_onebwd_tile_major=True)}
-AB_RUN = "mosaic_gpu_onebwd2_ab"   # the result file's run name of this A/B
+# None now. Removed with their BlockSparseConfig fields after losing the rule (issue 31): the
+# backward schedule variants of run mosaic_gpu_ab (dq_overlap, dkv_stages4, dq_pingpong,
+# dkv_pingpong and their combinations pingpong, pingpong_stages4, all) and the one-kernel
+# backward candidates of run mosaic_gpu_onebwd2_ab (onebwd1, onebwd2, onebwd2_tm).
+AB_VARIANTS: dict = {}
+# The result file's run name of the next A/B: each A/B names its own run (the claims of the
+# earlier ones, bench/claims/block_sparse.py, check their run's variants).
+AB_RUN = "mosaic_gpu_ab3"
 AB_TS = (65536, 32768)   # both must show the gain
 AB_MIN_GAIN = 1.015      # default ms / variant ms, at every T of AB_TS
 AB_TOL = 2e-2            # bf16: rel error vs the reference (check_T) and vs the default (timed T)

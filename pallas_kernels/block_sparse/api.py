@@ -154,21 +154,7 @@ class BlockSparseConfig:
   """Kernel variants of block_sparse_attention (static: another config is another program;
   condattn_jax.ops runs the defaults). No variant today: a field comes with a candidate of the
   kernels' pre-registered A/B (bench/block_sparse.py --ab, AB_VARIANTS) and stays only if it is
-  adopted; the removed ones are listed in this package's README.
-
-  mgpu_onebwd: the Mosaic GPU backward. 0 (default): two kernels, dq and dk/dv. 1 or 2: one
-  kernel (mosaic_gpu.bwd_fused: dq added into float32 by TMA reduce-add stores from that many
-  shared-memory tiles per warpgroup) where block_k is 128 and head_dim 128, the two kernels
-  elsewhere. mgpu_onebwd_tile_major (with mgpu_onebwd): its steps in (query tile, query head)
-  order instead of (query head, query tile) (tables.transposed_step_tables' tile_major)."""
-  mgpu_onebwd: int = 0
-  mgpu_onebwd_tile_major: bool = False
-
-  def __post_init__(self):
-    if self.mgpu_onebwd not in (0, 1, 2):
-      raise ValueError(f"BlockSparseConfig.mgpu_onebwd: 0, 1 or 2, got {self.mgpu_onebwd}")
-    if self.mgpu_onebwd_tile_major and not self.mgpu_onebwd:
-      raise ValueError("BlockSparseConfig.mgpu_onebwd_tile_major needs mgpu_onebwd")
+  adopted; the removed ones are listed in this package's README."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -248,8 +234,6 @@ class _Config:
   block_k: int
   interpret: Any
   poison: bool
-  onebwd: int = 0   # Mosaic GPU: BlockSparseConfig.mgpu_onebwd
-  onebwd_tile_major: bool = False   # Mosaic GPU: BlockSparseConfig.mgpu_onebwd_tile_major
   sub_tile: int = TRITON_SUB_TILE
   fwd_sub_tile: int = TRITON_FWD_SUB_TILE
 
@@ -346,13 +330,8 @@ def _backward_impl(cfg: _Config, res, dout, dlse_BNT):
   delta = jnp.swapaxes(delta, 1, 2) - jnp.where(jnp.isfinite(lse_BNT), dlse_BNT, 0.0)
   if cfg.backend == "mosaic_gpu":
     steps, count = _mgpu_tables(cfg, m)
-    meta = (m.qpos_BT, m.kseg_q_BIT, m.kvpos_BS, m.kseg_kv_BS)
-    if cfg.onebwd and cfg.block_k == 128 and q.shape[-1] == 128:
-      tsteps, tcount = tables.transposed_step_tables(steps, count, k.shape[2],
-                                                     tile_major=cfg.onebwd_tile_major)
-      return mod.bwd_fused(q, k, v, dout, lse_BNT, delta, tsteps, tcount, *meta,
-                           dq_buffers=cfg.onebwd, **_mgpu_kw(cfg))
     tsteps, tcount = tables.transposed_step_tables(steps, count, k.shape[2])
+    meta = (m.qpos_BT, m.kseg_q_BIT, m.kvpos_BS, m.kseg_kv_BS)
     dq = mod.dq(q, k, v, dout, lse_BNT, delta, steps, count, *meta, **_mgpu_kw(cfg))
     dk, dv = mod.dkv(q, k, v, dout, lse_BNT, delta, tsteps, tcount, *meta, **_mgpu_kw(cfg))
     return dq, dk, dv
@@ -510,9 +489,7 @@ def block_sparse_attention(q_BTNH, k_BSKH, v_BSKH, kv_blocks_BNQL, head_mode_BN=
     cfg = _Config(backend=impl, scale=scale, window=None if window is None else int(window),
                   sinks=int(sinks), block_q=int(block_q), block_k=int(block_k),
                   interpret=interpret, poison=poison, sub_tile=TRITON_SUB_TILE,
-                  fwd_sub_tile=TRITON_FWD_SUB_TILE,
-                  onebwd=config.mgpu_onebwd if impl == "mosaic_gpu" else 0,
-                  onebwd_tile_major=config.mgpu_onebwd_tile_major)
+                  fwd_sub_tile=TRITON_FWD_SUB_TILE)
     Tp, Sp = nq * block_q, -(-S // block_k) * block_k
     if (Tp, Sp) != (T, S):  # whole blocks: padding queries inactive, padding keys invisible
       q, k, v, qpos, kvpos, qseg, kvseg, act = _pad_to_blocks(

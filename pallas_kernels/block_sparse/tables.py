@@ -136,16 +136,13 @@ def step_tables(kv_blocks_BNQL, mode_BN, vis_w_BIQK, full_w_BIQK, vis_c_BIQK, fu
   return steps, jnp.sum(take, axis=-1, dtype=jnp.int32)
 
 
-def transposed_step_tables(steps_BNQX, count_BNQ, num_kv_heads, *, tile_major=False):
+def transposed_step_tables(steps_BNQX, count_BNQ, num_kv_heads):
   """(tsteps_BKJY, tcount_BKJ) for the Mosaic GPU dk/dv kernel (Y = G * nq): per kv head and kv
   tile j, the (query head g of the kv head, query tile i) pairs whose forward tables visit j, in
-  ascending (g, i) order (tile_major: ascending (i, g)), as entries (g * nq + i) * 4 + kind;
-  entries past the count are 0."""
+  ascending (g, i) order, as entries (g * nq + i) * 4 + kind; entries past the count are 0."""
   B, N, nq, nk = steps_BNQX.shape
   K = num_kv_heads
   G = N // K
-  if tile_major:
-    return _tile_major(steps_BNQX, count_BNQ, K)
   live = jnp.arange(nk, dtype=jnp.int32) < count_BNQ[..., None]
   tile = jnp.where(live, steps_BNQX // 4, nk)
   b = jnp.arange(B)[:, None, None, None]
@@ -157,32 +154,6 @@ def transposed_step_tables(steps_BNQX, count_BNQ, num_kv_heads, *, tile_major=Fa
       B, K, nk, G * nq)
   take = kindT >= 0
   entry = jnp.arange(G * nq, dtype=jnp.int32) * 4 + jnp.maximum(kindT, 0)
-  pos = jnp.cumsum(take, axis=-1, dtype=jnp.int32) - 1
-  bb = jnp.arange(B)[:, None, None, None]
-  kk = jnp.arange(K)[None, :, None, None]
-  jj = jnp.arange(nk)[None, None, :, None]
-  tsteps = jnp.zeros((B, K, nk, G * nq), jnp.int32).at[
-      bb, kk, jj, jnp.where(take, pos, G * nq)].set(entry, mode="drop")
-  return tsteps, jnp.sum(take, axis=-1, dtype=jnp.int32)
-
-
-def _tile_major(steps_BNQX, count_BNQ, K):
-  """transposed_step_tables(..., tile_major=True): the same entries, in ascending (i, g) order."""
-  B, N, nq, nk = steps_BNQX.shape
-  G = N // K
-  live = jnp.arange(nk, dtype=jnp.int32) < count_BNQ[..., None]
-  tile = jnp.where(live, steps_BNQX // 4, nk)
-  b = jnp.arange(B)[:, None, None, None]
-  n = jnp.arange(N)[None, :, None, None]
-  i = jnp.arange(nq)[None, None, :, None]
-  kindT = jnp.full((B, N, nk, nq), -1, jnp.int32).at[b, n, tile, i].set(steps_BNQX % 4,
-                                                                          mode="drop")
-  # [B, K, G, nk, nq] -> [B, K, nk, nq, G]: flat position f = i * G + g
-  kindT = jnp.transpose(kindT.reshape(B, K, G, nk, nq), (0, 1, 3, 4, 2)).reshape(
-      B, K, nk, nq * G)
-  take = kindT >= 0
-  f = jnp.arange(nq * G, dtype=jnp.int32)
-  entry = ((f % G) * nq + f // G) * 4 + jnp.maximum(kindT, 0)
   pos = jnp.cumsum(take, axis=-1, dtype=jnp.int32) - 1
   bb = jnp.arange(B)[:, None, None, None]
   kk = jnp.arange(K)[None, :, None, None]

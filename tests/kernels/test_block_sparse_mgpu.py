@@ -10,10 +10,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.block_sparse import (HEAD_BLOCKS, HEAD_FULL, BlockSparseConfig, api,
-                                         block_sparse_attention, tables)
+from pallas_kernels.block_sparse import (HEAD_BLOCKS, HEAD_FULL, api, block_sparse_attention,
+                                         tables)
 from pallas_kernels.block_sparse.tables import HEAD_WINDOW_BLOCKS
-from pallas_kernels.block_sparse.testing import compare, make_problem, run, ssa_lists
+from pallas_kernels.block_sparse.testing import compare, make_problem, ssa_lists
 from pallas_kernels.compact_attention.reference import dense_mask
 
 MGPU = dict(impl="mosaic_gpu", interpret=True)
@@ -59,26 +59,6 @@ def test_mosaic_gpu_backward_every_mode_window_sinks_documents_interpret():
   p.kw["head_mode_BN"] = jnp.asarray([[F, B_, W]], jnp.int32)
   errs, bad = compare(p, MGPU)
   assert not bad, errs
-
-
-def test_mosaic_gpu_one_kernel_backward_interpret():
-  """The one-kernel backward (A/B candidate BlockSparseConfig.mgpu_onebwd: dq summed over kv
-  tiles by TMA reduce-add stores into float32, emulated in interpret mode), with one dq tile per
-  warpgroup, and two with the (query tile, query head) step order: forward, lse, dq, dk, dv
-  against one reference run; GQA 2:1, every head
-  mode, window + sinks, packed documents, 128-key tiles at head_dim 128 (where it applies)."""
-  p = make_problem(17, T=256, N=4, K=2, L=2, H=128, dtype=jnp.bfloat16, block_q=128,
-                   block_k=128, window=70, sinks=5, segments=2)
-  p.kw["head_mode_BN"] = jnp.asarray([[F, B_, W, F]], jnp.int32)
-  ref = run(p, impl="reference")
-  for nbuf, tile_major in ((1, False), (2, True)):
-    cfg = BlockSparseConfig(mgpu_onebwd=nbuf, mgpu_onebwd_tile_major=tile_major)
-    errs, bad = compare(p, dict(MGPU, config=cfg), reference=ref)
-    assert not bad, (nbuf, tile_major, errs)
-  with pytest.raises(ValueError, match="mgpu_onebwd"):
-    BlockSparseConfig(mgpu_onebwd=3)
-  with pytest.raises(ValueError, match="needs mgpu_onebwd"):
-    BlockSparseConfig(mgpu_onebwd_tile_major=True)
 
 
 def test_mosaic_gpu_ssa_rows_that_see_nothing_interpret():
@@ -155,16 +135,6 @@ def test_step_tables_match_brute_force(segments):
       want = [g * nq + i for g in range(G) for i in range(nq)
               if j in steps[0, kh * G + g, i, :count[0, kh * G + g, i]] // 4]
       np.testing.assert_array_equal(e, want)
-  # tile_major (the one-kernel backward candidate): the same entries, kinds included, in
-  # (query tile, query head) order
-  tm, tmc = (np.asarray(x) for x in tables.transposed_step_tables(
-      jnp.asarray(steps), jnp.asarray(count), K, tile_major=True))
-  np.testing.assert_array_equal(tmc, tcount)
-  for kh in range(K):
-    for j in range(T // bk):
-      e, c = tsteps[0, kh, j, :tcount[0, kh, j]], tmc[0, kh, j]
-      np.testing.assert_array_equal(tm[0, kh, j, :c], sorted(e, key=lambda x: (x // 4 % nq,
-                                                                                x // 4 // nq)))
 
 
 def test_mode2_rejected_by_triton_and_tpu_kernels():
@@ -191,11 +161,9 @@ def test_auto_on_hopper_resolves_to_mosaic_gpu(monkeypatch):
                            128) == "triton"
 
 
-@pytest.mark.parametrize("onebwd", [0, 2])
-def test_mosaic_gpu_lowers_for_cuda_without_triton_calls(onebwd):
+def test_mosaic_gpu_lowers_for_cuda_without_triton_calls():
   """The Hopper program (jax.export for cuda, forward + backward): Mosaic GPU custom calls for
-  all three kernels (two with the one-kernel backward candidate, whose reduce-add store lowers
-  too), no Triton call."""
+  all three kernels, no Triton call."""
   from jax import export
   B, T, N, K, H = 1, 512, 4, 2, 128
   q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
@@ -205,8 +173,7 @@ def test_mosaic_gpu_lowers_for_cuda_without_triton_calls(onebwd):
   mode = jnp.asarray([[F, B_, W, B_]], jnp.int32)
 
   def loss(q, k, v):
-    o = block_sparse_attention(q, k, v, lists, mode, window=256, sinks=4, impl="mosaic_gpu",
-                               config=BlockSparseConfig(mgpu_onebwd=onebwd))
+    o = block_sparse_attention(q, k, v, lists, mode, window=256, sinks=4, impl="mosaic_gpu")
     return jnp.sum(o.astype(jnp.float32))
 
   orig = api._platform
@@ -217,8 +184,7 @@ def test_mosaic_gpu_lowers_for_cuda_without_triton_calls(onebwd):
   finally:
     api._platform = orig
   targets = re.findall(r"custom_call @([\w.]+)", text)
-  assert targets.count("mosaic_gpu_v2") + targets.count("mosaic_gpu") == (2 if onebwd else 3), \
-      targets
+  assert targets.count("mosaic_gpu_v2") + targets.count("mosaic_gpu") == 3, targets
   assert not [t for t in targets if "triton" in t.lower()], targets
 
 
