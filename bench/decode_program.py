@@ -477,7 +477,62 @@ OPTION_SETS = {**CB_MODES,
 # tile per split part and weighted 0: no lax.cond, so no host round trip per layer; same logits
 # and caches). The decode kernel in place of cuDNN's split-KV path ('mgpu': ops impl
 # 'decode_kernel') lost ADOPTION_RULE's A/B (run d_split_mgpu_ab) and is gone.
-TRACE_SETS = ("refattn", "noskip")
+# Bench-only patches, active while the variant's program is traced (`trace_patches`; the model
+# config is unchanged, so jax's trace caches are cleared around them):
+#   'oldoproj'  o_proj's decode contraction as before `layers._contract_heads` (2-D views
+#               [.., N*H] x [N*H, D] of x and of the kernel slice): the previous program, for the
+#               A/B of the change (registered 2026-11-27 before run d_oproj_minsplit_ab);
+#   'minsplit'  the candidate `decode_splits_min_part` in place of ops.decode_splits: no split of
+#               a kv length below MIN_SPLIT_KV slots (L2A's 256-slot window ring at 8K runs as
+#               one part, no merge); kv lengths of >= MIN_SPLIT_KV slots split as before (the
+#               bench's L2A ring at 128K holds 4096 slots: there the candidate's program is the
+#               default's, and its 128K half of the rule compares two runs of one program).
+TRACE_SETS = ("refattn", "noskip", "oldoproj", "minsplit")
+PATCH_SETS = ("oldoproj", "minsplit")
+MIN_SPLIT_KV = 512
+
+
+def decode_splits_min_part(B: int, S: int, K: int) -> int:
+  """Trace set 'minsplit' (an A/B candidate): ops.decode_splits, except that a kv length below
+  MIN_SPLIT_KV slots is not split (1 part)."""
+  from condattn_jax import ops
+  orig = _OPS_DECODE_SPLITS[0] if _OPS_DECODE_SPLITS else ops.decode_splits
+  return 1 if S < MIN_SPLIT_KV else orig(B, S, K)
+
+
+_OPS_DECODE_SPLITS: list = []  # ops.decode_splits as imported (trace_patches fills it)
+
+
+def contract_heads_2d(x, w):
+  """Trace set 'oldoproj': the decode contraction of o_proj before `layers._contract_heads`:
+  x [..., N, H] and the kernel [N, H, D] viewed 2-D ([..., N*H] x [N*H, D]), in x's dtype."""
+  from jax import lax
+  return lax.dot_general(x.reshape(x.shape[:-2] + (-1,)), w.reshape(-1, w.shape[-1]),
+                         (((x.ndim - 2,), (0,)), ((), ())))
+
+
+def trace_patches(sets):
+  """The context in which a variant's program is traced: PATCH_SETS of `sets` patched in
+  (jax's trace caches cleared on entry and exit, since the engine's jit cache is keyed by its
+  config, which the patches leave unchanged); a null context without them."""
+  import contextlib
+  from unittest import mock
+  import jax
+  from condattn_jax import ops
+  from condattn_jax.models import layers
+  if not _OPS_DECODE_SPLITS:
+    _OPS_DECODE_SPLITS.append(ops.decode_splits)
+  todo = [x for x in sets if x in PATCH_SETS]
+  if not todo:
+    return contextlib.nullcontext()
+  stack = contextlib.ExitStack()
+  jax.clear_caches()
+  stack.callback(jax.clear_caches)
+  if "oldoproj" in todo:
+    stack.enter_context(mock.patch.object(layers, "_contract_heads", contract_heads_2d))
+  if "minsplit" in todo:
+    stack.enter_context(mock.patch.object(ops, "decode_splits", decode_splits_min_part))
+  return stack
 
 
 def variant_config(cfg, sets):
@@ -616,11 +671,13 @@ def _trace_row(row: dict, bare, state, traced: int):
 
 
 def _build_variant(name, layout, sets, cfg, params, split, B, T, compiler_options, scheme,
-                   shapes, hlo_dir=None) -> dict:
+                   shapes, hlo_dir=None, defer: bool = False) -> dict:
   """One variant (`parse_variant`) compiled over a fresh `filled_cache` of T tokens:
   {row (its settings, compile_s, memory analysis, op_histogram; status 'built' or 'error'),
   bench (state, i) -> state: the bench's step (argmax of the last logits, pos0 + i), bare
-  state -> state: the compiled program alone (same token and position every call), state}."""
+  state -> state: the compiled program alone (same token and position every call), state}.
+  The program is traced under `trace_patches(sets)`. defer: the dict holds `compile` instead,
+  a function that compiles (thread-safe: nothing traced) and fills the dict as above."""
   import time
   import jax
   import jax.numpy as jnp
@@ -653,39 +710,54 @@ def _build_variant(name, layout, sets, cfg, params, split, B, T, compiler_option
       fn = jax.jit(functools.partial(bd.baseline_step_layers, cfg), donate_argnums=(1, 2))
       t0 = time.perf_counter()
       lowered = fn.lower(p, *caches, tok[:, 0], jnp.int32(T), lengths)
-      compiled = lowered.compile(compiler_options=opts)
       state = (*caches, logits)
       del caches
-      bench = lambda s, i: compiled(p, s[0], s[1], jnp.argmax(s[2], -1).astype(jnp.int32),
-                                    jnp.int32(T + i), lengths + i)
-      bare = lambda s: compiled(p, s[0], s[1], tok[:, 0], jnp.int32(T), lengths)
+      call = lambda c: (
+          lambda s, i: c(p, s[0], s[1], jnp.argmax(s[2], -1).astype(jnp.int32),
+                         jnp.int32(T + i), lengths + i),
+          lambda s: c(p, s[0], s[1], tok[:, 0], jnp.int32(T), lengths))
     else:
       state = (filled_cache(eng, B, T), logits)
       t0 = time.perf_counter()
-      lowered = Engine._step.lower(eng, p, state[0], tok, pos0, on, logits)
-      compiled = lowered.compile(compiler_options=opts)
-      bench = lambda s, i: compiled(p, s[0], jnp.argmax(s[1], -1).astype(jnp.int32)[:, None],
-                                    pos0 + i, on, s[1])[:2]
-      bare = lambda s: compiled(p, s[0], tok, pos0, on, s[1])[:2]
-    row["compile_s"] = time.perf_counter() - t0
-    row.update(bd._mem(compiled))
-    text = compiled.as_text()
-    hist = op_histogram(text)
-    if hlo_dir:
-      import gzip
-      import os
-      os.makedirs(hlo_dir, exist_ok=True)
-      path = os.path.join(hlo_dir, f"{name.replace(':', '_')}_B{B}_T{T}.hlo.txt.gz")
-      with gzip.open(path, "wt") as f:
-        f.write(text)
-      row["hlo_file"] = path
-    del text
-    row.update(launches=hist["launches"], copy_bytes=hist["copy_bytes"], histogram=hist,
-               status="built")
-    return dict(row=row, bench=bench, bare=bare, state=state)
+      with trace_patches(sets):
+        lowered = Engine._step.lower(eng, p, state[0], tok, pos0, on, logits)
+      call = lambda c: (
+          lambda s, i: c(p, s[0], jnp.argmax(s[1], -1).astype(jnp.int32)[:, None], pos0 + i, on,
+                         s[1])[:2],
+          lambda s: c(p, s[0], tok, pos0, on, s[1])[:2])
+    row["lower_s"] = time.perf_counter() - t0
   except Exception as e:  # recorded; the other variants still run
     row.update(status="error", error=f"{type(e).__name__}: {str(e)[:400]}")
     return dict(row=row)
+  out = dict(row=row, state=state)
+
+  def finish():
+    try:
+      t0 = time.perf_counter()
+      compiled = lowered.compile(compiler_options=opts)
+      row["compile_s"] = time.perf_counter() - t0
+      row.update(bd._mem(compiled))
+      text = compiled.as_text()
+      hist = op_histogram(text)
+      if hlo_dir:
+        import gzip
+        os.makedirs(hlo_dir, exist_ok=True)
+        path = os.path.join(hlo_dir, f"{name.replace(':', '_')}_B{B}_T{T}.hlo.txt.gz")
+        with gzip.open(path, "wt") as f:
+          f.write(text)
+        row["hlo_file"] = path
+      del text
+      row.update(launches=hist["launches"], copy_bytes=hist["copy_bytes"], histogram=hist,
+                 status="built")
+      out["bench"], out["bare"] = call(compiled)
+    except Exception as e:  # recorded; the other variants still run
+      row.update(status="error", error=f"{type(e).__name__}: {str(e)[:400]}")
+      out.pop("state", None)
+    return out
+  if defer:
+    out["compile"] = finish
+    return out
+  return finish()
 
 
 # The rule that settles a decode-step A/B (issue 33 / issue 26: L2A's exact decode switches),
@@ -721,7 +793,7 @@ ADOPTION_RULE = dict(T=(8192, 131072), min_repeats=5, min_steps=32, busy_slack=0
 def ab_step(shapes: str, B: int, T: int, *, variants, scheme: str = "l2a",
             dense_variants=("stacked",), steps: int = 32, repeats: int = 7, warmup: int = 3,
             traced: int = 8, busy_repeats: int = 3, compiler_options: dict | None = None,
-            log=print) -> list[dict]:
+            compile_workers: int = 1, log=print) -> list[dict]:
   """The decode-step A/B of ADOPTION_RULE at context T: `variants` (parse_variant names; the
   first is the default, the others candidates) of `scheme`, and `dense_variants` of dense (the
   x_dense denominator), all built first (`_build_variant`: one process, the same weights per
@@ -736,7 +808,10 @@ def ab_step(shapes: str, B: int, T: int, *, variants, scheme: str = "l2a",
     busy_runs_ms  `busy_repeats` traces of `traced` bare calls each (bench.common.trace_activity),
                 interleaved the same way; busy_ms = their median, kernels / span_ms / top of the
                 last
-  and dense_ratios' x_dense / bound_x / of_bound. Rows keep profile_step's fields otherwise."""
+  and dense_ratios' x_dense / bound_x / of_bound. Rows keep profile_step's fields otherwise.
+  compile_workers > 1: every variant is traced first (in order), then the first is compiled
+  alone and the others in that many threads (a timing of the programs, not of their compiles:
+  compile_s then overlaps)."""
   import statistics
   import time
   import jax
@@ -752,38 +827,51 @@ def ab_step(shapes: str, B: int, T: int, *, variants, scheme: str = "l2a",
     for v in names:
       if parse_variant(v)[0] == "xla_per_layer" and sch != "dense":
         raise ValueError(f"--scheme={sch}: the xla_per_layer variant is dense only.")
-  built = []
+  built, todo = [], []
   for sch, names in groups:
     parsed = [(v, *parse_variant(v)) for v in names]
     cfg = model_config(shapes, scheme=sch, T=T)
     params = bd.init_params(cfg)
     split = (jax.jit(stacking.split_groups)(params)
              if any(lay == "split" for _, lay, _ in parsed) else None)
-    ref = None
     for name, layout, sets in parsed:
       b = _build_variant(name, layout, sets, cfg, params, split, B, T, compiler_options, sch,
-                         shapes)
-      row = b["row"]
-      row.update(steps=steps, repeats=repeats)
+                         shapes, defer=True)
+      b["row"].update(steps=steps, repeats=repeats)
       built.append(b)
-      if row["status"] == "error":
-        log(f"{sch} {name}: error {row['error']}")
-        continue
-      try:
-        b["state"] = b["bare"](b["state"])
-        first = np.asarray(b["state"][-1], np.float64)
-        if ref is None:
-          ref = (name, first)
-        row.update(reference_variant=ref[0], rel_err=common.rel_err(first, ref[1]),
-                   max_abs_err=float(np.max(np.abs(first - ref[1]))),
-                   same_argmax=bool(np.array_equal(first.argmax(-1), ref[1].argmax(-1))))
-        _, _, b["state"] = bd._timed_steps(b["bench"], b["state"], 1, 1, warmup)
-        row.update(runs_ms=[], busy_runs_ms=[])
-        log(f"{sch} {name}: compiled in {row['compile_s']:.1f} s, {row['launches']} launches, "
-            f"rel_err {row['rel_err']:.2e} against {ref[0]}")
-      except Exception as e:
-        row.update(status="error", error=f"{type(e).__name__}: {str(e)[:400]}")
-        log(f"{sch} {name}: error {row['error']}")
+      if "compile" in b:
+        todo.append(b)
+  if todo and compile_workers > 1:
+    import concurrent.futures as cf
+    todo[0]["compile"]()
+    with cf.ThreadPoolExecutor(compile_workers) as ex:
+      list(ex.map(lambda b: b["compile"](), todo[1:]))
+  else:
+    for b in todo:
+      b["compile"]()
+  refs = {}
+  for b in built:
+    row = b["row"]
+    sch, name = row["scheme"], row["variant"]
+    if row["status"] == "error":
+      log(f"{sch} {name}: error {row['error']}")
+      continue
+    ref = refs.get(sch)
+    try:
+      b["state"] = b["bare"](b["state"])
+      first = np.asarray(b["state"][-1], np.float64)
+      if ref is None:
+        ref = refs[sch] = (name, first)
+      row.update(reference_variant=ref[0], rel_err=common.rel_err(first, ref[1]),
+                 max_abs_err=float(np.max(np.abs(first - ref[1]))),
+                 same_argmax=bool(np.array_equal(first.argmax(-1), ref[1].argmax(-1))))
+      _, _, b["state"] = bd._timed_steps(b["bench"], b["state"], 1, 1, warmup)
+      row.update(runs_ms=[], busy_runs_ms=[])
+      log(f"{sch} {name}: compiled in {row['compile_s']:.1f} s, {row['launches']} launches, "
+          f"rel_err {row['rel_err']:.2e} against {ref[0]}")
+    except Exception as e:
+      row.update(status="error", error=f"{type(e).__name__}: {str(e)[:400]}")
+      log(f"{sch} {name}: error {row['error']}")
   live = [b for b in built if b["row"]["status"] == "built"]
 
   def rotated(r):
@@ -865,6 +953,154 @@ def settle(rows: list[dict], scheme: str, default: str, dense_default: str | Non
   longest = max(rule["T"])
   winners = sorted((own[c]["per_T"][longest]["ms"], c) for c, ok in passed.items() if ok)
   return dict(adopt=winners[0][1] if winners else None, passed=passed, scheme=own, dense=dense)
+
+
+# Paired form of ADOPTION_RULE (registered 2026-11-27 before run d_oproj_minsplit_ab): where a
+# run's candidates are not alternatives to one default but each a change to its own baseline
+# (`--pairs=candidate=default,...`: o_proj's batched contraction `stacked` against the previous
+# program `stacked:oldoproj`; the splits candidate `stacked:minsplit` against `stacked`), each
+# candidate is settled by the rule against its own default, for the scheme and, where dense ran
+# both names, for dense too (the dense extension); every passing candidate is adopted (they
+# stack). A rejected candidate whose library change is exact and removes work without being
+# slower is not a behaviour change: the rule's verdict is recorded all the same.
+def settle_pairs(rows: list[dict], scheme: str, pairs: dict, rule: dict = ADOPTION_RULE) -> dict:
+  """ADOPTION_RULE per (candidate, default) pair of `pairs`: {pairs, passed: {candidate: bool},
+  adopt: [passing candidates], scheme: {candidate: adoption verdict}, dense: {candidate:
+  verdict} (where dense holds rows of both names)}."""
+  own, dense = {}, {}
+  for c, d in pairs.items():
+    pick = lambda sch: [r for r in rows if r.get("scheme") == sch and r["variant"] in (c, d)]
+    own[c] = adoption(pick(scheme), scheme, d, rule).get(c, dict(
+        adopt=False, failed=["no row of the candidate"], per_T={}))
+    both = {r["variant"] for r in pick("dense")}
+    if scheme != "dense" and both == {c, d}:
+      dense[c] = adoption(pick("dense"), "dense", d, rule)[c]
+  passed = {c: bool(own[c]["adopt"] and (c not in dense or dense[c]["adopt"])) for c in pairs}
+  return dict(pairs=dict(pairs), passed=passed, adopt=[c for c in pairs if passed[c]],
+              scheme=own, dense=dense)
+
+
+def parse_pairs(text: str) -> dict:
+  """'--pairs' 'c1=d1,c2=d2' -> {c1: d1, c2: d2} (each name a parse_variant name)."""
+  out = {}
+  for item in (x for x in text.split(",") if x):
+    c, sep, d = item.partition("=")
+    if not sep or not c or not d:
+      raise ValueError(f"--pairs: {item!r} is not candidate=default.")
+    parse_variant(c), parse_variant(d)
+    out[c] = d
+  return out
+
+
+def fp32_check(shapes: str, B: int, T: int, scheme: str = "dense", log=print) -> dict:
+  """How far the engine's bfloat16 decode logits are from float32 arithmetic on the same
+  numbers: one decode step (bench.decode's params of `scheme` at context T, `filled_cache`'s
+  K/V) through the engine's default program (cuDNN on a GPU), through the XLA einsum reference
+  attention in bfloat16 ('refattn'), and through a float32 reference: the model at compute
+  dtype float32 with attention_impl='reference', the same bfloat16 weights (upcast exactly),
+  the same cache upcast, every matmul at 'highest' precision. Returns {variant: {rel_err,
+  max_abs_err, same_argmax} against the float32 logits}, plus 'default_vs_refattn' (two
+  bfloat16 programs against each other: the noise between bf16 kernels ADOPTION_RULE's
+  max_rel_err sees), the logits' norm and the times."""
+  import time
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from bench import common
+  from bench import decode as bd
+  from condattn_jax.inference import Engine
+  cfg = model_config(shapes, scheme=scheme, T=T)
+  params = bd.init_params(cfg)
+  t0 = time.perf_counter()
+  eng = Engine(cfg, params, cache_len=T + bd.EXTRA)
+  cache16 = filled_cache(eng, B, T)
+  tok = eng._commit(jnp.zeros((B, 1), jnp.int32))
+  pos0 = eng._commit(jnp.full((B, 1), T, jnp.int32))
+  on = eng._commit(jnp.ones((B, 1), bool))
+  prev = eng._commit(jnp.zeros((B, cfg.vocab_size), jnp.float32))
+
+  def lower(c, cache, precision=None):
+    import contextlib
+    e = Engine(c, params, cache_len=T + bd.EXTRA)
+    ctx = jax.default_matmul_precision(precision) if precision else contextlib.nullcontext()
+    with ctx:
+      jax.clear_caches()  # the engine's jit cache is keyed by config: the context must trace
+      return Engine._step.lower(e, params, cache, tok, pos0, on, prev)
+  cfg32 = dataclasses.replace(cfg, dtype="float32", attention_impl="reference")
+  shapes32 = Engine(cfg32, params, cache_len=T + bd.EXTRA).cache_shapes(B)
+  cache32 = jax.tree.map(lambda a, s: a.astype(s.dtype), cache16, shapes32)
+  lowered = {"default": (lower(cfg, cache16), cache16),
+             "refattn": (lower(variant_config(cfg, ("refattn",)), cache16), cache16),
+             "float32": (lower(cfg32, cache32, precision="highest"), cache32)}
+  jax.clear_caches()
+  import concurrent.futures as cf
+  names = list(lowered)
+  compiled = {names[0]: lowered[names[0]][0].compile()}  # alone: its autotuning serves the rest
+  with cf.ThreadPoolExecutor(len(names) - 1) as ex:
+    compiled.update(zip(names[1:], ex.map(lambda n: lowered[n][0].compile(), names[1:])))
+  logits = {n: np.asarray(compiled[n](params, jax.tree.map(jnp.copy, lowered[n][1]), tok, pos0,
+                                      on, prev)[1], np.float64) for n in names}
+  ref = logits.pop("float32")
+  got = logits
+  cmp = lambda a, b: dict(rel_err=common.rel_err(a, b), max_abs_err=float(np.max(np.abs(a - b))),
+                          same_argmax=bool(np.array_equal(a.argmax(-1), b.argmax(-1))))
+  out = dict(scheme=scheme, shapes=shapes, B=B, T=T, reference="float32",
+             **{k: cmp(v, ref) for k, v in got.items()},
+             default_vs_refattn=cmp(got["default"], got["refattn"]),
+             logits_norm=float(np.linalg.norm(ref)), seconds=time.perf_counter() - t0)
+  log("fp32_check: " + json.dumps(out))
+  return out
+
+
+def oproj_probe(L: int = 28, N: int = 12, H: int = 128, D: int = 1536, calls: int = 20,
+                log=print) -> list[dict]:
+  """What XLA makes of o_proj's one-token contraction over a stacked kernel [L, N, H, D]
+  (bfloat16; Qwen2.5-1.5B's shapes by default), each form summed over the L layer slices in
+  one program (the 2-row operand of models.layers.Projection, a fresh input a layer): 'plain2d'
+  the previous form (2-D views [2, N*H] x [N*H, D]), 'dot3d' one dot_general contracting
+  (N, H) of the 3-D slice, 'batched' models.layers._contract_heads (batched over N, H
+  contracted, float32 sum over N). Per form: the compiled program's op_histogram copy_bytes /
+  launches and the median ms of `calls` calls (3 repeats); max_abs_err against 'plain2d'."""
+  import statistics
+  import time
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+  from jax import lax
+  from condattn_jax.models import layers
+  kw, kx = jax.random.split(jax.random.key(0))
+  w = jax.random.normal(kw, (L, N, H, D), jnp.float32).astype(jnp.bfloat16) * 0.02
+  x = jax.random.normal(kx, (L, 1, N, H), jnp.float32).astype(jnp.bfloat16)
+  forms = {"plain2d": contract_heads_2d,
+           "dot3d": lambda x2, w_: lax.dot_general(x2, w_, (((1, 2), (0, 1)), ((), ()))),
+           "batched": layers._contract_heads}
+  rows, ref = [], None
+  for name, f in forms.items():
+    def prog(w, x, f=f):
+      acc = jnp.zeros((1, D), jnp.float32)
+      for l in range(L):
+        x2 = jnp.concatenate([x[l], jnp.zeros_like(x[l])], axis=0)  # [2, N, H]
+        acc = acc + f(x2, w[l])[:1].astype(jnp.float32)
+      return acc
+    try:
+      compiled = jax.jit(prog).lower(w, x).compile()
+      hist = op_histogram(compiled.as_text())
+      y = np.asarray(compiled(w, x), np.float64)
+      ref = y if ref is None else ref
+      runs = []
+      for _ in range(3):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+          out = compiled(w, x)
+        jax.block_until_ready(out)
+        runs.append((time.perf_counter() - t0) * 1e3 / calls)
+      rows.append(dict(form=name, copy_bytes=hist["copy_bytes"], launches=hist["launches"],
+                       ms=statistics.median(runs), max_abs_err=float(np.max(np.abs(y - ref))),
+                       kernel_bytes=N * H * D * 2))
+    except Exception as e:
+      rows.append(dict(form=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
+    log(f"oproj_probe: {json.dumps(rows[-1])}")
+  return rows
 
 
 # The rule that settles XLA's command-buffer update mode for decoding (issue 33), registered before
@@ -1063,6 +1299,14 @@ def main(argv=None) -> list[dict]:
                  "of dense, interleaved in one process at every --T; prints the table and the "
                  "rule's decision; --out_dir: records the run (its 'adoption' beside the rows)")
   p.add_argument("--busy_repeats", type=int, default=3, help="--ab: interleaved traces per variant")
+  p.add_argument("--pairs", default="", help="--ab: settle each candidate against its own "
+                 "default (settle_pairs): 'candidate=default,...' (default: settle against the "
+                 "first --variants entry)")
+  p.add_argument("--compile_workers", type=int, default=1, help="--ab: compile threads (ab_step)")
+  p.add_argument("--fp32_check", default="", help="--ab: first run fp32_check for these schemes "
+                 "(comma list) at the first --T; recorded on the run")
+  p.add_argument("--oproj_probe", action="store_true", help="--ab: first run oproj_probe; "
+                 "recorded on the run")
   p.add_argument("--note", default=None, help="--out_dir: the recorded run's note")
   p.add_argument("--compare_to", default=None, help="--ab: CB_UPDATE_RULE's run B; the --out "
                  "JSON of run A (no XLA_FLAGS): the rule's verdict is printed and recorded")
@@ -1143,13 +1387,28 @@ def _main_ab(a) -> list[dict]:
   for v in variants + dense:
     parse_variant(v)  # a bad name fails before anything compiles
   Ts = [int(t) for t in str(a.T).split(",")]
+  pairs = parse_pairs(a.pairs)
+  for c, d in pairs.items():
+    if c not in variants + dense or d not in variants + dense:
+      raise ValueError(f"--pairs: {c}={d}: both must be --variants / --dense_variants names.")
+  decide = (lambda rows: settle_pairs(rows, a.scheme, pairs)) if pairs else (
+      lambda rows: settle(rows, a.scheme, variants[0], dense[0] if len(dense) > 1 else None))
+  extra = {}
+  if a.oproj_probe:
+    extra["oproj_probe"] = oproj_probe()
+  if a.fp32_check:
+    extra["fp32_check"] = [fp32_check(a.shapes, a.B, Ts[0], sch)
+                           for sch in a.fp32_check.split(",")]
+  if extra and a.out:
+    with open(a.out + ".extra.json", "w") as f:
+      json.dump(extra, f, indent=1)
   rows, cb = [], None
   for T in Ts:
     rows += ab_step(a.shapes, a.B, T, variants=variants, scheme=a.scheme, dense_variants=dense,
                     steps=a.steps, repeats=a.repeats, traced=a.traced,
-                    busy_repeats=a.busy_repeats)
+                    busy_repeats=a.busy_repeats, compile_workers=a.compile_workers)
     print(profile_table(rows), flush=True)
-    decision = settle(rows, a.scheme, variants[0], dense[0] if len(dense) > 1 else None)
+    decision = decide(rows)
     print(json.dumps(decision, indent=1), flush=True)
     if a.compare_to:  # CB_UPDATE_RULE: this run is B, --compare_to holds run A's rows
       with open(a.compare_to) as f:
@@ -1158,16 +1417,18 @@ def _main_ab(a) -> list[dict]:
     if a.out:
       with open(a.out, "w") as f:
         json.dump(dict(rows=[{k: v for k, v in r.items() if k != "trace_lines"} for r in rows],
-                       adoption=decision, cb_update_adoption=cb), f, indent=1)
+                       adoption=decision, cb_update_adoption=cb, **extra), f, indent=1)
   if a.out_dir:
     from bench import common
     run = common.new_run("decode_program", dict(
         name=a.name, mode="ab", scheme=a.scheme, shapes=a.shapes, B=a.B, T=Ts,
         variants=list(variants), dense_variants=list(dense), steps=a.steps, repeats=a.repeats,
         traced=a.traced, busy_repeats=a.busy_repeats, rule=ADOPTION_RULE,
-        xla_flags=os.environ.get("XLA_FLAGS", "")))
+        xla_flags=os.environ.get("XLA_FLAGS", ""),
+        **({"pairs": pairs, "compile_workers": a.compile_workers} if pairs else {})))
     run["rows"] = [{k: v for k, v in r.items() if k != "trace_lines"} for r in rows]
-    run["adoption"] = settle(rows, a.scheme, variants[0], dense[0] if len(dense) > 1 else None)
+    run["adoption"] = decide(rows)
+    run.update(extra)
     if cb is not None:
       run["cb_update_adoption"] = cb
     if a.note:

@@ -16,7 +16,8 @@ def ab_decision_is_the_registered_rule_on_the_stored_rows(rec, run):
   """An `--ab` run: every row that ran has its median of the repeats, a logits error within the
   rule's bound or recorded above it, and the recorded adoption equals ADOPTION_RULE (with the
   dense extension `settle` where the run stores its verdict that way) re-applied to the stored
-  rows with the rule stored on the run."""
+  rows with the rule stored on the run (settle_pairs where the run settled candidates in
+  pairs)."""
   import statistics
   from bench import decode_program as dp
   s = run["settings"]
@@ -25,7 +26,11 @@ def ab_decision_is_the_registered_rule_on_the_stored_rows(rec, run):
   for r in ok:
     expect(r["ms"] == approx(statistics.median(r["runs_ms"])), (r["scheme"], r["variant"]))
   rule = _rule(run)
-  if "passed" in run["adoption"]:   # settle's form (the dense extension)
+  if "pairs" in run["adoption"]:    # settle_pairs' form (each candidate against its own default)
+    got = dp.settle_pairs(run["rows"], s["scheme"], s["pairs"], rule)
+    expect(got["adopt"] == run["adoption"]["adopt"] and got["passed"] == run["adoption"]["passed"]
+           and got["pairs"] == run["adoption"]["pairs"], ("settle_pairs", got["passed"]))
+  elif "passed" in run["adoption"]:   # settle's form (the dense extension)
     dense = s["dense_variants"]
     got = dp.settle(run["rows"], s["scheme"], s["variants"][0],
                     dense[0] if len(dense) > 1 else None, rule)

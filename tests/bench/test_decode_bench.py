@@ -536,3 +536,66 @@ def test_l2a_decode_program_launches_nothing_that_splits_command_buffers():
   assert calls(l2a) == {"custom_call:__cudnn$fmhaSoftmax": 4}
   assert _runtime_cases(l2a) == [] and _runtime_cases(dense) == []
   assert len(_runtime_cases(export("l2a", decode_skip=True))) == 2  # the check sees a cond
+
+
+def test_paired_ab_with_bench_patches_fp32_check_and_the_o_proj_probe(tmp_path):
+  """decode_program --ab --pairs (run d_oproj_minsplit_ab's command, CPU plumbing, tiny shapes):
+  each candidate settled against its own default (settle_pairs: 'stacked' = o_proj's batched
+  contraction against 'stacked:oldoproj', the previous program patched back in while tracing;
+  'stacked:minsplit' against 'stacked'), the dense extension where dense ran both names,
+  compiles in threads, the fp32 check and the o_proj probe recorded on the run. The patches
+  reach the traced program: 'oldoproj' views each o_proj kernel as [N*H, D] again, 'minsplit'
+  leaves an L2A ring below MIN_SPLIT_KV slots unsplit in the H100 export."""
+  import re
+  from bench import decode_program as dp
+  rows = dp.main(["--ab", "--scheme=l2a", "--shapes=tiny-qwen", "--B=1", "--T=64",
+                  "--variants=stacked:oldoproj,stacked,stacked:minsplit",
+                  "--dense_variants=stacked:oldoproj,stacked",
+                  "--pairs=stacked=stacked:oldoproj,stacked:minsplit=stacked",
+                  "--steps=2", "--repeats=2", "--traced=2", "--busy_repeats=1",
+                  "--compile_workers=3", "--fp32_check=dense", f"--out_dir={tmp_path}"])
+  assert all(r["status"] == "ok" for r in rows), [r.get("error") for r in rows]
+  # exact on CPU: the batched o_proj contraction and the previous one give the same logits
+  assert all(r["rel_err"] <= 1e-6 and r["reference_variant"] == "stacked:oldoproj"
+             for r in rows)
+  (run,) = common.load(common.result_path("decode_program", str(tmp_path)))["runs"]
+  assert run["settings"]["pairs"] == {"stacked": "stacked:oldoproj",
+                                      "stacked:minsplit": "stacked"}
+  ad = run["adoption"]
+  assert set(ad["scheme"]) == {"stacked", "stacked:minsplit"} and set(ad["dense"]) == {"stacked"}
+  assert ad["adopt"] == [] and ad["passed"] == {"stacked": False, "stacked:minsplit": False}
+  (fp,) = run["fp32_check"]
+  # CPU: the default path is the XLA reference, so the two bf16 programs agree; both are a
+  # bf16 model's distance from float32 arithmetic (not zero, well under 1)
+  assert fp["default_vs_refattn"]["rel_err"] == 0.0
+  assert 1e-4 < fp["default"]["rel_err"] < 0.1 and fp["default"]["same_argmax"]
+  # settle_pairs on synthetic rows: each candidate against its own default
+  rule = dict(dp.ADOPTION_RULE, T=(64,), min_repeats=1, min_steps=1)
+  r = lambda sch, v, ms: dict(scheme=sch, variant=v, T=64, ms=ms, busy_ms=1.0, rel_err=0.0,
+                              runs_ms=[ms], steps=2, status="ok")
+  rows = [r("l2a", "old", 3.0), r("l2a", "new", 2.5), r("l2a", "ms", 2.6),
+          r("dense", "old", 2.0), r("dense", "new", 1.9)]
+  got = dp.settle_pairs(rows, "l2a", {"new": "old", "ms": "new"}, rule)
+  assert got["passed"] == {"new": True, "ms": False} and got["adopt"] == ["new"]
+  assert "wall" in got["scheme"]["ms"]["failed"][0] and "ms" not in got["dense"]
+  rows[-1]["ms"] = 2.1  # dense slower: the dense extension rejects
+  assert dp.settle_pairs(rows, "l2a", {"new": "old"}, rule)["adopt"] == []
+  with pytest.raises(ValueError, match="candidate=default"):
+    dp.parse_pairs("stacked")
+  # the patches reach the traced program (H100 export, tiny-qwen L2A, 2 layers at T = 8192:
+  # ring 256 slots, split in 2 parts unless 'minsplit'; global 8320 slots in 64 parts)
+  cfg = dp.model_config("tiny-qwen", layers=2, scheme="l2a", T=8192)
+  views = lambda t: len(re.findall(r"\(tensor<4x16x64xbf16>\) -> tensor<64x64xbf16>", t))
+  kv = lambda t: sorted(set(re.findall(r"custom_call @__cudnn\$fmhaSoftmax\([^\n]*?: "
+                                       r"\(tensor<[^,]+>, (tensor<[^,]+>)", t)))
+  new = dp.exported_text("engine", cfg, 1, 8192)
+  with dp.trace_patches(("oldoproj", "minsplit")):
+    old = dp.exported_text("engine", cfg, 1, 8192)
+  assert views(new) == 0 and views(old) == 2 * 2  # o_proj and the global block's, per layer
+  assert kv(new) == ["tensor<2x128x2x16xbf16>", "tensor<64x130x2x16xbf16>"]
+  assert kv(old) == ["tensor<1x256x2x16xbf16>", "tensor<64x130x2x16xbf16>"]
+  assert dp.decode_splits_min_part(1, 256, 2) == 1 and dp.decode_splits_min_part(1, 8320, 2) == 64
+  # the probe: every form the same sums, the previous form's copy bytes on record
+  probe = dp.oproj_probe(L=2, N=2, H=8, D=16, calls=1, log=lambda *_: None)
+  assert [p["form"] for p in probe] == ["plain2d", "dot3d", "batched"]
+  assert all(p["max_abs_err"] < 1e-2 and p["launches"] > 0 for p in probe), probe
