@@ -1303,9 +1303,9 @@ def main(argv=None) -> list[dict]:
                  "default (settle_pairs): 'candidate=default,...' (default: settle against the "
                  "first --variants entry)")
   p.add_argument("--compile_workers", type=int, default=1, help="--ab: compile threads (ab_step)")
-  p.add_argument("--fp32_check", default="", help="--ab: first run fp32_check for these schemes "
-                 "(comma list) at the first --T; recorded on the run")
-  p.add_argument("--oproj_probe", action="store_true", help="--ab: first run oproj_probe; "
+  p.add_argument("--fp32_check", default="", help="--ab: after the A/B, fp32_check for these "
+                 "schemes (comma list) at the first --T; recorded on the run")
+  p.add_argument("--oproj_probe", action="store_true", help="--ab: after the A/B, oproj_probe; "
                  "recorded on the run")
   p.add_argument("--note", default=None, help="--out_dir: the recorded run's note")
   p.add_argument("--compare_to", default=None, help="--ab: CB_UPDATE_RULE's run B; the --out "
@@ -1393,15 +1393,6 @@ def _main_ab(a) -> list[dict]:
       raise ValueError(f"--pairs: {c}={d}: both must be --variants / --dense_variants names.")
   decide = (lambda rows: settle_pairs(rows, a.scheme, pairs)) if pairs else (
       lambda rows: settle(rows, a.scheme, variants[0], dense[0] if len(dense) > 1 else None))
-  extra = {}
-  if a.oproj_probe:
-    extra["oproj_probe"] = oproj_probe()
-  if a.fp32_check:
-    extra["fp32_check"] = [fp32_check(a.shapes, a.B, Ts[0], sch)
-                           for sch in a.fp32_check.split(",")]
-  if extra and a.out:
-    with open(a.out + ".extra.json", "w") as f:
-      json.dump(extra, f, indent=1)
   rows, cb = [], None
   for T in Ts:
     rows += ab_step(a.shapes, a.B, T, variants=variants, scheme=a.scheme, dense_variants=dense,
@@ -1417,25 +1408,32 @@ def _main_ab(a) -> list[dict]:
     if a.out:
       with open(a.out, "w") as f:
         json.dump(dict(rows=[{k: v for k, v in r.items() if k != "trace_lines"} for r in rows],
-                       adoption=decision, cb_update_adoption=cb, **extra), f, indent=1)
+                       adoption=decision, cb_update_adoption=cb), f, indent=1)
+  from bench import common
+  run = common.new_run("decode_program", dict(
+      name=a.name, mode="ab", scheme=a.scheme, shapes=a.shapes, B=a.B, T=Ts,
+      variants=list(variants), dense_variants=list(dense), steps=a.steps, repeats=a.repeats,
+      traced=a.traced, busy_repeats=a.busy_repeats, rule=ADOPTION_RULE,
+      xla_flags=os.environ.get("XLA_FLAGS", ""),
+      **({"pairs": pairs, "compile_workers": a.compile_workers} if pairs else {})))
+  run["rows"] = [{k: v for k, v in r.items() if k != "trace_lines"} for r in rows]
+  run["adoption"] = decide(rows)
+  if cb is not None:
+    run["cb_update_adoption"] = cb
+  if a.note:
+    run["note"] = a.note
+  # after the A/B, so that a timeout in them keeps it (--out's '.run.json': the run without
+  # them): the o_proj probe, then the fp32 check
+  if a.out:
+    with open(a.out + ".run.json", "w") as f:
+      json.dump(run, f, indent=1)
+  if a.oproj_probe:
+    run["oproj_probe"] = oproj_probe()
+  if a.fp32_check:
+    run["fp32_check"] = [fp32_check(a.shapes, a.B, Ts[0], sch) for sch in a.fp32_check.split(",")]
   if a.out_dir:
-    from bench import common
-    run = common.new_run("decode_program", dict(
-        name=a.name, mode="ab", scheme=a.scheme, shapes=a.shapes, B=a.B, T=Ts,
-        variants=list(variants), dense_variants=list(dense), steps=a.steps, repeats=a.repeats,
-        traced=a.traced, busy_repeats=a.busy_repeats, rule=ADOPTION_RULE,
-        xla_flags=os.environ.get("XLA_FLAGS", ""),
-        **({"pairs": pairs, "compile_workers": a.compile_workers} if pairs else {})))
-    run["rows"] = [{k: v for k, v in r.items() if k != "trace_lines"} for r in rows]
-    run["adoption"] = decide(rows)
-    run.update(extra)
-    if cb is not None:
-      run["cb_update_adoption"] = cb
-    if a.note:
-      run["note"] = a.note
     common.append_run(common.result_path("decode_program", a.out_dir), run)
   return rows
-
 
 if __name__ == "__main__":
   main(sys.argv[1:])
