@@ -477,62 +477,12 @@ OPTION_SETS = {**CB_MODES,
 # tile per split part and weighted 0: no lax.cond, so no host round trip per layer; same logits
 # and caches). The decode kernel in place of cuDNN's split-KV path ('mgpu': ops impl
 # 'decode_kernel') lost ADOPTION_RULE's A/B (run d_split_mgpu_ab) and is gone.
-# Bench-only patches, active while the variant's program is traced (`trace_patches`; the model
-# config is unchanged, so jax's trace caches are cleared around them):
-#   'oldoproj'  o_proj's decode contraction as before `layers._contract_heads` (2-D views
-#               [.., N*H] x [N*H, D] of x and of the kernel slice): the previous program, for the
-#               A/B of the change (registered 2026-11-27 before run d_oproj_minsplit_ab);
-#   'minsplit'  the candidate `decode_splits_min_part` in place of ops.decode_splits: no split of
-#               a kv length below MIN_SPLIT_KV slots (L2A's 256-slot window ring at 8K runs as
-#               one part, no merge); kv lengths of >= MIN_SPLIT_KV slots split as before (the
-#               bench's L2A ring at 128K holds 4096 slots: there the candidate's program is the
-#               default's, and its 128K half of the rule compares two runs of one program).
-TRACE_SETS = ("refattn", "noskip", "oldoproj", "minsplit")
-PATCH_SETS = ("oldoproj", "minsplit")
-MIN_SPLIT_KV = 512
-
-
-def decode_splits_min_part(B: int, S: int, K: int) -> int:
-  """Trace set 'minsplit' (an A/B candidate): ops.decode_splits, except that a kv length below
-  MIN_SPLIT_KV slots is not split (1 part)."""
-  from condattn_jax import ops
-  orig = _OPS_DECODE_SPLITS[0] if _OPS_DECODE_SPLITS else ops.decode_splits
-  return 1 if S < MIN_SPLIT_KV else orig(B, S, K)
-
-
-_OPS_DECODE_SPLITS: list = []  # ops.decode_splits as imported (trace_patches fills it)
-
-
-def contract_heads_2d(x, w):
-  """Trace set 'oldoproj': the decode contraction of o_proj before `layers._contract_heads`:
-  x [..., N, H] and the kernel [N, H, D] viewed 2-D ([..., N*H] x [N*H, D]), in x's dtype."""
-  from jax import lax
-  return lax.dot_general(x.reshape(x.shape[:-2] + (-1,)), w.reshape(-1, w.shape[-1]),
-                         (((x.ndim - 2,), (0,)), ((), ())))
-
-
-def trace_patches(sets):
-  """The context in which a variant's program is traced: PATCH_SETS of `sets` patched in
-  (jax's trace caches cleared on entry and exit, since the engine's jit cache is keyed by its
-  config, which the patches leave unchanged); a null context without them."""
-  import contextlib
-  from unittest import mock
-  import jax
-  from condattn_jax import ops
-  from condattn_jax.models import layers
-  if not _OPS_DECODE_SPLITS:
-    _OPS_DECODE_SPLITS.append(ops.decode_splits)
-  todo = [x for x in sets if x in PATCH_SETS]
-  if not todo:
-    return contextlib.nullcontext()
-  stack = contextlib.ExitStack()
-  jax.clear_caches()
-  stack.callback(jax.clear_caches)
-  if "oldoproj" in todo:
-    stack.enter_context(mock.patch.object(layers, "_contract_heads", contract_heads_2d))
-  if "minsplit" in todo:
-    stack.enter_context(mock.patch.object(ops, "decode_splits", decode_splits_min_part))
-  return stack
+# Bench-only trace sets of run d_oproj_minsplit_ab, both rejected by ADOPTION_RULE there and
+# deleted: 'oldoproj' (the previous o_proj contraction patched in while tracing, against the
+# batched one, models.layers._contract_heads, since reverted: it removed the per-step copy of
+# the stacked o_proj slice but its wall time was slower) and 'minsplit' (ops.decode_splits with
+# no split of a kv length below 512 slots: logits rel_err 5.5e-2 against the split ring).
+TRACE_SETS = ("refattn", "noskip")
 
 
 def variant_config(cfg, sets):
@@ -676,7 +626,7 @@ def _build_variant(name, layout, sets, cfg, params, split, B, T, compiler_option
   {row (its settings, compile_s, memory analysis, op_histogram; status 'built' or 'error'),
   bench (state, i) -> state: the bench's step (argmax of the last logits, pos0 + i), bare
   state -> state: the compiled program alone (same token and position every call), state}.
-  The program is traced under `trace_patches(sets)`. defer: the dict holds `compile` instead,
+  defer: the dict holds `compile` instead,
   a function that compiles (thread-safe: nothing traced) and fills the dict as above."""
   import time
   import jax
@@ -719,8 +669,7 @@ def _build_variant(name, layout, sets, cfg, params, split, B, T, compiler_option
     else:
       state = (filled_cache(eng, B, T), logits)
       t0 = time.perf_counter()
-      with trace_patches(sets):
-        lowered = Engine._step.lower(eng, p, state[0], tok, pos0, on, logits)
+      lowered = Engine._step.lower(eng, p, state[0], tok, pos0, on, logits)
       call = lambda c: (
           lambda s, i: c(p, s[0], jnp.argmax(s[1], -1).astype(jnp.int32)[:, None], pos0 + i, on,
                          s[1])[:2],
@@ -786,6 +735,11 @@ def _build_variant(name, layout, sets, cfg, params, split, B, T, compiler_option
 # adopted, each failing at 8K: `split` (Engine(split_layers=True), since deleted: fewer kernels,
 # no per-step weight copy, but a slower wall), `mgpu` (ops impl 'decode_kernel', deleted:
 # logits rel_err 5e-2 against cuDNN's path, L2A's wall slower) and their combination.
+# Verdict of d_oproj_minsplit_ab (same file, tree a7b05fa, T = 8192 only: the call's limit
+# stopped the 128K compiles; settle_pairs): none adopted. The batched o_proj removed the per-step
+# copy of the stacked o_proj slice (copy_bytes 264 / 132 MB -> < 1 KB, busy -5.7% / -5.1%, logits
+# bit-identical) but its wall was slower (L2A 5.35 vs 5.21 ms, dense 3.24 vs 3.01): reverted;
+# the unsplit window ring failed on logits (rel_err 5.5e-2): deleted.
 ADOPTION_RULE = dict(T=(8192, 131072), min_repeats=5, min_steps=32, busy_slack=0.02,
                      max_rel_err=1e-2)
 
@@ -957,8 +911,9 @@ def settle(rows: list[dict], scheme: str, default: str, dense_default: str | Non
 
 # Paired form of ADOPTION_RULE (registered 2026-11-27 before run d_oproj_minsplit_ab): where a
 # run's candidates are not alternatives to one default but each a change to its own baseline
-# (`--pairs=candidate=default,...`: o_proj's batched contraction `stacked` against the previous
-# program `stacked:oldoproj`; the splits candidate `stacked:minsplit` against `stacked`), each
+# (`--pairs=candidate=default,...`; that run: o_proj's batched contraction `stacked` against the
+# previous program `stacked:oldoproj`, the splits candidate `stacked:minsplit` against
+# `stacked`; both rejected at 8K, see the trace sets above), each
 # candidate is settled by the rule against its own default, for the scheme and, where dense ran
 # both names, for dense too (the dense extension); every passing candidate is adopted (they
 # stack). A rejected candidate whose library change is exact and removes work without being
@@ -1057,9 +1012,10 @@ def oproj_probe(L: int = 28, N: int = 12, H: int = 128, D: int = 1536, calls: in
   """What XLA makes of o_proj's one-token contraction over a stacked kernel [L, N, H, D]
   (bfloat16; Qwen2.5-1.5B's shapes by default), each form summed over the L layer slices in
   one program (the 2-row operand of models.layers.Projection, a fresh input a layer): 'plain2d'
-  the previous form (2-D views [2, N*H] x [N*H, D]), 'dot3d' one dot_general contracting
-  (N, H) of the 3-D slice, 'batched' models.layers._contract_heads (batched over N, H
-  contracted, float32 sum over N). Per form: the compiled program's op_histogram copy_bytes /
+  the engine's form (2-D views [2, N*H] x [N*H, D]), 'dot3d' one dot_general contracting
+  (N, H) of the 3-D slice, 'batched' a dot batched over N (H contracted) with a float32 sum
+  over N (run d_oproj_minsplit_ab's rejected candidate: in the engine it removed the slice's
+  per-step copy). Per form: the compiled program's op_histogram copy_bytes /
   launches and the median ms of `calls` calls (3 repeats); max_abs_err against 'plain2d'."""
   import statistics
   import time
@@ -1067,13 +1023,18 @@ def oproj_probe(L: int = 28, N: int = 12, H: int = 128, D: int = 1536, calls: in
   import jax.numpy as jnp
   import numpy as np
   from jax import lax
-  from condattn_jax.models import layers
   kw, kx = jax.random.split(jax.random.key(0))
   w = jax.random.normal(kw, (L, N, H, D), jnp.float32).astype(jnp.bfloat16) * 0.02
   x = jax.random.normal(kx, (L, 1, N, H), jnp.float32).astype(jnp.bfloat16)
-  forms = {"plain2d": contract_heads_2d,
+  def batched(x2, w_):
+    y = lax.dot_general(x2.transpose(1, 0, 2), w_, (((2,), (1,)), ((0,), (0,))),
+                        preferred_element_type=jnp.float32)
+    return jnp.sum(y, axis=0).astype(x2.dtype)
+  forms = {"plain2d": lambda x2, w_: lax.dot_general(x2.reshape(x2.shape[0], -1),
+                                                     w_.reshape(-1, w_.shape[-1]),
+                                                     (((1,), (0,)), ((), ()))),
            "dot3d": lambda x2, w_: lax.dot_general(x2, w_, (((1, 2), (0, 1)), ((), ()))),
-           "batched": layers._contract_heads}
+           "batched": batched}
   rows, ref = [], None
   for name, f in forms.items():
     def prog(w, x, f=f):

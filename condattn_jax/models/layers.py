@@ -98,33 +98,17 @@ def shares_kv_state(cfg: ModelConfig) -> bool:
   return cfg.scheme == "dense" and cfg.sliding_window is None
 
 
-def _contract_heads(x, w_NHD):
-  """x [..., N, H] . w [N, H, D] -> [..., D] in x's dtype: one dot batched over N (contracting
-  H) with float32 results, summed over N in float32. Equal to the plain two-dim contraction up
-  to float32 summation order. Why not the plain one: under the decoder's unrolled layers the
-  kernel is a slice of the stacked [L, N, H, D] array, and a GEMM whose contracted dim spans two
-  of the slice's dims (N * H) does not take the slice as its operand on XLA:GPU (the slice is
-  then copied into a new buffer every step, a kernel's bytes a layer); here every GEMM dim is
-  one dim of the kernel (N batch, H contracted, D out)."""
-  lead = x.shape[:-2]
-  x_NMH = x.reshape((-1,) + x.shape[-2:]).transpose(1, 0, 2)
-  y_NMD = lax.dot_general(x_NMH, w_NHD, (((2,), (1,)), ((0,), (0,))),
-                          preferred_element_type=jnp.float32)
-  return jnp.sum(y_NMD, axis=0).astype(x.dtype).reshape(lead + w_NHD.shape[-1:])
-
-
 class Projection(nn.Module):
   """y = x @ kernel (+ bias) contracting x's trailing dims with kernel's leading dims.
 
   q/k/v: kernel [D, N, H] (x [..., D] -> [..., N, H]); o: kernel [N, H, D] ([..., N, H] -> [..., D]).
   The kernel is created in its final shape, so its logical names always match its rank.
-  Decode shapes: a projection of ONE row (B * T == 1) multiplies a 2-row operand (the row and
-  a zero row) and keeps row 0 (same numbers; XLA:GPU's algebraic simplifier rewrites a dot of
-  one row whose (M + N) * K is below 10M elements into an elementwise multiply + reduce over
-  the whole weight; a 2-row dot stays a GEMM). An input of one token a row contracting two
-  kernel dims (o_proj, kernel [N, H, D]) runs `_contract_heads`: a dot batched over the kernel's
-  first dim, then a float32 sum over it, so no contracted dim of the GEMM spans two kernel dims
-  (equal to the plain contraction up to float32 summation order).
+  Decode shapes (same numbers as the plain contraction): a projection of ONE row (B * T == 1)
+  multiplies a 2-row operand (the row and a zero row) and keeps row 0 (XLA:GPU's algebraic
+  simplifier rewrites a dot of one row whose (M + N) * K is below 10M elements into an
+  elementwise multiply + reduce over the whole weight; a 2-row dot stays a GEMM); an input of
+  one token a row contracting two kernel dims (o_proj) contracts 2-D views ([..., N*H] x
+  [N*H, D]): one GEMM operand shape for every decode batch size.
   """
   shape: tuple[int, ...]
   names: tuple[str, ...]
@@ -142,12 +126,12 @@ class Projection(nn.Module):
     if one_row:  # [1, ..., in] -> [2, in]: the row, then zeros
       x = x.reshape((1,) + x.shape[x.ndim - n_in:])
       x = jnp.concatenate([x, jnp.zeros_like(x)], axis=0)
-    w = kernel.astype(self.dtype)
-    if n_in == 2 and lead[-1:] == (1,):  # one token a row (decode): o_proj
-      y = _contract_heads(x, w)
-    else:
-      y = lax.dot_general(x, w, ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))),
-                                 ((), ())))
+    w, n_c = kernel.astype(self.dtype), n_in  # n_c: the dims the dot contracts
+    if n_in > 1 and lead[-1:] == (1,):  # one token a row: [.., in] x [in, out]
+      x = x.reshape(x.shape[:x.ndim - n_in] + (-1,))
+      w, n_c = w.reshape(math.prod(self.shape[:n_in]), -1), 1
+    y = lax.dot_general(x, w, ((tuple(range(x.ndim - n_c, x.ndim)), tuple(range(n_c))),
+                               ((), ())))
     if one_row:
       y = y[:1].reshape(lead + y.shape[1:])
     if self.use_bias:

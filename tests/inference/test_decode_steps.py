@@ -126,15 +126,14 @@ def _decode_matches_scanned_and_forward(eng, model, params, prompts, c, l, pos, 
 def test_decode_equals_the_scanned_decode_and_the_forward(params):
   """The engine's decode (layers unrolled; a dense model keeps positions / valid / length in
   layers_0 only, the other layers write key / value at its slots; one fill a step for every
-  layer; o_proj batched over its heads for one token a row; one-row projections padded to 2
-  rows) ==
+  layer; o_proj as a 2-D dot for one token a row; one-row projections padded to 2 rows) ==
   the scanned decode (`Decoder` without unroll_layers: every layer its own bookkeeping and
   fill) on a chunked ragged prefill (chunks of 4) + 3 greedy steps with an inactive row:
   logits and caches (every layer's key / value, its bookkeeping = layer 0's) within 1e-6, and
   the logits == the full forward's at those positions (1e-5). `stacked_cache` views the
   engine's cache in the scanned layout and `per_layer_cache` goes back. The B = 1 step's
-  program holds 4 in-place updates in layer 0 and 2 in each later one, o_proj's dot batched
-  over its heads and 2-row dots."""
+  program holds 4 in-place updates in layer 0 and 2 in each later one, the 2-D o_proj dot and
+  2-row dots."""
   import re
   eng = Engine(CFG, params, cache_len=S, prefill_chunk=4)
   prompts = [[3, 9, 4, 1, 7, 2, 8], [5, 2], [8]]
@@ -146,8 +145,7 @@ def test_decode_equals_the_scanned_decode_and_the_forward(params):
   text = eng._step.lower(eng, eng.params, eng.init_cache(1), i32, i32, one,
                          jnp.zeros((1, CFG.vocab_size))).as_text()
   assert text.count("stablehlo.dynamic_update_slice") == 4 + 2 * (CFG.num_layers - 1)
-  # o_proj batched over its N heads (models.layers._contract_heads), the 2-row operand [N, 2, H]
-  assert "(tensor<4x2x8xf32>, tensor<4x8x32xf32>) -> tensor<4x2x32xf32>" in text
+  assert "(tensor<2x32xf32>, tensor<32x32xf32>) -> tensor<2x32xf32>" in text  # o: [N*H, D]
   assert re.search(r"dot_general.*: \(tensor<2x", text)
 
 
