@@ -4,7 +4,8 @@ stored rows, and docs/performance.md quotes the newest A/B's rows."""
 from bench.claims import approx, claim, expect, quote
 
 H100 = "decode_program_NVIDIA_H100_80GB_HBM3.json"
-AB_RUNS = ("l2a_ab_b1", "cbupd_a", "cbupd_b", "l2a_draws_ab", "d_split_mgpu_ab")
+AB_RUNS = ("l2a_ab_b1", "cbupd_a", "cbupd_b", "l2a_draws_ab", "d_split_mgpu_ab",
+           "d_oproj_minsplit_ab")
 
 
 def _rule(run):
@@ -70,3 +71,44 @@ def performance_split_mgpu_table(rec, run):
   lines.append(_ab_line(rows, "dense", "stacked"))
   err = {r["scheme"]: r["rel_err"] for r in rows if r["variant"] == "stacked:mgpu"}
   return lines + [f"by {err['l2a']:.1e} / {err['dense']:.1e}".replace("e-02", "e-2")]
+
+
+@claim("decode_program", run="d_oproj_minsplit_ab", file=H100)
+def oproj_and_minsplit_fail_the_rule_at_8k(rec, run):
+  """d_oproj_minsplit_ab ran only T = 8192 (the call's limit stopped the 128K compiles); each
+  candidate fails its pair of the rule there already (the batched o_proj on wall, the unsplit
+  ring on logits rel_err), so the missing half cannot change the decision: none adopted."""
+  from bench import decode_program as dp
+  s = run["settings"]
+  expect({r["T"] for r in run["rows"]} == {8192})
+  got = dp.settle_pairs(run["rows"], s["scheme"], s["pairs"], dict(_rule(run), T=(8192,)))
+  expect(got["adopt"] == [] and not any(got["passed"].values()), got["passed"])
+  expect(any("wall" in f for f in got["scheme"]["stacked"]["failed"]), got["scheme"]["stacked"])
+  expect(any("rel_err" in f for f in got["scheme"]["stacked:minsplit"]["failed"]),
+         got["scheme"]["stacked:minsplit"])
+
+
+@claim("decode_program", run="d_oproj_minsplit_ab", file=H100)
+def batched_oproj_removes_the_slice_copy_exactly(rec, run):
+  """The batched o_proj contraction's compiled H100 programs copy no weights (copy_bytes under
+  1 KB) where the previous contraction's copy one o_proj slice per attention block a step
+  (Qwen2.5-1.5B: 12 * 128 * 1536 bf16 = 4.72 MB; 28 blocks dense, 56 L2A), with bit-identical
+  first-step logits and lower busy time."""
+  rows = {(r["scheme"], r["variant"]): r for r in run["rows"]}
+  kernel = 12 * 128 * 1536 * 2
+  for sch, blocks in (("dense", 28), ("l2a", 56)):
+    old, new = rows[(sch, "stacked:oldoproj")], rows[(sch, "stacked")]
+    expect(new["copy_bytes"] < 1024 and old["copy_bytes"] - new["copy_bytes"]
+           == approx(blocks * kernel, rel=1e-3), (sch, old["copy_bytes"], new["copy_bytes"]))
+    expect(new["rel_err"] == 0.0 and new["busy_ms"] < old["busy_ms"], sch)
+
+
+@quote("docs/performance.md", H100, run="d_oproj_minsplit_ab")
+def performance_oproj_minsplit_table(rec, run):
+  """docs/performance.md's table of d_oproj_minsplit_ab: each row's wall (min-max), host, busy
+  and kernels / launches, and the unsplit ring's logits error."""
+  rows = run["rows"]
+  lines = [_ab_line(rows, "l2a", v) for v in ("stacked:oldoproj", "stacked", "stacked:minsplit")]
+  lines += [_ab_line(rows, "dense", v) for v in ("stacked:oldoproj", "stacked")]
+  err = next(r["rel_err"] for r in rows if r["variant"] == "stacked:minsplit")
+  return lines + [f"rel_err {err:.1e}".replace("e-02", "e-2")]
