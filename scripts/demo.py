@@ -88,6 +88,10 @@ CI_PRESET: dict[str, dict[str, Any]] = {
     # at 600) against limits of L2A - 20 points (~80%) and 20%; L2A itself passes 55% train
     # accuracy by step 200, so a baseline that could route by content would show it.
     "l2a": dict(baseline_steps=200),
+    # Not shrunk (measured, seed 0): Elastic's router steps (the whole schedule shortened: at
+    # 150 steps the Omega gap is 18.6 points, a failed claim (>= 25); at 200, 41.2; at 300,
+    # 36.6: the edge is too close); MATCH's own 300 steps (an earlier run: 0.053 at step 200,
+    # 0.389 at 300).
 }
 
 
