@@ -90,8 +90,9 @@ CI_PRESET: dict[str, dict[str, Any]] = {
     "l2a": dict(baseline_steps=200),
     # Not shrunk (measured, seed 0): Elastic's router steps (the whole schedule shortened: at
     # 150 steps the Omega gap is 18.6 points, a failed claim (>= 25); at 200, 41.2; at 300,
-    # 36.6: the edge is too close); MATCH's own 300 steps (an earlier run: 0.053 at step 200,
-    # 0.389 at 300).
+    # 36.6: the edge is too close); AHA's 300 steps (at 150: usage at queries 34.4% vs 7.0%
+    # elsewhere, a failed claim (>= 5x); at 300: 28.1% vs 0.4%); MATCH's own 300 steps (an
+    # earlier run: 0.053 at step 200, 0.389 at 300).
 }
 
 
