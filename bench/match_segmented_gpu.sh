@@ -119,9 +119,10 @@ seg() {
   if [ "$GPUS" -ge 4 ]; then
     far_on 2 &
   fi
-  if [ ! -e out/ttft.done ]; then  # once (out/ stays on a warm machine; $OUT is fresh)
+  if [ ! -e "$ckpt/ttft.done" ]; then  # once a warm machine (beside the checkpoints: a carried
+                                       # tree's out/ is replaced every call; $OUT is fresh)
     CUDA_VISIBLE_DEVICES=$(( GPUS > 3 ? 3 : 0 )) XLA_PYTHON_CLIENT_MEM_FRACTION=0.45 timeout 480 \
-      python bench/match_ttft.py --out_dir=$OUT/ttft > $OUT/ttft.log 2>&1 && touch out/ttft.done &
+      python bench/match_ttft.py --out_dir=$OUT/ttft > $OUT/ttft.log 2>&1 && touch "$ckpt/ttft.done" &
   fi
 }
 far_on() {  # far_on <gpu>: the far_recall run; checkpoints travel through $OUT (carried back)

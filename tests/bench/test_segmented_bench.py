@@ -207,6 +207,8 @@ def test_h100_plan_from_its_measured_rates_and_checkpoints_outside_the_carried_t
     seg = re.search(r"\nseg\(\) \{.*?\n\}", f.read(), re.S).group(0)
   ckpt = re.search(r"--checkpoint_dir=(\S+)", seg).group(1)
   assert ckpt == '"$ckpt"' and "local ckpt=${SEGFID:-$HOME/segfid}" in seg, seg
+  code = "\n".join(line.split("#")[0] for line in seg.splitlines())
+  assert "out/" not in code.replace("$OUT/", ""), code   # nothing kept in the replaced tree
 
 
 def test_far_criteria_gate_the_no_long_control_and_can_fail():
