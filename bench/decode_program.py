@@ -771,7 +771,6 @@ def ab_step(shapes: str, B: int, T: int, *, variants, scheme: str = "l2a",
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from bench import common
   from bench import decode as bd
   from condattn_jax.models import stacking
   groups = [(scheme, tuple(variants))]
@@ -816,9 +815,7 @@ def ab_step(shapes: str, B: int, T: int, *, variants, scheme: str = "l2a",
       first = np.asarray(b["state"][-1], np.float64)
       if ref is None:
         ref = refs[sch] = (name, first)
-      row.update(reference_variant=ref[0], rel_err=common.rel_err(first, ref[1]),
-                 max_abs_err=float(np.max(np.abs(first - ref[1]))),
-                 same_argmax=bool(np.array_equal(first.argmax(-1), ref[1].argmax(-1))))
+      row.update(reference_variant=ref[0], **logits_diff(first, ref[1]))
       _, _, b["state"] = bd._timed_steps(b["bench"], b["state"], 1, 1, warmup)
       row.update(runs_ms=[], busy_runs_ms=[])
       log(f"{sch} {name}: compiled in {row['compile_s']:.1f} s, {row['launches']} launches, "
@@ -947,6 +944,14 @@ def parse_pairs(text: str) -> dict:
   return out
 
 
+def logits_diff(a, b) -> dict:
+  """{rel_err, max_abs_err, same_argmax} of logits `a` against `b` (float64 arrays)."""
+  import numpy as np
+  from bench import common
+  return dict(rel_err=common.rel_err(a, b), max_abs_err=float(np.max(np.abs(a - b))),
+              same_argmax=bool(np.array_equal(a.argmax(-1), b.argmax(-1))))
+
+
 def fp32_check(shapes: str, B: int, T: int, scheme: str = "dense", log=print) -> dict:
   """How far the engine's bfloat16 decode logits are from float32 arithmetic on the same
   numbers: one decode step (bench.decode's params of `scheme` at context T, `filled_cache`'s
@@ -961,7 +966,6 @@ def fp32_check(shapes: str, B: int, T: int, scheme: str = "dense", log=print) ->
   import jax
   import jax.numpy as jnp
   import numpy as np
-  from bench import common
   from bench import decode as bd
   from condattn_jax.inference import Engine
   cfg = model_config(shapes, scheme=scheme, T=T)
@@ -996,12 +1000,9 @@ def fp32_check(shapes: str, B: int, T: int, scheme: str = "dense", log=print) ->
   logits = {n: np.asarray(compiled[n](params, jax.tree.map(jnp.copy, lowered[n][1]), tok, pos0,
                                       on, prev)[1], np.float64) for n in names}
   ref = logits.pop("float32")
-  got = logits
-  cmp = lambda a, b: dict(rel_err=common.rel_err(a, b), max_abs_err=float(np.max(np.abs(a - b))),
-                          same_argmax=bool(np.array_equal(a.argmax(-1), b.argmax(-1))))
   out = dict(scheme=scheme, shapes=shapes, B=B, T=T, reference="float32",
-             **{k: cmp(v, ref) for k, v in got.items()},
-             default_vs_refattn=cmp(got["default"], got["refattn"]),
+             **{k: logits_diff(v, ref) for k, v in logits.items()},
+             default_vs_refattn=logits_diff(logits["default"], logits["refattn"]),
              logits_norm=float(np.linalg.norm(ref)), seconds=time.perf_counter() - t0)
   log("fp32_check: " + json.dumps(out))
   return out
@@ -1378,7 +1379,7 @@ def _main_ab(a) -> list[dict]:
       xla_flags=os.environ.get("XLA_FLAGS", ""),
       **({"pairs": pairs, "compile_workers": a.compile_workers} if pairs else {})))
   run["rows"] = [{k: v for k, v in r.items() if k != "trace_lines"} for r in rows]
-  run["adoption"] = decide(rows)
+  run["adoption"] = decision   # the last T's: decided on every T's rows
   if cb is not None:
     run["cb_update_adoption"] = cb
   if a.note:
