@@ -236,6 +236,12 @@ PRESETS = {
                       ablations=False, eval_segs=(1, 2, 4), eval_rows=4),
 }
 FILES = {"cpu": "segmented_fidelity.json"}
+
+
+def eval_lengths(p: dict) -> list[int]:
+  """The segment counts a run of preset (or recorded settings) `p` evaluates: its eval_segs and
+  its training length (the dense gate's)."""
+  return sorted({int(x) for x in p["eval_segs"]} | {int(p["train_segs"])})
 MODELS = ("aligned", "misaligned", "ablation_M0", "ablation_no_long")
 # accuracy classes (ids 1..4 in the classes array); task 'far_recall' scores its recalls from
 # beyond every local receptive field as "recall_value" and the others as "near_value"
@@ -655,7 +661,7 @@ def run(preset: str, checkpoint_dir: str | None = None, stop_after_dense: bool =
   t_dense = time.time() - t0
   print(f"[{t_dense:.0f} s] dense: final CE {np.mean(dense_loss[-1]):.3f}", flush=True)
   rows = {}
-  for k in sorted(set(p["eval_segs"]) | {p["train_segs"]}):
+  for k in eval_lengths(p):
     rs = [np.random.default_rng([99, s, k]) for s in range(n)]
     ev = [data.eval(r, p["eval_rows"], k) for r in rs]
     rows[k] = (np.stack([e[0] for e in ev]), np.stack([e[1] for e in ev]))

@@ -93,8 +93,7 @@ def criteria_verdicts_follow_from_the_evaluations(r, run):
   expect(fid.verdicts(res, p, rules=r["criteria_rules"]) == r["criteria"],
          "verdicts differ from the evaluations")
   expect(r["passed"] == all(v["passed"] for v in r["criteria"].values()))
-  # the evaluated lengths: eval_segs and the training length (the dense gate's)
-  lens = sorted(set(int(x) for x in r["settings"]["eval_segs"]) | {r["settings"]["train_segs"]})
+  lens = fid.eval_lengths(r["settings"])
   for k, d in res.items():
     expect(sorted(d) == lens, (k, sorted(d)))
     expect(all(len(v["ppl"]) == r["settings"]["seeds"] and
