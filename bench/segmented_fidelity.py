@@ -761,7 +761,8 @@ _STEP_S = dict(dense=226.2 / 8000, segmented=(202.1 - 1000 * 226.2 / 8000) / 300
 # Measured seconds a step where a preset ran on a GPU (compile included): the model above
 # (launch-bound tiny models) does not scale to the h100 preset's 8 layers x 256-token segments.
 # h100: one H100, tree bb9f936 (2026-11-27), a call stopped at its budget: the dense training,
-# 2000 steps in 270 s, and the aligned fine-tune, 400 steps in 197 s.
+# 2000 steps in 270 s, and the aligned fine-tune, 400 steps in 197 s (its log:
+# bench/results/segmented_units/h100_call1_bb9f936.log).
 _MEASURED_STEP_S = {"h100": dict(dense=270.0 / 2000, segmented=197.0 / 400)}
 
 

@@ -200,9 +200,17 @@ def test_h100_plan_from_its_measured_rates_and_checkpoints_outside_the_carried_t
   which the device tool replaces on every call that carries it."""
   import os
   import re
+  # the measured call's log: "[<s> s] dense: ..." then "[<s> s] fine-tuned aligned: ..."
+  with open(os.path.join(os.path.dirname(fid.__file__), "results", "segmented_units",
+                         "h100_call1_bb9f936.log")) as f:
+    t = {k: int(s) for s, k in re.findall(r"^\[(\d+) s\] (dense|fine-tuned aligned):",
+                                           f.read(), re.M)}
+  dense_s, aligned_s = t["dense"], t["fine-tuned aligned"] - t["dense"]
+  p = fid.PRESETS["h100"]
   est = fid.estimate_s("h100", 400)
-  assert est["dense_s"] == 270 and est["calls"] == 2
-  assert est["finetunes_s"] == round(197 + 400 * 270 / 2000)   # aligned + misaligned (dense)
+  assert est["dense_s"] == dense_s and est["calls"] == 2
+  # aligned + misaligned (a dense-attention fine-tune)
+  assert est["finetunes_s"] == round(aligned_s + p["ft_steps"] * dense_s / p["dense_steps"])
   with open(os.path.join(os.path.dirname(fid.__file__), "match_segmented_gpu.sh")) as f:
     seg = re.search(r"\nseg\(\) \{.*?\n\}", f.read(), re.S).group(0)
   ckpt = re.search(r"--checkpoint_dir=(\S+)", seg).group(1)
