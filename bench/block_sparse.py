@@ -337,14 +337,11 @@ def run(s: Settings, log=print, out_dir=None):
   return result
 
 
-def kernels_alone(s: Settings, T: int, mode, log=print) -> dict:
-  """The three kernels of `s.impl` timed alone (tables built outside the timed calls) at T with
-  head modes `mode`, beside cuDNN's forward and forward+backward in the same process: ms and
-  TFLOP/s of the useful matrix products (forward 2, backward 5 per visible pair: 4 H flops each
-  for 2 products); dq and dk/dv each recompute Q K^T (and dO V^T), 7 products in all. `glue`:
-  the ms of what block_sparse_attention's forward + backward run besides the kernels (the step
-  tables of the forward; the backward's step tables and their transpose; delta), and the
-  kernels with delta back to back in one program (tables given: kernels_one_program_ms)."""
+def alone_fns(s: Settings, T: int, mode) -> dict:
+  """The three kernels of `s.impl` jitted alone over inputs(s, T, 0) with head modes `mode`, their
+  step tables built outside the jitted calls: {q, k, v, ct, lists, fwd, dq, dkv (each a function
+  of q, k, v), out / lse / delta (the forward's, fed to dq and dk/dv), and the pieces kernels_alone
+  also uses (cfg, meta, mod, kw, rest, steps, count, tsteps, tcount)}."""
   from pallas_kernels.block_sparse import api, tables as tb
   q, k, v, ct = inputs(s, T, 0)
   lists = lists_for(s, T)
@@ -363,6 +360,26 @@ def kernels_alone(s: Settings, T: int, mode, log=print) -> dict:
   delta = jnp.swapaxes(jnp.sum(out.astype(jnp.float32) * ct.astype(jnp.float32), -1), 1, 2)
   dq = jax.jit(lambda q, k, v: mod.dq(q, k, v, ct, lse, delta, steps, count, *rest, **kw))
   dkv = jax.jit(lambda q, k, v: mod.dkv(q, k, v, ct, lse, delta, tsteps, tcount, *rest, **kw))
+  return dict(q=q, k=k, v=v, ct=ct, lists=lists, fwd=fwd, dq=dq, dkv=dkv, out=out, lse=lse,
+              delta=delta, cfg=cfg, meta=meta, mod=mod, kw=kw, rest=rest, steps=steps,
+              count=count, tsteps=tsteps, tcount=tcount)
+
+
+def kernels_alone(s: Settings, T: int, mode, log=print) -> dict:
+  """The three kernels of `s.impl` timed alone (tables built outside the timed calls) at T with
+  head modes `mode`, beside cuDNN's forward and forward+backward in the same process: ms and
+  TFLOP/s of the useful matrix products (forward 2, backward 5 per visible pair: 4 H flops each
+  for 2 products); dq and dk/dv each recompute Q K^T (and dO V^T), 7 products in all. `glue`:
+  the ms of what block_sparse_attention's forward + backward run besides the kernels (the step
+  tables of the forward; the backward's step tables and their transpose; delta), and the
+  kernels with delta back to back in one program (tables given: kernels_one_program_ms)."""
+  from pallas_kernels.block_sparse import api, tables as tb
+  a = alone_fns(s, T, mode)
+  q, k, v, ct, lists, fwd, dq, dkv, out = (a[x] for x in (
+      "q", "k", "v", "ct", "lists", "fwd", "dq", "dkv", "out"))
+  cfg, meta, mod, kw, rest = (a[x] for x in ("cfg", "meta", "mod", "kw", "rest"))
+  steps, count, tsteps, tcount = (a[x] for x in ("steps", "count", "tsteps", "tcount"))
+  N, H = q.shape[2], q.shape[3]
   pairs = visible_fraction(s, T, lists, mode) * T * (T + 1) / 2 * N
   res = {}
   for name, f, prods in (("fwd", fwd, 2), ("dq", dq, 3), ("dkv", dkv, 4)):
@@ -619,6 +636,347 @@ def table(result) -> str:
 
 
 # ----------------------------------------------------------------------------------------------
+# --profile: where the all-full forward+backward's device time goes against cuDNN's (issue 31),
+# kernel by kernel (CUPTI through torch's profiler in the JAX process), with the SM clock and power
+# read through NVML while the same programs run; --profile_target is the program Nsight Compute
+# (ncu) runs, --ncu_summary reads ncu's raw CSV page back into the key counters.
+# ----------------------------------------------------------------------------------------------
+
+PROFILE_ARGS = {"registers per thread": "regs", "shared memory": "smem", "grid": "grid",
+                "block": "block", "blocks per SM": "blocks_per_sm",
+                "warps per SM": "warps_per_sm", "est. achieved occupancy %": "occupancy_pct"}
+
+
+def kernel_role(name: str) -> str:
+  """Which part of a profiled program a kernel is: our 'fwd' / 'dq' / 'dkv' (the Mosaic GPU
+  kernels' names), 'cudnn_fwd' / 'cudnn_bwd' (cuDNN's flash kernels: fprop / bprop), else 'glue'
+  (XLA's fusions, copies, memsets: the step tables, delta, cuDNN's own pre / post kernels)."""
+  n = name.lower()
+  for key, role in (("block_sparse_fwd", "fwd"), ("block_sparse_dq", "dq"),
+                    ("block_sparse_dkv", "dkv"), ("fprop", "cudnn_fwd"), ("bprop", "cudnn_bwd")):
+    if key in n:
+      return role
+  return "glue"
+
+
+def trace_kernels(fn, n: int) -> dict:
+  """Device activity of `fn()` through torch's profiler (CUPTI, whole process: JAX's kernels
+  too), n traced calls, each after an untraced one (it starts on an idle GPU, caches warm), one
+  more traced first and dropped. Returns {kernels: {name: {ms (median per call), calls (launches
+  per call), role, and CUPTI's launch facts (regs, smem, grid, block, blocks / warps per SM,
+  occupancy_pct: CUPTI's estimate)}}, busy_ms / span_ms (medians: union of the activity, first
+  start to last end), timeline (the last call: [name, start us, duration us])}."""
+  import torch
+  from torch.profiler import ProfilerActivity, profile
+  torch.cuda.init()
+  per, busy, span, timeline, info = [], [], [], [], {}
+  for i in range(n + 1):
+    jax.block_until_ready(fn())
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+      jax.block_until_ready(fn())
+    path = f"/tmp/_bs_trace_{os.getpid()}.json"
+    prof.export_chrome_trace(path)
+    with open(path) as fh:
+      evs = json.load(fh)["traceEvents"]
+    os.remove(path)
+    acts = [e for e in evs if e.get("ph") == "X" and e.get("cat") in (
+        "kernel", "gpu_memcpy", "gpu_memset")]
+    if i == 0 or not acts:
+      continue
+    d = {}
+    for e in acts:
+      key = ("memcpy: " if e["cat"] == "gpu_memcpy" else "memset: " if e["cat"] == "gpu_memset"
+             else "") + e["name"][:120]
+      ms, c = d.get(key, (0.0, 0))
+      d[key] = (ms + e["dur"] / 1e3, c + 1)
+      if e["cat"] == "kernel" and key not in info:
+        args = e.get("args", {})
+        info[key] = {short: args[long_] for long_, short in PROFILE_ARGS.items() if long_ in args}
+    per.append(d)
+    a = common.activity((e["name"], e["ts"], e["dur"]) for e in acts)
+    busy.append(a["busy_us"] / 1e3)
+    span.append(a["span_us"] / 1e3)
+    t0 = min(e["ts"] for e in acts)
+    timeline = [[e["name"][:60], round(e["ts"] - t0, 1), round(e["dur"], 1)]
+                for e in sorted(acts, key=lambda e: e["ts"])]
+  names = sorted({k for d in per for k in d})
+  kernels = {}
+  for k in names:
+    kernels[k] = dict(ms=float(np.median([d.get(k, (0.0, 0))[0] for d in per])),
+                      calls=int(np.median([d.get(k, (0.0, 0))[1] for d in per])),
+                      role=kernel_role(k), **info.get(k, {}))
+  return dict(kernels=kernels, busy_ms=float(np.median(busy)), span_ms=float(np.median(span)),
+              timeline=timeline)
+
+
+def clocks_while(fn, n: int, period_s: float = 0.002) -> dict:
+  """fn() n times (each blocked) while a thread reads NVML every period_s: the SM clock (MHz),
+  power (W; NVML averages it over its own window) and the clock event reasons seen (power cap,
+  thermal, ...). Returns {wall_ms (median per call), sm_mhz (median / min / max), power_w
+  (median / max), reasons {name: fraction of the samples}}; {} on a host without NVML."""
+  import threading
+  try:
+    import pynvml
+    pynvml.nvmlInit()
+    h = pynvml.nvmlDeviceGetHandleByIndex(0)
+  except Exception:  # noqa: BLE001
+    return {}
+  get_reasons = getattr(pynvml, "nvmlDeviceGetCurrentClocksEventReasons", None) or getattr(
+      pynvml, "nvmlDeviceGetCurrentClocksThrottleReasons")
+  bits = {0x1: "idle", 0x2: "app_clocks", 0x4: "sw_power_cap", 0x8: "hw_slowdown",
+          0x10: "sync_boost", 0x20: "sw_thermal", 0x40: "hw_thermal", 0x80: "hw_power_brake"}
+  samples, stop = [], threading.Event()
+
+  def poll():
+    while not stop.is_set():
+      try:
+        samples.append((pynvml.nvmlDeviceGetClockInfo(h, pynvml.NVML_CLOCK_SM),
+                        pynvml.nvmlDeviceGetPowerUsage(h) / 1e3, int(get_reasons(h))))
+      except Exception:  # noqa: BLE001
+        pass
+      stop.wait(period_s)
+  th = threading.Thread(target=poll, daemon=True)
+  walls = []
+  th.start()
+  try:
+    for _ in range(n):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn())
+      walls.append((time.perf_counter() - t0) * 1e3)
+  finally:
+    stop.set()
+    th.join()
+  if not samples:
+    return dict(wall_ms=float(np.median(walls)))
+  mhz = np.array([x[0] for x in samples], float)
+  w = np.array([x[1] for x in samples], float)
+  reasons = {name: float(np.mean([bool(x[2] & bit) for x in samples]))
+             for bit, name in bits.items() if any(x[2] & bit for x in samples)}
+  return dict(wall_ms=float(np.median(walls)), samples=len(samples),
+              sm_mhz=dict(median=float(np.median(mhz)), min=float(mhz.min()),
+                          max=float(mhz.max())),
+              power_w=dict(median=float(np.median(w)), max=float(w.max())), reasons=reasons)
+
+
+def profile_programs(s: Settings, T: int, n: int, log=print) -> dict:
+  """All heads full at T (inputs(s, T, 0)): ours forward+backward through
+  block_sparse_attention (what the A/B times), cuDNN's, and our three kernels each jitted alone
+  (tables given), each compiled and run once, then timed under NVML (clocks_while, n calls) and
+  traced (trace_kernels, n calls). Per program: wall, clocks, kernels by role (ms summed per
+  role) and every kernel's CUPTI launch facts."""
+  mode = jnp.full((s.B, s.N), HEAD_FULL, jnp.int32)
+  a = alone_fns(s, T, mode)
+  q, k, v, ct, lists = a["q"], a["k"], a["v"], a["ct"], a["lists"]
+  progs = {"ours_fwdbwd": fwd_bwd(kernel(s, lists, mode), ct),
+           "cudnn_fwdbwd": fwd_bwd(dense(s), ct),
+           "ours_fwd_alone": a["fwd"], "ours_dq_alone": a["dq"], "ours_dkv_alone": a["dkv"]}
+  row = dict(T=T, programs={})
+  for name, f in progs.items():
+    call = lambda f=f: f(q, k, v)
+    jax.block_until_ready(call())
+    r = dict(clocks=clocks_while(call, n))
+    r.update(trace_kernels(call, n))
+    roles = {}
+    for kn, x in r["kernels"].items():
+      roles[x["role"]] = roles.get(x["role"], 0.0) + x["ms"]
+    r["roles_ms"] = roles
+    row["programs"][name] = r
+    log(json.dumps(dict(profile=name, T=T, wall_ms=r["clocks"].get("wall_ms"),
+                        busy_ms=r["busy_ms"], span_ms=r["span_ms"], roles_ms=roles,
+                        sm_mhz=r["clocks"].get("sm_mhz"), power_w=r["clocks"].get("power_w"),
+                        reasons=r["clocks"].get("reasons"))))
+  return row
+
+
+def profile_table(rows) -> str:
+  """profile_programs' rows as text: per T and program wall / busy / span ms, SM clock and
+  power, then each kernel above 0.05 ms: role, ms per call, launches, regs, smem, grid, block,
+  CUPTI's occupancy estimate."""
+  lines = []
+  for row in rows:
+    for name, r in row["programs"].items():
+      c = r.get("clocks", {})
+      mhz, pw = c.get("sm_mhz", {}), c.get("power_w", {})
+      lines.append(f"T={row['T']} {name}: wall {c.get('wall_ms', float('nan')):.2f} busy "
+                   f"{r['busy_ms']:.2f} span {r['span_ms']:.2f} ms; SM MHz median "
+                   f"{mhz.get('median', float('nan')):.0f} min {mhz.get('min', float('nan')):.0f}"
+                   f"; power median {pw.get('median', float('nan')):.0f} W max "
+                   f"{pw.get('max', float('nan')):.0f}; reasons {c.get('reasons', {})}")
+      for kn, x in sorted(r["kernels"].items(), key=lambda kv: -kv[1]["ms"]):
+        if x["ms"] < 0.05:
+          continue
+        lines.append(f"    {x['role']:<9} {x['ms']:8.2f} ms x{x['calls']:<2} regs "
+                     f"{x.get('regs', '-')} smem {x.get('smem', '-')} grid {x.get('grid', '-')} "
+                     f"block {x.get('block', '-')} occ {x.get('occupancy_pct', '-')}  {kn[:70]}")
+  return "\n".join(lines)
+
+
+def ncu_regex(rows, min_ms: float = 1.0) -> str:
+  """An ncu -k regex for the kernels worth counters: ours (fwd, dq, dk/dv) and cuDNN's kernels of
+  >= min_ms a call in the profiled forward+backward programs (each name cut at its first
+  character outside [A-Za-z0-9_]: a prefix ncu's regex finds)."""
+  import re
+  names = set()
+  for row in rows:
+    for prog in ("ours_fwdbwd", "cudnn_fwdbwd"):
+      for kn, x in row["programs"].get(prog, {}).get("kernels", {}).items():
+        if x["ms"] >= min_ms and not kn.startswith(("memcpy", "memset")):
+          if x["role"] != "glue" or prog == "cudnn_fwdbwd":
+            m = re.match(r"(?:void )?([A-Za-z0-9_]+)", kn)
+            if m and len(m.group(1)) >= 8:
+              names.add(m.group(1))
+  return "|".join(sorted(names))
+
+
+PROFILE_TS = (65536, 32768)
+PROFILE_RUN = "mosaic_gpu_profile_all_full"
+
+
+def profile_run(s: Settings, *, n: int, out_dir=None, log=lambda *a: print(*a, flush=True)):
+  """--profile: profile_programs at each T of s.Ts, appended (after each T) as run PROFILE_RUN to
+  out_dir's result file with ncu_regex.txt beside it; profile_table printed last."""
+  dev = jax.devices()[0].device_kind
+  run = common.new_run("block_sparse", dict(name=PROFILE_RUN, Ts=list(s.Ts), n=n), device=dev)
+  path = result_file(out_dir, dev) if out_dir else None
+  for i, T in enumerate(s.Ts):
+    run["rows"].append(profile_programs(s, T, n, log))
+    run["recorded"] = dict(rows=run["rows"], command=" ".join(sys.argv), n=n,
+                           timing="CUPTI (torch.profiler) medians of n traced calls, each "
+                                  "after an untraced one; wall and NVML clocks over n calls")
+    if path is not None:
+      append_run(path, run, replace_last=i > 0)
+      with open(os.path.join(out_dir, "ncu_regex.txt"), "w") as fh:
+        fh.write(ncu_regex(run["rows"]))
+  log(profile_table(run["rows"]))
+  return run
+
+
+def profile_target(s: Settings, T: int) -> None:
+  """The program ncu profiles: ours forward+backward (all heads full) and cuDNN's at T, each
+  compiled and run once (ncu replays each kernel it selects for its counters)."""
+  q, k, v, ct = inputs(s, T, 0)
+  lists = lists_for(s, T)
+  mode = jnp.full((s.B, s.N), HEAD_FULL, jnp.int32)
+  for f in (fwd_bwd(kernel(s, lists, mode), ct), fwd_bwd(dense(s), ct)):
+    jax.block_until_ready(f(q, k, v))
+  print("profile_target done", T, flush=True)
+
+
+# ncu raw-page metrics reported per kernel (those the report holds): (metric, short name)
+NCU_KEYS = (("gpu__time_duration.sum", "duration"),
+            ("sm__cycles_elapsed.avg.per_second", "sm_clock"),
+            ("launch__registers_per_thread", "regs"),
+            ("launch__shared_mem_per_block_dynamic", "smem_dyn"),
+            ("launch__occupancy_limit_registers", "occ_limit_regs"),
+            ("sm__maximum_warps_per_active_cycle_pct", "occ_theoretical_pct"),
+            ("sm__warps_active.avg.pct_of_peak_sustained_active", "occ_achieved_pct"),
+            ("sm__throughput.avg.pct_of_peak_sustained_elapsed", "sm_sol_pct"),
+            ("gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed", "mem_sol_pct"),
+            ("lts__throughput.avg.pct_of_peak_sustained_elapsed", "l2_pct"),
+            ("lts__t_bytes.sum.per_second", "l2_bytes_per_s"),
+            ("dram__throughput.avg.pct_of_peak_sustained_elapsed", "dram_pct"),
+            ("dram__bytes.sum.per_second", "dram_bytes_per_s"),
+            ("l1tex__throughput.avg.pct_of_peak_sustained_active", "l1_smem_pct"),
+            ("smsp__issue_active.avg.pct_of_peak_sustained_active", "issue_active_pct"),
+            ("smsp__inst_executed.sum", "inst"))
+
+
+def stall_of(col: str):
+  """(reason, kind) of an ncu warp-stall column, else None: kind 'per_issue_active.ratio'
+  (cycles stalled per issued instruction), 'per_warp_active.pct' (% of the warps' active cycles)
+  or 'pcsamp' (PC samples); the '_not_issued' variants are left out."""
+  if "issue_stalled_" not in col:
+    return None
+  rest = col.split("issue_stalled_", 1)[1]
+  for suffix in ("_per_issue_active.ratio", "_per_warp_active.pct"):
+    if rest.endswith(suffix):
+      reason, kind = rest[:-len(suffix)], suffix[1:]
+      break
+  else:
+    if "pcsamp" not in col or "." in rest:
+      return None
+    reason, kind = rest, "pcsamp"
+  return None if reason.endswith("not_issued") else (reason, kind)
+
+
+def read_ncu_csv(path: str) -> list:
+  """ncu's `--page raw --csv` export: [{column: value}] per profiled kernel, with the units row's
+  units under '__units__' (column -> unit)."""
+  import csv
+  with open(path, newline="") as fh:
+    rows = list(csv.reader(fh))
+  start = next(i for i, r in enumerate(rows) if r and r[0] == "ID")
+  head = rows[start]
+  body = rows[start + 1:]
+  units = {}
+  if body and not body[0][0]:
+    units = dict(zip(head, body[0]))
+    body = body[1:]
+  return [dict(zip(head, r), __units__=units) for r in body if r and r[0]]
+
+
+def _num(x):
+  try:
+    return float(str(x).replace(",", ""))
+  except ValueError:
+    return None
+
+
+def ncu_summary(path: str, top: int = 8) -> dict:
+  """The key counters of each kernel in an ncu raw CSV (read_ncu_csv): NCU_KEYS that the report
+  holds, every tensor-pipe / gmma utilisation column, every sm__pipe_*_cycles_active percentage
+  (the top ones), the warp stall reasons (cycles per issued instruction, the `top` largest),
+  local-memory traffic (spills); {kernel name: {...}} in the report's order."""
+  out = {}
+  for r in read_ncu_csv(path):
+    name = r.get("Kernel Name", r.get("Function Name", "?"))
+    units = r["__units__"]
+    d = {}
+    for key, short in NCU_KEYS:
+      if key in r and _num(r[key]) is not None:
+        d[short] = [_num(r[key]), units.get(key, "")]
+    pipes, stalls, tensor, local = {}, {}, {}, {}
+    for col, val in r.items():
+      x = _num(val) if col != "__units__" else None
+      if x is None:
+        continue
+      if ("tensor" in col or "gmma" in col) and "pct" in col:
+        tensor[col] = x
+      if col.startswith("sm__pipe_") and col.endswith("pct_of_peak_sustained_active"):
+        pipes[col[len("sm__pipe_"):].split(".")[0]] = x
+      st = stall_of(col)
+      if st:
+        stalls.setdefault(st[1], {})[st[0]] = x
+      if "local" in col and ("bytes" in col or "inst" in col) and x:
+        local[col] = x
+    d["tensor"] = tensor
+    d["pipes_top"] = dict(sorted(pipes.items(), key=lambda kv: -kv[1])[:top])
+    for kind in ("per_issue_active.ratio", "per_warp_active.pct", "pcsamp"):
+      if stalls.get(kind):   # the first of these the report holds
+        d["stalls_" + kind] = dict(sorted(stalls[kind].items(), key=lambda kv: -kv[1])[:top])
+        break
+    d["local"] = local
+    key, i = name, 1
+    while key in out:
+      i += 1
+      key = f"{name} #{i}"
+    out[key] = d
+  return out
+
+
+def ncu_summary_lines(summary: dict) -> list:
+  lines = []
+  for name, d in summary.items():
+    lines.append(f"{kernel_role(name)} {name[:90]}")
+    lines.append("   " + ", ".join(f"{k}={v[0]:.4g}{v[1] and ' ' + v[1]}"
+                                   for k, v in d.items() if isinstance(v, list)))
+    for key in ["tensor", "pipes_top"] + [k for k in d if k.startswith("stalls_")] + ["local"]:
+      if d.get(key):
+        lines.append(f"   {key}: " + ", ".join(f"{k}={v:.3g}" for k, v in d[key].items()))
+  return lines
+
+
+# ----------------------------------------------------------------------------------------------
 # The all-full A/B of the Mosaic GPU kernels' variants (issue 31: all heads full >= 0.95x cuDNN
 # forward+backward at 64K). The rule (ab_decide) was registered before its first GPU run.
 # ----------------------------------------------------------------------------------------------
@@ -839,6 +1197,16 @@ flags.DEFINE_string("ab_checks", "", "--ab: JSON of the variants' small checks (
                     "timed)", flag_values=FLAGS)
 flags.DEFINE_bool("ab_check_only", False, "--ab: only the small checks, saved to --ab_checks",
                   flag_values=FLAGS)
+flags.DEFINE_bool("profile", False, "mosaic_gpu, all heads full, at --T (default 65536,32768): "
+                  "per-kernel device time (CUPTI via torch) and NVML clocks of ours and cuDNN's "
+                  "forward+backward and of our kernels alone; appends run PROFILE_RUN; writes "
+                  "ncu_regex.txt (our and cuDNN's kernels) beside the result file",
+                  flag_values=FLAGS)
+flags.DEFINE_bool("profile_target", False, "mosaic_gpu, all heads full, at --T's first length: "
+                  "ours and cuDNN's forward+backward compiled and run once (the program ncu runs)",
+                  flag_values=FLAGS)
+flags.DEFINE_string("ncu_summary", "", "print the key counters of an ncu `--page raw --csv` "
+                    "export (ncu_summary) and exit", flag_values=FLAGS)
 flags.DEFINE_bool("window_or_blocks", False, "only time HEAD_WINDOW_BLOCKS (window 2048 OR 4 "
                   "chunks) at 64K vs the window alone and cuDNN (Mosaic GPU) and print the ms",
                   flag_values=FLAGS)
@@ -886,7 +1254,22 @@ def main(argv=None):
     if args.out_dir:
       append_run(result_file(args.out_dir, record["device"]), record)
     return
+  if args.ncu_summary:
+    summary = ncu_summary(args.ncu_summary)
+    print("\n".join(ncu_summary_lines(summary)), flush=True)
+    with open(args.ncu_summary + ".summary.json", "w") as fh:
+      json.dump(summary, fh, indent=1)
+    return
   s = settings_from_flags(args)
+  if args.profile or args.profile_target:
+    s = dataclasses.replace(s, impl="mosaic_gpu", Ts=s.Ts if args.T else PROFILE_TS)
+    if not s.interpret and not on_gpu():
+      raise SystemExit("bench.block_sparse --profile needs a GPU")
+    if args.profile_target:
+      profile_target(s, s.Ts[0])
+    else:
+      profile_run(s, n=args.n or 3, out_dir=args.out_dir)
+    return
   if args.ab:
     names = list(AB_VARIANTS) if args.ab == "all_variants" else [x for x in args.ab.split(",") if x]
     unknown = set(names) - set(AB_VARIANTS)

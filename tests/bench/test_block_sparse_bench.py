@@ -131,3 +131,64 @@ def test_ab_rule_adopts_only_a_variant_faster_by_the_margin_at_every_length():
   assert bench.ab_decide(checks, rows, names)["adopted"] == c
   rows[0]["nan"][c] = True
   assert bench.ab_decide(checks, rows, names)["adopted"] is None
+
+
+def test_profile_helpers_read_made_up_traces_and_an_ncu_csv(tmp_path):
+  """--profile's pieces without a GPU: kernel roles from names, the table, the ncu -k regex of
+  ours and cuDNN's kernels (glue of our program left out), and ncu_summary over a raw CSV in
+  ncu's layout (header row, units row, one row per kernel)."""
+  assert [bench.kernel_role(n) for n in (
+      "block_sparse_fwd_mgpu_nb", "block_sparse_dq_mgpu", "block_sparse_dkv_mgpu",
+      "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7",
+      "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_3",
+      "loop_add_fusion", "memset: x")] == ["fwd", "dq", "dkv", "cudnn_fwd", "cudnn_bwd", "glue",
+                                           "glue"]
+  k = lambda ms, role, **kw: dict(ms=ms, calls=1, role=role, **kw)
+  row = dict(T=65536, programs=dict(
+      ours_fwdbwd=dict(busy_ms=240.0, span_ms=241.0, clocks=dict(
+          wall_ms=249.0, sm_mhz=dict(median=1755.0, min=1600.0, max=1980.0),
+          power_w=dict(median=690.0, max=700.0), reasons={"sw_power_cap": 0.9}), kernels={
+              "block_sparse_dkv_mgpu": k(110.0, "dkv", regs=168, smem=140000),
+              "block_sparse_dq_mgpu": k(75.0, "dq"), "block_sparse_fwd_mgpu_nb": k(56.0, "fwd"),
+              "loop_transpose_fusion": k(1.5, "glue"), "tiny_fusion": k(0.01, "glue")}),
+      cudnn_fwdbwd=dict(busy_ms=220.0, span_ms=221.0, clocks={}, kernels={
+          "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_3": k(160.0, "cudnn_bwd"),
+          "void cudnn::fusion::compute_dot_do_o<128>(float*)": k(1.2, "glue"),
+          "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7": k(57.0, "cudnn_fwd")})))
+  text = bench.profile_table([row])
+  assert "T=65536 ours_fwdbwd: wall 249.00" in text and "SM MHz median 1755" in text
+  assert "dkv" in text and "regs 168" in text and "tiny_fusion" not in text
+  assert bench.ncu_regex([row]).split("|") == sorted([
+      "block_sparse_dkv_mgpu", "block_sparse_dq_mgpu", "block_sparse_fwd_mgpu_nb",
+      "cudnn_generated_fort_native_sdpa_sm90_flash_bprop_wgmma_f16_knob_3",
+      "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7"])
+  head = ["ID", "Process ID", "Kernel Name", "gpu__time_duration.sum",
+          "launch__registers_per_thread", "sm__warps_active.avg.pct_of_peak_sustained_active",
+          "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+          "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active",
+          "smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio",
+          "smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio",
+          "smsp__average_warps_issue_stalled_barrier_not_issued_per_issue_active.ratio",
+          "smsp__pcsamp_warps_issue_stalled_barrier"]
+  units = ["", "", "", "ms", "register/thread", "%", "%", "%", "ratio", "ratio", "ratio", ""]
+  rows = [["0", "1", "block_sparse_dkv_mgpu", "109.5", "168", "18.6", "71.2", "12.0", "2.5",
+           "0.4", "9.9", "1,234"],
+          ["1", "1", "block_sparse_dkv_mgpu", "108.0", "168", "18.0", "70.0", "11.0", "2.0",
+           "0.5", "9.9", "7"]]
+  import csv
+  path = tmp_path / "raw.csv"
+  with open(path, "w", newline="") as fh:
+    csv.writer(fh, quoting=csv.QUOTE_ALL).writerows([["==PROF== noise"], head, units] + rows)
+  s = bench.ncu_summary(str(path))
+  assert list(s) == ["block_sparse_dkv_mgpu", "block_sparse_dkv_mgpu #2"]
+  d = s["block_sparse_dkv_mgpu"]
+  assert d["duration"] == [109.5, "ms"] and d["regs"] == [168.0, "register/thread"]
+  assert d["occ_achieved_pct"] == [18.6, "%"]
+  assert d["tensor"] == {head[6]: 71.2}
+  assert list(d["pipes_top"]) == ["tensor_op_gmma_cycles_active", "alu_cycles_active"]
+  # cycles per issued instruction, the not-issued variant left out; pcsamp only as a fallback
+  assert d["stalls_per_issue_active.ratio"] == {"barrier": 2.5, "long_scoreboard": 0.4}
+  lines = bench.ncu_summary_lines(s)
+  assert lines[0].startswith("dkv block_sparse_dkv_mgpu") and "duration=109.5 ms" in lines[1]
+  assert bench.stall_of("smsp__pcsamp_warps_issue_stalled_wait") == ("wait", "pcsamp")
+  assert bench.stall_of("smsp__pcsamp_warps_issue_stalled_wait_not_issued") is None
