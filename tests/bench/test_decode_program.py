@@ -161,3 +161,47 @@ def test_h100_export_of_l2a_writes_its_ring_in_place():
   assert "stablehlo.scatter" not in per
   with pytest.raises(ValueError, match="dense only"):
     dp.table("xla_per_layer", "tiny-qwen", 1, 256, scheme="l2a")
+
+
+def _check(scheme, T, default, refattn, mgpu, same=True):
+  """A synthetic fp32_check result: rel_err against float32 per program; default vs refattn."""
+  d = lambda e, s=True: dict(rel_err=e, max_abs_err=e, same_argmax=s,
+                             vs_default=dict(rel_err=0.0, max_abs_err=0.0, same_argmax=True))
+  return dict(scheme=scheme, T=T, status="ok", default=d(default), refattn=d(refattn),
+              mgpu=d(mgpu, same), default_vs_refattn=dict(rel_err=abs(refattn - default) * 1.4,
+                                                          max_abs_err=0.0, same_argmax=True))
+
+
+def test_rule_check_and_the_fp32_logits_test():
+  """rule_check: ADOPTION_RULE's bound is sane iff the two bf16 programs (default, refattn) differ
+  by <= max_rel_err at every measured point (error rows are skipped; none measured: None);
+  fp32_logits_test: a candidate within factor x the default's float32 error + slack, argmax
+  kept where the default keeps it."""
+  ok = _check("dense", 8192, 0.02, 0.025, 0.021)       # 0.007 apart: within 1e-2
+  bad = _check("l2a", 8192, 0.02, 0.06, 0.021)         # 0.056 apart
+  err = dict(scheme="l2a", T=131072, status="error", error="OOM")
+  assert dp.rule_check([ok, err])["sane"] is True
+  got = dp.rule_check([ok, bad, err])
+  assert got["sane"] is False and [p["scheme"] for p in got["failed"]] == ["l2a"]
+  assert dp.rule_check([err])["sane"] is None
+  rule = dict(factor=1.1, slack=1e-3)
+  assert dp.fp32_logits_test(ok, "mgpu", rule)["passed"]          # 0.021 <= 0.023
+  assert not dp.fp32_logits_test(_check("d", 1, 0.02, 0.02, 0.0235), "mgpu", rule)["passed"]
+  assert not dp.fp32_logits_test(_check("d", 1, 0.02, 0.02, 0.01, same=False), "mgpu",
+                                 rule)["passed"]              # argmax lost where the default kept it
+
+
+def test_fp32_check_alone_records_the_run(tmp_path):
+  """--fp32_check without --ab (CPU, tiny shapes): every program's logits against float32, the
+  table, the run recorded with rule_check's claim; on CPU auto runs the reference, so 'mgpu'
+  and 'refattn' equal the default, which is a bf16 distance from float32 (not zero, under 0.1)."""
+  from bench import common
+  rows = dp.main(["--fp32_check=l2a", "--fp32_variants=refattn,mgpu", "--shapes=tiny-qwen",
+                  "--T=64", f"--out_dir={tmp_path}", "--name=t"])
+  (c,) = rows
+  assert c["status"] == "ok" and c["mgpu"]["vs_default"]["rel_err"] == 0.0
+  assert 1e-4 < c["default"]["rel_err"] < 0.1 and c["default"]["same_argmax"]
+  (run,) = common.load(common.result_path("decode_program", str(tmp_path)))["runs"]
+  assert run["settings"]["mode"] == "fp32_check" and run["rows"][0]["T"] == 64
+  (claim,) = run["claims"]
+  assert claim["passed"] and run["mgpu_fp32_logits_test"][0]["passed"]
