@@ -4,20 +4,27 @@
 #      process), launch facts (registers, shared memory, grid) and NVML clocks of ours and cuDNN's
 #      forward+backward and of our three kernels alone, 64K then 32K (run PROFILE_RUN in
 #      $OUT/block_sparse_<device>.json; the kernels' names for ncu in $OUT/ncu_regex.txt).
-#   2. Nsight Compute on those kernels at 64K (one launch each, --clock-control none: the card's
-#      clocks are left alone; sections without PM sampling, whose report would be large), the
-#      platform allocator (no preallocated pool for ncu to save and restore), raw / details /
-#      SASS-source exports and bench/block_sparse.py --ncu_summary's key counters.
-#   3. Mosaic GPU's ptxas report (registers, spills) and SASS of our kernels, at 8K.
-# Each stage has its own time limit; a stage that fails leaves the others' files.
+#   2. Only with PROFILE_NCU=1: Nsight Compute on those kernels at 64K (one launch each,
+#      --clock-control none: the card's clocks are left alone; sections without PM sampling, whose
+#      report would be large), the platform allocator (no preallocated pool for ncu to save and
+#      restore), raw / details / SASS-source exports and --ncu_summary's key counters. In run
+#      mosaic_gpu_profile_all_full (one H100, 2026-11-27) ncu segfaulted (rc 139) in the JAX
+#      process before profiling any kernel, as it had for the compacted kernel's profile.
+#   3. Mosaic GPU's ptxas report (registers, spills) of our kernels at 8K (no SASS: the image has no
+#      nvdisasm where Mosaic GPU looks for it), with its other dumps tarred into
+#      $OUT/mosaic_dump.tar.gz (a call returns at most 8 files from $OUT).
+# Each stage has its own time limit (PROFILE_T1/T2/T3 s); a stage that fails leaves the others'
+# files. The 64K + 32K profile took ~100 s on a warm H100 (95 s cut it during 32K).
+# Run with CONDATTN_GIT_COMMIT=<local short HEAD> (the device copy's git metadata may be older).
 source scripts/gpu_env.sh
 export NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,power.limit,temperature.gpu --format=csv
-T1=${PROFILE_T1:-95}; T2=${PROFILE_T2:-115}; T3=${PROFILE_T3:-25}
+T1=${PROFILE_T1:-150}; T2=${PROFILE_T2:-115}; T3=${PROFILE_T3:-25}
 timeout "$T1" python -m bench.block_sparse --profile --T=65536,32768 --n=3 --out_dir="$OUT" \
   > "$OUT/profile.log" 2>&1
 echo "profile rc $?"
 grep -v "^ *$" "$OUT/profile.log" | grep -E "^T=|^    |profile|Error|error" | tail -c 7000
+if [ "${PROFILE_NCU:-0}" = 1 ]; then
 RE=$(cat "$OUT/ncu_regex.txt" 2>/dev/null)
 RE=${RE:-block_sparse_|sdpa}
 NCU=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
@@ -43,9 +50,12 @@ if [ -f "$OUT/ncu_64k.ncu-rep" ]; then
   done
   [ "$(stat -c %s "$OUT/ncu_64k.ncu-rep")" -gt 15000000 ] && gzip -f "$OUT/ncu_64k.ncu-rep"
 fi
+fi
 mkdir -p "$OUT/mosaic"
-MOSAIC_GPU_DUMP_TO="$OUT/mosaic" MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1 \
+MOSAIC_GPU_DUMP_TO="$OUT/mosaic" MOSAIC_GPU_DUMP_PTXAS=1 \
   timeout "$T3" python -m bench.block_sparse --profile_target --T=8192 > "$OUT/mosaic.log" 2>&1
 echo "mosaic dump rc $?"
-grep -i -E "registers|spill|stack" "$OUT/mosaic.log" "$OUT"/mosaic/* 2>/dev/null | head -12
+grep -i -E "registers|spill|stack frame" "$OUT"/mosaic/*.ptxas "$OUT"/mosaic/*resources* 2>/dev/null \
+  | head -12
+tar -C "$OUT" -czf "$OUT/mosaic_dump.tar.gz" mosaic && rm -rf "$OUT/mosaic"
 ls -la "$OUT" | tail -n +2 | awk '{print $5, $9}' | tr '\n' ';'
