@@ -112,3 +112,57 @@ def performance_oproj_minsplit_table(rec, run):
   lines += [_ab_line(rows, "dense", v) for v in ("stacked:oldoproj", "stacked")]
   err = next(r["rel_err"] for r in rows if r["variant"] == "stacked:minsplit")
   return lines + [f"rel_err {err:.1e}".replace("e-02", "e-2")]
+
+
+@claim("decode_program", run="d_fp32_check", file=H100)
+def fp32_check_verdicts_follow_from_the_checks(rec, run):
+  """An fp32_check run: each program ran the kernel it names (custom calls: the default cuDNN's
+  decode, 'mgpu' the Mosaic GPU decode kernel and no cuDNN, 'refattn' and the float32
+  reference neither), each rel_err is the stored one, and the recorded rule_check verdict and
+  'mgpu' logits tests are rule_check / fp32_logits_test re-applied to the stored checks with the
+  rules stored on the run."""
+  from bench import decode_program as dp
+  ok = [c for c in run["rows"] if c.get("status") == "ok"]
+  expect(ok, "no check ran")
+  for c in ok:
+    calls = c["custom_calls"]
+    expect(set(calls["default"]) == {"__cudnn$fmhaSoftmax"}, ("default", calls["default"]))
+    expect(set(calls.get("mgpu", {"mosaic_gpu_v2": 1})) == {"mosaic_gpu_v2"}, calls.get("mgpu"))
+    expect(not calls.get("refattn") and not calls["float32"], calls)
+    expect(c["default"]["vs_default"]["rel_err"] == 0.0, c["scheme"])
+  s = run["settings"]
+  rule = dict(s["rule"], T=tuple(s["rule"]["T"]))
+  expect(dp.rule_check(run["rows"], rule) == run["rule_check"], "rule_check")
+  mg = [dict(scheme=c["scheme"], T=c["T"], **dp.fp32_logits_test(c, "mgpu", s["fp32_rule"]))
+        for c in ok if "mgpu" in c]
+  expect(mg == run["mgpu_fp32_logits_test"], "mgpu_fp32_logits_test")
+
+
+@claim("decode_program", run="d_fp32_check", file=H100)
+def the_logits_bound_rejects_a_correct_bf16_program(rec, run):
+  """ADOPTION_RULE's logits bound (max_rel_err of a candidate's first-step logits against the
+  default's) fails for a correct bfloat16 program: the XLA reference attention in bf16 differs
+  from the default (cuDNN) by more than the bound at a measured point, while both are about as
+  far from the float32 reference (each within 2x of the other's error)."""
+  rc = run["rule_check"]
+  expect(rc["sane"] is False and rc["failed"], rc)
+  for p in rc["failed"]:
+    expect(p["default_vs_refattn"] > rc["bound"], p)
+    expect(max(p["default_vs_fp32"], p["refattn_vs_fp32"])
+           <= 2 * min(p["default_vs_fp32"], p["refattn_vs_fp32"]), p)
+
+
+@quote("docs/performance.md", H100, run="d_fp32_check")
+def performance_fp32_check_table(rec, run):
+  """docs/performance.md's fp32 check table: per program its logits rel_err against float32 and
+  against the default, and the argmax agreement."""
+  out = []
+  for c in run["rows"]:
+    if c.get("status") != "ok":
+      continue
+    for n in ("default", "refattn", "mgpu"):
+      if n in c:
+        r = c[n]
+        out.append(f"| {c['scheme']} | {c['T'] // 1024}K | {n} | {r['rel_err']:.1e} | "
+                   f"{r['vs_default']['rel_err']:.1e} | {r['same_argmax']} |")
+  return out

@@ -348,7 +348,8 @@ def test_ab_interleaves_the_variants_and_applies_the_registered_rule(tmp_path):
   assert run["settings"]["rule"] == {**dp.ADOPTION_RULE, "T": list(dp.ADOPTION_RULE["T"])}
   assert run["note"] == "cpu" and run["adoption"]["scheme"]["stacked:noskip"]["adopt"] is False
   assert run["adoption"]["adopt"] is None and "split" in run["adoption"]["dense"]
-  rule = dict(dp.ADOPTION_RULE, T=(64, 128), min_repeats=1, min_steps=1)
+  assert all(r["fp32"]["rel_err"] == rows[0]["fp32"]["rel_err"] > 0 for r in rows[:3])
+  rule = dict(dp.ADOPTION_RULE_1E2, T=(64, 128), min_repeats=1, min_steps=1)
   row = lambda v, T, ms, busy, err=0.0: dict(scheme="l2a", variant=v, T=T, ms=ms, busy_ms=busy,
                                              rel_err=err, runs_ms=[ms], steps=2, status="ok")
   rows = [row("d", 64, 2.0, 1.0), row("d", 128, 3.0, 1.0), row("a", 64, 1.9, 1.02),
@@ -566,7 +567,7 @@ def test_paired_ab_fp32_check_and_the_o_proj_probe(tmp_path):
   assert fp["default_vs_refattn"]["rel_err"] == 0.0
   assert 1e-4 < fp["default"]["rel_err"] < 0.1 and fp["default"]["same_argmax"]
   # settle_pairs on synthetic rows: each candidate against its own default
-  rule = dict(dp.ADOPTION_RULE, T=(64,), min_repeats=1, min_steps=1)
+  rule = dict(dp.ADOPTION_RULE_1E2, T=(64,), min_repeats=1, min_steps=1)
   r = lambda sch, v, ms: dict(scheme=sch, variant=v, T=64, ms=ms, busy_ms=1.0, rel_err=0.0,
                               runs_ms=[ms], steps=2, status="ok")
   rows = [r("l2a", "old", 3.0), r("l2a", "new", 2.5), r("l2a", "ms", 2.6),
@@ -582,3 +583,26 @@ def test_paired_ab_fp32_check_and_the_o_proj_probe(tmp_path):
   probe = dp.oproj_probe(L=2, N=2, H=8, D=16, calls=1, log=lambda *_: None)
   assert [p["form"] for p in probe] == ["plain2d", "dot3d", "batched"]
   assert all(p["max_abs_err"] < 1e-2 and p["launches"] > 0 for p in probe), probe
+
+
+def test_adoption_tests_logits_against_float32():
+  """ADOPTION_RULE's logits test since run d_fp32_check (FP32_RULE): a candidate passes iff its
+  first-step logits are within fp32_factor x the default's float32 error + fp32_slack and keep
+  float32's argmax where the default does; its distance to the default no longer counts; a row
+  without float32 logits fails."""
+  from bench import decode_program as dp
+  rule = dict(dp.ADOPTION_RULE, T=(64,), min_repeats=1, min_steps=1)
+  f = lambda e, same=True: dict(rel_err=e, max_abs_err=e, same_argmax=same)
+  row = lambda v, fp32, err=0.0: dict(scheme="l2a", variant=v, T=64, ms=1.0, busy_ms=1.0,
+                                      rel_err=err, runs_ms=[1.0], steps=2, status="ok",
+                                      **({"fp32": fp32} if fp32 else {}))
+  rows = [row("d", f(0.05)), row("close", f(0.04), err=0.056),   # the measured dense 8K case
+          row("worse", f(0.0562)), row("argmax", f(0.03, False)), row("none", None)]
+  got = dp.adoption(rows, "l2a", "d", rule)
+  assert {c: v["adopt"] for c, v in got.items()} == dict(close=True, worse=False, argmax=False,
+                                                           none=False)
+  assert got["close"]["per_T"][64]["fp32"]["bound"] == pytest.approx(1.1 * 0.05 + 1e-3)
+  assert "float32" in got["worse"]["failed"][0] and "no float32" in got["none"]["failed"][0]
+  # the same rows under the old rule: the 1e-2 bound against the default rejects 'close'
+  old = dict(dp.ADOPTION_RULE_1E2, T=(64,), min_repeats=1, min_steps=1)
+  assert dp.adoption(rows, "l2a", "d", old)["close"]["adopt"] is False
