@@ -9,7 +9,9 @@ criterion that fails is recorded as failed, and bench/claims re-derives every ve
 the stored numbers (a changed number or a flipped verdict fails there).
 
 Plateau (issue 34): an arm is at a plateau when its metric, smoothed over a tenth of the steps,
-moved less than 1% (relative) over the last 20% of the steps (`plateau(curve)`).
+moved less than 1% (relative) over the last 20% of the steps (`plateau(curve)`);
+`train_to_plateau` trains until it holds or a cap (AHA's until-plateau rule; Elastic's arms run
+their fixed steps through `train`, unchanged).
 """
 from __future__ import annotations
 
@@ -199,6 +201,83 @@ def train_to_gate(cfg, params, tc, batch_fn, gate: Callable, *, check_every: int
                    f"{budget_s:.0f} s), state saved: run the same part again to continue")
   return jax.device_get(state.params), dict(curve=st["curve"], checks=st["checks"],
                                             steps=st["steps"], passed=st["passed"])
+
+
+def plateau_loop(st: dict, advance: Callable, *, recipe_steps: int, cap: int, check_every: int,
+                 after_check: Callable | None = None, log=print, name="") -> dict:
+  """The until-plateau rule's loop (train_to_plateau's, on any curves): `advance(start, stop)`
+  appends steps start..stop-1 to st["curves"] ({metric: values}); checked at recipe_steps and
+  every check_every steps after it, stopping when `plateau` holds for every curve (on the whole
+  curve from step 1) or at `cap`. st (fresh: steps 0, checks [], at_plateau False, curves) is
+  updated in place and returned; after_check(st, stop) runs after every check (recording,
+  saving, a budget's exception). Returns st + {cap, check_every, stopped: 'plateau' | 'cap'}."""
+  if cap < recipe_steps or check_every < 1:
+    raise ValueError(f"{name}: cap {cap} must be >= the recipe's {recipe_steps} steps and "
+                     f"check_every {check_every} >= 1")
+  while not st["at_plateau"] and st["steps"] < cap:
+    stop = recipe_steps if st["steps"] < recipe_steps else min(st["steps"] + check_every, cap)
+    advance(st["steps"], stop)
+    st["steps"] = stop
+    p = {k: plateau(v) for k, v in st["curves"].items()}
+    st["checks"].append([stop, {k: v["moved"] for k, v in p.items()}])
+    st["at_plateau"] = all(v["at_plateau"] for v in p.values())
+    log(f"[{name}] plateau check at step {stop}: " + ", ".join(
+        f"{k} moved {v['moved']:.4f}" if v["moved"] is not None else f"{k} moved n/a"
+        for k, v in p.items()) + (" (at plateau)" if st["at_plateau"] else ""))
+    if after_check is not None:
+      after_check(st, stop)
+  return dict(st, cap=cap, check_every=check_every,
+              stopped="plateau" if st["at_plateau"] else "cap")
+
+
+def train_to_plateau(cfg, params, tc, batch_fn, *, metrics, cap: int, check_every: int,
+                     at_recipe_end: Callable | None = None, resume: dict | None = None,
+                     save: Callable | None = None, budget_s: float | None = None, name="",
+                     log=print, log_every=100):
+  """Until-plateau training (issue 34's "every arm trained to a plateau"): the recipe's
+  `tc.num_steps` steps (its warmup and decay, as `train` runs them), then on at the schedule's
+  end lr (optax holds a decayed schedule at its end value) until `plateau(curve)` holds for
+  EVERY metric of `metrics` or `cap` steps (`plateau_loop`: checked at tc.num_steps and every
+  `check_every` steps after; `plateau`'s definition, not loosened: moved < 1% relative over the
+  last 20% of the steps taken). `at_recipe_end(params)` (a JSON-able dict) is recorded at step
+  tc.num_steps (the fixed-step recipe's result, beside the plateau's). resume / save / budget_s
+  as `train_to_gate` (state saved after every check; past budget_s: Budget after saving).
+  Returns (params, curves {metric: per-step values}, info {steps, cap, check_every, stopped:
+  'plateau' | 'cap', at_plateau, checks [[step, {metric: moved}]], recipe_steps, recipe_end})."""
+  import jax
+  import jax.numpy as jnp
+  from condattn_jax.train.state import TrainState
+  tx, step = _step_fn(cfg, tc, params)
+  box = {}
+  if resume:
+    st = dict(resume)
+    box["state"] = jax.tree.map(jnp.asarray, st.pop("state"))
+  else:
+    box["state"] = TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                              opt_state=tx.init(params))
+    st = dict(curves={m: [] for m in metrics}, checks=[], steps=0, at_plateau=False,
+              recipe_end=None)
+  t0 = time.time()
+
+  def advance(start, stop):
+    box["state"] = _steps(step, box["state"], batch_fn, start, stop, metrics, st["curves"], name,
+                          log, log_every, t0)
+
+  def after_check(st, stop):
+    if stop == tc.num_steps and at_recipe_end is not None:
+      st["recipe_end"] = at_recipe_end(jax.device_get(box["state"].params))
+    if save is not None:
+      save(dict(st, state=jax.device_get(box["state"])))
+    if budget_s is not None and time.time() - t0 > budget_s and not st["at_plateau"] \
+        and st["steps"] < cap:
+      raise Budget(f"{name}: stopped at step {stop} after {time.time() - t0:.0f} s (budget "
+                   f"{budget_s:.0f} s), state saved: run the same part again to continue")
+  out = plateau_loop(st, advance, recipe_steps=tc.num_steps, cap=cap, check_every=check_every,
+                     after_check=after_check, log=log, name=name)
+  info = {k: out[k] for k in ("steps", "cap", "check_every", "stopped", "at_plateau", "checks",
+                              "recipe_end")}
+  return jax.device_get(box["state"].params), st["curves"], dict(info,
+                                                                   recipe_steps=tc.num_steps)
 
 
 _FORWARD: dict = {}

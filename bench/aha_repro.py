@@ -78,7 +78,8 @@ CRITERIA = {
         "mu_f does not rise as lambda rises (smallest window, the lambda sweep)"),
     "every_arm_at_plateau": rc.Criterion(
         "plateau_fraction", ">=", 1.0,
-        "every AHA arm's accuracy and mu_f moved < 1% relative over the last 20% of steps"),
+        "every AHA arm's accuracy and mu_f moved < 1% relative over the last 20% of steps (runs "
+        "under the until-plateau rule, Settings.aha_cap: the static fine-tunes' accuracy too)"),
 }
 
 # tests/bench/test_aha_repro.py: a fresh CI-preset run must point the way the recorded CPU run's
@@ -140,6 +141,13 @@ class Settings:
   dense_lrs: tuple = ()
   select_rows: int = 256
   aha_steps: int = 200
+  # pre-registered until-plateau rule (issue 34, `every_arm_at_plateau`; 0: the fixed-step recipe
+  # the recorded runs used): every arm (learned: accuracy and mu_f; static fine-tunes: accuracy)
+  # trains the recipe's aha_steps (warmup, cosine to end_lr_frac), then on at its end lr, until
+  # rc.plateau holds for each of its curves (checked at aha_steps and every plateau_check_every
+  # steps after) or aha_cap steps: stopped at the cap = NOT at plateau (rc.train_to_plateau)
+  aha_cap: int = 0
+  plateau_check_every: int = 0
   aha_lr: float = 1e-3
   router_lr_mult: float = 10.0
   lam: float = 3e-2
@@ -157,7 +165,8 @@ class Settings:
   # settings at these values (rc._settings_json), so those stores still match
   STORE_DEFAULTS: ClassVar[dict] = dict(dense_gate=0.0, dense_check_every=0,
                                         dense_schedule="cosine", dense_warmup_frac=0.05,
-                                        select_rows=256, layout="olmo2", pretrain_steps=0)
+                                        select_rows=256, layout="olmo2", pretrain_steps=0,
+                                        aha_cap=0, plateau_check_every=0)
 
 
 PRESETS = {
@@ -174,7 +183,11 @@ PRESETS = {
                      hidden_size=128, num_heads=8, num_kv_heads=4, batch_size=64,
                      dense_steps=3000, aha_steps=1500, windows=(16, 32, 64, 128, 256),
                      lams=(3e-3, 1e-2, 3e-2, 1e-1), static_lrs=(3e-4, 1e-3, 3e-3), sweep_seeds=3,
-                     eval_rows=2048, log_every=500),
+                     eval_rows=2048, log_every=500,
+                     # the until-plateau rule (runs recorded before it: the fixed 1500 steps):
+                     # cap 8x the recipe, the median extrapolated need of the recorded mu_f
+                     # curves (docs/schemes/aha.md, "Until-plateau rule")
+                     aha_cap=12000, plateau_check_every=300),
     "test": Settings(seq_len=48, num_queries=4, dense_steps=3, aha_steps=5, lams=(3e-2,),
                      static_lrs=(1e-3,), windows=(16,), seeds=(0,), eval_rows=16, log_every=1),
 }
@@ -186,7 +199,7 @@ PRESETS["h100_pairs"] = dataclasses.replace(PRESETS["h100"], fact_tokens=2)
 PRESETS["tiny"] = dataclasses.replace(
     PRESETS["h100"], seq_len=264, num_keys=8, num_values=4, num_queries=4, num_layers=2,
     hidden_size=32, num_heads=4, num_kv_heads=2, batch_size=4, dense_steps=2, aha_steps=2,
-    eval_rows=8, generated_rows=0, seeds=(0,), log_every=1)
+    eval_rows=8, generated_rows=0, seeds=(0,), log_every=1, aha_cap=6, plateau_check_every=2)
 PRESETS["tiny_pairs"] = dataclasses.replace(PRESETS["tiny"], fact_tokens=2)
 # h100_pairs with the dense baseline trained to SOLVE the task before any AHA arm (the recorded
 # h100_pairs run stays as recorded: its dense models plateaued at need accuracy 0.44, which
@@ -224,6 +237,11 @@ PRESETS["tiny_pairs_gated"] = dataclasses.replace(
 PRESETS["test_gated"] = dataclasses.replace(
     PRESETS["test"], fact_tokens=2, dense_gate=0.99, dense_check_every=2,
     dense_schedule="constant", dense_lrs=(1e-3, 3e-3), select_rows=16)
+# one arm of h100 under the until-plateau rule (the GPU probe of issue 34: `--part=dense,
+# w16_lam0.003 --seeds=0`, the arm whose mu_f moved most in the recorded run), its cap cut to what
+# one call holds; recorded as its own run (docs/schemes/aha.md, "Until-plateau rule")
+PRESETS["h100_plateau_probe"] = dataclasses.replace(PRESETS["h100"], seeds=(0,), sweep_seeds=1,
+                                                    aha_cap=6000)
 FILES = {"cpu": "aha_repro.json"}
 
 
@@ -528,17 +546,51 @@ def _window(s, seed, w, dense):
   return task, cfg, ev, acfg0, ap0
 
 
-def lam_arm(s, seed, w, lam, dense, log) -> dict[str, Any]:
+RECIPE_END_KEYS = ("accuracy", "accuracy_need", "mu_f", "usage_need", "usage_noneed",
+                   "usage_nonquery", "top_head_share")
+
+
+def _train_arm(s, cfg, p0, tc, batch_fn, *, metrics, name, log, eval_cfg=None, ev=None,
+               ckpt=None):
+  """(params, curves, until) of one arm: the fixed-step recipe (s.aha_cap 0: until None) or
+  Settings' until-plateau rule (rc.train_to_plateau; until: its info, with the held-out
+  RECIPE_END_KEYS of `evaluate(eval_cfg, params at the recipe's end, ev)`). ckpt = (store,
+  tree name): with a work dir the rule's state is saved at every check and a rerun goes on
+  from it (past the store's budget_s the part exits 3, as a gated dense training)."""
+  if not s.aha_cap:
+    p, curves = rc.train(cfg, p0, tc, batch_fn, metrics=metrics, name=name, log=log,
+                         log_every=s.log_every)
+    return p, curves, None
+  disk = ckpt is not None and ckpt[0] is not None and ckpt[0].work_dir is not None
+
+  def recipe_end(p):
+    r = evaluate(eval_cfg or cfg, p, ev)
+    return {k: r.get(k) for k in RECIPE_END_KEYS}
+  p, curves, until = rc.train_to_plateau(
+      cfg, p0, tc, batch_fn, metrics=metrics, cap=s.aha_cap,
+      check_every=s.plateau_check_every or s.aha_steps,
+      at_recipe_end=recipe_end if ev is not None else None,
+      resume=ckpt[0].get_tree(ckpt[1], missing_ok=True) if disk else None,
+      save=(lambda st: ckpt[0].put_tree(ckpt[1], st)) if disk else None,
+      budget_s=ckpt[0].budget_s if disk else None, name=name, log=log, log_every=s.log_every)
+  return p, curves, until
+
+
+def lam_arm(s, seed, w, lam, dense, log, store: rc.Store | None = None,
+            unit: str = "") -> dict[str, Any]:
   """One learned arm: window w, lambda `lam` (the headline lambda s.lam also measures mu_f over
-  generated tokens)."""
+  generated tokens); trained by `_train_arm` (store / unit: where the until-plateau rule saves
+  its state)."""
   task, _, ev, acfg0, ap0 = _window(s, seed, w, dense)
   B = s.batch_size
   acfg = configure(acfg0, "aha", lam=lam)
-  p, curves = rc.train(acfg, ap0, _aha_tc(s, s.aha_steps, s.aha_lr, seed),
-                       lambda i: _drop(task.batch(i * B, B, stream=10)),
-                       metrics=("accuracy", "aha/mu_f"), name=f"aha w{w} lam{lam} s{seed}",
-                       log=log, log_every=s.log_every)
+  p, curves, until = _train_arm(
+      s, acfg, ap0, _aha_tc(s, s.aha_steps, s.aha_lr, seed),
+      lambda i: _drop(task.batch(i * B, B, stream=10)), metrics=("accuracy", "aha/mu_f"),
+      name=f"aha w{w} lam{lam} s{seed}", log=log, ev=ev, ckpt=(store, f"{unit}_state"))
   r = evaluate(acfg, p, ev)
+  if until is not None:
+    r["until_plateau"] = until
   if lam == s.lam and s.generated_rows:
     r["generated"] = generated_usage(acfg, p, ev, n_rows=s.generated_rows)
   r["plateau"] = {k: rc.plateau(v) for k, v in curves.items()}
@@ -550,13 +602,13 @@ def lam_arm(s, seed, w, lam, dense, log) -> dict[str, Any]:
   return r
 
 
-def window_unit(s, seed, w, dense, dense_info, log) -> dict[str, Any]:
+def window_unit(s, seed, w, dense, dense_info, log, store=None) -> dict[str, Any]:
   """Unit `w<w>`: the dense model and the local-only control on window w's rows, and the
   headline-lambda arm."""
   _, cfg, ev, acfg0, ap0 = _window(s, seed, w, dense)
   return dict(dense=evaluate(cfg, dense, ev), dense_train=dense_info,
               local_only=evaluate(configure(acfg0, "aha", routing="none"), ap0, ev),
-              lams={str(s.lam): lam_arm(s, seed, w, s.lam, dense, log)})
+              lams={str(s.lam): lam_arm(s, seed, w, s.lam, dense, log, store, f"w{w}")})
 
 
 def units(s: Settings, seed: int) -> list[str]:
@@ -581,10 +633,10 @@ def run_unit(s: Settings, seed: int, unit: str, store: rc.Store, log=print) -> d
   if unit == "static":
     learned = store.get(f"w{w0}")["lams"][str(s.lam)]
     task, _, ev, acfg0, ap0 = _window(s, seed, w0, dense)
-    return static_control(s, acfg0, ap0, learned, task, ev, seed, w0, log)
+    return static_control(s, acfg0, ap0, learned, task, ev, seed, w0, log, store)
   if "_lam" in unit:
-    return lam_arm(s, seed, w0, float(unit.split("_lam")[1]), dense, log)
-  return window_unit(s, seed, int(unit[1:]), dense, store.get("dense"), log)
+    return lam_arm(s, seed, w0, float(unit.split("_lam")[1]), dense, log, store, unit)
+  return window_unit(s, seed, int(unit[1:]), dense, store.get("dense"), log, store)
 
 
 def assemble(s: Settings, seed: int, store: rc.Store) -> dict[str, Any]:
@@ -608,7 +660,7 @@ def assemble(s: Settings, seed: int, store: rc.Store) -> dict[str, Any]:
 BENCH = rc.Bench("aha_repro", units, run_unit, assemble)
 
 
-def static_control(s, acfg0, ap0, learned, task, ev, seed, w, log) -> dict[str, Any]:
+def static_control(s, acfg0, ap0, learned, task, ev, seed, w, log, store=None) -> dict[str, Any]:
   """The learned router's most-used heads full for every token (ceil(mu_f * L * N) of them, at
   least one: at least the learned mu_f), the rest local; fine-tuned (all but the router, its
   own lr sweep; lambda 0); the best lr by held-out accuracy (selection = eval rows: favours
@@ -626,15 +678,18 @@ def static_control(s, acfg0, ap0, learned, task, ev, seed, w, log) -> dict[str, 
   # evaluated under the arm's config (lambda only weighs the loss: the same forward, compiled once)
   out = dict(full_heads=int(n), mu_f=n / (L * N), heads=heads.astype(int).tolist(),
              frozen=evaluate(acfg0, p0, ev)["accuracy"], tuned={})
-  for lr in s.static_lrs:
+  for i, lr in enumerate(s.static_lrs):
     tc = rc.train_config(steps=s.aha_steps, lr=lr, seed=seed,
                          trainable=r"(?!(.*/)?router/).*")
-    p, curves = rc.train(cfg, p0, tc, lambda i: drop(task.batch(i * B, B, stream=20)),
-                         name=f"static w{w} lr{lr} s{seed}", log=log, log_every=s.log_every)
+    p, curves, until = _train_arm(
+        s, cfg, p0, tc, lambda j: drop(task.batch(j * B, B, stream=20)), metrics=("accuracy",),
+        name=f"static w{w} lr{lr} s{seed}", log=log, eval_cfg=acfg0, ev=ev,
+        ckpt=(store, f"static_state_lr{i}"))
     r = evaluate(acfg0, p, ev)
     out["tuned"][str(lr)] = dict(accuracy=r["accuracy"], mu_f=r["mu_f"],
                                  plateau=rc.plateau(curves["accuracy"]),
-                                 curve=rc.thin(curves["accuracy"]))
+                                 curve=rc.thin(curves["accuracy"]),
+                                 **({"until_plateau": until} if until is not None else {}))
   out["best_accuracy"] = max([out["frozen"]] + [t["accuracy"] for t in out["tuned"].values()])
   log(f"[static w{w} s{seed}] {n} heads: frozen {out['frozen']:.3f}, best {out['best_accuracy']:.3f}")
   return out
@@ -692,6 +747,8 @@ def summarize(s: Settings, seeds: list[dict]) -> dict[str, Any]:
                                              - r[w0]["static"]["best_accuracy"]) for r in seeds])
   flags_ = [p["at_plateau"] for r in seeds for wr in r.values() for lr in wr["lams"].values()
             for p in lr["plateau"].values()]
+  if s.aha_cap:   # runs under the until-plateau rule: the static fine-tunes are arms too
+    flags_ += [t["plateau"]["at_plateau"] for r in seeds for t in r[w0]["static"]["tuned"].values()]
   m["plateau_fraction"] = float(np.mean(flags_))
   return dict(metrics=m, spread=spread, criteria=rc.judge(CRITERIA, m))
 

@@ -260,3 +260,72 @@ def test_pretrained_dense_model_records_its_pretraining():
   _, info = bench.train_dense(s, 0, lambda *a: None)
   assert info["pretrain"]["steps"] == 2 and len(info["pretrain"]["curve"]) == 2
   assert info["dense_gate"]["passed"] and info["dense_gate"]["steps"] == 2
+
+
+def _toy_loop(fn, *, recipe=1500, cap=12000, every=300):
+  """rc.plateau_loop on toy curves: fn(step) -> {metric: value}."""
+  st = dict(curves={k: [] for k in fn(0)}, checks=[], steps=0, at_plateau=False)
+
+  def advance(a, b):
+    for i in range(a, b):
+      for k, v in fn(i).items():
+        st["curves"][k].append(v)
+  return rc.plateau_loop(st, advance, recipe_steps=recipe, cap=cap, check_every=every,
+                         log=lambda *a: None)
+
+
+def test_until_plateau_rule_stops_at_a_plateau_and_fails_at_the_cap():
+  """The until-plateau rule (Settings.aha_cap): a curve that settles on a floor stops early, at
+  the first check where it moved < 1% over the last 20% of the steps taken; one that decays at
+  a steady rate (no floor: the last 20% of a longer run moves MORE) runs to the cap and is
+  recorded as not at plateau; every metric must settle (a flat accuracy beside a falling mu_f
+  does not stop it); the checks are the recipe's end and every check_every steps after."""
+  rng = np.random.default_rng(0)
+  floor = _toy_loop(lambda t: {"mu_f": 0.004 + 0.02 * np.exp(-t / 300)
+                               + 1e-5 * rng.standard_normal()})
+  assert floor["stopped"] == "plateau" and floor["at_plateau"] and 1500 < floor["steps"] < 12000
+  assert [c[0] for c in floor["checks"]] == list(range(1500, floor["steps"] + 1, 300))
+  assert all(c[1]["mu_f"] >= 0.01 for c in floor["checks"][:-1])
+  assert floor["checks"][-1][1]["mu_f"] < 0.01
+  assert len(floor["curves"]["mu_f"]) == floor["steps"]
+  steady = _toy_loop(lambda t: {"accuracy": 1.0, "mu_f": 0.02 * np.exp(-t / 3000)})
+  assert steady["stopped"] == "cap" and not steady["at_plateau"] and steady["steps"] == 12000
+  assert steady["checks"][-1][1]["accuracy"] == 0.0 and steady["checks"][-1][1]["mu_f"] > 0.01
+  assert rc.plateau(steady["curves"]["mu_f"])["at_plateau"] is False
+  # already flat at the recipe's end: one check, the recipe's steps (the fixed-step result)
+  flat = _toy_loop(lambda t: {"accuracy": 1.0})
+  assert flat["steps"] == 1500 and len(flat["checks"]) == 1 and flat["stopped"] == "plateau"
+  with pytest.raises(ValueError):
+    _toy_loop(lambda t: {"accuracy": 1.0}, cap=1000)
+
+
+def test_aha_arms_under_the_until_plateau_rule_record_it():
+  """A learned arm and the static fine-tunes under the rule (the `test` preset's sizes, an
+  untrained dense model, seconds): trained the recipe's steps, then checked every
+  plateau_check_every steps up to the cap; the record holds the steps taken, the checks, the
+  held-out numbers at the recipe's end and a plateau flag that agrees with `stopped`; the
+  fixed-step presets the CI runs (ci, cpu) keep the rule off."""
+  import dataclasses
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+  from condattn_jax.models.decoder import Decoder
+  assert bench.PRESETS["ci"].aha_cap == bench.PRESETS["cpu"].aha_cap == 0
+  assert bench.PRESETS["h100"].aha_cap >= 4 * bench.PRESETS["h100"].aha_steps
+  s = dataclasses.replace(bench.PRESETS["test"], aha_cap=9, plateau_check_every=2,
+                          static_lrs=(1e-3,))
+  task = bench.RestatedRecall(s, 16, seed=0)
+  dense = jax.tree.map(np.asarray, nn.unbox(Decoder(bench.base_config(s, task)).init(
+      jax.random.key(0), jnp.zeros((1, s.seq_len), jnp.int32))["params"]))
+  r = bench.lam_arm(s, 0, 16, s.lam, dense, log=lambda *a: None)
+  u = r["until_plateau"]
+  assert u["recipe_steps"] == 5 and [c[0] for c in u["checks"]] == list(range(5, u["steps"] + 1, 2))
+  assert u["steps"] in (5, 7, 9) and (u["stopped"] == "cap") == (not u["at_plateau"])
+  assert u["at_plateau"] == all(p["at_plateau"] for p in r["plateau"].values())
+  assert set(u["recipe_end"]) == set(bench.RECIPE_END_KEYS)
+  assert r["curves"]["accuracy"][-1][0] == u["steps"]
+  _, _, ev, acfg0, ap0 = bench._window(s, 0, 16, dense)
+  st = bench.static_control(s, acfg0, ap0, r, task, ev, 0, 16, lambda *a: None)
+  t = st["tuned"]["0.001"]
+  assert t["until_plateau"]["at_plateau"] == t["plateau"]["at_plateau"]
+  assert t["curve"][-1][0] == t["until_plateau"]["steps"]
