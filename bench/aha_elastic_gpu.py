@@ -125,6 +125,36 @@ class Cmd:
   solo: bool = False  # in a solo lane: alone on its GPU (plan's solo_capacity)
 
 
+# AHA's until-plateau rule (Settings.aha_cap): seconds alone on one H100 of an AHA training
+# step of the h100 presets' model and of a dense model (the probe run h100_plateau_probe, one
+# H100 at 0cff01a: 1500 -> 4200 steps in 101 s; dense 3000 steps 121 s, compile included), and
+# an arm's fixed part (compile, held-out evaluation)
+PLATEAU_STEP_S = 0.0374
+PLATEAU_ARM_FIXED_S = 20.0
+PLATEAU_DENSE_S = 121.0
+
+
+def plateau_cost(preset: str, *, steps: int | None = None, gpus: int = 2, per_gpu: int = 3,
+                 capacity: float = 330.0) -> dict:
+  """What re-running every arm of AHA preset `preset` under the until-plateau rule costs when
+  each arm trains `steps` steps (default: its cap, the worst case): arms (learned: windows +
+  the lambda sweep; static fine-tunes: one per static lr), alone_s (seconds alone on one H100:
+  the seeds' dense models + every arm) and calls (at least, on `gpus` GPUs of `per_gpu` lanes
+  of `capacity` estimated seconds each, the plan's packing; an arm longer than a lane spans
+  calls through its saved state)."""
+  from bench import aha_repro
+  s = aha_repro.PRESETS[preset]
+  n = steps or s.aha_cap or s.aha_steps
+  learned = sum(len(s.windows) + (len(set(s.lams) | {s.lam}) - 1
+                                  if seed in s.seeds[:s.sweep_seeds] else 0) for seed in s.seeds)
+  static = len(s.seeds) * len(s.static_lrs)
+  arm_s = PLATEAU_ARM_FIXED_S + n * PLATEAU_STEP_S
+  alone = len(s.seeds) * PLATEAU_DENSE_S + (learned + static) * arm_s
+  return dict(preset=preset, steps=n, arms=learned + static, learned=learned, static=static,
+              arm_s=round(arm_s, 1), alone_s=round(alone), gpu_hours=round(alone / 3600, 2),
+              calls=int(-(-alone // (gpus * per_gpu * capacity))))
+
+
 def plan(runs=RUNS, *, tiny: bool = False, gpus: int = 4, per_gpu: int = 3,
          capacity: float = 330.0, ordered: bool | None = None,
          carry_mib: float | None = None,

@@ -770,6 +770,35 @@ def run(s: Settings, log=print, done: list[dict] | None = None) -> dict[str, Any
                         hint_in_query=False), **summ, seeds=seeds)
 
 
+def probe_record(preset: str, seed: int, unit: str, work_dir: str, *, call_s: float,
+                 log=print) -> dict[str, Any]:
+  """The record of one until-plateau arm run as a probe (`--part=dense,<unit> --work_dir=W` on
+  the GPU; preset h100_plateau_probe): its state as the rule last saved it (after a check; a
+  call cut by its time limit leaves the last check's), evaluated on the held-out rows here.
+  stopped: 'plateau' / 'cap' as the rule decided, or 'call_limit' (the call ended first: not
+  at plateau, the cap not reached). The per-step curves are kept whole (plateau re-derivable)."""
+  s = PRESETS[preset]
+  store = rc.Store("aha_repro", preset, s, seed, work_dir)
+  st = dict(store.get_tree(f"{unit}_state"))
+  w0 = min(s.windows)
+  w, lam = (w0, float(unit.split("_lam")[1])) if "_lam" in unit else (int(unit[1:]), s.lam)
+  dense = store.get_tree("dense")
+  _, _, ev, acfg0, _ = _window(s, seed, w, dense)
+  acfg = configure(acfg0, "aha", lam=lam)
+  params = st["state"].params
+  r = evaluate(acfg, jax.device_get(params), ev)
+  stopped = "plateau" if st["at_plateau"] else ("cap" if st["steps"] >= s.aha_cap
+                                                else "call_limit")
+  return dict(preset=preset, seed=seed, unit=unit, window=w, lam=lam, steps=st["steps"],
+              cap=s.aha_cap, recipe_steps=s.aha_steps, check_every=s.plateau_check_every,
+              stopped=stopped, at_plateau=st["at_plateau"], checks=st["checks"],
+              plateau={k: rc.plateau(v) for k, v in st["curves"].items()},
+              curves={k: [round(float(x), 6) for x in v] for k, v in st["curves"].items()},
+              recipe_end=st["recipe_end"], final={k: r.get(k) for k in RECIPE_END_KEYS},
+              final_usage_head=r["usage_head"], dense_seconds=store.seconds("dense"),
+              call_seconds=call_s)
+
+
 FLAGS = common.flag_values()
 rc.define_flags(FLAGS, PRESETS, "docs/schemes/aha.md")
 

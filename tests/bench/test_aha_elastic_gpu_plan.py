@@ -169,3 +169,20 @@ def test_need_plan_places_the_need_unit_after_the_dense_model():
   s = importlib.import_module("bench.elastic_repro").PRESETS["h100"]
   assert "need" not in importlib.import_module("bench.elastic_repro").units(s, 0)
   assert gp.main(["--gpus=2", "--runs=elastic_repro:h100_need", "--print"])
+
+
+def test_plateau_cost_counts_every_arm_and_scales_with_the_cap():
+  """The until-plateau re-run estimate: one arm per learned unit (windows + lambda sweep, as
+  aha_repro.units lists them) and per static lr; its cost grows with the steps (the cap by
+  default), and at the cap an h100 arm no longer fits one lane (it spans calls)."""
+  from bench import aha_elastic_gpu as g
+  from bench import aha_repro
+  s = aha_repro.PRESETS["h100"]
+  learned = sum(len([u for u in aha_repro.units(s, seed) if u not in ("dense", "static")])
+                for seed in s.seeds)
+  cap = g.plateau_cost("h100")
+  rec = g.plateau_cost("h100", steps=s.aha_steps)
+  assert cap["learned"] == learned and cap["static"] == len(s.seeds) * len(s.static_lrs)
+  assert cap["steps"] == s.aha_cap and rec["steps"] == s.aha_steps
+  assert cap["alone_s"] > 4 * rec["alone_s"] and cap["calls"] >= 4 * rec["calls"] - 3
+  assert cap["arm_s"] > 330.0 > rec["arm_s"]
