@@ -114,7 +114,7 @@ def performance_oproj_minsplit_table(rec, run):
   return lines + [f"rel_err {err:.1e}".replace("e-02", "e-2")]
 
 
-@claim("decode_program", run="d_fp32_check", file=H100)
+@claim("decode_program", run=("d_fp32_check", "d_fp32_check_l2a"), file=H100)
 def fp32_check_verdicts_follow_from_the_checks(rec, run):
   """An fp32_check run: each program ran the kernel it names (custom calls: the default cuDNN's
   decode, 'mgpu' the Mosaic GPU decode kernel and no cuDNN, 'refattn' and the float32
@@ -138,7 +138,7 @@ def fp32_check_verdicts_follow_from_the_checks(rec, run):
   expect(mg == run["mgpu_fp32_logits_test"], "mgpu_fp32_logits_test")
 
 
-@claim("decode_program", run="d_fp32_check", file=H100)
+@claim("decode_program", run=("d_fp32_check", "d_fp32_check_l2a"), file=H100)
 def the_logits_bound_rejects_a_correct_bf16_program(rec, run):
   """ADOPTION_RULE's logits bound (max_rel_err of a candidate's first-step logits against the
   default's) fails for a correct bfloat16 program: the XLA reference attention in bf16 differs
@@ -166,3 +166,8 @@ def performance_fp32_check_table(rec, run):
         out.append(f"| {c['scheme']} | {c['T'] // 1024}K | {n} | {r['rel_err']:.1e} | "
                    f"{r['vs_default']['rel_err']:.1e} | {r['same_argmax']} |")
   return out
+
+
+# the L2A point of the same check, its own call (lead, 0cff01a): its rows in the same table
+quote("docs/performance.md", H100, run="d_fp32_check_l2a",
+      name="performance_fp32_check_table_l2a")(performance_fp32_check_table)
