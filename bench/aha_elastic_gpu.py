@@ -438,6 +438,8 @@ def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--tiny", action="store_true", help="the tiny presets (a CPU dry run)")
   ap.add_argument("--print", action="store_true", help="print the plan")
+  ap.add_argument("--plateau_cost", action="store_true",
+                  help="print plateau_cost of the AHA runs at the recipe's steps and at the cap")
   ap.add_argument("--write", help="write the bash script here")
   ap.add_argument("--gpus", type=int, default=4)
   ap.add_argument("--per_gpu", type=int, default=3)
@@ -470,9 +472,29 @@ def main(argv=None):
     print(" ".join(carry(a.carry, runs, tiny=a.tiny, budget_mib=budget,
                          log=lambda m: print(m, file=sys.stderr))))
     return None
+  if a.plateau_cost:
+    from bench import aha_repro
+    out = []
+    for bench, preset in runs:
+      if bench == "aha_repro":
+        s = aha_repro.PRESETS[preset]
+        for n in sorted({s.aha_steps, s.aha_cap or s.aha_steps}):
+          out.append(plateau_cost(preset, steps=n, gpus=a.gpus, per_gpu=a.per_gpu,
+                                  capacity=a.capacity))
+          print(out[-1])
+    return out
   carry_mib = a.carry_mib if a.carry_mib is not None else (CARRY_MIB if a.gpus < 4 else None)
   calls = plan(runs, tiny=a.tiny, gpus=a.gpus, per_gpu=a.per_gpu, capacity=a.capacity,
                carry_mib=carry_mib, solo_capacity=a.solo_capacity)
+  if not a.tiny:   # COST is the fixed recipe's: under the until-plateau rule arms run longer
+    from bench import aha_repro
+    for bench, preset in runs:
+      if bench == "aha_repro" and aha_repro.PRESETS[preset].aha_cap:
+        c = plateau_cost(preset, gpus=a.gpus, per_gpu=a.per_gpu, capacity=a.capacity)
+        print(f"WARNING aha_repro:{preset} trains every arm until plateau (cap {c['steps']} "
+              f"steps): an arm may take up to {c['arm_s']:.0f} s alone, more than this plan's "
+              f"estimates and a lane; the plan does not split an arm across calls "
+              f"(docs/schemes/aha.md, 'Until-plateau rule')", file=sys.stderr)
   if a.print or not a.write:
     total = sum(ch.cost for lanes in calls for lane in lanes for ch in lane)
     print(f"{len(calls)} calls on {a.gpus} GPUs, {a.per_gpu} lanes a GPU: {total:.0f} estimated "

@@ -16,8 +16,9 @@ in the last w tokens?), which a local head of an earlier layer can see (3 layers
 
 Per seed and window: a dense model learns the task; it is converted to AHA (every head full at
 conversion: router bias +0.5 > tau, the bench's router lr 10x) and trained with the paper's
-loss (CE + lam * mean score, STE, mode 'exact', all params) for a fixed step budget, the
-accuracy and mu_f curves recorded with the plateau check. Held out: accuracy; usage at need
+loss (CE + lam * mean score, STE, mode 'exact', all params) for a fixed step budget (or, under
+Settings' until-plateau rule, aha_cap > 0, on at the recipe's end lr until every curve of the
+arm is at plateau or the cap), the accuracy and mu_f curves recorded with the plateau check. Held out: accuracy; usage at need
 queries, no-need queries and non-query tokens; per-head usage sorted (the paper's long tail)
 the per-head gap (paper Table 3: mean tokens between a head's consecutive full-attention
 calls, -1: fewer than two calls), the per-head need gap (need - no-need usage) and, for the

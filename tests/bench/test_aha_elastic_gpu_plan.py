@@ -186,3 +186,15 @@ def test_plateau_cost_counts_every_arm_and_scales_with_the_cap():
   assert cap["steps"] == s.aha_cap and rec["steps"] == s.aha_steps
   assert cap["alone_s"] > 4 * rec["alone_s"] and cap["calls"] >= 4 * rec["calls"] - 3
   assert cap["arm_s"] > 330.0 > rec["arm_s"]
+
+
+def test_plan_warns_that_its_estimates_are_the_fixed_recipes_under_the_rule(capsys):
+  """A plan of AHA presets under the until-plateau rule warns (its COST is the fixed recipe's);
+  the tiny dry run's does not; --plateau_cost prints the estimate at the recipe and the cap."""
+  from bench import aha_elastic_gpu as g
+  g.main(["--gpus=2", "--print", "--runs=aha_repro:h100"])
+  assert "WARNING aha_repro:h100 trains every arm until plateau" in capsys.readouterr().err
+  g.main(["--gpus=2", "--print", "--tiny", "--runs=aha_repro:h100"])
+  assert "WARNING" not in capsys.readouterr().err
+  out = g.main(["--gpus=2", "--plateau_cost", "--runs=aha_repro:h100"])
+  assert [c["steps"] for c in out] == [1500, 12000]
