@@ -771,6 +771,58 @@ def run(s: Settings, log=print, done: list[dict] | None = None) -> dict[str, Any
                         hint_in_query=False), **summ, seeds=seeds)
 
 
+PLATEAU_GRID = (1500, 2000, 3000, 4000, 6000, 8000, 12000, 16000, 24000, 32000, 48000, 64000)
+
+
+def extrapolated_plateau_steps(points, recipe_steps: int, *, fit_from: int = 600,
+                               grid=PLATEAU_GRID) -> dict:
+  """How long a recorded arm would need to train to pass rc.plateau, by extrapolation (sizes
+  the until-plateau cap; not a verdict). points: [[step, value]] of a curve trained under the
+  recipe (warmup 5%, cosine to 0.1 over recipe_steps); fitted from step `fit_from` on as
+  floor + A exp(-k s), s the cumulative lr (in peak-lr steps), floor >= 0. steps: the first N
+  of `grid` at which the fitted curve, trained under the same schedule stretched to N steps,
+  passes rc.plateau (None: none of them). Returns {floor, A, k, half_life (peak-lr steps),
+  steps}."""
+  from scipy.optimize import curve_fit
+  from condattn_jax.train import optimizer as opt_lib
+
+  def cum_lr(n):
+    return np.cumsum(np.asarray(opt_lib.make_schedule(rc.train_config(steps=n, lr=1.0, seed=0))(
+        jnp.arange(n))))
+
+  def model(s, f, a, k):
+    return f + a * np.exp(-k * s)
+  pts = np.asarray(points, np.float64)
+  keep = pts[:, 0] >= fit_from
+  s = cum_lr(recipe_steps)[pts[keep, 0].astype(int) - 1]
+  y = pts[keep, 1]
+  (f, a, k), _ = curve_fit(model, s, y, p0=(0.8 * y[-1], y[0], 3.0 / s[-1]),
+                           bounds=([0, 0, 0], [np.inf, np.inf, 1.0]), maxfev=20000)
+  steps = next((n for n in grid if rc.plateau(model(cum_lr(n), f, a, k))["at_plateau"]), None)
+  return dict(floor=float(f), A=float(a), k=float(k),
+              half_life=float(np.log(2) / k) if k > 0 else None, steps=steps)
+
+
+def plateau_analysis(path: str, *, fit_from: int = 600) -> list[dict]:
+  """extrapolated_plateau_steps of every learned arm's mu_f curve of every run in the result
+  file `path` (docs/schemes/aha.md, "Until-plateau rule"): one row per (run, seed, window,
+  lambda) with the recorded movement over the last 20% and the end value."""
+  out = []
+  for run in common.load(path)["runs"]:
+    rec = run["recorded"]
+    for si, sd in enumerate(rec["seeds"]):
+      if sd.get("not_judged"):
+        continue
+      for w, wr in sd.items():
+        for lam, arm in wr["lams"].items():
+          c = arm["curves"]["aha/mu_f"]
+          out.append(dict(run=rec.get("preset"), seed=rec["settings"]["seeds"][si], window=int(w),
+                          lam=float(lam), moved=arm["plateau"]["aha/mu_f"]["moved"],
+                          end=c[-1][1], **extrapolated_plateau_steps(
+                              c, rec["settings"]["aha_steps"], fit_from=fit_from)))
+  return out
+
+
 def probe_record(preset: str, seed: int, unit: str, work_dir: str, *, call_s: float,
                  log=print) -> dict[str, Any]:
   """The record of one until-plateau arm run as a probe (`--part=dense,<unit> --work_dir=W` on

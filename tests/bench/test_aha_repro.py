@@ -329,3 +329,21 @@ def test_aha_arms_under_the_until_plateau_rule_record_it():
   t = st["tuned"]["0.001"]
   assert t["until_plateau"]["at_plateau"] == t["plateau"]["at_plateau"]
   assert t["curve"][-1][0] == t["until_plateau"]["steps"]
+
+
+def test_extrapolated_plateau_steps_recovers_a_known_curve():
+  """The recorded-curve analysis that sized the cap: a curve floor + A exp(-k s) (s the
+  recipe's cumulative lr) thinned like a record is fitted back (floor, k within 5%), and its
+  steps to plateau are the first grid N whose stretched-schedule curve passes rc.plateau; a
+  curve with a floor reached early needs fewer steps than one decaying slowly to 0."""
+  from condattn_jax.train import optimizer as opt_lib
+  import jax.numpy as jnp
+  s = np.cumsum(np.asarray(opt_lib.make_schedule(rc.train_config(steps=1500, lr=1.0, seed=0))(
+      jnp.arange(1500))))
+  fast = rc.thin(0.004 + 0.05 * np.exp(-s / 150.0))
+  slow = rc.thin(0.05 * np.exp(-s / 400.0))
+  f = bench.extrapolated_plateau_steps(fast, 1500)
+  g = bench.extrapolated_plateau_steps(slow, 1500)
+  assert abs(f["floor"] - 0.004) < 2e-4 and abs(f["k"] * 150 - 1) < 0.05
+  assert g["floor"] < 1e-3 and abs(g["k"] * 400 - 1) < 0.05
+  assert f["steps"] is not None and g["steps"] is not None and f["steps"] < g["steps"]
