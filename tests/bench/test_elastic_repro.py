@@ -14,7 +14,7 @@ import pytest
 from bench import aha_elastic_repro_common as rc
 from bench import claims, common
 from bench import elastic_repro as bench
-from _test_env import user_env
+from _test_env import training_env
 from _train_helpers import PY, ROOT, subprocess_env
 
 RECORDED = os.path.join(common.RESULTS, "elastic_repro.json")
@@ -54,11 +54,11 @@ def test_tasks_share_the_body_and_differ_only_in_instruction_marker_and_answers(
 
 @pytest.fixture(scope="module")
 def fresh(tmp_path_factory):
-  """The CI preset run fresh through the CLI in a subprocess with a user's compile flags (the
-  suite's -O0 flags make its train steps ~2.7x slower) from its dense model in
-  tests/fixtures/repro_ci (the preset's 'dense' unit: its training is the part that needs no
-  re-check here; test_ci_dense_fixture_is_the_presets says how to rewrite it): the single
-  unit and the static control, merged and judged as one run."""
+  """The CI preset run fresh through the CLI in a subprocess with a user's optimisation level
+  (the suite's -O0 flags make its train steps ~2.7x slower; _test_env.training_env) from its
+  dense model in tests/fixtures/repro_ci (the preset's 'dense' unit: its training is the part
+  that needs no re-check here; test_ci_dense_fixture_is_the_presets says how to rewrite it):
+  the single unit and the static control, merged and judged as one run."""
   out = tmp_path_factory.mktemp("elastic_repro")
   work = out / "w"
   work.mkdir()
@@ -67,8 +67,8 @@ def fresh(tmp_path_factory):
       shutil.copy(os.path.join(CI_DENSE, f), work)
   p = subprocess.run([PY, "-m", "bench.elastic_repro", "--preset=ci", "--part=single,static",
                       f"--work_dir={work}", f"--merge_parts={work}", f"--out_dir={out}"],
-                     cwd=ROOT, env=user_env(subprocess_env(1)), timeout=900, capture_output=True,
-                     text=True)
+                     cwd=ROOT, env=training_env(subprocess_env(1)), timeout=900,
+                     capture_output=True, text=True)
   assert p.returncode == 0, p.stderr[-3000:]
   path = common.result_path("elastic_repro", str(out))
   return path, common.load(path)

@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 from _train_helpers import PY, ROOT, assert_l2a_pruning_kv_bytes, subprocess_env
-from _test_env import user_env
+from _test_env import training_env
 
 
 # glibc's malloc backs its large (mmap) chunks with transparent huge pages: XLA's CPU runtime
@@ -25,10 +25,12 @@ HUGE_PAGES = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
 
 
 def _demo(args, timeout=1500):
-  """scripts/demo.py as `make demo` runs it: XLA's default compile flags (tests/conftest.py sets
-  test-only ones, at which the demo's trainings would run slower), malloc on huge pages."""
+  """scripts/demo.py as `make demo` runs it: XLA's default optimisation level (tests/conftest.py
+  sets test-only flags, at which the demo's trainings would run slower) without LLVM's expensive
+  passes (tests/_test_env.py training_env: cheaper compilations, the same numbers bit for bit),
+  malloc on huge pages."""
   return subprocess.run([PY, "scripts/demo.py"] + args, cwd=ROOT,
-                        env=user_env(subprocess_env(1, **HUGE_PAGES)),
+                        env=training_env(subprocess_env(1, **HUGE_PAGES)),
                         capture_output=True, text=True, timeout=timeout)
 
 
