@@ -24,6 +24,12 @@ os.environ["XLA_FLAGS"] = " ".join(
     [_flags] + [f for f in TEST_COMPILE_FLAGS if f.split("=")[0] not in _flags] +
     ["--xla_force_host_platform_device_count=8"]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# glibc's malloc backs its large (mmap) chunks with transparent huge pages in the processes
+# started from here (make test's xdist workers, spawned after this file is imported, and every
+# subprocess): XLA's compiler and CPU runtime allocate multi-MiB buffers afresh, and with 4 KiB
+# pages every first touch is a page fault (tests/cli/test_demo.py HUGE_PAGES). Allocation only:
+# the same numbers. A process started without it (pytest -n 0) runs as before.
+os.environ.setdefault("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
 
 import jax  # noqa: E402
 
