@@ -660,45 +660,25 @@ def kernel_role(name: str) -> str:
 
 
 def trace_kernels(fn, n: int) -> dict:
-  """Device activity of `fn()` through torch's profiler (CUPTI, whole process: JAX's kernels
-  too), n traced calls, each after an untraced one (it starts on an idle GPU, caches warm), one
-  more traced first and dropped. Returns {kernels: {name: {ms (median per call), calls (launches
+  """Device activity of `fn()`, n traced calls (common.cuda_traces). Returns {kernels: {name: {ms (median per call), calls (launches
   per call), role, and CUPTI's launch facts (regs, smem, grid, block, blocks / warps per SM,
   occupancy_pct: CUPTI's estimate)}}, busy_ms / span_ms (medians: union of the activity, first
   start to last end), timeline (the last call: [name, start us, duration us])}."""
-  import torch
-  from torch.profiler import ProfilerActivity, profile
-  torch.cuda.init()
   per, busy, span, timeline, info = [], [], [], [], {}
-  for i in range(n + 1):
-    jax.block_until_ready(fn())
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-      jax.block_until_ready(fn())
-    path = f"/tmp/_bs_trace_{os.getpid()}.json"
-    prof.export_chrome_trace(path)
-    with open(path) as fh:
-      evs = json.load(fh)["traceEvents"]
-    os.remove(path)
-    acts = [e for e in evs if e.get("ph") == "X" and e.get("cat") in (
-        "kernel", "gpu_memcpy", "gpu_memset")]
-    if i == 0 or not acts:
-      continue
+  for acts in common.cuda_traces(fn, n):
     d = {}
     for e in acts:
-      key = ("memcpy: " if e["cat"] == "gpu_memcpy" else "memset: " if e["cat"] == "gpu_memset"
-             else "") + e["name"][:120]
+      key = common.trace_key(e, 120)
       ms, c = d.get(key, (0.0, 0))
       d[key] = (ms + e["dur"] / 1e3, c + 1)
       if e["cat"] == "kernel" and key not in info:
         args = e.get("args", {})
         info[key] = {short: args[long_] for long_, short in PROFILE_ARGS.items() if long_ in args}
     per.append(d)
-    a = common.activity((e["name"], e["ts"], e["dur"]) for e in acts)
-    busy.append(a["busy_us"] / 1e3)
-    span.append(a["span_us"] / 1e3)
-    t0 = min(e["ts"] for e in acts)
-    timeline = [[e["name"][:60], round(e["ts"] - t0, 1), round(e["dur"], 1)]
-                for e in sorted(acts, key=lambda e: e["ts"])]
+    summary = common.trace_summary(acts)
+    busy.append(summary["busy_ms"])
+    span.append(summary["span_ms"])
+    timeline = summary["timeline"]
   names = sorted({k for d in per for k in d})
   kernels = {}
   for k in names:

@@ -210,6 +210,50 @@ def activity(events) -> dict:
               per_name_us=per)
 
 
+def cuda_traces(fn: Callable, n: int) -> list[list[dict]]:
+  """The device activity of n traced calls of `fn()` through torch's profiler, which reads CUPTI
+  for the whole process, so it records JAX's kernels too (Nsight Compute crashes under JAX on
+  the device). Each traced call follows an untraced one (it starts on an idle GPU, caches warm);
+  one more call is traced first and dropped. Returns one list per kept call (a call without
+  activity is left out) of its chrome-trace events of category kernel / gpu_memcpy /
+  gpu_memset (name, ts and dur in us, args: CUPTI's launch facts)."""
+  import jax
+  import torch
+  from torch.profiler import ProfilerActivity, profile
+  torch.cuda.init()
+  calls = []
+  for i in range(n + 1):
+    jax.block_until_ready(fn())
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+      jax.block_until_ready(fn())
+    path = f"/tmp/_cuda_trace_{os.getpid()}.json"
+    prof.export_chrome_trace(path)
+    with open(path) as fh:
+      evs = json.load(fh)["traceEvents"]
+    os.remove(path)
+    acts = [e for e in evs if e.get("ph") == "X" and e.get("cat") in (
+        "kernel", "gpu_memcpy", "gpu_memset")]
+    if i and acts:
+      calls.append(acts)
+  return calls
+
+
+def trace_key(e: dict, width: int) -> str:
+  """An activity event's name in a per-kernel table: memcpy / memset marked, cut to width."""
+  return ({"gpu_memcpy": "memcpy: ", "gpu_memset": "memset: "}.get(e["cat"], "")
+          + e["name"][:width])
+
+
+def trace_summary(acts: list[dict]) -> dict:
+  """One traced call's activity (cuda_traces): busy_ms (the union of its intervals), span_ms
+  (first start to last end) and its timeline [[name, start us from the first, duration us]]."""
+  a = activity((e["name"], e["ts"], e["dur"]) for e in acts)
+  t0 = min(e["ts"] for e in acts)
+  return dict(busy_ms=a["busy_us"] / 1e3, span_ms=a["span_us"] / 1e3,
+              timeline=[[e["name"][:60], round(e["ts"] - t0, 1), round(e["dur"], 1)]
+                        for e in sorted(acts, key=lambda e: e["ts"])])
+
+
 # Lines of an xplane that summarise (derived from) the stream lines: never counted twice.
 DERIVED_LINES = ("XLA Modules", "XLA Ops", "Async XLA Ops", "Steps", "Framework Ops",
                  "Framework Name Scope", "Source code", "Launch Stats", "_counters_",

@@ -605,41 +605,21 @@ def kernel_variants(T, s, n):
 
 
 def _trace_kernels(fn, n):
-  """Device activity of `fn()` (run n times, each traced alone) through torch's profiler, which
-  reads CUPTI for the whole process, so it records JAX's kernels too (ncu crashed under JAX on the
-  device). Each traced call follows an untraced one, so it starts on an idle GPU with warm
-  caches; the first trace is dropped. Returns (per-kernel name -> median ms per call, median busy
-  ms, median span ms, the last traced call's timeline [name, start us, duration us]): busy is the
-  union of the activity intervals, span first start to last end."""
-  import torch
-  from torch.profiler import ProfilerActivity, profile
-  torch.cuda.init()
+  """Device activity of `fn()`, n traced calls (common.cuda_traces). Returns (per-kernel name ->
+  median ms per call, median busy ms, median span ms, the last traced call's timeline [name,
+  start us, duration us]): busy is the union of the activity intervals, span first start to
+  last end."""
   per_name, busy, span, timeline = [], [], [], []
-  for i in range(n + 1):
-    jax.block_until_ready(fn())  # untraced: the traced call starts on an idle GPU
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-      jax.block_until_ready(fn())
-    path = f"/tmp/_trace_{os.getpid()}.json"
-    prof.export_chrome_trace(path)
-    with open(path) as fh:
-      evs = json.load(fh)["traceEvents"]
-    os.remove(path)
-    acts = [e for e in evs if e.get("ph") == "X" and e.get("cat") in (
-        "kernel", "gpu_memcpy", "gpu_memset")]
-    if i == 0 or not acts:
-      continue
+  for acts in common.cuda_traces(fn, n):
     d = {}
     for e in acts:
-      key = ("memcpy: " if e["cat"] == "gpu_memcpy" else "memset: " if e["cat"] == "gpu_memset"
-             else "") + e["name"][:90]
+      key = common.trace_key(e, 90)
       d[key] = d.get(key, 0.0) + e["dur"] / 1e3
     per_name.append(d)
-    summary = common.activity((e["name"], e["ts"], e["dur"]) for e in acts)  # one parser
-    busy.append(summary["busy_us"] / 1e3)
-    span.append(summary["span_us"] / 1e3)
-    t0 = min(e["ts"] for e in acts)
-    timeline = [[e["name"][:60], round(e["ts"] - t0, 1), round(e["dur"], 1)]
-                for e in sorted(acts, key=lambda e: e["ts"])]
+    summary = common.trace_summary(acts)
+    busy.append(summary["busy_ms"])
+    span.append(summary["span_ms"])
+    timeline = summary["timeline"]
   names = {k for d in per_name for k in d}
   med = {k: float(np.median([d.get(k, 0.0) for d in per_name])) for k in names}
   return med, float(np.median(busy)), float(np.median(span)), timeline

@@ -192,3 +192,28 @@ def test_profile_helpers_read_made_up_traces_and_an_ncu_csv(tmp_path):
   assert lines[0].startswith("dkv block_sparse_dkv_mgpu") and "duration=109.5 ms" in lines[1]
   assert bench.stall_of("smsp__pcsamp_warps_issue_stalled_wait") == ("wait", "pcsamp")
   assert bench.stall_of("smsp__pcsamp_warps_issue_stalled_wait_not_issued") is None
+
+
+def test_trace_tables_from_made_up_cuda_traces(monkeypatch):
+  """The per-kernel tables of --profile (block_sparse.trace_kernels) and of compact_attention's
+  profile (_trace_kernels) from two made-up traced calls (common.cuda_traces stubbed: CUPTI needs
+  a GPU): medians per kernel, launches per call, CUPTI's launch facts, memcpy marked, busy (the
+  union of the intervals) and span, the last call's timeline."""
+  from bench import common
+  from bench import compact_attention as ca
+  ev = lambda name, ts, dur, cat="kernel", **args: dict(ph="X", cat=cat, name=name, ts=ts,
+                                                      dur=dur, args=args)
+  calls = [[ev("block_sparse_dkv_mgpu", 0.0, 1000.0, **{"registers per thread": 168}),
+            ev("block_sparse_dkv_mgpu", 500.0, 1000.0), ev("copy", 3000.0, 100.0, "gpu_memcpy")],
+           [ev("block_sparse_dkv_mgpu", 10.0, 3000.0), ev("copy", 4010.0, 300.0, "gpu_memcpy")]]
+  monkeypatch.setattr(common, "cuda_traces", lambda fn, n: calls[:n])
+  got = bench.trace_kernels(None, 2)
+  dkv = got["kernels"]["block_sparse_dkv_mgpu"]
+  assert dkv["ms"] == pytest.approx(2.5) and dkv["calls"] == 1 and dkv["regs"] == 168
+  assert dkv["role"] == "dkv" and got["kernels"]["memcpy: copy"]["ms"] == pytest.approx(0.2)
+  assert got["busy_ms"] == pytest.approx((1.6 + 3.3) / 2)   # 0-1500 + 3000-3100; 10-3010 + 4010-4310
+  assert got["span_ms"] == pytest.approx((3.1 + 4.3) / 2)
+  assert got["timeline"] == [["block_sparse_dkv_mgpu", 0.0, 3000.0], ["copy", 4000.0, 300.0]]
+  med, busy, span, timeline = ca._trace_kernels(None, 2)
+  assert med == {"block_sparse_dkv_mgpu": pytest.approx(2.5), "memcpy: copy": pytest.approx(0.2)}
+  assert (busy, span, timeline) == (got["busy_ms"], got["span_ms"], got["timeline"])
