@@ -125,3 +125,35 @@ def elastic_doc_repro_gpu(rec, run):
 @quote("docs/schemes/aha.md", "aha_repro_NVIDIA_H200.json", run="h100_pairs_pre")
 def aha_doc_repro_gpu_pairs_pre(rec, run):
   return quotes(rec)
+
+
+@claim("aha_repro_plateau_probe", run="*")
+def plateau_probe_verdicts_follow_from_its_curves(rec, run):
+  """The until-plateau probe's record is honest: every check's 'moved' is `plateau` re-applied to
+  the stored per-step curves cut at that check's step (the definition unchanged: < 1% relative
+  over the last 20%), the checks are the rule's (the recipe's end, then every check_every steps),
+  at_plateau is the last check's verdict on every curve, and a run that stopped before its cap
+  says why (plateau only if at_plateau; otherwise the call's limit)."""
+  from bench import aha_elastic_repro_common as rc
+  r = run["recorded"]
+  curves = r["curves"]
+  expect(all(len(v) == r["steps"] for v in curves.values()), "curves != steps taken")
+  steps = [s for s, _ in r["checks"]]
+  want = [r["recipe_steps"]] + list(range(r["recipe_steps"] + r["check_every"], r["steps"] + 1,
+                                          r["check_every"]))
+  expect(steps == want[: len(steps)] and steps[-1] == r["steps"], (steps, want))
+  for s, moved in r["checks"]:
+    for k, v in moved.items():
+      # (the stored curves are rounded: 1e-3 relative)
+      expect(v == approx(rc.plateau(curves[k][:s])["moved"], rel=1e-3), (s, k, v))
+  last = {k: rc.plateau(v) for k, v in curves.items()}
+  expect(r["at_plateau"] == all(p["at_plateau"] for p in last.values()), "at_plateau")
+  expect({k: p["at_plateau"] for k, p in last.items()}
+         == {k: p["at_plateau"] for k, p in r["plateau"].items()}, "per-curve verdicts")
+  if r["stopped"] == "plateau":
+    expect(r["at_plateau"], "stopped at plateau but not at plateau")
+  elif r["stopped"] == "cap":
+    expect(r["steps"] == r["cap"] and not r["at_plateau"], "stopped at the cap")
+  else:
+    expect(r["stopped"] == "call_limit" and r["steps"] < r["cap"] and not r["at_plateau"],
+           r["stopped"])
