@@ -354,6 +354,16 @@ def table(program: str, shapes: str, B: int, T: int, *, layers=(2, 3), export: s
   return out
 
 
+def step_inputs(eng, B: int, T: int):
+  """The engine's decode-step inputs after a prefill of T tokens, on its devices: (token ids 0
+  [B, 1], positions T [B, 1], every row on [B, 1], previous logits 0 [B, vocab] float32), in
+  Engine._step's argument order after the cache."""
+  import jax.numpy as jnp
+  z = lambda shape, dtype, v=0: eng._commit(jnp.full(shape, v, dtype))
+  return (z((B, 1), jnp.int32), z((B, 1), jnp.int32, T), z((B, 1), bool, True),
+          z((B, eng.config.vocab_size), jnp.float32))
+
+
 def filled_cache(eng, B: int, T: int, seed: int = 0):
   """The engine's cache for B rows holding T tokens each (random K/V, positions 0..T-1, slots
   < T valid, length T), made on the device: what a prefill of T tokens leaves, for timing."""
@@ -652,10 +662,7 @@ def _build_variant(name, layout, sets, cfg, params, split, B, T, compiler_option
     # a fresh engine per variant: jit caches a trace per (engine, shapes), and a variant's
     # model config (attention impl, scheme options) must reach its own trace
     eng = Engine(variant_config(cfg, sets), params, cache_len=T + bd.EXTRA)
-    logits = eng._commit(jnp.zeros((B, cfg.vocab_size), jnp.float32))
-    pos0 = eng._commit(jnp.full((B, 1), T, jnp.int32))
-    on = eng._commit(jnp.ones((B, 1), bool))
-    tok = eng._commit(jnp.zeros((B, 1), jnp.int32))
+    tok, pos0, on, logits = step_inputs(eng, B, T)
     if layout == "xla_per_layer":
       kv = filled_cache(eng, B, T)
       ks, vs = bd.engine_cache_to_stacked(kv)
@@ -833,9 +840,7 @@ def ab_step(shapes: str, B: int, T: int, *, variants, scheme: str = "l2a",
     try:
       t1 = time.perf_counter()
       eng = Engine(cfg, params, cache_len=T + bd.EXTRA)
-      z = lambda shape, dtype, v=0: eng._commit(jnp.full(shape, v, dtype))
-      args = (z((B, 1), jnp.int32), z((B, 1), jnp.int32, T), z((B, 1), bool, True),
-              z((B, cfg.vocab_size), jnp.float32))
+      args = step_inputs(eng, B, T)
       cache16 = filled_cache(eng, B, T)
       lowered, cache32 = _lower_fp32(cfg, params, B, T, cache16, *args)
       del cache16
@@ -1086,10 +1091,7 @@ def fp32_check(shapes: str, B: int, T: int, scheme: str = "dense", log=print,
   t0 = time.perf_counter()
   eng = Engine(cfg, params, cache_len=T + bd.EXTRA)
   cache16 = filled_cache(eng, B, T)
-  tok = eng._commit(jnp.zeros((B, 1), jnp.int32))
-  pos0 = eng._commit(jnp.full((B, 1), T, jnp.int32))
-  on = eng._commit(jnp.ones((B, 1), bool))
-  prev = eng._commit(jnp.zeros((B, cfg.vocab_size), jnp.float32))
+  tok, pos0, on, prev = step_inputs(eng, B, T)
 
   def lower(c, cache, context=None):
     e = Engine(c, params, cache_len=T + bd.EXTRA)
@@ -1582,11 +1584,11 @@ def _main_ab(a) -> list[dict]:
     common.append_run(common.result_path("decode_program", a.out_dir), run)
   return rows
 
+
 def fp32_record(checks: list[dict], out_dir: str | None, settings: dict, note: str | None = None,
                 **new_run_kw) -> dict:
   """The run of fp32_check results (rows = the checks; settings + the rule rule_check tests,
-  ADOPTION_RULE_1E2, and FP32_RULE),
-  with rule_check's verdict ('rule_check') and, per 'mgpu' check, FP32_RULE's logits test
+  ADOPTION_RULE_1E2, and FP32_RULE), with rule_check's verdict ('rule_check') and, per 'mgpu' check, FP32_RULE's logits test
   ('mgpu_fp32_logits_test': information, no adoption: no timing ran); printed, and appended to
   <out_dir>/decode_program_<device>.json when out_dir is given (the registered claims of its
   name recorded by the writer). new_run_kw: common.new_run's device / date / commit, for checks
