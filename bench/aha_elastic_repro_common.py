@@ -143,6 +143,30 @@ def _steps(step, state, batch_fn, start, stop, metrics, curves, name, log, log_e
   return state
 
 
+def _start(tx, params, resume: dict | None, fresh: dict):
+  """(TrainState, progress dict): `resume`'s saved state and progress (a dict a save callback
+  was given), or a fresh state at step 0 and `fresh`."""
+  import jax
+  import jax.numpy as jnp
+  from condattn_jax.train.state import TrainState
+  if resume:
+    st = dict(resume)
+    return jax.tree.map(jnp.asarray, st.pop("state")), st
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                    opt_state=tx.init(params)), fresh
+
+
+def _after_check(st: dict, state, save, budget_s, t0: float, done: bool, name: str, stop: int):
+  """A resumable training's end of check: `save(st + state)`; past `budget_s` seconds since t0
+  and not `done`, Budget (the state is saved: a rerun goes on from it)."""
+  import jax
+  if save is not None:
+    save(dict(st, state=jax.device_get(state)))
+  if budget_s is not None and time.time() - t0 > budget_s and not done:
+    raise Budget(f"{name}: stopped at step {stop} after {time.time() - t0:.0f} s (budget "
+                 f"{budget_s:.0f} s), state saved: run the same part again to continue")
+
+
 def train(cfg, params, tc, batch_fn: Callable[[int], dict], *, metrics=("accuracy",),
           name="", log=print, log_every=100):
   """`tc.num_steps` steps of the project's train step on batch_fn(i); the compiled step is
@@ -150,11 +174,8 @@ def train(cfg, params, tc, batch_fn: Callable[[int], dict], *, metrics=("accurac
   {metric: per-step values}) for the metric names of the step's metrics dict (a scalar metric's
   values are floats, an array metric's lists)."""
   import jax
-  import jax.numpy as jnp
-  from condattn_jax.train.state import TrainState
   tx, step = _step_fn(cfg, tc, params)
-  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
-  curves = {m: [] for m in metrics}
+  state, curves = _start(tx, params, None, {m: [] for m in metrics})
   state = _steps(step, state, batch_fn, 0, tc.num_steps, metrics, curves, name, log, log_every,
                  time.time())
   return jax.device_get(state.params), curves
@@ -173,15 +194,8 @@ def train_to_gate(cfg, params, tc, batch_fn, gate: Callable, *, check_every: int
   check; past `budget_s` seconds it raises Budget after saving. Returns (params, dict(curve,
   checks [[step, value]], steps, passed))."""
   import jax
-  import jax.numpy as jnp
-  from condattn_jax.train.state import TrainState
   tx, step = _step_fn(cfg, tc, params)
-  if resume:
-    st = dict(resume)
-    state = jax.tree.map(jnp.asarray, st.pop("state"))
-  else:
-    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
-    st = dict(curve=[], checks=[], steps=0, passed=False)
+  state, st = _start(tx, params, resume, dict(curve=[], checks=[], steps=0, passed=False))
   t0 = time.time()
   while not st["passed"] and st["steps"] < tc.num_steps:
     stop = min(st["steps"] + check_every, tc.num_steps)
@@ -193,12 +207,8 @@ def train_to_gate(cfg, params, tc, batch_fn, gate: Callable, *, check_every: int
     st["checks"].append([stop, value])
     st["passed"] = bool(ok)
     log(f"[{name}] gate at step {stop}: {value:.4f} ({'passed' if ok else 'not yet'})")
-    if save is not None:
-      save(dict(st, state=jax.device_get(state)))
-    if budget_s is not None and time.time() - t0 > budget_s and not st["passed"] \
-        and st["steps"] < tc.num_steps:
-      raise Budget(f"{name}: stopped at step {stop} after {time.time() - t0:.0f} s (budget "
-                   f"{budget_s:.0f} s), state saved: run the same part again to continue")
+    _after_check(st, state, save, budget_s, t0, st["passed"] or st["steps"] >= tc.num_steps,
+                 name, stop)
   return jax.device_get(state.params), dict(curve=st["curve"], checks=st["checks"],
                                             steps=st["steps"], passed=st["passed"])
 
@@ -245,18 +255,10 @@ def train_to_plateau(cfg, params, tc, batch_fn, *, metrics, cap: int, check_ever
   Returns (params, curves {metric: per-step values}, info {steps, cap, check_every, stopped:
   'plateau' | 'cap', at_plateau, checks [[step, {metric: moved}]], recipe_steps, recipe_end})."""
   import jax
-  import jax.numpy as jnp
-  from condattn_jax.train.state import TrainState
   tx, step = _step_fn(cfg, tc, params)
   box = {}
-  if resume:
-    st = dict(resume)
-    box["state"] = jax.tree.map(jnp.asarray, st.pop("state"))
-  else:
-    box["state"] = TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                              opt_state=tx.init(params))
-    st = dict(curves={m: [] for m in metrics}, checks=[], steps=0, at_plateau=False,
-              recipe_end=None)
+  box["state"], st = _start(tx, params, resume, dict(
+      curves={m: [] for m in metrics}, checks=[], steps=0, at_plateau=False, recipe_end=None))
   t0 = time.time()
 
   def advance(start, stop):
@@ -266,12 +268,8 @@ def train_to_plateau(cfg, params, tc, batch_fn, *, metrics, cap: int, check_ever
   def after_check(st, stop):
     if stop == tc.num_steps and at_recipe_end is not None:
       st["recipe_end"] = at_recipe_end(jax.device_get(box["state"].params))
-    if save is not None:
-      save(dict(st, state=jax.device_get(box["state"])))
-    if budget_s is not None and time.time() - t0 > budget_s and not st["at_plateau"] \
-        and st["steps"] < cap:
-      raise Budget(f"{name}: stopped at step {stop} after {time.time() - t0:.0f} s (budget "
-                   f"{budget_s:.0f} s), state saved: run the same part again to continue")
+    _after_check(st, box["state"], save, budget_s, t0, st["at_plateau"] or st["steps"] >= cap,
+                 name, stop)
   out = plateau_loop(st, advance, recipe_steps=tc.num_steps, cap=cap, check_every=check_every,
                      after_check=after_check, log=log, name=name)
   info = {k: out[k] for k in ("steps", "cap", "check_every", "stopped", "at_plateau", "checks",
