@@ -26,9 +26,10 @@ os.environ["XLA_FLAGS"] = " ".join(
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # glibc's malloc backs its large (mmap) chunks with transparent huge pages in the processes
 # started from here (make test's xdist workers, spawned after this file is imported, and every
-# subprocess): XLA's compiler and CPU runtime allocate multi-MiB buffers afresh, and with 4 KiB
-# pages every first touch is a page fault (tests/cli/test_demo.py HUGE_PAGES). Allocation only:
-# the same numbers. A process started without it (pytest -n 0) runs as before.
+# subprocess: the demo's trainings, train.py / eval.py runs): XLA's compiler and CPU runtime
+# allocate multi-MiB buffers afresh, and with 4 KiB pages every first touch is a page fault (the
+# demo's AHA section: ~23k faults a step, 15 of its 61 CPU-s in the kernel). Allocation only:
+# the same numbers. A process started without it (pytest -n 0 itself) runs as before.
 os.environ.setdefault("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
 
 import jax  # noqa: E402

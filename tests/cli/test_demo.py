@@ -17,20 +17,14 @@ from _train_helpers import PY, ROOT, assert_l2a_pruning_kv_bytes, subprocess_env
 from _test_env import training_env
 
 
-# glibc's malloc backs its large (mmap) chunks with transparent huge pages: XLA's CPU runtime
-# allocates every step's multi-MiB temporaries afresh, and with 4 KiB pages their first touch
-# is a page fault apiece (the AHA section's 300 steps: ~23k faults a step, 15 of its 61 CPU-s in
-# the kernel). Allocation only: the numbers computed are the same bit for bit.
-HUGE_PAGES = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
-
-
 def _demo(args, timeout=1500):
   """scripts/demo.py as `make demo` runs it: XLA's default optimisation level (tests/conftest.py
   sets test-only flags, at which the demo's trainings would run slower) without LLVM's expensive
   passes (tests/_test_env.py training_env: cheaper compilations, the same numbers bit for bit),
-  malloc on huge pages."""
+  malloc on huge pages (inherited: tests/conftest.py sets GLIBC_TUNABLES for every process the
+  suite starts)."""
   return subprocess.run([PY, "scripts/demo.py"] + args, cwd=ROOT,
-                        env=training_env(subprocess_env(1, **HUGE_PAGES)),
+                        env=training_env(subprocess_env(1)),
                         capture_output=True, text=True, timeout=timeout)
 
 
