@@ -18,12 +18,12 @@ Per seed and window: a dense model learns the task; it is converted to AHA (ever
 conversion: router bias +0.5 > tau, the bench's router lr 10x) and trained with the paper's
 loss (CE + lam * mean score, STE, mode 'exact', all params) for a fixed step budget (or, under
 Settings' until-plateau rule, aha_cap > 0, on at the recipe's end lr until every curve of the
-arm is at plateau or the cap), the accuracy and mu_f curves recorded with the plateau check. Held out: accuracy; usage at need
-queries, no-need queries and non-query tokens; per-head usage sorted (the paper's long tail)
-the per-head gap (paper Table 3: mean tokens between a head's consecutive full-attention
-calls, -1: fewer than two calls), the per-head need gap (need - no-need usage) and, for the
-headline lambda, mu_f over generated tokens through the engine (the paper's eq. 8:
-`generated_usage`). Control: static splits (the heads the learned
+arm is at plateau or the cap), the accuracy and mu_f curves recorded with the plateau check.
+Held out: accuracy; usage at need queries, no-need queries and non-query tokens; per-head usage
+sorted (the paper's long tail), the per-head gap (paper Table 3: mean tokens between a head's
+consecutive full-attention calls, -1: fewer than two calls), the per-head need gap (need -
+no-need usage) and, for the headline lambda, mu_f over generated tokens through the engine (the
+paper's eq. 8: `generated_usage`). Control: static splits (the heads the learned
 router uses most, full for every token, the rest local) with at least the learned mu_f,
 fine-tuned with their own lr sweep. A lambda sweep at the smallest window (on the first
 `sweep_seeds` seeds: CPU 1, H100 all). CRITERIA (below, fixed

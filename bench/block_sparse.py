@@ -660,10 +660,11 @@ def kernel_role(name: str) -> str:
 
 
 def trace_kernels(fn, n: int) -> dict:
-  """Device activity of `fn()`, n traced calls (common.cuda_traces). Returns {kernels: {name: {ms (median per call), calls (launches
-  per call), role, and CUPTI's launch facts (regs, smem, grid, block, blocks / warps per SM,
-  occupancy_pct: CUPTI's estimate)}}, busy_ms / span_ms (medians: union of the activity, first
-  start to last end), timeline (the last call: [name, start us, duration us])}."""
+  """Device activity of `fn()`, n traced calls (common.cuda_traces). Returns {kernels: {name: {ms
+  (median per call), calls (launches per call), role, and CUPTI's launch facts (regs, smem, grid,
+  block, blocks / warps per SM, occupancy_pct: CUPTI's estimate)}}, busy_ms / span_ms (medians:
+  union of the activity, first start to last end), timeline (the last call: [name, start us,
+  duration us])}."""
   per, busy, span, timeline, info = [], [], [], [], {}
   for acts in common.cuda_traces(fn, n):
     d = {}

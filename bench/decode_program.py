@@ -1588,14 +1588,15 @@ def _main_ab(a) -> list[dict]:
 def fp32_record(checks: list[dict], out_dir: str | None, settings: dict, note: str | None = None,
                 **new_run_kw) -> dict:
   """The run of fp32_check results (rows = the checks; settings + the rule rule_check tests,
-  ADOPTION_RULE_1E2, and FP32_RULE), with rule_check's verdict ('rule_check') and, per 'mgpu' check, FP32_RULE's logits test
-  ('mgpu_fp32_logits_test': information, no adoption: no timing ran); printed, and appended to
+  ADOPTION_RULE_1E2, and FP32_RULE), with rule_check's verdict ('rule_check') and, per 'mgpu'
+  check, FP32_RULE's logits test ('mgpu_fp32_logits_test': information, no adoption: no timing
+  ran); printed, and appended to
   <out_dir>/decode_program_<device>.json when out_dir is given (the registered claims of its
   name recorded by the writer). new_run_kw: common.new_run's device / date / commit, for checks
   recorded from another process's --out (a call whose limit stopped it before it wrote the run)."""
   from bench import common
-  run = common.new_run("decode_program", dict(settings, rule=ADOPTION_RULE_1E2, fp32_rule=FP32_RULE),
-                       **new_run_kw)
+  run = common.new_run("decode_program",
+                       dict(settings, rule=ADOPTION_RULE_1E2, fp32_rule=FP32_RULE), **new_run_kw)
   run["rows"] = checks
   run["rule_check"] = rule_check(checks)
   print("rule_check:", json.dumps(run["rule_check"], indent=1), flush=True)

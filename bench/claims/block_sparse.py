@@ -219,7 +219,8 @@ def profile_puts_the_all_full_gap_in_the_backward(rec, run):
   expect(ro["dq"] + ro["dkv"] - rc["cudnn_bwd"] - rc["glue"] > gap > 0)
   expect((4 / ro["dkv"]) / (3 / ro["dq"]) < 0.92)
   for p in (o, c):
-    expect(p["clocks"]["reasons"].get("sw_power_cap") == 1.0 and p["clocks"]["sm_mhz"]["median"] < 1700)
+    expect(p["clocks"]["reasons"].get("sw_power_cap") == 1.0
+           and p["clocks"]["sm_mhz"]["median"] < 1700)
   grid = lambda p, role: [x["grid"][0] * x["grid"][1] * x["grid"][2]
                           for x in p["kernels"].values() if x["role"] == role]
   expect(grid(c, "cudnn_fwd") == [132] and grid(c, "cudnn_bwd") == [132])
