@@ -675,14 +675,21 @@ def join_lr_jobs(s: Settings, method: str, length: int, parts: list) -> dict:
 # bench/results/mqar_units/mqar_jobs_20261127175450.tgz / _180424.tgz): steps 400-12,800 took
 # 233-237 s for MATCH, random and full alike, 9.5 ms a model-step additive (evaluations
 # included): 512 -> 11.5 for all three (x1.2 for an H100 or a slower machine).
+# Call 5 (3b08907, 4 H100s; bench/results/mqar_units/mqar_jobs_20261128024229.tgz): full 512
+# (two jobs a GPU beside one MATCH 256 job) ran steps 400-12,400 at 27.8 ms a GPU-step against
+# 28.2 estimated (kept), but SWA 256 (three 3-seed jobs on one GPU) at 36.8 ms = 4.1 ms a model
+# against 2.9 estimated: 256's SWA and full -> 4.5 (4.1 and a margin; SWA costs full's here),
+# 512's SWA -> full's 11.5 (its bytes-based 8.2 scaled by the same x1.41). Every job of that call
+# but MATCH's stopped at its deadline (12,400 / 8,800 of 12,800 steps): 12 jobs starting at once
+# spent ~60 s before their training clocks started, so JOB_OVERHEAD_S 70 -> 110.
 STEP_MS = {64: dict(full=1.1, swa=1.1, match=2.7, random=2.7),
            128: dict(full=1.1, swa=1.1, match=2.7, random=2.7),
-           256: dict(full=4.3, swa=2.9, match=5.2, random=5.2),
-           512: dict(full=11.5, swa=8.2, match=11.5, random=11.5)}
+           256: dict(full=4.5, swa=4.5, match=5.2, random=5.2),
+           512: dict(full=11.5, swa=11.5, match=11.5, random=11.5)}
 # Seconds a job spends besides its training steps: the imports, its rows read (--make_data made
 # them), the compiles, MATCH's decode-semantics evaluation at the end, and --deadline_s's margin
 # (a training stops at an evaluation unless 1.5 x the next 400 steps + 20 s still fit).
-JOB_OVERHEAD_S = 70.0
+JOB_OVERHEAD_S = 110.0
 # XLA_PYTHON_CLIENT_MEM_FRACTION of a job (of an 80 GiB card) by length: the compiled step +
 # evaluation temporaries and arguments of the largest job the plan makes at that length, compiled
 # on CPU (compiled_memory): 512 one lr (3 models, 4 a group), 256 / 128 / 64 the whole 12-model
