@@ -963,14 +963,19 @@ def ncu_summary_lines(summary: dict) -> list:
 # ----------------------------------------------------------------------------------------------
 
 # name -> BlockSparseConfig: the candidates of the next A/B (the config fields come with them).
-# None now. Removed with their BlockSparseConfig fields after losing the rule (issue 31): the
-# backward schedule variants of run mosaic_gpu_ab (dq_overlap, dkv_stages4, dq_pingpong,
-# dkv_pingpong and their combinations pingpong, pingpong_stages4, all) and the one-kernel
-# backward candidates of run mosaic_gpu_onebwd2_ab (onebwd1, onebwd2, onebwd2_tm).
-AB_VARIANTS: dict = {}
+# Removed with their BlockSparseConfig fields after losing the rule (issue 31): the backward
+# schedule variants of run mosaic_gpu_ab (dq_overlap, dkv_stages4, dq_pingpong, dkv_pingpong and
+# their combinations pingpong, pingpong_stages4, all) and the one-kernel backward candidates of
+# run mosaic_gpu_onebwd2_ab (onebwd1, onebwd2, onebwd2_tm).
+# dkv_q128 (registered before its GPU run): dk/dv steps over whole 128-row query tiles at dq's
+# wgmma shapes, lse / delta as the accumulators' initial values (mosaic_gpu.dkv's docstring: the
+# op count of why the default's dk/dv issues at 0.89x dq's rate).
+AB_VARIANTS: dict = {"dkv_q128": BlockSparseConfig(mgpu_dkv_q128=True)}
 # The result file's run name of the next A/B: each A/B names its own run (the claims of the
-# earlier ones, bench/claims/block_sparse.py, check their run's variants).
-AB_RUN = "mosaic_gpu_ab3"
+# earlier ones, bench/claims/block_sparse.py, check their run's variants). This one, one H100:
+#   python -m bench.block_sparse --ab=dkv_q128 --n=7 --out_dir=bench/results
+# (64K then 32K, the small check at check_T first; about 3 minutes of device time).
+AB_RUN = "mosaic_gpu_dkv_q128_ab"
 AB_TS = (65536, 32768)   # both must show the gain
 AB_MIN_GAIN = 1.015      # default ms / variant ms, at every T of AB_TS
 AB_TOL = 2e-2            # bf16: rel error vs the reference (check_T) and vs the default (timed T)

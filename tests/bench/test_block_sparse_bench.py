@@ -133,6 +133,21 @@ def test_ab_rule_adopts_only_a_variant_faster_by_the_margin_at_every_length():
   assert bench.ab_decide(checks, rows, names)["adopted"] is None
 
 
+def test_ab_candidates_are_configs_and_the_next_run_name_is_new():
+  """The registered A/B candidates are BlockSparseConfigs that differ from the default, and
+  AB_RUN names no run already in a recorded result file (each A/B's claim reads its own run:
+  once an A/B is recorded, AB_RUN names the next one)."""
+  from pallas_kernels.block_sparse import BlockSparseConfig
+  for name, cfg in bench.AB_VARIANTS.items():
+    assert isinstance(cfg, BlockSparseConfig) and cfg != BlockSparseConfig(), name
+  results = os.path.join(ROOT, "bench", "results")
+  for fname in os.listdir(results):
+    if fname.startswith("block_sparse_") and fname.endswith(".json"):
+      with open(os.path.join(results, fname)) as fh:
+        names = {r["settings"].get("name") for r in json.load(fh)["runs"]}
+      assert bench.AB_RUN not in names, fname
+
+
 def test_profile_helpers_read_made_up_traces_and_an_ncu_csv(tmp_path):
   """--profile's pieces without a GPU: kernel roles from names, the table, the ncu -k regex of
   ours and cuDNN's kernels (glue of our program left out), and ncu_summary over a raw CSV in

@@ -61,6 +61,21 @@ def test_mosaic_gpu_backward_every_mode_window_sinks_documents_interpret():
   assert not bad, errs
 
 
+def test_mosaic_gpu_dkv_q128_candidate_matches_reference_interpret():
+  """BlockSparseConfig(mgpu_dkv_q128=True), issue 31's dk/dv A/B candidate (whole 128-row query
+  tiles a step, lse / delta as the accumulators' initial values, P^T in bfloat16): forward and
+  every gradient against the reference, every head mode on one kv head (GQA 3:1), window +
+  sinks (masked tiles), packed documents, T = 250 (padded to whole tiles), 128-key tiles (two
+  compute warpgroups). A mutant that drops delta's initial value fails dk (rel 1.8)."""
+  p = make_problem(17, T=250, N=3, K=1, L=2, H=64, dtype=jnp.bfloat16, block_q=128, block_k=128,
+                   window=70, sinks=5, segments=2)
+  p.kw["head_mode_BN"] = jnp.asarray([[F, B_, W]], jnp.int32)
+  errs, bad = compare(p, dict(MGPU, config=api.BlockSparseConfig(mgpu_dkv_q128=True)))
+  assert not bad, errs
+  with pytest.raises(ValueError, match="mgpu_dkv_q128 must be a bool"):
+    api.BlockSparseConfig(mgpu_dkv_q128=1)
+
+
 def test_mosaic_gpu_ssa_rows_that_see_nothing_interpret():
   """Streaming heads next to a full head, one head whose list is all padding: zeros, lse -inf,
   zero dq; forward only (the backward is in the cases above)."""
@@ -161,9 +176,11 @@ def test_auto_on_hopper_resolves_to_mosaic_gpu(monkeypatch):
                            128) == "triton"
 
 
-def test_mosaic_gpu_lowers_for_cuda_without_triton_calls():
+@pytest.mark.parametrize("config", [None, api.BlockSparseConfig(mgpu_dkv_q128=True)],
+                         ids=["default", "dkv_q128"])
+def test_mosaic_gpu_lowers_for_cuda_without_triton_calls(config):
   """The Hopper program (jax.export for cuda, forward + backward): Mosaic GPU custom calls for
-  all three kernels, no Triton call."""
+  all three kernels, no Triton call; also with the dk/dv A/B candidate (its kernel lowers)."""
   from jax import export
   B, T, N, K, H = 1, 512, 4, 2, 128
   q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
@@ -173,7 +190,8 @@ def test_mosaic_gpu_lowers_for_cuda_without_triton_calls():
   mode = jnp.asarray([[F, B_, W, B_]], jnp.int32)
 
   def loss(q, k, v):
-    o = block_sparse_attention(q, k, v, lists, mode, window=256, sinks=4, impl="mosaic_gpu")
+    o = block_sparse_attention(q, k, v, lists, mode, window=256, sinks=4, impl="mosaic_gpu",
+                               config=config)
     return jnp.sum(o.astype(jnp.float32))
 
   orig = api._platform
@@ -186,6 +204,8 @@ def test_mosaic_gpu_lowers_for_cuda_without_triton_calls():
   targets = re.findall(r"custom_call @([\w.]+)", text)
   assert targets.count("mosaic_gpu_v2") + targets.count("mosaic_gpu") == 3, targets
   assert not [t for t in targets if "triton" in t.lower()], targets
+  dkv_q128 = "block_sparse_dkv_q128_mgpu" in text
+  assert dkv_q128 == (config is not None and config.mgpu_dkv_q128)
 
 
 def test_ops_resolver_picks_mosaic_gpu_for_block_sparse_on_h100():
