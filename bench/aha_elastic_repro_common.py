@@ -213,31 +213,54 @@ def train_to_gate(cfg, params, tc, batch_fn, gate: Callable, *, check_every: int
                                             steps=st["steps"], passed=st["passed"])
 
 
+def plateau_arms_loop(sts: list, advance: Callable, *, recipe_steps: int, cap: int,
+                      check_every: int, after_check: Callable | None = None, log=print,
+                      names=None) -> list:
+  """The until-plateau rule's loop for several arms on one step counter (train_to_plateau's and
+  train_arms_to_plateau's, on any curves): `advance(on, start, stop)` appends steps
+  start..stop-1 to sts[i]["curves"] ({metric: values}) of every arm i in `on` (the arms still
+  training); each arm is checked at recipe_steps and every check_every steps after it, and
+  stops when `plateau` holds for every one of its curves (on the whole curve from step 1) or at
+  `cap`; a stopped arm is left out of `on` (masked) while the others go on. sts (fresh: steps 0,
+  checks [], at_plateau False, curves) are updated in place; after_check(sts, stop) runs after
+  every check (recording, saving, a budget's exception). Returns [st + {cap, check_every,
+  stopped: 'plateau' | 'cap'}] in sts' order."""
+  if cap < recipe_steps or check_every < 1:
+    raise ValueError(f"{names}: cap {cap} must be >= the recipe's {recipe_steps} steps and "
+                     f"check_every {check_every} >= 1")
+  names = names or [str(i) for i in range(len(sts))]
+  live = lambda st: not st["at_plateau"] and st["steps"] < cap
+  while any(live(st) for st in sts):
+    on = [i for i, st in enumerate(sts) if live(st)]
+    start = sts[on[0]]["steps"]
+    if any(sts[i]["steps"] != start for i in on):
+      raise ValueError(f"{names}: the arms still training are at different steps "
+                       f"{[sts[i]['steps'] for i in on]}")
+    stop = recipe_steps if start < recipe_steps else min(start + check_every, cap)
+    advance(on, start, stop)
+    for i in on:
+      st = sts[i]
+      st["steps"] = stop
+      p = {k: plateau(v) for k, v in st["curves"].items()}
+      st["checks"].append([stop, {k: v["moved"] for k, v in p.items()}])
+      st["at_plateau"] = all(v["at_plateau"] for v in p.values())
+      log(f"[{names[i]}] plateau check at step {stop}: " + ", ".join(
+          f"{k} moved {v['moved']:.4f}" if v["moved"] is not None else f"{k} moved n/a"
+          for k, v in p.items()) + (" (at plateau)" if st["at_plateau"] else ""))
+    if after_check is not None:
+      after_check(sts, stop)
+  return [dict(st, cap=cap, check_every=check_every,
+               stopped="plateau" if st["at_plateau"] else "cap") for st in sts]
+
+
 def plateau_loop(st: dict, advance: Callable, *, recipe_steps: int, cap: int, check_every: int,
                  after_check: Callable | None = None, log=print, name="") -> dict:
-  """The until-plateau rule's loop (train_to_plateau's, on any curves): `advance(start, stop)`
-  appends steps start..stop-1 to st["curves"] ({metric: values}); checked at recipe_steps and
-  every check_every steps after it, stopping when `plateau` holds for every curve (on the whole
-  curve from step 1) or at `cap`. st (fresh: steps 0, checks [], at_plateau False, curves) is
-  updated in place and returned; after_check(st, stop) runs after every check (recording,
-  saving, a budget's exception). Returns st + {cap, check_every, stopped: 'plateau' | 'cap'}."""
-  if cap < recipe_steps or check_every < 1:
-    raise ValueError(f"{name}: cap {cap} must be >= the recipe's {recipe_steps} steps and "
-                     f"check_every {check_every} >= 1")
-  while not st["at_plateau"] and st["steps"] < cap:
-    stop = recipe_steps if st["steps"] < recipe_steps else min(st["steps"] + check_every, cap)
-    advance(st["steps"], stop)
-    st["steps"] = stop
-    p = {k: plateau(v) for k, v in st["curves"].items()}
-    st["checks"].append([stop, {k: v["moved"] for k, v in p.items()}])
-    st["at_plateau"] = all(v["at_plateau"] for v in p.values())
-    log(f"[{name}] plateau check at step {stop}: " + ", ".join(
-        f"{k} moved {v['moved']:.4f}" if v["moved"] is not None else f"{k} moved n/a"
-        for k, v in p.items()) + (" (at plateau)" if st["at_plateau"] else ""))
-    if after_check is not None:
-      after_check(st, stop)
-  return dict(st, cap=cap, check_every=check_every,
-              stopped="plateau" if st["at_plateau"] else "cap")
+  """plateau_arms_loop for one arm: `advance(start, stop)`, after_check(st, stop); returns st +
+  {cap, check_every, stopped}."""
+  return plateau_arms_loop(
+      [st], lambda on, a, b: advance(a, b), recipe_steps=recipe_steps, cap=cap,
+      check_every=check_every, log=log, names=[name],
+      after_check=(lambda sts, stop: after_check(sts[0], stop)) if after_check else None)[0]
 
 
 def train_to_plateau(cfg, params, tc, batch_fn, *, metrics, cap: int, check_every: int,
@@ -276,6 +299,164 @@ def train_to_plateau(cfg, params, tc, batch_fn, *, metrics, cap: int, check_ever
                               "recipe_end")}
   return jax.device_get(box["state"].params), st["curves"], dict(info,
                                                                    recipe_steps=tc.num_steps)
+
+
+@dataclasses.dataclass
+class Arm:
+  """One arm of `train_arms_to_plateau`: what `train_to_plateau` takes for one training. Arms
+  whose `data` keys are equal read the same batches (batch_fn of the first, called once a
+  step: e.g. an AHA window's lambda-sweep arms, or its static fine-tunes' lr sweep)."""
+  name: str
+  cfg: object                       # ModelConfig
+  tc: dict                          # train_config(...)
+  params: object
+  batch_fn: Callable[[int], dict]   # step -> batch (a pure function of the step)
+  metrics: tuple = ("accuracy",)
+  data: object = None               # None: this arm's own batches
+
+
+def _rng_free(cfg) -> bool:
+  """The train step of `cfg` never draws from the step RNG (its seed then changes nothing):
+  dense, or AHA in exact mode (the RNG feeds only sparse mode's forced-global draws)."""
+  if cfg.scheme == "dense":
+    return True
+  if cfg.scheme == "aha":
+    from condattn_jax.attention import options
+    return options(cfg).mode == "exact"
+  return False
+
+
+def arm_groups(arms) -> list[list[int]]:
+  """Indices of `arms` grouped into vmapped groups: one model config and train settings (the
+  seed too, unless the step is RNG-free: then arms of every seed share a group), params of one
+  shape; in first-appearance order."""
+  import jax
+  groups: dict = {}
+  for i, a in enumerate(arms):
+    tc = dict(a.tc) if _rng_free(a.cfg) else dict(a.tc, seed_group=a.tc["seed"])
+    shape = jax.tree.map(lambda x: (np.shape(x), np.asarray(x).dtype.str), a.params)
+    groups.setdefault((_key(a.cfg, tc), repr(shape)), []).append(i)
+  return list(groups.values())
+
+
+_PROGRAMS: dict = {}
+
+
+def _program(arms, groups):
+  """(txs, program): program(states, batches, active) -> (states, metrics), one jitted call
+  that runs every group's train step vmapped over its arms (group g: states[g] and batches[g]
+  stacked on a leading arm axis, active[g] [k] bool); an inactive arm's state is returned
+  unchanged (select: exact), its metrics are computed and ignored."""
+  import jax
+  import jax.numpy as jnp
+  from condattn_jax.train import optimizer as opt_lib
+  from condattn_jax.train.step import make_train_step
+  first = [arms[g[0]] for g in groups]
+  key = tuple((_key(a.cfg, a.tc), a.metrics, len(g)) for a, g in zip(first, groups))
+  if key not in _PROGRAMS:
+    txs, steps = [], []
+    for a in first:
+      tx, labels, sched = opt_lib.make_optimizer(a.tc, a.params)
+      txs.append(tx)
+      steps.append(make_train_step(a.cfg, a.tc, tx, labels, sched))
+    metrics = [a.metrics for a in first]
+
+    def program(states, batches, active):
+      out_s, out_m = [], []
+      for step, st, b, on, names in zip(steps, states, batches, active, metrics):
+        new, m = jax.vmap(step)(st, b)
+        keep = lambda n, o: jnp.where(on.reshape(on.shape + (1,) * (n.ndim - 1)), n, o)
+        out_s.append(jax.tree.map(keep, new, st))
+        out_m.append({k: m[k] for k in names})
+      return out_s, out_m
+    _PROGRAMS[key] = (txs, jax.jit(program, donate_argnums=(0,)))
+  return _PROGRAMS[key]
+
+
+def train_arms_to_plateau(arms, *, cap: int, check_every: int, resume: dict | None = None,
+                          save: Callable | None = None, budget_s: float | None = None,
+                          log=print, log_every=100, name="arms"):
+  """`train_to_plateau` for several arms in ONE jitted program a step (arm_groups: the arms of
+  one config vmapped, the groups side by side in the program): each arm's numbers are those of
+  its own training (to float tolerance: vmapped matmuls), its curves and checks
+  `plateau_arms_loop`'s (every arm has the same recipe steps, so its checks fall on the same
+  steps); an arm at plateau is masked (its state is no longer updated, its curves stop) while the
+  others go on, until every arm is at plateau or the cap. resume / save / budget_s as
+  train_to_plateau (saved after every check: every arm's progress and the stacked states, host
+  arrays; a resumed run equals an uninterrupted one). Returns [(params, curves, info)] in
+  `arms`' order (info as train_to_plateau's, recipe_end None)."""
+  import jax
+  import jax.numpy as jnp
+  from condattn_jax.train.state import TrainState
+  recipe = {a.tc["num_steps"] for a in arms}
+  if len(recipe) != 1:
+    raise ValueError(f"{name}: arms of one program need one recipe length, got {sorted(recipe)}")
+  recipe_steps = recipe.pop()
+  groups = arm_groups(arms)
+  txs, program = _program(arms, groups)
+  if resume:
+    sts = [dict(x) for x in resume["arms"]]
+    box = {"states": [jax.tree.map(jnp.asarray, s) for s in resume["states"]]}
+  else:
+    sts = [dict(curves={m: [] for m in a.metrics}, checks=[], steps=0, at_plateau=False)
+           for a in arms]
+    box = {"states": []}
+    for tx, g in zip(txs, groups):
+      one = [TrainState(step=jnp.zeros((), jnp.int32), params=arms[i].params,
+                        opt_state=tx.init(arms[i].params)) for i in g]
+      box["states"].append(jax.tree.map(lambda *x: jnp.stack([jnp.asarray(v) for v in x]), *one))
+  data = [a.data if a.data is not None else ("arm", i) for i, a in enumerate(arms)]
+  filler: dict = {}   # a masked arm's batch (its output is discarded): its step-0 batch
+  t0 = time.time()
+
+  def advance(on, start, stop):
+    live = set(on)
+    active = [np.asarray([i in live for i in g]) for g in groups]
+    pending = []
+    for j in range(start, stop):
+      got: dict = {}
+      for i in on:
+        if data[i] not in got:
+          got[data[i]] = arms[i].batch_fn(j)
+      for i in range(len(arms)):
+        if i not in live and i not in filler:
+          filler[i] = arms[i].batch_fn(0)
+      batches = [jax.tree.map(lambda *x: np.stack(x), *[
+          got[data[i]] if i in live else filler[i] for i in g]) for g in groups]
+      box["states"], m = program(box["states"], batches, active)
+      pending.append(m)
+      if len(pending) == 50 or j + 1 == stop:
+        for row in jax.device_get(pending):
+          for g, mg in zip(groups, row):
+            for r, i in enumerate(g):
+              if i in live:
+                for k in arms[i].metrics:
+                  v = np.asarray(mg[k][r])
+                  sts[i]["curves"][k].append(float(v) if v.ndim == 0 else v.tolist())
+        pending = []
+        if (j + 1) % log_every == 0 or j + 1 == stop:
+          log(f"[{name}] step {j + 1}: {len(on)} of {len(arms)} arms training "
+              f"({time.time() - t0:.0f}s)")
+
+  def after_check(sts, stop):
+    if save is not None:
+      save(dict(arms=sts, states=jax.device_get(box["states"])))
+    if budget_s is not None and time.time() - t0 > budget_s and any(
+        not st["at_plateau"] and st["steps"] < cap for st in sts):
+      raise Budget(f"{name}: stopped at step {stop} after {time.time() - t0:.0f} s (budget "
+                   f"{budget_s:.0f} s), state saved: run the same part again to continue")
+  outs = plateau_arms_loop(sts, advance, recipe_steps=recipe_steps, cap=cap,
+                           check_every=check_every, after_check=after_check, log=log,
+                           names=[a.name for a in arms])
+  host = jax.device_get(box["states"])
+  params = {}
+  for g, st_g in zip(groups, host):
+    for r, i in enumerate(g):
+      params[i] = jax.tree.map(lambda x, r=r: x[r], st_g.params)
+  keys = ("steps", "cap", "check_every", "stopped", "at_plateau", "checks")
+  return [(params[i], sts[i]["curves"], dict({k: o[k] for k in keys}, recipe_end=None,
+                                             recipe_steps=recipe_steps))
+          for i, o in enumerate(outs)]
 
 
 _FORWARD: dict = {}

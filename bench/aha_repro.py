@@ -537,6 +537,13 @@ def _drop(b):
   return {k: v for k, v in b.items() if k != "kind"}
 
 
+def task_batch(task: RestatedRecall, n: int, stream: int, i: int) -> dict[str, np.ndarray]:
+  """Training step i's batch of `task` (rows i n .. i n + n - 1 of `stream`, without `kind`): a
+  module-level function, so functools.partial(task_batch, task, n, stream) pickles (a batch pool's
+  worker processes, rc.BatchPool)."""
+  return _drop(task.batch(i * n, n, stream))
+
+
 def _window(s, seed, w, dense):
   """(task, cfg, eval rows, AHA config and params at conversion) of window w."""
   task = RestatedRecall(s, w, seed)

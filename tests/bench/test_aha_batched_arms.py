@@ -1,0 +1,105 @@
+"""Several until-plateau arms in one jitted program (bench/aha_elastic_repro_common.py:
+`train_arms_to_plateau`, `plateau_arms_loop`): each arm's numbers equal its own training's
+(`train_to_plateau`), an arm at plateau is masked while the others go on, and a run cut at a
+check and resumed from its saved state equals the uninterrupted one."""
+import dataclasses
+import functools
+
+import numpy as np
+import pytest
+
+from bench import aha_elastic_repro_common as rc
+from bench import aha_repro as bench
+
+
+def _arms_loop(fns, recipe=1500, cap=12000, every=300):
+  """plateau_arms_loop on made-up curves fns[i](step) -> {metric: value}; also the arms each
+  advance was given."""
+  sts = [dict(curves={k: [] for k in f(0)}, checks=[], steps=0, at_plateau=False) for f in fns]
+  seen = []
+
+  def advance(on, a, b):
+    seen.append((a, tuple(on)))
+    for i in on:
+      for t in range(a, b):
+        for k, v in fns[i](t).items():
+          sts[i]["curves"][k].append(v)
+  out = rc.plateau_arms_loop(sts, advance, recipe_steps=recipe, cap=cap, check_every=every,
+                             log=lambda *a: None)
+  return out, seen
+
+
+def test_an_arm_at_plateau_is_masked_while_the_others_go_on():
+  """Three made-up arms on one step counter (flat: plateau at the recipe's end; a floor: stops
+  at its first check under 1%; a steady decay: runs to the cap) each end exactly as the
+  one-arm rule (plateau_loop) ends it alone, and a stopped arm is no longer advanced."""
+  fns = [lambda t: {"accuracy": 1.0},
+         lambda t: {"mu_f": 0.004 + 0.02 * np.exp(-t / 300)},
+         lambda t: {"accuracy": 1.0, "mu_f": 0.02 * np.exp(-t / 3000)}]
+  out, seen = _arms_loop(fns)
+  for f, o in zip(fns, out):
+    alone, _ = _arms_loop([f])
+    assert o == alone[0]
+    st = dict(curves={k: [] for k in f(0)}, checks=[], steps=0, at_plateau=False)
+
+    def adv(a, b, st=st, f=f):
+      for t in range(a, b):
+        for k, v in f(t).items():
+          st["curves"][k].append(v)
+    assert rc.plateau_loop(st, adv, recipe_steps=1500, cap=12000, check_every=300,
+                           log=lambda *a: None) == o
+  assert [o["stopped"] for o in out] == ["plateau", "plateau", "cap"]
+  assert out[0]["steps"] == 1500 and 1500 < out[1]["steps"] < 12000 == out[2]["steps"]
+  assert [len(o["curves"][next(iter(o["curves"]))]) for o in out] == [o["steps"] for o in out]
+  assert seen[0] == (0, (0, 1, 2)) and seen[1] == (1500, (1, 2))
+  assert all(on == (2,) for a, on in seen if a >= out[1]["steps"])
+
+
+def _tiny_arms(s):
+  """Three AHA arms of the `test` preset's task (one layer, batch 4): seeds 0 and 1 at lambda
+  3e-2 (one vmapped group: RNG-free exact mode), seed 0 at lambda 1e-1 (its own group, reading
+  seed 0's batches: the same data key)."""
+  import flax.linen as nn
+  import jax
+  import jax.numpy as jnp
+  from condattn_jax.attention import configure
+  from condattn_jax.models.decoder import Decoder
+  arms = []
+  for seed, lam in ((0, 3e-2), (1, 3e-2), (0, 1e-1)):
+    task = bench.RestatedRecall(s, 16, seed)
+    cfg = bench.base_config(s, task)
+    dense = jax.tree.map(np.asarray, nn.unbox(Decoder(cfg).init(
+        jax.random.key(seed), jnp.zeros((1, s.seq_len), jnp.int32))["params"]))
+    _, _, _, acfg0, ap0 = bench._window(s, seed, 16, dense)
+    arms.append(rc.Arm(f"s{seed} lam{lam}", configure(acfg0, "aha", lam=lam), 
+                       bench._aha_tc(s, s.aha_steps, s.aha_lr, seed), ap0,
+                       functools.partial(bench.task_batch, task, s.batch_size, 10),
+                       metrics=("accuracy", "aha/mu_f"), data=("w16", seed)))
+  return arms
+
+
+def test_batched_arms_equal_separate_runs_and_resume_equals_uninterrupted():
+  """K arms in one program == each trained alone by train_to_plateau (curves, checks and
+  params to float tolerance: vmapped matmuls); cut after its first check (Budget, state saved)
+  and resumed, the program ends exactly where the uninterrupted one does."""
+  import jax
+  s = dataclasses.replace(bench.PRESETS["test"], num_layers=1, batch_size=4, aha_steps=3)
+  arms = _tiny_arms(s)
+  assert rc.arm_groups(arms) == [[0, 1], [2]]
+  kw = dict(cap=7, check_every=2, log=lambda *a: None)
+  together = rc.train_arms_to_plateau(arms, **kw)
+  for a, (p, curves, info) in zip(arms, together):
+    p1, c1, i1 = rc.train_to_plateau(a.cfg, a.params, a.tc, a.batch_fn, metrics=a.metrics, **kw)
+    assert [c[0] for c in info["checks"]] == [c[0] for c in i1["checks"]]
+    assert info["stopped"] == i1["stopped"] and info["steps"] == i1["steps"]
+    for k in a.metrics:
+      np.testing.assert_allclose(curves[k], c1[k], rtol=1e-4, atol=1e-6)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6), p, p1)
+  saved = {}
+  with pytest.raises(rc.Budget):
+    rc.train_arms_to_plateau(arms, save=lambda d: saved.update(d=d), budget_s=0, **kw)
+  assert [st["steps"] for st in saved["d"]["arms"]] == [3, 3, 3]
+  resumed = rc.train_arms_to_plateau(arms, resume=saved["d"], **kw)
+  for (p, c, i), (q, d, j) in zip(together, resumed):
+    assert c == d and i == j
+    jax.tree.map(np.testing.assert_array_equal, p, q)
