@@ -162,13 +162,18 @@ class BlockSparseConfig:
                    (mosaic_gpu.dkv's docstring has the op count); lse and delta enter as the
                    initial values of the S^T / dP^T accumulators and P^T is kept in bfloat16 /
                    float16 (registers). Gradients equal the default's up to rounding.
+    mgpu_dkv_fold  its control: the default's 64-row sub-tiles (shapes, products, waits) with
+                   only q128's other changes (lse / delta as initial values, one consumed
+                   barrier, the 24 / 240 register split).
   """
   mgpu_dkv_q128: bool = False
+  mgpu_dkv_fold: bool = False
 
   def __post_init__(self):
-    if not isinstance(self.mgpu_dkv_q128, bool):
-      raise ValueError(f"BlockSparseConfig.mgpu_dkv_q128 must be a bool, got "
-                       f"{self.mgpu_dkv_q128!r}")
+    for name in ("mgpu_dkv_q128", "mgpu_dkv_fold"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"BlockSparseConfig.{name} must be a bool, got "
+                         f"{getattr(self, name)!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -348,7 +353,8 @@ def _backward_impl(cfg: _Config, res, dout, dlse_BNT):
     tsteps, tcount = tables.transposed_step_tables(steps, count, k.shape[2])
     meta = (m.qpos_BT, m.kseg_q_BIT, m.kvpos_BS, m.kseg_kv_BS)
     dq = mod.dq(q, k, v, dout, lse_BNT, delta, steps, count, *meta, **_mgpu_kw(cfg))
-    dkv_kw = dict(q128=True) if cfg.variant.mgpu_dkv_q128 else {}
+    c = cfg.variant
+    dkv_kw = {k: True for k, on in (("q128", c.mgpu_dkv_q128), ("fold", c.mgpu_dkv_fold)) if on}
     dk, dv = mod.dkv(q, k, v, dout, lse_BNT, delta, tsteps, tcount, *meta, **_mgpu_kw(cfg),
                      **dkv_kw)
     return dq, dk, dv

@@ -373,7 +373,7 @@ def dq(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, steps_BNQX, count_BN
 
 def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount_BKJ, qpos_BT,
         qseg_BIT, kvpos_BS, kvseg_BS, *, scale, window, sinks, block_q, block_k,
-        num_stages=NUM_STAGES, q128=False, interpret=False):
+        num_stages=NUM_STAGES, q128=False, fold=False, interpret=False):
   """(dk, dv) [B, S, K, H] over the transposed step tables (tables.transposed_step_tables).
 
   q128 (BlockSparseConfig.mgpu_dkv_q128, an A/B candidate, off by default): a pipeline step is a
@@ -410,13 +410,17 @@ def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount
   qk_scale, P^T = exp2(qk_scale acc); dP^T acc = -delta, dS^T = P^T * acc: no per-column
   values live beside the tiles), P^T kept in the input dtype only (the dV operand; dS^T reads
   it), the memory warpgroup at 24 registers (compute 240). Peak live: 128 + P^T 32 + dP^T 64.
-  Needs block_q 128 (the kernels' only one) and scale != 0 (else the default step runs)."""
+  Needs block_q 128 (the kernels' only one) and scale != 0 (else the default step runs).
+  fold (BlockSparseConfig.mgpu_dkv_fold, the control candidate): q128's step without its shapes
+  (64-row sub-tiles as the default: the same products and waits), i.e. only the stats as
+  initial values, one consumed barrier and the 24 / 240 register split."""
   B, T, N, H = q_BTNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   G = N // K
   dtype = q_BTNH.dtype
   qk_scale = scale * LOG2E
   wide = bool(q128) and qk_scale != 0.0
+  folded = wide or (bool(fold) and qk_scale != 0.0)
   bkw, bq = DKV_ROWS, (block_q if wide else DKV_SUB_Q)
   W = block_k // bkw
   R = block_q // bq
@@ -502,10 +506,10 @@ def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount
       plgpu.barrier_arrive(q_used)
       return carry
 
-    def body_q128(idx, q_smem, do_smem, lse_smem, delta_smem, carry):
-      # one query tile a step (R == 1); the pipeline releases the four inputs after the body,
-      # whose every product is waited for
-      t, _ = idx
+    def body_folded(idx, q_smem, do_smem, lse_smem, delta_smem, carry):
+      # q128: one query tile a step (R == 1), fold: a 64-row sub-tile; the pipeline releases
+      # the four inputs after the body, whose every product is waited for
+      t, r = idx
       g, i, kind = dec(t)
       h = kh * G + g
       hsel = h if I > 1 else 0
@@ -530,7 +534,7 @@ def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount
       xT = product_from(neg_lse, s_issue)          # S^T - lse2 / qk_scale
 
       def masked():
-        qrows = pl.ds(i * bq, bq)
+        qrows = pl.ds((i * R + r) * bq, bq)
         qp = plgpu.load(qpos_ref.at[b, qrows], layout=_COL, optimized=False)
         qs = None if qseg_ref is None else plgpu.load(qseg_ref.at[b, hsel, qrows], layout=_COL,
                                                       optimized=False)
@@ -559,9 +563,9 @@ def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount
       return kh * G + g, i * R + r
 
     plgpu.emit_pipeline_warp_specialized(
-        body_q128 if wide else body, grid=(nsteps, R), max_concurrent_steps=stages,
-        num_compute_wgs=W, memory_registers=24 if wide else 40, wg_axis="wg",
-        manual_consumed_barriers=not wide, compute_context=compute,
+        body_folded if folded else body, grid=(nsteps, R), max_concurrent_steps=stages,
+        num_compute_wgs=W, memory_registers=24 if folded else 40, wg_axis="wg",
+        manual_consumed_barriers=not folded, compute_context=compute,
         in_specs=[_spec((bq, None, H), dtype, qmap), _spec((bq, None, H), dtype, qmap),
                   plgpu.BlockSpec((None, bq), rmap), plgpu.BlockSpec((None, bq), rmap)],
     )(q_ref.at[b], do_ref.at[b], lse2_ref.at[b], delta_ref.at[b])
@@ -575,4 +579,5 @@ def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount
       scratch_types=[_swizzled((W, bkw, H), dtype), _swizzled((W, bkw, H), dtype),
                      plgpu.Barrier(num_arrivals=2, num_barriers=W)],
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=_interp(interpret),
-      kernel_name="block_sparse_dkv_q128_mgpu" if wide else "block_sparse_dkv_mgpu")(*args)
+      kernel_name="block_sparse_dkv" + ("_q128" if wide else "_fold" if folded else "")
+      + "_mgpu")(*args)

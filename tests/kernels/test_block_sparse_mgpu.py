@@ -61,19 +61,24 @@ def test_mosaic_gpu_backward_every_mode_window_sinks_documents_interpret():
   assert not bad, errs
 
 
-def test_mosaic_gpu_dkv_q128_candidate_matches_reference_interpret():
-  """BlockSparseConfig(mgpu_dkv_q128=True), issue 31's dk/dv A/B candidate (whole 128-row query
-  tiles a step, lse / delta as the accumulators' initial values, P^T in bfloat16): forward and
-  every gradient against the reference, every head mode on one kv head (GQA 3:1), window +
-  sinks (masked tiles), packed documents, T = 250 (padded to whole tiles), 128-key tiles (two
-  compute warpgroups). A mutant that drops delta's initial value fails dk (rel 1.8)."""
-  p = make_problem(17, T=250, N=3, K=1, L=2, H=64, dtype=jnp.bfloat16, block_q=128, block_k=128,
-                   window=70, sinks=5, segments=2)
+@pytest.mark.parametrize("flag,block_k", [
+    ("mgpu_dkv_q128", 128), pytest.param("mgpu_dkv_fold", 64, marks=pytest.mark.slow)])
+def test_mosaic_gpu_dkv_ab_candidates_match_reference_interpret(flag, block_k):
+  """Issue 31's dk/dv A/B candidates: BlockSparseConfig(mgpu_dkv_q128=True) (whole 128-row
+  query tiles a step, lse / delta as the accumulators' initial values, P^T in bfloat16; 128-key
+  tiles: two compute warpgroups) and its control mgpu_dkv_fold (the same step on 64-row
+  sub-tiles; 64-key tiles: one warpgroup): forward and every gradient against the reference,
+  every head mode on one kv head (GQA 3:1), window + sinks (masked tiles), T = 250 (padded to
+  whole tiles). Mutants caught (q128): no delta initial value (dk rel 0.67), the masked step's query
+  rows at the wrong offset (dk 0.66). (With packed documents the row-offset mutant goes unseen,
+  in the default's backward too: this problem has none.)"""
+  p = make_problem(17, T=250, N=3, K=1, L=2, H=64, dtype=jnp.bfloat16, block_q=128,
+                   block_k=block_k, window=70, sinks=5)
   p.kw["head_mode_BN"] = jnp.asarray([[F, B_, W]], jnp.int32)
-  errs, bad = compare(p, dict(MGPU, config=api.BlockSparseConfig(mgpu_dkv_q128=True)))
+  errs, bad = compare(p, dict(MGPU, config=api.BlockSparseConfig(**{flag: True})))
   assert not bad, errs
-  with pytest.raises(ValueError, match="mgpu_dkv_q128 must be a bool"):
-    api.BlockSparseConfig(mgpu_dkv_q128=1)
+  with pytest.raises(ValueError, match=f"{flag} must be a bool"):
+    api.BlockSparseConfig(**{flag: 1})
 
 
 def test_mosaic_gpu_ssa_rows_that_see_nothing_interpret():
@@ -176,11 +181,12 @@ def test_auto_on_hopper_resolves_to_mosaic_gpu(monkeypatch):
                            128) == "triton"
 
 
-@pytest.mark.parametrize("config", [None, api.BlockSparseConfig(mgpu_dkv_q128=True)],
-                         ids=["default", "dkv_q128"])
+@pytest.mark.parametrize("config", [None, api.BlockSparseConfig(mgpu_dkv_q128=True),
+                                    api.BlockSparseConfig(mgpu_dkv_fold=True)],
+                         ids=["default", "dkv_q128", "dkv_fold"])
 def test_mosaic_gpu_lowers_for_cuda_without_triton_calls(config):
   """The Hopper program (jax.export for cuda, forward + backward): Mosaic GPU custom calls for
-  all three kernels, no Triton call; also with the dk/dv A/B candidate (its kernel lowers)."""
+  all three kernels, no Triton call; also with the dk/dv A/B candidates (their kernels lower)."""
   from jax import export
   B, T, N, K, H = 1, 512, 4, 2, 128
   q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
@@ -204,8 +210,8 @@ def test_mosaic_gpu_lowers_for_cuda_without_triton_calls(config):
   targets = re.findall(r"custom_call @([\w.]+)", text)
   assert targets.count("mosaic_gpu_v2") + targets.count("mosaic_gpu") == 3, targets
   assert not [t for t in targets if "triton" in t.lower()], targets
-  dkv_q128 = "block_sparse_dkv_q128_mgpu" in text
-  assert dkv_q128 == (config is not None and config.mgpu_dkv_q128)
+  for flag in ("q128", "fold"):   # the candidate's dk/dv kernel is the program's
+    assert (f"block_sparse_dkv_{flag}_mgpu" in text) == getattr(config, f"mgpu_dkv_{flag}", False)
 
 
 def test_ops_resolver_picks_mosaic_gpu_for_block_sparse_on_h100():
