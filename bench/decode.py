@@ -9,6 +9,14 @@ against the bytes a step must read, per scheme, with a plain-XLA decode step as 
         --serve_requests=64 --serve_slots=8 --serve_prompt=256,4096 --serve_new=16,256
     # ... with one prompt per prefill (Engine.serve(admit=1)) instead of the free rows' prompts
     # admitted together: add --serve_admit=1 --name=serve_admit1
+    # the short call (one H100, ~280 s): 32 requests through 8 slots (prompts 256..2048), then
+    # AHA at 10% of its (layer, head) pairs full (--aha_full) with its dense row, then what time
+    # leaves (segmented vs dense at 64K, MATCH 8K / 128K); each process saves row by row
+    timeout 150 python -m bench.decode --name=serve --only=serve --prefill_T=0 \
+        --serve_requests=32 --serve_slots=8 --serve_prompt=256,2048 --serve_new=16,256
+    timeout 120 python -m bench.decode --name=aha10 --aha_full=0.1 --baseline=false \
+        --prefill_T=0 --rows=dense/1/32768/olmo2-1b,aha/1/32768,dense/1/65536/llama2-7b,\
+segmented/1/65536,match/1/8192,match/1/131072
     # the bytes side only (no run, any device): every gpu_all row at the NOMINAL rates
     python -m bench.decode --preset=gpu_all --bytes_only
     # does LLaMA-2-7B dense prefill (4K chunks) + decode at 64K fit one 80 GB card (~3 min)
@@ -284,6 +292,9 @@ def define_flags():
                        flag_values=fv)
   flags.DEFINE_float("deadline_s", 0, "start no new row after this many seconds (0: none)",
                      flag_values=fv)
+  flags.DEFINE_float("aha_full", 0.0, "AHA rows: route this fraction of the (layer, head) pairs "
+                     "full for every token (`aha_static_routing`; 0: the router as initialised, "
+                     "every pair full at the recipe's bias)", flag_values=fv)
   return fv
 
 
@@ -380,6 +391,41 @@ def init_params(cfg, seed: int = 0):
   """Random-init params of `cfg`, cast to its dtype inside one jit (unboxed)."""
   import jax
   return jax.jit(_init_fn(cfg))(jax.random.key(seed))
+
+
+def spread_pairs(L: int, N: int, rate: float):
+  """[L, N] bool: round(rate * L * N) pairs, layer l holding floor or ceil of rate * N of them
+  (heads l, l + 1, ... mod N)."""
+  import numpy as np
+  if not 0.0 <= rate <= 1.0:
+    raise ValueError(f"bench.decode --aha_full={rate}: a fraction in [0, 1].")
+  n = int(round(rate * L * N))
+  full_LN = np.zeros((L, N), bool)
+  for l in range(L):
+    k = n * (l + 1) // L - n * l // L
+    full_LN[l, (l + np.arange(k)) % N] = True
+  return full_LN
+
+
+def aha_static_routing(params, cfg, rate: float):
+  """(params, full_LN): an AHA model's routers set so that round(rate * L * N) of its (layer,
+  head) pairs route every token full and the rest local: kernel 0, bias +2 (sigmoid 0.88 > tau)
+  on the chosen pairs, -2 elsewhere (full / local at any tau in (0.12, 0.88)). The pairs are spread
+  evenly: layer l gets floor or ceil of rate * N of them, at heads shifted by l (no layer is left
+  without a full head while rate * N >= 1, so a layer's full call is never skipped). A random-init
+  router scores every pair alike (bias only), so without this AHA decodes at rate 0 or 1; a trained
+  router's choice depends on the token, its bytes are the same at the same rate."""
+  import jax.numpy as jnp
+  import numpy as np
+  L, N = cfg.num_layers, cfg.num_heads
+  full_LN = spread_pairs(L, N, rate)
+  r = params["layers"]["router"]
+  if r["bias"].shape != (L, N):
+    raise ValueError(f"aha_static_routing: router bias {r['bias'].shape}, expected {(L, N)}")
+  router = dict(r, kernel=jnp.zeros_like(r["kernel"]),
+                bias=jnp.asarray(np.where(full_LN, 2.0, -2.0), r["bias"].dtype))
+  layers = dict(params["layers"], router=router)
+  return dict(params, layers=layers), full_LN
 
 
 def abstract_params(cfg):
@@ -653,6 +699,9 @@ def engine_row(scheme: str, shapes: str, B: int, T: int, F, log) -> tuple[dict, 
              status="running")
   t0 = time.perf_counter()
   params = init_params(cfg)
+  if scheme == "aha" and F.aha_full:
+    params, full_LN = aha_static_routing(params, cfg, F.aha_full)
+    row["knobs"]["full_pairs"] = float(full_LN.mean())
   jax.block_until_ready(params)
   row["init_s"] = time.perf_counter() - t0
   row["params"] = int(sum(x.size for x in jax.tree.leaves(params)))
@@ -778,7 +827,7 @@ def serve_requests(n: int, prompt_range, new_range, vocab: int, seed: int = 0):
            int(rng.integers(nlo, nhi + 1))) for _ in range(n)]
 
 
-def serve_rows(F, log) -> list[dict]:
+def serve_rows(F, log, emit=None) -> list[dict]:
   """Continuous batching vs one batch at a time, same requests (greedy, bf16 shapes of the
   scheme, prefill chunk --serve_chunk in both): `Engine.serve(slots=S)` (a finished row takes
   the next request) and `Engine.generate` over consecutive groups of S requests (a group runs
@@ -786,7 +835,9 @@ def serve_rows(F, log) -> list[dict]:
   the waste continuous batching removes). Each mode runs once untimed (compiles) and once
   timed; tokens = the sum of the requests' max_new_tokens (no stop tokens: every request runs
   its budget); tokens_per_s = tokens / wall. same_tokens: the fraction of requests whose tokens
-  agree between the modes (bf16: batch composition may flip a near tie)."""
+  agree between the modes (bf16: batch composition may flip a near tie). emit(row): called with
+  each mode's row as soon as it is done (main records it at once: a timeout keeps it); the
+  ratios are added to the serve row afterwards."""
   import jax
   from condattn_jax.inference import Engine, Request
   scheme = F.serve_scheme
@@ -837,6 +888,8 @@ def serve_rows(F, log) -> list[dict]:
       traceback.print_exc()
     log(f"  {mode}: {r.get('wall_s')} s, {r.get('tokens_per_s')} tok/s")
     rows.append(r)
+    if emit is not None:
+      emit(r)
   if all(r["status"] == "ok" for r in rows):
     rows[0]["same_tokens"] = sum(a == b for a, b in zip(got["serve"], got["batched_generate"])
                                  ) / len(reqs)
@@ -1087,8 +1140,8 @@ def main(argv=None) -> dict:
           requests=F.serve_requests, slots=F.serve_slots, prompt=list(F.serve_prompt),
           new=list(F.serve_new), scheme=F.serve_scheme, chunk=F.serve_chunk), extra_slots=EXTRA, prefill_chunk=PREFILL_CHUNK,
       plan=[list(p) for p in todo], dense_shapes=dense_shapes,
-      note="issue 33's targets recorded as claims, pass or fail: the baseline before the "
-           "in-place caches and decode kernels"))
+      aha_full=F.aha_full,
+      note="issue 33's targets recorded on the run, met or not"))
   path = common.result_path(BENCH, F.out_dir, kind)
   run["targets"] = []
   common.append_run(path, run)
@@ -1150,7 +1203,11 @@ def main(argv=None) -> dict:
     save()
   if F.serve_requests > 0 and not (F.deadline_s and time.perf_counter() - t_start > F.deadline_s):
     log(f"serve {F.serve_requests} requests through {F.serve_slots} slots")
-    run["rows"].extend(serve_rows(F, log))
+
+    def emit(r):
+      run["rows"].append(r)
+      save()
+    serve_rows(F, log, emit)
   save()
   log(table(run["rows"]))
   for t in run["targets"]:

@@ -210,6 +210,28 @@ def test_step_bytes_per_scheme_follow_the_routing_rates():
     decode.step_bytes("nope", cfg, 1, 64, {}, 0)
 
 
+def test_aha_static_routing_routes_its_pairs_full_for_every_token():
+  """--aha_full: OLMo-2-1B's 16 x 16 pairs at 0.1 -> 26 full, 1 or 2 a layer (none without);
+  on the tiny model the engine's decode steps route exactly the chosen pairs full (aux full_BN),
+  whatever the token."""
+  from condattn_jax.inference import Engine
+  f = decode.spread_pairs(16, 16, 0.1)
+  assert f.sum() == 26 and set(f.sum(1)) == {1, 2}
+  with pytest.raises(ValueError, match="--aha_full=1.5"):
+    decode.spread_pairs(16, 16, 1.5)
+  cfg, _ = decode.scheme_config("aha", "tiny-olmo", 64)
+  params, full_LN = decode.aha_static_routing(decode.init_params(cfg), cfg, 0.5)
+  assert full_LN.sum() == 4 and full_LN.sum(1).tolist() == [2, 2]
+  eng = Engine(cfg, params, cache_len=48, prefill_chunk=16)
+  prompt = np.random.default_rng(0).integers(0, cfg.vocab_size, 32, dtype=np.int32)
+  cache, logits, _, _ = eng._prefill([prompt])
+  for i, t in enumerate((3, 200)):
+    cache, logits, aux = eng._step(eng.params, cache, jnp.full((1, 1), t, jnp.int32),
+                                   jnp.full((1, 1), 32 + i, jnp.int32), jnp.ones((1, 1), bool),
+                                   logits)
+    np.testing.assert_array_equal(np.asarray(aux["full_BN"])[:, 0], full_LN.astype(np.float32))
+
+
 def test_recipe_knobs_are_scaled_to_the_context():
   _, k = decode.scheme_config("l2a", "qwen2.5-1.5b", 32768)
   assert k["window"] == 1024 and k["recipe_seq_len"] == 131072  # 4096 at 128K
