@@ -155,6 +155,81 @@ def plateau_cost(preset: str, *, steps: int | None = None, gpus: int = 2, per_gp
               calls=int(-(-alone // (gpus * per_gpu * capacity))))
 
 
+# Batched until-plateau arms (rc.train_arms_to_plateau: K arms in one program on one GPU, its
+# batches made by a BatchPool of the GPU's share of the host's cores). Rates, per arm-step:
+# BATCH_MS: host ms to make one training batch of the h100 presets (64 rows of T 512), measured
+# on this repo's CPU machine (2 shared cores, 2026-11-28): 66 ms one-token facts, 52 ms
+# two-token; DEVICE_MS: device ms of one AHA train step of the h100 model, an UPPER bound from
+# the GPU logs (3 lanes sharing one H200 ran 43 ms a step each vs ~40 alone: the GPU served 3
+# steps in 43 ms, so one takes <= 14 ms; not measured alone: the first batched call measures it).
+BATCH_MS = {1: 66.0, 2: 52.0}
+DEVICE_MS = 14.0
+BATCH_FIXED_S = 60.0    # a program's compile + the held-out evaluations of its arms (guess)
+ARM_STATE_MIB = 8.6     # an arm's TrainState (params + Adam's two moments, float32, 0.75M params)
+
+
+def batched_cost(presets=("h100", "h100_pairs", "h100_pairs_pre"), *, gpus: int = 4,
+                 cores_per_gpu: int = 16, call_s: float = 540.0, device_ms: float = DEVICE_MS,
+                 batch_ms: dict | None = None, steps: int | None = None,
+                 warm_calls: int = 1) -> dict:
+  """The calls of every AHA arm of `presets` trained under the until-plateau rule in batched
+  programs (one program a GPU a call, all its arms to `steps`, default the cap: the worst case;
+  an arm at plateau earlier only frees its share). A program holds K arms of one preset with D
+  distinct batch streams (an AHA window's lambda arms share theirs, the static lrs theirs) and
+  takes BATCH_FIXED_S + steps * max(K * device_ms, D * batch_ms / (cores_per_gpu - 1)) ms: K
+  is the most that finish inside `warm_calls` calls of `call_s` (1: inside one call, so no
+  arm's state is carried between calls, only the dense models, TREE_MIB a seed, and JSON; > 1:
+  the program goes on from its state saved in W in the next calls on the SAME warm machine,
+  held <= 30 min; a fresh machine would need `state_mib_if_fresh`, over the device tool's
+  limits). Dense models run first (one call, as the fixed-recipe plans run them). Returns
+  {presets (arms, K a program, programs), programs, calls, gpu_seconds, ...}."""
+  from bench import aha_repro
+  batch_ms = batch_ms or BATCH_MS
+  rows, calls = [], 0
+  programs = []
+  for p in presets:
+    s = aha_repro.PRESETS[p]
+    n = steps or s.aha_cap or s.aha_steps
+    arms = []   # (seed, unit, data key)
+    for seed in s.seeds:
+      for u in aha_repro.units(s, seed):
+        if u == "dense":
+          continue
+        if u == "static":
+          arms += [(seed, f"static_lr{lr}", (seed, "static")) for lr in s.static_lrs]
+        else:
+          w = int(u[1:].split("_lam")[0])
+          arms.append((seed, u, (seed, w)))
+    per_step = lambda k, d: max(k * device_ms, d * batch_ms[s.fact_tokens] / (cores_per_gpu - 1))
+    k = 0
+    while k < len(arms):   # the most arms (any k consecutive: the worst data-sharing) that fit
+      nxt = k + 1
+      worst_d = max(len({a[2] for a in arms[i:i + nxt]}) for i in range(len(arms) - nxt + 1))
+      if BATCH_FIXED_S + n * per_step(nxt, worst_d) / 1e3 > call_s * warm_calls:
+        break
+      k = nxt
+    if k == 0:
+      raise ValueError(f"{p}: one arm to {n} steps does not fit a call of {call_s:.0f} s")
+    chunks = [arms[i:i + k] for i in range(0, len(arms), k)]
+    for c in chunks:
+      d = len({a[2] for a in c})
+      programs.append(dict(preset=p, arms=len(c), streams=d,
+                           seconds=round(BATCH_FIXED_S + n * per_step(len(c), d) / 1e3)))
+    rows.append(dict(preset=p, arms=len(arms), steps=n, arms_per_program=k,
+                     programs=len(chunks)))
+  span = max(-(-q["seconds"] // call_s) for q in programs)   # calls a program spans
+  calls = 1 + -(-len(programs) // gpus) * int(span)          # + the dense models' call
+  return dict(gpus=gpus, cores_per_gpu=cores_per_gpu, device_ms=device_ms, call_s=call_s,
+              presets=rows, programs=len(programs), calls=calls,
+              longest_program_s=max(q["seconds"] for q in programs),
+              gpu_seconds=round(sum(q["seconds"] for q in programs)),
+              warm_calls=warm_calls, calls_a_program_spans=int(span),
+              state_mib_if_fresh=round(ARM_STATE_MIB * max(q["arms"] for q in programs) * gpus
+                                       if span > 1 else 0.0, 1),
+              dense_mib_carried=round(sum(len(aha_repro.PRESETS[p].seeds) for p in presets)
+                                      * TREE_MIB["aha_repro"], 1))
+
+
 def plan(runs=RUNS, *, tiny: bool = False, gpus: int = 4, per_gpu: int = 3,
          capacity: float = 330.0, ordered: bool | None = None,
          carry_mib: float | None = None,
@@ -440,6 +515,9 @@ def main(argv=None):
   ap.add_argument("--print", action="store_true", help="print the plan")
   ap.add_argument("--plateau_cost", action="store_true",
                   help="print plateau_cost of the AHA runs at the recipe's steps and at the cap")
+  ap.add_argument("--batched_cost", action="store_true",
+                  help="print batched_cost of the AHA runs (the until-plateau arms in batched "
+                       "programs) at DEVICE_MS and at a third of it")
   ap.add_argument("--write", help="write the bash script here")
   ap.add_argument("--gpus", type=int, default=4)
   ap.add_argument("--per_gpu", type=int, default=3)
@@ -472,6 +550,13 @@ def main(argv=None):
     print(" ".join(carry(a.carry, runs, tiny=a.tiny, budget_mib=budget,
                          log=lambda m: print(m, file=sys.stderr))))
     return None
+  if a.batched_cost:
+    presets = [p for b, p in runs if b == "aha_repro"] or ["h100", "h100_pairs", "h100_pairs_pre"]
+    out = [batched_cost(presets, gpus=a.gpus, device_ms=ms, warm_calls=w)
+           for ms in (DEVICE_MS, DEVICE_MS / 3) for w in (1, 3)]
+    for o in out:
+      print(o)
+    return out
   if a.plateau_cost:
     from bench import aha_repro
     out = []

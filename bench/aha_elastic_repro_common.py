@@ -313,6 +313,45 @@ class Arm:
   batch_fn: Callable[[int], dict]   # step -> batch (a pure function of the step)
   metrics: tuple = ("accuracy",)
   data: object = None               # None: this arm's own batches
+  at_recipe_end: Callable | None = None   # params -> JSON-able dict, recorded at the recipe's end
+
+
+class BatchPool:
+  """Training batches made ahead in worker processes: get(key, i) = fns[key](i), with the next
+  `ahead` steps of that key already submitted to `workers` spawned processes (the functions
+  must pickle, e.g. functools.partial(aha_repro.task_batch, task, n, stream)); workers=0: made
+  here when asked. The same batches either way (a pure function of the step): the pool only
+  moves the host's data generation off the training loop's thread. Use as a context manager."""
+
+  def __init__(self, fns: dict, *, workers: int = 0, ahead: int = 8):
+    self.fns, self.ahead, self._futures = fns, ahead, {}
+    self._ex = None
+    if workers > 0:
+      import concurrent.futures
+      import multiprocessing
+      self._ex = concurrent.futures.ProcessPoolExecutor(
+          workers, mp_context=multiprocessing.get_context("spawn"))
+
+  def get(self, key, i: int):
+    if self._ex is None:
+      return self.fns[key](i)
+    for j in range(i, i + self.ahead):
+      if (key, j) not in self._futures:
+        self._futures[(key, j)] = self._ex.submit(self.fns[key], j)
+    return self._futures.pop((key, i)).result()
+
+  def close(self):
+    if self._ex is not None:
+      for f in self._futures.values():
+        f.cancel()
+      self._ex.shutdown(wait=True, cancel_futures=True)
+      self._ex = None
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
 
 
 def _rng_free(cfg) -> bool:
@@ -375,7 +414,8 @@ def _program(arms, groups):
 
 def train_arms_to_plateau(arms, *, cap: int, check_every: int, resume: dict | None = None,
                           save: Callable | None = None, budget_s: float | None = None,
-                          log=print, log_every=100, name="arms"):
+                          workers: int = 0, ahead: int = 8, log=print, log_every=100,
+                          name="arms"):
   """`train_to_plateau` for several arms in ONE jitted program a step (arm_groups: the arms of
   one config vmapped, the groups side by side in the program): each arm's numbers are those of
   its own training (to float tolerance: vmapped matmuls), its curves and checks
@@ -383,8 +423,10 @@ def train_arms_to_plateau(arms, *, cap: int, check_every: int, resume: dict | No
   steps); an arm at plateau is masked (its state is no longer updated, its curves stop) while the
   others go on, until every arm is at plateau or the cap. resume / save / budget_s as
   train_to_plateau (saved after every check: every arm's progress and the stacked states, host
-  arrays; a resumed run equals an uninterrupted one). Returns [(params, curves, info)] in
-  `arms`' order (info as train_to_plateau's, recipe_end None)."""
+  arrays; a resumed run equals an uninterrupted one); an arm's at_recipe_end(params) is
+  recorded at the recipe's end as train_to_plateau's. workers / ahead: the batches are made
+  by a BatchPool of that many processes (0: in this loop; the same batches). Returns [(params,
+  curves, info)] in `arms`' order (info as train_to_plateau's)."""
   import jax
   import jax.numpy as jnp
   from condattn_jax.train.state import TrainState
@@ -398,8 +440,8 @@ def train_arms_to_plateau(arms, *, cap: int, check_every: int, resume: dict | No
     sts = [dict(x) for x in resume["arms"]]
     box = {"states": [jax.tree.map(jnp.asarray, s) for s in resume["states"]]}
   else:
-    sts = [dict(curves={m: [] for m in a.metrics}, checks=[], steps=0, at_plateau=False)
-           for a in arms]
+    sts = [dict(curves={m: [] for m in a.metrics}, checks=[], steps=0, at_plateau=False,
+                recipe_end=None) for a in arms]
     box = {"states": []}
     for tx, g in zip(txs, groups):
       one = [TrainState(step=jnp.zeros((), jnp.int32), params=arms[i].params,
@@ -417,7 +459,7 @@ def train_arms_to_plateau(arms, *, cap: int, check_every: int, resume: dict | No
       got: dict = {}
       for i in on:
         if data[i] not in got:
-          got[data[i]] = arms[i].batch_fn(j)
+          got[data[i]] = box["pool"].get(data[i], j)
       for i in range(len(arms)):
         if i not in live and i not in filler:
           filler[i] = arms[i].batch_fn(0)
@@ -439,23 +481,30 @@ def train_arms_to_plateau(arms, *, cap: int, check_every: int, resume: dict | No
               f"({time.time() - t0:.0f}s)")
 
   def after_check(sts, stop):
+    if stop == recipe_steps and any(a.at_recipe_end for a in arms):
+      for i, p in arm_params(jax.device_get(box["states"])).items():
+        if arms[i].at_recipe_end is not None:
+          sts[i]["recipe_end"] = arms[i].at_recipe_end(p)
     if save is not None:
       save(dict(arms=sts, states=jax.device_get(box["states"])))
     if budget_s is not None and time.time() - t0 > budget_s and any(
         not st["at_plateau"] and st["steps"] < cap for st in sts):
       raise Budget(f"{name}: stopped at step {stop} after {time.time() - t0:.0f} s (budget "
                    f"{budget_s:.0f} s), state saved: run the same part again to continue")
-  outs = plateau_arms_loop(sts, advance, recipe_steps=recipe_steps, cap=cap,
-                           check_every=check_every, after_check=after_check, log=log,
-                           names=[a.name for a in arms])
-  host = jax.device_get(box["states"])
-  params = {}
-  for g, st_g in zip(groups, host):
-    for r, i in enumerate(g):
-      params[i] = jax.tree.map(lambda x, r=r: x[r], st_g.params)
-  keys = ("steps", "cap", "check_every", "stopped", "at_plateau", "checks")
-  return [(params[i], sts[i]["curves"], dict({k: o[k] for k in keys}, recipe_end=None,
-                                             recipe_steps=recipe_steps))
+  def arm_params(host) -> dict:
+    """{arm index: its params} from the groups' stacked host states."""
+    return {i: jax.tree.map(lambda x, r=r: x[r], st_g.params)
+            for g, st_g in zip(groups, host) for r, i in enumerate(g)}
+  fns = {}
+  for i, a in enumerate(arms):
+    fns.setdefault(data[i], a.batch_fn)
+  with BatchPool(fns, workers=workers, ahead=ahead) as box["pool"]:
+    outs = plateau_arms_loop(sts, advance, recipe_steps=recipe_steps, cap=cap,
+                             check_every=check_every, after_check=after_check, log=log,
+                             names=[a.name for a in arms])
+  params = arm_params(jax.device_get(box["states"]))
+  keys = ("steps", "cap", "check_every", "stopped", "at_plateau", "checks", "recipe_end")
+  return [(params[i], sts[i]["curves"], dict({k: o[k] for k in keys}, recipe_steps=recipe_steps))
           for i, o in enumerate(outs)]
 
 

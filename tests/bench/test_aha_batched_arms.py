@@ -71,10 +71,12 @@ def _tiny_arms(s):
     dense = jax.tree.map(np.asarray, nn.unbox(Decoder(cfg).init(
         jax.random.key(seed), jnp.zeros((1, s.seq_len), jnp.int32))["params"]))
     _, _, _, acfg0, ap0 = bench._window(s, seed, 16, dense)
-    arms.append(rc.Arm(f"s{seed} lam{lam}", configure(acfg0, "aha", lam=lam), 
+    arms.append(rc.Arm(f"s{seed} lam{lam}", configure(acfg0, "aha", lam=lam),
                        bench._aha_tc(s, s.aha_steps, s.aha_lr, seed), ap0,
                        functools.partial(bench.task_batch, task, s.batch_size, 10),
-                       metrics=("accuracy", "aha/mu_f"), data=("w16", seed)))
+                       metrics=("accuracy", "aha/mu_f"), data=("w16", seed),
+                       at_recipe_end=lambda p: {"bias": np.asarray(
+                           p["layers"]["router"]["bias"]).tolist()}))
   return arms
 
 
@@ -89,7 +91,9 @@ def test_batched_arms_equal_separate_runs_and_resume_equals_uninterrupted():
   kw = dict(cap=7, check_every=2, log=lambda *a: None)
   together = rc.train_arms_to_plateau(arms, **kw)
   for a, (p, curves, info) in zip(arms, together):
-    p1, c1, i1 = rc.train_to_plateau(a.cfg, a.params, a.tc, a.batch_fn, metrics=a.metrics, **kw)
+    p1, c1, i1 = rc.train_to_plateau(a.cfg, a.params, a.tc, a.batch_fn, metrics=a.metrics,
+                                     at_recipe_end=a.at_recipe_end, **kw)
+    np.testing.assert_allclose(info["recipe_end"]["bias"], i1["recipe_end"]["bias"], atol=1e-5)
     assert [c[0] for c in info["checks"]] == [c[0] for c in i1["checks"]]
     assert info["stopped"] == i1["stopped"] and info["steps"] == i1["steps"]
     for k in a.metrics:
@@ -103,3 +107,15 @@ def test_batched_arms_equal_separate_runs_and_resume_equals_uninterrupted():
   for (p, c, i), (q, d, j) in zip(together, resumed):
     assert c == d and i == j
     jax.tree.map(np.testing.assert_array_equal, p, q)
+
+
+def test_batch_pool_gives_the_batches_of_the_function():
+  """BatchPool with worker processes returns fns[key](i) for every key and step (asked in the
+  trainer's order: steps increasing, keys interleaved), as without workers."""
+  fns = {"a": functools.partial(np.full, (2, 3)), ("w16", 1): functools.partial(np.arange)}
+  want = [(k, i, fns[k](i)) for i in range(6) for k in fns]
+  with rc.BatchPool(fns, workers=2, ahead=3) as pool:
+    for k, i, x in want:
+      np.testing.assert_array_equal(pool.get(k, i), x)
+  with rc.BatchPool(fns) as pool:
+    assert pool.get("a", 4).tolist() == [[4] * 3] * 2
