@@ -976,8 +976,9 @@ AB_VARIANTS: dict = {"dkv_q128": BlockSparseConfig(mgpu_dkv_q128=True),
                      "dkv_fold": BlockSparseConfig(mgpu_dkv_fold=True)}
 # The result file's run name of the next A/B: each A/B names its own run (the claims of the
 # earlier ones, bench/claims/block_sparse.py, check their run's variants). This one, one H100,
-# a guarded check (a hang costs its timeout only; ptxas' register / spill report of the
-# candidates' kernels dumped beside it), then the timed rounds at 64K and 32K:
+# .whl carried, `source scripts/gpu_env.sh` first (as bench/block_sparse_profile.sh): a guarded
+# check (a hang costs its timeout only; ptxas' register / spill report of the candidates'
+# kernels dumped beside it), then the timed rounds at 64K and 32K:
 #   MOSAIC_GPU_DUMP_TO=$OUT/mosaic MOSAIC_GPU_DUMP_PTXAS=1 timeout 300 python -m \
 #     bench.block_sparse --ab=all_variants --ab_check_only --ab_checks=$OUT/ab_checks.json
 #   tar -C $OUT -czf $OUT/mosaic_dump.tar.gz mosaic && rm -rf $OUT/mosaic
