@@ -160,8 +160,9 @@ def plateau_cost(preset: str, *, steps: int | None = None, gpus: int = 2, per_gp
 # BATCH_MS: host ms to make one training batch of the h100 presets (64 rows of T 512), measured
 # on this repo's CPU machine (2 shared cores, 2026-11-28): 66 ms one-token facts, 52 ms
 # two-token; DEVICE_MS: device ms of one AHA train step of the h100 model, an UPPER bound from
-# the GPU logs (3 lanes sharing one H200 ran 43 ms a step each vs ~40 alone: the GPU served 3
-# steps in 43 ms, so one takes <= 14 ms; not measured alone: the first batched call measures it).
+# the GPU logs (3 lanes sharing one H200: dense 43 ms a step each vs ~40 alone, AHA lambda arms
+# <= 42-53 ms vs 37.4 alone: the GPU served 3 steps in ~43 ms, so one takes about <= 14 ms; not
+# measured alone: the first batched call measures it).
 BATCH_MS = {1: 66.0, 2: 52.0}
 DEVICE_MS = 14.0
 BATCH_FIXED_S = 60.0    # a program's compile + the held-out evaluations of its arms (guess)
