@@ -68,12 +68,14 @@ def test_mosaic_gpu_dkv_ab_candidates_match_reference_interpret(flag, block_k):
   query tiles a step, lse / delta as the accumulators' initial values, P^T in bfloat16; 128-key
   tiles: two compute warpgroups) and its control mgpu_dkv_fold (the same step on 64-row
   sub-tiles; 64-key tiles: one warpgroup): forward and every gradient against the reference,
-  every head mode on one kv head (GQA 3:1), window + sinks (masked tiles), T = 250 (padded to
-  whole tiles). Mutants caught (q128): no delta initial value (dk rel 0.67), the masked step's query
-  rows at the wrong offset (dk 0.66). (With packed documents the row-offset mutant goes unseen,
-  in the default's backward too: this problem has none.)"""
-  p = make_problem(17, T=250, N=3, K=1, L=2, H=64, dtype=jnp.bfloat16, block_q=128,
-                   block_k=block_k, window=70, sinks=5)
+  every head mode on one kv head (GQA 3:1), window + sinks, T = 250 (padded to whole tiles),
+  packed documents with restarting positions whose boundary (row 160) lies inside a query tile
+  and a 64-row sub-tile (seed 34: make_problem's rows after the last cut are padding, and other
+  seeds leave whole query tiles padding, where a mask bug goes unseen). Mutants caught: the
+  masked step's query rows at offset 0 (q128: dk rel 4.7) or at i * 64 (fold: dk 7.0), no
+  delta initial value (q128: dk 0.71)."""
+  p = make_problem(34, T=250, N=3, K=1, L=2, H=64, dtype=jnp.bfloat16, block_q=128,
+                   block_k=block_k, window=70, sinks=5, segments=2)
   p.kw["head_mode_BN"] = jnp.asarray([[F, B_, W]], jnp.int32)
   errs, bad = compare(p, dict(MGPU, config=api.BlockSparseConfig(**{flag: True})))
   assert not bad, errs
