@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import json
 import os
 import sys
@@ -44,6 +45,7 @@ from bench import common  # noqa: E402
 from bench import aha_elastic_repro_common as rc  # noqa: E402
 
 import flax.linen as nn  # noqa: E402
+from absl import flags  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -571,17 +573,50 @@ def _train_arm(s, cfg, p0, tc, batch_fn, *, metrics, name, log, eval_cfg=None, e
     return p, curves, None
   disk = ckpt is not None and ckpt[0] is not None and ckpt[0].work_dir is not None
 
-  def recipe_end(p):
-    r = evaluate(eval_cfg or cfg, p, ev)
-    return {k: r.get(k) for k in RECIPE_END_KEYS}
   p, curves, until = rc.train_to_plateau(
       cfg, p0, tc, batch_fn, metrics=metrics, cap=s.aha_cap,
       check_every=s.plateau_check_every or s.aha_steps,
-      at_recipe_end=recipe_end if ev is not None else None,
+      at_recipe_end=_recipe_end_fn(eval_cfg or cfg, ev) if ev is not None else None,
       resume=ckpt[0].get_tree(ckpt[1], missing_ok=True) if disk else None,
       save=(lambda st: ckpt[0].put_tree(ckpt[1], st)) if disk else None,
       budget_s=ckpt[0].budget_s if disk else None, name=name, log=log, log_every=s.log_every)
   return p, curves, until
+
+
+def _recipe_end_fn(cfg, ev):
+  """params -> the held-out RECIPE_END_KEYS of `evaluate(cfg, params, ev)` (the until-plateau
+  rule's record of the recipe's end)."""
+  def f(p):
+    r = evaluate(cfg, p, ev)
+    return {k: r.get(k) for k in RECIPE_END_KEYS}
+  return f
+
+
+def _lam_parts(s, seed, w, lam, dense, log):
+  """(rc.Arm, finish) of one learned arm (window w, lambda `lam`): finish(params, curves,
+  until) -> its record (held-out evaluation; the headline lambda s.lam also mu_f over generated
+  tokens)."""
+  task, _, ev, acfg0, ap0 = _window(s, seed, w, dense)
+  acfg = configure(acfg0, "aha", lam=lam)
+  arm = rc.Arm(f"aha w{w} lam{lam} s{seed}", acfg, _aha_tc(s, s.aha_steps, s.aha_lr, seed), ap0,
+               functools.partial(task_batch, task, s.batch_size, 10),
+               metrics=("accuracy", "aha/mu_f"), data=(seed, w, 10),
+               at_recipe_end=_recipe_end_fn(acfg, ev))
+
+  def finish(p, curves, until):
+    r = evaluate(acfg, p, ev)
+    if until is not None:
+      r["until_plateau"] = until
+    if lam == s.lam and s.generated_rows:
+      r["generated"] = generated_usage(acfg, p, ev, n_rows=s.generated_rows)
+    r["plateau"] = {k: rc.plateau(v) for k, v in curves.items()}
+    r["curves"] = {k: rc.thin(v) for k, v in curves.items()}
+    log(f"[aha w{w} lam{lam} s{seed}] " + json.dumps(
+        {k: r[k] for k in ("accuracy", "mu_f", "usage_need", "usage_noneed", "usage_nonquery",
+                           "top_head_share")}
+        | ({"mu_f_generated": r["generated"]["mu_f"]} if "generated" in r else {})))
+    return r
+  return arm, finish, ev
 
 
 def lam_arm(s, seed, w, lam, dense, log, store: rc.Store | None = None,
@@ -589,25 +624,11 @@ def lam_arm(s, seed, w, lam, dense, log, store: rc.Store | None = None,
   """One learned arm: window w, lambda `lam` (the headline lambda s.lam also measures mu_f over
   generated tokens); trained by `_train_arm` (store / unit: where the until-plateau rule saves
   its state)."""
-  task, _, ev, acfg0, ap0 = _window(s, seed, w, dense)
-  B = s.batch_size
-  acfg = configure(acfg0, "aha", lam=lam)
-  p, curves, until = _train_arm(
-      s, acfg, ap0, _aha_tc(s, s.aha_steps, s.aha_lr, seed),
-      lambda i: _drop(task.batch(i * B, B, stream=10)), metrics=("accuracy", "aha/mu_f"),
-      name=f"aha w{w} lam{lam} s{seed}", log=log, ev=ev, ckpt=(store, f"{unit}_state"))
-  r = evaluate(acfg, p, ev)
-  if until is not None:
-    r["until_plateau"] = until
-  if lam == s.lam and s.generated_rows:
-    r["generated"] = generated_usage(acfg, p, ev, n_rows=s.generated_rows)
-  r["plateau"] = {k: rc.plateau(v) for k, v in curves.items()}
-  r["curves"] = {k: rc.thin(v) for k, v in curves.items()}
-  log(f"[aha w{w} lam{lam} s{seed}] " + json.dumps(
-      {k: r[k] for k in ("accuracy", "mu_f", "usage_need", "usage_noneed", "usage_nonquery",
-                         "top_head_share")}
-      | ({"mu_f_generated": r["generated"]["mu_f"]} if "generated" in r else {})))
-  return r
+  arm, finish, ev = _lam_parts(s, seed, w, lam, dense, log)
+  p, curves, until = _train_arm(s, arm.cfg, arm.params, arm.tc, arm.batch_fn,
+                                metrics=arm.metrics, name=arm.name, log=log, ev=ev,
+                                ckpt=(store, f"{unit}_state"))
+  return finish(p, curves, until)
 
 
 def window_unit(s, seed, w, dense, dense_info, log, store=None) -> dict[str, Any]:
@@ -668,11 +689,9 @@ def assemble(s: Settings, seed: int, store: rc.Store) -> dict[str, Any]:
 BENCH = rc.Bench("aha_repro", units, run_unit, assemble)
 
 
-def static_control(s, acfg0, ap0, learned, task, ev, seed, w, log, store=None) -> dict[str, Any]:
-  """The learned router's most-used heads full for every token (ceil(mu_f * L * N) of them, at
-  least one: at least the learned mu_f), the rest local; fine-tuned (all but the router, its
-  own lr sweep; lambda 0); the best lr by held-out accuracy (selection = eval rows: favours
-  the control)."""
+def _static_parts(s, acfg0, ap0, learned, task, ev, seed, w, log):
+  """(arms, finish) of the static control (`static_control`): one rc.Arm per static lr;
+  finish([(params, curves, until)] in their order) -> its record."""
   L, N = s.num_layers, s.num_heads
   n = max(1, int(np.ceil(round(learned["mu_f"] * L * N, 6))))
   order = np.argsort(-np.asarray(learned["usage_head"]).reshape(-1), kind="stable")[:n]
@@ -681,26 +700,40 @@ def static_control(s, acfg0, ap0, learned, task, ev, seed, w, log, store=None) -
   heads = heads.reshape(L, N)
   cfg = configure(acfg0, "aha", lam=0.0)
   p0 = _static_params(ap0, heads)
-  drop = _drop
-  B = s.batch_size
   # evaluated under the arm's config (lambda only weighs the loss: the same forward, compiled once)
   out = dict(full_heads=int(n), mu_f=n / (L * N), heads=heads.astype(int).tolist(),
              frozen=evaluate(acfg0, p0, ev)["accuracy"], tuned={})
-  for i, lr in enumerate(s.static_lrs):
-    tc = rc.train_config(steps=s.aha_steps, lr=lr, seed=seed,
-                         trainable=r"(?!(.*/)?router/).*")
-    p, curves, until = _train_arm(
-        s, cfg, p0, tc, lambda j: drop(task.batch(j * B, B, stream=20)), metrics=("accuracy",),
-        name=f"static w{w} lr{lr} s{seed}", log=log, eval_cfg=acfg0, ev=ev,
-        ckpt=(store, f"static_state_lr{i}"))
-    r = evaluate(acfg0, p, ev)
-    out["tuned"][str(lr)] = dict(accuracy=r["accuracy"], mu_f=r["mu_f"],
-                                 plateau=rc.plateau(curves["accuracy"]),
-                                 curve=rc.thin(curves["accuracy"]),
-                                 **({"until_plateau": until} if until is not None else {}))
-  out["best_accuracy"] = max([out["frozen"]] + [t["accuracy"] for t in out["tuned"].values()])
-  log(f"[static w{w} s{seed}] {n} heads: frozen {out['frozen']:.3f}, best {out['best_accuracy']:.3f}")
-  return out
+  arms = [rc.Arm(f"static w{w} lr{lr} s{seed}", cfg,
+                 rc.train_config(steps=s.aha_steps, lr=lr, seed=seed,
+                                 trainable=r"(?!(.*/)?router/).*"), p0,
+                 functools.partial(task_batch, task, s.batch_size, 20), metrics=("accuracy",),
+                 data=(seed, w, 20), at_recipe_end=_recipe_end_fn(acfg0, ev))
+          for lr in s.static_lrs]
+
+  def finish(results):
+    for lr, (p, curves, until) in zip(s.static_lrs, results):
+      r = evaluate(acfg0, p, ev)
+      out["tuned"][str(lr)] = dict(accuracy=r["accuracy"], mu_f=r["mu_f"],
+                                   plateau=rc.plateau(curves["accuracy"]),
+                                   curve=rc.thin(curves["accuracy"]),
+                                   **({"until_plateau": until} if until is not None else {}))
+    out["best_accuracy"] = max([out["frozen"]] + [t["accuracy"] for t in out["tuned"].values()])
+    log(f"[static w{w} s{seed}] {n} heads: frozen {out['frozen']:.3f}, best "
+        f"{out['best_accuracy']:.3f}")
+    return out
+  return arms, finish
+
+
+def static_control(s, acfg0, ap0, learned, task, ev, seed, w, log, store=None) -> dict[str, Any]:
+  """The learned router's most-used heads full for every token (ceil(mu_f * L * N) of them, at
+  least one: at least the learned mu_f), the rest local; fine-tuned (all but the router, its
+  own lr sweep; lambda 0); the best lr by held-out accuracy (selection = eval rows: favours
+  the control)."""
+  arms, finish = _static_parts(s, acfg0, ap0, learned, task, ev, seed, w, log)
+  return finish([_train_arm(s, a.cfg, a.params, a.tc, a.batch_fn, metrics=a.metrics,
+                            name=a.name, log=log, eval_cfg=acfg0, ev=ev,
+                            ckpt=(store, f"static_state_lr{i}"))
+                 for i, a in enumerate(arms)])
 
 
 def summarize(s: Settings, seeds: list[dict]) -> dict[str, Any]:
@@ -859,11 +892,100 @@ def probe_record(preset: str, seed: int, unit: str, work_dir: str, *, call_s: fl
               call_seconds=call_s)
 
 
+def run_batched(s: Settings, preset: str, seeds, units_: list[str], work_dir: str, *,
+                workers: int = 0, budget_s: float | None = None, log=print) -> dict:
+  """Arm units (`w<w>`, `w<w>_lam<x>`, `static`) of several seeds under the until-plateau rule
+  (s.aha_cap > 0) trained TOGETHER: every arm of them in one rc.train_arms_to_plateau program
+  (its batches from `workers` processes), then each unit's record evaluated and stored in
+  `work_dir` as its one-arm run stores it (`--part`: the same records, the arm numbers to float
+  tolerance; a unit's seconds are the program's shared evenly over its arms). Reads each seed's
+  dense model (and, for `static`, its `w<smallest>` unit: run that in an earlier batch). Units
+  already stored are skipped. The program's state is saved at every check (tree
+  `arms_<hash of the seeds' units>_state` of the first seed's store): past `budget_s` rc.Budget,
+  and the same command goes on from it. Returns {units: [(seed, unit)], arms, seconds}."""
+  if not s.aha_cap:
+    raise ValueError("run_batched trains under the until-plateau rule: the preset needs aha_cap")
+  t0 = time.time()
+  stores = {seed: rc.Store("aha_repro", preset, s, seed, work_dir) for seed in seeds}
+  w0 = min(s.windows)
+  arms, jobs = [], []   # jobs: (seed, unit, finish(results) -> record, arm indices)
+  bad = [u for u in units_ if u == "dense" or not any(u in units(s, x) for x in seeds)]
+  if bad:
+    raise ValueError(f"--arms: {bad} are not arm units of seeds {list(seeds)} "
+                     f"({units(s, seeds[0])[1:]})")
+  for seed in seeds:
+    st = stores[seed]
+    for u in units_:
+      if u not in units(s, seed):   # e.g. the lambda sweep's units on seeds past sweep_seeds
+        continue
+      if st.has(u):
+        log(f"[s{seed} {u}] done already")
+        continue
+      if not _judged(st.get("dense")):
+        st.put(u, dict(not_judged="the dense model did not reach the gate"), 0.0)
+        continue
+      dense = st.get_tree("dense")
+      if u == "static":
+        if f"w{w0}" in units_ and not st.has(f"w{w0}"):
+          raise ValueError(f"seed {seed}: static reads w{w0}; run w{w0} in an earlier batch")
+        task, _, ev, acfg0, ap0 = _window(s, seed, w0, dense)
+        a, fin = _static_parts(s, acfg0, ap0, st.get(f"w{w0}")["lams"][str(s.lam)], task, ev,
+                               seed, w0, log)
+        jobs.append((seed, u, fin, list(range(len(arms), len(arms) + len(a)))))
+        arms += a
+        continue
+      w, lam = ((w0, float(u.split("_lam")[1])) if "_lam" in u else (int(u[1:]), s.lam))
+      a, fin, ev = _lam_parts(s, seed, w, lam, dense, log)
+      if "_lam" in u:
+        finish = lambda res, fin=fin: fin(*res[0])
+      else:   # a window unit: the dense and local-only controls beside its headline arm
+        _, cfg, _, acfg0, ap0 = _window(s, seed, w, dense)
+        head = dict(dense=evaluate(cfg, dense, ev), dense_train=st.get("dense"),
+                    local_only=evaluate(configure(acfg0, "aha", routing="none"), ap0, ev))
+        finish = lambda res, fin=fin, head=head: dict(head, lams={str(s.lam): fin(*res[0])})
+      jobs.append((seed, u, finish, [len(arms)]))
+      arms.append(a)
+  if arms:
+    first = stores[seeds[0]]
+    import hashlib
+    which = ",".join(f"s{seed}:{u}" for seed, u, _, _ in jobs)
+    name = f"arms_{hashlib.sha1(which.encode()).hexdigest()[:12]}_state"   # of these units
+    results = rc.train_arms_to_plateau(
+        arms, cap=s.aha_cap, check_every=s.plateau_check_every or s.aha_steps,
+        resume=first.get_tree(name, missing_ok=True), save=lambda d: first.put_tree(name, d),
+        budget_s=budget_s, workers=workers, log=log, log_every=s.log_every,
+        name=f"{len(arms)} arms")
+    share = (time.time() - t0) / len(arms)
+    for seed, u, finish, idx in jobs:
+      stores[seed].put(u, finish([results[i] for i in idx]), share * len(idx))
+  return dict(units=[(seed, u) for seed, u, _, _ in jobs], arms=len(arms),
+              seconds=time.time() - t0)
+
+
 FLAGS = common.flag_values()
 rc.define_flags(FLAGS, PRESETS, "docs/schemes/aha.md")
+flags.DEFINE_list("arms", None, "with --work_dir and --seeds: these arm units of every seed trained "
+                  "together in one program under the until-plateau rule (run_batched)",
+                  flag_values=FLAGS)
+flags.DEFINE_integer("workers", 0, "--arms: processes making the training batches (rc.BatchPool)",
+                     flag_values=FLAGS)
 
 
 def main(argv=None):
+  a = common.parse_flags(FLAGS, argv)
+  if a.arms:
+    if not a.work_dir or a.preset not in PRESETS:
+      raise ValueError("--arms needs --work_dir (the dense models' folder) and a known --preset")
+    s = PRESETS[a.preset]
+    seeds = [int(x) for x in a.seeds] if a.seeds else list(s.seeds)
+    try:
+      out = run_batched(s, a.preset, seeds, list(a.arms), a.work_dir, workers=a.workers,
+                        budget_s=a.dense_budget_s)
+    except rc.Budget as e:
+      print(f"BUDGET: {e}")
+      raise SystemExit(3)
+    print(f"arms {','.join(a.arms)} of seeds {seeds}: {out['seconds']:.1f} s")
+    return out
   return rc.main("aha_repro", FLAGS, PRESETS, FILES, run, argv, parts=BENCH)
 
 

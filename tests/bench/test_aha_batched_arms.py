@@ -4,6 +4,7 @@
 check and resumed from its saved state equals the uninterrupted one."""
 import dataclasses
 import functools
+import json
 
 import numpy as np
 import pytest
@@ -80,10 +81,13 @@ def _tiny_arms(s):
   return arms
 
 
+@pytest.mark.manual
 def test_batched_arms_equal_separate_runs_and_resume_equals_uninterrupted():
-  """K arms in one program == each trained alone by train_to_plateau (curves, checks and
-  params to float tolerance: vmapped matmuls); cut after its first check (Budget, state saved)
-  and resumed, the program ends exactly where the uninterrupted one does."""
+  """K arms in one program == each trained alone by train_to_plateau (curves, checks, params
+  and recipe-end numbers to float tolerance: vmapped matmuls); cut after its first check
+  (Budget, state saved) and resumed, the program ends exactly where the uninterrupted one does
+  (~80 CPU-s). Default cover: test_batched_units_store_the_one_arm_units_records (the same
+  through aha_repro's units, resumed, to float tolerance)."""
   import jax
   s = dataclasses.replace(bench.PRESETS["test"], num_layers=1, batch_size=4, aha_steps=3)
   arms = _tiny_arms(s)
@@ -119,3 +123,57 @@ def test_batch_pool_gives_the_batches_of_the_function():
       np.testing.assert_array_equal(pool.get(k, i), x)
   with rc.BatchPool(fns) as pool:
     assert pool.get("a", 4).tolist() == [[4] * 3] * 2
+
+
+def _close(a, b, path=""):
+  """a == b, floats to rtol 1e-3 (the batched arms' vmapped matmuls)."""
+  if isinstance(a, dict):
+    assert set(a) == set(b), path
+    for k in a:
+      _close(a[k], b[k], f"{path}.{k}")
+  elif isinstance(a, list):
+    assert len(a) == len(b), path
+    for i, (x, y) in enumerate(zip(a, b)):
+      _close(x, y, f"{path}[{i}]")
+  elif isinstance(a, float) and not isinstance(a, bool):
+    assert abs(a - b) <= 1e-3 * abs(b) + 1e-5, (path, a, b)
+  else:
+    assert a == b, (path, a, b)
+
+
+def test_batched_units_store_the_one_arm_units_records(tmp_path):
+  """aha_repro --arms (run_batched): two seeds' window, lambda-sweep and static units trained
+  as batched programs under the until-plateau rule (the first cut at its budget after one
+  check and resumed) store the records the one-arm --part runs store (every number to float
+  tolerance, every plateau decision and step count equal); the static control needs its
+  seed's window unit from an earlier batch."""
+  import shutil
+  s = dataclasses.replace(bench.PRESETS["test"], num_layers=1, batch_size=4, aha_steps=3,
+                          aha_cap=7, plateau_check_every=2, lams=(1e-2, 3e-2), seeds=(0, 1),
+                          static_lrs=(1e-3, 3e-3), generated_rows=0)
+  bench.PRESETS["test_batched"] = s
+  try:
+    one, many = tmp_path / "one", tmp_path / "many"
+    argv = ["--preset=test_batched", "--seeds=0,1"]
+    for seed in (0, 1):
+      bench.main(["--preset=test_batched", f"--seeds={seed}", f"--work_dir={one}",
+                  "--part=" + ",".join(bench.units(s, seed))])
+    many.mkdir()
+    for f in one.glob("*_dense.*"):
+      shutil.copy(f, many)
+    with pytest.raises(ValueError, match="static reads w16"):
+      bench.main(argv + ["--arms=w16,static", f"--work_dir={many}"])
+    with pytest.raises(SystemExit) as e:   # cut after its first check, state saved
+      bench.main(argv + ["--arms=w16,w16_lam0.01", f"--work_dir={many}", "--dense_budget_s=0"])
+    assert e.value.code == 3 and list(many.glob("*_arms_*_state.pkl"))
+    out = bench.main(argv + ["--arms=w16,w16_lam0.01", f"--work_dir={many}"])   # goes on
+    assert out["arms"] == 3 and sorted(out["units"]) == [(0, "w16"), (0, "w16_lam0.01"),
+                                                        (1, "w16")]
+    assert bench.main(argv + ["--arms=static", f"--work_dir={many}"])["arms"] == 4
+    for seed in (0, 1):
+      for u in bench.units(s, seed)[1:]:
+        a = rc.Store("aha_repro", "test_batched", s, seed, str(many)).get(u)
+        b = rc.Store("aha_repro", "test_batched", s, seed, str(one)).get(u)
+        _close(json.loads(json.dumps(a)), json.loads(json.dumps(b)), f"s{seed}.{u}")
+  finally:
+    del bench.PRESETS["test_batched"]

@@ -181,3 +181,20 @@ def test_pairs_pre_plan_runs_its_gated_dense_models_first():
     assert sorted(ch.seed for ch in first if "dense" in ch.units) == list(s.seeds)
     if not tiny:   # the tiny twin's gate is 0 (a dry run): no budget stop
       assert all(f"--dense_budget_s={gp.DENSE_BUDGET_S}" in gp.command(ch) for ch in first)
+
+
+def test_batched_plan_keeps_every_program_inside_a_call():
+  """bench/aha_elastic_gpu.py batched_cost (the until-plateau arms in batched programs): every
+  arm of the three AHA presets placed once (33 a preset), every program (arms to the cap) within
+  a call, no arm state carried between calls, the dense models' call first; a faster device
+  step packs more arms a program and needs fewer calls; more GPUs, fewer calls."""
+  from bench import aha_elastic_gpu as gp
+  runs = ("h100", "h100_pairs", "h100_pairs_pre")
+  slow, fast = (gp.batched_cost(runs, gpus=4, device_ms=ms) for ms in (14.0, 14.0 / 3))
+  for c in (slow, fast):
+    assert [p["arms"] for p in c["presets"]] == [33, 33, 33]
+    assert c["longest_program_s"] <= c["call_s"] and c["state_mib_if_fresh"] == 0.0
+    assert c["calls"] == 1 + -(-c["programs"] // 4)
+  assert fast["presets"][0]["arms_per_program"] > slow["presets"][0]["arms_per_program"]
+  assert fast["calls"] < slow["calls"]
+  assert gp.batched_cost(runs, gpus=2, device_ms=14.0)["calls"] > slow["calls"]
