@@ -36,6 +36,12 @@ Dry run on a CPU (the same plan on the `tiny` presets, lanes one after another):
       W=/tmp/w OUT=/tmp/o SERIAL=1 TIMEOUT=1800 PY=.venv/bin/python bash /tmp/tiny.sh all
 (tests/bench/test_aha_elastic_gpu_plan.py: the plan's invariants by default, this dry run as a
 manual test: every lane exit 0, and the three merged runs with their claims passing.)
+
+AHA's until-plateau rule in batched programs (`bench.aha_repro --arms`, rc.train_arms_to_plateau):
+    python -m bench.aha_elastic_gpu --gpus=4 --batched_cost \
+      --runs=aha_repro:h100,aha_repro:h100_pairs,aha_repro:h100_pairs_pre
+prints `batched_cost` (calls, programs, arms a program) at DEVICE_MS and a third of it; the
+script of such calls is not generated yet (docs/schemes/aha.md, "The batched plan").
 """
 from __future__ import annotations
 

@@ -964,9 +964,9 @@ def run_batched(s: Settings, preset: str, seeds, units_: list[str], work_dir: st
 
 FLAGS = common.flag_values()
 rc.define_flags(FLAGS, PRESETS, "docs/schemes/aha.md")
-flags.DEFINE_list("arms", None, "with --work_dir and --seeds: these arm units of every seed trained "
-                  "together in one program under the until-plateau rule (run_batched)",
-                  flag_values=FLAGS)
+flags.DEFINE_list("arms", None, "with --work_dir and --seeds: these arm units of every seed "
+                  "trained together in one program under the until-plateau rule (run_batched; "
+                  "--dense_budget_s cuts it, exit 3, and the rerun goes on)", flag_values=FLAGS)
 flags.DEFINE_integer("workers", 0, "--arms: processes making the training batches (rc.BatchPool)",
                      flag_values=FLAGS)
 
