@@ -9,12 +9,15 @@ against the bytes a step must read, per scheme, with a plain-XLA decode step as 
         --serve_requests=64 --serve_slots=8 --serve_prompt=256,4096 --serve_new=16,256
     # ... with one prompt per prefill (Engine.serve(admit=1)) instead of the free rows' prompts
     # admitted together: add --serve_admit=1 --name=serve_admit1
-    # the short call (one H100, ~280 s): 32 requests through 8 slots (prompts 256..2048), then
-    # AHA at 10% of its (layer, head) pairs full (--aha_full) with its dense row, then what time
-    # leaves (segmented vs dense at 64K, MATCH 8K / 128K); each process saves row by row
-    timeout 150 python -m bench.decode --name=serve --only=serve --prefill_T=0 \
+    # the same at a smaller set, one H100 call of its own (~5 min: five programs' first
+    # compiles, ~25-40 s each, then an untimed and a timed pass a mode); each mode's row is
+    # saved as soon as it is done
+    timeout 420 python -m bench.decode --name=serve --only=serve --prefill_T=0 \
         --serve_requests=32 --serve_slots=8 --serve_prompt=256,2048 --serve_new=16,256
-    timeout 120 python -m bench.decode --name=aha10 --aha_full=0.1 --baseline=false \
+    # AHA at 10% of its (layer, head) pairs full (--aha_full) with its dense row, then what time
+    # leaves (segmented vs dense at 64K, MATCH 8K / 128K), saved row by row; AHA's decode
+    # program took over 170 s to compile or run in a 272 s call: a call of its own (>= 8 min)
+    timeout 500 python -m bench.decode --name=aha10 --aha_full=0.1 --baseline=false \
         --prefill_T=0 --rows=dense/1/32768/olmo2-1b,aha/1/32768,dense/1/65536/llama2-7b,\
 segmented/1/65536,match/1/8192,match/1/131072
     # the bytes side only (no run, any device): every gpu_all row at the NOMINAL rates
@@ -722,6 +725,7 @@ def engine_row(scheme: str, shapes: str, B: int, T: int, F, log) -> tuple[dict, 
   t0 = time.perf_counter()
   compiled = Engine._step.lower(eng, eng.params, cache, tok, pos0, on, logits).compile()
   row["compile_s"] = time.perf_counter() - t0
+  log(f"  compiled its decode step: {row['compile_s']:.1f} s")
   row.update(_mem(compiled))
   auxes = []
 
@@ -827,6 +831,9 @@ def serve_requests(n: int, prompt_range, new_range, vocab: int, seed: int = 0):
            int(rng.integers(nlo, nhi + 1))) for _ in range(n)]
 
 
+SERVE_SLOT_MULTIPLE = 256
+
+
 def serve_rows(F, log, emit=None) -> list[dict]:
   """Continuous batching vs one batch at a time, same requests (greedy, bf16 shapes of the
   scheme, prefill chunk --serve_chunk in both): `Engine.serve(slots=S)` (a finished row takes
@@ -846,7 +853,11 @@ def serve_rows(F, log, emit=None) -> list[dict]:
     shapes = TINY_SHAPES.get(shapes, shapes)
   reqs = serve_requests(F.serve_requests, F.serve_prompt, F.serve_new,
                         SHAPES[shapes]["vocab_size"])
-  longest = max(len(p) for p, _ in reqs) + max(m for _, m in reqs)
+  # the cache's slots rounded up to a multiple of SERVE_SLOT_MULTIPLE: a kv length the GPU
+  # kernels take (Mosaic GPU needs a multiple of 64, Triton of 16; at any other length the
+  # prefill chunks' ops.attention falls back to the O(T*S) reference)
+  need = max(len(p) for p, _ in reqs) + max(m for _, m in reqs)
+  longest = -(-need // SERVE_SLOT_MULTIPLE) * SERVE_SLOT_MULTIPLE
   cfg, knobs = scheme_config(scheme, shapes, longest)
   params = init_params(cfg)
   S = F.serve_slots
@@ -878,6 +889,7 @@ def serve_rows(F, log, emit=None) -> list[dict]:
       t0 = time.perf_counter()
       fn()
       r["first_s"] = time.perf_counter() - t0  # compiles included
+      log(f"  {mode}: untimed pass (compiles) {r['first_s']:.1f} s")
       t0 = time.perf_counter()
       got[mode], extra = fn()
       jax.effects_barrier()

@@ -81,6 +81,8 @@ def test_serve_rows_compare_continuous_batching_with_one_batch_at_a_time(cpu_run
   reqs = decode.serve_requests(6, (3, 20), (1, 8), decode.SHAPES["tiny-qwen"]["vocab_size"])
   assert sv["tokens"] == bt["tokens"] == sum(m for _, m in reqs)
   assert sv["prompt_tokens"] == sum(len(p) for p, _ in reqs) and sv["B"] == 2
+  need = max(len(p) for p, _ in reqs) + max(m for _, m in reqs)  # slots: a kernel-friendly size
+  assert sv["T"] % decode.SERVE_SLOT_MULTIPLE == 0 and need <= sv["T"] < need + 256
   for r in (sv, bt):
     assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["wall_s"])
   assert sv["over_batched"] == pytest.approx(sv["tokens_per_s"] / bt["tokens_per_s"])
