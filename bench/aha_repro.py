@@ -962,6 +962,48 @@ def run_batched(s: Settings, preset: str, seeds, units_: list[str], work_dir: st
               seconds=time.time() - t0)
 
 
+def cross_lowered_kernels(preset: str = "h100", k: int = 3, *,
+                          device_kind: str = "NVIDIA H100 80GB HBM3") -> dict[str, int]:
+  """{custom call target: count} in the batched program of `k` arms of `preset` (its headline
+  arm on k seeds: one vmapped group; attention_impl 'auto') lowered for CUDA from any host (an
+  abstract CUDA device: ops.attention picks that platform's kernels). The same counts for k = 1
+  and k > 1 mean vmap batches the attention kernels over the arms (one launch each), not a loop
+  of k copies. Zero params stand in for a dense model (only shapes matter)."""
+  from jax.sharding import AbstractDevice, AbstractMesh
+  from condattn_jax.train.state import TrainState
+  import collections
+  import re
+  s = PRESETS[preset]
+  w = min(s.windows)
+  task = RestatedRecall(s, w, 0)
+  cfg = base_config(s, task).replace(attention_impl="auto")
+  shapes = jax.eval_shape(lambda: nn.unbox(Decoder(cfg).init(
+      jax.random.key(0), jnp.zeros((1, s.seq_len), jnp.int32))["params"]))
+  dense = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), shapes)
+  acfg0, ap0 = convert(dense, cfg, "aha", window=w, tau=s.tau, lam=s.lam,
+                       router_bias_init=s.router_bias_init)
+  arms = [rc.Arm(f"s{i}", acfg0, _aha_tc(s, s.aha_steps, s.aha_lr, i), ap0,
+                 functools.partial(task_batch, task, s.batch_size, 10),
+                 metrics=("accuracy", "aha/mu_f")) for i in range(k)]
+  groups = rc.arm_groups(arms)
+  txs, program = rc._program(arms, groups)
+  states = [jax.eval_shape(lambda tx=tx, g=g: jax.tree.map(lambda *x: jnp.stack(x), *[
+      TrainState(step=jnp.zeros((), jnp.int32), params=arms[i].params,
+                 opt_state=tx.init(arms[i].params)) for i in g])) for tx, g in zip(txs, groups)]
+  b = task_batch(task, s.batch_size, 10, 0)
+  batches = [{n: jax.ShapeDtypeStruct((len(g),) + v.shape, v.dtype) for n, v in b.items()}
+             for g in groups]
+  active = [jax.ShapeDtypeStruct((len(g),), bool) for g in groups]
+  mesh = AbstractMesh((1,), ("data",), abstract_device=AbstractDevice(
+      device_kind=device_kind, num_cores=None, platform="cuda"))
+  with jax.sharding.use_abstract_mesh(mesh):
+    exp = jax.export.export(program, platforms=["cuda"], disabled_checks=[
+        jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+            states, batches, active)
+  return dict(collections.Counter(re.findall(r"stablehlo\.custom_call @([\w$.]+)",
+                                             exp.mlir_module())))
+
+
 FLAGS = common.flag_values()
 rc.define_flags(FLAGS, PRESETS, "docs/schemes/aha.md")
 flags.DEFINE_list("arms", None, "with --work_dir and --seeds: these arm units of every seed "

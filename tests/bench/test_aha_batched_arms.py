@@ -177,3 +177,12 @@ def test_batched_units_store_the_one_arm_units_records(tmp_path):
         _close(json.loads(json.dumps(a)), json.loads(json.dumps(b)), f"s{seed}.{u}")
   finally:
     del bench.PRESETS["test_batched"]
+
+
+@pytest.mark.manual
+def test_batched_program_batches_the_cuda_kernels():
+  """The h100 preset's batched program lowered for CUDA from this host (~40 CPU-s): the same
+  attention kernel launches for 3 arms as for 1 (vmap batches them over the arms, no loop of
+  copies). Default cover: none (no GPU here; the GPU's own step times are the check)."""
+  one, three = (bench.cross_lowered_kernels("h100", k) for k in (1, 3))
+  assert one and one == three
