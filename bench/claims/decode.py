@@ -169,3 +169,12 @@ def performance_decode_kernel(rec, run):
   out.append(f"| L2A ({q}) | 1 | 128K | {r['ms']:.2f} | {r['limit_ms']:.2f} | {r['x_limit']:.2f} | - |")
   out.append(f"{r['ms']:.2f} ms, {r['achieved']:.2f} of its bytes-bound speedup")
   return out
+
+
+@quote("docs/performance.md", H100, run="aha10")
+def performance_decode_short_call(rec, run):
+  """The short call's one finished row: dense OLMo-2-1B, B = 1, 32K (the AHA 10% row's dense)."""
+  r = _row(run["rows"], "dense", "olmo2-1b", 1, 32768)
+  return [f"| dense (olmo2-1b) | 1 | 32K | {r['ms']:.2f} | {r['limit_ms']:.2f} | "
+          f"{r['x_limit']:.2f} | {r['compile_s']:.1f} | "
+          f"{_peak(run['rows'], 'dense', 'olmo2-1b', 1, 32768)} |"]

@@ -287,7 +287,7 @@ def test_recorded_h100_runs_hold_their_claims_and_the_docs_quote_them():
   assert data["device"] == "NVIDIA H100 80GB HBM3"
   assert [r["settings"]["name"] for r in data["runs"]] == [
       "main", "rest", "match", "aha_rate", "aha_rate", "match128", "inplace_cudnn", "split_kv",
-      "split_kv_no_cond", "main_decode_kernel"]
+      "split_kv_no_cond", "main_decode_kernel", "aha10"]
   for i, run in enumerate(data["runs"]):
     assert run["jax_version"] == "0.11.2" and run["settings"]["bandwidth_tbps"] == 3.35
     assert [c["passed"] for c in claims.evaluate(GPU_FILE, data["runs"], i)] == [True]
