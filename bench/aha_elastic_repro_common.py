@@ -156,12 +156,13 @@ def _start(tx, params, resume: dict | None, fresh: dict):
                     opt_state=tx.init(params)), fresh
 
 
-def _after_check(st: dict, state, save, budget_s, t0: float, done: bool, name: str, stop: int):
-  """A resumable training's end of check: `save(st + state)`; past `budget_s` seconds since t0
-  and not `done`, Budget (the state is saved: a rerun goes on from it)."""
-  import jax
+def _after_check(payload: Callable[[], dict], save, budget_s, t0: float, done: bool, name: str,
+                 stop: int):
+  """A resumable training's end of check: `save(payload())` (progress and host state); past
+  `budget_s` seconds since t0 and not `done`, Budget (the state is saved: a rerun goes on from
+  it)."""
   if save is not None:
-    save(dict(st, state=jax.device_get(state)))
+    save(payload())
   if budget_s is not None and time.time() - t0 > budget_s and not done:
     raise Budget(f"{name}: stopped at step {stop} after {time.time() - t0:.0f} s (budget "
                  f"{budget_s:.0f} s), state saved: run the same part again to continue")
@@ -207,8 +208,8 @@ def train_to_gate(cfg, params, tc, batch_fn, gate: Callable, *, check_every: int
     st["checks"].append([stop, value])
     st["passed"] = bool(ok)
     log(f"[{name}] gate at step {stop}: {value:.4f} ({'passed' if ok else 'not yet'})")
-    _after_check(st, state, save, budget_s, t0, st["passed"] or st["steps"] >= tc.num_steps,
-                 name, stop)
+    _after_check(lambda: dict(st, state=jax.device_get(state)), save, budget_s, t0,
+                 st["passed"] or st["steps"] >= tc.num_steps, name, stop)
   return jax.device_get(state.params), dict(curve=st["curve"], checks=st["checks"],
                                             steps=st["steps"], passed=st["passed"])
 
@@ -291,8 +292,8 @@ def train_to_plateau(cfg, params, tc, batch_fn, *, metrics, cap: int, check_ever
   def after_check(st, stop):
     if stop == tc.num_steps and at_recipe_end is not None:
       st["recipe_end"] = at_recipe_end(jax.device_get(box["state"].params))
-    _after_check(st, box["state"], save, budget_s, t0, st["at_plateau"] or st["steps"] >= cap,
-                 name, stop)
+    _after_check(lambda: dict(st, state=jax.device_get(box["state"])), save, budget_s, t0,
+                 st["at_plateau"] or st["steps"] >= cap, name, stop)
   out = plateau_loop(st, advance, recipe_steps=tc.num_steps, cap=cap, check_every=check_every,
                      after_check=after_check, log=log, name=name)
   info = {k: out[k] for k in ("steps", "cap", "check_every", "stopped", "at_plateau", "checks",
@@ -429,7 +430,6 @@ def train_arms_to_plateau(arms, *, cap: int, check_every: int, resume: dict | No
   curves, info)] in `arms`' order (info as train_to_plateau's)."""
   import jax
   import jax.numpy as jnp
-  from condattn_jax.train.state import TrainState
   recipe = {a.tc["num_steps"] for a in arms}
   if len(recipe) != 1:
     raise ValueError(f"{name}: arms of one program need one recipe length, got {sorted(recipe)}")
@@ -444,8 +444,7 @@ def train_arms_to_plateau(arms, *, cap: int, check_every: int, resume: dict | No
                 recipe_end=None) for a in arms]
     box = {"states": []}
     for tx, g in zip(txs, groups):
-      one = [TrainState(step=jnp.zeros((), jnp.int32), params=arms[i].params,
-                        opt_state=tx.init(arms[i].params)) for i in g]
+      one = [_start(tx, arms[i].params, None, None)[0] for i in g]
       box["states"].append(jax.tree.map(lambda *x: jnp.stack([jnp.asarray(v) for v in x]), *one))
   data = [a.data if a.data is not None else ("arm", i) for i, a in enumerate(arms)]
   filler: dict = {}   # a masked arm's batch (its output is discarded): its step-0 batch
@@ -485,12 +484,9 @@ def train_arms_to_plateau(arms, *, cap: int, check_every: int, resume: dict | No
       for i, p in arm_params(jax.device_get(box["states"])).items():
         if arms[i].at_recipe_end is not None:
           sts[i]["recipe_end"] = arms[i].at_recipe_end(p)
-    if save is not None:
-      save(dict(arms=sts, states=jax.device_get(box["states"])))
-    if budget_s is not None and time.time() - t0 > budget_s and any(
-        not st["at_plateau"] and st["steps"] < cap for st in sts):
-      raise Budget(f"{name}: stopped at step {stop} after {time.time() - t0:.0f} s (budget "
-                   f"{budget_s:.0f} s), state saved: run the same part again to continue")
+    _after_check(lambda: dict(arms=sts, states=jax.device_get(box["states"])), save, budget_s,
+                 t0, all(st["at_plateau"] or st["steps"] >= cap for st in sts), name, stop)
+
   def arm_params(host) -> dict:
     """{arm index: its params} from the groups' stacked host states."""
     return {i: jax.tree.map(lambda x, r=r: x[r], st_g.params)
