@@ -354,7 +354,8 @@ def _backward_impl(cfg: _Config, res, dout, dlse_BNT):
     meta = (m.qpos_BT, m.kseg_q_BIT, m.kvpos_BS, m.kseg_kv_BS)
     dq = mod.dq(q, k, v, dout, lse_BNT, delta, steps, count, *meta, **_mgpu_kw(cfg))
     c = cfg.variant
-    dkv_kw = {k: True for k, on in (("q128", c.mgpu_dkv_q128), ("fold", c.mgpu_dkv_fold)) if on}
+    dkv_kw = {flag: True for flag, on in (("q128", c.mgpu_dkv_q128), ("fold", c.mgpu_dkv_fold))
+              if on}
     dk, dv = mod.dkv(q, k, v, dout, lse_BNT, delta, tsteps, tcount, *meta, **_mgpu_kw(cfg),
                      **dkv_kw)
     return dq, dk, dv
