@@ -67,6 +67,9 @@ if [ "$what" != plan ]; then
   : "${OUT:?}"
 fi
 GPUS=${GPUS:-4}
+# GPU_OFFSET: the plan's GPU g runs on device g + GPU_OFFSET (mqar only: GPUS=3 GPU_OFFSET=1 leaves
+# GPU 0 of a 4-GPU host to another command of the same call)
+GPU_OFFSET=${GPU_OFFSET:-0}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false
 # MQAR: MQAR_PRESET / MQAR_ARGS: another preset / more flags; MQAR_TIMEOUT: another limit a
 # job (its --deadline_s 40 s less). The CPU dry run: MQAR_PRESET=cpu MQAR_ARGS="--steps=10
@@ -97,7 +100,7 @@ mqar() {  # one call: the first call of the plan of what $IN does not hold finis
     --data_dir=out/mqar_rows --data_workers=$(( $(nproc) > 4 ? $(nproc) - 2 : 2 )) \
     > $OUT/mqar_rows.log 2>&1
   while read -r g m L lrs seeds cap name est; do
-    CUDA_VISIBLE_DEVICES=$g XLA_PYTHON_CLIENT_MEM_FRACTION=$cap timeout $LIMIT \
+    CUDA_VISIBLE_DEVICES=$(( g + GPU_OFFSET )) XLA_PYTHON_CLIENT_MEM_FRACTION=$cap timeout $LIMIT \
       python bench/match_mqar.py --preset=$PRESET "${EXTRA[@]}" --methods=$m --lengths=$L \
       --lrs=$lrs --seeds=$seeds --data_dir=out/mqar_rows --deadline_s=$(( LIMIT - 40 )) \
       --progress=$OUT/$name.json --out_dir=$OUT/mqar_runs/$name > $OUT/$name.log 2>&1 &
