@@ -493,7 +493,9 @@ def make_run(bench: str, result: dict, *, settings: dict | None = None, name: st
   """A run from a bench's result dict (its layout kept verbatim in `recorded`): metadata from
   new_run, rows from result["rows"] where it is a list, claims {name: passed} recorded."""
   own = result.get("settings") if isinstance(result.get("settings"), dict) else {}
-  run = new_run(bench, {**own, **(settings or {}), "name": name})
+  # a result that names its device (e.g. a merge, run on a CPU, of units measured on GPUs) keeps it
+  device = result["device"] if isinstance(result.get("device"), str) else None
+  run = new_run(bench, {**own, **(settings or {}), "name": name}, device=device)
   run["rows"] = [r for r in result.get("rows", []) if isinstance(r, dict)] if isinstance(
       result.get("rows"), list) else []
   for cname, passed in {**own_claims(result), **(claims or {})}.items():

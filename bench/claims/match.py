@@ -30,6 +30,7 @@ def mqar_sweep_records_its_preregistered_verdict(r, run):
   data (the README reports it); this claim is that the record is complete and consistent."""
   import dataclasses
   from bench import match_mqar
+  expect(run["device"] == r["device"], "the run's device is not the units' device")
   s = match_mqar.Settings(**{k: tuple(v) if isinstance(v, list) else v
                              for k, v in r["settings"].items()
                              if k in {f.name for f in dataclasses.fields(match_mqar.Settings)}})
@@ -132,3 +133,20 @@ def match_md_mqar_h100(rec, run):
           f"| MATCH, training mask | {row('match')} |",
           f"| MATCH, decode semantics | {row('match', 'recompute')} |",
           f"| random retrieval (control) | {row('random')} |", f"verdict: {rec['verdict']}"]
+
+
+@quote("docs/schemes/match.md", "match_mqar_NVIDIA_H100_80GB_HBM3_NVIDIA_H200.json",
+       run="sweep_h100")
+def match_md_mqar_h100_complete(rec, run):
+  """docs/schemes/match.md's complete H100-preset sweep (168 models at 12,800 steps, units from
+  H100s and H200s): best-lr seed means per length, the best lrs and the verdict."""
+  s = rec["summary"]
+  row = lambda m, sem="sequence": " / ".join(f"{s[m][n][sem]:.3f}" for n in ("64", "128", "256",
+                                                                            "512"))
+  lrs = lambda m: " / ".join(f"{s[m][n]['best_lr']:g}" for n in ("64", "128", "256", "512"))
+  return [f"| full attention | {row('full')} | {lrs('full')} |",
+          f"| SWA (window 32) | {row('swa')} | {lrs('swa')} |",
+          f"| MATCH, training mask | {row('match')} | {lrs('match')} |",
+          f"| MATCH, decode semantics | {row('match', 'recompute')} | {lrs('match')} |",
+          f"| random retrieval (control) | {row('random')} | {lrs('random')} |",
+          f"verdict (registered criteria): {rec['verdict']}"]
