@@ -138,15 +138,15 @@ def readme_elastic_prefill(rec, run):
           f"FA heads on cuDNN beside it: {rows['elastic_0.7_split']['speedup_vs_dense']:.2f}x"]
 
 
-def _ab_rejected_by_its_rule(r):
-  """An all-full A/B run (bench/block_sparse.py --ab) on one H100, 64K then 32K: every variant
+def _ab_rejected_by_its_rule(r, device="NVIDIA H100 80GB HBM3"):
+  """An all-full A/B run (bench/block_sparse.py --ab) on one GPU (`device`), 64K then 32K: every variant
   passed its small check and matched the default's out / dq / dk / dv without NaN; each median
   is its rounds', gains and x cuDNN follow from the medians; the registered rule
   (bench/block_sparse.ab_decide) re-applied to the stored numbers gives the recorded decision,
   none adopted."""
   import statistics
   bench = _bench()
-  expect(r["device"] == "NVIDIA H100 80GB HBM3" and r["jax_version"] == "0.11.2")
+  expect(r["device"] == device and r["jax_version"] == "0.11.2")
   expect([x["T"] for x in r["rows"]] == [65536, 32768])
   expect(all(r["checks"][n]["ok"] for n in r["names"]))
   for row in r["rows"]:
@@ -191,6 +191,22 @@ def mosaic_gpu_onebwd2_ab_applies_its_registered_rule(rec, run):
   r = _recorded(run)
   expect(r["names"] == ["onebwd1", "onebwd2", "onebwd2_tm"])
   _ab_rejected_by_its_rule(r)
+  expect(all(row["gain_vs_default"][n] < 1.0 for row in r["rows"] for n in r["names"]))
+
+
+@claim("block_sparse", run="mosaic_gpu_dkv_q128_ab", file="block_sparse_NVIDIA_H200.json")
+def mosaic_gpu_dkv_q128_ab_applies_its_registered_rule(rec, run):
+  """The all-full A/B of the dk/dv candidates (dkv_q128: whole 128-row query tiles at dq's
+  wgmma shapes, lse / delta as the accumulators' initial values; dkv_fold, its control: those
+  initial values on the default's 64-row sub-tiles) on one H200 (asked as an H100; GPUs 1-3 of
+  its host ran MQAR jobs meanwhile), 64K then 32K, interleaved rounds in one process: both
+  passed their small checks and matched the default without NaN; the registered rule re-applied
+  gives the recorded decision: none adopted, each slower than the default at both lengths
+  (dkv_q128 ~0.76-0.79x, dkv_fold ~0.95x), so both and their BlockSparseConfig fields were
+  removed."""
+  r = _recorded(run)
+  expect(r["names"] == ["dkv_q128", "dkv_fold"])
+  _ab_rejected_by_its_rule(r, device="NVIDIA H200")
   expect(all(row["gain_vs_default"][n] < 1.0 for row in r["rows"] for n in r["names"]))
 
 
