@@ -390,10 +390,17 @@ def _init_fn(cfg):
   return init
 
 
-def init_params(cfg, seed: int = 0):
-  """Random-init params of `cfg`, cast to its dtype inside one jit (unboxed)."""
+@functools.lru_cache(maxsize=32)
+def _jitted_init(cfg):
   import jax
-  return jax.jit(_init_fn(cfg))(jax.random.key(seed))
+  return jax.jit(_init_fn(cfg))
+
+
+def init_params(cfg, seed: int = 0):
+  """Random-init params of `cfg`, cast to its dtype inside one jit (unboxed; one jitted init per
+  config, so a second call traces nothing)."""
+  import jax
+  return _jitted_init(cfg)(jax.random.key(seed))
 
 
 def spread_pairs(L: int, N: int, rate: float):
@@ -431,10 +438,17 @@ def aha_static_routing(params, cfg, rate: float):
   return dict(params, layers=layers), full_LN
 
 
-def abstract_params(cfg):
-  """The params of `cfg` as ShapeDtypeStructs (nothing allocated)."""
+@functools.lru_cache(maxsize=32)
+def _abstract_params(cfg):
   import jax
   return jax.eval_shape(_init_fn(cfg), jax.random.key(0))
+
+
+def abstract_params(cfg):
+  """The params of `cfg` as ShapeDtypeStructs (nothing allocated; traced once per config, a
+  fresh tree each call)."""
+  import jax
+  return jax.tree.map(lambda x: x, _abstract_params(cfg))
 
 
 def resident_bytes(scheme: str, shapes: str, B: int, T: int) -> int:

@@ -371,28 +371,43 @@ def filled_cache(eng, B: int, T: int, seed: int = 0):
   import jax.numpy as jnp
   shapes = eng.cache_shapes(B)
   base = jax.random.key(seed)
-
-  @functools.partial(jax.jit, static_argnums=(0, 1, 2))
-  def make(name, shape, dtype, key):
-    if name in ("key", "value"):
-      return jax.random.normal(key, shape, jnp.float32).astype(dtype)
-    if name == "length":
-      return jnp.full(shape, T, dtype)
-    slot = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-    if name == "positions":
-      return jnp.where(slot < T, slot, 0).astype(dtype)
-    if name == "valid":
-      return (slot < T).astype(dtype)
-    return jnp.zeros(shape, dtype)
-
   import zlib
   leaves, tree = jax.tree_util.tree_flatten_with_path(shapes)
   # each leaf's key from its path: two engines whose caches hold the same leaf (one keeping
   # bookkeeping a layer that the other keeps once) hold the same K/V in it
   return eng._commit(jax.tree_util.tree_unflatten(tree, [
-      make(path[-1].key, s.shape, s.dtype, jax.random.fold_in(
+      _filled_leaf(path[-1].key, s.shape, jnp.dtype(s.dtype), T, jax.random.fold_in(
           base, zlib.crc32(jax.tree_util.keystr(path).encode()) & 0x7FFFFFFF))
       for path, s in leaves]))
+
+
+def _filled_leaf(name, shape, dtype, T, key):
+  """One leaf of filled_cache (one jitted program per leaf kind, shape, dtype and T: a later
+  cache of the same shapes traces nothing)."""
+  global _filled_leaf_jit
+  if _filled_leaf_jit is None:
+    import jax
+    _filled_leaf_jit = jax.jit(_make_filled_leaf, static_argnums=(0, 1, 2, 3))
+  return _filled_leaf_jit(name, shape, dtype, T, key)
+
+
+_filled_leaf_jit = None   # jax imported on first use (this module imports jax lazily)
+
+
+def _make_filled_leaf(name, shape, dtype, T, key):
+  """Random K/V, positions 0..T-1 and valid slots < T, length T, zeros elsewhere."""
+  import jax
+  import jax.numpy as jnp
+  if name in ("key", "value"):
+    return jax.random.normal(key, shape, jnp.float32).astype(dtype)
+  if name == "length":
+    return jnp.full(shape, T, dtype)
+  slot = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+  if name == "positions":
+    return jnp.where(slot < T, slot, 0).astype(dtype)
+  if name == "valid":
+    return (slot < T).astype(dtype)
+  return jnp.zeros(shape, dtype)
 
 
 def time_step(shapes: str, B: int, T: int, *, variants=("stacked", "split"), steps: int = 32,

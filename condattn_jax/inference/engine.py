@@ -356,6 +356,13 @@ def _expand_book(cache, owners):
   return cache
 
 
+# The abstract caches Engine._full_cache_shapes read off models (tracing a 32-layer model costs
+# ~1 s): keyed by (config, the registered scheme object, cache_len, batch size, the params' tree,
+# shapes, dtypes, shardings), oldest dropped past _ABSTRACT_CACHES_MAX.
+_ABSTRACT_CACHES: dict = {}
+_ABSTRACT_CACHES_MAX = 64
+
+
 class Engine:
   """Prefill / decode / generate for one model (any scheme) and one cache size.
 
@@ -487,13 +494,24 @@ class Engine:
 
   def _full_cache_shapes(self, batch_size: int):
     """The model's own abstract cache for `batch_size` rows (every layer's bookkeeping), read
-    off the model once per batch size (tracing a 32-layer model costs ~1 s)."""
+    off the model once per (config, cache_len, batch size, abstract params): engines over the
+    same model share it (_ABSTRACT_CACHES)."""
     if batch_size not in self._cache_shapes:
-      tok = jax.ShapeDtypeStruct((batch_size, 1), jnp.int32)
-      self._cache_shapes[batch_size] = jax.eval_shape(
-          lambda p, t: self.model.apply({"params": p}, t, decode=True, cache_len=self.cache_len,
-                                        unroll_layers=True, mutable=["cache"])[1]["cache"],
-          self.params, tok)
+      from condattn_jax.attention import get_scheme
+      scheme = get_scheme(self.config.scheme)   # a scheme registered again under its name
+      leaves, treedef = jax.tree.flatten(self.params)
+      key = (self.config, id(scheme), self.cache_len, batch_size, treedef,
+             tuple((tuple(x.shape), str(x.dtype), getattr(x, "sharding", None)) for x in leaves))
+      if key not in _ABSTRACT_CACHES:
+        tok = jax.ShapeDtypeStruct((batch_size, 1), jnp.int32)
+        _ABSTRACT_CACHES[key] = (scheme, jax.eval_shape(   # (the scheme held: its id stays its)
+            lambda p, t: self.model.apply({"params": p}, t, decode=True,
+                                          cache_len=self.cache_len, unroll_layers=True,
+                                          mutable=["cache"])[1]["cache"],
+            self.params, tok))
+        while len(_ABSTRACT_CACHES) > _ABSTRACT_CACHES_MAX:
+          _ABSTRACT_CACHES.pop(next(iter(_ABSTRACT_CACHES)))
+      self._cache_shapes[batch_size] = _ABSTRACT_CACHES[key][1]
     return self._cache_shapes[batch_size]
 
   def cache_shapes(self, batch_size: int):
