@@ -2,13 +2,16 @@
 tiny_l2a_run): token ids in / out without a tokenizer, streamed text with one, a JSON line per
 request of a prompts file (served through --slots rows with per-request knobs), the TTFT / tokens/s / cache-bytes line; the outputs equal the
 engine's generation in process. Every bad input is ONE line starting with ERROR:, exit code 2,
-no traceback."""
+no traceback. The two generation tests start generate.py as a new interpreter (a user's
+shell's start); the bad-input cases run it as `python generate.py ...` in a fork of one process
+that imported its modules once (tests/_cli_runner.py), each with its own backend and exit code."""
 import json
 import os
 import subprocess
 
 import pytest
 
+from _cli_runner import Runner
 from condattn_jax.inference import Engine
 from tests._train_helpers import PY, ROOT, subprocess_env
 from tests.cli.test_cli_errors import assert_user_error
@@ -17,8 +20,25 @@ TOKENIZER = os.path.join(ROOT, "tests", "fixtures", "tokenizer", "qwen")
 
 
 def gen(*args):
+  """`python generate.py *args`: a new interpreter, as a user's shell starts it."""
   return subprocess.run([PY, "generate.py", *args], cwd=ROOT, env=subprocess_env(1),
                         capture_output=True, text=True, timeout=300)
+
+
+RUNNER = Runner(subprocess_env(1))
+
+
+def gen_fork(*args):
+  """The same command in a fork of RUNNER's process (its modules imported once: the bad-input
+  cases pay no interpreter start and jax import each)."""
+  return RUNNER.run("generate.py", *args)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cli_runner_per_module():
+  """RUNNER's process ends with the module (its CPU time counts in the module)."""
+  yield
+  RUNNER.close()
 
 
 @pytest.fixture(scope="module")
@@ -94,5 +114,5 @@ def test_text_with_a_tokenizer_streams_what_the_engine_generates(run, engine):
 def test_bad_input_is_one_line(run, tmp_path, args, needles):
   (tmp_path / "bad.jsonl").write_text('{"tokens": [1]}\n{"tokens": [1\n')
   (tmp_path / "knob.jsonl").write_text('{"tokens": [1], "top_p": "high"}\n')
-  p = gen(*[a.format(run=run, tmp=tmp_path) for a in args])
+  p = gen_fork(*[a.format(run=run, tmp=tmp_path) for a in args])
   assert_user_error(p, *needles)
