@@ -1,13 +1,13 @@
 """Scheme options through the registry (`attention.options` / `configure` / `convert`): one
 parser for every scheme, errors that name the flag a user sets (`model.scheme.<name>`), and the
-same errors from train.py as one ERROR line (subprocesses, like tests/cli/test_cli_errors.py)."""
+same errors from train.py as one ERROR line (`python train.py ...` in a fork of one process that
+imported its modules once, tests/_cli_runner.py, like tests/cli/test_cli_errors.py's `cli`)."""
 import dataclasses
-import subprocess
-
 import numpy as np
 import pytest
 
-from _train_helpers import PY, ROOT, subprocess_env
+from _cli_runner import Runner
+from _train_helpers import ROOT, subprocess_env
 from condattn_jax import attention
 from condattn_jax.models.config import ModelConfig
 
@@ -118,10 +118,18 @@ def test_a_scheme_without_options_refuses_any():
 
 
 # ------------------------------------------------------------------ the command line
+RUNNER = Runner(subprocess_env(1))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cli_runner_per_module():
+  """RUNNER's process ends with the module (its CPU time counts in the module)."""
+  yield
+  RUNNER.close()
+
+
 def _train(*args):
-  return subprocess.run([PY, "train.py", "--workdir=/tmp/unused_scheme_options", *args],
-                        cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True,
-                        timeout=300)
+  return RUNNER.run("train.py", "--workdir=/tmp/unused_scheme_options", *args)
 
 
 def _error_line(p) -> str:
