@@ -963,29 +963,25 @@ def ncu_summary_lines(summary: dict) -> list:
 # ----------------------------------------------------------------------------------------------
 
 # name -> BlockSparseConfig: the candidates of the next A/B (the config fields come with them).
-# Removed with their BlockSparseConfig fields after losing the rule (issue 31): the backward
-# schedule variants of run mosaic_gpu_ab (dq_overlap, dkv_stages4, dq_pingpong, dkv_pingpong and
-# their combinations pingpong, pingpong_stages4, all) and the one-kernel backward candidates of
-# run mosaic_gpu_onebwd2_ab (onebwd1, onebwd2, onebwd2_tm).
-# Registered before their GPU run (issue 31: the default dk/dv issues its products at 0.89x dq's
-# rate; mosaic_gpu.dkv's docstring counts why, op by op): dkv_q128, dk/dv steps over whole
-# 128-row query tiles at dq's wgmma shapes (half the waits, copies and steps a product) with lse
-# / delta as the accumulators' initial values; dkv_fold, its control: those initial values, one
-# consumed barrier and the 24 / 240 register split on the default's 64-row sub-tiles.
-AB_VARIANTS: dict = {"dkv_q128": BlockSparseConfig(mgpu_dkv_q128=True),
-                     "dkv_fold": BlockSparseConfig(mgpu_dkv_fold=True)}
+# None now. Removed with their BlockSparseConfig fields after losing the rule (issue 31): the
+# backward schedule variants of run mosaic_gpu_ab (dq_overlap, dkv_stages4, dq_pingpong,
+# dkv_pingpong and their combinations pingpong, pingpong_stages4, all), the one-kernel backward
+# candidates of run mosaic_gpu_onebwd2_ab (onebwd1, onebwd2, onebwd2_tm) and the dk/dv steps of
+# run mosaic_gpu_dkv_q128_ab (dkv_q128, dkv_fold).
+AB_VARIANTS: dict = {}
 # The result file's run name of the next A/B: each A/B names its own run (the claims of the
-# earlier ones, bench/claims/block_sparse.py, check their run's variants). This one, one H100,
-# .whl carried, `source scripts/gpu_env.sh` first (as bench/block_sparse_profile.sh): a guarded
-# check (a hang costs its timeout only; ptxas' register / spill report of the candidates'
-# kernels dumped beside it), then the timed rounds at 64K and 32K:
-#   MOSAIC_GPU_DUMP_TO=$OUT/mosaic MOSAIC_GPU_DUMP_PTXAS=1 timeout 300 python -m \
-#     bench.block_sparse --ab=all_variants --ab_check_only --ab_checks=$OUT/ab_checks.json
+# earlier ones, bench/claims/block_sparse.py, check their run's variants). One GPU, .whl carried,
+# `source scripts/gpu_env.sh` first (as bench/block_sparse_profile.sh): a guarded check (a hang
+# costs its timeout only; ptxas' register / spill report of the candidates' kernels dumped
+# beside it), then the timed rounds at 64K and 32K:
+#   mkdir -p $OUT/mosaic && MOSAIC_GPU_DUMP_TO=$OUT/mosaic MOSAIC_GPU_DUMP_PTXAS=1 timeout 300 \
+#     python -m bench.block_sparse --ab=all_variants --ab_check_only --ab_checks=$OUT/ab_checks.json
 #   tar -C $OUT -czf $OUT/mosaic_dump.tar.gz mosaic && rm -rf $OUT/mosaic
 #   timeout 420 python -m bench.block_sparse --ab=all_variants --ab_checks=$OUT/ab_checks.json \
-#     --n=7 --out_dir=bench/results && cp bench/results/block_sparse_NVIDIA_H100*.json $OUT/
-# (about 5 minutes of device time in all, compiles included).
-AB_RUN = "mosaic_gpu_dkv_q128_ab"
+#     --n=7 --out_dir=bench/results && cp bench/results/block_sparse_NVIDIA_H*.json $OUT/
+# (about 5 minutes of device time in all, compiles included; run mosaic_gpu_dkv_q128_ab's dump
+# stage left no folder behind, so this one makes it first).
+AB_RUN = "mosaic_gpu_ab5"
 AB_TS = (65536, 32768)   # both must show the gain
 AB_MIN_GAIN = 1.015      # default ms / variant ms, at every T of AB_TS
 AB_TOL = 2e-2            # bf16: rel error vs the reference (check_T) and vs the default (timed T)

@@ -152,28 +152,9 @@ def kernel_support(impl: str, q_shape, kv_shape, dtype, block_q: int, block_k: i
 @dataclasses.dataclass(frozen=True)
 class BlockSparseConfig:
   """Kernel variants of block_sparse_attention (static: another config is another program;
-  condattn_jax.ops runs the defaults). A field comes with a candidate of the kernels'
-  pre-registered A/B (bench/block_sparse.py --ab, AB_VARIANTS) and stays only if it is adopted;
-  the removed ones are listed in this package's README.
-
-    mgpu_dkv_q128  the Mosaic GPU dk/dv kernel steps over whole 128-row query tiles instead of
-                   two 64-row sub-tiles, so its four products run at dq's wgmma shapes (64 x 128
-                   x 128) with half the waits, pipeline steps and barriers per product
-                   (mosaic_gpu.dkv's docstring has the op count); lse and delta enter as the
-                   initial values of the S^T / dP^T accumulators and P^T is kept in bfloat16 /
-                   float16 (registers). Gradients equal the default's up to rounding.
-    mgpu_dkv_fold  its control: the default's 64-row sub-tiles (shapes, products, waits) with
-                   only q128's other changes (lse / delta as initial values, one consumed
-                   barrier, the 24 / 240 register split).
-  """
-  mgpu_dkv_q128: bool = False
-  mgpu_dkv_fold: bool = False
-
-  def __post_init__(self):
-    for name in ("mgpu_dkv_q128", "mgpu_dkv_fold"):
-      if not isinstance(getattr(self, name), bool):
-        raise ValueError(f"BlockSparseConfig.{name} must be a bool, got "
-                         f"{getattr(self, name)!r}")
+  condattn_jax.ops runs the defaults). No variant today: a field comes with a candidate of the
+  kernels' pre-registered A/B (bench/block_sparse.py --ab, AB_VARIANTS) and stays only if it is
+  adopted; the removed ones are listed in this package's README."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -255,7 +236,6 @@ class _Config:
   poison: bool
   sub_tile: int = TRITON_SUB_TILE
   fwd_sub_tile: int = TRITON_FWD_SUB_TILE
-  variant: BlockSparseConfig = BlockSparseConfig()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -353,11 +333,7 @@ def _backward_impl(cfg: _Config, res, dout, dlse_BNT):
     tsteps, tcount = tables.transposed_step_tables(steps, count, k.shape[2])
     meta = (m.qpos_BT, m.kseg_q_BIT, m.kvpos_BS, m.kseg_kv_BS)
     dq = mod.dq(q, k, v, dout, lse_BNT, delta, steps, count, *meta, **_mgpu_kw(cfg))
-    c = cfg.variant
-    dkv_kw = {flag: True for flag, on in (("q128", c.mgpu_dkv_q128), ("fold", c.mgpu_dkv_fold))
-              if on}
-    dk, dv = mod.dkv(q, k, v, dout, lse_BNT, delta, tsteps, tcount, *meta, **_mgpu_kw(cfg),
-                     **dkv_kw)
+    dk, dv = mod.dkv(q, k, v, dout, lse_BNT, delta, tsteps, tcount, *meta, **_mgpu_kw(cfg))
     return dq, dk, dv
   vis, full = _visibility(cfg, m)
   full_BN = m.full_BN
@@ -513,7 +489,7 @@ def block_sparse_attention(q_BTNH, k_BSKH, v_BSKH, kv_blocks_BNQL, head_mode_BN=
     cfg = _Config(backend=impl, scale=scale, window=None if window is None else int(window),
                   sinks=int(sinks), block_q=int(block_q), block_k=int(block_k),
                   interpret=interpret, poison=poison, sub_tile=TRITON_SUB_TILE,
-                  fwd_sub_tile=TRITON_FWD_SUB_TILE, variant=config)
+                  fwd_sub_tile=TRITON_FWD_SUB_TILE)
     Tp, Sp = nq * block_q, -(-S // block_k) * block_k
     if (Tp, Sp) != (T, S):  # whole blocks: padding queries inactive, padding keys invisible
       q, k, v, qpos, kvpos, qseg, kvseg, act = _pad_to_blocks(

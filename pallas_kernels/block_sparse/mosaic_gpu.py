@@ -373,61 +373,37 @@ def dq(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, steps_BNQX, count_BN
 
 def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount_BKJ, qpos_BT,
         qseg_BIT, kvpos_BS, kvseg_BS, *, scale, window, sinks, block_q, block_k,
-        num_stages=NUM_STAGES, q128=False, fold=False, interpret=False):
+        num_stages=NUM_STAGES, interpret=False):
   """(dk, dv) [B, S, K, H] over the transposed step tables (tables.transposed_step_tables).
 
-  q128 (BlockSparseConfig.mgpu_dkv_q128, an A/B candidate, off by default): a pipeline step is a
-  whole query tile (block_q = 128 rows), not a 64-row sub-tile. Why the default's dk/dv issues
-  its products at 0.89x dq's rate (issue 31's profile), per 128 x 128 (query tile, kv tile) pair
-  and SM, both kernels with two compute warpgroups of 64 rows:
-    products       dq: S, dP, dQ, each 16 wgmma m64n128k16 (48); K^T / V^T are the B operands
-                   of S / dP (K-major), K that of dQ (MN-major), dS from registers.
-                   default dk/dv: S^T, dP^T 32 m64n64k16 each (N = the 64-row query sub-tile:
-                   half dq's N, twice the instructions per flop), dV, dK 16 m64n128k16 with a
-                   64-deep reduction (P^T, dS^T from registers, dO / Q MN-major B operands);
-                   96 instructions for 4/3 of dq's flops; shared memory read by the wgmmas 384
-                   KB a pair (dq 256 KB for 3/4 of the flops).
-    waits          dq: 2 per warpgroup a step (S and dP together, then dQ): 4 a pair.
-                   default dk/dv: 4 per warpgroup a sub-step (S^T; dP^T with dV in flight; dV;
-                   dK), two sub-steps: 16 a pair, each a round trip of the tensor pipe that
-                   only the other warpgroup's queued products can hide.
-    barriers, TMA  dq: 2 copies (K, V: 64 KB), one full-barrier wait and 2 releases per
-                   warpgroup. default dk/dv: 8 copies (Q, dO, lse, delta per sub-step), 4
-                   full-barrier waits, 16 releases, 2 pipeline steps with their step-table
-                   reads and kind branches.
-    elementwise    the same per pair: one exp2 and dS per element (8192 per warpgroup), but
-                   lse and delta are per query, i.e. per column of the transposed [kv, q] tile:
-                   each thread loads its 16 columns' lse and delta from shared memory every
-                   sub-step (64 loads a pair; dq holds its 2 rows' lse / delta in registers
-                   for the whole program) and keeps them live beside the accumulators.
-    registers      dq: one 64 x 128 float32 accumulator + S, dP (192). dk/dv: two accumulators
-                   (dK, dV: 128) + S^T, dP^T, P^T and 32 lse / delta values, which is why its
-                   sub-tile is 64 rows (DKV_SUB_Q).
-  q128 gives dk/dv dq's shapes (S^T, dP^T, dV, dK: 64 x 128 x 128, 16 m64n128k16 each: 64
-  instructions a pair, 320 KB of operand reads) with 8 waits, 4 copies, 2 full-barrier waits and
-  2 releases a pair (one consumed barrier for the four inputs, released after dK) and fits its
-  registers by: lse and delta enter as the initial accumulator values (S^T acc = -lse2 /
-  qk_scale, P^T = exp2(qk_scale acc); dP^T acc = -delta, dS^T = P^T * acc: no per-column
-  values live beside the tiles), P^T kept in the input dtype only (the dV operand; dS^T reads
-  it), the memory warpgroup at 24 registers (compute 240). Peak live: 128 + P^T 32 + dP^T 64.
-  Needs block_q 128 (the kernels' only one) and scale != 0 (else the default step runs).
-  fold (BlockSparseConfig.mgpu_dkv_fold, the control candidate): q128's step without its shapes
-  (64-row sub-tiles as the default: the same products and waits), i.e. only the stats as
-  initial values, one consumed barrier and the 24 / 240 register split."""
+  A pipeline step is a 64-row query sub-tile (DKV_SUB_Q) of a 128-row query tile. Per 128 x 128
+  (query tile, kv tile) pair and SM this issues its products at ~0.89x dq's rate (issue 31's
+  profile), both kernels with two compute warpgroups of 64 rows:
+    products       dq: S, dP, dQ, each 16 wgmma m64n128k16 (48). dk/dv: S^T, dP^T 32 m64n64k16
+                   each (N = the 64-row sub-tile: half dq's N, twice the instructions per
+                   flop), dV, dK 16 m64n128k16 with a 64-deep reduction: 96 instructions for 4/3
+                   of dq's flops.
+    waits          dq: 4 a pair. dk/dv: 16 a pair (4 per warpgroup a sub-step).
+    barriers, TMA  dq: 2 copies, 2 releases per warpgroup. dk/dv: 8 copies (Q, dO, lse, delta
+                   per sub-step), 4 full-barrier waits, 16 releases.
+    registers      dk/dv holds two accumulators (dK, dV: 128) + S^T, dP^T, P^T and the per-column
+                   lse / delta values, which is why its sub-tile is 64 rows.
+  Whole 128-row steps at dq's shapes (lse / delta as the accumulators' initial values, P^T in the
+  input dtype, 24 / 240 registers) and that step's control on 64-row sub-tiles both lost the
+  registered A/B (run mosaic_gpu_dkv_q128_ab: 0.79x / 0.96x the default at 64K; this package's
+  README)."""
   B, T, N, H = q_BTNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   G = N // K
   dtype = q_BTNH.dtype
-  qk_scale = scale * LOG2E
-  wide = bool(q128) and qk_scale != 0.0
-  folded = wide or (bool(fold) and qk_scale != 0.0)
-  bkw, bq = DKV_ROWS, (block_q if wide else DKV_SUB_Q)
+  bkw, bq = DKV_ROWS, DKV_SUB_Q
   W = block_k // bkw
   R = block_q // bq
   nq, nk = T // block_q, S // block_k
   stages = max(1, num_stages)
   has_seg = qseg_BIT is not None
   I = qseg_BIT.shape[1] if has_seg else 1
+  qk_scale = scale * LOG2E
 
   def kernel(q_ref, k_ref, v_ref, do_ref, lse2_ref, delta_ref, tsteps_ref, tcount_ref, qpos_ref,
              qseg_ref, kvpos_ref, kvseg_ref, dk_ref, dv_ref, k_smem2, v_smem2, bar2):
@@ -506,54 +482,6 @@ def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount
       plgpu.barrier_arrive(q_used)
       return carry
 
-    def body_folded(idx, q_smem, do_smem, lse_smem, delta_smem, carry):
-      # q128: one query tile a step (R == 1), fold: a 64-row sub-tile; the pipeline releases
-      # the four inputs after the body, whose every product is waited for
-      t, r = idx
-      g, i, kind = dec(t)
-      h = kh * G + g
-      hsel = h if I > 1 else 0
-      dk_acc, dv_acc = carry
-      col = lambda x: lax.broadcast_in_dim(x, (bkw, bq), [1])
-      tile = plgpu.ACC((bkw, bq), jnp.float32)
-
-      def product_from(init, issue):
-        """init + the product `issue(acc)` issues into acc (init as the accumulator's initial
-        value; the GPU interpreter has no accumulator store: there it is added after)."""
-        def f(acc):
-          if not interpret:
-            acc[...] = init
-          return issue(acc)
-        out = pl.run_scoped(f, tile)
-        return out + init if interpret else out
-
-      def s_issue(acc):
-        plgpu.wgmma(acc, k_smem, q_smem.T)
-        return acc[...]
-      neg_lse = col(plgpu.load(lse_smem, layout=_COL) * (-1.0 / qk_scale))
-      xT = product_from(neg_lse, s_issue)          # S^T - lse2 / qk_scale
-
-      def masked():
-        qrows = pl.ds((i * R + r) * bq, bq)
-        qp = plgpu.load(qpos_ref.at[b, qrows], layout=_COL, optimized=False)
-        qs = None if qseg_ref is None else plgpu.load(qseg_ref.at[b, hsel, qrows], layout=_COL,
-                                                      optimized=False)
-        return _mask(xT, qp, qs, kvpos_ref, kvseg_ref, b, start, bkw, kind, window=window,
-                     sinks=sinks, transposed=True)
-      xT = lax.cond(kind == KIND_FULL, lambda: xT, masked)
-      pT = jnp.exp2(xT * qk_scale).astype(dtype)
-
-      def dp_issue(acc):
-        plgpu.wgmma(acc, v_smem, do_smem.T)
-        plgpu.wgmma(dv_acc, pT, do_smem)
-        return plgpu.wgmma_accumulator_load(acc, wait_n=1)   # dP^T done, dV may run
-      neg_delta = col(-plgpu.load(delta_smem, layout=_COL))
-      dpT = product_from(neg_delta, dp_issue)      # dP^T - delta
-      dsT = (pT.astype(jnp.float32) * dpT).astype(dtype)
-      plgpu.wgmma(dk_acc, dsT, q_smem)
-      plgpu.wgmma_wait(0)
-      return carry
-
     def qmap(t, r):
       g, i, _ = dec(t)
       return i * R + r, kh * G + g, 0
@@ -563,9 +491,8 @@ def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount
       return kh * G + g, i * R + r
 
     plgpu.emit_pipeline_warp_specialized(
-        body_folded if folded else body, grid=(nsteps, R), max_concurrent_steps=stages,
-        num_compute_wgs=W, memory_registers=24 if folded else 40, wg_axis="wg",
-        manual_consumed_barriers=not folded, compute_context=compute,
+        body, grid=(nsteps, R), max_concurrent_steps=stages, num_compute_wgs=W,
+        memory_registers=40, wg_axis="wg", manual_consumed_barriers=True, compute_context=compute,
         in_specs=[_spec((bq, None, H), dtype, qmap), _spec((bq, None, H), dtype, qmap),
                   plgpu.BlockSpec((None, bq), rmap), plgpu.BlockSpec((None, bq), rmap)],
     )(q_ref.at[b], do_ref.at[b], lse2_ref.at[b], delta_ref.at[b])
@@ -579,5 +506,4 @@ def dkv(q_BTNH, k_BSKH, v_BSKH, do_BTNH, lse_BNT, delta_BNT, tsteps_BKJY, tcount
       scratch_types=[_swizzled((W, bkw, H), dtype), _swizzled((W, bkw, H), dtype),
                      plgpu.Barrier(num_arrivals=2, num_barriers=W)],
       compiler_params=plgpu.CompilerParams(approx_math=True), interpret=_interp(interpret),
-      kernel_name="block_sparse_dkv" + ("_q128" if wide else "_fold" if folded else "")
-      + "_mgpu")(*args)
+      kernel_name="block_sparse_dkv_mgpu")(*args)

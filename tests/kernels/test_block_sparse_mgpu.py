@@ -61,28 +61,6 @@ def test_mosaic_gpu_backward_every_mode_window_sinks_documents_interpret():
   assert not bad, errs
 
 
-@pytest.mark.parametrize("flag,block_k", [
-    ("mgpu_dkv_q128", 128), pytest.param("mgpu_dkv_fold", 64, marks=pytest.mark.slow)])
-def test_mosaic_gpu_dkv_ab_candidates_match_reference_interpret(flag, block_k):
-  """Issue 31's dk/dv A/B candidates: BlockSparseConfig(mgpu_dkv_q128=True) (whole 128-row
-  query tiles a step, lse / delta as the accumulators' initial values, P^T in bfloat16; 128-key
-  tiles: two compute warpgroups) and its control mgpu_dkv_fold (the same step on 64-row
-  sub-tiles; 64-key tiles: one warpgroup): forward and every gradient against the reference,
-  every head mode on one kv head (GQA 3:1), window + sinks, T = 250 (padded to whole tiles),
-  packed documents with restarting positions whose boundary (row 160) lies inside a query tile
-  and a 64-row sub-tile (seed 34: make_problem's rows after the last cut are padding, and other
-  seeds leave whole query tiles padding, where a mask bug goes unseen). Mutants caught: the
-  masked step's query rows at offset 0 (q128: dk rel 4.7) or at i * 64 (fold: dk 7.0), no
-  delta initial value (q128: dk 0.71)."""
-  p = make_problem(34, T=250, N=3, K=1, L=2, H=64, dtype=jnp.bfloat16, block_q=128,
-                   block_k=block_k, window=70, sinks=5, segments=2)
-  p.kw["head_mode_BN"] = jnp.asarray([[F, B_, W]], jnp.int32)
-  errs, bad = compare(p, dict(MGPU, config=api.BlockSparseConfig(**{flag: True})))
-  assert not bad, errs
-  with pytest.raises(ValueError, match=f"{flag} must be a bool"):
-    api.BlockSparseConfig(**{flag: 1})
-
-
 def test_mosaic_gpu_ssa_rows_that_see_nothing_interpret():
   """Streaming heads next to a full head, one head whose list is all padding: zeros, lse -inf,
   zero dq; forward only (the backward is in the cases above)."""
@@ -183,12 +161,9 @@ def test_auto_on_hopper_resolves_to_mosaic_gpu(monkeypatch):
                            128) == "triton"
 
 
-@pytest.mark.parametrize("config", [None, api.BlockSparseConfig(mgpu_dkv_q128=True),
-                                    api.BlockSparseConfig(mgpu_dkv_fold=True)],
-                         ids=["default", "dkv_q128", "dkv_fold"])
-def test_mosaic_gpu_lowers_for_cuda_without_triton_calls(config):
+def test_mosaic_gpu_lowers_for_cuda_without_triton_calls():
   """The Hopper program (jax.export for cuda, forward + backward): Mosaic GPU custom calls for
-  all three kernels, no Triton call; also with the dk/dv A/B candidates (their kernels lower)."""
+  all three kernels, no Triton call."""
   from jax import export
   B, T, N, K, H = 1, 512, 4, 2, 128
   q = jax.ShapeDtypeStruct((B, T, N, H), jnp.bfloat16)
@@ -198,8 +173,7 @@ def test_mosaic_gpu_lowers_for_cuda_without_triton_calls(config):
   mode = jnp.asarray([[F, B_, W, B_]], jnp.int32)
 
   def loss(q, k, v):
-    o = block_sparse_attention(q, k, v, lists, mode, window=256, sinks=4, impl="mosaic_gpu",
-                               config=config)
+    o = block_sparse_attention(q, k, v, lists, mode, window=256, sinks=4, impl="mosaic_gpu")
     return jnp.sum(o.astype(jnp.float32))
 
   orig = api._platform
@@ -212,8 +186,6 @@ def test_mosaic_gpu_lowers_for_cuda_without_triton_calls(config):
   targets = re.findall(r"custom_call @([\w.]+)", text)
   assert targets.count("mosaic_gpu_v2") + targets.count("mosaic_gpu") == 3, targets
   assert not [t for t in targets if "triton" in t.lower()], targets
-  for flag in ("q128", "fold"):   # the candidate's dk/dv kernel is the program's
-    assert (f"block_sparse_dkv_{flag}_mgpu" in text) == getattr(config, f"mgpu_dkv_{flag}", False)
 
 
 def test_ops_resolver_picks_mosaic_gpu_for_block_sparse_on_h100():
