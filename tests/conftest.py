@@ -4,8 +4,9 @@ Test time is mostly XLA compilation of tiny programs, so every test process (the
 and the train.py / eval.py subprocesses they start, which inherit this environment) compiles with
 LLVM's optimisation level 0 and its expensive passes off (tests/_test_env.py:
 TEST_COMPILE_FLAGS): the programs compute the same values up to float rounding and run slower,
-which only long trainings notice (`make demo`'s test runs the demo at XLA's default optimisation
-level, as a user runs it, with LLVM's expensive passes off: tests/_test_env.py training_env).
+which only long trainings notice (`make demo`'s test and bench/elastic_repro's CI run train
+near a user's optimisation level: LLVM at -O1, its expensive passes off; tests/_test_env.py
+training_env).
 jax's persistent compilation cache is NOT used: with jax 0.11.2 on CPU a process that runs a
 train step loaded from it aborts (tests/train/test_checkpoint.py, run twice on one cache
 directory). Within a test process, a program identical to one already compiled

@@ -17,27 +17,14 @@ from _train_helpers import PY, ROOT, assert_l2a_pruning_kv_bytes, subprocess_env
 from _test_env import training_env
 
 
-# LLVM at -O1 for the demo's programs (XLA's default is -O2; the suite's -O0 makes the trainings
-# ~2x slower and changes their numbers): compilation is about half of each section's CPU time and
-# -O1 compiles faster while the train steps run as fast. Measured (scripts/demo.py --preset=ci,
-# training_env, 2 shared cores): L2A 108 -> 84 CPU-s, MATCH 95 -> 77; every accuracy, sparsity
-# and claim of demo_metrics.json identical (a logged router_p mean differs in its 7th digit).
-DEMO_COMPILE_FLAGS = ("--xla_backend_optimization_level=1",)
-
-
-def demo_env() -> dict:
-  env = training_env(subprocess_env(1))
-  env["XLA_FLAGS"] = " ".join([env["XLA_FLAGS"], *DEMO_COMPILE_FLAGS]).strip()
-  return env
-
-
 def _demo(args, timeout=1500):
-  """scripts/demo.py as `make demo` runs it: near XLA's default optimisation level (tests/conftest.py
-  sets test-only flags, at which the demo's trainings would run slower) without LLVM's expensive
-  passes (tests/_test_env.py training_env: cheaper compilations, the same numbers bit for bit),
-  LLVM at -O1 (DEMO_COMPILE_FLAGS), malloc on huge pages (inherited: tests/conftest.py sets
-  GLIBC_TUNABLES for every process the suite starts)."""
-  return subprocess.run([PY, "scripts/demo.py"] + args, cwd=ROOT, env=demo_env(),
+  """scripts/demo.py as `make demo` runs it, near XLA's default optimisation level
+  (tests/conftest.py sets test-only flags, at which the demo's trainings would run slower):
+  tests/_test_env.py training_env (cheaper compilations, the same numbers up to float rounding),
+  malloc on huge pages (inherited: tests/conftest.py sets GLIBC_TUNABLES for every process the
+  suite starts)."""
+  return subprocess.run([PY, "scripts/demo.py"] + args, cwd=ROOT,
+                        env=training_env(subprocess_env(1)),
                         capture_output=True, text=True, timeout=timeout)
 
 
