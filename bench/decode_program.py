@@ -382,16 +382,15 @@ def filled_cache(eng, B: int, T: int, seed: int = 0):
 
 
 def _filled_leaf(name, shape, dtype, T, key):
-  """One leaf of filled_cache (one jitted program per leaf kind, shape, dtype and T: a later
-  cache of the same shapes traces nothing)."""
-  global _filled_leaf_jit
-  if _filled_leaf_jit is None:
-    import jax
-    _filled_leaf_jit = jax.jit(_make_filled_leaf, static_argnums=(0, 1, 2, 3))
-  return _filled_leaf_jit(name, shape, dtype, T, key)
+  """One leaf of filled_cache, jitted once for the module (static leaf kind, shape, dtype and T:
+  a later cache of the same shapes traces nothing)."""
+  return _filled_leaf_jit()(name, shape, dtype, T, key)
 
 
-_filled_leaf_jit = None   # jax imported on first use (this module imports jax lazily)
+@functools.cache
+def _filled_leaf_jit():
+  import jax   # imported on first use, as everywhere in this module
+  return jax.jit(_make_filled_leaf, static_argnums=(0, 1, 2, 3))
 
 
 def _make_filled_leaf(name, shape, dtype, T, key):

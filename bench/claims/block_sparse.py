@@ -139,8 +139,8 @@ def readme_elastic_prefill(rec, run):
 
 
 def _ab_rejected_by_its_rule(r, device="NVIDIA H100 80GB HBM3"):
-  """An all-full A/B run (bench/block_sparse.py --ab) on one GPU (`device`), 64K then 32K: every variant
-  passed its small check and matched the default's out / dq / dk / dv without NaN; each median
+  """An all-full A/B run (bench/block_sparse.py --ab) on one GPU (`device`), 64K then 32K: every
+  variant passed its small check and matched the default's out / dq / dk / dv without NaN; each median
   is its rounds', gains and x cuDNN follow from the medians; the registered rule
   (bench/block_sparse.ab_decide) re-applied to the stored numbers gives the recorded decision,
   none adopted."""
