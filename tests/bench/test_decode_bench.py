@@ -17,7 +17,6 @@ import numpy as np
 import pytest
 
 from bench import common, decode
-from bench import decode as bd
 from bench import decode_program as dp
 from condattn_jax.inference import Engine
 from condattn_jax.models import stacking
@@ -317,7 +316,6 @@ def test_profile_step_measures_every_variant_on_cpu(tmp_path):
   kernels per token, its compiled program's launches and the XLA options it compiled with. Bad
   variant names fail in one line; the shared trace parser's busy time is the union of the
   intervals."""
-  from bench import decode_program as dp
   out = tmp_path / "profile.json"
   rows = dp.main(["--time", "--profile", "--shapes=tiny-qwen", "--B=1", "--T=32",
                   "--variants=split,split:off:dotmerge,split:refattn,xla_per_layer", "--steps=2",
@@ -361,7 +359,6 @@ def test_ab_interleaves_the_variants_and_applies_the_registered_rule(tmp_path):
   a repeat (the order rotated), its first step's logits checked against the default's (the same
   K/V per cache leaf: exact on CPU), busy time from interleaved traces; the run records the rule
   and its decision; `adoption` adopts only a candidate no slower at every T of the rule."""
-  from bench import decode_program as dp
   rows = dp.main(["--ab", "--scheme=l2a", "--shapes=tiny-qwen", "--B=1", "--T=64",
                   "--variants=stacked,stacked:noskip,split",
                   "--dense_variants=stacked,split",
@@ -418,7 +415,6 @@ def test_profile_trace_sets_change_the_h100_program():
   covered by test_profile_step_measures_every_variant_on_cpu, and the default decode path's H100
   lowering by tests/kernels/test_decode_kernel.py's export tests."""
   import dataclasses
-  from bench import decode_program as dp
   cfg, _ = decode.scheme_config("dense", "qwen2.5-1.5b", 512)
   cfg = dataclasses.replace(cfg, num_layers=2)
   calls = lambda c, sets=(): {k: v for k, v in dp.stablehlo_histogram(
@@ -442,7 +438,6 @@ def test_l2a_decode_variant_sets_and_the_dense_ratio():
   more; the 'cond' command-buffer mode adds CONDITIONAL and WHILE to XLA's default kinds;
   dense_ratios divides the same-T dense row's ms by a scheme row's and relates it to the bytes
   bound (issue 33's 0.9 target)."""
-  from bench import decode_program as dp
   import dataclasses
   cfg, _ = decode.scheme_config("l2a", "tiny-qwen", 64)
   assert dict(cfg.scheme_kwargs)["decode_skip"] is False  # the recipe's default since the A/B
@@ -478,7 +473,6 @@ def test_bench_params_init_lowers_no_attention_fallback_for_a_gpu(caplog):
   length 8 (Mosaic GPU takes multiples of 64): the warning a GPU L2A run printed, from no timed
   step."""
   import logging
-  from bench import decode_program as dp
   from condattn_jax import ops
   cfg, _ = decode.scheme_config("l2a", "tiny-qwen", 64)
   ops._warn_once.cache_clear()
@@ -506,7 +500,6 @@ def test_command_buffer_update_mode_sets_and_the_registered_rule():
   ALWAYS_UPDATE reference at every T, dense costs at most 5% more, and the logits agree."""
   import jax
   import jax.numpy as jnp
-  from bench import decode_program as dp
   assert dp.parse_variant("stacked:skiptemp") == ("stacked", ("skiptemp",))
   assert dp.OPTION_SETS["alwaysupdate"] == {"xla_gpu_command_buffer_update_mode": "ALWAYS_UPDATE"}
   f = jax.jit(lambda x: x + 1).lower(jnp.ones(2))
@@ -556,7 +549,6 @@ def test_l2a_decode_program_launches_nothing_that_splits_command_buffers():
   no while loop and no conditional on a run-time value (a host round trip a layer). Undoing the
   branch-free global call (decode_skip=True) fails here."""
   import dataclasses
-  from bench import decode_program as dp
 
   def export(scheme, **kw):
     cfg = dp.model_config("tiny-qwen", 2, scheme, 512)
@@ -579,7 +571,6 @@ def test_paired_ab_fp32_check_and_the_o_proj_probe(tmp_path):
   dense ran both names, compiles in threads, then the fp32 check recorded on the run (the run
   without it written to --out's .run.json first); the o_proj probe's forms agree."""
   import json
-  from bench import decode_program as dp
   out = tmp_path / "ab.json"
   rows = dp.main(["--ab", "--scheme=l2a", "--shapes=tiny-qwen", "--B=1", "--T=64",
                   "--variants=stacked,split,stacked:refattn", "--dense_variants=stacked,split",
@@ -624,7 +615,6 @@ def test_adoption_tests_logits_against_float32():
   first-step logits are within fp32_factor x the default's float32 error + fp32_slack and keep
   float32's argmax where the default does; its distance to the default no longer counts; a row
   without float32 logits fails."""
-  from bench import decode_program as dp
   rule = dict(dp.ADOPTION_RULE, T=(64,), min_repeats=1, min_steps=1)
   f = lambda e, same=True: dict(rel_err=e, max_abs_err=e, same_argmax=same)
   row = lambda v, fp32, err=0.0: dict(scheme="l2a", variant=v, T=64, ms=1.0, busy_ms=1.0,
@@ -711,7 +701,7 @@ def test_op_histogram_counts_each_kernel_per_execution():
 
 
 def _tiny(layers, dtype="float32"):
-  cfg, _ = bd.scheme_config("dense", "tiny-qwen", 64)
+  cfg, _ = decode.scheme_config("dense", "tiny-qwen", 64)
   return dataclasses.replace(cfg, num_layers=layers, dtype=dtype, param_dtype=dtype)
 
 
@@ -720,7 +710,7 @@ def test_split_params_decode_the_same_and_copy_no_weights():
   caches bit for bit), and its compiled step (CPU, float32: no bf16 widening) copies no
   weights: the stacked layout's step moves exactly every layer's matmul weights more."""
   cfg = _tiny(2)
-  params = bd.init_params(cfg)
+  params = decode.init_params(cfg)
   split = stacking.split_groups(params)
   assert isinstance(split["layers"], tuple) and len(split["layers"]) == 2
   assert stacking.split_groups(split) is not split and stacking.split_groups(split)["layers"] \
