@@ -5,8 +5,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 from jax.experimental.pallas import tpu as pltpu
 from jax.sharding import AbstractDevice, AbstractMesh
 
@@ -16,17 +14,14 @@ from pallas_kernels.block_sparse.testing import compare, make_problem, ssa_lists
 MOSAIC = dict(impl="mosaic_tpu", interpret=pltpu.InterpretParams())
 
 
-@settings(max_examples=2, deadline=None, derandomize=True,
-          suppress_health_check=list(HealthCheck))
-@given(seed=st.integers(0, 10 ** 6), gqa=st.sampled_from([(2, 1), (4, 2)]),
-       dtype=st.sampled_from(["float32", "bfloat16"]),
-       extra=st.sampled_from(["none", "segments", "window_sinks_active"]))
-def test_mosaic_matches_reference_hypothesis(seed, gqa, dtype, extra):
-  N, K = gqa
-  kw = dict(none={}, segments=dict(segments=2),
-            window_sinks_active=dict(window=150, sinks=3, active="head"))[extra]
-  p = make_problem(seed, T=384, N=N, K=K, H=128, dtype=jnp.dtype(dtype), block_q=128,
-                   block_k=128, L=2, **kw)
+def test_mosaic_matches_reference_gqa_random_lists():
+  """GQA 2:1 over 2 kv heads, bfloat16, random lists with -1 padding, duplicates and future blocks
+  (dropped), one HEAD_FULL head beside three HEAD_BLOCKS heads. (This was the second of the
+  hypothesis test's 2 derandomized draws, same seed and parameters; its first draw, float32 with
+  one kv head and two HEAD_BLOCKS heads on the same kind of random lists, ran no path that this
+  case and test_mosaic_ssa_heads_next_to_full_heads_and_empty_rows (float32, 2:1 GQA) do not.)"""
+  p = make_problem(512, T=384, N=4, K=2, H=128, dtype=jnp.bfloat16, block_q=128, block_k=128,
+                   L=2)
   errs, bad = compare(p, MOSAIC)
   assert not bad, errs
 
