@@ -1,10 +1,14 @@
 """`python eval.py --suite=tiny --checkpoint=...` for every scheme, in one head-to-head run.
 
-The checkpoints are written here, untrained: configs/tiny.py with each scheme, its step-0
-(random init) params saved as a params-only checkpoint (`Checkpointer.save_params`, the format
-of a model to evaluate or serve, with the run config). The test checks that every scheme's
-checkpoint goes through the engine and the report, not accuracy; the oracle tests in
-test_suite.py check the scores."""
+The checkpoints are written here, untrained: configs/tiny.py with each scheme, params-only
+checkpoints (`Checkpointer.save_params`, the format of a model to evaluate or serve, with the run
+config) of the dense model's random init (one compiled init) converted to each scheme by the one
+dense -> scheme entry point (`attention.convert`: the scheme's from_dense, as train.py's
+init_from), the tree checked against the scheme's own init (eval_shape). The test checks that
+every scheme's checkpoint goes through the engine and the report, not accuracy; the oracle tests
+in test_suite.py check the scores. Two of the ten token-level tasks per model (--tasks: the
+engine path is the same for every task); all ten run through the engine in
+tests/bench/test_eval_head_to_head.py (dense + L2A, bench/eval_head_to_head.py's tiny preset)."""
 import dataclasses
 import json
 import os
@@ -15,6 +19,7 @@ import pytest
 
 from _cli_runner import Runner
 from _train_helpers import PY, ROOT, subprocess_env, tiny
+from condattn_jax import attention
 from condattn_jax import checkpoint as ckpt_lib
 from condattn_jax.train import loop
 
@@ -27,7 +32,7 @@ SCHEMES = {"dense": {}, "l2a": {}, "aha": {}, "elastic": {}, "match": {},
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   root = tmp_path_factory.mktemp("suite_runs")
-  out = {}
+  out, dense = {}, None
   for name, opts in SCHEMES.items():
     c = tiny("steps=1")
     with c.unlocked():
@@ -36,7 +41,16 @@ def runs(tmp_path_factory):
         c.model.scheme[k] = v
       c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
     setup = loop.build(c, devices=jax.local_devices()[:1])
-    params = loop.init_params(setup)
+    if dense is None:  # "dense" comes first: its random init, the others converted from it
+      dense = params = jax.device_get(loop.init_params(setup))
+      dense_cfg = setup.model_cfg
+    else:
+      cfg, params = attention.convert(dense, dense_cfg, name, **dict(setup.model_cfg.scheme_kwargs))
+      assert cfg == setup.model_cfg
+      want = jax.eval_shape(lambda: loop.init_params(setup))  # the scheme's own init: its tree
+      assert jax.tree.structure(params) == jax.tree.structure(want)
+      assert [(x.shape, x.dtype) for x in jax.tree.leaves(params)] == [
+          (x.shape, x.dtype) for x in jax.tree.leaves(want)]
     ck = ckpt_lib.Checkpointer(str(root / name / "checkpoints"), keep=1)
     try:
       ck.save_params(0, params, dict(config=json.loads(c.to_json_best_effort()),
@@ -51,15 +65,15 @@ def runs(tmp_path_factory):
 @pytest.mark.slow
 def test_tiny_suite_head_to_head_every_scheme(runs, tmp_path):
   """Every scheme in one report, L2A swept over theta (the others have no theta: evaluated
-  once), perplexity by position on token documents."""
+  once), perplexity by position on token documents, two tasks (--tasks)."""
   docs = tmp_path / "docs.jsonl"
   docs.write_text("\n".join(json.dumps({"tokens": [(7 * i + j) % 64 for j in range(140)]})
                             for i in range(3)))
   out = tmp_path / "out"
   args = [f"--checkpoint={runs[s]}" for s in SCHEMES]
   p = subprocess.run([PY, "eval.py", "--suite=tiny", "--lengths=128", "--num_samples=1",
-                      "--batch_size=2", f"--out_dir={out}", "--sweep=theta=0.3,0.6",
-                      f"--ppl_docs={docs}", *args],
+                      "--batch_size=2", "--tasks=niah_multivalue,mqar", f"--out_dir={out}",
+                      "--sweep=theta=0.3,0.6", f"--ppl_docs={docs}", *args],
                      cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=600)
   assert p.returncode == 0, p.stderr[-3000:]
   assert p.stderr.count("has no option 'theta': evaluated once") == len(SCHEMES) - 1
@@ -71,9 +85,11 @@ def test_tiny_suite_head_to_head_every_scheme(runs, tmp_path):
   assert names == ["dense", "l2a@theta=0.3", "l2a@theta=0.6", "aha", "elastic", "match",
                    "segmented"]
   assert rep["knobs"]["lengths"] == [128] and rep["knobs"]["num_samples"] == 1
+  assert rep["knobs"]["tasks"] == ["mqar", "niah_multivalue"]
   for m in rep["models"]:
     assert m["knobs"]["step"] == 0 and m["knobs"]["checkpoint"] in runs.values()
-    assert len(m["records"]) == 10  # 10 token-level tasks x 1 sample at length 128
+    assert len(m["records"]) == 2  # 2 token-level tasks x 1 sample at length 128
+    assert sorted(m["accuracy"]) == ["mqar", "niah_multivalue"]
     assert all(0.0 <= r["score"] <= 1.0 and len(r["output"]) <= 5 for r in m["records"])
     e = m["efficiency"]["128"]
     assert e["ttft_s"] > 0 and e["decode_tok_s"] > 0 and e["kv_cache_bytes"] > 0
@@ -93,7 +109,7 @@ def test_tiny_suite_head_to_head_every_scheme(runs, tmp_path):
   assert "| ppl by position, length 128 | 0-16 |" in md
   for png in ("_accuracy_vs_ttft.png", "_accuracy_vs_length.png", "_routing_1.png"):
     assert os.path.getsize(out / js[0].replace(".json", png)) > 0
-  assert "step 70/70" in p.stderr  # progress bar over tasks x lengths x models
+  assert "step 14/14" in p.stderr  # progress bar over tasks x lengths x models
 
 
 def test_suite_cli_errors(runs, tmp_path):
