@@ -867,9 +867,10 @@ def serve_rows(F, log, emit=None) -> list[dict]:
     shapes = TINY_SHAPES.get(shapes, shapes)
   reqs = serve_requests(F.serve_requests, F.serve_prompt, F.serve_new,
                         SHAPES[shapes]["vocab_size"])
-  # the cache's slots rounded up to a multiple of SERVE_SLOT_MULTIPLE: a kv length the GPU
-  # kernels take (Mosaic GPU needs a multiple of 64, Triton of 16; at any other length the
-  # prefill chunks' ops.attention falls back to the O(T*S) reference)
+  # the cache's slots rounded up to a multiple of SERVE_SLOT_MULTIPLE, as in the recorded serve
+  # runs (kept so later runs stay comparable: since the compacted kernels' supports() judges the
+  # padded kv length, any cache length runs the kernels; before, an odd one fell back to the
+  # O(T*S) reference)
   need = max(len(p) for p, _ in reqs) + max(m for _, m in reqs)
   longest = -(-need // SERVE_SLOT_MULTIPLE) * SERVE_SLOT_MULTIPLE
   cfg, knobs = scheme_config(scheme, shapes, longest)

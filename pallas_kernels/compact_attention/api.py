@@ -530,7 +530,14 @@ class CompactBackend:
     why = platform_reason(self.name, self.lowers_for, platform, self.needs_hopper)
     if why is not None:
       return why
-    for name in dict.fromkeys((self.name, self.config.bwd_impl or self.name)):
+    names = dict.fromkeys((self.name, self.config.bwd_impl or self.name))
+    # compact_attention pads a kv length its tiles cannot divide (slots no query sees): judge
+    # the padded length, so an odd cache length (a serve cache of prompt + budget slots) runs
+    # the kernel instead of the O(T*S) reference
+    S = kv_shape[1]
+    granule = math.lcm(*(_KV_GRANULE.get(n, 1) for n in names))
+    kv_shape = (kv_shape[0], S + (-S % granule), *kv_shape[2:])
+    for name in names:
       why = kernel_support(name, q_shape, kv_shape, dtype)[1]
       if why is not None:
         return why

@@ -426,6 +426,22 @@ def test_shapes_no_kernel_takes_use_the_reference_with_a_warning(caplog):
   assert "triton: head_dim 24" in caplog.text
 
 
+def test_a_kv_length_no_tile_divides_runs_the_kernel_padded(caplog):
+  """auto on an H100, 64 queries over 200 cached keys (a prefill chunk into a cache whose length
+  no kernel tile divides): the Mosaic GPU kernel on keys padded to 256, no reference, no warning."""
+  ops._warn_once.cache_clear()
+  T, S = 64, 200
+  qpos = jnp.broadcast_to(jnp.arange(S - T, S, dtype=jnp.int32), (1, T))
+  kvpos = jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (1, S))
+  spec = ops.MaskSpec(qpos, kvpos, active=jnp.ones((1, T), bool))
+  q = jax.ShapeDtypeStruct((1, T, 4, 64), jnp.bfloat16)
+  kv = jax.ShapeDtypeStruct((1, S, 2, 64), jnp.bfloat16)
+  with jax.sharding.use_abstract_mesh(_H100):
+    text = jax.export.export(jax.jit(lambda q, k, v: ops.attention(q, k, v, spec)),
+                             platforms=["cuda"], disabled_checks=_DISABLED)(q, kv, kv).mlir_module()
+  assert _kernels(text) and "no kernel takes this call" not in caplog.text, _kernels(text)
+
+
 def test_explicit_impls_export_their_kernel_for_each_platform():
   """Every kernel name reaches its kernel: 'pallas' is the resolver's Pallas kernel (Mosaic GPU
   on an H100, Triton on an A100), 'triton' / 'mosaic_gpu' / 'mosaic_tpu' that kernel; a kernel
@@ -489,6 +505,12 @@ def test_the_compact_backends_carry_their_config():
   mgpu = next(b for b in BACKENDS if b.name == "mosaic_gpu")
   q, kv = (1, 256, 4, 64), (1, 256, 2, 64)
   assert mgpu.supports(q, kv, jnp.bfloat16, _PLATFORMS["h100"]) is None
+  # a kv length no tile divides (2242: a serve cache of prompt + budget slots) is padded by
+  # compact_attention, so the kernels take it and ops.resolve does not fall to the reference
+  odd = (1, 2242, 2, 64)
+  assert mgpu.supports(q, odd, jnp.bfloat16, _PLATFORMS["h100"]) is None
+  assert ops.resolve("compact", "auto", q, odd, jnp.bfloat16, _PLATFORMS["a100"])[0].name == "triton"
+  assert ops.resolve("compact", "auto", q, odd, jnp.bfloat16, _PLATFORMS["tpu"])[0].name == "mosaic_tpu"
   tbwd = dataclasses.replace(mgpu, config=CompactConfig(bwd_impl="triton"))
   assert tbwd.supports(q, kv, jnp.bfloat16, _PLATFORMS["h100"]) is None
   q24, kv24 = (1, 256, 4, 48), (1, 256, 2, 48)  # Triton backward: power-of-two head_dim only
