@@ -20,6 +20,12 @@ from pallas_kernels.decode.testing import decode_problem
 _problem = decode_problem
 
 
+def _decode(q, k, v, **kw):
+  """dk.decode_attention in one jitted program (eagerly, each op of the plan, the merge and the
+  reference is dispatched and compiled on its own)."""
+  return jax.jit(lambda q, k, v: dk.decode_attention(q, k, v, **kw))(q, k, v)
+
+
 def _close(out, ref):
   out, ref = np.asarray(out, np.float32), np.asarray(ref, np.float32)
   assert np.isfinite(out).all()
@@ -78,10 +84,11 @@ def test_tile_runs_cover_every_visible_tile_and_skip_the_rest(case):
   elif case == "inactive":
     active = jnp.asarray(rng.random((B, T, N)) < 0.5).at[1].set(False)
   q = jnp.zeros((B, T, N, 64), jnp.bfloat16)
-  _, qpos, runs, _ = api.plan(
+  plan = jax.jit(lambda q, active, kw: api.plan(  # one program (eagerly: op by op)
       q, jnp.zeros((B, S, K, 64)), active=active, window=window, sinks=sinks, block_k=bk, rows=8,
       kv_lengths_B=kw.get("kv_lengths_B"), kv_valid_BS=kw.get("kv_valid_BS"),
-      q_positions_BT=kw["q_positions_BT"], kv_positions_BS=kw["kv_positions_BS"])
+      q_positions_BT=kw["q_positions_BT"], kv_positions_BS=kw["kv_positions_BS"]))
+  _, qpos, runs, _ = plan(q, active, kw)
   runs = np.asarray(runs)
   assert (runs[..., 0] <= runs[..., 1]).all() and (runs[..., 1] <= runs[..., 2]).all()
   want = _visible_tiles(kw, active, window, sinks, K, bk)
@@ -110,8 +117,8 @@ def test_mosaic_gpu_interpret_equals_reference():
   q, k, v, kw = _problem(T=2, N=3, K=1, S=248, lengths=(248, 90))
   active = jnp.ones((2, 2, 3), bool).at[0, 1, 2].set(False).at[1].set(False)
   kw.update(active=active, window=60, sinks=3)
-  ref = dk.decode_attention(q, k, v, **kw)
-  out = dk.decode_attention(q, k, v, impl="mosaic_gpu", interpret=True,
+  ref = _decode(q, k, v, **kw)
+  out = _decode(q, k, v, impl="mosaic_gpu", interpret=True,
                             config=dk.DecodeConfig(parts=2), **kw)
   _close(out, ref)
   assert float(jnp.abs(out[1].astype(jnp.float32)).max()) == 0.0
@@ -125,8 +132,8 @@ def test_mosaic_tpu_interpret_equals_reference():
   the reference."""
   q, k, v, kw = _problem(N=3, K=1, H=128, S=450, lengths=(440, 37), seed=3)
   kw.update(active=jnp.asarray([[True], [True]]))
-  ref = dk.decode_attention(q, k, v, **kw)
-  out = dk.decode_attention(q, k, v, impl="mosaic_tpu", interpret=True,
+  ref = _decode(q, k, v, **kw)
+  out = _decode(q, k, v, impl="mosaic_tpu", interpret=True,
                             config=dk.DecodeConfig(parts=2), **kw)
   _close(out, ref)
 
@@ -140,14 +147,14 @@ def test_each_kernel_on_the_other_mask_path():
   reference."""
   q, k, v, kw = _problem(N=3, K=1, S=224, lengths=(200, 37), seed=5)  # 224: a ragged 4th tile
   kw.update(active=jnp.asarray([[True], [False]]))
-  ref = dk.decode_attention(q, k, v, **kw)
-  out = dk.decode_attention(q, k, v, impl="mosaic_gpu", interpret=True,
+  ref = _decode(q, k, v, **kw)
+  out = _decode(q, k, v, impl="mosaic_gpu", interpret=True,
                             config=dk.DecodeConfig(parts=2), **kw)
   _close(out, ref)
   q, k, v, kw = _problem(T=2, N=3, K=1, H=128, S=512, lengths=(400, 37), seed=6)
   kw.update(window=150, sinks=3)
-  ref = dk.decode_attention(q, k, v, **kw)
-  out = dk.decode_attention(q, k, v, impl="mosaic_tpu", interpret=True,
+  ref = _decode(q, k, v, **kw)
+  out = _decode(q, k, v, impl="mosaic_tpu", interpret=True,
                             config=dk.DecodeConfig(parts=2), **kw)
   _close(out, ref)
 
@@ -415,8 +422,8 @@ def test_mosaic_gpu_block_lists_interpret_equals_reference():
   """The Hopper kernel (interpret mode) with block lists == the reference (the block-sparse
   kernels' mask, ops.BlockLists' contract), in every head mode, 2 kv parts."""
   q, k, v, kw = _lists_problem()
-  ref = dk.decode_attention(q, k, v, **kw)
-  out = dk.decode_attention(q, k, v, impl="mosaic_gpu", interpret=True,
+  ref = _decode(q, k, v, **kw)
+  out = _decode(q, k, v, impl="mosaic_gpu", interpret=True,
                             config=dk.DecodeConfig(parts=2), **kw)
   _close(out, ref)
   assert float(jnp.abs(ref.astype(jnp.float32)).max()) > 0
@@ -429,8 +436,8 @@ def test_mosaic_tpu_block_lists_interpret_equals_reference():
   reference."""
   q, k, v, kw = _lists_problem()
   q, k, v = (jnp.concatenate([x, x], axis=-1) for x in (q, k, v))   # head_dim 128
-  ref = dk.decode_attention(q, k, v, **kw)
-  out = dk.decode_attention(q, k, v, impl="mosaic_tpu", interpret=True,
+  ref = _decode(q, k, v, **kw)
+  out = _decode(q, k, v, impl="mosaic_tpu", interpret=True,
                             config=dk.DecodeConfig(parts=2), **kw)
   _close(out, ref)
 
