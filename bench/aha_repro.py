@@ -962,6 +962,45 @@ def run_batched(s: Settings, preset: str, seeds, units_: list[str], work_dir: st
               seconds=time.time() - t0)
 
 
+def _headline_program(preset: str, k: int, impl: str, dense=None):
+  """(arms, groups, program, stacked states, stacked batches, active) of `preset`'s headline
+  arm (smallest window, lambda s.lam) on k seeds as ONE vmapped group, attention_impl `impl`.
+  dense None: abstract (ShapeDtypeStruct) states and batches, zero params standing in for the
+  dense model (only shapes matter); else that dense model's params, concrete states and step 0's
+  batch on every arm."""
+  from condattn_jax.train.state import TrainState
+  s = PRESETS[preset]
+  w = min(s.windows)
+  task = RestatedRecall(s, w, 0)
+  cfg = base_config(s, task).replace(attention_impl=impl)
+  if dense is None:
+    shapes = jax.eval_shape(lambda: nn.unbox(Decoder(cfg).init(
+        jax.random.key(0), jnp.zeros((1, s.seq_len), jnp.int32))["params"]))
+    params = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), shapes)
+  else:
+    params = dense
+  acfg0, ap0 = convert(params, cfg, "aha", window=w, tau=s.tau, lam=s.lam,
+                       router_bias_init=s.router_bias_init)
+  arms = [rc.Arm(f"s{i}", acfg0, _aha_tc(s, s.aha_steps, s.aha_lr, i), ap0,
+                 functools.partial(task_batch, task, s.batch_size, 10),
+                 metrics=("accuracy", "aha/mu_f")) for i in range(k)]
+  groups = rc.arm_groups(arms)
+  txs, program = rc._program(arms, groups)
+  make = jax.eval_shape if dense is None else (lambda f: f())
+  states = [make(lambda tx=tx, g=g: jax.tree.map(lambda *x: jnp.stack(x), *[
+      TrainState(step=jnp.zeros((), jnp.int32), params=arms[i].params,
+                 opt_state=tx.init(arms[i].params)) for i in g])) for tx, g in zip(txs, groups)]
+  b = task_batch(task, s.batch_size, 10, 0)
+  if dense is None:
+    batches = [{n: jax.ShapeDtypeStruct((len(g),) + v.shape, v.dtype) for n, v in b.items()}
+               for g in groups]
+    active = [jax.ShapeDtypeStruct((len(g),), bool) for g in groups]
+  else:
+    batches = [{n: jnp.stack([v] * len(g)) for n, v in b.items()} for g in groups]
+    active = [jnp.ones((len(g),), bool) for g in groups]
+  return arms, groups, program, states, batches, active
+
+
 def cross_lowered_kernels(preset: str = "h100", k: int = 3, *,
                           device_kind: str = "NVIDIA H100 80GB HBM3") -> dict[str, int]:
   """{custom call target: count} in the batched program of `k` arms of `preset` (its headline
@@ -970,30 +1009,9 @@ def cross_lowered_kernels(preset: str = "h100", k: int = 3, *,
   and k > 1 mean vmap batches the attention kernels over the arms (one launch each), not a loop
   of k copies. Zero params stand in for a dense model (only shapes matter)."""
   from jax.sharding import AbstractDevice, AbstractMesh
-  from condattn_jax.train.state import TrainState
   import collections
   import re
-  s = PRESETS[preset]
-  w = min(s.windows)
-  task = RestatedRecall(s, w, 0)
-  cfg = base_config(s, task).replace(attention_impl="auto")
-  shapes = jax.eval_shape(lambda: nn.unbox(Decoder(cfg).init(
-      jax.random.key(0), jnp.zeros((1, s.seq_len), jnp.int32))["params"]))
-  dense = jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), shapes)
-  acfg0, ap0 = convert(dense, cfg, "aha", window=w, tau=s.tau, lam=s.lam,
-                       router_bias_init=s.router_bias_init)
-  arms = [rc.Arm(f"s{i}", acfg0, _aha_tc(s, s.aha_steps, s.aha_lr, i), ap0,
-                 functools.partial(task_batch, task, s.batch_size, 10),
-                 metrics=("accuracy", "aha/mu_f")) for i in range(k)]
-  groups = rc.arm_groups(arms)
-  txs, program = rc._program(arms, groups)
-  states = [jax.eval_shape(lambda tx=tx, g=g: jax.tree.map(lambda *x: jnp.stack(x), *[
-      TrainState(step=jnp.zeros((), jnp.int32), params=arms[i].params,
-                 opt_state=tx.init(arms[i].params)) for i in g])) for tx, g in zip(txs, groups)]
-  b = task_batch(task, s.batch_size, 10, 0)
-  batches = [{n: jax.ShapeDtypeStruct((len(g),) + v.shape, v.dtype) for n, v in b.items()}
-             for g in groups]
-  active = [jax.ShapeDtypeStruct((len(g),), bool) for g in groups]
+  _, _, program, states, batches, active = _headline_program(preset, k, "auto")
   mesh = AbstractMesh((1,), ("data",), abstract_device=AbstractDevice(
       device_kind=device_kind, num_cores=None, platform="cuda"))
   with jax.sharding.use_abstract_mesh(mesh):
@@ -1004,6 +1022,43 @@ def cross_lowered_kernels(preset: str = "h100", k: int = 3, *,
                                              exp.mlir_module())))
 
 
+def arm_step_ms(preset: str, ks, impls, *, steps: int = 200, warmup: int = 5,
+                log=print) -> list[dict]:
+  """Device time of the batched arm program (the until-plateau rule's step: `_headline_program`,
+  K arms vmapped) per K in `ks` and attention_impl in `impls`, on a random-init dense model
+  (the step's cost does not depend on the weights) and one fixed batch already on the device
+  (no host batch making: what the step costs the device). Per (impl, K): compile seconds, ms a
+  step (wall of `steps` back-to-back steps after `warmup`, one block at the end) and ms an
+  arm-step (/ K). The question it answers: which attention implementation the GPU presets'
+  tiny heads (head_dim = hidden / heads) should use, and how the step scales with K."""
+  s = PRESETS[preset]
+  task = RestatedRecall(s, min(s.windows), 0)
+  cfg = base_config(s, task)
+  dense = nn.unbox(jax.jit(lambda key: Decoder(cfg).init(
+      key, jnp.zeros((1, s.seq_len), jnp.int32))["params"])(jax.random.key(0)))
+  rows = []
+  for impl in impls:
+    for k in ks:
+      _, _, program, states, batches, active = _headline_program(preset, int(k), impl, dense)
+      t0 = time.perf_counter()
+      compiled = program.lower(states, batches, active).compile()
+      compile_s = time.perf_counter() - t0
+      for _ in range(warmup):
+        states, m = compiled(states, batches, active)
+      jax.block_until_ready(states)
+      t0 = time.perf_counter()
+      for _ in range(steps):
+        states, m = compiled(states, batches, active)
+      jax.block_until_ready(states)
+      ms = (time.perf_counter() - t0) * 1000 / steps
+      row = dict(impl=impl, K=int(k), compile_s=round(compile_s, 2), ms_step=ms,
+                 ms_arm_step=ms / int(k), steps=steps,
+                 mu_f=float(np.mean(np.asarray(m[0]["aha/mu_f"]))))
+      log(json.dumps(row))
+      rows.append(row)
+  return rows
+
+
 FLAGS = common.flag_values()
 rc.define_flags(FLAGS, PRESETS, "docs/schemes/aha.md")
 flags.DEFINE_list("arms", None, "with --work_dir and --seeds: these arm units of every seed "
@@ -1011,10 +1066,17 @@ flags.DEFINE_list("arms", None, "with --work_dir and --seeds: these arm units of
                   "--dense_budget_s cuts it, exit 3, and the rerun goes on)", flag_values=FLAGS)
 flags.DEFINE_integer("workers", 0, "--arms: processes making the training batches (rc.BatchPool)",
                      flag_values=FLAGS)
+flags.DEFINE_list("arm_step_ms", None, "no training: time the batched arm program of --preset "
+                  "per attention_impl in this list (e.g. auto,reference) and K in --arm_step_k "
+                  "(arm_step_ms); prints one JSON line a row", flag_values=FLAGS)
+flags.DEFINE_list("arm_step_k", ["1", "4"], "--arm_step_ms: the arm counts K", flag_values=FLAGS)
+flags.DEFINE_integer("arm_step_steps", 200, "--arm_step_ms: timed steps a row", flag_values=FLAGS)
 
 
 def main(argv=None):
   a = common.parse_flags(FLAGS, argv)
+  if a.arm_step_ms:
+    return arm_step_ms(a.preset, a.arm_step_k, a.arm_step_ms, steps=a.arm_step_steps)
   if a.arms:
     if not a.work_dir or a.preset not in PRESETS:
       raise ValueError("--arms needs --work_dir (the dense models' folder) and a known --preset")
