@@ -317,7 +317,7 @@ def test_profile_step_measures_every_variant_on_cpu(tmp_path):
   variant names fail in one line; the shared trace parser's busy time is the union of the
   intervals."""
   out = tmp_path / "profile.json"
-  rows = dp.main(["--time", "--profile", "--shapes=tiny-qwen", "--B=1", "--T=32",
+  rows = dp.main(["--time", "--profile", "--shapes=tiny-qwen", "--B=1", "--T=64",
                   "--variants=split,split:off:dotmerge,split:refattn,xla_per_layer", "--steps=2",
                   "--repeats=1", "--traced=2", f"--out={out}", f"--hlo_dir={tmp_path}",
                   "--hlo_variants=split", f"--out_dir={tmp_path}"])
@@ -336,12 +336,12 @@ def test_profile_step_measures_every_variant_on_cpu(tmp_path):
   assert len(__import__("json").loads(out.read_text())) == 4
   (run,) = common.load(common.result_path("decode_program", str(tmp_path)))["runs"]  # the schema
   assert [r["variant"] for r in run["rows"]] == [r["variant"] for r in rows]
-  assert run["settings"]["T"] == [32] and run["jax_version"] and run["date"]
+  assert run["settings"]["T"] == [64] and run["jax_version"] and run["date"]
   import gzip
   with gzip.open(by["split"]["hlo_file"], "rt") as f:  # the program it timed, for offline reading
     assert dp.op_histogram(f.read()) == by["split"]["histogram"]
   assert "hlo_file" not in by["split:off:dotmerge"]
-  assert "| split:refattn | 32 |" in dp.profile_table(rows)
+  assert "| split:refattn | 64 |" in dp.profile_table(rows)
   for bad, msg in (("scan", "layout 'scan'"), ("split:graphs", "not an option set"),
                    ("split:k8", "not an option set"),
                    ("split:off:extended", "at most one command-buffer"),
@@ -576,7 +576,7 @@ def test_paired_ab_fp32_check_and_the_o_proj_probe(tmp_path):
                   "--variants=stacked,split,stacked:refattn", "--dense_variants=stacked,split",
                   "--pairs=split=stacked,stacked:refattn=split",
                   "--steps=2", "--repeats=2", "--traced=2", "--busy_repeats=1",
-                  "--compile_workers=3", "--fp32_check=dense", f"--out={out}",
+                  "--compile_workers=3", "--fp32_check=l2a", f"--out={out}",
                   f"--out_dir={tmp_path}"])
   assert all(r["status"] == "ok" for r in rows), [r.get("error") for r in rows]
   assert all(r["rel_err"] <= 1e-6 and r["reference_variant"] == "stacked" for r in rows)
