@@ -77,6 +77,12 @@ def _loop_attention(q, k, v, mask_BNTS):
   return out
 
 
+def _jit_reference(q, k, v, spec):
+  """ops.attention(impl='reference') in one jitted program (eagerly: op by op, each op compiled
+  alone)."""
+  return jax.jit(lambda q, k, v: ops.attention(q, k, v, spec, impl="reference"))(q, k, v)
+
+
 def _packed(B, T, rng, tail=3):
   """Contiguous documents restarting positions at 0; the last `tail`-ish tokens are padding."""
   seg = np.zeros((B, T), np.int32)
@@ -148,7 +154,7 @@ def test_reference_matches_loop_attention_gqa():
     S = np.asarray(spec.kv_positions_BS).shape[1]
     Tq = np.asarray(spec.q_positions_BT).shape[1]
     q, k, v = _qkv(rng, B, Tq, S, N, K, H)
-    out = ops.attention(q, k, v, spec, impl="reference")
+    out = _jit_reference(q, k, v, spec)
     np.testing.assert_allclose(out, _loop_attention(q, k, v, _loop_mask(spec, N)), atol=2e-5,
                                err_msg=case)
 
@@ -187,7 +193,7 @@ def test_tokamax_packed_matches_reference(window):
   q, k, v = _qkv(rng, B, T, T, N, K, H)
   seg, pos = _packed(B, T, rng)
   spec = ops.MaskSpec(pos, pos, seg, seg, window=window, contiguous=True)
-  want = ops.attention(q, k, v, spec, impl="reference")
+  want = _jit_reference(q, k, v, spec)
   out = jax.jit(lambda q, k, v: ops.attention(q, k, v, spec, impl="tokamax"))(q, k, v)
   np.testing.assert_allclose(out, want, atol=2e-5)  # padding rows included: zeros on both
 
@@ -214,7 +220,7 @@ def test_pallas_interpret_matches_reference(backend, layout):
   q, k, v = _qkv(rng, B, T, S, N, K, H)
   f = lambda q, k, v: ops.attention(q, k, v, spec, impl=backend)  # the kernel, interpret mode
   out = jax.jit(f)(q, k, v)
-  np.testing.assert_allclose(out, ops.attention(q, k, v, spec, impl="reference"), atol=1e-5)
+  np.testing.assert_allclose(out, _jit_reference(q, k, v, spec), atol=1e-5)
 
 
 def test_pallas_interpret_gradients_match_reference():
@@ -619,7 +625,7 @@ def test_kernels_run_per_shard_under_a_mesh(impl):
   active = None if impl == "tokamax" else jnp.asarray(rng.random((B, T, N)) < 0.5)
   spec = ops.MaskSpec(pos, pos, seg, seg, active=active, window=9, contiguous=True)
   f = jax.jit(lambda *a: ops.attention(*a, spec, impl=impl))
-  want = ops.attention(q, k, v, spec, impl="reference")
+  want = _jit_reference(q, k, v, spec)
   with shd.mesh_context(mesh):
     assert ops._mesh_shards(B, N, K) is not None
     got = f(q, k, v)
