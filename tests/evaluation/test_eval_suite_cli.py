@@ -12,13 +12,12 @@ tests/bench/test_eval_head_to_head.py (dense + L2A, bench/eval_head_to_head.py's
 import dataclasses
 import json
 import os
-import subprocess
 
 import jax
 import pytest
 
 from _cli_runner import Runner
-from _train_helpers import PY, ROOT, subprocess_env, tiny
+from _train_helpers import subprocess_env, tiny
 from condattn_jax import attention
 from condattn_jax import checkpoint as ckpt_lib
 from condattn_jax.train import loop
@@ -62,8 +61,18 @@ def runs(tmp_path_factory):
   return out
 
 
+@pytest.fixture(scope="module")
+def runner():
+  """eval.py in forks of one helper process that imported its modules once (tests/_cli_runner.py:
+  the script as __main__, its argv, output and exit code), for the suite run and the error cases;
+  eval.py as a new interpreter: tests/evaluation/test_eval.py's CLI test."""
+  r = Runner(subprocess_env(1))
+  yield r
+  r.close()
+
+
 @pytest.mark.slow
-def test_tiny_suite_head_to_head_every_scheme(runs, tmp_path):
+def test_tiny_suite_head_to_head_every_scheme(runs, runner, tmp_path):
   """Every scheme in one report, L2A swept over theta (the others have no theta: evaluated
   once), perplexity by position on token documents, two tasks (--tasks)."""
   docs = tmp_path / "docs.jsonl"
@@ -71,10 +80,9 @@ def test_tiny_suite_head_to_head_every_scheme(runs, tmp_path):
                             for i in range(3)))
   out = tmp_path / "out"
   args = [f"--checkpoint={runs[s]}" for s in SCHEMES]
-  p = subprocess.run([PY, "eval.py", "--suite=tiny", "--lengths=128", "--num_samples=1",
-                      "--batch_size=2", "--tasks=niah_multivalue,mqar", f"--out_dir={out}",
-                      "--sweep=theta=0.3,0.6", f"--ppl_docs={docs}", *args],
-                     cwd=ROOT, env=subprocess_env(1), capture_output=True, text=True, timeout=600)
+  p = runner.run("eval.py", "--suite=tiny", "--lengths=128", "--num_samples=1", "--batch_size=2",
+                 "--tasks=niah_multivalue,mqar", f"--out_dir={out}", "--sweep=theta=0.3,0.6",
+                 f"--ppl_docs={docs}", *args, timeout=600)
   assert p.returncode == 0, p.stderr[-3000:]
   assert p.stderr.count("has no option 'theta': evaluated once") == len(SCHEMES) - 1
   js = [f for f in os.listdir(out) if f.startswith("h2h_tiny_") and f.endswith(".json")
@@ -112,16 +120,8 @@ def test_tiny_suite_head_to_head_every_scheme(runs, tmp_path):
   assert "step 14/14" in p.stderr  # progress bar over tasks x lengths x models
 
 
-def test_suite_cli_errors(runs, tmp_path):
-  runner = Runner(subprocess_env(1))  # forks of one process (tests/_cli_runner.py): one import
+def test_suite_cli_errors(runs, runner, tmp_path):
   run = lambda *a: runner.run("eval.py", *a)
-  try:
-    _suite_cli_errors(run, runs, tmp_path)
-  finally:
-    runner.close()
-
-
-def _suite_cli_errors(run, runs, tmp_path):
   p = run("--suite=nope", f"--checkpoint={runs['dense']}", f"--out_dir={tmp_path}")
   assert p.returncode == 2 and "unknown suite 'nope'" in p.stderr
   p = run("--suite=tiny", f"--checkpoint={runs['dense']}@theta", f"--out_dir={tmp_path}")
