@@ -21,28 +21,24 @@ COMMON = ["--config=configs/tiny.py:steps=%d" % STEPS, "--config.train.log_every
           "--config.eval.at_end=False", "--config.train.progress_bar=False", "--config.mesh.data=1"]
 ARGS = COMMON + ["--config.train.checkpoint_every=%d" % HALF, "--config.mesh.fsdp=2",
                  "--config.mesh.tensor=2"]
-# context parallelism across the two processes: sequence 4 (a 64-token row in 8 zigzag chunks)
+# context parallelism across the two processes: sequence 4 (a 64-token row in 8 zigzag chunks),
+# the 16 rows in 2 microbatches of 8 (set by hand: the derived layout, one row per data*fsdp=1
+# shard, is 16 microbatches of one row, 8x the cross-process collectives: ~16 CPU-s more for the
+# same code; the derivation is tested in test_context_parallel.py)
 SEQ_ARGS = COMMON + ["--config.train.checkpoint_every=0", "--config.mesh.fsdp=1",
-                     "--config.mesh.sequence=4", "--config.mesh.tensor=1"]
+                     "--config.mesh.sequence=4", "--config.mesh.tensor=1",
+                     "--config.train.microbatches=2"]
 SEQ_STEPS = 3
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-  """Workdirs of the fsdp x tensor two-process run (stopped after HALF steps), the one-process
-  4-device reference (all STEPS) and the sequence-4 two-process run (SEQ_STEPS); host 0's log of
-  the last."""
-  mh = str(tmp_path_factory.mktemp("multihost"))
-  ref = str(tmp_path_factory.mktemp("reference"))
-  seq = str(tmp_path_factory.mktemp("sequence"))
-  runs = [(ARGS + [f"--workdir={ref}"], subprocess_env(4))]
-  for args in (ARGS + [f"--workdir={mh}", f"--stop_after={HALF}"],
-               SEQ_ARGS + [f"--workdir={seq}", f"--stop_after={SEQ_STEPS}"]):
-    port = free_port()
-    runs += [(args, subprocess_env(2, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-                                   JAX_NUM_PROCESSES=2, JAX_PROCESS_ID=i)) for i in range(2)]
-  procs = [subprocess.Popen([PY, "train.py", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True) for args, env in runs]
+def _train(args, env, n):
+  """n train.py processes (one jax.distributed job when n > 1) run together; their outputs."""
+  port = free_port()
+  envs = [env] if n == 1 else [
+      dict(env, JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", JAX_NUM_PROCESSES="2",
+           JAX_PROCESS_ID=str(i)) for i in range(n)]
+  procs = [subprocess.Popen([PY, "train.py", *args], cwd=ROOT, env=e, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True) for e in envs]
   outs = []
   try:
     for p in procs:
@@ -53,7 +49,22 @@ def runs(tmp_path_factory):
         p.kill()
   for p, o in zip(procs, outs):
     assert p.returncode == 0, o[-4000:]
-  return mh, ref, seq, outs[3]
+  return outs
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  """Workdirs of the fsdp x tensor two-process run (stopped after HALF steps), the one-process
+  4-device reference (all STEPS) and the sequence-4 two-process run (SEQ_STEPS); host 0's log of
+  the last. One run at a time: fewer processes whose collectives wait on a peer the 2 cores do
+  not schedule (their sys time grows with the load; ~3 CPU-s in one measurement)."""
+  mh = str(tmp_path_factory.mktemp("multihost"))
+  ref = str(tmp_path_factory.mktemp("reference"))
+  seq = str(tmp_path_factory.mktemp("sequence"))
+  _train(ARGS + [f"--workdir={ref}"], subprocess_env(4), 1)
+  _train(ARGS + [f"--workdir={mh}", f"--stop_after={HALF}"], subprocess_env(2), 2)
+  outs = _train(SEQ_ARGS + [f"--workdir={seq}", f"--stop_after={SEQ_STEPS}"], subprocess_env(2), 2)
+  return mh, ref, seq, outs[0]
 
 
 def test_two_processes_match_one_process(runs):
