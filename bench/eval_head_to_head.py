@@ -155,6 +155,9 @@ PRESETS = {
 # (kernels, memory, compile times) in one call, before the long run (optional; not a result).
 PRESETS["h100_smoke"] = dict(PRESETS["h100"], dense_phases=((1024, 20), (8192, 40)), ft_steps=10,
                              lengths=(8192,), num_samples=2, unit_estimate_s=120.0)
+# The CPU test's (tests/bench/test_eval_head_to_head.py): tiny at one layer, every stage and knob
+# as tiny's (the pipeline does not depend on depth; its compiles are ~depth: 54 -> 46 CPU-s).
+PRESETS["tiny_test"] = dict(PRESETS["tiny"], layers=1)
 PART_BYTES = 15 * 2**20
 MAX_PARTS = 4
 

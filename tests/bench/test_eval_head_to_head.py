@@ -2,10 +2,11 @@
 
 By default: the h100 preset's sizes (what travels between 10-minute device commands), the
 pre-registered verdict as a function of the rows (it can fail), the state's pack / unpack, the
-report merge's refusals, and the tiny preset end to end for dense + L2A in two calls (the first
-stopped by its time budget inside the dense pretraining, its state packed and carried into the
-second, which resumes it, converts, continues, evaluates and writes the result). Every scheme
-(the six-model head-to-head of the tiny preset) runs in the slow test."""
+report merge's refusals, and the tiny_test preset (the tiny preset at one layer) end to end for
+dense + L2A in two calls (the first stopped by its time budget inside the dense pretraining, its
+state packed and carried into the second, which resumes it, converts, continues, evaluates and
+writes the result). Every scheme (the six-model head-to-head of the tiny preset itself) runs in
+the manual test."""
 import json
 import os
 import shutil
@@ -102,9 +103,10 @@ def _bench(*args, timeout=900):
   return p.stdout
 
 
-def _run_tiny(tmp_path, schemes):
+def _run_tiny(tmp_path, schemes, preset="tiny_test"):
   state, out, packed = tmp_path / "state", tmp_path / "out", tmp_path / "packed"
-  args = ["--preset=tiny", f"--state_dir={state}", f"--out_dir={out}", f"--schemes={schemes}"]
+  args = [f"--preset={preset}", f"--state_dir={state}", f"--out_dir={out}",
+          f"--schemes={schemes}"]
   # call 1: the budget runs out in the first dense phase: a checkpoint, the state packed
   log = _bench(*args, "--time_budget_s=1", f"--pack_dir={packed}")
   assert "stopped (dense pretraining at step 1 of 5)" in log and not out.exists()
@@ -128,7 +130,9 @@ def _run_tiny(tmp_path, schemes):
 def test_tiny_pipeline_resumes_and_records(tmp_path):
   run, out = _run_tiny(tmp_path, "dense,l2a")
   r = common.recorded_of(run)
-  assert run["settings"]["name"] == "tiny" and r["training_length"] == 256
+  assert run["settings"]["name"] == "tiny_test" and r["training_length"] == 256
+  tiny = {k: v for k, v in h2h.PRESETS["tiny"].items() if k != "knobs"}
+  assert r["settings"] == json.loads(json.dumps(dict(tiny, layers=1)))  # tiny's but the depth
   tr = r["training"]
   assert tr["calls"] == 2
   assert [(ph["seq_len"], ph["steps"]) for ph in tr["dense"]["phases"]] == [
@@ -153,7 +157,7 @@ def test_tiny_pipeline_every_scheme(tmp_path):
   """All six models through the tiny pipeline (~6 CPU-minutes on a loaded 2-core host; left out
   of `make test`: test_tiny_pipeline_resumes_and_records runs the pipeline with dense + L2A, and
   tests/evaluation/test_eval_suite_cli.py runs the tiny suite for every scheme)."""
-  run, _ = _run_tiny(tmp_path, ",".join(h2h.SCHEMES))
+  run, _ = _run_tiny(tmp_path, ",".join(h2h.SCHEMES), preset="tiny")
   names = sorted({x["model"] for x in run["rows"]})
   assert names == sorted(h2h.SCHEMES)
 
