@@ -1,14 +1,15 @@
 """`python eval.py --suite=tiny --checkpoint=...` for every scheme, in one head-to-head run.
 
-The checkpoints are written here, untrained: configs/tiny.py with each scheme, params-only
-checkpoints (`Checkpointer.save_params`, the format of a model to evaluate or serve, with the run
-config) of the dense model's random init (one compiled init) converted to each scheme by the one
-dense -> scheme entry point (`attention.convert`: the scheme's from_dense, as train.py's
-init_from), the tree checked against the scheme's own init (eval_shape). The test checks that
-every scheme's checkpoint goes through the engine and the report, not accuracy; the oracle tests
-in test_suite.py check the scores. Two of the ten token-level tasks per model (--tasks: the
-engine path is the same for every task); all ten run through the engine in
-tests/bench/test_eval_head_to_head.py (dense + L2A, bench/eval_head_to_head.py's tiny preset)."""
+The checkpoints are written here, untrained: configs/tiny.py with each scheme (L2A and AHA at its
+2 layers, the others at 1), params-only checkpoints (`Checkpointer.save_params`, the format of a
+model to evaluate or serve, with the run config) of the dense model's random init (one compiled
+init) converted to each scheme by the one dense -> scheme entry point (`attention.convert`: the
+scheme's from_dense, as train.py's init_from), the tree checked against the scheme's own init
+(eval_shape). The test checks that every scheme's checkpoint goes through the engine and the
+report, not accuracy; the oracle tests in test_suite.py check the scores. Two of the ten token-
+level tasks per model (--tasks: the engine path is the same for every task); all ten run through
+the engine in tests/bench/test_eval_head_to_head.py (dense + L2A, bench/eval_head_to_head.py's
+tiny_test preset)."""
 import dataclasses
 import json
 import os
@@ -22,34 +23,46 @@ from condattn_jax import attention
 from condattn_jax import checkpoint as ckpt_lib
 from condattn_jax.train import loop
 
-# Each scheme on configs/tiny.py (2 layers, 4 heads, 2 KV heads, 64-token rows).
+# Each scheme on configs/tiny.py (4 heads, 2 KV heads, 64-token rows): L2A and AHA at its 2 layers
+# (their routing maps are checked per layer), the others at 1 (what the test checks of them does
+# not depend on depth; the programs eval.py compiles grow with it).
 SCHEMES = {"dense": {}, "l2a": {}, "aha": {}, "elastic": {}, "match": {},
            "segmented": dict(segment_len=32, tail_len=8, retrieve_len=8, query_len=8,
                              anchors=1, long_heads=(0,), long_layers=(0,))}
+LAYERS = {"l2a": 2, "aha": 2}
+
+
+def _setup(name, opts, layers=None):
+  c = tiny(f"steps=1,layers={layers or LAYERS.get(name, 1)}")
+  with c.unlocked():
+    c.model.scheme.name = name
+    for k, v in opts.items():
+      c.model.scheme[k] = v
+    c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
+  return c, loop.build(c, devices=jax.local_devices()[:1])
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   root = tmp_path_factory.mktemp("suite_runs")
-  out, dense = {}, None
+  # one compiled init: the 2-layer dense model; its first layer is the 1-layer one (the layer
+  # params are stacked [L, ...]); each scheme converted from the dense model of its depth
+  _, s2 = _setup("dense", {}, layers=2)
+  d2 = jax.device_get(loop.init_params(s2))
+  dense = {2: (d2, s2.model_cfg),
+           1: (dict(d2, layers=jax.tree.map(lambda x: x[:1], d2["layers"])),
+               s2.model_cfg.replace(num_layers=1))}
+  out = {}
   for name, opts in SCHEMES.items():
-    c = tiny("steps=1")
-    with c.unlocked():
-      c.model.scheme.name = name
-      for k, v in opts.items():
-        c.model.scheme[k] = v
-      c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
-    setup = loop.build(c, devices=jax.local_devices()[:1])
-    if dense is None:  # "dense" comes first: its random init, the others converted from it
-      dense = params = jax.device_get(loop.init_params(setup))
-      dense_cfg = setup.model_cfg
-    else:
-      cfg, params = attention.convert(dense, dense_cfg, name, **dict(setup.model_cfg.scheme_kwargs))
-      assert cfg == setup.model_cfg
-      want = jax.eval_shape(lambda: loop.init_params(setup))  # the scheme's own init: its tree
-      assert jax.tree.structure(params) == jax.tree.structure(want)
-      assert [(x.shape, x.dtype) for x in jax.tree.leaves(params)] == [
-          (x.shape, x.dtype) for x in jax.tree.leaves(want)]
+    c, setup = _setup(name, opts)
+    base, base_cfg = dense[LAYERS.get(name, 1)]
+    cfg, params = (base_cfg, base) if name == "dense" else attention.convert(
+        base, base_cfg, name, **dict(setup.model_cfg.scheme_kwargs))
+    assert cfg == setup.model_cfg
+    want = jax.eval_shape(lambda: loop.init_params(setup))  # the scheme's own init: its tree
+    assert jax.tree.structure(params) == jax.tree.structure(want)
+    assert [(x.shape, x.dtype) for x in jax.tree.leaves(params)] == [
+        (x.shape, x.dtype) for x in jax.tree.leaves(want)]
     ck = ckpt_lib.Checkpointer(str(root / name / "checkpoints"), keep=1)
     try:
       ck.save_params(0, params, dict(config=json.loads(c.to_json_best_effort()),
