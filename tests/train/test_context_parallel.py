@@ -200,7 +200,7 @@ def test_block_lists_split_with_the_query_blocks(mesh, strategy, window):
     jaxpr = str(f.trace(q, k, v).jaxpr)
     with pytest.raises(ValueError, match=r"BlockLists.block_q=32 must divide a zigzag chunk "
                                          r"\(T / 2n = 16 tokens\)"):
-      loss(q, k, v, True, block_q=32)
+      jax.eval_shape(lambda: loss(q, k, v, True, block_q=32))  # traced: no eager op compiled
   np.testing.assert_allclose(got, want, atol=1e-5)
   for g, w in zip(got_g, want_g):
     np.testing.assert_allclose(g, w, atol=1e-5)
@@ -280,18 +280,22 @@ def _batch(B=4, T=32):
               loss_mask=(seg != 0).astype(np.float32))
 
 
-def _random_router(params):
-  """A random router kernel: the zero init routes every token global (no real active set)."""
-  def one(path, x):
+def _random_params(abstract):
+  """Host params of the model's shapes (loop.build's abstract params: no init program compiled,
+  ~3 CPU-s a scheme), values of the default init's scale: norm scales 1 + N(0, 0.1), every other
+  leaf N(0, 0.1), router kernels N(0, 0.3) (the zero init routes every token global: no real
+  active set)."""
+  rng = np.random.default_rng(3)
+
+  def one(path, a):
     name = jax.tree_util.keystr(path)
-    if "router" in name and "kernel" in name:
-      return 0.3 * jax.random.normal(jax.random.key(3), x.shape, x.dtype)
-    return x
-  return jax.tree_util.tree_map_with_path(one, params)
+    std = 0.3 if "router" in name and "kernel" in name else 0.1
+    x = rng.normal(size=a.shape) * std + (1.0 if name.endswith("['scale']") else 0.0)
+    return x.astype(a.dtype)
+  return jax.tree_util.tree_map_with_path(one, abstract)
 
 
-def _loss_and_grads(config, params, batch, one_device=False):
-  setup = loop.build(config, devices=[jax.devices()[0]] if one_device else None)
+def _loss_and_grads(setup, params, batch):
   lg = jax.jit(make_loss_and_grads(setup.model_cfg, setup.config.train),
                in_shardings=(setup.param_shardings, setup.batch_sharding, None),
                out_shardings=(setup.param_shardings, None))
@@ -317,11 +321,12 @@ def model_runs():
   out = {}
   batch = _batch()
   for scheme, cases in MODEL_CASES.items():
-    c1 = _config(scheme, (1, 1, 1, 1))
-    params = host(_random_router(loop.init_params(loop.build(c1, devices=[jax.devices()[0]]))))
-    out[scheme, "one"] = _loss_and_grads(c1, params, batch, one_device=True)
+    one = loop.build(_config(scheme, (1, 1, 1, 1)), devices=[jax.devices()[0]])
+    params = _random_params(one.abstract_params)
+    out[scheme, "one"] = _loss_and_grads(one, params, batch)
     for mesh, strategy in cases:
-      out[scheme, mesh, strategy] = _loss_and_grads(_config(scheme, mesh, strategy), params, batch)
+      out[scheme, mesh, strategy] = _loss_and_grads(loop.build(_config(scheme, mesh, strategy)),
+                                                    params, batch)
   return out
 
 
@@ -497,7 +502,7 @@ def test_chunked_cross_entropy_runs_each_shards_own_tokens(mesh):
       return jnp.sum(ce * weights), (ce, correct)
     return jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
 
-  (_, want), want_g = run(lambda h, w: token_cross_entropy(h @ w, t))(h, w)
+  (_, want), want_g = jax.jit(run(lambda h, w: token_cross_entropy(h @ w, t)))(h, w)  # 1 program
   f = jax.jit(run(lambda h, w: chunked_token_cross_entropy(h, w, t, 8, jnp.float32)))  # 2 / shard
   m = _mesh(*mesh)
   hs = jax.device_put(h, jax.sharding.NamedSharding(m, jax.sharding.PartitionSpec(shd.BATCH_AXES,
