@@ -236,15 +236,19 @@ def test_reference_matches_naive_loops(kw):
     qpos = jnp.broadcast_to(jnp.arange(48, dtype=jnp.int32) + p.kw.get("q_offset", 0), (2, 48))
   S = p.k.shape[1]
   kvpos = p.kw.get("kv_positions_BS", jnp.broadcast_to(jnp.arange(S, dtype=jnp.int32), (2, S)))
-  out, lse = reference_compact_attention(
-      p.q, p.k, p.v, p.active, q_positions_BT=qpos, kv_positions_BS=kvpos,
-      q_segment_ids_BT=p.kw.get("q_segment_ids_BT"),
-      kv_segment_ids_BS=p.kw.get("kv_segment_ids_BS"), window=p.kw.get("window"))
+
+  @jax.jit  # both calls in one program (op by op: each op compiled alone)
+  def reference_and_api(q, k, v, active):
+    out, lse = reference_compact_attention(
+        q, k, v, active, q_positions_BT=qpos, kv_positions_BS=kvpos,
+        q_segment_ids_BT=p.kw.get("q_segment_ids_BT"),
+        kv_segment_ids_BS=p.kw.get("kv_segment_ids_BS"), window=p.kw.get("window"))
+    # the public API's default impl is the reference
+    return out, lse, compact_attention(q, k, v, active, **p.kw)
+  out, lse, got = reference_and_api(p.q, p.k, p.v, p.active)
   want_out, want_lse = _naive(p)
   np.testing.assert_allclose(np.asarray(out), want_out, atol=2e-5, rtol=2e-5)
   np.testing.assert_allclose(np.asarray(lse), want_lse, atol=2e-5, rtol=2e-5)
-  # the public API's default impl is the reference
-  got = compact_attention(p.q, p.k, p.v, p.active, **p.kw)
   np.testing.assert_allclose(np.asarray(got), want_out, atol=2e-5, rtol=2e-5)
 
 
@@ -316,22 +320,33 @@ def test_triton_matches_reference(name, seed, kw, fracs):
 _EDGE = {}  # name -> (problem, its reference's run)
 
 
-@pytest.mark.parametrize("name,kw,fracs", [
+_EDGE_CASES = {
     # the ladder (0.25,): no active query -> the smallest bucket
-    ("all_empty", dict(B=2, sparsity=1.0), (0.25,)),
+    "all_empty": (dict(B=2, sparsity=1.0), (0.25,)),
     # row 1 fully active -> the full bucket of the ladder (no gather / scatter); row 0 attends
     # nothing
-    ("empty_and_full_rows", dict(B=2, sparsity=0.0, empty_rows=(0,)), (0.25,)),
+    "empty_and_full_rows": (dict(B=2, sparsity=0.0, empty_rows=(0,)), (0.25,)),
     # masking cases: one bucket (compacted rows, no switch: half the compile; the ladder's
-    # switch is the two cases above, test_triton_default_tiles_and_ladder and the hypothesis test)
-    ("aha_segments_window", dict(sparsity=0.6, per_head=True, segments=2, window=10), (1.0,)),
-    ("kv_positions", dict(sparsity=0.3, kv_positions=True, S=96), (1.0,)),
-])
-@pytest.mark.parametrize("fused_bwd", [True, False], ids=["fused_bwd", "split_bwd"])
-def test_triton_edge_cases(name, kw, fracs, fused_bwd, shared_run):
+    # switch is the two cases above, test_triton_default_tiles_and_ladder and the named cases)
+    "aha_segments_window": (dict(sparsity=0.6, per_head=True, segments=2, window=10), (1.0,)),
+    "kv_positions": (dict(sparsity=0.3, kv_positions=True, S=96), (1.0,)),
+}
+
+
+# (name, fused_bwd): every case with the two-kernel backward; the fused one where it differs
+# from it: the dk/dv kernels share their loop and masks (_visible_T), the fused one adds each
+# pair's dS K into dq with atomic adds (mask-independent: dS is masked already), so it runs the
+# ladder pair and the per-head / segments / window case, not kv_positions (kv positions enter
+# the shared loop only).
+@pytest.mark.parametrize("name,fused_bwd", [
+    ("all_empty", True), ("empty_and_full_rows", True), ("aha_segments_window", True),
+    ("all_empty", False), ("empty_and_full_rows", False), ("aha_segments_window", False),
+    ("kv_positions", False)])
+def test_triton_edge_cases(name, fused_bwd, shared_run):
   """Both backward variants (CompactConfig.fused_triton_bwd): dq fused into the dk/dv kernel
   (atomic adds) and the two-kernel backward (dq; dk/dv, the default). all_empty and
   empty_and_full_rows have the same shapes and ladder: one compile runs both (shared_run)."""
+  kw, fracs = _EDGE_CASES[name]
   if name not in _EDGE:  # the problem and its reference, once for both backward variants
     p = make_problem(5, **{**dict(T=64, N=2, K=1, H=32), **kw})
     _EDGE[name] = p, testing.run(p, impl="reference")
