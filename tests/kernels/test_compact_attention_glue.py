@@ -97,7 +97,10 @@ def test_gpu_path_runs_one_bucket_without_a_switch():
   (whose predicate XLA reads on the host); a ladder the caller asks for still switches, and the
   XLA glue (CompactConfig(glue_kernels=False)) keeps the default ladder. The one-bucket and the
   XLA glue's gradients agree (a ladder with the glue kernels is traced only here: it runs against
-  the reference in test_compact_attention.py's test_triton_edge_cases, bucket_fracs (0.25,))."""
+  the reference in test_compact_attention.py's test_triton_edge_cases, bucket_fracs (0.25,)). The
+  XLA glue's default ladder is traced; its gradients run with the full bucket alone (1.0,), the
+  bucket the glue kernels run, so both glues fill the same slots (a ladder's smaller bucket
+  under the XLA glue runs in test_compact_attention_mgpu.py's odd_kv_tiles_window)."""
   p = make_problem(3, T=128, N=2, K=1, H=32, sparsity=0.7)
 
   def jaxpr_and_grads(run=True, **kw):
@@ -112,8 +115,9 @@ def test_gpu_path_runs_one_bucket_without_a_switch():
   assert n_fwd(text) == 1 and "compact_attention_copy_rows" in text
   text_ladder, _ = jaxpr_and_grads(run=False, bucket_fracs=(0.25, 1.0))
   assert n_fwd(text_ladder) == 2 and "compact_attention_copy_rows" in text_ladder
-  text_xla, g_xla = jaxpr_and_grads(config=CompactConfig(glue_kernels=False))
+  text_xla, _ = jaxpr_and_grads(run=False, config=CompactConfig(glue_kernels=False))
   assert n_fwd(text_xla) == 2 and "compact_attention_copy_rows" not in text_xla
+  _, g_xla = jaxpr_and_grads(config=CompactConfig(glue_kernels=False), bucket_fracs=(1.0,))
   for a, c in zip(g, g_xla):
     np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-6)
 
