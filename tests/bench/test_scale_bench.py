@@ -1,7 +1,8 @@
-"""bench/scale.py (issue 30's two-GPU scale-out bench) on CPU with its tiny shapes: the L2A step
-on 1 device and sequence-parallel on 2 fake devices gives the same first-step loss, the run
-records rows, scaling efficiency and the loss claims; `summarize` fails a claim on a loss that
-moved and judges the 128K goal only on its own row."""
+"""bench/scale.py (issue 30's two-GPU scale-out bench) on CPU with its tiny shapes (bench/e2e.py's
+TINY, here at one layer: the runs compare layouts, which depth does not change; the compiled
+steps grow with it): the L2A step on 1 device and sequence-parallel on 2 fake devices gives the
+same first-step loss, the run records rows, scaling efficiency and the loss claims; `summarize`
+fails a claim on a loss that moved and judges the 128K goal only on its own row."""
 import json
 import os
 import sys
@@ -15,8 +16,14 @@ if ROOT not in sys.path:
 from bench import scale  # noqa: E402
 
 
+@pytest.fixture
+def one_layer(monkeypatch):
+  """--tiny's shapes (bench/e2e.py's TINY, read when a row is configured) at one layer."""
+  monkeypatch.setitem(scale.e2e.TINY, "num_layers", 1)
+
+
 @pytest.mark.slow
-def test_tiny_run_on_two_cpu_devices(tmp_path):
+def test_tiny_run_on_two_cpu_devices(tmp_path, one_layer):
   assert scale.main(["--tiny", "--T=32", "--schemes=l2a", "--layouts=one,sequence",
                      "--devices=2", "--reps=1", "--inprocess", f"--out_dir={tmp_path}"]) == 0
   (path,) = tmp_path.glob("scale_*.json")
@@ -56,7 +63,7 @@ def test_plan_rows_from_flags_and_refuses_a_bad_item():
 
 
 @pytest.mark.slow
-def test_recipe_rows_compare_every_step(tmp_path):
+def test_recipe_rows_compare_every_step(tmp_path, one_layer):
   """--model=7b_recipe (configs/l2a_qwen.py's L2A recipe: learned routing, forced-global steps,
   its trainable subset; tiny shapes here) over 2 training steps of 2 fresh rows each: sequence 4
   and fsdp 2 x sequence 2 give the same loss at every step, the dry run's peak is on the row."""
