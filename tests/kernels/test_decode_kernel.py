@@ -5,6 +5,7 @@ visible slot and skip the rest, the TPU kernel cross-lowers for TPU.
 The GPU run (kernel == reference on the H100, timing vs cuDNN) is tests/gpu/test_decode_kernel.py.
 """
 import contextlib
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,10 @@ from pallas_kernels.decode import api
 from pallas_kernels.decode.testing import decode_problem
 
 
-_problem = decode_problem
+# one program per problem (eagerly, each random draw and mask op is compiled alone); the same
+# values (the same threefry draws)
+_problem = jax.jit(decode_problem, static_argnames=("B", "T", "N", "K", "H", "S", "lengths",
+                                                    "seed"))
 
 
 def _decode(q, k, v, **kw):
@@ -247,6 +251,7 @@ def test_num_parts_aims_at_two_programs_per_sm():
 # condattn_jax.ops: auto runs the decode kernel where cuDNN's decode path cannot
 # ------------------------------------------------------------------------------------------------
 
+@functools.partial(jax.jit, static_argnames=("S", "lengths"))  # one program (eagerly: op by op)
 def _decode_specs(S=1000, lengths=(1000, 300)):  # 1000: a ragged last tile (64 / 128)
   from condattn_jax import ops
   B, N = 2, 12
