@@ -155,8 +155,9 @@ def test_tiny_pipeline_resumes_and_records(tmp_path):
 @pytest.mark.manual
 def test_tiny_pipeline_every_scheme(tmp_path):
   """All six models through the tiny pipeline (~6 CPU-minutes on a loaded 2-core host; left out
-  of `make test`: test_tiny_pipeline_resumes_and_records runs the pipeline with dense + L2A, and
-  tests/evaluation/test_eval_suite_cli.py runs the tiny suite for every scheme)."""
+  of `make test`: test_tiny_pipeline_resumes_and_records runs the pipeline with dense + L2A on
+  tiny_test, tiny at one layer, and tests/evaluation/test_eval_suite_cli.py runs the tiny suite
+  for every scheme)."""
   run, _ = _run_tiny(tmp_path, ",".join(h2h.SCHEMES), preset="tiny")
   names = sorted({x["model"] for x in run["rows"]})
   assert names == sorted(h2h.SCHEMES)
