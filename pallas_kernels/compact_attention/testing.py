@@ -89,20 +89,34 @@ def rel_err(x, ref):
   return float(num / den) if den > 0 else float(num)
 
 
+_RUNS: dict = {}  # (grads, static keywords) -> run's jitted function
+
+
 def run(p: Problem, *, grads=True, **kw):
-  """(out, lse, (dq, dk, dv) or None) of compact_attention on problem p, in one jit."""
-  def f(q, k, v):
-    return compact_attention(q, k, v, p.active, return_lse=True, **p.kw, **kw)
+  """(out, lse, (dq, dk, dv) or None) of compact_attention on problem p, in one jit. The
+  problem's arrays (operands, active set, positions, segment ids, cotangents) are the jitted
+  function's arguments, one function per static configuration: problems of the same shapes and
+  keywords share one compile."""
+  arrays = {n: x for n, x in p.kw.items() if isinstance(x, (jax.Array, np.ndarray))}
+  static = {n: x for n, x in p.kw.items() if n not in arrays}
 
-  def fg(q, k, v):
+  def fn(q, k, v, active, ct, ct_lse, arrays):
+    def f(q, k, v):
+      return compact_attention(q, k, v, active, return_lse=True, **arrays, **static, **kw)
+    if not grads:
+      return (*f(q, k, v), None)
     (o, l), vjp = jax.vjp(f, q, k, v)
-    ct_l = jnp.where(jnp.isfinite(l), 0.5 * p.ct_lse, 0.0)
-    return o, l, vjp((p.ct.astype(o.dtype), ct_l))
+    ct_l = jnp.where(jnp.isfinite(l), 0.5 * ct_lse, 0.0)
+    return o, l, vjp((ct.astype(o.dtype), ct_l))
 
-  if not grads:
-    o, l = jax.jit(f)(p.q, p.k, p.v)
-    return o, l, None
-  return jax.jit(fg)(p.q, p.k, p.v)
+  key = (grads, tuple(sorted(kw.items())), tuple(sorted(static.items())))
+  try:
+    if key not in _RUNS:
+      _RUNS[key] = jax.jit(fn)
+    jitted = _RUNS[key]
+  except TypeError:   # an unhashable keyword: a compile of its own
+    jitted = jax.jit(fn)
+  return jitted(p.q, p.k, p.v, p.active, p.ct, p.ct_lse, arrays)
 
 
 def compare(p: Problem, impl_kw: dict, *, grads=True, tol=None, reference=None):

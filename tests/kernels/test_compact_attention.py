@@ -264,39 +264,6 @@ def test_reference_gradients_are_finite_with_empty_rows():
 # Triton kernels, interpret mode
 # ------------------------------------------------------------------------------------------------
 
-def _freeze(d):
-  return tuple(sorted(d.items()))
-
-
-_RUNNERS = {}  # (grads, static keywords) -> a jitted run with the problem's arrays as arguments
-
-
-def _shared_run(p, *, grads=True, **kw):
-  """testing.run with the problem's arrays (active set, positions, segment ids, cotangents) as
-  arguments of one jitted function per static configuration, so problems of the same shapes share
-  one compile (testing.run closes over them: a compile per problem)."""
-  arrays = {n: x for n, x in p.kw.items() if isinstance(x, jax.Array)}
-  static = {n: x for n, x in p.kw.items() if n not in arrays}
-  key = (grads, _freeze(kw), _freeze(static))
-  if key not in _RUNNERS:
-    def fn(q, k, v, active, ct, ct_lse, arrays):
-      def f(q, k, v):
-        return compact_attention(q, k, v, active, return_lse=True, **arrays, **static, **kw)
-      if not grads:
-        return (*f(q, k, v), None)
-      (o, l), vjp = jax.vjp(f, q, k, v)
-      ct_l = jnp.where(jnp.isfinite(l), 0.5 * ct_lse, 0.0)
-      return o, l, vjp((ct.astype(o.dtype), ct_l))
-    _RUNNERS[key] = jax.jit(fn)
-  return _RUNNERS[key](p.q, p.k, p.v, p.active, p.ct, p.ct_lse, arrays)
-
-
-@pytest.fixture
-def shared_run(monkeypatch):
-  """compare() runs the kernel and the reference through _shared_run."""
-  monkeypatch.setattr(testing, "run", _shared_run)
-
-
 # Named cases (they were the hypothesis test's 3 derandomized draws: B = 2, H = 32). The draw
 # dropped (float32, 6 query / 2 kv heads, window 24, sparsity 1.0: no query active, one bucket)
 # ran only the count-0 path, which test_triton_edge_cases runs (all_empty: every row; and
@@ -342,10 +309,10 @@ _EDGE_CASES = {
     ("all_empty", True), ("empty_and_full_rows", True), ("aha_segments_window", True),
     ("all_empty", False), ("empty_and_full_rows", False), ("aha_segments_window", False),
     ("kv_positions", False)])
-def test_triton_edge_cases(name, fused_bwd, shared_run):
+def test_triton_edge_cases(name, fused_bwd):
   """Both backward variants (CompactConfig.fused_triton_bwd): dq fused into the dk/dv kernel
   (atomic adds) and the two-kernel backward (dq; dk/dv, the default). all_empty and
-  empty_and_full_rows have the same shapes and ladder: one compile runs both (shared_run)."""
+  empty_and_full_rows have the same shapes and ladder: one compile runs both (testing.run)."""
   kw, fracs = _EDGE_CASES[name]
   if name not in _EDGE:  # the problem and its reference, once for both backward variants
     p = make_problem(5, **{**dict(T=64, N=2, K=1, H=32), **kw})
