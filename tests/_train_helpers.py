@@ -41,6 +41,21 @@ def host(tree):
   return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
 
 
+def random_params(abstract, seed=0, router_std=None):
+  """Host params of the abstract params' shapes (e.g. loop.build's `abstract_params`: no init
+  program compiled) at the default init's scale: norm scales 1 + N(0, 0.1), every other leaf
+  N(0, 0.1); router kernels N(0, router_std) when given (the zero init routes every token one
+  way: no real active set)."""
+  rng = np.random.default_rng(seed)
+
+  def one(path, a):
+    name = jax.tree_util.keystr(path)
+    std = router_std if router_std is not None and "router" in name and "kernel" in name else 0.1
+    return (rng.normal(size=a.shape) * std + (1.0 if name.endswith("['scale']") else 0.0)
+            ).astype(a.dtype)
+  return jax.tree_util.tree_map_with_path(one, abstract)
+
+
 def assert_trees_close(a, b, atol, rtol=0.0):
   fa, ta = jax.tree_util.tree_flatten_with_path(host(a))
   fb, tb = jax.tree_util.tree_flatten_with_path(host(b))

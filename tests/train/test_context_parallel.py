@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from _train_helpers import ROOT, assert_trees_close, host
+from _train_helpers import ROOT, assert_trees_close, host, random_params
 from condattn_jax import ops
 from condattn_jax.attention import get_scheme
 from condattn_jax.data import make_global_batch
@@ -280,21 +280,6 @@ def _batch(B=4, T=32):
               loss_mask=(seg != 0).astype(np.float32))
 
 
-def _random_params(abstract):
-  """Host params of the model's shapes (loop.build's abstract params: no init program compiled,
-  ~3 CPU-s a scheme), values of the default init's scale: norm scales 1 + N(0, 0.1), every other
-  leaf N(0, 0.1), router kernels N(0, 0.3) (the zero init routes every token global: no real
-  active set)."""
-  rng = np.random.default_rng(3)
-
-  def one(path, a):
-    name = jax.tree_util.keystr(path)
-    std = 0.3 if "router" in name and "kernel" in name else 0.1
-    x = rng.normal(size=a.shape) * std + (1.0 if name.endswith("['scale']") else 0.0)
-    return x.astype(a.dtype)
-  return jax.tree_util.tree_map_with_path(one, abstract)
-
-
 def _loss_and_grads(setup, params, batch):
   lg = jax.jit(make_loss_and_grads(setup.model_cfg, setup.config.train),
                in_shardings=(setup.param_shardings, setup.batch_sharding, None),
@@ -322,7 +307,7 @@ def model_runs():
   batch = _batch()
   for scheme, cases in MODEL_CASES.items():
     one = loop.build(_config(scheme, (1, 1, 1, 1)), devices=[jax.devices()[0]])
-    params = _random_params(one.abstract_params)
+    params = random_params(one.abstract_params, seed=3, router_std=0.3)
     out[scheme, "one"] = _loss_and_grads(one, params, batch)
     for mesh, strategy in cases:
       out[scheme, mesh, strategy] = _loss_and_grads(loop.build(_config(scheme, mesh, strategy)),

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from _train_helpers import HF, assert_trees_close, host, synthetic_batch, tiny
+from _train_helpers import HF, assert_trees_close, host, random_params, synthetic_batch, tiny
 from condattn_jax import checkpoint as ckpt_lib
 from condattn_jax.train import config as config_lib
 from condattn_jax.train import loop
@@ -144,23 +144,12 @@ def _one_program(*fns):
   return jax.jit(lambda *args: tuple(f(*args) for f in fns))
 
 
-def _random_params(setup):
-  """Host params of the model's shapes (loop.build's abstract params: no init program compiled)
-  at the default init's scale: norm scales 1 + N(0, 0.1), every other leaf N(0, 0.1)."""
-  rng = np.random.default_rng(0)
-
-  def one(path, a):
-    scale = jax.tree_util.keystr(path).endswith("['scale']")
-    return (rng.normal(size=a.shape) * 0.1 + (1.0 if scale else 0.0)).astype(a.dtype)
-  return jax.tree_util.tree_map_with_path(one, setup.abstract_params)
-
-
 @pytest.mark.parametrize("tied", [False, True])
 def test_chunked_cross_entropy_equals_plain(tied):
   c = tiny()
   c.model.tie_word_embeddings = tied
   setup = loop.build(c, devices=ONE())
-  params = _random_params(setup)
+  params = random_params(setup.abstract_params)
   batch = synthetic_batch(c)
   batch["loss_mask"] = np.ones_like(batch["loss_mask"])  # score every token
   plain_fn = make_loss_and_grads(setup.model_cfg, c.train)
@@ -175,7 +164,7 @@ def test_chunked_cross_entropy_equals_plain(tied):
 def test_microbatches_equal_full_batch():
   c = tiny()
   setup = loop.build(c, devices=ONE())
-  params = _random_params(setup)
+  params = random_params(setup.abstract_params)
   batch = synthetic_batch(c)
   full_fn = make_loss_and_grads(setup.model_cfg, c.train)
   c.train.microbatches = 4
