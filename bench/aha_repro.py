@@ -1059,6 +1059,19 @@ def arm_step_ms(preset: str, ks, impls, *, steps: int = 200, warmup: int = 5,
   return rows
 
 
+ARM_STEP_BENCH = "aha_arm_step"
+
+
+def record_arm_step(rows, settings, out_dir, **run_kw) -> str:
+  """arm_step_ms's rows appended as one run to <out_dir>/aha_arm_step_<device>.json (run_kw:
+  common.new_run's device / date / commit, for a run recorded from its log); the path."""
+  run = common.new_run(ARM_STEP_BENCH, settings, **run_kw)
+  run["rows"] = list(rows)
+  path = common.result_path(ARM_STEP_BENCH, out_dir, run["device"])
+  common.append_run(path, run)
+  return path
+
+
 FLAGS = common.flag_values()
 rc.define_flags(FLAGS, PRESETS, "docs/schemes/aha.md")
 flags.DEFINE_list("arms", None, "with --work_dir and --seeds: these arm units of every seed "
@@ -1076,7 +1089,11 @@ flags.DEFINE_integer("arm_step_steps", 200, "--arm_step_ms: timed steps a row", 
 def main(argv=None):
   a = common.parse_flags(FLAGS, argv)
   if a.arm_step_ms:
-    return arm_step_ms(a.preset, a.arm_step_k, a.arm_step_ms, steps=a.arm_step_steps)
+    rows = arm_step_ms(a.preset, a.arm_step_k, a.arm_step_ms, steps=a.arm_step_steps)
+    record_arm_step(rows, dict(preset=a.preset, impls=list(a.arm_step_ms),
+                               ks=[int(k) for k in a.arm_step_k], steps=a.arm_step_steps),
+                    a.out_dir)
+    return rows
   if a.arms:
     if not a.work_dir or a.preset not in PRESETS:
       raise ValueError("--arms needs --work_dir (the dense models' folder) and a known --preset")
