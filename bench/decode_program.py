@@ -512,7 +512,32 @@ OPTION_SETS = {**CB_MODES,
 # batched one, models.layers._contract_heads, since reverted: it removed the per-step copy of
 # the stacked o_proj slice but its wall time was slower) and 'minsplit' (ops.decode_splits with
 # no split of a kv length below 512 slots: logits rel_err 5.5e-2 against the split ring).
-TRACE_SETS = ("refattn", "noskip")
+# 'twocall' (AHA): a one-token step through the previous program, two attention calls a layer
+# (local heads with the window, full heads without, each under decode_skip's lax.cond) instead
+# of aha.layer.fused_decode's one call (aha.layer.DECODE_FUSED off while the variant is traced).
+TRACE_SETS = ("refattn", "noskip", "twocall")
+
+
+def trace_context(sets):
+  """The context a variant's engine step is traced in: TRACE_SETS' 'twocall' turns
+  aha.layer.DECODE_FUSED off (restored after); otherwise nothing."""
+  import contextlib
+  if "twocall" not in sets:
+    return contextlib.nullcontext()
+  from unittest import mock
+  from condattn_jax.attention.aha import layer as aha_layer
+  return mock.patch.object(aha_layer, "DECODE_FUSED", False)
+
+
+def scheme_params(cfg, scheme: str, aha_full: float = 0.0):
+  """bench.decode.init_params(cfg); for scheme 'aha' with aha_full > 0 its routers set by
+  bench.decode.aha_static_routing (that fraction of the (layer, head) pairs full for every
+  token, as bench.decode's --aha_full: a random-init router routes every pair alike)."""
+  from bench import decode as bd
+  params = bd.init_params(cfg)
+  if scheme == "aha" and aha_full:
+    params, _ = bd.aha_static_routing(params, cfg, aha_full)
+  return params
 
 
 def variant_config(cfg, sets):
@@ -560,7 +585,8 @@ def parse_variant(v: str) -> tuple[str, tuple[str, ...]]:
 def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, steps: int = 32,
                  repeats: int = 3, warmup: int = 3, traced: int = 8,
                  compiler_options: dict | None = None, hlo_dir: str | None = None,
-                 hlo_variants=(), scheme: str = "dense", log=print) -> list[dict]:
+                 hlo_variants=(), scheme: str = "dense", aha_full: float = 0.0,
+                 log=print) -> list[dict]:
   """Where one decode step's time goes, every variant (`parse_variant`) in ONE process, same
   weights, each over a fresh `filled_cache` of T tokens (per token):
 
@@ -581,7 +607,8 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
   hlo_dir: the compiled HLO text of each of `hlo_variants` goes to
   `<hlo_dir>/<variant>_B<B>_T<T>.hlo.txt.gz` (':' -> '_'), for reading its fusions offline.
 
-  scheme: the engine's model is bench/decode.py's config of that scheme at context T.
+  scheme: the engine's model is bench/decode.py's config of that scheme at context T;
+  aha_full: `scheme_params`' AHA routing.
 
   On a CPU backend every field is measured the same way (a plumbing check: its 'kernels' are
   the XLA CPU client's host-thread events)."""
@@ -595,7 +622,7 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
   if scheme != "dense" and any(lay == "xla_per_layer" for _, lay, _ in parsed):
     raise ValueError(f"--scheme={scheme}: the xla_per_layer variant is dense only.")
   cfg = model_config(shapes, scheme=scheme, T=T)
-  params = bd.init_params(cfg)
+  params = scheme_params(cfg, scheme, aha_full)
   split = (jax.jit(stacking.split_groups)(params)
            if any(lay == "split" for _, lay, _ in parsed) else None)
   rows = []
@@ -697,7 +724,8 @@ def _build_variant(name, layout, sets, cfg, params, split, B, T, compiler_option
     else:
       state = (filled_cache(eng, B, T), logits)
       t0 = time.perf_counter()
-      lowered = Engine._step.lower(eng, p, state[0], tok, pos0, on, logits)
+      with trace_context(sets):
+        lowered = Engine._step.lower(eng, p, state[0], tok, pos0, on, logits)
       call = lambda c: (
           lambda s, i: c(p, s[0], jnp.argmax(s[1], -1).astype(jnp.int32)[:, None], pos0 + i, on,
                          s[1])[:2],
@@ -789,7 +817,8 @@ ADOPTION_RULE = dict(T=(8192, 131072), min_repeats=5, min_steps=32, busy_slack=0
 def ab_step(shapes: str, B: int, T: int, *, variants, scheme: str = "l2a",
             dense_variants=("stacked",), steps: int = 32, repeats: int = 7, warmup: int = 3,
             traced: int = 8, busy_repeats: int = 3, compiler_options: dict | None = None,
-            compile_workers: int = 1, fp32: bool = False, log=print) -> list[dict]:
+            compile_workers: int = 1, fp32: bool = False, aha_full: float = 0.0,
+            log=print) -> list[dict]:
   """The decode-step A/B of ADOPTION_RULE at context T: `variants` (parse_variant names; the
   first is the default, the others candidates) of `scheme`, and `dense_variants` of dense (the
   x_dense denominator), all built first (`_build_variant`: one process, the same weights per
@@ -810,7 +839,7 @@ def ab_step(shapes: str, B: int, T: int, *, variants, scheme: str = "l2a",
   and dense_ratios' x_dense / bound_x / of_bound. Rows keep profile_step's fields otherwise.
   compile_workers > 1: every variant is traced first (in order), then the first is compiled
   alone and the others in that many threads (a timing of the programs, not of their compiles:
-  compile_s then overlaps)."""
+  compile_s then overlaps). aha_full: `scheme_params`' AHA routing."""
   import statistics
   import time
   import jax
@@ -830,7 +859,7 @@ def ab_step(shapes: str, B: int, T: int, *, variants, scheme: str = "l2a",
   for sch, names in groups:
     parsed = [(v, *parse_variant(v)) for v in names]
     cfg = model_config(shapes, scheme=sch, T=T)
-    params = bd.init_params(cfg)
+    params = scheme_params(cfg, sch, aha_full)
     models.append((sch, cfg, params))
     split = (jax.jit(stacking.split_groups)(params)
              if any(lay == "split" for _, lay, _ in parsed) else None)
@@ -1470,6 +1499,9 @@ def main(argv=None) -> list[dict]:
                  "JSON of run A (no XLA_FLAGS): the rule's verdict is printed and recorded")
   p.add_argument("--option", action="append", default=[], help="name=value: an XLA option "
                  "for the timed compiles (e.g. xla_gpu_dot_merger_threshold_mb=0); repeatable")
+  p.add_argument("--aha_full", type=float, default=0.0, help="--scheme=aha, --profile / --ab: "
+                 "route this fraction of the (layer, head) pairs full for every token "
+                 "(bench.decode's --aha_full; 0: the router as initialised, every pair full)")
   a = p.parse_args(argv)
   if a.ab:
     return _main_ab(a)
@@ -1493,7 +1525,8 @@ def main(argv=None) -> list[dict]:
         rows += profile_step(a.shapes, a.B, T, variants=variants, steps=a.steps,
                              repeats=a.repeats, traced=a.traced, compiler_options=opts,
                              hlo_dir=a.hlo_dir if first else None,
-                             hlo_variants=tuple(a.hlo_variants.split(",")), scheme=a.scheme)
+                             hlo_variants=tuple(a.hlo_variants.split(",")), scheme=a.scheme,
+                             aha_full=a.aha_full)
         dense_T = [int(t) for t in (a.dense_T or a.T).split(",")]
         if a.dense_variants and a.scheme != "dense" and T in dense_T:
           rows += profile_step(a.shapes, a.B, T, variants=tuple(a.dense_variants.split(",")),
@@ -1515,7 +1548,7 @@ def main(argv=None) -> list[dict]:
             T=[int(t) for t in str(a.T).split(",")],
             variants=[r["variant"] for r in rows], steps=a.steps, repeats=a.repeats,
             traced=a.traced, options=opts, dense_variants=a.dense_variants,
-            dense_T=a.dense_T))
+            dense_T=a.dense_T, **({"aha_full": a.aha_full} if a.aha_full else {})))
         run["rows"] = [{k: v for k, v in r.items() if k != "trace_lines"} for r in rows]
         if probe:
           run["buffers_probe"] = probe
@@ -1558,7 +1591,7 @@ def _main_ab(a) -> list[dict]:
     rows += ab_step(a.shapes, a.B, T, variants=variants, scheme=a.scheme, dense_variants=dense,
                     steps=a.steps, repeats=a.repeats, traced=a.traced,
                     busy_repeats=a.busy_repeats, compile_workers=a.compile_workers,
-                    fp32="fp32_factor" in ADOPTION_RULE)
+                    fp32="fp32_factor" in ADOPTION_RULE, aha_full=a.aha_full)
     print(profile_table(rows), flush=True)
     decision = decide(rows)
     print(json.dumps(decision, indent=1), flush=True)
@@ -1576,6 +1609,7 @@ def _main_ab(a) -> list[dict]:
       variants=list(variants), dense_variants=list(dense), steps=a.steps, repeats=a.repeats,
       traced=a.traced, busy_repeats=a.busy_repeats, rule=ADOPTION_RULE,
       xla_flags=os.environ.get("XLA_FLAGS", ""),
+      **({"aha_full": a.aha_full} if a.aha_full else {}),
       **({"pairs": pairs, "compile_workers": a.compile_workers} if pairs else {})))
   run["rows"] = [{k: v for k, v in r.items() if k != "trace_lines"} for r in rows]
   run["adoption"] = decision   # the last T's: decided on every T's rows

@@ -26,7 +26,8 @@ The plan the kernels share (`plan`):
   HEAD_FULL / HEAD_BLOCKS / HEAD_WINDOW_BLOCKS, blocks of list_block_k slots, a multiple of the
   tile): the runs above are those of the rows not in HEAD_BLOCKS mode; after them a (row, kv
   head) reads the tiles of the blocks its other rows list (`listed_tiles`: ascending, each once,
-  none inside the runs), and the kernels check each row's list and mode per tile.
+  none inside the runs, none past the last tile holding a key one of its rows could see), and
+  the kernels check each row's list and mode per tile.
 - Ragged caches: S need not be a multiple of block_k (`tile_start`).
 - Split over the kv length: each (row, kv head) splits its runs into P equal parts (P static:
   `num_parts`, about config.target_programs programs in all, >= config.min_tiles_per_part tiles
@@ -200,16 +201,20 @@ def fold_lists(kv_blocks_BNQL, head_mode_BN, T: int, K: int, rows: int, block_q:
 
 
 def listed_tiles(lists_BKRL, mode_BKR, qpos_BKR, runs_BK3, *, num_kv_tiles: int,
-                 per_block: int):
+                 per_block: int, end_BK=None):
   """(listed_BKE int32 [B, K, E], count_BK int32): the tiles of the blocks (per_block tiles a
   block) listed by a (row, kv head)'s active rows in a mode other than HEAD_FULL, outside its
-  runs (a tile is read once), ascending and distinct, `count` of them first (the rest 0)."""
+  runs (a tile is read once) and below end_BK (when given: 1 + the last tile holding a key
+  some row of the (row, kv head) could see, so a block listed past the fill is not read),
+  ascending and distinct, `count` of them first (the rest 0)."""
   B, K, R, L = lists_BKRL.shape
   nT, m = num_kv_tiles, per_block
   use = (mode_BKR != HEAD_FULL) & (qpos_BKR != NO_QUERY)
   e = lists_BKRL
   tiles = e[..., None] * m + jnp.arange(m, dtype=jnp.int32)                   # [B, K, R, L, m]
   ok = (use[..., None] & (e >= 0))[..., None] & (tiles >= 0) & (tiles < nT)
+  if end_BK is not None:
+    ok &= tiles < end_BK[:, :, None, None, None]
   r = runs_BK3[:, :, None, None, None, :]
   ok &= ~((tiles < r[..., 0]) | ((tiles >= r[..., 1]) & (tiles < r[..., 2])))
   flat = jnp.sort(jnp.where(ok, tiles, nT).reshape(B, K, -1), axis=-1)
@@ -291,9 +296,13 @@ def plan(q_BTNH, k_BSKH, *, q_positions_BT, kv_positions_BS, kv_lengths_B, kv_va
   count = jnp.zeros(runs.shape[:2], jnp.int32)
   if kv_blocks_BNQL is not None:
     R = T * (N // K)  # the real rows: the padding rows list nothing (sorted per step)
+    # the tiles up to the last one holding a key any row may see (causal, valid, filled): a
+    # listed block past it is not read (AHA's one block spanning the cache reads the fill only)
+    end_BK = tile_runs(qpos_BKR, kv_positions_BS, kv_lengths_B, kv_valid_BS, window=None,
+                       sinks=0, block_k=block_k)[..., 2]
     listed, count = listed_tiles(lists_BKRL[:, :, :R], mode_BKR[:, :, :R], qpos_BKR[:, :, :R],
                                  runs, num_kv_tiles=num_tiles(S, block_k),
-                                 per_block=list_block_k // block_k)
+                                 per_block=list_block_k // block_k, end_BK=end_BK)
     lists = (lists_BKRL, mode_BKR, listed)
   return q_BKRH, qpos_BKR, jnp.concatenate([runs, count[..., None]], axis=-1), lists
 

@@ -826,3 +826,21 @@ def test_fp32_check_alone_records_the_run(tmp_path):
   assert run["settings"]["mode"] == "fp32_check" and run["rows"][0]["T"] == 64
   assert run["rule_check"]["sane"] is True and run["mgpu_fp32_logits_test"][0]["passed"]
   assert run["claims"] == []  # the registered claims are d_fp32_check's (bench/claims)
+
+
+def test_aha_decode_variants_twocall_and_static_routing():
+  """decode_program's AHA pieces: 'twocall' traces the engine with aha.layer.DECODE_FUSED off
+  (restored after; other sets leave it on), and scheme_params with aha_full routes that
+  fraction of the (layer, head) pairs full (bench.decode.aha_static_routing), dense untouched."""
+  from condattn_jax.attention.aha import layer as aha_layer
+  assert dp.parse_variant("stacked:twocall") == ("stacked", ("twocall",))
+  with dp.trace_context(("twocall",)):
+    assert aha_layer.DECODE_FUSED is False
+  assert aha_layer.DECODE_FUSED is True
+  with dp.trace_context(("noskip",)):
+    assert aha_layer.DECODE_FUSED is True
+  cfg, _ = decode.scheme_config("aha", "tiny-olmo", 64)
+  bias = np.asarray(dp.scheme_params(cfg, "aha", 0.25)["layers"]["router"]["bias"], np.float32)
+  np.testing.assert_array_equal(bias > 0, decode.spread_pairs(cfg.num_layers, cfg.num_heads, 0.25))
+  assert (bias > 0).mean() == 0.25
+  assert (np.asarray(dp.scheme_params(cfg, "aha")["layers"]["router"]["bias"]) > 0).all()
