@@ -512,21 +512,45 @@ OPTION_SETS = {**CB_MODES,
 # batched one, models.layers._contract_heads, since reverted: it removed the per-step copy of
 # the stacked o_proj slice but its wall time was slower) and 'minsplit' (ops.decode_splits with
 # no split of a kv length below 512 slots: logits rel_err 5.5e-2 against the split ring).
-# 'twocall' (AHA): a one-token step through the previous program, two attention calls a layer
-# (local heads with the window, full heads without, each under decode_skip's lax.cond) instead
-# of aha.layer.fused_decode's one call (aha.layer.DECODE_FUSED off while the variant is traced).
-TRACE_SETS = ("refattn", "noskip", "twocall")
+# 'stepskip' (AHA): the previous one-token step, its two attention calls each under
+# decode_skip's lax.cond (aha.layer.DECODE_STEP_SKIP on while the variant is traced; the default
+# step runs both calls branch-free). 'evensplit': the Mosaic GPU decode kernel with the previous
+# split, num_parts equal parts per (row, kv head) (DecodeConfig(balance=False) patched into
+# pallas_kernels.decode.BACKENDS while tracing), instead of part_counts' parts in proportion to
+# each (row, kv head)'s reads.
+TRACE_SETS = ("refattn", "noskip", "stepskip", "evensplit")
 
 
 def trace_context(sets):
-  """The context a variant's engine step is traced in: TRACE_SETS' 'twocall' turns
-  aha.layer.DECODE_FUSED off (restored after); otherwise nothing."""
+  """The context a variant's engine step is traced in: TRACE_SETS' 'stepskip' turns
+  aha.layer.DECODE_STEP_SKIP on, 'evensplit' gives the decode backends DecodeConfig(balance=
+  False); jax's trace caches cleared on entry and exit (the engine's jitted step is cached per
+  (config, cache_len), which neither switch changes). Otherwise nothing."""
   import contextlib
-  if "twocall" not in sets:
+  if "stepskip" not in sets and "evensplit" not in sets:
     return contextlib.nullcontext()
+  import jax
   from unittest import mock
   from condattn_jax.attention.aha import layer as aha_layer
-  return mock.patch.object(aha_layer, "DECODE_FUSED", False)
+  from pallas_kernels import decode as dk
+  from pallas_kernels.decode import api as dk_api
+
+  @contextlib.contextmanager
+  def switched():
+    jax.clear_caches()
+    with contextlib.ExitStack() as stack:
+      if "stepskip" in sets:
+        stack.enter_context(mock.patch.object(aha_layer, "DECODE_STEP_SKIP", True))
+      if "evensplit" in sets:
+        even = tuple(dataclasses.replace(b, config=dataclasses.replace(b.config, balance=False))
+                     for b in dk_api.BACKENDS)
+        stack.enter_context(mock.patch.object(dk_api, "BACKENDS", even))
+        stack.enter_context(mock.patch.object(dk, "BACKENDS", even))
+      try:
+        yield
+      finally:
+        jax.clear_caches()
+  return switched()
 
 
 def scheme_params(cfg, scheme: str, aha_full: float = 0.0):

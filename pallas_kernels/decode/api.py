@@ -26,12 +26,17 @@ The plan the kernels share (`plan`):
   HEAD_FULL / HEAD_BLOCKS / HEAD_WINDOW_BLOCKS, blocks of list_block_k slots, a multiple of the
   tile): the runs above are those of the rows not in HEAD_BLOCKS mode; after them a (row, kv
   head) reads the tiles of the blocks its other rows list (`listed_tiles`: ascending, each once,
-  none inside the runs, none past the last tile holding a key one of its rows could see), and
-  the kernels check each row's list and mode per tile.
+  none inside the runs), and the kernels check each row's list and mode per tile.
 - Ragged caches: S need not be a multiple of block_k (`tile_start`).
-- Split over the kv length: each (row, kv head) splits its runs into P equal parts (P static:
-  `num_parts`, about config.target_programs programs in all, >= config.min_tiles_per_part tiles
-  each), one program per part, merged by their log-sum-exp (`reference.merge_decode_parts`).
+- Split over the kv length: each (row, kv head) splits its runs into equal parts, one program
+  per part, merged by their log-sum-exp (`reference.merge_decode_parts`). Mosaic TPU: P parts
+  each (P static: `num_parts`, about config.target_programs programs in all, >=
+  config.min_tiles_per_part tiles each). Mosaic GPU: a grid of P parts per (row, kv head) (P
+  static: `max_parts`, about config.max_programs programs in all) of which (row, kv head) uses
+  `part_counts`' share, in proportion to the tiles it reads (about config.target_programs
+  parts of >= config.min_tiles_per_part tiles in all), the others exit at once: a call whose
+  reads sit in a few (row, kv head)s (an AHA layer's full heads, an L2A row routed global)
+  spreads them over the GPU instead of over P programs each.
 
 impl: 'reference' (dense, `reference_decode_attention`), 'mosaic_gpu' (Hopper: TMA K/V pipeline
 with a memory warpgroup, wgmma), 'mosaic_tpu' (scalar-prefetched tile runs), each by name;
@@ -65,8 +70,10 @@ class DecodeConfig:
   no multiple of the tile ends in a ragged tile (read as the last block_k slots, the slots an
   earlier tile holds masked); num_stages: K/V tiles in flight
   per program (Mosaic GPU; shared memory per program grows with num_stages x block_k x
-  head_dim); parts: kv parts per (row, kv head) (None: `num_parts`); target_programs: the
-  total programs `num_parts` aims for;
+  head_dim); parts: kv parts per (row, kv head) (None: `num_parts` / `max_parts`; Mosaic GPU
+  uses up to that many, `part_counts`); target_programs: the total programs `num_parts` and
+  `part_counts` aim for; max_programs: the grid `max_parts` aims for (Mosaic GPU); balance:
+  Mosaic GPU splits by `part_counts` (False: `num_parts` parts each, the previous split);
   min_tiles_per_part: the fewest tiles a part gets (a part's partial output is written and
   merged: bytes a tiny part would spend on that instead of K/V); over_cudnn: condattn_jax.ops'
   auto runs this backend for the decode calls cuDNN's decode path also takes (a full cache
@@ -76,6 +83,8 @@ class DecodeConfig:
   num_stages: int = 2
   parts: int | None = None
   target_programs: int = 264
+  max_programs: int = 1024
+  balance: bool = True
   min_tiles_per_part: int = 8
   over_cudnn: bool = False
 
@@ -108,6 +117,28 @@ def num_parts(B: int, K: int, ntiles: int, cfg: DecodeConfig) -> int:
   while B * K * P * 2 <= cfg.target_programs and ntiles // (P * 2) >= cfg.min_tiles_per_part:
     P *= 2
   return P
+
+
+def max_parts(B: int, K: int, ntiles: int, cfg: DecodeConfig) -> int:
+  """Mosaic GPU's static parts per (row, kv head): the largest power of two P with B * K * P <=
+  max_programs and ntiles / P >= min_tiles_per_part (1 at least), or cfg.parts."""
+  if cfg.parts is not None:
+    return cfg.parts
+  P = 1
+  while B * K * P * 2 <= cfg.max_programs and ntiles // (P * 2) >= cfg.min_tiles_per_part:
+    P *= 2
+  return P
+
+
+def part_counts(runs_BK4, P: int, cfg: DecodeConfig):
+  """int32 [B, K]: the parts (row, kv head) splits its run entries into, in [1, P]: ceil(n / c)
+  for its n entries (`num_entries`), c = max(ceil(total / target_programs), min_tiles_per_part)
+  tiles a part over the call's total, so the call's parts hold about equal work wherever its
+  reads sit."""
+  n = num_entries(tuple(runs_BK4[..., c] for c in range(runs_BK4.shape[-1])))
+  total = jnp.sum(n)
+  c = jnp.maximum(-(-total // cfg.target_programs), cfg.min_tiles_per_part)
+  return jnp.clip(-(-n // c), 1, P).astype(jnp.int32)
 
 
 def kernel_support(impl: str, q_shape, kv_shape, dtype, cfg: DecodeConfig = DecodeConfig(),
@@ -201,20 +232,16 @@ def fold_lists(kv_blocks_BNQL, head_mode_BN, T: int, K: int, rows: int, block_q:
 
 
 def listed_tiles(lists_BKRL, mode_BKR, qpos_BKR, runs_BK3, *, num_kv_tiles: int,
-                 per_block: int, end_BK=None):
+                 per_block: int):
   """(listed_BKE int32 [B, K, E], count_BK int32): the tiles of the blocks (per_block tiles a
   block) listed by a (row, kv head)'s active rows in a mode other than HEAD_FULL, outside its
-  runs (a tile is read once) and below end_BK (when given: 1 + the last tile holding a key
-  some row of the (row, kv head) could see, so a block listed past the fill is not read),
-  ascending and distinct, `count` of them first (the rest 0)."""
+  runs (a tile is read once), ascending and distinct, `count` of them first (the rest 0)."""
   B, K, R, L = lists_BKRL.shape
   nT, m = num_kv_tiles, per_block
   use = (mode_BKR != HEAD_FULL) & (qpos_BKR != NO_QUERY)
   e = lists_BKRL
   tiles = e[..., None] * m + jnp.arange(m, dtype=jnp.int32)                   # [B, K, R, L, m]
   ok = (use[..., None] & (e >= 0))[..., None] & (tiles >= 0) & (tiles < nT)
-  if end_BK is not None:
-    ok &= tiles < end_BK[:, :, None, None, None]
   r = runs_BK3[:, :, None, None, None, :]
   ok &= ~((tiles < r[..., 0]) | ((tiles >= r[..., 1]) & (tiles < r[..., 2])))
   flat = jnp.sort(jnp.where(ok, tiles, nT).reshape(B, K, -1), axis=-1)
@@ -296,13 +323,9 @@ def plan(q_BTNH, k_BSKH, *, q_positions_BT, kv_positions_BS, kv_lengths_B, kv_va
   count = jnp.zeros(runs.shape[:2], jnp.int32)
   if kv_blocks_BNQL is not None:
     R = T * (N // K)  # the real rows: the padding rows list nothing (sorted per step)
-    # the tiles up to the last one holding a key any row may see (causal, valid, filled): a
-    # listed block past it is not read (AHA's one block spanning the cache reads the fill only)
-    end_BK = tile_runs(qpos_BKR, kv_positions_BS, kv_lengths_B, kv_valid_BS, window=None,
-                       sinks=0, block_k=block_k)[..., 2]
     listed, count = listed_tiles(lists_BKRL[:, :, :R], mode_BKR[:, :, :R], qpos_BKR[:, :, :R],
                                  runs, num_kv_tiles=num_tiles(S, block_k),
-                                 per_block=list_block_k // block_k, end_BK=end_BK)
+                                 per_block=list_block_k // block_k)
     lists = (lists_BKRL, mode_BKR, listed)
   return q_BKRH, qpos_BKR, jnp.concatenate([runs, count[..., None]], axis=-1), lists
 
@@ -376,7 +399,11 @@ def decode_attention(q_BTNH, k_BSKH, v_BSKH, *, q_positions_BT, kv_positions_BS,
       q_BTNH, k_BSKH, q_positions_BT=q_positions_BT, kv_positions_BS=kv_positions_BS,
       kv_lengths_B=kv_lengths_B, kv_valid_BS=kv_valid_BS, active=active, window=window,
       sinks=sinks, block_k=bk, rows=rows, **lists_kw)
-  P = num_parts(B, K, num_tiles(S, bk), config)
+  if impl == "mosaic_gpu" and config.balance:
+    P = max_parts(B, K, num_tiles(S, bk), config)
+    counts = dict(parts_BK=part_counts(runs, P, config))
+  else:
+    P, counts = num_parts(B, K, num_tiles(S, bk), config), {}
   lengths_B = (jnp.full((B,), S, jnp.int32) if kv_lengths_B is None
                else jnp.minimum(kv_lengths_B.astype(jnp.int32), S))  # masks a ragged tile's tail
   # fill-only: one query per row, a fill, no window / validity: every slot below the fill is
@@ -395,7 +422,7 @@ def decode_attention(q_BTNH, k_BSKH, v_BSKH, *, q_positions_BT, kv_positions_BS,
       q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos, valid, lengths_B, runs, scale=scale,
       window=window, sinks=sinks, parts=P, out_rows=out_rows, block_k=bk,
       num_stages=config.num_stages, interpret=interpret, lists=lists,
-      per_block=list_block_k // bk if has_lists else 1)
+      per_block=list_block_k // bk if has_lists else 1, **counts)
   o_BKRH = merge_decode_parts(o_BKPRH.astype(jnp.float32), lse_BKPR, axis=2)
   return unfold_rows(o_BKRH, T, N).astype(q_BTNH.dtype)
 

@@ -1,6 +1,8 @@
 """Hopper decode kernel (Pallas Mosaic GPU): one program per (kv part, kv head, row).
 
-grid (P, K, B), rows launched fastest. A program holds the 64 folded query rows of its
+grid (P, K, B), rows launched fastest; (row, kv head) uses parts_BK[b, k] <= P of its P programs
+(api.part_counts: parts in proportion to its reads), the others write an empty part (o 0, lse
+-inf) without loading anything. A program holds the 64 folded query rows of its
 (row, kv head) (api.fold_queries: T tokens x G query heads, padding rows at NO_QUERY) in shared
 memory and walks its part of the (row, kv head)'s tile runs (api.part_range / entry_tile): a
 memory warpgroup streams the K / V tiles (block_k slots of kv head k, [block_k, H] each, TMA)
@@ -34,14 +36,15 @@ from .api import NO_QUERY, entry_tile, num_tiles, part_range, tile_start
 
 def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths_B, runs_BK4, *,
                  scale, window, sinks, parts, out_rows, block_k, num_stages, interpret=False,
-                 lists=None, per_block=1):
+                 lists=None, per_block=1, parts_BK=None):
   """(o [B, K, parts, out_rows, H] in q's dtype, lse [B, K, parts, out_rows] float32): each part's
   attention normalised over its own keys (lse -inf and o 0 where it sees none). kvpos_BS None:
   every slot below the fill is visible to every active row (api.decode_attention's fill-only
   case), positions are not read. lists: None or api.plan's (lists_BKRL, mode_BKR, listed_BKE):
   the listed tiles are read after the runs, and a row sees a key per its head mode (HEAD_FULL:
   the usual mask; HEAD_BLOCKS: and its block, tile // per_block, listed in the row's list;
-  HEAD_WINDOW_BLOCKS: causal and valid, and inside the window or listed)."""
+  HEAD_WINDOW_BLOCKS: causal and valid, and inside the window or listed). parts_BK: int32 [B, K]
+  in [1, parts], the parts (row, kv head) splits its entries into (None: `parts` each)."""
   B, K, R, H = q_BKRH.shape
   S = k_BSKH.shape[1]
   dtype = q_BKRH.dtype
@@ -61,8 +64,11 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
     mode_BKR = jnp.zeros((1, 1, R), jnp.int32)
     listed_BKE = jnp.zeros((1, 1, 1), jnp.int32)
 
+  if parts_BK is None:
+    parts_BK = jnp.full((B, K), P, jnp.int32)
+
   def kernel(q_ref, k_ref, v_ref, qpos_ref, kvpos_ref, kvvalid_ref, len_ref, runs_ref, lists_ref,
-             mode_ref, listed_ref, out_ref, lse_ref, scoped):
+             mode_ref, listed_ref, parts_ref, out_ref, lse_ref, scoped):
     (qo_smem, k_smem, v_smem, lse_smem), (k_bar, v_bar, q_bar), (k_used, v_used) = scoped
     p = lax.axis_index("part")
     kh = lax.axis_index("heads")
@@ -70,18 +76,25 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
     wg = lax.axis_index("wg")
     runs = tuple(runs_ref[b, kh, c] for c in range(4))
     listed_at = (lambda i: listed_ref[b, kh, i]) if has_lists else None
-    lo, hi = part_range(runs, p, P)
+    n_parts = parts_ref[b, kh]
+    lo, hi = part_range(runs, p, n_parts)
+    hi = jnp.where(p < n_parts, hi, lo)   # a part past the (row, kv head)'s count: empty
     nsteps = hi - lo
 
     @pl.when(wg == 0)
     def _compute():
-      plgpu.copy_gmem_to_smem(q_ref.at[b, kh], qo_smem, q_bar.at[0])
+      @pl.when(nsteps > 0)
+      def _():
+        plgpu.copy_gmem_to_smem(q_ref.at[b, kh], qo_smem, q_bar.at[0])
       qp = plgpu.load(qpos_ref.at[b, kh], layout=_ROW, optimized=False)
       fill = len_ref[b]
       if has_lists:  # each row's list (one row vector per entry) and head mode
         lv = [plgpu.load(lists_ref.at[b, kh, l], layout=_ROW, optimized=False) for l in range(L)]
         mv = plgpu.load(mode_ref.at[b, kh], layout=_ROW, optimized=False)
-      plgpu.barrier_wait(q_bar.at[0])
+
+      @pl.when(nsteps > 0)
+      def _():
+        plgpu.barrier_wait(q_bar.at[0])
       m_i = plgpu.layout_cast(jnp.full((R,), NEG_INF, jnp.float32), _ROW)
       l_i = plgpu.layout_cast(jnp.zeros((R,), jnp.float32), _ROW)
       acc = plgpu.layout_cast(jnp.zeros((R, H), jnp.float32), _WGMMA)
@@ -179,10 +192,10 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
     pl.run_scoped(lambda *s: kernel(*refs, s), *scratch, collective_axes="wg")
 
   def entry_sel(q_ref, k_ref, v_ref, qpos_ref, kvpos_ref, kvvalid_ref, len_ref, runs_ref,
-                lists_ref, mode_ref, listed_ref, out_ref, lse_ref):
+                lists_ref, mode_ref, listed_ref, parts_ref, out_ref, lse_ref):
     entry(q_ref, k_ref, v_ref, qpos_ref, kvpos_ref if has_pos else None,
           kvvalid_ref if has_valid else None, len_ref, runs_ref, lists_ref, mode_ref,
-          listed_ref, out_ref, lse_ref)
+          listed_ref, parts_ref, out_ref, lse_ref)
 
   out_shape = [jax.ShapeDtypeStruct((B, K, P, out_rows, H), dtype),
                jax.ShapeDtypeStruct((B, K, P, out_rows), jnp.float32)]
@@ -195,4 +208,4 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
   return call(q_BKRH, k_BSKH, v_BSKH, qpos_BKR,
               kvpos_BS if has_pos else jnp.zeros((1, 1), jnp.int32),
               kvvalid_BS if has_valid else jnp.zeros((1, 1), jnp.int32), lengths_B, runs_BK4,
-              lists_BKLR, mode_BKR, listed_BKE)
+              lists_BKLR, mode_BKR, listed_BKE, parts_BK.astype(jnp.int32))

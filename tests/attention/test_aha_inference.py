@@ -152,99 +152,35 @@ def test_tau_is_a_serving_knob():
   assert usage[0] > usage[1] + 0.05
 
 
-def _expected_heads(q, k, v, qpos, kvpos, valid, full, active, window):
-  """float64 numpy attention of one query per row: head n of row b sees slot s iff valid, causal
-  and (full[b, n] or inside the window); inactive (b, n) give zeros."""
-  B, _, N, H = q.shape
-  K = k.shape[2]
-  out = np.zeros((B, 1, N, H))
-  for b in range(B):
-    for n in range(N):
-      if not active[b, 0, n]:
-        continue
-      see = valid[b] & (kvpos[b] <= qpos[b, 0])
-      if not full[b, 0, n]:
-        see &= qpos[b, 0] - kvpos[b] < window
-      kh = n // (N // K)
-      s = k[b, see, kh] @ q[b, 0, n] / np.sqrt(H)
-      p = np.exp(s - s.max())
-      out[b, 0, n] = (p / p.sum()) @ v[b, see, kh]
-  return out
 
-
-def test_fused_decode_gives_each_head_its_mode():
-  """aha.layer.fused_decode (one ops.attention call: the per-head routing as head modes) == each
-  head's own attention computed apart (full: the whole valid prefix; local: the last `window`
-  positions; inactive: zeros) in float64, and == the two-call path (local and full calls with
-  per-head active sets). The cache (200 slots: no multiple of the list alignment) holds ragged
-  fills and GQA 2:1; local and full differ on these inputs, so a swapped mode or a wrong window
-  fails."""
-  from condattn_jax import ops
-  from condattn_jax.attention.aha.layer import fused_decode
-  B, N, K, H, S, w = 3, 4, 2, 16, 200, 5
-  rng = np.random.default_rng(0)
-  q = rng.standard_normal((B, 1, N, H)).astype(np.float32)
-  k, v = (rng.standard_normal((B, S, K, H)).astype(np.float32) for _ in range(2))
-  fill = np.asarray([200, 37, 120])
-  kvpos = np.broadcast_to(np.arange(S, dtype=np.int32), (B, S)).copy()
-  valid = kvpos < fill[:, None]
-  qpos = (fill - 1)[:, None].astype(np.int32)
-  full = np.asarray([[1, 0, 0, 1], [0, 1, 1, 0], [1, 1, 0, 0]], bool)[:, None]  # [B, 1, N]
-  active = np.ones((B, 1, N), bool)
-  active[2, 0, 0] = active[1, 0, 3] = False                   # a full and a local query off
-  args = dict(q_positions_BT=jnp.asarray(qpos), kv_positions_BS=jnp.asarray(kvpos),
-              kv_valid_BS=jnp.asarray(valid.astype(np.int32)))
-  got = np.asarray(jax.jit(lambda q, k, v: fused_decode(
-      q, k, v, full_BTN=jnp.asarray(full & active), valid_BTN=jnp.asarray(active), window=w,
-      **args))(q, k, v))
-  want = _expected_heads(q, k, v, qpos, kvpos, valid, full, active, w)
-  np.testing.assert_allclose(got, want, atol=1e-5, rtol=0)
-  wrong = _expected_heads(q, k, v, qpos, kvpos, valid, ~full, active, w)   # modes swapped
-  assert np.abs(wrong - want).max() > 0.1
-
-  def call(act, window):
-    return ops.attention(q, k, v, ops.MaskSpec(
-        q_positions_BT=args["q_positions_BT"], kv_positions_BS=args["kv_positions_BS"],
-        kv_segment_ids_BS=args["kv_valid_BS"], window=window, active=jnp.asarray(act)))
-  two = np.where(full[..., None], call(full & active, None), call(~full & active, w))
-  np.testing.assert_allclose(got, two, atol=1e-6, rtol=0)
-  # window None (w >= the cache): every head over the whole prefix
-  every = np.asarray(fused_decode(q, k, v, full_BTN=jnp.asarray(full & active),
-                                  valid_BTN=jnp.asarray(active), window=None, **args))
-  np.testing.assert_allclose(
-      every, _expected_heads(q, k, v, qpos, kvpos, valid, np.ones_like(full), active, w),
-      atol=1e-5, rtol=0)
-  with pytest.raises(ValueError, match="one query token per row"):
-    fused_decode(jnp.concatenate([q, q], 1), k, v, full_BTN=jnp.zeros((B, 2, N), bool),
-                 valid_BTN=jnp.ones((B, 2, N), bool), window=w,
-                 q_positions_BT=jnp.zeros((B, 2), jnp.int32),
-                 kv_positions_BS=args["kv_positions_BS"], kv_valid_BS=args["kv_valid_BS"])
-
-
-def test_fused_decode_step_equals_the_two_call_step(monkeypatch):
-  """The engine's one-token step through fused_decode == the previous two-call step
-  (aha.layer.DECODE_FUSED off: bench/decode_program's 'twocall'), cache and logits, on a model
-  whose heads of one token disagree; and old K/V outside the window changes the output through
-  the kv heads of full query heads but never through those of local ones."""
+def test_branch_free_step_equals_the_skipping_step_and_reads_per_head(monkeypatch):
+  """The engine's one-token step (both attention calls, no lax.cond) == the previous step under
+  decode_skip's lax.cond (aha.layer.DECODE_STEP_SKIP: bench/decode_program's 'stepskip'), cache
+  and logits, on a model whose heads of one token disagree; and old K/V outside the window
+  changes the output through the kv heads of full query heads but never through those of local
+  ones (a swapped mode or a wrong window fails)."""
   from condattn_jax.attention.aha import layer as aha_layer
-  cfg, params = _aha()
+  cfg, params = _aha(decode_skip=True)
   r = params["layers"]["router"]   # static routing: the query heads of even kv heads full
   G = cfg.num_heads // cfg.num_kv_heads
   full_K = np.arange(cfg.num_kv_heads) % 2 == 0
-  full_N = np.repeat(full_K, G)
   r["kernel"] = jnp.zeros_like(r["kernel"])
-  r["bias"] = jnp.broadcast_to(jnp.where(full_N, 2.0, -2.0), r["bias"].shape).astype(
-      r["bias"].dtype)
-  outs = {}
-  for fused in (True, False):
-    monkeypatch.setattr(aha_layer, "DECODE_FUSED", fused)
-    eng = Engine(cfg, params, cache_len=32)
+  r["bias"] = jnp.broadcast_to(jnp.where(np.repeat(full_K, G), 2.0, -2.0),
+                               r["bias"].shape).astype(r["bias"].dtype)
+  outs, conds = {}, {}
+  for skip in (False, True):
+    monkeypatch.setattr(aha_layer, "DECODE_STEP_SKIP", skip)
+    eng = Engine(attention.configure(cfg, "aha", tau=0.5 if skip else 0.5 + 1e-6), params,
+                 cache_len=32)   # another config: its own trace of the step
     cache, logits, lengths = eng.prefill(PROMPTS)
     tok = np.asarray(logits).argmax(-1)
-    outs[fused] = eng.decode_step(cache, tok, lengths, np.ones(3, bool), logits)
+    step = jax.make_jaxpr(eng.decode_step)(cache, tok, lengths, np.ones(3, bool), logits)
+    conds[skip] = str(step).count(" cond[")   # the step's own program
+    outs[skip] = eng.decode_step(cache, tok, lengths, np.ones(3, bool), logits)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=0), outs[True],
                outs[False])
-  monkeypatch.setattr(aha_layer, "DECODE_FUSED", True)
+  assert conds[True] - conds[False] == 2 * cfg.num_layers   # the local and full calls' conds
+  monkeypatch.setattr(aha_layer, "DECODE_STEP_SKIP", False)
   eng = Engine(cfg, params, cache_len=32)
   cache, logits, lengths = eng.prefill(PROMPTS)
   tok = np.asarray(logits).argmax(-1)

@@ -247,6 +247,38 @@ def test_num_parts_aims_at_two_programs_per_sm():
   assert dk.num_parts(8, 2, 32768 // 64, dk.DecodeConfig(parts=3)) == 3
 
 
+
+def test_mosaic_gpu_parts_follow_each_kv_heads_reads():
+  """Mosaic GPU's grid: max_parts programs per (row, kv head) for about max_programs in all
+  (AHA's OLMo-2-1B layer at 32K, 16 kv heads of 514 tiles: 64); part_counts gives a (row, kv
+  head) parts in proportion to its tiles (>= min_tiles_per_part a part, one at least, at most
+  P): the read-heavy head of a call spreads over the GPU, an empty one keeps one part. The
+  kernel (interpret) with uneven counts (one kv head reading 16 tiles in 4 parts, the others
+  nothing; then two kv heads each reading its window's 4 tiles in 2) == the reference."""
+  cfg = dk.DecodeConfig()
+  assert api.max_parts(1, 16, 514, cfg) == 64 and api.max_parts(8, 16, 514, cfg) == 8
+  assert api.max_parts(1, 2, 16, cfg) == 2                       # >= 8 tiles a part
+  runs = jnp.asarray([[[0, 0, 514, 0], [0, 498, 514, 0], [0, 0, 0, 0], [2, 10, 12, 3]]])
+  np.testing.assert_array_equal(api.part_counts(runs, 64, cfg), [[64, 2, 1, 1]])
+  np.testing.assert_array_equal(api.part_counts(runs, 8, cfg), [[8, 2, 1, 1]])
+  q, k, v, kw = _problem(B=1, T=1, N=4, K=4, S=1024, lengths=(1000,), seed=5)
+  lens = kw.pop("kv_lengths_B")
+  kw["kv_valid_BS"] = (jnp.arange(1024)[None] < lens[:, None]).astype(jnp.int32)
+  small = dk.DecodeConfig(parts=4, target_programs=8, min_tiles_per_part=2)
+  for window, active, want in ((None, [True, False, False, False], [4, 1, 1, 1]),
+                               (200, [False, True, False, True], [1, 2, 1, 2])):
+    act = jnp.asarray(active)[None, None]
+    _, _, runs, _ = jax.jit(lambda q, kw: api.plan(
+        q, k, active=act, window=window, sinks=0, block_k=64, rows=64, kv_lengths_B=None,
+        **kw))(q, kw)
+    np.testing.assert_array_equal(api.part_counts(runs, 4, small), [want])
+    ref = _decode(q, k, v, active=act, window=window, **kw)
+    out = _decode(q, k, v, active=act, window=window, impl="mosaic_gpu", interpret=True,
+                  config=small, **kw)
+    _close(out, ref)
+    assert float(jnp.abs(ref.astype(jnp.float32)).max()) > 0
+
+
 # ------------------------------------------------------------------------------------------------
 # condattn_jax.ops: auto runs the decode kernel where cuDNN's decode path cannot
 # ------------------------------------------------------------------------------------------------
@@ -404,7 +436,7 @@ def test_block_list_runs_read_each_listed_tile_once():
   """plan with block lists: a (row, kv head) whose rows are all HEAD_BLOCKS reads only the tiles
   of its listed blocks (2 tiles of 64 a 128-slot block), each once, none past the cache; one
   with a HEAD_FULL / HEAD_WINDOW_BLOCKS row reads its runs too, listed tiles inside them not
-  again, and no listed tile past its last valid key; kv_bytes_read counts them."""
+  again; kv_bytes_read counts them."""
   q, _, _, kw = _lists_problem()
   kw.pop("list_block_k")
   static = dict(window=kw.pop("window"), sinks=kw.pop("sinks"), block_q=kw.pop("block_q"))
@@ -418,8 +450,7 @@ def test_block_list_runs_read_each_listed_tile_once():
   counts = [r[0] + r[2] - r[1] + r[3] for row in runs for r in row]
   assert counts == [len(t) for t in tiles]                         # no tile twice
   assert tiles[1] == {0, 1, 2, 3, 5, 6, 7}    # (0, 1): blocks 0, 1, 3 + window 379..479 + sinks
-  # (1, 0): blocks 0, 1, 2 only, up to row 1's last valid slot (299: tile 5 holds none)
-  assert tiles[2] == {0, 1, 2, 3, 4} and runs[1, 0, 2] == 0
+  assert tiles[2] == {0, 1, 2, 3, 4, 5} and runs[1, 0, 2] == 0    # (1, 0): blocks 0, 1, 2 only
   assert max(max(t) for t in tiles) <= 7                          # block 9: past the cache
   assert float(dk.kv_bytes_read(jnp.asarray(runs), 64, 64, 2)) == sum(counts) * 64 * 64 * 2 * 2
 
@@ -446,36 +477,6 @@ def test_mosaic_tpu_block_lists_interpret_equals_reference():
   out = _decode(q, k, v, impl="mosaic_tpu", interpret=True,
                             config=dk.DecodeConfig(parts=2), **kw)
   _close(out, ref)
-
-
-def test_aha_fused_decode_layout_reads_each_heads_mode():
-  """AHA's one-call decode (condattn_jax.attention.aha.layer.fused_decode): every head
-  HEAD_WINDOW_BLOCKS, a full head listing one block that spans the whole cache (S = 440 slots,
-  a ragged last tile, in a 512-slot block), a local head listing none. The plan reads a full
-  (row, kv head)'s whole fill and a local one's window tiles only; the Hopper kernel (interpret,
-  2 parts) == the reference, and its full heads differ from the window's."""
-  S, w = 440, 70
-  q, k, v, kw = _problem(B=2, T=1, N=4, K=4, S=S, lengths=(440, 200), seed=3)
-  lens = kw.pop("kv_lengths_B")   # AHA's cache: validity, no fill
-  kw["kv_valid_BS"] = (jnp.arange(S)[None] < lens[:, None]).astype(jnp.int32)
-  full = jnp.asarray([[True, False, False, True], [False, True, False, False]])
-  lists = dict(kv_blocks_BNQL=jnp.where(full, 0, -1)[:, :, None, None].astype(jnp.int32),
-               head_mode_BN=jnp.full((2, 4), api.HEAD_WINDOW_BLOCKS, jnp.int32))
-  _, _, runs, _ = jax.jit(lambda q, kw, lists: api.plan(
-      q, jnp.zeros((2, S, 4, 64)), active=None, block_k=64, rows=8, window=w, sinks=0,
-      block_q=1, list_block_k=512, kv_lengths_B=None, **kw, **lists))(q, kw, lists)
-  kw.update(window=w, block_q=1, list_block_k=512, **lists)
-  runs = np.asarray(runs)
-  tiles = np.asarray([[api.num_entries(tuple(int(c) for c in r)) for r in row] for row in runs])
-  # row 0 (fill 440: tiles 0..6), row 1 (fill 200: tiles 0..3); window 70 -> tiles of slots
-  # 370..439 (5, 6) and 130..199 (2, 3)
-  np.testing.assert_array_equal(tiles, [[7, 2, 2, 7], [2, 4, 2, 2]])
-  ref = _decode(q, k, v, **kw)
-  out = _decode(q, k, v, impl="mosaic_gpu", interpret=True, config=dk.DecodeConfig(parts=2), **kw)
-  _close(out, ref)
-  local = _decode(q, k, v, **{**kw, "kv_blocks_BNQL": jnp.full((2, 4, 1, 1), -1, jnp.int32)})
-  gap = jnp.abs(ref.astype(jnp.float32) - local.astype(jnp.float32)).max(axis=(1, 3))
-  np.testing.assert_array_equal(np.asarray(gap > 1e-2), np.asarray(full))
 
 
 def test_decode_merge_equals_merge_parts():

@@ -26,17 +26,12 @@ Training modes (`mode`):
           gradient is exactly the exact mode's. The forward value is the same in both modes.
 
 Decode (ctx.decode): ONE full KV cache per layer (the new tokens' K/V always written); every
-(token, head) attends through `ops.attention` over that cache: the routed-global pairs over the
-whole prefix, the routed-local ones with the window (only the last w keys of the cache).
-  one token per row: ONE call per layer (`fused_decode`), each (row, head)'s routing as its
-          head mode (ops.BlockLists HEAD_WINDOW_BLOCKS: the window, OR for a full head one
-          listed block spanning the whole cache), so a local head reads only its window's tiles
-          and a full head the whole prefix, in one kernel launch and no lax.cond.
-  a chunk of several tokens (or compact_impl other than 'auto' / 'reference', or DECODE_FUSED
-          False): two calls with per-(token, head) active sets, local heads with the window and
-          full heads without; with decode_skip a call is skipped when no (token, head) of the
-          chunk takes it.
-Both give the same attention (tests/attention/test_aha_inference.py). tau is a test-time knob.
+(token, head) attends through `ops.attention` over that cache with a per-head active set, in two
+calls: the routed-global pairs over the whole prefix, the routed-local ones with the window (only
+the last w keys of the cache). A one-token step runs both calls unconditionally (on a GPU / TPU
+the decode kernels read nothing for an inactive (row, kv head): a call without an active query
+costs a launch, where a lax.cond costs a host round trip); a chunk of several tokens, with decode_skip,
+skips a call when no (token, head) of the chunk takes it. tau is a test-time knob.
 """
 from __future__ import annotations
 
@@ -45,7 +40,6 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from condattn_jax import ops
 from condattn_jax.attention import options
 from condattn_jax.models.config import ModelConfig
 from condattn_jax.models.context import LayerContext
@@ -181,15 +175,8 @@ class AHALayer(nn.Module):
 
   def _decode_paths(self, attn, q, k, v, ctx, hard_BTN, valid_BTN, o):
     """(local, full) outputs over the ONE full cache: local for the routed-local (token, head)
-    pairs with the window, full for the routed-global ones (elsewhere zeros, or, from the one
-    fused call, the same heads as the other: the caller selects by the routing)."""
+    pairs with the window, full for the routed-global ones (zeros elsewhere)."""
     k_all, v_all, kv_pos, kv_valid = attn.write_cache(k, v, ctx)
-    window = o.window if o.window < ctx.cache_len else None
-    if q.shape[1] == 1 and DECODE_FUSED and o.compact_impl in ("auto", "reference"):
-      heads = fused_decode(q, k_all, v_all, q_positions_BT=ctx.positions_BT,
-                           kv_positions_BS=kv_pos, kv_valid_BS=kv_valid, full_BTN=hard_BTN,
-                           valid_BTN=valid_BTN, window=window, impl=o.compact_impl)
-      return heads, heads
 
     def run(active, window):
       return attend(q, k_all, v_all, q_positions_BT=ctx.positions_BT, kv_positions_BS=kv_pos,
@@ -197,7 +184,8 @@ class AHALayer(nn.Module):
                     impl=o.compact_impl)
 
     local_active = valid_BTN & ~hard_BTN
-    if o.decode_skip:
+    window = o.window if o.window < ctx.cache_len else None
+    if o.decode_skip and (q.shape[1] > 1 or DECODE_STEP_SKIP):
       local = lax.cond(jnp.any(local_active), lambda: run(local_active, window),
                        lambda: jnp.zeros_like(q))
       full = lax.cond(jnp.any(hard_BTN), lambda: run(hard_BTN, None), lambda: jnp.zeros_like(q))
@@ -206,41 +194,9 @@ class AHALayer(nn.Module):
     return local, full
 
 
-def fused_decode(q_BTNH, k_BSKH, v_BSKH, *, q_positions_BT, kv_positions_BS, kv_valid_BS,
-                 full_BTN, valid_BTN, window, impl="auto"):
-  """AHA's attention of one query token per row (T == 1) over a full cache in ONE
-  `ops.attention` call: query head n of row b sees the whole prefix (causal, valid slots) where
-  full_BTN[b, 0, n], else the last `window` positions (window None: the whole prefix for every
-  head); queries not in valid_BTN give zeros. The per-head choice is a head mode
-  (ops.BlockLists): every head HEAD_WINDOW_BLOCKS (the window OR its listed blocks), a full
-  head listing block 0 of one block spanning the whole cache, a local head listing none, so the
-  decode kernels read a local head's window tiles and a full head's whole fill."""
-  B, T, N, _ = q_BTNH.shape
-  if T != 1:
-    raise ValueError(f"aha.fused_decode takes one query token per row; got T={T}.")
-  if window is None:  # every head sees the whole prefix
-    return ops.attention(q_BTNH, k_BSKH, v_BSKH, ops.MaskSpec(
-        q_positions_BT=q_positions_BT, kv_positions_BS=kv_positions_BS,
-        kv_segment_ids_BS=kv_valid_BS, active=valid_BTN), impl=impl)
-  S = k_BSKH.shape[1]
-  span = -(-S // LIST_ALIGN) * LIST_ALIGN  # one block >= the cache: a multiple of every kv tile
-  lists_BN11 = jnp.where(full_BTN[:, 0], 0, -1).astype(jnp.int32)[:, :, None, None]
-  mode_BN = jnp.full((B, N), ops.HEAD_WINDOW_BLOCKS, jnp.int32)
-  mask = ops.MaskSpec(
-      q_positions_BT=q_positions_BT, kv_positions_BS=kv_positions_BS,
-      kv_segment_ids_BS=kv_valid_BS, active=valid_BTN, window=window,
-      block_lists=ops.BlockLists(lists_BN11, mode_BN, block_q=1, block_k=span,
-                                 window_blocks=True))
-  return ops.attention(q_BTNH, k_BSKH, v_BSKH, mask, impl=impl)
-
-
-# One-token decode steps through fused_decode (read at trace time). False only for the
-# same-process A/B of the previous two-call program (bench/decode_program.py's trace set
-# 'twocall').
-DECODE_FUSED = True
-# fused_decode's one block spans the cache rounded up to this: a multiple of the decode kernels'
-# kv tiles (pallas_kernels.decode: 64 on Mosaic GPU, 128 on Mosaic TPU).
-LIST_ALIGN = 128
+# One-token steps under decode_skip's lax.cond too (read at trace time): the previous program,
+# True only for its same-process A/B (bench/decode_program.py's trace set 'stepskip').
+DECODE_STEP_SKIP = False
 
 
 # ----------------------------------------------------------------------------------------------
