@@ -32,11 +32,12 @@ The plan the kernels share (`plan`):
   per part, merged by their log-sum-exp (`reference.merge_decode_parts`). Mosaic TPU: P parts
   each (P static: `num_parts`, about config.target_programs programs in all, >=
   config.min_tiles_per_part tiles each). Mosaic GPU: a grid of P parts per (row, kv head) (P
-  static: `max_parts`, about config.max_programs programs in all) of which (row, kv head) uses
-  `part_counts`' share, in proportion to the tiles it reads (about config.target_programs
-  parts of >= config.min_tiles_per_part tiles in all), the others exit at once: a call whose
-  reads sit in a few (row, kv head)s (an AHA layer's full heads, an L2A row routed global)
-  spreads them over the GPU instead of over P programs each.
+  static: `max_parts`, about config.max_programs programs in all) of which a (row, kv head)
+  reading n tiles uses `part_count`(n) = ceil(n / c), c = `part_tiles` (static: the tiles a
+  part gets when the (row, kv head) reads the whole cache), computed in the kernel; the others
+  write an empty part without loading anything. A call whose reads sit in a few (row, kv
+  head)s (an AHA layer's full heads, an L2A row routed global) spreads them over the GPU
+  instead of over a fixed number of programs each.
 
 impl: 'reference' (dense, `reference_decode_attention`), 'mosaic_gpu' (Hopper: TMA K/V pipeline
 with a memory warpgroup, wgmma), 'mosaic_tpu' (scalar-prefetched tile runs), each by name;
@@ -71,9 +72,9 @@ class DecodeConfig:
   earlier tile holds masked); num_stages: K/V tiles in flight
   per program (Mosaic GPU; shared memory per program grows with num_stages x block_k x
   head_dim); parts: kv parts per (row, kv head) (None: `num_parts` / `max_parts`; Mosaic GPU
-  uses up to that many, `part_counts`); target_programs: the total programs `num_parts` and
-  `part_counts` aim for; max_programs: the grid `max_parts` aims for (Mosaic GPU); balance:
-  Mosaic GPU splits by `part_counts` (False: `num_parts` parts each, the previous split);
+  uses up to that many, `part_count`); target_programs: the total programs `num_parts` aims
+  for; max_programs: the grid `max_parts` aims for (Mosaic GPU); balance: Mosaic GPU splits by
+  `part_count` (False: `num_parts` parts each, the previous split);
   min_tiles_per_part: the fewest tiles a part gets (a part's partial output is written and
   merged: bytes a tiny part would spend on that instead of K/V); over_cudnn: condattn_jax.ops'
   auto runs this backend for the decode calls cuDNN's decode path also takes (a full cache
@@ -130,15 +131,16 @@ def max_parts(B: int, K: int, ntiles: int, cfg: DecodeConfig) -> int:
   return P
 
 
-def part_counts(runs_BK4, P: int, cfg: DecodeConfig):
-  """int32 [B, K]: the parts (row, kv head) splits its run entries into, in [1, P]: ceil(n / c)
-  for its n entries (`num_entries`), c = max(ceil(total / target_programs), min_tiles_per_part)
-  tiles a part over the call's total, so the call's parts hold about equal work wherever its
-  reads sit."""
-  n = num_entries(tuple(runs_BK4[..., c] for c in range(runs_BK4.shape[-1])))
-  total = jnp.sum(n)
-  c = jnp.maximum(-(-total // cfg.target_programs), cfg.min_tiles_per_part)
-  return jnp.clip(-(-n // c), 1, P).astype(jnp.int32)
+def part_tiles(ntiles: int, P: int, cfg: DecodeConfig) -> int:
+  """Mosaic GPU's tiles a part (static): max(min_tiles_per_part, ceil(ntiles / P)), so a (row,
+  kv head) reading the whole cache of ntiles tiles fills its P parts."""
+  return max(cfg.min_tiles_per_part, -(-ntiles // P))
+
+
+def part_count(n, P: int, c: int):
+  """The parts a (row, kv head) reading n run entries uses (in the kernel, per program):
+  ceil(n / c) in [1, P] (c = `part_tiles`)."""
+  return jnp.clip(lax.div(n + (c - 1), c), 1, P)
 
 
 def kernel_support(impl: str, q_shape, kv_shape, dtype, cfg: DecodeConfig = DecodeConfig(),
@@ -401,7 +403,7 @@ def decode_attention(q_BTNH, k_BSKH, v_BSKH, *, q_positions_BT, kv_positions_BS,
       sinks=sinks, block_k=bk, rows=rows, **lists_kw)
   if impl == "mosaic_gpu" and config.balance:
     P = max_parts(B, K, num_tiles(S, bk), config)
-    counts = dict(parts_BK=part_counts(runs, P, config))
+    counts = dict(part_tiles=part_tiles(num_tiles(S, bk), P, config))
   else:
     P, counts = num_parts(B, K, num_tiles(S, bk), config), {}
   lengths_B = (jnp.full((B,), S, jnp.int32) if kv_lengths_B is None

@@ -1,8 +1,8 @@
 """Hopper decode kernel (Pallas Mosaic GPU): one program per (kv part, kv head, row).
 
-grid (P, K, B), rows launched fastest; (row, kv head) uses parts_BK[b, k] <= P of its P programs
-(api.part_counts: parts in proportion to its reads), the others write an empty part (o 0, lse
--inf) without loading anything. A program holds the 64 folded query rows of its
+grid (P, K, B), rows launched fastest; a (row, kv head) uses api.part_count(its entries) <= P of
+its P programs (about part_tiles tiles each), the others write an empty part (o 0, lse -inf)
+without loading anything. A program holds the 64 folded query rows of its
 (row, kv head) (api.fold_queries: T tokens x G query heads, padding rows at NO_QUERY) in shared
 memory and walks its part of the (row, kv head)'s tile runs (api.part_range / entry_tile): a
 memory warpgroup streams the K / V tiles (block_k slots of kv head k, [block_k, H] each, TMA)
@@ -31,20 +31,22 @@ from pallas_kernels.flash_tiles import swizzled
 from pallas_kernels.flash_tiles import ROW as _ROW
 from pallas_kernels.flash_tiles import WGMMA as _WGMMA
 
-from .api import NO_QUERY, entry_tile, num_tiles, part_range, tile_start
+from .api import (NO_QUERY, entry_tile, num_entries, num_tiles, part_count, part_range,
+                  tile_start)
 
 
 def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths_B, runs_BK4, *,
                  scale, window, sinks, parts, out_rows, block_k, num_stages, interpret=False,
-                 lists=None, per_block=1, parts_BK=None):
+                 lists=None, per_block=1, part_tiles=None):
   """(o [B, K, parts, out_rows, H] in q's dtype, lse [B, K, parts, out_rows] float32): each part's
   attention normalised over its own keys (lse -inf and o 0 where it sees none). kvpos_BS None:
   every slot below the fill is visible to every active row (api.decode_attention's fill-only
   case), positions are not read. lists: None or api.plan's (lists_BKRL, mode_BKR, listed_BKE):
   the listed tiles are read after the runs, and a row sees a key per its head mode (HEAD_FULL:
   the usual mask; HEAD_BLOCKS: and its block, tile // per_block, listed in the row's list;
-  HEAD_WINDOW_BLOCKS: causal and valid, and inside the window or listed). parts_BK: int32 [B, K]
-  in [1, parts], the parts (row, kv head) splits its entries into (None: `parts` each)."""
+  HEAD_WINDOW_BLOCKS: causal and valid, and inside the window or listed). part_tiles (static):
+  a (row, kv head) splits its entries into api.part_count(n, parts, part_tiles) parts (None:
+  `parts` each)."""
   B, K, R, H = q_BKRH.shape
   S = k_BSKH.shape[1]
   dtype = q_BKRH.dtype
@@ -64,11 +66,8 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
     mode_BKR = jnp.zeros((1, 1, R), jnp.int32)
     listed_BKE = jnp.zeros((1, 1, 1), jnp.int32)
 
-  if parts_BK is None:
-    parts_BK = jnp.full((B, K), P, jnp.int32)
-
   def kernel(q_ref, k_ref, v_ref, qpos_ref, kvpos_ref, kvvalid_ref, len_ref, runs_ref, lists_ref,
-             mode_ref, listed_ref, parts_ref, out_ref, lse_ref, scoped):
+             mode_ref, listed_ref, out_ref, lse_ref, scoped):
     (qo_smem, k_smem, v_smem, lse_smem), (k_bar, v_bar, q_bar), (k_used, v_used) = scoped
     p = lax.axis_index("part")
     kh = lax.axis_index("heads")
@@ -76,7 +75,7 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
     wg = lax.axis_index("wg")
     runs = tuple(runs_ref[b, kh, c] for c in range(4))
     listed_at = (lambda i: listed_ref[b, kh, i]) if has_lists else None
-    n_parts = parts_ref[b, kh]
+    n_parts = P if part_tiles is None else part_count(num_entries(runs), P, part_tiles)
     lo, hi = part_range(runs, p, n_parts)
     hi = jnp.where(p < n_parts, hi, lo)   # a part past the (row, kv head)'s count: empty
     nsteps = hi - lo
@@ -192,10 +191,10 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
     pl.run_scoped(lambda *s: kernel(*refs, s), *scratch, collective_axes="wg")
 
   def entry_sel(q_ref, k_ref, v_ref, qpos_ref, kvpos_ref, kvvalid_ref, len_ref, runs_ref,
-                lists_ref, mode_ref, listed_ref, parts_ref, out_ref, lse_ref):
+                lists_ref, mode_ref, listed_ref, out_ref, lse_ref):
     entry(q_ref, k_ref, v_ref, qpos_ref, kvpos_ref if has_pos else None,
           kvvalid_ref if has_valid else None, len_ref, runs_ref, lists_ref, mode_ref,
-          listed_ref, parts_ref, out_ref, lse_ref)
+          listed_ref, out_ref, lse_ref)
 
   out_shape = [jax.ShapeDtypeStruct((B, K, P, out_rows, H), dtype),
                jax.ShapeDtypeStruct((B, K, P, out_rows), jnp.float32)]
@@ -208,4 +207,4 @@ def decode_parts(q_BKRH, k_BSKH, v_BSKH, qpos_BKR, kvpos_BS, kvvalid_BS, lengths
   return call(q_BKRH, k_BSKH, v_BSKH, qpos_BKR,
               kvpos_BS if has_pos else jnp.zeros((1, 1), jnp.int32),
               kvvalid_BS if has_valid else jnp.zeros((1, 1), jnp.int32), lengths_B, runs_BK4,
-              lists_BKLR, mode_BKR, listed_BKE, parts_BK.astype(jnp.int32))
+              lists_BKLR, mode_BKR, listed_BKE)

@@ -250,28 +250,32 @@ def test_num_parts_aims_at_two_programs_per_sm():
 
 def test_mosaic_gpu_parts_follow_each_kv_heads_reads():
   """Mosaic GPU's grid: max_parts programs per (row, kv head) for about max_programs in all
-  (AHA's OLMo-2-1B layer at 32K, 16 kv heads of 514 tiles: 64); part_counts gives a (row, kv
-  head) parts in proportion to its tiles (>= min_tiles_per_part a part, one at least, at most
-  P): the read-heavy head of a call spreads over the GPU, an empty one keeps one part. The
-  kernel (interpret) with uneven counts (one kv head reading 16 tiles in 4 parts, the others
-  nothing; then two kv heads each reading its window's 4 tiles in 2) == the reference."""
+  (AHA's OLMo-2-1B layer at 32K, 16 kv heads of 514 tiles: 64); a (row, kv head) reading n tiles
+  uses part_count = ceil(n / part_tiles) of them (one at least, at most P; part_tiles: a whole
+  cache's tiles over P, >= min_tiles_per_part): the read-heavy head of a call spreads over the
+  GPU, a light one keeps few parts. The kernel (interpret) with uneven counts (one kv head
+  reading 16 tiles in 8 parts, the others none; then two kv heads each reading its window's 4
+  tiles in 2) == the reference."""
   cfg = dk.DecodeConfig()
   assert api.max_parts(1, 16, 514, cfg) == 64 and api.max_parts(8, 16, 514, cfg) == 8
   assert api.max_parts(1, 2, 16, cfg) == 2                       # >= 8 tiles a part
-  runs = jnp.asarray([[[0, 0, 514, 0], [0, 498, 514, 0], [0, 0, 0, 0], [2, 10, 12, 3]]])
-  np.testing.assert_array_equal(api.part_counts(runs, 64, cfg), [[64, 2, 1, 1]])
-  np.testing.assert_array_equal(api.part_counts(runs, 8, cfg), [[8, 2, 1, 1]])
+  c = api.part_tiles(514, 64, cfg)
+  assert c == 9 and api.part_tiles(16, 2, cfg) == 8
+  n = jnp.asarray([514, 17, 0, 9, 10])
+  np.testing.assert_array_equal(api.part_count(n, 64, c), [58, 2, 1, 1, 2])
   q, k, v, kw = _problem(B=1, T=1, N=4, K=4, S=1024, lengths=(1000,), seed=5)
   lens = kw.pop("kv_lengths_B")
   kw["kv_valid_BS"] = (jnp.arange(1024)[None] < lens[:, None]).astype(jnp.int32)
-  small = dk.DecodeConfig(parts=4, target_programs=8, min_tiles_per_part=2)
-  for window, active, want in ((None, [True, False, False, False], [4, 1, 1, 1]),
+  small = dk.DecodeConfig(parts=8, min_tiles_per_part=1)
+  assert api.part_tiles(16, 8, small) == 2
+  for window, active, want in ((None, [True, False, False, False], [8, 1, 1, 1]),
                                (200, [False, True, False, True], [1, 2, 1, 2])):
     act = jnp.asarray(active)[None, None]
     _, _, runs, _ = jax.jit(lambda q, kw: api.plan(
         q, k, active=act, window=window, sinks=0, block_k=64, rows=64, kv_lengths_B=None,
         **kw))(q, kw)
-    np.testing.assert_array_equal(api.part_counts(runs, 4, small), [want])
+    n = api.num_entries(tuple(runs[..., i] for i in range(4)))
+    np.testing.assert_array_equal(api.part_count(n, 8, 2), [want])
     ref = _decode(q, k, v, active=act, window=window, **kw)
     out = _decode(q, k, v, active=act, window=window, impl="mosaic_gpu", interpret=True,
                   config=small, **kw)

@@ -30,7 +30,8 @@ Decode (ctx.decode): ONE full KV cache per layer (the new tokens' K/V always wri
 calls: the routed-global pairs over the whole prefix, the routed-local ones with the window (only
 the last w keys of the cache). A one-token step runs both calls unconditionally (on a GPU / TPU
 the decode kernels read nothing for an inactive (row, kv head): a call without an active query
-costs a launch, where a lax.cond costs a host round trip); a chunk of several tokens, with decode_skip,
+costs a launch, where a lax.cond costs a host round trip), with the cache's fill
+(MaskSpec.kv_lengths_B: the full heads' call then reads no positions); a chunk of several tokens, with decode_skip,
 skips a call when no (token, head) of the chunk takes it. tau is a test-time knob.
 """
 from __future__ import annotations
@@ -177,11 +178,19 @@ class AHALayer(nn.Module):
     """(local, full) outputs over the ONE full cache: local for the routed-local (token, head)
     pairs with the window, full for the routed-global ones (zeros elsewhere)."""
     k_all, v_all, kv_pos, kv_valid = attn.write_cache(k, v, ctx)
+    fill_B = None
+    if q.shape[1] == 1:  # the cache's fill after the write (MaskSpec.kv_lengths_B: one query)
+      fill_B = ctx.fields.get("decode_fill_B")
+      if fill_B is None:
+        length_B = (ctx.fields["kv_state"]["new_length"]
+                    if not attn.kv_cache.has_variable("cache", "length")
+                    else attn.kv_cache.get_variable("cache", "length"))
+        fill_B = jnp.minimum(length_B, k_all.shape[1])
 
     def run(active, window):
       return attend(q, k_all, v_all, q_positions_BT=ctx.positions_BT, kv_positions_BS=kv_pos,
                     kv_segment_ids_BS=kv_valid, window=window, active=active,
-                    impl=o.compact_impl)
+                    impl=o.compact_impl, full_cache=fill_B is not None, kv_lengths_B=fill_B)
 
     local_active = valid_BTN & ~hard_BTN
     window = o.window if o.window < ctx.cache_len else None
