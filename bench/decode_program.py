@@ -516,18 +516,21 @@ OPTION_SETS = {**CB_MODES,
 # decode_skip's lax.cond (aha.layer.DECODE_STEP_SKIP on while the variant is traced; the default
 # step runs both calls branch-free). 'evensplit': the Mosaic GPU decode kernel with the previous
 # split, num_parts equal parts per (row, kv head) (DecodeConfig(balance=False) patched into
-# pallas_kernels.decode.BACKENDS while tracing), instead of part_counts' parts in proportion to
-# each (row, kv head)'s reads.
-TRACE_SETS = ("refattn", "noskip", "stepskip", "evensplit")
+# pallas_kernels.decode.BACKENDS while tracing), instead of part_count's parts in proportion to
+# each (row, kv head)'s reads. 'stages3': the decode backends with DecodeConfig(num_stages=3)
+# (three K/V tiles in flight a program instead of two).
+TRACE_SETS = ("refattn", "noskip", "stepskip", "evensplit", "stages3")
+DECODE_CONFIG_SETS = {"evensplit": dict(balance=False), "stages3": dict(num_stages=3)}
 
 
 def trace_context(sets):
   """The context a variant's engine step is traced in: TRACE_SETS' 'stepskip' turns
-  aha.layer.DECODE_STEP_SKIP on, 'evensplit' gives the decode backends DecodeConfig(balance=
-  False); jax's trace caches cleared on entry and exit (the engine's jitted step is cached per
+  aha.layer.DECODE_STEP_SKIP on, 'evensplit' / 'stages3' give the decode backends their
+  DECODE_CONFIG_SETS fields; jax's trace caches cleared on entry and exit (the engine's jitted step is cached per
   (config, cache_len), which neither switch changes). Otherwise nothing."""
   import contextlib
-  if "stepskip" not in sets and "evensplit" not in sets:
+  fields = {k: v for x in sets for k, v in DECODE_CONFIG_SETS.get(x, {}).items()}
+  if "stepskip" not in sets and not fields:
     return contextlib.nullcontext()
   import jax
   from unittest import mock
@@ -541,8 +544,8 @@ def trace_context(sets):
     with contextlib.ExitStack() as stack:
       if "stepskip" in sets:
         stack.enter_context(mock.patch.object(aha_layer, "DECODE_STEP_SKIP", True))
-      if "evensplit" in sets:
-        even = tuple(dataclasses.replace(b, config=dataclasses.replace(b.config, balance=False))
+      if fields:
+        even = tuple(dataclasses.replace(b, config=dataclasses.replace(b.config, **fields))
                      for b in dk_api.BACKENDS)
         stack.enter_context(mock.patch.object(dk_api, "BACKENDS", even))
         stack.enter_context(mock.patch.object(dk, "BACKENDS", even))

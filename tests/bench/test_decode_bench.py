@@ -852,6 +852,9 @@ def test_aha_decode_variants_stepskip_and_static_routing():
     assert aha_layer.DECODE_STEP_SKIP is False
     assert [b.config.balance for b in dk.BACKENDS] == [False] * len(dk.BACKENDS)
   assert [b.config.balance for b in dk.BACKENDS] == [True] * len(dk.BACKENDS)
+  with dp.trace_context(("stages3", "evensplit")):
+    assert {(b.config.num_stages, b.config.balance) for b in dk.BACKENDS} == {(3, False)}
+  assert {(b.config.num_stages, b.config.balance) for b in dk.BACKENDS} == {(2, True)}
   cfg, _ = decode.scheme_config("aha", "tiny-olmo", 64)
   bias = np.asarray(dp.scheme_params(cfg, "aha", 0.25)["layers"]["router"]["bias"], np.float32)
   np.testing.assert_array_equal(bias > 0, decode.spread_pairs(cfg.num_layers, cfg.num_heads, 0.25))
