@@ -34,3 +34,20 @@ def training_env(env: dict) -> dict:
   env = user_env(env)
   env["XLA_FLAGS"] = " ".join([env["XLA_FLAGS"], *TRAINING_COMPILE_FLAGS]).strip()
   return env
+
+
+# The directory of the run's shared compilation cache (tests/conftest.py makes it): one-device
+# programs of every process of a run share it; multi-device ones never (conftest's docstring).
+SHARED_CACHE_ENV = "CONDATTN_TEST_COMPILE_CACHE"
+_JAX_CACHE_VARS = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+                   "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
+
+
+def shared_cache_env(env: dict, devices: int) -> dict:
+  """env of a subprocess with `devices` CPU devices: with one device, jax's persistent cache in
+  the run's shared directory for every program it compiles; with several, none (a subprocess
+  has no conftest to keep its multi-device programs out)."""
+  env = {k: v for k, v in env.items() if k not in _JAX_CACHE_VARS}
+  if devices == 1 and env.get(SHARED_CACHE_ENV):
+    env.update(dict(zip(_JAX_CACHE_VARS, (env[SHARED_CACHE_ENV], "0", "0"))))
+  return env

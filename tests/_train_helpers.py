@@ -6,6 +6,7 @@ import sys
 
 import jax
 import numpy as np
+from _test_env import shared_cache_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 HF = os.path.join(ROOT, "tests", "fixtures", "hf")
@@ -78,7 +79,7 @@ def subprocess_env(devices: int, **extra):
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
   env.update({k: str(v) for k, v in extra.items()})
-  return env
+  return shared_cache_env(env, devices)
 
 
 PY = sys.executable

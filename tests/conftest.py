@@ -7,10 +7,14 @@ TEST_COMPILE_FLAGS): the programs compute the same values up to float rounding a
 which only long trainings notice (`make demo`'s test and bench/elastic_repro's CI run train
 near a user's optimisation level: LLVM at -O1, its expensive passes off; tests/_test_env.py
 training_env).
-jax's persistent compilation cache is NOT used: with jax 0.11.2 on CPU a process that runs a
-train step loaded from it aborts (tests/train/test_checkpoint.py, run twice on one cache
-directory). Within a test process, a program identical to one already compiled
-(same module up to debug locations) reuses that executable (_reuse_identical_compilations).
+Within a test process, a program identical to one already compiled (same module up to debug
+locations) reuses that executable (_reuse_identical_compilations). Across the processes of one
+run (the xdist workers and the one-device subprocesses they start), ONE-device programs share
+jax's persistent compilation cache in a directory made for the run (SHARED_CACHE_ENV) and removed
+at its end. Multi-device programs always compile: with jax 0.11.2 on a CPU with fake devices, a
+multi-device program loaded from that cache deadlocks in its collectives' rendezvous (`train.py
+--config=configs/tiny.py` on 8 fake devices, run twice on one cache directory: the second run
+aborts; one device: both runs pass).
 """
 import collections
 import gc
@@ -18,14 +22,22 @@ import json
 import os
 import resource
 
+import shutil
+import tempfile
+
 import pytest
-from _test_env import TEST_COMPILE_FLAGS
+from _test_env import SHARED_CACHE_ENV, TEST_COMPILE_FLAGS
 
 _flags = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join(
     [_flags] + [f for f in TEST_COMPILE_FLAGS if f.split("=")[0] not in _flags] +
     ["--xla_force_host_platform_device_count=8"]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The run's shared compilation cache: made by the first process (pytest itself, before xdist
+# starts its workers, which inherit the variable), removed by it at the end (pytest_unconfigure).
+_OWNS_SHARED_CACHE = not os.environ.get(SHARED_CACHE_ENV)
+if _OWNS_SHARED_CACHE:
+  os.environ[SHARED_CACHE_ENV] = tempfile.mkdtemp(prefix="condattn_test_jit_cache_")
 # glibc's malloc backs its large (mmap) chunks with transparent huge pages in the processes
 # started from here (make test's xdist workers, spawned after this file is imported, and every
 # subprocess: the demo's trainings, train.py / eval.py runs): XLA's compiler and CPU runtime
@@ -37,6 +49,9 @@ os.environ.setdefault("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+jax.config.update("jax_compilation_cache_dir", os.environ[SHARED_CACHE_ENV])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 
 
 def _reuse_identical_compilations(max_entries=256):
@@ -51,12 +66,24 @@ def _reuse_identical_compilations(max_entries=256):
   import collections
   import hashlib
 
+  import functools
+
   from jax._src import compiler
-  compile_ = compiler.compile_or_get_cached
+  compile_or_get_cached = compiler.compile_or_get_cached
   cache = collections.OrderedDict()
+
+  def _compile_uncached(backend, computation, devices, compile_options, host_callbacks, *_,
+                        executable_devices, **__):
+    return compiler.backend_compile_and_load(backend, computation, executable_devices,
+                                             compile_options, host_callbacks)
 
   def compile_or_reuse(backend, computation, devices, compile_options, host_callbacks, *args,
                        **kwargs):
+    if devices.size > 1 or host_callbacks:  # never through the persistent cache: the module
+      # docstring says why for several devices; a host callback is this process's Python object
+      compile_ = functools.partial(_compile_uncached, executable_devices=args[0])
+    else:
+      compile_ = compile_or_get_cached
     if host_callbacks:
       return compile_(backend, computation, devices, compile_options, host_callbacks, *args,
                       **kwargs)
@@ -199,11 +226,14 @@ def pytest_runtest_setup(item):
 
 
 def pytest_unconfigure(config):
-  """Under CONDATTN_TRACE_COUNTS=<path>: per test file, each jit-traced / lowered / compiled
+  """The run's shared compilation cache removed by the process that made it. Under
+  CONDATTN_TRACE_COUNTS=<path>: per test file, each jit-traced / lowered / compiled
   function's count and seconds in this process (tests of one process; subprocesses not
   counted), and 'reused <module>': how often a program identical to one compiled before was
   traced and lowered again (its compile skipped by _reuse_identical_compilations), most seconds
   first, appended to <path> as one JSON line per process."""
+  if _OWNS_SHARED_CACHE:
+    shutil.rmtree(os.environ[SHARED_CACHE_ENV], ignore_errors=True)
   path = os.environ.get(TRACES_ENV)
   if not path or not _traces:
     return
