@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from _host_params import host_init
 from condattn_jax import attention
 from condattn_jax.attention import match
 from condattn_jax.attention.match import layer as match_layer
@@ -18,9 +19,8 @@ from condattn_jax.models.decoder import Decoder
 BASE = ModelConfig(family="qwen3", qk_norm="head", num_layers=2, vocab_size=32)
 
 
-def _model(cfg, T=40, seed=0):
-  tok = jnp.zeros((1, T), jnp.int32)
-  return nn.unbox(jax.jit(Decoder(cfg).init)(jax.random.PRNGKey(seed), tok)["params"])
+def _model(cfg, seed=0):
+  return host_init(cfg, seed)
 
 
 def _apply(cfg):
