@@ -5,6 +5,7 @@ the stacked cache through the layer loop, does (the control)."""
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from condattn_jax.inference import Engine
@@ -19,7 +20,11 @@ L, B, S, N = 8, 2, 4096, 4
 def engine():
   cfg = ModelConfig(family="qwen3", qk_norm="head", num_layers=L, vocab_size=64, hidden_size=32,
                     intermediate_size=64, num_heads=N, num_kv_heads=2, head_dim=8)
-  params = nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  # zeros of the init's shapes (eval_shape: no init program compiled): the memory analysis
+  # depends on shapes only
+  shapes = jax.eval_shape(lambda: nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(0),
+                                                             jnp.zeros((1, 8), jnp.int32))))
+  params = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes["params"])
   return Engine(cfg, params, cache_len=S)
 
 
