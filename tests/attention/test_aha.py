@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from _host_params import host_init
 from condattn_jax import attention
 from condattn_jax.attention import aha, get_scheme
 from condattn_jax.models import stacking
@@ -29,31 +30,13 @@ FAMILIES = {
 B, T = 2, 16
 
 
-def _host_init(cfg, seed):
-  """Decoder(cfg)'s dense params drawn on the host from its init's distributions (kernels and
-  embeddings N(0, INIT_STD), norm scales 1, biases 0): the tree a jitted init gives, without
-  compiling the init program (~3 CPU-s a family)."""
-  from condattn_jax.models.layers import INIT_STD
-  shapes = nn.unbox(jax.eval_shape(lambda: Decoder(cfg).init(
-      jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]))
-  rng = np.random.default_rng(seed)
-
-  def one(path, a):
-    name = jax.tree_util.keystr(path)
-    if name.endswith("['scale']") or name.endswith("['bias']"):
-      return jnp.full(a.shape, 1.0 if name.endswith("['scale']") else 0.0, a.dtype)
-    assert name.endswith("['kernel']") or name.endswith("['embedding']"), name
-    return jnp.asarray(rng.normal(0.0, INIT_STD, a.shape), a.dtype)
-  return jax.tree_util.tree_map_with_path(one, shapes)
-
-
 @functools.lru_cache(maxsize=None)
 def _dense(family, seed=1):
   """(config, params, tokens) of the dense model, built once per (family, seed): the tests copy
   before they change a params tree (_random_router, _layer_setup)."""
   cfg = ModelConfig(family=family).replace(**FAMILIES[family])
   tok = jax.random.randint(jax.random.PRNGKey(0), (B, T), 0, cfg.vocab_size)
-  params = _host_init(cfg, seed)
+  params = host_init(cfg, seed)
   if cfg.attention_bias:  # non-zero biases, so keeping them is tested too
     params = jax.tree_util.tree_map_with_path(
         lambda p, x: x + 0.1 if "bias" in jax.tree_util.keystr(p) else x, params)
