@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from _host_params import host_init
 from condattn_jax import attention
 from condattn_jax.attention import get_scheme, l2a
 from condattn_jax.models import stacking
@@ -24,28 +25,10 @@ FAMILIES = {
 B, T = 2, 16
 
 
-def _host_init(cfg, seed):
-  """Decoder(cfg)'s dense params drawn on the host from its init's distributions (kernels and
-  embeddings N(0, INIT_STD), norm scales 1, biases 0): the tree a jitted init gives, without
-  compiling the init program (~3 CPU-s a config)."""
-  from condattn_jax.models.layers import INIT_STD
-  shapes = nn.unbox(jax.eval_shape(lambda: Decoder(cfg).init(
-      jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]))
-  rng = np.random.default_rng(seed)
-
-  def one(path, a):
-    name = jax.tree_util.keystr(path)
-    if name.endswith("['scale']") or name.endswith("['bias']"):
-      return jnp.full(a.shape, 1.0 if name.endswith("['scale']") else 0.0, a.dtype)
-    assert name.endswith("['kernel']") or name.endswith("['embedding']"), name
-    return jnp.asarray(rng.normal(0.0, INIT_STD, a.shape), a.dtype)
-  return jax.tree_util.tree_map_with_path(one, shapes)
-
-
 def _dense(family, seed=2):
   cfg = ModelConfig(family=family).replace(**FAMILIES[family])
   tok = jax.random.randint(jax.random.PRNGKey(0), (B, T), 0, cfg.vocab_size)
-  params = _host_init(cfg, seed)
+  params = host_init(cfg, seed)
   if cfg.attention_bias:  # non-zero biases, so copying them is tested too
     params = jax.tree_util.tree_map_with_path(
         lambda p, x: x + 0.1 if "bias" in jax.tree_util.keystr(p) else x, params)
@@ -185,7 +168,7 @@ def test_forced_and_normal_paths_same_forward():
 def test_forced_step_draw_is_per_layer_and_from_step_key():
   cfg, dp, tok = _dense("llama")
   cfg = cfg.replace(num_layers=8)
-  dp = _host_init(cfg, 1)
+  dp = host_init(cfg, 1)
   lcfg, lp = attention.convert(dp, cfg, "l2a", window=4, p_force=0.5)
   m = Decoder(lcfg)
   f = jax.jit(lambda key: m.apply({"params": lp}, tok, train=True, rngs={"router": key})[1]["forced"])
