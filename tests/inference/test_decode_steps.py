@@ -1,12 +1,16 @@
 """The engine's decode step: a one-token write into a full cache equals the general
 dropping scatter; the unrolled decode's cuts (bookkeeping kept once, one fill a step, the 2-D
 o_proj, 2-row projections) decode what the scanned decode and the forward do."""
+import functools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import _programs
+from _train_helpers import random_params
 from condattn_jax.inference import Engine
 from condattn_jax.models.config import ModelConfig
 from condattn_jax.models.decoder import Decoder
@@ -18,9 +22,17 @@ CFG = ModelConfig(family="qwen3", qk_norm="head", num_layers=2, vocab_size=64, h
                   intermediate_size=64, num_heads=4, num_kv_heads=2, head_dim=8)
 
 
+def _host_params(cfg, seed):
+  """Host random params of cfg's init shapes (eval_shape: no init program compiled; norm scales
+  1 + N(0, 0.1), other leaves N(0, 0.1): _train_helpers.random_params)."""
+  shapes = jax.eval_shape(lambda: nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(0),
+                                                             jnp.zeros((1, 8), jnp.int32))))
+  return random_params(shapes["params"], seed)
+
+
 @pytest.fixture(scope="module")
 def params():
-  return nn.unbox(Decoder(CFG).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  return _host_params(CFG, 0)
 
 
 @pytest.mark.parametrize("kind", ["full", "window"])
@@ -66,6 +78,24 @@ def test_one_token_write_equals_the_dropping_scatter(B, kind):
       np.testing.assert_array_equal(new["key"][0, length[0] % size], k[0, 0])
 
 
+@functools.lru_cache(maxsize=None)
+def _scanned(cfg):
+  """The scanned decode of one chunk, jitted once per config (params an argument: the tests
+  that share a config share its compiled programs): (cache, logits of each row's last valid
+  token, prev where a row has none)."""
+  model = Decoder(cfg)
+
+  @jax.jit
+  def scanned(params, cache, tok, posn, valid, prev):
+    (logits, _), v = model.apply({"params": params, "cache": cache}, tok, posn,
+                                 valid.astype(jnp.int32), decode=True, cache_len=S,
+                                 mutable=["cache"])
+    n = jnp.sum(valid, 1)
+    last = jnp.take_along_axis(logits, jnp.maximum(n - 1, 0)[:, None, None], 1)[:, 0]
+    return v["cache"], jnp.where((n > 0)[:, None], last, prev)
+  return scanned
+
+
 def _decode_matches_scanned_and_forward(eng, model, params, prompts, c, l, pos, active, steps):
   """The engine's cache `c` / logits `l` after its chunked prefill of `prompts` (chunks of 4,
   right-padded to 8) == the scanned decode's (`model` = `Decoder` without unroll_layers: every
@@ -75,15 +105,7 @@ def _decode_matches_scanned_and_forward(eng, model, params, prompts, c, l, pos, 
   engine's structure; the logits == the full forward's at those positions (1e-5).
   Returns (the engine's cache, positions, per_layer_cache(stacked_cache(cache)))."""
   B = len(prompts)
-
-  @jax.jit
-  def scanned(cache, tok, posn, valid, prev):  # (cache, logits of each row's last valid token)
-    (logits, _), v = model.apply({"params": params, "cache": cache}, tok, posn,
-                                 valid.astype(jnp.int32), decode=True, cache_len=S,
-                                 mutable=["cache"])
-    n = jnp.sum(valid, 1)
-    last = jnp.take_along_axis(logits, jnp.maximum(n - 1, 0)[:, None, None], 1)[:, 0]
-    return v["cache"], jnp.where((n > 0)[:, None], last, prev)
+  scanned = functools.partial(_scanned(model.config), params)
   ref_c = eng.stacked_cache(eng.init_cache(B))
   toks = np.zeros((B, 8), np.int32)
   for b, p in enumerate(prompts):
@@ -115,7 +137,7 @@ def _decode_matches_scanned_and_forward(eng, model, params, prompts, c, l, pos, 
   for b, q in enumerate(seqs):
     full[b, :len(q)] = q
   seg = (np.arange(n)[None] < np.asarray([len(q) for q in seqs])[:, None]).astype(np.int32)
-  fwd, _ = jax.jit(lambda t, sg: model.apply({"params": params}, t, None, sg))(full, seg)
+  fwd, _ = _programs.apply(model.config)(params, full, None, seg)
   for step, (lo, at) in enumerate(zip(outs, want_at)):
     for b in range(B):
       if step == 0 or active[b]:
@@ -156,7 +178,7 @@ L2A = dict(routing="bernoulli", bernoulli_q=0.4, window=4)
 def l2a_params():
   import dataclasses
   cfg = dataclasses.replace(CFG, scheme="l2a", scheme_kwargs=tuple(sorted(L2A.items())))
-  return nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(1), jnp.zeros((1, 8), jnp.int32))["params"])
+  return _host_params(cfg, 1)
 
 
 @pytest.mark.parametrize("skip", [True, False], ids=["decode_skip", "noskip"])
@@ -165,7 +187,8 @@ def test_l2a_decode_equals_the_scanned_decode_and_the_forward(l2a_params, skip):
   cache's length counter; the engine keeping each kind of cache's positions / valid / length
   once, in layers_0: 4 cache leaves a layer + 6) == the scanned decode (`Decoder` without
   unroll_layers: every layer its own bookkeeping) and the full forward, with and without
-  decode_skip's per-layer lax.cond: a chunked ragged prefill (chunks of 4) + 6 greedy steps,
+  decode_skip's per-layer lax.cond (the references: the model without it, L2A's default; the
+  skip changes no number, so both engines share their compiled references): a chunked ragged prefill (chunks of 4) + 6 greedy steps,
   one active and one inactive row, over steps where a layer's only active row routes global
   and steps where it routes local (both branches of the skip run): logits within 1e-6 of the
   scanned decode's and 1e-5 of the forward's at those positions, every layer's view of the
@@ -184,7 +207,8 @@ def test_l2a_decode_equals_the_scanned_decode_and_the_forward(l2a_params, skip):
   L = CFG.num_layers
   assert len(jax.tree.leaves(c)) == 4 * L + 6  # layers_0: 10 leaves, each later layer key / value x2
   assert sorted(c["layers_1"]["global_attn"]["cache"]) == ["key", "value"]
+  ref = Decoder(dataclasses.replace(CFG, scheme="l2a", scheme_kwargs=tuple(sorted(L2A.items()))))
   c, pos, back = _decode_matches_scanned_and_forward(
-      eng, Decoder(cfg), l2a_params, prompts, c, l, pos, active=np.array([True, False]), steps=6)
+      eng, ref, l2a_params, prompts, c, l, pos, active=np.array([True, False]), steps=6)
   assert list(pos) == [13, 2]
   jax.tree.map(np.testing.assert_array_equal, back, c)
