@@ -606,6 +606,7 @@ def run(config, workdir: str, *, stop_after: int | None = None,
   if config.train.dry_run:
     return dict(step=0, train={}, eval=None, stopped_early=True, dry_run=dry_run(config))
   config_lib.validate_config(config)
+  _no_persistent_cache_for_cpu_collectives()
   is_host0 = jax.process_index() == 0
   _warn_eval_on_training_files(config, evaluates=bool(
       config.eval.get("at_end", True) or config.eval.get("at_start") or int(config.train.eval_every)))
@@ -618,6 +619,20 @@ def run(config, workdir: str, *, stop_after: int | None = None,
   finally:
     if lock is not None:
       lock.release()
+
+
+def _no_persistent_cache_for_cpu_collectives() -> None:
+  """jax's persistent compilation cache off (one warning line) for a run on several CPU devices:
+  with jax 0.11.2 a multi-device CPU program loaded from that cache can deadlock in its
+  collectives' rendezvous (the run aborts after minutes of 'may be stuck' messages), and one
+  compiled afresh runs. Effective while the process has compiled nothing (train.py's case)."""
+  if (jax.default_backend() != "cpu" or jax.local_device_count() < 2 or
+      not jax.config.jax_compilation_cache_dir or not jax.config.jax_enable_compilation_cache):
+    return
+  jax.config.update("jax_enable_compilation_cache", False)
+  logging.warning("jax's persistent compilation cache (%s) is off for this run: on a CPU with %d "
+                  "devices a program loaded from it can deadlock in its collectives (jax %s).",
+                  jax.config.jax_compilation_cache_dir, jax.local_device_count(), jax.__version__)
 
 
 def _warn_eval_on_training_files(config, evaluates: bool = True) -> None:
