@@ -52,6 +52,13 @@ jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_compilation_cache_dir", os.environ[SHARED_CACHE_ENV])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+# The train loop turns that cache off on several CPU devices (the same deadlock); a test process
+# keeps its multi-device programs out of it itself (_reuse_identical_compilations), so its
+# one-device programs keep the cache (tests/train/test_cpu_cache_guard.py runs the loop's guard
+# in train.py processes).
+from condattn_jax.train import loop as _train_loop  # noqa: E402
+
+_train_loop._no_persistent_cache_for_cpu_collectives = lambda: None
 
 
 def _reuse_identical_compilations(max_entries=256):
