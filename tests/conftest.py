@@ -26,7 +26,7 @@ import shutil
 import tempfile
 
 import pytest
-from _test_env import SHARED_CACHE_ENV, TEST_COMPILE_FLAGS
+from _test_env import MIN_CACHED_COMPILE_S, SHARED_CACHE_ENV, TEST_COMPILE_FLAGS
 
 _flags = os.environ.get("XLA_FLAGS", "")
 os.environ["XLA_FLAGS"] = " ".join(
@@ -50,7 +50,7 @@ import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_compilation_cache_dir", os.environ[SHARED_CACHE_ENV])
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_CACHED_COMPILE_S)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 # The train loop turns that cache off on several CPU devices (the same deadlock); a test process
 # keeps its multi-device programs out of it itself (_reuse_identical_compilations), so its
