@@ -2,16 +2,14 @@
 segment buffers do not grow with the context; a prefill chunk must divide segment_len. (Greedy
 generation == the segmented training forward over ragged rows, one-shot and chunked, is
 tests/schemes/test_conformance.py on the same options.)"""
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import pytest
 
+from _host_params import host_init
 from condattn_jax import attention
 from condattn_jax.attention import segmented as sgm
 from condattn_jax.inference import Engine, cache_bytes
 from condattn_jax.models.config import ModelConfig
-from condattn_jax.models.decoder import Decoder
 
 OPTS = dict(segment_len=8, tail_len=4, retrieve_len=8, long_heads=(1,), long_layers=(1,),
             query_len=8, summary_window=4, summary_stride=2, summary_tail=2, topk=3, anchors=2,
@@ -25,15 +23,17 @@ def model():
   cfg = ModelConfig(family="qwen3", vocab_size=64, hidden_size=32, intermediate_size=64,
                     num_layers=2, num_heads=4, num_kv_heads=2, head_dim=8, qk_norm="head",
                     rope_theta=100.0)
-  dp = nn.unbox(jax.jit(Decoder(cfg).init)(jax.random.PRNGKey(0),
-                                           jnp.zeros((1, 8), jnp.int32))["params"])
+  dp = host_init(cfg, 0)
   return attention.convert(dp, cfg, "segmented", **OPTS)
 
 
 def test_cache_bytes_and_chunk_errors(model):
+  """The engine's cache for 3 rows (Engine.init_cache: the tree every prefill / decode program
+  takes and gives back; tests/schemes/test_conformance.py::test_engine_cache_bytes_equal_kv_
+  cache_bytes[segmented] checks the same count at batch 1 and 3 on the same options)."""
   cfg, params = model
   eng = Engine(cfg, params, cache_len=32, prefill_chunk=8)
-  cache, _, _ = eng.prefill(PROMPTS)
+  cache = eng.init_cache(len(PROMPTS))
   assert cache_bytes(cache) == sgm.kv_cache_bytes(cfg, 32, batch=len(PROMPTS))["total"]
   cache = eng.stacked_cache(cache)  # one cache per layer, viewed with a leading layer axis
   loc = cache["layers_0_1"]
