@@ -513,8 +513,8 @@ OPTION_SETS = {**CB_MODES,
 # the stacked o_proj slice but its wall time was slower) and 'minsplit' (ops.decode_splits with
 # no split of a kv length below 512 slots: logits rel_err 5.5e-2 against the split ring).
 # 'stepskip' (AHA): the previous one-token step, its two attention calls each under
-# decode_skip's lax.cond (aha.layer.DECODE_STEP_SKIP on while the variant is traced; the default
-# step runs both calls branch-free). 'evensplit': the Mosaic GPU decode kernel with the previous
+# decode_skip's lax.cond (the option decode_skip_steps=True; the default step runs both calls
+# branch-free). 'evensplit': the Mosaic GPU decode kernel with the previous
 # split, num_parts equal parts per (row, kv head) (DecodeConfig(balance=False) patched into
 # pallas_kernels.decode.BACKENDS while tracing), instead of part_count's parts in proportion to
 # each (row, kv head)'s reads. 'stages3': the decode backends with DecodeConfig(num_stages=3)
@@ -524,17 +524,15 @@ DECODE_CONFIG_SETS = {"evensplit": dict(balance=False), "stages3": dict(num_stag
 
 
 def trace_context(sets):
-  """The context a variant's engine step is traced in: TRACE_SETS' 'stepskip' turns
-  aha.layer.DECODE_STEP_SKIP on, 'evensplit' / 'stages3' give the decode backends their
-  DECODE_CONFIG_SETS fields; jax's trace caches cleared on entry and exit (the engine's jitted step is cached per
+  """The context a variant's engine step is traced in: TRACE_SETS' 'evensplit' / 'stages3'
+  give the decode backends their DECODE_CONFIG_SETS fields; jax's trace caches cleared on entry and exit (the engine's jitted step is cached per
   (config, cache_len), which neither switch changes). Otherwise nothing."""
   import contextlib
   fields = {k: v for x in sets for k, v in DECODE_CONFIG_SETS.get(x, {}).items()}
-  if "stepskip" not in sets and not fields:
+  if not fields:
     return contextlib.nullcontext()
   import jax
   from unittest import mock
-  from condattn_jax.attention.aha import layer as aha_layer
   from pallas_kernels import decode as dk
   from pallas_kernels.decode import api as dk_api
 
@@ -542,8 +540,6 @@ def trace_context(sets):
   def switched():
     jax.clear_caches()
     with contextlib.ExitStack() as stack:
-      if "stepskip" in sets:
-        stack.enter_context(mock.patch.object(aha_layer, "DECODE_STEP_SKIP", True))
       if fields:
         even = tuple(dataclasses.replace(b, config=dataclasses.replace(b.config, **fields))
                      for b in dk_api.BACKENDS)
@@ -569,8 +565,9 @@ def scheme_params(cfg, scheme: str, aha_full: float = 0.0):
 
 def variant_config(cfg, sets):
   """The engine's model config of a variant: TRACE_SETS' 'refattn' (attention_impl='reference',
-  and a scheme's compact_impl too: every attention call through the reference) and 'noskip'
-  (decode_skip=False; a scheme without the option raises)."""
+  and a scheme's compact_impl too: every attention call through the reference), 'noskip'
+  (decode_skip=False) and 'stepskip' (AHA's decode_skip and decode_skip_steps on); a scheme
+  without the option raises."""
   if "refattn" in sets:
     cfg = _reference_attention(cfg)
   if "noskip" in sets:
@@ -578,6 +575,11 @@ def variant_config(cfg, sets):
     if "decode_skip" not in kw:
       raise ValueError(f"variant set 'noskip': scheme {cfg.scheme!r} has no decode_skip option.")
     kw["decode_skip"] = False
+    cfg = dataclasses.replace(cfg, scheme_kwargs=tuple(sorted(kw.items())))
+  if "stepskip" in sets:
+    if cfg.scheme != "aha":
+      raise ValueError(f"variant set 'stepskip': scheme {cfg.scheme!r} is not 'aha'.")
+    kw = dict(cfg.scheme_kwargs, decode_skip=True, decode_skip_steps=True)
     cfg = dataclasses.replace(cfg, scheme_kwargs=tuple(sorted(kw.items())))
   return cfg
 

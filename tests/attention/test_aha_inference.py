@@ -153,13 +153,12 @@ def test_tau_is_a_serving_knob():
 
 
 
-def test_branch_free_step_equals_the_skipping_step_and_reads_per_head(monkeypatch):
+def test_branch_free_step_equals_the_skipping_step_and_reads_per_head():
   """The engine's one-token step (both attention calls, no lax.cond) == the previous step under
-  decode_skip's lax.cond (aha.layer.DECODE_STEP_SKIP: bench/decode_program's 'stepskip'), cache
+  decode_skip's lax.cond (decode_skip_steps=True: bench/decode_program's 'stepskip'), cache
   and logits, on a model whose heads of one token disagree; and old K/V outside the window
   changes the output through the kv heads of full query heads but never through those of local
   ones (a swapped mode or a wrong window fails)."""
-  from condattn_jax.attention.aha import layer as aha_layer
   cfg, params = _aha(decode_skip=True)
   r = params["layers"]["router"]   # static routing: the query heads of even kv heads full
   G = cfg.num_heads // cfg.num_kv_heads
@@ -169,9 +168,7 @@ def test_branch_free_step_equals_the_skipping_step_and_reads_per_head(monkeypatc
                                r["bias"].shape).astype(r["bias"].dtype)
   outs, conds = {}, {}
   for skip in (False, True):
-    monkeypatch.setattr(aha_layer, "DECODE_STEP_SKIP", skip)
-    eng = Engine(attention.configure(cfg, "aha", tau=0.5 if skip else 0.5 + 1e-6), params,
-                 cache_len=32)   # another config: its own trace of the step
+    eng = Engine(attention.configure(cfg, "aha", decode_skip_steps=skip), params, cache_len=32)
     cache, logits, lengths = eng.prefill(PROMPTS)
     tok = np.asarray(logits).argmax(-1)
     step = jax.make_jaxpr(eng.decode_step)(cache, tok, lengths, np.ones(3, bool), logits)
@@ -180,7 +177,6 @@ def test_branch_free_step_equals_the_skipping_step_and_reads_per_head(monkeypatc
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-6, rtol=0), outs[True],
                outs[False])
   assert conds[True] - conds[False] == 2 * cfg.num_layers   # the local and full calls' conds
-  monkeypatch.setattr(aha_layer, "DECODE_STEP_SKIP", False)
   eng = Engine(cfg, params, cache_len=32)
   cache, logits, lengths = eng.prefill(PROMPTS)
   tok = np.asarray(logits).argmax(-1)

@@ -829,33 +829,31 @@ def test_fp32_check_alone_records_the_run(tmp_path):
 
 
 def test_aha_decode_variants_stepskip_and_static_routing():
-  """decode_program's AHA pieces: 'stepskip' traces the engine with aha.layer.DECODE_STEP_SKIP
-  on (off after; other sets leave it off), 'evensplit' with the decode backends' previous split
+  """decode_program's AHA pieces: 'stepskip' is the AHA config with decode_skip and
+  decode_skip_steps on (another scheme refused; no trace context), 'evensplit' traces with the
+  decode backends' previous split
   (DecodeConfig(balance=False), restored after), each retracing the step (jax's caches cleared: the
   engine's jitted step is keyed by config), and scheme_params with aha_full routes that fraction
   of the (layer, head) pairs full (bench.decode.aha_static_routing), the router as initialised
   without it (every pair full)."""
-  from condattn_jax.attention.aha import layer as aha_layer
   assert dp.parse_variant("stacked:stepskip") == ("stacked", ("stepskip",))
-  traced = []
-  f = jax.jit(lambda x: traced.append(aha_layer.DECODE_STEP_SKIP) or x + 1)
-  f(1)
-  with dp.trace_context(("stepskip",)):
-    assert aha_layer.DECODE_STEP_SKIP is True
-    f(1)
-  assert aha_layer.DECODE_STEP_SKIP is False
-  with dp.trace_context(("noskip",)):
-    assert aha_layer.DECODE_STEP_SKIP is False
-  assert traced == [False, True]
+  cfg, _ = decode.scheme_config("aha", "tiny-olmo", 64)
+  kw = dict(dp.variant_config(dataclasses.replace(cfg, scheme_kwargs=tuple(sorted(
+      {**dict(cfg.scheme_kwargs), "decode_skip": False}.items()))), ("stepskip",)).scheme_kwargs)
+  assert kw["decode_skip"] is True and kw["decode_skip_steps"] is True
+  assert dict(dp.variant_config(cfg, ("noskip",)).scheme_kwargs).get("decode_skip_steps",
+                                                                      False) is False
+  with pytest.raises(ValueError, match="stepskip"):
+    dp.variant_config(decode.scheme_config("l2a", "tiny-qwen", 64)[0], ("stepskip",))
+  import contextlib
+  assert isinstance(dp.trace_context(("stepskip",)), contextlib.nullcontext)
   from pallas_kernels import decode as dk
   with dp.trace_context(("evensplit",)):
-    assert aha_layer.DECODE_STEP_SKIP is False
     assert [b.config.balance for b in dk.BACKENDS] == [False] * len(dk.BACKENDS)
   assert [b.config.balance for b in dk.BACKENDS] == [True] * len(dk.BACKENDS)
   with dp.trace_context(("stages3", "evensplit")):
     assert {(b.config.num_stages, b.config.balance) for b in dk.BACKENDS} == {(3, False)}
   assert {(b.config.num_stages, b.config.balance) for b in dk.BACKENDS} == {(2, True)}
-  cfg, _ = decode.scheme_config("aha", "tiny-olmo", 64)
   bias = np.asarray(dp.scheme_params(cfg, "aha", 0.25)["layers"]["router"]["bias"], np.float32)
   np.testing.assert_array_equal(bias > 0, decode.spread_pairs(cfg.num_layers, cfg.num_heads, 0.25))
   assert (bias > 0).mean() == 0.25

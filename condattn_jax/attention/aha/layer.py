@@ -194,18 +194,13 @@ class AHALayer(nn.Module):
 
     local_active = valid_BTN & ~hard_BTN
     window = o.window if o.window < ctx.cache_len else None
-    if o.decode_skip and (q.shape[1] > 1 or DECODE_STEP_SKIP):
+    if o.decode_skip and (q.shape[1] > 1 or o.decode_skip_steps):
       local = lax.cond(jnp.any(local_active), lambda: run(local_active, window),
                        lambda: jnp.zeros_like(q))
       full = lax.cond(jnp.any(hard_BTN), lambda: run(hard_BTN, None), lambda: jnp.zeros_like(q))
     else:
       local, full = run(local_active, window), run(hard_BTN, None)
     return local, full
-
-
-# One-token steps under decode_skip's lax.cond too (read at trace time): the previous program,
-# True only for its same-process A/B (bench/decode_program.py's trace set 'stepskip').
-DECODE_STEP_SKIP = False
 
 
 # ----------------------------------------------------------------------------------------------

@@ -27,7 +27,12 @@ class AHAOptions:
                    the threshold, so g = s > tau is 0: every head starts LOCAL, not the base
                    model).
   router_bias_init b_r at conversion / init (W_r = 0): sigmoid(2) = 0.88 > 0.5 = every head full.
-  decode_skip      decode: skip the full-attention call when no (token, head) routes global.
+  decode_skip      decode of a multi-token chunk: skip a path's call (local / full) when no
+                   (token, head) of the chunk takes it; a one-token step runs both calls
+                   branch-free unless decode_skip_steps.
+  decode_skip_steps  decode_skip on one-token steps too: a lax.cond per call and layer (on a GPU
+                   a host round trip each, slower than the call it skips: docs/performance.md);
+                   the previous step's program, kept for same-process A/Bs.
   compact_impl     ops.attention impl of the per-head active-set calls (sparse mode, decode).
   num_tasks        > 0: aux_loss reports usage per task id 0..num_tasks-1 (batch['task_ids']).
   """
@@ -40,6 +45,7 @@ class AHAOptions:
   router_bias: bool = True
   router_bias_init: float = 2.0
   decode_skip: bool = True
+  decode_skip_steps: bool = False
   compact_impl: str = "auto"
   num_tasks: int = 0
 
