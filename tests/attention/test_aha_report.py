@@ -2,12 +2,12 @@
 between full-attention calls (against a brute-force loop over documents), the heatmap PNG."""
 import json
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from _host_params import host_init
 from condattn_jax import attention
 from condattn_jax.attention import aha, get_scheme
 from condattn_jax.models.config import ModelConfig
@@ -50,7 +50,7 @@ def test_gap_counts_match_brute_force():
 def test_usage_report_per_layer_head_and_task(tmp_path):
   cfg = ModelConfig(family="olmo2", qk_norm="full", post_norm=True, num_layers=3)
   tok = jax.random.randint(jax.random.PRNGKey(0), (2, 24), 1, cfg.vocab_size)
-  dp = nn.unbox(jax.jit(Decoder(cfg).init)(jax.random.PRNGKey(1), tok)["params"])
+  dp = host_init(cfg, 1)
   acfg, ap = attention.convert(dp, cfg, "aha", window=4)
   r = ap["layers"]["router"]
   r["kernel"] = 0.3 * jax.random.normal(jax.random.PRNGKey(2), r["kernel"].shape)

@@ -12,6 +12,7 @@ import optax
 import pytest
 from ml_collections import ConfigDict
 
+from _host_params import host_init
 from condattn_jax import attention
 from condattn_jax import ops
 from condattn_jax.attention import elastic, get_scheme
@@ -38,7 +39,7 @@ def _dense(family, seed=1):
   """(config, dense params as numpy: callers get fresh trees from the conversion, tokens)."""
   cfg = ModelConfig(family=family, num_heads=4, num_kv_heads=2).replace(**FAMILIES[family])
   tok = jax.random.randint(jax.random.PRNGKey(0), (B, T), 0, cfg.vocab_size)
-  params = nn.unbox(jax.jit(Decoder(cfg).init)(jax.random.PRNGKey(seed), tok)["params"])
+  params = host_init(cfg, seed)
   return cfg, jax.tree.map(np.asarray, params), tok
 
 
