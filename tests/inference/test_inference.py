@@ -1,6 +1,7 @@
 """Inference engine: greedy generation over ragged prompts equals one full forward per row
-(sliding-window dense, L2A with learned and context-free routing; dense and pruned L2A:
-tests/schemes/test_conformance.py), chunked prefill equals
+(sliding-window dense one-shot and chunked, context-free L2A one-shot; dense and learned-routing
+L2A: tests/schemes/test_conformance.py; context-free L2A chunked:
+tests/inference/test_decode_steps.py), chunked prefill equals
 one-shot prefill, caches are per row and as large as the scheme's analytic count."""
 import functools
 
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 import _programs
+from _train_helpers import random_params
 from condattn_jax import attention
 from condattn_jax.attention import l2a
 from condattn_jax.inference import Engine, cache_bytes
@@ -23,17 +25,19 @@ NEW = 6
 
 
 def _dense(**kw):
-  """(cfg, params) of the qwen3 test model with the config overrides kw: built once per kw in a
-  process (test_generation_api shares them); callers do not modify the params."""
+  """(cfg, params) of the qwen3 test model (2 layers) with the config overrides kw: built once
+  per kw in a process (test_generation_api shares them); callers do not modify the params."""
   return _dense_once(tuple(sorted(kw.items())))
 
 
 @functools.lru_cache(maxsize=None)
 def _dense_once(kw):
-  cfg = ModelConfig(family="qwen3", qk_norm="head", num_layers=3).replace(**dict(kw))
+  cfg = ModelConfig(family="qwen3", qk_norm="head", num_layers=2).replace(**dict(kw))
   tok = jnp.zeros((1, 8), jnp.int32)
-  # jitted: an eager init compiles op by op
-  return cfg, nn.unbox(jax.jit(Decoder(cfg).init)(jax.random.PRNGKey(3), tok)["params"])
+  # host random values on the init's shapes (eval_shape: no init program compiled); norm
+  # scales 1 + N(0, 0.1), every other leaf N(0, 0.1)
+  shapes = jax.eval_shape(lambda: nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(3), tok)))
+  return cfg, random_params(shapes["params"], seed=3)
 
 
 def _l2a(routing="learned", **kw):
@@ -64,19 +68,21 @@ def _check_against_full_forward(cfg, params, gen):
     assert gen.tokens[b] == list(want.argmax(-1))
 
 
-# dense (qwen3, 3 layers) and L2A with layer 1 pruned: the schemes' tiny models, checked by
-# tests/schemes/test_conformance.py::test_generation_equals_the_declared_forward (same models)
+# dense (qwen3, 3 layers) and L2A with learned routing (layer 1 pruned, layers 0 and 2 routed by
+# their routers, window 4): the schemes' tiny models, checked one-shot and in chunks of 4 by
+# tests/schemes/test_conformance.py::test_generation_equals_the_declared_forward. Context-free
+# L2A in chunks of 4: tests/inference/test_decode_steps.py::test_l2a_decode_equals_the_scanned_
+# decode_and_the_forward (the engine's chunked prefill + decode == the full forward, 1e-5).
 CASES = {
-    "dense_window": lambda: _dense(sliding_window=4),
-    "l2a": lambda: _l2a(),
-    "l2a_context_free": lambda: _l2a("bernoulli", bernoulli_q=0.4),
+    ("dense_window", None): lambda: _dense(sliding_window=4),
+    ("dense_window", 4): lambda: _dense(sliding_window=4),
+    ("l2a_context_free", None): lambda: _l2a("bernoulli", bernoulli_q=0.4),
 }
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-@pytest.mark.parametrize("chunk", [None, 4])
+@pytest.mark.parametrize("case, chunk", sorted(CASES, key=str))
 def test_generation_equals_full_forward_ragged(case, chunk):
-  cfg, params = CASES[case]()
+  cfg, params = CASES[case, chunk]()
   eng = Engine(cfg, params, cache_len=32, prefill_chunk=chunk)
   gen = eng.generate(PROMPTS, NEW, return_logits=True)
   assert [len(t) for t in gen.tokens] == [NEW] * len(PROMPTS)
@@ -95,7 +101,7 @@ def test_stop_tokens_end_rows_independently():
 
 
 def test_cache_is_per_row_and_sized_like_the_schemes_count():
-  lcfg, lp = _l2a()
+  lcfg, lp = CASES["l2a_context_free", None]()  # its prefill compiled by the generation test
   eng = Engine(lcfg, lp, cache_len=32)
   cache, _, lengths = eng.prefill(PROMPTS)
   cache = eng.stacked_cache(cache)  # one cache per layer, viewed with a leading layer axis
