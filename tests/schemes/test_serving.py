@@ -8,12 +8,17 @@ a new prompt's prefill chunks alternate with the other rows' decode steps; `rese
 only the rows asked. Every scheme's cache starts at zeros (`Engine.init_cache`)."""
 import dataclasses
 
+import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from condattn_jax import attention
+from condattn_jax.inference import Engine
 from condattn_jax.inference.engine import Request
-from test_conformance import NAMES, engine  # the suite's shared tiny models (module-cached)
+from condattn_jax.models.decoder import Decoder
+from test_conformance import CACHE_LEN, NAMES, engine  # the suite's tiny models (module-cached)
 
 RNG = np.random.default_rng(1)
 REQUESTS = [list(map(int, RNG.integers(1, 6, n))) for n in (9, 3, 14, 5)]
@@ -84,14 +89,16 @@ def test_prefill_chunks_interleave_with_decode_steps():
 
 
 def test_reset_rows_empties_only_those_rows():
-  eng = engine("dense", 4)
-  cache, _, _ = eng.prefill(REQUESTS[:3])
+  """L2A's tiny model (a window ring and a full cache per layer), 4 rows prefilled (the batch
+  the 4-slot serve above prefills: its compiled program); rows 1 and 3 emptied."""
+  eng = engine("l2a", 4)
+  cache, _, _ = eng.prefill(REQUESTS)
   before = jax.tree.map(np.asarray, cache)
   after = jax.tree.map(np.asarray, eng.reset_rows(jax.tree.map(lambda x: x.copy(), cache),
-                                                  [False, True, False]))
+                                                  [False, True, False, True]))
   for b, a in zip(jax.tree.leaves(before), jax.tree.leaves(after)):
     np.testing.assert_array_equal(a[[0, 2]], b[[0, 2]])
-    assert not a[1].any()
+    assert not a[1].any() and not a[3].any()
   assert any(b[1].any() for b in jax.tree.leaves(before))
   with pytest.raises(ValueError, match="slots"):
     eng.serve(REQUESTS, 2, slots=0)
@@ -99,7 +106,13 @@ def test_reset_rows_empties_only_those_rows():
 
 @pytest.mark.parametrize("name", NAMES)
 def test_every_schemes_cache_can_be_reset_per_row(name):
-  """Every leaf of every scheme's cache is batch-first: serve can give a row to a new request."""
-  eng = engine(name, 4)
+  """Every leaf of every scheme's cache is batch-first: serve can give a row to a new request.
+  The cache is read off the model (Engine.init_cache): an engine over host zeros of the tiny
+  model's param shapes (eval_shape: no init program) has the conformance engine's cache."""
+  cfg, _ = attention.get_scheme(name).tiny()
+  shapes = jax.eval_shape(lambda: nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(0),
+                                                             jnp.zeros((1, 8), jnp.int32))))
+  eng = Engine(cfg, jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), shapes["params"]),
+               cache_len=CACHE_LEN, prefill_chunk=4)
   cache = eng.reset_rows(eng.init_cache(2), [True, False])
   assert all(x.shape[0] == 2 for x in jax.tree.leaves(cache))
