@@ -3,6 +3,8 @@ builder honours the fill, and the cuDNN decode path's GQA folding (query group -
 kv length = the row's fill, 1 slot and zeros for an inactive row) equals the reference on CPU
 (through jax.nn.dot_product_attention's XLA implementation; tests/gpu/test_decode_gpu.py runs
 cuDNN itself)."""
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,12 @@ B, S, K, G, H = 3, 40, 2, 3, 16
 
 
 def _case(seed, active=None):
+  """(q, k, v, mask) drawn in one jitted program (eagerly every op compiles on its own)."""
+  return _case_jit(seed, None if active is None else jnp.asarray(active))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _case_jit(seed, active):
   ks = jax.random.split(jax.random.PRNGKey(seed), 3)
   q = jax.random.normal(ks[0], (B, 1, K * G, H), jnp.float32)
   k = jax.random.normal(ks[1], (B, S, K, H), jnp.float32)
@@ -29,13 +37,24 @@ def _case(seed, active=None):
   return q, k, v, mask
 
 
+@jax.jit
+def _reference(q, k, v, mask):
+  return ops.attention(q, k, v, mask, impl="reference")
+
+
+@functools.lru_cache(maxsize=None)
+def _folded(splits):
+  """ops' cuDNN decode path with jax.nn.dot_product_attention's XLA implementation, jitted."""
+  return jax.jit(ops._cudnn_decode(None, implementation="xla", splits=splits))
+
+
 @pytest.mark.parametrize("active", [None, [True, False, True]])
 def test_folded_decode_equals_the_reference(active):
   act = None if active is None else jnp.asarray(active)[:, None]
   q, k, v, mask = _case(0, act)
   assert not ops.decode_reasons(q.astype(jnp.bfloat16), mask)
-  ref = ops.attention(q, k, v, mask, impl="reference")
-  out = ops._cudnn_decode(None, implementation="xla")(q, k, v, mask)
+  ref = _reference(q, k, v, mask)
+  out = _folded(None)(q, k, v, mask)
   np.testing.assert_allclose(out, ref, atol=2e-5, rtol=0)
   if active is not None:
     assert float(jnp.abs(out[1]).max()) == 0.0  # the inactive row: zeros
@@ -46,8 +65,7 @@ def test_fill_bounds_the_mask_and_decode_reasons_name_the_field():
   # slots past the fill are invisible even when the validity ids say otherwise
   loose = jax.tree.map(lambda x: x, mask)
   object.__setattr__(loose, "kv_segment_ids_BS", jnp.ones((B, S), jnp.int32))
-  np.testing.assert_allclose(ops.attention(q, k, v, loose, impl="reference"),
-                             ops.attention(q, k, v, mask, impl="reference"), atol=1e-6)
+  np.testing.assert_allclose(_reference(q, k, v, loose), _reference(q, k, v, mask), atol=1e-6)
   assert any("kv_lengths_B" in r for r in ops.decode_reasons(
       q, ops.MaskSpec(q_positions_BT=mask.q_positions_BT, kv_positions_BS=mask.kv_positions_BS)))
   with pytest.raises(ValueError, match="kv_lengths_B"):
@@ -62,8 +80,8 @@ def test_split_kv_combines_like_one_pass(splits):
   later parts empty) and merged by log-sum-exp (pallas_kernels.decode.merge_decode_parts, the
   lse in cuDNN's layout) == the reference; the inactive row 2 gives zeros."""
   q, k, v, mask = _case(2, jnp.asarray([True, True, False])[:, None])
-  ref = ops.attention(q, k, v, mask, impl="reference")
-  out = ops._cudnn_decode(None, implementation="xla", splits=splits)(q, k, v, mask)
+  ref = _reference(q, k, v, mask)
+  out = _folded(splits)(q, k, v, mask)
   np.testing.assert_allclose(out, ref, atol=2e-5, rtol=0)
   assert float(jnp.abs(out[2]).max()) == 0.0
   assert ops.decode_splits(1, 32896, 2) == 128 and ops.decode_splits(8, 32896, 2) == 16
