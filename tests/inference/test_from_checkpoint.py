@@ -9,9 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import _programs
 from condattn_jax import checkpoint as ckpt_lib
 from condattn_jax.inference import Engine
-from condattn_jax.models.decoder import Decoder
 from condattn_jax.train import loop
 
 PROMPTS = [[3, 9, 17, 4, 22, 8, 1], [5, 6], [40, 41, 42, 43]]
@@ -42,8 +42,8 @@ def test_loads_the_checkpoint_and_generates_like_the_full_forward(run):
     tok[b, :len(s)] = s
   seg = (np.arange(lens.max()) < lens[:, None]).astype(np.int32)  # padding: segment 0
   pos = np.broadcast_to(np.arange(lens.max(), dtype=np.int32), tok.shape)
-  full, _ = Decoder(eng.config).apply({"params": params}, jnp.asarray(tok), jnp.asarray(pos),
-                                      jnp.asarray(seg))
+  full, _ = _programs.apply(eng.config)(params, jnp.asarray(tok), jnp.asarray(pos),
+                                       jnp.asarray(seg))  # jitted: eagerly op by op
   for b, p in enumerate(PROMPTS):
     np.testing.assert_allclose(gen.logits[b], np.asarray(full[b, len(p) - 1:len(seqs[b])]),
                                atol=1e-4)
