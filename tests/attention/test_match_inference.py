@@ -4,12 +4,12 @@ tests/schemes/test_conformance.py on the same geometry); the 'recompute' forward
 retrieves and differs from 'sequence'; the SWA
 layers' caches are a window ring + a fixed-size retrieved-K/V cache (flat in cache_len); the
 retrieved K/V are recomputed once per decoding block and reused in between."""
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from _host_params import host_init
 from condattn_jax import attention
 from condattn_jax.attention import match
 from condattn_jax.inference import Engine, cache_bytes
@@ -32,8 +32,7 @@ def _cfg(**kw):
 def model():
   cfg = _cfg()
   assert match.layer_kinds(cfg) == ("swa", "swa", "full")
-  params = nn.unbox(jax.jit(Decoder(cfg).init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
-                    ["params"])
+  params = host_init(cfg, 0)
   return cfg, params
 
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
+from _host_params import host_init
 from condattn_jax import attention, ops
 from condattn_jax.attention.match import layer as match_layer
 from condattn_jax.models.config import ModelConfig
@@ -38,7 +39,7 @@ def test_block_sparse_path_equals_gathered_path_fp32(monkeypatch):
   cfg = attention.configure(base, "match", window=8, chunk=4, top_k=2)
   T = 43
   tok = jax.random.randint(jax.random.PRNGKey(1), (2, T), 1, 8)
-  params = nn.unbox(jax.jit(Decoder(cfg).init)(jax.random.PRNGKey(0), tok)["params"])
+  params = host_init(cfg, 0)
   seg = np.ones((2, T), np.int32)
   seg[1, 25:] = 2
   seg[1, 41:] = 0
@@ -164,8 +165,7 @@ def test_recomputed_retrieval_block_sparse_equals_gathered():
   rng = np.random.default_rng(3)
   prompts = [list(rng.integers(1, 6, n)) for n in (29, 22, 9)]
   cfg = _serving_cfg(attention_path="block_sparse")
-  params = nn.unbox(jax.jit(Decoder(cfg).init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
-                    ["params"])
+  params = host_init(cfg, 0)
   gen = Engine(cfg, params, cache_len=48, prefill_chunk=5).generate(prompts, 7, return_logits=True)
   seqs = [p + g[:-1] for p, g in zip(prompts, gen.tokens)]
   L = max(map(len, seqs))

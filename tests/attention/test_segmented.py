@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from _host_params import host_init
 from condattn_jax import attention
 from condattn_jax.attention import segmented as sgm
 from condattn_jax.models.config import ModelConfig
@@ -33,8 +34,7 @@ def _dense(family="llama", layers=2):
 
 @functools.lru_cache(maxsize=None)
 def _init(cfg):
-  return nn.unbox(jax.jit(lambda k: Decoder(cfg).init(k, jnp.zeros((1, 8), jnp.int32))["params"])(
-      jax.random.PRNGKey(0)))
+  return host_init(cfg, 0)
 
 
 # ------------------------------------------------------------------------- numpy reference
