@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from _host_params import host_init
 from condattn_jax import attention
 from condattn_jax.attention import match
 from condattn_jax.inference import Engine
@@ -34,8 +35,7 @@ def _cfg(**kw):
 @pytest.fixture(scope="module")
 def model():
   cfg = _cfg()
-  params = nn.unbox(jax.jit(Decoder(cfg).init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
-                    ["params"])
+  params = host_init(cfg, 0)
   return cfg, params
 
 
