@@ -271,13 +271,16 @@ def test_decode_equals_full_forward(family, skip, pruned):
   np.testing.assert_allclose(_decode_all(m, lp, tok), full, atol=1e-4, rtol=0)
 
 
-def test_decode_context_free_routing_is_stable():
+def test_context_free_routing_draws_ignore_the_tokens():
+  """Context-free (bernoulli) routing: the draws do not depend on the tokens, in training they
+  come from the step key, no regulariser. Its decode (chunked prefill + steps, with and without
+  decode_skip) == the full forward: tests/inference/test_decode_steps.py::test_l2a_decode_equals_
+  the_scanned_decode_and_the_forward (the scanned Decoder decode this test ran, and the engine's)."""
   cfg, dp, tok = _dense("qwen3")
   lcfg, lp = attention.convert(dp, cfg, "l2a", window=4, routing="bernoulli", bernoulli_q=0.3)
   m = Decoder(lcfg)
-  full, aux = _apply(m, lp, tok)
+  _, aux = _apply(m, lp, tok)
   assert 0.4 < float(aux["sparsity"].mean()) < 0.95
-  np.testing.assert_allclose(_decode_all(m, lp, tok), full, atol=1e-4, rtol=0)
   # context-free: the draws do not depend on the tokens
   _, aux2 = _apply(m, lp, (tok + 1) % cfg.vocab_size)
   np.testing.assert_array_equal(aux["global_tokens_B"], aux2["global_tokens_B"])
@@ -373,7 +376,9 @@ def test_measure_prune_and_kv_bytes(tmp_path):
   assert rep["kv_bytes_dense_base"] == 2 * 1024 * per_tok
   assert rep["kv_bytes_before"] == 2 * (1024 + 4) * per_tok
   assert rep["kv_bytes_after"] == (1024 + 2 * 4) * per_tok
-  # the pruned model decodes like its own full forward
-  m = Decoder(res["config"])
-  full, _ = _apply(m, res["params"], tok)
-  np.testing.assert_allclose(_decode_all(m, res["params"], tok), full, atol=1e-4, rtol=0)
+  # the pruned config and params are the layout a fresh init of that config builds (a pruned
+  # L2A model's decode == its full forward: test_conformance's L2A tiny, layer 1 pruned, and
+  # test_decode_equals_full_forward's pruned cases)
+  fresh = nn.unbox(jax.eval_shape(lambda: Decoder(res["config"]).init(jax.random.PRNGKey(0), tok)))
+  assert (jax.tree.map(lambda a: (a.shape, a.dtype), fresh["params"])
+          == jax.tree.map(lambda a: (a.shape, a.dtype), res["params"]))
