@@ -8,9 +8,9 @@ import jax
 import numpy as np
 import pytest
 
+import _programs
 from _train_helpers import HF, recipe_loader
 from condattn_jax.models import stacking
-from condattn_jax.models.decoder import Decoder
 from condattn_jax.train import config as config_lib
 from condattn_jax.train import loop
 from condattn_jax.train import optimizer as opt_lib
@@ -71,7 +71,7 @@ def test_olmo2_checkpoint_converted_by_the_run_loop_is_the_hf_model():
   np.testing.assert_array_equal(r["kernel"], 0.0)
   np.testing.assert_array_equal(r["bias"], 2.0)
   e = np.load(os.path.join(HF, "olmo2", "expected.npz"))
-  got, aux = Decoder(setup.model_cfg).apply({"params": params}, e["input_ids"])
+  got, aux = _programs.apply(setup.model_cfg)(params, e["input_ids"])  # jitted: eagerly op by op
   np.testing.assert_allclose(got, e["logits"], atol=1e-4, rtol=0)
   np.testing.assert_array_equal(aux["usage_N"], 1.0)
 

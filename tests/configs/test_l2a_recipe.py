@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import _programs
 from _train_helpers import HF, recipe_loader
 from condattn_jax import attention
 from condattn_jax.attention import l2a
@@ -101,9 +102,8 @@ def test_init_from_hf_checkpoint_converts_to_l2a(family):
   from condattn_jax import convert
   dcfg, dparams = convert.load_hf_checkpoint(os.path.join(HF, family), dtype=np.float32)
   tok = jax.random.randint(jax.random.key(0), (2, 16), 0, dcfg.vocab_size)
-  want, _ = Decoder(dcfg).apply({"params": dparams}, tok)
-  got, _ = Decoder(setup.model_cfg.replace(rope_theta=dcfg.rope_theta)).apply(
-      {"params": params}, tok)
+  want, _ = _programs.apply(dcfg)(dparams, tok)  # jitted: eagerly op by op
+  got, _ = _programs.apply(setup.model_cfg.replace(rope_theta=dcfg.rope_theta))(params, tok)
   np.testing.assert_allclose(got, want, atol=1e-5)
 
 

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 import pytest
 
+import _programs
 from _train_helpers import HF, recipe_loader
 from condattn_jax import attention
 from condattn_jax.attention import segmented as sgm
@@ -63,7 +64,7 @@ def test_llama_checkpoint_through_the_run_loop_is_the_hf_model():
   setup = loop.build(c)
   params = jax.device_get(loop.init_params(setup))
   e = np.load(os.path.join(HF, "llama", "expected.npz"))
-  got, _ = Decoder(setup.model_cfg).apply({"params": params}, e["input_ids"])
+  got, _ = _programs.apply(setup.model_cfg)(params, e["input_ids"])  # jitted: eagerly op by op
   np.testing.assert_allclose(got, e["logits"], atol=1e-4, rtol=0)
 
 
