@@ -1,10 +1,11 @@
 """configs/match_qwen.py: pinned numbers, the three Qwen3 variants' SWA / full layer patterns
 (through the run config -> ModelConfig path), required fields, and the tiny variant's forward."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from _train_helpers import recipe_loader
+from _train_helpers import random_params, recipe_loader
 from condattn_jax import attention
 from condattn_jax.attention import match
 from condattn_jax.data.config import is_required_marker
@@ -36,6 +37,8 @@ def test_tiny_variant_runs():
   assert (o.window, o.chunk, o.top_k, o.retriever, mc.num_layers) == (32, 2, 4, "exact", 2)
   from condattn_jax.models.decoder import Decoder
   tok = jnp.ones((1, 96), jnp.int32)
-  params = jax.jit(Decoder(mc).init)(jax.random.PRNGKey(0), tok)
+  # host random params on the init's shapes (eval_shape: no init program compiled)
+  shapes = jax.eval_shape(lambda: nn.unbox(Decoder(mc).init(jax.random.PRNGKey(0), tok)))
+  params = {"params": random_params(shapes["params"])}
   logits, aux = jax.jit(Decoder(mc).apply)(params, tok)
   assert logits.shape == (1, 96, 128) and aux["retrieved"].shape == (2,)
