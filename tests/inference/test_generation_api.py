@@ -177,8 +177,14 @@ def _full_aux(cfg, params, seqs, length):
 
 
 def _aha():
-  from tests.attention.test_aha_inference import _aha as make
-  return make("qwen3", decode_skip=False)
+  """AHA (window 4, no decode_skip) converted from the dense test model (qwen3, 2 layers, host
+  params) with a random router (N(0, 0.3) kernel, zero bias: a real mix of full / local heads)."""
+  cfg, dp = _dense()
+  acfg, ap = attention.convert(dp, cfg, "aha", window=4, decode_skip=False)
+  r = ap["layers"]["router"]
+  r["kernel"] = 0.3 * np.random.default_rng(0).standard_normal(r["kernel"].shape).astype(np.float32)
+  r["bias"] = np.zeros_like(r["bias"])
+  return acfg, ap
 
 
 @pytest.mark.parametrize("make, count", [(_l2a, "global_tokens_B"), (_aha, "full_BN")],
