@@ -227,14 +227,15 @@ def test_recomputed_retrieval_layout_on_the_mosaic_gpu_kernel_interpret():
 
 def test_hopper_engine_prefill_runs_the_block_sparse_kernel(caplog):
   """An engine prefill call (decode mode, cache written, 256 tokens with the prompt lengths:
-  recomputed retrieval for the last m) exported for an (abstract) H100: the SWA layers run the
+  recomputed retrieval for the last m) exported for an (abstract) H100, one SWA layer (what is
+  checked is each SWA layer's; a second one doubled the trace and lowering): the SWA layer runs the
   Mosaic GPU block-sparse forward and hold no gathered [B*G, w+c-1+k*c] K/V tensor; the gathered
   path's per-block keys (w+c-1+k*c = 511, which no GPU kernel takes) are padded to 512 and run
   the compacted Mosaic GPU kernel (the aux rows' own attention and, in a call none of whose
   blocks retrieves, the window's, are the compacted kernel's in both programs). Neither lowering warns that a call
   fell back to the O(T*S) reference (the block-sparse program traces the gathered path too, in
   the branch for other platforms)."""
-  base = ModelConfig(family="qwen3", qk_norm="head", num_layers=2, vocab_size=64, hidden_size=128,
+  base = ModelConfig(family="qwen3", qk_norm="head", num_layers=1, vocab_size=64, hidden_size=128,
                      num_heads=2, num_kv_heads=1, head_dim=64, dtype="bfloat16")
   mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
       device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"))
