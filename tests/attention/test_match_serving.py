@@ -26,8 +26,8 @@ NEW = 7
 M = 4  # prefill_last: blocks holding the last 4 prompt positions retrieve
 
 
-def _cfg(**kw):
-  base = ModelConfig(family="qwen3", qk_norm="head", num_layers=3, vocab_size=16)
+def _cfg(layers=3, **kw):
+  base = ModelConfig(family="qwen3", qk_norm="head", num_layers=layers, vocab_size=16)
   return attention.configure(base, "match", **{**dict(window=6, chunk=3, top_k=2, swa_ratio=0.7,
                                                       prefill_last=M), **kw})
 
@@ -128,18 +128,21 @@ def test_prefill_builds_aux_rows_for_the_last_m_blocks_only():
   assert o.prefill_last == M
 
 
-def test_multi_query_decode_search_is_served_and_counted(model):
+def test_multi_query_decode_search_is_served_and_counted():
   """decode_queries=(2, 5): a block entered at decode searches with the 2 and the 5 tokens
   ending at its first token (2 kept chunks each, duplicates dropped: 4 slots); generation
   (chunked prefill, ragged rows) equals the serving forward, which uses the multi-query ids on
   the blocks decode enters only (prompt positions: the single-query forward's logits); where
   the multi-query ids differ from the single query's, the logits differ; the engine's cache
-  bytes equal kv_cache_bytes (4-slot retrieved-K/V cache and ids)."""
+  bytes equal kv_cache_bytes (4-slot retrieved-K/V cache and ids). Two layers (SWA + retrieval,
+  full): the decode search is the model's, once for every layer (the step programs, 7 here,
+  grow with the depth)."""
   from condattn_jax.inference import cache_bytes
-  _, params = model
   rng = np.random.default_rng(5)
   prompts = [list(rng.integers(1, 15, 29)), list(rng.integers(1, 15, 23))]
-  cfg = _cfg(decode_queries=(2, 5))
+  cfg = _cfg(layers=2, decode_queries=(2, 5))
+  assert match.layer_kinds(cfg) == ("swa", "full")
+  params = host_init(cfg, 0)
   eng = Engine(cfg, params, cache_len=48, prefill_chunk=5)
   gen = eng.generate(prompts, NEW, return_logits=True)
   seqs = [p + g[:-1] for p, g in zip(prompts, gen.tokens)]
@@ -147,11 +150,11 @@ def test_multi_query_decode_search_is_served_and_counted(model):
   full = np.asarray(_serving(cfg, params, seqs, P))
   for b, p in enumerate(prompts):
     np.testing.assert_allclose(gen.logits[b], full[b, len(p) - 1:len(seqs[b])], atol=1e-4, rtol=0)
-  single = np.asarray(_serving(_cfg(), params, seqs, P))
+  single = np.asarray(_serving(_cfg(layers=2), params, seqs, P))
   tok, pos, _ = _rows(seqs)
   ids = lambda c: np.asarray(jax.jit(lambda t, po, pl: match.block_inputs(
       attention.options(c), t, po, prompt_len_B=pl)[1]["match_chunks_BGk"])(tok, pos, np.asarray(P)))
-  multi_ids, single_ids = ids(cfg), ids(_cfg())
+  multi_ids, single_ids = ids(cfg), ids(_cfg(layers=2))
   assert multi_ids.shape[-1] == attention.options(cfg).slots == 4
   differ = []
   for b in range(len(seqs)):
