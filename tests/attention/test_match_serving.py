@@ -39,6 +39,15 @@ def model():
   return cfg, params
 
 
+@pytest.fixture(scope="module")
+def model2():
+  """A 2-layer model (SWA + retrieval, full) for the tests whose checks are each SWA layer's or
+  the model's (their step programs grow with the depth)."""
+  cfg = _cfg(layers=2)
+  assert match.layer_kinds(cfg) == ("swa", "full")
+  return cfg, host_init(cfg, 0)
+
+
 def _rows(seqs):
   L = max(map(len, seqs))
   tok, seg = np.zeros((len(seqs), L), np.int32), np.zeros((len(seqs), L), np.int32)
@@ -128,7 +137,7 @@ def test_prefill_builds_aux_rows_for_the_last_m_blocks_only():
   assert o.prefill_last == M
 
 
-def test_multi_query_decode_search_is_served_and_counted():
+def test_multi_query_decode_search_is_served_and_counted(model2):
   """decode_queries=(2, 5): a block entered at decode searches with the 2 and the 5 tokens
   ending at its first token (2 kept chunks each, duplicates dropped: 4 slots); generation
   (chunked prefill, ragged rows) equals the serving forward, which uses the multi-query ids on
@@ -140,9 +149,8 @@ def test_multi_query_decode_search_is_served_and_counted():
   from condattn_jax.inference import cache_bytes
   rng = np.random.default_rng(5)
   prompts = [list(rng.integers(1, 15, 29)), list(rng.integers(1, 15, 23))]
+  _, params = model2
   cfg = _cfg(layers=2, decode_queries=(2, 5))
-  assert match.layer_kinds(cfg) == ("swa", "full")
-  params = host_init(cfg, 0)
   eng = Engine(cfg, params, cache_len=48, prefill_chunk=5)
   gen = eng.generate(prompts, NEW, return_logits=True)
   seqs = [p + g[:-1] for p, g in zip(prompts, gen.tokens)]
@@ -228,7 +236,7 @@ def _prefill_on(eng, fields=None, monkeypatch=None):
   return jax.device_get(cache), np.asarray(logits)
 
 
-def test_prefill_with_the_engine_s_static_fact_equals_the_cond_path(model, monkeypatch):
+def test_prefill_with_the_engine_s_static_fact_equals_the_cond_path(model2, monkeypatch):
   """Chunked ragged prefill (29 / 22 tokens in 5-token calls, m = 4): the engine tells each
   call whether one of its blocks retrieves (host geometry, MatchLayer.prefill_fields), and
   the calls that do not compile to SWA's call, the one that does to its branch without a cond.
@@ -237,7 +245,7 @@ def test_prefill_with_the_engine_s_static_fact_equals_the_cond_path(model, monke
   then retrieves nothing in most: the retrieving branch must give what the other one does).
   A call marked non-retrieving that does retrieve is refused (NaN logits), never silently run
   without its retrieval. At most two programs for the chunk shape."""
-  cfg, params = model
+  cfg, params = model2
   C = 5
   eng = Engine(cfg, params, cache_len=48, prefill_chunk=C)
   lengths = np.asarray([len(p) for p in PROMPTS[:2]])
@@ -327,7 +335,7 @@ def test_serve_with_padding_rows_equals_generation(model, generated):
   assert got.tokens == generated.tokens, got.tokens
 
 
-def test_prefill_loop_reads_nothing_back_and_compiles_nothing_new(model, monkeypatch):
+def test_prefill_loop_reads_nothing_back_and_compiles_nothing_new(model2, monkeypatch):
   """Engine.prefill's calls (chunked, ragged: non-retrieving and retrieving calls) only enqueue
   work: after a first prefill compiled the step's programs, a second one converts no device
   value on the host (int / bool / float / item / tolist / np.asarray through __array__ /
@@ -337,7 +345,7 @@ def test_prefill_loop_reads_nothing_back_and_compiles_nothing_new(model, monkeyp
   past this probe; a cond's predicate read is a GPU runtime's: the conditional counts of
   test_prefill_call_known_not_to_retrieve_is_swa_s_program.)"""
   from jax._src import array as jax_array
-  cfg, params = model
+  cfg, params = model2
   eng = Engine(cfg, params, cache_len=48, prefill_chunk=5)
   _, want, _ = eng.prefill(PROMPTS[:2])
   want = np.asarray(want)
