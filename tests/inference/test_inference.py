@@ -90,7 +90,8 @@ def test_generation_equals_full_forward_ragged(case, chunk):
 
 
 def test_stop_tokens_end_rows_independently():
-  cfg, params = _dense()
+  """On the sliding-window dense model (the one-shot engine the generation test compiled)."""
+  cfg, params = CASES["dense_window", None]()
   eng = Engine(cfg, params, cache_len=32)
   free = eng.generate(PROMPTS, NEW)
   stop = free.tokens[1][2]  # row 1 stops at its third token; others go on unless they hit it
