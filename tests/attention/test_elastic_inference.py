@@ -19,6 +19,14 @@ PROMPTS = [[5, 17, 3, 99, 42, 7, 7, 12, 200, 31, 8, 14, 15, 16, 1, 2, 3, 4, 9, 9
 SMALL = dict(block=4, sinks=4, local=8, boundary=3)
 
 
+@pytest.fixture(scope="module")
+def tiny():
+  """Elastic's tiny model (Scheme.tiny: the conformance suite's), made once for the module."""
+  from condattn_jax.attention import get_scheme
+  cfg, make = get_scheme("elastic").tiny()
+  return cfg, make(0)
+
+
 def _full_forward(cfg, params, seqs, pooled):
   L = max(map(len, seqs))
   tok = np.zeros((len(seqs), L), np.int32)
@@ -31,14 +39,12 @@ def _full_forward(cfg, params, seqs, pooled):
   return full, np.asarray(aux["fa_BK"])
 
 
-def test_prefill_decides_once_like_the_full_forward():
+def test_prefill_decides_once_like_the_full_forward(tiny):
   """The decision cached by the prefill (the first cached call) is the full forward's with
   prompt_lengths = the prompt; a real FA / SSA mix; SSA heads matter (the control). Generation
   == that full forward (ragged, one-shot and chunked) is tests/schemes/test_conformance.py on
   Elastic's tiny model, the same model as here."""
-  from condattn_jax.attention import get_scheme
-  cfg, make = get_scheme("elastic").tiny()
-  params = make(0)
+  cfg, params = tiny
   assert dict(cfg.scheme_kwargs) == {**SMALL, "seed": 5}
   eng = Engine(cfg, params, cache_len=32)
   cache, _, _ = eng.prefill(PROMPTS)
@@ -54,14 +60,13 @@ def test_prefill_decides_once_like_the_full_forward():
   assert float(jnp.abs(full_fa - full).max()) > 1e-3
 
 
-def test_engine_says_what_it_cannot_serve_as_trained():
+def test_engine_says_what_it_cannot_serve_as_trained(tiny):
   """A prefill chunk shorter than the prompt decides on the first chunk, and XA is not run over
   the cache: the engine says each once (a warning naming the fix); one-shot FA-SSA prefill says
   nothing."""
   import warnings
   from condattn_jax.attention import get_scheme
-  cfg, make = get_scheme("elastic").tiny()
-  params = make(0)
+  cfg, params = tiny
   with warnings.catch_warnings():
     warnings.simplefilter("error")
     Engine(cfg, params, cache_len=32).prefill(PROMPTS)           # one shot, fa_ssa: silent
@@ -79,13 +84,11 @@ def test_engine_says_what_it_cannot_serve_as_trained():
 
 
 @pytest.mark.parametrize("modes", ["fa_xa", "xa_ssa"])
-def test_served_xa_runs_xa_at_prefill_like_the_full_forward(modes):
+def test_served_xa_runs_xa_at_prefill_like_the_full_forward(tiny, modes):
   """One-shot prefill (the longest prompt, 24 tokens, a multiple of block 4) through the engine
   runs XA heads on their XA lists: its last-token logits == the full forward's (prompt_lengths =
   the prompt); the control: the same prefill with every XA head full differs."""
-  from condattn_jax.attention import get_scheme
-  cfg, make = get_scheme("elastic").tiny()
-  params = make(0)
+  cfg, params = tiny
   xcfg = attention.configure(cfg, "elastic", modes=modes, xa_stride=2, xa_threshold=0.5)
   _, logits, lengths = Engine(xcfg, params, cache_len=32).prefill(PROMPTS)
   full, fa = _full_forward(xcfg, params, PROMPTS, [len(p) for p in PROMPTS])
