@@ -109,26 +109,21 @@ def tile_start(tile, S: int, block_k: int):
   return jnp.minimum(tile * block_k, S - block_k)
 
 
-def num_parts(B: int, K: int, ntiles: int, cfg: DecodeConfig) -> int:
-  """The largest power of two P with B * K * P <= target_programs and ntiles / P >=
-  min_tiles_per_part (1 at least), or cfg.parts."""
+def num_parts(B: int, K: int, ntiles: int, cfg: DecodeConfig, programs: int | None = None) -> int:
+  """The largest power of two P with B * K * P <= programs (default cfg.target_programs) and
+  ntiles / P >= min_tiles_per_part (1 at least), or cfg.parts."""
   if cfg.parts is not None:
     return cfg.parts
+  programs = cfg.target_programs if programs is None else programs
   P = 1
-  while B * K * P * 2 <= cfg.target_programs and ntiles // (P * 2) >= cfg.min_tiles_per_part:
+  while B * K * P * 2 <= programs and ntiles // (P * 2) >= cfg.min_tiles_per_part:
     P *= 2
   return P
 
 
 def max_parts(B: int, K: int, ntiles: int, cfg: DecodeConfig) -> int:
-  """Mosaic GPU's static parts per (row, kv head): the largest power of two P with B * K * P <=
-  max_programs and ntiles / P >= min_tiles_per_part (1 at least), or cfg.parts."""
-  if cfg.parts is not None:
-    return cfg.parts
-  P = 1
-  while B * K * P * 2 <= cfg.max_programs and ntiles // (P * 2) >= cfg.min_tiles_per_part:
-    P *= 2
-  return P
+  """Mosaic GPU's static parts per (row, kv head): num_parts with max_programs."""
+  return num_parts(B, K, ntiles, cfg, programs=cfg.max_programs)
 
 
 def part_tiles(ntiles: int, P: int, cfg: DecodeConfig) -> int:
