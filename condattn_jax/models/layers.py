@@ -367,6 +367,19 @@ class Attention(nn.Module):
     """'full' (cache_len slots) or 'window' (a ring of `window` slots) for this attention."""
     return "full" if self.window is None or self.window >= ctx.cache_len else "window"
 
+  def fill_after_write(self, ctx, size: int, *, shared: bool = True):
+    """The valid prefix [B] of this layer's cache after the write: a full cache's length
+    counter (the shared kv_state's where the cache keeps none), a ring's min(length, size);
+    with `shared` (a one-token step) and no window, the fill the Decoder computed once for every
+    layer (ctx.fields['decode_fill_B']: shared_decode_fill) where it did."""
+    fill_B = ctx.fields.get("decode_fill_B") if shared and self.window is None else None
+    if fill_B is None:
+      length_B = (ctx.fields["kv_state"]["new_length"]
+                  if not self.kv_cache.has_variable("cache", "length")
+                  else self.kv_cache.get_variable("cache", "length"))
+      fill_B = jnp.minimum(length_B, size)
+    return fill_B
+
   def attend(self, q_BTNH, k_BTKH, v_BTKH, ctx, *, active=None, impl=None):
     """Attention of the chunk's queries (only the `active` ones, when given): over the cache
     when ctx.decode, else self-attention. impl: ops.attention's (default model.attention_impl)."""
@@ -377,14 +390,8 @@ class Attention(nn.Module):
       ring_step = self.cache_kind(ctx) == "window" and q_BTNH.shape[1] == 1
       k_all, v_all, kv_pos, kv_valid = self.write_cache(k_BTKH, v_BTKH, ctx,
                                                         after_write=ring_step)
-      # the fill after the write: a full cache's length counter, a ring's min(length, size);
-      # a dense one-token step may carry it for all layers (shared_decode_fill)
-      fill_B = ctx.fields.get("decode_fill_B") if not ring_step else None
-      if fill_B is None or self.window is not None or q_BTNH.shape[1] != 1:
-        length_B = (ctx.fields["kv_state"]["new_length"]
-                    if not self.kv_cache.has_variable("cache", "length")
-                    else self.kv_cache.get_variable("cache", "length"))
-        fill_B = jnp.minimum(length_B, k_all.shape[1])
+      fill_B = self.fill_after_write(ctx, k_all.shape[1],
+                                     shared=not ring_step and q_BTNH.shape[1] == 1)
       return attend(q_BTNH, k_all, v_all, q_positions_BT=ctx.positions_BT, kv_positions_BS=kv_pos,
                     kv_segment_ids_BS=kv_valid, window=None if ring_step else self.window,
                     active=active, impl=impl,

@@ -396,11 +396,12 @@ def decode_attention(q_BTNH, k_BSKH, v_BSKH, *, q_positions_BT, kv_positions_BS,
       q_BTNH, k_BSKH, q_positions_BT=q_positions_BT, kv_positions_BS=kv_positions_BS,
       kv_lengths_B=kv_lengths_B, kv_valid_BS=kv_valid_BS, active=active, window=window,
       sinks=sinks, block_k=bk, rows=rows, **lists_kw)
+  ntiles = num_tiles(S, bk)
   if impl == "mosaic_gpu" and config.balance:
-    P = max_parts(B, K, num_tiles(S, bk), config)
-    counts = dict(part_tiles=part_tiles(num_tiles(S, bk), P, config))
+    P = max_parts(B, K, ntiles, config)
+    counts = dict(part_tiles=part_tiles(ntiles, P, config))
   else:
-    P, counts = num_parts(B, K, num_tiles(S, bk), config), {}
+    P, counts = num_parts(B, K, ntiles, config), {}
   lengths_B = (jnp.full((B,), S, jnp.int32) if kv_lengths_B is None
                else jnp.minimum(kv_lengths_B.astype(jnp.int32), S))  # masks a ragged tile's tail
   # fill-only: one query per row, a fill, no window / validity: every slot below the fill is

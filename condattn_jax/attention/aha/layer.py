@@ -178,14 +178,8 @@ class AHALayer(nn.Module):
     """(local, full) outputs over the ONE full cache: local for the routed-local (token, head)
     pairs with the window, full for the routed-global ones (zeros elsewhere)."""
     k_all, v_all, kv_pos, kv_valid = attn.write_cache(k, v, ctx)
-    fill_B = None
-    if q.shape[1] == 1:  # the cache's fill after the write (MaskSpec.kv_lengths_B: one query)
-      fill_B = ctx.fields.get("decode_fill_B")
-      if fill_B is None:
-        length_B = (ctx.fields["kv_state"]["new_length"]
-                    if not attn.kv_cache.has_variable("cache", "length")
-                    else attn.kv_cache.get_variable("cache", "length"))
-        fill_B = jnp.minimum(length_B, k_all.shape[1])
+    # one query per row: the cache's fill after the write (MaskSpec.kv_lengths_B)
+    fill_B = attn.fill_after_write(ctx, k_all.shape[1]) if q.shape[1] == 1 else None
 
     def run(active, window):
       return attend(q, k_all, v_all, q_positions_BT=ctx.positions_BT, kv_positions_BS=kv_pos,
