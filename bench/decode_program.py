@@ -525,8 +525,9 @@ DECODE_CONFIG_SETS = {"evensplit": dict(balance=False), "stages3": dict(num_stag
 
 def trace_context(sets):
   """The context a variant's engine step is traced in: TRACE_SETS' 'evensplit' / 'stages3'
-  give the decode backends their DECODE_CONFIG_SETS fields; jax's trace caches cleared on entry and exit (the engine's jitted step is cached per
-  (config, cache_len), which neither switch changes). Otherwise nothing."""
+  give the decode backends their DECODE_CONFIG_SETS fields, with jax's trace caches cleared on
+  entry and exit (the engine's jitted step is cached per (config, cache_len), which the
+  backends' config is not part of). Otherwise nothing."""
   import contextlib
   fields = {k: v for x in sets for k, v in DECODE_CONFIG_SETS.get(x, {}).items()}
   if not fields:
@@ -539,12 +540,10 @@ def trace_context(sets):
   @contextlib.contextmanager
   def switched():
     jax.clear_caches()
-    with contextlib.ExitStack() as stack:
-      if fields:
-        even = tuple(dataclasses.replace(b, config=dataclasses.replace(b.config, **fields))
+    backends = tuple(dataclasses.replace(b, config=dataclasses.replace(b.config, **fields))
                      for b in dk_api.BACKENDS)
-        stack.enter_context(mock.patch.object(dk_api, "BACKENDS", even))
-        stack.enter_context(mock.patch.object(dk, "BACKENDS", even))
+    with mock.patch.object(dk_api, "BACKENDS", backends), \
+         mock.patch.object(dk, "BACKENDS", backends):
       try:
         yield
       finally:
