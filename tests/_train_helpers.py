@@ -42,6 +42,34 @@ def host(tree):
   return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
 
 
+def decoder_shapes(cfg):
+  """Decoder(cfg)'s params as ShapeDtypeStructs (eval_shape of its init: nothing compiled)."""
+  import flax.linen as nn
+  import jax.numpy as jnp
+  from condattn_jax.models.decoder import Decoder
+  return nn.unbox(jax.eval_shape(lambda: Decoder(cfg).init(
+      jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]))
+
+
+def host_init(cfg, seed):
+  """Decoder(cfg)'s params drawn on the host from its init's distributions (kernels and
+  embeddings N(0, INIT_STD), norm scales 1, biases 0), as device arrays: the tree a jitted
+  `Decoder(cfg).init` gives (decoder_shapes), without compiling the init program (~2-4 CPU-s a
+  config on the test host). Dense leaves only (a scheme leaf is refused: convert dense params
+  instead)."""
+  import jax.numpy as jnp
+  from condattn_jax.models.layers import INIT_STD
+  rng = np.random.default_rng(seed)
+
+  def one(path, a):
+    name = jax.tree_util.keystr(path)
+    if name.endswith("['scale']") or name.endswith("['bias']"):
+      return jnp.asarray(np.full(a.shape, 1.0 if name.endswith("['scale']") else 0.0, a.dtype))
+    assert name.endswith("['kernel']") or name.endswith("['embedding']"), name
+    return jnp.asarray(rng.normal(0.0, INIT_STD, a.shape), a.dtype)
+  return jax.tree_util.tree_map_with_path(one, decoder_shapes(cfg))
+
+
 def random_params(abstract, seed=0, router_std=None):
   """Host params of the abstract params' shapes (e.g. loop.build's `abstract_params`: no init
   program compiled) at the default init's scale: norm scales 1 + N(0, 0.1), every other leaf

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from _host_params import host_init
+from _train_helpers import host_init
 from condattn_jax import attention
 from condattn_jax.attention import aha, get_scheme
 from condattn_jax.models import stacking

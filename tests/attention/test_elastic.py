@@ -12,7 +12,7 @@ import optax
 import pytest
 from ml_collections import ConfigDict
 
-from _host_params import host_init
+from _train_helpers import host_init
 from condattn_jax import attention
 from condattn_jax import ops
 from condattn_jax.attention import elastic, get_scheme

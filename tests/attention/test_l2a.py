@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from _host_params import host_init
+from _train_helpers import host_init
 from condattn_jax import attention
 from condattn_jax.attention import get_scheme, l2a
 from condattn_jax.models import stacking

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from _host_params import host_init
+from _train_helpers import host_init
 from condattn_jax import attention
 from condattn_jax.attention import match
 from condattn_jax.attention.match import layer as match_layer

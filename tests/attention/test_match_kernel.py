@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractDevice, AbstractMesh
 
-from _host_params import host_init
+from _train_helpers import host_init
 from condattn_jax import attention, ops
 from condattn_jax.attention.match import layer as match_layer
 from condattn_jax.models.config import ModelConfig

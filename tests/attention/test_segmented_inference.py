@@ -5,7 +5,7 @@ tests/schemes/test_conformance.py on the same options.)"""
 import jax
 import pytest
 
-from _host_params import host_init
+from _train_helpers import host_init
 from condattn_jax import attention
 from condattn_jax.attention import segmented as sgm
 from condattn_jax.inference import Engine, cache_bytes

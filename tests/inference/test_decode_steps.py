@@ -3,14 +3,13 @@ dropping scatter; the unrolled decode's cuts (bookkeeping kept once, one fill a 
 o_proj, 2-row projections) decode what the scanned decode and the forward do."""
 import functools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import _programs
-from _train_helpers import random_params
+from _train_helpers import decoder_shapes, random_params
 from condattn_jax.inference import Engine
 from condattn_jax.models.config import ModelConfig
 from condattn_jax.models.decoder import Decoder
@@ -25,9 +24,7 @@ CFG = ModelConfig(family="qwen3", qk_norm="head", num_layers=2, vocab_size=64, h
 def _host_params(cfg, seed):
   """Host random params of cfg's init shapes (eval_shape: no init program compiled; norm scales
   1 + N(0, 0.1), other leaves N(0, 0.1): _train_helpers.random_params)."""
-  shapes = jax.eval_shape(lambda: nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(0),
-                                                             jnp.zeros((1, 8), jnp.int32))))
-  return random_params(shapes["params"], seed)
+  return random_params(decoder_shapes(cfg), seed)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ forward over the same tokens, prompt and generated apart; segmented's engine pic
 prefill chunk itself."""
 import os
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,8 +16,7 @@ from condattn_jax import attention
 from condattn_jax.data.tokenizer import load_tokenizer
 from condattn_jax.inference import Engine, sampling
 from condattn_jax.inference.text import TextStream
-from condattn_jax.models.decoder import Decoder
-from tests._train_helpers import ROOT, random_params
+from tests._train_helpers import ROOT, decoder_shapes, random_params
 from tests.inference.test_inference import PROMPTS, _dense, _l2a
 
 TOKENIZER = os.path.join(ROOT, "tests", "fixtures", "tokenizer", "qwen")  # 393 ids, byte-level
@@ -276,9 +274,7 @@ def test_dense_has_no_routing_stats(dense):
 def _host_params(cfg, seed=0):
   """Host random params of cfg's init shapes (eval_shape: no init program compiled; norm scales
   1 + N(0, 0.1), other leaves N(0, 0.1))."""
-  shapes = jax.eval_shape(lambda: nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(0),
-                                                             jnp.zeros((1, 8), jnp.int32))))
-  return random_params(shapes["params"], seed=seed)
+  return random_params(decoder_shapes(cfg), seed=seed)
 
 
 def test_segmented_engine_picks_a_valid_prefill_chunk():
