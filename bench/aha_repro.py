@@ -232,6 +232,9 @@ PRESETS["cpu_pairs_pre"] = dataclasses.replace(
 PRESETS["tiny_pairs_pre"] = dataclasses.replace(
     PRESETS["tiny_pairs"], layout="qwen3", pretrain_steps=2, dense_gate=0.0, dense_check_every=2,
     dense_schedule="constant", dense_lrs=(1e-3, 3e-4), select_rows=8)
+# bench/aha_batched_gpu.sh's CPU dry run (SERIAL=1): tiny_pairs_pre on the three seeds its lanes
+# hold (every seed with the lambda sweep, as h100_pairs_pre)
+PRESETS["tiny_pairs_pre3"] = dataclasses.replace(PRESETS["tiny_pairs_pre"], seeds=(0, 1, 2))
 PRESETS["tiny_pairs_gated"] = dataclasses.replace(
     PRESETS["tiny_pairs"], dense_steps=2, dense_gate=0.0, dense_check_every=2,
     dense_schedule="constant", dense_lrs=(1e-3, 3e-4), select_rows=8)
