@@ -127,6 +127,11 @@ def aha_doc_repro_gpu_pairs_pre(rec, run):
   return quotes(rec)
 
 
+@quote("docs/schemes/aha.md", "aha_repro_NVIDIA_H200.json", run="h100_pairs_pre_plateau")
+def aha_doc_repro_gpu_pairs_pre_plateau(rec, run):
+  return quotes(rec)
+
+
 @claim("aha_repro_plateau_probe", run="*")
 def plateau_probe_verdicts_follow_from_its_curves(rec, run):
   """The until-plateau probe's record is honest: every check's 'moved' is `plateau` re-applied to
