@@ -275,16 +275,6 @@ def test_dry_run_on_fake_devices(capsys):
   assert "params: total" in out and "model: qwen2, 2 layers" in out
 
 
-def test_sharded_train_step_exports_for_tpu():
-  c = tiny()
-  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 2, 2, 2
-  setup = loop.build(c)
-  exp = loop.export_train_step(setup, "tpu")
-  assert exp.platforms == ("tpu",)
-  assert exp.nr_devices == 8
-  assert len(exp.mlir_module_serialized) > 0
-
-
 # ---------------------------------------------------------------------- Hugging Face init
 def test_init_from_hf_checkpoint_then_train(tmp_path):
   from condattn_jax.convert import load_hf_checkpoint
