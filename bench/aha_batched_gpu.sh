@@ -23,6 +23,7 @@ PY=${PY:-python}
 SERIAL=${SERIAL:-0}
 WORKERS=${WORKERS:-15}   # batch-making processes a lane (64 cores on 4 GPUs)
 SEEDS=(${SEEDS:-0 1 2})
+POLL_S=${POLL_S:-10}   # how often a waiting lane looks for the unit it waits for
 mkdir -p "$W/logs" "$OUT"
 export PY PRESET WORKERS PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export CONDATTN_GIT_COMMIT=${CONDATTN_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
@@ -43,7 +44,7 @@ unit_json() { echo "$W/aha_repro_${PRESET}_s$1_$2.json"; }
 wait_for() {  # wait_for <file> <lane that writes it>: 0 once it exists, 1 if that lane ended without it
   while [ ! -e "$1" ]; do
     [ -e "$W/logs/lane$2.done" ] && { echo "gave up: lane $2 ended without $1"; return 1; }
-    sleep 10
+    sleep "$POLL_S"
   done
 }
 step() {  # step <label> <args of bench.aha_repro>: one process, its exit code logged
