@@ -15,10 +15,13 @@ through one harness (registering `tiny` is all a new scheme needs):
   aux                   every aux leaf has the layer axis first (model-level entries excepted)
   training              tests/schemes/test_training.py (the tiny recipes: loop and lowering)
 
-The tiny models are built and their Engines compiled once per module (shared fixtures).
+The tiny models are built and their Engines compiled once per module (shared fixtures); their
+dense starting params are drawn on the host (`host_init_dense`: the init's distributions, no
+init program compiled).
 The per-row cache insert / reset of continuous batching is not checked yet (no engine API).
 """
 import functools
+from unittest import mock
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +29,7 @@ import numpy as np
 import pytest
 
 import _programs
+from _train_helpers import host_init
 from condattn_jax import attention
 from condattn_jax.inference import Engine, cache_bytes
 from condattn_jax.models.decoder import Decoder
@@ -39,10 +43,24 @@ CACHE_LEN = 48
 CHUNKS = (None, 4)
 
 
+def host_init_dense(config, seed=0):
+  """`attention.init_dense`'s tree (config's dense base model, unboxed) drawn on the host from
+  the init's distributions (_train_helpers.host_init: kernels and embeddings N(0, INIT_STD),
+  norm scales 1, biases 0) instead of a jitted init (~1.3 CPU-s of compilation a config)."""
+  return host_init(config.replace(scheme="dense", scheme_kwargs=()), seed)
+
+
+def tiny_params(name, seed=0):
+  """Scheme.tiny's (config, make(seed)), the scheme's own conversion of dense params from
+  host_init_dense (tests/attention/test_aha_inference.py checks AHA's routing mix on these)."""
+  with mock.patch.object(attention, "init_dense", host_init_dense):
+    cfg, make = attention.get_scheme(name).tiny()
+    return cfg, make(seed)
+
+
 @functools.lru_cache(maxsize=None)
 def tiny(name):
-  cfg, make = attention.get_scheme(name).tiny()
-  return cfg, make(0)
+  return tiny_params(name, 0)
 
 
 @functools.lru_cache(maxsize=None)
