@@ -6,12 +6,12 @@ ONE full KV cache per layer, as large as the scheme's analytic count; routed-loc
 only the window of it; tau is a test-time knob of the served model."""
 import functools
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from _train_helpers import host_init
 from condattn_jax import attention
 from condattn_jax.attention import aha
 from condattn_jax.inference import Engine, cache_bytes
@@ -25,10 +25,10 @@ FAMILIES = {"qwen3": dict(qk_norm="head"), "olmo2": dict(qk_norm="full", post_no
 
 @functools.lru_cache(maxsize=None)
 def _dense(family):
-  """The dense model's (config, params), built once per family (attention.convert copies)."""
+  """The dense model's (config, params), built once per family (attention.convert copies); the
+  params drawn on the host from the init's distributions (host_init: no init program)."""
   cfg = ModelConfig(family=family, num_layers=3).replace(**FAMILIES[family])
-  tok = jnp.zeros((1, 8), jnp.int32)
-  return cfg, nn.unbox(jax.jit(Decoder(cfg).init)(jax.random.PRNGKey(3), tok)["params"])
+  return cfg, host_init(cfg, 3)
 
 
 def _aha(family="olmo2", **kw):
@@ -40,18 +40,33 @@ def _aha(family="olmo2", **kw):
   return acfg, ap
 
 
-def _full_forward(cfg, params, gen):
-  """One full forward over prompt + generated tokens (right-padded, padding = segment 0)."""
-  seqs = [prompt + gen.tokens[b][:-1] for b, prompt in enumerate(PROMPTS)]
+@functools.lru_cache(maxsize=None)
+def _gated_forward(cfg):
+  """(params, tokens, positions, segment_ids) -> (logits, the gates [L, B, T, N]) of Decoder(cfg),
+  jitted once per config (the same shapes share its program)."""
+  def run(params, tok, pos, seg):
+    (full, _), st = Decoder(cfg).apply({"params": params}, tok, pos, seg,
+                                       mutable=["intermediates"])
+    return full, st["intermediates"]["layers"]["gate"][0]
+  return jax.jit(run)
+
+
+def _rows(seqs):
+  """Right-padded rows (tokens, positions, segment ids; padding = segment 0)."""
   L = max(map(len, seqs))
   tok = np.zeros((len(seqs), L), np.int32)
   seg = np.zeros((len(seqs), L), np.int32)
   for b, s in enumerate(seqs):
     tok[b, :len(s)], seg[b, :len(s)] = s, 1
-  pos = np.broadcast_to(np.arange(L, dtype=np.int32), tok.shape)
-  (full, aux), st = Decoder(cfg).apply({"params": params}, jnp.asarray(tok), jnp.asarray(pos),
-                                       jnp.asarray(seg), mutable=["intermediates"])
-  return seqs, full, np.asarray(st["intermediates"]["layers"]["gate"][0]), seg
+  return tok, np.broadcast_to(np.arange(L, dtype=np.int32), tok.shape), seg
+
+
+def _full_forward(cfg, params, gen):
+  """One full forward over prompt + generated tokens (right-padded, padding = segment 0)."""
+  seqs = [prompt + gen.tokens[b][:-1] for b, prompt in enumerate(PROMPTS)]
+  tok, pos, seg = _rows(seqs)
+  full, gate = _gated_forward(cfg)(params, tok, pos, seg)
+  return seqs, full, np.asarray(gate), seg
 
 
 def _check(cfg, params, gen):
@@ -75,20 +90,18 @@ def test_generation_equals_full_forward_ragged(family, chunk, skip):
   assert (g.any(-1) & ~g.all(-1)).mean() > 0.3  # heads of one token disagree often
 
 
-def test_the_conformance_models_routing_is_a_real_mix():
+def test_the_conformance_models_routing_is_a_real_mix(monkeypatch):
   """tests/schemes checks generation on AHA's tiny model (OLMo-2, chunked and one-shot, with
-  decode_skip): its routing really serves both paths there."""
+  decode_skip; its dense params from host_init: test_conformance.tiny_params): its routing
+  really serves both paths there."""
   from condattn_jax.attention import get_scheme
+  monkeypatch.setattr(attention, "init_dense", lambda c, seed=0: host_init(
+      c.replace(scheme="dense", scheme_kwargs=()), seed))  # test_conformance.host_init_dense
   cfg, make = get_scheme("aha").tiny()
   params = make(0)
-  seqs = [p + [1, 2, 3, 4, 5, 6] for p in PROMPTS]
-  L = max(map(len, seqs))
-  tok = np.zeros((len(seqs), L), np.int32)
-  seg = np.zeros((len(seqs), L), np.int32)
-  for b, s in enumerate(seqs):
-    tok[b, :len(s)], seg[b, :len(s)] = s, 1
-  _, st = Decoder(cfg).apply({"params": params}, tok, None, seg, mutable=["intermediates"])
-  g = np.asarray(st["intermediates"]["layers"]["gate"][0])[:, seg.astype(bool)]  # [L, tokens, N]
+  seqs = [p + [1, 2, 3, 4, 5] for p in PROMPTS]  # the shapes of _full_forward's rows
+  tok, pos, seg = _rows(seqs)
+  g = np.asarray(_gated_forward(cfg)(params, tok, pos, seg)[1])[:, seg.astype(bool)]  # [L, tok, N]
   assert 0.2 < g.mean() < 0.8  # both paths really served
   assert (g.any(-1) & ~g.all(-1)).mean() > 0.3  # heads of one token disagree often
 
