@@ -22,6 +22,9 @@ from condattn_jax.models.decoder import Decoder
 
 RNG = np.random.default_rng(3)
 PROMPTS = [list(RNG.integers(1, 6, 29)), list(RNG.integers(1, 6, 22)), list(RNG.integers(1, 6, 9))]
+# the generation tests' batch: PROMPTS + a 4th row, as wide as serve's 4 slots (the chunk-5
+# engine's prefill and decode programs at 4 rows are shared with test_serve_with_padding_rows_...)
+ROWS = PROMPTS + [list(RNG.integers(1, 6, 14))]
 NEW = 7
 M = 4  # prefill_last: blocks holding the last 4 prompt positions retrieve
 
@@ -71,9 +74,9 @@ def _serving(cfg, params, seqs, prompt_lengths):
 
 @pytest.fixture(scope="module")
 def generated(model):
-  """Engine.generate(PROMPTS, NEW) in 5-token prefill calls over 3-token blocks, with logits."""
+  """Engine.generate(ROWS, NEW) in 5-token prefill calls over 3-token blocks, with logits."""
   cfg, params = model
-  return Engine(cfg, params, cache_len=48, prefill_chunk=5).generate(PROMPTS, NEW,
+  return Engine(cfg, params, cache_len=48, prefill_chunk=5).generate(ROWS, NEW,
                                                                      return_logits=True)
 
 
@@ -84,9 +87,9 @@ def test_generation_equals_the_serving_forward_with_last_m_retrieval(model, gene
   test_prefill_builds_aux_rows_for_the_last_m_blocks_only."""
   cfg, params = model
   gen = generated
-  seqs = [p + g[:-1] for p, g in zip(PROMPTS, gen.tokens)]
-  full = np.asarray(_serving(cfg, params, seqs, [len(p) for p in PROMPTS]))
-  for b, p in enumerate(PROMPTS):
+  seqs = [p + g[:-1] for p, g in zip(ROWS, gen.tokens)]
+  full = np.asarray(_serving(cfg, params, seqs, [len(p) for p in ROWS]))
+  for b, p in enumerate(ROWS):
     want = full[b, len(p) - 1:len(seqs[b])]
     np.testing.assert_allclose(gen.logits[b], want, atol=1e-4, rtol=0)
     assert gen.tokens[b] == list(want.argmax(-1))
@@ -195,10 +198,10 @@ def test_prefill_call_holds_one_cond_a_layer_and_no_per_block_kv_outside_it(mode
   from jax.extend.core import jaxprs_in_params
   cfg, params = model
   eng = Engine(cfg, params, cache_len=48, prefill_chunk=12)
-  gen = eng.generate(PROMPTS, NEW, return_logits=True)
-  seqs = [p + g[:-1] for p, g in zip(PROMPTS, gen.tokens)]
-  full = np.asarray(_serving(cfg, params, seqs, [len(p) for p in PROMPTS]))
-  for b, p in enumerate(PROMPTS):
+  gen = eng.generate(ROWS, NEW, return_logits=True)   # ROWS: the serving forward's program of
+  seqs = [p + g[:-1] for p, g in zip(ROWS, gen.tokens)]   # the generation test
+  full = np.asarray(_serving(cfg, params, seqs, [len(p) for p in ROWS]))
+  for b, p in enumerate(ROWS):
     np.testing.assert_allclose(gen.logits[b], full[b, len(p) - 1:len(seqs[b])], atol=1e-4, rtol=0)
 
   B, C = 1, 12
@@ -327,12 +330,13 @@ def test_serve_with_padding_rows_equals_generation(model, generated):
   no chunk to retrieve: the host's fact leaves it out, and so does the refusal) in 5-token
   prefill calls: each request's tokens are what generate gives it (its row of the `generated`
   batch, which test_generation_equals_the_serving_forward_with_last_m_retrieval checks against
-  the serving forward)."""
+  the serving forward; that batch's 4th row makes it as wide as the 4 slots: one set of
+  programs)."""
   cfg, params = model
   eng = Engine(cfg, params, cache_len=48, prefill_chunk=5)
   assert not dict(eng._prefill_fields(0, 5, [len(PROMPTS[1]), 0]))["match_call_retrieves"]
   got = eng.serve(PROMPTS, NEW, slots=4)
-  assert got.tokens == generated.tokens, got.tokens
+  assert got.tokens == generated.tokens[:len(PROMPTS)], got.tokens
 
 
 def test_prefill_loop_reads_nothing_back_and_compiles_nothing_new(model2, monkeypatch):
