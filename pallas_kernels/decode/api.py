@@ -37,7 +37,9 @@ The plan the kernels share (`plan`):
   part gets when the (row, kv head) reads the whole cache), computed in the kernel; the others
   write an empty part without loading anything. A call whose reads sit in a few (row, kv
   head)s (an AHA layer's full heads, an L2A row routed global) spreads them over the GPU
-  instead of over a fixed number of programs each.
+  instead of over a fixed number of programs each. A windowed call sizes its parts by the tiles
+  a window spans (`tiles_bound`), not by the cache: an AHA head routed local over a 128K cache
+  reads a few tiles, in one part.
 
 impl: 'reference' (dense, `reference_decode_attention`), 'mosaic_gpu' (Hopper: TMA K/V pipeline
 with a memory warpgroup, wgmma), 'mosaic_tpu' (scalar-prefetched tile runs), each by name;
@@ -124,6 +126,17 @@ def num_parts(B: int, K: int, ntiles: int, cfg: DecodeConfig, programs: int | No
 def max_parts(B: int, K: int, ntiles: int, cfg: DecodeConfig) -> int:
   """Mosaic GPU's static parts per (row, kv head): num_parts with max_programs."""
   return num_parts(B, K, ntiles, cfg, programs=cfg.max_programs)
+
+
+def tiles_bound(ntiles: int, T: int, block_k: int, window, sinks: int, has_lists: bool) -> int:
+  """The parts' sizing tiles: ntiles, or for a windowed call without block lists the tiles a
+  (row, kv head) reads when its slots hold consecutive positions (a decode's cache): its T
+  queries' windows span window + T - 1 slots, i.e. at most ceil((window + T - 1) / block_k) + 1
+  tiles, plus ceil(sinks / block_k) sink tiles. It sizes P only: a (row, kv head) whose runs hold
+  more tiles (positions out of slot order) still reads them all, over fewer parts."""
+  if window is None or has_lists:
+    return ntiles
+  return min(ntiles, -(-(window + T - 1) // block_k) + 1 + -(-sinks // block_k))
 
 
 def part_tiles(ntiles: int, P: int, cfg: DecodeConfig) -> int:
@@ -396,7 +409,7 @@ def decode_attention(q_BTNH, k_BSKH, v_BSKH, *, q_positions_BT, kv_positions_BS,
       q_BTNH, k_BSKH, q_positions_BT=q_positions_BT, kv_positions_BS=kv_positions_BS,
       kv_lengths_B=kv_lengths_B, kv_valid_BS=kv_valid_BS, active=active, window=window,
       sinks=sinks, block_k=bk, rows=rows, **lists_kw)
-  ntiles = num_tiles(S, bk)
+  ntiles = tiles_bound(num_tiles(S, bk), T, bk, window, sinks, has_lists)
   if impl == "mosaic_gpu" and config.balance:
     P = max_parts(B, K, ntiles, config)
     counts = dict(part_tiles=part_tiles(ntiles, P, config))

@@ -283,6 +283,43 @@ def test_mosaic_gpu_parts_follow_each_kv_heads_reads():
     assert float(jnp.abs(ref.astype(jnp.float32)).max()) > 0
 
 
+def test_a_windowed_call_sizes_its_parts_by_the_window_not_the_cache():
+  """tiles_bound: a windowed call (no block lists) sizes its parts by the tiles its queries'
+  windows span over consecutive positions (AHA's local heads over a 128K full cache: 3 tiles of
+  64 slots, so one part per (row, kv head), not max_parts' 64 empty ones to launch and merge);
+  sinks add theirs; no window or block lists: the cache's tiles. The bound sizes P only: with
+  positions out of slot order (a permutation: the window's keys scattered over the whole cache)
+  one part reads every tile of the (row, kv head)'s runs and the kernel (interpret) == the
+  reference."""
+  assert api.tiles_bound(2048, 1, 64, 128, 0, False) == 3    # ceil(128 / 64) + 1
+  assert api.tiles_bound(2048, 64, 64, 128, 0, False) == 4   # a chunk of 64: 191 slots
+  assert api.tiles_bound(2048, 1, 64, 128, 4, False) == 4    # + the sink tile
+  assert api.tiles_bound(2048, 1, 64, None, 0, False) == 2048
+  assert api.tiles_bound(2048, 1, 64, 128, 0, True) == 2048  # block lists: the cache's tiles
+  assert api.tiles_bound(2, 1, 64, 128, 0, False) == 2       # never more than the cache
+  cfg = dk.DecodeConfig()
+  assert api.max_parts(1, 16, api.tiles_bound(2048, 1, 64, 128, 0, False), cfg) == 1
+  assert api.max_parts(1, 16, 2048, cfg) == 64
+  q, k, v, kw = _problem(B=1, T=1, N=2, K=1, S=1024, lengths=(1024,), seed=7)
+  del kw["kv_lengths_B"]
+  kw["kv_positions_BS"] = (jnp.arange(1024, dtype=jnp.int32)[None] * 7) % 1024  # a permutation
+  kw["kv_valid_BS"] = jnp.ones((1, 1024), jnp.int32)
+  kw.update(q_positions_BT=jnp.asarray([[1023]], jnp.int32), window=100)
+  _, _, runs, _ = jax.jit(lambda q, kw: api.plan(q, k, active=None, sinks=0, block_k=64, rows=64,
+                                                 kv_lengths_B=None, **kw))(q, kw)
+  assert int(api.num_entries(tuple(runs[..., i] for i in range(4)))[0, 0]) > 8  # runs > bound
+  from pallas_kernels.decode import mosaic_gpu
+  parts, run = [], mosaic_gpu.decode_parts
+  ref = _decode(q, k, v, **kw)
+  with pytest.MonkeyPatch.context() as mp:   # the grid decode_attention asks for
+    mp.setattr(mosaic_gpu, "decode_parts",
+               lambda *a, **kw: parts.append(kw["parts"]) or run(*a, **kw))
+    out = _decode(q, k, v, impl="mosaic_gpu", interpret=True, **kw)
+  assert parts == [1]   # 16 tiles of cache: 2 parts by the cache's count
+  _close(out, ref)
+  assert float(jnp.abs(ref.astype(jnp.float32)).max()) > 0
+
+
 # ------------------------------------------------------------------------------------------------
 # condattn_jax.ops: auto runs the decode kernel where cuDNN's decode path cannot
 # ------------------------------------------------------------------------------------------------
