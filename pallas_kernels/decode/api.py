@@ -434,7 +434,10 @@ def decode_attention(q_BTNH, k_BSKH, v_BSKH, *, q_positions_BT, kv_positions_BS,
       window=window, sinks=sinks, parts=P, out_rows=out_rows, block_k=bk,
       num_stages=config.num_stages, interpret=interpret, lists=lists,
       per_block=list_block_k // bk if has_lists else 1, **counts)
-  o_BKRH = merge_decode_parts(o_BKPRH.astype(jnp.float32), lse_BKPR, axis=2)
+  if P == 1:   # one part: the kernel's output is final (an empty part wrote zeros)
+    o_BKRH = o_BKPRH[:, :, 0]
+  else:
+    o_BKRH = merge_decode_parts(o_BKPRH.astype(jnp.float32), lse_BKPR, axis=2)
   return unfold_rows(o_BKRH, T, N).astype(q_BTNH.dtype)
 
 

@@ -290,7 +290,7 @@ def test_a_windowed_call_sizes_its_parts_by_the_window_not_the_cache():
   sinks add theirs; no window or block lists: the cache's tiles. The bound sizes P only: with
   positions out of slot order (a permutation: the window's keys scattered over the whole cache)
   one part reads every tile of the (row, kv head)'s runs and the kernel (interpret) == the
-  reference."""
+  reference; with one part the kernel's output is final (no merge), an inactive row's zeros."""
   assert api.tiles_bound(2048, 1, 64, 128, 0, False) == 3    # ceil(128 / 64) + 1
   assert api.tiles_bound(2048, 64, 64, 128, 0, False) == 4   # a chunk of 64: 191 slots
   assert api.tiles_bound(2048, 1, 64, 128, 4, False) == 4    # + the sink tile
@@ -300,12 +300,14 @@ def test_a_windowed_call_sizes_its_parts_by_the_window_not_the_cache():
   cfg = dk.DecodeConfig()
   assert api.max_parts(1, 16, api.tiles_bound(2048, 1, 64, 128, 0, False), cfg) == 1
   assert api.max_parts(1, 16, 2048, cfg) == 64
-  q, k, v, kw = _problem(B=1, T=1, N=2, K=1, S=1024, lengths=(1024,), seed=7)
+  q, k, v, kw = _problem(B=2, T=1, N=2, K=1, S=1024, lengths=(1024, 1024), seed=7)
   del kw["kv_lengths_B"]
-  kw["kv_positions_BS"] = (jnp.arange(1024, dtype=jnp.int32)[None] * 7) % 1024  # a permutation
-  kw["kv_valid_BS"] = jnp.ones((1, 1024), jnp.int32)
-  kw.update(q_positions_BT=jnp.asarray([[1023]], jnp.int32), window=100)
-  _, _, runs, _ = jax.jit(lambda q, kw: api.plan(q, k, active=None, sinks=0, block_k=64, rows=64,
+  perm = (jnp.arange(1024, dtype=jnp.int32)[None] * 7) % 1024  # a permutation of the slots
+  kw["kv_positions_BS"] = jnp.concatenate([perm, perm])
+  kw["kv_valid_BS"] = jnp.ones((2, 1024), jnp.int32)
+  kw.update(q_positions_BT=jnp.asarray([[1023], [1023]], jnp.int32), window=100,
+            active=jnp.asarray([[True], [False]]))   # row 1: an empty part, no merge: zeros
+  _, _, runs, _ = jax.jit(lambda q, kw: api.plan(q, k, sinks=0, block_k=64, rows=64,
                                                  kv_lengths_B=None, **kw))(q, kw)
   assert int(api.num_entries(tuple(runs[..., i] for i in range(4)))[0, 0]) > 8  # runs > bound
   from pallas_kernels.decode import mosaic_gpu
@@ -317,7 +319,8 @@ def test_a_windowed_call_sizes_its_parts_by_the_window_not_the_cache():
     out = _decode(q, k, v, impl="mosaic_gpu", interpret=True, **kw)
   assert parts == [1]   # 16 tiles of cache: 2 parts by the cache's count
   _close(out, ref)
-  assert float(jnp.abs(ref.astype(jnp.float32)).max()) > 0
+  assert float(jnp.abs(ref[0].astype(jnp.float32)).max()) > 0
+  assert float(jnp.abs(out[1].astype(jnp.float32)).max()) == 0.0
 
 
 # ------------------------------------------------------------------------------------------------
