@@ -519,13 +519,16 @@ OPTION_SETS = {**CB_MODES,
 # pallas_kernels.decode.BACKENDS while tracing), instead of part_count's parts in proportion to
 # each (row, kv head)'s reads. 'stages3': the decode backends with DecodeConfig(num_stages=3)
 # (three K/V tiles in flight a program instead of two).
-TRACE_SETS = ("refattn", "noskip", "stepskip", "evensplit", "stages3")
-DECODE_CONFIG_SETS = {"evensplit": dict(balance=False), "stages3": dict(num_stages=3)}
+# 'cacheparts': a windowed decode call's parts sized by the cache's tiles, the sizing before
+# pallas_kernels.decode.tiles_bound (DecodeConfig(window_parts=False)).
+TRACE_SETS = ("refattn", "noskip", "stepskip", "evensplit", "stages3", "cacheparts")
+DECODE_CONFIG_SETS = {"evensplit": dict(balance=False), "stages3": dict(num_stages=3),
+                      "cacheparts": dict(window_parts=False)}
 
 
 def trace_context(sets):
-  """The context a variant's engine step is traced in: TRACE_SETS' 'evensplit' / 'stages3'
-  give the decode backends their DECODE_CONFIG_SETS fields, with jax's trace caches cleared on
+  """The context a variant's engine step is traced in: TRACE_SETS' 'evensplit' / 'stages3' /
+  'cacheparts' give the decode backends their DECODE_CONFIG_SETS fields, with jax's trace caches cleared on
   entry and exit (the engine's jitted step is cached per (config, cache_len), which the
   backends' config is not part of). Otherwise nothing."""
   import contextlib

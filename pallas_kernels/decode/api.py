@@ -77,6 +77,8 @@ class DecodeConfig:
   uses up to that many, `part_count`); target_programs: the total programs `num_parts` aims
   for; max_programs: the grid `max_parts` aims for (Mosaic GPU); balance: Mosaic GPU splits by
   `part_count` (False: `num_parts` parts each, the previous split);
+  window_parts: a windowed call sizes its parts by the tiles its window spans (`tiles_bound`;
+  False: by the cache's tiles, the previous sizing);
   min_tiles_per_part: the fewest tiles a part gets (a part's partial output is written and
   merged: bytes a tiny part would spend on that instead of K/V); over_cudnn: condattn_jax.ops'
   auto runs this backend for the decode calls cuDNN's decode path also takes (a full cache
@@ -88,6 +90,7 @@ class DecodeConfig:
   target_programs: int = 264
   max_programs: int = 1024
   balance: bool = True
+  window_parts: bool = True
   min_tiles_per_part: int = 8
   over_cudnn: bool = False
 
@@ -409,7 +412,9 @@ def decode_attention(q_BTNH, k_BSKH, v_BSKH, *, q_positions_BT, kv_positions_BS,
       q_BTNH, k_BSKH, q_positions_BT=q_positions_BT, kv_positions_BS=kv_positions_BS,
       kv_lengths_B=kv_lengths_B, kv_valid_BS=kv_valid_BS, active=active, window=window,
       sinks=sinks, block_k=bk, rows=rows, **lists_kw)
-  ntiles = tiles_bound(num_tiles(S, bk), T, bk, window, sinks, has_lists)
+  ntiles = num_tiles(S, bk)
+  if config.window_parts:
+    ntiles = tiles_bound(ntiles, T, bk, window, sinks, has_lists)
   if impl == "mosaic_gpu" and config.balance:
     P = max_parts(B, K, ntiles, config)
     counts = dict(part_tiles=part_tiles(ntiles, P, config))

@@ -318,6 +318,13 @@ def test_a_windowed_call_sizes_its_parts_by_the_window_not_the_cache():
                lambda *a, **kw: parts.append(kw["parts"]) or run(*a, **kw))
     out = _decode(q, k, v, impl="mosaic_gpu", interpret=True, **kw)
   assert parts == [1]   # 16 tiles of cache: 2 parts by the cache's count
+  with pytest.MonkeyPatch.context() as mp:   # the previous sizing (bench trace set 'cacheparts')
+    mp.setattr(mosaic_gpu, "decode_parts",
+               lambda *a, **kw: parts.append(kw["parts"]) or run(*a, **kw))
+    jax.jit(lambda q, k, v: dk.decode_attention(
+        q, k, v, impl="mosaic_gpu", interpret=True, config=dk.DecodeConfig(window_parts=False),
+        **kw)).lower(q, k, v)
+  assert parts == [1, 2]
   _close(out, ref)
   assert float(jnp.abs(ref[0].astype(jnp.float32)).max()) > 0
   assert float(jnp.abs(out[1].astype(jnp.float32)).max()) == 0.0
