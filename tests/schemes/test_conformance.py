@@ -10,6 +10,9 @@ through one harness (registering `tiny` is all a new scheme needs):
                         logits and tokens
   cache bytes           the Engine's cache bytes == `Scheme.kv_cache_bytes` at its cache_len,
                         the KVCache bookkeeping words (length / positions / valid) aside
+  routing statistics    Generation.stats per row (chunked prefill): L2A's / AHA's routed counts
+                        == the full forward's aux counts, prompt and generated apart; MATCH
+                        searches once a prefill call and once per block a decode step enters
   packed documents      two documents packed in one row (+ padding) give each document's own
                         outputs, or the scheme declares them refused (`packed_documents=False`)
   aux                   every aux leaf has the layer axis first (model-level entries excepted)
@@ -69,12 +72,22 @@ def engine(name, chunk):
   return Engine(cfg, params, cache_len=CACHE_LEN, prefill_chunk=chunk)
 
 
-def _rows(seqs):
+@functools.lru_cache(maxsize=None)
+def generated(name, chunk):
+  """engine(name, chunk)'s greedy generation of PROMPTS (NEW tokens, logits kept): the
+  generation and the routing-statistics checks read one run."""
+  return engine(name, chunk).generate(PROMPTS, NEW, return_logits=True)
+
+
+def _rows(seqs, lengths=None):
+  """(tokens, positions, segment ids) of the rows right-padded to the longest (padding: segment
+  0); lengths: each row's tokens (the rest of it is padding), default its length."""
   L = max(map(len, seqs))
   tok = np.zeros((len(seqs), L), np.int32)
   seg = np.zeros((len(seqs), L), np.int32)
   for b, s in enumerate(seqs):
-    tok[b, :len(s)], seg[b, :len(s)] = s, 1
+    n = len(s) if lengths is None else lengths[b]
+    tok[b, :n], seg[b, :n] = s[:n], 1
   pos = np.broadcast_to(np.arange(L, dtype=np.int32), tok.shape)
   return jnp.asarray(tok), jnp.asarray(pos), jnp.asarray(seg)
 
@@ -121,7 +134,7 @@ def test_to_and_from_dense(name):
 def test_generation_equals_the_declared_forward(name, chunk):
   cfg, params = tiny(name)
   eng = engine(name, chunk)
-  gen = eng.generate(PROMPTS, NEW, return_logits=True)
+  gen = generated(name, chunk)
   assert [len(t) for t in gen.tokens] == [NEW] * len(PROMPTS)
   seqs = [p + g[:-1] for p, g in zip(PROMPTS, gen.tokens)]
   first = eng.chunk_for(max(map(len, PROMPTS))) if chunk is None else chunk
@@ -131,6 +144,58 @@ def test_generation_equals_the_declared_forward(name, chunk):
     want = np.asarray(full[b, len(p) - 1:len(seqs[b])])
     np.testing.assert_allclose(gen.logits[b], want, atol=1e-4, rtol=0)
     assert gen.tokens[b] == list(want.argmax(-1))
+
+
+# -------------------------------------------------------------------------- routing statistics
+ROUTED_COUNTS = {"l2a": "global_tokens_B", "aha": "full_BN"}  # the aux's per-layer counts
+
+
+@pytest.mark.parametrize("name", sorted(ROUTED_COUNTS))
+def test_routing_stats_equal_the_full_forwards_counts(name):
+  """Generation.stats (chunked prefill: chunks of 4, rows ending mid-chunk): per row and layer,
+  the prompt's tokens and routed fraction (L2A: tokens routed global; AHA: full-attention usage
+  per head) == the full forward's aux counts over the prompt / len(prompt), and the generated
+  tokens' (the NEW - 1 fed back) == the forward over prompt + generated minus the prompt's;
+  the fractions are a real mix (the check can tell the paths apart). The forward: the
+  generation check's program (the same rows, right-padded to the same length)."""
+  cfg, params = tiny(name)
+  count = ROUTED_COUNTS[name]
+  gen = generated(name, 4)
+  seqs = [p + g[:-1] for p, g in zip(PROMPTS, gen.tokens)]
+  n = max(map(len, seqs))
+  aux = lambda rows: jax.device_get(_programs.apply(cfg)(params, *_rows(
+      [r + [0] * (n - len(r)) for r in rows], lengths=[len(r) for r in rows]))[1])
+  prompt, both = aux(PROMPTS), aux(seqs)
+  L = cfg.num_layers
+  for b, p in enumerate(PROMPTS):
+    st = gen.stats[b]
+    np.testing.assert_allclose(st["prompt"]["tokens"], [len(p)] * L)
+    np.testing.assert_allclose(st["prompt"][count], prompt[count][:, b] / len(p), atol=1e-6)
+    np.testing.assert_allclose(st["generated"]["tokens"], [NEW - 1] * L)
+    np.testing.assert_allclose(st["generated"][count],
+                               (both[count][:, b] - prompt[count][:, b]) / (NEW - 1), atol=1e-6)
+  frac = np.stack([s["prompt"][count] for s in gen.stats])
+  assert frac.shape[1] == L and 0 < frac.mean() < 1
+
+
+def test_match_stats_count_one_search_per_block_entered():
+  """MATCH's module stats (Generation.stats[...]['scheme'], chunked prefill in calls of 4): a
+  decode step searches (and recomputes the retrieved K/V) only when the row's token enters a
+  new block (positions p with p % chunk == 0); every prefill call searches; the chunks read
+  per call are at most the retrieval slots, and some are read (a real retrieval)."""
+  cfg, _ = tiny("match")
+  o = attention.options(cfg)
+  gen = generated("match", 4)
+  read = 0.0
+  for b, p in enumerate(PROMPTS):
+    pr, ge = gen.stats[b]["prompt"]["scheme"], gen.stats[b]["generated"]["scheme"]
+    assert pr["calls"] == pr["searches_B"] == -(-len(p) // 4)
+    fed = range(len(p), len(p) + len(gen.tokens[b]) - 1)
+    assert ge["calls"] == len(fed) == NEW - 1
+    assert ge["searches_B"] == sum(q % o.chunk == 0 for q in fed)
+    assert 0 <= ge["retrieved_B"] <= ge["calls"] * o.slots
+    read += ge["retrieved_B"]
+  assert read > 0
 
 
 # --------------------------------------------------------------------------------- cache bytes
