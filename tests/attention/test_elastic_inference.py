@@ -1,12 +1,16 @@
 """Elastic inference: the decision is made once (the first cached call: the prompt, or the first
 chunk) and cached in the layer's cache collection, equal to the full forward's decision with
-prompt_lengths = the pooled tokens, with a real FA / SSA mix. Greedy generation over ragged
-prompts (one-shot and chunked) == that full forward: tests/schemes/test_conformance.py."""
+prompt_lengths = the pooled tokens, with a real FA / SSA mix; the per-row generation stats hold
+that decision and the decode's skipped pairs. Greedy generation over ragged prompts (one-shot
+and chunked) == that full forward: tests/schemes/test_conformance.py."""
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from _train_helpers import host_init
 from condattn_jax import attention
 from condattn_jax.inference import Engine
 from condattn_jax.models.decoder import Decoder
@@ -21,10 +25,13 @@ SMALL = dict(block=4, sinks=4, local=8, boundary=3)
 
 @pytest.fixture(scope="module")
 def tiny():
-  """Elastic's tiny model (Scheme.tiny: the conformance suite's), made once for the module."""
+  """Elastic's tiny model (Scheme.tiny: the conformance suite's, its dense params drawn on the
+  host as there: test_conformance.host_init_dense), made once for the module."""
   from condattn_jax.attention import get_scheme
-  cfg, make = get_scheme("elastic").tiny()
-  return cfg, make(0)
+  with mock.patch.object(attention, "init_dense", lambda c, seed=0: host_init(
+      c.replace(scheme="dense", scheme_kwargs=()), seed)):
+    cfg, make = get_scheme("elastic").tiny()
+    return cfg, make(0)
 
 
 def _full_forward(cfg, params, seqs, pooled):
@@ -100,3 +107,40 @@ def test_served_xa_runs_xa_at_prefill_like_the_full_forward(tiny, modes):
   fulld, _ = _full_forward(dense, params, PROMPTS, [len(p) for p in PROMPTS])
   lastd = np.stack([np.asarray(fulld)[b, n - 1] for b, n in enumerate(lengths)])
   assert np.abs(lastd - last).max() > 1e-3
+
+
+def test_elastic_stats_hold_each_rows_cached_per_head_mode(tiny):
+  """Elastic's fa_BK (no token count: a per-row value) is the mean over the steps that ran
+  the row: the mode decided at the prefill, equal to the full forward's decision, for the prompt
+  and the generated tokens alike; its decode rho_BN (the causal pairs an SSA head skips) equals
+  the count from the sinks + local rule, 0 for FA heads."""
+  from _train_helpers import decoder_shapes, random_params
+  cfg, _ = tiny
+  base = cfg.replace(scheme="dense", scheme_kwargs=())  # the tiny's make on host random params
+  _, params = attention.convert(random_params(decoder_shapes(base), 3), base, "elastic",
+                                **dict(cfg.scheme_kwargs))  # (N(0, 0.1): every row has SSA heads)
+  r = params["layers"]["router"]["router_fc3"]  # a sharpened router: a real FA / SSA mix
+  r["kernel"] = r["kernel"] * 300.0
+  ROWS = PROMPTS  # the shapes of test_prefill_decides_once_like_the_full_forward: its programs
+  gen = Engine(cfg, params, cache_len=32).generate(ROWS, 5)
+  _, fa_LBK = _full_forward(cfg, params, ROWS, [len(p) for p in ROWS])
+  assert 0 < fa_LBK.mean() < 1  # a real FA / SSA mix
+  for b in range(len(ROWS)):
+    for part in ("prompt", "generated"):
+      np.testing.assert_array_equal(gen.stats[b][part]["fa_BK"], fa_LBK[:, b])
+  # decode rho: per generated token at position p, an SSA head sees the keys j <= p in the sink
+  # blocks (j < ceil(sinks / block) * block) or the local blocks (j // block > p // block -
+  # max(local // block, 1)), out of p + 1; FA heads skip nothing; averaged over the steps
+  o = attention.options(cfg)
+  n_sink, n_local = -(-o.sinks // o.block), max(o.local // o.block, 1)
+  G = cfg.num_heads // cfg.num_kv_heads
+  for b, p0 in enumerate(len(r) for r in ROWS):
+    rho_p = []
+    for p in range(p0, p0 + 4):  # the 4 generated tokens fed back
+      j = np.arange(p + 1)
+      seen = ((j < n_sink * o.block) | (j // o.block > p // o.block - n_local)).sum()
+      rho_p.append(1 - seen / (p + 1))
+    ssa_LN = np.repeat(fa_LBK[:, b] < 0.5, G, axis=1)
+    np.testing.assert_allclose(gen.stats[b]["generated"]["rho_BN"],
+                               np.where(ssa_LN, np.mean(rho_p), 0.0), atol=1e-6)
+    assert gen.stats[b]["generated"]["rho_BN"].max() > 0.1  # past the sinks + local window
