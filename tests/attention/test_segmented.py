@@ -192,7 +192,9 @@ def _grads_two_back(*Ks):
   convert = lambda K: attention.convert(dp, cfg, "segmented",
                                         **{**OPTS, "tbptt": K, "remat_segments": False})
   cfgs, params = zip(*map(convert, Ks))
-  grads = jax.jit(lambda ps: [jax.grad(functools.partial(loss, c))(p)["embed_tokens"]["embedding"]
+  # d loss / d embeddings only (the other params closed over: no weight cotangents traced)
+  emb = lambda c, p: lambda e: loss(c, {**p, "embed_tokens": {**p["embed_tokens"], "embedding": e}})
+  grads = jax.jit(lambda ps: [jax.grad(emb(c, p))(p["embed_tokens"]["embedding"])
                               for c, p in zip(cfgs, ps)])(list(params))
   return [(float(jnp.abs(g[1:10]).max()), float(jnp.abs(g[10:20]).max())) for g in grads]
 
