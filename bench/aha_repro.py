@@ -1075,6 +1075,46 @@ def record_arm_step(rows, settings, out_dir, **run_kw) -> str:
   return path
 
 
+def plot_curves(path: str, run: str, out: str) -> str:
+  """PNG of a recorded run's headline arms (lambda s.lam at every window, every seed): the
+  training curves of mu_f (log scale) and accuracy against the step, the recipe's end marked
+  (an arm under the until-plateau rule goes on at its end lr after it, to plateau or the cap).
+  path: a results file (bench/results/aha_repro_<device>.json); run: its settings' name."""
+  import matplotlib
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt
+  runs = [r for r in common.load(path)["runs"] if r["settings"].get("name") == run]
+  if not runs:
+    raise ValueError(f"{path}: no run named {run!r}")
+  rec = runs[-1]["recorded"]
+  s = rec["settings"]
+  lam = str(s["lam"])
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+  colors = plt.get_cmap("viridis")(np.linspace(0, 0.9, len(s["windows"])))
+  for w, c in zip(s["windows"], colors):
+    for i, seed in enumerate(rec["seeds"]):
+      arm = seed.get(str(w), {}).get("lams", {}).get(lam)
+      if arm is None:
+        continue
+      for ax, key in zip(axes, ("aha/mu_f", "accuracy")):
+        xs, ys = zip(*arm["curves"][key])
+        ax.plot(xs, ys, color=c, lw=1, alpha=0.8, label=f"window {w}" if i == 0 else None)
+  for ax, name in zip(axes, ("mu_f (training batches)", "accuracy (training batches)")):
+    ax.axvline(s["aha_steps"], color="gray", ls="--", lw=1)
+    ax.set_xlabel("AHA step")
+    ax.set_ylabel(name)
+  axes[0].set_yscale("log")
+  axes[1].set_ylim(0.9, 1.005)
+  axes[0].legend(fontsize=8)
+  cap = s.get("aha_cap") or s["aha_steps"]
+  fig.suptitle(f"aha_repro run {run}: headline arms (lambda {lam}), {len(rec['seeds'])} seeds; "
+               f"recipe end at step {s['aha_steps']} (dashed), cap {cap}", fontsize=10)
+  fig.tight_layout()
+  fig.savefig(out, dpi=110)
+  plt.close(fig)
+  return out
+
+
 FLAGS = common.flag_values()
 rc.define_flags(FLAGS, PRESETS, "docs/schemes/aha.md")
 flags.DEFINE_list("arms", None, "with --work_dir and --seeds: these arm units of every seed "
@@ -1087,10 +1127,19 @@ flags.DEFINE_list("arm_step_ms", None, "no training: time the batched arm progra
                   "(arm_step_ms); prints one JSON line a row", flag_values=FLAGS)
 flags.DEFINE_list("arm_step_k", ["1", "4"], "--arm_step_ms: the arm counts K", flag_values=FLAGS)
 flags.DEFINE_integer("arm_step_steps", 200, "--arm_step_ms: timed steps a row", flag_values=FLAGS)
+flags.DEFINE_string("plot", None, "no training: the PNG of a recorded run's headline-arm curves "
+                    "(plot_curves) from --plot_from, run name = this, into "
+                    "--out_dir/aha_repro_<run>_curves.png", flag_values=FLAGS)
+flags.DEFINE_string("plot_from", "bench/results/aha_repro_NVIDIA_H200.json", "--plot: the "
+                    "results file", flag_values=FLAGS)
 
 
 def main(argv=None):
   a = common.parse_flags(FLAGS, argv)
+  if a.plot:
+    out = os.path.join(a.out_dir or "bench/results", f"aha_repro_{a.plot}_curves.png")
+    print(f"wrote {plot_curves(a.plot_from, a.plot, out)}")
+    return out
   if a.arm_step_ms:
     rows = arm_step_ms(a.preset, a.arm_step_k, a.arm_step_ms, steps=a.arm_step_steps)
     record_arm_step(rows, dict(preset=a.preset, impls=list(a.arm_step_ms),
