@@ -232,9 +232,23 @@ def apply_fn(name):
 
 
 A, B = PROMPTS[0][:11], PROMPTS[1][:7]
-PACKED = (jnp.asarray([A + B + [0, 0]], jnp.int32),                                     # tokens
-          jnp.asarray([list(range(len(A))) + list(range(len(B))) + [0, 0]], jnp.int32),  # positions
-          jnp.asarray([[1] * len(A) + [2] * len(B) + [0, 0]], jnp.int32))               # segments
+FWD_LEN = max(map(len, PROMPTS)) + NEW - 1  # the generation check's forward rows: [3, FWD_LEN]
+
+
+def _doc_rows(*docs):
+  """One row: the documents packed (segments 1, 2, ..., positions restarting at 0 in each),
+  then padding (segment 0) to FWD_LEN."""
+  tok = [t for d in docs for t in d]
+  pos = [i for d in docs for i in range(len(d))]
+  seg = [k + 1 for k, d in enumerate(docs) for _ in d]
+  pad = [0] * (FWD_LEN - len(tok))
+  return tok + pad, pos + pad, seg + pad
+
+
+# rows: A and B packed, A alone, B alone (rows never attend to each other): one call, at the
+# shapes of the generation check's forward (the schemes whose declared forward is the decoder's
+# apply share its program)
+PACKED = tuple(jnp.asarray(x, jnp.int32) for x in zip(_doc_rows(A, B), _doc_rows(A), _doc_rows(B)))
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -247,14 +261,10 @@ def test_packed_documents_are_independent(name):
     run = lambda *x: apply_fn(name)(*x)[0]
   else:
     run = jax.jit(lambda t, p, g: s.forward(Decoder(cfg), params, t, p, g)[0])
-  packed = np.asarray(run(*PACKED))
-  L = PACKED[0].shape[1]
-  for doc, lo in ((A, 0), (B, len(A))):  # alone: the document, then padding to the same length
-    pad = [0] * (L - len(doc))              # (one compiled program for the three rows)
-    alone = np.asarray(run(jnp.asarray([doc + pad], jnp.int32),
-                           jnp.asarray([list(range(len(doc))) + pad], jnp.int32),
-                           jnp.asarray([[1] * len(doc) + pad], jnp.int32)))
-    np.testing.assert_allclose(packed[0, lo:lo + len(doc)], alone[0, :len(doc)], atol=1e-5)
+  out = np.asarray(run(*PACKED))
+  assert PACKED[2][0, len(A)] == 2 and out.shape[:2] == (3, FWD_LEN)
+  for row, doc, lo in ((1, A, 0), (2, B, len(A))):  # each document alone in its own row
+    np.testing.assert_allclose(out[0, lo:lo + len(doc)], out[row, :len(doc)], atol=1e-5)
 
 
 # ---------------------------------------------------------------------------------------- aux
