@@ -138,8 +138,11 @@ def test_local_heads_read_only_the_window():
   ok_out = eng.decode_step(jax.tree.map(jnp.copy, cache), tok, lengths, np.ones(3, bool), logits)[1]
   bad_out = eng.decode_step(bad, tok, lengths, np.ones(3, bool), logits)[1]
   np.testing.assert_allclose(bad_out, ok_out, atol=1e-5, rtol=0)
-  # ... and the same corruption does change a model whose heads go full
-  full_eng = Engine(attention.configure(cfg, "aha", routing="all"), params, cache_len=32)
+  # ... and the same corruption does change the learned-routing model (a real mix of full and
+  # local heads: the conformance tiny's construction, test_the_conformance_models_routing_
+  # is_a_real_mix), on the engine of test_one_full_cache_per_layer_and_its_bytes and the
+  # branch-free test (their programs)
+  full_eng = Engine(_aha()[0], params, cache_len=32)
   cache, logits, _ = full_eng.prefill(PROMPTS)
   cache = full_eng.stacked_cache(cache)
   bad = jax.tree.map(lambda x: x, cache)
