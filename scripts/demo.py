@@ -88,11 +88,22 @@ CI_PRESET: dict[str, dict[str, Any]] = {
     # at 600) against limits of L2A - 20 points (~80%) and 20%; L2A itself passes 55% train
     # accuracy by step 200, so a baseline that could route by content would show it.
     "l2a": dict(baseline_steps=200),
-    # Not shrunk (measured, seed 0): Elastic's router steps (the whole schedule shortened: at
-    # 150 steps the Omega gap is 18.6 points, a failed claim (>= 25); at 200, 41.2; at 300,
-    # 36.6: the edge is too close); AHA's 300 steps (at 150: usage at queries 34.4% vs 7.0%
-    # elsewhere, a failed claim (>= 5x); at 300: 28.1% vs 0.4%); MATCH's own 300 steps (an
-    # earlier run: 0.053 at step 200, 0.389 at 300).
+    # AHA: 200 AHA steps instead of 300 (seed 0, this host). 300 steps: mu_f 2.1% (limit 25%),
+    # usage at the queries 28.1% vs 0.4% elsewhere (limit 5x: 2.0%), AHA 100% vs dense 100%
+    # (limit -3 points), every head local 63.0% (limit AHA - 20 = 80%); 200 steps: mu_f 3.2%,
+    # 29.7% vs 1.4% (limit 7.0%), 100%, local 63.0%; tau 0.3 / 0.5 / 0.7: mu_f 50.0% / 3.2% /
+    # 0.0%. At 150 steps the usage claim fails (34.4% vs 7.0%, needs 5x), so the claim can
+    # still fail.
+    "aha": dict(aha_steps=200),
+    # Elastic: 200 router steps (the whole schedule) instead of 300. 300: Omega gap 36.6 points
+    # (limit 25), swapped -38.1 (limit -18.3), hidden |-3.0| (limit 9.2), recall 77.7% vs every
+    # head SSA 3.9% (limit +40 points); 200: gap 41.2 (limit 25), swapped -42.3 (limit -20.6),
+    # hidden |-2.4| (limit 10.3), recall 76.6%. At 150 steps the gap claim fails (18.6 points).
+    "elastic": dict(router_steps=200),
+    # Not shrunk (measured, seed 0): L2A's own 600 steps (at 400: 95.3% vs dense 99.3%, a failed
+    # claim); the segmented fine-tunes' 200 steps (at 100: aligned / full-attention reference 1.17
+    # and 1.24 at 2 and 4 segments, a failed claim (<= 1.10)); MATCH's own 300 steps (an earlier
+    # run: 0.053 at step 200, 0.389 at 300).
 }
 
 
@@ -266,7 +277,7 @@ def aha_section(workdir: str, steps: int | None, seed: int) -> Section:
   from condattn_jax import attention
   from condattn_jax.attention.aha import report as aha_report
   from condattn_jax.models.decoder import Decoder
-  s = dataclasses.replace(sweep.PRESETS["demo"], seed=seed)
+  s = dataclasses.replace(sweep.PRESETS["demo"], seed=seed, **_preset("aha"))
   if steps is not None:
     s = dataclasses.replace(s, aha_steps=steps)
   w = s.windows[0]
@@ -598,8 +609,9 @@ def elastic_section(workdir: str, steps: int | None, seed: int) -> Section:
   from bench import elastic_repro as er
   from condattn_jax.attention import configure, convert
   from condattn_jax.models.decoder import Decoder
+  router_steps = steps or _preset("elastic").get("router_steps", 300)
   s = dataclasses.replace(er.PRESETS["cpu"], seeds=(seed,), arms=("per_task",),
-                          targets=ELASTIC_TARGETS, router_steps=steps or 300, eval_rows=256,
+                          targets=ELASTIC_TARGETS, router_steps=router_steps, eval_rows=256,
                           log_every=50, **ELASTIC_LRS)
   task = er.InstructedRecall(s, seed)
   cfg = er.base_config(s, task)

@@ -1,9 +1,9 @@
-"""`make demo SCHEME=segmented | elastic | match` (scripts/demo.py): the three sections run once,
-in one process (`--scheme=segmented,elastic,match --preset=ci`, each into <workdir>/<scheme>),
-with a user's compile flags; every number checked below is measured by that run (the dense models of the
-segmented and Elastic sections come from tests/fixtures/{segmented,elastic}/, the rest trains
-here), and the margins are ones the run can miss. `--scheme=all` is the same loop over every
-section."""
+"""`make demo SCHEME=aha | segmented | elastic | match` (scripts/demo.py): the four sections run
+once, in one process (`--scheme=aha,segmented,elastic,match --preset=ci`, each into
+<workdir>/<scheme>; one jax start instead of two), with a user's compile flags; every number
+checked below is measured by that run (the dense models come from tests/fixtures/{aha,segmented,
+elastic}/, MATCH's train here), and the margins are ones the run can miss. `--scheme=all` is the
+same loop over every section; `make demo` itself (the L2A section alone): tests/cli/test_demo.py."""
 import json
 import os
 import re
@@ -12,7 +12,7 @@ import pytest
 
 from test_demo import _demo
 
-SECTIONS = ("segmented", "elastic", "match")
+SECTIONS = ("aha", "segmented", "elastic", "match")
 
 
 @pytest.fixture(scope="module")
@@ -42,6 +42,33 @@ def test_demo_sections_run_in_one_command_and_exit_0(demo_sections):
     assert f"[{i + 1}/{len(SECTIONS)}] make demo SCHEME={name}" in p.stdout
     assert re.search(rf"  {name} +all claims held", p.stdout), p.stdout[-2000:]
     assert ms[name]["scheme"] == name and ms[name]["run"]["cpu_seconds"] > 0
+
+
+@pytest.mark.slow
+def test_demo_aha_claims(demo_sections):
+  """`make demo SCHEME=aha`: the dense model (tests/fixtures/aha/, made by the demo's own dense
+  training: --dense_from_scratch), converted and AHA-trained; the numbers come from this run and
+  the margins can be missed."""
+  wd, p, ms = demo_sections
+  m = ms["aha"]
+  dense, aha, local = m["dense"], m["aha"], m["local_only_at_conversion"]
+  summary = dict(dense=dense["accuracy"], aha=aha["accuracy"], mu_f=aha["mu_f"],
+                 local=local["accuracy"], at_queries=aha["usage_at_queries"],
+                 elsewhere=aha["usage_elsewhere"])
+  assert dense["accuracy"] >= 0.95, summary
+  assert aha["accuracy"] >= dense["accuracy"] - 0.03, summary
+  assert aha["mu_f"] <= 0.25, summary  # most (token, head) pairs run the local window
+  assert local["accuracy"] <= aha["accuracy"] - 0.2, summary  # the window alone cannot answer
+  assert aha["usage_at_queries"] >= 5 * aha["usage_elsewhere"], summary
+  # tau is a test-time knob: a higher threshold sends fewer pairs to full attention
+  lo, hi = m["tau_knob"]["0.3"], m["tau_knob"]["0.7"]
+  assert lo["mu_f"] >= aha["mu_f"] >= hi["mu_f"] and lo["mu_f"] > hi["mu_f"], m["tau_knob"]
+  assert m["dense_source"] == "tests/fixtures/aha/fused_recall_dense.npz"
+  assert len(m["usage"]) == 2 and len(m["usage"][0]) == 4
+  assert os.path.getsize(os.path.join(wd, "aha", "aha_usage.png")) > 1000
+  _claims_held(m, p)
+  assert p.returncode == 0, (p.stdout[-3000:], p.stderr[-3000:])
+  assert "Verdict: AHA runs full attention for" in p.stdout
 
 
 @pytest.mark.slow
