@@ -147,9 +147,12 @@ def test_mqar_merge_joins_lr_jobs(tmp_path):
 
 def test_memory_bench_match_flat():
   """MATCH's K/V bytes are the same at two context lengths (only the raw tokens grow); the
-  dense rows (which grow) are what the GPU preset adds."""
+  dense rows (which grow) are what the GPU preset adds. No decode steps (new=0): the cache's
+  arrays are allocated by the engine at its cache length and keep their shapes through decode,
+  so the bytes are those after prefill; MATCH's decode step itself is tests/schemes' (generation
+  == the declared forward)."""
   s = match_memory.PRESETS["test"]
-  s = match_memory.dataclasses.replace(s, contexts=(32, 96), new=1)
+  s = match_memory.dataclasses.replace(s, contexts=(32, 96), new=0)
   r = match_memory.run(s, models=("match",), log=lambda *a: None)
   assert match_memory.check_flat(r) == []
   m32, m96 = r["rows"]
@@ -181,9 +184,9 @@ def test_answer_logits_and_chunked_accuracy_equal_the_full_logits():
   cfg = match_mqar.model_config(s, "swa", 64)
   model = match_mqar.Decoder(cfg)
   held = match_mqar.rows(match_mqar.task(s, 64), 0, 40, stream=1)
-  init = lambda k: nn.unbox(model.init(jax.random.PRNGKey(k),
-                                       jnp.zeros((1, 64), jnp.int32))["params"])
-  params = jax.tree.map(lambda *a: jnp.stack(a), init(0), init(1))
+  init = jax.jit(lambda k: nn.unbox(model.init(k, jnp.zeros((1, 64), jnp.int32))["params"]))
+  params = jax.tree.map(lambda *a: jnp.stack(a), init(jax.random.PRNGKey(0)),
+                        init(jax.random.PRNGKey(1)))  # one init program for both keys
   full = np.asarray(jax.jit(jax.vmap(lambda p, x: model.apply({"params": p}, x)[0],
                                     in_axes=(0, None)))(params, held["inputs"]))  # [M,N,T,V]
   ans = held["answers"]
