@@ -14,8 +14,8 @@ import pytest
 from bench import aha_elastic_repro_common as rc
 from bench import aha_repro as bench
 from bench import claims, common
-from _test_env import user_env
-from _train_helpers import PY, ROOT, subprocess_env
+from _test_env import training_env
+from _train_helpers import PY, ROOT, host_init, subprocess_env
 
 RECORDED = os.path.join(common.RESULTS, "aha_repro.json")
 CI_DENSE = os.path.join(ROOT, "tests", "fixtures", "repro_ci")
@@ -89,8 +89,9 @@ def test_plateau_and_judge():
 
 @pytest.fixture(scope="module")
 def fresh(tmp_path_factory):
-  """The CI preset run fresh through the CLI in a subprocess with a user's compile flags (the
-  suite's -O0 flags make its train steps ~2.7x slower) from its dense model in
+  """The CI preset run fresh through the CLI in a subprocess near a user's optimisation level
+  (_test_env.training_env, as tests/bench/test_elastic_repro.py's: the suite's -O0 flags make
+  its train steps ~2.7x slower; XLA's default -O2 compiles slower than -O1) from its dense model in
   tests/fixtures/repro_ci (the preset's 'dense' unit: its training is the part that needs no
   re-check here; test_ci_dense_fixture_is_the_presets says how to rewrite it): the w16
   unit and the static control, merged and judged as one run."""
@@ -102,8 +103,8 @@ def fresh(tmp_path_factory):
       shutil.copy(os.path.join(CI_DENSE, f), work)
   p = subprocess.run([PY, "-m", "bench.aha_repro", "--preset=ci", "--part=w16,static",
                       f"--work_dir={work}", f"--merge_parts={work}", f"--out_dir={out}"],
-                     cwd=ROOT, env=user_env(subprocess_env(1)), timeout=900, capture_output=True,
-                     text=True)
+                     cwd=ROOT, env=training_env(subprocess_env(1)), timeout=900,
+                     capture_output=True, text=True)
   assert p.returncode == 0, p.stderr[-3000:]
   path = common.result_path("aha_repro", str(out))
   return path, common.load(path)
@@ -164,16 +165,12 @@ def test_generated_usage_is_the_gates_of_the_generated_tokens():
   router bias +-10: every token takes the same choice per head): the per-head usage of the
   generated tokens is the split itself, mu_f its mean, and the engine ran rows x (n - 1) of them
   (the last generated token is never fed back)."""
-  import flax.linen as nn
   import jax
-  import jax.numpy as jnp
   from condattn_jax.attention import convert
-  from condattn_jax.models.decoder import Decoder
   s = bench.PRESETS["test"]
   task = bench.RestatedRecall(s, 16, seed=0)
   cfg = bench.base_config(s, task)
-  dense = jax.tree.map(np.asarray, nn.unbox(Decoder(cfg).init(
-      jax.random.key(0), jnp.zeros((1, s.seq_len), jnp.int32))["params"]))
+  dense = jax.tree.map(np.asarray, host_init(cfg, 0))  # any weights: the routing is static
   acfg, ap = convert(dense, cfg, "aha", window=16, tau=s.tau, lam=s.lam)
   heads = np.zeros((s.num_layers, s.num_heads), bool)
   heads[0, [0, 3]] = heads[2, 1] = True
@@ -306,17 +303,14 @@ def test_aha_arms_under_the_until_plateau_rule_record_it():
   held-out numbers at the recipe's end and a plateau flag that agrees with `stopped`; the
   fixed-step presets the CI runs (ci, cpu) keep the rule off."""
   import dataclasses
-  import flax.linen as nn
   import jax
-  import jax.numpy as jnp
-  from condattn_jax.models.decoder import Decoder
   assert bench.PRESETS["ci"].aha_cap == bench.PRESETS["cpu"].aha_cap == 0
   assert bench.PRESETS["h100"].aha_cap >= 4 * bench.PRESETS["h100"].aha_steps
   s = dataclasses.replace(bench.PRESETS["test"], aha_cap=9, plateau_check_every=2,
                           static_lrs=(1e-3,))
   task = bench.RestatedRecall(s, 16, seed=0)
-  dense = jax.tree.map(np.asarray, nn.unbox(Decoder(bench.base_config(s, task)).init(
-      jax.random.key(0), jnp.zeros((1, s.seq_len), jnp.int32))["params"]))
+  # an untrained dense model drawn on the host (the init's distributions, no init program)
+  dense = jax.tree.map(np.asarray, host_init(bench.base_config(s, task), 0))
   r = bench.lam_arm(s, 0, 16, s.lam, dense, log=lambda *a: None)
   u = r["until_plateau"]
   assert u["recipe_steps"] == 5 and [c[0] for c in u["checks"]] == list(range(5, u["steps"] + 1, 2))
