@@ -15,7 +15,7 @@ from bench import aha_elastic_repro_common as rc
 from bench import claims, common
 from bench import elastic_repro as bench
 from _test_env import training_env
-from _train_helpers import PY, ROOT, subprocess_env
+from _train_helpers import PY, ROOT, host_init, subprocess_env
 
 RECORDED = os.path.join(common.RESULTS, "elastic_repro.json")
 CI_DENSE = os.path.join(ROOT, "tests", "fixtures", "repro_ci")
@@ -179,14 +179,10 @@ def test_need_curve_ends_and_criteria_only_for_need_presets():
   model; _spread takes heads round-robin over the layers; the need presets (and only they) add
   CRITERIA_NEED, judged on the need unit's best split at each budget."""
   import jax
-  import jax.numpy as jnp
-  import flax.linen as nn
   from condattn_jax.attention import configure, convert
-  from condattn_jax.models.decoder import Decoder
   s = bench.PRESETS["test"]
   task, cfg, ev, _ = bench._seed_data(s, 0)
-  dense = jax.device_get(nn.unbox(Decoder(cfg).init(
-      jax.random.key(0), jnp.zeros((1, s.seq_len), jnp.int32))["params"]))
+  dense = jax.device_get(host_init(cfg, 0))  # random weights drawn on the host: no init ops
   n = s.num_layers * s.num_kv_heads
   got = bench.need_curve(s, cfg, dense, ev, (0, n))
   assert got["0"]["sets"] == got[str(n)]["sets"] == 1
