@@ -123,7 +123,6 @@ def test_far_recalls_lie_beyond_every_local_receptive_field():
   import dataclasses
   import jax
   import jax.numpy as jnp
-  from condattn_jax.models.decoder import Decoder
   p = fid.PRESETS["far_test"]
   S, M, vl = p["seg"]["segment_len"], p["seg"]["tail_len"], p.get("value_len", 1)
   far, n_seg = fid.far_distance(p), 6
@@ -143,9 +142,9 @@ def test_far_recalls_lie_beyond_every_local_receptive_field():
         stored.append((j, first + i))
   assert n_far >= 8 and far == 2 * (S + M)
   cfgs = fid.model_configs(p)
-  params = jax.jit(Decoder(cfgs["dense"]).init)(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))
-  params = jax.tree.map(lambda x: x.value if hasattr(x, "value") else x, params["params"],
-                        is_leaf=lambda x: hasattr(x, "value"))
+  # random weights drawn on the host (the init's distributions, no init program)
+  from _train_helpers import host_init
+  params = host_init(cfgs["dense"], 0)
   window = dataclasses.replace(cfgs["dense"], sliding_window=S + M)
   # row 0, and for each of its FAR tokens a copy with that token's stored copy changed
   rows = [toks[0]]
