@@ -528,9 +528,9 @@ DECODE_CONFIG_SETS = {"evensplit": dict(balance=False), "stages3": dict(num_stag
 
 def trace_context(sets):
   """The context a variant's engine step is traced in: TRACE_SETS' 'evensplit' / 'stages3' /
-  'cacheparts' give the decode backends their DECODE_CONFIG_SETS fields, with jax's trace caches cleared on
-  entry and exit (the engine's jitted step is cached per (config, cache_len), which the
-  backends' config is not part of). Otherwise nothing."""
+  'cacheparts' give the decode backends their DECODE_CONFIG_SETS fields, with jax's trace
+  caches cleared on entry and exit (the engine's jitted step is cached per (config,
+  cache_len), which the backends' config is not part of). Otherwise nothing."""
   import contextlib
   fields = {k: v for x in sets for k, v in DECODE_CONFIG_SETS.get(x, {}).items()}
   if not fields:
