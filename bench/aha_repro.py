@@ -1075,11 +1075,12 @@ def record_arm_step(rows, settings, out_dir, **run_kw) -> str:
   return path
 
 
-def plot_curves(path: str, run: str, out: str) -> str:
+def plot_curves(path: str, run: str, out: str) -> int:
   """PNG of a recorded run's headline arms (lambda s.lam at every window, every seed): the
   training curves of mu_f (log scale) and accuracy against the step, the recipe's end marked
   (an arm under the until-plateau rule goes on at its end lr after it, to plateau or the cap).
-  path: a results file (bench/results/aha_repro_<device>.json); run: its settings' name."""
+  path: a results file (bench/results/aha_repro_<device>.json); run: its settings' name.
+  Returns the arms drawn (a run without headline-arm curves is a ValueError)."""
   import matplotlib
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt
@@ -1091,14 +1092,19 @@ def plot_curves(path: str, run: str, out: str) -> str:
   lam = str(s["lam"])
   fig, axes = plt.subplots(1, 2, figsize=(11, 4))
   colors = plt.get_cmap("viridis")(np.linspace(0, 0.9, len(s["windows"])))
+  drawn = 0
   for w, c in zip(s["windows"], colors):
     for i, seed in enumerate(rec["seeds"]):
       arm = seed.get(str(w), {}).get("lams", {}).get(lam)
-      if arm is None:
+      if arm is None or not arm.get("curves"):
         continue
+      drawn += 1
       for ax, key in zip(axes, ("aha/mu_f", "accuracy")):
         xs, ys = zip(*arm["curves"][key])
         ax.plot(xs, ys, color=c, lw=1, alpha=0.8, label=f"window {w}" if i == 0 else None)
+  if not drawn:
+    plt.close(fig)
+    raise ValueError(f"{path}: run {run!r} holds no headline-arm curves (lambda {lam})")
   for ax, name in zip(axes, ("mu_f (training batches)", "accuracy (training batches)")):
     ax.axvline(s["aha_steps"], color="gray", ls="--", lw=1)
     ax.set_xlabel("AHA step")
@@ -1112,7 +1118,7 @@ def plot_curves(path: str, run: str, out: str) -> str:
   fig.tight_layout()
   fig.savefig(out, dpi=110)
   plt.close(fig)
-  return out
+  return drawn
 
 
 FLAGS = common.flag_values()
@@ -1138,7 +1144,7 @@ def main(argv=None):
   a = common.parse_flags(FLAGS, argv)
   if a.plot:
     out = os.path.join(a.out_dir or "bench/results", f"aha_repro_{a.plot}_curves.png")
-    print(f"wrote {plot_curves(a.plot_from, a.plot, out)}")
+    print(f"wrote {out}: {plot_curves(a.plot_from, a.plot, out)} arms")
     return out
   if a.arm_step_ms:
     rows = arm_step_ms(a.preset, a.arm_step_k, a.arm_step_ms, steps=a.arm_step_steps)
