@@ -519,11 +519,15 @@ OPTION_SETS = {**CB_MODES,
 # pallas_kernels.decode.BACKENDS while tracing), instead of part_count's parts in proportion to
 # each (row, kv head)'s reads. 'stages3': the decode backends with DecodeConfig(num_stages=3)
 # (three K/V tiles in flight a program instead of two).
-# 'cacheparts': a windowed decode call's parts sized by the cache's tiles, the sizing before
-# pallas_kernels.decode.tiles_bound (DecodeConfig(window_parts=False)).
-TRACE_SETS = ("refattn", "noskip", "stepskip", "evensplit", "stages3", "cacheparts")
+# 'cacheparts': a windowed decode call's parts sized by the cache's tiles
+# (DecodeConfig(window_parts=False), the default again since run aha11_windowparts_8k);
+# 'windowparts': sized by the tiles its window spans (pallas_kernels.decode.tiles_bound,
+# DecodeConfig(window_parts=True), the default from dbb5900 until that run rejected it).
+TRACE_SETS = ("refattn", "noskip", "stepskip", "evensplit", "stages3", "cacheparts",
+              "windowparts")
 DECODE_CONFIG_SETS = {"evensplit": dict(balance=False), "stages3": dict(num_stages=3),
-                      "cacheparts": dict(window_parts=False)}
+                      "cacheparts": dict(window_parts=False),
+                      "windowparts": dict(window_parts=True)}
 
 
 def trace_context(sets):

@@ -78,7 +78,8 @@ class DecodeConfig:
   for; max_programs: the grid `max_parts` aims for (Mosaic GPU); balance: Mosaic GPU splits by
   `part_count` (False: `num_parts` parts each, the previous split);
   window_parts: a windowed call sizes its parts by the tiles its window spans (`tiles_bound`;
-  False: by the cache's tiles, the previous sizing);
+  one part skips the merge); False (default): by the cache's tiles. Not adopted: it failed
+  ADOPTION_RULE's wall test at 8K (run aha11_windowparts_8k, bench/claims/decode_program.py);
   min_tiles_per_part: the fewest tiles a part gets (a part's partial output is written and
   merged: bytes a tiny part would spend on that instead of K/V); over_cudnn: condattn_jax.ops'
   auto runs this backend for the decode calls cuDNN's decode path also takes (a full cache
@@ -90,7 +91,7 @@ class DecodeConfig:
   target_programs: int = 264
   max_programs: int = 1024
   balance: bool = True
-  window_parts: bool = True
+  window_parts: bool = False
   min_tiles_per_part: int = 8
   over_cudnn: bool = False
 

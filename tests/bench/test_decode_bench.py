@@ -854,6 +854,9 @@ def test_aha_decode_variants_stepskip_and_static_routing():
   with dp.trace_context(("stages3", "evensplit")):
     assert {(b.config.num_stages, b.config.balance) for b in dk.BACKENDS} == {(3, False)}
   assert {(b.config.num_stages, b.config.balance) for b in dk.BACKENDS} == {(2, True)}
+  with dp.trace_context(("windowparts",)):   # the rejected sizing, for A/Bs against the default
+    assert {b.config.window_parts for b in dk.BACKENDS} == {True}
+  assert {b.config.window_parts for b in dk.BACKENDS} == {False}
   bias = np.asarray(dp.scheme_params(cfg, "aha", 0.25)["layers"]["router"]["bias"], np.float32)
   np.testing.assert_array_equal(bias > 0, decode.spread_pairs(cfg.num_layers, cfg.num_heads, 0.25))
   assert (bias > 0).mean() == 0.25

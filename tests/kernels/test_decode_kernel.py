@@ -284,7 +284,8 @@ def test_mosaic_gpu_parts_follow_each_kv_heads_reads():
 
 
 def test_a_windowed_call_sizes_its_parts_by_the_window_not_the_cache():
-  """tiles_bound: a windowed call (no block lists) sizes its parts by the tiles its queries'
+  """tiles_bound (DecodeConfig(window_parts=True); the default sizes by the cache, asserted
+  last): a windowed call (no block lists) sizes its parts by the tiles its queries'
   windows span over consecutive positions (AHA's local heads over a 128K full cache: 3 tiles of
   64 slots, so one part per (row, kv head), not max_parts' 64 empty ones to launch and merge);
   sinks add theirs; no window or block lists: the cache's tiles. The bound sizes P only: with
@@ -316,14 +317,14 @@ def test_a_windowed_call_sizes_its_parts_by_the_window_not_the_cache():
   with pytest.MonkeyPatch.context() as mp:   # the grid decode_attention asks for
     mp.setattr(mosaic_gpu, "decode_parts",
                lambda *a, **kw: parts.append(kw["parts"]) or run(*a, **kw))
-    out = _decode(q, k, v, impl="mosaic_gpu", interpret=True, **kw)
+    out = _decode(q, k, v, impl="mosaic_gpu", interpret=True,
+                  config=dk.DecodeConfig(window_parts=True), **kw)
   assert parts == [1]   # 16 tiles of cache: 2 parts by the cache's count
-  with pytest.MonkeyPatch.context() as mp:   # the previous sizing (bench trace set 'cacheparts')
+  with pytest.MonkeyPatch.context() as mp:   # the default sizing (bench trace set 'cacheparts')
     mp.setattr(mosaic_gpu, "decode_parts",
                lambda *a, **kw: parts.append(kw["parts"]) or run(*a, **kw))
     jax.jit(lambda q, k, v: dk.decode_attention(
-        q, k, v, impl="mosaic_gpu", interpret=True, config=dk.DecodeConfig(window_parts=False),
-        **kw)).lower(q, k, v)
+        q, k, v, impl="mosaic_gpu", interpret=True, **kw)).lower(q, k, v)
   assert parts == [1, 2]
   _close(out, ref)
   assert float(jnp.abs(ref[0].astype(jnp.float32)).max()) > 0
