@@ -13,7 +13,13 @@
 # only watch it (`status`) and bring the unit results back (`pack`); a program keeps its state
 # at every plateau check in $W (rc.train_arms_to_plateau), so the same `run` on the same
 # machine goes on from there and skips stored units.
-# usage: PRESET=h100_pairs_pre W=<work dir> bash bench/aha_batched_gpu.sh run|status|pack|merge
+# usage: PRESET=h100_pairs_pre W=<work dir> bash bench/aha_batched_gpu.sh \
+#          start|watch|run|status|pack|merge
+#   start: `run` as a setsid daemon (from a copy of the tree in $SRC where SRC is set: a device
+#     call's tree is re-sent by the next call), then `watch`; the first device call.
+#   watch: `status` every WATCH_POLL_S until every lane is done or WATCH_S seconds have passed,
+#     then `pack`; the later device calls. It exits 3 at once, in one line, where no run was
+#     started in $W on this machine (a fresh machine after an idle release: the daemon is gone).
 #   SERIAL=1: the lanes one after another (a CPU dry run, e.g. PRESET=tiny_pairs_pre).
 set -u
 PRESET=${PRESET:-h100_pairs_pre}
@@ -24,6 +30,12 @@ SERIAL=${SERIAL:-0}
 WORKERS=${WORKERS:-15}   # batch-making processes a lane (64 cores on 4 GPUs)
 SEEDS=(${SEEDS:-0 1 2})
 POLL_S=${POLL_S:-10}   # how often a waiting lane looks for the unit it waits for
+WATCH_S=${WATCH_S:-540}   # how long `watch` watches (a device call's limit is 600 s)
+WATCH_POLL_S=${WATCH_POLL_S:-45}
+if [ "${1:-}" = watch ] && ! ls "$W"/logs/lane*.log > /dev/null 2>&1; then
+  echo "watch: no run in W=$W on this machine (a fresh one? the daemon is gone): 'start' it again"
+  exit 3
+fi
 mkdir -p "$W/logs" "$OUT"
 export PY PRESET WORKERS PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 export CONDATTN_GIT_COMMIT=${CONDATTN_GIT_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null)}
@@ -97,13 +109,40 @@ pack() {  # the unit results and logs (small), back through $OUT
   tar czf "$OUT/aha_units_$PRESET.tgz" -C "$W" $(cd "$W" && ls aha_repro_"${PRESET}"_s*.json 2>/dev/null) logs
   echo "packed $(tar tzf "$OUT/aha_units_$PRESET.tgz" | grep -c json) unit results"
 }
+lanes_done() { [ "$(ls "$W"/logs/lane*.done 2>/dev/null | wc -l)" -eq 4 ]; }
+watch() {
+  local end=$((SECONDS + WATCH_S))
+  while :; do
+    echo "--- $(date -u +%H:%M:%S)"; status
+    lanes_done && { echo "all 4 lanes done"; break; }
+    [ "$SECONDS" -ge "$end" ] && { echo "still running: watch again"; break; }
+    sleep "$WATCH_POLL_S"
+  done
+  pack
+}
+start() {
+  local dir
+  dir=$(cd "$(dirname "$0")/.." && pwd)
+  W=$(cd "$W" && pwd); export W   # the daemon runs in $dir
+  if [ -n "${SRC:-}" ]; then
+    rm -rf "$SRC" && mkdir -p "$SRC" && cp -rL "$dir/." "$SRC/" && dir=$SRC
+  fi
+  rm -f "$W"/logs/lane*.done
+  (cd "$dir" && PYTHONPATH="$dir${PYTHONPATH:+:$PYTHONPATH}" setsid nohup \
+     bash bench/aha_batched_gpu.sh run > "$W/logs/daemon.log" 2>&1 < /dev/null &)
+  local i
+  for i in $(seq 60); do ls "$W"/logs/lane*.log > /dev/null 2>&1 && break; sleep 0.5; done
+  watch
+}
 merge() {  # every unit judged (needs every unit in $W)
   $PY -m bench.aha_repro --preset="$PRESET" --merge_parts="$W" --out_dir="$OUT"
 }
 case "${1:-}" in
+  start) start ;;
+  watch) watch ;;
   run) run ;;
   status) status ;;
   pack) pack ;;
   merge) merge ;;
-  *) echo "usage: $0 run|status|pack|merge"; exit 2 ;;
+  *) echo "usage: $0 start|watch|run|status|pack|merge"; exit 2 ;;
 esac

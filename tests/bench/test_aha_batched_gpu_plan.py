@@ -3,7 +3,8 @@
 stores the units the call names, refusing (exit 7) an arm before its seed's dense model and a
 static control before its seed's w<smallest>. Checked: every unit of every seed of the real
 preset runs exactly once, on its lane's GPU, in an order the units' reads allow, every step exits
-0, and `pack` brings back every unit's result."""
+0, and `pack` brings back every unit's result; the lanes run as `start`'s daemon, watched by
+`watch` to the end, and `watch` where no run was started exits 3 in one line."""
 import json
 import os
 import subprocess
@@ -38,9 +39,14 @@ def test_lanes_run_every_unit_once_in_order_and_pack_them(tmp_path):
              OUT=str(tmp_path / "out"), CALLS=str(tmp_path / "calls.jsonl"), POLL_S="0.2",
              PYTHONPATH=ROOT)
   script = os.path.join(ROOT, "bench", "aha_batched_gpu.sh")
-  p = subprocess.run(["bash", script, "run"], cwd=ROOT, env=env, capture_output=True, text=True,
-                     timeout=300)
-  assert p.returncode == 0, p.stderr
+  p = subprocess.run(["bash", script, "watch"], cwd=ROOT, env=env, capture_output=True,
+                     text=True, timeout=60)   # nothing started here: one line, at once
+  assert p.returncode == 3 and p.stdout.count("\n") == 1 and "'start' it again" in p.stdout
+  # `start`: `run` as a daemon, then `watch` until every lane is done, then `pack`
+  p = subprocess.run(["bash", script, "start"], cwd=ROOT, env=dict(env, WATCH_POLL_S="0.5"),
+                     capture_output=True, text=True, timeout=300)
+  assert p.returncode == 0 and "all 4 lanes done" in p.stdout, p.stdout + p.stderr
+  assert f"packed {3 * 10} unit results" in p.stdout, p.stdout
   logs = "".join(open(tmp_path / "w" / "logs" / f"lane{i}.log").read() for i in range(4))
   ends = [line for line in logs.splitlines() if " end " in line]
   assert len(ends) == 3 + 3 + 2 + 2 and all(line.endswith("rc=0") for line in ends), logs
