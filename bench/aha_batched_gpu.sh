@@ -8,9 +8,9 @@
 #             control (it reads w<smallest>: a later program);
 #   GPU 3:    once every dense model is stored, ONE program of the other lambda-sweep units of
 #             every seed, then seed 2's static control once seed 2's w<smallest> is stored.
-# Unlike bench/aha_elastic_gpu.py's `--write` plans, no program is cut at a call's end: `run`
-# is meant to start as a daemon (setsid) on one warm machine, and the device calls that follow
-# only watch it (`status`) and bring the unit results back (`pack`); a program keeps its state
+# Unlike bench/aha_elastic_gpu.py's `--write` plans, no program is cut at a call's end: `start`
+# runs `run` as a daemon (setsid) on one warm machine, and the device calls that follow only
+# `watch` it (`status`, then `pack` the unit results); a program keeps its state
 # at every plateau check in $W (rc.train_arms_to_plateau), so the same `run` on the same
 # machine goes on from there and skips stored units.
 # usage: PRESET=h100_pairs_pre W=<work dir> bash bench/aha_batched_gpu.sh \
