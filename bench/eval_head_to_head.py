@@ -41,6 +41,11 @@ the token-level NIAH tasks at the training length must be >= 0.90; otherwise the
 NOT JUDGED (an untrained base measures nothing about the schemes), and the result says so. The
 verdict is `verdict_from_rows(rows, ...)`, a function of the recorded rows.
 
+Status (2026-11-28, one H200, tree 33fff36): the h100 preset's dense pretraining stayed at chance
+(train answer accuracy 0.027 at step 8000 of 12000; stopped there). bench/h2h_recipe_probe.py
+searches for a recipe that learns (its results: bench/results/h2h_recipe_probe_NVIDIA_H200.json);
+the h100 preset changes after it, then the run above starts again from step 0.
+
 Between device commands (10 minutes each, the machine starts bare): with --pack_dir the state
 directory is packed as state.tar.part00.. (<= 15 MiB each, at most 4: a `run` call returns 8
 files of <= 16 MiB) after every finished stage and when the budget stops the call (so a call

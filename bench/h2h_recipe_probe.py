@@ -1,0 +1,168 @@
+"""Exploratory (issue 28): which dense pretraining recipe of the head-to-head's h100 model learns
+the suite's NIAH tasks? Runs several short trainings at once on one GPU (one process each, the
+same h100 model), prints each one's answer-token accuracy every 100 steps.
+
+    python -m bench.h2h_recipe_probe --round=2 --budget_s=390 --out_dir=$OUT       # one GPU call
+    python -m bench.h2h_recipe_probe --round=2 --record=DIR --device="NVIDIA H200" \
+        --commit=SHA --date=ISO                            # its probe_*.json into bench/results
+
+Each variant trains the h100 model for up to 10000 steps within the budget, then is scored on
+held-out rows (the eval seed) per task at its training length and twice it (`per_task`,
+teacher-forced answer-token accuracy). A variant qualifies when its mean held-out NIAH accuracy
+at its training length is >= QUALIFY.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+NIAH = ["niah_single_1", "niah_multikey_1", "niah_multivalue", "niah_multiquery"]
+ALL_TASKS = NIAH + ["vt", "cwe", "fwe", "json_kv", "passkey", "mqar"]
+SHORT_MIX = NIAH + ["vt", "fwe", "json_kv", "passkey"]  # cwe / mqar need longer rows
+# Round 1 (one H200, 2026-11-28, tree 33fff36): train accuracy only (per_task came after it).
+ROUND1 = {
+    "mix1024": dict(seq_len=1024, lr=1e-3, tasks=None),  # the h100 preset's first phase
+    "niah1024": dict(seq_len=1024, lr=1e-3, tasks=NIAH),
+    "niah128": dict(seq_len=128, lr=1e-3, tasks=NIAH),
+    "mix128": dict(seq_len=128, lr=1e-3, tasks=SHORT_MIX),
+    "niah256_lr3e-4": dict(seq_len=256, lr=3e-4, tasks=NIAH),
+    "niah128_b64": dict(seq_len=128, lr=1e-3, tasks=NIAH, batch=64),
+}
+# Round 2, registered before it runs: round 1 learned only with more rows a step (batch 64) or a
+# lower lr, so it crosses batch {64, 256} x lr {1e-3, 3e-4} at 128 tokens, the short mixture at
+# batch 256, and 512 tokens at batch 64; niah128_b64 again is round 1's best (a repeat).
+ROUND2 = {
+    "niah128_b64": dict(seq_len=128, lr=1e-3, tasks=NIAH, batch=64),
+    "niah128_b64_lr3e-4": dict(seq_len=128, lr=3e-4, tasks=NIAH, batch=64),
+    "niah128_b256": dict(seq_len=128, lr=1e-3, tasks=NIAH, batch=256),
+    "niah128_b256_lr3e-4": dict(seq_len=128, lr=3e-4, tasks=NIAH, batch=256),
+    "mix128_b256": dict(seq_len=128, lr=1e-3, tasks=SHORT_MIX, batch=256),
+    "niah512_b64_lr3e-4": dict(seq_len=512, lr=3e-4, tasks=NIAH, batch=64),
+}
+ROUNDS = {"1": ROUND1, "2": ROUND2}
+# A variant qualifies as the pretraining's first phase when its held-out NIAH accuracy (per_task,
+# mean over the 4 NIAH tasks at its training length) is >= 0.9 (round 1 has no per_task: judged on
+# its train accuracy, which no variant brought above 0.32).
+QUALIFY = 0.9
+RUNS_DIR = "/tmp/probe_runs"  # the trainings' workdirs (each variant's is emptied first)
+VARIANTS = dict(ROUND2)
+
+
+def one(name, budget_s, out_dir, steps=10000):
+  import ml_collections
+
+  from bench import eval_head_to_head as h
+  from condattn_jax.train import loop
+  v = VARIANTS[name]
+  p = dict(h.PRESETS["h100"], batch=v.get("batch", 16), read_threads=2)
+  c = h.run_config(p, seq_len=v["seq_len"], num_steps=steps, lr=v["lr"])
+  if v["tasks"]:
+    c.data.task = ml_collections.ConfigDict(dict(vocab_size=p["vocab"], suite=p["suite"],
+                                                 tasks=list(v["tasks"])))
+  c.train.log_every = 100
+  wd = os.path.join(RUNS_DIR, name)
+  shutil.rmtree(wd, ignore_errors=True)
+  t = time.time()
+  loop.run(c, wd, time_budget_s=budget_s)
+  wall = time.time() - t
+  rows = [json.loads(l) for l in open(os.path.join(wd, "metrics.jsonl"))]
+  out = dict(variant=name, settings=v, wall_s=round(wall, 1), per_task=per_task(c, wd, v),
+             curve=[(m["step"], round(m["train/accuracy"], 4), round(m["train/ce"], 4))
+                    for m in rows if "train/accuracy" in m])
+  with open(os.path.join(out_dir, f"probe_{name}.json"), "w") as f:
+    json.dump(out, f)
+
+
+def per_task(c, wd, v, batches=4):
+  """Teacher-forced answer-token accuracy of the trained model per task (held-out rows: the eval
+  seed), at the training length and at twice it."""
+  import copy
+
+  import ml_collections
+
+  from condattn_jax.evaluation import perplexity
+  from condattn_jax.train import loop
+  setup, params, _ = loop.load_params(c, wd)
+  out = {}
+  for task in v["tasks"] or ALL_TASKS:
+    for L in (v["seq_len"], 2 * v["seq_len"]):
+      if task in ("cwe", "mqar") and L < 1024:
+        continue
+      ct = copy.deepcopy(c)
+      ct.data.task = ml_collections.ConfigDict(dict(c.data.task.to_dict(), tasks=[task]))
+      ct.eval.num_batches = batches
+      ct.eval.batch_size = 16
+      r = perplexity.evaluate(ct, params, setup.model_cfg, setup.mesh, lengths=[L])
+      out[f"{task}@{L}"] = round(float(r["results"][L]["token_acc"]), 3)
+  return out
+
+
+def niah_score(r) -> float | None:
+  """Mean held-out accuracy over the NIAH tasks at the variant's training length, else None."""
+  pt, L = r.get("per_task") or {}, r["settings"]["seq_len"]
+  vals = [pt.get(f"{t}@{L}") for t in NIAH]
+  return None if None in vals else sum(vals) / len(vals)
+
+
+def verdict(rows) -> dict:
+  """The round's verdict from its rows: the variants that qualify (held-out NIAH accuracy, or
+  train accuracy where a round has no per_task, >= QUALIFY)."""
+  q = [r["variant"] for r in rows if r["qualifies"]]
+  return dict(qualified=q, verdict=("qualified: " + ", ".join(q)) if q else "no variant qualifies")
+
+
+def record(src: str, rnd: str, device: str, commit: str, date: str, out: str) -> dict:
+  """The round's probe_*.json in `src` as one run appended to
+  <out>/h2h_recipe_probe_<device>.json (rows: per variant its curve and per_task accuracies)."""
+  from bench import common
+  run = common.new_run("h2h_recipe_probe", dict(name=f"round{rnd}", round=int(rnd),
+                                                 variants=ROUNDS[rnd], qualify=QUALIFY),
+                       device=device, date=date, commit=commit)
+  for n in ROUNDS[rnd]:
+    r = json.load(open(os.path.join(src, f"probe_{n}.json")))
+    score = niah_score(r)
+    last = r["curve"][-1]
+    run["rows"].append(dict(variant=n, **r["settings"], wall_s=r["wall_s"], steps=last[0],
+                            train_accuracy=last[1], train_ce=last[2], niah_heldout=score,
+                            qualifies=bool((score if score is not None else last[1]) >= QUALIFY),
+                            per_task=r.get("per_task"), curve=r["curve"]))
+  run["recorded"] = verdict(run["rows"])  # bench/claims/h2h_recipe_probe.py re-derives it
+  common.append_run(common.result_path("h2h_recipe_probe", out, device), run)
+  return run
+
+
+def main():
+  args = dict(a.lstrip("-").split("=", 1) for a in sys.argv[1:])
+  budget, out_dir = float(args.get("budget_s", 380)), args.get("out_dir", "/tmp")
+  VARIANTS.clear()
+  VARIANTS.update(ROUNDS[args.get("round", "2")])
+  if "record" in args:
+    return record(args["record"], args.get("round", "2"), args["device"], args["commit"],
+                  args["date"], args.get("out", "bench/results"))
+  if "variant" in args:
+    return one(args["variant"], budget, out_dir)
+  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  procs = {n: subprocess.Popen([sys.executable, "-m", "bench.h2h_recipe_probe", f"--variant={n}",
+                                f"--round={args.get('round', '2')}",
+                                f"--budget_s={budget}", f"--out_dir={out_dir}"], env=env,
+                               stdout=open(f"/tmp/probe_{n}.log", "w"), stderr=subprocess.STDOUT)
+           for n in VARIANTS}
+  for n, pr in procs.items():
+    pr.wait()
+    print(n, "rc", pr.returncode, flush=True)
+  for n in VARIANTS:
+    f = os.path.join(out_dir, f"probe_{n}.json")
+    if not os.path.exists(f):
+      print(n, "NO RESULT:", open(f"/tmp/probe_{n}.log").read()[-600:])
+      continue
+    r = json.load(open(f))
+    c = r["curve"]
+    print(n, r["wall_s"], "s;", " ".join(f"{s}:{a}" for s, a, _ in c[::max(1, len(c) // 12)]),
+          "| last", c[-1] if c else None)
+    print("   per task:", r["per_task"])
+
+
+if __name__ == "__main__":
+  main()
