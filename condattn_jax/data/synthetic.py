@@ -240,18 +240,26 @@ class SuiteMix:
   prompt and the answers, targets shifted by one, loss only on the answer tokens (MQAR's
   shorter prompt is right-padded with 0, unscored). Draws are keyed by (seed, stream, index) and
   never equal an evaluation sample (those are keyed by (eval seed, task, length, index)).
-  params: vocab_size, suite, tasks, num_examples.
+  pack (training only): `pack` samples of seq_len // pack ids each in one row, as packed
+  documents (segment ids 1..pack, positions from 0 in each): `pack` times the scored answers of
+  a row at the same row length (a model whose scheme runs a row as one document refuses it:
+  train/config.py).
+  params: vocab_size, suite, tasks, num_examples, pack.
   """
   seq_len: int
   vocab_size: int = 8192
   suite: str = "synthetic"
   tasks: tuple | None = None
   num_examples: int | None = None
+  pack: int = 1
 
-  DEFAULTS = dict(vocab_size=8192, suite="synthetic", tasks=None, num_examples=None)
+  DEFAULTS = dict(vocab_size=8192, suite="synthetic", tasks=None, num_examples=None, pack=1)
 
   def __post_init__(self):
     from condattn_jax.evaluation import tasks as suite_lib
+    if self.pack < 1 or self.seq_len % self.pack:
+      raise ValueError(f"data.task.pack={self.pack} must be >= 1 and divide data.seq_len="
+                       f"{self.seq_len}.")
     names = suite_lib.suite_tasks(self.suite, tasks=self.tasks, token_level=True)
     if not names:
       raise ValueError(f"data.task: suite {self.suite!r} with tasks={self.tasks} has no "
@@ -262,13 +270,23 @@ class SuiteMix:
     return UNBOUNDED if self.num_examples is None else self.num_examples
 
   def example(self, seed: int, index: int, stream: int = 0) -> dict[str, np.ndarray]:
+    if self.pack == 1:
+      return self._sample_row(self.seq_len, seed, index, stream, index)
+    n = self.seq_len // self.pack
+    parts = [self._sample_row(n, seed, index * self.pack + j, stream, (index, j))
+             for j in range(self.pack)]
+    row = {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
+    row["segment_ids"] = np.repeat(np.arange(1, self.pack + 1, dtype=np.int32), n)
+    return row
+
+  def _sample_row(self, length, seed, index, stream, key):
     from condattn_jax.evaluation import tasks as suite_lib
-    rng = np.random.default_rng([seed, stream, index])
+    rng = np.random.default_rng([seed, stream, *np.atleast_1d(key)])
     name = self.tasks[int(rng.integers(len(self.tasks)))]
-    sample = suite_lib.token_sample(name, self.seq_len + 1, index, seed=f"data/{seed}/{stream}",
+    sample = suite_lib.token_sample(name, length + 1, index, seed=f"data/{seed}/{stream}",
                                     vocab_size=self.vocab_size, suite=self.suite)
     ids, mask = suite_lib.training_example(sample)
-    s = np.zeros((self.seq_len + 1,), np.int32)
+    s = np.zeros((length + 1,), np.int32)
     s[:len(ids)] = ids
     answer_pos = np.nonzero(np.asarray(mask))[0]
     return _row(s, answer_pos - 1)

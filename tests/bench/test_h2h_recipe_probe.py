@@ -15,8 +15,8 @@ from bench import h2h_recipe_probe as probe
 def test_one_variant_trains_and_is_scored_per_task(tmp_path, monkeypatch):
   monkeypatch.setitem(h2h.PRESETS, "h100", dict(h2h.PRESETS["h100"], width=32, layers=1, ffn=64,
                                                 heads=2, kv_heads=1, dtype="float32"))
-  monkeypatch.setitem(probe.VARIANTS, "toy", dict(seq_len=64, lr=1e-3, tasks=["niah_single_1"],
-                                                  batch=4))
+  monkeypatch.setitem(probe.VARIANTS, "toy", dict(seq_len=128, pack=2, lr=1e-3,
+                                                  tasks=["niah_single_1"], batch=4))
   monkeypatch.setattr(probe, "RUNS_DIR", str(tmp_path / "runs"))
   probe.one("toy", 120, str(tmp_path), steps=4)
   r = json.load(open(tmp_path / "probe_toy.json"))
@@ -29,19 +29,19 @@ def test_one_variant_trains_and_is_scored_per_task(tmp_path, monkeypatch):
 
 def _write_round(d, scores):
   for n, v in probe.ROUND2.items():
-    per = {f"{t}@{v['seq_len']}": scores.get(n, 0.1) for t in probe.NIAH}
+    per = {f"{t}@{v['seq_len'] // v.get('pack', 1)}": scores.get(n, 0.1) for t in probe.NIAH}
     json.dump(dict(variant=n, settings=v, wall_s=1.0, per_task=per,
                    curve=[[100, 0.1, 5.0], [200, 0.2, 4.0]]), open(d / f"probe_{n}.json", "w"))
 
 
 def test_round_verdict_and_its_claim(tmp_path):
-  _write_round(tmp_path, {"niah128_b256": 0.95})
+  _write_round(tmp_path, {"niah_p8_lr3e-4": 0.95})
   run = probe.record(str(tmp_path), "2", "NVIDIA H200", "abc1234", "2026-11-28T00:00:00+00:00",
                      str(tmp_path))
-  assert run["recorded"]["qualified"] == ["niah128_b256"]
+  assert run["recorded"]["qualified"] == ["niah_p8_lr3e-4"]
   assert [c["passed"] for c in run["claims"]] == [True]
   path = common.result_path("h2h_recipe_probe", str(tmp_path), "NVIDIA H200")
-  assert common.load(path)["runs"][-1]["recorded"]["verdict"] == "qualified: niah128_b256"
+  assert common.load(path)["runs"][-1]["recorded"]["verdict"] == "qualified: niah_p8_lr3e-4"
   # a row whose verdict disagrees with its score fails the registered claim
   bad = copy.deepcopy(run)
   bad["rows"][0]["qualifies"] = True

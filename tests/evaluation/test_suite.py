@@ -379,3 +379,36 @@ def test_length_budget_counts_a_bos_the_tokenizer_adds(tok):
                            tasks=["passkey", "niah_single_1"]):
     n = len(bos_tok.encode(s.prompt))  # what the harness feeds the engine, BOS included
     assert 1024 - 100 <= n + s.max_new_tokens <= 1024, (s.id, n)  # a noise sentence: ~70 ids
+
+
+def test_suite_rows_pack_samples_as_documents():
+  """data.task.pack=k: k samples of seq_len // k ids in one row as packed documents (segment ids
+  1..k, positions from 0 in each), each read as a task sample with its answers scored; k must
+  divide seq_len, and a scheme that runs a row as one document refuses packing."""
+  from condattn_jax.data.synthetic import make_task
+  from condattn_jax.train import config as config_lib
+  task = make_task("suite", {"vocab_size": V, "suite": "tiny", "pack": 4}, 512)
+  one = make_task("suite", {"vocab_size": V, "suite": "tiny"}, 512)
+  assert (task.example(0, 3)["inputs"] != one.example(0, 3)["inputs"]).any()
+  for i in range(6):
+    row = task.example(0, i)
+    assert row["inputs"].shape == (512,)
+    assert (row["segment_ids"] == np.repeat(np.arange(1, 5), 128)).all()
+    assert (row["positions"] == np.tile(np.arange(128), 4)).all()
+    for j in range(4):
+      seg = slice(128 * j, 128 * (j + 1))
+      inp, tgt, mask = row["inputs"][seg], row["targets"][seg], row["loss_mask"][seg]
+      assert (tgt[:-1] == inp[1:]).all()
+      pos = np.nonzero(mask)[0]
+      assert len(pos) >= 1 and (np.diff(pos) == 1).all()
+      prompt = tuple(int(t) for t in inp[:pos[0] + 1])
+      assert any(_reads_as(n, prompt, [int(t) for t in tgt[pos]]) for n in T.TOKEN_TASKS)
+  with pytest.raises(ValueError, match=r"data.task.pack=3 must be >= 1 and divide data.seq_len"):
+    make_task("suite", {"vocab_size": V, "suite": "tiny", "pack": 3}, 512)
+  c = config_lib.default_config()
+  c.model.vocab_size = V
+  c.data.source, c.data.seq_len = "suite", 256
+  c.data.task = dict(vocab_size=V, suite="tiny", pack=2)
+  c.model.scheme.name = "segmented"
+  with pytest.raises(ValueError, match=r"config.data.task.pack=2 .* set config.data.task.pack=1"):
+    config_lib.validate_config(c)
