@@ -313,14 +313,19 @@ def test_triton_edge_cases(name, fused_bwd):
   """Both backward variants (CompactConfig.fused_triton_bwd): dq fused into the dk/dv kernel
   (atomic adds) and the two-kernel backward (dq; dk/dv, the default). all_empty and
   empty_and_full_rows have the same shapes and ladder: one compile runs both (testing.run)."""
+  p, ref, impl_kw = _edge_case(name, fused_bwd)
+  errs, bad = compare(p, impl_kw, reference=ref)
+  assert not bad, (name, errs)
+
+
+def _edge_case(name, fused_bwd):
+  """(problem, its reference's run, the kernel's keywords) of an _EDGE_CASES case."""
   kw, fracs = _EDGE_CASES[name]
   if name not in _EDGE:  # the problem and its reference, once for both backward variants
     p = make_problem(5, **{**dict(T=64, N=2, K=1, H=32), **kw})
     _EDGE[name] = p, testing.run(p, impl="reference")
-  p, ref = _EDGE[name]
-  errs, bad = compare(p, dict(TRITON, bucket_fracs=fracs,
-                              config=CompactConfig(fused_triton_bwd=fused_bwd)), reference=ref)
-  assert not bad, (name, errs)
+  return (*_EDGE[name], dict(TRITON, bucket_fracs=fracs,
+                             config=CompactConfig(fused_triton_bwd=fused_bwd)))
 
 
 def test_triton_default_tiles_and_ladder():
@@ -333,15 +338,17 @@ def test_triton_default_tiles_and_ladder():
 def test_poisoned_outputs_catch_an_unwritten_tile(monkeypatch):
   """The kernel's outputs start as NaN (poison=True): a kernel that skips one active tile (here:
   counts one tile short) must fail the comparison, so a passing run means every element was
-  written by the kernel."""
-  p = make_problem(8, T=64, N=2, K=1, H=32, sparsity=0.3)
-  ref = run(p, grads=False, impl="reference")
-  errs, bad = compare(p, dict(TRITON, bucket_fracs=(1.0,)), grads=False, reference=ref)
+  written by the kernel. The problem: test_triton_edge_cases' kv_positions case (one bucket,
+  45 of 64 queries active: the broken count leaves 32 of them unwritten), whose correct run
+  (the same program: no compile here) passes."""
+  p, ref, impl_kw = _edge_case("kv_positions", False)
+  assert int(np.asarray(p.active).sum()) > SMALL.block_q
+  errs, bad = compare(p, impl_kw, reference=ref)
   assert not bad, errs
   real = cp.active_counts
   monkeypatch.setattr(cp, "active_counts", lambda a: jnp.maximum(real(a) - SMALL.block_q, 0))
   jax.clear_caches()  # retrace with the broken count
-  errs, bad = compare(p, dict(TRITON, bucket_fracs=(1.0,)), grads=False, reference=ref)
+  errs, bad = compare(p, impl_kw, grads=False, reference=ref)  # forward only: one compile
   assert "out" in bad and np.isnan(errs["out"]), errs
 
 
@@ -351,9 +358,9 @@ def test_kernels_skip_tiles_outside_their_bounds():
   through. (The bounds tests above check the ranges; this checks that the kernels use them.)"""
   from pallas_kernels.compact_attention import triton as kt
   B, C, S, N, K, H = 1, 64, 64, 2, 1, 32
-  ks = jax.random.split(jax.random.PRNGKey(0), 4)
-  q, do = (jax.random.normal(k, (B, C, N, H)) for k in ks[:2])
-  k, v = (jax.random.normal(kk, (B, S, K, H)) for kk in ks[2:])
+  rng = np.random.default_rng(0)  # host draws: no random program compiled
+  q, do = (jnp.asarray(rng.standard_normal((B, C, N, H)), jnp.float32) for _ in range(2))
+  k, v = (jnp.asarray(rng.standard_normal((B, S, K, H)), jnp.float32) for _ in range(2))
   qpos = jnp.broadcast_to(jnp.arange(C, dtype=jnp.int32) + S, (B, 1, C))  # sees every key
   counts = jnp.full((B, 1), C, jnp.int32)
   kw = dict(scale=H ** -0.5, window=None, bs=SMALL, interpret=True)
@@ -365,17 +372,16 @@ def test_kernels_skip_tiles_outside_their_bounds():
     n_a, n_b = (S // bk, C // bq) if tr else (C // bq, S // bk)
     full = jnp.broadcast_to(jnp.array([0, 0, n_b, n_b], jnp.int32), (B, 1, n_a, 4))
     empty = jnp.zeros((B, 1, n_a, 4), jnp.int32)
-    outs = {}
-    for name, b in (("full", full), ("empty", empty)):
+    lse = delta = jnp.zeros((B, N, C))
+
+    @jax.jit  # the bounds are an argument: full and empty run one compiled kernel
+    def call(b, fn=fn):
       if fn is kt.fwd:
-        o, lse = fn(q, k, v, qpos, None, None, None, b, counts, **kw)
-        outs[name] = (o, lse)
-      else:
-        lse = jnp.zeros((B, N, C))
-        delta = jnp.zeros((B, N, C))
-        args = (q, k, v, do, lse, delta, qpos, None, None, None, b)
-        outs[name] = fn(*args, counts, **kw) if fn is kt.dq else fn(*args, **kw)
-    assert all(float(jnp.abs(x).max()) > 0 for x in jax.tree.leaves(outs["full"]))
+        return fn(q, k, v, qpos, None, None, None, b, counts, **kw)
+      args = (q, k, v, do, lse, delta, qpos, None, None, None, b)
+      return fn(*args, counts, **kw) if fn is kt.dq else fn(*args, **kw)
+    outs = {name: jax.device_get(call(b)) for name, b in (("full", full), ("empty", empty))}
+    assert all(np.abs(np.asarray(x)).max() > 0 for x in jax.tree.leaves(outs["full"]))
     for x in jax.tree.leaves(outs["empty"]):
       x = np.asarray(x)
       assert np.all((x == 0) | (x == -np.inf)), (fn, "computed a tile outside its bounds")
@@ -442,19 +448,22 @@ def test_unsupported_shape_raises():
     compact_attention(p.q, p.k, p.v, p.active, impl="triton", interpret=True, config={})
 
 
-@pytest.mark.parametrize("layout", ["default", "positions", "segments"])
+@pytest.mark.parametrize("layout", ["default", "positions+segments"])
 def test_kv_length_the_tiles_cannot_divide_is_padded_not_a_fallback(layout):
   """kv length 40 (not % 16: e.g. a window ring of window + 1 slots) runs the Triton kernel on
-  K/V padded with slots no query sees: same values and gradients as the reference."""
+  K/V padded with slots no query sees: same values and gradients as the reference. The padded
+  layouts: none (positions 0..39 implied), and kv positions (a cache-like layout: kv slots out of
+  position order) with segment ids in one call (each pads its own kv array: positions and
+  segment ids were separate cases, one compile pair each; segment ids without kv positions run
+  in test_triton_edge_cases' aha_segments_window)."""
   p = make_problem(2, B=2, T=40, S=40, N=2, K=1, H=32, sparsity=0.5)
   kw = {}
-  if layout == "positions":  # a cache-like layout: kv slots out of position order
+  if layout == "positions+segments":
     perm = np.random.default_rng(0).permutation(40)
-    kw = dict(q_positions_BT=jnp.broadcast_to(jnp.arange(40, dtype=jnp.int32), (2, 40)),
-              kv_positions_BS=jnp.broadcast_to(jnp.asarray(perm, jnp.int32), (2, 40)))
-  elif layout == "segments":
     seg = jnp.asarray(np.repeat([[1] * 25 + [2] * 15], 2, 0), jnp.int32)
-    kw = dict(q_segment_ids_BT=seg, kv_segment_ids_BS=seg)
+    kw = dict(q_positions_BT=jnp.broadcast_to(jnp.arange(40, dtype=jnp.int32), (2, 40)),
+              kv_positions_BS=jnp.broadcast_to(jnp.asarray(perm, jnp.int32), (2, 40)),
+              q_segment_ids_BT=seg, kv_segment_ids_BS=seg)
 
   def loss(impl, q, k, v):
     out = compact_attention(q, k, v, p.active, impl=impl, interpret=impl == "triton", **kw)
