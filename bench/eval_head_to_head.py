@@ -15,6 +15,8 @@ holds its output, so a call resumes where the last one stopped):
      them, the batch fixed); then a bf16 export (`export.export_model`) in <state_dir>/dense_export.
      The short first phase is a deviation from "4K-8K": it gives 8x the scored answers per FLOP
      while the retrieval circuit forms; the last phase is at the training length of the check.
+     A phase (T, until, k) packs k samples of T // k ids in each row as documents
+     (data.task.pack: k x the scored answers a step at the same row length; `phases`).
   2. every scheme from that export through the one dense -> scheme entry point (`model.init_from`:
      the scheme's `from_dense`, as train.py runs it), then continued for the same steps, rows,
      lr and data as the others, the dense arm included (so every model has seen the same tokens),
@@ -175,8 +177,19 @@ def train_len(p) -> int:
   return int(p["dense_phases"][-1][0])
 
 
+def phases(p) -> list[tuple[int, int, int]]:
+  """The dense pretraining phases as (row length, until step, pack): a phase (T, until) is
+  unpacked; (T, until, k) packs k samples of T // k ids a row (data.task.pack). The last phase
+  (the training length of the check and of every fine-tune) must be unpacked."""
+  out = [(int(ph[0]), int(ph[1]), int(ph[2]) if len(ph) > 2 else 1) for ph in p["dense_phases"]]
+  if out[-1][2] != 1:
+    raise ValueError(f"dense_phases: the last phase {p['dense_phases'][-1]} is packed; the "
+                     "training length's phase must hold one sample a row (drop its pack).")
+  return out
+
+
 def run_config(p, *, scheme: str = "dense", seq_len: int, num_steps: int, lr: float,
-               init_from: str | None = None, seed: int = 0):
+               init_from: str | None = None, seed: int = 0, pack: int = 1):
   """The run config (condattn_jax/train) of one training stage of preset `p`."""
   import ml_collections
 
@@ -213,6 +226,8 @@ def run_config(p, *, scheme: str = "dense", seq_len: int, num_steps: int, lr: fl
   d.read_threads = p["read_threads"]
   d.prefetch = 2
   d.task = ml_collections.ConfigDict(dict(vocab_size=p["vocab"], suite=p["suite"]))
+  if pack > 1:  # pretraining phases only: pack samples of seq_len // pack ids a row
+    d.task.pack = int(pack)
   t = c.train
   t.num_steps = num_steps
   t.lr = lr
@@ -248,11 +263,11 @@ def param_count(p) -> dict:
   return dict(total=L * per_layer + 2 * V * D + D, matmul=L * (attn + 3 * D * F) + V * D)
 
 
-def data_ms_per_row(p, seq_len: int, rows: int = 4) -> float:
+def data_ms_per_row(p, seq_len: int, rows: int = 4, pack: int = 1) -> float:
   """CPU milliseconds (process time, this host) to generate one training row of the suite
   mixture at seq_len (synthetic.SuiteMix, the rows loop.run reads)."""
   from condattn_jax.data.synthetic import SuiteMix
-  mix = SuiteMix(seq_len=seq_len, vocab_size=p["vocab"], suite=p["suite"])
+  mix = SuiteMix(seq_len=seq_len, vocab_size=p["vocab"], suite=p["suite"], pack=pack)
   t = time.process_time()
   for i in range(rows):
     mix.example(0, i)
@@ -269,15 +284,15 @@ def plan(p, measure_data: bool = False) -> dict:
              bf16_export_mib=round(2 * n["total"] / 2**20, 2),
              train_state_mib=round(12 * n["total"] / 2**20, 2), phases=[])
   prev = 0
-  for T, until in list(p["dense_phases"]) + [(train_len(p), None)]:
-    flops_tok = 6 * n["matmul"] + 6 * p["layers"] * attn_dims * T
+  for T, until, k in phases(p) + [(train_len(p), None, 1)]:
+    flops_tok = 6 * n["matmul"] + 6 * p["layers"] * attn_dims * (T // k)
     step_s = flops_tok * T * p["batch"] / (ASSUMED_MFU * H100_PEAK_BF16)
     steps = (until - prev) if until is not None else p["ft_steps"]
-    ph = dict(stage="dense" if until is not None else "fine-tune (each)", seq_len=T,
+    ph = dict(stage="dense" if until is not None else "fine-tune (each)", seq_len=T, pack=k,
               steps=steps, gflop_per_token=round(flops_tok / 1e9, 4),
               est_steps_per_s=round(1 / step_s, 1), est_minutes=round(steps * step_s / 60, 2))
     if measure_data:
-      ms = data_ms_per_row(p, T)
+      ms = data_ms_per_row(p, T, pack=k)
       data_s = ms * p["batch"] / 1e3
       ph.update(data_ms_per_row=round(ms, 2), data_bound_steps_per_s=round(1 / data_s, 1),
                 est_minutes_with_data=round(steps * max(step_s, data_s) / 60, 2))
@@ -483,14 +498,15 @@ def run(preset: str, state_dir: str, *, time_budget_s: float | None = None,
   try:
     # 1. dense pretraining, phase by phase (one lr schedule over `total` steps)
     if not os.path.isdir(dense_export):
-      for T, until in p["dense_phases"]:
+      for T, until, k in phases(p):
         cur = _latest_step(dense_wd)
         if cur >= until:
           continue
-        cfg = run_config(p, seq_len=T, num_steps=total, lr=p["lr"])
+        cfg = run_config(p, seq_len=T, num_steps=total, lr=p["lr"], pack=k)
         ts = time.time()
         r = loop.run(cfg, dense_wd, stop_after=until - cur, time_budget_s=left())
-        prog["dense"]["phases"].append(dict(seq_len=T, call=prog["calls"], steps=[cur, r["step"]],
+        prog["dense"]["phases"].append(dict(seq_len=T, pack=k, call=prog["calls"],
+                                            steps=[cur, r["step"]],
                                             wall_s=round(time.time() - ts, 1),
                                             loss=_last_loss(dense_wd)))
         save(packed=r["step"] >= until)

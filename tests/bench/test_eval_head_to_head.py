@@ -44,6 +44,23 @@ def test_h100_preset_fits_the_device_calls():
   assert k["elastic"]["sinks"] + k["elastic"]["local"] <= L // 8
 
 
+def test_packed_pretraining_phases():
+  """A phase (T, until, k) trains on rows of T ids holding k samples of T // k (data.task.pack);
+  the plan counts attention over the samples' length; a packed last phase is refused."""
+  from condattn_jax.train import config as config_lib
+  p = dict(h2h.PRESETS["tiny"], dense_phases=((256, 3, 4), (256, 5)))
+  assert h2h.phases(p) == [(256, 3, 4), (256, 5, 1)]
+  c = h2h.run_config(p, seq_len=256, num_steps=5, lr=1e-3, pack=4)
+  config_lib.validate_config(c)
+  assert c.data.task.pack == 4
+  assert "pack" not in h2h.run_config(p, seq_len=256, num_steps=5, lr=1e-3).data.task
+  plan = h2h.plan(p)
+  assert [ph["pack"] for ph in plan["phases"]] == [4, 1, 1]
+  assert plan["phases"][0]["gflop_per_token"] < plan["phases"][1]["gflop_per_token"]
+  with pytest.raises(ValueError, match=r"the last phase \(256, 5, 2\) is packed"):
+    h2h.phases(dict(p, dense_phases=((256, 3), (256, 5, 2))))
+
+
 def _rows(acc):
   return [dict(kind="accuracy", model="dense", task=t, length=8192, accuracy=a)
           for t, a in zip(h2h.NIAH_TASKS, acc)]
