@@ -646,12 +646,19 @@ def _text_sample(task: Task, length, index, seed, tokenizer, files, n0_cache):
                 task.max_new_tokens)
 
 
+_ANSWER_LEN: dict = {}  # (task, length, vocab_size, params) -> the answers' total length
+
+
 def _token_sample(task: Task, length, index, seed, vocab_size, overrides):
   kw = {**task.token_kw, **overrides}
-  # The answers' total length is fixed by the task's parameters: one draw learns it, the
-  # sample is then drawn again (same seed) with the prompt budget length - max_new_tokens.
-  _, answers = task.tokens(np.random.default_rng(0), length, vocab_size, **kw)
-  max_new = sum(len(a) for a in answers)
+  # The answers' total length is fixed by the task's parameters: one draw learns it (once per
+  # task, length, vocabulary and parameters), the sample is then drawn with the prompt budget
+  # length - max_new_tokens.
+  key = (task.name, int(length), int(vocab_size), tuple(sorted(kw.items())))
+  if key not in _ANSWER_LEN:
+    _, answers = task.tokens(np.random.default_rng(0), length, vocab_size, **kw)
+    _ANSWER_LEN[key] = sum(len(a) for a in answers)
+  max_new = _ANSWER_LEN[key]
   rng = np.random.default_rng(_seed(seed, task.name, length, index))
   ids, answers = task.tokens(rng, length - max_new, vocab_size, **kw)
   return Sample(task.name, int(length), int(index), tuple(int(t) for t in ids),
