@@ -150,11 +150,16 @@ def test_dense_mask_matches_brute_force_loop(case):
 def test_reference_matches_loop_attention_gqa():
   rng = np.random.default_rng(1)
   B, T, N, K, H = 2, 12, 4, 2, 8
-  for case, spec in _spec_cases(np.random.default_rng(0)):
+  cases = list(_spec_cases(np.random.default_rng(0)))
+  qkvs = []
+  for case, spec in cases:
     S = np.asarray(spec.kv_positions_BS).shape[1]
     Tq = np.asarray(spec.q_positions_BT).shape[1]
-    q, k, v = _qkv(rng, B, Tq, S, N, K, H)
-    out = _jit_reference(q, k, v, spec)
+    qkvs.append(_qkv(rng, B, Tq, S, N, K, H))
+  # every case's reference in one jitted program (one compile, not one per case)
+  outs = jax.jit(lambda qkvs: [ops.attention(q, k, v, spec, impl="reference")
+                               for (q, k, v), (_, spec) in zip(qkvs, cases)])(qkvs)
+  for (case, spec), (q, k, v), out in zip(cases, qkvs, outs):
     np.testing.assert_allclose(out, _loop_attention(q, k, v, _loop_mask(spec, N)), atol=2e-5,
                                err_msg=case)
 
