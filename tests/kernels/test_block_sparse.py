@@ -182,8 +182,9 @@ def test_ops_dispatch_pallas_equals_reference_with_gradients():
   np.testing.assert_allclose(o_p, o_r, atol=2e-5)
   for a, b in zip(g_p, g_r):
     np.testing.assert_allclose(a, b, atol=5e-5)
-  # the same spec through the block-sparse package directly (no second mask description)
-  want = reference_attention(p.q, p.k, p.v, mask.dense_mask())[0]
+  # the same spec through the block-sparse package directly (no second mask description); one
+  # jitted program (eagerly: op by op, each op compiled alone)
+  want = jax.jit(lambda: reference_attention(p.q, p.k, p.v, mask.dense_mask())[0])()
   np.testing.assert_allclose(o_r, want, atol=1e-6)
   x = jnp.zeros((2, 64, 4, 24))
   with pytest.raises(ValueError, match="impl='pallas' cannot take this call: .*head_dim 24"):
