@@ -5,6 +5,8 @@ same h100 model), prints each one's answer-token accuracy every 100 steps.
     python -m bench.h2h_recipe_probe --round=2 --budget_s=390 --out_dir=$OUT       # one GPU call
     python -m bench.h2h_recipe_probe --round=2 --record=DIR --device="NVIDIA H200" \
         --commit=SHA --date=ISO                            # its probe_*.json into bench/results
+    python -m bench.h2h_recipe_probe --record_dense=<state_dir>/dense/metrics.jsonl \
+        --device=... --commit=... --date=...    # a head-to-head dense pretraining's log (a run)
 
 Each variant trains the h100 model for up to 10000 steps within the budget, then is scored on
 held-out rows (the eval seed) per task at its training length and twice it (`per_task`,
@@ -18,10 +20,15 @@ import subprocess
 import sys
 import time
 
-NIAH = ["niah_single_1", "niah_multikey_1", "niah_multivalue", "niah_multiquery"]
-ALL_TASKS = NIAH + ["vt", "cwe", "fwe", "json_kv", "passkey", "mqar"]
-SHORT_MIX = NIAH + ["vt", "fwe", "json_kv", "passkey"]  # cwe / mqar need longer rows
-# Round 1 (one H200, 2026-11-28, tree 33fff36): train accuracy only (per_task came after it).
+from absl import flags
+
+from bench import common
+from bench import eval_head_to_head as h2h
+
+NIAH = list(h2h.NIAH_TASKS)
+SHORT_MIX = NIAH + ["vt", "fwe", "json_kv", "passkey"]  # cwe / mqar do not fit 128-id samples
+# Round 1 (one H200, 2026-11-28, tree 33fff36, rows read in the training thread:
+# read_threads=0): train accuracy only (per_task came after it).
 ROUND1 = {
     "mix1024": dict(seq_len=1024, lr=1e-3, tasks=None),  # the h100 preset's first phase
     "niah1024": dict(seq_len=1024, lr=1e-3, tasks=NIAH),
@@ -31,13 +38,15 @@ ROUND1 = {
     "niah128_b64": dict(seq_len=128, lr=1e-3, tasks=NIAH, batch=64),
 }
 # Round 2, registered before it runs (revised before it ran: a 90 s smoke of the first draft,
-# batch {64, 256} x lr at 128-token rows, showed the 256-row arms bound by generating the rows at
-# ~1 step/s, and a CPU toy (2 x 64 wide, 1500 steps, NIAH single) learned with 4 samples of 64 ids
+# batch {64, 256} x lr at 128-token rows, showed the 256-row arms bound by generating the rows:
+# step 100 in the 90 s budget (compile included) where the 64-row arms reached 500-700; and a
+# CPU toy (2 x 64 wide, 1500 steps, NIAH single) learned with 4 samples of 64 ids
 # packed in a 256-id row (0.18 train, 0.18 held out at 64) where one 256-id sample a row stayed at
 # chance; the same toy on a 3000-step schedule, stopped by its 600 s budget at step 1300: 0.90
-# train, held out 0.945 at 64 ids and 0.83 at 128): rows of 1024 ids holding `pack` samples as documents, so a step scores pack x the
-# answers at the same row length. Crossed: samples of 64 / 128 / 256 ids, lr 1e-3 / 3e-4 (16
-# rows); the short mixture once. niah128_b64 is round 1's best (unpacked, as a control).
+# train, held out 0.945 at 64 ids and 0.83 at 128): rows of 1024 ids holding `pack` samples as
+# documents, so a step scores pack x the answers at the same row length. Crossed: samples of
+# 64 / 128 / 256 ids, lr 1e-3 / 3e-4 (16 rows); the short mixture once. niah128_b64 is round 1's
+# best (unpacked, as a control).
 ROUND2 = {
     "niah_p8": dict(seq_len=1024, pack=8, lr=1e-3, tasks=NIAH),
     "niah_p8_lr3e-4": dict(seq_len=1024, pack=8, lr=3e-4, tasks=NIAH),
@@ -58,11 +67,10 @@ VARIANTS = dict(ROUND2)
 def one(name, budget_s, out_dir, steps=10000):
   import ml_collections
 
-  from bench import eval_head_to_head as h
   from condattn_jax.train import loop
   v = VARIANTS[name]
-  p = dict(h.PRESETS["h100"], batch=v.get("batch", 16), read_threads=2)
-  c = h.run_config(p, seq_len=v["seq_len"], num_steps=steps, lr=v["lr"])
+  p = dict(h2h.PRESETS["h100"], batch=v.get("batch", 16), read_threads=2)
+  c = h2h.run_config(p, seq_len=v["seq_len"], num_steps=steps, lr=v["lr"])
   if v["tasks"]:
     c.data.task = ml_collections.ConfigDict(dict(vocab_size=p["vocab"], suite=p["suite"],
                                                  tasks=list(v["tasks"])))
@@ -84,19 +92,24 @@ def one(name, budget_s, out_dir, steps=10000):
 
 def per_task(c, wd, v, batches=4):
   """Teacher-forced answer-token accuracy of the trained model per task (held-out rows: the eval
-  seed, one sample a row), at the samples' training length (seq_len // pack) and twice it."""
+  seed, one sample a row), at the samples' training length (seq_len // pack) and twice it; a
+  task whose sample does not fit a length is not scored there."""
   import copy
 
   import ml_collections
 
   from condattn_jax.evaluation import perplexity
+  from condattn_jax.evaluation import tasks as suite_lib
   from condattn_jax.train import loop
   setup, params, _ = loop.load_params(c, wd)
+  suite, vocab = c.data.task.suite, c.data.task.vocab_size
   out = {}
-  for task in v["tasks"] or ALL_TASKS:
+  for task in v["tasks"] or suite_lib.suite_tasks(suite, token_level=True):
     n = v["seq_len"] // v.get("pack", 1)  # the samples' length
     for L in (n, 2 * n):
-      if task in ("cwe", "mqar") and L < 1024:
+      try:  # the rows SuiteMix builds at L: samples of L + 1 ids
+        suite_lib.token_sample(task, L + 1, 0, vocab_size=vocab, suite=suite)
+      except ValueError:
         continue
       ct = copy.deepcopy(c)
       ct.data.task = ml_collections.ConfigDict(dict(c.data.task.to_dict(), tasks=[task], pack=1))
@@ -142,19 +155,61 @@ def record(src: str, rnd: str, device: str, commit: str, date: str, out: str) ->
   return run
 
 
-def main():
-  args = dict(a.lstrip("-").split("=", 1) for a in sys.argv[1:])
-  budget, out_dir = float(args.get("budget_s", 380)), args.get("out_dir", "/tmp")
+def record_dense(metrics: str, device: str, commit: str, date: str, out: str) -> dict:
+  """A head-to-head dense pretraining's log (<state_dir>/dense/metrics.jsonl, loop.run's) as run
+  `h100_preset_dense` of <out>/h2h_recipe_probe_<device>.json: its train curve and the best
+  answer accuracy it reached."""
+  rows = [json.loads(l) for l in open(metrics)]
+  run = common.new_run("h2h_recipe_probe", dict(
+      name="h100_preset_dense", preset="h100", phases=[list(ph) for ph in h2h.phases(
+          h2h.PRESETS["h100"])], batch=h2h.PRESETS["h100"]["batch"], lr=h2h.PRESETS["h100"]["lr"],
+      source=f"bench.eval_head_to_head --preset=h100: {metrics}"),
+      device=device, date=date, commit=commit)
+  run["rows"] = [dict(step=m["step"], train_accuracy=round(m["train/accuracy"], 4),
+                      train_ce=round(m["train/ce"], 4), grad_norm=round(m["train/grad_norm"], 3),
+                      steps_per_s=round(m["train/steps_per_s"], 2))
+                 for m in rows if "train/accuracy" in m]
+  best = max(r["train_accuracy"] for r in run["rows"])
+  run["recorded"] = dict(verdict=f"did not learn: train answer accuracy <= {best:.3f} over "
+                                 f"{run['rows'][-1]['step']} steps, stopped",
+                         best_train_accuracy=best)
+  common.append_run(common.result_path("h2h_recipe_probe", out, device), run)
+  return run
+
+
+FLAGS = common.flag_values()
+flags.DEFINE_enum("round", "2", sorted(ROUNDS), "the round of variants", flag_values=FLAGS)
+flags.DEFINE_float("budget_s", 390.0, "each variant's training budget (compile included)",
+                   flag_values=FLAGS)
+flags.DEFINE_string("variant", None, "train this one variant (the probe's subprocesses)",
+                    flag_values=FLAGS)
+flags.DEFINE_string("record", None, "record the round's probe_*.json of this directory into "
+                    "--out_dir (with --device, --commit, --date)", flag_values=FLAGS)
+flags.DEFINE_string("record_dense", None, "record this head-to-head dense metrics.jsonl into "
+                    "--out_dir (with --device, --commit, --date)", flag_values=FLAGS)
+flags.DEFINE_string("device", None, "the device a recorded run ran on", flag_values=FLAGS)
+flags.DEFINE_string("commit", None, "the tree a recorded run ran", flag_values=FLAGS)
+flags.DEFINE_string("date", None, "ISO date of a recorded run", flag_values=FLAGS)
+
+
+def main(argv=None):
+  common.parse_flags(FLAGS, argv)
+  f = FLAGS
+  budget, out_dir = f.budget_s, f.out_dir
   VARIANTS.clear()
-  VARIANTS.update(ROUNDS[args.get("round", "2")])
-  if "record" in args:
-    return record(args["record"], args.get("round", "2"), args["device"], args["commit"],
-                  args["date"], args.get("out", "bench/results"))
-  if "variant" in args:
-    return one(args["variant"], budget, out_dir)
+  VARIANTS.update(ROUNDS[f.round])
+  if f.record or f.record_dense:
+    for name in ("device", "commit", "date"):
+      if not f[name].value:
+        raise SystemExit(f"--{name} is required with --record / --record_dense.")
+    if f.record_dense:
+      return record_dense(f.record_dense, f.device, f.commit, f.date, out_dir)
+    return record(f.record, f.round, f.device, f.commit, f.date, out_dir)
+  if f.variant:
+    return one(f.variant, budget, out_dir)
   env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
   procs = {n: subprocess.Popen([sys.executable, "-m", "bench.h2h_recipe_probe", f"--variant={n}",
-                                f"--round={args.get('round', '2')}",
+                                f"--round={f.round}",
                                 f"--budget_s={budget}", f"--out_dir={out_dir}"], env=env,
                                stdout=open(f"/tmp/probe_{n}.log", "w"), stderr=subprocess.STDOUT)
            for n in VARIANTS}

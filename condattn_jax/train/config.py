@@ -173,8 +173,8 @@ def validate_config(config: ml_collections.ConfigDict, *, needs_data: bool = Tru
                      "(packed_documents=False); set config.data.packing='one_per_row'.")
   if (not scheme.packed_documents and dc.source == "suite"
       and int(dict(dc.task or {}).get("pack", 1) or 1) > 1):
-    raise ValueError(f"config.data.task.pack={dict(dc.task)['pack']} packs several samples in a row, but "
-                     f"scheme {scheme.name!r} runs a row as one document "
+    raise ValueError(f"config.data.task.pack={dict(dc.task)['pack']} packs several samples in "
+                     f"a row, but scheme {scheme.name!r} runs a row as one document "
                      "(packed_documents=False); set config.data.task.pack=1.")
   from condattn_jax.parallel import context
   context.check_config(config, int(config.mesh.get("sequence", 1)))

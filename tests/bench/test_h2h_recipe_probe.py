@@ -36,8 +36,9 @@ def _write_round(d, scores):
 
 def test_round_verdict_and_its_claim(tmp_path):
   _write_round(tmp_path, {"niah_p8_lr3e-4": 0.95})
-  run = probe.record(str(tmp_path), "2", "NVIDIA H200", "abc1234", "2026-11-28T00:00:00+00:00",
-                     str(tmp_path))
+  run = probe.main([f"--record={tmp_path}", "--round=2", "--device=NVIDIA H200",
+                    "--commit=abc1234", "--date=2026-11-28T00:00:00+00:00",
+                    f"--out_dir={tmp_path}"])
   assert run["recorded"]["qualified"] == ["niah_p8_lr3e-4"]
   assert [c["passed"] for c in run["claims"]] == [True]
   path = common.result_path("h2h_recipe_probe", str(tmp_path), "NVIDIA H200")
@@ -49,3 +50,25 @@ def test_round_verdict_and_its_claim(tmp_path):
   with pytest.raises(claims.ClaimFailed):
     c.fn(bad["recorded"], bad)
   c.fn(run["recorded"], run)
+
+
+def test_dense_log_is_recorded_with_its_best_accuracy(tmp_path):
+  """--record_dense: a head-to-head dense pretraining's metrics.jsonl as run h100_preset_dense,
+  the best train accuracy re-derived by its claim (which fails once the model learned)."""
+  log = tmp_path / "metrics.jsonl"
+  log.write_text("".join(json.dumps({"step": s, "train/accuracy": a, "train/ce": 5.0,
+                                     "train/grad_norm": 1.0, "train/steps_per_s": 10.0}) + "\n"
+                         for s, a in ((50, 0.01), (100, 0.03), (150, 0.02))))
+  with pytest.raises(SystemExit, match="--commit is required"):
+    probe.main([f"--record_dense={log}", "--device=NVIDIA H200"])
+  run = probe.main([f"--record_dense={log}", "--device=NVIDIA H200", "--commit=abc1234",
+                    "--date=2026-11-28T00:00:00+00:00", f"--out_dir={tmp_path}"])
+  assert run["recorded"]["best_train_accuracy"] == 0.03 and [r["step"] for r in run["rows"]] == [
+      50, 100, 150]
+  assert [c["passed"] for c in run["claims"]] == [True]
+  (c,) = [c for c in claims.CLAIMS
+          if c.bench == "h2h_recipe_probe" and "h100_preset_dense" in c.run]
+  learned = copy.deepcopy(run)
+  learned["rows"][1]["train_accuracy"] = learned["recorded"]["best_train_accuracy"] = 0.9
+  with pytest.raises(claims.ClaimFailed):
+    c.fn(learned["recorded"], learned)
