@@ -11,10 +11,11 @@ holds its output, so a call resumes where the last one stopped):
   1. dense pretraining through condattn_jax/train (`loop.run`, orbax checkpoints under
      <state_dir>/dense) on `data.source='suite'` (synthetic.SuiteMix: a uniform mixture of the
      suite's token-level generators, loss on the answers only, never an evaluation sample), in
-     phases of growing row length (h100: 1024 -> 4096 -> 8192 tokens, one lr schedule over all of
-     them, the batch fixed); then a bf16 export (`export.export_model`) in <state_dir>/dense_export.
-     The short first phase is a deviation from "4K-8K": it gives 8x the scored answers per FLOP
-     while the retrieval circuit forms; the last phase is at the training length of the check.
+     phases of growing sample length (h100: samples of 128 ids packed 8 a row, then 256, 512,
+     1024, 2048, 4096, 8192; one lr schedule over all of them, the batch fixed); then a bf16
+     export (`export.export_model`) in <state_dir>/dense_export. The short first phases are a
+     deviation from "4K-8K": they give up to 8x the scored answers a step while the retrieval
+     circuit forms; the last phase is at the training length of the check.
      A phase (T, until, k) packs k samples of T // k ids in each row as documents
      (data.task.pack: k x the scored answers a step at the same row length; `phases`).
   2. every scheme from that export through the one dense -> scheme entry point (`model.init_from`:
@@ -43,10 +44,12 @@ the token-level NIAH tasks at the training length must be >= 0.90; otherwise the
 NOT JUDGED (an untrained base measures nothing about the schemes), and the result says so. The
 verdict is `verdict_from_rows(rows, ...)`, a function of the recorded rows.
 
-Status (2026-11-28, one H200, tree 33fff36): the h100 preset's dense pretraining stayed at chance
-(train answer accuracy 0.027 at step 8000 of 12000; stopped there). bench/h2h_recipe_probe.py
-searches for a recipe that learns (its results: bench/results/h2h_recipe_probe_NVIDIA_H200.json);
-the h100 preset changes after it, then the run above starts again from step 0.
+Status: the h100 preset's first dense pretraining (1024 -> 4096 -> 8192 unpacked, lr 1e-3; one
+H200, 2026-11-28, tree 33fff36) stayed at chance (train answer accuracy 0.027 at step 8000 of
+12000; stopped there). bench/h2h_recipe_probe.py searched for a recipe that learns (its results:
+bench/results/h2h_recipe_probe_NVIDIA_H200.json; round 2, 2026-11-29: 8 samples of 128 ids
+packed a row at lr 3e-4 reaches held-out NIAH 0.97); the h100 preset's phases now start there
+and double the samples' length phase by phase (PRESETS['h100'], pre-registered before its run).
 
 Between device commands (10 minutes each, the machine starts bare): with --pack_dir the state
 directory is packed as state.tar.part00.. (<= 15 MiB each, at most 4: a `run` call returns 8
@@ -142,8 +145,16 @@ PRESETS = {
     # One H100: 3.8M params (bf16 export 7.3 MiB; the orbax train state 45 MiB).
     "h100": dict(
         vocab=512, width=256, layers=6, heads=4, kv_heads=2, ffn=512, dtype="bfloat16",
-        suite="synthetic", batch=16, lr=1e-3, ft_lr=3e-4, warmup_frac=0.05, read_threads=2,
-        dense_phases=((1024, 4000), (4096, 8000), (8192, 12000)), ft_steps=400,
+        suite="synthetic", batch=16, lr=3e-4, ft_lr=3e-4, warmup_frac=0.05, read_threads=2,
+        # Pre-registered 2026-11-29 from the recipe probe's round 2 (bench/h2h_recipe_probe.py;
+        # its best, mix_p8_lr3e-4: 8 samples of 128 ids a 1024-id row, lr 3e-4, held-out NIAH
+        # 0.97 at 128 and 0.85 at 256): the same start, then the samples' length doubled phase by
+        # phase (the probe's held-out accuracy at 2x the trained length was 0.27-0.93, so no jump
+        # is larger than 2x), the last two at one sample a row (the check's length, 8192, last).
+        # (Replaced 1024 -> 4096 -> 8192 unpacked at lr 1e-3, which stayed at chance: the probe's
+        # run h100_preset_dense.)
+        dense_phases=((1024, 3000, 8), (1024, 4000, 4), (1024, 5000, 2), (2048, 6000, 2),
+                      (4096, 7000, 2), (4096, 8000), (8192, 9000)), ft_steps=400,
         lengths=(4096, 8192, 16384), num_samples=20, eval_batch=8, tasks=None,
         router_lr_mult=10.0, unit_estimate_s=240.0,
         knobs={  # training length 8192
@@ -188,6 +199,23 @@ def phases(p) -> list[tuple[int, int, int]]:
   return out
 
 
+def fitting_tasks(p, n: int) -> list[str]:
+  """The preset's token-level tasks (p['tasks'], None: the suite's) whose sample fits n ids (a
+  packed phase's samples: cwe needs > 256 ids, mqar > 128 in the synthetic suite)."""
+  from condattn_jax.evaluation import tasks as suite_lib
+  out = []
+  for t in suite_lib.suite_tasks(p["suite"], tasks=p["tasks"], token_level=True):
+    try:  # SuiteMix builds a sample of n + 1 ids for an n-id slot
+      suite_lib.token_sample(t, n + 1, 0, vocab_size=p["vocab"], suite=p["suite"])
+    except ValueError:
+      continue
+    out.append(t)
+  if not out:
+    raise ValueError(f"dense_phases: no task of suite {p['suite']!r} fits samples of {n} ids; "
+                     "pack fewer samples a row.")
+  return out
+
+
 def run_config(p, *, scheme: str = "dense", seq_len: int, num_steps: int, lr: float,
                init_from: str | None = None, seed: int = 0, pack: int = 1):
   """The run config (condattn_jax/train) of one training stage of preset `p`."""
@@ -228,6 +256,7 @@ def run_config(p, *, scheme: str = "dense", seq_len: int, num_steps: int, lr: fl
   d.task = ml_collections.ConfigDict(dict(vocab_size=p["vocab"], suite=p["suite"]))
   if pack > 1:  # pretraining phases only: pack samples of seq_len // pack ids a row
     d.task.pack = int(pack)
+    d.task.tasks = fitting_tasks(p, seq_len // pack)
   t = c.train
   t.num_steps = num_steps
   t.lr = lr
@@ -267,7 +296,9 @@ def data_ms_per_row(p, seq_len: int, rows: int = 4, pack: int = 1) -> float:
   """CPU milliseconds (process time, this host) to generate one training row of the suite
   mixture at seq_len (synthetic.SuiteMix, the rows loop.run reads)."""
   from condattn_jax.data.synthetic import SuiteMix
-  mix = SuiteMix(seq_len=seq_len, vocab_size=p["vocab"], suite=p["suite"], pack=pack)
+  tasks = fitting_tasks(p, seq_len // pack) if pack > 1 else p["tasks"]  # as run_config's
+  mix = SuiteMix(seq_len=seq_len, vocab_size=p["vocab"], suite=p["suite"], pack=pack,
+                 tasks=None if tasks is None else tuple(tasks))
   t = time.process_time()
   for i in range(rows):
     mix.example(0, i)

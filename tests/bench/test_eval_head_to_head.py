@@ -35,7 +35,14 @@ def test_h100_preset_fits_the_device_calls():
   plan = h2h.plan(p)
   assert 3e6 < n < 8.4e6 and plan["bf16_export_mib"] < 16
   assert 12 * n < h2h.MAX_PARTS * h2h.PART_BYTES
-  assert [ph["seq_len"] for ph in plan["phases"]] == [1024, 4096, 8192, 8192]
+  # the samples' length doubles phase by phase up to the check's 8192 (then the fine-tunes')
+  assert [ph["seq_len"] // ph["pack"] for ph in plan["phases"]] == [
+      128, 256, 512, 1024, 2048, 4096, 8192, 8192]
+  # a packed phase trains on the tasks whose samples fit its slots, every NIAH task among them
+  c = h2h.run_config(p, seq_len=1024, num_steps=10, lr=3e-4, pack=8)
+  assert set(h2h.NIAH_TASKS) <= set(c.data.task.tasks)
+  assert not {"cwe", "mqar"} & set(c.data.task.tasks)
+  assert "mqar" in h2h.run_config(p, seq_len=1024, num_steps=10, lr=3e-4, pack=4).data.task.tasks
   assert all(ph["est_steps_per_s"] > 0 for ph in plan["phases"])
   # knobs are a small fraction of the training length
   k, L = p["knobs"], h2h.train_len(p)
