@@ -170,8 +170,9 @@ def record_dense(metrics: str, device: str, commit: str, date: str, out: str) ->
                       steps_per_s=round(m["train/steps_per_s"], 2))
                  for m in rows if "train/accuracy" in m]
   best = max(r["train_accuracy"] for r in run["rows"])
-  run["recorded"] = dict(verdict=f"did not learn: train answer accuracy <= {best:.3f} over "
-                                 f"{run['rows'][-1]['step']} steps, stopped",
+  learned = "learned" if best >= QUALIFY else "did not learn"
+  run["recorded"] = dict(verdict=f"{learned}: train answer accuracy <= {best:.3f} over "
+                                 f"{run['rows'][-1]['step']} steps",
                          best_train_accuracy=best)
   common.append_run(common.result_path("h2h_recipe_probe", out, device), run)
   return run

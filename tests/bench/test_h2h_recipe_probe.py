@@ -66,6 +66,7 @@ def test_dense_log_is_recorded_with_its_best_accuracy(tmp_path):
   assert run["recorded"]["best_train_accuracy"] == 0.03 and [r["step"] for r in run["rows"]] == [
       50, 100, 150]
   assert [c["passed"] for c in run["claims"]] == [True]
+  assert run["recorded"]["verdict"].startswith("did not learn: train answer accuracy <= 0.030")
   (c,) = [c for c in claims.CLAIMS
           if c.bench == "h2h_recipe_probe" and "h100_preset_dense" in c.run]
   learned = copy.deepcopy(run)
