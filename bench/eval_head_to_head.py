@@ -4,7 +4,7 @@ answered by each through the inference engine, with TTFT and decode speed.
 
     python -m bench.eval_head_to_head --preset=tiny --state_dir=/tmp/h2h      # CPU: minutes
     python -m bench.eval_head_to_head --preset=h100 --state_dir=workdir_h2h \
-        --time_budget_s=500 --pack_dir=$OUT                                   # one H100 (below)
+        --time_budget_s=500 --pack_dir=$OUT                                   # one GPU (below)
 
 Protocol (every preset; the stages run in order, each skipped when the state directory already
 holds its output, so a call resumes where the last one stopped):
@@ -64,16 +64,15 @@ checkpoint is not carried). --time_budget_s bounds each call: training stops on 
 saved), and a model's fine-tune + evaluation starts only when 1.2 x the longest one so far (the
 first: `unit_estimate_s`) still fits.
 
-GPU commands (the lead, a later session; each call names kind="nvidia-h100-x1" so every part
-is timed on one card kind (merge_reports refuses a mix); the wheels of DEVELOPERS.md in .whl
-(the tree, .whl and the 44 MiB state share the 64 MiB a call carries: check `du -sh .whl`);
-locally first `mkdir -p workdir_h2h` (ignored by /workdir*/); <sha> = local
-`git rev-parse --short HEAD`):
+GPU commands (the lead; every call of one run on ONE card kind: merge_reports refuses a mix; the
+h100 run under way is on nvidia-h200, the only kind lent since 2026-11-28); the wheels of
+DEVELOPERS.md in .whl (the tree, .whl and the 44 MiB state share the 64 MiB a call carries:
+check `du -sh .whl`); locally first `mkdir -p workdir_h2h` (ignored by /workdir*/); <sha> =
+local `git rev-parse --short HEAD`):
   each call (carry [".whl", "workdir_h2h"], timeout_s 600):
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-      --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site || exit; \
-    PYTHONUNBUFFERED=1 CONDATTN_GIT_COMMIT=<sha> python -m bench.eval_head_to_head \
-      --preset=h100 --state_dir=workdir_h2h --time_budget_s=500 --pack_dir=$OUT
+    source scripts/gpu_env.sh && export CONDATTN_GIT_COMMIT=<sha> && PYTHONUNBUFFERED=1 \
+      python -m bench.eval_head_to_head --preset=h100 --state_dir=workdir_h2h \
+      --time_budget_s=540 --pack_dir=$OUT
   after a call that returned state.tar.part* (it stopped, or was killed at its limit): rm -rf
   workdir_h2h/*; cp <files_at>/state.tar.part* workdir_h2h/; then the same call again. The call
   that finishes prints JUDGED / NOT JUDGED and returns eval_head_to_head_<device>.{json,png,md}
@@ -82,11 +81,11 @@ locally first `mkdir -p workdir_h2h` (ignored by /workdir*/); <sha> = local
   Optional first: the same call with --preset=h100_smoke --state_dir=workdir_smoke (the h100
   model at a few steps, every scheme trained and evaluated at 8192: kernels, memory and compile
   times at the real shapes in one call; its result is no head-to-head).
-  How many calls: 3-4 (~35-45 minutes of one H100 with the starts). `--plan` prints the estimate:
-  dense 12000 steps (4000 each at 1024 / 4096 / 8192 tokens x 16 rows), ~0.6 + 1.5 + 4.3 minutes
-  at the estimated rates below, plus ~1 minute of compiles per phase: 1-2 calls; then six units
-  (a 400-step continuation at 8192, ~0.5 minute estimated, plus compiles, plus the suite: 600
-  prompts at 4K/8K/16K), ~2-3 minutes each: 2 calls.
+  How many calls (measured on one H200, 2026-11-29, tree d67727e): the dense pretraining (9000
+  steps, `--plan` for the phases) took 2 calls (~810 s of training: 225 s for the first 3000
+  steps, bound by generating the rows, 182 s for the last 1000 at 8192); the dense unit (the
+  400-step continuation at 8192 and the suite: 600 prompts at 4K / 8K / 16K) 152 s; the five
+  scheme units ~150-250 s each: 2 more calls.
 
 Throughput ESTIMATE (`plan()`; not measured on a GPU): training FLOPs per token = 6 x matmul
 params + 6 x layers x heads x head_dim x T (causal attention, no recompute): 0.032 / 0.060 / 0.098
@@ -148,9 +147,9 @@ PRESETS = {
         suite="synthetic", batch=16, lr=3e-4, ft_lr=3e-4, warmup_frac=0.05, read_threads=2,
         # Pre-registered 2026-11-29 from the recipe probe's round 2 (bench/h2h_recipe_probe.py;
         # its best, mix_p8_lr3e-4: 8 samples of 128 ids a 1024-id row, lr 3e-4, held-out NIAH
-        # 0.97 at 128 and 0.85 at 256): the same start, then the samples' length doubled phase by
-        # phase (the probe's held-out accuracy at 2x the trained length was 0.27-0.93, so no jump
-        # is larger than 2x), the last two at one sample a row (the check's length, 8192, last).
+        # 0.97 at 128 and 0.86 at 256): the same start, then the samples' length doubled phase by
+        # phase (the qualifying variants' held-out NIAH at 2x their samples' length was
+        # 0.28-0.86, so no jump is larger than 2x), the last two at one sample a row (the check's length, 8192, last).
         # (Replaced 1024 -> 4096 -> 8192 unpacked at lr 1e-3, which stayed at chance: the probe's
         # run h100_preset_dense.)
         dense_phases=((1024, 3000, 8), (1024, 4000, 4), (1024, 5000, 2), (2048, 6000, 2),
@@ -199,17 +198,23 @@ def phases(p) -> list[tuple[int, int, int]]:
   return out
 
 
+def fits(task: str, n: int, *, vocab: int, suite: str) -> bool:
+  """Whether a SuiteMix sample of `task` fits an n-id slot (it is built at n + 1 ids: the
+  inputs and the targets shifted by one; token_sample's own check)."""
+  from condattn_jax.evaluation import tasks as suite_lib
+  try:
+    suite_lib.token_sample(task, n + 1, 0, vocab_size=vocab, suite=suite)
+  except ValueError:
+    return False
+  return True
+
+
 def fitting_tasks(p, n: int) -> list[str]:
   """The preset's token-level tasks (p['tasks'], None: the suite's) whose sample fits n ids (a
   packed phase's samples: cwe needs > 256 ids, mqar > 128 in the synthetic suite)."""
   from condattn_jax.evaluation import tasks as suite_lib
-  out = []
-  for t in suite_lib.suite_tasks(p["suite"], tasks=p["tasks"], token_level=True):
-    try:  # SuiteMix builds a sample of n + 1 ids for an n-id slot
-      suite_lib.token_sample(t, n + 1, 0, vocab_size=p["vocab"], suite=p["suite"])
-    except ValueError:
-      continue
-    out.append(t)
+  out = [t for t in suite_lib.suite_tasks(p["suite"], tasks=p["tasks"], token_level=True)
+         if fits(t, n, vocab=p["vocab"], suite=p["suite"])]
   if not out:
     raise ValueError(f"dense_phases: no task of suite {p['suite']!r} fits samples of {n} ids; "
                      "pack fewer samples a row.")

@@ -107,9 +107,7 @@ def per_task(c, wd, v, batches=4):
   for task in v["tasks"] or suite_lib.suite_tasks(suite, token_level=True):
     n = v["seq_len"] // v.get("pack", 1)  # the samples' length
     for L in (n, 2 * n):
-      try:  # the rows SuiteMix builds at L: samples of L + 1 ids
-        suite_lib.token_sample(task, L + 1, 0, vocab_size=vocab, suite=suite)
-      except ValueError:
+      if not h2h.fits(task, L, vocab=vocab, suite=suite):
         continue
       ct = copy.deepcopy(c)
       ct.data.task = ml_collections.ConfigDict(dict(c.data.task.to_dict(), tasks=[task], pack=1))
