@@ -602,22 +602,51 @@ def run(preset: str, state_dir: str, *, time_budget_s: float | None = None,
         f" and packed in {pack_dir}: copy the parts into {state_dir}" if pack_dir else "")
         + " and run the same command again")
     return None
+  return result_of(preset, state_dir, schemes, device=jax.devices()[0].device_kind,
+                   platform=jax.default_backend())
+
+
+def result_of(preset: str, state_dir: str, schemes, *, device: str, platform: str) -> dict:
+  """The result dict of the models of `schemes` evaluated in state_dir (eval_<name>.json and
+  progress.json): rows, the verdict (a function of the rows), the comparison with dense, the
+  training record and the merged report."""
+  from condattn_jax.evaluation import headtohead
+  p = PRESETS[preset]
+  prog = json.load(open(os.path.join(state_dir, "progress.json")))
   reports = [json.load(open(os.path.join(state_dir, f"eval_{n}.json"))) for n in schemes]
   report = headtohead.merge_reports(reports)
   rows = rows_of(report)
+  L = train_len(p)
   verdict = verdict_from_rows(rows, L)
   settings = {k: (list(v) if isinstance(v, tuple) else v) for k, v in p.items() if k != "knobs"}
   return dict(
       preset=preset, settings=settings, training_length=L,
       knobs={n: {k: list(v) if isinstance(v, tuple) else v for k, v in p["knobs"][n].items()}
              for n in schemes},
-      device=jax.devices()[0].device_kind, platform=jax.default_backend(), plan=plan(p),
+      device=device, platform=platform, plan=plan(p),
       training=dict(dense=prog["dense"], models={n: {k: v for k, v in prog["models"][n].items()
                                                      if k != "export"} for n in schemes},
                     calls=prog["calls"]),
       criteria=CRITERIA, verdict=verdict, judged=verdict["judged"],
       mean_accuracy={m["name"]: m["mean_accuracy"] for m in report["models"]},
       versus_dense=versus_dense(rows), rows=rows, report=report)
+
+
+def record_partial(preset: str, state_dir: str, *, device: str, commit: str, date: str,
+                   out_dir: str) -> dict:
+  """The models a stopped head-to-head has evaluated so far (in SCHEMES order, dense first) as run
+  `<preset>_partial` of <out_dir>/eval_head_to_head_<device>.json (no report tar, PNG or
+  markdown: the finished run writes those): its numbers in the repository before the run
+  ends. The state must come from calls on `device`."""
+  done = [n for n in SCHEMES if os.path.exists(os.path.join(state_dir, f"eval_{n}.json"))]
+  if "dense" not in done:
+    raise SystemExit(f"{state_dir}: no eval_dense.json; nothing to record yet.")
+  r = result_of(preset, state_dir, done, device=device, platform="gpu")
+  rec = {k: v for k, v in r.items() if k != "report"}
+  run = common.make_run(BENCH, rec, name=f"{preset}_partial")
+  run.update(date=date, git_commit=commit)
+  common.append_run(common.result_path(BENCH, out_dir, device), run)
+  return run
 
 
 def write_outputs(result: dict, out_dir: str) -> list[str]:
@@ -670,6 +699,13 @@ flags.DEFINE_list("schemes", list(SCHEMES), "models of the head-to-head (dense f
                   flag_values=FLAGS)
 flags.DEFINE_boolean("plan", False, "print the throughput estimate and sizes, run nothing",
                      flag_values=FLAGS)
+flags.DEFINE_boolean("record_partial", False, "record the models --state_dir has evaluated so "
+                     "far as run <preset>_partial in --out_dir (with --device, --commit, --date: "
+                     "where and from which tree the calls ran)", flag_values=FLAGS)
+flags.DEFINE_string("device", None, "--record_partial: the device the calls ran on",
+                    flag_values=FLAGS)
+flags.DEFINE_string("commit", None, "--record_partial: the tree the calls ran", flag_values=FLAGS)
+flags.DEFINE_string("date", None, "--record_partial: ISO date of the calls", flag_values=FLAGS)
 
 
 def main(argv=None):
@@ -680,6 +716,14 @@ def main(argv=None):
     return 0
   if not args.state_dir:
     raise SystemExit("--state_dir is required (where the stages keep their state)")
+  if args.record_partial:
+    for name in ("device", "commit", "date"):
+      if not args[name].value:
+        raise SystemExit(f"--{name} is required with --record_partial.")
+    run_ = record_partial(args.preset, args.state_dir, device=args.device, commit=args.commit,
+                          date=args.date, out_dir=args.out_dir)
+    print(f"recorded run {run_['settings']['name']}: verdict {run_['recorded']['verdict']}")
+    return 0
   bad = [s for s in args.schemes if s not in SCHEMES]
   if bad or not args.schemes or args.schemes[0] != "dense":
     raise SystemExit(f"--schemes={','.join(args.schemes)}: dense first, then any of {SCHEMES}")

@@ -65,17 +65,13 @@ VARIANTS = dict(ROUND2)
 
 
 def one(name, budget_s, out_dir, steps=10000):
-  import ml_collections
-
   from condattn_jax.train import loop
   v = VARIANTS[name]
   p = dict(h2h.PRESETS["h100"], batch=v.get("batch", 16), read_threads=2)
-  c = h2h.run_config(p, seq_len=v["seq_len"], num_steps=steps, lr=v["lr"])
+  c = h2h.run_config(p, seq_len=v["seq_len"], num_steps=steps, lr=v["lr"],
+                     pack=v.get("pack", 1))  # pack: samples of seq_len // pack ids a row
   if v["tasks"]:
-    c.data.task = ml_collections.ConfigDict(dict(vocab_size=p["vocab"], suite=p["suite"],
-                                                 tasks=list(v["tasks"])))
-  if v.get("pack", 1) > 1:  # samples of seq_len // pack ids, packed as documents
-    c.data.task.pack = int(v["pack"])
+    c.data.task.tasks = list(v["tasks"])
   c.train.log_every = 100
   wd = os.path.join(RUNS_DIR, name)
   shutil.rmtree(wd, ignore_errors=True)

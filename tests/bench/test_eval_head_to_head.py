@@ -173,6 +173,15 @@ def test_tiny_pipeline_resumes_and_records(tmp_path):
   assert "NOT JUDGED" in (out / "eval_head_to_head_cpu.md").read_text()
   assert r["knobs"]["l2a"]["window"] == 16 and set(r["versus_dense"]) == {"l2a"}
   assert os.path.getsize(out / "eval_head_to_head_cpu.png") > 0
+  # --record_partial: what a stopped run's state holds so far, as its own run (same rows and
+  # verdict as the finished run's for the same models)
+  with pytest.raises(SystemExit, match="--commit is required"):
+    h2h.main(["--preset=tiny_test", f"--state_dir={tmp_path / 'state'}", "--record_partial",
+              "--device=cpu"])
+  part = h2h.record_partial("tiny_test", str(tmp_path / "state"), device="cpu", commit="abc1234",
+                            date="2026-11-29T00:00:00+00:00", out_dir=str(tmp_path / "part"))
+  assert part["settings"]["name"] == "tiny_test_partial" and part["git_commit"] == "abc1234"
+  assert part["rows"] == run["rows"] and part["recorded"]["verdict"] == r["verdict"]
   assert os.path.getsize(out / "eval_head_to_head_cpu_report.tar") > 0
 
 
