@@ -83,9 +83,10 @@ local `git rev-parse --short HEAD`):
   times at the real shapes in one call; its result is no head-to-head).
   How many calls (measured on one H200, 2026-11-29, tree d67727e): the dense pretraining (9000
   steps, `--plan` for the phases) took 2 calls (~810 s of training: 225 s for the first 3000
-  steps, bound by generating the rows, 182 s for the last 1000 at 8192); the dense unit (the
-  400-step continuation at 8192 and the suite: 600 prompts at 4K / 8K / 16K) 152 s; the five
-  scheme units ~150-250 s each: 2 more calls.
+  steps, 13 steps/s with the compile, where `--plan` bounds generating the rows at ~20 steps/s on
+  one core; 182 s for the last 1000 at 8192); the dense unit (the 400-step continuation at 8192
+  and the suite: 600 prompts at 4K / 8K / 16K) 152 s; the five scheme units, estimated from it
+  and from h100_smoke's units (38-143 s with 2 prompts a task), ~150-250 s each: 2 more calls.
 
 Throughput ESTIMATE (`plan()`; not measured on a GPU): training FLOPs per token = 6 x matmul
 params + 6 x layers x heads x head_dim x T (causal attention, no recompute): 0.032 / 0.060 / 0.098
