@@ -32,24 +32,26 @@ holds its output, so a call resumes where the last one stopped):
      each task's answer length) at the preset's lengths: accuracy per task, TTFT, decode
      tokens/s, KV-cache bytes; the per-model reports merged (`headtohead.merge_reports`: all from
      one device kind, else refused).
-Outputs (--out_dir, default $OUT else bench/results): eval_head_to_head_<device>.json (one run
-in the bench/common.py schema: rows per model x task x length, efficiency rows, the verdict, the
-training record), eval_head_to_head_<device>.png (mean accuracy vs length per model),
-eval_head_to_head_<device>.md (the report's tables and the verdict) and
-eval_head_to_head_<device>_report.tar (the full headtohead report: per-sample records, routing
-maps, accuracy-vs-TTFT).
+Outputs (--out_dir, default $OUT else bench/results; `write_outputs`): eval_head_to_head_<device>
+.json (one run in the bench/common.py schema: rows per model x task x length, efficiency rows,
+the verdict, the training record), .png (mean accuracy vs length per model), _ttft.png (accuracy
+vs TTFT per length), .md (the report's tables and the verdict), _report.json.gz (the whole
+headtohead report: per-sample records, routing statistics) and _report.tar (the report as
+headtohead.write_report writes it, routing heatmaps included).
 
 Pre-registered check (CRITERIA, fixed before any GPU run): the dense arm's mean accuracy over
 the token-level NIAH tasks at the training length must be >= 0.90; otherwise the comparison is
 NOT JUDGED (an untrained base measures nothing about the schemes), and the result says so. The
 verdict is `verdict_from_rows(rows, ...)`, a function of the recorded rows.
 
-Status: the h100 preset's first dense pretraining (1024 -> 4096 -> 8192 unpacked, lr 1e-3; one
+Status: recorded (run h100 of bench/results/eval_head_to_head_NVIDIA_H200.json, one H200,
+2026-11-29; JUDGED: dense NIAH 0.975 at 8192; the README quotes it, bench/claims checks the
+quotes). The h100 preset's first dense pretraining (1024 -> 4096 -> 8192 unpacked, lr 1e-3; one
 H200, 2026-11-28, tree 33fff36) stayed at chance (train answer accuracy 0.027 at step 8000 of
 12000; stopped there). bench/h2h_recipe_probe.py searched for a recipe that learns (its results:
 bench/results/h2h_recipe_probe_NVIDIA_H200.json; round 2, 2026-11-29: 8 samples of 128 ids
-packed a row at lr 3e-4 reaches held-out NIAH 0.97); the h100 preset's phases now start there
-and double the samples' length phase by phase (PRESETS['h100'], pre-registered before its run).
+packed a row at lr 3e-4 reaches held-out NIAH 0.97); the h100 preset's phases start there and
+double the samples' length phase by phase (PRESETS['h100'], pre-registered before its run).
 
 Between device commands (10 minutes each, the machine starts bare): with --pack_dir the state
 directory is packed as state.tar.part00.. (<= 15 MiB each, at most 4: a `run` call returns 8
@@ -75,9 +77,10 @@ local `git rev-parse --short HEAD`):
       --time_budget_s=540 --pack_dir=$OUT
   after a call that returned state.tar.part* (it stopped, or was killed at its limit): rm -rf
   workdir_h2h/*; cp <files_at>/state.tar.part* workdir_h2h/; then the same call again. The call
-  that finishes prints JUDGED / NOT JUDGED and returns eval_head_to_head_<device>.{json,png,md}
-  and _report.tar (no parts): copy the .json and .png into bench/results/ (the .md is the
-  README's table; the tar holds per-sample records).
+  that finishes prints JUDGED / NOT JUDGED and returns the outputs above (no parts): append its
+  run to bench/results/eval_head_to_head_<device>.json (common.append_run: the file may hold a
+  _partial run) and copy the .png, _ttft.png and _report.json.gz there (the .md's tables are
+  what the README quotes; the tar is for reading).
   Optional first: the same call with --preset=h100_smoke --state_dir=workdir_smoke (the h100
   model at a few steps, every scheme trained and evaluated at 8192: kernels, memory and compile
   times at the real shapes in one call; its result is no head-to-head).
@@ -85,8 +88,8 @@ local `git rev-parse --short HEAD`):
   steps, `--plan` for the phases) took 2 calls (~810 s of training: 225 s for the first 3000
   steps, 13 steps/s with the compile, where `--plan` bounds generating the rows at ~20 steps/s on
   one core; 182 s for the last 1000 at 8192); the dense unit (the 400-step continuation at 8192
-  and the suite: 600 prompts at 4K / 8K / 16K) 152 s; the five scheme units, estimated from it
-  and from h100_smoke's units (38-143 s with 2 prompts a task), ~150-250 s each: 2 more calls.
+  and the suite: 600 prompts at 4K / 8K / 16K) 152 s; the five scheme units (tree eba64c8)
+  l2a 191 s, aha 196 s, elastic 154 s, match 320 s, segmented 239 s: 3 more calls (5 in all).
 
 Throughput ESTIMATE (`plan()`; not measured on a GPU): training FLOPs per token = 6 x matmul
 params + 6 x layers x heads x head_dim x T (causal attention, no recompute): 0.032 / 0.060 / 0.098
@@ -99,6 +102,7 @@ peak, so expect up to 2x slower (the reason for the 2-call dense budget).
 from __future__ import annotations
 
 import glob
+import gzip
 import io
 import json
 import os
@@ -651,8 +655,11 @@ def record_partial(preset: str, state_dir: str, *, device: str, commit: str, dat
 
 
 def write_outputs(result: dict, out_dir: str) -> list[str]:
-  """The result file (bench/common.py schema, the report's per-sample records left to the
-  report tar), the PNG, the markdown and the report tar in out_dir; returns the paths."""
+  """In out_dir: the result file (bench/common.py schema, the report's per-sample records left
+  out), <base>.png (mean accuracy vs length), <base>_ttft.png (accuracy vs TTFT), <base>.md,
+  <base>_report.json.gz (the whole report: per-sample records, routing statistics; what
+  bench/results keeps) and <base>_report.tar (the report as headtohead.write_report writes it,
+  routing heatmaps included); returns the paths."""
   from condattn_jax.evaluation import headtohead, plots
   report = result["report"]
   slug = common.device_slug(result["device"])
@@ -663,6 +670,9 @@ def write_outputs(result: dict, out_dir: str) -> list[str]:
   path = common.result_path(BENCH, out_dir, result["device"])
   common.write_result(path, BENCH, rec, name=result["preset"])
   png = plots.accuracy_vs_length(report, base + ".png")
+  ttft_png = plots.accuracy_vs_ttft(report, base + "_ttft.png")
+  with gzip.open(base + "_report.json.gz", "wt") as f:
+    json.dump(report, f, default=str)
   v = result["verdict"]
   head = [f"## Head-to-head `{result['preset']}` ({result['device']})", "",
           f"Pre-registered check: {v['rule']}.",
@@ -671,8 +681,9 @@ def write_outputs(result: dict, out_dir: str) -> list[str]:
                                           "numbers below do not compare the schemes)"), ""]
   for m, by_len in result["versus_dense"].items():
     for L, d in by_len.items():
-      head.append(f"- {m} at {L}: accuracy {d['accuracy_minus_dense']:+.3f} vs dense, TTFT x"
-                  f"{d['ttft_over_dense'] or float('nan'):.2f}, KV x{d['kv_bytes_over_dense']:.2f}"
+      head.append(f"- {m} at {L}: accuracy {d['accuracy_minus_dense']:+.3f} vs dense, TTFT "
+                  f"{d['ttft_over_dense'] or float('nan'):.2f} x dense's, KV bytes "
+                  f"{d['kv_bytes_over_dense']:.2f} x dense's"
                   + (f"; loses > 0.1 on {', '.join(d['loses_on'])}" if d["loses_on"] else ""))
   with open(base + ".md", "w") as f:
     f.write("\n".join(head) + "\n\n" + headtohead.markdown(report))
@@ -683,7 +694,7 @@ def write_outputs(result: dict, out_dir: str) -> list[str]:
     for f in files:
       tf.add(f, arcname=os.path.basename(f))
   shutil.rmtree(tmp)
-  return [path, png, base + ".md", base + "_report.tar"]
+  return [path, png, ttft_png, base + ".md", base + "_report.json.gz", base + "_report.tar"]
 
 
 FLAGS = common.flag_values()

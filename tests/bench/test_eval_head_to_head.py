@@ -7,6 +7,7 @@ dense + L2A in two calls (the first stopped by its time budget inside the dense 
 state packed and carried into the second, which resumes it, converts, continues, evaluates and
 writes the result). Every scheme (the six-model head-to-head of the tiny preset itself) runs in
 the manual test."""
+import gzip
 import json
 import os
 import shutil
@@ -183,6 +184,11 @@ def test_tiny_pipeline_resumes_and_records(tmp_path):
   assert part["settings"]["name"] == "tiny_test_partial" and part["git_commit"] == "abc1234"
   assert part["rows"] == run["rows"] and part["recorded"]["verdict"] == r["verdict"]
   assert os.path.getsize(out / "eval_head_to_head_cpu_report.tar") > 0
+  assert os.path.getsize(out / "eval_head_to_head_cpu_ttft.png") > 0
+  with gzip.open(out / "eval_head_to_head_cpu_report.json.gz", "rt") as f:
+    full = json.load(f)  # the whole report: every sample's record, per model
+  assert [m["name"] for m in full["models"]] == ["dense", "l2a"]
+  assert sum(len(m["records"]) for m in full["models"]) == 2 * 10 * 2  # models x tasks x samples
 
 
 @pytest.mark.manual
