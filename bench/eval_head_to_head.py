@@ -573,16 +573,7 @@ def run(preset: str, state_dir: str, *, time_budget_s: float | None = None,
       tu = time.time()
       exp_dir = os.path.join(state_dir, f"export_{name}")
       if not os.path.isdir(exp_dir):
-        wd = os.path.join(state_dir, f"ft_{name}")
-        cfg = run_config(p, scheme=name, seq_len=L, num_steps=p["ft_steps"], lr=p["ft_lr"],
-                         init_from=os.path.abspath(dense_export), seed=1)
-        r = loop.run(cfg, wd, time_budget_s=left())
-        if r["step"] < p["ft_steps"]:
-          shutil.rmtree(wd)  # not carried: starts again next call
-          raise OutOfTime(f"fine-tune of {name} at step {r['step']} of {p['ft_steps']}")
-        rec.update(ft_steps=r["step"], ft_loss=_last_loss(wd), ft_wall_s=round(time.time() - tu, 1))
-        rec["export"] = export_bf16(cfg, wd, exp_dir)
-        shutil.rmtree(wd)
+        rec.update(finetune(p, name, state_dir, left()))
         save()
       cfg_m, params = load_export(exp_dir)
       model = harness.model_from_params(name, cfg_m, params, knobs=dict(
@@ -609,6 +600,90 @@ def run(preset: str, state_dir: str, *, time_budget_s: float | None = None,
     return None
   return result_of(preset, state_dir, schemes, device=jax.devices()[0].device_kind,
                    platform=jax.default_backend())
+
+
+def finetune(p, name: str, state_dir: str, budget_s: float | None) -> dict:
+  """Stage 2 for one model: `name` converted from <state_dir>/dense_export and continued for
+  the preset's ft_steps at the training length (seed 1), exported in bf16 to
+  <state_dir>/export_<name>; its training record. OutOfTime when the budget stops it (the
+  fine-tune is not kept: it starts again)."""
+  from condattn_jax.train import loop
+  t0 = time.time()
+  wd = os.path.join(state_dir, f"ft_{name}")
+  cfg = run_config(p, scheme=name, seq_len=train_len(p), num_steps=p["ft_steps"],
+                   lr=p["ft_lr"], init_from=os.path.abspath(os.path.join(state_dir,
+                                                                         "dense_export")), seed=1)
+  r = loop.run(cfg, wd, time_budget_s=budget_s)
+  if r["step"] < p["ft_steps"]:
+    shutil.rmtree(wd)  # not carried: starts again next call
+    raise OutOfTime(f"fine-tune of {name} at step {r['step']} of {p['ft_steps']}")
+  rec = dict(ft_steps=r["step"], ft_loss=_last_loss(wd), ft_wall_s=round(time.time() - t0, 1))
+  rec["export"] = export_bf16(cfg, wd, os.path.join(state_dir, f"export_{name}"))
+  shutil.rmtree(wd)
+  return rec
+
+
+def sweep(preset: str, state_dir: str, scheme: str, knob: str, values, *, lengths=None,
+          log=print) -> dict:
+  """A test-time sweep of one option of `scheme` (L2A's theta, AHA's tau): the accuracy vs
+  TTFT curve of the L2A paper's Fig. 13 on the head-to-head's model. The scheme is fine-tuned
+  from <state_dir>/dense_export as `run` fine-tunes it (`finetune`: the same config and seed;
+  kept in <state_dir>/export_<scheme>, reused when present), then answers the suite at
+  `lengths` (default: the training length) once per value (knobs['sweep'] = {knob: value}), in
+  one report with the dense export (the converted models' starting point, not the dense arm's
+  continuation) timed in the same process as the TTFT reference. Returns the result dict
+  (rows, the training record, the report)."""
+  import jax
+
+  from condattn_jax import attention
+  from condattn_jax.evaluation import harness, headtohead
+  p = PRESETS[preset]
+  L = train_len(p)
+  lengths = tuple(lengths or (L,))
+  exp_dir = os.path.join(state_dir, f"export_{scheme}")
+  rec = {}
+  if not os.path.isdir(exp_dir):
+    rec = finetune(p, scheme, state_dir, None)
+    log(f"{scheme}: fine-tuned {rec['ft_steps']} steps ({rec['ft_wall_s']:.0f} s), loss "
+        f"{rec['ft_loss']}")
+  step = p["dense_phases"][-1][1] + p["ft_steps"]
+  cfg_d, params_d = load_export(os.path.join(state_dir, "dense_export"))
+  models = [harness.model_from_params("dense_export", cfg_d, params_d, knobs=dict(
+      checkpoint=f"{BENCH}:{preset}:dense_export", step=p["dense_phases"][-1][1]))]
+  cfg_m, params = load_export(exp_dir)
+  for v in values:
+    models.append(harness.model_from_params(
+        f"{scheme} {knob}={v}", attention.configure(cfg_m, scheme, **{knob: v}), params, knobs=dict(
+            checkpoint=f"{BENCH}:{preset}:{scheme}", step=step, sweep={knob: v},
+            converted_from="dense_export (bf16)", fine_tune_steps=p["ft_steps"])))
+  t0 = time.time()
+  report = headtohead.run_suite(models, p["suite"], lengths=lengths, num_samples=p["num_samples"],
+                                seed=0, batch_size=p["eval_batch"], tasks=p["tasks"],
+                                progress=False)
+  log(f"sweep of {scheme} {knob} over {list(values)} at {list(lengths)}: "
+      f"{time.time() - t0:.0f} s")
+  return dict(preset=preset, scheme=scheme, knob=knob, values=list(values),
+              lengths=list(lengths), device=jax.devices()[0].device_kind,
+              platform=jax.default_backend(), training=rec,
+              mean_accuracy={m["name"]: m["mean_accuracy"] for m in report["models"]},
+              rows=rows_of(report), report=report)
+
+
+def write_sweep(result: dict, out_dir: str) -> list[str]:
+  """A sweep's run `<preset>_sweep_<scheme>_<knob>` in the result file, its accuracy-vs-TTFT
+  PNG (<base>_sweep_<scheme>_<knob>.png) and its report (.json.gz) in out_dir."""
+  from condattn_jax.evaluation import plots
+  name = f"{result['preset']}_sweep_{result['scheme']}_{result['knob']}"
+  base = os.path.join(out_dir, f"{BENCH}_{common.device_slug(result['device'])}_" +
+                      name.split("_", 1)[1])
+  os.makedirs(out_dir, exist_ok=True)
+  path = common.result_path(BENCH, out_dir, result["device"])
+  common.write_result(path, BENCH, {k: v for k, v in result.items() if k != "report"},
+                      name=name)
+  png = plots.accuracy_vs_ttft(result["report"], base + ".png")
+  with gzip.open(base + "_report.json.gz", "wt") as f:
+    json.dump(result["report"], f, default=str)
+  return [path, png, base + "_report.json.gz"]
 
 
 def result_of(preset: str, state_dir: str, schemes, *, device: str, platform: str) -> dict:
@@ -709,6 +784,11 @@ flags.DEFINE_string("pack_dir", None, "after every finished stage and on a stop:
                     "head-to-head finishes", flag_values=FLAGS)
 flags.DEFINE_list("schemes", list(SCHEMES), "models of the head-to-head (dense first)",
                   flag_values=FLAGS)
+flags.DEFINE_string("sweep", None, "scheme:knob=v1,v2,... (e.g. l2a:theta=0.3,0.5,0.7): the "
+                    "test-time sweep of `sweep` instead of the head-to-head (needs "
+                    "<state_dir>/dense_export)", flag_values=FLAGS)
+flags.DEFINE_list("sweep_lengths", None, "--sweep: context lengths (default: the training "
+                  "length)", flag_values=FLAGS)
 flags.DEFINE_boolean("plan", False, "print the throughput estimate and sizes, run nothing",
                      flag_values=FLAGS)
 flags.DEFINE_boolean("record_partial", False, "record the models --state_dir has evaluated so "
@@ -736,6 +816,8 @@ def main(argv=None):
                           date=args.date, out_dir=args.out_dir)
     print(f"recorded run {run_['settings']['name']}: verdict {run_['recorded']['verdict']}")
     return 0
+  if args.sweep:
+    return main_sweep(args)
   bad = [s for s in args.schemes if s not in SCHEMES]
   if bad or not args.schemes or args.schemes[0] != "dense":
     raise SystemExit(f"--schemes={','.join(args.schemes)}: dense first, then any of {SCHEMES}")
@@ -752,6 +834,29 @@ def main(argv=None):
         f"{r['training_length']} = {r['verdict']['value']}")
   for m, acc in r["mean_accuracy"].items():
     print(f"{m:10s} " + " ".join(f"{L}:{a:.3f}" for L, a in acc.items()))
+  return 0
+
+
+def main_sweep(args) -> int:
+  try:
+    scheme, rest = args.sweep.split(":", 1)
+    knob, values = rest.split("=", 1)
+    vals = [float(v) for v in values.split(",")]
+  except ValueError:
+    raise SystemExit(f"--sweep={args.sweep}: write scheme:knob=v1,v2,... (e.g. "
+                     "l2a:theta=0.3,0.5,0.7).") from None
+  if scheme not in SCHEMES[1:]:
+    raise SystemExit(f"--sweep={args.sweep}: the scheme is one of {SCHEMES[1:]}.")
+  if not os.path.isdir(os.path.join(args.state_dir, "dense_export")):
+    raise SystemExit(f"--sweep: {args.state_dir}/dense_export is missing; run the head-to-head's "
+                     "dense pretraining first (or copy its dense_export there).")
+  lengths = [int(x) for x in args.sweep_lengths] if args.sweep_lengths else None
+  r = sweep(args.preset, args.state_dir, scheme, knob, vals, lengths=lengths)
+  print("wrote " + ", ".join(write_sweep(r, args.out_dir)))
+  for m, acc in r["mean_accuracy"].items():
+    e = {x["length"]: x for x in r["rows"] if x["kind"] == "efficiency" and x["model"] == m}
+    print(f"{m:16s} " + " ".join(f"{L}: acc {a:.3f} TTFT {1e3 * e[int(L)]['ttft_s']:.1f} ms"
+                                 for L, a in acc.items()))
   return 0
 
 

@@ -189,6 +189,24 @@ def test_tiny_pipeline_resumes_and_records(tmp_path):
     full = json.load(f)  # the whole report: every sample's record, per model
   assert [m["name"] for m in full["models"]] == ["dense", "l2a"]
   assert sum(len(m["records"]) for m in full["models"]) == 2 * 10 * 2  # models x tasks x samples
+  # --sweep: L2A's theta at test time on the same state (its fine-tune again: run() removed its
+  # export), the dense export as the TTFT reference in the same report
+  with pytest.raises(SystemExit, match="write scheme:knob=v1,v2"):
+    h2h.main(["--preset=tiny_test", f"--state_dir={tmp_path / 'state'}", "--sweep=l2a:theta"])
+  log = []
+  sw = h2h.sweep("tiny_test", str(tmp_path / "state"), "l2a", "theta", [0.3, 0.7],
+                 log=log.append)
+  assert sw["training"]["ft_steps"] == 2 and "l2a: fine-tuned 2 steps" in log[0]
+  assert [m["name"] for m in sw["report"]["models"]] == ["dense_export", "l2a theta=0.3",
+                                                         "l2a theta=0.7"]
+  assert [m["knobs"]["scheme"]["theta"] for m in sw["report"]["models"][1:]] == [0.3, 0.7]
+  files = h2h.write_sweep(sw, str(out))
+  swept = common.runs(str(out / "eval_head_to_head_cpu.json"), "tiny_test_sweep_l2a_theta")
+  assert len(swept) == 1 and {x["model"] for x in swept[0]["rows"]} == {
+      "dense_export", "l2a theta=0.3", "l2a theta=0.7"}
+  assert all(os.path.getsize(f) > 0 for f in files[1:])
+  with pytest.raises(ValueError, match="thetta"):  # a misspelt option: the scheme names it
+    h2h.sweep("tiny_test", str(tmp_path / "state"), "l2a", "thetta", [0.3])
 
 
 @pytest.mark.manual
