@@ -5,6 +5,8 @@ answered by each through the inference engine, with TTFT and decode speed.
     python -m bench.eval_head_to_head --preset=tiny --state_dir=/tmp/h2h      # CPU: minutes
     python -m bench.eval_head_to_head --preset=h100 --state_dir=workdir_h2h \
         --time_budget_s=500 --pack_dir=$OUT                                   # one GPU (below)
+    python -m bench.eval_head_to_head --preset=h100 --state_dir=workdir_h2h \
+        --sweep=l2a:theta=0.1,0.3,0.5,0.7,0.9   # a test-time sweep (`sweep`): one call, ~250 s
 
 Protocol (every preset; the stages run in order, each skipped when the state directory already
 holds its output, so a call resumes where the last one stopped):

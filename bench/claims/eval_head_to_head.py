@@ -108,3 +108,46 @@ def quote_finished_run(rec, run):
     lines.append(f"**{m}** (" + " / ".join(
         f"{vd[m][str(L)]['accuracy_minus_dense']:+.2f}" for L in LENGTHS) + ")")
   return lines
+
+
+SWEEP_FILE = "eval_head_to_head_NVIDIA_H200_sweep_l2a_theta_report.json.gz"
+
+
+def _sweep_report() -> dict:
+  from bench import common
+  with gzip.open(os.path.join(common.RESULTS, SWEEP_FILE), "rt") as f:
+    return json.load(f)
+
+
+@claim("eval_head_to_head", run="h100_sweep_l2a_theta")
+def the_sweeps_report_holds_the_same_accuracies(rec, run):
+  rep = _sweep_report()
+  expect([m["name"] for m in rep["models"]] == list(rec["mean_accuracy"]), "models differ")
+  for m in rep["models"]:
+    for L in rec["lengths"]:
+      scores = [r["score"] for r in m["records"] if r["length"] == L]
+      expect(float(np.mean(scores)) == approx(rec["mean_accuracy"][m["name"]][str(L)],
+                                              abs=1e-9), (m["name"], L))
+
+
+@quote(README, FILE, run="h100_sweep_l2a_theta")
+def quote_theta_sweep(rec, run):
+  """The README's theta table: a row per model (mean accuracy, the global fraction from the
+  sweep's report, TTFT against the dense export timed in the same process)."""
+  rep = _sweep_report()
+  L = rec["lengths"][0]
+  eff = {r["model"]: r for r in run["rows"] if r["kind"] == "efficiency" and r["length"] == L}
+  ref = eff["dense_export"]["ttft_s"]
+  out = []
+  for m in rep["models"]:
+    name = m["name"]
+    glob_ = f"{_global(m, L):.2f}" if m["routing"] else "-"
+    out.append(f"| {name} | {rec['mean_accuracy'][name][str(L)]:.2f} | {glob_} | "
+               f"{1e3 * eff[name]['ttft_s']:.1f} ms ({eff[name]['ttft_s'] / ref:.2f}x) |")
+  return out
+
+
+def _global(model: dict, length: int) -> float:
+  """L2A's fraction of prompt tokens routed global (mean over tasks and layers)."""
+  return float(np.mean([np.mean(v[str(length)]["global_tokens_B"])
+                        for v in model["routing"].values() if str(length) in v]))
