@@ -50,8 +50,9 @@ def report(run) -> dict:
 
 
 def routing_fraction(rep: dict, name: str, length: int) -> float:
-  """Mean over tasks of the scheme's ROUTING statistic at `length`."""
-  key, _ = ROUTING[name]
+  """Mean over tasks of the ROUTING statistic of model `name` (its scheme: the name's first
+  word, e.g. 'l2a theta=0.3') at `length`."""
+  key, _ = ROUTING[name.split()[0]]
   m = next(m for m in rep["models"] if m["name"] == name)
   return float(np.mean([np.mean(v[str(length)][key]) for v in m["routing"].values()
                         if str(length) in v]))
@@ -110,18 +111,21 @@ def quote_finished_run(rec, run):
   return lines
 
 
-SWEEP_FILE = "eval_head_to_head_NVIDIA_H200_sweep_l2a_theta_report.json.gz"
+SWEEPS = ("h100_sweep_l2a_theta", "h100_sweep_aha_tau")  # run name: <preset>_sweep_<scheme>_<knob>
 
 
-def _sweep_report() -> dict:
+def _sweep_report(run) -> dict:
+  """The sweep's whole report (eval_head_to_head.write_sweep's .json.gz beside FILE)."""
   from bench import common
-  with gzip.open(os.path.join(common.RESULTS, SWEEP_FILE), "rt") as f:
+  tail = run["settings"]["name"].split("_", 1)[1]
+  with gzip.open(os.path.join(common.RESULTS, FILE.replace(".json", f"_{tail}_report.json.gz")),
+                 "rt") as f:
     return json.load(f)
 
 
-@claim("eval_head_to_head", run="h100_sweep_l2a_theta")
+@claim("eval_head_to_head", run=SWEEPS)
 def the_sweeps_report_holds_the_same_accuracies(rec, run):
-  rep = _sweep_report()
+  rep = _sweep_report(run)
   expect([m["name"] for m in rep["models"]] == list(rec["mean_accuracy"]), "models differ")
   for m in rep["models"]:
     for L in rec["lengths"]:
@@ -130,24 +134,21 @@ def the_sweeps_report_holds_the_same_accuracies(rec, run):
                                               abs=1e-9), (m["name"], L))
 
 
-@quote(README, FILE, run="h100_sweep_l2a_theta")
-def quote_theta_sweep(rec, run):
-  """The README's theta table: a row per model (mean accuracy, the global fraction from the
-  sweep's report, TTFT against the dense export timed in the same process)."""
-  rep = _sweep_report()
+def sweep_rows(rec, run) -> list[str]:
+  """A sweep's README table: a row per model (mean accuracy, the scheme's ROUTING statistic
+  from the sweep's report, TTFT against the dense export timed in the same process)."""
+  rep = _sweep_report(run)
   L = rec["lengths"][0]
   eff = {r["model"]: r for r in run["rows"] if r["kind"] == "efficiency" and r["length"] == L}
   ref = eff["dense_export"]["ttft_s"]
   out = []
   for m in rep["models"]:
     name = m["name"]
-    glob_ = f"{_global(m, L):.2f}" if m["routing"] else "-"
-    out.append(f"| {name} | {rec['mean_accuracy'][name][str(L)]:.2f} | {glob_} | "
+    routed = f"{routing_fraction(rep, name, L):.2f}" if m["routing"] else "-"
+    out.append(f"| {name} | {rec['mean_accuracy'][name][str(L)]:.2f} | {routed} | "
                f"{1e3 * eff[name]['ttft_s']:.1f} ms ({eff[name]['ttft_s'] / ref:.2f}x) |")
   return out
 
 
-def _global(model: dict, length: int) -> float:
-  """L2A's fraction of prompt tokens routed global (mean over tasks and layers)."""
-  return float(np.mean([np.mean(v[str(length)]["global_tokens_B"])
-                        for v in model["routing"].values() if str(length) in v]))
+quote(README, FILE, run="h100_sweep_l2a_theta", name="quote_theta_sweep")(sweep_rows)
+quote(README, FILE, run="h100_sweep_aha_tau", name="quote_tau_sweep")(sweep_rows)
