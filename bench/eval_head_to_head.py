@@ -156,7 +156,8 @@ PRESETS = {
         # its best, mix_p8_lr3e-4: 8 samples of 128 ids a 1024-id row, lr 3e-4, held-out NIAH
         # 0.97 at 128 and 0.86 at 256): the same start, then the samples' length doubled phase by
         # phase (the qualifying variants' held-out NIAH at 2x their samples' length was
-        # 0.28-0.86, so no jump is larger than 2x), the last two at one sample a row (the check's length, 8192, last).
+        # 0.28-0.86, so no jump is larger than 2x), the last two at one sample a row (the
+        # check's length, 8192, last).
         # (Replaced 1024 -> 4096 -> 8192 unpacked at lr 1e-3, which stayed at chance: the probe's
         # run h100_preset_dense.)
         dense_phases=((1024, 3000, 8), (1024, 4000, 4), (1024, 5000, 2), (2048, 6000, 2),
