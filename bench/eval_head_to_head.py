@@ -676,17 +676,21 @@ def write_sweep(result: dict, out_dir: str) -> list[str]:
   """A sweep's run `<preset>_sweep_<scheme>_<knob>` in the result file, its accuracy-vs-TTFT
   PNG (<base>_sweep_<scheme>_<knob>.png) and its report (.json.gz) in out_dir."""
   from condattn_jax.evaluation import plots
-  name = f"{result['preset']}_sweep_{result['scheme']}_{result['knob']}"
-  base = os.path.join(out_dir, f"{BENCH}_{common.device_slug(result['device'])}_" +
-                      name.split("_", 1)[1])
+  tail = f"sweep_{result['scheme']}_{result['knob']}"
+  base = os.path.join(out_dir, f"{BENCH}_{common.device_slug(result['device'])}_{tail}")
   os.makedirs(out_dir, exist_ok=True)
   path = common.result_path(BENCH, out_dir, result["device"])
   common.write_result(path, BENCH, {k: v for k, v in result.items() if k != "report"},
-                      name=name)
+                      name=f"{result['preset']}_{tail}")
   png = plots.accuracy_vs_ttft(result["report"], base + ".png")
+  return [path, png, _write_report_gz(result["report"], base)]
+
+
+def _write_report_gz(report: dict, base: str) -> str:
+  """<base>_report.json.gz: the whole headtohead report (per-sample records, routing)."""
   with gzip.open(base + "_report.json.gz", "wt") as f:
-    json.dump(result["report"], f, default=str)
-  return [path, png, base + "_report.json.gz"]
+    json.dump(report, f, default=str)
+  return base + "_report.json.gz"
 
 
 def result_of(preset: str, state_dir: str, schemes, *, device: str, platform: str) -> dict:
@@ -749,8 +753,7 @@ def write_outputs(result: dict, out_dir: str) -> list[str]:
   common.write_result(path, BENCH, rec, name=result["preset"])
   png = plots.accuracy_vs_length(report, base + ".png")
   ttft_png = plots.accuracy_vs_ttft(report, base + "_ttft.png")
-  with gzip.open(base + "_report.json.gz", "wt") as f:
-    json.dump(report, f, default=str)
+  report_gz = _write_report_gz(report, base)
   v = result["verdict"]
   head = [f"## Head-to-head `{result['preset']}` ({result['device']})", "",
           f"Pre-registered check: {v['rule']}.",
@@ -772,7 +775,7 @@ def write_outputs(result: dict, out_dir: str) -> list[str]:
     for f in files:
       tf.add(f, arcname=os.path.basename(f))
   shutil.rmtree(tmp)
-  return [path, png, ttft_png, base + ".md", base + "_report.json.gz", base + "_report.tar"]
+  return [path, png, ttft_png, base + ".md", report_gz, base + "_report.tar"]
 
 
 FLAGS = common.flag_values()

@@ -33,20 +33,31 @@ def verdict_follows_from_the_rows(rec, run):
 @claim("eval_head_to_head", run="h100")
 def the_report_beside_it_holds_the_same_accuracies(rec, run):
   """The gzipped report (per-sample records) is the one the run's rows were made from."""
-  rep = report(run)
-  for m in rep["models"]:
-    for L in LENGTHS:
-      scores = [r["score"] for r in m["records"] if r["length"] == L]
-      expect(len(scores) == 10 * rec["settings"]["num_samples"], (m["name"], L, len(scores)))
-      expect(float(np.mean(scores)) == approx(rec["mean_accuracy"][m["name"]][str(L)], abs=1e-9),
-             (m["name"], L))
+  expect_records_give_the_means(report(run), rec, LENGTHS, per_length=10 * rec["settings"][
+      "num_samples"])
 
 
 def report(run) -> dict:
+  """The run's whole report beside FILE: eval_head_to_head.write_outputs' _report.json.gz for
+  the head-to-head, write_sweep's _sweep_<scheme>_<knob>_report.json.gz for a sweep run."""
   from bench import common
-  path = os.path.join(common.RESULTS, FILE.replace(".json", "_report.json.gz"))
-  with gzip.open(path, "rt") as f:
+  name = run["settings"]["name"]
+  tail = name[name.index("_sweep_"):] if "_sweep_" in name else ""
+  with gzip.open(os.path.join(common.RESULTS, FILE.replace(".json", f"{tail}_report.json.gz")),
+                 "rt") as f:
     return json.load(f)
+
+
+def expect_records_give_the_means(rep: dict, rec: dict, lengths, per_length=None) -> None:
+  """Every model's per-sample scores at each length average to the recorded mean accuracy (and
+  number per_length when given)."""
+  expect([m["name"] for m in rep["models"]] == list(rec["mean_accuracy"]), "models differ")
+  for m in rep["models"]:
+    for L in lengths:
+      scores = [r["score"] for r in m["records"] if r["length"] == L]
+      expect(per_length is None or len(scores) == per_length, (m["name"], L, len(scores)))
+      expect(float(np.mean(scores)) == approx(rec["mean_accuracy"][m["name"]][str(L)], abs=1e-9),
+             (m["name"], L))
 
 
 def routing_fraction(rep: dict, name: str, length: int) -> float:
@@ -114,30 +125,15 @@ def quote_finished_run(rec, run):
 SWEEPS = ("h100_sweep_l2a_theta", "h100_sweep_aha_tau")  # run name: <preset>_sweep_<scheme>_<knob>
 
 
-def _sweep_report(run) -> dict:
-  """The sweep's whole report (eval_head_to_head.write_sweep's .json.gz beside FILE)."""
-  from bench import common
-  tail = run["settings"]["name"].split("_", 1)[1]
-  with gzip.open(os.path.join(common.RESULTS, FILE.replace(".json", f"_{tail}_report.json.gz")),
-                 "rt") as f:
-    return json.load(f)
-
-
 @claim("eval_head_to_head", run=SWEEPS)
 def the_sweeps_report_holds_the_same_accuracies(rec, run):
-  rep = _sweep_report(run)
-  expect([m["name"] for m in rep["models"]] == list(rec["mean_accuracy"]), "models differ")
-  for m in rep["models"]:
-    for L in rec["lengths"]:
-      scores = [r["score"] for r in m["records"] if r["length"] == L]
-      expect(float(np.mean(scores)) == approx(rec["mean_accuracy"][m["name"]][str(L)],
-                                              abs=1e-9), (m["name"], L))
+  expect_records_give_the_means(report(run), rec, rec["lengths"])
 
 
 def sweep_rows(rec, run) -> list[str]:
   """A sweep's README table: a row per model (mean accuracy, the scheme's ROUTING statistic
   from the sweep's report, TTFT against the dense export timed in the same process)."""
-  rep = _sweep_report(run)
+  rep = report(run)
   L = rec["lengths"][0]
   eff = {r["model"]: r for r in run["rows"] if r["kind"] == "efficiency" and r["length"] == L}
   ref = eff["dense_export"]["ttft_s"]
