@@ -831,6 +831,15 @@ def _build_variant(name, layout, sets, cfg, params, split, B, T, compiler_option
 # copy of the stacked o_proj slice (copy_bytes 264 / 132 MB -> < 1 KB, busy -5.7% / -5.1%, logits
 # bit-identical) but its wall was slower (L2A 5.35 vs 5.21 ms, dense 3.24 vs 3.01): reverted;
 # the unsplit window ring failed on logits (rel_err 5.5e-2): deleted.
+# Candidate registered 2026-11-29 before its GPU run (issue 33's dense B = 1 targets):
+# `notriton` (OPTION_SETS: xla_gpu_enable_triton_gemm=False), every dot of the decode step
+# through cuBLAS instead of XLA's Triton GEMM fusions. At B = 1 each projection is a matrix-
+# vector product that XLA emits as Triton gemm fusions (gemm_fusion_dot_*); outside attention,
+# OLMo-2-1B's dense step at 32K spent 1.21 ms of its 2.29 ms busy against a 0.53 ms weight bound
+# (aha10_profile). Settled by ADOPTION_RULE with the dense extension: `--ab --scheme=l2a
+# --T=8192,131072 --variants=stacked,stacked:notriton --dense_variants=stacked,stacked:notriton`
+# (Qwen2.5-1.5B shapes). Adopted: the engine compiles its one-token decode step with that option;
+# rejected: the option set stays, for the record.
 # The rule as registered before l2a_ab_b1 and applied through d_oproj_minsplit_ab (stored on
 # those runs as settings.rule: their claims re-apply it).
 ADOPTION_RULE_1E2 = dict(T=(8192, 131072), min_repeats=5, min_steps=32, busy_slack=0.02,

@@ -167,6 +167,32 @@ def test_match_flat_and_segmented_64k_targets_follow_the_rows():
   assert got(rows) == {flat: False, seg: False}
   rows[1]["ms"], rows[1]["peak_est_bytes"] = 2.3, 1.3  # time flat, memory not
   assert got(rows)[flat] is False
+  rows[1]["peak_est_bytes"] = 1.0
+  rows[0]["knobs"], rows[1]["knobs"] = dict(window=512), dict(window=8192)  # two models
+  assert got(rows)[flat] is False
+
+
+def test_match_rows_are_one_all_swa_model_timed_in_whole_blocks():
+  """MATCH's decode rows: the recipe's all-SWA variant at the recipe's window at every T on the
+  issue's shapes (one model from 8K to 128K; scaled on the tiny shapes only); timed in whole
+  retrieval blocks from a block start (the once-per-block retrieval counted at its rate); a
+  post-sparsified model's full layers count their whole K/V in the step's bytes."""
+  from condattn_jax.attention.match.options import layer_kinds
+  q = "qwen2.5-1.5b"
+  (c8, k8), (c128, k128) = (decode.scheme_config("match", q, T) for T in (8192, 131072))
+  assert k8 == k128 and k8["window"] == 2048 and c8 == c128
+  assert set(layer_kinds(c8)) == {"swa"}
+  assert decode.scheme_config("match", "tiny-qwen", 64)[1]["window"] == 16
+  steps, warmup, extra = decode.timed_schedule("match", c8, 8192, 32, 2, 3)
+  assert (steps, warmup, extra) == (128, 128, 384)  # one block warm, two timed blocks
+  assert decode.timed_schedule("match", c8, 8200, 200, 2, 3) == (256, 248, 760)
+  assert decode.timed_schedule("dense", c8, 8192, 32, 2, 3) == (32, 3, decode.EXTRA)
+  kv = 2 * c8.head_dim * 2 * c8.num_kv_heads
+  allswa = decode.step_bytes("match", c8, 1, 131072, {}, 0)["kv_bytes"]
+  assert allswa == c8.num_layers * kv * (2048 + 4 * 128)
+  half, _ = decode.scheme_config("match", q, 131072, {"swa_ratio": 0.5})
+  assert decode.step_bytes("match", half, 1, 131072, {}, 0)["kv_bytes"] == \
+      14 * kv * (2048 + 4 * 128) + 14 * kv * 131072
 
 
 def test_nominal_bytes_reproduce_the_issues_l2a_bound(tmp_path):
