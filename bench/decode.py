@@ -733,7 +733,22 @@ def timed_schedule(scheme: str, cfg, T: int, steps: int, repeats: int, warmup: i
   c = options(cfg).chunk
   warmup = c + (-T) % c
   steps = -(-steps // c) * c
-  return steps, warmup, max(EXTRA, warmup + repeats * steps)
+  return steps, warmup, max(EXTRA, warmup + repeats * steps + c)  # + block_split's block
+
+
+def block_split(step, state, i0: int, c: int) -> tuple[dict, tuple]:
+  """MATCH: one more block of `c` steps from a block start (`i0`), each step timed alone
+  (synchronised): {entry_ms: the step entering the block (retrieval + the retrieved chunks'
+  recompute), inner_ms: the median of the block's other steps}: which of the two a change of
+  ms with T comes from."""
+  import jax
+  ts = []
+  for i in range(i0, i0 + c):
+    t0 = time.perf_counter()
+    state = step(state, i)
+    jax.block_until_ready(state)
+    ts.append((time.perf_counter() - t0) * 1e3)
+  return dict(entry_ms=ts[0], inner_ms=statistics.median(ts[1:])), state
 
 
 def engine_row(scheme: str, shapes: str, B: int, T: int, F, log) -> tuple[dict, dict]:
@@ -789,6 +804,11 @@ def engine_row(scheme: str, shapes: str, B: int, T: int, F, log) -> tuple[dict, 
   row.update(ms=ms, runs_ms=runs, tokens_per_s=B * 1e3 / ms,
              logits_finite=bool(jnp.all(jnp.isfinite(logits))))
   rate = rates(jax.device_get(auxes[warmup:]))
+  if scheme == "match":
+    from condattn_jax.attention import options
+    split, (cache, logits) = block_split(step, (cache, logits), warmup + F.repeats * steps,
+                                         options(cfg).chunk)
+    row.update(split)
   row.update(step_bytes(scheme, cfg, B, T, rate, row["cache_bytes"]))
   row["bytes"] = row["weight_bytes"] + row["kv_bytes"]
   row["peak_bytes_in_use"] = common.peak_bytes()
