@@ -786,17 +786,27 @@ def engine_row(scheme: str, shapes: str, B: int, T: int, F, log) -> tuple[dict, 
   tok = jnp.argmax(logits, -1).astype(jnp.int32)[:, None]
   pos0 = jnp.full((B, 1), T, jnp.int32)
   on = jnp.ones((B, 1), bool)
+  # the engine's static fields of each step (Engine._decode_fields from the host positions, as
+  # its decode loops pass them: MATCH's entering / reusing steps are two programs): one
+  # compiled program per distinct value over a block of steps
+  on_B = np.ones(B, bool)
+  fields = lambda i: eng._decode_fields(np.full(B, T + i, np.int32), on_B)
+  span = timed_schedule(scheme, cfg, T, 1, 1, 0)[0]  # MATCH: one block; others: one step
   t0 = time.perf_counter()
-  compiled = Engine._step.lower(eng, eng.params, cache, tok, pos0, on, logits).compile()
+  compiled = {sf: Engine._step.lower(eng, eng.params, cache, tok, pos0, on, logits,
+                                     static_fields=sf).compile()
+              for sf in sorted({fields(i) for i in range(span)})}
   row["compile_s"] = time.perf_counter() - t0
-  log(f"  compiled its decode step: {row['compile_s']:.1f} s")
-  row.update(_mem(compiled))
+  row["programs"] = len(compiled)
+  log(f"  compiled its decode step ({len(compiled)} program(s)): {row['compile_s']:.1f} s")
+  mems = [_mem(c) for c in compiled.values()]
+  row.update({k: max(m[k] for m in mems) for k in mems[0]} if mems[0] else {})
   auxes = []
 
   def step(state, i):
     cache, logits = state
     t = jnp.argmax(logits, -1).astype(jnp.int32)[:, None]
-    cache, logits, aux = compiled(eng.params, cache, t, pos0 + i, on, logits)
+    cache, logits, aux = compiled[fields(i)](eng.params, cache, t, pos0 + i, on, logits)
     auxes.append(aux)
     return cache, logits
 

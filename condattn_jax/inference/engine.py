@@ -465,17 +465,17 @@ class Engine:
     last valid token [B, V] (prev_logits where a row has none in this chunk), the layers'
     per-row aux entries {name: [L, B, ...]}). prompt_len_B (prefill): each row's prompt length,
     handed to the layers as ctx.fields['prompt_len_B'] (MATCH retrieves for the last m only).
-    static_fields (prefill): ((name, python value), ...) the scheme layer's
-    `prefill_fields` gave for this call, added to ctx.fields (static: one program per value;
-    MATCH: whether the call retrieves)."""
+    static_fields: ((name, python value), ...) the scheme layer's `prefill_fields` (prefill) or
+    `decode_fields` (a one-token step) gave for this call, added to ctx.fields (static: one
+    program per value; MATCH: whether the call retrieves / the step enters a block)."""
     # the bookkeeping kept once: every layer's view of it for the model
     owners = _book_owners(self._full_cache_shapes(tokens_BT.shape[0]))
     cache = _expand_book(cache, owners)
     (hidden_BTD, aux), variables = self.model.apply(
         {"params": params, "cache": cache}, tokens_BT, positions_BT,
         valid_BT.astype(jnp.int32), decode=True, cache_len=self.cache_len, return_hidden=True,
-        fields=None if prompt_len_B is None else {"prompt_len_B": prompt_len_B,
-                                                  **dict(static_fields)},
+        fields={**({} if prompt_len_B is None else {"prompt_len_B": prompt_len_B}),
+                **dict(static_fields)} or None,
         unroll_layers=True, mutable=["cache"])
     B = tokens_BT.shape[0]
     row_aux = {k: v.astype(jnp.float32) for k, v in aux.items()
@@ -625,6 +625,16 @@ class Engine:
     if fn is None:
       return ()
     return tuple(sorted(fn(self.config, int(start), int(chunk), np.asarray(lengths)).items()))
+
+  def _decode_fields(self, positions_B, active_B) -> tuple:
+    """The static fields of a one-token decode step at these (host) positions for the active
+    rows: the scheme layer's `decode_fields(config, positions_B, active_B)` as sorted (name,
+    value) pairs; () for a scheme without one."""
+    from condattn_jax.attention import get_scheme
+    fn = getattr(get_scheme(self.config.scheme).layer_cls, "decode_fields", None)
+    if fn is None:
+      return ()
+    return tuple(sorted(fn(self.config, np.asarray(positions_B), np.asarray(active_B)).items()))
 
   def _warn_serving_notes(self, chunk: int, longest_prompt: int) -> None:
     """The scheme layer's `serving_notes(config, chunk, longest_prompt)` (what this engine call
@@ -802,7 +812,7 @@ class Engine:
         last = np.asarray([outs[r].tokens[-1] if r is not None else 0 for r in req], np.int32)
         cache, logits, aux = self._step(self.params, cache, jnp.asarray(last)[:, None],
                                         jnp.asarray(pos)[:, None], jnp.asarray(active)[:, None],
-                                        logits)
+                                        logits, static_fields=self._decode_fields(pos, active))
         log.append((aux, active.astype(np.int32)))
         schedule.append(("decode", int(active.sum())))
         pos = pos + active
@@ -825,7 +835,8 @@ class Engine:
     """One token per active row at its position. Returns (cache, logits_BV)."""
     cache, logits, _ = self._step(self.params, cache, jnp.asarray(tokens_B, jnp.int32)[:, None],
                                   jnp.asarray(positions_B, jnp.int32)[:, None],
-                                  jnp.asarray(active_B, bool)[:, None], prev_logits_BV)
+                                  jnp.asarray(active_B, bool)[:, None], prev_logits_BV,
+                                  static_fields=self._decode_fields(positions_B, active_B))
     return cache, logits
 
   def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
@@ -881,7 +892,8 @@ class Engine:
       last = np.asarray([o.tokens[-1] for o in outs], np.int32)
       cache, logits, row_aux = self._step(self.params, cache, jnp.asarray(last)[:, None],
                                           jnp.asarray(pos)[:, None],
-                                          jnp.asarray(~done)[:, None], logits)
+                                          jnp.asarray(~done)[:, None], logits,
+                                          static_fields=self._decode_fields(pos, ~done))
       gen_stats.add(row_aux, (~done).astype(np.int32))
       pos = pos + (~done)
       steps += 1

@@ -276,6 +276,47 @@ def test_prefill_with_the_engine_s_static_fact_equals_the_cond_path(model2, monk
   assert np.isnan(wrong).all(axis=1).all(), "a retrieving call run as SWA's must be refused"
 
 
+def test_decode_steps_with_the_engine_s_static_fact_equal_the_cond_path(model2):
+  """Ragged decode (rows at 29.. and 22.., blocks of 3): the engine tells each one-token step
+  whether an active row enters a block (MatchLayer.decode_fields, host positions); the steps
+  that do compile to the refreshing step, the others to the step reusing the block's retrieved
+  K/V, both without a conditional (the unknown path holds one a layer plus the search's: each
+  a predicate read on the host on a GPU). Logits and every cache leaf equal the unknown path's
+  at every step; a step told 'enters no block' while a row does is refused (NaN logits)."""
+  cfg, params = model2
+  eng = Engine(cfg, params, cache_len=48, prefill_chunk=5)
+  cache, logits, lengths = eng.prefill(PROMPTS[:2])
+  pos, on = np.asarray(lengths, np.int32), np.ones(2, bool)
+  step = lambda c, t, p, lg, sf: eng._step(eng.params, c, jnp.asarray(t)[:, None],
+                                           jnp.asarray(p)[:, None], jnp.asarray(on)[:, None],
+                                           lg, static_fields=sf)
+  facts = []
+  for _ in range(7):
+    tok = np.asarray(logits).argmax(-1).astype(np.int32)
+    sf = eng._decode_fields(pos, on)
+    facts.append(dict(sf)["match_step_enters"])
+    ref_cache, ref_logits, _ = step(jax.tree.map(jnp.copy, cache), tok, pos, logits, ())
+    cache, logits, _ = step(cache, tok, pos, logits, sf)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), atol=1e-5, rtol=0)
+    for (path, r), x in zip(jax.tree_util.tree_flatten_with_path(ref_cache)[0],
+                            jax.tree.leaves(cache)):
+      np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(r, np.float64),
+                                 atol=1e-5, rtol=0, err_msg=jax.tree_util.keystr(path))
+    pos = pos + 1
+  assert facts == [False, True, True, False, True, True, False], facts
+  tok = np.asarray(logits).argmax(-1).astype(np.int32)
+  assert (pos % 3 == 0).any()  # (pos 36: row 0 enters a block)
+  _, wrong, _ = step(cache, tok, pos, logits, (("match_step_enters", False),))
+  assert np.isnan(np.asarray(wrong)).all(), "a step entering a block run as reuse: refused"
+  sds = jax.ShapeDtypeStruct
+  args = (params, eng.cache_shapes(2), sds((2, 1), jnp.int32), sds((2, 1), jnp.int32),
+          sds((2, 1), jnp.bool_), sds((2, cfg.vocab_size), jnp.float32))
+  conds = lambda sf: Engine._step.lower(eng, *args, static_fields=sf).compile().as_text().count(
+      " conditional(")
+  assert conds((("match_step_enters", True),)) == conds((("match_step_enters", False),)) == 0
+  assert conds(()) >= 2
+
+
 def _dot_flops(mlir: str) -> int:
   """2 * prod(out) * prod(contracted lhs dims), summed over the module's dot_generals."""
   import re

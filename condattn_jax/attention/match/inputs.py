@@ -335,7 +335,10 @@ class MatchInputs(nn.Module):
         ids, emb1 = search(emb0)
       else:  # decode: search only when a row enters a new block, else reuse the block's ids
         reuse = lambda e: (jnp.broadcast_to(kept.value[:, None], (B, G, o.slots)), e)
-        ids, emb1 = jax.lax.cond(jnp.any(fresh), search, reuse, emb0)
+        # the engine's static fact (MatchLayer.decode_fields; None: unknown, a lax.cond)
+        enters = ctx.fields.get("match_step_enters")
+        ids, emb1 = (search(emb0) if enters is True else reuse(emb0) if enters is False
+                     else jax.lax.cond(jnp.any(fresh), search, reuse, emb0))
         ids = jnp.where(fresh[:, None, None], ids, kept.value[:, None])
       if emb is not None:
         emb.value = emb1
@@ -357,6 +360,8 @@ class MatchInputs(nn.Module):
     if not o.top_k:
       return None, fields, {}
     tok = None
+    if T == 1 and ctx.fields.get("match_step_enters") is False:  # the host's fact wrong:
+      fields["match_step_refuse"] = jnp.any(fresh)  # the layers' heads NaN (MatchLayer)
     if refuse is not None:  # no aux rows: the layers run SWA's call (MatchLayer.__call__)
       fields["match_refuse"] = refuse
     else:

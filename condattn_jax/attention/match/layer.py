@@ -56,6 +56,7 @@ from __future__ import annotations
 import dataclasses
 
 import flax.linen as nn
+import numpy as np
 import jax.numpy as jnp
 
 from condattn_jax import ops
@@ -173,6 +174,24 @@ class MatchLayer(nn.Module):
       return {"match_call_retrieves": False}
     return {"match_call_retrieves": True,
             "match_aux_blocks": call_aux_blocks(o, start, chunk, lengths)}
+
+  @staticmethod
+  def decode_fields(config, positions_B, active_B) -> dict:
+    """The engine's static fields of a one-token decode step (Engine._decode_fields), on the
+    host: match_step_enters = whether an active row's token starts a block (position % chunk
+    == 0), i.e. enters a new block after the row's previous token (the engine's loops decode a
+    row's positions in order after its prefill): True compiles the refreshing step (search and
+    the aux rows through every layer) without a cond, False the step that reuses the block's
+    retrieved K/V, neither searching nor running the aux rows. Where the data says a row is
+    fresh after all (a row decoded out of order), a False step's heads are NaN (match_refuse):
+    a refusal, never a silently stale retrieval. A program per value, no predicate read on the
+    host (each lax.cond of the step would be one on a GPU: one a layer)."""
+    o = options(config)
+    if not o.top_k:
+      return {}
+    on = np.asarray(active_B, bool).reshape(-1)
+    pos = np.asarray(positions_B).reshape(-1)
+    return {"match_step_enters": bool(np.any(on & (pos % o.chunk == 0)))}
 
   # ------------------------------------------------------------------------- block halves
   def _attn_in(self, x):
@@ -519,10 +538,14 @@ class MatchLayer(nn.Module):
       apos, aok = f["match_aux_pos_BA"], f["match_aux_ok_BA"]
       # the aux rows run only where one is real: decode steps when a row enters a new block;
       # a 'full' layer's engine calls of several tokens when one of its blocks retrieves
-      run_aux = (jnp.any(f["match_fresh_B"]) if ctx.decode and T == 1
-                 else None if f.get("match_call_retrieves") is True  # (engine's static fact)
-                 else jnp.any(aok != 0) if ctx.decode else None)
-      if run_aux is None:
+      enters = f.get("match_step_enters") if ctx.decode and T == 1 else None
+      run_aux = (None if enters is True  # (the engine's static facts)
+                 else jnp.any(f["match_fresh_B"]) if ctx.decode and T == 1 and enters is None
+                 else None if f.get("match_call_retrieves") is True
+                 else jnp.any(aok != 0) if ctx.decode and T > 1 else None)
+      if enters is False:
+        x_aux, k_aux, v_aux = self._aux_skip(x_aux, apos, aok, Ga)
+      elif run_aux is None:
         x_aux, k_aux, v_aux = self._aux_update(x_aux, apos, aok, Ga)
       else:
         x_aux, k_aux, v_aux = nn.cond(run_aux, lambda m, *a: m._aux_update(*a, Ga),
@@ -550,6 +573,8 @@ class MatchLayer(nn.Module):
       heads = self._block_attend(q, k, v, ctx, f, retrieved)
     else:
       heads = self._plain_attend(q, k, v, ctx)
+    if "match_step_refuse" in f:  # a decode step the engine said enters no block: a row does
+      heads = jnp.where(f["match_step_refuse"], jnp.asarray(jnp.nan, heads.dtype), heads)
     x_main = self._mlp_residual(self._attn_residual(x_main, self.self_attn.project_out(heads)))
     x_out = jnp.concatenate([x_main, x_aux], axis=1) if A else x_main
 
