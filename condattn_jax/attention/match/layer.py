@@ -38,8 +38,10 @@ Retrieved K/V (options.retrieved_kv):
 Decode (ctx.decode): a window-only ring cache (Attention's KVCache with `window` slots) for the
 SWA layers, a full cache for 'full' layers; the retrieved chunks' K/V are recomputed once per
 decoding block (when a row enters a new block) and kept in a fixed-size cache (RetrievedCache:
-k*c slots) that the block's later tokens reuse; between refreshes the aux rows are skipped
-(nn.cond). So SWA-layer memory is flat in the context length. An engine prefill call with the
+k*c slots) that the block's later tokens reuse; between refreshes the aux rows are skipped: the
+engine knows on the host which steps enter a block (MatchLayer.decode_fields ->
+ctx.fields['match_step_enters'], static: two programs, no cond), unknown keeps an nn.cond a layer.
+So SWA-layer memory is flat in the context length. An engine prefill call with the
 prompt lengths carries auxiliary rows only for the blocks that retrieve (the last m prompt
 positions: inputs.block_retrieves), mapped to their blocks by match_aux_block_BG, and runs them
 only when one of them retrieves a chunk: one nn.cond a layer (MatchLayer._prefill_attend) holds
