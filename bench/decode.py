@@ -20,6 +20,10 @@ against the bytes a step must read, per scheme, with a plain-XLA decode step as 
     timeout 500 python -m bench.decode --name=aha10 --aha_full=0.1 --baseline=false \
         --prefill_T=0 --rows=dense/1/32768/olmo2-1b,aha/1/32768,dense/1/65536/llama2-7b,\
 segmented/1/65536,match/1/8192,match/1/131072
+    # MATCH flat from 8K to 128K in ONE process, the two contexts' whole-block batches
+    # interleaved (flat_rows; ~6 min on one H200: one init, two fills, four compiles)
+    CONDATTN_GIT_COMMIT=<rev> timeout 560 python -m bench.decode --name=match_flat_il \
+        --only=none --prefill_T=0 --flat=8192,131072 --flat_repeats=6
     # the bytes side only (no run, any device): every gpu_all row at the NOMINAL rates
     python -m bench.decode --preset=gpu_all --bytes_only
     # does LLaMA-2-7B dense prefill (4K chunks) + decode at 64K fit one 80 GB card (~3 min)
@@ -307,6 +311,11 @@ def define_flags():
                        flag_values=fv)
   flags.DEFINE_float("deadline_s", 0, "start no new row after this many seconds (0: none)",
                      flag_values=fv)
+  flags.DEFINE_list("flat", [], "lo,hi: MATCH's flat check in one process, its two engines' "
+                    "whole-block batches interleaved (flat_rows; e.g. 8192,131072)",
+                    flag_values=fv)
+  flags.DEFINE_integer("flat_repeats", 6, "--flat: rounds (each engine one batch a round)",
+                       flag_values=fv)
   flags.DEFINE_float("aha_full", 0.0, "AHA rows: route this fraction of the (layer, head) pairs "
                      "full for every token (`aha_static_routing`; 0: the router as initialised, "
                      "every pair full at the recipe's bias)", flag_values=fv)
@@ -751,13 +760,59 @@ def block_split(step, state, i0: int, c: int) -> tuple[dict, tuple]:
   return dict(entry_ms=ts[0], inner_ms=statistics.median(ts[1:])), state
 
 
-def engine_row(scheme: str, shapes: str, B: int, T: int, F, log) -> tuple[dict, dict]:
-  """One engine row; returns (row, extras for the baselines: params, cfg, cache)."""
+def filled_program(eng, scheme: str, cfg, B: int, T: int, log):
+  """The engine's cache filled by a chunked prefill of B random prompts of T tokens, and its
+  decode program compiled ahead of time: ((cache, logits), step(state, i) -> state (the i-th
+  step after the prompt, its token the argmax of the last logits), the steps' aux list, {fill_s,
+  cache_bytes, compile_s, programs, memory analysis (the max over the programs)}). The
+  engine's static fields of each step come from the host positions as its decode loops pass
+  them (Engine._decode_fields: MATCH's entering / reusing steps are two programs): one compiled
+  program per distinct value over a block of steps."""
   import jax
   import jax.numpy as jnp
   import numpy as np
   from condattn_jax.inference import Engine
   from condattn_jax.inference.engine import cache_bytes
+  info = {}
+  rng = np.random.default_rng(T + B)
+  prompts = [rng.integers(0, cfg.vocab_size, T, dtype=np.int32) for _ in range(B)]
+  t0 = time.perf_counter()
+  cache, logits, _, _ = eng._prefill(prompts)
+  jax.block_until_ready((cache, logits))
+  info["fill_s"] = time.perf_counter() - t0
+  info["cache_bytes"] = cache_bytes(cache)
+  log(f"  filled {scheme} B={B} T={T}: {info['fill_s']:.1f} s (compile included)")
+  tok = jnp.argmax(logits, -1).astype(jnp.int32)[:, None]
+  pos0 = jnp.full((B, 1), T, jnp.int32)
+  on = jnp.ones((B, 1), bool)
+  on_B = np.ones(B, bool)
+  fields = lambda i: eng._decode_fields(np.full(B, T + i, np.int32), on_B)
+  span = timed_schedule(scheme, cfg, T, 1, 1, 0)[0]  # MATCH: one block; others: one step
+  t0 = time.perf_counter()
+  compiled = {sf: Engine._step.lower(eng, eng.params, cache, tok, pos0, on, logits,
+                                     static_fields=sf).compile()
+              for sf in sorted({fields(i) for i in range(span)})}
+  info["compile_s"] = time.perf_counter() - t0
+  info["programs"] = len(compiled)
+  log(f"  compiled its decode step ({len(compiled)} program(s)): {info['compile_s']:.1f} s")
+  mems = [_mem(c) for c in compiled.values()]
+  info.update({k: max(m[k] for m in mems) for k in mems[0]} if mems[0] else {})
+  auxes = []
+
+  def step(state, i):
+    cache, logits = state
+    t = jnp.argmax(logits, -1).astype(jnp.int32)[:, None]
+    cache, logits, aux = compiled[fields(i)](eng.params, cache, t, pos0 + i, on, logits)
+    auxes.append(aux)
+    return cache, logits
+  return (cache, logits), step, auxes, info
+
+
+def engine_row(scheme: str, shapes: str, B: int, T: int, F, log) -> tuple[dict, dict]:
+  """One engine row; returns (row, extras for the baselines: params, cfg, cache)."""
+  import jax
+  import jax.numpy as jnp
+  from condattn_jax.inference import Engine
   cfg, knobs = scheme_config(scheme, shapes, T, {
       k: _value(v) for k, v in (x.split("=", 1) for x in F.override)})
   row = dict(scheme=scheme, shapes=shapes, B=B, T=T, layers=cfg.num_layers, knobs=knobs,
@@ -774,42 +829,8 @@ def engine_row(scheme: str, shapes: str, B: int, T: int, F, log) -> tuple[dict, 
   steps, warmup, extra_slots = timed_schedule(scheme, cfg, T, F.steps, F.repeats, F.warmup)
   row.update(steps=steps, warmup=warmup)
   eng = Engine(cfg, params, cache_len=T + extra_slots, prefill_chunk=min(PREFILL_CHUNK, T))
-  rng = np.random.default_rng(T + B)
-  prompts = [rng.integers(0, cfg.vocab_size, T, dtype=np.int32) for _ in range(B)]
-  t0 = time.perf_counter()
-  cache, logits, lengths, _ = eng._prefill(prompts)
-  jax.block_until_ready((cache, logits))
-  row["fill_s"] = time.perf_counter() - t0
-  row["cache_bytes"] = cache_bytes(cache)
-  log(f"  filled {scheme} B={B} T={T}: {row['fill_s']:.1f} s (compile included)")
-
-  tok = jnp.argmax(logits, -1).astype(jnp.int32)[:, None]
-  pos0 = jnp.full((B, 1), T, jnp.int32)
-  on = jnp.ones((B, 1), bool)
-  # the engine's static fields of each step (Engine._decode_fields from the host positions, as
-  # its decode loops pass them: MATCH's entering / reusing steps are two programs): one
-  # compiled program per distinct value over a block of steps
-  on_B = np.ones(B, bool)
-  fields = lambda i: eng._decode_fields(np.full(B, T + i, np.int32), on_B)
-  span = timed_schedule(scheme, cfg, T, 1, 1, 0)[0]  # MATCH: one block; others: one step
-  t0 = time.perf_counter()
-  compiled = {sf: Engine._step.lower(eng, eng.params, cache, tok, pos0, on, logits,
-                                     static_fields=sf).compile()
-              for sf in sorted({fields(i) for i in range(span)})}
-  row["compile_s"] = time.perf_counter() - t0
-  row["programs"] = len(compiled)
-  log(f"  compiled its decode step ({len(compiled)} program(s)): {row['compile_s']:.1f} s")
-  mems = [_mem(c) for c in compiled.values()]
-  row.update({k: max(m[k] for m in mems) for k in mems[0]} if mems[0] else {})
-  auxes = []
-
-  def step(state, i):
-    cache, logits = state
-    t = jnp.argmax(logits, -1).astype(jnp.int32)[:, None]
-    cache, logits, aux = compiled[fields(i)](eng.params, cache, t, pos0 + i, on, logits)
-    auxes.append(aux)
-    return cache, logits
-
+  (cache, logits), step, auxes, info = filled_program(eng, scheme, cfg, B, T, log)
+  row.update(info)
   ms, runs, (cache, logits) = _timed_steps(step, (cache, logits), steps, F.repeats, warmup)
   row.update(ms=ms, runs_ms=runs, tokens_per_s=B * 1e3 / ms,
              logits_finite=bool(jnp.all(jnp.isfinite(logits))))
@@ -824,6 +845,53 @@ def engine_row(scheme: str, shapes: str, B: int, T: int, F, log) -> tuple[dict, 
   row["peak_bytes_in_use"] = common.peak_bytes()
   row["status"] = "ok"
   return row, dict(cfg=cfg, params=params, cache=cache, engine=eng)
+
+
+def flat_rows(F, log, emit) -> list[dict]:
+  """MATCH's flatness in ONE process (--flat=lo,hi): one model (its knobs at hi; on the issue's
+  shapes the same at every T, HELD), B = 1, two engines over the same params filled with lo and
+  hi tokens, both programs compiled, then --flat_repeats rounds in which each engine times a
+  batch of whole blocks (timed_schedule), the order alternating every round (lo first in even
+  rounds): a process-order effect (the cond-path runs: the process's second row 1.5-2.5 ms a
+  step slower, whatever its T) falls on both contexts alike. kind 'flat' rows per T: ms = the
+  median over the rounds; the flat target reads them before the engine rows."""
+  import jax
+  from condattn_jax.inference import Engine
+  T_lo, T_hi = sorted(int(t) for t in F.flat)
+  shapes = TINY_SHAPES["qwen2.5-1.5b"] if F.preset == "test" else SCHEMES["match"][2]
+  cfg, knobs = scheme_config("match", shapes, T_hi, {
+      k: _value(v) for k, v in (x.split("=", 1) for x in F.override)})
+  params = init_params(cfg)
+  runs = {}
+  for T in (T_lo, T_hi):
+    steps, warmup, extra = timed_schedule("match", cfg, T, F.steps, F.flat_repeats, F.warmup)
+    eng = Engine(cfg, params, cache_len=T + extra, prefill_chunk=min(PREFILL_CHUNK, T))
+    state, step, _, info = filled_program(eng, "match", cfg, 1, T, log)
+    for i in range(warmup):
+      state = step(state, i)
+    jax.block_until_ready(state)
+    runs[T] = dict(state=state, step=step, i=warmup, steps=steps, ms=[], info=info,
+                   warmup=warmup)
+  for r in range(F.flat_repeats):
+    for T in ((T_lo, T_hi) if r % 2 == 0 else (T_hi, T_lo)):
+      x = runs[T]
+      t0 = time.perf_counter()
+      for _ in range(x["steps"]):
+        x["state"] = x["step"](x["state"], x["i"])
+        x["i"] += 1
+      jax.block_until_ready(x["state"])
+      x["ms"].append((time.perf_counter() - t0) * 1e3 / x["steps"])
+  rows = []
+  for T in (T_lo, T_hi):
+    x = runs[T]
+    row = dict(scheme="match", kind="flat", shapes=shapes, B=1, T=T, knobs=knobs,
+               steps=x["steps"], warmup=x["warmup"], repeats=F.flat_repeats, **x["info"],
+               ms=statistics.median(x["ms"]), runs_ms=x["ms"], status="ok",
+               order="lo first in even rounds")
+    log(f"  flat {T}: {row['ms']:.3f} ms (runs {', '.join(f'{m:.2f}' for m in x['ms'])})")
+    rows.append(row)
+    emit(row)
+  return rows
 
 
 def baseline_rows(extra: dict, row: dict, F) -> list[dict]:
@@ -1124,8 +1192,11 @@ def targets_of(rows: list[dict], dense_shapes: str) -> list[dict]:
         r["achieved"] >= 0.9, bound=r["bound_speedup"], speedup=r["speedup"],
         achieved=r["achieved"])
   engine_rows = [r for r in ok if "bytes" in r and "kind" not in r]
-  for B in sorted({r["B"] for r in engine_rows if r["scheme"] == "match"}):
+  flat = [r for r in ok if r.get("kind") == "flat"]  # interleaved in one process (flat_rows)
+  for B in sorted({r["B"] for r in engine_rows + flat if r["scheme"] == "match"}):
     m = {r["T"]: r for r in engine_rows if r["scheme"] == "match" and r["B"] == B}
+    m.update({r["T"]: r for r in flat if r["B"] == B} if any(
+        r["B"] == B and r["T"] in (8192, 131072) for r in flat) else {})
     if 8192 in m and 131072 in m:  # flat: 128K within MATCH_FLAT of 8K, time and peak memory
       lo, hi = m[8192], m[131072]
       same = lo.get("knobs") == hi.get("knobs")  # one model at both contexts (HELD)
@@ -1133,7 +1204,7 @@ def targets_of(rows: list[dict], dense_shapes: str) -> list[dict]:
           same and hi["ms"] <= MATCH_FLAT * lo["ms"] and hi.get("peak_est_bytes", 0)
           <= MATCH_FLAT * lo.get("peak_est_bytes", 0), ms_8k=lo["ms"], ms_128k=hi["ms"],
           peak_8k=lo.get("peak_est_bytes"), peak_128k=hi.get("peak_est_bytes"),
-          same_knobs=same)
+          same_knobs=same, interleaved=lo.get("kind") == "flat" == hi.get("kind"))
   for r in (r for r in engine_rows if r["scheme"] == "segmented" and r["T"] == 65536):
     d = find(scheme="dense", shapes=r["shapes"], B=r["B"], T=r["T"], kind=None)
     if d is not None:
@@ -1234,7 +1305,7 @@ def main(argv=None) -> dict:
           requests=F.serve_requests, slots=F.serve_slots, prompt=list(F.serve_prompt),
           new=list(F.serve_new), scheme=F.serve_scheme, chunk=F.serve_chunk), extra_slots=EXTRA, prefill_chunk=PREFILL_CHUNK,
       plan=[list(p) for p in todo], dense_shapes=dense_shapes,
-      aha_full=F.aha_full,
+      aha_full=F.aha_full, flat=list(F.flat), flat_repeats=F.flat_repeats,
       note="issue 33's targets recorded on the run, met or not"))
   path = common.result_path(BENCH, F.out_dir, kind)
   run["targets"] = []
@@ -1295,6 +1366,13 @@ def main(argv=None) -> dict:
   if F.fits:
     run["rows"].extend(fits_rows(F, log))
     save()
+  if F.flat:
+    log(f"flat: match at {F.flat}, interleaved")
+
+    def emit_flat(r):
+      run["rows"].append(r)
+      save()
+    flat_rows(F, log, emit_flat)
   if F.serve_requests > 0 and not (F.deadline_s and time.perf_counter() - t_start > F.deadline_s):
     log(f"serve {F.serve_requests} requests through {F.serve_slots} slots")
 

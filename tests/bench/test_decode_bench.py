@@ -172,6 +172,27 @@ def test_match_flat_and_segmented_64k_targets_follow_the_rows():
   assert got(rows)[flat] is False
 
 
+def test_match_flat_check_interleaves_one_model_in_one_process(tmp_path):
+  """--flat=lo,hi: one MATCH model, two engines filled with lo and hi tokens, their whole-block
+  batches interleaved (the order alternating each round), kind 'flat' rows; the flat target
+  reads interleaved rows before the engine rows of the same B."""
+  run = decode.main(["decode", "--preset=test", "--only=none", "--prefill_T=0", "--flat=32,64",
+                     "--flat_repeats=2", f"--out_dir={tmp_path}"])
+  flat = [r for r in run["rows"] if r.get("kind") == "flat"]
+  assert [r["T"] for r in flat] == [32, 64] and flat[0]["knobs"] == flat[1]["knobs"]
+  assert all(len(r["runs_ms"]) == 2 and r["steps"] % 16 == 0 and r["programs"] == 2
+             for r in flat)
+  row = lambda T, ms, kind=None: dict(scheme="match", shapes="q", B=1, T=T, ms=ms, bytes=1,
+                                      peak_est_bytes=1.0, status="ok", knobs={},
+                                      **({"kind": kind} if kind else {}))
+  name = "match decode flat from 8K to 128K (B=1): ms and peak within 1.2x"
+  rows = [row(8192, 2.0), row(131072, 3.0)]  # separate processes: missed
+  assert {t["name"]: t["met"] for t in decode.targets_of(rows, "q")}[name] is False
+  rows += [row(8192, 2.5, "flat"), row(131072, 2.6, "flat")]  # interleaved: met
+  t = next(t for t in decode.targets_of(rows, "q") if t["name"] == name)
+  assert t["met"] and t["detail"]["interleaved"] and t["detail"]["ms_128k"] == 2.6
+
+
 def test_match_rows_are_one_all_swa_model_timed_in_whole_blocks():
   """MATCH's decode rows: the recipe's all-SWA variant at the recipe's window at every T on the
   issue's shapes (one model from 8K to 128K; scaled on the tiny shapes only); timed in whole
