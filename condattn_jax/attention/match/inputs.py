@@ -360,9 +360,10 @@ class MatchInputs(nn.Module):
     if not o.top_k:
       return None, fields, {}
     tok = None
-    if T == 1 and ctx.fields.get("match_step_enters") is False:  # the host's fact wrong:
-      fields["match_step_refuse"] = jnp.any(fresh)  # the layers' heads NaN (MatchLayer)
-    if refuse is not None:  # no aux rows: the layers run SWA's call (MatchLayer.__call__)
+    reuse_step = T == 1 and ctx.fields.get("match_step_enters") is False
+    if reuse_step:  # no aux rows: the layers read the block's stored K/V (the host's fact
+      fields["match_step_refuse"] = jnp.any(fresh)  # wrong: their heads NaN, MatchLayer)
+    elif refuse is not None:  # no aux rows: the layers run SWA's call (MatchLayer.__call__)
       fields["match_refuse"] = refuse
     else:
       tok, apos, aok = aux_input(o, aux_ids, raw.value, jnp.broadcast_to(

@@ -110,11 +110,16 @@ class RetrievedCache(nn.Module):
   `__call__(k, v, ok [B, G, R, ...] fresh ones, fresh_B, g_last_B, all_fresh)` returns the K/V
   each block uses (the fresh ones where `all_fresh` or the row refreshed, else the stored ones)
   and stores the fresh K/V of the block of each refreshed row's last token. picked=True (an
-  engine prefill call): k, v [B, R, K, H], ok [B, R] are already that block's; only stored."""
+  engine prefill call): k, v [B, R, K, H], ok [B, R] are already that block's; only stored.
+  `__call__(stored=True)` (a decode step the engine knows enters no block): the stored K/V and
+  ok as one block [B, 1, R, ...], nothing written."""
 
   @nn.compact
-  def __call__(self, k_BGRKH, v_BGRKH, ok_BGR, fresh_B, g_last_B, all_fresh: bool,
-               picked: bool = False):
+  def __call__(self, k_BGRKH=None, v_BGRKH=None, ok_BGR=None, fresh_B=None, g_last_B=None,
+               all_fresh: bool = False, picked: bool = False, stored: bool = False):
+    if stored:  # a decode step inside its block: the stored K/V as one block, nothing written
+      k, v, ok = (self.get_variable("cache", n) for n in ("key", "value", "ok"))
+      return k[:, None], v[:, None], ok[:, None]
     if picked:  # [B, R, ...]: as the last block of a call of one block
       k_BGRKH, v_BGRKH, ok_BGR = k_BGRKH[:, None], v_BGRKH[:, None], ok_BGR[:, None]
     B, G, R, K, H = k_BGRKH.shape
@@ -279,17 +284,6 @@ class MatchLayer(nn.Module):
     r_pos = jnp.broadcast_to(f["match_block_pos_BG"][..., None], (B, G, R))
     kk = jnp.concatenate([kl, kr.astype(kl.dtype)], axis=2)
     vv = jnp.concatenate([vl, vr.astype(vl.dtype)], axis=2)
-    if ctx.decode and T == 1:  # G == 1: the one query over its block's window + retrieved keys
-      # as a decode over a cache (ops: the decode kernels on Hopper / TPU), not a tile of c
-      # query rows of which one is real; kv segment ids alone are the keys' validity. The keys
-      # are padded (invalid) to a multiple of 8 slots (the Mosaic GPU decode kernel's ragged tile)
-      S = kl.shape[2] + R
-      pad = lambda x: jnp.zeros((B, (-S) % 8) + x.shape[3:], x.dtype)
-      cat = lambda a, b: jnp.concatenate([a[:, 0], b[:, 0].astype(a.dtype), pad(a)], axis=1)
-      mask = ops.MaskSpec(q_positions_BT=pos, kv_positions_BS=cat(l_pos, r_pos),
-                          kv_segment_ids_BS=cat(l_seg.astype(jnp.int32), r_seg), window=w,
-                          active=seg != 0)
-      return ops.attention(q, cat(kl, kr), cat(vl, vr), mask, impl=o.impl)
     # the w + c - 1 + R keys padded to a multiple of _GATHERED_KV_MULTIPLE with invisible
     # slots (segment 0, a position after every query): the compacted kernels take only whole
     # kv tiles (w = 2048, c = 128, k = 4: 2687 keys, which no GPU kernel takes, -> 2688)
@@ -358,8 +352,34 @@ class MatchLayer(nn.Module):
     one token) (k, v, ok) [B, G, R, ...] per block: `_retrieving_attend` over this forward's
     keys, or the cache's after the write (decode). An engine call of several tokens runs
     `_prefill_attend` instead."""
+    if ctx.decode and q.shape[1] == 1:
+      return self._decode_attend(q, k, v, ctx, f, retrieved)
     cache = self.self_attn.write_cache(k, v, ctx) if ctx.decode else None
     return self._retrieving_attend(q, k, v, ctx, f, retrieved, None, cache)
+
+  def _decode_attend(self, q, k, v, ctx: LayerContext, f: dict, retrieved):
+    """A decode step of one token: its write into the window ring, then one decode call over
+    the ring AFTER the write (every key it holds is in the query's window: `window` slots, or
+    the whole cache where window >= cache_len, masked by positions) followed by the block's R
+    retrieved keys (at the block's first position), padded (invalid) to a multiple of 8 slots
+    (the Mosaic GPU decode kernel's ragged tile). No copy of the ring: read before its write,
+    the ring would be copied to keep the old keys (two copies of K and V a layer a step)."""
+    o = options(self.config)
+    B = q.shape[0]
+    k_all, v_all, kv_pos, kv_valid = self.self_attn.write_cache(k, v, ctx, after_write=True)
+    kr, vr, r_ok = (x[:, 0] for x in retrieved)                 # the one block: [B, R, ...]
+    R = kr.shape[1]
+    r_pos = jnp.broadcast_to(f["match_block_pos_BG"][:, :1], (B, R))
+    S = k_all.shape[1] + R
+    pad = lambda x: jnp.zeros((B, (-S) % 8) + x.shape[2:], x.dtype)
+    cat = lambda a, b: jnp.concatenate([a, b.astype(a.dtype), pad(a)], axis=1)
+    valid = ctx.valid_BT.astype(jnp.int32)
+    mask = ops.MaskSpec(q_positions_BT=ctx.positions_BT.astype(jnp.int32),
+                        kv_positions_BS=cat(kv_pos.astype(jnp.int32), r_pos),
+                        kv_segment_ids_BS=cat(kv_valid.astype(jnp.int32),
+                                              (r_ok != 0).astype(jnp.int32)),
+                        window=o.window, active=valid != 0)
+    return ops.attention(q, cat(k_all, kr), cat(v_all, vr), mask, impl=o.impl)
 
   def _prefill_attend(self, x_aux, q, k, v, ctx: LayerContext, f: dict, Ga: int):
     """An engine call of several tokens (a prefill chunk) of an SWA layer with auxiliary rows
@@ -542,12 +562,10 @@ class MatchLayer(nn.Module):
       # a 'full' layer's engine calls of several tokens when one of its blocks retrieves
       enters = f.get("match_step_enters") if ctx.decode and T == 1 else None
       run_aux = (None if enters is True  # (the engine's static facts)
-                 else jnp.any(f["match_fresh_B"]) if ctx.decode and T == 1 and enters is None
+                 else jnp.any(f["match_fresh_B"]) if ctx.decode and T == 1
                  else None if f.get("match_call_retrieves") is True
-                 else jnp.any(aok != 0) if ctx.decode and T > 1 else None)
-      if enters is False:
-        x_aux, k_aux, v_aux = self._aux_skip(x_aux, apos, aok, Ga)
-      elif run_aux is None:
+                 else jnp.any(aok != 0) if ctx.decode else None)
+      if run_aux is None:
         x_aux, k_aux, v_aux = self._aux_update(x_aux, apos, aok, Ga)
       else:
         x_aux, k_aux, v_aux = nn.cond(run_aux, lambda m, *a: m._aux_update(*a, Ga),
@@ -562,6 +580,8 @@ class MatchLayer(nn.Module):
                                                       f["match_g_last_B"], all_fresh=False)
         retrieved = (k_aux, v_aux, ok_BGR)
 
+    if retrieves and ctx.decode and T == 1 and f.get("match_step_enters") is False:
+      retrieved = self.retrieved_cache(stored=True)  # (MatchInputs built no aux rows: A == 0)
     q, k, v = self.self_attn.qkv(self._attn_in(x_main), ctx.positions_BT)
     if prefill:
       x_aux, heads = self._prefill_attend(x_aux, q, k, v, ctx, f, Ga)
