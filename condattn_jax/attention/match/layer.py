@@ -189,10 +189,11 @@ class MatchLayer(nn.Module):
     == 0), i.e. enters a new block after the row's previous token (the engine's loops decode a
     row's positions in order after its prefill): True compiles the refreshing step (search and
     the aux rows through every layer) without a cond, False the step that reuses the block's
-    retrieved K/V, neither searching nor running the aux rows. Where the data says a row is
-    fresh after all (a row decoded out of order), a False step's heads are NaN (match_refuse):
-    a refusal, never a silently stale retrieval. A program per value, no predicate read on the
-    host (each lax.cond of the step would be one on a GPU: one a layer)."""
+    retrieved K/V (no aux rows: RetrievedCache's stored K/V), neither searching nor running
+    the aux rows. Where the data says a row is fresh after all (a row decoded out of order), a
+    False step's heads are NaN (match_step_refuse): a refusal, never a silently stale
+    retrieval. A program per value, no predicate read on the host (each lax.cond of the step
+    would be one on a GPU: one a layer)."""
     o = options(config)
     if not o.top_k:
       return {}
