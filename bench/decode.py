@@ -346,6 +346,11 @@ def _value(v: str):
   return {"True": True, "False": False}.get(v, v)
 
 
+def overrides(F) -> dict:
+  """--override's key=value pairs, values parsed (_value)."""
+  return {k: _value(v) for k, v in (x.split("=", 1) for x in F.override)}
+
+
 def scheme_config(scheme: str, shapes: str, T: int, override: dict | None = None):
   """(ModelConfig, knobs dict): the named shapes, bf16, with `scheme` at its recipe's default
   knobs; window-like knobs scaled by T / the recipe's data.seq_len (a power of two, >= 16;
@@ -711,10 +716,11 @@ def _mem(compiled) -> dict:
   return out
 
 
-def _timed_steps(step, state, n: int, repeats: int, warmup: int):
-  """`state = step(state, i)` run back to back; (median ms per step, batch ms list, state)."""
+def _timed_steps(step, state, n: int, repeats: int, warmup: int, i0: int = 0):
+  """`state = step(state, i)` run back to back, i from i0 (`warmup` untimed steps, then
+  `repeats` timed batches of n); (median ms per step, batch ms list, state)."""
   import jax
-  i = 0
+  i = i0
   for _ in range(warmup):
     state = step(state, i)
     i += 1
@@ -730,6 +736,15 @@ def _timed_steps(step, state, n: int, repeats: int, warmup: int):
   return statistics.median(runs), runs, state
 
 
+def block_len(scheme: str, cfg) -> int:
+  """Steps after which a row's decode work repeats: MATCH's chunk (a retrieval block: the step
+  entering it searches and recomputes, the others reuse), 1 for the other schemes."""
+  if scheme != "match":
+    return 1
+  from condattn_jax.attention import options
+  return options(cfg).chunk
+
+
 def timed_schedule(scheme: str, cfg, T: int, steps: int, repeats: int, warmup: int):
   """(steps, warmup, extra cache slots) of a row's timing. MATCH retrieves (and recomputes the
   retrieved K/V) once per block of `chunk` generated tokens, the step entering the block: its
@@ -738,8 +753,7 @@ def timed_schedule(scheme: str, cfg, T: int, steps: int, repeats: int, warmup: i
   per-block work at its rate (one block entry per chunk steps). Others: as given."""
   if scheme != "match":
     return steps, warmup, EXTRA
-  from condattn_jax.attention import options
-  c = options(cfg).chunk
+  c = block_len(scheme, cfg)
   warmup = c + (-T) % c
   steps = -(-steps // c) * c
   return steps, warmup, max(EXTRA, warmup + repeats * steps + c)  # + block_split's block
@@ -786,12 +800,12 @@ def filled_program(eng, scheme: str, cfg, B: int, T: int, log):
   pos0 = jnp.full((B, 1), T, jnp.int32)
   on = jnp.ones((B, 1), bool)
   on_B = np.ones(B, bool)
-  fields = lambda i: eng._decode_fields(np.full(B, T + i, np.int32), on_B)
-  span = timed_schedule(scheme, cfg, T, 1, 1, 0)[0]  # MATCH: one block; others: one step
+  span = block_len(scheme, cfg)  # the fields repeat every block: looked up once, not a step
+  fields = [eng._decode_fields(np.full(B, T + i, np.int32), on_B) for i in range(span)]
   t0 = time.perf_counter()
   compiled = {sf: Engine._step.lower(eng, eng.params, cache, tok, pos0, on, logits,
-                                     static_fields=sf).compile()
-              for sf in sorted({fields(i) for i in range(span)})}
+                                     static_fields=sf).compile() for sf in sorted(set(fields))}
+  programs = [compiled[sf] for sf in fields]
   info["compile_s"] = time.perf_counter() - t0
   info["programs"] = len(compiled)
   log(f"  compiled its decode step ({len(compiled)} program(s)): {info['compile_s']:.1f} s")
@@ -802,7 +816,7 @@ def filled_program(eng, scheme: str, cfg, B: int, T: int, log):
   def step(state, i):
     cache, logits = state
     t = jnp.argmax(logits, -1).astype(jnp.int32)[:, None]
-    cache, logits, aux = compiled[fields(i)](eng.params, cache, t, pos0 + i, on, logits)
+    cache, logits, aux = programs[i % span](eng.params, cache, t, pos0 + i, on, logits)
     auxes.append(aux)
     return cache, logits
   return (cache, logits), step, auxes, info
@@ -813,8 +827,7 @@ def engine_row(scheme: str, shapes: str, B: int, T: int, F, log) -> tuple[dict, 
   import jax
   import jax.numpy as jnp
   from condattn_jax.inference import Engine
-  cfg, knobs = scheme_config(scheme, shapes, T, {
-      k: _value(v) for k, v in (x.split("=", 1) for x in F.override)})
+  cfg, knobs = scheme_config(scheme, shapes, T, overrides(F))
   row = dict(scheme=scheme, shapes=shapes, B=B, T=T, layers=cfg.num_layers, knobs=knobs,
              status="running")
   t0 = time.perf_counter()
@@ -836,9 +849,8 @@ def engine_row(scheme: str, shapes: str, B: int, T: int, F, log) -> tuple[dict, 
              logits_finite=bool(jnp.all(jnp.isfinite(logits))))
   rate = rates(jax.device_get(auxes[warmup:]))
   if scheme == "match":
-    from condattn_jax.attention import options
     split, (cache, logits) = block_split(step, (cache, logits), warmup + F.repeats * steps,
-                                         options(cfg).chunk)
+                                         block_len(scheme, cfg))
     row.update(split)
   row.update(step_bytes(scheme, cfg, B, T, rate, row["cache_bytes"]))
   row["bytes"] = row["weight_bytes"] + row["kv_bytes"]
@@ -855,32 +867,24 @@ def flat_rows(F, log, emit) -> list[dict]:
   rounds): a process-order effect (the cond-path runs: the process's second row 1.5-2.5 ms a
   step slower, whatever its T) falls on both contexts alike. kind 'flat' rows per T: ms = the
   median over the rounds; the flat target reads them before the engine rows."""
-  import jax
   from condattn_jax.inference import Engine
   T_lo, T_hi = sorted(int(t) for t in F.flat)
   shapes = TINY_SHAPES["qwen2.5-1.5b"] if F.preset == "test" else SCHEMES["match"][2]
-  cfg, knobs = scheme_config("match", shapes, T_hi, {
-      k: _value(v) for k, v in (x.split("=", 1) for x in F.override)})
+  cfg, knobs = scheme_config("match", shapes, T_hi, overrides(F))
   params = init_params(cfg)
   runs = {}
   for T in (T_lo, T_hi):
     steps, warmup, extra = timed_schedule("match", cfg, T, F.steps, F.flat_repeats, F.warmup)
     eng = Engine(cfg, params, cache_len=T + extra, prefill_chunk=min(PREFILL_CHUNK, T))
     state, step, _, info = filled_program(eng, "match", cfg, 1, T, log)
-    for i in range(warmup):
-      state = step(state, i)
-    jax.block_until_ready(state)
-    runs[T] = dict(state=state, step=step, i=warmup, steps=steps, ms=[], info=info,
-                   warmup=warmup)
+    runs[T] = dict(state=state, step=step, i=0, steps=steps, ms=[], info=info, warmup=warmup)
   for r in range(F.flat_repeats):
     for T in ((T_lo, T_hi) if r % 2 == 0 else (T_hi, T_lo)):
       x = runs[T]
-      t0 = time.perf_counter()
-      for _ in range(x["steps"]):
-        x["state"] = x["step"](x["state"], x["i"])
-        x["i"] += 1
-      jax.block_until_ready(x["state"])
-      x["ms"].append((time.perf_counter() - t0) * 1e3 / x["steps"])
+      warm = x["warmup"] if r < 2 else 0  # (each engine's first batch: its warm-up first)
+      ms, _, x["state"] = _timed_steps(x["step"], x["state"], x["steps"], 1, warm, i0=x["i"])
+      x["i"] += warm + x["steps"]
+      x["ms"].append(ms)
   rows = []
   for T in (T_lo, T_hi):
     x = runs[T]
@@ -1194,9 +1198,9 @@ def targets_of(rows: list[dict], dense_shapes: str) -> list[dict]:
   engine_rows = [r for r in ok if "bytes" in r and "kind" not in r]
   flat = [r for r in ok if r.get("kind") == "flat"]  # interleaved in one process (flat_rows)
   for B in sorted({r["B"] for r in engine_rows + flat if r["scheme"] == "match"}):
-    m = {r["T"]: r for r in engine_rows if r["scheme"] == "match" and r["B"] == B}
-    m.update({r["T"]: r for r in flat if r["B"] == B} if any(
-        r["B"] == B and r["T"] in (8192, 131072) for r in flat) else {})
+    fl = {r["T"]: r for r in flat if r["B"] == B}
+    m = fl if 8192 in fl and 131072 in fl else {
+        r["T"]: r for r in engine_rows if r["scheme"] == "match" and r["B"] == B}
     if 8192 in m and 131072 in m:  # flat: 128K within MATCH_FLAT of 8K, time and peak memory
       lo, hi = m[8192], m[131072]
       same = lo.get("knobs") == hi.get("knobs")  # one model at both contexts (HELD)
@@ -1366,19 +1370,15 @@ def main(argv=None) -> dict:
   if F.fits:
     run["rows"].extend(fits_rows(F, log))
     save()
+
+  def emit(r):  # a row saved as soon as it is measured
+    run["rows"].append(r)
+    save()
   if F.flat:
     log(f"flat: match at {F.flat}, interleaved")
-
-    def emit_flat(r):
-      run["rows"].append(r)
-      save()
-    flat_rows(F, log, emit_flat)
+    flat_rows(F, log, emit)
   if F.serve_requests > 0 and not (F.deadline_s and time.perf_counter() - t_start > F.deadline_s):
     log(f"serve {F.serve_requests} requests through {F.serve_slots} slots")
-
-    def emit(r):
-      run["rows"].append(r)
-      save()
     serve_rows(F, log, emit)
   save()
   log(table(run["rows"]))

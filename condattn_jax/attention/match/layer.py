@@ -111,15 +111,16 @@ class RetrievedCache(nn.Module):
   each block uses (the fresh ones where `all_fresh` or the row refreshed, else the stored ones)
   and stores the fresh K/V of the block of each refreshed row's last token. picked=True (an
   engine prefill call): k, v [B, R, K, H], ok [B, R] are already that block's; only stored.
-  `__call__(stored=True)` (a decode step the engine knows enters no block): the stored K/V and
-  ok as one block [B, 1, R, ...], nothing written."""
+  `stored()` (a decode step the engine knows enters no block): the stored K/V and ok as one
+  block [B, 1, R, ...], nothing written."""
+
+  def stored(self):
+    k, v, ok = (self.get_variable("cache", n) for n in ("key", "value", "ok"))
+    return k[:, None], v[:, None], ok[:, None]
 
   @nn.compact
-  def __call__(self, k_BGRKH=None, v_BGRKH=None, ok_BGR=None, fresh_B=None, g_last_B=None,
-               all_fresh: bool = False, picked: bool = False, stored: bool = False):
-    if stored:  # a decode step inside its block: the stored K/V as one block, nothing written
-      k, v, ok = (self.get_variable("cache", n) for n in ("key", "value", "ok"))
-      return k[:, None], v[:, None], ok[:, None]
+  def __call__(self, k_BGRKH, v_BGRKH, ok_BGR, fresh_B, g_last_B, all_fresh: bool,
+               picked: bool = False):
     if picked:  # [B, R, ...]: as the last block of a call of one block
       k_BGRKH, v_BGRKH, ok_BGR = k_BGRKH[:, None], v_BGRKH[:, None], ok_BGR[:, None]
     B, G, R, K, H = k_BGRKH.shape
@@ -374,12 +375,11 @@ class MatchLayer(nn.Module):
     S = k_all.shape[1] + R
     pad = lambda x: jnp.zeros((B, (-S) % 8) + x.shape[2:], x.dtype)
     cat = lambda a, b: jnp.concatenate([a, b.astype(a.dtype), pad(a)], axis=1)
-    valid = ctx.valid_BT.astype(jnp.int32)
     mask = ops.MaskSpec(q_positions_BT=ctx.positions_BT.astype(jnp.int32),
                         kv_positions_BS=cat(kv_pos.astype(jnp.int32), r_pos),
                         kv_segment_ids_BS=cat(kv_valid.astype(jnp.int32),
                                               (r_ok != 0).astype(jnp.int32)),
-                        window=o.window, active=valid != 0)
+                        window=o.window, active=ctx.valid_BT != 0)
     return ops.attention(q, cat(k_all, kr), cat(v_all, vr), mask, impl=o.impl)
 
   def _prefill_attend(self, x_aux, q, k, v, ctx: LayerContext, f: dict, Ga: int):
@@ -582,7 +582,7 @@ class MatchLayer(nn.Module):
         retrieved = (k_aux, v_aux, ok_BGR)
 
     if retrieves and ctx.decode and T == 1 and f.get("match_step_enters") is False:
-      retrieved = self.retrieved_cache(stored=True)  # (MatchInputs built no aux rows: A == 0)
+      retrieved = self.retrieved_cache.stored()  # (MatchInputs built no aux rows: A == 0)
     q, k, v = self.self_attn.qkv(self._attn_in(x_main), ctx.positions_BT)
     if prefill:
       x_aux, heads = self._prefill_attend(x_aux, q, k, v, ctx, f, Ga)
