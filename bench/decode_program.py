@@ -394,19 +394,18 @@ def _filled_leaf_jit():
 
 
 def _make_filled_leaf(name, shape, dtype, T, key):
-  """Random K/V, positions 0..T-1 and valid slots < T, length T, zeros elsewhere."""
+  """Random K/V, positions 0..T-1 and valid slots < T, length T, zeros elsewhere (a scheme's
+  per-row state at its init: Elastic's first decode step then decides, from its own token)."""
   import jax
   import jax.numpy as jnp
   if name in ("key", "value"):
     return jax.random.normal(key, shape, jnp.float32).astype(dtype)
   if name == "length":
     return jnp.full(shape, T, dtype)
-  slot = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
-  if name == "positions":
-    return jnp.where(slot < T, slot, 0).astype(dtype)
-  if name == "valid":
-    return (slot < T).astype(dtype)
-  return jnp.zeros(shape, dtype)
+  if name in ("positions", "valid"):  # [B, S]
+    slot = jax.lax.broadcasted_iota(jnp.int32, shape, 1)
+    return (jnp.where(slot < T, slot, 0) if name == "positions" else slot < T).astype(dtype)
+  return jnp.zeros(shape, dtype)  # a scheme's own state (e.g. Elastic's undecided rows)
 
 
 def time_step(shapes: str, B: int, T: int, *, variants=("stacked", "split"), steps: int = 32,

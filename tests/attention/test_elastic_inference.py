@@ -144,3 +144,54 @@ def test_elastic_stats_hold_each_rows_cached_per_head_mode(tiny):
     np.testing.assert_allclose(gen.stats[b]["generated"]["rho_BN"],
                                np.where(ssa_LN, np.mean(rho_p), 0.0), atol=1e-6)
     assert gen.stats[b]["generated"]["rho_BN"].max() > 0.1  # past the sinks + local window
+
+
+def test_decode_steps_with_the_engine_s_decided_fact_equal_the_router_path(tiny):
+  """Ragged decode after a prefill: the engine tells each one-token step that every active row
+  has decided (ElasticLayer.decode_fields, host positions > 0); that step reads the cached
+  decision and runs no pooling and no router (6 fewer dots a layer in the lowered program).
+  Logits and every cache leaf equal the router path's (the fact unknown) at every step; a step
+  told 'decided' for a row that has not decided (a fresh cache) is refused: NaN logits for that
+  row only."""
+  cfg, params = tiny
+  eng = Engine(cfg, params, cache_len=32)
+  cache, logits, lengths = eng.prefill(PROMPTS)
+  B = len(PROMPTS)
+  pos, on = np.asarray(lengths, np.int32), np.asarray([True, False, True])
+  step = lambda c, t, p, lg, sf: eng._step(eng.params, c, jnp.asarray(t)[:, None],
+                                           jnp.asarray(p)[:, None], jnp.asarray(on)[:, None],
+                                           lg, static_fields=sf)
+  for _ in range(3):
+    tok = np.asarray(logits).argmax(-1).astype(np.int32)
+    sf = eng._decode_fields(pos, on)
+    assert sf == (("elastic_step_decided", True),)
+    ref_cache, ref_logits, ref_aux = step(jax.tree.map(jnp.copy, cache), tok, pos, logits, ())
+    cache, logits, aux = step(cache, tok, pos, logits, sf)
+    np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), atol=1e-5, rtol=0)
+    for (path, r), x in zip(jax.tree_util.tree_flatten_with_path(ref_cache)[0],
+                            jax.tree.leaves(cache)):
+      np.testing.assert_array_equal(np.asarray(x), np.asarray(r), err_msg=jax.tree_util.keystr(path))
+    for name in ("fa_BK", "p_fa_BK", "rho_BN"):  # the routing statistics the engine returns
+      np.testing.assert_allclose(np.asarray(aux[name]), np.asarray(ref_aux[name]), atol=1e-6)
+    pos = pos + on
+  # the cached probability is the deciding call's: the full forward's p_FA over the prompt
+  assert 0 < np.asarray(aux["p_fa_BK"]).min() and np.asarray(aux["p_fa_BK"]).max() < 1
+  # row 1 emptied (reset_rows: no decision), the fact says every row has decided: row 1's
+  # logits NaN (refused), the others as the router path gives them
+  tok = np.asarray(logits).argmax(-1).astype(np.int32)
+  reset = eng.reset_rows(cache, [False, True, False])
+  on = np.ones(B, bool)
+  _, ref, _ = step(jax.tree.map(jnp.copy, reset), tok, pos, logits, ())
+  _, wrong, _ = step(reset, tok, pos, logits, (("elastic_step_decided", True),))
+  wrong, ref = np.asarray(wrong), np.asarray(ref)
+  assert np.isnan(wrong[1]).all() and np.isfinite(ref[1]).all()
+  np.testing.assert_allclose(wrong[[0, 2]], ref[[0, 2]], atol=1e-5, rtol=0)
+  assert eng._decode_fields(np.asarray([3, 0, 5]), np.ones(3, bool)) == (
+      ("elastic_step_decided", False),)
+  sds = jax.ShapeDtypeStruct
+  args = (params, eng.cache_shapes(B), sds((B, 1), jnp.int32), sds((B, 1), jnp.int32),
+          sds((B, 1), jnp.bool_), sds((B, cfg.vocab_size), jnp.float32))
+  dots = lambda sf: Engine._step.lower(eng, *args, static_fields=sf).as_text().count(
+      "stablehlo.dot_general")
+  # the router's five dense layers a layer and the pooling's dot: 6 fewer a layer
+  assert dots(()) - dots((("elastic_step_decided", True),)) == 6 * cfg.num_layers

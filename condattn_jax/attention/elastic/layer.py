@@ -20,7 +20,9 @@ launch.
 The prompt: the valid tokens of the row, cut at ctx.fields[prompt_field][b] when the batch has
 that field ([B] int). Decode: the decision is made by the first cached call of a row (the prompt
 of a one-shot prefill; with chunked prefill, the first chunk), cached in the layer's 'cache'
-collection (`elastic_fa` [B, K], `elastic_decided` [B]) and reused by every later call; a full
+collection (`elastic_fa` [B, K], its router probability `elastic_p_fa`, `elastic_decided` [B])
+and reused by every later call (a one-token step the engine knows every active row has
+decided reads them and runs no router: `ElasticLayer.decode_fields`); a full
 forward over prompt + continuation with prompt_field = the prompt length computes the same
 function. XA is a prefill method: XA heads run their XA lists on a row's first cached call when
 it starts at position 0 with a multiple of `block` tokens (a one-shot prefill: the same lists as
@@ -148,7 +150,8 @@ class ElasticLayer(nn.Module):
 
   fa_BK      the decision per (row, KV head), 1.0 = class 1 (FA; XA under xa_ssa), with the STE
              gradient in training (the Lagrangian's Omega is built from it)
-  p_fa_BK    router probability of class 1 without noise (softmax at temperature 1)
+  p_fa_BK    router probability of class 1 without noise (softmax at temperature 1); decode:
+             the deciding call's, cached with the decision
   rho_BN     per query head: fraction of its causal (query, key) pairs skipped (Omega_ESR's rho)
   tau        the Gumbel temperature used (tau_end outside training)
   """
@@ -176,6 +179,20 @@ class ElasticLayer(nn.Module):
                    "on those heads); set prefill_chunk=None.")
     return tuple(notes)
 
+  @staticmethod
+  def decode_fields(config, positions_B, active_B) -> dict:
+    """The engine's static fields of a one-token decode step (Engine._decode_fields), on the
+    host: elastic_step_decided = every active row is past its first token (position > 0), so
+    an earlier cached call (its prefill) has decided its heads' modes. True compiles the step
+    that reads the cached decision and runs neither the keys' pooling nor the router (about ten
+    kernels a layer on a GPU, their result discarded once a row has decided); a row that turns
+    out undecided after all (a decode step on a fresh cache) gets NaN heads: a refusal, never
+    a silent all-SSA decision."""
+    del config
+    on = np.asarray(active_B, bool).reshape(-1)
+    pos = np.asarray(positions_B).reshape(-1)
+    return {"elastic_step_decided": bool(np.all(pos[on] > 0))}
+
   @nn.compact
   def __call__(self, x_BTD, ctx: LayerContext):
     cfg = self.config
@@ -187,6 +204,8 @@ class ElasticLayer(nn.Module):
     x_in = x_BTD if cfg.post_norm else make_norm(cfg, "input_layernorm")(x_BTD)
     q0, k0, v = attn.project(x_in)                                        # pre-RoPE
     valid_BT = ctx.valid_BT
+    if ctx.decode and (ctx.fields or {}).get("elastic_step_decided") is True:
+      return self._decided_step(x_BTD, ctx, attn, q0, k0, v, o)
 
     prompt_len = ctx.fields.get(o.prompt_field)
     n_lay = context.layout_size()  # sequence parallel: the router pools the natural row
@@ -218,7 +237,7 @@ class ElasticLayer(nn.Module):
 
     first_B = None
     if ctx.decode:
-      fa_BK, first_B = self._cached_decision(fa_BK, valid_BT)
+      fa_BK, p_fa_BK, first_B = self._cached_decision(fa_BK, p_fa_BK, valid_BT)
 
     q, k = attn.rope(q0, ctx.positions_BT), attn.rope(k0, ctx.positions_BT)
     fa_BN = jnp.repeat(fa_BK, G, axis=1)
@@ -227,26 +246,55 @@ class ElasticLayer(nn.Module):
       heads, rho_BN = self._decode(attn, q, k, v, ctx, fa_BN, o, impl, first_B)
     else:
       heads, rho_BN = self._self_attention(q, k, v, ctx, fa_BN, o, impl)
+    return self._finish(x_BTD, attn, heads, dict(fa_BK=fa_BK, p_fa_BK=p_fa_BK, rho_BN=rho_BN,
+                                                 tau=tau))
+
+  def _decided_step(self, x_BTD, ctx, attn, q0, k0, v, o):
+    """A decode call whose active rows have all decided (decode_fields' elastic_step_decided):
+    the cached decision and its probability, no pooling, no router; heads NaN for a row with a
+    valid token and no decision (the engine's fact was wrong for it)."""
+    cfg = self.config
+    G = cfg.num_heads // cfg.num_kv_heads
+    B = x_BTD.shape[0]
+    c_fa, c_p, c_done = self._decision_cache(B, cfg.num_kv_heads)
+    fa_BK, p_fa_BK = c_fa.value, c_p.value
+    refuse_B = (c_done.value == 0) & jnp.any(ctx.valid_BT, axis=1)
+    q, k = attn.rope(q0, ctx.positions_BT), attn.rope(k0, ctx.positions_BT)
+    heads, rho_BN = self._decode(attn, q, k, v, ctx, jnp.repeat(fa_BK, G, axis=1), o,
+                                 cfg.attention_impl)
+    heads = jnp.where(refuse_B[:, None, None, None], jnp.asarray(jnp.nan, heads.dtype), heads)
+    return self._finish(x_BTD, attn, heads, dict(fa_BK=fa_BK, p_fa_BK=p_fa_BK, rho_BN=rho_BN,
+                                                 tau=jnp.asarray(o.tau_end, jnp.float32)))
+
+  def _finish(self, x_BTD, attn, heads, aux):
+    """The output projection, the residuals and the MLP: (x, aux)."""
+    cfg = self.config
     out_BTD = attn.project_out(heads)
     if cfg.post_norm:
       x_BTD = x_BTD + make_norm(cfg, "post_attention_layernorm")(out_BTD)
     else:
       x_BTD = x_BTD + out_BTD
-    aux = dict(fa_BK=fa_BK, p_fa_BK=p_fa_BK, rho_BN=rho_BN, tau=tau)
     return mlp_residual(cfg, x_BTD), aux
 
   # ------------------------------------------------------------------------------------------
-  def _cached_decision(self, fa_BK, valid_BT):
+  def _decision_cache(self, B: int, K: int):
+    """The layer's cached decision: (elastic_fa [B, K], elastic_p_fa [B, K] its router
+    probability, elastic_decided [B]) cache variables."""
+    return (self.variable("cache", "elastic_fa", jnp.zeros, (B, K), jnp.float32),
+            self.variable("cache", "elastic_p_fa", jnp.zeros, (B, K), jnp.float32),
+            self.variable("cache", "elastic_decided", jnp.zeros, (B,), jnp.int32))
+
+  def _cached_decision(self, fa_BK, p_fa_BK, valid_BT):
     """Decode: the first call of a row with valid tokens decides; later calls reuse it.
-    Returns (fa_BK, first_B: bool, rows that had not decided before this call)."""
-    B, K = fa_BK.shape
-    c_fa = self.variable("cache", "elastic_fa", jnp.zeros, (B, K), jnp.float32)
-    c_done = self.variable("cache", "elastic_decided", jnp.zeros, (B,), jnp.int32)
+    Returns (fa_BK, p_fa_BK: the decision's router probability, first_B: bool, rows that had
+    not decided before this call)."""
+    c_fa, c_p, c_done = self._decision_cache(*fa_BK.shape)
     done = c_done.value > 0
     fa_BK = jnp.where(done[:, None], c_fa.value, fa_BK)
-    c_fa.value = fa_BK
+    p_fa_BK = jnp.where(done[:, None], c_p.value, p_fa_BK.astype(jnp.float32))
+    c_fa.value, c_p.value = fa_BK, p_fa_BK
     c_done.value = (done | jnp.any(valid_BT, axis=1)).astype(jnp.int32)
-    return fa_BK, ~done
+    return fa_BK, p_fa_BK, ~done
 
   def _self_attention(self, q, k, v, ctx, fa_BN, o, impl):
     """(heads [B, T, N, H], rho_BN) of the full forward: training computes both modes for every

@@ -16,12 +16,13 @@ def kv_cache_bytes(config: ModelConfig, context_len: int, batch: int = 1,
                    dtype: str | None = None) -> dict[str, int]:
   """Decode KV-cache bytes at `context_len` tokens: ONE full cache per layer (FA heads need the
   whole prefix; SSA heads read their sink and local blocks of it) plus the cached decision
-  (float32 [B, K] + int32 [B] per layer). {'total', 'full', 'decision'}."""
+  (float32 [B, K] modes + float32 [B, K] their router probability + int32 [B] per layer).
+  {'total', 'full', 'decision'}."""
   from condattn_jax.attention import dense
   full = dense.kv_cache_bytes(config.replace(scheme="dense", scheme_kwargs=(),
                                              sliding_window=None), context_len, batch,
                               dtype)["total"]
-  decision = config.num_layers * batch * (4 * config.num_kv_heads + 4)
+  decision = config.num_layers * batch * (8 * config.num_kv_heads + 4)
   return {"total": int(full + decision), "full": int(full), "decision": int(decision)}
 
 
