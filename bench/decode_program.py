@@ -723,6 +723,7 @@ def _build_variant(name, layout, sets, cfg, params, split, B, T, compiler_option
   import time
   import jax
   import jax.numpy as jnp
+  import numpy as np
   from bench import decode as bd
   from condattn_jax.inference import Engine
   opts = {k_: v_ for x in sets if x in OPTION_SETS for k_, v_ in OPTION_SETS[x].items()}
@@ -757,9 +758,17 @@ def _build_variant(name, layout, sets, cfg, params, split, B, T, compiler_option
           lambda s: c(p, s[0], s[1], tok[:, 0], jnp.int32(T), lengths))
     else:
       state = (filled_cache(eng, B, T), logits)
+      # the engine's static fields of a step inside a block (MATCH: the reusing program;
+      # Elastic: every row decided), as its decode loops pass them; a scheme with such facts
+      # first runs one step without them (Elastic's rows decide in it, as after a prefill)
+      sf = eng._decode_fields(np.full(B, T + 1, np.int32), np.ones(B, bool))
+      if sf:
+        with trace_context(sets):
+          state = Engine._step(eng, p, state[0], tok, pos0, on, logits)[:2]
+      row["static_fields"] = [list(x) for x in sf]
       t0 = time.perf_counter()
       with trace_context(sets):
-        lowered = Engine._step.lower(eng, p, state[0], tok, pos0, on, logits)
+        lowered = Engine._step.lower(eng, p, state[0], tok, pos0, on, logits, static_fields=sf)
       call = lambda c: (
           lambda s, i: c(p, s[0], jnp.argmax(s[1], -1).astype(jnp.int32)[:, None], pos0 + i, on,
                          s[1])[:2],

@@ -56,7 +56,7 @@ def test_prefill_decides_once_like_the_full_forward(tiny):
   eng = Engine(cfg, params, cache_len=32)
   cache, _, _ = eng.prefill(PROMPTS)
   cache = eng.stacked_cache(cache)  # one cache per layer, viewed with a leading layer axis
-  decided = np.asarray(cache["layers"]["elastic_fa"])                    # [L, B, K]
+  decided = np.asarray(cache["layers"]["elastic_decision"])[..., 0]      # [L, B, K]
   np.testing.assert_array_equal(cache["layers"]["elastic_decided"], 1)
   full, fa = _full_forward(cfg, params, PROMPTS, [len(p) for p in PROMPTS])
   np.testing.assert_array_equal(decided, fa)

@@ -20,7 +20,8 @@ launch.
 The prompt: the valid tokens of the row, cut at ctx.fields[prompt_field][b] when the batch has
 that field ([B] int). Decode: the decision is made by the first cached call of a row (the prompt
 of a one-shot prefill; with chunked prefill, the first chunk), cached in the layer's 'cache'
-collection (`elastic_fa` [B, K], its router probability `elastic_p_fa`, `elastic_decided` [B])
+collection (`elastic_decision` [B, K, 2]: the modes and their router probability;
+`elastic_decided` [B])
 and reused by every later call (a one-token step the engine knows every active row has
 decided reads them and runs no router: `ElasticLayer.decode_fields`); a full
 forward over prompt + continuation with prompt_field = the prompt length computes the same
@@ -256,8 +257,8 @@ class ElasticLayer(nn.Module):
     cfg = self.config
     G = cfg.num_heads // cfg.num_kv_heads
     B = x_BTD.shape[0]
-    c_fa, c_p, c_done = self._decision_cache(B, cfg.num_kv_heads)
-    fa_BK, p_fa_BK = c_fa.value, c_p.value
+    c_dec, c_done = self._decision_cache(B, cfg.num_kv_heads)
+    fa_BK, p_fa_BK = c_dec.value[..., 0], c_dec.value[..., 1]
     refuse_B = (c_done.value == 0) & jnp.any(ctx.valid_BT, axis=1)
     q, k = attn.rope(q0, ctx.positions_BT), attn.rope(k0, ctx.positions_BT)
     heads, rho_BN = self._decode(attn, q, k, v, ctx, jnp.repeat(fa_BK, G, axis=1), o,
@@ -278,21 +279,21 @@ class ElasticLayer(nn.Module):
 
   # ------------------------------------------------------------------------------------------
   def _decision_cache(self, B: int, K: int):
-    """The layer's cached decision: (elastic_fa [B, K], elastic_p_fa [B, K] its router
-    probability, elastic_decided [B]) cache variables."""
-    return (self.variable("cache", "elastic_fa", jnp.zeros, (B, K), jnp.float32),
-            self.variable("cache", "elastic_p_fa", jnp.zeros, (B, K), jnp.float32),
+    """The layer's cached decision: (elastic_decision [B, K, 2] float32 (the modes, their
+    router probability: one buffer, as a decode step's host cost grows with its buffers),
+    elastic_decided [B] int32) cache variables."""
+    return (self.variable("cache", "elastic_decision", jnp.zeros, (B, K, 2), jnp.float32),
             self.variable("cache", "elastic_decided", jnp.zeros, (B,), jnp.int32))
 
   def _cached_decision(self, fa_BK, p_fa_BK, valid_BT):
     """Decode: the first call of a row with valid tokens decides; later calls reuse it.
     Returns (fa_BK, p_fa_BK: the decision's router probability, first_B: bool, rows that had
     not decided before this call)."""
-    c_fa, c_p, c_done = self._decision_cache(*fa_BK.shape)
+    c_dec, c_done = self._decision_cache(*fa_BK.shape)
     done = c_done.value > 0
-    fa_BK = jnp.where(done[:, None], c_fa.value, fa_BK)
-    p_fa_BK = jnp.where(done[:, None], c_p.value, p_fa_BK.astype(jnp.float32))
-    c_fa.value, c_p.value = fa_BK, p_fa_BK
+    fa_BK = jnp.where(done[:, None], c_dec.value[..., 0], fa_BK)
+    p_fa_BK = jnp.where(done[:, None], c_dec.value[..., 1], p_fa_BK.astype(jnp.float32))
+    c_dec.value = jnp.stack([fa_BK, p_fa_BK], axis=-1)
     c_done.value = (done | jnp.any(valid_BT, axis=1)).astype(jnp.int32)
     return fa_BK, p_fa_BK, ~done
 

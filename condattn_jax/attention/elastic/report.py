@@ -16,7 +16,7 @@ def kv_cache_bytes(config: ModelConfig, context_len: int, batch: int = 1,
                    dtype: str | None = None) -> dict[str, int]:
   """Decode KV-cache bytes at `context_len` tokens: ONE full cache per layer (FA heads need the
   whole prefix; SSA heads read their sink and local blocks of it) plus the cached decision
-  (float32 [B, K] modes + float32 [B, K] their router probability + int32 [B] per layer).
+  (float32 [B, K, 2]: the modes and their router probability, + int32 [B] per layer).
   {'total', 'full', 'decision'}."""
   from condattn_jax.attention import dense
   full = dense.kv_cache_bytes(config.replace(scheme="dense", scheme_kwargs=(),
