@@ -21,14 +21,14 @@ The prompt: the valid tokens of the row, cut at ctx.fields[prompt_field][b] when
 that field ([B] int). Decode: the decision is made by the first cached call of a row (the prompt
 of a one-shot prefill; with chunked prefill, the first chunk), cached in the layer's 'cache'
 collection (`elastic_decision` [B, K, 2]: the modes and their router probability;
-`elastic_decided` [B])
-and reused by every later call (a one-token step the engine knows every active row has
-decided reads them and runs no router: `ElasticLayer.decode_fields`); a full
-forward over prompt + continuation with prompt_field = the prompt length computes the same
-function. XA is a prefill method: XA heads run their XA lists on a row's first cached call when
-it starts at position 0 with a multiple of `block` tokens (a one-shot prefill: the same lists as
-the full forward), full attention on later calls (chunks after the first, decode). SSA lists over the cache: per query block for chunks of a multiple of
-`block` tokens (block-aligned prefill), per query (block_q = 1) otherwise.
+`elastic_decided` [B]) and reused by every later call (a one-token step that the engine knows
+every active row has decided reads them and runs no router: `ElasticLayer.decode_fields`); a
+full forward over prompt + continuation with prompt_field = the prompt length computes the
+same function. XA is a prefill method: XA heads run their XA lists on a row's first cached call
+when it starts at position 0 with a multiple of `block` tokens (a one-shot prefill: the same
+lists as the full forward), full attention on later calls (chunks after the first, decode).
+SSA lists over the cache: per query block for chunks of a multiple of `block` tokens
+(block-aligned prefill), per query (block_q = 1) otherwise.
 
 Tau (Gumbel temperature) at train step s = ctx.fields['step'] (the train step passes it):
 cosine tau_start -> tau_end over anneal_steps (authors' code), or 'exp':
