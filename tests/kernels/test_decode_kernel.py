@@ -345,7 +345,7 @@ def _decode_specs(S=1000, lengths=(1000, 300)):  # 1000: a ragged last tile (64 
   qpos = (lens - 1)[:, None]
   per_head = jnp.asarray(np.random.default_rng(0).random((B, 1, N)) < 0.5)
   # Elastic's decode call: kv head 0's heads full, kv head 1's their SSA blocks (sink block 0 +
-  # the query's block and the one before), 128-slot blocks, validity instead of a fill
+  # the query's block and the one before), 128-slot blocks, the cache's fill
   cur = ((lens - 1) // 128)[:, None, None, None]
   lists = jnp.broadcast_to(jnp.concatenate(
       [jnp.zeros_like(cur), jnp.maximum(cur - 1, 0), cur], axis=-1), (B, N, 1, 3))
@@ -355,7 +355,7 @@ def _decode_specs(S=1000, lengths=(1000, 300)):  # 1000: a ragged last tile (64 
       "aha-local": ops.MaskSpec(qpos, kvpos, None, valid, window=256, active=per_head),
       "sinks-window": ops.MaskSpec(qpos, kvpos, None, valid, window=256, sinks=4,
                                    kv_lengths_B=lens),
-      "elastic-lists": ops.MaskSpec(qpos, kvpos, None, valid, block_lists=ops.BlockLists(
+      "elastic-lists": ops.MaskSpec(qpos, kvpos, kv_lengths_B=lens, block_lists=ops.BlockLists(
           lists.astype(jnp.int32), mode, block_q=1, block_k=128)),
   }
 
@@ -465,22 +465,24 @@ def test_ops_decode_path_maps_the_mask_and_differentiates_like_the_reference():
 # Block lists (ops.BlockLists: Elastic's per-head blocks, MATCH's window OR listed chunks)
 # ------------------------------------------------------------------------------------------------
 
-def _lists_problem(seed=7):
+def _lists_problem(seed=7, fill=False):
   """Two rows, two queries each (block_q 1: per-token lists), 4 query heads over 2 kv heads,
-  a 504-slot cache (ragged last tile) with validity (Elastic's cache: no fill), window 100 +
-  3 sinks, blocks of 128 slots; per-head lists that differ inside a kv head's group (with -1
-  padding, duplicates, a block past the cache) and every head mode: row 0 FULL / BLOCKS / BLOCKS
-  / WINDOW_BLOCKS, row 1 BLOCKS / BLOCKS / FULL / FULL (kv head 0 lists only)."""
+  a 504-slot cache (ragged last tile) with validity, window 100 + 3 sinks, blocks of 128 slots;
+  per-head lists that differ inside a kv head's group (with -1 padding, duplicates, a block
+  past the cache) and every head mode: row 0 FULL / BLOCKS / BLOCKS / WINDOW_BLOCKS, row 1
+  BLOCKS / BLOCKS / FULL / FULL (kv head 0 lists only). fill: the cache's fill instead of its
+  validity and no window / sinks (Elastic's one-token call: the runs from the fill alone)."""
   q, k, v, kw = _problem(B=2, T=2, N=4, K=2, S=504, lengths=(480, 300), seed=seed)
-  lens = kw.pop("kv_lengths_B")
-  kw["kv_valid_BS"] = (jnp.arange(504)[None] < lens[:, None]).astype(jnp.int32)
+  if not fill:
+    lens = kw.pop("kv_lengths_B")
+    kw["kv_valid_BS"] = (jnp.arange(504)[None] < lens[:, None]).astype(jnp.int32)
   lists = jnp.asarray([[[[0, 3, -1], [1, 1, 3]], [[2, -1, -1], [0, 9, 2]],
                         [[1, -1, -1], [3, 3, 3]], [[0, -1, -1], [1, -1, -1]]],
                        [[[2, 0, -1], [1, -1, -1]], [[0, 1, 2], [-1, -1, -1]],
                         [[0, -1, -1], [0, -1, -1]], [[1, -1, -1], [1, -1, -1]]]], jnp.int32)
   mode = jnp.asarray([[0, 1, 1, 2], [1, 1, 0, 0]], jnp.int32)
-  kw.update(window=100, sinks=3, kv_blocks_BNQL=lists, head_mode_BN=mode, block_q=1,
-            list_block_k=128)
+  kw.update(window=None if fill else 100, sinks=0 if fill else 3, kv_blocks_BNQL=lists,
+            head_mode_BN=mode, block_q=1, list_block_k=128)
   return q, k, v, kw
 
 
@@ -507,10 +509,12 @@ def test_block_list_runs_read_each_listed_tile_once():
   assert float(dk.kv_bytes_read(jnp.asarray(runs), 64, 64, 2)) == sum(counts) * 64 * 64 * 2 * 2
 
 
-def test_mosaic_gpu_block_lists_interpret_equals_reference():
+@pytest.mark.parametrize("fill", [False, True], ids=["validity", "fill"])
+def test_mosaic_gpu_block_lists_interpret_equals_reference(fill):
   """The Hopper kernel (interpret mode) with block lists == the reference (the block-sparse
-  kernels' mask, ops.BlockLists' contract), in every head mode, 2 kv parts."""
-  q, k, v, kw = _lists_problem()
+  kernels' mask, ops.BlockLists' contract), in every head mode, 2 kv parts; with a validity
+  array and a window, and with the cache's fill alone (Elastic's one-token call)."""
+  q, k, v, kw = _lists_problem(fill=fill)
   ref = _decode(q, k, v, **kw)
   out = _decode(q, k, v, impl="mosaic_gpu", interpret=True,
                             config=dk.DecodeConfig(parts=2), **kw)
