@@ -345,7 +345,7 @@ def _decode_specs(S=1000, lengths=(1000, 300)):  # 1000: a ragged last tile (64 
   qpos = (lens - 1)[:, None]
   per_head = jnp.asarray(np.random.default_rng(0).random((B, 1, N)) < 0.5)
   # Elastic's decode call: kv head 0's heads full, kv head 1's their SSA blocks (sink block 0 +
-  # the query's block and the one before), 128-slot blocks, the cache's fill
+  # the query's block and the one before), 128-slot blocks, the cache's validity and fill
   cur = ((lens - 1) // 128)[:, None, None, None]
   lists = jnp.broadcast_to(jnp.concatenate(
       [jnp.zeros_like(cur), jnp.maximum(cur - 1, 0), cur], axis=-1), (B, N, 1, 3))
@@ -355,7 +355,8 @@ def _decode_specs(S=1000, lengths=(1000, 300)):  # 1000: a ragged last tile (64 
       "aha-local": ops.MaskSpec(qpos, kvpos, None, valid, window=256, active=per_head),
       "sinks-window": ops.MaskSpec(qpos, kvpos, None, valid, window=256, sinks=4,
                                    kv_lengths_B=lens),
-      "elastic-lists": ops.MaskSpec(qpos, kvpos, kv_lengths_B=lens, block_lists=ops.BlockLists(
+      "elastic-lists": ops.MaskSpec(qpos, kvpos, None, valid, kv_lengths_B=lens,
+                                    block_lists=ops.BlockLists(
           lists.astype(jnp.int32), mode, block_q=1, block_k=128)),
   }
 

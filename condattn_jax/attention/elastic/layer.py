@@ -368,13 +368,12 @@ class ElasticLayer(nn.Module):
       lists = jnp.where(use_xa[..., None, None], masks.pad_lists(xa, L),
                         masks.pad_lists(lists, L))
       mode = jnp.where(use_xa, ops.HEAD_BLOCKS, mode).astype(jnp.int32)
-    # a one-token step: the cache's fill instead of its validity (MaskSpec.kv_lengths_B: the
-    # full cache's keys are its first `fill` slots), so the decode kernels bound their reads by
-    # arithmetic on the fill instead of a pass over the [B, S] slots a layer
+    # a one-token step: the cache's fill too (MaskSpec.kv_lengths_B: the full cache's keys are
+    # its first `fill` slots); the decode kernels then read it instead of the validity, bounding
+    # their reads by arithmetic on the fill instead of a pass over the [B, S] slots a layer
     fill_B = attn.fill_after_write(ctx, k_all.shape[1]) if T == 1 else None
     mask = ops.MaskSpec(q_positions_BT=ctx.positions_BT, kv_positions_BS=kv_pos,
-                        kv_segment_ids_BS=kv_valid if fill_B is None else None,
-                        kv_lengths_B=fill_B,
+                        kv_segment_ids_BS=kv_valid, kv_lengths_B=fill_B,
                         block_lists=ops.BlockLists(lists, mode, block_q=bq, block_k=o.block))
     return (ops.attention(q, k_all, v_all, mask, impl=impl),
             decode_skipped_fraction(lists, mode, ctx.positions_BT, ctx.valid_BT, bq, o.block))
