@@ -864,9 +864,8 @@ def flat_rows(F, log, emit) -> list[dict]:
   shapes the same at every T, HELD), B = 1, two engines over the same params filled with lo and
   hi tokens, both programs compiled, then --flat_repeats rounds in which each engine times a
   batch of whole blocks (timed_schedule), the order alternating every round (lo first in even
-  rounds): a process-order effect (the cond-path runs: the process's second row 1.5-2.5 ms a
-  step slower, whatever its T) falls on both contexts alike. kind 'flat' rows per T: ms = the
-  median over the rounds; the flat target reads them before the engine rows."""
+  rounds): an effect of the process order falls on both contexts alike. kind 'flat' rows per
+  T: ms = the median over the rounds; the flat target reads them before the engine rows."""
   from condattn_jax.inference import Engine
   T_lo, T_hi = sorted(int(t) for t in F.flat)
   shapes = TINY_SHAPES["qwen2.5-1.5b"] if F.preset == "test" else SCHEMES["match"][2]

@@ -572,7 +572,7 @@ class Engine:
     else the whole prompt, except that a scheme whose layer declares `decode_chunk(config)` gets
     a chunk dividing it (the smallest divisor >= the prompt, else decode_chunk itself). An
     explicit prefill_chunk that does not divide it is refused."""
-    limit_fn = _layer_decode_chunk(self.config)
+    limit_fn = _layer_hook(self.config, "decode_chunk")
     limit = None if limit_fn is None else int(limit_fn(self.config))
     if self.prefill_chunk is not None:
       if limit is not None and limit % self.prefill_chunk:
@@ -620,8 +620,7 @@ class Engine:
     """The static fields of the prefill call of `chunk` tokens at positions start .. (every
     row's): the scheme layer's `prefill_fields(config, start, chunk, lengths)` as sorted
     (name, value) pairs; () for a scheme without one (its step is unchanged)."""
-    from condattn_jax.attention import get_scheme
-    fn = getattr(get_scheme(self.config.scheme).layer_cls, "prefill_fields", None)
+    fn = _layer_hook(self.config, "prefill_fields")
     if fn is None:
       return ()
     return tuple(sorted(fn(self.config, int(start), int(chunk), np.asarray(lengths)).items()))
@@ -630,8 +629,7 @@ class Engine:
     """The static fields of a one-token decode step at these (host) positions for the active
     rows: the scheme layer's `decode_fields(config, positions_B, active_B)` as sorted (name,
     value) pairs; () for a scheme without one."""
-    from condattn_jax.attention import get_scheme
-    fn = getattr(get_scheme(self.config.scheme).layer_cls, "decode_fields", None)
+    fn = _layer_hook(self.config, "decode_fields")
     if fn is None:
       return ()
     return tuple(sorted(fn(self.config, np.asarray(positions_B), np.asarray(active_B)).items()))
@@ -639,8 +637,7 @@ class Engine:
   def _warn_serving_notes(self, chunk: int, longest_prompt: int) -> None:
     """The scheme layer's `serving_notes(config, chunk, longest_prompt)` (what this engine call
     does not serve as trained), each warned once per Engine."""
-    from condattn_jax.attention import get_scheme
-    fn = getattr(get_scheme(self.config.scheme).layer_cls, "serving_notes", None)
+    fn = _layer_hook(self.config, "serving_notes")
     if fn is None:
       return
     seen = self.__dict__.setdefault("_serving_notes_seen", set())
@@ -950,10 +947,11 @@ def _argmax(logits_BV):
   return jnp.argmax(logits_BV, axis=-1)
 
 
-def _layer_decode_chunk(config: ModelConfig):
-  """The scheme layer class's `decode_chunk(config)` declaration, or None."""
+def _layer_hook(config: ModelConfig, name: str):
+  """The scheme layer class's declaration `name` (decode_chunk, prefill_fields, decode_fields,
+  serving_notes), or None where the scheme declares none."""
   from condattn_jax.attention import get_scheme
-  return getattr(get_scheme(config.scheme).layer_cls, "decode_chunk", None)
+  return getattr(get_scheme(config.scheme).layer_cls, name, None)
 
 
 def run_tokenizer(config, tokenizer=None):

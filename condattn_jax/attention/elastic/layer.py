@@ -205,9 +205,39 @@ class ElasticLayer(nn.Module):
     x_in = x_BTD if cfg.post_norm else make_norm(cfg, "input_layernorm")(x_BTD)
     q0, k0, v = attn.project(x_in)                                        # pre-RoPE
     valid_BT = ctx.valid_BT
-    if ctx.decode and (ctx.fields or {}).get("elastic_step_decided") is True:
-      return self._decided_step(x_BTD, ctx, attn, q0, k0, v, o)
+    refuse_B = first_B = None
+    if ctx.decode and ctx.fields.get("elastic_step_decided") is True:
+      # every active row has decided (decode_fields): the cached decision, no pooling, no router
+      fa_BK, p_fa_BK, refuse_B = self._stored_decision(B, K, valid_BT)
+      tau = jnp.asarray(o.tau_end, jnp.float32)
+    else:
+      fa_BK, p_fa_BK, tau = self._route(k0, valid_BT, ctx, o)
+      if ctx.decode:
+        fa_BK, p_fa_BK, first_B = self._cached_decision(fa_BK, p_fa_BK, valid_BT)
 
+    q, k = attn.rope(q0, ctx.positions_BT), attn.rope(k0, ctx.positions_BT)
+    fa_BN = jnp.repeat(fa_BK, G, axis=1)
+    impl = cfg.attention_impl
+    if ctx.decode:
+      heads, rho_BN = self._decode(attn, q, k, v, ctx, fa_BN, o, impl, first_B)
+    else:
+      heads, rho_BN = self._self_attention(q, k, v, ctx, fa_BN, o, impl)
+    if refuse_B is not None:  # the engine's fact was wrong for these rows: refused
+      heads = jnp.where(refuse_B[:, None, None, None], jnp.asarray(jnp.nan, heads.dtype), heads)
+    out_BTD = attn.project_out(heads)
+    if cfg.post_norm:
+      x_BTD = x_BTD + make_norm(cfg, "post_attention_layernorm")(out_BTD)
+    else:
+      x_BTD = x_BTD + out_BTD
+    aux = dict(fa_BK=fa_BK, p_fa_BK=p_fa_BK, rho_BN=rho_BN, tau=tau)
+    return mlp_residual(cfg, x_BTD), aux
+
+  def _route(self, k0, valid_BT, ctx, o):
+    """(fa_BK, p_fa_BK, tau): the router's decision on the pooled pre-RoPE keys (Gumbel STE in
+    training, argmax otherwise; `routing` 'fa' / 'sa' / 'fixed' override it), its noise-free
+    probability of class 1 and the temperature used."""
+    cfg = self.config
+    B, K = k0.shape[0], cfg.num_kv_heads
     prompt_len = ctx.fields.get(o.prompt_field)
     n_lay = context.layout_size()  # sequence parallel: the router pools the natural row
     logits_BK2 = Router(cfg, name="router")(pool_keys(
@@ -235,47 +265,7 @@ class ElasticLayer(nn.Module):
       fa_BK, _ = gumbel_ste(logits_BK2, u, tau)
     else:
       fa_BK = (jnp.argmax(logits_BK2, axis=-1) == FA).astype(jnp.float32)
-
-    first_B = None
-    if ctx.decode:
-      fa_BK, p_fa_BK, first_B = self._cached_decision(fa_BK, p_fa_BK, valid_BT)
-
-    q, k = attn.rope(q0, ctx.positions_BT), attn.rope(k0, ctx.positions_BT)
-    fa_BN = jnp.repeat(fa_BK, G, axis=1)
-    impl = cfg.attention_impl
-    if ctx.decode:
-      heads, rho_BN = self._decode(attn, q, k, v, ctx, fa_BN, o, impl, first_B)
-    else:
-      heads, rho_BN = self._self_attention(q, k, v, ctx, fa_BN, o, impl)
-    return self._finish(x_BTD, attn, heads, dict(fa_BK=fa_BK, p_fa_BK=p_fa_BK, rho_BN=rho_BN,
-                                                 tau=tau))
-
-  def _decided_step(self, x_BTD, ctx, attn, q0, k0, v, o):
-    """A decode call whose active rows have all decided (decode_fields' elastic_step_decided):
-    the cached decision and its probability, no pooling, no router; heads NaN for a row with a
-    valid token and no decision (the engine's fact was wrong for it)."""
-    cfg = self.config
-    G = cfg.num_heads // cfg.num_kv_heads
-    B = x_BTD.shape[0]
-    c_dec, c_done = self._decision_cache(B, cfg.num_kv_heads)
-    fa_BK, p_fa_BK = c_dec.value[..., 0], c_dec.value[..., 1]
-    refuse_B = (c_done.value == 0) & jnp.any(ctx.valid_BT, axis=1)
-    q, k = attn.rope(q0, ctx.positions_BT), attn.rope(k0, ctx.positions_BT)
-    heads, rho_BN = self._decode(attn, q, k, v, ctx, jnp.repeat(fa_BK, G, axis=1), o,
-                                 cfg.attention_impl)
-    heads = jnp.where(refuse_B[:, None, None, None], jnp.asarray(jnp.nan, heads.dtype), heads)
-    return self._finish(x_BTD, attn, heads, dict(fa_BK=fa_BK, p_fa_BK=p_fa_BK, rho_BN=rho_BN,
-                                                 tau=jnp.asarray(o.tau_end, jnp.float32)))
-
-  def _finish(self, x_BTD, attn, heads, aux):
-    """The output projection, the residuals and the MLP: (x, aux)."""
-    cfg = self.config
-    out_BTD = attn.project_out(heads)
-    if cfg.post_norm:
-      x_BTD = x_BTD + make_norm(cfg, "post_attention_layernorm")(out_BTD)
-    else:
-      x_BTD = x_BTD + out_BTD
-    return mlp_residual(cfg, x_BTD), aux
+    return fa_BK, p_fa_BK, tau
 
   # ------------------------------------------------------------------------------------------
   def _decision_cache(self, B: int, K: int):
@@ -284,6 +274,14 @@ class ElasticLayer(nn.Module):
     elastic_decided [B] int32) cache variables."""
     return (self.variable("cache", "elastic_decision", jnp.zeros, (B, K, 2), jnp.float32),
             self.variable("cache", "elastic_decided", jnp.zeros, (B,), jnp.int32))
+
+  def _stored_decision(self, B: int, K: int, valid_BT):
+    """A decode call whose active rows have all decided (decode_fields' elastic_step_decided):
+    (fa_BK, p_fa_BK) as cached, nothing written, and refuse_B: the rows with a valid token and
+    no decision (the engine's fact was wrong for them)."""
+    c_dec, c_done = self._decision_cache(B, K)
+    refuse_B = (c_done.value == 0) & jnp.any(valid_BT, axis=1)
+    return c_dec.value[..., 0], c_dec.value[..., 1], refuse_B
 
   def _cached_decision(self, fa_BK, p_fa_BK, valid_BT):
     """Decode: the first call of a row with valid tokens decides; later calls reuse it.
