@@ -319,6 +319,9 @@ def define_flags():
   flags.DEFINE_float("aha_full", 0.0, "AHA rows: route this fraction of the (layer, head) pairs "
                      "full for every token (`aha_static_routing`; 0: the router as initialised, "
                      "every pair full at the recipe's bias)", flag_values=fv)
+  flags.DEFINE_integer("trace_steps", 0, "engine rows: after the timed batches, this many more "
+                       "bench steps under jax.profiler (`trace_row`: busy_ms, kernels, span_ms "
+                       "per step, the top kernels); 0: none", flag_values=fv)
   return fv
 
 
@@ -736,6 +739,25 @@ def _timed_steps(step, state, n: int, repeats: int, warmup: int, i0: int = 0):
   return statistics.median(runs), runs, state
 
 
+def trace_row(row: dict, step, state, i0: int, n: int):
+  """row += the device's activity over `n` more bench steps from step i0 (the timed loop's
+  argmax and position add included) under jax.profiler (bench.common.trace_activity), per step:
+  trace_busy_ms, trace_kernels, trace_span_ms (first start to last end: span - busy is the
+  GPU idle inside the steps), trace_top (the longest kernels); returns the state. Beside the
+  row's untimed-under-trace ms it says whether the step is device-bound (busy ~ ms) or waits on
+  the host (busy << ms)."""
+  holder, i = [state], [i0]
+
+  def one():
+    holder[0] = step(holder[0], i[0])
+    i[0] += 1
+    return holder[0][-1]
+  prof = common.trace_activity(one, n)
+  row.update(trace_busy_ms=prof["busy_ms"], trace_kernels=prof["kernels"],
+             trace_span_ms=prof["span_ms"], trace_top=prof["top"], trace_steps=n)
+  return holder.pop()
+
+
 def block_len(scheme: str, cfg) -> int:
   """Steps after which a row's decode work repeats: MATCH's chunk (a retrieval block: the step
   entering it searches and recomputes, the others reuse), 1 for the other schemes."""
@@ -841,17 +863,23 @@ def engine_row(scheme: str, shapes: str, B: int, T: int, F, log) -> tuple[dict, 
   row["weight_bytes"] = weight_bytes(cfg, params, B)
   steps, warmup, extra_slots = timed_schedule(scheme, cfg, T, F.steps, F.repeats, F.warmup)
   row.update(steps=steps, warmup=warmup)
+  # the traced steps (--trace_steps) after every timed one (and MATCH's block_split block)
+  used = warmup + F.repeats * steps + (block_len(scheme, cfg) if scheme == "match" else 0)
+  extra_slots = max(extra_slots, used + F.trace_steps)
   eng = Engine(cfg, params, cache_len=T + extra_slots, prefill_chunk=min(PREFILL_CHUNK, T))
   (cache, logits), step, auxes, info = filled_program(eng, scheme, cfg, B, T, log)
   row.update(info)
   ms, runs, (cache, logits) = _timed_steps(step, (cache, logits), steps, F.repeats, warmup)
   row.update(ms=ms, runs_ms=runs, tokens_per_s=B * 1e3 / ms,
              logits_finite=bool(jnp.all(jnp.isfinite(logits))))
-  rate = rates(jax.device_get(auxes[warmup:]))
+  rate = rates(jax.device_get(auxes[warmup:warmup + F.repeats * steps]))
+  i = warmup + F.repeats * steps
   if scheme == "match":
-    split, (cache, logits) = block_split(step, (cache, logits), warmup + F.repeats * steps,
-                                         block_len(scheme, cfg))
+    split, (cache, logits) = block_split(step, (cache, logits), i, block_len(scheme, cfg))
     row.update(split)
+    i += block_len(scheme, cfg)
+  if F.trace_steps:
+    cache, logits = trace_row(row, step, (cache, logits), i, F.trace_steps)
   row.update(step_bytes(scheme, cfg, B, T, rate, row["cache_bytes"]))
   row["bytes"] = row["weight_bytes"] + row["kv_bytes"]
   row["peak_bytes_in_use"] = common.peak_bytes()
