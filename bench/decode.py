@@ -322,6 +322,10 @@ def define_flags():
   flags.DEFINE_integer("trace_steps", 0, "engine rows: after the timed batches, this many more "
                        "bench steps under jax.profiler (`trace_row`: busy_ms, kernels, span_ms "
                        "per step, the top kernels); 0: none", flag_values=fv)
+  flags.DEFINE_bool("aux_ab", False, "engine rows: after the timed batches, as many again with "
+                    "each step's aux dropped at once instead of held (ms_aux_dropped): what "
+                    "holding the steps' per-row statistics on the device costs a step",
+                    flag_values=fv)
   return fv
 
 
@@ -839,8 +843,10 @@ def filled_program(eng, scheme: str, cfg, B: int, T: int, log):
     cache, logits = state
     t = jnp.argmax(logits, -1).astype(jnp.int32)[:, None]
     cache, logits, aux = programs[i % span](eng.params, cache, t, pos0 + i, on, logits)
-    auxes.append(aux)
+    if step.keep_aux:
+      auxes.append(aux)
     return cache, logits
+  step.keep_aux = True  # as the engine's decode loops: every step's aux held on the device
   return (cache, logits), step, auxes, info
 
 
@@ -864,7 +870,8 @@ def engine_row(scheme: str, shapes: str, B: int, T: int, F, log) -> tuple[dict, 
   steps, warmup, extra_slots = timed_schedule(scheme, cfg, T, F.steps, F.repeats, F.warmup)
   row.update(steps=steps, warmup=warmup)
   # the traced steps (--trace_steps) after every timed one (and MATCH's block_split block)
-  used = warmup + F.repeats * steps + (block_len(scheme, cfg) if scheme == "match" else 0)
+  used = (warmup + F.repeats * steps * (2 if F.aux_ab else 1)
+          + (block_len(scheme, cfg) if scheme == "match" else 0))
   extra_slots = max(extra_slots, used + F.trace_steps)
   eng = Engine(cfg, params, cache_len=T + extra_slots, prefill_chunk=min(PREFILL_CHUNK, T))
   (cache, logits), step, auxes, info = filled_program(eng, scheme, cfg, B, T, log)
@@ -874,6 +881,13 @@ def engine_row(scheme: str, shapes: str, B: int, T: int, F, log) -> tuple[dict, 
              logits_finite=bool(jnp.all(jnp.isfinite(logits))))
   rate = rates(jax.device_get(auxes[warmup:warmup + F.repeats * steps]))
   i = warmup + F.repeats * steps
+  if F.aux_ab:  # the same steps with each step's aux dropped at once
+    step.keep_aux = False
+    ms_drop, runs_drop, (cache, logits) = _timed_steps(step, (cache, logits), steps, F.repeats,
+                                                       0, i0=i)
+    step.keep_aux = True
+    row.update(ms_aux_dropped=ms_drop, runs_ms_aux_dropped=runs_drop)
+    i += F.repeats * steps
   if scheme == "match":
     split, (cache, logits) = block_split(step, (cache, logits), i, block_len(scheme, cfg))
     row.update(split)

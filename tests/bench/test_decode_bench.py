@@ -33,7 +33,8 @@ SERVE = ["--serve_requests=6", "--serve_slots=2", "--serve_prompt=3,20", "--serv
 def cpu_run(tmp_path_factory):
   out = str(tmp_path_factory.mktemp("decode"))
   run = decode.main([f"--out_dir={out}", "--preset=test", "--steps=2", "--repeats=1",
-                     "--warmup=1", "--rows=dense/1/64,l2a/1/64", "--trace_steps=2", *SERVE])
+                     "--warmup=1", "--rows=dense/1/64,l2a/1/64", "--trace_steps=2", "--aux_ab",
+                     *SERVE])
   return run, common.load(common.result_path("decode", out))
 
 
@@ -58,6 +59,7 @@ def test_cpu_preset_records_every_row_with_its_bytes_and_the_targets(cpu_run):
   for r in (d, l2a):  # --trace_steps: the device's activity over 2 more bench steps
     assert r["trace_steps"] == 2 and r["trace_kernels"] > 0 and r["trace_top"]
     assert 0 < r["trace_busy_ms"] <= r["trace_span_ms"]
+    assert r["ms_aux_dropped"] > 0 and len(r["runs_ms_aux_dropped"]) == 1  # --aux_ab
   for r in (d, l2a, rows[("xla_stacked", None)]):
     assert r["ms"] > 0 and r["logits_finite"] and r["compile_s"] > 0
     assert r["x_limit"] == pytest.approx(r["ms"] / r["limit_ms"])
