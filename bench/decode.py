@@ -723,9 +723,11 @@ def _mem(compiled) -> dict:
   return out
 
 
-def _timed_steps(step, state, n: int, repeats: int, warmup: int, i0: int = 0):
+def _timed_steps(step, state, n: int, repeats: int, warmup: int, i0: int = 0,
+                 host: list | None = None):
   """`state = step(state, i)` run back to back, i from i0 (`warmup` untimed steps, then
-  `repeats` timed batches of n); (median ms per step, batch ms list, state)."""
+  `repeats` timed batches of n); (median ms per step, batch ms list, state). host: a list
+  that gets each timed step's host ms (the call's return: dispatch, the device not waited for)."""
   import jax
   i = i0
   for _ in range(warmup):
@@ -736,7 +738,10 @@ def _timed_steps(step, state, n: int, repeats: int, warmup: int, i0: int = 0):
   for _ in range(repeats):
     t0 = time.perf_counter()
     for _ in range(n):
+      t1 = time.perf_counter()
       state = step(state, i)
+      if host is not None:
+        host.append((time.perf_counter() - t1) * 1e3)
       i += 1
     jax.block_until_ready(state)
     runs.append((time.perf_counter() - t0) * 1e3 / n)
@@ -872,12 +877,16 @@ def engine_row(scheme: str, shapes: str, B: int, T: int, F, log) -> tuple[dict, 
   # the traced steps (--trace_steps) after every timed one (and MATCH's block_split block)
   used = (warmup + F.repeats * steps * (2 if F.aux_ab else 1)
           + (block_len(scheme, cfg) if scheme == "match" else 0))
-  extra_slots = max(extra_slots, used + F.trace_steps)
+  # in whole EXTRA-slot blocks: T + EXTRA is a kv length every GPU kernel takes (T + 139 sent
+  # dense's 32K step to a path 5x slower than cuDNN's: run aux_ab, 2026-11-29)
+  extra_slots = max(extra_slots, -(-(used + F.trace_steps) // EXTRA) * EXTRA)
   eng = Engine(cfg, params, cache_len=T + extra_slots, prefill_chunk=min(PREFILL_CHUNK, T))
   (cache, logits), step, auxes, info = filled_program(eng, scheme, cfg, B, T, log)
   row.update(info)
-  ms, runs, (cache, logits) = _timed_steps(step, (cache, logits), steps, F.repeats, warmup)
-  row.update(ms=ms, runs_ms=runs, tokens_per_s=B * 1e3 / ms,
+  host = []
+  ms, runs, (cache, logits) = _timed_steps(step, (cache, logits), steps, F.repeats, warmup,
+                                           host=host)
+  row.update(ms=ms, runs_ms=runs, host_ms=statistics.median(host), tokens_per_s=B * 1e3 / ms,
              logits_finite=bool(jnp.all(jnp.isfinite(logits))))
   rate = rates(jax.device_get(auxes[warmup:warmup + F.repeats * steps]))
   i = warmup + F.repeats * steps

@@ -60,6 +60,7 @@ def test_cpu_preset_records_every_row_with_its_bytes_and_the_targets(cpu_run):
     assert r["trace_steps"] == 2 and r["trace_kernels"] > 0 and r["trace_top"]
     assert 0 < r["trace_busy_ms"] <= r["trace_span_ms"]
     assert r["ms_aux_dropped"] > 0 and len(r["runs_ms_aux_dropped"]) == 1  # --aux_ab
+    assert 0 < r["host_ms"]
   for r in (d, l2a, rows[("xla_stacked", None)]):
     assert r["ms"] > 0 and r["logits_finite"] and r["compile_s"] > 0
     assert r["x_limit"] == pytest.approx(r["ms"] / r["limit_ms"])
