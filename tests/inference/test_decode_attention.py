@@ -86,6 +86,8 @@ def test_split_kv_combines_like_one_pass(splits):
   assert float(jnp.abs(out[2]).max()) == 0.0
   assert ops.decode_splits(1, 32896, 2) == 128 and ops.decode_splits(8, 32896, 2) == 16
   assert ops.decode_splits(1, 100, 2) == 1
+  # no power of two above 1 divides 32907 slots: its largest divisor within the same bounds
+  assert ops.decode_splits(1, 32907, 2) == 21 and ops.decode_splits(1, 32909, 2) == 1  # prime
 
 
 _KNOBS = dict(match=dict(window=128, chunk=128, top_k=2),
