@@ -18,7 +18,10 @@ filled_cache`; a scheme's engine fields as its decode loops pass them) and per -
 the previous logits donated too, so the new logits are written over them), two loops of --calls
 calls after --warmup: 'bench' (bench/decode.py's loop: the token is the argmax of the last logits
 and the position pos0 + i, both new arrays every call) and 'bare' (the same token, position and
-row mask arrays every call, the logits fed back). Row: wall ms a call, host ms (median time for
+row mask arrays every call, the logits fed back). 'steady' (mode 'steady'): a greedy step whose
+every changing input is donated state (the token the argmax of the donated logits inside the
+program, the position a donated array it writes back + 1, the same row mask every call), so no
+new array enters a call; 'steady_noaux' the same without the per-row aux outputs. Row: wall ms a call, host ms (median time for
 the call to return), whether three more calls keep the logits' and the cache leaves' device
 addresses (logits_address_stable, cache_addresses_stable), and from XLA's log: executions, updates, updated allocations per update,
 commands per update that were re-recorded (num_commands - skipped), update us per call.
@@ -40,7 +43,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 VMODULE = "command_buffer_thunk=3,command_buffer_cmd=3,command_executor=3"
-VARIANTS = ("default", "donate_logits")
+VARIANTS = ("default", "donate_logits", "steady", "steady_noaux")
 _MARK = "@@cb_mark"
 
 
@@ -126,6 +129,13 @@ def measure(scheme: str, shapes: str, T: int, variants=VARIANTS, calls: int = 20
   tok, pos0, on, logits0 = dp.step_inputs(eng, 1, T)
   sf = eng._decode_fields(np.full(1, T + 1, np.int32), np.ones(1, bool))
   fn = Engine._step.__wrapped__  # the step itself, to jit with other donations
+
+  def steady(eng, params, cache, logits, pos, on, static_fields=(), keep_aux=True):
+    """One greedy step whose every changing input is donated state: the token is the argmax
+    of the logits, the position the state's, written back + 1; nothing new comes in."""
+    tok = jnp.argmax(logits, -1).astype(jnp.int32)[:, None]
+    cache, logits, aux = fn(eng, params, cache, tok, pos, on, logits, static_fields=static_fields)
+    return (cache, logits, pos + 1) + ((aux,) if keep_aux else ())
   rows = []
   for variant in variants:
     if variant not in VARIANTS:
@@ -134,19 +144,29 @@ def measure(scheme: str, shapes: str, T: int, variants=VARIANTS, calls: int = 20
     logits = jnp.array(logits0, copy=True)
     if sf:  # a scheme with engine facts first runs one step without them (Elastic decides)
       cache = Engine._step(eng, params, cache, tok, pos0, on, logits)[0]
-    jitted = Engine._step if variant == "default" else jax.jit(
-        fn, static_argnums=0, static_argnames=("static_fields",), donate_argnums=(2, 6))
     t0 = time.perf_counter()
-    step = jitted.lower(eng, params, cache, tok, pos0, on, logits, static_fields=sf).compile()
+    if variant.startswith("steady"):
+      step = jax.jit(steady, static_argnums=0, static_argnames=("static_fields", "keep_aux"),
+                     donate_argnums=(2, 3, 4)).lower(
+          eng, params, cache, logits, jnp.array(pos0, copy=True), on, static_fields=sf,
+          keep_aux=variant == "steady").compile()
+      state = (cache, logits, jnp.array(pos0, copy=True))
+      bench = lambda s, i: step(params, s[0], s[1], s[2], on)[:3]
+      modes = (("steady", bench),)
+    else:
+      jitted = Engine._step if variant == "default" else jax.jit(
+          fn, static_argnums=0, static_argnames=("static_fields",), donate_argnums=(2, 6))
+      step = jitted.lower(eng, params, cache, tok, pos0, on, logits, static_fields=sf).compile()
+      state = (cache, logits)
+      bench = lambda s, i: step(params, s[0], jnp.argmax(s[1], -1).astype(jnp.int32)[:, None],
+                                pos0 + i, on, s[1])[:2]
+      bare = lambda s, i: step(params, s[0], tok, pos0, on, s[1])[:2]
+      modes = (("bench", bench), ("bare", bare))
     compile_s = time.perf_counter() - t0
-    state = (cache, logits)
-    bench = lambda s, i: step(params, s[0], jnp.argmax(s[1], -1).astype(jnp.int32)[:, None],
-                              pos0 + i, on, s[1])[:2]
-    bare = lambda s, i: step(params, s[0], tok, pos0, on, s[1])[:2]
     for i in range(warmup):
       state = bench(state, i)
     jax.block_until_ready(state)
-    for mode, call in (("bench", bench), ("bare", bare)):
+    for mode, call in modes:
       name = f"{scheme}.{variant}.{mode}"
       host = []
       with _Stderr() as err:
