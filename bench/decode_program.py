@@ -243,7 +243,10 @@ def model_config(shapes: str, layers: int | None = None, scheme: str = "dense", 
 def engine_program(cfg, B: int, T: int, split: bool = False):
   """(fn, abstract args, donated argnums) of the engine's decode program: `Engine._step` with
   one token per row over a cache of T + bench.decode.EXTRA slots (what `Engine.decode_step`
-  runs); `split`: the params in `models.stacking.split_groups`' layout."""
+  runs), with the static fields the engine's decode loops pass a step inside a block (every
+  row past its first token: Elastic's decided step, MATCH's reusing step); `split`: the params
+  in `models.stacking.split_groups`' layout."""
+  import numpy as np
   import jax
   import jax.numpy as jnp
   from bench import decode as bd
@@ -257,7 +260,8 @@ def engine_program(cfg, B: int, T: int, split: bool = False):
   sds = jax.ShapeDtypeStruct
   args = (params, cache, sds((B, 1), jnp.int32), sds((B, 1), jnp.int32), sds((B, 1), jnp.bool_),
           sds((B, cfg.vocab_size), jnp.float32))
-  return (lambda *a: Engine._step(eng, *a)), args, (1,)
+  sf = eng._decode_fields(np.full(B, T + 1, np.int32), np.ones(B, bool))
+  return (lambda *a: Engine._step(eng, *a, static_fields=sf)), args, (1,)
 
 
 def baseline_program(cfg, B: int, T: int):
