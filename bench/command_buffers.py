@@ -13,7 +13,8 @@ buffer in X us"; the commands left alone are logged as "Skip updating command").
 host time spent before the graph is launched: where it is long, the step is host-bound.
 
 Per scheme (bench/decode.py's config at --T, B = 1, random init; the cache `decode_program.
-filled_cache`; a scheme's engine fields as its decode loops pass them) and per --variants entry
+filled_cache`; a scheme's engine fields as its decode loops pass a step inside a block: Elastic's
+decided step, MATCH's reusing step only) and per --variants entry
 ('default': `Engine._step` as the engine calls it; 'donate_logits': the same function jitted with
 the previous logits donated too, so the new logits are written over them), two loops of --calls
 calls after --warmup: 'bench' (bench/decode.py's loop: the token is the argmax of the last logits
