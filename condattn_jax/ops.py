@@ -116,6 +116,11 @@ class BlockLists:
     (causal, documents, active; the window only for mode 2's listed blocks).
   window_blocks (static): the modes may hold HEAD_WINDOW_BLOCKS; only backends that run it are
     resolved (the Mosaic GPU kernel; elsewhere auto takes the reference). Required for mode 2.
+  shared_by_kv_head (static): a promise that the query heads of each kv head carry the same
+    lists and the same mode, HEAD_FULL or HEAD_BLOCKS (Elastic's SSA decode: one decision a kv
+    head, lists from the positions alone). The decode kernels then plan the listed tiles from the
+    lists alone and apply each kv head's mode after, so layers calling with the same positions
+    share that plan (XLA merges the identical computations); results are the same.
   Heads whose queries are all HEAD_FULL can run apart in a dense kernel:
   condattn_jax/attention/elastic/composite.py (Elastic's composite).
   """
@@ -124,6 +129,7 @@ class BlockLists:
   block_q: int = _static(128)
   block_k: int = _static(128)
   window_blocks: bool = _static(False)
+  shared_by_kv_head: bool = _static(False)
 
 
 HEAD_FULL, HEAD_BLOCKS, HEAD_WINDOW_BLOCKS = 0, 1, 2
@@ -737,7 +743,7 @@ def _decode_kernel(scale, backend, interpret: Any = False):
       bl = mask.block_lists
       lists = {} if bl is None else dict(
           kv_blocks_BNQL=bl.kv_blocks_BNQL, head_mode_BN=bl.head_mode_BN, block_q=bl.block_q,
-          list_block_k=bl.block_k)
+          list_block_k=bl.block_k, lists_shared=bl.shared_by_kv_head)
       return backend(q, k, v, q_positions_BT=mask.q_positions_BT,
                      kv_positions_BS=mask.kv_positions_BS, kv_lengths_B=mask.kv_lengths_B,
                      kv_valid_BS=mask.kv_segment_ids_BS if mask.kv_lengths_B is None else None,

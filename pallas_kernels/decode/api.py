@@ -318,12 +318,16 @@ def tile_runs(qpos_BKR, kv_positions_BS, kv_lengths_B, kv_valid_BS, *, window, s
 
 def plan(q_BTNH, k_BSKH, *, q_positions_BT, kv_positions_BS, kv_lengths_B, kv_valid_BS, active,
          window, sinks, block_k, rows, kv_blocks_BNQL=None, head_mode_BN=None, block_q=1,
-         list_block_k=None):
+         list_block_k=None, lists_shared=False):
   """(q_BKRH, qpos_BKR, runs_BK4, lists): the kernels' inputs (see the module docstring).
   runs_BK4: (sink_end, win_lo, win_hi, listed count) per (row, kv head); lists: None, or
   (lists_BKRL, mode_BKR, listed_BKE) with block lists (`fold_lists`, `listed_tiles`): the runs
   are then those of the rows not in HEAD_BLOCKS mode (HEAD_FULL: the usual mask;
-  HEAD_WINDOW_BLOCKS: its window too), the listed tiles those of the rows not in HEAD_FULL."""
+  HEAD_WINDOW_BLOCKS: its window too), the listed tiles those of the rows not in HEAD_FULL.
+  lists_shared (ops.BlockLists.shared_by_kv_head: a kv head's rows share one list and one mode,
+  HEAD_FULL or HEAD_BLOCKS): the same result, its runs and listed tiles computed with no mode
+  (every row full, every row listed) and each kv head's mode applied after: that work then
+  depends on the positions, fills and lists only, the same in every layer."""
   B, T, N, _ = q_BTNH.shape
   S, K = k_BSKH.shape[1], k_BSKH.shape[2]
   q_BKRH, qpos_BKR = fold_queries(q_BTNH, q_positions_BT, active, K, rows)
@@ -331,6 +335,10 @@ def plan(q_BTNH, k_BSKH, *, q_positions_BT, kv_positions_BS, kv_lengths_B, kv_va
   qpos_runs = qpos_BKR
   if kv_blocks_BNQL is not None:
     lists_BKRL, mode_BKR = fold_lists(kv_blocks_BNQL, head_mode_BN, T, K, rows, block_q)
+    if lists_shared:
+      return _plan_shared(q_BKRH, qpos_BKR, lists_BKRL, mode_BKR, T * (N // K), S,
+                          kv_positions_BS, kv_lengths_B, kv_valid_BS, window=window,
+                          sinks=sinks, block_k=block_k, list_block_k=list_block_k)
     qpos_runs = jnp.where(mode_BKR == HEAD_BLOCKS, NO_QUERY, qpos_BKR)
   runs = tile_runs(qpos_runs, kv_positions_BS, kv_lengths_B, kv_valid_BS, window=window,
                    sinks=sinks, block_k=block_k)
@@ -342,6 +350,24 @@ def plan(q_BTNH, k_BSKH, *, q_positions_BT, kv_positions_BS, kv_lengths_B, kv_va
                                  per_block=list_block_k // block_k)
     lists = (lists_BKRL, mode_BKR, listed)
   return q_BKRH, qpos_BKR, jnp.concatenate([runs, count[..., None]], axis=-1), lists
+
+
+def _plan_shared(q_BKRH, qpos_BKR, lists_BKRL, mode_BKR, R, S, kv_positions_BS, kv_lengths_B,
+                 kv_valid_BS, *, window, sinks, block_k, list_block_k):
+  """`plan` with lists_shared: the runs of every row as HEAD_FULL and the listed tiles of every
+  row as HEAD_BLOCKS (no mode read), then per kv head (its row 0's mode) the one or the other."""
+  runs_full = tile_runs(qpos_BKR, kv_positions_BS, kv_lengths_B, kv_valid_BS, window=window,
+                        sinks=sinks, block_k=block_k)
+  listed_all, count_all = listed_tiles(
+      lists_BKRL[:, :, :R], jnp.full(mode_BKR[:, :, :R].shape, HEAD_BLOCKS, jnp.int32),
+      qpos_BKR[:, :, :R], jnp.zeros_like(runs_full), num_kv_tiles=num_tiles(S, block_k),
+      per_block=list_block_k // block_k)
+  blocks_BK = mode_BKR[:, :, 0] == HEAD_BLOCKS
+  runs = jnp.where(blocks_BK[..., None], 0, runs_full)
+  count = jnp.where(blocks_BK, count_all, 0)
+  listed = jnp.where(blocks_BK[..., None], listed_all, 0)
+  return (q_BKRH, qpos_BKR, jnp.concatenate([runs, count[..., None]], axis=-1),
+          (lists_BKRL, mode_BKR, listed))
 
 
 def num_entries(runs):
@@ -384,7 +410,7 @@ def decode_attention(q_BTNH, k_BSKH, v_BSKH, *, q_positions_BT, kv_positions_BS,
                      kv_lengths_B=None, kv_valid_BS=None, active=None, window=None, sinks=0,
                      scale=None, impl: str = "reference", config: DecodeConfig = DecodeConfig(),
                      interpret=False, kv_blocks_BNQL=None, head_mode_BN=None, block_q=1,
-                     list_block_k=None):
+                     list_block_k=None, lists_shared=False):
   """out [B, T, N, H] in q's dtype under reference.decode_mask; see the module docstring. Block
   lists (ops.BlockLists' contract): kv_blocks_BNQL [B, N, ceil(T / block_q), L] of key blocks of
   list_block_k slots, head_mode_BN (None: every head HEAD_BLOCKS). A kernel that cannot take the
@@ -412,7 +438,8 @@ def decode_attention(q_BTNH, k_BSKH, v_BSKH, *, q_positions_BT, kv_positions_BS,
   q_BKRH, qpos_BKR, runs, lists = plan(
       q_BTNH, k_BSKH, q_positions_BT=q_positions_BT, kv_positions_BS=kv_positions_BS,
       kv_lengths_B=kv_lengths_B, kv_valid_BS=kv_valid_BS, active=active, window=window,
-      sinks=sinks, block_k=bk, rows=rows, **lists_kw)
+      sinks=sinks, block_k=bk, rows=rows, lists_shared=has_lists and lists_shared,
+      **lists_kw)
   ntiles = num_tiles(S, bk)
   if config.window_parts:
     ntiles = tiles_bound(ntiles, T, bk, window, sinks, has_lists)

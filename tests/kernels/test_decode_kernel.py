@@ -510,6 +510,32 @@ def test_block_list_runs_read_each_listed_tile_once():
   assert float(dk.kv_bytes_read(jnp.asarray(runs), 64, 64, 2)) == sum(counts) * 64 * 64 * 2 * 2
 
 
+def test_shared_lists_plan_the_same_and_layers_share_it():
+  """ops.BlockLists.shared_by_kv_head (Elastic's one-token call: a kv head's query heads share
+  one list and one mode, FULL or BLOCKS): plan(lists_shared=True) gives the general plan's
+  outputs exactly, kv heads of either mode, a row whose lists hold -1 padding, duplicates and a
+  block past the cache; and two layers' plans with the same positions, fill and lists but other
+  modes compile (XLA CPU) to one listed-tile computation: 2 sorts, against 4 without."""
+  q, _, _, kw = _problem(B=2, T=1, N=4, K=2, S=504, lengths=(480, 300), seed=3)
+  lists_BQL = jnp.asarray([[[0, 3, 3, -1]], [[9, 1, -1, 2]]], jnp.int32)      # [B, Q, L]
+  lists = jnp.broadcast_to(lists_BQL[:, None], (2, 4, 1, 4))                  # every head
+  mode_a = jnp.repeat(jnp.asarray([[0, 1], [1, 1]], jnp.int32), 2, axis=1)    # per kv head
+  mode_b = jnp.repeat(jnp.asarray([[1, 0], [0, 1]], jnp.int32), 2, axis=1)
+  k = jnp.zeros((2, 504, 2, 64))
+
+  def one(q, kw, mode, shared):
+    return api.plan(q, k, active=None, window=None, sinks=0, block_k=64, rows=8,
+                    kv_valid_BS=None, kv_blocks_BNQL=lists, head_mode_BN=mode, block_q=1,
+                    list_block_k=128, lists_shared=shared, **kw)
+  for mode in (mode_a, mode_b):
+    got, want = (jax.jit(lambda q, kw, s=s: one(q, kw, mode, s))(q, kw) for s in (True, False))
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_array_equal(g, w)
+  sorts = {s: jax.jit(lambda q, kw, s=s: (one(q, kw, mode_a, s)[2:], one(q, kw, mode_b, s)[2:])
+                      ).lower(q, kw).compile().as_text().count(" sort(") for s in (True, False)}
+  assert sorts == {True: 2, False: 4}, sorts
+
+
 @pytest.mark.parametrize("fill", [False, True], ids=["validity", "fill"])
 def test_mosaic_gpu_block_lists_interpret_equals_reference(fill):
   """The Hopper kernel (interpret mode) with block lists == the reference (the block-sparse

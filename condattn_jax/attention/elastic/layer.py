@@ -342,11 +342,12 @@ class ElasticLayer(nn.Module):
     positions in the full cache), XA heads their XA lists on a row's first call when it starts
     at position 0 with a multiple of `block` tokens (a one-shot prefill: the cache then holds
     exactly this chunk's keys, so the lists are the full forward's), full attention otherwise
-    (later chunks, decode: XA is a prefill method). A chunk of a multiple of `block` tokens
-    (prefill) uses block_q = block (the kernels' tile), lists from each query block's first
-    and last positions (exact when chunks start at block-aligned positions, as the engine's
-    prefill does with a chunk size that `block` divides); other chunks (decode: T = 1) use
-    per-query lists (block_q = 1, exact). Returns (heads, rho_BN: the fraction of this call's
+    (later chunks, decode: XA is a prefill method; without XA lists every query head of a kv
+    head has the same lists and mode: BlockLists.shared_by_kv_head). A chunk of a multiple of
+    `block` tokens (prefill) uses block_q = block (the kernels' tile), lists from each query
+    block's first and last positions (exact when chunks start at block-aligned positions, as
+    the engine's prefill does with a chunk size that `block` divides); other chunks (decode:
+    T = 1) use per-query lists (block_q = 1, exact). Returns (heads, rho_BN: the fraction of this call's
     causal (query, key) pairs each head skips, `decode_skipped_fraction`)."""
     B, T, N, _ = q.shape
     k_all, v_all, kv_pos, kv_valid = attn.write_cache(k, v, ctx)
@@ -357,7 +358,8 @@ class ElasticLayer(nn.Module):
     lists = jnp.broadcast_to(ssa[:, None], (B, N, T // bq, ssa.shape[-1]))
     ssa_on = (fa_BN < 0.5) if o.modes.endswith("ssa") else jnp.zeros((B, N), bool)
     mode = jnp.where(ssa_on, ops.HEAD_BLOCKS, ops.HEAD_FULL).astype(jnp.int32)
-    if "xa" in o.modes and bq == o.block and first_B is not None:
+    xa_call = "xa" in o.modes and bq == o.block and first_B is not None
+    if xa_call:
       xa = masks.xa_lists(q, k, ctx.valid_BT, block=o.block, stride=o.xa_stride,
                           threshold=o.xa_threshold, q_chunk=o.xa_chunk)     # chunk = the cache
       xa_head = (fa_BN > 0.5) if o.modes == "xa_ssa" else (fa_BN < 0.5)
@@ -372,7 +374,8 @@ class ElasticLayer(nn.Module):
     fill_B = attn.fill_after_write(ctx, k_all.shape[1]) if T == 1 else None
     mask = ops.MaskSpec(q_positions_BT=ctx.positions_BT, kv_positions_BS=kv_pos,
                         kv_segment_ids_BS=kv_valid, kv_lengths_B=fill_B,
-                        block_lists=ops.BlockLists(lists, mode, block_q=bq, block_k=o.block))
+                        block_lists=ops.BlockLists(lists, mode, block_q=bq, block_k=o.block,
+                                                   shared_by_kv_head=not xa_call))
     return (ops.attention(q, k_all, v_all, mask, impl=impl),
             decode_skipped_fraction(lists, mode, ctx.positions_BT, ctx.valid_BT, bq, o.block))
 
