@@ -753,8 +753,10 @@ def trace_row(row: dict, step, state, i0: int, n: int):
   argmax and position add included) under jax.profiler (bench.common.trace_activity), per step:
   trace_busy_ms, trace_kernels, trace_span_ms (first start to last end: span - busy is the
   GPU idle inside the steps), trace_top (the longest kernels); returns the state. Beside the
-  row's untimed-under-trace ms it says whether the step is device-bound (busy ~ ms) or waits on
-  the host (busy << ms)."""
+  row's ms (timed untraced) it says whether the step is device-bound (busy ~ ms) or waits on
+  the host (busy << ms). Under a trace XLA runs the programs op by op (its command buffers are
+  off while profiling unless compiled with xla_enable_command_buffers_during_profiling): busy
+  is the kernels' time, the span is not the graph's."""
   holder, i = [state], [i0]
 
   def one():
@@ -877,8 +879,7 @@ def engine_row(scheme: str, shapes: str, B: int, T: int, F, log) -> tuple[dict, 
   # the traced steps (--trace_steps) after every timed one (and MATCH's block_split block)
   used = (warmup + F.repeats * steps * (2 if F.aux_ab else 1)
           + (block_len(scheme, cfg) if scheme == "match" else 0))
-  # in whole EXTRA-slot blocks: T + EXTRA is a kv length every GPU kernel takes (T + 139 sent
-  # dense's 32K step to a path 5x slower than cuDNN's: run aux_ab, 2026-11-29)
+  # in whole EXTRA-slot blocks: a kv length the decode paths split evenly (ops.decode_splits)
   extra_slots = max(extra_slots, -(-(used + F.trace_steps) // EXTRA) * EXTRA)
   eng = Engine(cfg, params, cache_len=T + extra_slots, prefill_chunk=min(PREFILL_CHUNK, T))
   (cache, logits), step, auxes, info = filled_program(eng, scheme, cfg, B, T, log)
