@@ -363,6 +363,23 @@ _ABSTRACT_CACHES: dict = {}
 _ABSTRACT_CACHES_MAX = 64
 
 
+def _on_gpu() -> bool:
+  return jax.default_backend() == "gpu"
+
+
+def _warn_unsplit_cache(cache_len: int, num_kv_heads: int) -> None:
+  """On a GPU, a long cache whose length no part count divides (ops.decode_splits: parts of >=
+  128 slots) runs cuDNN's decode in one program per (row, kv head): say so, with a length that
+  splits."""
+  from condattn_jax import ops
+  if cache_len < 4096 or not _on_gpu() or ops.decode_splits(1, cache_len, num_kv_heads) > 1:
+    return
+  warnings.warn(f"Engine(cache_len={cache_len}): no part count divides {cache_len} slots, so "
+                "the GPU decode attention reads each kv head's cache in one program (about 5x "
+                f"slower at 32K); use a multiple of 128, e.g. cache_len={-(-cache_len // 128) * 128}.",
+                stacklevel=3)
+
+
 class Engine:
   """Prefill / decode / generate for one model (any scheme) and one cache size.
 
@@ -381,6 +398,7 @@ class Engine:
     self.model = Decoder(model_cfg)
     self.params = params
     self.cache_len = int(cache_len)
+    _warn_unsplit_cache(self.cache_len, model_cfg.num_kv_heads)
     self.prefill_chunk = prefill_chunk
     self._cache_shapes: dict[int, object] = {}
     self.tokenizer = None   # set by from_checkpoint (None: token ids in and out)

@@ -90,6 +90,26 @@ def test_split_kv_combines_like_one_pass(splits):
   assert ops.decode_splits(1, 32907, 2) == 21 and ops.decode_splits(1, 32909, 2) == 1  # prime
 
 
+def test_an_engine_warns_of_a_cache_no_part_count_divides(monkeypatch):
+  """On a GPU, Engine(cache_len=) that ops.decode_splits cannot split (a long prime length)
+  warns in one line, naming the length and one that splits; a length that splits, or a short
+  one, or a CPU backend: no warning."""
+  import warnings
+  from condattn_jax.inference import Engine
+  from condattn_jax.inference import engine as engine_mod
+  from condattn_jax.models.config import ModelConfig
+  cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=1,
+                    num_heads=4, num_kv_heads=2, head_dim=8)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    Engine(cfg, None, cache_len=32909)             # this backend (CPU): no GPU path, no warning
+    monkeypatch.setattr(engine_mod, "_on_gpu", lambda: True)
+    for n in (32896, 32907, 1031):                 # splits 128 / 21 ways; short
+      Engine(cfg, None, cache_len=n)
+  with pytest.warns(UserWarning, match=r"cache_len=32909\).*cache_len=33024"):
+    Engine(cfg, None, cache_len=32909)
+
+
 _KNOBS = dict(match=dict(window=128, chunk=128, top_k=2),
               elastic=dict(block=128, sinks=128, local=256))
 
