@@ -256,7 +256,7 @@ class _RowStats:
   def add(self, row_aux: dict, n_B: np.ndarray) -> None:
     """row_aux: {name: [L, B, ...]} of one step (device or host arrays); n_B: the step's valid
     tokens per row."""
-    self._pending.append((row_aux, np.asarray(n_B)))
+    self._pending.append((row_aux, n_B if isinstance(n_B, jax.Array) else np.asarray(n_B)))
 
   def _flush(self) -> None:
     pending, self._pending = jax.device_get(self._pending), []
@@ -265,14 +265,14 @@ class _RowStats:
       row_aux = dict(row_aux)
       for k, v in row_aux.pop("scheme", {}).items():
         v = np.asarray(v, np.float64)
-        v = v * ran_B.reshape((-1,) + (1,) * (v.ndim - 1))
+        v = np.where(ran_B.reshape((-1,) + (1,) * (v.ndim - 1)) > 0, v, 0.0)
         self.module_sums[k] = self.module_sums.get(k, 0.0) + v
       if self.steps_B is None:
         self.steps_B = np.zeros_like(ran_B)
       self.steps_B += ran_B
-      for k, v in row_aux.items():  # only the rows this step ran
+      for k, v in row_aux.items():  # only the rows this step ran (a row it did not: 0)
         v = np.asarray(v, np.float64)
-        v = v * ran_B.reshape((1, -1) + (1,) * (v.ndim - 2))
+        v = np.where(ran_B.reshape((1, -1) + (1,) * (v.ndim - 2)) > 0, v, 0.0)
         self.sums[k] = self.sums.get(k, 0.0) + v
 
   def row(self, b: int) -> dict[str, np.ndarray]:
@@ -854,6 +854,44 @@ class Engine:
                                   static_fields=self._decode_fields(positions_B, active_B))
     return cache, logits
 
+  # Checks of the on-device greedy loop's done flags (a host sync): every this many steps.
+  GREEDY_CHECK_EVERY = 16
+
+  def _greedy_on_device(self, cache, logits, lengths, knobs: _Knobs, outs, gen_stats):
+    """`generate`'s greedy loop without a host round trip a step: each step's ids are the
+    argmax of the last logits on the device, fed back as the next tokens; a row's done flag (a
+    stop token) and position stay on the device; the host reads the flags every
+    GREEDY_CHECK_EVERY steps (an early end) and the ids once at the end, then pushes them into
+    `outs` as the host loop would (tokens, finish reasons, text). Each step's aux counts the
+    rows it ran, so steps past every row's end (at most GREEDY_CHECK_EVERY - 1, no row active)
+    change no statistic. The host loop's own static fields need the active rows: used only
+    where the scheme has none (`decode_fields`) or every row stays active (no stop tokens).
+    Returns (cache, steps: the steps the host loop would have run)."""
+    B, n = len(outs), knobs.max_new_tokens
+    stop = jnp.asarray(sorted(knobs.stop_tokens) or [-1], jnp.int32)
+    done = jnp.zeros((B,), bool)
+    pos_host = np.asarray(lengths).copy()
+    pos = jnp.asarray(pos_host, jnp.int32)
+    ids = []
+    for i in range(n):
+      t, done = _greedy_pick(logits, done, stop)
+      ids.append(t)
+      if i == n - 1 or (knobs.stop_tokens and i % self.GREEDY_CHECK_EVERY
+                        == self.GREEDY_CHECK_EVERY - 1 and bool(jnp.all(done))):
+        break
+      active = ~done
+      cache, logits, row_aux = self._step(
+          self.params, cache, t.astype(jnp.int32)[:, None], pos[:, None], active[:, None],
+          logits, static_fields=self._decode_fields(pos_host, np.ones(B, bool)))
+      gen_stats.add(row_aux, active.astype(jnp.int32))
+      pos = pos + active.astype(jnp.int32)
+      pos_host = pos_host + 1
+    for row in np.asarray(jnp.stack(ids)):
+      for b, o in enumerate(outs):
+        if not o.done:
+          o.push(None, int(row[b]))
+    return cache, max(len(o.tokens) for o in outs) - 1
+
   def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                stop_tokens: Sequence[int] = (), stop_strings: Sequence[str] = (),
                temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
@@ -889,6 +927,17 @@ class Engine:
     outs = [_Output(dataclasses.replace(knobs, row=b), tok, return_logits, on_text, b)
             for b in range(B)]
     gen_stats = _RowStats()
+    if (knobs.temperature == 0 and not return_logits and on_text is None
+        and not knobs.stop_strings
+        and (not knobs.stop_tokens or _layer_hook(self.config, "decode_fields") is None)):
+      cache, steps = self._greedy_on_device(cache, logits, lengths, knobs, outs, gen_stats)
+      return Generation(
+          tokens=[o.tokens for o in outs], finish_reason=[o.reason for o in outs],
+          text=[o.stream.text for o in outs] if tok is not None else None,
+          stats=[{"prompt": prompt_stats.row(b), "generated": gen_stats.row(b)}
+                 for b in range(B)],
+          logits=None, prefill_s=t1 - t0, decode_s=time.perf_counter() - t1, steps=steps,
+          cache_bytes=cache_bytes(cache))
     pos = lengths.copy()
     steps = 0
     while True:
@@ -919,6 +968,14 @@ class Engine:
         stats=[{"prompt": prompt_stats.row(b), "generated": gen_stats.row(b)} for b in range(B)],
         logits=[np.stack(o.kept) for o in outs] if return_logits else None,
         prefill_s=t1 - t0, decode_s=t2 - t1, steps=steps, cache_bytes=cache_bytes(cache))
+
+
+@jax.jit
+def _greedy_pick(logits_BV, done_B, stop_S):
+  """(the greedy ids [B], done_B | each id a stop token): one step of Engine._greedy_on_device's
+  bookkeeping on the device."""
+  ids = jnp.argmax(logits_BV, axis=-1)
+  return ids, done_B | jnp.any(ids[:, None] == stop_S[None, :], axis=-1)
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

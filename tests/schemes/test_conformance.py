@@ -150,6 +150,29 @@ def test_generation_equals_the_declared_forward(name, chunk):
 ROUTED_COUNTS = {"l2a": "global_tokens_B", "aha": "full_BN"}  # the aux's per-layer counts
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_on_device_equals_the_host_loop(name, monkeypatch):
+  """Engine.generate greedy without kept logits (Engine._greedy_on_device: ids fed back on the
+  device, the host reads them once) == the host loop (return_logits=True) in tokens, finish
+  reasons, steps and both parts' statistics; with stop tokens that end every row by its third
+  token the same (the done flags read every 2 steps: the loop ends early, after steps with no
+  row active, which count for nothing). A scheme with host fields for its steps (Elastic,
+  MATCH) takes the host loop when a stop token may end a row."""
+  gen, eng = generated(name, 4), engine(name, 4)
+  stop = tuple(sorted({t[2] for t in gen.tokens}))   # every row ends by its third token
+  monkeypatch.setattr(Engine, "GREEDY_CHECK_EVERY", 2)
+  for kw, want in (({}, gen), ({"stop_tokens": stop},
+                               eng.generate(PROMPTS, NEW, stop_tokens=stop, return_logits=True))):
+    got = eng.generate(PROMPTS, NEW, **kw)
+    assert got.tokens == want.tokens and got.finish_reason == want.finish_reason, kw
+    assert got.steps == want.steps and got.logits is None
+    for g, w in zip(got.stats, want.stats):
+      for k, (a, b) in enumerate(zip(jax.tree.leaves(g), jax.tree.leaves(w))):
+        np.testing.assert_allclose(a, b, atol=1e-6, err_msg=f"{name} {kw} leaf {k}")
+      assert jax.tree.structure(g) == jax.tree.structure(w)
+  assert set(want.finish_reason) == {"stop_token"} and want.steps <= 2
+
+
 @pytest.mark.parametrize("name", sorted(ROUTED_COUNTS))
 def test_routing_stats_equal_the_full_forwards_counts(name):
   """Generation.stats (chunked prefill: chunks of 4, rows ending mid-chunk): per row and layer,
