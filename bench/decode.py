@@ -1041,7 +1041,9 @@ def serve_rows(F, log, emit=None) -> list[dict]:
   scheme, prefill chunk --serve_chunk in both): `Engine.serve(slots=S)` (a finished row takes
   the next request) and `Engine.generate` over consecutive groups of S requests (a group runs
   until its largest max_new_tokens: each request keeps its own budget's tokens, the rest is
-  the waste continuous batching removes). Each mode runs once untimed (compiles) and once
+  the waste continuous batching removes; its greedy steps on the device, Engine.
+  _greedy_on_device), and the same groups through generate's host loop (batched_generate_host:
+  Engine.GREEDY_ON_DEVICE off, a host round trip a step). Each mode runs once untimed (compiles) and once
   timed; tokens = the sum of the requests' max_new_tokens (no stop tokens: every request runs
   its budget); tokens_per_s = tokens / wall. same_tokens: the fraction of requests whose tokens
   agree between the modes (bf16: batch composition may flip a near tie). emit(row): called with
@@ -1085,8 +1087,16 @@ def serve_rows(F, log, emit=None) -> list[dict]:
       steps += g.steps
     return out, dict(steps=steps)
 
+  def batched_host():  # the same groups through generate's host loop (one round trip a step)
+    Engine.GREEDY_ON_DEVICE = False
+    try:
+      return batched()
+    finally:
+      Engine.GREEDY_ON_DEVICE = True
+
   rows, got = [], {}
-  for mode, fn in (("serve", served), ("batched_generate", batched)):
+  for mode, fn in (("serve", served), ("batched_generate", batched),
+                   ("batched_generate_host", batched_host)):
     r = dict(base, mode=mode, status="running")
     try:
       t0 = time.perf_counter()
@@ -1109,6 +1119,9 @@ def serve_rows(F, log, emit=None) -> list[dict]:
     rows[0]["same_tokens"] = sum(a == b for a, b in zip(got["serve"], got["batched_generate"])
                                  ) / len(reqs)
     rows[0]["over_batched"] = rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"]
+    rows[1]["same_tokens_as_host"] = sum(a == b for a, b in zip(
+        got["batched_generate"], got["batched_generate_host"])) / len(reqs)
+    rows[1]["over_host_loop"] = rows[1]["tokens_per_s"] / rows[2]["tokens_per_s"]
   return rows
 
 

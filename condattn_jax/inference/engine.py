@@ -854,6 +854,9 @@ class Engine:
                                   static_fields=self._decode_fields(positions_B, active_B))
     return cache, logits
 
+  # generate's greedy loop on the device where it can (_greedy_on_device); False: always the
+  # host loop (a same-process A/B: bench/decode.py's serve rows).
+  GREEDY_ON_DEVICE = True
   # Checks of the on-device greedy loop's done flags (a host sync): every this many steps.
   GREEDY_CHECK_EVERY = 16
 
@@ -927,7 +930,7 @@ class Engine:
     outs = [_Output(dataclasses.replace(knobs, row=b), tok, return_logits, on_text, b)
             for b in range(B)]
     gen_stats = _RowStats()
-    if (knobs.temperature == 0 and not return_logits and on_text is None
+    if (self.GREEDY_ON_DEVICE and knobs.temperature == 0 and not return_logits and on_text is None
         and not knobs.stop_strings
         and (not knobs.stop_tokens or _layer_hook(self.config, "decode_fields") is None)):
       cache, steps = self._greedy_on_device(cache, logits, lengths, knobs, outs, gen_stats)

@@ -46,6 +46,7 @@ def test_cpu_preset_records_every_row_with_its_bytes_and_the_targets(cpu_run):
   assert set(rows) == {("dense", None), ("xla_stacked", None), ("xla_per_layer", None),
                        ("l2a", None), ("dense", "one_shot"), ("dense", "chunked"),
                        ("dense", "serve"), ("dense", "batched_generate"),
+                       ("dense", "batched_generate_host"),
                        ("dense", "prefill_chunk"), ("dense", "decode")}
   cfg, _ = decode.scheme_config("dense", "tiny-qwen", 64)
   d, l2a = rows[("dense", None)], rows[("l2a", None)]
@@ -88,11 +89,14 @@ def test_cpu_preset_records_every_row_with_its_bytes_and_the_targets(cpu_run):
 
 def test_serve_rows_compare_continuous_batching_with_one_batch_at_a_time(cpu_run):
   """The same 6 requests (prompts 3..20, budgets 1..8) through serve (2 slots) and through
-  generate in groups of 2: every budget's tokens counted, tokens/s = tokens / wall, the modes
-  agree on the tokens, the recorded verdict follows from the two rows."""
+  generate in groups of 2, its greedy loop on the device and through the host: every budget's
+  tokens counted, tokens/s = tokens / wall, the modes agree on the tokens (the two generate
+  loops exactly), the recorded verdict follows from the two rows."""
   run, _ = cpu_run
-  sv, bt = (next(r for r in run["rows"] if r.get("mode") == m)
-            for m in ("serve", "batched_generate"))
+  sv, bt, host = (next(r for r in run["rows"] if r.get("mode") == m)
+                  for m in ("serve", "batched_generate", "batched_generate_host"))
+  assert bt["same_tokens_as_host"] == 1.0 and host["tokens"] == bt["tokens"]
+  assert bt["over_host_loop"] == pytest.approx(bt["tokens_per_s"] / host["tokens_per_s"])
   reqs = decode.serve_requests(6, (3, 20), (1, 8), decode.SHAPES["tiny-qwen"]["vocab_size"])
   assert sv["tokens"] == bt["tokens"] == sum(m for _, m in reqs)
   assert sv["prompt_tokens"] == sum(len(p) for p, _ in reqs) and sv["B"] == 2
