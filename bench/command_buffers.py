@@ -22,10 +22,11 @@ and the position pos0 + i, both new arrays every call) and 'bare' (the same toke
 row mask arrays every call, the logits fed back). 'steady' (mode 'steady'): a greedy step whose
 every changing input is donated state (the token the argmax of the donated logits inside the
 program, the position a donated array it writes back + 1, the same row mask every call), so no
-new array enters a call; 'steady_noaux' the same without the per-row aux outputs. Row: wall ms a call, host ms (median time for
-the call to return), whether three more calls keep the logits' and the cache leaves' device
-addresses (logits_address_stable, cache_addresses_stable), and from XLA's log: executions, updates, updated allocations per update,
-commands per update that were re-recorded (num_commands - skipped), update us per call.
+new array enters a call; 'steady_noaux' the same without the per-row aux outputs. Row: wall ms
+a call, host ms (median time for the call to return), whether three more calls keep the
+logits' and the cache leaves' device addresses (logits_address_stable, cache_addresses_stable),
+and from XLA's log: executions, updates, updated allocations per update, commands per update
+that were re-recorded (num_commands - skipped), update us per call.
 
 The log needs TF_CPP_VMODULE set before jax starts: `main` sets it when jax is not yet imported
 (a process that imported jax first gets rows without the log's fields: `vlog` False). On a CPU

@@ -1043,12 +1043,13 @@ def serve_rows(F, log, emit=None) -> list[dict]:
   until its largest max_new_tokens: each request keeps its own budget's tokens, the rest is
   the waste continuous batching removes; its greedy steps on the device, Engine.
   _greedy_on_device), and the same groups through generate's host loop (batched_generate_host:
-  Engine.GREEDY_ON_DEVICE off, a host round trip a step). Each mode runs once untimed (compiles) and once
-  timed; tokens = the sum of the requests' max_new_tokens (no stop tokens: every request runs
-  its budget); tokens_per_s = tokens / wall. same_tokens: the fraction of requests whose tokens
-  agree between the modes (bf16: batch composition may flip a near tie). emit(row): called with
-  each mode's row as soon as it is done (main records it at once: a timeout keeps it); the
-  ratios are added to the serve row afterwards."""
+  Engine.GREEDY_ON_DEVICE off, a host round trip a step). Each mode runs once untimed
+  (compiles) and once timed; tokens = the sum of the requests' max_new_tokens (no stop
+  tokens: every request runs its budget); tokens_per_s = tokens / wall. same_tokens: the
+  fraction of requests whose tokens agree between serve and generate (bf16: batch composition
+  may flip a near tie); same_tokens_as_host: between generate's two loops (the same programs:
+  1). emit(row): called with each mode's row as soon as it is done (main records it at once: a
+  timeout keeps it); the ratios are added to the serve and generate rows afterwards."""
   import jax
   from condattn_jax.inference import Engine, Request
   scheme = F.serve_scheme

@@ -374,10 +374,10 @@ def _warn_unsplit_cache(cache_len: int, num_kv_heads: int) -> None:
   from condattn_jax import ops
   if cache_len < 4096 or not _on_gpu() or ops.decode_splits(1, cache_len, num_kv_heads) > 1:
     return
+  fit = -(-cache_len // 128) * 128
   warnings.warn(f"Engine(cache_len={cache_len}): no part count divides {cache_len} slots, so "
                 "the GPU decode attention reads each kv head's cache in one program (about 5x "
-                f"slower at 32K); use a multiple of 128, e.g. cache_len={-(-cache_len // 128) * 128}.",
-                stacklevel=3)
+                f"slower at 32K); use a multiple of 128, e.g. cache_len={fit}.", stacklevel=3)
 
 
 class Engine:

@@ -347,8 +347,8 @@ class ElasticLayer(nn.Module):
     `block` tokens (prefill) uses block_q = block (the kernels' tile), lists from each query
     block's first and last positions (exact when chunks start at block-aligned positions, as
     the engine's prefill does with a chunk size that `block` divides); other chunks (decode:
-    T = 1) use per-query lists (block_q = 1, exact). Returns (heads, rho_BN: the fraction of this call's
-    causal (query, key) pairs each head skips, `decode_skipped_fraction`)."""
+    T = 1) use per-query lists (block_q = 1, exact). Returns (heads, rho_BN: the fraction of
+    this call's causal (query, key) pairs each head skips, `decode_skipped_fraction`)."""
     B, T, N, _ = q.shape
     k_all, v_all, kv_pos, kv_valid = attn.write_cache(k, v, ctx)
     bq = o.block if T % o.block == 0 else 1
