@@ -877,17 +877,15 @@ class Engine:
     pos = jnp.asarray(pos_host, jnp.int32)
     ids = []
     for i in range(n):
-      t, done = _greedy_pick(logits, done, stop)
+      t, done, tok_B1, pos_B1, on_B1, ran_B, pos = _greedy_pick(logits, done, stop, pos)
       ids.append(t)
       if i == n - 1 or (knobs.stop_tokens and i % self.GREEDY_CHECK_EVERY
                         == self.GREEDY_CHECK_EVERY - 1 and bool(jnp.all(done))):
         break
-      active = ~done
       cache, logits, row_aux = self._step(
-          self.params, cache, t.astype(jnp.int32)[:, None], pos[:, None], active[:, None],
-          logits, static_fields=self._decode_fields(pos_host, np.ones(B, bool)))
-      gen_stats.add(row_aux, active.astype(jnp.int32))
-      pos = pos + active.astype(jnp.int32)
+          self.params, cache, tok_B1, pos_B1, on_B1, logits,
+          static_fields=self._decode_fields(pos_host, np.ones(B, bool)))
+      gen_stats.add(row_aux, ran_B)
       pos_host = pos_host + 1
     for row in np.asarray(jnp.stack(ids)):
       for b, o in enumerate(outs):
@@ -974,11 +972,15 @@ class Engine:
 
 
 @jax.jit
-def _greedy_pick(logits_BV, done_B, stop_S):
-  """(the greedy ids [B], done_B | each id a stop token): one step of Engine._greedy_on_device's
-  bookkeeping on the device."""
+def _greedy_pick(logits_BV, done_B, stop_S, pos_B):
+  """One step of Engine._greedy_on_device's bookkeeping in one dispatch: (the greedy ids [B],
+  done_B | each id a stop token, then the step's inputs: tokens [B, 1], positions [B, 1],
+  active rows [B, 1] and [B] int32, and the positions after it)."""
   ids = jnp.argmax(logits_BV, axis=-1)
-  return ids, done_B | jnp.any(ids[:, None] == stop_S[None, :], axis=-1)
+  done = done_B | jnp.any(ids[:, None] == stop_S[None, :], axis=-1)
+  on = ~done
+  return (ids, done, ids.astype(jnp.int32)[:, None], pos_B[:, None], on[:, None],
+          on.astype(jnp.int32), pos_B + on.astype(jnp.int32))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
