@@ -596,8 +596,8 @@ def decode_splits(B: int, S: int, K: int) -> int:
   DECODE_CTAS, S % P == 0 and S / P >= 128 (cuDNN runs one program per (row, kv head, query
   tile) and walks the kv length in it: at B = 1 an unsplit call leaves most of the GPU idle);
   where no power of two above 1 divides S, the largest other divisor within the same bounds (a
-  cache of 32907 slots splits 21 ways: unsplit at B = 1, K = 2, cuDNN took 13.6 ms of a 15.4 ms
-  step on an H200); a prime S stays unsplit."""
+  cache of 32907 slots splits 21 ways at B = 1, K = 2, instead of one program per kv head
+  walking all of it); a prime S stays unsplit (Engine warns of such a cache on a GPU)."""
   most = min(DECODE_CTAS // max(B * K, 1), S // 128)
   P = 1
   while P * 2 <= most and S % (P * 2) == 0:
