@@ -204,6 +204,35 @@ def measure(scheme: str, shapes: str, T: int, variants=VARIANTS, calls: int = 20
   return rows
 
 
+# Registered before the first run of this bench (2026-11-29): what the engine changes. A
+# variant HOLDS for a scheme when, in its loop ('bench' for the engine's step and donate_logits,
+# 'steady' for the steady ones), XLA updated the command buffer on at most `max_update_share`
+# of the calls and the host time a call is at most `max_host_share` of the engine step's
+# (default, bench), its logits finite. The engine takes the FIRST variant of `order` (the
+# smallest change first) that holds for every scheme measured; none: the command-buffer
+# updates stay, and the next lever is fewer commands a step.
+CB_RULE = dict(max_update_share=0.1, max_host_share=0.7,
+               order=("donate_logits", "steady", "steady_noaux"))
+
+
+def decide(rows: list[dict], rule: dict = CB_RULE) -> dict:
+  """{adopt: the variant the engine takes (None: none holds), holds: {variant: {scheme:
+  bool}}} from rows with XLA's log (vlog); CB_RULE's contract."""
+  loop = lambda v: "steady" if v.startswith("steady") else "bench"
+  row = {(r["scheme"], r["variant"], r["mode"]): r for r in rows if r.get("vlog")}
+  schemes = sorted({s for s, _, _ in row})
+  holds = {}
+  for v in rule["order"]:
+    holds[v] = {}
+    for s in schemes:
+      base, r = row.get((s, "default", "bench")), row.get((s, v, loop(v)))
+      holds[v][s] = bool(base and r and r["logits_finite"]
+                         and r["updates"] <= rule["max_update_share"] * r["calls"]
+                         and r["host_ms"] <= rule["max_host_share"] * base["host_ms"])
+  adopt = next((v for v in rule["order"] if schemes and all(holds[v].values())), None)
+  return dict(adopt=adopt, holds=holds)
+
+
 def _vlog_on() -> bool:
   return "command_buffer_thunk" in os.environ.get("TF_CPP_VMODULE", "")
 
@@ -231,6 +260,9 @@ def main(argv=None) -> dict:
                                                shapes=a.shapes, T=a.T, calls=a.calls,
                                                warmup=a.warmup, vmodule=VMODULE))
   run["rows"] = rows
+  run["settings"]["rule"] = CB_RULE
+  run["decision"] = decide(rows)
+  print(f"decision (CB_RULE): {run['decision']}", flush=True)
   if a.out_dir:
     common.append_run(common.result_path("command_buffers", a.out_dir), run)
   return run

@@ -1290,6 +1290,14 @@ def targets_of(rows: list[dict], dense_shapes: str) -> list[dict]:
     add(f"continuous batching ({sv['requests']} requests, {sv['B']} slots) faster than one "
         "batch at a time", sv["tokens_per_s"] > bt["tokens_per_s"],
         serve_tokens_per_s=sv["tokens_per_s"], batched_tokens_per_s=bt["tokens_per_s"])
+  host = find(kind="serve", mode="batched_generate_host")
+  if bt is not None and host is not None:
+    # registered before its first GPU run (2026-11-29): Engine.GREEDY_ON_DEVICE stays the
+    # default where this holds on a GPU; where it fails, the default becomes the host loop
+    add(f"generate's greedy loop on the device no slower than its host loop, the same tokens "
+        f"({bt['requests']} requests)", bt["tokens_per_s"] >= host["tokens_per_s"]
+        and bt.get("same_tokens_as_host") == 1.0, device_tokens_per_s=bt["tokens_per_s"],
+        host_tokens_per_s=host["tokens_per_s"], same_tokens=bt.get("same_tokens_as_host"))
   one = find(kind="prefill", mode="one_shot")
   ch = find(kind="prefill", mode="chunked")
   if one is not None and ch is not None:

@@ -37,3 +37,22 @@ def test_donated_logits_keep_their_address_and_the_cache_keeps_its_own():
   for (variant, _), r in rows.items():
     assert r["logits_finite"] and r["wall_ms"] > 0 and r["cache_addresses_stable"]
     assert r["logits_address_stable"] == (variant != "default")
+
+
+def test_the_registered_rule_takes_the_smallest_change_that_holds_everywhere():
+  """CB_RULE (registered before the bench first ran): the first variant, smallest change first,
+  whose command-buffer updates and host time fall below its bounds for every scheme."""
+  row = lambda s, v, m, updates, host: dict(scheme=s, variant=v, mode=m, updates=updates,
+                                            host_ms=host, calls=20, vlog=True,
+                                            logits_finite=True)
+  rows = [row("dense", "default", "bench", 20, 2.0), row("l2a", "default", "bench", 20, 3.0),
+          row("dense", "donate_logits", "bench", 0, 1.0),     # holds for dense only
+          row("l2a", "donate_logits", "bench", 20, 2.9),
+          row("dense", "steady", "steady", 1, 0.3), row("l2a", "steady", "steady", 2, 0.5),
+          row("dense", "steady_noaux", "steady", 0, 0.2),
+          row("l2a", "steady_noaux", "steady", 0, 0.2)]
+  d = cb.decide(rows)
+  assert d["adopt"] == "steady" and d["holds"]["donate_logits"] == {"dense": True, "l2a": False}
+  rows[5]["host_ms"] = 2.5                      # steady's host time not cut enough for l2a
+  assert cb.decide(rows)["adopt"] == "steady_noaux"
+  assert cb.decide([dict(r, updates=20) for r in rows])["adopt"] is None
