@@ -49,13 +49,14 @@ VARIANTS = ("default", "donate_logits", "steady", "steady_noaux")
 _MARK = "@@cb_mark"
 
 
-def parse_log(text: str) -> dict:
-  """{segment name: counts} of XLA's command-buffer log between `_MARK <name> start` and
-  `_MARK <name> end` lines: executions, updates, updated_allocs (list, one per update),
-  update_us (list), skipped (commands left alone, summed), num_commands (list, per update)."""
+def parse_log(text: str, mark: str = _MARK) -> dict:
+  """{segment name: counts} of XLA's command-buffer log between `<mark> <name> start` and
+  `<mark> <name> end` lines: executions, updates, updated_allocs (list, one per update),
+  update_us (list), skipped (commands left alone, summed), num_commands (list, per update).
+  mark: the marker's word (the prototype's stored logs: '@@MARK', names of two words)."""
   out, cur = {}, None
   for line in text.splitlines():
-    m = re.search(_MARK + r" (\S+) (start|end)", line)
+    m = re.search(re.escape(mark) + r" (.+) (start|end)$", line.rstrip())
     if m:
       cur = m.group(1) if m.group(2) == "start" else None
       if cur is not None:
@@ -121,7 +122,6 @@ def measure(scheme: str, shapes: str, T: int, variants=VARIANTS, calls: int = 20
   """Rows for one scheme (see the module docstring)."""
   import jax
   import jax.numpy as jnp
-  import numpy as np
   from bench import decode as bd
   from bench import decode_program as dp
   from condattn_jax.inference import Engine
@@ -129,7 +129,7 @@ def measure(scheme: str, shapes: str, T: int, variants=VARIANTS, calls: int = 20
   params = bd.init_params(cfg)
   eng = Engine(cfg, params, cache_len=T + bd.EXTRA)
   tok, pos0, on, logits0 = dp.step_inputs(eng, 1, T)
-  sf = eng._decode_fields(np.full(1, T + 1, np.int32), np.ones(1, bool))
+  sf = dp.block_fields(eng, 1, T)
   fn = Engine._step.__wrapped__  # the step itself, to jit with other donations
 
   def steady(eng, params, cache, logits, pos, on, static_fields=(), keep_aux=True):

@@ -1089,11 +1089,11 @@ def serve_rows(F, log, emit=None) -> list[dict]:
     return out, dict(steps=steps)
 
   def batched_host():  # the same groups through generate's host loop (one round trip a step)
-    Engine.GREEDY_ON_DEVICE = False
+    eng.GREEDY_ON_DEVICE = False   # this engine only
     try:
       return batched()
     finally:
-      Engine.GREEDY_ON_DEVICE = True
+      del eng.GREEDY_ON_DEVICE
 
   rows, got = [], {}
   for mode, fn in (("serve", served), ("batched_generate", batched),

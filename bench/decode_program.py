@@ -240,13 +240,20 @@ def model_config(shapes: str, layers: int | None = None, scheme: str = "dense", 
   return cfg if layers is None else dataclasses.replace(cfg, num_layers=layers)
 
 
+def block_fields(eng, B: int, T: int) -> tuple:
+  """The engine's static fields of a one-token step inside a block after a prefill of T tokens
+  (every row active, past its first token: Elastic's decided step, MATCH's reusing step), as
+  its decode loops pass them (`Engine._decode_fields`); () for a scheme without such facts."""
+  import numpy as np
+  return eng._decode_fields(np.full(B, T + 1, np.int32), np.ones(B, bool))
+
+
 def engine_program(cfg, B: int, T: int, split: bool = False):
   """(fn, abstract args, donated argnums) of the engine's decode program: `Engine._step` with
   one token per row over a cache of T + bench.decode.EXTRA slots (what `Engine.decode_step`
   runs), with the static fields the engine's decode loops pass a step inside a block (every
   row past its first token: Elastic's decided step, MATCH's reusing step); `split`: the params
   in `models.stacking.split_groups`' layout."""
-  import numpy as np
   import jax
   import jax.numpy as jnp
   from bench import decode as bd
@@ -260,7 +267,7 @@ def engine_program(cfg, B: int, T: int, split: bool = False):
   sds = jax.ShapeDtypeStruct
   args = (params, cache, sds((B, 1), jnp.int32), sds((B, 1), jnp.int32), sds((B, 1), jnp.bool_),
           sds((B, cfg.vocab_size), jnp.float32))
-  sf = eng._decode_fields(np.full(B, T + 1, np.int32), np.ones(B, bool))
+  sf = block_fields(eng, B, T)
   return (lambda *a: Engine._step(eng, *a, static_fields=sf)), args, (1,)
 
 
@@ -727,7 +734,6 @@ def _build_variant(name, layout, sets, cfg, params, split, B, T, compiler_option
   import time
   import jax
   import jax.numpy as jnp
-  import numpy as np
   from bench import decode as bd
   from condattn_jax.inference import Engine
   opts = {k_: v_ for x in sets if x in OPTION_SETS for k_, v_ in OPTION_SETS[x].items()}
@@ -765,7 +771,7 @@ def _build_variant(name, layout, sets, cfg, params, split, B, T, compiler_option
       # the engine's static fields of a step inside a block (MATCH: the reusing program;
       # Elastic: every row decided), as its decode loops pass them; a scheme with such facts
       # first runs one step without them (Elastic's rows decide in it, as after a prefill)
-      sf = eng._decode_fields(np.full(B, T + 1, np.int32), np.ones(B, bool))
+      sf = block_fields(eng, B, T)
       if sf:
         with trace_context(sets):
           state = Engine._step(eng, p, state[0], tok, pos0, on, logits)[:2]

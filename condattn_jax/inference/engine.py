@@ -893,6 +893,35 @@ class Engine:
           o.push(None, int(row[b]))
     return cache, max(len(o.tokens) for o in outs) - 1
 
+  def _decode_on_host(self, cache, logits, lengths, knobs: _Knobs, outs, gen_stats):
+    """`generate`'s loop with a host round trip a step: each row's next token chosen on the host
+    (`_Output.push`: sampling, kept logits, stop strings, streamed text), then one step for the
+    rows not done. Returns (cache, steps)."""
+    del knobs  # each row's own, in outs
+    pos = np.asarray(lengths).copy()
+    steps = 0
+    while True:
+      done = np.asarray([o.done for o in outs])
+      if any(o.needs_logits for o in outs):
+        host_logits = np.asarray(logits)
+      else:  # greedy without logits: B ids cross to the host, not B x V floats
+        host_logits, host_ids = None, np.asarray(_argmax(logits))
+      for b, o in enumerate(outs):
+        if not done[b]:
+          o.push(None if host_logits is None else host_logits[b],
+                 None if host_logits is not None else int(host_ids[b]))
+      done = np.asarray([o.done for o in outs])
+      if done.all():
+        return cache, steps
+      last = np.asarray([o.tokens[-1] for o in outs], np.int32)
+      cache, logits, row_aux = self._step(self.params, cache, jnp.asarray(last)[:, None],
+                                          jnp.asarray(pos)[:, None],
+                                          jnp.asarray(~done)[:, None], logits,
+                                          static_fields=self._decode_fields(pos, ~done))
+      gen_stats.add(row_aux, (~done).astype(np.int32))
+      pos = pos + (~done)
+      steps += 1
+
   def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                stop_tokens: Sequence[int] = (), stop_strings: Sequence[str] = (),
                temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
@@ -928,40 +957,12 @@ class Engine:
     outs = [_Output(dataclasses.replace(knobs, row=b), tok, return_logits, on_text, b)
             for b in range(B)]
     gen_stats = _RowStats()
-    if (self.GREEDY_ON_DEVICE and knobs.temperature == 0 and not return_logits and on_text is None
-        and not knobs.stop_strings
-        and (not knobs.stop_tokens or _layer_hook(self.config, "decode_fields") is None)):
-      cache, steps = self._greedy_on_device(cache, logits, lengths, knobs, outs, gen_stats)
-      return Generation(
-          tokens=[o.tokens for o in outs], finish_reason=[o.reason for o in outs],
-          text=[o.stream.text for o in outs] if tok is not None else None,
-          stats=[{"prompt": prompt_stats.row(b), "generated": gen_stats.row(b)}
-                 for b in range(B)],
-          logits=None, prefill_s=t1 - t0, decode_s=time.perf_counter() - t1, steps=steps,
-          cache_bytes=cache_bytes(cache))
-    pos = lengths.copy()
-    steps = 0
-    while True:
-      done = np.asarray([o.done for o in outs])
-      if any(o.needs_logits for o in outs):
-        host_logits = np.asarray(logits)
-      else:  # greedy without logits: B ids cross to the host, not B x V floats
-        host_logits, host_ids = None, np.asarray(_argmax(logits))
-      for b, o in enumerate(outs):
-        if not done[b]:
-          o.push(None if host_logits is None else host_logits[b],
-                 None if host_logits is not None else int(host_ids[b]))
-      done = np.asarray([o.done for o in outs])
-      if done.all():
-        break
-      last = np.asarray([o.tokens[-1] for o in outs], np.int32)
-      cache, logits, row_aux = self._step(self.params, cache, jnp.asarray(last)[:, None],
-                                          jnp.asarray(pos)[:, None],
-                                          jnp.asarray(~done)[:, None], logits,
-                                          static_fields=self._decode_fields(pos, ~done))
-      gen_stats.add(row_aux, (~done).astype(np.int32))
-      pos = pos + (~done)
-      steps += 1
+    on_device = (self.GREEDY_ON_DEVICE and knobs.temperature == 0 and not return_logits
+                 and on_text is None and not knobs.stop_strings
+                 and (not knobs.stop_tokens
+                      or _layer_hook(self.config, "decode_fields") is None))
+    loop = self._greedy_on_device if on_device else self._decode_on_host
+    cache, steps = loop(cache, logits, lengths, knobs, outs, gen_stats)
     t2 = time.perf_counter()
     return Generation(
         tokens=[o.tokens for o in outs], finish_reason=[o.reason for o in outs],

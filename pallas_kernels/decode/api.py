@@ -438,8 +438,7 @@ def decode_attention(q_BTNH, k_BSKH, v_BSKH, *, q_positions_BT, kv_positions_BS,
   q_BKRH, qpos_BKR, runs, lists = plan(
       q_BTNH, k_BSKH, q_positions_BT=q_positions_BT, kv_positions_BS=kv_positions_BS,
       kv_lengths_B=kv_lengths_B, kv_valid_BS=kv_valid_BS, active=active, window=window,
-      sinks=sinks, block_k=bk, rows=rows, lists_shared=has_lists and lists_shared,
-      **lists_kw)
+      sinks=sinks, block_k=bk, rows=rows, lists_shared=lists_shared, **lists_kw)
   ntiles = num_tiles(S, bk)
   if config.window_parts:
     ntiles = tiles_bound(ntiles, T, bk, window, sinks, has_lists)

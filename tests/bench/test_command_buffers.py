@@ -1,6 +1,10 @@
 """bench/command_buffers.py: XLA's command-buffer log read per call, and the donated-logits
 variant's stable addresses (what lets XLA:GPU skip re-recording a decode step's graph)."""
+import gzip
+import os
+
 from bench import command_buffers as cb
+from bench import common
 
 # XLA:GPU's lines (command_buffer_thunk.cc / the command executor), as a GPU run printed them
 LOG = """I1129 12:27:36 command_buffer_thunk.cc:245] Initialize command buffer on device #0 by recoding command buffer cmd sequence; num_commands=542
@@ -56,3 +60,27 @@ def test_the_registered_rule_takes_the_smallest_change_that_holds_everywhere():
   rows[5]["host_ms"] = 2.5                      # steady's host time not cut enough for l2a
   assert cb.decide(rows)["adopt"] == "steady_noaux"
   assert cb.decide([dict(r, updates=20) for r in rows])["adopt"] is None
+
+
+def test_the_stored_prototype_logs_hold_the_documented_updates():
+  """The H200 logs behind docs/performance.md's "host-bound" section (bench/results/
+  command_buffers_prototype_NVIDIA_H200/, the prototype of this bench: 20 calls a loop after 5,
+  its own markers): every call updated the one command buffer, at the update times quoted."""
+  d = os.path.join(common.RESULTS, "command_buffers_prototype_NVIDIA_H200")
+  quoted = {"default_flags": {"dense": (0.86, 0.95), "l2a": (1.28, 1.44),
+                              "elastic": (1.41, 1.64)},
+            "skip_temp": {"dense": (2.27, 2.80), "l2a": (5.65, 6.12), "elastic": (1.74, 1.95)}}
+  for name, want in quoted.items():
+    with gzip.open(os.path.join(d, name + ".log.gz"), "rt") as f:
+      segs = cb.parse_log(f.read(), mark="@@MARK")
+    for scheme, (lo, hi) in want.items():
+      ms = []
+      for mode in ("bench", "bare"):
+        seg = segs[f"{scheme} {mode}"]
+        assert seg["executions"] == seg["updates"] == 20, (name, scheme, mode)
+        ms.append(round(sum(seg["update_us"]) / 20 / 1e3, 2))
+      assert (min(ms), max(ms)) == (lo, hi), (name, scheme, ms)
+      if name == "default_flags":  # one buffer of the step's commands; 2 allocations moved
+        bare = cb._summary(segs[f"{scheme} bare"], 20)
+        assert bare["num_commands"] == {"dense": 542, "l2a": 969, "elastic": 746}[scheme]
+        assert bare["updated_allocs"] == 2
