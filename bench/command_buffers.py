@@ -22,7 +22,9 @@ and the position pos0 + i, both new arrays every call) and 'bare' (the same toke
 row mask arrays every call, the logits fed back). 'steady' (mode 'steady'): a greedy step whose
 every changing input is donated state (the token the argmax of the donated logits inside the
 program, the position a donated array it writes back + 1, the same row mask every call), so no
-new array enters a call; 'steady_noaux' the same without the per-row aux outputs. Row: wall ms
+new array enters a call; 'steady_noaux' the same without the per-row aux outputs;
+'greedy_step' (mode 'steady'): the engine's own such step, `Engine._greedy_step` (CB_RULE's
+adopted 'steady', with the ids and routing sums kept in the donated state). Row: wall ms
 a call, host ms (median time for the call to return), whether three more calls keep the
 logits' and the cache leaves' device addresses (logits_address_stable, cache_addresses_stable),
 and from XLA's log: executions, updates, updated allocations per update, commands per update
@@ -45,7 +47,7 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 VMODULE = "command_buffer_thunk=3,command_buffer_cmd=3,command_executor=3"
-VARIANTS = ("default", "donate_logits", "steady", "steady_noaux")
+VARIANTS = ("default", "donate_logits", "steady", "steady_noaux", "greedy_step")
 _MARK = "@@cb_mark"
 
 
@@ -117,11 +119,17 @@ class _Stderr:
     self.f.close()
 
 
+def _logits(state):
+  """The logits of a loop's state (cache, logits[, ...]) or (cache, greedy state)."""
+  return state[1]["logits"] if isinstance(state[1], dict) else state[1]
+
+
 def measure(scheme: str, shapes: str, T: int, variants=VARIANTS, calls: int = 20,
             warmup: int = 5, log=print) -> list[dict]:
   """Rows for one scheme (see the module docstring)."""
   import jax
   import jax.numpy as jnp
+  import numpy as np
   from bench import decode as bd
   from bench import decode_program as dp
   from condattn_jax.inference import Engine
@@ -147,7 +155,16 @@ def measure(scheme: str, shapes: str, T: int, variants=VARIANTS, calls: int = 20
     if sf:  # a scheme with engine facts first runs one step without them (Elastic decides)
       cache = Engine._step(eng, params, cache, tok, pos0, on, logits)[0]
     t0 = time.perf_counter()
-    if variant.startswith("steady"):
+    if variant == "greedy_step":
+      from condattn_jax.inference.engine import greedy_state
+      stop = jnp.asarray([-1], jnp.int32)
+      gs = greedy_state(logits, np.full(1, T), warmup + calls + 8)
+      cache, gs = Engine._greedy_step(eng, params, cache, gs, stop, static_fields=sf)  # keys
+      step = Engine._greedy_step.lower(eng, params, cache, gs, stop, static_fields=sf).compile()
+      state = (cache, gs)
+      bench = lambda s, i: step(params, s[0], s[1], stop)
+      modes = (("steady", bench),)
+    elif variant.startswith("steady"):
       step = jax.jit(steady, static_argnums=0, static_argnames=("static_fields", "keep_aux"),
                      donate_argnums=(2, 3, 4)).lower(
           eng, params, cache, logits, jnp.array(pos0, copy=True), on, static_fields=sf,
@@ -187,11 +204,11 @@ def measure(scheme: str, shapes: str, T: int, variants=VARIANTS, calls: int = 20
       addrs = []
       for i in range(3):
         state = call(state, warmup + calls + i)
-        addrs.append((state[1].unsafe_buffer_pointer(),
+        addrs.append((_logits(state).unsafe_buffer_pointer(),
                       tuple(x.unsafe_buffer_pointer() for x in jax.tree.leaves(state[0]))))
       row = dict(scheme=scheme, shapes=shapes, B=1, T=T, knobs=knobs, variant=variant, mode=mode,
                  calls=calls, compile_s=compile_s, wall_ms=wall, host_ms=statistics.median(host),
-                 logits_finite=bool(jnp.all(jnp.isfinite(state[1]))),
+                 logits_finite=bool(jnp.all(jnp.isfinite(_logits(state)))),
                  logits_address_stable=len({a[0] for a in addrs}) == 1,
                  cache_addresses_stable=len({a[1] for a in addrs}) == 1, **_summary(seg, calls))
       rows.append(row)

@@ -300,7 +300,9 @@ def trace_activity(fn: Callable, n: int = 1, *, plane_prefix: str | None = None,
   try:
     jax.profiler.start_trace(d)
     try:
-      out = [fn() for _ in range(n)]
+      out = None
+      for _ in range(n):  # (a call may donate what the one before returned: the last waited)
+        out = fn()
       jax.block_until_ready(out)
     finally:
       jax.profiler.stop_trace()

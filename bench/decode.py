@@ -37,11 +37,15 @@ Per row (scheme, shapes, B, T): a model of the named shapes with the scheme at i
 default knobs (configs/<recipe>.py; window-like knobs scaled by T / the recipe's seq_len, see
 `scheme_config`), random init, bf16 weights and cache; an `Engine(cache_len=T + EXTRA,
 prefill_chunk=4096)` fills the cache with a chunked prefill of B random prompts of T tokens; then
-the engine's decode program (`Engine._step` with one token per row, what `Engine.decode_step`
-runs) is compiled ahead of time (compile_s; its memory analysis: argument / output / temp bytes,
-peak_est = arguments + outputs - aliased + temps) and run `--steps` steps back to back, tokens fed
-back by an on-device argmax, one block at the end: ms = wall / steps (median of `--repeats` such
-batches, after `--warmup` steps). tokens_per_s = B * 1000 / ms. MATCH rows (`timed_schedule`)
+the engine's greedy decode program (`Engine._greedy_step`, what `Engine.generate` runs: one
+token per row, the argmax of the last logits inside the step, every changing input donated
+state, so XLA:GPU replays its command buffer without an update) is compiled ahead of time
+(compile_s; its memory analysis: argument / output / temp bytes, peak_est = arguments + outputs
+- aliased + temps) and run `--steps` steps back to back, one block at the end: ms = wall / steps
+(median of `--repeats` such batches, after `--warmup` steps); host_ms: the median time a call
+takes to return. `--step_ab`: as many steps again through the loop before it (`step_loop`:
+`Engine._step`, what `Engine.decode_step` runs, its token an argmax in a dispatch of its own;
+ms_step_loop, host_ms_step_loop) in the same process. tokens_per_s = B * 1000 / ms. MATCH rows (`timed_schedule`)
 time whole retrieval blocks from a block start, so the once-per-block retrieval and recompute
 count at their rate; they run the recipe's all-SWA variant at the recipe's window (2048) at
 every T (HELD).
@@ -322,10 +326,10 @@ def define_flags():
   flags.DEFINE_integer("trace_steps", 0, "engine rows: after the timed batches, this many more "
                        "bench steps under jax.profiler (`trace_row`: busy_ms, kernels, span_ms "
                        "per step, the top kernels); 0: none", flag_values=fv)
-  flags.DEFINE_bool("aux_ab", False, "engine rows: after the timed batches, as many again with "
-                    "each step's aux dropped at once instead of held (ms_aux_dropped): what "
-                    "holding the steps' per-row statistics on the device costs a step",
-                    flag_values=fv)
+  flags.DEFINE_bool("step_ab", False, "engine rows: after the timed batches, as many again "
+                    "through the loop before Engine._greedy_step (`step_loop`: Engine._step, "
+                    "its token an argmax in a dispatch of its own; ms_step_loop, "
+                    "host_ms_step_loop)", flag_values=fv)
   return fv
 
 
@@ -522,26 +526,22 @@ def weight_bytes(cfg, params, B: int) -> int:
   return total
 
 
-def rates(row_aux_steps) -> dict:
-  """The decode steps' routing rates per (layer, row[, head]): an aux with `tokens_B` as counts
-  per token (L2A `global_tokens_B`, AHA `full_BN`), else the mean over steps (Elastic `fa_BK`)."""
+def rates(sums: dict, module_sums: dict, steps: int) -> dict:
+  """The decode steps' routing rates per (layer, row[, head]) from their per-row aux summed over
+  `steps` steps (every row run each step; `Engine._greedy_step`'s sums): an aux with `tokens_B`
+  as counts per token (L2A `global_tokens_B`, AHA `full_BN`), else the mean over steps (Elastic
+  `fa_BK`); the scheme module's per-row values [B] (MATCH) as 'scheme/<name>', means per step."""
   import numpy as np
-  if not row_aux_steps or not row_aux_steps[0]:
+  sums = {k: np.asarray(v, np.float64) for k, v in sums.items()}
+  if not steps or not (sums or module_sums):
     return {}
-  sums, module = {}, {}
-  for aux in row_aux_steps:
-    for k, v in aux.items():
-      if k == "scheme":  # the scheme module's per-row values [B]: mean per step
-        for m, x in v.items():
-          module[m] = module.get(m, 0.0) + np.asarray(x, np.float64) / len(row_aux_steps)
-      else:
-        sums[k] = sums.get(k, 0.0) + np.asarray(v, np.float64)
   if "tokens_B" in sums:
     tok = np.maximum(sums.pop("tokens_B"), 1.0)
     out = {k: v / tok.reshape(tok.shape + (1,) * (v.ndim - 2)) for k, v in sums.items()}
   else:
-    out = {k: v / len(row_aux_steps) for k, v in sums.items()}
-  return {**out, **{f"scheme/{m}": v for m, v in module.items()}}
+    out = {k: v / steps for k, v in sums.items()}
+  return {**out, **{f"scheme/{m}": np.asarray(v, np.float64) / steps
+                    for m, v in module_sums.items()}}
 
 
 def step_bytes(scheme: str, cfg, B: int, T: int, rate: dict, state_bytes: int) -> dict:
@@ -807,19 +807,20 @@ def block_split(step, state, i0: int, c: int) -> tuple[dict, tuple]:
   return dict(entry_ms=ts[0], inner_ms=statistics.median(ts[1:])), state
 
 
-def filled_program(eng, scheme: str, cfg, B: int, T: int, log):
+def filled_program(eng, scheme: str, cfg, B: int, T: int, log, max_steps: int):
   """The engine's cache filled by a chunked prefill of B random prompts of T tokens, and its
-  decode program compiled ahead of time: ((cache, logits), step(state, i) -> state (the i-th
-  step after the prompt, its token the argmax of the last logits), the steps' aux list, {fill_s,
-  cache_bytes, compile_s, programs, memory analysis (the max over the programs)}). The
-  engine's static fields of each step come from the host positions as its decode loops pass
-  them (Engine._decode_fields: MATCH's entering / reusing steps are two programs): one compiled
-  program per distinct value over a block of steps."""
+  greedy decode program (`Engine._greedy_step`, what `generate` runs: the token the argmax of
+  the last logits inside the step, every changing input donated state) compiled ahead of time:
+  ((cache, greedy state for max_steps steps), step(state, i) -> state (the i-th step after the
+  prompt), {fill_s, cache_bytes, compile_s, programs, memory analysis (the max over the
+  programs)}). The engine's static fields of each step come from the host positions as its
+  decode loops pass them (Engine._decode_fields: MATCH's entering / reusing steps are two
+  programs): one compiled program per distinct value over a block of steps."""
   import jax
   import jax.numpy as jnp
   import numpy as np
   from condattn_jax.inference import Engine
-  from condattn_jax.inference.engine import cache_bytes
+  from condattn_jax.inference.engine import cache_bytes, greedy_state
   info = {}
   rng = np.random.default_rng(T + B)
   prompts = [rng.integers(0, cfg.vocab_size, T, dtype=np.int32) for _ in range(B)]
@@ -829,32 +830,48 @@ def filled_program(eng, scheme: str, cfg, B: int, T: int, log):
   info["fill_s"] = time.perf_counter() - t0
   info["cache_bytes"] = cache_bytes(cache)
   log(f"  filled {scheme} B={B} T={T}: {info['fill_s']:.1f} s (compile included)")
-  tok = jnp.argmax(logits, -1).astype(jnp.int32)[:, None]
-  pos0 = jnp.full((B, 1), T, jnp.int32)
-  on = jnp.ones((B, 1), bool)
   on_B = np.ones(B, bool)
   span = block_len(scheme, cfg)  # the fields repeat every block: looked up once, not a step
   fields = [eng._decode_fields(np.full(B, T + i, np.int32), on_B) for i in range(span)]
+  stop = jnp.asarray([-1], jnp.int32)  # no stop token: every row runs every step
+  state = greedy_state(logits, np.full(B, T), max_steps)
+  # the state's sums get their keys at the first step: one step first, then the programs
+  sf0 = fields[0]
+  cache, state = Engine._greedy_step(eng, eng.params, cache, state, stop, static_fields=sf0)
   t0 = time.perf_counter()
-  compiled = {sf: Engine._step.lower(eng, eng.params, cache, tok, pos0, on, logits,
-                                     static_fields=sf).compile() for sf in sorted(set(fields))}
+  compiled = {sf: Engine._greedy_step.lower(eng, eng.params, cache, state, stop,
+                                            static_fields=sf).compile()
+              for sf in sorted(set(fields))}
   programs = [compiled[sf] for sf in fields]
   info["compile_s"] = time.perf_counter() - t0
   info["programs"] = len(compiled)
   log(f"  compiled its decode step ({len(compiled)} program(s)): {info['compile_s']:.1f} s")
   mems = [_mem(c) for c in compiled.values()]
   info.update({k: max(m[k] for m in mems) for k in mems[0]} if mems[0] else {})
-  auxes = []
+
+  def step(state, i):  # i counts from the prompt's end; the untimed first step was i = 0
+    return programs[i % span](eng.params, *state, stop)
+  return (cache, state), step, info
+
+
+def step_loop(eng, B: int, T: int, span: int):
+  """The decode loop before `_greedy_step` (what `Engine.decode_step` runs, a row per host
+  call): `Engine._step` with its token the argmax of the last logits in a dispatch of its own
+  and the position pos0 + i, both new arrays every call, each step's aux dropped. state:
+  (cache, logits); the same static fields as `filled_program`'s steps."""
+  import jax.numpy as jnp
+  import numpy as np
+  from condattn_jax.inference import Engine
+  on, on_B = jnp.ones((B, 1), bool), np.ones(B, bool)
+  fields = [eng._decode_fields(np.full(B, T + i, np.int32), on_B) for i in range(span)]
+  pos0 = jnp.full((B, 1), T, jnp.int32)
 
   def step(state, i):
     cache, logits = state
     t = jnp.argmax(logits, -1).astype(jnp.int32)[:, None]
-    cache, logits, aux = programs[i % span](eng.params, cache, t, pos0 + i, on, logits)
-    if step.keep_aux:
-      auxes.append(aux)
-    return cache, logits
-  step.keep_aux = True  # as the engine's decode loops: every step's aux held on the device
-  return (cache, logits), step, auxes, info
+    return Engine._step(eng, eng.params, cache, t, pos0 + i, on, logits,
+                        static_fields=fields[i % span])[:2]
+  return step
 
 
 def engine_row(scheme: str, shapes: str, B: int, T: int, F, log) -> tuple[dict, dict]:
@@ -876,34 +893,38 @@ def engine_row(scheme: str, shapes: str, B: int, T: int, F, log) -> tuple[dict, 
   row["weight_bytes"] = weight_bytes(cfg, params, B)
   steps, warmup, extra_slots = timed_schedule(scheme, cfg, T, F.steps, F.repeats, F.warmup)
   row.update(steps=steps, warmup=warmup)
-  # the traced steps (--trace_steps) after every timed one (and MATCH's block_split block)
-  used = (warmup + F.repeats * steps * (2 if F.aux_ab else 1)
-          + (block_len(scheme, cfg) if scheme == "match" else 0))
+  # the untimed first step, the traced steps (--trace_steps) after every timed one (and MATCH's
+  # block_split block)
+  used = (1 + warmup + F.repeats * steps + (warmup + F.repeats * steps if F.step_ab else 0)
+          + (block_len(scheme, cfg) if scheme == "match" else 0) + F.trace_steps)
   # in whole EXTRA-slot blocks: a kv length the decode paths split evenly (ops.decode_splits)
-  extra_slots = max(extra_slots, -(-(used + F.trace_steps) // EXTRA) * EXTRA)
+  extra_slots = max(extra_slots, -(-used // EXTRA) * EXTRA)
   eng = Engine(cfg, params, cache_len=T + extra_slots, prefill_chunk=min(PREFILL_CHUNK, T))
-  (cache, logits), step, auxes, info = filled_program(eng, scheme, cfg, B, T, log)
+  state, step, info = filled_program(eng, scheme, cfg, B, T, log, used)
   row.update(info)
   host = []
-  ms, runs, (cache, logits) = _timed_steps(step, (cache, logits), steps, F.repeats, warmup,
-                                           host=host)
+  w = max(warmup - 1, 0)  # the first step counts as one of the warm-up
+  ms, runs, state = _timed_steps(step, state, steps, F.repeats, w, i0=1, host=host)
   row.update(ms=ms, runs_ms=runs, host_ms=statistics.median(host), tokens_per_s=B * 1e3 / ms,
-             logits_finite=bool(jnp.all(jnp.isfinite(logits))))
-  rate = rates(jax.device_get(auxes[warmup:warmup + F.repeats * steps]))
-  i = warmup + F.repeats * steps
-  if F.aux_ab:  # the same steps with each step's aux dropped at once
-    step.keep_aux = False
-    ms_drop, runs_drop, (cache, logits) = _timed_steps(step, (cache, logits), steps, F.repeats,
-                                                       0, i0=i)
-    step.keep_aux = True
-    row.update(ms_aux_dropped=ms_drop, runs_ms_aux_dropped=runs_drop)
-    i += F.repeats * steps
+             logits_finite=bool(jnp.all(jnp.isfinite(state[1]["logits"]))))
+  g = jax.device_get({k: state[1][k] for k in ("sums", "module_sums", "i")})
+  rate = rates(g["sums"], g["module_sums"], int(g["i"]))  # every step so far, the first too
+  i = 1 + w + F.repeats * steps
   if scheme == "match":
-    split, (cache, logits) = block_split(step, (cache, logits), i, block_len(scheme, cfg))
+    split, state = block_split(step, state, i, block_len(scheme, cfg))
     row.update(split)
     i += block_len(scheme, cfg)
   if F.trace_steps:
-    cache, logits = trace_row(row, step, (cache, logits), i, F.trace_steps)
+    state = trace_row(row, step, state, i, F.trace_steps)
+    i += F.trace_steps
+  if F.step_ab:  # as many steps again through the loop before _greedy_step
+    host_ab = []
+    old = step_loop(eng, B, T, block_len(scheme, cfg))
+    ms_ab, runs_ab, state = _timed_steps(old, (state[0], state[1]["logits"]), steps,
+                                         F.repeats, warmup, i0=i, host=host_ab)
+    row.update(ms_step_loop=ms_ab, runs_ms_step_loop=runs_ab,
+               host_ms_step_loop=statistics.median(host_ab))
+  cache = state[0]
   row.update(step_bytes(scheme, cfg, B, T, rate, row["cache_bytes"]))
   row["bytes"] = row["weight_bytes"] + row["kv_bytes"]
   row["peak_bytes_in_use"] = common.peak_bytes()
@@ -927,12 +948,14 @@ def flat_rows(F, log, emit) -> list[dict]:
   for T in (T_lo, T_hi):
     steps, warmup, extra = timed_schedule("match", cfg, T, F.steps, F.flat_repeats, F.warmup)
     eng = Engine(cfg, params, cache_len=T + extra, prefill_chunk=min(PREFILL_CHUNK, T))
-    state, step, _, info = filled_program(eng, "match", cfg, 1, T, log)
-    runs[T] = dict(state=state, step=step, i=0, steps=steps, ms=[], info=info, warmup=warmup)
+    state, step, info = filled_program(eng, "match", cfg, 1, T, log,
+                                       1 + warmup + F.flat_repeats * steps)
+    runs[T] = dict(state=state, step=step, i=1, steps=steps, ms=[], info=info, warmup=warmup)
   for r in range(F.flat_repeats):
     for T in ((T_lo, T_hi) if r % 2 == 0 else (T_hi, T_lo)):
       x = runs[T]
-      warm = x["warmup"] if r < 2 else 0  # (each engine's first batch: its warm-up first)
+      # each engine's first batch: its warm-up first (filled_program ran the first step)
+      warm = max(x["warmup"] - 1, 0) if r < 2 else 0
       ms, _, x["state"] = _timed_steps(x["step"], x["state"], x["steps"], 1, warm, i0=x["i"])
       x["i"] += warm + x["steps"]
       x["ms"].append(ms)

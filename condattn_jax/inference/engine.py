@@ -258,6 +258,17 @@ class _RowStats:
     tokens per row."""
     self._pending.append((row_aux, n_B if isinstance(n_B, jax.Array) else np.asarray(n_B)))
 
+  def add_sums(self, sums: dict, module_sums: dict, steps_B) -> None:
+    """Totals summed elsewhere (`Engine._greedy_step`: on the device, the rows a step did not
+    run adding 0): sums {name: [L, B, ...]}, module_sums {name: [B, ...]}, steps_B [B]."""
+    self._flush()
+    for k, v in sums.items():
+      self.sums[k] = self.sums.get(k, 0.0) + np.asarray(v, np.float64)
+    for k, v in module_sums.items():
+      self.module_sums[k] = self.module_sums.get(k, 0.0) + np.asarray(v, np.float64)
+    steps = np.asarray(steps_B, np.float64)
+    self.steps_B = steps if self.steps_B is None else self.steps_B + steps
+
   def _flush(self) -> None:
     pending, self._pending = jax.device_get(self._pending), []
     for row_aux, n_B in pending:
@@ -861,37 +872,68 @@ class Engine:
   GREEDY_CHECK_EVERY = 16
 
   def _greedy_on_device(self, cache, logits, lengths, knobs: _Knobs, outs, gen_stats):
-    """`generate`'s greedy loop without a host round trip a step: each step's ids are the
-    argmax of the last logits on the device, fed back as the next tokens; a row's done flag (a
-    stop token) and position stay on the device; the host reads the flags every
-    GREEDY_CHECK_EVERY steps (an early end) and the ids once at the end, then pushes them into
-    `outs` as the host loop would (tokens, finish reasons, text). Each step's aux counts the
-    rows it ran, so steps past every row's end (at most GREEDY_CHECK_EVERY - 1, no row active)
-    change no statistic. The host loop's own static fields need the active rows: used only
-    where the scheme has none (`decode_fields`) or every row stays active (no stop tokens).
-    Returns (cache, steps: the steps the host loop would have run)."""
+    """`generate`'s greedy loop without a host round trip a step: `_greedy_step` calls back to
+    back on one donated state (each step's token the argmax of the last logits, stop-token done
+    flags, positions, the ids and the routing sums all stay on the device, written in place:
+    no new array enters a call, so XLA:GPU replays the step's command buffer without updating
+    it); the host reads the done flags every GREEDY_CHECK_EVERY steps (an early end) and the ids
+    and sums once at the end, then pushes the ids into `outs` as the host loop would (tokens,
+    finish reasons, text). Steps past every row's end (at most GREEDY_CHECK_EVERY, no row
+    active) change no statistic. The host loop's own static fields need the active rows: used
+    only where the scheme has none (`decode_fields`) or every row stays active (no stop
+    tokens). Returns (cache, steps: the steps the host loop would have run)."""
     B, n = len(outs), knobs.max_new_tokens
     stop = jnp.asarray(sorted(knobs.stop_tokens) or [-1], jnp.int32)
-    done = jnp.zeros((B,), bool)
     pos_host = np.asarray(lengths).copy()
-    pos = jnp.asarray(pos_host, jnp.int32)
-    ids = []
-    for i in range(n):
-      t, done, tok_B1, pos_B1, on_B1, ran_B, pos = _greedy_pick(logits, done, stop, pos)
-      ids.append(t)
-      if i == n - 1 or (knobs.stop_tokens and i % self.GREEDY_CHECK_EVERY
-                        == self.GREEDY_CHECK_EVERY - 1 and bool(jnp.all(done))):
-        break
-      cache, logits, row_aux = self._step(
-          self.params, cache, tok_B1, pos_B1, on_B1, logits,
+    state = greedy_state(logits, lengths, n)
+    ran, ended = 0, False
+    for i in range(n - 1):
+      cache, state = self._greedy_step(
+          self.params, cache, state, stop,
           static_fields=self._decode_fields(pos_host, np.ones(B, bool)))
-      gen_stats.add(row_aux, ran_B)
-      pos_host = pos_host + 1
-    for row in np.asarray(jnp.stack(ids)):
+      pos_host, ran = pos_host + 1, ran + 1
+      if (knobs.stop_tokens and i % self.GREEDY_CHECK_EVERY == self.GREEDY_CHECK_EVERY - 1
+          and bool(jnp.all(state["done"]))):
+        ended = True  # every row ended at a token of this step: no last pick
+        break
+    ids = state["ids"][:ran]
+    if not ended:
+      ids = jnp.concatenate([ids, _argmax(state["logits"]).astype(jnp.int32)[None]])
+    if ran:
+      gen_stats.add_sums(*jax.device_get((state["sums"], state["module_sums"], state["steps_B"])))
+    for row in np.asarray(ids):
       for b, o in enumerate(outs):
         if not o.done:
           o.push(None, int(row[b]))
     return cache, max(len(o.tokens) for o in outs) - 1
+
+  @functools.partial(jax.jit, static_argnums=0, static_argnames=("static_fields",),
+                     donate_argnums=(2, 3))
+  def _greedy_step(self, params, cache, state, stop_S, static_fields=()):
+    """One greedy decode step on `greedy_state`'s donated state: ids = argmax of its logits
+    (recorded at ids[i]), a row done once an id is a stop token, one `_step` for the rows not
+    done at their positions, then the rows it ran advance and their per-row aux are summed (in
+    float32; a row it did not run adds 0). Returns (cache, state); every state leaf is written
+    over its input (aliased), so a loop of these calls takes no new array. The sums' keys are
+    those the steps gave so far (a step with a new aux name adds it: one more trace)."""
+    ids_B = jnp.argmax(state["logits"], axis=-1).astype(jnp.int32)
+    done_B = state["done"] | jnp.any(ids_B[:, None] == stop_S[None, :], axis=-1)
+    on_B = ~done_B
+    cache, logits_BV, row_aux = Engine._step.__wrapped__(
+        self, params, cache, ids_B[:, None], state["pos"][:, None], on_B[:, None],
+        state["logits"], static_fields=static_fields)
+    ran_B = on_B.astype(jnp.int32)
+    sums, module_sums = dict(state["sums"]), dict(state["module_sums"])
+    for k, v in row_aux.pop("scheme", {}).items():
+      v = jnp.where(on_B.reshape((-1,) + (1,) * (v.ndim - 1)), v, 0.0)
+      module_sums[k] = module_sums.get(k, 0.0) + v
+    for k, v in row_aux.items():
+      v = jnp.where(on_B.reshape((1, -1) + (1,) * (v.ndim - 2)), v, 0.0)
+      sums[k] = sums.get(k, 0.0) + v
+    i = state["i"]
+    return cache, dict(logits=logits_BV, done=done_B, pos=state["pos"] + ran_B, i=i + 1,
+                       ids=jax.lax.dynamic_update_index_in_dim(state["ids"], ids_B, i, 0),
+                       steps_B=state["steps_B"] + ran_B, sums=sums, module_sums=module_sums)
 
   def _decode_on_host(self, cache, logits, lengths, knobs: _Knobs, outs, gen_stats):
     """`generate`'s loop with a host round trip a step: each row's next token chosen on the host
@@ -972,16 +1014,15 @@ class Engine:
         prefill_s=t1 - t0, decode_s=t2 - t1, steps=steps, cache_bytes=cache_bytes(cache))
 
 
-@jax.jit
-def _greedy_pick(logits_BV, done_B, stop_S, pos_B):
-  """One step of Engine._greedy_on_device's bookkeeping in one dispatch: (the greedy ids [B],
-  done_B | each id a stop token, then the step's inputs: tokens [B, 1], positions [B, 1],
-  active rows [B, 1] and [B] int32, and the positions after it)."""
-  ids = jnp.argmax(logits_BV, axis=-1)
-  done = done_B | jnp.any(ids[:, None] == stop_S[None, :], axis=-1)
-  on = ~done
-  return (ids, done, ids.astype(jnp.int32)[:, None], pos_B[:, None], on[:, None],
-          on.astype(jnp.int32), pos_B + on.astype(jnp.int32))
+def greedy_state(logits_BV, lengths_B, n: int) -> dict:
+  """`Engine._greedy_step`'s state for up to n generated tokens after a prefill that left
+  logits_BV and rows of lengths_B tokens: the logits (donated: pass a copy to keep them), no row
+  done, the positions, the step index, the ids [n, B], the steps each row ran and empty sums."""
+  B = logits_BV.shape[0]
+  return dict(logits=logits_BV, done=jnp.zeros((B,), bool),
+              pos=jnp.asarray(np.asarray(lengths_B), jnp.int32), i=jnp.zeros((), jnp.int32),
+              ids=jnp.zeros((n, B), jnp.int32), steps_B=jnp.zeros((B,), jnp.int32), sums={},
+              module_sums={})
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

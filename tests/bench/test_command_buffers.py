@@ -33,11 +33,11 @@ def test_the_log_is_read_between_the_marks():
 def test_donated_logits_keep_their_address_and_the_cache_keeps_its_own():
   """On any backend: the engine's step writes new logits elsewhere every call (XLA:GPU then
   re-records the commands that use them); with the previous logits donated the new ones are
-  written over them, and the donated cache never moves."""
+  written over them (the engine's greedy step too), and the donated cache never moves."""
   rows = {(r["variant"], r["mode"]): r for r in cb.measure(
       "dense", "tiny-qwen", 64, calls=2, warmup=1, log=lambda *_: None)}
   assert set(rows) == {(v, m) for v in ("default", "donate_logits") for m in ("bench", "bare")} | {
-      ("steady", "steady"), ("steady_noaux", "steady")}
+      ("steady", "steady"), ("steady_noaux", "steady"), ("greedy_step", "steady")}
   for (variant, _), r in rows.items():
     assert r["logits_finite"] and r["wall_ms"] > 0 and r["cache_addresses_stable"]
     assert r["logits_address_stable"] == (variant != "default")
@@ -84,3 +84,18 @@ def test_the_stored_prototype_logs_hold_the_documented_updates():
         bare = cb._summary(segs[f"{scheme} bare"], 20)
         assert bare["num_commands"] == {"dense": 542, "l2a": 969, "elastic": 746}[scheme]
         assert bare["updated_allocs"] == 2
+
+
+def test_the_recorded_h200_run_adopted_the_steady_step():
+  """bench/results/command_buffers_NVIDIA_H200.json's first run (cb_first, 32K, dense and L2A):
+  the engine's step updated its command buffer on every call; the steady step (every changing
+  input donated state) on none, at a fraction of the host time; CB_RULE's verdict recorded in the
+  run is what `decide` gives on its rows today."""
+  data = common.load(os.path.join(common.RESULTS, "command_buffers_NVIDIA_H200.json"))
+  run = next(r for r in data["runs"] if r["settings"]["name"] == "cb_first")
+  rows = {(r["scheme"], r["variant"], r["mode"]): r for r in run["rows"]}
+  for s in ("dense", "l2a"):
+    base, steady = rows[(s, "default", "bench")], rows[(s, "steady", "steady")]
+    assert base["updates"] == base["calls"] == 20 and steady["updates"] == 0
+    assert steady["host_ms"] < 0.3 * base["host_ms"] and steady["wall_ms"] < base["wall_ms"]
+  assert run["decision"] == cb.decide(run["rows"]) and run["decision"]["adopt"] == "steady"
