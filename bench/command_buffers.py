@@ -158,8 +158,8 @@ def measure(scheme: str, shapes: str, T: int, variants=VARIANTS, calls: int = 20
     if variant == "greedy_step":
       from condattn_jax.inference.engine import greedy_state
       stop = jnp.asarray([-1], jnp.int32)
-      gs = greedy_state(logits, np.full(1, T), warmup + calls + 8)
-      cache, gs = Engine._greedy_step(eng, params, cache, gs, stop, static_fields=sf)  # keys
+      gs = greedy_state(logits, np.full(1, T), warmup + calls + 8,
+                        eng.step_aux_shapes(params, cache, 1, sf))
       step = Engine._greedy_step.lower(eng, params, cache, gs, stop, static_fields=sf).compile()
       state = (cache, gs)
       bench = lambda s, i: step(params, s[0], s[1], stop)

@@ -834,10 +834,8 @@ def filled_program(eng, scheme: str, cfg, B: int, T: int, log, max_steps: int):
   span = block_len(scheme, cfg)  # the fields repeat every block: looked up once, not a step
   fields = [eng._decode_fields(np.full(B, T + i, np.int32), on_B) for i in range(span)]
   stop = jnp.asarray([-1], jnp.int32)  # no stop token: every row runs every step
-  state = greedy_state(logits, np.full(B, T), max_steps)
-  # the state's sums get their keys at the first step: one step first, then the programs
-  sf0 = fields[0]
-  cache, state = Engine._greedy_step(eng, eng.params, cache, state, stop, static_fields=sf0)
+  state = greedy_state(logits, np.full(B, T), max_steps,
+                       eng.step_aux_shapes(eng.params, cache, B, fields[0]))
   t0 = time.perf_counter()
   compiled = {sf: Engine._greedy_step.lower(eng, eng.params, cache, state, stop,
                                             static_fields=sf).compile()
@@ -849,7 +847,7 @@ def filled_program(eng, scheme: str, cfg, B: int, T: int, log, max_steps: int):
   mems = [_mem(c) for c in compiled.values()]
   info.update({k: max(m[k] for m in mems) for k in mems[0]} if mems[0] else {})
 
-  def step(state, i):  # i counts from the prompt's end; the untimed first step was i = 0
+  def step(state, i):  # the i-th step after the prompt
     return programs[i % span](eng.params, *state, stop)
   return (cache, state), step, info
 
@@ -893,9 +891,8 @@ def engine_row(scheme: str, shapes: str, B: int, T: int, F, log) -> tuple[dict, 
   row["weight_bytes"] = weight_bytes(cfg, params, B)
   steps, warmup, extra_slots = timed_schedule(scheme, cfg, T, F.steps, F.repeats, F.warmup)
   row.update(steps=steps, warmup=warmup)
-  # the untimed first step, the traced steps (--trace_steps) after every timed one (and MATCH's
-  # block_split block)
-  used = (1 + warmup + F.repeats * steps + (warmup + F.repeats * steps if F.step_ab else 0)
+  # the traced steps (--trace_steps) after every timed one (and MATCH's block_split block)
+  used = (warmup + F.repeats * steps + (warmup + F.repeats * steps if F.step_ab else 0)
           + (block_len(scheme, cfg) if scheme == "match" else 0) + F.trace_steps)
   # in whole EXTRA-slot blocks: a kv length the decode paths split evenly (ops.decode_splits)
   extra_slots = max(extra_slots, -(-used // EXTRA) * EXTRA)
@@ -903,13 +900,12 @@ def engine_row(scheme: str, shapes: str, B: int, T: int, F, log) -> tuple[dict, 
   state, step, info = filled_program(eng, scheme, cfg, B, T, log, used)
   row.update(info)
   host = []
-  w = max(warmup - 1, 0)  # the first step counts as one of the warm-up
-  ms, runs, state = _timed_steps(step, state, steps, F.repeats, w, i0=1, host=host)
+  ms, runs, state = _timed_steps(step, state, steps, F.repeats, warmup, host=host)
   row.update(ms=ms, runs_ms=runs, host_ms=statistics.median(host), tokens_per_s=B * 1e3 / ms,
              logits_finite=bool(jnp.all(jnp.isfinite(state[1]["logits"]))))
   g = jax.device_get({k: state[1][k] for k in ("sums", "module_sums", "i")})
-  rate = rates(g["sums"], g["module_sums"], int(g["i"]))  # every step so far, the first too
-  i = 1 + w + F.repeats * steps
+  rate = rates(g["sums"], g["module_sums"], int(g["i"]))  # every step so far, warm-up too
+  i = warmup + F.repeats * steps
   if scheme == "match":
     split, state = block_split(step, state, i, block_len(scheme, cfg))
     row.update(split)
@@ -949,13 +945,12 @@ def flat_rows(F, log, emit) -> list[dict]:
     steps, warmup, extra = timed_schedule("match", cfg, T, F.steps, F.flat_repeats, F.warmup)
     eng = Engine(cfg, params, cache_len=T + extra, prefill_chunk=min(PREFILL_CHUNK, T))
     state, step, info = filled_program(eng, "match", cfg, 1, T, log,
-                                       1 + warmup + F.flat_repeats * steps)
-    runs[T] = dict(state=state, step=step, i=1, steps=steps, ms=[], info=info, warmup=warmup)
+                                       warmup + F.flat_repeats * steps)
+    runs[T] = dict(state=state, step=step, i=0, steps=steps, ms=[], info=info, warmup=warmup)
   for r in range(F.flat_repeats):
     for T in ((T_lo, T_hi) if r % 2 == 0 else (T_hi, T_lo)):
       x = runs[T]
-      # each engine's first batch: its warm-up first (filled_program ran the first step)
-      warm = max(x["warmup"] - 1, 0) if r < 2 else 0
+      warm = x["warmup"] if r < 2 else 0  # (each engine's first batch: its warm-up first)
       ms, _, x["state"] = _timed_steps(x["step"], x["state"], x["steps"], 1, warm, i0=x["i"])
       x["i"] += warm + x["steps"]
       x["ms"].append(ms)

@@ -695,7 +695,7 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
       row.update(bare_ms=statistics.median(bare_runs),
                  host_ms=statistics.median(host) * 1e3)
       state = _trace_row(row, bare, state, traced)
-      row["logits_finite"] = bool(jnp.all(jnp.isfinite(state[-1])))
+      row["logits_finite"] = bool(jnp.all(jnp.isfinite(_logits(state))))
       row["status"] = "ok"
       log(f"{name}: {row['ms']:.3f} ms/token (bare {row['bare_ms']:.3f}, host "
           f"{row['host_ms']:.3f}, busy {row['busy_ms']:.3f}, {row['kernels']:.0f} kernels, "
@@ -706,6 +706,23 @@ def profile_step(shapes: str, B: int, T: int, *, variants=PROFILE_VARIANTS, step
       log(f"{name}: error {row['error']}")
     rows.append(row)
   return rows
+
+
+def _logits(state):
+  """The last logits of a variant's state: (cache, greedy state) or (..., logits). An engine
+  variant's greedy steps advance its positions every call: one past the cache's STEP_SLOTS is
+  an error (its steps wrote past the cache), not a timing."""
+  if not isinstance(state[-1], dict):
+    return state[-1]
+  if int(state[-1]["i"]) > STEP_SLOTS:
+    raise ValueError(f"{int(state[-1]['i'])} greedy steps ran past the cache's {STEP_SLOTS} "
+                     "slots after T: fewer steps / repeats, or raise STEP_SLOTS.")
+  return state[-1]["logits"]
+
+
+# Cache slots past T of a variant's engine (profile_step / ab_step) and of its float32
+# reference: the engine's greedy step advances the position every call (bench and bare alike).
+STEP_SLOTS = 1024
 
 
 def _trace_row(row: dict, bare, state, traced: int):
@@ -727,15 +744,19 @@ def _build_variant(name, layout, sets, cfg, params, split, B, T, compiler_option
                    shapes, hlo_dir=None, defer: bool = False) -> dict:
   """One variant (`parse_variant`) compiled over a fresh `filled_cache` of T tokens:
   {row (its settings, compile_s, memory analysis, op_histogram; status 'built' or 'error'),
-  bench (state, i) -> state: the bench's step (argmax of the last logits, pos0 + i), bare
-  state -> state: the compiled program alone (same token and position every call), state}.
+  bench (state, i) -> state and bare state -> state: an engine variant's greedy step
+  (`Engine._greedy_step` on (cache, greedy state): its token the argmax of the last logits, its
+  position advancing, both calls alike); xla_per_layer's bench step (argmax of the last logits,
+  T + i) and bare program (same token and position every call), state}.
   defer: the dict holds `compile` instead,
   a function that compiles (thread-safe: nothing traced) and fills the dict as above."""
   import time
   import jax
   import jax.numpy as jnp
+  import numpy as np
   from bench import decode as bd
   from condattn_jax.inference import Engine
+  from condattn_jax.inference.engine import greedy_state
   opts = {k_: v_ for x in sets if x in OPTION_SETS for k_, v_ in OPTION_SETS[x].items()}
   opts = {**opts, **PROFILE_OPTIONS, **(compiler_options or {})}
   row = dict(program="xla_per_layer" if layout == "xla_per_layer" else "engine", variant=name,
@@ -747,7 +768,7 @@ def _build_variant(name, layout, sets, cfg, params, split, B, T, compiler_option
     p = split if layout == "split" else params
     # a fresh engine per variant: jit caches a trace per (engine, shapes), and a variant's
     # model config (attention impl, scheme options) must reach its own trace
-    eng = Engine(variant_config(cfg, sets), params, cache_len=T + bd.EXTRA)
+    eng = Engine(variant_config(cfg, sets), params, cache_len=T + STEP_SLOTS)
     tok, pos0, on, logits = step_inputs(eng, B, T)
     if layout == "xla_per_layer":
       kv = filled_cache(eng, B, T)
@@ -777,12 +798,15 @@ def _build_variant(name, layout, sets, cfg, params, split, B, T, compiler_option
           state = Engine._step(eng, p, state[0], tok, pos0, on, logits)[:2]
       row["static_fields"] = [list(x) for x in sf]
       t0 = time.perf_counter()
+      # the engine's greedy step (what generate runs: every changing input donated state, no
+      # command-buffer update a call); bench and bare are the same calls
+      stop = jnp.asarray([-1], jnp.int32)
       with trace_context(sets):
-        lowered = Engine._step.lower(eng, p, state[0], tok, pos0, on, logits, static_fields=sf)
-      call = lambda c: (
-          lambda s, i: c(p, s[0], jnp.argmax(s[1], -1).astype(jnp.int32)[:, None], pos0 + i, on,
-                         s[1])[:2],
-          lambda s: c(p, s[0], tok, pos0, on, s[1])[:2])
+        gs = greedy_state(jnp.array(state[1], copy=True), np.full(B, T),
+                          STEP_SLOTS, eng.step_aux_shapes(p, state[0], B, sf))
+        lowered = Engine._greedy_step.lower(eng, p, state[0], gs, stop, static_fields=sf)
+      state = (state[0], gs)
+      call = lambda c: (lambda s, i: c(p, *s, stop), lambda s: c(p, *s, stop))
     row["lower_s"] = time.perf_counter() - t0
   except Exception as e:  # recorded; the other variants still run
     row.update(status="error", error=f"{type(e).__name__}: {str(e)[:400]}")
@@ -944,10 +968,10 @@ def ab_step(shapes: str, B: int, T: int, *, variants, scheme: str = "l2a",
   for sch, cfg, params in models if fp32 else ():
     try:
       t1 = time.perf_counter()
-      eng = Engine(cfg, params, cache_len=T + bd.EXTRA)
+      eng = Engine(cfg, params, cache_len=T + STEP_SLOTS)
       args = step_inputs(eng, B, T)
       cache16 = filled_cache(eng, B, T)
-      lowered, cache32 = _lower_fp32(cfg, params, B, T, cache16, *args)
+      lowered, cache32 = _lower_fp32(cfg, params, B, T, cache16, *args, slots=STEP_SLOTS)
       del cache16
       out = lowered.compile()(params, cache32, *args)
       fp32_refs[sch] = np.asarray(out[1], np.float64)
@@ -965,7 +989,7 @@ def ab_step(shapes: str, B: int, T: int, *, variants, scheme: str = "l2a",
     ref = refs.get(sch)
     try:
       b["state"] = b["bare"](b["state"])
-      first = np.asarray(b["state"][-1], np.float64)
+      first = np.asarray(_logits(b["state"]), np.float64)
       if ref is None:
         ref = refs[sch] = (name, first)
       row.update(reference_variant=ref[0], **logits_diff(first, ref[1]))
@@ -1005,7 +1029,7 @@ def ab_step(shapes: str, B: int, T: int, *, variants, scheme: str = "l2a",
     row = b["row"]
     row.update(ms=statistics.median(row["runs_ms"]),
                busy_ms=statistics.median(row["busy_runs_ms"]),
-               logits_finite=bool(jnp.all(jnp.isfinite(b["state"][-1]))), status="ok")
+               logits_finite=bool(jnp.all(jnp.isfinite(_logits(b["state"])))), status="ok")
     log(f"{row['scheme']} {row['variant']} T={T}: {row['ms']:.3f} ms/token (runs "
         f"{', '.join(f'{x:.2f}' for x in row['runs_ms'])}), host {row['host_ms']:.3f}, busy "
         f"{row['busy_ms']:.3f}, {row['kernels']:.0f} kernels, {row['launches']} launches")
@@ -1147,17 +1171,18 @@ def _over_cudnn():
 FP32_VARIANTS = ("refattn", "mgpu")
 
 
-def _lower_fp32(cfg, params, B: int, T: int, cache16, tok, pos0, on, prev):
+def _lower_fp32(cfg, params, B: int, T: int, cache16, tok, pos0, on, prev, slots=None):
   """(lowered, cache32): the engine's decode step of `cfg`'s model in float32 arithmetic on the
   same numbers, the reference of fp32_check and of ADOPTION_RULE's logits test: compute dtype
   float32, every attention call through ops' reference (`_reference_attention`), every matmul
   at 'highest' precision, the bf16 `params` (upcast exactly in the model) and `cache16` upcast
-  (cache32, a new buffer: cache16 stays the caller's)."""
+  (cache32, a new buffer: cache16 stays the caller's). slots: the cache's slots past T
+  (default bench.decode.EXTRA)."""
   import jax
   from bench import decode as bd
   from condattn_jax.inference import Engine
   cfg32 = dataclasses.replace(_reference_attention(cfg), dtype="float32")
-  e = Engine(cfg32, params, cache_len=T + bd.EXTRA)
+  e = Engine(cfg32, params, cache_len=T + (bd.EXTRA if slots is None else slots))
   cache32 = jax.tree.map(lambda a, s: a.astype(s.dtype), cache16, e.cache_shapes(B))
   with jax.default_matmul_precision("highest"):
     jax.clear_caches()  # the engine's jit cache is keyed by config: the context must trace

@@ -907,6 +907,15 @@ class Engine:
           o.push(None, int(row[b]))
     return cache, max(len(o.tokens) for o in outs) - 1
 
+  def step_aux_shapes(self, params, cache, B: int, static_fields=()) -> dict:
+    """The per-row aux a one-token step of B rows over this cache returns ({name:
+    ShapeDtypeStruct}, the scheme module's under 'scheme'), traced, not run: `greedy_state`'s
+    aux_shapes."""
+    tok = jax.ShapeDtypeStruct((B, 1), jnp.int32)
+    fn = lambda *a: Engine._step.__wrapped__(self, *a, static_fields=static_fields)[2]
+    return jax.eval_shape(fn, params, cache, tok, tok, jax.ShapeDtypeStruct((B, 1), bool),
+                          jax.ShapeDtypeStruct((B, self.config.vocab_size), jnp.float32))
+
   @functools.partial(jax.jit, static_argnums=0, static_argnames=("static_fields",),
                      donate_argnums=(2, 3))
   def _greedy_step(self, params, cache, state, stop_S, static_fields=()):
@@ -1014,15 +1023,20 @@ class Engine:
         prefill_s=t1 - t0, decode_s=t2 - t1, steps=steps, cache_bytes=cache_bytes(cache))
 
 
-def greedy_state(logits_BV, lengths_B, n: int) -> dict:
+def greedy_state(logits_BV, lengths_B, n: int, aux_shapes: dict | None = None) -> dict:
   """`Engine._greedy_step`'s state for up to n generated tokens after a prefill that left
   logits_BV and rows of lengths_B tokens: the logits (donated: pass a copy to keep them), no row
-  done, the positions, the step index, the ids [n, B], the steps each row ran and empty sums."""
+  done, the positions, the step index, the ids [n, B], the steps each row ran, and the sums:
+  empty (each step adds the names it gives), or zeros for every name of aux_shapes
+  (`Engine.step_aux_shapes`: the state keeps one structure from the first call, as a step
+  compiled ahead of time needs)."""
   B = logits_BV.shape[0]
+  zeros = lambda t: jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), t)
+  aux = dict(aux_shapes or {})
   return dict(logits=logits_BV, done=jnp.zeros((B,), bool),
               pos=jnp.asarray(np.asarray(lengths_B), jnp.int32), i=jnp.zeros((), jnp.int32),
-              ids=jnp.zeros((n, B), jnp.int32), steps_B=jnp.zeros((B,), jnp.int32), sums={},
-              module_sums={})
+              ids=jnp.zeros((n, B), jnp.int32), steps_B=jnp.zeros((B,), jnp.int32),
+              module_sums=zeros(aux.pop("scheme", {})), sums=zeros(aux))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
