@@ -84,7 +84,7 @@ def run_suite(models: Sequence[harness.EvalModel], suite: str, *,
                                prefill_chunk=prefill_chunk, on_group=tick)
     if ppl_docs:
       docs = harness.load_documents(ppl_docs, m.tokenizer)
-      params = m.make_engine(1, None).params
+      params = m.make_engine(1, None).stacked_params()
       r["perplexity"] = {str(L): harness.perplexity_by_position(m.model_cfg, params, docs, L,
                                                                 batch_size=batch_size)
                          for L in lengths}

@@ -57,6 +57,7 @@ class CondattnLM(TemplateLM):
     import jax
 
     from condattn_jax.models.decoder import Decoder
+    from condattn_jax.models import stacking
     from condattn_jax.train.step import forward_ce
     self.engine = engine
     self.tokenizer = tokenizer if tokenizer is not None else getattr(engine, "tokenizer", None)
@@ -79,8 +80,10 @@ class CondattnLM(TemplateLM):
     self._max_gen_toks = int(max_gen_toks)
     self.seed = int(seed)
     model = Decoder(engine.config)
-    self._forward = jax.jit(lambda p, b: forward_ce(model, p, b, train=False,
-                                                    rng=jax.random.key(seed))[:2])
+    # the engine's params (split per layer by default) stacked back inside the program: a
+    # temporary of the scoring call, not a second copy of the weights held
+    self._forward = jax.jit(lambda p, b: forward_ce(model, stacking.join_groups(p), b,
+                                                    train=False, rng=jax.random.key(seed))[:2])
 
   @classmethod
   def from_checkpoint(cls, path: str, *, max_length: int, tokenizer=None, batch_size: int = 8,

@@ -53,6 +53,7 @@ import numpy as np
 from condattn_jax.inference import sampling
 from condattn_jax.inference.text import TextStream
 from condattn_jax.models.config import ModelConfig
+from condattn_jax.models import stacking
 from condattn_jax.models.decoder import Decoder
 
 # Aux entries of a layer that hold one value per row: name ends in _B (+ more axes), [L, B, ...].
@@ -397,16 +398,30 @@ class Engine:
   cache_len: slots of every full cache (>= prompt length + new tokens of every row).
   prefill_chunk: prompt tokens per prefill call (None: the whole padded prompt at once); chunked
     prefill bounds activation memory at long context.
+  split_layers: hold the params in `models.stacking.split_groups`' layout (default): each
+    layer's weights arrays of their own, made once here, so no step slices a stacked weight
+    (XLA:GPU copies such a slice feeding a matmul into a new buffer every step). The engine
+    keeps only that copy (a caller that keeps the stacked tree holds the weights twice; pass
+    split_layers=False to step on the caller's tree instead). `engine.params` is the tree the
+    steps take; `stacked_params()` gives the model's stacked tree (for a scanned forward).
+    Adopted by ADOPTION_RULE in run greedy_split_ab (bench/results/decode_program_NVIDIA_H200.
+    json); same tokens and logits as the stacked layout (tested).
   """
 
   def __init__(self, model_cfg: ModelConfig, params, *, cache_len: int,
-               prefill_chunk: int | None = None):
+               prefill_chunk: int | None = None, split_layers: bool = True):
     if cache_len <= 0:
       raise ValueError(f"Engine(cache_len={cache_len}) must be > 0.")
     if prefill_chunk is not None and prefill_chunk <= 0:
       raise ValueError(f"Engine(prefill_chunk={prefill_chunk}) must be > 0 or None.")
     self.config = model_cfg
     self.model = Decoder(model_cfg)
+    if split_layers and params is not None and stacking.has_stacked_groups(params):
+      # (a tree given split is kept as is; abstract params, e.g. a compile-only engine, stay
+      # abstract)
+      abstract = any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))
+      params = (jax.eval_shape(stacking.split_groups, params) if abstract
+                else _split_groups(params))
     self.params = params
     self.cache_len = int(cache_len)
     _warn_unsplit_cache(self.cache_len, model_cfg.num_kv_heads)
@@ -415,6 +430,13 @@ class Engine:
     self.tokenizer = None   # set by from_checkpoint (None: token ids in and out)
     self.run_config = None  # the train.py run config (from_checkpoint)
     self.step = None        # the checkpoint step loaded (from_checkpoint)
+
+  def stacked_params(self):
+    """The params in the model's stacked layout (what `model.apply` without unroll_layers takes:
+    a scanned forward); a new copy where the engine holds them split."""
+    if not any(isinstance(v, (tuple, list)) for v in self.params.values()):
+      return self.params
+    return jax.jit(stacking.join_groups)(self.params)
 
   # The jitted step depends on self only through (config, cache_len): engines that share them
   # share its compiled programs (a second Engine over other params compiles nothing).
@@ -1075,6 +1097,9 @@ def _insert_row(cache, part, logits_BV, part_logits_AV, b, j):
   put = lambda x, y: jax.lax.dynamic_update_index_in_dim(
       x, jax.lax.dynamic_index_in_dim(y, j, 0, keepdims=False).astype(x.dtype), b, 0)
   return jax.tree.map(put, cache, part), put(logits_BV, part_logits_AV)
+
+
+_split_groups = jax.jit(stacking.split_groups)
 
 
 @jax.jit

@@ -115,6 +115,19 @@ def split_groups(params: dict) -> dict:
   return out
 
 
+def has_stacked_groups(params: dict) -> bool:
+  """Whether any scanned group of `params` is held stacked (what `split_groups` would split)."""
+  return bool(_group_ranges({k: v for k, v in params.items()
+                             if not isinstance(v, (tuple, list))}, None))
+
+
+def join_groups(params: dict) -> dict:
+  """`split_groups` undone: every group held as a tuple of per-layer trees stacked back into
+  its leaves (a new copy); other entries kept."""
+  return {k: (jax.tree.map(lambda *xs: _stack(xs), *v) if isinstance(v, (tuple, list)) else v)
+          for k, v in params.items()}
+
+
 def unstack_then(params: dict, variants: Sequence[Any]) -> dict:
   """A stacked tree regrouped for `variants` (e.g. after pruning changed the groups)."""
   return stack_layers(unstack_layers(params, len(variants)), variants)

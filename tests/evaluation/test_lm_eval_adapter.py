@@ -61,7 +61,7 @@ def _ref_logprobs(lm, ids):
   assert n <= REF_LEN
   x = np.zeros((1, REF_LEN), np.int32)
   x[0, :n] = ids[:-1]
-  lp = np.asarray(_ref_forward(lm.engine.model)(lm.engine.params, jnp.asarray(x)))[:n]
+  lp = np.asarray(_ref_forward(lm.engine.model)(lm.engine.stacked_params(), jnp.asarray(x)))[:n]
   return lp[np.arange(n), ids[1:]], lp.argmax(-1)
 
 

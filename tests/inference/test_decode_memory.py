@@ -55,10 +55,11 @@ def test_scanned_layout_copies_the_cache(engine):
   model, cfg = engine.model, engine.config
   shapes = jax.eval_shape(lambda p: model.apply(
       {"params": p}, jnp.zeros((B, 1), jnp.int32), decode=True, cache_len=S,
-      mutable=["cache"])[1]["cache"], engine.params)
+      mutable=["cache"])[1]["cache"], engine.stacked_params())
   cache = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
   step = jax.jit(lambda p, c, t: model.apply({"params": p, "cache": c}, t, t, decode=True,
                                              cache_len=S, mutable=["cache"])[1]["cache"],
                  donate_argnums=1)
-  m = step.lower(engine.params, cache, jnp.zeros((B, 1), jnp.int32)).compile().memory_analysis()
+  m = step.lower(engine.stacked_params(), cache, jnp.zeros((B, 1), jnp.int32)).compile(
+      ).memory_analysis()
   assert m.temp_size_in_bytes > cache_bytes(cache)

@@ -1,4 +1,5 @@
-"""The engine's decode step: a one-token write into a full cache equals the general
+"""The engine's decode step: the split-layers engine (its default) generates what the stacked
+one does; a one-token write into a full cache equals the general
 dropping scatter; the unrolled decode's cuts (bookkeeping kept once, one fill a step, the 2-D
 o_proj, 2-row projections) decode what the scanned decode and the forward do."""
 import functools
@@ -30,6 +31,25 @@ def _host_params(cfg, seed):
 @pytest.fixture(scope="module")
 def params():
   return _host_params(CFG, 0)
+
+
+def test_split_layers_engine_generates_what_the_stacked_engine_does(params):
+  """Engine's default (split_layers: each layer's weights arrays of their own, adopted in run
+  greedy_split_ab) generates the tokens and logits (1e-6) of an engine stepping on the
+  stacked tree, through both decode loops (greedy on the device; kept logits on the host);
+  stacked_params() gives the stacked tree back exactly."""
+  prompts = [[3, 9, 4, 1, 7], [5, 2]]
+  stacked = Engine(CFG, params, cache_len=S, split_layers=False)
+  split = Engine(CFG, params, cache_len=S)
+  assert isinstance(split.params["layers"], tuple) and len(split.params["layers"]) == 2
+  assert not isinstance(stacked.params["layers"], tuple)
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(split.stacked_params()),
+               jax.device_get(stacked.params))
+  a = stacked.generate(prompts, 5, return_logits=True)
+  b = split.generate(prompts, 5, return_logits=True)
+  assert a.tokens == b.tokens == split.generate(prompts, 5).tokens
+  for x, y in zip(a.logits, b.logits):
+    np.testing.assert_allclose(x, y, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("kind", ["full", "window"])

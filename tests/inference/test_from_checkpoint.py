@@ -33,7 +33,8 @@ def test_loads_the_checkpoint_and_generates_like_the_full_forward(run):
   _, params, step = loop.load_params(loop.config_from_checkpoint(run), run,
                                      devices=[jax.devices()[0]])
   assert step == STEPS
-  jax.tree.map(np.testing.assert_array_equal, jax.device_get(eng.params), jax.device_get(params))
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(eng.stacked_params()),
+               jax.device_get(params))
   gen = eng.generate(PROMPTS, 4, return_logits=True)
   seqs = [p + g[:-1] for p, g in zip(PROMPTS, gen.tokens)]  # one forward, right-padded
   lens = np.asarray([len(s) for s in seqs])
@@ -52,7 +53,7 @@ def test_loads_the_checkpoint_and_generates_like_the_full_forward(run):
   for path in (os.path.join(run, "checkpoints"), os.path.join(run, "checkpoints", str(STEPS))):
     other = Engine.from_checkpoint(path)
     assert other.step == STEPS and other.cache_len == 32
-    jax.tree.map(np.testing.assert_array_equal, jax.device_get(other.params),
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(other.stacked_params()),
                  jax.device_get(params))
 
 
