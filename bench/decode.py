@@ -1061,12 +1061,13 @@ def serve_rows(F, log, emit=None) -> list[dict]:
   until its largest max_new_tokens: each request keeps its own budget's tokens, the rest is
   the waste continuous batching removes; its greedy steps on the device, Engine.
   _greedy_on_device), and the same groups through generate's host loop (batched_generate_host:
-  Engine.GREEDY_ON_DEVICE off, a host round trip a step). Each mode runs once untimed
+  Engine.GREEDY_ON_DEVICE off, a host round trip a step); serve_host: serve with
+  Engine.SERVE_ON_DEVICE off (a host round trip every decode step). Each mode runs once untimed
   (compiles) and once timed; tokens = the sum of the requests' max_new_tokens (no stop
   tokens: every request runs its budget); tokens_per_s = tokens / wall. same_tokens: the
   fraction of requests whose tokens agree between serve and generate (bf16: batch composition
-  may flip a near tie); same_tokens_as_host: between generate's two loops (the same programs:
-  1). emit(row): called with each mode's row as soon as it is done (main records it at once: a
+  may flip a near tie); same_tokens_as_host: between generate's two loops (on the generate
+  row) and between serve's (on the serve row); over_host_loop likewise. emit(row): called with each mode's row as soon as it is done (main records it at once: a
   timeout keeps it); the ratios are added to the serve and generate rows afterwards."""
   import jax
   from condattn_jax.inference import Engine, Request
@@ -1106,6 +1107,13 @@ def serve_rows(F, log, emit=None) -> list[dict]:
       steps += g.steps
     return out, dict(steps=steps)
 
+  def served_host():  # serve with a host round trip every decode step
+    eng.SERVE_ON_DEVICE = False   # this engine only
+    try:
+      return served()
+    finally:
+      del eng.SERVE_ON_DEVICE
+
   def batched_host():  # the same groups through generate's host loop (one round trip a step)
     eng.GREEDY_ON_DEVICE = False   # this engine only
     try:
@@ -1115,7 +1123,7 @@ def serve_rows(F, log, emit=None) -> list[dict]:
 
   rows, got = [], {}
   for mode, fn in (("serve", served), ("batched_generate", batched),
-                   ("batched_generate_host", batched_host)):
+                   ("batched_generate_host", batched_host), ("serve_host", served_host)):
     r = dict(base, mode=mode, status="running")
     try:
       t0 = time.perf_counter()
@@ -1141,6 +1149,9 @@ def serve_rows(F, log, emit=None) -> list[dict]:
     rows[1]["same_tokens_as_host"] = sum(a == b for a, b in zip(
         got["batched_generate"], got["batched_generate_host"])) / len(reqs)
     rows[1]["over_host_loop"] = rows[1]["tokens_per_s"] / rows[2]["tokens_per_s"]
+    rows[0]["same_tokens_as_host"] = sum(a == b for a, b in zip(
+        got["serve"], got["serve_host"])) / len(reqs)
+    rows[0]["over_host_loop"] = rows[0]["tokens_per_s"] / rows[3]["tokens_per_s"]
   return rows
 
 
@@ -1316,6 +1327,14 @@ def targets_of(rows: list[dict], dense_shapes: str) -> list[dict]:
         f"({bt['requests']} requests)", bt["tokens_per_s"] >= host["tokens_per_s"]
         and bt.get("same_tokens_as_host") == 1.0, device_tokens_per_s=bt["tokens_per_s"],
         host_tokens_per_s=host["tokens_per_s"], same_tokens=bt.get("same_tokens_as_host"))
+  sh = find(kind="serve", mode="serve_host")
+  if sv is not None and sh is not None:
+    # registered before its first GPU run (2026-11-29): Engine.SERVE_ON_DEVICE stays the
+    # default where this holds on a GPU; where it fails, the default becomes the host loop
+    add(f"serve's decode runs on the device no slower than its host loop, the same tokens "
+        f"({sv['requests']} requests)", sv["tokens_per_s"] >= sh["tokens_per_s"]
+        and sv.get("same_tokens_as_host") == 1.0, device_tokens_per_s=sv["tokens_per_s"],
+        host_tokens_per_s=sh["tokens_per_s"], same_tokens=sv.get("same_tokens_as_host"))
   one = find(kind="prefill", mode="one_shot")
   ch = find(kind="prefill", mode="chunked")
   if one is not None and ch is not None:

@@ -427,6 +427,7 @@ class Engine:
     _warn_unsplit_cache(self.cache_len, model_cfg.num_kv_heads)
     self.prefill_chunk = prefill_chunk
     self._cache_shapes: dict[int, object] = {}
+    self._aux_shapes: dict[tuple, dict] = {}  # (B, static fields): a step's aux (_greedy_state)
     self.tokenizer = None   # set by from_checkpoint (None: token ids in and out)
     self.run_config = None  # the train.py run config (from_checkpoint)
     self.step = None        # the checkpoint step loaded (from_checkpoint)
@@ -735,7 +736,12 @@ class Engine:
     the row's previous request survives; the batch's later chunks hold no token of it), and the
     row decodes with the others, one token per step ([slots, 1]: the decode program every
     scheme declares). A row whose request finished (stop token, stop string, its
-    max_new_tokens) takes a next one. admit=1: one prompt per prefill.
+    max_new_tokens) takes a next one. admit=1: one prompt per prefill. While no row can change
+    (nothing to admit, every active request greedy with its first token out, no kept logits,
+    stop strings or streamed text), the decode steps run on the device (`_serve_run`:
+    `_greedy_step`s up to the least budget left, stop tokens flagged there; Elastic and MATCH
+    only without stop tokens) and their ids reach the host once a run: the same tokens,
+    steps and statistics as a host round trip a step (SERVE_ON_DEVICE off).
     Each request gets what `generate` gives it: request i without its own seed draws as row i
     of `generate(prompts, seed=seed)`; a Request with seed s draws as `generate([prompt],
     seed=s)` (greedy is exact either way, up to the float rounding of batch composition).
@@ -803,8 +809,11 @@ class Engine:
         log_host.extend(jax.device_get(log[len(log_host):]))
         log[:len(log_host)] = [None] * len(log_host)
       st = _RowStats()
-      for aux, act in log_host[started[b] - base:]:
-        st.add(aux, act)
+      for entry in log_host[started[b] - base:]:
+        if len(entry) == 3:  # a run on the device (_serve_run): its steps' sums
+          st.add_sums(*entry)
+        else:
+          st.add(*entry)
       gen_stats[r] = st.row(b)
       req[b] = None
       keep = min((started[x] for x in range(B) if req[x] is not None), default=base + len(log))
@@ -841,6 +850,21 @@ class Engine:
           a.inserted[j] = True
         if all(a.inserted):
           pending = None
+      k = self._serve_run_length(outs, req, fresh, pending is not None
+                                 or bool(waiting and any(r is None for r in req)))
+      if k:  # greedy steps on the device until a row can change (then the host's turn)
+        cache, logits, ids, ran_B, sums = self._serve_run(cache, logits, pos, req, outs, k)
+        log.append(sums)
+        for j in range(k):  # the host loop's pushes and steps, from the run's ids
+          for b in range(B):
+            if req[b] is not None and outs[req[b]].push(None, int(ids[j, b])):
+              finish(b)  # a stop token (the device stopped the row there too)
+          n_on = sum(r is not None for r in req)
+          if n_on:  # (steps after every row stopped ran no row: not the host loop's)
+            schedule.append(("decode", n_on))
+            steps += 1
+        pos = pos + ran_B
+        fresh = np.asarray([r is not None for r in req])
       if fresh.any():
         need_host = any(outs[req[b]].needs_logits for b in np.flatnonzero(fresh))
         host = np.asarray(logits) if need_host else None
@@ -878,6 +902,50 @@ class Engine:
         prefill_s=t_first - t0, decode_s=t_end - t_first, steps=steps,
         cache_bytes=cache_bytes(cache), ttft_s=ttft, schedule=schedule)
 
+  # serve's decode steps between host decisions on the device while no row can change
+  # (_serve_run_length); False: a host round trip every step (the A/B of bench/decode's rows).
+  SERVE_ON_DEVICE = True
+
+  def _serve_run_length(self, outs, req, fresh, admitting: bool) -> int:
+    """How many greedy decode steps `serve` may run on the device from here with no host
+    decision between them: > 1 only when nothing is to be admitted (`admitting`: a prefill under
+    way, or a waiting request and a free row), every active row's next token is not chosen yet
+    (fresh) and it has its first token already (its time to first token is the host's), every
+    active request is greedy without kept logits, stop strings or streamed text, all share one
+    stop-token set (none where the scheme's steps take host facts: `decode_fields`); then the
+    least budget left less one (no row is stepped after its last token), at most
+    GREEDY_IDS_BLOCK. 0: the host loop."""
+    act = [b for b, r in enumerate(req) if r is not None]
+    if not self.SERVE_ON_DEVICE or admitting or not act or not all(fresh[b] for b in act):
+      return 0
+    os_ = [outs[req[b]] for b in act]
+    if any(not o.tokens or o.needs_logits or o.k.stop_strings or o.on_text is not None
+           for o in os_):
+      return 0
+    stops = {o.k.stop_tokens for o in os_}
+    if len(stops) > 1 or (next(iter(stops))
+                          and _layer_hook(self.config, "decode_fields") is not None):
+      return 0
+    k = min(min(o.k.max_new_tokens - len(o.tokens) for o in os_) - 1, self.GREEDY_IDS_BLOCK)
+    return k if k > 1 else 0
+
+  def _serve_run(self, cache, logits, pos, req, outs, k: int):
+    """k `_greedy_step`s for serve's active rows (the others done from the start) at their
+    positions: (cache, logits, ids [k, B] on the host, steps each row ran [B], the run's
+    (sums, module_sums, steps_B) for serve's log)."""
+    B = len(req)
+    active = np.asarray([r is not None for r in req])
+    stop = next(outs[r].k.stop_tokens for r in req if r is not None)  # (one set: checked)
+    state = dict(self._greedy_state(cache, logits, pos, self._decode_fields(pos, active)),
+                 done=jnp.asarray(~active))
+    stop_S = jnp.asarray(sorted(stop) or [-1], jnp.int32)
+    for j in range(k):
+      cache, state = self._greedy_step(self.params, cache, state, stop_S,
+                                       static_fields=self._decode_fields(pos + j, active))
+    ids, ran_B, sums = jax.device_get(
+        (state["ids"], state["steps_B"], (state["sums"], state["module_sums"], state["steps_B"])))
+    return cache, state["logits"], np.asarray(ids), np.asarray(ran_B), sums
+
   # ------------------------------------------------------------------------------- decode
   def decode_step(self, cache, tokens_B, positions_B, active_B, prev_logits_BV):
     """One token per active row at its position. Returns (cache, logits_BV)."""
@@ -892,6 +960,19 @@ class Engine:
   GREEDY_ON_DEVICE = True
   # Checks of the on-device greedy loop's done flags (a host sync): every this many steps.
   GREEDY_CHECK_EVERY = 16
+  # The on-device loops' ids buffer (steps): one shape for every call (one compiled step);
+  # generate copies it out when full, serve runs at most this many steps at a time.
+  GREEDY_IDS_BLOCK = 64
+
+  def _greedy_state(self, cache, logits, lengths, static_fields):
+    """`greedy_state` with GREEDY_IDS_BLOCK ids and every aux name of a step with these static
+    fields (`step_aux_shapes`, traced once per batch size and fields: kept on the engine), so
+    the state has one structure from its first step."""
+    B = logits.shape[0]
+    key = (B, static_fields)
+    if key not in self._aux_shapes:
+      self._aux_shapes[key] = self.step_aux_shapes(self.params, cache, B, static_fields)
+    return greedy_state(logits, lengths, self.GREEDY_IDS_BLOCK, self._aux_shapes[key])
 
   def _greedy_on_device(self, cache, logits, lengths, knobs: _Knobs, outs, gen_stats):
     """`generate`'s greedy loop without a host round trip a step: `_greedy_step` calls back to
@@ -904,21 +985,22 @@ class Engine:
     active) change no statistic. The host loop's own static fields need the active rows: used
     only where the scheme has none (`decode_fields`) or every row stays active (no stop
     tokens). Returns (cache, steps: the steps the host loop would have run)."""
-    B, n = len(outs), knobs.max_new_tokens
+    B, n, block = len(outs), knobs.max_new_tokens, self.GREEDY_IDS_BLOCK
     stop = jnp.asarray(sorted(knobs.stop_tokens) or [-1], jnp.int32)
     pos_host = np.asarray(lengths).copy()
-    state = greedy_state(logits, lengths, n)
-    ran, ended = 0, False
+    fields = lambda: self._decode_fields(pos_host, np.ones(B, bool))
+    state = self._greedy_state(cache, logits, lengths, fields())
+    ran, ended, blocks = 0, False, []
     for i in range(n - 1):
-      cache, state = self._greedy_step(
-          self.params, cache, state, stop,
-          static_fields=self._decode_fields(pos_host, np.ones(B, bool)))
+      cache, state = self._greedy_step(self.params, cache, state, stop, static_fields=fields())
       pos_host, ran = pos_host + 1, ran + 1
+      if ran % block == 0:  # a full buffer: copied out (queued, no host wait), then reused
+        blocks.append(jnp.copy(state["ids"]))
       if (knobs.stop_tokens and i % self.GREEDY_CHECK_EVERY == self.GREEDY_CHECK_EVERY - 1
           and bool(jnp.all(state["done"]))):
         ended = True  # every row ended at a token of this step: no last pick
         break
-    ids = state["ids"][:ran]
+    ids = jnp.concatenate(blocks + [state["ids"][:ran % block]])
     if not ended:
       ids = jnp.concatenate([ids, _argmax(state["logits"]).astype(jnp.int32)[None]])
     if ran:
@@ -945,8 +1027,10 @@ class Engine:
     (recorded at ids[i]), a row done once an id is a stop token, one `_step` for the rows not
     done at their positions, then the rows it ran advance and their per-row aux are summed (in
     float32; a row it did not run adds 0). Returns (cache, state); every state leaf is written
-    over its input (aliased), so a loop of these calls takes no new array. The sums' keys are
-    those the steps gave so far (a step with a new aux name adds it: one more trace)."""
+    over its input (aliased), so a loop of these calls takes no new array. Step i's ids go to
+    ids[i % len(ids)] (a loop longer than the buffer copies it out every len(ids) steps). The
+    sums' keys are those the steps gave so far (a step with a new aux name adds it: one more
+    trace; `_greedy_state` starts with every name)."""
     ids_B = jnp.argmax(state["logits"], axis=-1).astype(jnp.int32)
     done_B = state["done"] | jnp.any(ids_B[:, None] == stop_S[None, :], axis=-1)
     on_B = ~done_B
@@ -963,7 +1047,8 @@ class Engine:
       sums[k] = sums.get(k, 0.0) + v
     i = state["i"]
     return cache, dict(logits=logits_BV, done=done_B, pos=state["pos"] + ran_B, i=i + 1,
-                       ids=jax.lax.dynamic_update_index_in_dim(state["ids"], ids_B, i, 0),
+                       ids=jax.lax.dynamic_update_index_in_dim(
+                           state["ids"], ids_B, i % state["ids"].shape[0], 0),
                        steps_B=state["steps_B"] + ran_B, sums=sums, module_sums=module_sums)
 
   def _decode_on_host(self, cache, logits, lengths, knobs: _Knobs, outs, gen_stats):

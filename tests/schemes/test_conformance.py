@@ -154,13 +154,14 @@ ROUTED_COUNTS = {"l2a": "global_tokens_B", "aha": "full_BN"}  # the aux's per-la
 def test_greedy_on_device_equals_the_host_loop(name, monkeypatch):
   """Engine.generate greedy without kept logits (Engine._greedy_on_device: ids fed back on the
   device, the host reads them once) == the host loop (return_logits=True) in tokens, finish
-  reasons, steps and both parts' statistics; with stop tokens that end every row by its third
-  token the same (the done flags read every 2 steps: the loop ends early, after steps with no
-  row active, which count for nothing). A scheme with host fields for its steps (Elastic,
+  reasons, steps and both parts' statistics (its ids buffer of 2 steps copied out and reused);
+  with stop tokens that end every row by its third token the same (the done flags read every 2
+  steps: the loop ends early, after steps with no row active, which count for nothing). A scheme with host fields for its steps (Elastic,
   MATCH) takes the host loop when a stop token may end a row."""
   gen, eng = generated(name, 4), engine(name, 4)
   stop = tuple(sorted({t[2] for t in gen.tokens}))   # every row ends by its third token
   monkeypatch.setattr(Engine, "GREEDY_CHECK_EVERY", 2)
+  monkeypatch.setattr(Engine, "GREEDY_IDS_BLOCK", 2)  # the ids buffer copied out, reused
   for kw, want in (({}, gen), ({"stop_tokens": stop},
                                eng.generate(PROMPTS, NEW, stop_tokens=stop, return_logits=True))):
     got = eng.generate(PROMPTS, NEW, **kw)

@@ -116,3 +116,40 @@ def test_every_schemes_cache_can_be_reset_per_row(name):
                cache_len=CACHE_LEN, prefill_chunk=4)
   cache = eng.reset_rows(eng.init_cache(2), [True, False])
   assert all(x.shape[0] == 2 for x in jax.tree.leaves(cache))
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_serve_runs_greedy_steps_on_the_device_as_its_host_loop(name, monkeypatch):
+  """While no row can change (nothing to admit, every active request greedy with its first
+  token out), serve runs its decode steps on the device (`Engine._serve_run`: greedy steps, ids
+  and routing sums read once a run) and then pushes the ids as its host loop would: the same
+  tokens, finish reasons, steps, schedule and per-request statistics as with the host loop
+  (SERVE_ON_DEVICE off), for every scheme; with a stop token that ends rows inside a run the
+  same (a scheme whose steps take host facts then keeps the host loop)."""
+  eng = engine(name, 4)
+  reqs = [Request(REQUESTS[0], max_new_tokens=7), REQUESTS[1],
+          Request(REQUESTS[2], max_new_tokens=6), REQUESTS[3]]
+  monkeypatch.setattr(Engine, "GREEDY_IDS_BLOCK", 3)  # runs of at most 3 steps
+  runs, run = [], Engine._serve_run
+  monkeypatch.setattr(Engine, "_serve_run", lambda self, *a: runs.append(a[-1]) or run(self, *a))
+
+  def both(**kw):
+    got = eng.serve(reqs, 5, slots=2, **kw)
+    monkeypatch.setattr(eng, "SERVE_ON_DEVICE", False, raising=False)
+    want = eng.serve(reqs, 5, slots=2, **kw)
+    monkeypatch.delattr(eng, "SERVE_ON_DEVICE")
+    assert got.tokens == want.tokens and got.finish_reason == want.finish_reason, kw
+    assert got.steps == want.steps and got.schedule == want.schedule, kw
+    for g, w in zip(got.stats, want.stats):
+      assert jax.tree.structure(g) == jax.tree.structure(w)
+      for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(w)):
+        np.testing.assert_allclose(a, b, atol=1e-6, err_msg=f"{name} {kw}")
+    return want
+  want = both()
+  assert runs and all(1 < k <= 3 for k in runs), runs
+  stop = want.tokens[0][3]   # request 0's fourth token: inside a run
+  runs.clear()
+  got = both(stop_tokens=(stop,))
+  assert "stop_token" in got.finish_reason
+  host_facts = name in ("elastic", "match")
+  assert bool(runs) != host_facts, (name, runs)
