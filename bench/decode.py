@@ -1319,22 +1319,16 @@ def targets_of(rows: list[dict], dense_shapes: str) -> list[dict]:
     add(f"continuous batching ({sv['requests']} requests, {sv['B']} slots) faster than one "
         "batch at a time", sv["tokens_per_s"] > bt["tokens_per_s"],
         serve_tokens_per_s=sv["tokens_per_s"], batched_tokens_per_s=bt["tokens_per_s"])
-  host = find(kind="serve", mode="batched_generate_host")
-  if bt is not None and host is not None:
-    # registered before its first GPU run (2026-11-29): Engine.GREEDY_ON_DEVICE stays the
-    # default where this holds on a GPU; where it fails, the default becomes the host loop
-    add(f"generate's greedy loop on the device no slower than its host loop, the same tokens "
-        f"({bt['requests']} requests)", bt["tokens_per_s"] >= host["tokens_per_s"]
-        and bt.get("same_tokens_as_host") == 1.0, device_tokens_per_s=bt["tokens_per_s"],
-        host_tokens_per_s=host["tokens_per_s"], same_tokens=bt.get("same_tokens_as_host"))
-  sh = find(kind="serve", mode="serve_host")
-  if sv is not None and sh is not None:
-    # registered before its first GPU run (2026-11-29): Engine.SERVE_ON_DEVICE stays the
-    # default where this holds on a GPU; where it fails, the default becomes the host loop
-    add(f"serve's decode runs on the device no slower than its host loop, the same tokens "
-        f"({sv['requests']} requests)", sv["tokens_per_s"] >= sh["tokens_per_s"]
-        and sv.get("same_tokens_as_host") == 1.0, device_tokens_per_s=sv["tokens_per_s"],
-        host_tokens_per_s=sh["tokens_per_s"], same_tokens=sv.get("same_tokens_as_host"))
+  # registered before their first GPU runs (2026-11-29): Engine.GREEDY_ON_DEVICE /
+  # SERVE_ON_DEVICE stay the default where this holds on a GPU; where it fails, the default
+  # becomes the host loop
+  for dev, what in ((bt, "generate's greedy loop"), (sv, "serve's decode runs")):
+    host = dev and find(kind="serve", mode=dev["mode"] + "_host")
+    if dev is not None and host is not None:
+      add(f"{what} on the device no slower than its host loop, the same tokens "
+          f"({dev['requests']} requests)", dev["tokens_per_s"] >= host["tokens_per_s"]
+          and dev.get("same_tokens_as_host") == 1.0, device_tokens_per_s=dev["tokens_per_s"],
+          host_tokens_per_s=host["tokens_per_s"], same_tokens=dev.get("same_tokens_as_host"))
   one = find(kind="prefill", mode="one_shot")
   ch = find(kind="prefill", mode="chunked")
   if one is not None and ch is not None:
