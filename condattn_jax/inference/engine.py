@@ -368,9 +368,10 @@ def _expand_book(cache, owners):
   return cache
 
 
-# The abstract caches Engine._full_cache_shapes read off models (tracing a 32-layer model costs
-# ~1 s): keyed by (config, the registered scheme object, cache_len, batch size, the params' tree,
-# shapes, dtypes, shardings), oldest dropped past _ABSTRACT_CACHES_MAX.
+# What Engine._abstract traces off models (the abstract cache, a step's aux shapes; tracing a
+# 32-layer model costs ~1 s): keyed by (config, the registered scheme object, cache_len, batch
+# size, the params' tree, shapes, dtypes, shardings, what), oldest dropped past
+# _ABSTRACT_CACHES_MAX.
 _ABSTRACT_CACHES: dict = {}
 _ABSTRACT_CACHES_MAX = 64
 
@@ -427,7 +428,6 @@ class Engine:
     _warn_unsplit_cache(self.cache_len, model_cfg.num_kv_heads)
     self.prefill_chunk = prefill_chunk
     self._cache_shapes: dict[int, object] = {}
-    self._aux_shapes: dict[tuple, dict] = {}  # (B, static fields): a step's aux (_greedy_state)
     self.tokenizer = None   # set by from_checkpoint (None: token ids in and out)
     self.run_config = None  # the train.py run config (from_checkpoint)
     self.step = None        # the checkpoint step loaded (from_checkpoint)
@@ -549,22 +549,29 @@ class Engine:
     off the model once per (config, cache_len, batch size, abstract params): engines over the
     same model share it (_ABSTRACT_CACHES)."""
     if batch_size not in self._cache_shapes:
-      from condattn_jax.attention import get_scheme
-      scheme = get_scheme(self.config.scheme)   # a scheme registered again under its name
-      leaves, treedef = jax.tree.flatten(self.params)
-      key = (self.config, id(scheme), self.cache_len, batch_size, treedef,
-             tuple((tuple(x.shape), str(x.dtype), getattr(x, "sharding", None)) for x in leaves))
-      if key not in _ABSTRACT_CACHES:
-        tok = jax.ShapeDtypeStruct((batch_size, 1), jnp.int32)
-        _ABSTRACT_CACHES[key] = (scheme, jax.eval_shape(   # (the scheme held: its id stays its)
-            lambda p, t: self.model.apply({"params": p}, t, decode=True,
-                                          cache_len=self.cache_len, unroll_layers=True,
-                                          mutable=["cache"])[1]["cache"],
-            self.params, tok))
-        while len(_ABSTRACT_CACHES) > _ABSTRACT_CACHES_MAX:
-          _ABSTRACT_CACHES.pop(next(iter(_ABSTRACT_CACHES)))
-      self._cache_shapes[batch_size] = _ABSTRACT_CACHES[key][1]
+      tok = jax.ShapeDtypeStruct((batch_size, 1), jnp.int32)
+      self._cache_shapes[batch_size] = self._abstract(batch_size, "cache", lambda: jax.eval_shape(
+          lambda p, t: self.model.apply({"params": p}, t, decode=True,
+                                        cache_len=self.cache_len, unroll_layers=True,
+                                        mutable=["cache"])[1]["cache"],
+          self.params, tok))
     return self._cache_shapes[batch_size]
+
+  def _abstract(self, batch_size: int, what, trace):
+    """trace()'s result, kept in _ABSTRACT_CACHES under (config, the registered scheme object,
+    cache_len, batch size, the params' tree, shapes, dtypes, shardings, what): engines over the
+    same model share it."""
+    from condattn_jax.attention import get_scheme
+    scheme = get_scheme(self.config.scheme)   # a scheme registered again under its name
+    leaves, treedef = jax.tree.flatten(self.params)
+    key = (self.config, id(scheme), self.cache_len, batch_size, treedef,
+           tuple((tuple(x.shape), str(x.dtype), getattr(x, "sharding", None)) for x in leaves),
+           what)
+    if key not in _ABSTRACT_CACHES:
+      _ABSTRACT_CACHES[key] = (scheme, trace())   # (the scheme held: its id stays its)
+      while len(_ABSTRACT_CACHES) > _ABSTRACT_CACHES_MAX:
+        _ABSTRACT_CACHES.pop(next(iter(_ABSTRACT_CACHES)))
+    return _ABSTRACT_CACHES[key][1]
 
   def cache_shapes(self, batch_size: int):
     """The abstract cache (ShapeDtypeStructs) for `batch_size` rows: the model's, less the
@@ -966,13 +973,12 @@ class Engine:
 
   def _greedy_state(self, cache, logits, lengths, static_fields):
     """`greedy_state` with GREEDY_IDS_BLOCK ids and every aux name of a step with these static
-    fields (`step_aux_shapes`, traced once per batch size and fields: kept on the engine), so
+    fields (`step_aux_shapes`, traced once per model, batch size and fields: `_abstract`), so
     the state has one structure from its first step."""
     B = logits.shape[0]
-    key = (B, static_fields)
-    if key not in self._aux_shapes:
-      self._aux_shapes[key] = self.step_aux_shapes(self.params, cache, B, static_fields)
-    return greedy_state(logits, lengths, self.GREEDY_IDS_BLOCK, self._aux_shapes[key])
+    aux = self._abstract(B, ("greedy_aux", static_fields),
+                         lambda: self.step_aux_shapes(self.params, cache, B, static_fields))
+    return greedy_state(logits, lengths, self.GREEDY_IDS_BLOCK, aux)
 
   def _greedy_on_device(self, cache, logits, lengths, knobs: _Knobs, outs, gen_stats):
     """`generate`'s greedy loop without a host round trip a step: `_greedy_step` calls back to
