@@ -405,8 +405,7 @@ class Engine:
     keeps only that copy (a caller that keeps the stacked tree holds the weights twice; pass
     split_layers=False to step on the caller's tree instead). `engine.params` is the tree the
     steps take; `stacked_params()` gives the model's stacked tree (for a scanned forward).
-    Adopted by ADOPTION_RULE in run greedy_split_ab (bench/results/decode_program_NVIDIA_H200.
-    json); same tokens and logits as the stacked layout (tested).
+    Same tokens and logits as the stacked layout (tested).
   """
 
   def __init__(self, model_cfg: ModelConfig, params, *, cache_len: int,
@@ -437,7 +436,7 @@ class Engine:
     a scanned forward); a new copy where the engine holds them split."""
     if not any(isinstance(v, (tuple, list)) for v in self.params.values()):
       return self.params
-    return jax.jit(stacking.join_groups)(self.params)
+    return _join_groups(self.params)
 
   # The jitted step depends on self only through (config, cache_len): engines that share them
   # share its compiled programs (a second Engine over other params compiles nothing).
@@ -1191,6 +1190,7 @@ def _insert_row(cache, part, logits_BV, part_logits_AV, b, j):
 
 
 _split_groups = jax.jit(stacking.split_groups)
+_join_groups = jax.jit(stacking.join_groups)
 
 
 @jax.jit
