@@ -191,13 +191,16 @@ def activity(events) -> dict:
   """Summary of device activity events [(name, start_us, dur_us), ...] (one trace, any source:
   a CUPTI chrome trace through torch, a jax.profiler xplane): {count, busy_us (the union of the
   intervals: time the device did something), span_us (first start to last end; span - busy is
-  idle time inside, e.g. launch gaps), per_name_us {name: summed duration}}."""
+  idle time inside, e.g. launch gaps), per_name_us {name: summed duration}, per_name_count
+  {name: events}}."""
   events = list(events)
   per: dict[str, float] = {}
+  count: dict[str, int] = {}
   for name, _, dur in events:
     per[name] = per.get(name, 0.0) + float(dur)
+    count[name] = count.get(name, 0) + 1
   if not events:
-    return dict(count=0, busy_us=0.0, span_us=0.0, per_name_us=per)
+    return dict(count=0, busy_us=0.0, span_us=0.0, per_name_us=per, per_name_count=count)
   iv = sorted((float(s), float(s) + float(d)) for _, s, d in events)
   busy, lo, hi = 0.0, iv[0][0], iv[0][1]
   for a, b in iv[1:]:
@@ -207,7 +210,7 @@ def activity(events) -> dict:
       hi = max(hi, b)
   busy += hi - lo
   return dict(count=len(events), busy_us=busy, span_us=max(b for _, b in iv) - iv[0][0],
-              per_name_us=per)
+              per_name_us=per, per_name_count=count)
 
 
 def cuda_traces(fn: Callable, n: int) -> list[list[dict]]:
@@ -282,10 +285,11 @@ def xplane_events(path: str, plane_prefix: str = "/device:GPU", line_prefix: str
 
 
 def trace_activity(fn: Callable, n: int = 1, *, plane_prefix: str | None = None,
-                   line_prefix: str | None = None) -> dict:
+                   line_prefix: str | None = None, top_n: int = 10) -> dict:
   """`fn()` called n times back to back (blocked at the end) under jax.profiler, the device's
   activity summarised per call: {calls, kernels (events per call), busy_ms / span_ms per call,
-  top [[name, ms per call], ...] (10 longest), lines (what was read)}. Default planes: the GPU's
+  top [[name, ms per call], ...] (the top_n longest), launches {name: events per call} (of those
+  names), lines (what was read)}. Default planes: the GPU's
   stream lines; on a CPU backend (a plumbing check only: no device plane exists) the XLA CPU
   client's threads of the host plane. Wall time under a trace is not reported (the tracer
   slows the host): time the same calls untraced."""
@@ -317,10 +321,10 @@ def trace_activity(fn: Callable, n: int = 1, *, plane_prefix: str | None = None,
   finally:
     shutil.rmtree(d, ignore_errors=True)
   a = activity(events)
-  top = sorted(a["per_name_us"].items(), key=lambda kv: -kv[1])[:10]
+  top = sorted(a["per_name_us"].items(), key=lambda kv: -kv[1])[:top_n]
   return dict(calls=n, kernels=a["count"] / n, busy_ms=a["busy_us"] / n / 1e3,
               span_ms=a["span_us"] / n / 1e3, top=[[k, v / n / 1e3] for k, v in top],
-              lines=lines)
+              launches={k: a["per_name_count"][k] / n for k, _ in top}, lines=lines)
 
 
 def rel_err(a, b) -> float:

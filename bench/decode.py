@@ -748,11 +748,15 @@ def _timed_steps(step, state, n: int, repeats: int, warmup: int, i0: int = 0,
   return statistics.median(runs), runs, state
 
 
+TRACE_TOP = 40  # kernels named in a traced row (where a step's time goes, with launch counts)
+
+
 def trace_row(row: dict, step, state, i0: int, n: int):
   """row += the device's activity over `n` more bench steps from step i0 (the timed loop's
   argmax and position add included) under jax.profiler (bench.common.trace_activity), per step:
   trace_busy_ms, trace_kernels, trace_span_ms (first start to last end: span - busy is the
-  GPU idle inside the steps), trace_top (the longest kernels); returns the state. Beside the
+  GPU idle inside the steps), trace_top (the TRACE_TOP longest kernels: [name, ms a step]) and
+  trace_launches ({name: launches a step} of those); returns the state. Beside the
   row's ms (timed untraced) it says whether the step is device-bound (busy ~ ms) or waits on
   the host (busy << ms). Under a trace XLA runs the programs op by op (its command buffers are
   off while profiling unless compiled with xla_enable_command_buffers_during_profiling): busy
@@ -763,9 +767,10 @@ def trace_row(row: dict, step, state, i0: int, n: int):
     holder[0] = step(holder[0], i[0])
     i[0] += 1
     return holder[0][-1]
-  prof = common.trace_activity(one, n)
+  prof = common.trace_activity(one, n, top_n=TRACE_TOP)
   row.update(trace_busy_ms=prof["busy_ms"], trace_kernels=prof["kernels"],
-             trace_span_ms=prof["span_ms"], trace_top=prof["top"], trace_steps=n)
+             trace_span_ms=prof["span_ms"], trace_top=prof["top"],
+             trace_launches=prof["launches"], trace_steps=n)
   return holder.pop()
 
 

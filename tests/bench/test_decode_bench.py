@@ -59,6 +59,8 @@ def test_cpu_preset_records_every_row_with_its_bytes_and_the_targets(cpu_run):
       cfg.num_layers * cfg.num_kv_heads * kv * (W + 64 * l2a["rate"]), abs=1)  # int bytes
   for r in (d, l2a):  # --trace_steps: the device's activity over 2 more bench steps
     assert r["trace_steps"] == 2 and r["trace_kernels"] > 0 and r["trace_top"]
+    assert set(r["trace_launches"]) == {n for n, _ in r["trace_top"]}  # launches a step, named
+    assert 0 < sum(r["trace_launches"].values()) <= r["trace_kernels"]
     assert 0 < r["trace_busy_ms"] <= r["trace_span_ms"]
     assert r["ms_step_loop"] > 0 and len(r["runs_ms_step_loop"]) == 1  # --step_ab
     assert r["host_ms_step_loop"] > 0
@@ -414,7 +416,8 @@ def test_profile_step_measures_every_variant_on_cpu(tmp_path):
     with pytest.raises(ValueError, match=msg):
       dp.parse_variant(bad)
   a = common.activity([("x", 0, 10), ("y", 5, 10), ("x", 30, 5)])
-  assert a == dict(count=3, busy_us=20.0, span_us=35.0, per_name_us={"x": 15.0, "y": 10.0})
+  assert a == dict(count=3, busy_us=20.0, span_us=35.0, per_name_us={"x": 15.0, "y": 10.0},
+                   per_name_count={"x": 2, "y": 1})
 
 
 def test_ab_interleaves_the_variants_and_applies_the_registered_rule(tmp_path):
