@@ -139,3 +139,32 @@ def test_corrupt_checkpoint_is_named_skipped_and_a_changed_model_is_not(straight
   c3.model.num_layers = 3
   with pytest.raises(ckpt_lib.CheckpointMismatchError, match="does not match the model"):
     loop.load_params(c3, wd_a)
+
+
+def test_saving_on_cpu_devices_compiles_nothing(tmp_path):
+  """A CPU save writes each array from its replica 0 (ckpt_lib._no_replica_parallel_on_cpu):
+  replicated arrays of distinct shapes on 8 devices are saved without one compiled program
+  (orbax's replica-parallel default slices each on the devices: a program per shape), and
+  restore equal, into that sharding."""
+  from jax._src import monitoring
+  mesh = jax.make_mesh((8,), ("data",))
+  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  rng = np.random.default_rng(0)
+  tree = {f"l{i}": jax.device_put(rng.standard_normal((8, 3 + i)).astype(np.float32), rep)
+          for i in range(6)}
+  compiles = []
+  listener = lambda event, *_, **__: compiles.append(event) if event == (
+      "/jax/core/compile/backend_compile_duration") else None
+  ck = ckpt_lib.Checkpointer(str(tmp_path / "ck"), async_save=False)
+  monitoring.register_event_duration_secs_listener(listener)
+  try:
+    ck.save_params(1, tree, {"note": "probe"})
+    ck.wait()
+  finally:
+    monitoring.unregister_event_duration_listener(listener)
+  assert compiles == []
+  got = ck.restore_params(tree, 1)
+  ck.close()
+  for k, x in tree.items():
+    np.testing.assert_array_equal(np.asarray(got[k]), np.asarray(x))
+    assert got[k].sharding == rep, k
