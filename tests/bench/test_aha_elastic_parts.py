@@ -26,18 +26,20 @@ def _merged(mod, preset, work, out):
 
 
 def test_elastic_parts_resume_and_merge_equal_the_whole_run(tmp_path):
-  """Elastic `test` preset through parts (dense, then the single arm and the static control,
-  which reuse the saved dense model; a rerun skips done units) merged == the one-process run
-  (every number, curves included). With a gate the dense model cannot reach: stopped at its
-  budget after the first check (exit 3, state saved), resumed to the cap, then its own lr sweep's
-second lr to the cap, the seed NOT JUDGED
-  (no arm trained, no criterion judged on it), merged == the one-process run."""
+  """Elastic `test` preset at one layer (what this checks does not depend on depth; the train
+  steps' compiles grow with it) through parts (dense, then the single arm and the static
+  control, which reuse the saved dense model; a rerun skips done units) merged == the
+  one-process run (every number, curves included). With a gate the dense model cannot reach:
+  stopped at its budget after the first check (exit 3, state saved), resumed to the cap, then its
+  own lr sweep's second lr to the cap, the seed NOT JUDGED (no arm trained, no criterion judged
+  on it), merged == the one-process run."""
   import dataclasses
   mod = elastic_repro
-  mod.PRESETS["test_nogate"] = dataclasses.replace(mod.PRESETS["test"], dense_gate=2.0,
+  mod.PRESETS["test_1layer"] = dataclasses.replace(mod.PRESETS["test"], num_layers=1)
+  mod.PRESETS["test_nogate"] = dataclasses.replace(mod.PRESETS["test_1layer"], dense_gate=2.0,
                                                    dense_lrs=(1e-3, 3e-3))
   try:
-    for preset in ("test", "test_nogate"):
+    for preset in ("test_1layer", "test_nogate"):
       whole = mod.run(mod.PRESETS[preset], log=lambda *a: None)
       work = tmp_path / preset
       argv = [f"--preset={preset}", f"--work_dir={work}"]
@@ -53,7 +55,7 @@ second lr to the cap, the seed NOT JUDGED
       res = _merged(mod, preset, work, tmp_path / f"o_{preset}")
       assert _json(res["seeds"]) == _json(whole["seeds"]) and res["metrics"] == whole["metrics"]
       gate = res["seeds"][0]["dense_gate"]
-      if preset == "test":
+      if preset == "test_1layer":
         assert gate["passed"] and res["metrics"]["judged_seeds"] == 1
         assert res["seeds"][0]["arms"]["single"]["curves"]["accuracy"]
       else:
@@ -73,7 +75,7 @@ second lr to the cap, the seed NOT JUDGED
         assert (res["device"], res["platform"]) == ("NVIDIA H200", "gpu")
         assert res["units_ran"]["devices"] == {"NVIDIA H200": 1, "cpu": 2}
   finally:
-    del mod.PRESETS["test_nogate"]
+    del mod.PRESETS["test_nogate"], mod.PRESETS["test_1layer"]
 
 
 @pytest.mark.manual

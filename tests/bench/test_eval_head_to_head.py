@@ -5,17 +5,17 @@ pre-registered verdict as a function of the rows (it can fail), the state's pack
 report merge's refusals, and the tiny_test preset (the tiny preset at one layer) end to end for
 dense + L2A in two calls (the first stopped by its time budget inside the dense pretraining, its
 state packed and carried into the second, which resumes it, converts, continues, evaluates and
-writes the result). Every scheme (the six-model head-to-head of the tiny preset itself) runs in
-the manual test."""
+writes the result), then L2A's test-time sweep on that state in a third call. Every scheme
+(the six-model head-to-head of the tiny preset itself) runs in the manual test."""
 import gzip
 import json
 import os
 import shutil
-import subprocess
 
 import pytest
 
-from _train_helpers import PY, ROOT, subprocess_env
+from _cli_runner import Runner
+from _train_helpers import subprocess_env
 from bench import common
 from bench import eval_head_to_head as h2h
 
@@ -120,20 +120,32 @@ def test_merge_reports_refuses_other_devices_and_twice_a_name():
     headtohead.merge_reports([a, a])
 
 
-def _bench(*args, timeout=900):
-  p = subprocess.run([PY, "-m", "bench.eval_head_to_head", *args], cwd=ROOT,
-                     env=subprocess_env(1, PYTHONUNBUFFERED=1), capture_output=True, text=True,
-                     timeout=timeout)
+# `python -m bench.eval_head_to_head ARGS` as a fork of one helper process that imported jax,
+# flax and the train loop once (tests/_cli_runner.py: a new process each call, its own backend,
+# compiles and exit; sys.argv as `python -m` gives it); one helper for the file's calls.
+_BENCH_MAIN = ("import runpy; runpy.run_module('bench.eval_head_to_head', run_name='__main__', "
+               "alter_sys=True)")
+
+
+@pytest.fixture(scope="module")
+def runner():
+  r = Runner(subprocess_env(1, PYTHONUNBUFFERED=1))
+  yield r
+  r.close()
+
+
+def _bench(runner, *args, timeout=900):
+  p = runner.run("-c", _BENCH_MAIN, *args, timeout=timeout)
   assert p.returncode == 0, p.stderr[-3000:]
   return p.stdout
 
 
-def _run_tiny(tmp_path, schemes, preset="tiny_test"):
+def _run_tiny(tmp_path, runner, schemes, preset="tiny_test"):
   state, out, packed = tmp_path / "state", tmp_path / "out", tmp_path / "packed"
   args = [f"--preset={preset}", f"--state_dir={state}", f"--out_dir={out}",
           f"--schemes={schemes}"]
   # call 1: the budget runs out in the first dense phase: a checkpoint, the state packed
-  log = _bench(*args, "--time_budget_s=1", f"--pack_dir={packed}")
+  log = _bench(runner, *args, "--time_budget_s=1", f"--pack_dir={packed}")
   assert "stopped (dense pretraining at step 1 of 5)" in log and not out.exists()
   parts = sorted(os.listdir(packed))
   assert parts and all(p.startswith("state.tar.part") for p in parts)
@@ -143,7 +155,7 @@ def _run_tiny(tmp_path, schemes, preset="tiny_test"):
     shutil.copy(packed / f, state)
   # call 2: unpacks, resumes at step 1, finishes every stage (packing after each: a call killed
   # at its limit keeps its last finished stage), and leaves no parts once finished
-  log = _bench(*args, f"--pack_dir={packed}")
+  log = _bench(runner, *args, f"--pack_dir={packed}")
   assert "unpacked the carried state" in log and "dense phase 128: steps 1 -> 3 of 3" in log
   assert "packed the state into 1 file(s)" in log and not os.listdir(packed)
   path = out / "eval_head_to_head_cpu.json"
@@ -152,8 +164,8 @@ def _run_tiny(tmp_path, schemes, preset="tiny_test"):
   return data["runs"][0], out
 
 
-def test_tiny_pipeline_resumes_and_records(tmp_path):
-  run, out = _run_tiny(tmp_path, "dense,l2a")
+def test_tiny_pipeline_resumes_and_records(tmp_path, runner):
+  run, out = _run_tiny(tmp_path, runner, "dense,l2a")
   r = common.recorded_of(run)
   assert run["settings"]["name"] == "tiny_test" and r["training_length"] == 256
   tiny = {k: v for k, v in h2h.PRESETS["tiny"].items() if k != "knobs"}
@@ -190,19 +202,25 @@ def test_tiny_pipeline_resumes_and_records(tmp_path):
   assert [m["name"] for m in full["models"]] == ["dense", "l2a"]
   assert sum(len(m["records"]) for m in full["models"]) == 2 * 10 * 2  # models x tasks x samples
   # --sweep: L2A's theta at test time on the same state (its fine-tune again: run() removed its
-  # export), the dense export as the TTFT reference in the same report
+  # export), the dense export as the TTFT reference in the same report; a third call (one
+  # device, as the head-to-head's calls: h2h.sweep, then h2h.write_sweep into --out_dir)
   with pytest.raises(SystemExit, match="write scheme:knob=v1,v2"):
     h2h.main(["--preset=tiny_test", f"--state_dir={tmp_path / 'state'}", "--sweep=l2a:theta"])
-  log = []
-  sw = h2h.sweep("tiny_test", str(tmp_path / "state"), "l2a", "theta", [0.3, 0.7],
-                 log=log.append)
-  assert sw["training"]["ft_steps"] == 2 and "l2a: fine-tuned 2 steps" in log[0]
-  assert [m["name"] for m in sw["report"]["models"]] == ["dense_export", "l2a theta=0.3",
-                                                         "l2a theta=0.7"]
-  assert [m["knobs"]["scheme"]["theta"] for m in sw["report"]["models"][1:]] == [0.3, 0.7]
-  files = h2h.write_sweep(sw, str(out))
+  log = _bench(runner, "--preset=tiny_test", f"--state_dir={tmp_path / 'state'}",
+               f"--out_dir={out}", "--sweep=l2a:theta=0.3,0.7").splitlines()
   swept = common.runs(str(out / "eval_head_to_head_cpu.json"), "tiny_test_sweep_l2a_theta")
-  assert len(swept) == 1 and {x["model"] for x in swept[0]["rows"]} == {
+  assert len(swept) == 1
+  sw = common.recorded_of(swept[0])  # h2h.sweep's result as write_sweep recorded it
+  assert sw["training"]["ft_steps"] == 2 and "l2a: fine-tuned 2 steps" in log[0]
+  (wrote,) = [x for x in log if x.startswith("wrote ")]
+  files = wrote[len("wrote "):].split(", ")  # write_sweep's files: result, PNG, report
+  assert files[0] == str(out / "eval_head_to_head_cpu.json") and len(files) == 3
+  with gzip.open(files[2], "rt") as f:
+    report = json.load(f)  # sweep's report
+  assert [m["name"] for m in report["models"]] == ["dense_export", "l2a theta=0.3",
+                                                   "l2a theta=0.7"]
+  assert [m["knobs"]["scheme"]["theta"] for m in report["models"][1:]] == [0.3, 0.7]
+  assert {x["model"] for x in swept[0]["rows"]} == {
       "dense_export", "l2a theta=0.3", "l2a theta=0.7"}
   assert all(os.path.getsize(f) > 0 for f in files[1:])
   with pytest.raises(ValueError, match="thetta"):  # a misspelt option: the scheme names it
@@ -210,12 +228,12 @@ def test_tiny_pipeline_resumes_and_records(tmp_path):
 
 
 @pytest.mark.manual
-def test_tiny_pipeline_every_scheme(tmp_path):
+def test_tiny_pipeline_every_scheme(tmp_path, runner):
   """All six models through the tiny pipeline (~6 CPU-minutes on a loaded 2-core host; left out
   of `make test`: test_tiny_pipeline_resumes_and_records runs the pipeline with dense + L2A on
   tiny_test, tiny at one layer, and tests/evaluation/test_eval_suite_cli.py runs the tiny suite
   for every scheme)."""
-  run, _ = _run_tiny(tmp_path, ",".join(h2h.SCHEMES), preset="tiny")
+  run, _ = _run_tiny(tmp_path, runner, ",".join(h2h.SCHEMES), preset="tiny")
   names = sorted({x["model"] for x in run["rows"]})
   assert names == sorted(h2h.SCHEMES)
 

@@ -2,14 +2,14 @@
 
 The checkpoints are written here, untrained: configs/tiny.py with each scheme (L2A and AHA at its
 2 layers, the others at 1), params-only checkpoints (`Checkpointer.save_params`, the format of a
-model to evaluate or serve, with the run config) of the dense model's random init (one compiled
-init) converted to each scheme by the one dense -> scheme entry point (`attention.convert`: the
-scheme's from_dense, as train.py's init_from), the tree checked against the scheme's own init
-(eval_shape). The test checks that every scheme's checkpoint goes through the engine and the
-report, not accuracy; the oracle tests in test_suite.py check the scores. Two of the ten token-
-level tasks per model (--tasks: the engine path is the same for every task); all ten run through
-the engine in tests/bench/test_eval_head_to_head.py (dense + L2A, bench/eval_head_to_head.py's
-tiny_test preset)."""
+model to evaluate or serve, with the run config) of the dense model's random init (drawn on the
+host: no init program) converted to each scheme by the one dense -> scheme entry point
+(`attention.convert`: the scheme's from_dense, as train.py's init_from), the tree checked
+against the scheme's own init (eval_shape). The test checks that every scheme's checkpoint goes
+through the engine and the report, not accuracy; the oracle tests in test_suite.py check the
+scores. Two of the ten token-level tasks per model (--tasks: the engine path is the same for
+every task); all ten run through the engine in tests/bench/test_eval_head_to_head.py (dense +
+L2A, bench/eval_head_to_head.py's tiny_test preset)."""
 import dataclasses
 import json
 import os
@@ -18,7 +18,7 @@ import jax
 import pytest
 
 from _cli_runner import Runner
-from _train_helpers import subprocess_env, tiny
+from _train_helpers import host_init, subprocess_env, tiny
 from condattn_jax import attention
 from condattn_jax import checkpoint as ckpt_lib
 from condattn_jax.train import loop
@@ -45,10 +45,11 @@ def _setup(name, opts, layers=None):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
   root = tmp_path_factory.mktemp("suite_runs")
-  # one compiled init: the 2-layer dense model; its first layer is the 1-layer one (the layer
+  # one init: the 2-layer dense model, drawn on the host from the init's distributions (no init
+  # program compiled: _train_helpers.host_init); its first layer is the 1-layer one (the layer
   # params are stacked [L, ...]); each scheme converted from the dense model of its depth
   _, s2 = _setup("dense", {}, layers=2)
-  d2 = jax.device_get(loop.init_params(s2))
+  d2 = jax.device_get(host_init(s2.model_cfg, 0))
   dense = {2: (d2, s2.model_cfg),
            1: (dict(d2, layers=jax.tree.map(lambda x: x[:1], d2["layers"])),
                s2.model_cfg.replace(num_layers=1))}
