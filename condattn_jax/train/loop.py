@@ -621,18 +621,31 @@ def run(config, workdir: str, *, stop_after: int | None = None,
       lock.release()
 
 
+# The XLA:CPU flag under which a multi-device program loaded from jax's persistent cache runs
+# its collectives in one order on every device (_no_persistent_cache_for_cpu_collectives).
+CPU_CACHE_SAFE_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
+
+
 def _no_persistent_cache_for_cpu_collectives() -> None:
   """jax's persistent compilation cache off (one warning line) for a run on several CPU devices:
-  with jax 0.11.2 a multi-device CPU program loaded from that cache can deadlock in its
-  collectives' rendezvous (the run aborts after minutes of 'may be stuck' messages), and one
-  compiled afresh runs. Effective while the process has compiled nothing (train.py's case)."""
+  with jax 0.11.2 a multi-device CPU program compiled under XLA:CPU's concurrency-optimized
+  scheduler (its default) and loaded from that cache can deadlock in its collectives'
+  rendezvous (devices wait at different collectives of one execution; the run aborts after
+  minutes of 'may be stuck' messages), and one compiled afresh runs. With CPU_CACHE_SAFE_FLAG in
+  XLA_FLAGS (one process; the same values, ops scheduled in program order) loaded programs run
+  (tests/train/test_cpu_cache_guard.py), and the cache stays on. Effective while the process
+  has compiled nothing (train.py's case)."""
   if (jax.default_backend() != "cpu" or jax.local_device_count() < 2 or
       not jax.config.jax_compilation_cache_dir or not jax.config.jax_enable_compilation_cache):
     return
+  if jax.process_count() == 1 and CPU_CACHE_SAFE_FLAG in os.environ.get("XLA_FLAGS", "").split():
+    return
   jax.config.update("jax_enable_compilation_cache", False)
   logging.warning("jax's persistent compilation cache (%s) is off for this run: on a CPU with %d "
-                  "devices a program loaded from it can deadlock in its collectives (jax %s).",
-                  jax.config.jax_compilation_cache_dir, jax.local_device_count(), jax.__version__)
+                  "devices a program loaded from it can deadlock in its collectives (jax %s); "
+                  "XLA_FLAGS=%s keeps it (one process).",
+                  jax.config.jax_compilation_cache_dir, jax.local_device_count(), jax.__version__,
+                  CPU_CACHE_SAFE_FLAG)
 
 
 def _warn_eval_on_training_files(config, evaluates: bool = True) -> None:
