@@ -4,13 +4,8 @@ conftest imports this before jax)."""
 # LLVM optimisation level 0 and its expensive passes off: the tests' programs are tiny, so their
 # time is mostly compilation, which these flags cut by about 40% (the programs then run up to 2x
 # slower, which only long trainings notice).
-# XLA:CPU's concurrency-optimized scheduler off (ops in program order, the same values): a
-# multi-device program loaded from jax's persistent cache then runs its collectives in one order
-# on every device (condattn_jax.train.loop.CPU_CACHE_SAFE_FLAG; with it on, one loaded into
-# another process can deadlock), so the run's processes share their multi-device programs too.
 TEST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0",
-                      "--xla_llvm_disable_expensive_passes=true",
-                      "--xla_cpu_enable_concurrency_optimized_scheduler=false")
+                      "--xla_llvm_disable_expensive_passes=true")
 
 
 def user_env(env: dict) -> dict:
@@ -52,12 +47,10 @@ _JAX_CACHE_VARS = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPIL
 
 
 def shared_cache_env(env: dict, devices: int) -> dict:
-  """env of a subprocess with `devices` CPU devices: jax's persistent cache in the run's shared
-  directory for every program it compiles, where it has one device or the cache-safe scheduler
-  flag (TEST_COMPILE_FLAGS' last) in its XLA_FLAGS; else none (a process as a user runs it:
-  train.py's guard would turn the cache off for several devices anyway)."""
+  """env of a subprocess with `devices` CPU devices: with one device, jax's persistent cache in
+  the run's shared directory for every program it compiles; with several, none (a subprocess
+  has no conftest to keep its multi-device programs out)."""
   env = {k: v for k, v in env.items() if k not in _JAX_CACHE_VARS}
-  safe = TEST_COMPILE_FLAGS[-1] in env.get("XLA_FLAGS", "").split()
-  if (devices == 1 or safe) and env.get(SHARED_CACHE_ENV):
+  if devices == 1 and env.get(SHARED_CACHE_ENV):
     env.update(dict(zip(_JAX_CACHE_VARS, (env[SHARED_CACHE_ENV], str(MIN_CACHED_COMPILE_S), "0"))))
   return env

@@ -9,13 +9,12 @@ near a user's optimisation level: LLVM at -O1, its expensive passes off; tests/_
 training_env).
 Within a test process, a program identical to one already compiled (same module up to debug
 locations) reuses that executable (_reuse_identical_compilations). Across the processes of one
-run (the xdist workers and the subprocesses they start), programs share jax's persistent
-compilation cache in a directory made for the run (SHARED_CACHE_ENV) and removed at its end.
-Multi-device programs too: TEST_COMPILE_FLAGS turn XLA:CPU's concurrency-optimized scheduler
-off, without which (jax 0.11.2, fake CPU devices) a multi-device program loaded from that cache
-can deadlock in its collectives' rendezvous (`train.py --config=configs/tiny.py` on 8 fake
-devices, run twice on one cache directory: the second run aborts; with the flag, every later
-run passes: tests/train/test_cpu_cache_guard.py).
+run (the xdist workers and the one-device subprocesses they start), ONE-device programs share
+jax's persistent compilation cache in a directory made for the run (SHARED_CACHE_ENV) and removed
+at its end. Multi-device programs always compile: with jax 0.11.2 on a CPU with fake devices, a
+multi-device program loaded from that cache deadlocks in its collectives' rendezvous (`train.py
+--config=configs/tiny.py` on 8 fake devices, run twice on one cache directory: the second run
+aborts; one device: both runs pass).
 """
 import collections
 import gc
@@ -53,12 +52,10 @@ jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_compilation_cache_dir", os.environ[SHARED_CACHE_ENV])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_CACHED_COMPILE_S)
 jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-# The train loop turns that cache off on several CPU devices without the cache-safe flag (the
-# deadlock above); here _reuse_identical_compilations decides instead (multi-device programs
-# through the cache only with the flag in XLA_FLAGS: _MULTI_DEVICE_CACHE), so the guard is a
-# no-op in test processes (tests/train/test_cpu_cache_guard.py runs it in train.py processes,
-# with and without the flag).
-_MULTI_DEVICE_CACHE = TEST_COMPILE_FLAGS[-1] in os.environ["XLA_FLAGS"].split()
+# The train loop turns that cache off on several CPU devices (the same deadlock); a test process
+# keeps its multi-device programs out of it itself (_reuse_identical_compilations), so its
+# one-device programs keep the cache (tests/train/test_cpu_cache_guard.py runs the loop's guard
+# in train.py processes).
 from condattn_jax.train import loop as _train_loop  # noqa: E402
 
 _train_loop._no_persistent_cache_for_cpu_collectives = lambda: None
@@ -89,9 +86,8 @@ def _reuse_identical_compilations(max_entries=256):
 
   def compile_or_reuse(backend, computation, devices, compile_options, host_callbacks, *args,
                        **kwargs):
-    if host_callbacks or (devices.size > 1 and not _MULTI_DEVICE_CACHE):  # never through the
-      # persistent cache: a host callback is this process's Python object; several devices
-      # without the cache-safe flag: the module docstring
+    if devices.size > 1 or host_callbacks:  # never through the persistent cache: the module
+      # docstring says why for several devices; a host callback is this process's Python object
       compile_ = functools.partial(_compile_uncached, executable_devices=args[0])
     else:
       compile_ = compile_or_get_cached

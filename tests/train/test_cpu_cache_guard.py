@@ -4,8 +4,10 @@ that cache that can deadlock in its collectives' rendezvous (the second of two i
 aborts after a minute of 'may be stuck' messages, devices waiting at different collectives),
 so the loop turns the cache off for such a run and says so in one line
 (condattn_jax.train.loop._no_persistent_cache_for_cpu_collectives). With the scheduler off
-(loop.CPU_CACHE_SAFE_FLAG in XLA_FLAGS, as the test processes run) the cache stays on and a
-second run loads every program from it and finishes."""
+(loop.CPU_CACHE_SAFE_FLAG in XLA_FLAGS) the cache stays on and a second run loads every program
+from it and finishes. (The suite itself keeps the scheduler and its multi-device programs out of
+the cache: with the flag in every test process and the cache shared, `make test` took 1,641 s
+against 1,515 s without, on 2 cores, 2026-11-29.)"""
 import os
 import subprocess
 
