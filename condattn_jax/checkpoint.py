@@ -122,16 +122,16 @@ def check_writable(directory: str) -> None:
 def _no_replica_parallel_on_cpu() -> None:
   """On a CPU backend, orbax writes each jax.Array from its replica 0 (use_replica_parallel
   off, as orbax itself defaults on GPUs). Replica-parallel saving splits a replicated array's
-  write across its replicas by slicing it on the devices, one compiled slice program per
-  array shape and device count: on CPU devices (no link to spare, one host's memory) that is
-  compilation only; a first save of 120 replicated arrays of distinct shapes on 8 CPU devices
-  took 14.7 s with it and 0.27 s without, the same files restored equal
-  (tests/train/test_checkpoint.py). The orbax registry is process-wide: registered once."""
+  write across its replicas by slicing it on the devices: one compiled slice program per array
+  shape and device count, which on CPU devices (one host's memory) buys nothing
+  (tests/train/test_checkpoint.py: a save on 8 CPU devices compiles nothing and restores
+  equal). Orbax's registry is process-wide: the handler is registered once, silently."""
   global _CPU_ARRAY_HANDLER
   if _CPU_ARRAY_HANDLER is None and jax.default_backend() == "cpu":
-    from orbax.checkpoint._src.serialization import jax_array_handlers
+    from orbax.checkpoint._src.serialization import jax_array_handlers, type_handler_registry
     _CPU_ARRAY_HANDLER = jax_array_handlers.ArrayHandler(use_replica_parallel=False)
-    ocp.type_handlers.register_type_handler(jax.Array, _CPU_ARRAY_HANDLER, override=True)
+    type_handler_registry.GLOBAL_TYPE_HANDLER_REGISTRY.add(
+        jax.Array, _CPU_ARRAY_HANDLER, override=True, ignore_warnings=True)
 
 
 _CPU_ARRAY_HANDLER = None
