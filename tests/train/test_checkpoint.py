@@ -144,8 +144,8 @@ def test_corrupt_checkpoint_is_named_skipped_and_a_changed_model_is_not(straight
 def test_saving_on_cpu_devices_compiles_nothing(tmp_path):
   """A CPU save writes each array from its replica 0 (ckpt_lib._no_replica_parallel_on_cpu):
   replicated arrays of distinct shapes on 8 devices are saved without one compiled program
-  (orbax's replica-parallel default slices each on the devices: a program per shape), and
-  restore equal, into that sharding."""
+  (orbax's replica-parallel default slices each on the devices: a program per shape), with the
+  array metadata orbax's default handler writes, and restore equal, into that sharding."""
   from jax._src import monitoring
   mesh = jax.make_mesh((8,), ("data",))
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -163,6 +163,8 @@ def test_saving_on_cpu_devices_compiles_nothing(tmp_path):
   finally:
     monitoring.unregister_event_duration_listener(listener)
   assert compiles == []
+  # orbax's default handler otherwise: its per-process array metadata is written
+  assert os.listdir(tmp_path / "ck" / "1" / "params" / "array_metadatas")
   got = ck.restore_params(tree, 1)
   ck.close()
   for k, x in tree.items():
