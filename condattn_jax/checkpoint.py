@@ -128,9 +128,10 @@ def _no_replica_parallel_on_cpu() -> None:
   equal). Orbax's registry is process-wide: the handler is registered once, silently."""
   global _CPU_ARRAY_HANDLER
   if _CPU_ARRAY_HANDLER is None and jax.default_backend() == "cpu":
+    # (orbax 0.12 exports neither the registry's silent add nor the metadata store)
     from orbax.checkpoint._src.metadata import array_metadata_store
-    from orbax.checkpoint._src.serialization import jax_array_handlers, type_handler_registry
-    _CPU_ARRAY_HANDLER = jax_array_handlers.ArrayHandler(  # orbax's default, one field changed
+    from orbax.checkpoint._src.serialization import type_handler_registry
+    _CPU_ARRAY_HANDLER = ocp.type_handlers.ArrayHandler(  # orbax's default, one field changed
         use_replica_parallel=False, array_metadata_store=array_metadata_store.Store())
     type_handler_registry.GLOBAL_TYPE_HANDLER_REGISTRY.add(
         jax.Array, _CPU_ARRAY_HANDLER, override=True, ignore_warnings=True)

@@ -38,6 +38,19 @@ def recipe_loader(recipe_file: str):
   return recipe
 
 
+def count_compiles():
+  """(events, stop): `events` grows by one entry (its duration) per XLA backend compilation
+  until stop() is called."""
+  from jax._src import monitoring
+  events = []
+
+  def listener(event, duration, **_):
+    if event == "/jax/core/compile/backend_compile_duration":
+      events.append(duration)
+  monitoring.register_event_duration_secs_listener(listener)
+  return events, lambda: monitoring.unregister_event_duration_listener(listener)
+
+
 def host(tree):
   return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), tree)
 

@@ -11,6 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from _train_helpers import count_compiles
+
 from pallas_kernels.compact_attention import (BlockSizes, CompactConfig, bucket_capacities,
                                               compact_attention,
                                               mask_from_indices, reference_compact_attention)
@@ -387,18 +389,6 @@ def test_kernels_skip_tiles_outside_their_bounds():
       assert np.all((x == 0) | (x == -np.inf)), (fn, "computed a tile outside its bounds")
 
 
-def _count_compiles():
-  """A list that grows by one entry per XLA backend compilation while the listener is active."""
-  from jax._src import monitoring
-  events = []
-
-  def listener(event, duration, **_):
-    if event == "/jax/core/compile/backend_compile_duration":
-      events.append(duration)
-  monitoring.register_event_duration_secs_listener(listener)
-  return events, lambda: monitoring.unregister_event_duration_listener(listener)
-
-
 def test_no_recompilation_across_active_sets():
   """Active sets of every size (empty, full, in between) run with no new
   XLA compilation after the first call, eagerly (where a host-side bucket choice would compile
@@ -413,7 +403,7 @@ def test_no_recompilation_across_active_sets():
   for _ in range(2):
     jax.block_until_ready(f(p.q, p.k, p.v, sets[0]))
     jax.block_until_ready(g(p.q, p.k, p.v, sets[0]))
-  events, stop = _count_compiles()
+  events, stop = count_compiles()
   try:
     for a in sets[1:]:
       jax.block_until_ready(f(p.q, p.k, p.v, a))

@@ -7,7 +7,7 @@ import jax
 import numpy as np
 import pytest
 
-from _train_helpers import assert_trees_close, tiny
+from _train_helpers import assert_trees_close, count_compiles, tiny
 from condattn_jax import checkpoint as ckpt_lib
 from condattn_jax.data import make_train_iterator
 from condattn_jax.train import loop
@@ -146,22 +146,18 @@ def test_saving_on_cpu_devices_compiles_nothing(tmp_path):
   replicated arrays of distinct shapes on 8 devices are saved without one compiled program
   (orbax's replica-parallel default slices each on the devices: a program per shape), with the
   array metadata orbax's default handler writes, and restore equal, into that sharding."""
-  from jax._src import monitoring
   mesh = jax.make_mesh((8,), ("data",))
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   rng = np.random.default_rng(0)
   tree = {f"l{i}": jax.device_put(rng.standard_normal((8, 3 + i)).astype(np.float32), rep)
           for i in range(6)}
-  compiles = []
-  listener = lambda event, *_, **__: compiles.append(event) if event == (
-      "/jax/core/compile/backend_compile_duration") else None
   ck = ckpt_lib.Checkpointer(str(tmp_path / "ck"), async_save=False)
-  monitoring.register_event_duration_secs_listener(listener)
+  compiles, stop = count_compiles()
   try:
     ck.save_params(1, tree, {"note": "probe"})
     ck.wait()
   finally:
-    monitoring.unregister_event_duration_listener(listener)
+    stop()
   assert compiles == []
   # orbax's default handler otherwise: its per-process array metadata is written
   assert os.listdir(tmp_path / "ck" / "1" / "params" / "array_metadatas")

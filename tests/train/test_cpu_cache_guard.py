@@ -5,9 +5,8 @@ aborts after a minute of 'may be stuck' messages, devices waiting at different c
 so the loop turns the cache off for such a run and says so in one line
 (condattn_jax.train.loop._no_persistent_cache_for_cpu_collectives). With the scheduler off
 (loop.CPU_CACHE_SAFE_FLAG in XLA_FLAGS) the cache stays on and a second run loads every program
-from it and finishes. (The suite itself keeps the scheduler and its multi-device programs out of
-the cache: with the flag in every test process and the cache shared, `make test` took 1,641 s
-against 1,515 s without, on 2 cores, 2026-11-29.)"""
+from it and finishes. (The suite's own processes keep the scheduler and their multi-device
+programs out of the cache: with the flag in every test process the suite ran slower.)"""
 import os
 import subprocess
 
