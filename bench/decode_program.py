@@ -499,6 +499,10 @@ OPTION_SETS = {**CB_MODES,
                "dotmerge": {"xla_gpu_dot_merger_threshold_mb": 1024},
                "notriton": {"xla_gpu_enable_triton_gemm": False},
                "exhaustive": {"xla_gpu_exhaustive_tiling_search": True},
+               # programmatic dependent launch (Hopper): a kernel's prologue starts while the
+               # kernel before it drains, instead of every launch waiting for the last CTA
+               "pdl": {"xla_gpu_enable_pdl": True, "xla_gpu_enable_pdl_launch": True},
+               "nopdl": {"xla_gpu_enable_pdl": False, "xla_gpu_enable_pdl_launch": False},
                **{k.lower().replace("_", ""): {"xla_gpu_command_buffer_update_mode": k}
                   for k in ("ALWAYS_UPDATE", "SKIP_TEMP")}}
 # 'alwaysupdate' / 'skiptemp' above: XLA:GPU's command-buffer update mode for one executable
@@ -885,6 +889,15 @@ def _build_variant(name, layout, sets, cfg, params, split, B, T, compiler_option
 # --T=8192,131072 --variants=stacked,stacked:notriton --dense_variants=stacked,stacked:notriton`
 # (Qwen2.5-1.5B shapes). Adopted: the engine compiles its one-token decode step with that option;
 # rejected: the option set stays, for the record.
+# Candidate registered 2026-11-29 before its GPU run (issue 33's dense B = 1 targets; a one-token
+# step runs ~550 kernels, each waiting for the last CTA of the one before): programmatic
+# dependent launch, OPTION_SETS `pdl` / `nopdl` (xla_gpu_enable_pdl + xla_gpu_enable_pdl_launch
+# on / off). Whether jax 0.11.2's XLA turns it on by default is read first in the same call (the
+# PTX of a small jit, default flags, holds griddepcontrol or not): if not, the candidate is
+# `split:pdl`, else `split:nopdl` (then a rejection says PDL already pays; an adoption would turn
+# it off). Settled by ADOPTION_RULE with the dense extension: `--ab --scheme=l2a --T=8192,131072
+# --variants=split,split:<candidate> --dense_variants=split,split:<candidate>`. Adopted: the
+# engine compiles its decode step with that option set; rejected: the option set stays.
 # The rule as registered before l2a_ab_b1 and applied through d_oproj_minsplit_ab (stored on
 # those runs as settings.rule: their claims re-apply it).
 ADOPTION_RULE_1E2 = dict(T=(8192, 131072), min_repeats=5, min_steps=32, busy_slack=0.02,
