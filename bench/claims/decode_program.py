@@ -6,7 +6,8 @@ from bench.claims import approx, claim, expect, quote
 H100 = "decode_program_NVIDIA_H100_80GB_HBM3.json"
 AB_RUNS = ("l2a_ab_b1", "cbupd_a", "cbupd_b", "l2a_draws_ab", "d_split_mgpu_ab",
            "d_oproj_minsplit_ab", "aha10_ab", "aha10_ab2", "aha10_adopt",
-           "aha10_windowparts", "aha11_windowparts_8k", "greedy_split_ab", "exhaustive_ab")
+           "aha10_windowparts", "aha11_windowparts_8k", "greedy_split_ab", "exhaustive_ab",
+           "pdl_ab")
 
 
 def _rule(run):
