@@ -12,6 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from _train_helpers import count_compiles
+# Imported before any program is traced (the first interpret-mode lowering imports it otherwise):
+# it registers a jax config option that is part of every jit cache key, so each program traced
+# before it would be traced again afterwards.
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call  # noqa: F401
 
 from pallas_kernels.compact_attention import (BlockSizes, CompactConfig, bucket_capacities,
                                               compact_attention,
@@ -266,67 +270,86 @@ def test_reference_gradients_are_finite_with_empty_rows():
 # Triton kernels, interpret mode
 # ------------------------------------------------------------------------------------------------
 
-# Named cases (they were the hypothesis test's 3 derandomized draws: B = 2, H = 32). The draw
-# dropped (float32, 6 query / 2 kv heads, window 24, sparsity 1.0: no query active, one bucket)
-# ran only the count-0 path, which test_triton_edge_cases runs (all_empty: every row; and
-# empty_and_full_rows' row 0 in the full bucket). T = 48 is no multiple of the query tiles, so
-# the compacted buffer is padded; T is a multiple of 16, the kernel's kv granularity.
-@pytest.mark.parametrize("name,seed,kw,fracs", [
-    # every query active, the GPU path's one bucket (no ladder)
-    ("all_active_f32", 0, dict(T=48, N=2, K=1, dtype=jnp.float32, sparsity=0.0), None),
-    # packed documents with restarting positions, GQA 2:1 over 2 kv heads, bf16, a ladder
-    ("packed_gqa_bf16_ladder", 107, dict(T=48, N=4, K=2, dtype=jnp.bfloat16,
-                                         sparsity=0.8541070787131924, segments=3,
-                                         packed_positions=True), (0.5, 0.75)),
-])
-def test_triton_matches_reference(name, seed, kw, fracs):
-  p = make_problem(seed, B=2, H=32, **kw)
-  assert p.k.shape[1] % 16 == 0
-  errs, bad = compare(p, dict(TRITON, bucket_fracs=fracs))
-  assert not bad, (name, errs)
-
-
+# The Triton kernels against the reference on problems that share their shapes and static
+# keywords, so each backward variant runs all of them in ONE compiled program (and the reference
+# in one: testing.run): 2 rows, T = 48 queries (no multiple of the query tile of 32: the compacted
+# buffer is padded; a multiple of 16, the kernel's kv granularity) after a prefix of 32 of the 80
+# keys, GQA 2:1 over 2 kv heads, float32, per-head active sets, positions and segment ids given,
+# window 24, the ladder (0.25,) (buckets of 32 and 64 slots). bfloat16 runs in
+# test_triton_default_tiles_and_ladder, one active set per row (no head axis) there and in the
+# kv-length tests, the GPU path's one bucket in both.
+_EDGE_B, _EDGE_T, _EDGE_S, _EDGE_N, _EDGE_K, _EDGE_H, _EDGE_WINDOW = 2, 48, 80, 4, 2, 32, 24
+_EDGE_CASES = (
+    # no active query -> the ladder's smallest bucket (every program empty)
+    "all_empty",
+    # row 1 fully active -> the full bucket; row 0 attends nothing
+    "empty_and_full_rows",
+    # packed documents with restarting positions in both rows, 5 to 11 active queries a (row,
+    # head) -> the smaller bucket
+    "sparse_documents",
+    # row 0 AHA: per-head sets over packed documents with the window; row 1 a cache layout: keys
+    # at arbitrary sorted positions (gaps, repeats), queries at (or one past) the last 48 of
+    # them, one document. 32 to 42 active queries a (row, head): all but one hold more than one
+    # tile of 32 (test_poisoned_outputs_catch_an_unwritten_tile needs that) -> the full bucket.
+    "masking",
+)
 _EDGE = {}  # name -> (problem, its reference's run)
 
 
-_EDGE_CASES = {
-    # the ladder (0.25,): no active query -> the smallest bucket
-    "all_empty": (dict(B=2, sparsity=1.0), (0.25,)),
-    # row 1 fully active -> the full bucket of the ladder (no gather / scatter); row 0 attends
-    # nothing
-    "empty_and_full_rows": (dict(B=2, sparsity=0.0, empty_rows=(0,)), (0.25,)),
-    # masking cases: one bucket (compacted rows, no switch: half the compile; the ladder's
-    # switch is the two cases above, test_triton_default_tiles_and_ladder and the named cases)
-    "aha_segments_window": (dict(sparsity=0.6, per_head=True, segments=2, window=10), (1.0,)),
-    "kv_positions": (dict(sparsity=0.3, kv_positions=True, S=96), (1.0,)),
-}
+def _documents(rng, S):
+  """(segment ids, positions restarting per document) [S] of 3 documents, 3 padding slots after."""
+  cuts = np.sort(rng.choice(np.arange(8, S - 8), size=2, replace=False))
+  seg = 1 + np.searchsorted(cuts, np.arange(S), side="right")
+  starts = np.r_[0, cuts, S - 3]
+  seg[S - 3:] = 0
+  pos = np.arange(S) - starts[np.where(seg == 0, 3, seg - 1)]
+  return seg.astype(np.int32), pos.astype(np.int32)
 
 
-# (name, fused_bwd): every case with the two-kernel backward; the fused one where it differs
-# from it: the dk/dv kernels share their loop and masks (_visible_T), the fused one adds each
-# pair's dS K into dq with atomic adds (mask-independent: dS is masked already), so it runs the
-# ladder pair and the per-head / segments / window case, not kv_positions (kv positions enter
-# the shared loop only).
-@pytest.mark.parametrize("name,fused_bwd", [
-    ("all_empty", True), ("empty_and_full_rows", True), ("aha_segments_window", True),
-    ("all_empty", False), ("empty_and_full_rows", False), ("aha_segments_window", False),
-    ("kv_positions", False)])
-def test_triton_edge_cases(name, fused_bwd):
-  """Both backward variants (CompactConfig.fused_triton_bwd): dq fused into the dk/dv kernel
-  (atomic adds) and the two-kernel backward (dq; dk/dv, the default). all_empty and
-  empty_and_full_rows have the same shapes and ladder: one compile runs both (testing.run)."""
-  p, ref, impl_kw = _edge_case(name, fused_bwd)
-  errs, bad = compare(p, impl_kw, reference=ref)
-  assert not bad, (name, errs)
+def _edge_problem(name):
+  B, T, S, N, K, H = _EDGE_B, _EDGE_T, _EDGE_S, _EDGE_N, _EDGE_K, _EDGE_H
+  rng = np.random.default_rng(5)  # host draws: no random program compiled
+  q, k, v, ct, ct_lse = testing.random_operands(5, B, T, S, N, K, H, jnp.float32)
+  kvpos = np.broadcast_to(np.arange(S, dtype=np.int32), (B, S)).copy()
+  seg = np.ones((B, S), np.int32)
+  active = np.zeros((B, T, N), bool)
+  if name == "empty_and_full_rows":
+    active[1] = True
+  elif name == "sparse_documents":
+    for b in range(B):
+      seg[b], kvpos[b] = _documents(rng, S)
+    active = rng.random((B, T, N)) >= 0.85
+  elif name == "masking":
+    seg[0] = _documents(rng, S)[0]
+    kvpos[1] = np.sort(rng.choice(4 * S, size=S, replace=True))
+    active = rng.random((B, T, N)) >= 0.2
+  qpos = kvpos[:, S - T:].copy()
+  if name == "masking":
+    qpos[1] += rng.integers(0, 2, T).astype(np.int32)
+  kw = dict(q_positions_BT=jnp.asarray(qpos), kv_positions_BS=jnp.asarray(kvpos),
+            q_segment_ids_BT=jnp.asarray(seg[:, S - T:]), kv_segment_ids_BS=jnp.asarray(seg),
+            window=_EDGE_WINDOW)
+  return testing.Problem(q, k, v, jnp.asarray(active), ct, ct_lse, kw)
+
+
+# fused_bwd: the Triton backward in one launch (dq by atomic adds inside the dk/dv kernel) or the
+# two-kernel backward (dq; dk/dv, the default): each runs every edge problem.
+@pytest.mark.parametrize("fused_bwd", [True, False], ids=["fused_bwd", "split_bwd"])
+def test_triton_matches_reference(fused_bwd):
+  """Both backward variants (CompactConfig.fused_triton_bwd) on every _EDGE_CASES problem: one
+  compiled program per variant runs them all (testing.run), and one reference."""
+  for name in _EDGE_CASES:
+    p, ref, impl_kw = _edge_case(name, fused_bwd)
+    errs, bad = compare(p, impl_kw, reference=ref)
+    assert not bad, (name, errs)
 
 
 def _edge_case(name, fused_bwd):
   """(problem, its reference's run, the kernel's keywords) of an _EDGE_CASES case."""
-  kw, fracs = _EDGE_CASES[name]
   if name not in _EDGE:  # the problem and its reference, once for both backward variants
-    p = make_problem(5, **{**dict(T=64, N=2, K=1, H=32), **kw})
+    p = _edge_problem(name)
     _EDGE[name] = p, testing.run(p, impl="reference")
-  return (*_EDGE[name], dict(TRITON, bucket_fracs=fracs,
+  return (*_EDGE[name], dict(TRITON, bucket_fracs=(0.25,),
                              config=CompactConfig(fused_triton_bwd=fused_bwd)))
 
 
@@ -340,11 +363,11 @@ def test_triton_default_tiles_and_ladder():
 def test_poisoned_outputs_catch_an_unwritten_tile(monkeypatch):
   """The kernel's outputs start as NaN (poison=True): a kernel that skips one active tile (here:
   counts one tile short) must fail the comparison, so a passing run means every element was
-  written by the kernel. The problem: test_triton_edge_cases' kv_positions case (one bucket,
-  45 of 64 queries active: the broken count leaves 32 of them unwritten), whose correct run
-  (the same program: no compile here) passes."""
-  p, ref, impl_kw = _edge_case("kv_positions", False)
-  assert int(np.asarray(p.active).sum()) > SMALL.block_q
+  written by the kernel. The problem: test_triton_matches_reference's masking problem (its (row,
+  head)s hold up to 42 active queries: the broken count leaves those past the first tile of 32
+  unwritten), whose correct run (the same program: no compile here) passes."""
+  p, ref, impl_kw = _edge_case("masking", False)
+  assert int(np.asarray(p.active).sum(axis=1).max()) > SMALL.block_q
   errs, bad = compare(p, impl_kw, reference=ref)
   assert not bad, errs
   real = cp.active_counts
@@ -444,8 +467,8 @@ def test_kv_length_the_tiles_cannot_divide_is_padded_not_a_fallback(layout):
   K/V padded with slots no query sees: same values and gradients as the reference. The padded
   layouts: none (positions 0..39 implied), and kv positions (a cache-like layout: kv slots out of
   position order) with segment ids in one call (each pads its own kv array: positions and
-  segment ids were separate cases, one compile pair each; segment ids without kv positions run
-  in test_triton_edge_cases' aha_segments_window)."""
+  segment ids were separate cases, one compile pair each). The default layout runs segment ids
+  without kv positions: the wrapper marks its padding slots with segment id 0."""
   p = make_problem(2, B=2, T=40, S=40, N=2, K=1, H=32, sparsity=0.5)
   kw = {}
   if layout == "positions+segments":
