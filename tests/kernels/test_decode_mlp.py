@@ -272,6 +272,11 @@ def test_bench_interpret_preset_writes_a_run(tmp_path, capsys):
   kernels, one sweep config) checked against the reference and timed, the table printed, the
   run appended with its claims (the tolerance claim passed; ADOPTION_RULE's verdict recorded:
   the tiny shapes are not the rule's points, so it does not adopt)."""
+  import os
+  import sys
+  root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  if root not in sys.path:   # as tests/bench/test_results.py: bench/ is imported from the root
+    sys.path.insert(0, root)
   from bench import decode_mlp as bench
   run = bench.main(["--interpret", f"--out_dir={tmp_path}"])
   (path,) = tmp_path.glob("decode_mlp_*.json")
