@@ -86,6 +86,9 @@ class Settings:
   trace: tuple = ("xla", "fused")      # the variants traced (device-busy us, kernels)
   interpret: bool = False
   seed: int = 0
+  weight_sets: int = 8                  # distinct (x, weights) sets the timed calls cycle through:
+  # a decode step's layers each read their own weights (8 x 82 MB at the 1.5B shapes, >> the
+  # H200's 50 MB L2); one set timed alone would leave the down weights (27.5 MB) in L2
 
 
 # the CPU run of tests/kernels/test_decode_mlp.py: every code path once, at a tiny shape (M = 5:
@@ -93,7 +96,7 @@ class Settings:
 # one sweep entry
 INTERPRET = Settings(name="interpret", shapes=("tiny",), Ms=(5,), sweep=True,
                      sweep_shapes=("tiny",), sweep_names=("down_splits/2",), rounds=1, calls=1,
-                     warmup=0, trace=(), interpret=True)
+                     warmup=0, trace=(), interpret=True, weight_sets=2)
 
 
 def model_mlp(x, xn, wg, wu, wd):
@@ -154,20 +157,22 @@ def max_rel(out, ref) -> float:
   return float(np.abs(a - b).max()) / (den or 1.0)
 
 
-def interleaved_batches(fns: dict, args, *, rounds: int, calls: int, warmup: int) -> dict:
+def interleaved_batches(fns: dict, arg_sets, *, rounds: int, calls: int, warmup: int) -> dict:
   """{name: [ms per call, one per round]}: each round runs every fn's batch of `calls` calls
   enqueued back to back and blocked once (the host's dispatch hides under the device's work, as
-  in a model's step), in an order that reverses every round."""
+  in a model's step), in an order that reverses every round; call i reads arg_sets[i % n] (as a
+  model's layers read distinct weights: none of them left in L2 by the call before)."""
   import jax
   names = list(fns)
   for k in names:
     for _ in range(warmup):
-      jax.block_until_ready(fns[k](*args))
+      jax.block_until_ready(fns[k](*arg_sets[0]))
   runs = {k: [] for k in names}
+  n = len(arg_sets)
   for r in range(rounds):
     for k in (names if r % 2 == 0 else names[::-1]):
       t0 = time.perf_counter()
-      outs = [fns[k](*args) for _ in range(calls)]
+      outs = [fns[k](*arg_sets[i % n]) for i in range(calls)]
       jax.block_until_ready(outs)
       runs[k].append((time.perf_counter() - t0) * 1e3 / calls)
   return runs
@@ -178,7 +183,8 @@ def measure_point(s: Settings, shapes: str, M: int, kind: str, log=print) -> lis
   import jax
   from pallas_kernels import decode_mlp as dm
   D, F = SHAPES[shapes]["D"], SHAPES[shapes]["F"]
-  args = inputs(M, D, F, s.seed)
+  arg_sets = [inputs(M, D, F, s.seed + c) for c in range(s.weight_sets)]
+  args = arg_sets[0]
   vs = variants(s, shapes, M, D, F)
   ref = jax.jit(dm.reference_decode_mlp)(*args)
   rows = {}
@@ -192,7 +198,7 @@ def measure_point(s: Settings, shapes: str, M: int, kind: str, log=print) -> lis
     log(f"  check {shapes} M={M} {name:22s} max_rel_err {err:.2e}  (first call "
         f"{rows[name]['compile_s']:.1f} s)"
         + ("" if err <= TOL else f"   <-- MISMATCH (tolerance {TOL:.2e})"))
-  runs = interleaved_batches({k: v[0] for k, v in vs.items()}, args, rounds=s.rounds,
+  runs = interleaved_batches({k: v[0] for k, v in vs.items()}, arg_sets, rounds=s.rounds,
                              calls=s.calls, warmup=s.warmup)
   nbytes = dm.bytes_read(M, D, F)
   peak = peak_tbps(kind)
@@ -202,7 +208,8 @@ def measure_point(s: Settings, shapes: str, M: int, kind: str, log=print) -> lis
              tbps=nbytes / us / 1e6, of_peak=None if peak is None else nbytes / us / 1e6 / peak)
     if name in s.trace:
       try:
-        a = common.trace_activity(lambda fn=vs[name][0]: fn(*args), n=s.calls)
+        a = common.trace_activity(
+            lambda fn=vs[name][0]: [fn(*a) for a in arg_sets], n=max(1, s.calls // len(arg_sets)))
         r.update(busy_us=a["busy_ms"] * 1e3, kernels=a["kernels"],
                  top=[[k[:60], v * 1e3] for k, v in a["top"][:4]])
       except Exception as e:  # noqa: BLE001 (a profiler problem must not lose the timings)
