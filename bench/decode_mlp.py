@@ -77,7 +77,7 @@ SWEEP = {
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-  name: str = "gpu"
+  name: str = "mlp_ab"
   shapes: tuple = ("qwen2.5-1.5b", "qwen2.5-7b")
   Ms: tuple = (1, 8, 32)
   sweep: bool = True
@@ -275,11 +275,9 @@ def run_bench(s: Settings, out_dir: str | None, log=print) -> dict:
       rows += measure_point(s, shapes, M, kind, log=log)
   run["rows"] = rows
   run["adoption"] = adoption(rows)
+  # the claims (tolerance, the rule re-applied to the stored rows): bench/claims/decode_mlp.py,
+  # recorded by append_run for a run named there
   ok = all(r["within_tol"] for r in rows if r["variant"] not in ("xla", "xla_ref"))
-  common.claim(run, "every kernel variant within bf16 tolerance of the reference", ok,
-               tol=TOL, worst=max(r["max_rel_err"] for r in rows))
-  common.claim(run, "adoption verdict follows ADOPTION_RULE",
-               adoption(rows) == run["adoption"], **run["adoption"])
   log(table(rows))
   a = run["adoption"]
   log(f"ADOPTION_RULE ({ADOPTION_RULE}): "

@@ -1,4 +1,4 @@
-"""Hopper kernels (Pallas Mosaic GPU) of a decode step's MLP: weights streamed once, at HBM rate.
+"""Hopper kernels (Pallas Mosaic GPU) of a decode step's MLP: weights streamed once.
 
     h_MF   = gate_up(xn_MD, w_gate_DF, w_up_DF)      silu(xn @ Wg) * (xn @ Wu), rounded like the model
     part   = down(h_MF, w_down_FD)                     f32 partial sums of h @ Wd, one per K part

@@ -270,8 +270,9 @@ def test_kernels_lower_for_hopper_and_auto_picks_them_only_there():
 def test_bench_interpret_preset_writes_a_run(tmp_path, capsys):
   """bench/decode_mlp.py --interpret: every variant (XLA's MLP, the jitted reference, the fused
   kernels, one sweep config) checked against the reference and timed, the table printed, the
-  run appended with its claims (the tolerance claim passed; ADOPTION_RULE's verdict recorded:
-  the tiny shapes are not the rule's points, so it does not adopt)."""
+  run appended (ADOPTION_RULE's verdict recorded: the tiny shapes are not the rule's points, so
+  it does not adopt) and the recorded-run claims of bench/claims/decode_mlp.py hold on it; the
+  rule claim fails when the stored verdict is changed."""
   import os
   import sys
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -286,8 +287,14 @@ def test_bench_interpret_preset_writes_a_run(tmp_path, capsys):
   assert [r["variant"] for r in rows] == ["xla", "xla_ref", "fused", "sweep:down_splits/2"]
   assert all(r["within_tol"] and r["us"] > 0 and r["bytes"] == dm.bytes_read(5, 128, 192)
              for r in rows)
-  claims = {c["name"]: c["passed"] for c in data["runs"][-1]["claims"]}
-  assert claims["every kernel variant within bf16 tolerance of the reference"]
+  from bench.claims import ClaimFailed
+  from bench.claims import decode_mlp as mlp_claims
+  stored = data["runs"][-1]
+  mlp_claims.every_kernel_variant_within_bf16_tolerance(None, stored)
+  mlp_claims.adoption_is_the_registered_rule_on_the_stored_rows(None, stored)
+  stored["adoption"]["adopt"] = True
+  with pytest.raises(ClaimFailed):
+    mlp_claims.adoption_is_the_registered_rule_on_the_stored_rows(None, stored)
   assert run["adoption"]["adopt"] is False and "not measured" in run["adoption"]["failed"][0]
   out = capsys.readouterr().out
   assert "ADOPTION_RULE" in out and "sweep:down_splits/2" in out
