@@ -8,7 +8,8 @@
 
 What `run` does, in order:
   1. validate the config (every check that can fail before the first step); lock the workdir
-     (<workdir>/run.lock: one run per workdir); mesh (data, fsdp, tensor) over all devices,
+     (<workdir>/run.lock: one run per workdir); mesh (data, fsdp, tensor) over all devices (or
+     run(devices=...)),
      the default mesh / microbatches / eval batch derived where the batch does not divide it
      (sharding.derive_layout, logged);
   2. abstract params (`jax.eval_shape` of Decoder.init, logical-axis boxes) -> shardings by the
@@ -587,8 +588,14 @@ class _Accumulator:
 # -------------------------------------------------------------------------------------- run
 def run(config, workdir: str, *, stop_after: int | None = None,
         on_step: Callable[[int, dict], None] | None = None,
-        time_budget_s: float | None = None) -> dict[str, Any]:
+        time_budget_s: float | None = None, devices=None) -> dict[str, Any]:
   """Trains to `config.train.num_steps` (resuming from <workdir>/checkpoints if present).
+
+  devices: the devices the mesh is laid over (default `jax.devices()`: every device of every
+    process), as in `build`: a one-process run may train on a subset of its local devices (e.g.
+    `jax.devices()[:1]`). The train step, the evaluations and the checkpoint restore all use
+    that mesh; a checkpoint written on other devices restores onto it, and one written here
+    resumes on any other mesh.
 
   stop_after: stop (with a checkpoint) after this many steps in THIS call, as a preemption
     would; the next call resumes. time_budget_s: the same, once this call has run that many
@@ -604,9 +611,11 @@ def run(config, workdir: str, *, stop_after: int | None = None,
   does not fit the checkpoints is an error). Only then is <workdir>/config.json written.
   """
   if config.train.dry_run:
-    return dict(step=0, train={}, eval=None, stopped_early=True, dry_run=dry_run(config))
+    return dict(step=0, train={}, eval=None, stopped_early=True,
+                dry_run=dry_run(config, devices=devices))
   config_lib.validate_config(config)
-  _no_persistent_cache_for_cpu_collectives()
+  if devices is None or len(devices) > 1:  # one device: no collectives, the cache stays on
+    _no_persistent_cache_for_cpu_collectives()
   is_host0 = jax.process_index() == 0
   _warn_eval_on_training_files(config, evaluates=bool(
       config.eval.get("at_end", True) or config.eval.get("at_start") or int(config.train.eval_every)))
@@ -615,7 +624,7 @@ def run(config, workdir: str, *, stop_after: int | None = None,
   lock = _lock_workdir(workdir, is_host0)
   try:
     return _run_locked(config, workdir, lock, stop_after=stop_after, on_step=on_step,
-                       deadline=deadline)
+                       deadline=deadline, devices=devices)
   finally:
     if lock is not None:
       lock.release()
@@ -724,9 +733,9 @@ def _bar_extra(means: dict, headline: str | None) -> dict[str, float]:
   return extra
 
 
-def _run_locked(config, workdir: str, lock, *, stop_after, on_step,
-                deadline=None) -> dict[str, Any]:
-  setup = build(config, needs_data=True)
+def _run_locked(config, workdir: str, lock, *, stop_after, on_step, deadline=None,
+                devices=None) -> dict[str, Any]:
+  setup = build(config, devices=devices, needs_data=True)
   config = setup.config  # with the layout derived for this mesh
   tc = config.train
   is_host0 = jax.process_index() == 0

@@ -86,7 +86,8 @@ def test_tiny_recipe_router_learns(tmp_path):
   c.train.checkpoint_every = 0
   c.train.progress_bar = False
   c.eval.num_batches = 1
-  res = loop.run(c, str(tmp_path))
+  one = jax.devices()[:1]  # one device: the checks are about learning, not sharding
+  res = loop.run(c, str(tmp_path), devices=one)
   assert res["step"] == 60 and not res["stopped_early"] and np.isfinite(res["train"]["loss"])
   rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
   train = [r for r in rows if "train/aha/mu_f" in r]
@@ -101,5 +102,5 @@ def test_tiny_recipe_router_learns(tmp_path):
   ev = res["eval"]["results"][c.data.seq_len]
   c2 = recipe("tiny,steps=60,tau=0.95")
   c2.eval.num_batches = 1
-  ev2 = loop.evaluate_checkpoint(c2, str(tmp_path))["results"][c.data.seq_len]
+  ev2 = loop.evaluate_checkpoint(c2, str(tmp_path), devices=one)["results"][c.data.seq_len]
   assert ev2["aux/aha/mu_f"] < ev["aux/aha/mu_f"] - 0.05, (ev["aux/aha/mu_f"], ev2["aux/aha/mu_f"])

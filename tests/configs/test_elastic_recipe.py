@@ -4,6 +4,7 @@ variant through train.loop.run: only the router and the multipliers are trained 
 falls while Omega is below the target (signed Lagrangian), the router's FA probability falls and Omega rises toward the target."""
 import json
 
+import jax
 import numpy as np
 import pytest
 
@@ -85,7 +86,7 @@ def test_tiny_run_moves_omega_toward_the_target(tmp_path):
   c.train.progress_bar = False
   c.eval.num_batches = 1
   c.eval.at_end = False
-  res = loop.run(c, str(tmp_path))
+  res = loop.run(c, str(tmp_path), devices=jax.devices()[:1])  # one device: the checks are about learning, not sharding
   assert res["step"] == 40 and not res["stopped_early"] and np.isfinite(res["train"]["loss"])
   rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
   train = [r for r in rows if "train/elastic/omega_msr" in r]

@@ -113,7 +113,8 @@ def test_tiny_recipe_trains_evaluates_and_prunes(tmp_path):
   c.train.checkpoint_every = 0
   c.train.progress_bar = False
   c.eval.num_batches = 1
-  res = loop.run(c, str(tmp_path))
+  one = jax.devices()[:1]  # one device: the checks are about learning, not sharding (test_l2a_sharded.py)
+  res = loop.run(c, str(tmp_path), devices=one)
   assert res["step"] == 6 and not res["stopped_early"] and np.isfinite(res["train"]["loss"])
   rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
   train_rows = [r for r in rows if "train/l2a/sparsity_layer_0" in r]
@@ -131,7 +132,7 @@ def test_tiny_recipe_trains_evaluates_and_prunes(tmp_path):
     c2 = recipe("tiny,steps=6,batch=8,seq=32,pairs=4,gap=8,window=4")
     c2.model.scheme.theta = th
     c2.eval.num_batches = 1
-    sp[th] = loop.evaluate_checkpoint(c2, str(tmp_path))["results"][32]["aux/l2a/sparsity"]
+    sp[th] = loop.evaluate_checkpoint(c2, str(tmp_path), devices=one)["results"][32]["aux/l2a/sparsity"]
   assert sp[0.05] < sp[0.5] < sp[0.95], sp
   # the pruning report (script's library function), with a threshold between the two layers'
   # measured sparsities: exactly the sparser layer goes (measured: 0.863 / 0.953 -> layer 1)
@@ -140,7 +141,7 @@ def test_tiny_recipe_trains_evaluates_and_prunes(tmp_path):
   lo, hi = sorted(layer_sp)
   assert hi - lo > 0.02, layer_sp  # else no threshold separates them: the check would be void
   sparser = int(np.argmax(layer_sp))
-  setup, params, step = loop.load_params(c, str(tmp_path))
+  setup, params, step = loop.load_params(c, str(tmp_path), devices=one)
   assert l2a.prune(params, setup.model_cfg, layer_sp, hi + 1e-3)[2] == ()  # above both: none
   rep = l2a_report.prune_and_evaluate(c, params, setup.model_cfg, setup.mesh,
                                       threshold=(lo + hi) / 2, context_len=4096)

@@ -1,5 +1,6 @@
-"""Checkpoints: exact resume (N straight == N/2, SIGTERM, resume, N/2), keep-last-N, restore into
-another mesh, data iterator state re-split across process counts."""
+"""Checkpoints: exact resume (N straight == N/2, SIGTERM, resume, N/2; runs on one device:
+loop.run(devices=...)), keep-last-N, restore into other meshes, data iterator state re-split
+across process counts."""
 import os
 import signal
 
@@ -13,6 +14,7 @@ from condattn_jax.data import make_train_iterator
 from condattn_jax.train import loop
 
 N = 8
+ONE = lambda: jax.devices()[:1]
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +22,8 @@ def straight(tmp_path_factory):
   wd = str(tmp_path_factory.mktemp("straight"))
   c = tiny(f"steps={N}", checkpoint_every=2, keep_checkpoints=2)
   losses = {}
-  r = loop.run(c, wd, on_step=lambda s, m: losses.__setitem__(s, float(m["loss"])))
+  r = loop.run(c, wd, on_step=lambda s, m: losses.__setitem__(s, float(m["loss"])),
+               devices=ONE())
   assert r["step"] == N and not r["stopped_early"]
   assert np.isfinite(r["train"]["loss"]), r["train"]
   return wd, c, losses
@@ -37,12 +40,14 @@ def test_resume_after_sigterm_is_exact(straight, tmp_path):
 
   losses_b = {}
   r1 = loop.run(c, wd_b, on_step=lambda s, m: (losses_b.__setitem__(s, float(m["loss"])),
-                                               kill_at_half(s, m)))
+                                               kill_at_half(s, m)), devices=ONE())
   assert r1["stopped_early"] and r1["step"] in (N // 2, N // 2 + 1)
   ck = ckpt_lib.Checkpointer(os.path.join(wd_b, "checkpoints"), read_only=True)
   assert ck.all_steps() == [r1["step"]]
+  assert ck.restore_meta()["mesh"] == {"data": 1, "fsdp": 1, "sequence": 1, "tensor": 1}
   ck.close()
-  r2 = loop.run(c, wd_b, on_step=lambda s, m: losses_b.__setitem__(s, float(m["loss"])))
+  r2 = loop.run(c, wd_b, on_step=lambda s, m: losses_b.__setitem__(s, float(m["loss"])),
+                devices=ONE())
   assert r2["step"] == N and not r2["stopped_early"]
   _, pa, _ = loop.load_params(c, wd_a)
   _, pb, _ = loop.load_params(c, wd_b)
@@ -63,8 +68,8 @@ def test_stop_after_and_keep_last_n(straight, tmp_path):
 
 
 def test_restore_into_another_mesh(straight):
-  wd, c, _ = straight  # saved from an 8-device fsdp mesh
-  _, ref, _ = loop.load_params(c, wd)
+  wd, c, _ = straight  # saved from one device
+  _, ref, _ = loop.load_params(c, wd, devices=ONE())
   c2 = tiny(f"steps={N}")
   c2.mesh.data, c2.mesh.fsdp, c2.mesh.tensor = 2, 1, 4
   setup, p2, step = loop.load_params(c2, wd)
@@ -73,8 +78,9 @@ def test_restore_into_another_mesh(straight):
         if jax.tree_util.keystr(path).endswith("['mlp']['up_proj']['kernel']")]
   assert up and all("tensor" in tuple(x.sharding.spec) for x in up)  # [.., D, F]: F on tensor
   assert_trees_close(p2, ref, atol=0)
-  _, p1, _ = loop.load_params(tiny(f"steps={N}"), wd, devices=[jax.devices()[0]])
-  assert_trees_close(p1, ref, atol=0)
+  setup, p8, _ = loop.load_params(tiny(f"steps={N}"), wd)  # the 8-device fsdp mesh
+  assert dict(setup.mesh.shape)["fsdp"] == 8
+  assert_trees_close(p8, ref, atol=0)
 
 
 def test_config_from_checkpoint_roundtrip(straight):

@@ -286,7 +286,7 @@ def test_init_from_hf_checkpoint_then_train(tmp_path):
   assert setup.model_cfg.hidden_size == 32 and setup.model_cfg.tie_word_embeddings
   _, ref = load_hf_checkpoint(c.model.init_from)
   assert_trees_close(loop.init_params(setup), ref, atol=0)
-  r = loop.run(c, str(tmp_path / "run"))
+  r = loop.run(c, str(tmp_path / "run"), devices=ONE())
   assert r["step"] == 2 and np.isfinite(r["train"]["loss"])
   saved = json.load(open(tmp_path / "run" / "config.json"))
   assert saved["model"]["init_from"].endswith("qwen2")
