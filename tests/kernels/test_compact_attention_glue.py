@@ -2,12 +2,17 @@
 Pallas Mosaic GPU, run here in interpret mode) against the XLA compaction they replace, the count
 bound they run under, and the GPU path's single bucket (no lax.switch); the Mosaic GPU copies
 lowered for cuda."""
+import functools
 import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+# Imported before any program is traced (the first interpret-mode lowering imports it otherwise):
+# it registers a jax config option that is part of every jit cache key, so each program traced
+# before it would be traced again afterwards.
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call  # noqa: F401
 
 from pallas_kernels.compact_attention import CompactConfig, compact_attention, glue
 from pallas_kernels.compact_attention import compaction as cp
@@ -16,17 +21,23 @@ from pallas_kernels.compact_attention.testing import make_problem
 B, T, N, H = 2, 200, 3, 16
 
 
-def _setup(per_head, seed=0):
-  """Row 0 ~30% active, row 1 empty (count 0), the compaction's arrays in a bucket of T."""
+@functools.partial(jax.jit, static_argnames=("per_head", "T", "N", "H", "dtype"))
+def _draw(seed, *, per_head, T, N, H, dtype):
+  """(x, y [B, T, N, H], slot, idx, counts): row 0 ~30% active, row 1 empty (count 0), the
+  compaction's arrays in a bucket of T rounded up to 16; one program per shape (eagerly, each
+  random draw and compaction op is compiled alone), the seed an argument."""
   keys = jax.random.split(jax.random.PRNGKey(seed), 3)
-  x = jax.random.normal(keys[0], (B, T, N, H), jnp.float32)
-  y = jax.random.normal(keys[1], (B, T, N, H), jnp.float32)
+  x, y = (jax.random.normal(k, (B, T, N, H), dtype) for k in keys[:2])
   shape = (B, T, N) if per_head else (B, T)
   active = (jax.random.uniform(keys[2], shape) < 0.3).at[1].set(False)
   a_BIT, _ = cp.active_to_RT(active)
-  C = cp.round_up(T, 16)
   slot = cp.compact_slots(a_BIT)
-  return x, y, slot, cp.compact_indices(a_BIT, C, slot), cp.active_counts(a_BIT), C
+  return x, y, slot, cp.compact_indices(a_BIT, cp.round_up(T, 16), slot), cp.active_counts(a_BIT)
+
+
+def _setup(per_head, seed=0):
+  """_draw's arrays (float32, T = 200: a bucket C of 208) and C."""
+  return *_draw(seed, per_head=per_head, T=T, N=N, H=H, dtype=jnp.float32), cp.round_up(T, 16)
 
 
 def _bound(counts, b, multiple):
@@ -39,8 +50,9 @@ def test_gather_rows_is_the_xla_gather_on_the_rows_kernels_read(per_head):
   (padding slots read row T - 1); the rest are never written (NaN in interpret mode), so the
   work follows the active count, not the bucket; an empty row writes nothing."""
   x, _, _, idx, counts, C = _setup(per_head)
-  got = np.asarray(glue.gather_rows(x, idx, counts, 32, interpret=True))
-  want = np.asarray(cp.gather_rows(x, idx))
+  got, want = jax.device_get(jax.jit(lambda x, idx, counts: (  # one program (eagerly: op by op)
+      glue.gather_rows(x, idx, counts, 32, interpret=True), cp.gather_rows(x, idx)))(
+          x, idx, counts))
   assert got.shape == want.shape == (B, C, N, H)
   n0 = _bound(counts, 0, 32)
   assert 0 < n0 < C
@@ -53,12 +65,16 @@ def test_uncompact_rows_equals_the_scatter_into_zeros(per_head):
   """One pass (no zero fill first): exactly compaction.scatter_rows, zeros for inactive rows,
   unwritten compacted slots (NaN) never read."""
   x, _, slot, idx, counts, C = _setup(per_head)
-  x_c = cp.gather_rows(x, idx)
-  valid = jnp.arange(C)[None, None, :, None] < counts[:, :, None, None]  # [B, I, C, 1]
-  valid = jnp.swapaxes(valid[..., 0], 1, 2)[..., None]                    # [B, C, I, 1]
-  x_c = jnp.where(valid, x_c, jnp.nan)
-  got = np.asarray(glue.uncompact_rows(x_c, slot, interpret=True))
-  np.testing.assert_array_equal(got, np.asarray(cp.scatter_rows(x_c, idx, T)))
+
+  @jax.jit  # one program (eagerly: op by op)
+  def got_want(x, slot, idx, counts):
+    x_c = cp.gather_rows(x, idx)
+    valid = jnp.arange(C)[None, None, :, None] < counts[:, :, None, None]  # [B, I, C, 1]
+    valid = jnp.swapaxes(valid[..., 0], 1, 2)[..., None]                    # [B, C, I, 1]
+    x_c = jnp.where(valid, x_c, jnp.nan)
+    return glue.uncompact_rows(x_c, slot, interpret=True), cp.scatter_rows(x_c, idx, T)
+  got, want = jax.device_get(got_want(x, slot, idx, counts))
+  np.testing.assert_array_equal(got, want)
   assert not np.isnan(got).any() and (got[1] == 0).all()
 
 
@@ -67,12 +83,15 @@ def test_gather_rows_delta_is_do_gathered_and_the_rowwise_dot(per_head):
   """do_c as gather_rows, delta [B, N, C] = sum over H of o_c * do_c in float32, on the rows the
   kernels read."""
   do, o, _, idx, counts, _ = _setup(per_head, seed=1)
-  do_c, delta = glue.gather_rows_delta(do.astype(jnp.bfloat16), o.astype(jnp.bfloat16), idx,
-                                       counts, 32, interpret=True)
-  want_do = cp.gather_rows(do.astype(jnp.bfloat16), idx)
-  want = jnp.swapaxes(jnp.sum(cp.gather_rows(do.astype(jnp.bfloat16), idx).astype(jnp.float32)
-                              * cp.gather_rows(o.astype(jnp.bfloat16), idx).astype(jnp.float32),
-                              -1), 1, 2)
+
+  @jax.jit  # one program (eagerly: op by op)
+  def got_want(do, o, idx, counts):
+    do, o = do.astype(jnp.bfloat16), o.astype(jnp.bfloat16)
+    do_c, delta = glue.gather_rows_delta(do, o, idx, counts, 32, interpret=True)
+    want = jnp.swapaxes(jnp.sum(cp.gather_rows(do, idx).astype(jnp.float32)
+                                * cp.gather_rows(o, idx).astype(jnp.float32), -1), 1, 2)
+    return do_c, delta, cp.gather_rows(do, idx), want
+  do_c, delta, want_do, want = got_want(do, o, idx, counts)
   n0 = _bound(counts, 0, 32)
   assert do_c.dtype == jnp.bfloat16 and delta.dtype == jnp.float32
   np.testing.assert_array_equal(np.asarray(do_c[0, :n0]), np.asarray(want_do[0, :n0]))
@@ -133,14 +152,9 @@ MGPU_T, MGPU_N, MGPU_H = 96, 3, 64
 
 
 def _setup_mgpu(per_head, seed=0):
-  keys = jax.random.split(jax.random.PRNGKey(seed), 3)
-  x, y = (jax.random.normal(k, (B, MGPU_T, MGPU_N, MGPU_H), jnp.bfloat16) for k in keys[:2])
-  active = (jax.random.uniform(keys[2], (B, MGPU_T, MGPU_N) if per_head else (B, MGPU_T)) < 0.3
-            ).at[1].set(False)
-  a_BIT, _ = cp.active_to_RT(active)
-  C = MGPU_T
-  slot = cp.compact_slots(a_BIT)
-  return x, y, slot, cp.compact_indices(a_BIT, C, slot), cp.active_counts(a_BIT), C
+  """_draw's arrays (bfloat16, T = 96: a bucket C of 96) and C."""
+  return (*_draw(seed, per_head=per_head, T=MGPU_T, N=MGPU_N, H=MGPU_H, dtype=jnp.bfloat16),
+          MGPU_T)
 
 
 @pytest.mark.parametrize("per_head", [False, True], ids=["l2a", "aha"])
@@ -152,22 +166,28 @@ def test_mosaic_gpu_row_copies_equal_the_xla_compaction(per_head):
   tile inside the program)."""
   x, y, slot, idx, counts, C = _setup_mgpu(per_head)
   mg = dict(interpret=True, kernel="mosaic_gpu")
-  got = np.asarray(glue.gather_rows(x, idx, counts, 32, **mg).astype(jnp.float32))
-  want = np.asarray(cp.gather_rows(x, idx).astype(jnp.float32))
+
+  @jax.jit  # one program (eagerly: op by op)
+  def got_want(x, y, slot, idx, counts):
+    f32 = lambda a: a.astype(jnp.float32)
+    x_c, o_c = cp.gather_rows(x, idx), cp.gather_rows(y, idx)
+    return dict(
+        gathered=f32(glue.gather_rows(x, idx, counts, 32, **mg)), x_c=x_c,
+        back=f32(glue.uncompact_rows(x_c, slot, **mg)),
+        back_want=f32(cp.scatter_rows(x_c, idx, MGPU_T)),
+        do_delta=glue.gather_rows_delta(x, y, idx, counts, 32, **mg),
+        delta_want=jnp.swapaxes(jnp.sum(f32(x_c) * f32(o_c), -1), 1, 2))
+  r = got_want(x, y, slot, idx, counts)
+  got, want = np.asarray(r["gathered"]), np.asarray(r["x_c"].astype(jnp.float32))
   n0 = _bound(counts, 0, 32)
   assert 0 < n0 < C
   np.testing.assert_array_equal(got[0, :n0], want[0, :n0])
   written = ~np.isnan(got).any(axis=(2, 3))
   assert not written[1].any() and not written[0, -16:].any()
 
-  x_c = cp.gather_rows(x, idx)
-  got = np.asarray(glue.uncompact_rows(x_c, slot, **mg).astype(jnp.float32))
-  np.testing.assert_array_equal(got, np.asarray(cp.scatter_rows(x_c, idx, MGPU_T).astype(
-      jnp.float32)))
+  np.testing.assert_array_equal(np.asarray(r["back"]), np.asarray(r["back_want"]))
 
-  do_c, delta = glue.gather_rows_delta(x, y, idx, counts, 32, **mg)
-  o_c = cp.gather_rows(y, idx)
-  want = jnp.swapaxes(jnp.sum(x_c.astype(jnp.float32) * o_c.astype(jnp.float32), -1), 1, 2)
+  (do_c, delta), x_c, want = r["do_delta"], r["x_c"], r["delta_want"]
   assert do_c.dtype == jnp.bfloat16 and delta.shape == (B, MGPU_N, C)
   np.testing.assert_array_equal(np.asarray(do_c[0, :n0]), np.asarray(x_c[0, :n0]))
   np.testing.assert_allclose(np.asarray(delta[0, :, :n0]), np.asarray(want[0, :, :n0]),
@@ -201,9 +221,15 @@ def test_mosaic_gpu_delta_falls_back_to_xla_where_the_kernel_cannot_take_the_hea
   one-line reason."""
   x, y, _, idx, counts, _ = _setup_mgpu(False, seed=2)
   monkeypatch.setattr(glue, "_mgpu_delta_rows", lambda heads, rows_out: None)
-  do_c, delta = glue.gather_rows_delta(x, y, idx, counts, 32, interpret=True, kernel="mosaic_gpu")
-  x_c, o_c = cp.gather_rows(x, idx), cp.gather_rows(y, idx)
-  want = jnp.swapaxes(jnp.sum(x_c.astype(jnp.float32) * o_c.astype(jnp.float32), -1), 1, 2)
+
+  @jax.jit  # one program (eagerly: op by op)
+  def got_want(x, y, idx, counts):
+    do_c, delta = glue.gather_rows_delta(x, y, idx, counts, 32, interpret=True,
+                                         kernel="mosaic_gpu")
+    x_c, o_c = cp.gather_rows(x, idx), cp.gather_rows(y, idx)
+    return do_c, delta, x_c, jnp.swapaxes(
+        jnp.sum(x_c.astype(jnp.float32) * o_c.astype(jnp.float32), -1), 1, 2)
+  do_c, delta, x_c, want = got_want(x, y, idx, counts)
   n0 = _bound(counts, 0, 32)
   np.testing.assert_array_equal(np.asarray(do_c[0, :n0]), np.asarray(x_c[0, :n0]))
   np.testing.assert_allclose(np.asarray(delta[0, :, :n0]), np.asarray(want[0, :, :n0]),
