@@ -13,6 +13,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+# Imported before any program is traced (the first interpret-mode lowering imports it otherwise):
+# it registers a jax config option that is part of every jit cache key, so each program traced
+# before it would be traced again afterwards.
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call  # noqa: F401
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from _train_helpers import host_init
@@ -244,14 +248,19 @@ def test_hopper_engine_prefill_runs_the_block_sparse_kernel(caplog):
   G = -(-(C + 127) // 128)  # blocks a call of C tokens from any start touches
   kv = lambda n: f"tensor<{B * G}x{n}x1x64xbf16>"
 
+  model = lambda path: Decoder(attention.configure(base, "match", window=128, chunk=128,
+                                                   top_k=2, prefill_last=200,
+                                                   attention_path=path))
+  # the parameters' and the cache's shapes, traced once (the attention path changes neither)
+  m = model("auto")
+  params = jax.eval_shape(lambda t: nn.unbox(m.init(jax.random.PRNGKey(0), t)),
+                          jnp.zeros((1, 8), jnp.int32))["params"]
+  cache = jax.eval_shape(lambda p, t: m.apply({"params": p}, t, decode=True, cache_len=L,
+                                              unroll_layers=True, mutable=["cache"])[1]["cache"],
+                         params, i32((B, 1)))
+
   def program(path):
-    m = Decoder(attention.configure(base, "match", window=128, chunk=128, top_k=2,
-                                    prefill_last=200, attention_path=path))
-    params = jax.eval_shape(lambda t: nn.unbox(m.init(jax.random.PRNGKey(0), t)),
-                            jnp.zeros((1, 8), jnp.int32))["params"]
-    cache = jax.eval_shape(lambda p, t: m.apply({"params": p}, t, decode=True, cache_len=L,
-                                                unroll_layers=True, mutable=["cache"])[1]["cache"],
-                           params, i32((B, 1)))
+    m = model(path)
 
     def step(p, c, t, pos, valid, P):
       return m.apply({"params": p, "cache": c}, t, pos, valid, decode=True, cache_len=L,
