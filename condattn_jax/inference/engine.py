@@ -370,8 +370,8 @@ def _expand_book(cache, owners):
 
 # What Engine._abstract traces off models (the abstract cache, a step's aux shapes; tracing a
 # 32-layer model costs ~1 s): keyed by (config, the registered scheme object, cache_len, batch
-# size, the params' tree, shapes, dtypes, shardings, what), oldest dropped past
-# _ABSTRACT_CACHES_MAX.
+# size (None: the first asked), the params' tree, shapes, dtypes, shardings, what), oldest
+# dropped past _ABSTRACT_CACHES_MAX.
 _ABSTRACT_CACHES: dict = {}
 _ABSTRACT_CACHES_MAX = 64
 
@@ -545,21 +545,37 @@ class Engine:
 
   def _full_cache_shapes(self, batch_size: int):
     """The model's own abstract cache for `batch_size` rows (every layer's bookkeeping), read
-    off the model once per (config, cache_len, batch size, abstract params): engines over the
-    same model share it (_ABSTRACT_CACHES)."""
+    off the model once per (config, cache_len, abstract params): engines over the same model
+    share it (_ABSTRACT_CACHES). The first batch size asked for is traced; when it is > 1 and
+    every leaf of its cache is batch-first (its leading axis that size: every scheme's cache,
+    which `serve` and `reset_rows` need), another batch size is that cache with its leading axis
+    replaced (no second trace of the model), else it is traced too."""
     if batch_size not in self._cache_shapes:
-      tok = jax.ShapeDtypeStruct((batch_size, 1), jnp.int32)
-      self._cache_shapes[batch_size] = self._abstract(batch_size, "cache", lambda: jax.eval_shape(
-          lambda p, t: self.model.apply({"params": p}, t, decode=True,
-                                        cache_len=self.cache_len, unroll_layers=True,
-                                        mutable=["cache"])[1]["cache"],
-          self.params, tok))
+      b0, first = self._abstract(None, "cache", lambda: (batch_size,
+                                                         self._traced_cache(batch_size)))
+      if b0 == batch_size:
+        shapes = first
+      elif b0 > 1 and all(x.ndim and x.shape[0] == b0 for x in jax.tree.leaves(first)):
+        shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+            (batch_size,) + tuple(x.shape[1:]), x.dtype, weak_type=x.weak_type), first)
+      else:
+        shapes = self._abstract(batch_size, "cache", lambda: self._traced_cache(batch_size))
+      self._cache_shapes[batch_size] = shapes
     return self._cache_shapes[batch_size]
+
+  def _traced_cache(self, batch_size: int):
+    """The model's abstract cache for `batch_size` rows, traced (jax.eval_shape of a one-token
+    decode call)."""
+    tok = jax.ShapeDtypeStruct((batch_size, 1), jnp.int32)
+    return jax.eval_shape(
+        lambda p, t: self.model.apply({"params": p}, t, decode=True, cache_len=self.cache_len,
+                                      unroll_layers=True, mutable=["cache"])[1]["cache"],
+        self.params, tok)
 
   def _abstract(self, batch_size: int, what, trace):
     """trace()'s result, kept in _ABSTRACT_CACHES under (config, the registered scheme object,
-    cache_len, batch size, the params' tree, shapes, dtypes, shardings, what): engines over the
-    same model share it."""
+    cache_len, batch size (None: any), the params' tree, shapes, dtypes, shardings, what):
+    engines over the same model share it."""
     from condattn_jax.attention import get_scheme
     scheme = get_scheme(self.config.scheme)   # a scheme registered again under its name
     leaves, treedef = jax.tree.flatten(self.params)
@@ -943,8 +959,8 @@ class Engine:
     active = np.asarray([r is not None for r in req])
     stop = next(outs[r].k.stop_tokens for r in req if r is not None)  # (one set: checked)
     state = dict(self._greedy_state(cache, logits, pos, self._decode_fields(pos, active)),
-                 done=jnp.asarray(~active))
-    stop_S = jnp.asarray(sorted(stop) or [-1], jnp.int32)
+                 done=self._commit(jnp.asarray(~active)))
+    stop_S = stop_ids(stop)
     for j in range(k):
       cache, state = self._greedy_step(self.params, cache, state, stop_S,
                                        static_fields=self._decode_fields(pos + j, active))
@@ -977,7 +993,8 @@ class Engine:
     B = logits.shape[0]
     aux = self._abstract(B, ("greedy_aux", static_fields),
                          lambda: self.step_aux_shapes(self.params, cache, B, static_fields))
-    return greedy_state(logits, lengths, self.GREEDY_IDS_BLOCK, aux)
+    # committed like the step's outputs: else the second step compiles again (_commit)
+    return self._commit(greedy_state(logits, lengths, self.GREEDY_IDS_BLOCK, aux))
 
   def _greedy_on_device(self, cache, logits, lengths, knobs: _Knobs, outs, gen_stats):
     """`generate`'s greedy loop without a host round trip a step: `_greedy_step` calls back to
@@ -991,7 +1008,7 @@ class Engine:
     only where the scheme has none (`decode_fields`) or every row stays active (no stop
     tokens). Returns (cache, steps: the steps the host loop would have run)."""
     B, n, block = len(outs), knobs.max_new_tokens, self.GREEDY_IDS_BLOCK
-    stop = jnp.asarray(sorted(knobs.stop_tokens) or [-1], jnp.int32)
+    stop = stop_ids(knobs.stop_tokens)
     pos_host = np.asarray(lengths).copy()
     fields = lambda: self._decode_fields(pos_host, np.ones(B, bool))
     state = self._greedy_state(cache, logits, lengths, fields())
@@ -1133,6 +1150,18 @@ class Engine:
         stats=[{"prompt": prompt_stats.row(b), "generated": gen_stats.row(b)} for b in range(B)],
         logits=[np.stack(o.kept) for o in outs] if return_logits else None,
         prefill_s=t1 - t0, decode_s=t2 - t1, steps=steps, cache_bytes=cache_bytes(cache))
+
+
+STOP_SLOTS = 8
+
+
+def stop_ids(stop_tokens) -> jax.Array:
+  """`Engine._greedy_step`'s stop_S: the stop-token ids sorted, padded with -1 (no id) to a
+  multiple of STOP_SLOTS, so that greedy decoding with no stop token and with up to STOP_SLOTS
+  of them runs one compiled step (the set's size is part of the step's shape)."""
+  ids = sorted(int(t) for t in stop_tokens)
+  n = max(-(-len(ids) // STOP_SLOTS), 1) * STOP_SLOTS
+  return jnp.asarray(ids + [-1] * (n - len(ids)), jnp.int32)
 
 
 def greedy_state(logits_BV, lengths_B, n: int, aux_shapes: dict | None = None) -> dict:
