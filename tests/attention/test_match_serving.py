@@ -206,7 +206,7 @@ def test_prefill_call_holds_one_cond_a_layer_and_no_per_block_kv_outside_it(mode
 
   B, C = 1, 12
   sds = jax.ShapeDtypeStruct
-  args = (params, eng.cache_shapes(B), sds((B, C), jnp.int32), sds((B, C), jnp.int32),
+  args = (eng.params, eng.cache_shapes(B), sds((B, C), jnp.int32), sds((B, C), jnp.int32),
           sds((B, C), jnp.bool_), sds((B, cfg.vocab_size), jnp.float32), sds((B,), jnp.int32))
   traced = Engine._step.trace(eng, *args)  # one trace for the compiled program and the jaxpr
   hlo = traced.lower().compile().as_text()
@@ -306,11 +306,12 @@ def test_decode_steps_with_the_engine_s_static_fact_equal_the_cond_path(model2):
   assert facts == [False, True, True, False, True, True, False], facts
   tok = np.asarray(logits).argmax(-1).astype(np.int32)
   assert (pos % 3 == 0).any()  # (pos 36: row 0 enters a block)
-  _, wrong, _ = step(cache, tok, pos, logits, (("match_step_enters", False),))
+  _, wrong, _ = step(jax.tree.map(jnp.copy, cache), tok, pos, logits,
+                     (("match_step_enters", False),))
   assert np.isnan(np.asarray(wrong)).all(), "a step entering a block run as reuse: refused"
-  sds = jax.ShapeDtypeStruct
-  args = (params, eng.cache_shapes(2), sds((2, 1), jnp.int32), sds((2, 1), jnp.int32),
-          sds((2, 1), jnp.bool_), sds((2, cfg.vocab_size), jnp.float32))
+  # the programs the steps above ran (the same arguments: jit's compiled programs, not new ones)
+  args = (eng.params, cache, jnp.asarray(tok)[:, None], jnp.asarray(pos)[:, None],
+          jnp.asarray(on)[:, None], logits)
   conds = lambda sf: Engine._step.lower(eng, *args, static_fields=sf).compile().as_text().count(
       " conditional(")
   assert conds((("match_step_enters", True),)) == conds((("match_step_enters", False),)) == 0
