@@ -8,21 +8,24 @@ a new prompt's prefill chunks alternate with the other rows' decode steps; `rese
 only the rows asked. Every scheme's cache starts at zeros (`Engine.init_cache`)."""
 import dataclasses
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from condattn_jax import attention
 from condattn_jax.inference import Engine
 from condattn_jax.inference.engine import Request
-from condattn_jax.models.decoder import Decoder
-from test_conformance import CACHE_LEN, NAMES, engine  # the suite's tiny models (module-cached)
+from test_conformance import NAMES, engine  # the suite's tiny models (module-cached)
 
 RNG = np.random.default_rng(1)
 REQUESTS = [list(map(int, RNG.integers(1, 6, n))) for n in (9, 3, 14, 5)]
 NEW = (5, 3)  # the slots free at different steps
+
+
+@pytest.fixture(autouse=True)
+def _greedy_runs_of_3(monkeypatch):
+  """Every test's on-device greedy runs hold at most 3 steps (Engine.GREEDY_IDS_BLOCK): the
+  ids buffer has one shape in the file, so generate and serve share their greedy programs."""
+  monkeypatch.setattr(Engine, "GREEDY_IDS_BLOCK", 3)
 
 
 def test_serve_equals_per_request_generation():
@@ -107,13 +110,8 @@ def test_reset_rows_empties_only_those_rows():
 @pytest.mark.parametrize("name", NAMES)
 def test_every_schemes_cache_can_be_reset_per_row(name):
   """Every leaf of every scheme's cache is batch-first: serve can give a row to a new request.
-  The cache is read off the model (Engine.init_cache): an engine over host zeros of the tiny
-  model's param shapes (eval_shape: no init program) has the conformance engine's cache."""
-  cfg, _ = attention.get_scheme(name).tiny()
-  shapes = jax.eval_shape(lambda: nn.unbox(Decoder(cfg).init(jax.random.PRNGKey(0),
-                                                             jnp.zeros((1, 8), jnp.int32))))
-  eng = Engine(cfg, jax.tree.map(lambda a: np.zeros(a.shape, a.dtype), shapes["params"]),
-               cache_len=CACHE_LEN, prefill_chunk=4)
+  The cache is read off the model (Engine.init_cache of the conformance engine)."""
+  eng = engine(name, 4)
   cache = eng.reset_rows(eng.init_cache(2), [True, False])
   assert all(x.shape[0] == 2 for x in jax.tree.leaves(cache))
 
@@ -129,7 +127,7 @@ def test_serve_runs_greedy_steps_on_the_device_as_its_host_loop(name, monkeypatc
   eng = engine(name, 4)
   reqs = [Request(REQUESTS[0], max_new_tokens=7), REQUESTS[1],
           Request(REQUESTS[2], max_new_tokens=6), REQUESTS[3]]
-  monkeypatch.setattr(Engine, "GREEDY_IDS_BLOCK", 3)  # runs of at most 3 steps
+  # (Engine.GREEDY_IDS_BLOCK = 3: _greedy_runs_of_3) runs of at most 3 steps
   runs, run = [], Engine._serve_run
   monkeypatch.setattr(Engine, "_serve_run", lambda self, *a: runs.append(a[-1]) or run(self, *a))
 
