@@ -28,6 +28,9 @@ def _host_params(cfg, seed):
   return random_params(decoder_shapes(cfg), seed)
 
 
+PROMPTS = [[3, 9, 4, 1, 7, 2, 8], [5, 2], [8]]  # ragged: chunked prefill ends mid-chunk
+
+
 @pytest.fixture(scope="module")
 def params():
   return _host_params(CFG, 0)
@@ -38,9 +41,9 @@ def test_split_layers_engine_generates_what_the_stacked_engine_does(params):
   greedy_split_ab) generates the tokens and logits (1e-6) of an engine stepping on the
   stacked tree, through both decode loops (greedy on the device; kept logits on the host);
   stacked_params() gives the stacked tree back exactly."""
-  prompts = [[3, 9, 4, 1, 7], [5, 2]]
-  stacked = Engine(CFG, params, cache_len=S, split_layers=False)
-  split = Engine(CFG, params, cache_len=S)
+  prompts = PROMPTS  # (and chunks of 4: the split engine's programs are the decode test's)
+  stacked = Engine(CFG, params, cache_len=S, prefill_chunk=4, split_layers=False)
+  split = Engine(CFG, params, cache_len=S, prefill_chunk=4)
   assert isinstance(split.params["layers"], tuple) and len(split.params["layers"]) == 2
   assert not isinstance(stacked.params["layers"], tuple)
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(split.stacked_params()),
@@ -175,7 +178,7 @@ def test_decode_equals_the_scanned_decode_and_the_forward(params):
   2-row dots."""
   import re
   eng = Engine(CFG, params, cache_len=S, prefill_chunk=4)
-  prompts = [[3, 9, 4, 1, 7, 2, 8], [5, 2], [8]]
+  prompts = PROMPTS
   c, l, pos, _ = eng._prefill([np.asarray(p, np.int32) for p in prompts])
   assert sorted(c["layers_1"]["self_attn"]["cache"]) == ["key", "value"]
   _decode_matches_scanned_and_forward(eng, Decoder(CFG), params, prompts, c, l, pos,
