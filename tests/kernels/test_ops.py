@@ -12,6 +12,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+# Imported before any program is traced (the first interpret-mode lowering imports it otherwise):
+# it registers a jax config option that is part of every jit cache key, so each program traced
+# before it would be traced again afterwards.
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call  # noqa: F401
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from condattn_jax import ops
@@ -285,7 +289,8 @@ def _specs():
   }
 
 
-def _export(spec, platform, *, grad=False, impl="auto", mesh=None, Tq=None, attend=ops.attention):
+def _program(spec, *, grad=False, impl="auto", Tq=None, attend=ops.attention):
+  """(the jitted attention (its gradient with grad) of spec, its bf16 argument shapes)."""
   Tq = Tq or spec.q_positions_BT.shape[1]
   sds = [jax.ShapeDtypeStruct(s, jnp.bfloat16)
          for s in ((B_, Tq, N_, H_), (B_, T_, K_, H_), (B_, T_, K_, H_))]
@@ -294,9 +299,23 @@ def _export(spec, platform, *, grad=False, impl="auto", mesh=None, Tq=None, atte
     f0 = f
     f = lambda q, k, v: jax.grad(lambda *a: f0(*a).astype(jnp.float32).sum(), argnums=(0, 1, 2))(
         q, k, v)
+  return jax.jit(f), sds
+
+
+def _export(spec, platform, *, grad=False, impl="auto", mesh=None, Tq=None, attend=ops.attention):
+  f, sds = _program(spec, grad=grad, impl=impl, Tq=Tq, attend=attend)
   with jax.sharding.use_abstract_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-    return jax.export.export(jax.jit(f), platforms=[platform], disabled_checks=_DISABLED)(
+    return jax.export.export(f, platforms=[platform], disabled_checks=_DISABLED)(
         *sds).mlir_module()
+
+
+def _lowered(spec, platforms, mesh, *, grad=False):
+  """{platform: module text} of ONE trace under `mesh` (every branch its targets hold) lowered
+  for each platform (what jax.export does per platform, without its serialization)."""
+  f, sds = _program(spec, grad=grad)
+  with jax.sharding.use_abstract_mesh(mesh):
+    traced = f.trace(*sds)
+    return {p: traced.lower(lowering_platforms=(p,)).as_text() for p in platforms}
 
 
 def _kernels(text):
@@ -344,7 +363,9 @@ def test_auto_picks_per_lowering_platform(grad):
     # without grad).
     want_cuda = {n: want_cuda[n] for n in ("packed", "per-head", "cache")}
   for name, want in want_cuda.items():
-    text = _export(specs[name], "cuda", grad=grad, mesh=_H100)
+    # the cuda and the cpu program: one trace under the H100 mesh, lowered for each
+    texts = _lowered(specs[name], ("cuda", "cpu"), _H100, grad=grad)
+    text = texts["cuda"]
     assert _kernels(text) == want, (name, _kernels(text))
     T = specs[name].q_positions_BT.shape[1]
     # forward: the reference branch is not lowered at all (under grad its zero-filled residual
@@ -354,7 +375,7 @@ def test_auto_picks_per_lowering_platform(grad):
     text = _export(specs[name], "tpu", grad=grad, mesh=_TPU)
     assert _kernels(text) == {"mosaic-tpu"}, (name, _kernels(text))
     assert grad or not _reference_sized(text, B_, T, T_), name
-    text = _export(specs[name], "cpu", grad=grad, mesh=_H100)  # GPU branch traced, not lowered
+    text = texts["cpu"]  # GPU branch traced, not lowered
     assert _kernels(text) == set(), (name, _kernels(text))
     assert _reference_sized(text, B_, T, T_), name
 
