@@ -122,7 +122,9 @@ def test_elastic_stats_hold_each_rows_cached_per_head_mode(tiny):
   r = params["layers"]["router"]["router_fc3"]  # a sharpened router: a real FA / SSA mix
   r["kernel"] = r["kernel"] * 300.0
   ROWS = PROMPTS  # the shapes of test_prefill_decides_once_like_the_full_forward: its programs
-  gen = Engine(cfg, params, cache_len=32).generate(ROWS, 5)
+  # the host loop (kept logits): its steps are the decided-fact test's programs (the on-device
+  # loop's statistics equal the host loop's: tests/schemes/test_conformance.py)
+  gen = Engine(cfg, params, cache_len=32).generate(ROWS, 5, return_logits=True)
   _, fa_LBK = _full_forward(cfg, params, ROWS, [len(p) for p in ROWS])
   assert 0 < fa_LBK.mean() < 1  # a real FA / SSA mix
   for b in range(len(ROWS)):
@@ -182,15 +184,16 @@ def test_decode_steps_with_the_engine_s_decided_fact_equal_the_router_path(tiny)
   reset = eng.reset_rows(cache, [False, True, False])
   on = np.ones(B, bool)
   _, ref, _ = step(jax.tree.map(jnp.copy, reset), tok, pos, logits, ())
-  _, wrong, _ = step(reset, tok, pos, logits, (("elastic_step_decided", True),))
+  _, wrong, _ = step(jax.tree.map(jnp.copy, reset), tok, pos, logits,
+                     (("elastic_step_decided", True),))
   wrong, ref = np.asarray(wrong), np.asarray(ref)
   assert np.isnan(wrong[1]).all() and np.isfinite(ref[1]).all()
   np.testing.assert_allclose(wrong[[0, 2]], ref[[0, 2]], atol=1e-5, rtol=0)
   assert eng._decode_fields(np.asarray([3, 0, 5]), np.ones(3, bool)) == (
       ("elastic_step_decided", False),)
-  sds = jax.ShapeDtypeStruct
-  args = (params, eng.cache_shapes(B), sds((B, 1), jnp.int32), sds((B, 1), jnp.int32),
-          sds((B, 1), jnp.bool_), sds((B, cfg.vocab_size), jnp.float32))
+  # the programs the steps above ran (the same arguments: jit's lowerings, not new ones)
+  args = (eng.params, reset, jnp.asarray(tok)[:, None], jnp.asarray(pos)[:, None],
+          jnp.asarray(on)[:, None], logits)
   dots = lambda sf: Engine._step.lower(eng, *args, static_fields=sf).as_text().count(
       "stablehlo.dot_general")
   # the router's five dense layers a layer and the pooling's dot: 6 fewer a layer
