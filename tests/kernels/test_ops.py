@@ -303,10 +303,11 @@ def _program(spec, *, grad=False, impl="auto", Tq=None, attend=ops.attention):
 
 
 def _export(spec, platform, *, grad=False, impl="auto", mesh=None, Tq=None, attend=ops.attention):
+  """The module text of spec's attention lowered for `platform` (under `mesh`): the lowering
+  jax.export runs (Traced.lower(lowering_platforms=...)), without its serialization."""
   f, sds = _program(spec, grad=grad, impl=impl, Tq=Tq, attend=attend)
   with jax.sharding.use_abstract_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-    return jax.export.export(f, platforms=[platform], disabled_checks=_DISABLED)(
-        *sds).mlir_module()
+    return f.trace(*sds).lower(lowering_platforms=(platform,)).as_text()
 
 
 def _lowered(spec, platforms, mesh, *, grad=False):
