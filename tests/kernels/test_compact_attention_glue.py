@@ -117,9 +117,10 @@ def test_gpu_path_runs_one_bucket_without_a_switch():
   XLA glue (CompactConfig(glue_kernels=False)) keeps the default ladder. The one-bucket and the
   XLA glue's gradients agree (a ladder with the glue kernels is traced only here: it runs against
   the reference in test_compact_attention.py's test_triton_matches_reference, bucket_fracs
-  (0.25,)). The XLA glue's default ladder is traced; its gradients run with the full bucket alone (1.0,), the
-  bucket the glue kernels run, so both glues fill the same slots (a ladder's smaller bucket
-  under the XLA glue runs in test_compact_attention_mgpu.py's odd_kv_tiles_window)."""
+  (0.25,)). The XLA glue's default ladder is traced; its gradients run with the full bucket
+  alone (1.0,), the bucket the glue kernels run, so both glues fill the same slots (a ladder's
+  smaller bucket under the XLA glue runs in test_compact_attention_mgpu.py's
+  odd_kv_tiles_window)."""
   p = make_problem(3, T=128, N=2, K=1, H=32, sparsity=0.7)
 
   def jaxpr_and_grads(run=True, **kw):

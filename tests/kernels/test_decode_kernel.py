@@ -166,9 +166,9 @@ def test_each_kernel_on_the_other_mask_path():
 
 @pytest.mark.parametrize("chip,S", [("TPU v5 lite", 32768), ("TPU v6 lite", 32768 + 40)])
 def test_mosaic_tpu_lowers_for_tpu_at_qwen_shapes(chip, S):
-  """jax.export lowers the TPU decode kernel to Mosaic at Qwen2.5-1.5B decode shapes (12 query
-  heads, 2 kv heads, head_dim 128, 32K cache, B = 8), window + sinks + a per-head active set; on
-  v6 the cache ends in a partial tile (32808 slots)."""
+  """The TPU decode kernel lowers to Mosaic for TPU (the lowering jax.export runs) at
+  Qwen2.5-1.5B decode shapes (12 query heads, 2 kv heads, head_dim 128, 32K cache, B = 8), window
+  + sinks + a per-head active set; on v6 the cache ends in a partial tile (32808 slots)."""
   B, N, K, H = 8, 12, 2, 128
   sds = [jax.ShapeDtypeStruct((B, 1, N, H), jnp.bfloat16),
          jax.ShapeDtypeStruct((B, S, K, H), jnp.bfloat16),
@@ -183,7 +183,7 @@ def test_mosaic_tpu_lowers_for_tpu_at_qwen_shapes(chip, S):
   mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
       device_kind=chip, num_cores=1, platform="tpu"))
   with jax.sharding.use_abstract_mesh(mesh):
-    text = jax.export.export(jax.jit(f), platforms=["tpu"])(*sds).mlir_module()
+    text = jax.jit(f).trace(*sds).lower(lowering_platforms=("tpu",)).as_text()
   assert text.count("tpu_custom_call") == 1
 
 
@@ -367,10 +367,10 @@ def _export_kernels(spec, platform, mesh):
   B, S = spec.kv_positions_BS.shape
   sds = [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((B, 1, 12, 128), (B, S, 2, 128),
                                                          (B, S, 2, 128))]
-  cudnn = [jax.export.DisabledSafetyCheck.custom_call("__cudnn$fmhaSoftmax")]
   with jax.sharding.use_abstract_mesh(mesh) if mesh is not None else contextlib.nullcontext():
-    text = jax.export.export(jax.jit(lambda q, k, v: ops.attention(q, k, v, spec)),
-                             platforms=[platform], disabled_checks=cudnn)(*sds).mlir_module()
+    # the lowering jax.export runs (without its serialization)
+    text = jax.jit(lambda q, k, v: ops.attention(q, k, v, spec)).trace(*sds).lower(
+        lowering_platforms=(platform,)).as_text()
   calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
   names = ("decode_attention_mgpu", "decode_attention_tpu", "cudnn")
   return {next((n for n in names if n in c), c[:80]) for c in calls}
