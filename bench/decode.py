@@ -825,7 +825,7 @@ def filled_program(eng, scheme: str, cfg, B: int, T: int, log, max_steps: int):
   import jax.numpy as jnp
   import numpy as np
   from condattn_jax.inference import Engine
-  from condattn_jax.inference.engine import cache_bytes, greedy_state
+  from condattn_jax.inference.engine import cache_bytes, greedy_state, stop_ids
   info = {}
   rng = np.random.default_rng(T + B)
   prompts = [rng.integers(0, cfg.vocab_size, T, dtype=np.int32) for _ in range(B)]
@@ -838,7 +838,7 @@ def filled_program(eng, scheme: str, cfg, B: int, T: int, log, max_steps: int):
   on_B = np.ones(B, bool)
   span = block_len(scheme, cfg)  # the fields repeat every block: looked up once, not a step
   fields = [eng._decode_fields(np.full(B, T + i, np.int32), on_B) for i in range(span)]
-  stop = jnp.asarray([-1], jnp.int32)  # no stop token: every row runs every step
+  stop = stop_ids(())  # no stop token: every row runs every step (generate's stop_S)
   state = greedy_state(logits, np.full(B, T), max_steps,
                        eng.step_aux_shapes(eng.params, cache, B, fields[0]))
   t0 = time.perf_counter()

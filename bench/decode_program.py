@@ -763,7 +763,7 @@ def _build_variant(name, layout, sets, cfg, params, split, B, T, compiler_option
   import numpy as np
   from bench import decode as bd
   from condattn_jax.inference import Engine
-  from condattn_jax.inference.engine import greedy_state
+  from condattn_jax.inference.engine import greedy_state, stop_ids
   opts = {k_: v_ for x in sets if x in OPTION_SETS for k_, v_ in OPTION_SETS[x].items()}
   opts = {**opts, **PROFILE_OPTIONS, **(compiler_options or {})}
   row = dict(program="xla_per_layer" if layout == "xla_per_layer" else "engine", variant=name,
@@ -807,7 +807,7 @@ def _build_variant(name, layout, sets, cfg, params, split, B, T, compiler_option
       t0 = time.perf_counter()
       # the engine's greedy step (what generate runs: every changing input donated state, no
       # command-buffer update a call); bench and bare are the same calls
-      stop = jnp.asarray([-1], jnp.int32)
+      stop = stop_ids(())  # no stop token (generate's stop_S)
       with trace_context(sets):
         gs = greedy_state(jnp.array(state[1], copy=True), np.full(B, T),
                           STEP_SLOTS, eng.step_aux_shapes(p, state[0], B, sf))
