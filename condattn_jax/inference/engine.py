@@ -988,11 +988,10 @@ class Engine:
 
   def _greedy_state(self, cache, logits, lengths, static_fields):
     """`greedy_state` with GREEDY_IDS_BLOCK ids and every aux name of a step with these static
-    fields (`step_aux_shapes`, traced once per model, batch size and fields: `_abstract`), so
-    the state has one structure from its first step."""
+    fields (`step_aux_shapes`, traced once per model, batch size and fields), so the state has
+    one structure from its first step."""
     B = logits.shape[0]
-    aux = self._abstract(B, ("greedy_aux", static_fields),
-                         lambda: self.step_aux_shapes(self.params, cache, B, static_fields))
+    aux = self.step_aux_shapes(self.params, cache, B, static_fields)
     # committed like the step's outputs: else the second step compiles again (_commit)
     return self._commit(greedy_state(logits, lengths, self.GREEDY_IDS_BLOCK, aux))
 
@@ -1036,11 +1035,16 @@ class Engine:
   def step_aux_shapes(self, params, cache, B: int, static_fields=()) -> dict:
     """The per-row aux a one-token step of B rows over this cache returns ({name:
     ShapeDtypeStruct}, the scheme module's under 'scheme'), traced, not run: `greedy_state`'s
-    aux_shapes."""
+    aux_shapes. Traced once per (model, B, static fields, the params' and cache's shapes and
+    dtypes): `_abstract` (read only: greedy_state copies it)."""
     tok = jax.ShapeDtypeStruct((B, 1), jnp.int32)
     fn = lambda *a: Engine._step.__wrapped__(self, *a, static_fields=static_fields)[2]
-    return jax.eval_shape(fn, params, cache, tok, tok, jax.ShapeDtypeStruct((B, 1), bool),
-                          jax.ShapeDtypeStruct((B, self.config.vocab_size), jnp.float32))
+    avals = lambda t: (jax.tree.structure(t),
+                       tuple((tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(t)))
+    return self._abstract(B, ("step_aux", static_fields, avals(params), avals(cache)),
+                          lambda: jax.eval_shape(
+                              fn, params, cache, tok, tok, jax.ShapeDtypeStruct((B, 1), bool),
+                              jax.ShapeDtypeStruct((B, self.config.vocab_size), jnp.float32)))
 
   @functools.partial(jax.jit, static_argnums=0, static_argnames=("static_fields",),
                      donate_argnums=(2, 3))
