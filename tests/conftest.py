@@ -162,6 +162,25 @@ def pytest_collection_modifyitems(config, items):
   items.sort(key=lambda item: -seconds(item.path))
 
 
+# A test file that imports another file's module-cached programs runs in that file's scope under
+# `--dist loadfile` (make test): on the same worker, so the programs are compiled once (else the
+# importing file's worker traces, lowers and compiles them again).
+SHARED_SCOPE = {"tests/schemes/test_serving.py": "tests/schemes/test_conformance.py"}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+  if config.getvalue("dist") != "loadfile":
+    return None  # xdist's own scheduler
+  from xdist.scheduler import LoadFileScheduling
+
+  class SharedScopeScheduling(LoadFileScheduling):
+    def _split_scope(self, nodeid: str) -> str:
+      file = nodeid.split("::", 1)[0]
+      return SHARED_SCOPE.get(file, file)
+  return SharedScopeScheduling(config, log)
+
+
 def _cpu_seconds() -> float:
   me, kids = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
   return me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
