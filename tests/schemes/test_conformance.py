@@ -21,7 +21,9 @@ through one harness (registering `tiny` is all a new scheme needs):
 The tiny models are built and their Engines compiled once per module (shared fixtures); their
 dense starting params are drawn on the host (`host_init_dense`: the init's distributions, no
 init program compiled).
-The per-row cache insert / reset of continuous batching is not checked yet (no engine API).
+The per-row cache insert / reset of continuous batching (`Engine.serve` through 2 slots == this
+suite's generation, every scheme; `reset_rows`): tests/schemes/test_serving.py, which runs in
+this file's scope (tests/conftest.py SHARED_SCOPE) and reads its module-cached engines and runs.
 """
 import functools
 from unittest import mock

@@ -3,7 +3,8 @@ rows take the next prompts, admitted together: prefilled as one ragged batch in 
 each row inserted when its prompt is in) give each request what `generate` gives it alone
 (greedy, or sampled with its own temperature / top_p / seed / max_new_tokens; its routing
 statistics too), on the conformance suite's tiny L2A model
-(a window ring and a full cache per layer; all six schemes were checked by hand the same way);
+(a window ring and a full cache per layer), and for every scheme's tiny model greedy serving
+through 2 slots equals generate (each scheme's cache rows emptied and reused);
 a new prompt's prefill chunks alternate with the other rows' decode steps; `reset_rows` empties
 only the rows asked. Every scheme's cache starts at zeros (`Engine.init_cache`)."""
 import dataclasses
@@ -14,7 +15,8 @@ import pytest
 
 from condattn_jax.inference import Engine
 from condattn_jax.inference.engine import Request
-from test_conformance import NAMES, engine  # the suite's tiny models (module-cached)
+from test_conformance import NEW as NEW_CONF
+from test_conformance import NAMES, PROMPTS, engine, generated  # module-cached models and runs
 
 RNG = np.random.default_rng(1)
 REQUESTS = [list(map(int, RNG.integers(1, 6, n))) for n in (9, 3, 14, 5)]
@@ -145,6 +147,10 @@ def test_serve_runs_greedy_steps_on_the_device_as_its_host_loop(name, monkeypatc
     return want
   want = both()
   assert runs and all(1 < k <= 3 for k in runs), runs
+  # the per-row insert / reset of continuous batching, every scheme: the conformance prompts
+  # through 2 slots (a row emptied and given the third prompt) give what the conformance
+  # suite's one ragged generate gives each (its run, module-cached: test_conformance)
+  assert eng.serve(PROMPTS, NEW_CONF, slots=2).tokens == generated(name, 4).tokens, name
   stop = want.tokens[0][3]   # request 0's fourth token: inside a run
   runs.clear()
   got = both(stop_tokens=(stop,))
