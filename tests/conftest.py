@@ -48,6 +48,12 @@ os.environ.setdefault("GLIBC_TUNABLES", "glibc.malloc.hugetlb=1")
 
 import jax  # noqa: E402
 
+# Pallas' interpret mode, imported before any test traces (the first interpret-mode lowering of
+# a process imports it otherwise): it registers a jax config option that is part of every jit
+# cache key, so every program a worker traced before its first kernel test would be traced, and
+# compiled, again after it.
+from jax._src.pallas.mosaic.interpret import interpret_pallas_call  # noqa: E402,F401
+
 jax.config.update("jax_default_matmul_precision", "highest")
 jax.config.update("jax_compilation_cache_dir", os.environ[SHARED_CACHE_ENV])
 jax.config.update("jax_persistent_cache_min_compile_time_secs", MIN_CACHED_COMPILE_S)

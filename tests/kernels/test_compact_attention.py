@@ -12,10 +12,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from _train_helpers import count_compiles
-# Imported before any program is traced (the first interpret-mode lowering imports it otherwise):
-# it registers a jax config option that is part of every jit cache key, so each program traced
-# before it would be traced again afterwards.
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call  # noqa: F401
 
 from pallas_kernels.compact_attention import (BlockSizes, CompactConfig, bucket_capacities,
                                               compact_attention,

@@ -4,10 +4,6 @@ reference, forward, lse and dq/dk/dv (the backward with two compute warpgroups p
 with one). Each case takes 10-60 s on CPU."""
 import jax.numpy as jnp
 import pytest
-# Imported before any program is traced (the first interpret-mode lowering imports it otherwise):
-# it registers a jax config option that is part of every jit cache key, so each program traced
-# before it would be traced again afterwards.
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call  # noqa: F401
 
 from pallas_kernels.compact_attention import BlockSizes, CompactConfig, compact_attention
 from pallas_kernels.compact_attention.testing import compare, make_problem

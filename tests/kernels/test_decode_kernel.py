@@ -11,10 +11,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-# Imported before any program is traced (the first interpret-mode lowering imports it otherwise):
-# it registers a jax config option that is part of every jit cache key, so each program traced
-# before it would be traced again afterwards.
-from jax._src.pallas.mosaic.interpret import interpret_pallas_call  # noqa: F401
 from jax.sharding import AbstractDevice, AbstractMesh
 
 from pallas_kernels import decode as dk
