@@ -156,8 +156,8 @@ def measure(scheme: str, shapes: str, T: int, variants=VARIANTS, calls: int = 20
       cache = Engine._step(eng, params, cache, tok, pos0, on, logits)[0]
     t0 = time.perf_counter()
     if variant == "greedy_step":
-      from condattn_jax.inference.engine import greedy_state
-      stop = jnp.asarray([-1], jnp.int32)
+      from condattn_jax.inference.engine import greedy_state, stop_ids
+      stop = stop_ids(())  # the padded stop set generate's greedy step runs with
       gs = greedy_state(logits, np.full(1, T), warmup + calls + 8,
                         eng.step_aux_shapes(params, cache, 1, sf))
       step = Engine._greedy_step.lower(eng, params, cache, gs, stop, static_fields=sf).compile()
