@@ -60,12 +60,7 @@ def make_problem(seed, *, B=1, T=128, S=None, N=4, K=2, H=32, dtype=jnp.float32,
     pos = np.zeros((B, T), np.int32)
     for b in range(B):
       cuts = np.sort(rng.choice(np.arange(1, T), size=segments, replace=False))
-      start = 0
-      for d, end in enumerate(list(cuts[:-1]) + [cuts[-1]]):
-        seg[b, start:end] = d + 1
-        pos[b, start:end] = np.arange(end - start)
-        start = end
-      pos[b, start:] = np.arange(T - start)  # trailing padding (segment 0)
+      seg[b], pos[b] = packed_documents(T, cuts)
     kw["q_segment_ids_BT"] = jnp.asarray(seg)
     kw["kv_segment_ids_BS"] = jnp.asarray(seg)
     if packed_positions:
@@ -77,6 +72,21 @@ def make_problem(seed, *, B=1, T=128, S=None, N=4, K=2, H=32, dtype=jnp.float32,
     kw["kv_positions_BS"] = jnp.asarray(kp)
     kw["q_positions_BT"] = jnp.asarray(kp[:, S - T:] + rng.integers(0, 2, (B, T)).astype(np.int32))
   return Problem(q, k, v, active, ct, ct_lse, kw)
+
+
+def packed_documents(S: int, cuts) -> tuple[np.ndarray, np.ndarray]:
+  """(segment ids, positions) [S] int32 of len(cuts) documents packed in a row of S slots:
+  document d (id d + 1) holds [cuts[d - 1], cuts[d]) (from 0), the slots from cuts[-1] on are
+  padding (id 0); positions restart at 0 in each document and in the padding."""
+  seg = np.zeros(S, np.int32)
+  pos = np.zeros(S, np.int32)
+  start = 0
+  for d, end in enumerate(cuts):
+    seg[start:end] = d + 1
+    pos[start:end] = np.arange(end - start)
+    start = end
+  pos[start:] = np.arange(S - start)
+  return seg, pos
 
 
 def rel_err(x, ref):

@@ -295,11 +295,7 @@ _EDGE = {}  # name -> (problem, its reference's run)
 def _documents(rng, S):
   """(segment ids, positions restarting per document) [S] of 3 documents, 3 padding slots after."""
   cuts = np.sort(rng.choice(np.arange(8, S - 8), size=2, replace=False))
-  seg = 1 + np.searchsorted(cuts, np.arange(S), side="right")
-  starts = np.r_[0, cuts, S - 3]
-  seg[S - 3:] = 0
-  pos = np.arange(S) - starts[np.where(seg == 0, 3, seg - 1)]
-  return seg.astype(np.int32), pos.astype(np.int32)
+  return testing.packed_documents(S, [*cuts, S - 3])
 
 
 def _edge_problem(name):
