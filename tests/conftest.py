@@ -64,7 +64,7 @@ jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
 # in train.py processes).
 from condattn_jax.train import loop as _train_loop  # noqa: E402
 
-_train_loop._no_persistent_cache_for_cpu_collectives = lambda: None
+_train_loop._no_persistent_cache_for_cpu_collectives = lambda devices=None: None
 
 
 def _reuse_identical_compilations(max_entries=256):

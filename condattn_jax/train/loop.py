@@ -268,9 +268,11 @@ def init_params(setup: Setup):
     return jax.jit(init, out_shardings=setup.param_shardings)()
 
 
-def init_state(setup: Setup) -> TrainState:
-  """Step-0 state: `init_params` and a fresh optimizer state."""
-  params = init_params(setup)
+def init_state(setup: Setup, params=None) -> TrainState:
+  """Step-0 state: `params` (default `init_params`; a given tree is placed by the setup's
+  parameter shardings) and a fresh optimizer state."""
+  params = (init_params(setup) if params is None
+            else jax.device_put(params, setup.param_shardings))
   with setup.mesh_context():
     opt_state = jax.jit(setup.tx.init, in_shardings=(setup.param_shardings,),
                         out_shardings=setup.state_shardings.opt_state)(params)
@@ -614,8 +616,7 @@ def run(config, workdir: str, *, stop_after: int | None = None,
     return dict(step=0, train={}, eval=None, stopped_early=True,
                 dry_run=dry_run(config, devices=devices))
   config_lib.validate_config(config)
-  if devices is None or len(devices) > 1:  # one device: no collectives, the cache stays on
-    _no_persistent_cache_for_cpu_collectives()
+  _no_persistent_cache_for_cpu_collectives(devices)
   is_host0 = jax.process_index() == 0
   _warn_eval_on_training_files(config, evaluates=bool(
       config.eval.get("at_end", True) or config.eval.get("at_start") or int(config.train.eval_every)))
@@ -635,8 +636,9 @@ def run(config, workdir: str, *, stop_after: int | None = None,
 CPU_CACHE_SAFE_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
 
 
-def _no_persistent_cache_for_cpu_collectives() -> None:
-  """jax's persistent compilation cache off (one warning line) for a run on several CPU devices:
+def _no_persistent_cache_for_cpu_collectives(devices=None) -> None:
+  """jax's persistent compilation cache off (one warning line) for a run on several CPU devices
+  (`devices`, default every local one; a run on one device has no collectives):
   with jax 0.11.2 a multi-device CPU program compiled under XLA:CPU's concurrency-optimized
   scheduler (its default) and loaded from that cache can deadlock in its collectives'
   rendezvous (devices wait at different collectives of one execution; the run aborts after
@@ -644,7 +646,8 @@ def _no_persistent_cache_for_cpu_collectives() -> None:
   XLA_FLAGS (one process; the same values, ops scheduled in program order) loaded programs run
   (tests/train/test_cpu_cache_guard.py), and the cache stays on. Effective while the process
   has compiled nothing (train.py's case)."""
-  if (jax.default_backend() != "cpu" or jax.local_device_count() < 2 or
+  n_devices = jax.local_device_count() if devices is None else len(devices)
+  if (jax.default_backend() != "cpu" or n_devices < 2 or
       not jax.config.jax_compilation_cache_dir or not jax.config.jax_enable_compilation_cache):
     return
   if jax.process_count() == 1 and CPU_CACHE_SAFE_FLAG in os.environ.get("XLA_FLAGS", "").split():
@@ -653,7 +656,7 @@ def _no_persistent_cache_for_cpu_collectives() -> None:
   logging.warning("jax's persistent compilation cache (%s) is off for this run: on a CPU with %d "
                   "devices a program loaded from it can deadlock in its collectives (jax %s); "
                   "XLA_FLAGS=%s keeps it (one process).",
-                  jax.config.jax_compilation_cache_dir, jax.local_device_count(), jax.__version__,
+                  jax.config.jax_compilation_cache_dir, n_devices, jax.__version__,
                   CPU_CACHE_SAFE_FLAG)
 
 

@@ -6,7 +6,6 @@ batches and Adam moments really are sharded by the rules table. (The suite's one
 sharded-equivalence run: the L2A decoder's dense parameters and local attention are the dense
 model's; tests/train/test_train_sharding.py keeps the layout rules that need no compilation.)"""
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
@@ -16,7 +15,6 @@ from condattn_jax.data import make_global_batch
 from condattn_jax.train import loop
 from condattn_jax.train import sharding as shd
 from condattn_jax.train.cli import load_recipe
-from condattn_jax.train.state import TrainState
 from condattn_jax.train.step import make_loss_and_grads
 
 # tiny L2A recipe: 2 layers, 4 query / 2 kv heads (head_dim 16), window 4, MQAR rows of 32 tokens
@@ -65,10 +63,8 @@ def _run(setup, state, batch):
 def runs():
   c1 = _config("reference", (1, 1, 1))
   one = loop.build(c1, devices=[jax.devices()[0]])
-  params = _random_router(host_init(one.model_cfg, seed=0))  # the init's distributions, no program
-  state = TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                     opt_state=jax.jit(one.tx.init)(params))
-  state = jax.device_put(state, one.state_shardings)
+  # the init's distributions drawn on the host (no init program), the router randomised
+  state = loop.init_state(one, _random_router(host_init(one.model_cfg, seed=0)))
   batch = synthetic_batch(c1)
   eight = loop.build(_config("pallas", (2, 2, 2)))
   state8 = jax.device_put(host(state), eight.state_shardings)  # same values, sharded
