@@ -112,8 +112,16 @@ def test_reset_rows_empties_only_those_rows():
 @pytest.mark.parametrize("name", NAMES)
 def test_every_schemes_cache_can_be_reset_per_row(name):
   """Every leaf of every scheme's cache is batch-first: serve can give a row to a new request.
-  The cache is read off the model (Engine.init_cache of the conformance engine)."""
+  The cache is read off the model by a trace at 2 rows (the engine may derive other batch sizes'
+  shapes from the first it traced: its full cache shapes at 2 rows must equal that trace)."""
   eng = engine(name, 4)
+  traced = eng._traced_cache(2)
+  assert all(x.shape[0] == 2 for x in jax.tree.leaves(traced))
+  eng._full_cache_shapes(3)  # a batch size the engine traces first (if none yet): 2 is derived
+  full = eng._full_cache_shapes(2)
+  assert jax.tree.structure(full) == jax.tree.structure(traced)
+  assert all((a.shape, a.dtype) == (b.shape, b.dtype)
+             for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(traced)))
   cache = eng.reset_rows(eng.init_cache(2), [True, False])
   assert all(x.shape[0] == 2 for x in jax.tree.leaves(cache))
 
