@@ -1,7 +1,8 @@
 """Probe (not a recorded bench): how fast one decode step's MLP products stream their weights on
 this GPU, XLA's dots against jax's own Mosaic GPU Hopper matmul (jax.experimental.pallas.ops.gpu
 .hopper_matmul_mgpu, rows padded to its 64-row tile), 8 distinct weight matrices per call so
-that L2 holds none of them. Prints one line per point: us a layer, TB/s, fraction of 4.8 TB/s."""
+that L2 holds none of them. Prints one line per point: us a layer, TB/s, fraction of the card's
+HBM bandwidth (bench.decode.bandwidth_tbps)."""
 import functools
 import itertools
 import sys
@@ -10,11 +11,11 @@ import time
 import jax
 import jax.numpy as jnp
 
-from bench import common
+from bench import common, decode
 from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
 
 L = 8  # distinct weight matrices a call (>= 4x the 50 MB L2 at every shape)
-LIMIT = 4.8e12 if "H200" in jax.devices()[0].device_kind else 3.35e12
+LIMIT = decode.bandwidth_tbps(jax.devices()[0].device_kind, None) * 1e12  # the card's HBM B/s
 
 
 def weights(K, N, seed):
@@ -42,16 +43,12 @@ def main():
       run(f"xla dot M={M} K={K} N={N}", lambda x, w: x @ w, x, ws)
     x64 = jax.random.normal(jax.random.key(0), (64, K), jnp.bfloat16)
     ref = x64 @ ws[0]
-    for tn, tk, st, wgd in itertools.product((64, 128), (64, 128), (4, 8),
-                                             (hm.MatmulDimension.N, None)):
-      cta_n = tn * (2 if wgd == hm.MatmulDimension.N else 1)
-      if N % cta_n or K % tk:
+    # two warpgroups along N (wg_dimension M would need 128 rows): a CTA covers 2 x tile_n
+    for tn, tk, st in itertools.product((64, 128), (64, 128), (4, 8)):
+      if N % (2 * tn) or K % tk:
         continue
       cfg = hm.TuningConfig(tile_m=64, tile_n=tn, tile_k=tk, max_concurrent_steps=st,
-                            epi_tile_n=64, epi_tile_m=64,
-                            wg_dimension=wgd or hm.MatmulDimension.M)
-      if wgd is None:  # wg_dimension M needs 128 rows: skip (one warpgroup layout only)
-        continue
+                            epi_tile_n=64, epi_tile_m=64, wg_dimension=hm.MatmulDimension.N)
       f = functools.partial(hm.matmul, c=None, config=cfg)
       try:
         out = jax.jit(lambda a, b: f(a, b))(x64, ws[0])

@@ -49,7 +49,8 @@ def adoption_is_the_registered_rule_on_the_stored_rows(rec, run):
   rows = run["rows"]
   for r in rows:
     expect(r["us"] == approx(statistics.median(r["runs_us"])), (r["shapes"], r["M"], r["variant"]))
-    xla = next(x for x in rows if (x["shapes"], x["M"], x["variant"]) == (r["shapes"], r["M"], "xla"))
+    xla = next(x for x in rows
+               if (x["shapes"], x["M"], x["variant"]) == (r["shapes"], r["M"], "xla"))
     expect(r["speedup"] == approx(xla["us"] / r["us"]))
     expect(r["tbps"] == approx(r["bytes"] / r["us"] / 1e6))
   rule = dict(run["settings"]["rule_fields"], M=tuple(run["settings"]["rule_fields"]["M"]))

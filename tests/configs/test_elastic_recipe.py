@@ -86,7 +86,8 @@ def test_tiny_run_moves_omega_toward_the_target(tmp_path):
   c.train.progress_bar = False
   c.eval.num_batches = 1
   c.eval.at_end = False
-  res = loop.run(c, str(tmp_path), devices=jax.devices()[:1])  # one device: the checks are about learning, not sharding
+  # one device: the checks are about learning, not sharding
+  res = loop.run(c, str(tmp_path), devices=jax.devices()[:1])
   assert res["step"] == 40 and not res["stopped_early"] and np.isfinite(res["train"]["loss"])
   rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
   train = [r for r in rows if "train/elastic/omega_msr" in r]

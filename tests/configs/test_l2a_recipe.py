@@ -113,7 +113,8 @@ def test_tiny_recipe_trains_evaluates_and_prunes(tmp_path):
   c.train.checkpoint_every = 0
   c.train.progress_bar = False
   c.eval.num_batches = 1
-  one = jax.devices()[:1]  # one device: the checks are about learning, not sharding (test_l2a_sharded.py)
+  # one device: the checks are about learning, not sharding (that is test_l2a_sharded.py)
+  one = jax.devices()[:1]
   res = loop.run(c, str(tmp_path), devices=one)
   assert res["step"] == 6 and not res["stopped_early"] and np.isfinite(res["train"]["loss"])
   rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
@@ -132,7 +133,8 @@ def test_tiny_recipe_trains_evaluates_and_prunes(tmp_path):
     c2 = recipe("tiny,steps=6,batch=8,seq=32,pairs=4,gap=8,window=4")
     c2.model.scheme.theta = th
     c2.eval.num_batches = 1
-    sp[th] = loop.evaluate_checkpoint(c2, str(tmp_path), devices=one)["results"][32]["aux/l2a/sparsity"]
+    ev_th = loop.evaluate_checkpoint(c2, str(tmp_path), devices=one)
+    sp[th] = ev_th["results"][32]["aux/l2a/sparsity"]
   assert sp[0.05] < sp[0.5] < sp[0.95], sp
   # the pruning report (script's library function), with a threshold between the two layers'
   # measured sparsities: exactly the sparser layer goes (measured: 0.863 / 0.953 -> layer 1)

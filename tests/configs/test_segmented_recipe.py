@@ -75,7 +75,8 @@ def test_tiny_recipe_trains_through_the_segmented_forward(tmp_path):
   c.train.checkpoint_every = 0
   c.train.progress_bar = False
   c.eval.num_batches = 1
-  res = loop.run(c, str(tmp_path), devices=jax.devices()[:1])  # one device: the checks are about learning, not sharding
+  # one device: the checks are about learning, not sharding
+  res = loop.run(c, str(tmp_path), devices=jax.devices()[:1])
   assert res["step"] == 30 and not res["stopped_early"] and np.isfinite(res["train"]["loss"])
   rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
   train = [r for r in rows if "train/ce" in r]
