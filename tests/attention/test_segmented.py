@@ -285,8 +285,9 @@ def test_empty_restart_boundary_is_the_authors_recompute_from_an_empty_start():
     _, st = step(st, q[:, i * S:(i + 1) * S], k[:, i * S:(i + 1) * S], v[:, i * S:(i + 1) * S],
                  pos(i), ok, restart_B=jnp.zeros(1, bool))
   c = slice(3 * S, 4 * S)
+  # (restart_B all False: the call signature of the steps above, one compiled step for all)
   first, _ = step(sgm.init_state(mcfg, o, g, True, 1, 4 * S, jnp.float32), q[:, c], k[:, c],
-                  v[:, c], pos(0), ok)
+                  v[:, c], pos(0), ok, restart_B=jnp.zeros(1, bool))
   restarted, st2 = step(st, q[:, c], k[:, c], v[:, c], pos(3), ok, restart_B=jnp.ones(1, bool))
   carried, st3 = step(st, q[:, c], k[:, c], v[:, c], pos(3), ok, restart_B=jnp.zeros(1, bool))
   np.testing.assert_allclose(np.asarray(restarted), np.asarray(first), atol=1e-5, rtol=0)
