@@ -95,13 +95,14 @@ def test_generation_equals_the_serving_forward_with_last_m_retrieval(model, gene
     assert gen.tokens[b] == list(want.argmax(-1))
 
 
-def test_last_m_changes_the_forward_only_before_the_last_m(model):
+def test_last_m_changes_the_forward_only_before_the_last_m(model, generated):
   """The serving forward with m = 4 differs from the every-block forward (m >= the prompt) on
   the prompt's early blocks (they lose their retrieved chunks) and equals it before any block
-  has a candidate; with m = 0 no block ending before the prompt's end retrieves."""
+  has a candidate; with m = 0 no block ending before the prompt's end retrieves. The sequences:
+  the generation test's (ROWS and their generated tokens: its m = 4 serving program)."""
   cfg, params = model
-  seqs = [p + [1, 2, 3] for p in PROMPTS]
-  P = [len(p) for p in PROMPTS]
+  seqs = [p + g[:-1] for p, g in zip(ROWS, generated.tokens)]
+  P = [len(p) for p in ROWS]
   last_m = np.asarray(_serving(cfg, params, seqs, P))
   every = np.asarray(_serving(_cfg(prefill_last=1000), params, seqs, P))
   early = slice(9, 21)  # row 0: blocks 3..6 have candidates (window 6) and end before P - m = 25
@@ -333,27 +334,35 @@ def _dot_flops(mlir: str) -> int:
   return total
 
 
-def test_prefill_call_known_not_to_retrieve_is_swa_s_program(model):
-  """One 12-token prefill call (B=1): with the engine's fact 'retrieves nothing' the compiled
-  step holds 0 conditionals (SWA's: 0; unknown: num_layers - 1, each a predicate read on the
-  host on a GPU) and, exported for cuda, the dot FLOPs and kernels (custom calls) of SWA's call
-  (no aux rows); with 'retrieves' 0 conditionals and more dot FLOPs (the aux rows)."""
+def test_prefill_call_known_not_to_retrieve_is_swa_s_program(model2):
+  """One 5-token prefill call of 2 rows (SWA + retrieval, full; the chunk shape whose three
+  programs test_prefill_with_the_engine_s_static_fact_equals_the_cond_path runs): with the
+  engine's fact 'retrieves nothing' the compiled step holds 0 conditionals (SWA's: 0; unknown:
+  num_layers - 1, each a predicate read on the host on a GPU) and, exported for cuda, the dot
+  FLOPs and kernels (custom calls) of SWA's call (no aux rows); with 'retrieves' 0
+  conditionals and more dot FLOPs (the aux rows)."""
   import re
   from jax.sharding import AbstractDevice, AbstractMesh
-  cfg, params = model
-  swa = Engine(_cfg(top_k=0), params, cache_len=48, prefill_chunk=12)
-  eng = Engine(cfg, params, cache_len=48, prefill_chunk=12)
-  B, C = 1, 12
+  cfg, params = model2
+  swa = Engine(_cfg(layers=2, top_k=0), params, cache_len=48, prefill_chunk=5)
+  eng = Engine(cfg, params, cache_len=48, prefill_chunk=5)
+  B, C = 2, 5
   sds = jax.ShapeDtypeStruct
   mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice(
       device_kind="NVIDIA H100 80GB HBM3", num_cores=132, platform="gpu"))
 
   def program(e, fact, cuda=True):
-    args = (e.params, e.cache_shapes(B), sds((B, C), jnp.int32), sds((B, C), jnp.int32),
-            sds((B, C), jnp.bool_), sds((B, cfg.vocab_size), jnp.float32), sds((B,), jnp.int32))
+    chunk = (sds((B, C), jnp.int32), sds((B, C), jnp.int32), sds((B, C), jnp.bool_))
+    args = (e.params, e.cache_shapes(B), *chunk, sds((B, cfg.vocab_size), jnp.float32),
+            sds((B,), jnp.int32))
     sf = () if fact is None else (("match_call_retrieves", fact),)
-    conds = Engine._step.lower(e, *args, static_fields=sf).compile().as_text().count(
-        " conditional(")
+    # compiled with the argument placement of Engine.prefill's calls (cache, logits and prompt
+    # lengths on the params' device): the programs the prefill of the static-fact test ran
+    placed = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                          (e.init_cache(B), e._commit(jnp.zeros((B, cfg.vocab_size))),
+                           e._commit(jnp.zeros((B,), jnp.int32))))
+    conds = Engine._step.lower(e, e.params, placed[0], *chunk, *placed[1:],
+                               static_fields=sf).compile().as_text().count(" conditional(")
     if not cuda:
       return conds
     with jax.sharding.use_abstract_mesh(mesh):
