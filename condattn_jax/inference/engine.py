@@ -90,6 +90,11 @@ class Generation:
   cache_bytes    bytes of the cache the generation used (`cache_bytes`)
   ttft_s         (serve) per request: seconds from the call's start to its first token
   schedule       (serve) the calls in order: ('prefill', request, chunk) / ('decode', rows)
+  counts         (serve) what the call ran: device_steps / host_steps (decode steps on the
+                 device / through a host round trip), host_syncs (host waits on the device),
+                 prefill_calls, prefill_row_tokens (rows x chunk tokens computed, padding
+                 included), inserts, caches_made, idle_row_steps (free rows' steps while a
+                 request waited or was being prefilled)
   """
   tokens: list[list[int]]
   finish_reason: list[str]
@@ -102,6 +107,7 @@ class Generation:
   cache_bytes: int
   ttft_s: list[float] | None = None
   schedule: list[tuple] | None = None
+  counts: dict | None = None
 
 
 def cache_bytes(cache) -> int:
@@ -751,28 +757,42 @@ class Engine:
     waiting requests, `admit` (None: slots)) requests are admitted together: their prompts are
     prefilled as one ragged batch (its own cache of A rows, A = n rounded up to a power of two
     and capped at `admit`, so at most log2(admit) + 1 prefill programs compile; the padding rows
-    hold no token) in chunks of `chunk_for(longest prompt of the call)`, ONE chunk per
-    iteration, interleaved with the decode steps of the rows already generating (they never
-    wait for a whole prompt); a prompt whose last chunk ran is inserted into its row of the
-    batch cache at once (every leaf is batch-first: the row is overwritten whole, so nothing of
-    the row's previous request survives; the batch's later chunks hold no token of it), and the
-    row decodes with the others, one token per step ([slots, 1]: the decode program every
-    scheme declares). A row whose request finished (stop token, stop string, its
-    max_new_tokens) takes a next one. admit=1: one prompt per prefill. While no row can change
-    (nothing to admit, every active request greedy with its first token out, no kept logits,
-    stop strings or streamed text), the decode steps run on the device (`_serve_run`:
-    `_greedy_step`s up to the least budget left, stop tokens flagged there; Elastic and MATCH
-    only without stop tokens) and their ids reach the host once a run: the same tokens,
-    steps and statistics as a host round trip a step (SERVE_ON_DEVICE off).
+    hold no token; a later admission of A rows reuses that cache, emptied) in chunks of
+    `chunk_for(longest prompt of the call)`, ONE chunk per iteration, interleaved with the
+    decode steps of the rows already generating (they never wait for a whole prompt); a prompt
+    whose last chunk ran is inserted into its row of the batch cache at once (every leaf is
+    batch-first: the row is overwritten whole, so nothing of the row's previous request
+    survives; the batch's later chunks hold none of its tokens), and the row decodes with the
+    others, one token per step ([slots, 1]: the decode program every scheme declares). A row
+    whose request finished (stop token, stop string, its max_new_tokens) takes a next one.
+    admit=1: one prompt per prefill.
+    How the steps run (SERVE_ON_DEVICE; off: a host round trip every decode step) never changes
+    the schedule, the tokens, finish reasons, steps or statistics:
+      planned (every request greedy without stop tokens or stop strings, no kept logits, no
+        streamed text): no decision needs a token, so the whole schedule follows from the
+        budgets and is queued with no host wait: `_greedy_step`s on one state that lives
+        across the call (a row's first token is the argmax of its prefill's logits), each
+        insert and each finished row's retirement written into the state on the device, the
+        ids read one GREEDY_IDS_BLOCK buffer at a time and pushed (text included) in the host
+        loop's order; a request's statistics are its row's sums since its insert.
+      otherwise: while no row can change (nothing to admit, every active request greedy with
+        its first token out, no kept logits, stop strings or streamed text), the decode steps
+        run on the device (`_serve_run`: `_greedy_step`s up to the least budget left, stop
+        tokens flagged there; Elastic and MATCH only without stop tokens), their ids read once
+        a run; a host round trip a step elsewhere.
     Each request gets what `generate` gives it: request i without its own seed draws as row i
     of `generate(prompts, seed=seed)`; a Request with seed s draws as `generate([prompt],
     seed=s)` (greedy is exact either way, up to the float rounding of batch composition).
     Returns a `Generation` in request order (stats per request: its prompt and its generated
-    tokens); prefill_s is the time to the first request's first token, decode_s the rest,
-    steps the decode steps; `ttft_s` per request (from the call's start to its first token on
-    the host) and `schedule` (('prefill', request, chunk) / ('decode', active rows) events) say
-    how the requests were interleaved (a batched prefill chunk: one 'prefill' event per request
-    with a token in it). on_text(request, text): as in `generate`.
+    tokens); prefill_s is the time to the first request's first token on the host, decode_s
+    the rest, steps the decode steps; `ttft_s` per request (from the call's start to its first
+    token on the host: planned, when the ids buffer holding it is read) and `schedule`
+    (('prefill', request, chunk) / ('decode', active rows) events) say how the requests were
+    interleaved (a batched prefill chunk: one 'prefill' event per request with a token in it);
+    `counts` what the call ran: decode steps on the device / through the host, host waits on
+    the device (host_syncs), prefill calls and the rows x tokens they computed (padding
+    included), inserts, prefill caches made, and the row-steps free rows idled while a request
+    waited or was being prefilled. on_text(request, text): as in `generate`.
     """
     V = self.config.vocab_size
     if isinstance(requests, (str, bytes)) or not hasattr(requests, "__len__"):
@@ -804,12 +824,18 @@ class Engine:
                        "Engine.from_checkpoint(..., tokenizer=<dir>) or set engine.tokenizer.")
     B, C = int(slots), self.chunk_for(max(len(p) for p in rows))
     self._warn_serving_notes(C, max(len(p) for p in rows))
+    # planned: no decision needs a token's value (every request greedy, no stop token / string,
+    # no kept logits or streamed text), so the whole schedule follows from the budgets and the
+    # decode steps, prefill chunks, inserts and retirements are queued with no host wait
+    planned = (self.SERVE_ON_DEVICE and not return_logits and on_text is None
+               and all(k.temperature == 0 and not k.stop_tokens and not k.stop_strings
+                       for k in knobs))
     t0 = time.perf_counter()
     cache = self.init_cache(B)
     self._check_batch_first(cache, B)
     logits = self._commit(jnp.zeros((B, V), jnp.float32))
     outs = [_Output(k, self.tokenizer, return_logits, on_text, i) for i, k in enumerate(knobs)]
-    prompt_stats: list = [None] * len(reqs)
+    prompt_stats: list = [None] * len(reqs)   # (the admission's _RowStats, its row) until the end
     ttft = [0.0] * len(reqs)
     log: list = []          # the decode steps' (row aux, active rows), device until needed
     log_host: list = []     # ... on the host; both start at decode step `base`
@@ -821,14 +847,29 @@ class Engine:
     fresh = np.zeros(B, bool)            # rows whose logits hold a token not chosen yet
     pos = np.zeros(B, np.int32)
     pending = None                       # the batched prefill under way (_Admission)
+    staging: dict = {}                   # A -> a finished admission's cache, reused (reset)
     schedule: list[tuple] = []
     steps, t_first = 0, None
+    counts = dict(host_syncs=0, host_steps=0, device_steps=0, prefill_calls=0,
+                  prefill_row_tokens=0, inserts=0, caches_made=1, idle_row_steps=0)
+    if planned:  # the greedy state lives across the call; rows start done (no request)
+      state = dict(self._greedy_state(cache, logits, pos, self._decode_fields(
+          pos, np.zeros(B, bool))), done=self._commit(jnp.ones((B,), bool)))
+      stop_S, block = stop_ids(()), self.GREEDY_IDS_BLOCK
+      ntok = [0] * len(reqs)          # tokens chosen so far per request (known: no stop)
+      pushes: list = []               # (device step index, row, request) in push order
+      first_at = [0] * len(reqs)      # the device step index of each request's first token
+      snaps: dict = {}                # request -> its row's generated sums (device)
+      blocks: list = []               # full ids buffers, copied out (queued)
+      read: list = []                 # ... read on the host: (first index, ids [n, B])
+      i = 0                           # device steps recorded (greedy steps + records)
 
     def finish(b):
       nonlocal base
       r = req[b]
       if len(log_host) < len(log):  # one transfer for every step not on the host yet
         log_host.extend(jax.device_get(log[len(log_host):]))
+        counts["host_syncs"] += 1
         log[:len(log_host)] = [None] * len(log_host)
       st = _RowStats()
       for entry in log_host[started[b] - base:]:
@@ -842,11 +883,27 @@ class Engine:
       del log[:keep - base], log_host[:keep - base]  # steps no running request needs
       base = keep
 
+    def read_blocks(upto: int):  # full ids buffers before `upto` onto the host: first tokens
+      now = None
+      while len(read) < min(upto, len(blocks)):
+        read.append(np.asarray(blocks[len(read)]))
+        blocks[len(read) - 1] = None
+        counts["host_syncs"] += 1
+        now = time.perf_counter()
+        lo = (len(read) - 1) * block
+        for r in range(len(reqs)):
+          if ntok[r] and lo <= first_at[r] < lo + block:
+            ttft[r] = now - t0
+
     while True:
       if pending is None and waiting and any(r is None for r in req):
         free = [b for b in range(B) if req[b] is None]
         rs = [waiting.pop(0) for _ in range(min(len(free), len(waiting), admit))]
-        pending = _Admission(self, [rows[r] for r in rs], rs, free[:len(rs)], C, admit)
+        A = _Admission.size(len(rs), admit)
+        part = staging.pop(A, None)
+        counts["caches_made"] += part is None
+        pending = _Admission(self, [rows[r] for r in rs], rs, free[:len(rs)], C, admit,
+                             None if part is None else _reset_rows(part, jnp.ones((A,), bool)))
       if pending is not None:  # one chunk of the admitted prompts
         a = pending
         c = a.c
@@ -857,6 +914,8 @@ class Engine:
             self.params, a.cache, jnp.asarray(a.tokens[:, sl]), jnp.asarray(posn),
             jnp.asarray(valid), a.logits, self._commit(jnp.asarray(a.lengths)),
             static_fields=self._prefill_fields(c, C, a.lengths))
+        counts["prefill_calls"] += 1
+        counts["prefill_row_tokens"] += a.A * C
         a.stats.add(aux, valid.sum(1))
         schedule.extend(("prefill", r, c // C) for j, r in enumerate(a.requests)
                         if c < a.lengths[j])
@@ -865,17 +924,25 @@ class Engine:
           if a.inserted[j] or a.lengths[j] > a.c:
             continue
           # the prompt is in: the row joins the batch (later chunks hold none of its tokens)
-          cache, logits = _insert_row(cache, a.cache, logits, a.logits, jnp.int32(b),
-                                      jnp.int32(j))
+          if planned:
+            cache, state = _serve_insert(cache, state, a.cache, a.logits, jnp.int32(b),
+                                         jnp.int32(j), jnp.int32(a.lengths[j]))
+          else:
+            cache, logits = _insert_row(cache, a.cache, logits, a.logits, jnp.int32(b),
+                                        jnp.int32(j))
+          counts["inserts"] += 1
           req[b], pos[b], fresh[b], started[b] = r, a.lengths[j], True, base + len(log)
-          prompt_stats[r] = a.stats.row(j)
+          prompt_stats[r] = (a.stats, j)
           a.inserted[j] = True
         if all(a.inserted):
+          staging[a.A] = a.cache
           pending = None
-      k = self._serve_run_length(outs, req, fresh, pending is not None
-                                 or bool(waiting and any(r is None for r in req)))
+      k = 0 if planned else self._serve_run_length(
+          outs, req, fresh, pending is not None or bool(waiting and any(r is None for r in req)))
       if k:  # greedy steps on the device until a row can change (then the host's turn)
         cache, logits, ids, ran_B, sums = self._serve_run(cache, logits, pos, req, outs, k)
+        counts["host_syncs"] += 1
+        counts["device_steps"] += k
         log.append(sums)
         for j in range(k):  # the host loop's pushes and steps, from the run's ids
           for b in range(B):
@@ -887,10 +954,23 @@ class Engine:
             steps += 1
         pos = pos + ran_B
         fresh = np.asarray([r is not None for r in req])
-      if fresh.any():
+      pushed = fresh.any()
+      if pushed and planned:  # this step's tokens are recorded at device index i
+        for b in np.flatnonzero(fresh):
+          r = req[b]
+          if not ntok[r]:
+            first_at[r] = i
+          pushes.append((i, b, r))
+          ntok[r] += 1
+          if ntok[r] >= knobs[r].max_new_tokens:  # its last token: the row is not run again
+            state, snaps[r] = _serve_retire(state, jnp.int32(b))
+            req[b] = None
+        fresh[:] = False
+      elif pushed:
         need_host = any(outs[req[b]].needs_logits for b in np.flatnonzero(fresh))
         host = np.asarray(logits) if need_host else None
         ids = None if need_host else np.asarray(_argmax(logits))
+        counts["host_syncs"] += 1
         now = time.perf_counter()
         for b in np.flatnonzero(fresh):
           o = outs[req[b]]
@@ -903,26 +983,61 @@ class Engine:
         fresh[:] = False
       active = np.asarray([r is not None for r in req])
       if active.any():
-        last = np.asarray([outs[r].tokens[-1] if r is not None else 0 for r in req], np.int32)
-        cache, logits, aux = self._step(self.params, cache, jnp.asarray(last)[:, None],
-                                        jnp.asarray(pos)[:, None], jnp.asarray(active)[:, None],
-                                        logits, static_fields=self._decode_fields(pos, active))
-        log.append((aux, active.astype(np.int32)))
+        if waiting or pending is not None:
+          counts["idle_row_steps"] += int(B - active.sum())
+        if planned:
+          cache, state = self._greedy_step(self.params, cache, state, stop_S,
+                                           static_fields=self._decode_fields(pos, active))
+          counts["device_steps"] += 1
+        else:
+          last = np.asarray([outs[r].tokens[-1] if r is not None else 0 for r in req], np.int32)
+          cache, logits, aux = self._step(
+              self.params, cache, jnp.asarray(last)[:, None], jnp.asarray(pos)[:, None],
+              jnp.asarray(active)[:, None], logits,
+              static_fields=self._decode_fields(pos, active))
+          log.append((aux, active.astype(np.int32)))
+          counts["host_steps"] += 1
         schedule.append(("decode", int(active.sum())))
         pos = pos + active
         fresh = active.copy()
         steps += 1
-      elif pending is None and not waiting:
+      elif planned and pushed:  # the last tokens, with no row left to step
+        state = _record_ids(state)
+      if planned and (active.any() or pushed):
+        i += 1
+        if i % block == 0:  # a full buffer: copied out (queued, no host wait), then reused
+          blocks.append(jnp.copy(state["ids"]))
+          read_blocks(len(blocks) - 1)   # the one before: long done unless the host is ahead
+      if not active.any() and pending is None and not waiting:
         break
+    if planned:  # the ids onto the host, pushed in the host loop's order; the row sums
+      read_blocks(len(blocks))
+      tail = np.asarray(state["ids"][:i % block])
+      counts["host_syncs"] += 1
+      now = time.perf_counter()
+      for r in range(len(reqs)):
+        if first_at[r] >= len(read) * block:
+          ttft[r] = now - t0
+      ids = np.concatenate([x for x in read] + [tail])
+      for j, b, r in pushes:
+        outs[r].push(None, int(ids[j, b]))
+      snaps = jax.device_get(snaps)
+      for r in range(len(reqs)):
+        st = _RowStats()
+        if knobs[r].max_new_tokens > 1:  # (a request of one token ran no step: no sums)
+          st.add_sums(*snaps[r])
+        gen_stats[r] = st.row(0)
+      t_first = t0 + min(ttft)
     t_end = time.perf_counter()
     t_first = t_end if t_first is None else t_first
     return Generation(
         tokens=[o.tokens for o in outs], finish_reason=[o.reason for o in outs],
         text=[o.stream.text for o in outs] if self.tokenizer is not None else None,
-        stats=[{"prompt": prompt_stats[r], "generated": gen_stats[r]} for r in range(len(reqs))],
+        stats=[{"prompt": s.row(j), "generated": gen_stats[r]}
+               for r, (s, j) in enumerate(prompt_stats)],
         logits=[np.stack(o.kept) for o in outs] if return_logits else None,
         prefill_s=t_first - t0, decode_s=t_end - t_first, steps=steps,
-        cache_bytes=cache_bytes(cache), ttft_s=ttft, schedule=schedule)
+        cache_bytes=cache_bytes(cache), ttft_s=ttft, schedule=schedule, counts=counts)
 
   # serve's decode steps between host decisions on the device while no row can change
   # (_serve_run_length); False: a host round trip every step (the A/B of bench/decode's rows).
@@ -1194,12 +1309,13 @@ def _reset_rows(cache, rows_B):
 
 class _Admission:
   """Engine.serve's batched prefill under way: the admitted requests' prompts as one ragged
-  batch of A rows (a power of two >= their count, <= admit; padding rows have length 0), its
-  cache and last logits, the next chunk's start `c`, which rows are inserted already."""
+  batch of A rows (`size`: a power of two >= their count, <= admit; padding rows have length 0),
+  its cache (zeros: made, or an earlier admission's of A rows reset) and last logits, the next
+  chunk's start `c`, which rows are inserted already."""
 
-  def __init__(self, engine, prompts, requests, slots, chunk: int, admit: int):
+  def __init__(self, engine, prompts, requests, slots, chunk: int, admit: int, cache=None):
     n = len(prompts)
-    self.A = min(1 << (n - 1).bit_length(), admit)
+    self.A = self.size(n, admit)
     self.requests, self.slots, self.inserted = list(requests), list(slots), [False] * n
     self.lengths = np.zeros(self.A, np.int32)
     self.lengths[:n] = [len(p) for p in prompts]
@@ -1207,10 +1323,15 @@ class _Admission:
     self.tokens = np.zeros((self.A, P), np.int32)
     for j, p in enumerate(prompts):
       self.tokens[j, :len(p)] = p
-    self.cache = engine.init_cache(self.A)
+    self.cache = engine.init_cache(self.A) if cache is None else cache
     self.logits = engine._commit(jnp.zeros((self.A, engine.config.vocab_size), jnp.float32))
     self.stats = _RowStats()
     self.c = 0
+
+  @staticmethod
+  def size(n: int, admit: int) -> int:
+    """The rows of a prefill of n prompts: n rounded up to a power of two, at most admit."""
+    return min(1 << (n - 1).bit_length(), admit)
 
 
 @functools.partial(jax.jit, donate_argnums=(0, 2))
@@ -1220,6 +1341,49 @@ def _insert_row(cache, part, logits_BV, part_logits_AV, b, j):
   put = lambda x, y: jax.lax.dynamic_update_index_in_dim(
       x, jax.lax.dynamic_index_in_dim(y, j, 0, keepdims=False).astype(x.dtype), b, 0)
   return jax.tree.map(put, cache, part), put(logits_BV, part_logits_AV)
+
+
+def _put_row(x, b, row, axis: int = 0):
+  """x with its index b along `axis` replaced by row (that axis dropped)."""
+  return jax.lax.dynamic_update_index_in_dim(x, row.astype(x.dtype), b, axis)
+
+
+@functools.partial(jax.jit, donate_argnums=(0, 1))
+def _serve_insert(cache, state, part, part_logits_AV, b, j, length):
+  """serve's planned loop: row b of the batch cache overwritten by row j of a prefill's cache,
+  and row b of the greedy state starts a request there: the prefill's logits (its first token
+  is the next step's argmax), position `length`, not done, no step run, sums zero (in place:
+  cache and state donated)."""
+  take = lambda y: jax.lax.dynamic_index_in_dim(y, j, 0, keepdims=False)
+  cache = jax.tree.map(lambda x, y: _put_row(x, b, take(y)), cache, part)
+  zero = lambda x, axis: _put_row(x, b, jnp.zeros(x.shape[:axis] + x.shape[axis + 1:], x.dtype),
+                                  axis)
+  return cache, dict(
+      state, logits=_put_row(state["logits"], b, take(part_logits_AV)),
+      pos=_put_row(state["pos"], b, length), done=_put_row(state["done"], b, jnp.bool_(False)),
+      steps_B=zero(state["steps_B"], 0), sums=jax.tree.map(lambda x: zero(x, 1), state["sums"]),
+      module_sums=jax.tree.map(lambda x: zero(x, 0), state["module_sums"]))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _serve_retire(state, b):
+  """serve's planned loop: row b done (its last token is the next step's argmax: no step runs
+  it again); returns (state (donated, in place), the row's (sums [L, 1, ...], module_sums
+  [1, ...], steps_B [1]) since its request started)."""
+  row = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, b, 1, axis)
+  snap = (jax.tree.map(lambda x: row(x, 1), state["sums"]),
+          jax.tree.map(lambda x: row(x, 0), state["module_sums"]), row(state["steps_B"], 0))
+  return dict(state, done=_put_row(state["done"], b, jnp.bool_(True))), snap
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _record_ids(state):
+  """A greedy step's id recording without its model call (no row left to run): ids[i] = the
+  argmax of the logits, i + 1 (in place: donated)."""
+  i = state["i"]
+  ids_B = jnp.argmax(state["logits"], axis=-1).astype(jnp.int32)
+  return dict(state, i=i + 1, ids=jax.lax.dynamic_update_index_in_dim(
+      state["ids"], ids_B, i % state["ids"].shape[0], 0))
 
 
 _split_groups = jax.jit(stacking.split_groups)

@@ -128,12 +128,14 @@ def test_every_schemes_cache_can_be_reset_per_row(name):
 
 @pytest.mark.parametrize("name", NAMES)
 def test_serve_runs_greedy_steps_on_the_device_as_its_host_loop(name, monkeypatch):
-  """While no row can change (nothing to admit, every active request greedy with its first
-  token out), serve runs its decode steps on the device (`Engine._serve_run`: greedy steps, ids
-  and routing sums read once a run) and then pushes the ids as its host loop would: the same
-  tokens, finish reasons, steps, schedule and per-request statistics as with the host loop
-  (SERVE_ON_DEVICE off), for every scheme; with a stop token that ends rows inside a run the
-  same (a scheme whose steps take host facts then keeps the host loop)."""
+  """Without a stop token (every request greedy), serve queues its whole schedule with no host
+  wait (planned: greedy steps on one state, inserts and retirements on the device, the ids read
+  a buffer at a time) and then pushes the ids as its host loop would: the same tokens, finish
+  reasons, steps, schedule and per-request statistics as with the host loop (SERVE_ON_DEVICE
+  off), for every scheme. With a stop token, while no row can change (nothing to admit, every
+  active request greedy with its first token out) it runs greedy steps on the device
+  (`Engine._serve_run`) with a stop token that ends rows inside a run: the same again (a
+  scheme whose steps take host facts then keeps the host loop)."""
   eng = engine(name, 4)
   reqs = [Request(REQUESTS[0], max_new_tokens=7), REQUESTS[1],
           Request(REQUESTS[2], max_new_tokens=6), REQUESTS[3]]
@@ -152,16 +154,19 @@ def test_serve_runs_greedy_steps_on_the_device_as_its_host_loop(name, monkeypatc
       assert jax.tree.structure(g) == jax.tree.structure(w)
       for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(w)):
         np.testing.assert_allclose(a, b, atol=1e-6, err_msg=f"{name} {kw}")
-    return want
-  want = both()
-  assert runs and all(1 < k <= 3 for k in runs), runs
+    return got, want
+  got, want = both()
+  assert not runs and got.counts["device_steps"] == got.steps > 6, (runs, got.counts)
+  assert got.counts["host_steps"] == 0 and want.counts["host_steps"] == want.steps
+  # (the ids buffer holds 3 steps: one host read a buffer and one at the end)
+  assert got.counts["host_syncs"] <= -(-got.steps // 3) + 2 < want.counts["host_syncs"]
   # the per-row insert / reset of continuous batching, every scheme: the conformance prompts
   # through 2 slots (a row emptied and given the third prompt) give what the conformance
   # suite's one ragged generate gives each (its run, module-cached: test_conformance)
   assert eng.serve(PROMPTS, NEW_CONF, slots=2).tokens == generated(name, 4).tokens, name
   stop = want.tokens[0][3]   # request 0's fourth token: inside a run
   runs.clear()
-  got = both(stop_tokens=(stop,))
+  got, _ = both(stop_tokens=(stop,))
   assert "stop_token" in got.finish_reason
   host_facts = name in ("elastic", "match")
   assert bool(runs) != host_facts, (name, runs)
