@@ -34,7 +34,9 @@ def _dense(family="llama", layers=2):
 
 @functools.lru_cache(maxsize=None)
 def _init(cfg):
-  return host_init(cfg, 0)
+  """Dense params as host (numpy) arrays: the conversions' regrouping of layers stays numpy (on
+  device arrays each eager slice / stack compiles on its own); jit takes them as they are."""
+  return jax.tree.map(np.asarray, host_init(cfg, 0))
 
 
 # ------------------------------------------------------------------------- numpy reference
