@@ -144,32 +144,42 @@ def _one_program(*fns):
   return jax.jit(lambda *args: tuple(f(*args) for f in fns))
 
 
+_LOSS_PROGRAMS = {}
+
+
+def _loss_program(tied):
+  """(params, batch, program) on configs/tiny.py with tied or untied embeddings: host params, the
+  first batch and ONE program (_one_program) of make_loss_and_grads with the plain CE, the
+  chunked CE (chunks of 16) and, untied, 4 microbatches: (params, batch, step) -> their
+  (grads, metrics). Built once per `tied`: the tests below share its compilation."""
+  if tied not in _LOSS_PROGRAMS:
+    c = tiny()
+    c.model.tie_word_embeddings = tied
+    setup = loop.build(c, devices=ONE())
+    batch = synthetic_batch(c)
+    fns = [make_loss_and_grads(setup.model_cfg, c.train)]
+    c.train.loss_chunk_size = 16
+    fns.append(make_loss_and_grads(setup.model_cfg, c.train))
+    if not tied:
+      c.train.loss_chunk_size, c.train.microbatches = 0, 4
+      fns.append(make_loss_and_grads(setup.model_cfg, c.train))
+    _LOSS_PROGRAMS[tied] = random_params(setup.abstract_params), batch, _one_program(*fns)
+  return _LOSS_PROGRAMS[tied]
+
+
 @pytest.mark.parametrize("tied", [False, True])
 def test_chunked_cross_entropy_equals_plain(tied):
-  c = tiny()
-  c.model.tie_word_embeddings = tied
-  setup = loop.build(c, devices=ONE())
-  params = random_params(setup.abstract_params)
-  batch = synthetic_batch(c)
-  batch["loss_mask"] = np.ones_like(batch["loss_mask"])  # score every token
-  plain_fn = make_loss_and_grads(setup.model_cfg, c.train)
-  c.train.loss_chunk_size = 16
-  chunked_fn = make_loss_and_grads(setup.model_cfg, c.train)
-  plain, chunked = _one_program(plain_fn, chunked_fn)(params, batch, 0)
+  params, batch, program = _loss_program(tied)
+  batch = dict(batch, loss_mask=np.ones_like(batch["loss_mask"]))  # score every token
+  plain, chunked = program(params, batch, 0)[:2]
   np.testing.assert_allclose(chunked[1]["loss"], plain[1]["loss"], rtol=1e-6)
   np.testing.assert_allclose(chunked[1]["accuracy"], plain[1]["accuracy"])
   assert_trees_close(chunked[0], plain[0], atol=1e-6, rtol=1e-5)
 
 
 def test_microbatches_equal_full_batch():
-  c = tiny()
-  setup = loop.build(c, devices=ONE())
-  params = random_params(setup.abstract_params)
-  batch = synthetic_batch(c)
-  full_fn = make_loss_and_grads(setup.model_cfg, c.train)
-  c.train.microbatches = 4
-  micro_fn = make_loss_and_grads(setup.model_cfg, c.train)
-  full, micro = _one_program(full_fn, micro_fn)(params, batch, 3)
+  params, batch, program = _loss_program(tied=False)
+  full, _, micro = program(params, batch, 3)
   np.testing.assert_allclose(micro[1]["loss"], full[1]["loss"], rtol=1e-6)
   assert_trees_close(micro[0], full[0], atol=1e-7, rtol=1e-5)
 
