@@ -2,9 +2,10 @@
 tiny_l2a_run): token ids in / out without a tokenizer, streamed text with one, a JSON line per
 request of a prompts file (served through --slots rows with per-request knobs), the TTFT / tokens/s / cache-bytes line; the outputs equal the
 engine's generation in process. Every bad input is ONE line starting with ERROR:, exit code 2,
-no traceback. The two generation tests start generate.py as a new interpreter (a user's
-shell's start); the bad-input cases run it as `python generate.py ...` in a fork of one process
-that imported its modules once (tests/_cli_runner.py), each with its own backend and exit code."""
+no traceback. The first generation starts generate.py as a new interpreter (a user's shell's
+start); the others and the bad-input cases run it as `python generate.py ...` in a fork of one
+process that imported its modules once (tests/_cli_runner.py), each with its own backend and
+exit code."""
 import json
 import os
 import subprocess
@@ -29,8 +30,8 @@ RUNNER = Runner(subprocess_env(1))
 
 
 def gen_fork(*args):
-  """The same command in a fork of RUNNER's process (its modules imported once: the bad-input
-  cases pay no interpreter start and jax import each)."""
+  """The same command in a fork of RUNNER's process (its modules imported once: the commands
+  after the first pay no interpreter start and jax import each)."""
   return RUNNER.run("generate.py", *args)
 
 
@@ -74,8 +75,8 @@ def test_token_ids_in_and_out_equal_the_engine(run, engine, tmp_path):
   f = tmp_path / "requests.jsonl"
   # continuous batching through one row, the second request with its own budget
   f.write_text('{"tokens": [3, 9, 17, 4]}\n\n{"prompt": "5, 6 7 8", "max_new_tokens": 3}\n')
-  p = gen(f"--checkpoint={run}", f"--prompts_file={f}", "--max_new_tokens=5", "--slots=1",
-          "--config.model.scheme.theta=0.5")  # the run's own value: the same generation
+  p = gen_fork(f"--checkpoint={run}", f"--prompts_file={f}", "--max_new_tokens=5",
+               "--slots=1", "--config.model.scheme.theta=0.5")  # the run's own theta: the same
   assert p.returncode == 0, p.stderr[-2000:]
   rows = [json.loads(l) for l in p.stdout.splitlines()]
   assert [r["tokens"] for r in rows] == [want[0].tokens[0], want[1].tokens[0][:3]]
@@ -89,8 +90,8 @@ def test_text_with_a_tokenizer_streams_what_the_engine_generates(run, engine):
   text = "abcd"
   assert len(tok.encode(text)) == 4  # the engine fixture's compiled shapes
   want = engine.generate([tok.encode(text)], 5, stop_tokens=(tok.eos_id,))
-  p = gen(f"--checkpoint={run}", f"--tokenizer={TOKENIZER}", f"--prompt={text}",
-          "--max_new_tokens=5")
+  p = gen_fork(f"--checkpoint={run}", f"--tokenizer={TOKENIZER}", f"--prompt={text}",
+               "--max_new_tokens=5")
   assert p.returncode == 0, p.stderr[-2000:]
   assert p.stdout == want.text[0] + "\n"
   assert f"cache {want.cache_bytes} bytes" in _summary(p)
