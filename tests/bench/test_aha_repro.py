@@ -164,7 +164,8 @@ def test_generated_usage_is_the_gates_of_the_generated_tokens():
   """mu_f over generated tokens (the paper's eq. 8) through the engine, on a static split (the
   router bias +-10: every token takes the same choice per head): the per-head usage of the
   generated tokens is the split itself, mu_f its mean, and the engine ran rows x (n - 1) of them
-  (the last generated token is never fed back)."""
+  (the last generated token is never fed back). 2 rows, 8 new tokens: the engine programs of
+  test_aha_arms_under_the_until_plateau_rule_record_it's generated usage (same shapes)."""
   import jax
   from condattn_jax.attention import convert
   s = bench.PRESETS["test"]
@@ -176,10 +177,10 @@ def test_generated_usage_is_the_gates_of_the_generated_tokens():
   heads[0, [0, 3]] = heads[2, 1] = True
   rows = task.batch(0, 3, stream=1)
   got = bench.generated_usage(acfg, bench._static_params(ap, heads), rows, n_rows=2,
-                              new_tokens=4)
+                              new_tokens=8)
   np.testing.assert_array_equal(got["usage_head"], heads.astype(float))
   assert got["mu_f"] == got["mu_f_prompt"] == heads.mean()
-  assert got["tokens"] == 2 * 3 and got["prompt_tokens"] == 2 * (s.seq_len - 4)
+  assert got["tokens"] == 2 * 7 and got["prompt_tokens"] == 2 * (s.seq_len - 8)
 
 
 def test_gated_dense_baseline_judges_only_a_model_that_solves_the_task(tmp_path):
@@ -250,12 +251,14 @@ def test_induction_pretraining_rows_and_the_pre_presets():
 
 def test_pretrained_dense_model_records_its_pretraining():
   """A preset with pretrain_steps: the dense model is pretrained on repeats first, then gated
-  on the task; the record names the pretraining (steps, curve)."""
+  on the task; the record names the pretraining (steps, curve). As many pretraining steps as
+  the dense cap (3): the pretraining's train step (constant lr 1e-3, its batches of the task's
+  shapes) is the dense training's first lr's, one program."""
   import dataclasses
-  s = dataclasses.replace(bench.PRESETS["test_gated"], layout="qwen3", pretrain_steps=2,
+  s = dataclasses.replace(bench.PRESETS["test_gated"], layout="qwen3", pretrain_steps=3,
                           dense_gate=0.0)
   _, info = bench.train_dense(s, 0, lambda *a: None)
-  assert info["pretrain"]["steps"] == 2 and len(info["pretrain"]["curve"]) == 2
+  assert info["pretrain"]["steps"] == 3 and len(info["pretrain"]["curve"]) == 3
   assert info["dense_gate"]["passed"] and info["dense_gate"]["steps"] == 2
 
 
@@ -301,13 +304,15 @@ def test_aha_arms_under_the_until_plateau_rule_record_it():
   untrained dense model, seconds): trained the recipe's steps, then checked every
   plateau_check_every steps up to the cap; the record holds the steps taken, the checks, the
   held-out numbers at the recipe's end and a plateau flag that agrees with `stopped`; the
-  fixed-step presets the CI runs (ci, cpu) keep the rule off."""
+  fixed-step presets the CI runs (ci, cpu) keep the rule off. The headline arm's generated usage
+  on 2 rows of 8 new tokens: the engine programs of test_generated_usage_is_the_gates_of_the_
+  generated_tokens."""
   import dataclasses
   import jax
   assert bench.PRESETS["ci"].aha_cap == bench.PRESETS["cpu"].aha_cap == 0
   assert bench.PRESETS["h100"].aha_cap >= 4 * bench.PRESETS["h100"].aha_steps
   s = dataclasses.replace(bench.PRESETS["test"], aha_cap=9, plateau_check_every=2,
-                          static_lrs=(1e-3,))
+                          static_lrs=(1e-3,), generated_rows=2)
   task = bench.RestatedRecall(s, 16, seed=0)
   # an untrained dense model drawn on the host (the init's distributions, no init program)
   dense = jax.tree.map(np.asarray, host_init(bench.base_config(s, task), 0))
