@@ -86,11 +86,19 @@ def test_three_steps_through_the_loop(name, tmp_path):
   assert np.isfinite(res["train"]["loss"]), res["train"]
 
 
+@functools.lru_cache(maxsize=None)
+def sharded_setup(name):
+  """loop.build of the scheme's tiny recipe on a 2x2x2 mesh (abstract: no weights), built once
+  for both platforms' exports (export_train_step reads it, never changes it)."""
+  from condattn_jax.train import loop
+  c = tiny_recipe(name)
+  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 2, 2, 2
+  return loop.build(c)
+
+
 @pytest.mark.parametrize("platform", ["tpu", "cuda"])
 @pytest.mark.parametrize("name", NAMES)
 def test_train_step_cross_lowers(name, platform):
   from condattn_jax.train import loop
-  c = tiny_recipe(name)
-  c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 2, 2, 2
-  exp = loop.export_train_step(loop.build(c), platform)
+  exp = loop.export_train_step(sharded_setup(name), platform)
   assert exp.platforms == (platform,) and exp.nr_devices == 8
