@@ -36,19 +36,38 @@ def _dense(family, seed=1):
   before they change a params tree (_random_router, _layer_setup)."""
   cfg = ModelConfig(family=family).replace(**FAMILIES[family])
   tok = jax.random.randint(jax.random.PRNGKey(0), (B, T), 0, cfg.vocab_size)
-  params = host_init(cfg, seed)
+  # host (numpy) params: the conversions and router draws stay numpy (on device arrays each
+  # eager jnp op of theirs compiles on its own); jit takes them as they are
+  params = jax.tree.map(np.asarray, host_init(cfg, seed))
   if cfg.attention_bias:  # non-zero biases, so keeping them is tested too
     params = jax.tree_util.tree_map_with_path(
         lambda p, x: x + 0.1 if "bias" in jax.tree_util.keystr(p) else x, params)
   return cfg, params, tok
 
 
+@functools.lru_cache(maxsize=None)
+def _jitted(model, kw):
+  """jax.jit of model.apply with the static keywords kw (sorted items), one per (model config,
+  kw): eagerly, apply compiles its layer scan as a program of its own and every op outside it
+  alone; a model applied again (other params or inputs of the same shapes) reuses the compile."""
+  return jax.jit(functools.partial(model.apply, **dict(kw)))
+
+
+def _apply(model, params, *args, **kw):
+  """model.apply({'params': params}, *args, **kw) in one jitted program: array keywords traced,
+  the others static."""
+  static = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in kw.items()
+                        if not isinstance(v, jax.Array)))
+  arrays = {k: v for k, v in kw.items() if isinstance(v, jax.Array)}
+  return _jitted(model, static)({"params": params}, *args, **arrays)
+
+
 def _random_router(params, scale=0.3, seed=0):
   """Router kernel ~ N(0, scale^2), bias 0: about half of the (token, head) pairs go full."""
   params = jax.tree.map(lambda x: x, params)
   r = params["layers"]["router"]
-  r["kernel"] = scale * jax.random.normal(jax.random.PRNGKey(seed), r["kernel"].shape)
-  r["bias"] = jnp.zeros_like(r["bias"])
+  r["kernel"] = np.asarray(scale * jax.random.normal(jax.random.PRNGKey(seed), r["kernel"].shape))
+  r["bias"] = np.zeros_like(r["bias"])
   return params
 
 
@@ -62,10 +81,10 @@ def test_conversion_is_the_base_model_and_reverses(family):
   head local is the sliding-window model. Default cover of the manual families: the qwen2 /
   olmo2 cases here and tests/schemes/test_conformance.py::test_to_and_from_dense[aha]."""
   cfg, dp, tok = _dense(family)
-  base, _ = Decoder(cfg).apply({"params": dp}, tok)
+  base, _ = _apply(Decoder(cfg), dp, tok)
   for mode in ("exact", "sparse"):
     acfg, ap = attention.convert(dp, cfg, "aha", window=4, mode=mode)
-    out, aux = Decoder(acfg).apply({"params": ap}, tok)
+    out, aux = _apply(Decoder(acfg), ap, tok)
     np.testing.assert_allclose(out, base, atol=1e-6, rtol=0)
     assert aux["usage_N"].shape == (cfg.num_layers, cfg.num_heads)
     np.testing.assert_array_equal(aux["usage_N"], 1.0)  # every head full at init
@@ -78,9 +97,9 @@ def test_conversion_is_the_base_model_and_reverses(family):
   # every head local (routing 'none', any router) == the dense sliding-window model
   lcfg, lparams = aha.to_dense(ap, acfg, keep="local")
   assert lcfg.sliding_window == 4
-  want, _ = Decoder(lcfg).apply({"params": lparams}, tok)
-  out, aux = Decoder(attention.configure(acfg, "aha", routing="none")).apply(
-      {"params": _random_router(ap)}, tok)
+  want, _ = _apply(Decoder(lcfg), lparams, tok)
+  out, aux = _apply(Decoder(attention.configure(acfg, "aha", routing="none")),
+                    _random_router(ap), tok)
   np.testing.assert_allclose(out, want, atol=1e-5, rtol=0)
   np.testing.assert_array_equal(aux["usage_N"], 0.0)
   assert float(jnp.abs(want - base).max()) > 1e-2  # the window matters at T=16
@@ -130,6 +149,17 @@ def _layer_setup(family, window=3):
 
 
 def _reference_parts(cfg, layer, x, pos, tau=0.5):
+  """_reference_equations in one jitted program per (config, tau) (eagerly: op by op, each op
+  compiled alone)."""
+  return _reference_program(cfg, tau)(layer, x, pos)
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_program(cfg, tau):
+  return jax.jit(functools.partial(_reference_equations, cfg, tau=tau))
+
+
+def _reference_equations(cfg, layer, x, pos, tau=0.5):
   """(x_in, s, g, full, local, out) computed directly from the equations: ONE attention call
   per path (full: causal mask; local: causal + window) and the layer output from ONE attention
   with the per-head mask 'full if g else window' (paper eq. 4)."""
@@ -155,11 +185,17 @@ def _reference_parts(cfg, layer, x, pos, tau=0.5):
   return dict(x_in=x_in, s=s, g=g, full=full, local=local, out=x + attn_out)
 
 
+@functools.lru_cache(maxsize=None)
+def _layer_program(cfg, mutable):
+  """AHALayer(cfg).apply jitted (eagerly: op by op, each op compiled alone), one per config."""
+  return jax.jit(lambda layer, x, ctx, key: aha.AHALayer(cfg).apply(
+      {"params": layer}, x, ctx, rngs={"router": key},
+      mutable=["intermediates"] if mutable else False))
+
+
 def _apply_layer(cfg, layer, x, pos, train=False, seed=0, mutable=False):
   ctx = LayerContext(tokens_BT=pos, positions_BT=pos, train=train)
-  return aha.AHALayer(cfg).apply({"params": layer}, x, ctx,
-                                 rngs={"router": jax.random.PRNGKey(seed)},
-                                 mutable=["intermediates"] if mutable else False)
+  return _layer_program(cfg, mutable)(layer, x, ctx, jax.random.PRNGKey(seed))
 
 
 @pytest.mark.parametrize("family", ["qwen3", "olmo2"])
@@ -223,7 +259,7 @@ def test_ste_router_gradient_is_full_minus_local():
 # Whole model: regulariser, metrics, knobs
 # ----------------------------------------------------------------------------------------------
 def _scores_and_gates(m, params, tok, **kw):
-  _, st = m.apply({"params": params}, tok, mutable=["intermediates"], **kw)
+  _, st = _apply(m, params, tok, mutable=["intermediates"], **kw)
   inter = st["intermediates"]["layers"]
   return np.asarray(inter["score"][0]), np.asarray(inter["gate"][0])  # [L, B, T, N]
 
@@ -234,7 +270,7 @@ def test_regulariser_metrics_and_task_usage():
   ap = _random_router(ap)
   m = Decoder(acfg)
   task_ids = jnp.array([2, 0])
-  _, aux = m.apply({"params": ap}, tok, task_ids_B=task_ids)
+  _, aux = _apply(m, ap, tok, task_ids_B=task_ids)
   s, g = _scores_and_gates(m, ap, tok)
   loss, met = aha.aux_loss(aux, {"task_ids": task_ids}, 0, acfg)
   # the paper's eq. 7: lam * mean over layers, tokens and heads of the scores
@@ -253,10 +289,10 @@ def test_regulariser_metrics_and_task_usage():
   # the regulariser's gradient reaches every layer's router (kernel and bias)
   def reg(params):
     return aha.aux_loss(m.apply({"params": params}, tok)[1], None, 0, acfg)[0]
-  gr = jax.grad(reg)(ap)["layers"]["router"]
+  gr = jax.jit(jax.grad(reg))(ap)["layers"]["router"]
   assert float(jnp.abs(gr["bias"]).min()) > 0 and float(jnp.abs(gr["kernel"]).max()) > 0
   # no router in the loop: no regulariser
-  _, aux_all = Decoder(attention.configure(acfg, "aha", routing="all")).apply({"params": ap}, tok)
+  _, aux_all = _apply(Decoder(attention.configure(acfg, "aha", routing="all")), ap, tok)
   assert float(aha.aux_loss(aux_all, None, 0, acfg)[0]) == 0.0
 
 
@@ -264,7 +300,7 @@ def test_tau_is_a_test_time_knob():
   cfg, dp, tok = _dense("qwen3")
   acfg, ap = attention.convert(dp, cfg, "aha", window=4)
   ap = _random_router(ap)
-  mu = [float(Decoder(attention.configure(acfg, "aha", tau=tau)).apply({"params": ap}, tok)[1]["usage_N"].mean())
+  mu = [float(_apply(Decoder(attention.configure(acfg, "aha", tau=tau)), ap, tok)[1]["usage_N"].mean())
         for tau in (0.3, 0.5, 0.7)]
   assert 1.0 > mu[0] > mu[1] > mu[2] > 0.0
 
@@ -309,15 +345,15 @@ def test_router_without_bias_is_the_papers_eq1():
   assert set(ap["layers"]["router"]) == {"kernel"}
   init = nn.unbox(jax.eval_shape(Decoder(acfg).init, jax.random.PRNGKey(0), tok)["params"])
   assert jax.tree.structure(init) == jax.tree.structure(ap)
-  out, aux = Decoder(acfg).apply({"params": ap}, tok)
+  out, aux = _apply(Decoder(acfg), ap, tok)
   np.testing.assert_array_equal(aux["usage_N"], 0.0)   # every head local at init
   np.testing.assert_allclose(aux["score_N"], 0.5)
   wcfg = cfg.replace(sliding_window=4)                  # == the sliding-window dense model
-  np.testing.assert_allclose(out, Decoder(wcfg).apply({"params": dp}, tok)[0], atol=1e-5)
+  np.testing.assert_allclose(out, _apply(Decoder(wcfg), dp, tok)[0], atol=1e-5)
   # a random kernel: scores are sigmoid(x_in @ W_r), no offset
   ap["layers"]["router"]["kernel"] = 0.3 * jax.random.normal(
       jax.random.PRNGKey(1), ap["layers"]["router"]["kernel"].shape)
-  _, aux = Decoder(acfg).apply({"params": ap}, tok)
+  _, aux = _apply(Decoder(acfg), ap, tok)
   assert 0.0 < float(jnp.mean(aux["usage_N"])) < 1.0
   with pytest.raises(ValueError, match=r"router_bias_init=2.0 needs router_bias=True"):
     attention.configure(cfg, "aha", router_bias=False)
