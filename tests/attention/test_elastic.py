@@ -188,8 +188,11 @@ def test_xa_block_scores_match_brute_force(q_chunk):
   Tl = n * blk
   q = jax.random.normal(jax.random.PRNGKey(0), (1, Tl, 2, H))
   k = jax.random.normal(jax.random.PRNGKey(1), (1, Tl, 1, H))
-  keep = np.asarray(masks.xa_keep(q, k, jnp.ones((1, Tl), bool), block=blk, stride=S,
-                                  threshold=0.3, q_chunk=q_chunk))
+  # the kept blocks and the lists in one jitted program (eagerly: op by op, each op compiled alone)
+  keep, lists = jax.device_get(jax.jit(lambda q, k: (
+      masks.xa_keep(q, k, jnp.ones((1, Tl), bool), block=blk, stride=S, threshold=0.3,
+                    q_chunk=q_chunk),
+      masks.xa_lists(q, k, jnp.ones((1, Tl), bool), block=blk, stride=S, threshold=0.3)))(q, k))
   qn, kn = np.asarray(q, np.float64)[0], np.asarray(k, np.float64)[0]
   Ts, r = Tl // S, blk // S
   for head in range(2):
@@ -213,8 +216,6 @@ def test_xa_block_scores_match_brute_force(q_chunk):
       np.testing.assert_array_equal(keep[0, head, i], want)
   causal = np.tril(np.ones((n, n), bool))
   assert (~keep[0] & causal).any()  # the threshold dropped causal blocks
-  lists = np.asarray(masks.xa_lists(q, k, jnp.ones((1, Tl), bool), block=blk, stride=S,
-                                    threshold=0.3))
   for i in range(n):
     got = lists[0, 0, i]
     np.testing.assert_array_equal(got[got >= 0], np.flatnonzero(keep[0, 0, i]))
@@ -238,14 +239,16 @@ def test_xa_chunked_scoring_is_bit_identical_to_one_chunk():
   k = 2 * jax.random.normal(jax.random.PRNGKey(3), (B, T, K, H))
   valid = jnp.arange(T)[None, :] < jnp.array([T, 61])[:, None]
   kw = dict(block=blk, stride=S, threshold=0.9)
-  whole = np.asarray(masks.xa_keep(q, k, valid, q_chunk=10, **kw))
-  lists = np.asarray(masks.xa_lists(q, k, valid, q_chunk=10, **kw))
+  # xa_keep and xa_lists of one chunk size in one jitted program (eagerly: op by op)
+  both = lambda c: jax.device_get(jax.jit(lambda a, b, v: (
+      masks.xa_keep(a, b, v, q_chunk=c, **kw), masks.xa_lists(a, b, v, q_chunk=c, **kw)))(
+          q, k, valid))
+  whole, lists = both(10)
   assert whole.shape == (B, N, 10, 10) and 0.2 < whole.mean() < 0.9     # a real selection
   for c in (1, 3, 4, 7, 64):
-    np.testing.assert_array_equal(np.asarray(masks.xa_keep(q, k, valid, q_chunk=c, **kw)), whole)
-    np.testing.assert_array_equal(
-        np.asarray(jax.jit(lambda a, b, v: masks.xa_lists(a, b, v, q_chunk=c, **kw))(q, k, valid)),
-        lists)
+    keep_c, lists_c = both(c)
+    np.testing.assert_array_equal(keep_c, whole)
+    np.testing.assert_array_equal(lists_c, lists)
   with pytest.raises(ValueError, match="q_chunk"):
     masks.xa_keep(q, k, valid, q_chunk=0, **kw)
 
