@@ -753,19 +753,21 @@ class Engine:
 
     requests: prompts (token-id lists) or `Request`s (a prompt with its own max_new_tokens,
       temperature, top_p, seed, stop_tokens, stop_strings; a None field takes serve's argument).
-    Schedule: when rows are free and no prefill is under way, the next n = min(free rows,
-    waiting requests, `admit` (None: slots)) requests are admitted together: their prompts are
-    prefilled as one ragged batch (its own cache of A rows, A = n rounded up to a power of two
-    and capped at `admit`, so at most log2(admit) + 1 prefill programs compile; the padding rows
-    hold no token; a later admission of A rows reuses that cache, emptied) in chunks of
+    Schedule: when no prefill is under way and every prompt prefilled before has its row, the
+    next n = min(waiting requests, `admit` (None: slots)) requests are admitted together, ahead
+    of free rows: their prompts are prefilled as one ragged batch (its own cache of A rows, A =
+    n rounded up to a power of two and capped at `admit`, so at most log2(admit) + 1 prefill
+    programs compile; the padding rows hold no token; a later admission of A rows reuses that
+    cache, emptied; at most slots + admit rows of cache at once) in chunks of
     `chunk_for(longest prompt of the call)`, ONE chunk per iteration, interleaved with the
-    decode steps of the rows already generating (they never wait for a whole prompt); a prompt
-    whose last chunk ran is inserted into its row of the batch cache at once (every leaf is
-    batch-first: the row is overwritten whole, so nothing of the row's previous request
-    survives; the batch's later chunks hold none of its tokens), and the row decodes with the
-    others, one token per step ([slots, 1]: the decode program every scheme declares). A row
-    whose request finished (stop token, stop string, its max_new_tokens) takes a next one.
-    admit=1: one prompt per prefill.
+    decode steps of the rows already generating (they never wait for a whole prompt). A prompt
+    whose last chunk ran takes the first free row as soon as there is one, in request order
+    (inserted into the batch cache: every leaf is batch-first, the row is overwritten whole, so
+    nothing of the row's previous request survives; the admission's later chunks hold none of
+    its tokens), and the row decodes with the others, one token per step ([slots, 1]: the
+    decode program every scheme declares). A row whose request finished (stop token, stop
+    string, its max_new_tokens) takes the next prefilled prompt at the next iteration, so its
+    slot idles at most one step while prompts wait prefilled. admit=1: one prompt per prefill.
     How the steps run (SERVE_ON_DEVICE; off: a host round trip every decode step) never changes
     the schedule, the tokens, finish reasons, steps or statistics:
       planned (every request greedy without stop tokens or stop strings, no kept logits, no
@@ -847,6 +849,7 @@ class Engine:
     fresh = np.zeros(B, bool)            # rows whose logits hold a token not chosen yet
     pos = np.zeros(B, np.int32)
     pending = None                       # the batched prefill under way (_Admission)
+    ready: list = []                     # (admission, its row) prefilled, waiting for a row
     staging: dict = {}                   # A -> a finished admission's cache, reused (reset)
     schedule: list[tuple] = []
     steps, t_first = 0, None
@@ -896,13 +899,12 @@ class Engine:
             ttft[r] = now - t0
 
     while True:
-      if pending is None and waiting and any(r is None for r in req):
-        free = [b for b in range(B) if req[b] is None]
-        rs = [waiting.pop(0) for _ in range(min(len(free), len(waiting), admit))]
+      if pending is None and waiting and not ready:  # the next prompts, ahead of free rows
+        rs = [waiting.pop(0) for _ in range(min(len(waiting), admit))]
         A = _Admission.size(len(rs), admit)
         part = staging.pop(A, None)
         counts["caches_made"] += part is None
-        pending = _Admission(self, [rows[r] for r in rs], rs, free[:len(rs)], C, admit,
+        pending = _Admission(self, [rows[r] for r in rs], rs, C, admit,
                              None if part is None else _reset_rows(part, jnp.ones((A,), bool)))
       if pending is not None:  # one chunk of the admitted prompts
         a = pending
@@ -919,26 +921,29 @@ class Engine:
         a.stats.add(aux, valid.sum(1))
         schedule.extend(("prefill", r, c // C) for j, r in enumerate(a.requests)
                         if c < a.lengths[j])
+        ready.extend((a, j) for j in range(len(a.requests)) if c < a.lengths[j] <= c + C)
         a.c = c + C
-        for j, (b, r) in enumerate(zip(a.slots, a.requests)):
-          if a.inserted[j] or a.lengths[j] > a.c:
-            continue
-          # the prompt is in: the row joins the batch (later chunks hold none of its tokens)
-          if planned:
-            cache, state = _serve_insert(cache, state, a.cache, a.logits, jnp.int32(b),
-                                         jnp.int32(j), jnp.int32(a.lengths[j]))
-          else:
-            cache, logits = _insert_row(cache, a.cache, logits, a.logits, jnp.int32(b),
-                                        jnp.int32(j))
-          counts["inserts"] += 1
-          req[b], pos[b], fresh[b], started[b] = r, a.lengths[j], True, base + len(log)
-          prompt_stats[r] = (a.stats, j)
-          a.inserted[j] = True
-        if all(a.inserted):
-          staging[a.A] = a.cache
+        if a.c >= a.lengths.max():
           pending = None
+      while ready and any(r is None for r in req):
+        # a prompt that is in takes the first free row (later chunks hold none of its tokens)
+        (a, j), b = ready.pop(0), req.index(None)
+        r = a.requests[j]
+        if planned:
+          cache, state = _serve_insert(cache, state, a.cache, a.logits, jnp.int32(b),
+                                       jnp.int32(j), jnp.int32(a.lengths[j]))
+        else:
+          cache, logits = _insert_row(cache, a.cache, logits, a.logits, jnp.int32(b),
+                                      jnp.int32(j))
+        counts["inserts"] += 1
+        req[b], pos[b], fresh[b], started[b] = r, a.lengths[j], True, base + len(log)
+        prompt_stats[r] = (a.stats, j)
+        a.left -= 1
+        if not a.left and a is not pending:  # every row of it inserted: its cache is free
+          staging[a.A] = a.cache
       k = 0 if planned else self._serve_run_length(
-          outs, req, fresh, pending is not None or bool(waiting and any(r is None for r in req)))
+          outs, req, fresh, pending is not None or bool(waiting and not ready)
+          or bool(ready and any(r is None for r in req)))
       if k:  # greedy steps on the device until a row can change (then the host's turn)
         cache, logits, ids, ran_B, sums = self._serve_run(cache, logits, pos, req, outs, k)
         counts["host_syncs"] += 1
@@ -983,7 +988,7 @@ class Engine:
         fresh[:] = False
       active = np.asarray([r is not None for r in req])
       if active.any():
-        if waiting or pending is not None:
+        if waiting or ready or pending is not None:
           counts["idle_row_steps"] += int(B - active.sum())
         if planned:
           cache, state = self._greedy_step(self.params, cache, state, stop_S,
@@ -1008,7 +1013,7 @@ class Engine:
         if i % block == 0:  # a full buffer: copied out (queued, no host wait), then reused
           blocks.append(jnp.copy(state["ids"]))
           read_blocks(len(blocks) - 1)   # the one before: long done unless the host is ahead
-      if not active.any() and pending is None and not waiting:
+      if not active.any() and pending is None and not waiting and not ready:
         break
     if planned:  # the ids onto the host, pushed in the host loop's order; the row sums
       read_blocks(len(blocks))
@@ -1022,6 +1027,7 @@ class Engine:
       for j, b, r in pushes:
         outs[r].push(None, int(ids[j, b]))
       snaps = jax.device_get(snaps)
+      counts["host_syncs"] += bool(snaps)
       for r in range(len(reqs)):
         st = _RowStats()
         if knobs[r].max_new_tokens > 1:  # (a request of one token ran no step: no sums)
@@ -1046,7 +1052,7 @@ class Engine:
   def _serve_run_length(self, outs, req, fresh, admitting: bool) -> int:
     """How many greedy decode steps `serve` may run on the device from here with no host
     decision between them: > 1 only when nothing is to be admitted (`admitting`: a prefill under
-    way, or a waiting request and a free row), every active row's next token is not chosen yet
+    way or due, or a prefilled prompt and a free row), every active row's next token is not chosen yet
     (fresh) and it has its first token already (its time to first token is the host's), every
     active request is greedy without kept logits, stop strings or streamed text, all share one
     stop-token set (none where the scheme's steps take host facts: `decode_fields`); then the
@@ -1311,12 +1317,12 @@ class _Admission:
   """Engine.serve's batched prefill under way: the admitted requests' prompts as one ragged
   batch of A rows (`size`: a power of two >= their count, <= admit; padding rows have length 0),
   its cache (zeros: made, or an earlier admission's of A rows reset) and last logits, the next
-  chunk's start `c`, which rows are inserted already."""
+  chunk's start `c`, how many of its rows are not inserted yet."""
 
-  def __init__(self, engine, prompts, requests, slots, chunk: int, admit: int, cache=None):
+  def __init__(self, engine, prompts, requests, chunk: int, admit: int, cache=None):
     n = len(prompts)
     self.A = self.size(n, admit)
-    self.requests, self.slots, self.inserted = list(requests), list(slots), [False] * n
+    self.requests, self.left = list(requests), n   # left: rows not inserted yet
     self.lengths = np.zeros(self.A, np.int32)
     self.lengths[:n] = [len(p) for p in prompts]
     P = -(-int(self.lengths.max()) // chunk) * chunk

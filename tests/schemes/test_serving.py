@@ -1,6 +1,6 @@
-"""Continuous batching (`Engine.serve`): requests of mixed lengths through fixed slots (free
-rows take the next prompts, admitted together: prefilled as one ragged batch in its own cache,
-each row inserted when its prompt is in) give each request what `generate` gives it alone
+"""Continuous batching (`Engine.serve`): requests of mixed lengths through fixed slots (the next
+prompts admitted together ahead of free rows: prefilled as one ragged batch in its own cache,
+each taking the first free row once its prompt is in) give each request what `generate` gives it alone
 (greedy, or sampled with its own temperature / top_p / seed / max_new_tokens; its routing
 statistics too), on the conformance suite's tiny L2A model
 (a window ring and a full cache per layer), and for every scheme's tiny model greedy serving
@@ -69,20 +69,24 @@ def test_serve_samples_each_request_as_its_own_generation():
 
 
 def test_prefill_chunks_interleave_with_decode_steps():
-  """One prompt per prefill (admit=1): the 14-token prompt (4 chunks of 4) is prefilled while
-  the other row (request 1, 8 new tokens) decodes: a decode step runs between each two of its
-  chunks. Admitted together (the default), requests 0 (9 tokens: 3 chunks) and 1 (3 tokens)
-  share their first chunk, and request 1 decodes between request 0's later chunks."""
+  """One prompt per prefill (admit=1): the 14-token prompt (4 chunks of 4) is prefilled, ahead
+  of a free row, while the rows of requests 0 and 1 decode: a decode step runs after each of
+  its chunks. Admitted together (the default), requests 0 (9 tokens: 3 chunks) and 1 (3
+  tokens) share their first chunk, and request 1 decodes between request 0's later chunks;
+  requests 2 and 3 are prefilled next, while both rows decode, and take the rows as they free."""
   eng = engine("l2a", 4)
   reqs = [REQUESTS[0], Request(REQUESTS[1], max_new_tokens=8)] + REQUESTS[2:]
   ev = eng.serve(reqs, 5, slots=2).schedule
-  assert ev[:6] == [("prefill", 0, 0), ("prefill", 1, 0), ("decode", 1), ("prefill", 0, 1),
-                    ("decode", 1), ("prefill", 0, 2)], ev
+  assert ev[:9] == [("prefill", 0, 0), ("prefill", 1, 0), ("decode", 1), ("prefill", 0, 1),
+                    ("decode", 1), ("prefill", 0, 2), ("decode", 2), ("prefill", 2, 0),
+                    ("prefill", 3, 0)], ev
   got = eng.serve(reqs, 5, slots=2, admit=1)
   ev = got.schedule
   chunks = [i for i, e in enumerate(ev) if e[:2] == ("prefill", 2)]
-  assert len(chunks) == 4
-  assert all(ev[i + 1] == ("decode", 1) for i in chunks[:-1]), ev
+  assert ev[:6] == [("prefill", 0, 0), ("prefill", 0, 1), ("prefill", 0, 2), ("decode", 1),
+                    ("prefill", 1, 0), ("decode", 2)] and chunks == [6, 8, 10, 12], ev
+  # (request 0's row frees before request 2's last chunk: it idles one step, then takes it)
+  assert [ev[i + 1] for i in chunks] == [("decode", 2)] * 2 + [("decode", 1), ("decode", 2)], ev
   assert got.steps == sum(e[0] == "decode" for e in ev)
   assert all(t > 0 for t in got.ttft_s) and got.ttft_s[0] < got.ttft_s[2]
   with pytest.raises(ValueError, match=r"request 1: max_new_tokens=0 must be an int >= 1"):
