@@ -35,6 +35,12 @@ def _close(out, ref):
 
 def _visible_tiles(kw, active, window, sinks, K, bk):
   """[B, K, nT] bool from the reference mask: the tiles holding a slot some (b, k) row sees."""
+  return np.asarray(_visible_tiles_program(kw, active, window=window, sinks=sinks, K=K, bk=bk))
+
+
+@functools.partial(jax.jit, static_argnames=("window", "sinks", "K", "bk"))
+def _visible_tiles_program(kw, active, *, window, sinks, K, bk):
+  """_visible_tiles in one compiled program (eagerly: each op of the mask compiled alone)."""
   m = dk.decode_mask(kw["q_positions_BT"], kw["kv_positions_BS"],
                      kv_lengths_B=kw.get("kv_lengths_B"), kv_valid_BS=kw.get("kv_valid_BS"),
                      active=active, window=window, sinks=sinks)
@@ -46,7 +52,7 @@ def _visible_tiles(kw, active, window, sinks, K, bk):
   seen = jnp.any(m, axis=(2, 3))
   nT = -(-S // bk)                                             # a ragged last tile
   seen = jnp.pad(seen, ((0, 0), (0, 0), (0, nT * bk - S)))
-  return np.asarray(seen.reshape(B, K, nT, bk).any(-1))
+  return seen.reshape(B, K, nT, bk).any(-1)
 
 
 def _run_tiles(runs):
@@ -572,13 +578,15 @@ def test_decode_merge_equals_merge_parts():
   lse[1, :, 2] = -np.inf                                              # a row that sees nothing
   lse[2, 3] = -np.inf
   lse = jnp.asarray(lse, jnp.float32)
+  # each merge in one jitted program (eagerly: op by op, each op compiled alone)
   got = jax.jit(lambda o, l: dk.merge_decode_parts(o, l, axis=1))(o, lse)
-  want, _ = dk.merge_parts(o, lse, axis=1)
+  want = jax.jit(lambda o, l: dk.merge_parts(o, l, axis=1)[0])(o, lse)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   np.testing.assert_array_equal(got[1, 2], 0.0)
   np.testing.assert_allclose(got[0], o[0, 0], rtol=1e-6)
-  one = dk.merge_decode_parts(o[:, 1:2], lse[:, 1:2], axis=1)  # one part
-  np.testing.assert_allclose(one, dk.merge_parts(o[:, 1:2], lse[:, 1:2], axis=1)[0], rtol=1e-6)
+  one, one_want = jax.jit(lambda o, l: (dk.merge_decode_parts(o, l, axis=1),   # one part
+                                        dk.merge_parts(o, l, axis=1)[0]))(o[:, 1:2], lse[:, 1:2])
+  np.testing.assert_allclose(one, one_want, rtol=1e-6)
   np.testing.assert_array_equal(one[0], 0.0)
   o5 = o.reshape(3, 5, 2, 2, 8)                                       # [B, P, G, K, H]
   lse_kg = lse.reshape(3, 5, 2, 2).transpose(0, 1, 3, 2)              # [B, P, K, G]
