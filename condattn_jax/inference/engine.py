@@ -862,10 +862,10 @@ class Engine:
       ntok = [0] * len(reqs)          # tokens chosen so far per request (known: no stop)
       pushes: list = []               # (device step index, row, request) in push order
       first_at = [0] * len(reqs)      # the device step index of each request's first token
-      snaps: dict = {}                # request -> its row's generated sums (device)
+      snaps: dict = {}                # request -> its row's sums and last token (device)
       blocks: list = []               # full ids buffers, copied out (queued)
       read: list = []                 # ... read on the host: (first index, ids [n, B])
-      i = 0                           # device steps recorded (greedy steps + records)
+      i = 0                           # greedy steps dispatched (their ids' index)
 
     def finish(b):
       nonlocal base
@@ -895,7 +895,7 @@ class Engine:
         now = time.perf_counter()
         lo = (len(read) - 1) * block
         for r in range(len(reqs)):
-          if ntok[r] and lo <= first_at[r] < lo + block:
+          if ntok[r] and first_at[r] is not None and lo <= first_at[r] < lo + block:
             ttft[r] = now - t0
 
     while True:
@@ -930,8 +930,10 @@ class Engine:
         (a, j), b = ready.pop(0), req.index(None)
         r = a.requests[j]
         if planned:
-          cache, state = _serve_insert(cache, state, a.cache, a.logits, jnp.int32(b),
-                                       jnp.int32(j), jnp.int32(a.lengths[j]))
+          cache, lg = _insert_row(cache, a.cache, state["logits"], a.logits, jnp.int32(b),
+                                  jnp.int32(j))
+          state, _ = _serve_row(dict(state, logits=lg), jnp.int32(b),
+                                jnp.int32(a.lengths[j]), jnp.bool_(True))
         else:
           cache, logits = _insert_row(cache, a.cache, logits, a.logits, jnp.int32(b),
                                       jnp.int32(j))
@@ -960,16 +962,18 @@ class Engine:
         pos = pos + ran_B
         fresh = np.asarray([r is not None for r in req])
       pushed = fresh.any()
-      if pushed and planned:  # this step's tokens are recorded at device index i
+      if pushed and planned:  # tokens the next step records at device index i, or the last
         for b in np.flatnonzero(fresh):
           r = req[b]
-          if not ntok[r]:
-            first_at[r] = i
-          pushes.append((i, b, r))
           ntok[r] += 1
-          if ntok[r] >= knobs[r].max_new_tokens:  # its last token: the row is not run again
-            state, snaps[r] = _serve_retire(state, jnp.int32(b))
+          if ntok[r] >= knobs[r].max_new_tokens:  # its last token (the row is not run again)
+            state, snaps[r] = _serve_row(state, jnp.int32(b), jnp.int32(0), jnp.bool_(False))
+            pushes.append((None, b, r))
             req[b] = None
+          else:
+            pushes.append((i, b, r))
+          if ntok[r] == 1:
+            first_at[r] = i if req[b] is not None else None
         fresh[:] = False
       elif pushed:
         need_host = any(outs[req[b]].needs_logits for b in np.flatnonzero(fresh))
@@ -1006,9 +1010,7 @@ class Engine:
         pos = pos + active
         fresh = active.copy()
         steps += 1
-      elif planned and pushed:  # the last tokens, with no row left to step
-        state = _record_ids(state)
-      if planned and (active.any() or pushed):
+      if planned and active.any():
         i += 1
         if i % block == 0:  # a full buffer: copied out (queued, no host wait), then reused
           blocks.append(jnp.copy(state["ids"]))
@@ -1021,17 +1023,17 @@ class Engine:
       counts["host_syncs"] += 1
       now = time.perf_counter()
       for r in range(len(reqs)):
-        if first_at[r] >= len(read) * block:
+        if first_at[r] is None or first_at[r] >= len(read) * block:
           ttft[r] = now - t0
       ids = np.concatenate([x for x in read] + [tail])
-      for j, b, r in pushes:
-        outs[r].push(None, int(ids[j, b]))
       snaps = jax.device_get(snaps)
       counts["host_syncs"] += bool(snaps)
+      for j, b, r in pushes:
+        outs[r].push(None, int(ids[j, b] if j is not None else snaps[r][3][0]))
       for r in range(len(reqs)):
         st = _RowStats()
         if knobs[r].max_new_tokens > 1:  # (a request of one token ran no step: no sums)
-          st.add_sums(*snaps[r])
+          st.add_sums(*snaps[r][:3])
         gen_stats[r] = st.row(0)
       t_first = t0 + min(ttft)
     t_end = time.perf_counter()
@@ -1354,42 +1356,24 @@ def _put_row(x, b, row, axis: int = 0):
   return jax.lax.dynamic_update_index_in_dim(x, row.astype(x.dtype), b, axis)
 
 
-@functools.partial(jax.jit, donate_argnums=(0, 1))
-def _serve_insert(cache, state, part, part_logits_AV, b, j, length):
-  """serve's planned loop: row b of the batch cache overwritten by row j of a prefill's cache,
-  and row b of the greedy state starts a request there: the prefill's logits (its first token
-  is the next step's argmax), position `length`, not done, no step run, sums zero (in place:
-  cache and state donated)."""
-  take = lambda y: jax.lax.dynamic_index_in_dim(y, j, 0, keepdims=False)
-  cache = jax.tree.map(lambda x, y: _put_row(x, b, take(y)), cache, part)
-  zero = lambda x, axis: _put_row(x, b, jnp.zeros(x.shape[:axis] + x.shape[axis + 1:], x.dtype),
-                                  axis)
-  return cache, dict(
-      state, logits=_put_row(state["logits"], b, take(part_logits_AV)),
-      pos=_put_row(state["pos"], b, length), done=_put_row(state["done"], b, jnp.bool_(False)),
-      steps_B=zero(state["steps_B"], 0), sums=jax.tree.map(lambda x: zero(x, 1), state["sums"]),
-      module_sums=jax.tree.map(lambda x: zero(x, 0), state["module_sums"]))
-
-
 @functools.partial(jax.jit, donate_argnums=(0,))
-def _serve_retire(state, b):
-  """serve's planned loop: row b done (its last token is the next step's argmax: no step runs
-  it again); returns (state (donated, in place), the row's (sums [L, 1, ...], module_sums
-  [1, ...], steps_B [1]) since its request started)."""
+def _serve_row(state, b, length, start):
+  """serve's planned loop, row b of the greedy state (in place: donated). start: a request
+  starts there (its prefill's logits already in the state's: `_insert_row`): position `length`,
+  not done, no step run, sums zero. Else the row's request ends: done (its last token is the
+  argmax of its logits: no step runs it again). Returns (state, the row's (sums [L, 1, ...],
+  module_sums [1, ...], steps_B [1]) since its request started, that last token [1])."""
   row = lambda x, axis: jax.lax.dynamic_slice_in_dim(x, b, 1, axis)
   snap = (jax.tree.map(lambda x: row(x, 1), state["sums"]),
-          jax.tree.map(lambda x: row(x, 0), state["module_sums"]), row(state["steps_B"], 0))
-  return dict(state, done=_put_row(state["done"], b, jnp.bool_(True))), snap
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _record_ids(state):
-  """A greedy step's id recording without its model call (no row left to run): ids[i] = the
-  argmax of the logits, i + 1 (in place: donated)."""
-  i = state["i"]
-  ids_B = jnp.argmax(state["logits"], axis=-1).astype(jnp.int32)
-  return dict(state, i=i + 1, ids=jax.lax.dynamic_update_index_in_dim(
-      state["ids"], ids_B, i % state["ids"].shape[0], 0))
+          jax.tree.map(lambda x: row(x, 0), state["module_sums"]), row(state["steps_B"], 0),
+          jnp.argmax(row(state["logits"], 0), axis=-1).astype(jnp.int32))
+  keep = lambda x, axis: jnp.where(start, _put_row(x, b, jnp.zeros(
+      x.shape[:axis] + x.shape[axis + 1:], x.dtype), axis), x)
+  return dict(
+      state, pos=jnp.where(start, _put_row(state["pos"], b, length), state["pos"]),
+      done=_put_row(state["done"], b, ~start), steps_B=keep(state["steps_B"], 0),
+      sums=jax.tree.map(lambda x: keep(x, 1), state["sums"]),
+      module_sums=jax.tree.map(lambda x: keep(x, 0), state["module_sums"])), snap
 
 
 _split_groups = jax.jit(stacking.split_groups)
