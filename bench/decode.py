@@ -9,6 +9,12 @@ against the bytes a step must read, per scheme, with a plain-XLA decode step as 
         --serve_requests=64 --serve_slots=8 --serve_prompt=256,4096 --serve_new=16,256
     # ... with one prompt per prefill (Engine.serve(admit=1)) instead of the free rows' prompts
     # admitted together: add --serve_admit=1 --name=serve_admit1
+    # the serve rows alone at the serve_greedy request set (16 requests, prompts 256..1024,
+    # budgets 16..128, 8 slots, 512-token chunks), each mode timed 3 times after an untimed pass
+    # (one H200: ~2 min)
+    CONDATTN_GIT_COMMIT=<rev> timeout 280 python -m bench.decode --name=serve_planned \
+        --only=serve --prefill_T=0 --baseline=false --serve_requests=16 --serve_slots=8 \
+        --serve_prompt=256,1024 --serve_new=16,128 --serve_chunk=512 --serve_repeats=3
     # the same at a smaller set, one H100 call of its own (~5 min: five programs' first
     # compiles, ~25-40 s each, then an untimed and a timed pass a mode); each mode's row is
     # saved as soon as it is done
