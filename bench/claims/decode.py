@@ -9,7 +9,8 @@ RUNS = ("main", "rest", "match", "aha_rate", "match128", "inplace_cudnn", "split
         "split_kv_no_cond", "main_decode_kernel", "serve", "fits", "aha10", "match128k", "aha10b",
         "match_flat", "match_flat2", "match_split", "match_nocond", "match_flat_il",
         "elastic_rows", "elastic_decided", "elastic_fill", "aux_ab", "greedy_step",
-        "greedy_step_b", "serve_greedy", "serve_dev", "b32") + tuple(
+        "greedy_step_b", "serve_greedy", "serve_dev", "b32", "serve_planned",
+        "serve_planned64") + tuple(
             f"all_{k}" for k in range(14))
 
 
