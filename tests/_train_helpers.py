@@ -64,12 +64,14 @@ def decoder_shapes(cfg):
       jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))["params"]))
 
 
-def host_init(cfg, seed):
+def host_init(cfg, seed, *, numpy=False):
   """Decoder(cfg)'s params drawn on the host from its init's distributions (kernels and
   embeddings N(0, INIT_STD), norm scales 1, biases 0), as device arrays: the tree a jitted
   `Decoder(cfg).init` gives (decoder_shapes), without compiling the init program (~2-4 CPU-s a
   config on the test host). Dense leaves only (a scheme leaf is refused: convert dense params
-  instead)."""
+  instead). numpy=True: the same values as numpy arrays (conversions, stacking and router
+  draws on them then run in numpy, where on device arrays each eager jnp op compiles alone;
+  jit takes them as they are)."""
   import jax.numpy as jnp
   from condattn_jax.models.layers import INIT_STD
   rng = np.random.default_rng(seed)
@@ -80,7 +82,8 @@ def host_init(cfg, seed):
       return jnp.asarray(np.full(a.shape, 1.0 if name.endswith("['scale']") else 0.0, a.dtype))
     assert name.endswith("['kernel']") or name.endswith("['embedding']"), name
     return jnp.asarray(rng.normal(0.0, INIT_STD, a.shape), a.dtype)
-  return jax.tree_util.tree_map_with_path(one, decoder_shapes(cfg))
+  params = jax.tree_util.tree_map_with_path(one, decoder_shapes(cfg))
+  return jax.tree.map(np.asarray, params) if numpy else params
 
 
 def random_params(abstract, seed=0, router_std=None):

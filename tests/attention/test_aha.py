@@ -38,7 +38,7 @@ def _dense(family, seed=1):
   tok = jax.random.randint(jax.random.PRNGKey(0), (B, T), 0, cfg.vocab_size)
   # host (numpy) params: the conversions and router draws stay numpy (on device arrays each
   # eager jnp op of theirs compiles on its own); jit takes them as they are
-  params = jax.tree.map(np.asarray, host_init(cfg, seed))
+  params = host_init(cfg, seed, numpy=True)
   if cfg.attention_bias:  # non-zero biases, so keeping them is tested too
     params = jax.tree_util.tree_map_with_path(
         lambda p, x: x + 0.1 if "bias" in jax.tree_util.keystr(p) else x, params)

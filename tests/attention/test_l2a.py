@@ -30,7 +30,7 @@ def _dense(family, seed=2):
   tok = jax.random.randint(jax.random.PRNGKey(0), (B, T), 0, cfg.vocab_size)
   # host (numpy) params: the conversions, (un)stacking and router draws below stay numpy (on
   # device arrays each eager jnp op of theirs compiles on its own); jit takes them as they are
-  params = jax.tree.map(np.asarray, host_init(cfg, seed))
+  params = host_init(cfg, seed, numpy=True)
   if cfg.attention_bias:  # non-zero biases, so copying them is tested too
     params = jax.tree_util.tree_map_with_path(
         lambda p, x: x + 0.1 if "bias" in jax.tree_util.keystr(p) else x, params)
@@ -172,7 +172,7 @@ def test_forced_and_normal_paths_same_forward():
 def test_forced_step_draw_is_per_layer_and_from_step_key():
   cfg, dp, tok = _dense("llama")
   cfg = cfg.replace(num_layers=8)
-  dp = jax.tree.map(np.asarray, host_init(cfg, 1))
+  dp = host_init(cfg, 1, numpy=True)
   lcfg, lp = attention.convert(dp, cfg, "l2a", window=4, p_force=0.5)
   m = Decoder(lcfg)
   f = jax.jit(lambda key: m.apply({"params": lp}, tok, train=True, rngs={"router": key})[1]["forced"])

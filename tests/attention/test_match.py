@@ -22,7 +22,7 @@ BASE = ModelConfig(family="qwen3", qk_norm="head", num_layers=2, vocab_size=32)
 def _model(cfg, seed=0):
   """Params as host (numpy) arrays: conversions regroup layers in numpy (on device arrays each
   eager slice / stack compiles on its own); jit takes them as they are."""
-  return jax.tree.map(np.asarray, host_init(cfg, seed))
+  return host_init(cfg, seed, numpy=True)
 
 
 def _apply(cfg):

@@ -36,7 +36,7 @@ def _dense(family="llama", layers=2):
 def _init(cfg):
   """Dense params as host (numpy) arrays: the conversions' regrouping of layers stays numpy (on
   device arrays each eager slice / stack compiles on its own); jit takes them as they are."""
-  return jax.tree.map(np.asarray, host_init(cfg, 0))
+  return host_init(cfg, 0, numpy=True)
 
 
 # ------------------------------------------------------------------------- numpy reference

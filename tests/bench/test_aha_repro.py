@@ -171,7 +171,7 @@ def test_generated_usage_is_the_gates_of_the_generated_tokens():
   s = bench.PRESETS["test"]
   task = bench.RestatedRecall(s, 16, seed=0)
   cfg = bench.base_config(s, task)
-  dense = jax.tree.map(np.asarray, host_init(cfg, 0))  # any weights: the routing is static
+  dense = host_init(cfg, 0, numpy=True)  # any weights: the routing is static
   acfg, ap = convert(dense, cfg, "aha", window=16, tau=s.tau, lam=s.lam)
   heads = np.zeros((s.num_layers, s.num_heads), bool)
   heads[0, [0, 3]] = heads[2, 1] = True
@@ -315,7 +315,7 @@ def test_aha_arms_under_the_until_plateau_rule_record_it():
                           static_lrs=(1e-3,), generated_rows=2)
   task = bench.RestatedRecall(s, 16, seed=0)
   # an untrained dense model drawn on the host (the init's distributions, no init program)
-  dense = jax.tree.map(np.asarray, host_init(bench.base_config(s, task), 0))
+  dense = host_init(bench.base_config(s, task), 0, numpy=True)
   r = bench.lam_arm(s, 0, 16, s.lam, dense, log=lambda *a: None)
   u = r["until_plateau"]
   assert u["recipe_steps"] == 5 and [c[0] for c in u["checks"]] == list(range(5, u["steps"] + 1, 2))

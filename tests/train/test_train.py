@@ -1,5 +1,6 @@
 """Training: config errors, optimizer masks / groups / schedule, chunked CE, microbatches, NaN
 stop, dry run, TPU export of the sharded step, init from a Hugging Face checkpoint."""
+import functools
 import json
 import os
 import subprocess
@@ -144,27 +145,23 @@ def _one_program(*fns):
   return jax.jit(lambda *args: tuple(f(*args) for f in fns))
 
 
-_LOSS_PROGRAMS = {}
-
-
+@functools.lru_cache(maxsize=None)
 def _loss_program(tied):
   """(params, batch, program) on configs/tiny.py with tied or untied embeddings: host params, the
   first batch and ONE program (_one_program) of make_loss_and_grads with the plain CE, the
   chunked CE (chunks of 16) and, untied, 4 microbatches: (params, batch, step) -> their
   (grads, metrics). Built once per `tied`: the tests below share its compilation."""
-  if tied not in _LOSS_PROGRAMS:
-    c = tiny()
-    c.model.tie_word_embeddings = tied
-    setup = loop.build(c, devices=ONE())
-    batch = synthetic_batch(c)
-    fns = [make_loss_and_grads(setup.model_cfg, c.train)]
-    c.train.loss_chunk_size = 16
+  c = tiny()
+  c.model.tie_word_embeddings = tied
+  setup = loop.build(c, devices=ONE())
+  batch = synthetic_batch(c)
+  fns = [make_loss_and_grads(setup.model_cfg, c.train)]
+  c.train.loss_chunk_size = 16
+  fns.append(make_loss_and_grads(setup.model_cfg, c.train))
+  if not tied:
+    c.train.loss_chunk_size, c.train.microbatches = 0, 4
     fns.append(make_loss_and_grads(setup.model_cfg, c.train))
-    if not tied:
-      c.train.loss_chunk_size, c.train.microbatches = 0, 4
-      fns.append(make_loss_and_grads(setup.model_cfg, c.train))
-    _LOSS_PROGRAMS[tied] = random_params(setup.abstract_params), batch, _one_program(*fns)
-  return _LOSS_PROGRAMS[tied]
+  return random_params(setup.abstract_params), batch, _one_program(*fns)
 
 
 @pytest.mark.parametrize("tied", [False, True])
