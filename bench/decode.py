@@ -1117,8 +1117,6 @@ def serve_rows(F, log, emit=None) -> list[dict]:
                   admit=F.serve_admit or None)
     return g.tokens, dict(steps=g.steps, ttft_s_median=statistics.median(g.ttft_s), **g.counts)
 
-  C = eng.prefill_chunk
-
   def batched():
     out, steps, rows_tokens, calls = [], 0, 0, 0
     for i in range(0, len(reqs), S):
@@ -1126,7 +1124,9 @@ def serve_rows(F, log, emit=None) -> list[dict]:
       g = eng.generate([p for p, _ in group], max(m for _, m in group))
       out += [t[:m] for t, (_, m) in zip(g.tokens, group)]
       steps += g.steps
-      n = -(-max(len(p) for p, _ in group) // C)  # the group's chunks, each of every row
+      longest = max(len(p) for p, _ in group)
+      C = eng.chunk_for(longest)   # generate's chunk for this group; every row in each chunk
+      n = -(-longest // C)
       calls, rows_tokens = calls + n, rows_tokens + n * C * len(group)
     return out, dict(steps=steps, prefill_calls=calls, prefill_row_tokens=rows_tokens)
 

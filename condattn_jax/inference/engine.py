@@ -864,7 +864,7 @@ class Engine:
       first_at = [0] * len(reqs)      # the device step index of each request's first token
       snaps: dict = {}                # request -> its row's sums and last token (device)
       blocks: list = []               # full ids buffers, copied out (queued)
-      read: list = []                 # ... read on the host: (first index, ids [n, B])
+      read: list = []                 # ... read on the host, in order: ids [block, B] each
       i = 0                           # greedy steps dispatched (their ids' index)
 
     def finish(b):
@@ -887,7 +887,6 @@ class Engine:
       base = keep
 
     def read_blocks(upto: int):  # full ids buffers before `upto` onto the host: first tokens
-      now = None
       while len(read) < min(upto, len(blocks)):
         read.append(np.asarray(blocks[len(read)]))
         blocks[len(read) - 1] = None
@@ -1346,8 +1345,7 @@ class _Admission:
 def _insert_row(cache, part, logits_BV, part_logits_AV, b, j):
   """Row b of the batch cache (and logits) overwritten by row j of another cache (a batched
   prefill's; in place: the batch cache is donated)."""
-  put = lambda x, y: jax.lax.dynamic_update_index_in_dim(
-      x, jax.lax.dynamic_index_in_dim(y, j, 0, keepdims=False).astype(x.dtype), b, 0)
+  put = lambda x, y: _put_row(x, b, jax.lax.dynamic_index_in_dim(y, j, 0, keepdims=False))
   return jax.tree.map(put, cache, part), put(logits_BV, part_logits_AV)
 
 
